@@ -1,0 +1,38 @@
+"""shardkit: autograd-aware communication for hybrid model parallelism.
+
+Tensor / sequence, context, expert, pipeline and spatial parallelism built from exact,
+differentiable collectives that run the same on CPU (gloo) and GPU (NCCL).
+"""
+
+from ._shapes import balanced_split_sizes
+from .comm import (
+    CommLedger,
+    all_gather,
+    all_reduce_backward,
+    all_reduce_forward,
+    all_to_all,
+    gather_forward_split_backward,
+    reduce_scatter,
+    split_forward_gather_backward,
+)
+from .errors import GroupMembershipError, RankMismatchError, ShardkitError, ShardkitTypeError
+from .mesh import ParallelDims
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ParallelDims",
+    "balanced_split_sizes",
+    "all_reduce_forward",
+    "all_reduce_backward",
+    "all_gather",
+    "reduce_scatter",
+    "split_forward_gather_backward",
+    "gather_forward_split_backward",
+    "all_to_all",
+    "CommLedger",
+    "ShardkitError",
+    "ShardkitTypeError",
+    "GroupMembershipError",
+    "RankMismatchError",
+]

@@ -1,0 +1,133 @@
+"""Private c10d helpers: buffer layout and the single c10d call per collective.
+
+Every helper takes already-validated arguments, allocates its own output, never modifies its
+input, records itself in the ledger and returns a contiguous tensor.
+
+Layout trick used throughout: a contiguous tensor viewed as ``[A, n, B]`` around the dim of
+interest (``A`` = product of the dims before it, ``B`` = after it). Per-rank blocks along that dim
+are contiguous in memory exactly when ``A == 1``; then the communication buffer *is* the tensor
+and no layout copy is needed. Otherwise one strided ``copy_`` per block packs or unpacks it.
+Uneven sizes go through ``all_to_all_single`` with split sizes because gloo rejects uneven list
+``all_gather`` (DESIGN.md section 3).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from . import ledger
+from ._compat import all_gather_single, reduce_scatter_single
+from ._group import GroupInfo
+from .._shapes import split_offsets
+
+
+def _with_dim(shape, dim: int, size: int) -> list[int]:
+    out = list(shape)
+    out[dim] = size
+    return out
+
+
+def _pack(x: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
+    """Flat buffer holding ``x``'s blocks along ``dim`` one after another (block r = sizes[r])."""
+    if math.prod(x.shape[:dim]) == 1 and x.is_contiguous():
+        return x.reshape(-1)  # blocks are already consecutive: no copy
+    buf = x.new_empty(x.numel())
+    pos = 0
+    for off, size in zip(split_offsets(sizes), sizes):
+        block = _with_dim(x.shape, dim, size)
+        n = math.prod(block)
+        buf[pos : pos + n].view(block).copy_(x.narrow(dim, off, size))
+        pos += n
+    return buf
+
+
+def _unpack(buf: torch.Tensor, out_shape: list[int], dim: int, sizes: list[int]) -> torch.Tensor:
+    """Inverse of :func:`_pack`: a contiguous ``out_shape`` tensor from blocks along ``dim``."""
+    if math.prod(out_shape[:dim]) == 1:
+        return buf.view(out_shape)  # blocks land where they belong: no copy
+    out = buf.new_empty(out_shape)
+    pos = 0
+    for off, size in zip(split_offsets(sizes), sizes):
+        block = _with_dim(out_shape, dim, size)
+        n = math.prod(block)
+        out.narrow(dim, off, size).copy_(buf[pos : pos + n].view(block))
+        pos += n
+    return out
+
+
+def all_reduce(x: torch.Tensor, g: GroupInfo, api: str, phase: str) -> torch.Tensor:
+    """Sum of ``x`` over the group, in a new contiguous tensor."""
+    out = x.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(out, group=g.pg)
+    ledger.record("all_reduce", api, phase, g.size, out.nbytes, out.nbytes)
+    return out
+
+
+def all_gather(x: torch.Tensor, g: GroupInfo, dim: int, sizes: list[int], api: str, phase: str) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim``; rank r contributes ``sizes[r]`` there."""
+    out_shape = _with_dim(x.shape, dim, sum(sizes))
+    blocks = [math.prod(_with_dim(x.shape, dim, s)) for s in sizes]
+    src = x.contiguous()
+    buf = x.new_empty(sum(blocks))
+    if len(set(sizes)) == 1:
+        all_gather_single(buf, src.reshape(-1), group=g.pg)
+        ledger.record("all_gather_single", api, phase, g.size, src.nbytes, buf.nbytes)
+    else:
+        # Uneven: send the whole local block to every rank, receive block r from rank r.
+        send = src.reshape(1, -1).expand(g.size, -1).reshape(-1)
+        dist.all_to_all_single(buf, send, output_split_sizes=blocks, input_split_sizes=[src.numel()] * g.size, group=g.pg)
+        ledger.record("all_to_all_single", api, phase, g.size, send.nbytes, buf.nbytes)
+    return _unpack(buf, out_shape, dim, sizes)
+
+
+def reduce_scatter(x: torch.Tensor, g: GroupInfo, dim: int, sizes: list[int], api: str, phase: str) -> torch.Tensor:
+    """Sum over ranks of block ``rank`` of ``x`` along ``dim`` (block r has ``sizes[r]``)."""
+    out_shape = _with_dim(x.shape, dim, sizes[g.rank])
+    send = _pack(x, dim, sizes)
+    if len(set(sizes)) == 1:
+        out = x.new_empty(out_shape)
+        reduce_scatter_single(out.view(-1), send, group=g.pg)
+        ledger.record("reduce_scatter_single", api, phase, g.size, send.nbytes, out.nbytes)
+        return out
+    # Uneven: every rank sends block j to rank j, then sums the R blocks it received. Same
+    # traffic as a ring reduce-scatter, and gloo has no uneven reduce-scatter.
+    blocks = [math.prod(_with_dim(x.shape, dim, s)) for s in sizes]
+    recv = x.new_empty(g.size * blocks[g.rank])
+    dist.all_to_all_single(recv, send, output_split_sizes=[blocks[g.rank]] * g.size, input_split_sizes=blocks, group=g.pg)
+    ledger.record("all_to_all_single", api, phase, g.size, send.nbytes, recv.nbytes)
+    return recv.view(g.size, *out_shape).sum(0)
+
+
+def all_to_all(
+    x: torch.Tensor,
+    g: GroupInfo,
+    scatter_dim: int,
+    gather_dim: int,
+    scatter_sizes: list[int],
+    gather_sizes: list[int],
+    api: str,
+    phase: str,
+) -> torch.Tensor:
+    """Scatter ``scatter_dim`` (block j to rank j), gather ``gather_dim`` (block j from rank j).
+
+    One ``all_to_all_single``; at most one layout copy on each side, none on a side whose dim is
+    outermost (all dims before it have size 1).
+    """
+    r = g.rank
+    send = _pack(x, scatter_dim, scatter_sizes)
+    in_splits = [math.prod(_with_dim(x.shape, scatter_dim, s)) for s in scatter_sizes]
+    local = _with_dim(x.shape, scatter_dim, scatter_sizes[r])  # what every source sends to us
+    out_splits = [math.prod(_with_dim(local, gather_dim, s)) for s in gather_sizes]
+    recv = x.new_empty(sum(out_splits))
+    dist.all_to_all_single(recv, send, output_split_sizes=out_splits, input_split_sizes=in_splits, group=g.pg)
+    ledger.record("all_to_all_single", api, phase, g.size, send.nbytes, recv.nbytes)
+    return _unpack(recv, _with_dim(local, gather_dim, sum(gather_sizes)), gather_dim, gather_sizes)
+
+
+def local_split(x: torch.Tensor, g: GroupInfo, dim: int, sizes: list[int]) -> torch.Tensor:
+    """This rank's block of ``x`` along ``dim``, as a new contiguous tensor (no communication)."""
+    off = split_offsets(sizes)[g.rank]
+    return x.narrow(dim, off, sizes[g.rank]).clone(memory_format=torch.contiguous_format)

@@ -1,0 +1,55 @@
+"""Normalize the ``group`` argument of every primitive, once, at the API boundary."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from ..errors import GroupMembershipError, ShardkitError, ShardkitTypeError
+
+__all__ = ["GroupInfo", "resolve_group"]
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """A process group with this rank's group-relative rank and the group size, read once."""
+
+    pg: dist.ProcessGroup
+    size: int
+    rank: int
+
+
+def resolve_group(group, op: str) -> GroupInfo:
+    """Accept a ``ProcessGroup`` or a 1-D ``DeviceMesh``; return :class:`GroupInfo`.
+
+    There is deliberately no ``None -> WORLD`` fallback: the mesh is always an argument.
+
+    Raises:
+        ShardkitTypeError: ``group`` is None, a multi-dimensional mesh, or not a group.
+        GroupMembershipError: this rank is not a member of ``group``.
+        ShardkitError: torch.distributed is not initialized.
+    """
+    if group is None:
+        raise ShardkitTypeError(f"{op}: group is required (a ProcessGroup or a 1-D DeviceMesh); shardkit has no default group")
+    if not dist.is_initialized():
+        raise ShardkitError(f"{op}: torch.distributed is not initialized")
+    # new_group() hands non-members a sentinel instead of a ProcessGroup.
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise GroupMembershipError(
+            f"{op}: global rank {dist.get_rank()} is not a member of the group it passed "
+            "(dist.new_group returned NON_GROUP_MEMBER on this rank)"
+        )
+    if hasattr(group, "get_group") and hasattr(group, "mesh_dim_names"):  # DeviceMesh
+        if group.ndim != 1:
+            raise ShardkitTypeError(
+                f"{op}: expected a 1-D DeviceMesh, got a {group.ndim}-D mesh with dims {group.mesh_dim_names}; "
+                "pass a submesh such as mesh['tp']"
+            )
+        group = group.get_group()
+    if not isinstance(group, dist.ProcessGroup):
+        raise ShardkitTypeError(f"{op}: group must be a ProcessGroup or a 1-D DeviceMesh, got {type(group).__name__}")
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise GroupMembershipError(f"{op}: global rank {dist.get_rank()} is not a member of the group it passed")
+    return GroupInfo(pg=group, size=dist.get_world_size(group), rank=rank)
