@@ -102,11 +102,26 @@ def _check_reduce_scatter(case, dim):
     assert err <= 1e-12, err
 
 
+@pytest.mark.world(2)
+def test_all_reduce_r2():
+    _check_all_reduce()
+
+
 @pytest.mark.world(3)
-def test_all_reduce_forward_and_backward():
+def test_all_reduce_r3():
+    _check_all_reduce()
+
+
+@pytest.mark.world(4)
+def test_all_reduce_r4():
+    _check_all_reduce()
+
+
+def _check_all_reduce():
+    R = world_size()
     # g: partial sums in, one replicated result out (counted once), gradient passes through.
     x = coords((2, 3)) * (rank() + 1)
-    assert torch.equal(all_reduce_forward(x, world_group()), coords((2, 3)) * 6)
+    assert torch.equal(all_reduce_forward(x, world_group()), coords((2, 3)) * (R * (R + 1) // 2))
     err = adjoint_error(lambda t: all_reduce_forward(t, world_group()), x, replicated_cotangent=True, lhs_once=True)
     assert err <= 1e-12, err
     # f: one replicated input (counted once) feeding per-rank partial outputs; gradients summed.
@@ -143,3 +158,15 @@ def test_ledger_counts_all_gather_and_reduce_scatter(sizes):
     assert ledger.count(op=prim_f, phase="forward") == 1 and ledger.count(op=prim_b, phase="backward") == 1
     assert ledger.count() == 2
     assert ledger.bytes_received(phase="forward") == 2 * 4 * 3 * 8  # the gathered [2, 4, 3] float64
+
+
+@pytest.mark.world(2)
+def test_ledger_counts_all_reduce_f_and_g():
+    x = coords((4, 3)).requires_grad_()
+    with CommLedger() as ledger:
+        all_reduce_forward(x, world_group()).sum().backward()
+    assert ledger.count(op="all_reduce", phase="forward") == 1 and ledger.count() == 1
+    assert ledger.bytes_sent() == ledger.bytes_received() == 4 * 3 * 8
+    with CommLedger() as ledger:
+        all_reduce_backward(x, world_group()).sum().backward()
+    assert ledger.count(op="all_reduce", api="all_reduce_backward", phase="backward") == 1 and ledger.count() == 1

@@ -67,6 +67,11 @@ def test_gather_forward_split_backward_r2():
     _check_gather(1)
 
 
+@pytest.mark.world(4)
+def test_gather_forward_split_backward_r4():
+    _check_gather(1)
+
+
 def _check_gather(dim):
     g = world_group()
     for sizes in _sizes_for(world_size()):
