@@ -1,0 +1,82 @@
+"""pytest wiring of the persistent gloo test worlds (harness/world.py, DESIGN.md section 4).
+
+``@pytest.mark.world(n)`` (optionally ``timeout=SECONDS``, the wall limit, default 60 s) on a
+module-level test function runs its body on every rank of an n-rank gloo world instead of in
+the pytest process. Its arguments (parametrize values) are pickled to the ranks; fixtures do not
+exist there. Worlds are created on first use, kept for the session, and respawned after any
+failed, hung or crashed test.
+"""
+
+from __future__ import annotations
+
+import pickle
+import sys
+from pathlib import Path
+
+import pytest
+
+_TESTS_DIR = str(Path(__file__).resolve().parent)
+if _TESTS_DIR not in sys.path:
+    # `import harness` here and in the workers, whatever pytest's import mode: the forkserver
+    # and the workers start with this process's sys.path.
+    sys.path.insert(0, _TESTS_DIR)
+
+from harness.world import WALL_LIMIT, WorldPool, set_io_guard  # noqa: E402
+
+_POOL = WorldPool()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    capman = config.pluginmanager.getplugin("capturemanager")
+    if capman is not None:
+        # Ranks print straight to the terminal: the forkserver they inherit stdout/stderr from
+        # must start outside pytest's fd capture.
+        set_io_guard(capman.global_and_fixture_disabled)
+
+
+def _world_args(item: pytest.Function, marker: pytest.Mark) -> tuple[int, float]:
+    n = marker.args[0] if marker.args else marker.kwargs.get("n")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.world(n) needs an int n >= 1")
+    if item.cls is not None:
+        raise pytest.UsageError(f"{item.nodeid}: world tests must be module-level functions")
+    return n, float(marker.kwargs.get("timeout", WALL_LIMIT))
+
+
+def _pickle_problem(kwargs: dict) -> str:
+    try:
+        pickle.dumps(kwargs)
+    except Exception as exc:  # pickling raises several types (PicklingError, TypeError, ...)
+        return repr(exc)
+    return ""
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
+    marker = pyfuncitem.get_closest_marker("world")
+    if marker is None:
+        return None
+    n, limit = _world_args(pyfuncitem, marker)
+    # The same selection pytest's own pyfunc_call makes: the function's own arguments.
+    names = pyfuncitem._fixtureinfo.argnames
+    kwargs = {name: pyfuncitem.funcargs[name] for name in names}
+    problem = _pickle_problem(kwargs)
+    if problem:
+        pytest.fail(f"world test arguments must be picklable: {problem}", pytrace=False)
+    result = _POOL.get(n).run(
+        pyfuncitem.path,
+        pyfuncitem.originalname,
+        kwargs,
+        nodeid=pyfuncitem.nodeid,
+        module_name=pyfuncitem.module.__name__,
+        timeout=limit,
+    )
+    if result.skipped:
+        pytest.skip(result.outcomes[0][1])
+    if not result.ok:
+        pytest.fail(result.failure_message(), pytrace=False)
+    return True
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    _POOL.shutdown()

@@ -1,0 +1,84 @@
+"""Helpers for test bodies that run inside a rank of a test world (``@pytest.mark.world(n)``).
+
+Every rank runs every world test, in the same order, so anything collective here (creating a
+mesh or a subgroup) happens in the same order on all ranks; that is what makes caching the
+result per worker process safe. A world is respawned after any failed test, which also clears
+these caches.
+
+Property tests with hypothesis run on every rank in lockstep. All ranks must draw the same
+examples and take the same path through hypothesis, so nothing may depend on time or on a
+database, and pass/fail must be agreed before asserting::
+
+    @pytest.mark.world(2)
+    @settings(derandomize=True, database=None, deadline=None, max_examples=25,
+              suppress_health_check=list(HealthCheck))   # health checks time things
+    @given(n=st.integers(0, 9))
+    def test_roundtrip(n):
+        ok = bool(torch.equal(roundtrip(n), reference(n)))   # compute, do not assert yet
+        assert all_true(ok)    # every rank fails (and shrinks) together, or none does
+
+An assertion that fails on one rank only would send the ranks down different hypothesis paths
+(one shrinking, the others moving on) and their collectives out of step.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+__all__ = ["all_true", "get_mesh", "rank", "subgroup", "world_group", "world_size"]
+
+_MESHES: dict[tuple[tuple[int, ...], tuple[str, ...]], DeviceMesh] = {}
+_SUBGROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+def world_group() -> dist.ProcessGroup:
+    """The default (world) process group."""
+    return dist.group.WORLD
+
+
+def rank() -> int:
+    """This process's global rank."""
+    return dist.get_rank()
+
+
+def world_size() -> int:
+    """The number of ranks in the world."""
+    return dist.get_world_size()
+
+
+def get_mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+    """A CPU DeviceMesh of ``shape`` with dimension ``names``, created once per worker.
+
+    Creating a mesh creates process groups, which is collective: every rank must call this with
+    the same arguments at the same point of a test. Cached because groups are costly to create
+    and gloo ranks hold them for the life of the world.
+    """
+    key = (tuple(shape), tuple(names))
+    if key not in _MESHES:
+        _MESHES[key] = init_device_mesh("cpu", key[0], mesh_dim_names=key[1])
+    return _MESHES[key]
+
+
+def subgroup(ranks: tuple[int, ...]) -> dist.ProcessGroup:
+    """``dist.new_group(list(ranks))``, created once per worker.
+
+    ``new_group`` is collective over the WORLD, members or not: every rank must call this with
+    the same ``ranks`` at the same point of a test, even ranks outside ``ranks`` (they get a
+    group they are not a member of, as ``new_group`` returns them).
+    """
+    key = tuple(ranks)
+    if key not in _SUBGROUPS:
+        _SUBGROUPS[key] = dist.new_group(list(key))
+    return _SUBGROUPS[key]
+
+
+def all_true(flag: bool) -> bool:
+    """Whether ``flag`` is true on every rank (an all-reduce MIN over the world).
+
+    Collective: call it on every rank, including those whose check passed.
+    """
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())

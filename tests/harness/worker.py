@@ -1,0 +1,153 @@
+"""The rank side of a test world: run test bodies sent by :class:`harness.world.World`.
+
+Started by the forkserver with torch already imported. Each rank joins a gloo process group
+through a FileStore, then loops: take a :class:`Task` from its own queue, reseed, call the test
+function, put the outcome on the shared result queue. Keep imports light and torch-free at the
+top: this module is imported in every fresh worker.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import importlib.util
+import multiprocessing as mp
+import pickle
+import queue
+import random
+import signal
+import sys
+import traceback
+import zlib
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, NamedTuple
+
+
+class Task(NamedTuple):
+    """One test body to run on every rank."""
+
+    path: str  # the test module's file
+    func: str  # a module-level function in it
+    kwargs: bytes  # pickled in the pytest process, so an unpicklable argument fails there
+    nodeid: str  # seeds the RNGs, identically on every rank
+    module_name: str | None  # name to register the module under (pytest's, when known)
+
+
+class _RankStream:
+    """Prefixes each line a rank prints with ``[rank r]``, so interleaved output stays readable."""
+
+    def __init__(self, stream: Any, rank: int) -> None:
+        self._stream, self._prefix, self._at_line_start = stream, f"[rank {rank}] ", True
+
+    def write(self, text: str) -> int:
+        pieces = []
+        for line in text.splitlines(keepends=True):
+            pieces.append(self._prefix + line if self._at_line_start else line)
+            self._at_line_start = line.endswith("\n")
+        self._stream.write("".join(pieces))
+        self._stream.flush()  # ranks share the terminal: keep each write in one piece
+        return len(text)
+
+    def __getattr__(self, name: str) -> Any:  # fileno, flush, encoding, isatty, ...
+        return getattr(self._stream, name)
+
+
+def main(tests_dir, rank, n, store_path, stack_path, pg_timeout, task_q, result_q):
+    """Process target of one rank: join the gloo world, then serve tasks until told to stop."""
+    if tests_dir not in sys.path:  # test modules do `from harness... import ...`
+        sys.path.insert(0, tests_dir)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C belongs to pytest, which kills us
+    faulthandler.enable()  # a segfaulting rank leaves a Python stack on stderr
+    # On a hang the pytest side sends SIGUSR1 and puts this file into the HANG report.
+    faulthandler.register(signal.SIGUSR1, file=open(stack_path, "w"), all_threads=True)
+    sys.stdout, sys.stderr = _RankStream(sys.stdout, rank), _RankStream(sys.stderr, rank)
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)  # n ranks share 2 cores; more threads only contend
+        store = dist.FileStore(store_path, n)  # a file, not a TCP port: no port clashes
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=n, timeout=timedelta(seconds=pg_timeout)
+        )
+    except BaseException as exc:
+        result_q.put((0, rank, _error_outcome(exc)))
+        return
+    result_q.put((0, rank, ("ok",)))  # task 0 is the start handshake
+    try:
+        _serve(rank, task_q, result_q)
+    finally:
+        dist.destroy_process_group()
+
+
+def _serve(rank: int, task_q: Any, result_q: Any) -> None:
+    parent = mp.parent_process()
+    while True:
+        try:
+            item = task_q.get(timeout=2.0)
+        except queue.Empty:
+            if parent is not None and not parent.is_alive():
+                return  # pytest died without shutting us down: do not linger
+            continue
+        if item is None:
+            return
+        task_id, task = item
+        result_q.put((task_id, rank, _run_task(task)))
+
+
+def _run_task(task: Task) -> tuple:
+    try:
+        fn = getattr(_load_module(task.path, task.module_name), task.func)
+        # Reseed right before the call so the RNG state is a function of the test alone,
+        # not of what ran before it on this world or of the module's first import.
+        _reseed(zlib.crc32(task.nodeid.encode()))
+        fn(**pickle.loads(task.kwargs))
+        return ("ok",)
+    except BaseException as exc:
+        skip = getattr(sys.modules.get("_pytest.outcomes"), "Skipped", None)
+        if skip is not None and isinstance(exc, skip):
+            return ("skip", str(exc))
+        return _error_outcome(exc)
+
+
+def _error_outcome(exc: BaseException) -> tuple:
+    tb = exc.__traceback__
+    if tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next  # drop the harness frame that called the test
+    text = "".join(traceback.format_exception(type(exc), exc, tb))
+    return ("error", type(exc).__name__, str(exc), text)
+
+
+_MODULES: dict[str, Any] = {}
+
+
+def _load_module(path: str, module_name: str | None) -> Any:
+    module = _MODULES.get(path)
+    if module is None:
+        name = module_name or f"_world_{Path(path).stem}_{zlib.crc32(path.encode()):08x}"
+        spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"cannot import test module {path}")
+        module = importlib.util.module_from_spec(spec)
+        # Registered before running, as a normal import would: dataclasses and pickled
+        # arguments look their module up by name.
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+        _MODULES[path] = module
+    return module
+
+
+def _reseed(seed: int) -> None:
+    import torch
+
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy
+    except ImportError:
+        return
+    numpy.random.seed(seed)
