@@ -49,18 +49,26 @@ def _runs(sizes: list[int]):
 def _blocks_view(t: torch.Tensor, dim: int, off: int, count: int, size: int) -> torch.Tensor:
     """``count`` consecutive blocks of ``size`` along ``dim`` of a contiguous ``t``, as ``[count, A, size, B]``."""
     a, n, b = math.prod(t.shape[:dim]), t.shape[dim], math.prod(t.shape[dim + 1 :])
-    return t.view(a, n, b)[:, off : off + count * size].unflatten(1, (count, size)).transpose(0, 1)
+    v = t.view(a, n, b)
+    if count * size != n:
+        v = v[:, off : off + count * size]
+    return v.view(a, count, size, b).transpose(0, 1)
 
 
 def _pack(x: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
     """Flat buffer holding ``x``'s blocks along ``dim`` one after another (block r = sizes[r])."""
     if math.prod(x.shape[:dim]) == 1 and x.is_contiguous():
         return x.reshape(-1)  # blocks are already consecutive: no copy
+    runs = list(_runs(sizes))
+    if x.is_contiguous() and len(runs) == 1:
+        # Even split: one permuting copy, no staging buffer (the cheapest form at small sizes,
+        # where per-op dispatch dominates).
+        return _blocks_view(x, dim, *runs[0]).contiguous().view(-1)
     buf = x.new_empty(x.numel())
     pos = 0
     if x.is_contiguous():
-        for off, count, size in _runs(sizes):
-            src = _blocks_view(x, dim, off, count, size)
+        for run in runs:
+            src = _blocks_view(x, dim, *run)
             buf[pos : pos + src.numel()].view(src.shape).copy_(src)
             pos += src.numel()
         return buf
@@ -76,10 +84,15 @@ def _unpack(buf: torch.Tensor, out_shape: list[int], dim: int, sizes: list[int])
     """Inverse of :func:`_pack`: a contiguous ``out_shape`` tensor from blocks along ``dim``."""
     if math.prod(out_shape[:dim]) == 1:
         return buf.view(out_shape)  # blocks land where they belong: no copy
+    runs = list(_runs(sizes))
+    if len(runs) == 1:
+        _, count, size = runs[0]
+        a, b = math.prod(out_shape[:dim]), math.prod(out_shape[dim + 1 :])
+        return buf.view(count, a, size, b).transpose(0, 1).contiguous().view(out_shape)  # one copy
     out = buf.new_empty(out_shape)
     pos = 0
-    for off, count, size in _runs(sizes):
-        dst = _blocks_view(out, dim, off, count, size)
+    for run in runs:
+        dst = _blocks_view(out, dim, *run)
         dst.copy_(buf[pos : pos + dst.numel()].view(dst.shape))
         pos += dst.numel()
     return out
