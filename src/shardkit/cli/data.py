@@ -1,0 +1,115 @@
+"""Real text for ``shardkit train``: byte-level tokens and deterministic batches.
+
+Byte-level tokenization (token = byte value, vocab 256) needs no tokenizer files, so any text
+works offline. The default corpus is the Python standard library's own source tree, which ships
+with every Python installation.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from ..errors import ShardkitError
+
+__all__ = ["VOCAB_SIZE", "stdlib_files", "corpus_files", "load_tokens", "BatchSampler", "local_rows"]
+
+VOCAB_SIZE = 256
+# Third-party code lives under the stdlib folder but is not the standard library.
+_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
+
+
+def stdlib_files() -> list[Path]:
+    """The standard library's ``*.py`` files (``os.path.dirname(os.__file__)``), sorted.
+
+    Walks with pruning: descending into ``site-packages`` (gigabytes of third-party code) and
+    filtering afterwards costs seconds.
+    """
+    root = os.path.dirname(os.__file__)
+    out = []
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in _SKIP_DIRS and not d.startswith(".")]
+        out += [Path(folder, f) for f in files if f.endswith(".py")]
+    return sorted(out)
+
+
+def corpus_files(path: str | None) -> list[Path]:
+    """Files of the corpus: the stdlib for None, the file itself, or a folder's files (sorted).
+
+    Hidden files and folders (``.git``, ...) are skipped.
+
+    Raises:
+        ShardkitError: ``path`` does not exist or holds no files.
+    """
+    if path is None:
+        return stdlib_files()
+    p = Path(path)
+    if p.is_file():
+        return [p]
+    if not p.is_dir():
+        raise ShardkitError(f"--data: {path} is neither a file nor a folder")
+    out = []
+    for folder, dirs, files in os.walk(p):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        out += [Path(folder, f) for f in files if not f.startswith(".")]
+    if not out:
+        raise ShardkitError(f"--data: folder {path} holds no files")
+    return sorted(out)
+
+
+def load_tokens(files: list[Path], max_bytes: int | None = None) -> torch.Tensor:
+    """Concatenate the files' bytes into one token stream.
+
+    Args:
+        files: read in this order.
+        max_bytes: stop after this many bytes (None: read everything).
+
+    Returns:
+        ``[N]`` uint8 tensor of token ids (byte values, vocab 256).
+    """
+    buf = bytearray()
+    for f in files:
+        buf += f.read_bytes()
+        if max_bytes is not None and len(buf) >= max_bytes:
+            del buf[max_bytes:]
+            break
+    if not buf:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(buf, dtype=torch.uint8)
+
+
+class BatchSampler:
+    """Random windows of the token stream, the same sequence of global batches on every rank.
+
+    A ``torch.Generator`` seeded with ``seed`` draws ``batch_size`` window starts per step, so a
+    run with one process (the ``--verify`` reference) sees exactly the batches of a parallel run.
+
+    Args:
+        tokens: ``[N]`` token stream.
+        seq_len: window length ``S``.
+        batch_size: rows per global batch ``B``.
+        seed: generator seed.
+
+    Raises:
+        ShardkitError: the stream is shorter than one window.
+    """
+
+    def __init__(self, tokens: torch.Tensor, seq_len: int, batch_size: int, seed: int) -> None:
+        if tokens.numel() < seq_len:
+            raise ShardkitError(f"--data: the corpus has {tokens.numel()} tokens, fewer than --seq-len {seq_len}")
+        self.tokens, self.seq_len, self.batch_size = tokens, seq_len, batch_size
+        self.gen = torch.Generator().manual_seed(seed)
+        self._offsets = torch.arange(seq_len)
+
+    def next_batch(self) -> torch.Tensor:
+        """The next global batch: ``[B, S]`` int64 token ids."""
+        starts = torch.randint(0, self.tokens.numel() - self.seq_len + 1, (self.batch_size,), generator=self.gen)
+        return self.tokens[starts[:, None] + self._offsets].long()
+
+
+def local_rows(batch: torch.Tensor, dp_rank: int, dp: int) -> torch.Tensor:
+    """Data-parallel rank ``dp_rank``'s contiguous block of rows: ``[B, S]`` -> ``[B / dp, S]``."""
+    n = batch.shape[0] // dp
+    return batch[dp_rank * n : (dp_rank + 1) * n]

@@ -1,0 +1,37 @@
+"""The ``shardkit`` command: ``shardkit train`` (and ``shardkit bench`` where installed)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+
+from .. import __version__
+from .train import add_train_parser
+
+__all__ = ["build_parser", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with one subparser per command."""
+    parser = argparse.ArgumentParser(prog="shardkit", description="Hybrid model parallelism on gloo and NCCL.")
+    parser.add_argument("--version", action="version", version=f"shardkit {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_train_parser(commands)
+    # `bench` lives in cli/bench.py (add_bench_parser(subparsers)). Only its absence is
+    # tolerated: an error inside the module must surface, not silently drop the command.
+    if importlib.util.find_spec(f"{__package__}.bench") is not None:
+        from .bench import add_bench_parser
+
+        add_bench_parser(commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv`` (default ``sys.argv[1:]``), run the command, return its exit code."""
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""The model ``shardkit train`` trains: Hugging Face transformers' own ``LlamaForCausalLM``."""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+from .config import TrainConfig
+from .data import VOCAB_SIZE
+
+__all__ = ["TORCH_DTYPES", "build_model", "keep_norms_in_input_dtype"]
+
+TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+
+# SDPA and eager attention both give float64 parity at rounding level (~1e-16) against the
+# unsharded model on CPU (measured); SDPA is the faster of the two.
+ATTN_IMPLEMENTATION = "sdpa"
+
+
+def build_model(cfg: TrainConfig):
+    """A ``LlamaForCausalLM`` in ``cfg.dtype``, in training mode, with the full weights.
+
+    With ``cfg.model_path`` the local checkpoint is loaded (``local_files_only``: nothing is
+    downloaded); otherwise the built-in GQA config is initialized randomly from ``cfg.seed``, so
+    every rank (and the ``--verify`` reference) gets bitwise the same weights.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    dtype = TORCH_DTYPES[cfg.dtype]
+    if cfg.model_path is not None:
+        model = LlamaForCausalLM.from_pretrained(
+            cfg.model_path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION, local_files_only=True
+        )
+        model.config.use_cache = False
+    else:
+        config = LlamaConfig(
+            vocab_size=VOCAB_SIZE,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_hidden_layers=cfg.layers,
+            num_attention_heads=cfg.heads,
+            num_key_value_heads=cfg.kv_heads,
+            max_position_embeddings=max(2048, cfg.seq_len),
+            use_cache=False,
+            tie_word_embeddings=False,
+            attn_implementation=ATTN_IMPLEMENTATION,
+        )
+        # Initialize in float32 from the seed, then cast: the same weights for every dtype.
+        torch.manual_seed(cfg.seed)
+        model = LlamaForCausalLM(config).to(dtype)
+    if dtype == torch.float64:
+        keep_norms_in_input_dtype(model)
+    return model.train()
+
+
+def _rmsnorm_in_input_dtype(self, x: torch.Tensor) -> torch.Tensor:
+    # LlamaRMSNorm.forward's math without its float32 round trip.
+    variance = x.pow(2).mean(-1, keepdim=True)
+    return self.weight * (x * torch.rsqrt(variance + self.variance_epsilon))
+
+
+def keep_norms_in_input_dtype(model: torch.nn.Module) -> None:
+    """Make the RMSNorms of a float64 model compute in float64.
+
+    HF's RMSNorm computes in float32 whatever the input dtype (an upcast meant for half
+    precision). In float64 it rounds activations to float32, so rounding-level differences
+    between the parallel and the reference run (1e-16) occasionally flip a float32 rounding
+    (6e-8) and grow from there: ``--verify`` measured 1e-9 parameter differences after 20 steps
+    with it. Both runs get the same replacement (the reference is a copy of this model).
+    """
+    for module in model.modules():
+        if type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
+            module.forward = types.MethodType(_rmsnorm_in_input_dtype, module)

@@ -1,0 +1,141 @@
+"""End of ``shardkit train``: the summary table, the parity verdict and the ``--report`` files."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+__all__ = ["print_summary", "print_parity", "write_report", "atomic_write"]
+
+_MIB = 2**20
+_PHASES = {"forward": "fwd", "backward": "bwd"}
+
+
+def _layout(result: dict) -> str:
+    lay = result["layout"]
+    return f"tp={lay['tp']} x dp={lay['dp']} ({lay['nproc']} ranks, {lay['backend']}, {lay['device']})"
+
+
+def print_summary(result: dict, console: Console) -> None:
+    """Run summary (layout, steps, throughput, losses, peak memory per rank) and the comm ledger."""
+    losses = result["losses"]
+    table = Table(title="shardkit train", show_header=False)
+    table.add_column(style="bold")
+    table.add_column()
+    table.add_row("layout", _layout(result))
+    table.add_row("steps", str(len(losses)))
+    table.add_row("tokens/s", f"{result['tokens_per_s']:,.0f}")
+    table.add_row("loss first -> last", f"{losses[0]:.5f} -> {losses[-1]:.5f}" if losses else "-")
+    table.add_row("train time", f"{result['timings_s']['train']:.2f} s (setup {result['timings_s']['setup']:.2f} s)")
+    mem = ", ".join(f"r{r}: {b / _MIB:.0f}" for r, b in enumerate(result["peak_memory_bytes"]))
+    table.add_row(f"peak memory MiB ({result['memory_kind']})", mem)
+    console.print(table)
+
+    # Fits 80 columns: c10d op without "_single", forward/backward as fwd/bwd in api names
+    # (report.json keeps the full names), R = group size.
+    ledger = Table(title="comm ledger (rank 0)", box=box.SIMPLE_HEAD, pad_edge=False)
+    for name in ("op", "api", "phase", "R", "calls", "MiB out", "MiB in"):
+        ledger.add_column(name, justify="left" if name in ("op", "api", "phase") else "right", no_wrap=True)
+    for row in result["ledger"]:
+        ledger.add_row(
+            row["op"].removesuffix("_single"),
+            row["api"].replace("forward", "fwd").replace("backward", "bwd"),
+            _PHASES.get(row["phase"], row["phase"]),
+            str(row["group_size"]),
+            str(row["count"]),
+            f"{row['bytes_sent'] / _MIB:.2f}",
+            f"{row['bytes_received'] / _MIB:.2f}",
+        )
+    console.print(ledger)
+
+
+def print_parity(parity: dict, console: Console) -> None:
+    """The ``--verify`` verdict with the largest differences."""
+    verdict = "[bold green]PASSED[/]" if parity["passed"] else "[bold red]FAILED[/]"
+    console.print(
+        f"verify ({parity['dtype']}, tolerance {parity['tolerance']:.0e}): {verdict}  "
+        f"max loss rel diff {parity['max_loss_rel_diff']:.3e}, "
+        f"max param rel diff {parity['max_param_rel_diff']:.3e}"
+    )
+    diffs = parity["loss_rel_diff"]
+    if diffs:
+        step = max(range(len(diffs)), key=diffs.__getitem__)
+        console.print(f"  largest loss difference at step {step}: {diffs[step]:.3e}")
+    for name, d in parity["worst_params"]:
+        console.print(f"  {d:.3e}  {name}")
+    if parity["missing_params"]:
+        console.print(f"  parameters in only one run: {parity['missing_params']}")
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def atomic_write(path: Path, write) -> None:
+    """Write ``path`` via a temporary file in the same folder and ``os.replace``.
+
+    ``write(tmp_path)`` produces the content. A reader never sees a half-written file, and a
+    failure leaves any existing ``path`` untouched (only the temporary file is removed).
+    """
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600; give the usual permissions
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def write_report(result: dict, folder: str | os.PathLike) -> list[Path]:
+    """Write ``report.json`` (and ``loss.png`` when matplotlib is installed) into ``folder``.
+
+    The folder is created if needed; only these two names are written (replaced atomically),
+    nothing else in it is touched.
+
+    Returns:
+        The paths written.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    written = [folder / "report.json"]
+
+    def dump(tmp: str) -> None:
+        with open(tmp, "w") as f:
+            json.dump(result, f, indent=2, default=str)
+            f.write("\n")
+
+    atomic_write(written[0], dump)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return written
+    written.append(folder / "loss.png")
+    atomic_write(written[1], lambda tmp: _plot(result, tmp))
+    return written
+
+
+def _plot(result: dict, path: str) -> None:
+    # A bare Figure renders with Agg without touching pyplot's global backend or figure list.
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6, 4))
+    ax = fig.subplots()
+    ax.plot(range(1, len(result["losses"]) + 1), result["losses"], label=f"parallel ({_layout(result)})")
+    if result.get("reference_losses"):
+        ref = result["reference_losses"]
+        ax.plot(range(1, len(ref) + 1), ref, "--", label="reference (1 process)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, format="png")

@@ -1,0 +1,113 @@
+"""``shardkit train``: the command-line side (flags, checks, launch, summary, report).
+
+Options come from defaults, then ``--config FILE.toml``, then the flags given; the layout is
+checked before any process starts. Without torchrun, ``--nproc`` local CPU processes are started
+with gloo; under torchrun the existing world is used (NCCL on GPUs, else gloo).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from rich.console import Console
+
+from ..errors import ShardkitError
+from .config import DTYPES, TrainConfig, load_toml, merge_config, validate_config
+from .data import corpus_files
+
+__all__ = ["add_train_parser", "config_from_args", "run_train"]
+
+
+def add_train_parser(subparsers) -> argparse.ArgumentParser:
+    """Register the ``train`` subcommand. Every flag defaults to None ("not given"), so the
+    TOML file's value or the built-in default applies (see :func:`config_from_args`)."""
+    d = TrainConfig()
+    p = subparsers.add_parser(
+        "train",
+        help="train a small Llama with tensor + sequence + data parallelism",
+        description="Train a Hugging Face LlamaForCausalLM with tp (tensor + sequence parallel, shardkit "
+        "collectives) x dp (DDP) on real text, byte-level tokens.",
+    )
+    p.add_argument("--config", metavar="FILE.toml", help="TOML file of options (keys: option names with underscores)")
+    p.add_argument("--nproc", type=int, help=f"local processes to start (default {d.nproc}; torchrun: its world)")
+    p.add_argument("--tp", type=int, help=f"tensor-parallel degree (default {d.tp})")
+    p.add_argument("--dp", type=int, help="data-parallel degree (default nproc // tp)")
+    p.add_argument("--steps", type=int, help=f"training steps (default {d.steps})")
+    p.add_argument("--seq-len", type=int, help=f"tokens per sequence (default {d.seq_len})")
+    p.add_argument("--batch-size", type=int, help=f"global batch, split over dp (default {d.batch_size})")
+    p.add_argument("--dtype", choices=DTYPES, help=f"parameter and compute dtype (default {d.dtype})")
+    p.add_argument("--seed", type=int, help=f"model init and data sampling seed (default {d.seed})")
+    p.add_argument("--lr", type=float, help=f"AdamW learning rate (default {d.lr})")
+    p.add_argument(
+        "--verify",
+        action=argparse.BooleanOptionalAction,
+        help="rerun the steps in one process and check losses and final parameters",
+    )
+    p.add_argument("--report", metavar="DIR", help="write report.json and loss.png into DIR")
+    p.add_argument("--data", metavar="PATH", help="text file or folder (default: the Python stdlib's sources)")
+    p.add_argument("--model-path", metavar="DIR", help="local Hugging Face Llama checkpoint (default: random init)")
+    model = p.add_argument_group("built-in model (ignored with --model-path)")
+    model.add_argument("--hidden-size", type=int, help=f"default {d.hidden_size}")
+    model.add_argument("--layers", type=int, help=f"default {d.layers}")
+    model.add_argument("--heads", type=int, help=f"query heads (default {d.heads})")
+    model.add_argument("--kv-heads", type=int, help=f"key/value heads (default {d.kv_heads})")
+    model.add_argument("--intermediate-size", type=int, help=f"default {d.intermediate_size}")
+    p.set_defaults(func=run_train)
+    return p
+
+
+def config_from_args(args: argparse.Namespace, world_size: int | None = None) -> TrainConfig:
+    """Merge defaults, the TOML file and the flags; validate.
+
+    Raises:
+        ShardkitError: a bad file, option or layout.
+    """
+    values = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
+    file_values = load_toml(args.config) if args.config else {}
+    cfg = validate_config(merge_config(file_values, values), world_size)
+    # A missing or too short --data fails here, before any process starts (sizes only: stat).
+    size = sum(f.stat().st_size for f in corpus_files(cfg.data))
+    if size < cfg.seq_len:
+        raise ShardkitError(f"--data: the corpus has {size} bytes (tokens), fewer than --seq-len {cfg.seq_len}")
+    return cfg
+
+
+def run_train(args: argparse.Namespace) -> int:
+    """Run the ``train`` subcommand; return the process exit code."""
+    from .launch import LaunchFailed, launch_local, print_failure, under_torchrun
+    from .worker import worker_main
+
+    torchrun = under_torchrun()
+    try:
+        cfg = config_from_args(args, int(os.environ["WORLD_SIZE"]) if torchrun else None)
+    except ShardkitError as e:
+        print(f"shardkit train: error: {e}", file=sys.stderr)
+        return 2
+    if torchrun:
+        result = worker_main(cfg, False)
+        return 0 if result is None else finish(result, cfg)
+    try:
+        results = launch_local(cfg.nproc, worker_main, cfg, True)
+    except LaunchFailed as e:
+        print_failure(e)
+        return 1
+    return finish(results[0], cfg)
+
+
+def finish(result: dict, cfg: TrainConfig) -> int:
+    """Print the summary (and parity), write the report; 1 if verification failed, else 0."""
+    from .report import print_parity, print_summary, write_report
+
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=120)  # a pipe or file: rich's 80-column fallback truncates the ledger
+    print_summary(result, console)
+    parity = result.get("parity")
+    if parity is not None:
+        print_parity(parity, console)
+    if cfg.report:
+        paths = write_report(result, cfg.report)
+        console.print("report: " + ", ".join(str(p) for p in paths), highlight=False)
+    return 1 if parity is not None and not parity["passed"] else 0

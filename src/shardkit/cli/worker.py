@@ -1,0 +1,164 @@
+"""One rank of ``shardkit train``: TP+SP Llama inside DDP over dp, trained on real text.
+
+Runs in every worker process (started by the local elastic launch or by torchrun). Rank 0
+returns a result dict (losses, ledger, memory, timings, parity) that :mod:`.report` prints and
+writes; the other ranks return None.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import resource
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from .. import CommLedger, ParallelDims, all_reduce_forward
+from ..comm import ledger as _ledger
+from ..tensor_parallel import apply_llama_tp, gather_full_state_dict
+from .config import TrainConfig
+from .data import BatchSampler, corpus_files, load_tokens, local_rows
+from .loop import make_optimizer, run_steps
+from .model import build_model
+from .progress import TrainProgress
+from .verify import compare_runs, reference_run
+
+__all__ = ["worker_main"]
+
+
+def _init(local_launch: bool) -> tuple[str, torch.device]:
+    """Join the world: gloo on CPU for the local launch; NCCL on ``cuda:LOCAL_RANK`` under
+    torchrun when GPUs are present, else gloo."""
+    if not local_launch and torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if local_launch:
+        torch.set_num_threads(1)  # 4 ranks on 2 cores: more threads only oversubscribe
+    dist.init_process_group(backend)
+    return backend, device
+
+
+def _ddp_ledger_hook(state, bucket):
+    """DDP's default all-reduce, recorded in the CommLedger so the summary shows dp traffic too."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    group, size = state
+    nbytes = bucket.buffer().nbytes
+    _ledger.record("all_reduce", "ddp", "backward", size, nbytes, nbytes)
+    return default_hooks.allreduce_hook(group, bucket)
+
+
+def _wrap_dp(model, dp_mesh, device):
+    """DDP over the dp mesh; tp shards have the same shapes on every dp peer of a tp rank."""
+    if dp_mesh.size() == 1:
+        return model
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ddp = DDP(
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        process_group=dp_mesh.get_group(),
+    )
+    ddp.register_comm_hook((dp_mesh.get_group(), dp_mesh.size()), _ddp_ledger_hook)
+    return ddp
+
+
+def _peak_memory(device) -> int:
+    """Peak memory of this rank in bytes: CUDA allocator peak, or the process's max RSS."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is bytes on macOS, KiB on Linux
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+
+def _ledger_rows(ledger: CommLedger) -> list[dict]:
+    """Ledger totals by (op, issuing api, phase, group size).
+
+    Finer than ``CommLedger.summary()`` (op, group size): with tp = dp = 2 it would lump the tp
+    norm-gradient all-reduces together with DDP's, and forward with backward traffic.
+    """
+    rows: dict[tuple, dict] = {}
+    for r in ledger.records:
+        row = rows.setdefault((r.op, r.api, r.phase, r.group_size), dict(count=0, bytes_sent=0, bytes_received=0))
+        row["count"] += 1
+        row["bytes_sent"] += r.bytes_sent
+        row["bytes_received"] += r.bytes_received
+    keys = ("op", "api", "phase", "group_size")
+    return [{**dict(zip(keys, key)), **row} for key, row in sorted(rows.items())]
+
+
+@record
+def worker_main(cfg: TrainConfig, local_launch: bool) -> dict | None:
+    """Entry point of every rank. Returns rank 0's result dict, None on other ranks."""
+    t0 = time.perf_counter()
+    backend, device = _init(local_launch)
+    try:
+        return _train(cfg, backend, device, t0)
+    finally:
+        dist.destroy_process_group()
+
+
+def _train(cfg: TrainConfig, backend: str, device, t0: float) -> dict | None:
+    rank = dist.get_rank()
+    mesh = ParallelDims(dp=cfg.dp, tp=cfg.tp).build_mesh(device.type)
+    tp_mesh, dp_mesh = mesh["tp"], mesh["dp"]
+    tokens = load_tokens(corpus_files(cfg.data))
+    sampler = BatchSampler(tokens, cfg.seq_len, cfg.batch_size, cfg.seed)
+
+    model = build_model(cfg)
+    reference = copy.deepcopy(model) if cfg.verify and rank == 0 else None
+    model = _wrap_dp(apply_llama_tp(model, tp_mesh).to(device), dp_mesh, device)
+    optimizer = make_optimizer(model, cfg)
+    dp_rank, dp = dp_mesh.get_local_rank(), dp_mesh.size()
+    t_setup = time.perf_counter() - t0
+
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    progress = TrainProgress(cfg.steps, tokens_per_step) if rank == 0 else None
+    with CommLedger() as ledger, (progress or nullcontext()):
+        t1 = time.perf_counter()
+        losses = run_steps(
+            model,
+            optimizer,
+            sampler,
+            cfg.steps,
+            rows=lambda b: local_rows(b, dp_rank, dp),
+            device=device,
+            reduce_loss=lambda loss: all_reduce_forward(loss, dp_mesh) / dp,
+            on_step=progress.update if progress else None,
+        )
+        t_train = time.perf_counter() - t1
+
+    memory = [None] * dist.get_world_size()
+    dist.all_gather_object(memory, _peak_memory(device))
+    full_params = gather_full_state_dict(model) if cfg.verify else None
+    if rank != 0:
+        return None
+
+    result = {
+        "layout": {"nproc": cfg.nproc, "tp": cfg.tp, "dp": cfg.dp, "backend": backend, "device": str(device)},
+        "config": asdict(cfg),
+        "losses": losses,
+        "tokens_per_s": tokens_per_step * cfg.steps / t_train,
+        "peak_memory_bytes": memory,
+        "memory_kind": "cuda max_memory_allocated" if device.type == "cuda" else "max RSS",
+        "ledger": _ledger_rows(ledger),
+        "timings_s": {"setup": t_setup, "train": t_train},
+        "corpus_tokens": tokens.numel(),
+    }
+    if reference is not None:
+        t2 = time.perf_counter()
+        ref_losses, ref_params = reference_run(reference.to(device), cfg, tokens, device)
+        result["reference_losses"] = ref_losses
+        result["parity"] = compare_runs(losses, ref_losses, full_params, ref_params, cfg.dtype)
+        result["timings_s"]["verify"] = time.perf_counter() - t2
+    return result
+

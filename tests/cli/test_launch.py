@@ -1,0 +1,28 @@
+"""The local launcher: a failure on any rank stops the whole job quickly, root cause first."""
+
+import time
+
+import pytest
+import torch.distributed as dist
+
+from shardkit.cli.launch import LaunchFailed, launch_local
+
+
+def fail_on_rank_one():
+    """Rank 1 raises; rank 0 waits in a barrier that would otherwise block until the timeout."""
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 1:
+        raise RuntimeError("deliberate failure on rank 1")
+    dist.barrier()
+
+
+def test_failure_on_one_rank_stops_the_job_with_its_traceback_first():
+    start = time.monotonic()
+    with pytest.raises(LaunchFailed) as info:
+        launch_local(2, fail_on_rank_one)
+    elapsed = time.monotonic() - start
+    text = str(info.value)
+    assert text.startswith("rank 1 failed first"), text
+    root_cause = text.split("\nrank 0")[0]  # everything before the line about the other rank
+    assert "deliberate failure on rank 1" in root_cause, text
+    assert elapsed < 30, elapsed  # process start-up included; the gloo timeout would be 30 min

@@ -1,0 +1,205 @@
+"""``shardkit train``: configuration, data, parity bookkeeping and reports in-process; one real
+end-to-end run and one up-front failure as subprocesses."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from shardkit import ShardkitError
+from shardkit.cli.config import load_toml, merge_config, validate_config
+from shardkit.cli.data import BatchSampler, corpus_files, load_tokens, local_rows, stdlib_files
+from shardkit.cli.loop import causal_lm_loss
+from shardkit.cli.main import build_parser
+from shardkit.cli.report import write_report
+from shardkit.cli.train import config_from_args, finish
+from shardkit.cli.verify import compare_runs
+
+
+def _args(*argv):
+    return build_parser().parse_args(["train", *argv])
+
+
+# --- configuration -------------------------------------------------------------------------
+
+
+def test_defaults_resolve_dp():
+    cfg = config_from_args(_args())
+    assert (cfg.nproc, cfg.tp, cfg.dp, cfg.steps, cfg.seq_len, cfg.batch_size) == (4, 2, 2, 20, 128, 8)
+    assert cfg.dtype == "float32" and cfg.verify is False and cfg.report is None
+
+
+def test_toml_then_flags(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('steps = 7\nseq_len = 64\ndtype = "float64"\nverify = true\nlr = 1\n')
+    cfg = config_from_args(_args("--config", str(path), "--steps", "3", "--no-verify"))
+    assert (cfg.steps, cfg.seq_len, cfg.dtype, cfg.verify, cfg.lr) == (3, 64, "float64", False, 1)
+    assert cfg.config == str(path)
+
+
+@pytest.mark.parametrize("text,match", [
+    ("stpes = 3\n", "unknown key 'stpes'"),
+    ('steps = "3"\n', "steps .* must be int"),
+    ("verify = 1\n", "verify .* must be bool"),
+    ("steps = \n", "not valid TOML"),
+])
+def test_bad_toml(tmp_path, text, match):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(ShardkitError, match=match):
+        load_toml(path)
+
+
+def test_missing_toml(tmp_path):
+    with pytest.raises(ShardkitError, match="cannot read"):
+        load_toml(tmp_path / "nope.toml")
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(tp=3), "--tp 3 must divide --nproc 4"),
+    (dict(tp=2, dp=1), "tp=2 x dp=1 = 2 ranks, but --nproc is 4"),
+    (dict(batch_size=5), "--batch-size 5 .* divisible by dp=2"),
+    (dict(nproc=4, tp=4), "--tp 4: .*num_key_value_heads=2"),
+    (dict(seq_len=1), "--seq-len must be >= 2"),
+    (dict(heads=3), "--hidden-size 64 must be divisible by --heads 3"),
+])
+def test_invalid_layouts(kwargs, match):
+    with pytest.raises(ShardkitError, match=match):
+        validate_config(merge_config({}, kwargs))
+
+
+def test_torchrun_world_size():
+    assert validate_config(merge_config({}, {}), world_size=8).dp == 4
+    with pytest.raises(ShardkitError, match="does not match the torchrun world size 8"):
+        validate_config(merge_config({}, dict(nproc=2, tp=1)), world_size=8)
+
+
+# --- data ----------------------------------------------------------------------------------
+
+
+def test_corpus_folder_sorted_and_bytes(tmp_path):
+    (tmp_path / "b.txt").write_bytes(b"world")
+    (tmp_path / "a.txt").write_bytes(b"hello ")
+    (tmp_path / ".hidden").write_bytes(b"secret")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "c.txt").write_bytes("é".encode())
+    files = corpus_files(str(tmp_path))
+    assert [f.name for f in files] == ["a.txt", "b.txt", "c.txt"]
+    tokens = load_tokens(files)
+    assert bytes(tokens.tolist()) == "hello worldé".encode() and tokens.dtype == torch.uint8
+    assert bytes(load_tokens(files, max_bytes=4).tolist()) == b"hell"
+    with pytest.raises(ShardkitError, match="neither a file nor a folder"):
+        corpus_files(str(tmp_path / "missing"))
+
+
+def test_stdlib_corpus():
+    files = stdlib_files()
+    names = {f.name for f in files}
+    assert "os.py" in names and files == sorted(files)
+    assert not any("site-packages" in f.parts for f in files)
+
+
+def test_sampler_is_deterministic_and_dp_rows_cover_the_batch():
+    tokens = torch.arange(1000, dtype=torch.int64) % 256
+    a, b = BatchSampler(tokens, 16, 4, seed=3), BatchSampler(tokens, 16, 4, seed=3)
+    batches = [a.next_batch() for _ in range(3)]
+    assert all(torch.equal(x, b.next_batch()) for x in batches)
+    assert not torch.equal(batches[0], batches[1])
+    x = batches[0]
+    assert x.shape == (4, 16) and x.dtype == torch.int64
+    assert bool(((x[:, 1:] - x[:, :-1]) % 256 == 1).all())  # each row is a contiguous window
+    assert torch.equal(torch.cat([local_rows(x, d, 2) for d in range(2)]), x)
+    with pytest.raises(ShardkitError, match="fewer than --seq-len"):
+        BatchSampler(tokens[:10], 16, 4, seed=0)
+
+
+# --- loss, parity, report ------------------------------------------------------------------
+
+
+def test_causal_lm_loss_matches_hf_and_keeps_float64():
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 7, 11, generator=gen, dtype=torch.float64)
+    ids = torch.randint(0, 11, (2, 7), generator=gen)
+    ours = causal_lm_loss(logits, ids)
+    assert ours.dtype == torch.float64
+    assert torch.allclose(ours.float(), ForCausalLMLoss(logits, ids, vocab_size=11), rtol=1e-6)
+    assert causal_lm_loss(logits.bfloat16(), ids).dtype == torch.float32
+
+
+def test_compare_runs():
+    params = {"w": torch.ones(3), "b": torch.zeros(2)}
+    close = {"w": torch.ones(3) * (1 + 1e-6), "b": torch.zeros(2)}
+    ok = compare_runs([2.0, 1.0], [2.0, 1.0 + 1e-6], close, params, "float32")
+    assert ok["passed"] and ok["max_loss_rel_diff"] == pytest.approx(1e-6, rel=1e-3)
+    assert ok["worst_params"][0][0] == "w"
+    bad = compare_runs([2.0, 1.0], [2.0, 1.0], {"w": torch.ones(3) * 2, "b": torch.zeros(2)}, params, "float64")
+    assert not bad["passed"] and bad["max_param_rel_diff"] == pytest.approx(1.0)
+    assert not compare_runs([1.0], [1.0], {"w": torch.ones(3)}, params, "float32")["passed"]  # missing "b"
+
+
+def test_write_report_keeps_other_files(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    result = {"layout": {"nproc": 1, "tp": 1, "dp": 1, "backend": "gloo", "device": "cpu"},
+              "losses": [3.0, 2.0], "reference_losses": [3.0, 2.0]}
+    paths = write_report(result, tmp_path)
+    assert json.loads((tmp_path / "report.json").read_text())["losses"] == [3.0, 2.0]
+    assert (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG" and len(paths) == 2
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["loss.png", "notes.txt", "report.json"]  # no temp files
+
+
+def _result(passed):
+    params = {"w": torch.ones(3)}
+    parity = compare_runs([2.0], [2.0], {"w": torch.ones(3) * (1 if passed else 2)}, params, "float32")
+    return {
+        "layout": {"nproc": 4, "tp": 2, "dp": 2, "backend": "gloo", "device": "cpu"},
+        "losses": [2.0], "reference_losses": [2.0], "tokens_per_s": 1000.0,
+        "timings_s": {"setup": 1.0, "train": 2.0}, "peak_memory_bytes": [2**20] * 4, "memory_kind": "max RSS",
+        "ledger": [{"op": "all_reduce", "api": "ddp", "phase": "backward", "group_size": 2, "count": 1,
+                    "bytes_sent": 8, "bytes_received": 8}],
+        "parity": parity,
+    }
+
+
+def test_finish_exit_code_and_largest_differences(tmp_path, capsys):
+    cfg = config_from_args(_args("--report", str(tmp_path)))
+    assert finish(_result(passed=True), cfg) == 0
+    assert "PASSED" in capsys.readouterr().out
+    assert finish(_result(passed=False), cfg) == 1
+    out = capsys.readouterr().out
+    assert "FAILED" in out and "1.000e+00  w" in out
+    assert json.loads((tmp_path / "report.json").read_text())["parity"]["passed"] is False
+
+
+# --- subprocesses ----------------------------------------------------------------------------
+
+
+def _shardkit(*argv, timeout):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, "-m", "shardkit", *argv], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def test_end_to_end_verify_and_report(tmp_path):
+    # About 20 s on 2 cores (4 spawned ranks); the timeout only bounds a hang.
+    proc = _shardkit("train", "--steps", "2", "--verify", "--seq-len", "32", "--batch-size", "4",
+                     "--report", str(tmp_path), timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["layout"] == {"nproc": 4, "tp": 2, "dp": 2, "backend": "gloo", "device": "cpu"}
+    assert len(report["losses"]) == len(report["reference_losses"]) == 2
+    assert report["parity"]["passed"] and report["parity"]["max_param_rel_diff"] <= 1e-4
+    assert any(row["api"] == "sum_grad_over" for row in report["ledger"])
+    assert "PASSED" in proc.stdout and (tmp_path / "loss.png").exists()
+
+
+def test_bad_layout_fails_before_launch():
+    proc = _shardkit("train", "--tp", "3", "--nproc", "4", timeout=60)
+    # Exit code 2 is the up-front configuration error; a failed worker would give 1.
+    assert proc.returncode == 2, proc.stderr
+    assert "--tp 3 must divide --nproc 4" in proc.stderr and not proc.stdout
