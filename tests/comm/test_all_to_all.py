@@ -37,8 +37,8 @@ def _check(full_shape, scatter_dim, gather_dim, noncontig=False):
 
 
 # [B, S, N, D]: 7 sequence positions and 5 heads are aligned with no R in {2, 3, 4}; 2 heads at
-# R = 3, 4 gives zero-size parts.
-SHAPES_4D = [(2, 7, 5, 3), (1, 8, 12, 2), (2, 6, 2, 3)]
+# R = 3, 4 gives zero-size parts. D = 8 rows take the uneven row-gather path of the pack/unpack.
+SHAPES_4D = [(2, 7, 5, 3), (1, 8, 12, 2), (2, 6, 2, 3), (1, 9, 15, 8)]
 
 
 @pytest.mark.world(2)

@@ -13,6 +13,7 @@ Uneven sizes go through ``all_to_all_single`` with split sizes because gloo reje
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -28,6 +29,30 @@ def _with_dim(shape, dim: int, size: int) -> list[int]:
     out = list(shape)
     out[dim] = size
     return out
+
+
+# Uneven splits pack and unpack with one row gather (index_select) when rows (the elements after
+# the split dim) are at least this long; below it the int64 index would outweigh the data.
+_MIN_ROW = 8
+
+
+@functools.lru_cache(maxsize=128)
+def _pack_order(a: int, sizes: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Row permutation of a ``[a, n]`` grid of rows that lays out the blocks of ``sizes``
+    along ``n`` one after another: packed row k is source row ``order[k]``. Cached per shape:
+    a pure function of the sizes, reused every step of a training run."""
+    n = sum(sizes)
+    rows = torch.arange(a * n).view(a, n)
+    return torch.cat([rows[:, off : off + s].reshape(-1) for off, s in zip(split_offsets(sizes), sizes)]).to(device)
+
+
+@functools.lru_cache(maxsize=128)
+def _unpack_order(a: int, sizes: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Inverse permutation of :func:`_pack_order`."""
+    order = _pack_order(a, sizes, torch.device("cpu"))
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel())
+    return inverse.to(device)
 
 
 def _runs(sizes: list[int]):
@@ -64,6 +89,10 @@ def _pack(x: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
         # Even split: one permuting copy, no staging buffer (the cheapest form at small sizes,
         # where per-op dispatch dominates).
         return _blocks_view(x, dim, *runs[0]).contiguous().view(-1)
+    a, n, b = math.prod(x.shape[:dim]), x.shape[dim], math.prod(x.shape[dim + 1 :])
+    if x.is_contiguous() and b >= _MIN_ROW:
+        # Uneven split: one row gather with a cached index instead of a copy per run.
+        return x.view(a * n, b).index_select(0, _pack_order(a, tuple(sizes), x.device)).view(-1)
     buf = x.new_empty(x.numel())
     pos = 0
     if x.is_contiguous():
@@ -89,6 +118,9 @@ def _unpack(buf: torch.Tensor, out_shape: list[int], dim: int, sizes: list[int])
         _, count, size = runs[0]
         a, b = math.prod(out_shape[:dim]), math.prod(out_shape[dim + 1 :])
         return buf.view(count, a, size, b).transpose(0, 1).contiguous().view(out_shape)  # one copy
+    a, n, b = math.prod(out_shape[:dim]), out_shape[dim], math.prod(out_shape[dim + 1 :])
+    if b >= _MIN_ROW:
+        return buf.view(a * n, b).index_select(0, _unpack_order(a, tuple(sizes), buf.device)).view(out_shape)
     out = buf.new_empty(out_shape)
     pos = 0
     for run in runs:
