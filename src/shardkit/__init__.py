@@ -17,6 +17,7 @@ from .comm import (
 )
 from .errors import GroupMembershipError, RankMismatchError, ShardkitError, ShardkitTypeError
 from .mesh import ParallelDims
+from .tensor_parallel import apply_llama_tp, gather_full_state_dict
 
 __version__ = "0.1.0"
 
@@ -31,6 +32,8 @@ __all__ = [
     "gather_forward_split_backward",
     "all_to_all",
     "CommLedger",
+    "apply_llama_tp",
+    "gather_full_state_dict",
     "ShardkitError",
     "ShardkitTypeError",
     "GroupMembershipError",
