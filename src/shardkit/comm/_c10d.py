@@ -203,3 +203,15 @@ def local_split(x: torch.Tensor, g: GroupInfo, dim: int, sizes: list[int]) -> to
     """This rank's block of ``x`` along ``dim``, as a new contiguous tensor (no communication)."""
     off = split_offsets(sizes)[g.rank]
     return x.narrow(dim, off, sizes[g.rank]).clone(memory_format=torch.contiguous_format)
+
+
+def all_to_all_flat(send: torch.Tensor, in_splits: list[int], out_splits: list[int], g: GroupInfo, api: str, phase: str) -> torch.Tensor:
+    """One ``all_to_all_single`` on flat, already packed buffers (element counts per rank).
+
+    For callers that pack their own send buffer in a layout no dim-based helper describes
+    (e.g. Ulysses attention sending each rank a different subset of heads).
+    """
+    recv = send.new_empty(sum(out_splits))
+    dist.all_to_all_single(recv, send, output_split_sizes=out_splits, input_split_sizes=in_splits, group=g.pg)
+    ledger.record("all_to_all_single", api, phase, g.size, send.nbytes, recv.nbytes)
+    return recv

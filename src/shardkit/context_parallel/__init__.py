@@ -1,0 +1,45 @@
+"""Context parallelism: sequence layouts (zigzag, packed documents) and Ulysses attention.
+
+* Layouts (:mod:`.layouts`): the load-balanced zigzag split of a sequence over ``R`` ranks and
+  its per-document form for packed sequences, each with split / gather / all-gather
+  conventions and exact backward; the pure size and position rules live in :mod:`._sizes`.
+* Ulysses (:mod:`.ulysses`): sequence-sharded attention through two all-to-alls, with uneven
+  sequence and head counts, grouped-query KV heads and packed documents.
+"""
+
+from ._attention import attention_with_lse, document_mask, local_attention
+from ._sizes import (
+    HeadPlan,
+    packed_indices,
+    packed_local_cu_seqlens,
+    packed_local_sizes,
+    packed_positions,
+    ulysses_head_plan,
+    zigzag_chunk_sizes,
+    zigzag_local_sizes,
+    zigzag_positions,
+)
+from .layouts import packed_all_gather, packed_gather, packed_split, zigzag_all_gather, zigzag_gather, zigzag_split
+from .ulysses import ulysses_attention
+
+__all__ = [
+    "zigzag_chunk_sizes",
+    "zigzag_local_sizes",
+    "zigzag_positions",
+    "zigzag_split",
+    "zigzag_gather",
+    "zigzag_all_gather",
+    "packed_local_sizes",
+    "packed_local_cu_seqlens",
+    "packed_indices",
+    "packed_positions",
+    "packed_split",
+    "packed_gather",
+    "packed_all_gather",
+    "HeadPlan",
+    "ulysses_head_plan",
+    "ulysses_attention",
+    "local_attention",
+    "attention_with_lse",
+    "document_mask",
+]

@@ -1,0 +1,214 @@
+"""Ulysses attention: all-to-all from sequence shards to head shards, local attention, and back.
+
+Each rank holds a contiguous block of the sequence, ``[B, S_r, N, D]`` with ``S_r`` from the
+balanced split of ``S``. One all-to-all turns it into ``[B, S, N_r, D]`` (all tokens, this
+rank's heads, balanced split of ``N``), attention runs locally over the whole sequence, and a
+second all-to-all returns ``[B, S_r, N, Dv]``. Backward is the reverse all-to-alls; autograd
+differentiates the local attention.
+
+q, k and v travel in one all-to-all whenever they share the head dim ``D`` (``Dv == D``):
+each rank packs, per destination, that destination's query heads and the KV heads they need.
+With grouped-query attention the KV heads are not repeated to ``N`` first: a destination gets
+the KV heads its query heads use (:func:`ulysses_head_plan`), duplicated only when a KV group
+straddles a rank boundary, and the duplicate's gradients are summed back in backward.
+
+Source: Jacobs et al., "DeepSpeed Ulysses" (2023); uneven sequence and head splits follow
+MindSpeed-MM's unaligned all-to-all (balanced split sizes).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from .._shapes import balanced_split_sizes
+from ..comm import _c10d
+from ..comm._group import GroupInfo
+from ..comm._validate import enter, maybe_agree
+from ..errors import ShardkitError, ShardkitTypeError
+from ._attention import local_attention
+from ._sizes import HeadPlan, check_cu_seqlens, ulysses_head_plan
+
+__all__ = ["ulysses_attention"]
+
+_OP = "ulysses_attention"
+
+
+@functools.lru_cache(maxsize=64)
+def _send_rows(b: int, s: int, n_total: int, heads: tuple[tuple[int, ...], ...], device: torch.device) -> torch.Tensor:
+    """Rows of a ``[B * S_r * n_total, D]`` view laid out as the send buffer: destination-major,
+    then ``(b, s)``, then that destination's heads. Cached: a pure function of the shapes."""
+    if device.type != "cpu":
+        return _send_rows(b, s, n_total, heads, torch.device("cpu")).to(device)
+    base = (torch.arange(b * s, dtype=torch.int64) * n_total)[:, None]
+    parts = [(base + torch.tensor(h, dtype=torch.int64)[None, :]).reshape(-1) for h in heads]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+
+
+class _HeadsToSequence(torch.autograd.Function):
+    """``[B, S_r, n_total, D]`` -> ``[B, S, h_rank, D]``: destination ``j`` receives the heads
+    ``heads[j]`` (any list, repeats allowed). Backward: the reverse all-to-all, then the
+    gradient rows are summed into the heads they came from."""
+
+    @staticmethod
+    def forward(ctx, x, g: GroupInfo, heads, seq_sizes):
+        b, s_r, n_total, d = x.shape
+        rows = _send_rows(b, s_r, n_total, heads, x.device)
+        send = x.contiguous().view(-1, d).index_select(0, rows).view(-1)
+        in_splits = [b * s_r * len(h) * d for h in heads]
+        h_me = len(heads[g.rank])
+        out_splits = [b * n * h_me * d for n in seq_sizes]
+        recv = _c10d.all_to_all_flat(send, in_splits, out_splits, g, _OP, "forward")
+        ctx.g, ctx.rows, ctx.in_splits, ctx.out_splits, ctx.seq_sizes, ctx.shape = g, rows, in_splits, out_splits, seq_sizes, x.shape
+        return _c10d._unpack(recv, [b, sum(seq_sizes), h_me, d], 1, seq_sizes)
+
+    @staticmethod
+    def backward(ctx, grad):
+        g, d = ctx.g, ctx.shape[-1]
+        send = _c10d._pack(grad.contiguous(), 1, ctx.seq_sizes)
+        recv = _c10d.all_to_all_flat(send, ctx.out_splits, ctx.in_splits, g, _OP, "backward")
+        out = grad.new_zeros(math.prod(ctx.shape[:-1]), d)
+        out.index_add_(0, ctx.rows, recv.view(-1, d))  # duplicated KV heads: gradients summed
+        return out.view(ctx.shape), None, None, None
+
+
+class _SequenceToHeads(torch.autograd.Function):
+    """``[B, S, N_r, Dv]`` -> ``[B, S_r, N, Dv]``; backward is the reverse all-to-all."""
+
+    @staticmethod
+    def forward(ctx, x, g: GroupInfo, seq_sizes, head_sizes):
+        ctx.g, ctx.seq_sizes, ctx.head_sizes = g, seq_sizes, head_sizes
+        return _c10d.all_to_all(x, g, 1, 2, seq_sizes, head_sizes, _OP, "forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _c10d.all_to_all(grad, ctx.g, 2, 1, ctx.head_sizes, ctx.seq_sizes, _OP, "backward"), None, None, None
+
+
+def _destination_heads(plan: HeadPlan, num_heads: int, num_kv: int, parts: str) -> tuple[tuple[int, ...], ...]:
+    """Per destination rank, the heads of ``cat(parts, dim=2)`` it receives.
+
+    ``parts`` names the stacked tensors in order: ``q`` (``N`` heads) or ``k``/``v`` (``N_kv``).
+    """
+    out = []
+    offs, q0 = {}, 0
+    for p in parts:
+        offs[p] = q0
+        q0 += num_heads if p == "q" else num_kv
+    q_start = 0
+    for n_q, (lo, hi) in zip(plan.q_sizes, plan.kv_ranges):
+        heads = []
+        for p in parts:
+            rng = range(q_start, q_start + n_q) if p == "q" else range(lo, hi)
+            heads += [offs[p] + h for h in rng]
+        out.append(tuple(heads))
+        q_start += n_q
+    return tuple(out)
+
+
+def _scatter(tensors: dict, parts: str, g: GroupInfo, plan: HeadPlan, n: int, n_kv: int, seq_sizes) -> dict:
+    """Move the named tensors to the head layout in one all-to-all; returns them by name."""
+    stack = torch.cat([tensors[p] for p in parts], dim=2) if len(parts) > 1 else tensors[parts[0]]
+    moved = _HeadsToSequence.apply(stack, g, _destination_heads(plan, n, n_kv, parts), seq_sizes)
+    out, at = {}, 0
+    for p in parts:
+        width = plan.q_sizes[g.rank] if p == "q" else plan.kv_sizes[g.rank]
+        out[p] = moved.narrow(2, at, width)
+        at += width
+    return out
+
+
+def _validate(q, k, v, group, causal, scale, cu_seqlens, seq_len):
+    """Every check is a function of metadata all ranks share, except the local length."""
+    g = enter(q, group, _OP)
+    for name, t in (("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ShardkitTypeError(f"{_OP}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if any(t.dim() != 4 for t in (q, k, v)):
+        raise ShardkitError(f"{_OP}: q, k, v must be [B, S_local, N, D], got shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if not (q.dtype == k.dtype == v.dtype) or not q.is_floating_point():
+        raise ShardkitTypeError(f"{_OP}: q, k, v must share one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.shape[:2] != k.shape[:2] or k.shape[:3] != v.shape[:3]:
+        raise ShardkitError(
+            f"{_OP}: q [B, S_local, N, D], k [B, S_local, N_kv, D] and v [B, S_local, N_kv, Dv] disagree on B, S_local "
+            f"or N_kv: {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)} (group of {g.size})"
+        )
+    if q.shape[3] != k.shape[3]:
+        raise ShardkitError(f"{_OP}: q and k head dims differ: D = {q.shape[3]} vs {k.shape[3]} (group of {g.size})")
+    n, n_kv = q.shape[2], k.shape[2]
+    if n_kv < 1 or n % n_kv:
+        raise ShardkitError(f"{_OP}: the number of query heads ({n}) must be a multiple of the number of KV heads ({n_kv}) (group of {g.size})")
+    if not isinstance(causal, bool):
+        raise ShardkitTypeError(f"{_OP}: causal must be a bool, got {causal!r}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0):
+        raise ShardkitError(f"{_OP}: scale must be a positive number or None, got {scale!r}")
+    if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0):
+        raise ShardkitError(f"{_OP}: seq_len must be an int >= 0 or None, got {seq_len!r}")
+    cu = None
+    if cu_seqlens is not None:
+        cu = check_cu_seqlens(cu_seqlens, _OP, total=seq_len)
+        seq_len = cu[-1]
+    if seq_len is None:
+        seq_len = q.shape[1] * g.size
+    return g, cu, seq_len
+
+
+def ulysses_attention(q, k, v, group, *, causal: bool, scale=None, cu_seqlens=None, seq_len=None) -> torch.Tensor:
+    """All-to-all to head shards, local attention over the whole sequence, all-to-all back; the reverse all-to-alls in backward.
+
+    Args:
+        q: ``[B, S_r, N, D]``, this rank's block of the contiguous balanced split of the sequence
+            (rank ``r`` holds ``balanced_split_sizes(S, R)[r]`` tokens, zero allowed).
+        k: ``[B, S_r, N_kv, D]`` with ``N % N_kv == 0`` (grouped-query attention; query head
+            ``h`` uses KV head ``h // (N / N_kv)``).
+        v: ``[B, S_r, N_kv, Dv]``.
+        group: a ``ProcessGroup`` or 1-D ``DeviceMesh`` of ``R`` ranks (the Ulysses group).
+        causal: mask keys after each query's position (within its document when packed).
+        scale: softmax scale; None for ``1 / sqrt(D)``.
+        cu_seqlens: global cumulative document lengths ``[num_docs + 1]`` of a packed sequence
+            (ints or a 1-D integer tensor, identical on every rank); tokens attend only within
+            their document. Fixes ``S = cu_seqlens[-1]``.
+        seq_len: the global length ``S``. None means ``cu_seqlens[-1]`` when given, else
+            ``S_r x R``: every rank then must hold the same number of tokens. Pass it whenever
+            ``S`` is not a multiple of ``R`` (ranks cannot see that locally; the check mode
+            :func:`shardkit.comm.checks` catches the mistake).
+
+    Returns:
+        ``[B, S_r, N, Dv]``: attention output for this rank's tokens.
+
+    Raises:
+        ShardkitError: non-4-D inputs; q, k, v disagreeing on ``B``, ``S_r``, ``N_kv`` or ``D``;
+            ``N`` not a multiple of ``N_kv``; bad ``scale``/``seq_len``/``cu_seqlens``; ``S_r``
+            not this rank's balanced block of ``S`` (a local check: agree first with the check
+            mode when ranks may disagree).
+        ShardkitTypeError: non-tensor inputs, mixed or non-floating dtypes, bad ``group``.
+        RankMismatchError: (check mode) ranks disagree on shapes, dtype or arguments.
+
+    Communication (the ledger's ``api="ulysses_attention"``): forward 2 ``all_to_all_single``
+    (q, k, v together; output back), backward 2; one more each way when ``Dv != D``.
+    """
+    g, cu, seq_len = _validate(q, k, v, group, causal, scale, cu_seqlens, seq_len)
+    seq_sizes = balanced_split_sizes(seq_len, g.size)
+    n, n_kv, d, dv = q.shape[2], k.shape[2], q.shape[3], v.shape[3]
+    args = (n, n_kv, d, dv, int(causal), seq_len, -1 if cu is None else len(cu))
+    maybe_agree(g, _OP, q, args, local_dim=1, expected_local=seq_sizes[g.rank])
+    if q.shape[1] != seq_sizes[g.rank]:
+        raise ShardkitError(
+            f"{_OP}: rank {g.rank} of {g.size} holds {q.shape[1]} tokens, but the balanced split of S = {seq_len} gives it "
+            f"{seq_sizes[g.rank]} ({seq_sizes}); pass seq_len= (or cu_seqlens=) when S is not a multiple of R"
+        )
+    plan = ulysses_head_plan(n, n_kv, g.size)
+    scale = None if scale is None else float(scale)
+    if g.size == 1:
+        return local_attention(q, k, v, causal=causal, scale=scale, cu_seqlens=cu, kv_index=plan.kv_index[0])
+    named = {"q": q, "k": k, "v": v}
+    if dv == d:
+        moved = _scatter(named, "qkv", g, plan, n, n_kv, seq_sizes)
+    else:  # v cannot share the buffer's row width: a second all-to-all for it
+        moved = {**_scatter(named, "qk", g, plan, n, n_kv, seq_sizes), **_scatter(named, "v", g, plan, n, n_kv, seq_sizes)}
+    out = local_attention(
+        moved["q"], moved["k"], moved["v"], causal=causal, scale=scale, cu_seqlens=cu, kv_index=plan.kv_index[g.rank]
+    )
+    return _SequenceToHeads.apply(out, g, seq_sizes, list(plan.q_sizes))

@@ -1,0 +1,284 @@
+"""The P2P engine: an exchange of a few transfers between adjacent stages.
+
+An exchange is what one public call does: some transfers (send or receive, towards the next or
+the previous stage, one per pipeline group). A transfer is up to three messages: a header
+(dynamic shapes, or any transfer while checks are on; see :mod:`._wire`), the payload (none for
+zero elements or after a sender error) and, with checks on, a verdict from receiver to sender.
+
+Matching never relies on tags: NCCL ignores them and pairs the messages between two ranks in
+FIFO order. Transfers are posted in one fixed order of four slots, by the parity of the stage
+(the Megatron-LM order):
+
+    even stage: send next, recv prev, send prev, recv next
+    odd stage:  recv prev, send next, recv next, send prev
+
+Two modes:
+
+* ordered (default): transfer by transfer in slot order, each complete before the next (a
+  receiver waits for its header, then posts the payload receive). A transfer behaves as one
+  message, so a combined call (send + receive) may face the two single calls on the peer.
+* batched: one ``batch_isend_irecv`` per group and phase, phases in order: all headers (waited:
+  receivers need the shapes), all payloads, all verdicts. With dynamic shapes a combined call
+  then waits for its peer's header before posting its own payload, so its peer must make the
+  mirror combined call (as Megatron's schedules do); with static shapes there is one phase.
+
+Why it is safe. (a) Each even/odd pair of neighbours has one side sending first and the other
+receiving first, so with blocking (rendezvous) semantics, the worst case of NCCL, every exchange
+completes. (b) Towards one peer, "next" traffic is posted before "prev" traffic on both ends:
+with pp=2 and ``loop=True`` prev and next are the same rank, and the forward message is still
+the first sent and the first received. The tests check both exhaustively with a simulator of
+both modes (every combination of active links, 2-5 stages, with and without loop).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..comm import ledger
+from ..comm._compat import irecv, isend, p2p_op
+from ..comm._group import GroupInfo
+from ..errors import RankMismatchError, ShardkitError, ShardkitTypeError
+from . import _wire
+from ._wire import HEADER_LEN, OK, REJECTED
+
+__all__ = ["Transfer", "P2PWork", "exchange", "order_key", "posting_order"]
+
+_SLOTS = (
+    {(True, "next"): 0, (False, "prev"): 1, (True, "prev"): 2, (False, "next"): 3},  # even stages
+    {(False, "prev"): 0, (True, "next"): 1, (False, "next"): 2, (True, "prev"): 3},  # odd stages
+)
+
+
+def order_key(group_rank: int, is_send: bool, towards: str) -> int:
+    """Position of a message in its phase: the slot order of the module docstring."""
+    return _SLOTS[group_rank % 2][(is_send, towards)]
+
+
+def posting_order(items) -> list[int]:
+    """Indices of ``items`` = ``[(group_index, group_rank, is_send, towards), ...]`` in posting
+    order: groups in the order the caller listed them, slots by :func:`order_key` within each."""
+    return sorted(range(len(items)), key=lambda i: (items[i][0], order_key(*items[i][1:])))
+
+
+@dataclass(eq=False)
+class Transfer:
+    """One message stream of an exchange, as seen from this rank."""
+
+    send: bool
+    towards: str  # "next" or "prev"
+    gi: int  # index of the group in the caller's list (posting order)
+    g: GroupInfo
+    peer: int  # group rank of the other end
+    phase: str  # "forward" or "backward", for the ledger
+    device: torch.device
+    shape: tuple[int, ...] | None  # declared static shape
+    dtype: torch.dtype | None  # declared dtype
+    header: bool  # a header precedes the payload
+    payload: torch.Tensor | None = None  # send: the contiguous tensor; recv: the buffer
+    status: int = OK  # the header status sent or received
+    error: ShardkitError | None = None  # raised on this rank once the exchange is complete
+    hdr: torch.Tensor | None = None
+    verdict: torch.Tensor | None = None
+
+    def where(self) -> str:
+        return f"stage {self.g.rank} of {self.g.size}"
+
+
+def _post(msgs, batched: bool, api: str) -> list:
+    """Post ``(transfer, is_send, tensor, ledger_phase)`` messages, already in posting order."""
+    for t, is_send, tensor, label in msgs:
+        n = tensor.nbytes
+        ledger.record("send" if is_send else "recv", api, label, t.g.size, n if is_send else 0, 0 if is_send else n)
+    if not batched:
+        return [(isend if s else irecv)(tensor, t.g.pg, t.peer) for t, s, tensor, _ in msgs]
+    per_group: dict[int, list] = {}  # batch_isend_irecv takes one group per call
+    for t, s, tensor, _ in msgs:
+        per_group.setdefault(t.gi, []).append(p2p_op(s, tensor, t.g.pg, t.peer))
+    return [w for ops in per_group.values() for w in dist.batch_isend_irecv(ops)]
+
+
+def _header_msg(t: Transfer):
+    if t.send:
+        t.hdr = _wire.encode(t.status, t.payload.dtype, t.payload.shape, t.device)
+    else:
+        t.hdr = torch.empty(HEADER_LEN, dtype=torch.int64, device=t.device)
+    # A header on a static transfer exists only for the checks: count it as "check" traffic.
+    return (t, t.send, t.hdr, "check" if t.shape is not None else t.phase)
+
+
+def _payload_msg(t: Transfer):
+    """The payload message, or None (zero elements, or an error status: nothing follows)."""
+    if not t.send and not t.header:
+        t.payload = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    if t.status != OK or t.payload is None or t.payload.numel() == 0:
+        return None
+    return (t, t.send, t.payload, t.phase)
+
+
+def _verdict_msg(t: Transfer):
+    """Receiver -> sender: OK or REJECTED, with what the receiver declared."""
+    if t.send:
+        t.verdict = torch.empty(HEADER_LEN, dtype=torch.int64, device=t.device)
+    else:
+        t.verdict = _wire.encode(REJECTED if t.error else OK, t.dtype, t.shape, t.device)
+    return (t, not t.send, t.verdict, "check")
+
+
+def _read_header(t: Transfer, api: str) -> None:
+    """Decode a received header; set the payload buffer, or the error to raise later."""
+    source = f"stage {t.peer} of {t.g.size}"
+    meta = _wire.decode(t.hdr, api, source)
+    t.status = meta.status
+    if meta.status != OK:
+        why = "its tensor does not match its own declared static shape/dtype" if meta.status == _wire.BAD_DECLARATION \
+            else "its tensor cannot be described by a header (ndim > 16 or a dtype without a wire code)"
+        t.error = ShardkitError(f"{api}: {source} (the sender) reported that {why}; no payload was sent to {t.where()}")
+        return
+    if (t.dtype is not None and meta.dtype != t.dtype) or (t.shape is not None and meta.shape != t.shape):
+        # The payload still follows (the sender cannot know yet): receive it, then raise.
+        t.error = RankMismatchError(
+            f"{api}: {t.where()} declared {_wire.describe(t.shape, t.dtype)} but {source} sent "
+            f"{_wire.describe(meta.shape, meta.dtype)}"
+        )
+    t.payload = torch.empty(meta.shape, dtype=meta.dtype, device=t.device)
+
+
+def _ordered(transfers: list[Transfer], api: str, verdicts: bool) -> list:
+    """Transfer by transfer in slot order, each complete (header, payload, verdict) before the
+    next; a receiver waits for its header before posting the payload receive."""
+    works = []
+    for i in posting_order([(t.gi, t.g.rank, t.send, t.towards) for t in transfers]):
+        t = transfers[i]
+        if t.header:
+            posted = _post([_header_msg(t)], False, api)
+            if t.send:
+                works += posted
+            else:
+                posted[0].wait()
+                _read_header(t, api)
+        msgs = [_payload_msg(t)] + ([_verdict_msg(t)] if verdicts else [])
+        works += _post([m for m in msgs if m is not None], False, api)
+    return works
+
+
+def _phased(transfers: list[Transfer], api: str, verdicts: bool) -> list:
+    """One ``batch_isend_irecv`` per group and phase: all headers (waited), then all payloads,
+    then all verdicts; slot order within each batch (it fixes the FIFO pairing)."""
+    works = []
+    with_header = [t for t in transfers if t.header]
+    if with_header:
+        for w in _sorted_post([_header_msg(t) for t in with_header], api):
+            w.wait()  # the receivers need the shapes now
+        for t in with_header:
+            if not t.send:
+                _read_header(t, api)
+    works += _sorted_post([m for m in map(_payload_msg, transfers) if m is not None], api)
+    if verdicts:
+        works += _sorted_post([_verdict_msg(t) for t in transfers], api)
+    return works
+
+
+def _sorted_post(msgs, api: str) -> list:
+    order = posting_order([(t.gi, t.g.rank, s, t.towards) for t, s, _, _ in msgs])
+    return _post([msgs[i] for i in order], True, api)
+
+
+def exchange(transfers: list[Transfer], api: str, batched: bool, verdicts: bool, reduce: str) -> "P2PWork":
+    """Post every message of one call (see the module docstring) and return its handle.
+
+    Errors found on this rank are raised only after every message of the exchange was posted
+    and completed, so the channels stay in step and the groups stay usable; a sender error with
+    no header to carry it (static shapes, checks off) is raised before anything is posted.
+    """
+    for t in transfers:
+        if t.send and t.error is not None and not t.header:
+            raise t.error
+    pending = (_phased if batched else _ordered)(transfers, api, verdicts)
+    work = P2PWork(api, transfers, pending, reduce)
+    errors = [t.error for t in transfers if t.error is not None]
+    if errors:
+        work.complete()
+        raise errors[0]
+    return work
+
+
+class P2PWork:
+    """Handle of an asynchronous pipeline transfer (the ``async_op=True`` result).
+
+    ``wait()`` blocks until every message of the call completed and returns the received tensor
+    (None for a send-only call); call it before reading that tensor or modifying the tensor that
+    was sent. Waiting again returns the same result (or raises the same error).
+    """
+
+    def __init__(self, api: str, transfers: list[Transfer], works: list, reduce: str) -> None:
+        self._api, self._transfers, self._works, self._reduce = api, transfers, works, reduce
+        self._done, self._result, self._error = False, None, None
+
+    def is_completed(self) -> bool:
+        """Whether every message has completed (``wait()`` would not block)."""
+        return self._done or all(w.is_completed() for w in self._works)
+
+    def complete(self) -> None:
+        works, self._works = self._works, []
+        for w in works:
+            w.wait()
+
+    def wait(self) -> torch.Tensor | None:
+        """Complete the transfer; return the received tensor (None when this call only sends).
+
+        Raises:
+            RankMismatchError: (checks on) a receiver declared a different shape or dtype.
+            ShardkitError: tensors received from several groups differ in shape or dtype, or
+                ``reduce="mean"`` over an integer dtype.
+        """
+        if not self._done:
+            self.complete()
+            self._done = True
+            try:
+                self._check_verdicts()
+                received = [t.payload for t in self._transfers if not t.send]
+                self._result = _reduce(received, self._reduce, self._api) if received else None
+            except ShardkitError as exc:
+                self._error = exc
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def _check_verdicts(self) -> None:
+        for t in self._transfers:
+            if not t.send or t.verdict is None:
+                continue
+            meta = _wire.decode(t.verdict, self._api, f"stage {t.peer} of {t.g.size}")
+            if meta.status == REJECTED:
+                raise RankMismatchError(
+                    f"{self._api}: stage {t.peer} of {t.g.size} (the receiver) rejected the {t.phase} message of "
+                    f"{t.where()}: it declared {_wire.describe(meta.shape, meta.dtype)} but this stage sent "
+                    f"{_wire.describe(t.payload.shape, t.payload.dtype)}"
+                )
+
+
+def _reduce(tensors: list[torch.Tensor], how: str, api: str) -> torch.Tensor:
+    """One received tensor as is; several (one per group) averaged or summed."""
+    if len(tensors) == 1:
+        return tensors[0]
+    first = tensors[0]
+    bad = [i for i, t in enumerate(tensors) if t.shape != first.shape or t.dtype != first.dtype]
+    if bad:
+        got = "; ".join(f"group {i}: {_wire.describe(t.shape, t.dtype)}" for i, t in enumerate(tensors))
+        raise ShardkitError(f"{api}: tensors received from {len(tensors)} groups must match to be reduced, got {got}")
+    if how == "mean" and not (first.is_floating_point() or first.is_complex()):
+        raise ShardkitTypeError(
+            f"{api}: reduce='mean' over {len(tensors)} groups needs a floating dtype, got {first.dtype}"
+        )
+    # Accumulate low-precision floats in float32, as the MindSpeed-MM multi-group receive does.
+    acc = first.dtype
+    if first.is_floating_point() and first.dtype.itemsize < 4:
+        acc = torch.float32
+    elif first.dtype == torch.bool:
+        acc = torch.int64  # a sum of flags; .to(bool) below makes it a logical or
+    stacked = torch.stack(tensors)
+    out = stacked.mean(0, dtype=acc) if how == "mean" else stacked.sum(0, dtype=acc)
+    return out.to(first.dtype)

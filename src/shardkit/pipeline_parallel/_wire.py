@@ -1,0 +1,93 @@
+"""Wire format of pipeline P2P messages: the shape/dtype header and the receiver's verdict.
+
+A transfer with dynamic shapes (or any transfer while ``shardkit.comm.checks`` is on) is a
+fixed-size int64 *header* followed by the payload::
+
+    [MAGIC, status, dtype code, ndim, d0, d1, ..., d15]      (HEADER_LEN = 20 int64 = 160 bytes)
+
+The receiver allocates the payload buffer from it, so shapes (any ndim up to 16) and dtypes can
+change from one microbatch to the next. ``status`` lets a sender that found a problem with its
+own tensor tell the receiver instead of leaving it waiting: any status other than ``OK`` means
+no payload follows. With checks on, the receiver answers with a *verdict* in the same layout
+(status ``OK`` or ``REJECTED``, then the dtype and shape it declared, ``ndim = -1`` when it
+declared none), so a sender learns that its receiver expected something else.
+
+Codes are part of the protocol: append to ``_DTYPES``, never reorder.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ShardkitError
+
+__all__ = ["HEADER_LEN", "MAX_DIMS", "OK", "BAD_DECLARATION", "UNENCODABLE", "REJECTED", "Meta", "encode", "decode",
+           "unencodable", "describe"]
+
+MAGIC = 0x534B5032  # "SKP2": catches a receiver reading a payload as a header (mode mismatch)
+MAX_DIMS = 16
+HEADER_LEN = 4 + MAX_DIMS
+
+OK = 0
+BAD_DECLARATION = 1  # sender: its tensor does not match its own declared static shape / dtype
+UNENCODABLE = 2  # sender: ndim > MAX_DIMS or a dtype without a wire code
+REJECTED = 3  # verdict: the receiver declared a different shape / dtype than it got
+
+_DTYPES = [
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
+    torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool,
+]
+_DTYPES += [getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)]
+
+
+@dataclass(frozen=True)
+class Meta:
+    """A decoded header or verdict. ``dtype``/``shape`` are None when not stated."""
+
+    status: int
+    dtype: torch.dtype | None
+    shape: tuple[int, ...] | None
+
+
+def unencodable(dtype: torch.dtype, shape) -> str | None:
+    """Why a tensor of this dtype and shape cannot be described by a header, or None."""
+    if dtype not in _DTYPES:
+        return f"dtype {dtype} has no wire code"
+    if len(shape) > MAX_DIMS:
+        return f"ndim {len(shape)} exceeds the header's {MAX_DIMS} dims"
+    return None
+
+
+def encode(status: int, dtype: torch.dtype | None, shape, device: torch.device) -> torch.Tensor:
+    """Header (or verdict) tensor. A dtype or shape that cannot be encoded is sent as unknown."""
+    code = _DTYPES.index(dtype) + 1 if dtype in _DTYPES else 0
+    dims = list(shape) if shape is not None and len(shape) <= MAX_DIMS else None
+    row = [MAGIC, status, code, -1 if dims is None else len(dims)]
+    row += ((dims or []) + [0] * MAX_DIMS)[:MAX_DIMS]
+    return torch.tensor(row, dtype=torch.int64, device=device)
+
+
+def decode(buf: torch.Tensor, op: str, source: str) -> Meta:
+    """Parse a received header or verdict.
+
+    Raises:
+        ShardkitError: the message is not a shardkit header: the two ends disagree on the
+            protocol (one declared static shapes with checks off, the other did not).
+    """
+    row = buf.tolist()
+    if row[0] != MAGIC or not 0 <= row[2] <= len(_DTYPES) or not -1 <= row[3] <= MAX_DIMS:
+        raise ShardkitError(
+            f"{op}: expected a shardkit P2P header from {source} but got other data; both ends of a transfer "
+            "must agree on static (shape=..., dtype=...) vs dynamic shapes when checks are off"
+        )
+    dtype = _DTYPES[row[2] - 1] if row[2] > 0 else None
+    shape = None if row[3] < 0 else tuple(row[4 : 4 + row[3]])
+    return Meta(row[1], dtype, shape)
+
+
+def describe(shape, dtype) -> str:
+    """``[2, 3] torch.float32``-style text for messages; ``*`` for what is not stated."""
+    s = "[*]" if shape is None else str(list(shape))
+    return f"{s} {'*' if dtype is None else dtype}"

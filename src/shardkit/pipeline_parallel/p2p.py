@@ -1,0 +1,284 @@
+"""Point-to-point transfers between adjacent pipeline stages, with shape and dtype negotiation.
+
+The stage is the rank in the pipeline group passed in (``R`` stages): the next stage is group
+rank ``+ 1``, the previous one ``- 1``. Without ``loop`` the first stage has no previous stage
+and the last none next; with ``loop=True`` the last stage feeds the first (the "end stage" of
+MindSpeed-MM layerwise disaggregated training; looped/zero-bubble schedules).
+
+Messages. By default a transfer negotiates: a 160-byte int64 header with dtype and shape (any
+ndim up to 16) goes first and the receiver allocates from it, so every microbatch may have its
+own shape and dtype (2 messages). Declaring ``shape=`` (and ``dtype=``) on *both* ends makes it
+static: one message, the payload, into a buffer allocated from the declaration. Both ends must
+agree on static vs dynamic: with checks off a disagreement is a protocol error.
+
+Checks (``shardkit.comm.checks(True)`` or ``SHARDKIT_CHECKS=1``): a header is sent on static
+transfers too and the receiver answers with a verdict (3 messages). A wrong static declaration
+then raises on both ends of the transfer instead of corrupting data or hanging: the sender's
+tensor is checked against its declaration, the received header against the receiver's, and a
+rejected message raises on the sender when it waits. With checks off the sender still checks its
+own tensor against its declaration and raises before sending anything (its receiver then waits).
+
+Several groups (a stage with several previous or next stages): pass a list of groups. A send
+goes to the next (previous) stage of every group; a receive gets one tensor per group and
+returns their mean (``reduce="mean"``, float32 accumulation for 16-bit dtypes, as MindSpeed-MM's
+multi-group receive) or sum (``reduce="sum"``).
+
+Gradients. These are plain transfers, not autograd Functions: the schedule calls backward and
+moves gradients explicitly, as in Megatron-LM. The pairs are adjoint under the sum-over-ranks
+inner product: ``send_forward``/``recv_forward`` move ``x`` from stage s to s + 1 (A), and
+``send_backward``/``recv_backward`` move ``y`` from s + 1 to s (``A^T``). For several groups,
+the fan-out send (the same tensor to every group) is adjoint to ``reduce="sum"``, and
+``reduce="mean"`` over ``K`` groups is adjoint to sending ``y / K`` back; sending the unscaled
+``y`` back (as MindSpeed-MM does) treats the ``K`` senders as replicas of one variable whose
+full gradient each replica holds (the convention of :mod:`shardkit.comm.regions`).
+
+Ordering and modes (details in :mod:`._exchange`): no tags are used, and a fixed even/odd
+stage order keeps pp=2 (prev == next with ``loop``) and every other size deadlock-free. Default
+(ordered): individual ``isend``/``irecv``, transfer by transfer; a combined call may face either
+the mirror combined call or the two single calls on its peer. ``batched=True``: each phase
+(headers, payloads, verdicts) is one ``batch_isend_irecv`` per group (with NCCL, the first call
+on a group must include all its ranks, as for every ``batch_isend_irecv``); with dynamic shapes
+a combined call must then face the mirror combined call, as in Megatron's schedules.
+``async_op=True`` returns a :class:`P2PWork`; with dynamic shapes the receiver still waits for
+the header inside the call (it needs the shape to post the payload receive), so fully
+asynchronous receives need static shapes. Both ends must use the same check mode.
+
+Source: Megatron-LM ``p2p_communication`` (send/recv pairs, even/odd ordering, shape
+negotiation); MindSpeed-MM P2P (multi-group averaging, end-stage loop).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..comm._group import GroupInfo, resolve_group
+from ..comm.checks import checks_enabled
+from ..errors import ShardkitError, ShardkitTypeError
+from . import _wire
+from ._exchange import P2PWork, Transfer, exchange
+
+__all__ = [
+    "P2PWork",
+    "send_forward",
+    "recv_forward",
+    "send_backward",
+    "recv_backward",
+    "send_forward_recv_backward",
+    "send_backward_recv_forward",
+    "send_forward_recv_forward",
+    "send_backward_recv_backward",
+]
+
+_FWD_OUT, _FWD_IN = ("next", "forward"), ("prev", "forward")  # (towards, ledger phase)
+_BWD_OUT, _BWD_IN = ("prev", "backward"), ("next", "backward")
+
+
+def send_forward(x, group, *, shape=None, dtype=None, loop=False, batched=False, async_op=False):
+    """Send an activation to the next stage (forward); its adjoint is :func:`recv_backward`.
+
+    Args:
+        x: the activation, any shape and dtype (e.g. ``[B, S, H]``); sent contiguous and
+            detached. With ``async_op`` do not modify it before ``wait()``.
+        group: the pipeline group: a ``ProcessGroup``, a 1-D ``DeviceMesh``, or a list of them
+            (fan-out: the same tensor to the next stage of each).
+        shape, dtype: declare the transfer static (the receiver declares the same); ``x`` is
+            checked against them.
+        loop: the last stage sends to the first.
+        batched: post with ``batch_isend_irecv`` instead of ordered ``isend``/``irecv``.
+        async_op: return a :class:`P2PWork` instead of waiting.
+
+    Returns:
+        None, or a :class:`P2PWork` whose ``wait()`` returns None.
+
+    Raises:
+        ShardkitTypeError: ``x`` not a tensor; bad ``group``/``shape``/``dtype`` types.
+        ShardkitError: this is the last stage and ``loop`` is off; ``x`` does not match the
+            declared ``shape``/``dtype``; the header cannot describe ``x`` (ndim > 16).
+        RankMismatchError: (checks on) the receiver declared a different shape or dtype.
+    """
+    return _run("send_forward", group, x, [_FWD_OUT], [], shape, dtype, None, loop, batched, async_op, "mean")
+
+
+def recv_forward(group, *, shape=None, dtype=None, device=None, loop=False, batched=False, async_op=False,
+                 reduce="mean"):
+    """Receive an activation from the previous stage (forward); adjoint of :func:`send_backward`.
+
+    Args:
+        group: the pipeline group, or a list of groups (one tensor from each, reduced).
+        shape, dtype: the declared static shape and dtype (both needed for a static receive);
+            None for a negotiated (dynamic) transfer. ``dtype`` alone is checked against the header.
+        device: where to allocate; default CPU for a gloo group, else the current accelerator.
+        loop: the first stage receives from the last.
+        batched, async_op: as :func:`send_forward`.
+        reduce: ``"mean"`` or ``"sum"`` of the tensors received from several groups.
+
+    Returns:
+        A new tensor (``requires_grad`` False), or a :class:`P2PWork` whose ``wait()`` returns it.
+
+    Raises:
+        ShardkitTypeError: ``shape`` without ``dtype``; bad types; ``reduce="mean"`` of integers.
+        ShardkitError: this is the first stage and ``loop`` is off; the sender reported an
+            error; tensors from several groups differ.
+        RankMismatchError: the sender's header differs from the declared ``shape``/``dtype``.
+    """
+    return _run("recv_forward", group, None, [], [_FWD_IN], shape, dtype, device, loop, batched, async_op, reduce)
+
+
+def send_backward(grad, group, *, shape=None, dtype=None, loop=False, batched=False, async_op=False):
+    """Send the gradient of a stage's input to the previous stage; adjoint of :func:`recv_forward`.
+
+    Arguments, returns and errors as :func:`send_forward` (this is the first stage and ``loop``
+    is off: ShardkitError). With several groups, pass ``grad / K`` to be the exact adjoint of
+    ``recv_forward(reduce="mean")`` over ``K`` groups (see the module docstring).
+    """
+    return _run("send_backward", group, grad, [_BWD_OUT], [], shape, dtype, None, loop, batched, async_op, "mean")
+
+
+def recv_backward(group, *, shape=None, dtype=None, device=None, loop=False, batched=False, async_op=False,
+                  reduce="mean"):
+    """Receive the gradient of this stage's output from the next stage; adjoint of
+    :func:`send_forward`.
+
+    Arguments, returns and errors as :func:`recv_forward` (this is the last stage and ``loop``
+    is off: ShardkitError). Use ``reduce="sum"`` after a fan-out :func:`send_forward` to several
+    groups: the gradient of a tensor used by several next stages is the sum of theirs.
+    """
+    return _run("recv_backward", group, None, [], [_BWD_IN], shape, dtype, device, loop, batched, async_op, reduce)
+
+
+def send_forward_recv_backward(x, group, *, shape=None, dtype=None, loop=False, batched=False, async_op=False,
+                               reduce="mean"):
+    """Send an activation to the next stage and receive the gradient of an output from it (1F1B steady state).
+
+    ``shape``/``dtype`` declare both tensors (an activation and its gradient share them); the
+    received tensor is allocated on ``x``'s device. Otherwise as :func:`send_forward` and
+    :func:`recv_backward` together; both directions are posted before waiting.
+    """
+    return _run("send_forward_recv_backward", group, x, [_FWD_OUT], [_BWD_IN], shape, dtype, None, loop, batched,
+                async_op, reduce)
+
+
+def send_backward_recv_forward(grad, group, *, shape=None, dtype=None, loop=False, batched=False, async_op=False,
+                               reduce="mean"):
+    """Send an input gradient to the previous stage and receive the next activation from it (1F1B steady state).
+
+    As :func:`send_forward_recv_backward`, directions reversed.
+    """
+    return _run("send_backward_recv_forward", group, grad, [_BWD_OUT], [_FWD_IN], shape, dtype, None, loop, batched,
+                async_op, reduce)
+
+
+def send_forward_recv_forward(x, group, *, shape=None, dtype=None, loop=False, batched=False, async_op=False,
+                              reduce="mean"):
+    """Send an activation to the next stage and receive one from the previous stage (a forward shift).
+
+    With ``loop=True`` every stage does both: a ring shift by one stage. Otherwise as
+    :func:`send_forward_recv_backward`.
+    """
+    return _run("send_forward_recv_forward", group, x, [_FWD_OUT], [_FWD_IN], shape, dtype, None, loop, batched,
+                async_op, reduce)
+
+
+def send_backward_recv_backward(grad, group, *, shape=None, dtype=None, loop=False, batched=False, async_op=False,
+                                reduce="mean"):
+    """Send a gradient to the previous stage and receive one from the next stage (a backward shift)."""
+    return _run("send_backward_recv_backward", group, grad, [_BWD_OUT], [_BWD_IN], shape, dtype, None, loop, batched,
+                async_op, reduce)
+
+
+def _run(api, group, x, sends, recvs, shape, dtype, device, loop, batched, async_op, reduce):
+    """Validate (every check here is a function of this rank's arguments and stage, raised
+    before any message is posted), build the transfers and run the exchange."""
+    if sends and not isinstance(x, torch.Tensor):
+        raise ShardkitTypeError(f"{api}: expected a torch.Tensor to send, got {type(x).__name__}")
+    groups = _resolve_groups(group, api)
+    shape = _check_shape(shape, api)
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise ShardkitTypeError(f"{api}: dtype must be a torch.dtype, got {dtype!r}")
+    if recvs and shape is not None and dtype is None:
+        raise ShardkitTypeError(f"{api}: a static receive (shape={list(shape)}) also needs dtype=")
+    if reduce not in ("mean", "sum"):
+        raise ShardkitError(f"{api}: reduce must be 'mean' or 'sum', got {reduce!r}")
+    checks = checks_enabled()
+    header = checks or shape is None
+    payload = x.detach().contiguous() if sends else None
+    transfers = []
+    for gi, g in enumerate(groups):
+        for towards, phase in sends:
+            t = Transfer(True, towards, gi, g, _peer(g, towards, loop, api), phase, payload.device, shape, dtype,
+                         header, payload)
+            _check_own_tensor(t, api)
+            transfers.append(t)
+        for towards, phase in recvs:
+            dev = payload.device if payload is not None else _device(device, g, api)
+            transfers.append(Transfer(False, towards, gi, g, _peer(g, towards, loop, api), phase, dev, shape, dtype,
+                                      header))
+    work = exchange(transfers, api, bool(batched), checks, reduce)
+    return work if async_op else work.wait()
+
+
+def _resolve_groups(group, api: str) -> list[GroupInfo]:
+    groups = list(group) if isinstance(group, (list, tuple)) else [group]
+    if not groups:
+        raise ShardkitTypeError(f"{api}: group is an empty list; pass a pipeline group or a list of them")
+    return [resolve_group(g, api) for g in groups]
+
+
+def _peer(g: GroupInfo, towards: str, loop: bool, api: str) -> int:
+    """Group rank of the next or previous stage."""
+    if loop and g.size < 2:
+        raise ShardkitError(f"{api}: loop=True needs at least 2 pipeline stages, the group has {g.size}")
+    step = 1 if towards == "next" else -1
+    peer = g.rank + step
+    if 0 <= peer < g.size:
+        return peer
+    if loop:
+        return peer % g.size
+    which, other = ("last", "next") if towards == "next" else ("first", "previous")
+    raise ShardkitError(
+        f"{api}: stage {g.rank} is the {which} of {g.size} pipeline stages and has no {other} stage "
+        f"(pass loop=True to connect the last stage to the first)"
+    )
+
+
+def _check_shape(shape, api: str):
+    if shape is None:
+        return None
+    if isinstance(shape, torch.Size):
+        shape = tuple(shape)
+    if not isinstance(shape, (list, tuple)) or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
+        raise ShardkitTypeError(f"{api}: shape must be a sequence of ints, got {shape!r}")
+    if any(d < 0 for d in shape):
+        raise ShardkitError(f"{api}: shape entries must be >= 0, got {list(shape)}")
+    return tuple(shape)
+
+
+def _check_own_tensor(t: Transfer, api: str) -> None:
+    """The sender's checks of its own tensor: against its declaration, and that a header can
+    describe it. The exchange raises them after telling the receiver (or before sending
+    anything when no header is sent)."""
+    x = t.payload
+    if (t.shape is not None and tuple(x.shape) != t.shape) or (t.dtype is not None and x.dtype != t.dtype):
+        t.status = _wire.BAD_DECLARATION
+        t.error = ShardkitError(
+            f"{api}: {t.where()} declared {_wire.describe(t.shape, t.dtype or x.dtype)} but its tensor is "
+            f"{_wire.describe(x.shape, x.dtype)}"
+        )
+    elif t.header and (why := _wire.unencodable(x.dtype, x.shape)):
+        t.status = _wire.UNENCODABLE
+        t.error = ShardkitError(f"{api}: {t.where()} cannot send its tensor with a header: {why}")
+
+
+def _device(device, g: GroupInfo, api: str) -> torch.device:
+    """Receive buffers: the given device, else CPU for gloo, else the current accelerator."""
+    if device is not None:
+        try:
+            return torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise ShardkitTypeError(f"{api}: bad device {device!r}: {exc}") from None
+    backend = str(dist.get_backend(g.pg)).lower()
+    accelerator = getattr(torch, "accelerator", None)
+    if backend == "gloo" or accelerator is None or accelerator.current_accelerator() is None:
+        return torch.device("cpu")
+    return torch.device(accelerator.current_accelerator().type, accelerator.current_device_index())

@@ -1,0 +1,189 @@
+"""Bad pipeline transfers: a clear ShardkitError on every rank involved within 2 s, and the
+group (and its P2P channels) still works after."""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness.helpers import rank, world_group, world_size
+from shardkit.comm import CommLedger, checks
+from shardkit.errors import RankMismatchError, ShardkitError, ShardkitTypeError
+from shardkit.pipeline_parallel import recv_backward, recv_forward, send_backward, send_forward
+
+G = world_group
+
+
+def _raises(expected, fragment, fn):
+    """Run ``fn`` expecting ``expected`` (with ``fragment``) within 2 s; return the message."""
+    start = time.monotonic()
+    with pytest.raises(expected, match=fragment) as info:
+        fn()
+    assert time.monotonic() - start < 2.0
+    assert isinstance(info.value, ShardkitError)
+    return str(info.value)
+
+
+def _assert_usable():
+    """The group all-reduces, and a forward and a backward transfer along the whole pipeline
+    arrive intact (nothing stale is left in any channel)."""
+    t = torch.ones(1)
+    dist.all_reduce(t, group=G())
+    assert t.item() == world_size()
+    s, P = rank(), world_size()
+    if s > 0:
+        assert torch.equal(recv_forward(G()), torch.full((2, 2), float(s - 1)))
+    if s < P - 1:
+        send_forward(torch.full((2, 2), float(s)), G())
+        assert torch.equal(recv_backward(G()), torch.full((3,), -1.0 - s - 1))
+    if s > 0:
+        send_backward(torch.full((3,), -1.0 - s), G())
+
+
+def _pairs():
+    """Even stage s sends to odd stage s + 1: every rank takes part in one transfer (pp = 2, 4)."""
+    return rank() % 2 == 0
+
+
+@pytest.mark.world(2, timeout=20)
+@pytest.mark.parametrize("batched", [False, True], ids=["ordered", "batched"])
+def test_static_tensor_not_matching_the_declaration_raises_on_both_ends(batched):
+    decl = dict(shape=(2, 3), dtype=torch.float32, batched=batched)
+    with checks(True):
+        if _pairs():
+            msg = _raises(ShardkitError, r"declared \[2, 3\] torch.float32 but its tensor is \[2, 4\]",
+                          lambda: send_forward(torch.zeros(2, 4), G(), **decl))
+        else:
+            msg = _raises(ShardkitError, "stage 0 of 2 .the sender. reported", lambda: recv_forward(G(), **decl))
+    assert "send_forward" in msg or "recv_forward" in msg
+    _assert_usable()
+
+
+@pytest.mark.world(4, timeout=20)
+@pytest.mark.parametrize("what", ["shape", "dtype"])
+def test_declarations_that_differ_raise_on_both_ends_pp4(what):
+    """Sender and receiver each declare consistently with themselves but differently from each
+    other: the receiver sees it in the header, the sender in the verdict."""
+    s = rank()
+    mine = dict(shape=(2, 4), dtype=torch.float64)
+    theirs = dict(shape=(2, 3), dtype=torch.float64) if what == "shape" else dict(shape=(2, 4), dtype=torch.float32)
+    with checks(True):
+        if _pairs():
+            _raises(RankMismatchError, rf"stage {s + 1} of 4 \(the receiver\) rejected the forward message",
+                    lambda: send_forward(torch.zeros(2, 4, dtype=torch.float64), G(), **mine))
+        else:
+            _raises(RankMismatchError, rf"stage {s} of 4 declared .* but stage {s - 1} of 4 sent \[2, 4\] torch.float64",
+                    lambda: recv_forward(G(), **theirs))
+    _assert_usable()
+
+
+@pytest.mark.world(2, timeout=20)
+def test_async_sender_learns_the_rejection_at_wait():
+    with checks(True):
+        if _pairs():
+            h = send_forward(torch.zeros(5), G(), shape=(5,), async_op=True)
+            _raises(RankMismatchError, "rejected", h.wait)
+            _raises(RankMismatchError, "rejected", h.wait)  # waiting again raises the same
+        else:
+            _raises(RankMismatchError, "declared", lambda: recv_forward(G(), shape=(6,), dtype=torch.float32))
+    _assert_usable()
+
+
+@pytest.mark.world(2, timeout=20)
+def test_dynamic_receiver_dtype_declaration_is_checked_without_checks():
+    if _pairs():
+        send_backward(torch.ones(3), G(), loop=True)
+    else:
+        _raises(RankMismatchError, "declared .* torch.int64 but stage 0 of 2 sent \\[3\\] torch.float32",
+                lambda: recv_backward(G(), dtype=torch.int64, loop=True))
+    _assert_usable()
+
+
+@pytest.mark.world(2, timeout=20)
+def test_more_than_16_dims_raise_on_both_ends():
+    if _pairs():
+        _raises(ShardkitError, "ndim 17 exceeds", lambda: send_forward(torch.zeros([1] * 17), G()))
+    else:
+        _raises(ShardkitError, "cannot be described by a header", lambda: recv_forward(G()))
+    _assert_usable()
+
+
+@pytest.mark.world(2, timeout=20)
+def test_static_mismatch_with_checks_off_raises_on_the_sender_before_sending():
+    """Without a header nothing can tell the receiver, so the sender sends nothing (its receiver
+    would wait; this test's receiver posts nothing) and no message is recorded."""
+    if _pairs():
+        with CommLedger() as ledger:
+            _raises(ShardkitError, "declared", lambda: send_forward(torch.zeros(3), G(), shape=(4,)))
+        assert ledger.count() == 0
+    _assert_usable()
+
+
+@pytest.mark.world(2, timeout=20)
+def test_static_sender_against_dynamic_receiver_is_a_clear_protocol_error():
+    if _pairs():
+        send_forward(torch.zeros(20, dtype=torch.int64), G(), shape=(20,))  # 160 bytes, like a header
+    else:
+        _raises(ShardkitError, "expected a shardkit P2P header", lambda: recv_forward(G()))
+    _assert_usable()
+
+
+@pytest.mark.world(4, timeout=20)
+@pytest.mark.parametrize("call", ["recv_forward_on_first", "send_backward_on_first"])
+def test_calls_past_the_ends_of_the_pipeline(call):
+    """First stage: nothing before it; last stage: nothing after it (without loop). Raised
+    locally before any message; the middle stages are not involved."""
+    s, P = rank(), world_size()
+    first = {"recv_forward_on_first": lambda: recv_forward(G()),
+             "send_backward_on_first": lambda: send_backward(torch.ones(1), G())}
+    last = {"recv_forward_on_first": lambda: send_forward(torch.ones(1), G()),
+            "send_backward_on_first": lambda: recv_backward(G())}
+    with CommLedger() as ledger:
+        if s == 0:
+            _raises(ShardkitError, "stage 0 is the first of 4 pipeline stages and has no previous stage", first[call])
+        elif s == P - 1:
+            _raises(ShardkitError, "stage 3 is the last of 4 pipeline stages and has no next stage", last[call])
+    assert ledger.count() == 0
+    _assert_usable()
+
+
+def _bad_arguments():
+    """The same on every rank: raised before any message."""
+    f32 = torch.float32
+    return {
+        "not_a_tensor": (ShardkitTypeError, "expected a torch.Tensor",
+                         lambda: send_forward([1.0, 2.0], G(), loop=True)),
+        "none_gradient": (ShardkitTypeError, "expected a torch.Tensor", lambda: send_backward(None, G(), loop=True)),
+        "static_recv_without_dtype": (ShardkitTypeError, "also needs dtype",
+                                      lambda: recv_forward(G(), shape=(2,), loop=True)),
+        "negative_shape": (ShardkitError, ">= 0", lambda: recv_forward(G(), shape=(2, -1), dtype=f32, loop=True)),
+        "shape_not_ints": (ShardkitTypeError, "sequence of ints",
+                           lambda: recv_forward(G(), shape=(2.0,), dtype=f32, loop=True)),
+        "dtype_not_a_dtype": (ShardkitTypeError, "torch.dtype",
+                              lambda: recv_forward(G(), shape=(2,), dtype="float32", loop=True)),
+        "unknown_reduce": (ShardkitError, "reduce must be", lambda: recv_forward(G(), reduce="max", loop=True)),
+        "group_none": (ShardkitTypeError, "group is required", lambda: recv_forward(None)),
+        "empty_group_list": (ShardkitTypeError, "empty list", lambda: send_forward(torch.ones(1), [])),
+    }
+
+
+@pytest.mark.world(2, timeout=20)
+@pytest.mark.parametrize("case", [
+    "not_a_tensor", "none_gradient", "static_recv_without_dtype", "negative_shape", "shape_not_ints",
+    "dtype_not_a_dtype", "unknown_reduce", "group_none", "empty_group_list"])
+def test_bad_arguments_raise_on_every_rank(case):
+    expected, fragment, fn = _bad_arguments()[case]
+    with CommLedger() as ledger:
+        msg = _raises(expected, fragment, fn)
+    assert ledger.count() == 0
+    msgs = [None] * world_size()
+    dist.all_gather_object(msgs, msg, group=G())
+    assert len(set(msgs)) == 1, msgs  # the same message on every rank
+    _assert_usable()
+
+
+@pytest.mark.world(1, timeout=20)
+def test_single_stage_has_no_neighbours():
+    _raises(ShardkitError, "loop=True needs at least 2 pipeline stages", lambda: send_forward(torch.ones(1), G(), loop=True))
+    _raises(ShardkitError, "is the last of 1", lambda: send_forward(torch.ones(1), G()))
