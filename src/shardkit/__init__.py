@@ -17,6 +17,18 @@ from .comm import (
 )
 from .errors import GroupMembershipError, RankMismatchError, ShardkitError, ShardkitTypeError
 from .mesh import ParallelDims
+from .spatial import (
+    RingConv2d,
+    SpatialConv1d,
+    SpatialConv2d,
+    SpatialConv3d,
+    halo_exchange,
+    ring_conv2d,
+    spatial_conv1d,
+    spatial_conv2d,
+    spatial_conv3d,
+    spatial_output_sizes,
+)
 from .tensor_parallel import apply_llama_tp, gather_full_state_dict
 
 __version__ = "0.1.0"
@@ -34,6 +46,16 @@ __all__ = [
     "CommLedger",
     "apply_llama_tp",
     "gather_full_state_dict",
+    "halo_exchange",
+    "spatial_conv1d",
+    "spatial_conv2d",
+    "spatial_conv3d",
+    "spatial_output_sizes",
+    "SpatialConv1d",
+    "SpatialConv2d",
+    "SpatialConv3d",
+    "RingConv2d",
+    "ring_conv2d",
     "ShardkitError",
     "ShardkitTypeError",
     "GroupMembershipError",

@@ -1,0 +1,218 @@
+"""Halo exchange along one sharded dim, as one ``all_to_all_single`` each way.
+
+Every rank sends every other rank exactly the elements that rank needs (split sizes from a plan
+all ranks compute identically, :mod:`._plan`), so:
+
+* it is correct at ``R = 2``, where the left and the right neighbour are the same rank, without
+  P2P tags (NCCL ignores tags and pairs same-peer messages in FIFO order, DESIGN.md section 3);
+* halos wider than a neighbour's shard come from further ranks, and zero-size shards need no
+  special case: they own no piece of anyone's request;
+* the backward is the adjoint: received halo gradients travel back in the reverse
+  ``all_to_all_single`` and are added into their owners' elements.
+
+One call whatever ``R`` and however far a halo reaches. On NCCL, ``all_to_all_single`` with
+split sizes is itself a group of send/recv calls per peer; a batched P2P path that only
+addresses the peers with traffic could later run the same plan (the plan fixes the order, so it
+would not need tags either).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from .._shapes import split_offsets
+from ..comm import ledger
+from ..comm._group import GroupInfo
+from ..comm._validate import dim_of, enter, expected_size, local_sizes, maybe_agree
+from ..errors import ShardkitError, ShardkitTypeError
+from ._plan import Plan, build_plan
+
+__all__ = ["halo_exchange", "exchange", "plan_for"]
+
+
+def _with_dim(shape, dim: int, size: int) -> list[int]:
+    out = list(shape)
+    out[dim] = size
+    return out
+
+
+def _a2a(send: torch.Tensor, recv_counts: list[int], send_counts: list[int], g: GroupInfo, api: str, phase: str) -> torch.Tensor:
+    recv = send.new_empty(sum(recv_counts))
+    dist.all_to_all_single(recv, send, output_split_sizes=recv_counts, input_split_sizes=send_counts, group=g.pg)
+    ledger.record("all_to_all_single", api, phase, g.size, send.nbytes, recv.nbytes)
+    return recv
+
+
+def _forward(x: torch.Tensor, g: GroupInfo, dim: int, plan: Plan, api: str) -> torch.Tensor:
+    r, R = g.rank, g.size
+    off = plan.offsets[r]
+    slab = math.prod(_with_dim(x.shape, dim, 1))  # elements per unit length along dim
+    recv = None
+    if plan.traffic:
+        # Pack, per destination q in rank order, the pieces of q's request this rank owns.
+        send = x.new_empty(sum(plan.counts[q][r] for q in range(R)) * slab)
+        pos = 0
+        for q in range(R):
+            for p in plan.pieces[q] if q != r else ():
+                if p.owner == r:
+                    n = p.length * slab
+                    send[pos : pos + n].view(_with_dim(x.shape, dim, p.length)).copy_(x.narrow(dim, p.start - off, p.length))
+                    pos += n
+        recv = _a2a(send, [c * slab for c in plan.counts[r]], [plan.counts[q][r] * slab for q in range(R)], g, api, "forward")
+    # Place the pieces in request order: local ones from x, remote ones from their source's block.
+    cursor = [c * slab for c in split_offsets(plan.counts[r])]
+    parts = []
+    for p in plan.pieces[r]:
+        if p.mode == "zero":
+            parts.append(x.new_zeros(_with_dim(x.shape, dim, p.out_len)))
+            continue
+        if p.owner == r:
+            part = x.narrow(dim, p.start - off, p.length)
+        else:
+            n = p.length * slab
+            part = recv[cursor[p.owner] : cursor[p.owner] + n].view(_with_dim(x.shape, dim, p.length))
+            cursor[p.owner] += n
+        if p.mode == "flip":
+            part = part.flip(dim)
+        elif p.mode == "repeat":
+            part = part.expand(_with_dim(x.shape, dim, p.out_len))
+        parts.append(part)
+    if not parts:
+        return x.new_empty(_with_dim(x.shape, dim, 0))
+    return torch.cat(parts, dim)
+
+
+def _backward(grad: torch.Tensor, shape, g: GroupInfo, dim: int, plan: Plan, api: str) -> torch.Tensor:
+    r, R = g.rank, g.size
+    off = plan.offsets[r]
+    gx = grad.new_zeros(shape)
+    slab = math.prod(_with_dim(shape, dim, 1))
+    outgoing: list[list[torch.Tensor]] = [[] for _ in range(R)]
+    pos = 0
+    for p in plan.pieces[r]:
+        part = grad.narrow(dim, pos, p.out_len)
+        pos += p.out_len
+        if p.mode == "zero":
+            continue
+        if p.mode == "flip":
+            part = part.flip(dim)
+        elif p.mode == "repeat":
+            part = part.sum(dim, keepdim=True)  # adjoint of broadcasting one element
+        if p.owner == r:
+            gx.narrow(dim, p.start - off, p.length).add_(part)
+        else:
+            outgoing[p.owner].append(part)
+    if plan.traffic:
+        # Reverse of the forward: send back to each source, in request order, what it sent us.
+        send = grad.new_empty(sum(plan.counts[r]) * slab)
+        pos = 0
+        for parts in outgoing:
+            for part in parts:
+                n = part.numel()
+                send[pos : pos + n].view(part.shape).copy_(part)
+                pos += n
+        recv = _a2a(send, [plan.counts[q][r] * slab for q in range(R)], [c * slab for c in plan.counts[r]], g, api, "backward")
+        pos = 0
+        for q in range(R):
+            for p in plan.pieces[q] if q != r else ():
+                if p.owner == r:
+                    n = p.length * slab
+                    gx.narrow(dim, p.start - off, p.length).add_(recv[pos : pos + n].view(_with_dim(shape, dim, p.length)))
+                    pos += n
+    return gx
+
+
+class _Exchange(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, g, dim, plan, api):
+        ctx.g, ctx.dim, ctx.plan, ctx.api, ctx.shape = g, dim, plan, api, x.shape
+        return _forward(x, g, dim, plan, api)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _backward(grad, ctx.shape, ctx.g, ctx.dim, ctx.plan, ctx.api), None, None, None, None
+
+
+def exchange(x: torch.Tensor, g: GroupInfo, dim: int, plan: Plan, api: str) -> torch.Tensor:
+    """Run a plan on validated arguments: this rank's requested range along ``dim``.
+
+    Collective whenever ``plan.traffic`` (in forward, and in backward when ``x`` needs a grad).
+    """
+    mine = plan.pieces[g.rank]
+    if not plan.traffic and len(mine) == 1 and mine[0].mode == "copy":
+        # Only a slice of the own shard, and no rank needs anything (pointwise or patchify
+        # convolutions): a view, no copy and no collective on any rank.
+        return x.narrow(dim, mine[0].start - plan.offsets[g.rank], mine[0].length)
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _Exchange.apply(x, g, dim, plan, api)
+    return _forward(x, g, dim, plan, api)
+
+
+def plan_for(op: str, sizes, ranges, mode: str) -> Plan:
+    """:func:`._plan.build_plan`, with ``op`` named in its errors."""
+    try:
+        return build_plan(tuple(sizes), tuple(ranges), mode)
+    except ShardkitError as exc:
+        raise ShardkitError(f"{op}: {exc}") from None
+
+
+def _halo_widths(value, R: int, name: str) -> list[int]:
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = [value] * R
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or not all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value
+    ):
+        raise ShardkitTypeError(f"halo_exchange: {name} must be an int or a sequence of {R} ints, got {value!r}")
+    if len(value) != R or any(v < 0 for v in value):
+        raise ShardkitError(f"halo_exchange: {name} must be >= 0 (an int or one per rank of {R}), got {list(value)}")
+    return list(value)
+
+
+def halo_exchange(x: torch.Tensor, group, dim: int, left, right, *, sizes=None, periodic: bool = False) -> torch.Tensor:
+    """Halo exchange along ``dim`` in forward; the reverse exchange with add in backward (its adjoint).
+
+    Rank ``r`` holds the global elements ``[off_r, off_r + n_r)`` of a dim of size
+    ``N = sum(sizes)`` and receives the ``left`` elements before its shard and the ``right``
+    elements after it, from however many ranks hold them.
+
+    Args:
+        x: local block ``[..., n_r, ...]`` with ``n_r`` at ``dim``; other dims equal on all ranks.
+        group: a ``ProcessGroup`` or 1-D ``DeviceMesh`` of ``R`` ranks.
+        dim: the sharded dim (negative allowed).
+        left: halo width before the shard: an int, or one int per rank (>= 0).
+        right: halo width after the shard: an int, or one int per rank (>= 0).
+        sizes: ``n_r`` of every rank (uneven and zero sizes allowed); None means every rank
+            holds the same size as this one.
+        periodic: wrap around the global dim (position ``q`` reads ``q mod N``, as often as
+            needed); otherwise positions outside ``[0, N)`` are zeros.
+
+    Returns:
+        ``[..., left_r + n_r + right_r, ...]``: ``[left halo | local | right halo]``, always
+        exactly that long; without ``periodic``, the parts beyond the global borders are zeros
+        (the zero padding of a convolution). ``x`` itself when every halo is 0.
+
+    Raises:
+        ShardkitError: ``dim`` out of range, bad ``sizes`` or widths, ``periodic`` over an
+            empty global dim with a non-zero halo.
+        ShardkitTypeError, GroupMembershipError, RankMismatchError: as :func:`shardkit.all_gather`.
+
+    Communication: one ``all_to_all_single`` in forward and one in backward (none when no rank
+    needs a remote element, e.g. on a size-1 group, where halos are zeros or the periodic wrap
+    of ``x`` itself). Source: halo (ghost-cell) exchange of domain-decomposed stencil codes.
+    """
+    op = "halo_exchange"
+    g = enter(x, group, op)
+    maybe_agree(g, op, x, (dim, int(periodic), sizes), local_dim=dim, expected_local=expected_size(sizes, g.rank))
+    d = dim_of(x, dim, op)
+    sizes = local_sizes(x, g, d, sizes, op)
+    lefts, rights = _halo_widths(left, g.size, "left"), _halo_widths(right, g.size, "right")
+    if not any(lefts) and not any(rights):
+        return x
+    offsets = split_offsets(sizes)
+    ranges = tuple((o - lw, o + n + rw) for o, n, lw, rw in zip(offsets, sizes, lefts, rights))
+    plan = plan_for(op, sizes, ranges, "circular" if periodic else "zeros")
+    return exchange(x, g, d, plan, op)
