@@ -1,4 +1,4 @@
-"""Pipeline parallelism: transfers between stages (this tier); schedules and stages come later.
+"""Pipeline parallelism: transfers between stages, schedule tables, stages and a schedule runner.
 
 Every function takes the pipeline group explicitly (a ``ProcessGroup``, a 1-D ``DeviceMesh``,
 or a list of them for a stage with several neighbours); stage = group rank.
@@ -15,8 +15,20 @@ from .p2p import (
     send_forward_recv_backward,
     send_forward_recv_forward,
 )
+from .runner import run_schedule, split_microbatches
+from .schedules import Action, bubble_fraction, gpipe_schedule, one_f_one_b_schedule, simulate, validate_schedule
+from .stage import PipelineStage
 
 __all__ = [
+    "Action",
+    "gpipe_schedule",
+    "one_f_one_b_schedule",
+    "validate_schedule",
+    "simulate",
+    "bubble_fraction",
+    "PipelineStage",
+    "run_schedule",
+    "split_microbatches",
     "P2PWork",
     "send_forward",
     "recv_forward",
