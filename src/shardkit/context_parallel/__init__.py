@@ -3,6 +3,9 @@
 * Layouts (:mod:`.layouts`): the load-balanced zigzag split of a sequence over ``R`` ranks and
   its per-document form for packed sequences, each with split / gather / all-gather
   conventions and exact backward; the pure size and position rules live in :mod:`._sizes`.
+* Ring (:mod:`.ring`): KV blocks rotate around the ranks with overlapped point-to-point
+  transfers, causal blocks skipped by chunk, dK/dV travelling home in backward.
+* USP (:mod:`.usp`): Ulysses all-to-all inside a 2-D context-parallel mesh, ring across.
 * Ulysses (:mod:`.ulysses`): sequence-sharded attention through two all-to-alls, with uneven
   sequence and head counts, grouped-query KV heads and packed documents.
 """
@@ -20,7 +23,9 @@ from ._sizes import (
     zigzag_positions,
 )
 from .layouts import packed_all_gather, packed_gather, packed_split, zigzag_all_gather, zigzag_gather, zigzag_split
+from .ring import ring_attention, ring_chunks
 from .ulysses import ulysses_attention
+from .usp import usp_attention, usp_local_sizes
 
 __all__ = [
     "zigzag_chunk_sizes",
@@ -39,6 +44,10 @@ __all__ = [
     "HeadPlan",
     "ulysses_head_plan",
     "ulysses_attention",
+    "ring_attention",
+    "ring_chunks",
+    "usp_attention",
+    "usp_local_sizes",
     "local_attention",
     "attention_with_lse",
     "document_mask",

@@ -120,35 +120,35 @@ def _scatter(tensors: dict, parts: str, g: GroupInfo, plan: HeadPlan, n: int, n_
     return out
 
 
-def _validate(q, k, v, group, causal, scale, cu_seqlens, seq_len):
-    """Every check is a function of metadata all ranks share, except the local length."""
-    g = enter(q, group, _OP)
+def _validate(q, k, v, group, causal, scale, cu_seqlens, seq_len, op=_OP):
+    """Every check is a function of metadata all ranks share, except the local length (shared with ring attention)."""
+    g = enter(q, group, op)
     for name, t in (("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
-            raise ShardkitTypeError(f"{_OP}: {name} must be a torch.Tensor, got {type(t).__name__}")
+            raise ShardkitTypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
     if any(t.dim() != 4 for t in (q, k, v)):
-        raise ShardkitError(f"{_OP}: q, k, v must be [B, S_local, N, D], got shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+        raise ShardkitError(f"{op}: q, k, v must be [B, S_local, N, D], got shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if not (q.dtype == k.dtype == v.dtype) or not q.is_floating_point():
-        raise ShardkitTypeError(f"{_OP}: q, k, v must share one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+        raise ShardkitTypeError(f"{op}: q, k, v must share one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if q.shape[:2] != k.shape[:2] or k.shape[:3] != v.shape[:3]:
         raise ShardkitError(
-            f"{_OP}: q [B, S_local, N, D], k [B, S_local, N_kv, D] and v [B, S_local, N_kv, Dv] disagree on B, S_local "
+            f"{op}: q [B, S_local, N, D], k [B, S_local, N_kv, D] and v [B, S_local, N_kv, Dv] disagree on B, S_local "
             f"or N_kv: {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)} (group of {g.size})"
         )
     if q.shape[3] != k.shape[3]:
-        raise ShardkitError(f"{_OP}: q and k head dims differ: D = {q.shape[3]} vs {k.shape[3]} (group of {g.size})")
+        raise ShardkitError(f"{op}: q and k head dims differ: D = {q.shape[3]} vs {k.shape[3]} (group of {g.size})")
     n, n_kv = q.shape[2], k.shape[2]
     if n_kv < 1 or n % n_kv:
-        raise ShardkitError(f"{_OP}: the number of query heads ({n}) must be a multiple of the number of KV heads ({n_kv}) (group of {g.size})")
+        raise ShardkitError(f"{op}: the number of query heads ({n}) must be a multiple of the number of KV heads ({n_kv}) (group of {g.size})")
     if not isinstance(causal, bool):
-        raise ShardkitTypeError(f"{_OP}: causal must be a bool, got {causal!r}")
+        raise ShardkitTypeError(f"{op}: causal must be a bool, got {causal!r}")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0):
-        raise ShardkitError(f"{_OP}: scale must be a positive number or None, got {scale!r}")
+        raise ShardkitError(f"{op}: scale must be a positive number or None, got {scale!r}")
     if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0):
-        raise ShardkitError(f"{_OP}: seq_len must be an int >= 0 or None, got {seq_len!r}")
+        raise ShardkitError(f"{op}: seq_len must be an int >= 0 or None, got {seq_len!r}")
     cu = None
     if cu_seqlens is not None:
-        cu = check_cu_seqlens(cu_seqlens, _OP, total=seq_len)
+        cu = check_cu_seqlens(cu_seqlens, op, total=seq_len)
         seq_len = cu[-1]
     if seq_len is None:
         seq_len = q.shape[1] * g.size

@@ -1,0 +1,112 @@
+"""Unified sequence parallelism (USP): Ulysses all-to-all inside, ring attention across.
+
+The context-parallel mesh is 2-D, ``R`` ring ranks x ``U`` Ulysses ranks. The sequence is first
+laid out zigzag over the ring dim (ring rank ``i`` owns part ``i``, ``zigzag_local_sizes(S, R)[i]``
+tokens); each part is then split contiguously (balanced) over the Ulysses dim. An all-to-all
+over the Ulysses dim turns ``[B, S_i / U, N, D]`` into ``[B, S_i, N / U, D]`` (the whole ring
+part, a share of the heads), :func:`ring_attention` runs over the ring dim on those heads, and
+a second all-to-all returns ``[B, S_i / U, N, Dv]``. Backward is the reverse all-to-alls around
+the ring attention's own backward.
+
+Source: Fang & Zhao, "USP: A Unified Sequence Parallelism Approach for Long Context Generative
+AI" (2024).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._shapes import balanced_split_sizes
+from ..comm._group import resolve_group
+from ..comm._validate import maybe_agree
+from ..errors import ShardkitError, ShardkitTypeError
+from ._sizes import ulysses_head_plan, zigzag_local_sizes
+from .ring import ring_attention
+from .ulysses import _scatter, _SequenceToHeads, _validate
+
+__all__ = ["usp_attention", "usp_local_sizes"]
+
+_OP = "usp_attention"
+
+
+def usp_local_sizes(seq_len: int, ring_size: int, ulysses_size: int) -> list[list[int]]:
+    """Tokens held by rank ``(i, j)`` of the ``R x U`` mesh, as ``sizes[i][j]``."""
+    return [balanced_split_sizes(n, ulysses_size) for n in zigzag_local_sizes(seq_len, ring_size)]
+
+
+def _submeshes(mesh, ring_dim: str, ulysses_dim: str):
+    names = getattr(mesh, "mesh_dim_names", None)
+    if names is None or mesh.ndim != 2 or set(names) != {ring_dim, ulysses_dim}:
+        raise ShardkitTypeError(
+            f"{_OP}: mesh must be a 2-D DeviceMesh with dims ({ring_dim!r}, {ulysses_dim!r}), got "
+            f"{type(mesh).__name__} with dims {names}"
+        )
+    return resolve_group(mesh[ring_dim], _OP), resolve_group(mesh[ulysses_dim], _OP)
+
+
+def _ring_kv(k, kv_index):
+    """Local KV heads as ``ring_attention`` wants them: query head ``h`` -> KV head ``h // rep``.
+
+    The Ulysses plan already has that form unless a GQA group straddles a rank boundary; then the
+    KV heads are expanded to one per query head (autograd sums their gradients).
+    """
+    n_q, n_kv = len(kv_index), k.shape[2]
+    if n_kv and n_q % n_kv == 0 and tuple(kv_index) == tuple(i // (n_q // n_kv) for i in range(n_q)):
+        return k
+    return k.index_select(2, torch.tensor(kv_index, dtype=torch.int64, device=k.device))
+
+
+def usp_attention(q, k, v, mesh, *, causal: bool, scale=None, seq_len=None, ring_dim: str = "cp_ring", ulysses_dim: str = "cp_ulysses"):
+    """All-to-all over ``ulysses_dim``, ring attention over ``ring_dim``, all-to-all back; reversed in backward.
+
+    Args:
+        q: ``[B, S_ij, N, D]``: block ``j`` (balanced split over ``U``) of zigzag ring part ``i``,
+            ``S_ij = usp_local_sizes(S, R, U)[i][j]``.
+        k: ``[B, S_ij, N_kv, D]`` with ``N % N_kv == 0`` (grouped-query attention).
+        v: ``[B, S_ij, N_kv, Dv]``.
+        mesh: 2-D ``DeviceMesh`` with dims ``ring_dim`` (``R``) and ``ulysses_dim`` (``U``).
+        causal: mask keys after each query's global position.
+        scale: softmax scale; None for ``1 / sqrt(D)``.
+        seq_len: global ``S``; None means ``S_ij x R x U`` (all ranks equal).
+
+    Returns:
+        ``[B, S_ij, N, Dv]`` in the input layout.
+
+    Raises:
+        ShardkitError: the checks of :func:`ring_attention` and :func:`ulysses_attention`;
+            ``N < U``; ``S_ij`` not this rank's share of ``S``.
+        ShardkitTypeError: ``mesh`` not a 2-D mesh with the two named dims; bad tensors.
+
+    Communication: ``api="ulysses_attention"`` all-to-alls over the Ulysses dim (2 forward,
+    2 backward; one more each way when ``Dv != D``) and ``api="ring_attention"`` send/recv
+    over the ring dim (see :func:`ring_attention`).
+    """
+    g_ring, g_uly = _submeshes(mesh, ring_dim, ulysses_dim)
+    R, U = g_ring.size, g_uly.size
+    default = None if seq_len is not None or not isinstance(q, torch.Tensor) or q.dim() != 4 else q.shape[1] * R * U
+    _, _, seq_len = _validate(q, k, v, mesh[ulysses_dim], causal, scale, None, seq_len if seq_len is not None else default, op=_OP)
+    n, n_kv, d, dv = q.shape[2], k.shape[2], q.shape[3], v.shape[3]
+    if n < U:
+        raise ShardkitError(f"{_OP}: {n} query heads cannot be split over {U} Ulysses ranks (need N >= U)")
+    sizes = usp_local_sizes(seq_len, R, U)
+    seq_sizes = sizes[g_ring.rank]
+    maybe_agree(g_uly, _OP, q, (n, n_kv, d, dv, int(causal), seq_len), local_dim=1, expected_local=seq_sizes[g_uly.rank])
+    if q.shape[1] != seq_sizes[g_uly.rank]:
+        raise ShardkitError(
+            f"{_OP}: rank ({g_ring.rank}, {g_uly.rank}) of the {R}x{U} mesh holds {q.shape[1]} tokens, but S = {seq_len} "
+            f"gives it {seq_sizes[g_uly.rank]} ({sizes}); pass seq_len= when S is not a multiple of 2R x U"
+        )
+    plan = ulysses_head_plan(n, n_kv, U)
+    named = {"q": q, "k": k, "v": v}
+    if U == 1:
+        moved = named
+    elif dv == d:
+        moved = _scatter(named, "qkv", g_uly, plan, n, n_kv, seq_sizes)
+    else:
+        moved = {**_scatter(named, "qk", g_uly, plan, n, n_kv, seq_sizes), **_scatter(named, "v", g_uly, plan, n, n_kv, seq_sizes)}
+    idx = plan.kv_index[g_uly.rank]
+    out = ring_attention(
+        moved["q"], _ring_kv(moved["k"], idx), _ring_kv(moved["v"], idx), mesh[ring_dim],
+        causal=causal, scale=scale, layout="zigzag", seq_len=seq_len,
+    )
+    return out if U == 1 else _SequenceToHeads.apply(out, g_uly, seq_sizes, list(plan.q_sizes))
