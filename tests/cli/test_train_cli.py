@@ -65,10 +65,23 @@ def test_missing_toml(tmp_path):
     (dict(nproc=4, tp=4), "--tp 4: .*num_key_value_heads=2"),
     (dict(seq_len=1), "--seq-len must be >= 2"),
     (dict(heads=3), "--hidden-size 64 must be divisible by --heads 3"),
+    (dict(pp=2, tp=2), "--pp 2 with --tp 2: pipeline \\+ tensor parallelism is not supported"),
+    (dict(pp=3), "--pp 3 x --tp 1 = 3 must divide --nproc 4"),
+    (dict(pp=2, dp=1), "layout pp=2 x tp=1 x dp=1 = 2 ranks, but --nproc is 4"),
+    (dict(pp=4, layers=2), "--pp 4: .*2 decoder layers cannot fill 4 pipeline stages"),
+    (dict(pp=2, microbatches=3), "--batch-size 8 .* divisible by dp=2 x microbatches=3"),
+    (dict(microbatches=2), "--microbatches 2 needs --pp > 1"),
+    (dict(pp=2, schedule="zb"), "--schedule must be one of 1f1b, gpipe"),
 ])
 def test_invalid_layouts(kwargs, match):
     with pytest.raises(ShardkitError, match=match):
         validate_config(merge_config({}, kwargs))
+
+
+def test_pipeline_layout_defaults():
+    cfg = config_from_args(_args("--pp", "2", "--microbatches", "2", "--schedule", "gpipe"))
+    assert (cfg.pp, cfg.tp, cfg.dp, cfg.microbatches, cfg.schedule) == (2, 1, 2, 2, "gpipe")
+    assert config_from_args(_args("--pp", "4", "--layers", "4")).dp == 1
 
 
 def test_torchrun_world_size():
@@ -191,11 +204,20 @@ def test_end_to_end_verify_and_report(tmp_path):
                      "--report", str(tmp_path), timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "report.json").read_text())
-    assert report["layout"] == {"nproc": 4, "tp": 2, "dp": 2, "backend": "gloo", "device": "cpu"}
+    assert report["layout"] == {"nproc": 4, "pp": 1, "tp": 2, "dp": 2, "microbatches": 1, "schedule": None,
+                                "backend": "gloo", "device": "cpu"}
     assert len(report["losses"]) == len(report["reference_losses"]) == 2
     assert report["parity"]["passed"] and report["parity"]["max_param_rel_diff"] <= 1e-4
     assert any(row["api"] == "sum_grad_over" for row in report["ledger"])
     assert "PASSED" in proc.stdout and (tmp_path / "loss.png").exists()
+
+
+def test_end_to_end_pipeline_verify():
+    # About 10 s on 2 cores (2 spawned ranks, 2 stages, 2 microbatches per step).
+    proc = _shardkit("train", "--pp", "2", "--nproc", "2", "--steps", "2", "--verify", "--seq-len", "32",
+                     "--batch-size", "4", "--microbatches", "2", timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "pp=2 x tp=1 x dp=1, 1f1b with 2 microbatches" in proc.stdout and "PASSED" in proc.stdout
 
 
 def test_bad_layout_fails_before_launch():

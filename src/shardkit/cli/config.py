@@ -13,9 +13,10 @@ from pathlib import Path
 
 from ..errors import ShardkitError
 
-__all__ = ["TrainConfig", "DTYPES", "load_toml", "merge_config", "validate_config"]
+__all__ = ["TrainConfig", "DTYPES", "SCHEDULES", "load_toml", "merge_config", "validate_config"]
 
 DTYPES = ("float32", "float64", "bfloat16")
+SCHEDULES = ("1f1b", "gpipe")
 
 
 @dataclass(frozen=True)
@@ -28,8 +29,11 @@ class TrainConfig:
     """
 
     nproc: int = 4
-    tp: int = 2
-    dp: int | None = None  # None: nproc // tp
+    tp: int | None = None  # None: 2 without a pipeline, 1 with --pp > 1 (pp x tp is not supported yet)
+    dp: int | None = None  # None: nproc // (tp * pp)
+    pp: int = 1
+    microbatches: int = 1  # per step and dp rank; pp > 1 only
+    schedule: str = "1f1b"  # pipeline schedule: "1f1b" or "gpipe"
     steps: int = 20
     seq_len: int = 128
     batch_size: int = 8  # global, split over dp
@@ -49,8 +53,13 @@ class TrainConfig:
 
     @property
     def dp_size(self) -> int:
-        """The dp degree (``dp`` or ``nproc // tp``)."""
-        return self.dp if self.dp is not None else self.nproc // self.tp
+        """The dp degree (``dp`` or ``nproc // (tp * pp)``)."""
+        return self.dp if self.dp is not None else self.nproc // (self.tp_size * self.pp)
+
+    @property
+    def tp_size(self) -> int:
+        """The tp degree (``tp``, or its default: 2 when ``pp == 1``, else 1)."""
+        return self.tp if self.tp is not None else (2 if self.pp == 1 else 1)
 
 
 _FIELDS = {f.name: f for f in fields(TrainConfig)}
@@ -111,7 +120,8 @@ def validate_config(cfg: TrainConfig, world_size: int | None = None) -> TrainCon
         if cfg.nproc not in (TrainConfig.nproc, world_size):
             raise ShardkitError(f"--nproc {cfg.nproc} does not match the torchrun world size {world_size}")
         cfg = dataclasses.replace(cfg, nproc=world_size)
-    for name in ("nproc", "tp", "steps", "batch_size"):
+    cfg = dataclasses.replace(cfg, tp=cfg.tp_size)
+    for name in ("nproc", "tp", "pp", "microbatches", "steps", "batch_size"):
         if getattr(cfg, name) < 1:
             raise ShardkitError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
     if cfg.seq_len < 2:
@@ -120,19 +130,40 @@ def validate_config(cfg: TrainConfig, world_size: int | None = None) -> TrainCon
         raise ShardkitError(f"--lr must be > 0, got {cfg.lr}")
     if cfg.dtype not in DTYPES:
         raise ShardkitError(f"--dtype must be one of {', '.join(DTYPES)}, got {cfg.dtype!r}")
+    _validate_pipeline(cfg)
+    model_ranks = cfg.tp * cfg.pp
+    layout = f"pp={cfg.pp} x tp={cfg.tp}" if cfg.pp > 1 else f"tp={cfg.tp}"
     if cfg.dp is None:
-        if cfg.nproc % cfg.tp:
-            raise ShardkitError(f"--tp {cfg.tp} must divide --nproc {cfg.nproc} (dp defaults to nproc // tp)")
-        cfg = dataclasses.replace(cfg, dp=cfg.nproc // cfg.tp)
-    if cfg.tp * cfg.dp != cfg.nproc:
-        raise ShardkitError(f"layout tp={cfg.tp} x dp={cfg.dp} = {cfg.tp * cfg.dp} ranks, but --nproc is {cfg.nproc}")
-    if cfg.batch_size % cfg.dp:
-        raise ShardkitError(f"--batch-size {cfg.batch_size} (global) must be divisible by dp={cfg.dp}")
+        if cfg.nproc % model_ranks:
+            what = f"--pp {cfg.pp} x --tp {cfg.tp} = {model_ranks}" if cfg.pp > 1 else f"--tp {cfg.tp}"
+            rule = "nproc // (tp * pp)" if cfg.pp > 1 else "nproc // tp"
+            raise ShardkitError(f"{what} must divide --nproc {cfg.nproc} (dp defaults to {rule})")
+        cfg = dataclasses.replace(cfg, dp=cfg.nproc // model_ranks)
+    if model_ranks * cfg.dp != cfg.nproc:
+        raise ShardkitError(
+            f"layout {layout} x dp={cfg.dp} = {model_ranks * cfg.dp} ranks, but --nproc is {cfg.nproc}"
+        )
+    if cfg.batch_size % (cfg.dp * cfg.microbatches):
+        what = f"dp={cfg.dp} x microbatches={cfg.microbatches}" if cfg.microbatches > 1 else f"dp={cfg.dp}"
+        raise ShardkitError(f"--batch-size {cfg.batch_size} (global) must be divisible by {what}")
     _validate_model(cfg)
     return cfg
 
 
+def _validate_pipeline(cfg: TrainConfig) -> None:
+    if cfg.schedule not in SCHEDULES:
+        raise ShardkitError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {cfg.schedule!r}")
+    if cfg.pp == 1 and cfg.microbatches > 1:
+        raise ShardkitError(f"--microbatches {cfg.microbatches} needs --pp > 1 (microbatches split pipeline steps)")
+    if cfg.pp > 1 and cfg.tp > 1:
+        # Not yet: apply_llama_tp hooks the full model (sequence split at layers[0], vocab gather
+        # at lm_head), which a stage does not have in one piece.
+        raise ShardkitError(f"--pp {cfg.pp} with --tp {cfg.tp}: pipeline + tensor parallelism is not supported "
+                            "yet; use --tp 1 with --pp (and --dp)")
+
+
 def _validate_model(cfg: TrainConfig) -> None:
+    from ..pipeline_parallel.hf_llama import check_llama_pp
     from ..tensor_parallel import check_llama_tp
 
     if cfg.model_path is None:
@@ -147,7 +178,11 @@ def _validate_model(cfg: TrainConfig) -> None:
         from types import SimpleNamespace
 
         model_config = SimpleNamespace(
-            num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads, hidden_size=cfg.hidden_size
+            num_attention_heads=cfg.heads,
+            num_key_value_heads=cfg.kv_heads,
+            hidden_size=cfg.hidden_size,
+            num_hidden_layers=cfg.layers,
+            tie_word_embeddings=False,  # build_model unties
         )
     else:
         model_config = model_config_from_path(cfg.model_path)
@@ -157,6 +192,10 @@ def _validate_model(cfg: TrainConfig) -> None:
         check_llama_tp(model_config, cfg.tp)
     except ShardkitError as e:
         raise ShardkitError(f"--tp {cfg.tp}: {e}") from None
+    try:
+        check_llama_pp(model_config, cfg.pp)
+    except ShardkitError as e:
+        raise ShardkitError(f"--pp {cfg.pp}: {e}") from None
 
 
 def model_config_from_path(path: str):

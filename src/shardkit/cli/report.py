@@ -19,7 +19,12 @@ _PHASES = {"forward": "fwd", "backward": "bwd"}
 
 def _layout(result: dict) -> str:
     lay = result["layout"]
-    return f"tp={lay['tp']} x dp={lay['dp']} ({lay['nproc']} ranks, {lay['backend']}, {lay['device']})"
+    where = f"({lay['nproc']} ranks, {lay['backend']}, {lay['device']})"
+    if lay.get("pp", 1) > 1:
+        m = lay["microbatches"]
+        return (f"pp={lay['pp']} x tp={lay['tp']} x dp={lay['dp']}, {lay['schedule']} with "
+                f"{m} microbatch{'es' if m > 1 else ''} {where}")
+    return f"tp={lay['tp']} x dp={lay['dp']} {where}"
 
 
 def print_summary(result: dict, console: Console) -> None:

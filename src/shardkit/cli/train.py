@@ -14,7 +14,7 @@ import sys
 from rich.console import Console
 
 from ..errors import ShardkitError
-from .config import DTYPES, TrainConfig, load_toml, merge_config, validate_config
+from .config import DTYPES, SCHEDULES, TrainConfig, load_toml, merge_config, validate_config
 from .data import corpus_files
 
 __all__ = ["add_train_parser", "config_from_args", "run_train"]
@@ -26,14 +26,19 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     d = TrainConfig()
     p = subparsers.add_parser(
         "train",
-        help="train a small Llama with tensor + sequence + data parallelism",
+        help="train a small Llama with tensor + sequence, pipeline and data parallelism",
         description="Train a Hugging Face LlamaForCausalLM with tp (tensor + sequence parallel, shardkit "
-        "collectives) x dp (DDP) on real text, byte-level tokens.",
+        "collectives) x dp (DDP), or pp (pipeline stages, 1F1B or GPipe) x dp, on real text, byte-level tokens.",
     )
     p.add_argument("--config", metavar="FILE.toml", help="TOML file of options (keys: option names with underscores)")
     p.add_argument("--nproc", type=int, help=f"local processes to start (default {d.nproc}; torchrun: its world)")
-    p.add_argument("--tp", type=int, help=f"tensor-parallel degree (default {d.tp})")
-    p.add_argument("--dp", type=int, help="data-parallel degree (default nproc // tp)")
+    p.add_argument("--tp", type=int, help="tensor-parallel degree (default 2; 1 with --pp > 1)")
+    p.add_argument("--dp", type=int, help="data-parallel degree (default nproc // (tp * pp))")
+    p.add_argument("--pp", type=int, help=f"pipeline-parallel stages (default {d.pp}; needs --tp 1 for now)")
+    p.add_argument(
+        "--microbatches", type=int, help=f"pipeline microbatches per step and dp rank (default {d.microbatches})"
+    )
+    p.add_argument("--schedule", choices=SCHEDULES, help=f"pipeline schedule (default {d.schedule})")
     p.add_argument("--steps", type=int, help=f"training steps (default {d.steps})")
     p.add_argument("--seq-len", type=int, help=f"tokens per sequence (default {d.seq_len})")
     p.add_argument("--batch-size", type=int, help=f"global batch, split over dp (default {d.batch_size})")

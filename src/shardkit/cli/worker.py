@@ -1,4 +1,5 @@
-"""One rank of ``shardkit train``: TP+SP Llama inside DDP over dp, trained on real text.
+"""One rank of ``shardkit train``: TP+SP Llama inside DDP over dp, or pipeline stages x dp
+(:mod:`.pipeline`), trained on real text.
 
 Runs in every worker process (started by the local elastic launch or by torchrun). Rank 0
 returns a result dict (losses, ledger, memory, timings, parity) that :mod:`.report` prints and
@@ -109,14 +110,20 @@ def worker_main(cfg: TrainConfig, local_launch: bool) -> dict | None:
 
 def _train(cfg: TrainConfig, backend: str, device, t0: float) -> dict | None:
     rank = dist.get_rank()
-    mesh = ParallelDims(dp=cfg.dp, tp=cfg.tp).build_mesh(device.type)
+    mesh = ParallelDims(dp=cfg.dp, pp=cfg.pp, tp=cfg.tp).build_mesh(device.type)
     tp_mesh, dp_mesh = mesh["tp"], mesh["dp"]
     tokens = load_tokens(corpus_files(cfg.data))
     sampler = BatchSampler(tokens, cfg.seq_len, cfg.batch_size, cfg.seed)
 
     model = build_model(cfg)
     reference = copy.deepcopy(model) if cfg.verify and rank == 0 else None
-    model = _wrap_dp(apply_llama_tp(model, tp_mesh).to(device), dp_mesh, device)
+    if cfg.pp > 1:
+        from .pipeline import build_stage, gather_stage_params, run_pipeline_steps
+
+        stage = build_stage(model, mesh, cfg, device)
+        model = stage.module  # the full model's other stages are dropped with it
+    else:
+        model = _wrap_dp(apply_llama_tp(model, tp_mesh).to(device), dp_mesh, device)
     optimizer = make_optimizer(model, cfg)
     dp_rank, dp = dp_mesh.get_local_rank(), dp_mesh.size()
     t_setup = time.perf_counter() - t0
@@ -125,26 +132,45 @@ def _train(cfg: TrainConfig, backend: str, device, t0: float) -> dict | None:
     progress = TrainProgress(cfg.steps, tokens_per_step) if rank == 0 else None
     with CommLedger() as ledger, (progress or nullcontext()):
         t1 = time.perf_counter()
-        losses = run_steps(
-            model,
-            optimizer,
-            sampler,
-            cfg.steps,
-            rows=lambda b: local_rows(b, dp_rank, dp),
-            device=device,
-            reduce_loss=lambda loss: all_reduce_forward(loss, dp_mesh) / dp,
-            on_step=progress.update if progress else None,
-        )
+        if cfg.pp > 1:
+            losses = run_pipeline_steps(
+                stage, optimizer, sampler, cfg, mesh, device, on_step=progress.update if progress else None
+            )
+        else:
+            losses = run_steps(
+                model,
+                optimizer,
+                sampler,
+                cfg.steps,
+                rows=lambda b: local_rows(b, dp_rank, dp),
+                device=device,
+                reduce_loss=lambda loss: all_reduce_forward(loss, dp_mesh) / dp,
+                on_step=progress.update if progress else None,
+            )
         t_train = time.perf_counter() - t1
 
     memory = [None] * dist.get_world_size()
     dist.all_gather_object(memory, _peak_memory(device))
-    full_params = gather_full_state_dict(model) if cfg.verify else None
+    if not cfg.verify:
+        full_params = None
+    elif cfg.pp > 1:
+        full_params = gather_stage_params(stage, mesh)
+    else:
+        full_params = gather_full_state_dict(model)
     if rank != 0:
         return None
 
     result = {
-        "layout": {"nproc": cfg.nproc, "tp": cfg.tp, "dp": cfg.dp, "backend": backend, "device": str(device)},
+        "layout": {
+            "nproc": cfg.nproc,
+            "pp": cfg.pp,
+            "tp": cfg.tp,
+            "dp": cfg.dp,
+            "microbatches": cfg.microbatches,
+            "schedule": cfg.schedule if cfg.pp > 1 else None,
+            "backend": backend,
+            "device": str(device),
+        },
         "config": asdict(cfg),
         "losses": losses,
         "tokens_per_s": tokens_per_step * cfg.steps / t_train,

@@ -4,6 +4,7 @@ Every function takes the pipeline group explicitly (a ``ProcessGroup``, a 1-D ``
 or a list of them for a stage with several neighbours); stage = group rank.
 """
 
+from .hf_llama import LlamaStageModule, llama_stage_layers
 from .p2p import (
     P2PWork,
     recv_backward,
@@ -27,6 +28,8 @@ __all__ = [
     "simulate",
     "bubble_fraction",
     "PipelineStage",
+    "LlamaStageModule",
+    "llama_stage_layers",
     "run_schedule",
     "split_microbatches",
     "P2PWork",

@@ -1,0 +1,106 @@
+"""The pipeline side of ``shardkit train --pp P``: Llama stages x dp, one schedule per step.
+
+Each rank holds one :class:`~shardkit.pipeline_parallel.hf_llama.LlamaStageModule` (stage =
+its ``pp`` mesh coordinate). A step splits this dp rank's rows ``[B / dp, S]`` into ``M``
+microbatches and runs the schedule table (1F1B or GPipe) with
+:func:`~shardkit.pipeline_parallel.run_schedule`, which scales every microbatch loss by ``1 / M``.
+After the pipeline flush the stage's gradients are averaged over its dp group with one
+all-reduce (as Megatron-LM's ``finalize_model_grads``; DDP does not fit here: it would reduce
+after every microbatch backward), so the gradients are those of the global-batch mean loss,
+like the one-process reference. The step loss (mean over microbatches, then over dp) lives on
+the last stage and is broadcast over pp so that global rank 0 reports it.
+
+Not yet: tp > 1 inside a stage (the config check refuses it).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .. import all_reduce_forward
+from ..comm import ledger as _ledger
+from ..pipeline_parallel import PipelineStage, gpipe_schedule, one_f_one_b_schedule, run_schedule, split_microbatches
+from ..pipeline_parallel.hf_llama import LlamaStageModule
+from .config import TrainConfig
+from .data import local_rows
+from .loop import causal_lm_loss
+
+__all__ = ["build_stage", "run_pipeline_steps", "gather_stage_params"]
+
+_SCHEDULES = {"1f1b": one_f_one_b_schedule, "gpipe": gpipe_schedule}
+
+
+def build_stage(model, mesh, cfg: TrainConfig, device) -> PipelineStage:
+    """This rank's stage of ``model`` (the full model; only the stage's modules are kept)."""
+    pp_mesh = mesh["pp"]
+    s = pp_mesh.get_local_rank()
+    module = LlamaStageModule(model, s, cfg.pp).to(device)
+    loss_fn = causal_lm_loss if s == cfg.pp - 1 else None  # targets = the microbatch's input ids
+    return PipelineStage(module, pp_mesh, s, cfg.pp, loss_fn=loss_fn)
+
+
+def _average_grads(params: list[torch.nn.Parameter], dp_mesh) -> None:
+    """Average ``.grad`` over dp with one flat all-reduce (every stage parameter has a gradient)."""
+    dp = dp_mesh.size()
+    if dp == 1:
+        return
+    grads = [p.grad for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    _ledger.record("all_reduce", "pp_dp_grads", "backward", dp, flat.nbytes, flat.nbytes)
+    dist.all_reduce(flat, group=dp_mesh.get_group())
+    flat /= dp
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def run_pipeline_steps(stage: PipelineStage, optimizer, sampler, cfg: TrainConfig, mesh, device, on_step=None):
+    """Train ``cfg.steps`` pipeline steps; return each step's global mean loss (on every rank).
+
+    Collective over the whole world (every rank runs every step).
+    """
+    pp_mesh, dp_mesh = mesh["pp"], mesh["dp"]
+    dp_rank, dp = dp_mesh.get_local_rank(), dp_mesh.size()
+    table = _SCHEDULES[cfg.schedule](cfg.pp, cfg.microbatches)
+    params = [p for p in stage.module.parameters() if p.requires_grad]
+    last = stage.is_last
+    losses = []
+    for step in range(cfg.steps):
+        ids = local_rows(sampler.next_batch(), dp_rank, dp).to(device)
+        microbatches = split_microbatches(ids, cfg.microbatches)
+        mb_losses = run_schedule(stage, table, microbatches, microbatches)
+        _average_grads(params, dp_mesh)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if last:
+            loss = all_reduce_forward(torch.stack(mb_losses).mean(), dp_mesh) / dp
+            loss = loss.to(torch.float64)
+        else:
+            loss = torch.zeros((), dtype=torch.float64, device=device)
+        dist.broadcast(loss, group=pp_mesh.get_group(), group_src=cfg.pp - 1)
+        losses.append(loss.item())
+        if on_step is not None:
+            on_step(step, losses[-1])
+    return losses
+
+
+def gather_stage_params(stage: PipelineStage, mesh) -> dict | None:
+    """Full model's parameters ``{name: tensor}`` on global rank 0 (None elsewhere).
+
+    Collective over the world: dp rank 0 of every stage sends its stage's parameters (already
+    named like the full model's) with one ``gather_object``.
+    """
+    mine = {}
+    if mesh["dp"].get_local_rank() == 0:
+        mine = {name: p.detach().cpu() for name, p in stage.module.named_parameters()}
+    rank = dist.get_rank()
+    parts = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(mine, parts, dst=0)
+    if rank != 0:
+        return None
+    full = {}
+    for part in parts:
+        full.update(part)
+    return full
