@@ -114,6 +114,11 @@ def _local_conv(nd, x_seg, weight, bias, j, stride, dilation, groups, pads, mode
 
 def _spatial_conv(nd, op, x, weight, bias, group, dim, stride, padding, dilation, groups, padding_mode, sizes,
                   channels_last, sum_param_grads):
+    if isinstance(dim, (tuple, list)):  # several sharded dims (tiles on a mesh)
+        from .conv_tiled import tiled_conv
+
+        return tiled_conv(nd, op, x, weight, bias, group, dim, stride, padding, dilation, groups, padding_mode, sizes,
+                          channels_last, sum_param_grads)
     g: GroupInfo = enter(x, group, op)
     maybe_agree(g, op, x, (dim, int(bool(channels_last)), int(x.requires_grad), sizes), local_dim=dim,
                 expected_local=expected_size(sizes, g.rank))
@@ -182,6 +187,12 @@ _DOC = """Convolution of an input sharded along spatial dim ``dim``; output shar
         channels_last: the channel dim is last instead of second.
         sum_param_grads: sum the weight / bias gradients over the group in backward (default).
             Pass False when the caller sums them itself once per step (e.g. a gradient hook).
+
+    Tiles: with ``dim`` a sequence of sharded spatial dims, ``group`` holds one group per dim
+    (e.g. ``(mesh["h"], mesh["w"])`` of a 2-D mesh) and ``sizes`` one entry (list or None) per
+    dim; the halo is exchanged one dim after another, the later exchanges carrying the corners,
+    and the parameter gradients are summed over each group (see
+    :mod:`shardkit.spatial.conv_tiled`).
 
     Returns:
         This rank's outputs ``[B, C_out, *S_out_local]`` (channels last if the input is), with

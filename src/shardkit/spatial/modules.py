@@ -12,6 +12,8 @@ from torch import nn
 
 from ..comm._group import resolve_group
 from ..errors import ShardkitError, ShardkitTypeError
+from ..comm._validate import dim_of
+from ._meta import gather_sizes
 from .conv import spatial_conv1d, spatial_conv2d, spatial_conv3d
 
 __all__ = ["SpatialConv1d", "SpatialConv2d", "SpatialConv3d", "RingConv2d", "ring_conv2d"]
@@ -23,13 +25,30 @@ class _SpatialConvMixin:
 
     def _setup(self, group, dim, channels_last: bool) -> None:
         name = type(self).__name__
-        if isinstance(dim, bool) or not isinstance(dim, int):
-            raise ShardkitTypeError(f"{name}: dim must be an int, got {dim!r}")
-        resolve_group(group, name)  # fail at construction on a bad group, not in the first forward
+        if isinstance(dim, (tuple, list)) and isinstance(group, (tuple, list)) and len(dim) == len(group) > 0:
+            dims, grps = tuple(dim), tuple(group)  # tiles: one group per sharded dim
+        else:
+            dims, grps = (dim,), (group,)
+        for d, g in zip(dims, grps):
+            if isinstance(d, bool) or not isinstance(d, int):
+                raise ShardkitTypeError(f"{name}: dim must be an int (or a sequence of ints with one group each), got {dim!r}")
+            resolve_group(g, name)  # fail at construction on a bad group, not in the first forward
+        if len(dims) > 1:
+            dim, group = dims, grps
         self.group, self.dim, self.channels_last = group, dim, bool(channels_last)
+        # Set by apply_spatial: model code passes no sizes=, so all-gather them (uneven splits).
+        self.infer_sizes = False
 
     def forward(self, x: torch.Tensor, sizes=None) -> torch.Tensor:
-        """This rank's outputs; ``sizes``: every rank's input size along ``dim`` (None = equal)."""
+        """This rank's outputs; ``sizes``: every rank's input size along ``dim`` (None = equal,
+        or all-gathered in forward when ``infer_sizes`` is set)."""
+        if sizes is None and self.infer_sizes:
+            name = type(self).__name__
+            if isinstance(self.dim, tuple):
+                sizes = tuple(gather_sizes(x, resolve_group(g, name), dim_of(x, d, name), name)
+                              for d, g in zip(self.dim, self.group))
+            else:
+                sizes = gather_sizes(x, resolve_group(self.group, name), dim_of(x, self.dim, name), name)
         return type(self)._fn(
             x, self.weight, self.bias, self.group, self.dim, self.stride, self.padding, self.dilation, self.groups,
             padding_mode=self.padding_mode, sizes=sizes, channels_last=self.channels_last,

@@ -1,0 +1,147 @@
+"""Upsampling (``interpolate``) of an input sharded along one spatial dim, integer scale factors.
+
+* ``nearest`` / ``nearest-exact``: output ``o`` reads input ``o // s``, so each rank upsamples
+  its own shard: no communication, output sizes ``s * sizes``.
+* ``linear`` / ``bilinear`` / ``trilinear`` with ``align_corners=False``: output ``o`` reads
+  input positions ``floor(c)`` and ``floor(c) + 1`` around ``c = (o + 0.5) / s - 0.5``, clamped
+  to the frame. A one-element halo on each side, replicating the global border elements,
+  makes the local interpolation of the padded shard equal to the global one on its middle
+  ``s * n_r`` outputs (the replicated border reproduces torch's clamping), so the halo plan of
+  :mod:`.halo` (one ``all_to_all_single`` each way) is all the communication.
+
+Not supported (ShardkitError): non-integer scales, ``size=``, ``align_corners=True`` (its
+coordinate map depends on the global size), ``bicubic`` and ``area``.
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import nn
+
+from .._shapes import split_offsets
+from ..comm._group import resolve_group
+from ..comm._validate import dim_of, enter, expected_size, local_sizes, maybe_agree
+from ..errors import ShardkitError, ShardkitTypeError
+from ._meta import gather_sizes, keep_graph_empty
+from .halo import exchange, plan_for
+
+__all__ = ["spatial_interpolate", "SpatialUpsample"]
+
+_NEAREST = ("nearest", "nearest-exact")
+_LINEAR = {"linear": 1, "bilinear": 2, "trilinear": 3}
+
+
+def _scales(scale_factor, nd: int, op: str) -> tuple[int, ...]:
+    values = scale_factor if isinstance(scale_factor, (tuple, list)) else (scale_factor,) * nd
+    if len(values) != nd:
+        raise ShardkitError(f"{op}: scale_factor needs {nd} value(s), got {scale_factor!r}")
+    out = []
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 1 or int(v) != v:
+            raise ShardkitError(f"{op}: only integer scale factors >= 1 are supported, got {scale_factor!r}")
+        out.append(int(v))
+    return tuple(out)
+
+
+def check_interpolate_args(scale_factor, mode, align_corners, nd: int, op: str, size=None) -> tuple[int, ...]:
+    """The integer scales, or a ShardkitError for what the sharded path does not support."""
+    if size is not None:
+        raise ShardkitError(f"{op}: size= is not supported on a sharded input; pass an integer scale_factor")
+    if mode not in _NEAREST and mode not in _LINEAR:
+        raise ShardkitError(f"{op}: mode {mode!r} is not supported; use nearest, nearest-exact, linear, bilinear or trilinear")
+    if mode in _LINEAR and _LINEAR[mode] != nd:
+        raise ShardkitError(f"{op}: mode {mode!r} needs {_LINEAR[mode]} spatial dim(s), got {nd}")
+    if mode in _LINEAR and align_corners:
+        raise ShardkitError(f"{op}: align_corners=True is not supported (its coordinate map depends on the global size)")
+    return _scales(scale_factor, nd, op)
+
+
+def spatial_interpolate(x_local, group, dim, scale_factor, mode="nearest", align_corners=None, *, sizes=None,
+                        channels_last=False):
+    """``F.interpolate`` of an input sharded along ``dim`` with integer scales; output sharded the same way.
+
+    Args:
+        x_local: ``[B, C, *S_local]`` (``[B, *S_local, C]`` with ``channels_last``), sharded along ``dim``.
+        group: a ``ProcessGroup`` or 1-D ``DeviceMesh`` of ``R`` ranks.
+        dim: the sharded spatial dim (negative allowed).
+        scale_factor: an int, or one int per spatial dim.
+        mode: ``nearest``, ``nearest-exact`` (local, no communication), ``linear`` /
+            ``bilinear`` / ``trilinear`` (one-element replicate halo).
+        align_corners: None or False.
+        sizes: every rank's size along ``dim`` (linear modes only; None = equal sizes).
+
+    Returns:
+        This rank's block of the unsharded output, ``scale * sizes[rank]`` long along ``dim``.
+
+    Raises:
+        ShardkitError: unsupported mode, scale or ``align_corners`` (see module docstring),
+            ``dim`` not spatial, bad ``sizes``.
+    """
+    op = "spatial_interpolate"
+    g = enter(x_local, group, op)
+    # nearest is local: any split works without sizes, so only the other dims must agree
+    own = x_local.shape[dim] if mode in _NEAREST and -x_local.dim() <= dim < x_local.dim() else None
+    maybe_agree(g, op, x_local, (dim, int(bool(channels_last)), int(x_local.requires_grad), sizes), local_dim=dim,
+                expected_local=own if own is not None else expected_size(sizes, g.rank))
+    nd = x_local.dim() - 2
+    if nd < 1:
+        raise ShardkitError(f"{op}: expected [B, C, *S] with at least one spatial dim, got {tuple(x_local.shape)}")
+    scales = check_interpolate_args(scale_factor, mode, align_corners, nd, op)
+    d = dim_of(x_local, dim, op)
+    spatial = list(range(1, nd + 1)) if channels_last else list(range(2, nd + 2))
+    if d not in spatial:
+        raise ShardkitError(f"{op}: dim {dim} is not a spatial dim of a {nd + 2}-d input (spatial dims {spatial})")
+    xc, dc = (x_local.movedim(-1, 1), d + 1) if channels_last else (x_local, d)
+    if mode in _NEAREST:  # output o reads o // s: each rank's own shard, exactly
+        out = xc
+        for i, s in enumerate(scales):
+            if s > 1:
+                out = out.repeat_interleave(s, dim=2 + i)
+    else:
+        sizes = local_sizes(xc, g, dc, sizes, op)
+        offsets = split_offsets(sizes)
+        ranges = tuple((o - 1, o + n + 1) if n else (0, 0) for o, n in zip(offsets, sizes))
+        seg = exchange(xc, g, dc, plan_for(op, sizes, ranges, "replicate"), op)
+        n, s = sizes[g.rank], scales[dc - 2]
+        if n == 0:
+            shape = [xc.shape[0], xc.shape[1], *(m * k for m, k in zip(xc.shape[2:], scales))]
+            out = keep_graph_empty(shape, seg)
+        else:
+            up = F.interpolate(seg, scale_factor=tuple(float(v) for v in scales), mode=mode, align_corners=False)
+            out = up.narrow(dc, s, n * s)
+    return out.movedim(1, -1) if channels_last else out
+
+
+class SpatialUpsample(nn.Module):
+    """``nn.Upsample`` (integer ``scale_factor``) over an input sharded along ``dim``.
+
+    See :func:`spatial_interpolate`. No parameters; ``infer_sizes`` all-gathers the split sizes
+    in forward when none are passed (linear modes only; set by :func:`apply_spatial`).
+    """
+
+    def __init__(self, scale_factor, mode="nearest", align_corners=None, *, group, dim, channels_last=False,
+                 infer_sizes=False):
+        super().__init__()
+        if isinstance(dim, bool) or not isinstance(dim, int):
+            raise ShardkitTypeError(f"SpatialUpsample: dim must be an int, got {dim!r}")
+        resolve_group(group, "SpatialUpsample")
+        self.scale_factor, self.mode, self.align_corners = scale_factor, mode, align_corners
+        self.group, self.dim, self.channels_last, self.infer_sizes = group, dim, bool(channels_last), bool(infer_sizes)
+
+    def forward(self, x, sizes=None):
+        if sizes is None and self.infer_sizes and self.mode not in _NEAREST:
+            g = resolve_group(self.group, "SpatialUpsample")
+            sizes = gather_sizes(x, g, dim_of(x, self.dim, "SpatialUpsample"), "SpatialUpsample")
+        return spatial_interpolate(x, self.group, self.dim, self.scale_factor, self.mode, self.align_corners,
+                                   sizes=sizes, channels_last=self.channels_last)
+
+    def extra_repr(self) -> str:
+        return f"scale_factor={self.scale_factor}, mode={self.mode!r}, dim={self.dim}"
+
+    @classmethod
+    def from_module(cls, up: nn.Upsample, group, dim, *, channels_last=False, infer_sizes=False):
+        """The sharded equivalent of ``up``; ShardkitError when its settings are unsupported."""
+        if up.size is not None or up.scale_factor is None:
+            raise ShardkitError("SpatialUpsample.from_module: size= is not supported; use an integer scale_factor")
+        return cls(up.scale_factor, up.mode, up.align_corners, group=group, dim=dim, channels_last=channels_last,
+                   infer_sizes=infer_sizes)
