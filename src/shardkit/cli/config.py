@@ -13,10 +13,11 @@ from pathlib import Path
 
 from ..errors import ShardkitError
 
-__all__ = ["TrainConfig", "DTYPES", "SCHEDULES", "load_toml", "merge_config", "validate_config"]
+__all__ = ["TrainConfig", "DTYPES", "SCHEDULES", "MODELS", "load_toml", "merge_config", "validate_config"]
 
 DTYPES = ("float32", "float64", "bfloat16")
 SCHEDULES = ("1f1b", "gpipe")
+MODELS = ("llama", "conv-ae")
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,9 @@ class TrainConfig:
     heads (head dim 16), so tp=2 keeps whole heads per rank.
     """
 
-    nproc: int = 4
+    model: str = "llama"  # "llama" (tp x dp or pp x dp) or "conv-ae" (spatial)
+    nproc: int | None = None  # None: 4 for llama, spatial for conv-ae
+    spatial: int = 1  # conv-ae only: ranks sharing each frame along W
     tp: int | None = None  # None: 2 without a pipeline, 1 with --pp > 1 (pp x tp is not supported yet)
     dp: int | None = None  # None: nproc // (tp * pp)
     pp: int = 1
@@ -53,8 +56,9 @@ class TrainConfig:
 
     @property
     def dp_size(self) -> int:
-        """The dp degree (``dp`` or ``nproc // (tp * pp)``)."""
-        return self.dp if self.dp is not None else self.nproc // (self.tp_size * self.pp)
+        """The dp degree (``dp`` or ``nproc // (tp * pp)``, nproc defaulting to 4)."""
+        nproc = self.nproc if self.nproc is not None else 4
+        return self.dp if self.dp is not None else nproc // (self.tp_size * self.pp)
 
     @property
     def tp_size(self) -> int:
@@ -117,9 +121,17 @@ def validate_config(cfg: TrainConfig, world_size: int | None = None) -> TrainCon
         ShardkitError: with a message naming the options at fault.
     """
     if world_size is not None:
-        if cfg.nproc not in (TrainConfig.nproc, world_size):
+        if cfg.nproc not in (None, world_size):
             raise ShardkitError(f"--nproc {cfg.nproc} does not match the torchrun world size {world_size}")
         cfg = dataclasses.replace(cfg, nproc=world_size)
+    if cfg.model not in MODELS:
+        raise ShardkitError(f"--model must be one of {', '.join(MODELS)}, got {cfg.model!r}")
+    if cfg.model == "conv-ae":
+        return _validate_conv_ae(cfg)
+    if cfg.spatial != 1:
+        raise ShardkitError(f"--spatial {cfg.spatial} needs --model conv-ae (llama uses --tp/--pp/--dp)")
+    if cfg.nproc is None:
+        cfg = dataclasses.replace(cfg, nproc=4)
     cfg = dataclasses.replace(cfg, tp=cfg.tp_size)
     for name in ("nproc", "tp", "pp", "microbatches", "steps", "batch_size"):
         if getattr(cfg, name) < 1:
@@ -148,6 +160,31 @@ def validate_config(cfg: TrainConfig, world_size: int | None = None) -> TrainCon
         raise ShardkitError(f"--batch-size {cfg.batch_size} (global) must be divisible by {what}")
     _validate_model(cfg)
     return cfg
+
+
+def _validate_conv_ae(cfg: TrainConfig) -> TrainConfig:
+    """``--model conv-ae``: spatial ranks only (nproc = spatial, dp = 1)."""
+    from .conv_ae import CROP, MIN_LOCAL_WIDTH
+
+    given = [f"--{name} {getattr(cfg, name)}" for name in ("tp", "pp", "dp", "microbatches")
+             if getattr(cfg, name) not in (None, 1)]
+    if given:
+        raise ShardkitError(f"{', '.join(given)} with --model conv-ae: it trains with --spatial only "
+                            "(tp, pp, microbatches and dp x spatial are not supported)")
+    for name in ("spatial", "steps", "batch_size"):
+        if getattr(cfg, name) < 1:
+            raise ShardkitError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
+    if cfg.spatial > CROP[1] // MIN_LOCAL_WIDTH:
+        raise ShardkitError(f"--spatial {cfg.spatial}: the {CROP[1]}-column crops give each rank fewer than "
+                            f"{MIN_LOCAL_WIDTH} columns (at most --spatial {CROP[1] // MIN_LOCAL_WIDTH})")
+    nproc = cfg.spatial if cfg.nproc is None else cfg.nproc
+    if nproc != cfg.spatial:
+        raise ShardkitError(f"layout spatial={cfg.spatial} x dp=1 = {cfg.spatial} ranks, but --nproc is {nproc}")
+    if cfg.lr <= 0:
+        raise ShardkitError(f"--lr must be > 0, got {cfg.lr}")
+    if cfg.dtype not in DTYPES:
+        raise ShardkitError(f"--dtype must be one of {', '.join(DTYPES)}, got {cfg.dtype!r}")
+    return dataclasses.replace(cfg, nproc=nproc, tp=1, dp=1)
 
 
 def _validate_pipeline(cfg: TrainConfig) -> None:

@@ -14,17 +14,18 @@ class TrainProgress:
 
     Args:
         steps: total number of steps.
-        tokens_per_step: tokens of one global batch (``B * S``).
+        tokens_per_step: tokens of one global batch (``B * S``), or whatever ``unit`` counts.
+        unit: the rate's unit label (``"tok"``; ``"px"`` for pixels).
     """
 
-    def __init__(self, steps: int, tokens_per_step: int) -> None:
+    def __init__(self, steps: int, tokens_per_step: int, unit: str = "tok") -> None:
         self.tokens_per_step = tokens_per_step
         self.progress = Progress(
             TextColumn("[bold]train"),
             BarColumn(),
             MofNCompleteColumn(),
             TextColumn("loss {task.fields[loss]}"),
-            TextColumn("{task.fields[tps]} tok/s"),
+            TextColumn(f"{{task.fields[tps]}} {unit}/s"),
             TimeElapsedColumn(),
         )
         self.task = self.progress.add_task("train", total=steps, loss="-", tps="-")

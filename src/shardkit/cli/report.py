@@ -20,6 +20,8 @@ _PHASES = {"forward": "fwd", "backward": "bwd"}
 def _layout(result: dict) -> str:
     lay = result["layout"]
     where = f"({lay['nproc']} ranks, {lay['backend']}, {lay['device']})"
+    if "spatial" in lay:
+        return f"{lay['model']}: spatial={lay['spatial']} (frames split along W) x dp={lay['dp']} {where}"
     if lay.get("pp", 1) > 1:
         m = lay["microbatches"]
         return (f"pp={lay['pp']} x tp={lay['tp']} x dp={lay['dp']}, {lay['schedule']} with "
@@ -35,7 +37,10 @@ def print_summary(result: dict, console: Console) -> None:
     table.add_column()
     table.add_row("layout", _layout(result))
     table.add_row("steps", str(len(losses)))
-    table.add_row("tokens/s", f"{result['tokens_per_s']:,.0f}")
+    if "pixels_per_s" in result:
+        table.add_row("pixels/s", f"{result['pixels_per_s']:,.0f}")
+    else:
+        table.add_row("tokens/s", f"{result['tokens_per_s']:,.0f}")
     table.add_row("loss first -> last", f"{losses[0]:.5f} -> {losses[-1]:.5f}" if losses else "-")
     table.add_row("train time", f"{result['timings_s']['train']:.2f} s (setup {result['timings_s']['setup']:.2f} s)")
     mem = ", ".join(f"r{r}: {b / _MIB:.0f}" for r, b in enumerate(result["peak_memory_bytes"]))

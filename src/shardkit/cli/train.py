@@ -14,7 +14,7 @@ import sys
 from rich.console import Console
 
 from ..errors import ShardkitError
-from .config import DTYPES, SCHEDULES, TrainConfig, load_toml, merge_config, validate_config
+from .config import DTYPES, MODELS, SCHEDULES, TrainConfig, load_toml, merge_config, validate_config
 from .data import corpus_files
 
 __all__ = ["add_train_parser", "config_from_args", "run_train"]
@@ -31,7 +31,10 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
         "collectives) x dp (DDP), or pp (pipeline stages, 1F1B or GPipe) x dp, on real text, byte-level tokens.",
     )
     p.add_argument("--config", metavar="FILE.toml", help="TOML file of options (keys: option names with underscores)")
-    p.add_argument("--nproc", type=int, help=f"local processes to start (default {d.nproc}; torchrun: its world)")
+    p.add_argument("--model", choices=MODELS, help=f"what to train (default {d.model}; conv-ae: a convolutional "
+                   "autoencoder on matplotlib's sample photo, frames sharded along W over --spatial ranks)")
+    p.add_argument("--nproc", type=int, help="local processes to start (default 4; conv-ae: --spatial; torchrun: its world)")
+    p.add_argument("--spatial", type=int, help=f"conv-ae: ranks sharing each frame along W (default {d.spatial})")
     p.add_argument("--tp", type=int, help="tensor-parallel degree (default 2; 1 with --pp > 1)")
     p.add_argument("--dp", type=int, help="data-parallel degree (default nproc // (tp * pp))")
     p.add_argument("--pp", type=int, help=f"pipeline-parallel stages (default {d.pp}; needs --tp 1 for now)")
@@ -72,6 +75,8 @@ def config_from_args(args: argparse.Namespace, world_size: int | None = None) ->
     values = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
     file_values = load_toml(args.config) if args.config else {}
     cfg = validate_config(merge_config(file_values, values), world_size)
+    if cfg.model == "conv-ae":
+        return cfg  # its data is matplotlib's sample photo, not a text corpus
     # A missing or too short --data fails here, before any process starts (sizes only: stat).
     size = sum(f.stat().st_size for f in corpus_files(cfg.data))
     if size < cfg.seq_len:

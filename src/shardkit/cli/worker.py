@@ -109,6 +109,8 @@ def worker_main(cfg: TrainConfig, local_launch: bool) -> dict | None:
 
 
 def _train(cfg: TrainConfig, backend: str, device, t0: float) -> dict | None:
+    if cfg.model == "conv-ae":
+        return _train_conv_ae(cfg, backend, device, t0)
     rank = dist.get_rank()
     mesh = ParallelDims(dp=cfg.dp, pp=cfg.pp, tp=cfg.tp).build_mesh(device.type)
     tp_mesh, dp_mesh = mesh["tp"], mesh["dp"]
@@ -188,3 +190,59 @@ def _train(cfg: TrainConfig, backend: str, device, t0: float) -> dict | None:
         result["timings_s"]["verify"] = time.perf_counter() - t2
     return result
 
+
+
+def _train_conv_ae(cfg: TrainConfig, backend: str, device, t0: float) -> dict | None:
+    """``--model conv-ae``: every rank holds a W-slab of each frame (:mod:`.conv_ae`)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ..spatial import apply_spatial
+    from .conv_ae import CROP, CropSampler, build_conv_ae, load_image, run_conv_ae_steps
+
+    rank = dist.get_rank()
+    group = init_device_mesh(device.type, (cfg.spatial,), mesh_dim_names=("spatial",)).get_group()
+    image = load_image()
+    model = build_conv_ae(cfg.dtype, cfg.seed)
+    reference = copy.deepcopy(model) if cfg.verify and rank == 0 else None
+    model = apply_spatial(model.to(device), group, dim=-1)
+    optimizer = make_optimizer(model, cfg)
+    t_setup = time.perf_counter() - t0
+
+    pixels_per_step = cfg.batch_size * CROP[0] * CROP[1]
+    progress = TrainProgress(cfg.steps, pixels_per_step, unit="px") if rank == 0 else None
+    with CommLedger() as ledger, (progress or nullcontext()):
+        t1 = time.perf_counter()
+        sampler = CropSampler(image, CROP, cfg.batch_size, cfg.seed)
+        losses = run_conv_ae_steps(model, optimizer, sampler, cfg.steps, device, group,
+                                   on_step=progress.update if progress else None)
+        t_train = time.perf_counter() - t1
+
+    memory = [None] * dist.get_world_size()
+    dist.all_gather_object(memory, _peak_memory(device))
+    if rank != 0:
+        return None
+    result = {
+        "layout": {"nproc": cfg.nproc, "model": cfg.model, "spatial": cfg.spatial, "dp": 1, "backend": backend,
+                   "device": str(device)},
+        "config": asdict(cfg),
+        "losses": losses,
+        "pixels_per_s": pixels_per_step * cfg.steps / t_train,
+        "peak_memory_bytes": memory,
+        "memory_kind": "cuda max_memory_allocated" if device.type == "cuda" else "max RSS",
+        "ledger": _ledger_rows(ledger),
+        "timings_s": {"setup": t_setup, "train": t_train},
+        "image": {"shape": list(image.shape), "crop": list(CROP)},
+    }
+    if reference is not None:
+        # Parameters are replicated (apply_spatial sums their gradients over the group), so
+        # rank 0's are the full ones.
+        params = {name: p.detach() for name, p in model.named_parameters()}
+        t2 = time.perf_counter()
+        reference = reference.to(device)
+        sampler = CropSampler(image, CROP, cfg.batch_size, cfg.seed)
+        ref_losses = run_conv_ae_steps(reference, make_optimizer(reference, cfg), sampler, cfg.steps, device)
+        ref_params = {name: p.detach() for name, p in reference.named_parameters()}
+        result["reference_losses"] = ref_losses
+        result["parity"] = compare_runs(losses, ref_losses, params, ref_params, cfg.dtype)
+        result["timings_s"]["verify"] = time.perf_counter() - t2
+    return result

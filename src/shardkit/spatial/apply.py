@@ -4,6 +4,8 @@ Converted in place (recursively, same attribute names, so parameter names and st
 do not change; parameters and buffers are shared, not copied):
 
 * ``nn.Conv1d/2d/3d`` -> :class:`SpatialConv1d/2d/3d` (halo exchange);
+* ``nn.ConvTranspose1d/2d/3d`` -> :class:`SpatialConvTranspose1d/2d/3d` (halo exchange; the
+  forward's ``output_size=`` argument is not supported);
 * ``nn.GroupNorm`` -> :class:`SpatialGroupNorm`, ``nn.BatchNorm2d`` -> :class:`SpatialBatchNorm2d`
   (statistics over the whole frame);
 * ``nn.Upsample`` (integer scale) -> :class:`SpatialUpsample`;
@@ -17,8 +19,8 @@ then just work.
 
 Every other leaf module is kept and assumed to act element-wise or along the channel dim
 (activations, dropout, identity, ...). Known layers that would silently give wrong results on
-a sharded frame (``nn.Linear``, ``nn.Flatten``, adaptive pooling, ``LayerNorm``, transposed
-convolutions, padding layers, ...) or unsupported settings (``ceil_mode``, ``size=`` upsampling,
+a sharded frame (``nn.Linear``, ``nn.Flatten``, adaptive pooling, ``LayerNorm``, padding
+layers, ...) or unsupported settings (``ceil_mode``, ``size=`` upsampling,
 non-integer scales) raise one :class:`ShardkitError` at apply time listing all of them.
 """
 
@@ -29,6 +31,7 @@ from torch import nn
 from ..comm._group import resolve_group
 from ..errors import ShardkitError, ShardkitTypeError
 from .modules import SpatialConv1d, SpatialConv2d, SpatialConv3d
+from .modules_transpose import SpatialConvTranspose1d, SpatialConvTranspose2d, SpatialConvTranspose3d
 from .norm import SpatialBatchNorm2d, SpatialGroupNorm
 from .pool import SpatialAvgPool2d, SpatialMaxPool2d
 from .resample import SpatialUpsample, check_interpolate_args
@@ -36,6 +39,8 @@ from .resample import SpatialUpsample, check_interpolate_args
 __all__ = ["apply_spatial"]
 
 _CONVS = {nn.Conv1d: SpatialConv1d, nn.Conv2d: SpatialConv2d, nn.Conv3d: SpatialConv3d}
+_CONVTS = {nn.ConvTranspose1d: SpatialConvTranspose1d, nn.ConvTranspose2d: SpatialConvTranspose2d,
+           nn.ConvTranspose3d: SpatialConvTranspose3d}
 
 # Layers that mix positions along the sharded dim in ways no halo or statistic reduction here covers.
 _UNSUPPORTED = (
@@ -43,7 +48,7 @@ _UNSUPPORTED = (
     nn.InstanceNorm3d, nn.BatchNorm1d, nn.BatchNorm3d, nn.SyncBatchNorm, nn.LocalResponseNorm,
     nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d, nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d,
     nn.AdaptiveMaxPool3d, nn.AvgPool1d, nn.AvgPool3d, nn.MaxPool1d, nn.MaxPool3d, nn.LPPool1d, nn.LPPool2d,
-    nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d, nn.Fold, nn.Unfold, nn.PixelUnshuffle,
+    nn.Fold, nn.Unfold, nn.PixelUnshuffle,
     nn.MultiheadAttention, nn.Transformer, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer,
     nn.RNNBase, nn.Embedding, nn.EmbeddingBag, nn.UpsamplingNearest2d, nn.UpsamplingBilinear2d,
     nn.modules.padding._ReflectionPadNd, nn.modules.padding._ReplicationPadNd, nn.modules.padding._ConstantPadNd,
@@ -55,6 +60,8 @@ def _problem(m: nn.Module) -> str | None:
     """Why ``m`` cannot be converted, or None."""
     if type(m) in _CONVS or type(m) in (nn.GroupNorm, nn.BatchNorm2d):
         return None
+    if type(m) in _CONVTS:
+        return None if m.padding_mode == "zeros" else f"padding_mode={m.padding_mode!r} (only 'zeros')"
     if type(m) is nn.Upsample:
         if m.size is not None or m.scale_factor is None:
             return "Upsample with size= (needs an integer scale_factor)"
@@ -81,6 +88,8 @@ def _problem(m: nn.Module) -> str | None:
 def _convert(m: nn.Module, group, dim: int, channels_last: bool) -> nn.Module:
     if type(m) in _CONVS:
         layer = _CONVS[type(m)].from_conv(m, group, dim, channels_last=channels_last)
+    elif type(m) in _CONVTS:
+        layer = _CONVTS[type(m)].from_module(m, group, dim, channels_last=channels_last)
     elif type(m) is nn.GroupNorm:
         return SpatialGroupNorm.from_module(m, group)
     elif type(m) is nn.BatchNorm2d:
@@ -101,7 +110,7 @@ def _convert(m: nn.Module, group, dim: int, channels_last: bool) -> nn.Module:
 
 
 def apply_spatial(module: nn.Module, mesh_or_group, dim: int, *, channels_last: bool = False) -> nn.Module:
-    """Shard ``module``'s convolutions, norms, upsampling and pooling along spatial dim ``dim``, in place.
+    """Shard ``module``'s (transposed) convolutions, norms, upsampling and pooling along spatial dim ``dim``, in place.
 
     After it, ``module(x_local)`` with ``x_local`` this rank's block of the input along ``dim``
     returns this rank's block of the unsharded output (window-centre split, see

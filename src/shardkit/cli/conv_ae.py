@@ -1,0 +1,166 @@
+"""``shardkit train --model conv-ae --spatial R``: a convolutional autoencoder on real photos,
+each frame sharded along its width over ``R`` ranks with :func:`~shardkit.spatial.apply_spatial`.
+
+The image is matplotlib's sample photo ``grace_hopper.jpg`` (ships with matplotlib, nothing is
+downloaded). Every step draws ``B`` random crops ``[B, 3, H, W]`` from a seeded generator, the
+same crops on every rank and in the ``--verify`` reference. Rank ``r`` keeps columns
+``[offset_r, offset_r + W_r)`` (balanced split); the model's halo exchanges and norm statistics
+make its local output exactly the matching block of the unsharded output.
+
+Loss: mean squared reconstruction error over the whole global batch. Each rank sums its local
+squared errors, :func:`~shardkit.all_reduce_forward` adds them (identity in backward: each rank
+backpropagates its own pixels' share), and the sum is divided by the global element count. The
+converted layers sum parameter gradients over the group, so every rank ends with the unsharded
+model's gradient and AdamW keeps the replicated parameters identical.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .. import all_reduce_forward, balanced_split_sizes
+from .._shapes import split_offsets
+from .model import TORCH_DTYPES
+
+__all__ = ["CROP", "IMAGE", "ConvAutoencoder", "build_conv_ae", "load_image", "CropSampler", "width_shard",
+           "reconstruction_loss", "run_conv_ae_steps"]
+
+IMAGE = "grace_hopper.jpg"
+CROP = (48, 80)  # (H, W); W = 80 splits into >= 8 columns per rank for up to 10 ranks
+MIN_LOCAL_WIDTH = 8  # the dilated conv's halo (2 columns at half resolution) must fit in a neighbour
+
+
+class _Residual(nn.Module):
+    """``x + block(x)``: dilation-2 conv, GroupNorm, SiLU (no parameters of its own)."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.block = nn.Sequential(
+            nn.Conv2d(channels, channels, 3, padding=2, dilation=2), nn.GroupNorm(8, channels), nn.SiLU()
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.block(x)
+
+
+class ConvAutoencoder(nn.Sequential):
+    """``[B, 3, H, W] -> [B, 3, H, W]`` (``H``, ``W`` even): stride-2 encoder, a dilated residual
+    block at half resolution, nearest x2 upsampling and a conv decoder."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            nn.Conv2d(3, 16, 3, padding=1), nn.GroupNorm(4, 16), nn.SiLU(),
+            nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.GroupNorm(8, 32), nn.SiLU(),
+            _Residual(32),
+            nn.Upsample(scale_factor=2, mode="nearest"),
+            nn.Conv2d(32, 16, 3, padding=1), nn.SiLU(),
+            nn.Conv2d(16, 3, 3, padding=1),
+        )
+
+
+def build_conv_ae(dtype: str, seed: int) -> ConvAutoencoder:
+    """The unsharded model in ``dtype``, training mode; initialized in float32 from ``seed``, then
+    cast (bitwise the same weights on every rank and in the reference)."""
+    torch.manual_seed(seed)
+    return ConvAutoencoder().to(TORCH_DTYPES[dtype]).train()
+
+
+def load_image(name: str = IMAGE) -> torch.Tensor:
+    """matplotlib's sample photo ``name`` as ``[3, H, W]`` float32 in [0, 1]."""
+    import matplotlib.cbook
+    import matplotlib.image
+
+    pixels = matplotlib.image.imread(matplotlib.cbook.get_sample_data(name, asfileobj=False))
+    x = torch.from_numpy(pixels.copy()).permute(2, 0, 1)[:3]
+    return x.float() / 255 if x.dtype == torch.uint8 else x.float()
+
+
+class CropSampler:
+    """Random crops of one image, the same sequence of global batches on every rank.
+
+    Args:
+        image: ``[C, H_img, W_img]``.
+        crop: ``(H, W)`` of a crop, at most the image's size.
+        batch_size: crops per global batch ``B``.
+        seed: seed of the ``torch.Generator`` that draws the crop corners.
+    """
+
+    def __init__(self, image: torch.Tensor, crop: tuple[int, int], batch_size: int, seed: int) -> None:
+        if crop[0] > image.shape[1] or crop[1] > image.shape[2]:
+            raise ValueError(f"CropSampler: crop {crop} larger than the image {tuple(image.shape[1:])}")
+        self.image, self.crop, self.batch_size = image, crop, batch_size
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def next_batch(self) -> torch.Tensor:
+        """The next global batch: ``[B, C, H, W]``."""
+        (h, w), (_, hi, wi) = self.crop, self.image.shape
+        tops = torch.randint(0, hi - h + 1, (self.batch_size,), generator=self.gen).tolist()
+        lefts = torch.randint(0, wi - w + 1, (self.batch_size,), generator=self.gen).tolist()
+        return torch.stack([self.image[:, t : t + h, l : l + w] for t, l in zip(tops, lefts)])
+
+
+def width_shard(x_full: torch.Tensor, local_width: int, group) -> torch.Tensor:
+    """This rank's block of columns of ``x_full`` ``[..., W]``, given every rank's width.
+
+    The widths are all-gathered (one tiny collective), so the split of a layer's output (which
+    the spatial layers choose) need not be the balanced split of the input.
+    """
+    widths = [None] * dist.get_world_size(group)
+    dist.all_gather_object(widths, local_width, group=group)
+    if sum(widths) != x_full.shape[-1]:
+        raise RuntimeError(f"width_shard: local widths {widths} do not add up to W = {x_full.shape[-1]}")
+    return x_full.narrow(-1, split_offsets(widths)[dist.get_rank(group)], local_width)
+
+
+def reconstruction_loss(out: torch.Tensor, target: torch.Tensor, numel: int, group=None) -> torch.Tensor:
+    """Mean squared error over the global frame from this rank's block.
+
+    ``sum((out - target)^2)`` over local elements, all-reduced over ``group`` (none: one
+    process), divided by the global element count ``numel``. Half precision is upcast to float32.
+    """
+    if out.dtype in (torch.float16, torch.bfloat16):
+        out, target = out.float(), target.float()
+    sse = (out - target).pow(2).sum()
+    if group is not None:
+        sse = all_reduce_forward(sse, group)
+    return sse / numel
+
+
+def run_conv_ae_steps(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    sampler: CropSampler,
+    steps: int,
+    device: torch.device,
+    group=None,
+    on_step: Callable[[int, float], None] | None = None,
+) -> list[float]:
+    """Train ``steps`` steps; return each step's global mean loss.
+
+    With ``group`` (a ``ProcessGroup`` of ``R`` ranks, the model converted by ``apply_spatial``)
+    every frame is split along W over the group; without it the model sees the full frames
+    (the ``--verify`` reference).
+    """
+    dtype = next(model.parameters()).dtype
+    losses = []
+    for step in range(steps):
+        x_full = sampler.next_batch().to(device, dtype)
+        x = x_full
+        if group is not None:
+            w, r, R = x_full.shape[-1], dist.get_rank(group), dist.get_world_size(group)
+            sizes = balanced_split_sizes(w, R)
+            x = x_full.narrow(-1, split_offsets(sizes)[r], sizes[r])
+        out = model(x)
+        target = x_full if group is None else width_shard(x_full, out.shape[-1], group)
+        loss = reconstruction_loss(out, target, x_full.numel(), group)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        if on_step is not None:
+            on_step(step, losses[-1])
+    return losses

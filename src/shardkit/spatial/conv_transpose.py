@@ -1,0 +1,213 @@
+"""Transposed convolutions over an input sharded along one spatial dim.
+
+Along the sharded dim (global input size ``N``, kernel ``k``, stride ``s``, padding ``p``,
+dilation ``d``, output padding ``q``) input ``i`` and tap ``j`` add into output
+``o = i*s - p + j*d``; the output has ``L = (N-1)*s - 2p + d*(k-1) + q + 1`` elements.
+
+**Output rule.** The adjoint of the window-centre rule of :mod:`._sizes`: output ``o`` belongs
+to the rank holding input ``floor((o + p - (d*(k-1)) // 2) / s)`` (the input whose stride-``s``
+window centre lands on ``o``), clamped to ranks 0 and ``R-1`` at the borders. So an even split
+of ``N`` upsampled by ``k = 2s, p = s/2`` or ``k = s, p = 0`` gives ``s * sizes``, and a
+stride-1 ``"same"``-like transposed conv (``k = 2p + 1``) keeps the split, as for convolutions.
+
+Each rank fetches (one halo exchange, zeros outside ``[0, N)``) the inputs that reach its
+outputs, runs a local ``torch`` transposed convolution with no padding on the sharded dim and
+crops its outputs. Weight and bias are replicated; their gradients are summed over the group
+in backward (one fused all-reduce), as :mod:`.conv`.
+
+Source: the transposed convolution as the adjoint of a strided convolution (Dumoulin & Visin,
+"A guide to convolution arithmetic for deep learning", 2016), sharded as in :mod:`.conv`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .._shapes import check_split_sizes, split_offsets
+from ..comm._validate import dim_of, enter, expected_size, local_sizes, maybe_agree
+from ..errors import ShardkitError, ShardkitTypeError
+from ._sizes import per_dim
+from .conv import _EmptyOutput, _SumParamGrads
+from .halo import exchange, plan_for
+
+__all__ = ["spatial_conv_transpose1d", "spatial_conv_transpose2d", "spatial_conv_transpose3d",
+           "spatial_transpose_output_sizes"]
+
+_CONVT = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
+
+
+def transpose_out_len(n: int, k: int, s: int, p: int, d: int, q: int) -> int:
+    """Torch's output length of a transposed convolution over ``n`` inputs (may be <= 0)."""
+    return (n - 1) * s - 2 * p + d * (k - 1) + q + 1
+
+
+def transpose_bounds(sizes: Sequence[int], k: int, s: int, p: int, d: int, q: int) -> list[int]:
+    """``R + 1`` output boundaries: rank ``r`` computes outputs ``[bounds[r], bounds[r+1])``."""
+    n_out = transpose_out_len(sum(sizes), k, s, p, d, q)
+    base = p - (d * (k - 1)) // 2  # output o belongs to the owner of input floor((o + base) / s)
+    offsets = split_offsets(sizes)
+    # outputs with floor((o + base) / s) < t are those with o < t*s - base
+    return [0] + [min(max(offsets[r] * s - base, 0), n_out) for r in range(1, len(sizes))] + [n_out]
+
+
+def transpose_input_ranges(sizes: Sequence[int], k: int, s: int, p: int, d: int, q: int) -> list[tuple[int, int]]:
+    """Global input range ``[a_r, b_r)`` each rank reads, chosen so that the local transposed
+    convolution (no padding) covers its outputs: ``a_r*s - p <= lo`` and
+    ``(b_r - 1)*s - p + d*(k-1) >= hi - 1``. Inputs outside ``[0, N)`` are zeros; the extra
+    inputs this alignment may add reach only outputs that are cropped."""
+    bounds = transpose_bounds(sizes, k, s, p, d, q)
+    ranges = []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        if hi <= lo:
+            ranges.append((0, 0))
+            continue
+        a = min(-((d * (k - 1) - lo - p) // s), (lo + p) // s)  # min(ceil((lo+p-d(k-1))/s), floor((lo+p)/s))
+        last = max((hi - 1 + p) // s, -((d * (k - 1) + 1 - hi - p) // s))  # ceil((hi+p-d(k-1)-1)/s)
+        ranges.append((a, last + 1))
+    return ranges
+
+
+def spatial_transpose_output_sizes(in_sizes: Sequence[int], kernel_size: int, stride: int = 1, padding: int = 0,
+                                   output_padding: int = 0, dilation: int = 1) -> list[int]:
+    """Per-rank output sizes of a transposed convolution sharded along one spatial dim.
+
+    A pure function of the input split (output rule of :mod:`.conv_transpose`), e.g.
+    ``spatial_transpose_output_sizes([4, 4], 4, stride=2, padding=1) == [8, 8]``.
+
+    Raises:
+        ShardkitError: bad sizes or arguments, or an output length < 1.
+        ShardkitTypeError: non-int arguments.
+    """
+    op = "spatial_transpose_output_sizes"
+    if isinstance(in_sizes, (str, bytes)) or not isinstance(in_sizes, Sequence) or not in_sizes:
+        raise ShardkitTypeError(f"{op}: in_sizes must be a non-empty sequence of ints, got {in_sizes!r}")
+    sizes = check_split_sizes(in_sizes, len(in_sizes), None, op)
+    (k,), (s,), (d,) = (per_dim(v, 1, n, op, 1) for v, n in ((kernel_size, "kernel_size"), (stride, "stride"),
+                                                              (dilation, "dilation")))
+    (p,), (q,) = per_dim(padding, 1, "padding", op, 0), per_dim(output_padding, 1, "output_padding", op, 0)
+    _check_geometry(sum(sizes), k, s, p, d, q, op, len(sizes))
+    b = transpose_bounds(sizes, k, s, p, d, q)
+    return [hi - lo for lo, hi in zip(b[:-1], b[1:])]
+
+
+def _check_geometry(n, k, s, p, d, q, op, R) -> None:
+    if q >= s and q >= d:
+        raise ShardkitError(f"{op}: output_padding {q} must be smaller than the stride {s} or the dilation {d} (as torch)")
+    if transpose_out_len(n, k, s, p, d, q) < 1:
+        raise ShardkitError(f"{op}: non-positive output length for input size {n} (k={k}, s={s}, p={p}, d={d}, "
+                            f"output_padding={q}) in a group of {R}")
+
+
+def _check_weight(x, weight, bias, groups, nd, op):
+    if not isinstance(weight, torch.Tensor) or (bias is not None and not isinstance(bias, torch.Tensor)):
+        raise ShardkitTypeError(f"{op}: weight and bias must be tensors (bias may be None)")
+    if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
+        raise ShardkitError(f"{op}: groups must be an int >= 1, got {groups!r}")
+    if weight.dim() != nd + 2 or x.shape[1] != weight.shape[0] or weight.shape[0] % groups:
+        raise ShardkitError(f"{op}: weight must be [C_in, C_out / groups, *K] with C_in = {x.shape[1]} divisible by "
+                            f"groups={groups}, got shape {tuple(weight.shape)}")
+    if bias is not None and tuple(bias.shape) != (weight.shape[1] * groups,):
+        raise ShardkitError(f"{op}: bias must have shape ({weight.shape[1] * groups},), got {tuple(bias.shape)}")
+
+
+def _spatial_conv_transpose(nd, op, x, weight, bias, group, dim, stride, padding, output_padding, groups, dilation,
+                            sizes, channels_last, sum_param_grads):
+    g = enter(x, group, op)
+    maybe_agree(g, op, x, (dim, int(bool(channels_last)), int(x.requires_grad), sizes), local_dim=dim,
+                expected_local=expected_size(sizes, g.rank))
+    if x.dim() != nd + 2:
+        raise ShardkitError(f"{op}: expected a {nd + 2}-d input, got shape {tuple(x.shape)}")
+    d = dim_of(x, dim, op)
+    spatial = list(range(1, nd + 1)) if channels_last else list(range(2, nd + 2))
+    if d not in spatial:
+        raise ShardkitError(f"{op}: dim {dim} is not a spatial dim of a {nd + 2}-d input (spatial dims {spatial})")
+    xc, dc = (x.movedim(-1, 1), d + 1) if channels_last else (x, d)
+    j = dc - 2
+    _check_weight(xc, weight, bias, groups, nd, op)
+    kernel = tuple(weight.shape[2:])
+    stride, dilation = per_dim(stride, nd, "stride", op, 1), per_dim(dilation, nd, "dilation", op, 1)
+    padding, output_padding = per_dim(padding, nd, "padding", op, 0), per_dim(output_padding, nd, "output_padding", op, 0)
+    sizes = local_sizes(xc, g, dc, sizes, op)
+    lens = [sum(sizes) if i == j else xc.shape[2 + i] for i in range(nd)]
+    for i in range(nd):
+        _check_geometry(lens[i], kernel[i], stride[i], padding[i], dilation[i], output_padding[i], op, g.size)
+    geometry = (kernel[j], stride[j], padding[j], dilation[j], output_padding[j])
+    ranges = transpose_input_ranges(sizes, *geometry)
+    x_seg = exchange(xc, g, dc, plan_for(op, sizes, ranges, "zeros"), op)
+    params = [t for t in (weight, bias) if t is not None]
+    if sum_param_grads and g.size > 1 and torch.is_grad_enabled() and any(t.requires_grad for t in params):
+        params = _SumParamGrads.apply(g, op, *params)
+        weight, bias = params[0], (params[1] if bias is not None else None)
+    bounds = transpose_bounds(sizes, *geometry)
+    lo, hi = bounds[g.rank], bounds[g.rank + 1]
+    if hi == lo:
+        out_lens = [0 if i == j else transpose_out_len(lens[i], kernel[i], stride[i], padding[i], dilation[i],
+                                                       output_padding[i]) for i in range(nd)]
+        out = _EmptyOutput.apply([xc.shape[0], weight.shape[1] * groups, *out_lens], x_seg, weight, bias)
+    else:
+        pad = tuple(0 if i == j else v for i, v in enumerate(padding))
+        opad = tuple(0 if i == j else v for i, v in enumerate(output_padding))
+        y = _CONVT[nd](x_seg, weight, bias, stride, pad, opad, groups, dilation)
+        # local output 0 is global output a*s - p
+        out = y.narrow(dc, lo + padding[j] - ranges[g.rank][0] * stride[j], hi - lo)
+    return out.movedim(1, -1) if channels_last else out
+
+
+_DOC = """Transposed convolution of an input sharded along spatial dim ``dim``; output sharded along it too.
+
+    Forward: halo exchange of the inputs that reach this rank's outputs, then a local
+    ``torch`` transposed convolution and a crop; backward: the reverse exchange adds halo
+    gradients into their owners and the weight / bias gradients are summed over the group.
+
+    Args:
+        x_local: ``[B, C_in, *S_local]`` (``[B, *S_local, C_in]`` with ``channels_last``).
+        weight: ``[C_in, C_out / groups, *K]`` (torch's transposed layout), replicated.
+        bias: ``[C_out]`` or None, replicated.
+        group: a ``ProcessGroup`` or 1-D ``DeviceMesh`` of ``R`` ranks.
+        dim: the sharded spatial dim of ``x_local`` (negative allowed).
+        stride, padding, output_padding, dilation: an int or one per spatial dim, as torch
+            (``output_padding`` < stride or dilation).
+        groups: as torch.
+        sizes: every rank's input size along ``dim`` (uneven and zero sizes allowed); None
+            means every rank holds the same size as this one.
+        channels_last: the channel dim is last instead of second.
+        sum_param_grads: sum the weight / bias gradients over the group in backward (default).
+
+    Returns:
+        This rank's outputs, ``spatial_transpose_output_sizes(sizes, K[dim], stride, padding,
+        output_padding, dilation)[rank]`` long along ``dim`` (rule in
+        :mod:`shardkit.spatial.conv_transpose`); gathered, the unsharded ``torch`` output.
+
+    Raises:
+        ShardkitError: wrong dims, channels or bias shape, ``dim`` not spatial, ``output_padding``
+            too large, a non-positive output length, bad ``sizes`` (all from agreed metadata).
+        ShardkitTypeError, GroupMembershipError, RankMismatchError: as :func:`shardkit.all_gather`.
+
+    Communication at ``R > 1``: forward one ``all_to_all_single`` (none when no rank needs a
+    neighbour element); backward one ``all_to_all_single`` and one ``all_reduce``.
+"""
+
+
+def spatial_conv_transpose1d(x_local, weight, bias, group, dim, stride=1, padding=0, output_padding=0, groups=1,
+                             dilation=1, *, sizes=None, channels_last=False, sum_param_grads=True):
+    return _spatial_conv_transpose(1, "spatial_conv_transpose1d", x_local, weight, bias, group, dim, stride, padding,
+                                   output_padding, groups, dilation, sizes, channels_last, sum_param_grads)
+
+
+def spatial_conv_transpose2d(x_local, weight, bias, group, dim, stride=1, padding=0, output_padding=0, groups=1,
+                             dilation=1, *, sizes=None, channels_last=False, sum_param_grads=True):
+    return _spatial_conv_transpose(2, "spatial_conv_transpose2d", x_local, weight, bias, group, dim, stride, padding,
+                                   output_padding, groups, dilation, sizes, channels_last, sum_param_grads)
+
+
+def spatial_conv_transpose3d(x_local, weight, bias, group, dim, stride=1, padding=0, output_padding=0, groups=1,
+                             dilation=1, *, sizes=None, channels_last=False, sum_param_grads=True):
+    return _spatial_conv_transpose(3, "spatial_conv_transpose3d", x_local, weight, bias, group, dim, stride, padding,
+                                   output_padding, groups, dilation, sizes, channels_last, sum_param_grads)
+
+
+for _fn in (spatial_conv_transpose1d, spatial_conv_transpose2d, spatial_conv_transpose3d):
+    _fn.__doc__ = _DOC

@@ -1,0 +1,100 @@
+"""``shardkit train --model conv-ae``: crop sampler, model builder, loss and options in-process;
+one spatial=2 end-to-end ``--verify`` run and one up-front failure as subprocesses."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from shardkit import ShardkitError
+from shardkit.cli.config import merge_config, validate_config
+from shardkit.cli.conv_ae import CROP, CropSampler, build_conv_ae, load_image, reconstruction_loss
+
+
+def test_image_is_a_real_photo_in_unit_range():
+    image = load_image()
+    assert image.dtype == torch.float32 and image.shape[0] == 3 and min(image.shape[1:]) >= max(CROP)
+    assert 0 <= image.min() and image.max() <= 1 and image.std() > 0.05
+
+
+def test_crop_sampler_is_deterministic_with_the_right_shapes():
+    image = load_image()
+    a, b = CropSampler(image, (48, 80), 4, seed=3), CropSampler(image, (48, 80), 4, seed=3)
+    first = a.next_batch()
+    assert first.shape == (4, 3, 48, 80) and first.dtype == torch.float32
+    assert torch.equal(first, b.next_batch()) and torch.equal(a.next_batch(), b.next_batch())
+    assert not torch.equal(first, a.next_batch())  # a new draw each step
+    assert not torch.equal(first, CropSampler(image, (48, 80), 4, seed=4).next_batch())
+    # Each crop is a window of the image.
+    tiny = torch.arange(2 * 5 * 6, dtype=torch.float32).view(2, 5, 6)
+    crop = CropSampler(tiny, (2, 3), 1, seed=0).next_batch()[0]
+    t, l = divmod(int(crop[0, 0, 0]), 6)
+    assert torch.equal(crop, tiny[:, t : t + 2, l : l + 3])
+    with pytest.raises(ValueError, match="larger than the image"):
+        CropSampler(tiny, (6, 3), 1, seed=0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16"])
+def test_model_builder_is_seeded_and_keeps_the_frame_size(dtype):
+    model, again = build_conv_ae(dtype, seed=0), build_conv_ae(dtype, seed=0)
+    assert model.training and all(p.dtype == getattr(torch, dtype) for p in model.parameters())
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), again.parameters()))
+    assert not torch.equal(next(model.parameters()), next(build_conv_ae(dtype, seed=1).parameters()))
+    x = torch.rand(2, 3, *CROP, dtype=getattr(torch, dtype))
+    assert model(x).shape == x.shape
+    kinds = {type(m).__name__ for m in model.modules()}
+    assert {"Conv2d", "GroupNorm", "Upsample", "SiLU"} <= kinds
+    convs = [m for m in model.modules() if type(m).__name__ == "Conv2d"]
+    assert any(c.stride == (2, 2) for c in convs) and any(c.dilation == (2, 2) for c in convs)
+
+
+def test_reconstruction_loss_is_the_mean_squared_error():
+    out, target = torch.randn(2, 3, 4, 6, dtype=torch.float64), torch.randn(2, 3, 4, 6, dtype=torch.float64)
+    torch.testing.assert_close(reconstruction_loss(out, target, out.numel()), torch.nn.functional.mse_loss(out, target))
+    # Two W-halves' partial sums over the global numel add up to the same mean.
+    halves = sum(reconstruction_loss(o, t, out.numel()) for o, t in zip(out.split(3, -1), target.split(3, -1)))
+    torch.testing.assert_close(halves, torch.nn.functional.mse_loss(out, target))
+    assert reconstruction_loss(out.bfloat16(), target.bfloat16(), out.numel()).dtype == torch.float32
+
+
+def test_conv_ae_layout():
+    cfg = validate_config(merge_config({}, dict(model="conv-ae", spatial=2)))
+    assert (cfg.nproc, cfg.spatial, cfg.dp, cfg.tp, cfg.pp) == (2, 2, 1, 1, 1)
+    assert validate_config(merge_config({}, {})).nproc == 4  # llama's default is unchanged
+    assert validate_config(merge_config({}, dict(model="conv-ae", spatial=4)), world_size=4).nproc == 4
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(spatial=2), "--spatial 2 needs --model conv-ae"),
+    (dict(model="conv-ae", tp=2), "--tp 2 with --model conv-ae"),
+    (dict(model="conv-ae", pp=2, dp=2), "--pp 2, --dp 2 with --model conv-ae"),
+    (dict(model="conv-ae", spatial=2, nproc=4), "spatial=2 x dp=1 = 2 ranks, but --nproc is 4"),
+    (dict(model="conv-ae", spatial=11), "--spatial 11: .* fewer than 8 columns"),
+    (dict(model="conv-ae", spatial=0), "--spatial must be >= 1"),
+    (dict(model="resnet"), "--model must be one of llama, conv-ae"),
+])
+def test_invalid_conv_ae_options(kwargs, match):
+    with pytest.raises(ShardkitError, match=match):
+        validate_config(merge_config({}, kwargs))
+
+
+def _shardkit(*argv, timeout):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, "-m", "shardkit", *argv], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def test_end_to_end_spatial_verify():
+    # About 12 s on 2 cores (2 spawned ranks); the timeout only bounds a hang.
+    proc = _shardkit("train", "--model", "conv-ae", "--spatial", "2", "--nproc", "2", "--steps", "2", "--verify",
+                     timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "spatial=2" in proc.stdout and "PASSED" in proc.stdout and "spatial_conv2d" in proc.stdout
+
+
+def test_spatial_with_llama_fails_before_launch():
+    proc = _shardkit("train", "--spatial", "2", timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert "--spatial 2 needs --model conv-ae" in proc.stderr and not proc.stdout
