@@ -85,3 +85,42 @@ def test_tiled_layer_channels_last_and_ledger():
     assert ledger.count(op="all_to_all_single", phase="backward") == 2
     assert ledger.count(op="all_reduce", phase="backward") == 2  # parameter gradients: over "w", then "h"
     assert "dim=(1, 2)" in repr(layer)
+
+
+CASES_3D = [
+    dict(D=4, H=7, W=5, k=3, s=1, p=1, dims=(3, 4), hs=None, ws=[0, 5]),
+    dict(D=5, H=6, W=6, k=3, s=2, p=1, dims=(2, 4), hs=[4, 1], ws=None),
+]
+
+
+@pytest.mark.world(4)
+@pytest.mark.parametrize("c", CASES_3D, ids=["HxW-zero-tile", "DxW-strided"])
+def test_tiled_conv3d_parity(c):
+    """Conv3d over two sharded dims (H x W, or D x W) of a 2x2 mesh."""
+    from shardkit.spatial import spatial_conv3d
+
+    mesh = get_mesh((2, 2), ("h", "w"))
+    gen = torch.Generator().manual_seed(1)
+    ref = nn.Conv3d(2, 3, c["k"], c["s"], c["p"], dtype=torch.float64)
+    with torch.no_grad():
+        ref.weight.copy_(torch.randn(ref.weight.shape, generator=gen, dtype=torch.float64))
+        ref.bias.copy_(torch.randn(ref.bias.shape, generator=gen, dtype=torch.float64))
+    x_full = torch.randn(1, 2, c["D"], c["H"], c["W"], generator=gen, dtype=torch.float64, requires_grad=True)
+    y_ref = ref(x_full)
+    dy = torch.randn(y_ref.shape, generator=gen, dtype=torch.float64)
+    y_ref.backward(dy)
+    d0, d1 = c["dims"]
+    n0, n1 = x_full.shape[d0], x_full.shape[d1]
+    s0, s1 = c["hs"] or balanced_split_sizes(n0, 2), c["ws"] or balanced_split_sizes(n1, 2)
+    o0, o1 = (spatial_output_sizes(sz, c["k"], c["s"], c["p"]) for sz in (s0, s1))
+    x = _tile(x_full.detach(), mesh, s0, s1, d0, d1).clone().requires_grad_()
+    w, b = ref.weight.detach().clone().requires_grad_(), ref.bias.detach().clone().requires_grad_()
+    y = spatial_conv3d(x, w, b, (mesh["h"], mesh["w"]), (d0, d1), c["s"], c["p"], sizes=(s0, s1))
+    y.backward(_tile(dy, mesh, o0, o1, d0, d1))
+    bad = [name for name, ok in {
+        "output": torch.allclose(_gather2(y.detach(), mesh, o0, o1, d0, d1), y_ref, **TOL),
+        "input_grad": torch.allclose(_gather2(x.grad, mesh, s0, s1, d0, d1), x_full.grad, **TOL),
+        "weight_grad": torch.allclose(w.grad, ref.weight.grad, **TOL),
+        "bias_grad": torch.allclose(b.grad, ref.bias.grad, **TOL),
+    }.items() if not ok]
+    assert not bad, f"{c}: {bad}"
