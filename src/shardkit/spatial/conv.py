@@ -89,6 +89,24 @@ def _check_weight(x: torch.Tensor, weight, bias, groups, nd: int, op: str) -> No
         raise ShardkitError(f"{op}: bias must have shape ({c_out},), got {tuple(bias.shape)}")
 
 
+def conv_geometry(x, weight, bias, groups, nd: int, stride, padding, dilation, padding_mode: str, op: str):
+    """Validate a convolution's arguments; return ``(kernel, stride, dilation, pads)`` per dim.
+
+    Shared by the one-dim (:func:`_spatial_conv`) and tiled (``conv_tiled``) paths.
+
+    Raises:
+        ShardkitError, ShardkitTypeError: bad weight, bias, groups, padding or padding mode.
+    """
+    _check_weight(x, weight, bias, groups, nd, op)
+    kernel = tuple(weight.shape[2:])
+    stride = per_dim(stride, nd, "stride", op, 1)
+    dilation = per_dim(dilation, nd, "dilation", op, 1)
+    pads = conv_padding(padding, kernel, stride, dilation, op)
+    if padding_mode not in BORDER_MODES:
+        raise ShardkitError(f"{op}: padding_mode must be one of {BORDER_MODES}, got {padding_mode!r}")
+    return kernel, stride, dilation, pads
+
+
 def _check_border(mode: str, size: int, pad: tuple[int, int], dim: int, op: str) -> None:
     """torch's limits for local (non-sharded) padding: reflect < size, circular <= size."""
     if mode == "reflect" and max(pad) >= size:
@@ -132,13 +150,7 @@ def _spatial_conv(nd, op, x, weight, bias, group, dim, stride, padding, dilation
         raise ShardkitError(f"{op}: dim {dim} is not a spatial dim of a {layout} {nd + 2}-d input (spatial dims {spatial})")
     xc, dc = (x.movedim(-1, 1), d + 1) if channels_last else (x, d)
     j = dc - 2
-    _check_weight(xc, weight, bias, groups, nd, op)
-    kernel = tuple(weight.shape[2:])
-    stride = per_dim(stride, nd, "stride", op, 1)
-    dilation = per_dim(dilation, nd, "dilation", op, 1)
-    pads = conv_padding(padding, kernel, stride, dilation, op)
-    if padding_mode not in BORDER_MODES:
-        raise ShardkitError(f"{op}: padding_mode must be one of {BORDER_MODES}, got {padding_mode!r}")
+    kernel, stride, dilation, pads = conv_geometry(xc, weight, bias, groups, nd, stride, padding, dilation, padding_mode, op)
     sizes = local_sizes(xc, g, dc, sizes, op)
     lens = [sum(sizes) if i == j else xc.shape[2 + i] for i in range(nd)]
     for i in range(nd):

@@ -24,9 +24,8 @@ import torch
 from ..comm._validate import dim_of, enter, expected_size, local_sizes, maybe_agree
 from ..errors import ShardkitError
 from ._meta import keep_graph_empty
-from ._plan import BORDER_MODES
-from ._sizes import check_out_len, conv_out_len, conv_padding, input_ranges, output_bounds, per_dim
-from .conv import _SumParamGrads, _check_weight, _local_conv
+from ._sizes import check_out_len, conv_out_len, input_ranges, output_bounds
+from .conv import _SumParamGrads, _local_conv, conv_geometry
 from .halo import exchange, plan_for
 
 __all__ = ["tiled_conv"]
@@ -57,13 +56,7 @@ def tiled_conv(nd, op, x, weight, bias, group, dim, stride, padding, dilation, g
         raise ShardkitError(f"{op}: dims {dims} must be distinct spatial dims (spatial dims {spatial})")
     xc = x.movedim(-1, 1) if channels_last else x
     dcs = [d + 1 if channels_last else d for d in ds]
-    _check_weight(xc, weight, bias, groups, nd, op)
-    kernel = tuple(weight.shape[2:])
-    stride = per_dim(stride, nd, "stride", op, 1)
-    dilation = per_dim(dilation, nd, "dilation", op, 1)
-    pads = conv_padding(padding, kernel, stride, dilation, op)
-    if padding_mode not in BORDER_MODES:
-        raise ShardkitError(f"{op}: padding_mode must be one of {BORDER_MODES}, got {padding_mode!r}")
+    kernel, stride, dilation, pads = conv_geometry(xc, weight, bias, groups, nd, stride, padding, dilation, padding_mode, op)
     all_sizes = [local_sizes(xc, g, dc, sz, op) for g, dc, sz in zip(infos, dcs, all_sizes)]
     lens = list(xc.shape[2:])
     for dc, sz in zip(dcs, all_sizes):
