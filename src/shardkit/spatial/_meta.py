@@ -7,6 +7,7 @@ import torch
 from ..comm import ledger
 from ..comm._compat import all_gather_single
 from ..comm._group import GroupInfo
+from ..errors import ShardkitError
 
 __all__ = ["gather_sizes", "keep_graph_empty"]
 
@@ -36,3 +37,18 @@ def keep_graph_empty(shape, *deps: torch.Tensor) -> torch.Tensor:
     base = deps[0].new_zeros(shape)
     tie = sum(d.sum() * 0 for d in deps if d.requires_grad)
     return base + tie if isinstance(tie, torch.Tensor) else base
+
+
+def channels_first(x: torch.Tensor, d: int, nd: int, channels_last: bool, dim, op: str) -> tuple[torch.Tensor, int]:
+    """Check that normalized dim ``d`` is a spatial dim of ``x``; return ``x`` as channels-first
+    ``[B, C, *S]`` (a view) and the sharded dim's index in that view.
+
+    Raises:
+        ShardkitError: ``d`` is the batch or channel dim.
+    """
+    spatial = list(range(1, nd + 1)) if channels_last else list(range(2, nd + 2))
+    if d not in spatial:
+        layout = "channels-last" if channels_last else "channels-first"
+        raise ShardkitError(f"{op}: dim {dim} is not a spatial dim of a {layout} {nd + 2}-d input (spatial dims {spatial})")
+    return (x.movedim(-1, 1), d + 1) if channels_last else (x, d)
+

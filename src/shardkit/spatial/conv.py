@@ -24,6 +24,7 @@ from ..comm import _c10d
 from ..comm._group import GroupInfo
 from ..comm._validate import dim_of, enter, expected_size, local_sizes, maybe_agree
 from ..errors import ShardkitError, ShardkitTypeError
+from ._meta import channels_first
 from ._plan import BORDER_MODES
 from ._sizes import check_out_len, conv_out_len, conv_padding, input_ranges, output_bounds, per_dim
 from .halo import exchange, plan_for
@@ -144,11 +145,7 @@ def _spatial_conv(nd, op, x, weight, bias, group, dim, stride, padding, dilation
         layout = "[B, *S, C]" if channels_last else "[B, C, *S]"
         raise ShardkitError(f"{op}: expected a {nd + 2}-d input {layout}, got shape {tuple(x.shape)}")
     d = dim_of(x, dim, op)
-    spatial = list(range(1, nd + 1)) if channels_last else list(range(2, nd + 2))
-    if d not in spatial:
-        layout = "channels-last" if channels_last else "channels-first"
-        raise ShardkitError(f"{op}: dim {dim} is not a spatial dim of a {layout} {nd + 2}-d input (spatial dims {spatial})")
-    xc, dc = (x.movedim(-1, 1), d + 1) if channels_last else (x, d)
+    xc, dc = channels_first(x, d, nd, channels_last, dim, op)
     j = dc - 2
     kernel, stride, dilation, pads = conv_geometry(xc, weight, bias, groups, nd, stride, padding, dilation, padding_mode, op)
     sizes = local_sizes(xc, g, dc, sizes, op)

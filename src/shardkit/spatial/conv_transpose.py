@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from .._shapes import check_split_sizes, split_offsets
 from ..comm._validate import dim_of, enter, expected_size, local_sizes, maybe_agree
 from ..errors import ShardkitError, ShardkitTypeError
+from ._meta import channels_first
 from ._sizes import per_dim
 from .conv import _EmptyOutput, _SumParamGrads
 from .halo import exchange, plan_for
@@ -121,10 +122,7 @@ def _spatial_conv_transpose(nd, op, x, weight, bias, group, dim, stride, padding
     if x.dim() != nd + 2:
         raise ShardkitError(f"{op}: expected a {nd + 2}-d input, got shape {tuple(x.shape)}")
     d = dim_of(x, dim, op)
-    spatial = list(range(1, nd + 1)) if channels_last else list(range(2, nd + 2))
-    if d not in spatial:
-        raise ShardkitError(f"{op}: dim {dim} is not a spatial dim of a {nd + 2}-d input (spatial dims {spatial})")
-    xc, dc = (x.movedim(-1, 1), d + 1) if channels_last else (x, d)
+    xc, dc = channels_first(x, d, nd, channels_last, dim, op)
     j = dc - 2
     _check_weight(xc, weight, bias, groups, nd, op)
     kernel = tuple(weight.shape[2:])

@@ -25,7 +25,7 @@ from torch import nn
 from ..comm._group import resolve_group
 from ..comm._validate import dim_of, enter, expected_size, local_sizes, maybe_agree
 from ..errors import ShardkitError, ShardkitTypeError
-from ._meta import gather_sizes, keep_graph_empty
+from ._meta import channels_first, gather_sizes, keep_graph_empty
 from ._sizes import check_out_len, conv_out_len, input_ranges, output_bounds, per_dim
 from .halo import exchange, plan_for
 
@@ -52,10 +52,7 @@ def _pool(kind, op, x, group, dim, kernel_size, stride, padding, dilation, count
     if ceil_mode:
         raise ShardkitError(f"{op}: ceil_mode=True is not supported (its last window depends on the global size)")
     d = dim_of(x, dim, op)
-    spatial = list(range(1, nd + 1)) if channels_last else list(range(2, nd + 2))
-    if d not in spatial:
-        raise ShardkitError(f"{op}: dim {dim} is not a spatial dim of a {nd + 2}-d input (spatial dims {spatial})")
-    xc, dc = (x.movedim(-1, 1), d + 1) if channels_last else (x, d)
+    xc, dc = channels_first(x, d, nd, channels_last, dim, op)
     if nd == 1:  # torch's 1-d average pooling has no divisor_override: pool 2-d with a unit dim
         xc = xc.unsqueeze(-1)
     k = per_dim(kernel_size, nd, "kernel_size", op, 1)

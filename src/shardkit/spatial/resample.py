@@ -22,7 +22,7 @@ from .._shapes import split_offsets
 from ..comm._group import resolve_group
 from ..comm._validate import dim_of, enter, expected_size, local_sizes, maybe_agree
 from ..errors import ShardkitError, ShardkitTypeError
-from ._meta import gather_sizes, keep_graph_empty
+from ._meta import channels_first, gather_sizes, keep_graph_empty
 from .halo import exchange, plan_for
 
 __all__ = ["spatial_interpolate", "SpatialUpsample"]
@@ -88,10 +88,7 @@ def spatial_interpolate(x_local, group, dim, scale_factor, mode="nearest", align
         raise ShardkitError(f"{op}: expected [B, C, *S] with at least one spatial dim, got {tuple(x_local.shape)}")
     scales = check_interpolate_args(scale_factor, mode, align_corners, nd, op)
     d = dim_of(x_local, dim, op)
-    spatial = list(range(1, nd + 1)) if channels_last else list(range(2, nd + 2))
-    if d not in spatial:
-        raise ShardkitError(f"{op}: dim {dim} is not a spatial dim of a {nd + 2}-d input (spatial dims {spatial})")
-    xc, dc = (x_local.movedim(-1, 1), d + 1) if channels_last else (x_local, d)
+    xc, dc = channels_first(x_local, d, nd, channels_last, dim, op)
     if mode in _NEAREST:  # output o reads o // s: each rank's own shard, exactly
         out = xc
         for i, s in enumerate(scales):
