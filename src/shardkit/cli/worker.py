@@ -97,6 +97,18 @@ def _ledger_rows(ledger: CommLedger) -> list[dict]:
     return [{**dict(zip(keys, key)), **row} for key, row in sorted(rows.items())]
 
 
+def _run_record(cfg, losses, memory, device, ledger, t_setup: float, t_train: float) -> dict:
+    """The fields every model's result dict shares (config, losses, memory, ledger, timings)."""
+    return {
+        "config": asdict(cfg),
+        "losses": losses,
+        "peak_memory_bytes": memory,
+        "memory_kind": "cuda max_memory_allocated" if device.type == "cuda" else "max RSS",
+        "ledger": _ledger_rows(ledger),
+        "timings_s": {"setup": t_setup, "train": t_train},
+    }
+
+
 @record
 def worker_main(cfg: TrainConfig, local_launch: bool) -> dict | None:
     """Entry point of every rank. Returns rank 0's result dict, None on other ranks."""
@@ -173,13 +185,8 @@ def _train(cfg: TrainConfig, backend: str, device, t0: float) -> dict | None:
             "backend": backend,
             "device": str(device),
         },
-        "config": asdict(cfg),
-        "losses": losses,
+        **_run_record(cfg, losses, memory, device, ledger, t_setup, t_train),
         "tokens_per_s": tokens_per_step * cfg.steps / t_train,
-        "peak_memory_bytes": memory,
-        "memory_kind": "cuda max_memory_allocated" if device.type == "cuda" else "max RSS",
-        "ledger": _ledger_rows(ledger),
-        "timings_s": {"setup": t_setup, "train": t_train},
         "corpus_tokens": tokens.numel(),
     }
     if reference is not None:
@@ -224,13 +231,8 @@ def _train_conv_ae(cfg: TrainConfig, backend: str, device, t0: float) -> dict | 
     result = {
         "layout": {"nproc": cfg.nproc, "model": cfg.model, "spatial": cfg.spatial, "dp": 1, "backend": backend,
                    "device": str(device)},
-        "config": asdict(cfg),
-        "losses": losses,
+        **_run_record(cfg, losses, memory, device, ledger, t_setup, t_train),
         "pixels_per_s": pixels_per_step * cfg.steps / t_train,
-        "peak_memory_bytes": memory,
-        "memory_kind": "cuda max_memory_allocated" if device.type == "cuda" else "max RSS",
-        "ledger": _ledger_rows(ledger),
-        "timings_s": {"setup": t_setup, "train": t_train},
         "image": {"shape": list(image.shape), "crop": list(CROP)},
     }
     if reference is not None:
