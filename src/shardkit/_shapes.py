@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from .errors import ShardkitError, ShardkitTypeError
 
-__all__ = ["balanced_split_sizes", "split_offsets", "normalize_dim", "check_split_sizes"]
+__all__ = ["balanced_split_sizes", "chunk_sizes", "split_offsets", "normalize_dim", "check_split_sizes"]
 
 
 def balanced_split_sizes(n: int, world_size: int) -> list[int]:
@@ -35,6 +35,22 @@ def balanced_split_sizes(n: int, world_size: int) -> list[int]:
         raise ShardkitError(f"balanced_split_sizes: need n >= 0 and world_size >= 1, got n={n}, world_size={world_size}")
     base, extra = divmod(n, world_size)
     return [base + 1 if r < extra else base for r in range(world_size)]
+
+
+def chunk_sizes(n: int, world_size: int) -> list[int]:
+    """Split ``n`` elements over ``world_size`` ranks with ``torch.chunk`` semantics.
+
+    Every rank gets ``ceil(n / R)`` elements until they run out, so the last ranks may be short
+    or empty: ``chunk_sizes(10, 3) == [4, 4, 2]``, ``chunk_sizes(16, 14) == [2] * 8 + [0] * 6``.
+    It is the rule of PyTorch's ``Shard`` placement and of Hugging Face tensor parallelism, so
+    parameters cut with it match DTensor and HF checkpoints sharded by those systems.
+
+    Raises:
+        ShardkitError: ``n < 0`` or ``world_size < 1``.
+    """
+    balanced_split_sizes(n, world_size)  # same argument checks
+    step = -(-n // world_size)
+    return [max(0, min(step, n - r * step)) for r in range(world_size)]
 
 
 def split_offsets(sizes: Sequence[int]) -> list[int]:

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from harness.helpers import get_mesh, rank, world_group
-from shardkit import CommLedger, ShardkitError, all_reduce_backward
+from shardkit import CommLedger, ShardkitError
 from shardkit.cli.loop import causal_lm_loss
 from shardkit.cli.model import keep_norms_in_input_dtype
 from shardkit.tensor_parallel import (
@@ -133,7 +133,7 @@ def test_comm_budget_and_shards():
 @pytest.mark.world(2)
 def test_linear_styles_with_bias():
     """Megatron MLP on plain nn.Linear with biases: colwise bias is sharded, the rowwise bias
-    is added once after the all-reduce."""
+    is added once after the all-reduce, the input gradient is summed (f)."""
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Linear(6, 10), nn.GELU(), nn.Linear(10, 5)).double()
     model = nn.Sequential(nn.Linear(6, 10), nn.GELU(), nn.Linear(10, 5)).double()
@@ -143,7 +143,7 @@ def test_linear_styles_with_bias():
     x = torch.randn(3, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     x_ref, x_tp = x.clone().requires_grad_(), x.clone().requires_grad_()
     y_ref = ref(x_ref)
-    y = model(all_reduce_backward(x_tp, world_group()))  # Megatron f: sums the input gradient
+    y = model(x_tp)  # the colwise style applies Megatron's f: it sums the input gradient
     y_ref.square().sum().backward()
     y.square().sum().backward()
     grads = gather_full_grads(model)

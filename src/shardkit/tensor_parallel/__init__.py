@@ -1,20 +1,50 @@
 """Tensor parallelism (with Megatron sequence parallelism) applied to existing models.
 
-Styles shard one ``nn.Linear`` (:class:`ColwiseParallel`, :class:`RowwiseParallel`); plans such
-as :func:`apply_llama_tp` apply them, plus the activation hooks, to a whole model from outside
-its code; :func:`gather_full_state_dict` brings the full weights back.
+:func:`apply_tp` shards any model from a plan of Hugging Face style strings or
+:class:`ParallelStyle` objects; :func:`apply_llama_tp` adds sequence parallelism to
+Llama-architecture models; :func:`gather_full_state_dict` brings the full weights back.
 """
 
+from .apply import apply_tp
+from .embedding import EmbeddingParallel
 from .gather import gather_full_grads, gather_full_state_dict, unwrap
 from .llama import apply_llama_tp, check_llama_tp
+from .moe import MoeIdentityExpert, MoeTensorParallelExperts
+from .plan import PlanReport, default_styles, model_tp_plan, verify_tp_plan
+from .replicated import MlaKvAProjParallel, ReplicatedWithGradAllReduce, SequenceParallel
 from .sequence import SequenceSharding
-from .styles import ColwiseParallel, RowwiseParallel, ShardSpec, shard_spec, sum_grad_over
+from .spec import ShardSpec, shard_parameter, shard_spec
+from .styles import (
+    ColwiseParallel,
+    PackedColwiseParallel,
+    PackedRowwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    StyleContext,
+    sum_grad_over,
+)
 
 __all__ = [
+    "apply_tp",
+    "verify_tp_plan",
+    "PlanReport",
+    "default_styles",
+    "model_tp_plan",
+    "ParallelStyle",
+    "StyleContext",
     "ColwiseParallel",
     "RowwiseParallel",
+    "PackedColwiseParallel",
+    "PackedRowwiseParallel",
+    "EmbeddingParallel",
+    "SequenceParallel",
+    "ReplicatedWithGradAllReduce",
+    "MlaKvAProjParallel",
+    "MoeTensorParallelExperts",
+    "MoeIdentityExpert",
     "ShardSpec",
     "shard_spec",
+    "shard_parameter",
     "sum_grad_over",
     "SequenceSharding",
     "apply_llama_tp",

@@ -9,9 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..comm import all_gather
 from ..errors import ShardkitError
-from .styles import shard_spec
+from .spec import gather_full, shard_spec
 
 __all__ = ["unwrap", "gather_full_state_dict", "gather_full_grads"]
 
@@ -30,16 +29,15 @@ def _full(t: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
     t = t.detach()
     if spec is None:
         return t.clone()
-    # no_grad: a plain gather, no autograd graph kept.
-    with torch.no_grad():
-        return all_gather(t, spec.group, spec.dim, list(spec.sizes))
+    return gather_full(t, spec)
 
 
 def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Full (unsharded) copies of every parameter, keyed like the unwrapped model's.
 
-    Sharded parameters are all-gathered along their shard dim with the sizes they were cut
-    with; replicated ones are cloned. Returns detached tensors, identical on every tp rank.
+    Sharded parameters are all-gathered along their shard dim by their
+    :class:`~.spec.ShardSpec` (packed parts put back in order, replicated heads taken once);
+    replicated ones are cloned. Returns detached tensors, identical on every tp rank.
     """
     return {name: _full(p, p) for name, p in unwrap(model).named_parameters()}
 

@@ -116,13 +116,13 @@ def apply_llama_tp(model: nn.Module, tp_mesh) -> nn.Module:
     layers[0].register_forward_pre_hook(seq.split_pre_hook, with_kwargs=True)
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
-        ColwiseParallel(q_sizes).apply(attn.q_proj, tp_mesh)
-        ColwiseParallel(kv_sizes).apply(attn.k_proj, tp_mesh)
-        ColwiseParallel(kv_sizes).apply(attn.v_proj, tp_mesh)
+        ColwiseParallel(q_sizes, reduce_input_grad=False).apply(attn.q_proj, tp_mesh)
+        ColwiseParallel(kv_sizes, reduce_input_grad=False).apply(attn.k_proj, tp_mesh)
+        ColwiseParallel(kv_sizes, reduce_input_grad=False).apply(attn.v_proj, tp_mesh)
         RowwiseParallel(q_sizes, reduce=seq.reduce_scatter).apply(attn.o_proj, tp_mesh)
         attn.register_forward_pre_hook(seq.gather_pre_hook, with_kwargs=True)
-        ColwiseParallel(ff_sizes).apply(mlp.gate_proj, tp_mesh)
-        ColwiseParallel(ff_sizes).apply(mlp.up_proj, tp_mesh)
+        ColwiseParallel(ff_sizes, reduce_input_grad=False).apply(mlp.gate_proj, tp_mesh)
+        ColwiseParallel(ff_sizes, reduce_input_grad=False).apply(mlp.up_proj, tp_mesh)
         RowwiseParallel(ff_sizes, reduce=seq.reduce_scatter).apply(mlp.down_proj, tp_mesh)
         mlp.register_forward_pre_hook(seq.gather_pre_hook, with_kwargs=True)
         sum_grad_over(layer.input_layernorm.weight, tp_mesh)
@@ -130,7 +130,7 @@ def apply_llama_tp(model: nn.Module, tp_mesh) -> nn.Module:
     sum_grad_over(base.norm.weight, tp_mesh)
 
     lm_head.register_forward_pre_hook(seq.gather_pre_hook, with_kwargs=True)
-    ColwiseParallel(vocab_sizes).apply(lm_head, tp_mesh)
+    ColwiseParallel(vocab_sizes, reduce_input_grad=False).apply(lm_head, tp_mesh)
     # The loss downstream is computed identically on every tp rank and counted once, so the
     # logits' gradient is replicated and keeping this rank's vocab block of it is exact.
     lm_head.register_forward_hook(

@@ -1,115 +1,202 @@
-"""Parallel styles for ``nn.Linear`` and replicated parameters, applied to an existing module.
+"""Parallel styles for linear layers: column-, row-wise and packed, applied to an existing module.
 
-A style rewrites one module in place: it replaces the weight (and bias) by this rank's shard and
-records how the shard was cut on the new parameter (:class:`ShardSpec`), so that the full
-tensor can be gathered back later (:mod:`.gather`). Activations are not touched here except by
-:class:`RowwiseParallel`, whose partial output must be reduced before the bias is added; the
-plan (e.g. :func:`shardkit.tensor_parallel.apply_llama_tp`) decides where activations are
-gathered or split.
+A style rewrites one module in place: it replaces the weight (and bias) by this rank's shard
+(recording a :class:`~.spec.ShardSpec` on the new parameter) and adds the activation
+communication the layer needs, with the Hugging Face plan strings' meaning:
 
-Source: Megatron-LM column/row parallel linear layers (Shoeybi et al., 2019), named after the
-PyTorch / Hugging Face plan strings ``colwise`` and ``rowwise``.
+* ``colwise``: weight ``[out, in]`` cut by output rows; the replicated input's gradient is
+  summed over the group (Megatron's ``f``), the output ``[..., out_r]`` stays sharded
+  (``colwise_gather_output``: all-gathered, the replicated gradient split back).
+* ``rowwise``: weight cut by input columns; the partial output is all-reduced (Megatron's
+  ``g``) and the replicated bias added once after it (``rowwise_split_input``: the replicated
+  input is first split along its last dim).
+* ``packed_colwise`` / ``packed_rowwise``: the same for fused weights (``gate_up_proj``): each
+  rank gets its block of every packed part.
+
+Sizes follow ``torch.chunk`` semantics (``ceil(n / R)`` per rank, last ranks short or empty)
+unless the caller (or :func:`shardkit.apply_tp`'s attention-head layout) gives explicit ranges.
+Styles also apply to a bare parameter named by a plan (the 3-D expert weights of MoE models):
+then only the parameter is cut; the owning module's style does the communication.
+
+Source: Megatron-LM column/row parallel linear layers (Shoeybi et al., 2019); plan strings of
+Hugging Face transformers' tensor parallelism and PyTorch DTensor ``parallelize_module``.
 """
 
 from __future__ import annotations
 
 import types
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._shapes import split_offsets
-from ..comm import _c10d, all_reduce_forward
-from ..comm._group import resolve_group
+from .._shapes import chunk_sizes
+from ..comm import (
+    _c10d,
+    all_reduce_backward,
+    all_reduce_forward,
+    gather_forward_split_backward,
+    split_forward_gather_backward,
+)
+from ..comm._group import GroupInfo, resolve_group
 from ..errors import ShardkitError, ShardkitTypeError
+from .spec import ShardSpec, shard_parameter, shard_spec
 
-__all__ = ["ShardSpec", "ColwiseParallel", "RowwiseParallel", "shard_spec", "sum_grad_over"]
+__all__ = [
+    "StyleContext",
+    "ParallelStyle",
+    "ColwiseParallel",
+    "RowwiseParallel",
+    "PackedColwiseParallel",
+    "PackedRowwiseParallel",
+    "sum_grad_over",
+    "replace_input",
+]
 
-# Attribute set on every sharded nn.Parameter. Kept on the parameter (not in a table keyed by
-# name) so that it survives wrapping (DDP renames parameters to "module.*") and optimizers.
-_SPEC_ATTR = "_shardkit_shard"
 
-
-@dataclass(frozen=True)
-class ShardSpec:
-    """How a parameter was sharded: rank ``r`` holds block ``r`` of ``sizes`` along ``dim``.
+@dataclass
+class StyleContext:
+    """What a style needs besides the module: the group and, inside ``apply_tp``, the model.
 
     Attributes:
-        dim: the sharded dim of the full tensor.
-        sizes: per-rank block sizes along ``dim``; they sum to the full size.
-        group: the ``ProcessGroup`` or 1-D ``DeviceMesh`` the shards live on.
+        group: the tp ``ProcessGroup`` or 1-D ``DeviceMesh``.
+        info: the resolved group (size, rank).
+        name: the module's (or parameter's) qualified name, for messages.
+        model: the root model (its ``config`` is read by some styles), or None.
+        memo: shared parameters already cut (tied weights), see :func:`.spec.shard_parameter`.
+        ranges: explicit per-rank ranges of the sharded dim (whole attention heads), or None.
     """
 
-    dim: int
-    sizes: tuple[int, ...]
     group: object
+    info: GroupInfo
+    name: str = ""
+    model: nn.Module | None = None
+    memo: dict = field(default_factory=dict)
+    ranges: tuple | None = None
+
+    @classmethod
+    def of(cls, group, op: str) -> StyleContext:
+        return cls(group, resolve_group(group, op))
 
 
-def shard_spec(param: torch.Tensor) -> ShardSpec | None:
-    """The :class:`ShardSpec` of a sharded parameter, or None for a replicated one."""
-    return getattr(param, _SPEC_ATTR, None)
+class ParallelStyle:
+    """Base class: subclasses implement :meth:`apply_module` and :meth:`shard_param`."""
+
+    def apply(self, module: nn.Module, group) -> nn.Module:
+        """Apply this style to ``module`` over ``group`` (a ``ProcessGroup`` or 1-D ``DeviceMesh``)."""
+        self.apply_module(module, StyleContext.of(group, type(self).__name__))
+        return module
+
+    def apply_module(self, module: nn.Module, ctx: StyleContext) -> None:
+        raise ShardkitError(f"{type(self).__name__} cannot be applied to a module ({ctx.name})")
+
+    def shard_param(self, module: nn.Module, pname: str, ctx: StyleContext) -> None:
+        """A plan key named a parameter (``experts.gate_up_proj``): cut only that parameter."""
+        raise ShardkitError(f"{type(self).__name__} cannot be applied to a bare parameter ({ctx.name})")
 
 
-def _check_linear(module, style: str) -> None:
-    if not isinstance(module, nn.Linear):
-        raise ShardkitTypeError(f"{style}: expected an nn.Linear, got {type(module).__name__}")
-    if shard_spec(module.weight) is not None:
-        raise ShardkitError(f"{style}: this nn.Linear is already sharded ({shard_spec(module.weight)})")
+def replace_input(args: tuple, kwargs: dict, fn, name: str = "hidden_states"):
+    """Apply ``fn`` to a module's first input, passed positionally or as keyword ``name``."""
+    if args:
+        return (fn(args[0]), *args[1:]), kwargs
+    if name in kwargs:
+        return args, {**kwargs, name: fn(kwargs[name])}
+    if len(kwargs) == 1:
+        key = next(iter(kwargs))
+        return args, {key: fn(kwargs[key])}
+    raise ShardkitError(f"tensor parallel hook: the module got neither a positional input nor {name}=")
 
 
-def _check_sizes(sizes: Sequence[int], full: int, world: int, style: str, what: str) -> tuple[int, ...]:
-    sizes = tuple(int(s) for s in sizes)
-    if len(sizes) != world or any(s < 0 for s in sizes) or sum(sizes) != full:
-        raise ShardkitError(
-            f"{style}: {what} sizes {list(sizes)} must be {world} non-negative ints (one per rank of the "
-            f"tp group) summing to {full}"
-        )
-    return sizes
+def _linear_spec(full: int, ctx: StyleContext, dim: int, parts: int | Sequence[int] | None, explicit) -> ShardSpec:
+    """The spec of a linear-like dim of size ``full``: explicit sizes, head ranges, packed, or chunk."""
+    R = ctx.info.size
+    if explicit is not None:
+        sizes = tuple(int(s) for s in explicit)
+        if len(sizes) != R or any(s < 0 for s in sizes) or sum(sizes) != full:
+            raise ShardkitError(
+                f"{ctx.name or 'style'}: sizes {list(sizes)} must be {R} non-negative ints (one per rank of the "
+                f"tp group) summing to {full}"
+            )
+        return ShardSpec.blocks(dim, sizes, ctx.group)
+    if ctx.ranges is not None:
+        return ShardSpec(dim, full, ctx.ranges, ctx.group)
+    if parts is None:
+        return ShardSpec.blocks(dim, chunk_sizes(full, R), ctx.group)
+    blocks = [full // parts] * parts if isinstance(parts, int) else [int(p) for p in parts]
+    if sum(blocks) != full or (isinstance(parts, int) and full % parts):
+        raise ShardkitError(f"{ctx.name or 'style'}: cannot split size {full} into packed parts {parts}")
+    return ShardSpec.packed(dim, [chunk_sizes(b, R) for b in blocks], ctx.group)
 
 
-def _shard(param: nn.Parameter, dim: int, sizes: tuple[int, ...], rank: int, group) -> nn.Parameter:
-    """A new parameter holding block ``rank`` of ``param`` along ``dim`` (a copy: owns its memory)."""
-    block = param.detach().narrow(dim, split_offsets(sizes)[rank], sizes[rank]).clone()
-    out = nn.Parameter(block, requires_grad=param.requires_grad)
-    setattr(out, _SPEC_ATTR, ShardSpec(dim, sizes, group))
-    return out
+def _weight(module: nn.Module, style: str, ctx: StyleContext) -> torch.Tensor:
+    w = getattr(module, "weight", None)
+    if not isinstance(w, torch.Tensor) or w.dim() < 2:
+        raise ShardkitTypeError(f"{style}: {ctx.name or type(module).__name__} has no 2-D weight to shard")
+    if shard_spec(w) is not None:
+        raise ShardkitError(f"{style}: {ctx.name or type(module).__name__} is already sharded")
+    return w
 
 
-class ColwiseParallel:
-    """Shard an ``nn.Linear`` by output features (weight rows, bias entries).
+class ColwiseParallel(ParallelStyle):
+    """Shard a linear layer by output features; ``colwise`` / ``colwise_gather_output``.
 
-    Input ``[..., in]`` must be replicated over the group (or gathered by the plan); output is
-    ``[..., sizes[rank]]``, this rank's block of the output features. The backward of the input
-    is a partial sum per rank: the plan reduces it (Megatron's ``f`` or the reduce-scatter that
-    is the adjoint of a sequence all-gather).
+    Input ``[..., in]`` replicated over the group; output ``[..., out_r]`` (this rank's output
+    features), or ``[..., out]`` with ``gather_output``. Weight ``[out, in]`` -> ``[out_r, in]``,
+    bias ``[out]`` -> ``[out_r]``.
 
     Args:
-        sizes: output features per rank, summing to ``out_features`` (e.g. whole heads per rank
-            times the head dim for q/k/v projections).
+        sizes: output features per rank; None for ``torch.chunk`` semantics (or the head
+            layout ``apply_tp`` computes for attention projections).
+        gather_output: all-gather the output along the last dim (backward: keep this rank's
+            block of the replicated gradient).
+        reduce_input_grad: add Megatron's ``f`` on the input (its gradient is a partial sum per
+            rank). Off when a plan reduces it elsewhere (sequence parallelism's reduce-scatter).
+        parts: packed weights: the number of equal packed parts, or their sizes.
     """
 
-    def __init__(self, sizes: Sequence[int]) -> None:
-        self.sizes = sizes
+    weight_dim = -2
 
-    def apply(self, module: nn.Linear, group) -> nn.Linear:
-        """Replace ``module``'s weight ``[out, in]`` by ``[sizes[rank], in]`` (bias likewise).
+    def __init__(self, sizes: Sequence[int] | None = None, *, gather_output: bool = False,
+                 reduce_input_grad: bool = True, parts: int | Sequence[int] | None = None) -> None:
+        self.sizes, self.gather_output, self.reduce_input_grad, self.parts = sizes, gather_output, reduce_input_grad, parts
 
-        Raises:
-            ShardkitTypeError: ``module`` is not an ``nn.Linear``.
-            ShardkitError: sizes do not match ``out_features`` and the group size, or the module
-                is already sharded.
-        """
-        _check_linear(module, "ColwiseParallel")
-        g = resolve_group(group, "ColwiseParallel")
-        sizes = _check_sizes(self.sizes, module.out_features, g.size, "ColwiseParallel", "out_features")
-        module.weight = _shard(module.weight, 0, sizes, g.rank, group)
-        if module.bias is not None:
-            module.bias = _shard(module.bias, 0, sizes, g.rank, group)
-        module.out_features = sizes[g.rank]
-        return module
+    def _spec(self, full: int, ctx: StyleContext, dim: int) -> ShardSpec:
+        return _linear_spec(full, ctx, dim, self.parts, self.sizes)
+
+    def apply_module(self, module: nn.Module, ctx: StyleContext) -> None:
+        w = _weight(module, type(self).__name__, ctx)
+        dim = w.dim() - 2
+        spec = self._spec(w.shape[dim], ctx, dim)
+        shard_parameter(module, "weight", spec, ctx.info.rank, ctx.memo)
+        if getattr(module, "bias", None) is not None:
+            shard_parameter(module, "bias", ShardSpec(0, spec.full_size, spec.ranges, ctx.group), ctx.info.rank, ctx.memo)
+        group = ctx.group
+        if self.reduce_input_grad:
+            module.register_forward_pre_hook(
+                lambda m, args, kwargs: replace_input(args, kwargs, lambda x: all_reduce_backward(x, group), "input"),
+                with_kwargs=True,
+            )
+        if self.gather_output:
+            if spec.overlapping or len(spec.ranges[0]) != 1:
+                raise ShardkitError(f"{ctx.name}: gather_output needs plain (not packed or replicated) shards")
+            sizes = list(spec.sizes)
+            module.register_forward_hook(lambda m, args, out: gather_forward_split_backward(out, group, -1, sizes))
+        elif hasattr(module, "out_features"):
+            module.out_features = spec.sizes[ctx.info.rank]
+
+    def shard_param(self, module: nn.Module, pname: str, ctx: StyleContext) -> None:
+        p = getattr(module, pname)
+        dim = p.dim() - 1 if p.dim() == 1 else p.dim() + self.weight_dim
+        shard_parameter(module, pname, self._spec(p.shape[dim], ctx, dim), ctx.info.rank, ctx.memo)
+
+
+class PackedColwiseParallel(ColwiseParallel):
+    """``packed_colwise``: :class:`ColwiseParallel` of a fused weight of ``parts`` (default 2) parts."""
+
+    def __init__(self, sizes=None, *, parts: int | Sequence[int] = 2, **kwargs) -> None:
+        super().__init__(sizes, parts=parts, **kwargs)
 
 
 def _rowwise_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -119,49 +206,73 @@ def _rowwise_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return out if self.bias is None else out + self.bias
 
 
-class RowwiseParallel:
-    """Shard an ``nn.Linear`` by input features (weight columns); reduce its output.
+class RowwiseParallel(ParallelStyle):
+    """Shard a linear layer by input features and reduce its output; ``rowwise``.
 
-    Input ``[..., sizes[rank]]`` is this rank's block of the input features (the output of a
-    :class:`ColwiseParallel` partner); the local matmul gives a partial sum ``[..., out]`` which
-    ``reduce`` turns into the output. The bias, if any, stays replicated and is added once after
-    the reduction, so its gradient is the (replicated) downstream gradient: no reduction needed.
+    Input ``[..., in_r]`` is this rank's block of the input features (a colwise partner's
+    output); the local matmul gives a partial sum ``[..., out]`` that ``reduce`` turns into the
+    output. The bias stays replicated and is added once after the reduction.
 
     Args:
-        sizes: input features per rank; must match the colwise partner's output sizes.
-        reduce: maps the partial sum to the output; default all-reduce
-            (:func:`shardkit.all_reduce_forward` over the group, Megatron's ``g``). Sequence
-            parallelism passes a reduce-scatter along the sequence dim instead.
+        sizes: input features per rank (must match the colwise partner); None for chunk
+            semantics or ``apply_tp``'s head layout.
+        split_input: ``rowwise_split_input``: the input is replicated; split its last dim first.
+        reduce: maps the partial sum to the output; default all-reduce over the group
+            (Megatron's ``g``). Sequence parallelism passes a reduce-scatter along the sequence.
+        parts: packed weights (``packed_rowwise``).
     """
 
-    def __init__(self, sizes: Sequence[int], reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
-        self.sizes = sizes
-        self.reduce = reduce
+    weight_dim = -1
 
-    def apply(self, module: nn.Linear, group) -> nn.Linear:
-        """Replace ``module``'s weight ``[out, in]`` by ``[out, sizes[rank]]`` and its forward.
+    def __init__(self, sizes: Sequence[int] | None = None, *, split_input: bool = False,
+                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 parts: int | Sequence[int] | None = None) -> None:
+        self.sizes, self.split_input, self.reduce, self.parts = sizes, split_input, reduce, parts
 
-        The forward is replaced on the instance (parameter names stay ``weight``/``bias``, so
-        state dicts and DDP see the same module); hooks registered on the module still run.
-
-        Raises:
-            ShardkitTypeError, ShardkitError: as :meth:`ColwiseParallel.apply`.
-        """
-        _check_linear(module, "RowwiseParallel")
-        g = resolve_group(group, "RowwiseParallel")
-        sizes = _check_sizes(self.sizes, module.in_features, g.size, "RowwiseParallel", "in_features")
-        module.weight = _shard(module.weight, 1, sizes, g.rank, group)
-        module.in_features = sizes[g.rank]
+    def apply_module(self, module: nn.Module, ctx: StyleContext) -> None:
+        name = type(self).__name__
+        w = _weight(module, name, ctx)
+        if not isinstance(module, nn.Linear):
+            raise ShardkitTypeError(f"{name}: expected an nn.Linear at {ctx.name or 'module'}, got {type(module).__name__}")
+        spec = _linear_spec(w.shape[-1], ctx, w.dim() - 1, self.parts, self.sizes)
+        if spec.overlapping:
+            raise ShardkitError(f"{name}: {ctx.name}: row-parallel input features cannot be replicated")
+        shard_parameter(module, "weight", spec, ctx.info.rank, ctx.memo)
+        module.in_features = spec.sizes[ctx.info.rank]
+        group = ctx.group
         module._shardkit_reduce = self.reduce or (lambda y: all_reduce_forward(y, group))
         module.forward = types.MethodType(_rowwise_forward, module)
-        return module
+        if self.split_input:
+            if len(spec.ranges[0]) != 1:
+                raise ShardkitError(f"{name}: {ctx.name}: split_input needs plain (not packed) shards")
+            sizes = list(spec.sizes)
+            module.register_forward_pre_hook(
+                lambda m, args, kwargs: replace_input(
+                    args, kwargs, lambda x: split_forward_gather_backward(x, group, -1, sizes), "input"),
+                with_kwargs=True,
+            )
+
+    def shard_param(self, module: nn.Module, pname: str, ctx: StyleContext) -> None:
+        p = getattr(module, pname)
+        if p.dim() == 1:
+            return  # a row-parallel bias stays replicated
+        dim = p.dim() - 1
+        spec = _linear_spec(p.shape[dim], ctx, dim, self.parts, self.sizes)
+        shard_parameter(module, pname, spec, ctx.info.rank, ctx.memo)
+
+
+class PackedRowwiseParallel(RowwiseParallel):
+    """``packed_rowwise``: :class:`RowwiseParallel` of a fused weight of ``parts`` (default 2) parts."""
+
+    def __init__(self, sizes=None, *, parts: int | Sequence[int] = 2, **kwargs) -> None:
+        super().__init__(sizes, parts=parts, **kwargs)
 
 
 def sum_grad_over(param: nn.Parameter, group) -> nn.Parameter:
     """Make ``param``'s gradient the sum over ``group`` of the per-rank gradients.
 
     For a replicated parameter applied to different data on each rank (an RMSNorm weight on a
-    sequence block): each rank's gradient is a partial sum over its tokens.
+    sequence block, a q/k norm on local heads): each rank's gradient is a partial sum.
 
     Why a tensor hook: a hook on a leaf runs once per backward with the total gradient of that
     backward, *before* ``AccumulateGrad`` writes ``.grad``. DDP's reducer hooks run after

@@ -1,0 +1,132 @@
+"""``apply_tp``: shard a model in place from a plan, from outside its code.
+
+Every rank of the tp group calls :func:`apply_tp` on a model holding the same full weights (built
+from the same seed or checkpoint; :func:`shardkit.load_sharded` avoids materializing them).
+Afterwards each rank holds its shards and the model's forward contract is unchanged: logits and
+loss are replicated over the group (with ``loss_parallel`` the logits stay vocab-sharded and the
+loss is computed by :func:`shardkit.vocab_parallel_cross_entropy`).
+
+Activations between blocks are replicated (Megatron tensor parallelism); for Megatron sequence
+parallelism of Llama-architecture models see :func:`shardkit.tensor_parallel.apply_llama_tp`.
+
+Source: Megatron-LM tensor parallelism (Shoeybi et al., 2019) applied from outside the model as
+PyTorch DTensor's ``parallelize_module`` and Hugging Face's ``tp_plan`` do.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from torch import nn
+
+from ..comm._group import resolve_group
+from ..errors import ShardkitError, ShardkitTypeError
+from .heads import attention_head_ranges
+from .plan import CompiledPlan, model_tp_plan, verify_tp_plan
+from .styles import ColwiseParallel, RowwiseParallel, StyleContext
+
+__all__ = ["apply_tp"]
+
+
+def _head_ranges(model: nn.Module, compiled: CompiledPlan, world: int) -> dict[str, tuple]:
+    """Whole-head ranges for the attention projections the plan cuts with default sizes."""
+    out: dict[str, tuple] = {}
+    for name, module in model.named_modules():
+        layout = attention_head_ranges(module, name, world) if hasattr(module, "head_dim") or hasattr(module, "qk_head_dim") else {}
+        cut = {}
+        for child, ranges in layout.items():
+            if child.startswith("_"):
+                continue
+            full = f"{name}.{child}" if name else child
+            rule = compiled.match(full)
+            style = rule[1] if rule else None
+            if isinstance(style, (ColwiseParallel, RowwiseParallel)) and style.sizes is None and style.parts is None:
+                cut[full] = ranges
+        if cut:
+            out.update(cut)
+            ratios = layout.get("_num_key_value_groups")
+            if ratios is not None and hasattr(module, "num_key_value_groups"):
+                module._shardkit_kv_groups = ratios  # set per rank below, once the rank is known
+    return out
+
+
+def apply_tp(model: nn.Module, tp_mesh, plan: dict | None = None, *, loss_parallel: bool = False,
+             styles: dict | None = None, check: str = "warn") -> nn.Module:
+    """Apply tensor parallelism to ``model`` in place, following ``plan``.
+
+    Args:
+        model: any ``nn.Module``; Hugging Face models bring their own plan.
+        tp_mesh: the tp ``ProcessGroup`` or 1-D ``DeviceMesh`` (e.g. ``mesh["tp"]``).
+        plan: ``{pattern: style}`` (see :mod:`.plan`); None takes the model's own HF plan
+            (``model.tp_plan`` / ``config.base_model_tp_plan``).
+        loss_parallel: keep ``lm_head``'s logits vocab-sharded (``colwise`` without the output
+            gather) and compute HF's causal-LM loss with
+            :func:`shardkit.vocab_parallel_cross_entropy`, so full-vocab logits never exist.
+        styles: extra ``{name: ParallelStyle}`` usable by name in ``plan``.
+        check: ``"warn"`` (default) warns about plan rules that matched nothing and parameters
+            left unsharded; ``"error"`` raises instead; ``"off"`` skips the check.
+
+    Returns:
+        ``model`` (the same object); unchanged when the group has one rank.
+
+    Raises:
+        ShardkitError: unknown style names, ambiguous rules, shapes a style cannot cut (e.g.
+            fewer attention heads than ranks), or (``check="error"``) an imperfect plan.
+        ShardkitTypeError: a style applied to a module of the wrong kind.
+    """
+    if not isinstance(model, nn.Module):
+        raise ShardkitTypeError(f"apply_tp: model must be an nn.Module, got {type(model).__name__}")
+    if check not in ("warn", "error", "off"):
+        raise ShardkitError(f"apply_tp: check must be 'warn', 'error' or 'off', got {check!r}")
+    g = resolve_group(tp_mesh, "apply_tp")
+    plan = dict(model_tp_plan(model) if plan is None else plan)
+    if loss_parallel:
+        plan = _loss_parallel_plan(model, plan)
+    compiled = CompiledPlan.build(plan, model, styles)
+    if check != "off":
+        report = verify_tp_plan(model, plan, styles)
+        if not report.ok:
+            msg = f"apply_tp: rules that matched nothing: {list(report.unused_rules)}; parameters left unsharded: {list(report.unsharded)}"
+            if check == "error":
+                raise ShardkitError(msg)
+            warnings.warn(msg, stacklevel=2)
+    if g.size == 1:
+        return model
+    heads = _head_ranges(model, compiled, g.size)
+    memo: dict = {}
+    for name, module in list(model.named_modules()):
+        ratios = getattr(module, "_shardkit_kv_groups", None)
+        if ratios is not None:
+            module.num_key_value_groups = ratios[g.rank]
+            del module._shardkit_kv_groups
+        mrule = compiled.match(name) if name else None
+        for pname, _ in list(module.named_parameters(recurse=False)):
+            full = f"{name}.{pname}" if name else pname
+            prule = compiled.match(full)
+            if prule is not None and not (mrule is not None and prule[1] is mrule[1]):
+                ctx = StyleContext(tp_mesh, g, full, model, memo, heads.get(full))
+                prule[1].shard_param(module, pname, ctx)
+        if mrule is not None:
+            mrule[1].apply_module(module, StyleContext(tp_mesh, g, name, model, memo, heads.get(name)))
+    if loss_parallel:
+        _use_vocab_parallel_loss(model, tp_mesh)
+    return model
+
+
+def _loss_parallel_plan(model: nn.Module, plan: dict) -> dict:
+    """``plan`` with the output head cut colwise without the logits gather."""
+    head = getattr(model, "lm_head", None)
+    if not isinstance(head, nn.Linear):
+        raise ShardkitError("apply_tp: loss_parallel needs the model's output head at model.lm_head (an nn.Linear)")
+    plan = {k: v for k, v in plan.items() if k != "lm_head"}
+    plan["lm_head"] = ColwiseParallel()
+    return plan
+
+
+def _use_vocab_parallel_loss(model: nn.Module, tp_mesh) -> None:
+    """Make HF's ``model.loss_function`` the vocab-parallel causal-LM loss."""
+    from .loss_hf import vocab_parallel_causal_lm_loss
+
+    if not hasattr(type(model), "loss_function"):
+        return  # a user model computes its own loss with vocab_parallel_cross_entropy
+    model.loss_function = vocab_parallel_causal_lm_loss(tp_mesh)

@@ -1,0 +1,55 @@
+"""Tensor-parallel MoE experts: ``moe_tp_experts`` and ``moe_identity_expert``.
+
+With ``moe_tp_experts`` every rank holds every expert, each cut like an MLP (``gate_up_proj``
+packed-colwise, ``down_proj`` rowwise; the plan cuts those parameters). The experts module is
+called as ``experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k])`` and returns the
+weighted sum of this rank's partial expert outputs, so:
+
+* the output is all-reduced (Megatron's ``g``);
+* ``hidden``'s gradient is a partial sum (only this rank's intermediate features): ``f``;
+* ``top_k_weights``' gradient is ``<dL/dout, expert_out_partial>``, also partial: ``f``, which
+  makes the router's gradient exact and identical on every rank.
+
+``moe_identity_expert`` (zero-compute identity experts, e.g. LongCat-Flash): their output is the
+same on every rank, so under the summed output it would count ``R`` times; the input is divided
+by ``R``.
+
+Source: Hugging Face transformers' plan strings of the same names; Megatron-LM's ``f``/``g``.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..comm import all_reduce_backward, all_reduce_forward
+from .styles import ParallelStyle, StyleContext, replace_input
+
+__all__ = ["MoeTensorParallelExperts", "MoeIdentityExpert"]
+
+
+class MoeTensorParallelExperts(ParallelStyle):
+    """``f`` on the experts' hidden states and routing weights, ``g`` on their output."""
+
+    def apply_module(self, module: nn.Module, ctx: StyleContext) -> None:
+        group = ctx.group
+
+        def pre(m, args, kwargs):
+            args, kwargs = list(args), dict(kwargs)
+            for pos, key in ((0, "hidden_states"), (2, "top_k_weights")):
+                if len(args) > pos:
+                    args[pos] = all_reduce_backward(args[pos], group)
+                elif key in kwargs:
+                    kwargs[key] = all_reduce_backward(kwargs[key], group)
+            return tuple(args), kwargs
+
+        module.register_forward_pre_hook(pre, with_kwargs=True)
+        module.register_forward_hook(lambda m, args, out: all_reduce_forward(out, group))
+
+
+class MoeIdentityExpert(ParallelStyle):
+    """Divide the input by the group size (its output is summed over the group downstream)."""
+
+    def apply_module(self, module: nn.Module, ctx: StyleContext) -> None:
+        size = ctx.info.size
+        module.register_forward_pre_hook(
+            lambda m, args, kwargs: replace_input(args, kwargs, lambda x: x / size), with_kwargs=True)

@@ -1,0 +1,47 @@
+"""Tiny Hugging Face models built from configs with transformers' own modeling code (float64).
+
+Shapes are chosen for tp 2, 3 and 4: 6 query heads over 2 KV heads (so tp 3 and 4 split heads
+unevenly and replicate KV heads), intermediate sizes 10 (chunks [4, 4, 2] at tp 3: the case that
+crashes DTensor TP, pytorch#150336) and a vocabulary of 101 (uneven everywhere).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardkit.cli.model import keep_norms_in_input_dtype
+
+VOCAB = 101
+COMMON = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=10, num_hidden_layers=2, num_attention_heads=6,
+              num_key_value_heads=2, head_dim=8, use_cache=False, tie_word_embeddings=False)
+
+
+def build(kind: str, seed: int = 0):
+    """A float64 causal LM of architecture ``kind`` with norms computing in float64."""
+    import transformers as tf
+
+    if kind == "llama":
+        model_cls, config = tf.LlamaForCausalLM, tf.LlamaConfig(**COMMON)
+    elif kind == "qwen2":
+        model_cls, config = tf.Qwen2ForCausalLM, tf.Qwen2Config(**COMMON)  # q/k/v biases
+    elif kind == "qwen3":
+        model_cls, config = tf.Qwen3ForCausalLM, tf.Qwen3Config(**COMMON)  # q/k norms
+    elif kind == "qwen3_moe":
+        model_cls = tf.Qwen3MoeForCausalLM
+        config = tf.Qwen3MoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=10,
+                                   norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1])
+    elif kind == "deepseek_v2":
+        model_cls = tf.DeepseekV2ForCausalLM
+        common = {k: v for k, v in COMMON.items() if k not in ("head_dim",)}
+        config = tf.DeepseekV2Config(**{**common, "num_key_value_heads": 6}, q_lora_rank=None, kv_lora_rank=12,
+                                     qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8, n_routed_experts=4,
+                                     num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=10,
+                                     first_k_dense_replace=1, n_group=1, topk_group=1)
+    else:
+        raise ValueError(kind)
+    config._attn_implementation = "sdpa"
+    config._experts_implementation = "eager"  # transformers' grouped_mm kernel has no float64 on CPU
+    torch.manual_seed(seed)
+    model = model_cls(config).double()
+    keep_norms_in_input_dtype(model)
+    return model
