@@ -30,7 +30,7 @@ from .spatial import (
     spatial_conv3d,
     spatial_output_sizes,
 )
-from .tensor_parallel import apply_llama_tp, gather_full_state_dict
+from .tensor_parallel import apply_llama_tp, apply_tp, gather_full_state_dict, verify_tp_plan
 
 __version__ = "0.1.0"
 
@@ -45,6 +45,8 @@ __all__ = [
     "gather_forward_split_backward",
     "all_to_all",
     "CommLedger",
+    "apply_tp",
+    "verify_tp_plan",
     "apply_llama_tp",
     "gather_full_state_dict",
     "halo_exchange",

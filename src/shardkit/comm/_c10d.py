@@ -149,7 +149,7 @@ def all_gather(x: torch.Tensor, g: GroupInfo, dim: int, sizes: list[int], api: s
         ledger.record("all_gather_single", api, phase, g.size, src.nbytes, buf.nbytes)
     else:
         # Uneven: send the whole local block to every rank, receive block r from rank r.
-        send = src.reshape(1, -1).expand(g.size, -1).reshape(-1)
+        send = src.reshape(-1).repeat(g.size)  # (an expand + reshape of an empty tensor is not contiguous)
         dist.all_to_all_single(buf, send, output_split_sizes=blocks, input_split_sizes=[src.numel()] * g.size, group=g.pg)
         ledger.record("all_to_all_single", api, phase, g.size, send.nbytes, buf.nbytes)
     return _unpack(buf, out_shape, dim, sizes)

@@ -40,7 +40,7 @@ def _head_ranges(model: nn.Module, compiled: CompiledPlan, world: int) -> dict[s
             full = f"{name}.{child}" if name else child
             rule = compiled.match(full)
             style = rule[1] if rule else None
-            if isinstance(style, (ColwiseParallel, RowwiseParallel)) and style.sizes is None and style.parts is None:
+            if isinstance(style, (ColwiseParallel, RowwiseParallel)) and (style.sizes, style.parts, style.unit) == (None, None, 1):
                 cut[full] = ranges
         if cut:
             out.update(cut)

@@ -109,9 +109,18 @@ def replace_input(args: tuple, kwargs: dict, fn, name: str = "hidden_states"):
     raise ShardkitError(f"tensor parallel hook: the module got neither a positional input nor {name}=")
 
 
-def _linear_spec(full: int, ctx: StyleContext, dim: int, parts: int | Sequence[int] | None, explicit) -> ShardSpec:
+def _chunks(n: int, R: int, unit: int, where: str) -> list[int]:
+    """``torch.chunk`` sizes of ``n`` in whole units of ``unit`` elements (heads)."""
+    if n % unit:
+        raise ShardkitError(f"{where}: size {n} is not a whole number of units of {unit}")
+    return [s * unit for s in chunk_sizes(n // unit, R)]
+
+
+def _linear_spec(full: int, ctx: StyleContext, dim: int, parts: int | Sequence[int] | None, explicit,
+                 unit: int = 1) -> ShardSpec:
     """The spec of a linear-like dim of size ``full``: explicit sizes, head ranges, packed, or chunk."""
     R = ctx.info.size
+    where = ctx.name or "style"
     if explicit is not None:
         sizes = tuple(int(s) for s in explicit)
         if len(sizes) != R or any(s < 0 for s in sizes) or sum(sizes) != full:
@@ -123,11 +132,11 @@ def _linear_spec(full: int, ctx: StyleContext, dim: int, parts: int | Sequence[i
     if ctx.ranges is not None:
         return ShardSpec(dim, full, ctx.ranges, ctx.group)
     if parts is None:
-        return ShardSpec.blocks(dim, chunk_sizes(full, R), ctx.group)
+        return ShardSpec.blocks(dim, _chunks(full, R, unit, where), ctx.group)
     blocks = [full // parts] * parts if isinstance(parts, int) else [int(p) for p in parts]
     if sum(blocks) != full or (isinstance(parts, int) and full % parts):
-        raise ShardkitError(f"{ctx.name or 'style'}: cannot split size {full} into packed parts {parts}")
-    return ShardSpec.packed(dim, [chunk_sizes(b, R) for b in blocks], ctx.group)
+        raise ShardkitError(f"{where}: cannot split size {full} into packed parts {parts}")
+    return ShardSpec.packed(dim, [_chunks(b, R, unit, where) for b in blocks], ctx.group)
 
 
 def _weight(module: nn.Module, style: str, ctx: StyleContext) -> torch.Tensor:
@@ -153,17 +162,20 @@ class ColwiseParallel(ParallelStyle):
             block of the replicated gradient).
         reduce_input_grad: add Megatron's ``f`` on the input (its gradient is a partial sum per
             rank). Off when a plan reduces it elsewhere (sequence parallelism's reduce-scatter).
-        parts: packed weights: the number of equal packed parts, or their sizes.
+        parts: packed weights: the number of equal packed parts, or their sizes (a fused GQA
+            ``qkv_proj``: ``[N * D, N_kv * D, N_kv * D]``).
+        unit: cut in whole units of this many features (the head dim of a fused ``qkv_proj``).
     """
 
     weight_dim = -2
 
     def __init__(self, sizes: Sequence[int] | None = None, *, gather_output: bool = False,
-                 reduce_input_grad: bool = True, parts: int | Sequence[int] | None = None) -> None:
+                 reduce_input_grad: bool = True, parts: int | Sequence[int] | None = None, unit: int = 1) -> None:
         self.sizes, self.gather_output, self.reduce_input_grad, self.parts = sizes, gather_output, reduce_input_grad, parts
+        self.unit = unit
 
     def _spec(self, full: int, ctx: StyleContext, dim: int) -> ShardSpec:
-        return _linear_spec(full, ctx, dim, self.parts, self.sizes)
+        return _linear_spec(full, ctx, dim, self.parts, self.sizes, self.unit)
 
     def apply_module(self, module: nn.Module, ctx: StyleContext) -> None:
         w = _weight(module, type(self).__name__, ctx)
@@ -220,21 +232,22 @@ class RowwiseParallel(ParallelStyle):
         reduce: maps the partial sum to the output; default all-reduce over the group
             (Megatron's ``g``). Sequence parallelism passes a reduce-scatter along the sequence.
         parts: packed weights (``packed_rowwise``).
+        unit: cut in whole units of this many features (heads of an attention output).
     """
 
     weight_dim = -1
 
     def __init__(self, sizes: Sequence[int] | None = None, *, split_input: bool = False,
                  reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 parts: int | Sequence[int] | None = None) -> None:
-        self.sizes, self.split_input, self.reduce, self.parts = sizes, split_input, reduce, parts
+                 parts: int | Sequence[int] | None = None, unit: int = 1) -> None:
+        self.sizes, self.split_input, self.reduce, self.parts, self.unit = sizes, split_input, reduce, parts, unit
 
     def apply_module(self, module: nn.Module, ctx: StyleContext) -> None:
         name = type(self).__name__
         w = _weight(module, name, ctx)
         if not isinstance(module, nn.Linear):
             raise ShardkitTypeError(f"{name}: expected an nn.Linear at {ctx.name or 'module'}, got {type(module).__name__}")
-        spec = _linear_spec(w.shape[-1], ctx, w.dim() - 1, self.parts, self.sizes)
+        spec = _linear_spec(w.shape[-1], ctx, w.dim() - 1, self.parts, self.sizes, self.unit)
         if spec.overlapping:
             raise ShardkitError(f"{name}: {ctx.name}: row-parallel input features cannot be replicated")
         shard_parameter(module, "weight", spec, ctx.info.rank, ctx.memo)
@@ -257,7 +270,7 @@ class RowwiseParallel(ParallelStyle):
         if p.dim() == 1:
             return  # a row-parallel bias stays replicated
         dim = p.dim() - 1
-        spec = _linear_spec(p.shape[dim], ctx, dim, self.parts, self.sizes)
+        spec = _linear_spec(p.shape[dim], ctx, dim, self.parts, self.sizes, self.unit)
         shard_parameter(module, pname, spec, ctx.info.rank, ctx.memo)
 
 
