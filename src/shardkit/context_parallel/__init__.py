@@ -4,8 +4,10 @@
   its per-document form for packed sequences, each with split / gather / all-gather
   conventions and exact backward; the pure size and position rules live in :mod:`._sizes`.
 * Ring (:mod:`.ring`): KV blocks rotate around the ranks with overlapped point-to-point
-  transfers, causal blocks skipped by chunk, dK/dV travelling home in backward.
-* USP (:mod:`.usp`): Ulysses all-to-all inside a 2-D context-parallel mesh, ring across.
+  transfers, causal blocks skipped by chunk, dK/dV travelling home in backward; packed
+  documents (``cu_seqlens``) with blocks masked or skipped by document.
+* USP (:mod:`.usp`): Ulysses all-to-all inside a 2-D context-parallel mesh, ring across;
+  packed documents too.
 * Ulysses (:mod:`.ulysses`): sequence-sharded attention through two all-to-alls, with uneven
   sequence and head counts, grouped-query KV heads and packed documents.
 """
@@ -25,7 +27,7 @@ from ._sizes import (
 from .layouts import packed_all_gather, packed_gather, packed_split, zigzag_all_gather, zigzag_gather, zigzag_split
 from .ring import ring_attention, ring_chunks
 from .ulysses import ulysses_attention
-from .usp import usp_attention, usp_local_sizes
+from .usp import usp_attention, usp_indices, usp_local_sizes, usp_packed_local_sizes
 
 __all__ = [
     "zigzag_chunk_sizes",
@@ -48,6 +50,8 @@ __all__ = [
     "ring_chunks",
     "usp_attention",
     "usp_local_sizes",
+    "usp_packed_local_sizes",
+    "usp_indices",
     "local_attention",
     "attention_with_lse",
     "document_mask",

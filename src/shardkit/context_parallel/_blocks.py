@@ -1,11 +1,12 @@
 """Block attention with log-sum-exp for ring attention: forward, backward and the merge rule.
 
-A block is one (query chunk, key chunk) pair. Ring attention only ever needs two kinds: fully
-visible (``causal=False``) and diagonal (the same chunk on both sides, square, ``causal=True``),
-because causal pairs of distinct chunks are either fully visible or fully masked (skipped). Both
-kinds run on ``is_causal`` alone, so CPU uses torch's fused flash kernel
-(``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward), which returns the
-log-sum-exp but takes no arbitrary mask and needs ``Dv == D``; elsewhere a plain-math path.
+A block is one (query tile, key tile) pair. Three kinds: fully visible (``causal=False``),
+diagonal (the same chunk on both sides, square, ``causal=True``) and, for packed documents whose
+small parts share a tile, an explicit boolean ``mask`` (True = attend). On CPU they run torch's
+fused flash kernel (``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward; it
+returns the log-sum-exp, takes an additive mask and needs ``Dv == D``); elsewhere a plain-math
+path. The kernel reports ``lse = 0`` for a row the mask hides entirely; such rows are set to
+``-inf`` here so that merging them contributes nothing.
 
 The backward of a block needs the *final* output and log-sum-exp of its query rows (flash
 attention's recomputation): ``P = exp(scale * Q K^T - lse)`` is then the block's slice of the
@@ -45,34 +46,50 @@ def _fold(t: torch.Tensor, rep: int) -> torch.Tensor:
     return t.reshape(b, s, n // rep, rep, d).sum(3)
 
 
-def _scores(q, k, causal: bool, scale: float) -> torch.Tensor:
+def _scores(q, k, causal: bool, scale: float, mask=None) -> torch.Tensor:
     acc = acc_dtype(q.dtype)
     s = torch.einsum("bqnd,bknd->bnqk", q.to(acc), k.to(acc)) * scale
     if causal:  # square diagonal block: query i sees keys 0..i
         keep = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
         s = s.masked_fill(~keep, float("-inf"))
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
     return s
 
 
-def block_forward(q, k, v, causal: bool, scale: float, rep: int):
+def _additive(mask, dtype):
+    """Boolean ``[Sq, Sk]`` mask -> the additive form the fused kernel takes (0 or -inf)."""
+    return None if mask is None else torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
+def block_forward(q, k, v, causal: bool, scale: float, rep: int, mask=None):
     """``q [B, Sq, N, D]``, ``k [B, Sk, N_kv, D]``, ``v [B, Sk, N_kv, Dv]`` -> ``(out [B, Sq, N, Dv], lse [B, Sq, N])``.
 
-    ``out`` is in ``q.dtype`` (flash) or the accumulation dtype (math); ``lse`` in the accumulation dtype.
+    ``mask``: optional boolean ``[Sq, Sk]`` (True = attend). A row it hides entirely gets
+    ``lse = -inf`` and a zero output. ``out`` is in ``q.dtype`` (flash) or the accumulation
+    dtype (math); ``lse`` in the accumulation dtype.
     """
     k, v = _expand(k, rep), _expand(v, rep)
     if _use_flash(q, v):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, scale=scale
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal,
+            attn_mask=_additive(mask, q.dtype), scale=scale,
         )
-        return out.transpose(1, 2), lse.transpose(1, 2).to(acc_dtype(q.dtype))
-    s = _scores(q, k, causal, scale)
+        out, lse = out.transpose(1, 2), lse.transpose(1, 2).to(acc_dtype(q.dtype))
+        if mask is not None:
+            empty = ~mask.any(-1)[None, :, None]  # [1, Sq, 1]
+            out, lse = out.masked_fill(empty[..., None], 0.0), lse.masked_fill(empty, float("-inf"))
+        return out, lse
+    s = _scores(q, k, causal, scale, mask)
     lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse[..., None])
+    p = torch.exp(s - lse.masked_fill(torch.isinf(lse), 0.0)[..., None])
     return torch.einsum("bnqk,bknd->bqnd", p, v.to(s.dtype)), lse.transpose(1, 2)
 
 
-def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, rep: int):
+def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, rep: int, mask=None):
     """Gradients of one block given the final ``out`` (``q.dtype``) and ``lse [B, Sq, N]`` of its rows.
+
+    ``mask`` as in :func:`block_forward`; the final ``lse`` is finite (every token sees itself).
 
     Returns ``(dq [B, Sq, N, D], dk [B, Sk, N_kv, D], dv [B, Sk, N_kv, Dv])`` in the accumulation dtype.
     """
@@ -82,11 +99,11 @@ def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, rep: int
         t = lambda x: x.transpose(1, 2)  # noqa: E731
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             t(dout), t(q), t(ke), t(ve), t(out), t(lse).to(q.dtype if q.dtype == torch.float64 else torch.float32).contiguous(),
-            0.0, causal, scale=scale,
+            0.0, causal, attn_mask=_additive(mask, q.dtype), scale=scale,
         )
         dq, dk, dv = t(dq).to(acc), t(dk).to(acc), t(dv).to(acc)
     else:
-        s = _scores(q, ke, causal, scale)
+        s = _scores(q, ke, causal, scale, mask)
         p = torch.exp(s - lse.transpose(1, 2)[..., None])
         do = dout.to(acc)
         dv = torch.einsum("bnqk,bqnd->bknd", p, do)

@@ -8,6 +8,15 @@ part, a share of the heads), :func:`ring_attention` runs over the ring dim on th
 a second all-to-all returns ``[B, S_i / U, N, Dv]``. Backward is the reverse all-to-alls around
 the ring attention's own backward.
 
+**Packed documents** (``cu_seqlens``, global cumulative lengths): ring part ``i`` is the packed
+zigzag part of :func:`packed_split` over the ``R`` ring ranks (rank ``i``'s zigzag part of every
+document, in document order, ``packed_local_sizes(cu, R)[i]`` tokens), and that part is split
+contiguously (balanced) over the ``U`` Ulysses ranks, cutting through documents where it falls.
+After the all-to-all each Ulysses rank holds the whole ring part, which is exactly what
+:func:`ring_attention` with ``cu_seqlens`` takes; documents never attend across boundaries.
+:func:`usp_indices` gives the global token indices of every rank (index the packed tensor with
+them, and :func:`packed_positions`-style position ids with ``indices - doc_start``).
+
 Source: Fang & Zhao, "USP: A Unified Sequence Parallelism Approach for Long Context Generative
 AI" (2024).
 """
@@ -16,15 +25,15 @@ from __future__ import annotations
 
 import torch
 
-from .._shapes import balanced_split_sizes
+from .._shapes import balanced_split_sizes, split_offsets
 from ..comm._group import resolve_group
 from ..comm._validate import maybe_agree
 from ..errors import ShardkitError, ShardkitTypeError
-from ._sizes import ulysses_head_plan, zigzag_local_sizes
+from ._sizes import check_cu_seqlens, packed_indices, packed_local_sizes, ulysses_head_plan, zigzag_local_sizes
 from .ring import ring_attention
 from .ulysses import _scatter, _SequenceToHeads, _validate
 
-__all__ = ["usp_attention", "usp_local_sizes"]
+__all__ = ["usp_attention", "usp_local_sizes", "usp_packed_local_sizes", "usp_indices"]
 
 _OP = "usp_attention"
 
@@ -32,6 +41,26 @@ _OP = "usp_attention"
 def usp_local_sizes(seq_len: int, ring_size: int, ulysses_size: int) -> list[list[int]]:
     """Tokens held by rank ``(i, j)`` of the ``R x U`` mesh, as ``sizes[i][j]``."""
     return [balanced_split_sizes(n, ulysses_size) for n in zigzag_local_sizes(seq_len, ring_size)]
+
+
+def usp_packed_local_sizes(cu_seqlens, ring_size: int, ulysses_size: int) -> list[list[int]]:
+    """Tokens held by rank ``(i, j)`` of the ``R x U`` mesh for packed documents, as ``sizes[i][j]``."""
+    return [balanced_split_sizes(n, ulysses_size) for n in packed_local_sizes(cu_seqlens, ring_size)]
+
+
+def usp_indices(cu_seqlens, ring_size: int, ulysses_size: int, ring_rank: int, ulysses_rank: int, device=None) -> torch.Tensor:
+    """Global token indices (int64) held by rank ``(ring_rank, ulysses_rank)``, in local order.
+
+    ``cu_seqlens`` as in :func:`usp_attention`; ``[0, S]`` for one unpacked sequence. Raises
+    ShardkitError / ShardkitTypeError on malformed ``cu_seqlens`` or ranks.
+    """
+    cu = check_cu_seqlens(cu_seqlens, "usp_indices")
+    part = packed_indices(cu, ring_size, ring_rank)
+    sizes = usp_packed_local_sizes(cu, ring_size, ulysses_size)[ring_rank]
+    if not 0 <= ulysses_rank < ulysses_size:
+        raise ShardkitError(f"usp_indices: ulysses_rank must be in [0, {ulysses_size}), got {ulysses_rank}")
+    off = split_offsets(sizes)[ulysses_rank]
+    return part[off : off + sizes[ulysses_rank]].to(device)
 
 
 def _submeshes(mesh, ring_dim: str, ulysses_dim: str):
@@ -56,7 +85,8 @@ def _ring_kv(k, kv_index):
     return k.index_select(2, torch.tensor(kv_index, dtype=torch.int64, device=k.device))
 
 
-def usp_attention(q, k, v, mesh, *, causal: bool, scale=None, seq_len=None, ring_dim: str = "cp_ring", ulysses_dim: str = "cp_ulysses"):
+def usp_attention(q, k, v, mesh, *, causal: bool, scale=None, seq_len=None, cu_seqlens=None, ring_dim: str = "cp_ring",
+                  ulysses_dim: str = "cp_ulysses"):
     """All-to-all over ``ulysses_dim``, ring attention over ``ring_dim``, all-to-all back; reversed in backward.
 
     Args:
@@ -67,7 +97,12 @@ def usp_attention(q, k, v, mesh, *, causal: bool, scale=None, seq_len=None, ring
         mesh: 2-D ``DeviceMesh`` with dims ``ring_dim`` (``R``) and ``ulysses_dim`` (``U``).
         causal: mask keys after each query's global position.
         scale: softmax scale; None for ``1 / sqrt(D)``.
-        seq_len: global ``S``; None means ``S_ij x R x U`` (all ranks equal).
+        seq_len: global ``S``; None means ``cu_seqlens[-1]`` when given, else ``S_ij x R x U``
+            (all ranks equal).
+        cu_seqlens: global cumulative document lengths of a packed sequence (identical on every
+            rank). Then ``S_ij = usp_packed_local_sizes(cu, R, U)[i][j]``: block ``j`` of ring
+            part ``i`` of the packed zigzag layout (module docstring); tokens attend only within
+            their document. :func:`usp_indices` gives each rank's global token indices.
 
     Returns:
         ``[B, S_ij, N, Dv]`` in the input layout.
@@ -84,17 +119,20 @@ def usp_attention(q, k, v, mesh, *, causal: bool, scale=None, seq_len=None, ring
     g_ring, g_uly = _submeshes(mesh, ring_dim, ulysses_dim)
     R, U = g_ring.size, g_uly.size
     default = None if seq_len is not None or not isinstance(q, torch.Tensor) or q.dim() != 4 else q.shape[1] * R * U
-    _, _, seq_len = _validate(q, k, v, mesh[ulysses_dim], causal, scale, None, seq_len if seq_len is not None else default, op=_OP)
+    if cu_seqlens is not None:
+        default = None
+    _, cu, seq_len = _validate(q, k, v, mesh[ulysses_dim], causal, scale, cu_seqlens, seq_len if seq_len is not None else default, op=_OP)
     n, n_kv, d, dv = q.shape[2], k.shape[2], q.shape[3], v.shape[3]
     if n < U:
         raise ShardkitError(f"{_OP}: {n} query heads cannot be split over {U} Ulysses ranks (need N >= U)")
-    sizes = usp_local_sizes(seq_len, R, U)
+    sizes = usp_local_sizes(seq_len, R, U) if cu is None else usp_packed_local_sizes(cu, R, U)
     seq_sizes = sizes[g_ring.rank]
-    maybe_agree(g_uly, _OP, q, (n, n_kv, d, dv, int(causal), seq_len), local_dim=1, expected_local=seq_sizes[g_uly.rank])
+    digest = -1 if cu is None else sum((i + 1) * c for i, c in enumerate(cu)) % (2**61 - 1)
+    maybe_agree(g_uly, _OP, q, (n, n_kv, d, dv, int(causal), seq_len, digest), local_dim=1, expected_local=seq_sizes[g_uly.rank])
     if q.shape[1] != seq_sizes[g_uly.rank]:
         raise ShardkitError(
             f"{_OP}: rank ({g_ring.rank}, {g_uly.rank}) of the {R}x{U} mesh holds {q.shape[1]} tokens, but S = {seq_len} "
-            f"gives it {seq_sizes[g_uly.rank]} ({sizes}); pass seq_len= when S is not a multiple of 2R x U"
+            f"{'' if cu is None else f'({len(cu) - 1} documents) '}gives it {seq_sizes[g_uly.rank]} ({sizes}); pass seq_len= when S is not a multiple of 2R x U"
         )
     plan = ulysses_head_plan(n, n_kv, U)
     named = {"q": q, "k": k, "v": v}
@@ -107,6 +145,6 @@ def usp_attention(q, k, v, mesh, *, causal: bool, scale=None, seq_len=None, ring
     idx = plan.kv_index[g_uly.rank]
     out = ring_attention(
         moved["q"], _ring_kv(moved["k"], idx), _ring_kv(moved["v"], idx), mesh[ring_dim],
-        causal=causal, scale=scale, layout="zigzag", seq_len=seq_len,
+        causal=causal, scale=scale, layout="zigzag", seq_len=seq_len, cu_seqlens=cu,
     )
     return out if U == 1 else _SequenceToHeads.apply(out, g_uly, seq_sizes, list(plan.q_sizes))

@@ -1,0 +1,145 @@
+"""Which blocks ring attention computes, from the global positions of the tokens (pure, cached).
+
+Each rank's local tokens are a sequence of *pieces*: runs of consecutive global positions of
+one document (zigzag: per document, chunks ``r`` and ``2R - 1 - r`` of its own balanced split;
+contiguous: the part of each document inside block ``r``). Without a causal mask the two
+zigzag chunks of a document form one piece, since only the document matters. A query piece
+``qp`` and a key piece ``kp`` are:
+
+* hidden (``NONE``) when their documents differ, or, causal, when every key follows every query;
+* fully visible (``ALL``) in the same document without a causal mask, or when every key
+  precedes (or is) every query;
+* ``DIAG`` when both are the same chunk (square, lower-triangular: ``is_causal``).
+
+Pieces form the blocks' *tiles*. With several documents, consecutive pieces shorter than
+``min_tile`` tokens share a tile so that many short documents do not cost one kernel call each
+per piece pair; a tile pair mixing kinds then runs with an explicit boolean mask (document id
+and position of both sides), cropped to the rows and columns that see anything. Tile pairs
+with nothing visible are skipped (no compute), fully visible ones need no mask, a lone
+diagonal pair runs ``is_causal``. With one document ``min_tile`` is ignored, so the blocks are
+the chunk pairs of ring attention (zigzag: ``2R + 1`` of ``4R`` causal pairs per rank).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from .._shapes import balanced_split_sizes, split_offsets
+from ._sizes import _zigzag_ranges
+
+__all__ = ["Block", "block_plan", "rank_pieces"]
+
+NONE, ALL, DIAG, PARTIAL = range(4)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Local tokens ``off:off + n`` are global positions ``g0:g0 + n`` of document ``doc``."""
+
+    doc: int
+    g0: int
+    off: int
+    n: int
+
+
+@dataclass(frozen=True)
+class Block:
+    """One block to compute: local queries ``q_off:q_off + q_n`` against keys ``k_off:k_off + k_n``.
+
+    ``kind`` is ``"full"``, ``"diag"`` (``is_causal``) or ``"mask"`` (with ``mask``, bool ``[q_n, k_n]``).
+    """
+
+    q_off: int
+    q_n: int
+    k_off: int
+    k_n: int
+    kind: str
+    mask: torch.Tensor | None = None
+
+
+def rank_pieces(layout: str, cu: tuple[int, ...], world_size: int, rank: int, causal: bool) -> list[Piece]:
+    """The pieces of rank ``rank``'s local tokens, in local order (empty ones left out)."""
+    out, off = [], 0
+    if layout == "contiguous":
+        sizes = balanced_split_sizes(cu[-1], world_size)
+        lo = split_offsets(sizes)[rank]
+        hi = lo + sizes[rank]
+    for d in range(len(cu) - 1):
+        if layout == "zigzag":
+            ranges = list(_zigzag_ranges(cu[d], cu[d + 1] - cu[d], world_size, rank))
+        else:
+            ranges = [(max(lo, cu[d]), min(hi, cu[d + 1]))]
+        ranges = [(b, e) for b, e in ranges if e > b]
+        if not causal and ranges:  # only the document matters: one piece (global start unused)
+            ranges = [(ranges[0][0], ranges[0][0] + sum(e - b for b, e in ranges))]
+        for b, e in ranges:
+            out.append(Piece(d, b, off, e - b))
+            off += e - b
+    return out
+
+
+def _tiles(pieces: list[Piece], min_tile: int) -> list[list[Piece]]:
+    """Consecutive pieces shorter than ``min_tile`` share a tile until it reaches ``min_tile`` tokens."""
+    tiles: list[list[Piece]] = []
+    for p in pieces:
+        last = tiles[-1] if tiles else None
+        if last is not None and p.n < min_tile and sum(x.n for x in last) < min_tile and all(x.n < min_tile for x in last):
+            last.append(p)
+        else:
+            tiles.append([p])
+    return tiles
+
+
+def _kind(qp: Piece, kp: Piece, causal: bool) -> int:
+    if qp.doc != kp.doc:
+        return NONE
+    if not causal or kp.g0 + kp.n - 1 <= qp.g0:
+        return ALL
+    if kp.g0 > qp.g0 + qp.n - 1:
+        return NONE
+    return DIAG if (kp.g0, kp.n) == (qp.g0, qp.n) else PARTIAL
+
+
+def _piece_mask(qp: Piece, kp: Piece, kind: int, causal: bool) -> torch.Tensor:
+    if kind in (NONE, ALL):
+        return torch.full((qp.n, kp.n), kind == ALL, dtype=torch.bool)
+    gq = torch.arange(qp.g0, qp.g0 + qp.n)
+    gk = torch.arange(kp.g0, kp.g0 + kp.n)
+    return gk[None, :] <= gq[:, None]
+
+
+def _tile_blocks(qt: list[Piece], kt: list[Piece], causal: bool) -> list[Block]:
+    kinds = [[_kind(qp, kp, causal) for kp in kt] for qp in qt]
+    flat = [x for row in kinds for x in row]
+    q_off, k_off = qt[0].off, kt[0].off
+    q_n, k_n = sum(p.n for p in qt), sum(p.n for p in kt)
+    if all(x == NONE for x in flat):
+        return []
+    if all(x == ALL for x in flat):
+        return [Block(q_off, q_n, k_off, k_n, "full")]
+    if flat == [DIAG]:
+        return [Block(q_off, q_n, k_off, k_n, "diag")]
+    mask = torch.cat([torch.cat([_piece_mask(qp, kp, kinds[i][j], causal) for j, kp in enumerate(kt)], 1)
+                      for i, qp in enumerate(qt)], 0)
+    rows, cols = mask.any(1).nonzero().flatten(), mask.any(0).nonzero().flatten()
+    r0, r1, c0, c1 = int(rows[0]), int(rows[-1]) + 1, int(cols[0]), int(cols[-1]) + 1
+    mask = mask[r0:r1, c0:c1].contiguous()
+    if bool(mask.all()):
+        return [Block(q_off + r0, r1 - r0, k_off + c0, c1 - c0, "full")]
+    return [Block(q_off + r0, r1 - r0, k_off + c0, c1 - c0, "mask", mask)]
+
+
+@functools.lru_cache(maxsize=256)
+def block_plan(layout: str, cu: tuple[int, ...], world_size: int, q_rank: int, kv_rank: int, causal: bool,
+               min_tile: int) -> tuple[Block, ...]:
+    """Blocks rank ``q_rank``'s queries compute against rank ``kv_rank``'s KV block (masks on CPU).
+
+    Cached: a pure function of the layout, reused by backward and by every training step.
+    """
+    tile = min_tile if len(cu) > 2 else 0
+    q_tiles = _tiles(rank_pieces(layout, cu, world_size, q_rank, causal), tile)
+    k_tiles = _tiles(rank_pieces(layout, cu, world_size, kv_rank, causal), tile)
+    return tuple(b for qt in q_tiles for kt in k_tiles for b in _tile_blocks(qt, kt, causal))
