@@ -15,6 +15,7 @@ from .comm import (
     reduce_scatter,
     split_forward_gather_backward,
 )
+from .context_parallel import apply_cp
 from .errors import GroupMembershipError, RankMismatchError, ShardkitError, ShardkitTypeError
 from .mesh import ParallelDims
 from .spatial import (
@@ -46,6 +47,7 @@ __all__ = [
     "all_to_all",
     "CommLedger",
     "apply_tp",
+    "apply_cp",
     "verify_tp_plan",
     "apply_llama_tp",
     "gather_full_state_dict",

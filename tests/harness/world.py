@@ -55,6 +55,9 @@ def set_io_guard(factory: Callable[[], ContextManager[Any]]) -> None:
     _IO_GUARD = factory
 
 
+_HF_PRELOAD = [f"transformers.models.{m}.modeling_{m}" for m in ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v2")]
+
+
 def _context() -> Any:
     global _CTX
     if _CTX is None:
@@ -62,7 +65,9 @@ def _context() -> Any:
         # Must be set before the forkserver first starts; forked workers then share the
         # imports. pytest too: every worker re-imports the parent's __main__ (pytest's) and
         # every test module imports it, about 0.3 s of CPU per rank and (re)spawn otherwise.
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "pytest"])
+        # transformers' modeling code likewise (5-50 s per world under load otherwise); the
+        # forkserver ignores modules that fail to import.
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "pytest", *_HF_PRELOAD])
         _CTX = ctx
     return _CTX
 

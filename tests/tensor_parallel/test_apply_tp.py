@@ -12,13 +12,16 @@ import torch
 from harness.helpers import rank, world_group, world_size
 from hf_models import VOCAB, build
 from shardkit import CommLedger
+from shardkit.expert_parallel import ep_plan
 from shardkit.tensor_parallel import apply_tp, gather_full_grads, gather_full_state_dict, shard_spec
 
 RTOL = 1e-9
 # DeepSeek-V2's modeling code computes its router and RoPE in float32 whatever the model dtype,
 # so a float64 run agrees with the reference only to float32 rounding (measured 1e-7).
 RTOL_OF = {"deepseek_v2": 1e-6}
-KINDS = ["llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v2"]
+# "+ep": the MoE experts sharded by expert (the config's EP plan, all-to-all token dispatch)
+# instead of tensor-parallel experts.
+KINDS = ["llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_moe+ep", "deepseek_v2", "deepseek_v2+ep"]
 
 
 def _rel(a, b):
@@ -36,9 +39,11 @@ def _run(model, ids):
 
 
 def _check_parity(kind, **apply_kwargs):
+    kind, _, variant = kind.partition("+")
     rtol = RTOL_OF.get(kind, RTOL)
     ref, model = build(kind), build(kind)
-    apply_tp(model, world_group(), check="off", **apply_kwargs)
+    plan = ep_plan(model) if variant == "ep" else None
+    apply_tp(model, world_group(), plan, check="off", **apply_kwargs)
     ids = _ids()
     ref_logits, ref_loss = _run(ref, ids)
     logits, loss = _run(model, ids)

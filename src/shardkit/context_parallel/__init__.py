@@ -10,6 +10,9 @@
   packed documents too.
 * Ulysses (:mod:`.ulysses`): sequence-sharded attention through two all-to-alls, with uneven
   sequence and head counts, grouped-query KV heads and packed documents.
+* Models (:mod:`.apply`): :func:`apply_cp` registers shardkit attention in a Hugging Face model
+  through transformers' ``AttentionInterface`` and shards input ids, global position ids and
+  pre-shifted labels.
 """
 
 from ._attention import attention_with_lse, document_mask, local_attention
@@ -24,12 +27,16 @@ from ._sizes import (
     zigzag_local_sizes,
     zigzag_positions,
 )
+from .apply import CPBatch, CPContext, apply_cp
 from .layouts import packed_all_gather, packed_gather, packed_split, zigzag_all_gather, zigzag_gather, zigzag_split
 from .ring import ring_attention, ring_chunks
 from .ulysses import ulysses_attention
 from .usp import usp_attention, usp_indices, usp_local_sizes, usp_packed_local_sizes
 
 __all__ = [
+    "apply_cp",
+    "CPContext",
+    "CPBatch",
     "zigzag_chunk_sizes",
     "zigzag_local_sizes",
     "zigzag_positions",

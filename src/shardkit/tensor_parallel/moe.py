@@ -22,7 +22,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..comm import all_reduce_backward, all_reduce_forward
-from .styles import ParallelStyle, StyleContext, replace_input
+from .styles import ParallelStyle, StyleContext
 
 __all__ = ["MoeTensorParallelExperts", "MoeIdentityExpert"]
 
@@ -50,6 +50,6 @@ class MoeIdentityExpert(ParallelStyle):
     """Divide the input by the group size (its output is summed over the group downstream)."""
 
     def apply_module(self, module: nn.Module, ctx: StyleContext) -> None:
-        size = ctx.info.size
-        module.register_forward_pre_hook(
-            lambda m, args, kwargs: replace_input(args, kwargs, lambda x: x / size), with_kwargs=True)
+        from ..expert_parallel.hf import identity_expert_parallel
+
+        identity_expert_parallel(module, ctx.group)

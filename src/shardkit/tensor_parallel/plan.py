@@ -32,6 +32,8 @@ __all__ = ["default_styles", "model_tp_plan", "CompiledPlan", "PlanReport", "ver
 
 def default_styles() -> dict[str, ParallelStyle]:
     """A fresh name -> style table with every Hugging Face plan string."""
+    from ..expert_parallel.styles import ep_styles  # expert_parallel builds on tensor_parallel
+
     return {
         "colwise": ColwiseParallel(),
         "colwise_gather_output": ColwiseParallel(gather_output=True),
@@ -46,6 +48,7 @@ def default_styles() -> dict[str, ParallelStyle]:
         "mla_kv_a_proj": MlaKvAProjParallel(),
         "moe_tp_experts": MoeTensorParallelExperts(),
         "moe_identity_expert": MoeIdentityExpert(),
+        **ep_styles(),
     }
 
 

@@ -1,0 +1,46 @@
+"""Expert parallelism: token dispatch/combine over uneven all-to-alls and MoE plan styles.
+
+* :mod:`.dispatch`: :func:`dispatch_plan`, :func:`token_dispatch`, :func:`token_combine`
+  (Megatron-LM / torchtitan all-to-all token dispatcher, exact backward, zero-token ranks).
+* :mod:`.experts`: the per-expert math of a transformers experts module on local experts.
+* :mod:`.hf`: ``grouped_gemm`` parameter sharding, the EP-dispatch and ``ep_router`` forwards
+  and the ``moe_identity_expert`` input scaling, for transformers MoE models.
+* :mod:`.styles`: those as :func:`shardkit.apply_tp` plan styles, and :func:`ep_plan`.
+"""
+
+from .dispatch import DispatchPlan, dispatch_plan, token_combine, token_dispatch
+from .experts import expert_forward, grouped_experts_forward, routed_experts_forward
+from .hf import (
+    ExpertShard,
+    ep_experts_forward,
+    expert_shard,
+    identity_expert_parallel,
+    install_ep_forward,
+    shard_expert_param,
+    shard_expert_params,
+    shard_experts,
+)
+from .styles import EpDispatchExperts, EpRouter, GroupedGemm, ep_plan, ep_styles
+
+__all__ = [
+    "DispatchPlan",
+    "dispatch_plan",
+    "token_dispatch",
+    "token_combine",
+    "expert_forward",
+    "grouped_experts_forward",
+    "routed_experts_forward",
+    "ExpertShard",
+    "expert_shard",
+    "shard_expert_param",
+    "shard_expert_params",
+    "install_ep_forward",
+    "shard_experts",
+    "ep_experts_forward",
+    "identity_expert_parallel",
+    "GroupedGemm",
+    "EpDispatchExperts",
+    "EpRouter",
+    "ep_plan",
+    "ep_styles",
+]
