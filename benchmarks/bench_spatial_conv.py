@@ -1,26 +1,29 @@
 """Paired, interleaved benchmark of ``spatial_conv2d`` forward + backward (DESIGN.md section 5).
 
-``python benchmarks/bench_spatial_conv.py [--nproc 2] [--rounds 40] [--warmup 5] [--json PATH]``
+``python benchmarks/bench_spatial_conv.py [--nproc 2] [--rounds 40] [--warmup 5] [--quick] [--json PATH]``
 
 Spawns ``--nproc`` local gloo ranks (FileStore rendezvous, one intra-op thread each). For every
 size (global ``[B, C, H, W]`` float32, 3x3 conv ``C -> C`` with padding 1, W sharded, balanced
 split) each round times, interleaved with alternating order and a barrier before each op
 (per-op time = max over ranks):
 
-- ``spatial``: :func:`shardkit.spatial.spatial_conv2d` forward + backward (halo exchange, local
-  conv, reverse exchange, weight / bias gradient all-reduce);
+- ``spatial``: :func:`shardkit.spatial.spatial_conv2d` forward + backward, overlapped (the
+  default: interior outputs computed while the halo exchange is in flight, interior input and
+  weight gradients while the halo gradients travel back; weight / bias gradient all-reduce);
+- ``sequential``: the same with ``overlap=False`` (exchange, then convolve);
 - ``gather``: all-gather the full input, full ``F.conv2d``, keep the local outputs, backward
   (reduce-scatter of the input gradient) and the same weight / bias gradient all-reduce;
 - the parts alone: ``halo`` (:func:`halo_exchange` forward + backward), ``conv`` (local
   ``F.conv2d`` forward + backward on a pre-exchanged slab), ``allreduce`` (the parameter
   gradient all-reduce), and ``halo_fwd`` (one forward exchange, for the bus bandwidth).
 
-Reported: median [q1, q3] of per-round ratios spatial / (halo + conv), spatial /
-(halo + conv + allreduce) and spatial / gather; the halo share of (halo + conv), which bounds
-what overlapping the interior computation with the exchange could save; the halo bus bandwidth
+Reported: median [q1, q3] of per-round ratios spatial / sequential, spatial / (halo + conv +
+allreduce) (the parts measured separately, summed per round) and spatial / gather; the halo
+share of (halo + conv), which bounds what overlapping can save; the halo bus bandwidth
 (send/recv factor 1: the largest per-rank bytes sent by one forward exchange over its time).
 Every case is checked before timing: output, input gradient and parameter gradients of
-``spatial`` equal the ``gather`` baseline (float32, rtol 1e-4), and the parts compute the same.
+``spatial`` and ``sequential`` equal the ``gather`` baseline (float32, rtol 1e-4), and the
+parts compute the same. ``--quick``: the smallest size only (still >= 40 rounds).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 SIZES = ((1, 32, 64, 256), (1, 32, 128, 512), (1, 32, 256, 1024))
-VARIANTS = ("spatial", "gather", "halo", "conv", "allreduce", "halo_fwd")
+VARIANTS = ("spatial", "sequential", "gather", "halo", "conv", "allreduce", "halo_fwd")
 
 
 def _prepare(shape, pg):
@@ -59,8 +62,8 @@ def _prepare(shape, pg):
     x = x_full.narrow(3, off, n).contiguous().requires_grad_()
     dy = dy_full.narrow(3, off, n).contiguous()
     del x_full, dy_full
-    params = {k: v.clone().requires_grad_() for k, v in (("spatial_w", w0), ("spatial_b", b0), ("gather_w", w0),
-                                                         ("gather_b", b0), ("conv_w", w0), ("conv_b", b0))}
+    params = {f"{name}_{t}": v.clone().requires_grad_() for name in ("spatial", "sequential", "gather", "conv")
+              for t, v in (("w", w0), ("b", b0))}
     slab = halo_exchange(x.detach(), pg, 3, 1, 1, sizes=sizes).contiguous().requires_grad_()
     dslab = torch.randn(slab.shape, generator=gen)
     flat_grads = torch.cat([w0.reshape(-1), b0])
@@ -69,11 +72,14 @@ def _prepare(shape, pg):
         for t in ts:
             t.grad = None
 
-    def spatial():
-        zero(x, params["spatial_w"], params["spatial_b"])
-        y = spatial_conv2d(x, params["spatial_w"], params["spatial_b"], pg, 3, padding=1, sizes=sizes)
+    def spatial(name="spatial", overlap=True):
+        zero(x, params[f"{name}_w"], params[f"{name}_b"])
+        y = spatial_conv2d(x, params[f"{name}_w"], params[f"{name}_b"], pg, 3, padding=1, sizes=sizes, overlap=overlap)
         y.backward(dy)
         return y
+
+    def sequential():
+        return spatial("sequential", overlap=False)
 
     def gather():
         zero(x, params["gather_w"], params["gather_b"])
@@ -108,15 +114,18 @@ def _prepare(shape, pg):
         with torch.no_grad():
             return halo_exchange(x, pg, 3, 1, 1, sizes=sizes)
 
-    fns = dict(spatial=spatial, gather=gather, halo=halo, conv=conv, allreduce=allreduce, halo_fwd=halo_fwd)
+    fns = dict(spatial=spatial, sequential=sequential, gather=gather, halo=halo, conv=conv, allreduce=allreduce,
+               halo_fwd=halo_fwd)
     # Bytes this rank sends in one forward exchange: one column to each existing neighbour.
     halo_bytes = B * C * H * 4 * ((rank > 0) + (rank < world - 1)) if n else 0
     return fns, x, params, slab, halo_bytes
 
 
 def _check(fns, x, params, slab, pg) -> None:
-    """spatial == gather (output, input grad, weight / bias grads); parts agree with spatial."""
+    """spatial == sequential == gather (output, input grad, weight / bias grads); parts agree with spatial."""
     rank = dist.get_rank(pg)
+    yq = fns["sequential"]()
+    gx_q = x.grad.clone()
     ys = fns["spatial"]()
     gx_s = x.grad.clone()
     yg = fns["gather"]()
@@ -132,6 +141,10 @@ def _check(fns, x, params, slab, pg) -> None:
         "input_grad": close(gx_s, gx_g),
         "weight_grad": close(params["spatial_w"].grad, params["gather_w"].grad),
         "bias_grad": close(params["spatial_b"].grad, params["gather_b"].grad),
+        "sequential_output": close(yq.detach(), yg.detach()),
+        "sequential_input_grad": close(gx_q, gx_g),
+        "sequential_weight_grad": close(params["sequential_w"].grad, params["gather_w"].grad),
+        "sequential_bias_grad": close(params["sequential_b"].grad, params["gather_b"].grad),
         "parts_output": close(ys.detach(), yc.detach()),
         "halo": torch.equal(h, slab.detach()),
     }
@@ -197,7 +210,8 @@ def summarize(results: list[dict]) -> list[dict]:
         rows.append(dict(
             shape=res["shape"], local_shape=res["local_shape"], halo_bytes=res["halo_bytes"],
             ms={k: _q([1e3 * v for v in t[k]])["median"] for k in VARIANTS},
-            spatial_over_parts=_q([s / p for s, p in zip(t["spatial"], parts)]),
+            spatial_over_sequential=_q([s / q for s, q in zip(t["spatial"], t["sequential"])]),
+            sequential_over_parts_allreduce=_q([q / p for q, p in zip(t["sequential"], parts_ar)]),
             spatial_over_parts_allreduce=_q([s / p for s, p in zip(t["spatial"], parts_ar)]),
             spatial_over_gather=_q([s / g for s, g in zip(t["spatial"], t["gather"])]),
             halo_share=_q([h / p for h, p in zip(t["halo"], parts)]),
@@ -212,17 +226,20 @@ def _cell(q: dict) -> str:
 
 def render(rows: list[dict], args, elapsed: float) -> None:
     print(f"spatial_conv2d fwd+bwd, 3x3 pad 1, W-sharded, float32, gloo, R={args.nproc}, "
-          f"{args.rounds} rounds after {args.warmup} warm-up, median [q1, q3] of per-round ratios, {elapsed:.0f} s")
-    head = ("global [B,C,H,W]", "halo B/rank", "spatial ms", "gather ms", "halo ms", "conv ms", "allred ms",
-            "spatial/(halo+conv)", "spatial/(halo+conv+allred)", "spatial/gather", "halo/(halo+conv)", "halo busbw GB/s")
+          f"{args.rounds} rounds after {args.warmup} warm-up, median [q1, q3] of per-round ratios, {elapsed:.0f} s; "
+          "spatial = overlapped, sequential = overlap=False, parts = halo + conv + allred measured apart")
+    head = ("global [B,C,H,W]", "halo B/rank", "spatial ms", "sequential ms", "gather ms", "halo ms", "conv ms",
+            "allred ms", "spatial/sequential", "spatial/parts", "sequential/parts", "spatial/gather",
+            "halo/(halo+conv)", "halo busbw GB/s")
     print(" | ".join(head))
     for r in rows:
         ms = r["ms"]
         print(" | ".join((
             "x".join(map(str, r["shape"])), f"{r['halo_bytes'] / 1024:g} KiB", f"{ms['spatial']:.2f}",
-            f"{ms['gather']:.2f}", f"{ms['halo']:.2f}", f"{ms['conv']:.2f}", f"{ms['allreduce']:.2f}",
-            _cell(r["spatial_over_parts"]), _cell(r["spatial_over_parts_allreduce"]), _cell(r["spatial_over_gather"]),
-            _cell(r["halo_share"]), _cell(r["halo_busbw_GBps"]),
+            f"{ms['sequential']:.2f}", f"{ms['gather']:.2f}", f"{ms['halo']:.2f}", f"{ms['conv']:.2f}",
+            f"{ms['allreduce']:.2f}", _cell(r["spatial_over_sequential"]), _cell(r["spatial_over_parts_allreduce"]),
+            _cell(r["sequential_over_parts_allreduce"]), _cell(r["spatial_over_gather"]), _cell(r["halo_share"]),
+            _cell(r["halo_busbw_GBps"]),
         )))
 
 
@@ -233,8 +250,11 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--sizes", type=lambda s: tuple(tuple(int(v) for v in t.split("x")) for t in s.split(",")),
                    default=SIZES, help="comma-separated BxCxHxW, e.g. 1x32x64x256,1x32x128x512")
+    p.add_argument("--quick", action="store_true", help="the smallest size only")
     p.add_argument("--json", metavar="PATH", help="write the per-round times and the summary as JSON")
     args = p.parse_args(argv)
+    if args.quick:
+        args.sizes = args.sizes[:1]
     if args.rounds < 40 or args.warmup < 5:
         p.error("DESIGN.md section 5: at least 40 rounds after at least 5 warm-up rounds")
     t0 = time.perf_counter()

@@ -148,3 +148,61 @@ def test_apply_spatial_runs_under_check_mode():
     with checks(True):
         model(x).sum().backward()
     assert x.grad is not None and all(p.grad is not None for p in model.parameters())
+
+
+class TileAE(nn.Module):
+    """Strided encoder, GroupNorm, dilated residual block, transposed-conv decoder (tile-friendly)."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Conv2d(3, 8, 3, stride=2, padding=1), nn.GroupNorm(4, 8), nn.SiLU(), ResBlock(8))
+        self.decoder = nn.Sequential(nn.ConvTranspose2d(8, 4, 4, stride=2, padding=1), nn.GroupNorm(2, 4), nn.SiLU(),
+                                     nn.Conv2d(4, 3, 3, padding=1))
+
+    def forward(self, x):
+        return self.decoder(self.encoder(x))
+
+
+@pytest.mark.world(4)
+@pytest.mark.parametrize("hs,ws", [([4, 4], [6, 5]), ([6, 2], [5, 6])], ids=["balanced", "uneven"])
+def test_apply_spatial_tiles_on_a_2d_mesh(hs, ws):
+    from harness.helpers import get_mesh
+    from shardkit.spatial import SpatialConvTranspose2d
+
+    mesh = get_mesh((2, 2), ("h", "w"))
+    i, j = mesh["h"].get_local_rank(), mesh["w"].get_local_rank()
+    torch.manual_seed(0)
+    ref = TileAE().double()
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    model = apply_spatial(copy.deepcopy(ref), mesh, (2, 3))
+    assert isinstance(model.decoder[0], SpatialConvTranspose2d) and isinstance(model.encoder[1], SpatialGroupNorm)
+    assert list(model.state_dict()) == list(ref.state_dict())
+    x_full = torch.randn(2, 3, sum(hs), sum(ws), dtype=torch.float64)
+    x_ref = x_full.clone().requires_grad_()
+    y_ref = ref(x_ref)
+    dy = torch.randn(y_ref.shape, dtype=torch.float64)
+    y_ref.backward(dy)
+
+    def tile(t, a, b):
+        return t.narrow(2, split_offsets(a)[i], a[i]).narrow(3, split_offsets(b)[j], b[j])
+
+    x = tile(x_full, hs, ws).clone().requires_grad_()
+    y = model(x)
+    ohs, ows = [None] * 2, [None] * 2
+    dist.all_gather_object(ohs, y.shape[2], group=mesh["h"].get_group())
+    dist.all_gather_object(ows, y.shape[3], group=mesh["w"].get_group())
+    y.backward(tile(dy, ohs, ows))
+
+    def gather2(t, a, b):
+        return all_gather(all_gather(t, mesh["w"], 3, sizes=b), mesh["h"], 2, sizes=a)
+
+    bad = [] if torch.allclose(gather2(y.detach(), ohs, ows), y_ref, **TOL) else ["output"]
+    if not torch.allclose(gather2(x.grad, hs, ws), x_ref.grad, **TOL):
+        bad.append("input_grad")
+    bad += [f"grad {name}" for (name, p), (_, q) in zip(ref.named_parameters(), model.named_parameters())
+            if not torch.allclose(p.grad, q.grad, **TOL)]
+    assert not bad, f"hs={hs} ws={ws} out={ohs}x{ows}: {bad}"
+    with pytest.raises(ShardkitError, match="Upsample.*not supported over tiles"):
+        apply_spatial(nn.Sequential(nn.Conv2d(3, 3, 3), nn.Upsample(scale_factor=2)), mesh, (2, 3))

@@ -115,6 +115,35 @@ def test_group_norm_ledger_and_state_dict():
     assert ledger.count() == 1  # no affine, no autograd: the statistics gather only
 
 
+@pytest.mark.world(2)
+def test_group_norm_bfloat16_rounds_once():
+    # Half precision is computed in float32 and rounded once, as torch's group_norm forward:
+    # every result is within one bfloat16 ulp of the float64 computation on the same inputs.
+    # (Statistics and normalization in bfloat16 drift by many roundings, which training
+    # accumulates: `shardkit train --model conv-ae --dtype bfloat16 --verify` failed on it.)
+    r, G = rank(), world_group()
+    gen = torch.Generator().manual_seed(3)
+    x_full = (torch.randn(2, 8, 6, 10, generator=gen) * 2 + 5).bfloat16()
+    w = torch.randn(8, generator=gen).bfloat16().requires_grad_()
+    b = torch.randn(8, generator=gen).bfloat16().requires_grad_()
+    dy = torch.randn(2, 8, 6, 10, generator=gen).bfloat16()
+    x_ref = x_full.double().requires_grad_()
+    w_ref, b_ref = (t.detach().double().requires_grad_() for t in (w, b))
+    y_ref = nn.functional.group_norm(x_ref, 4, w_ref, b_ref)
+    y_ref.backward(dy.double())
+    sizes = [4, 6]
+    x = x_full.narrow(3, split_offsets(sizes)[r], sizes[r]).clone().requires_grad_()
+    y = spatial_group_norm(x, 4, w, b, G)
+    y.backward(dy.narrow(3, split_offsets(sizes)[r], sizes[r]))
+    y_full = all_gather(y.detach(), G, 3, sizes=sizes)
+    gx_full = all_gather(x.grad, G, 3, sizes=sizes)
+    ulp = 2.0**-7  # bfloat16: 8 significant bits
+    for name, got, want in (("output", y_full, y_ref), ("input_grad", gx_full, x_ref.grad),
+                            ("weight_grad", w.grad, w_ref.grad), ("bias_grad", b.grad, b_ref.grad)):
+        err = ((got.double() - want).abs() / want.abs().clamp(min=1e-2)).max().item()
+        assert got.dtype == torch.bfloat16 and err <= ulp, f"{name}: {err:.2e} relative (> one bfloat16 ulp {ulp})"
+
+
 # ---------------------------------------------------------------- BatchNorm2d
 
 

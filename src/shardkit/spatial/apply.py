@@ -27,6 +27,7 @@ non-integer scales) raise one :class:`ShardkitError` at apply time listing all o
 from __future__ import annotations
 
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from ..comm._group import resolve_group
 from ..errors import ShardkitError, ShardkitTypeError
@@ -56,9 +57,13 @@ _UNSUPPORTED = (
 )
 
 
-def _problem(m: nn.Module) -> str | None:
-    """Why ``m`` cannot be converted, or None."""
-    if type(m) in _CONVS or type(m) in (nn.GroupNorm, nn.BatchNorm2d):
+def _problem(m: nn.Module, tiles: bool = False) -> str | None:
+    """Why ``m`` cannot be converted (over several sharded dims with ``tiles``), or None."""
+    if type(m) in _CONVS or type(m) is nn.GroupNorm:
+        return None
+    if tiles and type(m) in (nn.BatchNorm2d, nn.Upsample, nn.MaxPool2d, nn.AvgPool2d):
+        return "not supported over tiles (several sharded dims) yet"
+    if type(m) is nn.BatchNorm2d:
         return None
     if type(m) in _CONVTS:
         return None if m.padding_mode == "zeros" else f"padding_mode={m.padding_mode!r} (only 'zeros')"
@@ -85,7 +90,7 @@ def _problem(m: nn.Module) -> str | None:
     return None
 
 
-def _convert(m: nn.Module, group, dim: int, channels_last: bool) -> nn.Module:
+def _convert(m: nn.Module, group, dim, channels_last: bool) -> nn.Module:
     if type(m) in _CONVS:
         layer = _CONVS[type(m)].from_conv(m, group, dim, channels_last=channels_last)
     elif type(m) in _CONVTS:
@@ -109,7 +114,20 @@ def _convert(m: nn.Module, group, dim: int, channels_last: bool) -> nn.Module:
     return layer
 
 
-def apply_spatial(module: nn.Module, mesh_or_group, dim: int, *, channels_last: bool = False) -> nn.Module:
+def _tile_groups(mesh_or_group, dims: tuple, op: str) -> tuple:
+    """One 1-D group per sharded dim: the dims of a DeviceMesh with ``len(dims)`` dims, or a sequence."""
+    if isinstance(mesh_or_group, DeviceMesh) and mesh_or_group.ndim == len(dims):
+        names = mesh_or_group.mesh_dim_names
+        if names is None:
+            raise ShardkitError(f"{op}: a {mesh_or_group.ndim}-d DeviceMesh needs mesh_dim_names")
+        return tuple(mesh_or_group[name] for name in names)
+    if not isinstance(mesh_or_group, (tuple, list)) or len(mesh_or_group) != len(dims):
+        raise ShardkitError(f"{op}: with {len(dims)} sharded dims {dims}, pass a {len(dims)}-d DeviceMesh or "
+                            f"{len(dims)} groups, got {mesh_or_group!r}")
+    return tuple(mesh_or_group)
+
+
+def apply_spatial(module: nn.Module, mesh_or_group, dim, *, channels_last: bool = False) -> nn.Module:
     """Shard ``module``'s (transposed) convolutions, norms, upsampling and pooling along spatial dim ``dim``, in place.
 
     After it, ``module(x_local)`` with ``x_local`` this rank's block of the input along ``dim``
@@ -119,8 +137,12 @@ def apply_spatial(module: nn.Module, mesh_or_group, dim: int, *, channels_last: 
 
     Args:
         module: a plain model (VAE-style encoder / decoder, U-Net, ...); modified in place.
-        mesh_or_group: a ``ProcessGroup`` or 1-D ``DeviceMesh`` of ``R`` ranks.
-        dim: the sharded dim of the layers' inputs (e.g. 2 = H or -1 = W of NCHW).
+        mesh_or_group: a ``ProcessGroup`` or 1-D ``DeviceMesh`` of ``R`` ranks; for tiles a 2-D
+            (3-D) ``DeviceMesh`` whose dims shard ``dim`` in order, or one group per sharded dim.
+        dim: the sharded dim of the layers' inputs (e.g. 2 = H or -1 = W of NCHW), or a tuple
+            of them for tiles, e.g. ``(2, 3)`` = H x W over a mesh ``("h", "w")``. Tiles convert
+            (transposed) convolutions and GroupNorm; BatchNorm2d, Upsample and pooling are
+            listed as unsupported.
         channels_last: convolutions and pooling take ``[B, *S, C]`` inputs.
 
     Returns:
@@ -134,11 +156,21 @@ def apply_spatial(module: nn.Module, mesh_or_group, dim: int, *, channels_last: 
     op = "apply_spatial"
     if not isinstance(module, nn.Module):
         raise ShardkitTypeError(f"{op}: expected an nn.Module, got {type(module).__name__}")
-    if isinstance(dim, bool) or not isinstance(dim, int):
-        raise ShardkitTypeError(f"{op}: dim must be an int, got {dim!r}")
-    resolve_group(mesh_or_group, op)
+    tiles = isinstance(dim, (tuple, list)) and len(dim) > 1
+    if tiles:
+        dim = tuple(dim)
+        if any(isinstance(d, bool) or not isinstance(d, int) for d in dim):
+            raise ShardkitTypeError(f"{op}: dim must be an int or a tuple of ints, got {dim!r}")
+        mesh_or_group = _tile_groups(mesh_or_group, dim, op)
+        for g in mesh_or_group:
+            resolve_group(g, op)
+    else:
+        dim = dim[0] if isinstance(dim, (tuple, list)) and len(dim) == 1 else dim
+        if isinstance(dim, bool) or not isinstance(dim, int):
+            raise ShardkitTypeError(f"{op}: dim must be an int or a tuple of ints, got {dim!r}")
+        resolve_group(mesh_or_group, op)
     problems = [f"{name or '<root>'} ({type(m).__name__}): {why}" for name, m in module.named_modules()
-                if (why := _problem(m)) is not None]
+                if (why := _problem(m, tiles)) is not None]
     if problems:
         raise ShardkitError(f"{op}: {len(problems)} layer(s) cannot run on a frame sharded along dim {dim}: "
                             + "; ".join(problems))

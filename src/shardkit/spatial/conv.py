@@ -7,6 +7,10 @@ the other dims are padded locally; then a plain ``torch`` convolution runs with 
 the sharded dim. The weight and bias are replicated, so their gradients are summed over the
 group in backward (one fused all-reduce).
 
+By default (``overlap=True``) the exchange is posted asynchronously and the interior outputs,
+whose windows lie in the local shard, are computed while it is in flight; the backward mirrors
+it (:mod:`._overlap`). The collectives are the same either way.
+
 Collectives per call at ``R > 1``: forward one ``all_to_all_single`` (none when no rank needs
 a neighbour element); backward one ``all_to_all_single`` when the input needs a gradient and
 one ``all_reduce`` of the flattened weight and bias gradients.
@@ -27,6 +31,7 @@ from ..errors import ShardkitError, ShardkitTypeError
 from ._meta import channels_first
 from ._plan import BORDER_MODES
 from ._sizes import check_out_len, conv_out_len, conv_padding, input_ranges, output_bounds, per_dim
+from ._overlap import interior_split, overlapped_conv
 from .halo import exchange, plan_for
 
 __all__ = ["spatial_conv1d", "spatial_conv2d", "spatial_conv3d"]
@@ -118,21 +123,27 @@ def _check_border(mode: str, size: int, pad: tuple[int, int], dim: int, op: str)
         raise ShardkitError(f"{op}: replicate padding of the empty dim {dim}")
 
 
-def _local_conv(nd, x_seg, weight, bias, j, stride, dilation, groups, pads, mode):
-    """The local convolution: no padding on the sharded spatial dim ``j``, ``pads`` elsewhere."""
+def _pad_other(nd, x, j, pads, mode):
+    """Padding of every spatial dim but the sharded one ``j``: ``(x, conv_pad)``, either left to
+    the convolution (symmetric zeros) or applied with ``F.pad`` (``conv_pad`` then all 0)."""
     other = [(0, 0) if i == j else p for i, p in enumerate(pads)]
     if mode == "zeros" and all(lo == hi for lo, hi in other):
-        conv_pad = [lo for lo, _ in other]
-    else:
-        flat = [v for p in reversed(other) for v in p]  # F.pad lists the last dim first
-        if any(flat):
-            x_seg = F.pad(x_seg, flat, mode="constant" if mode == "zeros" else mode)
-        conv_pad = [0] * nd
+        return x, [lo for lo, _ in other]
+    flat = [v for p in reversed(other) for v in p]  # F.pad lists the last dim first
+    if any(flat):  # an empty block has no border to reflect, replicate or wrap: constant keeps its shape
+        constant = mode == "zeros" or x.shape[2 + j] == 0
+        x = F.pad(x, flat, mode="constant" if constant else mode)
+    return x, [0] * nd
+
+
+def _local_conv(nd, x_seg, weight, bias, j, stride, dilation, groups, pads, mode):
+    """The local convolution: no padding on the sharded spatial dim ``j``, ``pads`` elsewhere."""
+    x_seg, conv_pad = _pad_other(nd, x_seg, j, pads, mode)
     return _CONV[nd](x_seg, weight, bias, stride, conv_pad, dilation, groups)
 
 
 def _spatial_conv(nd, op, x, weight, bias, group, dim, stride, padding, dilation, groups, padding_mode, sizes,
-                  channels_last, sum_param_grads):
+                  channels_last, sum_param_grads, overlap=True):
     if isinstance(dim, (tuple, list)):  # several sharded dims (tiles on a mesh)
         from .conv_tiled import tiled_conv
 
@@ -156,18 +167,31 @@ def _spatial_conv(nd, op, x, weight, bias, group, dim, stride, padding, dilation
             _check_border(padding_mode, lens[i], pads[i], 2 + i - int(channels_last), op)
     geometry = (kernel[j], stride[j], dilation[j], pads[j])
     plan = plan_for(op, sizes, input_ranges(sizes, *geometry), padding_mode)
-    x_seg = exchange(xc, g, dc, plan, op)
+    bounds = output_bounds(sizes, *geometry)
+    lo, hi = bounds[g.rank], bounds[g.rank + 1]
+    split = None
+    if overlap and plan.traffic and hi > lo:  # without traffic there is nothing to overlap
+        split = interior_split(lo, hi, plan.offsets[g.rank], sizes[g.rank], kernel[j], stride[j], dilation[j], pads[j][0])
     params = [p for p in (weight, bias) if p is not None]
     if sum_param_grads and g.size > 1 and torch.is_grad_enabled() and any(p.requires_grad for p in params):
         params = _SumParamGrads.apply(g, op, *params)
         weight, bias = params[0], (params[1] if bias is not None else None)
-    bounds = output_bounds(sizes, *geometry)
-    n_local = bounds[g.rank + 1] - bounds[g.rank]
-    if n_local == 0:
+    local_pads, local_mode = pads, padding_mode
+    if overlap and plan.traffic:
+        # The other dims' padding commutes with the exchange along dim (it pads each position of
+        # dim on its own), so the overlapped path pads the local block first. Every rank does,
+        # with or without interior outputs: the exchanged blocks must have one shape.
+        xc, conv_pad = _pad_other(nd, xc, j, pads, padding_mode)
+        local_pads, local_mode = [(p, p) for p in conv_pad], "zeros"
+        if split is not None:
+            out = overlapped_conv(nd, xc, weight, bias, g, dc, plan, split, stride, conv_pad, dilation, groups, op)
+            return out.movedim(1, -1) if channels_last else out
+    x_seg = exchange(xc, g, dc, plan, op)
+    if hi == lo:
         out_lens = [0 if i == j else conv_out_len(lens[i], kernel[i], stride[i], dilation[i], pads[i]) for i in range(nd)]
         out = _EmptyOutput.apply([xc.shape[0], weight.shape[0], *out_lens], x_seg, weight, bias)
     else:
-        out = _local_conv(nd, x_seg, weight, bias, j, stride, dilation, groups, pads, padding_mode)
+        out = _local_conv(nd, x_seg, weight, bias, j, stride, dilation, groups, local_pads, local_mode)
     return out.movedim(1, -1) if channels_last else out
 
 
@@ -196,12 +220,16 @@ _DOC = """Convolution of an input sharded along spatial dim ``dim``; output shar
         channels_last: the channel dim is last instead of second.
         sum_param_grads: sum the weight / bias gradients over the group in backward (default).
             Pass False when the caller sums them itself once per step (e.g. a gradient hook).
+        overlap: compute the interior outputs (windows inside the local shard) while the halo
+            exchange is in flight, and the interior input gradient while the halo gradients
+            travel back (default; :mod:`shardkit.spatial._overlap`). False: exchange, then
+            convolve. Same collectives and results either way (up to summation order).
 
     Tiles: with ``dim`` a sequence of sharded spatial dims, ``group`` holds one group per dim
     (e.g. ``(mesh["h"], mesh["w"])`` of a 2-D mesh) and ``sizes`` one entry (list or None) per
     dim; the halo is exchanged one dim after another, the later exchanges carrying the corners,
     and the parameter gradients are summed over each group (see
-    :mod:`shardkit.spatial.conv_tiled`).
+    :mod:`shardkit.spatial.conv_tiled`); tiles are not overlapped (``overlap`` is ignored).
 
     Returns:
         This rank's outputs ``[B, C_out, *S_out_local]`` (channels last if the input is), with
@@ -222,21 +250,21 @@ _DOC = """Convolution of an input sharded along spatial dim ``dim``; output shar
 
 
 def spatial_conv1d(x_local, weight, bias, group, dim, stride=1, padding=0, dilation=1, groups=1, *,
-                   padding_mode="zeros", sizes=None, channels_last=False, sum_param_grads=True):
+                   padding_mode="zeros", sizes=None, channels_last=False, sum_param_grads=True, overlap=True):
     return _spatial_conv(1, "spatial_conv1d", x_local, weight, bias, group, dim, stride, padding, dilation, groups,
-                         padding_mode, sizes, channels_last, sum_param_grads)
+                         padding_mode, sizes, channels_last, sum_param_grads, overlap)
 
 
 def spatial_conv2d(x_local, weight, bias, group, dim, stride=1, padding=0, dilation=1, groups=1, *,
-                   padding_mode="zeros", sizes=None, channels_last=False, sum_param_grads=True):
+                   padding_mode="zeros", sizes=None, channels_last=False, sum_param_grads=True, overlap=True):
     return _spatial_conv(2, "spatial_conv2d", x_local, weight, bias, group, dim, stride, padding, dilation, groups,
-                         padding_mode, sizes, channels_last, sum_param_grads)
+                         padding_mode, sizes, channels_last, sum_param_grads, overlap)
 
 
 def spatial_conv3d(x_local, weight, bias, group, dim, stride=1, padding=0, dilation=1, groups=1, *,
-                   padding_mode="zeros", sizes=None, channels_last=False, sum_param_grads=True):
+                   padding_mode="zeros", sizes=None, channels_last=False, sum_param_grads=True, overlap=True):
     return _spatial_conv(3, "spatial_conv3d", x_local, weight, bias, group, dim, stride, padding, dilation, groups,
-                         padding_mode, sizes, channels_last, sum_param_grads)
+                         padding_mode, sizes, channels_last, sum_param_grads, overlap)
 
 
 for _fn in (spatial_conv1d, spatial_conv2d, spatial_conv3d):

@@ -116,6 +116,11 @@ def _check_weight(x, weight, bias, groups, nd, op):
 
 def _spatial_conv_transpose(nd, op, x, weight, bias, group, dim, stride, padding, output_padding, groups, dilation,
                             sizes, channels_last, sum_param_grads):
+    if isinstance(dim, (tuple, list)):  # several sharded dims (tiles on a mesh)
+        from .conv_transpose_tiled import tiled_conv_transpose
+
+        return tiled_conv_transpose(nd, op, x, weight, bias, group, dim, stride, padding, output_padding, groups,
+                                    dilation, sizes, channels_last, sum_param_grads)
     g = enter(x, group, op)
     maybe_agree(g, op, x, (dim, int(bool(channels_last)), int(x.requires_grad), sizes), local_dim=dim,
                 expected_local=expected_size(sizes, g.rank))
@@ -183,6 +188,10 @@ _DOC = """Transposed convolution of an input sharded along spatial dim ``dim``; 
         ShardkitError: wrong dims, channels or bias shape, ``dim`` not spatial, ``output_padding``
             too large, a non-positive output length, bad ``sizes`` (all from agreed metadata).
         ShardkitTypeError, GroupMembershipError, RankMismatchError: as :func:`shardkit.all_gather`.
+
+    Tiles: with ``dim`` a sequence of sharded spatial dims, ``group`` holds one group per dim
+    (e.g. ``(mesh["h"], mesh["w"])``) and ``sizes`` one entry (list or None) per dim; the halos
+    are exchanged one dim after another (see :mod:`shardkit.spatial.conv_transpose_tiled`).
 
     Communication at ``R > 1``: forward one ``all_to_all_single`` (none when no rank needs a
     neighbour element); backward one ``all_to_all_single`` and one ``all_reduce``.

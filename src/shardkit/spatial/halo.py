@@ -14,6 +14,10 @@ One call whatever ``R`` and however far a halo reaches. On NCCL, ``all_to_all_si
 split sizes is itself a group of send/recv calls per peer; a batched P2P path that only
 addresses the peers with traffic could later run the same plan (the plan fixes the order, so it
 would not need tags either).
+
+:func:`post_forward` / :func:`post_backward` start the same two exchanges with ``async_op=True``
+and hand back what is needed to finish them (:class:`Posted`, :class:`PostedGrad`), so that the
+overlapped convolution (:mod:`._overlap`) computes while the halos travel.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from ..comm._validate import dim_of, enter, expected_size, local_sizes, maybe_ag
 from ..errors import ShardkitError, ShardkitTypeError
 from ._plan import Plan, build_plan
 
-__all__ = ["halo_exchange", "exchange", "plan_for"]
+__all__ = ["halo_exchange", "exchange", "plan_for", "post_forward", "post_backward", "Posted", "PostedGrad"]
 
 
 def _with_dim(shape, dim: int, size: int) -> list[int]:
@@ -40,64 +44,143 @@ def _with_dim(shape, dim: int, size: int) -> list[int]:
     return out
 
 
-def _a2a(send: torch.Tensor, recv_counts: list[int], send_counts: list[int], g: GroupInfo, api: str, phase: str) -> torch.Tensor:
+def _a2a(send: torch.Tensor, recv_counts: list[int], send_counts: list[int], g: GroupInfo, api: str, phase: str,
+         async_op: bool = False):
+    """One ``all_to_all_single``; returns ``(recv, work)`` (``work`` None unless ``async_op``)."""
     recv = send.new_empty(sum(recv_counts))
-    dist.all_to_all_single(recv, send, output_split_sizes=recv_counts, input_split_sizes=send_counts, group=g.pg)
+    work = dist.all_to_all_single(recv, send, output_split_sizes=recv_counts, input_split_sizes=send_counts,
+                                  group=g.pg, async_op=async_op)
     ledger.record("all_to_all_single", api, phase, g.size, send.nbytes, recv.nbytes)
-    return recv
+    return recv, work
+
+
+class Posted:
+    """A forward exchange in flight (or done): ``assemble`` builds any range of the request.
+
+    ``x`` is the local block, ``recv`` the receive buffer (None without traffic). The send
+    buffer is kept alive until :meth:`wait` (the collective may still read it).
+    """
+
+    def __init__(self, x, g: GroupInfo, dim: int, plan: Plan, recv=None, work=None, send=None) -> None:
+        self.x, self.g, self.dim, self.plan = x, g, dim, plan
+        self.recv, self.work, self._send = recv, work, send
+        self.total = sum(p.out_len for p in plan.pieces[g.rank])
+
+    def wait(self) -> "Posted":
+        if self.work is not None:
+            self.work.wait()
+            self.work, self._send = None, None
+        return self
+
+    def assemble(self, lo: int, hi: int) -> torch.Tensor:
+        """Positions ``[lo, hi)`` of this rank's request (0 = its first requested element), a new
+        tensor; local pieces come from ``x``, remote ones from the receive buffer (wait first)."""
+        x, dim, r = self.x, self.dim, self.g.rank
+        off, slab = self.plan.offsets[r], math.prod(_with_dim(x.shape, dim, 1))
+        cursor = [c * slab for c in split_offsets(self.plan.counts[r])]
+        parts, pos = [], 0
+        for p in self.plan.pieces[r]:
+            a, b = max(lo, pos), min(hi, pos + p.out_len)
+            if p.owner >= 0 and p.owner != r:
+                n = p.length * slab
+                src = self.recv[cursor[p.owner] : cursor[p.owner] + n] if b > a else None
+                cursor[p.owner] += n
+            if b > a:
+                if p.mode == "zero":
+                    part = x.new_zeros(_with_dim(x.shape, dim, b - a))
+                else:
+                    if p.owner == r:
+                        part = x.narrow(dim, p.start - off, p.length)
+                    else:
+                        part = src.view(_with_dim(x.shape, dim, p.length))
+                    if p.mode == "flip":
+                        part = part.flip(dim)
+                    elif p.mode == "repeat":
+                        part = part.expand(_with_dim(x.shape, dim, p.out_len))
+                    part = part.narrow(dim, a - pos, b - a)
+                parts.append(part)
+            pos += p.out_len
+        if not parts:
+            return x.new_empty(_with_dim(x.shape, dim, 0))
+        return torch.cat(parts, dim)
+
+
+def post_forward(x: torch.Tensor, g: GroupInfo, dim: int, plan: Plan, api: str, async_op: bool = False) -> Posted:
+    """Pack and start the forward exchange of ``plan`` (asynchronously with ``async_op``)."""
+    r, R = g.rank, g.size
+    if not plan.traffic:
+        return Posted(x, g, dim, plan)
+    off = plan.offsets[r]
+    slab = math.prod(_with_dim(x.shape, dim, 1))  # elements per unit length along dim
+    # Pack, per destination q in rank order, the pieces of q's request this rank owns.
+    send = x.new_empty(sum(plan.counts[q][r] for q in range(R)) * slab)
+    pos = 0
+    for q in range(R):
+        for p in plan.pieces[q] if q != r else ():
+            if p.owner == r:
+                n = p.length * slab
+                send[pos : pos + n].view(_with_dim(x.shape, dim, p.length)).copy_(x.narrow(dim, p.start - off, p.length))
+                pos += n
+    recv, work = _a2a(send, [c * slab for c in plan.counts[r]], [plan.counts[q][r] * slab for q in range(R)], g, api,
+                      "forward", async_op)
+    return Posted(x, g, dim, plan, recv, work, send)
 
 
 def _forward(x: torch.Tensor, g: GroupInfo, dim: int, plan: Plan, api: str) -> torch.Tensor:
-    r, R = g.rank, g.size
-    off = plan.offsets[r]
-    slab = math.prod(_with_dim(x.shape, dim, 1))  # elements per unit length along dim
-    recv = None
-    if plan.traffic:
-        # Pack, per destination q in rank order, the pieces of q's request this rank owns.
-        send = x.new_empty(sum(plan.counts[q][r] for q in range(R)) * slab)
-        pos = 0
+    posted = post_forward(x, g, dim, plan, api)
+    return posted.assemble(0, posted.total)
+
+
+class PostedGrad:
+    """A backward (reverse) exchange in flight: :meth:`finish` adds the received halo gradients."""
+
+    def __init__(self, g: GroupInfo, dim: int, plan: Plan, recv=None, work=None, send=None) -> None:
+        self.g, self.dim, self.plan, self.recv, self.work, self._send = g, dim, plan, recv, work, send
+
+    def finish(self, gx: torch.Tensor) -> torch.Tensor:
+        """Wait, then add the gradients other ranks computed for this rank's elements into ``gx``."""
+        if self.recv is None:
+            return gx
+        if self.work is not None:
+            self.work.wait()
+        r, R, dim, plan = self.g.rank, self.g.size, self.dim, self.plan
+        off, pos = plan.offsets[r], 0
         for q in range(R):
             for p in plan.pieces[q] if q != r else ():
                 if p.owner == r:
-                    n = p.length * slab
-                    send[pos : pos + n].view(_with_dim(x.shape, dim, p.length)).copy_(x.narrow(dim, p.start - off, p.length))
+                    n = p.length * math.prod(_with_dim(gx.shape, dim, 1))
+                    gx.narrow(dim, p.start - off, p.length).add_(self.recv[pos : pos + n].view(_with_dim(gx.shape, dim, p.length)))
                     pos += n
-        recv = _a2a(send, [c * slab for c in plan.counts[r]], [plan.counts[q][r] * slab for q in range(R)], g, api, "forward")
-    # Place the pieces in request order: local ones from x, remote ones from their source's block.
-    cursor = [c * slab for c in split_offsets(plan.counts[r])]
-    parts = []
-    for p in plan.pieces[r]:
-        if p.mode == "zero":
-            parts.append(x.new_zeros(_with_dim(x.shape, dim, p.out_len)))
-            continue
-        if p.owner == r:
-            part = x.narrow(dim, p.start - off, p.length)
-        else:
-            n = p.length * slab
-            part = recv[cursor[p.owner] : cursor[p.owner] + n].view(_with_dim(x.shape, dim, p.length))
-            cursor[p.owner] += n
-        if p.mode == "flip":
-            part = part.flip(dim)
-        elif p.mode == "repeat":
-            part = part.expand(_with_dim(x.shape, dim, p.out_len))
-        parts.append(part)
-    if not parts:
-        return x.new_empty(_with_dim(x.shape, dim, 0))
-    return torch.cat(parts, dim)
+        self.recv = self.work = self._send = None
+        return gx
 
 
-def _backward(grad: torch.Tensor, shape, g: GroupInfo, dim: int, plan: Plan, api: str) -> torch.Tensor:
+def post_backward(chunks, gx: torch.Tensor, g: GroupInfo, dim: int, plan: Plan, api: str,
+                  async_op: bool = False) -> PostedGrad:
+    """Start the reverse exchange of request gradients given as ``chunks``.
+
+    ``chunks``: ``(lo, grad)`` pairs, ``grad`` the gradient of request positions
+    ``[lo, lo + grad.shape[dim])``; chunks may overlap (their gradients add) and positions no
+    chunk covers have zero gradient. Gradients of this rank's own pieces are added into ``gx``
+    (the local block's gradient) now; the others are sent to their owners, which add them in
+    :meth:`PostedGrad.finish`.
+    """
     r, R = g.rank, g.size
-    off = plan.offsets[r]
-    gx = grad.new_zeros(shape)
-    slab = math.prod(_with_dim(shape, dim, 1))
+    off, shape = plan.offsets[r], gx.shape
     outgoing: list[list[torch.Tensor]] = [[] for _ in range(R)]
     pos = 0
     for p in plan.pieces[r]:
-        part = grad.narrow(dim, pos, p.out_len)
-        pos += p.out_len
+        start, pos = pos, pos + p.out_len
         if p.mode == "zero":
             continue
+        covering = [(c_lo, c) for c_lo, c in chunks if c_lo < pos and start < c_lo + c.shape[dim]]
+        if len(covering) == 1 and covering[0][0] <= start and pos <= covering[0][0] + covering[0][1].shape[dim]:
+            part = covering[0][1].narrow(dim, start - covering[0][0], p.out_len)
+        else:
+            part = gx.new_zeros(_with_dim(shape, dim, p.out_len))
+            for c_lo, c in covering:
+                a, b = max(start, c_lo), min(pos, c_lo + c.shape[dim])
+                part.narrow(dim, a - start, b - a).add_(c.narrow(dim, a - c_lo, b - a))
         if p.mode == "flip":
             part = part.flip(dim)
         elif p.mode == "repeat":
@@ -106,24 +189,25 @@ def _backward(grad: torch.Tensor, shape, g: GroupInfo, dim: int, plan: Plan, api
             gx.narrow(dim, p.start - off, p.length).add_(part)
         else:
             outgoing[p.owner].append(part)
-    if plan.traffic:
-        # Reverse of the forward: send back to each source, in request order, what it sent us.
-        send = grad.new_empty(sum(plan.counts[r]) * slab)
-        pos = 0
-        for parts in outgoing:
-            for part in parts:
-                n = part.numel()
-                send[pos : pos + n].view(part.shape).copy_(part)
-                pos += n
-        recv = _a2a(send, [plan.counts[q][r] * slab for q in range(R)], [c * slab for c in plan.counts[r]], g, api, "backward")
-        pos = 0
-        for q in range(R):
-            for p in plan.pieces[q] if q != r else ():
-                if p.owner == r:
-                    n = p.length * slab
-                    gx.narrow(dim, p.start - off, p.length).add_(recv[pos : pos + n].view(_with_dim(shape, dim, p.length)))
-                    pos += n
-    return gx
+    if not plan.traffic:
+        return PostedGrad(g, dim, plan)
+    # Reverse of the forward: send back to each source, in request order, what it sent us.
+    slab = math.prod(_with_dim(shape, dim, 1))
+    send = gx.new_empty(sum(plan.counts[r]) * slab)
+    pos = 0
+    for parts in outgoing:
+        for part in parts:
+            n = part.numel()
+            send[pos : pos + n].view(part.shape).copy_(part)
+            pos += n
+    recv, work = _a2a(send, [plan.counts[q][r] * slab for q in range(R)], [c * slab for c in plan.counts[r]], g, api,
+                      "backward", async_op)
+    return PostedGrad(g, dim, plan, recv, work, send)
+
+
+def _backward(grad: torch.Tensor, shape, g: GroupInfo, dim: int, plan: Plan, api: str) -> torch.Tensor:
+    gx = grad.new_zeros(shape)
+    return post_backward([(0, grad)], gx, g, dim, plan, api).finish(gx)
 
 
 class _Exchange(torch.autograd.Function):

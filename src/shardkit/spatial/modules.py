@@ -38,6 +38,8 @@ class _SpatialConvMixin:
         self.group, self.dim, self.channels_last = group, dim, bool(channels_last)
         # Set by apply_spatial: model code passes no sizes=, so all-gather them (uneven splits).
         self.infer_sizes = False
+        # Overlap the halo exchange with the interior outputs (spatial_conv2d's overlap=).
+        self.overlap = True
 
     def forward(self, x: torch.Tensor, sizes=None) -> torch.Tensor:
         """This rank's outputs; ``sizes``: every rank's input size along ``dim`` (None = equal,
@@ -51,7 +53,7 @@ class _SpatialConvMixin:
                 sizes = gather_sizes(x, resolve_group(self.group, name), dim_of(x, self.dim, name), name)
         return type(self)._fn(
             x, self.weight, self.bias, self.group, self.dim, self.stride, self.padding, self.dilation, self.groups,
-            padding_mode=self.padding_mode, sizes=sizes, channels_last=self.channels_last,
+            padding_mode=self.padding_mode, sizes=sizes, channels_last=self.channels_last, overlap=self.overlap,
         )
 
     def extra_repr(self) -> str:

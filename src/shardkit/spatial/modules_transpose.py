@@ -30,9 +30,16 @@ class _SpatialConvTransposeMixin:
                                   output_padding=output_padding, groups=groups, bias=bias, dilation=dilation,
                                   padding_mode=padding_mode, device=device, dtype=dtype)
         name = type(self).__name__
-        if isinstance(dim, bool) or not isinstance(dim, int):
-            raise ShardkitTypeError(f"{name}: dim must be an int, got {dim!r}")
-        resolve_group(group, name)  # fail at construction on a bad group, not in the first forward
+        if isinstance(dim, (tuple, list)) and isinstance(group, (tuple, list)) and len(dim) == len(group) > 0:
+            dims, grps = tuple(dim), tuple(group)  # tiles: one group per sharded dim
+        else:
+            dims, grps = (dim,), (group,)
+        for d, g in zip(dims, grps):
+            if isinstance(d, bool) or not isinstance(d, int):
+                raise ShardkitTypeError(f"{name}: dim must be an int (or a sequence of ints with one group each), got {dim!r}")
+            resolve_group(g, name)  # fail at construction on a bad group, not in the first forward
+        if len(dims) > 1:
+            dim, group = dims, grps
         self.group, self.dim, self.channels_last = group, dim, bool(channels_last)
         self.infer_sizes = False  # set by apply_spatial: all-gather the split sizes in forward
 
@@ -41,7 +48,11 @@ class _SpatialConvTransposeMixin:
         or all-gathered in forward when ``infer_sizes`` is set). No ``output_size=``."""
         name = type(self).__name__
         if sizes is None and self.infer_sizes:
-            sizes = gather_sizes(x, resolve_group(self.group, name), dim_of(x, self.dim, name), name)
+            if isinstance(self.dim, tuple):
+                sizes = tuple(gather_sizes(x, resolve_group(g, name), dim_of(x, d, name), name)
+                              for d, g in zip(self.dim, self.group))
+            else:
+                sizes = gather_sizes(x, resolve_group(self.group, name), dim_of(x, self.dim, name), name)
         return type(self)._fn(x, self.weight, self.bias, self.group, self.dim, self.stride, self.padding,
                               self.output_padding, self.groups, self.dilation, sizes=sizes,
                               channels_last=self.channels_last)

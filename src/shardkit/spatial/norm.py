@@ -27,39 +27,58 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..comm._group import GroupInfo, resolve_group
+from ..comm._group import resolve_group
 from ..comm.collectives import all_gather
 from ..errors import ShardkitError, ShardkitTypeError
 from .conv import _SumParamGrads
 
 __all__ = ["spatial_group_norm", "SpatialGroupNorm", "SpatialBatchNorm2d"]
 
+_HALF = (torch.float16, torch.bfloat16)
 
-def _global_moments(rows: torch.Tensor, g: GroupInfo) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Mean, biased variance and total count of each row of ``rows`` ``[K, M_r]`` over the group."""
+
+def _global_moments(rows: torch.Tensor, gs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Mean, biased variance and total count of each row of ``rows`` ``[K, M_r]`` over the group(s).
+
+    ``gs``: one ``GroupInfo``, or several (tiles: one group per sharded dim), combined in turn.
+    """
+    gs = list(gs) if isinstance(gs, (tuple, list)) else [gs]
     n = rows.shape[1]
     mean = rows.sum(1) / max(n, 1)
     m2 = (rows - mean[:, None]).square().sum(1)
-    stats = torch.stack([torch.full_like(mean, float(n)), mean, m2])  # [3, K]
-    table = all_gather(stats.unsqueeze(0), g.pg, 0) if g.size > 1 else stats.unsqueeze(0)
-    counts, means, m2s = table[:, 0], table[:, 1], table[:, 2]
-    total = counts.sum(0)  # an empty global frame gives NaN statistics, as torch (no host sync to check it)
-    mean_all = (counts * means).sum(0) / total
-    m2_all = (m2s + counts * (means - mean_all).square()).sum(0)
-    return mean_all, m2_all / total, total
+    count = torch.full_like(mean, float(n))
+    for i, g in enumerate(gs):
+        stats = torch.stack([count, mean, m2])  # [3, K]
+        table = all_gather(stats.unsqueeze(0), g.pg, 0) if g.size > 1 else stats.unsqueeze(0)
+        counts, means, m2s = table[:, 0], table[:, 1], table[:, 2]
+        total = counts.sum(0)
+        # An empty global frame gives NaN statistics, as torch (no host sync to check it); an
+        # empty partial one (a row of empty tiles) must not: it weighs 0 in the next combine.
+        mean = (counts * means).sum(0) / (total if i == len(gs) - 1 else total.clamp(min=1))
+        m2 = (m2s + counts * (means - mean).square()).sum(0)
+        count = total
+    return mean, m2 / count, count
 
 
-def _summed(weight, bias, g: GroupInfo, op: str):
-    """``weight`` and ``bias`` with their gradients summed over the group in backward (replicated)."""
-    params = [p for p in (weight, bias) if p is not None]
-    if params and g.size > 1 and torch.is_grad_enabled() and any(p.requires_grad for p in params):
-        params = list(_SumParamGrads.apply(g, op, *params))
-        weight = params.pop(0) if weight is not None else None
-        bias = params.pop(0) if bias is not None else None
+def _summed(weight, bias, gs, op: str):
+    """``weight`` and ``bias`` with their gradients summed over the group(s) in backward (replicated)."""
+    for g in (gs if isinstance(gs, (tuple, list)) else [gs]):
+        params = [p for p in (weight, bias) if p is not None]
+        if params and g.size > 1 and torch.is_grad_enabled() and any(p.requires_grad for p in params):
+            params = list(_SumParamGrads.apply(g, op, *params))
+            weight = params.pop(0) if weight is not None else None
+            bias = params.pop(0) if bias is not None else None
     return weight, bias
 
 
-def _affine(x, weight, bias, g: GroupInfo, op: str):
+def _groups(group, op: str):
+    """One ``GroupInfo``, or a tuple of them for a sequence of groups (tiles)."""
+    if isinstance(group, (tuple, list)) and group:
+        return tuple(resolve_group(g, op) for g in group)
+    return resolve_group(group, op)
+
+
+def _affine(x, weight, bias, g, op: str):
     weight, bias = _summed(weight, bias, g, op)
     shape = [1, x.shape[1]] + [1] * (x.dim() - 2)
     if weight is not None:
@@ -79,7 +98,9 @@ def spatial_group_norm(x_local, num_groups: int, weight, bias, group, eps: float
         x_local: ``[B, C, *S_local]``, any spatial dims sharded, any split (zero-size allowed).
         num_groups: ``G``, dividing ``C``.
         weight, bias: ``[C]`` or None, replicated.
-        group: a ``ProcessGroup`` or 1-D ``DeviceMesh`` of ``R`` ranks (the spatial group).
+        group: a ``ProcessGroup`` or 1-D ``DeviceMesh`` of ``R`` ranks (the spatial group), or
+            a sequence of them for tiles (e.g. ``(mesh["h"], mesh["w"])``): the statistics are
+            combined over each in turn.
         eps: added to the variance, as ``torch.nn.functional.group_norm``.
 
     Returns:
@@ -92,14 +113,21 @@ def spatial_group_norm(x_local, num_groups: int, weight, bias, group, eps: float
     op = "spatial_group_norm"
     if not isinstance(x_local, torch.Tensor):
         raise ShardkitTypeError(f"{op}: expected a tensor, got {type(x_local).__name__}")
-    g = resolve_group(group, op)
+    g = _groups(group, op)
     if x_local.dim() < 2 or x_local.shape[1] % num_groups:
         raise ShardkitError(f"{op}: expected [B, C, *S] with C divisible by num_groups={num_groups}, got {tuple(x_local.shape)}")
     B, C = x_local.shape[:2]
+    half = x_local.dtype in _HALF
+    # Half precision: statistics, normalization and affine in float32, one rounding at the end,
+    # as torch's own group_norm kernels do (``--verify`` compares against them).
     rows = x_local.reshape(B * num_groups, -1)
+    rows = rows.float() if half else rows
     mean, var, _ = _global_moments(rows, g)
     y = ((rows - mean[:, None]) * torch.rsqrt(var + eps)[:, None]).view(x_local.shape)
-    return _affine(y, weight, bias, g, op)
+    if half:
+        weight, bias = (None if t is None else t.float() for t in (weight, bias))
+    y = _affine(y, weight, bias, g, op)
+    return y.to(x_local.dtype) if half else y
 
 
 class SpatialGroupNorm(nn.GroupNorm):
@@ -110,8 +138,8 @@ class SpatialGroupNorm(nn.GroupNorm):
 
     def __init__(self, num_groups, num_channels, eps=1e-5, affine=True, device=None, dtype=None, *, group):
         super().__init__(num_groups, num_channels, eps, affine, device, dtype)
-        resolve_group(group, type(self).__name__)
-        self.group = group
+        _groups(group, type(self).__name__)
+        self.group = tuple(group) if isinstance(group, (tuple, list)) else group
 
     def forward(self, x):
         return spatial_group_norm(x, self.num_groups, self.weight, self.bias, self.group, self.eps)
@@ -155,8 +183,9 @@ class SpatialBatchNorm2d(nn.BatchNorm2d):
         if not use_batch:  # running statistics: local, only the affine gradients are summed
             weight, bias = _summed(self.weight, self.bias, g, op)
             return F.batch_norm(x, self.running_mean, self.running_var, weight, bias, False, 0.0, self.eps)
-        C = x.shape[1]
-        rows = x.transpose(0, 1).reshape(C, -1)
+        C, half = x.shape[1], x.dtype in _HALF
+        x_in = x.float() if half else x  # half precision: float32 math, one rounding (as torch)
+        rows = x_in.transpose(0, 1).reshape(C, -1)
         mean, var, total = _global_moments(rows, g)
         if self.training and self.running_mean is not None:
             with torch.no_grad():  # torch keeps the unbiased variance in running_var
@@ -164,8 +193,10 @@ class SpatialBatchNorm2d(nn.BatchNorm2d):
                 self.running_mean.mul_(1 - factor).add_(mean.detach() * factor)
                 self.running_var.mul_(1 - factor).add_(unbiased.detach() * factor)
         shape = [1, C] + [1] * (x.dim() - 2)
-        y = (x - mean.view(shape)) * torch.rsqrt(var + self.eps).view(shape)
-        return _affine(y, self.weight, self.bias, g, op)
+        y = (x_in - mean.view(shape)) * torch.rsqrt(var + self.eps).view(shape)
+        weight, bias = (None if t is None else (t.float() if half else t) for t in (self.weight, self.bias))
+        y = _affine(y, weight, bias, g, op)
+        return y.to(x.dtype) if half else y
 
     @classmethod
     def from_module(cls, bn: nn.BatchNorm2d, group):
