@@ -31,7 +31,15 @@ from .spatial import (
     spatial_conv3d,
     spatial_output_sizes,
 )
-from .tensor_parallel import apply_llama_tp, apply_tp, gather_full_state_dict, verify_tp_plan
+from .tensor_parallel import (
+    apply_llama_tp,
+    apply_tp,
+    gather_full_state_dict,
+    load_sharded,
+    load_sharded_checkpoint,
+    save_sharded_checkpoint,
+    verify_tp_plan,
+)
 
 __version__ = "0.1.0"
 
@@ -51,6 +59,9 @@ __all__ = [
     "verify_tp_plan",
     "apply_llama_tp",
     "gather_full_state_dict",
+    "load_sharded",
+    "save_sharded_checkpoint",
+    "load_sharded_checkpoint",
     "halo_exchange",
     "spatial_conv1d",
     "spatial_conv2d",

@@ -6,6 +6,8 @@ Llama-architecture models; :func:`gather_full_state_dict` brings the full weight
 """
 
 from .apply import apply_tp
+from .checkpoint import SafetensorsCheckpoint, load_sharded, materialize_meta
+from .dcp import load_sharded_checkpoint, save_sharded_checkpoint
 from .embedding import EmbeddingParallel
 from .gather import gather_full_grads, gather_full_state_dict, unwrap
 from .llama import apply_llama_tp, check_llama_tp
@@ -26,6 +28,11 @@ from .styles import (
 
 __all__ = [
     "apply_tp",
+    "load_sharded",
+    "SafetensorsCheckpoint",
+    "materialize_meta",
+    "save_sharded_checkpoint",
+    "load_sharded_checkpoint",
     "verify_tp_plan",
     "PlanReport",
     "default_styles",

@@ -1,7 +1,8 @@
 """``apply_tp``: shard a model in place from a plan, from outside its code.
 
 Every rank of the tp group calls :func:`apply_tp` on a model holding the same full weights (built
-from the same seed or checkpoint; :func:`shardkit.load_sharded` avoids materializing them).
+from the same seed or checkpoint), or on a model built under ``torch.device("meta")`` that
+:func:`shardkit.load_sharded` then fills from a checkpoint, reading only this rank's slices.
 Afterwards each rank holds its shards and the model's forward contract is unchanged: logits and
 loss are replicated over the group (with ``loss_parallel`` the logits stay vocab-sharded and the
 loss is computed by :func:`shardkit.vocab_parallel_cross_entropy`).

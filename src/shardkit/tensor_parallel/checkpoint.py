@@ -1,0 +1,339 @@
+"""Load a Hugging Face safetensors checkpoint straight into a tensor-parallel model, slice by slice.
+
+:func:`load_sharded` shards the (ideally meta-device) model with :func:`~.apply.apply_tp`, then
+fills every parameter from the byte ranges of the file that its :class:`~.spec.ShardSpec` names:
+each rank reads only its own rows / columns of sharded parameters (a ``safe_open`` slice per
+range, so packed parts and replicated KV heads are read directly) and replicated parameters
+whole. The full model never exists on any rank; the bytes a rank reads are about ``1 / R`` of
+the sharded weights plus the replicated ones (:attr:`SafetensorsCheckpoint.bytes_read`).
+
+Checkpoint keys are the model's ``named_parameters`` names, as ``save_pretrained`` writes them,
+with one conversion transformers 5 applies on save: fused MoE experts (``experts.gate_up_proj``
+``[E, 2 I, H]``, ``experts.down_proj`` ``[E, H, I]``) are written per expert
+(``experts.{e}.gate_proj.weight`` ``[I, H]``, ``up_proj``, ``down_proj``). Both layouts load;
+each fused parameter's rows are then read from the per-expert tensors (:class:`Piece`).
+
+Source: the slice-per-rank loading of Megatron-LM / vLLM weight loaders and Hugging Face
+``from_pretrained(tp_plan=...)``; safetensors' lazy ``get_slice`` reads.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from contextlib import ExitStack
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..comm._group import resolve_group
+from ..errors import ShardkitError
+from .apply import apply_tp
+from .gather import unwrap
+from .spec import shard_spec
+
+__all__ = ["SafetensorsCheckpoint", "load_sharded", "materialize_meta", "agree_on_error", "Piece", "checkpoint_sources"]
+
+_INDEX = "model.safetensors.index.json"
+_SINGLE = "model.safetensors"
+
+
+class SafetensorsCheckpoint:
+    """A safetensors checkpoint (one file or an index of shards) read lazily, slice by slice.
+
+    Args:
+        path: a directory holding ``model.safetensors`` or ``model.safetensors.index.json``, or
+            one ``.safetensors`` file.
+
+    Attributes:
+        bytes_read: bytes of tensor data returned by :meth:`read` so far (file dtype).
+
+    Raises:
+        ShardkitError: no checkpoint at ``path``, or an index naming a missing file.
+
+    Use as a context manager (or call :meth:`close`) to release the memory maps.
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        from safetensors import safe_open
+
+        path = os.fspath(path)
+        if os.path.isdir(path):
+            index = os.path.join(path, _INDEX)
+            if os.path.isfile(index):
+                with open(index) as f:
+                    weight_map = json.load(f)["weight_map"]
+                files = {k: os.path.join(path, v) for k, v in weight_map.items()}
+            elif os.path.isfile(os.path.join(path, _SINGLE)):
+                files = None
+                single = os.path.join(path, _SINGLE)
+            else:
+                raise ShardkitError(f"load_sharded: {path} has neither {_SINGLE} nor {_INDEX}")
+        elif os.path.isfile(path):
+            files, single = None, path
+        else:
+            raise ShardkitError(f"load_sharded: no checkpoint at {path}")
+        self._stack = ExitStack()
+        self._handles: dict[str, object] = {}
+        self._open = lambda file: self._handles.get(file) or self._handles.setdefault(
+            file, self._stack.enter_context(safe_open(file, framework="pt", device="cpu")))
+        if files is None:
+            files = {k: single for k in self._open(single).keys()}
+        for file in sorted(set(files.values())):
+            if not os.path.isfile(file):
+                raise ShardkitError(f"load_sharded: the index of {path} names a missing file {file}")
+        self._files = files
+        self.bytes_read = 0
+
+    def keys(self) -> set[str]:
+        return set(self._files)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._open(self._files[key]).get_slice(key).get_shape())
+
+    def read(self, key: str, box: tuple[tuple[int, int], ...]) -> torch.Tensor:
+        """The block ``box`` (a ``(start, stop)`` per dim) of tensor ``key``; only it is read."""
+        handle = self._open(self._files[key])
+        if not box:  # a 0-dim tensor has no slice
+            out = handle.get_tensor(key)
+        else:
+            out = handle.get_slice(key)[tuple(slice(a, b) for a, b in box)]
+        self.bytes_read += out.numel() * out.element_size()
+        return out
+
+    def close(self) -> None:
+        self._stack.close()
+        self._handles.clear()
+
+    def __enter__(self) -> SafetensorsCheckpoint:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Piece(NamedTuple):
+    """Checkpoint tensor ``key`` (shape ``shape``) is the block ``box`` (a ``(start, stop)`` per dim)
+    of a model parameter; leading box dims beyond ``shape``'s rank are indices (an expert)."""
+
+    key: str
+    box: tuple[tuple[int, int], ...]
+    shape: tuple[int, ...]
+
+
+_EXPERTS = re.compile(r"(.+\.experts)\.(gate_up_proj|down_proj)$")
+
+
+def _expert_pieces(name: str, shape: tuple[int, ...]) -> list[Piece] | None:
+    """Per-expert checkpoint tensors of a fused 3-D expert parameter (transformers 5 save format:
+    ``MergeModulelist(dim=0)`` then, for ``gate_up_proj``, ``Concatenate(dim=1)`` of gate and up)."""
+    m = _EXPERTS.fullmatch(name)
+    if m is None or len(shape) != 3:
+        return None
+    prefix, kind = m.groups()
+    E, rows, cols = shape
+    if kind == "down_proj":
+        return [Piece(f"{prefix}.{e}.down_proj.weight", ((e, e + 1), (0, rows), (0, cols)), (rows, cols))
+                for e in range(E)]
+    half = rows // 2
+    return [Piece(f"{prefix}.{e}.{part}_proj.weight", ((e, e + 1), (lo, lo + half), (0, cols)), (half, cols))
+            for e in range(E) for part, lo in (("gate", 0), ("up", half))]
+
+
+def checkpoint_sources(shapes: dict[str, tuple[int, ...]], ckpt: SafetensorsCheckpoint) -> tuple[dict, list[str]]:
+    """For each parameter name (full shape ``shapes[name]``), the checkpoint :class:`Piece` list
+    that tiles it; and the problems found (missing keys, shape mismatches), as messages."""
+    keys = ckpt.keys()
+    sources: dict[str, list[Piece]] = {}
+    problems: list[str] = []
+    for name, shape in shapes.items():
+        pieces = [Piece(name, tuple((0, s) for s in shape), tuple(shape))] if name in keys else _expert_pieces(name, shape)
+        if pieces is None:
+            problems.append(f"{name} is not in the checkpoint")
+            continue
+        for piece in pieces:
+            if piece.key not in keys:
+                problems.append(f"{piece.key} (part of {name}) is not in the checkpoint")
+            elif ckpt.shape(piece.key) != piece.shape:
+                problems.append(f"{piece.key} has shape {list(ckpt.shape(piece.key))} in the checkpoint, "
+                                f"the model expects {list(piece.shape)}")
+        sources[name] = pieces
+    return sources, problems
+
+
+def agree_on_error(group, error: str | None, op: str) -> None:
+    """Raise ``error`` (or a peer's) as :class:`ShardkitError` on every rank of ``group``: one
+    ``all_gather_object`` of each rank's error (None when it has none)."""
+    g = resolve_group(group, op)
+    errors = [error]
+    if g.size > 1:
+        errors = [None] * g.size
+        dist.all_gather_object(errors, error, group=g.pg)
+    bad = [(r, e) for r, e in enumerate(errors) if e]
+    if bad:
+        raise ShardkitError(f"{op}: " + "; ".join(f"rank {r}: {e}" for r, e in bad))
+
+
+def _fill(dest: torch.Tensor, pieces: list[Piece], box: list[tuple[int, int]], ckpt: SafetensorsCheckpoint) -> None:
+    """Write the full-tensor block ``box`` into ``dest`` (shaped like ``box``) from ``pieces``."""
+    for piece in pieces:
+        inter = [(max(a, pa), min(b, pb)) for (a, b), (pa, pb) in zip(box, piece.box)]
+        if any(a >= b for a, b in inter):
+            continue
+        lead = len(piece.box) - len(piece.shape)  # leading dims the piece is indexed on (experts)
+        file_box = tuple((a - pa, b - pa) for (a, b), (pa, _) in zip(inter[lead:], piece.box[lead:]))
+        region = tuple(slice(a - ba, b - ba) for (a, b), (ba, _) in zip(inter, box))
+        part = ckpt.read(piece.key, file_box)
+        dest[region] = part.reshape([b - a for a, b in inter]).to(dest.dtype)
+
+
+def _swap_params(model: nn.Module, device: torch.device) -> None:
+    """Give every meta parameter real (uninitialized) storage on ``device``, keeping the object's
+    attributes (its ShardSpec) and gradient hooks (replicated heads' sum): a new Parameter
+    replaces it in every module that holds it, tied parameters staying tied."""
+    swapped: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None or not p.is_meta:
+                continue
+            if id(p) not in swapped:
+                new = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=p.requires_grad)
+                new.__dict__.update(p.__dict__)
+                # Tensor.register_hook keeps a leaf's hooks in this dict; re-register them on the
+                # new tensor so the autograd engine runs them.
+                for hook in (getattr(p, "_backward_hooks", None) or {}).values():
+                    new.register_hook(hook)
+                swapped[id(p)] = new
+            module._parameters[name] = swapped[id(p)]
+
+
+def materialize_meta(model: nn.Module, device, loaded: set[str], init_buffers=None) -> None:
+    """Allocate ``model``'s meta parameters and buffers on ``device`` (after ``apply_tp``, so
+    only local shards) and recompute the buffers a checkpoint does not hold.
+
+    Parameters and the persistent buffers named in ``loaded`` stay uninitialized: the caller
+    fills them from the checkpoint. Other meta buffers (non-persistent: rotary ``inv_freq``) are
+    recomputed by ``init_buffers(module)``, default Hugging Face's ``model._init_weights`` (which
+    recomputes rotary embeddings). Floating buffers are first filled with NaN, so one the
+    initializer skipped raises instead of being used.
+
+    Raises:
+        ShardkitError: a meta buffer no initializer restores.
+    """
+    device = torch.device(device)
+    _swap_params(model, device)
+    owners: list[nn.Module] = []
+    for mname, module in model.named_modules():
+        missing = False
+        for bname, b in list(module._buffers.items()):
+            if b is None or not b.is_meta:
+                continue
+            fill = float("nan") if b.is_floating_point() else 0
+            module._buffers[bname] = torch.full(b.shape, fill, dtype=b.dtype, device=device)
+            full = f"{mname}.{bname}" if mname else bname
+            missing |= bname in module._non_persistent_buffers_set or full not in loaded
+        if missing:
+            owners.append(module)
+    if not owners:
+        return
+    init_buffers = init_buffers or getattr(model, "_init_weights", None)
+    if init_buffers is None:
+        raise ShardkitError(f"load: buffers of {[type(m).__name__ for m in owners]} were on the meta device and are "
+                            "not in the checkpoint; pass init_buffers=fn(module) to recompute them")
+    with torch.no_grad():
+        for module in owners:
+            init_buffers(module)
+    bad = [f"{type(m).__name__}.{n}" for m in owners for n, b in m._buffers.items()
+           if b is not None and b.is_floating_point() and bool(b.isnan().any())]
+    if bad:
+        raise ShardkitError(f"load: init_buffers left these buffers uninitialized: {bad}")
+
+
+def load_sharded(model: nn.Module, path, tp_mesh, plan: dict | None = None, *, device=None,
+                 init_buffers=None, **apply_tp_kwargs) -> nn.Module:
+    """Shard ``model`` with :func:`~.apply.apply_tp` and fill it from a safetensors checkpoint,
+    each rank reading only its own slices.
+
+    Build the model on the meta device so the full model is never allocated::
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        load_sharded(model, "ckpt_dir", mesh["tp"], device="cuda")
+
+    Sharded parameters ``[..., N, ...]`` (``N`` the full size of their ShardSpec dim) become
+    ``[..., N_r, ...]``, read range by range; replicated ones are read whole. Meta buffers are
+    read from the checkpoint when persistent, else recomputed by ``init_buffers`` (see below).
+
+    Args:
+        model: the unsharded model (meta or real tensors); every rank of the group passes the
+            same architecture.
+        path: a checkpoint directory (``model.safetensors`` or ``model.safetensors.index.json``),
+            a ``.safetensors`` file, or an open :class:`SafetensorsCheckpoint` (to count bytes).
+        tp_mesh: the tp ``ProcessGroup`` or 1-D ``DeviceMesh``.
+        plan: the tp plan (None: the model's own), as for :func:`~.apply.apply_tp`.
+        device: where parameters are materialized; default the device of the model's first
+            non-meta parameter, else CPU.
+        init_buffers: ``fn(module)`` recomputing the non-persistent buffers of ``module``
+            (rotary ``inv_freq``) in place; default ``model._init_weights`` (Hugging Face).
+        **apply_tp_kwargs: ``loss_parallel``, ``styles``, ``check`` of :func:`~.apply.apply_tp`.
+
+    Returns:
+        ``model``, sharded and loaded (parameters cast to the model's dtypes).
+
+    Raises:
+        ShardkitError: on every rank of the group (agreed by one ``all_gather_object``, before
+            the model is touched): no checkpoint, a parameter missing from it, or a shape that
+            differs from the model's; buffers that cannot be recomputed.
+    """
+    owns = not isinstance(path, SafetensorsCheckpoint)
+    ckpt, error = None, None
+    try:
+        ckpt = SafetensorsCheckpoint(path) if owns else path
+        params = dict(unwrap(model).named_parameters())
+        # persistent buffers (BatchNorm statistics) are read when the checkpoint has them
+        buffers = {n: b for n, b in unwrap(model).state_dict(keep_vars=True).items()
+                   if not isinstance(b, nn.Parameter) and n in ckpt.keys()}
+        shapes = {n: tuple(t.shape) for n, t in {**params, **buffers}.items()}
+        sources, problems = checkpoint_sources(shapes, ckpt)
+        if problems:
+            error = "; ".join(problems[:8]) + (f" (and {len(problems) - 8} more)" if len(problems) > 8 else "")
+    except ShardkitError as exc:
+        error = str(exc)
+    except Exception as exc:  # noqa: BLE001 - a corrupt file on one rank must fail every rank, not hang them
+        error = f"cannot read the checkpoint at {path}: {type(exc).__name__}: {exc}"
+    try:
+        agree_on_error(tp_mesh, error, "load_sharded")
+        if device is None:
+            device = next((p.device for p in params.values() if not p.is_meta), torch.device("cpu"))
+        root = unwrap(model)
+        apply_tp(root, tp_mesh, plan, **apply_tp_kwargs)
+        materialize_meta(root, device, set(buffers), init_buffers)
+        rank = resolve_group(tp_mesh, "load_sharded").rank
+        tensors = {**dict(root.named_parameters()), **{n: root.get_buffer(n) for n in buffers}}
+        with torch.no_grad():
+            for name, t in tensors.items():
+                _load_param(t, sources[name], ckpt, rank)
+    finally:
+        if owns and ckpt is not None:
+            ckpt.close()
+    return model
+
+
+def _load_param(p: torch.Tensor, pieces: list[Piece], ckpt: SafetensorsCheckpoint, rank: int) -> None:
+    spec = shard_spec(p)
+    if spec is None:
+        _fill(p.data, pieces, [(0, s) for s in p.shape], ckpt)
+        return
+    full = list(p.shape)
+    full[spec.dim] = spec.full_size
+    pos = 0
+    for a, b in spec.ranges[rank]:
+        box = [(0, s) for s in full]
+        box[spec.dim] = (a, b)
+        if b > a and math.prod(full) > 0:
+            _fill(p.data.narrow(spec.dim, pos, b - a), pieces, box, ckpt)
+        pos += b - a

@@ -1,0 +1,185 @@
+"""DCP sharded checkpoints of tensor-parallel models: saved at tp 4, loaded at tp 1, 2, 3, 4.
+
+Each rank writes only the chunks it owns (checked in DCP's metadata); loads reshard through
+DCP's chunk intersection and must give bitwise the saved parameters and the logits of the same
+model sharded from full weights; a failed save leaves the previous checkpoint in place.
+"""
+
+import os
+import shutil
+import tempfile
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from harness.helpers import rank, subgroup, world_group
+from hf_models import VOCAB, build
+from shardkit.errors import ShardkitError
+from shardkit.tensor_parallel import apply_tp, gather_full_state_dict, shard_spec
+from shardkit.tensor_parallel import dcp as sk_dcp
+from shardkit.tensor_parallel.dcp import load_sharded_checkpoint, owned_ranges, save_sharded_checkpoint
+from shardkit.tensor_parallel.spec import ShardSpec
+
+# Import transformers' modeling code before any collective (see test_checkpoint.py).
+from transformers import LlamaForCausalLM, Qwen3MoeForCausalLM  # noqa: E402, F401
+
+
+def _shared_dir() -> str:
+    """A fresh directory made by rank 0, its name broadcast to the world.
+
+    Starts with a patient barrier (gloo's monitored_barrier takes its own timeout): on a busy
+    machine the ranks finish importing transformers' modeling code far apart, more than the
+    test process group's timeout."""
+    dist.monitored_barrier(timeout=timedelta(seconds=150))
+    box = [tempfile.mkdtemp(prefix="shardkit_dcp_") if rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _cleanup(path: str) -> None:
+    dist.barrier()
+    if rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _ids():
+    return torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(3))
+
+
+def _saved_model(kind: str):
+    """A tp-4 model whose weights differ from build(kind)'s, and its full state."""
+    model = apply_tp(build(kind, seed=5), world_group(), check="off")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.25)
+    return model, gather_full_state_dict(model)
+
+
+def test_owned_ranges_tile_the_full_tensor():
+    """Pure: KV heads of 8 rows held by ranks [(0,8)], [(0,16)], [(8,16)], [(8,16)]; packed parts."""
+    spec = ShardSpec(0, 16, (((0, 8),), ((0, 16),), ((8, 16),), ((8, 16),)), None)
+    assert [owned_ranges(spec, r) for r in range(4)] == [[(0, 8, 0)], [(8, 16, 8)], [], []]
+    packed = ShardSpec.packed(0, [[3, 2], [3, 2]], None)  # [G_r | U_r]
+    assert [owned_ranges(packed, r) for r in range(2)] == [[(0, 3, 0), (5, 8, 3)], [(3, 5, 0), (8, 10, 2)]]
+
+
+@pytest.mark.world(4, timeout=180)
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
+def test_save_tp4_load_tp1_2_3_4(kind):
+    path = _shared_dir()
+    model, full = _saved_model(kind)
+    save_sharded_checkpoint(model, path, world_group())
+    groups = {1: [None], 2: [subgroup((0, 1)), subgroup((2, 3))], 3: [subgroup((0, 1, 2))], 4: [world_group()]}
+    for tp, members, dcp_group in ((1, (0, 1, 2, 3), world_group()), (2, (0, 1, 2, 3), world_group()),
+                                   (3, (0, 1, 2), subgroup((0, 1, 2))), (4, (0, 1, 2, 3), world_group())):
+        if rank() not in members:
+            continue  # rank 3 idles while ranks 0-2 load at tp 3
+        tp_group = groups[tp][rank() // 2 if tp == 2 else 0]
+        target, ref = build(kind), build(kind)
+        ref.load_state_dict(full)
+        if tp > 1:
+            apply_tp(target, tp_group, check="off")
+            apply_tp(ref, tp_group, check="off")
+        load_sharded_checkpoint(target, path, dcp_group)
+        got = gather_full_state_dict(target)
+        assert got.keys() == full.keys() and all(torch.equal(got[n], full[n]) for n in full), tp
+        with torch.no_grad():
+            assert torch.equal(target(input_ids=_ids()).logits, ref(input_ids=_ids()).logits), tp
+    _cleanup(path)
+
+
+@pytest.mark.world(4, timeout=180)
+def test_each_rank_writes_only_its_owned_chunks():
+    """In DCP's metadata, the chunks of every sharded parameter are the owners' ranges and each
+    sits in its owner's file; nothing (replicated tensors, shared KV heads) is stored twice."""
+    path = _shared_dir()
+    model, full = _saved_model("llama")
+    save_sharded_checkpoint(model, path, world_group())
+    md = dcp.FileSystemReader(path).read_metadata()
+    for name, p in model.named_parameters():
+        chunks = md.state_dict_metadata[name].chunks
+        assert sum(c.sizes.numel() for c in chunks) == full[name].numel()
+        spec = shard_spec(p)
+        if spec is None:
+            assert len(chunks) == 1
+            continue
+        for r in range(4):
+            for a, b, _ in owned_ranges(spec, r):
+                (info,) = [v for k, v in md.storage_data.items() if k.fqn == name and k.offset[spec.dim] == a]
+                assert info.relative_path.startswith(f"__{r}_"), (name, r, info.relative_path)
+    _cleanup(path)
+
+
+@pytest.mark.world(4, timeout=180)
+def test_meta_model_loads_without_full_weights():
+    path = _shared_dir()
+    model, full = _saved_model("llama")
+    save_sharded_checkpoint(model, path, world_group())
+    group = subgroup((0, 1)) if rank() < 2 else subgroup((2, 3))
+    with torch.device("meta"):
+        target = build("llama")
+    apply_tp(target, group, check="off")
+    load_sharded_checkpoint(target, path, world_group())
+    got = gather_full_state_dict(target)
+    assert all(torch.equal(got[n], full[n]) for n in full)
+    ref = build("llama")
+    ref.load_state_dict(full)
+    apply_tp(ref, group, check="off")
+    with torch.no_grad():
+        assert torch.equal(target(input_ids=_ids()).logits, ref(input_ids=_ids()).logits)
+    _cleanup(path)
+
+
+@pytest.mark.world(4, timeout=180)
+def test_failed_save_keeps_the_previous_checkpoint():
+    """Rank 2 fails while writing: every rank raises, the old checkpoint stays, no partial dir."""
+    base = _shared_dir()
+    path = os.path.join(base, "ckpt")
+    model, full = _saved_model("llama")
+    save_sharded_checkpoint(model, path, world_group())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(3.0)
+    original = sk_dcp._ChunkSavePlanner.lookup_object
+
+    def broken(self, index):
+        raise OSError("disk full")
+
+    if rank() == 2:
+        sk_dcp._ChunkSavePlanner.lookup_object = broken
+    try:
+        with pytest.raises(CheckpointException) as info:
+            save_sharded_checkpoint(model, path, world_group())
+        assert list(info.value.failures) == [2] and "disk full" in repr(info.value.failures[2])
+    finally:
+        sk_dcp._ChunkSavePlanner.lookup_object = original
+    if rank() == 0:  # the coordinator removed the partial directory before raising
+        assert os.listdir(base) == ["ckpt"], os.listdir(base)
+    if rank() == 0:
+        with open(os.path.join(base, "notes.txt"), "w") as f:
+            f.write("user data")
+    dist.barrier()
+    with pytest.raises(ShardkitError, match="holds no DCP checkpoint"):
+        save_sharded_checkpoint(model, base, world_group())  # would replace the user's directory
+    target = apply_tp(build("llama"), world_group(), check="off")
+    load_sharded_checkpoint(target, path, world_group())
+    got = gather_full_state_dict(target)
+    assert all(torch.equal(got[n], full[n]) for n in full)
+    _cleanup(base)
+
+
+@pytest.mark.world(2, timeout=180)
+def test_load_mismatch_raises_on_every_rank():
+    path = _shared_dir()
+    model = apply_tp(build("llama"), world_group(), check="off")
+    save_sharded_checkpoint(model, path, world_group())
+    other = apply_tp(build("qwen3"), world_group(), check="off")  # q_norm / k_norm not in a llama checkpoint
+    with pytest.raises(ShardkitError, match=r"rank 0: .*model.layers.0.self_attn.q_norm.weight is not in the checkpoint"):
+        load_sharded_checkpoint(other, path, world_group())
+    with pytest.raises(ShardkitError, match="cannot read a DCP checkpoint"):
+        load_sharded_checkpoint(other, os.path.join(path, "absent"), world_group())
+    _cleanup(path)
