@@ -65,7 +65,16 @@ def test_missing_toml(tmp_path):
     (dict(nproc=4, tp=4), "--tp 4: .*num_key_value_heads=2"),
     (dict(seq_len=1), "--seq-len must be >= 2"),
     (dict(heads=3), "--hidden-size 64 must be divisible by --heads 3"),
-    (dict(pp=2, tp=2), "--pp 2 with --tp 2: pipeline \\+ tensor parallelism is not supported"),
+    (dict(pp=2, tp=2, dp=2), "layout pp=2 x tp=2 x dp=2 = 8 ranks, but --nproc is 4"),
+    (dict(pp=2, tp=4, nproc=8), "--tp 4: .*num_key_value_heads=2"),
+    (dict(pp_tp="2,1"), "--pp-tp 2,1 .sum 3. must divide --nproc 4"),
+    (dict(pp_tp="2,1,1", tp=2), "--tp 2 with --pp-tp 2,1,1: give the stage tp sizes once"),
+    (dict(pp_tp="2,1,1", pp=2), "--pp 2 but --pp-tp 2,1,1 lists 3 stages"),
+    (dict(pp_tp="2"), "--pp-tp must list the tp size .* of at least 2 pipeline stages"),
+    (dict(pp_tp="2,x"), "--pp-tp must list"),
+    (dict(pp_tp="2,0"), "--pp-tp must list"),
+    (dict(pp_tp="4,4", nproc=8), "--pp-tp 4,4 .stage 0.: .*num_key_value_heads=2"),
+    (dict(pp_tp="2,1,1", dp=2), "layout pp_tp=2,1,1 .4 ranks. x dp=2 = 8 ranks, but --nproc is 4"),
     (dict(pp=3), "--pp 3 x --tp 1 = 3 must divide --nproc 4"),
     (dict(pp=2, dp=1), "layout pp=2 x tp=1 x dp=1 = 2 ranks, but --nproc is 4"),
     (dict(pp=4, layers=2), "--pp 4: .*2 decoder layers cannot fill 4 pipeline stages"),
@@ -82,6 +91,15 @@ def test_pipeline_layout_defaults():
     cfg = config_from_args(_args("--pp", "2", "--microbatches", "2", "--schedule", "gpipe"))
     assert (cfg.pp, cfg.tp, cfg.dp, cfg.microbatches, cfg.schedule) == (2, 1, 2, 2, "gpipe")
     assert config_from_args(_args("--pp", "4", "--layers", "4")).dp == 1
+
+
+def test_pipeline_tp_layouts():
+    cfg = config_from_args(_args("--pp", "2", "--tp", "2", "--microbatches", "2"))
+    assert (cfg.pp, cfg.tp, cfg.dp, cfg.stage_tp_sizes, cfg.model_ranks) == (2, 2, 1, (2, 2), 4)
+    cfg = validate_config(merge_config({"pp_tp": "2, 1,1"}, {"layers": 3}))  # from a TOML file
+    assert (cfg.pp, cfg.pp_tp, cfg.stage_tp_sizes, cfg.dp, cfg.nproc) == (3, "2,1,1", (2, 1, 1), 1, 4)
+    cfg = validate_config(merge_config({}, dict(pp_tp="1,2", nproc=6, layers=2)))
+    assert (cfg.pp, cfg.dp, cfg.model_ranks) == (2, 2, 3)
 
 
 def test_torchrun_world_size():
@@ -218,6 +236,14 @@ def test_end_to_end_pipeline_verify():
                      "--batch-size", "4", "--microbatches", "2", timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "pp=2 x tp=1 x dp=1, 1f1b with 2 microbatches" in proc.stdout and "PASSED" in proc.stdout
+
+
+def test_end_to_end_pipeline_tp_verify():
+    # About 20-30 s on 2 cores (4 spawned ranks: 2 stages of tp=2).
+    proc = _shardkit("train", "--pp", "2", "--tp", "2", "--nproc", "4", "--steps", "2", "--verify", "--seq-len", "32",
+                     "--batch-size", "4", "--microbatches", "2", timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "pp=2 x tp=2 x dp=1, 1f1b with 2 microbatches" in proc.stdout and "PASSED" in proc.stdout
 
 
 def test_bad_layout_fails_before_launch():

@@ -13,7 +13,8 @@ from pathlib import Path
 
 from ..errors import ShardkitError
 
-__all__ = ["TrainConfig", "DTYPES", "SCHEDULES", "MODELS", "load_toml", "merge_config", "validate_config"]
+__all__ = ["TrainConfig", "DTYPES", "SCHEDULES", "MODELS", "load_toml", "merge_config", "validate_config",
+           "parse_pp_tp"]
 
 DTYPES = ("float32", "float64", "bfloat16")
 SCHEDULES = ("1f1b", "gpipe")
@@ -32,7 +33,8 @@ class TrainConfig:
     model: str = "llama"  # "llama" (tp x dp or pp x dp) or "conv-ae" (spatial)
     nproc: int | None = None  # None: 4 for llama, spatial for conv-ae
     spatial: int = 1  # conv-ae only: ranks sharing each frame along W
-    tp: int | None = None  # None: 2 without a pipeline, 1 with --pp > 1 (pp x tp is not supported yet)
+    tp: int | None = None  # None: 2 without a pipeline, 1 with --pp > 1 (the same tp in every stage)
+    pp_tp: str | None = None  # per-stage tp sizes "2,1,1" (VTP): pp = their count, sum * dp = nproc
     dp: int | None = None  # None: nproc // (tp * pp)
     pp: int = 1
     microbatches: int = 1  # per step and dp rank; pp > 1 only
@@ -56,14 +58,42 @@ class TrainConfig:
 
     @property
     def dp_size(self) -> int:
-        """The dp degree (``dp`` or ``nproc // (tp * pp)``, nproc defaulting to 4)."""
+        """The dp degree (``dp`` or ``nproc // model_ranks``, nproc defaulting to 4)."""
         nproc = self.nproc if self.nproc is not None else 4
-        return self.dp if self.dp is not None else nproc // (self.tp_size * self.pp)
+        return self.dp if self.dp is not None else nproc // self.model_ranks
 
     @property
     def tp_size(self) -> int:
         """The tp degree (``tp``, or its default: 2 when ``pp == 1``, else 1)."""
         return self.tp if self.tp is not None else (2 if self.pp == 1 else 1)
+
+    @property
+    def stage_tp_sizes(self) -> tuple[int, ...]:
+        """The tp size of every pipeline stage: ``--pp-tp``, else ``tp`` in each of ``pp`` stages."""
+        if self.pp_tp is not None:
+            return parse_pp_tp(self.pp_tp)
+        return (self.tp_size,) * self.pp
+
+    @property
+    def model_ranks(self) -> int:
+        """Ranks holding one model replica: the sum of the stage tp sizes."""
+        return sum(self.stage_tp_sizes)
+
+
+def parse_pp_tp(text) -> tuple[int, ...]:
+    """``"2,1,1"`` -> ``(2, 1, 1)``: the tp size of each pipeline stage (pure).
+
+    Raises:
+        ShardkitError: not a comma-separated list of at least two ints >= 1.
+    """
+    try:
+        sizes = tuple(int(t) for t in str(text).split(","))
+    except ValueError:
+        sizes = ()
+    if len(sizes) < 2 or any(t < 1 for t in sizes):
+        raise ShardkitError(f"--pp-tp must list the tp size (>= 1) of each of at least 2 pipeline stages, "
+                            f"e.g. 2,1,1; got {text!r}")
+    return sizes
 
 
 _FIELDS = {f.name: f for f in fields(TrainConfig)}
@@ -132,6 +162,14 @@ def validate_config(cfg: TrainConfig, world_size: int | None = None) -> TrainCon
         raise ShardkitError(f"--spatial {cfg.spatial} needs --model conv-ae (llama uses --tp/--pp/--dp)")
     if cfg.nproc is None:
         cfg = dataclasses.replace(cfg, nproc=4)
+    if cfg.pp_tp is not None:
+        sizes = parse_pp_tp(cfg.pp_tp)
+        if cfg.tp is not None:
+            raise ShardkitError(f"--tp {cfg.tp} with --pp-tp {cfg.pp_tp}: give the stage tp sizes once (--pp-tp)")
+        if cfg.pp not in (1, len(sizes)):
+            raise ShardkitError(f"--pp {cfg.pp} but --pp-tp {cfg.pp_tp} lists {len(sizes)} stages")
+        # tp=1 here: the per-stage sizes live in pp_tp (a rectangular pp x tp mesh cannot hold them).
+        cfg = dataclasses.replace(cfg, pp=len(sizes), pp_tp=",".join(map(str, sizes)), tp=1)
     cfg = dataclasses.replace(cfg, tp=cfg.tp_size)
     for name in ("nproc", "tp", "pp", "microbatches", "steps", "batch_size"):
         if getattr(cfg, name) < 1:
@@ -143,11 +181,15 @@ def validate_config(cfg: TrainConfig, world_size: int | None = None) -> TrainCon
     if cfg.dtype not in DTYPES:
         raise ShardkitError(f"--dtype must be one of {', '.join(DTYPES)}, got {cfg.dtype!r}")
     _validate_pipeline(cfg)
-    model_ranks = cfg.tp * cfg.pp
+    model_ranks = cfg.model_ranks
     layout = f"pp={cfg.pp} x tp={cfg.tp}" if cfg.pp > 1 else f"tp={cfg.tp}"
+    if cfg.pp_tp is not None:
+        layout = f"pp_tp={cfg.pp_tp} ({model_ranks} ranks)"
     if cfg.dp is None:
         if cfg.nproc % model_ranks:
             what = f"--pp {cfg.pp} x --tp {cfg.tp} = {model_ranks}" if cfg.pp > 1 else f"--tp {cfg.tp}"
+            if cfg.pp_tp is not None:
+                what = f"--pp-tp {cfg.pp_tp} (sum {model_ranks})"
             rule = "nproc // (tp * pp)" if cfg.pp > 1 else "nproc // tp"
             raise ShardkitError(f"{what} must divide --nproc {cfg.nproc} (dp defaults to {rule})")
         cfg = dataclasses.replace(cfg, dp=cfg.nproc // model_ranks)
@@ -192,15 +234,13 @@ def _validate_pipeline(cfg: TrainConfig) -> None:
         raise ShardkitError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {cfg.schedule!r}")
     if cfg.pp == 1 and cfg.microbatches > 1:
         raise ShardkitError(f"--microbatches {cfg.microbatches} needs --pp > 1 (microbatches split pipeline steps)")
-    if cfg.pp > 1 and cfg.tp > 1:
-        # Not yet: apply_llama_tp hooks the full model (sequence split at layers[0], vocab gather
-        # at lm_head), which a stage does not have in one piece.
-        raise ShardkitError(f"--pp {cfg.pp} with --tp {cfg.tp}: pipeline + tensor parallelism is not supported "
-                            "yet; use --tp 1 with --pp (and --dp)")
+    # pp x tp: each stage gets plain Megatron TP over its own tp group (pipeline_parallel.
+    # hf_llama_tp), not apply_llama_tp, which hooks the whole model (sequence split at layers[0]).
 
 
 def _validate_model(cfg: TrainConfig) -> None:
     from ..pipeline_parallel.hf_llama import check_llama_pp
+    from ..pipeline_parallel.hf_llama_tp import check_llama_stage_tp
     from ..tensor_parallel import check_llama_tp
 
     if cfg.model_path is None:
@@ -225,10 +265,17 @@ def _validate_model(cfg: TrainConfig) -> None:
         model_config = model_config_from_path(cfg.model_path)
         if model_config.vocab_size < 256:
             raise ShardkitError(f"--model-path: vocab_size {model_config.vocab_size} < 256 (byte-level tokens)")
-    try:
-        check_llama_tp(model_config, cfg.tp)
-    except ShardkitError as e:
-        raise ShardkitError(f"--tp {cfg.tp}: {e}") from None
+    if cfg.pp == 1:
+        try:
+            check_llama_tp(model_config, cfg.tp)
+        except ShardkitError as e:
+            raise ShardkitError(f"--tp {cfg.tp}: {e}") from None
+    for s, t in enumerate(cfg.stage_tp_sizes if cfg.pp > 1 else ()):
+        try:
+            check_llama_stage_tp(model_config, t)
+        except ShardkitError as e:
+            flag = f"--pp-tp {cfg.pp_tp} (stage {s})" if cfg.pp_tp is not None else f"--tp {t}"
+            raise ShardkitError(f"{flag}: {e}") from None
     try:
         check_llama_pp(model_config, cfg.pp)
     except ShardkitError as e:

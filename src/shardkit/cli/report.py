@@ -24,7 +24,8 @@ def _layout(result: dict) -> str:
         return f"{lay['model']}: spatial={lay['spatial']} (frames split along W) x dp={lay['dp']} {where}"
     if lay.get("pp", 1) > 1:
         m = lay["microbatches"]
-        return (f"pp={lay['pp']} x tp={lay['tp']} x dp={lay['dp']}, {lay['schedule']} with "
+        tp = f"tp=({lay['pp_tp']})" if lay.get("pp_tp") else f"tp={lay['tp']}"
+        return (f"pp={lay['pp']} x {tp} x dp={lay['dp']}, {lay['schedule']} with "
                 f"{m} microbatch{'es' if m > 1 else ''} {where}")
     return f"tp={lay['tp']} x dp={lay['dp']} {where}"
 

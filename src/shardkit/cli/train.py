@@ -37,7 +37,9 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--spatial", type=int, help=f"conv-ae: ranks sharing each frame along W (default {d.spatial})")
     p.add_argument("--tp", type=int, help="tensor-parallel degree (default 2; 1 with --pp > 1)")
     p.add_argument("--dp", type=int, help="data-parallel degree (default nproc // (tp * pp))")
-    p.add_argument("--pp", type=int, help=f"pipeline-parallel stages (default {d.pp}; needs --tp 1 for now)")
+    p.add_argument("--pp", type=int, help=f"pipeline-parallel stages (default {d.pp})")
+    p.add_argument("--pp-tp", metavar="T0,T1,...",
+                   help="per-stage tp sizes, e.g. 2,1,1 (pp = their count; sum * dp = nproc)")
     p.add_argument(
         "--microbatches", type=int, help=f"pipeline microbatches per step and dp rank (default {d.microbatches})"
     )

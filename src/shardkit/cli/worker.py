@@ -124,7 +124,12 @@ def _train(cfg: TrainConfig, backend: str, device, t0: float) -> dict | None:
     if cfg.model == "conv-ae":
         return _train_conv_ae(cfg, backend, device, t0)
     rank = dist.get_rank()
-    mesh = ParallelDims(dp=cfg.dp, pp=cfg.pp, tp=cfg.tp).build_mesh(device.type)
+    if cfg.pp > 1:
+        from .pipeline import pipeline_mesh  # stages of different tp sizes are not a rectangle
+
+        mesh = pipeline_mesh(cfg, device.type)
+    else:
+        mesh = ParallelDims(dp=cfg.dp, pp=cfg.pp, tp=cfg.tp).build_mesh(device.type)
     tp_mesh, dp_mesh = mesh["tp"], mesh["dp"]
     tokens = load_tokens(corpus_files(cfg.data))
     sampler = BatchSampler(tokens, cfg.seq_len, cfg.batch_size, cfg.seed)
@@ -179,6 +184,7 @@ def _train(cfg: TrainConfig, backend: str, device, t0: float) -> dict | None:
             "nproc": cfg.nproc,
             "pp": cfg.pp,
             "tp": cfg.tp,
+            "pp_tp": cfg.pp_tp,
             "dp": cfg.dp,
             "microbatches": cfg.microbatches,
             "schedule": cfg.schedule if cfg.pp > 1 else None,

@@ -8,16 +8,26 @@ shape (e.g. sequence length). Gradients are moved explicitly, as in Megatron-LM:
 sends ``input.grad`` back. The loss of each microbatch is scaled by ``1 / M``, so the
 accumulated parameter gradients are those of the mean of the microbatch losses (the full-batch
 mean for equal-size microbatches of a mean loss).
+
+Stages made of tp groups (:class:`~.vtp.StageGroups`): every rank of a stage runs the same
+plan; transfers go through :class:`~.transport.StageTransport` (layouts reshard across the
+boundary, gradients come back with static shapes). The first stage's ranks all take the
+inputs, the last stage's all compute the loss (replicated, Megatron's convention: each rank
+backpropagates it and the TP regions' reductions make the gradients exact).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
+from ..comm import _c10d
 from ..errors import ShardkitError
 from . import p2p
 from .schedules import check_deadlock_free, comm_plan, validate_schedule
-from .stage import PipelineStage, agree_error
+from .stage import PipelineStage
+from .transport import StageTransport
+from .vtp import Replicate
 
 __all__ = ["run_schedule", "split_microbatches"]
 
@@ -40,7 +50,8 @@ def split_microbatches(batch: torch.Tensor, num_microbatches: int) -> list[torch
     return list(batch.split(B // M, dim=0))
 
 
-def run_schedule(stage: PipelineStage, schedule, inputs_microbatches=None, targets_microbatches=None):
+def run_schedule(stage: PipelineStage, schedule, inputs_microbatches=None, targets_microbatches=None, *,
+                 boundary_shapes=None):
     """Run this stage's row of ``schedule`` (forward and backward of every microbatch).
 
     Collective over the pipeline group: every stage calls it with the same table.
@@ -51,15 +62,21 @@ def run_schedule(stage: PipelineStage, schedule, inputs_microbatches=None, targe
             ``one_f_one_b_schedule(P, M)``).
         inputs_microbatches: first stage: ``M`` input tensors (shapes may differ); else ignored.
         targets_microbatches: last stage: ``M`` targets for ``loss_fn``; else ignored.
+        boundary_shapes: None (activations negotiate their shape and dtype: microbatches may
+            differ), or ``P - 1`` pairs ``(full shape, dtype)``, entry ``b`` for the boundary
+            between stages ``b`` and ``b + 1`` (the same on every rank and microbatch): static
+            transfers, one message fewer each (see :mod:`.p2p` for the check mode).
 
     Returns:
-        Last stage: the ``M`` detached, unscaled microbatch losses; other stages: None.
+        Last stage (every rank of it): the ``M`` detached, unscaled microbatch losses; other
+        stages: None.
         Parameter gradients accumulate into ``.grad`` (call ``zero_grad`` between steps).
 
     Raises:
         ShardkitError: on every stage: the table is malformed, has the wrong number of stages
             or cannot run with blocking P2P (pure checks); the first (last) stage was given a
-            number of inputs (targets) other than ``M`` (agreed by one ``all_gather_object``).
+            number of inputs (targets) other than ``M``, or ranks passed different
+            ``boundary_shapes`` (agreed by one ``all_gather_object``).
     """
     op = "run_schedule"
     if not isinstance(stage, PipelineStage):
@@ -67,8 +84,40 @@ def run_schedule(stage: PipelineStage, schedule, inputs_microbatches=None, targe
     P, s = stage.num_stages, stage.stage_index
     M = validate_schedule(schedule, P, op)
     check_deadlock_free(schedule, op)
-    agree_error(stage._info, _data_error(stage, M, inputs_microbatches, targets_microbatches), op)
-    return _execute(stage, comm_plan(schedule[s], s, P), M, inputs_microbatches, targets_microbatches)
+    decls = _boundary_decls(boundary_shapes, P, op)
+    _agree(stage, _data_error(stage, M, inputs_microbatches, targets_microbatches), decls, op)
+    plan = comm_plan(schedule[s], s, P)
+    if stage.stages is not None:
+        return _execute_tp(stage, plan, M, inputs_microbatches, targets_microbatches, decls)
+    return _execute(stage, plan, M, inputs_microbatches, targets_microbatches, decls)
+
+
+def _boundary_decls(shapes, P: int, op: str):
+    if shapes is None:
+        return None
+    try:
+        decls = [(tuple(int(d) for d in shape), dtype) for shape, dtype in shapes]
+    except (TypeError, ValueError):
+        raise ShardkitError(f"{op}: boundary_shapes must be P - 1 pairs (shape, dtype), got {shapes!r}") from None
+    if len(decls) != P - 1 or not all(isinstance(dt, torch.dtype) for _, dt in decls):
+        raise ShardkitError(f"{op}: boundary_shapes must be {P - 1} pairs (shape, torch.dtype), got {shapes!r}")
+    return decls
+
+
+def _agree(stage, error, decls, op: str) -> None:
+    """Raise the same ShardkitError on every rank if any rank has a data error or ranks passed
+    different boundary shapes (one ``all_gather_object`` over the pipeline)."""
+    g = stage._info
+    seen = [(error, repr(decls))]
+    if g.size > 1:
+        seen = [None] * g.size
+        dist.all_gather_object(seen, (error, repr(decls)), group=g.pg)
+    bad = [f"rank {r}: {e}" for r, (e, _) in enumerate(seen) if e is not None]
+    differ = [r for r, (_, d) in enumerate(seen) if d != seen[0][1]]
+    if differ:
+        bad.append(f"ranks {differ} passed boundary_shapes {seen[differ[0]][1]}, rank 0 passed {seen[0][1]}")
+    if bad:
+        raise ShardkitError(f"{op}: {len(bad)} of {g.size} pipeline ranks rejected their arguments: " + "; ".join(bad))
 
 
 def _data_error(stage, M, inputs, targets) -> str | None:
@@ -82,7 +131,7 @@ def _data_error(stage, M, inputs, targets) -> str | None:
     return None
 
 
-def _execute(stage, plan, M, inputs, targets):
+def _execute(stage, plan, M, inputs, targets, decls):
     g = stage.group
     received = {}  # (direction, microbatch) -> tensor from a neighbour
     stash = {}  # microbatch -> (input or None, output or scaled loss)
@@ -102,7 +151,12 @@ def _execute(stage, plan, M, inputs, targets):
             _, direction, m = call.sends[0]
             send = outputs.pop(m) if direction == "F" else grads_out.pop(m)
         fn = getattr(p2p, call.api)
-        got = fn(send, g) if call.sends else fn(g)
+        kw = {}
+        if decls is not None:  # a combined call's two tensors cross the same boundary
+            towards = (call.sends or call.recvs)[0][0]
+            shape, dtype = decls[stage.stage_index if towards == "next" else stage.stage_index - 1]
+            kw = dict(shape=shape, dtype=dtype)
+        got = fn(send, g, **kw) if call.sends else fn(g, **kw)
         if call.recvs:
             _, direction, m = call.recvs[0]
             received[(direction, m)] = got
@@ -123,6 +177,45 @@ def _forward(stage, m, M, inputs, targets, received, stash, losses):
     return None if stage.is_last else y.detach()
 
 
+def _execute_tp(stage, plan, M, inputs, targets, decls):
+    tr = StageTransport(stage.stages, stage.layouts)
+    device = next((p.device for p in stage.module.parameters()), torch.device("cpu"))
+    received, stash, grads_out, outputs, losses = {}, {}, {}, {}, [None] * M
+    grad_decl = {}  # ("send" | "recv", microbatch) -> (full shape, dtype) of a gradient to move
+    dtypes = {}
+    s = stage.stage_index
+
+    def done(key, t, shape):
+        direction, m = key
+        if t is None:  # sent: the gradient of this output comes back with its full shape
+            if direction == "F":
+                grad_decl[("recv", m)] = (shape, dtypes.pop(m))
+            return
+        received[key] = t
+        if direction == "F":  # the gradient of this input goes back with its full shape
+            grad_decl[("send", m)] = (shape, t.dtype)
+    for call in plan:
+        if call.api == "compute":
+            kind, m = call.action
+            if kind == "F":
+                outputs[m] = _forward(stage, m, M, inputs, targets, received, stash, losses)
+            else:
+                grads_out[m] = _backward(stage, m, received, stash)
+            continue
+        sends, recvs = [], []
+        for towards, direction, m in call.sends:
+            x = outputs.pop(m) if direction == "F" else grads_out.pop(m)
+            decl = (decls[s] if decls else None) if direction == "F" else grad_decl.pop(("send", m))
+            sends.append((towards, (direction, m), x, decl))
+            if direction == "F":
+                dtypes[m] = x.dtype
+        for towards, direction, m in call.recvs:
+            decl = (decls[s - 1] if decls else None) if direction == "F" else (lambda m=m: grad_decl.pop(("recv", m)))
+            recvs.append((towards, (direction, m), decl))
+        tr.run(call.api, sends, recvs, device, done)
+    return losses if stage.is_last else None
+
+
 def _backward(stage, m, received, stash):
     x, y = stash.pop(m)
     grad = None if stage.is_last else received.pop(("B", m))
@@ -131,4 +224,8 @@ def _backward(stage, m, received, stash):
     if stage.is_first:
         return None
     # An output that does not depend on the input still owes the previous stage a gradient.
-    return x.grad if x.grad is not None else torch.zeros_like(x)
+    grad = x.grad if x.grad is not None else torch.zeros_like(x)
+    if stage.stages is not None and stage.tp_size > 1 and stage.input_grad == "partial" \
+            and isinstance(stage.layouts[stage.stage_index][0], Replicate):
+        grad = _c10d.all_reduce(grad, stage.stages.tp, "run_schedule", "backward")  # partial sums -> full
+    return grad

@@ -1,0 +1,240 @@
+"""Stages made of several ranks: per-stage tensor-parallel sizes (VTP) and boundary layouts.
+
+A pipeline replica is a process group ``group`` of ``T`` ranks cut into ``P`` stages: stage
+``s`` is the group ranks ``stage_ranks[s]`` (``t_s`` of them, its tp group; the first is the
+stage *leader*, tp rank 0). Sizes may differ per stage, e.g. 4 ranks as ``[[0, 1], [2], [3]]``:
+stage 0 with tp=2, stages 1 and 2 with tp=1 (MindSpeed-MM "VTP", layerwise disaggregated
+training). Every rank of a stage runs the same schedule actions.
+
+A stage boundary tensor (activation forward, its gradient backward) has a *layout* over the
+stage's tp group:
+
+* :class:`Replicate`: every rank holds the full ``[B, S, H]`` (Megatron TP between blocks).
+  Gradient convention: every rank holds the full gradient (Megatron's ``f`` at the entry of a
+  TP region all-reduces the input gradient, ``g``'s backward is the identity), so a replicated
+  boundary moves one copy of the gradient back, as the forward moves one copy of the value.
+* :class:`Shard` ``(dim)``: rank ``i`` holds block ``i`` of a balanced split along ``dim``
+  (:func:`~shardkit._shapes.balanced_split_sizes`; sequence-parallel ``[B, S / t, H]``); the
+  gradient is sharded the same way and each block's gradient is exact (owned by its rank).
+
+With these conventions the gradient has the layout of the value, so the backward of a boundary
+is the same reshard run the other way (:func:`piece_plan` with the roles swapped); the parity
+tests check it against one process.
+
+Reshard (minimal traffic across the boundary, which is the slow, inter-node link): every
+element crosses it exactly once, then the receiving stage completes the layout inside its tp
+group. Rank ``j`` of the receiving stage needs a box of the full tensor (its block, or all of
+it); it gets the intersections with the sending ranks' boxes directly from them. A replicated
+sender serves receiver ``j`` from its rank ``j % t_src`` (the load spreads over the sender's
+links); a replicated receiver gets the full tensor on its leader, which broadcasts it in the
+stage (the MindSpeed-MM VTP protocol), except when both sides are replicated with the same tp
+size, where rank ``i`` sends to rank ``i`` and nothing is broadcast (Megatron-LM's pp x tp).
+A sharded-to-sharded boundary over the same dim and size is then one message per rank pair.
+
+Source: MindSpeed-MM layerwise-disaggregated P2P (VTP leader send + intra-stage broadcast);
+Megatron-LM pipeline x tensor parallelism; the box-intersection reshard of array redistribution
+(e.g. DTensor redistribute), here point to point.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch.distributed as dist
+
+from .._shapes import balanced_split_sizes, split_offsets
+from ..comm._group import resolve_group
+from ..errors import ShardkitError, ShardkitTypeError
+
+__all__ = ["Replicate", "Shard", "StageGroups", "Piece", "local_box", "piece_plan", "new_stage_groups"]
+
+
+@dataclass(frozen=True)
+class Replicate:
+    """Every rank of the stage holds the full tensor (and, backward, the full gradient)."""
+
+    def __repr__(self) -> str:
+        return "Replicate()"
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Rank ``i`` of the stage holds block ``i`` of the balanced split along ``dim`` (>= 0)."""
+
+    dim: int
+
+    def __post_init__(self):
+        if not isinstance(self.dim, int) or isinstance(self.dim, bool) or self.dim < 0:
+            raise ShardkitError(f"Shard: dim must be an int >= 0 (a dim of the full tensor), got {self.dim!r}")
+
+    def __repr__(self) -> str:
+        return f"Shard({self.dim})"
+
+
+def check_layout(layout, what: str):
+    if not isinstance(layout, (Replicate, Shard)):
+        raise ShardkitTypeError(f"{what} must be Replicate() or Shard(dim), got {layout!r}")
+    return layout
+
+
+Box = tuple  # ((start, stop), ...) per dim of the full tensor
+
+
+def local_box(layout, shape, size: int, rank: int) -> Box:
+    """The part of a full tensor of ``shape`` that tp rank ``rank`` of ``size`` holds (pure)."""
+    box = [(0, n) for n in shape]
+    if isinstance(layout, Shard) and size > 1:
+        sizes = balanced_split_sizes(shape[layout.dim], size)
+        off = split_offsets(sizes)[rank]
+        box[layout.dim] = (off, off + sizes[rank])
+    return tuple(box)
+
+
+def _intersect(a: Box, b: Box) -> Box | None:
+    out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
+    return None if any(lo >= hi for lo, hi in out) else out
+
+
+class Piece(NamedTuple):
+    """Sending tp rank ``src`` gives receiving tp rank ``dst`` the ``box`` of the full tensor."""
+
+    src: int
+    dst: int
+    box: Box
+
+
+def leader_mode(src_layout, t_src: int, dst_layout, t_dst: int) -> bool:
+    """Whether the receiving stage's leader gets the full tensor and broadcasts it."""
+    same_replicated = isinstance(src_layout, Replicate) and t_src == t_dst
+    return isinstance(dst_layout, Replicate) and t_dst > 1 and not same_replicated
+
+
+def piece_plan(src_layout, t_src: int, dst_layout, t_dst: int, shape) -> list[Piece]:
+    """Every message across a boundary (pure: every rank computes the same list).
+
+    Ordered by ``(src, dst)``: a sender posts its pieces in increasing ``dst``, a receiver in
+    increasing ``src``, which is deadlock-free even with rendezvous sends (pair ``(i, j)``
+    only waits for pairs with a smaller ``i`` or ``j``). Empty intersections send nothing.
+    """
+    shape = tuple(shape)
+    full = tuple((0, n) for n in shape)
+    if leader_mode(src_layout, t_src, dst_layout, t_dst):
+        wants = {0: full}
+    elif isinstance(dst_layout, Replicate):
+        wants = {j: full for j in range(t_dst)}
+    else:
+        wants = {j: local_box(dst_layout, shape, t_dst, j) for j in range(t_dst)}
+    pieces = []
+    for j, want in wants.items():
+        if isinstance(src_layout, Replicate):
+            box = _intersect(want, full)
+            if box is not None:
+                pieces.append(Piece(j % t_src, j, box))
+            continue
+        for i in range(t_src):
+            box = _intersect(want, local_box(src_layout, shape, t_src, i))
+            if box is not None:
+                pieces.append(Piece(i, j, box))
+    return sorted(pieces)
+
+
+class StageGroups:
+    """Where the stages of one pipeline replica live.
+
+    Args:
+        group: the replica's process group (``ProcessGroup`` or 1-D ``DeviceMesh``) of ``T``
+            ranks; P2P between stages uses its group ranks.
+        stage_ranks: ``P`` lists of group ranks of ``group``, one per stage, leader first;
+            together a partition of ``0..T-1`` (e.g. ``[[0, 1], [2], [3]]``).
+        tp_group: this rank's stage group; its group rank ``i`` must be ``stage_ranks[s][i]``.
+
+    Raises:
+        ShardkitTypeError: bad group types.
+        ShardkitError: on every rank of ``group`` (agreed by one ``all_gather_object``) when
+            ranks passed different ``stage_ranks``, they are not a partition of the group, or a
+            rank's ``tp_group`` does not have its stage's size and rank order.
+    """
+
+    def __init__(self, group, stage_ranks, tp_group) -> None:
+        op = "StageGroups"
+        g = resolve_group(group, op)
+        tp = resolve_group(tp_group, op)
+        ranks, error = _normalize(stage_ranks, g.size)
+        s = i = None
+        if error is None:
+            s, i = next((s, r.index(g.rank)) for s, r in enumerate(ranks) if g.rank in r)
+            if tp.size != len(ranks[s]) or tp.rank != i:
+                error = (f"its tp_group has size {tp.size} and rank {tp.rank}, but stage {s} is group ranks "
+                         f"{list(ranks[s])} (size {len(ranks[s])}, this rank at position {i})")
+        seen = [None] * g.size
+        dist.all_gather_object(seen, (ranks, error), group=g.pg)
+        bad = [f"rank {r}: {e}" for r, (_, e) in enumerate(seen) if e is not None]
+        differ = [r for r, (rk, _) in enumerate(seen) if rk != seen[0][0]]
+        if differ:
+            bad.append(f"ranks {differ} passed stage_ranks {seen[differ[0]][0]} but rank 0 passed {seen[0][0]}")
+        if bad:
+            raise ShardkitError(f"{op}: mismatched stage layout over {g.size} ranks: " + "; ".join(bad))
+        self.group, self.tp_group, self.info, self.tp = group, tp_group, g, tp
+        self.stage_ranks = ranks
+        self.stage_index, self.tp_rank = s, i
+        self.num_stages = len(ranks)
+        self.tp_sizes = tuple(len(r) for r in ranks)
+
+    @property
+    def is_leader(self) -> bool:
+        return self.tp_rank == 0
+
+    def __repr__(self) -> str:
+        return f"StageGroups(stage_ranks={[list(r) for r in self.stage_ranks]}, stage={self.stage_index})"
+
+
+def _normalize(stage_ranks, size: int):
+    """``(tuple of tuples, None)`` or ``(something comparable, error text)``; pure."""
+    try:
+        ranks = tuple(tuple(int(r) for r in stage) for stage in stage_ranks)
+    except (TypeError, ValueError):
+        return repr(stage_ranks), f"stage_ranks must be lists of ints, got {stage_ranks!r}"
+    flat = sorted(r for stage in ranks for r in stage)
+    if not ranks or any(not stage for stage in ranks) or flat != list(range(size)):
+        return ranks, (f"stage_ranks {[list(r) for r in ranks]} must be non-empty lists that together hold every "
+                       f"group rank 0..{size - 1} exactly once (sum of stage tp sizes = {len(flat)}, group size {size})")
+    return ranks, None
+
+
+def new_stage_groups(tp_sizes, dp: int = 1):
+    """Create the groups of ``dp`` pipeline replicas whose stages have tp sizes ``tp_sizes``.
+
+    Collective over the default process group (``dist.new_group`` is), which must have
+    ``dp * sum(tp_sizes)`` ranks laid out as ``rank = d * T + offset_s + i`` (replica ``d``,
+    stage ``s`` starting at ``offset_s``, tp rank ``i``), the order of a ``(dp, pp, tp)``
+    DeviceMesh when sizes are uniform.
+
+    Returns:
+        ``(StageGroups, dp_group)``: this rank's stages and the ``dp`` ranks holding the same
+        stage and tp rank in every replica (for gradient averaging).
+
+    Raises:
+        ShardkitError: sizes not ints >= 1, or ``dp * sum(tp_sizes)`` != the world size.
+    """
+    sizes = list(tp_sizes)
+    if not sizes or any(not isinstance(t, int) or isinstance(t, bool) or t < 1 for t in sizes) or dp < 1:
+        raise ShardkitError(f"new_stage_groups: tp_sizes must be ints >= 1 and dp >= 1, got {tp_sizes!r}, dp={dp}")
+    T, world, me = sum(sizes), dist.get_world_size(), dist.get_rank()
+    if T * dp != world:
+        raise ShardkitError(f"new_stage_groups: dp={dp} x sum(tp_sizes {sizes}) = {T * dp} ranks, world has {world}")
+    offsets = split_offsets(sizes)
+    mine = {}
+    for d in range(dp):  # the same new_group calls in the same order on every rank
+        pg = dist.new_group(list(range(d * T, (d + 1) * T)))
+        for s, t in enumerate(sizes):
+            tp = dist.new_group([d * T + offsets[s] + i for i in range(t)])
+            if d * T + offsets[s] <= me < d * T + offsets[s] + t:
+                mine = dict(pg=pg, tp=tp)
+    dp_group = None
+    for k in range(T):
+        pg = dist.new_group([d * T + k for d in range(dp)])
+        if me % T == k:
+            dp_group = pg
+    stage_ranks = [[offsets[s] + i for i in range(t)] for s, t in enumerate(sizes)]
+    return StageGroups(mine["pg"], stage_ranks, mine["tp"]), dp_group
