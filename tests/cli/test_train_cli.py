@@ -81,6 +81,11 @@ def test_missing_toml(tmp_path):
     (dict(pp=2, microbatches=3), "--batch-size 8 .* divisible by dp=2 x microbatches=3"),
     (dict(microbatches=2), "--microbatches 2 needs --pp > 1"),
     (dict(pp=2, schedule="zb"), "--schedule must be one of 1f1b, gpipe"),
+    (dict(model="qwen3", pp=2), "--model qwen3: pipeline stages .* llama only"),
+    (dict(model="llama", ep=2), "--ep 2 needs a mixture-of-experts model"),
+    (dict(model="moe", ep=4), "--ep 4 must equal --tp 2"),
+    (dict(model="moe", tp=4, nproc=8, heads=2, hidden_size=64, kv_heads=1), "--tp 4: 2 attention heads cannot be split"),
+    (dict(model="mla", experts=0), "--experts must be >= 1"),
 ])
 def test_invalid_layouts(kwargs, match):
     with pytest.raises(ShardkitError, match=match):
@@ -244,6 +249,17 @@ def test_end_to_end_pipeline_tp_verify():
                      "--batch-size", "4", "--microbatches", "2", timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "pp=2 x tp=2 x dp=1, 1f1b with 2 microbatches" in proc.stdout and "PASSED" in proc.stdout
+
+
+@pytest.mark.parametrize("args,layout", [
+    (["--model", "moe", "--ep", "2", "--loss-parallel"], "moe: tp=2 (ep=2), loss parallel x dp=2"),
+    (["--model", "mla", "--tp", "4"], "mla: tp=4 x dp=1"),
+])
+def test_end_to_end_hf_models_verify(args, layout):
+    # About 20-30 s each on 2 cores (4 spawned ranks).
+    proc = _shardkit("train", *args, "--steps", "2", "--verify", "--seq-len", "32", "--batch-size", "4", timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert layout in proc.stdout and "PASSED" in proc.stdout
 
 
 def test_bad_layout_fails_before_launch():

@@ -18,7 +18,10 @@ __all__ = ["TrainConfig", "DTYPES", "SCHEDULES", "MODELS", "load_toml", "merge_c
 
 DTYPES = ("float32", "float64", "bfloat16")
 SCHEDULES = ("1f1b", "gpipe")
-MODELS = ("llama", "conv-ae")
+# Causal LMs trained with tensor (+ expert) parallelism; "llama" also with pp and sequence
+# parallelism. "moe" is Qwen3-MoE, "mla" DeepSeek-V2 (multi-head latent attention + MoE).
+LM_MODELS = ("llama", "qwen2", "qwen3", "moe", "mla")
+MODELS = (*LM_MODELS, "conv-ae")
 
 
 @dataclass(frozen=True)
@@ -30,13 +33,16 @@ class TrainConfig:
     heads (head dim 16), so tp=2 keeps whole heads per rank.
     """
 
-    model: str = "llama"  # "llama" (tp x dp or pp x dp) or "conv-ae" (spatial)
+    model: str = "llama"  # see MODELS: a causal LM (tp x dp; llama also pp) or "conv-ae" (spatial)
     nproc: int | None = None  # None: 4 for llama, spatial for conv-ae
     spatial: int = 1  # conv-ae only: ranks sharing each frame along W
     tp: int | None = None  # None: 2 without a pipeline, 1 with --pp > 1 (the same tp in every stage)
     pp_tp: str | None = None  # per-stage tp sizes "2,1,1" (VTP): pp = their count, sum * dp = nproc
     dp: int | None = None  # None: nproc // (tp * pp)
     pp: int = 1
+    ep: int = 1  # moe / mla: experts sharded over the tp ranks (ep == tp) with all-to-all dispatch
+    loss_parallel: bool = False  # vocab-sharded logits and loss (never the full [B, S, V] logits)
+    experts: int = 4  # moe / mla: routed experts (top-2)
     microbatches: int = 1  # per step and dp rank; pp > 1 only
     schedule: str = "1f1b"  # pipeline schedule: "1f1b" or "gpipe"
     steps: int = 20
@@ -160,6 +166,7 @@ def validate_config(cfg: TrainConfig, world_size: int | None = None) -> TrainCon
         return _validate_conv_ae(cfg)
     if cfg.spatial != 1:
         raise ShardkitError(f"--spatial {cfg.spatial} needs --model conv-ae (llama uses --tp/--pp/--dp)")
+    _validate_lm_kind(cfg)
     if cfg.nproc is None:
         cfg = dataclasses.replace(cfg, nproc=4)
     if cfg.pp_tp is not None:
@@ -202,6 +209,24 @@ def validate_config(cfg: TrainConfig, world_size: int | None = None) -> TrainCon
         raise ShardkitError(f"--batch-size {cfg.batch_size} (global) must be divisible by {what}")
     _validate_model(cfg)
     return cfg
+
+
+def _validate_lm_kind(cfg: TrainConfig) -> None:
+    """Options that depend on which causal LM is trained (checked before the layout)."""
+    if cfg.model != "llama":
+        if cfg.pp != 1 or cfg.pp_tp is not None:
+            raise ShardkitError(f"--model {cfg.model}: pipeline stages (--pp, --pp-tp) are built for llama only")
+        if cfg.model_path is not None:
+            raise ShardkitError(f"--model-path loads Llama checkpoints; --model {cfg.model} is built from its config")
+    if cfg.ep != 1:
+        if cfg.model not in ("moe", "mla"):
+            raise ShardkitError(f"--ep {cfg.ep} needs a mixture-of-experts model (--model moe or mla)")
+        if cfg.ep != (cfg.tp or 2):
+            raise ShardkitError(f"--ep {cfg.ep} must equal --tp {cfg.tp or 2}: experts are sharded over the tp ranks")
+    if cfg.loss_parallel and cfg.pp != 1:
+        raise ShardkitError("--loss-parallel is for tp x dp runs (not --pp)")
+    if cfg.experts < 1:
+        raise ShardkitError(f"--experts must be >= 1, got {cfg.experts}")
 
 
 def _validate_conv_ae(cfg: TrainConfig) -> TrainConfig:
@@ -265,11 +290,14 @@ def _validate_model(cfg: TrainConfig) -> None:
         model_config = model_config_from_path(cfg.model_path)
         if model_config.vocab_size < 256:
             raise ShardkitError(f"--model-path: vocab_size {model_config.vocab_size} < 256 (byte-level tokens)")
-    if cfg.pp == 1:
+    if cfg.pp == 1 and uses_apply_llama_tp(cfg):
         try:
             check_llama_tp(model_config, cfg.tp)
         except ShardkitError as e:
             raise ShardkitError(f"--tp {cfg.tp}: {e}") from None
+    elif cfg.pp == 1 and model_config.num_attention_heads < cfg.tp:
+        raise ShardkitError(f"--tp {cfg.tp}: {model_config.num_attention_heads} attention heads cannot be split "
+                            f"over {cfg.tp} ranks (whole heads per rank)")
     for s, t in enumerate(cfg.stage_tp_sizes if cfg.pp > 1 else ()):
         try:
             check_llama_stage_tp(model_config, t)
@@ -280,6 +308,12 @@ def _validate_model(cfg: TrainConfig) -> None:
         check_llama_pp(model_config, cfg.pp)
     except ShardkitError as e:
         raise ShardkitError(f"--pp {cfg.pp}: {e}") from None
+
+
+def uses_apply_llama_tp(cfg: TrainConfig) -> bool:
+    """Llama without --loss-parallel keeps tensor + sequence parallelism (apply_llama_tp);
+    every other causal LM is sharded by its own Hugging Face plan through apply_tp."""
+    return cfg.model == "llama" and not cfg.loss_parallel
 
 
 def model_config_from_path(path: str):

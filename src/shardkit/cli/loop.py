@@ -60,6 +60,7 @@ def run_steps(
     rows: Callable[[torch.Tensor], torch.Tensor] = lambda batch: batch,
     reduce_loss: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss,
     on_step: Callable[[int, float], None] | None = None,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = causal_lm_loss,
 ) -> list[float]:
     """Train ``steps`` steps; return each step's loss, the mean over the global batch.
 
@@ -72,11 +73,12 @@ def run_steps(
         rows: the global batch -> this rank's rows ``[B / dp, S]``.
         reduce_loss: this rank's mean loss (0-d) -> the global mean (0-d).
         on_step: called as ``on_step(step, loss)`` after each step.
+        loss_fn: ``loss_fn(logits, ids)``; the vocab-parallel loss for vocab-sharded logits.
     """
     losses = []
     for step in range(steps):
         ids = rows(sampler.next_batch()).to(device)
-        loss = causal_lm_loss(model(input_ids=ids).logits, ids)
+        loss = loss_fn(model(input_ids=ids).logits, ids)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

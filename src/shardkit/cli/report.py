@@ -27,7 +27,9 @@ def _layout(result: dict) -> str:
         tp = f"tp=({lay['pp_tp']})" if lay.get("pp_tp") else f"tp={lay['tp']}"
         return (f"pp={lay['pp']} x {tp} x dp={lay['dp']}, {lay['schedule']} with "
                 f"{m} microbatch{'es' if m > 1 else ''} {where}")
-    return f"tp={lay['tp']} x dp={lay['dp']} {where}"
+    extras = "".join([f" (ep={lay['ep']})" if lay.get("ep", 1) > 1 else "",
+                      ", loss parallel" if lay.get("loss_parallel") else ""])
+    return f"{lay.get('model', 'llama')}: tp={lay['tp']}{extras} x dp={lay['dp']} {where}"
 
 
 def print_summary(result: dict, console: Console) -> None:

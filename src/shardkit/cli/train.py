@@ -27,8 +27,9 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "train",
         help="train a small Llama with tensor + sequence, pipeline and data parallelism",
-        description="Train a Hugging Face LlamaForCausalLM with tp (tensor + sequence parallel, shardkit "
-        "collectives) x dp (DDP), or pp (pipeline stages, 1F1B or GPipe) x dp, on real text, byte-level tokens.",
+        description="Train a Hugging Face causal LM (Llama, Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V2) with tp "
+        "(tensor parallel from the model's own plan; Llama: + sequence parallel) x dp (DDP), experts sharded "
+        "with --ep, or Llama pp (pipeline stages, 1F1B or GPipe) x dp, on real text, byte-level tokens.",
     )
     p.add_argument("--config", metavar="FILE.toml", help="TOML file of options (keys: option names with underscores)")
     p.add_argument("--model", choices=MODELS, help=f"what to train (default {d.model}; conv-ae: a convolutional "
@@ -38,6 +39,11 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, help="tensor-parallel degree (default 2; 1 with --pp > 1)")
     p.add_argument("--dp", type=int, help="data-parallel degree (default nproc // (tp * pp))")
     p.add_argument("--pp", type=int, help=f"pipeline-parallel stages (default {d.pp})")
+    p.add_argument("--ep", type=int, help="moe / mla: expert-parallel degree, equal to --tp (experts dispatched "
+                   "all-to-all over the tp ranks; default: tensor-parallel experts)")
+    p.add_argument("--loss-parallel", action=argparse.BooleanOptionalAction,
+                   help="keep the logits vocab-sharded and use the vocab-parallel cross entropy")
+    p.add_argument("--experts", type=int, help=f"moe / mla: routed experts, top-2 (default {d.experts})")
     p.add_argument("--pp-tp", metavar="T0,T1,...",
                    help="per-stage tp sizes, e.g. 2,1,1 (pp = their count; sum * dp = nproc)")
     p.add_argument(

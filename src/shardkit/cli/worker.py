@@ -22,10 +22,12 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from .. import CommLedger, ParallelDims, all_reduce_forward
 from ..comm import ledger as _ledger
-from ..tensor_parallel import apply_llama_tp, gather_full_state_dict
-from .config import TrainConfig
+from ..expert_parallel import ep_plan
+from ..tensor_parallel import apply_llama_tp, apply_tp, gather_full_state_dict
+from ..tensor_parallel.loss import vocab_parallel_cross_entropy
+from .config import TrainConfig, uses_apply_llama_tp
 from .data import BatchSampler, corpus_files, load_tokens, local_rows
-from .loop import make_optimizer, run_steps
+from .loop import causal_lm_loss, make_optimizer, run_steps
 from .model import build_model
 from .progress import TrainProgress
 from .verify import compare_runs, reference_run
@@ -110,6 +112,25 @@ def _run_record(cfg, losses, memory, device, ledger, t_setup: float, t_train: fl
 
 
 @record
+def _tensor_parallel(model, cfg: TrainConfig, tp_mesh):
+    """Llama: tensor + sequence parallelism; other models (and --loss-parallel): their own HF plan
+    through apply_tp, with the config's expert-parallel plan under --ep."""
+    if uses_apply_llama_tp(cfg):
+        return apply_llama_tp(model, tp_mesh)
+    plan = ep_plan(model) if cfg.ep > 1 else None
+    # Norms and routers stay replicated by design, so the plan check's "unsharded" list is expected.
+    return apply_tp(model, tp_mesh, plan, loss_parallel=cfg.loss_parallel, check="off")
+
+
+def _vocab_parallel_loss(tp_mesh):
+    """:func:`.loop.causal_lm_loss` on vocab-sharded logits ``[B, S, V_r]``."""
+
+    def loss_fn(logits, ids):
+        return vocab_parallel_cross_entropy(logits[:, :-1], ids[:, 1:], tp_mesh)
+
+    return loss_fn
+
+
 def worker_main(cfg: TrainConfig, local_launch: bool) -> dict | None:
     """Entry point of every rank. Returns rank 0's result dict, None on other ranks."""
     t0 = time.perf_counter()
@@ -142,7 +163,7 @@ def _train(cfg: TrainConfig, backend: str, device, t0: float) -> dict | None:
         stage = build_stage(model, mesh, cfg, device)
         model = stage.module  # the full model's other stages are dropped with it
     else:
-        model = _wrap_dp(apply_llama_tp(model, tp_mesh).to(device), dp_mesh, device)
+        model = _wrap_dp(_tensor_parallel(model, cfg, tp_mesh).to(device), dp_mesh, device)
     optimizer = make_optimizer(model, cfg)
     dp_rank, dp = dp_mesh.get_local_rank(), dp_mesh.size()
     t_setup = time.perf_counter() - t0
@@ -165,6 +186,7 @@ def _train(cfg: TrainConfig, backend: str, device, t0: float) -> dict | None:
                 device=device,
                 reduce_loss=lambda loss: all_reduce_forward(loss, dp_mesh) / dp,
                 on_step=progress.update if progress else None,
+                loss_fn=_vocab_parallel_loss(tp_mesh) if cfg.loss_parallel else causal_lm_loss,
             )
         t_train = time.perf_counter() - t1
 
@@ -185,6 +207,9 @@ def _train(cfg: TrainConfig, backend: str, device, t0: float) -> dict | None:
             "pp": cfg.pp,
             "tp": cfg.tp,
             "pp_tp": cfg.pp_tp,
+            "model": cfg.model,
+            "ep": cfg.ep,
+            "loss_parallel": cfg.loss_parallel,
             "dp": cfg.dp,
             "microbatches": cfg.microbatches,
             "schedule": cfg.schedule if cfg.pp > 1 else None,

@@ -11,6 +11,7 @@ from .dcp import load_sharded_checkpoint, save_sharded_checkpoint
 from .embedding import EmbeddingParallel
 from .gather import gather_full_grads, gather_full_state_dict, unwrap
 from .llama import apply_llama_tp, check_llama_tp
+from .loss import vocab_parallel_cross_entropy
 from .moe import MoeIdentityExpert, MoeTensorParallelExperts
 from .plan import PlanReport, default_styles, model_tp_plan, verify_tp_plan
 from .replicated import MlaKvAProjParallel, ReplicatedWithGradAllReduce, SequenceParallel
@@ -28,6 +29,7 @@ from .styles import (
 
 __all__ = [
     "apply_tp",
+    "vocab_parallel_cross_entropy",
     "load_sharded",
     "SafetensorsCheckpoint",
     "materialize_meta",

@@ -24,7 +24,7 @@ from ..comm._group import resolve_group
 from ..errors import ShardkitError, ShardkitTypeError
 from .heads import attention_head_ranges
 from .plan import CompiledPlan, model_tp_plan, verify_tp_plan
-from .styles import ColwiseParallel, RowwiseParallel, StyleContext
+from .styles import ColwiseParallel, RowwiseParallel, SharedInputReduce, StyleContext
 
 __all__ = ["apply_tp"]
 
@@ -95,6 +95,7 @@ def apply_tp(model: nn.Module, tp_mesh, plan: dict | None = None, *, loss_parall
         return model
     heads = _head_ranges(model, compiled, g.size)
     memo: dict = {}
+    shared_f = SharedInputReduce(tp_mesh)
     for name, module in list(model.named_modules()):
         ratios = getattr(module, "_shardkit_kv_groups", None)
         if ratios is not None:
@@ -105,10 +106,10 @@ def apply_tp(model: nn.Module, tp_mesh, plan: dict | None = None, *, loss_parall
             full = f"{name}.{pname}" if name else pname
             prule = compiled.match(full)
             if prule is not None and not (mrule is not None and prule[1] is mrule[1]):
-                ctx = StyleContext(tp_mesh, g, full, model, memo, heads.get(full))
+                ctx = StyleContext(tp_mesh, g, full, model, memo, heads.get(full), shared_f)
                 prule[1].shard_param(module, pname, ctx)
         if mrule is not None:
-            mrule[1].apply_module(module, StyleContext(tp_mesh, g, name, model, memo, heads.get(name)))
+            mrule[1].apply_module(module, StyleContext(tp_mesh, g, name, model, memo, heads.get(name), shared_f))
     if loss_parallel:
         _use_vocab_parallel_loss(model, tp_mesh)
     return model

@@ -25,6 +25,7 @@ Hugging Face transformers' tensor parallelism and PyTorch DTensor ``parallelize_
 from __future__ import annotations
 
 import types
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -56,6 +57,34 @@ __all__ = [
 ]
 
 
+class SharedInputReduce:
+    """Megatron's ``f`` applied once to an input that sibling colwise layers share.
+
+    q/k/v (and gate/up) all read the same hidden states; wrapping that tensor once lets their
+    three input gradients add up locally before a single all-reduce, instead of one all-reduce
+    each (Megatron-LM fuses them the same way with one qkv matmul). The last input seen is held
+    by weak reference and reused only for the identical tensor object under the same grad mode
+    (a checkpointed recompute, run with grad enabled, gets a fresh ``f``). The wrapped tensor is
+    held strongly (a Python tensor object whose only other owner is the autograd graph can be
+    freed and re-created, which a weak reference cannot follow); it aliases the input, so this
+    keeps at most one activation alive between steps.
+    """
+
+    def __init__(self, group) -> None:
+        self.group = group
+        self._key: tuple | None = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        grad_mode = torch.is_grad_enabled()
+        if self._key is not None:
+            x_ref, y, mode = self._key
+            if x_ref() is x and mode == grad_mode:
+                return y
+        y = all_reduce_backward(x, self.group)
+        self._key = (weakref.ref(x), y, grad_mode)
+        return y
+
+
 @dataclass
 class StyleContext:
     """What a style needs besides the module: the group and, inside ``apply_tp``, the model.
@@ -67,6 +96,8 @@ class StyleContext:
         model: the root model (its ``config`` is read by some styles), or None.
         memo: shared parameters already cut (tied weights), see :func:`.spec.shard_parameter`.
         ranges: explicit per-rank ranges of the sharded dim (whole attention heads), or None.
+        input_reduce: the ``f`` shared by the colwise layers of one ``apply_tp`` call, or None
+            (each colwise layer then applies its own).
     """
 
     group: object
@@ -75,6 +106,7 @@ class StyleContext:
     model: nn.Module | None = None
     memo: dict = field(default_factory=dict)
     ranges: tuple | None = None
+    input_reduce: SharedInputReduce | None = None
 
     @classmethod
     def of(cls, group, op: str) -> StyleContext:
@@ -186,10 +218,9 @@ class ColwiseParallel(ParallelStyle):
             shard_parameter(module, "bias", ShardSpec(0, spec.full_size, spec.ranges, ctx.group), ctx.info.rank, ctx.memo)
         group = ctx.group
         if self.reduce_input_grad:
+            f = ctx.input_reduce or (lambda x: all_reduce_backward(x, group))
             module.register_forward_pre_hook(
-                lambda m, args, kwargs: replace_input(args, kwargs, lambda x: all_reduce_backward(x, group), "input"),
-                with_kwargs=True,
-            )
+                lambda m, args, kwargs: replace_input(args, kwargs, f, "input"), with_kwargs=True)
         if self.gather_output:
             if spec.overlapping or len(spec.ranges[0]) != 1:
                 raise ShardkitError(f"{ctx.name}: gather_output needs plain (not packed or replicated) shards")
