@@ -73,7 +73,7 @@ def test_conv_ae_layout():
     (dict(model="conv-ae", spatial=2, nproc=4), "spatial=2 x dp=1 = 2 ranks, but --nproc is 4"),
     (dict(model="conv-ae", spatial=11), "--spatial 11: .* fewer than 8 columns"),
     (dict(model="conv-ae", spatial=0), "--spatial must be >= 1"),
-    (dict(model="resnet"), "--model must be one of llama, conv-ae"),
+    (dict(model="resnet"), "--model must be one of llama, qwen2, qwen3, moe, mla, conv-ae"),
 ])
 def test_invalid_conv_ae_options(kwargs, match):
     with pytest.raises(ShardkitError, match=match):
