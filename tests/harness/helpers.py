@@ -23,11 +23,15 @@ An assertion that fails on one rank only would send the ranks down different hyp
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["all_true", "get_mesh", "rank", "subgroup", "world_group", "world_size"]
+__all__ = ["all_true", "get_mesh", "rank", "remove_shared_dir", "shared_tmpdir", "subgroup", "world_group", "world_size"]
 
 _MESHES: dict[tuple[tuple[int, ...], tuple[str, ...]], DeviceMesh] = {}
 _SUBGROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
@@ -82,3 +86,23 @@ def all_true(flag: bool) -> bool:
     t = torch.tensor([1 if flag else 0], dtype=torch.int32)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return bool(t.item())
+
+
+def shared_tmpdir(prefix: str) -> str:
+    """A fresh directory made by rank 0, its name broadcast to the world (collective).
+
+    Starts with a patient barrier (gloo's monitored_barrier takes its own timeout): on a busy
+    machine the ranks can reach a test far apart (e.g. still importing transformers), more than
+    the test process group's timeout.
+    """
+    dist.monitored_barrier(timeout=timedelta(seconds=150))
+    box = [tempfile.mkdtemp(prefix=prefix) if rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def remove_shared_dir(path: str) -> None:
+    """Collective: once every rank is done with ``path``, rank 0 deletes it."""
+    dist.barrier()
+    if rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)

@@ -8,9 +8,6 @@ the replicated tensors; bad checkpoints raise on every rank.
 """
 
 import os
-import shutil
-import tempfile
-from datetime import timedelta
 
 import pytest
 import safetensors.torch
@@ -18,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from harness.helpers import rank, subgroup, world_group
+from harness.helpers import rank, remove_shared_dir, shared_tmpdir, subgroup, world_group
 from hf_models import VOCAB, build
 from shardkit.errors import ShardkitError
 from shardkit.tensor_parallel import apply_tp, gather_full_grads, gather_full_state_dict, shard_spec
@@ -31,21 +28,10 @@ from transformers import (  # noqa: E402, F401
 
 
 def _shared_dir() -> str:
-    """A fresh directory made by rank 0, its name broadcast to the world.
-
-    Starts with a patient barrier (gloo's monitored_barrier takes its own timeout): on a busy
-    machine the ranks finish importing transformers' modeling code far apart, more than the
-    test process group's timeout."""
-    dist.monitored_barrier(timeout=timedelta(seconds=150))
-    box = [tempfile.mkdtemp(prefix="shardkit_ckpt_") if rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    return shared_tmpdir("shardkit_ckpt_")
 
 
-def _cleanup(path: str) -> None:
-    dist.barrier()
-    if rank() == 0:
-        shutil.rmtree(path, ignore_errors=True)
+_cleanup = remove_shared_dir
 
 
 def _meta(kind: str):
