@@ -37,9 +37,13 @@ def _pairs(value, k: int, name: str, op: str):
     return list(value)
 
 
-def tiled_conv(nd, op, x, weight, bias, group, dim, stride, padding, dilation, groups, padding_mode, sizes,
-               channels_last, sum_param_grads):
-    """:func:`spatial_conv2d` / :func:`spatial_conv3d` when ``dim`` and ``group`` are sequences."""
+def tile_entry(nd: int, op: str, x, group, dim, sizes, channels_last: bool):
+    """Shared argument checks of the tiled convolutions (one group and one dim per tiled axis).
+
+    Returns:
+        ``(dims, k, infos, xc, dcs, sizes)``: the user dims, their count, the resolved groups,
+        the channels-first input, its tiled dims, and the per-axis sizes (None entries: infer).
+    """
     dims = _pairs(dim, len(dim), "dim", op)
     k = len(dims)
     grps = _pairs(group, k, "group", op)
@@ -56,6 +60,13 @@ def tiled_conv(nd, op, x, weight, bias, group, dim, stride, padding, dilation, g
         raise ShardkitError(f"{op}: dims {dims} must be distinct spatial dims (spatial dims {spatial})")
     xc = x.movedim(-1, 1) if channels_last else x
     dcs = [d + 1 if channels_last else d for d in ds]
+    return dims, k, infos, xc, dcs, all_sizes
+
+
+def tiled_conv(nd, op, x, weight, bias, group, dim, stride, padding, dilation, groups, padding_mode, sizes,
+               channels_last, sum_param_grads):
+    """:func:`spatial_conv2d` / :func:`spatial_conv3d` when ``dim`` and ``group`` are sequences."""
+    dims, k, infos, xc, dcs, all_sizes = tile_entry(nd, op, x, group, dim, sizes, channels_last)
     kernel, stride, dilation, pads = conv_geometry(xc, weight, bias, groups, nd, stride, padding, dilation, padding_mode, op)
     all_sizes = [local_sizes(xc, g, dc, sz, op) for g, dc, sz in zip(infos, dcs, all_sizes)]
     lens = list(xc.shape[2:])

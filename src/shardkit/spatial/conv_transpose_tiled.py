@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import torch
 
-from ..comm._validate import dim_of, enter, expected_size, local_sizes, maybe_agree
-from ..errors import ShardkitError
+from ..comm._validate import local_sizes
 from ._meta import keep_graph_empty
 from ._sizes import per_dim
 from .conv import _SumParamGrads
-from .conv_tiled import _pairs
+from .conv_tiled import tile_entry
 from .halo import exchange, plan_for
 
 __all__ = ["tiled_conv_transpose"]
@@ -35,22 +34,7 @@ def tiled_conv_transpose(nd, op, x, weight, bias, group, dim, stride, padding, o
     from .conv_transpose import _CONVT, _check_geometry, _check_weight, transpose_bounds, transpose_input_ranges
     from .conv_transpose import transpose_out_len
 
-    dims = _pairs(dim, len(dim), "dim", op)
-    k = len(dims)
-    grps = _pairs(group, k, "group", op)
-    all_sizes = [None] * k if sizes is None else _pairs(sizes, k, "sizes", op)
-    infos = [enter(x, gr, op) for gr in grps]
-    for g, dm, sz in zip(infos, dims, all_sizes):
-        maybe_agree(g, op, x, (dm, int(bool(channels_last)), int(x.requires_grad), sz), local_dim=dm,
-                    expected_local=expected_size(sz, g.rank))
-    if x.dim() != nd + 2:
-        raise ShardkitError(f"{op}: expected a {nd + 2}-d input, got shape {tuple(x.shape)}")
-    ds = [dim_of(x, dm, op) for dm in dims]
-    spatial = list(range(1, nd + 1)) if channels_last else list(range(2, nd + 2))
-    if any(d not in spatial for d in ds) or len(set(ds)) != k:
-        raise ShardkitError(f"{op}: dims {dims} must be distinct spatial dims (spatial dims {spatial})")
-    xc = x.movedim(-1, 1) if channels_last else x
-    dcs = [d + 1 if channels_last else d for d in ds]
+    dims, k, infos, xc, dcs, all_sizes = tile_entry(nd, op, x, group, dim, sizes, channels_last)
     _check_weight(xc, weight, bias, groups, nd, op)
     kernel = tuple(weight.shape[2:])
     stride, dilation = per_dim(stride, nd, "stride", op, 1), per_dim(dilation, nd, "dilation", op, 1)

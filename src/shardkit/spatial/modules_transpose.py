@@ -14,6 +14,7 @@ from ..comm._group import resolve_group
 from ..comm._validate import dim_of
 from ..errors import ShardkitError, ShardkitTypeError
 from ._meta import gather_sizes
+from .modules import _SpatialConvMixin
 from .conv_transpose import spatial_conv_transpose1d, spatial_conv_transpose2d, spatial_conv_transpose3d
 
 __all__ = ["SpatialConvTranspose1d", "SpatialConvTranspose2d", "SpatialConvTranspose3d"]
@@ -29,19 +30,7 @@ class _SpatialConvTransposeMixin:
         type(self)._base.__init__(self, in_channels, out_channels, kernel_size, stride=stride, padding=padding,
                                   output_padding=output_padding, groups=groups, bias=bias, dilation=dilation,
                                   padding_mode=padding_mode, device=device, dtype=dtype)
-        name = type(self).__name__
-        if isinstance(dim, (tuple, list)) and isinstance(group, (tuple, list)) and len(dim) == len(group) > 0:
-            dims, grps = tuple(dim), tuple(group)  # tiles: one group per sharded dim
-        else:
-            dims, grps = (dim,), (group,)
-        for d, g in zip(dims, grps):
-            if isinstance(d, bool) or not isinstance(d, int):
-                raise ShardkitTypeError(f"{name}: dim must be an int (or a sequence of ints with one group each), got {dim!r}")
-            resolve_group(g, name)  # fail at construction on a bad group, not in the first forward
-        if len(dims) > 1:
-            dim, group = dims, grps
-        self.group, self.dim, self.channels_last = group, dim, bool(channels_last)
-        self.infer_sizes = False  # set by apply_spatial: all-gather the split sizes in forward
+        _SpatialConvMixin._setup(self, group, dim, channels_last)  # the same group/dim checks
 
     def forward(self, x: torch.Tensor, sizes=None) -> torch.Tensor:
         """This rank's outputs; ``sizes``: every rank's input size along ``dim`` (None = equal,
