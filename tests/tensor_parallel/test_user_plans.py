@@ -192,3 +192,14 @@ def test_bad_plans_raise_on_every_rank():
         apply_tp(MLP(), world_group(), {"up": "colwise", "down": "rowwise", "nope": "colwise"}, check="error")
     with pytest.raises(ShardkitError, match="several plan rules"):
         apply_tp(MLP(), world_group(), {"up": "colwise", "u*": "rowwise", "down": "rowwise"}, check="off")
+
+
+def test_chunk_semantics_match_torch_chunk():
+    """Shards follow torch.chunk (and DTensor Shard): 16 rows on 14 ranks -> eight 2s, six empty."""
+    from shardkit._shapes import chunk_sizes
+
+    assert chunk_sizes(16, 14) == [2] * 8 + [0] * 6
+    for n in range(0, 30):
+        for r in range(1, 9):
+            chunks = [len(c) for c in torch.arange(n).chunk(r)] if n else []
+            assert chunk_sizes(n, r) == chunks + [0] * (r - len(chunks))
