@@ -16,8 +16,8 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=10, num_hidden
               num_key_value_heads=2, head_dim=8, use_cache=False, tie_word_embeddings=False)
 
 
-def build(kind: str, seed: int = 0):
-    """A float64 causal LM of architecture ``kind`` with norms computing in float64."""
+def build(kind: str, seed: int = 0, dtype=torch.float64):
+    """A causal LM of architecture ``kind`` (float64 by default, norms computing in float64)."""
     import transformers as tf
 
     if kind == "llama":
@@ -42,6 +42,7 @@ def build(kind: str, seed: int = 0):
     config._attn_implementation = "sdpa"
     config._experts_implementation = "eager"  # transformers' grouped_mm kernel has no float64 on CPU
     torch.manual_seed(seed)
-    model = model_cls(config).double()
-    keep_norms_in_input_dtype(model)
+    model = model_cls(config).to(dtype)
+    if dtype == torch.float64:
+        keep_norms_in_input_dtype(model)
     return model

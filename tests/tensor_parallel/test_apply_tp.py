@@ -19,6 +19,7 @@ RTOL = 1e-9
 # DeepSeek-V2's modeling code computes its router and RoPE in float32 whatever the model dtype,
 # so a float64 run agrees with the reference only to float32 rounding (measured 1e-7).
 RTOL_OF = {"deepseek_v2": 1e-6}
+RTOL_F32 = 1e-5
 # "+ep": the MoE experts sharded by expert (the config's EP plan, all-to-all token dispatch)
 # instead of tensor-parallel experts.
 KINDS = ["llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_moe+ep", "deepseek_v2", "deepseek_v2+ep"]
@@ -43,10 +44,10 @@ def _causal_lm_loss_f64(logits, labels, vocab_size=None, **kwargs):
     return torch.nn.functional.cross_entropy(logits.flatten(0, -2), shifted.flatten(), ignore_index=-100)
 
 
-def _check_parity(kind, **apply_kwargs):
+def _check_parity(kind, dtype=torch.float64, **apply_kwargs):
     kind, _, variant = kind.partition("+")
-    rtol = RTOL_OF.get(kind, RTOL)
-    ref, model = build(kind), build(kind)
+    rtol = RTOL_OF.get(kind, RTOL) if dtype == torch.float64 else RTOL_F32
+    ref, model = build(kind, dtype=dtype), build(kind, dtype=dtype)
     plan = ep_plan(model) if variant == "ep" else None
     if apply_kwargs.get("loss_parallel"):
         # transformers' loss rounds logits to float32; the vocab-parallel loss keeps float64.
@@ -125,3 +126,9 @@ def test_loss_parallel(kind):
     assert model.lm_head.out_features == [34, 34, 33][rank()]
     logits = model(input_ids=_ids()).logits
     assert logits.shape[-1] == [34, 34, 33][rank()]
+
+
+@pytest.mark.world(3)
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe+ep"])
+def test_hf_parity_float32(kind):
+    _check_parity(kind, dtype=torch.float32)
