@@ -24,16 +24,13 @@ dv); zigzag and contiguous outputs, gathered to global order, equal full attenti
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
-import tempfile
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _paired import add_timing_args, cell, check_rounds, print_row, quantiles, run_and_report, time_interleaved
 
 GOALS = {"overlap-comm": 0.93, "overlap-compute": 1.02, "zigzag-causal": 0.8, "ulysses-unaligned": 1.1}
 
@@ -110,47 +107,17 @@ def _check(case, kind, variants, preps, pg) -> None:
         raise AssertionError(f"{case}: a variant disagrees with full attention (or overlap changed the result)")
 
 
-def _time(fns, pg, warmup: int, rounds: int) -> list[list[float]]:
-    """Seconds per op and round, max over ranks; variants interleaved, order alternating."""
-    times = torch.zeros(rounds, len(fns), dtype=torch.float64)
-    for i in range(warmup + rounds):
-        for j in (range(len(fns)) if i % 2 == 0 else reversed(range(len(fns)))):
-            dist.barrier(group=pg)
-            t0 = time.perf_counter()
-            fns[j]()
-            if i >= warmup:
-                times[i - warmup, j] = time.perf_counter() - t0
-    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=pg)
-    return times.T.tolist()
-
-
-def _rank_main(rank: int, args, store_path: str, result_path: str) -> None:
-    from shardkit.comm import checks
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, args.nproc), rank=rank, world_size=args.nproc,
-                            timeout=timedelta(seconds=300))
-    try:
-        checks(False)
-        pg, results = dist.group.WORLD, []
-        for n, (case, kind, variants) in enumerate(_sizes(args.quick)):
-            t0 = time.perf_counter()
-            preps = [_prepare(kind, p, pg, seed=11 + n) for p in variants]
-            _check(case, kind, variants, preps, pg)
-            times = _time([prep[0] for prep in preps], pg, args.warmup, args.rounds)
-            results.append(dict(case=case, variants=variants, bytes_moved=[prep[3] for prep in preps], times_s=times))
-            if rank == 0:
-                print(f"{case}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+def _body(rank: int, pg, args) -> list[dict]:
+    results = []
+    for n, (case, kind, variants) in enumerate(_sizes(args.quick)):
+        t0 = time.perf_counter()
+        preps = [_prepare(kind, p, pg, seed=11 + n) for p in variants]
+        _check(case, kind, variants, preps, pg)
+        times = time_interleaved([prep[0] for prep in preps], pg, args.warmup, args.rounds)
+        results.append(dict(case=case, variants=variants, bytes_moved=[prep[3] for prep in preps], times_s=times))
         if rank == 0:
-            with open(result_path, "w") as f:
-                json.dump(results, f)
-    finally:
-        dist.destroy_process_group()
-
-
-def _q(values) -> dict[str, float]:
-    q = torch.tensor(values, dtype=torch.float64).quantile(torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64))
-    return dict(zip(("q1", "median", "q3"), q.tolist()))
+            print(f"{case}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    return results
 
 
 def summarize(results):
@@ -161,8 +128,9 @@ def summarize(results):
             ratios = [(x / ba) / (y / bb) for x, y in zip(a, b)]
         else:
             ratios = [x / y for x, y in zip(a, b)]
-        rows.append(dict(case=res["case"], variants=res["variants"], ms=[_q([1e3 * t for t in a])["median"], _q([1e3 * t for t in b])["median"]],
-                         bytes_moved=res["bytes_moved"], ratio=_q(ratios), goal=GOALS[res["case"]]))
+        rows.append(dict(case=res["case"], variants=res["variants"],
+                         ms=[quantiles([1e3 * t for t in a])["median"], quantiles([1e3 * t for t in b])["median"]],
+                         bytes_moved=res["bytes_moved"], ratio=quantiles(ratios), goal=GOALS[res["case"]]))
     return rows
 
 
@@ -174,37 +142,24 @@ def _label(p):
 def render(rows, args, elapsed):
     print(f"context-parallel attention fwd+bwd, float32, gloo, R={args.nproc}, {args.rounds} rounds after {args.warmup} warm-up, "
           f"median [q1, q3] of per-round ratios A/B, {elapsed:.0f} s")
-    print(" | ".join(("case", "A", "B", "A ms", "B ms", "ratio A/B", "goal", "met")))
+    print_row("case", "A", "B", "A ms", "B ms", "ratio A/B", "goal", "met")
     for r in rows:
         q = r["ratio"]
-        print(" | ".join((r["case"], _label(r["variants"][0]), _label(r["variants"][1]), f"{r['ms'][0]:.2f}", f"{r['ms'][1]:.2f}",
-                          f"{q['median']:.3f} [{q['q1']:.3f}, {q['q3']:.3f}]" + (" per byte" if r["case"] == "ulysses-unaligned" else ""),
-                          f"<= {r['goal']}", "yes" if q["median"] <= r["goal"] else "NO")))
+        print_row(r["case"], _label(r["variants"][0]), _label(r["variants"][1]), f"{r['ms'][0]:.2f}",
+                  f"{r['ms'][1]:.2f}", cell(q) + (" per byte" if r["case"] == "ulysses-unaligned" else ""),
+                  f"<= {r['goal']}", "yes" if q["median"] <= r["goal"] else "NO")
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nproc", type=int, default=4)
-    p.add_argument("--rounds", type=int, default=40)
-    p.add_argument("--warmup", type=int, default=5)
+    add_timing_args(p)
     p.add_argument("--quick", action="store_true", help="half the sequence lengths")
     p.add_argument("--json", metavar="PATH", help="write the per-round times and the summary as JSON")
     args = p.parse_args(argv)
-    if args.rounds < 40 or args.warmup < 5:
-        p.error("DESIGN.md section 5: at least 40 rounds after at least 5 warm-up rounds")
-    t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="shardkit-bench-cp-") as tmp:
-        result_path = os.path.join(tmp, "result.json")
-        torch.multiprocessing.start_processes(_rank_main, args=(args, os.path.join(tmp, "store"), result_path),
-                                              nprocs=args.nproc, start_method="spawn")
-        with open(result_path) as f:
-            results = json.load(f)
-    rows = summarize(results)
-    render(rows, args, time.perf_counter() - t0)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(nproc=args.nproc, rounds=args.rounds, warmup=args.warmup, summary=rows, raw=results), f, indent=1)
-    return 0
+    check_rounds(p, args)
+    meta = dict(nproc=args.nproc, rounds=args.rounds, warmup=args.warmup)
+    return run_and_report(args, _body, args.nproc, summarize, render, meta, prefix="shardkit-bench-cp-")
 
 
 if __name__ == "__main__":  # spawned ranks re-import this file; only the parent runs

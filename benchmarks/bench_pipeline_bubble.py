@@ -16,15 +16,12 @@ every stage has the same times). The losses are checked against the expected val
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
-import tempfile
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from _paired import add_timing_args, cell, check_rounds, print_row, quantiles, run_and_report
 
 CASES = ((2, 1), (2, 4), (2, 8), (4, 1), (4, 4), (4, 8))
 
@@ -87,23 +84,9 @@ def _run_case(P: int, M: int, args, groups) -> list[dict]:
     return out
 
 
-def _rank_main(rank: int, args, store_path: str, result_path: str) -> None:
-    torch.set_num_threads(1)
-    store = dist.FileStore(store_path, 4)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=4, timeout=timedelta(seconds=600))
-    try:
-        groups = {2: dist.new_group([0, 1]), 4: dist.group.WORLD}
-        results = [dict(p=P, m=M, rounds=_run_case(P, M, args, groups)) for P, M in CASES]
-        if rank == 0:
-            with open(result_path, "w") as f:
-                json.dump(results, f)
-    finally:
-        dist.destroy_process_group()
-
-
-def _q(values) -> dict[str, float]:
-    q = torch.tensor(values, dtype=torch.float64).quantile(torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64))
-    return dict(zip(("q1", "median", "q3"), q.tolist()))
+def _body(rank: int, pg, args) -> list[dict]:
+    groups = {2: dist.new_group([0, 1]), 4: pg}
+    return [dict(p=P, m=M, rounds=_run_case(P, M, args, groups)) for P, M in CASES]
 
 
 def summarize(results: list[dict]) -> list[dict]:
@@ -112,30 +95,25 @@ def summarize(results: list[dict]) -> list[dict]:
         P, M = res["p"], res["m"]
         theory = (P - 1) / (M + P - 1)
         bubbles = [1 - sum(r["busy"]) / (P * r["makespan"]) for r in res["rounds"]]
-        rows.append(dict(p=P, m=M, theory=theory, bubble=_q(bubbles),
-                         ratio=_q([b / theory for b in bubbles]) if theory > 0 else None,
-                         makespan_ms=_q([1e3 * r["makespan"] for r in res["rounds"]])["median"]))
+        rows.append(dict(p=P, m=M, theory=theory, bubble=quantiles(bubbles),
+                         ratio=quantiles([b / theory for b in bubbles]) if theory > 0 else None,
+                         makespan_ms=quantiles([1e3 * r["makespan"] for r in res["rounds"]])["median"]))
     return rows
-
-
-def _cell(q: dict) -> str:
-    return f"{q['median']:.3f} [{q['q1']:.3f}, {q['q3']:.3f}]"
 
 
 def render(rows: list[dict], args, elapsed: float) -> None:
     print(f"1F1B bubble, F = {args.f_ms} ms, B = {args.b_ms} ms (sleep), gloo, {args.rounds} rounds after "
           f"{args.warmup} warm-up, median [q1, q3] per round, {elapsed:.0f} s")
-    print(" | ".join(("p", "m", "makespan ms", "ideal ms", "theory (p-1)/(m+p-1)", "measured bubble", "measured/theory")))
+    print_row("p", "m", "makespan ms", "ideal ms", "theory (p-1)/(m+p-1)", "measured bubble", "measured/theory")
     for r in rows:
         ideal = (r["m"] + r["p"] - 1) * (args.f_ms + args.b_ms)
-        print(" | ".join((str(r["p"]), str(r["m"]), f"{r['makespan_ms']:.1f}", f"{ideal:.1f}", f"{r['theory']:.3f}",
-                          _cell(r["bubble"]), _cell(r["ratio"]))))
+        print_row(str(r["p"]), str(r["m"]), f"{r['makespan_ms']:.1f}", f"{ideal:.1f}", f"{r['theory']:.3f}",
+                  cell(r["bubble"]), cell(r["ratio"]))
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=40)
-    p.add_argument("--warmup", type=int, default=5)
+    add_timing_args(p)
     p.add_argument("--f-ms", type=float, default=10.0)
     p.add_argument("--b-ms", type=float, default=20.0)
     p.add_argument("--quick", action="store_true", help="F = 4 ms, B = 8 ms")
@@ -143,21 +121,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.f_ms, args.b_ms = 4.0, 8.0
-    if args.rounds < 40 or args.warmup < 5:
-        p.error("DESIGN.md section 5: at least 40 rounds after at least 5 warm-up rounds")
-    t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="shardkit-bench-bubble-") as tmp:
-        result_path = os.path.join(tmp, "result.json")
-        torch.multiprocessing.start_processes(_rank_main, args=(args, os.path.join(tmp, "store"), result_path),
-                                              nprocs=4, start_method="spawn")
-        with open(result_path) as f:
-            results = json.load(f)
-    rows = summarize(results)
-    render(rows, args, time.perf_counter() - t0)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(args=vars(args), summary=rows, raw=results), f, indent=1)
-    return 0
+    check_rounds(p, args)
+    return run_and_report(args, _body, 4, summarize, render, dict(args=vars(args)),
+                          prefix="shardkit-bench-bubble-", timeout_s=600)
 
 
 if __name__ == "__main__":  # spawned ranks re-import this file; only the parent runs

@@ -29,16 +29,13 @@ parts compute the same. ``--quick``: the smallest size only (still >= 40 rounds)
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
-import tempfile
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _paired import add_timing_args, cell, check_rounds, print_row, quantiles, ratio_q, run_and_report, time_interleaved
 
 SIZES = ((1, 32, 64, 256), (1, 32, 128, 512), (1, 32, 256, 1024))
 VARIANTS = ("spatial", "sequential", "gather", "halo", "conv", "allreduce", "halo_fwd")
@@ -155,50 +152,19 @@ def _check(fns, x, params, slab, pg) -> None:
         raise AssertionError(f"rank {rank}: mismatched {bad or 'on another rank'}")
 
 
-def _time(fns, pg, warmup: int, rounds: int) -> dict[str, list[float]]:
-    """Seconds per op and round, max over ranks; variants interleaved, order alternating."""
-    names = list(fns)
-    times = torch.zeros(rounds, len(names), dtype=torch.float64)
-    for i in range(warmup + rounds):
-        for j in (range(len(names)) if i % 2 == 0 else reversed(range(len(names)))):
-            dist.barrier(group=pg)
-            t0 = time.perf_counter()
-            fns[names[j]]()
-            if i >= warmup:
-                times[i - warmup, j] = time.perf_counter() - t0
-    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=pg)
-    return {name: times[:, j].tolist() for j, name in enumerate(names)}
-
-
-def _rank_main(rank: int, args, store_path: str, result_path: str) -> None:
-    from shardkit.comm import checks
-
-    torch.set_num_threads(1)
-    store = dist.FileStore(store_path, args.nproc)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=args.nproc, timeout=timedelta(seconds=300))
-    try:
-        checks(False)  # the opt-in metadata agreement is not part of the op being measured
-        pg, results = dist.group.WORLD, []
-        for shape in args.sizes:
-            t0 = time.perf_counter()
-            fns, x, params, slab, halo_bytes = _prepare(shape, pg)
-            _check(fns, x, params, slab, pg)
-            hb = torch.tensor([halo_bytes])
-            dist.all_reduce(hb, op=dist.ReduceOp.MAX, group=pg)
-            results.append(dict(shape=list(shape), halo_bytes=int(hb.item()), local_shape=list(x.shape),
-                                times_s=_time(fns, pg, args.warmup, args.rounds)))
-            if rank == 0:
-                print(f"{shape}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+def _body(rank: int, pg, args) -> list[dict]:
+    results = []
+    for shape in args.sizes:
+        t0 = time.perf_counter()
+        fns, x, params, slab, halo_bytes = _prepare(shape, pg)
+        _check(fns, x, params, slab, pg)
+        hb = torch.tensor([halo_bytes])
+        dist.all_reduce(hb, op=dist.ReduceOp.MAX, group=pg)
+        results.append(dict(shape=list(shape), halo_bytes=int(hb.item()), local_shape=list(x.shape),
+                            times_s=time_interleaved(fns, pg, args.warmup, args.rounds)))
         if rank == 0:
-            with open(result_path, "w") as f:
-                json.dump(results, f)
-    finally:
-        dist.destroy_process_group()
-
-
-def _q(values) -> dict[str, float]:
-    q = torch.tensor(values, dtype=torch.float64).quantile(torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64))
-    return dict(zip(("q1", "median", "q3"), q.tolist()))
+            print(f"{shape}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    return results
 
 
 def summarize(results: list[dict]) -> list[dict]:
@@ -209,19 +175,15 @@ def summarize(results: list[dict]) -> list[dict]:
         parts_ar = [p + a for p, a in zip(parts, t["allreduce"])]
         rows.append(dict(
             shape=res["shape"], local_shape=res["local_shape"], halo_bytes=res["halo_bytes"],
-            ms={k: _q([1e3 * v for v in t[k]])["median"] for k in VARIANTS},
-            spatial_over_sequential=_q([s / q for s, q in zip(t["spatial"], t["sequential"])]),
-            sequential_over_parts_allreduce=_q([q / p for q, p in zip(t["sequential"], parts_ar)]),
-            spatial_over_parts_allreduce=_q([s / p for s, p in zip(t["spatial"], parts_ar)]),
-            spatial_over_gather=_q([s / g for s, g in zip(t["spatial"], t["gather"])]),
-            halo_share=_q([h / p for h, p in zip(t["halo"], parts)]),
-            halo_busbw_GBps=_q([res["halo_bytes"] / v / 1e9 for v in t["halo_fwd"]]),
+            ms={k: quantiles([1e3 * v for v in t[k]])["median"] for k in VARIANTS},
+            spatial_over_sequential=ratio_q(t["spatial"], t["sequential"]),
+            sequential_over_parts_allreduce=ratio_q(t["sequential"], parts_ar),
+            spatial_over_parts_allreduce=ratio_q(t["spatial"], parts_ar),
+            spatial_over_gather=ratio_q(t["spatial"], t["gather"]),
+            halo_share=ratio_q(t["halo"], parts),
+            halo_busbw_GBps=quantiles([res["halo_bytes"] / v / 1e9 for v in t["halo_fwd"]]),
         ))
     return rows
-
-
-def _cell(q: dict) -> str:
-    return f"{q['median']:.3f} [{q['q1']:.3f}, {q['q3']:.3f}]"
 
 
 def render(rows: list[dict], args, elapsed: float) -> None:
@@ -231,23 +193,22 @@ def render(rows: list[dict], args, elapsed: float) -> None:
     head = ("global [B,C,H,W]", "halo B/rank", "spatial ms", "sequential ms", "gather ms", "halo ms", "conv ms",
             "allred ms", "spatial/sequential", "spatial/parts", "sequential/parts", "spatial/gather",
             "halo/(halo+conv)", "halo busbw GB/s")
-    print(" | ".join(head))
+    print_row(*head)
     for r in rows:
         ms = r["ms"]
-        print(" | ".join((
+        print_row(
             "x".join(map(str, r["shape"])), f"{r['halo_bytes'] / 1024:g} KiB", f"{ms['spatial']:.2f}",
             f"{ms['sequential']:.2f}", f"{ms['gather']:.2f}", f"{ms['halo']:.2f}", f"{ms['conv']:.2f}",
-            f"{ms['allreduce']:.2f}", _cell(r["spatial_over_sequential"]), _cell(r["spatial_over_parts_allreduce"]),
-            _cell(r["sequential_over_parts_allreduce"]), _cell(r["spatial_over_gather"]), _cell(r["halo_share"]),
-            _cell(r["halo_busbw_GBps"]),
-        )))
+            f"{ms['allreduce']:.2f}", cell(r["spatial_over_sequential"]), cell(r["spatial_over_parts_allreduce"]),
+            cell(r["sequential_over_parts_allreduce"]), cell(r["spatial_over_gather"]), cell(r["halo_share"]),
+            cell(r["halo_busbw_GBps"]),
+        )
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=40)
-    p.add_argument("--warmup", type=int, default=5)
+    add_timing_args(p)
     p.add_argument("--sizes", type=lambda s: tuple(tuple(int(v) for v in t.split("x")) for t in s.split(",")),
                    default=SIZES, help="comma-separated BxCxHxW, e.g. 1x32x64x256,1x32x128x512")
     p.add_argument("--quick", action="store_true", help="the smallest size only")
@@ -255,22 +216,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.sizes = args.sizes[:1]
-    if args.rounds < 40 or args.warmup < 5:
-        p.error("DESIGN.md section 5: at least 40 rounds after at least 5 warm-up rounds")
-    t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="shardkit-bench-conv-") as tmp:
-        result_path = os.path.join(tmp, "result.json")
-        torch.multiprocessing.start_processes(_rank_main, args=(args, os.path.join(tmp, "store"), result_path),
-                                              nprocs=args.nproc, start_method="spawn")
-        with open(result_path) as f:
-            results = json.load(f)
-    rows = summarize(results)
-    render(rows, args, time.perf_counter() - t0)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(nproc=args.nproc, rounds=args.rounds, warmup=args.warmup, summary=rows, raw=results), f,
-                      indent=1)
-    return 0
+    check_rounds(p, args)
+    meta = dict(nproc=args.nproc, rounds=args.rounds, warmup=args.warmup)
+    return run_and_report(args, _body, args.nproc, summarize, render, meta, prefix="shardkit-bench-conv-")
 
 
 if __name__ == "__main__":  # spawned ranks re-import this file; only the parent runs

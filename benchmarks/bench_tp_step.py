@@ -38,15 +38,16 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import sys
 import tempfile
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from _paired import (
+    DECILES, add_timing_args, cell, dump_json, print_row, quantiles, ratio_q, run_ranks, time_interleaved
+)
 
 SHAPES = {
     # name: (LlamaConfig kwargs, (batch, seq))
@@ -167,21 +168,6 @@ def _prepare(shape: str, path: str, pg):
     return steps, losses["shardkit"]
 
 
-def _time(fns: dict, pg, warmup: int, rounds: int) -> dict[str, list[float]]:
-    """Seconds per step and round, max over ranks; variants interleaved, order alternating."""
-    names = list(fns)
-    times = torch.zeros(rounds, len(names), dtype=torch.float64)
-    for i in range(warmup + rounds):
-        for j in (range(len(names)) if i % 2 == 0 else reversed(range(len(names)))):
-            dist.barrier(group=pg)
-            t0 = time.perf_counter()
-            fns[names[j]]()
-            if i >= warmup:
-                times[i - warmup, j] = time.perf_counter() - t0
-    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=pg)
-    return {name: times[:, j].tolist() for j, name in enumerate(names)}
-
-
 def _profile(fns: dict, pg, shape: str, rank: int) -> None:
     from torch.profiler import ProfilerActivity, profile
 
@@ -194,40 +180,25 @@ def _profile(fns: dict, pg, shape: str, rank: int) -> None:
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), file=sys.stderr, flush=True)
 
 
-def _rank_main(rank: int, nproc: int, args, store_path: str, ckpts: dict, result_path: str) -> None:
-    from shardkit.comm import checks
-
-    torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc))
+def _body(rank: int, pg, args, ckpts: dict) -> list[dict]:
+    nproc = dist.get_world_size(pg)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc))  # read by transformers' TP
     import transformers
 
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    store = dist.FileStore(store_path, nproc)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=nproc, timeout=timedelta(seconds=600))
-    try:
-        checks(False)  # the opt-in metadata agreement is not part of the step being measured
-        pg, results = dist.group.WORLD, []
-        for shape in args.shapes:
-            t0 = time.perf_counter()
-            steps, loss = _prepare(shape, ckpts[shape], pg)
-            if args.profile:
-                _profile(steps, pg, shape, rank)
-            times = _time(steps, pg, args.warmup, args.rounds)
-            results.append(dict(shape=shape, loss=loss, times_s=times))
-            if rank == 0:
-                print(f"R={nproc} {shape}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
-            del steps
+    results = []
+    for shape in args.shapes:
+        t0 = time.perf_counter()
+        steps, loss = _prepare(shape, ckpts[shape], pg)
+        if args.profile:
+            _profile(steps, pg, shape, rank)
+        times = time_interleaved(steps, pg, args.warmup, args.rounds)
+        results.append(dict(shape=shape, loss=loss, times_s=times))
         if rank == 0:
-            with open(result_path, "w") as f:
-                json.dump(results, f)
-    finally:
-        dist.destroy_process_group()
-
-
-def _q(values) -> dict[str, float]:
-    q = torch.tensor(values, dtype=torch.float64).quantile(torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64))
-    return dict(zip(("p10", "median", "p90"), q.tolist()))
+            print(f"R={nproc} {shape}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+        del steps
+    return results
 
 
 def summarize(nproc: int, results: list[dict]) -> list[dict]:
@@ -236,14 +207,10 @@ def summarize(nproc: int, results: list[dict]) -> list[dict]:
         t = res["times_s"]
         rows.append(dict(
             nproc=nproc, shape=res["shape"], loss=res["loss"],
-            ms={v: _q([1e3 * x for x in t[v]])["median"] for v in VARIANTS},
-            **{f"shardkit_over_{v}": _q([s / o for s, o in zip(t["shardkit"], t[v])]) for v in VARIANTS[1:]},
+            ms={v: quantiles([1e3 * x for x in t[v]], DECILES)["median"] for v in VARIANTS},
+            **{f"shardkit_over_{v}": ratio_q(t["shardkit"], t[v], DECILES) for v in VARIANTS[1:]},
         ))
     return rows
-
-
-def _cell(q: dict) -> str:
-    return f"{q['median']:.3f} [{q['p10']:.3f}, {q['p90']:.3f}]"
 
 
 def render(rows: list[dict], args, elapsed: float) -> None:
@@ -256,18 +223,17 @@ def render(rows: list[dict], args, elapsed: float) -> None:
               f"vocab {cfg['vocab_size']}, batch {b} x seq {s}")
     if "hf" not in VARIANTS:
         print("  (hf column left out: transformers' tp_plan loading needs accelerate, see the docstring)")
-    print(" | ".join(("R", "shape", *(f"{v} ms" for v in VARIANTS), *(f"shardkit/{v}" for v in VARIANTS[1:]))))
+    print_row("R", "shape", *(f"{v} ms" for v in VARIANTS), *(f"shardkit/{v}" for v in VARIANTS[1:]))
     for r in rows:
-        print(" | ".join((str(r["nproc"]), r["shape"], *(f"{r['ms'][v]:.1f}" for v in VARIANTS),
-                          *(_cell(r[f"shardkit_over_{v}"]) for v in VARIANTS[1:]))))
+        print_row(str(r["nproc"]), r["shape"], *(f"{r['ms'][v]:.1f}" for v in VARIANTS),
+                  *(cell(r[f"shardkit_over_{v}"]) for v in VARIANTS[1:]))
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nproc", default="2,4", help="comma-separated world sizes, e.g. 2,4")
     p.add_argument("--shapes", help=f"comma-separated, of {list(SHAPES)} (default: all; small with --quick)")
-    p.add_argument("--rounds", type=int, default=40)
-    p.add_argument("--warmup", type=int, default=5)
+    add_timing_args(p)
     p.add_argument("--quick", action="store_true", help="10 rounds after 2 warm-up, small shape by default")
     p.add_argument("--profile", action="store_true", help="print a torch.profiler table of one step per variant")
     p.add_argument("--json", metavar="PATH", help="write the per-round times and the summary as JSON")
@@ -291,18 +257,11 @@ def main(argv=None) -> int:
             ckpts[shape] = os.path.join(tmp, shape)
             tf.LlamaForCausalLM(_config(shape)).save_pretrained(ckpts[shape])
         for nproc in (int(n) for n in args.nproc.split(",")):
-            result_path = os.path.join(tmp, f"result{nproc}.json")
-            torch.multiprocessing.start_processes(
-                _rank_main, args=(nproc, args, os.path.join(tmp, f"store{nproc}"), ckpts, result_path),
-                nprocs=nproc, start_method="spawn")
-            with open(result_path) as f:
-                results = json.load(f)
+            results = run_ranks(_body, nproc, args, ckpts, prefix="shardkit-bench-tp-", timeout_s=600)
             rows += summarize(nproc, results)
             raw.append(dict(nproc=nproc, results=results))
     render(rows, args, time.perf_counter() - t0)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(rounds=args.rounds, warmup=args.warmup, summary=rows, raw=raw), f, indent=1)
+    dump_json(args.json, dict(rounds=args.rounds, warmup=args.warmup, summary=rows, raw=raw))
     return 0
 
 
