@@ -86,6 +86,17 @@ def test_missing_toml(tmp_path):
     (dict(model="moe", ep=4), "--ep 4 must equal --tp 2"),
     (dict(model="moe", tp=4, nproc=8, heads=2, hidden_size=64, kv_heads=1), "--tp 4: 2 attention heads cannot be split"),
     (dict(model="mla", experts=0), "--experts must be >= 1"),
+    (dict(cp_ring=2, tp=2, nproc=2), "--tp 2 x --cp-ring 2 x --cp-ulysses 1 = 4 must divide --nproc 2"),
+    (dict(cp_ulysses=2, cp_ring=2, dp=2), "layout tp=1 x cp_ring=2 x cp_ulysses=2 x dp=2 = 8 ranks, but --nproc is 4"),
+    (dict(cp_ulysses=0), "--cp-ulysses must be >= 1"),
+    (dict(cp_ring=2, pp=2), "context parallelism is for tp x cp x dp runs"),
+    (dict(cp_ring=2, model="moe"), "context parallelism is built for --model llama, qwen2, qwen3, not moe"),
+    (dict(cp_ring=2, loss_parallel=True), "--loss-parallel: the cp loss needs full-vocabulary logits"),
+    (dict(cp_ring=4, seq_len=3), "--seq-len 3 .*: every cp rank needs at least one token"),
+    (dict(cp_ring=2, cp_ulysses=2, seq_len=3), "--seq-len 3 .*: every cp rank needs at least one token"),
+    (dict(cp_ulysses=4, seq_len=3), "--seq-len 3 .*: every cp rank needs at least one token"),
+    (dict(cp_ring=2, tp=4, nproc=8), "--tp 4 with context parallelism: .* whole heads per tp rank"),
+    (dict(packed=True), "--packed needs context parallelism"),
 ])
 def test_invalid_layouts(kwargs, match):
     with pytest.raises(ShardkitError, match=match):
@@ -105,6 +116,29 @@ def test_pipeline_tp_layouts():
     assert (cfg.pp, cfg.pp_tp, cfg.stage_tp_sizes, cfg.dp, cfg.nproc) == (3, "2,1,1", (2, 1, 1), 1, 4)
     cfg = validate_config(merge_config({}, dict(pp_tp="1,2", nproc=6, layers=2)))
     assert (cfg.pp, cfg.dp, cfg.model_ranks) == (2, 2, 3)
+
+
+def test_cp_layouts():
+    cfg = config_from_args(_args("--cp-ulysses", "2", "--cp-ring", "2"))  # tp defaults to 1 with cp
+    assert (cfg.tp, cfg.cp_ring, cfg.cp_ulysses, cfg.dp, cfg.model_ranks) == (1, 2, 2, 1, 4)
+    cfg = config_from_args(_args("--cp-ring", "2", "--tp", "2", "--nproc", "8"))
+    assert (cfg.tp, cfg.cp_size, cfg.dp) == (2, 2, 2)
+    assert validate_config(merge_config({}, dict(cp_ring=4, seq_len=4))).dp == 1  # one token per ring rank
+    assert validate_config(merge_config({}, dict(cp_ring=2, cp_ulysses=2, seq_len=4))).dp == 1
+
+
+def test_packed_sampler_windows_and_documents():
+    from shardkit.cli.cp import PackedSampler
+
+    tokens = torch.arange(100, dtype=torch.int64) % 256
+    sizes = [30, 5, 1, 64]  # files start at 30, 35, 36
+    plain, packed = BatchSampler(tokens, 16, 4, seed=1), PackedSampler(tokens, 16, 4, 1, sizes)
+    for _ in range(5):
+        ids, cus = packed.next_batch()
+        assert torch.equal(ids, plain.next_batch())  # the same windows as the reference sampler
+        for row, cu in zip(ids, cus):
+            a = int(row[0])
+            assert cu == (0, *[s - a for s in (30, 35, 36) if a < s < a + 16], 16)
 
 
 def test_torchrun_world_size():
@@ -228,7 +262,8 @@ def test_end_to_end_verify_and_report(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["layout"] == {"nproc": 4, "pp": 1, "tp": 2, "dp": 2, "microbatches": 1, "schedule": None,
-                                "backend": "gloo", "device": "cpu"}
+                                "backend": "gloo", "device": "cpu", "model": "llama", "ep": 1,
+                                "loss_parallel": False, "pp_tp": None}
     assert len(report["losses"]) == len(report["reference_losses"]) == 2
     assert report["parity"]["passed"] and report["parity"]["max_param_rel_diff"] <= 1e-4
     assert any(row["api"] == "sum_grad_over" for row in report["ledger"])
@@ -260,6 +295,31 @@ def test_end_to_end_hf_models_verify(args, layout):
     proc = _shardkit("train", *args, "--steps", "2", "--verify", "--seq-len", "32", "--batch-size", "4", timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert layout in proc.stdout and "PASSED" in proc.stdout
+
+
+def test_end_to_end_cp_verify():
+    # About 20-30 s on 2 cores (4 spawned ranks): tp=2 x ring cp=2 (the HF TP plan, then apply_cp).
+    proc = _shardkit("train", "--tp", "2", "--cp-ring", "2", "--steps", "2", "--verify", "--seq-len", "32",
+                     "--batch-size", "4", timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "llama: tp=2 x cp_ring=2 x cp_ulysses=1 (ring) x dp=1" in proc.stdout and "PASSED" in proc.stdout
+
+
+def test_end_to_end_packed_cp_dp_verify(tmp_path):
+    # About 20 s on 2 cores (4 spawned ranks): Ulysses 2 x dp 2 on packed documents (files of
+    # 4..40 bytes, so every 32-token window holds several), the dp gradient reduction after the cp
+    # sum (USP's parity itself is tests/context_parallel/test_apply_cp.py's test_usp_2x2).
+    data = tmp_path / "docs"
+    data.mkdir()
+    for i in range(40):
+        (data / f"{i:02d}.txt").write_text("abcdefghij"[: 1 + i % 10] * (1 + i % 4))
+    proc = _shardkit("train", "--cp-ulysses", "2", "--packed", "--data", str(data), "--steps", "2", "--verify",
+                     "--seq-len", "32", "--batch-size", "4", "--report", str(tmp_path), timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert (report["layout"]["cp_mode"], report["layout"]["dp"], report["layout"]["packed"]) == ("ulysses", 2, True)
+    assert report["parity"]["passed"] and report["parity"]["max_param_rel_diff"] <= 1e-4
+    assert any(row["api"] == "cp_dp_grads" for row in report["ledger"])
 
 
 def test_bad_layout_fails_before_launch():

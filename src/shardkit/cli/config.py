@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ..errors import ShardkitError
 
-__all__ = ["TrainConfig", "DTYPES", "SCHEDULES", "MODELS", "load_toml", "merge_config", "validate_config",
+__all__ = ["TrainConfig", "DTYPES", "SCHEDULES", "MODELS", "CP_MODELS", "load_toml", "merge_config", "validate_config",
            "parse_pp_tp"]
 
 DTYPES = ("float32", "float64", "bfloat16")
@@ -22,6 +22,8 @@ SCHEDULES = ("1f1b", "gpipe")
 # parallelism. "moe" is Qwen3-MoE, "mla" DeepSeek-V2 (multi-head latent attention + MoE).
 LM_MODELS = ("llama", "qwen2", "qwen3", "moe", "mla")
 MODELS = (*LM_MODELS, "conv-ae")
+# Dense causal LMs trained with context parallelism (apply_cp switches their HF attention).
+CP_MODELS = ("llama", "qwen2", "qwen3")
 
 
 @dataclass(frozen=True)
@@ -36,10 +38,13 @@ class TrainConfig:
     model: str = "llama"  # see MODELS: a causal LM (tp x dp; llama also pp) or "conv-ae" (spatial)
     nproc: int | None = None  # None: 4 for llama, spatial for conv-ae
     spatial: int = 1  # conv-ae only: ranks sharing each frame along W
-    tp: int | None = None  # None: 2 without a pipeline, 1 with --pp > 1 (the same tp in every stage)
+    tp: int | None = None  # None: 2 without pp and cp, 1 with --pp > 1 (the same tp in every stage) or cp
     pp_tp: str | None = None  # per-stage tp sizes "2,1,1" (VTP): pp = their count, sum * dp = nproc
     dp: int | None = None  # None: nproc // (tp * pp)
     pp: int = 1
+    cp_ulysses: int = 1  # context parallel: ranks sharing each sequence, all-to-all over heads (Ulysses)
+    cp_ring: int = 1  # context parallel: ranks sharing each sequence, zigzag ring attention (both > 1: USP)
+    packed: bool = False  # cp only: each window is documents (corpus files) packed along S, no cross-file attention
     ep: int = 1  # moe / mla: experts sharded over the tp ranks (ep == tp) with all-to-all dispatch
     loss_parallel: bool = False  # vocab-sharded logits and loss (never the full [B, S, V] logits)
     experts: int = 4  # moe / mla: routed experts (top-2)
@@ -70,8 +75,8 @@ class TrainConfig:
 
     @property
     def tp_size(self) -> int:
-        """The tp degree (``tp``, or its default: 2 when ``pp == 1``, else 1)."""
-        return self.tp if self.tp is not None else (2 if self.pp == 1 else 1)
+        """The tp degree (``tp``, or its default: 2 without pp and cp, else 1)."""
+        return self.tp if self.tp is not None else (2 if self.pp == 1 and self.cp_size == 1 else 1)
 
     @property
     def stage_tp_sizes(self) -> tuple[int, ...]:
@@ -81,9 +86,14 @@ class TrainConfig:
         return (self.tp_size,) * self.pp
 
     @property
+    def cp_size(self) -> int:
+        """Context-parallel ranks per replica: ``cp_ring * cp_ulysses``."""
+        return self.cp_ring * self.cp_ulysses
+
+    @property
     def model_ranks(self) -> int:
-        """Ranks holding one model replica: the sum of the stage tp sizes."""
-        return sum(self.stage_tp_sizes)
+        """Ranks holding one model replica: the sum of the stage tp sizes, times the cp size."""
+        return sum(self.stage_tp_sizes) * self.cp_size
 
 
 def parse_pp_tp(text) -> tuple[int, ...]:
@@ -178,7 +188,7 @@ def validate_config(cfg: TrainConfig, world_size: int | None = None) -> TrainCon
         # tp=1 here: the per-stage sizes live in pp_tp (a rectangular pp x tp mesh cannot hold them).
         cfg = dataclasses.replace(cfg, pp=len(sizes), pp_tp=",".join(map(str, sizes)), tp=1)
     cfg = dataclasses.replace(cfg, tp=cfg.tp_size)
-    for name in ("nproc", "tp", "pp", "microbatches", "steps", "batch_size"):
+    for name in ("nproc", "tp", "pp", "cp_ulysses", "cp_ring", "microbatches", "steps", "batch_size"):
         if getattr(cfg, name) < 1:
             raise ShardkitError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
     if cfg.seq_len < 2:
@@ -188,16 +198,22 @@ def validate_config(cfg: TrainConfig, world_size: int | None = None) -> TrainCon
     if cfg.dtype not in DTYPES:
         raise ShardkitError(f"--dtype must be one of {', '.join(DTYPES)}, got {cfg.dtype!r}")
     _validate_pipeline(cfg)
+    _validate_cp(cfg)
     model_ranks = cfg.model_ranks
     layout = f"pp={cfg.pp} x tp={cfg.tp}" if cfg.pp > 1 else f"tp={cfg.tp}"
     if cfg.pp_tp is not None:
         layout = f"pp_tp={cfg.pp_tp} ({model_ranks} ranks)"
+    if cfg.cp_size > 1:
+        layout = f"tp={cfg.tp} x cp_ring={cfg.cp_ring} x cp_ulysses={cfg.cp_ulysses}"
     if cfg.dp is None:
         if cfg.nproc % model_ranks:
             what = f"--pp {cfg.pp} x --tp {cfg.tp} = {model_ranks}" if cfg.pp > 1 else f"--tp {cfg.tp}"
             if cfg.pp_tp is not None:
                 what = f"--pp-tp {cfg.pp_tp} (sum {model_ranks})"
             rule = "nproc // (tp * pp)" if cfg.pp > 1 else "nproc // tp"
+            if cfg.cp_size > 1:
+                what = f"--tp {cfg.tp} x --cp-ring {cfg.cp_ring} x --cp-ulysses {cfg.cp_ulysses} = {model_ranks}"
+                rule = "nproc // (tp * cp_ring * cp_ulysses)"
             raise ShardkitError(f"{what} must divide --nproc {cfg.nproc} (dp defaults to {rule})")
         cfg = dataclasses.replace(cfg, dp=cfg.nproc // model_ranks)
     if model_ranks * cfg.dp != cfg.nproc:
@@ -209,6 +225,32 @@ def validate_config(cfg: TrainConfig, world_size: int | None = None) -> TrainCon
         raise ShardkitError(f"--batch-size {cfg.batch_size} (global) must be divisible by {what}")
     _validate_model(cfg)
     return cfg
+
+
+def _validate_cp(cfg: TrainConfig) -> None:
+    """Context parallelism (:func:`shardkit.context_parallel.apply_cp`): tp x cp x dp, dense models."""
+    if cfg.cp_size == 1:
+        if cfg.packed:
+            raise ShardkitError("--packed needs context parallelism (--cp-ulysses or --cp-ring > 1)")
+        return
+    flags = f"--cp-ring {cfg.cp_ring} --cp-ulysses {cfg.cp_ulysses}"
+    if cfg.pp > 1:
+        raise ShardkitError(f"{flags} with --pp {cfg.pp}: context parallelism is for tp x cp x dp runs (not pipelines)")
+    if cfg.model not in CP_MODELS:
+        raise ShardkitError(f"{flags}: context parallelism is built for --model {', '.join(CP_MODELS)}, not {cfg.model}")
+    if cfg.loss_parallel:
+        raise ShardkitError(f"{flags} with --loss-parallel: the cp loss needs full-vocabulary logits")
+    import torch
+
+    from ..context_parallel._sizes import _order
+
+    # shard_batch's split: the zigzag ring parts of S (Ulysses alone: one part), each split
+    # over the Ulysses ranks. HF layers cannot run on zero tokens, so every rank needs one: the
+    # rule shard_batch enforces per batch, checked here before any process starts.
+    smallest = min(_order((0, cfg.seq_len), cfg.cp_ring, torch.device("cpu")).sizes)
+    if smallest < cfg.cp_ulysses:
+        raise ShardkitError(f"--seq-len {cfg.seq_len} with {flags}: every cp rank needs at least one token "
+                            f"(the smallest ring part has {smallest} tokens for {cfg.cp_ulysses} Ulysses rank(s))")
 
 
 def _validate_lm_kind(cfg: TrainConfig) -> None:
@@ -295,6 +337,9 @@ def _validate_model(cfg: TrainConfig) -> None:
             check_llama_tp(model_config, cfg.tp)
         except ShardkitError as e:
             raise ShardkitError(f"--tp {cfg.tp}: {e}") from None
+    elif cfg.cp_size > 1 and (model_config.num_attention_heads % cfg.tp or model_config.num_key_value_heads % cfg.tp):
+        raise ShardkitError(f"--tp {cfg.tp} with context parallelism: the {model_config.num_attention_heads} query and "
+                            f"{model_config.num_key_value_heads} key/value heads must both divide into whole heads per tp rank")
     elif cfg.pp == 1 and model_config.num_attention_heads < cfg.tp:
         raise ShardkitError(f"--tp {cfg.tp}: {model_config.num_attention_heads} attention heads cannot be split "
                             f"over {cfg.tp} ranks (whole heads per rank)")
@@ -311,9 +356,11 @@ def _validate_model(cfg: TrainConfig) -> None:
 
 
 def uses_apply_llama_tp(cfg: TrainConfig) -> bool:
-    """Llama without --loss-parallel keeps tensor + sequence parallelism (apply_llama_tp);
-    every other causal LM is sharded by its own Hugging Face plan through apply_tp."""
-    return cfg.model == "llama" and not cfg.loss_parallel
+    """Llama without --loss-parallel (and without cp) keeps tensor + sequence parallelism
+    (apply_llama_tp); every other causal LM is sharded by its own Hugging Face plan through
+    apply_tp. With cp the sequence is already split over the cp ranks: apply_llama_tp's
+    sequence-parallel split at layers[0] would cut it again, so cp uses the plain Megatron plan."""
+    return cfg.model == "llama" and not cfg.loss_parallel and cfg.cp_size == 1
 
 
 def model_config_from_path(path: str):

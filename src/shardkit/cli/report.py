@@ -27,6 +27,9 @@ def _layout(result: dict) -> str:
         tp = f"tp=({lay['pp_tp']})" if lay.get("pp_tp") else f"tp={lay['tp']}"
         return (f"pp={lay['pp']} x {tp} x dp={lay['dp']}, {lay['schedule']} with "
                 f"{m} microbatch{'es' if m > 1 else ''} {where}")
+    if "cp_mode" in lay:
+        return (f"{lay['model']}: tp={lay['tp']} x cp_ring={lay['cp_ring']} x cp_ulysses={lay['cp_ulysses']} "
+                f"({lay['cp_mode']}{', packed' if lay.get('packed') else ''}) x dp={lay['dp']} {where}")
     extras = "".join([f" (ep={lay['ep']})" if lay.get("ep", 1) > 1 else "",
                       ", loss parallel" if lay.get("loss_parallel") else ""])
     return f"{lay.get('model', 'llama')}: tp={lay['tp']}{extras} x dp={lay['dp']} {where}"

@@ -36,11 +36,18 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
                    "autoencoder on matplotlib's sample photo, frames sharded along W over --spatial ranks)")
     p.add_argument("--nproc", type=int, help="local processes to start (default 4; conv-ae: --spatial; torchrun: its world)")
     p.add_argument("--spatial", type=int, help=f"conv-ae: ranks sharing each frame along W (default {d.spatial})")
-    p.add_argument("--tp", type=int, help="tensor-parallel degree (default 2; 1 with --pp > 1)")
-    p.add_argument("--dp", type=int, help="data-parallel degree (default nproc // (tp * pp))")
+    p.add_argument("--tp", type=int, help="tensor-parallel degree (default 2; 1 with --pp > 1 or context parallelism)")
+    p.add_argument("--dp", type=int, help="data-parallel degree (default nproc // (tp * pp * cp_ring * cp_ulysses))")
+    p.add_argument("--cp-ulysses", type=int, help=f"context parallel: Ulysses ranks sharing each sequence, all-to-all "
+                   f"over heads (default {d.cp_ulysses}; llama, qwen2, qwen3; composes with --tp, --dp, --cp-ring)")
+    p.add_argument("--cp-ring", type=int, help=f"context parallel: ring-attention ranks sharing each sequence, zigzag "
+                   f"layout (default {d.cp_ring}; with --cp-ulysses > 1: USP, Ulysses inside, ring across)")
     p.add_argument("--pp", type=int, help=f"pipeline-parallel stages (default {d.pp})")
     p.add_argument("--ep", type=int, help="moe / mla: expert-parallel degree, equal to --tp (experts dispatched "
                    "all-to-all over the tp ranks; default: tensor-parallel experts)")
+    p.add_argument("--packed", action=argparse.BooleanOptionalAction,
+                   help="with cp: treat each window as documents (the corpus files) packed along the sequence; "
+                   "tokens attend and predict only within their file (cu_seqlens)")
     p.add_argument("--loss-parallel", action=argparse.BooleanOptionalAction,
                    help="keep the logits vocab-sharded and use the vocab-parallel cross entropy")
     p.add_argument("--experts", type=int, help=f"moe / mla: routed experts, top-2 (default {d.experts})")

@@ -144,6 +144,10 @@ def worker_main(cfg: TrainConfig, local_launch: bool) -> dict | None:
 def _train(cfg: TrainConfig, backend: str, device, t0: float) -> dict | None:
     if cfg.model == "conv-ae":
         return _train_conv_ae(cfg, backend, device, t0)
+    if cfg.cp_size > 1:
+        from .cp import train_cp  # tp x cp x dp: its own mesh and step (no DDP)
+
+        return train_cp(cfg, backend, device, t0)
     rank = dist.get_rank()
     if cfg.pp > 1:
         from .pipeline import pipeline_mesh  # stages of different tp sizes are not a rectangle
