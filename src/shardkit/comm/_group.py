@@ -49,7 +49,9 @@ def resolve_group(group, op: str) -> GroupInfo:
         group = group.get_group()
     if not isinstance(group, dist.ProcessGroup):
         raise ShardkitTypeError(f"{op}: group must be a ProcessGroup or a 1-D DeviceMesh, got {type(group).__name__}")
-    rank = dist.get_rank(group)
+    # The ProcessGroup's own rank()/size() (group-relative) rather than dist.get_rank(group):
+    # the latter's Python checks cost ~30 us per call, a third of a small P2P message here.
+    rank = group.rank()
     if rank < 0:
         raise GroupMembershipError(f"{op}: global rank {dist.get_rank()} is not a member of the group it passed")
-    return GroupInfo(pg=group, size=dist.get_world_size(group), rank=rank)
+    return GroupInfo(pg=group, size=group.size(), rank=rank)
