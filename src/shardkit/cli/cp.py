@@ -34,12 +34,11 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from .. import CommLedger, ShardkitError, all_reduce_forward
-from ..comm import ledger as _ledger
 from ..context_parallel import apply_cp
 from ..tensor_parallel import apply_tp, gather_full_state_dict
 from .config import TrainConfig
 from .data import BatchSampler, corpus_files, load_tokens, local_rows
-from .loop import make_optimizer
+from .loop import average_grads, make_optimizer
 from .model import build_model
 from .progress import TrainProgress
 from .verify import compare_runs, reference_run
@@ -63,20 +62,6 @@ def _cp_mesh(mesh, mode: str):
     return mesh["cp_ring" if mode == "ring" else "cp_ulysses"]
 
 
-def _average_grads_over_dp(params: list[torch.nn.Parameter], dp_mesh) -> None:
-    """Average ``.grad`` (already summed over cp) over dp with one flat all-reduce."""
-    dp = dp_mesh.size()
-    if dp == 1:
-        return
-    grads = [p.grad for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    _ledger.record("all_reduce", "cp_dp_grads", "backward", dp, flat.nbytes, flat.nbytes)
-    dist.all_reduce(flat, group=dp_mesh.get_group())
-    flat /= dp
-    for g, part in zip(grads, flat.split([g.numel() for g in grads])):
-        g.copy_(part.view_as(g))
-
-
 def run_cp_steps(model, ctx, optimizer, sampler, cfg: TrainConfig, dp_mesh, device, on_step=None) -> list[float]:
     """Train ``cfg.steps`` steps; return each step's global mean loss (the same on every rank).
 
@@ -94,7 +79,7 @@ def run_cp_steps(model, ctx, optimizer, sampler, cfg: TrainConfig, dp_mesh, devi
         loss = ctx.loss(model(**batch.inputs).logits, batch.labels, batch.num_tokens)
         loss.backward()
         ctx.all_reduce_grads(model)  # sum over cp: each rank's gradient covers its own tokens
-        _average_grads_over_dp(params, dp_mesh)
+        average_grads(params, dp_mesh, "cp_dp_grads")
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append((all_reduce_forward(loss.detach(), dp_mesh) / dp).item())
@@ -154,7 +139,7 @@ def run_cp_packed_steps(model, ctx, optimizer, sampler, cfg: TrainConfig, dp_mes
             loss.backward()
             step_loss += loss.detach()
         ctx.all_reduce_grads(model)
-        _average_grads_over_dp(params, dp_mesh)
+        average_grads(params, dp_mesh, "cp_dp_grads")
         for p in params if dp > 1 else ():
             p.grad.mul_(dp)  # the average back to the sum: each row's loss already has the global count
         optimizer.step()

@@ -5,11 +5,14 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+
+from ..comm import ledger as _ledger
 
 from .config import TrainConfig
 
-__all__ = ["causal_lm_loss", "make_optimizer", "run_steps"]
+__all__ = ["average_grads", "causal_lm_loss", "make_optimizer", "run_steps"]
 
 
 def causal_lm_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -86,3 +89,22 @@ def run_steps(
         if on_step is not None:
             on_step(step, losses[-1])
     return losses
+
+
+def average_grads(params: list[torch.nn.Parameter], dp_mesh, api: str) -> None:
+    """Average ``.grad`` over dp with one flat all-reduce (recorded in the ledger as ``api``).
+
+    For the loops DDP does not fit (pipeline: it would reduce after every microbatch; context
+    parallelism: gradients must first be summed over cp, which DDP cannot do). Every parameter
+    must have a gradient.
+    """
+    dp = dp_mesh.size()
+    if dp == 1:
+        return
+    grads = [p.grad for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    _ledger.record("all_reduce", api, "backward", dp, flat.nbytes, flat.nbytes)
+    dist.all_reduce(flat, group=dp_mesh.get_group())
+    flat /= dp
+    for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(part.view_as(g))

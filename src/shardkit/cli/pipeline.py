@@ -24,14 +24,13 @@ import torch
 import torch.distributed as dist
 
 from .. import ParallelDims, all_reduce_forward
-from ..comm import ledger as _ledger
 from ..pipeline_parallel import PipelineStage, gpipe_schedule, one_f_one_b_schedule, run_schedule, split_microbatches
 from ..pipeline_parallel.hf_llama import LlamaStageModule
 from ..pipeline_parallel.hf_llama_tp import apply_llama_stage_tp
 from ..pipeline_parallel.vtp import new_stage_groups
 from .config import TrainConfig
 from .data import local_rows
-from .loop import causal_lm_loss
+from .loop import average_grads, causal_lm_loss
 
 __all__ = ["pipeline_mesh", "build_stage", "run_pipeline_steps", "gather_stage_params"]
 
@@ -62,22 +61,6 @@ def build_stage(model, mesh, cfg: TrainConfig, device) -> PipelineStage:
     return PipelineStage(module, groups, s, cfg.pp, loss_fn=loss(s))
 
 
-def _average_grads(params: list[torch.nn.Parameter], dp_mesh) -> None:
-    """Average ``.grad`` over dp with one flat all-reduce (every stage parameter has a gradient)."""
-    dp = dp_mesh.size()
-    if dp == 1:
-        return
-    grads = [p.grad for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    _ledger.record("all_reduce", "pp_dp_grads", "backward", dp, flat.nbytes, flat.nbytes)
-    dist.all_reduce(flat, group=dp_mesh.get_group())
-    flat /= dp
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
 def run_pipeline_steps(stage: PipelineStage, optimizer, sampler, cfg: TrainConfig, mesh, device, on_step=None):
     """Train ``cfg.steps`` pipeline steps; return each step's global mean loss (on every rank).
 
@@ -93,7 +76,7 @@ def run_pipeline_steps(stage: PipelineStage, optimizer, sampler, cfg: TrainConfi
         ids = local_rows(sampler.next_batch(), dp_rank, dp).to(device)
         microbatches = split_microbatches(ids, cfg.microbatches)
         mb_losses = run_schedule(stage, table, microbatches, microbatches)
-        _average_grads(params, dp_mesh)
+        average_grads(params, dp_mesh, "pp_dp_grads")
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if last:
