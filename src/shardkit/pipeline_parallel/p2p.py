@@ -52,6 +52,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..comm import ledger
+from ..comm._compat import irecv, isend
 from ..comm._group import GroupInfo, resolve_group
 from ..comm.checks import checks_enabled
 from ..errors import ShardkitError, ShardkitTypeError
@@ -201,6 +203,9 @@ def _run(api, group, x, sends, recvs, shape, dtype, device, loop, batched, async
     if reduce not in ("mean", "sum"):
         raise ShardkitError(f"{api}: reduce must be 'mean' or 'sum', got {reduce!r}")
     checks = checks_enabled()
+    if not checks and shape is not None and not batched and len(groups) == 1 and len(sends) + len(recvs) == 1:
+        work = _static_single(api, groups[0], x, sends or recvs, bool(sends), shape, dtype, device, loop)
+        return work if async_op else work.wait()
     header = checks or shape is None
     payload = x.detach().contiguous() if sends else None
     transfers = []
@@ -216,6 +221,49 @@ def _run(api, group, x, sends, recvs, shape, dtype, device, loop, batched, async
                                       header))
     work = exchange(transfers, api, bool(batched), checks, reduce)
     return work if async_op else work.wait()
+
+
+class _StaticWork(P2PWork):
+    """The :class:`P2PWork` of one static-shape message (:func:`_static_single`)."""
+
+    def __init__(self, work, received: torch.Tensor | None) -> None:  # noqa: no P2PWork state needed
+        self._work, self._received = work, received
+
+    def is_completed(self) -> bool:
+        return self._work is None or self._work.is_completed()
+
+    def complete(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+
+    def wait(self) -> torch.Tensor | None:
+        self.complete()
+        return self._received
+
+
+def _static_single(api, g: GroupInfo, x, directions, send: bool, shape, dtype, device, loop) -> _StaticWork:
+    """One message whose shape (and dtype) both ends declared, checks off: no header, no
+    Transfer bookkeeping, one isend or irecv. The general exchange costs ~100 us of Python per
+    message here, a third of a 16 KiB gloo transfer; pipelines with static shapes send many."""
+    towards, phase = directions[0]
+    peer = _peer(g, towards, loop, api)
+    if send:
+        if tuple(x.shape) != shape or (dtype is not None and x.dtype != dtype):
+            raise ShardkitError(
+                f"{api}: stage {g.rank} of {g.size} declared {_wire.describe(shape, dtype or x.dtype)} but its tensor "
+                f"is {_wire.describe(x.shape, x.dtype)}"
+            )
+        payload = x.detach().contiguous()
+        if payload.numel() == 0:
+            return _StaticWork(None, None)
+        ledger.record("send", api, phase, g.size, payload.nbytes, 0)
+        return _StaticWork(isend(payload, g.pg, peer), None)
+    buf = torch.empty(shape, dtype=dtype, device=_device(device, g, api))
+    if buf.numel() == 0:
+        return _StaticWork(None, buf)
+    ledger.record("recv", api, phase, g.size, 0, buf.nbytes)
+    return _StaticWork(irecv(buf, g.pg, peer), buf)
 
 
 def _resolve_groups(group, api: str) -> list[GroupInfo]:
