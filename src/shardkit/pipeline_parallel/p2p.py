@@ -294,7 +294,7 @@ def _check_shape(shape, api: str):
     if shape is None:
         return None
     if isinstance(shape, torch.Size):
-        shape = tuple(shape)
+        return tuple(shape)  # sizes of a real tensor: non-negative ints already
     if not isinstance(shape, (list, tuple)) or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
         raise ShardkitTypeError(f"{api}: shape must be a sequence of ints, got {shape!r}")
     if any(d < 0 for d in shape):
@@ -325,7 +325,7 @@ def _device(device, g: GroupInfo, api: str) -> torch.device:
             return torch.device(device)
         except (RuntimeError, TypeError) as exc:
             raise ShardkitTypeError(f"{api}: bad device {device!r}: {exc}") from None
-    backend = str(dist.get_backend(g.pg)).lower()
+    backend = g.pg.name().lower()  # the backend's name, e.g. "gloo" (cheaper than dist.get_backend)
     accelerator = getattr(torch, "accelerator", None)
     if backend == "gloo" or accelerator is None or accelerator.current_accelerator() is None:
         return torch.device("cpu")
