@@ -41,7 +41,7 @@ from .data import BatchSampler, corpus_files, load_tokens, local_rows
 from .loop import average_grads, make_optimizer
 from .model import build_model
 from .progress import TrainProgress
-from .verify import compare_runs, reference_run
+from .verify import reference_run
 
 __all__ = ["cp_mode", "train_cp"]
 
@@ -176,7 +176,7 @@ def packed_reference_run(model, cfg: TrainConfig, tokens, file_sizes, device) ->
 
 def train_cp(cfg: TrainConfig, backend: str, device, t0: float) -> dict | None:
     """One rank of a tp x cp x dp run. Returns rank 0's result dict, None on other ranks."""
-    from .worker import _peak_memory, _run_record
+    from .worker import _peak_memory, lm_result
 
     rank = dist.get_rank()
     mesh = init_device_mesh(device.type, (cfg.dp, cfg.cp_ring, cfg.cp_ulysses, cfg.tp), mesh_dim_names=MESH_DIMS)
@@ -218,30 +218,12 @@ def train_cp(cfg: TrainConfig, backend: str, device, t0: float) -> dict | None:
     if rank != 0:
         return None
 
-    result = {
-        "layout": {
-            "nproc": cfg.nproc,
-            "model": cfg.model,
-            "tp": cfg.tp,
-            "cp_ring": cfg.cp_ring,
-            "cp_ulysses": cfg.cp_ulysses,
-            "cp_mode": mode,
-            "packed": cfg.packed,
-            "dp": cfg.dp,
-            "backend": backend,
-            "device": str(device),
-        },
-        **_run_record(cfg, losses, memory, device, ledger, t_setup, t_train),
-        "tokens_per_s": tokens_per_step * cfg.steps / t_train,
-        "corpus_tokens": tokens.numel(),
-    }
+    layout = {"model": cfg.model, "tp": cfg.tp, "cp_ring": cfg.cp_ring, "cp_ulysses": cfg.cp_ulysses,
+              "cp_mode": mode, "packed": cfg.packed, "dp": cfg.dp}
+    verify = None
     if reference is not None:
-        t2 = time.perf_counter()
         if cfg.packed:
-            ref_losses, ref_params = packed_reference_run(reference.to(device), cfg, tokens, file_sizes, device)
+            verify = lambda: packed_reference_run(reference.to(device), cfg, tokens, file_sizes, device)  # noqa: E731
         else:
-            ref_losses, ref_params = reference_run(reference.to(device), cfg, tokens, device)
-        result["reference_losses"] = ref_losses
-        result["parity"] = compare_runs(losses, ref_losses, full_params, ref_params, cfg.dtype)
-        result["timings_s"]["verify"] = time.perf_counter() - t2
-    return result
+            verify = lambda: reference_run(reference.to(device), cfg, tokens, device)  # noqa: E731
+    return lm_result(cfg, layout, backend, device, (losses, memory, ledger, t_setup, t_train), tokens, full_params, verify)

@@ -205,33 +205,42 @@ def _train(cfg: TrainConfig, backend: str, device, t0: float) -> dict | None:
     if rank != 0:
         return None
 
+    layout = {
+        "pp": cfg.pp,
+        "tp": cfg.tp,
+        "pp_tp": cfg.pp_tp,
+        "model": cfg.model,
+        "ep": cfg.ep,
+        "loss_parallel": cfg.loss_parallel,
+        "dp": cfg.dp,
+        "microbatches": cfg.microbatches,
+        "schedule": cfg.schedule if cfg.pp > 1 else None,
+    }
+    verify = None if reference is None else (lambda: reference_run(reference.to(device), cfg, tokens, device))
+    return lm_result(cfg, layout, backend, device, (losses, memory, ledger, t_setup, t_train), tokens, full_params, verify)
+
+
+def lm_result(cfg: TrainConfig, layout: dict, backend: str, device, run: tuple, tokens, full_params, verify) -> dict:
+    """Rank 0's result of a causal-LM run: ``layout`` plus the shared record fields and, when
+    ``verify`` (a callable returning the reference losses and parameters) is given, the parity.
+
+    Args:
+        run: ``(losses, memory, ledger, t_setup, t_train)`` of the parallel run.
+    """
+    losses, memory, ledger, t_setup, t_train = run
     result = {
-        "layout": {
-            "nproc": cfg.nproc,
-            "pp": cfg.pp,
-            "tp": cfg.tp,
-            "pp_tp": cfg.pp_tp,
-            "model": cfg.model,
-            "ep": cfg.ep,
-            "loss_parallel": cfg.loss_parallel,
-            "dp": cfg.dp,
-            "microbatches": cfg.microbatches,
-            "schedule": cfg.schedule if cfg.pp > 1 else None,
-            "backend": backend,
-            "device": str(device),
-        },
+        "layout": {"nproc": cfg.nproc, **layout, "backend": backend, "device": str(device)},
         **_run_record(cfg, losses, memory, device, ledger, t_setup, t_train),
-        "tokens_per_s": tokens_per_step * cfg.steps / t_train,
+        "tokens_per_s": cfg.batch_size * cfg.seq_len * cfg.steps / t_train,
         "corpus_tokens": tokens.numel(),
     }
-    if reference is not None:
+    if verify is not None:
         t2 = time.perf_counter()
-        ref_losses, ref_params = reference_run(reference.to(device), cfg, tokens, device)
+        ref_losses, ref_params = verify()
         result["reference_losses"] = ref_losses
         result["parity"] = compare_runs(losses, ref_losses, full_params, ref_params, cfg.dtype)
         result["timings_s"]["verify"] = time.perf_counter() - t2
     return result
-
 
 
 def _train_conv_ae(cfg: TrainConfig, backend: str, device, t0: float) -> dict | None:

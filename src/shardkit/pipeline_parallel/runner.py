@@ -140,11 +140,7 @@ def _execute(stage, plan, M, inputs, targets, decls):
     losses = [None] * M
     for call in plan:
         if call.api == "compute":
-            kind, m = call.action
-            if kind == "F":
-                outputs[m] = _forward(stage, m, M, inputs, targets, received, stash, losses)
-            else:
-                grads_out[m] = _backward(stage, m, received, stash)
+            _compute(call.action, stage, M, inputs, targets, received, stash, losses, outputs, grads_out)
             continue
         send = None
         if call.sends:
@@ -161,6 +157,15 @@ def _execute(stage, plan, M, inputs, targets, decls):
             _, direction, m = call.recvs[0]
             received[(direction, m)] = got
     return losses if stage.is_last else None
+
+
+def _compute(action, stage, M, inputs, targets, received, stash, losses, outputs, grads_out) -> None:
+    """Run one F or B action; its output (or input gradient) waits in ``outputs`` / ``grads_out``."""
+    kind, m = action
+    if kind == "F":
+        outputs[m] = _forward(stage, m, M, inputs, targets, received, stash, losses)
+    else:
+        grads_out[m] = _backward(stage, m, received, stash)
 
 
 def _forward(stage, m, M, inputs, targets, received, stash, losses):
@@ -196,11 +201,7 @@ def _execute_tp(stage, plan, M, inputs, targets, decls):
             grad_decl[("send", m)] = (shape, t.dtype)
     for call in plan:
         if call.api == "compute":
-            kind, m = call.action
-            if kind == "F":
-                outputs[m] = _forward(stage, m, M, inputs, targets, received, stash, losses)
-            else:
-                grads_out[m] = _backward(stage, m, received, stash)
+            _compute(call.action, stage, M, inputs, targets, received, stash, losses, outputs, grads_out)
             continue
         sends, recvs = [], []
         for towards, direction, m in call.sends:
