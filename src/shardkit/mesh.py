@@ -1,8 +1,29 @@
-"""Parallel layout of a job: degrees per axis, validated, turned into a named DeviceMesh.
+"""Parallel layout of a job: degrees per axis, validated, turned into named DeviceMeshes.
 
 shardkit keeps no module-level process groups. A job describes its layout once with
-:class:`ParallelDims`, builds a ``torch.distributed.device_mesh.DeviceMesh`` from it, and passes
-1-D submeshes (``mesh["tp"]``) explicitly to every layer and collective.
+:class:`ParallelDims`; :meth:`ParallelDims.build_mesh` is the only place that creates process
+groups for it, and every layer, collective and transform takes its (sub)mesh explicitly
+(``mesh["tp"]``, ``mesh["dp_cp"]``).
+
+Axes, outermost first: ``pp``, ``dp_replicate``, ``dp_shard``, ``cp_ring``, ``cp_ulysses``,
+``spatial``, ``tp`` (tp innermost, so tp peers are adjacent ranks: same node, fastest links;
+the order of torchtitan's ``ParallelDims`` and Megatron-LM). Their product is the world size.
+Expert parallelism does not multiply the world: ``ep`` ranks are *borrowed* from
+``dp_shard x cp_ring x cp_ulysses x tp`` (experts are then not tensor-parallel), as
+torchtitan's ``ParallelDims`` and Megatron-LM's expert-data-parallel groups do. The ranks
+holding the same experts form the expert data-parallel group (``edp``), over which expert
+gradients are reduced instead of ``dp_cp``.
+
+Flattened views on the mesh (built once, for the gradient reductions and the loss):
+
+===============  ===================================================  ====================
+view             dims                                                 used for
+===============  ===================================================  ====================
+``dp``           ``dp_replicate x dp_shard``                          batch rows
+``cp``           ``cp_ring x cp_ulysses``                             sequence shards
+``dp_cp``        ``dp_replicate x dp_shard x cp_ring x cp_ulysses``   dense gradients, loss
+``dp_shard_cp``  ``dp_shard x cp_ring x cp_ulysses``                  FSDP2 sharding
+===============  ===================================================  ====================
 """
 
 from __future__ import annotations
@@ -12,89 +33,291 @@ from dataclasses import dataclass, fields
 
 from .errors import ShardkitError, ShardkitTypeError
 
-__all__ = ["ParallelDims"]
+__all__ = ["ParallelDims", "ParallelMesh", "AXES", "FLAT_VIEWS", "EXPERT_AXES"]
 
-# Outermost to innermost. tp is innermost so that its ranks are adjacent (same node, fastest
-# links), the convention of Megatron-LM and torchtitan.
-_AXES = ("dp", "pp", "cp", "ep", "tp")
+AXES = ("pp", "dp_replicate", "dp_shard", "cp_ring", "cp_ulysses", "spatial", "tp")
+FLAT_VIEWS = {
+    "dp": ("dp_replicate", "dp_shard"),
+    "cp": ("cp_ring", "cp_ulysses"),
+    "dp_cp": ("dp_replicate", "dp_shard", "cp_ring", "cp_ulysses"),
+    "dp_shard_cp": ("dp_shard", "cp_ring", "cp_ulysses"),
+}
+# Dims whose ranks expert parallelism may borrow, outermost first (contiguous in AXES but for
+# spatial, which must be 1 with ep > 1).
+_EP_BORROW = ("dp_shard", "cp_ring", "cp_ulysses", "tp")
+EXPERT_AXES = ("pp", "dp_replicate", "ep_dp", "ep")
 
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Degrees of each parallel axis; their product must equal the world size.
+    """Degrees of every parallel axis of one job.
 
     Args:
-        dp: data-parallel degree.
-        pp: pipeline-parallel degree.
-        cp: context-parallel degree.
-        tp: tensor-parallel degree.
-        ep: expert-parallel degree.
-        world_size: the number of ranks; defaults to the product of the degrees. When given
-            (or when :meth:`build_mesh` runs inside an initialized process group) the product
-            must match it.
+        dp_replicate: data-parallel replicas (DDP-style: full gradients all-reduced; HSDP's
+            replicate dim when ``dp_shard > 1``).
+        dp_shard: data-parallel ranks that shard parameters, gradients and optimizer state
+            (FSDP2 ``fully_shard``; ZeRO-3).
+        pp: pipeline stages.
+        cp_ring: context-parallel ranks of zigzag ring attention.
+        cp_ulysses: context-parallel ranks of Ulysses all-to-all attention (both > 1: USP).
+        spatial: ranks sharing each frame of a convolutional model (halo exchange).
+        tp: tensor-parallel ranks (Megatron TP, optionally with sequence parallelism).
+        ep: expert-parallel ranks, borrowed from ``dp_shard x cp_ring x cp_ulysses x tp``
+            (must divide that product); 1 keeps experts tensor-parallel over ``tp``.
+        pp_tp: a tp size per pipeline stage (MindSpeed-MM "VTP", e.g. ``(2, 1, 1)``): stages
+            of different sizes are not a rectangle, so this layout composes with
+            ``dp_replicate`` only (``tp`` stays 1, ``pp`` is ``len(pp_tp)``, and the world is
+            ``dp_replicate x sum(pp_tp)``).
+        world_size: when given, the product of the degrees must equal it.
 
     Raises:
         ShardkitTypeError: a degree is not an int.
-        ShardkitError: a degree is < 1, or the degrees do not multiply to ``world_size``.
+        ShardkitError: a degree is < 1; the product is not ``world_size``; ``ep`` does not
+            divide the ranks it borrows from, or is combined with ``spatial > 1``. The message
+            names every degree.
 
     Example:
-        >>> dims = ParallelDims(dp=2, tp=2)
-        >>> mesh = dims.build_mesh("cpu")          # inside a 4-rank world
-        >>> tp_mesh, dp_mesh = mesh["tp"], mesh["dp"]
+        >>> dims = ParallelDims(dp_replicate=2, tp=2)
+        >>> mesh = dims.build_mesh("cpu")      # inside a 4-rank world
+        >>> mesh["tp"].size(), mesh["dp_cp"].size()
+        (2, 2)
+
+    Source: torchtitan ``ParallelDims`` (mesh order, flattened views, ep borrowing dp x cp (x tp));
+    Megatron-LM's expert-data-parallel groups.
     """
 
-    dp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
     pp: int = 1
-    cp: int = 1
+    cp_ring: int = 1
+    cp_ulysses: int = 1
+    spatial: int = 1
     tp: int = 1
     ep: int = 1
+    pp_tp: tuple[int, ...] | None = None
     world_size: int | None = None
 
     def __post_init__(self) -> None:
+        if self.pp_tp is not None:
+            self._check_pp_tp()
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name == "world_size" and value is None:
+            if f.name in ("world_size", "pp_tp"):
                 continue
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ShardkitTypeError(f"ParallelDims: {f.name} must be an int, got {value!r}")
             if value < 1:
-                raise ShardkitError(f"ParallelDims: {f.name} must be >= 1, got {value}")
+                raise ShardkitError(f"ParallelDims: {f.name} must be >= 1, got {value} ({self._describe()})")
         if self.world_size is not None and self.product != self.world_size:
+            raise ShardkitError(f"ParallelDims: {self._describe()} multiply to {self.product}, "
+                                f"but the world size is {self.world_size}")
+        if self.ep > 1:
+            borrow = self.ep_borrow
+            if self.spatial > 1:
+                raise ShardkitError(f"ParallelDims: ep={self.ep} with spatial={self.spatial}: expert parallelism "
+                                    "is for mixture-of-experts models, spatial for convolutional ones")
+            if borrow % self.ep:
+                raise ShardkitError(
+                    f"ParallelDims: ep={self.ep} must divide dp_shard x cp_ring x cp_ulysses x tp = {borrow} "
+                    f"(the ranks expert parallelism borrows; {self._describe()})")
+
+    def _check_pp_tp(self) -> None:
+        sizes = self.pp_tp
+        if not isinstance(sizes, tuple) or len(sizes) < 2 or any(
+                isinstance(t, bool) or not isinstance(t, int) or t < 1 for t in sizes):
+            raise ShardkitError(f"ParallelDims: pp_tp must be a tuple of at least 2 ints >= 1, got {sizes!r}")
+        others = {a: getattr(self, a) for a in ("dp_shard", "cp_ring", "cp_ulysses", "spatial", "tp", "ep")}
+        if any(v != 1 for v in others.values()) or self.pp not in (1, len(sizes)):
             raise ShardkitError(
-                f"ParallelDims: degrees {self.degrees} multiply to {self.product}, "
-                f"but the world size is {self.world_size}"
-            )
+                f"ParallelDims: pp_tp={sizes} (stages of different tp sizes are not a rectangular mesh) composes "
+                f"with dp_replicate only; got {self._describe()}")
+        object.__setattr__(self, "pp", len(sizes))
+
+    def _describe(self) -> str:
+        shown = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("world_size", "pp_tp")}
+        text = ", ".join(f"{k}={v}" for k, v in shown.items())
+        return text if self.pp_tp is None else f"{text}, pp_tp={self.pp_tp}"
 
     @property
     def degrees(self) -> dict[str, int]:
-        """Degree of every axis, outermost first."""
-        return {axis: getattr(self, axis) for axis in _AXES}
+        """Degree of every mesh axis, outermost first (``ep`` is not a mesh axis: it borrows)."""
+        return {axis: getattr(self, axis) for axis in AXES}
 
     @property
     def product(self) -> int:
+        """The number of ranks the layout needs."""
+        if self.pp_tp is not None:
+            return self.dp_replicate * sum(self.pp_tp)
         return math.prod(self.degrees.values())
 
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree ``dp_replicate x dp_shard`` (the batch is split this many ways)."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def cp(self) -> int:
+        """Context-parallel degree ``cp_ring x cp_ulysses``."""
+        return self.cp_ring * self.cp_ulysses
+
+    @property
+    def cp_mode(self) -> str | None:
+        """``"usp"`` (both cp degrees > 1), ``"ring"``, ``"ulysses"``, or None without cp."""
+        if self.cp_ring > 1 and self.cp_ulysses > 1:
+            return "usp"
+        if self.cp_ring > 1:
+            return "ring"
+        return "ulysses" if self.cp_ulysses > 1 else None
+
+    @property
+    def ep_borrow(self) -> int:
+        """Ranks expert parallelism may borrow from: ``dp_shard x cp_ring x cp_ulysses x tp``."""
+        return math.prod(getattr(self, a) for a in _EP_BORROW)
+
     def active_axes(self) -> list[str]:
-        """Axes with degree > 1, outermost first."""
-        return [axis for axis, d in self.degrees.items() if d > 1]
+        """Axes with degree > 1, outermost first (``ep`` last when > 1)."""
+        return [axis for axis, d in self.degrees.items() if d > 1] + (["ep"] if self.ep > 1 else [])
 
-    def build_mesh(self, device_type: str = "cpu"):
-        """Build the named ``DeviceMesh`` with every axis as a dimension (size-1 axes included).
+    def describe(self) -> str:
+        """A one-line layout such as ``"dp_replicate=2 x tp=2"`` (``"single process"`` when all 1)."""
+        active = [f"{axis}={getattr(self, axis)}" for axis in self.active_axes()]
+        if self.pp_tp is not None:
+            active.insert(1 if self.dp_replicate > 1 else 0, f"pp_tp={','.join(map(str, self.pp_tp))}")
+        return " x ".join(active) if active else "single process"
 
-        Must be called collectively by every rank of the default process group.
+    def build_mesh(self, device_type: str = "cpu") -> ParallelMesh:
+        """Build the named meshes of this layout: every axis, the flattened views, the expert mesh.
+
+        Must be called collectively by every rank of the default process group. Every subgroup
+        gets the world's timeout (a subgroup created with torch's default would wait 30 minutes
+        in a disagreement instead of failing as fast as the world does).
+
+        Returns:
+            A :class:`ParallelMesh`: ``mesh["tp"]``, ``mesh["dp_cp"]``, ``mesh["ep"]`` ... are
+            1-D ``DeviceMesh`` es (:data:`AXES`, :data:`FLAT_VIEWS`, and with ``ep > 1`` the
+            expert dims ``ep`` and ``edp``; with ``dp_shard > 1`` and ``dp_replicate > 1`` the 2-D ``hsdp``
+            mesh ``(dp_replicate, dp_shard_cp)``).
 
         Raises:
             ShardkitError: the process group is not initialized, or its size is not the product.
         """
+        import torch
         import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
         if not dist.is_initialized():
             raise ShardkitError("ParallelDims.build_mesh: torch.distributed is not initialized")
         world = dist.get_world_size()
         if self.product != world:
-            raise ShardkitError(
-                f"ParallelDims.build_mesh: degrees {self.degrees} multiply to {self.product}, "
-                f"but the world size is {world}"
-            )
-        return init_device_mesh(device_type, tuple(self.degrees.values()), mesh_dim_names=_AXES)
+            raise ShardkitError(f"ParallelDims.build_mesh: {self._describe()} multiply to {self.product}, "
+                                f"but the world size is {world}")
+        if self.pp_tp is not None:
+            return self._build_vtp()
+        options = _world_timeout_options()
+        override = None if options is None else {dim: (None, options) for dim in range(len(AXES))}
+        root = init_device_mesh(device_type, tuple(self.degrees.values()), mesh_dim_names=AXES,
+                                backend_override=override)
+        views = {name: root[dims]._flatten(name, backend_override=options) for name, dims in FLAT_VIEWS.items()}
+        if self.ep > 1:
+            # ep groups: blocks of ep consecutive ranks inside each dp_shard x cp x tp block
+            # (innermost first: with ep <= tp they stay inside a tp group's node); ep_dp pairs
+            # the ranks holding the same experts inside the block.
+            ranks = torch.arange(world).reshape(self.pp, self.dp_replicate, self.ep_borrow // self.ep, self.ep)
+            ov = None if options is None else tuple((None, options) for _ in EXPERT_AXES)
+            expert = DeviceMesh(device_type, ranks, mesh_dim_names=EXPERT_AXES, backend_override=ov)
+            views["ep"] = expert["ep"]
+            views["edp"] = expert["dp_replicate", "ep_dp"]._flatten("edp", backend_override=options)
+        if self.dp_shard > 1 and self.dp_replicate > 1:
+            # HSDP needs the 2-D (dp_replicate, dp_shard_cp) mesh itself, not its flattened view.
+            ranks = torch.arange(world).reshape(self.pp, self.dp_replicate, self.dp_shard * self.cp,
+                                                self.spatial * self.tp)
+            ov = None if options is None else tuple((None, options) for _ in range(4))
+            hsdp = DeviceMesh(device_type, ranks, mesh_dim_names=("pp", "dp_replicate", "dp_shard_cp", "mp"),
+                              backend_override=ov)
+            views["hsdp"] = hsdp["dp_replicate", "dp_shard_cp"]
+        return ParallelMesh(self, root, views)
+
+
+    def _build_vtp(self) -> ParallelMesh:
+        """``pp_tp`` layouts: the stage groups of :func:`~shardkit.pipeline_parallel.new_stage_groups`
+        (replica-major ranks: ``rank = d * sum(pp_tp) + offset_s + i``)."""
+        from .pipeline_parallel.vtp import new_stage_groups
+
+        stages, dp_group = new_stage_groups(self.pp_tp, self.dp_replicate)
+        views = {"stages": stages, "tp": stages.tp_group}
+        for name in ("dp_replicate", "dp", "dp_cp"):
+            views[name] = dp_group
+        return ParallelMesh(self, None, views)
+
+
+class ParallelMesh:
+    """The meshes of one :class:`ParallelDims` layout, by name (built by :meth:`ParallelDims.build_mesh`).
+
+    ``mesh[name]`` is a 1-D ``DeviceMesh``: an axis of :data:`AXES` (a slice of the root mesh),
+    a flattened view of :data:`FLAT_VIEWS`, or, with ``ep > 1``, ``"ep"`` (the ranks a token
+    all-to-all spans) and ``"edp"`` (the ranks holding the same experts: expert gradients are
+    reduced over it). ``mesh[a, b]`` is a multi-dim slice of the root mesh (e.g. USP's
+    ``mesh["cp_ring", "cp_ulysses"]``). The flattened views are kept here rather than sliced
+    from the root mesh, as torch asks of their users.
+
+    Attributes:
+        dims: the layout.
+        root: the root ``DeviceMesh`` with dims :data:`AXES`.
+    """
+
+    def __init__(self, dims: ParallelDims, root, views: dict) -> None:
+        self.dims, self.root, self._views = dims, root, views
+
+    @property
+    def device_type(self) -> str:
+        return self.root.device_type
+
+    def __getitem__(self, name):
+        if isinstance(name, tuple) and self.root is not None:
+            return self.root[name]
+        if name in self._views:
+            return self._views[name]
+        if name in AXES and self.root is not None:
+            return self.root[name]
+        raise ShardkitError(f"ParallelMesh: no mesh named {name!r} in layout {self.dims.describe()}; known: "
+                            f"{list(AXES if self.root is not None else ()) + list(self._views)}")
+
+    def _absent(self, name: str) -> bool:
+        """A dim this layout does not build because it is size 1 (``ep``/``edp`` without
+        expert parallelism; every other axis of a ``pp_tp`` layout)."""
+        return name not in self._views and (self.root is None or name in ("ep", "edp"))
+
+    def size(self, name: str) -> int:
+        """Ranks in ``mesh[name]`` (1 for a dim the layout does not have)."""
+        from .comm._group import resolve_group
+
+        return 1 if self._absent(name) else resolve_group(self[name], "ParallelMesh").size
+
+    def local_rank(self, name: str) -> int:
+        """This rank's coordinate in ``mesh[name]`` (0 for a dim the layout does not have)."""
+        from .comm._group import resolve_group
+
+        return 0 if self._absent(name) else resolve_group(self[name], "ParallelMesh").rank
+
+
+def _world_timeout_options():
+    """Backend options carrying the world's timeout, for every subgroup a mesh creates (torch's
+    subgroups otherwise get the 30-minute default, whatever the world was created with); None
+    when the backend's options cannot be read (torch's default then applies)."""
+    import torch
+    import torch.distributed as dist
+    from torch._C._distributed_c10d import Backend
+
+    world = dist.group.WORLD
+    backend = dist.get_backend(world)
+    device = torch.device("cuda" if backend == "nccl" else "cpu")
+    try:
+        timeout = world._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):
+        return None  # a backend without readable options: keep torch's default
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+    else:
+        options = Backend.Options(backend, timeout)
+    return options

@@ -10,7 +10,7 @@ import torch
 
 from shardkit import ShardkitError
 from shardkit.cli.config import merge_config, validate_config
-from shardkit.cli.conv_ae import CROP, CropSampler, build_conv_ae, load_image, reconstruction_loss
+from shardkit.cli.conv_ae import CROP, ConvAETask, CropSampler, build_conv_ae, load_image
 
 
 def test_image_is_a_real_photo_in_unit_range():
@@ -50,27 +50,39 @@ def test_model_builder_is_seeded_and_keeps_the_frame_size(dtype):
     assert any(c.stride == (2, 2) for c in convs) and any(c.dilation == (2, 2) for c in convs)
 
 
-def test_reconstruction_loss_is_the_mean_squared_error():
+def test_task_loss_is_the_sum_of_squared_errors():
+    # The trainer divides by the global numel: the sum over W-halves is the mean squared error.
     out, target = torch.randn(2, 3, 4, 6, dtype=torch.float64), torch.randn(2, 3, 4, 6, dtype=torch.float64)
-    torch.testing.assert_close(reconstruction_loss(out, target, out.numel()), torch.nn.functional.mse_loss(out, target))
-    # Two W-halves' partial sums over the global numel add up to the same mean.
-    halves = sum(reconstruction_loss(o, t, out.numel()) for o, t in zip(out.split(3, -1), target.split(3, -1)))
-    torch.testing.assert_close(halves, torch.nn.functional.mse_loss(out, target))
-    assert reconstruction_loss(out.bfloat16(), target.bfloat16(), out.numel()).dtype == torch.float32
+
+    class OneProcess:
+        mesh = None
+
+    mean = ConvAETask.loss_sum(out, target, OneProcess) / out.numel()
+    torch.testing.assert_close(mean, torch.nn.functional.mse_loss(out, target))
+    halves = sum(ConvAETask.loss_sum(o, t, OneProcess) for o, t in zip(out.split(3, -1), target.split(3, -1)))
+    torch.testing.assert_close(halves / out.numel(), torch.nn.functional.mse_loss(out, target))
+    assert ConvAETask.loss_sum(out.bfloat16(), target.bfloat16(), OneProcess).dtype == torch.float32
+    assert ConvAETask.count(out) == out.numel()
 
 
 def test_conv_ae_layout():
     cfg = validate_config(merge_config({}, dict(model="conv-ae", spatial=2)))
-    assert (cfg.nproc, cfg.spatial, cfg.dp, cfg.tp, cfg.pp) == (2, 2, 1, 1, 1)
+    assert (cfg.nproc, cfg.spatial, cfg.dp_replicate, cfg.tp, cfg.pp) == (2, 2, 1, 1, 1)
     assert validate_config(merge_config({}, {})).nproc == 4  # llama's default is unchanged
     assert validate_config(merge_config({}, dict(model="conv-ae", spatial=4)), world_size=4).nproc == 4
+    # spatial composes with data parallelism (replicas and FSDP2)
+    both = validate_config(merge_config({}, dict(model="conv-ae", spatial=2, dp=2)))
+    assert (both.nproc, both.dp_replicate) == (4, 2)
+    assert validate_config(merge_config({}, dict(model="conv-ae", spatial=2, nproc=4))).dp_replicate == 2
 
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(spatial=2), "--spatial 2 needs --model conv-ae"),
     (dict(model="conv-ae", tp=2), "--tp 2 with --model conv-ae"),
-    (dict(model="conv-ae", pp=2, dp=2), "--pp 2, --dp 2 with --model conv-ae"),
-    (dict(model="conv-ae", spatial=2, nproc=4), "spatial=2 x dp=1 = 2 ranks, but --nproc is 4"),
+    (dict(model="conv-ae", pp=2, dp=2), "--pp 2 with --model conv-ae"),
+    (dict(model="conv-ae", cp_ring=2), "--cp-ring 2 with --model conv-ae"),
+    (dict(model="conv-ae", spatial=2, dp=1, nproc=4), "dp_replicate=1 = 2 ranks, but --nproc is 4"),
+    (dict(model="conv-ae", spatial=3, nproc=4), "must divide --nproc 4"),
     (dict(model="conv-ae", spatial=11), "--spatial 11: .* fewer than 8 columns"),
     (dict(model="conv-ae", spatial=0), "--spatial must be >= 1"),
     (dict(model="resnet"), "--model must be one of llama, qwen2, qwen3, moe, mla, conv-ae"),

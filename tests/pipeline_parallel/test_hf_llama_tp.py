@@ -8,7 +8,7 @@ import torch
 
 from harness.helpers import all_true, rank, subgroup, world_group
 from shardkit.cli.config import TrainConfig
-from shardkit.cli.loop import causal_lm_loss
+from shardkit.cli.lm_task import causal_lm_loss
 from shardkit.cli.model import build_model
 from shardkit.errors import ShardkitError
 from shardkit.pipeline_parallel import PipelineStage, gpipe_schedule, one_f_one_b_schedule, run_schedule

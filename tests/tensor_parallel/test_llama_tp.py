@@ -11,7 +11,7 @@ from torch import nn
 
 from harness.helpers import get_mesh, rank, world_group
 from shardkit import CommLedger, ShardkitError
-from shardkit.cli.loop import causal_lm_loss
+from shardkit.cli.lm_task import causal_lm_loss
 from shardkit.cli.model import keep_norms_in_input_dtype
 from shardkit.tensor_parallel import (
     ColwiseParallel,

@@ -12,18 +12,18 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from ..errors import ShardkitError
+from ..mesh import ParallelDims
 
-__all__ = ["TrainConfig", "DTYPES", "SCHEDULES", "MODELS", "CP_MODELS", "load_toml", "merge_config", "validate_config",
-           "parse_pp_tp"]
+__all__ = ["TrainConfig", "DTYPES", "SCHEDULES", "MODELS", "load_toml", "merge_config", "validate_config",
+           "parse_pp_tp", "parallel_dims"]
 
 DTYPES = ("float32", "float64", "bfloat16")
 SCHEDULES = ("1f1b", "gpipe")
-# Causal LMs trained with tensor (+ expert) parallelism; "llama" also with pp and sequence
-# parallelism. "moe" is Qwen3-MoE, "mla" DeepSeek-V2 (multi-head latent attention + MoE).
+# Causal LMs: Llama, Qwen2, Qwen3, Qwen3-MoE ("moe"), DeepSeek-V2 ("mla": multi-head latent
+# attention + MoE); "conv-ae" is the spatially sharded convolutional autoencoder.
 LM_MODELS = ("llama", "qwen2", "qwen3", "moe", "mla")
 MODELS = (*LM_MODELS, "conv-ae")
-# Dense causal LMs trained with context parallelism (apply_cp switches their HF attention).
-CP_MODELS = ("llama", "qwen2", "qwen3")
+MOE_MODELS = ("moe", "mla")
 
 
 @dataclass(frozen=True)
@@ -35,21 +35,25 @@ class TrainConfig:
     heads (head dim 16), so tp=2 keeps whole heads per rank.
     """
 
-    model: str = "llama"  # see MODELS: a causal LM (tp x dp; llama also pp) or "conv-ae" (spatial)
-    nproc: int | None = None  # None: 4 for llama, spatial for conv-ae
+    model: str = "llama"  # see MODELS
+    nproc: int | None = None  # None: the product of the degrees (4 by default)
     spatial: int = 1  # conv-ae only: ranks sharing each frame along W
-    tp: int | None = None  # None: 2 without pp and cp, 1 with --pp > 1 (the same tp in every stage) or cp
+    tp: int | None = None  # None: 2 for an LM without pp, cp and pp_tp; else 1
     pp_tp: str | None = None  # per-stage tp sizes "2,1,1" (VTP): pp = their count, sum * dp = nproc
-    dp: int | None = None  # None: nproc // (tp * pp)
+    dp: int | None = None  # alias of dp_replicate (kept for old command lines)
+    dp_replicate: int | None = None  # None: what nproc leaves after every other degree
+    dp_shard: int = 1  # FSDP2 ranks (ZeRO-3 sharding of parameters, gradients, optimizer state)
     pp: int = 1
     cp_ulysses: int = 1  # context parallel: ranks sharing each sequence, all-to-all over heads (Ulysses)
     cp_ring: int = 1  # context parallel: ranks sharing each sequence, zigzag ring attention (both > 1: USP)
-    packed: bool = False  # cp only: each window is documents (corpus files) packed along S, no cross-file attention
-    ep: int = 1  # moe / mla: experts sharded over the tp ranks (ep == tp) with all-to-all dispatch
+    packed: bool = False  # each window is documents (corpus files) packed along S, no cross-file attention
+    ep: int = 1  # moe / mla: expert-parallel ranks, borrowed from dp_shard x cp x tp
     loss_parallel: bool = False  # vocab-sharded logits and loss (never the full [B, S, V] logits)
+    sequence_parallel: bool | None = None  # None: on for llama with tp > 1 (Megatron-SP)
     experts: int = 4  # moe / mla: routed experts (top-2)
-    microbatches: int = 1  # per step and dp rank; pp > 1 only
+    microbatches: int = 1  # per step and dp rank: pipeline microbatches, or gradient accumulation
     schedule: str = "1f1b"  # pipeline schedule: "1f1b" or "gpipe"
+    max_norm: float | None = 1.0  # clip the global gradient norm (None / 0: no clipping)
     steps: int = 20
     seq_len: int = 128
     batch_size: int = 8  # global, split over dp
@@ -68,32 +72,16 @@ class TrainConfig:
     config: str | None = None  # the TOML file these values came from, if any
 
     @property
-    def dp_size(self) -> int:
-        """The dp degree (``dp`` or ``nproc // model_ranks``, nproc defaulting to 4)."""
-        nproc = self.nproc if self.nproc is not None else 4
-        return self.dp if self.dp is not None else nproc // self.model_ranks
-
-    @property
-    def tp_size(self) -> int:
-        """The tp degree (``tp``, or its default: 2 without pp and cp, else 1)."""
-        return self.tp if self.tp is not None else (2 if self.pp == 1 and self.cp_size == 1 else 1)
+    def cp_size(self) -> int:
+        """Context-parallel ranks per replica: ``cp_ring * cp_ulysses``."""
+        return self.cp_ring * self.cp_ulysses
 
     @property
     def stage_tp_sizes(self) -> tuple[int, ...]:
         """The tp size of every pipeline stage: ``--pp-tp``, else ``tp`` in each of ``pp`` stages."""
         if self.pp_tp is not None:
             return parse_pp_tp(self.pp_tp)
-        return (self.tp_size,) * self.pp
-
-    @property
-    def cp_size(self) -> int:
-        """Context-parallel ranks per replica: ``cp_ring * cp_ulysses``."""
-        return self.cp_ring * self.cp_ulysses
-
-    @property
-    def model_ranks(self) -> int:
-        """Ranks holding one model replica: the sum of the stage tp sizes, times the cp size."""
-        return sum(self.stage_tp_sizes) * self.cp_size
+        return (self.tp or 1,) * self.pp
 
 
 def parse_pp_tp(text) -> tuple[int, ...]:
@@ -155,8 +143,25 @@ def merge_config(file_values: dict, cli_values: dict) -> TrainConfig:
     return dataclasses.replace(TrainConfig(), **merged)
 
 
+def _default_tp(cfg: TrainConfig) -> int:
+    if cfg.tp is not None:
+        return cfg.tp
+    lm_plain = cfg.model != "conv-ae" and cfg.pp == 1 and cfg.cp_size == 1 and cfg.pp_tp is None
+    return 2 if lm_plain else 1
+
+
+def _model_ranks(cfg: TrainConfig) -> int:
+    """Ranks of one data-parallel replica (every degree but dp_replicate)."""
+    if cfg.pp_tp is not None:
+        return sum(parse_pp_tp(cfg.pp_tp))
+    return cfg.pp * cfg.cp_size * cfg.tp * cfg.spatial * cfg.dp_shard
+
+
 def validate_config(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
-    """Check a configuration before launching; return it with ``dp`` and ``nproc`` resolved.
+    """Check a configuration before launching; return it with every degree resolved.
+
+    Only real limits are refused (each with its reason; the README lists them). Every check is
+    pure, so a bad layout fails in the launching process before any worker starts.
 
     Args:
         cfg: the merged configuration.
@@ -172,74 +177,124 @@ def validate_config(cfg: TrainConfig, world_size: int | None = None) -> TrainCon
         cfg = dataclasses.replace(cfg, nproc=world_size)
     if cfg.model not in MODELS:
         raise ShardkitError(f"--model must be one of {', '.join(MODELS)}, got {cfg.model!r}")
-    if cfg.model == "conv-ae":
-        return _validate_conv_ae(cfg)
-    if cfg.spatial != 1:
-        raise ShardkitError(f"--spatial {cfg.spatial} needs --model conv-ae (llama uses --tp/--pp/--dp)")
-    _validate_lm_kind(cfg)
-    if cfg.nproc is None:
-        cfg = dataclasses.replace(cfg, nproc=4)
+    if cfg.dp is not None:
+        if cfg.dp_replicate not in (None, cfg.dp):
+            raise ShardkitError(f"--dp {cfg.dp} and --dp-replicate {cfg.dp_replicate}: --dp is an alias, give one")
+        cfg = dataclasses.replace(cfg, dp_replicate=cfg.dp, dp=None)
     if cfg.pp_tp is not None:
         sizes = parse_pp_tp(cfg.pp_tp)
         if cfg.tp is not None:
             raise ShardkitError(f"--tp {cfg.tp} with --pp-tp {cfg.pp_tp}: give the stage tp sizes once (--pp-tp)")
         if cfg.pp not in (1, len(sizes)):
             raise ShardkitError(f"--pp {cfg.pp} but --pp-tp {cfg.pp_tp} lists {len(sizes)} stages")
-        # tp=1 here: the per-stage sizes live in pp_tp (a rectangular pp x tp mesh cannot hold them).
-        cfg = dataclasses.replace(cfg, pp=len(sizes), pp_tp=",".join(map(str, sizes)), tp=1)
-    cfg = dataclasses.replace(cfg, tp=cfg.tp_size)
-    for name in ("nproc", "tp", "pp", "cp_ulysses", "cp_ring", "microbatches", "steps", "batch_size"):
+        cfg = dataclasses.replace(cfg, pp=len(sizes), pp_tp=",".join(map(str, sizes)))
+    cfg = dataclasses.replace(cfg, tp=_default_tp(cfg))
+    for name in ("tp", "pp", "cp_ulysses", "cp_ring", "dp_shard", "ep", "spatial", "microbatches", "steps",
+                 "batch_size"):
         if getattr(cfg, name) < 1:
             raise ShardkitError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
-    if cfg.seq_len < 2:
-        raise ShardkitError(f"--seq-len must be >= 2 (a next-token loss needs two tokens), got {cfg.seq_len}")
+    for name in ("nproc", "dp_replicate"):
+        if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
+            raise ShardkitError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
     if cfg.lr <= 0:
         raise ShardkitError(f"--lr must be > 0, got {cfg.lr}")
+    if cfg.max_norm is not None and cfg.max_norm < 0:
+        raise ShardkitError(f"--max-norm must be >= 0 (0: no clipping), got {cfg.max_norm}")
+    if cfg.max_norm == 0:
+        cfg = dataclasses.replace(cfg, max_norm=None)
     if cfg.dtype not in DTYPES:
         raise ShardkitError(f"--dtype must be one of {', '.join(DTYPES)}, got {cfg.dtype!r}")
-    _validate_pipeline(cfg)
-    _validate_cp(cfg)
-    model_ranks = cfg.model_ranks
-    layout = f"pp={cfg.pp} x tp={cfg.tp}" if cfg.pp > 1 else f"tp={cfg.tp}"
-    if cfg.pp_tp is not None:
-        layout = f"pp_tp={cfg.pp_tp} ({model_ranks} ranks)"
-    if cfg.cp_size > 1:
-        layout = f"tp={cfg.tp} x cp_ring={cfg.cp_ring} x cp_ulysses={cfg.cp_ulysses}"
-    if cfg.dp is None:
-        if cfg.nproc % model_ranks:
-            what = f"--pp {cfg.pp} x --tp {cfg.tp} = {model_ranks}" if cfg.pp > 1 else f"--tp {cfg.tp}"
-            if cfg.pp_tp is not None:
-                what = f"--pp-tp {cfg.pp_tp} (sum {model_ranks})"
-            rule = "nproc // (tp * pp)" if cfg.pp > 1 else "nproc // tp"
-            if cfg.cp_size > 1:
-                what = f"--tp {cfg.tp} x --cp-ring {cfg.cp_ring} x --cp-ulysses {cfg.cp_ulysses} = {model_ranks}"
-                rule = "nproc // (tp * cp_ring * cp_ulysses)"
-            raise ShardkitError(f"{what} must divide --nproc {cfg.nproc} (dp defaults to {rule})")
-        cfg = dataclasses.replace(cfg, dp=cfg.nproc // model_ranks)
-    if model_ranks * cfg.dp != cfg.nproc:
-        raise ShardkitError(
-            f"layout {layout} x dp={cfg.dp} = {model_ranks * cfg.dp} ranks, but --nproc is {cfg.nproc}"
-        )
-    if cfg.batch_size % (cfg.dp * cfg.microbatches):
-        what = f"dp={cfg.dp} x microbatches={cfg.microbatches}" if cfg.microbatches > 1 else f"dp={cfg.dp}"
+    if cfg.schedule not in SCHEDULES:
+        raise ShardkitError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {cfg.schedule!r}")
+    cfg = _resolve_world(cfg)
+    if cfg.model == "conv-ae":
+        _validate_conv_ae(cfg)
+        cfg = dataclasses.replace(cfg, sequence_parallel=False)
+    else:
+        cfg = _validate_lm(cfg)
+    parallel_dims(cfg)  # the mesh's own checks (ep borrowing, pp_tp), before launch
+    return cfg
+
+
+def _resolve_world(cfg: TrainConfig) -> TrainConfig:
+    """nproc and dp_replicate from each other (one of them may be unset)."""
+    ranks = _model_ranks(cfg)
+    dims = (f"pp_tp={cfg.pp_tp} (sum {ranks})" if cfg.pp_tp is not None else
+            f"pp={cfg.pp} x cp={cfg.cp_size} x tp={cfg.tp} x spatial={cfg.spatial} x dp_shard={cfg.dp_shard} = {ranks}")
+    if cfg.dp_replicate is None:
+        nproc = cfg.nproc if cfg.nproc is not None else max(4, ranks) if cfg.model != "conv-ae" else ranks
+        if nproc % ranks:
+            raise ShardkitError(f"layout {dims} ranks must divide --nproc {nproc} (dp_replicate = nproc // that)")
+        cfg = dataclasses.replace(cfg, nproc=nproc, dp_replicate=nproc // ranks)
+    nproc = cfg.dp_replicate * ranks
+    if cfg.nproc is not None and cfg.nproc != nproc:
+        raise ShardkitError(f"layout {dims} x dp_replicate={cfg.dp_replicate} = {nproc} ranks, but --nproc is {cfg.nproc}")
+    cfg = dataclasses.replace(cfg, nproc=nproc)
+    dp = cfg.dp_replicate * cfg.dp_shard
+    if cfg.batch_size % (dp * cfg.microbatches):
+        what = f"dp={dp} x microbatches={cfg.microbatches}" if cfg.microbatches > 1 else f"dp={dp}"
         raise ShardkitError(f"--batch-size {cfg.batch_size} (global) must be divisible by {what}")
+    return cfg
+
+
+def parallel_dims(cfg: TrainConfig) -> ParallelDims:
+    """The :class:`~shardkit.ParallelDims` of a validated configuration (pure).
+
+    Raises:
+        ShardkitError: from ParallelDims (e.g. ``ep`` not dividing the ranks it borrows).
+    """
+    pp_tp = parse_pp_tp(cfg.pp_tp) if cfg.pp_tp is not None else None
+    return ParallelDims(dp_replicate=cfg.dp_replicate, dp_shard=cfg.dp_shard, pp=cfg.pp, cp_ring=cfg.cp_ring,
+                        cp_ulysses=cfg.cp_ulysses, spatial=cfg.spatial, tp=1 if pp_tp else cfg.tp, ep=cfg.ep,
+                        pp_tp=pp_tp, world_size=cfg.nproc)
+
+
+def _validate_conv_ae(cfg: TrainConfig) -> None:
+    """``--model conv-ae``: spatial x dp (data-parallel replicas or FSDP2) only."""
+    from .conv_ae import CROP, MIN_LOCAL_WIDTH
+
+    given = [f"--{name.replace('_', '-')} {getattr(cfg, name)}" for name in ("tp", "pp", "cp_ring", "cp_ulysses", "ep")
+             if getattr(cfg, name) != 1]
+    if given or cfg.pp_tp is not None or cfg.loss_parallel or cfg.packed:
+        raise ShardkitError(f"{', '.join(given) or 'the LM options'} with --model conv-ae: a convolutional model has "
+                            "no heads, experts, sequence or vocabulary to shard (it composes --spatial with dp)")
+    if cfg.spatial > CROP[1] // MIN_LOCAL_WIDTH:
+        raise ShardkitError(f"--spatial {cfg.spatial}: the {CROP[1]}-column crops give each rank fewer than "
+                            f"{MIN_LOCAL_WIDTH} columns (at most --spatial {CROP[1] // MIN_LOCAL_WIDTH})")
+
+
+def _validate_lm(cfg: TrainConfig) -> TrainConfig:
+    """Options of the causal LMs: their real limits, checked against the model's shape."""
+    if cfg.spatial != 1:
+        raise ShardkitError(f"--spatial {cfg.spatial} needs --model conv-ae (language models use --tp/--cp-*/--pp/--dp*)")
+    if cfg.seq_len < 2:
+        raise ShardkitError(f"--seq-len must be >= 2 (a next-token loss needs two tokens), got {cfg.seq_len}")
+    if cfg.ep > 1 and cfg.model not in MOE_MODELS:
+        raise ShardkitError(f"--ep {cfg.ep} needs a mixture-of-experts model (--model {' or '.join(MOE_MODELS)})")
+    if cfg.experts < 1:
+        raise ShardkitError(f"--experts must be >= 1, got {cfg.experts}")
+    if cfg.pp > 1 and cfg.model != "llama":
+        raise ShardkitError(f"--pp {cfg.pp} with --model {cfg.model}: pipeline stages are cut for llama only")
+    if cfg.model_path is not None and cfg.model != "llama":
+        raise ShardkitError(f"--model-path loads Llama checkpoints; --model {cfg.model} is built from its config")
+    if cfg.sequence_parallel is None:
+        cfg = dataclasses.replace(cfg, sequence_parallel=cfg.model == "llama" and cfg.tp > 1 and cfg.pp == 1
+                                  and cfg.cp_size == 1 and not cfg.loss_parallel and cfg.ep == 1)
+    if cfg.sequence_parallel and (cfg.model != "llama" or cfg.loss_parallel or cfg.pp > 1 or cfg.cp_size > 1
+                                  or cfg.ep > 1):
+        raise ShardkitError("--sequence-parallel is built for llama without --loss-parallel, --pp, cp or --ep")
+    if cfg.packed and cfg.cp_size > 1 and cfg.batch_size != cfg.dp_replicate * cfg.dp_shard * cfg.microbatches:
+        raise ShardkitError(
+            f"--packed with context parallelism: every microbatch must be one row (its documents' cu_seqlens are "
+            f"per row), so --batch-size must equal dp x microbatches = "
+            f"{cfg.dp_replicate * cfg.dp_shard * cfg.microbatches}, got {cfg.batch_size}")
+    if cfg.cp_size > 1:
+        _validate_cp_tokens(cfg)
     _validate_model(cfg)
     return cfg
 
 
-def _validate_cp(cfg: TrainConfig) -> None:
-    """Context parallelism (:func:`shardkit.context_parallel.apply_cp`): tp x cp x dp, dense models."""
-    if cfg.cp_size == 1:
-        if cfg.packed:
-            raise ShardkitError("--packed needs context parallelism (--cp-ulysses or --cp-ring > 1)")
-        return
-    flags = f"--cp-ring {cfg.cp_ring} --cp-ulysses {cfg.cp_ulysses}"
-    if cfg.pp > 1:
-        raise ShardkitError(f"{flags} with --pp {cfg.pp}: context parallelism is for tp x cp x dp runs (not pipelines)")
-    if cfg.model not in CP_MODELS:
-        raise ShardkitError(f"{flags}: context parallelism is built for --model {', '.join(CP_MODELS)}, not {cfg.model}")
-    if cfg.loss_parallel:
-        raise ShardkitError(f"{flags} with --loss-parallel: the cp loss needs full-vocabulary logits")
+def _validate_cp_tokens(cfg: TrainConfig) -> None:
     import torch
 
     from ..context_parallel._sizes import _order
@@ -247,68 +302,14 @@ def _validate_cp(cfg: TrainConfig) -> None:
     # shard_batch's split: the zigzag ring parts of S (Ulysses alone: one part), each split
     # over the Ulysses ranks. HF layers cannot run on zero tokens, so every rank needs one: the
     # rule shard_batch enforces per batch, checked here before any process starts.
+    flags = f"--cp-ring {cfg.cp_ring} --cp-ulysses {cfg.cp_ulysses}"
     smallest = min(_order((0, cfg.seq_len), cfg.cp_ring, torch.device("cpu")).sizes)
     if smallest < cfg.cp_ulysses:
         raise ShardkitError(f"--seq-len {cfg.seq_len} with {flags}: every cp rank needs at least one token "
                             f"(the smallest ring part has {smallest} tokens for {cfg.cp_ulysses} Ulysses rank(s))")
-
-
-def _validate_lm_kind(cfg: TrainConfig) -> None:
-    """Options that depend on which causal LM is trained (checked before the layout)."""
-    if cfg.model != "llama":
-        if cfg.pp != 1 or cfg.pp_tp is not None:
-            raise ShardkitError(f"--model {cfg.model}: pipeline stages (--pp, --pp-tp) are built for llama only")
-        if cfg.model_path is not None:
-            raise ShardkitError(f"--model-path loads Llama checkpoints; --model {cfg.model} is built from its config")
-    if cfg.ep != 1:
-        if cfg.model not in ("moe", "mla"):
-            raise ShardkitError(f"--ep {cfg.ep} needs a mixture-of-experts model (--model moe or mla)")
-        if cfg.ep != (cfg.tp or 2):
-            raise ShardkitError(f"--ep {cfg.ep} must equal --tp {cfg.tp or 2}: experts are sharded over the tp ranks")
-    if cfg.loss_parallel and cfg.pp != 1:
-        raise ShardkitError("--loss-parallel is for tp x dp runs (not --pp)")
-    if cfg.experts < 1:
-        raise ShardkitError(f"--experts must be >= 1, got {cfg.experts}")
-
-
-def _validate_conv_ae(cfg: TrainConfig) -> TrainConfig:
-    """``--model conv-ae``: spatial ranks only (nproc = spatial, dp = 1)."""
-    from .conv_ae import CROP, MIN_LOCAL_WIDTH
-
-    given = [f"--{name} {getattr(cfg, name)}" for name in ("tp", "pp", "dp", "microbatches")
-             if getattr(cfg, name) not in (None, 1)]
-    if given:
-        raise ShardkitError(f"{', '.join(given)} with --model conv-ae: it trains with --spatial only "
-                            "(tp, pp, microbatches and dp x spatial are not supported)")
-    for name in ("spatial", "steps", "batch_size"):
-        if getattr(cfg, name) < 1:
-            raise ShardkitError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
-    if cfg.spatial > CROP[1] // MIN_LOCAL_WIDTH:
-        raise ShardkitError(f"--spatial {cfg.spatial}: the {CROP[1]}-column crops give each rank fewer than "
-                            f"{MIN_LOCAL_WIDTH} columns (at most --spatial {CROP[1] // MIN_LOCAL_WIDTH})")
-    nproc = cfg.spatial if cfg.nproc is None else cfg.nproc
-    if nproc != cfg.spatial:
-        raise ShardkitError(f"layout spatial={cfg.spatial} x dp=1 = {cfg.spatial} ranks, but --nproc is {nproc}")
-    if cfg.lr <= 0:
-        raise ShardkitError(f"--lr must be > 0, got {cfg.lr}")
-    if cfg.dtype not in DTYPES:
-        raise ShardkitError(f"--dtype must be one of {', '.join(DTYPES)}, got {cfg.dtype!r}")
-    return dataclasses.replace(cfg, nproc=nproc, tp=1, dp=1)
-
-
-def _validate_pipeline(cfg: TrainConfig) -> None:
-    if cfg.schedule not in SCHEDULES:
-        raise ShardkitError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {cfg.schedule!r}")
-    if cfg.pp == 1 and cfg.microbatches > 1:
-        raise ShardkitError(f"--microbatches {cfg.microbatches} needs --pp > 1 (microbatches split pipeline steps)")
-    # pp x tp: each stage gets plain Megatron TP over its own tp group (pipeline_parallel.
-    # hf_llama_tp), not apply_llama_tp, which hooks the whole model (sequence split at layers[0]).
-
-
 def _validate_model(cfg: TrainConfig) -> None:
+    """Head counts, layers and vocabulary of the model against the layout."""
     from ..pipeline_parallel.hf_llama import check_llama_pp
-    from ..pipeline_parallel.hf_llama_tp import check_llama_stage_tp
-    from ..tensor_parallel import check_llama_tp
 
     if cfg.model_path is None:
         for name in ("hidden_size", "layers", "heads", "kv_heads", "intermediate_size"):
@@ -321,46 +322,29 @@ def _validate_model(cfg: TrainConfig) -> None:
             )
         from types import SimpleNamespace
 
-        model_config = SimpleNamespace(
-            num_attention_heads=cfg.heads,
-            num_key_value_heads=cfg.kv_heads,
-            hidden_size=cfg.hidden_size,
-            num_hidden_layers=cfg.layers,
-            tie_word_embeddings=False,  # build_model unties
-        )
+        model_config = SimpleNamespace(num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
+                                       hidden_size=cfg.hidden_size, num_hidden_layers=cfg.layers,
+                                       tie_word_embeddings=False)  # build_model unties
     else:
         model_config = model_config_from_path(cfg.model_path)
         if model_config.vocab_size < 256:
             raise ShardkitError(f"--model-path: vocab_size {model_config.vocab_size} < 256 (byte-level tokens)")
-    if cfg.pp == 1 and uses_apply_llama_tp(cfg):
-        try:
-            check_llama_tp(model_config, cfg.tp)
-        except ShardkitError as e:
-            raise ShardkitError(f"--tp {cfg.tp}: {e}") from None
-    elif cfg.cp_size > 1 and (model_config.num_attention_heads % cfg.tp or model_config.num_key_value_heads % cfg.tp):
-        raise ShardkitError(f"--tp {cfg.tp} with context parallelism: the {model_config.num_attention_heads} query and "
-                            f"{model_config.num_key_value_heads} key/value heads must both divide into whole heads per tp rank")
-    elif cfg.pp == 1 and model_config.num_attention_heads < cfg.tp:
-        raise ShardkitError(f"--tp {cfg.tp}: {model_config.num_attention_heads} attention heads cannot be split "
-                            f"over {cfg.tp} ranks (whole heads per rank)")
-    for s, t in enumerate(cfg.stage_tp_sizes if cfg.pp > 1 else ()):
-        try:
-            check_llama_stage_tp(model_config, t)
-        except ShardkitError as e:
-            flag = f"--pp-tp {cfg.pp_tp} (stage {s})" if cfg.pp_tp is not None else f"--tp {t}"
-            raise ShardkitError(f"{flag}: {e}") from None
+    n_q = model_config.num_attention_heads
+    n_kv = getattr(model_config, "num_key_value_heads", None) or n_q
+    for s, t in enumerate(cfg.stage_tp_sizes):
+        flag = f"--pp-tp {cfg.pp_tp} (stage {s})" if cfg.pp_tp is not None else f"--tp {t}"
+        if t > n_q:
+            raise ShardkitError(f"{flag}: {n_q} attention heads cannot be split over {t} ranks (whole heads per rank)")
+        whole = cfg.sequence_parallel or cfg.cp_size > 1 or cfg.pp > 1
+        if t > 1 and whole and (n_q % t or n_kv % t):
+            why = ("with sequence parallelism" if cfg.sequence_parallel else
+                   "with context parallelism" if cfg.cp_size > 1 else "in pipeline stages")
+            raise ShardkitError(f"{flag} {why}: tp must divide num_attention_heads={n_q} and "
+                                f"num_key_value_heads={n_kv} (whole query and key/value heads per rank)")
     try:
         check_llama_pp(model_config, cfg.pp)
     except ShardkitError as e:
         raise ShardkitError(f"--pp {cfg.pp}: {e}") from None
-
-
-def uses_apply_llama_tp(cfg: TrainConfig) -> bool:
-    """Llama without --loss-parallel (and without cp) keeps tensor + sequence parallelism
-    (apply_llama_tp); every other causal LM is sharded by its own Hugging Face plan through
-    apply_tp. With cp the sequence is already split over the cp ranks: apply_llama_tp's
-    sequence-parallel split at layers[0] would cut it again, so cp uses the plain Megatron plan."""
-    return cfg.model == "llama" and not cfg.loss_parallel and cfg.cp_size == 1
 
 
 def model_config_from_path(path: str):

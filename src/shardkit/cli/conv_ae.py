@@ -7,11 +7,11 @@ same crops on every rank and in the ``--verify`` reference. Rank ``r`` keeps col
 ``[offset_r, offset_r + W_r)`` (balanced split); the model's halo exchanges and norm statistics
 make its local output exactly the matching block of the unsharded output.
 
-Loss: mean squared reconstruction error over the whole global batch. Each rank sums its local
-squared errors, :func:`~shardkit.all_reduce_forward` adds them (identity in backward: each rank
-backpropagates its own pixels' share), and the sum is divided by the global element count. The
-converted layers sum parameter gradients over the group, so every rank ends with the unsharded
-model's gradient and AdamW keeps the replicated parameters identical.
+Loss: mean squared reconstruction error over the whole global batch. Each rank back-propagates
+the sum of its local squared errors divided by the global element count (the trainer's
+convention, :mod:`.trainer`); the converted layers sum parameter gradients over the spatial
+group and the trainer's gradient reduction over the data-parallel ranks, so every rank ends with
+the unsharded model's gradient and AdamW keeps the replicated parameters identical.
 
 bfloat16: the sharded GroupNorm computes its statistics, normalization and affine in float32
 and rounds once, as torch's ``group_norm`` (the reference) does; in bfloat16 arithmetic it
@@ -23,18 +23,16 @@ batch in two halves).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import all_reduce_forward, balanced_split_sizes
+from .. import balanced_split_sizes
 from .._shapes import split_offsets
 from .model import TORCH_DTYPES
 
 __all__ = ["CROP", "IMAGE", "ConvAutoencoder", "build_conv_ae", "load_image", "CropSampler", "width_shard",
-           "reconstruction_loss", "run_conv_ae_steps"]
+           "ConvAETask"]
 
 IMAGE = "grace_hopper.jpg"
 CROP = (48, 80)  # (H, W); W = 80 splits into >= 8 columns per rank for up to 10 ranks
@@ -123,51 +121,51 @@ def width_shard(x_full: torch.Tensor, local_width: int, group) -> torch.Tensor:
     return x_full.narrow(-1, split_offsets(widths)[dist.get_rank(group)], local_width)
 
 
-def reconstruction_loss(out: torch.Tensor, target: torch.Tensor, numel: int, group=None) -> torch.Tensor:
-    """Mean squared error over the global frame from this rank's block.
+class ConvAETask:
+    """The trainer's task for the autoencoder: random crops, width-sharded over ``spatial``.
 
-    ``sum((out - target)^2)`` over local elements, all-reduced over ``group`` (none: one
-    process), divided by the global element count ``numel``. Half precision is upcast to float32.
+    The loss is the sum of squared errors of this rank's pixels (rows of its data-parallel
+    coordinate, columns of its spatial block); the trainer divides by the global element count.
+
+    Args:
+        sampler: :class:`CropSampler`.
+        device, dtype: where and in which dtype the crops go.
     """
-    if out.dtype in (torch.float16, torch.bfloat16):
-        out, target = out.float(), target.float()
-    sse = (out - target).pow(2).sum()
-    if group is not None:
-        sse = all_reduce_forward(sse, group)
-    return sse / numel
 
+    def __init__(self, sampler: CropSampler, device, dtype: torch.dtype) -> None:
+        self.sampler, self.device, self.dtype = sampler, device, dtype
 
-def run_conv_ae_steps(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    sampler: CropSampler,
-    steps: int,
-    device: torch.device,
-    group=None,
-    on_step: Callable[[int, float], None] | None = None,
-) -> list[float]:
-    """Train ``steps`` steps; return each step's global mean loss.
+    def next_batch(self) -> torch.Tensor:
+        return self.sampler.next_batch()
 
-    With ``group`` (a ``ProcessGroup`` of ``R`` ranks, the model converted by ``apply_spatial``)
-    every frame is split along W over the group; without it the model sees the full frames
-    (the ``--verify`` reference).
-    """
-    dtype = next(model.parameters()).dtype
-    losses = []
-    for step in range(steps):
-        x_full = sampler.next_batch().to(device, dtype)
+    @staticmethod
+    def count(batch: torch.Tensor) -> int:
+        return batch.numel()
+
+    @staticmethod
+    def microbatches(batch: torch.Tensor, dp_rank: int, dp: int, m: int) -> list[torch.Tensor]:
+        rows = batch.shape[0] // dp
+        return list(batch[dp_rank * rows : (dp_rank + 1) * rows].split(rows // m))
+
+    def prepare(self, mb: torch.Tensor, pm) -> tuple[dict, torch.Tensor]:
+        x_full = mb.to(self.device, self.dtype)
         x = x_full
-        if group is not None:
-            w, r, R = x_full.shape[-1], dist.get_rank(group), dist.get_world_size(group)
-            sizes = balanced_split_sizes(w, R)
+        if pm.mesh is not None and pm.mesh.size("spatial") > 1:
+            r, R = pm.mesh.local_rank("spatial"), pm.mesh.size("spatial")
+            sizes = balanced_split_sizes(x_full.shape[-1], R)
             x = x_full.narrow(-1, split_offsets(sizes)[r], sizes[r])
-        out = model(x)
-        target = x_full if group is None else width_shard(x_full, out.shape[-1], group)
-        loss = reconstruction_loss(out, target, x_full.numel(), group)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-        if on_step is not None:
-            on_step(step, losses[-1])
-    return losses
+        return {"x": x}, x_full
+
+    @staticmethod
+    def forward(module, inputs: dict) -> torch.Tensor:
+        return module(inputs["x"])
+
+    @staticmethod
+    def loss_sum(out: torch.Tensor, x_full: torch.Tensor, pm) -> torch.Tensor:
+        """Sum of squared errors over this rank's output block; half precision upcast."""
+        target = x_full
+        if pm.mesh is not None and pm.mesh.size("spatial") > 1:
+            target = width_shard(x_full, out.shape[-1], pm.mesh["spatial"].get_group())
+        if out.dtype in (torch.float16, torch.bfloat16):
+            out, target = out.float(), target.float()
+        return (out - target).pow(2).sum()

@@ -14,7 +14,7 @@ import torch
 
 from ..errors import ShardkitError
 
-__all__ = ["VOCAB_SIZE", "stdlib_files", "corpus_files", "load_tokens", "BatchSampler", "local_rows"]
+__all__ = ["VOCAB_SIZE", "stdlib_files", "corpus_files", "load_tokens", "BatchSampler"]
 
 VOCAB_SIZE = 256
 # Third-party code lives under the stdlib folder but is not the standard library.
@@ -107,9 +107,3 @@ class BatchSampler:
         """The next global batch: ``[B, S]`` int64 token ids."""
         starts = torch.randint(0, self.tokens.numel() - self.seq_len + 1, (self.batch_size,), generator=self.gen)
         return self.tokens[starts[:, None] + self._offsets].long()
-
-
-def local_rows(batch: torch.Tensor, dp_rank: int, dp: int) -> torch.Tensor:
-    """Data-parallel rank ``dp_rank``'s contiguous block of rows: ``[B, S]`` -> ``[B / dp, S]``."""
-    n = batch.shape[0] // dp
-    return batch[dp_rank * n : (dp_rank + 1) * n]

@@ -9,7 +9,7 @@ import torch
 from .config import TrainConfig
 from .data import VOCAB_SIZE
 
-__all__ = ["TORCH_DTYPES", "build_model", "keep_norms_in_input_dtype"]
+__all__ = ["TORCH_DTYPES", "build_model", "keep_norms_in_input_dtype", "keep_float64"]
 
 TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
@@ -75,7 +75,7 @@ def build_model(cfg: TrainConfig):
         torch.manual_seed(cfg.seed)
         model = model_cls(config).to(dtype)
     if dtype == torch.float64:
-        keep_norms_in_input_dtype(model)
+        keep_float64(model)
     return model.train()
 
 
@@ -97,3 +97,41 @@ def keep_norms_in_input_dtype(model: torch.nn.Module) -> None:
     for module in model.modules():
         if type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
             module.forward = types.MethodType(_rmsnorm_in_input_dtype, module)
+
+
+def keep_float64(model: torch.nn.Module) -> None:
+    """Make a float64 model compute in float64 where transformers rounds to float32 on purpose.
+
+    The RMSNorms (:func:`keep_norms_in_input_dtype`), and DeepSeek-V2's router and rotary
+    embedding, which cast to float32 whatever the model dtype: a float64 ``--verify`` would then
+    measure float32 rounding (1e-8 in the router weights after two steps) instead of the layout.
+    The parallel run and its reference get the same replacements (same math, no float32 round
+    trip). The rotary function is looked up by the attention forward at call time, so it is
+    replaced in transformers' DeepSeek-V2 module: this process trains this one model.
+    """
+    keep_norms_in_input_dtype(model)
+    routers = [m for m in model.modules() if type(m).__name__ == "DeepseekV2TopkRouter"]
+    if not routers:
+        return
+    from transformers.models.deepseek_v2 import modeling_deepseek_v2
+
+    modeling_deepseek_v2.apply_rotary_emb = _rotary_in_input_dtype
+    for router in routers:
+        if router.topk_method == "greedy":
+            router.forward = types.MethodType(_greedy_router_in_input_dtype, router)
+
+
+def _rotary_in_input_dtype(xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor):
+    # DeepSeek-V2's complex-number rotary embedding without its float32 cast.
+    def rotate(x):
+        pairs = torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2).contiguous())
+        return torch.view_as_real(pairs * freqs_cis.unsqueeze(1).to(pairs.dtype)).flatten(3)
+
+    return rotate(xq), rotate(xk)
+
+
+def _greedy_router_in_input_dtype(self, hidden_states: torch.Tensor):
+    # DeepseekV2TopkRouter's greedy top-k without its float32 cast.
+    logits = torch.nn.functional.linear(hidden_states.view(-1, self.hidden_dim), self.weight)
+    weights, indices = torch.topk(logits.softmax(dim=-1), k=self.top_k, dim=-1, sorted=False)
+    return logits, weights * self.routed_scaling_factor, indices

@@ -20,19 +20,14 @@ _PHASES = {"forward": "fwd", "backward": "bwd"}
 def _layout(result: dict) -> str:
     lay = result["layout"]
     where = f"({lay['nproc']} ranks, {lay['backend']}, {lay['device']})"
-    if "spatial" in lay:
-        return f"{lay['model']}: spatial={lay['spatial']} (frames split along W) x dp={lay['dp']} {where}"
-    if lay.get("pp", 1) > 1:
+    extras = [name.replace("_", " ") for name in ("sequence_parallel", "loss_parallel", "packed") if lay.get(name)]
+    if lay.get("schedule"):
         m = lay["microbatches"]
-        tp = f"tp=({lay['pp_tp']})" if lay.get("pp_tp") else f"tp={lay['tp']}"
-        return (f"pp={lay['pp']} x {tp} x dp={lay['dp']}, {lay['schedule']} with "
-                f"{m} microbatch{'es' if m > 1 else ''} {where}")
-    if "cp_mode" in lay:
-        return (f"{lay['model']}: tp={lay['tp']} x cp_ring={lay['cp_ring']} x cp_ulysses={lay['cp_ulysses']} "
-                f"({lay['cp_mode']}{', packed' if lay.get('packed') else ''}) x dp={lay['dp']} {where}")
-    extras = "".join([f" (ep={lay['ep']})" if lay.get("ep", 1) > 1 else "",
-                      ", loss parallel" if lay.get("loss_parallel") else ""])
-    return f"{lay.get('model', 'llama')}: tp={lay['tp']}{extras} x dp={lay['dp']} {where}"
+        extras.append(f"{lay['schedule']} with {m} microbatch{'es' if m > 1 else ''}")
+    elif lay.get("microbatches", 1) > 1:
+        extras.append(f"{lay['microbatches']} accumulated microbatches")
+    detail = f" ({', '.join(extras)})" if extras else ""
+    return f"{lay['model']}: {lay['parallel']}{detail} {where}"
 
 
 def print_summary(result: dict, console: Console) -> None:
@@ -48,6 +43,9 @@ def print_summary(result: dict, console: Console) -> None:
     else:
         table.add_row("tokens/s", f"{result['tokens_per_s']:,.0f}")
     table.add_row("loss first -> last", f"{losses[0]:.5f} -> {losses[-1]:.5f}" if losses else "-")
+    norms = result.get("grad_norms")
+    if norms:
+        table.add_row("grad norm first -> last", f"{norms[0]:.4f} -> {norms[-1]:.4f}")
     table.add_row("train time", f"{result['timings_s']['train']:.2f} s (setup {result['timings_s']['setup']:.2f} s)")
     mem = ", ".join(f"r{r}: {b / _MIB:.0f}" for r, b in enumerate(result["peak_memory_bytes"]))
     table.add_row(f"peak memory MiB ({result['memory_kind']})", mem)

@@ -26,36 +26,44 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     d = TrainConfig()
     p = subparsers.add_parser(
         "train",
-        help="train a small Llama with tensor + sequence, pipeline and data parallelism",
-        description="Train a Hugging Face causal LM (Llama, Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V2) with tp "
-        "(tensor parallel from the model's own plan; Llama: + sequence parallel) x dp (DDP), experts sharded "
-        "with --ep, or Llama pp (pipeline stages, 1F1B or GPipe) x dp, on real text, byte-level tokens.",
+        help="train a Hugging Face causal LM (or a conv autoencoder) with any composition of dp x pp x cp x tp x ep",
+        description="Train a Hugging Face causal LM (Llama, Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V2) on real text with "
+        "any composition of data (replicated and FSDP2-sharded), pipeline, context (Ulysses, ring, USP), tensor "
+        "(+ sequence) and expert parallelism, or a convolutional autoencoder with spatial x data parallelism. One "
+        "trainer for every layout; --verify reruns the same steps in one process and checks parity.",
     )
     p.add_argument("--config", metavar="FILE.toml", help="TOML file of options (keys: option names with underscores)")
     p.add_argument("--model", choices=MODELS, help=f"what to train (default {d.model}; conv-ae: a convolutional "
                    "autoencoder on matplotlib's sample photo, frames sharded along W over --spatial ranks)")
-    p.add_argument("--nproc", type=int, help="local processes to start (default 4; conv-ae: --spatial; torchrun: its world)")
+    p.add_argument("--nproc", type=int, help="local processes to start (default: the product of the degrees, "
+                   "at least 4 for an LM; torchrun: its world)")
     p.add_argument("--spatial", type=int, help=f"conv-ae: ranks sharing each frame along W (default {d.spatial})")
-    p.add_argument("--tp", type=int, help="tensor-parallel degree (default 2; 1 with --pp > 1 or context parallelism)")
-    p.add_argument("--dp", type=int, help="data-parallel degree (default nproc // (tp * pp * cp_ring * cp_ulysses))")
+    p.add_argument("--tp", type=int, help="tensor-parallel degree (default 2 for an LM without pp and cp, else 1)")
+    p.add_argument("--dp-replicate", type=int, help="data-parallel replicas, gradients all-reduced (default: what "
+                   "--nproc leaves after every other degree)")
+    p.add_argument("--dp", type=int, help="alias of --dp-replicate")
+    p.add_argument("--dp-shard", type=int, help=f"FSDP2 ranks sharding parameters, gradients and optimizer state "
+                   f"(default {d.dp_shard}; with --dp-replicate > 1: HSDP)")
     p.add_argument("--cp-ulysses", type=int, help=f"context parallel: Ulysses ranks sharing each sequence, all-to-all "
-                   f"over heads (default {d.cp_ulysses}; llama, qwen2, qwen3; composes with --tp, --dp, --cp-ring)")
+                   f"over heads (default {d.cp_ulysses})")
     p.add_argument("--cp-ring", type=int, help=f"context parallel: ring-attention ranks sharing each sequence, zigzag "
                    f"layout (default {d.cp_ring}; with --cp-ulysses > 1: USP, Ulysses inside, ring across)")
     p.add_argument("--pp", type=int, help=f"pipeline-parallel stages (default {d.pp})")
-    p.add_argument("--ep", type=int, help="moe / mla: expert-parallel degree, equal to --tp (experts dispatched "
-                   "all-to-all over the tp ranks; default: tensor-parallel experts)")
+    p.add_argument("--ep", type=int, help="moe / mla: expert-parallel ranks, borrowed from dp-shard x cp x tp "
+                   "(experts dispatched all-to-all; default 1: tensor-parallel experts)")
     p.add_argument("--packed", action=argparse.BooleanOptionalAction,
-                   help="with cp: treat each window as documents (the corpus files) packed along the sequence; "
-                   "tokens attend and predict only within their file (cu_seqlens)")
+                   help="treat each window as documents (the corpus files) packed along the sequence; "
+                   "tokens attend and predict only within their file")
     p.add_argument("--loss-parallel", action=argparse.BooleanOptionalAction,
                    help="keep the logits vocab-sharded and use the vocab-parallel cross entropy")
+    p.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction,
+                   help="shard hidden states between blocks over tp (default: on for llama with tp > 1)")
+    p.add_argument("--max-norm", type=float, help=f"clip the global gradient norm (default {d.max_norm}; 0: off)")
     p.add_argument("--experts", type=int, help=f"moe / mla: routed experts, top-2 (default {d.experts})")
     p.add_argument("--pp-tp", metavar="T0,T1,...",
                    help="per-stage tp sizes, e.g. 2,1,1 (pp = their count; sum * dp = nproc)")
-    p.add_argument(
-        "--microbatches", type=int, help=f"pipeline microbatches per step and dp rank (default {d.microbatches})"
-    )
+    p.add_argument("--microbatches", type=int, help=f"microbatches per step and dp rank: the pipeline's, or "
+                   f"gradient accumulation without one (default {d.microbatches})")
     p.add_argument("--schedule", choices=SCHEDULES, help=f"pipeline schedule (default {d.schedule})")
     p.add_argument("--steps", type=int, help=f"training steps (default {d.steps})")
     p.add_argument("--seq-len", type=int, help=f"tokens per sequence (default {d.seq_len})")

@@ -1,7 +1,8 @@
 """``--verify``: rerun the same steps in one process and compare with the parallel run.
 
-The reference trains the unsharded model from the same initial weights on the full global
-batch of every step (same sampler seed), with the same optimizer. Differences then come only
+The reference is the same trainer with every degree 1: the unsharded model from the same
+initial weights on the full global batch of every step (same sampler seed), with the same
+optimizer, clipping and loss normalization. Differences then come only
 from floating-point summation order (tp partial sums, dp averaging), so they sit at rounding
 level: the tolerances below are far above it and far below any real bug (a missing or doubled
 gradient reduction shows up as an O(1) relative difference).
@@ -13,11 +14,7 @@ import math
 
 import torch
 
-from .config import TrainConfig
-from .data import BatchSampler
-from .loop import make_optimizer, run_steps
-
-__all__ = ["TOLERANCES", "reference_run", "relative_diff", "compare_runs"]
+__all__ = ["TOLERANCES", "relative_diff", "compare_runs"]
 
 # Max relative difference allowed per dtype, for per-step losses and final parameters alike.
 # Measured with the default run (20 steps, tp=2 x dp=2): float32 loss 2e-7 / params 1e-6,
@@ -26,17 +23,6 @@ __all__ = ["TOLERANCES", "reference_run", "relative_diff", "compare_runs"]
 # measured 4e-3 to 5e-3, loss 7e-5 to 9e-5); 2e-2, about five roundings, is a loose bound that
 # still catches a missing or doubled gradient reduction.
 TOLERANCES = {"float32": 1e-4, "float64": 1e-9, "bfloat16": 2e-2}
-
-
-def reference_run(model: torch.nn.Module, cfg: TrainConfig, tokens: torch.Tensor, device) -> tuple[list[float], dict]:
-    """Train ``model`` (the unsharded initial weights) for ``cfg.steps`` steps in this process.
-
-    Returns:
-        Per-step losses and the final parameters ``{name: tensor}`` (detached).
-    """
-    sampler = BatchSampler(tokens, cfg.seq_len, cfg.batch_size, cfg.seed)
-    losses = run_steps(model, make_optimizer(model, cfg), sampler, cfg.steps, device)
-    return losses, {name: p.detach() for name, p in model.named_parameters()}
 
 
 def relative_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -48,7 +34,8 @@ def relative_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return num / den if den > 0 else num
 
 
-def compare_runs(losses, ref_losses, params: dict, ref_params: dict, dtype: str, top: int = 5) -> dict:
+def compare_runs(losses, ref_losses, params: dict, ref_params: dict, dtype: str, top: int = 5,
+                 grad_norms: tuple | None = None) -> dict:
     """Per-step loss and final-parameter differences of two runs, against the dtype tolerance.
 
     Args:
@@ -56,6 +43,8 @@ def compare_runs(losses, ref_losses, params: dict, ref_params: dict, dtype: str,
         params, ref_params: final full parameters ``{name: tensor}`` of both runs.
         dtype: training dtype name, selects the tolerance in :data:`TOLERANCES`.
         top: how many of the largest parameter differences to list.
+        grad_norms: ``(norms, ref_norms)``, the per-step global gradient norms of both runs
+            (checked against the same tolerance: clipping must see the single-process norm).
 
     Returns:
         A JSON-ready dict: ``tolerance``, ``loss_rel_diff`` (per step), ``max_loss_rel_diff``,
@@ -71,6 +60,10 @@ def compare_runs(losses, ref_losses, params: dict, ref_params: dict, dtype: str,
     worst = sorted(param_diffs.items(), key=lambda kv: kv[1], reverse=True)[:top]
     max_loss = max(loss_diffs, default=0.0)
     max_param = max(param_diffs.values(), default=0.0)
+    norm_diffs = []
+    if grad_norms is not None:
+        norm_diffs = [abs(a - b) / abs(b) if b != 0 else abs(a - b) for a, b in zip(*grad_norms)]
+    max_norm = max(norm_diffs, default=0.0)
     return {
         "dtype": dtype,
         "tolerance": tol,
@@ -78,6 +71,7 @@ def compare_runs(losses, ref_losses, params: dict, ref_params: dict, dtype: str,
         "max_loss_rel_diff": max_loss,
         "max_param_rel_diff": max_param,
         "worst_params": [[name, d] for name, d in worst],
+        "max_grad_norm_rel_diff": max_norm,
         "missing_params": missing,
-        "passed": max_loss <= tol and max_param <= tol and not missing,
+        "passed": max_loss <= tol and max_param <= tol and max_norm <= tol and not missing,
     }

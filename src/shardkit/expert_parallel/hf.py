@@ -145,7 +145,8 @@ def _check_mode(mode, tokens, op):
         raise ShardkitError(f"{op}: mode='local' needs the same tokens on every rank (tokens='replicated')")
 
 
-def ep_experts_forward(module, hidden, top_k_index, top_k_weights, group, *, mode="dispatch", tokens="replicated"):
+def ep_experts_forward(module, hidden, top_k_index, top_k_weights, group, *, mode="dispatch", tokens="replicated",
+                       token_group=None):
     """Forward of an expert-sharded experts module (the body :func:`install_ep_forward` installs).
 
     Args:
@@ -153,6 +154,11 @@ def ep_experts_forward(module, hidden, top_k_index, top_k_weights, group, *, mod
         hidden: ``[T, H]``; ``top_k_index``: ``[T, k]`` global expert ids; ``top_k_weights``: ``[T, k]``.
         group: the EP group the parameters were sharded over.
         mode, tokens: see the module docstring.
+        token_group: with ``tokens="replicated"``, the group the tokens are replicated over
+            (default ``group``). Expert parallelism composed with tensor parallelism borrows
+            ranks beyond tp (``ep`` spans ``dp_shard x cp x tp``): the tokens are then the same
+            on the tp ranks only, so each tp rank keeps its block of them (split over
+            ``token_group``) and dispatches it over ``group`` as its own.
 
     Returns:
         ``[T, H]`` in ``hidden``'s dtype: ``sum_j w[t, j] * expert_{idx[t, j]}(hidden[t])``.
@@ -177,22 +183,26 @@ def ep_experts_forward(module, hidden, top_k_index, top_k_weights, group, *, mod
         packed = all_reduce_backward(packed, group)
         out = routed_experts_forward(module, packed[:, :H], top_k_index, packed[:, H:], offset)
         return all_reduce_forward(out, group).to(hidden.dtype)
-    split = tokens == "replicated" and g.size > 1
+    tg = g if token_group is None else resolve_group(token_group, op)
+    split_group = group if token_group is None else token_group
+    split = tokens == "replicated" and tg.size > 1
     if split:
-        sizes = balanced_split_sizes(T, g.size)
-        packed = split_forward_gather_backward(packed, group, 0, sizes)
-        top_k_index = top_k_index.narrow(0, split_offsets(sizes)[g.rank], sizes[g.rank])
+        sizes = balanced_split_sizes(T, tg.size)
+        packed = split_forward_gather_backward(packed, split_group, 0, sizes)
+        top_k_index = top_k_index.narrow(0, split_offsets(sizes)[tg.rank], sizes[tg.rank])
     plan = dispatch_plan(top_k_index, shard.num_experts, group, expert_sizes=list(shard.sizes))
     x, counts = token_dispatch(packed[:, :H], plan)
     y = grouped_experts_forward(module, x, counts, H)
     out = token_combine(y, plan, packed[:, H:])
     if split:
-        out = gather_forward_split_backward(out, group, 0, sizes)
+        out = gather_forward_split_backward(out, split_group, 0, sizes)
     return out.to(hidden.dtype)
 
 
-def install_ep_forward(module: nn.Module, group, *, mode: str = "dispatch", tokens: str = "replicated") -> nn.Module:
-    """The EP-dispatch / ``ep_router`` style: replace ``module.forward`` by :func:`ep_experts_forward`.
+def install_ep_forward(module: nn.Module, group, *, mode: str = "dispatch", tokens: str = "replicated",
+                       token_group=None) -> nn.Module:
+    """The EP-dispatch / ``ep_router`` style: replace ``module.forward`` by :func:`ep_experts_forward`
+    (``token_group``: see there).
 
     Raises:
         ShardkitError: bad ``mode`` / ``tokens``; the parameters are not sharded yet.
@@ -202,15 +212,19 @@ def install_ep_forward(module: nn.Module, group, *, mode: str = "dispatch", toke
     if expert_shard(module) is None:
         raise ShardkitError(f"{op}: shard the expert parameters first (shard_expert_param / shard_expert_params)")
     resolve_group(group, op)
+    if token_group is not None:
+        resolve_group(token_group, op)
 
     def forward(hidden_states, top_k_index, top_k_weights):
-        return ep_experts_forward(module, hidden_states, top_k_index, top_k_weights, group, mode=mode, tokens=tokens)
+        return ep_experts_forward(module, hidden_states, top_k_index, top_k_weights, group, mode=mode, tokens=tokens,
+                                  token_group=token_group)
 
     module.forward = forward
     return module
 
 
-def shard_experts(module: nn.Module, group, *, mode: str = "dispatch", tokens: str = "replicated", expert_sizes=None) -> nn.Module:
+def shard_experts(module: nn.Module, group, *, mode: str = "dispatch", tokens: str = "replicated", expert_sizes=None,
+                  token_group=None) -> nn.Module:
     """Shard an experts module over ``group`` (:func:`shard_expert_params`) and install its EP forward.
 
     Args:
@@ -219,6 +233,8 @@ def shard_experts(module: nn.Module, group, *, mode: str = "dispatch", tokens: s
         mode: ``"dispatch"`` (all-to-all) or ``"local"`` (all-reduce, HF ``ep_router``).
         tokens: ``"replicated"`` (same batch on every rank) or ``"sharded"`` (own tokens).
         expert_sizes: experts per rank; None for the balanced split.
+        token_group: the group the tokens are replicated over, when not ``group`` (see
+            :func:`ep_experts_forward`).
 
     Returns:
         ``module``, modified in place.
@@ -233,7 +249,7 @@ def shard_experts(module: nn.Module, group, *, mode: str = "dispatch", tokens: s
     if not expert_param_names(module) and expert_shard(module) is None:
         raise ShardkitError(f"shard_experts: {type(module).__name__} has no parameters with leading dim num_experts")
     shard_expert_params(module, group, expert_sizes=expert_sizes)
-    return install_ep_forward(module, group, mode=mode, tokens=tokens)
+    return install_ep_forward(module, group, mode=mode, tokens=tokens, token_group=token_group)
 
 
 def identity_expert_parallel(module: nn.Module, group):

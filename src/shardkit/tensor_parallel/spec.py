@@ -188,6 +188,7 @@ def shard_parameter(module: nn.Module, name: str, spec: ShardSpec, rank: int, me
     setattr(new, _SPEC_ATTR, spec)
     if spec.overlapping and new.requires_grad:
         new.register_hook(_sum_over_holders(spec, rank))
+        new._shardkit_grad_hook = True  # see sum_grad_over
     setattr(module, name, new)
     if memo is not None:
         memo[id(old)] = new

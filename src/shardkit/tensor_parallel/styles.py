@@ -342,4 +342,7 @@ def sum_grad_over(param: nn.Parameter, group) -> nn.Parameter:
     g = resolve_group(group, "sum_grad_over")  # fail now on a bad group, not inside backward
     if g.size > 1:
         param.register_hook(lambda grad: _c10d.all_reduce(grad, g, "sum_grad_over", "backward"))
+        # Tagged so that transforms replacing parameters (FSDP2's fully_shard) can leave this
+        # one alone: the hook lives on this exact tensor object.
+        param._shardkit_grad_hook = True
     return param

@@ -1,0 +1,161 @@
+"""The one trainer of ``shardkit train``: one ``train_step`` for every layout, and ``--verify``.
+
+A step, whatever the layout (``dp x pp x cp x tp x ep``, FSDP2 or not, spatial for conv models):
+
+1. every rank draws the same global batch; ``N`` = its global target count (no collective);
+2. this rank keeps its data-parallel rows, cut into ``M`` microbatches (gradient accumulation);
+3. without a pipeline, each microbatch runs forward and ``backward(loss_sum / N)``; with one, the
+   schedule (1F1B or GPipe) runs the microbatches through the stages (one branch);
+4. :class:`~shardkit.data_parallel.GradientSync` sums what FSDP2 does not reduce over the ranks
+   holding different data, then clips by the global norm (every parameter counted once);
+5. the optimizer and the learning-rate schedule step.
+
+``--verify`` is this same code with every degree 1: :func:`~shardkit.parallelize.parallelize`
+with no mesh changes nothing, and the reductions over size-1 groups are the identity.
+
+Source: Megatron-LM's ``train_step`` (microbatches, ``finalize_model_grads``, global-norm
+clipping, loss normalized by the global token count); torchtitan's trainer (one loop for FSDP2 +
+TP + PP + CP).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..comm import _c10d
+from ..comm._group import resolve_group
+from ..pipeline_parallel import gpipe_schedule, one_f_one_b_schedule, run_schedule
+
+__all__ = ["ADAM_EPS", "StepStats", "make_optimizer", "train_step", "LossScale"]
+
+# AdamW's eps, above the float32 rounding floor of the gradients. With the default 1e-8 an
+# element whose exact gradient is ~0 gets a rounding-noise gradient (~1e-9 against typical
+# 1e-3..1e-2 here) of the same order as eps, and Adam's first step g / (|g| + eps) turns that
+# noise into an O(0.1 * lr) update: --verify measured per-tensor differences of 8e-5 in float32
+# (tp=1 x dp=4, one element of 4096 in an o_proj) from that alone, next to the 1e-4 tolerance.
+# 1e-6 damps such elements and is still far below real gradients, so training is unchanged.
+ADAM_EPS = 1e-6
+SCHEDULES = {"1f1b": one_f_one_b_schedule, "gpipe": gpipe_schedule}
+
+
+def make_optimizer(module: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+    """AdamW over every parameter, ``eps`` = :data:`ADAM_EPS`.
+
+    AdamW is elementwise, so a shard's update (tp, ep, FSDP2) is exactly the matching block of
+    the full tensor's update: the optimizer needs no parallelism of its own.
+    """
+    return torch.optim.AdamW(module.parameters(), lr=lr, eps=ADAM_EPS)
+
+
+@dataclass
+class StepStats:
+    """One step: global mean loss, global gradient norm (before clipping), targets, seconds."""
+
+    loss: float
+    grad_norm: float
+    targets: int
+    seconds: float
+
+
+class LossScale:
+    """The pipeline's last-stage loss function: ``loss_sum / N`` with the step's ``N``.
+
+    The schedule runner divides every microbatch loss by ``M`` (its mean convention); the loss
+    here is already a share of the global sum, so it is multiplied by ``M`` first.
+    """
+
+    def __init__(self, task, pm_ref: list) -> None:
+        self.task, self.pm_ref = task, pm_ref
+        self.scale = 1.0
+
+    def __call__(self, logits, labels):
+        return self.task.loss_sum(logits, labels, self.pm_ref[0]) * self.scale
+
+
+def _counts_loss(pm) -> bool:
+    """Whether this rank's loss sum is part of the global one: its data is not a copy (tp ranks
+    hold the same tokens) and it computes the loss (the last pipeline stage)."""
+    if pm.mesh is None:
+        return True
+    last = pm.stage is None or pm.stage.is_last
+    return last and pm.mesh.local_rank("tp") == 0
+
+
+def _global_sum(value: torch.Tensor, pm) -> float:
+    """Sum of every counted rank's ``value`` (one world all-reduce; none in one process)."""
+    if pm.mesh is None or dist.get_world_size() == 1:
+        return value.item()
+    world = resolve_group(dist.group.WORLD, "train_step")
+    return _c10d.all_reduce(value.reshape(1), world, "train_loss", "forward").item()
+
+
+def _pipeline_backward(pm, task, microbatches: list, schedule: str, loss_scale: LossScale) -> torch.Tensor:
+    """Run the schedule over this rank's microbatches; return the last stage's loss sum (else 0)."""
+    stage = pm.stage
+    M = len(microbatches)
+    prepared = [task.prepare(mb, pm) for mb in microbatches]
+    inputs = [p[0]["input_ids"] for p in prepared]
+    kwargs = [{k: v for k, v in p[0].items() if k not in ("input_ids", "use_cache")} for p in prepared]
+    targets = [p[1] for p in prepared]
+    table = SCHEDULES[schedule](stage.num_stages, M)
+    loss_scale.scale *= M
+    extra = {"stage_kwargs": kwargs} if any(kwargs) else {}
+    losses = run_schedule(stage, table, inputs, targets, **extra)
+    dtype = torch.float64
+    if not stage.is_last:
+        return torch.zeros((), dtype=dtype)
+    return torch.stack([loss.to(dtype) for loss in losses]).sum() / loss_scale.scale
+
+
+def train_step(pm, optimizer, task, *, microbatches: int = 1, max_norm: float | None = None,
+               schedule: str = "1f1b", loss_scale: LossScale | None = None, scheduler=None) -> StepStats:
+    """One optimizer step of ``pm`` on the task's next global batch.
+
+    Args:
+        pm: a :class:`~shardkit.parallelize.ParallelModel` (``pm.mesh`` None: one process).
+        optimizer: over ``pm.module``'s parameters.
+        task: ``next_batch``, ``count``, ``microbatches``, ``prepare``, ``forward`` and
+            ``loss_sum`` (:class:`.lm_task.LMTask`, :class:`.conv_ae.ConvAETask`).
+        microbatches: ``M`` per step and data-parallel rank (gradient accumulation, or the
+            pipeline's microbatches).
+        max_norm: clip the global gradient norm to this (None: measure only).
+        schedule: pipeline schedule name.
+        loss_scale: the pipeline stage's loss function (with ``pp > 1``).
+        scheduler: a learning-rate scheduler stepped after the optimizer, or None.
+
+    Returns:
+        :class:`StepStats` (the same on every rank).
+
+    Collective over the world.
+    """
+    t0 = time.perf_counter()
+    batch = task.next_batch()
+    n = task.count(batch)
+    mesh = pm.mesh
+    dp, dp_rank = (1, 0) if mesh is None else (mesh.size("dp"), mesh.local_rank("dp"))
+    mbs = task.microbatches(batch, dp_rank, dp, microbatches)
+    if pm.stage is None:
+        local = None
+        for mb in mbs:
+            inputs, targets = task.prepare(mb, pm)
+            loss_sum = task.loss_sum(task.forward(pm.module, inputs), targets, pm)
+            (loss_sum / n).backward()
+            local = loss_sum.detach() if local is None else local + loss_sum.detach()
+        local = local.to(torch.float64)
+    else:
+        loss_scale.scale = 1.0 / n
+        local = _pipeline_backward(pm, task, mbs, schedule, loss_scale)
+    pm.grads.reduce()
+    norm = pm.grads.clip_(max_norm)
+    optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    contribution = local if _counts_loss(pm) else torch.zeros_like(local)
+    device = next(pm.module.parameters()).device
+    loss = _global_sum(contribution.to(device), pm) / n
+    return StepStats(loss, norm, n, time.perf_counter() - t0)

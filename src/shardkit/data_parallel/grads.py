@@ -1,0 +1,163 @@
+"""The one gradient-reduction path of a composed layout, and the global gradient norm.
+
+Convention: every rank back-propagates ``sum(its token losses) / N`` with ``N`` the *global*
+target count, so the gradient of the global token-mean loss is the **sum** over the ranks
+holding different data (``dp_replicate x dp_shard x cp_ring x cp_ulysses``) of the per-rank
+gradients. Tensor-parallel ranks hold the same data: their reductions are inside the model
+(Megatron's f/g, and :func:`~shardkit.tensor_parallel.sum_grad_over` for replicated weights
+used on local data). Expert weights are held by the ``ep`` ranks and replicated over ``edp``:
+their gradients are summed over ``edp`` instead.
+
+:class:`GradientSync` does, after the last backward of a step (Megatron-LM's
+``finalize_model_grads``): one bucketed all-reduce (sum) per dtype over ``dp_cp`` of every dense
+gradient FSDP2 does not reduce itself, and one over ``edp`` of the expert gradients. A step with
+gradient accumulation or a pipeline schedule reduces once, after all its microbatches.
+
+:meth:`GradientSync.clip_` computes the global 2-norm with every parameter element counted once,
+however it is laid out: sharded over tp or ep (each rank its own elements; replicated KV heads
+once), FSDP-sharded (each shard once), replicated (only rank 0 of each replica group counts),
+split over pipeline stages (each stage its own), then one all-reduce over the world.
+
+Source: Megatron-LM ``finalize_model_grads`` / ``clip_grad_norm_fp32`` (norm over model-parallel
+ranks with duplicates counted once); torchtitan's FSDP2 + TP gradient clipping.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..comm import _c10d
+from ..comm._group import resolve_group
+from ..errors import ShardkitError
+from ..tensor_parallel.spec import ShardSpec, shard_spec
+
+__all__ = ["GradientSync", "ParamLayout"]
+
+
+@dataclass
+class ParamLayout:
+    """How one parameter is laid out over the mesh (recorded before FSDP2 replaces parameters).
+
+    Attributes:
+        name: qualified name in the model.
+        expert: an expert weight (sharded over ``ep``, replicated over ``edp``).
+        fsdp: FSDP2 shards it over ``dp_shard_cp`` and reduces its gradient itself.
+        spec: its tensor- or expert-parallel :class:`~shardkit.tensor_parallel.ShardSpec`, or None.
+    """
+
+    name: str
+    expert: bool
+    fsdp: bool
+    spec: ShardSpec | None
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local tensor of a DTensor (FSDP2 gradients), the tensor itself otherwise."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _owned_mask(spec: ShardSpec, rank: int, local: torch.Tensor) -> torch.Tensor | None:
+    """1 where this rank is the first holder of the element along ``spec.dim`` (replicated KV
+    heads are held by several tp ranks: count them once); None when every element is owned."""
+    if not spec.overlapping:
+        return None
+    first: dict[int, int] = {}
+    for r in range(len(spec.ranges)):
+        for i in spec.indices(r):
+            first.setdefault(i, r)
+    keep = torch.tensor([first[i] == rank for i in spec.indices(rank)], dtype=local.dtype, device=local.device)
+    shape = [1] * local.dim()
+    shape[spec.dim] = -1
+    return keep.view(shape)
+
+
+class GradientSync:
+    """Reduce the gradients of one (stage) model and clip them by the global norm.
+
+    Args:
+        model: the parallelized module (after tensor, context, expert and data parallelism).
+        mesh: its :class:`~shardkit.mesh.ParallelMesh`, or None for one process (then
+            :meth:`reduce` does nothing and the norm is the local one).
+        layouts: ``{name: ParamLayout}`` for every parameter of ``model``.
+
+    Raises:
+        ShardkitError: a parameter has no layout.
+    """
+
+    def __init__(self, model: nn.Module, mesh, layouts: dict[str, ParamLayout]) -> None:
+        self.model, self.mesh = model, mesh
+        self.params = [(p, layouts[name]) for name, p in model.named_parameters() if p.requires_grad]
+        missing = [name for name, p in model.named_parameters() if p.requires_grad and name not in layouts]
+        if missing:
+            raise ShardkitError(f"GradientSync: no layout recorded for {missing[:5]}")
+        size = (lambda name: 1) if mesh is None else mesh.size
+        self._dense = resolve_group(mesh["dp_cp"], "GradientSync") if size("dp_cp") > 1 else None
+        self._expert = resolve_group(mesh["edp"], "GradientSync") if size("edp") > 1 else None
+
+    def reduce(self) -> None:
+        """Sum the gradients FSDP2 does not reduce over the ranks holding different data.
+
+        Collective over ``dp_cp`` (dense) and ``edp`` (experts). A parameter without a gradient
+        gets zeros first, so every rank reduces the same buckets.
+        """
+        for group, expert in ((self._dense, False), (self._expert, True)):
+            if group is None:
+                continue
+            params = [p for p, lay in self.params if lay.expert == expert and not lay.fsdp]
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            grads = [p.grad for p in params]
+            for dtype in sorted({g.dtype for g in grads}, key=str):
+                same = [g for g in grads if g.dtype == dtype]
+                flat = torch.cat([g.reshape(-1) for g in same])
+                flat = _c10d.all_reduce(flat, group, "expert_grads" if expert else "dp_cp_grads", "backward")
+                for g, part in zip(same, flat.split([g.numel() for g in same])):
+                    g.copy_(part.view_as(g))
+
+    def _counts_here(self, lay: ParamLayout) -> bool:
+        """Whether this rank counts the parameter's (local) elements in the norm."""
+        if self.mesh is None:
+            return True
+        replicas = ["edp"] if lay.expert else ["dp_replicate" if lay.fsdp else "dp_cp", "spatial"]
+        if lay.spec is None and not lay.expert:
+            replicas.append("tp")
+        return all(self.mesh.local_rank(name) == 0 for name in replicas)
+
+    def global_norm(self) -> torch.Tensor:
+        """The 2-norm of the whole model's gradient (float64, 0-d), the same on every rank.
+
+        Collective over the world (one all-reduce of one number). Call after :meth:`reduce`.
+        """
+        device = next((p.device for p, _ in self.params), torch.device("cpu"))
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        for p, lay in self.params:
+            if p.grad is None or not self._counts_here(lay):
+                continue
+            g = _local(p.grad).double()
+            if lay.spec is not None and not lay.fsdp:
+                mask = _owned_mask(lay.spec, resolve_group(lay.spec.group, "GradientSync").rank, g)
+                if mask is not None:
+                    g = g * mask
+            total += g.pow(2).sum()
+        if self.mesh is not None and dist.get_world_size() > 1:
+            world = resolve_group(dist.group.WORLD, "GradientSync")
+            total = _c10d.all_reduce(total.reshape(1), world, "grad_norm", "optimizer").reshape(())
+        return total.sqrt()
+
+    def clip_(self, max_norm: float | None) -> float:
+        """Scale every gradient by ``min(1, max_norm / (norm + 1e-6))`` (torch's rule); return the norm.
+
+        ``max_norm=None`` only measures. Collective over the world.
+        """
+        norm = self.global_norm()
+        if max_norm is not None:
+            scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+            for p, _ in self.params:
+                if p.grad is not None:
+                    _local(p.grad).mul_(scale.to(p.grad.dtype))
+        return norm.item()

@@ -1,0 +1,14 @@
+"""Compose the parallel axes on a model: one ``parallelize`` (tp -> cp -> ep -> dp), one for stages.
+
+* :func:`parallelize`: apply tensor (with sequence parallelism as an option), context, expert
+  and data parallelism (FSDP2 / HSDP, or the replicated path) to a Hugging Face decoder.
+* :func:`parallelize_stage`: cut the decoder into pipeline stages first, then the same
+  :func:`parallelize` on this rank's stage.
+* :func:`gather_full_parameters`: the full parameters back, for checks and reports.
+"""
+
+from .decoder import ParallelModel, decoder_layers, parallelize
+from .gather import gather_full_parameters
+from .pipeline import parallelize_stage
+
+__all__ = ["ParallelModel", "parallelize", "parallelize_stage", "gather_full_parameters", "decoder_layers"]

@@ -1,0 +1,138 @@
+"""``parallelize``: tp -> cp -> ep -> dp on a Hugging Face decoder (or one pipeline stage of it).
+
+One function for every supported family (Llama, Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V2): the
+families differ only in their Hugging Face plans, which the transforms read from the model.
+Each transform takes its own submesh of the job's :class:`~shardkit.mesh.ParallelMesh`:
+
+1. **tp** (``mesh["tp"]``): :func:`~shardkit.tensor_parallel.apply_tp` with the model's own
+   plan, sequence parallelism as a layout option, optionally the vocab-parallel loss. With
+   ``ep > 1`` the experts rules are left out: experts are expert-parallel instead.
+2. **cp** (``mesh["cp_ring"]`` / ``mesh["cp_ulysses"]``, both for USP):
+   :func:`~shardkit.context_parallel.apply_cp` switches the attention; the trainer then cuts
+   every batch with :meth:`~shardkit.context_parallel.CPContext.shard_batch`.
+3. **ep** (``mesh["ep"]``, borrowed from ``dp_shard x cp x tp``): every experts module keeps its
+   block of experts; tokens travel with the all-to-all dispatcher. Tokens are replicated over
+   tp only, so each tp rank dispatches its own block of them (``token_group = tp``).
+4. **dp**: FSDP2 over ``dp_shard x cp`` (HSDP with ``dp_replicate``) when ``dp_shard > 1``;
+   everything FSDP2 does not reduce is summed by one :class:`~shardkit.data_parallel.GradientSync`.
+
+Source: torchtitan ``parallelize_llama`` (TP, then CP, then FSDP, one function per family);
+Megatron-LM's TP x CP x EP x DP layouts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from ..data_parallel import GradientSync, ParamLayout, apply_fsdp
+from ..errors import ShardkitError
+from ..expert_parallel.hf import expert_shard, shard_experts
+from ..tensor_parallel import apply_tp
+from ..tensor_parallel.plan import CompiledPlan, model_tp_plan
+from ..tensor_parallel.spec import shard_spec
+
+__all__ = ["ParallelModel", "parallelize", "decoder_layers"]
+
+
+@dataclass
+class ParallelModel:
+    """A model (or pipeline stage) after :func:`parallelize`.
+
+    Attributes:
+        module: the parallelized module (modified in place; FSDP2-wrapped with ``dp_shard > 1``).
+        mesh: the job's :class:`~shardkit.mesh.ParallelMesh`, None for one process.
+        cp: the :class:`~shardkit.context_parallel.CPContext` with context parallelism, else None.
+        grads: the step's gradient reduction and global-norm clipping.
+        layouts: per-parameter layout (tp/ep spec, expert, FSDP), by name.
+        loss_parallel: logits stay vocab-sharded over tp (use the vocab-parallel loss).
+        sequence_parallel: hidden states between blocks are sequence-sharded over tp.
+        stage: the :class:`~shardkit.pipeline_parallel.PipelineStage` with ``pp > 1``, else None.
+    """
+
+    module: nn.Module
+    mesh: object
+    cp: object
+    grads: GradientSync
+    layouts: dict[str, ParamLayout]
+    loss_parallel: bool = False
+    sequence_parallel: bool = False
+    stage: object = field(default=None)
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers of a causal LM or stage (``model.model.layers``, a list or a dict)."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise ShardkitError(f"parallelize: {type(model).__name__} has no model.layers (expected a decoder LM)")
+    return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
+
+
+def _experts_modules(model: nn.Module) -> list[nn.Module]:
+    """Experts modules named by the model's EP plan (``...mlp.experts``)."""
+    ep = getattr(getattr(model, "config", None), "base_model_ep_plan", None) or {}
+    patterns = {k: v for k, v in ep.items() if v == "ep_dispatch_experts"}
+    if not patterns:
+        raise ShardkitError(f"parallelize: ep > 1 needs a mixture-of-experts model; {type(model).__name__} "
+                            "has no experts in its config's base_model_ep_plan")
+    compiled = CompiledPlan.build(patterns, model)
+    return [m for name, m in model.named_modules() if name and compiled.match(name)]
+
+
+def _tp_plan(model: nn.Module, expert_parallel: bool) -> dict:
+    plan = model_tp_plan(model)
+    if expert_parallel:  # experts are expert-parallel, not tensor-parallel
+        plan = {k: v for k, v in plan.items() if ".experts" not in k}
+    return plan
+
+
+def parallelize(model: nn.Module, mesh, *, sequence_parallel: bool = False, loss_parallel: bool = False) -> ParallelModel:
+    """Apply tensor, context, expert and data parallelism to ``model``, in that order, in place.
+
+    Every rank calls it on a model with the same full weights (built from the same seed or
+    checkpoint). Afterwards the forward contract is the model's own, on this rank's data: the
+    batch rows of its ``dp`` coordinate, and with cp the tokens of
+    :meth:`~shardkit.context_parallel.CPContext.shard_batch`.
+
+    Args:
+        model: a transformers causal LM (or a pipeline stage module with the same names).
+        mesh: the job's :class:`~shardkit.mesh.ParallelMesh`; None for one process (nothing
+            is changed: the same trainer runs the ``--verify`` reference).
+        sequence_parallel: shard hidden states between blocks over tp (Megatron-SP).
+        loss_parallel: keep the logits vocab-sharded over tp (the vocab-parallel loss).
+
+    Returns:
+        :class:`ParallelModel`.
+
+    Raises:
+        ShardkitError: a layout the model cannot take (e.g. ``ep > 1`` on a dense model), with
+            the reason; the transforms' own errors (head counts, ...).
+    """
+    from ..context_parallel import apply_cp
+
+    dims = None if mesh is None else mesh.dims
+    tp = 1 if mesh is None else mesh.size("tp")
+    ep = 1 if dims is None else dims.ep
+    if tp > 1:
+        if sequence_parallel:  # TEMPORARY: until apply_tp takes sequence_parallel=True
+            from ..tensor_parallel import apply_llama_tp
+
+            apply_llama_tp(model, mesh["tp"])
+        else:
+            apply_tp(model, mesh["tp"], _tp_plan(model, ep > 1), loss_parallel=loss_parallel, check="off")
+    cp = None
+    if dims is not None and dims.cp_mode is not None:
+        cp_mesh = mesh["cp_ring", "cp_ulysses"] if dims.cp_mode == "usp" else mesh[
+            "cp_ring" if dims.cp_mode == "ring" else "cp_ulysses"]
+        cp = apply_cp(model, cp_mesh, dims.cp_mode)
+    if ep > 1:
+        for experts in _experts_modules(model):
+            shard_experts(experts, mesh["ep"], mode="dispatch", tokens="replicated", token_group=mesh["tp"])
+    layouts = {name: ParamLayout(name, expert_shard(p) is not None, False, shard_spec(p))
+               for name, p in model.named_parameters()}
+    if dims is not None and dims.dp_shard > 1:
+        for name in apply_fsdp(model, mesh, decoder_layers(model)):
+            layouts[name].fsdp = True
+    return ParallelModel(model, mesh, cp, GradientSync(model, mesh, layouts), layouts, loss_parallel,
+                         sequence_parallel and tp > 1)

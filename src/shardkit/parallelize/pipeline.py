@@ -1,0 +1,45 @@
+"""``parallelize_stage``: cut a decoder into pipeline stages, then parallelize this rank's stage.
+
+The stage is cut first (its layers, plus the embedding on the first stage and the final norm and
+``lm_head`` on the last), keeping the full model's parameter names; then the same
+:func:`~.decoder.parallelize` as without a pipeline applies tp, cp, ep and dp to it on the
+stage's submeshes. Stages exchange hidden states over ``mesh["pp"]`` (each tp rank with the
+same tp rank of the next stage, Megatron-LM's pp x tp), or, for a ``pp_tp`` layout with a tp
+size per stage, through :class:`~shardkit.pipeline_parallel.StageGroups` (leader to leader,
+then a broadcast inside the stage: MindSpeed-MM's VTP).
+
+Source: torchtitan's ``pipeline_llama`` (cut, then ``parallelize_llama`` per stage);
+Megatron-LM pipeline x tensor parallelism; MindSpeed-MM VTP.
+"""
+
+from __future__ import annotations
+
+from ..pipeline_parallel import LlamaStageModule, PipelineStage
+from .decoder import ParallelModel, parallelize
+
+__all__ = ["parallelize_stage"]
+
+
+def parallelize_stage(model, mesh, loss_fn, *, sequence_parallel: bool = False,
+                      loss_parallel: bool = False) -> ParallelModel:
+    """This rank's pipeline stage of ``model``, parallelized, with its :class:`PipelineStage`.
+
+    Args:
+        model: the full causal LM (same weights on every rank); only the stage's modules are
+            kept once it is dropped.
+        mesh: the job's :class:`~shardkit.mesh.ParallelMesh` with ``pp > 1``.
+        loss_fn: ``loss_fn(logits, labels) -> 0-d`` for the last stage.
+        sequence_parallel, loss_parallel: as :func:`~.decoder.parallelize`.
+
+    Returns:
+        :class:`~.decoder.ParallelModel` whose ``stage`` runs the schedule.
+    """
+    dims = mesh.dims
+    stages = mesh["stages"] if dims.pp_tp is not None else None
+    s = stages.stage_index if stages is not None else mesh.local_rank("pp")
+    module = LlamaStageModule(model, s, dims.pp)
+    pm = parallelize(module, mesh, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    last = s == dims.pp - 1
+    pm.stage = PipelineStage(pm.module, stages if stages is not None else mesh["pp"], s, dims.pp,
+                             loss_fn=loss_fn if last else None)
+    return pm
