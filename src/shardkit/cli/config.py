@@ -7,6 +7,7 @@ Everything here is pure (no process group), so every check runs in the launching
 from __future__ import annotations
 
 import dataclasses
+import os
 import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -54,7 +55,10 @@ class TrainConfig:
     microbatches: int = 1  # per step and dp rank: pipeline microbatches, or gradient accumulation
     schedule: str = "1f1b"  # pipeline schedule: "1f1b" or "gpipe"
     max_norm: float | None = 1.0  # clip the global gradient norm (None / 0: no clipping)
-    steps: int = 20
+    steps: int = 20  # total steps: a resumed run continues up to this count
+    checkpoint_dir: str | None = None  # save the training state here (DCP, one directory per save)
+    save_every: int = 0  # save every N steps (and after the last); 0: only after the last step
+    resume: bool = False  # continue from the latest save in --checkpoint-dir (any layout)
     seq_len: int = 128
     batch_size: int = 8  # global, split over dp
     dtype: str = "float32"
@@ -198,6 +202,12 @@ def validate_config(cfg: TrainConfig, world_size: int | None = None) -> TrainCon
             raise ShardkitError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
     if cfg.lr <= 0:
         raise ShardkitError(f"--lr must be > 0, got {cfg.lr}")
+    if cfg.save_every < 0:
+        raise ShardkitError(f"--save-every must be >= 0, got {cfg.save_every}")
+    if (cfg.resume or cfg.save_every) and cfg.checkpoint_dir is None:
+        raise ShardkitError("--resume and --save-every need --checkpoint-dir DIR")
+    if cfg.checkpoint_dir is not None and os.path.exists(cfg.checkpoint_dir) and not os.path.isdir(cfg.checkpoint_dir):
+        raise ShardkitError(f"--checkpoint-dir {cfg.checkpoint_dir} exists and is not a directory")
     if cfg.max_norm is not None and cfg.max_norm < 0:
         raise ShardkitError(f"--max-norm must be >= 0 (0: no clipping), got {cfg.max_norm}")
     if cfg.max_norm == 0:

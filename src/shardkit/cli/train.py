@@ -65,7 +65,13 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--microbatches", type=int, help=f"microbatches per step and dp rank: the pipeline's, or "
                    f"gradient accumulation without one (default {d.microbatches})")
     p.add_argument("--schedule", choices=SCHEDULES, help=f"pipeline schedule (default {d.schedule})")
-    p.add_argument("--steps", type=int, help=f"training steps (default {d.steps})")
+    p.add_argument("--steps", type=int, help=f"training steps in all; a resumed run continues up to it "
+                   f"(default {d.steps})")
+    p.add_argument("--checkpoint-dir", metavar="DIR", help="save the training state (model, optimizer, step, "
+                   "data position, RNG) here with DCP; it resumes on any layout")
+    p.add_argument("--save-every", type=int, help="save every N steps (default: after the last step only)")
+    p.add_argument("--resume", action=argparse.BooleanOptionalAction,
+                   help="continue from the latest complete save in --checkpoint-dir")
     p.add_argument("--seq-len", type=int, help=f"tokens per sequence (default {d.seq_len})")
     p.add_argument("--batch-size", type=int, help=f"global batch, split over dp (default {d.batch_size})")
     p.add_argument("--dtype", choices=DTYPES, help=f"parameter and compute dtype (default {d.dtype})")

@@ -124,18 +124,42 @@ def build_parallel_model(model, mesh, cfg: TrainConfig, task, device) -> tuple[P
     return parallelize(model, mesh, **options), None
 
 
-def run_training(pm, task, cfg: TrainConfig, loss_scale=None, on_step=None) -> dict:
-    """``cfg.steps`` steps of :func:`.trainer.train_step`; per-step losses and gradient norms."""
+def _extra_state(task) -> dict[str, torch.Tensor]:
+    """What a checkpoint keeps besides model and optimizer: the data sampler's generator and
+    torch's RNG (replicated: the same on every rank)."""
+    return {"data_generator": task.sampler.gen.get_state(), "torch_rng": torch.get_rng_state()}
+
+
+def run_training(pm, task, cfg: TrainConfig, loss_scale=None, on_step=None, layout: str = "") -> dict:
+    """Steps ``first..cfg.steps - 1`` of :func:`.trainer.train_step`; per-step losses and gradient norms.
+
+    With ``cfg.checkpoint_dir``: ``cfg.resume`` first loads the latest save (``first`` = its
+    step), and the state is saved every ``cfg.save_every`` steps and after the last one.
+    """
+    from ..checkpoint import latest_checkpoint, load_train_state, save_train_state
+
     optimizer = make_optimizer(pm.module, cfg.lr)
+    first = 0
+    if cfg.resume and pm.mesh is not None:
+        path = latest_checkpoint(cfg.checkpoint_dir)
+        if path is not None:
+            extra = _extra_state(task)
+            first = load_train_state(path, pm, optimizer, extra)
+            task.sampler.gen.set_state(extra["data_generator"])
+            torch.set_rng_state(extra["torch_rng"])
     losses, norms = [], []
-    for step in range(cfg.steps):
+    for step in range(first, cfg.steps):
         stats = train_step(pm, optimizer, task, microbatches=cfg.microbatches, max_norm=cfg.max_norm,
                            schedule=cfg.schedule, loss_scale=loss_scale)
         losses.append(stats.loss)
         norms.append(stats.grad_norm)
         if on_step is not None:
             on_step(step, stats.loss)
-    return {"losses": losses, "grad_norms": norms}
+        done = step + 1
+        if pm.mesh is not None and cfg.checkpoint_dir is not None and (
+                done == cfg.steps or (cfg.save_every and done % cfg.save_every == 0)):
+            save_train_state(cfg.checkpoint_dir, pm, optimizer, done, _extra_state(task), layout)
+    return {"losses": losses, "grad_norms": norms, "first_step": first}
 
 
 @record
@@ -168,7 +192,8 @@ def train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool = Tr
     progress = TrainProgress(cfg.steps, cfg.batch_size * _sample_size(cfg), unit=unit) if show else None
     with CommLedger() as ledger, (progress or nullcontext()):
         t1 = time.perf_counter()
-        run = run_training(pm, task, cfg, loss_scale, on_step=progress.update if progress else None)
+        run = run_training(pm, task, cfg, loss_scale, on_step=progress.update if progress else None,
+                           layout=dims.describe())
         t_train = time.perf_counter() - t1
 
     memory = [None] * dist.get_world_size()
@@ -196,10 +221,11 @@ def train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool = Tr
         ref_pm, _ = build_parallel_model(reference, None, cfg, None, device)
         ref = run_training(ref_pm, build_task(cfg, device), cfg)
         ref_params = gather_full_parameters(ref_pm)
-        result["reference_losses"] = ref["losses"]
-        result["reference_grad_norms"] = ref["grad_norms"]
-        result["parity"] = compare_runs(run["losses"], ref["losses"], full_params, ref_params, cfg.dtype,
-                                        grad_norms=(run["grad_norms"], ref["grad_norms"]))
+        first = run["first_step"]  # a resumed run is compared from the step it resumed at
+        result["reference_losses"] = ref["losses"][first:]
+        result["reference_grad_norms"] = ref["grad_norms"][first:]
+        result["parity"] = compare_runs(run["losses"], result["reference_losses"], full_params, ref_params, cfg.dtype,
+                                        grad_norms=(run["grad_norms"], result["reference_grad_norms"]))
         result["timings_s"]["verify"] = time.perf_counter() - t2
     return result
 

@@ -1,0 +1,99 @@
+"""Checkpoints in the trainer: save at one layout, resume at another, the same per-step losses.
+
+Float64 runs of :func:`shardkit.cli.worker.train` in a persistent gloo world: an uninterrupted
+run of 4 steps, then 2 steps at layout A saved, then steps 3-4 resumed at layout B from that save.
+The resumed losses equal the uninterrupted run's to 1e-12 (relative): model, AdamW state, step
+count, data position and RNG all came back, through a checkpoint that stores full tensors cut into
+the owners' chunks. A failed save leaves the previous one the latest, and it still loads.
+"""
+
+import json
+import os
+import time
+
+import pytest
+import torch
+
+from harness.helpers import rank, remove_shared_dir, shared_tmpdir, world_size
+from shardkit import ShardkitError
+from shardkit.checkpoint import MANIFEST, latest_checkpoint
+from shardkit.cli.config import TrainConfig, validate_config
+from shardkit.cli.worker import train
+
+BASE = dict(seq_len=16, batch_size=4, dtype="float64", layers=2, lr=1e-3)
+
+
+def _run(**kw):
+    cfg = validate_config(TrainConfig(**{**BASE, **kw}), world_size=world_size())
+    return train(cfg, "gloo", torch.device("cpu"), time.perf_counter(), progress=False)
+
+
+def _losses(result):
+    box = [None if result is None else (result["losses"], result.get("first_step"))]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+RESUMES = {
+    "tp=2 x dp=2 -> dp_shard=2 x cp_ring=2 (FSDP2)": (dict(), dict(tp=1, dp_shard=2, cp_ring=2)),
+    "dp_shard=2 x tp=2 -> pp=2 x dp=2": (dict(dp_shard=2), dict(tp=1, pp=2, microbatches=2)),
+    "moe ep=2 (tp=2 x dp=2) -> moe ep=4 (dp_shard=4)": (dict(model="moe", ep=2), dict(model="moe", tp=1, dp_shard=4, ep=4)),
+}
+
+
+@pytest.mark.world(4, timeout=180)
+@pytest.mark.parametrize("first,second", list(RESUMES.values()), ids=list(RESUMES))
+def test_resume_on_another_layout_continues_the_same_losses(first, second):
+    root = shared_tmpdir("shardkit-resume-")
+    try:
+        full, _ = _losses(_run(steps=4, **first))
+        _run(steps=2, checkpoint_dir=root, **first)
+        if rank() == 0:
+            assert latest_checkpoint(root).endswith("step_00000002")
+        resumed, start = _losses(_run(steps=4, checkpoint_dir=root, resume=True, **second))
+        assert start == 2 and len(resumed) == 2
+        for a, b in zip(resumed, full[2:]):
+            assert abs(a - b) <= 1e-12 * abs(b), (resumed, full)
+        if rank() == 0:  # the resumed run saved its own last step
+            assert latest_checkpoint(root).endswith("step_00000004")
+            manifest = json.loads(open(os.path.join(latest_checkpoint(root), MANIFEST)).read())
+            assert manifest["step"] == 4 and manifest["layout"]
+    finally:
+        remove_shared_dir(root)
+
+
+@pytest.mark.world(2, timeout=120)
+def test_failed_save_keeps_the_previous_checkpoint():
+    import torch.distributed.checkpoint as dcp
+
+    root = shared_tmpdir("shardkit-failsave-")
+    try:
+        _run(steps=1, tp=2, checkpoint_dir=root)
+        real = dcp.FileSystemWriter.write_data
+
+        def broken(self, plan, planner):  # rank 1 dies while writing its chunks
+            if rank() == 1:
+                raise OSError("disk full (injected)")
+            return real(self, plan, planner)
+
+        dcp.FileSystemWriter.write_data = broken
+        try:
+            from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+            with pytest.raises(CheckpointException, match="disk full"):
+                _run(steps=2, tp=2, checkpoint_dir=root, resume=True)
+        finally:
+            dcp.FileSystemWriter.write_data = real
+        torch.distributed.barrier()
+        if rank() == 0:
+            assert latest_checkpoint(root).endswith("step_00000001")  # the previous save is still the latest
+        # ... and it loads: resuming continues from step 1
+        _, start = _losses(_run(steps=2, tp=2, checkpoint_dir=root, resume=True))
+        assert start == 1
+    finally:
+        remove_shared_dir(root)
+
+
+def test_resume_needs_a_checkpoint_dir():
+    with pytest.raises(ShardkitError, match="--resume and --save-every need --checkpoint-dir"):
+        validate_config(TrainConfig(resume=True))
