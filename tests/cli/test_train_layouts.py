@@ -62,3 +62,18 @@ LAYOUTS_4 = {
 @pytest.mark.parametrize("overrides", list(LAYOUTS_4.values()), ids=list(LAYOUTS_4))
 def test_layout_matches_one_process(overrides):
     _check(_train(**overrides))
+
+
+LAYOUTS_8 = {
+    "llama: dp_replicate=2 x cp_ring=2 x tp=2": dict(cp_ring=2, tp=2, seq_len=32),
+    "qwen2: dp_shard=2 x cp_ulysses=2 x tp=2 (FSDP2)": dict(model="qwen2", dp_shard=2, cp_ulysses=2, tp=2),
+    "llama: HSDP dp_replicate=2 x dp_shard=2 x tp=2 (SP)": dict(dp_shard=2),
+    "moe: dp_shard=2 x cp_ring=2 x tp=2, ep=8 over all of them": dict(model="moe", dp_shard=2, cp_ring=2, tp=2, ep=8,
+                                                                      seq_len=32),
+}
+
+
+@pytest.mark.world(8, timeout=240)
+@pytest.mark.parametrize("overrides", list(LAYOUTS_8.values()), ids=list(LAYOUTS_8))
+def test_layout_matches_one_process_8_ranks(overrides):
+    _check(_train(**{"batch_size": 8, **overrides}))

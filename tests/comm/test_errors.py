@@ -44,7 +44,7 @@ def _bad_cases():
         "not_a_tensor": (ShardkitTypeError, "torch.Tensor", lambda: all_reduce_forward([1.0, 2.0], G())),
         "group_none": (ShardkitTypeError, "group is required", lambda: all_gather(x, None, 0)),
         "group_wrong_type": (ShardkitTypeError, "ProcessGroup", lambda: all_gather(x, "tp", 0)),
-        "mesh_degrees_not_multiplying": (ShardkitError, "multiply", lambda: ParallelDims(dp=2, tp=3, world_size=world_size())),
+        "mesh_degrees_not_multiplying": (ShardkitError, "multiply", lambda: ParallelDims(dp_replicate=2, tp=3, world_size=world_size())),
         "mesh_degree_zero": (ShardkitError, ">= 1", lambda: ParallelDims(tp=0)),
         "mesh_build_wrong_world": (ShardkitError, "world size", lambda: ParallelDims(tp=world_size() + 1).build_mesh("cpu")),
     }
