@@ -36,9 +36,9 @@ def check_tp(config, tp: int, *, sequence_parallel: bool = False) -> None:
     if n_q % n_kv:
         raise ShardkitError(f"apply_tp: {n_q} query heads are not a multiple of {n_kv} key/value heads")
     if sequence_parallel:
-        if getattr(config, "num_experts", 0) or getattr(config, "n_routed_experts", 0):
-            raise ShardkitError("apply_tp(sequence_parallel=True): sequence parallelism is not implemented for "
-                                "mixture-of-experts layers (use sequence_parallel=False)")
         if getattr(config, "kv_lora_rank", None):
             raise ShardkitError("apply_tp(sequence_parallel=True): sequence parallelism is not implemented for "
                                 "multi-head latent attention (use sequence_parallel=False)")
+        if getattr(config, "num_experts", 0) or getattr(config, "n_routed_experts", 0):
+            raise ShardkitError("apply_tp(sequence_parallel=True): sequence parallelism is not implemented for "
+                                "mixture-of-experts layers (use sequence_parallel=False)")
