@@ -16,14 +16,16 @@ import torch.nn.functional as F
 from shardkit.cli.model import keep_norms_in_input_dtype
 
 VOCAB = 101
-COMMON = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=10, num_hidden_layers=2, num_attention_heads=6,
+_COMMON = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=10, num_hidden_layers=2, num_attention_heads=6,
               num_key_value_heads=2, head_dim=8, use_cache=False, tie_word_embeddings=False)
 
 
-def build(kind: str, seed: int = 0, dtype=torch.float64):
-    """A causal LM of architecture ``kind`` (float64 by default, norms computing in float64)."""
+def build(kind: str, seed: int = 0, dtype=torch.float64, **overrides):
+    """A causal LM of architecture ``kind`` (float64 by default, norms computing in float64);
+    ``overrides`` replace config fields (e.g. ``num_hidden_layers``, ``tie_word_embeddings``)."""
     import transformers as tf
 
+    COMMON = {**_COMMON, **overrides}
     if kind == "llama":
         model_cls, config = tf.LlamaForCausalLM, tf.LlamaConfig(**COMMON)
     elif kind == "qwen2":

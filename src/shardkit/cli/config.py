@@ -301,14 +301,13 @@ def _validate_pipeline(cfg: TrainConfig) -> None:
         raise ShardkitError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {cfg.schedule!r}")
     if cfg.pp == 1 and cfg.microbatches > 1:
         raise ShardkitError(f"--microbatches {cfg.microbatches} needs --pp > 1 (microbatches split pipeline steps)")
-    # pp x tp: each stage gets plain Megatron TP over its own tp group (pipeline_parallel.
-    # hf_llama_tp), not apply_llama_tp, which hooks the whole model (sequence split at layers[0]).
+    # pp x tp: each stage gets plain Megatron TP over its own tp group (apply_tp on the stage
+    # module with the model's own plan), replicated activations at the stage boundaries.
 
 
 def _validate_model(cfg: TrainConfig) -> None:
-    from ..pipeline_parallel.hf_llama import check_llama_pp
-    from ..pipeline_parallel.hf_llama_tp import check_llama_stage_tp
-    from ..tensor_parallel import check_llama_tp
+    from ..pipeline_parallel.hf_decoder import check_pp
+    from ..tensor_parallel import check_tp
 
     if cfg.model_path is None:
         for name in ("hidden_size", "layers", "heads", "kv_heads", "intermediate_size"):
@@ -332,33 +331,30 @@ def _validate_model(cfg: TrainConfig) -> None:
         model_config = model_config_from_path(cfg.model_path)
         if model_config.vocab_size < 256:
             raise ShardkitError(f"--model-path: vocab_size {model_config.vocab_size} < 256 (byte-level tokens)")
-    if cfg.pp == 1 and uses_apply_llama_tp(cfg):
+    if cfg.pp == 1 and cfg.cp_size == 1:
         try:
-            check_llama_tp(model_config, cfg.tp)
+            check_tp(model_config, cfg.tp, sequence_parallel=uses_sequence_parallel(cfg))
         except ShardkitError as e:
             raise ShardkitError(f"--tp {cfg.tp}: {e}") from None
     elif cfg.cp_size > 1 and (model_config.num_attention_heads % cfg.tp or model_config.num_key_value_heads % cfg.tp):
         raise ShardkitError(f"--tp {cfg.tp} with context parallelism: the {model_config.num_attention_heads} query and "
                             f"{model_config.num_key_value_heads} key/value heads must both divide into whole heads per tp rank")
-    elif cfg.pp == 1 and model_config.num_attention_heads < cfg.tp:
-        raise ShardkitError(f"--tp {cfg.tp}: {model_config.num_attention_heads} attention heads cannot be split "
-                            f"over {cfg.tp} ranks (whole heads per rank)")
     for s, t in enumerate(cfg.stage_tp_sizes if cfg.pp > 1 else ()):
         try:
-            check_llama_stage_tp(model_config, t)
+            check_tp(model_config, t)
         except ShardkitError as e:
             flag = f"--pp-tp {cfg.pp_tp} (stage {s})" if cfg.pp_tp is not None else f"--tp {t}"
             raise ShardkitError(f"{flag}: {e}") from None
     try:
-        check_llama_pp(model_config, cfg.pp)
+        check_pp(model_config, cfg.pp)
     except ShardkitError as e:
         raise ShardkitError(f"--pp {cfg.pp}: {e}") from None
 
 
-def uses_apply_llama_tp(cfg: TrainConfig) -> bool:
+def uses_sequence_parallel(cfg: TrainConfig) -> bool:
     """Llama without --loss-parallel (and without cp) keeps tensor + sequence parallelism
-    (apply_llama_tp); every other causal LM is sharded by its own Hugging Face plan through
-    apply_tp. With cp the sequence is already split over the cp ranks: apply_llama_tp's
+    (apply_tp(..., sequence_parallel=True)); every other causal LM is sharded by its own Hugging
+    Face plan through apply_tp. With cp the sequence is already split over the cp ranks: the
     sequence-parallel split at layers[0] would cut it again, so cp uses the plain Megatron plan."""
     return cfg.model == "llama" and not cfg.loss_parallel and cfg.cp_size == 1
 

@@ -1,6 +1,6 @@
 """The pipeline side of ``shardkit train --pp P``: Llama stages x dp, one schedule per step.
 
-Each rank holds one :class:`~shardkit.pipeline_parallel.hf_llama.LlamaStageModule` (stage =
+Each rank holds one :class:`~shardkit.pipeline_parallel.DecoderStageModule` (stage =
 its ``pp`` mesh coordinate). A step splits this dp rank's rows ``[B / dp, S]`` into ``M``
 microbatches and runs the schedule table (1F1B or GPipe) with
 :func:`~shardkit.pipeline_parallel.run_schedule`, which scales every microbatch loss by ``1 / M``.
@@ -13,8 +13,8 @@ the last stage and is broadcast over pp so that global rank 0 reports it.
 Tensor parallelism inside stages (``--pp N --tp T``, or ``--pp-tp 2,1,1`` with a tp size per
 stage): a replica's ``sum(tp sizes)`` ranks are cut into stages in rank order, each stage's
 ranks form its tp group (:func:`~shardkit.pipeline_parallel.vtp.new_stage_groups`) and hold a
-Megatron-TP shard of the stage (:func:`~shardkit.pipeline_parallel.hf_llama_tp.
-apply_llama_stage_tp`); activations cross stage boundaries replicated, leader to leader with a
+Megatron-TP shard of the stage (:func:`shardkit.apply_tp` with the model's own plan);
+activations cross stage boundaries replicated, leader to leader with a
 broadcast inside the receiving stage when sizes differ, rank to rank when they match.
 """
 
@@ -25,8 +25,8 @@ import torch.distributed as dist
 
 from .. import ParallelDims, all_reduce_forward
 from ..pipeline_parallel import PipelineStage, gpipe_schedule, one_f_one_b_schedule, run_schedule, split_microbatches
-from ..pipeline_parallel.hf_llama import LlamaStageModule
-from ..pipeline_parallel.hf_llama_tp import apply_llama_stage_tp
+from ..pipeline_parallel.hf_decoder import DecoderStageModule
+from ..tensor_parallel import apply_tp
 from ..pipeline_parallel.vtp import new_stage_groups
 from .config import TrainConfig
 from .data import local_rows
@@ -53,11 +53,11 @@ def build_stage(model, mesh, cfg: TrainConfig, device) -> PipelineStage:
     if cfg.stage_tp_sizes == (1,) * cfg.pp:
         pp_mesh = mesh["pp"]
         s = pp_mesh.get_local_rank()
-        module = LlamaStageModule(model, s, cfg.pp).to(device)
+        module = DecoderStageModule(model, s, cfg.pp).to(device)
         return PipelineStage(module, pp_mesh, s, cfg.pp, loss_fn=loss(s))
     groups, _ = new_stage_groups(cfg.stage_tp_sizes, cfg.dp)
     s = groups.stage_index
-    module = apply_llama_stage_tp(LlamaStageModule(model, s, cfg.pp).to(device), groups.tp_group)
+    module = apply_tp(DecoderStageModule(model, s, cfg.pp).to(device), groups.tp_group, check="off")
     return PipelineStage(module, groups, s, cfg.pp, loss_fn=loss(s))
 
 

@@ -23,9 +23,9 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from .. import CommLedger, ParallelDims, all_reduce_forward
 from ..comm import ledger as _ledger
 from ..expert_parallel import ep_plan
-from ..tensor_parallel import apply_llama_tp, apply_tp, gather_full_state_dict
+from ..tensor_parallel import apply_tp, gather_full_state_dict
 from ..tensor_parallel.loss import vocab_parallel_cross_entropy
-from .config import TrainConfig, uses_apply_llama_tp
+from .config import TrainConfig, uses_sequence_parallel
 from .data import BatchSampler, corpus_files, load_tokens, local_rows
 from .loop import causal_lm_loss, make_optimizer, run_steps
 from .model import build_model
@@ -115,11 +115,10 @@ def _run_record(cfg, losses, memory, device, ledger, t_setup: float, t_train: fl
 def _tensor_parallel(model, cfg: TrainConfig, tp_mesh):
     """Llama: tensor + sequence parallelism; other models (and --loss-parallel): their own HF plan
     through apply_tp, with the config's expert-parallel plan under --ep."""
-    if uses_apply_llama_tp(cfg):
-        return apply_llama_tp(model, tp_mesh)
     plan = ep_plan(model) if cfg.ep > 1 else None
     # Norms and routers stay replicated by design, so the plan check's "unsharded" list is expected.
-    return apply_tp(model, tp_mesh, plan, loss_parallel=cfg.loss_parallel, check="off")
+    return apply_tp(model, tp_mesh, plan, sequence_parallel=uses_sequence_parallel(cfg),
+                    loss_parallel=cfg.loss_parallel, check="off")
 
 
 def _vocab_parallel_loss(tp_mesh):
