@@ -10,10 +10,12 @@ boundary (:class:`~shardkit.pipeline_parallel.StageGroups`).
   caller says otherwise the blocks are the balanced split
   (:func:`shardkit.balanced_split_sizes`: the first ``n % R`` ranks get one more element), so
   any size works, zero-size blocks included.
+* :class:`Partial`: every rank holds a full-shape partial sum; the tensor is their sum (a
+  row-parallel matmul's output before its reduction).
 
 Gradient conventions are part of each user's contract (a style's or a stage boundary's), not of
 the layout; see those docstrings. Source: the placement types of PyTorch DTensor
-(``Replicate``, ``Shard``), re-implemented without a tensor subclass.
+(``Replicate``, ``Shard``, ``Partial``), re-implemented without a tensor subclass.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 
 from .errors import ShardkitError, ShardkitTypeError
 
-__all__ = ["Replicate", "Shard", "check_layout"]
+__all__ = ["Replicate", "Shard", "Partial", "check_layout"]
 
 
 @dataclass(frozen=True)
@@ -47,15 +49,25 @@ class Shard:
         return f"Shard({self.dim})"
 
 
-def check_layout(layout, what: str, *, non_negative: bool = False):
-    """Return ``layout`` if it is ``Replicate()`` or ``Shard(dim)``.
+@dataclass(frozen=True)
+class Partial:
+    """Every rank holds a partial sum of the full tensor (sum over the group = the tensor)."""
+
+    def __repr__(self) -> str:
+        return "Partial()"
+
+
+def check_layout(layout, what: str, *, non_negative: bool = False, partial: bool = False):
+    """Return ``layout`` if it is ``Replicate()`` or ``Shard(dim)`` (or ``Partial()`` if ``partial``).
 
     Raises:
         ShardkitTypeError: anything else.
         ShardkitError: ``non_negative`` and a ``Shard`` with ``dim < 0``.
     """
-    if not isinstance(layout, (Replicate, Shard)):
-        raise ShardkitTypeError(f"{what} must be Replicate() or Shard(dim), got {layout!r}")
+    kinds = (Replicate, Shard, Partial) if partial else (Replicate, Shard)
+    if not isinstance(layout, kinds):
+        names = "Replicate(), Shard(dim) or Partial()" if partial else "Replicate() or Shard(dim)"
+        raise ShardkitTypeError(f"{what} must be {names}, got {layout!r}")
     if non_negative and isinstance(layout, Shard) and layout.dim < 0:
         raise ShardkitError(f"{what}: Shard(dim) needs dim >= 0 here (a dim of the full tensor), got {layout!r}")
     return layout

@@ -38,11 +38,11 @@ def build(kind: str, seed: int = 0, dtype=torch.float64, **overrides):
                                    norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1])
     elif kind == "deepseek_v2":
         model_cls = tf.DeepseekV2ForCausalLM
-        common = {k: v for k, v in COMMON.items() if k not in ("head_dim",)}
-        config = tf.DeepseekV2Config(**{**common, "num_key_value_heads": 6}, q_lora_rank=None, kv_lora_rank=12,
-                                     qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8, n_routed_experts=4,
-                                     num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=10,
-                                     first_k_dense_replace=1, n_group=1, topk_group=1)
+        mla = dict(num_key_value_heads=6, q_lora_rank=None, kv_lora_rank=12, qk_rope_head_dim=4, qk_nope_head_dim=8,
+                   v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                   moe_intermediate_size=10, first_k_dense_replace=1, n_group=1, topk_group=1)
+        common = {k: v for k, v in _COMMON.items() if k != "head_dim"}
+        config = tf.DeepseekV2Config(**{**common, **mla, **overrides})
     else:
         raise ValueError(kind)
     config._attn_implementation = "sdpa"

@@ -2,21 +2,29 @@
 plan, against the unsharded model.
 
 Parity (DESIGN.md section 4): float64 logits, loss and every parameter gradient (gathered from the
-shards) to rtol 1e-9, for Llama, Qwen2 and Qwen3 at tp 2, 3 and 4 with a sequence length (7) that
-no tp size divides. Also: 9 query / 3 KV heads (SmolLM2-135M's shape) and tied input/output
-embeddings, with and without sequence parallelism; the exact collectives of a step; refusals.
+shards) to rtol 1e-9, for Llama, Qwen2, Qwen3, Qwen3-MoE and DeepSeek-V2 (MLA, with and without
+q_lora) at tp 2, 3 and 4 with a sequence length (7) that no tp size divides. Also: 9 query / 3 KV
+heads (SmolLM2-135M's shape) and tied input/output embeddings, with and without sequence
+parallelism; the exact collectives of a step; the refusal of expert-parallel experts.
 """
 
 import pytest
 import torch
 
 from harness.helpers import get_mesh, rank, world_group
-from hf_models import VOCAB, build
+from hf_models import VOCAB
+from hf_models import build as _build
 from shardkit import CommLedger, ShardkitError
 from shardkit.tensor_parallel import apply_tp, check_tp, gather_full_grads, gather_full_state_dict, shard_spec
 
 RTOL = 1e-9
-KINDS = ["llama", "qwen2", "qwen3"]
+KINDS = ["llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v2", "deepseek_v2+q_lora"]
+
+
+def build(kind):
+    """``hf_models.build``; ``deepseek_v2+q_lora``: MLA with a query LoRA (``q_a_proj``, replicated)."""
+    kind, _, variant = kind.partition("+")
+    return _build(kind, q_lora_rank=8) if variant == "q_lora" else _build(kind)
 
 
 def _rel(a, b):
@@ -173,12 +181,32 @@ def test_sp_collectives_per_step():
 
 
 @pytest.mark.world(2)
-@pytest.mark.parametrize("kind,reason", [("qwen3_moe", "mixture-of-experts"), ("deepseek_v2", "latent attention")])
-def test_sp_refuses_moe_and_mla(kind, reason):
-    with pytest.raises(ShardkitError, match=reason):
-        apply_tp(build(kind), world_group(), check="off", sequence_parallel=True)
-    with pytest.raises(ShardkitError, match=reason):
-        check_tp(build(kind).config, 2, sequence_parallel=True)
+def test_sp_moe_collectives_per_step():
+    """Qwen3-MoE, layer 0 MoE and layer 1 dense (mlp_only_layers=[1]): per layer the same sequence
+    gathers and reduce-scatters as a dense model (the MoE block reduce-scatters its partial
+    output once), plus one f (all-reduce in backward) on the routing weights of the MoE layer."""
+    model = build("qwen3_moe")
+    apply_tp(model, world_group(), check="off", sequence_parallel=True)
+    ids = _ids()
+    with CommLedger() as fwd:
+        out = model(input_ids=ids, labels=ids)
+    with CommLedger() as bwd:
+        out.loss.backward()
+    assert fwd.count(api="all_gather") == 5 and fwd.count(api="reduce_scatter") == 4, fwd.summary()
+    assert fwd.count(api="all_reduce_forward") == 1 and fwd.count() == 11
+    assert bwd.count(api="all_reduce_backward") == 1, bwd.summary()
+    # q_norm / k_norm (2 per layer) and the layer and final norms (5) sum their gradients.
+    assert bwd.count(api="sum_grad_over") == 4 + 5
+
+
+@pytest.mark.world(2)
+@pytest.mark.parametrize("kind", ["qwen3_moe", "deepseek_v2"])
+def test_sp_refuses_expert_parallel_experts(kind):
+    from shardkit.expert_parallel import ep_plan
+
+    model = build(kind)
+    with pytest.raises(ShardkitError, match="expert-parallel token dispatch"):
+        apply_tp(model, world_group(), ep_plan(model), check="off", sequence_parallel=True)
 
 
 @pytest.mark.world(1)
@@ -195,6 +223,6 @@ def test_check_tp_pure():
 
     config = LlamaConfig(hidden_size=36, num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)
     for tp in (1, 2, 3, 4, 9):
-        check_tp(config, tp, sequence_parallel=True)
+        check_tp(config, tp)
     with pytest.raises(ShardkitError, match="9 query heads cannot be split over tp=10"):
         check_tp(config, 10)

@@ -333,7 +333,7 @@ def _validate_model(cfg: TrainConfig) -> None:
             raise ShardkitError(f"--model-path: vocab_size {model_config.vocab_size} < 256 (byte-level tokens)")
     if cfg.pp == 1 and cfg.cp_size == 1:
         try:
-            check_tp(model_config, cfg.tp, sequence_parallel=uses_sequence_parallel(cfg))
+            check_tp(model_config, cfg.tp)
         except ShardkitError as e:
             raise ShardkitError(f"--tp {cfg.tp}: {e}") from None
     elif cfg.cp_size > 1 and (model_config.num_attention_heads % cfg.tp or model_config.num_key_value_heads % cfg.tp):

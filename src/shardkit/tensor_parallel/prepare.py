@@ -16,7 +16,8 @@ from __future__ import annotations
 from torch import nn
 
 from ..errors import ShardkitError
-from ..layouts import Replicate, Shard, check_layout
+from ..comm import all_reduce_forward
+from ..layouts import Partial, Replicate, Shard, check_layout
 from .sequence import SequenceSharding
 from .styles import ParallelStyle, StyleContext, replace_input
 
@@ -35,13 +36,19 @@ def layout_change(seq: SequenceSharding, src, dst, what: str):
 
     ``Shard(d) -> Replicate()``: all-gather (backward reduce-scatter: the consumers return
     partial gradients); ``Replicate() -> Shard(d)``: split (backward all-gather);
-    ``Replicate() -> Replicate()``: Megatron's ``f``; equal shards: identity.
+    ``Replicate() -> Replicate()``: Megatron's ``f``; ``Partial() -> Shard(d)``: reduce-scatter
+    (backward all-gather); ``Partial() -> Replicate()``: all-reduce (Megatron's ``g``); equal
+    shards: identity.
 
     Raises:
-        ShardkitError: a change between two different ``Shard`` dims.
+        ShardkitError: a change between two different ``Shard`` dims, or to ``Partial()``.
     """
-    check_layout(src, what)
+    check_layout(src, what, partial=True)
     check_layout(dst, what)
+    if isinstance(src, Partial):
+        if isinstance(dst, Shard):
+            return lambda x: seq.reduce_scatter(x, dst.dim)
+        return lambda x: all_reduce_forward(x, seq.group)
     if isinstance(src, Shard) and isinstance(dst, Replicate):
         return lambda x: seq.gather(x, src.dim)
     if isinstance(src, Replicate) and isinstance(dst, Shard):
@@ -81,6 +88,8 @@ class PrepareModuleOutput(ParallelStyle):
     ``PrepareModuleOutput(Shard(1), Replicate())`` after the last decoder layer of a pipeline
     stage gathers the sequence for a replicated stage boundary; the gradient arriving there is
     the full gradient on every rank, so backward keeps this rank's block (no communication).
+    ``PrepareModuleOutput(Partial(), Shard(1))`` on a sequence-parallel MoE block reduce-scatters
+    the sum of its routed and shared experts' partial outputs once.
 
     Args:
         output_layouts: the layout the module produces.
@@ -88,7 +97,7 @@ class PrepareModuleOutput(ParallelStyle):
     """
 
     def __init__(self, output_layouts=Shard(1), desired_output_layouts=Replicate()) -> None:
-        self.output_layouts = check_layout(output_layouts, "PrepareModuleOutput output_layouts")
+        self.output_layouts = check_layout(output_layouts, "PrepareModuleOutput output_layouts", partial=True)
         self.desired_output_layouts = check_layout(desired_output_layouts, "PrepareModuleOutput desired_output_layouts")
 
     def apply_module(self, module: nn.Module, ctx: StyleContext) -> None:

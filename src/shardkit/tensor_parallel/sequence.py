@@ -42,19 +42,20 @@ __all__ = ["SequenceSharding"]
 class _PartialGradOfReplicated(torch.autograd.Function):
     """Identity forward; backward keeps only this rank's sequence block of the gradient (zeros
     elsewhere). For a replicated consumer of a gathered tensor: its gradient is the same on every
-    rank, and the gather's reduce-scatter sums over ranks, so each rank contributes its block."""
+    rank, and the gather's reduce-scatter sums over ranks, so each rank contributes its block.
+    The tensor is ``[B, S, H]`` or its token-flattened view ``[B * S, H]``."""
 
     @staticmethod
-    def forward(ctx, x, rank, dim, sizes):
-        ctx.rank, ctx.dim, ctx.sizes = rank, dim, sizes
+    def forward(ctx, x, start, size, seq_len):
+        ctx.start, ctx.size, ctx.seq_len = start, size, seq_len
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        start = sum(ctx.sizes[: ctx.rank])
-        out = torch.zeros_like(grad)
-        out.narrow(ctx.dim, start, ctx.sizes[ctx.rank]).copy_(grad.narrow(ctx.dim, start, ctx.sizes[ctx.rank]))
-        return out, None, None, None
+        g = grad.reshape(-1, ctx.seq_len, grad.shape[-1])
+        out = torch.zeros_like(g)
+        out[:, ctx.start : ctx.start + ctx.size] = g[:, ctx.start : ctx.start + ctx.size]
+        return out.view_as(grad), None, None, None
 
 
 class SequenceSharding:
@@ -142,19 +143,25 @@ class SequenceSharding:
             return hit
         return self._keep(x, ("f",), all_reduce_backward(x, self.group))
 
-    def partial_grad(self, x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-        """For a replicated module reading a gathered input: identity forward; backward keeps this
-        rank's sequence block of its (replicated) input gradient, so the gather's reduce-scatter
-        counts it once."""
-        dim = self.dim if dim is None else dim
+    def partial_grad(self, x: torch.Tensor) -> torch.Tensor:
+        """For a replicated module reading the gathered input (an MoE router, MLA's
+        ``kv_a_proj_with_mqa``): identity forward; backward keeps this rank's sequence block of
+        its input gradient, which is the same on every rank, so the gather's reduce-scatter
+        counts it once. ``x``: ``[B, S, H]`` or ``[B * S, H]`` of this forward's ``S``.
+
+        Raises:
+            ShardkitError: no sequence split in this forward (sizes unknown).
+        """
         if self.info.size == 1:
             return x
-        sizes = self._scatter_sizes(x, dim)
-        return _PartialGradOfReplicated.apply(x, self.info.rank, dim % x.dim(), sizes)
+        sizes = self._current("partial_grad")
+        start = sum(sizes[: self.info.rank])
+        return _PartialGradOfReplicated.apply(x, start, sizes[self.info.rank], sum(sizes))
 
-    def is_prepared(self, x: torch.Tensor) -> bool:
-        """Whether ``x`` is the last prepared tensor (its gradient is reduced where it was made)."""
-        return self._last is not None and self._last[2] is x and self._last[3] == torch.is_grad_enabled()
+    def _current(self, op: str) -> list[int]:
+        if self.sizes is None:
+            raise ShardkitError(f"SequenceSharding.{op}: no sequence split yet in this forward (the split must run first)")
+        return self.sizes
 
     # ---------------------------------------------------------------- cache
     def _hit(self, x: torch.Tensor, kind: tuple):

@@ -20,10 +20,17 @@ Between blocks each tp rank holds a block of the sequence, hidden states ``[B, S
   last layer's output instead (``PrepareModuleOutput(Shard(1), Replicate())``), so its
   boundary stays replicated.
 
-Refused (:class:`~shardkit.ShardkitError`): MoE blocks and DeepSeek's multi-head latent
-attention. Their blocks hold replicated submodules that read the gathered input (the router,
-``kv_a_proj_with_mqa`` / ``q_a_proj``) next to tensor-parallel ones, and the expert outputs are
-all-reduced inside the experts module; the sequence layout of those paths is not implemented.
+Mixture-of-experts blocks (tensor-parallel experts, ``moe_tp_experts``): the block gathers its
+input once; the router (replicated) reads it through :meth:`~.sequence.SequenceSharding.
+partial_grad` (its input gradient is the same on every rank, so each rank hands back only its
+sequence block to the gather's reduce-scatter); the experts keep ``f`` on the routing weights
+only and leave their output partial, as do the shared experts' row-parallel ``down_proj``; the
+block's output, the sum of those partial outputs, is reduce-scattered once
+(``PrepareModuleOutput(Partial(), Shard(1))``). Multi-head latent attention (DeepSeek-V2):
+``kv_a_proj_with_mqa`` and ``q_a_proj`` (replicated) read the gathered input through
+``partial_grad`` too. Refused (:class:`~shardkit.ShardkitError`): expert-parallel experts
+(``ep_plan``) with sequence parallelism, whose token dispatch owns the experts' input and output
+layouts (not implemented).
 
 Source: Megatron-LM sequence parallelism (Korthikanti et al., 2022); the plan shape of
 torchtitan's ``parallelize_llama`` (PyTorch DTensor styles).
@@ -36,16 +43,19 @@ import copy
 from torch import nn
 
 from ..errors import ShardkitError
-from ..layouts import Replicate, Shard
+from ..layouts import Partial, Replicate, Shard
 from .plan import CompiledPlan
+from .moe import MoeTensorParallelExperts
 from .prepare import PrepareModuleInput, PrepareModuleOutput
 from .replicated import SequenceParallel
-from .styles import ColwiseParallel, ParallelStyle, RowwiseParallel, StyleContext
+from .styles import ColwiseParallel, ParallelStyle, RowwiseParallel, StyleContext, replace_input
 
 __all__ = ["sequence_parallel_plan", "sequence_parallel_error", "decoder_layers"]
 
 _BLOCKS = ("self_attn", "mlp")
-_MLA = ("kv_a_proj_with_mqa", "q_a_proj")
+# Replicated modules that read a block's gathered input directly (their input gradient is the
+# same on every rank): MLA's latent projections, an MoE block's router.
+_REPLICATED_READERS = {"self_attn": ("kv_a_proj_with_mqa", "q_a_proj"), "mlp": ("gate",)}
 
 
 def decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -61,19 +71,9 @@ def decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def sequence_parallel_error(model: nn.Module) -> str | None:
     """Why ``model`` cannot take the sequence-parallel plan, or None (pure: no group)."""
-    layers = decoder_layers(model)
-    if not layers:
+    if not decoder_layers(model):
         return (f"{type(model).__name__} has no decoder layers (a 'layers' ModuleList/ModuleDict whose layers have "
                 "self_attn and mlp)")
-    for name, layer in layers:
-        if hasattr(layer.mlp, "experts"):
-            return (f"{name}.mlp is a mixture-of-experts block: its router reads the gathered sequence next to the "
-                    "tensor-parallel experts, whose outputs are all-reduced inside the experts module; sequence "
-                    "parallelism is not implemented for MoE blocks (use sequence_parallel=False)")
-        if any(hasattr(layer.self_attn, m) for m in _MLA):
-            return (f"{name}.self_attn is multi-head latent attention: its replicated kv_a_proj_with_mqa / q_a_proj "
-                    "read the gathered sequence next to the column-parallel projections; sequence parallelism is "
-                    "not implemented for MLA (use sequence_parallel=False)")
     return None
 
 
@@ -81,12 +81,6 @@ def _norms(module: nn.Module, prefix: str) -> list[str]:
     """Names of the parameterized direct children of ``module`` that are not its blocks: the norms."""
     return [f"{prefix}.{n}" for n, m in module.named_children()
             if n not in _BLOCKS and any(True for _ in m.parameters())]
-
-
-def _generic(name: str) -> str:
-    from .plan import _generic as generic
-
-    return generic(name)
 
 
 def sequence_parallel_plan(model: nn.Module, plan: dict, *, loss_parallel: bool = False, styles=None) -> dict:
@@ -110,27 +104,27 @@ def sequence_parallel_plan(model: nn.Module, plan: dict, *, loss_parallel: bool 
         raise ShardkitError(f"apply_tp(sequence_parallel=True): {error}")
     compiled = CompiledPlan.build(plan, model, styles)
     layers = decoder_layers(model)
-    block_names = {f"{n}.{b}" for n, _ in layers for b in _BLOCKS}
+    moe = {f"{n}.mlp" for n, layer in layers if hasattr(layer.mlp, "experts")}
+    dense = {f"{n}.{b}" for n, _ in layers for b in _BLOCKS} - moe
     out = {pattern: style for pattern, _, style in compiled.rules}
-    # Row-parallel outputs of the attention / MLP blocks: reduce-scatter along the sequence.
-    inside: dict[str, bool] = {}
-    for name, _ in model.named_modules():
-        rule = compiled.match(name) if name else None
-        if rule is not None and isinstance(rule[1], RowwiseParallel):
-            inside.setdefault(rule[0], True)
-            inside[rule[0]] &= name.rsplit(".", 1)[0] in block_names
-    for pattern, ok in inside.items():
-        if not ok:
-            raise ShardkitError(f"apply_tp(sequence_parallel=True): the rowwise rule {pattern!r} matches modules outside "
-                                "the decoder layers' self_attn / mlp blocks")
-        sp = copy.copy(out[pattern])
-        sp.output_layouts = Shard(1)
-        out[pattern] = sp
+    _sequence_outputs(model, compiled, out, dense, moe)
     for name, layer in layers:
         for b in _BLOCKS:
-            out[_generic(f"{name}.{b}")] = PrepareModuleInput(Shard(1), Replicate())
+            block = f"{name}.{b}"
+            gather = PrepareModuleInput(Shard(1), Replicate())
+            # exact names: a layer's blocks may differ from the next one's (dense and MoE layers)
+            out[block] = _Chain(gather, PrepareModuleOutput(Partial(), Shard(1))) if block in moe else gather
+            for child in _REPLICATED_READERS[b]:
+                if isinstance(getattr(getattr(layer, b), child, None), nn.Module):
+                    key = f"{block}.{child}"
+                    rule = compiled.match(f"{block}.{child}")
+                    reader = _PartialGradInput()
+                    if rule is not None:
+                        out.pop(rule[0], None)
+                        reader = _Chain(rule[1], reader)
+                    out[key] = reader
         for norm in _norms(layer, name):
-            out[_generic(norm)] = SequenceParallel()
+            out[norm] = SequenceParallel()
     first, last = layers[0][0], layers[-1][0]
     out[first] = PrepareModuleInput(Replicate(), Shard(1))
     head = getattr(model, "lm_head", None)
@@ -148,6 +142,52 @@ def sequence_parallel_plan(model: nn.Module, plan: dict, *, loss_parallel: bool 
         gather = PrepareModuleOutput(Shard(1), Replicate())
         out[last] = _Chain(out[first], gather) if last == first else gather
     return out
+
+
+def _sequence_outputs(model: nn.Module, compiled: CompiledPlan, out: dict, dense: set, moe: set) -> None:
+    """Give the rules of the blocks' output modules their sequence-parallel layouts, in ``out``.
+
+    Row-parallel outputs of dense blocks: ``Shard(1)`` (reduce-scatter); row-parallel modules
+    and tensor-parallel experts inside an MoE block: ``Partial()`` (the block reduces once).
+    """
+    modes: dict[str, set] = {}
+    for name, _ in model.named_modules():
+        rule = compiled.match(name) if name else None
+        if rule is None:
+            continue
+        parent = name.rsplit(".", 1)[0]
+        in_moe = any(name.startswith(m + ".") for m in moe)
+        if isinstance(rule[1], RowwiseParallel):
+            mode = "shard" if parent in dense else "partial" if in_moe else "outside"
+        elif in_moe and name.endswith(".experts"):
+            if not isinstance(rule[1], MoeTensorParallelExperts):
+                raise ShardkitError(f"apply_tp(sequence_parallel=True): {name} uses {type(rule[1]).__name__}; sequence "
+                                    "parallelism is implemented for tensor-parallel experts (moe_tp_experts) only, "
+                                    "not for expert-parallel token dispatch")
+            mode = "experts"
+        else:
+            continue
+        modes.setdefault(rule[0], set()).add(mode)
+    for pattern, kinds in modes.items():
+        if len(kinds) != 1 or "outside" in kinds:
+            raise ShardkitError(f"apply_tp(sequence_parallel=True): the rule {pattern!r} matches modules of different "
+                                f"sequence layouts ({sorted(kinds)}; 'outside' = not in a decoder layer's blocks)")
+        (kind,) = kinds
+        if kind == "experts":
+            out[pattern] = MoeTensorParallelExperts(reduce_input_grad=False, output_layouts=Partial())
+            continue
+        sp = copy.copy(out[pattern])
+        sp.output_layouts = Shard(1) if kind == "shard" else Partial()
+        out[pattern] = sp
+
+
+class _PartialGradInput(ParallelStyle):
+    """A replicated module reading a block's gathered input: its input gradient (the same on every
+    rank) is handed back as this rank's sequence block (:meth:`.sequence.SequenceSharding.partial_grad`)."""
+
+    def apply_module(self, module: nn.Module, ctx: StyleContext) -> None:
+        seq = ctx.seq
+        module.register_forward_pre_hook(lambda m, args, kwargs: replace_input(args, kwargs, seq.partial_grad), with_kwargs=True)
 
 
 class _Chain(ParallelStyle):

@@ -47,7 +47,7 @@ from .._shapes import chunk_sizes
 from ..comm import _c10d, all_reduce_forward, gather_forward_split_backward, split_forward_gather_backward
 from ..comm._group import GroupInfo, resolve_group
 from ..errors import ShardkitError, ShardkitTypeError
-from ..layouts import Replicate, Shard, check_layout
+from ..layouts import Partial, Replicate, Shard, check_layout
 from .sequence import SequenceSharding
 from .spec import ShardSpec, shard_parameter, shard_spec
 
@@ -257,7 +257,9 @@ class RowwiseParallel(ParallelStyle):
         output_layouts: ``Replicate()``: all-reduce (Megatron's ``g``); ``Shard(d)`` (sequence
             parallelism): reduce-scatter along ``d`` with the model's sequence sizes (backward:
             all-gather). The bias is then added to the local block only, so its gradient is a
-            partial sum and is summed over the group (:func:`sum_grad_over`).
+            partial sum and is summed over the group (:func:`sum_grad_over`). ``Partial()``: no
+            reduction (a caller reduces the sum of several partial outputs once, e.g. an MoE
+            block's shared experts with its routed experts); no bias allowed.
         parts: packed weights (``packed_rowwise``).
         unit: cut in whole units of this many features (heads of an attention output).
     """
@@ -268,7 +270,7 @@ class RowwiseParallel(ParallelStyle):
                  parts: int | Sequence[int] | None = None, unit: int = 1) -> None:
         self.sizes, self.parts, self.unit = sizes, parts, unit
         self.input_layouts = check_layout(input_layouts, "RowwiseParallel input_layouts")
-        self.output_layouts = check_layout(output_layouts, "RowwiseParallel output_layouts")
+        self.output_layouts = check_layout(output_layouts, "RowwiseParallel output_layouts", partial=True)
         if isinstance(self.input_layouts, Shard) and self.input_layouts.dim != -1:
             raise ShardkitError(f"RowwiseParallel: input_layouts must be Shard(-1) or Replicate(), got {input_layouts!r}")
 
@@ -283,7 +285,11 @@ class RowwiseParallel(ParallelStyle):
         shard_parameter(module, "weight", spec, ctx.info.rank, ctx.memo)
         module.in_features = spec.sizes[ctx.info.rank]
         group, seq = ctx.group, ctx.seq
-        if isinstance(self.output_layouts, Shard):
+        if isinstance(self.output_layouts, Partial):
+            if module.bias is not None:
+                raise ShardkitError(f"{name}: {ctx.name}: output_layouts=Partial() with a bias (it would be added R times)")
+            module._shardkit_reduce = lambda y: y
+        elif isinstance(self.output_layouts, Shard):
             d = self.output_layouts.dim
             module._shardkit_reduce = lambda y: seq.reduce_scatter(y, d)
             if module.bias is not None and module.bias.requires_grad:
