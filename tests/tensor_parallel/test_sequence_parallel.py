@@ -12,10 +12,13 @@ import pytest
 import torch
 
 from harness.helpers import get_mesh, rank, world_group
-from hf_models import VOCAB
+from hf_models import VOCAB, assert_parity, causal_lm_loss_f64
 from hf_models import build as _build
+from hf_models import ids as _ids
+from hf_models import rel as _rel
+from hf_models import run as _run
 from shardkit import CommLedger, ShardkitError
-from shardkit.tensor_parallel import apply_tp, check_tp, gather_full_grads, gather_full_state_dict, shard_spec
+from shardkit.tensor_parallel import apply_tp, check_tp, gather_full_grads, shard_spec
 
 RTOL = 1e-9
 KINDS = ["llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v2", "deepseek_v2+q_lora"]
@@ -25,20 +28,6 @@ def build(kind):
     """``hf_models.build``; ``deepseek_v2+q_lora``: MLA with a query LoRA (``q_a_proj``, replicated)."""
     kind, _, variant = kind.partition("+")
     return _build(kind, q_lora_rank=8) if variant == "q_lora" else _build(kind)
-
-
-def _rel(a, b):
-    return ((a - b).norm() / b.norm()).item() if b.norm() > 0 else (a - b).norm().item()
-
-
-def _ids(batch=2, seq=7):
-    return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seq))
-
-
-def _run(model, ids):
-    out = model(input_ids=ids, labels=ids)
-    out.loss.backward()
-    return out.logits.detach(), out.loss.detach()
 
 
 def _smol_like(tied: bool, seed=0):
@@ -59,15 +48,8 @@ def _smol_like(tied: bool, seed=0):
 
 def _parity(ref, model, tp_mesh, seq=7, **kwargs):
     apply_tp(model, tp_mesh, check="off", **kwargs)
-    ids = _ids(seq=seq)
-    ref_logits, ref_loss = _run(ref, ids)
-    logits, loss = _run(model, ids)
-    grads, state = gather_full_grads(model), gather_full_state_dict(model)
-    assert _rel(loss, ref_loss) <= RTOL
-    assert logits.shape == ref_logits.shape and _rel(logits, ref_logits) <= RTOL
-    bad = {n: _rel(grads[n], p.grad) for n, p in ref.named_parameters() if _rel(grads[n], p.grad) > RTOL}
-    assert not bad, bad
-    assert all(torch.equal(state[n], p.detach()) for n, p in ref.named_parameters())
+    logits = assert_parity(ref, model, _ids(seq=seq), RTOL)
+    assert logits.shape[-1] == VOCAB  # full logits: their parity was checked
     return model
 
 
@@ -96,12 +78,7 @@ def test_sp_parity_tp4(kind, seq):
 def test_sp_with_loss_parallel():
     """Vocab-sharded logits [B, S, V_r] and the vocab-parallel loss on top of the SP plan."""
     ref, model = build("llama"), build("llama")
-
-    def f64_loss(logits, labels, vocab_size=None, **kwargs):
-        shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
-        return torch.nn.functional.cross_entropy(logits.flatten(0, -2), shifted.flatten(), ignore_index=-100)
-
-    ref.loss_function = f64_loss
+    ref.loss_function = causal_lm_loss_f64
     apply_tp(model, world_group(), check="off", sequence_parallel=True, loss_parallel=True)
     ids = _ids()
     _, ref_loss = _run(ref, ids)
