@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.helpers import all_true, rank, subgroup, world_group, world_size
+from harness.helpers import all_true, get_mesh, rank, subgroup, world_group, world_size
 from shardkit.errors import ShardkitError
 from shardkit.pipeline_parallel import (
     DecoderStageModule,
@@ -158,6 +158,38 @@ def test_pipeline_with_tp_stages(stage_ranks, schedule, kind, sp):
     losses = run_schedule(stage, schedule(P, len(mbs)), mbs, mbs)
     ok = s < P - 1 or all(torch.allclose(a, b.detach(), rtol=RTOL, atol=0) for a, b in zip(losses, ref))
     ref_params = dict(full.named_parameters())
+    for name, g in gather_full_grads(module).items():
+        ok &= _close(g, ref_params[name].grad)
+    assert all_true(bool(ok))
+
+
+@pytest.mark.world(4, timeout=240)
+def test_pipeline_tp_sp_tied_embeddings_and_loss_parallel():
+    """pp 2 x tp 2 (a (pp, tp) mesh), sequence parallel inside the stages, vocab-parallel loss on
+    the last stage, tied embeddings: the vocab-row shards of embed_tokens (stage 0) and lm_head
+    (stage 1) match per tp rank, and their gradients are summed over the pp group."""
+    from shardkit.tensor_parallel import vocab_parallel_cross_entropy
+
+    mesh = get_mesh((2, 2), ("pp", "tp"))
+    s, tp = mesh["pp"].get_local_rank(), mesh["tp"]
+    groups = StageGroups(world_group(), [[0, 1], [2, 3]], tp)
+    full = _model("llama", tie_word_embeddings=True)
+    gen = torch.Generator().manual_seed(1)
+    mbs = [torch.randint(0, VOCAB, (2, S), generator=gen) for S in (9, 7)]
+    ref = [_loss(full(input_ids=x).logits, x) for x in mbs]
+    (sum(ref) / len(ref)).backward()
+    module = apply_tp(DecoderStageModule(copy.deepcopy(full), s, 2), tp, check="off", sequence_parallel=True,
+                      loss_parallel=True)
+    module.zero_grad()
+
+    def loss(logits, ids):
+        return vocab_parallel_cross_entropy(logits[:, :-1], ids[:, 1:], tp)
+
+    stage = PipelineStage(module, groups, s, 2, loss_fn=loss if s == 1 else None)
+    losses = run_schedule(stage, one_f_one_b_schedule(2, len(mbs)), mbs, mbs)
+    sum_tied_embedding_grads(module, mesh["pp"])
+    ok = s == 0 or all(torch.allclose(a, b.detach(), rtol=RTOL, atol=0) for a, b in zip(losses, ref))
+    ref_params = dict(full.named_parameters(remove_duplicate=False))
     for name, g in gather_full_grads(module).items():
         ok &= _close(g, ref_params[name].grad)
     assert all_true(bool(ok))

@@ -70,7 +70,9 @@ def apply_tp(model: nn.Module, tp_mesh, plan: dict | None = None, *, sequence_pa
             hidden states returned with ``output_hidden_states`` are the local blocks.
         loss_parallel: keep ``lm_head``'s logits vocab-sharded (``colwise`` without the output
             gather) and compute HF's causal-LM loss with
-            :func:`shardkit.vocab_parallel_cross_entropy`, so full-vocab logits never exist.
+            :func:`shardkit.vocab_parallel_cross_entropy`, so full-vocab logits never exist. A
+            pipeline stage module before the last (``is_last`` False, no ``lm_head``) is left
+            as without it; the last stage's logits ``[B, S, V_r]`` go to the caller's loss.
         styles: extra ``{name: ParallelStyle}`` usable by name in ``plan``.
         check: ``"warn"`` (default) warns about plan rules that matched nothing and parameters
             left unsharded; ``"error"`` raises instead; ``"off"`` skips the check.
@@ -130,6 +132,8 @@ def apply_tp(model: nn.Module, tp_mesh, plan: dict | None = None, *, sequence_pa
 def _loss_parallel_plan(model: nn.Module, plan: dict) -> dict:
     """``plan`` with the output head cut colwise without the logits gather."""
     head = getattr(model, "lm_head", None)
+    if head is None and getattr(model, "is_last", None) is False:
+        return plan  # a pipeline stage before the last: no output head, nothing to change
     if not isinstance(head, nn.Linear):
         raise ShardkitError("apply_tp: loss_parallel needs the model's output head at model.lm_head (an nn.Linear)")
     plan = {k: v for k, v in plan.items() if k != "lm_head"}
