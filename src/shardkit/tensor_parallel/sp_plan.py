@@ -44,8 +44,8 @@ from torch import nn
 
 from ..errors import ShardkitError
 from ..layouts import Partial, Replicate, Shard
-from .plan import CompiledPlan
 from .moe import MoeTensorParallelExperts
+from .plan import CompiledPlan
 from .prepare import PrepareModuleInput, PrepareModuleOutput
 from .replicated import SequenceParallel
 from .styles import ColwiseParallel, ParallelStyle, RowwiseParallel, StyleContext, replace_input
@@ -97,7 +97,8 @@ def sequence_parallel_plan(model: nn.Module, plan: dict, *, loss_parallel: bool 
 
     Raises:
         ShardkitError: see :func:`sequence_parallel_error`; a row-parallel rule that matches
-            modules both inside and outside the attention / MLP blocks.
+            modules outside the attention / MLP blocks or of different layouts; experts that
+            are not ``moe_tp_experts`` (expert-parallel dispatch).
     """
     error = sequence_parallel_error(model)
     if error is not None:
@@ -191,7 +192,9 @@ class _PartialGradInput(ParallelStyle):
 
 
 class _Chain(ParallelStyle):
-    """Two styles on one module (a one-layer stage: split its input, gather its output)."""
+    """Several styles on one module, applied in order (an MoE block's input gather and output
+    reduce-scatter; a one-layer stage's split and gather; MLA's ``mla_kv_a_proj`` and its input's
+    partial gradient)."""
 
     def __init__(self, *styles: ParallelStyle) -> None:
         self.styles = styles
