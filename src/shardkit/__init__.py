@@ -16,6 +16,7 @@ from .comm import (
     split_forward_gather_backward,
 )
 from .context_parallel import apply_cp
+from .layouts import Replicate, Shard
 from .errors import GroupMembershipError, RankMismatchError, ShardkitError, ShardkitTypeError
 from .mesh import ParallelDims
 from .spatial import (
@@ -32,7 +33,6 @@ from .spatial import (
     spatial_output_sizes,
 )
 from .tensor_parallel import (
-    apply_llama_tp,
     apply_tp,
     gather_full_state_dict,
     load_sharded,
@@ -56,9 +56,10 @@ __all__ = [
     "all_to_all",
     "CommLedger",
     "apply_tp",
+    "Replicate",
+    "Shard",
     "apply_cp",
     "verify_tp_plan",
-    "apply_llama_tp",
     "gather_full_state_dict",
     "load_sharded",
     "vocab_parallel_cross_entropy",

@@ -55,6 +55,11 @@ LAYOUTS_4 = {
     "llama: packed, dp=2 x tp=2 (no cp)": dict(packed=True, seq_len=64),
     "conv-ae: spatial=2 x dp=2": dict(model="conv-ae", spatial=2, batch_size=4, seq_len=2),
     "llama: pp_tp=2,1,1": dict(pp_tp="2,1,1", layers=3),
+    "llama: pp=2 x tp=2 (SP)": dict(pp=2, tp=2, microbatches=2),
+    "qwen2: pp=2 x cp_ring=2": dict(model="qwen2", pp=2, cp_ring=2, microbatches=2, seq_len=32),
+    "llama: pp=2 x tp=2, loss parallel, gpipe": dict(pp=2, tp=2, loss_parallel=True, schedule="gpipe", microbatches=2),
+    "moe: pp=2 x dp_shard=2": dict(model="moe", pp=2, dp_shard=2, microbatches=2),
+    "llama: cp_ulysses=2 x tp=2 (SP)": dict(cp_ulysses=2, tp=2),
 }
 
 
@@ -68,6 +73,8 @@ LAYOUTS_8 = {
     "llama: dp_replicate=2 x cp_ring=2 x tp=2": dict(cp_ring=2, tp=2, seq_len=32),
     "qwen2: dp_shard=2 x cp_ulysses=2 x tp=2 (FSDP2)": dict(model="qwen2", dp_shard=2, cp_ulysses=2, tp=2),
     "llama: HSDP dp_replicate=2 x dp_shard=2 x tp=2 (SP)": dict(dp_shard=2),
+    "llama: dp=2 x pp=2 x tp=2 (SP)": dict(pp=2, tp=2, microbatches=2),
+    "qwen3: pp=2 x cp_ring=2 x tp=2": dict(model="qwen3", pp=2, cp_ring=2, tp=2, microbatches=2, seq_len=32),
     "moe: dp_shard=2 x cp_ring=2 x tp=2, ep=8 over all of them": dict(model="moe", dp_shard=2, cp_ring=2, tp=2, ep=8,
                                                                       seq_len=32),
 }

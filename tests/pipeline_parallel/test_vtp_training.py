@@ -6,7 +6,7 @@ size t > 1 a block is either Megatron TP (replicated ``[B, S, H]`` in and out: `
 ``up``, rowwise ``down`` with an all-reduce) or sequence parallel (``[B, S / t, H]``: sequence
 all-gather, colwise, rowwise with a reduce-scatter, the ``down`` bias summed over tp), so the
 stage boundaries see Replicate and Shard(1) layouts over different tp sizes. Microbatches have
-different sequence lengths. Plus a Hugging Face Llama pipeline with stage-local Megatron TP.
+different sequence lengths.
 """
 
 import copy
@@ -17,11 +17,11 @@ from torch import nn
 
 from harness.helpers import all_true, rank, subgroup, world_group
 from shardkit._shapes import balanced_split_sizes
-from shardkit.comm import all_gather, gather_forward_split_backward, reduce_scatter, split_forward_gather_backward
+from shardkit.comm import all_gather, gather_forward_split_backward, split_forward_gather_backward
 from shardkit.errors import ShardkitError
 from shardkit.pipeline_parallel import PipelineStage, gpipe_schedule, one_f_one_b_schedule, run_schedule
 from shardkit.pipeline_parallel.vtp import Replicate, Shard, StageGroups
-from shardkit.tensor_parallel.styles import ColwiseParallel, RowwiseParallel, shard_spec, sum_grad_over
+from shardkit.tensor_parallel.styles import ColwiseParallel, RowwiseParallel, shard_spec
 
 H, F, LAYERS = 4, 6, 6
 SCHEDULES = {"gpipe": gpipe_schedule, "1f1b": one_f_one_b_schedule}
@@ -70,10 +70,9 @@ def _stage_module(blocks, tp, mode, first, last):
             b.mode, b.tp = mode, tp
             # Megatron: the style's f on the input; SP: the gather's reduce-scatter sums instead.
             ColwiseParallel(balanced_split_sizes(F, t), reduce_input_grad=mode != "sp").apply(b.up, tp)
-            reduce = (lambda y, tp=tp: reduce_scatter(y, tp, 1)) if mode == "sp" else None
-            RowwiseParallel(balanced_split_sizes(F, t), reduce=reduce).apply(b.down, tp)
-            if mode == "sp":
-                sum_grad_over(b.down.bias, tp)
+            # SP: reduce-scatter along the sequence; the style sums the down bias's gradient over tp.
+            out = Shard(1) if mode == "sp" else Replicate()
+            RowwiseParallel(balanced_split_sizes(F, t), output_layouts=out).apply(b.down, tp)
         mods.append(b)
     if mode == "sp" and last:
         mods.append(Edge(gather_forward_split_backward, tp))

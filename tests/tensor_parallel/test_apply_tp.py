@@ -10,10 +10,13 @@ import pytest
 import torch
 
 from harness.helpers import rank, world_group, world_size
-from hf_models import VOCAB, build
+from hf_models import assert_parity, build
+from hf_models import causal_lm_loss_f64 as _causal_lm_loss_f64
+from hf_models import ids as _ids
+from hf_models import run as _run
 from shardkit import CommLedger
 from shardkit.expert_parallel import ep_plan
-from shardkit.tensor_parallel import apply_tp, gather_full_grads, gather_full_state_dict, shard_spec
+from shardkit.tensor_parallel import apply_tp, shard_spec
 
 RTOL = 1e-9
 RTOL_OF: dict[str, float] = {}  # (DeepSeek-V2's float32 router and RoPE are made float64 by build())
@@ -21,25 +24,6 @@ RTOL_F32 = 1e-5
 # "+ep": the MoE experts sharded by expert (the config's EP plan, all-to-all token dispatch)
 # instead of tensor-parallel experts.
 KINDS = ["llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_moe+ep", "deepseek_v2", "deepseek_v2+ep"]
-
-
-def _rel(a, b):
-    return ((a - b).norm() / b.norm()).item() if b.norm() > 0 else (a - b).norm().item()
-
-
-def _ids(batch=2, seq=7):
-    return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seq))
-
-
-def _run(model, ids):
-    out = model(input_ids=ids, labels=ids)
-    out.loss.backward()
-    return out.logits.detach(), out.loss.detach()
-
-
-def _causal_lm_loss_f64(logits, labels, vocab_size=None, **kwargs):
-    shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
-    return torch.nn.functional.cross_entropy(logits.flatten(0, -2), shifted.flatten(), ignore_index=-100)
 
 
 def _check_parity(kind, dtype=torch.float64, **apply_kwargs):
@@ -52,16 +36,7 @@ def _check_parity(kind, dtype=torch.float64, **apply_kwargs):
         ref.loss_function = _causal_lm_loss_f64
     apply_tp(model, world_group(), plan, check="off", **apply_kwargs)
     ids = _ids()
-    ref_logits, ref_loss = _run(ref, ids)
-    logits, loss = _run(model, ids)
-    grads = gather_full_grads(model)
-    state = gather_full_state_dict(model)
-    assert _rel(loss, ref_loss) <= rtol
-    if logits.shape == ref_logits.shape:
-        assert _rel(logits, ref_logits) <= rtol
-    bad = {n: _rel(grads[n], p.grad) for n, p in ref.named_parameters() if _rel(grads[n], p.grad) > rtol}
-    assert not bad, bad
-    assert all(torch.equal(state[n], p.detach()) for n, p in ref.named_parameters())
+    assert_parity(ref, model, ids, rtol)
     return model
 
 

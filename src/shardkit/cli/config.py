@@ -283,16 +283,19 @@ def _validate_lm(cfg: TrainConfig) -> TrainConfig:
         raise ShardkitError(f"--ep {cfg.ep} needs a mixture-of-experts model (--model {' or '.join(MOE_MODELS)})")
     if cfg.experts < 1:
         raise ShardkitError(f"--experts must be >= 1, got {cfg.experts}")
-    if cfg.pp > 1 and cfg.model != "llama":
-        raise ShardkitError(f"--pp {cfg.pp} with --model {cfg.model}: pipeline stages are cut for llama only")
     if cfg.model_path is not None and cfg.model != "llama":
         raise ShardkitError(f"--model-path loads Llama checkpoints; --model {cfg.model} is built from its config")
+    dense = cfg.model in ("llama", "qwen2", "qwen3")
     if cfg.sequence_parallel is None:
-        cfg = dataclasses.replace(cfg, sequence_parallel=cfg.model == "llama" and cfg.tp > 1 and cfg.pp == 1
-                                  and cfg.cp_size == 1 and not cfg.loss_parallel and cfg.ep == 1)
-    if cfg.sequence_parallel and (cfg.model != "llama" or cfg.loss_parallel or cfg.pp > 1 or cfg.cp_size > 1
-                                  or cfg.ep > 1):
-        raise ShardkitError("--sequence-parallel is built for llama without --loss-parallel, --pp, cp or --ep")
+        cfg = dataclasses.replace(cfg, sequence_parallel=dense and cfg.tp > 1 and cfg.pp_tp is None)
+    if cfg.sequence_parallel and not dense:
+        # MoE blocks (router and experts on the whole sequence) and MLA's latent projections are
+        # not covered by the sequence-parallel plan: tensor parallelism keeps replicated activations.
+        raise ShardkitError(f"--sequence-parallel with --model {cfg.model}: built for the dense models "
+                            "(llama, qwen2, qwen3)")
+    if cfg.sequence_parallel and cfg.pp_tp is not None:
+        raise ShardkitError("--sequence-parallel with --pp-tp: stages of different tp sizes exchange replicated "
+                            "hidden states")
     if cfg.packed and cfg.cp_size > 1 and cfg.batch_size != cfg.dp_replicate * cfg.dp_shard * cfg.microbatches:
         raise ShardkitError(
             f"--packed with context parallelism: every microbatch must be one row (its documents' cu_seqlens are "
@@ -319,7 +322,7 @@ def _validate_cp_tokens(cfg: TrainConfig) -> None:
                             f"(the smallest ring part has {smallest} tokens for {cfg.cp_ulysses} Ulysses rank(s))")
 def _validate_model(cfg: TrainConfig) -> None:
     """Head counts, layers and vocabulary of the model against the layout."""
-    from ..pipeline_parallel.hf_llama import check_llama_pp
+    from ..pipeline_parallel import check_pp
 
     if cfg.model_path is None:
         for name in ("hidden_size", "layers", "heads", "kv_heads", "intermediate_size"):
@@ -345,14 +348,12 @@ def _validate_model(cfg: TrainConfig) -> None:
         flag = f"--pp-tp {cfg.pp_tp} (stage {s})" if cfg.pp_tp is not None else f"--tp {t}"
         if t > n_q:
             raise ShardkitError(f"{flag}: {n_q} attention heads cannot be split over {t} ranks (whole heads per rank)")
-        whole = cfg.sequence_parallel or cfg.cp_size > 1 or cfg.pp > 1
-        if t > 1 and whole and (n_q % t or n_kv % t):
-            why = ("with sequence parallelism" if cfg.sequence_parallel else
-                   "with context parallelism" if cfg.cp_size > 1 else "in pipeline stages")
-            raise ShardkitError(f"{flag} {why}: tp must divide num_attention_heads={n_q} and "
+        if t > 1 and cfg.cp_size > 1 and (n_q % t or n_kv % t):
+            # the cp attention gets the same number of heads on every tp rank
+            raise ShardkitError(f"{flag} with context parallelism: tp must divide num_attention_heads={n_q} and "
                                 f"num_key_value_heads={n_kv} (whole query and key/value heads per rank)")
     try:
-        check_llama_pp(model_config, cfg.pp)
+        check_pp(model_config, cfg.pp)
     except ShardkitError as e:
         raise ShardkitError(f"--pp {cfg.pp}: {e}") from None
 

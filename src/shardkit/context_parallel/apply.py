@@ -287,7 +287,8 @@ def apply_cp(model, cp_mesh, mode: str = "ulysses", *, ring_dim: str = "cp_ring"
 
     Args:
         model: a transformers ``PreTrainedModel`` whose attention goes through
-            ``ALL_ATTENTION_FUNCTIONS`` (Llama, Qwen2, Mistral, ...).
+            ``ALL_ATTENTION_FUNCTIONS`` (Llama, Qwen2, Mistral, ...), or a pipeline stage of one
+            (:class:`~shardkit.pipeline_parallel.DecoderStageModule`, sharing its config).
         cp_mesh: ``ulysses``/``ring``: a ``ProcessGroup`` or 1-D ``DeviceMesh`` of ``R`` ranks;
             ``usp``: a 2-D ``DeviceMesh`` with dims ``ring_dim`` and ``ulysses_dim``.
         mode: ``"ulysses"`` (all-to-all over heads; contiguous blocks), ``"ring"`` (zigzag ring
@@ -307,11 +308,17 @@ def apply_cp(model, cp_mesh, mode: str = "ulysses", *, ring_dim: str = "cp_ring"
     """
     if mode not in MODES:
         raise ShardkitError(f"apply_cp: mode must be one of {MODES}, got {mode!r}")
-    if not hasattr(model, "set_attn_implementation") or not hasattr(model, "config"):
-        raise ShardkitTypeError(f"apply_cp: expected a transformers PreTrainedModel, got {type(model).__name__}")
+    if not hasattr(model, "config"):
+        raise ShardkitTypeError(f"apply_cp: expected a transformers PreTrainedModel (or a pipeline stage of one), "
+                                f"got {type(model).__name__}")
     ctx = CPContext(mode, cp_mesh, ring_dim, ulysses_dim)
     name = _hf_attention.register(mode)
-    model.set_attn_implementation(name)
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(name)
+    else:
+        # A pipeline stage module (shardkit.pipeline_parallel.DecoderStageModule) shares the
+        # model's config, which its attention layers read at every call.
+        model.config._attn_implementation = name
     if model.config._attn_implementation != name:
         raise ShardkitError(
             f"apply_cp: {type(model).__name__} did not switch its attention implementation to {name!r} "

@@ -47,12 +47,16 @@ class ParamLayout:
         expert: an expert weight (sharded over ``ep``, replicated over ``edp``).
         fsdp: FSDP2 shards it over ``dp_shard_cp`` and reduces its gradient itself.
         spec: its tensor- or expert-parallel :class:`~shardkit.tensor_parallel.ShardSpec`, or None.
+        copy: a second copy of another parameter of the model (a tied ``lm_head`` on the last
+            pipeline stage, the embedding being on the first): left out of the norm and the
+            full parameters.
     """
 
     name: str
     expert: bool
     fsdp: bool
     spec: ShardSpec | None
+    copy: bool = False
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -88,8 +92,9 @@ class GradientSync:
         ShardkitError: a parameter has no layout.
     """
 
-    def __init__(self, model: nn.Module, mesh, layouts: dict[str, ParamLayout]) -> None:
-        self.model, self.mesh = model, mesh
+    def __init__(self, model: nn.Module, mesh, layouts: dict[str, ParamLayout], pre_reduce=None) -> None:
+        """See the class docstring; ``pre_reduce``: a callable run at the start of :meth:`reduce`."""
+        self.model, self.mesh, self.pre_reduce = model, mesh, pre_reduce
         self.params = [(p, layouts[name]) for name, p in model.named_parameters() if p.requires_grad]
         missing = [name for name, p in model.named_parameters() if p.requires_grad and name not in layouts]
         if missing:
@@ -102,8 +107,11 @@ class GradientSync:
         """Sum the gradients FSDP2 does not reduce over the ranks holding different data.
 
         Collective over ``dp_cp`` (dense) and ``edp`` (experts). A parameter without a gradient
-        gets zeros first, so every rank reduces the same buckets.
+        gets zeros first, so every rank reduces the same buckets. ``pre_reduce`` (given at
+        construction: the tied-embedding sum between the first and last pipeline stage) runs first.
         """
+        if self.pre_reduce is not None:
+            self.pre_reduce()
         for group, expert in ((self._dense, False), (self._expert, True)):
             if group is None:
                 continue
@@ -121,6 +129,8 @@ class GradientSync:
 
     def _counts_here(self, lay: ParamLayout) -> bool:
         """Whether this rank counts the parameter's (local) elements in the norm."""
+        if lay.copy:
+            return False
         if self.mesh is None:
             return True
         replicas = ["edp"] if lay.expert else ["dp_replicate" if lay.fsdp else "dp_cp", "spatial"]

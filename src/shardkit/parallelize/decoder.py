@@ -115,12 +115,9 @@ def parallelize(model: nn.Module, mesh, *, sequence_parallel: bool = False, loss
     tp = 1 if mesh is None else mesh.size("tp")
     ep = 1 if dims is None else dims.ep
     if tp > 1:
-        if sequence_parallel:  # TEMPORARY: until apply_tp takes sequence_parallel=True
-            from ..tensor_parallel import apply_llama_tp
-
-            apply_llama_tp(model, mesh["tp"])
-        else:
-            apply_tp(model, mesh["tp"], _tp_plan(model, ep > 1), loss_parallel=loss_parallel, check="off")
+        plan = _tp_plan(model, ep > 1) if ep > 1 else None
+        apply_tp(model, mesh["tp"], plan, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
+                 check="off")
     cp = None
     if dims is not None and dims.cp_mode is not None:
         cp_mesh = mesh["cp_ring", "cp_ulysses"] if dims.cp_mode == "usp" else mesh[

@@ -18,6 +18,8 @@ __all__ = ["gather_full_parameters"]
 def _stage_parameters(pm) -> dict[str, torch.Tensor]:
     full = {}
     for name, p in pm.module.named_parameters():
+        if pm.layouts[name].copy:
+            continue
         t = p.detach()
         if hasattr(t, "full_tensor"):  # FSDP2 DTensor: collective over its dp mesh
             t = t.full_tensor()

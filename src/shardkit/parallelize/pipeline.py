@@ -14,7 +14,8 @@ Megatron-LM pipeline x tensor parallelism; MindSpeed-MM VTP.
 
 from __future__ import annotations
 
-from ..pipeline_parallel import LlamaStageModule, PipelineStage
+from ..pipeline_parallel import DecoderStageModule, PipelineStage, sum_tied_embedding_grads
+from ..errors import ShardkitError
 from .decoder import ParallelModel, parallelize
 
 __all__ = ["parallelize_stage"]
@@ -37,9 +38,19 @@ def parallelize_stage(model, mesh, loss_fn, *, sequence_parallel: bool = False,
     dims = mesh.dims
     stages = mesh["stages"] if dims.pp_tp is not None else None
     s = stages.stage_index if stages is not None else mesh.local_rank("pp")
-    module = LlamaStageModule(model, s, dims.pp)
+    module = DecoderStageModule(model, s, dims.pp)
     pm = parallelize(module, mesh, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
     last = s == dims.pp - 1
+    if module.tied:
+        # embed_tokens (first stage) and lm_head (last) are copies of one weight: their gradients
+        # are summed between the two stages before the data-parallel reduction, and the last
+        # stage's copy is left out of the norm and the gathered parameters.
+        if stages is not None:
+            raise ShardkitError("parallelize_stage: tied input/output embeddings with pp_tp stages (different tp "
+                                "sizes cut the two copies differently); untie them or use equal tp sizes")
+        pm.grads.pre_reduce = lambda: sum_tied_embedding_grads(module, mesh["pp"])
+        if last:
+            pm.layouts["lm_head.weight"].copy = True
     pm.stage = PipelineStage(pm.module, stages if stages is not None else mesh["pp"], s, dims.pp,
                              loss_fn=loss_fn if last else None)
     return pm

@@ -3,11 +3,12 @@
 Every function takes the pipeline group explicitly (a ``ProcessGroup``, a 1-D ``DeviceMesh``,
 or a list of them for a stage with several neighbours); stage = group rank. Stages made of tp
 groups, of equal or different sizes (VTP), take a :class:`StageGroups` instead, with boundary
-layouts :class:`Replicate` / :class:`Shard`.
+layouts :class:`~shardkit.layouts.Replicate` / :class:`~shardkit.layouts.Shard`. Hugging Face
+decoder models are cut into stages by :class:`DecoderStageModule`.
 """
 
-from .hf_llama import LlamaStageModule, llama_stage_layers
-from .hf_llama_tp import apply_llama_stage_tp
+from ..layouts import Replicate, Shard
+from .hf_decoder import DecoderStageModule, check_pp, decoder_stage_layers, sum_tied_embedding_grads
 from .p2p import (
     P2PWork,
     recv_backward,
@@ -22,7 +23,7 @@ from .p2p import (
 from .runner import run_schedule, split_microbatches
 from .schedules import Action, bubble_fraction, gpipe_schedule, one_f_one_b_schedule, simulate, validate_schedule
 from .stage import PipelineStage
-from .vtp import Replicate, Shard, StageGroups, new_stage_groups
+from .vtp import StageGroups, new_stage_groups
 
 __all__ = [
     "Action",
@@ -36,9 +37,10 @@ __all__ = [
     "Replicate",
     "Shard",
     "new_stage_groups",
-    "apply_llama_stage_tp",
-    "LlamaStageModule",
-    "llama_stage_layers",
+    "DecoderStageModule",
+    "decoder_stage_layers",
+    "check_pp",
+    "sum_tied_embedding_grads",
     "run_schedule",
     "split_microbatches",
     "P2PWork",

@@ -51,7 +51,7 @@ def split_microbatches(batch: torch.Tensor, num_microbatches: int) -> list[torch
 
 
 def run_schedule(stage: PipelineStage, schedule, inputs_microbatches=None, targets_microbatches=None, *,
-                 boundary_shapes=None):
+                 boundary_shapes=None, stage_kwargs=None):
     """Run this stage's row of ``schedule`` (forward and backward of every microbatch).
 
     Collective over the pipeline group: every stage calls it with the same table.
@@ -66,6 +66,9 @@ def run_schedule(stage: PipelineStage, schedule, inputs_microbatches=None, targe
             differ), or ``P - 1`` pairs ``(full shape, dtype)``, entry ``b`` for the boundary
             between stages ``b`` and ``b + 1`` (the same on every rank and microbatch): static
             transfers, one message fewer each (see :mod:`.p2p` for the check mode).
+        stage_kwargs: None, or ``M`` dicts of keyword arguments for this stage's module, one per
+            microbatch (``module(x, **stage_kwargs[m])``; every stage, e.g. the global
+            ``position_ids`` and attention call of context parallelism).
 
     Returns:
         Last stage (every rank of it): the ``M`` detached, unscaled microbatch losses; other
@@ -85,11 +88,17 @@ def run_schedule(stage: PipelineStage, schedule, inputs_microbatches=None, targe
     M = validate_schedule(schedule, P, op)
     check_deadlock_free(schedule, op)
     decls = _boundary_decls(boundary_shapes, P, op)
-    _agree(stage, _data_error(stage, M, inputs_microbatches, targets_microbatches), decls, op)
+    error = _data_error(stage, M, inputs_microbatches, targets_microbatches)
+    if error is None and stage_kwargs is not None and (
+            not isinstance(stage_kwargs, (list, tuple)) or len(stage_kwargs) != M
+            or not all(isinstance(kw, dict) for kw in stage_kwargs)):
+        error = f"stage {s}: stage_kwargs must be None or {M} dicts (one per microbatch)"
+    _agree(stage, error, decls, op)
     plan = comm_plan(schedule[s], s, P)
+    kwargs = stage_kwargs or [{}] * M
     if stage.stages is not None:
-        return _execute_tp(stage, plan, M, inputs_microbatches, targets_microbatches, decls)
-    return _execute(stage, plan, M, inputs_microbatches, targets_microbatches, decls)
+        return _execute_tp(stage, plan, M, inputs_microbatches, targets_microbatches, decls, kwargs)
+    return _execute(stage, plan, M, inputs_microbatches, targets_microbatches, decls, kwargs)
 
 
 def _boundary_decls(shapes, P: int, op: str):
@@ -131,7 +140,7 @@ def _data_error(stage, M, inputs, targets) -> str | None:
     return None
 
 
-def _execute(stage, plan, M, inputs, targets, decls):
+def _execute(stage, plan, M, inputs, targets, decls, kwargs):
     g = stage.group
     received = {}  # (direction, microbatch) -> tensor from a neighbour
     stash = {}  # microbatch -> (input or None, output or scaled loss)
@@ -140,7 +149,7 @@ def _execute(stage, plan, M, inputs, targets, decls):
     losses = [None] * M
     for call in plan:
         if call.api == "compute":
-            _compute(call.action, stage, M, inputs, targets, received, stash, losses, outputs, grads_out)
+            _compute(call.action, stage, M, inputs, targets, received, stash, losses, outputs, grads_out, kwargs)
             continue
         send = None
         if call.sends:
@@ -159,21 +168,21 @@ def _execute(stage, plan, M, inputs, targets, decls):
     return losses if stage.is_last else None
 
 
-def _compute(action, stage, M, inputs, targets, received, stash, losses, outputs, grads_out) -> None:
+def _compute(action, stage, M, inputs, targets, received, stash, losses, outputs, grads_out, kwargs) -> None:
     """Run one F or B action; its output (or input gradient) waits in ``outputs`` / ``grads_out``."""
     kind, m = action
     if kind == "F":
-        outputs[m] = _forward(stage, m, M, inputs, targets, received, stash, losses)
+        outputs[m] = _forward(stage, m, M, inputs, targets, received, stash, losses, kwargs[m])
     else:
         grads_out[m] = _backward(stage, m, received, stash)
 
 
-def _forward(stage, m, M, inputs, targets, received, stash, losses):
+def _forward(stage, m, M, inputs, targets, received, stash, losses, kwargs):
     if stage.is_first:
         x = inputs[m]
     else:
         x = received.pop(("F", m)).requires_grad_(True)
-    y = stage.forward(x)
+    y = stage.forward(x, **kwargs)
     if stage.is_last:
         loss = stage.loss(y, targets[m])
         losses[m] = loss.detach()
@@ -182,7 +191,7 @@ def _forward(stage, m, M, inputs, targets, received, stash, losses):
     return None if stage.is_last else y.detach()
 
 
-def _execute_tp(stage, plan, M, inputs, targets, decls):
+def _execute_tp(stage, plan, M, inputs, targets, decls, kwargs):
     tr = StageTransport(stage.stages, stage.layouts)
     device = next((p.device for p in stage.module.parameters()), torch.device("cpu"))
     received, stash, grads_out, outputs, losses = {}, {}, {}, {}, [None] * M
@@ -201,7 +210,7 @@ def _execute_tp(stage, plan, M, inputs, targets, decls):
             grad_decl[("send", m)] = (shape, t.dtype)
     for call in plan:
         if call.api == "compute":
-            _compute(call.action, stage, M, inputs, targets, received, stash, losses, outputs, grads_out)
+            _compute(call.action, stage, M, inputs, targets, received, stash, losses, outputs, grads_out, kwargs)
             continue
         sends, recvs = [], []
         for towards, direction, m in call.sends:

@@ -12,7 +12,8 @@ from torch import nn
 
 from ..comm._group import GroupInfo, resolve_group
 from ..errors import ShardkitError, ShardkitTypeError
-from .vtp import Replicate, StageGroups, check_layout
+from ..layouts import Replicate
+from .vtp import StageGroups, check_layout
 
 __all__ = ["PipelineStage", "agree_error"]
 
@@ -47,7 +48,8 @@ class PipelineStage:
         num_stages: the number of stages; must equal the group size.
         loss_fn: ``loss_fn(output, target) -> scalar``; required on the last stage only.
         in_layout, out_layout: (tp stages only) the layout of the stage's input / output over
-            its tp group, :class:`~.vtp.Replicate` (default) or :class:`~.vtp.Shard`.
+            its tp group, :class:`~shardkit.layouts.Replicate` (default) or
+            :class:`~shardkit.layouts.Shard`.
         input_grad: (tp stages, replicated input) ``"replicated"``: every rank's input gradient
             is the full gradient (the module enters its TP regions through Megatron's ``f``);
             ``"partial"``: each rank's is a partial sum (e.g. the input feeds a column-parallel
@@ -122,9 +124,9 @@ class PipelineStage:
     def tp_size(self) -> int:
         return 1 if self.stages is None else self.stages.tp.size
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """This stage's module on one microbatch."""
-        return self.module(x)
+    def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+        """This stage's module on one microbatch (``kwargs``: that microbatch's stage keyword arguments)."""
+        return self.module(x, **kwargs)
 
     def loss(self, output: torch.Tensor, target) -> torch.Tensor:
         """The last stage's loss on one microbatch."""

@@ -9,11 +9,11 @@ training). Every rank of a stage runs the same schedule actions.
 A stage boundary tensor (activation forward, its gradient backward) has a *layout* over the
 stage's tp group:
 
-* :class:`Replicate`: every rank holds the full ``[B, S, H]`` (Megatron TP between blocks).
+* :class:`~shardkit.layouts.Replicate`: every rank holds the full ``[B, S, H]`` (Megatron TP between blocks).
   Gradient convention: every rank holds the full gradient (Megatron's ``f`` at the entry of a
   TP region all-reduces the input gradient, ``g``'s backward is the identity), so a replicated
   boundary moves one copy of the gradient back, as the forward moves one copy of the value.
-* :class:`Shard` ``(dim)``: rank ``i`` holds block ``i`` of a balanced split along ``dim``
+* :class:`~shardkit.layouts.Shard` ``(dim)`` (``dim >= 0``): rank ``i`` holds block ``i`` of a balanced split along ``dim``
   (:func:`~shardkit._shapes.balanced_split_sizes`; sequence-parallel ``[B, S / t, H]``); the
   gradient is sharded the same way and each block's gradient is exact (owned by its rank).
 
@@ -38,44 +38,22 @@ Megatron-LM pipeline x tensor parallelism; the box-intersection reshard of array
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch.distributed as dist
 
 from .._shapes import balanced_split_sizes, split_offsets
 from ..comm._group import resolve_group
-from ..errors import ShardkitError, ShardkitTypeError
+from ..errors import ShardkitError
+from ..layouts import Replicate, Shard
+from ..layouts import check_layout as _check_layout
 
 __all__ = ["Replicate", "Shard", "StageGroups", "Piece", "local_box", "piece_plan", "new_stage_groups"]
 
 
-@dataclass(frozen=True)
-class Replicate:
-    """Every rank of the stage holds the full tensor (and, backward, the full gradient)."""
-
-    def __repr__(self) -> str:
-        return "Replicate()"
-
-
-@dataclass(frozen=True)
-class Shard:
-    """Rank ``i`` of the stage holds block ``i`` of the balanced split along ``dim`` (>= 0)."""
-
-    dim: int
-
-    def __post_init__(self):
-        if not isinstance(self.dim, int) or isinstance(self.dim, bool) or self.dim < 0:
-            raise ShardkitError(f"Shard: dim must be an int >= 0 (a dim of the full tensor), got {self.dim!r}")
-
-    def __repr__(self) -> str:
-        return f"Shard({self.dim})"
-
-
 def check_layout(layout, what: str):
-    if not isinstance(layout, (Replicate, Shard)):
-        raise ShardkitTypeError(f"{what} must be Replicate() or Shard(dim), got {layout!r}")
-    return layout
+    """A stage boundary layout: ``Replicate()`` or ``Shard(dim)`` with ``dim >= 0``."""
+    return _check_layout(layout, what, non_negative=True)
 
 
 Box = tuple  # ((start, stop), ...) per dim of the full tensor

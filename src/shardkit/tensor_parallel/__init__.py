@@ -1,21 +1,25 @@
 """Tensor parallelism (with Megatron sequence parallelism) applied to existing models.
 
 :func:`apply_tp` shards any model from a plan of Hugging Face style strings or
-:class:`ParallelStyle` objects; :func:`apply_llama_tp` adds sequence parallelism to
-Llama-architecture models; :func:`gather_full_state_dict` brings the full weights back.
+:class:`ParallelStyle` objects (styles declare input/output layouts, ``Replicate()`` /
+``Shard(dim)``); ``sequence_parallel=True`` turns a decoder model's plan into its
+sequence-parallel plan; :func:`gather_full_state_dict` brings the full weights back.
 """
 
+from ..layouts import Replicate, Shard
 from .apply import apply_tp
+from .check import check_tp
 from .checkpoint import SafetensorsCheckpoint, load_sharded, materialize_meta
 from .dcp import load_sharded_checkpoint, save_sharded_checkpoint
 from .embedding import EmbeddingParallel
 from .gather import gather_full_grads, gather_full_state_dict, unwrap
-from .llama import apply_llama_tp, check_llama_tp
 from .loss import vocab_parallel_cross_entropy
 from .moe import MoeIdentityExpert, MoeTensorParallelExperts
+from .prepare import PrepareModuleInput, PrepareModuleOutput
 from .plan import PlanReport, default_styles, model_tp_plan, verify_tp_plan
 from .replicated import MlaKvAProjParallel, ReplicatedWithGradAllReduce, SequenceParallel
 from .sequence import SequenceSharding
+from .sp_plan import sequence_parallel_plan
 from .spec import ShardSpec, shard_parameter, shard_spec
 from .styles import (
     ColwiseParallel,
@@ -29,6 +33,12 @@ from .styles import (
 
 __all__ = [
     "apply_tp",
+    "check_tp",
+    "sequence_parallel_plan",
+    "Replicate",
+    "Shard",
+    "PrepareModuleInput",
+    "PrepareModuleOutput",
     "vocab_parallel_cross_entropy",
     "load_sharded",
     "SafetensorsCheckpoint",
@@ -56,8 +66,6 @@ __all__ = [
     "shard_parameter",
     "sum_grad_over",
     "SequenceSharding",
-    "apply_llama_tp",
-    "check_llama_tp",
     "gather_full_state_dict",
     "gather_full_grads",
     "unwrap",

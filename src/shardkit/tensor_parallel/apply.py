@@ -7,8 +7,9 @@ Afterwards each rank holds its shards and the model's forward contract is unchan
 loss are replicated over the group (with ``loss_parallel`` the logits stay vocab-sharded and the
 loss is computed by :func:`shardkit.vocab_parallel_cross_entropy`).
 
-Activations between blocks are replicated (Megatron tensor parallelism); for Megatron sequence
-parallelism of Llama-architecture models see :func:`shardkit.tensor_parallel.apply_llama_tp`.
+Activations between blocks are replicated (Megatron tensor parallelism), or, with
+``sequence_parallel=True``, sharded along the sequence (Megatron sequence parallelism: the
+model's own plan turned into its sequence-parallel plan, see :mod:`.sp_plan`).
 
 Source: Megatron-LM tensor parallelism (Shoeybi et al., 2019) applied from outside the model as
 PyTorch DTensor's ``parallelize_module`` and Hugging Face's ``tp_plan`` do.
@@ -24,7 +25,10 @@ from ..comm._group import resolve_group
 from ..errors import ShardkitError, ShardkitTypeError
 from .heads import attention_head_ranges
 from .plan import CompiledPlan, model_tp_plan, verify_tp_plan
-from .styles import ColwiseParallel, RowwiseParallel, SharedInputReduce, StyleContext
+from ..layouts import Shard
+from .sequence import SequenceSharding
+from .sp_plan import sequence_parallel_plan
+from .styles import ColwiseParallel, RowwiseParallel, StyleContext
 
 __all__ = ["apply_tp"]
 
@@ -51,8 +55,8 @@ def _head_ranges(model: nn.Module, compiled: CompiledPlan, world: int) -> dict[s
     return out
 
 
-def apply_tp(model: nn.Module, tp_mesh, plan: dict | None = None, *, loss_parallel: bool = False,
-             styles: dict | None = None, check: str = "warn") -> nn.Module:
+def apply_tp(model: nn.Module, tp_mesh, plan: dict | None = None, *, sequence_parallel: bool = False,
+             loss_parallel: bool = False, styles: dict | None = None, check: str = "warn") -> nn.Module:
     """Apply tensor parallelism to ``model`` in place, following ``plan``.
 
     Args:
@@ -60,9 +64,15 @@ def apply_tp(model: nn.Module, tp_mesh, plan: dict | None = None, *, loss_parall
         tp_mesh: the tp ``ProcessGroup`` or 1-D ``DeviceMesh`` (e.g. ``mesh["tp"]``).
         plan: ``{pattern: style}`` (see :mod:`.plan`); None takes the model's own HF plan
             (``model.tp_plan`` / ``config.base_model_tp_plan``).
+        sequence_parallel: turn ``plan`` into its sequence-parallel plan (decoder models:
+            hidden states ``[B, S_r, H]`` between blocks, any ``S``; see :mod:`.sp_plan`). The
+            forward contract is unchanged (replicated input ids in, logits ``[B, S, V]`` out);
+            hidden states returned with ``output_hidden_states`` are the local blocks.
         loss_parallel: keep ``lm_head``'s logits vocab-sharded (``colwise`` without the output
             gather) and compute HF's causal-LM loss with
-            :func:`shardkit.vocab_parallel_cross_entropy`, so full-vocab logits never exist.
+            :func:`shardkit.vocab_parallel_cross_entropy`, so full-vocab logits never exist. A
+            pipeline stage module before the last (``is_last`` False, no ``lm_head``) is left
+            as without it; the last stage's logits ``[B, S, V_r]`` go to the caller's loss.
         styles: extra ``{name: ParallelStyle}`` usable by name in ``plan``.
         check: ``"warn"`` (default) warns about plan rules that matched nothing and parameters
             left unsharded; ``"error"`` raises instead; ``"off"`` skips the check.
@@ -72,7 +82,9 @@ def apply_tp(model: nn.Module, tp_mesh, plan: dict | None = None, *, loss_parall
 
     Raises:
         ShardkitError: unknown style names, ambiguous rules, shapes a style cannot cut (e.g.
-            fewer attention heads than ranks), or (``check="error"``) an imperfect plan.
+            fewer attention heads than ranks), a model the sequence-parallel plan does not
+            cover (MoE blocks, MLA; :func:`.sp_plan.sequence_parallel_error`), or
+            (``check="error"``) an imperfect plan.
         ShardkitTypeError: a style applied to a module of the wrong kind.
     """
     if not isinstance(model, nn.Module):
@@ -83,6 +95,8 @@ def apply_tp(model: nn.Module, tp_mesh, plan: dict | None = None, *, loss_parall
     plan = dict(model_tp_plan(model) if plan is None else plan)
     if loss_parallel:
         plan = _loss_parallel_plan(model, plan)
+    if sequence_parallel:
+        plan = sequence_parallel_plan(model, plan, loss_parallel=loss_parallel, styles=styles)
     compiled = CompiledPlan.build(plan, model, styles)
     if check != "off":
         report = verify_tp_plan(model, plan, styles)
@@ -95,7 +109,7 @@ def apply_tp(model: nn.Module, tp_mesh, plan: dict | None = None, *, loss_parall
         return model
     heads = _head_ranges(model, compiled, g.size)
     memo: dict = {}
-    shared_f = SharedInputReduce(tp_mesh)
+    seq = SequenceSharding(tp_mesh)
     for name, module in list(model.named_modules()):
         ratios = getattr(module, "_shardkit_kv_groups", None)
         if ratios is not None:
@@ -106,10 +120,10 @@ def apply_tp(model: nn.Module, tp_mesh, plan: dict | None = None, *, loss_parall
             full = f"{name}.{pname}" if name else pname
             prule = compiled.match(full)
             if prule is not None and not (mrule is not None and prule[1] is mrule[1]):
-                ctx = StyleContext(tp_mesh, g, full, model, memo, heads.get(full), shared_f)
+                ctx = StyleContext(tp_mesh, g, full, model, memo, heads.get(full), seq)
                 prule[1].shard_param(module, pname, ctx)
         if mrule is not None:
-            mrule[1].apply_module(module, StyleContext(tp_mesh, g, name, model, memo, heads.get(name), shared_f))
+            mrule[1].apply_module(module, StyleContext(tp_mesh, g, name, model, memo, heads.get(name), seq))
     if loss_parallel:
         _use_vocab_parallel_loss(model, tp_mesh)
     return model
@@ -118,10 +132,12 @@ def apply_tp(model: nn.Module, tp_mesh, plan: dict | None = None, *, loss_parall
 def _loss_parallel_plan(model: nn.Module, plan: dict) -> dict:
     """``plan`` with the output head cut colwise without the logits gather."""
     head = getattr(model, "lm_head", None)
+    if head is None and getattr(model, "is_last", None) is False:
+        return plan  # a pipeline stage before the last: no output head, nothing to change
     if not isinstance(head, nn.Linear):
         raise ShardkitError("apply_tp: loss_parallel needs the model's output head at model.lm_head (an nn.Linear)")
     plan = {k: v for k, v in plan.items() if k != "lm_head"}
-    plan["lm_head"] = ColwiseParallel()
+    plan["lm_head"] = ColwiseParallel(output_layouts=Shard(-1))
     return plan
 
 

@@ -54,13 +54,14 @@ _Chunk = tuple[tuple[int, ...], torch.Tensor]
 
 def owned_ranges(spec: ShardSpec, rank: int) -> list[tuple[int, int, int]]:
     """``(start, stop, local_pos)`` of the full-index ranges ``rank`` owns: those of its ranges
-    no lower rank holds (the first holder owns a replicated index). Over all ranks they tile
-    ``[0, spec.full_size)`` exactly once."""
-    earlier = sorted(r for rs in spec.ranges[:rank] for r in rs)
+    no lower rank holds, nor an earlier range of its own (the first holder owns a replicated
+    index; a rank may hold a KV head twice). Over all ranks they tile ``[0, spec.full_size)``
+    exactly once."""
+    earlier = [r for rs in spec.ranges[:rank] for r in rs]
     out, pos = [], 0
     for a, b in spec.ranges[rank]:
         cur = a
-        for c, d in earlier:  # subtract every earlier rank's range from [a, b)
+        for c, d in sorted(earlier):  # subtract every earlier range from [a, b)
             if d <= cur or c >= b:
                 continue
             if c > cur:
@@ -68,6 +69,7 @@ def owned_ranges(spec: ShardSpec, rank: int) -> list[tuple[int, int, int]]:
             cur = max(cur, d)
         if cur < b:
             out.append((cur, b, pos + cur - a))
+        earlier.append((a, b))
         pos += b - a
     return out
 

@@ -11,7 +11,9 @@ none), and every projection of the block follows that split in its own unit:
   (query head ``h`` uses KV head ``h // (N / N_kv)``). With ``N_kv >= R`` (and ``R | N_kv``) these
   are disjoint blocks; with fewer KV heads than ranks (GQA, e.g. 8 q / 2 kv heads on 4 ranks)
   a KV head is replicated on every rank that needs it and its gradient is summed over them
-  (:class:`~.spec.ShardSpec` overlap);
+  (:class:`~.spec.ShardSpec` overlap). When a rank's query heads use their KV heads unevenly
+  (9 q / 3 KV heads at tp 2), the rank holds copies of a KV head so that one local
+  ``num_key_value_groups`` fits (see :func:`_kv_heads`);
 * ``o_proj`` columns: ``v_head_dim`` (or ``head_dim``) per query head.
 
 The block's ``num_key_value_groups`` becomes the local ratio, so HF's ``repeat_kv`` pairs the
@@ -22,6 +24,8 @@ Source: Megatron-LM's head-partitioned attention (Shoeybi et al., 2019); GQA (Ai
 """
 
 from __future__ import annotations
+
+import math
 
 from torch import nn
 
@@ -34,7 +38,8 @@ _Q = ("q_proj", "q_b_proj")
 
 
 def _runs(indices: list[int], unit: int) -> tuple[tuple[int, int], ...]:
-    """Merge sorted head indices into ``(start, stop)`` row ranges of ``unit`` rows per head."""
+    """Merge head indices into ``(start, stop)`` row ranges of ``unit`` rows per head (a repeated
+    head gets a range of its own: a rank may hold a KV head twice)."""
     out: list[list[int]] = []
     for h in indices:
         if out and out[-1][1] == h * unit:
@@ -44,16 +49,20 @@ def _runs(indices: list[int], unit: int) -> tuple[tuple[int, int], ...]:
     return tuple((a, b) for a, b in out)
 
 
-def _kv_heads(q_heads: list[int], group_size: int, name: str) -> tuple[list[int], int]:
-    """The KV heads ``q_heads`` use and the local query-per-KV ratio (must be uniform)."""
+def _kv_heads(q_heads: list[int], group_size: int) -> tuple[list[int], int]:
+    """The local KV heads for ``q_heads`` (in order, repeated where needed) and the local ratio.
+
+    HF attention pairs local query head ``i`` with local KV head ``i // ratio`` (``repeat_kv``).
+    Query head ``h`` uses KV head ``h // group_size``; when a rank's query heads use their KV
+    heads ``c_j`` times each, ``ratio = gcd(c_j)`` and KV head ``j`` is held ``c_j / ratio`` times
+    (e.g. 9 q / 3 KV heads at tp 2: rank 0 has q heads 0-4, uses KV 0 three times and KV 1
+    twice: KV heads ``[0, 0, 0, 1, 1]``, ratio 1). The copies' gradients are summed with the
+    other holders' (:class:`~.spec.ShardSpec` overlap).
+    """
     kv = sorted({h // group_size for h in q_heads})
-    counts = {j: sum(1 for h in q_heads if h // group_size == j) for j in kv}
-    if len(set(counts.values())) != 1:
-        raise ShardkitError(
-            f"apply_tp: {name}: the query heads {q_heads} of a rank use KV heads {counts} unevenly, so no "
-            "single num_key_value_groups fits; choose a tp size that divides num_attention_heads"
-        )
-    return kv, len(q_heads) // len(kv)
+    counts = [sum(1 for h in q_heads if h // group_size == j) for j in kv]
+    ratio = math.gcd(*counts)
+    return [j for j, c in zip(kv, counts) for _ in range(c // ratio)], ratio
 
 
 def attention_head_ranges(attn: nn.Module, name: str, world: int) -> dict[str, tuple]:
@@ -63,8 +72,7 @@ def attention_head_ranges(attn: nn.Module, name: str, world: int) -> dict[str, t
     ``q_b_proj`` child with a ``head_dim`` / ``qk_head_dim`` attribute).
 
     Raises:
-        ShardkitError: fewer query heads than ranks, ``N`` not a multiple of ``N_kv``, or a rank
-            whose query heads use KV heads unevenly.
+        ShardkitError: fewer query heads than ranks, or ``N`` not a multiple of ``N_kv``.
     """
     q_name = next((n for n in _Q if isinstance(getattr(attn, n, None), nn.Linear)), None)
     unit_q = getattr(attn, "qk_head_dim", None) or getattr(attn, "head_dim", None)
@@ -87,7 +95,7 @@ def attention_head_ranges(attn: nn.Module, name: str, world: int) -> dict[str, t
         n_kv = k.out_features // unit_kv
         if n_kv == 0 or n_q % n_kv:
             raise ShardkitError(f"apply_tp: {name}: {n_q} query heads are not a multiple of {n_kv} key/value heads")
-        per_rank = [_kv_heads(h, n_q // n_kv, name) for h in heads]
+        per_rank = [_kv_heads(h, n_q // n_kv) for h in heads]
         kv_ranges = tuple(_runs(kv, unit_kv) for kv, _ in per_rank)
         out["k_proj"] = out["v_proj"] = kv_ranges
         out["_num_key_value_groups"] = tuple(ratio for _, ratio in per_rank)

@@ -22,20 +22,33 @@ from __future__ import annotations
 from torch import nn
 
 from ..comm import all_reduce_backward, all_reduce_forward
+from ..layouts import Partial, Replicate, check_layout
 from .styles import ParallelStyle, StyleContext
 
 __all__ = ["MoeTensorParallelExperts", "MoeIdentityExpert"]
 
 
 class MoeTensorParallelExperts(ParallelStyle):
-    """``f`` on the experts' hidden states and routing weights, ``g`` on their output."""
+    """``f`` on the experts' hidden states and routing weights, ``g`` on their output.
+
+    Args:
+        reduce_input_grad: False leaves the hidden states' gradient partial (sequence
+            parallelism: the block's sequence gather reduce-scatters it).
+        output_layouts: ``Replicate()`` (all-reduce) or ``Partial()`` (no reduction: the block
+            reduces the sum of routed and shared experts once).
+    """
+
+    def __init__(self, *, reduce_input_grad: bool = True, output_layouts=Replicate()) -> None:
+        self.reduce_input_grad = reduce_input_grad
+        self.output_layouts = check_layout(output_layouts, "MoeTensorParallelExperts output_layouts", partial=True)
 
     def apply_module(self, module: nn.Module, ctx: StyleContext) -> None:
         group = ctx.group
+        reduced = ((0, "hidden_states"),) if self.reduce_input_grad else ()
 
         def pre(m, args, kwargs):
             args, kwargs = list(args), dict(kwargs)
-            for pos, key in ((0, "hidden_states"), (2, "top_k_weights")):
+            for pos, key in reduced + ((2, "top_k_weights"),):
                 if len(args) > pos:
                     args[pos] = all_reduce_backward(args[pos], group)
                 elif key in kwargs:
@@ -43,7 +56,8 @@ class MoeTensorParallelExperts(ParallelStyle):
             return tuple(args), kwargs
 
         module.register_forward_pre_hook(pre, with_kwargs=True)
-        module.register_forward_hook(lambda m, args, out: all_reduce_forward(out, group))
+        if not isinstance(self.output_layouts, Partial):
+            module.register_forward_hook(lambda m, args, out: all_reduce_forward(out, group))
 
 
 class MoeIdentityExpert(ParallelStyle):

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from ..errors import ShardkitError, ShardkitTypeError
+from ..layouts import Replicate
 from .embedding import EmbeddingParallel
 from .moe import MoeIdentityExpert, MoeTensorParallelExperts
 from .replicated import MlaKvAProjParallel, ReplicatedWithGradAllReduce, SequenceParallel
@@ -36,9 +37,9 @@ def default_styles() -> dict[str, ParallelStyle]:
 
     return {
         "colwise": ColwiseParallel(),
-        "colwise_gather_output": ColwiseParallel(gather_output=True),
+        "colwise_gather_output": ColwiseParallel(output_layouts=Replicate()),
         "rowwise": RowwiseParallel(),
-        "rowwise_split_input": RowwiseParallel(split_input=True),
+        "rowwise_split_input": RowwiseParallel(input_layouts=Replicate()),
         "packed_colwise": PackedColwiseParallel(),
         "packed_rowwise": PackedRowwiseParallel(),
         "embedding_rowwise": EmbeddingParallel(dim=0),

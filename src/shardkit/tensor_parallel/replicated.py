@@ -5,7 +5,7 @@
 * ``sequence_parallel``: the module (a norm, dropout) runs on this rank's block of the sequence,
   ``[B, S_r, H]`` in, ``[B, S_r, H]`` out, as PyTorch DTensor's ``SequenceParallel`` means it;
   replicated parameters get the gradient sum. (The plan that places the sequence all-gathers and
-  reduce-scatters around the tensor-parallel regions is :func:`shardkit.tensor_parallel.apply_llama_tp`.)
+  reduce-scatters around the tensor-parallel regions is ``apply_tp(..., sequence_parallel=True)``.)
 * ``mla_kv_a_proj``: DeepSeek-V2/V3 multi-head latent attention. The replicated
   ``kv_a_proj_with_mqa`` output is ``[kv_pass | k_rope]``; ``kv_pass`` goes through the
   column-parallel ``kv_b_proj`` (whose ``f`` sums its input gradient), but ``k_rope`` goes

@@ -1,15 +1,25 @@
-"""Parallel styles for linear layers: column-, row-wise and packed, applied to an existing module.
+"""Parallel styles for linear layers: column-, row-wise and packed, with input/output layouts.
 
 A style rewrites one module in place: it replaces the weight (and bias) by this rank's shard
 (recording a :class:`~.spec.ShardSpec` on the new parameter) and adds the activation
-communication the layer needs, with the Hugging Face plan strings' meaning:
+communication its declared layouts need (:class:`~shardkit.layouts.Replicate` /
+:class:`~shardkit.layouts.Shard`), as PyTorch DTensor's parallel styles do, on shardkit's own
+collectives:
 
-* ``colwise``: weight ``[out, in]`` cut by output rows; the replicated input's gradient is
-  summed over the group (Megatron's ``f``), the output ``[..., out_r]`` stays sharded
-  (``colwise_gather_output``: all-gathered, the replicated gradient split back).
-* ``rowwise``: weight cut by input columns; the partial output is all-reduced (Megatron's
-  ``g``) and the replicated bias added once after it (``rowwise_split_input``: the replicated
-  input is first split along its last dim).
+* ``ColwiseParallel(input_layouts=Replicate())`` (``colwise``): weight ``[out, in]`` cut by
+  output rows; the replicated input's gradient is summed over the group (Megatron's ``f``,
+  shared by siblings reading the same tensor). ``input_layouts=Shard(1)`` (sequence
+  parallelism): the input ``[B, S_r, in]`` is all-gathered along the sequence (backward:
+  reduce-scatter), instead of ``f``. ``output_layouts=Shard(-1)`` keeps ``[..., out_r]``;
+  ``Replicate()`` all-gathers it (``colwise_gather_output``; backward keeps this rank's block).
+* ``RowwiseParallel(output_layouts=Replicate())`` (``rowwise``): weight cut by input columns;
+  the partial output is all-reduced (Megatron's ``g``) and the replicated bias added once after
+  it. ``output_layouts=Shard(1)``: the partial sums are reduce-scattered along the sequence
+  (backward: all-gather) and the bias is added to the local block, so its gradient is summed
+  over the group. ``input_layouts=Replicate()`` (``rowwise_split_input``) splits the input's
+  last dim first.
+* :mod:`.prepare`: ``PrepareModuleInput`` / ``PrepareModuleOutput``, a layout change of a
+  module's hidden-states input or output (the sequence gather before attention, shared by q/k/v).
 * ``packed_colwise`` / ``packed_rowwise``: the same for fused weights (``gate_up_proj``): each
   rank gets its block of every packed part.
 
@@ -18,15 +28,15 @@ unless the caller (or :func:`shardkit.apply_tp`'s attention-head layout) gives e
 Styles also apply to a bare parameter named by a plan (the 3-D expert weights of MoE models):
 then only the parameter is cut; the owning module's style does the communication.
 
-Source: Megatron-LM column/row parallel linear layers (Shoeybi et al., 2019); plan strings of
-Hugging Face transformers' tensor parallelism and PyTorch DTensor ``parallelize_module``.
+Source: Megatron-LM column/row parallel linear layers (Shoeybi et al., 2019) and sequence
+parallelism (Korthikanti et al., 2022); PyTorch DTensor's ``ColwiseParallel`` /
+``RowwiseParallel`` / ``PrepareModuleInput`` layouts; Hugging Face transformers' plan strings.
 """
 
 from __future__ import annotations
 
 import types
-import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -34,15 +44,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._shapes import chunk_sizes
-from ..comm import (
-    _c10d,
-    all_reduce_backward,
-    all_reduce_forward,
-    gather_forward_split_backward,
-    split_forward_gather_backward,
-)
+from ..comm import _c10d, all_reduce_forward, gather_forward_split_backward, split_forward_gather_backward
 from ..comm._group import GroupInfo, resolve_group
 from ..errors import ShardkitError, ShardkitTypeError
+from ..layouts import Partial, Replicate, Shard, check_layout
+from .sequence import SequenceSharding
 from .spec import ShardSpec, shard_parameter, shard_spec
 
 __all__ = [
@@ -57,34 +63,6 @@ __all__ = [
 ]
 
 
-class SharedInputReduce:
-    """Megatron's ``f`` applied once to an input that sibling colwise layers share.
-
-    q/k/v (and gate/up) all read the same hidden states; wrapping that tensor once lets their
-    three input gradients add up locally before a single all-reduce, instead of one all-reduce
-    each (Megatron-LM fuses them the same way with one qkv matmul). The last input seen is held
-    by weak reference and reused only for the identical tensor object under the same grad mode
-    (a checkpointed recompute, run with grad enabled, gets a fresh ``f``). The wrapped tensor is
-    held strongly (a Python tensor object whose only other owner is the autograd graph can be
-    freed and re-created, which a weak reference cannot follow); it aliases the input, so this
-    keeps at most one activation alive between steps.
-    """
-
-    def __init__(self, group) -> None:
-        self.group = group
-        self._key: tuple | None = None
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        grad_mode = torch.is_grad_enabled()
-        if self._key is not None:
-            x_ref, y, mode = self._key
-            if x_ref() is x and mode == grad_mode:
-                return y
-        y = all_reduce_backward(x, self.group)
-        self._key = (weakref.ref(x), y, grad_mode)
-        return y
-
-
 @dataclass
 class StyleContext:
     """What a style needs besides the module: the group and, inside ``apply_tp``, the model.
@@ -96,8 +74,8 @@ class StyleContext:
         model: the root model (its ``config`` is read by some styles), or None.
         memo: shared parameters already cut (tied weights), see :func:`.spec.shard_parameter`.
         ranges: explicit per-rank ranges of the sharded dim (whole attention heads), or None.
-        input_reduce: the ``f`` shared by the colwise layers of one ``apply_tp`` call, or None
-            (each colwise layer then applies its own).
+        seq: the model's :class:`~.sequence.SequenceSharding` (sequence sizes of the current
+            forward, prepared inputs shared by sibling layers).
     """
 
     group: object
@@ -106,19 +84,23 @@ class StyleContext:
     model: nn.Module | None = None
     memo: dict = field(default_factory=dict)
     ranges: tuple | None = None
-    input_reduce: SharedInputReduce | None = None
+    seq: SequenceSharding | None = None
 
     @classmethod
-    def of(cls, group, op: str) -> StyleContext:
-        return cls(group, resolve_group(group, op))
+    def of(cls, group, op: str, seq: SequenceSharding | None = None) -> StyleContext:
+        return cls(group, resolve_group(group, op), seq=seq or SequenceSharding(group))
 
 
 class ParallelStyle:
     """Base class: subclasses implement :meth:`apply_module` and :meth:`shard_param`."""
 
-    def apply(self, module: nn.Module, group) -> nn.Module:
-        """Apply this style to ``module`` over ``group`` (a ``ProcessGroup`` or 1-D ``DeviceMesh``)."""
-        self.apply_module(module, StyleContext.of(group, type(self).__name__))
+    def apply(self, module: nn.Module, group, *, seq: SequenceSharding | None = None) -> nn.Module:
+        """Apply this style to ``module`` over ``group`` (a ``ProcessGroup`` or 1-D ``DeviceMesh``).
+
+        Styles applied by hand to one model should share one ``seq`` (its sequence sizes and
+        prepared inputs); each call without it gets a fresh one.
+        """
+        self.apply_module(module, StyleContext.of(group, type(self).__name__, seq))
         return module
 
     def apply_module(self, module: nn.Module, ctx: StyleContext) -> None:
@@ -183,17 +165,21 @@ def _weight(module: nn.Module, style: str, ctx: StyleContext) -> torch.Tensor:
 class ColwiseParallel(ParallelStyle):
     """Shard a linear layer by output features; ``colwise`` / ``colwise_gather_output``.
 
-    Input ``[..., in]`` replicated over the group; output ``[..., out_r]`` (this rank's output
-    features), or ``[..., out]`` with ``gather_output``. Weight ``[out, in]`` -> ``[out_r, in]``,
-    bias ``[out]`` -> ``[out_r]``.
+    Weight ``[out, in]`` -> ``[out_r, in]``, bias ``[out]`` -> ``[out_r]``. Input ``[..., in]``
+    replicated (or ``[B, S_r, in]`` with ``input_layouts=Shard(1)``); output ``[..., out_r]``
+    (this rank's output features), or ``[..., out]`` with ``output_layouts=Replicate()``.
 
     Args:
         sizes: output features per rank; None for ``torch.chunk`` semantics (or the head
             layout ``apply_tp`` computes for attention projections).
-        gather_output: all-gather the output along the last dim (backward: keep this rank's
-            block of the replicated gradient).
-        reduce_input_grad: add Megatron's ``f`` on the input (its gradient is a partial sum per
-            rank). Off when a plan reduces it elsewhere (sequence parallelism's reduce-scatter).
+        input_layouts: ``Replicate()``: the input's gradient is a partial sum per rank, summed
+            by Megatron's ``f`` (one ``f`` shared by siblings reading the same tensor; none if
+            the input was prepared by a gather). ``Shard(d)``: all-gather along ``d`` (shared by
+            siblings; backward reduce-scatter), sizes from the model's sequence split.
+        output_layouts: ``Shard(-1)`` (default) or ``Replicate()`` (all-gather the output
+            features; backward keeps this rank's block of the replicated gradient).
+        reduce_input_grad: with a replicated input, False leaves the input gradient partial
+            (a caller reduces it, e.g. a pipeline stage with ``input_grad="partial"``).
         parts: packed weights: the number of equal packed parts, or their sizes (a fused GQA
             ``qkv_proj``: ``[N * D, N_kv * D, N_kv * D]``).
         unit: cut in whole units of this many features (the head dim of a fused ``qkv_proj``).
@@ -201,10 +187,14 @@ class ColwiseParallel(ParallelStyle):
 
     weight_dim = -2
 
-    def __init__(self, sizes: Sequence[int] | None = None, *, gather_output: bool = False,
+    def __init__(self, sizes: Sequence[int] | None = None, *, input_layouts=Replicate(), output_layouts=Shard(-1),
                  reduce_input_grad: bool = True, parts: int | Sequence[int] | None = None, unit: int = 1) -> None:
-        self.sizes, self.gather_output, self.reduce_input_grad, self.parts = sizes, gather_output, reduce_input_grad, parts
-        self.unit = unit
+        self.sizes, self.parts, self.unit = sizes, parts, unit
+        self.input_layouts = check_layout(input_layouts, "ColwiseParallel input_layouts")
+        self.output_layouts = check_layout(output_layouts, "ColwiseParallel output_layouts")
+        if isinstance(self.output_layouts, Shard) and self.output_layouts.dim != -1:
+            raise ShardkitError(f"ColwiseParallel: output_layouts must be Shard(-1) or Replicate(), got {output_layouts!r}")
+        self.reduce_input_grad = reduce_input_grad
 
     def _spec(self, full: int, ctx: StyleContext, dim: int) -> ShardSpec:
         return _linear_spec(full, ctx, dim, self.parts, self.sizes, self.unit)
@@ -216,14 +206,17 @@ class ColwiseParallel(ParallelStyle):
         shard_parameter(module, "weight", spec, ctx.info.rank, ctx.memo)
         if getattr(module, "bias", None) is not None:
             shard_parameter(module, "bias", ShardSpec(0, spec.full_size, spec.ranges, ctx.group), ctx.info.rank, ctx.memo)
-        group = ctx.group
-        if self.reduce_input_grad:
-            f = ctx.input_reduce or (lambda x: all_reduce_backward(x, group))
+        group, seq = ctx.group, ctx.seq
+        if isinstance(self.input_layouts, Shard):
+            d = self.input_layouts.dim
             module.register_forward_pre_hook(
-                lambda m, args, kwargs: replace_input(args, kwargs, f, "input"), with_kwargs=True)
-        if self.gather_output:
+                lambda m, args, kwargs: replace_input(args, kwargs, lambda x: seq.gather(x, d), "input"), with_kwargs=True)
+        elif self.reduce_input_grad:
+            module.register_forward_pre_hook(
+                lambda m, args, kwargs: replace_input(args, kwargs, seq.replicate, "input"), with_kwargs=True)
+        if isinstance(self.output_layouts, Replicate):
             if spec.overlapping or len(spec.ranges[0]) != 1:
-                raise ShardkitError(f"{ctx.name}: gather_output needs plain (not packed or replicated) shards")
+                raise ShardkitError(f"{ctx.name}: output_layouts=Replicate() needs plain (not packed or replicated) shards")
             sizes = list(spec.sizes)
             module.register_forward_hook(lambda m, args, out: gather_forward_split_backward(out, group, -1, sizes))
         elif hasattr(module, "out_features"):
@@ -253,25 +246,33 @@ class RowwiseParallel(ParallelStyle):
     """Shard a linear layer by input features and reduce its output; ``rowwise``.
 
     Input ``[..., in_r]`` is this rank's block of the input features (a colwise partner's
-    output); the local matmul gives a partial sum ``[..., out]`` that ``reduce`` turns into the
-    output. The bias stays replicated and is added once after the reduction.
+    output); the local matmul gives a partial sum ``[..., out]``. The bias stays replicated and
+    is added once, after the reduction.
 
     Args:
         sizes: input features per rank (must match the colwise partner); None for chunk
             semantics or ``apply_tp``'s head layout.
-        split_input: ``rowwise_split_input``: the input is replicated; split its last dim first.
-        reduce: maps the partial sum to the output; default all-reduce over the group
-            (Megatron's ``g``). Sequence parallelism passes a reduce-scatter along the sequence.
+        input_layouts: ``Shard(-1)`` (default) or ``Replicate()`` (``rowwise_split_input``: the
+            replicated input's last dim is split first; backward all-gathers).
+        output_layouts: ``Replicate()``: all-reduce (Megatron's ``g``); ``Shard(d)`` (sequence
+            parallelism): reduce-scatter along ``d`` with the model's sequence sizes (backward:
+            all-gather). The bias is then added to the local block only, so its gradient is a
+            partial sum and is summed over the group (:func:`sum_grad_over`). ``Partial()``: no
+            reduction (a caller reduces the sum of several partial outputs once, e.g. an MoE
+            block's shared experts with its routed experts); no bias allowed.
         parts: packed weights (``packed_rowwise``).
         unit: cut in whole units of this many features (heads of an attention output).
     """
 
     weight_dim = -1
 
-    def __init__(self, sizes: Sequence[int] | None = None, *, split_input: bool = False,
-                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    def __init__(self, sizes: Sequence[int] | None = None, *, input_layouts=Shard(-1), output_layouts=Replicate(),
                  parts: int | Sequence[int] | None = None, unit: int = 1) -> None:
-        self.sizes, self.split_input, self.reduce, self.parts, self.unit = sizes, split_input, reduce, parts, unit
+        self.sizes, self.parts, self.unit = sizes, parts, unit
+        self.input_layouts = check_layout(input_layouts, "RowwiseParallel input_layouts")
+        self.output_layouts = check_layout(output_layouts, "RowwiseParallel output_layouts", partial=True)
+        if isinstance(self.input_layouts, Shard) and self.input_layouts.dim != -1:
+            raise ShardkitError(f"RowwiseParallel: input_layouts must be Shard(-1) or Replicate(), got {input_layouts!r}")
 
     def apply_module(self, module: nn.Module, ctx: StyleContext) -> None:
         name = type(self).__name__
@@ -283,12 +284,22 @@ class RowwiseParallel(ParallelStyle):
             raise ShardkitError(f"{name}: {ctx.name}: row-parallel input features cannot be replicated")
         shard_parameter(module, "weight", spec, ctx.info.rank, ctx.memo)
         module.in_features = spec.sizes[ctx.info.rank]
-        group = ctx.group
-        module._shardkit_reduce = self.reduce or (lambda y: all_reduce_forward(y, group))
+        group, seq = ctx.group, ctx.seq
+        if isinstance(self.output_layouts, Partial):
+            if module.bias is not None:
+                raise ShardkitError(f"{name}: {ctx.name}: output_layouts=Partial() with a bias (it would be added R times)")
+            module._shardkit_reduce = lambda y: y
+        elif isinstance(self.output_layouts, Shard):
+            d = self.output_layouts.dim
+            module._shardkit_reduce = lambda y: seq.reduce_scatter(y, d)
+            if module.bias is not None and module.bias.requires_grad:
+                sum_grad_over(module.bias, group)  # added to this rank's block only: partial gradient
+        else:
+            module._shardkit_reduce = lambda y: all_reduce_forward(y, group)
         module.forward = types.MethodType(_rowwise_forward, module)
-        if self.split_input:
+        if isinstance(self.input_layouts, Replicate):
             if len(spec.ranges[0]) != 1:
-                raise ShardkitError(f"{name}: {ctx.name}: split_input needs plain (not packed) shards")
+                raise ShardkitError(f"{name}: {ctx.name}: a replicated input needs plain (not packed) shards")
             sizes = list(spec.sizes)
             module.register_forward_pre_hook(
                 lambda m, args, kwargs: replace_input(
