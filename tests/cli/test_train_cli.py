@@ -96,6 +96,8 @@ def test_missing_toml(tmp_path):
     (dict(model="moe", sequence_parallel=True), "--sequence-parallel with --model moe: built for the dense models"),
     (dict(pp_tp="2,1,1", sequence_parallel=True, layers=3), "--sequence-parallel with --pp-tp"),
     (dict(dp_shard=0), "--dp-shard must be >= 1"),
+    (dict(report="/etc/passwd/out"), "--report /etc/passwd/out: /etc/passwd exists and is not a directory"),
+    (dict(checkpoint_dir="/etc/passwd"), "--checkpoint-dir /etc/passwd: /etc/passwd exists and is not a directory"),
 ])
 def test_invalid_layouts(kwargs, match):
     with pytest.raises(ShardkitError, match=match):
@@ -299,6 +301,9 @@ def test_end_to_end_verify_and_report(tmp_path):
     assert report["parity"]["passed"] and report["parity"]["max_param_rel_diff"] <= 1e-4
     assert any(row["api"] == "sum_grad_over" for row in report["ledger"])
     assert "PASSED" in proc.stdout and (tmp_path / "loss.png").exists()
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [1, 2] and [m["loss"] for m in lines] == report["losses"]
+    assert all(m["grad_norm"] > 0 and m["lr"] == 1e-3 and m["tokens_per_s"] > 0 for m in lines)
 
 
 def test_bad_layout_fails_before_launch():

@@ -147,6 +147,21 @@ def merge_config(file_values: dict, cli_values: dict) -> TrainConfig:
     return dataclasses.replace(TrainConfig(), **merged)
 
 
+def _check_writable(flag: str, folder: str) -> None:
+    """``folder`` exists as a writable directory, or can be created (checked before launch, so a
+    run never trains for nothing and then fails to write its results)."""
+    probe = os.path.abspath(folder)
+    while not os.path.exists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    if not os.path.isdir(probe):
+        raise ShardkitError(f"{flag} {folder}: {probe} exists and is not a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ShardkitError(f"{flag} {folder}: {probe} is not writable")
+
+
 def _default_tp(cfg: TrainConfig) -> int:
     if cfg.tp is not None:
         return cfg.tp
@@ -206,8 +221,9 @@ def validate_config(cfg: TrainConfig, world_size: int | None = None) -> TrainCon
         raise ShardkitError(f"--save-every must be >= 0, got {cfg.save_every}")
     if (cfg.resume or cfg.save_every) and cfg.checkpoint_dir is None:
         raise ShardkitError("--resume and --save-every need --checkpoint-dir DIR")
-    if cfg.checkpoint_dir is not None and os.path.exists(cfg.checkpoint_dir) and not os.path.isdir(cfg.checkpoint_dir):
-        raise ShardkitError(f"--checkpoint-dir {cfg.checkpoint_dir} exists and is not a directory")
+    for flag, folder in (("--report", cfg.report), ("--checkpoint-dir", cfg.checkpoint_dir)):
+        if folder is not None:
+            _check_writable(flag, folder)
     if cfg.max_norm is not None and cfg.max_norm < 0:
         raise ShardkitError(f"--max-norm must be >= 0 (0: no clipping), got {cfg.max_norm}")
     if cfg.max_norm == 0:

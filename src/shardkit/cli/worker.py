@@ -130,7 +130,30 @@ def _extra_state(task) -> dict[str, torch.Tensor]:
     return {"data_generator": task.sampler.gen.get_state(), "torch_rng": torch.get_rng_state()}
 
 
-def run_training(pm, task, cfg: TrainConfig, loss_scale=None, on_step=None, layout: str = "") -> dict:
+class MetricsLog:
+    """One JSON line per step in ``DIR/metrics.jsonl``, written (and flushed) as training goes.
+
+    Fields: ``step`` (1-based), ``loss``, ``grad_norm`` (before clipping), ``lr``,
+    ``tokens_per_s`` (or ``pixels_per_s``), ``step_time_s``, ``peak_memory_bytes`` (this rank).
+    A resumed run appends to the file of the run it continues.
+    """
+
+    def __init__(self, folder: str, unit: str, sample_size: int, batch_size: int, device) -> None:
+        os.makedirs(folder, exist_ok=True)
+        self.path = os.path.join(folder, "metrics.jsonl")
+        self.unit, self.per_step, self.device = unit, sample_size * batch_size, device
+
+    def write(self, step: int, stats, lr: float) -> None:
+        import json
+
+        line = {"step": step + 1, "loss": stats.loss, "grad_norm": stats.grad_norm, "lr": lr,
+                f"{self.unit}_per_s": self.per_step / stats.seconds, "step_time_s": stats.seconds,
+                "peak_memory_bytes": _peak_memory(self.device)}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+
+def run_training(pm, task, cfg: TrainConfig, loss_scale=None, on_step=None, layout: str = "", metrics=None) -> dict:
     """Steps ``first..cfg.steps - 1`` of :func:`.trainer.train_step`; per-step losses and gradient norms.
 
     With ``cfg.checkpoint_dir``: ``cfg.resume`` first loads the latest save (``first`` = its
@@ -155,6 +178,8 @@ def run_training(pm, task, cfg: TrainConfig, loss_scale=None, on_step=None, layo
         norms.append(stats.grad_norm)
         if on_step is not None:
             on_step(step, stats.loss)
+        if metrics is not None:
+            metrics.write(step, stats, optimizer.param_groups[0]["lr"])
         done = step + 1
         if pm.mesh is not None and cfg.checkpoint_dir is not None and (
                 done == cfg.steps or (cfg.save_every and done % cfg.save_every == 0)):
@@ -192,8 +217,12 @@ def train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool = Tr
     progress = TrainProgress(cfg.steps, cfg.batch_size * _sample_size(cfg), unit=unit) if show else None
     with CommLedger() as ledger, (progress or nullcontext()):
         t1 = time.perf_counter()
+        metrics = None
+        if cfg.report is not None and rank == 0:
+            unit_name = "pixels" if cfg.model == "conv-ae" else "tokens"
+            metrics = MetricsLog(cfg.report, unit_name, _sample_size(cfg), cfg.batch_size, device)
         run = run_training(pm, task, cfg, loss_scale, on_step=progress.update if progress else None,
-                           layout=dims.describe())
+                           layout=dims.describe(), metrics=metrics)
         t_train = time.perf_counter() - t1
 
     memory = [None] * dist.get_world_size()
