@@ -275,7 +275,8 @@ def _first_divergence(key, per_rank: dict, dumps) -> Divergence | None:
         groups: dict = defaultdict(list)
         for r, e in at.items():
             groups[None if e is None else (e.signature(), e.shape if channel is not None else None)].append(r)
-        sides = sorted(((tuple(rs), at[rs[0]]) for rs in groups.values()), key=lambda s: (len(s[0]), s[0]))
+        # the odd ones out first, ranks without the call last
+        sides = sorted(((tuple(rs), at[rs[0]]) for rs in groups.values()), key=lambda s: (s[1] is None, len(s[0]), s[0]))
         order = min(e.seq for e in at.values() if e is not None)
         return Divergence(group, call, tuple(sides), order, channel)
     return None
