@@ -98,44 +98,60 @@ class FlightRecorder:
         self.capacity = capacity
         self._buf: list = [None] * capacity
         self._seq = 0
-        self._streams: dict = defaultdict(int)
-        self._groups: dict = {}  # id(pg) -> (pg, name, ranks); keeps pg alive so ids are not reused
+        self._streams: dict = {}
+        # id(pg) -> pg: keeps every recorded group alive, so that an id is never reused while
+        # it names a stream; the group's ranks and name are looked up only when read.
+        self._pgs: dict = {}
+        self._groups: dict = {}
         self._lock = threading.Lock()
 
-    def _group(self, pg):
-        if pg is None:
-            return "", None
-        hit = self._groups.get(id(pg))
-        if hit is None:
-            try:
-                ranks = tuple(dist.get_process_group_ranks(pg))
-            except Exception:  # a group torch no longer knows (destroyed): keep the record anyway
-                ranks = None
-            hit = self._groups[id(pg)] = (pg, getattr(pg, "group_name", ""), ranks)
-        return hit[1], hit[2]
-
     def record(self, op, api, phase, group_size, pg=None, shape=None, sizes=None, peer=None) -> None:
-        """Append one collective (called by :func:`shardkit.comm.ledger.record`)."""
-        name, ranks = self._group(pg)
-        src = dst = None
-        if op in _P2P and peer is not None and pg is not None:
-            me = pg.rank()
-            src, dst = (me, peer) if op == "send" else (peer, me)
-        key = (name, ranks or group_size, src, dst)
-        shape = tuple(shape) if shape is not None else None
-        sizes = tuple(sizes) if sizes is not None else None
+        """Append one collective (called by :func:`shardkit.comm.ledger.record`).
+
+        The hot path stores references only (``shape`` a ``torch.Size`` or tuple, ``sizes`` a
+        list the op no longer changes); everything else is derived when the entries are read.
+        """
+        gid = group_size if pg is None else id(pg)
+        if pg is not None and gid not in self._pgs:
+            self._pgs[gid] = pg
+        key = gid if peer is None else (gid, peer, op)  # P2P: one stream per peer and direction
         with self._lock:
-            gseq = self._streams[key]
-            self._streams[key] = gseq + 1
-            self._buf[self._seq % self.capacity] = (self._seq, gseq, op, api, phase, ranks, name, shape, sizes, peer, src, dst)
-            self._seq += 1
+            n = self._streams.get(key, 0)
+            self._streams[key] = n + 1
+            seq = self._seq
+            self._buf[seq % self.capacity] = (seq, n, op, api, phase, gid, shape, sizes, peer)
+            self._seq = seq + 1
+
+    def _group(self, gid):
+        """``(name, global ranks, this process's group rank)`` of a recorded group id."""
+        hit = self._groups.get(gid)
+        if hit is None:
+            pg = self._pgs.get(gid)
+            if pg is None:  # recorded without its group: only the size is known
+                hit = ("", None, None)
+            else:
+                try:
+                    ranks = tuple(dist.get_process_group_ranks(pg))
+                except Exception:  # a group torch no longer knows (destroyed): keep the record anyway
+                    ranks = None
+                hit = (getattr(pg, "group_name", ""), ranks, pg.rank())
+            self._groups[gid] = hit
+        return hit
 
     def entries(self) -> list[FlightEntry]:
         """The kept entries, oldest first."""
         with self._lock:
             n, cap = self._seq, self.capacity
             raw = [self._buf[i % cap] for i in range(max(0, n - cap), n)]
-        return [FlightEntry(*r) for r in raw]
+        out = []
+        for seq, gseq, op, api, phase, gid, shape, sizes, peer in raw:
+            name, ranks, me = self._group(gid)
+            src = dst = None
+            if peer is not None and me is not None:
+                src, dst = (me, peer) if op == "send" else (peer, me)
+            out.append(FlightEntry(seq, gseq, op, api, phase, ranks, name, None if shape is None else tuple(shape),
+                                   None if sizes is None else tuple(sizes), peer, src, dst))
+        return out
 
     @property
     def total(self) -> int:
