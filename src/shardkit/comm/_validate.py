@@ -31,15 +31,33 @@ def enter(x, group, op: str) -> GroupInfo:
     return resolve_group(group, op)
 
 
-def maybe_agree(g: GroupInfo, op: str, x: torch.Tensor, args=(), local_dim=None, expected_local=None):
+def maybe_agree(g: GroupInfo, op: str, x: torch.Tensor, args=(), local_dim=None, expected_local=None, error=None):
     """Cross-rank metadata agreement when the check mode is on (see :mod:`.checks`).
 
     Returns every rank's size along ``local_dim`` as the agreed table holds it (so that an op
     without ``sizes=`` need not gather them a second time), or None when nothing was agreed.
+    ``error``: this rank's local check error (from :func:`local_checks`), raised on every rank.
     """
     if checks_enabled() and g.size > 1:
-        return agree(g, op, x, tuple(_int_args(args)), local_dim, expected_local)
+        return agree(g, op, x, tuple(_int_args(args)) if error is None else (), local_dim, expected_local, error)
+    if error is not None:
+        raise error
     return None
+
+
+def local_checks(g: GroupInfo, fn):
+    """``(fn(), None)``, or in check mode ``(None, error)`` when ``fn`` raises a ShardkitError.
+
+    Checks of this rank's own tensors can fail on one rank only. In check mode the error is
+    handed to :func:`maybe_agree` instead of raised, so that every rank raises it; otherwise
+    it is raised here as before.
+    """
+    try:
+        return fn(), None
+    except ShardkitError as exc:
+        if not (checks_enabled() and g.size > 1):
+            raise
+        return None, exc
 
 
 def _int_args(args):
@@ -141,4 +159,4 @@ def grad_scale_factor(grad_scale, x: torch.Tensor, g: GroupInfo, op: str) -> flo
     return None
 
 
-__all__ = ["enter", "maybe_agree", "gather_sizes", "gather_ints", "expected_size", "dim_of", "local_sizes", "full_sizes", "grad_scale_factor", "balanced_split_sizes"]
+__all__ = ["enter", "maybe_agree", "local_checks", "gather_sizes", "gather_ints", "expected_size", "dim_of", "local_sizes", "full_sizes", "grad_scale_factor", "balanced_split_sizes"]

@@ -23,7 +23,7 @@ import zlib
 
 import torch
 
-from ..errors import RankMismatchError
+from ..errors import GroupMembershipError, RankMismatchError, ShardkitError, ShardkitTypeError
 from . import ledger
 from ._compat import all_gather_single
 from ._group import GroupInfo
@@ -40,8 +40,10 @@ _DTYPES = [
 _MAX_DIMS = 16
 _MAX_ARGS = 12
 _OP_WORDS = 5  # the op's name, up to 40 ASCII bytes, as 5 int64 (so every rank can print every name)
-# op name, dtype, ndim, 16 shape entries, 12 argument ints, local size, expected size
-_ROW = _OP_WORDS + 2 + _MAX_DIMS + _MAX_ARGS + 2
+# op name, dtype, ndim, 16 shape entries, 12 argument ints, error type, error length, local size, expected size
+_ROW = _OP_WORDS + 2 + _MAX_DIMS + _MAX_ARGS + 4
+_ERRORS = (ShardkitError, ShardkitTypeError, RankMismatchError, GroupMembershipError)  # code = index + 1
+_AGREED = "; the check mode raised it on every rank)"
 
 
 def _op_words(op: str) -> list[int]:
@@ -94,6 +96,7 @@ def agree(
     args: tuple[int, ...] = (),
     local_dim: int | None = None,
     expected_local: int | None = None,
+    error: Exception | None = None,
 ) -> list[int] | None:
     """All-gather metadata and raise :class:`RankMismatchError` on every rank on disagreement.
 
@@ -106,6 +109,9 @@ def agree(
             shape comparison), or None.
         expected_local: the size this op expects on this rank along ``local_dim``; None means
             any size (the op learns the sizes).
+        error: a ShardkitError this rank's local checks raised (they ran first, so that an
+            error seen by one rank only becomes the same error on every rank: the first
+            flagged rank's, after one more small all-gather of its message).
 
     Returns:
         Every rank's size along ``local_dim`` (None without ``local_dim``).
@@ -117,12 +123,14 @@ def agree(
         shape[local_dim] = -1
     row = [*_op_words(op), _dtype_code(x.dtype), x.dim(), *(shape + [-2] * _MAX_DIMS)[:_MAX_DIMS]]
     row += _arg_ints(args)
-    row += [local, -1 if expected_local is None else expected_local]
+    message = b"" if error is None else _message(error, g).encode()
+    row += [_error_code(error), len(message), local, -1 if expected_local is None else expected_local]
     mine = torch.tensor(row, dtype=torch.int64, device=x.device)
     table = mine.new_empty(g.size * _ROW)
     ledger.record("metadata_all_gather", op, "check", g.size, mine.nbytes, table.nbytes, pg=g.pg, shape=(_ROW,))
     all_gather_single(table, mine, group=g.pg)
     rows = table.view(g.size, _ROW).tolist()
+    _raise_agreed_error(op, g, rows, message, x.device)
     _raise_on_mismatch(op, g, rows)
     return [row[-2] for row in rows] if local_dim is not None else None
 
@@ -131,7 +139,7 @@ def _raise_on_mismatch(op: str, g: GroupInfo, rows: list[list[int]]) -> None:
     names = ("op", "dtype", "ndim", "shape", "arguments")
     o = _OP_WORDS
     op = _op_name(rows[0][:o])  # rank 0's: the message must be identical on every rank
-    spans = ((0, o), (o, o + 1), (o + 1, o + 2), (o + 2, o + 2 + _MAX_DIMS), (o + 2 + _MAX_DIMS, _ROW - 2))
+    spans = ((0, o), (o, o + 1), (o + 1, o + 2), (o + 2, o + 2 + _MAX_DIMS), (o + 2 + _MAX_DIMS, _ROW - 4))
     for name, (lo, hi) in zip(names, spans):
         ref = rows[0][lo:hi]
         bad = [r for r in range(g.size) if rows[r][lo:hi] != ref]
@@ -149,6 +157,43 @@ def _raise_on_mismatch(op: str, g: GroupInfo, rows: list[list[int]]) -> None:
                 f"{op}: local sizes of the sharded dim are {locals_} but the op expects {expected} "
                 f"in a group of {g.size} (offending ranks {bad})"
             )
+
+
+def _error_code(error) -> int:
+    if error is None:
+        return 0
+    for i in reversed(range(len(_ERRORS))):  # most specific first
+        if isinstance(error, _ERRORS[i]):
+            return i + 1
+    return 1
+
+
+def _message(error, g: GroupInfo) -> str:
+    text = str(error)
+    if text.endswith(_AGREED):  # already agreed in another group (a 2-D mesh): pass it on as it is
+        return text
+    return f"{text} (raised on rank {g.rank} of {g.size}{_AGREED}"
+
+
+def _raise_agreed_error(op: str, g: GroupInfo, rows: list[list[int]], message: bytes, device) -> None:
+    """If any rank flagged a local error, raise the first flagged rank's on every rank.
+
+    The decision is a function of the agreed table, so every rank takes the same branch (and
+    the one extra all-gather, of the message bytes padded to the longest).
+    """
+    flagged = [r for r in range(g.size) if rows[r][-4] > 0]
+    if not flagged:
+        return
+    width = max(rows[r][-3] for r in flagged)
+    mine = torch.zeros(width, dtype=torch.uint8, device=device)
+    if message:
+        mine[: len(message)] = torch.frombuffer(bytearray(message[:width]), dtype=torch.uint8)
+    table = mine.new_empty(g.size * width)
+    ledger.record("metadata_all_gather", op, "check", g.size, mine.nbytes, table.nbytes, pg=g.pg, shape=(width,))
+    all_gather_single(table, mine, group=g.pg)
+    first = flagged[0]
+    text = bytes(table.view(g.size, width)[first, : rows[first][-3]].tolist()).decode(errors="replace")
+    raise _ERRORS[rows[first][-4] - 1](text)
 
 
 def _describe(name: str, values: list[int]) -> str:

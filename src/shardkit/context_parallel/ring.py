@@ -261,11 +261,15 @@ def ring_attention(q, k, v, group, *, causal: bool, scale=None, layout: str = "z
     accumulation dtype). Nothing for ``R = 1``. The same with ``cu_seqlens``: every block
     travels the whole ring, skipped or not.
     """
-    g, cu, seq_len = _validate(q, k, v, group, causal, scale, cu_seqlens, seq_len, op=_OP)
-    if layout not in LAYOUTS:
-        raise ShardkitError(f"{_OP}: layout must be one of {LAYOUTS}, got {layout!r} (group of {g.size})")
-    if not isinstance(overlap, bool):
-        raise ShardkitTypeError(f"{_OP}: overlap must be a bool, got {overlap!r}")
+    def ring_args(g):
+        if layout not in LAYOUTS:
+            raise ShardkitError(f"{_OP}: layout must be one of {LAYOUTS}, got {layout!r} (group of {g.size})")
+        if not isinstance(overlap, bool):
+            raise ShardkitTypeError(f"{_OP}: overlap must be a bool, got {overlap!r}")
+
+    g, cu, seq_len, error = _validate(q, k, v, group, causal, scale, cu_seqlens, seq_len, op=_OP, extra=ring_args)
+    if error is not None:
+        maybe_agree(g, _OP, q, local_dim=1, error=error)  # the same error on every rank
     args = (q.shape[2], k.shape[2], q.shape[3], v.shape[3], int(causal), scale, seq_len, LAYOUTS.index(layout), cu)
     if seq_len is None:
         # Learned: one metadata all-gather (or the check mode's table); every rank then checks

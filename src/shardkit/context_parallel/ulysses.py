@@ -26,7 +26,7 @@ import torch
 from .._shapes import balanced_split_sizes
 from ..comm import _c10d
 from ..comm._group import GroupInfo
-from ..comm._validate import enter, gather_sizes, maybe_agree
+from ..comm._validate import enter, gather_sizes, local_checks, maybe_agree
 from ..errors import ShardkitError, ShardkitTypeError
 from ._attention import local_attention
 from ._sizes import HeadPlan, check_cu_seqlens, ulysses_head_plan
@@ -120,9 +120,28 @@ def _scatter(tensors: dict, parts: str, g: GroupInfo, plan: HeadPlan, n: int, n_
     return out
 
 
-def _validate(q, k, v, group, causal, scale, cu_seqlens, seq_len, op=_OP):
-    """Every check is a function of metadata all ranks share, except the local length (shared with ring attention)."""
+def _validate(q, k, v, group, causal, scale, cu_seqlens, seq_len, op=_OP, extra=None):
+    """Resolve the group and run the local checks (shared with ring and USP attention).
+
+    Returns ``(g, cu, seq_len, error)``: ``error`` is a local check's ShardkitError in check mode
+    (the caller hands it to the agreement, which raises it on every rank), else None (outside
+    check mode it is raised here). ``extra``: more local checks of the caller, run after these.
+    """
     g = enter(q, group, op)
+
+    def checks():
+        out = _check_local(q, k, v, g, causal, scale, cu_seqlens, seq_len, op)
+        if extra is not None:
+            extra(g)
+        return out
+
+    result, error = local_checks(g, checks)
+    cu, seq_len = result if error is None else (None, None)
+    return g, cu, seq_len, error
+
+
+def _check_local(q, k, v, g, causal, scale, cu_seqlens, seq_len, op):
+    """The checks of this rank's own tensors and arguments: ``(cu, seq_len)`` or a ShardkitError."""
     for name, t in (("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise ShardkitTypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -150,7 +169,7 @@ def _validate(q, k, v, group, causal, scale, cu_seqlens, seq_len, op=_OP):
     if cu_seqlens is not None:
         cu = check_cu_seqlens(cu_seqlens, op, total=seq_len)
         seq_len = cu[-1]
-    return g, cu, seq_len  # seq_len None: neither given, the op learns the local lengths
+    return cu, seq_len  # seq_len None: neither given, the op learns the local lengths
 
 
 def ulysses_attention(q, k, v, group, *, causal: bool, scale=None, cu_seqlens=None, seq_len=None) -> torch.Tensor:
@@ -187,7 +206,9 @@ def ulysses_attention(q, k, v, group, *, causal: bool, scale=None, cu_seqlens=No
     Communication (the ledger's ``api="ulysses_attention"``): forward 2 ``all_to_all_single``
     (q, k, v together; output back), backward 2; one more each way when ``Dv != D``.
     """
-    g, cu, seq_len = _validate(q, k, v, group, causal, scale, cu_seqlens, seq_len)
+    g, cu, seq_len, error = _validate(q, k, v, group, causal, scale, cu_seqlens, seq_len)
+    if error is not None:
+        maybe_agree(g, _OP, q, local_dim=1, error=error)  # the same error on every rank
     n, n_kv, d, dv = q.shape[2], k.shape[2], q.shape[3], v.shape[3]
     args = (n, n_kv, d, dv, int(causal), scale, seq_len, cu)
     if seq_len is None:

@@ -85,6 +85,25 @@ def _ring_kv(k, kv_index):
     return k.index_select(2, torch.tensor(kv_index, dtype=torch.int64, device=k.device))
 
 
+def _agree_both(g_uly, g_ring, q, args, expected, error):
+    """Check mode: agree over the Ulysses dim, then over the ring dim, so that every rank of the
+    2-D mesh has seen the same arguments before any data moves. A disagreement (or a local
+    error) found in the first is carried into the second, and raised only after both: a rank
+    raising early would leave its ring peers waiting. Returns the Ulysses blocks' sizes."""
+    known = None
+    try:
+        known = maybe_agree(g_uly, _OP, q, args, local_dim=1, expected_local=expected, error=error)
+    except ShardkitError as exc:
+        error = exc
+    try:
+        maybe_agree(g_ring, _OP, q, args, local_dim=1, expected_local=expected, error=error)
+    except ShardkitError as exc:
+        error = error or exc
+    if error is not None:
+        raise error
+    return known
+
+
 def usp_attention(q, k, v, mesh, *, causal: bool, scale=None, seq_len=None, cu_seqlens=None, ring_dim: str = "cp_ring",
                   ulysses_dim: str = "cp_ulysses"):
     """All-to-all over ``ulysses_dim``, ring attention over ``ring_dim``, all-to-all back; reversed in backward.
@@ -120,16 +139,20 @@ def usp_attention(q, k, v, mesh, *, causal: bool, scale=None, seq_len=None, cu_s
     """
     g_ring, g_uly = _submeshes(mesh, ring_dim, ulysses_dim)
     R, U = g_ring.size, g_uly.size
-    _, cu, seq_len = _validate(q, k, v, mesh[ulysses_dim], causal, scale, cu_seqlens, seq_len, op=_OP)
+
+    def heads(g):
+        if q.shape[2] < U:
+            raise ShardkitError(f"{_OP}: {q.shape[2]} query heads cannot be split over {U} Ulysses ranks (need N >= U)")
+
+    _, cu, seq_len, error = _validate(q, k, v, mesh[ulysses_dim], causal, scale, cu_seqlens, seq_len, op=_OP, extra=heads)
+    if error is not None:
+        _agree_both(g_uly, g_ring, q, (), None, error)  # raises the same error on every rank
     n, n_kv, d, dv = q.shape[2], k.shape[2], q.shape[3], v.shape[3]
     args = (n, n_kv, d, dv, int(causal), scale, seq_len, cu)
-    # Check mode: agree over both mesh dims, so that every rank of the 2-D mesh has seen the
-    # same arguments before any data moves (the ring dim alone would miss a Ulysses peer).
     if seq_len is None:
         # Learned, one metadata all-gather per mesh dim: the Ulysses blocks of this ring part
         # (any contiguous split), then the ring parts, which must be the zigzag layout of S.
-        seq_sizes = gather_sizes(q, g_uly, 1, _OP, maybe_agree(g_uly, _OP, q, args, local_dim=1))
-        maybe_agree(g_ring, _OP, q, args, local_dim=1)
+        seq_sizes = gather_sizes(q, g_uly, 1, _OP, _agree_both(g_uly, g_ring, q, args, None, None))
         parts = gather_ints(sum(seq_sizes), g_ring, _OP, q.device)
         seq_len = sum(parts)
         expected = zigzag_local_sizes(seq_len, R)
@@ -142,16 +165,13 @@ def usp_attention(q, k, v, mesh, *, causal: bool, scale=None, seq_len=None, cu_s
     else:
         sizes = usp_local_sizes(seq_len, R, U) if cu is None else usp_packed_local_sizes(cu, R, U)
         seq_sizes = sizes[g_ring.rank]
-        maybe_agree(g_uly, _OP, q, args, local_dim=1, expected_local=seq_sizes[g_uly.rank])
-        maybe_agree(g_ring, _OP, q, args, local_dim=1, expected_local=seq_sizes[g_uly.rank])
+        _agree_both(g_uly, g_ring, q, args, seq_sizes[g_uly.rank], None)
         if q.shape[1] != seq_sizes[g_uly.rank]:
             raise ShardkitError(
                 f"{_OP}: rank ({g_ring.rank}, {g_uly.rank}) of the {R}x{U} mesh holds {q.shape[1]} tokens, but S = {seq_len} "
                 f"{'' if cu is None else f'({len(cu) - 1} documents) '}gives it {seq_sizes[g_uly.rank]} ({sizes}); "
                 "leave seq_len= out to learn S"
             )
-    if n < U:
-        raise ShardkitError(f"{_OP}: {n} query heads cannot be split over {U} Ulysses ranks (need N >= U)")
     plan = ulysses_head_plan(n, n_kv, U)
     named = {"q": q, "k": k, "v": v}
     if U == 1:
