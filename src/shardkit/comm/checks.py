@@ -9,11 +9,14 @@ rank then inspects the same table and raises the same :class:`RankMismatchError`
 
 Enable with ``shardkit.comm.checks(True)`` (also usable as ``with checks(True): ...``) or by
 setting ``SHARDKIT_CHECKS=1`` before import. Cost: one metadata all-gather of
-``R x 37`` int64 per forward op (measured by ``benchmarks/bench_check_mode.py``).
+``R x 39`` int64 per forward op (measured by ``benchmarks/bench_reliability.py``).
 
 The row holds the op's identity, so two different ops never agree. Without explicit sizes an
 op's local sizes may differ across ranks (uneven shards are learned, not assumed): then the
-agreed table *is* the size metadata, and the op needs no second collective for it.
+agreed table *is* the size metadata, and the op needs no second collective for it. A local
+check that failed on one rank only (its own tensors) is flagged in the row and raised on every
+rank, with one more all-gather of its message. Whether to check is a process setting read at
+each call: every rank must set it alike (nothing here caches "already checked" per rank).
 """
 
 from __future__ import annotations
