@@ -156,7 +156,9 @@ def test_ledger_counts_all_gather_and_reduce_scatter(sizes):
     assert ledger.count(api="all_gather", phase="forward") == 1
     assert ledger.count(api="all_gather", phase="backward") == 1
     assert ledger.count(op=prim_f, phase="forward") == 1 and ledger.count(op=prim_b, phase="backward") == 1
-    assert ledger.count() == 2
+    # without sizes, one metadata all-gather learns them; with sizes, none
+    assert ledger.count(op="metadata_all_gather", phase="metadata") == (1 if sizes is None else 0)
+    assert ledger.count() == 2 + (sizes is None)
     assert ledger.bytes_received(phase="forward") == 2 * 4 * 3 * 8  # the gathered [2, 4, 3] float64
 
 

@@ -14,6 +14,7 @@ from shardkit import (
     ShardkitError,
     ShardkitTypeError,
     all_gather,
+    all_reduce_backward,
     all_reduce_forward,
     all_to_all,
     gather_forward_split_backward,
@@ -116,7 +117,8 @@ def _rank_dependent_cases():
         "trailing_shape_mismatch": ("shape", lambda: all_gather(torch.zeros(2, 3 + r), G(), 0)),
         "ndim_mismatch": ("ndim", lambda: all_gather(torch.zeros(*([2] * (2 + r))), G(), 0)),
         "local_size_vs_sizes": ("expects", lambda: all_gather(torch.zeros(2, 3), G(), 0, sizes=[2, 1] + [0] * (world_size() - 2))),
-        "unequal_sizes_without_sizes": ("must be equal", lambda: gather_forward_split_backward(torch.zeros(1 + r, 3), G(), 0)),
+        # Megatron's f on one rank, g on the other: same shapes, different ops
+        "op_identity": ("disagree on op", lambda: (all_reduce_backward if r else all_reduce_forward)(torch.zeros(3), G())),
         "gather_size_vs_local": ("expects", lambda: all_to_all(torch.zeros(2, 2 + (r == 1), 4), G(), 2, 1, gather_size=4 + world_size())),
         "argument_mismatch": ("arguments", lambda: reduce_scatter(torch.zeros(4, 4), G(), dim=r % 2)),
     }
@@ -124,7 +126,7 @@ def _rank_dependent_cases():
 
 @pytest.mark.world(2)
 @pytest.mark.parametrize("case", ["dtype_mismatch", "trailing_shape_mismatch", "ndim_mismatch", "local_size_vs_sizes",
-                                  "unequal_sizes_without_sizes", "gather_size_vs_local", "argument_mismatch"])
+                                  "op_identity", "gather_size_vs_local", "argument_mismatch"])
 def test_cross_rank_mismatch_caught_by_check_mode(case):
     fragment, fn = _rank_dependent_cases()[case]
     with checks(True):

@@ -281,15 +281,3 @@ def test_bad_input_raises_on_every_rank(case):
     t = torch.ones(1)
     dist.all_reduce(t, group=world_group())
     assert t.item() == world_size()
-
-
-@pytest.mark.world(2)
-def test_uneven_without_seq_len_is_caught_by_check_mode():
-    """S = 7 over 2 ranks without seq_len: each rank's default S differs; check mode agrees first."""
-    from shardkit import RankMismatchError
-    from shardkit.comm import checks
-
-    n_r = balanced_split_sizes(7, 2)[rank()]
-    q = torch.zeros(1, n_r, 2, 4)
-    with checks(True), pytest.raises(RankMismatchError, match="disagree"):
-        ulysses_attention(q, q, q, world_group(), causal=True)

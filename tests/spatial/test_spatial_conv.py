@@ -243,7 +243,8 @@ def test_ledger_conv_forward_backward_exact():
     assert ledger.count(op="all_to_all_single", api="spatial_conv2d", phase="forward") == 1
     assert ledger.count(op="all_to_all_single", api="spatial_conv2d", phase="backward") == 1
     assert ledger.count(op="all_reduce", api="spatial_conv2d", phase="backward") == 1  # weight + bias fused
-    assert ledger.count() == 3
+    assert ledger.count(op="metadata_all_gather", phase="metadata") == 1  # no sizes=: learned
+    assert ledger.count() == 4
     column = 2 * 3 * 5 * 8  # one W column of [B=2, C=3, H=5] float64: the neighbour's border
     assert ledger.bytes_received(op="all_to_all_single", phase="forward") == column
     assert ledger.bytes_sent(op="all_to_all_single", phase="backward") == column
@@ -268,7 +269,7 @@ def test_ledger_conv_variants():
     # no autograd: one forward exchange only
     with CommLedger() as ledger, torch.no_grad():
         spatial_conv2d(torch.randn(1, 3, 4, 4), torch.randn(2, 3, 3, 3), None, world_group(), 3, padding=1)
-    assert ledger.count() == 1
+    assert ledger.count() == 2 and ledger.count(phase="metadata") == 1
 
 
 # ---------------------------------------------------------------- layers

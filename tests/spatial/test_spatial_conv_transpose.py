@@ -177,7 +177,8 @@ def test_ledger_conv_transpose_forward_backward_exact():
     assert ledger.count(op="all_to_all_single", api=api, phase="forward") == 1
     assert ledger.count(op="all_to_all_single", api=api, phase="backward") == 1
     assert ledger.count(op="all_reduce", api=api, phase="backward") == 1  # weight + bias fused
-    assert ledger.count() == 3
+    assert ledger.count(op="metadata_all_gather", phase="metadata") == 1  # no sizes=: learned
+    assert ledger.count() == 4
     column = 2 * 3 * 5 * 8  # one W column of [B=2, C=3, H=5] float64
     assert ledger.bytes_received(op="all_to_all_single", phase="forward") == column
     assert ledger.bytes_sent(op="all_reduce") == (3 * 4 * 3 * 4 + 4) * 8

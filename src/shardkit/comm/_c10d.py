@@ -133,8 +133,8 @@ def _unpack(buf: torch.Tensor, out_shape: list[int], dim: int, sizes: list[int])
 def all_reduce(x: torch.Tensor, g: GroupInfo, api: str, phase: str) -> torch.Tensor:
     """Sum of ``x`` over the group, in a new contiguous tensor."""
     out = x.clone(memory_format=torch.contiguous_format)
+    ledger.record("all_reduce", api, phase, g.size, out.nbytes, out.nbytes, pg=g.pg, shape=out.shape)
     dist.all_reduce(out, group=g.pg)
-    ledger.record("all_reduce", api, phase, g.size, out.nbytes, out.nbytes)
     return out
 
 
@@ -145,13 +145,13 @@ def all_gather(x: torch.Tensor, g: GroupInfo, dim: int, sizes: list[int], api: s
     src = x.contiguous()
     buf = x.new_empty(sum(blocks))
     if len(set(sizes)) == 1:
+        ledger.record("all_gather_single", api, phase, g.size, src.nbytes, buf.nbytes, pg=g.pg, shape=x.shape, sizes=sizes)
         all_gather_single(buf, src.reshape(-1), group=g.pg)
-        ledger.record("all_gather_single", api, phase, g.size, src.nbytes, buf.nbytes)
     else:
         # Uneven: send the whole local block to every rank, receive block r from rank r.
         send = src.reshape(-1).repeat(g.size)  # (an expand + reshape of an empty tensor is not contiguous)
+        ledger.record("all_to_all_single", api, phase, g.size, send.nbytes, buf.nbytes, pg=g.pg, shape=x.shape, sizes=sizes)
         dist.all_to_all_single(buf, send, output_split_sizes=blocks, input_split_sizes=[src.numel()] * g.size, group=g.pg)
-        ledger.record("all_to_all_single", api, phase, g.size, send.nbytes, buf.nbytes)
     return _unpack(buf, out_shape, dim, sizes)
 
 
@@ -161,15 +161,15 @@ def reduce_scatter(x: torch.Tensor, g: GroupInfo, dim: int, sizes: list[int], ap
     send = _pack(x, dim, sizes)
     if len(set(sizes)) == 1:
         out = x.new_empty(out_shape)
+        ledger.record("reduce_scatter_single", api, phase, g.size, send.nbytes, out.nbytes, pg=g.pg, shape=x.shape, sizes=sizes)
         reduce_scatter_single(out.view(-1), send, group=g.pg)
-        ledger.record("reduce_scatter_single", api, phase, g.size, send.nbytes, out.nbytes)
         return out
     # Uneven: every rank sends block j to rank j, then sums the R blocks it received. Same
     # traffic as a ring reduce-scatter, and gloo has no uneven reduce-scatter.
     blocks = [math.prod(_with_dim(x.shape, dim, s)) for s in sizes]
     recv = x.new_empty(g.size * blocks[g.rank])
+    ledger.record("all_to_all_single", api, phase, g.size, send.nbytes, recv.nbytes, pg=g.pg, shape=x.shape, sizes=sizes)
     dist.all_to_all_single(recv, send, output_split_sizes=[blocks[g.rank]] * g.size, input_split_sizes=blocks, group=g.pg)
-    ledger.record("all_to_all_single", api, phase, g.size, send.nbytes, recv.nbytes)
     return recv.view(g.size, *out_shape).sum(0)
 
 
@@ -194,8 +194,8 @@ def all_to_all(
     local = _with_dim(x.shape, scatter_dim, scatter_sizes[r])  # what every source sends to us
     out_splits = [math.prod(_with_dim(local, gather_dim, s)) for s in gather_sizes]
     recv = x.new_empty(sum(out_splits))
+    ledger.record("all_to_all_single", api, phase, g.size, send.nbytes, recv.nbytes, pg=g.pg, shape=x.shape, sizes=gather_sizes)
     dist.all_to_all_single(recv, send, output_split_sizes=out_splits, input_split_sizes=in_splits, group=g.pg)
-    ledger.record("all_to_all_single", api, phase, g.size, send.nbytes, recv.nbytes)
     return _unpack(recv, _with_dim(local, gather_dim, sum(gather_sizes)), gather_dim, gather_sizes)
 
 
@@ -205,13 +205,15 @@ def local_split(x: torch.Tensor, g: GroupInfo, dim: int, sizes: list[int]) -> to
     return x.narrow(dim, off, sizes[g.rank]).clone(memory_format=torch.contiguous_format)
 
 
-def all_to_all_flat(send: torch.Tensor, in_splits: list[int], out_splits: list[int], g: GroupInfo, api: str, phase: str) -> torch.Tensor:
+def all_to_all_flat(send: torch.Tensor, in_splits: list[int], out_splits: list[int], g: GroupInfo, api: str, phase: str,
+                    shape=None) -> torch.Tensor:
     """One ``all_to_all_single`` on flat, already packed buffers (element counts per rank).
 
     For callers that pack their own send buffer in a layout no dim-based helper describes
-    (e.g. Ulysses attention sending each rank a different subset of heads).
+    (e.g. Ulysses attention sending each rank a different subset of heads). ``shape``: the
+    logical local shape, for the flight recorder.
     """
     recv = send.new_empty(sum(out_splits))
+    ledger.record("all_to_all_single", api, phase, g.size, send.nbytes, recv.nbytes, pg=g.pg, shape=shape or send.shape)
     dist.all_to_all_single(recv, send, output_split_sizes=out_splits, input_split_sizes=in_splits, group=g.pg)
-    ledger.record("all_to_all_single", api, phase, g.size, send.nbytes, recv.nbytes)
     return recv

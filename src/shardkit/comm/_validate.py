@@ -7,11 +7,16 @@ on this rank's own shape come last, so with checks on they never fire before the
 
 from __future__ import annotations
 
+import struct
+import zlib
+
 import torch
 
 from .._shapes import balanced_split_sizes, check_split_sizes, normalize_dim
 from ..errors import ShardkitError, ShardkitTypeError
 from ._group import GroupInfo, resolve_group
+from . import ledger
+from ._compat import all_gather_single
 from .checks import agree, checks_enabled
 
 GRAD_SCALES = (None, "up", "down")
@@ -26,23 +31,81 @@ def enter(x, group, op: str) -> GroupInfo:
     return resolve_group(group, op)
 
 
-def maybe_agree(g: GroupInfo, op: str, x: torch.Tensor, args=(), local_dim=None, expected_local=None) -> None:
-    """Cross-rank metadata agreement when the check mode is on (see :mod:`.checks`)."""
+def maybe_agree(g: GroupInfo, op: str, x: torch.Tensor, args=(), local_dim=None, expected_local=None, error=None):
+    """Cross-rank metadata agreement when the check mode is on (see :mod:`.checks`).
+
+    Returns every rank's size along ``local_dim`` as the agreed table holds it (so that an op
+    without ``sizes=`` need not gather them a second time), or None when nothing was agreed.
+    ``error``: this rank's local check error (from :func:`local_checks`), raised on every rank.
+    """
     if checks_enabled() and g.size > 1:
-        agree(g, op, x, tuple(_int_args(args)), local_dim, expected_local)
+        return agree(g, op, x, tuple(_int_args(args)) if error is None else (), local_dim, expected_local, error)
+    if error is not None:
+        raise error
+    return None
+
+
+def local_checks(g: GroupInfo, fn):
+    """``(fn(), None)``, or in check mode ``(None, error)`` when ``fn`` raises a ShardkitError.
+
+    Checks of this rank's own tensors can fail on one rank only. In check mode the error is
+    handed to :func:`maybe_agree` instead of raised, so that every rank raises it; otherwise
+    it is raised here as before.
+    """
+    try:
+        return fn(), None
+    except ShardkitError as exc:
+        if not (checks_enabled() and g.size > 1):
+            raise
+        return None, exc
 
 
 def _int_args(args):
+    """Every argument as ints, so that ranks agree on all of it: ints as they are, floats by their
+    bits, strings by a checksum, sequences (sizes, kernel, a whole ``cu_seqlens``) as their
+    length and elements."""
     for a in args:
         if a is None:
             yield -3
-        elif isinstance(a, (list, tuple)):
-            yield len(a)
-            yield from (int(v) if isinstance(v, int) else -4 for v in a)
-        elif isinstance(a, int):
+        elif isinstance(a, (bool, int)):
             yield int(a)
+        elif isinstance(a, float):
+            yield struct.unpack("<q", struct.pack("<d", a))[0]
+        elif isinstance(a, str):
+            yield zlib.crc32(a.encode())
+        elif isinstance(a, torch.Tensor) and a.dim() <= 1 and not (a.is_floating_point() or a.is_complex()):
+            values = a.tolist() if a.dim() else [a.item()]
+            yield len(values)
+            yield from (int(v) for v in values)
+        elif isinstance(a, (list, tuple, torch.Size)):
+            yield len(a)
+            yield from _int_args(a)
         else:
             yield -4
+
+
+def gather_sizes(x: torch.Tensor, g: GroupInfo, dim: int, api: str, known=None) -> list[int]:
+    """Every rank's size of ``x`` along ``dim``: one tiny int64 all-gather.
+
+    The metadata step of every op called without its global sizes (ledger op
+    ``metadata_all_gather``, phase ``"metadata"``): each rank learns its peers' sizes instead of
+    assuming they equal its own, so uneven shards just work. ``known`` is the list the check
+    mode's agreement already gathered (no second collective then). Size-1 groups need none.
+    """
+    if known is not None:
+        return list(known)
+    return gather_ints(x.shape[dim], g, api, x.device)
+
+
+def gather_ints(value: int, g: GroupInfo, api: str, device=None) -> list[int]:
+    """``value`` of every rank of the group, in rank order (one int64 all-gather; none when ``R == 1``)."""
+    if g.size == 1:
+        return [int(value)]
+    mine = torch.tensor([value], dtype=torch.int64, device=device)
+    table = mine.new_empty(g.size)
+    ledger.record("metadata_all_gather", api, "metadata", g.size, mine.nbytes, table.nbytes, pg=g.pg, shape=(1,))
+    all_gather_single(table, mine, group=g.pg)
+    return [int(v) for v in table.tolist()]
 
 
 def expected_size(sizes, rank: int):
@@ -57,15 +120,16 @@ def dim_of(x: torch.Tensor, dim: int, op: str) -> int:
     return normalize_dim(dim, x.dim(), op)
 
 
-def local_sizes(x: torch.Tensor, g: GroupInfo, dim: int, sizes, op: str) -> list[int]:
+def local_sizes(x: torch.Tensor, g: GroupInfo, dim: int, sizes, op: str, known=None) -> list[int]:
     """Per-rank sizes of a dim sharded across the group, checked against this rank's block.
 
-    With ``sizes=None`` every rank must hold the same size (it cannot be checked locally; the
-    check mode does it). With explicit sizes, ``sizes[rank]`` must equal the local size.
+    With ``sizes=None`` they are learned with one metadata all-gather (:func:`gather_sizes`;
+    ``known``: the sizes the check mode already agreed on). With explicit sizes, no
+    communication: ``sizes[rank]`` must equal the local size.
     """
     n = x.shape[dim]
     if sizes is None:
-        return [n] * g.size
+        return gather_sizes(x, g, dim, op, known)
     sizes = check_split_sizes(sizes, g.size, None, op)
     if sizes[g.rank] != n:
         raise ShardkitError(
@@ -95,4 +159,4 @@ def grad_scale_factor(grad_scale, x: torch.Tensor, g: GroupInfo, op: str) -> flo
     return None
 
 
-__all__ = ["enter", "maybe_agree", "expected_size", "dim_of", "local_sizes", "full_sizes", "grad_scale_factor", "balanced_split_sizes"]
+__all__ = ["enter", "maybe_agree", "local_checks", "gather_sizes", "gather_ints", "expected_size", "dim_of", "local_sizes", "full_sizes", "grad_scale_factor", "balanced_split_sizes"]

@@ -8,30 +8,25 @@ from .._shapes import balanced_split_sizes
 from ..errors import ShardkitError, ShardkitTypeError
 from . import _c10d
 from ._validate import dim_of, enter, maybe_agree
+from ._validate import gather_sizes as gather_sizes_of
 
 __all__ = ["all_to_all"]
 
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, g, scatter_dim, gather_dim, gather_size):
-        scatter_size = x.shape[scatter_dim]
-        ctx.g, ctx.scatter_dim, ctx.gather_dim, ctx.scatter_size = g, scatter_dim, gather_dim, scatter_size
-        return _c10d.all_to_all(
-            x, g, scatter_dim, gather_dim,
-            balanced_split_sizes(scatter_size, g.size), balanced_split_sizes(gather_size, g.size),
-            "all_to_all", "forward",
-        )
+    def forward(ctx, x, g, scatter_dim, gather_dim, gather_sizes):
+        scatter_sizes = balanced_split_sizes(x.shape[scatter_dim], g.size)
+        ctx.g, ctx.scatter_dim, ctx.gather_dim = g, scatter_dim, gather_dim
+        ctx.scatter_sizes, ctx.gather_sizes = scatter_sizes, gather_sizes
+        return _c10d.all_to_all(x, g, scatter_dim, gather_dim, scatter_sizes, gather_sizes, "all_to_all", "forward")
 
     @staticmethod
     def backward(ctx, grad):
         # The adjoint of an all-to-all is the reverse all-to-all: scatter what was gathered and
-        # gather what was scattered, back to its original global size.
-        g = ctx.g
+        # gather what was scattered, with the forward's split sizes swapped.
         out = _c10d.all_to_all(
-            grad, g, ctx.gather_dim, ctx.scatter_dim,
-            balanced_split_sizes(grad.shape[ctx.gather_dim], g.size), balanced_split_sizes(ctx.scatter_size, g.size),
-            "all_to_all", "backward",
+            grad, ctx.g, ctx.gather_dim, ctx.scatter_dim, ctx.gather_sizes, ctx.scatter_sizes, "all_to_all", "backward",
         )
         return out, None, None, None, None
 
@@ -42,8 +37,10 @@ def all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int, gather
     The Ulysses layout switch: e.g. ``[B, S/R, N, D]`` with ``scatter_dim=2, gather_dim=1`` becomes
     ``[B, S, N/R, D]``. Any pair of distinct dims of any ndim works, aligned or not: the scatter
     dim is split by the balanced rule (:func:`shardkit.balanced_split_sizes`, the first
-    ``N % R`` ranks get one more), and rank ``r`` must hold block ``r`` of the balanced split of
-    ``gather_size`` along ``gather_dim``.
+    ``N % R`` ranks get one more). Along ``gather_dim`` rank ``r`` holds block ``r`` of the
+    gathered dim: of the balanced split of ``gather_size`` when it is given (no metadata
+    traffic), or of any split (uneven, zero sizes) when it is not: the sizes are then learned
+    with one small metadata all-gather (ledger phase ``"metadata"``).
 
     One ``all_to_all_single`` per forward and per backward, no padding and no list all-to-all:
     each side does at most one layout copy, none when its dim is outermost (all dims before it
@@ -55,12 +52,12 @@ def all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int, gather
         group: a ``ProcessGroup`` or 1-D ``DeviceMesh`` of ``R`` ranks.
         scatter_dim: dim to split across ranks.
         gather_dim: dim to concatenate across ranks.
-        gather_size: global size of ``gather_dim`` after the gather; default ``x.shape[gather_dim] * R``
-            (every rank holds the same size).
+        gather_size: global size of ``gather_dim`` after the gather, whose balanced split the
+            ranks hold; None (default) learns every rank's size (one metadata all-gather).
 
     Returns:
         Tensor with ``scatter_dim`` of size ``balanced_split_sizes(S, R)[rank]`` and ``gather_dim``
-        of size ``gather_size``.
+        of size ``gather_size`` (the sum of the ranks' sizes when not given).
 
     Raises:
         ShardkitError: ``scatter_dim == gather_dim``; a dim out of range; ``gather_size`` negative
@@ -78,12 +75,12 @@ def all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int, gather
     expected = None
     if gather_size is not None and gather_size >= 0:
         expected = balanced_split_sizes(gather_size, g.size)[g.rank]
-    maybe_agree(g, op, x, (scatter_dim, gather_dim, gather_size), local_dim=gather_dim, expected_local=expected)
+    known = maybe_agree(g, op, x, (scatter_dim, gather_dim, gather_size), local_dim=gather_dim, expected_local=expected)
     s, d = dim_of(x, scatter_dim, op), dim_of(x, gather_dim, op)
     if s == d:
         raise ShardkitError(f"{op}: scatter_dim and gather_dim must differ, both are {s} (tensor of shape {tuple(x.shape)})")
     if gather_size is None:
-        gather_size = x.shape[d] * g.size
+        gather_sizes = gather_sizes_of(x, g, d, op, known)  # learned: any split, zero sizes included
     elif gather_size < 0:
         raise ShardkitError(f"{op}: gather_size must be >= 0, got {gather_size}")
     elif expected != x.shape[d]:
@@ -91,13 +88,14 @@ def all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int, gather
             f"{op}: rank {g.rank} of {g.size} holds {x.shape[d]} elements along gather_dim {d}, but the balanced "
             f"split of gather_size={gather_size} gives it {expected} ({balanced_split_sizes(gather_size, g.size)})"
         )
+    else:
+        gather_sizes = balanced_split_sizes(gather_size, g.size)
     if g.size == 1:
         return x
     if not (x.requires_grad and torch.is_grad_enabled()):
         # No graph to record (inference, benchmarks, integer metadata): skip the autograd
         # Function's bookkeeping, about a third of the per-call cost at small sizes.
         return _c10d.all_to_all(
-            x, g, s, d, balanced_split_sizes(x.shape[s], g.size), balanced_split_sizes(gather_size, g.size),
-            "all_to_all", "forward",
+            x, g, s, d, balanced_split_sizes(x.shape[s], g.size), gather_sizes, "all_to_all", "forward",
         )
-    return _AllToAll.apply(x, g, s, d, gather_size)
+    return _AllToAll.apply(x, g, s, d, gather_sizes)

@@ -9,16 +9,24 @@ rank then inspects the same table and raises the same :class:`RankMismatchError`
 
 Enable with ``shardkit.comm.checks(True)`` (also usable as ``with checks(True): ...``) or by
 setting ``SHARDKIT_CHECKS=1`` before import. Cost: one metadata all-gather of
-``R x 32`` int64 per forward op.
+``R x 39`` int64 per forward op (measured by ``benchmarks/bench_reliability.py``).
+
+The row holds the op's identity, so two different ops never agree. Without explicit sizes an
+op's local sizes may differ across ranks (uneven shards are learned, not assumed): then the
+agreed table *is* the size metadata, and the op needs no second collective for it. A local
+check that failed on one rank only (its own tensors) is flagged in the row and raised on every
+rank, with one more all-gather of its message. Whether to check is a process setting read at
+each call: every rank must set it alike (nothing here caches "already checked" per rank).
 """
 
 from __future__ import annotations
 
 import os
+import zlib
 
 import torch
 
-from ..errors import RankMismatchError
+from ..errors import GroupMembershipError, RankMismatchError, ShardkitError, ShardkitTypeError
 from . import ledger
 from ._compat import all_gather_single
 from ._group import GroupInfo
@@ -33,7 +41,32 @@ _DTYPES = [
     torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool,
 ]
 _MAX_DIMS = 16
-_ROW = 32  # dtype, ndim, 16 shape entries, up to 12 argument ints, local size, expected size
+_MAX_ARGS = 12
+_OP_WORDS = 5  # the op's name, up to 40 ASCII bytes, as 5 int64 (so every rank can print every name)
+# op name, dtype, ndim, 16 shape entries, 12 argument ints, error type, error length, local size, expected size
+_ROW = _OP_WORDS + 2 + _MAX_DIMS + _MAX_ARGS + 4
+_ERRORS = (ShardkitError, ShardkitTypeError, RankMismatchError, GroupMembershipError)  # code = index + 1
+_AGREED = "; the check mode raised it on every rank)"
+
+
+def _op_words(op: str) -> list[int]:
+    """The op's identity as ints, so that two ops that happen to take the same shapes
+    (``all_reduce_forward`` on one rank, ``all_reduce_backward`` on another) still disagree."""
+    raw = op.encode()[: 8 * _OP_WORDS].ljust(8 * _OP_WORDS, b"\0")
+    return [int.from_bytes(raw[i : i + 8], "little", signed=True) for i in range(0, len(raw), 8)]
+
+
+def _op_name(words: list[int]) -> str:
+    return b"".join(w.to_bytes(8, "little", signed=True) for w in words).rstrip(b"\0").decode(errors="replace")
+
+
+def _arg_ints(args) -> list[int]:
+    """At most ``_MAX_ARGS`` ints: the arguments themselves, or when longer (a whole
+    ``cu_seqlens``, per-rank sizes of a large group) the first ones and a digest of all."""
+    args = [int(a) for a in args]
+    if len(args) <= _MAX_ARGS:
+        return args + [-2] * (_MAX_ARGS - len(args))
+    return args[: _MAX_ARGS - 1] + [zlib.crc32(repr(args).encode())]
 
 
 class checks:
@@ -66,7 +99,8 @@ def agree(
     args: tuple[int, ...] = (),
     local_dim: int | None = None,
     expected_local: int | None = None,
-) -> None:
+    error: Exception | None = None,
+) -> list[int] | None:
     """All-gather metadata and raise :class:`RankMismatchError` on every rank on disagreement.
 
     Args:
@@ -77,27 +111,38 @@ def agree(
         local_dim: the dim whose size may legitimately differ across ranks (masked out of the
             shape comparison), or None.
         expected_local: the size this op expects on this rank along ``local_dim``; None means
-            "the same on every rank".
+            any size (the op learns the sizes).
+        error: a ShardkitError this rank's local checks raised (they ran first, so that an
+            error seen by one rank only becomes the same error on every rank: the first
+            flagged rank's, after one more small all-gather of its message).
+
+    Returns:
+        Every rank's size along ``local_dim`` (None without ``local_dim``).
     """
     shape = list(x.shape)
     local = -1
     if local_dim is not None and -len(shape) <= local_dim < len(shape):
         local = shape[local_dim]
         shape[local_dim] = -1
-    row = [_dtype_code(x.dtype), x.dim(), *(shape + [-2] * _MAX_DIMS)[:_MAX_DIMS]]
-    row += (list(args) + [-2] * 12)[:12]
-    row += [local, -1 if expected_local is None else expected_local]
+    row = [*_op_words(op), _dtype_code(x.dtype), x.dim(), *(shape + [-2] * _MAX_DIMS)[:_MAX_DIMS]]
+    row += _arg_ints(args)
+    message = b"" if error is None else _message(error, g).encode()
+    row += [_error_code(error), len(message), local, -1 if expected_local is None else expected_local]
     mine = torch.tensor(row, dtype=torch.int64, device=x.device)
     table = mine.new_empty(g.size * _ROW)
+    ledger.record("metadata_all_gather", op, "check", g.size, mine.nbytes, table.nbytes, pg=g.pg, shape=(_ROW,))
     all_gather_single(table, mine, group=g.pg)
-    ledger.record("metadata_all_gather", op, "check", g.size, mine.nbytes, table.nbytes)
     rows = table.view(g.size, _ROW).tolist()
+    _raise_agreed_error(op, g, rows, message, x.device)
     _raise_on_mismatch(op, g, rows)
+    return [row[-2] for row in rows] if local_dim is not None else None
 
 
 def _raise_on_mismatch(op: str, g: GroupInfo, rows: list[list[int]]) -> None:
-    names = ("dtype", "ndim", "shape", "arguments")
-    spans = ((0, 1), (1, 2), (2, 2 + _MAX_DIMS), (2 + _MAX_DIMS, _ROW - 2))
+    names = ("op", "dtype", "ndim", "shape", "arguments")
+    o = _OP_WORDS
+    op = _op_name(rows[0][:o])  # rank 0's: the message must be identical on every rank
+    spans = ((0, o), (o, o + 1), (o + 1, o + 2), (o + 2, o + 2 + _MAX_DIMS), (o + 2 + _MAX_DIMS, _ROW - 4))
     for name, (lo, hi) in zip(names, spans):
         ref = rows[0][lo:hi]
         bad = [r for r in range(g.size) if rows[r][lo:hi] != ref]
@@ -108,14 +153,7 @@ def _raise_on_mismatch(op: str, g: GroupInfo, rows: list[list[int]]) -> None:
             )
     locals_ = [row[-2] for row in rows]
     expected = [row[-1] for row in rows]
-    if all(e < 0 for e in expected):
-        bad = [r for r in range(g.size) if locals_[r] != locals_[0]]
-        if bad:
-            raise RankMismatchError(
-                f"{op}: local sizes of the sharded dim must be equal on all {g.size} ranks "
-                f"(no explicit sizes given), got {locals_} (ranks {bad} differ from rank 0)"
-            )
-    else:
+    if any(e >= 0 for e in expected):
         bad = [r for r in range(g.size) if locals_[r] != expected[r]]
         if bad:
             raise RankMismatchError(
@@ -124,7 +162,46 @@ def _raise_on_mismatch(op: str, g: GroupInfo, rows: list[list[int]]) -> None:
             )
 
 
+def _error_code(error) -> int:
+    if error is None:
+        return 0
+    for i in reversed(range(len(_ERRORS))):  # most specific first
+        if isinstance(error, _ERRORS[i]):
+            return i + 1
+    return 1
+
+
+def _message(error, g: GroupInfo) -> str:
+    text = str(error)
+    if text.endswith(_AGREED):  # already agreed in another group (a 2-D mesh): pass it on as it is
+        return text
+    return f"{text} (raised on rank {g.rank} of {g.size}{_AGREED}"
+
+
+def _raise_agreed_error(op: str, g: GroupInfo, rows: list[list[int]], message: bytes, device) -> None:
+    """If any rank flagged a local error, raise the first flagged rank's on every rank.
+
+    The decision is a function of the agreed table, so every rank takes the same branch (and
+    the one extra all-gather, of the message bytes padded to the longest).
+    """
+    flagged = [r for r in range(g.size) if rows[r][-4] > 0]
+    if not flagged:
+        return
+    width = max(rows[r][-3] for r in flagged)
+    mine = torch.zeros(width, dtype=torch.uint8, device=device)
+    if message:
+        mine[: len(message)] = torch.frombuffer(bytearray(message[:width]), dtype=torch.uint8)
+    table = mine.new_empty(g.size * width)
+    ledger.record("metadata_all_gather", op, "check", g.size, mine.nbytes, table.nbytes, pg=g.pg, shape=(width,))
+    all_gather_single(table, mine, group=g.pg)
+    first = flagged[0]
+    text = bytes(table.view(g.size, width)[first, : rows[first][-3]].tolist()).decode(errors="replace")
+    raise _ERRORS[rows[first][-4] - 1](text)
+
+
 def _describe(name: str, values: list[int]) -> str:
+    if name == "op":
+        return _op_name(values)
     if name == "dtype":
         code = values[0]
         return str(_DTYPES[code - 1]) if code > 0 else "unknown"

@@ -112,8 +112,8 @@ def all_gather(x: torch.Tensor, group, dim: int, sizes=None) -> torch.Tensor:
         x: local block ``[..., n_r, ...]`` with ``n_r`` at ``dim``; other dims equal on all ranks.
         group: a ``ProcessGroup`` or 1-D ``DeviceMesh`` of ``R`` ranks.
         dim: dim to concatenate along (negative allowed).
-        sizes: ``n_r`` of every rank (uneven and zero sizes allowed); None means all ranks hold
-            the same size (output size ``n x R``).
+        sizes: ``n_r`` of every rank (uneven and zero sizes allowed). None learns them with one
+            small metadata all-gather (ledger phase ``"metadata"``); pass them to skip it.
 
     Returns:
         ``[..., sum(sizes), ...]`` on every rank, blocks in rank order.
@@ -128,9 +128,9 @@ def all_gather(x: torch.Tensor, group, dim: int, sizes=None) -> torch.Tensor:
     ``all_gather`` and it costs the same as an even gather (DESIGN.md section 3).
     """
     g = enter(x, group, "all_gather")
-    maybe_agree(g, "all_gather", x, (dim, sizes), local_dim=dim, expected_local=expected_size(sizes, g.rank))
+    known = maybe_agree(g, "all_gather", x, (dim, sizes), local_dim=dim, expected_local=expected_size(sizes, g.rank))
     d = dim_of(x, dim, "all_gather")
-    sizes = local_sizes(x, g, d, sizes, "all_gather")
+    sizes = local_sizes(x, g, d, sizes, "all_gather", known)
     return x if g.size == 1 else _AllGather.apply(x, g, d, sizes)
 
 

@@ -16,6 +16,8 @@ import threading
 from collections import defaultdict
 from dataclasses import dataclass
 
+from . import flight_recorder as _flight
+
 __all__ = ["CommLedger", "CommRecord", "record"]
 
 _lock = threading.Lock()
@@ -98,8 +100,19 @@ class CommLedger:
         return dict(table)
 
 
-def record(op: str, api: str, phase: str, group_size: int, bytes_sent: int, bytes_received: int) -> None:
-    """Append one call to every open ledger (a no-op when none is open)."""
+def record(op: str, api: str, phase: str, group_size: int, bytes_sent: int, bytes_received: int, *, pg=None,
+           shape=None, sizes=None, peer: int | None = None) -> None:
+    """Append one call to every open ledger and to the flight recorder.
+
+    Call it just *before* the c10d call it describes, so that a call that never returns is the
+    last entry of the flight recorder (:mod:`.flight_recorder`). The keyword arguments only feed
+    the recorder: ``pg`` the process group (its ranks name the group in a desync report),
+    ``shape`` the local tensor shape, ``sizes`` the per-rank split sizes, ``peer`` the group
+    rank of the other side of a ``send``/``recv``.
+    """
+    rec_ = _flight.current
+    if rec_ is not None:
+        rec_.record(op, api, phase, group_size, pg, shape, sizes, peer)
     if not _open:
         return
     rec = CommRecord(op, api, phase, group_size, bytes_sent, bytes_received)

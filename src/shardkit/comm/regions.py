@@ -104,7 +104,8 @@ def gather_forward_split_backward(x: torch.Tensor, group, dim: int, sizes=None, 
         x: local block ``[..., n_r, ...]``.
         group: a ``ProcessGroup`` or 1-D ``DeviceMesh`` of ``R`` ranks.
         dim: dim to gather (negative allowed).
-        sizes: ``n_r`` of every rank; None means equal sizes on all ranks.
+        sizes: ``n_r`` of every rank (uneven and zero sizes allowed). None learns them with one
+            small metadata all-gather (ledger phase ``"metadata"``); pass them to skip it.
         grad_scale: None, ``"up"`` (x R) or ``"down"`` (/ R) applied to the split gradient;
             see the module docstring for when each is right.
 
@@ -118,8 +119,9 @@ def gather_forward_split_backward(x: torch.Tensor, group, dim: int, sizes=None, 
     """
     op = "gather_forward_split_backward"
     g = enter(x, group, op)
-    maybe_agree(g, op, x, (dim, sizes, _scale_code(grad_scale)), local_dim=dim, expected_local=expected_size(sizes, g.rank))
+    known = maybe_agree(g, op, x, (dim, sizes, _scale_code(grad_scale)), local_dim=dim,
+                        expected_local=expected_size(sizes, g.rank))
     d = dim_of(x, dim, op)
-    sizes = local_sizes(x, g, d, sizes, op)
+    sizes = local_sizes(x, g, d, sizes, op, known)
     factor = grad_scale_factor(grad_scale, x, g, op)
     return x if g.size == 1 else _GatherForwardSplitBackward.apply(x, g, d, sizes, factor)

@@ -46,7 +46,7 @@ from .._shapes import balanced_split_sizes
 from ..comm import ledger
 from ..comm._compat import p2p_op
 from ..comm._group import GroupInfo
-from ..comm._validate import maybe_agree
+from ..comm._validate import gather_sizes, maybe_agree
 from ..errors import ShardkitError, ShardkitTypeError
 from ._blocks import acc_dtype, block_backward, block_forward, merge
 from ._ring_plan import block_plan
@@ -76,14 +76,18 @@ def ring_chunks(layout: str, seq_len: int, world_size: int, rank: int) -> list[t
     return [(rank, 0, balanced_split_sizes(seq_len, world_size)[rank])]
 
 
+def _layout_sizes(layout: str, cu: tuple[int, ...], world_size: int) -> list[int]:
+    """Tokens of every rank in ``layout`` (packed zigzag with several documents)."""
+    return packed_local_sizes(cu, world_size) if layout == "zigzag" else balanced_split_sizes(cu[-1], world_size)
+
+
 class _Ring:
     """The ring neighbours, per-rank block sizes and block plans of one call."""
 
     def __init__(self, g: GroupInfo, layout: str, cu: tuple[int, ...], causal: bool, overlap: bool, shapes):
         self.g, self.layout, self.overlap = g, layout, overlap
         self.nxt, self.prv = (g.rank + 1) % g.size, (g.rank - 1) % g.size
-        sizes = packed_local_sizes(cu, g.size) if layout == "zigzag" else balanced_split_sizes(cu[-1], g.size)
-        self.sizes = sizes
+        self.sizes = _layout_sizes(layout, cu, g.size)
         self.shapes = shapes  # (B, N_kv, D, Dv)
         self.plans = [block_plan(layout, cu, g.size, g.rank, self.src(i), causal, PACKED_MIN_TILE) for i in range(g.size)]
         self._masks: dict = {}
@@ -118,9 +122,11 @@ class _Ring:
         Without ``overlap`` the exchange is waited for at once (the no-overlap baseline).
         """
         ops = [p2p_op(True, t, self.g.pg, self.nxt) for t in sends] + [p2p_op(False, t, self.g.pg, self.prv) for t in recvs]
+        ledger.record("send", _OP, phase, self.g.size, sum(t.nbytes for t in sends), 0, pg=self.g.pg,
+                      shape=sends[0].shape, peer=self.nxt)
+        ledger.record("recv", _OP, phase, self.g.size, 0, sum(t.nbytes for t in recvs), pg=self.g.pg,
+                      shape=recvs[0].shape, peer=self.prv)
         works = dist.batch_isend_irecv(ops)
-        ledger.record("send", _OP, phase, self.g.size, sum(t.nbytes for t in sends), 0)
-        ledger.record("recv", _OP, phase, self.g.size, 0, sum(t.nbytes for t in recvs))
         pending = _Pending(works, recvs, sends)
         if not self.overlap:
             pending.wait()
@@ -225,9 +231,10 @@ def ring_attention(q, k, v, group, *, causal: bool, scale=None, layout: str = "z
         causal: mask keys after each query's global position (within its document when packed).
         scale: softmax scale; None for ``1 / sqrt(D)``.
         layout: ``"zigzag"`` (load-balanced for causal attention) or ``"contiguous"``.
-        seq_len: the global length ``S``; None means ``cu_seqlens[-1]`` when given, else
-            ``S_r x R`` (every rank must then hold the same number of tokens). Pass it whenever
-            ``S`` is not a multiple of ``2R`` (zigzag) or ``R`` (contiguous).
+        seq_len: the global length ``S``; None means ``cu_seqlens[-1]`` when given, else it is
+            learned: one small metadata all-gather of the local lengths (ledger phase
+            ``"metadata"``), ``S`` their sum, checked against ``layout`` on every rank. Passing
+            it (or ``cu_seqlens``) skips that collective.
         cu_seqlens: *global* cumulative document lengths ``[num_docs + 1]`` of a packed
             sequence (ints or a 1-D integer tensor, identical on every rank; zero-length
             documents allowed). Tokens attend only within their document; the block between
@@ -243,8 +250,8 @@ def ring_attention(q, k, v, group, *, causal: bool, scale=None, layout: str = "z
     Raises:
         ShardkitError: non-4-D inputs, q/k/v disagreeing on ``B``, ``S_r``, ``N_kv`` or ``D``,
             ``N`` not a multiple of ``N_kv``, bad ``scale``/``seq_len``/``layout``/``cu_seqlens``,
-            or ``S_r`` not this rank's share of ``S`` (a local check: agree first with the check
-            mode when ranks may disagree).
+            or ``S_r`` not this rank's share of ``S`` (with ``seq_len``: a local check, agree
+            first with the check mode when ranks may disagree; without: raised on every rank).
         ShardkitTypeError: non-tensor inputs, mixed or non-floating dtypes, bad ``group``, non-bool
             ``overlap``.
 
@@ -254,23 +261,39 @@ def ring_attention(q, k, v, group, *, causal: bool, scale=None, layout: str = "z
     accumulation dtype). Nothing for ``R = 1``. The same with ``cu_seqlens``: every block
     travels the whole ring, skipped or not.
     """
-    g, cu, seq_len = _validate(q, k, v, group, causal, scale, cu_seqlens, seq_len, op=_OP)
-    if layout not in LAYOUTS:
-        raise ShardkitError(f"{_OP}: layout must be one of {LAYOUTS}, got {layout!r} (group of {g.size})")
-    if not isinstance(overlap, bool):
-        raise ShardkitTypeError(f"{_OP}: overlap must be a bool, got {overlap!r}")
-    cu = (0, seq_len) if cu is None else cu
-    expected = packed_local_sizes(cu, g.size) if layout == "zigzag" else balanced_split_sizes(seq_len, g.size)
-    # the documents enter the agreement as their count and a position-weighted checksum
-    digest = sum((i + 1) * c for i, c in enumerate(cu)) % (2**61 - 1)
-    args = (q.shape[2], k.shape[2], q.shape[3], v.shape[3], int(causal), seq_len, LAYOUTS.index(layout), len(cu), digest)
-    maybe_agree(g, _OP, q, args, local_dim=1, expected_local=expected[g.rank])
-    if q.shape[1] != expected[g.rank]:
-        what = f"{layout} layout of S = {seq_len}" + (f" ({len(cu) - 1} documents)" if len(cu) > 2 else "")
-        raise ShardkitError(
-            f"{_OP}: rank {g.rank} of {g.size} holds {q.shape[1]} tokens, but the {what} gives it "
-            f"{expected[g.rank]} ({expected}); pass seq_len= when S is not a multiple of {'2R' if layout == 'zigzag' else 'R'}"
-        )
+    def ring_args(g):
+        if layout not in LAYOUTS:
+            raise ShardkitError(f"{_OP}: layout must be one of {LAYOUTS}, got {layout!r} (group of {g.size})")
+        if not isinstance(overlap, bool):
+            raise ShardkitTypeError(f"{_OP}: overlap must be a bool, got {overlap!r}")
+
+    g, cu, seq_len, error = _validate(q, k, v, group, causal, scale, cu_seqlens, seq_len, op=_OP, extra=ring_args)
+    if error is not None:
+        maybe_agree(g, _OP, q, local_dim=1, error=error)  # the same error on every rank
+    args = (q.shape[2], k.shape[2], q.shape[3], v.shape[3], int(causal), scale, seq_len, LAYOUTS.index(layout), cu)
+    if seq_len is None:
+        # Learned: one metadata all-gather (or the check mode's table); every rank then checks
+        # the same table against the layout, so a wrong split is one error on every rank.
+        sizes = gather_sizes(q, g, 1, _OP, maybe_agree(g, _OP, q, args, local_dim=1))
+        seq_len = sum(sizes)
+        expected = _layout_sizes(layout, (0, seq_len), g.size)
+        if sizes != expected:
+            bad = [r for r in range(g.size) if sizes[r] != expected[r]]
+            raise ShardkitError(
+                f"{_OP}: the ranks hold {sizes} tokens (S = {seq_len}), but the {layout} layout of S over {g.size} ranks "
+                f"is {expected} (offending ranks {bad}); lay the sequence out with zigzag_split / the balanced split"
+            )
+        cu = (0, seq_len)
+    else:
+        cu = (0, seq_len) if cu is None else cu
+        expected = _layout_sizes(layout, cu, g.size)
+        maybe_agree(g, _OP, q, args, local_dim=1, expected_local=expected[g.rank])
+        if q.shape[1] != expected[g.rank]:
+            what = f"{layout} layout of S = {seq_len}" + (f" ({len(cu) - 1} documents)" if len(cu) > 2 else "")
+            raise ShardkitError(
+                f"{_OP}: rank {g.rank} of {g.size} holds {q.shape[1]} tokens, but the {what} gives it "
+                f"{expected[g.rank]} ({expected}); leave seq_len= out to learn S"
+            )
     scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
     ring = _Ring(g, layout, cu, causal, overlap, (q.shape[0], k.shape[2], k.shape[3], v.shape[3]))
     return _RingAttention.apply(q, k, v, ring, scale)

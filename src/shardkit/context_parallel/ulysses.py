@@ -26,7 +26,7 @@ import torch
 from .._shapes import balanced_split_sizes
 from ..comm import _c10d
 from ..comm._group import GroupInfo
-from ..comm._validate import enter, maybe_agree
+from ..comm._validate import enter, gather_sizes, local_checks, maybe_agree
 from ..errors import ShardkitError, ShardkitTypeError
 from ._attention import local_attention
 from ._sizes import HeadPlan, check_cu_seqlens, ulysses_head_plan
@@ -60,7 +60,7 @@ class _HeadsToSequence(torch.autograd.Function):
         in_splits = [b * s_r * len(h) * d for h in heads]
         h_me = len(heads[g.rank])
         out_splits = [b * n * h_me * d for n in seq_sizes]
-        recv = _c10d.all_to_all_flat(send, in_splits, out_splits, g, _OP, "forward")
+        recv = _c10d.all_to_all_flat(send, in_splits, out_splits, g, _OP, "forward", shape=x.shape)
         ctx.g, ctx.rows, ctx.in_splits, ctx.out_splits, ctx.seq_sizes, ctx.shape = g, rows, in_splits, out_splits, seq_sizes, x.shape
         return _c10d._unpack(recv, [b, sum(seq_sizes), h_me, d], 1, seq_sizes)
 
@@ -120,9 +120,28 @@ def _scatter(tensors: dict, parts: str, g: GroupInfo, plan: HeadPlan, n: int, n_
     return out
 
 
-def _validate(q, k, v, group, causal, scale, cu_seqlens, seq_len, op=_OP):
-    """Every check is a function of metadata all ranks share, except the local length (shared with ring attention)."""
+def _validate(q, k, v, group, causal, scale, cu_seqlens, seq_len, op=_OP, extra=None):
+    """Resolve the group and run the local checks (shared with ring and USP attention).
+
+    Returns ``(g, cu, seq_len, error)``: ``error`` is a local check's ShardkitError in check mode
+    (the caller hands it to the agreement, which raises it on every rank), else None (outside
+    check mode it is raised here). ``extra``: more local checks of the caller, run after these.
+    """
     g = enter(q, group, op)
+
+    def checks():
+        out = _check_local(q, k, v, g, causal, scale, cu_seqlens, seq_len, op)
+        if extra is not None:
+            extra(g)
+        return out
+
+    result, error = local_checks(g, checks)
+    cu, seq_len = result if error is None else (None, None)
+    return g, cu, seq_len, error
+
+
+def _check_local(q, k, v, g, causal, scale, cu_seqlens, seq_len, op):
+    """The checks of this rank's own tensors and arguments: ``(cu, seq_len)`` or a ShardkitError."""
     for name, t in (("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise ShardkitTypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -150,9 +169,7 @@ def _validate(q, k, v, group, causal, scale, cu_seqlens, seq_len, op=_OP):
     if cu_seqlens is not None:
         cu = check_cu_seqlens(cu_seqlens, op, total=seq_len)
         seq_len = cu[-1]
-    if seq_len is None:
-        seq_len = q.shape[1] * g.size
-    return g, cu, seq_len
+    return cu, seq_len  # seq_len None: neither given, the op learns the local lengths
 
 
 def ulysses_attention(q, k, v, group, *, causal: bool, scale=None, cu_seqlens=None, seq_len=None) -> torch.Tensor:
@@ -170,35 +187,43 @@ def ulysses_attention(q, k, v, group, *, causal: bool, scale=None, cu_seqlens=No
         cu_seqlens: global cumulative document lengths ``[num_docs + 1]`` of a packed sequence
             (ints or a 1-D integer tensor, identical on every rank); tokens attend only within
             their document. Fixes ``S = cu_seqlens[-1]``.
-        seq_len: the global length ``S``. None means ``cu_seqlens[-1]`` when given, else
-            ``S_r x R``: every rank then must hold the same number of tokens. Pass it whenever
-            ``S`` is not a multiple of ``R`` (ranks cannot see that locally; the check mode
-            :func:`shardkit.comm.checks` catches the mistake).
+        seq_len: the global length ``S``, whose balanced split the ranks hold (no metadata
+            traffic). None means ``cu_seqlens[-1]`` when given; else the ranks' lengths are
+            learned with one small metadata all-gather (ledger phase ``"metadata"``) and any
+            contiguous split works (uneven, zero-size blocks).
 
     Returns:
         ``[B, S_r, N, Dv]``: attention output for this rank's tokens.
 
     Raises:
         ShardkitError: non-4-D inputs; q, k, v disagreeing on ``B``, ``S_r``, ``N_kv`` or ``D``;
-            ``N`` not a multiple of ``N_kv``; bad ``scale``/``seq_len``/``cu_seqlens``; ``S_r``
-            not this rank's balanced block of ``S`` (a local check: agree first with the check
-            mode when ranks may disagree).
+            ``N`` not a multiple of ``N_kv``; bad ``scale``/``seq_len``/``cu_seqlens``; with
+            ``seq_len`` or ``cu_seqlens``, ``S_r`` not this rank's balanced block of ``S`` (a
+            local check: agree first with the check mode when ranks may disagree).
         ShardkitTypeError: non-tensor inputs, mixed or non-floating dtypes, bad ``group``.
         RankMismatchError: (check mode) ranks disagree on shapes, dtype or arguments.
 
     Communication (the ledger's ``api="ulysses_attention"``): forward 2 ``all_to_all_single``
     (q, k, v together; output back), backward 2; one more each way when ``Dv != D``.
     """
-    g, cu, seq_len = _validate(q, k, v, group, causal, scale, cu_seqlens, seq_len)
-    seq_sizes = balanced_split_sizes(seq_len, g.size)
+    g, cu, seq_len, error = _validate(q, k, v, group, causal, scale, cu_seqlens, seq_len)
+    if error is not None:
+        maybe_agree(g, _OP, q, local_dim=1, error=error)  # the same error on every rank
     n, n_kv, d, dv = q.shape[2], k.shape[2], q.shape[3], v.shape[3]
-    args = (n, n_kv, d, dv, int(causal), seq_len, -1 if cu is None else len(cu))
-    maybe_agree(g, _OP, q, args, local_dim=1, expected_local=seq_sizes[g.rank])
-    if q.shape[1] != seq_sizes[g.rank]:
-        raise ShardkitError(
-            f"{_OP}: rank {g.rank} of {g.size} holds {q.shape[1]} tokens, but the balanced split of S = {seq_len} gives it "
-            f"{seq_sizes[g.rank]} ({seq_sizes}); pass seq_len= (or cu_seqlens=) when S is not a multiple of R"
-        )
+    args = (n, n_kv, d, dv, int(causal), scale, seq_len, cu)
+    if seq_len is None:
+        # Learned: one metadata all-gather (or the check mode's table). Any contiguous split
+        # works, since the all-to-all concatenates the blocks in rank order.
+        seq_sizes = gather_sizes(q, g, 1, _OP, maybe_agree(g, _OP, q, args, local_dim=1))
+        seq_len = sum(seq_sizes)
+    else:
+        seq_sizes = balanced_split_sizes(seq_len, g.size)
+        maybe_agree(g, _OP, q, args, local_dim=1, expected_local=seq_sizes[g.rank])
+        if q.shape[1] != seq_sizes[g.rank]:
+            raise ShardkitError(
+                f"{_OP}: rank {g.rank} of {g.size} holds {q.shape[1]} tokens, but the balanced split of S = {seq_len} "
+                f"gives it {seq_sizes[g.rank]} ({seq_sizes}); leave seq_len= out to use any split"
+            )
     plan = ulysses_head_plan(n, n_kv, g.size)
     scale = None if scale is None else float(scale)
     if g.size == 1:

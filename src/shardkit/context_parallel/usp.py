@@ -27,7 +27,7 @@ import torch
 
 from .._shapes import balanced_split_sizes, split_offsets
 from ..comm._group import resolve_group
-from ..comm._validate import maybe_agree
+from ..comm._validate import gather_ints, gather_sizes, maybe_agree
 from ..errors import ShardkitError, ShardkitTypeError
 from ._sizes import check_cu_seqlens, packed_indices, packed_local_sizes, ulysses_head_plan, zigzag_local_sizes
 from .ring import ring_attention
@@ -85,6 +85,25 @@ def _ring_kv(k, kv_index):
     return k.index_select(2, torch.tensor(kv_index, dtype=torch.int64, device=k.device))
 
 
+def _agree_both(g_uly, g_ring, q, args, expected, error):
+    """Check mode: agree over the Ulysses dim, then over the ring dim, so that every rank of the
+    2-D mesh has seen the same arguments before any data moves. A disagreement (or a local
+    error) found in the first is carried into the second, and raised only after both: a rank
+    raising early would leave its ring peers waiting. Returns the Ulysses blocks' sizes."""
+    known = None
+    try:
+        known = maybe_agree(g_uly, _OP, q, args, local_dim=1, expected_local=expected, error=error)
+    except ShardkitError as exc:
+        error = exc
+    try:
+        maybe_agree(g_ring, _OP, q, args, local_dim=1, expected_local=expected, error=error)
+    except ShardkitError as exc:
+        error = error or exc
+    if error is not None:
+        raise error
+    return known
+
+
 def usp_attention(q, k, v, mesh, *, causal: bool, scale=None, seq_len=None, cu_seqlens=None, ring_dim: str = "cp_ring",
                   ulysses_dim: str = "cp_ulysses"):
     """All-to-all over ``ulysses_dim``, ring attention over ``ring_dim``, all-to-all back; reversed in backward.
@@ -97,8 +116,10 @@ def usp_attention(q, k, v, mesh, *, causal: bool, scale=None, seq_len=None, cu_s
         mesh: 2-D ``DeviceMesh`` with dims ``ring_dim`` (``R``) and ``ulysses_dim`` (``U``).
         causal: mask keys after each query's global position.
         scale: softmax scale; None for ``1 / sqrt(D)``.
-        seq_len: global ``S``; None means ``cu_seqlens[-1]`` when given, else ``S_ij x R x U``
-            (all ranks equal).
+        seq_len: global ``S``; None means ``cu_seqlens[-1]`` when given, else it is learned
+            with one small metadata all-gather per mesh dim (ledger phase ``"metadata"``): the
+            Ulysses blocks of a ring part may then be any contiguous split, and the ring parts
+            must be the zigzag layout of their sum.
         cu_seqlens: global cumulative document lengths of a packed sequence (identical on every
             rank). Then ``S_ij = usp_packed_local_sizes(cu, R, U)[i][j]``: block ``j`` of ring
             part ``i`` of the packed zigzag layout (module docstring); tokens attend only within
@@ -118,22 +139,39 @@ def usp_attention(q, k, v, mesh, *, causal: bool, scale=None, seq_len=None, cu_s
     """
     g_ring, g_uly = _submeshes(mesh, ring_dim, ulysses_dim)
     R, U = g_ring.size, g_uly.size
-    default = None if seq_len is not None or not isinstance(q, torch.Tensor) or q.dim() != 4 else q.shape[1] * R * U
-    if cu_seqlens is not None:
-        default = None
-    _, cu, seq_len = _validate(q, k, v, mesh[ulysses_dim], causal, scale, cu_seqlens, seq_len if seq_len is not None else default, op=_OP)
+
+    def heads(g):
+        if q.shape[2] < U:
+            raise ShardkitError(f"{_OP}: {q.shape[2]} query heads cannot be split over {U} Ulysses ranks (need N >= U)")
+
+    _, cu, seq_len, error = _validate(q, k, v, mesh[ulysses_dim], causal, scale, cu_seqlens, seq_len, op=_OP, extra=heads)
+    if error is not None:
+        _agree_both(g_uly, g_ring, q, (), None, error)  # raises the same error on every rank
     n, n_kv, d, dv = q.shape[2], k.shape[2], q.shape[3], v.shape[3]
-    if n < U:
-        raise ShardkitError(f"{_OP}: {n} query heads cannot be split over {U} Ulysses ranks (need N >= U)")
-    sizes = usp_local_sizes(seq_len, R, U) if cu is None else usp_packed_local_sizes(cu, R, U)
-    seq_sizes = sizes[g_ring.rank]
-    digest = -1 if cu is None else sum((i + 1) * c for i, c in enumerate(cu)) % (2**61 - 1)
-    maybe_agree(g_uly, _OP, q, (n, n_kv, d, dv, int(causal), seq_len, digest), local_dim=1, expected_local=seq_sizes[g_uly.rank])
-    if q.shape[1] != seq_sizes[g_uly.rank]:
-        raise ShardkitError(
-            f"{_OP}: rank ({g_ring.rank}, {g_uly.rank}) of the {R}x{U} mesh holds {q.shape[1]} tokens, but S = {seq_len} "
-            f"{'' if cu is None else f'({len(cu) - 1} documents) '}gives it {seq_sizes[g_uly.rank]} ({sizes}); pass seq_len= when S is not a multiple of 2R x U"
-        )
+    args = (n, n_kv, d, dv, int(causal), scale, seq_len, cu)
+    if seq_len is None:
+        # Learned, one metadata all-gather per mesh dim: the Ulysses blocks of this ring part
+        # (any contiguous split), then the ring parts, which must be the zigzag layout of S.
+        seq_sizes = gather_sizes(q, g_uly, 1, _OP, _agree_both(g_uly, g_ring, q, args, None, None))
+        parts = gather_ints(sum(seq_sizes), g_ring, _OP, q.device)
+        seq_len = sum(parts)
+        expected = zigzag_local_sizes(seq_len, R)
+        if parts != expected:
+            raise ShardkitError(
+                f"{_OP}: the ring parts of the {R}x{U} mesh hold {parts} tokens (S = {seq_len}), but the zigzag layout "
+                f"of S over {R} ring ranks is {expected} (offending ring ranks "
+                f"{[i for i in range(R) if parts[i] != expected[i]]})"
+            )
+    else:
+        sizes = usp_local_sizes(seq_len, R, U) if cu is None else usp_packed_local_sizes(cu, R, U)
+        seq_sizes = sizes[g_ring.rank]
+        _agree_both(g_uly, g_ring, q, args, seq_sizes[g_uly.rank], None)
+        if q.shape[1] != seq_sizes[g_uly.rank]:
+            raise ShardkitError(
+                f"{_OP}: rank ({g_ring.rank}, {g_uly.rank}) of the {R}x{U} mesh holds {q.shape[1]} tokens, but S = {seq_len} "
+                f"{'' if cu is None else f'({len(cu) - 1} documents) '}gives it {seq_sizes[g_uly.rank]} ({sizes}); "
+                "leave seq_len= out to learn S"
+            )
     plan = ulysses_head_plan(n, n_kv, U)
     named = {"q": q, "k": k, "v": v}
     if U == 1:

@@ -158,6 +158,8 @@ def dispatch_plan(topk_index: torch.Tensor, num_experts: int, group, *, expert_s
         raise ShardkitError(f"{op}: topk_index must be [T, k], got shape {tuple(topk_index.shape)}")
     if isinstance(num_experts, bool) or not isinstance(num_experts, int):
         raise ShardkitTypeError(f"{op}: num_experts must be an int, got {num_experts!r}")
+    # check mode: every rank must route over the same experts (E and the split set the counts' layout)
+    maybe_agree(g, op, topk_index, (num_experts, expert_sizes), local_dim=0)
     if num_experts < 1:
         raise ShardkitError(f"{op}: num_experts must be >= 1, got {num_experts}")
     sizes = check_split_sizes(expert_sizes, g.size, num_experts, op)

@@ -91,7 +91,8 @@ def _post(msgs, batched: bool, api: str) -> list:
     """Post ``(transfer, is_send, tensor, ledger_phase)`` messages, already in posting order."""
     for t, is_send, tensor, label in msgs:
         n = tensor.nbytes
-        ledger.record("send" if is_send else "recv", api, label, t.g.size, n if is_send else 0, 0 if is_send else n)
+        ledger.record("send" if is_send else "recv", api, label, t.g.size, n if is_send else 0, 0 if is_send else n,
+                      pg=t.g.pg, shape=tensor.shape, peer=t.peer)
     if not batched:
         return [(isend if s else irecv)(tensor, t.g.pg, t.peer) for t, s, tensor, _ in msgs]
     per_group: dict[int, list] = {}  # batch_isend_irecv takes one group per call

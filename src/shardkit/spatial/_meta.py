@@ -4,28 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from ..comm import ledger
-from ..comm._compat import all_gather_single
-from ..comm._group import GroupInfo
+from ..comm._validate import gather_sizes  # re-exported: the layers' size inference is the ops' own
 from ..errors import ShardkitError
 
 __all__ = ["gather_sizes", "keep_graph_empty"]
-
-
-def gather_sizes(x: torch.Tensor, g: GroupInfo, dim: int, api: str) -> list[int]:
-    """Every rank's size of ``x`` along ``dim``: one tiny all-gather (ledger op ``metadata_all_gather``).
-
-    Used by layers converted with :func:`shardkit.spatial.apply_spatial`, whose forward gets no
-    ``sizes=`` from the model code: uneven splits then still work, at one small collective per
-    layer call. Size-1 groups need none.
-    """
-    if g.size == 1:
-        return [x.shape[dim]]
-    mine = torch.tensor([x.shape[dim]], dtype=torch.int64, device=x.device)
-    table = mine.new_empty(g.size)
-    all_gather_single(table, mine, group=g.pg)
-    ledger.record("metadata_all_gather", api, "forward", g.size, mine.nbytes, table.nbytes)
-    return [int(v) for v in table.tolist()]
 
 
 def keep_graph_empty(shape, *deps: torch.Tensor) -> torch.Tensor:

@@ -34,6 +34,7 @@ __all__ = [
     "input_ranges",
     "output_bounds",
     "spatial_output_sizes",
+    "geometry_args",
 ]
 
 
@@ -161,3 +162,11 @@ def check_out_len(n: int, k: int, s: int, d: int, pad: tuple[int, int], op: str,
             f"({n} + {pad[0]} + {pad[1]}) in a group of {R}"
         )
     return n_out
+
+
+def geometry_args(weight, bias, stride, padding, dilation, groups, mode) -> tuple:
+    """What every rank must agree on about a convolution in check mode (it sets the halo widths
+    and message sizes): weight shape (kernel, channels), bias or not, stride, padding, dilation,
+    groups, and the padding mode (or a transposed convolution's output padding)."""
+    shape = getattr(weight, "shape", None)
+    return (tuple(shape) if shape is not None else None, bias is not None, stride, padding, dilation, groups, mode)

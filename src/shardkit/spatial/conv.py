@@ -30,7 +30,7 @@ from ..comm._validate import dim_of, enter, expected_size, local_sizes, maybe_ag
 from ..errors import ShardkitError, ShardkitTypeError
 from ._meta import channels_first
 from ._plan import BORDER_MODES
-from ._sizes import check_out_len, conv_out_len, conv_padding, input_ranges, output_bounds, per_dim
+from ._sizes import check_out_len, conv_out_len, conv_padding, geometry_args, input_ranges, output_bounds, per_dim
 from ._overlap import interior_split, overlapped_conv
 from .halo import exchange, plan_for
 
@@ -150,8 +150,9 @@ def _spatial_conv(nd, op, x, weight, bias, group, dim, stride, padding, dilation
         return tiled_conv(nd, op, x, weight, bias, group, dim, stride, padding, dilation, groups, padding_mode, sizes,
                           channels_last, sum_param_grads)
     g: GroupInfo = enter(x, group, op)
-    maybe_agree(g, op, x, (dim, int(bool(channels_last)), int(x.requires_grad), sizes), local_dim=dim,
-                expected_local=expected_size(sizes, g.rank))
+    known = maybe_agree(g, op, x, (dim, int(bool(channels_last)), int(x.requires_grad), sizes,
+                                   *geometry_args(weight, bias, stride, padding, dilation, groups, padding_mode)),
+                        local_dim=dim, expected_local=expected_size(sizes, g.rank))
     if x.dim() != nd + 2:
         layout = "[B, *S, C]" if channels_last else "[B, C, *S]"
         raise ShardkitError(f"{op}: expected a {nd + 2}-d input {layout}, got shape {tuple(x.shape)}")
@@ -159,7 +160,7 @@ def _spatial_conv(nd, op, x, weight, bias, group, dim, stride, padding, dilation
     xc, dc = channels_first(x, d, nd, channels_last, dim, op)
     j = dc - 2
     kernel, stride, dilation, pads = conv_geometry(xc, weight, bias, groups, nd, stride, padding, dilation, padding_mode, op)
-    sizes = local_sizes(xc, g, dc, sizes, op)
+    sizes = local_sizes(xc, g, dc, sizes, op, known)
     lens = [sum(sizes) if i == j else xc.shape[2 + i] for i in range(nd)]
     for i in range(nd):
         check_out_len(lens[i], kernel[i], stride[i], dilation[i], pads[i], op, g.size)
@@ -216,7 +217,7 @@ _DOC = """Convolution of an input sharded along spatial dim ``dim``; output shar
         padding_mode: ``"zeros"``, ``"reflect"``, ``"replicate"`` or ``"circular"`` (as
             ``torch.nn.Conv*d``); on the sharded dim it applies at the *global* borders only.
         sizes: every rank's input size along ``dim`` (uneven and zero sizes allowed); None
-            means every rank holds the same size as this one.
+            learns them (one small metadata all-gather, ledger phase ``"metadata"``).
         channels_last: the channel dim is last instead of second.
         sum_param_grads: sum the weight / bias gradients over the group in backward (default).
             Pass False when the caller sums them itself once per step (e.g. a gradient hook).

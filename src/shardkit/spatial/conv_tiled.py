@@ -24,7 +24,7 @@ import torch
 from ..comm._validate import dim_of, enter, expected_size, local_sizes, maybe_agree
 from ..errors import ShardkitError
 from ._meta import keep_graph_empty
-from ._sizes import check_out_len, conv_out_len, input_ranges, output_bounds
+from ._sizes import check_out_len, conv_out_len, geometry_args, input_ranges, output_bounds
 from .conv import _SumParamGrads, _local_conv, conv_geometry
 from .halo import exchange, plan_for
 
@@ -37,21 +37,23 @@ def _pairs(value, k: int, name: str, op: str):
     return list(value)
 
 
-def tile_entry(nd: int, op: str, x, group, dim, sizes, channels_last: bool):
+def tile_entry(nd: int, op: str, x, group, dim, sizes, channels_last: bool, extra=()):
     """Shared argument checks of the tiled convolutions (one group and one dim per tiled axis).
+
+    ``extra``: further arguments every rank must agree on in check mode (the geometry).
 
     Returns:
         ``(dims, k, infos, xc, dcs, sizes)``: the user dims, their count, the resolved groups,
-        the channels-first input, its tiled dims, and the per-axis sizes (None entries: infer).
+        the channels-first input, its tiled dims, and every rank's size along each tiled axis
+        (given, or learned with one metadata all-gather per axis).
     """
     dims = _pairs(dim, len(dim), "dim", op)
     k = len(dims)
     grps = _pairs(group, k, "group", op)
     all_sizes = [None] * k if sizes is None else _pairs(sizes, k, "sizes", op)
     infos = [enter(x, gr, op) for gr in grps]
-    for g, dm, sz in zip(infos, dims, all_sizes):
-        maybe_agree(g, op, x, (dm, int(bool(channels_last)), int(x.requires_grad), sz), local_dim=dm,
-                    expected_local=expected_size(sz, g.rank))
+    known = [maybe_agree(g, op, x, (dm, int(bool(channels_last)), int(x.requires_grad), sz, *extra), local_dim=dm,
+                         expected_local=expected_size(sz, g.rank)) for g, dm, sz in zip(infos, dims, all_sizes)]
     if x.dim() != nd + 2:
         raise ShardkitError(f"{op}: expected a {nd + 2}-d input, got shape {tuple(x.shape)}")
     ds = [dim_of(x, dm, op) for dm in dims]
@@ -60,15 +62,16 @@ def tile_entry(nd: int, op: str, x, group, dim, sizes, channels_last: bool):
         raise ShardkitError(f"{op}: dims {dims} must be distinct spatial dims (spatial dims {spatial})")
     xc = x.movedim(-1, 1) if channels_last else x
     dcs = [d + 1 if channels_last else d for d in ds]
+    all_sizes = [local_sizes(xc, g, dc, sz, op, kn) for g, dc, sz, kn in zip(infos, dcs, all_sizes, known)]
     return dims, k, infos, xc, dcs, all_sizes
 
 
 def tiled_conv(nd, op, x, weight, bias, group, dim, stride, padding, dilation, groups, padding_mode, sizes,
                channels_last, sum_param_grads):
     """:func:`spatial_conv2d` / :func:`spatial_conv3d` when ``dim`` and ``group`` are sequences."""
-    dims, k, infos, xc, dcs, all_sizes = tile_entry(nd, op, x, group, dim, sizes, channels_last)
+    extra = geometry_args(weight, bias, stride, padding, dilation, groups, padding_mode)
+    dims, k, infos, xc, dcs, all_sizes = tile_entry(nd, op, x, group, dim, sizes, channels_last, extra)
     kernel, stride, dilation, pads = conv_geometry(xc, weight, bias, groups, nd, stride, padding, dilation, padding_mode, op)
-    all_sizes = [local_sizes(xc, g, dc, sz, op) for g, dc, sz in zip(infos, dcs, all_sizes)]
     lens = list(xc.shape[2:])
     for dc, sz in zip(dcs, all_sizes):
         lens[dc - 2] = sum(sz)

@@ -30,7 +30,7 @@ from .._shapes import check_split_sizes, split_offsets
 from ..comm._validate import dim_of, enter, expected_size, local_sizes, maybe_agree
 from ..errors import ShardkitError, ShardkitTypeError
 from ._meta import channels_first
-from ._sizes import per_dim
+from ._sizes import geometry_args, per_dim
 from .conv import _EmptyOutput, _SumParamGrads
 from .halo import exchange, plan_for
 
@@ -122,8 +122,9 @@ def _spatial_conv_transpose(nd, op, x, weight, bias, group, dim, stride, padding
         return tiled_conv_transpose(nd, op, x, weight, bias, group, dim, stride, padding, output_padding, groups,
                                     dilation, sizes, channels_last, sum_param_grads)
     g = enter(x, group, op)
-    maybe_agree(g, op, x, (dim, int(bool(channels_last)), int(x.requires_grad), sizes), local_dim=dim,
-                expected_local=expected_size(sizes, g.rank))
+    known = maybe_agree(g, op, x, (dim, int(bool(channels_last)), int(x.requires_grad), sizes,
+                                   *geometry_args(weight, bias, stride, padding, dilation, groups, output_padding)),
+                        local_dim=dim, expected_local=expected_size(sizes, g.rank))
     if x.dim() != nd + 2:
         raise ShardkitError(f"{op}: expected a {nd + 2}-d input, got shape {tuple(x.shape)}")
     d = dim_of(x, dim, op)
@@ -133,7 +134,7 @@ def _spatial_conv_transpose(nd, op, x, weight, bias, group, dim, stride, padding
     kernel = tuple(weight.shape[2:])
     stride, dilation = per_dim(stride, nd, "stride", op, 1), per_dim(dilation, nd, "dilation", op, 1)
     padding, output_padding = per_dim(padding, nd, "padding", op, 0), per_dim(output_padding, nd, "output_padding", op, 0)
-    sizes = local_sizes(xc, g, dc, sizes, op)
+    sizes = local_sizes(xc, g, dc, sizes, op, known)
     lens = [sum(sizes) if i == j else xc.shape[2 + i] for i in range(nd)]
     for i in range(nd):
         _check_geometry(lens[i], kernel[i], stride[i], padding[i], dilation[i], output_padding[i], op, g.size)
@@ -175,7 +176,7 @@ _DOC = """Transposed convolution of an input sharded along spatial dim ``dim``; 
             (``output_padding`` < stride or dilation).
         groups: as torch.
         sizes: every rank's input size along ``dim`` (uneven and zero sizes allowed); None
-            means every rank holds the same size as this one.
+            learns them (one small metadata all-gather, ledger phase ``"metadata"``).
         channels_last: the channel dim is last instead of second.
         sum_param_grads: sum the weight / bias gradients over the group in backward (default).
 

@@ -18,9 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from ..comm._validate import local_sizes
 from ._meta import keep_graph_empty
-from ._sizes import per_dim
+from ._sizes import geometry_args, per_dim
 from .conv import _SumParamGrads
 from .conv_tiled import tile_entry
 from .halo import exchange, plan_for
@@ -34,12 +33,12 @@ def tiled_conv_transpose(nd, op, x, weight, bias, group, dim, stride, padding, o
     from .conv_transpose import _CONVT, _check_geometry, _check_weight, transpose_bounds, transpose_input_ranges
     from .conv_transpose import transpose_out_len
 
-    dims, k, infos, xc, dcs, all_sizes = tile_entry(nd, op, x, group, dim, sizes, channels_last)
+    extra = geometry_args(weight, bias, stride, padding, dilation, groups, output_padding)
+    dims, k, infos, xc, dcs, all_sizes = tile_entry(nd, op, x, group, dim, sizes, channels_last, extra)
     _check_weight(xc, weight, bias, groups, nd, op)
     kernel = tuple(weight.shape[2:])
     stride, dilation = per_dim(stride, nd, "stride", op, 1), per_dim(dilation, nd, "dilation", op, 1)
     padding, output_padding = per_dim(padding, nd, "padding", op, 0), per_dim(output_padding, nd, "output_padding", op, 0)
-    all_sizes = [local_sizes(xc, g, dc, sz, op) for g, dc, sz in zip(infos, dcs, all_sizes)]
     lens = list(xc.shape[2:])
     for dc, sz in zip(dcs, all_sizes):
         lens[dc - 2] = sum(sz)

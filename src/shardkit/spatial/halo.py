@@ -48,9 +48,9 @@ def _a2a(send: torch.Tensor, recv_counts: list[int], send_counts: list[int], g: 
          async_op: bool = False):
     """One ``all_to_all_single``; returns ``(recv, work)`` (``work`` None unless ``async_op``)."""
     recv = send.new_empty(sum(recv_counts))
+    ledger.record("all_to_all_single", api, phase, g.size, send.nbytes, recv.nbytes, pg=g.pg, shape=send.shape)
     work = dist.all_to_all_single(recv, send, output_split_sizes=recv_counts, input_split_sizes=send_counts,
                                   group=g.pg, async_op=async_op)
-    ledger.record("all_to_all_single", api, phase, g.size, send.nbytes, recv.nbytes)
     return recv, work
 
 
@@ -269,8 +269,8 @@ def halo_exchange(x: torch.Tensor, group, dim: int, left, right, *, sizes=None, 
         dim: the sharded dim (negative allowed).
         left: halo width before the shard: an int, or one int per rank (>= 0).
         right: halo width after the shard: an int, or one int per rank (>= 0).
-        sizes: ``n_r`` of every rank (uneven and zero sizes allowed); None means every rank
-            holds the same size as this one.
+        sizes: ``n_r`` of every rank (uneven and zero sizes allowed). None learns them with one
+            small metadata all-gather (ledger phase ``"metadata"``); pass them to skip it.
         periodic: wrap around the global dim (position ``q`` reads ``q mod N``, as often as
             needed); otherwise positions outside ``[0, N)`` are zeros.
 
@@ -290,9 +290,10 @@ def halo_exchange(x: torch.Tensor, group, dim: int, left, right, *, sizes=None, 
     """
     op = "halo_exchange"
     g = enter(x, group, op)
-    maybe_agree(g, op, x, (dim, int(periodic), sizes), local_dim=dim, expected_local=expected_size(sizes, g.rank))
+    known = maybe_agree(g, op, x, (dim, int(periodic), sizes, left, right), local_dim=dim,
+                        expected_local=expected_size(sizes, g.rank))
     d = dim_of(x, dim, op)
-    sizes = local_sizes(x, g, d, sizes, op)
+    sizes = local_sizes(x, g, d, sizes, op, known)
     lefts, rights = _halo_widths(left, g.size, "left"), _halo_widths(right, g.size, "right")
     if not any(lefts) and not any(rights):
         return x

@@ -49,7 +49,7 @@ def _global_moments(rows: torch.Tensor, gs) -> tuple[torch.Tensor, torch.Tensor,
     count = torch.full_like(mean, float(n))
     for i, g in enumerate(gs):
         stats = torch.stack([count, mean, m2])  # [3, K]
-        table = all_gather(stats.unsqueeze(0), g.pg, 0) if g.size > 1 else stats.unsqueeze(0)
+        table = all_gather(stats.unsqueeze(0), g.pg, 0, [1] * g.size) if g.size > 1 else stats.unsqueeze(0)
         counts, means, m2s = table[:, 0], table[:, 1], table[:, 2]
         total = counts.sum(0)
         # An empty global frame gives NaN statistics, as torch (no host sync to check it); an
