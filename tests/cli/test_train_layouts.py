@@ -60,6 +60,7 @@ LAYOUTS_4 = {
     "llama: pp=2 x tp=2, loss parallel, gpipe": dict(pp=2, tp=2, loss_parallel=True, schedule="gpipe", microbatches=2),
     "moe: pp=2 x dp_shard=2": dict(model="moe", pp=2, dp_shard=2, microbatches=2),
     "llama: cp_ulysses=2 x tp=2 (SP)": dict(cp_ulysses=2, tp=2),
+    "mla: tp=2 (SP, tensor-parallel experts) x dp_shard=2": dict(model="mla", sequence_parallel=True, dp_shard=2),
 }
 
 

@@ -304,11 +304,11 @@ def _validate_lm(cfg: TrainConfig) -> TrainConfig:
     dense = cfg.model in ("llama", "qwen2", "qwen3")
     if cfg.sequence_parallel is None:
         cfg = dataclasses.replace(cfg, sequence_parallel=dense and cfg.tp > 1 and cfg.pp_tp is None)
-    if cfg.sequence_parallel and not dense:
-        # MoE blocks (router and experts on the whole sequence) and MLA's latent projections are
-        # not covered by the sequence-parallel plan: tensor parallelism keeps replicated activations.
-        raise ShardkitError(f"--sequence-parallel with --model {cfg.model}: built for the dense models "
-                            "(llama, qwen2, qwen3)")
+    if cfg.sequence_parallel and cfg.ep > 1:
+        # Expert-parallel dispatch takes tokens replicated over tp; with sequence parallelism
+        # they would be the local sequence block (a dispatch of sharded tokens, not built yet).
+        raise ShardkitError(f"--sequence-parallel with --ep {cfg.ep}: expert-parallel dispatch takes the tokens "
+                            "replicated over tp (tensor-parallel experts, --ep 1, work with it)")
     if cfg.sequence_parallel and cfg.pp_tp is not None:
         raise ShardkitError("--sequence-parallel with --pp-tp: stages of different tp sizes exchange replicated "
                             "hidden states")
