@@ -10,6 +10,7 @@ from .hf_llama import LlamaStageModule, llama_stage_layers
 from .hf_llama_tp import apply_llama_stage_tp
 from .p2p import (
     P2PWork,
+    ShapeCache,
     recv_backward,
     recv_forward,
     send_backward,
@@ -42,6 +43,7 @@ __all__ = [
     "run_schedule",
     "split_microbatches",
     "P2PWork",
+    "ShapeCache",
     "send_forward",
     "recv_forward",
     "send_backward",

@@ -11,6 +11,11 @@ own shape and dtype (2 messages). Declaring ``shape=`` (and ``dtype=``) on *both
 static: one message, the payload, into a buffer allocated from the declaration. Both ends must
 agree on static vs dynamic: with checks off a disagreement is a protocol error.
 
+Negotiating once per distinct shape: pass the same :class:`ShapeCache` to every transfer of a
+run on every rank (e.g. one per ``run_schedule`` call). Each channel then remembers the last
+negotiated shape on both ends, identically, and a repeated shape costs no round trip: the
+receiver posts the header and payload receives together (details in :mod:`._exchange`).
+
 Checks (``shardkit.comm.checks(True)`` or ``SHARDKIT_CHECKS=1``): a header is sent on static
 transfers too and the receiver answers with a verdict (3 messages). A wrong static declaration
 then raises on both ends of the transfer instead of corrupting data or hanging: the sender's
@@ -58,10 +63,11 @@ from ..comm._group import GroupInfo, resolve_group
 from ..comm.checks import checks_enabled
 from ..errors import ShardkitError, ShardkitTypeError
 from . import _wire
-from ._exchange import P2PWork, Transfer, exchange
+from ._exchange import P2PWork, ShapeCache, Transfer, exchange
 
 __all__ = [
     "P2PWork",
+    "ShapeCache",
     "send_forward",
     "recv_forward",
     "send_backward",
@@ -76,7 +82,7 @@ _FWD_OUT, _FWD_IN = ("next", "forward"), ("prev", "forward")  # (towards, ledger
 _BWD_OUT, _BWD_IN = ("prev", "backward"), ("next", "backward")
 
 
-def send_forward(x, group, *, shape=None, dtype=None, loop=False, batched=False, async_op=False):
+def send_forward(x, group, *, shape=None, dtype=None, loop=False, batched=False, async_op=False, shape_cache=None):
     """Send an activation to the next stage (forward); its adjoint is :func:`recv_backward`.
 
     Args:
@@ -89,6 +95,9 @@ def send_forward(x, group, *, shape=None, dtype=None, loop=False, batched=False,
         loop: the last stage sends to the first.
         batched: post with ``batch_isend_irecv`` instead of ordered ``isend``/``irecv``.
         async_op: return a :class:`P2PWork` instead of waiting.
+        shape_cache: a :class:`ShapeCache` shared by every transfer of one run (each rank makes
+            one at the same point): a negotiated transfer whose shape repeats then posts its
+            header and payload together (ordered mode, checks off); the receiver passes one too.
 
     Returns:
         None, or a :class:`P2PWork` whose ``wait()`` returns None.
@@ -99,11 +108,11 @@ def send_forward(x, group, *, shape=None, dtype=None, loop=False, batched=False,
             declared ``shape``/``dtype``; the header cannot describe ``x`` (ndim > 16).
         RankMismatchError: (checks on) the receiver declared a different shape or dtype.
     """
-    return _run("send_forward", group, x, [_FWD_OUT], [], shape, dtype, None, loop, batched, async_op, "mean")
+    return _run("send_forward", group, x, [_FWD_OUT], [], shape, dtype, None, loop, batched, async_op, "mean", shape_cache)
 
 
 def recv_forward(group, *, shape=None, dtype=None, device=None, loop=False, batched=False, async_op=False,
-                 reduce="mean"):
+                 reduce="mean", shape_cache=None):
     """Receive an activation from the previous stage (forward); adjoint of :func:`send_backward`.
 
     Args:
@@ -112,7 +121,7 @@ def recv_forward(group, *, shape=None, dtype=None, device=None, loop=False, batc
             None for a negotiated (dynamic) transfer. ``dtype`` alone is checked against the header.
         device: where to allocate; default CPU for a gloo group, else the current accelerator.
         loop: the first stage receives from the last.
-        batched, async_op: as :func:`send_forward`.
+        batched, async_op, shape_cache: as :func:`send_forward`.
         reduce: ``"mean"`` or ``"sum"`` of the tensors received from several groups.
 
     Returns:
@@ -124,21 +133,21 @@ def recv_forward(group, *, shape=None, dtype=None, device=None, loop=False, batc
             error; tensors from several groups differ.
         RankMismatchError: the sender's header differs from the declared ``shape``/``dtype``.
     """
-    return _run("recv_forward", group, None, [], [_FWD_IN], shape, dtype, device, loop, batched, async_op, reduce)
+    return _run("recv_forward", group, None, [], [_FWD_IN], shape, dtype, device, loop, batched, async_op, reduce, shape_cache)
 
 
-def send_backward(grad, group, *, shape=None, dtype=None, loop=False, batched=False, async_op=False):
+def send_backward(grad, group, *, shape=None, dtype=None, loop=False, batched=False, async_op=False, shape_cache=None):
     """Send the gradient of a stage's input to the previous stage; adjoint of :func:`recv_forward`.
 
     Arguments, returns and errors as :func:`send_forward` (this is the first stage and ``loop``
     is off: ShardkitError). With several groups, pass ``grad / K`` to be the exact adjoint of
     ``recv_forward(reduce="mean")`` over ``K`` groups (see the module docstring).
     """
-    return _run("send_backward", group, grad, [_BWD_OUT], [], shape, dtype, None, loop, batched, async_op, "mean")
+    return _run("send_backward", group, grad, [_BWD_OUT], [], shape, dtype, None, loop, batched, async_op, "mean", shape_cache)
 
 
 def recv_backward(group, *, shape=None, dtype=None, device=None, loop=False, batched=False, async_op=False,
-                  reduce="mean"):
+                  reduce="mean", shape_cache=None):
     """Receive the gradient of this stage's output from the next stage; adjoint of
     :func:`send_forward`.
 
@@ -146,11 +155,11 @@ def recv_backward(group, *, shape=None, dtype=None, device=None, loop=False, bat
     is off: ShardkitError). Use ``reduce="sum"`` after a fan-out :func:`send_forward` to several
     groups: the gradient of a tensor used by several next stages is the sum of theirs.
     """
-    return _run("recv_backward", group, None, [], [_BWD_IN], shape, dtype, device, loop, batched, async_op, reduce)
+    return _run("recv_backward", group, None, [], [_BWD_IN], shape, dtype, device, loop, batched, async_op, reduce, shape_cache)
 
 
 def send_forward_recv_backward(x, group, *, shape=None, dtype=None, loop=False, batched=False, async_op=False,
-                               reduce="mean"):
+                               reduce="mean", shape_cache=None):
     """Send an activation to the next stage and receive the gradient of an output from it (1F1B steady state).
 
     ``shape``/``dtype`` declare both tensors (an activation and its gradient share them); the
@@ -158,38 +167,38 @@ def send_forward_recv_backward(x, group, *, shape=None, dtype=None, loop=False, 
     :func:`recv_backward` together; both directions are posted before waiting.
     """
     return _run("send_forward_recv_backward", group, x, [_FWD_OUT], [_BWD_IN], shape, dtype, None, loop, batched,
-                async_op, reduce)
+                async_op, reduce, shape_cache)
 
 
 def send_backward_recv_forward(grad, group, *, shape=None, dtype=None, loop=False, batched=False, async_op=False,
-                               reduce="mean"):
+                               reduce="mean", shape_cache=None):
     """Send an input gradient to the previous stage and receive the next activation from it (1F1B steady state).
 
     As :func:`send_forward_recv_backward`, directions reversed.
     """
     return _run("send_backward_recv_forward", group, grad, [_BWD_OUT], [_FWD_IN], shape, dtype, None, loop, batched,
-                async_op, reduce)
+                async_op, reduce, shape_cache)
 
 
 def send_forward_recv_forward(x, group, *, shape=None, dtype=None, loop=False, batched=False, async_op=False,
-                              reduce="mean"):
+                              reduce="mean", shape_cache=None):
     """Send an activation to the next stage and receive one from the previous stage (a forward shift).
 
     With ``loop=True`` every stage does both: a ring shift by one stage. Otherwise as
     :func:`send_forward_recv_backward`.
     """
     return _run("send_forward_recv_forward", group, x, [_FWD_OUT], [_FWD_IN], shape, dtype, None, loop, batched,
-                async_op, reduce)
+                async_op, reduce, shape_cache)
 
 
 def send_backward_recv_backward(grad, group, *, shape=None, dtype=None, loop=False, batched=False, async_op=False,
-                                reduce="mean"):
+                                reduce="mean", shape_cache=None):
     """Send a gradient to the previous stage and receive one from the next stage (a backward shift)."""
     return _run("send_backward_recv_backward", group, grad, [_BWD_OUT], [_BWD_IN], shape, dtype, None, loop, batched,
-                async_op, reduce)
+                async_op, reduce, shape_cache)
 
 
-def _run(api, group, x, sends, recvs, shape, dtype, device, loop, batched, async_op, reduce):
+def _run(api, group, x, sends, recvs, shape, dtype, device, loop, batched, async_op, reduce, shape_cache=None):
     """Validate (every check here is a function of this rank's arguments and stage, raised
     before any message is posted), build the transfers and run the exchange."""
     if sends and not isinstance(x, torch.Tensor):
@@ -219,7 +228,9 @@ def _run(api, group, x, sends, recvs, shape, dtype, device, loop, batched, async
             dev = payload.device if payload is not None else _device(device, g, api)
             transfers.append(Transfer(False, towards, gi, g, _peer(g, towards, loop, api), phase, dev, shape, dtype,
                                       header))
-    work = exchange(transfers, api, bool(batched), checks, reduce)
+    if shape_cache is not None and not isinstance(shape_cache, ShapeCache):
+        raise ShardkitTypeError(f"{api}: shape_cache must be a ShapeCache or None, got {type(shape_cache).__name__}")
+    work = exchange(transfers, api, bool(batched), checks, reduce, shape_cache)
     return work if async_op else work.wait()
 
 

@@ -138,6 +138,13 @@ def _execute(stage, plan, M, inputs, targets, decls):
     grads_out = {}  # microbatch -> gradient to send to the previous stage
     outputs = {}  # microbatch -> output to send to the next stage
     losses = [None] * M
+    # Negotiated shapes are remembered per channel for this run (identically on both ends), so
+    # repeated microbatch shapes cost no header round trip.
+    cache = p2p.ShapeCache()
+    # Sends are posted and not waited for: gloo and NCCL sends complete only when the receiver
+    # has posted its receive, so a blocking send would idle this stage until its neighbour gets
+    # there (as Megatron-LM and torch.distributed.pipelining, the next compute overlaps it).
+    sending = []
     for call in plan:
         if call.api == "compute":
             _compute(call.action, stage, M, inputs, targets, received, stash, losses, outputs, grads_out)
@@ -147,15 +154,19 @@ def _execute(stage, plan, M, inputs, targets, decls):
             _, direction, m = call.sends[0]
             send = outputs.pop(m) if direction == "F" else grads_out.pop(m)
         fn = getattr(p2p, call.api)
-        kw = {}
+        kw = dict(shape_cache=cache, async_op=not call.recvs)
         if decls is not None:  # a combined call's two tensors cross the same boundary
             towards = (call.sends or call.recvs)[0][0]
             shape, dtype = decls[stage.stage_index if towards == "next" else stage.stage_index - 1]
-            kw = dict(shape=shape, dtype=dtype)
+            kw.update(shape=shape, dtype=dtype)
         got = fn(send, g, **kw) if call.sends else fn(g, **kw)
         if call.recvs:
             _, direction, m = call.recvs[0]
             received[(direction, m)] = got
+        else:
+            sending = [w for w in sending if not w.is_completed()] + [got]
+    for work in sending:
+        work.wait()
     return losses if stage.is_last else None
 
 
