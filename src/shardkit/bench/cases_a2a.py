@@ -111,7 +111,7 @@ def _prepare(seq: int, heads: int, direction: str, pg):
         failures.append("shardkit != expected block / list+cat")
     if len(calls) != 1:
         failures.append(f"shardkit issued {len(calls)} all_to_all_single calls, expected 1")
-    elif not same_bits(calls[0][0], send) or calls[0][2:] != [out_splits, in_splits] or not same_bits(calls[0][1], recv):
+    elif not same_bits(calls[0][0], send) or list(calls[0][2:]) != [out_splits, in_splits] or not same_bits(calls[0][1], recv):
         failures.append("shardkit's send buffer, splits or received bytes differ from the bare call's")
     agree(failures, pg, f"all_to_all S={seq} N={heads} {direction}")
     total = torch.tensor([x.nbytes])

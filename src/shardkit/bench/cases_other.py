@@ -116,7 +116,7 @@ def vocab_loss(pg, settings: Settings) -> list[Record]:
     from ..tensor_parallel.loss import vocab_parallel_cross_entropy
 
     rank, world = dist.get_rank(pg), dist.get_world_size(pg)
-    tokens, vocab = (256, 32000) if settings.quick else (2048, 32000)
+    tokens, vocab = (128, 32000) if settings.quick else (2048, 32000)
     sizes = [c.numel() for c in torch.arange(vocab).chunk(world)]
     labels = torch.randint(0, vocab, (tokens,), generator=torch.Generator().manual_seed(11))
     labels[::7] = -100
