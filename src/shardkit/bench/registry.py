@@ -24,6 +24,9 @@ CASES = {
     "all_to_all": CaseSpec(".cases_a2a", "all_to_all_case", 2,
                            "Ulysses layouts against bare pre-laid all_to_all_single and list all_to_all + cat; "
                            "uneven against even per byte"),
+    "all_to_all_fused": CaseSpec(".cases_a2a", "fused_projection", 2,
+                                 "projection writing straight into the all-to-all send buffer against the "
+                                 "projection + all_to_all and against the parts (projection, bare call)"),
     "p2p": CaseSpec(".cases_comm", "p2p", 2, "pipeline send/recv (static, negotiated) against bare isend/irecv"),
     "pipeline_bubble": CaseSpec(".cases_pp", "bubble", 4, "measured 1F1B bubble against (p-1)/(m+p-1)"),
     "ring": CaseSpec(".cases_cp", "ring", 4, "ring attention: overlap against none; zigzag against contiguous"),
