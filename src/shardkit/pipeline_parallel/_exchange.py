@@ -56,7 +56,7 @@ from ..errors import RankMismatchError, ShardkitError, ShardkitTypeError
 from . import _wire
 from ._wire import HEADER_LEN, OK, REJECTED
 
-__all__ = ["Transfer", "P2PWork", "ShapeCache", "exchange", "order_key", "posting_order"]
+__all__ = ["Transfer", "P2PWork", "ShapeCache", "cached_recv", "cached_send", "exchange", "order_key", "posting_order"]
 
 _SLOTS = (
     {(True, "next"): 0, (False, "prev"): 1, (True, "prev"): 2, (False, "next"): 3},  # even stages
@@ -187,7 +187,7 @@ def _nbytes(cached) -> int:
     return n
 
 
-def _cached_send(t: Transfer, cached, api: str) -> list:
+def cached_send(t: Transfer, cached, api: str) -> list:
     """Header, then a message of the cached shape (the payload, or a dummy plus the payload);
     packed into one message when the cached payload is small."""
     same = t.status == OK and (tuple(t.payload.shape), t.payload.dtype) == cached
@@ -206,8 +206,8 @@ def _cached_send(t: Transfer, cached, api: str) -> list:
     return _post(msgs, False, api)
 
 
-def _cached_recv(t: Transfer, cached, api: str) -> list:
-    """The mirror of :func:`_cached_send`: header and a receive of the cached shape posted
+def cached_recv(t: Transfer, cached, api: str) -> list:
+    """The mirror of :func:`cached_send`: header and a receive of the cached shape posted
     together (or one packed receive); the real payload after them only when the header
     announces another shape."""
     nb = _nbytes(cached)
@@ -240,7 +240,7 @@ def _ordered(transfers: list[Transfer], api: str, verdicts: bool, cache: ShapeCa
         use_cache = cache is not None and t.header and not verdicts
         cached = cache.get(t) if use_cache else None
         if cached is not None:
-            works += (_cached_send if t.send else _cached_recv)(t, cached, api)
+            works += (cached_send if t.send else cached_recv)(t, cached, api)
         else:
             if t.header:
                 posted = _post([_header_msg(t)], False, api)

@@ -63,7 +63,7 @@ from ..comm._group import GroupInfo, resolve_group
 from ..comm.checks import checks_enabled
 from ..errors import ShardkitError, ShardkitTypeError
 from . import _wire
-from ._exchange import P2PWork, ShapeCache, Transfer, exchange
+from ._exchange import P2PWork, ShapeCache, Transfer, cached_recv, cached_send, exchange
 
 __all__ = [
     "P2PWork",
@@ -211,10 +211,17 @@ def _run(api, group, x, sends, recvs, shape, dtype, device, loop, batched, async
         raise ShardkitTypeError(f"{api}: a static receive (shape={list(shape)}) also needs dtype=")
     if reduce not in ("mean", "sum"):
         raise ShardkitError(f"{api}: reduce must be 'mean' or 'sum', got {reduce!r}")
+    if shape_cache is not None and not isinstance(shape_cache, ShapeCache):
+        raise ShardkitTypeError(f"{api}: shape_cache must be a ShapeCache or None, got {type(shape_cache).__name__}")
     checks = checks_enabled()
-    if not checks and shape is not None and not batched and len(groups) == 1 and len(sends) + len(recvs) == 1:
+    single = not checks and not batched and len(groups) == 1 and len(sends) + len(recvs) == 1
+    if single and shape is not None:
         work = _static_single(api, groups[0], x, sends or recvs, bool(sends), shape, dtype, device, loop)
         return work if async_op else work.wait()
+    if single and shape_cache is not None:
+        work = _cached_single(api, groups[0], x, sends or recvs, bool(sends), dtype, device, loop, shape_cache)
+        if work is not None:
+            return work if async_op else work.wait()
     header = checks or shape is None
     payload = x.detach().contiguous() if sends else None
     transfers = []
@@ -228,25 +235,24 @@ def _run(api, group, x, sends, recvs, shape, dtype, device, loop, batched, async
             dev = payload.device if payload is not None else _device(device, g, api)
             transfers.append(Transfer(False, towards, gi, g, _peer(g, towards, loop, api), phase, dev, shape, dtype,
                                       header))
-    if shape_cache is not None and not isinstance(shape_cache, ShapeCache):
-        raise ShardkitTypeError(f"{api}: shape_cache must be a ShapeCache or None, got {type(shape_cache).__name__}")
     work = exchange(transfers, api, bool(batched), checks, reduce, shape_cache)
     return work if async_op else work.wait()
 
 
 class _StaticWork(P2PWork):
-    """The :class:`P2PWork` of one static-shape message (:func:`_static_single`)."""
+    """The :class:`P2PWork` of one transfer without Transfer bookkeeping (:func:`_static_single`,
+    :func:`_cached_single`): its c10d works and the received tensor."""
 
     def __init__(self, work, received: torch.Tensor | None) -> None:  # noqa: no P2PWork state needed
-        self._work, self._received = work, received
+        self._works, self._received = [] if work is None else work if isinstance(work, list) else [work], received
 
     def is_completed(self) -> bool:
-        return self._work is None or self._work.is_completed()
+        return all(w.is_completed() for w in self._works)
 
     def complete(self) -> None:
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
+        works, self._works = self._works, []
+        for w in works:
+            w.wait()
 
     def wait(self) -> torch.Tensor | None:
         self.complete()
@@ -275,6 +281,31 @@ def _static_single(api, g: GroupInfo, x, directions, send: bool, shape, dtype, d
         return _StaticWork(None, buf)
     ledger.record("recv", api, phase, g.size, 0, buf.nbytes)
     return _StaticWork(irecv(buf, g.pg, peer), buf)
+
+
+def _cached_single(api, g: GroupInfo, x, directions, send: bool, dtype, device, loop, cache) -> _StaticWork | None:
+    """One negotiated transfer whose channel already has a cached shape (checks off, ordered,
+    one group): the messages of :func:`._exchange.cached_send` / ``cached_recv`` without the
+    general exchange's bookkeeping (~100 us of Python a message). None when the channel has no
+    cached shape yet: the caller runs the general exchange, which negotiates and fills it."""
+    towards, phase = directions[0]
+    peer = _peer(g, towards, loop, api)
+    payload = x.detach().contiguous() if send else None
+    t = Transfer(send, towards, 0, g, peer, phase, payload.device if send else _device(device, g, api), None, dtype,
+                 True, payload)
+    cached = cache.get(t)
+    if cached is None:
+        return None
+    if send:
+        _check_own_tensor(t, api)
+    works = (cached_send if send else cached_recv)(t, cached, api)
+    if t.status == _wire.OK:
+        cache.put(t, t.payload.shape, t.payload.dtype)
+    if t.error is not None:
+        for w in works:
+            w.wait()  # keep the channel in step, then raise (the peer raises too: the header told it)
+        raise t.error
+    return _StaticWork(works, None if send else t.payload)
 
 
 def _resolve_groups(group, api: str) -> list[GroupInfo]:
