@@ -47,7 +47,9 @@ def run(args: argparse.Namespace) -> int:
         records = run_bench(names, settings, progress=not args.quiet)
     except ValueError as exc:
         raise SystemExit(f"shardkit bench: {exc}") from None
-    argv = (["--quick"] if args.quick else []) + (["--cases", args.cases] if len(names) < 9 else [])
+    from ..bench import CASES
+
+    argv = (["--quick"] if args.quick else []) + (["--cases", args.cases] if set(names) != set(CASES) else [])
     argv += [] if args.rounds == 40 else ["--rounds", str(args.rounds)]
     env = dict(environment(argv), elapsed_s=round(time.perf_counter() - t0, 1))
     doc = write_outputs(records, dict(rounds=args.rounds, warmup=args.warmup, quick=args.quick, cases=names), env,
