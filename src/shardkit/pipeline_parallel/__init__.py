@@ -11,6 +11,7 @@ from ..layouts import Replicate, Shard
 from .hf_decoder import DecoderStageModule, check_pp, decoder_stage_layers, sum_tied_embedding_grads
 from .p2p import (
     P2PWork,
+    ShapeCache,
     recv_backward,
     recv_forward,
     send_backward,
@@ -44,6 +45,7 @@ __all__ = [
     "run_schedule",
     "split_microbatches",
     "P2PWork",
+    "ShapeCache",
     "send_forward",
     "recv_forward",
     "send_backward",

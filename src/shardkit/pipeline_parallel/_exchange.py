@@ -22,6 +22,18 @@ Two modes:
   then waits for its peer's header before posting its own payload, so its peer must make the
   mirror combined call (as Megatron's schedules do); with static shapes there is one phase.
 
+Negotiating once per distinct shape (ordered mode, checks off, a :class:`ShapeCache` passed by
+the caller). Each end keeps, per channel (group, direction, peer), the shape and dtype of the
+last negotiated payload; both ends update it from the same header (the sender from the header it
+sends, the receiver from the header it receives), only when the header's status is ``OK``, so
+the two copies are equal after every transfer whatever the shapes do. With a cached shape the
+receiver posts the header receive and a payload receive of the cached shape together (no round
+trip: the header is no longer waited for before the payload is posted); up to ``PACK_MAX_BYTES``
+the two are one message, the header in front of the payload. The sender always sends a message
+of the cached shape with the header: the payload when its tensor has that shape and dtype, else
+a dummy of the cached shape followed by the real payload (or nothing after an error status).
+The header still travels every time, so a shape change or an error is always seen.
+
 Why it is safe. (a) Each even/odd pair of neighbours has one side sending first and the other
 receiving first, so with blocking (rendezvous) semantics, the worst case of NCCL, every exchange
 completes. (b) Towards one peer, "next" traffic is posted before "prev" traffic on both ends:
@@ -44,7 +56,7 @@ from ..errors import RankMismatchError, ShardkitError, ShardkitTypeError
 from . import _wire
 from ._wire import HEADER_LEN, OK, REJECTED
 
-__all__ = ["Transfer", "P2PWork", "exchange", "order_key", "posting_order"]
+__all__ = ["Transfer", "P2PWork", "ShapeCache", "cached_recv", "cached_send", "exchange", "order_key", "posting_order"]
 
 _SLOTS = (
     {(True, "next"): 0, (False, "prev"): 1, (True, "prev"): 2, (False, "next"): 3},  # even stages
@@ -61,6 +73,21 @@ def posting_order(items) -> list[int]:
     """Indices of ``items`` = ``[(group_index, group_rank, is_send, towards), ...]`` in posting
     order: groups in the order the caller listed them, slots by :func:`order_key` within each."""
     return sorted(range(len(items)), key=lambda i: (items[i][0], order_key(*items[i][1:])))
+
+
+class ShapeCache:
+    """Negotiated payload shapes per P2P channel, for one run of transfers (e.g. one
+    ``run_schedule`` call): create one on every rank at the same point of the program and pass it
+    to every transfer of that run. See the module docstring for why the copies cannot diverge."""
+
+    def __init__(self) -> None:
+        self._last: dict = {}  # (id of the process group, is_send, peer) -> (shape, dtype)
+
+    def get(self, t: "Transfer"):
+        return self._last.get((id(t.g.pg), t.send, t.peer))
+
+    def put(self, t: "Transfer", shape, dtype) -> None:
+        self._last[(id(t.g.pg), t.send, t.peer)] = (tuple(shape), dtype)
 
 
 @dataclass(eq=False)
@@ -147,21 +174,87 @@ def _read_header(t: Transfer, api: str) -> None:
     t.payload = torch.empty(meta.shape, dtype=meta.dtype, device=t.device)
 
 
-def _ordered(transfers: list[Transfer], api: str, verdicts: bool) -> list:
+# Cached shapes up to this many payload bytes travel in one message, the header in front of the
+# payload (a copy on each side, cheap below gloo's ~256 KiB latency/bandwidth crossover, where the
+# second message's latency costs more); larger ones as two messages posted together.
+PACK_MAX_BYTES = 256 * 1024
+_HB = HEADER_LEN * 8  # header bytes; a multiple of 16, so the payload view after it is aligned
+
+
+def _nbytes(cached) -> int:
+    n = cached[1].itemsize
+    for d in cached[0]:
+        n *= d
+    return n
+
+
+def cached_send(t: Transfer, cached, api: str) -> list:
+    """Header, then a message of the cached shape (the payload, or a dummy plus the payload);
+    packed into one message when the cached payload is small."""
+    same = t.status == OK and (tuple(t.payload.shape), t.payload.dtype) == cached
+    nb = _nbytes(cached)
+    if nb <= PACK_MAX_BYTES:
+        buf = torch.empty(_HB + nb, dtype=torch.uint8, device=t.device)
+        buf[:_HB].view(torch.int64).copy_(_wire.encode(t.status, t.payload.dtype, t.payload.shape, t.device))
+        if same and nb:
+            buf[_HB:].view(cached[1]).view(cached[0]).copy_(t.payload)
+        msgs = [(t, True, buf, t.phase)]
+    else:
+        msgs = [_header_msg(t), (t, True, t.payload if same else torch.empty(cached[0], dtype=cached[1],
+                                                                            device=t.device), t.phase)]
+    if not same and (pay := _payload_msg(t)) is not None:
+        msgs.append(pay)
+    return _post(msgs, False, api)
+
+
+def cached_recv(t: Transfer, cached, api: str) -> list:
+    """The mirror of :func:`cached_send`: header and a receive of the cached shape posted
+    together (or one packed receive); the real payload after them only when the header
+    announces another shape."""
+    nb = _nbytes(cached)
+    if nb <= PACK_MAX_BYTES:
+        buf = torch.empty(_HB + nb, dtype=torch.uint8, device=t.device)
+        _post([(t, False, buf, t.phase)], False, api)[0].wait()
+        t.hdr, pre, rest = buf[:_HB].view(torch.int64), buf[_HB:].view(cached[1]).view(cached[0]), []
+    else:
+        pre = torch.empty(cached[0], dtype=cached[1], device=t.device)
+        posted = _post([_header_msg(t), (t, False, pre, t.phase)], False, api)
+        posted[0].wait()
+        rest = posted[1:]
+    _read_header(t, api)
+    if t.status == OK and (tuple(t.payload.shape), t.payload.dtype) == cached:
+        t.payload = pre
+        return rest
+    for w in rest:
+        w.wait()  # a dummy: the real payload (if any) follows
+    pay = _payload_msg(t)
+    return _post([pay], False, api) if pay is not None else []
+
+
+def _ordered(transfers: list[Transfer], api: str, verdicts: bool, cache: ShapeCache | None = None) -> list:
     """Transfer by transfer in slot order, each complete (header, payload, verdict) before the
-    next; a receiver waits for its header before posting the payload receive."""
+    next; a receiver waits for its header before posting the payload receive, unless ``cache``
+    holds the channel's shape (then both are posted at once)."""
     works = []
     for i in posting_order([(t.gi, t.g.rank, t.send, t.towards) for t in transfers]):
         t = transfers[i]
-        if t.header:
-            posted = _post([_header_msg(t)], False, api)
-            if t.send:
-                works += posted
-            else:
-                posted[0].wait()
-                _read_header(t, api)
-        msgs = [_payload_msg(t)] + ([_verdict_msg(t)] if verdicts else [])
-        works += _post([m for m in msgs if m is not None], False, api)
+        use_cache = cache is not None and t.header and not verdicts
+        cached = cache.get(t) if use_cache else None
+        if cached is not None:
+            works += (cached_send if t.send else cached_recv)(t, cached, api)
+        else:
+            if t.header:
+                posted = _post([_header_msg(t)], False, api)
+                if t.send:
+                    works += posted
+                else:
+                    posted[0].wait()
+                    _read_header(t, api)
+            msgs = [_payload_msg(t)] + ([_verdict_msg(t)] if verdicts else [])
+            works += _post([m for m in msgs if m is not None], False, api)
+        if use_cache and t.status == OK:
+            # Both ends record the header's shape: the sender its own, the receiver the one read.
+            cache.put(t, t.payload.shape, t.payload.dtype)
     return works
 
 
@@ -187,7 +280,8 @@ def _sorted_post(msgs, api: str) -> list:
     return _post([msgs[i] for i in order], True, api)
 
 
-def exchange(transfers: list[Transfer], api: str, batched: bool, verdicts: bool, reduce: str) -> "P2PWork":
+def exchange(transfers: list[Transfer], api: str, batched: bool, verdicts: bool, reduce: str,
+             cache: ShapeCache | None = None) -> "P2PWork":
     """Post every message of one call (see the module docstring) and return its handle.
 
     Errors found on this rank are raised only after every message of the exchange was posted
@@ -197,7 +291,7 @@ def exchange(transfers: list[Transfer], api: str, batched: bool, verdicts: bool,
     for t in transfers:
         if t.send and t.error is not None and not t.header:
             raise t.error
-    pending = (_phased if batched else _ordered)(transfers, api, verdicts)
+    pending = _phased(transfers, api, verdicts) if batched else _ordered(transfers, api, verdicts, cache)
     work = P2PWork(api, transfers, pending, reduce)
     errors = [t.error for t in transfers if t.error is not None]
     if errors:

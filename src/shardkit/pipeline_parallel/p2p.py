@@ -11,6 +11,11 @@ own shape and dtype (2 messages). Declaring ``shape=`` (and ``dtype=``) on *both
 static: one message, the payload, into a buffer allocated from the declaration. Both ends must
 agree on static vs dynamic: with checks off a disagreement is a protocol error.
 
+Negotiating once per distinct shape: pass the same :class:`ShapeCache` to every transfer of a
+run on every rank (e.g. one per ``run_schedule`` call). Each channel then remembers the last
+negotiated shape on both ends, identically, and a repeated shape costs no round trip: the
+receiver posts the header and payload receives together (details in :mod:`._exchange`).
+
 Checks (``shardkit.comm.checks(True)`` or ``SHARDKIT_CHECKS=1``): a header is sent on static
 transfers too and the receiver answers with a verdict (3 messages). A wrong static declaration
 then raises on both ends of the transfer instead of corrupting data or hanging: the sender's
@@ -58,10 +63,11 @@ from ..comm._group import GroupInfo, resolve_group
 from ..comm.checks import checks_enabled
 from ..errors import ShardkitError, ShardkitTypeError
 from . import _wire
-from ._exchange import P2PWork, Transfer, exchange
+from ._exchange import P2PWork, ShapeCache, Transfer, cached_recv, cached_send, exchange
 
 __all__ = [
     "P2PWork",
+    "ShapeCache",
     "send_forward",
     "recv_forward",
     "send_backward",
@@ -76,7 +82,7 @@ _FWD_OUT, _FWD_IN = ("next", "forward"), ("prev", "forward")  # (towards, ledger
 _BWD_OUT, _BWD_IN = ("prev", "backward"), ("next", "backward")
 
 
-def send_forward(x, group, *, shape=None, dtype=None, loop=False, batched=False, async_op=False):
+def send_forward(x, group, *, shape=None, dtype=None, loop=False, batched=False, async_op=False, shape_cache=None):
     """Send an activation to the next stage (forward); its adjoint is :func:`recv_backward`.
 
     Args:
@@ -89,6 +95,9 @@ def send_forward(x, group, *, shape=None, dtype=None, loop=False, batched=False,
         loop: the last stage sends to the first.
         batched: post with ``batch_isend_irecv`` instead of ordered ``isend``/``irecv``.
         async_op: return a :class:`P2PWork` instead of waiting.
+        shape_cache: a :class:`ShapeCache` shared by every transfer of one run (each rank makes
+            one at the same point): a negotiated transfer whose shape repeats then posts its
+            header and payload together (ordered mode, checks off); the receiver passes one too.
 
     Returns:
         None, or a :class:`P2PWork` whose ``wait()`` returns None.
@@ -99,11 +108,11 @@ def send_forward(x, group, *, shape=None, dtype=None, loop=False, batched=False,
             declared ``shape``/``dtype``; the header cannot describe ``x`` (ndim > 16).
         RankMismatchError: (checks on) the receiver declared a different shape or dtype.
     """
-    return _run("send_forward", group, x, [_FWD_OUT], [], shape, dtype, None, loop, batched, async_op, "mean")
+    return _run("send_forward", group, x, [_FWD_OUT], [], shape, dtype, None, loop, batched, async_op, "mean", shape_cache)
 
 
 def recv_forward(group, *, shape=None, dtype=None, device=None, loop=False, batched=False, async_op=False,
-                 reduce="mean"):
+                 reduce="mean", shape_cache=None):
     """Receive an activation from the previous stage (forward); adjoint of :func:`send_backward`.
 
     Args:
@@ -112,7 +121,7 @@ def recv_forward(group, *, shape=None, dtype=None, device=None, loop=False, batc
             None for a negotiated (dynamic) transfer. ``dtype`` alone is checked against the header.
         device: where to allocate; default CPU for a gloo group, else the current accelerator.
         loop: the first stage receives from the last.
-        batched, async_op: as :func:`send_forward`.
+        batched, async_op, shape_cache: as :func:`send_forward`.
         reduce: ``"mean"`` or ``"sum"`` of the tensors received from several groups.
 
     Returns:
@@ -124,21 +133,21 @@ def recv_forward(group, *, shape=None, dtype=None, device=None, loop=False, batc
             error; tensors from several groups differ.
         RankMismatchError: the sender's header differs from the declared ``shape``/``dtype``.
     """
-    return _run("recv_forward", group, None, [], [_FWD_IN], shape, dtype, device, loop, batched, async_op, reduce)
+    return _run("recv_forward", group, None, [], [_FWD_IN], shape, dtype, device, loop, batched, async_op, reduce, shape_cache)
 
 
-def send_backward(grad, group, *, shape=None, dtype=None, loop=False, batched=False, async_op=False):
+def send_backward(grad, group, *, shape=None, dtype=None, loop=False, batched=False, async_op=False, shape_cache=None):
     """Send the gradient of a stage's input to the previous stage; adjoint of :func:`recv_forward`.
 
     Arguments, returns and errors as :func:`send_forward` (this is the first stage and ``loop``
     is off: ShardkitError). With several groups, pass ``grad / K`` to be the exact adjoint of
     ``recv_forward(reduce="mean")`` over ``K`` groups (see the module docstring).
     """
-    return _run("send_backward", group, grad, [_BWD_OUT], [], shape, dtype, None, loop, batched, async_op, "mean")
+    return _run("send_backward", group, grad, [_BWD_OUT], [], shape, dtype, None, loop, batched, async_op, "mean", shape_cache)
 
 
 def recv_backward(group, *, shape=None, dtype=None, device=None, loop=False, batched=False, async_op=False,
-                  reduce="mean"):
+                  reduce="mean", shape_cache=None):
     """Receive the gradient of this stage's output from the next stage; adjoint of
     :func:`send_forward`.
 
@@ -146,11 +155,11 @@ def recv_backward(group, *, shape=None, dtype=None, device=None, loop=False, bat
     is off: ShardkitError). Use ``reduce="sum"`` after a fan-out :func:`send_forward` to several
     groups: the gradient of a tensor used by several next stages is the sum of theirs.
     """
-    return _run("recv_backward", group, None, [], [_BWD_IN], shape, dtype, device, loop, batched, async_op, reduce)
+    return _run("recv_backward", group, None, [], [_BWD_IN], shape, dtype, device, loop, batched, async_op, reduce, shape_cache)
 
 
 def send_forward_recv_backward(x, group, *, shape=None, dtype=None, loop=False, batched=False, async_op=False,
-                               reduce="mean"):
+                               reduce="mean", shape_cache=None):
     """Send an activation to the next stage and receive the gradient of an output from it (1F1B steady state).
 
     ``shape``/``dtype`` declare both tensors (an activation and its gradient share them); the
@@ -158,38 +167,38 @@ def send_forward_recv_backward(x, group, *, shape=None, dtype=None, loop=False, 
     :func:`recv_backward` together; both directions are posted before waiting.
     """
     return _run("send_forward_recv_backward", group, x, [_FWD_OUT], [_BWD_IN], shape, dtype, None, loop, batched,
-                async_op, reduce)
+                async_op, reduce, shape_cache)
 
 
 def send_backward_recv_forward(grad, group, *, shape=None, dtype=None, loop=False, batched=False, async_op=False,
-                               reduce="mean"):
+                               reduce="mean", shape_cache=None):
     """Send an input gradient to the previous stage and receive the next activation from it (1F1B steady state).
 
     As :func:`send_forward_recv_backward`, directions reversed.
     """
     return _run("send_backward_recv_forward", group, grad, [_BWD_OUT], [_FWD_IN], shape, dtype, None, loop, batched,
-                async_op, reduce)
+                async_op, reduce, shape_cache)
 
 
 def send_forward_recv_forward(x, group, *, shape=None, dtype=None, loop=False, batched=False, async_op=False,
-                              reduce="mean"):
+                              reduce="mean", shape_cache=None):
     """Send an activation to the next stage and receive one from the previous stage (a forward shift).
 
     With ``loop=True`` every stage does both: a ring shift by one stage. Otherwise as
     :func:`send_forward_recv_backward`.
     """
     return _run("send_forward_recv_forward", group, x, [_FWD_OUT], [_FWD_IN], shape, dtype, None, loop, batched,
-                async_op, reduce)
+                async_op, reduce, shape_cache)
 
 
 def send_backward_recv_backward(grad, group, *, shape=None, dtype=None, loop=False, batched=False, async_op=False,
-                                reduce="mean"):
+                                reduce="mean", shape_cache=None):
     """Send a gradient to the previous stage and receive one from the next stage (a backward shift)."""
     return _run("send_backward_recv_backward", group, grad, [_BWD_OUT], [_BWD_IN], shape, dtype, None, loop, batched,
-                async_op, reduce)
+                async_op, reduce, shape_cache)
 
 
-def _run(api, group, x, sends, recvs, shape, dtype, device, loop, batched, async_op, reduce):
+def _run(api, group, x, sends, recvs, shape, dtype, device, loop, batched, async_op, reduce, shape_cache=None):
     """Validate (every check here is a function of this rank's arguments and stage, raised
     before any message is posted), build the transfers and run the exchange."""
     if sends and not isinstance(x, torch.Tensor):
@@ -202,10 +211,17 @@ def _run(api, group, x, sends, recvs, shape, dtype, device, loop, batched, async
         raise ShardkitTypeError(f"{api}: a static receive (shape={list(shape)}) also needs dtype=")
     if reduce not in ("mean", "sum"):
         raise ShardkitError(f"{api}: reduce must be 'mean' or 'sum', got {reduce!r}")
+    if shape_cache is not None and not isinstance(shape_cache, ShapeCache):
+        raise ShardkitTypeError(f"{api}: shape_cache must be a ShapeCache or None, got {type(shape_cache).__name__}")
     checks = checks_enabled()
-    if not checks and shape is not None and not batched and len(groups) == 1 and len(sends) + len(recvs) == 1:
+    single = not checks and not batched and len(groups) == 1 and len(sends) + len(recvs) == 1
+    if single and shape is not None:
         work = _static_single(api, groups[0], x, sends or recvs, bool(sends), shape, dtype, device, loop)
         return work if async_op else work.wait()
+    if single and shape_cache is not None:
+        work = _cached_single(api, groups[0], x, sends or recvs, bool(sends), dtype, device, loop, shape_cache)
+        if work is not None:
+            return work if async_op else work.wait()
     header = checks or shape is None
     payload = x.detach().contiguous() if sends else None
     transfers = []
@@ -219,23 +235,24 @@ def _run(api, group, x, sends, recvs, shape, dtype, device, loop, batched, async
             dev = payload.device if payload is not None else _device(device, g, api)
             transfers.append(Transfer(False, towards, gi, g, _peer(g, towards, loop, api), phase, dev, shape, dtype,
                                       header))
-    work = exchange(transfers, api, bool(batched), checks, reduce)
+    work = exchange(transfers, api, bool(batched), checks, reduce, shape_cache)
     return work if async_op else work.wait()
 
 
 class _StaticWork(P2PWork):
-    """The :class:`P2PWork` of one static-shape message (:func:`_static_single`)."""
+    """The :class:`P2PWork` of one transfer without Transfer bookkeeping (:func:`_static_single`,
+    :func:`_cached_single`): its c10d works and the received tensor."""
 
     def __init__(self, work, received: torch.Tensor | None) -> None:  # noqa: no P2PWork state needed
-        self._work, self._received = work, received
+        self._works, self._received = [] if work is None else work if isinstance(work, list) else [work], received
 
     def is_completed(self) -> bool:
-        return self._work is None or self._work.is_completed()
+        return all(w.is_completed() for w in self._works)
 
     def complete(self) -> None:
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
+        works, self._works = self._works, []
+        for w in works:
+            w.wait()
 
     def wait(self) -> torch.Tensor | None:
         self.complete()
@@ -264,6 +281,31 @@ def _static_single(api, g: GroupInfo, x, directions, send: bool, shape, dtype, d
         return _StaticWork(None, buf)
     ledger.record("recv", api, phase, g.size, 0, buf.nbytes, pg=g.pg, shape=buf.shape, peer=peer)
     return _StaticWork(irecv(buf, g.pg, peer), buf)
+
+
+def _cached_single(api, g: GroupInfo, x, directions, send: bool, dtype, device, loop, cache) -> _StaticWork | None:
+    """One negotiated transfer whose channel already has a cached shape (checks off, ordered,
+    one group): the messages of :func:`._exchange.cached_send` / ``cached_recv`` without the
+    general exchange's bookkeeping (~100 us of Python a message). None when the channel has no
+    cached shape yet: the caller runs the general exchange, which negotiates and fills it."""
+    towards, phase = directions[0]
+    peer = _peer(g, towards, loop, api)
+    payload = x.detach().contiguous() if send else None
+    t = Transfer(send, towards, 0, g, peer, phase, payload.device if send else _device(device, g, api), None, dtype,
+                 True, payload)
+    cached = cache.get(t)
+    if cached is None:
+        return None
+    if send:
+        _check_own_tensor(t, api)
+    works = (cached_send if send else cached_recv)(t, cached, api)
+    if t.status == _wire.OK:
+        cache.put(t, t.payload.shape, t.payload.dtype)
+    if t.error is not None:
+        for w in works:
+            w.wait()  # keep the channel in step, then raise (the peer raises too: the header told it)
+        raise t.error
+    return _StaticWork(works, None if send else t.payload)
 
 
 def _resolve_groups(group, api: str) -> list[GroupInfo]:

@@ -18,10 +18,13 @@ backpropagates it and the TP regions' reductions make the gradients exact).
 
 from __future__ import annotations
 
+import zlib
+
 import torch
 import torch.distributed as dist
 
 from ..comm import _c10d
+from ..comm._compat import all_gather_single
 from ..errors import ShardkitError
 from . import p2p
 from .schedules import check_deadlock_free, comm_plan, validate_schedule
@@ -115,10 +118,18 @@ def _boundary_decls(shapes, P: int, op: str):
 
 def _agree(stage, error, decls, op: str) -> None:
     """Raise the same ShardkitError on every rank if any rank has a data error or ranks passed
-    different boundary shapes (one ``all_gather_object`` over the pipeline)."""
+    different boundary shapes. One small ``all_gather`` of (error flag, CRC of the shapes) per
+    call; only when it shows a problem does an ``all_gather_object`` collect the messages."""
     g = stage._info
-    seen = [(error, repr(decls))]
-    if g.size > 1:
+    if g.size == 1:
+        seen = [(error, repr(decls))]
+    else:
+        mine = torch.tensor([error is not None, zlib.crc32(repr(decls).encode())], dtype=torch.int64)
+        flags = torch.empty(g.size * 2, dtype=torch.int64)
+        all_gather_single(flags, mine, group=g.pg)
+        flags = flags.view(g.size, 2)
+        if not flags[:, 0].any() and bool((flags[:, 1] == flags[0, 1]).all()):
+            return
         seen = [None] * g.size
         dist.all_gather_object(seen, (error, repr(decls)), group=g.pg)
     bad = [f"rank {r}: {e}" for r, (e, _) in enumerate(seen) if e is not None]
@@ -147,6 +158,13 @@ def _execute(stage, plan, M, inputs, targets, decls, kwargs):
     grads_out = {}  # microbatch -> gradient to send to the previous stage
     outputs = {}  # microbatch -> output to send to the next stage
     losses = [None] * M
+    # Negotiated shapes are remembered per channel for this run (identically on both ends), so
+    # repeated microbatch shapes cost no header round trip.
+    cache = p2p.ShapeCache()
+    # Sends are posted and not waited for: gloo and NCCL sends complete only when the receiver
+    # has posted its receive, so a blocking send would idle this stage until its neighbour gets
+    # there (as Megatron-LM and torch.distributed.pipelining, the next compute overlaps it).
+    sending = []
     for call in plan:
         if call.api == "compute":
             _compute(call.action, stage, M, inputs, targets, received, stash, losses, outputs, grads_out, kwargs)
@@ -156,15 +174,19 @@ def _execute(stage, plan, M, inputs, targets, decls, kwargs):
             _, direction, m = call.sends[0]
             send = outputs.pop(m) if direction == "F" else grads_out.pop(m)
         fn = getattr(p2p, call.api)
-        kw = {}
+        kw = dict(shape_cache=cache, async_op=not call.recvs)
         if decls is not None:  # a combined call's two tensors cross the same boundary
             towards = (call.sends or call.recvs)[0][0]
             shape, dtype = decls[stage.stage_index if towards == "next" else stage.stage_index - 1]
-            kw = dict(shape=shape, dtype=dtype)
+            kw.update(shape=shape, dtype=dtype)
         got = fn(send, g, **kw) if call.sends else fn(g, **kw)
         if call.recvs:
             _, direction, m = call.recvs[0]
             received[(direction, m)] = got
+        else:
+            sending = [w for w in sending if not w.is_completed()] + [got]
+    for work in sending:
+        work.wait()
     return losses if stage.is_last else None
 
 

@@ -1,0 +1,149 @@
+"""Context-parallel cases, forward + backward of attention on a float32 ``[B, S, N, D]`` layout:
+
+- ``ring``: ring attention with ``overlap=True`` over ``overlap=False`` where transfers rival
+  compute (goal <= 0.93) and where compute dominates (goal <= 1.02); causal zigzag over a
+  contiguous ring (goal <= 0.8: the slowest contiguous rank does ``R`` blocks, zigzag ``R + 1/2``).
+- ``ulysses``: :func:`ulysses_attention` against the same attention built from DTensor
+  ``redistribute`` (``Shard(1)`` -> ``Shard(2)``, SDPA, back; PyTorch's own layout switch);
+  uneven ``S`` and ``N`` against even, each time divided by the bytes its all-to-alls move.
+
+Checked before timing: every variant equals full attention (``F.scaled_dot_product_attention``,
+float32 rtol 1e-4) on this rank's tokens; overlap on / off are bitwise equal (output and grads).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .. import balanced_split_sizes
+from .._shapes import split_offsets
+from ._method import Record, Settings, agree, close, time_interleaved
+
+__all__ = ["ring", "ulysses"]
+
+
+def _reference(q, k, v, causal):
+    t = lambda x: x.transpose(1, 2)  # noqa: E731
+    return t(F.scaled_dot_product_attention(t(q), t(k), t(v), is_causal=causal))
+
+
+def _inputs(B, S, N, D, pos, seed):
+    gen = torch.Generator().manual_seed(seed)
+    full = [torch.randn(B, S, N, D, generator=gen) for _ in range(4)]
+    local = [t[:, pos].contiguous().requires_grad_(i < 3) for i, t in enumerate(full)]
+    return full, local
+
+
+def _contiguous(S, R, rank):
+    sizes = balanced_split_sizes(S, R)
+    return torch.arange(split_offsets(sizes)[rank], split_offsets(sizes)[rank] + sizes[rank])
+
+
+def _fwd_bwd(attn, q, k, v, dout):
+    def fn():
+        for t in (q, k, v):
+            t.grad = None
+        out = attn(q, k, v)
+        out.backward(dout)
+        return out.detach(), [t.grad.clone() for t in (q, k, v)]
+    return fn
+
+
+def _ring_variant(p, pg, seed):
+    from ..context_parallel import ring_attention, zigzag_positions
+
+    rank, R = dist.get_rank(pg), dist.get_world_size(pg)
+    B, S, N, D = p["B"], p["S"], p["N"], p["D"]
+    pos = zigzag_positions(S, R, rank) if p["layout"] == "zigzag" else _contiguous(S, R, rank)
+    full, (q, k, v, dout) = _inputs(B, S, N, D, pos, seed)
+    fn = _fwd_bwd(lambda a, b, c: ring_attention(a, b, c, pg, causal=p["causal"], seq_len=S, layout=p["layout"],
+                                                 overlap=p["overlap"]), q, k, v, dout)
+    return fn, _reference(*full[:3], p["causal"])[:, pos]
+
+
+def ring(pg, settings: Settings) -> list[Record]:
+    s = 1 if settings.quick else 2
+    R = dist.get_world_size(pg)
+    cases = [
+        ("overlap-comm", 0.93, "overlap", [dict(B=1, S=1024 * s, N=16, D=8, causal=False, overlap=o, layout="zigzag")
+                                          for o in (True, False)]),
+        ("overlap-compute", 1.02, "overlap", [dict(B=1, S=2048 * s, N=4, D=64, causal=True, overlap=o, layout="zigzag")
+                                             for o in (True, False)]),
+        ("zigzag-causal", 0.8, "layout", [dict(B=1, S=2048 * s, N=4, D=64, causal=True, overlap=True, layout=lay)
+                                          for lay in ("zigzag", "contiguous")]),
+    ]
+    records = []
+    for n, (label, goal, key, variants) in enumerate(cases):
+        names = [("overlap" if p["overlap"] else "no-overlap") if key == "overlap" else p["layout"] for p in variants]
+        preps = [_ring_variant(p, pg, 11 + n) for p in variants]
+        results = [fn() for fn, _ in preps]
+        failures = [f"{nm} != full attention" for nm, (out, _), (_, want) in zip(names, results, preps)
+                    if not close(out, want)]
+        if key == "overlap" and not (torch.equal(results[0][0], results[1][0]) and
+                                     all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1]))):
+            failures.append("overlap changed the result")
+        agree(failures, pg, f"ring {label}")
+        times = time_interleaved({nm: fn for nm, (fn, _) in zip(names, preps)}, pg, settings)
+        p = variants[0]
+        rec = Record("ring", dict(label=label, B=p["B"], S=p["S"], N=p["N"], D=p["D"], causal=p["causal"]), R, times,
+                     checked="outputs against full SDPA (rtol 1e-4); overlap on/off bitwise equal")
+        records.append(rec.ratio(f"{names[0]}/{names[1]}", names[0], names[1], goal))
+    return records
+
+
+def _dtensor_attention(pg, causal):
+    """Ulysses from PyTorch's DTensor: redistribute ``Shard(1)`` (sequence) to ``Shard(2)``
+    (heads), SDPA on local heads over the whole sequence, redistribute back."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = DeviceMesh.from_group(pg, "cpu", mesh_dim_names=("cp",))
+
+    def attn(q, k, v):
+        heads = [DTensor.from_local(t, mesh, [Shard(1)]).redistribute(mesh, [Shard(2)]).to_local() for t in (q, k, v)]
+        out = _reference(*heads, causal)
+        return DTensor.from_local(out, mesh, [Shard(2)]).redistribute(mesh, [Shard(1)]).to_local()
+    return attn
+
+
+def ulysses(pg, settings: Settings) -> list[Record]:
+    from ..comm import CommLedger
+    from ..context_parallel import ulysses_attention
+
+    rank, R = dist.get_rank(pg), dist.get_world_size(pg)
+    S = 1024 if settings.quick else 2048
+    records = []
+    # Against DTensor redistribute: even S and N (DTensor's all-to-all needs even shards).
+    pos = _contiguous(S, R, rank)
+    full, (q, k, v, dout) = _inputs(1, S, 8, 64, pos, 5)
+    fns = {"shardkit": _fwd_bwd(lambda a, b, c: ulysses_attention(a, b, c, pg, causal=True, seq_len=S), q, k, v, dout),
+           "dtensor": _fwd_bwd(_dtensor_attention(pg, True), q, k, v, dout)}
+    want = _reference(*full[:3], True)[:, pos]
+    results = {nm: fn() for nm, fn in fns.items()}
+    failures = [f"{nm} != full attention" for nm, (out, _) in results.items() if not close(out, want)]
+    failures += [f"dtensor grad {i} != shardkit's" for i, (a, b) in
+                 enumerate(zip(results["shardkit"][1], results["dtensor"][1])) if not close(a, b)]
+    agree(failures, pg, "ulysses vs dtensor")
+    rec = Record("ulysses", dict(label="vs DTensor redistribute", B=1, S=S, N=8, D=64, causal=True), R,
+                 time_interleaved(fns, pg, settings), checked="outputs against full SDPA, grads against each other")
+    records.append(rec.ratio("shardkit/dtensor", "shardkit", "dtensor", 1.0))
+    # Uneven (S and N not divisible by R) against even, per byte moved.
+    preps, moved = {}, {}
+    for nm, (s_len, n) in (("uneven", (S - 3, 7)), ("even", (S, 8))):
+        pos = _contiguous(s_len, R, rank)
+        full, (q, k, v, dout) = _inputs(1, s_len, n, 64, pos, 6)
+        preps[nm] = _fwd_bwd(lambda a, b, c, s_len=s_len: ulysses_attention(a, b, c, pg, causal=True, seq_len=s_len),
+                             q, k, v, dout)
+        with CommLedger() as ledger:
+            out, _ = preps[nm]()
+        failures = [] if close(out, _reference(*full[:3], True)[:, pos]) else [f"{nm} != full attention"]
+        agree(failures, pg, f"ulysses {nm}")
+        total = torch.tensor([float(ledger.bytes_sent())])
+        dist.all_reduce(total, group=pg)
+        moved[nm] = total.item()
+    rec = Record("ulysses", dict(label="uneven S-3, N=7 vs even", S=S, D=64, causal=True, bytes_moved=moved), R,
+                 time_interleaved(preps, pg, settings), checked="outputs against full SDPA")
+    records.append(rec.ratio("uneven/even per byte", "uneven", "even", 1.1, scale=moved["even"] / moved["uneven"]))
+    return records

@@ -1,0 +1,177 @@
+"""Tensor-parallel training steps: shardkit against PyTorch DTensor and Hugging Face.
+
+One step = ``zero_grad``, forward with ``labels`` (HF's causal-LM loss), backward, ``AdamW.step``
+on a transformers ``LlamaForCausalLM`` (float32, sdpa) loaded by every rank from the same
+``save_pretrained`` checkpoint, on the same token batch. Variants:
+
+- TP: ``shardkit`` (:func:`shardkit.apply_tp` with the model's own HF plan), ``dtensor``
+  (``parallelize_module``: q/k/v/gate/up ``ColwiseParallel``, o/down ``RowwiseParallel``,
+  lm_head ``ColwiseParallel(output_layouts=Replicate())``, as torchtitan) and ``hf``
+  (``from_pretrained(..., tp_plan="auto")``, transformers' DTensor tensor parallelism; needs
+  ``accelerate``, left out without it);
+- TP+SP: ``shardkit`` (:func:`shardkit.apply_llama_tp`: sequence-sharded norms and residuals)
+  and ``dtensor`` (torchtitan's plan: ``SequenceParallel`` norms, ``PrepareModuleInput``
+  all-gathers before attention and MLP, o/down ``RowwiseParallel(output_layouts=Shard(1))``,
+  the sequence split at the first layer's input).
+
+Checked before timing: the first step's losses agree (rtol 1e-4) and gathered gradients and
+updated parameters of a few weights agree (rtol 1e-3; sums run in different orders).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+from ._method import Record, Settings, agree, time_interleaved
+
+__all__ = ["tp_step"]
+
+SHAPES = {
+    "tiny": (dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=344, vocab_size=2048), (2, 64)),
+    "small": (dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                   intermediate_size=688, vocab_size=4096), (4, 128)),
+    "large": (dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                   intermediate_size=1408, vocab_size=8192), (2, 256)),
+}
+CHECKED = ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
+           "model.layers.1.self_attn.o_proj.weight", "model.layers.1.mlp.down_proj.weight", "model.norm.weight",
+           "model.layers.1.post_attention_layernorm.weight", "lm_head.weight")
+
+
+def _load(path, **kw):
+    import transformers as tf
+
+    return tf.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa", **kw)
+
+
+def _dtensor(model, pg, sp: bool):
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, parallelize_module,
+    )
+
+    mesh = DeviceMesh.from_group(pg, "cpu", mesh_dim_names=("tp",))
+    out = Shard(1) if sp else Replicate()
+    plan = {f"self_attn.{n}": ColwiseParallel() for n in ("q_proj", "k_proj", "v_proj")}
+    plan.update({"self_attn.o_proj": RowwiseParallel(output_layouts=out), "mlp.gate_proj": ColwiseParallel(),
+                 "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel(output_layouts=out)})
+    if sp:
+        plan.update({"input_layernorm": SequenceParallel(), "post_attention_layernorm": SequenceParallel(),
+                     "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                                     desired_input_kwarg_layouts={"hidden_states": Replicate()}),
+                     "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))})
+    for layer in model.model.layers:
+        parallelize_module(layer, mesh, plan)
+    top = {"lm_head": ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(), output_layouts=Replicate())}
+    if sp:
+        top.update({"model.norm": SequenceParallel(),
+                    "model.layers.0": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                                          use_local_output=True)})
+    parallelize_module(model, mesh, top)
+    return model
+
+
+def _build(variant: str, path: str, pg):
+    mode, impl = variant.split("/")
+    if impl == "shardkit":
+        from .. import apply_llama_tp, apply_tp
+
+        return apply_llama_tp(_load(path), pg) if mode == "tp+sp" else apply_tp(_load(path), pg, check="off")
+    if impl == "hf":
+        return _load(path, tp_plan="auto")
+    return _dtensor(_load(path), pg, mode == "tp+sp")
+
+
+def _full(t):
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _gathered(variant, model, grads: bool):
+    if variant.endswith("shardkit"):
+        from ..tensor_parallel import gather_full_grads, gather_full_state_dict
+
+        full = gather_full_grads(model) if grads else gather_full_state_dict(model)
+        return {n: full[n] for n in CHECKED}
+    params = dict(model.named_parameters())
+    return {n: _full(params[n].grad if grads else params[n]).detach().clone() for n in CHECKED}
+
+
+def _steps(variants, path, ids, pg):
+    """Each variant's step callable, after checking the first step against the first variant."""
+    steps, seen = {}, {}
+    for v in variants:
+        model = _build(v, path, pg)
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+
+        def step(model=model, opt=opt):
+            opt.zero_grad(set_to_none=True)
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            return loss.detach()
+
+        opt.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        grads = _gathered(v, model, True)
+        opt.step()
+        seen[v] = (_full(loss.detach()).item(), grads, _gathered(v, model, False))
+        steps[v] = step
+    ref = variants[0]
+    bad = []
+    for v in variants[1:]:
+        if abs(seen[v][0] - seen[ref][0]) > 1e-4 * abs(seen[ref][0]):
+            bad.append(f"loss {v} {seen[v][0]} vs {ref} {seen[ref][0]}")
+        for kind, k in (("grad", 1), ("param", 2)):
+            for n in CHECKED:
+                a, b = seen[ref][k][n], seen[v][k][n]
+                if a.shape != b.shape or not torch.allclose(a, b, rtol=1e-3, atol=1e-5 * b.abs().max().item()):
+                    bad.append(f"{kind} {n}: {v} vs {ref}")
+    agree(bad, pg, "tp_step variants disagree")
+    return steps, seen[ref][0]
+
+
+def tp_step(pg, settings: Settings) -> list[Record]:
+    import transformers as tf
+
+    rank, n = dist.get_rank(pg), dist.get_world_size(pg)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(n))  # read by transformers' TP
+    tf.logging.set_verbosity_error()
+    tf.utils.logging.disable_progress_bar()
+    hf = importlib.util.find_spec("accelerate") is not None  # transformers' TP loading needs it
+    records = []
+    for shape in (("tiny",) if settings.quick else ("small", "large")):
+        cfg_kw, (batch, seq) = SHAPES[shape]
+        with tempfile.TemporaryDirectory(prefix="shardkit-bench-tp-") as tmp:
+            path = [os.path.join(tmp, shape) if rank == 0 else None]
+            dist.broadcast_object_list(path, src=0, group=pg)  # rank 0's folder; every rank reads it
+            if rank == 0:
+                torch.manual_seed(0)
+                cfg = tf.LlamaConfig(**cfg_kw, use_cache=False, tie_word_embeddings=False)
+                tf.LlamaForCausalLM(cfg).save_pretrained(path[0])
+            dist.barrier(group=pg)
+            ids = torch.randint(0, cfg_kw["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(1))
+            for mode, variants in (("tp", ["tp/shardkit", "tp/dtensor"] + (["tp/hf"] if hf else [])),
+                                   ("tp+sp", ["tp+sp/shardkit", "tp+sp/dtensor"])):
+                steps, loss = _steps(variants, path[0], ids, pg)
+                times = time_interleaved({v.split("/")[1]: f for v, f in steps.items()}, pg, settings)
+                rec = Record("tp_step", dict(label=f"{mode} {shape}", mode=mode, shape=shape, batch=batch, seq=seq,
+                                             loss=loss, **cfg_kw), n, times,
+                             checked="first-step loss (rtol 1e-4), gathered grads and updated params (rtol 1e-3)")
+                for other in times:
+                    if other != "shardkit":
+                        rec.ratio(f"shardkit/{other}", "shardkit", other, 1.0)
+                records.append(rec)
+                del steps
+            dist.barrier(group=pg)  # nobody reads the checkpoint any more
+    return records

@@ -1,0 +1,41 @@
+"""The cases of ``shardkit bench``: name -> where its per-rank body lives and its world size.
+
+A case body is ``fn(pg, settings) -> list[Record]``, run on every rank of a world of ``nproc``
+gloo ranks; it checks its variants' results before timing them (:func:`._method.agree`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+__all__ = ["CaseSpec", "CASES", "QUICK"]
+
+
+class CaseSpec(NamedTuple):
+    module: str  # relative to shardkit.bench
+    function: str
+    nproc: int
+    what: str
+
+
+CASES = {
+    "collectives": CaseSpec(".cases_comm", "collectives", 2,
+                            "all_reduce / all_gather / reduce_scatter against the bare c10d call"),
+    "all_to_all": CaseSpec(".cases_a2a", "all_to_all_case", 2,
+                           "Ulysses layouts against bare pre-laid all_to_all_single and list all_to_all + cat; "
+                           "uneven against even per byte"),
+    "all_to_all_fused": CaseSpec(".cases_a2a", "fused_projection", 2,
+                                 "projection writing straight into the all-to-all send buffer against the "
+                                 "projection + all_to_all and against the parts (projection, bare call)"),
+    "p2p": CaseSpec(".cases_comm", "p2p", 2, "pipeline send/recv (static, negotiated) against bare isend/irecv"),
+    "pipeline_bubble": CaseSpec(".cases_pp", "bubble", 4, "measured 1F1B bubble against (p-1)/(m+p-1)"),
+    "ring": CaseSpec(".cases_cp", "ring", 4, "ring attention: overlap against none; zigzag against contiguous"),
+    "ulysses": CaseSpec(".cases_cp", "ulysses", 4,
+                        "Ulysses attention against DTensor redistribute; uneven against even per byte"),
+    "spatial_conv": CaseSpec(".cases_other", "spatial_conv", 2,
+                             "spatial conv against halo + conv parts and full gather"),
+    "vocab_loss": CaseSpec(".cases_other", "vocab_loss", 2, "vocab-parallel loss against gathered logits"),
+    "tp_step": CaseSpec(".cases_tp", "tp_step", 2,
+                        "TP and TP+SP training steps against DTensor parallelize_module and HF tp_plan"),
+}
+QUICK = tuple(CASES)  # --quick runs every case at its small sizes
