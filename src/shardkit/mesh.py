@@ -7,10 +7,15 @@ shardkit keeps no module-level process groups. A job describes its layout once w
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import math
 from dataclasses import dataclass, fields
 
 from .errors import ShardkitError, ShardkitTypeError
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["ParallelDims"]
 
@@ -78,7 +83,7 @@ class ParallelDims:
         """Axes with degree > 1, outermost first."""
         return [axis for axis, d in self.degrees.items() if d > 1]
 
-    def build_mesh(self, device_type: str = "cpu"):
+    def build_mesh(self, device_type: str = "cpu") -> DeviceMesh:
         """Build the named ``DeviceMesh`` with every axis as a dimension (size-1 axes included).
 
         Must be called collectively by every rank of the default process group.

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from .._shapes import balanced_split_sizes
 from ..errors import ShardkitError, ShardkitTypeError
 from . import _c10d
 from ._validate import dim_of, enter, maybe_agree
+
+if TYPE_CHECKING:
+    from .._types import Group
 
 __all__ = ["all_to_all"]
 
@@ -36,7 +41,8 @@ class _AllToAll(torch.autograd.Function):
         return out, None, None, None, None
 
 
-def all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int, gather_size: int | None = None) -> torch.Tensor:
+def all_to_all(x: torch.Tensor, group: Group, scatter_dim: int, gather_dim: int,
+               gather_size: int | None = None) -> torch.Tensor:
     """Scatter ``scatter_dim`` and gather ``gather_dim`` in forward; the reverse all-to-all in backward.
 
     The Ulysses layout switch: e.g. ``[B, S/R, N, D]`` with ``scatter_dim=2, gather_dim=1`` becomes

@@ -18,6 +18,8 @@ MindSpeed-MM's unaligned all-to-all (balanced split sizes).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import functools
 import math
 
@@ -30,6 +32,10 @@ from ..comm._validate import enter, maybe_agree
 from ..errors import ShardkitError, ShardkitTypeError
 from ._attention import local_attention
 from ._sizes import HeadPlan, check_cu_seqlens, ulysses_head_plan
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+    from .._types import Group
 
 __all__ = ["ulysses_attention"]
 
@@ -155,7 +161,9 @@ def _validate(q, k, v, group, causal, scale, cu_seqlens, seq_len, op=_OP):
     return g, cu, seq_len
 
 
-def ulysses_attention(q, k, v, group, *, causal: bool, scale=None, cu_seqlens=None, seq_len=None) -> torch.Tensor:
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group, *, causal: bool,
+                      scale: float | None = None, cu_seqlens: Sequence[int] | torch.Tensor | None = None,
+                      seq_len: int | None = None) -> torch.Tensor:
     """All-to-all to head shards, local attention over the whole sequence, all-to-all back; the reverse all-to-alls in backward.
 
     Args:

@@ -24,6 +24,8 @@ stage's tp size may differ from its neighbours' (MindSpeed-MM VTP).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from torch import nn
 
 from .._shapes import balanced_split_sizes
@@ -31,6 +33,9 @@ from ..comm import all_reduce_backward
 from ..comm._group import resolve_group
 from ..errors import ShardkitError
 from ..tensor_parallel.styles import ColwiseParallel, RowwiseParallel
+
+if TYPE_CHECKING:
+    from .._types import Group
 
 __all__ = ["apply_llama_stage_tp", "check_llama_stage_tp"]
 
@@ -56,7 +61,7 @@ def _f_pre_hook(group):
     return hook
 
 
-def apply_llama_stage_tp(stage_module: nn.Module, tp_group) -> nn.Module:
+def apply_llama_stage_tp(stage_module: nn.Module, tp_group: Group) -> nn.Module:
     """Shard a :class:`~.hf_llama.LlamaStageModule` over its stage's tp group, in place.
 
     Every rank of the group must call it on a stage holding the same full weights. Forward

@@ -38,6 +38,8 @@ Megatron-LM pipeline x tensor parallelism; the box-intersection reshard of array
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -46,6 +48,10 @@ import torch.distributed as dist
 from .._shapes import balanced_split_sizes, split_offsets
 from ..comm._group import resolve_group
 from ..errors import ShardkitError, ShardkitTypeError
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+    from .._types import Group
 
 __all__ = ["Replicate", "Shard", "StageGroups", "Piece", "local_box", "piece_plan", "new_stage_groups"]
 
@@ -156,7 +162,7 @@ class StageGroups:
             rank's ``tp_group`` does not have its stage's size and rank order.
     """
 
-    def __init__(self, group, stage_ranks, tp_group) -> None:
+    def __init__(self, group: Group, stage_ranks: Sequence[Sequence[int]], tp_group: Group) -> None:
         op = "StageGroups"
         g = resolve_group(group, op)
         tp = resolve_group(tp_group, op)
@@ -202,7 +208,7 @@ def _normalize(stage_ranks, size: int):
     return ranks, None
 
 
-def new_stage_groups(tp_sizes, dp: int = 1):
+def new_stage_groups(tp_sizes: Sequence[int], dp: int = 1) -> tuple[StageGroups, dist.ProcessGroup]:
     """Create the groups of ``dp`` pipeline replicas whose stages have tp sizes ``tp_sizes``.
 
     Collective over the default process group (``dist.new_group`` is), which must have

@@ -16,6 +16,8 @@ PyTorch DTensor's ``parallelize_module`` and Hugging Face's ``tp_plan`` do.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import warnings
 
 from torch import nn
@@ -25,6 +27,9 @@ from ..errors import ShardkitError, ShardkitTypeError
 from .heads import attention_head_ranges
 from .plan import CompiledPlan, model_tp_plan, verify_tp_plan
 from .styles import ColwiseParallel, RowwiseParallel, SharedInputReduce, StyleContext
+
+if TYPE_CHECKING:
+    from .._types import Group
 
 __all__ = ["apply_tp"]
 
@@ -51,7 +56,7 @@ def _head_ranges(model: nn.Module, compiled: CompiledPlan, world: int) -> dict[s
     return out
 
 
-def apply_tp(model: nn.Module, tp_mesh, plan: dict | None = None, *, loss_parallel: bool = False,
+def apply_tp(model: nn.Module, tp_mesh: Group, plan: dict | None = None, *, loss_parallel: bool = False,
              styles: dict | None = None, check: str = "warn") -> nn.Module:
     """Apply tensor parallelism to ``model`` in place, following ``plan``.
 

@@ -15,12 +15,19 @@ Transformer Models" (2022), as implemented in Megatron-LM.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from .._shapes import balanced_split_sizes
 from ..comm import all_gather, reduce_scatter, split_forward_gather_backward
 from ..comm._group import resolve_group
 from ..errors import ShardkitError
+
+if TYPE_CHECKING:
+    from typing import Any
+    from torch import nn
+    from .._types import Group
 
 __all__ = ["SequenceSharding"]
 
@@ -48,7 +55,7 @@ class SequenceSharding:
         input_name: keyword under which the hooked modules may receive the hidden states.
     """
 
-    def __init__(self, group, dim: int = 1, input_name: str = "hidden_states") -> None:
+    def __init__(self, group: Group, dim: int = 1, input_name: str = "hidden_states") -> None:
         self.group = group
         self.dim = dim
         self.input_name = input_name
@@ -80,10 +87,12 @@ class SequenceSharding:
         """Partial sums ``[B, S, H]`` -> summed block ``[B, S_r, H]``; backward all-gathers."""
         return reduce_scatter(x, self.group, self.dim, self._current("reduce_scatter"))
 
-    def split_pre_hook(self, module, args, kwargs):
+    def split_pre_hook(self, module: nn.Module, args: tuple[Any, ...],
+                       kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Forward pre-hook (``with_kwargs=True``) splitting the module's input along the sequence."""
         return _replace_input(args, kwargs, self.input_name, self.split)
 
-    def gather_pre_hook(self, module, args, kwargs):
+    def gather_pre_hook(self, module: nn.Module, args: tuple[Any, ...],
+                        kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Forward pre-hook (``with_kwargs=True``) gathering the module's input along the sequence."""
         return _replace_input(args, kwargs, self.input_name, self.gather)

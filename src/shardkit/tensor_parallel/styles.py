@@ -24,6 +24,8 @@ Hugging Face transformers' tensor parallelism and PyTorch DTensor ``parallelize_
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import types
 import weakref
 from collections.abc import Callable, Sequence
@@ -44,6 +46,10 @@ from ..comm import (
 from ..comm._group import GroupInfo, resolve_group
 from ..errors import ShardkitError, ShardkitTypeError
 from .spec import ShardSpec, shard_parameter, shard_spec
+
+if TYPE_CHECKING:
+    from typing import Any
+    from .._types import Group
 
 __all__ = [
     "StyleContext",
@@ -109,14 +115,14 @@ class StyleContext:
     input_reduce: SharedInputReduce | None = None
 
     @classmethod
-    def of(cls, group, op: str) -> StyleContext:
+    def of(cls, group: Group, op: str) -> StyleContext:
         return cls(group, resolve_group(group, op))
 
 
 class ParallelStyle:
     """Base class: subclasses implement :meth:`apply_module` and :meth:`shard_param`."""
 
-    def apply(self, module: nn.Module, group) -> nn.Module:
+    def apply(self, module: nn.Module, group: Group) -> nn.Module:
         """Apply this style to ``module`` over ``group`` (a ``ProcessGroup`` or 1-D ``DeviceMesh``)."""
         self.apply_module(module, StyleContext.of(group, type(self).__name__))
         return module
@@ -238,7 +244,7 @@ class ColwiseParallel(ParallelStyle):
 class PackedColwiseParallel(ColwiseParallel):
     """``packed_colwise``: :class:`ColwiseParallel` of a fused weight of ``parts`` (default 2) parts."""
 
-    def __init__(self, sizes=None, *, parts: int | Sequence[int] = 2, **kwargs) -> None:
+    def __init__(self, sizes: Sequence[int] | None = None, *, parts: int | Sequence[int] = 2, **kwargs: Any) -> None:
         super().__init__(sizes, parts=parts, **kwargs)
 
 
@@ -308,11 +314,11 @@ class RowwiseParallel(ParallelStyle):
 class PackedRowwiseParallel(RowwiseParallel):
     """``packed_rowwise``: :class:`RowwiseParallel` of a fused weight of ``parts`` (default 2) parts."""
 
-    def __init__(self, sizes=None, *, parts: int | Sequence[int] = 2, **kwargs) -> None:
+    def __init__(self, sizes: Sequence[int] | None = None, *, parts: int | Sequence[int] = 2, **kwargs: Any) -> None:
         super().__init__(sizes, parts=parts, **kwargs)
 
 
-def sum_grad_over(param: nn.Parameter, group) -> nn.Parameter:
+def sum_grad_over(param: nn.Parameter, group: Group) -> nn.Parameter:
     """Make ``param``'s gradient the sum over ``group`` of the per-rank gradients.
 
     For a replicated parameter applied to different data on each rank (an RMSNorm weight on a
