@@ -13,6 +13,7 @@ import sys
 
 from rich.console import Console
 
+from .._optional import check_train, require
 from ..errors import ShardkitError
 from .config import DTYPES, MODELS, SCHEDULES, TrainConfig, load_toml, merge_config, validate_config
 from .data import corpus_files
@@ -26,7 +27,7 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     d = TrainConfig()
     p = subparsers.add_parser(
         "train",
-        help="train a small Llama with tensor + sequence, pipeline and data parallelism",
+        help="train a Hugging Face causal LM (tp, sp, cp, ep, pp, dp) or a spatially sharded conv autoencoder",
         description="Train a Hugging Face causal LM (Llama, Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V2) with tp "
         "(tensor parallel from the model's own plan; Llama: + sequence parallel) x dp (DDP), experts sharded "
         "with --ep, or Llama pp (pipeline stages, 1F1B or GPipe) x dp, on real text, byte-level tokens.",
@@ -106,10 +107,15 @@ def run_train(args: argparse.Namespace) -> int:
 
     torchrun = under_torchrun()
     try:
+        if getattr(args, "model_path", None):  # the layout check reads its config with transformers
+            require(["transformers"], "shardkit train --model-path")
         cfg = config_from_args(args, int(os.environ["WORLD_SIZE"]) if torchrun else None)
+        notes = check_train(cfg.model, cfg.report)  # a missing extra: one line, before any launch
     except ShardkitError as e:
         print(f"shardkit train: error: {e}", file=sys.stderr)
         return 2
+    for note in notes:
+        print(f"shardkit train: note: {note}", file=sys.stderr)
     if torchrun:
         result = worker_main(cfg, False)
         return 0 if result is None else finish(result, cfg)

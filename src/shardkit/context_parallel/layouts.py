@@ -196,7 +196,8 @@ def zigzag_all_gather(x_local: torch.Tensor, group: Group, dim: int, seq_len: in
 
 
 def packed_split(x: torch.Tensor, cu_seqlens: Sequence[int] | torch.Tensor, group: Group, dim: int,
-                 grad_scale: Literal["up", "down"] | None = None) -> torch.Tensor:
+                 grad_scale: Literal["up", "down"] | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor | list[int]]:
     """Keep this rank's zigzag part of every packed document in forward; all-gather the gradient in backward.
 
     Each document ``d`` (tokens ``cu_seqlens[d]:cu_seqlens[d + 1]``) is split zigzag on its own

@@ -71,7 +71,7 @@ class ExpertShard:
 
     dim: int
     sizes: tuple[int, ...]
-    group: object
+    group: Group
     num_experts: int
 
 

@@ -134,8 +134,8 @@ _ARGS = """
 """
 
 
-def spatial_max_pool(x_local: torch.Tensor, group: Group, dim: int | Sequence[int], kernel_size: int | Sequence[int],
-                     stride: int | Sequence[int] | None = None, padding: int | Sequence[int] | str = 0,
+def spatial_max_pool(x_local: torch.Tensor, group: Group, dim: int, kernel_size: int | Sequence[int],
+                     stride: int | Sequence[int] | None = None, padding: int | Sequence[int] = 0,
                      dilation: int | Sequence[int] = 1, *, ceil_mode: bool = False,
                      sizes: Sequence[int] | None = None, channels_last: bool = False) -> torch.Tensor:
     """Max pooling of an input sharded along ``dim``: halo exchange forward, its adjoint backward."""
@@ -143,8 +143,8 @@ def spatial_max_pool(x_local: torch.Tensor, group: Group, dim: int | Sequence[in
                  ceil_mode, sizes, channels_last)
 
 
-def spatial_avg_pool(x_local: torch.Tensor, group: Group, dim: int | Sequence[int], kernel_size: int | Sequence[int],
-                     stride: int | Sequence[int] | None = None, padding: int | Sequence[int] | str = 0, *,
+def spatial_avg_pool(x_local: torch.Tensor, group: Group, dim: int, kernel_size: int | Sequence[int],
+                     stride: int | Sequence[int] | None = None, padding: int | Sequence[int] = 0, *,
                      ceil_mode: bool = False, count_include_pad: bool = True, divisor_override: int | None = None,
                      sizes: Sequence[int] | None = None, channels_last: bool = False) -> torch.Tensor:
     """Average pooling of an input sharded along ``dim``: halo exchange forward, its adjoint backward."""
@@ -184,8 +184,8 @@ class SpatialMaxPool2d(_PoolMixin, nn.MaxPool2d):
     """
 
     def __init__(self, kernel_size: int | Sequence[int], stride: int | Sequence[int] | None = None,
-                 padding: int | Sequence[int] | str = 0, dilation: int | Sequence[int] = 1,
-                 return_indices: bool = False, ceil_mode: bool = False, *, group: Group, dim: int | Sequence[int],
+                 padding: int | Sequence[int] = 0, dilation: int | Sequence[int] = 1,
+                 return_indices: bool = False, ceil_mode: bool = False, *, group: Group, dim: int,
                  channels_last: bool = False, infer_sizes: bool = False):
         if return_indices:
             raise ShardkitError("SpatialMaxPool2d: return_indices=True is not supported")
@@ -197,7 +197,7 @@ class SpatialMaxPool2d(_PoolMixin, nn.MaxPool2d):
                                 sizes=self._sizes(x, sizes), channels_last=self.channels_last)
 
     @classmethod
-    def from_module(cls, m: nn.MaxPool2d, group: Group, dim: int | Sequence[int], *, channels_last: bool = False,
+    def from_module(cls, m: nn.MaxPool2d, group: Group, dim: int, *, channels_last: bool = False,
                     infer_sizes: bool = False) -> SpatialMaxPool2d:
         return cls(m.kernel_size, m.stride, m.padding, m.dilation, m.return_indices, m.ceil_mode, group=group, dim=dim,
                    channels_last=channels_last, infer_sizes=infer_sizes)
@@ -207,8 +207,8 @@ class SpatialAvgPool2d(_PoolMixin, nn.AvgPool2d):
     """``nn.AvgPool2d`` over an input sharded along H or W (see :func:`spatial_avg_pool`)."""
 
     def __init__(self, kernel_size: int | Sequence[int], stride: int | Sequence[int] | None = None,
-                 padding: int | Sequence[int] | str = 0, ceil_mode: bool = False, count_include_pad: bool = True,
-                 divisor_override: int | None = None, *, group: Group, dim: int | Sequence[int],
+                 padding: int | Sequence[int] = 0, ceil_mode: bool = False, count_include_pad: bool = True,
+                 divisor_override: int | None = None, *, group: Group, dim: int,
                  channels_last: bool = False, infer_sizes: bool = False):
         super().__init__(kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
         self._setup(group, dim, channels_last, infer_sizes)
@@ -219,7 +219,7 @@ class SpatialAvgPool2d(_PoolMixin, nn.AvgPool2d):
                                 sizes=self._sizes(x, sizes), channels_last=self.channels_last)
 
     @classmethod
-    def from_module(cls, m: nn.AvgPool2d, group: Group, dim: int | Sequence[int], *, channels_last: bool = False,
+    def from_module(cls, m: nn.AvgPool2d, group: Group, dim: int, *, channels_last: bool = False,
                     infer_sizes: bool = False) -> SpatialAvgPool2d:
         return cls(m.kernel_size, m.stride, m.padding, m.ceil_mode, m.count_include_pad, m.divisor_override, group=group,
                    dim=dim, channels_last=channels_last, infer_sizes=infer_sizes)

@@ -63,7 +63,7 @@ def check_interpolate_args(scale_factor, mode, align_corners, nd: int, op: str, 
     return _scales(scale_factor, nd, op)
 
 
-def spatial_interpolate(x_local: torch.Tensor, group: Group, dim: int | Sequence[int],
+def spatial_interpolate(x_local: torch.Tensor, group: Group, dim: int,
                         scale_factor: int | Sequence[int], mode: str = "nearest", align_corners: bool | None = None,
                         *, sizes: Sequence[int] | None = None, channels_last: bool = False) -> torch.Tensor:
     """``F.interpolate`` of an input sharded along ``dim`` with integer scales; output sharded the same way.
@@ -125,7 +125,7 @@ class SpatialUpsample(nn.Module):
     """
 
     def __init__(self, scale_factor: int | Sequence[int], mode: str = "nearest", align_corners: bool | None = None, *,
-                 group: Group, dim: int | Sequence[int], channels_last: bool = False, infer_sizes: bool = False):
+                 group: Group, dim: int, channels_last: bool = False, infer_sizes: bool = False):
         super().__init__()
         if isinstance(dim, bool) or not isinstance(dim, int):
             raise ShardkitTypeError(f"SpatialUpsample: dim must be an int, got {dim!r}")
@@ -144,7 +144,7 @@ class SpatialUpsample(nn.Module):
         return f"scale_factor={self.scale_factor}, mode={self.mode!r}, dim={self.dim}"
 
     @classmethod
-    def from_module(cls, up: nn.Upsample, group: Group, dim: int | Sequence[int], *, channels_last: bool = False,
+    def from_module(cls, up: nn.Upsample, group: Group, dim: int, *, channels_last: bool = False,
                     infer_sizes: bool = False) -> SpatialUpsample:
         """The sharded equivalent of ``up``; ShardkitError when its settings are unsupported."""
         if up.size is not None or up.scale_factor is None:

@@ -1,8 +1,8 @@
 """Tensor parallelism (with Megatron sequence parallelism) applied to existing models.
 
 :func:`apply_tp` shards any model from a plan of Hugging Face style strings or
-:class:`ParallelStyle` objects; :func:`apply_llama_tp` adds sequence parallelism to
-Llama-architecture models; :func:`gather_full_state_dict` brings the full weights back.
+:class:`ParallelStyle` objects; :func:`gather_full_state_dict` brings the full weights back.
+(``apply_llama_tp``, the older Llama-only entry, is not public: it gives way to ``apply_tp``.)
 """
 
 from .apply import apply_tp
@@ -56,8 +56,6 @@ __all__ = [
     "shard_parameter",
     "sum_grad_over",
     "SequenceSharding",
-    "apply_llama_tp",
-    "check_llama_tp",
     "gather_full_state_dict",
     "gather_full_grads",
     "unwrap",

@@ -57,7 +57,7 @@ class ShardSpec:
     dim: int
     full_size: int
     ranges: tuple[Ranges, ...]
-    group: object
+    group: Group
 
     @classmethod
     def blocks(cls, dim: int, sizes: Sequence[int], group: Group) -> ShardSpec:

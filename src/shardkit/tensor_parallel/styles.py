@@ -106,7 +106,7 @@ class StyleContext:
             (each colwise layer then applies its own).
     """
 
-    group: object
+    group: Group
     info: GroupInfo
     name: str = ""
     model: nn.Module | None = None
