@@ -255,7 +255,7 @@ _DOC = """Convolution of an input sharded along spatial dim ``dim``; output shar
 """
 
 
-def spatial_conv1d(x_local: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, group: Group,
+def spatial_conv1d(x_local: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Group,
                    dim: int | Sequence[int], stride: int | Sequence[int] = 1, padding: int | Sequence[int] | str = 0,
                    dilation: int | Sequence[int] = 1, groups: int = 1, *, padding_mode: str = "zeros",
                    sizes: Sequence[int] | None = None, channels_last: bool = False, sum_param_grads: bool = True,
@@ -264,7 +264,7 @@ def spatial_conv1d(x_local: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
                          padding_mode, sizes, channels_last, sum_param_grads, overlap)
 
 
-def spatial_conv2d(x_local: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, group: Group,
+def spatial_conv2d(x_local: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Group,
                    dim: int | Sequence[int], stride: int | Sequence[int] = 1, padding: int | Sequence[int] | str = 0,
                    dilation: int | Sequence[int] = 1, groups: int = 1, *, padding_mode: str = "zeros",
                    sizes: Sequence[int] | None = None, channels_last: bool = False, sum_param_grads: bool = True,
@@ -273,7 +273,7 @@ def spatial_conv2d(x_local: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
                          padding_mode, sizes, channels_last, sum_param_grads, overlap)
 
 
-def spatial_conv3d(x_local: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, group: Group,
+def spatial_conv3d(x_local: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Group,
                    dim: int | Sequence[int], stride: int | Sequence[int] = 1, padding: int | Sequence[int] | str = 0,
                    dilation: int | Sequence[int] = 1, groups: int = 1, *, padding_mode: str = "zeros",
                    sizes: Sequence[int] | None = None, channels_last: bool = False, sum_param_grads: bool = True,

@@ -203,7 +203,7 @@ _DOC = """Transposed convolution of an input sharded along spatial dim ``dim``; 
 """
 
 
-def spatial_conv_transpose1d(x_local: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, group: Group,
+def spatial_conv_transpose1d(x_local: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Group,
                              dim: int | Sequence[int], stride: int | Sequence[int] = 1,
                              padding: int | Sequence[int] | str = 0, output_padding: int | Sequence[int] = 0,
                              groups: int = 1, dilation: int | Sequence[int] = 1, *,
@@ -213,7 +213,7 @@ def spatial_conv_transpose1d(x_local: torch.Tensor, weight: torch.Tensor, bias: 
                                    output_padding, groups, dilation, sizes, channels_last, sum_param_grads)
 
 
-def spatial_conv_transpose2d(x_local: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, group: Group,
+def spatial_conv_transpose2d(x_local: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Group,
                              dim: int | Sequence[int], stride: int | Sequence[int] = 1,
                              padding: int | Sequence[int] | str = 0, output_padding: int | Sequence[int] = 0,
                              groups: int = 1, dilation: int | Sequence[int] = 1, *,
@@ -223,7 +223,7 @@ def spatial_conv_transpose2d(x_local: torch.Tensor, weight: torch.Tensor, bias: 
                                    output_padding, groups, dilation, sizes, channels_last, sum_param_grads)
 
 
-def spatial_conv_transpose3d(x_local: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, group: Group,
+def spatial_conv_transpose3d(x_local: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Group,
                              dim: int | Sequence[int], stride: int | Sequence[int] = 1,
                              padding: int | Sequence[int] | str = 0, output_padding: int | Sequence[int] = 0,
                              groups: int = 1, dilation: int | Sequence[int] = 1, *,

@@ -93,7 +93,7 @@ def _affine(x, weight, bias, g, op: str):
     return x
 
 
-def spatial_group_norm(x_local: torch.Tensor, num_groups: int, weight: torch.Tensor | None, bias: torch.Tensor,
+def spatial_group_norm(x_local: torch.Tensor, num_groups: int, weight: torch.Tensor | None, bias: torch.Tensor | None,
                        group: Group, eps: float = 1e-5) -> torch.Tensor:
     """GroupNorm of a frame sharded along spatial dims; statistics over the whole frame.
 
