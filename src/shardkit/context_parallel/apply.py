@@ -303,7 +303,8 @@ def apply_cp(model: nn.Module, cp_mesh: Group, mode: str = "ulysses", *, ring_di
             ``usp``: a 2-D ``DeviceMesh`` with dims ``ring_dim`` and ``ulysses_dim``.
         mode: ``"ulysses"`` (all-to-all over heads; contiguous blocks), ``"ring"`` (zigzag ring
             attention), or ``"usp"`` (Ulysses inside, ring across).
-        ring_dim, ulysses_dim: mesh dim names for ``usp``.
+        ring_dim: the mesh dim name of the ring for ``usp``.
+        ulysses_dim: the mesh dim name of Ulysses for ``usp``.
 
     Returns:
         :class:`CPContext`: ``shard_batch``, ``loss``, ``gather``, ``shard``, ``all_reduce_grads``.

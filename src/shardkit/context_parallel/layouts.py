@@ -236,7 +236,9 @@ def packed_gather(x_local: torch.Tensor, cu_seqlens: Sequence[int] | torch.Tenso
     Args:
         x_local: ``[..., T_r, ...]`` as returned by :func:`packed_split`.
         cu_seqlens: the *global* cumulative lengths, identical on every rank.
-        group, dim, grad_scale: as :func:`zigzag_gather`.
+        group: as :func:`zigzag_gather`.
+        dim: as :func:`zigzag_gather`.
+        grad_scale: as :func:`zigzag_gather`.
 
     Returns:
         ``[..., cu_seqlens[-1], ...]`` in packed (global) order, identical on every rank.

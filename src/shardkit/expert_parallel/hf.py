@@ -161,7 +161,8 @@ def ep_experts_forward(module: nn.Module, hidden: torch.Tensor, top_k_index: tor
         module: experts module whose parameters were sharded by :func:`shard_expert_param`.
         hidden: ``[T, H]``; ``top_k_index``: ``[T, k]`` global expert ids; ``top_k_weights``: ``[T, k]``.
         group: the EP group the parameters were sharded over.
-        mode, tokens: see the module docstring.
+        mode: see the module docstring.
+        tokens: see the module docstring.
 
     Returns:
         ``[T, H]`` in ``hidden``'s dtype: ``sum_j w[t, j] * expert_{idx[t, j]}(hidden[t])``.

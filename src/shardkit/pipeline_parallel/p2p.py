@@ -93,8 +93,9 @@ def send_forward(x: torch.Tensor, group: Group | Sequence[Group], *, shape: Sequ
             detached. With ``async_op`` do not modify it before ``wait()``.
         group: the pipeline group: a ``ProcessGroup``, a 1-D ``DeviceMesh``, or a list of them
             (fan-out: the same tensor to the next stage of each).
-        shape, dtype: declare the transfer static (the receiver declares the same); ``x`` is
-            checked against them.
+        shape: declare the transfer static, with ``dtype`` (the receiver declares the same);
+            ``x`` is checked against them.
+        dtype: the declared dtype of a static transfer.
         loop: the last stage sends to the first.
         batched: post with ``batch_isend_irecv`` instead of ordered ``isend``/``irecv``.
         async_op: return a :class:`P2PWork` instead of waiting.
@@ -119,11 +120,13 @@ def recv_forward(group: Group | Sequence[Group], *, shape: Sequence[int] | None 
 
     Args:
         group: the pipeline group, or a list of groups (one tensor from each, reduced).
-        shape, dtype: the declared static shape and dtype (both needed for a static receive);
-            None for a negotiated (dynamic) transfer. ``dtype`` alone is checked against the header.
+        shape: the declared static shape (a static receive needs ``dtype`` too); None for a
+            negotiated (dynamic) transfer.
+        dtype: the declared dtype; alone, it is checked against the header.
         device: where to allocate; default CPU for a gloo group, else the current accelerator.
         loop: the first stage receives from the last.
-        batched, async_op: as :func:`send_forward`.
+        batched: as :func:`send_forward`.
+        async_op: as :func:`send_forward`.
         reduce: ``"mean"`` or ``"sum"`` of the tensors received from several groups.
 
     Returns:

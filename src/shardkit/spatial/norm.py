@@ -103,7 +103,8 @@ def spatial_group_norm(x_local: torch.Tensor, num_groups: int, weight: torch.Ten
     Args:
         x_local: ``[B, C, *S_local]``, any spatial dims sharded, any split (zero-size allowed).
         num_groups: ``G``, dividing ``C``.
-        weight, bias: ``[C]`` or None, replicated.
+        weight: ``[C]`` or None, replicated.
+        bias: ``[C]`` or None, replicated.
         group: a ``ProcessGroup`` or 1-D ``DeviceMesh`` of ``R`` ranks (the spatial group), or
             a sequence of them for tiles (e.g. ``(mesh["h"], mesh["w"])``): the statistics are
             combined over each in turn.

@@ -219,7 +219,7 @@ def _swap_params(model: nn.Module, device: torch.device) -> None:
 
 
 def materialize_meta(model: nn.Module, device: torch.device | str, loaded: set[str],
-                     init_buffers: Callable[[nn.Module], None] = None) -> None:
+                     init_buffers: Callable[[nn.Module], None] | None = None) -> None:
     """Allocate ``model``'s meta parameters and buffers on ``device`` (after ``apply_tp``, so
     only local shards) and recompute the buffers a checkpoint does not hold.
 
@@ -262,10 +262,15 @@ def materialize_meta(model: nn.Module, device: torch.device | str, loaded: set[s
 
 
 def load_sharded(model: nn.Module, path: str | os.PathLike[str], tp_mesh: Group, plan: dict | None = None, *,
-                 device: torch.device | str | None = None, init_buffers: Callable[[nn.Module], None] = None,
+                 device: torch.device | str | None = None, init_buffers: Callable[[nn.Module], None] | None = None,
                  **apply_tp_kwargs: Any) -> nn.Module:
     """Shard ``model`` with :func:`~.apply.apply_tp` and fill it from a safetensors checkpoint,
     each rank reading only its own slices.
+
+    This reads a *Hugging Face* checkpoint (the full, unsharded ``*.safetensors`` files a model
+    is published with): the way to start from pretrained weights. To save and resume a model
+    that is already sharded, use :func:`~.dcp.save_sharded_checkpoint` /
+    :func:`~.dcp.load_sharded_checkpoint` (shardkit's own DCP checkpoint) instead.
 
     Build the model on the meta device so the full model is never allocated::
 

@@ -228,9 +228,13 @@ def save_sharded_checkpoint(model: nn.Module, path: str | os.PathLike, group: Gr
 
 def load_sharded_checkpoint(model: nn.Module, path: str | os.PathLike, group: Group, *,
                             device: torch.device | str | None = None,
-                            init_buffers: Callable[[nn.Module], None] = None) -> nn.Module:
+                            init_buffers: Callable[[nn.Module], None] | None = None) -> nn.Module:
     """Collective over ``group``: fill ``model`` (sharded at any tp size, or unsharded) from a
     checkpoint written by :func:`save_sharded_checkpoint`, each rank reading only its ranges.
+
+    This reads shardkit's own distributed checkpoint (torch DCP), for resuming training at the
+    same or another tp size. To start from a Hugging Face safetensors checkpoint (full weights),
+    use :func:`~.checkpoint.load_sharded` instead.
 
     The model may be on the meta device after ``apply_tp`` (build it under
     ``torch.device("meta")``): its local shards are then allocated on ``device`` first and its
