@@ -1,4 +1,4 @@
-"""Shared machinery of the paired benchmarks in ``benchmarks/`` (DESIGN.md section 5).
+"""Shared machinery of the paired benchmarks in ``benchmarks/`` (docs/design.md, Benchmarks).
 
 Not a benchmark itself: the ``bench_*.py`` scripts import it as a sibling module (they run as
 ``python benchmarks/<name>.py``, so ``sys.path[0]`` is this folder, and spawned ranks inherit
@@ -124,9 +124,9 @@ def add_timing_args(p, rounds: int = 40, warmup: int = 5) -> None:
 
 
 def check_rounds(p, args) -> None:
-    """DESIGN.md section 5's floor on the number of rounds."""
+    """The floor of docs/design.md (Benchmarks) on the number of rounds."""
     if args.rounds < 40 or args.warmup < 5:
-        p.error("DESIGN.md section 5: at least 40 rounds after at least 5 warm-up rounds")
+        p.error("docs/design.md, Benchmarks: at least 40 rounds after at least 5 warm-up rounds")
 
 
 def dump_json(path, obj) -> None:

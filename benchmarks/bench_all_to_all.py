@@ -1,4 +1,4 @@
-"""Paired, interleaved benchmark of ``shardkit.all_to_all`` (DESIGN.md section 5).
+"""Paired, interleaved benchmark of ``shardkit.all_to_all`` (docs/design.md, Benchmarks).
 
 Same as ``shardkit bench``; see ``python benchmarks/bench_all_to_all.py --help``.
 """

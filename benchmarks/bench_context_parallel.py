@@ -1,4 +1,4 @@
-"""Paired, interleaved benchmarks of context-parallel attention, forward + backward (DESIGN.md section 5).
+"""Paired, interleaved benchmarks of context-parallel attention, forward + backward (docs/design.md, Benchmarks).
 
 ``python benchmarks/bench_context_parallel.py [--nproc 4] [--rounds 40] [--warmup 5] [--quick] [--json PATH]``
 

@@ -1,4 +1,4 @@
-"""Paired benchmark: vocab-parallel cross entropy vs gathering the logits (DESIGN.md section 5).
+"""Paired benchmark: vocab-parallel cross entropy vs gathering the logits (docs/design.md, Benchmarks).
 
 ``python benchmarks/bench_loss_parallel.py [--nproc 2,4] [--tokens 2048] [--vocab 32000]
 [--rounds 40] [--warmup 5] [--quick] [--json PATH]``

@@ -1,5 +1,5 @@
 """Paired, interleaved benchmark of pipeline P2P: shardkit ``send_forward``/``recv_forward`` vs
-bare ``dist.isend``/``dist.irecv`` (DESIGN.md section 5).
+bare ``dist.isend``/``dist.irecv`` (docs/design.md, Benchmarks).
 
 ``python benchmarks/bench_p2p.py [--rounds 40] [--warmup 5] [--quick] [--json PATH]``
 

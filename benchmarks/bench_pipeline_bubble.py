@@ -1,4 +1,4 @@
-"""Measured 1F1B pipeline bubble against the theory ``(p - 1) / (m + p - 1)`` (DESIGN.md section 5).
+"""Measured 1F1B pipeline bubble against the theory ``(p - 1) / (m + p - 1)`` (docs/design.md, Benchmarks).
 
 ``python benchmarks/bench_pipeline_bubble.py [--rounds 40] [--warmup 5] [--f-ms 10] [--b-ms 20] [--quick]``
 

@@ -1,4 +1,4 @@
-"""Paired, interleaved benchmark of ``spatial_conv2d`` forward + backward (DESIGN.md section 5).
+"""Paired, interleaved benchmark of ``spatial_conv2d`` forward + backward (docs/design.md, Benchmarks).
 
 ``python benchmarks/bench_spatial_conv.py [--nproc 2] [--rounds 40] [--warmup 5] [--quick] [--json PATH]``
 

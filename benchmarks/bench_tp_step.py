@@ -1,4 +1,4 @@
-"""Paired, interleaved benchmark of a tensor-parallel training step (DESIGN.md section 5).
+"""Paired, interleaved benchmark of a tensor-parallel training step (docs/design.md, Benchmarks).
 
 ``python benchmarks/bench_tp_step.py [--nproc 2,4] [--shapes small,large] [--rounds 40] [--warmup 5]
 [--quick] [--json PATH] [--profile]``
@@ -31,7 +31,7 @@ The ``hf`` variant needs ``accelerate`` (transformers 5.23's ``check_and_set_dev
     pip install --no-deps --target /tmp/hf_accel accelerate
     PYTHONPATH=/tmp/hf_accel python benchmarks/bench_tp_step.py            # R = 2, 4; both shapes
     PYTHONPATH=/tmp/hf_accel python benchmarks/bench_tp_step.py --quick    # small shape, R = 2, 4
-``--quick``: 10 rounds after 2 warm-up rounds (not a DESIGN.md result), the small shape unless ``--shapes``.
+``--quick``: 10 rounds after 2 warm-up rounds (not a docs/design.md result), the small shape unless ``--shapes``.
 """
 
 from __future__ import annotations
@@ -242,7 +242,7 @@ def main(argv=None) -> int:
     if args.quick:
         args.rounds, args.warmup = 10, 2
     elif args.rounds < 40 or args.warmup < 5:
-        p.error("DESIGN.md section 5: at least 40 rounds after at least 5 warm-up rounds (or --quick)")
+        p.error("docs/design.md, Benchmarks: at least 40 rounds after at least 5 warm-up rounds (or --quick)")
     if any(s not in SHAPES for s in args.shapes):
         p.error(f"--shapes: choose from {list(SHAPES)}")
     import transformers as tf

@@ -1,4 +1,4 @@
-"""pytest wiring of the persistent gloo test worlds (harness/world.py, DESIGN.md section 4).
+"""pytest wiring of the persistent gloo test worlds (harness/world.py, docs/design.md, Testing).
 
 ``@pytest.mark.world(n)`` (optionally ``timeout=SECONDS``, the wall limit, default 60 s) on a
 module-level test function runs its body on every rank of an n-rank gloo world instead of in

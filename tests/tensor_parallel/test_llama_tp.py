@@ -1,6 +1,6 @@
 """Tensor + sequence parallel Llama (shardkit.tensor_parallel) against the unsharded model.
 
-Parity (DESIGN.md section 4): the TP+SP model and the plain HF model built from the same seed,
+Parity (docs/design.md, Testing): the TP+SP model and the plain HF model built from the same seed,
 float64, get the same logits, loss and every parameter gradient (gathered from the shards) to
 rtol 1e-9 -- measured at about 1e-15. Sequence lengths include ones not divisible by tp.
 """

@@ -1,4 +1,4 @@
-"""Per-rank body of the paired, interleaved ``all_to_all`` benchmark (DESIGN.md section 5).
+"""Per-rank body of the paired, interleaved ``all_to_all`` benchmark (docs/design.md, Benchmarks).
 
 Runs inside an initialized process group. For every (size, direction) it builds six variants,
 shardkit / bare / list+cat at aligned and unaligned head counts, checks them bitwise, then times

@@ -1,4 +1,4 @@
-"""``shardkit bench``: paired, interleaved benchmark of :func:`shardkit.all_to_all` (DESIGN.md 5).
+"""``shardkit bench``: paired, interleaved benchmark of :func:`shardkit.all_to_all` (docs/design.md, Benchmarks).
 
 Launches ``--nproc`` local gloo ranks (spawn, FileStore, one intra-op thread each), runs
 :mod:`shardkit.cli._bench_all_to_all` on them and reports, per size and direction, the median
@@ -63,7 +63,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
         help="paired, interleaved all_to_all benchmark on local gloo ranks",
         description=__doc__.split("\n\n")[0],
     )
-    p.add_argument("--rounds", type=int, default=300, help="timed rounds per case (>= 40 for DESIGN.md 5; default 300)")
+    p.add_argument("--rounds", type=int, default=300, help="timed rounds per case (>= 40 for docs/design.md, Benchmarks; default 300)")
     p.add_argument("--warmup", type=int, default=5, help="untimed warm-up rounds per case (default 5)")
     p.add_argument("--sizes", default=DEFAULT_SIZES, help=f"local input bytes, comma-separated (default {DEFAULT_SIZES})")
     p.add_argument("--directions", default=",".join(DIRECTIONS), help="heads (scatter N, gather S) and/or seq (scatter S, gather N)")

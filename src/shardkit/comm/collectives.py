@@ -131,7 +131,7 @@ def all_gather(x: torch.Tensor, group: Group, dim: int, sizes: Sequence[int] | N
         RankMismatchError: (check mode) dtype / other dims / sizes differ across ranks.
 
     Uneven gathers use ``all_to_all_single`` with split sizes: gloo rejects uneven list
-    ``all_gather`` and it costs the same as an even gather (DESIGN.md section 3).
+    ``all_gather`` and it costs the same as an even gather (docs/design.md, Platform facts).
     """
     g = enter(x, group, "all_gather")
     maybe_agree(g, "all_gather", x, (dim, sizes), local_dim=dim, expected_local=expected_size(sizes, g.rank))

@@ -4,7 +4,7 @@ Every rank sends every other rank exactly the elements that rank needs (split si
 all ranks compute identically, :mod:`._plan`), so:
 
 * it is correct at ``R = 2``, where the left and the right neighbour are the same rank, without
-  P2P tags (NCCL ignores tags and pairs same-peer messages in FIFO order, DESIGN.md section 3);
+  P2P tags (NCCL ignores tags and pairs same-peer messages in FIFO order, docs/design.md, Platform facts);
 * halos wider than a neighbour's shard come from further ranks, and zero-size shards need no
   special case: they own no piece of anyone's request;
 * the backward is the adjoint: received halo gradients travel back in the reverse
