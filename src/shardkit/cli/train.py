@@ -14,6 +14,7 @@ import sys
 from rich.console import Console
 
 from .._optional import check_train, require
+from .._quiet import quiet_third_party
 from ..errors import ShardkitError
 from .config import DTYPES, MODELS, SCHEDULES, TrainConfig, load_toml, merge_config, validate_config
 from .data import corpus_files
@@ -117,6 +118,7 @@ def run_train(args: argparse.Namespace) -> int:
     for note in notes:
         print(f"shardkit train: note: {note}", file=sys.stderr)
     if torchrun:
+        quiet_third_party(int(os.environ.get("RANK", "0")))  # progress bars and warnings on rank 0 only
         result = worker_main(cfg, False)
         return 0 if result is None else finish(result, cfg)
     try:

@@ -95,7 +95,8 @@ def apply_tp(model: nn.Module, tp_mesh: Group, plan: dict | None = None, *, loss
             msg = f"apply_tp: rules that matched nothing: {list(report.unused_rules)}; parameters left unsharded: {list(report.unsharded)}"
             if check == "error":
                 raise ShardkitError(msg)
-            warnings.warn(msg, stacklevel=2)
+            if g.rank == 0:  # the report is the same on every rank (a pure plan check): say it once
+                warnings.warn(msg, stacklevel=2)
     if g.size == 1:
         return model
     heads = _head_ranges(model, compiled, g.size)
