@@ -82,7 +82,9 @@ def test_third_party_output_on_rank_0_only(monkeypatch):
     for key in QUIET_ENV:
         monkeypatch.delenv(key, raising=False)
     was_enabled, level = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
-    hf_logging.enable_progress_bar()
+    with warnings.catch_warnings():  # huggingface_hub notes that the test env disables bars anyway
+        warnings.simplefilter("ignore")
+        hf_logging.enable_progress_bar()
     try:
         with warnings.catch_warnings():
             quiet_third_party(0)
