@@ -27,14 +27,16 @@ echo "floors: python $($PYTHON -c 'import platform; print(platform.python_versio
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 PY="$VENV/bin/python"
 "$PY" -m pip install -q "torch==$TORCH"
-# transformers and safetensors at their floors (rich and the test tools as pip resolves them),
-# then shardkit itself without deps: resolving its requirements again could lift a floor.
-"$PY" -m pip install -q "transformers==$TRANSFORMERS" "safetensors>=$SAFETENSORS" \
-  "rich>=$(floor rich)" "pytest>=$(floor pytest)" "hypothesis>=$(floor hypothesis)"
-"$PY" -m pip install -q --no-deps -e .
+# shardkit with every extra the suite uses, torch, transformers and safetensors held at their
+# floors (the other dependencies as pip resolves them against those pins).
+"$PY" -m pip install -q -e ".[hf,plot,test,docs]" "torch==$TORCH" "transformers==$TRANSFORMERS" \
+  "safetensors==$SAFETENSORS"
 "$PY" -m pip check
 "$PY" - <<'PY'
 import sys, torch, transformers
-print(f"running on python {sys.version.split()[0]}, torch {torch.__version__}, transformers {transformers.__version__}")
+import safetensors
+print(f"running on python {sys.version.split()[0]}, torch {torch.__version__}, "
+      f"transformers {transformers.__version__}, safetensors {safetensors.__version__}")
 PY
-"$PY" -m pytest -q "${@:-tests}"
+# The venv is at the floors: run the tests with its interpreter, with nothing else on the path.
+PYTHONPATH= "$PY" -m pytest -q "${@:-tests}"
