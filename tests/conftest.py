@@ -1,4 +1,4 @@
-"""pytest wiring of the persistent gloo test worlds (harness/world.py, DESIGN.md section 4).
+"""pytest wiring of the persistent gloo test worlds (harness/world.py, docs/design.md, Testing).
 
 ``@pytest.mark.world(n)`` (optionally ``timeout=SECONDS``, the wall limit, default 60 s) on a
 module-level test function runs its body on every rank of an n-rank gloo world instead of in
@@ -9,6 +9,7 @@ failed, hung or crashed test.
 
 from __future__ import annotations
 
+import os
 import pickle
 import sys
 from pathlib import Path
@@ -22,6 +23,11 @@ if _TESTS_DIR not in sys.path:
     sys.path.insert(0, _TESTS_DIR)
 
 from harness.world import WALL_LIMIT, WorldPool, set_io_guard  # noqa: E402
+from shardkit._quiet import QUIET_ENV  # noqa: E402
+
+# No Hugging Face progress bars ("Writing model shards", loading bars) or advisory logs in test
+# output: set before the forkserver starts, so every rank inherits it.
+os.environ.update(QUIET_ENV)
 
 _POOL = WorldPool()
 

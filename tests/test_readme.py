@@ -27,3 +27,15 @@ def test_api_example_is_15_lines_and_runs(tmp_path):
     # Every rank prints its ledger: 2 uneven all-to-all calls forward (a2a + uneven gather) and 2
     # backward. Counted in the whole output: lines of the 4 ranks may interleave.
     assert proc.stdout.count("('all_to_all_single', 2): {'count': 4,") == 4, proc.stdout
+
+
+def test_readme_is_short_and_points_to_the_docs():
+    text = README.read_text()
+    commands = [line for line in text.splitlines() if line.startswith("python -c \"import torch\"")]
+    assert commands == [
+        'python -c "import torch" 2>/dev/null || pip install torch==2.13.0; pip install -q -e ".[hf,plot]" && shardkit train',
+        'python -c "import torch" 2>/dev/null || pip install torch==2.13.0; pip install -q -e ".[hf,test,docs]" '
+        "&& python -m pytest -q",
+    ]
+    assert "(docs/index.md)" in text and (README.parent / "docs" / "index.md").is_file()
+    assert len(text.splitlines()) <= 100

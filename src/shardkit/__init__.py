@@ -2,51 +2,110 @@
 
 Tensor / sequence, context, expert, pipeline and spatial parallelism built from exact,
 differentiable collectives that run the same on CPU (gloo) and GPU (NCCL).
+
+One entry point per axis, all exported here (the guides in ``docs/guides`` start from them):
+
+* tensor / sequence parallelism: :func:`apply_tp`
+* context parallelism: :func:`apply_cp` (models), :func:`ulysses_attention`,
+  :func:`ring_attention`, :func:`usp_attention` (the attention functions themselves)
+* expert parallelism: :func:`ep_plan` (a plan for :func:`apply_tp`), :func:`token_dispatch` /
+  :func:`token_combine` (the all-to-all dispatcher)
+* pipeline parallelism: :class:`PipelineStage` with :func:`run_schedule`
+* spatial parallelism: :func:`apply_spatial`
+* data parallelism: a ``dp`` axis of :class:`ParallelDims` (torch's DDP / FSDP over ``mesh["dp"]``)
+
+The composed trainer's ``parallelize`` and the new ``ParallelDims`` land with the trainer
+rewrite; they will be exported here and documented in ``docs/api/mesh.md``.
+
+The sub-packages (``shardkit.comm``, ``shardkit.tensor_parallel``, ...) hold the lower-level
+pieces (plan styles, layout helpers, P2P calls); their ``__all__`` lists are public too and are
+documented page by page in ``docs/api``.
 """
 
 from ._shapes import balanced_split_sizes
+from ._types import Group
 from .comm import (
     CommLedger,
+    CommRecord,
     all_gather,
     all_reduce_backward,
     all_reduce_forward,
     all_to_all,
+    checks,
+    checks_enabled,
     gather_forward_split_backward,
     reduce_scatter,
     split_forward_gather_backward,
 )
-from .context_parallel import apply_cp
+from .context_parallel import (
+    CPBatch,
+    CPContext,
+    apply_cp,
+    ring_attention,
+    ulysses_attention,
+    usp_attention,
+    zigzag_gather,
+    zigzag_split,
+)
 from .layouts import Replicate, Shard
 from .errors import GroupMembershipError, RankMismatchError, ShardkitError, ShardkitTypeError
+from .expert_parallel import DispatchPlan, dispatch_plan, ep_plan, token_combine, token_dispatch
 from .mesh import ParallelDims
+from .pipeline_parallel import (
+    PipelineStage,
+    StageGroups,
+    gpipe_schedule,
+    new_stage_groups,
+    one_f_one_b_schedule,
+    run_schedule,
+    split_microbatches,
+)
 from .spatial import (
     RingConv2d,
+    SpatialAvgPool2d,
+    SpatialBatchNorm2d,
     SpatialConv1d,
     SpatialConv2d,
     SpatialConv3d,
+    SpatialConvTranspose1d,
+    SpatialConvTranspose2d,
+    SpatialConvTranspose3d,
+    SpatialGroupNorm,
+    SpatialMaxPool2d,
+    SpatialUpsample,
     apply_spatial,
     halo_exchange,
     ring_conv2d,
+    spatial_avg_pool,
     spatial_conv1d,
     spatial_conv2d,
     spatial_conv3d,
+    spatial_conv_transpose1d,
+    spatial_conv_transpose2d,
+    spatial_conv_transpose3d,
+    spatial_group_norm,
+    spatial_interpolate,
+    spatial_max_pool,
     spatial_output_sizes,
 )
 from .tensor_parallel import (
     apply_tp,
     gather_full_state_dict,
     load_sharded,
-    vocab_parallel_cross_entropy,
     load_sharded_checkpoint,
     save_sharded_checkpoint,
     verify_tp_plan,
+    vocab_parallel_cross_entropy,
 )
 
 __version__ = "0.1.0"
 
 __all__ = [
+    # layout and sizes
     "ParallelDims",
+    "Group",
     "balanced_split_sizes",
+    # differentiable collectives
     "all_reduce_forward",
     "all_reduce_backward",
     "all_gather",
@@ -55,27 +114,70 @@ __all__ = [
     "gather_forward_split_backward",
     "all_to_all",
     "CommLedger",
+    "CommRecord",
+    "checks",
+    "checks_enabled",
+    # tensor / sequence parallelism
     "apply_tp",
     "Replicate",
     "Shard",
-    "apply_cp",
     "verify_tp_plan",
+    "vocab_parallel_cross_entropy",
     "gather_full_state_dict",
     "load_sharded",
-    "vocab_parallel_cross_entropy",
     "save_sharded_checkpoint",
     "load_sharded_checkpoint",
+    # context parallelism
+    "apply_cp",
+    "CPContext",
+    "CPBatch",
+    "ulysses_attention",
+    "ring_attention",
+    "usp_attention",
+    "zigzag_split",
+    "zigzag_gather",
+    # expert parallelism
+    "ep_plan",
+    "dispatch_plan",
+    "DispatchPlan",
+    "token_dispatch",
+    "token_combine",
+    # pipeline parallelism
+    "PipelineStage",
+    "run_schedule",
+    "split_microbatches",
+    "gpipe_schedule",
+    "one_f_one_b_schedule",
+    "StageGroups",
+    "new_stage_groups",
+    # spatial parallelism
+    "apply_spatial",
     "halo_exchange",
+    "spatial_output_sizes",
     "spatial_conv1d",
     "spatial_conv2d",
     "spatial_conv3d",
-    "spatial_output_sizes",
     "SpatialConv1d",
     "SpatialConv2d",
     "SpatialConv3d",
     "RingConv2d",
     "ring_conv2d",
-    "apply_spatial",
+    "spatial_conv_transpose1d",
+    "spatial_conv_transpose2d",
+    "spatial_conv_transpose3d",
+    "SpatialConvTranspose1d",
+    "SpatialConvTranspose2d",
+    "SpatialConvTranspose3d",
+    "spatial_group_norm",
+    "SpatialGroupNorm",
+    "SpatialBatchNorm2d",
+    "spatial_max_pool",
+    "spatial_avg_pool",
+    "SpatialMaxPool2d",
+    "SpatialAvgPool2d",
+    "spatial_interpolate",
+    "SpatialUpsample",
+    # errors
     "ShardkitError",
     "ShardkitTypeError",
     "GroupMembershipError",

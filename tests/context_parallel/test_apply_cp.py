@@ -1,6 +1,6 @@
 """apply_cp on a Hugging Face Llama against the unsharded model on the full sequence.
 
-Parity (DESIGN.md section 4): float64, logits gathered back to global order, the loss and every
+Parity (docs/design.md, Testing): float64, logits gathered back to global order, the loss and every
 parameter gradient (summed over the cp ranks) to rtol 1e-9. Lengths not divisible by R (or 2R),
 grouped-query attention (4 query / 2 KV heads), packed documents, and the error paths.
 """

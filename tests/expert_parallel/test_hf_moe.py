@@ -1,6 +1,6 @@
 """Expert-parallel transformers MoE (Qwen3-MoE, its own modeling code) against the unsharded model.
 
-Parity (DESIGN.md section 4), float64: output, input gradient, router gradient and every expert
+Parity (docs/design.md, Testing), float64: output, input gradient, router gradient and every expert
 parameter gradient (this rank's slice of the full gradient) to rtol 1e-9, for the all-to-all
 mode with replicated or sharded tokens and the all-reduce (``ep_router``) mode; E = 6 or 5
 experts over R = 2, 3, 4 (uneven blocks, ranks without tokens).

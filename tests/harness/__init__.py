@@ -1,4 +1,4 @@
-"""Persistent multi-process gloo test worlds (DESIGN.md section 4).
+"""Persistent multi-process gloo test worlds (docs/design.md, Testing).
 
 ``world`` manages the worker processes from the pytest side, ``worker`` is the rank side, and
 ``helpers`` are what a test body running inside a rank calls. ``tests/conftest.py`` puts the

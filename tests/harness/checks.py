@@ -1,6 +1,6 @@
 """Numerical checks used by the communication tests (run inside a rank).
 
-Adjoint identity for a linear communication op ``A`` (DESIGN.md section 4): with a random
+Adjoint identity for a linear communication op ``A`` (docs/design.md, Testing): with a random
 cotangent ``y`` different on every rank, ``sum_r <A x, y>_r == sum_r <x, A^T y>_r`` where
 ``A^T y`` comes from autograd. float64 relative error <= 1e-12; a backward scaled by the world
 size misses by about 1e-1. Per-rank ``gradcheck`` is not used: it fails on correct collectives

@@ -1,4 +1,4 @@
-"""Persistent multi-process gloo worlds for tests (DESIGN.md section 4).
+"""Persistent multi-process gloo worlds for tests (docs/design.md, Testing).
 
 A :class:`World` is ``n`` worker processes forked from a forkserver that has torch preloaded
 (about 1 s to start, against 4-10 s with ``spawn``). Each rank has its own task queue, so every

@@ -1,6 +1,6 @@
 """apply_tp on real Hugging Face models with their own plans, against the unsharded model.
 
-Parity (DESIGN.md section 4): the same float64 model sharded by ``apply_tp`` and unsharded get the
+Parity (docs/design.md, Testing): the same float64 model sharded by ``apply_tp`` and unsharded get the
 same logits, loss and every parameter gradient (gathered from the shards) to rtol 1e-9, at tp 2,
 3 and 4. The shapes (6 query / 2 KV heads, intermediate 10, vocab 101) make tp 3 and 4 split heads
 unevenly, replicate KV heads and cut MLP and vocabulary shards with torch.chunk semantics.

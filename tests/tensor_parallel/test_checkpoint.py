@@ -1,7 +1,7 @@
 """load_sharded: Hugging Face safetensors checkpoints read slice by slice into tensor-parallel models.
 
-Models are built on the meta device and never exist in full on a rank. Checks (DESIGN.md
-section 4): the gathered parameters equal the checkpoint bitwise; logits (and gradients, so the
+Models are built on the meta device and never exist in full on a rank. Checks (docs/design.md,
+Testing): the gathered parameters equal the checkpoint bitwise; logits (and gradients, so the
 replicated-head hooks survive materialization) equal those of the same model sharded by
 ``apply_tp`` from full weights, bitwise; each rank reads exactly the bytes of its own shards plus
 the replicated tensors; bad checkpoints raise on every rank.

@@ -1,6 +1,6 @@
 """vocab_parallel_cross_entropy against F.cross_entropy on the full (never gathered) logits.
 
-Parity (DESIGN.md section 4): loss and the gradient of this rank's logit block against the
+Parity (docs/design.md, Testing): loss and the gradient of this rank's logit block against the
 matching slice of the full-logits gradient, float64 rtol 1e-9, float32 1e-5; even, uneven and
 torch.chunk layouts with empty shards; every reduction, ignore_index, label smoothing over the
 global vocabulary; exact ledger counts; errors raised on every rank; a vocab-parallel head.

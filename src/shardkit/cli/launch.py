@@ -14,6 +14,9 @@ import os
 import sys
 import uuid
 from collections.abc import Callable
+from typing import Any
+
+from .._quiet import quiet_third_party
 
 __all__ = ["under_torchrun", "launch_local", "LaunchFailed", "format_failures"]
 
@@ -62,6 +65,12 @@ def format_failures(err) -> str:
     return "\n".join(lines)
 
 
+def _quiet_then(entry: Callable, *args: Any) -> Any:
+    """One local rank: third-party progress bars and warnings on rank 0 only, then ``entry``."""
+    quiet_third_party(int(os.environ.get("RANK", "0")))
+    return entry(*args)
+
+
 def launch_local(nproc: int, entry: Callable, *args) -> dict:
     """Run ``entry(*args)`` on ``nproc`` local processes; return ``{local_rank: return value}``.
 
@@ -93,7 +102,7 @@ def launch_local(nproc: int, entry: Callable, *args) -> dict:
     for log in loggers:
         log.setLevel(logging.CRITICAL)
     try:
-        return elastic_launch(config, entry)(*args)
+        return elastic_launch(config, _quiet_then)(entry, *args)
     except ChildFailedError as err:
         raise LaunchFailed(format_failures(err)) from None
     finally:

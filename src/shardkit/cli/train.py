@@ -13,6 +13,8 @@ import sys
 
 from rich.console import Console
 
+from .._optional import check_train, require
+from .._quiet import quiet_third_party
 from ..errors import ShardkitError
 from .config import DTYPES, MODELS, SCHEDULES, TrainConfig, load_toml, merge_config, validate_config
 from .data import corpus_files
@@ -120,11 +122,17 @@ def run_train(args: argparse.Namespace) -> int:
 
     torchrun = under_torchrun()
     try:
+        if getattr(args, "model_path", None):  # the layout check reads its config with transformers
+            require(["transformers"], "shardkit train --model-path")
         cfg = config_from_args(args, int(os.environ["WORLD_SIZE"]) if torchrun else None)
+        notes = check_train(cfg.model, cfg.report)  # a missing extra: one line, before any launch
     except ShardkitError as e:
         print(f"shardkit train: error: {e}", file=sys.stderr)
         return 2
+    for note in notes:
+        print(f"shardkit train: note: {note}", file=sys.stderr)
     if torchrun:
+        quiet_third_party(int(os.environ.get("RANK", "0")))  # progress bars and warnings on rank 0 only
         result = worker_main(cfg, False)
         return 0 if result is None else finish(result, cfg)
     try:

@@ -8,7 +8,7 @@ interest (``A`` = product of the dims before it, ``B`` = after it). Per-rank blo
 are contiguous in memory exactly when ``A == 1``; then the communication buffer *is* the tensor
 and no layout copy is needed. Otherwise one strided ``copy_`` per block packs or unpacks it.
 Uneven sizes go through ``all_to_all_single`` with split sizes because gloo rejects uneven list
-``all_gather`` (DESIGN.md section 3).
+``all_gather`` (docs/design.md, Platform facts).
 """
 
 from __future__ import annotations

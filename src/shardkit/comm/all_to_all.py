@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from .._shapes import balanced_split_sizes
@@ -9,6 +11,9 @@ from ..errors import ShardkitError, ShardkitTypeError
 from . import _c10d
 from ._validate import dim_of, enter, maybe_agree
 from ._validate import gather_sizes as gather_sizes_of
+
+if TYPE_CHECKING:
+    from .._types import Group
 
 __all__ = ["all_to_all"]
 
@@ -31,7 +36,8 @@ class _AllToAll(torch.autograd.Function):
         return out, None, None, None, None
 
 
-def all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int, gather_size: int | None = None) -> torch.Tensor:
+def all_to_all(x: torch.Tensor, group: Group, scatter_dim: int, gather_dim: int,
+               gather_size: int | None = None) -> torch.Tensor:
     """Scatter ``scatter_dim`` and gather ``gather_dim`` in forward; the reverse all-to-all in backward.
 
     The Ulysses layout switch: e.g. ``[B, S/R, N, D]`` with ``scatter_dim=2, gather_dim=1`` becomes

@@ -10,10 +10,16 @@ PyTorch functional collectives.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from . import _c10d
 from ._validate import dim_of, enter, expected_size, full_sizes, local_sizes, maybe_agree
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+    from .._types import Group
 
 __all__ = ["all_reduce_forward", "all_reduce_backward", "all_gather", "reduce_scatter"]
 
@@ -61,7 +67,7 @@ class _ReduceScatter(torch.autograd.Function):
         return _c10d.all_gather(grad, ctx.g, ctx.dim, ctx.sizes, "reduce_scatter", "backward"), None, None, None
 
 
-def all_reduce_forward(x: torch.Tensor, group) -> torch.Tensor:
+def all_reduce_forward(x: torch.Tensor, group: Group) -> torch.Tensor:
     """All-reduce (sum) in forward; identity in backward. Megatron's ``g`` (reduce from the TP region).
 
     Use it where each rank holds a partial sum (a row-parallel matmul) and the result is consumed
@@ -84,7 +90,7 @@ def all_reduce_forward(x: torch.Tensor, group) -> torch.Tensor:
     return x if g.size == 1 else _AllReduceForward.apply(x, g)
 
 
-def all_reduce_backward(x: torch.Tensor, group) -> torch.Tensor:
+def all_reduce_backward(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Identity in forward; all-reduce (sum) in backward. Megatron's ``f`` (copy to the TP region).
 
     Use it where a replicated input enters a tensor-parallel region whose ranks each produce a
@@ -105,7 +111,7 @@ def all_reduce_backward(x: torch.Tensor, group) -> torch.Tensor:
     return x if g.size == 1 else _AllReduceBackward.apply(x, g)
 
 
-def all_gather(x: torch.Tensor, group, dim: int, sizes=None) -> torch.Tensor:
+def all_gather(x: torch.Tensor, group: Group, dim: int, sizes: Sequence[int] | None = None) -> torch.Tensor:
     """All-gather along ``dim`` in forward; reduce-scatter in backward (its adjoint).
 
     Args:
@@ -125,7 +131,7 @@ def all_gather(x: torch.Tensor, group, dim: int, sizes=None) -> torch.Tensor:
         RankMismatchError: (check mode) dtype / other dims / sizes differ across ranks.
 
     Uneven gathers use ``all_to_all_single`` with split sizes: gloo rejects uneven list
-    ``all_gather`` and it costs the same as an even gather (DESIGN.md section 3).
+    ``all_gather`` and it costs the same as an even gather (docs/design.md, Platform facts).
     """
     g = enter(x, group, "all_gather")
     known = maybe_agree(g, "all_gather", x, (dim, sizes), local_dim=dim, expected_local=expected_size(sizes, g.rank))
@@ -134,7 +140,7 @@ def all_gather(x: torch.Tensor, group, dim: int, sizes=None) -> torch.Tensor:
     return x if g.size == 1 else _AllGather.apply(x, g, d, sizes)
 
 
-def reduce_scatter(x: torch.Tensor, group, dim: int, sizes=None) -> torch.Tensor:
+def reduce_scatter(x: torch.Tensor, group: Group, dim: int, sizes: Sequence[int] | None = None) -> torch.Tensor:
     """Reduce-scatter (sum) along ``dim`` in forward; all-gather in backward (its adjoint).
 
     Args:

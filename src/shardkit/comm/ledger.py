@@ -79,14 +79,17 @@ class CommLedger:
             and (group_size is None or r.group_size == group_size)
         ]
 
-    def count(self, op=None, api=None, phase=None, group_size=None) -> int:
+    def count(self, op: str | None = None, api: str | None = None, phase: str | None = None,
+              group_size: int | None = None) -> int:
         """Number of recorded calls matching every given field."""
         return len(self._select(op, api, phase, group_size))
 
-    def bytes_sent(self, op=None, api=None, phase=None, group_size=None) -> int:
+    def bytes_sent(self, op: str | None = None, api: str | None = None, phase: str | None = None,
+                   group_size: int | None = None) -> int:
         return sum(r.bytes_sent for r in self._select(op, api, phase, group_size))
 
-    def bytes_received(self, op=None, api=None, phase=None, group_size=None) -> int:
+    def bytes_received(self, op: str | None = None, api: str | None = None, phase: str | None = None,
+                       group_size: int | None = None) -> int:
         return sum(r.bytes_received for r in self._select(op, api, phase, group_size))
 
     def summary(self) -> dict[tuple[str, int], dict[str, int]]:

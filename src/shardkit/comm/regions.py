@@ -27,10 +27,17 @@ the tests check.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from . import _c10d
 from ._validate import GRAD_SCALES, dim_of, enter, expected_size, full_sizes, grad_scale_factor, local_sizes, maybe_agree
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+    from typing import Literal
+    from .._types import Group
 
 __all__ = ["split_forward_gather_backward", "gather_forward_split_backward"]
 
@@ -67,7 +74,8 @@ class _GatherForwardSplitBackward(torch.autograd.Function):
         return _scaled(_c10d.local_split(grad, ctx.g, ctx.dim, ctx.sizes), ctx.factor), None, None, None, None
 
 
-def split_forward_gather_backward(x: torch.Tensor, group, dim: int, sizes=None, grad_scale=None) -> torch.Tensor:
+def split_forward_gather_backward(x: torch.Tensor, group: Group, dim: int, sizes: Sequence[int] | None = None,
+                                  grad_scale: Literal["up", "down"] | None = None) -> torch.Tensor:
     """Keep this rank's block along ``dim`` in forward; all-gather the gradient in backward.
 
     Args:
@@ -97,7 +105,8 @@ def split_forward_gather_backward(x: torch.Tensor, group, dim: int, sizes=None, 
     return x if g.size == 1 else _SplitForwardGatherBackward.apply(x, g, d, sizes, factor)
 
 
-def gather_forward_split_backward(x: torch.Tensor, group, dim: int, sizes=None, grad_scale=None) -> torch.Tensor:
+def gather_forward_split_backward(x: torch.Tensor, group: Group, dim: int, sizes: Sequence[int] | None = None,
+                                  grad_scale: Literal["up", "down"] | None = None) -> torch.Tensor:
     """All-gather along ``dim`` in forward; keep this rank's block of the gradient in backward.
 
     Args:

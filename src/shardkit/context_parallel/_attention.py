@@ -9,15 +9,21 @@ attention merges partial results with.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import math
 
 import torch
 import torch.nn.functional as F
 
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
 __all__ = ["local_attention", "attention_with_lse", "document_mask"]
 
 
-def document_mask(cu_seqlens, causal: bool, device=None) -> torch.Tensor:
+def document_mask(cu_seqlens: Sequence[int] | torch.Tensor, causal: bool,
+                  device: torch.device | str | None = None) -> torch.Tensor:
     """Boolean ``[S, S]`` mask, True where query ``i`` may attend key ``j``: same document
     (block-diagonal over ``cu_seqlens``), and ``j <= i`` when ``causal``.
 
@@ -39,7 +45,9 @@ def _expand_kv(t: torch.Tensor, kv_index) -> torch.Tensor:
     return t.index_select(2, torch.tensor(kv_index, dtype=torch.int64, device=t.device))
 
 
-def local_attention(q, k, v, *, causal: bool, scale=None, cu_seqlens=None, kv_index=None) -> torch.Tensor:
+def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float | None = None,
+                    cu_seqlens: Sequence[int] | torch.Tensor | None = None,
+                    kv_index: Sequence[int] | None = None) -> torch.Tensor:
     """Softmax attention of ``q`` over ``k, v`` on one rank, batch-first.
 
     Args:
@@ -65,7 +73,8 @@ def local_attention(q, k, v, *, causal: bool, scale=None, cu_seqlens=None, kv_in
     return out.transpose(1, 2)
 
 
-def attention_with_lse(q, k, v, *, causal: bool, scale=None, mask=None) -> tuple[torch.Tensor, torch.Tensor]:
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float | None = None,
+                       mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain-math attention returning ``(out [B, S_q, n, Dv], lse [B, n, S_q])``; lse in float32 or wider.
 
     ``q`` is ``[B, S_q, n, D]``, ``k`` ``[B, S_k, n, D]``, ``v`` ``[B, S_k, n, Dv]``. ``causal``

@@ -78,7 +78,8 @@ def _zigzag_ranges(start: int, length: int, world_size: int, rank: int) -> tuple
     )
 
 
-def zigzag_positions(seq_len: int, world_size: int, rank: int, device=None) -> torch.Tensor:
+def zigzag_positions(seq_len: int, world_size: int, rank: int,
+                     device: torch.device | str | None = None) -> torch.Tensor:
     """Global token indices of rank ``rank``'s zigzag part, in local order (int64 ``[S_r]``).
 
     Example: ``zigzag_positions(8, 2, 0) == [0, 1, 6, 7]`` and ``zigzag_positions(8, 2, 1) == [2, 3, 4, 5]``.
@@ -125,7 +126,7 @@ def _doc_lengths(cu: tuple[int, ...]) -> list[int]:
     return [cu[i + 1] - cu[i] for i in range(len(cu) - 1)]
 
 
-def packed_local_sizes(cu_seqlens, world_size: int) -> list[int]:
+def packed_local_sizes(cu_seqlens: Sequence[int] | torch.Tensor, world_size: int) -> list[int]:
     """Tokens held by each rank when every document of ``cu_seqlens`` is laid out zigzag."""
     _check_world(world_size, None, "packed_local_sizes")
     cu = check_cu_seqlens(cu_seqlens, "packed_local_sizes")
@@ -136,7 +137,7 @@ def packed_local_sizes(cu_seqlens, world_size: int) -> list[int]:
     return out
 
 
-def packed_local_cu_seqlens(cu_seqlens, world_size: int, rank: int) -> list[int]:
+def packed_local_cu_seqlens(cu_seqlens: Sequence[int] | torch.Tensor, world_size: int, rank: int) -> list[int]:
     """``cu_seqlens`` of rank ``rank``'s local tensor (same number of documents, some maybe empty)."""
     _check_world(world_size, rank, "packed_local_cu_seqlens")
     cu = check_cu_seqlens(cu_seqlens, "packed_local_cu_seqlens")
@@ -146,14 +147,16 @@ def packed_local_cu_seqlens(cu_seqlens, world_size: int, rank: int) -> list[int]
     return out
 
 
-def packed_indices(cu_seqlens, world_size: int, rank: int, device=None) -> torch.Tensor:
+def packed_indices(cu_seqlens: Sequence[int] | torch.Tensor, world_size: int, rank: int,
+                   device: torch.device | str | None = None) -> torch.Tensor:
     """Indices into the packed (global) sequence of rank ``rank``'s local tokens (int64)."""
     _check_world(world_size, rank, "packed_indices")
     cu = check_cu_seqlens(cu_seqlens, "packed_indices")
     return _order(cu, world_size, torch.device("cpu")).local(rank).to(device)
 
 
-def packed_positions(cu_seqlens, world_size: int, rank: int, device=None) -> torch.Tensor:
+def packed_positions(cu_seqlens: Sequence[int] | torch.Tensor, world_size: int, rank: int,
+                     device: torch.device | str | None = None) -> torch.Tensor:
     """Position of each local token within its own document (int64): position ids for packed data."""
     _check_world(world_size, rank, "packed_positions")
     cu = check_cu_seqlens(cu_seqlens, "packed_positions")

@@ -19,6 +19,8 @@ Zhao, 2024).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import inspect
 from dataclasses import dataclass
 
@@ -35,6 +37,11 @@ from ._sizes import _order, check_cu_seqlens
 from .ring import ring_attention
 from .ulysses import ulysses_attention
 from .usp import usp_attention
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+    from torch import nn
+    from .._types import Group
 
 __all__ = ["apply_cp", "CPContext", "CPBatch"]
 
@@ -84,7 +91,7 @@ class CPBatch:
 class CPContext:
     """The context-parallel state of one model: mode and groups. Built by :func:`apply_cp`."""
 
-    def __init__(self, mode: str, mesh, ring_dim: str, ulysses_dim: str):
+    def __init__(self, mode: str, mesh: Group, ring_dim: str, ulysses_dim: str):
         self.mode, self.mesh = mode, mesh
         self.ring_dim, self.ulysses_dim = ring_dim, ulysses_dim
         op = "apply_cp"
@@ -118,7 +125,9 @@ class CPContext:
         start = split_offsets(sizes)[j]
         return part[start : start + sizes[j]].to(device), order
 
-    def shard_batch(self, input_ids: torch.Tensor, labels=None, *, position_ids=None, cu_seqlens=None) -> CPBatch:
+    def shard_batch(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *,
+                    position_ids: torch.Tensor | None = None,
+                    cu_seqlens: Sequence[int] | torch.Tensor | None = None) -> CPBatch:
         """Keep this rank's tokens of a full batch, identical on every rank of the cp group.
 
         Args:
@@ -211,7 +220,8 @@ class CPContext:
             x = all_gather(x, self.ring.pg, dim, list(order.sizes))
         return x.index_select(dim, order.inverse.to(x.device))
 
-    def loss(self, logits_local: torch.Tensor, labels_local: torch.Tensor, num_tokens: int | None = None) -> torch.Tensor:
+    def loss(self, logits_local: torch.Tensor, labels_local: torch.Tensor,
+             num_tokens: int | None = None) -> torch.Tensor:
         """Token-mean cross entropy of the *full* sequence, on every rank; each rank's gradient is its own tokens' share.
 
         ``sum(CE(local tokens)) / num_tokens`` summed over the cp group by an all-reduce whose
@@ -276,7 +286,8 @@ class CPContext:
         )
 
 
-def apply_cp(model, cp_mesh, mode: str = "ulysses", *, ring_dim: str = "cp_ring", ulysses_dim: str = "cp_ulysses") -> CPContext:
+def apply_cp(model: nn.Module, cp_mesh: Group, mode: str = "ulysses", *, ring_dim: str = "cp_ring",
+             ulysses_dim: str = "cp_ulysses") -> CPContext:
     """Switch a Hugging Face model's attention to shardkit context-parallel attention, without editing the model.
 
     Registers ``"shardkit_cp_<mode>"`` in transformers' ``AttentionInterface`` and sets it with
@@ -293,7 +304,8 @@ def apply_cp(model, cp_mesh, mode: str = "ulysses", *, ring_dim: str = "cp_ring"
             ``usp``: a 2-D ``DeviceMesh`` with dims ``ring_dim`` and ``ulysses_dim``.
         mode: ``"ulysses"`` (all-to-all over heads; contiguous blocks), ``"ring"`` (zigzag ring
             attention), or ``"usp"`` (Ulysses inside, ring across).
-        ring_dim, ulysses_dim: mesh dim names for ``usp``.
+        ring_dim: the mesh dim name of the ring for ``usp``.
+        ulysses_dim: the mesh dim name of Ulysses for ``usp``.
 
     Returns:
         :class:`CPContext`: ``shard_batch``, ``loss``, ``gather``, ``shard``, ``all_reduce_grads``.

@@ -22,6 +22,8 @@ to any length and to per-document zigzag.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ..comm import _c10d
@@ -29,6 +31,11 @@ from ..comm._group import GroupInfo
 from ..comm._validate import dim_of, enter, grad_scale_factor, maybe_agree
 from ..errors import ShardkitError
 from ._sizes import _order, check_cu_seqlens, packed_local_cu_seqlens
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+    from typing import Literal
+    from .._types import Group
 
 __all__ = ["zigzag_split", "zigzag_gather", "zigzag_all_gather", "packed_split", "packed_gather", "packed_all_gather"]
 
@@ -127,7 +134,8 @@ def _check_seq_len(seq_len, op: str) -> None:
         raise ShardkitError(f"{op}: seq_len must be an int >= 0, got {seq_len!r}")
 
 
-def zigzag_split(x: torch.Tensor, group, dim: int, grad_scale=None) -> torch.Tensor:
+def zigzag_split(x: torch.Tensor, group: Group, dim: int,
+                 grad_scale: Literal["up", "down"] | None = None) -> torch.Tensor:
     """Keep this rank's zigzag part along ``dim`` in forward; all-gather the gradient in backward.
 
     Rank ``r`` keeps chunks ``r`` and ``2R - 1 - r`` of ``2R`` balanced chunks (any length; see
@@ -151,7 +159,8 @@ def zigzag_split(x: torch.Tensor, group, dim: int, grad_scale=None) -> torch.Ten
     return _split(x, group, dim, None, grad_scale, "zigzag_split")[0]
 
 
-def zigzag_gather(x_local: torch.Tensor, group, dim: int, seq_len: int, grad_scale=None) -> torch.Tensor:
+def zigzag_gather(x_local: torch.Tensor, group: Group, dim: int, seq_len: int,
+                  grad_scale: Literal["up", "down"] | None = None) -> torch.Tensor:
     """All-gather the zigzag parts along ``dim`` in forward; keep this rank's part of the gradient in backward.
 
     Use when the gathered tensor feeds a replicated computation whose gradient is the same on
@@ -177,7 +186,7 @@ def zigzag_gather(x_local: torch.Tensor, group, dim: int, seq_len: int, grad_sca
     return _gather(x_local, group, dim, (0, seq_len), grad_scale, "zigzag_gather", adjoint=False)
 
 
-def zigzag_all_gather(x_local: torch.Tensor, group, dim: int, seq_len: int) -> torch.Tensor:
+def zigzag_all_gather(x_local: torch.Tensor, group: Group, dim: int, seq_len: int) -> torch.Tensor:
     """All-gather the zigzag parts along ``dim`` in forward; reduce-scatter in zigzag order in backward (its adjoint).
 
     Args and raises as :func:`zigzag_gather` (no ``grad_scale``: the adjoint needs none).
@@ -186,7 +195,9 @@ def zigzag_all_gather(x_local: torch.Tensor, group, dim: int, seq_len: int) -> t
     return _gather(x_local, group, dim, (0, seq_len), None, "zigzag_all_gather", adjoint=True)
 
 
-def packed_split(x: torch.Tensor, cu_seqlens, group, dim: int, grad_scale=None):
+def packed_split(x: torch.Tensor, cu_seqlens: Sequence[int] | torch.Tensor, group: Group, dim: int,
+                 grad_scale: Literal["up", "down"] | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor | list[int]]:
     """Keep this rank's zigzag part of every packed document in forward; all-gather the gradient in backward.
 
     Each document ``d`` (tokens ``cu_seqlens[d]:cu_seqlens[d + 1]``) is split zigzag on its own
@@ -218,13 +229,16 @@ def packed_split(x: torch.Tensor, cu_seqlens, group, dim: int, grad_scale=None):
     return x_local, local
 
 
-def packed_gather(x_local: torch.Tensor, cu_seqlens, group, dim: int, grad_scale=None) -> torch.Tensor:
+def packed_gather(x_local: torch.Tensor, cu_seqlens: Sequence[int] | torch.Tensor, group: Group, dim: int,
+                  grad_scale: Literal["up", "down"] | None = None) -> torch.Tensor:
     """Rebuild the packed tensor from every rank's zigzag parts in forward; keep this rank's part of the gradient in backward.
 
     Args:
         x_local: ``[..., T_r, ...]`` as returned by :func:`packed_split`.
         cu_seqlens: the *global* cumulative lengths, identical on every rank.
-        group, dim, grad_scale: as :func:`zigzag_gather`.
+        group: as :func:`zigzag_gather`.
+        dim: as :func:`zigzag_gather`.
+        grad_scale: as :func:`zigzag_gather`.
 
     Returns:
         ``[..., cu_seqlens[-1], ...]`` in packed (global) order, identical on every rank.
@@ -235,7 +249,8 @@ def packed_gather(x_local: torch.Tensor, cu_seqlens, group, dim: int, grad_scale
     return _gather(x_local, group, dim, cu_seqlens, grad_scale, "packed_gather", adjoint=False)
 
 
-def packed_all_gather(x_local: torch.Tensor, cu_seqlens, group, dim: int) -> torch.Tensor:
+def packed_all_gather(x_local: torch.Tensor, cu_seqlens: Sequence[int] | torch.Tensor, group: Group,
+                      dim: int) -> torch.Tensor:
     """Rebuild the packed tensor in forward; reduce-scatter in packed-zigzag order in backward (its adjoint).
 
     Args and raises as :func:`packed_gather` (no ``grad_scale``).

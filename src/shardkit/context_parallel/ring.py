@@ -36,6 +36,8 @@ Megatron-LM context parallelism and Brandon et al., "Striped Attention" (2023).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import math
 from collections import Counter
 
@@ -52,6 +54,10 @@ from ._blocks import acc_dtype, block_backward, block_forward, merge
 from ._ring_plan import block_plan
 from ._sizes import packed_local_sizes, zigzag_chunk_sizes
 from .ulysses import _validate
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+    from .._types import Group
 
 __all__ = ["ring_attention", "ring_chunks"]
 
@@ -214,8 +220,9 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
-def ring_attention(q, k, v, group, *, causal: bool, scale=None, layout: str = "zigzag", seq_len=None, cu_seqlens=None,
-                   overlap: bool = True) -> torch.Tensor:
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group, *, causal: bool,
+                   scale: float | None = None, layout: str = "zigzag", seq_len: int | None = None,
+                   cu_seqlens: Sequence[int] | torch.Tensor | None = None, overlap: bool = True) -> torch.Tensor:
     """Ring attention over a sequence sharded in ``layout``; the ring replayed in backward (dK/dV travel home).
 
     Args:

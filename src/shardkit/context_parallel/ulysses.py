@@ -18,6 +18,8 @@ MindSpeed-MM's unaligned all-to-all (balanced split sizes).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import functools
 import math
 
@@ -30,6 +32,10 @@ from ..comm._validate import enter, gather_sizes, local_checks, maybe_agree
 from ..errors import ShardkitError, ShardkitTypeError
 from ._attention import local_attention
 from ._sizes import HeadPlan, check_cu_seqlens, ulysses_head_plan
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+    from .._types import Group
 
 __all__ = ["ulysses_attention"]
 
@@ -172,7 +178,9 @@ def _check_local(q, k, v, g, causal, scale, cu_seqlens, seq_len, op):
     return cu, seq_len  # seq_len None: neither given, the op learns the local lengths
 
 
-def ulysses_attention(q, k, v, group, *, causal: bool, scale=None, cu_seqlens=None, seq_len=None) -> torch.Tensor:
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group, *, causal: bool,
+                      scale: float | None = None, cu_seqlens: Sequence[int] | torch.Tensor | None = None,
+                      seq_len: int | None = None) -> torch.Tensor:
     """All-to-all to head shards, local attention over the whole sequence, all-to-all back; the reverse all-to-alls in backward.
 
     Args:

@@ -23,6 +23,8 @@ AI" (2024).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from .._shapes import balanced_split_sizes, split_offsets
@@ -32,6 +34,10 @@ from ..errors import ShardkitError, ShardkitTypeError
 from ._sizes import check_cu_seqlens, packed_indices, packed_local_sizes, ulysses_head_plan, zigzag_local_sizes
 from .ring import ring_attention
 from .ulysses import _scatter, _SequenceToHeads, _validate
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["usp_attention", "usp_local_sizes", "usp_packed_local_sizes", "usp_indices"]
 
@@ -43,12 +49,14 @@ def usp_local_sizes(seq_len: int, ring_size: int, ulysses_size: int) -> list[lis
     return [balanced_split_sizes(n, ulysses_size) for n in zigzag_local_sizes(seq_len, ring_size)]
 
 
-def usp_packed_local_sizes(cu_seqlens, ring_size: int, ulysses_size: int) -> list[list[int]]:
+def usp_packed_local_sizes(cu_seqlens: Sequence[int] | torch.Tensor, ring_size: int,
+                           ulysses_size: int) -> list[list[int]]:
     """Tokens held by rank ``(i, j)`` of the ``R x U`` mesh for packed documents, as ``sizes[i][j]``."""
     return [balanced_split_sizes(n, ulysses_size) for n in packed_local_sizes(cu_seqlens, ring_size)]
 
 
-def usp_indices(cu_seqlens, ring_size: int, ulysses_size: int, ring_rank: int, ulysses_rank: int, device=None) -> torch.Tensor:
+def usp_indices(cu_seqlens: Sequence[int] | torch.Tensor, ring_size: int, ulysses_size: int, ring_rank: int,
+                ulysses_rank: int, device: torch.device | str | None = None) -> torch.Tensor:
     """Global token indices (int64) held by rank ``(ring_rank, ulysses_rank)``, in local order.
 
     ``cu_seqlens`` as in :func:`usp_attention`; ``[0, S]`` for one unpacked sequence. Raises
@@ -104,8 +112,10 @@ def _agree_both(g_uly, g_ring, q, args, expected, error):
     return known
 
 
-def usp_attention(q, k, v, mesh, *, causal: bool, scale=None, seq_len=None, cu_seqlens=None, ring_dim: str = "cp_ring",
-                  ulysses_dim: str = "cp_ulysses"):
+def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: DeviceMesh, *, causal: bool,
+                  scale: float | None = None, seq_len: int | None = None,
+                  cu_seqlens: Sequence[int] | torch.Tensor | None = None, ring_dim: str = "cp_ring",
+                  ulysses_dim: str = "cp_ulysses") -> torch.Tensor:
     """All-to-all over ``ulysses_dim``, ring attention over ``ring_dim``, all-to-all back; reversed in backward.
 
     Args:

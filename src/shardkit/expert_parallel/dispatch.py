@@ -24,6 +24,8 @@ A size-1 group communicates nothing.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from dataclasses import dataclass, field
 
 import torch
@@ -33,6 +35,10 @@ from ..comm import _c10d
 from ..comm._group import GroupInfo, resolve_group
 from ..comm._validate import maybe_agree
 from ..errors import ShardkitError, ShardkitTypeError
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+    from .._types import Group
 
 __all__ = ["DispatchPlan", "dispatch_plan", "token_dispatch", "token_combine"]
 
@@ -128,7 +134,8 @@ def _regroup_index(counts: list[list[int]], device) -> torch.Tensor | None:
     return (torch.repeat_interleave(starts, lens) + within).to(device)
 
 
-def dispatch_plan(topk_index: torch.Tensor, num_experts: int, group, *, expert_sizes=None) -> DispatchPlan:
+def dispatch_plan(topk_index: torch.Tensor, num_experts: int, group: Group, *,
+                  expert_sizes: Sequence[int] | None = None) -> DispatchPlan:
     """Route (token, slot) pairs to the ranks owning their experts; exchange the counts once.
 
     Args:
@@ -243,7 +250,8 @@ def token_dispatch(hidden: torch.Tensor, plan: DispatchPlan) -> tuple[torch.Tens
     return rows, list(plan.tokens_per_local_expert)
 
 
-def token_combine(expert_output: torch.Tensor, plan: DispatchPlan, topk_weights: torch.Tensor | None = None) -> torch.Tensor:
+def token_combine(expert_output: torch.Tensor, plan: DispatchPlan,
+                  topk_weights: torch.Tensor | None = None) -> torch.Tensor:
     """Return expert outputs to their tokens and sum the ``k`` slots (weighted); exact backward.
 
     Args:

@@ -16,11 +16,16 @@ the same parameters on every rank.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ShardkitError
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 __all__ = ["expert_forward", "grouped_experts_forward", "routed_experts_forward", "expert_param_names"]
 
@@ -68,7 +73,8 @@ def expert_forward(module: nn.Module, e: int, x: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def grouped_experts_forward(module: nn.Module, x: torch.Tensor, tokens_per_expert, out_dim: int) -> torch.Tensor:
+def grouped_experts_forward(module: nn.Module, x: torch.Tensor, tokens_per_expert: Sequence[int] | torch.Tensor,
+                            out_dim: int) -> torch.Tensor:
     """Rows grouped by expert (``tokens_per_expert[l]`` rows for expert ``l``) -> ``[N, out_dim]``.
 
     The output of :func:`shardkit.expert_parallel.token_dispatch` feeds this directly.

@@ -24,6 +24,8 @@ routing weights travel together in one buffer in each case).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +38,10 @@ from ..errors import ShardkitError, ShardkitTypeError
 from ..tensor_parallel.spec import _SPEC_ATTR, ShardSpec
 from .dispatch import dispatch_plan, token_combine, token_dispatch
 from .experts import expert_param_names, grouped_experts_forward, routed_experts_forward
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+    from .._types import Group
 
 __all__ = [
     "ExpertShard",
@@ -65,11 +71,11 @@ class ExpertShard:
 
     dim: int
     sizes: tuple[int, ...]
-    group: object
+    group: Group
     num_experts: int
 
 
-def expert_shard(t) -> ExpertShard | None:
+def expert_shard(t: torch.Tensor) -> ExpertShard | None:
     """The :class:`ExpertShard` recorded on a parameter or experts module, or None."""
     return getattr(t, "_shardkit_ep", None)
 
@@ -88,7 +94,8 @@ def _module_shard(module: nn.Module, group, expert_sizes, op: str) -> ExpertShar
     return shard
 
 
-def shard_expert_param(module: nn.Module, name: str, group, *, expert_sizes=None) -> nn.Parameter:
+def shard_expert_param(module: nn.Module, name: str, group: Group, *,
+                       expert_sizes: Sequence[int] | None = None) -> nn.Parameter:
     """The ``grouped_gemm`` style for one parameter: keep this rank's experts (dim 0).
 
     Replaces ``module.<name>`` ``[E, ...]`` by a new Parameter ``[E_r, ...]`` (a copy of the
@@ -126,7 +133,7 @@ def shard_expert_param(module: nn.Module, name: str, group, *, expert_sizes=None
     return new
 
 
-def shard_expert_params(module: nn.Module, group, *, expert_sizes=None) -> list[str]:
+def shard_expert_params(module: nn.Module, group: Group, *, expert_sizes: Sequence[int] | None = None) -> list[str]:
     """:func:`shard_expert_param` on every own parameter whose leading dim is ``E``; their names."""
     names = expert_param_names(module) if expert_shard(module) is None else [
         n for n, p in module.named_parameters(recurse=False) if expert_shard(p) is None and p.shape[:1] == (module._shardkit_ep.num_experts,)
@@ -145,8 +152,9 @@ def _check_mode(mode, tokens, op):
         raise ShardkitError(f"{op}: mode='local' needs the same tokens on every rank (tokens='replicated')")
 
 
-def ep_experts_forward(module, hidden, top_k_index, top_k_weights, group, *, mode="dispatch", tokens="replicated",
-                       token_group=None):
+def ep_experts_forward(module: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                       top_k_weights: torch.Tensor, group: Group, *, mode: str = "dispatch",
+                       tokens: str = "replicated", token_group: Group | None = None) -> torch.Tensor:
     """Forward of an expert-sharded experts module (the body :func:`install_ep_forward` installs).
 
     Args:
@@ -199,8 +207,8 @@ def ep_experts_forward(module, hidden, top_k_index, top_k_weights, group, *, mod
     return out.to(hidden.dtype)
 
 
-def install_ep_forward(module: nn.Module, group, *, mode: str = "dispatch", tokens: str = "replicated",
-                       token_group=None) -> nn.Module:
+def install_ep_forward(module: nn.Module, group: Group, *, mode: str = "dispatch", tokens: str = "replicated",
+                       token_group: Group | None = None) -> nn.Module:
     """The EP-dispatch / ``ep_router`` style: replace ``module.forward`` by :func:`ep_experts_forward`
     (``token_group``: see there).
 
@@ -252,7 +260,7 @@ def shard_experts(module: nn.Module, group, *, mode: str = "dispatch", tokens: s
     return install_ep_forward(module, group, mode=mode, tokens=tokens, token_group=token_group)
 
 
-def identity_expert_parallel(module: nn.Module, group):
+def identity_expert_parallel(module: nn.Module, group: Group) -> torch.utils.hooks.RemovableHandle:
     """The ``moe_identity_expert`` style: divide the module's first input by ``R``.
 
     For identity ("zero") experts inside an experts module whose output is summed over the

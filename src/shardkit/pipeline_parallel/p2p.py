@@ -54,6 +54,8 @@ negotiation); MindSpeed-MM P2P (multi-group averaging, end-stage loop).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 
@@ -64,6 +66,11 @@ from ..comm.checks import checks_enabled
 from ..errors import ShardkitError, ShardkitTypeError
 from . import _wire
 from ._exchange import P2PWork, ShapeCache, Transfer, cached_recv, cached_send, exchange
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+    from typing import Literal
+    from .._types import Group
 
 __all__ = [
     "P2PWork",
@@ -90,8 +97,9 @@ def send_forward(x, group, *, shape=None, dtype=None, loop=False, batched=False,
             detached. With ``async_op`` do not modify it before ``wait()``.
         group: the pipeline group: a ``ProcessGroup``, a 1-D ``DeviceMesh``, or a list of them
             (fan-out: the same tensor to the next stage of each).
-        shape, dtype: declare the transfer static (the receiver declares the same); ``x`` is
-            checked against them.
+        shape: declare the transfer static, with ``dtype`` (the receiver declares the same);
+            ``x`` is checked against them.
+        dtype: the declared dtype of a static transfer.
         loop: the last stage sends to the first.
         batched: post with ``batch_isend_irecv`` instead of ordered ``isend``/``irecv``.
         async_op: return a :class:`P2PWork` instead of waiting.
@@ -117,8 +125,9 @@ def recv_forward(group, *, shape=None, dtype=None, device=None, loop=False, batc
 
     Args:
         group: the pipeline group, or a list of groups (one tensor from each, reduced).
-        shape, dtype: the declared static shape and dtype (both needed for a static receive);
-            None for a negotiated (dynamic) transfer. ``dtype`` alone is checked against the header.
+        shape: the declared static shape (a static receive needs ``dtype`` too); None for a
+            negotiated (dynamic) transfer.
+        dtype: the declared dtype; alone, it is checked against the header.
         device: where to allocate; default CPU for a gloo group, else the current accelerator.
         loop: the first stage receives from the last.
         batched, async_op, shape_cache: as :func:`send_forward`.

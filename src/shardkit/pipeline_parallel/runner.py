@@ -19,6 +19,7 @@ backpropagates it and the TP regions' reductions make the gradients exact).
 from __future__ import annotations
 
 import zlib
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -31,6 +32,10 @@ from .schedules import check_deadlock_free, comm_plan, validate_schedule
 from .stage import PipelineStage
 from .transport import StageTransport
 from .vtp import Replicate
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+    from .schedules import Action
 
 __all__ = ["run_schedule", "split_microbatches"]
 
@@ -53,8 +58,11 @@ def split_microbatches(batch: torch.Tensor, num_microbatches: int) -> list[torch
     return list(batch.split(B // M, dim=0))
 
 
-def run_schedule(stage: PipelineStage, schedule, inputs_microbatches=None, targets_microbatches=None, *,
-                 boundary_shapes=None, stage_kwargs=None):
+def run_schedule(stage: PipelineStage, schedule: Sequence[Sequence[Action]],
+                 inputs_microbatches: Sequence[torch.Tensor] | None = None,
+                 targets_microbatches: Sequence[torch.Tensor] | None = None, *,
+                 boundary_shapes: Sequence[tuple[Sequence[int], torch.dtype]] | None = None,
+                 stage_kwargs: Sequence[dict] | None = None) -> list[torch.Tensor] | None:
     """Run this stage's row of ``schedule`` (forward and backward of every microbatch).
 
     Collective over the pipeline group: every stage calls it with the same table.

@@ -22,12 +22,17 @@ Sources: GPipe (Huang et al., 2019: all forwards, then all backwards); 1F1B / Pi
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import NamedTuple
 
 from ..errors import ShardkitError
 from ._exchange import order_key
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 __all__ = [
     "Action",
@@ -109,7 +114,7 @@ def one_f_one_b_schedule(num_stages: int, num_microbatches: int) -> tuple[tuple[
     return tuple(table)
 
 
-def validate_schedule(schedule, num_stages: int, op: str = "validate_schedule") -> int:
+def validate_schedule(schedule: Sequence[Sequence[Action]], num_stages: int, op: str = "validate_schedule") -> int:
     """Check a table's structure; return ``M``, the number of microbatches.
 
     Every stage must run ``F(m)`` and ``B(m)`` exactly once for ``m`` in ``0..M-1`` (the same
@@ -208,7 +213,7 @@ def _messages(call: CommCall, stage: int):
     return sorted(msgs, key=lambda x: order_key(stage, x[0], x[1]))
 
 
-def simulate(schedule, f_time: float = 1.0, b_time: float = 1.0) -> SimResult:
+def simulate(schedule: Sequence[Sequence[Action]], f_time: float = 1.0, b_time: float = 1.0) -> SimResult:
     """Execute every stage's :func:`comm_plan` with blocking P2P: a send and a receive complete
     together when both are at the head of their stages' programs (rendezvous, zero transfer
     time); messages on a channel ``(src, dst, direction)`` match in FIFO order and must carry

@@ -6,6 +6,8 @@ tp sizes may differ per stage) with the layouts of its input and output over tha
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -14,6 +16,11 @@ from ..comm._group import GroupInfo, resolve_group
 from ..errors import ShardkitError, ShardkitTypeError
 from ..layouts import Replicate
 from .vtp import StageGroups, check_layout
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+    from .._types import Group
+    from .vtp import Shard
 
 __all__ = ["PipelineStage", "agree_error"]
 
@@ -67,8 +74,10 @@ class PipelineStage:
             layouts.
     """
 
-    def __init__(self, module: nn.Module, pp_group, stage_index: int, num_stages: int, loss_fn=None, *,
-                 in_layout=None, out_layout=None, input_grad: str = "replicated"):
+    def __init__(self, module: nn.Module, pp_group: Group | Sequence[Group] | StageGroups, stage_index: int,
+                 num_stages: int, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None, *,
+                 in_layout: Replicate | Shard | None = None, out_layout: Replicate | Shard | None = None,
+                 input_grad: str = "replicated"):
         op = "PipelineStage"
         if not isinstance(module, nn.Module):
             raise ShardkitTypeError(f"{op}: module must be a torch.nn.Module, got {type(module).__name__}")
@@ -128,7 +137,7 @@ class PipelineStage:
         """This stage's module on one microbatch (``kwargs``: that microbatch's stage keyword arguments)."""
         return self.module(x, **kwargs)
 
-    def loss(self, output: torch.Tensor, target) -> torch.Tensor:
+    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The last stage's loss on one microbatch."""
         return self.loss_fn(output, target)
 

@@ -38,6 +38,7 @@ Megatron-LM pipeline x tensor parallelism; the box-intersection reshard of array
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
 from typing import NamedTuple
 
 import torch.distributed as dist
@@ -47,6 +48,10 @@ from ..comm._group import resolve_group
 from ..errors import ShardkitError
 from ..layouts import Replicate, Shard
 from ..layouts import check_layout as _check_layout
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+    from .._types import Group
 
 __all__ = ["Replicate", "Shard", "StageGroups", "Piece", "local_box", "piece_plan", "new_stage_groups"]
 
@@ -134,7 +139,7 @@ class StageGroups:
             rank's ``tp_group`` does not have its stage's size and rank order.
     """
 
-    def __init__(self, group, stage_ranks, tp_group) -> None:
+    def __init__(self, group: Group, stage_ranks: Sequence[Sequence[int]], tp_group: Group) -> None:
         op = "StageGroups"
         g = resolve_group(group, op)
         tp = resolve_group(tp_group, op)
@@ -180,7 +185,7 @@ def _normalize(stage_ranks, size: int):
     return ranks, None
 
 
-def new_stage_groups(tp_sizes, dp: int = 1):
+def new_stage_groups(tp_sizes: Sequence[int], dp: int = 1) -> tuple[StageGroups, dist.ProcessGroup]:
     """Create the groups of ``dp`` pipeline replicas whose stages have tp sizes ``tp_sizes``.
 
     Collective over the default process group (``dist.new_group`` is), which must have

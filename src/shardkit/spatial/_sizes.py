@@ -52,7 +52,8 @@ def per_dim(value, nd: int, name: str, op: str, minimum: int) -> tuple[int, ...]
     return tuple(values)
 
 
-def conv_padding(padding, kernel: Sequence[int], stride: Sequence[int], dilation: Sequence[int], op: str) -> list[tuple[int, int]]:
+def conv_padding(padding, kernel: Sequence[int], stride: Sequence[int], dilation: Sequence[int],
+                 op: str) -> list[tuple[int, int]]:
     """``(left, right)`` padding of each spatial dim, following ``torch.nn.functional.conv*d``.
 
     ``padding`` is an int, a sequence of one int per dim, ``"valid"`` (no padding) or ``"same"``
@@ -111,7 +112,8 @@ def input_ranges(sizes: Sequence[int], k: int, s: int, d: int, pad: tuple[int, i
     return ranges
 
 
-def spatial_output_sizes(in_sizes: Sequence[int], kernel_size: int, stride: int = 1, padding=0, dilation: int = 1) -> list[int]:
+def spatial_output_sizes(in_sizes: Sequence[int], kernel_size: int, stride: int = 1,
+                         padding: int | tuple[int, int] | str = 0, dilation: int = 1) -> list[int]:
     """Per-rank output sizes of a convolution sharded along one spatial dim.
 
     A pure function of the input split and the convolution along that dim (window-centre rule,

@@ -26,6 +26,8 @@ non-integer scales) raise one :class:`ShardkitError` at apply time listing all o
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -36,6 +38,10 @@ from .modules_transpose import SpatialConvTranspose1d, SpatialConvTranspose2d, S
 from .norm import SpatialBatchNorm2d, SpatialGroupNorm
 from .pool import SpatialAvgPool2d, SpatialMaxPool2d
 from .resample import SpatialUpsample, check_interpolate_args
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+    from .._types import Group
 
 __all__ = ["apply_spatial"]
 
@@ -127,7 +133,8 @@ def _tile_groups(mesh_or_group, dims: tuple, op: str) -> tuple:
     return tuple(mesh_or_group)
 
 
-def apply_spatial(module: nn.Module, mesh_or_group, dim, *, channels_last: bool = False) -> nn.Module:
+def apply_spatial(module: nn.Module, mesh_or_group: Group | DeviceMesh, dim: int | Sequence[int], *,
+                  channels_last: bool = False) -> nn.Module:
     """Shard ``module``'s (transposed) convolutions, norms, upsampling and pooling along spatial dim ``dim``, in place.
 
     After it, ``module(x_local)`` with ``x_local`` this rank's block of the input along ``dim``

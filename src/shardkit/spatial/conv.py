@@ -21,6 +21,8 @@ Source: spatial parallelism for CNNs (Dryden et al., IPDPS 2019; the halo-exchan
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
@@ -33,6 +35,10 @@ from ._plan import BORDER_MODES
 from ._sizes import check_out_len, conv_out_len, conv_padding, geometry_args, input_ranges, output_bounds, per_dim
 from ._overlap import interior_split, overlapped_conv
 from .halo import exchange, plan_for
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+    from .._types import Group
 
 __all__ = ["spatial_conv1d", "spatial_conv2d", "spatial_conv3d"]
 
@@ -250,20 +256,29 @@ _DOC = """Convolution of an input sharded along spatial dim ``dim``; output shar
 """
 
 
-def spatial_conv1d(x_local, weight, bias, group, dim, stride=1, padding=0, dilation=1, groups=1, *,
-                   padding_mode="zeros", sizes=None, channels_last=False, sum_param_grads=True, overlap=True):
+def spatial_conv1d(x_local: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Group,
+                   dim: int | Sequence[int], stride: int | Sequence[int] = 1, padding: int | Sequence[int] | str = 0,
+                   dilation: int | Sequence[int] = 1, groups: int = 1, *, padding_mode: str = "zeros",
+                   sizes: Sequence[int] | None = None, channels_last: bool = False, sum_param_grads: bool = True,
+                   overlap: bool = True) -> torch.Tensor:
     return _spatial_conv(1, "spatial_conv1d", x_local, weight, bias, group, dim, stride, padding, dilation, groups,
                          padding_mode, sizes, channels_last, sum_param_grads, overlap)
 
 
-def spatial_conv2d(x_local, weight, bias, group, dim, stride=1, padding=0, dilation=1, groups=1, *,
-                   padding_mode="zeros", sizes=None, channels_last=False, sum_param_grads=True, overlap=True):
+def spatial_conv2d(x_local: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Group,
+                   dim: int | Sequence[int], stride: int | Sequence[int] = 1, padding: int | Sequence[int] | str = 0,
+                   dilation: int | Sequence[int] = 1, groups: int = 1, *, padding_mode: str = "zeros",
+                   sizes: Sequence[int] | None = None, channels_last: bool = False, sum_param_grads: bool = True,
+                   overlap: bool = True) -> torch.Tensor:
     return _spatial_conv(2, "spatial_conv2d", x_local, weight, bias, group, dim, stride, padding, dilation, groups,
                          padding_mode, sizes, channels_last, sum_param_grads, overlap)
 
 
-def spatial_conv3d(x_local, weight, bias, group, dim, stride=1, padding=0, dilation=1, groups=1, *,
-                   padding_mode="zeros", sizes=None, channels_last=False, sum_param_grads=True, overlap=True):
+def spatial_conv3d(x_local: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Group,
+                   dim: int | Sequence[int], stride: int | Sequence[int] = 1, padding: int | Sequence[int] | str = 0,
+                   dilation: int | Sequence[int] = 1, groups: int = 1, *, padding_mode: str = "zeros",
+                   sizes: Sequence[int] | None = None, channels_last: bool = False, sum_param_grads: bool = True,
+                   overlap: bool = True) -> torch.Tensor:
     return _spatial_conv(3, "spatial_conv3d", x_local, weight, bias, group, dim, stride, padding, dilation, groups,
                          padding_mode, sizes, channels_last, sum_param_grads, overlap)
 

@@ -21,6 +21,8 @@ Source: the transposed convolution as the adjoint of a strided convolution (Dumo
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from collections.abc import Sequence
 
 import torch
@@ -33,6 +35,9 @@ from ._meta import channels_first
 from ._sizes import geometry_args, per_dim
 from .conv import _EmptyOutput, _SumParamGrads
 from .halo import exchange, plan_for
+
+if TYPE_CHECKING:
+    from .._types import Group
 
 __all__ = ["spatial_conv_transpose1d", "spatial_conv_transpose2d", "spatial_conv_transpose3d",
            "spatial_transpose_output_sizes"]
@@ -199,20 +204,32 @@ _DOC = """Transposed convolution of an input sharded along spatial dim ``dim``; 
 """
 
 
-def spatial_conv_transpose1d(x_local, weight, bias, group, dim, stride=1, padding=0, output_padding=0, groups=1,
-                             dilation=1, *, sizes=None, channels_last=False, sum_param_grads=True):
+def spatial_conv_transpose1d(x_local: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Group,
+                             dim: int | Sequence[int], stride: int | Sequence[int] = 1,
+                             padding: int | Sequence[int] | str = 0, output_padding: int | Sequence[int] = 0,
+                             groups: int = 1, dilation: int | Sequence[int] = 1, *,
+                             sizes: Sequence[int] | None = None, channels_last: bool = False,
+                             sum_param_grads: bool = True) -> torch.Tensor:
     return _spatial_conv_transpose(1, "spatial_conv_transpose1d", x_local, weight, bias, group, dim, stride, padding,
                                    output_padding, groups, dilation, sizes, channels_last, sum_param_grads)
 
 
-def spatial_conv_transpose2d(x_local, weight, bias, group, dim, stride=1, padding=0, output_padding=0, groups=1,
-                             dilation=1, *, sizes=None, channels_last=False, sum_param_grads=True):
+def spatial_conv_transpose2d(x_local: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Group,
+                             dim: int | Sequence[int], stride: int | Sequence[int] = 1,
+                             padding: int | Sequence[int] | str = 0, output_padding: int | Sequence[int] = 0,
+                             groups: int = 1, dilation: int | Sequence[int] = 1, *,
+                             sizes: Sequence[int] | None = None, channels_last: bool = False,
+                             sum_param_grads: bool = True) -> torch.Tensor:
     return _spatial_conv_transpose(2, "spatial_conv_transpose2d", x_local, weight, bias, group, dim, stride, padding,
                                    output_padding, groups, dilation, sizes, channels_last, sum_param_grads)
 
 
-def spatial_conv_transpose3d(x_local, weight, bias, group, dim, stride=1, padding=0, output_padding=0, groups=1,
-                             dilation=1, *, sizes=None, channels_last=False, sum_param_grads=True):
+def spatial_conv_transpose3d(x_local: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Group,
+                             dim: int | Sequence[int], stride: int | Sequence[int] = 1,
+                             padding: int | Sequence[int] | str = 0, output_padding: int | Sequence[int] = 0,
+                             groups: int = 1, dilation: int | Sequence[int] = 1, *,
+                             sizes: Sequence[int] | None = None, channels_last: bool = False,
+                             sum_param_grads: bool = True) -> torch.Tensor:
     return _spatial_conv_transpose(3, "spatial_conv_transpose3d", x_local, weight, bias, group, dim, stride, padding,
                                    output_padding, groups, dilation, sizes, channels_last, sum_param_grads)
 

@@ -4,7 +4,7 @@ Every rank sends every other rank exactly the elements that rank needs (split si
 all ranks compute identically, :mod:`._plan`), so:
 
 * it is correct at ``R = 2``, where the left and the right neighbour are the same rank, without
-  P2P tags (NCCL ignores tags and pairs same-peer messages in FIFO order, DESIGN.md section 3);
+  P2P tags (NCCL ignores tags and pairs same-peer messages in FIFO order, docs/design.md, Platform facts);
 * halos wider than a neighbour's shard come from further ranks, and zero-size shards need no
   special case: they own no piece of anyone's request;
 * the backward is the adjoint: received halo gradients travel back in the reverse
@@ -22,6 +22,8 @@ overlapped convolution (:mod:`._overlap`) computes while the halos travel.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import math
 from collections.abc import Sequence
 
@@ -34,6 +36,9 @@ from ..comm._group import GroupInfo
 from ..comm._validate import dim_of, enter, expected_size, local_sizes, maybe_agree
 from ..errors import ShardkitError, ShardkitTypeError
 from ._plan import Plan, build_plan
+
+if TYPE_CHECKING:
+    from .._types import Group
 
 __all__ = ["halo_exchange", "exchange", "plan_for", "post_forward", "post_backward", "Posted", "PostedGrad"]
 
@@ -256,7 +261,8 @@ def _halo_widths(value, R: int, name: str) -> list[int]:
     return list(value)
 
 
-def halo_exchange(x: torch.Tensor, group, dim: int, left, right, *, sizes=None, periodic: bool = False) -> torch.Tensor:
+def halo_exchange(x: torch.Tensor, group: Group, dim: int, left: int | Sequence[int], right: int | Sequence[int], *,
+                  sizes: Sequence[int] | None = None, periodic: bool = False) -> torch.Tensor:
     """Halo exchange along ``dim`` in forward; the reverse exchange with add in backward (its adjoint).
 
     Rank ``r`` holds the global elements ``[off_r, off_r + n_r)`` of a dim of size

@@ -7,6 +7,8 @@ weight on every rank), so a checkpoint of the unsharded model loads as is, and
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -15,6 +17,10 @@ from ..errors import ShardkitError, ShardkitTypeError
 from ..comm._validate import dim_of
 from ._meta import gather_sizes
 from .conv import spatial_conv1d, spatial_conv2d, spatial_conv3d
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+    from .._types import Group
 
 __all__ = ["SpatialConv1d", "SpatialConv2d", "SpatialConv3d", "RingConv2d", "ring_conv2d"]
 
@@ -95,8 +101,11 @@ class SpatialConv1d(_SpatialConvMixin, nn.Conv1d):
 
     _fn, _base = staticmethod(spatial_conv1d), nn.Conv1d
 
-    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1, groups=1, bias=True,
-                 padding_mode="zeros", device=None, dtype=None, *, group, dim=-1, channels_last=False):
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int | Sequence[int],
+                 stride: int | Sequence[int] = 1, padding: int | Sequence[int] | str = 0,
+                 dilation: int | Sequence[int] = 1, groups: int = 1, bias: bool = True, padding_mode: str = "zeros",
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None, *, group: Group,
+                 dim: int | Sequence[int] = -1, channels_last: bool = False):
         _init(self, nn.Conv1d, in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
               padding_mode, device, dtype, group, dim, channels_last)
 
@@ -110,8 +119,11 @@ class SpatialConv2d(_SpatialConvMixin, nn.Conv2d):
 
     _fn, _base = staticmethod(spatial_conv2d), nn.Conv2d
 
-    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1, groups=1, bias=True,
-                 padding_mode="zeros", device=None, dtype=None, *, group, dim, channels_last=False):
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int | Sequence[int],
+                 stride: int | Sequence[int] = 1, padding: int | Sequence[int] | str = 0,
+                 dilation: int | Sequence[int] = 1, groups: int = 1, bias: bool = True, padding_mode: str = "zeros",
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None, *, group: Group,
+                 dim: int | Sequence[int], channels_last: bool = False):
         _init(self, nn.Conv2d, in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
               padding_mode, device, dtype, group, dim, channels_last)
 
@@ -121,8 +133,11 @@ class SpatialConv3d(_SpatialConvMixin, nn.Conv3d):
 
     _fn, _base = staticmethod(spatial_conv3d), nn.Conv3d
 
-    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1, groups=1, bias=True,
-                 padding_mode="zeros", device=None, dtype=None, *, group, dim, channels_last=False):
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int | Sequence[int],
+                 stride: int | Sequence[int] = 1, padding: int | Sequence[int] | str = 0,
+                 dilation: int | Sequence[int] = 1, groups: int = 1, bias: bool = True, padding_mode: str = "zeros",
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None, *, group: Group,
+                 dim: int | Sequence[int], channels_last: bool = False):
         _init(self, nn.Conv3d, in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
               padding_mode, device, dtype, group, dim, channels_last)
 
@@ -136,8 +151,10 @@ def _format(data_format, op: str):
     return _FORMATS[data_format]
 
 
-def ring_conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, data_format="NCHW", *, group,
-                sizes=None, padding_mode="zeros"):
+def ring_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                stride: int | Sequence[int] = 1, padding: int | Sequence[int] | str = 0,
+                dilation: int | Sequence[int] = 1, groups: int = 1, data_format: str = "NCHW", *, group: Group,
+                sizes: Sequence[int] | None = None, padding_mode: str = "zeros") -> torch.Tensor:
     """2-D convolution of an input sharded along W (PaddlePaddle ``RingConv2d``'s interface).
 
     ``x`` is ``[B, C, H, W / R]`` (``"NCHW"``) or ``[B, H, W / R, C]`` (``"NHWC"``); the output
@@ -156,14 +173,17 @@ class RingConv2d(SpatialConv2d):
     Extra keyword arguments: ``group`` and ``data_format`` (``"NCHW"`` or ``"NHWC"``).
     """
 
-    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1, groups=1, bias=True,
-                 padding_mode="zeros", device=None, dtype=None, *, group, data_format="NCHW"):
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int | Sequence[int],
+                 stride: int | Sequence[int] = 1, padding: int | Sequence[int] | str = 0,
+                 dilation: int | Sequence[int] = 1, groups: int = 1, bias: bool = True, padding_mode: str = "zeros",
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None, *, group: Group,
+                 data_format: str = "NCHW"):
         dim, channels_last = _format(data_format, "RingConv2d")
         super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode,
                          device, dtype, group=group, dim=dim, channels_last=channels_last)
         self.data_format = data_format
 
     @classmethod
-    def from_conv(cls, conv: nn.Module, group, *, data_format: str = "NCHW"):
+    def from_conv(cls, conv: nn.Module, group: Group, *, data_format: str = "NCHW") -> RingConv2d:
         """A W-sharded layer sharing ``conv``'s parameters (no copy)."""
         return cls._build(conv, group=group, data_format=data_format)

@@ -23,6 +23,8 @@ spatial shards; Chan, Golub and LeVeque, "Algorithms for computing the sample va
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -31,6 +33,9 @@ from ..comm._group import resolve_group
 from ..comm.collectives import all_gather
 from ..errors import ShardkitError, ShardkitTypeError
 from .conv import _SumParamGrads
+
+if TYPE_CHECKING:
+    from .._types import Group
 
 __all__ = ["spatial_group_norm", "SpatialGroupNorm", "SpatialBatchNorm2d"]
 
@@ -88,7 +93,8 @@ def _affine(x, weight, bias, g, op: str):
     return x
 
 
-def spatial_group_norm(x_local, num_groups: int, weight, bias, group, eps: float = 1e-5):
+def spatial_group_norm(x_local: torch.Tensor, num_groups: int, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                       group: Group, eps: float = 1e-5) -> torch.Tensor:
     """GroupNorm of a frame sharded along spatial dims; statistics over the whole frame.
 
     Forward: one all-gather of per-rank (count, mean, M2); backward: its reduce-scatter and
@@ -97,7 +103,8 @@ def spatial_group_norm(x_local, num_groups: int, weight, bias, group, eps: float
     Args:
         x_local: ``[B, C, *S_local]``, any spatial dims sharded, any split (zero-size allowed).
         num_groups: ``G``, dividing ``C``.
-        weight, bias: ``[C]`` or None, replicated.
+        weight: ``[C]`` or None, replicated.
+        bias: ``[C]`` or None, replicated.
         group: a ``ProcessGroup`` or 1-D ``DeviceMesh`` of ``R`` ranks (the spatial group), or
             a sequence of them for tiles (e.g. ``(mesh["h"], mesh["w"])``): the statistics are
             combined over each in turn.
@@ -136,16 +143,17 @@ class SpatialGroupNorm(nn.GroupNorm):
     Extra keyword argument: ``group``. Same parameters and state-dict keys as ``nn.GroupNorm``.
     """
 
-    def __init__(self, num_groups, num_channels, eps=1e-5, affine=True, device=None, dtype=None, *, group):
+    def __init__(self, num_groups: int, num_channels: int, eps: float = 1e-5, affine: bool = True,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None, *, group: Group):
         super().__init__(num_groups, num_channels, eps, affine, device, dtype)
         _groups(group, type(self).__name__)
         self.group = tuple(group) if isinstance(group, (tuple, list)) else group
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return spatial_group_norm(x, self.num_groups, self.weight, self.bias, self.group, self.eps)
 
     @classmethod
-    def from_module(cls, gn: nn.GroupNorm, group):
+    def from_module(cls, gn: nn.GroupNorm, group: Group) -> SpatialGroupNorm:
         """A sharded layer sharing ``gn``'s parameters (no copy)."""
         if type(gn) is not nn.GroupNorm:
             raise ShardkitTypeError(f"{cls.__name__}.from_module: expected an nn.GroupNorm, got {type(gn).__name__}")
@@ -165,13 +173,14 @@ class SpatialBatchNorm2d(nn.BatchNorm2d):
     ``nn.BatchNorm2d``; extra keyword argument ``group``.
     """
 
-    def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True, track_running_stats=True, device=None,
-                 dtype=None, *, group):
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
+                 track_running_stats: bool = True, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None, *, group: Group):
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
         resolve_group(group, type(self).__name__)
         self.group = group
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         op = "SpatialBatchNorm2d"
         self._check_input_dim(x)
         g = resolve_group(self.group, op)
@@ -199,7 +208,7 @@ class SpatialBatchNorm2d(nn.BatchNorm2d):
         return y.to(x.dtype) if half else y
 
     @classmethod
-    def from_module(cls, bn: nn.BatchNorm2d, group):
+    def from_module(cls, bn: nn.BatchNorm2d, group: Group) -> SpatialBatchNorm2d:
         """A sharded layer sharing ``bn``'s parameters and running-statistics buffers (no copy)."""
         if type(bn) is not nn.BatchNorm2d:
             raise ShardkitTypeError(f"{cls.__name__}.from_module: expected an nn.BatchNorm2d, got {type(bn).__name__}")

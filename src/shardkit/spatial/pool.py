@@ -16,6 +16,8 @@ Source: spatial parallelism for CNNs (Dryden et al., IPDPS 2019), as :mod:`.conv
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import math
 
 import torch
@@ -28,6 +30,10 @@ from ..errors import ShardkitError, ShardkitTypeError
 from ._meta import channels_first, gather_sizes, keep_graph_empty
 from ._sizes import check_out_len, conv_out_len, input_ranges, output_bounds, per_dim
 from .halo import exchange, plan_for
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+    from .._types import Group
 
 __all__ = ["spatial_max_pool", "spatial_avg_pool", "SpatialMaxPool2d", "SpatialAvgPool2d"]
 
@@ -128,15 +134,19 @@ _ARGS = """
 """
 
 
-def spatial_max_pool(x_local, group, dim, kernel_size, stride=None, padding=0, dilation=1, *, ceil_mode=False,
-                     sizes=None, channels_last=False):
+def spatial_max_pool(x_local: torch.Tensor, group: Group, dim: int, kernel_size: int | Sequence[int],
+                     stride: int | Sequence[int] | None = None, padding: int | Sequence[int] = 0,
+                     dilation: int | Sequence[int] = 1, *, ceil_mode: bool = False,
+                     sizes: Sequence[int] | None = None, channels_last: bool = False) -> torch.Tensor:
     """Max pooling of an input sharded along ``dim``: halo exchange forward, its adjoint backward."""
     return _pool("max", "spatial_max_pool", x_local, group, dim, kernel_size, stride, padding, dilation, True, None,
                  ceil_mode, sizes, channels_last)
 
 
-def spatial_avg_pool(x_local, group, dim, kernel_size, stride=None, padding=0, *, ceil_mode=False,
-                     count_include_pad=True, divisor_override=None, sizes=None, channels_last=False):
+def spatial_avg_pool(x_local: torch.Tensor, group: Group, dim: int, kernel_size: int | Sequence[int],
+                     stride: int | Sequence[int] | None = None, padding: int | Sequence[int] = 0, *,
+                     ceil_mode: bool = False, count_include_pad: bool = True, divisor_override: int | None = None,
+                     sizes: Sequence[int] | None = None, channels_last: bool = False) -> torch.Tensor:
     """Average pooling of an input sharded along ``dim``: halo exchange forward, its adjoint backward."""
     return _pool("avg", "spatial_avg_pool", x_local, group, dim, kernel_size, stride, padding, 1, count_include_pad,
                  divisor_override, ceil_mode, sizes, channels_last)
@@ -173,19 +183,22 @@ class SpatialMaxPool2d(_PoolMixin, nn.MaxPool2d):
     the split sizes in forward when none are passed; set by :func:`apply_spatial`).
     """
 
-    def __init__(self, kernel_size, stride=None, padding=0, dilation=1, return_indices=False, ceil_mode=False, *,
-                 group, dim, channels_last=False, infer_sizes=False):
+    def __init__(self, kernel_size: int | Sequence[int], stride: int | Sequence[int] | None = None,
+                 padding: int | Sequence[int] = 0, dilation: int | Sequence[int] = 1,
+                 return_indices: bool = False, ceil_mode: bool = False, *, group: Group, dim: int,
+                 channels_last: bool = False, infer_sizes: bool = False):
         if return_indices:
             raise ShardkitError("SpatialMaxPool2d: return_indices=True is not supported")
         super().__init__(kernel_size, stride, padding, dilation, return_indices, ceil_mode)
         self._setup(group, dim, channels_last, infer_sizes)
 
-    def forward(self, x, sizes=None):
+    def forward(self, x: torch.Tensor, sizes: Sequence[int] | None = None) -> torch.Tensor:
         return spatial_max_pool(x, self.group, self.dim, self.kernel_size, self.stride, self.padding, self.dilation,
                                 sizes=self._sizes(x, sizes), channels_last=self.channels_last)
 
     @classmethod
-    def from_module(cls, m: nn.MaxPool2d, group, dim, *, channels_last=False, infer_sizes=False):
+    def from_module(cls, m: nn.MaxPool2d, group: Group, dim: int, *, channels_last: bool = False,
+                    infer_sizes: bool = False) -> SpatialMaxPool2d:
         return cls(m.kernel_size, m.stride, m.padding, m.dilation, m.return_indices, m.ceil_mode, group=group, dim=dim,
                    channels_last=channels_last, infer_sizes=infer_sizes)
 
@@ -193,17 +206,20 @@ class SpatialMaxPool2d(_PoolMixin, nn.MaxPool2d):
 class SpatialAvgPool2d(_PoolMixin, nn.AvgPool2d):
     """``nn.AvgPool2d`` over an input sharded along H or W (see :func:`spatial_avg_pool`)."""
 
-    def __init__(self, kernel_size, stride=None, padding=0, ceil_mode=False, count_include_pad=True,
-                 divisor_override=None, *, group, dim, channels_last=False, infer_sizes=False):
+    def __init__(self, kernel_size: int | Sequence[int], stride: int | Sequence[int] | None = None,
+                 padding: int | Sequence[int] = 0, ceil_mode: bool = False, count_include_pad: bool = True,
+                 divisor_override: int | None = None, *, group: Group, dim: int,
+                 channels_last: bool = False, infer_sizes: bool = False):
         super().__init__(kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
         self._setup(group, dim, channels_last, infer_sizes)
 
-    def forward(self, x, sizes=None):
+    def forward(self, x: torch.Tensor, sizes: Sequence[int] | None = None) -> torch.Tensor:
         return spatial_avg_pool(x, self.group, self.dim, self.kernel_size, self.stride, self.padding,
                                 count_include_pad=self.count_include_pad, divisor_override=self.divisor_override,
                                 sizes=self._sizes(x, sizes), channels_last=self.channels_last)
 
     @classmethod
-    def from_module(cls, m: nn.AvgPool2d, group, dim, *, channels_last=False, infer_sizes=False):
+    def from_module(cls, m: nn.AvgPool2d, group: Group, dim: int, *, channels_last: bool = False,
+                    infer_sizes: bool = False) -> SpatialAvgPool2d:
         return cls(m.kernel_size, m.stride, m.padding, m.ceil_mode, m.count_include_pad, m.divisor_override, group=group,
                    dim=dim, channels_last=channels_last, infer_sizes=infer_sizes)

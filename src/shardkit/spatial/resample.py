@@ -15,6 +15,8 @@ coordinate map depends on the global size), ``bicubic`` and ``area``.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch.nn.functional as F
 from torch import nn
 
@@ -24,6 +26,11 @@ from ..comm._validate import dim_of, enter, expected_size, local_sizes, maybe_ag
 from ..errors import ShardkitError, ShardkitTypeError
 from ._meta import channels_first, gather_sizes, keep_graph_empty
 from .halo import exchange, plan_for
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+    import torch
+    from .._types import Group
 
 __all__ = ["spatial_interpolate", "SpatialUpsample"]
 
@@ -56,8 +63,9 @@ def check_interpolate_args(scale_factor, mode, align_corners, nd: int, op: str, 
     return _scales(scale_factor, nd, op)
 
 
-def spatial_interpolate(x_local, group, dim, scale_factor, mode="nearest", align_corners=None, *, sizes=None,
-                        channels_last=False):
+def spatial_interpolate(x_local: torch.Tensor, group: Group, dim: int,
+                        scale_factor: int | Sequence[int], mode: str = "nearest", align_corners: bool | None = None,
+                        *, sizes: Sequence[int] | None = None, channels_last: bool = False) -> torch.Tensor:
     """``F.interpolate`` of an input sharded along ``dim`` with integer scales; output sharded the same way.
 
     Args:
@@ -116,8 +124,8 @@ class SpatialUpsample(nn.Module):
     in forward when none are passed (linear modes only; set by :func:`apply_spatial`).
     """
 
-    def __init__(self, scale_factor, mode="nearest", align_corners=None, *, group, dim, channels_last=False,
-                 infer_sizes=False):
+    def __init__(self, scale_factor: int | Sequence[int], mode: str = "nearest", align_corners: bool | None = None, *,
+                 group: Group, dim: int, channels_last: bool = False, infer_sizes: bool = False):
         super().__init__()
         if isinstance(dim, bool) or not isinstance(dim, int):
             raise ShardkitTypeError(f"SpatialUpsample: dim must be an int, got {dim!r}")
@@ -125,7 +133,7 @@ class SpatialUpsample(nn.Module):
         self.scale_factor, self.mode, self.align_corners = scale_factor, mode, align_corners
         self.group, self.dim, self.channels_last, self.infer_sizes = group, dim, bool(channels_last), bool(infer_sizes)
 
-    def forward(self, x, sizes=None):
+    def forward(self, x: torch.Tensor, sizes: Sequence[int] | None = None) -> torch.Tensor:
         if sizes is None and self.infer_sizes and self.mode not in _NEAREST:
             g = resolve_group(self.group, "SpatialUpsample")
             sizes = gather_sizes(x, g, dim_of(x, self.dim, "SpatialUpsample"), "SpatialUpsample")
@@ -136,7 +144,8 @@ class SpatialUpsample(nn.Module):
         return f"scale_factor={self.scale_factor}, mode={self.mode!r}, dim={self.dim}"
 
     @classmethod
-    def from_module(cls, up: nn.Upsample, group, dim, *, channels_last=False, infer_sizes=False):
+    def from_module(cls, up: nn.Upsample, group: Group, dim: int, *, channels_last: bool = False,
+                    infer_sizes: bool = False) -> SpatialUpsample:
         """The sharded equivalent of ``up``; ShardkitError when its settings are unsupported."""
         if up.size is not None or up.scale_factor is None:
             raise ShardkitError("SpatialUpsample.from_module: size= is not supported; use an integer scale_factor")

@@ -17,6 +17,8 @@ PyTorch DTensor's ``parallelize_module`` and Hugging Face's ``tp_plan`` do.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import warnings
 
 from torch import nn
@@ -29,6 +31,9 @@ from ..layouts import Shard
 from .sequence import SequenceSharding
 from .sp_plan import sequence_parallel_plan
 from .styles import ColwiseParallel, RowwiseParallel, StyleContext
+
+if TYPE_CHECKING:
+    from .._types import Group
 
 __all__ = ["apply_tp"]
 
@@ -55,7 +60,7 @@ def _head_ranges(model: nn.Module, compiled: CompiledPlan, world: int) -> dict[s
     return out
 
 
-def apply_tp(model: nn.Module, tp_mesh, plan: dict | None = None, *, sequence_parallel: bool = False,
+def apply_tp(model: nn.Module, tp_mesh: Group, plan: dict | None = None, *, sequence_parallel: bool = False,
              loss_parallel: bool = False, styles: dict | None = None, check: str = "warn") -> nn.Module:
     """Apply tensor parallelism to ``model`` in place, following ``plan``.
 
@@ -104,7 +109,8 @@ def apply_tp(model: nn.Module, tp_mesh, plan: dict | None = None, *, sequence_pa
             msg = f"apply_tp: rules that matched nothing: {list(report.unused_rules)}; parameters left unsharded: {list(report.unsharded)}"
             if check == "error":
                 raise ShardkitError(msg)
-            warnings.warn(msg, stacklevel=2)
+            if g.rank == 0:  # the report is the same on every rank (a pure plan check): say it once
+                warnings.warn(msg, stacklevel=2)
     if g.size == 1:
         return model
     heads = _head_ranges(model, compiled, g.size)

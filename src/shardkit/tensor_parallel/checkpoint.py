@@ -19,6 +19,8 @@ Source: the slice-per-rank loading of Megatron-LM / vLLM weight loaders and Hugg
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import json
 import math
 import os
@@ -35,6 +37,11 @@ from ..errors import ShardkitError
 from .apply import apply_tp
 from .gather import unwrap
 from .spec import shard_spec
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any
+    from .._types import Group
 
 __all__ = ["SafetensorsCheckpoint", "load_sharded", "materialize_meta", "agree_on_error", "Piece", "checkpoint_sources"]
 
@@ -211,7 +218,8 @@ def _swap_params(model: nn.Module, device: torch.device) -> None:
             module._parameters[name] = swapped[id(p)]
 
 
-def materialize_meta(model: nn.Module, device, loaded: set[str], init_buffers=None) -> None:
+def materialize_meta(model: nn.Module, device: torch.device | str, loaded: set[str],
+                     init_buffers: Callable[[nn.Module], None] | None = None) -> None:
     """Allocate ``model``'s meta parameters and buffers on ``device`` (after ``apply_tp``, so
     only local shards) and recompute the buffers a checkpoint does not hold.
 
@@ -253,10 +261,16 @@ def materialize_meta(model: nn.Module, device, loaded: set[str], init_buffers=No
         raise ShardkitError(f"load: init_buffers left these buffers uninitialized: {bad}")
 
 
-def load_sharded(model: nn.Module, path, tp_mesh, plan: dict | None = None, *, device=None,
-                 init_buffers=None, **apply_tp_kwargs) -> nn.Module:
+def load_sharded(model: nn.Module, path: str | os.PathLike[str], tp_mesh: Group, plan: dict | None = None, *,
+                 device: torch.device | str | None = None, init_buffers: Callable[[nn.Module], None] | None = None,
+                 **apply_tp_kwargs: Any) -> nn.Module:
     """Shard ``model`` with :func:`~.apply.apply_tp` and fill it from a safetensors checkpoint,
     each rank reading only its own slices.
+
+    This reads a *Hugging Face* checkpoint (the full, unsharded ``*.safetensors`` files a model
+    is published with): the way to start from pretrained weights. To save and resume a model
+    that is already sharded, use :func:`~.dcp.save_sharded_checkpoint` /
+    :func:`~.dcp.load_sharded_checkpoint` (shardkit's own DCP checkpoint) instead.
 
     Build the model on the meta device so the full model is never allocated::
 

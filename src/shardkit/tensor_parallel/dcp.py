@@ -27,6 +27,8 @@ chunk metadata and resharding reads), as torchtitan and FSDP2 use it for DTensor
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import os
 import shutil
 import uuid
@@ -45,6 +47,10 @@ from ..errors import ShardkitError
 from .checkpoint import agree_on_error, materialize_meta
 from .gather import unwrap
 from .spec import ShardSpec, shard_spec
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from .._types import Group
 
 __all__ = ["save_sharded_checkpoint", "load_sharded_checkpoint", "owned_ranges"]
 
@@ -161,7 +167,7 @@ def _broadcast(g, value):
     return box[0]
 
 
-def save_sharded_checkpoint(model: nn.Module, path: str | os.PathLike, group) -> None:
+def save_sharded_checkpoint(model: nn.Module, path: str | os.PathLike, group: Group) -> None:
     """Collective over ``group``: save ``model``'s state dict as a DCP checkpoint directory,
     each rank writing only the pieces it owns.
 
@@ -222,10 +228,15 @@ def save_sharded_checkpoint(model: nn.Module, path: str | os.PathLike, group) ->
         raise ShardkitError(f"save_sharded_checkpoint: {error}")
 
 
-def load_sharded_checkpoint(model: nn.Module, path: str | os.PathLike, group, *, device=None,
-                            init_buffers=None) -> nn.Module:
+def load_sharded_checkpoint(model: nn.Module, path: str | os.PathLike, group: Group, *,
+                            device: torch.device | str | None = None,
+                            init_buffers: Callable[[nn.Module], None] | None = None) -> nn.Module:
     """Collective over ``group``: fill ``model`` (sharded at any tp size, or unsharded) from a
     checkpoint written by :func:`save_sharded_checkpoint`, each rank reading only its ranges.
+
+    This reads shardkit's own distributed checkpoint (torch DCP), for resuming training at the
+    same or another tp size. To start from a Hugging Face safetensors checkpoint (full weights),
+    use :func:`~.checkpoint.load_sharded` instead.
 
     The model may be on the meta device after ``apply_tp`` (build it under
     ``torch.device("meta")``): its local shards are then allocated on ``device`` first and its

@@ -21,6 +21,8 @@ it (Megatron-LM issue #737 divided by the local vocabulary size).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numbers
 
 import torch
@@ -30,6 +32,10 @@ from .._shapes import check_split_sizes, split_offsets
 from ..comm import ledger
 from ..comm._validate import enter, expected_size, maybe_agree
 from ..errors import RankMismatchError, ShardkitError, ShardkitTypeError
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+    from .._types import Group
 
 __all__ = ["vocab_parallel_cross_entropy"]
 
@@ -156,12 +162,12 @@ def _check_layout(widths, vocab_sizes, fp_max, fp_min, g) -> None:
 def vocab_parallel_cross_entropy(
     logits_local: torch.Tensor,
     labels: torch.Tensor,
-    group,
+    group: Group,
     *,
     ignore_index: int = -100,
     label_smoothing: float = 0.0,
     reduction: str = "mean",
-    vocab_sizes=None,
+    vocab_sizes: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Cross entropy of vocab-sharded logits; two small all-reduces in forward, none in backward.
 

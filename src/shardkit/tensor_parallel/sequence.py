@@ -22,6 +22,7 @@ Megatron-LM's fused qkv / gate-up projections.
 from __future__ import annotations
 
 import weakref
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -35,6 +36,11 @@ from ..comm import (
 )
 from ..comm._group import resolve_group
 from ..errors import ShardkitError
+
+if TYPE_CHECKING:
+    from typing import Any
+    from torch import nn
+    from .._types import Group
 
 __all__ = ["SequenceSharding"]
 
@@ -69,7 +75,7 @@ class SequenceSharding:
         dim: the default sequence dim of hidden states (1 for ``[B, S, H]``).
     """
 
-    def __init__(self, group, dim: int = 1) -> None:
+    def __init__(self, group: Group, dim: int = 1) -> None:
         self.group = group
         self.dim = dim
         self.info = resolve_group(group, "SequenceSharding")

@@ -19,6 +19,8 @@ wrapping (DDP renames parameters to ``module.*``) and optimizers.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -30,6 +32,9 @@ from .._shapes import split_offsets
 from ..comm import _c10d, all_gather
 from ..comm._group import resolve_group
 from ..errors import ShardkitError
+
+if TYPE_CHECKING:
+    from .._types import Group
 
 __all__ = ["ShardSpec", "shard_spec", "cut", "gather_full", "shard_parameter"]
 
@@ -52,16 +57,16 @@ class ShardSpec:
     dim: int
     full_size: int
     ranges: tuple[Ranges, ...]
-    group: object
+    group: Group
 
     @classmethod
-    def blocks(cls, dim: int, sizes: Sequence[int], group) -> ShardSpec:
+    def blocks(cls, dim: int, sizes: Sequence[int], group: Group) -> ShardSpec:
         """Contiguous blocks: rank ``r`` holds ``sizes[r]`` elements after those of ranks ``< r``."""
         offs = split_offsets(sizes)
         return cls(dim, sum(sizes), tuple(((o, o + s),) for o, s in zip(offs, sizes)), group)
 
     @classmethod
-    def packed(cls, dim: int, part_sizes: Sequence[Sequence[int]], group) -> ShardSpec:
+    def packed(cls, dim: int, part_sizes: Sequence[Sequence[int]], group: Group) -> ShardSpec:
         """Packed parts laid end to end, each cut into per-rank blocks ``part_sizes[p][r]``.
 
         Rank ``r`` holds block ``r`` of every part, parts in order (``[G_r | U_r]``).

@@ -35,6 +35,8 @@ parallelism (Korthikanti et al., 2022); PyTorch DTensor's ``ColwiseParallel`` /
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import types
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -50,6 +52,10 @@ from ..errors import ShardkitError, ShardkitTypeError
 from ..layouts import Partial, Replicate, Shard, check_layout
 from .sequence import SequenceSharding
 from .spec import ShardSpec, shard_parameter, shard_spec
+
+if TYPE_CHECKING:
+    from typing import Any
+    from .._types import Group
 
 __all__ = [
     "StyleContext",
@@ -78,7 +84,7 @@ class StyleContext:
             forward, prepared inputs shared by sibling layers).
     """
 
-    group: object
+    group: Group
     info: GroupInfo
     name: str = ""
     model: nn.Module | None = None
@@ -87,14 +93,14 @@ class StyleContext:
     seq: SequenceSharding | None = None
 
     @classmethod
-    def of(cls, group, op: str, seq: SequenceSharding | None = None) -> StyleContext:
+    def of(cls, group: Group, op: str, seq: SequenceSharding | None = None) -> StyleContext:
         return cls(group, resolve_group(group, op), seq=seq or SequenceSharding(group))
 
 
 class ParallelStyle:
     """Base class: subclasses implement :meth:`apply_module` and :meth:`shard_param`."""
 
-    def apply(self, module: nn.Module, group, *, seq: SequenceSharding | None = None) -> nn.Module:
+    def apply(self, module: nn.Module, group: Group, *, seq: SequenceSharding | None = None) -> nn.Module:
         """Apply this style to ``module`` over ``group`` (a ``ProcessGroup`` or 1-D ``DeviceMesh``).
 
         Styles applied by hand to one model should share one ``seq`` (its sequence sizes and
@@ -231,7 +237,7 @@ class ColwiseParallel(ParallelStyle):
 class PackedColwiseParallel(ColwiseParallel):
     """``packed_colwise``: :class:`ColwiseParallel` of a fused weight of ``parts`` (default 2) parts."""
 
-    def __init__(self, sizes=None, *, parts: int | Sequence[int] = 2, **kwargs) -> None:
+    def __init__(self, sizes: Sequence[int] | None = None, *, parts: int | Sequence[int] = 2, **kwargs: Any) -> None:
         super().__init__(sizes, parts=parts, **kwargs)
 
 
@@ -319,11 +325,11 @@ class RowwiseParallel(ParallelStyle):
 class PackedRowwiseParallel(RowwiseParallel):
     """``packed_rowwise``: :class:`RowwiseParallel` of a fused weight of ``parts`` (default 2) parts."""
 
-    def __init__(self, sizes=None, *, parts: int | Sequence[int] = 2, **kwargs) -> None:
+    def __init__(self, sizes: Sequence[int] | None = None, *, parts: int | Sequence[int] = 2, **kwargs: Any) -> None:
         super().__init__(sizes, parts=parts, **kwargs)
 
 
-def sum_grad_over(param: nn.Parameter, group) -> nn.Parameter:
+def sum_grad_over(param: nn.Parameter, group: Group) -> nn.Parameter:
     """Make ``param``'s gradient the sum over ``group`` of the per-rank gradients.
 
     For a replicated parameter applied to different data on each rank (an RMSNorm weight on a

@@ -1,0 +1,83 @@
+"""Optional dependencies: say which extra to install, in one line, before anything starts.
+
+shardkit's core needs only torch. The Hugging Face paths need the ``hf`` extra (transformers,
+safetensors) and the conv-ae photo and ``loss.png`` need the ``plot`` extra (matplotlib). A
+missing one is reported up front, by name, instead of as an ``ImportError`` traceback from a
+worker process after the launch.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterable
+
+from .errors import ShardkitError
+
+__all__ = ["EXTRAS", "MissingExtraError", "missing", "require", "install_hint", "check_train"]
+
+EXTRAS: dict[str, str] = {"transformers": "hf", "safetensors": "hf", "matplotlib": "plot"}
+"""Import name of each optional dependency -> the shardkit extra that installs it."""
+
+
+class MissingExtraError(ShardkitError):
+    """An optional dependency that the requested feature needs is not installed."""
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package missing, or a module without a spec
+        return False
+
+
+def missing(modules: Iterable[str]) -> list[str]:
+    """The modules of ``modules`` that cannot be imported, in the order given."""
+    return [m for m in modules if not _installed(m)]
+
+
+def install_hint(modules: Iterable[str]) -> str:
+    """``pip install 'shardkit[hf,plot]'`` for the extras that provide ``modules``."""
+    extras = sorted({EXTRAS[m] for m in modules})
+    return f"pip install 'shardkit[{','.join(extras)}]'"
+
+
+def require(modules: Iterable[str], feature: str) -> None:
+    """Raise :class:`MissingExtraError` in one line if any of ``modules`` is absent.
+
+    Args:
+        modules: import names, each a key of :data:`EXTRAS`.
+        feature: what needs them, for the message (e.g. ``"shardkit train --model llama"``).
+
+    Raises:
+        MissingExtraError: e.g. ``shardkit train --model llama needs transformers, which is
+            not installed: pip install 'shardkit[hf]'``.
+    """
+    absent = missing(modules)
+    if absent:
+        raise MissingExtraError(
+            f"{feature} needs {', '.join(absent)}, which {'is' if len(absent) == 1 else 'are'} not installed: "
+            f"{install_hint(absent)}"
+        )
+
+
+def check_train(model: str, report: str | None) -> list[str]:
+    """Check the extras ``shardkit train`` needs before any process starts.
+
+    Args:
+        model: the ``--model`` value (``"conv-ae"`` or a Hugging Face causal LM family).
+        report: the ``--report`` folder, or None.
+
+    Returns:
+        One-line notes for optional outputs that will be skipped (``loss.png`` without matplotlib).
+
+    Raises:
+        MissingExtraError: the model cannot be built without an extra (transformers for the
+            language models, matplotlib for conv-ae's sample photo).
+    """
+    if model == "conv-ae":
+        require(["matplotlib"], "shardkit train --model conv-ae (its sample photo)")
+    else:
+        require(["transformers"], f"shardkit train --model {model}")
+    if report is not None and missing(["matplotlib"]):
+        return [f"loss.png will not be written (matplotlib is not installed): {install_hint(['matplotlib'])}"]
+    return []
