@@ -1,5 +1,5 @@
 """Paired, interleaved benchmark of the reliability features per op: the flight recorder, the
-check mode, and learning the sizes (no ``sizes=``) against the plain op (DESIGN.md section 5).
+check mode, and learning the sizes (no ``sizes=``) against the plain op (docs/design.md (Benchmarks)).
 
 ``python benchmarks/bench_reliability.py [--rounds 40] [--warmup 5] [--reps 10] [--json PATH]``
 

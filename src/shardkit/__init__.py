@@ -50,7 +50,10 @@ from .context_parallel import (
 from .layouts import Replicate, Shard
 from .errors import GroupMembershipError, RankMismatchError, ShardkitError, ShardkitTypeError
 from .expert_parallel import DispatchPlan, dispatch_plan, ep_plan, token_combine, token_dispatch
-from .mesh import ParallelDims
+from .checkpoint import latest_checkpoint, load_train_state, save_train_state
+from .data_parallel import GradientSync, apply_fsdp
+from .mesh import ParallelDims, ParallelMesh
+from .parallelize import ParallelModel, gather_full_parameters, parallelize, parallelize_stage
 from .pipeline_parallel import (
     PipelineStage,
     StageGroups,
@@ -103,6 +106,17 @@ __version__ = "0.1.0"
 __all__ = [
     # layout and sizes
     "ParallelDims",
+    "ParallelMesh",
+    # composition: tp -> cp -> ep -> dp, pipeline stages, gradients, checkpoints
+    "parallelize",
+    "parallelize_stage",
+    "ParallelModel",
+    "gather_full_parameters",
+    "GradientSync",
+    "apply_fsdp",
+    "save_train_state",
+    "load_train_state",
+    "latest_checkpoint",
     "Group",
     "balanced_split_sizes",
     # differentiable collectives

@@ -29,9 +29,13 @@ view             dims                                                 used for
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING, Any
 from dataclasses import dataclass, fields
 
 from .errors import ShardkitError, ShardkitTypeError
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["ParallelDims", "ParallelMesh", "AXES", "FLAT_VIEWS", "EXPERT_AXES"]
 
@@ -265,14 +269,14 @@ class ParallelMesh:
         root: the root ``DeviceMesh`` with dims :data:`AXES`.
     """
 
-    def __init__(self, dims: ParallelDims, root, views: dict) -> None:
+    def __init__(self, dims: ParallelDims, root: DeviceMesh | None, views: dict[str, Any]) -> None:
         self.dims, self.root, self._views = dims, root, views
 
     @property
     def device_type(self) -> str:
         return self.root.device_type
 
-    def __getitem__(self, name):
+    def __getitem__(self, name: str | tuple[str, ...]) -> Any:
         if isinstance(name, tuple) and self.root is not None:
             return self.root[name]
         if name in self._views:

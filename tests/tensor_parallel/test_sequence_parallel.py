@@ -1,7 +1,7 @@
 """``apply_tp(..., sequence_parallel=True)``: Megatron sequence parallelism from the model's own
 plan, against the unsharded model.
 
-Parity (DESIGN.md section 4): float64 logits, loss and every parameter gradient (gathered from the
+Parity (docs/design.md, Testing): float64 logits, loss and every parameter gradient (gathered from the
 shards) to rtol 1e-9, for Llama, Qwen2, Qwen3, Qwen3-MoE and DeepSeek-V2 (MLA, with and without
 q_lora) at tp 2, 3 and 4 with a sequence length (7) that no tp size divides. Also: 9 query / 3 KV
 heads (SmolLM2-135M's shape) and tied input/output embeddings, with and without sequence

@@ -1,4 +1,4 @@
-"""``shardkit bench``: paired, interleaved benchmarks of every axis against its peers (DESIGN.md 5).
+"""``shardkit bench``: paired, interleaved benchmarks of every axis against its peers (docs/design.md, Benchmarks).
 
 One method (:mod:`._method`): variants of a case timed in the same rounds, alternating order, a
 barrier before each op, per-op time = max over ranks, >= 40 rounds after >= 5 warm-up, the median

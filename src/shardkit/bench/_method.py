@@ -1,4 +1,4 @@
-"""The measuring method of ``shardkit bench`` (DESIGN.md section 5), shared by every case.
+"""The measuring method of ``shardkit bench`` (docs/design.md (Benchmarks)), shared by every case.
 
 Absolute times on shared machines swing by tens of percent between runs; paired ratios taken in
 the same rounds do not. So every case times its variants in one loop: each round runs every

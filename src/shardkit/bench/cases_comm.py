@@ -1,5 +1,5 @@
 """Communication cases: collectives and pipeline P2P, each against the bare c10d call moving the
-same bytes (DESIGN.md section 5)."""
+same bytes (docs/design.md (Benchmarks))."""
 
 from __future__ import annotations
 

@@ -81,9 +81,9 @@ def _dtensor(model, pg, sp: bool):
 def _build(variant: str, path: str, pg):
     mode, impl = variant.split("/")
     if impl == "shardkit":
-        from .. import apply_llama_tp, apply_tp
+        from .. import apply_tp
 
-        return apply_llama_tp(_load(path), pg) if mode == "tp+sp" else apply_tp(_load(path), pg, check="off")
+        return apply_tp(_load(path), pg, sequence_parallel=mode == "tp+sp", check="off")
     if impl == "hf":
         return _load(path, tp_plan="auto")
     return _dtensor(_load(path), pg, mode == "tp+sp")

@@ -30,6 +30,7 @@ import json
 import os
 import shutil
 import time
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,9 @@ import torch.distributed.checkpoint as dcp
 from ..errors import ShardkitError
 from ..tensor_parallel.dcp import _ChunkLoadPlanner, _ChunkSavePlanner
 from ..tensor_parallel.spec import _SPEC_ATTR
+
+if TYPE_CHECKING:
+    from ..parallelize import ParallelModel
 
 __all__ = ["save_train_state", "load_train_state", "latest_checkpoint", "MANIFEST"]
 
@@ -144,8 +148,8 @@ def _remove_stale(root: str, keep: str) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def save_train_state(root: str | os.PathLike, pm, optimizer, step: int, extra: dict[str, torch.Tensor],
-                     layout: str = "") -> str:
+def save_train_state(root: str | os.PathLike, pm: ParallelModel, optimizer: torch.optim.Optimizer, step: int,
+                     extra: dict[str, torch.Tensor], layout: str = "") -> str:
     """Collective over the world: save the training state after ``step`` steps; return its directory.
 
     Args:
@@ -186,7 +190,8 @@ def save_train_state(root: str | os.PathLike, pm, optimizer, step: int, extra: d
     return path
 
 
-def load_train_state(path: str | os.PathLike, pm, optimizer, extra: dict[str, torch.Tensor]) -> int:
+def load_train_state(path: str | os.PathLike, pm: ParallelModel, optimizer: torch.optim.Optimizer,
+                     extra: dict[str, torch.Tensor]) -> int:
     """Collective over the world: load a save into ``pm``, ``optimizer`` and ``extra``; return its step.
 
     ``pm`` may use any layout (tp, pp, cp, ep, FSDP2 or none): every rank reads the ranges of the

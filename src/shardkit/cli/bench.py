@@ -21,7 +21,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     from ..bench import CASES
 
     listing = "; ".join(f"{k}: {v.what} ({v.nproc} ranks)" for k, v in CASES.items())
-    p = subparsers.add_parser("bench", help="paired, interleaved benchmarks of every axis (DESIGN.md 5)",
+    p = subparsers.add_parser("bench", help="paired, interleaved benchmarks of every axis (docs/design.md, Benchmarks)",
                               description=__doc__.split("\n\n")[0] + " Cases: " + listing)
     p.add_argument("--quick", action="store_true", help="small sizes of every case (< 3 min)")
     p.add_argument("--cases", default=",".join(CASES), help="comma-separated case names (default: all)")
@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     from ..bench.report import environment
 
     if args.rounds < 40 or args.warmup < 5:
-        raise SystemExit("shardkit bench: DESIGN.md section 5 needs --rounds >= 40 and --warmup >= 5")
+        raise SystemExit("shardkit bench: docs/design.md (Benchmarks) needs --rounds >= 40 and --warmup >= 5")
     names = [n.strip() for n in args.cases.split(",") if n.strip()]
     settings = Settings(rounds=args.rounds, warmup=args.warmup, quick=args.quick)
     t0 = time.perf_counter()

@@ -31,8 +31,14 @@ import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from torch.distributed import ProcessGroup
 
 __all__ = ["FlightRecorder", "FlightEntry", "Divergence", "current", "set_flight_recorder", "get_flight_recorder",
            "dump_all", "load_dumps", "diagnose", "format_report", "DEFAULT_CAPACITY"]
@@ -105,7 +111,9 @@ class FlightRecorder:
         self._groups: dict = {}
         self._lock = threading.Lock()
 
-    def record(self, op, api, phase, group_size, pg=None, shape=None, sizes=None, peer=None) -> None:
+    def record(self, op: str, api: str, phase: str, group_size: int, pg: ProcessGroup | None = None,
+               shape: Sequence[int] | None = None, sizes: Sequence[int] | None = None,
+               peer: int | None = None) -> None:
         """Append one collective (called by :func:`shardkit.comm.ledger.record`).
 
         The hot path stores references only (``shape`` a ``torch.Size`` or tuple, ``sizes`` a

@@ -23,9 +23,14 @@ sharding); torchtitan's ``apply_fsdp`` (per-block wrapping, HSDP mesh, ``dp_shar
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from torch import nn
 
 from ..expert_parallel.hf import expert_shard
+
+if TYPE_CHECKING:
+    from ..mesh import ParallelMesh
 
 __all__ = ["apply_fsdp", "keeps_own_reduction"]
 
@@ -35,7 +40,7 @@ def keeps_own_reduction(p: nn.Parameter) -> bool:
     return bool(getattr(p, "_shardkit_grad_hook", False)) or expert_shard(p) is not None
 
 
-def apply_fsdp(model: nn.Module, mesh, blocks: list[nn.Module]) -> set[str]:
+def apply_fsdp(model: nn.Module, mesh: ParallelMesh, blocks: list[nn.Module]) -> set[str]:
     """Apply FSDP2 to every block of ``blocks`` and then to ``model`` (the root), in place.
 
     Args:

@@ -24,7 +24,9 @@ ranks with duplicates counted once); torchtitan's FSDP2 + TP gradient clipping.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -34,6 +36,9 @@ from ..comm import _c10d
 from ..comm._group import resolve_group
 from ..errors import ShardkitError
 from ..tensor_parallel.spec import ShardSpec, shard_spec
+
+if TYPE_CHECKING:
+    from ..mesh import ParallelMesh
 
 __all__ = ["GradientSync", "ParamLayout"]
 
@@ -92,7 +97,8 @@ class GradientSync:
         ShardkitError: a parameter has no layout.
     """
 
-    def __init__(self, model: nn.Module, mesh, layouts: dict[str, ParamLayout], pre_reduce=None) -> None:
+    def __init__(self, model: nn.Module, mesh: ParallelMesh | None, layouts: dict[str, ParamLayout],
+                 pre_reduce: Callable[[], None] | None = None) -> None:
         """See the class docstring; ``pre_reduce``: a callable run at the start of :meth:`reduce`."""
         self.model, self.mesh, self.pre_reduce = model, mesh, pre_reduce
         self.params = [(p, layouts[name]) for name, p in model.named_parameters() if p.requires_grad]

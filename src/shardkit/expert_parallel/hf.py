@@ -231,8 +231,8 @@ def install_ep_forward(module: nn.Module, group: Group, *, mode: str = "dispatch
     return module
 
 
-def shard_experts(module: nn.Module, group, *, mode: str = "dispatch", tokens: str = "replicated", expert_sizes=None,
-                  token_group=None) -> nn.Module:
+def shard_experts(module: nn.Module, group: Group, *, mode: str = "dispatch", tokens: str = "replicated",
+                  expert_sizes: Sequence[int] | None = None, token_group: Group | None = None) -> nn.Module:
     """Shard an experts module over ``group`` (:func:`shard_expert_params`) and install its EP forward.
 
     Args:

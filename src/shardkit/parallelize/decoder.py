@@ -23,6 +23,7 @@ Megatron-LM's TP x CP x EP x DP layouts.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -32,6 +33,9 @@ from ..expert_parallel.hf import expert_shard, shard_experts
 from ..tensor_parallel import apply_tp
 from ..tensor_parallel.plan import CompiledPlan, model_tp_plan
 from ..tensor_parallel.spec import shard_spec
+
+if TYPE_CHECKING:
+    from ..mesh import ParallelMesh
 
 __all__ = ["ParallelModel", "parallelize", "decoder_layers"]
 
@@ -52,13 +56,13 @@ class ParallelModel:
     """
 
     module: nn.Module
-    mesh: object
-    cp: object
+    mesh: Any  # ParallelMesh | None
+    cp: Any  # CPContext | None
     grads: GradientSync
     layouts: dict[str, ParamLayout]
     loss_parallel: bool = False
     sequence_parallel: bool = False
-    stage: object = field(default=None)
+    stage: Any = field(default=None)  # PipelineStage | None
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -87,7 +91,8 @@ def _tp_plan(model: nn.Module, expert_parallel: bool) -> dict:
     return plan
 
 
-def parallelize(model: nn.Module, mesh, *, sequence_parallel: bool = False, loss_parallel: bool = False) -> ParallelModel:
+def parallelize(model: nn.Module, mesh: ParallelMesh | None, *, sequence_parallel: bool = False,
+                loss_parallel: bool = False) -> ParallelModel:
     """Apply tensor, context, expert and data parallelism to ``model``, in that order, in place.
 
     Every rank calls it on a model with the same full weights (built from the same seed or

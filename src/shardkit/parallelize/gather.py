@@ -10,12 +10,17 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from typing import TYPE_CHECKING
+
 from ..tensor_parallel.spec import gather_full
+
+if TYPE_CHECKING:
+    from .decoder import ParallelModel
 
 __all__ = ["gather_full_parameters"]
 
 
-def _stage_parameters(pm) -> dict[str, torch.Tensor]:
+def _stage_parameters(pm: ParallelModel) -> dict[str, torch.Tensor]:
     full = {}
     for name, p in pm.module.named_parameters():
         if pm.layouts[name].copy:
@@ -28,7 +33,7 @@ def _stage_parameters(pm) -> dict[str, torch.Tensor]:
     return full
 
 
-def gather_full_parameters(pm) -> dict[str, torch.Tensor] | None:
+def gather_full_parameters(pm: ParallelModel) -> dict[str, torch.Tensor] | None:
     """Every parameter of the whole model, full, on global rank 0; None on the other ranks.
 
     Args:

@@ -15,14 +15,23 @@ Megatron-LM pipeline x tensor parallelism; MindSpeed-MM VTP.
 from __future__ import annotations
 
 from ..pipeline_parallel import DecoderStageModule, PipelineStage, sum_tied_embedding_grads
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
 from ..errors import ShardkitError
 from .decoder import ParallelModel, parallelize
+
+if TYPE_CHECKING:
+    from ..mesh import ParallelMesh
 
 __all__ = ["parallelize_stage"]
 
 
-def parallelize_stage(model, mesh, loss_fn, *, sequence_parallel: bool = False,
-                      loss_parallel: bool = False) -> ParallelModel:
+def parallelize_stage(model: nn.Module, mesh: ParallelMesh, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                      *, sequence_parallel: bool = False, loss_parallel: bool = False) -> ParallelModel:
     """This rank's pipeline stage of ``model``, parallelized, with its :class:`PipelineStage`.
 
     Args:

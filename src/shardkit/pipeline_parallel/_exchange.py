@@ -45,6 +45,7 @@ both modes (every combination of active links, 2-5 stages, with and without loop
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -55,6 +56,9 @@ from ..comm._group import GroupInfo
 from ..errors import RankMismatchError, ShardkitError, ShardkitTypeError
 from . import _wire
 from ._wire import HEADER_LEN, OK, REJECTED
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 __all__ = ["Transfer", "P2PWork", "ShapeCache", "cached_recv", "cached_send", "exchange", "order_key", "posting_order"]
 
@@ -83,10 +87,10 @@ class ShapeCache:
     def __init__(self) -> None:
         self._last: dict = {}  # (id of the process group, is_send, peer) -> (shape, dtype)
 
-    def get(self, t: "Transfer"):
+    def get(self, t: "Transfer") -> tuple[tuple[int, ...], torch.dtype] | None:
         return self._last.get((id(t.g.pg), t.send, t.peer))
 
-    def put(self, t: "Transfer", shape, dtype) -> None:
+    def put(self, t: "Transfer", shape: Sequence[int], dtype: torch.dtype) -> None:
         self._last[(id(t.g.pg), t.send, t.peer)] = (tuple(shape), dtype)
 
 

@@ -31,6 +31,8 @@ the per-family forward of Hugging Face transformers' decoder models.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -39,6 +41,11 @@ from .._shapes import balanced_split_sizes
 from ..comm import ledger
 from ..comm._group import resolve_group
 from ..errors import ShardkitError, ShardkitTypeError
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from .._types import Group
 
 __all__ = ["DecoderStageModule", "decoder_stage_layers", "check_pp", "sum_tied_embedding_grads"]
 
@@ -71,7 +78,7 @@ def decoder_stage_layers(num_layers: int, num_stages: int) -> list[range]:
     return out
 
 
-def check_pp(config, num_stages: int) -> None:
+def check_pp(config: PretrainedConfig, num_stages: int) -> None:
     """Check that a decoder config can be cut into ``num_stages`` stages (pure).
 
     Raises:
@@ -174,8 +181,8 @@ class DecoderStageModule(nn.Module):
             out[sliding] = (create_sliding_window_causal_mask if sliding else create_causal_mask)(**kw)
         return out
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None, attention_mask=None,
-                **layer_kwargs) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, **layer_kwargs: Any) -> torch.Tensor:
         layer_kwargs.pop("use_cache", None)
         layer_kwargs.pop("input_ids", None)
         h = self.model.embed_tokens(x) if self.is_first else x
@@ -191,7 +198,7 @@ class DecoderStageModule(nn.Module):
         return h
 
 
-def sum_tied_embedding_grads(stage_module: DecoderStageModule, pp_group) -> None:
+def sum_tied_embedding_grads(stage_module: DecoderStageModule, pp_group: Group) -> None:
     """Sum the tied embedding's gradient between the first and the last stage (collective over
     those two stages; others return at once). Call after backward, before the optimizer step.
 

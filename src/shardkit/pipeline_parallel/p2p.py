@@ -89,7 +89,10 @@ _FWD_OUT, _FWD_IN = ("next", "forward"), ("prev", "forward")  # (towards, ledger
 _BWD_OUT, _BWD_IN = ("prev", "backward"), ("next", "backward")
 
 
-def send_forward(x, group, *, shape=None, dtype=None, loop=False, batched=False, async_op=False, shape_cache=None):
+def send_forward(x: torch.Tensor, group: Group | list[Group] | tuple[Group, ...], *,
+                 shape: Sequence[int] | None = None, dtype: torch.dtype | None = None, loop: bool = False,
+                 batched: bool = False, async_op: bool = False,
+                 shape_cache: ShapeCache | None = None) -> P2PWork | None:
     """Send an activation to the next stage (forward); its adjoint is :func:`recv_backward`.
 
     Args:
@@ -119,8 +122,10 @@ def send_forward(x, group, *, shape=None, dtype=None, loop=False, batched=False,
     return _run("send_forward", group, x, [_FWD_OUT], [], shape, dtype, None, loop, batched, async_op, "mean", shape_cache)
 
 
-def recv_forward(group, *, shape=None, dtype=None, device=None, loop=False, batched=False, async_op=False,
-                 reduce="mean", shape_cache=None):
+def recv_forward(group: Group | list[Group] | tuple[Group, ...], *, shape: Sequence[int] | None = None,
+                 dtype: torch.dtype | None = None, device: torch.device | str | int | None = None, loop: bool = False,
+                 batched: bool = False, async_op: bool = False, reduce: Literal["mean", "sum"] = "mean",
+                 shape_cache: ShapeCache | None = None) -> torch.Tensor | P2PWork:
     """Receive an activation from the previous stage (forward); adjoint of :func:`send_backward`.
 
     Args:
@@ -145,7 +150,10 @@ def recv_forward(group, *, shape=None, dtype=None, device=None, loop=False, batc
     return _run("recv_forward", group, None, [], [_FWD_IN], shape, dtype, device, loop, batched, async_op, reduce, shape_cache)
 
 
-def send_backward(grad, group, *, shape=None, dtype=None, loop=False, batched=False, async_op=False, shape_cache=None):
+def send_backward(grad: torch.Tensor, group: Group | list[Group] | tuple[Group, ...], *,
+                  shape: Sequence[int] | None = None, dtype: torch.dtype | None = None, loop: bool = False,
+                  batched: bool = False, async_op: bool = False,
+                  shape_cache: ShapeCache | None = None) -> P2PWork | None:
     """Send the gradient of a stage's input to the previous stage; adjoint of :func:`recv_forward`.
 
     Arguments, returns and errors as :func:`send_forward` (this is the first stage and ``loop``
@@ -155,8 +163,11 @@ def send_backward(grad, group, *, shape=None, dtype=None, loop=False, batched=Fa
     return _run("send_backward", group, grad, [_BWD_OUT], [], shape, dtype, None, loop, batched, async_op, "mean", shape_cache)
 
 
-def recv_backward(group, *, shape=None, dtype=None, device=None, loop=False, batched=False, async_op=False,
-                  reduce="mean", shape_cache=None):
+def recv_backward(group: Group | list[Group] | tuple[Group, ...], *, shape: Sequence[int] | None = None,
+                  dtype: torch.dtype | None = None, device: torch.device | str | int | None = None,
+                  loop: bool = False, batched: bool = False, async_op: bool = False,
+                  reduce: Literal["mean", "sum"] = "mean",
+                  shape_cache: ShapeCache | None = None) -> torch.Tensor | P2PWork:
     """Receive the gradient of this stage's output from the next stage; adjoint of
     :func:`send_forward`.
 
@@ -167,8 +178,11 @@ def recv_backward(group, *, shape=None, dtype=None, device=None, loop=False, bat
     return _run("recv_backward", group, None, [], [_BWD_IN], shape, dtype, device, loop, batched, async_op, reduce, shape_cache)
 
 
-def send_forward_recv_backward(x, group, *, shape=None, dtype=None, loop=False, batched=False, async_op=False,
-                               reduce="mean", shape_cache=None):
+def send_forward_recv_backward(x: torch.Tensor, group: Group | list[Group] | tuple[Group, ...], *,
+                               shape: Sequence[int] | None = None, dtype: torch.dtype | None = None,
+                               loop: bool = False, batched: bool = False, async_op: bool = False,
+                               reduce: Literal["mean", "sum"] = "mean",
+                               shape_cache: ShapeCache | None = None) -> torch.Tensor | P2PWork:
     """Send an activation to the next stage and receive the gradient of an output from it (1F1B steady state).
 
     ``shape``/``dtype`` declare both tensors (an activation and its gradient share them); the
@@ -179,8 +193,11 @@ def send_forward_recv_backward(x, group, *, shape=None, dtype=None, loop=False, 
                 async_op, reduce, shape_cache)
 
 
-def send_backward_recv_forward(grad, group, *, shape=None, dtype=None, loop=False, batched=False, async_op=False,
-                               reduce="mean", shape_cache=None):
+def send_backward_recv_forward(grad: torch.Tensor, group: Group | list[Group] | tuple[Group, ...], *,
+                               shape: Sequence[int] | None = None, dtype: torch.dtype | None = None,
+                               loop: bool = False, batched: bool = False, async_op: bool = False,
+                               reduce: Literal["mean", "sum"] = "mean",
+                               shape_cache: ShapeCache | None = None) -> torch.Tensor | P2PWork:
     """Send an input gradient to the previous stage and receive the next activation from it (1F1B steady state).
 
     As :func:`send_forward_recv_backward`, directions reversed.
@@ -189,8 +206,11 @@ def send_backward_recv_forward(grad, group, *, shape=None, dtype=None, loop=Fals
                 async_op, reduce, shape_cache)
 
 
-def send_forward_recv_forward(x, group, *, shape=None, dtype=None, loop=False, batched=False, async_op=False,
-                              reduce="mean", shape_cache=None):
+def send_forward_recv_forward(x: torch.Tensor, group: Group | list[Group] | tuple[Group, ...], *,
+                              shape: Sequence[int] | None = None, dtype: torch.dtype | None = None,
+                              loop: bool = False, batched: bool = False, async_op: bool = False,
+                              reduce: Literal["mean", "sum"] = "mean",
+                              shape_cache: ShapeCache | None = None) -> torch.Tensor | P2PWork:
     """Send an activation to the next stage and receive one from the previous stage (a forward shift).
 
     With ``loop=True`` every stage does both: a ring shift by one stage. Otherwise as
@@ -200,8 +220,11 @@ def send_forward_recv_forward(x, group, *, shape=None, dtype=None, loop=False, b
                 async_op, reduce, shape_cache)
 
 
-def send_backward_recv_backward(grad, group, *, shape=None, dtype=None, loop=False, batched=False, async_op=False,
-                                reduce="mean", shape_cache=None):
+def send_backward_recv_backward(grad: torch.Tensor, group: Group | list[Group] | tuple[Group, ...], *,
+                                shape: Sequence[int] | None = None, dtype: torch.dtype | None = None,
+                                loop: bool = False, batched: bool = False, async_op: bool = False,
+                                reduce: Literal["mean", "sum"] = "mean",
+                                shape_cache: ShapeCache | None = None) -> torch.Tensor | P2PWork:
     """Send a gradient to the previous stage and receive one from the next stage (a backward shift)."""
     return _run("send_backward_recv_backward", group, grad, [_BWD_OUT], [_BWD_IN], shape, dtype, None, loop, batched,
                 async_op, reduce, shape_cache)

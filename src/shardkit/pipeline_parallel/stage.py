@@ -6,7 +6,7 @@ tp sizes may differ per stage) with the layouts of its input and output over tha
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -133,7 +133,7 @@ class PipelineStage:
     def tp_size(self) -> int:
         return 1 if self.stages is None else self.stages.tp.size
 
-    def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         """This stage's module on one microbatch (``kwargs``: that microbatch's stage keyword arguments)."""
         return self.module(x, **kwargs)
 

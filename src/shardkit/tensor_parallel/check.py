@@ -7,12 +7,17 @@ loaded on every rank.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ..errors import ShardkitError
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 __all__ = ["check_tp"]
 
 
-def check_tp(config, tp: int) -> None:
+def check_tp(config: PretrainedConfig, tp: int) -> None:
     """Raise the error :func:`shardkit.apply_tp` would raise for this config at ``tp`` ranks.
 
     Args:

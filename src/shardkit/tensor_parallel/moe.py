@@ -38,7 +38,7 @@ class MoeTensorParallelExperts(ParallelStyle):
             reduces the sum of routed and shared experts once).
     """
 
-    def __init__(self, *, reduce_input_grad: bool = True, output_layouts=Replicate()) -> None:
+    def __init__(self, *, reduce_input_grad: bool = True, output_layouts: Replicate | Partial = Replicate()) -> None:
         self.reduce_input_grad = reduce_input_grad
         self.output_layouts = check_layout(output_layouts, "MoeTensorParallelExperts output_layouts", partial=True)
 

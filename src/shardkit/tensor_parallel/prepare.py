@@ -73,7 +73,8 @@ class PrepareModuleInput(ParallelStyle):
         desired_input_layouts: the layout the module needs.
     """
 
-    def __init__(self, input_layouts=Shard(1), desired_input_layouts=Replicate()) -> None:
+    def __init__(self, input_layouts: Replicate | Shard = Shard(1),
+                 desired_input_layouts: Replicate | Shard = Replicate()) -> None:
         self.input_layouts = check_layout(input_layouts, "PrepareModuleInput input_layouts")
         self.desired_input_layouts = check_layout(desired_input_layouts, "PrepareModuleInput desired_input_layouts")
 
@@ -96,7 +97,8 @@ class PrepareModuleOutput(ParallelStyle):
         desired_output_layouts: the layout its users need.
     """
 
-    def __init__(self, output_layouts=Shard(1), desired_output_layouts=Replicate()) -> None:
+    def __init__(self, output_layouts: Replicate | Shard | Partial = Shard(1),
+                 desired_output_layouts: Replicate | Shard = Replicate()) -> None:
         self.output_layouts = check_layout(output_layouts, "PrepareModuleOutput output_layouts", partial=True)
         self.desired_output_layouts = check_layout(desired_output_layouts, "PrepareModuleOutput desired_output_layouts")
 

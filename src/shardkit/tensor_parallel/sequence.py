@@ -38,6 +38,7 @@ from ..comm._group import resolve_group
 from ..errors import ShardkitError
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
     from typing import Any
     from torch import nn
     from .._types import Group
@@ -83,7 +84,7 @@ class SequenceSharding:
         self._last: tuple | None = None  # (weakref(source), kind, prepared output, grad mode)
 
     # ----------------------------------------------------------------- sizes
-    def set_sizes(self, sizes) -> None:
+    def set_sizes(self, sizes: Sequence[int]) -> None:
         """Declare the per-rank sequence sizes of inputs that arrive already sharded."""
         sizes = [int(s) for s in sizes]
         if len(sizes) != self.info.size or any(s < 0 for s in sizes):

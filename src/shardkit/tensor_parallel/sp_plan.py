@@ -83,7 +83,8 @@ def _norms(module: nn.Module, prefix: str) -> list[str]:
             if n not in _BLOCKS and any(True for _ in m.parameters())]
 
 
-def sequence_parallel_plan(model: nn.Module, plan: dict, *, loss_parallel: bool = False, styles=None) -> dict:
+def sequence_parallel_plan(model: nn.Module, plan: dict, *, loss_parallel: bool = False,
+                           styles: dict[str, ParallelStyle] | None = None) -> dict:
     """``plan`` (the model's tensor-parallel plan) turned into its sequence-parallel plan.
 
     Args:

@@ -193,8 +193,8 @@ class ColwiseParallel(ParallelStyle):
 
     weight_dim = -2
 
-    def __init__(self, sizes: Sequence[int] | None = None, *, input_layouts=Replicate(), output_layouts=Shard(-1),
-                 reduce_input_grad: bool = True, parts: int | Sequence[int] | None = None, unit: int = 1) -> None:
+    def __init__(self, sizes: Sequence[int] | None = None, *, input_layouts: Replicate | Shard = Replicate(),
+                 output_layouts: Replicate | Shard = Shard(-1), reduce_input_grad: bool = True, parts: int | Sequence[int] | None = None, unit: int = 1) -> None:
         self.sizes, self.parts, self.unit = sizes, parts, unit
         self.input_layouts = check_layout(input_layouts, "ColwiseParallel input_layouts")
         self.output_layouts = check_layout(output_layouts, "ColwiseParallel output_layouts")
@@ -272,8 +272,8 @@ class RowwiseParallel(ParallelStyle):
 
     weight_dim = -1
 
-    def __init__(self, sizes: Sequence[int] | None = None, *, input_layouts=Shard(-1), output_layouts=Replicate(),
-                 parts: int | Sequence[int] | None = None, unit: int = 1) -> None:
+    def __init__(self, sizes: Sequence[int] | None = None, *, input_layouts: Replicate | Shard = Shard(-1),
+                 output_layouts: Replicate | Shard | Partial = Replicate(), parts: int | Sequence[int] | None = None, unit: int = 1) -> None:
         self.sizes, self.parts, self.unit = sizes, parts, unit
         self.input_layouts = check_layout(input_layouts, "RowwiseParallel input_layouts")
         self.output_layouts = check_layout(output_layouts, "RowwiseParallel output_layouts", partial=True)
