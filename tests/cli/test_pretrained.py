@@ -61,11 +61,32 @@ def checkpoint(tmp_path_factory) -> Path:
     return path
 
 
-def _write_gguf(path: Path, tokenizer_json: dict) -> None:
-    """The tiny Llama's config and tokenizer as GGUF metadata (llama.cpp's key names), plus the
-    embedding table as its one tensor."""
+# llama.cpp's tensor names for the Llama parameters (a tied checkpoint has no ``output.weight``).
+_GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+               "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+
+
+def _gguf_tensor(name: str, weight: torch.Tensor):
+    """(GGUF name, array) of one Llama parameter. llama.cpp stores q/k rows of each head with the
+    two rotary halves interleaved (its RoPE pairs adjacent elements); transformers undoes that."""
+    if name == "model.embed_tokens.weight":
+        return "token_embd.weight", weight.numpy()
+    if name == "model.norm.weight":
+        return "output_norm.weight", weight.numpy()
+    _, _, layer, *module, _ = name.split(".")
+    module = ".".join(module)
+    heads = {"self_attn.q_proj": SIZES["num_attention_heads"], "self_attn.k_proj": SIZES["num_key_value_heads"]}
+    if module in heads:
+        n = heads[module]
+        weight = weight.reshape(n, 2, weight.shape[0] // n // 2, -1).transpose(1, 2).reshape(weight.shape)
+    return f"blk.{layer}.{_GGUF_NAMES[module]}.weight", weight.contiguous().numpy()
+
+
+def _write_gguf(path: Path, tokenizer_json: dict, state: dict[str, torch.Tensor]) -> None:
+    """The tiny Llama as a GGUF file: config and tokenizer as metadata (llama.cpp's key names),
+    float32 tensors."""
     import gguf
-    import numpy as np
 
     vocab = tokenizer_json["model"]["vocab"]
     token_list = sorted(vocab, key=vocab.get)
@@ -85,7 +106,9 @@ def _write_gguf(path: Path, tokenizer_json: dict) -> None:
     w.add_token_types([gguf.TokenType.CONTROL if t == EOS else gguf.TokenType.NORMAL for t in token_list])
     w.add_token_merges(merges)
     w.add_eos_token_id(vocab[EOS])
-    w.add_tensor("token_embd.weight", np.zeros((len(token_list), SIZES["hidden_size"]), dtype=np.float32))
+    for name, weight in state.items():
+        if name != "lm_head.weight":
+            w.add_tensor(*_gguf_tensor(name, weight.float()))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -94,8 +117,10 @@ def _write_gguf(path: Path, tokenizer_json: dict) -> None:
 
 @pytest.fixture(scope="module")
 def gguf_file(checkpoint, tmp_path_factory) -> Path:
+    from safetensors.torch import load_file
+
     path = tmp_path_factory.mktemp("tiny_gguf") / "tiny.gguf"
-    _write_gguf(path, json.loads((checkpoint / "tokenizer.json").read_text()))
+    _write_gguf(path, json.loads((checkpoint / "tokenizer.json").read_text()), load_file(checkpoint / "model.safetensors"))
     return path
 
 
@@ -175,6 +200,18 @@ def test_load_pretrained_directory(checkpoint):
     for name, tensor in saved.items():
         assert state[name].dtype == torch.float64
         assert torch.equal(state[name], tensor.double()), name
+
+
+if HAS_GGUF:
+
+    def test_load_pretrained_gguf_matches_directory(checkpoint, gguf_file):
+        """The GGUF path (dequantize, undo llama.cpp's q/k row order, tie) gives the saved model."""
+        from_gguf, from_dir = load_pretrained(gguf_file, torch.float64), load_pretrained(checkpoint, torch.float64)
+        assert from_gguf.lm_head.weight is from_gguf.model.embed_tokens.weight
+        want = from_dir.state_dict()
+        assert from_gguf.state_dict().keys() == want.keys()
+        for name, tensor in from_gguf.state_dict().items():
+            assert tensor.dtype == torch.float64 and torch.equal(tensor, want[name]), name
 
 
 def test_check_tokenizer(checkpoint):
