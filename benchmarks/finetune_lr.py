@@ -6,7 +6,7 @@ stdlib corpus with the checkpoint's own tokenizer, and for each setup trains a f
 ``--steps`` AdamW steps on the same batches (``BatchSampler``, same seed), printing each step's
 training loss and the loss on a fixed held-out batch before and after.
 
-    PYTHONPATH=src python benchmarks/finetune_lr.py --steps 20 --seq-len 64 --batch-size 4
+    PYTHONPATH=src python benchmarks/finetune_lr.py --steps 20 --seq-len 32 --batch-size 4 --setups default,today
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from .pretrained import load_tokenizer, resolve_checkpoint
 
 __all__ = ["DEFAULT_MAX_BYTES", "corpus_prefix", "encode_files", "token_stream"]
 
-# 4 MiB of Python source is ~1.3M SmolLM2 tokens, encoded in a few seconds on 2 cores, and far
+# 4 MiB of Python source is 1.2M SmolLM2 tokens, encoded in 4-9 s on the shared 2 cores, and far
 # more than a fine-tuning run of a few hundred small batches reads.
 DEFAULT_MAX_BYTES = 4 << 20
 # Bump when the stream's layout (document separator, dtype) changes: old cache entries go stale.
@@ -111,7 +111,7 @@ def token_stream(
             load_tokenizer`).
         files: corpus files in order (``cli.data.corpus_files``).
         max_bytes: read at most this many bytes of the corpus (None: all of it; the stdlib is
-            ~35 MB, about a minute to encode on 2 cores).
+            32 MB: about 8x the default cap).
         cache_dir: where to store / find the encoded stream (created if missing); None: no cache.
             Writes are atomic (temporary file + rename), so ranks sharing the folder never read
             a partial file.
