@@ -366,22 +366,27 @@ if HAS_GGUF and smollm2_gguf() is not None:
         model = load_pretrained(path, torch.float32)
         assert model.lm_head.weight is model.model.embed_tokens.weight
         assert sum(p.numel() for p in model.parameters()) == 134_515_008
-        ids = stream[: 2 * 64].long().view(2, 64)
+        ids = stream[:48].long().view(1, 48)
         from shardkit.cli.loop import causal_lm_loss
 
-        # Pretrained weights predict Python source well: far below a uniform guess (ln 49152 = 10.8).
+        def loss_of(m):
+            return causal_lm_loss(m(input_ids=ids).logits, ids)
+
         optimizer = torch.optim.AdamW(model.parameters(), lr=FINETUNE_LR)
-        scheduler = warmup_cosine(optimizer, 4)
+        scheduler = warmup_cosine(optimizer, 2)
         losses = []
-        for _ in range(4):
-            loss = causal_lm_loss(model(input_ids=ids).logits, ids)
+        for _ in range(2):
+            loss = loss_of(model)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
             losses.append(loss.item())
-        assert losses[0] < 4.0, losses
-        assert losses[-1] < losses[0], losses  # fine-tuning on the batch lowers its loss
+        with torch.no_grad():
+            losses.append(loss_of(model).item())
+        # Pretrained weights predict Python source well: far below a uniform guess (ln 49152 = 10.8).
+        assert losses[0] < 5.0, losses
+        assert losses[-1] < losses[0], losses  # two fine-tuning steps on the batch lower its loss
 
 
 def test_smollm2_gguf_absent_or_found():
