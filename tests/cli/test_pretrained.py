@@ -17,6 +17,8 @@ import os
 from pathlib import Path
 
 import pytest
+
+from harness.pretrained import EOS, SIZES, byte_level_bpe, save_tiny_llama
 import torch
 
 from shardkit.cli import pretrained, tokens as tokens_mod
@@ -28,37 +30,12 @@ from shardkit.cli.tokens import corpus_prefix, encode_files, token_stream
 from shardkit.errors import ShardkitError
 
 HAS_GGUF = importlib.util.find_spec("gguf") is not None
-EOS = "<|endoftext|>"
-SIZES = dict(hidden_size=36, intermediate_size=48, num_hidden_layers=2, num_attention_heads=9,
-             num_key_value_heads=3, max_position_embeddings=64)
-
-
-def _bpe():
-    """A byte-level BPE (GPT-2 pre-tokenization, 400 tokens) trained on ``os.py``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=[EOS], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([Path(os.__file__).read_text()], trainer)
-    return tok
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
     """A tiny tied-embedding Llama checkpoint directory with its tokenizer."""
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    path = tmp_path_factory.mktemp("tiny_llama")
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=_bpe(), eos_token=EOS)
-    tokenizer.save_pretrained(path)
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
-                         **SIZES)
-    LlamaForCausalLM(config).save_pretrained(path)
-    return path
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
 
 
 # llama.cpp's tensor names for the Llama parameters (a tied checkpoint has no ``output.weight``).

@@ -85,3 +85,30 @@ LAYOUTS_8 = {
 @pytest.mark.parametrize("overrides", list(LAYOUTS_8.values()), ids=list(LAYOUTS_8))
 def test_layout_matches_one_process_8_ranks(overrides):
     _check(_train(**{"batch_size": 8, **overrides}))
+
+
+@pytest.mark.world(4, timeout=240)
+@pytest.mark.parametrize("overrides", [dict(tp=2), dict(tp=1, pp=2, microbatches=2), dict(tp=4, sequence_parallel=False)],
+                         ids=["tp=2 (SP) x dp=2", "pp=2 x dp=2 (tied embeddings across stages)", "tp=4, 9/3 heads"])
+def test_pretrained_checkpoint_matches_one_process(overrides):
+    # SmolLM2's shape (9 query / 3 KV heads, tied embeddings) through --model-path, trained on its
+    # own tokenizer with the fine-tuning warm-up + cosine schedule.
+    from pathlib import Path
+
+    from harness.helpers import remove_shared_dir, shared_tmpdir
+    from harness.pretrained import save_tiny_llama
+
+    root = shared_tmpdir("shardkit-pretrained-")
+    try:
+        if rank() == 0:
+            save_tiny_llama(Path(root))
+        torch.distributed.barrier()
+        result = _train(model_path=root, data=str(Path(torch.__file__).parent / "functional.py"), steps=3,
+                        **overrides)
+        if rank() == 0:
+            parity = result["parity"]
+            assert parity["passed"] and parity["tolerance"] == 1e-9, parity
+            assert result["layout"]["model"] == "llama" and result["config"]["lr_schedule"] == "warmup-cosine"
+            assert len(result["losses"]) == 3
+    finally:
+        remove_shared_dir(root)

@@ -20,6 +20,9 @@ __all__ = ["TrainConfig", "DTYPES", "SCHEDULES", "MODELS", "load_toml", "merge_c
 
 DTYPES = ("float32", "float64", "bfloat16")
 SCHEDULES = ("1f1b", "gpipe")
+LR_SCHEDULES = ("constant", "warmup-cosine")
+# --model-path families (config.model_type) and the --model names of the same architectures.
+FAMILY_MODELS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "moe", "deepseek_v2": "mla"}
 # Causal LMs: Llama, Qwen2, Qwen3, Qwen3-MoE ("moe"), DeepSeek-V2 ("mla": multi-head latent
 # attention + MoE); "conv-ae" is the spatially sharded convolutional autoencoder.
 LM_MODELS = ("llama", "qwen2", "qwen3", "moe", "mla")
@@ -63,11 +66,12 @@ class TrainConfig:
     batch_size: int = 8  # global, split over dp
     dtype: str = "float32"
     seed: int = 0
-    lr: float = 1e-3
+    lr: float | None = None  # None: 1e-3 from scratch, 1e-4 (FINETUNE_LR) with --model-path
+    lr_schedule: str | None = None  # "constant" or "warmup-cosine"; None: warmup-cosine with --model-path
     verify: bool = False
     report: str | None = None
     data: str | None = None  # None: the Python standard library's source tree
-    model_path: str | None = None  # None: random init of the built-in config
+    model_path: str | None = None  # a local HF checkpoint directory or *.gguf file; None: the built-in config
     hidden_size: int = 64
     layers: int = 2
     heads: int = 4
@@ -215,8 +219,16 @@ def validate_config(cfg: TrainConfig, world_size: int | None = None) -> TrainCon
     for name in ("nproc", "dp_replicate"):
         if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
             raise ShardkitError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
+    if cfg.lr is None:
+        from .schedule import FINETUNE_LR
+
+        cfg = dataclasses.replace(cfg, lr=FINETUNE_LR if cfg.model_path is not None else 1e-3)
     if cfg.lr <= 0:
         raise ShardkitError(f"--lr must be > 0, got {cfg.lr}")
+    if cfg.lr_schedule is None:
+        cfg = dataclasses.replace(cfg, lr_schedule="warmup-cosine" if cfg.model_path is not None else "constant")
+    if cfg.lr_schedule not in LR_SCHEDULES:
+        raise ShardkitError(f"--lr-schedule must be one of {', '.join(LR_SCHEDULES)}, got {cfg.lr_schedule!r}")
     if cfg.save_every < 0:
         raise ShardkitError(f"--save-every must be >= 0, got {cfg.save_every}")
     if (cfg.resume or cfg.save_every) and cfg.checkpoint_dir is None:
@@ -233,6 +245,12 @@ def validate_config(cfg: TrainConfig, world_size: int | None = None) -> TrainCon
     if cfg.schedule not in SCHEDULES:
         raise ShardkitError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {cfg.schedule!r}")
     cfg = _resolve_world(cfg)
+    if cfg.model_path is not None:
+        if cfg.model == "conv-ae":
+            raise ShardkitError("--model-path loads causal LMs; --model conv-ae is built from its own config")
+        from .pretrained import read_config
+
+        cfg = dataclasses.replace(cfg, model=FAMILY_MODELS[read_config(cfg.model_path).model_type])
     if cfg.model == "conv-ae":
         _validate_conv_ae(cfg)
         cfg = dataclasses.replace(cfg, sequence_parallel=False)
@@ -299,8 +317,9 @@ def _validate_lm(cfg: TrainConfig) -> TrainConfig:
         raise ShardkitError(f"--ep {cfg.ep} needs a mixture-of-experts model (--model {' or '.join(MOE_MODELS)})")
     if cfg.experts < 1:
         raise ShardkitError(f"--experts must be >= 1, got {cfg.experts}")
-    if cfg.model_path is not None and cfg.model != "llama":
-        raise ShardkitError(f"--model-path loads Llama checkpoints; --model {cfg.model} is built from its config")
+    if cfg.model_path is not None and cfg.packed:
+        # document borders are known in bytes of the corpus files, not in the tokenizer's tokens
+        raise ShardkitError("--packed with --model-path: packed documents are built for byte-level tokens")
     dense = cfg.model in ("llama", "qwen2", "qwen3")
     if cfg.sequence_parallel is None:
         cfg = dataclasses.replace(cfg, sequence_parallel=dense and cfg.tp > 1 and cfg.pp_tp is None)
@@ -355,9 +374,9 @@ def _validate_model(cfg: TrainConfig) -> None:
                                        hidden_size=cfg.hidden_size, num_hidden_layers=cfg.layers,
                                        tie_word_embeddings=False)  # build_model unties
     else:
-        model_config = model_config_from_path(cfg.model_path)
-        if model_config.vocab_size < 256:
-            raise ShardkitError(f"--model-path: vocab_size {model_config.vocab_size} < 256 (byte-level tokens)")
+        from .pretrained import read_config
+
+        model_config = read_config(cfg.model_path)
     n_q = model_config.num_attention_heads
     n_kv = getattr(model_config, "num_key_value_heads", None) or n_q
     for s, t in enumerate(cfg.stage_tp_sizes):
@@ -372,16 +391,3 @@ def _validate_model(cfg: TrainConfig) -> None:
         check_pp(model_config, cfg.pp)
     except ShardkitError as e:
         raise ShardkitError(f"--pp {cfg.pp}: {e}") from None
-
-
-def model_config_from_path(path: str):
-    """The Hugging Face config of a local checkpoint directory (no weights are read).
-
-    Raises:
-        ShardkitError: ``path`` has no readable ``config.json``.
-    """
-    from transformers import AutoConfig
-
-    if not (Path(path) / "config.json").is_file():
-        raise ShardkitError(f"--model-path: {path} has no config.json (expected a local Hugging Face checkpoint)")
-    return AutoConfig.from_pretrained(path, local_files_only=True)

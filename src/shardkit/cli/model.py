@@ -59,14 +59,11 @@ def build_model(cfg: TrainConfig):
     downloaded); otherwise the built-in GQA config is initialized randomly from ``cfg.seed``, so
     every rank (and the ``--verify`` reference) gets bitwise the same weights.
     """
-    from transformers import LlamaForCausalLM
-
     dtype = TORCH_DTYPES[cfg.dtype]
     if cfg.model_path is not None:
-        model = LlamaForCausalLM.from_pretrained(
-            cfg.model_path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION, local_files_only=True
-        )
-        model.config.use_cache = False
+        from .pretrained import load_pretrained
+
+        model = load_pretrained(cfg.model_path, dtype)
     else:
         model_cls, config = _hf_config(cfg)
         # The loop over experts: transformers' grouped_mm kernel has no float64 on CPU.

@@ -78,7 +78,9 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, help=f"global batch, split over dp (default {d.batch_size})")
     p.add_argument("--dtype", choices=DTYPES, help=f"parameter and compute dtype (default {d.dtype})")
     p.add_argument("--seed", type=int, help=f"model init and data sampling seed (default {d.seed})")
-    p.add_argument("--lr", type=float, help=f"AdamW learning rate (default {d.lr})")
+    p.add_argument("--lr", type=float, help="AdamW peak learning rate (default 1e-3; 1e-4 with --model-path)")
+    p.add_argument("--lr-schedule", choices=("constant", "warmup-cosine"),
+                   help="constant, or linear warm-up then cosine decay (default: warmup-cosine with --model-path)")
     p.add_argument(
         "--verify",
         action=argparse.BooleanOptionalAction,
@@ -86,7 +88,9 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--report", metavar="DIR", help="write report.json and loss.png into DIR")
     p.add_argument("--data", metavar="PATH", help="text file or folder (default: the Python stdlib's sources)")
-    p.add_argument("--model-path", metavar="DIR", help="local Hugging Face Llama checkpoint (default: random init)")
+    p.add_argument("--model-path", metavar="DIR_OR_GGUF", help="a local Hugging Face causal-LM checkpoint directory or "
+                   "GGUF file (llama, qwen2, qwen3, qwen3-moe, deepseek-v2), trained on its own tokenizer "
+                   "(default: random init of the built-in config, byte-level tokens)")
     model = p.add_argument_group("built-in model (ignored with --model-path)")
     model.add_argument("--hidden-size", type=int, help=f"default {d.hidden_size}")
     model.add_argument("--layers", type=int, help=f"default {d.layers}")

@@ -79,7 +79,18 @@ def build_task(cfg: TrainConfig, device):
     from .lm_task import LMTask, PackedSampler
 
     files = corpus_files(cfg.data)
-    tokens = load_tokens(files)
+    if cfg.model_path is not None:
+        # the checkpoint's own tokenizer (byte ids would scramble a pretrained vocabulary); the
+        # encoded stream is cached, identical on every rank
+        import tempfile
+
+        from .pretrained import check_tokenizer, load_tokenizer, read_config
+        from .tokens import token_stream
+
+        check_tokenizer(load_tokenizer(cfg.model_path), read_config(cfg.model_path))
+        tokens = token_stream(cfg.model_path, files, cache_dir=os.path.join(tempfile.gettempdir(), "shardkit-tokens"))
+    else:
+        tokens = load_tokens(files)
     if cfg.packed:
         sampler = PackedSampler(tokens, cfg.seq_len, cfg.batch_size, cfg.seed, [f.stat().st_size for f in files])
     else:
@@ -162,6 +173,11 @@ def run_training(pm, task, cfg: TrainConfig, loss_scale=None, on_step=None, layo
     from ..checkpoint import latest_checkpoint, load_train_state, save_train_state
 
     optimizer = make_optimizer(pm.module, cfg.lr)
+    scheduler = None
+    if cfg.lr_schedule == "warmup-cosine":
+        from .schedule import warmup_cosine
+
+        scheduler = warmup_cosine(optimizer, cfg.steps)
     first = 0
     if cfg.resume and pm.mesh is not None:
         path = latest_checkpoint(cfg.checkpoint_dir)
@@ -170,16 +186,19 @@ def run_training(pm, task, cfg: TrainConfig, loss_scale=None, on_step=None, layo
             first = load_train_state(path, pm, optimizer, extra)
             task.sampler.gen.set_state(extra["data_generator"])
             torch.set_rng_state(extra["torch_rng"])
+            for _ in range(first if scheduler is not None else 0):
+                scheduler.step()  # the schedule is a function of the step count
     losses, norms = [], []
     for step in range(first, cfg.steps):
+        lr = optimizer.param_groups[0]["lr"]  # the rate this step uses
         stats = train_step(pm, optimizer, task, microbatches=cfg.microbatches, max_norm=cfg.max_norm,
-                           schedule=cfg.schedule, loss_scale=loss_scale)
+                           schedule=cfg.schedule, loss_scale=loss_scale, scheduler=scheduler)
         losses.append(stats.loss)
         norms.append(stats.grad_norm)
         if on_step is not None:
             on_step(step, stats.loss)
         if metrics is not None:
-            metrics.write(step, stats, optimizer.param_groups[0]["lr"])
+            metrics.write(step, stats, lr)
         done = step + 1
         if pm.mesh is not None and cfg.checkpoint_dir is not None and (
                 done == cfg.steps or (cfg.save_every and done % cfg.save_every == 0)):

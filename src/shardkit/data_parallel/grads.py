@@ -70,15 +70,17 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _owned_mask(spec: ShardSpec, rank: int, local: torch.Tensor) -> torch.Tensor | None:
-    """1 where this rank is the first holder of the element along ``spec.dim`` (replicated KV
-    heads are held by several tp ranks: count them once); None when every element is owned."""
+    """1 where this rank's local element along ``spec.dim`` is the first copy of its full index
+    (in rank order, then local order), 0 for the other copies: key/value heads shared by several
+    tp ranks, or repeated inside one rank for uneven GQA, count once. None when nothing repeats."""
     if not spec.overlapping:
         return None
-    first: dict[int, int] = {}
+    first: dict[int, tuple[int, int]] = {}
     for r in range(len(spec.ranges)):
-        for i in spec.indices(r):
-            first.setdefault(i, r)
-    keep = torch.tensor([first[i] == rank for i in spec.indices(rank)], dtype=local.dtype, device=local.device)
+        for pos, i in enumerate(spec.indices(r)):
+            first.setdefault(i, (r, pos))
+    mine = spec.indices(rank)
+    keep = torch.tensor([first[i] == (rank, pos) for pos, i in enumerate(mine)], dtype=local.dtype, device=local.device)
     shape = [1] * local.dim()
     shape[spec.dim] = -1
     return keep.view(shape)
