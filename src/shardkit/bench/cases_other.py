@@ -86,7 +86,7 @@ def _conv_fns(shape, pg):
 
 def spatial_conv(pg, settings: Settings) -> list[Record]:
     world = dist.get_world_size(pg)
-    sizes = ((1, 32, 64, 256),) if settings.quick else ((1, 32, 64, 256), (1, 32, 128, 512), (1, 32, 256, 1024))
+    sizes = ((1, 32, 64, 256),) if settings.quick else ((1, 32, 64, 256), (1, 32, 128, 512))
     records = []
     for shape in sizes:
         fns, x, params, slab = _conv_fns(shape, pg)
