@@ -26,3 +26,23 @@ def test_failure_on_one_rank_stops_the_job_with_its_traceback_first():
     root_cause = text.split("\nrank 0")[0]  # everything before the line about the other rank
     assert "deliberate failure on rank 1" in root_cause, text
     assert elapsed < 30, elapsed  # process start-up included; the gloo timeout would be 30 min
+
+
+def test_failed_job_prints_where_the_ranks_diverged(tmp_path, capsys):
+    # What `shardkit train` prints after a failed launch: the ranks' flight records, compared.
+    import dataclasses
+    import json
+
+    from shardkit.cli.train import _print_flight_report
+    from shardkit.comm.flight_recorder import FlightEntry
+
+    names = [f.name for f in dataclasses.fields(FlightEntry)]
+    for rank, ops in ((0, ["all_gather", "all_reduce"]), (1, ["all_gather", "all_to_all"])):
+        entries = [{**dict.fromkeys(names), "seq": i, "group_seq": i, "op": op, "api": op, "phase": "forward",
+                    "group": [0, 1], "group_name": "tp", "shape": [2, 3]} for i, op in enumerate(ops)]
+        (tmp_path / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "entries": entries}))
+    _print_flight_report(str(tmp_path))
+    err = capsys.readouterr().err
+    assert "diverged" in err and "all_reduce" in err and "all_to_all" in err and str(tmp_path) in err
+    _print_flight_report(str(tmp_path / "none"))  # no dumps: nothing printed
+    assert capsys.readouterr().err == ""

@@ -47,7 +47,9 @@ def _order(item) -> tuple:
     text = _message(failure)
     has_file = isinstance(failure.message, dict)
     secondary = any(s in text for s in _SECONDARY)
-    return (not has_file, secondary, failure.timestamp, rank)
+    # A secondary error (a peer closed the connection) is never the root cause, even when the
+    # rank that really failed has not written its error file yet (a race under load).
+    return (secondary, not has_file, failure.timestamp, rank)
 
 
 def format_failures(err) -> str:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
+import tempfile
 
 from rich.console import Console
 
@@ -135,16 +137,31 @@ def run_train(args: argparse.Namespace) -> int:
         return 2
     for note in notes:
         print(f"shardkit train: note: {note}", file=sys.stderr)
+    # Where every rank writes its flight recorder if the job fails (read back below; under
+    # torchrun: `python -m shardkit.comm.flight_recorder DIR` after the job).
+    flight_dir = os.path.join(cfg.report, "flight") if cfg.report else tempfile.mkdtemp(prefix="shardkit-flight-")
     if torchrun:
         quiet_third_party(int(os.environ.get("RANK", "0")))  # progress bars and warnings on rank 0 only
-        result = worker_main(cfg, False)
+        result = worker_main(cfg, False, flight_dir)
         return 0 if result is None else finish(result, cfg)
     try:
-        results = launch_local(cfg.nproc, worker_main, cfg, True)
+        results = launch_local(cfg.nproc, worker_main, cfg, True, flight_dir)
     except LaunchFailed as e:
         print_failure(e)
+        _print_flight_report(flight_dir)
         return 1
+    if not cfg.report:
+        shutil.rmtree(flight_dir, ignore_errors=True)
     return finish(results[0], cfg)
+
+
+def _print_flight_report(flight_dir: str) -> None:
+    """After a failed job: the first collective where the ranks diverged, from their dumps."""
+    from ..comm import flight_recorder
+
+    if os.path.isdir(flight_dir) and any(n.startswith("rank") for n in os.listdir(flight_dir)):
+        print(flight_recorder.format_report(flight_dir), file=sys.stderr)
+        print(f"(flight records of every rank: {flight_dir})", file=sys.stderr)
 
 
 def finish(result: dict, cfg: TrainConfig) -> int:

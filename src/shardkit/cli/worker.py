@@ -207,12 +207,23 @@ def run_training(pm, task, cfg: TrainConfig, loss_scale=None, on_step=None, layo
 
 
 @record
-def worker_main(cfg: TrainConfig, local_launch: bool) -> dict | None:
-    """Entry point of every rank. Returns rank 0's result dict, None on other ranks."""
+def worker_main(cfg: TrainConfig, local_launch: bool, flight_dir: str | None = None) -> dict | None:
+    """Entry point of every rank. Returns rank 0's result dict, None on other ranks.
+
+    On any failure (an error, a collective timeout, SIGTERM turned into an exception) the rank
+    writes its flight recorder (its last shardkit collectives) into ``flight_dir`` before
+    re-raising, so the launcher can name the first call where the ranks diverged.
+    """
     t0 = time.perf_counter()
     backend, device = _init(local_launch)
     try:
         return train(cfg, backend, device, t0)
+    except BaseException as exc:
+        if flight_dir is not None:
+            from ..comm import flight_recorder
+
+            flight_recorder.dump_all(flight_dir, reason=f"{type(exc).__name__}: {exc}"[:500])
+        raise
     finally:
         dist.destroy_process_group()
 
