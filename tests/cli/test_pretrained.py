@@ -344,7 +344,7 @@ if HAS_GGUF and smollm2_gguf() is not None:
         assert model.lm_head.weight is model.model.embed_tokens.weight
         assert sum(p.numel() for p in model.parameters()) == 134_515_008
         ids = stream[:48].long().view(1, 48)
-        from shardkit.cli.loop import causal_lm_loss
+        from shardkit.cli.lm_task import causal_lm_loss
 
         def loss_of(m):
             return causal_lm_loss(m(input_ids=ids).logits, ids)
