@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.pretrained import EOS, SIZES, byte_level_bpe, save_tiny_llama
+from harness.pretrained import EOS, SIZES, save_tiny_llama
 import torch
 
 from shardkit.cli import pretrained, tokens as tokens_mod

@@ -112,3 +112,29 @@ def test_pretrained_checkpoint_matches_one_process(overrides):
             assert len(result["losses"]) == 3
     finally:
         remove_shared_dir(root)
+
+
+def _apis(**overrides) -> set[tuple[str, str]]:
+    """(op, api) of every collective a 1-step run issues (rank 0's ledger, forward and backward)."""
+    result = _train(**{**overrides, "steps": 1, "verify": False})
+    box = [None if result is None else sorted({(r["op"], r["api"]) for r in result["ledger"]})]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return set(map(tuple, box[0]))
+
+
+PAIRS = {  # (pair, first axis alone, second axis alone), all on 4 ranks
+    "tp x dp": (dict(tp=2, dp=2), dict(tp=4), dict(tp=1, dp=4)),
+    "cp_ring x tp": (dict(cp_ring=2, tp=2, seq_len=32), dict(cp_ring=4, tp=1, seq_len=32), dict(tp=4)),
+    "cp_ring x dp": (dict(cp_ring=2, tp=1, dp=2, seq_len=32), dict(cp_ring=4, tp=1, seq_len=32), dict(tp=1, dp=4)),
+    "pp x dp": (dict(pp=2, tp=1, dp=2, microbatches=2), dict(pp=4, tp=1, layers=4, microbatches=2), dict(tp=1, dp=4)),
+    "pp x tp": (dict(pp=2, tp=2, microbatches=2), dict(pp=4, tp=1, layers=4, microbatches=2), dict(tp=4)),
+}
+
+
+@pytest.mark.world(4, timeout=240)
+@pytest.mark.parametrize("pair,first,second", list(PAIRS.values()), ids=list(PAIRS))
+def test_composed_ledger_is_the_union_of_its_axes(pair, first, second):
+    # Composition adds no collective of its own: a pair of axes issues exactly the (op, api)
+    # kinds its two axes issue alone (group sizes differ, the kinds do not).
+    both, a, b = _apis(**pair), _apis(**first), _apis(**second)
+    assert both == a | b, (sorted(both - (a | b)), sorted((a | b) - both))

@@ -13,21 +13,13 @@ import torch
 from harness.helpers import get_mesh, rank, world_group
 from shardkit._shapes import split_offsets
 from shardkit.context_parallel import ring_attention, ulysses_attention, usp_attention, usp_indices, zigzag_positions
+from harness.attention import reference_attention
 
 # ||err|| / ||ref|| (Frobenius) of out, dq, dk, dv. Measured at R = 4 (ring, this problem):
 # float32 merges 1.7e-3 .. 6.3e-3 (single-device bf16 SDPA: 1.7e-3 .. 4.6e-3); the bf16-merge
 # mutation 1.7e-2 .. 2.8e-2 on dq, dk, dv on every rank.
 BOUND = 1e-2
 B, S, N, N_KV, D = 2, 64, 4, 2, 16
-
-
-def reference_attention(q, k, v, causal):
-    rep = q.shape[2] // k.shape[2]
-    k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
-    scores = torch.einsum("bqnd,bknd->bnqk", q, k) * q.shape[-1] ** -0.5
-    if causal:
-        scores = scores.masked_fill(~torch.ones(q.shape[1], q.shape[1], dtype=torch.bool).tril(), float("-inf"))
-    return torch.einsum("bnqk,bknd->bqnd", torch.softmax(scores, dim=-1), v)
 
 
 def _errors(fn, pos, causal=True):

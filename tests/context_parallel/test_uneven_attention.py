@@ -16,17 +16,9 @@ from shardkit import ShardkitError, balanced_split_sizes
 from shardkit._shapes import split_offsets
 from shardkit.comm import CommLedger, checks
 from shardkit.context_parallel import ring_attention, ulysses_attention, usp_attention, usp_indices, zigzag_positions
+from harness.attention import reference_attention
 
 MODES = [False, True]
-
-
-def reference_attention(q, k, v, causal):
-    rep = q.shape[2] // k.shape[2]
-    k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
-    scores = torch.einsum("bqnd,bknd->bnqk", q, k) * q.shape[-1] ** -0.5
-    if causal:
-        scores = scores.masked_fill(~torch.ones(q.shape[1], q.shape[1], dtype=torch.bool).tril(), float("-inf"))
-    return torch.einsum("bnqk,bknd->bqnd", torch.softmax(scores, dim=-1), v)
 
 
 def _problem(S, n=4, n_kv=2, D=4, dtype=torch.float64):

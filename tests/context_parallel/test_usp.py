@@ -8,15 +8,7 @@ from shardkit import ShardkitError, ShardkitTypeError
 from shardkit._shapes import split_offsets
 from shardkit.comm import CommLedger
 from shardkit.context_parallel import usp_attention, usp_local_sizes, zigzag_positions
-
-
-def reference_attention(q, k, v, causal):
-    rep = q.shape[2] // k.shape[2]
-    k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
-    scores = torch.einsum("bqnd,bknd->bnqk", q, k) * q.shape[-1] ** -0.5
-    if causal:
-        scores = scores.masked_fill(~torch.ones(q.shape[1], q.shape[1], dtype=torch.bool).tril(), float("-inf"))
-    return torch.einsum("bnqk,bknd->bqnd", torch.softmax(scores, dim=-1), v)
+from harness.attention import reference_attention
 
 
 def _mesh():

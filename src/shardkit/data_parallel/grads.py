@@ -35,7 +35,7 @@ from torch import nn
 from ..comm import _c10d
 from ..comm._group import resolve_group
 from ..errors import ShardkitError
-from ..tensor_parallel.spec import ShardSpec, shard_spec
+from ..tensor_parallel.spec import ShardSpec
 
 if TYPE_CHECKING:
     from ..mesh import ParallelMesh
