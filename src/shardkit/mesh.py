@@ -37,7 +37,7 @@ from .errors import ShardkitError, ShardkitTypeError
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["ParallelDims", "ParallelMesh", "AXES", "FLAT_VIEWS", "EXPERT_AXES"]
+__all__ = ["ParallelDims", "ParallelMesh", "AXES", "FLAT_VIEWS"]
 
 AXES = ("pp", "dp_replicate", "dp_shard", "cp_ring", "cp_ulysses", "spatial", "tp")
 FLAT_VIEWS = {
@@ -49,7 +49,6 @@ FLAT_VIEWS = {
 # Dims whose ranks expert parallelism may borrow, outermost first (contiguous in AXES but for
 # spatial, which must be 1 with ep > 1).
 _EP_BORROW = ("dp_shard", "cp_ring", "cp_ulysses", "tp")
-EXPERT_AXES = ("pp", "dp_replicate", "ep_dp", "ep")
 
 
 @dataclass(frozen=True)
@@ -200,7 +199,8 @@ class ParallelDims:
             A :class:`ParallelMesh`: ``mesh["tp"]``, ``mesh["dp_cp"]``, ``mesh["ep"]`` ... are
             1-D ``DeviceMesh`` es (:data:`AXES`, :data:`FLAT_VIEWS`, and with ``ep > 1`` the
             expert dims ``ep`` and ``edp``; with ``dp_shard > 1`` and ``dp_replicate > 1`` the 2-D ``hsdp``
-            mesh ``(dp_replicate, dp_shard_cp)``).
+            mesh ``(dp_replicate, dp_shard_cp)``). Only dims of size > 1 exist (a size-1 dim is
+            the identity: ``mesh.size(name)`` is 1 and ``mesh.local_rank(name)`` 0 for it).
 
         Raises:
             ShardkitError: the process group is not initialized, or its size is not the product.
@@ -217,27 +217,44 @@ class ParallelDims:
                                 f"but the world size is {world}")
         if self.pp_tp is not None:
             return self._build_vtp()
+        # Only the axes of degree > 1 get process groups: a size-1 axis is the identity, and a
+        # gloo group keeps threads of its own (a long-lived process that builds many layouts,
+        # like a test world, would otherwise pile up thousands of idle groups).
         options = _world_timeout_options()
-        override = None if options is None else {dim: (None, options) for dim in range(len(AXES))}
-        root = init_device_mesh(device_type, tuple(self.degrees.values()), mesh_dim_names=AXES,
-                                backend_override=override)
-        views = {name: root[dims]._flatten(name, backend_override=options) for name, dims in FLAT_VIEWS.items()}
+        active = [(axis, d) for axis, d in self.degrees.items() if d > 1]
+        views: dict[str, Any] = {}
+        root = None
+        if active:
+            names = tuple(a for a, _ in active)
+            override = None if options is None else {dim: (None, options) for dim in range(len(names))}
+            root = init_device_mesh(device_type, tuple(d for _, d in active), mesh_dim_names=names,
+                                    backend_override=override)
+        for name, dims in FLAT_VIEWS.items():
+            present = tuple(d for d in dims if getattr(self, d) > 1)
+            if len(present) == 1:
+                views[name] = root[present[0]]
+            elif present:
+                views[name] = root[present]._flatten(name, backend_override=options)
         if self.ep > 1:
             # ep groups: blocks of ep consecutive ranks inside each dp_shard x cp x tp block
-            # (innermost first: with ep <= tp they stay inside a tp group's node); ep_dp pairs
-            # the ranks holding the same experts inside the block.
-            ranks = torch.arange(world).reshape(self.pp, self.dp_replicate, self.ep_borrow // self.ep, self.ep)
-            ov = None if options is None else tuple((None, options) for _ in EXPERT_AXES)
-            expert = DeviceMesh(device_type, ranks, mesh_dim_names=EXPERT_AXES, backend_override=ov)
+            # (innermost first: with ep <= tp they stay inside a tp group's node); edp pairs
+            # the ranks holding the same experts (across those blocks and dp replicas).
+            edp = self.dp_replicate * (self.ep_borrow // self.ep)
+            shape = [(n, d) for n, d in (("pp", self.pp), ("edp", edp), ("ep", self.ep)) if d > 1]
+            ranks = torch.arange(world).reshape(*(d for _, d in shape))
+            ov = None if options is None else tuple((None, options) for _ in shape)
+            expert = DeviceMesh(device_type, ranks, mesh_dim_names=tuple(n for n, _ in shape), backend_override=ov)
             views["ep"] = expert["ep"]
-            views["edp"] = expert["dp_replicate", "ep_dp"]._flatten("edp", backend_override=options)
+            if edp > 1:
+                views["edp"] = expert["edp"]
         if self.dp_shard > 1 and self.dp_replicate > 1:
             # HSDP needs the 2-D (dp_replicate, dp_shard_cp) mesh itself, not its flattened view.
-            ranks = torch.arange(world).reshape(self.pp, self.dp_replicate, self.dp_shard * self.cp,
-                                                self.spatial * self.tp)
-            ov = None if options is None else tuple((None, options) for _ in range(4))
-            hsdp = DeviceMesh(device_type, ranks, mesh_dim_names=("pp", "dp_replicate", "dp_shard_cp", "mp"),
-                              backend_override=ov)
+            shape = [(n, d) for n, d in (("pp", self.pp), ("dp_replicate", self.dp_replicate),
+                                         ("dp_shard_cp", self.dp_shard * self.cp), ("mp", self.spatial * self.tp))
+                     if d > 1 or n in ("dp_replicate", "dp_shard_cp")]
+            ranks = torch.arange(world).reshape(*(d for _, d in shape))
+            ov = None if options is None else tuple((None, options) for _ in shape)
+            hsdp = DeviceMesh(device_type, ranks, mesh_dim_names=tuple(n for n, _ in shape), backend_override=ov)
             views["hsdp"] = hsdp["dp_replicate", "dp_shard_cp"]
         return ParallelMesh(self, root, views)
 
@@ -281,15 +298,16 @@ class ParallelMesh:
             return self.root[name]
         if name in self._views:
             return self._views[name]
-        if name in AXES and self.root is not None:
+        if name in AXES and self.root is not None and name in (self.root.mesh_dim_names or ()):
             return self.root[name]
         raise ShardkitError(f"ParallelMesh: no mesh named {name!r} in layout {self.dims.describe()}; known: "
                             f"{list(AXES if self.root is not None else ()) + list(self._views)}")
 
     def _absent(self, name: str) -> bool:
-        """A dim this layout does not build because it is size 1 (``ep``/``edp`` without
-        expert parallelism; every other axis of a ``pp_tp`` layout)."""
-        return name not in self._views and (self.root is None or name in ("ep", "edp"))
+        """A dim this layout does not build because it is size 1 (no group: the identity)."""
+        if name in self._views:
+            return False
+        return self.root is None or name not in (self.root.mesh_dim_names or ())
 
     def size(self, name: str) -> int:
         """Ranks in ``mesh[name]`` (1 for a dim the layout does not have)."""

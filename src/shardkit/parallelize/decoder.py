@@ -130,11 +130,14 @@ def parallelize(model: nn.Module, mesh: ParallelMesh | None, *, sequence_paralle
         cp = apply_cp(model, cp_mesh, dims.cp_mode)
     if ep > 1:
         for experts in _experts_modules(model):
-            shard_experts(experts, mesh["ep"], mode="dispatch", tokens="replicated", token_group=mesh["tp"])
+            if tp > 1:  # tokens are the same on the tp ranks: each dispatches its block of them
+                shard_experts(experts, mesh["ep"], mode="dispatch", tokens="replicated", token_group=mesh["tp"])
+            else:  # every rank's tokens are its own
+                shard_experts(experts, mesh["ep"], mode="dispatch", tokens="sharded")
     layouts = {name: ParamLayout(name, expert_shard(p) is not None, False, shard_spec(p))
                for name, p in model.named_parameters()}
     if dims is not None and dims.dp_shard > 1:
         for name in apply_fsdp(model, mesh, decoder_layers(model)):
             layouts[name].fsdp = True
-    return ParallelModel(model, mesh, cp, GradientSync(model, mesh, layouts), layouts, loss_parallel,
+    return ParallelModel(model, mesh, cp, GradientSync(model, mesh, layouts), layouts, loss_parallel and tp > 1,
                          sequence_parallel and tp > 1)
