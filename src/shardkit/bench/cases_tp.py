@@ -9,7 +9,7 @@ on a transformers ``LlamaForCausalLM`` (float32, sdpa) loaded by every rank from
   lm_head ``ColwiseParallel(output_layouts=Replicate())``, as torchtitan) and ``hf``
   (``from_pretrained(..., tp_plan="auto")``, transformers' DTensor tensor parallelism; needs
   ``accelerate``, left out without it);
-- TP+SP: ``shardkit`` (:func:`shardkit.apply_llama_tp`: sequence-sharded norms and residuals)
+- TP+SP: ``shardkit`` (:func:`shardkit.apply_tp` with ``sequence_parallel=True``: sequence-sharded norms and residuals)
   and ``dtensor`` (torchtitan's plan: ``SequenceParallel`` norms, ``PrepareModuleInput``
   all-gathers before attention and MLP, o/down ``RowwiseParallel(output_layouts=Shard(1))``,
   the sequence split at the first layer's input).

@@ -57,7 +57,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 
 from ..comm import ledger
 from ..comm._compat import irecv, isend

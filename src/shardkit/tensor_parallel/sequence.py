@@ -39,8 +39,7 @@ from ..errors import ShardkitError
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
-    from typing import Any
-    from torch import nn
+
     from .._types import Group
 
 __all__ = ["SequenceSharding"]
