@@ -293,6 +293,8 @@ def test_end_to_end_verify_and_report(tmp_path):
                      "--report", str(tmp_path), timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "report.json").read_text())
+    env = report["environment"]
+    assert env["versions"]["torch"] == torch.__version__ and env["host"] and len(env["git_revision"] or "x" * 40) == 40
     layout = report["layout"]
     assert (layout["parallel"], layout["tp"], layout["dp_replicate"], layout["dp_shard"], layout["pp"]) == (
         "dp_replicate=2 x tp=2", 2, 2, 1, 1)

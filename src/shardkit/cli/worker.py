@@ -267,6 +267,7 @@ def train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool = Tr
                    "microbatches": cfg.microbatches, "schedule": cfg.schedule if dims.pp > 1 else None,
                    "packed": cfg.packed, "backend": backend, "device": str(device)},
         "config": asdict(cfg),
+        "environment": _environment(),
         **run,
         "peak_memory_bytes": memory,
         "memory_kind": "cuda max_memory_allocated" if device.type == "cuda" else "max RSS",
@@ -287,6 +288,29 @@ def train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool = Tr
                                         grad_norms=(run["grad_norms"], result["reference_grad_norms"]))
         result["timings_s"]["verify"] = time.perf_counter() - t2
     return result
+
+
+def _environment() -> dict:
+    """Versions, git revision (of the checkout shardkit runs from, if any) and host of a run."""
+    import platform
+    import socket
+    import subprocess
+
+    import shardkit
+
+    versions = {"python": platform.python_version(), "torch": torch.__version__, "shardkit": shardkit.__version__}
+    try:
+        import transformers
+
+        versions["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    try:
+        revision = subprocess.run(["git", "rev-parse", "HEAD"], cwd=os.path.dirname(shardkit.__file__), capture_output=True,
+                                  text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        revision = None
+    return {"versions": versions, "git_revision": revision, "host": socket.gethostname(), "platform": platform.platform()}
 
 
 def _sample_size(cfg: TrainConfig) -> int:
