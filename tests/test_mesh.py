@@ -14,8 +14,8 @@ from shardkit import ParallelDims, ShardkitError, ShardkitTypeError
 def test_defaults_and_product():
     dims = ParallelDims(dp_replicate=2, tp=2)
     assert dims.product == 4 and dims.active_axes() == ["dp_replicate", "tp"]
-    assert dims.degrees == {"pp": 1, "dp_replicate": 2, "dp_shard": 1, "cp_ring": 1, "cp_ulysses": 1, "spatial": 1,
-                            "tp": 2}
+    assert dims.degrees == {"pp": 1, "dp_replicate": 2, "dp_shard": 1, "cp_ring": 1, "cp_ulysses": 1, "spatial_h": 1,
+                            "spatial": 1, "tp": 2}
     assert (dims.dp, dims.cp, dims.cp_mode) == (2, 1, None)
     assert dims.describe() == "dp_replicate=2 x tp=2"
     assert ParallelDims().describe() == "single process"
@@ -115,3 +115,29 @@ def test_unknown_mesh_name():
 def test_build_mesh_wrong_world():
     with pytest.raises(ShardkitError, match="world size is 2"):
         ParallelDims(tp=4).build_mesh("cpu")
+
+
+@pytest.mark.world(4)
+def test_ledger_records_name_their_mesh_axis():
+    from shardkit import CommLedger, all_reduce_forward
+
+    mesh = ParallelDims(dp_shard=2, cp_ring=2, ep=2).build_mesh("cpu")
+    x = torch.ones(3)
+    with CommLedger() as ledger:
+        for name in ("cp_ring", "dp_shard", "dp_cp", "ep", "edp"):
+            all_reduce_forward(x, mesh[name])
+        all_reduce_forward(x, dist.group.WORLD)
+    # dp_cp spans the world's ranks but is its own group: named apart from "world"
+    assert [mesh.axis_of(r.group_name) for r in ledger.records] == ["cp_ring", "dp_shard", "dp_cp", "ep", "edp", "world"]
+    assert mesh.axis_of(None) == "other"
+    single = ParallelDims(dp_replicate=4).build_mesh("cpu")
+    # with one axis the flattened views are that axis's group: the axis name wins
+    assert single.axis_of(single["dp_cp"].get_group().group_name) == "dp_replicate"
+
+
+@pytest.mark.world(4)
+def test_tiles_mesh_has_h_and_w_dims():
+    mesh = ParallelDims(spatial_h=2, spatial=2).build_mesh("cpu")
+    assert mesh.root.mesh_dim_names == ("spatial_h", "spatial")
+    assert _ranks(mesh["spatial"]) == [rank() // 2 * 2, rank() // 2 * 2 + 1]
+    assert _ranks(mesh["spatial_h"]) == [rank() % 2, rank() % 2 + 2]

@@ -6,7 +6,7 @@ groups for it, and every layer, collective and transform takes its (sub)mesh exp
 (``mesh["tp"]``, ``mesh["dp_cp"]``).
 
 Axes, outermost first: ``pp``, ``dp_replicate``, ``dp_shard``, ``cp_ring``, ``cp_ulysses``,
-``spatial``, ``tp`` (tp innermost, so tp peers are adjacent ranks: same node, fastest links;
+``spatial_h``, ``spatial``, ``tp`` (tp innermost, so tp peers are adjacent ranks: same node, fastest links;
 the order of torchtitan's ``ParallelDims`` and Megatron-LM). Their product is the world size.
 Expert parallelism does not multiply the world: ``ep`` ranks are *borrowed* from
 ``dp_shard x cp_ring x cp_ulysses x tp`` (experts are then not tensor-parallel), as
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ParallelDims", "ParallelMesh", "AXES", "FLAT_VIEWS"]
 
-AXES = ("pp", "dp_replicate", "dp_shard", "cp_ring", "cp_ulysses", "spatial", "tp")
+AXES = ("pp", "dp_replicate", "dp_shard", "cp_ring", "cp_ulysses", "spatial_h", "spatial", "tp")
 FLAT_VIEWS = {
     "dp": ("dp_replicate", "dp_shard"),
     "cp": ("cp_ring", "cp_ulysses"),
@@ -47,7 +47,7 @@ FLAT_VIEWS = {
     "dp_shard_cp": ("dp_shard", "cp_ring", "cp_ulysses"),
 }
 # Dims whose ranks expert parallelism may borrow, outermost first (contiguous in AXES but for
-# spatial, which must be 1 with ep > 1).
+# the spatial dims, which must be 1 with ep > 1).
 _EP_BORROW = ("dp_shard", "cp_ring", "cp_ulysses", "tp")
 
 
@@ -63,7 +63,10 @@ class ParallelDims:
         pp: pipeline stages.
         cp_ring: context-parallel ranks of zigzag ring attention.
         cp_ulysses: context-parallel ranks of Ulysses all-to-all attention (both > 1: USP).
-        spatial: ranks sharing each frame of a convolutional model (halo exchange).
+        spatial: ranks sharing each frame of a convolutional model along its last dim (W; halo
+            exchange).
+        spatial_h: ranks sharing each frame along H; with ``spatial > 1`` too, each rank holds
+            one H x W tile (``mesh["spatial_h", "spatial"]``).
         tp: tensor-parallel ranks (Megatron TP, optionally with sequence parallelism).
         ep: expert-parallel ranks, borrowed from ``dp_shard x cp_ring x cp_ulysses x tp``
             (must divide that product); 1 keeps experts tensor-parallel over ``tp``.
@@ -76,7 +79,7 @@ class ParallelDims:
     Raises:
         ShardkitTypeError: a degree is not an int.
         ShardkitError: a degree is < 1; the product is not ``world_size``; ``ep`` does not
-            divide the ranks it borrows from, or is combined with ``spatial > 1``. The message
+            divide the ranks it borrows from, or is combined with ``spatial`` or ``spatial_h`` > 1. The message
             names every degree.
 
     Example:
@@ -94,6 +97,7 @@ class ParallelDims:
     pp: int = 1
     cp_ring: int = 1
     cp_ulysses: int = 1
+    spatial_h: int = 1
     spatial: int = 1
     tp: int = 1
     ep: int = 1
@@ -116,8 +120,9 @@ class ParallelDims:
                                 f"but the world size is {self.world_size}")
         if self.ep > 1:
             borrow = self.ep_borrow
-            if self.spatial > 1:
-                raise ShardkitError(f"ParallelDims: ep={self.ep} with spatial={self.spatial}: expert parallelism "
+            if self.spatial > 1 or self.spatial_h > 1:
+                raise ShardkitError(f"ParallelDims: ep={self.ep} with spatial={self.spatial}, spatial_h={self.spatial_h}: "
+                                    "expert parallelism "
                                     "is for mixture-of-experts models, spatial for convolutional ones")
             if borrow % self.ep:
                 raise ShardkitError(
@@ -129,7 +134,7 @@ class ParallelDims:
         if not isinstance(sizes, tuple) or len(sizes) < 2 or any(
                 isinstance(t, bool) or not isinstance(t, int) or t < 1 for t in sizes):
             raise ShardkitError(f"ParallelDims: pp_tp must be a tuple of at least 2 ints >= 1, got {sizes!r}")
-        others = {a: getattr(self, a) for a in ("dp_shard", "cp_ring", "cp_ulysses", "spatial", "tp", "ep")}
+        others = {a: getattr(self, a) for a in ("dp_shard", "cp_ring", "cp_ulysses", "spatial_h", "spatial", "tp", "ep")}
         if any(v != 1 for v in others.values()) or self.pp not in (1, len(sizes)):
             raise ShardkitError(
                 f"ParallelDims: pp_tp={sizes} (stages of different tp sizes are not a rectangular mesh) composes "
@@ -250,7 +255,7 @@ class ParallelDims:
         if self.dp_shard > 1 and self.dp_replicate > 1:
             # HSDP needs the 2-D (dp_replicate, dp_shard_cp) mesh itself, not its flattened view.
             shape = [(n, d) for n, d in (("pp", self.pp), ("dp_replicate", self.dp_replicate),
-                                         ("dp_shard_cp", self.dp_shard * self.cp), ("mp", self.spatial * self.tp))
+                                         ("dp_shard_cp", self.dp_shard * self.cp), ("mp", self.spatial_h * self.spatial * self.tp))
                      if d > 1 or n in ("dp_replicate", "dp_shard_cp")]
             ranks = torch.arange(world).reshape(*(d for _, d in shape))
             ov = None if options is None else tuple((None, options) for _ in shape)
@@ -288,6 +293,37 @@ class ParallelMesh:
 
     def __init__(self, dims: ParallelDims, root: DeviceMesh | None, views: dict[str, Any]) -> None:
         self.dims, self.root, self._views = dims, root, views
+        self._axis_names: dict[str, str] | None = None
+
+    def axis_of(self, group_name: str | None) -> str:
+        """The mesh axis or view whose process group is named ``group_name`` on this rank.
+
+        Axes come before the flattened views that are the same group (with ``cp = 1``, ``dp``
+        and ``dp_cp`` are the ``dp_replicate`` group itself); the default group is ``"world"``;
+        a group of no mesh name (or None) is ``"other"``. Used to show a CommLedger by axis
+        (:attr:`shardkit.CommRecord.group_name`).
+        """
+        if self._axis_names is None:
+            self._axis_names = self._group_names()
+        return self._axis_names.get(group_name, "other") if group_name is not None else "other"
+
+    def _group_names(self) -> dict[str, str]:
+        import torch.distributed as dist
+
+        from .comm._group import resolve_group
+
+        table: dict[str, str] = {}
+        names = [n for n in (*AXES, "ep", "edp") if not self._absent(n)] + [n for n in self._views if n != "stages"]
+        for name in names:
+            try:
+                pg = resolve_group(self[name], "ParallelMesh").pg
+            except ShardkitError:
+                continue  # a multi-dim view (hsdp) is not one group
+            table.setdefault(pg.group_name, name)
+        if "stages" in self._views:  # pp_tp: the replica's group carries the stage-to-stage P2P
+            table.setdefault(resolve_group(self._views["stages"].group, "ParallelMesh").pg.group_name, "pp")
+        table.setdefault(dist.group.WORLD.group_name, "world")
+        return table
 
     @property
     def device_type(self) -> str:

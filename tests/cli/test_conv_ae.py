@@ -51,7 +51,7 @@ def test_model_builder_is_seeded_and_keeps_the_frame_size(dtype):
 
 
 def test_task_loss_is_the_sum_of_squared_errors():
-    # The trainer divides by the global numel: the sum over W-halves is the mean squared error.
+    # The trainer divides by the global numel: the sum over W-halves (or tiles) is the mean squared error.
     out, target = torch.randn(2, 3, 4, 6, dtype=torch.float64), torch.randn(2, 3, 4, 6, dtype=torch.float64)
 
     class OneProcess:
@@ -74,6 +74,9 @@ def test_conv_ae_layout():
     both = validate_config(merge_config({}, dict(model="conv-ae", spatial=2, dp=2)))
     assert (both.nproc, both.dp_replicate) == (4, 2)
     assert validate_config(merge_config({}, dict(model="conv-ae", spatial=2, nproc=4))).dp_replicate == 2
+    # H x W tiles: spatial_h x spatial ranks per frame
+    tiles = validate_config(merge_config({}, dict(model="conv-ae", spatial_h=2, spatial=3, dp=2)))
+    assert (tiles.nproc, tiles.spatial_h, tiles.spatial) == (12, 2, 3)
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -85,6 +88,9 @@ def test_conv_ae_layout():
     (dict(model="conv-ae", spatial=3, nproc=4), "must divide --nproc 4"),
     (dict(model="conv-ae", spatial=11), "--spatial 11: .* fewer than 8 columns"),
     (dict(model="conv-ae", spatial=0), "--spatial must be >= 1"),
+    (dict(model="conv-ae", spatial_h=7), "--spatial-h 7: .* fewer than 8 rows"),
+    (dict(model="conv-ae", spatial_h=0), "--spatial-h must be >= 1"),
+    (dict(spatial_h=2), "--spatial-h 2 needs --model conv-ae"),
     (dict(model="resnet"), "--model must be one of llama, qwen2, qwen3, moe, mla, conv-ae"),
 ])
 def test_invalid_conv_ae_options(kwargs, match):

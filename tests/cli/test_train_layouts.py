@@ -5,7 +5,8 @@ rank) inside a persistent gloo world, in float64, and checks on rank 0 that ever
 every step's global gradient norm (the one clipping uses) and every final parameter equal those of
 the same trainer with every degree 1 (float64: relative 1e-9; the measured differences are
 ~1e-15). The cases cover every pair of axes, several triples, every model family, packed
-documents, FSDP2 and HSDP, expert parallelism independent of tp, and conv-ae spatial x dp.
+documents, FSDP2 and HSDP, expert parallelism independent of tp, and conv-ae spatial x dp and
+H x W tiles. Each run's ledger names a mesh axis for every collective, and only axes the layout has.
 """
 
 import time
@@ -16,6 +17,7 @@ import torch
 from harness.helpers import rank, world_size
 from shardkit.cli.config import TrainConfig, validate_config
 from shardkit.cli.worker import train
+from shardkit.mesh import AXES, FLAT_VIEWS
 
 SMALL = dict(steps=2, seq_len=16, batch_size=4, dtype="float64", verify=True, layers=2, lr=1e-3)
 
@@ -36,6 +38,12 @@ def _check(result: dict | None) -> None:
     # the global gradient norm clipping sees is the single-process norm (float64: rounding level)
     for a, b in zip(result["grad_norms"], result["reference_grad_norms"]):
         assert abs(a - b) <= 1e-12 * b
+    # the ledger by axis: every collective ran on a group of the layout's own mesh
+    layout = result["layout"]
+    allowed = ({a for a in AXES if layout[a] > 1} | set(FLAT_VIEWS) | {"world"}
+               | ({"ep", "edp"} if layout["ep"] > 1 else set()) | ({"tp"} if layout["pp_tp"] else set()))
+    axes = {row["axis"] for row in result["ledger"]}
+    assert axes <= allowed, (sorted(axes - allowed), layout["parallel"])
 
 
 LAYOUTS_4 = {
@@ -54,6 +62,7 @@ LAYOUTS_4 = {
     "qwen3: tp=4, loss parallel": dict(model="qwen3", tp=4, loss_parallel=True),
     "llama: packed, dp=2 x tp=2 (no cp)": dict(packed=True, seq_len=64),
     "conv-ae: spatial=2 x dp=2": dict(model="conv-ae", spatial=2, batch_size=4, seq_len=2),
+    "conv-ae: spatial_h=2 x spatial=2 (H x W tiles)": dict(model="conv-ae", spatial_h=2, spatial=2, batch_size=2),
     "llama: pp_tp=2,1,1": dict(pp_tp="2,1,1", layers=3),
     "llama: pp=2 x tp=2 (SP)": dict(pp=2, tp=2, microbatches=2),
     "qwen2: pp=2 x cp_ring=2": dict(model="qwen2", pp=2, cp_ring=2, microbatches=2, seq_len=32),
@@ -61,6 +70,8 @@ LAYOUTS_4 = {
     "moe: pp=2 x dp_shard=2": dict(model="moe", pp=2, dp_shard=2, microbatches=2),
     "llama: cp_ulysses=2 x tp=2 (SP)": dict(cp_ulysses=2, tp=2),
     "mla: tp=2 (SP, tensor-parallel experts) x dp_shard=2": dict(model="mla", sequence_parallel=True, dp_shard=2),
+    "moe: tp=2 (SP) x dp=2, ep=2": dict(model="moe", ep=2, sequence_parallel=True),
+    "mla: tp=2 (SP) x dp_shard=2, ep=4 (shared experts)": dict(model="mla", ep=4, dp_shard=2, sequence_parallel=True),
 }
 
 
@@ -78,6 +89,7 @@ LAYOUTS_8 = {
     "qwen3: pp=2 x cp_ring=2 x tp=2": dict(model="qwen3", pp=2, cp_ring=2, tp=2, microbatches=2, seq_len=32),
     "moe: dp_shard=2 x cp_ring=2 x tp=2, ep=8 over all of them": dict(model="moe", dp_shard=2, cp_ring=2, tp=2, ep=8,
                                                                       seq_len=32),
+    "conv-ae: dp_shard=2 x H x W tiles 2x2": dict(model="conv-ae", dp_shard=2, spatial_h=2, spatial=2, batch_size=4),
 }
 
 

@@ -101,6 +101,7 @@ def _run_task(task: Task) -> tuple:
         # Reseed right before the call so the RNG state is a function of the test alone,
         # not of what ran before it on this world or of the module's first import.
         _reseed(zlib.crc32(task.nodeid.encode()))
+        _clear_flight_recorder()  # a desync report reads only this test's collectives
         fn(**pickle.loads(task.kwargs))
         return ("ok",)
     except BaseException as exc:
@@ -139,6 +140,13 @@ def _load_module(path: str, module_name: str | None) -> Any:
             raise
         _MODULES[path] = module
     return module
+
+
+def _clear_flight_recorder() -> None:
+    from shardkit.comm import flight_recorder
+
+    if flight_recorder.current is not None:
+        flight_recorder.current.clear()
 
 
 def _reseed(seed: int) -> None:

@@ -157,6 +157,7 @@ class TileAE(nn.Module):
         super().__init__()
         self.encoder = nn.Sequential(nn.Conv2d(3, 8, 3, stride=2, padding=1), nn.GroupNorm(4, 8), nn.SiLU(), ResBlock(8))
         self.decoder = nn.Sequential(nn.ConvTranspose2d(8, 4, 4, stride=2, padding=1), nn.GroupNorm(2, 4), nn.SiLU(),
+                                     nn.Conv2d(4, 4, 3, stride=2, padding=1), nn.Upsample(scale_factor=2),
                                      nn.Conv2d(4, 3, 3, padding=1))
 
     def forward(self, x):
@@ -178,6 +179,7 @@ def test_apply_spatial_tiles_on_a_2d_mesh(hs, ws):
             p.add_(torch.randn_like(p) * 0.3)
     model = apply_spatial(copy.deepcopy(ref), mesh, (2, 3))
     assert isinstance(model.decoder[0], SpatialConvTranspose2d) and isinstance(model.encoder[1], SpatialGroupNorm)
+    assert isinstance(model.decoder[4], SpatialUpsample) and model.decoder[4].dim == (2, 3)
     assert list(model.state_dict()) == list(ref.state_dict())
     x_full = torch.randn(2, 3, sum(hs), sum(ws), dtype=torch.float64)
     x_ref = x_full.clone().requires_grad_()
@@ -204,5 +206,5 @@ def test_apply_spatial_tiles_on_a_2d_mesh(hs, ws):
     bad += [f"grad {name}" for (name, p), (_, q) in zip(ref.named_parameters(), model.named_parameters())
             if not torch.allclose(p.grad, q.grad, **TOL)]
     assert not bad, f"hs={hs} ws={ws} out={ohs}x{ows}: {bad}"
-    with pytest.raises(ShardkitError, match="Upsample.*not supported over tiles"):
-        apply_spatial(nn.Sequential(nn.Conv2d(3, 3, 3), nn.Upsample(scale_factor=2)), mesh, (2, 3))
+    with pytest.raises(ShardkitError, match="Upsample.*'bilinear' is not supported over tiles"):
+        apply_spatial(nn.Sequential(nn.Conv2d(3, 3, 3), nn.Upsample(scale_factor=2, mode="bilinear")), mesh, (2, 3))

@@ -42,6 +42,7 @@ class TrainConfig:
     model: str = "llama"  # see MODELS
     nproc: int | None = None  # None: the product of the degrees (4 by default)
     spatial: int = 1  # conv-ae only: ranks sharing each frame along W
+    spatial_h: int = 1  # conv-ae only: ranks sharing each frame along H (both > 1: H x W tiles)
     tp: int | None = None  # None: 2 for an LM without pp, cp and pp_tp; else 1
     pp_tp: str | None = None  # per-stage tp sizes "2,1,1" (VTP): pp = their count, sum * dp = nproc
     dp: int | None = None  # alias of dp_replicate (kept for old command lines)
@@ -177,7 +178,7 @@ def _model_ranks(cfg: TrainConfig) -> int:
     """Ranks of one data-parallel replica (every degree but dp_replicate)."""
     if cfg.pp_tp is not None:
         return sum(parse_pp_tp(cfg.pp_tp))
-    return cfg.pp * cfg.cp_size * cfg.tp * cfg.spatial * cfg.dp_shard
+    return cfg.pp * cfg.cp_size * cfg.tp * cfg.spatial_h * cfg.spatial * cfg.dp_shard
 
 
 def validate_config(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
@@ -212,7 +213,7 @@ def validate_config(cfg: TrainConfig, world_size: int | None = None) -> TrainCon
             raise ShardkitError(f"--pp {cfg.pp} but --pp-tp {cfg.pp_tp} lists {len(sizes)} stages")
         cfg = dataclasses.replace(cfg, pp=len(sizes), pp_tp=",".join(map(str, sizes)))
     cfg = dataclasses.replace(cfg, tp=_default_tp(cfg))
-    for name in ("tp", "pp", "cp_ulysses", "cp_ring", "dp_shard", "ep", "spatial", "microbatches", "steps",
+    for name in ("tp", "pp", "cp_ulysses", "cp_ring", "dp_shard", "ep", "spatial", "spatial_h", "microbatches", "steps",
                  "batch_size"):
         if getattr(cfg, name) < 1:
             raise ShardkitError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
@@ -264,7 +265,7 @@ def _resolve_world(cfg: TrainConfig) -> TrainConfig:
     """nproc and dp_replicate from each other (one of them may be unset)."""
     ranks = _model_ranks(cfg)
     dims = (f"pp_tp={cfg.pp_tp} (sum {ranks})" if cfg.pp_tp is not None else
-            f"pp={cfg.pp} x cp={cfg.cp_size} x tp={cfg.tp} x spatial={cfg.spatial} x dp_shard={cfg.dp_shard} = {ranks}")
+            f"pp={cfg.pp} x cp={cfg.cp_size} x tp={cfg.tp} x spatial={cfg.spatial_h * cfg.spatial} x dp_shard={cfg.dp_shard} = {ranks}")
     if cfg.dp_replicate is None:
         nproc = cfg.nproc if cfg.nproc is not None else max(4, ranks) if cfg.model != "conv-ae" else ranks
         if nproc % ranks:
@@ -289,28 +290,31 @@ def parallel_dims(cfg: TrainConfig) -> ParallelDims:
     """
     pp_tp = parse_pp_tp(cfg.pp_tp) if cfg.pp_tp is not None else None
     return ParallelDims(dp_replicate=cfg.dp_replicate, dp_shard=cfg.dp_shard, pp=cfg.pp, cp_ring=cfg.cp_ring,
-                        cp_ulysses=cfg.cp_ulysses, spatial=cfg.spatial, tp=1 if pp_tp else cfg.tp, ep=cfg.ep,
+                        cp_ulysses=cfg.cp_ulysses, spatial_h=cfg.spatial_h, spatial=cfg.spatial, tp=1 if pp_tp else cfg.tp, ep=cfg.ep,
                         pp_tp=pp_tp, world_size=cfg.nproc)
 
 
 def _validate_conv_ae(cfg: TrainConfig) -> None:
-    """``--model conv-ae``: spatial x dp (data-parallel replicas or FSDP2) only."""
+    """``--model conv-ae``: spatial (W, or H x W tiles) x dp (data-parallel replicas or FSDP2) only."""
     from .conv_ae import CROP, MIN_LOCAL_WIDTH
 
     given = [f"--{name.replace('_', '-')} {getattr(cfg, name)}" for name in ("tp", "pp", "cp_ring", "cp_ulysses", "ep")
              if getattr(cfg, name) != 1]
     if given or cfg.pp_tp is not None or cfg.loss_parallel or cfg.packed:
         raise ShardkitError(f"{', '.join(given) or 'the LM options'} with --model conv-ae: a convolutional model has "
-                            "no heads, experts, sequence or vocabulary to shard (it composes --spatial with dp)")
-    if cfg.spatial > CROP[1] // MIN_LOCAL_WIDTH:
-        raise ShardkitError(f"--spatial {cfg.spatial}: the {CROP[1]}-column crops give each rank fewer than "
-                            f"{MIN_LOCAL_WIDTH} columns (at most --spatial {CROP[1] // MIN_LOCAL_WIDTH})")
+                            "no heads, experts, sequence or vocabulary to shard (it composes --spatial / --spatial-h with dp)")
+    for flag, ranks, length, what in (("--spatial", cfg.spatial, CROP[1], "columns"),
+                                      ("--spatial-h", cfg.spatial_h, CROP[0], "rows")):
+        if ranks > length // MIN_LOCAL_WIDTH:
+            raise ShardkitError(f"{flag} {ranks}: the {length}-{what[:-1]} crops give each rank fewer than "
+                                f"{MIN_LOCAL_WIDTH} {what} (at most {flag} {length // MIN_LOCAL_WIDTH})")
 
 
 def _validate_lm(cfg: TrainConfig) -> TrainConfig:
     """Options of the causal LMs: their real limits, checked against the model's shape."""
-    if cfg.spatial != 1:
-        raise ShardkitError(f"--spatial {cfg.spatial} needs --model conv-ae (language models use --tp/--cp-*/--pp/--dp*)")
+    if cfg.spatial != 1 or cfg.spatial_h != 1:
+        flag = f"--spatial {cfg.spatial}" if cfg.spatial != 1 else f"--spatial-h {cfg.spatial_h}"
+        raise ShardkitError(f"{flag} needs --model conv-ae (language models use --tp/--cp-*/--pp/--dp*)")
     if cfg.seq_len < 2:
         raise ShardkitError(f"--seq-len must be >= 2 (a next-token loss needs two tokens), got {cfg.seq_len}")
     if cfg.ep > 1 and cfg.model not in MOE_MODELS:
@@ -323,11 +327,6 @@ def _validate_lm(cfg: TrainConfig) -> TrainConfig:
     dense = cfg.model in ("llama", "qwen2", "qwen3")
     if cfg.sequence_parallel is None:
         cfg = dataclasses.replace(cfg, sequence_parallel=dense and cfg.tp > 1 and cfg.pp_tp is None)
-    if cfg.sequence_parallel and cfg.ep > 1:
-        # Expert-parallel dispatch takes tokens replicated over tp; with sequence parallelism
-        # they would be the local sequence block (a dispatch of sharded tokens, not built yet).
-        raise ShardkitError(f"--sequence-parallel with --ep {cfg.ep}: expert-parallel dispatch takes the tokens "
-                            "replicated over tp (tensor-parallel experts, --ep 1, work with it)")
     if cfg.sequence_parallel and cfg.pp_tp is not None:
         raise ShardkitError("--sequence-parallel with --pp-tp: stages of different tp sizes exchange replicated "
                             "hidden states")

@@ -1,11 +1,13 @@
 """``shardkit train --model conv-ae --spatial R``: a convolutional autoencoder on real photos,
-each frame sharded along its width over ``R`` ranks with :func:`~shardkit.spatial.apply_spatial`.
+each frame sharded along its width over ``R`` ranks with :func:`~shardkit.spatial.apply_spatial`
+(``--spatial-h``: along its height; both: H x W tiles on the 2-D mesh ``(spatial_h, spatial)``).
 
 The image is matplotlib's sample photo ``grace_hopper.jpg`` (ships with matplotlib, nothing is
 downloaded). Every step draws ``B`` random crops ``[B, 3, H, W]`` from a seeded generator, the
 same crops on every rank and in the ``--verify`` reference. Rank ``r`` keeps columns
-``[offset_r, offset_r + W_r)`` (balanced split); the model's halo exchanges and norm statistics
-make its local output exactly the matching block of the unsharded output.
+``[offset_r, offset_r + W_r)`` (balanced split; rows likewise over ``spatial_h``); the model's
+halo exchanges and norm statistics make its local output exactly the matching block of the
+unsharded output.
 
 Loss: mean squared reconstruction error over the whole global batch. Each rank back-propagates
 the sum of its local squared errors divided by the global element count (the trainer's
@@ -31,12 +33,13 @@ from .. import balanced_split_sizes
 from .._shapes import split_offsets
 from .model import TORCH_DTYPES
 
-__all__ = ["CROP", "IMAGE", "ConvAutoencoder", "build_conv_ae", "load_image", "CropSampler", "width_shard",
-           "ConvAETask"]
+__all__ = ["CROP", "IMAGE", "SPATIAL_DIMS", "ConvAutoencoder", "build_conv_ae", "load_image", "CropSampler",
+           "block_shard", "sharded_dims", "ConvAETask"]
 
 IMAGE = "grace_hopper.jpg"
-CROP = (48, 80)  # (H, W); W = 80 splits into >= 8 columns per rank for up to 10 ranks
+CROP = (48, 80)  # (H, W); W = 80 splits into >= 8 columns per rank for up to 10 ranks, H into 6
 MIN_LOCAL_WIDTH = 8  # the dilated conv's halo (2 columns at half resolution) must fit in a neighbour
+SPATIAL_DIMS = (("spatial_h", 2), ("spatial", 3))  # mesh dim -> the NCHW dim it shards
 
 
 class _Residual(nn.Module):
@@ -108,24 +111,31 @@ class CropSampler:
         return torch.stack([self.image[:, t : t + h, l : l + w] for t, l in zip(tops, lefts)])
 
 
-def width_shard(x_full: torch.Tensor, local_width: int, group) -> torch.Tensor:
-    """This rank's block of columns of ``x_full`` ``[..., W]``, given every rank's width.
+def block_shard(x_full: torch.Tensor, local_size: int, group, dim: int) -> torch.Tensor:
+    """This rank's block of ``x_full`` along ``dim``, given its size there (every rank's is gathered).
 
-    The widths are all-gathered (one tiny collective), so the split of a layer's output (which
+    The sizes are all-gathered (one tiny collective), so the split of a layer's output (which
     the spatial layers choose) need not be the balanced split of the input.
     """
-    widths = [None] * dist.get_world_size(group)
-    dist.all_gather_object(widths, local_width, group=group)
-    if sum(widths) != x_full.shape[-1]:
-        raise RuntimeError(f"width_shard: local widths {widths} do not add up to W = {x_full.shape[-1]}")
-    return x_full.narrow(-1, split_offsets(widths)[dist.get_rank(group)], local_width)
+    sizes = [None] * dist.get_world_size(group)
+    dist.all_gather_object(sizes, local_size, group=group)
+    if sum(sizes) != x_full.shape[dim]:
+        raise RuntimeError(f"block_shard: local sizes {sizes} do not add up to {x_full.shape[dim]} along dim {dim}")
+    return x_full.narrow(dim, split_offsets(sizes)[dist.get_rank(group)], local_size)
+
+
+def sharded_dims(mesh) -> list[tuple[str, int]]:
+    """``(mesh dim, NCHW dim)`` of the spatial dims ``mesh`` shards (H before W; none without a mesh)."""
+    return [(name, dim) for name, dim in SPATIAL_DIMS if mesh is not None and mesh.size(name) > 1]
 
 
 class ConvAETask:
-    """The trainer's task for the autoencoder: random crops, width-sharded over ``spatial``.
+    """The trainer's task for the autoencoder: random crops, sharded along W over ``spatial`` and
+    along H over ``spatial_h``.
 
-    The loss is the sum of squared errors of this rank's pixels (rows of its data-parallel
-    coordinate, columns of its spatial block); the trainer divides by the global element count.
+    The loss is the sum of squared errors of this rank's pixels (the batch rows of its
+    data-parallel coordinate, its spatial block or tile); the trainer divides by the global
+    element count.
 
     Args:
         sampler: :class:`CropSampler`.
@@ -150,10 +160,10 @@ class ConvAETask:
     def prepare(self, mb: torch.Tensor, pm) -> tuple[dict, torch.Tensor]:
         x_full = mb.to(self.device, self.dtype)
         x = x_full
-        if pm.mesh is not None and pm.mesh.size("spatial") > 1:
-            r, R = pm.mesh.local_rank("spatial"), pm.mesh.size("spatial")
-            sizes = balanced_split_sizes(x_full.shape[-1], R)
-            x = x_full.narrow(-1, split_offsets(sizes)[r], sizes[r])
+        for name, dim in sharded_dims(pm.mesh):
+            sizes = balanced_split_sizes(x_full.shape[dim], pm.mesh.size(name))
+            r = pm.mesh.local_rank(name)
+            x = x.narrow(dim, split_offsets(sizes)[r], sizes[r])
         return {"x": x}, x_full
 
     @staticmethod
@@ -164,8 +174,8 @@ class ConvAETask:
     def loss_sum(out: torch.Tensor, x_full: torch.Tensor, pm) -> torch.Tensor:
         """Sum of squared errors over this rank's output block; half precision upcast."""
         target = x_full
-        if pm.mesh is not None and pm.mesh.size("spatial") > 1:
-            target = width_shard(x_full, out.shape[-1], pm.mesh["spatial"].get_group())
+        for name, dim in sharded_dims(pm.mesh):
+            target = block_shard(target, out.shape[dim], pm.mesh[name].get_group(), dim)
         if out.dtype in (torch.float16, torch.bfloat16):
             out, target = out.float(), target.float()
         return (out - target).pow(2).sum()

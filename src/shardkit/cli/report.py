@@ -51,17 +51,17 @@ def print_summary(result: dict, console: Console) -> None:
     table.add_row(f"peak memory MiB ({result['memory_kind']})", mem)
     console.print(table)
 
-    # Fits 80 columns: c10d op without "_single", forward/backward as fwd/bwd in api names
-    # (report.json keeps the full names), R = group size.
-    ledger = Table(title="comm ledger (rank 0)", box=box.SIMPLE_HEAD, pad_edge=False)
-    for name in ("op", "api", "phase", "R", "calls", "MiB out", "MiB in"):
-        ledger.add_column(name, justify="left" if name in ("op", "api", "phase") else "right", no_wrap=True)
+    # By mesh axis, in mesh order. Fits 80 columns: c10d op without "_single", forward/backward
+    # as fwd/bwd in api names (report.json keeps the full names and the group size).
+    ledger = Table(title="comm ledger by axis (rank 0)", box=box.SIMPLE_HEAD, pad_edge=False)
+    for name in ("axis", "op", "api", "phase", "calls", "MiB out", "MiB in"):
+        ledger.add_column(name, justify="left" if name in ("axis", "op", "api", "phase") else "right", no_wrap=True)
     for row in result["ledger"]:
         ledger.add_row(
+            row.get("axis", "-"),
             row["op"].removesuffix("_single"),
             row["api"].replace("forward", "fwd").replace("backward", "bwd"),
             _PHASES.get(row["phase"], row["phase"]),
-            str(row["group_size"]),
             str(row["count"]),
             f"{row['bytes_sent'] / _MIB:.2f}",
             f"{row['bytes_received'] / _MIB:.2f}",

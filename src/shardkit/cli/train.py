@@ -38,10 +38,12 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--config", metavar="FILE.toml", help="TOML file of options (keys: option names with underscores)")
     p.add_argument("--model", choices=MODELS, help=f"what to train (default {d.model}; conv-ae: a convolutional "
-                   "autoencoder on matplotlib's sample photo, frames sharded along W over --spatial ranks)")
+                   "autoencoder on matplotlib's sample photo, frames sharded along W over --spatial ranks, along H over --spatial-h)")
     p.add_argument("--nproc", type=int, help="local processes to start (default: the product of the degrees, "
                    "at least 4 for an LM; torchrun: its world)")
     p.add_argument("--spatial", type=int, help=f"conv-ae: ranks sharing each frame along W (default {d.spatial})")
+    p.add_argument("--spatial-h", type=int, help=f"conv-ae: ranks sharing each frame along H (default {d.spatial_h}; "
+                   "with --spatial > 1: H x W tiles)")
     p.add_argument("--tp", type=int, help="tensor-parallel degree (default 2 for an LM without pp and cp, else 1)")
     p.add_argument("--dp-replicate", type=int, help="data-parallel replicas, gradients all-reduced (default: what "
                    "--nproc leaves after every other degree)")

@@ -24,6 +24,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from .. import CommLedger
 from ..data_parallel import GradientSync, ParamLayout
+from ..mesh import AXES, FLAT_VIEWS, ParallelMesh
 from ..parallelize import ParallelModel, gather_full_parameters, parallelize, parallelize_stage
 from .config import TrainConfig, parallel_dims
 from .progress import TrainProgress
@@ -56,16 +57,19 @@ def _peak_memory(device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
 
 
-def _ledger_rows(ledger: CommLedger) -> list[dict]:
-    """Ledger totals by (op, issuing api, phase, group size)."""
+def _ledger_rows(ledger: CommLedger, mesh: ParallelMesh) -> list[dict]:
+    """Ledger totals by (mesh axis, op, issuing api, phase, group size), axes in mesh order."""
     rows: dict[tuple, dict] = {}
     for r in ledger.records:
-        row = rows.setdefault((r.op, r.api, r.phase, r.group_size), dict(count=0, bytes_sent=0, bytes_received=0))
+        key = (mesh.axis_of(r.group_name), r.op, r.api, r.phase, r.group_size)
+        row = rows.setdefault(key, dict(count=0, bytes_sent=0, bytes_received=0))
         row["count"] += 1
         row["bytes_sent"] += r.bytes_sent
         row["bytes_received"] += r.bytes_received
-    keys = ("op", "api", "phase", "group_size")
-    return [{**dict(zip(keys, key)), **row} for key, row in sorted(rows.items())]
+    keys = ("axis", "op", "api", "phase", "group_size")
+    order = {name: i for i, name in enumerate((*AXES, "ep", "edp", *FLAT_VIEWS, "world"))}
+    ranked = sorted(rows.items(), key=lambda item: (order.get(item[0][0].split("=")[0], len(order)), item[0]))
+    return [{**dict(zip(keys, key)), **row} for key, row in ranked]
 
 
 def build_task(cfg: TrainConfig, device):
@@ -109,11 +113,18 @@ def _build_model(cfg: TrainConfig):
 
 
 def _spatial_model(model, mesh) -> ParallelModel:
-    """conv-ae: frames sharded along W over ``spatial``; gradients summed over ``dp`` after."""
-    if mesh is not None and mesh.size("spatial") > 1:
+    """conv-ae: frames sharded along W over ``spatial``, along H over ``spatial_h`` (both: tiles on
+    the 2-D mesh); the layers sum parameter gradients over them, the trainer over ``dp`` after."""
+    from .conv_ae import sharded_dims
+
+    if sharded := sharded_dims(mesh):
         from ..spatial import apply_spatial
 
-        model = apply_spatial(model, mesh["spatial"], dim=-1)
+        names, dims = zip(*sharded)
+        if len(names) == 1:
+            model = apply_spatial(model, mesh[names[0]], dim=dims[0])
+        else:
+            model = apply_spatial(model, mesh[names], dim=dims)
     layouts = {name: ParamLayout(name, False, False, None) for name, _ in model.named_parameters()}
     return ParallelModel(model, mesh, None, GradientSync(model, mesh, layouts), layouts)
 
@@ -271,7 +282,7 @@ def train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool = Tr
         **run,
         "peak_memory_bytes": memory,
         "memory_kind": "cuda max_memory_allocated" if device.type == "cuda" else "max RSS",
-        "ledger": _ledger_rows(ledger),
+        "ledger": _ledger_rows(ledger, mesh),
         "timings_s": {"setup": t_setup, "train": t_train},
         ("pixels_per_s" if cfg.model == "conv-ae" else "tokens_per_s"):
             cfg.batch_size * _sample_size(cfg) * cfg.steps / t_train,

@@ -36,6 +36,9 @@ class CommRecord:
         group_size: number of ranks in the group.
         bytes_sent: bytes of the input buffer on this rank.
         bytes_received: bytes of the output buffer on this rank.
+        group_name: the process group's name (``ProcessGroup.group_name``; None when the caller
+            did not pass the group): which mesh axis the call ran on
+            (:meth:`shardkit.ParallelMesh.axis_of`).
     """
 
     op: str
@@ -44,6 +47,7 @@ class CommRecord:
     group_size: int
     bytes_sent: int
     bytes_received: int
+    group_name: str | None = None
 
 
 class CommLedger:
@@ -118,7 +122,7 @@ def record(op: str, api: str, phase: str, group_size: int, bytes_sent: int, byte
         rec_.record(op, api, phase, group_size, pg, shape, sizes, peer)
     if not _open:
         return
-    rec = CommRecord(op, api, phase, group_size, bytes_sent, bytes_received)
+    rec = CommRecord(op, api, phase, group_size, bytes_sent, bytes_received, None if pg is None else pg.group_name)
     with _lock:
         for ledger in _open:
             ledger.records.append(rec)

@@ -141,7 +141,7 @@ class GradientSync:
             return False
         if self.mesh is None:
             return True
-        replicas = ["edp"] if lay.expert else ["dp_replicate" if lay.fsdp else "dp_cp", "spatial"]
+        replicas = ["edp"] if lay.expert else ["dp_replicate" if lay.fsdp else "dp_cp", "spatial_h", "spatial"]
         if lay.spec is None and not lay.expert:
             replicas.append("tp")
         return all(self.mesh.local_rank(name) == 0 for name in replicas)

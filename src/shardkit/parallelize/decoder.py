@@ -12,7 +12,8 @@ Each transform takes its own submesh of the job's :class:`~shardkit.mesh.Paralle
    every batch with :meth:`~shardkit.context_parallel.CPContext.shard_batch`.
 3. **ep** (``mesh["ep"]``, borrowed from ``dp_shard x cp x tp``): every experts module keeps its
    block of experts; tokens travel with the all-to-all dispatcher. Tokens are replicated over
-   tp only, so each tp rank dispatches its own block of them (``token_group = tp``).
+   tp only, so each tp rank dispatches its own block of them (``token_group = tp``); with
+   sequence parallelism each tp rank already holds its own block of the sequence.
 4. **dp**: FSDP2 over ``dp_shard x cp`` (HSDP with ``dp_replicate``) when ``dp_shard > 1``;
    everything FSDP2 does not reduce is summed by one :class:`~shardkit.data_parallel.GradientSync`.
 
@@ -130,9 +131,9 @@ def parallelize(model: nn.Module, mesh: ParallelMesh | None, *, sequence_paralle
         cp = apply_cp(model, cp_mesh, dims.cp_mode)
     if ep > 1:
         for experts in _experts_modules(model):
-            if tp > 1:  # tokens are the same on the tp ranks: each dispatches its block of them
+            if tp > 1 and not sequence_parallel:  # the same tokens on the tp ranks: each dispatches its block
                 shard_experts(experts, mesh["ep"], mode="dispatch", tokens="replicated", token_group=mesh["tp"])
-            else:  # every rank's tokens are its own
+            else:  # every rank's tokens are its own (with sequence parallelism: its sequence block)
                 shard_experts(experts, mesh["ep"], mode="dispatch", tokens="sharded")
     layouts = {name: ParamLayout(name, expert_shard(p) is not None, False, shard_spec(p))
                for name, p in model.named_parameters()}

@@ -54,17 +54,18 @@ def _header_pairs(src: Side, dst: Side) -> list[tuple[int, int]]:
 
 def _bcast(t: torch.Tensor, tp: GroupInfo, api: str, phase: str) -> None:
     if tp.size > 1:
-        ledger.record("broadcast", api, phase, tp.size, t.nbytes if tp.rank == 0 else 0, 0 if tp.rank == 0 else t.nbytes)
+        ledger.record("broadcast", api, phase, tp.size, t.nbytes if tp.rank == 0 else 0, 0 if tp.rank == 0 else t.nbytes,
+                      pg=tp.pg)
         dist.broadcast(t, src=dist.get_global_rank(tp.pg, 0), group=tp.pg)
 
 
 def _send(t, pg: GroupInfo, peer: int, api: str, phase: str):
-    ledger.record("send", api, phase, pg.size, t.nbytes, 0)
+    ledger.record("send", api, phase, pg.size, t.nbytes, 0, pg=pg.pg, peer=peer)
     return isend(t, pg.pg, peer)
 
 
 def _recv(t, pg: GroupInfo, peer: int, api: str, phase: str) -> torch.Tensor:
-    ledger.record("recv", api, phase, pg.size, 0, t.nbytes)
+    ledger.record("recv", api, phase, pg.size, 0, t.nbytes, pg=pg.pg, peer=peer)
     irecv(t, pg.pg, peer).wait()
     return t
 
@@ -88,7 +89,7 @@ def _full_shape(x: torch.Tensor, src: Side, tp: GroupInfo, decl, header: bool, a
         return tuple(x.shape), OK, None
     mine = _wire.encode(OK, x.dtype, x.shape, x.device)
     rows = mine.new_empty(tp.size * HEADER_LEN)
-    ledger.record("all_gather_single", api, "check", tp.size, mine.nbytes, rows.nbytes)
+    ledger.record("all_gather_single", api, "check", tp.size, mine.nbytes, rows.nbytes, pg=tp.pg)
     all_gather_single(rows, mine, group=tp.pg)
     metas = [_wire.decode(r, api, f"tp rank {k}") for k, r in enumerate(rows.view(tp.size, HEADER_LEN))]
     d = layout.dim

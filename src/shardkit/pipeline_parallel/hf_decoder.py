@@ -230,7 +230,7 @@ def sum_tied_embedding_grads(stage_module: DecoderStageModule, pp_group: Group) 
     ops = [dist.P2POp(dist.isend, mine, group=g.pg, group_peer=peer), dist.P2POp(dist.irecv, theirs, group=g.pg, group_peer=peer)]
     for work in dist.batch_isend_irecv(ops):
         work.wait()
-    ledger.record("send", op, "backward", g.size, mine.nbytes, 0)
-    ledger.record("recv", op, "backward", g.size, 0, theirs.nbytes)
+    ledger.record("send", op, "backward", g.size, mine.nbytes, 0, pg=g.pg, peer=peer)
+    ledger.record("recv", op, "backward", g.size, 0, theirs.nbytes, pg=g.pg, peer=peer)
     first, last = (mine, theirs) if stage_module.is_first else (theirs, mine)
     p.grad = first + last

@@ -67,8 +67,10 @@ def _problem(m: nn.Module, tiles: bool = False) -> str | None:
     """Why ``m`` cannot be converted (over several sharded dims with ``tiles``), or None."""
     if type(m) in _CONVS or type(m) is nn.GroupNorm:
         return None
-    if tiles and type(m) in (nn.BatchNorm2d, nn.Upsample, nn.MaxPool2d, nn.AvgPool2d):
+    if tiles and type(m) in (nn.BatchNorm2d, nn.MaxPool2d, nn.AvgPool2d):
         return "not supported over tiles (several sharded dims) yet"
+    if tiles and type(m) is nn.Upsample and m.mode not in ("nearest", "nearest-exact"):
+        return f"mode={m.mode!r} is not supported over tiles (only nearest: it reads nothing outside the own tile)"
     if type(m) is nn.BatchNorm2d:
         return None
     if type(m) in _CONVTS:
@@ -148,8 +150,8 @@ def apply_spatial(module: nn.Module, mesh_or_group: Group | DeviceMesh, dim: int
             (3-D) ``DeviceMesh`` whose dims shard ``dim`` in order, or one group per sharded dim.
         dim: the sharded dim of the layers' inputs (e.g. 2 = H or -1 = W of NCHW), or a tuple
             of them for tiles, e.g. ``(2, 3)`` = H x W over a mesh ``("h", "w")``. Tiles convert
-            (transposed) convolutions and GroupNorm; BatchNorm2d, Upsample and pooling are
-            listed as unsupported.
+            (transposed) convolutions, GroupNorm and nearest Upsample; BatchNorm2d, linear
+            Upsample and pooling are listed as unsupported.
         channels_last: convolutions and pooling take ``[B, *S, C]`` inputs.
 
     Returns:

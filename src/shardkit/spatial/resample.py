@@ -9,8 +9,12 @@
   ``s * n_r`` outputs (the replicated border reproduces torch's clamping), so the halo plan of
   :mod:`.halo` (one ``all_to_all_single`` each way) is all the communication.
 
+Over H x W tiles (a group per sharded dim) only the nearest modes are supported: they read
+nothing outside the own tile, so the tile grid does not matter; the linear modes would need a
+corner-carrying halo per dim, as the tiled convolutions do, and are refused.
+
 Not supported (ShardkitError): non-integer scales, ``size=``, ``align_corners=True`` (its
-coordinate map depends on the global size), ``bicubic`` and ``area``.
+coordinate map depends on the global size), ``bicubic`` and ``area``; linear modes over tiles.
 """
 
 from __future__ import annotations
@@ -63,15 +67,24 @@ def check_interpolate_args(scale_factor, mode, align_corners, nd: int, op: str, 
     return _scales(scale_factor, nd, op)
 
 
-def spatial_interpolate(x_local: torch.Tensor, group: Group, dim: int,
+def _agree_args(x_local, group, dim, mode, sizes, channels_last, op):
+    g = enter(x_local, group, op)
+    # nearest is local: any split works without sizes, so only the other dims must agree
+    own = x_local.shape[dim] if mode in _NEAREST and -x_local.dim() <= dim < x_local.dim() else None
+    maybe_agree(g, op, x_local, (dim, int(bool(channels_last)), int(x_local.requires_grad), sizes), local_dim=dim,
+                expected_local=own if own is not None else expected_size(sizes, g.rank))
+    return g
+
+
+def spatial_interpolate(x_local: torch.Tensor, group: Group | Sequence[Group], dim: int | Sequence[int],
                         scale_factor: int | Sequence[int], mode: str = "nearest", align_corners: bool | None = None,
                         *, sizes: Sequence[int] | None = None, channels_last: bool = False) -> torch.Tensor:
     """``F.interpolate`` of an input sharded along ``dim`` with integer scales; output sharded the same way.
 
     Args:
         x_local: ``[B, C, *S_local]`` (``[B, *S_local, C]`` with ``channels_last``), sharded along ``dim``.
-        group: a ``ProcessGroup`` or 1-D ``DeviceMesh`` of ``R`` ranks.
-        dim: the sharded spatial dim (negative allowed).
+        group: a ``ProcessGroup`` or 1-D ``DeviceMesh`` of ``R`` ranks; over tiles, one per sharded dim.
+        dim: the sharded spatial dim (negative allowed); over tiles, a tuple (nearest modes only).
         scale_factor: an int, or one int per spatial dim.
         mode: ``nearest``, ``nearest-exact`` (local, no communication), ``linear`` /
             ``bilinear`` / ``trilinear`` (one-element replicate halo).
@@ -83,14 +96,20 @@ def spatial_interpolate(x_local: torch.Tensor, group: Group, dim: int,
 
     Raises:
         ShardkitError: unsupported mode, scale or ``align_corners`` (see module docstring),
-            ``dim`` not spatial, bad ``sizes``.
+            ``dim`` not spatial, bad ``sizes``, a linear mode over tiles.
     """
     op = "spatial_interpolate"
-    g = enter(x_local, group, op)
-    # nearest is local: any split works without sizes, so only the other dims must agree
-    own = x_local.shape[dim] if mode in _NEAREST and -x_local.dim() <= dim < x_local.dim() else None
-    maybe_agree(g, op, x_local, (dim, int(bool(channels_last)), int(x_local.requires_grad), sizes), local_dim=dim,
-                expected_local=own if own is not None else expected_size(sizes, g.rank))
+    if isinstance(dim, (tuple, list)):  # tiles: nearest only, checked per sharded dim
+        if mode not in _NEAREST or sizes is not None:
+            raise ShardkitError(f"{op}: over tiles (dims {tuple(dim)}) only nearest modes without sizes= are "
+                                f"supported, got mode={mode!r}")
+        if not isinstance(group, (tuple, list)) or len(group) != len(dim):
+            raise ShardkitError(f"{op}: {len(dim)} sharded dims {tuple(dim)} need {len(dim)} groups, got {group!r}")
+        for tile_group, tile_dim in zip(group, dim):
+            _agree_args(x_local, tile_group, tile_dim, mode, sizes, channels_last, op)
+        dim = dim[0]  # nearest reads only the own tile: the dim only places the channels
+    else:
+        g = _agree_args(x_local, group, dim, mode, sizes, channels_last, op)
     nd = x_local.dim() - 2
     if nd < 1:
         raise ShardkitError(f"{op}: expected [B, C, *S] with at least one spatial dim, got {tuple(x_local.shape)}")
@@ -121,17 +140,27 @@ class SpatialUpsample(nn.Module):
     """``nn.Upsample`` (integer ``scale_factor``) over an input sharded along ``dim``.
 
     See :func:`spatial_interpolate`. No parameters; ``infer_sizes`` all-gathers the split sizes
-    in forward when none are passed (linear modes only; set by :func:`apply_spatial`).
+    in forward when none are passed (linear modes only; set by :func:`apply_spatial`). Over
+    tiles, ``group`` and ``dim`` are tuples (one group per sharded dim) and ``mode`` must be a
+    nearest mode.
     """
 
     def __init__(self, scale_factor: int | Sequence[int], mode: str = "nearest", align_corners: bool | None = None, *,
-                 group: Group, dim: int, channels_last: bool = False, infer_sizes: bool = False):
+                 group: Group | Sequence[Group], dim: int | Sequence[int], channels_last: bool = False,
+                 infer_sizes: bool = False):
         super().__init__()
-        if isinstance(dim, bool) or not isinstance(dim, int):
-            raise ShardkitTypeError(f"SpatialUpsample: dim must be an int, got {dim!r}")
-        resolve_group(group, "SpatialUpsample")
+        tiles = isinstance(dim, (tuple, list))
+        dims = tuple(dim) if tiles else (dim,)
+        if any(isinstance(d, bool) or not isinstance(d, int) for d in dims):
+            raise ShardkitTypeError(f"SpatialUpsample: dim must be an int or a tuple of ints, got {dim!r}")
+        if tiles and (mode not in _NEAREST or not isinstance(group, (tuple, list)) or len(group) != len(dims)):
+            raise ShardkitError(f"SpatialUpsample: over tiles (dims {dims}) only nearest modes with one group per "
+                                f"dim are supported, got mode={mode!r}, group={group!r}")
+        for g in (group if tiles else (group,)):
+            resolve_group(g, "SpatialUpsample")
         self.scale_factor, self.mode, self.align_corners = scale_factor, mode, align_corners
-        self.group, self.dim, self.channels_last, self.infer_sizes = group, dim, bool(channels_last), bool(infer_sizes)
+        self.group = tuple(group) if tiles else group
+        self.dim, self.channels_last, self.infer_sizes = dims if tiles else dim, bool(channels_last), bool(infer_sizes)
 
     def forward(self, x: torch.Tensor, sizes: Sequence[int] | None = None) -> torch.Tensor:
         if sizes is None and self.infer_sizes and self.mode not in _NEAREST:
@@ -144,7 +173,8 @@ class SpatialUpsample(nn.Module):
         return f"scale_factor={self.scale_factor}, mode={self.mode!r}, dim={self.dim}"
 
     @classmethod
-    def from_module(cls, up: nn.Upsample, group: Group, dim: int, *, channels_last: bool = False,
+    def from_module(cls, up: nn.Upsample, group: Group | Sequence[Group], dim: int | Sequence[int], *,
+                    channels_last: bool = False,
                     infer_sizes: bool = False) -> SpatialUpsample:
         """The sharded equivalent of ``up``; ShardkitError when its settings are unsupported."""
         if up.size is not None or up.scale_factor is None:

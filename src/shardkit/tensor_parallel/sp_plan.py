@@ -28,9 +28,14 @@ only and leave their output partial, as do the shared experts' row-parallel ``do
 block's output, the sum of those partial outputs, is reduce-scattered once
 (``PrepareModuleOutput(Partial(), Shard(1))``). Multi-head latent attention (DeepSeek-V2):
 ``kv_a_proj_with_mqa`` and ``q_a_proj`` (replicated) read the gathered input through
-``partial_grad`` too. Refused (:class:`~shardkit.ShardkitError`): expert-parallel experts
-(``ep_plan``) with sequence parallelism, whose token dispatch owns the experts' input and output
-layouts (not implemented).
+``partial_grad`` too.
+
+Expert-parallel MoE blocks (experts left out of the plan: ``shardkit.parallelize`` with
+``ep > 1`` dispatches them over ``ep``): the block runs on this rank's sequence block, no gather
+and no reduce-scatter. Each rank's tokens are its own, so the token dispatch sends them straight
+to their experts; the router (replicated) is :class:`~.replicated.SequenceParallel` (its
+gradient, a sum over local tokens, is summed over tp); shared experts, a tensor-parallel MLP,
+gather their input and reduce-scatter their output like a dense block.
 
 Source: Megatron-LM sequence parallelism (Korthikanti et al., 2022); the plan shape of
 torchtitan's ``parallelize_llama`` (PyTorch DTensor styles).
@@ -107,13 +112,25 @@ def sequence_parallel_plan(model: nn.Module, plan: dict, *, loss_parallel: bool 
     compiled = CompiledPlan.build(plan, model, styles)
     layers = decoder_layers(model)
     moe = {f"{n}.mlp" for n, layer in layers if hasattr(layer.mlp, "experts")}
-    dense = {f"{n}.{b}" for n, _ in layers for b in _BLOCKS} - moe
+    ep_moe = {block for block in moe if compiled.match(f"{block}.experts") is None}  # expert-parallel experts
+    moe -= ep_moe
+    shared = {f"{block}.shared_experts" for block in ep_moe
+              if isinstance(getattr(model.get_submodule(block), "shared_experts", None), nn.Module)}
+    dense = {f"{n}.{b}" for n, _ in layers for b in _BLOCKS} - moe - ep_moe
     out = {pattern: style for pattern, _, style in compiled.rules}
-    _sequence_outputs(model, compiled, out, dense, moe)
+    _sequence_outputs(model, compiled, out, dense | shared, moe)
     for name, layer in layers:
         for b in _BLOCKS:
             block = f"{name}.{b}"
             gather = PrepareModuleInput(Shard(1), Replicate())
+            if block in ep_moe:  # runs on the local tokens: only the router and shared experts change
+                rule = compiled.match(f"{block}.gate")
+                if rule is not None:
+                    out.pop(rule[0], None)
+                out[f"{block}.gate"] = SequenceParallel() if rule is None else _Chain(rule[1], SequenceParallel())
+                if f"{block}.shared_experts" in shared:
+                    out[f"{block}.shared_experts"] = gather
+                continue
             # exact names: a layer's blocks may differ from the next one's (dense and MoE layers)
             out[block] = _Chain(gather, PrepareModuleOutput(Partial(), Shard(1))) if block in moe else gather
             for child in _REPLICATED_READERS[b]:
