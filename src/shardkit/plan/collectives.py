@@ -1,0 +1,338 @@
+"""The collectives of one training step of the composed trainer, per rank, as its CommLedger
+records them: op, issuing api, phase, group size, count and buffer bytes.
+
+Rules (``T`` = tokens of one microbatch on this rank = ``b x S / cp`` with ``b`` rows per
+microbatch, ``e`` bytes per element, ``t`` = tp, per microbatch unless said):
+
+* tp without SP (Megatron f/g): the vocab-parallel embedding all-reduces ``[T, H]`` (first
+  stage); every layer all-reduces its two row-parallel outputs (forward) and the inputs of its
+  two column-parallel groups (backward); ``lm_head``'s input too (backward, last stage).
+* tp with SP (Korthikanti et al.): per layer two all-gathers ``[T/t, H] -> [T, H]`` forward and
+  two reduce-scatters back, their adjoints in backward; the norms' gradients summed over tp
+  (``H`` each); the first layer of a stage splits its input (backward: all-gather); a stage
+  before the last gathers its output, the last gathers ``lm_head``'s input.
+* the logits: gathered over the vocabulary ``[T, V/t] -> [T, V]``; with the vocab-parallel loss
+  two all-reduces instead, ``(T + t + 2)`` float64 (max) and ``(2 T + 1)`` (sums).
+* Ulysses (``u`` ranks): per layer one all-to-all of q, k, v ``[T, (N + 2 N_kv)/t, D]`` and one
+  of the output ``[T, N/t, D]``, forward and backward.
+* ring (``r`` ranks, zigzag): per layer ``r - 1`` K/V shifts forward and ``2 r - 1`` backward
+  (K/V again, then dK/dV home), each ``2 x b x S/r x N_kv/(t u) x D``.
+* ep (tp 1): per MoE layer the counts ``R x (ceil(E/R) + 1)`` int64, then dispatch and combine
+  of ``T x k`` rows of ``H`` forward and backward. The rows each rank *receives* depend on the
+  router; the rows are given for a balanced router (received = sent), their sum over the ranks
+  is exact.
+* pp: every transfer between stages is a 160-byte header plus ``[b, S/cp, H]`` (replicated over
+  tp); the first transfer of a step on each channel posts them as two messages, later ones as
+  one (the shape cache).
+* once per step: dense gradients FSDP2 does not own (all with ``dp_shard`` 1; else the
+  sum-over-tp ones) all-reduced over ``dp_cp``; expert gradients over ``edp``; the gradient
+  norm and the loss (one float64 each) over the world.
+
+FSDP2's own collectives (parameter all-gathers, gradient reduce-scatters) are c10d calls of
+torch's ``fully_shard``, not shardkit's: :func:`fsdp_collectives` lists them separately.
+
+Source: the trainer (:mod:`shardkit.cli.trainer`) and the transforms it composes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+
+from ..errors import ShardkitError
+from ..mesh import ParallelDims
+from .model import ModelShape
+
+__all__ = ["CommRow", "StepOptions", "step_collectives", "fsdp_collectives", "HEADER_BYTES", "DTYPE_BYTES"]
+
+HEADER_BYTES = 160  # the P2P shape header: 20 int64 (dtype, ndim, up to 16 dims, ...)
+DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2}
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """The trainer options of one step that change its collectives.
+
+    Attributes:
+        seq_len: S tokens per sequence.
+        global_batch: sequences per step (all data-parallel ranks together).
+        microbatches: M per data-parallel rank (pipeline microbatches or gradient accumulation).
+        dtype: ``float32``, ``bfloat16`` or ``float64`` (parameters and activations).
+        sequence_parallel: Megatron-SP with tp (None: on for dense models with tp > 1, as the trainer).
+        loss_parallel: vocab-parallel loss (logits never gathered).
+    """
+
+    seq_len: int = 4096
+    global_batch: int = 1024
+    microbatches: int = 1
+    dtype: str = "bfloat16"
+    sequence_parallel: bool | None = None
+    loss_parallel: bool = False
+
+    @property
+    def elem(self) -> int:
+        """Bytes per element of ``dtype``."""
+        return DTYPE_BYTES[self.dtype]
+
+
+@dataclass(frozen=True)
+class CommRow:
+    """Calls of one kind in one step on one rank.
+
+    Attributes:
+        axis: the layout axis it belongs to (``tp``, ``cp``, ``ep``, ``pp``, ``dp``, ``fsdp``, ``world``).
+        op: the c10d primitive (as :class:`shardkit.CommRecord`).
+        api: the shardkit function that issues it (``"p2p"`` for pipeline transfers).
+        phase: ``forward``, ``backward`` or ``optimizer``.
+        group_size: ranks in the group.
+        count: calls per step.
+        bytes_sent: input buffer bytes, summed over the calls.
+        bytes_received: output buffer bytes, summed over the calls.
+    """
+
+    axis: str
+    op: str
+    api: str
+    phase: str
+    group_size: int
+    count: int
+    bytes_sent: int
+    bytes_received: int
+
+    def key(self) -> tuple[str, str, str, int]:
+        return self.op, self.api, self.phase, self.group_size
+
+
+class _Rows:
+    def __init__(self) -> None:
+        self.rows: dict[tuple, list[int]] = {}
+
+    def add(self, axis: str, op: str, api: str, phase: str, group: int, count: int, sent: int, recv: int) -> None:
+        if group <= 1 or count <= 0:
+            return  # a size-1 group is the identity: no call
+        row = self.rows.setdefault((axis, op, api, phase, group), [0, 0, 0])
+        row[0] += count
+        row[1] += count * sent
+        row[2] += count * recv
+
+    def result(self) -> list[CommRow]:
+        return [CommRow(*key, *vals) for key, vals in self.rows.items()]
+
+
+def _resolve(shape: ModelShape, dims: ParallelDims, opts: StepOptions) -> StepOptions:
+    if opts.sequence_parallel is None:
+        dense = shape.experts == 0
+        opts = replace(opts, sequence_parallel=dense and dims.tp > 1)
+    if opts.sequence_parallel and dims.ep > 1:
+        raise ShardkitError(f"plan: sequence_parallel with ep={dims.ep}: the trainer refuses it (expert dispatch "
+                            "takes tokens replicated over tp)")
+    return opts
+
+
+def check_layout(shape: ModelShape, dims: ParallelDims, opts: StepOptions) -> None:
+    """The trainer's limits for this model and layout (pure).
+
+    Raises:
+        ShardkitError: naming the option at fault (batch not divisible by dp x microbatches,
+            sequence not divisible by cp (x tp with SP), heads not divisible by tp, ...).
+    """
+    dp, cp, tp = dims.dp, dims.cp, dims.tp
+    if dims.pp_tp is not None or dims.spatial > 1:
+        raise ShardkitError(f"plan: {dims.describe()}: pp_tp and spatial layouts are not planned")
+    if opts.global_batch % (dp * opts.microbatches):
+        raise ShardkitError(f"plan: global_batch {opts.global_batch} must be divisible by dp={dp} x microbatches="
+                            f"{opts.microbatches}")
+    if opts.seq_len % (cp * (tp if opts.sequence_parallel else 1) * (2 if dims.cp_ring > 1 else 1)):
+        raise ShardkitError(f"plan: seq_len {opts.seq_len} must be divisible by cp={cp} (x2 zigzag with ring, x tp "
+                            "with sequence parallelism)")
+    if shape.heads % tp or (shape.kv_heads % tp and tp % shape.kv_heads):
+        raise ShardkitError(f"plan: tp={tp} must divide num_attention_heads={shape.heads} and divide or be a "
+                            f"multiple of num_key_value_heads={shape.kv_heads}")
+    if dims.cp_ulysses > 1 and (shape.heads // tp) % dims.cp_ulysses or (
+            dims.cp_ulysses > 1 and max(1, shape.kv_heads // tp) % dims.cp_ulysses):
+        raise ShardkitError(f"plan: cp_ulysses={dims.cp_ulysses} must divide the heads per tp rank "
+                            f"({shape.heads // tp} query, {max(1, shape.kv_heads // tp)} key/value)")
+    if cp > 1 and shape.mla:
+        raise ShardkitError("plan: context parallelism with multi-head latent attention is not composed by the trainer")
+    if dims.ep > 1 and (not shape.experts or shape.experts % dims.ep):
+        raise ShardkitError(f"plan: ep={dims.ep} needs an MoE model whose {shape.experts} experts it divides")
+    if dims.pp > shape.layers:
+        raise ShardkitError(f"plan: pp={dims.pp} stages for {shape.layers} layers")
+    if shape.vocab % tp or shape.hidden % tp or shape.ffn % tp:
+        raise ShardkitError(f"plan: tp={tp} must divide vocab_size, hidden_size and intermediate_size")
+
+
+def step_collectives(shape: ModelShape, dims: ParallelDims, opts: StepOptions, stage: int = 0) -> list[CommRow]:
+    """shardkit's collectives of one training step on a rank of pipeline stage ``stage``.
+
+    Args:
+        shape: the model. dims: the layout. opts: the step's options.
+        stage: the rank's pipeline stage (0 when ``pp`` is 1).
+
+    Returns:
+        One :class:`CommRow` per ``(axis, op, api, phase, group size)``; equal to the trainer's
+        :class:`~shardkit.CommLedger` of that step (for ep: the counts and bytes sent exactly,
+        the bytes received for a balanced router).
+
+    Raises:
+        ShardkitError: a layout the trainer refuses (:func:`check_layout`).
+    """
+    opts = _resolve(shape, dims, opts)
+    check_layout(shape, dims, opts)
+    e, tp, M, H = opts.elem, dims.tp, opts.microbatches, shape.hidden
+    b = opts.global_batch // (dims.dp * M)
+    S = opts.seq_len // dims.cp
+    T = b * S
+    out = _Rows()
+    first, last = stage == 0, stage == dims.pp - 1
+    layers = list(shape.stage_layers(dims.pp, stage))
+    if tp > 1:
+        _tp_rows(out, shape, opts, layers, first, last, T, M, tp)
+    if dims.cp_ulysses > 1:
+        q, kv = shape.heads // tp, max(1, shape.kv_heads // tp)
+        for phase in ("forward", "backward"):
+            out.add("cp", "all_to_all_single", "ulysses_attention", phase, dims.cp_ulysses, M * len(layers),
+                    T * (q + 2 * kv) * shape.head_dim * e, T * (q + 2 * kv) * shape.head_dim * e)
+            out.add("cp", "all_to_all_single", "ulysses_attention", phase, dims.cp_ulysses, M * len(layers),
+                    T * q * shape.head_dim * e, T * q * shape.head_dim * e)
+    if dims.cp_ring > 1:
+        r = dims.cp_ring
+        kv = max(1, shape.kv_heads // tp) // dims.cp_ulysses
+        msg = 2 * b * (opts.seq_len // r) * kv * shape.head_dim * e
+        for phase, steps in (("forward", r - 1), ("backward", 2 * r - 1)):
+            out.add("cp", "send", "ring_attention", phase, r, M * len(layers) * steps, msg, 0)
+            out.add("cp", "recv", "ring_attention", phase, r, M * len(layers) * steps, 0, msg)
+    if dims.ep > 1:
+        _ep_rows(out, shape, dims, layers, T, M, e)
+    if dims.pp > 1:
+        _pp_rows(out, dims.pp, first, last, M, b * S * H * e)
+    _grad_rows(out, shape, dims, opts, stage)
+    world = dims.product
+    out.add("world", "all_reduce", "grad_norm", "optimizer", world, 1, 8, 8)
+    out.add("world", "all_reduce", "train_loss", "forward", world, 1, 8, 8)
+    return out.result()
+
+
+def _tp_rows(out: _Rows, shape: ModelShape, opts: StepOptions, layers: list[int], first: bool, last: bool, T: int,
+             M: int, t: int) -> None:
+    e, H, n = opts.elem, shape.hidden, len(layers)
+    full, part = T * H * e, T // t * H * e
+    add = out.add
+    if first:
+        add("tp", "all_reduce", "all_reduce_forward", "forward", t, M, full, full)  # vocab-parallel embedding
+    if shape.family in ("qwen3", "qwen3_moe"):
+        add("tp", "all_reduce", "sum_grad_over", "backward", t, M * 2 * n, shape.head_dim * e, shape.head_dim * e)
+    if shape.kv_heads < t and not shape.mla:  # replicated key/value heads: their weight gradients summed
+        add("tp", "all_reduce", "sum_grad_over", "backward", t, M * 2 * n, shape.head_dim * H * e,
+            shape.head_dim * H * e)
+    if opts.sequence_parallel:
+        add("tp", "all_gather_single", "all_gather", "forward", t, M * (2 * n + last), part, full)
+        add("tp", "reduce_scatter_single", "all_gather", "backward", t, M * (2 * n + last), full, part)
+        add("tp", "reduce_scatter_single", "reduce_scatter", "forward", t, M * 2 * n, full, part)
+        add("tp", "all_gather_single", "reduce_scatter", "backward", t, M * 2 * n, part, full)
+        add("tp", "all_reduce", "sum_grad_over", "backward", t, M * (2 * n + last), H * e, H * e)
+        add("tp", "all_gather_single", "split_forward_gather_backward", "backward", t, M, part, full)
+        if not last:
+            add("tp", "all_gather_single", "gather_forward_split_backward", "forward", t, M, part, full)
+    else:
+        add("tp", "all_reduce", "all_reduce_forward", "forward", t, M * 2 * n, full, full)
+        add("tp", "all_reduce", "all_reduce_backward", "backward", t, M * (2 * n + last), full, full)
+    if last:
+        if opts.loss_parallel:
+            cdt = 4 if e < 4 else e
+            add("tp", "all_reduce", "vocab_parallel_cross_entropy", "forward", t, M, (T + t + 2) * 8, (T + t + 2) * 8)
+            add("tp", "all_reduce", "vocab_parallel_cross_entropy", "forward", t, M, (2 * T + 1) * cdt, (2 * T + 1) * cdt)
+        else:
+            logits = T * shape.vocab * e
+            add("tp", "all_gather_single", "gather_forward_split_backward", "forward", t, M, logits // t, logits)
+
+
+def _ep_rows(out: _Rows, shape: ModelShape, dims: ParallelDims, layers: list[int], T: int, M: int, e: int) -> None:
+    if dims.tp > 1:
+        raise ShardkitError(f"plan: ep={dims.ep} with tp={dims.tp} (tokens split over tp before dispatch) is not "
+                            "modeled exactly; plan it with tp 1")
+    R, k, H = dims.ep, shape.top_k, shape.hidden
+    n = sum(shape.is_moe_layer(i) for i in layers)
+    counts = R * (math.ceil(shape.experts / R) + 1) * 8
+    rows = T * k * H * e
+    out.add("ep", "all_to_all_single", "dispatch_plan", "forward", R, M * n, counts, counts)
+    for api in ("token_dispatch", "token_combine"):
+        for phase in ("forward", "backward"):
+            out.add("ep", "all_to_all_single", api, phase, R, M * n, rows, rows)
+
+
+def _pp_rows(out: _Rows, pp: int, first: bool, last: bool, M: int, act: int) -> None:
+    # each channel: M transfers of header + payload; the first as two messages, the rest as one
+    msg = act + HEADER_BYTES
+    if not last:
+        out.add("pp", "send", "p2p", "forward", pp, 1, msg * M, 0)
+        out.add("pp", "recv", "p2p", "backward", pp, 1, 0, msg * M)
+    if not first:
+        out.add("pp", "recv", "p2p", "forward", pp, 1, 0, msg * M)
+        out.add("pp", "send", "p2p", "backward", pp, 1, msg * M, 0)
+    for key in list(out.rows):
+        if key[0] == "pp":
+            out.rows[key][0] = M + 1
+
+
+def _grad_rows(out: _Rows, shape: ModelShape, dims: ParallelDims, opts: StepOptions, stage: int) -> None:
+    e = opts.elem
+    ep = dims.ep
+    dense, expert = shape.rank_params(dims.tp, ep, dims.pp, stage)
+    if ep == 1:
+        dense, expert = dense + expert, 0
+    if dims.dp_shard > 1:
+        dense = _hooked_params(shape, dims, opts, stage)  # FSDP2 owns the rest
+    if dense:  # no bucket, no call
+        out.add("dp", "all_reduce", "dp_cp_grads", "backward", dims.dp * dims.cp, 1, dense * e, dense * e)
+    edp = dims.dp_replicate * dims.ep_borrow // ep
+    if ep > 1 and expert:
+        out.add("dp", "all_reduce", "expert_grads", "backward", edp, 1, expert * e, expert * e)
+
+
+def _hooked_params(shape: ModelShape, dims: ParallelDims, opts: StepOptions, stage: int) -> int:
+    """Parameters with a sum-over-tp gradient hook (FSDP2 leaves them to the dense all-reduce)."""
+    if dims.tp == 1:
+        return 0
+    layers = list(shape.stage_layers(dims.pp, stage))
+    total = 0
+    if opts.sequence_parallel:
+        total += 2 * shape.hidden * len(layers) + (shape.hidden if stage == dims.pp - 1 else 0)
+    if shape.family in ("qwen3", "qwen3_moe"):
+        total += 2 * shape.head_dim * len(layers)
+    if shape.kv_heads < dims.tp and not shape.mla:
+        total += 2 * shape.head_dim * shape.hidden * len(layers)
+    return total
+
+
+def fsdp_collectives(shape: ModelShape, dims: ParallelDims, opts: StepOptions, stage: int = 0) -> list[CommRow]:
+    """FSDP2's own collectives of one step (torch ``fully_shard``, not in the shardkit ledger).
+
+    Per microbatch: the parameters all-gathered before forward and again before backward
+    (resharded after forward), the gradients reduce-scattered; with HSDP the shards'
+    gradients are also all-reduced over ``dp_replicate``. Bytes as nccl-tests sizes.
+    """
+    out = _Rows()
+    if dims.dp_shard == 1:
+        return []
+    opts = _resolve(shape, dims, opts)
+    R = dims.dp_shard * dims.cp
+    dense, expert = shape.rank_params(dims.tp, dims.ep, dims.pp, stage)
+    owned = dense + (expert if dims.ep == 1 else 0) - _hooked_params(shape, dims, opts, stage)
+    full, shard = owned * opts.elem, owned * opts.elem // R
+    M = opts.microbatches
+    out.add("fsdp", "all_gather", "fully_shard", "forward", R, M, shard, full)
+    out.add("fsdp", "all_gather", "fully_shard", "backward", R, M, shard, full)
+    out.add("fsdp", "reduce_scatter", "fully_shard", "backward", R, M, full, shard)
+    out.add("fsdp", "all_reduce", "fully_shard", "backward", dims.dp_replicate, M, shard, shard)
+    return out.result()
+
+
+def merged(rows: Iterable[CommRow]) -> dict[tuple[str, str, str, int], tuple[int, int, int]]:
+    """``{(op, api, phase, group_size): (count, bytes_sent, bytes_received)}`` summed over axes."""
+    table: dict[tuple[str, str, str, int], tuple[int, int, int]] = {}
+    for r in rows:
+        c, s, v = table.get(r.key(), (0, 0, 0))
+        table[r.key()] = (c + r.count, s + r.bytes_sent, v + r.bytes_received)
+    return table
