@@ -44,7 +44,8 @@ from ..errors import ShardkitError
 from ..mesh import ParallelDims
 from .model import ModelShape
 
-__all__ = ["CommRow", "StepOptions", "step_collectives", "fsdp_collectives", "HEADER_BYTES", "DTYPE_BYTES"]
+__all__ = ["CommRow", "StepOptions", "step_collectives", "fsdp_collectives", "merged", "ledger_table", "HEADER_BYTES",
+           "DTYPE_BYTES"]
 
 HEADER_BYTES = 160  # the P2P shape header: 20 int64 (dtype, ndim, up to 16 dims, ...)
 DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2}
@@ -335,4 +336,17 @@ def merged(rows: Iterable[CommRow]) -> dict[tuple[str, str, str, int], tuple[int
     for r in rows:
         c, s, v = table.get(r.key(), (0, 0, 0))
         table[r.key()] = (c + r.count, s + r.bytes_sent, v + r.bytes_received)
+    return table
+
+
+def ledger_table(records: Iterable) -> dict[tuple[str, str, str, int], tuple[int, int, int]]:
+    """A :class:`~shardkit.CommLedger`'s records in the form of :func:`merged`: pipeline
+    transfers (every ``send``/``recv`` but ring attention's) under the api ``"p2p"``, since
+    which combined call carries a transfer is the schedule's choice, not a cost."""
+    table: dict[tuple[str, str, str, int], tuple[int, int, int]] = {}
+    for r in records:
+        api = "p2p" if r.op in ("send", "recv") and r.api != "ring_attention" else r.api
+        key = (r.op, api, r.phase, r.group_size)
+        c, s, v = table.get(key, (0, 0, 0))
+        table[key] = (c + 1, s + r.bytes_sent, v + r.bytes_received)
     return table
