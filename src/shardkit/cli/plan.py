@@ -130,18 +130,23 @@ def run_plan(args: argparse.Namespace) -> int:
         shape = ModelShape.from_config(args.config)
         options = StepOptions(seq_len=args.seq_len, global_batch=args.global_batch, dtype=args.dtype)
         best = plan_layouts(shape, cluster, options, top=args.top)
-        compared = []
-        for text in args.compare:
-            dims = parse_layout(text, args.gpus)
-            m = args.global_batch // dims.dp
-            compared.append(estimate_step(shape, dims, dataclasses.replace(options, microbatches=m), cluster))
     except ShardkitError as e:
         print(f"shardkit plan: {e}")
         return 2
+    compared, refused = [], []
+    for text in args.compare:
+        try:
+            dims = parse_layout(text, args.gpus)
+            m = args.global_batch // dims.dp
+            compared.append(estimate_step(shape, dims, dataclasses.replace(options, microbatches=m), cluster))
+        except ShardkitError as e:  # a published layout shardkit cannot run: say why, keep the rest
+            refused.append(f"--compare {text}: refused: {e}")
     print(f"{shape.total_params / 1e9:.1f} B parameters ({shape.active_params / 1e9:.1f} B active); "
           f"{cluster.gpus} x {cluster.name}; seq {args.seq_len}, {args.global_batch} sequences per step, {args.dtype}")
     _print(f"fastest {len(best)} layouts that fit in {cluster.gpu_memory_gib:g} GiB", best)
     if compared:
         _print("compared layouts", compared)
+    for line in refused:
+        print(line)
     _plot(args.plot, best + compared)
     return 0

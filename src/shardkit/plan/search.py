@@ -72,7 +72,7 @@ def estimate_step(shape: ModelShape, dims: ParallelDims, options: StepOptions, c
         cluster: the machines.
 
     Returns:
-        :class:`StepEstimate` (the busiest pipeline stage: the first and the last are evaluated).
+        :class:`StepEstimate` (the busiest of the first, a middle and the last pipeline stage).
 
     Raises:
         ShardkitError: the layout does not match the cluster's GPU count, or the trainer refuses it.
@@ -82,7 +82,7 @@ def estimate_step(shape: ModelShape, dims: ParallelDims, options: StepOptions, c
     check_layout(shape, dims, options)
     worst: tuple[float, list[tuple[CommRow, float]], float] | None = None
     memory: dict[str, float] = {}
-    for stage in sorted({0, dims.pp - 1}):
+    for stage in sorted({0, dims.pp // 2, dims.pp - 1}):  # embedding, a middle (MoE) stage, lm_head
         rows = step_collectives(shape, dims, options, stage) + fsdp_collectives(shape, dims, options, stage)
         timed = [(r, row_seconds(r, dims, cluster)) for r in rows]
         critical = sum(s for r, s in timed if r.axis in _CRITICAL)
