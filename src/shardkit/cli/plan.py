@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 
 from .._optional import install_hint, missing
 from ..errors import ShardkitError
@@ -51,18 +52,16 @@ def parse_layout(text: str, gpus: int) -> ParallelDims:
     known = {f.name for f in dataclasses.fields(ParallelDims)} - {"world_size", "pp_tp"}
     degrees: dict[str, int] = {}
     for part in filter(None, text.split(",")):
-        name, _, value = part.partition("=")
-        if name.strip() not in known or not value.strip().isdigit():
+        axis, _, number = part.partition("=")
+        if axis.strip() not in known or not number.strip().isdigit():
             raise ShardkitError(f"--compare {text!r}: expected axis=int pairs with axes {sorted(known)}, got {part!r}")
-        degrees[name.strip()] = int(value)
-    used = 1
-    for name, value in degrees.items():
-        used *= value if name != "ep" else 1
+        degrees[axis.strip()] = int(number)
+    used = math.prod(d for axis, d in degrees.items() if axis != "ep")  # ep borrows, it does not multiply
     if "dp_replicate" not in degrees:
         if gpus % used:
             raise ShardkitError(f"--compare {text!r}: the degrees multiply to {used}, which does not divide {gpus} GPUs")
         degrees["dp_replicate"] = gpus // used
-    return ParallelDims(**degrees, world_size=gpus)
+    return ParallelDims(world_size=gpus, **degrees)  # type: ignore[arg-type]
 
 
 def _cluster(args) -> Cluster:
