@@ -310,23 +310,32 @@ def _hooked_params(shape: ModelShape, dims: ParallelDims, opts: StepOptions, sta
 def fsdp_collectives(shape: ModelShape, dims: ParallelDims, opts: StepOptions, stage: int = 0) -> list[CommRow]:
     """FSDP2's own collectives of one step (torch ``fully_shard``, not in the shardkit ledger).
 
-    Per microbatch: the parameters all-gathered before forward and again before backward
-    (resharded after forward), the gradients reduce-scattered; with HSDP the shards'
-    gradients are also all-reduced over ``dp_replicate``. Bytes as nccl-tests sizes.
+    FSDP2 wraps every decoder layer and the root (embedding, final norm, ``lm_head``): ``G`` =
+    layers + 1 groups. Per microbatch every group is all-gathered before forward, the layers
+    again before backward (the root is not resharded after forward), and every group's
+    gradients are reduce-scattered; with HSDP each group's shard is also all-reduced over
+    ``dp_replicate``. Bytes are nccl-tests sizes (FSDP2's padding to a multiple of the ranks
+    left out). Counts checked with torch's ``CommDebugMode`` in ``tests/plan``.
     """
-    out = _Rows()
     if dims.dp_shard == 1:
         return []
     opts = _resolve(shape, dims, opts)
-    R = dims.dp_shard * dims.cp
+    out = _Rows()
+    R, M, e = dims.dp_shard * dims.cp, opts.microbatches, opts.elem
     dense, expert = shape.rank_params(dims.tp, dims.ep, dims.pp, stage)
     owned = dense + (expert if dims.ep == 1 else 0) - _hooked_params(shape, dims, opts, stage)
-    full, shard = owned * opts.elem, owned * opts.elem // R
-    M = opts.microbatches
-    out.add("fsdp", "all_gather", "fully_shard", "forward", R, M, shard, full)
-    out.add("fsdp", "all_gather", "fully_shard", "backward", R, M, shard, full)
-    out.add("fsdp", "reduce_scatter", "fully_shard", "backward", R, M, full, shard)
-    out.add("fsdp", "all_reduce", "fully_shard", "backward", dims.dp_replicate, M, shard, shard)
+    layers = list(shape.stage_layers(dims.pp, stage))
+    per_layer = [shape.layer_params(i, dims.tp, dims.ep) for i in layers]
+    layer_owned = sum(d + (x if dims.ep == 1 else 0) for d, x in per_layer) - _hooked_params(shape, dims, opts, stage)
+    if opts.sequence_parallel and stage == dims.pp - 1:
+        layer_owned += shape.hidden  # the final norm's hook is the root's, not a layer's
+    G = len(layers) + 1
+    out.add("fsdp", "all_gather", "fully_shard", "forward", R, M * G, owned * e // (R * G), owned * e // G)
+    out.add("fsdp", "all_gather", "fully_shard", "backward", R, M * (G - 1), layer_owned * e // (R * max(1, G - 1)),
+            layer_owned * e // max(1, G - 1))
+    out.add("fsdp", "reduce_scatter", "fully_shard", "backward", R, M * G, owned * e // G, owned * e // (R * G))
+    out.add("fsdp", "all_reduce", "fully_shard", "backward", dims.dp_replicate, M * G, owned * e // (R * G),
+            owned * e // (R * G))
     return out.result()
 
 
