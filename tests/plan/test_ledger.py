@@ -112,6 +112,10 @@ LAYOUTS_4 = {
     "moe: ep=4 over dp_shard=4": dict(model="moe", tp=1, ep=4, dp_shard=4),
     "moe: ep=4 over cp_ulysses=4 (expert grads over edp=1)": dict(model="moe", tp=1, ep=4, cp_ulysses=4, kv_heads=4),
     "moe: ep=2 over cp_ulysses=2 x dp_replicate=2 (edp=2)": dict(model="moe", tp=1, ep=2, cp_ulysses=2),
+    "moe: ep=2 borrowed from tp=2 x dp=2": dict(model="moe", ep=2),
+    "mla: tp=2 x dp=2, ep=2, loss parallel": dict(model="mla", ep=2, loss_parallel=True),
+    "moe: tp=2 (tensor-parallel experts) x dp=2": dict(model="moe", tp=2),
+    "mla: tp=2 (tensor-parallel experts, shared experts) x dp=2": dict(model="mla", tp=2),
 }
 
 

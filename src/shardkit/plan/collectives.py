@@ -5,8 +5,10 @@ Rules (``T`` = tokens of one microbatch on this rank = ``b x S / cp`` with ``b``
 microbatch, ``e`` bytes per element, ``t`` = tp, per microbatch unless said):
 
 * tp without SP (Megatron f/g): the vocab-parallel embedding all-reduces ``[T, H]`` (first
-  stage); every layer all-reduces its two row-parallel outputs (forward) and the inputs of its
-  two column-parallel groups (backward); ``lm_head``'s input too (backward, last stage).
+  stage); every layer all-reduces its row-parallel outputs (forward: attention, dense MLP,
+  shared or tensor-parallel experts) and the inputs of its column-parallel groups (backward;
+  MLA adds its latent ``[T, kv_lora]`` and rope key ``[T, rope]``, tensor-parallel experts
+  their routing weights ``[T, k]``); ``lm_head``'s input too.
 * tp with SP (Korthikanti et al.): per layer two all-gathers ``[T/t, H] -> [T, H]`` forward and
   two reduce-scatters back, their adjoints in backward; the norms' gradients summed over tp
   (``H`` each); the first layer of a stage splits its input (backward: all-gather); a stage
@@ -17,8 +19,9 @@ microbatch, ``e`` bytes per element, ``t`` = tp, per microbatch unless said):
   of the output ``[T, N/t, D]``, forward and backward.
 * ring (``r`` ranks, zigzag): per layer ``r - 1`` K/V shifts forward and ``2 r - 1`` backward
   (K/V again, then dK/dV home), each ``2 x b x S/r x N_kv/(t u) x D``.
-* ep (tp 1): per MoE layer the counts ``R x (ceil(E/R) + 1)`` int64, then dispatch and combine
-  of ``T x k`` rows of ``H`` forward and backward. The rows each rank *receives* depend on the
+* ep: per MoE layer the counts ``R x (ceil(E/R) + 1)`` int64, then dispatch and combine of
+  ``T/t x k`` rows of ``H`` forward and backward (tokens are replicated over tp: each tp rank
+  splits off its block, with its routing weights, and the outputs are gathered back). The rows each rank *receives* depend on the
   router; the rows are given for a balanced router (received = sent), their sum over the ranks
   is exact.
 * pp: every transfer between stages is a 160-byte header plus ``[b, S/cp, H]`` (replicated over
@@ -189,7 +192,7 @@ def step_collectives(shape: ModelShape, dims: ParallelDims, opts: StepOptions, s
     first, last = stage == 0, stage == dims.pp - 1
     layers = list(shape.stage_layers(dims.pp, stage))
     if tp > 1:
-        _tp_rows(out, shape, opts, layers, first, last, T, M, tp)
+        _tp_rows(out, shape, opts, layers, first, last, T, M, tp, dims.ep)
     if dims.cp_ulysses > 1:
         q, kv = shape.heads // tp, max(1, shape.kv_heads // tp)
         for phase in ("forward", "backward"):
@@ -216,7 +219,7 @@ def step_collectives(shape: ModelShape, dims: ParallelDims, opts: StepOptions, s
 
 
 def _tp_rows(out: _Rows, shape: ModelShape, opts: StepOptions, layers: list[int], first: bool, last: bool, T: int,
-             M: int, t: int) -> None:
+             M: int, t: int, ep: int) -> None:
     e, H, n = opts.elem, shape.hidden, len(layers)
     full, part = T * H * e, T // t * H * e
     add = out.add
@@ -237,8 +240,7 @@ def _tp_rows(out: _Rows, shape: ModelShape, opts: StepOptions, layers: list[int]
         if not last:
             add("tp", "all_gather_single", "gather_forward_split_backward", "forward", t, M, part, full)
     else:
-        add("tp", "all_reduce", "all_reduce_forward", "forward", t, M * 2 * n, full, full)
-        add("tp", "all_reduce", "all_reduce_backward", "backward", t, M * (2 * n + last), full, full)
+        _megatron_rows(out, shape, layers, last, T, M, t, e, ep)
     if last:
         if opts.loss_parallel:
             cdt = 4 if e < 4 else e
@@ -249,11 +251,38 @@ def _tp_rows(out: _Rows, shape: ModelShape, opts: StepOptions, layers: list[int]
             add("tp", "all_gather_single", "gather_forward_split_backward", "forward", t, M, logits // t, logits)
 
 
+def _megatron_rows(out: _Rows, shape: ModelShape, layers: list[int], last: bool, T: int, M: int, t: int, e: int,
+                   ep: int) -> None:
+    """tp without SP: ``g`` (forward all-reduce) after every row-parallel output, ``f`` (backward
+    all-reduce) on every column-parallel input, per layer and microbatch."""
+    H, full = shape.hidden, T * shape.hidden * e
+    fwd = bwd = 0  # [T, H] calls per microbatch
+    for i in layers:
+        fwd, bwd = fwd + 1, bwd + 1  # o_proj; the q/k/v (MLA: q_proj or q_a_proj) input
+        if shape.mla:  # kv_b_proj's input [T, kv_lora] and the shared rope key [T, rope]
+            for width in (shape.kv_lora_rank, shape.qk_rope_dim) + ((shape.q_lora_rank,) if shape.q_lora_rank else ()):
+                out.add("tp", "all_reduce", "all_reduce_backward", "backward", t, M, T * width * e, T * width * e)
+        if not shape.is_moe_layer(i):
+            fwd, bwd = fwd + 1, bwd + 1  # dense MLP
+            continue
+        if shape.shared_experts:
+            fwd, bwd = fwd + 1, bwd + 1
+        if ep > 1:  # each tp rank dispatches its block of the tokens: split (with the routing weights), gather
+            k = shape.top_k
+            out.add("tp", "all_gather_single", "gather_forward_split_backward", "forward", t, M, T // t * H * e, full)
+            out.add("tp", "all_gather_single", "split_forward_gather_backward", "backward", t, M,
+                    T // t * (H + k) * e, T * (H + k) * e)
+        else:  # tensor-parallel experts: partial outputs summed; gradients of the input and routing weights
+            fwd, bwd = fwd + 1, bwd + 1
+            k = shape.top_k
+            out.add("tp", "all_reduce", "all_reduce_backward", "backward", t, M, T * k * e, T * k * e)
+    out.add("tp", "all_reduce", "all_reduce_forward", "forward", t, M * fwd, full, full)
+    out.add("tp", "all_reduce", "all_reduce_backward", "backward", t, M * (bwd + last), full, full)
+
+
 def _ep_rows(out: _Rows, shape: ModelShape, dims: ParallelDims, layers: list[int], T: int, M: int, e: int) -> None:
-    if dims.tp > 1:
-        raise ShardkitError(f"plan: ep={dims.ep} with tp={dims.tp} (tokens split over tp before dispatch) is not "
-                            "modeled exactly; plan it with tp 1")
     R, k, H = dims.ep, shape.top_k, shape.hidden
+    T //= dims.tp  # tokens are replicated over tp: each tp rank dispatches its block
     n = sum(shape.is_moe_layer(i) for i in layers)
     counts = R * (math.ceil(shape.experts / R) + 1) * 8
     rows = T * k * H * e
