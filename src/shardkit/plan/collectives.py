@@ -41,43 +41,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-from ..errors import ShardkitError
 from ..mesh import ParallelDims
 from .model import ModelShape
+from .options import StepOptions, check_layout, hooked_params, resolve_options
 
-__all__ = ["CommRow", "StepOptions", "step_collectives", "fsdp_collectives", "merged", "ledger_table", "HEADER_BYTES",
-           "DTYPE_BYTES"]
+__all__ = ["CommRow", "step_collectives", "fsdp_collectives", "merged", "ledger_table", "HEADER_BYTES"]
 
 HEADER_BYTES = 160  # the P2P shape header: 20 int64 (dtype, ndim, up to 16 dims, ...)
-DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2}
-
-
-@dataclass(frozen=True)
-class StepOptions:
-    """The trainer options of one step that change its collectives.
-
-    Attributes:
-        seq_len: S tokens per sequence.
-        global_batch: sequences per step (all data-parallel ranks together).
-        microbatches: M per data-parallel rank (pipeline microbatches or gradient accumulation).
-        dtype: ``float32``, ``bfloat16`` or ``float64`` (parameters and activations).
-        sequence_parallel: Megatron-SP with tp (None: on for dense models with tp > 1, as the trainer).
-        loss_parallel: vocab-parallel loss (logits never gathered).
-    """
-
-    seq_len: int = 4096
-    global_batch: int = 1024
-    microbatches: int = 1
-    dtype: str = "bfloat16"
-    sequence_parallel: bool | None = None
-    loss_parallel: bool = False
-
-    @property
-    def elem(self) -> int:
-        """Bytes per element of ``dtype``."""
-        return DTYPE_BYTES[self.dtype]
 
 
 @dataclass(frozen=True)
@@ -113,58 +85,21 @@ class _Rows:
         self.rows: dict[tuple, list[int]] = {}
 
     def add(self, axis: str, op: str, api: str, phase: str, group: int, count: int, sent: int, recv: int) -> None:
+        """``count`` calls of ``sent`` / ``recv`` bytes each."""
+        self.add_total(axis, op, api, phase, group, count, count * sent, count * recv)
+
+    def add_total(self, axis: str, op: str, api: str, phase: str, group: int, count: int, sent: int,
+                  recv: int) -> None:
+        """``count`` calls of ``sent`` / ``recv`` bytes in all."""
         if group <= 1 or count <= 0:
             return  # a size-1 group is the identity: no call
         row = self.rows.setdefault((axis, op, api, phase, group), [0, 0, 0])
         row[0] += count
-        row[1] += count * sent
-        row[2] += count * recv
+        row[1] += sent
+        row[2] += recv
 
     def result(self) -> list[CommRow]:
         return [CommRow(*key, *vals) for key, vals in self.rows.items()]
-
-
-def _resolve(shape: ModelShape, dims: ParallelDims, opts: StepOptions) -> StepOptions:
-    if opts.sequence_parallel is None:
-        dense = shape.experts == 0
-        opts = replace(opts, sequence_parallel=dense and dims.tp > 1)
-    if opts.sequence_parallel and dims.ep > 1:
-        raise ShardkitError(f"plan: sequence_parallel with ep={dims.ep}: the trainer refuses it (expert dispatch "
-                            "takes tokens replicated over tp)")
-    return opts
-
-
-def check_layout(shape: ModelShape, dims: ParallelDims, opts: StepOptions) -> None:
-    """The trainer's limits for this model and layout (pure).
-
-    Raises:
-        ShardkitError: naming the option at fault (batch not divisible by dp x microbatches,
-            sequence not divisible by cp (x tp with SP), heads not divisible by tp, ...).
-    """
-    dp, cp, tp = dims.dp, dims.cp, dims.tp
-    if dims.pp_tp is not None or dims.spatial > 1:
-        raise ShardkitError(f"plan: {dims.describe()}: pp_tp and spatial layouts are not planned")
-    if opts.global_batch % (dp * opts.microbatches):
-        raise ShardkitError(f"plan: global_batch {opts.global_batch} must be divisible by dp={dp} x microbatches="
-                            f"{opts.microbatches}")
-    if opts.seq_len % (cp * (tp if opts.sequence_parallel else 1) * (2 if dims.cp_ring > 1 else 1)):
-        raise ShardkitError(f"plan: seq_len {opts.seq_len} must be divisible by cp={cp} (x2 zigzag with ring, x tp "
-                            "with sequence parallelism)")
-    if shape.heads % tp or (shape.kv_heads % tp and tp % shape.kv_heads):
-        raise ShardkitError(f"plan: tp={tp} must divide num_attention_heads={shape.heads} and divide or be a "
-                            f"multiple of num_key_value_heads={shape.kv_heads}")
-    if dims.cp_ulysses > 1 and (shape.heads // tp) % dims.cp_ulysses or (
-            dims.cp_ulysses > 1 and max(1, shape.kv_heads // tp) % dims.cp_ulysses):
-        raise ShardkitError(f"plan: cp_ulysses={dims.cp_ulysses} must divide the heads per tp rank "
-                            f"({shape.heads // tp} query, {max(1, shape.kv_heads // tp)} key/value)")
-    if cp > 1 and shape.mla:
-        raise ShardkitError("plan: context parallelism with multi-head latent attention is not composed by the trainer")
-    if dims.ep > 1 and (not shape.experts or shape.experts % dims.ep):
-        raise ShardkitError(f"plan: ep={dims.ep} needs an MoE model whose {shape.experts} experts it divides")
-    if dims.pp > shape.layers:
-        raise ShardkitError(f"plan: pp={dims.pp} stages for {shape.layers} layers")
-    if shape.vocab % tp or shape.hidden % tp or shape.ffn % tp:
-        raise ShardkitError(f"plan: tp={tp} must divide vocab_size, hidden_size and intermediate_size")
 
 
 def step_collectives(shape: ModelShape, dims: ParallelDims, opts: StepOptions, stage: int = 0) -> list[CommRow]:
@@ -182,7 +117,7 @@ def step_collectives(shape: ModelShape, dims: ParallelDims, opts: StepOptions, s
     Raises:
         ShardkitError: a layout the trainer refuses (:func:`check_layout`).
     """
-    opts = _resolve(shape, dims, opts)
+    opts = resolve_options(shape, dims, opts)
     check_layout(shape, dims, opts)
     e, tp, M, H = opts.elem, dims.tp, opts.microbatches, shape.hidden
     b = opts.global_batch // (dims.dp * M)
@@ -294,16 +229,13 @@ def _ep_rows(out: _Rows, shape: ModelShape, dims: ParallelDims, layers: list[int
 
 def _pp_rows(out: _Rows, pp: int, first: bool, last: bool, M: int, act: int) -> None:
     # each channel: M transfers of header + payload; the first as two messages, the rest as one
-    msg = act + HEADER_BYTES
+    total = M * (act + HEADER_BYTES)
     if not last:
-        out.add("pp", "send", "p2p", "forward", pp, 1, msg * M, 0)
-        out.add("pp", "recv", "p2p", "backward", pp, 1, 0, msg * M)
+        out.add_total("pp", "send", "p2p", "forward", pp, M + 1, total, 0)
+        out.add_total("pp", "recv", "p2p", "backward", pp, M + 1, 0, total)
     if not first:
-        out.add("pp", "recv", "p2p", "forward", pp, 1, 0, msg * M)
-        out.add("pp", "send", "p2p", "backward", pp, 1, msg * M, 0)
-    for key in list(out.rows):
-        if key[0] == "pp":
-            out.rows[key][0] = M + 1
+        out.add_total("pp", "recv", "p2p", "forward", pp, M + 1, 0, total)
+        out.add_total("pp", "send", "p2p", "backward", pp, M + 1, total, 0)
 
 
 def _grad_rows(out: _Rows, shape: ModelShape, dims: ParallelDims, opts: StepOptions, stage: int) -> None:
@@ -313,27 +245,12 @@ def _grad_rows(out: _Rows, shape: ModelShape, dims: ParallelDims, opts: StepOpti
     if ep == 1:
         dense, expert = dense + expert, 0
     if dims.dp_shard > 1:
-        dense = _hooked_params(shape, dims, opts, stage)  # FSDP2 owns the rest
+        dense = hooked_params(shape, dims, opts, stage)  # FSDP2 owns the rest
     if dense:  # no bucket, no call
         out.add("dp", "all_reduce", "dp_cp_grads", "backward", dims.dp * dims.cp, 1, dense * e, dense * e)
     edp = dims.dp_replicate * dims.ep_borrow // ep
     if ep > 1 and expert:
         out.add("dp", "all_reduce", "expert_grads", "backward", edp, 1, expert * e, expert * e)
-
-
-def _hooked_params(shape: ModelShape, dims: ParallelDims, opts: StepOptions, stage: int) -> int:
-    """Parameters with a sum-over-tp gradient hook (FSDP2 leaves them to the dense all-reduce)."""
-    if dims.tp == 1:
-        return 0
-    layers = list(shape.stage_layers(dims.pp, stage))
-    total = 0
-    if opts.sequence_parallel:
-        total += 2 * shape.hidden * len(layers) + (shape.hidden if stage == dims.pp - 1 else 0)
-    if shape.family in ("qwen3", "qwen3_moe"):
-        total += 2 * shape.head_dim * len(layers)
-    if shape.kv_heads < dims.tp and not shape.mla:
-        total += 2 * shape.head_dim * shape.hidden * len(layers)
-    return total
 
 
 def fsdp_collectives(shape: ModelShape, dims: ParallelDims, opts: StepOptions, stage: int = 0) -> list[CommRow]:
@@ -348,23 +265,22 @@ def fsdp_collectives(shape: ModelShape, dims: ParallelDims, opts: StepOptions, s
     """
     if dims.dp_shard == 1:
         return []
-    opts = _resolve(shape, dims, opts)
+    opts = resolve_options(shape, dims, opts)
     out = _Rows()
     R, M, e = dims.dp_shard * dims.cp, opts.microbatches, opts.elem
     dense, expert = shape.rank_params(dims.tp, dims.ep, dims.pp, stage)
-    owned = dense + (expert if dims.ep == 1 else 0) - _hooked_params(shape, dims, opts, stage)
+    owned = dense + (expert if dims.ep == 1 else 0) - hooked_params(shape, dims, opts, stage)
     layers = list(shape.stage_layers(dims.pp, stage))
     per_layer = [shape.layer_params(i, dims.tp, dims.ep) for i in layers]
-    layer_owned = sum(d + (x if dims.ep == 1 else 0) for d, x in per_layer) - _hooked_params(shape, dims, opts, stage)
+    layer_owned = sum(d + (x if dims.ep == 1 else 0) for d, x in per_layer) - hooked_params(shape, dims, opts, stage)
     if opts.sequence_parallel and stage == dims.pp - 1:
         layer_owned += shape.hidden  # the final norm's hook is the root's, not a layer's
     G = len(layers) + 1
-    out.add("fsdp", "all_gather", "fully_shard", "forward", R, M * G, owned * e // (R * G), owned * e // G)
-    out.add("fsdp", "all_gather", "fully_shard", "backward", R, M * (G - 1), layer_owned * e // (R * max(1, G - 1)),
-            layer_owned * e // max(1, G - 1))
-    out.add("fsdp", "reduce_scatter", "fully_shard", "backward", R, M * G, owned * e // G, owned * e // (R * G))
-    out.add("fsdp", "all_reduce", "fully_shard", "backward", dims.dp_replicate, M * G, owned * e // (R * G),
-            owned * e // (R * G))
+    full, layer_full = M * owned * e, M * layer_owned * e
+    out.add_total("fsdp", "all_gather", "fully_shard", "forward", R, M * G, full // R, full)
+    out.add_total("fsdp", "all_gather", "fully_shard", "backward", R, M * (G - 1), layer_full // R, layer_full)
+    out.add_total("fsdp", "reduce_scatter", "fully_shard", "backward", R, M * G, full, full // R)
+    out.add_total("fsdp", "all_reduce", "fully_shard", "backward", dims.dp_replicate, M * G, full // R, full // R)
     return out.result()
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 
 from ..mesh import ParallelDims
-from .collectives import StepOptions, _hooked_params, _resolve
+from .options import StepOptions, hooked_params, resolve_options
 from .model import ModelShape
 
 __all__ = ["memory_per_rank"]
@@ -27,12 +27,12 @@ def memory_per_rank(shape: ModelShape, dims: ParallelDims, opts: StepOptions, st
     Returns:
         ``{"params", "grads", "optimizer", "activations", "total"}`` in bytes.
     """
-    opts = _resolve(shape, dims, opts)
+    opts = resolve_options(shape, dims, opts)
     e = opts.elem
     dense, expert = shape.rank_params(dims.tp, dims.ep, dims.pp, stage)
     params = dense + expert
     if dims.dp_shard > 1:
-        kept = _hooked_params(shape, dims, opts, stage) + (expert if dims.ep > 1 else 0)
+        kept = hooked_params(shape, dims, opts, stage) + (expert if dims.ep > 1 else 0)
         sharded = params - kept
         layers = max(1, len(shape.stage_layers(dims.pp, stage)))
         gathered = sharded / layers  # one layer unsharded at a time

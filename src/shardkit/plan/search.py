@@ -14,7 +14,8 @@ from typing import Any
 from ..errors import ShardkitError
 from ..mesh import ParallelDims
 from .cluster import Cluster
-from .collectives import CommRow, StepOptions, check_layout, fsdp_collectives, step_collectives
+from .collectives import CommRow, fsdp_collectives, step_collectives
+from .options import StepOptions, check_layout
 from .memory import memory_per_rank
 from .model import ModelShape
 from .timing import row_seconds
@@ -124,7 +125,7 @@ def enumerate_layouts(shape: ModelShape, gpus: int, gpus_per_node: int, options:
                         continue
                     m = options.global_batch // dp
                     for shard in _divisors(dp):
-                        for ep in (_divisors(shape.experts) if moe and tp == 1 else [1]):
+                        for ep in (_divisors(shape.experts) if moe else [1]):
                             try:
                                 dims = ParallelDims(dp_replicate=dp // shard, dp_shard=shard, pp=pp, cp_ring=ring,
                                                     cp_ulysses=uly, tp=tp, ep=ep, world_size=gpus)
