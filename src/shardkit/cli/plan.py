@@ -99,7 +99,9 @@ def _print(title: str, estimates: list[StepEstimate]) -> None:
     Console(width=160).print(table)
 
 
-def _plot(path: str, estimates: list[StepEstimate]) -> None:
+def _plot(path: str, estimates: list[StepEstimate], given: int = 0) -> None:
+    """Stacked bars (compute, bubble, exposed communication) per layout; the last ``given``
+    are the ``--compare`` layouts."""
     if missing(["matplotlib"]):
         print(f"plot skipped: matplotlib is not installed ({install_hint(['matplotlib'])})")
         return
@@ -107,7 +109,8 @@ def _plot(path: str, estimates: list[StepEstimate]) -> None:
 
     fig = Figure(figsize=(10, 0.5 * len(estimates) + 1.5))
     ax = fig.add_subplot()
-    names = [e.dims.describe() for e in estimates][::-1]
+    names = [e.dims.describe() + (" (given)" if i >= len(estimates) - given else "")
+             for i, e in enumerate(estimates)][::-1]
     parts = [("compute", [e.compute_s for e in estimates]),
              ("bubble", [e.compute_s * e.bubble / (1 - e.bubble) for e in estimates]),
              ("exposed comm", [e.comm_s for e in estimates])]
@@ -147,5 +150,5 @@ def run_plan(args: argparse.Namespace) -> int:
         _print("compared layouts", compared)
     for line in refused:
         print(line)
-    _plot(args.plot, best + compared)
+    _plot(args.plot, best + compared, given=len(compared))
     return 0
