@@ -116,6 +116,11 @@ LAYOUTS_4 = {
     "mla: tp=2 x dp=2, ep=2, loss parallel": dict(model="mla", ep=2, loss_parallel=True),
     "moe: tp=2 (tensor-parallel experts) x dp=2": dict(model="moe", tp=2),
     "mla: tp=2 (tensor-parallel experts, shared experts) x dp=2": dict(model="mla", tp=2),
+    "llama: packed documents, USP cp_ring=2 x cp_ulysses=2": dict(tp=1, cp_ring=2, cp_ulysses=2, packed=True,
+                                                                 batch_size=1, seq_len=64),
+    "llama: packed documents, dp=2 x tp=2 (SP)": dict(packed=True, seq_len=64),
+    "qwen3: bfloat16, cp_ring=2 x tp=2 (SP), loss parallel": dict(model="qwen3", cp_ring=2, tp=2, seq_len=32,
+                                                                  dtype="bfloat16", loss_parallel=True),
 }
 
 

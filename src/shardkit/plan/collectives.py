@@ -18,7 +18,8 @@ microbatch, ``e`` bytes per element, ``t`` = tp, per microbatch unless said):
 * Ulysses (``u`` ranks): per layer one all-to-all of q, k, v ``[T, (N + 2 N_kv)/t, D]`` and one
   of the output ``[T, N/t, D]``, forward and backward.
 * ring (``r`` ranks, zigzag): per layer ``r - 1`` K/V shifts forward and ``2 r - 1`` backward
-  (K/V again, then dK/dV home), each ``2 x b x S/r x N_kv/(t u) x D``.
+  (K/V again, then dK/dV home), each ``2 x b x S/r x N_kv/(t u) x D`` elements; dK/dV travel
+  in float32 when the dtype is narrower.
 * ep: per MoE layer the counts ``R x (ceil(E/R) + 1)`` int64, then dispatch and combine of
   ``T/t x k`` rows of ``H`` forward and backward (tokens are replicated over tp: each tp rank
   splits off its block, with its routing weights, and the outputs are gathered back). The rows each rank *receives* depend on the
@@ -138,10 +139,14 @@ def step_collectives(shape: ModelShape, dims: ParallelDims, opts: StepOptions, s
     if dims.cp_ring > 1:
         r = dims.cp_ring
         kv = max(1, shape.kv_heads // tp) // dims.cp_ulysses
-        msg = 2 * b * (opts.seq_len // r) * kv * shape.head_dim * e
+        elems = 2 * b * (opts.seq_len // r) * kv * shape.head_dim
+        n = M * len(layers)
+        # forward: r - 1 K/V shifts; backward: r - 1 K/V shifts again, then r dK/dV shifts home,
+        # accumulated in float32 for narrower dtypes (fp32 accumulation of the partial gradients)
+        total = {"forward": (r - 1) * elems * e, "backward": ((r - 1) * e + r * max(e, 4)) * elems}
         for phase, steps in (("forward", r - 1), ("backward", 2 * r - 1)):
-            out.add("cp", "send", "ring_attention", phase, r, M * len(layers) * steps, msg, 0)
-            out.add("cp", "recv", "ring_attention", phase, r, M * len(layers) * steps, 0, msg)
+            out.add_total("cp", "send", "ring_attention", phase, r, n * steps, n * total[phase], 0)
+            out.add_total("cp", "recv", "ring_attention", phase, r, n * steps, 0, n * total[phase])
     if dims.ep > 1:
         _ep_rows(out, shape, dims, layers, T, M, e)
     if dims.pp > 1:
