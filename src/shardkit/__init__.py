@@ -54,6 +54,7 @@ from .checkpoint import latest_checkpoint, load_train_state, save_train_state
 from .data_parallel import GradientSync, apply_fsdp
 from .mesh import ParallelDims, ParallelMesh
 from .parallelize import ParallelModel, gather_full_parameters, parallelize, parallelize_stage
+from .plan import Cluster, ModelShape, StepEstimate, StepOptions, estimate_step, plan_layouts
 from .pipeline_parallel import (
     PipelineStage,
     StageGroups,
@@ -104,6 +105,13 @@ from .tensor_parallel import (
 __version__ = "0.1.0"
 
 __all__ = [
+    # planning: predicted step time and memory of a layout on a cluster
+    "plan_layouts",
+    "estimate_step",
+    "ModelShape",
+    "Cluster",
+    "StepOptions",
+    "StepEstimate",
     # layout and sizes
     "ParallelDims",
     "ParallelMesh",

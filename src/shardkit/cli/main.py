@@ -1,4 +1,4 @@
-"""The ``shardkit`` command: ``shardkit train`` (and ``shardkit bench`` where installed)."""
+"""The ``shardkit`` command: ``shardkit train``, ``shardkit plan`` (and ``shardkit bench`` where installed)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import importlib.util
 import sys
 
 from .. import __version__
+from .plan import add_plan_parser
 from .train import add_train_parser
 
 __all__ = ["build_parser", "main"]
@@ -18,6 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"shardkit {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_train_parser(commands)
+    add_plan_parser(commands)
     # `bench` lives in cli/bench.py (add_bench_parser(subparsers)). Only its absence is
     # tolerated: an error inside the module must surface, not silently drop the command.
     if importlib.util.find_spec(f"{__package__}.bench") is not None:

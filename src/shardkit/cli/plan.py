@@ -1,0 +1,154 @@
+"""``shardkit plan``: rank every layout of a model on a cluster by predicted step time.
+
+The model is a Hugging Face ``config.json``; the cluster a preset (``--preset h100`` / ``h800``,
+figures and sources in :mod:`shardkit.plan.cluster`) with any figure overridden by a flag.
+Prints the fastest layouts that fit in memory with their breakdown, and writes a plot of
+them when matplotlib (the ``plot`` extra) is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+
+from .._optional import install_hint, missing
+from ..errors import ShardkitError
+from ..mesh import ParallelDims
+from ..plan import CLUSTERS, Cluster, ModelShape, StepEstimate, StepOptions, estimate_step, plan_layouts
+
+__all__ = ["add_plan_parser", "run_plan", "parse_layout"]
+
+_FIGURES = ("gpus_per_node", "intra_gbps", "inter_gbps", "intra_latency_us", "inter_latency_us", "gpu_memory_gib",
+            "peak_tflops", "efficiency")
+
+
+def add_plan_parser(commands) -> None:
+    """Add ``plan`` to the ``shardkit`` subcommands."""
+    p = commands.add_parser("plan", help="rank the layouts of a model on a cluster by predicted step time",
+                            description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", required=True, help="a Hugging Face config.json")
+    p.add_argument("--gpus", type=int, required=True, help="GPUs in the job (the world size)")
+    p.add_argument("--preset", choices=sorted(CLUSTERS), default="h100", help="cluster figures (default h100)")
+    for name in _FIGURES:
+        p.add_argument(f"--{name.replace('_', '-')}", type=float if name != "gpus_per_node" else int, default=None,
+                       help=f"override the preset's {name}")
+    p.add_argument("--seq-len", type=int, default=8192, help="tokens per sequence (default 8192)")
+    p.add_argument("--global-batch", type=int, default=2048, help="sequences per step (default 2048)")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    p.add_argument("--top", type=int, default=10, help="layouts to print (default 10)")
+    p.add_argument("--compare", action="append", default=[], metavar="LAYOUT",
+                   help="also estimate this layout, e.g. 'tp=8,pp=16,cp_ring=2' (dp_replicate: the rest)")
+    p.add_argument("--plot", default="plan.png", help="where to write the plot (default plan.png)")
+    p.set_defaults(func=run_plan)
+
+
+def parse_layout(text: str, gpus: int) -> ParallelDims:
+    """``"tp=8,pp=16,dp_shard=4"`` -> ParallelDims (``dp_replicate`` fills the rest of ``gpus``).
+
+    Raises:
+        ShardkitError: an unknown axis, a bad number, or degrees that do not divide ``gpus``.
+    """
+    known = {f.name for f in dataclasses.fields(ParallelDims)} - {"world_size", "pp_tp"}
+    degrees: dict[str, int] = {}
+    for part in filter(None, text.split(",")):
+        axis, _, number = part.partition("=")
+        if axis.strip() not in known or not number.strip().isdigit():
+            raise ShardkitError(f"--compare {text!r}: expected axis=int pairs with axes {sorted(known)}, got {part!r}")
+        degrees[axis.strip()] = int(number)
+    used = math.prod(d for axis, d in degrees.items() if axis != "ep")  # ep borrows, it does not multiply
+    if "dp_replicate" not in degrees:
+        if gpus % used:
+            raise ShardkitError(f"--compare {text!r}: the degrees multiply to {used}, which does not divide {gpus} GPUs")
+        degrees["dp_replicate"] = gpus // used
+    return ParallelDims(world_size=gpus, **degrees)  # type: ignore[arg-type]
+
+
+def _cluster(args) -> Cluster:
+    figures = dict(CLUSTERS[args.preset])
+    figures.update({k: getattr(args, k) for k in _FIGURES if getattr(args, k) is not None})
+    return Cluster(gpus=args.gpus, **figures)  # type: ignore[arg-type]
+
+
+def _row(est: StepEstimate) -> list[str]:
+    axes = est.axis_seconds()
+    comm = " ".join(f"{a} {axes[a] * 1e3:.0f}" for a in ("tp", "cp", "ep", "pp", "dp", "fsdp") if axes.get(a))
+    return [est.dims.describe(), f"{est.options.microbatches}", f"{est.step_s:.2f}", f"{est.compute_s:.2f}",
+            f"{est.bubble:.2f}", f"{est.comm_s:.2f}", comm or "-", f"{est.memory['total'] / 2**30:.1f}",
+            f"{est.mfu:.2f}"]
+
+
+HEADER = ["layout", "M", "step s", "compute s", "bubble", "exposed comm s", "comm ms per axis", "GiB/GPU", "MFU"]
+
+
+def _print(title: str, estimates: list[StepEstimate]) -> None:
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        print(title)
+        print(" | ".join(HEADER))
+        for est in estimates:
+            print(" | ".join(_row(est)))
+        return
+    table = Table(title=title)
+    for h in HEADER:
+        table.add_column(h)
+    for est in estimates:
+        table.add_row(*_row(est))
+    Console(width=160).print(table)
+
+
+def _plot(path: str, estimates: list[StepEstimate], given: int = 0) -> None:
+    """Stacked bars (compute, bubble, exposed communication) per layout; the last ``given``
+    are the ``--compare`` layouts."""
+    if missing(["matplotlib"]):
+        print(f"plot skipped: matplotlib is not installed ({install_hint(['matplotlib'])})")
+        return
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(10, 0.5 * len(estimates) + 1.5))
+    ax = fig.add_subplot()
+    names = [e.dims.describe() + (" (given)" if i >= len(estimates) - given else "")
+             for i, e in enumerate(estimates)][::-1]
+    parts = [("compute", [e.compute_s for e in estimates]),
+             ("bubble", [e.compute_s * e.bubble / (1 - e.bubble) for e in estimates]),
+             ("exposed comm", [e.comm_s for e in estimates])]
+    left = [0.0] * len(estimates)
+    for label, values in parts:
+        ax.barh(names, values[::-1], left=left[::-1], label=label)
+        left = [a + b for a, b in zip(left, values)]
+    ax.set_xlabel("predicted seconds per step")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    print(f"plot: {path}")
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """Run ``shardkit plan``; returns the exit code (errors: one line, code 2)."""
+    try:
+        cluster = _cluster(args)
+        shape = ModelShape.from_config(args.config)
+        options = StepOptions(seq_len=args.seq_len, global_batch=args.global_batch, dtype=args.dtype)
+        best = plan_layouts(shape, cluster, options, top=args.top)
+    except ShardkitError as e:
+        print(f"shardkit plan: {e}")
+        return 2
+    compared, refused = [], []
+    for text in args.compare:
+        try:
+            dims = parse_layout(text, args.gpus)
+            m = args.global_batch // dims.dp
+            compared.append(estimate_step(shape, dims, dataclasses.replace(options, microbatches=m), cluster))
+        except ShardkitError as e:  # a published layout shardkit cannot run: say why, keep the rest
+            refused.append(f"--compare {text}: refused: {e}")
+    print(f"{shape.total_params / 1e9:.1f} B parameters ({shape.active_params / 1e9:.1f} B active); "
+          f"{cluster.gpus} x {cluster.name}; seq {args.seq_len}, {args.global_batch} sequences per step, {args.dtype}")
+    _print(f"fastest {len(best)} layouts that fit in {cluster.gpu_memory_gib:g} GiB", best)
+    if compared:
+        _print("compared layouts", compared)
+    for line in refused:
+        print(line)
+    _plot(args.plot, best + compared, given=len(compared))
+    return 0

@@ -1,0 +1,311 @@
+"""The collectives of one training step of the composed trainer, per rank, as its CommLedger
+records them: op, issuing api, phase, group size, count and buffer bytes.
+
+Rules (``T`` = tokens of one microbatch on this rank = ``b x S / cp`` with ``b`` rows per
+microbatch, ``e`` bytes per element, ``t`` = tp, per microbatch unless said):
+
+* tp without SP (Megatron f/g): the vocab-parallel embedding all-reduces ``[T, H]`` (first
+  stage); every layer all-reduces its row-parallel outputs (forward: attention, dense MLP,
+  shared or tensor-parallel experts) and the inputs of its column-parallel groups (backward;
+  MLA adds its latent ``[T, kv_lora]`` and rope key ``[T, rope]``, tensor-parallel experts
+  their routing weights ``[T, k]``); ``lm_head``'s input too.
+* tp with SP (Korthikanti et al.): per layer two all-gathers ``[T/t, H] -> [T, H]`` forward and
+  two reduce-scatters back, their adjoints in backward; the norms' gradients summed over tp
+  (``H`` each); the first layer of a stage splits its input (backward: all-gather); a stage
+  before the last gathers its output, the last gathers ``lm_head``'s input.
+* the logits: gathered over the vocabulary ``[T, V/t] -> [T, V]``; with the vocab-parallel loss
+  two all-reduces instead, ``(T + t + 2)`` float64 (max) and ``(2 T + 1)`` (sums).
+* Ulysses (``u`` ranks): per layer one all-to-all of q, k, v ``[T, (N + 2 N_kv)/t, D]`` and one
+  of the output ``[T, N/t, D]``, forward and backward.
+* ring (``r`` ranks, zigzag): per layer ``r - 1`` K/V shifts forward and ``2 r - 1`` backward
+  (K/V again, then dK/dV home), each ``2 x b x S/r x N_kv/(t u) x D`` elements; dK/dV travel
+  in float32 when the dtype is narrower.
+* ep: per MoE layer the counts ``R x (ceil(E/R) + 1)`` int64, then dispatch and combine of
+  ``T/t x k`` rows of ``H`` forward and backward (tokens are replicated over tp: each tp rank
+  splits off its block, with its routing weights, and the outputs are gathered back). The rows each rank *receives* depend on the
+  router; the rows are given for a balanced router (received = sent), their sum over the ranks
+  is exact.
+* pp: every transfer between stages is a 160-byte header plus ``[b, S/cp, H]`` (replicated over
+  tp); the first transfer of a step on each channel posts them as two messages, later ones as
+  one (the shape cache).
+* once per step: dense gradients FSDP2 does not own (all with ``dp_shard`` 1; else the
+  sum-over-tp ones) all-reduced over ``dp_cp``; expert gradients over ``edp``; the gradient
+  norm and the loss (one float64 each) over the world.
+
+FSDP2's own collectives (parameter all-gathers, gradient reduce-scatters) are c10d calls of
+torch's ``fully_shard``, not shardkit's: :func:`fsdp_collectives` lists them separately.
+
+Source: the trainer (:mod:`shardkit.cli.trainer`) and the transforms it composes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from ..mesh import ParallelDims
+from .model import ModelShape
+from .options import StepOptions, check_layout, hooked_params, resolve_options
+
+__all__ = ["CommRow", "step_collectives", "fsdp_collectives", "merged", "ledger_table", "HEADER_BYTES"]
+
+HEADER_BYTES = 160  # the P2P shape header: 20 int64 (dtype, ndim, up to 16 dims, ...)
+
+
+@dataclass(frozen=True)
+class CommRow:
+    """Calls of one kind in one step on one rank.
+
+    Attributes:
+        axis: the layout axis it belongs to (``tp``, ``cp``, ``ep``, ``pp``, ``dp``, ``fsdp``, ``world``).
+        op: the c10d primitive (as :class:`shardkit.CommRecord`).
+        api: the shardkit function that issues it (``"p2p"`` for pipeline transfers).
+        phase: ``forward``, ``backward`` or ``optimizer``.
+        group_size: ranks in the group.
+        count: calls per step.
+        bytes_sent: input buffer bytes, summed over the calls.
+        bytes_received: output buffer bytes, summed over the calls.
+    """
+
+    axis: str
+    op: str
+    api: str
+    phase: str
+    group_size: int
+    count: int
+    bytes_sent: int
+    bytes_received: int
+
+    def key(self) -> tuple[str, str, str, int]:
+        return self.op, self.api, self.phase, self.group_size
+
+
+class _Rows:
+    def __init__(self) -> None:
+        self.rows: dict[tuple, list[int]] = {}
+
+    def add(self, axis: str, op: str, api: str, phase: str, group: int, count: int, sent: int, recv: int) -> None:
+        """``count`` calls of ``sent`` / ``recv`` bytes each."""
+        self.add_total(axis, op, api, phase, group, count, count * sent, count * recv)
+
+    def add_total(self, axis: str, op: str, api: str, phase: str, group: int, count: int, sent: int,
+                  recv: int) -> None:
+        """``count`` calls of ``sent`` / ``recv`` bytes in all."""
+        if group <= 1 or count <= 0:
+            return  # a size-1 group is the identity: no call
+        row = self.rows.setdefault((axis, op, api, phase, group), [0, 0, 0])
+        row[0] += count
+        row[1] += sent
+        row[2] += recv
+
+    def result(self) -> list[CommRow]:
+        return [CommRow(*key, *vals) for key, vals in self.rows.items()]
+
+
+def step_collectives(shape: ModelShape, dims: ParallelDims, opts: StepOptions, stage: int = 0) -> list[CommRow]:
+    """shardkit's collectives of one training step on a rank of pipeline stage ``stage``.
+
+    Args:
+        shape: the model. dims: the layout. opts: the step's options.
+        stage: the rank's pipeline stage (0 when ``pp`` is 1).
+
+    Returns:
+        One :class:`CommRow` per ``(axis, op, api, phase, group size)``; equal to the trainer's
+        :class:`~shardkit.CommLedger` of that step (for ep: the counts and bytes sent exactly,
+        the bytes received for a balanced router).
+
+    Raises:
+        ShardkitError: a layout the trainer refuses (:func:`check_layout`).
+    """
+    opts = resolve_options(shape, dims, opts)
+    check_layout(shape, dims, opts)
+    e, tp, M, H = opts.elem, dims.tp, opts.microbatches, shape.hidden
+    b = opts.global_batch // (dims.dp * M)
+    S = opts.seq_len // dims.cp
+    T = b * S
+    out = _Rows()
+    first, last = stage == 0, stage == dims.pp - 1
+    layers = list(shape.stage_layers(dims.pp, stage))
+    if tp > 1:
+        _tp_rows(out, shape, opts, layers, first, last, T, M, tp, dims.ep)
+    if dims.cp_ulysses > 1:
+        q, kv = shape.heads // tp, max(1, shape.kv_heads // tp)
+        for phase in ("forward", "backward"):
+            out.add("cp", "all_to_all_single", "ulysses_attention", phase, dims.cp_ulysses, M * len(layers),
+                    T * (q + 2 * kv) * shape.head_dim * e, T * (q + 2 * kv) * shape.head_dim * e)
+            out.add("cp", "all_to_all_single", "ulysses_attention", phase, dims.cp_ulysses, M * len(layers),
+                    T * q * shape.head_dim * e, T * q * shape.head_dim * e)
+    if dims.cp_ring > 1:
+        r = dims.cp_ring
+        kv = max(1, shape.kv_heads // tp) // dims.cp_ulysses
+        elems = 2 * b * (opts.seq_len // r) * kv * shape.head_dim
+        n = M * len(layers)
+        # forward: r - 1 K/V shifts; backward: r - 1 K/V shifts again, then r dK/dV shifts home,
+        # accumulated in float32 for narrower dtypes (fp32 accumulation of the partial gradients)
+        total = {"forward": (r - 1) * elems * e, "backward": ((r - 1) * e + r * max(e, 4)) * elems}
+        for phase, steps in (("forward", r - 1), ("backward", 2 * r - 1)):
+            out.add_total("cp", "send", "ring_attention", phase, r, n * steps, n * total[phase], 0)
+            out.add_total("cp", "recv", "ring_attention", phase, r, n * steps, 0, n * total[phase])
+    if dims.ep > 1:
+        _ep_rows(out, shape, dims, layers, T, M, e)
+    if dims.pp > 1:
+        _pp_rows(out, dims.pp, first, last, M, b * S * H * e)
+    _grad_rows(out, shape, dims, opts, stage)
+    world = dims.product
+    out.add("world", "all_reduce", "grad_norm", "optimizer", world, 1, 8, 8)
+    out.add("world", "all_reduce", "train_loss", "forward", world, 1, 8, 8)
+    return out.result()
+
+
+def _tp_rows(out: _Rows, shape: ModelShape, opts: StepOptions, layers: list[int], first: bool, last: bool, T: int,
+             M: int, t: int, ep: int) -> None:
+    e, H, n = opts.elem, shape.hidden, len(layers)
+    full, part = T * H * e, T // t * H * e
+    add = out.add
+    if first:
+        add("tp", "all_reduce", "all_reduce_forward", "forward", t, M, full, full)  # vocab-parallel embedding
+    if shape.family in ("qwen3", "qwen3_moe"):
+        add("tp", "all_reduce", "sum_grad_over", "backward", t, M * 2 * n, shape.head_dim * e, shape.head_dim * e)
+    if shape.kv_heads < t and not shape.mla:  # replicated key/value heads: their weight gradients summed
+        add("tp", "all_reduce", "sum_grad_over", "backward", t, M * 2 * n, shape.head_dim * H * e,
+            shape.head_dim * H * e)
+    if opts.sequence_parallel:
+        add("tp", "all_gather_single", "all_gather", "forward", t, M * (2 * n + last), part, full)
+        add("tp", "reduce_scatter_single", "all_gather", "backward", t, M * (2 * n + last), full, part)
+        add("tp", "reduce_scatter_single", "reduce_scatter", "forward", t, M * 2 * n, full, part)
+        add("tp", "all_gather_single", "reduce_scatter", "backward", t, M * 2 * n, part, full)
+        add("tp", "all_reduce", "sum_grad_over", "backward", t, M * (2 * n + last), H * e, H * e)
+        add("tp", "all_gather_single", "split_forward_gather_backward", "backward", t, M, part, full)
+        if not last:
+            add("tp", "all_gather_single", "gather_forward_split_backward", "forward", t, M, part, full)
+    else:
+        _megatron_rows(out, shape, layers, last, T, M, t, e, ep)
+    if last:
+        if opts.loss_parallel:
+            cdt = 4 if e < 4 else e
+            add("tp", "all_reduce", "vocab_parallel_cross_entropy", "forward", t, M, (T + t + 2) * 8, (T + t + 2) * 8)
+            add("tp", "all_reduce", "vocab_parallel_cross_entropy", "forward", t, M, (2 * T + 1) * cdt, (2 * T + 1) * cdt)
+        else:
+            logits = T * shape.vocab * e
+            add("tp", "all_gather_single", "gather_forward_split_backward", "forward", t, M, logits // t, logits)
+
+
+def _megatron_rows(out: _Rows, shape: ModelShape, layers: list[int], last: bool, T: int, M: int, t: int, e: int,
+                   ep: int) -> None:
+    """tp without SP: ``g`` (forward all-reduce) after every row-parallel output, ``f`` (backward
+    all-reduce) on every column-parallel input, per layer and microbatch."""
+    H, full = shape.hidden, T * shape.hidden * e
+    fwd = bwd = 0  # [T, H] calls per microbatch
+    for i in layers:
+        fwd, bwd = fwd + 1, bwd + 1  # o_proj; the q/k/v (MLA: q_proj or q_a_proj) input
+        if shape.mla:  # kv_b_proj's input [T, kv_lora] and the shared rope key [T, rope]
+            for width in (shape.kv_lora_rank, shape.qk_rope_dim) + ((shape.q_lora_rank,) if shape.q_lora_rank else ()):
+                out.add("tp", "all_reduce", "all_reduce_backward", "backward", t, M, T * width * e, T * width * e)
+        if not shape.is_moe_layer(i):
+            fwd, bwd = fwd + 1, bwd + 1  # dense MLP
+            continue
+        if shape.shared_experts:
+            fwd, bwd = fwd + 1, bwd + 1
+        if ep > 1:  # each tp rank dispatches its block of the tokens: split (with the routing weights), gather
+            k = shape.top_k
+            out.add("tp", "all_gather_single", "gather_forward_split_backward", "forward", t, M, T // t * H * e, full)
+            out.add("tp", "all_gather_single", "split_forward_gather_backward", "backward", t, M,
+                    T // t * (H + k) * e, T * (H + k) * e)
+        else:  # tensor-parallel experts: partial outputs summed; gradients of the input and routing weights
+            fwd, bwd = fwd + 1, bwd + 1
+            k = shape.top_k
+            out.add("tp", "all_reduce", "all_reduce_backward", "backward", t, M, T * k * e, T * k * e)
+    out.add("tp", "all_reduce", "all_reduce_forward", "forward", t, M * fwd, full, full)
+    out.add("tp", "all_reduce", "all_reduce_backward", "backward", t, M * (bwd + last), full, full)
+
+
+def _ep_rows(out: _Rows, shape: ModelShape, dims: ParallelDims, layers: list[int], T: int, M: int, e: int) -> None:
+    R, k, H = dims.ep, shape.top_k, shape.hidden
+    T //= dims.tp  # tokens are replicated over tp: each tp rank dispatches its block
+    n = sum(shape.is_moe_layer(i) for i in layers)
+    counts = R * (math.ceil(shape.experts / R) + 1) * 8
+    rows = T * k * H * e
+    out.add("ep", "all_to_all_single", "dispatch_plan", "forward", R, M * n, counts, counts)
+    for api in ("token_dispatch", "token_combine"):
+        for phase in ("forward", "backward"):
+            out.add("ep", "all_to_all_single", api, phase, R, M * n, rows, rows)
+
+
+def _pp_rows(out: _Rows, pp: int, first: bool, last: bool, M: int, act: int) -> None:
+    # each channel: M transfers of header + payload; the first as two messages, the rest as one
+    total = M * (act + HEADER_BYTES)
+    if not last:
+        out.add_total("pp", "send", "p2p", "forward", pp, M + 1, total, 0)
+        out.add_total("pp", "recv", "p2p", "backward", pp, M + 1, 0, total)
+    if not first:
+        out.add_total("pp", "recv", "p2p", "forward", pp, M + 1, 0, total)
+        out.add_total("pp", "send", "p2p", "backward", pp, M + 1, total, 0)
+
+
+def _grad_rows(out: _Rows, shape: ModelShape, dims: ParallelDims, opts: StepOptions, stage: int) -> None:
+    e = opts.elem
+    ep = dims.ep
+    dense, expert = shape.rank_params(dims.tp, ep, dims.pp, stage)
+    if ep == 1:
+        dense, expert = dense + expert, 0
+    if dims.dp_shard > 1:
+        dense = hooked_params(shape, dims, opts, stage)  # FSDP2 owns the rest
+    if dense:  # no bucket, no call
+        out.add("dp", "all_reduce", "dp_cp_grads", "backward", dims.dp * dims.cp, 1, dense * e, dense * e)
+    edp = dims.dp_replicate * dims.ep_borrow // ep
+    if ep > 1 and expert:
+        out.add("dp", "all_reduce", "expert_grads", "backward", edp, 1, expert * e, expert * e)
+
+
+def fsdp_collectives(shape: ModelShape, dims: ParallelDims, opts: StepOptions, stage: int = 0) -> list[CommRow]:
+    """FSDP2's own collectives of one step (torch ``fully_shard``, not in the shardkit ledger).
+
+    FSDP2 wraps every decoder layer and the root (embedding, final norm, ``lm_head``): ``G`` =
+    layers + 1 groups. Per microbatch every group is all-gathered before forward, the layers
+    again before backward (the root is not resharded after forward), and every group's
+    gradients are reduce-scattered; with HSDP each group's shard is also all-reduced over
+    ``dp_replicate``. Bytes are nccl-tests sizes (FSDP2's padding to a multiple of the ranks
+    left out). Counts checked with torch's ``CommDebugMode`` in ``tests/plan``.
+    """
+    if dims.dp_shard == 1:
+        return []
+    opts = resolve_options(shape, dims, opts)
+    out = _Rows()
+    R, M, e = dims.dp_shard * dims.cp, opts.microbatches, opts.elem
+    dense, expert = shape.rank_params(dims.tp, dims.ep, dims.pp, stage)
+    owned = dense + (expert if dims.ep == 1 else 0) - hooked_params(shape, dims, opts, stage)
+    layers = list(shape.stage_layers(dims.pp, stage))
+    per_layer = [shape.layer_params(i, dims.tp, dims.ep) for i in layers]
+    layer_owned = sum(d + (x if dims.ep == 1 else 0) for d, x in per_layer) - hooked_params(shape, dims, opts, stage)
+    if opts.sequence_parallel and stage == dims.pp - 1:
+        layer_owned += shape.hidden  # the final norm's hook is the root's, not a layer's
+    G = len(layers) + 1
+    full, layer_full = M * owned * e, M * layer_owned * e
+    out.add_total("fsdp", "all_gather", "fully_shard", "forward", R, M * G, full // R, full)
+    out.add_total("fsdp", "all_gather", "fully_shard", "backward", R, M * (G - 1), layer_full // R, layer_full)
+    out.add_total("fsdp", "reduce_scatter", "fully_shard", "backward", R, M * G, full, full // R)
+    out.add_total("fsdp", "all_reduce", "fully_shard", "backward", dims.dp_replicate, M * G, full // R, full // R)
+    return out.result()
+
+
+def merged(rows: Iterable[CommRow]) -> dict[tuple[str, str, str, int], tuple[int, int, int]]:
+    """``{(op, api, phase, group_size): (count, bytes_sent, bytes_received)}`` summed over axes."""
+    table: dict[tuple[str, str, str, int], tuple[int, int, int]] = {}
+    for r in rows:
+        c, s, v = table.get(r.key(), (0, 0, 0))
+        table[r.key()] = (c + r.count, s + r.bytes_sent, v + r.bytes_received)
+    return table
+
+
+def ledger_table(records: Iterable) -> dict[tuple[str, str, str, int], tuple[int, int, int]]:
+    """A :class:`~shardkit.CommLedger`'s records in the form of :func:`merged`: pipeline
+    transfers (every ``send``/``recv`` but ring attention's) under the api ``"p2p"``, since
+    which combined call carries a transfer is the schedule's choice, not a cost."""
+    table: dict[tuple[str, str, str, int], tuple[int, int, int]] = {}
+    for r in records:
+        api = "p2p" if r.op in ("send", "recv") and r.api != "ring_attention" else r.api
+        key = (r.op, api, r.phase, r.group_size)
+        c, s, v = table.get(key, (0, 0, 0))
+        table[key] = (c + 1, s + r.bytes_sent, v + r.bytes_received)
+    return table

@@ -1,0 +1,105 @@
+"""The trainer's step options the planner needs, and the trainer's limits for a model and layout.
+
+Pure functions of metadata (no process group), so a bad layout fails before anything runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ..errors import ShardkitError
+from ..mesh import ParallelDims
+from .model import ModelShape
+
+__all__ = ["StepOptions", "DTYPE_BYTES", "resolve_options", "check_layout", "hooked_params"]
+
+DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2}
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """The trainer options of one step that change its collectives.
+
+    Attributes:
+        seq_len: S tokens per sequence.
+        global_batch: sequences per step (all data-parallel ranks together).
+        microbatches: M per data-parallel rank (pipeline microbatches or gradient accumulation).
+        dtype: ``float32``, ``bfloat16`` or ``float64`` (parameters and activations).
+        sequence_parallel: Megatron-SP with tp (None: on for dense models with tp > 1, as the trainer).
+        loss_parallel: vocab-parallel loss (logits never gathered).
+    """
+
+    seq_len: int = 4096
+    global_batch: int = 1024
+    microbatches: int = 1
+    dtype: str = "bfloat16"
+    sequence_parallel: bool | None = None
+    loss_parallel: bool = False
+
+    @property
+    def elem(self) -> int:
+        """Bytes per element of ``dtype``."""
+        return DTYPE_BYTES[self.dtype]
+
+
+def resolve_options(shape: ModelShape, dims: ParallelDims, opts: StepOptions) -> StepOptions:
+    """``opts`` with ``sequence_parallel`` decided as the trainer does (on for dense models with tp > 1).
+
+    Raises:
+        ShardkitError: sequence parallelism with ``ep > 1`` (the trainer refuses it).
+    """
+    if opts.sequence_parallel is None:
+        dense = shape.experts == 0
+        opts = replace(opts, sequence_parallel=dense and dims.tp > 1)
+    if opts.sequence_parallel and dims.ep > 1:
+        raise ShardkitError(f"plan: sequence_parallel with ep={dims.ep}: the trainer refuses it (expert dispatch "
+                            "takes tokens replicated over tp)")
+    return opts
+
+
+def check_layout(shape: ModelShape, dims: ParallelDims, opts: StepOptions) -> None:
+    """The trainer's limits for this model and layout (pure).
+
+    Raises:
+        ShardkitError: naming the option at fault (batch not divisible by dp x microbatches,
+            sequence not divisible by cp (x tp with SP), heads not divisible by tp, ...).
+    """
+    dp, cp, tp = dims.dp, dims.cp, dims.tp
+    if dims.pp_tp is not None or dims.spatial > 1:
+        raise ShardkitError(f"plan: {dims.describe()}: pp_tp and spatial layouts are not planned")
+    if opts.global_batch % (dp * opts.microbatches):
+        raise ShardkitError(f"plan: global_batch {opts.global_batch} must be divisible by dp={dp} x microbatches="
+                            f"{opts.microbatches}")
+    if opts.seq_len % (cp * (tp if opts.sequence_parallel else 1) * (2 if dims.cp_ring > 1 else 1)):
+        raise ShardkitError(f"plan: seq_len {opts.seq_len} must be divisible by cp={cp} (x2 zigzag with ring, x tp "
+                            "with sequence parallelism)")
+    if shape.heads % tp or (shape.kv_heads % tp and tp % shape.kv_heads):
+        raise ShardkitError(f"plan: tp={tp} must divide num_attention_heads={shape.heads} and divide or be a "
+                            f"multiple of num_key_value_heads={shape.kv_heads}")
+    if dims.cp_ulysses > 1 and (shape.heads // tp) % dims.cp_ulysses or (
+            dims.cp_ulysses > 1 and max(1, shape.kv_heads // tp) % dims.cp_ulysses):
+        raise ShardkitError(f"plan: cp_ulysses={dims.cp_ulysses} must divide the heads per tp rank "
+                            f"({shape.heads // tp} query, {max(1, shape.kv_heads // tp)} key/value)")
+    if cp > 1 and shape.mla:
+        raise ShardkitError("plan: context parallelism with multi-head latent attention is not composed by the trainer")
+    if dims.ep > 1 and (not shape.experts or shape.experts % dims.ep):
+        raise ShardkitError(f"plan: ep={dims.ep} needs an MoE model whose {shape.experts} experts it divides")
+    if dims.pp > shape.layers:
+        raise ShardkitError(f"plan: pp={dims.pp} stages for {shape.layers} layers")
+    if shape.vocab % tp or shape.hidden % tp or shape.ffn % tp:
+        raise ShardkitError(f"plan: tp={tp} must divide vocab_size, hidden_size and intermediate_size")
+
+
+def hooked_params(shape: ModelShape, dims: ParallelDims, opts: StepOptions, stage: int) -> int:
+    """Parameters with a sum-over-tp gradient hook (FSDP2 leaves them to the dense all-reduce)."""
+    if dims.tp == 1:
+        return 0
+    layers = list(shape.stage_layers(dims.pp, stage))
+    total = 0
+    if opts.sequence_parallel:
+        total += 2 * shape.hidden * len(layers) + (shape.hidden if stage == dims.pp - 1 else 0)
+    if shape.family in ("qwen3", "qwen3_moe"):
+        total += 2 * shape.head_dim * len(layers)
+    if shape.kv_heads < dims.tp and not shape.mla:
+        total += 2 * shape.head_dim * shape.hidden * len(layers)
+    return total

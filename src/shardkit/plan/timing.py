@@ -1,0 +1,60 @@
+"""Alpha-beta times of collectives, with the nccl-tests bus-bandwidth factors.
+
+A call of size ``n`` bytes (nccl-tests "size": the all-reduce buffer, the all-gather output,
+the reduce-scatter input, the all-to-all send buffer) on ``R`` ranks takes
+``steps x alpha + n x factor / bandwidth``: ring all-reduce ``2(R-1)`` steps and factor
+``2(R-1)/R``; all-gather, reduce-scatter, all-to-all ``R-1`` and ``(R-1)/R``; send/recv 1 and 1.
+The bandwidth is the intra-node one when the group fits in a node, else the NIC's.
+
+Source: Thakur, Rabenseifner and Gropp, "Optimization of Collective Communication Operations in
+MPICH" (2005); NVIDIA nccl-tests ``doc/PERFORMANCE.md`` (bus bandwidth).
+"""
+
+from __future__ import annotations
+
+from ..mesh import AXES, ParallelDims
+from .cluster import Cluster
+from .collectives import CommRow
+
+__all__ = ["bus_factor", "group_stride", "row_seconds"]
+
+_AXIS_DIMS = {"tp": ("tp",), "cp": ("cp_ring", "cp_ulysses"), "pp": ("pp",), "world": AXES,
+              "dp": ("dp_replicate", "dp_shard", "cp_ring", "cp_ulysses"), "fsdp": ("dp_shard", "cp_ring", "cp_ulysses"),
+              "ep": ("dp_shard", "cp_ring", "cp_ulysses", "tp")}
+
+
+def bus_factor(op: str, ranks: int) -> tuple[float, int]:
+    """``(bandwidth factor, latency steps)`` of ``op`` on ``ranks`` ranks (nccl-tests)."""
+    if op in ("send", "recv"):
+        return 1.0, 1
+    if ranks <= 1:
+        return 0.0, 0
+    if op == "all_reduce":
+        return 2.0 * (ranks - 1) / ranks, 2 * (ranks - 1)
+    return (ranks - 1) / ranks, ranks - 1
+
+
+def group_stride(dims: ParallelDims, axis: str, size: int) -> int:
+    """Span in global ranks of one group of ``axis``: the innermost of its dims sets the stride
+    (tp innermost: its ranks are adjacent)."""
+    order = list(AXES)
+    members = [d for d in _AXIS_DIMS.get(axis, AXES) if getattr(dims, d) > 1] or ["tp"]
+    inner = max(order.index(d) for d in members)
+    stride = 1
+    for d in order[inner + 1:]:
+        stride *= getattr(dims, d)
+    if axis == "ep":  # ep blocks are the innermost ep ranks of dp_shard x cp x tp
+        return size
+    return stride * size
+
+
+def row_seconds(row: CommRow, dims: ParallelDims, cluster: Cluster) -> float:
+    """Alpha-beta seconds of every call of ``row`` (one rank's view)."""
+    factor, steps = bus_factor(row.op, row.group_size)
+    inside = group_stride(dims, row.axis, row.group_size) <= cluster.gpus_per_node
+    bandwidth = (cluster.intra_gbps if inside else cluster.inter_gbps) * 1e9
+    alpha = (cluster.intra_latency_us if inside else cluster.inter_latency_us) * 1e-6
+    size = max(row.bytes_sent, row.bytes_received)
+    if row.op == "recv":
+        return 0.0  # the matching send carries the time
+    return row.count * steps * alpha + size * factor / bandwidth
