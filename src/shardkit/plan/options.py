@@ -46,14 +46,15 @@ def resolve_options(shape: ModelShape, dims: ParallelDims, opts: StepOptions) ->
     """``opts`` with ``sequence_parallel`` decided as the trainer does (on for dense models with tp > 1).
 
     Raises:
-        ShardkitError: sequence parallelism with ``ep > 1`` (the trainer refuses it).
+        ShardkitError: sequence parallelism with ``ep > 1`` (the trainer runs it; its MoE blocks
+            on local tokens are not modelled yet).
     """
     if opts.sequence_parallel is None:
         dense = shape.experts == 0
         opts = replace(opts, sequence_parallel=dense and dims.tp > 1)
     if opts.sequence_parallel and dims.ep > 1:
-        raise ShardkitError(f"plan: sequence_parallel with ep={dims.ep}: the trainer refuses it (expert dispatch "
-                            "takes tokens replicated over tp)")
+        raise ShardkitError(f"plan: sequence_parallel with ep={dims.ep} is not modelled yet (expert-parallel MoE "
+                            "blocks on the local sequence block)")
     return opts
 
 
@@ -65,7 +66,7 @@ def check_layout(shape: ModelShape, dims: ParallelDims, opts: StepOptions) -> No
             sequence not divisible by cp (x tp with SP), heads not divisible by tp, ...).
     """
     dp, cp, tp = dims.dp, dims.cp, dims.tp
-    if dims.pp_tp is not None or dims.spatial > 1:
+    if dims.pp_tp is not None or dims.spatial > 1 or dims.spatial_h > 1:
         raise ShardkitError(f"plan: {dims.describe()}: pp_tp and spatial layouts are not planned")
     if opts.global_batch % (dp * opts.microbatches):
         raise ShardkitError(f"plan: global_batch {opts.global_batch} must be divisible by dp={dp} x microbatches="
