@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from .. import CommLedger
+from ..comm import checks, checks_enabled
 from ..data_parallel import GradientSync, ParamLayout
 from ..parallelize import ParallelModel, gather_full_parameters, parallelize, parallelize_stage
 from .config import TrainConfig, parallel_dims
@@ -231,7 +232,15 @@ def worker_main(cfg: TrainConfig, local_launch: bool, flight_dir: str | None = N
 def train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool = True) -> dict | None:
     """The whole run on this rank, inside an initialized world of ``cfg.nproc`` ranks.
 
-    ``progress``: show rank 0's progress bar (tests turn it off)."""
+    ``progress``: show rank 0's progress bar (tests turn it off). With ``cfg.checks`` the run
+    (parallelize, its fingerprint, every step) is in shardkit's check mode, switched on for this
+    run only with :class:`shardkit.comm.checks` (every rank sets it alike: the config is the same).
+    """
+    with checks(cfg.checks or checks_enabled()):
+        return _train(cfg, backend, device, t0, progress)
+
+
+def _train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool) -> dict | None:
     rank = dist.get_rank()
     dims = parallel_dims(cfg)
     mesh = dims.build_mesh(device.type)
