@@ -31,7 +31,7 @@ from .progress import TrainProgress
 from .trainer import LossScale, make_optimizer, train_step
 from .verify import compare_runs
 
-__all__ = ["worker_main", "build_task", "build_parallel_model", "run_training"]
+__all__ = ["worker_main", "build_task", "build_train_model", "build_parallel_model", "run_training"]
 
 
 def _init(local_launch: bool) -> tuple[str, torch.device]:
@@ -99,7 +99,8 @@ def build_task(cfg: TrainConfig, device):
     return LMTask(sampler, device)
 
 
-def _build_model(cfg: TrainConfig):
+def build_train_model(cfg: TrainConfig):
+    """The model of ``cfg`` (an LM or the conv autoencoder), the same on every rank (same seed)."""
     if cfg.model == "conv-ae":
         from .conv_ae import build_conv_ae
 
@@ -245,7 +246,7 @@ def _train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool) ->
     dims = parallel_dims(cfg)
     mesh = dims.build_mesh(device.type)
     task = build_task(cfg, device)
-    model = _build_model(cfg)
+    model = build_train_model(cfg)
     reference = copy.deepcopy(model) if cfg.verify and rank == 0 else None
     pm, loss_scale = build_parallel_model(model, mesh, cfg, task, device)
     del model
