@@ -1,9 +1,10 @@
 """The P2P engine: an exchange of a few transfers between adjacent stages.
 
 An exchange is what one public call does: some transfers (send or receive, towards the next or
-the previous stage, one per pipeline group). A transfer is up to three messages: a header
-(dynamic shapes, or any transfer while checks are on; see :mod:`._wire`), the payload (none for
-zero elements or after a sender error) and, with checks on, a verdict from receiver to sender.
+the previous stage, one per pipeline group). A transfer is a header (dynamic shapes; see
+:mod:`._wire`) and the payload (none for zero elements or after a sender error). With checks on,
+the header is replaced by a hello each way (sender's header out, receiver's declaration back,
+both with the author's role and phase), exchanged and checked on both ends before the payload.
 
 Matching never relies on tags: NCCL ignores them and pairs the messages between two ranks in
 FIFO order. Transfers are posted in one fixed order of four slots, by the parity of the stage
@@ -17,8 +18,8 @@ Two modes:
 * ordered (default): transfer by transfer in slot order, each complete before the next (a
   receiver waits for its header, then posts the payload receive). A transfer behaves as one
   message, so a combined call (send + receive) may face the two single calls on the peer.
-* batched: one ``batch_isend_irecv`` per group and phase, phases in order: all headers (waited:
-  receivers need the shapes), all payloads, all verdicts. With dynamic shapes a combined call
+* batched: one ``batch_isend_irecv`` per group and phase, phases in order: all headers or
+  hellos (waited: receivers need the shapes), then all payloads. With dynamic shapes a combined call
   then waits for its peer's header before posting its own payload, so its peer must make the
   mirror combined call (as Megatron's schedules do); with static shapes there is one phase.
 
@@ -270,18 +271,18 @@ def cached_recv(t: Transfer, cached, api: str) -> list:
     return _post([pay], False, api) if pay is not None else []
 
 
-def _ordered(transfers: list[Transfer], api: str, verdicts: bool, cache: ShapeCache | None = None) -> list:
-    """Transfer by transfer in slot order, each complete (header, payload, verdict) before the
+def _ordered(transfers: list[Transfer], api: str, checked: bool, cache: ShapeCache | None = None) -> list:
+    """Transfer by transfer in slot order, each complete (header or hellos, payload) before the
     next; a receiver waits for its header before posting the payload receive, unless ``cache``
-    holds the channel's shape (then both are posted at once)."""
+    holds the channel's shape (then both are posted at once). ``checked``: the check mode's hellos."""
     works = []
     for i in posting_order([(t.gi, t.g.rank, t.send, t.towards) for t in transfers]):
         t = transfers[i]
-        use_cache = cache is not None and t.header and not verdicts
+        use_cache = cache is not None and t.header and not checked
         cached = cache.get(t) if use_cache else None
         if cached is not None:
             works += (cached_send if t.send else cached_recv)(t, cached, api)
-        elif verdicts:
+        elif checked:
             for w in _sorted_post(_hello_msgs(t, api), api, batched=False):
                 w.wait()
             _settle(t, api)
@@ -301,11 +302,11 @@ def _ordered(transfers: list[Transfer], api: str, verdicts: bool, cache: ShapeCa
     return works
 
 
-def _phased(transfers: list[Transfer], api: str, verdicts: bool) -> list:
-    """One ``batch_isend_irecv`` per group and phase: all headers (waited), then all payloads,
-    then all verdicts; slot order within each batch (it fixes the FIFO pairing)."""
+def _phased(transfers: list[Transfer], api: str, checked: bool) -> list:
+    """One ``batch_isend_irecv`` per group and phase: all headers or hellos (waited), then all
+    payloads; slot order within each batch (it fixes the FIFO pairing)."""
     works = []
-    if verdicts:
+    if checked:
         for w in _sorted_post([m for t in transfers for m in _hello_msgs(t, api)], api):
             w.wait()
         for t in transfers:
@@ -334,7 +335,7 @@ def _sorted_post(msgs, api: str, batched: bool = True) -> list:
     return _post([msgs[i] for i in order], batched, api)
 
 
-def exchange(transfers: list[Transfer], api: str, batched: bool, verdicts: bool, reduce: str,
+def exchange(transfers: list[Transfer], api: str, batched: bool, checked: bool, reduce: str,
              cache: ShapeCache | None = None) -> "P2PWork":
     """Post every message of one call (see the module docstring) and return its handle.
 
@@ -345,7 +346,7 @@ def exchange(transfers: list[Transfer], api: str, batched: bool, verdicts: bool,
     for t in transfers:
         if t.send and t.error is not None and not t.header:
             raise t.error
-    pending = _phased(transfers, api, verdicts) if batched else _ordered(transfers, api, verdicts, cache)
+    pending = _phased(transfers, api, checked) if batched else _ordered(transfers, api, checked, cache)
     work = P2PWork(api, transfers, pending, reduce)
     errors = [t.error for t in transfers if t.error is not None]
     if errors:

@@ -1,16 +1,15 @@
-"""Wire format of pipeline P2P messages: the shape/dtype header and the receiver's verdict.
+"""Wire format of pipeline P2P messages: the shape/dtype header, and the hellos of the check mode.
 
-A transfer with dynamic shapes (or any transfer while ``shardkit.comm.checks`` is on) is a
-fixed-size int64 *header* followed by the payload::
+A transfer with dynamic shapes is a fixed-size int64 *header* followed by the payload::
 
     [MAGIC, status, dtype code, ndim, d0, d1, ..., d15]      (HEADER_LEN = 20 int64 = 160 bytes)
 
 The receiver allocates the payload buffer from it, so shapes (any ndim up to 16) and dtypes can
 change from one microbatch to the next. ``status`` lets a sender that found a problem with its
 own tensor tell the receiver instead of leaving it waiting: any status other than ``OK`` means
-no payload follows. With checks on, the receiver answers with a *verdict* in the same layout
-(status ``OK`` or ``REJECTED``, then the dtype and shape it declared, ``ndim = -1`` when it
-declared none), so a sender learns that its receiver expected something else.
+no payload follows. A sender's *verdict* on its receiver (status ``OK`` or ``REJECTED``, then
+the dtype and shape the receiver declared, ``ndim = -1`` when it declared none) uses the same
+layout; it is built from the receiver's hello, never sent.
 
 With checks on, both ends of a transfer first exchange a *hello* (``HELLO_LEN`` int64): a header
 (the sender's tensor, or the receiver's declaration with status ``OK``) followed by the author's
@@ -56,7 +55,7 @@ _DTYPES += [getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasat
 
 @dataclass(frozen=True)
 class Meta:
-    """A decoded header or verdict. ``dtype``/``shape`` are None when not stated."""
+    """A decoded header, hello header or verdict. ``dtype``/``shape`` are None when not stated."""
 
     status: int
     dtype: torch.dtype | None
