@@ -9,13 +9,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from harness.helpers import rank, world_group, world_size
+import os
+
+import safetensors.torch
+
+from harness.helpers import rank, remove_shared_dir, shared_tmpdir, world_group, world_size
 from shardkit import CommLedger
 from shardkit.comm import checks
 from shardkit.comm.fingerprint import fingerprint
 from shardkit.errors import RankMismatchError, ShardkitError
 from shardkit.spatial import apply_spatial
-from shardkit.tensor_parallel import apply_tp
+from shardkit.tensor_parallel import apply_tp, load_sharded
 
 PLAN = {"0": "colwise", "2": "rowwise"}
 
@@ -119,3 +123,41 @@ def test_broadcast_input_fingerprint():
         ids = ids.clone()
         ids[1, 5] = 0
     _same_error_everywhere(lambda: fingerprint({"input_ids": ids}, world_group(), "my_step"), "first at 'input_ids'")
+
+
+@pytest.mark.world(2)
+def test_load_sharded_from_per_rank_checkpoints_is_caught():
+    """Each rank reads its own checkpoint (seed = rank): the replicated tensors read whole differ.
+    LayerNorm weights are seed-independent, so only the rowwise layer's replicated bias differs."""
+    folder = shared_tmpdir("fingerprint-")
+    try:
+        paths = [os.path.join(folder, f"rank{r}.safetensors") for r in range(2)]
+        if rank() == 0:
+            for r, path in enumerate(paths):
+                safetensors.torch.save_file(_mlp(r).state_dict(), path)
+        dist.barrier(group=world_group())
+        with checks(True):
+            load_sharded(_mlp(0), paths[0], world_group(), PLAN, check="off")  # the same file: passes
+        msg = _same_error_everywhere(lambda: load_sharded(_mlp(0), paths[rank()], world_group(), PLAN, check="off"),
+                                     "load_sharded: replicated values differ")
+        assert "first at '2.bias'" in msg and "1 of 3 tensors differ" in msg
+    finally:
+        remove_shared_dir(folder)
+
+
+
+@pytest.mark.world(2)
+def test_parallelize_per_rank_seed_over_data_parallel_replicas():
+    """dp_replicate=2: the replicas must start from the same weights (else their averaged
+    gradients train two different models)."""
+    from shardkit import ParallelDims
+    from shardkit.cli.config import TrainConfig
+    from shardkit.cli.model import build_model
+    from shardkit.parallelize import parallelize
+
+    mesh = ParallelDims(dp_replicate=2).build_mesh("cpu")
+    with checks(True):
+        parallelize(build_model(TrainConfig(layers=1, seed=0)), mesh)  # identical: passes
+    msg = _same_error_everywhere(lambda: parallelize(build_model(TrainConfig(layers=1, seed=rank())), mesh),
+                                 "parallelize: replicated values differ")
+    assert "ranks [1] differ from rank 0, first at 'model.embed_tokens.weight'" in msg
