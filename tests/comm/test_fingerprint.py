@@ -16,6 +16,7 @@ import safetensors.torch
 from harness.helpers import rank, remove_shared_dir, shared_tmpdir, world_group, world_size
 from shardkit import CommLedger
 from shardkit.comm import checks
+from shardkit.comm.checks import covered
 from shardkit.comm.fingerprint import fingerprint
 from shardkit.errors import RankMismatchError, ShardkitError
 from shardkit.spatial import apply_spatial
@@ -161,3 +162,26 @@ def test_parallelize_per_rank_seed_over_data_parallel_replicas():
     msg = _same_error_everywhere(lambda: parallelize(build_model(TrainConfig(layers=1, seed=rank())), mesh),
                                  "parallelize: replicated values differ")
     assert "ranks [1] differ from rank 0, first at 'model.embed_tokens.weight'" in msg
+
+
+@pytest.mark.world(2)
+def test_tp_forward_agrees_once_on_its_replicated_inputs():
+    """In check mode a tensor-parallel model's forward agrees once on its inputs over tp (two
+    small all-gathers) instead of once per op; tp ranks fed different token ids are caught."""
+    from shardkit.cli.config import TrainConfig
+    from shardkit.cli.model import build_model
+
+    model = apply_tp(build_model(TrainConfig(layers=1, seed=0)), world_group(), sequence_parallel=True, check="off")
+    ids = torch.arange(16).reshape(2, 8) % 50
+    with checks(True), CommLedger() as ledger:
+        model(input_ids=ids)
+    assert ledger.count(phase="check") == 2 and ledger.count(phase="check", api="LlamaForCausalLM.forward") == 2
+    assert ledger.count(op="all_gather_single", phase="forward") > 0  # the ops ran, unchecked one by one
+    with checks(True), CommLedger() as ledger:
+        model.model.layers[0].mlp.down_proj(torch.ones(2, 8, 64))  # outside the root forward: checked per op
+    assert ledger.count(phase="check") > 0
+    if rank() == 1:
+        ids = ids.flip(1)
+    _same_error_everywhere(lambda: model(input_ids=ids), "LlamaForCausalLM.forward: replicated values differ .* "
+                           "first at 'input_ids'.*tp ranks must get the same inputs")
+    assert not covered(world_group())  # the region was left when the forward raised

@@ -79,7 +79,8 @@ def _gather(mine: torch.Tensor, g, api: str) -> torch.Tensor:
     return table.view(g.size, -1)
 
 
-def fingerprint(tensors: Mapping[str, torch.Tensor], group, api: str, plan: Iterable[str] = ()) -> None:
+def fingerprint(tensors: Mapping[str, torch.Tensor], group, api: str, plan: Iterable[str] = (),
+                hint: str = "a per-rank seed or checkpoint?") -> None:
     """Raise on every rank unless every rank of ``group`` holds the same ``plan`` and ``tensors``.
 
     Args:
@@ -88,6 +89,7 @@ def fingerprint(tensors: Mapping[str, torch.Tensor], group, api: str, plan: Iter
         group: ``ProcessGroup`` or 1-D ``DeviceMesh`` of ``R`` ranks.
         api: the calling transform, for messages.
         plan: lines describing the plan (module styles, parameter layouts, options).
+        hint: the likely cause, ending the message of a value mismatch.
 
     Raises:
         RankMismatchError: on every rank: the plans, the tensor names/shapes, or a tensor's
@@ -103,7 +105,7 @@ def fingerprint(tensors: Mapping[str, torch.Tensor], group, api: str, plan: Iter
     head = torch.tensor([_crc(plan), _crc(f"{n} {tuple(t.shape)} {t.dtype}" for n, t in named), len(named)],
                         dtype=torch.int64, device=device)
     rows = _gather(head, g, api).tolist()
-    for what, col in (("plan (module styles and parameter layouts)", 0), ("parameter names, shapes and dtypes", 1)):
+    for what, col in (("plan (module styles and parameter layouts)", 0), ("tensor names, shapes and dtypes", 1)):
         bad = [r for r in range(g.size) if rows[r][col] != rows[0][col]]
         if bad:
             raise RankMismatchError(f"{api}: ranks {bad} differ from rank 0 in the {what} in a group of {g.size} "
@@ -118,7 +120,7 @@ def fingerprint(tensors: Mapping[str, torch.Tensor], group, api: str, plan: Iter
             f"{api}: replicated values differ across the {g.size} ranks of the group: ranks {bad} differ from rank 0, "
             f"first at {named[i][0]!r} (sum {sums[0, 2 * i].item():.9g} on rank 0, "
             f"{', '.join(f'{sums[r, 2 * i].item():.9g} on rank {r}' for r in bad)}); "
-            f"{len({d // 2 for d in differs})} of {len(named)} tensors differ (a per-rank seed or checkpoint?)")
+            f"{len({d // 2 for d in differs})} of {len(named)} tensors differ ({hint})")
 
 
 def maybe_fingerprint(tensors: Mapping[str, torch.Tensor], group, api: str, plan: Iterable[str] = ()) -> None:

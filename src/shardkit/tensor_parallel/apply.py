@@ -28,6 +28,7 @@ from ..comm._group import resolve_group
 from ..comm._validate import local_checks, maybe_agree
 from ..comm.fingerprint import describe_style, group_device, maybe_fingerprint
 from ..errors import ShardkitError, ShardkitTypeError
+from ._forward_checks import install_forward_checks
 from .heads import attention_head_ranges
 from .plan import CompiledPlan, model_tp_plan, verify_tp_plan
 from ..layouts import Shard
@@ -127,6 +128,7 @@ def apply_tp(model: nn.Module, tp_mesh: Group, plan: dict | None = None, *, sequ
             mrule[1].apply_module(module, StyleContext(tp_mesh, g, name, model, memo, heads.get(name), seq))
     if loss_parallel:
         _use_vocab_parallel_loss(model, tp_mesh)
+    install_forward_checks(model, g)
     return model
 
 
