@@ -5,7 +5,9 @@ backend or silently returns garbage. Checks that only one rank can see (its own 
 therefore cannot simply raise on that rank, or the others wait in the next collective forever.
 With checks on, every shardkit collective first all-gathers a small int64 metadata row from each
 rank (dtype, shape, arguments, this rank's local size and the size the op expects of it); every
-rank then inspects the same table and raises the same :class:`RankMismatchError`.
+rank then inspects the same table and raises the same :class:`RankMismatchError`. Inside a
+tensor-parallel model's forward, one agreement on the forward's inputs covers the ops over tp
+(:func:`covered`; shardkit.tensor_parallel._forward_checks).
 
 Enable with ``shardkit.comm.checks(True)`` (also usable as ``with checks(True): ...``) or by
 setting ``SHARDKIT_CHECKS=1`` before import. Cost: one metadata all-gather of
