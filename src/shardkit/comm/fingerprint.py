@@ -105,11 +105,14 @@ def fingerprint(tensors: Mapping[str, torch.Tensor], group, api: str, plan: Iter
     head = torch.tensor([_crc(plan), _crc(f"{n} {tuple(t.shape)} {t.dtype}" for n, t in named), len(named)],
                         dtype=torch.int64, device=device)
     rows = _gather(head, g, api).tolist()
-    for what, col in (("plan (module styles and parameter layouts)", 0), ("tensor names, shapes and dtypes", 1)):
+    for what, col, why in (("plan (module styles and parameter layouts)", 0, "every rank must apply the same plan"),
+                           ("tensor names, shapes and dtypes", 1, hint)):
         bad = [r for r in range(g.size) if rows[r][col] != rows[0][col]]
         if bad:
             raise RankMismatchError(f"{api}: ranks {bad} differ from rank 0 in the {what} in a group of {g.size} "
-                                    f"(digests {[row[col] for row in rows]}); every rank must apply the same plan")
+                                    f"(digests {[row[col] for row in rows]}); {why}")
+    if not named:  # the same on every rank: the names digests agreed
+        return
     sums = _gather(_checksums([t for _, t in named], device), g, api).cpu()
     bits = sums.view(torch.int64)
     differs = (bits != bits[0]).any(dim=0).nonzero().flatten().tolist()
