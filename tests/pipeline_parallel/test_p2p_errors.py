@@ -187,3 +187,46 @@ def test_bad_arguments_raise_on_every_rank(case):
 def test_single_stage_has_no_neighbours():
     _raises(ShardkitError, "loop=True needs at least 2 pipeline stages", lambda: send_forward(torch.ones(1), G(), loop=True))
     _raises(ShardkitError, "is the last of 1", lambda: send_forward(torch.ones(1), G()))
+
+
+# ------------------------------------------------- misuse between two stages (checks on)
+
+
+def _misuse_calls(case, batched):
+    """(even stage's call, odd stage's call) of each misuse between stage pairs (2s, 2s + 1)."""
+    kw = dict(batched=batched)
+    x = torch.ones(2, 3)
+    return {
+        "both_send": (lambda: send_forward(x, G(), **kw), lambda: send_backward(x, G(), **kw)),
+        "both_receive": (lambda: recv_backward(G(), **kw), lambda: recv_forward(G(), **kw)),
+        # loop (pp = 2: the next stage is also the previous one): a forward message meets a
+        # receive of gradients
+        "wrong_direction": (lambda: send_forward(x, G(), loop=True, **kw),
+                            lambda: recv_backward(G(), loop=True, **kw)),
+    }[case]
+
+
+@pytest.mark.world(2, timeout=20)
+@pytest.mark.parametrize("batched", [False, True], ids=["ordered", "batched"])
+@pytest.mark.parametrize("case, fragment", [("both_send", "both send to each other"),
+                                            ("both_receive", "both wait to receive from each other"),
+                                            ("wrong_direction", "disagree on the direction")])
+def test_misuse_is_the_same_error_on_both_ends(case, fragment, batched):
+    even, odd = _misuse_calls(case, batched)
+    with checks(True):
+        msg = _raises(RankMismatchError, fragment, even if _pairs() else odd)
+    msgs = [None] * world_size()
+    dist.all_gather_object(msgs, msg, group=G())
+    assert msgs[0] == msgs[1] and "stage 0 (" in msg and "stage 1 (" in msg and "nothing was transferred" in msg
+    _assert_usable()
+
+
+@pytest.mark.world(4, timeout=20)
+def test_both_send_pp4_pairs():
+    even, odd = _misuse_calls("both_send", False)
+    with checks(True):
+        msg = _raises(RankMismatchError, "both send to each other", even if _pairs() else odd)
+    msgs = [None] * world_size()
+    dist.all_gather_object(msgs, msg, group=G())
+    assert msgs[0] == msgs[1] and msgs[2] == msgs[3] and "stage 2 (send_forward: sends forward)" in msgs[3]
+    _assert_usable()

@@ -1,8 +1,9 @@
 """The fixed P2P posting order never deadlocks and pairs every message with the right one.
 
 Pure simulation, no process group. Every rank's messages of one exchange are laid out as the
-engine posts them: ordered mode transfer by transfer in :func:`posting_order` (header, payload,
-verdict each a batch of one), batched mode one batch per phase in :func:`posting_order`. A batch
+engine posts them: ordered mode transfer by transfer in :func:`posting_order` (header and
+payload each a batch of one; with checks, the two hellos of the handshake, out and in, in
+:func:`posting_order`, then the payload), batched mode one batch per phase in :func:`posting_order`. A batch
 completes when each of its messages pairs with the FIFO-matching message in the peer's current
 batch, the rendezvous semantics of NCCL (a send does not complete before its receive is posted;
 messages inside one ``batch_isend_irecv`` progress together). Messages between two ranks pair
@@ -18,7 +19,7 @@ import pytest
 
 from shardkit.pipeline_parallel._exchange import order_key, posting_order
 
-KINDS = {"dynamic": ("header", "payload"), "static": ("payload",), "checks": ("header", "payload", "verdict")}
+KINDS = {"dynamic": ("header", "payload"), "static": ("payload",), "checks": ("hello", "payload")}
 
 
 def _links(n, loop):
@@ -41,19 +42,28 @@ def _transfers(n, active):
 
 
 def _batches(rank, transfers, kinds, batched, order):
-    """The rank's batches of (is_send, peer, label), in posting order."""
+    """The rank's batches of (is_send, peer, label), in posting order. A ``"hello"`` is two
+    messages on the transfer's link: this rank's hello out and the peer's hello in."""
     items = [(0, rank, send, towards) for send, towards, _, _ in transfers]
 
-    def msg(i, kind):  # a verdict goes back from the receiver to the sender over the same link
-        send, _, peer, label = transfers[i]
-        return (send != (kind == "verdict"), peer, (kind, label))
+    def msgs(i, kind):  # [(is_send, item for the posting order, message)] of transfer i
+        send, towards, peer, label = transfers[i]
+        phase = "forward" if label[0] == "fwd" else "backward"
+        if kind != "hello":
+            return [((*items[i], phase), (send, peer, (kind, label)))]
+        return [((0, rank, out, towards, phase), (out, peer, (kind, label))) for out in (True, False)]
+
+    def in_order(pairs):  # posting order, forward before backward (message_order)
+        keys = [p[0] for p in pairs]
+        by_slot = order([k[:4] for k in keys])
+        first = {}  # position of each distinct slot in ``order``; equal slots tie-break by phase
+        for n, j in enumerate(by_slot):
+            first.setdefault(keys[j][:4], n)
+        return [pairs[j][1] for j in sorted(by_slot, key=lambda j: (first[keys[j][:4]], keys[j][4] != "forward"))]
 
     if not batched:
-        return [[msg(i, kind)] for i in order(items) for kind in kinds]
-    batches = []
-    for kind in kinds:
-        flipped = [(g, r, s != (kind == "verdict"), tw) for g, r, s, tw in items]
-        batches.append([msg(i, kind) for i in order(flipped)])
+        return [[m] for i in order(items) for kind in kinds for m in in_order(msgs(i, kind))]
+    batches = [in_order([m for i in range(len(items)) for m in msgs(i, kind)]) for kind in kinds]
     return [b for b in batches if b]
 
 

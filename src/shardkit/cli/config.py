@@ -70,6 +70,7 @@ class TrainConfig:
     lr: float | None = None  # None: 1e-3 from scratch, 1e-4 (FINETUNE_LR) with --model-path
     lr_schedule: str | None = None  # "constant" or "warmup-cosine"; None: warmup-cosine with --model-path
     verify: bool = False
+    checks: bool = False  # run with shardkit's cross-rank check mode on (shardkit.comm.checks)
     report: str | None = None
     data: str | None = None  # None: the Python standard library's source tree
     model_path: str | None = None  # a local HF checkpoint directory or *.gguf file; None: the built-in config

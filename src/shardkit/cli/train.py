@@ -90,6 +90,13 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         help="rerun the steps in one process and check losses and final parameters",
     )
+    p.add_argument(
+        "--checks",
+        action=argparse.BooleanOptionalAction,
+        help="run with the cross-rank check mode on: every collective first agrees on its metadata, and the "
+        "model's plan and replicated weights are fingerprinted at parallelize (a rank disagreement becomes the "
+        "same error on every rank instead of a hang; measured cost: docs/reliability.md)",
+    )
     p.add_argument("--report", metavar="DIR", help="write report.json and loss.png into DIR")
     p.add_argument("--data", metavar="PATH", help="text file or folder (default: the Python stdlib's sources)")
     p.add_argument("--model-path", metavar="DIR_OR_GGUF", help="a local Hugging Face causal-LM checkpoint directory or "

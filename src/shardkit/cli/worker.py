@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from .. import CommLedger
+from ..comm import checks, checks_enabled
 from ..data_parallel import GradientSync, ParamLayout
 from ..mesh import AXES, FLAT_VIEWS, ParallelMesh
 from ..parallelize import ParallelModel, gather_full_parameters, parallelize, parallelize_stage
@@ -31,7 +32,7 @@ from .progress import TrainProgress
 from .trainer import LossScale, make_optimizer, train_step
 from .verify import compare_runs
 
-__all__ = ["worker_main", "build_task", "build_parallel_model", "run_training"]
+__all__ = ["worker_main", "build_task", "build_train_model", "build_parallel_model", "run_training"]
 
 
 def _init(local_launch: bool) -> tuple[str, torch.device]:
@@ -102,7 +103,8 @@ def build_task(cfg: TrainConfig, device):
     return LMTask(sampler, device)
 
 
-def _build_model(cfg: TrainConfig):
+def build_train_model(cfg: TrainConfig):
+    """The model of ``cfg`` (an LM or the conv autoencoder), the same on every rank (same seed)."""
     if cfg.model == "conv-ae":
         from .conv_ae import build_conv_ae
 
@@ -242,12 +244,20 @@ def worker_main(cfg: TrainConfig, local_launch: bool, flight_dir: str | None = N
 def train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool = True) -> dict | None:
     """The whole run on this rank, inside an initialized world of ``cfg.nproc`` ranks.
 
-    ``progress``: show rank 0's progress bar (tests turn it off)."""
+    ``progress``: show rank 0's progress bar (tests turn it off). With ``cfg.checks`` the run
+    (parallelize, its fingerprint, every step) is in shardkit's check mode, switched on for this
+    run only with :class:`shardkit.comm.checks` (every rank sets it alike: the config is the same).
+    """
+    with checks(cfg.checks or checks_enabled()):
+        return _train(cfg, backend, device, t0, progress)
+
+
+def _train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool) -> dict | None:
     rank = dist.get_rank()
     dims = parallel_dims(cfg)
     mesh = dims.build_mesh(device.type)
     task = build_task(cfg, device)
-    model = _build_model(cfg)
+    model = build_train_model(cfg)
     reference = copy.deepcopy(model) if cfg.verify and rank == 0 else None
     pm, loss_scale = build_parallel_model(model, mesh, cfg, task, device)
     del model

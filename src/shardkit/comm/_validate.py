@@ -17,7 +17,7 @@ from ..errors import ShardkitError, ShardkitTypeError
 from ._group import GroupInfo, resolve_group
 from . import ledger
 from ._compat import all_gather_single
-from .checks import agree, checks_enabled
+from .checks import agree, checks_enabled, covered
 
 GRAD_SCALES = (None, "up", "down")
 
@@ -38,7 +38,7 @@ def maybe_agree(g: GroupInfo, op: str, x: torch.Tensor, args=(), local_dim=None,
     without ``sizes=`` need not gather them a second time), or None when nothing was agreed.
     ``error``: this rank's local check error (from :func:`local_checks`), raised on every rank.
     """
-    if checks_enabled() and g.size > 1:
+    if _checking(g):
         return agree(g, op, x, tuple(_int_args(args)) if error is None else (), local_dim, expected_local, error)
     if error is not None:
         raise error
@@ -55,9 +55,14 @@ def local_checks(g: GroupInfo, fn):
     try:
         return fn(), None
     except ShardkitError as exc:
-        if not (checks_enabled() and g.size > 1):
+        if not _checking(g):
             raise
         return None, exc
+
+
+def _checking(g: GroupInfo) -> bool:
+    """Check mode on, more than one rank, and not inside a region whose agreement covers the group."""
+    return checks_enabled() and g.size > 1 and not covered(g.pg)
 
 
 def _int_args(args):

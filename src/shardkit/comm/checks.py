@@ -5,7 +5,9 @@ backend or silently returns garbage. Checks that only one rank can see (its own 
 therefore cannot simply raise on that rank, or the others wait in the next collective forever.
 With checks on, every shardkit collective first all-gathers a small int64 metadata row from each
 rank (dtype, shape, arguments, this rank's local size and the size the op expects of it); every
-rank then inspects the same table and raises the same :class:`RankMismatchError`.
+rank then inspects the same table and raises the same :class:`RankMismatchError`. Inside a
+tensor-parallel model's forward, one agreement on the forward's inputs covers the ops over tp
+(:func:`covered`; shardkit.tensor_parallel._forward_checks).
 
 Enable with ``shardkit.comm.checks(True)`` (also usable as ``with checks(True): ...``) or by
 setting ``SHARDKIT_CHECKS=1`` before import. Cost: one metadata all-gather of
@@ -31,7 +33,7 @@ from . import ledger
 from ._compat import all_gather_single
 from ._group import GroupInfo
 
-__all__ = ["checks", "checks_enabled", "agree"]
+__all__ = ["checks", "checks_enabled", "agree", "covered", "cover"]
 
 _state = {"enabled": os.environ.get("SHARDKIT_CHECKS", "0") not in ("", "0", "false", "False")}
 
@@ -86,6 +88,27 @@ class checks:
 def checks_enabled() -> bool:
     """Whether the cross-rank check mode is on."""
     return _state["enabled"]
+
+
+# Process groups whose ops are covered by an agreement already made for a whole region (a
+# tensor-parallel model's forward: see shardkit.tensor_parallel._forward_checks), by id, with a
+# nesting depth. Entered and left at the same program points on every rank of the group, right
+# after a collective agreement, so every rank decides alike whether an op inside is checked.
+_covered: dict[int, int] = {}
+
+
+def covered(pg) -> bool:
+    """Whether ops over ``pg`` are inside a region whose agreement covers them."""
+    return _covered.get(id(pg), 0) > 0
+
+
+def cover(pg, enter: bool) -> None:
+    """Enter (``enter=True``) or leave a covered region of ``pg``; see :func:`covered`."""
+    depth = _covered.get(id(pg), 0) + (1 if enter else -1)
+    if depth > 0:
+        _covered[id(pg)] = depth
+    else:
+        _covered.pop(id(pg), None)
 
 
 def _dtype_code(dtype: torch.dtype) -> int:

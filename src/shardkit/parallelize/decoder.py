@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from ..data_parallel import GradientSync, ParamLayout, apply_fsdp
+from ..comm.fingerprint import maybe_fingerprint
 from ..errors import ShardkitError
 from ..expert_parallel.hf import expert_shard, shard_experts
 from ..tensor_parallel import apply_tp
@@ -120,6 +121,12 @@ def parallelize(model: nn.Module, mesh: ParallelMesh | None, *, sequence_paralle
     dims = None if mesh is None else mesh.dims
     tp = 1 if mesh is None else mesh.size("tp")
     ep = 1 if dims is None else dims.ep
+    if mesh is not None and mesh.size("dp_cp") > 1:
+        # check mode: the data-parallel (and cp) replicas start from the same weights and options;
+        # apply_tp fingerprints the tp group itself
+        maybe_fingerprint(dict(model.named_parameters()), mesh["dp_cp"], "parallelize",
+                          [f"layout {dims.describe()}", f"sequence_parallel {sequence_parallel}",
+                           f"loss_parallel {loss_parallel}"])
     if tp > 1:
         plan = _tp_plan(model, ep > 1) if ep > 1 else None
         apply_tp(model, mesh["tp"], plan, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,

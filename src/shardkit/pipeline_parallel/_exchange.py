@@ -1,9 +1,10 @@
 """The P2P engine: an exchange of a few transfers between adjacent stages.
 
 An exchange is what one public call does: some transfers (send or receive, towards the next or
-the previous stage, one per pipeline group). A transfer is up to three messages: a header
-(dynamic shapes, or any transfer while checks are on; see :mod:`._wire`), the payload (none for
-zero elements or after a sender error) and, with checks on, a verdict from receiver to sender.
+the previous stage, one per pipeline group). A transfer is a header (dynamic shapes; see
+:mod:`._wire`) and the payload (none for zero elements or after a sender error). With checks on,
+the header is replaced by a hello each way (sender's header out, receiver's declaration back,
+both with the author's role and phase), exchanged and checked on both ends before the payload.
 
 Matching never relies on tags: NCCL ignores them and pairs the messages between two ranks in
 FIFO order. Transfers are posted in one fixed order of four slots, by the parity of the stage
@@ -17,8 +18,8 @@ Two modes:
 * ordered (default): transfer by transfer in slot order, each complete before the next (a
   receiver waits for its header, then posts the payload receive). A transfer behaves as one
   message, so a combined call (send + receive) may face the two single calls on the peer.
-* batched: one ``batch_isend_irecv`` per group and phase, phases in order: all headers (waited:
-  receivers need the shapes), all payloads, all verdicts. With dynamic shapes a combined call
+* batched: one ``batch_isend_irecv`` per group and phase, phases in order: all headers or
+  hellos (waited: receivers need the shapes), then all payloads. With dynamic shapes a combined call
   then waits for its peer's header before posting its own payload, so its peer must make the
   mirror combined call (as Megatron's schedules do); with static shapes there is one phase.
 
@@ -55,12 +56,13 @@ from ..comm._compat import irecv, isend, p2p_op
 from ..comm._group import GroupInfo
 from ..errors import RankMismatchError, ShardkitError, ShardkitTypeError
 from . import _wire
-from ._wire import HEADER_LEN, OK, REJECTED
+from ._wire import HEADER_LEN, HELLO_LEN, OK, REJECTED
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-__all__ = ["Transfer", "P2PWork", "ShapeCache", "cached_recv", "cached_send", "exchange", "order_key", "posting_order"]
+__all__ = ["Transfer", "P2PWork", "ShapeCache", "cached_recv", "cached_send", "exchange", "order_key", "posting_order",
+           "message_order"]
 
 _SLOTS = (
     {(True, "next"): 0, (False, "prev"): 1, (True, "prev"): 2, (False, "next"): 3},  # even stages
@@ -112,7 +114,8 @@ class Transfer:
     status: int = OK  # the header status sent or received
     error: ShardkitError | None = None  # raised on this rank once the exchange is complete
     hdr: torch.Tensor | None = None
-    verdict: torch.Tensor | None = None
+    verdict: torch.Tensor | None = None  # sender, checks on: the receiver's answer (raised at wait)
+    hello_in: torch.Tensor | None = None  # checks on: the other end's hello
 
     def where(self) -> str:
         return f"stage {self.g.rank} of {self.g.size}"
@@ -150,13 +153,46 @@ def _payload_msg(t: Transfer):
     return (t, t.send, t.payload, t.phase)
 
 
-def _verdict_msg(t: Transfer):
-    """Receiver -> sender: OK or REJECTED, with what the receiver declared."""
+def _hello_msgs(t: Transfer, api: str) -> list:
+    """Checks on: this end's hello out and the other end's hello in (see :mod:`._wire`)."""
     if t.send:
-        t.verdict = torch.empty(HEADER_LEN, dtype=torch.int64, device=t.device)
+        mine = _wire.encode_hello(True, t.phase, t.g.rank, api, t.status, t.payload.dtype, t.payload.shape, t.device)
     else:
-        t.verdict = _wire.encode(REJECTED if t.error else OK, t.dtype, t.shape, t.device)
-    return (t, not t.send, t.verdict, "check")
+        mine = _wire.encode_hello(False, t.phase, t.g.rank, api, OK, t.dtype, t.shape, t.device)
+    t.hello_in = torch.empty(HELLO_LEN, dtype=torch.int64, device=t.device)
+    return [(t, True, mine, "check"), (t, False, t.hello_in, "check")]
+
+
+def _misuse(t: Transfer, peer: _wire.Hello, api: str) -> ShardkitError | None:
+    """Two senders, two receivers, or a forward message meeting a backward receive. The message
+    is built from both hellos in stage order, so both ends raise the same text."""
+    ends = sorted([(t.g.rank, t.send, t.phase, api), (peer.rank, peer.send, peer.phase, peer.api)])
+    who = " and ".join(f"stage {r} ({a}: {'sends' if s else 'receives'} {p})" for r, s, p, a in ends)
+    if t.send == peer.send:
+        what = "both send to each other" if t.send else "both wait to receive from each other"
+    elif t.phase != peer.phase:
+        what = "disagree on the direction: a forward message (activations) meets a backward one (gradients)"
+    else:
+        return None
+    return RankMismatchError(f"P2P misuse in a pipeline group of {t.g.size}: {who} {what}; nothing was transferred")
+
+
+def _settle(t: Transfer, api: str) -> None:
+    """Checks on, both hellos exchanged: the misuse error, or the header read (receiver) and the
+    receiver's verdict on the declarations (sender, raised at ``wait()``)."""
+    peer = _wire.decode_hello(t.hello_in, api, f"stage {t.peer} of {t.g.size}")
+    error = _misuse(t, peer, api)
+    if error is not None:
+        t.error, t.status = error, _wire.MISUSE
+        return
+    if not t.send:
+        t.hdr = t.hello_in[:HEADER_LEN]
+        _read_header(t, api)
+        return
+    d = peer.meta
+    rejected = t.status == OK and ((d.dtype is not None and d.dtype != t.payload.dtype) or
+                                   (d.shape is not None and d.shape != tuple(t.payload.shape)))
+    t.verdict = _wire.encode(REJECTED if rejected else OK, d.dtype, d.shape, t.device)
 
 
 def _read_header(t: Transfer, api: str) -> None:
@@ -235,17 +271,22 @@ def cached_recv(t: Transfer, cached, api: str) -> list:
     return _post([pay], False, api) if pay is not None else []
 
 
-def _ordered(transfers: list[Transfer], api: str, verdicts: bool, cache: ShapeCache | None = None) -> list:
-    """Transfer by transfer in slot order, each complete (header, payload, verdict) before the
+def _ordered(transfers: list[Transfer], api: str, checked: bool, cache: ShapeCache | None = None) -> list:
+    """Transfer by transfer in slot order, each complete (header or hellos, payload) before the
     next; a receiver waits for its header before posting the payload receive, unless ``cache``
-    holds the channel's shape (then both are posted at once)."""
+    holds the channel's shape (then both are posted at once). ``checked``: the check mode's hellos."""
     works = []
     for i in posting_order([(t.gi, t.g.rank, t.send, t.towards) for t in transfers]):
         t = transfers[i]
-        use_cache = cache is not None and t.header and not verdicts
+        use_cache = cache is not None and t.header and not checked
         cached = cache.get(t) if use_cache else None
         if cached is not None:
             works += (cached_send if t.send else cached_recv)(t, cached, api)
+        elif checked:
+            for w in _sorted_post(_hello_msgs(t, api), api, batched=False):
+                w.wait()
+            _settle(t, api)
+            works += _post([m for m in [_payload_msg(t)] if m is not None], False, api)
         else:
             if t.header:
                 posted = _post([_header_msg(t)], False, api)
@@ -254,18 +295,23 @@ def _ordered(transfers: list[Transfer], api: str, verdicts: bool, cache: ShapeCa
                 else:
                     posted[0].wait()
                     _read_header(t, api)
-            msgs = [_payload_msg(t)] + ([_verdict_msg(t)] if verdicts else [])
-            works += _post([m for m in msgs if m is not None], False, api)
+            works += _post([m for m in [_payload_msg(t)] if m is not None], False, api)
         if use_cache and t.status == OK:
             # Both ends record the header's shape: the sender its own, the receiver the one read.
             cache.put(t, t.payload.shape, t.payload.dtype)
     return works
 
 
-def _phased(transfers: list[Transfer], api: str, verdicts: bool) -> list:
-    """One ``batch_isend_irecv`` per group and phase: all headers (waited), then all payloads,
-    then all verdicts; slot order within each batch (it fixes the FIFO pairing)."""
+def _phased(transfers: list[Transfer], api: str, checked: bool) -> list:
+    """One ``batch_isend_irecv`` per group and phase: all headers or hellos (waited), then all
+    payloads; slot order within each batch (it fixes the FIFO pairing)."""
     works = []
+    if checked:
+        for w in _sorted_post([m for t in transfers for m in _hello_msgs(t, api)], api):
+            w.wait()
+        for t in transfers:
+            _settle(t, api)
+        return _sorted_post([m for m in map(_payload_msg, transfers) if m is not None], api)
     with_header = [t for t in transfers if t.header]
     if with_header:
         for w in _sorted_post([_header_msg(t) for t in with_header], api):
@@ -274,17 +320,22 @@ def _phased(transfers: list[Transfer], api: str, verdicts: bool) -> list:
             if not t.send:
                 _read_header(t, api)
     works += _sorted_post([m for m in map(_payload_msg, transfers) if m is not None], api)
-    if verdicts:
-        works += _sorted_post([_verdict_msg(t) for t in transfers], api)
     return works
 
 
-def _sorted_post(msgs, api: str) -> list:
-    order = posting_order([(t.gi, t.g.rank, s, t.towards) for t, s, _, _ in msgs])
-    return _post([msgs[i] for i in order], True, api)
+def message_order(items) -> list[int]:
+    """Indices of ``items`` = ``[(group_index, group_rank, is_send, towards, phase), ...]`` in
+    posting order: :func:`posting_order`, then forward before backward. The tie-break matters
+    only for hellos, where one link carries one message per transfer in each direction."""
+    return sorted(range(len(items)), key=lambda i: (items[i][0], order_key(*items[i][1:4]), items[i][4] != "forward"))
 
 
-def exchange(transfers: list[Transfer], api: str, batched: bool, verdicts: bool, reduce: str,
+def _sorted_post(msgs, api: str, batched: bool = True) -> list:
+    order = message_order([(t.gi, t.g.rank, s, t.towards, t.phase) for t, s, _, _ in msgs])
+    return _post([msgs[i] for i in order], batched, api)
+
+
+def exchange(transfers: list[Transfer], api: str, batched: bool, checked: bool, reduce: str,
              cache: ShapeCache | None = None) -> "P2PWork":
     """Post every message of one call (see the module docstring) and return its handle.
 
@@ -295,7 +346,7 @@ def exchange(transfers: list[Transfer], api: str, batched: bool, verdicts: bool,
     for t in transfers:
         if t.send and t.error is not None and not t.header:
             raise t.error
-    pending = _phased(transfers, api, verdicts) if batched else _ordered(transfers, api, verdicts, cache)
+    pending = _phased(transfers, api, checked) if batched else _ordered(transfers, api, checked, cache)
     work = P2PWork(api, transfers, pending, reduce)
     errors = [t.error for t in transfers if t.error is not None]
     if errors:

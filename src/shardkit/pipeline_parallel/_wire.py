@@ -1,16 +1,21 @@
-"""Wire format of pipeline P2P messages: the shape/dtype header and the receiver's verdict.
+"""Wire format of pipeline P2P messages: the shape/dtype header, and the hellos of the check mode.
 
-A transfer with dynamic shapes (or any transfer while ``shardkit.comm.checks`` is on) is a
-fixed-size int64 *header* followed by the payload::
+A transfer with dynamic shapes is a fixed-size int64 *header* followed by the payload::
 
     [MAGIC, status, dtype code, ndim, d0, d1, ..., d15]      (HEADER_LEN = 20 int64 = 160 bytes)
 
 The receiver allocates the payload buffer from it, so shapes (any ndim up to 16) and dtypes can
 change from one microbatch to the next. ``status`` lets a sender that found a problem with its
 own tensor tell the receiver instead of leaving it waiting: any status other than ``OK`` means
-no payload follows. With checks on, the receiver answers with a *verdict* in the same layout
-(status ``OK`` or ``REJECTED``, then the dtype and shape it declared, ``ndim = -1`` when it
-declared none), so a sender learns that its receiver expected something else.
+no payload follows. A sender's *verdict* on its receiver (status ``OK`` or ``REJECTED``, then
+the dtype and shape the receiver declared, ``ndim = -1`` when it declared none) uses the same
+layout; it is built from the receiver's hello, never sent.
+
+With checks on, both ends of a transfer first exchange a *hello* (``HELLO_LEN`` int64): a header
+(the sender's tensor, or the receiver's declaration with status ``OK``) followed by the author's
+role (send or receive), message phase (forward or backward), group rank and api name. Each end
+then knows both sides' intent and decides alike, before any payload moves: two senders, two
+receivers, or a forward message meeting a backward receive are one error on both ends.
 
 Codes are part of the protocol: append to ``_DTYPES``, never reorder.
 """
@@ -23,8 +28,8 @@ import torch
 
 from ..errors import ShardkitError
 
-__all__ = ["HEADER_LEN", "MAX_DIMS", "OK", "BAD_DECLARATION", "UNENCODABLE", "REJECTED", "Meta", "encode", "decode",
-           "unencodable", "describe"]
+__all__ = ["HEADER_LEN", "HELLO_LEN", "MAX_DIMS", "OK", "BAD_DECLARATION", "UNENCODABLE", "REJECTED", "MISUSE", "Meta",
+           "Hello", "encode", "decode", "encode_hello", "decode_hello", "unencodable", "describe"]
 
 MAGIC = 0x534B5032  # "SKP2": catches a receiver reading a payload as a header (mode mismatch)
 MAX_DIMS = 16
@@ -34,6 +39,12 @@ OK = 0
 BAD_DECLARATION = 1  # sender: its tensor does not match its own declared static shape / dtype
 UNENCODABLE = 2  # sender: ndim > MAX_DIMS or a dtype without a wire code
 REJECTED = 3  # verdict: the receiver declared a different shape / dtype than it got
+MISUSE = 4  # local only (never sent): the hellos showed a misuse, no payload follows
+
+SEND, RECV = 0, 1
+PHASES = ("forward", "backward")
+_API_WORDS = 5
+HELLO_LEN = HEADER_LEN + 3 + _API_WORDS
 
 _DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
@@ -44,7 +55,7 @@ _DTYPES += [getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasat
 
 @dataclass(frozen=True)
 class Meta:
-    """A decoded header or verdict. ``dtype``/``shape`` are None when not stated."""
+    """A decoded header, hello header or verdict. ``dtype``/``shape`` are None when not stated."""
 
     status: int
     dtype: torch.dtype | None
@@ -91,3 +102,40 @@ def describe(shape, dtype) -> str:
     """``[2, 3] torch.float32``-style text for messages; ``*`` for what is not stated."""
     s = "[*]" if shape is None else str(list(shape))
     return f"{s} {'*' if dtype is None else dtype}"
+
+
+@dataclass(frozen=True)
+class Hello:
+    """A decoded hello: the header part, and who wrote it with which intent."""
+
+    meta: Meta
+    send: bool
+    phase: str
+    rank: int
+    api: str
+
+
+def encode_hello(send: bool, phase: str, rank: int, api: str, status: int, dtype, shape, device) -> torch.Tensor:
+    """The hello of one end of a transfer (checks on); see the module docstring."""
+    from ..comm.checks import _op_words
+
+    tail = torch.tensor([SEND if send else RECV, PHASES.index(phase), rank, *_op_words(api)][: 3 + _API_WORDS],
+                        dtype=torch.int64, device=device)
+    return torch.cat([encode(status, dtype, shape, device), tail])
+
+
+def decode_hello(buf: torch.Tensor, api: str, source: str) -> Hello:
+    """Parse a received hello.
+
+    Raises:
+        ShardkitError: not a hello (the other end runs with checks off, or sent data).
+    """
+    from ..comm.checks import _op_name
+
+    row = buf.tolist()
+    if row[0] != MAGIC or row[HEADER_LEN] not in (SEND, RECV) or row[HEADER_LEN + 1] not in (0, 1):
+        raise ShardkitError(f"{api}: expected a shardkit P2P hello from {source} but got other data; both ends of a "
+                            "transfer must run with the same check mode")
+    return Hello(decode(buf[:HEADER_LEN], api, source), row[HEADER_LEN] == SEND, PHASES[row[HEADER_LEN + 1]],
+                 row[HEADER_LEN + 2], _op_name(row[HEADER_LEN + 3 :]))
+

@@ -16,12 +16,18 @@ run on every rank (e.g. one per ``run_schedule`` call). Each channel then rememb
 negotiated shape on both ends, identically, and a repeated shape costs no round trip: the
 receiver posts the header and payload receives together (details in :mod:`._exchange`).
 
-Checks (``shardkit.comm.checks(True)`` or ``SHARDKIT_CHECKS=1``): a header is sent on static
-transfers too and the receiver answers with a verdict (3 messages). A wrong static declaration
-then raises on both ends of the transfer instead of corrupting data or hanging: the sender's
-tensor is checked against its declaration, the received header against the receiver's, and a
-rejected message raises on the sender when it waits. With checks off the sender still checks its
-own tensor against its declaration and raises before sending anything (its receiver then waits).
+Checks (``shardkit.comm.checks(True)`` or ``SHARDKIT_CHECKS=1``): before any payload, both ends
+of every transfer exchange a *hello* (:mod:`._wire`): the sender's header, or the receiver's
+declaration, plus each end's role, phase and api. Both ends then decide alike: two stages that
+both send to each other, both wait to receive, or a forward message meeting a backward receive
+(``loop``) raise the same :class:`~shardkit.errors.RankMismatchError` on both ends, nothing
+transferred and the channel clean; a wrong static declaration raises on both ends (the receiver
+when it reads the header, the sender, which sees the receiver's declaration, at ``wait()``)
+instead of corrupting data or hanging. 2 messages each way per transfer (hello, payload), and
+the call returns only once the peer has posted its side. With checks off the sender still checks
+its own tensor against its declaration and raises before sending anything (its receiver then
+waits). A misuse between stages that do not face each other (stage 1 sends forward while stage 2
+receives from stage 3) leaves each waiting on another peer: the flight recorder names it.
 
 Several groups (a stage with several previous or next stages): pass a list of groups. A send
 goes to the next (previous) stage of every group; a receive gets one tensor per group and
@@ -41,7 +47,7 @@ Ordering and modes (details in :mod:`._exchange`): no tags are used, and a fixed
 stage order keeps pp=2 (prev == next with ``loop``) and every other size deadlock-free. Default
 (ordered): individual ``isend``/``irecv``, transfer by transfer; a combined call may face either
 the mirror combined call or the two single calls on its peer. ``batched=True``: each phase
-(headers, payloads, verdicts) is one ``batch_isend_irecv`` per group (with NCCL, the first call
+(headers or hellos, then payloads) is one ``batch_isend_irecv`` per group (with NCCL, the first call
 on a group must include all its ranks, as for every ``batch_isend_irecv``); with dynamic shapes
 a combined call must then face the mirror combined call, as in Megatron's schedules.
 ``async_op=True`` returns a :class:`P2PWork`; with dynamic shapes the receiver still waits for

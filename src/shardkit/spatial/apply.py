@@ -32,6 +32,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..comm._group import resolve_group
+from ..comm.fingerprint import maybe_fingerprint
 from ..errors import ShardkitError, ShardkitTypeError
 from .modules import SpatialConv1d, SpatialConv2d, SpatialConv3d
 from .modules_transpose import SpatialConvTranspose1d, SpatialConvTranspose2d, SpatialConvTranspose3d
@@ -183,6 +184,10 @@ def apply_spatial(module: nn.Module, mesh_or_group: Group | DeviceMesh, dim: int
     if problems:
         raise ShardkitError(f"{op}: {len(problems)} layer(s) cannot run on a frame sharded along dim {dim}: "
                             + "; ".join(problems))
+    # check mode: every rank of every sharding group holds the same weights and plan
+    plan = [f"dim {dim} channels_last {channels_last}"] + [f"{n} {type(m).__name__}" for n, m in module.named_modules()]
+    for g in (mesh_or_group if tiles else [mesh_or_group]):
+        maybe_fingerprint(dict(module.named_parameters()), g, op, plan)
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
             new = _convert(child, mesh_or_group, dim, channels_last)

@@ -21,10 +21,14 @@ from typing import TYPE_CHECKING
 
 import warnings
 
+import torch
 from torch import nn
 
 from ..comm._group import resolve_group
+from ..comm._validate import local_checks, maybe_agree
+from ..comm.fingerprint import describe_style, group_device, maybe_fingerprint
 from ..errors import ShardkitError, ShardkitTypeError
+from ._forward_checks import install_forward_checks
 from .heads import attention_head_ranges
 from .plan import CompiledPlan, model_tp_plan, verify_tp_plan
 from ..layouts import Shard
@@ -97,22 +101,14 @@ def apply_tp(model: nn.Module, tp_mesh: Group, plan: dict | None = None, *, sequ
     if check not in ("warn", "error", "off"):
         raise ShardkitError(f"apply_tp: check must be 'warn', 'error' or 'off', got {check!r}")
     g = resolve_group(tp_mesh, "apply_tp")
-    plan = dict(model_tp_plan(model) if plan is None else plan)
-    if loss_parallel:
-        plan = _loss_parallel_plan(model, plan)
-    if sequence_parallel:
-        plan = sequence_parallel_plan(model, plan, loss_parallel=loss_parallel, styles=styles)
-    compiled = CompiledPlan.build(plan, model, styles)
-    if check != "off":
-        report = verify_tp_plan(model, plan, styles)
-        if not report.ok:
-            msg = f"apply_tp: rules that matched nothing: {list(report.unused_rules)}; parameters left unsharded: {list(report.unsharded)}"
-            if check == "error":
-                raise ShardkitError(msg)
-            if g.rank == 0:  # the report is the same on every rank (a pure plan check): say it once
-                warnings.warn(msg, stacklevel=2)
+    # In check mode a plan error seen by one rank only (its own plan or model) is raised on
+    # every rank (agreed before the fingerprint), instead of leaving the others waiting in it.
+    compiled, error = local_checks(g, lambda: _compile(model, plan, g, sequence_parallel, loss_parallel, styles, check))
+    maybe_agree(g, "apply_tp", torch.zeros(0, device=group_device(g, model.parameters())), error=error)
     if g.size == 1:
         return model
+    maybe_fingerprint(dict(model.named_parameters()), g.pg, "apply_tp",
+                      _plan_lines(model, compiled, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel))
     heads = _head_ranges(model, compiled, g.size)
     memo: dict = {}
     seq = SequenceSharding(tp_mesh)
@@ -132,7 +128,41 @@ def apply_tp(model: nn.Module, tp_mesh: Group, plan: dict | None = None, *, sequ
             mrule[1].apply_module(module, StyleContext(tp_mesh, g, name, model, memo, heads.get(name), seq))
     if loss_parallel:
         _use_vocab_parallel_loss(model, tp_mesh)
+    install_forward_checks(model, g)
     return model
+
+
+def _compile(model: nn.Module, plan: dict | None, g, sequence_parallel: bool, loss_parallel: bool, styles,
+             check: str) -> CompiledPlan:
+    """The plan to apply (the model's own when None; loss- and sequence-parallel variants),
+    compiled against the model, after the optional plan report."""
+    plan = dict(model_tp_plan(model) if plan is None else plan)
+    if loss_parallel:
+        plan = _loss_parallel_plan(model, plan)
+    if sequence_parallel:
+        plan = sequence_parallel_plan(model, plan, loss_parallel=loss_parallel, styles=styles)
+    compiled = CompiledPlan.build(plan, model, styles)
+    if check != "off":
+        report = verify_tp_plan(model, plan, styles)
+        if not report.ok:
+            msg = f"apply_tp: rules that matched nothing: {list(report.unused_rules)}; parameters left unsharded: {list(report.unsharded)}"
+            if check == "error":
+                raise ShardkitError(msg)
+            if g.rank == 0:  # the report is the same on every rank (a pure plan check): say it once
+                warnings.warn(msg, stacklevel=5)  # the caller of apply_tp
+    return compiled
+
+
+def _plan_lines(model: nn.Module, compiled: CompiledPlan, **options) -> list[str]:
+    """The plan as applied to this model, one line per matched module and parameter (for the
+    check mode's fingerprint: ranks whose plans differ anywhere get different lines)."""
+    lines = [f"options {sorted(options.items())}"]
+    for name, module in model.named_modules():
+        for full in [name] + [f"{name}.{p}" if name else p for p, _ in module.named_parameters(recurse=False)]:
+            rule = compiled.match(full) if full else None
+            if rule is not None:
+                lines.append(f"{full}: {rule[0]} {describe_style(rule[1])}")
+    return lines
 
 
 def _loss_parallel_plan(model: nn.Module, plan: dict) -> dict:

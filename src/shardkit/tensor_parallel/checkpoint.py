@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm._group import resolve_group
+from ..comm.fingerprint import maybe_fingerprint
 from ..errors import ShardkitError
 from .apply import apply_tp
 from .gather import unwrap
@@ -331,10 +332,18 @@ def load_sharded(model: nn.Module, path: str | os.PathLike[str], tp_mesh: Group,
         with torch.no_grad():
             for name, t in tensors.items():
                 _load_param(t, sources[name], ckpt, rank)
+        # check mode: the replicated tensors were read whole, so every rank must hold the same
+        replicated = {n: t for n, t in tensors.items() if shard_spec(t) is None}
+        maybe_fingerprint(replicated, tp_mesh, "load_sharded", [f"{n} {_layout(t)}" for n, t in tensors.items()])
     finally:
         if owns and ckpt is not None:
             ckpt.close()
     return model
+
+
+def _layout(t: torch.Tensor) -> str:
+    spec = shard_spec(t)
+    return "replicated" if spec is None else f"dim {spec.dim} of {spec.full_size}: {spec.ranges}"
 
 
 def _load_param(p: torch.Tensor, pieces: list[Piece], ckpt: SafetensorsCheckpoint, rank: int) -> None:
