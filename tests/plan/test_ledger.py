@@ -20,7 +20,7 @@ from harness.helpers import world_size
 from shardkit import CommLedger
 from shardkit.cli.config import TrainConfig, parallel_dims, validate_config
 from shardkit.cli.model import _hf_config
-from shardkit.cli.worker import _build_model, build_parallel_model, build_task, run_training
+from shardkit.cli.worker import build_train_model, build_parallel_model, build_task, run_training
 from shardkit.plan import ModelShape, StepOptions
 from shardkit.plan.collectives import fsdp_collectives, ledger_table, merged, step_collectives
 
@@ -39,7 +39,7 @@ def _ledgers(cfg: TrainConfig) -> tuple[list[list], list[dict]]:
     mesh = dims.build_mesh("cpu")
     device = torch.device("cpu")
     task = build_task(cfg, device)
-    pm, loss_scale = build_parallel_model(_build_model(cfg), mesh, cfg, task, device)
+    pm, loss_scale = build_parallel_model(build_train_model(cfg), mesh, cfg, task, device)
     # Counted where CommDebugMode leaves the step unchanged: its module tracker breaks FSDP2 with
     # gradient accumulation (IndexError in the second microbatch), and under it the tp layout
     # cache (SequenceSharding's shared f) misses, adding two all_reduce_backward calls per step.
