@@ -75,7 +75,7 @@ def _context() -> Any:
 @dataclass
 class WorldResult:
     """What every rank of one task did. ``outcomes`` is in arrival order, one tuple per rank:
-    ``("ok",)``, ``("skip", reason)``, ``("error", type_name, message, traceback)`` or
+    ``("ok",)`` (``("ok", value)`` when the body returned a value), ``("skip", reason)``, ``("error", type_name, message, traceback)`` or
     ``("died", exit_code)``; ranks missing from it never reported."""
 
     n: int
