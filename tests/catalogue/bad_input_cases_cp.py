@@ -93,7 +93,6 @@ _BAD = {
     "cu_seqlens_tail_wrong_r2": (2, lambda: _uly_bad(_q(), cu_seqlens=[0, 3, 9])),
     "cu_seqlens_not_increasing_r2": (2, lambda: _uly_bad(_q(), cu_seqlens=[0, 5, 3, 8])),
     "cu_seqlens_and_seq_len_disagree_r2": (2, lambda: _uly_bad(_q(), cu_seqlens=[0, 3, 8], seq_len=10)),
-    "heads_not_divisible_r3": (3, lambda: _uly_bad(_q(n=4), seq_len=12)),
     "heads_differ_r2": (2, lambda: _uly_bad(_q(n=per_rank([4, 2])), seq_len=8)),
     "kv_heads_not_dividing_q_heads_r2": (2, lambda: _uly_bad(_q(n=4), _q(n=3), seq_len=8)),
     "head_dim_differs_one_rank_r2": (2, lambda: _uly_bad(_q(), _q(d=per_rank([4, 3])), seq_len=8)),

@@ -45,8 +45,8 @@ for _n in (1, 2, 3):
     CASES.add(f"apply_tp_control_r{_n}", _n, "apply_tp", "control", lambda: _tp())
 CASES.add("apply_tp_uneven_inner_r3", 3, "apply_tp", "control", lambda: _tp(inner=7))
 CASES.add("apply_tp_unknown_style_r2", 2, "apply_tp", "arg", lambda: _tp({"up": "diagonal", "down": "rowwise"}))
-CASES.add("apply_tp_unknown_style_one_rank_r2", 2, "apply_tp", "arg",
-          lambda: _tp({"up": per_rank(["colwise", "diagonal"]), "down": "rowwise"}))
+CASES.add("apply_tp_unknown_style_one_rank_r2", 2, "apply_tp", "plan",
+          lambda: _tp({"up": per_rank(["colwise", "diagonal"]), "down": "rowwise"}), fingerprint=True)
 CASES.add("apply_tp_plan_differs_r2", 2, "apply_tp", "plan",
           lambda: _tp(per_rank([{"up": "colwise", "down": "rowwise"}, {"up": "colwise"}])), fingerprint=True)
 CASES.add("apply_tp_seed_differs_r2", 2, "apply_tp", "weights", lambda: _tp(seed=rank()), fingerprint=True)
@@ -98,4 +98,5 @@ def _parallelize(seed=0, heads=4):
 
 CASES.add("parallelize_tp2_control", 2, "parallelize", "control", lambda: _parallelize())
 CASES.add("parallelize_tp2_seed_differs", 2, "parallelize", "weights", lambda: _parallelize(seed=rank()), fingerprint=True)
-CASES.add("parallelize_heads_not_divisible", 2, "parallelize", "arg", lambda: _parallelize(heads=per_rank([4, 6])))
+CASES.add("parallelize_heads_differ", 2, "parallelize", "weights", lambda: _parallelize(heads=per_rank([4, 2])),
+          fingerprint=True)

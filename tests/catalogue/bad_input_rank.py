@@ -30,7 +30,7 @@ import torch.distributed as dist  # noqa: E402
 from shardkit import ShardkitError  # noqa: E402
 from shardkit.comm import checks  # noqa: E402
 
-__all__ = ["Case", "Registry", "follow", "rank", "world", "run_case", "followup", "CASE_MODULES"]
+__all__ = ["Case", "Registry", "follow", "rank", "world", "prepare", "run_case", "followup", "CASE_MODULES"]
 
 CASE_MODULES = ("bad_input_cases_comm", "bad_input_cases_cp", "bad_input_cases_ep",
                 "bad_input_cases_pp", "bad_input_cases_spatial", "bad_input_cases_transforms")
@@ -83,6 +83,12 @@ def rank() -> int:
 def world():
     """The world group, declared for the follow-up."""
     return follow(dist.group.WORLD)
+
+
+def prepare() -> None:
+    """Import every case module (a fresh world does this once, before any case is timed)."""
+    for name in CASE_MODULES:
+        importlib.import_module(name)
 
 
 def _same(got, want) -> bool:

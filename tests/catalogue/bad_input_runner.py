@@ -39,7 +39,7 @@ for _p in (_HERE, _TESTS):
         sys.path.insert(0, _p)
 
 from harness.worker import Task  # noqa: E402
-from harness.world import World  # noqa: E402
+from harness.world import START_LIMIT, World  # noqa: E402
 from bad_input_rank import CASE_MODULES, Case  # noqa: E402
 
 __all__ = ["OUTCOMES", "MODES", "Result", "all_cases", "run_catalogue", "table", "goal_failures"]
@@ -81,7 +81,19 @@ class _CatalogueWorld(World):
     def call(self, func: str, kwargs: dict, task_name: str) -> dict:
         """Run ``func(**kwargs)`` of the rank module on every rank: {rank: outcome} of those
         that reported (or died) within the limits."""
-        self.start()
+        if not self._procs:
+            self.start()
+            self._warm()
+        return self._collect_records(func, kwargs, task_name)
+
+    def _warm(self) -> None:
+        """Import the case modules on every rank of a fresh world, without a case's time limit
+        (a first import of shardkit and transformers takes seconds on a loaded machine)."""
+        result = self.run(RANK_FILE, "prepare", {}, module_name="bad_input_rank", timeout=START_LIMIT)
+        if not result.ok:
+            raise RuntimeError(f"catalogue world of {self.n} failed to import its cases: {result.failure_message()}")
+
+    def _collect_records(self, func: str, kwargs: dict, task_name: str) -> dict:
         task_id = next(self._ids)
         task = Task(RANK_FILE, func, pickle.dumps(kwargs), task_name, "bad_input_rank")
         for q in self._task_qs:

@@ -89,7 +89,8 @@ def spatial_interpolate(x_local: torch.Tensor, group: Group, dim: int,
     g = enter(x_local, group, op)
     # nearest is local: any split works without sizes, so only the other dims must agree
     own = x_local.shape[dim] if mode in _NEAREST and -x_local.dim() <= dim < x_local.dim() else None
-    maybe_agree(g, op, x_local, (dim, int(bool(channels_last)), int(x_local.requires_grad), sizes), local_dim=dim,
+    maybe_agree(g, op, x_local, (dim, int(bool(channels_last)), int(x_local.requires_grad), sizes, scale_factor,
+                                 str(mode), align_corners), local_dim=dim,
                 expected_local=own if own is not None else expected_size(sizes, g.rank))
     nd = x_local.dim() - 2
     if nd < 1:
