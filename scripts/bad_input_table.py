@@ -49,7 +49,7 @@ def main() -> int:
     print(text)
     print(f"{len(cases)} cases x 2 modes in {time.monotonic() - start:.0f} s")
     failures = runner.goal_failures(results)
-    print("\n".join(["goal violations:", *failures]) if failures else "every goal met")
+    print("\n".join(["goal violations:", *map(runner.describe, failures)]) if failures else "every goal met")
     if args.docs:
         write_docs(text)
     return 1 if failures else 0

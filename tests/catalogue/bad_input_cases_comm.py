@@ -22,7 +22,19 @@ from shardkit import (
 )
 from shardkit._shapes import split_offsets
 
-CASES = Registry(__name__)
+# Variants that the sibling op (all_reduce_forward, all_gather, reduce_scatter) runs through the
+# same validation code: left out of the second op to keep the catalogue under 90 s.
+_SIBLING_VARIANTS = [
+    "control_r1", "control_r3", "control_r4", "numel_mismatch_r3", "ndim_mismatch", "noncontiguous", "group_none",
+    "control_sizes_r1", "control_sizes_r2", "control_sizes_r4", "uneven_no_sizes_5_3", "uneven_no_sizes_0_20_17",
+    "uneven_with_sizes_r3", "noncontiguous_r3", "negative_dim_r2", "sizes_wrong_sum_r3", "sizes_negative_r3",
+    "sizes_not_ints_r2", "dim_out_of_range_r2", "dim_out_of_range_one_rank_r2", "ndim_mismatch_r2",
+    "sizes_with_uneven_local_mismatch_r2", "uneven_balanced_r4", "noncontiguous_r2", "sizes_wrong_length_r3",
+    "sizes_negative_r2", "sizes_differ_across_ranks_r2", "dim_differs_r2", "dtype_mismatch_r2",
+]
+_SKIP = {f"{op}_{v}" for op in ("all_reduce_backward", "gather_forward_split_backward", "split_forward_gather_backward")
+         for v in _SIBLING_VARIANTS}
+CASES = Registry(__name__, frozenset(_SKIP))
 
 
 def coords(*shape, dtype=torch.float64, offset=1.0):

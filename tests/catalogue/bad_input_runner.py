@@ -42,7 +42,7 @@ from harness.worker import Task  # noqa: E402
 from harness.world import START_LIMIT, World  # noqa: E402
 from bad_input_rank import CASE_MODULES, Case  # noqa: E402
 
-__all__ = ["OUTCOMES", "MODES", "Result", "all_cases", "run_catalogue", "table", "goal_failures"]
+__all__ = ["OUTCOMES", "MODES", "Result", "all_cases", "run_catalogue", "table", "goal_failures", "describe"]
 
 ERROR_LIMIT = 2.0  # s: "the same error on every rank within 2 s"
 HANG_LIMIT = 4.0  # s without any report: every rank hangs (cases take milliseconds)
@@ -206,7 +206,7 @@ def _run_world(n: int, cases: list[Case], progress) -> list[Result]:
     return results
 
 
-def run_catalogue(cases: list[Case] | None = None, progress=None, worlds_per_size: int = 2) -> list[Result]:
+def run_catalogue(cases: list[Case] | None = None, progress=None, worlds_per_size: int = 3) -> list[Result]:
     """Every case in both modes; one :class:`Result` per (case, mode), in catalogue order.
 
     Cases of one world size are dealt round-robin to ``worlds_per_size`` worlds, and all the
@@ -248,17 +248,27 @@ def table(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
-def goal_failures(results: list[Result]) -> list[str]:
-    """The issue's goals, as a list of violations (empty when met)."""
+def goal_failures(results: list[Result]) -> list[tuple[Result, str]]:
+    """The issue's goals, as ``(result, goal)`` for every violation (empty when all are met).
+
+    Default mode: an uneven shard without its sizes neither aborts nor gives a wrong result.
+    Check mode: every case is correct or the same ShardkitError on every rank within 2 s with
+    the group usable after, except the fingerprint's cases (per-rank weights or inputs).
+    Both: no case hangs every rank, and every valid input (control, uneven) is correct.
+    """
     bad = []
     for r in results:
-        where = f"{r.case.name} [{r.mode}]: {r.outcome}: {r.detail}"
         if r.outcome == "hang":
-            bad.append("hang: " + where)
+            bad.append((r, "no hang"))
         if r.mode == "default" and r.case.kind == "uneven" and r.outcome in ("abort", "wrong"):
-            bad.append("uneven without sizes: " + where)
-        if r.mode == "check mode" and not r.case.fingerprint and r.outcome not in ("correct", "same_error"):
-            bad.append("check mode: " + where)
-        if r.case.kind in ("control", "uneven") and r.outcome != "correct":
-            bad.append("valid input not correct: " + where)
+            bad.append((r, "uneven without sizes works by default"))
+        if r.mode == "check mode" and not r.case.fingerprint and r.outcome not in ("correct", "same_error", "hang"):
+            bad.append((r, "check mode: correct or one agreed error"))
+        if r.case.kind in ("control", "uneven") and r.outcome not in ("correct", "hang"):
+            bad.append((r, "a valid input gives the right result"))
     return bad
+
+
+def describe(failure: tuple[Result, str]) -> str:
+    r, goal = failure
+    return f"{goal}: {r.case.name} [{r.mode}]: {r.outcome}: {r.detail[:300]}"
