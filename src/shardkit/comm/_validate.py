@@ -49,11 +49,16 @@ def group_device(g: GroupInfo) -> torch.device:
     return torch.device(accelerator.current_accelerator().type, accelerator.current_device_index())
 
 
+def placeholder(g: GroupInfo) -> torch.Tensor:
+    """The agreement's stand-in for an input this rank does not have (its error is agreed instead)."""
+    return torch.empty(0, device=group_device(g))
+
+
 def raise_agreed(g: GroupInfo, op: str, error: Exception) -> None:
     """Raise ``error`` (this rank's, found before it has a tensor to agree on); in check mode on
     every rank of the group, through the same agreement as the op's peers are entering."""
     if checks_enabled() and g.size > 1:
-        agree(g, op, torch.empty(0, device=group_device(g)), error=error)
+        agree(g, op, placeholder(g), error=error)
     raise error
 
 
@@ -201,4 +206,4 @@ def grad_scale_factor(grad_scale, x: torch.Tensor, g: GroupInfo, op: str) -> flo
     return None
 
 
-__all__ = ["enter", "group_device", "raise_agreed", "maybe_agree", "maybe_agree_groups", "local_checks", "gather_sizes", "gather_ints", "expected_size", "dim_of", "local_sizes", "full_sizes", "grad_scale_factor", "balanced_split_sizes"]
+__all__ = ["enter", "group_device", "placeholder", "raise_agreed", "maybe_agree", "maybe_agree_groups", "local_checks", "gather_sizes", "gather_ints", "expected_size", "dim_of", "local_sizes", "full_sizes", "grad_scale_factor", "balanced_split_sizes"]

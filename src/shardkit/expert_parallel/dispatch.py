@@ -33,7 +33,7 @@ import torch
 from .._shapes import check_split_sizes, split_offsets
 from ..comm import _c10d
 from ..comm._group import GroupInfo, resolve_group
-from ..comm._validate import group_device, maybe_agree
+from ..comm._validate import maybe_agree, placeholder
 from ..errors import ShardkitError, ShardkitTypeError
 
 if TYPE_CHECKING:
@@ -167,7 +167,7 @@ def dispatch_plan(topk_index: torch.Tensor, num_experts: int, group: Group, *,
     elif isinstance(num_experts, bool) or not isinstance(num_experts, int):
         error = ShardkitTypeError(f"{op}: num_experts must be an int, got {num_experts!r}")
     # check mode: every rank must route over the same experts (E and the split set the counts' layout)
-    maybe_agree(g, op, topk_index if error is None else _placeholder(g), (num_experts, expert_sizes), local_dim=0,
+    maybe_agree(g, op, topk_index if error is None else placeholder(g), (num_experts, expert_sizes), local_dim=0,
                 error=error)
     if num_experts < 1:
         raise ShardkitError(f"{op}: num_experts must be >= 1, got {num_experts}")
@@ -217,11 +217,6 @@ def _check_plan(plan, op):
         raise ShardkitTypeError(f"{op}: plan must be a DispatchPlan (from dispatch_plan), got {type(plan).__name__}")
 
 
-def _placeholder(g):
-    """The agreement's stand-in for a tensor this rank does not have (its error is agreed instead)."""
-    return torch.empty(0, dtype=torch.long, device=group_device(g))
-
-
 def _check_rows(x, rows, op, what, plan, topk_weights=None):
     """``x`` must be ``[rows, H]`` (and ``topk_weights`` ``[T, k]``); in check mode an error of one
     rank is raised on every rank, and the ranks agree on ``H`` and the dtype."""
@@ -232,7 +227,7 @@ def _check_rows(x, rows, op, what, plan, topk_weights=None):
         error = ShardkitError(f"{op}: {what} must be [{rows}, H] on rank {plan.group.rank}, got {tuple(x.shape)}")
     elif topk_weights is not None and (not isinstance(topk_weights, torch.Tensor) or tuple(topk_weights.shape) != (plan.num_tokens, plan.top_k)):
         error = ShardkitError(f"{op}: topk_weights must be [{plan.num_tokens}, {plan.top_k}], got {getattr(topk_weights, 'shape', topk_weights)}")
-    maybe_agree(plan.group, op, x if error is None else _placeholder(plan.group), (int(topk_weights is not None),),
+    maybe_agree(plan.group, op, x if error is None else placeholder(plan.group), (int(topk_weights is not None),),
                 local_dim=0, error=error)
 
 

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..comm._group import resolve_group
-from ..comm._validate import group_device, maybe_agree_groups
+from ..comm._validate import maybe_agree_groups, placeholder
 from ..comm.checks import checks_enabled
 from ..comm.collectives import all_gather
 from ..errors import ShardkitError, ShardkitTypeError
@@ -132,7 +132,7 @@ def spatial_group_norm(x_local: torch.Tensor, num_groups: int, weight: torch.Ten
     if checks_enabled():
         # Check mode: B, C, dtype, the groups, eps and the affine shapes set the statistics'
         # all-reduce and the result; the spatial dims may differ (any split), so agree on [B, C].
-        meta = x_local.new_empty(x_local.shape[:2]) if error is None else torch.empty(0, device=group_device(gs[0]))
+        meta = x_local.new_empty(x_local.shape[:2]) if error is None else placeholder(gs[0])
         args = (num_groups, eps, getattr(weight, "shape", None), getattr(bias, "shape", None))
         maybe_agree_groups(gs, op, meta, args, error)
     if error is not None:
