@@ -30,7 +30,7 @@ def enter(x, group, op: str) -> GroupInfo:
     every rank raises it instead of the others waiting in the op's first collective.
     """
     g = resolve_group(group, op)
-    error = None
+    error: ShardkitError | None = None
     if not isinstance(x, torch.Tensor):
         error = ShardkitTypeError(f"{op}: expected a torch.Tensor, got {type(x).__name__}")
     elif x.requires_grad and not (x.is_floating_point() or x.is_complex()):

@@ -159,7 +159,7 @@ def dispatch_plan(topk_index: torch.Tensor, num_experts: int, group: Group, *,
     """
     op = "dispatch_plan"
     g = resolve_group(group, op)
-    error = None  # this rank's own argument error: in check mode every rank raises it
+    error: ShardkitError | None = None  # this rank's own argument error: in check mode every rank raises it
     if not isinstance(topk_index, torch.Tensor) or topk_index.is_floating_point() or topk_index.is_complex() or topk_index.dtype == torch.bool:
         error = ShardkitTypeError(f"{op}: topk_index must be an integer tensor, got {getattr(topk_index, 'dtype', type(topk_index).__name__)}")
     elif topk_index.dim() != 2:
@@ -220,7 +220,7 @@ def _check_plan(plan, op):
 def _check_rows(x, rows, op, what, plan, topk_weights=None):
     """``x`` must be ``[rows, H]`` (and ``topk_weights`` ``[T, k]``); in check mode an error of one
     rank is raised on every rank, and the ranks agree on ``H`` and the dtype."""
-    error = None
+    error: ShardkitError | None = None
     if not isinstance(x, torch.Tensor):
         error = ShardkitTypeError(f"{op}: {what} must be a torch.Tensor, got {type(x).__name__}")
     elif x.dim() != 2 or x.shape[0] != rows:

@@ -122,7 +122,7 @@ def spatial_group_norm(x_local: torch.Tensor, num_groups: int, weight: torch.Ten
     op = "spatial_group_norm"
     g = _groups(group, op)
     gs = g if isinstance(g, tuple) else (g,)
-    error = None
+    error: ShardkitError | None = None
     if not isinstance(x_local, torch.Tensor):
         error = ShardkitTypeError(f"{op}: expected a tensor, got {type(x_local).__name__}")
     elif x_local.dim() < 2 or isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 1 \
