@@ -14,8 +14,9 @@ after anything else, since ranks that failed apart may have collectives out of s
   (different errors, a mix of results and errors) -> ``partial``; the same error, but later
   than ``ERROR_LIMIT`` on some rank, is run once more (the shared cores can deschedule a rank
   for seconds) and is ``partial`` if it is late again;
-* some ranks never reported: ``partial`` when another rank did (within ``ERROR_LIMIT`` of the
-  first report: the others hang), ``hang`` when none did within ``HANG_LIMIT``.
+* some ranks never reported: ``partial`` when another rank did (the others hang: not reported
+  ``ERROR_LIMIT`` after the first error, ``HANG_LIMIT`` in the check mode, whose errors must
+  reach every rank, or ``HANG_LIMIT`` after the start), ``hang`` when none did.
 
 The process-group timeout is long on purpose: a hang is seen by the wall limits here, not by
 a gloo timeout that would turn it into an error.
@@ -80,13 +81,14 @@ def all_cases() -> list[Case]:
 class _CatalogueWorld(World):
     """A :class:`World` whose tasks report records, collected with the catalogue's time limits."""
 
-    def call(self, func: str, kwargs: dict, task_name: str) -> dict:
+    def call(self, func: str, kwargs: dict, task_name: str, grace: float = ERROR_LIMIT) -> dict:
         """Run ``func(**kwargs)`` of the rank module on every rank: {rank: outcome} of those
-        that reported (or died) within the limits."""
+        that reported (or died) within the limits: ``grace`` seconds after the first rank that
+        reported an error, ``HANG_LIMIT`` after the start."""
         if not self._procs:
             self.start()
             self._warm()
-        return self._collect_records(func, kwargs, task_name)
+        return self._collect_records(func, kwargs, task_name, grace)
 
     def _warm(self) -> None:
         """Import the case modules on every rank of a fresh world, without a case's time limit
@@ -95,7 +97,7 @@ class _CatalogueWorld(World):
         if not result.ok:
             raise RuntimeError(f"catalogue world of {self.n} failed to import its cases: {result.failure_message()}")
 
-    def _collect_records(self, func: str, kwargs: dict, task_name: str) -> dict:
+    def _collect_records(self, func: str, kwargs: dict, task_name: str, grace: float) -> dict:
         task_id = next(self._ids)
         task = Task(RANK_FILE, func, pickle.dumps(kwargs), task_name, "bad_input_rank")
         for q in self._task_qs:
@@ -110,7 +112,9 @@ class _CatalogueWorld(World):
             else:
                 if tid == task_id:
                     outcomes[r] = outcome
-                    first = first if first is not None else time.monotonic()
+                    failed = outcome[0] != "ok" or (isinstance(outcome[1], dict) and outcome[1].get("kind") == "error")
+                    if failed and first is None:
+                        first = time.monotonic()
                 continue
             now = time.monotonic()
             dead = [r for r, p in enumerate(self._procs) if r not in outcomes and p.exitcode is not None]
@@ -127,7 +131,7 @@ class _CatalogueWorld(World):
                     if r not in outcomes and p.exitcode is not None:
                         outcomes[r] = ("died", p.exitcode)
                 break
-            if first is not None and now - first > ERROR_LIMIT:
+            if first is not None and now - first > grace:
                 break
             if now - start > HANG_LIMIT:
                 break
@@ -200,7 +204,10 @@ def _run_one(world: _CatalogueWorld, case: Case, mode: str, check: bool) -> Resu
 
 
 def _run_case(world: _CatalogueWorld, case: Case, check: bool, task: str) -> tuple[str, str]:
-    outcomes = world.call("run_case", {"module": case.module, "name": case.name, "check": check}, task)
+    # Check mode: a rank that reports the agreed error late (descheduled) is waited for, so that
+    # it is seen as late (and rerun) rather than as hanging.
+    grace = HANG_LIMIT if check else ERROR_LIMIT
+    outcomes = world.call("run_case", {"module": case.module, "name": case.name, "check": check}, task, grace)
     return _classify(case.n, _records(outcomes))
 
 
