@@ -206,4 +206,8 @@ def grad_scale_factor(grad_scale, x: torch.Tensor, g: GroupInfo, op: str) -> flo
     return None
 
 
-__all__ = ["enter", "group_device", "placeholder", "raise_agreed", "maybe_agree", "maybe_agree_groups", "local_checks", "gather_sizes", "gather_ints", "expected_size", "dim_of", "local_sizes", "full_sizes", "grad_scale_factor", "balanced_split_sizes"]
+__all__ = [
+    "enter", "group_device", "placeholder", "raise_agreed", "maybe_agree", "maybe_agree_groups", "local_checks",
+    "gather_sizes", "gather_ints", "expected_size", "dim_of", "local_sizes", "full_sizes", "grad_scale_factor",
+    "balanced_split_sizes",
+]

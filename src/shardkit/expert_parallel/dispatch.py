@@ -225,8 +225,10 @@ def _check_rows(x, rows, op, what, plan, topk_weights=None):
         error = ShardkitTypeError(f"{op}: {what} must be a torch.Tensor, got {type(x).__name__}")
     elif x.dim() != 2 or x.shape[0] != rows:
         error = ShardkitError(f"{op}: {what} must be [{rows}, H] on rank {plan.group.rank}, got {tuple(x.shape)}")
-    elif topk_weights is not None and (not isinstance(topk_weights, torch.Tensor) or tuple(topk_weights.shape) != (plan.num_tokens, plan.top_k)):
-        error = ShardkitError(f"{op}: topk_weights must be [{plan.num_tokens}, {plan.top_k}], got {getattr(topk_weights, 'shape', topk_weights)}")
+    elif topk_weights is not None and (not isinstance(topk_weights, torch.Tensor)
+                                       or tuple(topk_weights.shape) != (plan.num_tokens, plan.top_k)):
+        error = ShardkitError(f"{op}: topk_weights must be [{plan.num_tokens}, {plan.top_k}], "
+                              f"got {getattr(topk_weights, 'shape', topk_weights)}")
     maybe_agree(plan.group, op, x if error is None else placeholder(plan.group), (int(topk_weights is not None),),
                 local_dim=0, error=error)
 
