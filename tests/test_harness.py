@@ -99,6 +99,11 @@ def task_all_reduce():
     assert t.item() == dist.get_world_size()
 
 
+def task_report():
+    """A body that reports a value (as the bad-input catalogue's rank records do)."""
+    return {"rank": dist.get_rank(), "sum": dist.get_world_size() * 3}
+
+
 def task_raise_on_rank1():
     if dist.get_rank() == 1:
         raise RuntimeError("only rank 1 fails")
@@ -131,6 +136,13 @@ def world2():
 def test_world_api_ok(world2):
     result = world2.run(__file__, "task_all_reduce")
     assert result.ok, result.failure_message()
+
+
+def test_world_api_returned_values(world2):
+    result = world2.run(__file__, "task_report")
+    assert result.ok, result.failure_message()
+    assert result.outcomes == {r: ("ok", {"rank": r, "sum": 6}) for r in range(2)}
+    assert world2.run(__file__, "task_all_reduce").outcomes == {0: ("ok",), 1: ("ok",)}  # None: nothing added
 
 
 def test_world_api_error_on_one_rank(world2):

@@ -67,7 +67,9 @@ def _context() -> Any:
         # every test module imports it, about 0.3 s of CPU per rank and (re)spawn otherwise.
         # transformers' modeling code likewise (5-50 s per world under load otherwise); the
         # forkserver ignores modules that fail to import.
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "pytest", *_HF_PRELOAD])
+        # shardkit too: importing it (torch.distributed.checkpoint, transformers glue) costs
+        # about 5 s of CPU per rank on the loaded machine, paid at every respawn otherwise.
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "pytest", *_HF_PRELOAD, "shardkit"])
         _CTX = ctx
     return _CTX
 
@@ -75,8 +77,9 @@ def _context() -> Any:
 @dataclass
 class WorldResult:
     """What every rank of one task did. ``outcomes`` is in arrival order, one tuple per rank:
-    ``("ok",)``, ``("skip", reason)``, ``("error", type_name, message, traceback)`` or
-    ``("died", exit_code)``; ranks missing from it never reported."""
+    ``("ok",)`` (``("ok", value)`` when the body returned a value), ``("skip", reason)``,
+    ``("error", type_name, message, traceback)`` or ``("died", exit_code)``; ranks missing from
+    it never reported."""
 
     n: int
     limit: float

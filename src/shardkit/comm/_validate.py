@@ -23,12 +23,43 @@ GRAD_SCALES = (None, "up", "down")
 
 
 def enter(x, group, op: str) -> GroupInfo:
-    """Type-check the tensor and resolve the group."""
+    """Resolve the group, then type-check the tensor.
+
+    A bad tensor can be one rank's alone (``x`` a list there, or an integer tensor that requires
+    grad): in check mode its error is agreed like any local check (:func:`raise_agreed`), so
+    every rank raises it instead of the others waiting in the op's first collective.
+    """
+    g = resolve_group(group, op)
+    error: ShardkitError | None = None
     if not isinstance(x, torch.Tensor):
-        raise ShardkitTypeError(f"{op}: expected a torch.Tensor, got {type(x).__name__}")
-    if x.requires_grad and not (x.is_floating_point() or x.is_complex()):
-        raise ShardkitTypeError(f"{op}: only floating-point or complex tensors can require grad, got {x.dtype}")
-    return resolve_group(group, op)
+        error = ShardkitTypeError(f"{op}: expected a torch.Tensor, got {type(x).__name__}")
+    elif x.requires_grad and not (x.is_floating_point() or x.is_complex()):
+        error = ShardkitTypeError(f"{op}: only floating-point or complex tensors can require grad, got {x.dtype}")
+    if error is not None:
+        raise_agreed(g, op, error)
+    return g
+
+
+def group_device(g: GroupInfo) -> torch.device:
+    """Where the group's metadata tensors live when no input tensor says: CPU for gloo, else
+    the current accelerator (one rule with the P2P receive buffers)."""
+    accelerator = getattr(torch, "accelerator", None)
+    if g.pg.name().lower() == "gloo" or accelerator is None or accelerator.current_accelerator() is None:
+        return torch.device("cpu")
+    return torch.device(accelerator.current_accelerator().type, accelerator.current_device_index())
+
+
+def placeholder(g: GroupInfo) -> torch.Tensor:
+    """The agreement's stand-in for an input this rank does not have (its error is agreed instead)."""
+    return torch.empty(0, device=group_device(g))
+
+
+def raise_agreed(g: GroupInfo, op: str, error: Exception) -> None:
+    """Raise ``error`` (this rank's, found before it has a tensor to agree on); in check mode on
+    every rank of the group, through the same agreement as the op's peers are entering."""
+    if checks_enabled() and g.size > 1:
+        agree(g, op, placeholder(g), error=error)
+    raise error
 
 
 def maybe_agree(g: GroupInfo, op: str, x: torch.Tensor, args=(), local_dim=None, expected_local=None, error=None):
@@ -43,6 +74,22 @@ def maybe_agree(g: GroupInfo, op: str, x: torch.Tensor, args=(), local_dim=None,
     if error is not None:
         raise error
     return None
+
+
+def maybe_agree_groups(gs, op: str, x: torch.Tensor, args=(), error=None) -> None:
+    """:func:`maybe_agree` over several groups (the dims of a mesh, tiles), one after another.
+
+    A disagreement or local error found in one group is carried into the next agreement instead
+    of raised at once (a rank raising early would leave the peers of its other groups waiting),
+    and the last group's verdict is raised: each agreement hands its ranks one text.
+    """
+    for g in gs:
+        try:
+            maybe_agree(g, op, x, args, error=error)
+        except ShardkitError as exc:
+            error = exc
+    if error is not None:
+        raise error
 
 
 def local_checks(g: GroupInfo, fn):
@@ -164,4 +211,8 @@ def grad_scale_factor(grad_scale, x: torch.Tensor, g: GroupInfo, op: str) -> flo
     return None
 
 
-__all__ = ["enter", "maybe_agree", "local_checks", "gather_sizes", "gather_ints", "expected_size", "dim_of", "local_sizes", "full_sizes", "grad_scale_factor", "balanced_split_sizes"]
+__all__ = [
+    "enter", "group_device", "placeholder", "raise_agreed", "maybe_agree", "maybe_agree_groups", "local_checks",
+    "gather_sizes", "gather_ints", "expected_size", "dim_of", "local_sizes", "full_sizes", "grad_scale_factor",
+    "balanced_split_sizes",
+]

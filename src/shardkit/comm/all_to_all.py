@@ -9,7 +9,7 @@ import torch
 from .._shapes import balanced_split_sizes
 from ..errors import ShardkitError, ShardkitTypeError
 from . import _c10d
-from ._validate import dim_of, enter, maybe_agree
+from ._validate import dim_of, enter, maybe_agree, raise_agreed
 from ._validate import gather_sizes as gather_sizes_of
 
 if TYPE_CHECKING:
@@ -77,7 +77,7 @@ def all_to_all(x: torch.Tensor, group: Group, scatter_dim: int, gather_dim: int,
     op = "all_to_all"
     g = enter(x, group, op)
     if gather_size is not None and (isinstance(gather_size, bool) or not isinstance(gather_size, int)):
-        raise ShardkitTypeError(f"{op}: gather_size must be an int or None, got {gather_size!r}")
+        raise_agreed(g, op, ShardkitTypeError(f"{op}: gather_size must be an int or None, got {gather_size!r}"))
     expected = None
     if gather_size is not None and gather_size >= 0:
         expected = balanced_split_sizes(gather_size, g.size)[g.rank]

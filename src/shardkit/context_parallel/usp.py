@@ -106,7 +106,9 @@ def _agree_both(g_uly, g_ring, q, args, expected, error):
     try:
         maybe_agree(g_ring, _OP, q, args, local_dim=1, expected_local=expected, error=error)
     except ShardkitError as exc:
-        error = error or exc
+        # The ring dim's verdict, not this rank's Ulysses one: the ring agreement hands both
+        # ring peers the first flagged rank's message, so every rank of the mesh raises one text.
+        error = exc
     if error is not None:
         raise error
     return known

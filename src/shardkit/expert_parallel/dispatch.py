@@ -33,7 +33,7 @@ import torch
 from .._shapes import check_split_sizes, split_offsets
 from ..comm import _c10d
 from ..comm._group import GroupInfo, resolve_group
-from ..comm._validate import maybe_agree
+from ..comm._validate import maybe_agree, placeholder
 from ..errors import ShardkitError, ShardkitTypeError
 
 if TYPE_CHECKING:
@@ -159,14 +159,16 @@ def dispatch_plan(topk_index: torch.Tensor, num_experts: int, group: Group, *,
     """
     op = "dispatch_plan"
     g = resolve_group(group, op)
+    error: ShardkitError | None = None  # this rank's own argument error: in check mode every rank raises it
     if not isinstance(topk_index, torch.Tensor) or topk_index.is_floating_point() or topk_index.is_complex() or topk_index.dtype == torch.bool:
-        raise ShardkitTypeError(f"{op}: topk_index must be an integer tensor, got {getattr(topk_index, 'dtype', type(topk_index).__name__)}")
-    if topk_index.dim() != 2:
-        raise ShardkitError(f"{op}: topk_index must be [T, k], got shape {tuple(topk_index.shape)}")
-    if isinstance(num_experts, bool) or not isinstance(num_experts, int):
-        raise ShardkitTypeError(f"{op}: num_experts must be an int, got {num_experts!r}")
+        error = ShardkitTypeError(f"{op}: topk_index must be an integer tensor, got {getattr(topk_index, 'dtype', type(topk_index).__name__)}")
+    elif topk_index.dim() != 2:
+        error = ShardkitError(f"{op}: topk_index must be [T, k], got shape {tuple(topk_index.shape)}")
+    elif isinstance(num_experts, bool) or not isinstance(num_experts, int):
+        error = ShardkitTypeError(f"{op}: num_experts must be an int, got {num_experts!r}")
     # check mode: every rank must route over the same experts (E and the split set the counts' layout)
-    maybe_agree(g, op, topk_index, (num_experts, expert_sizes), local_dim=0)
+    maybe_agree(g, op, topk_index if error is None else placeholder(g), (num_experts, expert_sizes), local_dim=0,
+                error=error)
     if num_experts < 1:
         raise ShardkitError(f"{op}: num_experts must be >= 1, got {num_experts}")
     sizes = check_split_sizes(expert_sizes, g.size, num_experts, op)
@@ -215,12 +217,20 @@ def _check_plan(plan, op):
         raise ShardkitTypeError(f"{op}: plan must be a DispatchPlan (from dispatch_plan), got {type(plan).__name__}")
 
 
-def _check_rows(x, rows, op, what, plan):
+def _check_rows(x, rows, op, what, plan, topk_weights=None):
+    """``x`` must be ``[rows, H]`` (and ``topk_weights`` ``[T, k]``); in check mode an error of one
+    rank is raised on every rank, and the ranks agree on ``H`` and the dtype."""
+    error: ShardkitError | None = None
     if not isinstance(x, torch.Tensor):
-        raise ShardkitTypeError(f"{op}: {what} must be a torch.Tensor, got {type(x).__name__}")
-    maybe_agree(plan.group, op, x, (), local_dim=0, expected_local=rows)
-    if x.dim() != 2 or x.shape[0] != rows:
-        raise ShardkitError(f"{op}: {what} must be [{rows}, H] on rank {plan.group.rank}, got {tuple(x.shape)}")
+        error = ShardkitTypeError(f"{op}: {what} must be a torch.Tensor, got {type(x).__name__}")
+    elif x.dim() != 2 or x.shape[0] != rows:
+        error = ShardkitError(f"{op}: {what} must be [{rows}, H] on rank {plan.group.rank}, got {tuple(x.shape)}")
+    elif topk_weights is not None and (not isinstance(topk_weights, torch.Tensor)
+                                       or tuple(topk_weights.shape) != (plan.num_tokens, plan.top_k)):
+        error = ShardkitError(f"{op}: topk_weights must be [{plan.num_tokens}, {plan.top_k}], "
+                              f"got {getattr(topk_weights, 'shape', topk_weights)}")
+    maybe_agree(plan.group, op, x if error is None else placeholder(plan.group), (int(topk_weights is not None),),
+                local_dim=0, error=error)
 
 
 def token_dispatch(hidden: torch.Tensor, plan: DispatchPlan) -> tuple[torch.Tensor, list[int]]:
@@ -272,9 +282,7 @@ def token_combine(expert_output: torch.Tensor, plan: DispatchPlan,
     """
     op = "token_combine"
     _check_plan(plan, op)
-    _check_rows(expert_output, sum(plan.tokens_per_local_expert), op, "expert_output", plan)
-    if topk_weights is not None and (not isinstance(topk_weights, torch.Tensor) or tuple(topk_weights.shape) != (plan.num_tokens, plan.top_k)):
-        raise ShardkitError(f"{op}: topk_weights must be [{plan.num_tokens}, {plan.top_k}], got {getattr(topk_weights, 'shape', topk_weights)}")
+    _check_rows(expert_output, sum(plan.tokens_per_local_expert), op, "expert_output", plan, topk_weights)
     y = expert_output
     anchor = plan._anchor
     if torch.is_grad_enabled() and not y.requires_grad and anchor is not None and anchor.requires_grad:

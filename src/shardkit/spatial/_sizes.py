@@ -168,7 +168,9 @@ def check_out_len(n: int, k: int, s: int, d: int, pad: tuple[int, int], op: str,
 
 def geometry_args(weight, bias, stride, padding, dilation, groups, mode) -> tuple:
     """What every rank must agree on about a convolution in check mode (it sets the halo widths
-    and message sizes): weight shape (kernel, channels), bias or not, stride, padding, dilation,
-    groups, and the padding mode (or a transposed convolution's output padding)."""
-    shape = getattr(weight, "shape", None)
-    return (tuple(shape) if shape is not None else None, bias is not None, stride, padding, dilation, groups, mode)
+    and message sizes): weight shape (kernel, channels), bias shape (a wrong one on one rank is
+    then everyone's error), stride, padding, dilation, groups, and the padding mode (or a
+    transposed convolution's output padding)."""
+    shape, bias_shape = getattr(weight, "shape", None), getattr(bias, "shape", None)
+    return (tuple(shape) if shape is not None else None, bias is not None,
+            tuple(bias_shape) if bias_shape is not None else None, stride, padding, dilation, groups, mode)

@@ -30,6 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..comm._group import resolve_group
+from ..comm._validate import maybe_agree_groups, placeholder
+from ..comm.checks import checks_enabled
 from ..comm.collectives import all_gather
 from ..errors import ShardkitError, ShardkitTypeError
 from .conv import _SumParamGrads
@@ -118,11 +120,23 @@ def spatial_group_norm(x_local: torch.Tensor, num_groups: int, weight: torch.Ten
         ShardkitTypeError: ``x_local`` not a tensor, bad group.
     """
     op = "spatial_group_norm"
-    if not isinstance(x_local, torch.Tensor):
-        raise ShardkitTypeError(f"{op}: expected a tensor, got {type(x_local).__name__}")
     g = _groups(group, op)
-    if x_local.dim() < 2 or x_local.shape[1] % num_groups:
-        raise ShardkitError(f"{op}: expected [B, C, *S] with C divisible by num_groups={num_groups}, got {tuple(x_local.shape)}")
+    gs = g if isinstance(g, tuple) else (g,)
+    error: ShardkitError | None = None
+    if not isinstance(x_local, torch.Tensor):
+        error = ShardkitTypeError(f"{op}: expected a tensor, got {type(x_local).__name__}")
+    elif x_local.dim() < 2 or isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 1 \
+            or x_local.shape[1] % num_groups:
+        error = ShardkitError(f"{op}: expected [B, C, *S] with C divisible by num_groups={num_groups}, "
+                              f"got {tuple(x_local.shape)}")
+    if checks_enabled():
+        # Check mode: B, C, dtype, the groups, eps and the affine shapes set the statistics'
+        # all-reduce and the result; the spatial dims may differ (any split), so agree on [B, C].
+        meta = x_local.new_empty(x_local.shape[:2]) if error is None else placeholder(gs[0])
+        args = (num_groups, eps, getattr(weight, "shape", None), getattr(bias, "shape", None))
+        maybe_agree_groups(gs, op, meta, args, error)
+    if error is not None:
+        raise error
     B, C = x_local.shape[:2]
     half = x_local.dtype in _HALF
     # Half precision: statistics, normalization and affine in float32, one rounding at the end,

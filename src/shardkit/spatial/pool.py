@@ -50,7 +50,9 @@ def _shape_with(x, d, n):
 def _pool(kind, op, x, group, dim, kernel_size, stride, padding, dilation, count_include_pad, divisor_override,
           ceil_mode, sizes, channels_last):
     g = enter(x, group, op)
-    maybe_agree(g, op, x, (dim, int(bool(channels_last)), int(x.requires_grad), sizes), local_dim=dim,
+    # every window argument sets the halo widths and the output split: agreed, like the sizes
+    maybe_agree(g, op, x, (dim, int(bool(channels_last)), int(x.requires_grad), sizes, kernel_size, stride, padding,
+                           dilation, int(bool(ceil_mode)), int(bool(count_include_pad)), divisor_override), local_dim=dim,
                 expected_local=expected_size(sizes, g.rank))
     nd = x.dim() - 2
     if nd not in (1, 2, 3):

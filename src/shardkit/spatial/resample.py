@@ -67,11 +67,12 @@ def check_interpolate_args(scale_factor, mode, align_corners, nd: int, op: str, 
     return _scales(scale_factor, nd, op)
 
 
-def _agree_args(x_local, group, dim, mode, sizes, channels_last, op):
+def _agree_args(x_local, group, dim, scale_factor, mode, align_corners, sizes, channels_last, op):
     g = enter(x_local, group, op)
     # nearest is local: any split works without sizes, so only the other dims must agree
     own = x_local.shape[dim] if mode in _NEAREST and -x_local.dim() <= dim < x_local.dim() else None
-    maybe_agree(g, op, x_local, (dim, int(bool(channels_last)), int(x_local.requires_grad), sizes), local_dim=dim,
+    maybe_agree(g, op, x_local, (dim, int(bool(channels_last)), int(x_local.requires_grad), sizes, scale_factor,
+                                 str(mode), align_corners), local_dim=dim,
                 expected_local=own if own is not None else expected_size(sizes, g.rank))
     return g
 
@@ -106,10 +107,10 @@ def spatial_interpolate(x_local: torch.Tensor, group: Group | Sequence[Group], d
         if not isinstance(group, (tuple, list)) or len(group) != len(dim):
             raise ShardkitError(f"{op}: {len(dim)} sharded dims {tuple(dim)} need {len(dim)} groups, got {group!r}")
         for tile_group, tile_dim in zip(group, dim):
-            _agree_args(x_local, tile_group, tile_dim, mode, sizes, channels_last, op)
+            _agree_args(x_local, tile_group, tile_dim, scale_factor, mode, align_corners, sizes, channels_last, op)
         dim = dim[0]  # nearest reads only the own tile: the dim only places the channels
     else:
-        g = _agree_args(x_local, group, dim, mode, sizes, channels_last, op)
+        g = _agree_args(x_local, group, dim, scale_factor, mode, align_corners, sizes, channels_last, op)
     nd = x_local.dim() - 2
     if nd < 1:
         raise ShardkitError(f"{op}: expected [B, C, *S] with at least one spatial dim, got {tuple(x_local.shape)}")
