@@ -58,10 +58,30 @@ def test_conv_ae_without_matplotlib_says_pip_install_plot(no_matplotlib, capsys)
     assert len(err) == 1 and err[0].endswith("pip install 'shardkit[plot]'"), err
 
 
-def test_report_without_matplotlib_is_one_note(no_matplotlib):
+@pytest.fixture
+def no_tensorboard(monkeypatch):
+    for name in [m for m in sys.modules if m == "tensorboard" or m.startswith("tensorboard.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+
+
+def test_report_without_matplotlib_is_one_note(no_matplotlib, no_tensorboard):
     notes = check_train("llama", "reports/run1")
-    assert notes == ["loss.png will not be written (matplotlib is not installed): pip install 'shardkit[plot]'"]
+    assert notes == ["loss.png will not be written (matplotlib is not installed): pip install 'shardkit[plot]'",
+                     "TensorBoard scalars (DIR/tb) will not be written (tensorboard is not installed): "
+                     "pip install 'shardkit[tb]'"]
     assert check_train("llama", None) == []
+
+
+def test_report_without_tensorboard_is_one_note(no_tensorboard):
+    assert missing(["tensorboard", "matplotlib"]) == ["tensorboard"]
+    assert check_train("conv-ae", "out") == [
+        "TensorBoard scalars (DIR/tb) will not be written (tensorboard is not installed): pip install 'shardkit[tb]'"]
+
+
+def test_report_with_every_extra_has_no_note():
+    # tensorboard is in the test extra: the suite checks the path that writes DIR/tb
+    assert check_train("llama", "out") == []
 
 
 def test_help_describes_train_honestly(capsys):

@@ -88,7 +88,9 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         help="rerun the steps in one process and check losses and final parameters",
     )
-    p.add_argument("--report", metavar="DIR", help="write report.json and loss.png into DIR")
+    p.add_argument("--report", metavar="DIR", help="write metrics.jsonl (per step; TensorBoard "
+                   "scalars in DIR/tb with the tb extra), report.json, loss.png (and conv-ae's reconstruction.png) "
+                   "into DIR")
     p.add_argument("--data", metavar="PATH", help="text file or folder (default: the Python stdlib's sources)")
     p.add_argument("--model-path", metavar="DIR_OR_GGUF", help="a local Hugging Face causal-LM checkpoint directory or "
                    "GGUF file (llama, qwen2, qwen3, qwen3-moe, deepseek-v2), trained on its own tokenizer "
@@ -176,6 +178,6 @@ def finish(result: dict, cfg: TrainConfig) -> int:
     if parity is not None:
         print_parity(parity, console)
     if cfg.report:
-        paths = write_report(result, cfg.report)
+        paths = [*result.get("files", []), *write_report(result, cfg.report)]
         console.print("report: " + ", ".join(str(p) for p in paths), highlight=False)
     return 1 if parity is not None and not parity["passed"] else 0

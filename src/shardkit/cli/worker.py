@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import copy
 import os
-import resource
-import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict
@@ -26,6 +24,7 @@ from .. import CommLedger
 from ..data_parallel import GradientSync, ParamLayout
 from ..parallelize import ParallelModel, gather_full_parameters, parallelize, parallelize_stage
 from .config import TrainConfig, parallel_dims
+from .metrics import MetricsLog, peak_memory
 from .progress import TrainProgress
 from .trainer import LossScale, make_optimizer, train_step
 from .verify import compare_runs
@@ -46,14 +45,6 @@ def _init(local_launch: bool) -> tuple[str, torch.device]:
         torch.set_num_threads(1)  # 4 ranks on 2 cores: more threads only oversubscribe
     dist.init_process_group(backend)
     return backend, device
-
-
-def _peak_memory(device) -> int:
-    """Peak memory of this rank in bytes: CUDA allocator peak, or the process's max RSS."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is bytes on macOS, KiB on Linux
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
 
 
 def _ledger_rows(ledger: CommLedger) -> list[dict]:
@@ -139,29 +130,6 @@ def _extra_state(task) -> dict[str, torch.Tensor]:
     """What a checkpoint keeps besides model and optimizer: the data sampler's generator and
     torch's RNG (replicated: the same on every rank)."""
     return {"data_generator": task.sampler.gen.get_state(), "torch_rng": torch.get_rng_state()}
-
-
-class MetricsLog:
-    """One JSON line per step in ``DIR/metrics.jsonl``, written (and flushed) as training goes.
-
-    Fields: ``step`` (1-based), ``loss``, ``grad_norm`` (before clipping), ``lr``,
-    ``tokens_per_s`` (or ``pixels_per_s``), ``step_time_s``, ``peak_memory_bytes`` (this rank).
-    A resumed run appends to the file of the run it continues.
-    """
-
-    def __init__(self, folder: str, unit: str, sample_size: int, batch_size: int, device) -> None:
-        os.makedirs(folder, exist_ok=True)
-        self.path = os.path.join(folder, "metrics.jsonl")
-        self.unit, self.per_step, self.device = unit, sample_size * batch_size, device
-
-    def write(self, step: int, stats, lr: float) -> None:
-        import json
-
-        line = {"step": step + 1, "loss": stats.loss, "grad_norm": stats.grad_norm, "lr": lr,
-                f"{self.unit}_per_s": self.per_step / stats.seconds, "step_time_s": stats.seconds,
-                "peak_memory_bytes": _peak_memory(self.device)}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(line) + "\n")
 
 
 def run_training(pm, task, cfg: TrainConfig, loss_scale=None, on_step=None, layout: str = "", metrics=None) -> dict:
@@ -251,15 +219,25 @@ def train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool = Tr
         if cfg.report is not None and rank == 0:
             unit_name = "pixels" if cfg.model == "conv-ae" else "tokens"
             metrics = MetricsLog(cfg.report, unit_name, _sample_size(cfg), cfg.batch_size, device)
-        run = run_training(pm, task, cfg, loss_scale, on_step=progress.update if progress else None,
-                           layout=dims.describe(), metrics=metrics)
+        try:
+            run = run_training(pm, task, cfg, loss_scale, on_step=progress.update if progress else None,
+                               layout=dims.describe(), metrics=metrics)
+        finally:
+            if metrics is not None:
+                metrics.close()
         t_train = time.perf_counter() - t1
 
     memory = [None] * dist.get_world_size()
-    dist.all_gather_object(memory, _peak_memory(device))
-    full_params = gather_full_parameters(pm) if cfg.verify else None
+    dist.all_gather_object(memory, peak_memory(device))
+    reconstruct = cfg.model == "conv-ae" and cfg.report is not None
+    full_params = gather_full_parameters(pm) if cfg.verify or reconstruct else None
     if rank != 0:
         return None
+    files = []
+    if metrics is not None:
+        files += [metrics.path] + ([metrics.tb_dir] if metrics.tb_dir else [])
+    if reconstruct:
+        files.append(_save_reconstruction(cfg, full_params))
     result = {
         "layout": {"nproc": cfg.nproc, "model": cfg.model, "parallel": dims.describe(),
                    **{k: v for k, v in asdict(dims).items() if k != "world_size"},
@@ -273,6 +251,7 @@ def train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool = Tr
         "memory_kind": "cuda max_memory_allocated" if device.type == "cuda" else "max RSS",
         "ledger": _ledger_rows(ledger),
         "timings_s": {"setup": t_setup, "train": t_train},
+        "files": files,
         ("pixels_per_s" if cfg.model == "conv-ae" else "tokens_per_s"):
             cfg.batch_size * _sample_size(cfg) * cfg.steps / t_train,
     }
@@ -288,6 +267,17 @@ def train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool = Tr
                                         grad_norms=(run["grad_norms"], result["reference_grad_norms"]))
         result["timings_s"]["verify"] = time.perf_counter() - t2
     return result
+
+
+def _save_reconstruction(cfg: TrainConfig, full_params) -> str:
+    """conv-ae: ``reconstruction.png`` of the fixed eval crops by the trained (full) model."""
+    from .conv_ae import build_conv_ae, save_reconstruction
+
+    model = build_conv_ae(cfg.dtype, cfg.seed)
+    model.load_state_dict(full_params)
+    path = os.path.join(cfg.report, "reconstruction.png")
+    save_reconstruction(model, path)
+    return path
 
 
 def _environment() -> dict:
