@@ -352,6 +352,7 @@ def test_end_to_end_verify_and_report(tmp_path):
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [1, 2] and [m["loss"] for m in lines] == report["losses"]
     assert all(m["grad_norm"] > 0 and m["lr"] == 1e-3 and m["tokens_per_s"] > 0 for m in lines)
+    assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "tb").iterdir())  # tensorboard: test extra
 
 
 def test_bad_layout_fails_before_launch():
