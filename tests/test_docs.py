@@ -96,3 +96,32 @@ def test_docs_build_strict(tmp_path):
                           cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert (tmp_path / "site" / "api" / "comm" / "index.html").read_text().count("all_to_all") > 3
+
+
+def _train_commands() -> list[str]:
+    """Every ``shardkit train ...`` command the docs and the README show (inline or in a block)."""
+    texts = [p.read_text() for p in sorted(DOCS.rglob("*.md"))] + [(ROOT / "README.md").read_text()]
+    found = set()
+    for text in texts:
+        found.update(re.findall(r"`(shardkit train[^`]*)`", text))
+        found.update(line.split("#")[0] for line in text.splitlines() if line.startswith("shardkit train"))
+    # --help exits; --model-path needs a checkpoint; "T0,T1,..." is the README's flag synopsis
+    return sorted(c.strip() for c in found if not re.search(r"--help|--model-path|T0,", c))
+
+
+@pytest.mark.parametrize("command", _train_commands())
+def test_every_train_command_in_the_docs_is_a_valid_layout(command):
+    """The shell examples parse, and their layout passes the checks ``shardkit train`` runs before
+    any launch (placeholders N and M read as 2); the layouts themselves train in tests/cli."""
+    import shlex
+
+    from shardkit.cli.main import build_parser
+    from shardkit.cli.train import config_from_args
+
+    argv = ["2" if word in ("N", "M") else word for word in shlex.split(command)[1:]]
+    cfg = config_from_args(build_parser().parse_args(argv))
+    assert cfg.nproc >= 1 and cfg.steps >= 1
+
+
+def test_train_commands_are_found():
+    assert len(_train_commands()) >= 10
