@@ -96,6 +96,26 @@ def test_docs_build_strict(tmp_path):
                           cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert (tmp_path / "site" / "api" / "comm" / "index.html").read_text().count("all_to_all") > 3
+    _check_public_names_rendered(tmp_path / "site")
+
+
+def _check_public_names_rendered(site: Path) -> None:
+    """Every name of shardkit.__all__ has its docstring rendered on an API page (its anchor), and
+    the page the API index names for it is one of those pages."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("public_api_table", ROOT / "scripts" / "public_api_table.py")
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    rows = table.public_api_table(site)
+    assert [r["name"] for r in rows] == list(shardkit.__all__)
+    missing = [r["name"] for r in rows if not r["pages"]]
+    assert not missing, f"public names whose docstring no page renders: {missing}"
+    index = (DOCS / "api" / "index.md").read_text()
+    listed = dict(re.findall(r"^\| `(\w+)` \| [^|]+ \| \[[^]]+\]\(([\w.]+)\)", index, re.M))
+    wrong = {r["name"]: (listed.get(r["name"]), r["pages"]) for r in rows
+             if f"api/{listed.get(r['name'])}" not in [page for page, _ in r["pages"]]}
+    assert not wrong, f"docs/api/index.md names a page that does not render them: {wrong}"
 
 
 def _train_commands() -> list[str]:
