@@ -147,6 +147,7 @@ def run_train(args: argparse.Namespace) -> int:
         result = worker_main(cfg, False, flight_dir)
         return 0 if result is None else finish(result, cfg)
     try:
+        assert cfg.nproc is not None  # validate_config resolved it
         results = launch_local(cfg.nproc, worker_main, cfg, True, flight_dir)
     except LaunchFailed as e:
         print_failure(e)
