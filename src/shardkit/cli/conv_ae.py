@@ -120,7 +120,7 @@ def width_shard(x_full: torch.Tensor, local_width: int, group) -> torch.Tensor:
     The widths are all-gathered (one tiny collective), so the split of a layer's output (which
     the spatial layers choose) need not be the balanced split of the input.
     """
-    widths = [None] * dist.get_world_size(group)
+    widths = [0] * dist.get_world_size(group)  # filled by all_gather_object
     dist.all_gather_object(widths, local_width, group=group)
     if sum(widths) != x_full.shape[-1]:
         raise RuntimeError(f"width_shard: local widths {widths} do not add up to W = {x_full.shape[-1]}")
@@ -197,8 +197,8 @@ def side_by_side(inputs: torch.Tensor, outputs: torch.Tensor, scale: int = 2, ga
     hs, ws = h * scale, w * scale
     grid = np.full((2 * hs + gap, b * ws + (b - 1) * gap, 3), 255, dtype=np.uint8)
     for row, images in enumerate((inputs, outputs)):
-        tiles = images.detach().float().clamp(0, 1).mul(255).round().to(torch.uint8)
-        tiles = tiles.repeat_interleave(scale, -2).repeat_interleave(scale, -1).permute(0, 2, 3, 1).cpu().numpy()
+        pixels = images.detach().float().clamp(0, 1).mul(255).round().to(torch.uint8)
+        tiles = pixels.repeat_interleave(scale, -2).repeat_interleave(scale, -1).permute(0, 2, 3, 1).cpu().numpy()
         for i, tile in enumerate(tiles):
             top, left = row * (hs + gap), i * (ws + gap)
             grid[top : top + hs, left : left + ws] = tile

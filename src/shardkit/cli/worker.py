@@ -82,6 +82,7 @@ def build_task(cfg: TrainConfig, device):
         tokens = token_stream(cfg.model_path, files, cache_dir=os.path.join(tempfile.gettempdir(), "shardkit-tokens"))
     else:
         tokens = load_tokens(files)
+    sampler: PackedSampler | BatchSampler
     if cfg.packed:
         sampler = PackedSampler(tokens, cfg.seq_len, cfg.batch_size, cfg.seed, [f.stat().st_size for f in files])
     else:
@@ -114,16 +115,15 @@ def build_parallel_model(model, mesh, cfg: TrainConfig, task, device) -> tuple[P
     model = model.to(device)
     if cfg.model == "conv-ae":
         return _spatial_model(model, mesh), None
-    options = dict(sequence_parallel=cfg.sequence_parallel, loss_parallel=cfg.loss_parallel)
+    # validate_config resolved sequence_parallel; one process (mesh None) has neither option
+    sp, lp = (bool(cfg.sequence_parallel), cfg.loss_parallel) if mesh is not None else (False, False)
     if mesh is not None and mesh.dims.pp > 1:
         holder: list = [None]
         loss = LossScale(task, holder)
-        pm = parallelize_stage(model, mesh, loss, **options)
+        pm = parallelize_stage(model, mesh, loss, sequence_parallel=sp, loss_parallel=lp)
         holder[0] = pm
         return pm, loss
-    if mesh is None:
-        options = dict(sequence_parallel=False, loss_parallel=False)
-    return parallelize(model, mesh, **options), None
+    return parallelize(model, mesh, sequence_parallel=sp, loss_parallel=lp), None
 
 
 def _extra_state(task) -> dict[str, torch.Tensor]:
@@ -140,6 +140,7 @@ def run_training(pm, task, cfg: TrainConfig, loss_scale=None, on_step=None, layo
     """
     from ..checkpoint import latest_checkpoint, load_train_state, save_train_state
 
+    assert cfg.lr is not None  # validate_config resolved it
     optimizer = make_optimizer(pm.module, cfg.lr)
     scheduler = None
     if cfg.lr_schedule == "warmup-cosine":
@@ -147,15 +148,16 @@ def run_training(pm, task, cfg: TrainConfig, loss_scale=None, on_step=None, layo
 
         scheduler = warmup_cosine(optimizer, cfg.steps)
     first = 0
-    if cfg.resume and pm.mesh is not None:
+    if cfg.resume and pm.mesh is not None and cfg.checkpoint_dir is not None:  # --resume needs the dir
         path = latest_checkpoint(cfg.checkpoint_dir)
         if path is not None:
             extra = _extra_state(task)
             first = load_train_state(path, pm, optimizer, extra)
             task.sampler.gen.set_state(extra["data_generator"])
             torch.set_rng_state(extra["torch_rng"])
-            for _ in range(first if scheduler is not None else 0):
-                scheduler.step()  # the schedule is a function of the step count
+            if scheduler is not None:
+                for _ in range(first):
+                    scheduler.step()  # the schedule is a function of the step count
     losses, norms = [], []
     for step in range(first, cfg.steps):
         lr = optimizer.param_groups[0]["lr"]  # the rate this step uses
@@ -211,16 +213,15 @@ def train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool = Tr
     t_setup = time.perf_counter() - t0
 
     unit = "px" if cfg.model == "conv-ae" else "tok"
-    show = progress and rank == 0
-    progress = TrainProgress(cfg.steps, cfg.batch_size * _sample_size(cfg), unit=unit) if show else None
-    with CommLedger() as ledger, (progress or nullcontext()):
+    bar = TrainProgress(cfg.steps, cfg.batch_size * _sample_size(cfg), unit=unit) if progress and rank == 0 else None
+    with CommLedger() as ledger, (bar or nullcontext()):
         t1 = time.perf_counter()
         metrics = None
         if cfg.report is not None and rank == 0:
             unit_name = "pixels" if cfg.model == "conv-ae" else "tokens"
             metrics = MetricsLog(cfg.report, unit_name, _sample_size(cfg), cfg.batch_size, device)
         try:
-            run = run_training(pm, task, cfg, loss_scale, on_step=progress.update if progress else None,
+            run = run_training(pm, task, cfg, loss_scale, on_step=bar.update if bar else None,
                                layout=dims.describe(), metrics=metrics)
         finally:
             if metrics is not None:
@@ -236,8 +237,8 @@ def train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool = Tr
     files = []
     if metrics is not None:
         files += [metrics.path] + ([metrics.tb_dir] if metrics.tb_dir else [])
-    if reconstruct:
-        files.append(_save_reconstruction(cfg, full_params))
+    if reconstruct and cfg.report is not None:
+        files.append(_save_reconstruction(cfg, cfg.report, full_params))
     result = {
         "layout": {"nproc": cfg.nproc, "model": cfg.model, "parallel": dims.describe(),
                    **{k: v for k, v in asdict(dims).items() if k != "world_size"},
@@ -256,10 +257,12 @@ def train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool = Tr
             cfg.batch_size * _sample_size(cfg) * cfg.steps / t_train,
     }
     if reference is not None:
+        assert full_params is not None  # gathered above for --verify; rank 0 holds them
         t2 = time.perf_counter()
         ref_pm, _ = build_parallel_model(reference, None, cfg, None, device)
         ref = run_training(ref_pm, build_task(cfg, device), cfg)
         ref_params = gather_full_parameters(ref_pm)
+        assert ref_params is not None  # one process: its own parameters
         first = run["first_step"]  # a resumed run is compared from the step it resumed at
         result["reference_losses"] = ref["losses"][first:]
         result["reference_grad_norms"] = ref["grad_norms"][first:]
@@ -269,13 +272,13 @@ def train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool = Tr
     return result
 
 
-def _save_reconstruction(cfg: TrainConfig, full_params) -> str:
+def _save_reconstruction(cfg: TrainConfig, folder: str, full_params) -> str:
     """conv-ae: ``reconstruction.png`` of the fixed eval crops by the trained (full) model."""
     from .conv_ae import build_conv_ae, save_reconstruction
 
     model = build_conv_ae(cfg.dtype, cfg.seed)
     model.load_state_dict(full_params)
-    path = os.path.join(cfg.report, "reconstruction.png")
+    path = os.path.join(folder, "reconstruction.png")
     save_reconstruction(model, path)
     return path
 
