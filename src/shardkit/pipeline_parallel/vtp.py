@@ -159,7 +159,9 @@ class StageGroups:
             raise ShardkitError(f"{op}: mismatched stage layout over {g.size} ranks: " + "; ".join(bad))
         self.group, self.tp_group, self.info, self.tp = group, tp_group, g, tp
         self.stage_ranks = ranks
-        self.stage_index, self.tp_rank = s, i
+        assert s is not None and i is not None  # found whenever no rank reported an error
+        self.stage_index: int = s
+        self.tp_rank: int = i
         self.num_stages = len(ranks)
         self.tp_sizes = tuple(len(r) for r in ranks)
 
