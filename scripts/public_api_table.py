@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -78,7 +79,7 @@ def _guides_using(name: str) -> list[str]:
     return out
 
 
-def public_api_table(site: Path) -> list[dict[str, object]]:
+def public_api_table(site: Path) -> list[dict[str, Any]]:
     """One row per name of ``shardkit.__all__``: ``name``, ``kind``, ``pages`` (the API pages,
     as docs/ sources, and anchors that render it) and ``guides``."""
     import shardkit
@@ -97,11 +98,11 @@ def public_api_table(site: Path) -> list[dict[str, object]]:
     return rows
 
 
-def to_markdown(rows: list[dict[str, object]]) -> str:
+def to_markdown(rows: list[dict[str, Any]]) -> str:
     lines = ["| public name | kind | documented on (API page#anchor) | guides using it |", "| --- | --- | --- | --- |"]
     for r in rows:
-        pages = ", ".join(f"{p}#{a}" for p, a in r["pages"]) or "**not rendered**"  # type: ignore[attr-defined]
-        guides = ", ".join(r["guides"]) or "-"  # type: ignore[arg-type]
+        pages = ", ".join(f"{p}#{a}" for p, a in r["pages"]) or "**not rendered**"
+        guides = ", ".join(r["guides"]) or "-"
         lines.append(f"| `{r['name']}` | {r['kind']} | {pages} | {guides} |")
     return "\n".join(lines)
 
