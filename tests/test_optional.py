@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 
 import pytest
 
@@ -11,18 +10,18 @@ from shardkit.cli.main import main
 
 
 @pytest.fixture
-def no_transformers(monkeypatch):
-    # A None entry in sys.modules makes both `import transformers` and find_spec fail.
-    for name in [m for m in sys.modules if m == "transformers" or m.startswith("transformers.")]:
-        monkeypatch.delitem(sys.modules, name)
-    monkeypatch.setitem(sys.modules, "transformers", None)
+def no_transformers(hide_module):
+    hide_module("transformers")
 
 
 @pytest.fixture
-def no_matplotlib(monkeypatch):
-    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
-        monkeypatch.delitem(sys.modules, name)
-    monkeypatch.setitem(sys.modules, "matplotlib", None)
+def no_matplotlib(hide_module):
+    hide_module("matplotlib")
+
+
+@pytest.fixture
+def no_tensorboard(hide_module):
+    hide_module("tensorboard")
 
 
 def test_require_names_the_extra(no_transformers):
@@ -56,13 +55,6 @@ def test_conv_ae_without_matplotlib_says_pip_install_plot(no_matplotlib, capsys)
     assert main(["train", "--model", "conv-ae", "--steps", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].endswith("pip install 'shardkit[plot]'"), err
-
-
-@pytest.fixture
-def no_tensorboard(monkeypatch):
-    for name in [m for m in sys.modules if m == "tensorboard" or m.startswith("tensorboard.")]:
-        monkeypatch.delitem(sys.modules, name)
-    monkeypatch.setitem(sys.modules, "tensorboard", None)
 
 
 def test_report_without_matplotlib_is_one_note(no_matplotlib, no_tensorboard):

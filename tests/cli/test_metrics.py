@@ -2,7 +2,6 @@
 tensorboard is installed (the missing path simulated by a failing import)."""
 
 import json
-import sys
 
 import pytest
 import torch
@@ -44,10 +43,8 @@ def test_jsonl_and_tensorboard_hold_the_same_steps(tmp_path):
     assert [v for _, v in scalars["train/peak_memory_mib"]] == pytest.approx(mib, rel=1e-6)
 
 
-def test_without_tensorboard_only_the_jsonl(tmp_path, monkeypatch):
-    for name in [m for m in sys.modules if m == "tensorboard" or m.startswith("tensorboard.")]:
-        monkeypatch.delitem(sys.modules, name)
-    monkeypatch.setitem(sys.modules, "tensorboard", None)
+def test_without_tensorboard_only_the_jsonl(tmp_path, hide_module):
+    hide_module("tensorboard")
     metrics = MetricsLog(str(tmp_path), "pixels", sample_size=10, batch_size=1, device=torch.device("cpu"))
     assert metrics.tb_dir is None
     lines = _log(metrics)
