@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 
 from shardkit._optional import MissingExtraError, check_train, install_hint, missing, require

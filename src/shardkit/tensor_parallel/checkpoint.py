@@ -26,7 +26,7 @@ import math
 import os
 import re
 from contextlib import ExitStack
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
