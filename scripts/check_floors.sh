@@ -29,7 +29,7 @@ PY="$VENV/bin/python"
 "$PY" -m pip install -q "torch==$TORCH"
 # shardkit with every extra the suite uses, torch, transformers and safetensors held at their
 # floors (the other dependencies as pip resolves them against those pins).
-"$PY" -m pip install -q -e ".[hf,plot,test,docs]" "torch==$TORCH" "transformers==$TRANSFORMERS" \
+"$PY" -m pip install -q -e ".[hf,plot,tb,test,docs]" "torch==$TORCH" "transformers==$TRANSFORMERS" \
   "safetensors==$SAFETENSORS"
 "$PY" -m pip check
 "$PY" - <<'PY'

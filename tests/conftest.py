@@ -86,3 +86,17 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     _POOL.shutdown()
+
+
+@pytest.fixture
+def hide_module(monkeypatch: pytest.MonkeyPatch):
+    """``hide_module("name")``: ``import name`` and ``find_spec("name")`` fail for the test, as if
+    the package were not installed (a None entry in sys.modules; its loaded submodules dropped)."""
+    import sys
+
+    def hide(name: str) -> None:
+        for loaded in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
+            monkeypatch.delitem(sys.modules, loaded)
+        monkeypatch.setitem(sys.modules, name, None)
+
+    return hide

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 
 from shardkit._optional import MissingExtraError, check_train, install_hint, missing, require
@@ -11,18 +9,18 @@ from shardkit.cli.main import main
 
 
 @pytest.fixture
-def no_transformers(monkeypatch):
-    # A None entry in sys.modules makes both `import transformers` and find_spec fail.
-    for name in [m for m in sys.modules if m == "transformers" or m.startswith("transformers.")]:
-        monkeypatch.delitem(sys.modules, name)
-    monkeypatch.setitem(sys.modules, "transformers", None)
+def no_transformers(hide_module):
+    hide_module("transformers")
 
 
 @pytest.fixture
-def no_matplotlib(monkeypatch):
-    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
-        monkeypatch.delitem(sys.modules, name)
-    monkeypatch.setitem(sys.modules, "matplotlib", None)
+def no_matplotlib(hide_module):
+    hide_module("matplotlib")
+
+
+@pytest.fixture
+def no_tensorboard(hide_module):
+    hide_module("tensorboard")
 
 
 def test_require_names_the_extra(no_transformers):
@@ -58,10 +56,23 @@ def test_conv_ae_without_matplotlib_says_pip_install_plot(no_matplotlib, capsys)
     assert len(err) == 1 and err[0].endswith("pip install 'shardkit[plot]'"), err
 
 
-def test_report_without_matplotlib_is_one_note(no_matplotlib):
+def test_report_without_matplotlib_is_one_note(no_matplotlib, no_tensorboard):
     notes = check_train("llama", "reports/run1")
-    assert notes == ["loss.png will not be written (matplotlib is not installed): pip install 'shardkit[plot]'"]
+    assert notes == ["loss.png will not be written (matplotlib is not installed): pip install 'shardkit[plot]'",
+                     "TensorBoard scalars (DIR/tb) will not be written (tensorboard is not installed): "
+                     "pip install 'shardkit[tb]'"]
     assert check_train("llama", None) == []
+
+
+def test_report_without_tensorboard_is_one_note(no_tensorboard):
+    assert missing(["tensorboard", "matplotlib"]) == ["tensorboard"]
+    assert check_train("conv-ae", "out") == [
+        "TensorBoard scalars (DIR/tb) will not be written (tensorboard is not installed): pip install 'shardkit[tb]'"]
+
+
+def test_report_with_every_extra_has_no_note():
+    # tensorboard is in the test extra: the suite checks the path that writes DIR/tb
+    assert check_train("llama", "out") == []
 
 
 def test_help_describes_train_honestly(capsys):

@@ -1,7 +1,8 @@
 """Optional dependencies: say which extra to install, in one line, before anything starts.
 
 shardkit's core needs only torch. The Hugging Face paths need the ``hf`` extra (transformers,
-safetensors) and the conv-ae photo and ``loss.png`` need the ``plot`` extra (matplotlib). A
+safetensors), the conv-ae photo and ``loss.png`` need the ``plot`` extra (matplotlib) and the
+TensorBoard scalars of ``--report`` the ``tb`` extra (tensorboard). A
 missing one is reported up front, by name, instead of as an ``ImportError`` traceback from a
 worker process after the launch.
 """
@@ -15,7 +16,7 @@ from .errors import ShardkitError
 
 __all__ = ["EXTRAS", "MissingExtraError", "missing", "require", "install_hint", "check_train"]
 
-EXTRAS: dict[str, str] = {"transformers": "hf", "safetensors": "hf", "matplotlib": "plot"}
+EXTRAS: dict[str, str] = {"transformers": "hf", "safetensors": "hf", "matplotlib": "plot", "tensorboard": "tb"}
 """Import name of each optional dependency -> the shardkit extra that installs it."""
 
 
@@ -68,7 +69,8 @@ def check_train(model: str, report: str | None) -> list[str]:
         report: the ``--report`` folder, or None.
 
     Returns:
-        One-line notes for optional outputs that will be skipped (``loss.png`` without matplotlib).
+        One-line notes for optional outputs that will be skipped: ``loss.png`` without
+        matplotlib, the TensorBoard scalars (``DIR/tb``) without tensorboard.
 
     Raises:
         MissingExtraError: the model cannot be built without an extra (transformers for the
@@ -78,6 +80,8 @@ def check_train(model: str, report: str | None) -> list[str]:
         require(["matplotlib"], "shardkit train --model conv-ae (its sample photo)")
     else:
         require(["transformers"], f"shardkit train --model {model}")
-    if report is not None and missing(["matplotlib"]):
-        return [f"loss.png will not be written (matplotlib is not installed): {install_hint(['matplotlib'])}"]
-    return []
+    if report is None:
+        return []
+    skipped = {"matplotlib": "loss.png", "tensorboard": "TensorBoard scalars (DIR/tb)"}
+    return [f"{what} will not be written ({module} is not installed): {install_hint([module])}"
+            for module, what in skipped.items() if missing([module])]

@@ -221,7 +221,7 @@ class ParallelDims:
             raise ShardkitError(f"ParallelDims.build_mesh: {self._describe()} multiply to {self.product}, "
                                 f"but the world size is {world}")
         if self.pp_tp is not None:
-            return self._build_vtp()
+            return self._build_vtp(self.pp_tp)
         # Only the axes of degree > 1 get process groups: a size-1 axis is the identity, and a
         # gloo group keeps threads of its own (a long-lived process that builds many layouts,
         # like a test world, would otherwise pile up thousands of idle groups).
@@ -231,14 +231,18 @@ class ParallelDims:
         root = None
         if active:
             names = tuple(a for a, _ in active)
-            override = None if options is None else {dim: (None, options) for dim in range(len(names))}
+            # options alone: the default backend with these options (torch reads it as (None, options))
+            override: dict[int | str, Any] | None = None if options is None else dict.fromkeys(range(len(names)), options)
             root = init_device_mesh(device_type, tuple(d for _, d in active), mesh_dim_names=names,
                                     backend_override=override)
         for name, dims in FLAT_VIEWS.items():
             present = tuple(d for d in dims if getattr(self, d) > 1)
+            if not present:
+                continue
+            assert root is not None  # an axis of degree > 1 made the root mesh
             if len(present) == 1:
                 views[name] = root[present[0]]
-            elif present:
+            else:
                 views[name] = root[present]._flatten(name, backend_override=options)
         if self.ep > 1:
             # ep groups: blocks of ep consecutive ranks inside each dp_shard x cp x tp block
@@ -264,12 +268,12 @@ class ParallelDims:
         return ParallelMesh(self, root, views)
 
 
-    def _build_vtp(self) -> ParallelMesh:
+    def _build_vtp(self, pp_tp: tuple[int, ...]) -> ParallelMesh:
         """``pp_tp`` layouts: the stage groups of :func:`~shardkit.pipeline_parallel.new_stage_groups`
         (replica-major ranks: ``rank = d * sum(pp_tp) + offset_s + i``)."""
         from .pipeline_parallel.vtp import new_stage_groups
 
-        stages, dp_group = new_stage_groups(self.pp_tp, self.dp_replicate)
+        stages, dp_group = new_stage_groups(pp_tp, self.dp_replicate)
         views = {"stages": stages, "tp": stages.tp_group}
         for name in ("dp_replicate", "dp", "dp_cp"):
             views[name] = dp_group
@@ -327,6 +331,10 @@ class ParallelMesh:
 
     @property
     def device_type(self) -> str:
+        """The root mesh's device type; ShardkitError for a layout without one (every degree 1,
+        or ``pp_tp``)."""
+        if self.root is None:
+            raise ShardkitError(f"ParallelMesh.device_type: {self.dims.describe()} has no root DeviceMesh")
         return self.root.device_type
 
     def __getitem__(self, name: str | tuple[str, ...]) -> Any:

@@ -10,7 +10,16 @@ import torch
 
 from shardkit import ShardkitError
 from shardkit.cli.config import merge_config, validate_config
-from shardkit.cli.conv_ae import CROP, ConvAETask, CropSampler, build_conv_ae, load_image
+from shardkit.cli.conv_ae import (
+    CROP,
+    ConvAETask,
+    CropSampler,
+    build_conv_ae,
+    eval_batch,
+    load_image,
+    save_reconstruction,
+    side_by_side,
+)
 
 
 def test_image_is_a_real_photo_in_unit_range():
@@ -65,6 +74,34 @@ def test_task_loss_is_the_sum_of_squared_errors():
     assert ConvAETask.count(out) == out.numel()
 
 
+def test_reconstruction_png_is_the_model_output_side_by_side(tmp_path):
+    import matplotlib.image
+
+    model = build_conv_ae("float32", seed=0)
+    inputs, outputs = save_reconstruction(model, tmp_path / "reconstruction.png")
+    assert torch.equal(inputs, eval_batch()) and inputs.shape == (4, 3, *CROP)  # a fixed batch
+    with torch.no_grad():
+        assert torch.equal(outputs, model(inputs))
+    png = matplotlib.image.imread(tmp_path / "reconstruction.png")
+    h, w = CROP
+    assert png.shape[:2] == (2 * 2 * h + 2, 4 * 2 * w + 3 * 2)  # 2 rows, 4 tiles, 2x pixels, 2-pixel gaps
+    pixels = torch.from_numpy((png[..., :3] * 255).round()).to(torch.uint8)
+    expect = outputs[1].clamp(0, 1).mul(255).round().to(torch.uint8).permute(1, 2, 0)
+    top, left = 2 * h + 2, 2 * w + 2  # second row, second tile, every other pixel
+    assert torch.equal(pixels[top : top + 2 * h : 2, left : left + 2 * w : 2], expect)
+    assert torch.equal(pixels[: 2 * h : 2, : 2 * w : 2],
+                       inputs[0].mul(255).round().to(torch.uint8).permute(1, 2, 0))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["reconstruction.png"]  # no temporary file left
+
+
+def test_side_by_side_layout():
+    a = torch.zeros(2, 3, 2, 3)
+    b = torch.full((2, 3, 2, 3), 2.0)  # clamped to 1
+    grid = side_by_side(a, b, scale=1, gap=1)
+    assert grid.shape == (5, 7, 3) and grid.dtype.name == "uint8"
+    assert (grid[:2, :3] == 0).all() and (grid[3:, 4:] == 255).all() and (grid[2] == 255).all()
+
+
 def test_conv_ae_layout():
     cfg = validate_config(merge_config({}, dict(model="conv-ae", spatial=2)))
     assert (cfg.nproc, cfg.spatial, cfg.dp_replicate, cfg.tp, cfg.pp) == (2, 2, 1, 1, 1)
@@ -104,12 +141,19 @@ def _shardkit(*argv, timeout):
                           timeout=timeout, env=env)
 
 
-def test_end_to_end_spatial_verify():
+def test_end_to_end_spatial_verify(tmp_path):
     # About 12 s on 2 cores (2 spawned ranks); the timeout only bounds a hang.
     proc = _shardkit("train", "--model", "conv-ae", "--spatial", "2", "--nproc", "2", "--steps", "2", "--verify",
-                     timeout=120)
+                     "--report", str(tmp_path), timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "spatial=2" in proc.stdout and "PASSED" in proc.stdout and "spatial_conv2d" in proc.stdout
+    import matplotlib.image
+
+    h, w = CROP
+    assert matplotlib.image.imread(tmp_path / "reconstruction.png").shape[:2] == (4 * h + 2, 8 * w + 6)
+    assert {"metrics.jsonl", "report.json", "loss.png", "reconstruction.png", "tb"} <= {
+        p.name for p in tmp_path.iterdir()}
+    assert "reconstruction.png" in proc.stdout
 
 
 def test_spatial_with_llama_fails_before_launch():

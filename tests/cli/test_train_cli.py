@@ -14,7 +14,7 @@ from shardkit.cli.config import load_toml, merge_config, parallel_dims, validate
 from shardkit.cli.data import BatchSampler, corpus_files, load_tokens, stdlib_files
 from shardkit.cli.lm_task import LMTask, causal_lm_loss, shifted_labels
 from shardkit.cli.main import build_parser
-from shardkit.cli.report import write_report
+from shardkit.cli.report import loss_figure, write_report
 from shardkit.cli.train import config_from_args, finish
 from shardkit.cli.verify import compare_runs
 
@@ -253,6 +253,54 @@ def test_write_report_keeps_other_files(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["loss.png", "notes.txt", "report.json"]  # no temp files
 
 
+def _figure_result(losses, reference=None, first_step=0):
+    return {"layout": {"nproc": 4, "model": "llama", "parallel": "dp_replicate=2 x tp=2", "backend": "gloo",
+                       "device": "cpu", "sequence_parallel": True},
+            "losses": losses, "reference_losses": reference, "first_step": first_step}
+
+
+def _ticks(ax):
+    lo, hi = ax.get_xlim()
+    return [t for t in ax.get_xticks() if lo <= t <= hi]
+
+
+def test_loss_figure_with_the_parity_panel(tmp_path):
+    losses = [3.0, 2.5, 2.25, 2.0, 1.9, 1.8, 1.75]
+    reference = [3.0, 2.5 + 1e-6, 2.25 - 1e-5, 2.0, 1.9 + 1e-7, 1.8, 1.75 + 2e-6]
+    fig = loss_figure(_figure_result(losses, reference, first_step=3))
+    fig.savefig(tmp_path / "loss.png")  # renders (tick positions final)
+    assert (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG"
+    top, bottom = fig.axes
+    assert len(fig.axes) == 2
+    assert top.get_title() == "llama: dp_replicate=2 x tp=2 (sequence parallel) (4 ranks, gloo, cpu)"
+    assert (top.get_ylabel(), bottom.get_ylabel(), bottom.get_xlabel()) == ("loss", "|parallel - reference|", "step")
+    assert bottom.get_yscale() == "log"
+    ticks = _ticks(bottom)
+    assert len(ticks) >= 2 and all(float(t).is_integer() for t in ticks)
+    # steps 4..10 (resumed at 3); the difference panel holds the steps that differ, exactly
+    assert list(top.lines[0].get_xdata()) == list(range(4, 11)) and list(top.lines[1].get_ydata()) == reference
+    (diff_line,) = bottom.lines
+    expected = [(s, abs(a - b)) for s, a, b in zip(range(4, 11), losses, reference) if a != b]
+    points = list(zip(diff_line.get_xdata(), diff_line.get_ydata()))
+    assert [(s, d) for s, d in points if d == d] == expected  # equal steps are NaN gaps
+    assert len(points) == 7
+    assert [t.get_text() for t in bottom.texts] == ["bitwise equal at 3 of 7 steps"]
+
+
+def test_loss_figure_without_reference_is_one_panel():
+    fig = loss_figure(_figure_result([2.0, 1.5, 1.25]))
+    fig.savefig(os.devnull, format="png")
+    (ax,) = fig.axes
+    assert ax.get_title().startswith("llama: dp_replicate=2 x tp=2") and ax.get_xlabel() == "step"
+    assert all(float(t).is_integer() for t in _ticks(ax)) and len(ax.lines) == 1
+
+
+def test_loss_figure_bitwise_equal_run():
+    fig = loss_figure(_figure_result([2.0, 1.5], [2.0, 1.5]))
+    fig.savefig(os.devnull, format="png")
+    assert not fig.axes[1].lines and [t.get_text() for t in fig.axes[1].texts] == ["bitwise equal at every step"]
+
+
 def _result(passed):
     params = {"w": torch.ones(3)}
     parity = compare_runs([2.0], [2.0], {"w": torch.ones(3) * (1 if passed else 2)}, params, "float32")
@@ -305,6 +353,7 @@ def test_end_to_end_verify_and_report(tmp_path):
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [1, 2] and [m["loss"] for m in lines] == report["losses"]
     assert all(m["grad_norm"] > 0 and m["lr"] == 1e-3 and m["tokens_per_s"] > 0 for m in lines)
+    assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "tb").iterdir())  # tensorboard: test extra
 
 
 def test_bad_layout_fails_before_launch():

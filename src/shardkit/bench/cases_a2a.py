@@ -101,7 +101,7 @@ def _prepare(seq: int, heads: int, direction: str, pg):
     fns = {"shardkit": lambda: all_to_all(x, pg, s, g, gather_size),
            "bare": lambda: dist.all_to_all_single(recv, send, out_splits, in_splits, group=pg),
            "listcat": listcat}
-    calls = []
+    calls: list[tuple[torch.Tensor, torch.Tensor, list[int], list[int]]] = []
     with _spy_all_to_all_single(calls):
         y = fns["shardkit"]()
     ref = listcat()

@@ -3,6 +3,8 @@ same bytes (docs/design.md (Benchmarks))."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
@@ -41,7 +43,7 @@ def collectives(pg, settings: Settings) -> list[Record]:
             "reduce_scatter/bare": lambda: reduce_scatter_single(scattered, big, group=pg),
         }
         failures = []
-        if not torch.equal(fns["all_reduce/shardkit"](), sum(full.chunk(n))):
+        if not torch.equal(fns["all_reduce/shardkit"](), functools.reduce(torch.add, full.chunk(n))):
             failures.append("all_reduce != sum of the inputs")
         if not same_bits(fns["all_gather/shardkit"](), full):
             failures.append("all_gather != concatenated inputs")

@@ -60,7 +60,7 @@ def _ring_variant(p, pg, seed):
     full, (q, k, v, dout) = _inputs(B, S, N, D, pos, seed)
     fn = _fwd_bwd(lambda a, b, c: ring_attention(a, b, c, pg, causal=p["causal"], seq_len=S, layout=p["layout"],
                                                  overlap=p["overlap"]), q, k, v, dout)
-    return fn, _reference(*full[:3], p["causal"])[:, pos]
+    return fn, _reference(full[0], full[1], full[2], p["causal"])[:, pos]
 
 
 def ring(pg, settings: Settings) -> list[Record]:
@@ -76,7 +76,7 @@ def ring(pg, settings: Settings) -> list[Record]:
     ]
     records = []
     for n, (label, goal, key, variants) in enumerate(cases):
-        names = [("overlap" if p["overlap"] else "no-overlap") if key == "overlap" else p["layout"] for p in variants]
+        names = [("overlap" if p["overlap"] else "no-overlap") if key == "overlap" else str(p["layout"]) for p in variants]
         preps = [_ring_variant(p, pg, 11 + n) for p in variants]
         results = [fn() for fn, _ in preps]
         failures = [f"{nm} != full attention" for nm, (out, _), (_, want) in zip(names, results, preps)
@@ -120,7 +120,7 @@ def ulysses(pg, settings: Settings) -> list[Record]:
     full, (q, k, v, dout) = _inputs(1, S, 8, 64, pos, 5)
     fns = {"shardkit": _fwd_bwd(lambda a, b, c: ulysses_attention(a, b, c, pg, causal=True, seq_len=S), q, k, v, dout),
            "dtensor": _fwd_bwd(_dtensor_attention(pg, True), q, k, v, dout)}
-    want = _reference(*full[:3], True)[:, pos]
+    want = _reference(full[0], full[1], full[2], True)[:, pos]
     results = {nm: fn() for nm, fn in fns.items()}
     failures = [f"{nm} != full attention" for nm, (out, _) in results.items() if not close(out, want)]
     failures += [f"dtensor grad {i} != shardkit's" for i, (a, b) in
@@ -138,7 +138,7 @@ def ulysses(pg, settings: Settings) -> list[Record]:
                              q, k, v, dout)
         with CommLedger() as ledger:
             out, _ = preps[nm]()
-        failures = [] if close(out, _reference(*full[:3], True)[:, pos]) else [f"{nm} != full attention"]
+        failures = [] if close(out, _reference(full[0], full[1], full[2], True)[:, pos]) else [f"{nm} != full attention"]
         agree(failures, pg, f"ulysses {nm}")
         total = torch.tensor([float(ledger.bytes_sent())])
         dist.all_reduce(total, group=pg)

@@ -93,7 +93,7 @@ def spatial_conv(pg, settings: Settings) -> list[Record]:
         outs, gx = {}, {}
         for k in ("sequential", "spatial", "gather", "conv"):
             outs[k] = fns[k]()
-            gx[k] = None if x.grad is None else x.grad.clone()
+            gx[k] = torch.full_like(x, float("nan")) if x.grad is None else x.grad.clone()  # missing: never `close`
         ok = {"output": close(outs["spatial"], outs["gather"]), "sequential output": close(outs["sequential"], outs["gather"]),
               "input grad": close(gx["spatial"], gx["gather"]), "sequential input grad": close(gx["sequential"], gx["gather"]),
               "parts output": close(outs["conv"], outs["spatial"])}

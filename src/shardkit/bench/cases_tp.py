@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import tempfile
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,7 +32,7 @@ from ._method import Record, Settings, agree, time_interleaved
 
 __all__ = ["tp_step"]
 
-SHAPES = {
+SHAPES: dict[str, tuple[dict[str, Any], tuple[int, int]]] = {  # LlamaConfig keywords, (batch, seq)
     "tiny": (dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   intermediate_size=344, vocab_size=2048), (2, 64)),
     "small": (dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
@@ -56,10 +57,11 @@ def _dtensor(model, pg, sp: bool):
     from torch.distributed.tensor.parallel import (
         ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, parallelize_module,
     )
+    from torch.distributed.tensor.parallel.style import ParallelStyle
 
     mesh = DeviceMesh.from_group(pg, "cpu", mesh_dim_names=("tp",))
     out = Shard(1) if sp else Replicate()
-    plan = {f"self_attn.{n}": ColwiseParallel() for n in ("q_proj", "k_proj", "v_proj")}
+    plan: dict[str, ParallelStyle] = {f"self_attn.{n}": ColwiseParallel() for n in ("q_proj", "k_proj", "v_proj")}
     plan.update({"self_attn.o_proj": RowwiseParallel(output_layouts=out), "mlp.gate_proj": ColwiseParallel(),
                  "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel(output_layouts=out)})
     if sp:
@@ -69,7 +71,7 @@ def _dtensor(model, pg, sp: bool):
                      "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))})
     for layer in model.model.layers:
         parallelize_module(layer, mesh, plan)
-    top = {"lm_head": ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(), output_layouts=Replicate())}
+    top: dict[str, ParallelStyle] = {"lm_head": ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(), output_layouts=Replicate())}
     if sp:
         top.update({"model.norm": SequenceParallel(),
                     "model.layers.0": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
@@ -153,12 +155,13 @@ def tp_step(pg, settings: Settings) -> list[Record]:
     for shape in (("tiny",) if settings.quick else ("small", "large")):
         cfg_kw, (batch, seq) = SHAPES[shape]
         with tempfile.TemporaryDirectory(prefix="shardkit-bench-tp-") as tmp:
-            path = [os.path.join(tmp, shape) if rank == 0 else None]
+            folder = os.path.join(tmp, shape)
+            path: list[str | None] = [folder if rank == 0 else None]
             dist.broadcast_object_list(path, src=0, group=pg)  # rank 0's folder; every rank reads it
             if rank == 0:
                 torch.manual_seed(0)
                 cfg = tf.LlamaConfig(**cfg_kw, use_cache=False, tie_word_embeddings=False)
-                tf.LlamaForCausalLM(cfg).save_pretrained(path[0])
+                tf.LlamaForCausalLM(cfg).save_pretrained(folder)
             dist.barrier(group=pg)
             ids = torch.randint(0, cfg_kw["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(1))
             for mode, variants in (("tp", ["tp/shardkit", "tp/dtensor"] + (["tp/hf"] if hf else [])),

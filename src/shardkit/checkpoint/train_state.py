@@ -65,9 +65,9 @@ def _local_full(t: torch.Tensor) -> torch.Tensor:
 
 def _write_back(dst: torch.Tensor, src: torch.Tensor) -> None:
     """Copy a loaded tensor-parallel local tensor into ``dst`` (an FSDP2 DTensor keeps its shard)."""
-    if hasattr(dst, "to_local"):
-        from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor import DTensor, distribute_tensor
 
+    if isinstance(dst, DTensor):
         src = distribute_tensor(src, dst.device_mesh, dst.placements, src_data_rank=None).to_local()
         dst = dst.to_local()
     with torch.no_grad():

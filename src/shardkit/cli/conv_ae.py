@@ -25,6 +25,10 @@ batch in two halves).
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -34,12 +38,14 @@ from .._shapes import split_offsets
 from .model import TORCH_DTYPES
 
 __all__ = ["CROP", "IMAGE", "SPATIAL_DIMS", "ConvAutoencoder", "build_conv_ae", "load_image", "CropSampler",
-           "block_shard", "sharded_dims", "ConvAETask"]
+           "block_shard", "sharded_dims", "ConvAETask", "eval_batch", "side_by_side", "save_reconstruction"]
 
 IMAGE = "grace_hopper.jpg"
 CROP = (48, 80)  # (H, W); W = 80 splits into >= 8 columns per rank for up to 10 ranks, H into 6
 MIN_LOCAL_WIDTH = 8  # the dilated conv's halo (2 columns at half resolution) must fit in a neighbour
 SPATIAL_DIMS = (("spatial_h", 2), ("spatial", 3))  # mesh dim -> the NCHW dim it shards
+EVAL_SEED = 20  # the crops of reconstruction.png: a fixed batch, the same in every run whatever --seed
+EVAL_SAMPLES = 4
 
 
 class _Residual(nn.Module):
@@ -117,7 +123,7 @@ def block_shard(x_full: torch.Tensor, local_size: int, group, dim: int) -> torch
     The sizes are all-gathered (one tiny collective), so the split of a layer's output (which
     the spatial layers choose) need not be the balanced split of the input.
     """
-    sizes = [None] * dist.get_world_size(group)
+    sizes = [0] * dist.get_world_size(group)  # filled by all_gather_object
     dist.all_gather_object(sizes, local_size, group=group)
     if sum(sizes) != x_full.shape[dim]:
         raise RuntimeError(f"block_shard: local sizes {sizes} do not add up to {x_full.shape[dim]} along dim {dim}")
@@ -179,3 +185,56 @@ class ConvAETask:
         if out.dtype in (torch.float16, torch.bfloat16):
             out, target = out.float(), target.float()
         return (out - target).pow(2).sum()
+
+
+def eval_batch(samples: int = EVAL_SAMPLES) -> torch.Tensor:
+    """The fixed evaluation crops ``[samples, 3, H, W]`` (float32, seeded by ``EVAL_SEED``)."""
+    return CropSampler(load_image(), CROP, samples, EVAL_SEED).next_batch()
+
+
+def side_by_side(inputs: torch.Tensor, outputs: torch.Tensor, scale: int = 2, gap: int = 2) -> np.ndarray:
+    """One RGB picture: the inputs on the top row, their reconstructions below.
+
+    Args:
+        inputs, outputs: ``[B, 3, H, W]`` in [0, 1] (outputs are clamped to it).
+        scale: each pixel repeated ``scale`` x ``scale`` times (the crops are small).
+        gap: white pixels between tiles.
+
+    Returns:
+        ``uint8`` array ``[2 * H * scale + gap, B * W * scale + (B - 1) * gap, 3]``.
+    """
+    b, _, h, w = inputs.shape
+    hs, ws = h * scale, w * scale
+    grid = np.full((2 * hs + gap, b * ws + (b - 1) * gap, 3), 255, dtype=np.uint8)
+    for row, images in enumerate((inputs, outputs)):
+        pixels = images.detach().float().clamp(0, 1).mul(255).round().to(torch.uint8)
+        tiles = pixels.repeat_interleave(scale, -2).repeat_interleave(scale, -1).permute(0, 2, 3, 1).cpu().numpy()
+        for i, tile in enumerate(tiles):
+            top, left = row * (hs + gap), i * (ws + gap)
+            grid[top : top + hs, left : left + ws] = tile
+    return grid
+
+
+def save_reconstruction(model: nn.Module, path: str | os.PathLike, batch: torch.Tensor | None = None,
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write ``path`` (PNG): the crops of ``batch`` and ``model``'s reconstructions, side by side.
+
+    Args:
+        model: an unsharded :class:`ConvAutoencoder` (e.g. loaded with the trained full parameters).
+        path: the PNG file, replaced atomically.
+        batch: ``[B, 3, H, W]``; default :func:`eval_batch`.
+
+    Returns:
+        ``(inputs, outputs)``: the batch and what ``model`` returned for it (model dtype).
+    """
+    import matplotlib.image
+
+    from .report import atomic_write
+
+    inputs = eval_batch() if batch is None else batch
+    param = next(model.parameters())
+    with torch.no_grad():
+        outputs = model(inputs.to(param.device, param.dtype))
+    grid = side_by_side(inputs, outputs)
+    atomic_write(Path(path), lambda tmp: matplotlib.image.imsave(tmp, grid, format="png"))
+    return inputs, outputs

@@ -11,7 +11,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-__all__ = ["print_summary", "print_parity", "write_report", "atomic_write"]
+__all__ = ["print_summary", "print_parity", "write_report", "atomic_write", "loss_figure"]
 
 _MIB = 2**20
 _PHASES = {"forward": "fwd", "backward": "bwd"}
@@ -138,18 +138,49 @@ def write_report(result: dict, folder: str | os.PathLike) -> list[Path]:
     return written
 
 
-def _plot(result: dict, path: str) -> None:
+def loss_figure(result: dict):
+    """The ``loss.png`` figure of a run: a :class:`matplotlib.figure.Figure` (not drawn yet).
+
+    Top panel: the loss per step (and the ``--verify`` reference's, dashed). With a reference, a
+    second panel: ``|parallel - reference|`` per step on a log scale (a step where the two are
+    bitwise equal has no point there; the panel says so when every step is). Steps are the
+    1-based step numbers (a resumed run starts at its ``first_step + 1``), on integer ticks; the
+    title names the model and the layout.
+    """
     # A bare Figure renders with Agg without touching pyplot's global backend or figure list.
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
-    fig = Figure(figsize=(6, 4))
-    ax = fig.subplots()
-    ax.plot(range(1, len(result["losses"]) + 1), result["losses"], label=f"parallel ({_layout(result)})")
-    if result.get("reference_losses"):
-        ref = result["reference_losses"]
-        ax.plot(range(1, len(ref) + 1), ref, "--", label="reference (1 process)")
-    ax.set_xlabel("step")
+    losses, ref = result["losses"], result.get("reference_losses") or []
+    first = result.get("first_step", 0)
+    steps = list(range(first + 1, first + len(losses) + 1))
+    fig = Figure(figsize=(6.4, 5.6 if ref else 4.0))
+    axes = fig.subplots(2 if ref else 1, 1, sharex=True, squeeze=False, height_ratios=[2, 1] if ref else None)[:, 0]
+    ax = axes[0]
+    ax.plot(steps, losses, marker=".", label="parallel")
+    if ref:
+        ax.plot(steps[: len(ref)], ref, "--", marker="x", label="reference (1 process, --verify)")
+        diff = axes[1]
+        pairs = [(s, abs(a - b)) for s, a, b in zip(steps, losses, ref)]
+        shown = [(s, d) for s, d in pairs if d > 0]
+        diff.set_yscale("log")
+        if shown:  # log scale: an exact match has no point (NaN: a gap in the line, not a bridge over it)
+            diff.plot([s for s, _ in pairs], [d if d > 0 else float("nan") for _, d in pairs], marker=".",
+                      color="tab:red")
+        if len(shown) < len(pairs):
+            note = "equal at every step" if not shown else f"equal at {len(pairs) - len(shown)} of {len(pairs)} steps"
+            diff.text(0.02, 0.9, f"bitwise {note}", transform=diff.transAxes, fontsize=8, va="top")
+        diff.set_ylabel("|parallel - reference|")
+        diff.grid(True, which="major", alpha=0.3)
     ax.set_ylabel("loss")
-    ax.legend(fontsize=7)
+    ax.set_title(_layout(result), fontsize=9)
+    ax.legend(fontsize=8)
+    ax.grid(True, alpha=0.3)
+    axes[-1].set_xlabel("step")
+    axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.tight_layout()
-    fig.savefig(path, format="png")
+    return fig
+
+
+def _plot(result: dict, path: str) -> None:
+    loss_figure(result).savefig(path, format="png")

@@ -97,7 +97,9 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
         "model's plan and replicated weights are fingerprinted at parallelize (a rank disagreement becomes the "
         "same error on every rank instead of a hang; measured cost: docs/reliability.md)",
     )
-    p.add_argument("--report", metavar="DIR", help="write report.json and loss.png into DIR")
+    p.add_argument("--report", metavar="DIR", help="write metrics.jsonl (per step; TensorBoard "
+                   "scalars in DIR/tb with the tb extra), report.json, loss.png (and conv-ae's reconstruction.png) "
+                   "into DIR")
     p.add_argument("--data", metavar="PATH", help="text file or folder (default: the Python stdlib's sources)")
     p.add_argument("--model-path", metavar="DIR_OR_GGUF", help="a local Hugging Face causal-LM checkpoint directory or "
                    "GGUF file (llama, qwen2, qwen3, qwen3-moe, deepseek-v2), trained on its own tokenizer "
@@ -154,6 +156,7 @@ def run_train(args: argparse.Namespace) -> int:
         result = worker_main(cfg, False, flight_dir)
         return 0 if result is None else finish(result, cfg)
     try:
+        assert cfg.nproc is not None  # validate_config resolved it
         results = launch_local(cfg.nproc, worker_main, cfg, True, flight_dir)
     except LaunchFailed as e:
         print_failure(e)
@@ -185,6 +188,6 @@ def finish(result: dict, cfg: TrainConfig) -> int:
     if parity is not None:
         print_parity(parity, console)
     if cfg.report:
-        paths = write_report(result, cfg.report)
+        paths = [*result.get("files", []), *write_report(result, cfg.report)]
         console.print("report: " + ", ".join(str(p) for p in paths), highlight=False)
     return 1 if parity is not None and not parity["passed"] else 0

@@ -20,6 +20,7 @@ TP + PP + CP).
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 
@@ -103,10 +104,9 @@ def _pipeline_backward(pm, task, microbatches: list, schedule: str, loss_scale: 
     targets = [p[1] for p in prepared]
     table = SCHEDULES[schedule](stage.num_stages, M)
     loss_scale.scale *= M
-    extra = {"stage_kwargs": kwargs} if any(kwargs) else {}
-    losses = run_schedule(stage, table, inputs, targets, **extra)
+    losses = run_schedule(stage, table, inputs, targets, stage_kwargs=kwargs if any(kwargs) else None)
     dtype = torch.float64
-    if not stage.is_last:
+    if losses is None:  # only the last stage has losses
         return torch.zeros((), dtype=dtype)
     return torch.stack([loss.to(dtype) for loss in losses]).sum() / loss_scale.scale
 
@@ -139,14 +139,16 @@ def train_step(pm, optimizer, task, *, microbatches: int = 1, max_norm: float | 
     dp, dp_rank = (1, 0) if mesh is None else (mesh.size("dp"), mesh.local_rank("dp"))
     mbs = task.microbatches(batch, dp_rank, dp, microbatches)
     if pm.stage is None:
-        local = None
+        sums = []
         for mb in mbs:
             inputs, targets = task.prepare(mb, pm)
             loss_sum = task.loss_sum(task.forward(pm.module, inputs), targets, pm)
             (loss_sum / n).backward()
-            local = loss_sum.detach() if local is None else local + loss_sum.detach()
-        local = local.to(torch.float64)
+            sums.append(loss_sum.detach())
+        local = functools.reduce(torch.add, sums).to(torch.float64)  # summed in the loss dtype
     else:
+        if loss_scale is None:
+            raise ValueError("train_step: a pipeline stage (pm.stage) needs its loss_scale")
         loss_scale.scale = 1.0 / n
         local = _pipeline_backward(pm, task, mbs, schedule, loss_scale)
     pm.grads.reduce()

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import copy
 import os
-import resource
-import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict
@@ -28,6 +26,7 @@ from ..data_parallel import GradientSync, ParamLayout
 from ..mesh import AXES, FLAT_VIEWS, ParallelMesh
 from ..parallelize import ParallelModel, gather_full_parameters, parallelize, parallelize_stage
 from .config import TrainConfig, parallel_dims
+from .metrics import MetricsLog, peak_memory
 from .progress import TrainProgress
 from .trainer import LossScale, make_optimizer, train_step
 from .verify import compare_runs
@@ -48,14 +47,6 @@ def _init(local_launch: bool) -> tuple[str, torch.device]:
         torch.set_num_threads(1)  # 4 ranks on 2 cores: more threads only oversubscribe
     dist.init_process_group(backend)
     return backend, device
-
-
-def _peak_memory(device) -> int:
-    """Peak memory of this rank in bytes: CUDA allocator peak, or the process's max RSS."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is bytes on macOS, KiB on Linux
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
 
 
 def _ledger_rows(ledger: CommLedger, mesh: ParallelMesh) -> list[dict]:
@@ -96,6 +87,7 @@ def build_task(cfg: TrainConfig, device):
         tokens = token_stream(cfg.model_path, files, cache_dir=os.path.join(tempfile.gettempdir(), "shardkit-tokens"))
     else:
         tokens = load_tokens(files)
+    sampler: PackedSampler | BatchSampler
     if cfg.packed:
         sampler = PackedSampler(tokens, cfg.seq_len, cfg.batch_size, cfg.seed, [f.stat().st_size for f in files])
     else:
@@ -136,45 +128,21 @@ def build_parallel_model(model, mesh, cfg: TrainConfig, task, device) -> tuple[P
     model = model.to(device)
     if cfg.model == "conv-ae":
         return _spatial_model(model, mesh), None
-    options = dict(sequence_parallel=cfg.sequence_parallel, loss_parallel=cfg.loss_parallel)
+    # validate_config resolved sequence_parallel; one process (mesh None) has neither option
+    sp, lp = (bool(cfg.sequence_parallel), cfg.loss_parallel) if mesh is not None else (False, False)
     if mesh is not None and mesh.dims.pp > 1:
         holder: list = [None]
         loss = LossScale(task, holder)
-        pm = parallelize_stage(model, mesh, loss, **options)
+        pm = parallelize_stage(model, mesh, loss, sequence_parallel=sp, loss_parallel=lp)
         holder[0] = pm
         return pm, loss
-    if mesh is None:
-        options = dict(sequence_parallel=False, loss_parallel=False)
-    return parallelize(model, mesh, **options), None
+    return parallelize(model, mesh, sequence_parallel=sp, loss_parallel=lp), None
 
 
 def _extra_state(task) -> dict[str, torch.Tensor]:
     """What a checkpoint keeps besides model and optimizer: the data sampler's generator and
     torch's RNG (replicated: the same on every rank)."""
     return {"data_generator": task.sampler.gen.get_state(), "torch_rng": torch.get_rng_state()}
-
-
-class MetricsLog:
-    """One JSON line per step in ``DIR/metrics.jsonl``, written (and flushed) as training goes.
-
-    Fields: ``step`` (1-based), ``loss``, ``grad_norm`` (before clipping), ``lr``,
-    ``tokens_per_s`` (or ``pixels_per_s``), ``step_time_s``, ``peak_memory_bytes`` (this rank).
-    A resumed run appends to the file of the run it continues.
-    """
-
-    def __init__(self, folder: str, unit: str, sample_size: int, batch_size: int, device) -> None:
-        os.makedirs(folder, exist_ok=True)
-        self.path = os.path.join(folder, "metrics.jsonl")
-        self.unit, self.per_step, self.device = unit, sample_size * batch_size, device
-
-    def write(self, step: int, stats, lr: float) -> None:
-        import json
-
-        line = {"step": step + 1, "loss": stats.loss, "grad_norm": stats.grad_norm, "lr": lr,
-                f"{self.unit}_per_s": self.per_step / stats.seconds, "step_time_s": stats.seconds,
-                "peak_memory_bytes": _peak_memory(self.device)}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(line) + "\n")
 
 
 def run_training(pm, task, cfg: TrainConfig, loss_scale=None, on_step=None, layout: str = "", metrics=None) -> dict:
@@ -185,6 +153,7 @@ def run_training(pm, task, cfg: TrainConfig, loss_scale=None, on_step=None, layo
     """
     from ..checkpoint import latest_checkpoint, load_train_state, save_train_state
 
+    assert cfg.lr is not None  # validate_config resolved it
     optimizer = make_optimizer(pm.module, cfg.lr)
     scheduler = None
     if cfg.lr_schedule == "warmup-cosine":
@@ -192,15 +161,16 @@ def run_training(pm, task, cfg: TrainConfig, loss_scale=None, on_step=None, layo
 
         scheduler = warmup_cosine(optimizer, cfg.steps)
     first = 0
-    if cfg.resume and pm.mesh is not None:
+    if cfg.resume and pm.mesh is not None and cfg.checkpoint_dir is not None:  # --resume needs the dir
         path = latest_checkpoint(cfg.checkpoint_dir)
         if path is not None:
             extra = _extra_state(task)
             first = load_train_state(path, pm, optimizer, extra)
             task.sampler.gen.set_state(extra["data_generator"])
             torch.set_rng_state(extra["torch_rng"])
-            for _ in range(first if scheduler is not None else 0):
-                scheduler.step()  # the schedule is a function of the step count
+            if scheduler is not None:
+                for _ in range(first):
+                    scheduler.step()  # the schedule is a function of the step count
     losses, norms = [], []
     for step in range(first, cfg.steps):
         lr = optimizer.param_groups[0]["lr"]  # the rate this step uses
@@ -264,23 +234,32 @@ def _train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool) ->
     t_setup = time.perf_counter() - t0
 
     unit = "px" if cfg.model == "conv-ae" else "tok"
-    show = progress and rank == 0
-    progress = TrainProgress(cfg.steps, cfg.batch_size * _sample_size(cfg), unit=unit) if show else None
-    with CommLedger() as ledger, (progress or nullcontext()):
+    bar = TrainProgress(cfg.steps, cfg.batch_size * _sample_size(cfg), unit=unit) if progress and rank == 0 else None
+    with CommLedger() as ledger, (bar or nullcontext()):
         t1 = time.perf_counter()
         metrics = None
         if cfg.report is not None and rank == 0:
             unit_name = "pixels" if cfg.model == "conv-ae" else "tokens"
             metrics = MetricsLog(cfg.report, unit_name, _sample_size(cfg), cfg.batch_size, device)
-        run = run_training(pm, task, cfg, loss_scale, on_step=progress.update if progress else None,
-                           layout=dims.describe(), metrics=metrics)
+        try:
+            run = run_training(pm, task, cfg, loss_scale, on_step=bar.update if bar else None,
+                               layout=dims.describe(), metrics=metrics)
+        finally:
+            if metrics is not None:
+                metrics.close()
         t_train = time.perf_counter() - t1
 
     memory = [None] * dist.get_world_size()
-    dist.all_gather_object(memory, _peak_memory(device))
-    full_params = gather_full_parameters(pm) if cfg.verify else None
+    dist.all_gather_object(memory, peak_memory(device))
+    reconstruct = cfg.model == "conv-ae" and cfg.report is not None
+    full_params = gather_full_parameters(pm) if cfg.verify or reconstruct else None
     if rank != 0:
         return None
+    files = []
+    if metrics is not None:
+        files += [metrics.path] + ([metrics.tb_dir] if metrics.tb_dir else [])
+    if reconstruct and cfg.report is not None:
+        files.append(_save_reconstruction(cfg, cfg.report, full_params))
     result = {
         "layout": {"nproc": cfg.nproc, "model": cfg.model, "parallel": dims.describe(),
                    **{k: v for k, v in asdict(dims).items() if k != "world_size"},
@@ -294,14 +273,17 @@ def _train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool) ->
         "memory_kind": "cuda max_memory_allocated" if device.type == "cuda" else "max RSS",
         "ledger": _ledger_rows(ledger, mesh),
         "timings_s": {"setup": t_setup, "train": t_train},
+        "files": files,
         ("pixels_per_s" if cfg.model == "conv-ae" else "tokens_per_s"):
             cfg.batch_size * _sample_size(cfg) * cfg.steps / t_train,
     }
     if reference is not None:
+        assert full_params is not None  # gathered above for --verify; rank 0 holds them
         t2 = time.perf_counter()
         ref_pm, _ = build_parallel_model(reference, None, cfg, None, device)
         ref = run_training(ref_pm, build_task(cfg, device), cfg)
         ref_params = gather_full_parameters(ref_pm)
+        assert ref_params is not None  # one process: its own parameters
         first = run["first_step"]  # a resumed run is compared from the step it resumed at
         result["reference_losses"] = ref["losses"][first:]
         result["reference_grad_norms"] = ref["grad_norms"][first:]
@@ -309,6 +291,17 @@ def _train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool) ->
                                         grad_norms=(run["grad_norms"], result["reference_grad_norms"]))
         result["timings_s"]["verify"] = time.perf_counter() - t2
     return result
+
+
+def _save_reconstruction(cfg: TrainConfig, folder: str, full_params) -> str:
+    """conv-ae: ``reconstruction.png`` of the fixed eval crops by the trained (full) model."""
+    from .conv_ae import build_conv_ae, save_reconstruction
+
+    model = build_conv_ae(cfg.dtype, cfg.seed)
+    model.load_state_dict(full_params)
+    path = os.path.join(folder, "reconstruction.png")
+    save_reconstruction(model, path)
+    return path
 
 
 def _environment() -> dict:

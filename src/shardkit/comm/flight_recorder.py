@@ -31,7 +31,7 @@ import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
@@ -226,9 +226,7 @@ def load_dumps(directory: str) -> dict[int, list[FlightEntry]]:
         if name.startswith("rank") and name.endswith(".json"):
             with open(os.path.join(directory, name)) as f:
                 data = json.load(f)
-            out[int(data["rank"])] = [
-                FlightEntry(**{k: tuple(v) if isinstance(v, list) else v for k, v in e.items()}) for e in data["entries"]
-            ]
+            out[int(data["rank"])] = [_entry(e) for e in data["entries"]]
     return out
 
 
@@ -262,6 +260,12 @@ class Divergence:
         return f"{'; '.join(parts)} ({where})"
 
 
+def _entry(fields: dict[str, Any]) -> FlightEntry:
+    """A :class:`FlightEntry` from its JSON object (JSON arrays back to tuples)."""
+    values: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}
+    return FlightEntry(**values)
+
+
 def _streams(dumps: dict[int, list[FlightEntry]]):
     """``{stream key: {global rank: {group_seq: entry}}}``; P2P entries go to their directed channel."""
     streams: dict = defaultdict(lambda: defaultdict(dict))
@@ -269,7 +273,8 @@ def _streams(dumps: dict[int, list[FlightEntry]]):
         for e in entries:
             if e.group is None:
                 continue  # recorded without its group: cannot be matched across ranks
-            if e.src is not None:
+            key: tuple[Any, ...]
+            if e.src is not None and e.dst is not None:
                 key = (e.group_name, e.group, (e.group[e.src], e.group[e.dst]))
             else:
                 key = (e.group_name, e.group, None)

@@ -19,17 +19,18 @@ Zhao, 2024).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import inspect
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
 
 from .._shapes import balanced_split_sizes, split_offsets
 from ..comm import _c10d
-from ..comm._group import resolve_group
+from ..comm._group import GroupInfo, resolve_group
 from ..comm.collectives import all_gather, all_reduce_forward
 from ..errors import ShardkitError, ShardkitTypeError
 from . import _hf_attention
@@ -95,9 +96,11 @@ class CPContext:
         self.mode, self.mesh = mode, mesh
         self.ring_dim, self.ulysses_dim = ring_dim, ulysses_dim
         op = "apply_cp"
+        self.ring: GroupInfo | None = None
+        self.ulysses: GroupInfo | None = None
         if mode == "usp":
             names = getattr(mesh, "mesh_dim_names", None)
-            if names is None or getattr(mesh, "ndim", None) != 2 or set(names) != {ring_dim, ulysses_dim}:
+            if not isinstance(mesh, DeviceMesh) or names is None or mesh.ndim != 2 or set(names) != {ring_dim, ulysses_dim}:
                 raise ShardkitTypeError(
                     f"{op}: mode 'usp' needs a 2-D DeviceMesh with dims ({ring_dim!r}, {ulysses_dim!r}), got "
                     f"{type(mesh).__name__} with dims {names}"
@@ -105,7 +108,10 @@ class CPContext:
             self.ring, self.ulysses = resolve_group(mesh[ring_dim], op), resolve_group(mesh[ulysses_dim], op)
         else:
             g = resolve_group(mesh, op)  # a ProcessGroup or a 1-D DeviceMesh
-            self.ring, self.ulysses = (g, None) if mode == "ring" else (None, g)
+            if mode == "ring":
+                self.ring = g
+            else:
+                self.ulysses = g
         self.ring_size = self.ring.size if self.ring else 1
         self.ulysses_size = self.ulysses.size if self.ulysses else 1
         # reductions over the whole cp group: ring dim then Ulysses dim (sum of sums)
@@ -248,13 +254,16 @@ class CPContext:
             )
         if logits_local.dtype in (torch.float16, torch.bfloat16):
             logits_local = logits_local.float()
+        denominator: float
         if num_tokens is None:
             count = (labels_local != IGNORE_INDEX).sum().to(torch.float64).reshape(1)
             for g in self._groups:
                 count = _c10d.all_reduce(count, g, "apply_cp", "forward")
-            num_tokens = count.item()
+            denominator = count.item()
+        else:
+            denominator = num_tokens
         total = F.cross_entropy(logits_local.flatten(0, 1), labels_local.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
-        loss = total / num_tokens
+        loss = total / denominator
         for g in self._groups:
             loss = all_reduce_forward(loss, g.pg)
         return loss
@@ -278,9 +287,12 @@ class CPContext:
         """``[B, S_local, N, D]`` attention of the mode; ``N`` and ``N_kv`` are read from the tensors (TP-sharded heads work)."""
         packed = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
         if self.mode == "ulysses":
+            assert self.ulysses is not None  # __init__ gave the mode its group
             return ulysses_attention(q, k, v, self.ulysses.pg, causal=causal, scale=scale, seq_len=seq_len, **packed)
         if self.mode == "ring":
+            assert self.ring is not None  # __init__ gave the mode its group
             return ring_attention(q, k, v, self.ring.pg, causal=causal, scale=scale, layout="zigzag", seq_len=seq_len, **packed)
+        assert isinstance(self.mesh, DeviceMesh)  # usp: a 2-D DeviceMesh, checked in __init__
         return usp_attention(
             q, k, v, self.mesh, causal=causal, scale=scale, seq_len=seq_len, ring_dim=self.ring_dim, ulysses_dim=self.ulysses_dim, **packed
         )
@@ -325,15 +337,16 @@ def apply_cp(model: nn.Module, cp_mesh: Group, mode: str = "ulysses", *, ring_di
                                 f"got {type(model).__name__}")
     ctx = CPContext(mode, cp_mesh, ring_dim, ulysses_dim)
     name = _hf_attention.register(mode)
-    if hasattr(model, "set_attn_implementation"):
-        model.set_attn_implementation(name)
+    hf: Any = model  # a transformers model or stage of one (it has a config: checked above)
+    if hasattr(hf, "set_attn_implementation"):
+        hf.set_attn_implementation(name)
     else:
         # A pipeline stage module (shardkit.pipeline_parallel.DecoderStageModule) shares the
         # model's config, which its attention layers read at every call.
-        model.config._attn_implementation = name
-    if model.config._attn_implementation != name:
+        hf.config._attn_implementation = name
+    if hf.config._attn_implementation != name:
         raise ShardkitError(
             f"apply_cp: {type(model).__name__} did not switch its attention implementation to {name!r} "
-            f"(it is {model.config._attn_implementation!r}); the model must call ALL_ATTENTION_FUNCTIONS.get_interface"
+            f"(it is {hf.config._attn_implementation!r}); the model must call ALL_ATTENTION_FUNCTIONS.get_interface"
         )
     return ctx

@@ -57,13 +57,10 @@ def apply_fsdp(model: nn.Module, mesh: ParallelMesh, blocks: list[nn.Module]) ->
     dp_mesh = mesh["hsdp"] if mesh.dims.dp_replicate > 1 else mesh["dp_shard_cp"]
     ignored = {p for p in model.parameters() if keeps_own_reduction(p)}
     names = {name for name, p in model.named_parameters() if p not in ignored}
-    for block in blocks:
-        fully_shard(block, mesh=dp_mesh, ignored_params=ignored & set(block.parameters()))
-    root = fully_shard(model, mesh=dp_mesh, ignored_params=ignored)
+    sharded = [fully_shard(block, mesh=dp_mesh, ignored_params=ignored & set(block.parameters())) for block in blocks]
+    sharded.append(fully_shard(model, mesh=dp_mesh, ignored_params=ignored))
     # Sums, not FSDP2's default mean: gloo has no PREMUL_SUM, so ask for plain sums.
-    root.set_gradient_divide_factor(1.0)
-    root.set_force_sum_reduction_for_comms(True)
-    for block in blocks:
-        block.set_gradient_divide_factor(1.0)
-        block.set_force_sum_reduction_for_comms(True)
+    for module in sharded:
+        module.set_gradient_divide_factor(1.0)
+        module.set_force_sum_reduction_for_comms(True)
     return names

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm import _c10d
-from ..comm._group import resolve_group
+from ..comm._group import GroupInfo, resolve_group
 from ..errors import ShardkitError
 from ..tensor_parallel.spec import ShardSpec
 
@@ -107,9 +107,11 @@ class GradientSync:
         missing = [name for name, p in model.named_parameters() if p.requires_grad and name not in layouts]
         if missing:
             raise ShardkitError(f"GradientSync: no layout recorded for {missing[:5]}")
-        size = (lambda name: 1) if mesh is None else mesh.size
-        self._dense = resolve_group(mesh["dp_cp"], "GradientSync") if size("dp_cp") > 1 else None
-        self._expert = resolve_group(mesh["edp"], "GradientSync") if size("edp") > 1 else None
+        self._dense: GroupInfo | None = None
+        self._expert: GroupInfo | None = None
+        if mesh is not None:
+            self._dense = resolve_group(mesh["dp_cp"], "GradientSync") if mesh.size("dp_cp") > 1 else None
+            self._expert = resolve_group(mesh["edp"], "GradientSync") if mesh.size("edp") > 1 else None
 
     def reduce(self) -> None:
         """Sum the gradients FSDP2 does not reduce over the ranks holding different data.
@@ -124,10 +126,11 @@ class GradientSync:
             if group is None:
                 continue
             params = [p for p, lay in self.params if lay.expert == expert and not lay.fsdp]
+            grads = []
             for p in params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-            grads = [p.grad for p in params]
+                grads.append(p.grad)
             for dtype in sorted({g.dtype for g in grads}, key=str):
                 same = [g for g in grads if g.dtype == dtype]
                 flat = torch.cat([g.reshape(-1) for g in same])

@@ -16,7 +16,7 @@ the same parameters on every rank.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -56,20 +56,21 @@ def expert_forward(module: nn.Module, e: int, x: torch.Tensor) -> torch.Tensor:
             f"expert_forward: {type(module).__name__} has no {first}/down_proj 3-D expert parameters "
             "(expected a transformers experts module)"
         )
-    bias = getattr(module, first + "_bias")[e] if has_bias else None
-    h = _linear(x, getattr(module, first)[e], bias, transposed)
+    experts: Any = module  # a transformers experts module: attributes by convention, checked above
+    bias = getattr(experts, first + "_bias")[e] if has_bias else None
+    h = _linear(x, getattr(experts, first)[e], bias, transposed)
     if has_gate:
-        if hasattr(module, "_apply_gate"):
-            h = module._apply_gate(h)
+        if hasattr(experts, "_apply_gate"):
+            h = experts._apply_gate(h)
         else:
             gate, up = h.chunk(2, dim=-1)
-            h = module.act_fn(gate) * up
+            h = experts.act_fn(gate) * up
     else:
-        h = module.act_fn(h)
-    bias = module.down_proj_bias[e] if has_bias else None
-    y = _linear(h, module.down_proj[e], bias, transposed)
-    if getattr(module, "has_post_expert_norm", False):
-        y = module.post_expert_norm(y)
+        h = experts.act_fn(h)
+    bias = experts.down_proj_bias[e] if has_bias else None
+    y = _linear(h, experts.down_proj[e], bias, transposed)
+    if getattr(experts, "has_post_expert_norm", False):
+        y = experts.post_expert_norm(y)
     return y
 
 
@@ -98,7 +99,8 @@ def routed_experts_forward(
     held here contribute nothing (the partial sum of the ``ep_router`` / all-reduce mode).
     """
     out = hidden.new_zeros(hidden.shape[0], hidden.shape[1])
-    for e in range(module.gate_up_proj.shape[0] if hasattr(module, "gate_up_proj") else module.up_proj.shape[0]):
+    stacked: torch.Tensor = getattr(module, "gate_up_proj") if hasattr(module, "gate_up_proj") else getattr(module, "up_proj")
+    for e in range(stacked.shape[0]):  # the experts this module holds
         token, slot = torch.where(topk_index == offset + e)
         y = expert_forward(module, e, hidden.index_select(0, token))
         out = out.index_add(0, token, (y * topk_weights[token, slot, None]).to(out.dtype))

@@ -75,9 +75,12 @@ class ExpertShard:
     num_experts: int
 
 
-def expert_shard(t: torch.Tensor) -> ExpertShard | None:
+_EP_ATTR = "_shardkit_ep"  # where a sharded parameter (and its experts module) keep their ExpertShard
+
+
+def expert_shard(t: torch.Tensor | nn.Module) -> ExpertShard | None:
     """The :class:`ExpertShard` recorded on a parameter or experts module, or None."""
-    return getattr(t, "_shardkit_ep", None)
+    return getattr(t, _EP_ATTR, None)
 
 
 def _module_shard(module: nn.Module, group, expert_sizes, op: str) -> ExpertShard:
@@ -90,7 +93,7 @@ def _module_shard(module: nn.Module, group, expert_sizes, op: str) -> ExpertShar
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ShardkitError(f"{op}: {type(module).__name__} needs an int num_experts >= 1, got {n!r}")
     shard = ExpertShard(0, tuple(check_split_sizes(expert_sizes, g.size, n, op)), group, n)
-    module._shardkit_ep = shard
+    setattr(module, _EP_ATTR, shard)
     return shard
 
 
@@ -124,19 +127,21 @@ def shard_expert_param(module: nn.Module, name: str, group: Group, *,
     r = resolve_group(group, op).rank
     block = p.detach()[split_offsets(shard.sizes)[r] : split_offsets(shard.sizes)[r] + shard.sizes[r]].clone()
     new = nn.Parameter(block, requires_grad=p.requires_grad)
-    new._shardkit_ep = shard
+    setattr(new, _EP_ATTR, shard)
     # The tensor-parallel spec too, so gather_full_state_dict and the checkpoint code see it.
     setattr(new, _SPEC_ATTR, ShardSpec.blocks(0, shard.sizes, group))
     module._parameters[name] = new
-    module.num_experts = shard.sizes[r]
-    module._is_expert_parallel = True
+    # plain attributes HF's experts forward reads (setattr: nn.Module's typing expects submodules)
+    setattr(module, "num_experts", shard.sizes[r])
+    setattr(module, "_is_expert_parallel", True)
     return new
 
 
 def shard_expert_params(module: nn.Module, group: Group, *, expert_sizes: Sequence[int] | None = None) -> list[str]:
     """:func:`shard_expert_param` on every own parameter whose leading dim is ``E``; their names."""
-    names = expert_param_names(module) if expert_shard(module) is None else [
-        n for n, p in module.named_parameters(recurse=False) if expert_shard(p) is None and p.shape[:1] == (module._shardkit_ep.num_experts,)
+    shard = expert_shard(module)
+    names = expert_param_names(module) if shard is None else [
+        n for n, p in module.named_parameters(recurse=False) if expert_shard(p) is None and p.shape[:1] == (shard.num_experts,)
     ]
     for name in names:
         shard_expert_param(module, name, group, expert_sizes=expert_sizes)

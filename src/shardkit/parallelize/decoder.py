@@ -118,10 +118,12 @@ def parallelize(model: nn.Module, mesh: ParallelMesh | None, *, sequence_paralle
     """
     from ..context_parallel import apply_cp
 
-    dims = None if mesh is None else mesh.dims
-    tp = 1 if mesh is None else mesh.size("tp")
-    ep = 1 if dims is None else dims.ep
-    if mesh is not None and mesh.size("dp_cp") > 1:
+    if mesh is None:  # one process: no transform, every parameter replicated
+        layouts = _param_layouts(model)
+        return ParallelModel(model, None, None, GradientSync(model, None, layouts), layouts, False, False)
+    dims = mesh.dims
+    tp, ep = mesh.size("tp"), dims.ep
+    if mesh.size("dp_cp") > 1:
         # check mode: the data-parallel (and cp) replicas start from the same weights and options;
         # apply_tp fingerprints the tp group itself
         maybe_fingerprint(dict(model.named_parameters()), mesh["dp_cp"], "parallelize",
@@ -132,7 +134,7 @@ def parallelize(model: nn.Module, mesh: ParallelMesh | None, *, sequence_paralle
         apply_tp(model, mesh["tp"], plan, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
                  check="off")
     cp = None
-    if dims is not None and dims.cp_mode is not None:
+    if dims.cp_mode is not None:
         cp_mesh = mesh["cp_ring", "cp_ulysses"] if dims.cp_mode == "usp" else mesh[
             "cp_ring" if dims.cp_mode == "ring" else "cp_ulysses"]
         cp = apply_cp(model, cp_mesh, dims.cp_mode)
@@ -142,10 +144,15 @@ def parallelize(model: nn.Module, mesh: ParallelMesh | None, *, sequence_paralle
                 shard_experts(experts, mesh["ep"], mode="dispatch", tokens="replicated", token_group=mesh["tp"])
             else:  # every rank's tokens are its own (with sequence parallelism: its sequence block)
                 shard_experts(experts, mesh["ep"], mode="dispatch", tokens="sharded")
-    layouts = {name: ParamLayout(name, expert_shard(p) is not None, False, shard_spec(p))
-               for name, p in model.named_parameters()}
-    if dims is not None and dims.dp_shard > 1:
+    layouts = _param_layouts(model)
+    if dims.dp_shard > 1:
         for name in apply_fsdp(model, mesh, decoder_layers(model)):
             layouts[name].fsdp = True
     return ParallelModel(model, mesh, cp, GradientSync(model, mesh, layouts), layouts, loss_parallel and tp > 1,
                          sequence_parallel and tp > 1)
+
+
+def _param_layouts(model: nn.Module) -> dict[str, ParamLayout]:
+    """Each parameter's layout after the tp / cp / ep transforms (FSDP2 marks its own after)."""
+    return {name: ParamLayout(name, expert_shard(p) is not None, False, shard_spec(p))
+            for name, p in model.named_parameters()}

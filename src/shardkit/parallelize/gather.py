@@ -52,11 +52,11 @@ def gather_full_parameters(pm: ParallelModel) -> dict[str, torch.Tensor] | None:
     mesh = pm.mesh
     leader = mesh.local_rank("dp_cp") == 0 and mesh.local_rank("tp") == 0
     part = {name: t.cpu() for name, t in mine.items()} if leader else {}
-    parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    parts: list[dict[str, torch.Tensor] | None] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(part, parts, dst=0)
     if parts is None:
         return None
     out: dict[str, torch.Tensor] = {}
     for p in parts:
-        out.update(p)
+        out.update(p or {})
     return out

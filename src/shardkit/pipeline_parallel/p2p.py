@@ -328,15 +328,15 @@ def _cached_single(api, g: GroupInfo, x, directions, send: bool, dtype, device, 
     towards, phase = directions[0]
     peer = _peer(g, towards, loop, api)
     payload = x.detach().contiguous() if send else None
-    t = Transfer(send, towards, 0, g, peer, phase, payload.device if send else _device(device, g, api), None, dtype,
-                 True, payload)
+    where = payload.device if payload is not None else _device(device, g, api)
+    t = Transfer(send, towards, 0, g, peer, phase, where, None, dtype, True, payload)
     cached = cache.get(t)
     if cached is None:
         return None
     if send:
         _check_own_tensor(t, api)
     works = (cached_send if send else cached_recv)(t, cached, api)
-    if t.status == _wire.OK:
+    if t.status == _wire.OK and t.payload is not None:  # a completed transfer holds its tensor
         cache.put(t, t.payload.shape, t.payload.dtype)
     if t.error is not None:
         for w in works:
@@ -386,6 +386,7 @@ def _check_own_tensor(t: Transfer, api: str) -> None:
     describe it. The exchange raises them after telling the receiver (or before sending
     anything when no header is sent)."""
     x = t.payload
+    assert x is not None  # a sender's transfer carries its tensor
     if (t.shape is not None and tuple(x.shape) != t.shape) or (t.dtype is not None and x.dtype != t.dtype):
         t.status = _wire.BAD_DECLARATION
         t.error = ShardkitError(

@@ -130,7 +130,7 @@ def _agree(stage, error, decls, op: str) -> None:
     call; only when it shows a problem does an ``all_gather_object`` collect the messages."""
     g = stage._info
     if g.size == 1:
-        seen = [(error, repr(decls))]
+        seen: list[tuple[str | None, str]] = [(error, repr(decls))]
     else:
         mine = torch.tensor([error is not None, zlib.crc32(repr(decls).encode())], dtype=torch.int64)
         flags = torch.empty(g.size * 2, dtype=torch.int64)
@@ -138,7 +138,7 @@ def _agree(stage, error, decls, op: str) -> None:
         flags = flags.view(g.size, 2)
         if not flags[:, 0].any() and bool((flags[:, 1] == flags[0, 1]).all()):
             return
-        seen = [None] * g.size
+        seen = [("", "")] * g.size  # placeholders, filled by all_gather_object
         dist.all_gather_object(seen, (error, repr(decls)), group=g.pg)
     bad = [f"rank {r}: {e}" for r, (e, _) in enumerate(seen) if e is not None]
     differ = [r for r, (_, d) in enumerate(seen) if d != seen[0][1]]

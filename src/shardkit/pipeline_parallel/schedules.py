@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from ..errors import ShardkitError
 from ._exchange import order_key
@@ -129,7 +129,8 @@ def validate_schedule(schedule: Sequence[Sequence[Action]], num_stages: int, op:
         raise ShardkitError(f"{op}: the schedule must have one action list per stage ({num_stages}), got {n}")
     sizes = set()
     for s, acts in enumerate(schedule):
-        seen_f, seen_b = set(), set()
+        seen_f: set[int] = set()
+        seen_b: set[int] = set()
         for a in acts:
             if not isinstance(a, tuple) or len(a) != 2 or a[0] not in ("F", "B") or not isinstance(a[1], int):
                 raise ShardkitError(f"{op}: stage {s}: bad action {a!r}; expected Action('F'|'B', microbatch)")
@@ -224,7 +225,7 @@ def simulate(schedule: Sequence[Sequence[Action]], f_time: float = 1.0, b_time: 
     P = len(schedule)
     progs = []
     for s, acts in enumerate(schedule):
-        ops = []
+        ops: list[tuple[str, Any]] = []  # ("compute", Action) or ("msg", (is_send, towards, dir, mb))
         for call in comm_plan(acts, s, P):
             ops += [("compute", call.action)] if call.api == "compute" else [("msg", x) for x in _messages(call, s)]
         progs.append(ops)

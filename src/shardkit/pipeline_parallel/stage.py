@@ -93,7 +93,7 @@ class PipelineStage:
             g = self.stages.info
             err = self._layout_error(self.stages.stage_index, self.stages.num_stages, stage_index, num_stages, loss_fn,
                                      ("has", "stages", "is in stage", "its StageGroups"))
-            layouts = (in_layout or Replicate(), out_layout or Replicate())
+            layouts: tuple[Any, ...] = (in_layout or Replicate(), out_layout or Replicate())
             try:  # a bad argument on one rank must not leave the others waiting: agreed below
                 for name, lay in zip(("in_layout", "out_layout"), layouts):
                     check_layout(lay, name)
@@ -139,6 +139,8 @@ class PipelineStage:
 
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The last stage's loss on one microbatch."""
+        if self.loss_fn is None:
+            raise ShardkitError(f"PipelineStage.loss: stage {self.stage_index} has no loss_fn (only the last stage needs one)")
         return self.loss_fn(output, target)
 
 
@@ -146,10 +148,10 @@ def _agree_layouts(stages: StageGroups, error: str | None, mine: tuple, op: str)
     """Every rank's (in_layout, out_layout, input_grad), agreed over the replica group; return
     the per-stage list. One ``all_gather_object``; raises the same error on every rank."""
     g = stages.info
-    seen = [None] * g.size
+    seen: list[Any] = [None] * g.size  # every rank's (error, stage, layouts), from all_gather_object
     dist.all_gather_object(seen, (error, stages.stage_index, mine), group=g.pg)
     bad = [f"rank {r}: {e}" for r, (e, _, _) in enumerate(seen) if e is not None]
-    per_stage = {}
+    per_stage: dict[int, tuple[int, tuple]] = {}
     for r, (_, s, lay) in enumerate(seen):
         if per_stage.setdefault(s, (r, lay))[1] != lay:
             r0, lay0 = per_stage[s]

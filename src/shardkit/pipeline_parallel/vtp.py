@@ -38,8 +38,7 @@ Megatron-LM pipeline x tensor parallelism; the box-intersection reshard of array
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch.distributed as dist
 
@@ -150,7 +149,7 @@ class StageGroups:
             if tp.size != len(ranks[s]) or tp.rank != i:
                 error = (f"its tp_group has size {tp.size} and rank {tp.rank}, but stage {s} is group ranks "
                          f"{list(ranks[s])} (size {len(ranks[s])}, this rank at position {i})")
-        seen = [None] * g.size
+        seen: list[Any] = [None] * g.size  # every rank's (ranks, error), from all_gather_object
         dist.all_gather_object(seen, (ranks, error), group=g.pg)
         bad = [f"rank {r}: {e}" for r, (_, e) in enumerate(seen) if e is not None]
         differ = [r for r, (rk, _) in enumerate(seen) if rk != seen[0][0]]
@@ -160,7 +159,9 @@ class StageGroups:
             raise ShardkitError(f"{op}: mismatched stage layout over {g.size} ranks: " + "; ".join(bad))
         self.group, self.tp_group, self.info, self.tp = group, tp_group, g, tp
         self.stage_ranks = ranks
-        self.stage_index, self.tp_rank = s, i
+        assert s is not None and i is not None  # found whenever no rank reported an error
+        self.stage_index: int = s
+        self.tp_rank: int = i
         self.num_stages = len(ranks)
         self.tp_sizes = tuple(len(r) for r in ranks)
 
@@ -214,10 +215,6 @@ def new_stage_groups(tp_sizes: Sequence[int], dp: int = 1) -> tuple[StageGroups,
             tp = dist.new_group([d * T + offsets[s] + i for i in range(t)])
             if d * T + offsets[s] <= me < d * T + offsets[s] + t:
                 mine = dict(pg=pg, tp=tp)
-    dp_group = None
-    for k in range(T):
-        pg = dist.new_group([d * T + k for d in range(dp)])
-        if me % T == k:
-            dp_group = pg
+    dp_groups = [dist.new_group([d * T + k for d in range(dp)]) for k in range(T)]  # same calls on every rank
     stage_ranks = [[offsets[s] + i for i in range(t)] for s, t in enumerate(sizes)]
-    return StageGroups(mine["pg"], stage_ranks, mine["tp"]), dp_group
+    return StageGroups(mine["pg"], stage_ranks, mine["tp"]), dp_groups[me % T]

@@ -142,12 +142,14 @@ def spatial_output_sizes(in_sizes: Sequence[int], kernel_size: int, stride: int 
         raise ShardkitTypeError(f"{op}: in_sizes must be a non-empty sequence of ints, got {in_sizes!r}")
     sizes = check_split_sizes(in_sizes, len(in_sizes), None, op)
     (k,), (s,), (d,) = (per_dim(v, 1, name, op, 1) for v, name in ((kernel_size, "kernel_size"), (stride, "stride"), (dilation, "dilation")))
+    pad: tuple[int, int]
     if isinstance(padding, str):
         (pad,) = conv_padding(padding, (k,), (s,), (d,), op)
-    elif _is_int(padding):
+    elif isinstance(padding, int) and _is_int(padding):
         pad = (padding, padding)
     else:
-        pad = per_dim(padding, 2, "padding", op, 0)
+        before, after = per_dim(padding, 2, "padding", op, 0)
+        pad = (before, after)
     if pad[0] < 0 or pad[1] < 0:
         raise ShardkitError(f"{op}: padding must be >= 0, got {padding!r}")
     check_out_len(sum(sizes), k, s, d, pad, op, len(sizes))

@@ -26,7 +26,7 @@ non-integer scales) raise one :class:`ShardkitError` at apply time listing all o
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -46,9 +46,11 @@ if TYPE_CHECKING:
 
 __all__ = ["apply_spatial"]
 
-_CONVS = {nn.Conv1d: SpatialConv1d, nn.Conv2d: SpatialConv2d, nn.Conv3d: SpatialConv3d}
-_CONVTS = {nn.ConvTranspose1d: SpatialConvTranspose1d, nn.ConvTranspose2d: SpatialConvTranspose2d,
-           nn.ConvTranspose3d: SpatialConvTranspose3d}
+_CONVS: dict[type[nn.Module], type[SpatialConv1d | SpatialConv2d | SpatialConv3d]] = {
+    nn.Conv1d: SpatialConv1d, nn.Conv2d: SpatialConv2d, nn.Conv3d: SpatialConv3d}
+_CONVTS: dict[type[nn.Module], type[SpatialConvTranspose1d | SpatialConvTranspose2d | SpatialConvTranspose3d]] = {
+    nn.ConvTranspose1d: SpatialConvTranspose1d, nn.ConvTranspose2d: SpatialConvTranspose2d,
+    nn.ConvTranspose3d: SpatialConvTranspose3d}
 
 # Layers that mix positions along the sharded dim in ways no halo or statistic reduction here covers.
 _UNSUPPORTED = (
@@ -167,22 +169,25 @@ def apply_spatial(module: nn.Module, mesh_or_group: Group | DeviceMesh, dim: int
     if not isinstance(module, nn.Module):
         raise ShardkitTypeError(f"{op}: expected an nn.Module, got {type(module).__name__}")
     tiles = isinstance(dim, (tuple, list)) and len(dim) > 1
-    if tiles:
-        dim = tuple(dim)
-        if any(isinstance(d, bool) or not isinstance(d, int) for d in dim):
-            raise ShardkitTypeError(f"{op}: dim must be an int or a tuple of ints, got {dim!r}")
-        mesh_or_group = _tile_groups(mesh_or_group, dim, op)
-        for g in mesh_or_group:
+    sharded: int | tuple[int, ...]
+    groups: Any = mesh_or_group  # tiles: one group per sharded dim
+    if isinstance(dim, (tuple, list)) and len(dim) > 1:
+        sharded = tuple(dim)
+        if any(isinstance(d, bool) or not isinstance(d, int) for d in sharded):
+            raise ShardkitTypeError(f"{op}: dim must be an int or a tuple of ints, got {sharded!r}")
+        groups = _tile_groups(mesh_or_group, sharded, op)
+        for g in groups:
             resolve_group(g, op)
     else:
-        dim = dim[0] if isinstance(dim, (tuple, list)) and len(dim) == 1 else dim
-        if isinstance(dim, bool) or not isinstance(dim, int):
-            raise ShardkitTypeError(f"{op}: dim must be an int or a tuple of ints, got {dim!r}")
+        one = dim[0] if isinstance(dim, (tuple, list)) and len(dim) == 1 else dim
+        if isinstance(one, bool) or not isinstance(one, int):
+            raise ShardkitTypeError(f"{op}: dim must be an int or a tuple of ints, got {one!r}")
+        sharded = one
         resolve_group(mesh_or_group, op)
     problems = [f"{name or '<root>'} ({type(m).__name__}): {why}" for name, m in module.named_modules()
                 if (why := _problem(m, tiles)) is not None]
     if problems:
-        raise ShardkitError(f"{op}: {len(problems)} layer(s) cannot run on a frame sharded along dim {dim}: "
+        raise ShardkitError(f"{op}: {len(problems)} layer(s) cannot run on a frame sharded along dim {sharded}: "
                             + "; ".join(problems))
     # check mode: every rank of every sharding group holds the same weights and plan
     plan = [f"dim {dim} channels_last {channels_last}"] + [f"{n} {type(m).__name__}" for n, m in module.named_modules()]
@@ -190,7 +195,7 @@ def apply_spatial(module: nn.Module, mesh_or_group: Group | DeviceMesh, dim: int
         maybe_fingerprint(dict(module.named_parameters()), g, op, plan)
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
-            new = _convert(child, mesh_or_group, dim, channels_last)
+            new = _convert(child, groups, sharded, channels_last)
             if new is not child:
                 setattr(parent, name, new)
-    return _convert(module, mesh_or_group, dim, channels_last)
+    return _convert(module, groups, sharded, channels_last)

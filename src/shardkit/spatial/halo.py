@@ -97,6 +97,7 @@ class Posted:
                     if p.owner == r:
                         part = x.narrow(dim, p.start - off, p.length)
                     else:
+                        assert src is not None  # set above whenever b > a and the piece is remote
                         part = src.view(_with_dim(x.shape, dim, p.length))
                     if p.mode == "flip":
                         part = part.flip(dim)

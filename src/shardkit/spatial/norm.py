@@ -37,6 +37,8 @@ from ..errors import ShardkitError, ShardkitTypeError
 from .conv import _SumParamGrads
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from .._types import Group
 
 __all__ = ["spatial_group_norm", "SpatialGroupNorm", "SpatialBatchNorm2d"]
@@ -96,7 +98,7 @@ def _affine(x, weight, bias, g, op: str):
 
 
 def spatial_group_norm(x_local: torch.Tensor, num_groups: int, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                       group: Group, eps: float = 1e-5) -> torch.Tensor:
+                       group: Group | Sequence[Group], eps: float = 1e-5) -> torch.Tensor:
     """GroupNorm of a frame sharded along spatial dims; statistics over the whole frame.
 
     Forward: one all-gather of per-rank (count, mean, M2); backward: its reduce-scatter and
@@ -158,7 +160,8 @@ class SpatialGroupNorm(nn.GroupNorm):
     """
 
     def __init__(self, num_groups: int, num_channels: int, eps: float = 1e-5, affine: bool = True,
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None, *, group: Group):
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None, *,
+                 group: Group | Sequence[Group]):
         super().__init__(num_groups, num_channels, eps, affine, device, dtype)
         _groups(group, type(self).__name__)
         self.group = tuple(group) if isinstance(group, (tuple, list)) else group
@@ -167,7 +170,7 @@ class SpatialGroupNorm(nn.GroupNorm):
         return spatial_group_norm(x, self.num_groups, self.weight, self.bias, self.group, self.eps)
 
     @classmethod
-    def from_module(cls, gn: nn.GroupNorm, group: Group) -> SpatialGroupNorm:
+    def from_module(cls, gn: nn.GroupNorm, group: Group | Sequence[Group]) -> SpatialGroupNorm:
         """A sharded layer sharing ``gn``'s parameters (no copy)."""
         if type(gn) is not nn.GroupNorm:
             raise ShardkitTypeError(f"{cls.__name__}.from_module: expected an nn.GroupNorm, got {type(gn).__name__}")
@@ -210,7 +213,7 @@ class SpatialBatchNorm2d(nn.BatchNorm2d):
         x_in = x.float() if half else x  # half precision: float32 math, one rounding (as torch)
         rows = x_in.transpose(0, 1).reshape(C, -1)
         mean, var, total = _global_moments(rows, g)
-        if self.training and self.running_mean is not None:
+        if self.training and self.running_mean is not None and self.running_var is not None:
             with torch.no_grad():  # torch keeps the unbiased variance in running_var
                 unbiased = var * total / (total - 1).clamp(min=1)
                 self.running_mean.mul_(1 - factor).add_(mean.detach() * factor)

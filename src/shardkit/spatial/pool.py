@@ -154,11 +154,27 @@ def spatial_avg_pool(x_local: torch.Tensor, group: Group, dim: int, kernel_size:
                  divisor_override, ceil_mode, sizes, channels_last)
 
 
-spatial_max_pool.__doc__ += _ARGS
-spatial_avg_pool.__doc__ += _ARGS
+spatial_max_pool.__doc__ = (spatial_max_pool.__doc__ or "") + _ARGS
+spatial_avg_pool.__doc__ = (spatial_avg_pool.__doc__ or "") + _ARGS
 
 
-class _PoolMixin:
+def _ints(v: int | Sequence[int]) -> int | tuple[int, ...]:
+    """An int, or the sequence as the tuple torch's pooling layers take."""
+    return v if isinstance(v, int) else tuple(v)
+
+
+def _pair(v: int | Sequence[int]) -> int | tuple[int, int]:
+    """An int, or the ``(h, w)`` pair ``nn.AvgPool2d`` takes (a 1-sequence is an int, as in torch)."""
+    if isinstance(v, int):
+        return v
+    values = tuple(v)
+    if len(values) == 1:
+        return values[0]
+    h, w = values
+    return h, w
+
+
+class _PoolMixin(nn.Module):
     def _setup(self, group, dim, channels_last, infer_sizes):
         name = type(self).__name__
         if isinstance(dim, bool) or not isinstance(dim, int):
@@ -191,7 +207,8 @@ class SpatialMaxPool2d(_PoolMixin, nn.MaxPool2d):
                  channels_last: bool = False, infer_sizes: bool = False):
         if return_indices:
             raise ShardkitError("SpatialMaxPool2d: return_indices=True is not supported")
-        super().__init__(kernel_size, stride, padding, dilation, return_indices, ceil_mode)
+        super().__init__(_ints(kernel_size), None if stride is None else _ints(stride), _ints(padding), _ints(dilation),
+                         return_indices, ceil_mode)
         self._setup(group, dim, channels_last, infer_sizes)
 
     def forward(self, x: torch.Tensor, sizes: Sequence[int] | None = None) -> torch.Tensor:
@@ -212,7 +229,8 @@ class SpatialAvgPool2d(_PoolMixin, nn.AvgPool2d):
                  padding: int | Sequence[int] = 0, ceil_mode: bool = False, count_include_pad: bool = True,
                  divisor_override: int | None = None, *, group: Group, dim: int,
                  channels_last: bool = False, infer_sizes: bool = False):
-        super().__init__(kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
+        super().__init__(_pair(kernel_size), None if stride is None else _pair(stride), _pair(padding), ceil_mode,
+                         count_include_pad, divisor_override)
         self._setup(group, dim, channels_last, infer_sizes)
 
     def forward(self, x: torch.Tensor, sizes: Sequence[int] | None = None) -> torch.Tensor:

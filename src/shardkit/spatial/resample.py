@@ -180,5 +180,11 @@ class SpatialUpsample(nn.Module):
         """The sharded equivalent of ``up``; ShardkitError when its settings are unsupported."""
         if up.size is not None or up.scale_factor is None:
             raise ShardkitError("SpatialUpsample.from_module: size= is not supported; use an integer scale_factor")
-        return cls(up.scale_factor, up.mode, up.align_corners, group=group, dim=dim, channels_last=channels_last,
+        # nn.Upsample stores floats (2 -> 2.0); the sharded path takes whole factors only
+        factors = up.scale_factor if isinstance(up.scale_factor, tuple) else (up.scale_factor,)
+        if not all(float(f).is_integer() for f in factors):
+            raise ShardkitError(f"SpatialUpsample.from_module: only integer scale factors >= 1 are supported, "
+                                f"got {up.scale_factor!r}")
+        whole = tuple(int(f) for f in factors)
+        return cls(whole if isinstance(up.scale_factor, tuple) else whole[0], up.mode, up.align_corners, group=group, dim=dim, channels_last=channels_last,
                    infer_sizes=infer_sizes)

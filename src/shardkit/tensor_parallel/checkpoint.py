@@ -86,7 +86,7 @@ class SafetensorsCheckpoint:
         else:
             raise ShardkitError(f"load_sharded: no checkpoint at {path}")
         self._stack = ExitStack()
-        self._handles: dict[str, object] = {}
+        self._handles: dict[str, Any] = {}  # safetensors' safe_open handles
         self._open = lambda file: self._handles.get(file) or self._handles.setdefault(
             file, self._stack.enter_context(safe_open(file, framework="pt", device="cpu")))
         if files is None:
@@ -305,9 +305,10 @@ def load_sharded(model: nn.Module, path: str | os.PathLike[str], tp_mesh: Group,
             differs from the model's; buffers that cannot be recomputed.
     """
     owns = not isinstance(path, SafetensorsCheckpoint)
-    ckpt, error = None, None
+    ckpt: SafetensorsCheckpoint | None = None
+    error = None
     try:
-        ckpt = SafetensorsCheckpoint(path) if owns else path
+        ckpt = path if isinstance(path, SafetensorsCheckpoint) else SafetensorsCheckpoint(path)
         params = dict(unwrap(model).named_parameters())
         # persistent buffers (BatchNorm statistics) are read when the checkpoint has them
         buffers = {n: b for n, b in unwrap(model).state_dict(keep_vars=True).items()
@@ -322,6 +323,7 @@ def load_sharded(model: nn.Module, path: str | os.PathLike[str], tp_mesh: Group,
         error = f"cannot read the checkpoint at {path}: {type(exc).__name__}: {exc}"
     try:
         agree_on_error(tp_mesh, error, "load_sharded")
+        assert ckpt is not None  # opened, or agree_on_error raised on every rank
         if device is None:
             device = next((p.device for p in params.values() if not p.is_meta), torch.device("cpu"))
         root = unwrap(model)

@@ -139,6 +139,7 @@ class _ChunkSavePlanner(DefaultSavePlanner):
         return self.plan
 
     def lookup_object(self, index: MetadataIndex) -> torch.Tensor:
+        assert index.offset is not None  # every item this planner wrote has its chunk offset
         return self._lookup[(index.fqn, tuple(index.offset))]
 
 
@@ -151,12 +152,16 @@ class _ChunkLoadPlanner(DefaultLoadPlanner):
 
     def create_local_plan(self) -> LoadPlan:
         requests = []
+        assert self.metadata is not None  # set by set_up_planner before any plan
         for fqn, chunks in self._targets.items():
             local = [ChunkStorageMetadata(offsets=torch.Size(o), sizes=v.shape) for o, v in chunks]
-            requests += create_read_items_for_chunk_list(fqn, self.metadata.state_dict_metadata[fqn], local)
+            saved = self.metadata.state_dict_metadata[fqn]
+            assert isinstance(saved, TensorStorageMetadata)  # load_sharded_checkpoint checked each key first
+            requests += create_read_items_for_chunk_list(fqn, saved, local)
         return LoadPlan(requests)
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        assert index.index is not None  # read items carry the chunk's index
         return self._targets[index.fqn][index.index][1]
 
 
@@ -264,9 +269,11 @@ def load_sharded_checkpoint(model: nn.Module, path: str | os.PathLike, group: Gr
         metadata = dcp.FileSystemReader(os.fspath(path)).read_metadata()
         saved = metadata.state_dict_metadata
         problems = [f"{k} is not in the checkpoint" for k in state if k not in saved]
-        problems += [f"{k} has full shape {list(saved[k].size)} in the checkpoint, the model {list(_full_shape(t))}"
-                     for k, t in state.items() if isinstance(saved.get(k), TensorStorageMetadata)
-                     and saved[k].size != _full_shape(t)]
+        problems += [f"{k} is not a tensor in the checkpoint" for k in state
+                     if k in saved and not isinstance(saved[k], TensorStorageMetadata)]
+        problems += [f"{k} has full shape {list(meta.size)} in the checkpoint, the model {list(_full_shape(t))}"
+                     for k, t in state.items() if isinstance(meta := saved.get(k), TensorStorageMetadata)
+                     and meta.size != _full_shape(t)]
         error = "; ".join(problems[:8]) or None
     except (OSError, ValueError, RuntimeError) as exc:
         error = f"cannot read a DCP checkpoint at {path}: {exc}"

@@ -15,7 +15,8 @@ transformers' ``embedding_rowwise`` / ``embedding_colwise`` plan strings.
 
 from __future__ import annotations
 
-import types
+import functools
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -27,11 +28,14 @@ from ..errors import ShardkitTypeError
 from .spec import ShardSpec, shard_parameter
 from .styles import ParallelStyle, StyleContext
 
+if TYPE_CHECKING:
+    from .._types import Group
+
 __all__ = ["EmbeddingParallel"]
 
 
-def _vocab_parallel_forward(self: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
-    start, stop = self._shardkit_vocab_range
+def _vocab_parallel_forward(self: nn.Embedding, start: int, stop: int, group: Group, ids: torch.Tensor) -> torch.Tensor:
+    """The forward of a vocab-sharded embedding holding rows ``[start, stop)``."""
     outside = (ids < start) | (ids >= stop)
     local = (ids - start).masked_fill(outside, 0)
     out = F.embedding(local, self.weight, self.padding_idx, self.max_norm, self.norm_type,
@@ -39,7 +43,7 @@ def _vocab_parallel_forward(self: nn.Embedding, ids: torch.Tensor) -> torch.Tens
     # Multiply rather than assign in place so autograd sees the mask (its gradient rows for the
     # masked ids are zero, as they must be: another rank owns those rows).
     out = out * (~outside).unsqueeze(-1).to(out.dtype)
-    return all_reduce_forward(out, self._shardkit_group)
+    return all_reduce_forward(out, group)
 
 
 class EmbeddingParallel(ParallelStyle):
@@ -68,9 +72,8 @@ class EmbeddingParallel(ParallelStyle):
                 # padding_idx is a global id; keep it (as a local id) only on its owner.
                 p = module.padding_idx % full
                 module.padding_idx = p - start if start <= p < stop else None
-            module._shardkit_vocab_range = (start, stop)
-            module._shardkit_group = group
-            module.forward = types.MethodType(_vocab_parallel_forward, module)
+            # an instance attribute shadows the class's forward (setattr: a method assignment on purpose)
+            setattr(module, "forward", functools.partial(_vocab_parallel_forward, module, start, stop, group))
         else:
             module.embedding_dim = stop - start
             sizes = list(spec.sizes)

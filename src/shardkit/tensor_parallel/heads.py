@@ -83,9 +83,10 @@ def attention_head_ranges(attn: nn.Module, name: str, world: int) -> dict[str, t
         raise ShardkitError(f"apply_tp: {name}: {n_q} query heads cannot be split over tp={world} ranks (whole heads per rank)")
     sizes = balanced_split_sizes(n_q, world)
     heads = [list(range(o, o + s)) for o, s in zip(split_offsets(sizes), sizes)]
-    out = {q_name: tuple(_runs(h, unit_q) for h in heads)}
+    out: dict[str, tuple] = {q_name: tuple(_runs(h, unit_q) for h in heads)}
     if isinstance(getattr(attn, "kv_b_proj", None), nn.Linear):  # MLA: kv_b_proj rows are per query head
-        out["kv_b_proj"] = tuple(_runs(h, attn.qk_nope_head_dim + attn.v_head_dim) for h in heads)
+        rows = getattr(attn, "qk_nope_head_dim") + getattr(attn, "v_head_dim")  # HF config ints, not submodules
+        out["kv_b_proj"] = tuple(_runs(h, rows) for h in heads)
     unit_v = getattr(attn, "v_head_dim", None) or unit_q
     if isinstance(getattr(attn, "o_proj", None), nn.Linear):
         out["o_proj"] = tuple(_runs(h, unit_v) for h in heads)

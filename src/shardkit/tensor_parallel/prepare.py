@@ -79,6 +79,7 @@ class PrepareModuleInput(ParallelStyle):
         self.desired_input_layouts = check_layout(desired_input_layouts, "PrepareModuleInput desired_input_layouts")
 
     def apply_module(self, module: nn.Module, ctx: StyleContext) -> None:
+        assert ctx.seq is not None  # StyleContext.of and apply_tp always give one
         fn = layout_change(ctx.seq, self.input_layouts, self.desired_input_layouts, f"PrepareModuleInput at {ctx.name}")
         module.register_forward_pre_hook(lambda m, args, kwargs: replace_input(args, kwargs, fn), with_kwargs=True)
 
@@ -104,6 +105,7 @@ class PrepareModuleOutput(ParallelStyle):
 
     def apply_module(self, module: nn.Module, ctx: StyleContext) -> None:
         src, dst, seq = self.output_layouts, self.desired_output_layouts, ctx.seq
+        assert seq is not None  # StyleContext.of and apply_tp always give one
         if isinstance(src, Shard) and isinstance(dst, Replicate):
             fn = lambda x: seq.gather_replicated_grad(x, src.dim)  # noqa: E731
         else:

@@ -122,22 +122,22 @@ def sequence_parallel_plan(model: nn.Module, plan: dict, *, loss_parallel: bool 
     for name, layer in layers:
         for b in _BLOCKS:
             block = f"{name}.{b}"
-            gather = PrepareModuleInput(Shard(1), Replicate())
+            gather_in = PrepareModuleInput(Shard(1), Replicate())
             if block in ep_moe:  # runs on the local tokens: only the router and shared experts change
                 rule = compiled.match(f"{block}.gate")
                 if rule is not None:
                     out.pop(rule[0], None)
                 out[f"{block}.gate"] = SequenceParallel() if rule is None else _Chain(rule[1], SequenceParallel())
                 if f"{block}.shared_experts" in shared:
-                    out[f"{block}.shared_experts"] = gather
+                    out[f"{block}.shared_experts"] = gather_in
                 continue
             # exact names: a layer's blocks may differ from the next one's (dense and MoE layers)
-            out[block] = _Chain(gather, PrepareModuleOutput(Partial(), Shard(1))) if block in moe else gather
+            out[block] = _Chain(gather_in, PrepareModuleOutput(Partial(), Shard(1))) if block in moe else gather_in
             for child in _REPLICATED_READERS[b]:
                 if isinstance(getattr(getattr(layer, b), child, None), nn.Module):
                     key = f"{block}.{child}"
                     rule = compiled.match(f"{block}.{child}")
-                    reader = _PartialGradInput()
+                    reader: ParallelStyle = _PartialGradInput()
                     if rule is not None:
                         out.pop(rule[0], None)
                         reader = _Chain(rule[1], reader)
@@ -206,6 +206,7 @@ class _PartialGradInput(ParallelStyle):
 
     def apply_module(self, module: nn.Module, ctx: StyleContext) -> None:
         seq = ctx.seq
+        assert seq is not None  # StyleContext.of and apply_tp always give one
         module.register_forward_pre_hook(lambda m, args, kwargs: replace_input(args, kwargs, seq.partial_grad), with_kwargs=True)
 
 

@@ -183,7 +183,8 @@ def shard_parameter(module: nn.Module, name: str, spec: ShardSpec, rank: int, me
     old = getattr(module, name)
     if memo is not None and id(old) in memo:
         new = memo[id(old)]
-        if (shard_spec(new).dim, shard_spec(new).ranges) != (spec.dim, spec.ranges):
+        cut_as = shard_spec(new)
+        if cut_as is None or (cut_as.dim, cut_as.ranges) != (spec.dim, spec.ranges):
             raise ShardkitError(f"shard_parameter: {name} is shared (tied) but its two uses shard it differently")
         setattr(module, name, new)
         return new
@@ -193,7 +194,7 @@ def shard_parameter(module: nn.Module, name: str, spec: ShardSpec, rank: int, me
     setattr(new, _SPEC_ATTR, spec)
     if spec.overlapping and new.requires_grad:
         new.register_hook(_sum_over_holders(spec, rank))
-        new._shardkit_grad_hook = True  # see sum_grad_over
+        setattr(new, "_shardkit_grad_hook", True)  # see sum_grad_over
     setattr(module, name, new)
     if memo is not None:
         memo[id(old)] = new

@@ -37,8 +37,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import types
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -213,6 +213,7 @@ class ColwiseParallel(ParallelStyle):
         if getattr(module, "bias", None) is not None:
             shard_parameter(module, "bias", ShardSpec(0, spec.full_size, spec.ranges, ctx.group), ctx.info.rank, ctx.memo)
         group, seq = ctx.group, ctx.seq
+        assert seq is not None  # StyleContext.of and apply_tp always give one
         if isinstance(self.input_layouts, Shard):
             d = self.input_layouts.dim
             module.register_forward_pre_hook(
@@ -226,7 +227,7 @@ class ColwiseParallel(ParallelStyle):
             sizes = list(spec.sizes)
             module.register_forward_hook(lambda m, args, out: gather_forward_split_backward(out, group, -1, sizes))
         elif hasattr(module, "out_features"):
-            module.out_features = spec.sizes[ctx.info.rank]
+            setattr(module, "out_features", spec.sizes[ctx.info.rank])  # an int, not a submodule
 
     def shard_param(self, module: nn.Module, pname: str, ctx: StyleContext) -> None:
         p = getattr(module, pname)
@@ -241,10 +242,10 @@ class PackedColwiseParallel(ColwiseParallel):
         super().__init__(sizes, parts=parts, **kwargs)
 
 
-def _rowwise_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+def _rowwise_forward(self: nn.Linear, reduce: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     # The replicated bias must be added once, after the partial sums are reduced; nn.Linear would
     # add it on every rank before the reduction (R times in the sum).
-    out = self._shardkit_reduce(F.linear(x, self.weight))
+    out = reduce(F.linear(x, self.weight))
     return out if self.bias is None else out + self.bias
 
 
@@ -291,18 +292,21 @@ class RowwiseParallel(ParallelStyle):
         shard_parameter(module, "weight", spec, ctx.info.rank, ctx.memo)
         module.in_features = spec.sizes[ctx.info.rank]
         group, seq = ctx.group, ctx.seq
+        assert seq is not None  # StyleContext.of and apply_tp always give one
+        reduce: Callable[[torch.Tensor], torch.Tensor]
         if isinstance(self.output_layouts, Partial):
             if module.bias is not None:
                 raise ShardkitError(f"{name}: {ctx.name}: output_layouts=Partial() with a bias (it would be added R times)")
-            module._shardkit_reduce = lambda y: y
+            reduce = lambda y: y  # noqa: E731
         elif isinstance(self.output_layouts, Shard):
             d = self.output_layouts.dim
-            module._shardkit_reduce = lambda y: seq.reduce_scatter(y, d)
+            reduce = lambda y: seq.reduce_scatter(y, d)  # noqa: E731
             if module.bias is not None and module.bias.requires_grad:
                 sum_grad_over(module.bias, group)  # added to this rank's block only: partial gradient
         else:
-            module._shardkit_reduce = lambda y: all_reduce_forward(y, group)
-        module.forward = types.MethodType(_rowwise_forward, module)
+            reduce = lambda y: all_reduce_forward(y, group)  # noqa: E731
+        # an instance attribute shadows the class's forward (setattr: a method assignment on purpose)
+        setattr(module, "forward", functools.partial(_rowwise_forward, module, reduce))
         if isinstance(self.input_layouts, Replicate):
             if len(spec.ranges[0]) != 1:
                 raise ShardkitError(f"{name}: {ctx.name}: a replicated input needs plain (not packed) shards")
@@ -361,5 +365,5 @@ def sum_grad_over(param: nn.Parameter, group: Group) -> nn.Parameter:
         param.register_hook(lambda grad: _c10d.all_reduce(grad, g, "sum_grad_over", "backward"))
         # Tagged so that transforms replacing parameters (FSDP2's fully_shard) can leave this
         # one alone: the hook lives on this exact tensor object.
-        param._shardkit_grad_hook = True
+        setattr(param, "_shardkit_grad_hook", True)
     return param
