@@ -326,7 +326,9 @@ class ParallelMesh:
             table.setdefault(pg.group_name, name)
         if "stages" in self._views:  # pp_tp: the replica's group carries the stage-to-stage P2P
             table.setdefault(resolve_group(self._views["stages"].group, "ParallelMesh").pg.group_name, "pp")
-        table.setdefault(dist.group.WORLD.group_name, "world")
+        world = dist.group.WORLD
+        if world is not None:
+            table.setdefault(world.group_name, "world")
         return table
 
     @property

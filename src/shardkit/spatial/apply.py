@@ -191,7 +191,7 @@ def apply_spatial(module: nn.Module, mesh_or_group: Group | DeviceMesh, dim: int
                             + "; ".join(problems))
     # check mode: every rank of every sharding group holds the same weights and plan
     plan = [f"dim {dim} channels_last {channels_last}"] + [f"{n} {type(m).__name__}" for n, m in module.named_modules()]
-    for g in (mesh_or_group if tiles else [mesh_or_group]):
+    for g in (groups if tiles else [groups]):
         maybe_fingerprint(dict(module.named_parameters()), g, op, plan)
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):

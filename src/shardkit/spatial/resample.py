@@ -19,7 +19,7 @@ coordinate map depends on the global size), ``bicubic`` and ``area``; linear mod
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch.nn.functional as F
 from torch import nn
@@ -108,15 +108,18 @@ def spatial_interpolate(x_local: torch.Tensor, group: Group | Sequence[Group], d
             raise ShardkitError(f"{op}: {len(dim)} sharded dims {tuple(dim)} need {len(dim)} groups, got {group!r}")
         for tile_group, tile_dim in zip(group, dim):
             _agree_args(x_local, tile_group, tile_dim, scale_factor, mode, align_corners, sizes, channels_last, op)
-        dim = dim[0]  # nearest reads only the own tile: the dim only places the channels
+        one: int = dim[0]  # nearest reads only the own tile: the dim only places the channels
     else:
+        if not isinstance(dim, int) or isinstance(group, (tuple, list)):
+            raise ShardkitTypeError(f"{op}: one sharded dim takes an int dim and one group, got {dim!r}, {group!r}")
+        one = dim
         g = _agree_args(x_local, group, dim, scale_factor, mode, align_corners, sizes, channels_last, op)
     nd = x_local.dim() - 2
     if nd < 1:
         raise ShardkitError(f"{op}: expected [B, C, *S] with at least one spatial dim, got {tuple(x_local.shape)}")
     scales = check_interpolate_args(scale_factor, mode, align_corners, nd, op)
-    d = dim_of(x_local, dim, op)
-    xc, dc = channels_first(x_local, d, nd, channels_last, dim, op)
+    d = dim_of(x_local, one, op)
+    xc, dc = channels_first(x_local, d, nd, channels_last, one, op)
     if mode in _NEAREST:  # output o reads o // s: each rank's own shard, exactly
         out = xc
         for i, s in enumerate(scales):
@@ -150,21 +153,28 @@ class SpatialUpsample(nn.Module):
                  group: Group | Sequence[Group], dim: int | Sequence[int], channels_last: bool = False,
                  infer_sizes: bool = False):
         super().__init__()
-        tiles = isinstance(dim, (tuple, list))
-        dims = tuple(dim) if tiles else (dim,)
+        dims = tuple(dim) if isinstance(dim, (tuple, list)) else (dim,)
         if any(isinstance(d, bool) or not isinstance(d, int) for d in dims):
             raise ShardkitTypeError(f"SpatialUpsample: dim must be an int or a tuple of ints, got {dim!r}")
-        if tiles and (mode not in _NEAREST or not isinstance(group, (tuple, list)) or len(group) != len(dims)):
-            raise ShardkitError(f"SpatialUpsample: over tiles (dims {dims}) only nearest modes with one group per "
-                                f"dim are supported, got mode={mode!r}, group={group!r}")
-        for g in (group if tiles else (group,)):
+        self.group: Group | tuple[Group, ...]
+        self.dim: int | tuple[int, ...]
+        if isinstance(dim, (tuple, list)):  # tiles
+            if mode not in _NEAREST or not isinstance(group, (tuple, list)) or len(group) != len(dims):
+                raise ShardkitError(f"SpatialUpsample: over tiles (dims {dims}) only nearest modes with one group per "
+                                    f"dim are supported, got mode={mode!r}, group={group!r}")
+            self.group, self.dim = tuple(group), dims
+        elif isinstance(group, (tuple, list)):
+            raise ShardkitTypeError(f"SpatialUpsample: one sharded dim {dim} takes one group, got {group!r}")
+        else:
+            self.group, self.dim = cast("Group", group), dims[0]
+        for g in (self.group if isinstance(self.group, tuple) else (self.group,)):
             resolve_group(g, "SpatialUpsample")
         self.scale_factor, self.mode, self.align_corners = scale_factor, mode, align_corners
-        self.group = tuple(group) if tiles else group
-        self.dim, self.channels_last, self.infer_sizes = dims if tiles else dim, bool(channels_last), bool(infer_sizes)
+        self.channels_last, self.infer_sizes = bool(channels_last), bool(infer_sizes)
 
     def forward(self, x: torch.Tensor, sizes: Sequence[int] | None = None) -> torch.Tensor:
-        if sizes is None and self.infer_sizes and self.mode not in _NEAREST:
+        if sizes is None and self.infer_sizes and self.mode not in _NEAREST:  # linear modes: never tiles
+            assert not isinstance(self.group, tuple) and isinstance(self.dim, int)
             g = resolve_group(self.group, "SpatialUpsample")
             sizes = gather_sizes(x, g, dim_of(x, self.dim, "SpatialUpsample"), "SpatialUpsample")
         return spatial_interpolate(x, self.group, self.dim, self.scale_factor, self.mode, self.align_corners,
