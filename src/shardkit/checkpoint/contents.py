@@ -86,7 +86,11 @@ def check_contents(expected: Mapping[str, Entry], saved: Mapping[str, Entry] | N
     wanted = {k for _, keys, _ in everyone for k in keys}
     stored = {k for _, _, keys in everyone for k in keys}
     unexpected = sorted(k for k in stored - wanted if ignored is None or not ignored(k))
-    lines = [f"rank {r}: {p}" for r, (ps, _, _) in enumerate(everyone) for p in ps]
+    by_problem: dict[str, list[int]] = {}  # the same problem on several ranks is said once
+    for r, (ps, _, _) in enumerate(everyone):
+        for p in ps:
+            by_problem.setdefault(p, []).append(r)
+    lines = [f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {p}" for p, rs in by_problem.items()]
     if unexpected:
         lines.append(f"{len(unexpected)} key(s) of the checkpoint are in no rank's model: {_shown(unexpected)}")
     if lines:

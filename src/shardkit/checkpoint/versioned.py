@@ -168,10 +168,10 @@ def _prepare(root: str, prefix: str, number: int | None) -> tuple[str | None, st
     foreign = [n for n in os.listdir(root) if not (n.startswith((prefix, LATEST)) or n.startswith("."))]
     if foreign:
         return f"{root} holds files that are not checkpoint saves ({sorted(foreign)[:3]}); it would be mixed", None
+    if number is None:  # counted before stale saves go, so that numbers only grow
+        number = max(_versions(root, prefix), default=0) + 1
     for name in _stale(root, prefix):
         shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-    if number is None:
-        number = max(_versions(root, prefix), default=0) + 1
     name = f"{prefix}{number:08d}"
     path = os.path.join(root, name)
     latest = latest_checkpoint(root)
