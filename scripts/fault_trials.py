@@ -89,6 +89,14 @@ def _die(plan: dict, rank: int) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _is_fs_op(event: str, args: tuple) -> bool:
+    """An audit event that changes the file system: a file opened for writing, or one of
+    :data:`_FS_EVENTS`."""
+    if event == "open":
+        return len(args) > 1 and isinstance(args[1], str) and any(c in args[1] for c in "wax+")
+    return event in _FS_EVENTS
+
+
 def _arm_save_kill(plan: dict, rank: int) -> None:
     """Die right before the k-th file-system operation from now, or after a delay in a thread."""
     if plan.get("delay") is not None:
@@ -101,8 +109,7 @@ def _arm_save_kill(plan: dict, rank: int) -> None:
     count = [0]
 
     def hook(event: str, args: tuple) -> None:
-        writes = event == "open" and len(args) > 1 and isinstance(args[1], str) and any(c in args[1] for c in "wax+")
-        if writes or event in _FS_EVENTS:
+        if _is_fs_op(event, args):
             count[0] += 1
             if count[0] == plan["k"]:
                 _die(plan, rank)
@@ -115,8 +122,7 @@ def _count_save_events(plan: dict, rank: int) -> None:
     count = [0]
 
     def hook(event: str, args: tuple) -> None:
-        writes = event == "open" and len(args) > 1 and isinstance(args[1], str) and any(c in args[1] for c in "wax+")
-        if writes or event in _FS_EVENTS:
+        if _is_fs_op(event, args):
             count[0] += 1
 
     sys.addaudithook(hook)
@@ -327,25 +333,37 @@ def calibrate_save() -> dict:
     return counts
 
 
-def _world_of_one() -> None:
+def _world_of_one() -> bool:
+    """A gloo world of this process alone, unless one exists; True when it was made here."""
     import torch.distributed as dist
 
-    if not dist.is_initialized():
-        store = dist.FileStore(tempfile.mktemp(prefix="shardkit-store-"), 1)
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    if dist.is_initialized():
+        return False
+    store = dist.FileStore(tempfile.mktemp(prefix="shardkit-store-"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    return True
 
 
 def verify_save(workdir: str, seed: int) -> dict:
     """After a killed save: the latest save loads bit-exactly, resumes with the same losses, and
     the next save removes the partial directory (in this process, a world of one rank)."""
+    import torch.distributed as dist
+
+    made = _world_of_one()
+    try:
+        return _verify_save(os.path.join(workdir, "ckpt"), seed)
+    finally:
+        if made:
+            dist.destroy_process_group()
+
+
+def _verify_save(root: str, seed: int) -> dict:
     import torch
     import torch.distributed as dist
 
     from shardkit import load_sharded_checkpoint, save_sharded_checkpoint
     from shardkit.checkpoint import latest_checkpoint
 
-    _world_of_one()
-    root = os.path.join(workdir, "ckpt")
     latest = latest_checkpoint(root)
     version = os.path.basename(latest)
     expected = _model(seed)
@@ -368,15 +386,17 @@ def verify_save(workdir: str, seed: int) -> dict:
             "cleaned": cleaned, "why": "" if ok else f"exact {exact}, losses {same_losses}, left {left}"}
 
 
-def run_save(seed: int, counts: dict) -> dict:
-    """One kill-during-save run; ``counts`` from :func:`calibrate_save`."""
+def run_save(seed: int, counts: dict, target: str | None = None, k: int | None = None) -> dict:
+    """One kill-during-save run; ``counts`` from :func:`calibrate_save`. ``target`` ("rank 0",
+    "rank 1", "whole job") and ``k`` (the victim's file-system operation to die before) are
+    drawn from ``seed`` unless given."""
     rng = random.Random(seed)
     workdir = tempfile.mkdtemp(prefix="shardkit-savekill-")
-    target = rng.choice(["rank 0", "rank 1", "whole job"])
+    target = target or rng.choice(["rank 0", "rank 1", "whole job"])
     victim = 0 if target != "rank 1" else 1
     plan: dict = {"kind": "save", "dir": workdir, "seed": seed, "victim": victim, "whole_job": target == "whole job"}
-    if rng.random() < 0.5:
-        plan["k"] = rng.randint(1, counts[victim]["events"])
+    if k is not None or rng.random() < 0.5:
+        plan["k"] = k or rng.randint(1, counts[victim]["events"])
         how = f"before file-system operation {plan['k']} of {counts[victim]['events']}"
     else:
         plan["delay"] = round(rng.uniform(0, 1.2 * counts[victim]["seconds"]), 4)
