@@ -8,7 +8,8 @@ Layout under a checkpoint root::
 
 The file-system operations of a save, in order, and what a kill between any two leaves:
 
-1. rank 0 removes stale saves (directories of this prefix without a manifest: killed saves);
+1. rank 0 removes stale saves (directories of this prefix without a manifest: killed saves)
+   and temporary pointer files (``latest.tmp-*``: a commit killed before its ``os.replace``);
 2. every rank writes its data into ``ROOT/<prefix><N>/`` (DCP; ``.metadata`` last);
 3. rank 0 writes ``MANIFEST.json`` (a temporary file, fsynced, then ``os.replace``);
 4. rank 0 writes ``latest`` the same way: from this ``os.replace`` on, the new save is the latest;
@@ -172,6 +173,9 @@ def _prepare(root: str, prefix: str, number: int | None) -> tuple[str | None, st
         number = max(_versions(root, prefix), default=0) + 1
     for name in _stale(root, prefix):
         shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    for name in os.listdir(root):  # a pointer update killed before its os.replace
+        if name.startswith(f"{LATEST}.tmp-"):
+            os.remove(os.path.join(root, name))
     name = f"{prefix}{number:08d}"
     path = os.path.join(root, name)
     latest = latest_checkpoint(root)
