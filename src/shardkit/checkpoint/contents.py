@@ -17,13 +17,14 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
-import torch
 import torch.distributed as dist
 
 from ..comm._group import resolve_group
 from ..errors import ShardkitError
 
 if TYPE_CHECKING:
+    import torch
+
     from .._types import Group
 
 __all__ = ["Entry", "check_contents"]
