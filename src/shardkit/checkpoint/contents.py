@@ -15,7 +15,7 @@ holds only its own layers), so every rank computes the same set and raises the s
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
@@ -80,7 +80,7 @@ def check_contents(expected: Mapping[str, Entry], saved: Mapping[str, Entry] | N
     g = resolve_group(group, op)
     problems = [read_error] if read_error else _local_problems(expected, saved or {})
     mine = (problems, sorted(expected), sorted(saved or {}))
-    everyone = [mine]
+    everyone: list[Any] = [mine]
     if g.size > 1:
         everyone = [None] * g.size
         dist.all_gather_object(everyone, mine, group=g.pg)
