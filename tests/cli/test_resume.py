@@ -97,3 +97,15 @@ def test_failed_save_keeps_the_previous_checkpoint():
 def test_resume_needs_a_checkpoint_dir():
     with pytest.raises(ShardkitError, match="--resume and --save-every need --checkpoint-dir"):
         validate_config(TrainConfig(resume=True))
+
+
+@pytest.mark.world(2, timeout=120)
+def test_resume_in_another_dtype_raises_instead_of_casting():
+    root = shared_tmpdir("shardkit-dtype-")
+    try:
+        _run(steps=1, tp=2, checkpoint_dir=root)  # float64
+        with pytest.raises(ShardkitError, match=r"load_train_state: .*ranks 0, 1: dtypes differ .*"
+                                                r"\(checkpoint float64, model float32\)"):
+            _run(steps=2, tp=2, checkpoint_dir=root, resume=True, dtype="float32")
+    finally:
+        remove_shared_dir(root)

@@ -147,20 +147,25 @@ def test_round_trip_to_other_tp_sizes(kind, fmt):
 
 
 @pytest.mark.world(2, timeout=180)
-def test_missing_key_and_shape_mismatch_raise_on_every_rank():
+def test_missing_unexpected_shape_and_dtype_mismatch_raise_on_every_rank():
     path = _shared_dir()
     if rank() == 0:
         state = {k: v.contiguous() for k, v in build("llama").state_dict().items()}
         state.pop("model.layers.1.mlp.up_proj.weight")
         state["model.norm.weight"] = torch.ones(47, dtype=torch.float64)
+        norm = "model.layers.0.input_layernorm.weight"
+        state[norm] = state[norm].float()  # a float32 tensor for a float64 model: never cast
+        state["model.layers.9.mlp.up_proj.weight"] = torch.ones(2, dtype=torch.float64)  # no such layer
         safetensors.torch.save_file(state, os.path.join(path, "model.safetensors"))
     dist.barrier()
     model = _meta("llama")
     with pytest.raises(ShardkitError) as info:
         load_sharded(model, path, world_group(), check="off")
     msg = str(info.value)
-    assert "model.layers.1.mlp.up_proj.weight is not in the checkpoint" in msg
-    assert "model.norm.weight has shape [47]" in msg and "expects [48]" in msg
+    assert "ranks 0, 1: 1 key(s) of the model are not in the checkpoint: model.layers.1.mlp.up_proj.weight" in msg
+    assert "model.norm.weight (checkpoint [47], model [48])" in msg
+    assert "model.layers.0.input_layernorm.weight (checkpoint float32, model float64)" in msg
+    assert "key(s) of the checkpoint are in no rank's model: model.layers.9.mlp.up_proj.weight" in msg
     assert shard_spec(model.model.layers[0].self_attn.q_proj.weight) is None  # not sharded yet
     _cleanup(path)
 

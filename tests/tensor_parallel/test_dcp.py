@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from harness.helpers import rank, remove_shared_dir, shared_tmpdir, subgroup, world_group
 from hf_models import VOCAB, build
+from shardkit.checkpoint import latest_checkpoint
 from shardkit.errors import ShardkitError
 from shardkit.tensor_parallel import apply_tp, gather_full_state_dict, shard_spec
 from shardkit.tensor_parallel import dcp as sk_dcp
@@ -84,8 +85,8 @@ def test_each_rank_writes_only_its_owned_chunks():
     sits in its owner's file; nothing (replicated tensors, shared KV heads) is stored twice."""
     path = _shared_dir()
     model, full = _saved_model("llama")
-    save_sharded_checkpoint(model, path, world_group())
-    md = dcp.FileSystemReader(path).read_metadata()
+    version = save_sharded_checkpoint(model, path, world_group())
+    md = dcp.FileSystemReader(version).read_metadata()
     for name, p in model.named_parameters():
         chunks = md.state_dict_metadata[name].chunks
         assert sum(c.sizes.numel() for c in chunks) == full[name].numel()
@@ -122,11 +123,12 @@ def test_meta_model_loads_without_full_weights():
 
 @pytest.mark.world(4, timeout=180)
 def test_failed_save_keeps_the_previous_checkpoint():
-    """Rank 2 fails while writing: every rank raises, the old checkpoint stays, no partial dir."""
+    """Rank 2 fails while writing: every rank raises, the old save stays the latest and loads;
+    the next save removes the partial one."""
     base = _shared_dir()
     path = os.path.join(base, "ckpt")
     model, full = _saved_model("llama")
-    save_sharded_checkpoint(model, path, world_group())
+    first = save_sharded_checkpoint(model, path, world_group())
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(3.0)
@@ -143,18 +145,28 @@ def test_failed_save_keeps_the_previous_checkpoint():
         assert list(info.value.failures) == [2] and "disk full" in repr(info.value.failures[2])
     finally:
         sk_dcp._ChunkSavePlanner.lookup_object = original
-    if rank() == 0:  # the coordinator removed the partial directory before raising
-        assert os.listdir(base) == ["ckpt"], os.listdir(base)
+    assert latest_checkpoint(path) == first
+    assert sorted(os.listdir(path)) == ["latest", "version_00000001", "version_00000002"]  # 2: partial
     if rank() == 0:
         with open(os.path.join(base, "notes.txt"), "w") as f:
             f.write("user data")
     dist.barrier()
-    with pytest.raises(ShardkitError, match="holds no DCP checkpoint"):
-        save_sharded_checkpoint(model, base, world_group())  # would replace the user's directory
+    with pytest.raises(ShardkitError, match="holds files that are not checkpoint saves"):
+        save_sharded_checkpoint(model, base, world_group())  # would mix with the user's directory
     target = apply_tp(build("llama"), world_group(), check="off")
     load_sharded_checkpoint(target, path, world_group())
     got = gather_full_state_dict(target)
     assert all(torch.equal(got[n], full[n]) for n in full)
+    if rank() == 0:  # what a commit killed before its os.replace leaves
+        open(os.path.join(path, "latest.tmp-999"), "w").close()
+    dist.barrier()
+    third = save_sharded_checkpoint(model, path, world_group())  # keep=1: the partial, the first, the tmp go
+    assert os.path.basename(third) == "version_00000003" and latest_checkpoint(path) == third
+    dist.barrier()
+    assert sorted(os.listdir(path)) == ["latest", "version_00000003"]
+    load_sharded_checkpoint(target, path, world_group())
+    got = gather_full_state_dict(target)
+    assert all(torch.equal(got[n], 3.0 * full[n]) for n in full)
     _cleanup(base)
 
 
@@ -164,8 +176,25 @@ def test_load_mismatch_raises_on_every_rank():
     model = apply_tp(build("llama"), world_group(), check="off")
     save_sharded_checkpoint(model, path, world_group())
     other = apply_tp(build("qwen3"), world_group(), check="off")  # q_norm / k_norm not in a llama checkpoint
-    with pytest.raises(ShardkitError, match=r"rank 0: .*model.layers.0.self_attn.q_norm.weight is not in the checkpoint"):
+    with pytest.raises(ShardkitError, match=r"ranks 0, 1: .*not in the checkpoint: .*model.layers.0.self_attn.k_norm.weight"):
         load_sharded_checkpoint(other, path, world_group())
     with pytest.raises(ShardkitError, match="cannot read a DCP checkpoint"):
         load_sharded_checkpoint(other, os.path.join(path, "absent"), world_group())
+    # the other way round: the checkpoint's q_norm / k_norm are in no rank's model
+    save_sharded_checkpoint(other, path, world_group())
+    with pytest.raises(ShardkitError, match=r"key\(s\) of the checkpoint are in no rank's model: .*q_norm"):
+        load_sharded_checkpoint(apply_tp(build("llama"), world_group(), check="off"), path, world_group())
+    _cleanup(path)
+
+
+@pytest.mark.world(2, timeout=180)
+def test_float32_checkpoint_into_bfloat16_model_raises_instead_of_casting():
+    path = _shared_dir()
+    model = apply_tp(build("llama").float(), world_group(), check="off")
+    save_sharded_checkpoint(model, path, world_group())
+    target = apply_tp(build("llama").to(torch.bfloat16), world_group(), check="off")
+    before = {n: p.clone() for n, p in target.named_parameters()}
+    with pytest.raises(ShardkitError, match=r"ranks 0, 1: dtypes differ.*model.embed_tokens.weight \(checkpoint float32, model bfloat16\)"):
+        load_sharded_checkpoint(target, path, world_group())
+    assert all(torch.equal(p, before[n]) for n, p in target.named_parameters())  # nothing was read
     _cleanup(path)

@@ -18,7 +18,9 @@ Layout on disk, one directory per save (nothing the user trained is ever overwri
     DIR/latest              the name of the newest complete save, replaced atomically
 
 A save killed half-way leaves a directory without a manifest, which loading ignores and the next
-save removes; ``latest`` still names the previous complete save.
+save removes; ``latest`` still names the previous complete save (the commit protocol of
+:mod:`.versioned`, shared with :func:`~shardkit.save_sharded_checkpoint`). Loading refuses
+missing, unexpected or differently typed keys on every rank (:mod:`.contents`).
 
 Source: PyTorch Distributed Checkpoint (DCP) resharding loads, as torchtitan's checkpointer uses
 them; the manifest-last / atomic-pointer commit protocol of Megatron-LM's and DCP's async savers.
@@ -28,7 +30,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 from typing import TYPE_CHECKING
 
@@ -37,16 +38,17 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from ..errors import ShardkitError
-from ..tensor_parallel.dcp import _ChunkLoadPlanner, _ChunkSavePlanner
+from ..tensor_parallel.dcp import _ChunkLoadPlanner, _ChunkSavePlanner, _full_shape, saved_entries
 from ..tensor_parallel.spec import _SPEC_ATTR
+from .contents import check_contents
+from .versioned import MANIFEST, begin_save, commit_save, latest_checkpoint
 
 if TYPE_CHECKING:
     from ..parallelize import ParallelModel
 
 __all__ = ["save_train_state", "load_train_state", "latest_checkpoint", "MANIFEST"]
 
-MANIFEST = "MANIFEST.json"
-LATEST = "latest"
+_PREFIX = "step_"
 _ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 
 
@@ -107,47 +109,6 @@ def _state_dict(pm, optimizer, extra: dict[str, torch.Tensor]) -> tuple[dict, li
     return state, targets
 
 
-def _broadcast_error(error: str | None) -> str | None:
-    box = [error]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def latest_checkpoint(root: str | os.PathLike) -> str | None:
-    """The newest complete save under ``root`` (the path named by ``latest``), or None.
-
-    Raises:
-        ShardkitError: ``latest`` names a directory without a manifest (a damaged checkpoint).
-    """
-    pointer = os.path.join(os.fspath(root), LATEST)
-    if not os.path.isfile(pointer):
-        return None
-    with open(pointer) as f:
-        name = f.read().strip()
-    path = os.path.join(os.fspath(root), name)
-    if not os.path.isfile(os.path.join(path, MANIFEST)):
-        raise ShardkitError(f"checkpoint: {pointer} names {name}, which has no {MANIFEST} (incomplete save)")
-    return path
-
-
-def _atomic_text(path: str, text: str) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _remove_stale(root: str, keep: str) -> None:
-    """Rank 0: remove save directories without a manifest (killed saves), never ``keep``."""
-    for name in os.listdir(root):
-        path = os.path.join(root, name)
-        if name.startswith("step_") and name != keep and os.path.isdir(path) and not os.path.isfile(
-                os.path.join(path, MANIFEST)):
-            shutil.rmtree(path, ignore_errors=True)
-
-
 def save_train_state(root: str | os.PathLike, pm: ParallelModel, optimizer: torch.optim.Optimizer, step: int,
                      extra: dict[str, torch.Tensor], layout: str = "") -> str:
     """Collective over the world: save the training state after ``step`` steps; return its directory.
@@ -161,32 +122,20 @@ def save_train_state(root: str | os.PathLike, pm: ParallelModel, optimizer: torc
         layout: a description of the layout that wrote it, kept in the manifest.
 
     Raises:
-        ShardkitError: on every rank, when ``root`` exists and is not a directory.
+        ShardkitError: on every rank, when ``root`` is a file or holds other files, or ``step``
+            is already the latest save (never overwritten in place).
         torch.distributed.checkpoint.api.CheckpointException: a rank failed to write; the
             previous save stays the latest.
     """
-    root = os.path.abspath(os.fspath(root))
-    name = f"step_{step:08d}"
-    path = os.path.join(root, name)
-    error = None
-    if dist.get_rank() == 0:
-        if os.path.exists(root) and not os.path.isdir(root):
-            error = f"{root} exists and is not a directory"
-        else:
-            os.makedirs(root, exist_ok=True)
-            _remove_stale(root, keep="")
-            shutil.rmtree(path, ignore_errors=True)  # a save of the same step that never completed
-    error = _broadcast_error(error)
-    if error:
-        raise ShardkitError(f"save_train_state: {error}")
+    world = dist.group.WORLD
+    try:
+        path = begin_save(root, _PREFIX, world, number=step)
+    except ShardkitError as exc:
+        raise ShardkitError(f"save_train_state: {exc}") from None
     state, _ = _state_dict(pm, optimizer, extra)
     dcp.save(state, storage_writer=dcp.FileSystemWriter(path), planner=_ChunkSavePlanner(state))
     # dcp.save returns on every rank only after the coordinator wrote .metadata: complete.
-    if dist.get_rank() == 0:
-        manifest = {"step": step, "layout": layout, "time": time.time(), "keys": len(state)}
-        _atomic_text(os.path.join(path, MANIFEST), json.dumps(manifest, indent=2))
-        _atomic_text(os.path.join(root, LATEST), name)
-    dist.barrier()
+    commit_save(path, {"step": step, "layout": layout, "time": time.time(), "keys": len(state)}, world)
     return path
 
 
@@ -198,27 +147,22 @@ def load_train_state(path: str | os.PathLike, pm: ParallelModel, optimizer: torc
     full tensors it holds. ``extra`` holds tensors of the saved shapes, filled in place.
 
     Raises:
-        ShardkitError: on every rank: the save has no manifest, or a key of this model is missing
-            from it (another model or a pipeline stage that does not match).
+        ShardkitError: on every rank, before anything is read: the save has no manifest, keys
+            of this model are missing from it, keys of it are in no rank's model, or a full
+            shape or dtype differs (another model, or ``--dtype`` changed: a load never casts).
     """
     path = os.fspath(path)
-    error = None
-    if dist.get_rank() == 0 and not os.path.isfile(os.path.join(path, MANIFEST)):
-        error = f"{path} has no {MANIFEST} (not a complete save)"
-    error = _broadcast_error(error)
-    if error:
-        raise ShardkitError(f"load_train_state: {error}")
+    error = None if os.path.isfile(os.path.join(path, MANIFEST)) else f"{path} has no {MANIFEST} (not a complete save)"
     _ensure_adam_state(optimizer)
     state, targets = _state_dict(pm, optimizer, extra)
-    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    missing = sorted(k for k in state if k not in saved)
-    if missing:  # the same keys on every rank of a stage: the same verdict, but agree anyway
-        error = f"keys missing from {path}: {missing[:5]}"
-    errors = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    bad = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
-    if bad:
-        raise ShardkitError("load_train_state: " + "; ".join(bad[:4]))
+    saved = None
+    if error is None:
+        try:
+            saved = saved_entries(path)
+        except (OSError, ValueError, RuntimeError) as exc:
+            error = f"cannot read {path}: {exc}"
+    check_contents({k: (tuple(_full_shape(t)), t.dtype) for k, t in state.items()}, saved, dist.group.WORLD,
+                   "load_train_state", read_error=error)
     dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=_ChunkLoadPlanner(state))
     for key, dst in targets:
         _write_back(dst, state[key].reshape(dst.shape) if dst.dim() == 0 else state[key])

@@ -134,7 +134,7 @@ def config_from_args(args: argparse.Namespace, world_size: int | None = None) ->
 
 def run_train(args: argparse.Namespace) -> int:
     """Run the ``train`` subcommand; return the process exit code."""
-    from .launch import LaunchFailed, launch_local, print_failure, under_torchrun
+    from .launch import LaunchFailed, LaunchInterrupted, exit_now, launch_local, print_failure, under_torchrun
     from .worker import worker_main
 
     torchrun = under_torchrun()
@@ -161,7 +161,11 @@ def run_train(args: argparse.Namespace) -> int:
     except LaunchFailed as e:
         print_failure(e)
         _print_flight_report(flight_dir)
-        return 1
+        exit_now(1)
+    except LaunchInterrupted as e:  # SIGINT / SIGTERM: every rank is already stopped
+        if not cfg.report:
+            shutil.rmtree(flight_dir, ignore_errors=True)
+        exit_now(print_failure(e))
     if not cfg.report:
         shutil.rmtree(flight_dir, ignore_errors=True)
     return finish(results[0], cfg)

@@ -29,7 +29,6 @@ from contextlib import ExitStack
 from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..comm._group import resolve_group
@@ -44,8 +43,12 @@ if TYPE_CHECKING:
     from typing import Any
     from .._types import Group
 
-__all__ = ["SafetensorsCheckpoint", "load_sharded", "materialize_meta", "agree_on_error", "Piece", "checkpoint_sources"]
+__all__ = ["SafetensorsCheckpoint", "load_sharded", "materialize_meta", "Piece"]
 
+# safetensors' dtype codes (its file format's "dtype" field)
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
 
@@ -103,6 +106,10 @@ class SafetensorsCheckpoint:
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self._open(self._files[key]).get_slice(key).get_shape())
 
+    def dtype(self, key: str) -> torch.dtype | None:
+        """The stored dtype of ``key`` (None for a safetensors type torch lacks)."""
+        return _DTYPES.get(self._open(self._files[key]).get_slice(key).get_dtype())
+
     def read(self, key: str, box: tuple[tuple[int, int], ...]) -> torch.Tensor:
         """The block ``box`` (a ``(start, stop)`` per dim) of tensor ``key``; only it is read."""
         handle = self._open(self._files[key])
@@ -152,38 +159,20 @@ def _expert_pieces(name: str, shape: tuple[int, ...]) -> list[Piece] | None:
             for e in range(E) for part, lo in (("gate", 0), ("up", half))]
 
 
-def checkpoint_sources(shapes: dict[str, tuple[int, ...]], ckpt: SafetensorsCheckpoint) -> tuple[dict, list[str]]:
-    """For each parameter name (full shape ``shapes[name]``), the checkpoint :class:`Piece` list
-    that tiles it; and the problems found (missing keys, shape mismatches), as messages."""
-    keys = ckpt.keys()
-    sources: dict[str, list[Piece]] = {}
-    problems: list[str] = []
-    for name, shape in shapes.items():
-        pieces = [Piece(name, tuple((0, s) for s in shape), tuple(shape))] if name in keys else _expert_pieces(name, shape)
-        if pieces is None:
-            problems.append(f"{name} is not in the checkpoint")
-            continue
-        for piece in pieces:
-            if piece.key not in keys:
-                problems.append(f"{piece.key} (part of {name}) is not in the checkpoint")
-            elif ckpt.shape(piece.key) != piece.shape:
-                problems.append(f"{piece.key} has shape {list(ckpt.shape(piece.key))} in the checkpoint, "
-                                f"the model expects {list(piece.shape)}")
-        sources[name] = pieces
-    return sources, problems
+def _fused_or_named(name: str, shape: tuple[int, ...], keys: set[str]) -> list[Piece]:
+    """The pieces of ``name``: the tensor itself when the checkpoint holds it, else per-expert."""
+    if name in keys:
+        return [Piece(name, tuple((0, s) for s in shape), tuple(shape))]
+    return _expert_pieces(name, shape) or [Piece(name, tuple((0, s) for s in shape), tuple(shape))]
 
 
-def agree_on_error(group, error: str | None, op: str) -> None:
-    """Raise ``error`` (or a peer's) as :class:`ShardkitError` on every rank of ``group``: one
-    ``all_gather_object`` of each rank's error (None when it has none)."""
-    g = resolve_group(group, op)
-    errors = [error]
-    if g.size > 1:
-        errors = [None] * g.size
-        dist.all_gather_object(errors, error, group=g.pg)
-    bad = [(r, e) for r, e in enumerate(errors) if e]
-    if bad:
-        raise ShardkitError(f"{op}: " + "; ".join(f"rank {r}: {e}" for r, e in bad))
+def _ignored(model: nn.Module) -> Callable[[str], bool]:
+    """Checkpoint keys that are not "unexpected" for ``model``: any name its state dict or buffers
+    hold (a tied ``lm_head.weight``, a non-persistent ``inv_freq`` some files carry) and Hugging
+    Face's ``_keys_to_ignore_on_load_unexpected`` patterns."""
+    names = set(model.state_dict(keep_vars=True)) | {n for n, _ in model.named_buffers()}
+    patterns = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
+    return lambda key: key in names or any(p.search(key) for p in patterns)
 
 
 def _fill(dest: torch.Tensor, pieces: list[Piece], box: list[tuple[int, int]], ckpt: SafetensorsCheckpoint) -> None:
@@ -297,36 +286,39 @@ def load_sharded(model: nn.Module, path: str | os.PathLike[str], tp_mesh: Group,
         **apply_tp_kwargs: ``loss_parallel``, ``styles``, ``check`` of :func:`~.apply.apply_tp`.
 
     Returns:
-        ``model``, sharded and loaded (parameters cast to the model's dtypes).
+        ``model``, sharded and loaded (the file's dtypes must be the model's: a load never casts).
 
     Raises:
         ShardkitError: on every rank of the group (agreed by one ``all_gather_object``, before
-            the model is touched): no checkpoint, a parameter missing from it, or a shape that
-            differs from the model's; buffers that cannot be recomputed.
+            the model is touched): no checkpoint, a parameter missing from it, a tensor of it that
+            no rank's model holds, a shape or a dtype that differs from the model's (a bfloat16
+            model does not take a float32 file: build the model in the file's dtype); buffers
+            that cannot be recomputed.
     """
+    from ..checkpoint.contents import check_contents  # shardkit.checkpoint imports this package
+
     owns = not isinstance(path, SafetensorsCheckpoint)
-    ckpt: SafetensorsCheckpoint | None = None
-    error = None
+    ckpt, error, saved, expected, sources = None, None, None, {}, {}
+    root = unwrap(model)
     try:
-        ckpt = path if isinstance(path, SafetensorsCheckpoint) else SafetensorsCheckpoint(path)
-        params = dict(unwrap(model).named_parameters())
+        ckpt = SafetensorsCheckpoint(path) if owns else path
+        keys = ckpt.keys()
+        params = dict(root.named_parameters())
         # persistent buffers (BatchNorm statistics) are read when the checkpoint has them
-        buffers = {n: b for n, b in unwrap(model).state_dict(keep_vars=True).items()
-                   if not isinstance(b, nn.Parameter) and n in ckpt.keys()}
-        shapes = {n: tuple(t.shape) for n, t in {**params, **buffers}.items()}
-        sources, problems = checkpoint_sources(shapes, ckpt)
-        if problems:
-            error = "; ".join(problems[:8]) + (f" (and {len(problems) - 8} more)" if len(problems) > 8 else "")
+        buffers = {n: b for n, b in root.state_dict(keep_vars=True).items()
+                   if not isinstance(b, nn.Parameter) and n in keys}
+        for name, t in {**params, **buffers}.items():
+            sources[name] = _fused_or_named(name, tuple(t.shape), keys)
+            expected.update({piece.key: (piece.shape, t.dtype) for piece in sources[name]})
+        saved = {k: (ckpt.shape(k), ckpt.dtype(k)) for k in keys}
     except ShardkitError as exc:
         error = str(exc)
     except Exception as exc:  # noqa: BLE001 - a corrupt file on one rank must fail every rank, not hang them
         error = f"cannot read the checkpoint at {path}: {type(exc).__name__}: {exc}"
     try:
-        agree_on_error(tp_mesh, error, "load_sharded")
-        assert ckpt is not None  # opened, or agree_on_error raised on every rank
+        check_contents(expected, saved, tp_mesh, "load_sharded", read_error=error, ignored=_ignored(root))
         if device is None:
             device = next((p.device for p in params.values() if not p.is_meta), torch.device("cpu"))
-        root = unwrap(model)
         apply_tp(root, tp_mesh, plan, **apply_tp_kwargs)
         materialize_meta(root, device, set(buffers), init_buffers)
         rank = resolve_group(tp_mesh, "load_sharded").rank

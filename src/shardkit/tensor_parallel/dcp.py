@@ -17,9 +17,11 @@ A :class:`~.spec.ShardSpec` is a list of arbitrary ranges per rank (balanced hea
 Keys are the unwrapped model's ``state_dict`` keys (full names, shapes of the full tensors), so
 a checkpoint does not depend on the tp size that wrote it.
 
-Failure safety: :func:`save_sharded_checkpoint` writes into a fresh sibling directory and renames
-it over ``path`` only after every rank has written and DCP has written its ``.metadata``; a
-failed save leaves an existing checkpoint at ``path`` untouched.
+Failure safety: each :func:`save_sharded_checkpoint` writes a new versioned directory and
+commits it with a manifest and an atomic ``latest`` pointer
+(:mod:`shardkit.checkpoint.versioned`); a failed or killed save leaves the previous one loadable.
+Loading refuses missing, unexpected and differently typed keys on every rank
+(:mod:`shardkit.checkpoint.contents`).
 
 Source: PyTorch Distributed Checkpoint's planner interface (``SavePlanner`` / ``LoadPlanner``,
 chunk metadata and resharding reads), as torchtitan and FSDP2 use it for DTensors.
@@ -30,11 +32,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import os
-import shutil
-import uuid
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
@@ -44,7 +43,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from ..comm._group import resolve_group
 from ..errors import ShardkitError
-from .checkpoint import agree_on_error, materialize_meta
+from .checkpoint import materialize_meta
 from .gather import unwrap
 from .spec import ShardSpec, shard_spec
 
@@ -52,7 +51,9 @@ if TYPE_CHECKING:
     from collections.abc import Callable
     from .._types import Group
 
-__all__ = ["save_sharded_checkpoint", "load_sharded_checkpoint", "owned_ranges"]
+__all__ = ["save_sharded_checkpoint", "load_sharded_checkpoint", "owned_ranges", "saved_entries"]
+
+_PREFIX = "version_"
 
 # (global offsets, local view) of one chunk
 _Chunk = tuple[tuple[int, ...], torch.Tensor]
@@ -165,72 +166,58 @@ class _ChunkLoadPlanner(DefaultLoadPlanner):
         return self._targets[index.fqn][index.index][1]
 
 
-def _broadcast(g, value):
-    box = [value]
-    if g.size > 1:
-        dist.broadcast_object_list(box, group=g.pg, group_src=0)
-    return box[0]
-
-
-def save_sharded_checkpoint(model: nn.Module, path: str | os.PathLike, group: Group) -> None:
-    """Collective over ``group``: save ``model``'s state dict as a DCP checkpoint directory,
-    each rank writing only the pieces it owns.
+def save_sharded_checkpoint(model: nn.Module, path: str | os.PathLike, group: Group, *, keep: int = 1) -> str:
+    """Collective over ``group``: save ``model``'s state dict as a new DCP checkpoint under
+    ``path``, each rank writing only the pieces it owns; return the save's directory.
 
     Sharded parameters ``[..., N_r, ...]`` are stored as their full ``[..., N, ...]`` tensors,
     cut into the owners' chunks; replicated tensors once. Load it at any tp size with
     :func:`load_sharded_checkpoint`.
 
+    Each save is a directory ``path/version_<N>/`` (DCP files, then ``MANIFEST.json`` written
+    last), and ``path/latest`` names the newest complete one, replaced atomically
+    (:mod:`shardkit.checkpoint.versioned`, the trainer's protocol): a kill at any moment leaves
+    the previous save loadable, and the next save removes what a killed one left.
+
     Args:
         model: a model sharded by :func:`~.apply.apply_tp` (or unsharded), or a DDP wrapper.
-        path: the checkpoint directory, on a file system every rank of ``group`` shares. An
-            existing checkpoint there is replaced only once the new one is complete (rank 0
-            renames it aside, renames the new one in, then deletes the old one; a crash
-            between the renames leaves it as ``.<name>.partial-*.old`` next to ``path``).
+        path: the checkpoint root, on a file system every rank of ``group`` shares.
         group: a ``ProcessGroup`` or 1-D ``DeviceMesh`` of every rank holding the model (all tp
             and dp ranks, e.g. ``dist.group.WORLD``); each tp group must lie inside it.
+        keep: complete saves kept, the new one included (older ones are removed after it is
+            the latest).
+
+    Returns:
+        The directory of this save.
 
     Raises:
-        ShardkitError: on every rank, when ``path`` is a file or a non-empty directory without a
-            DCP checkpoint (nothing is written).
+        ShardkitError: on every rank, when ``path`` is a file or a directory holding other files
+            (nothing is written), or the commit failed.
         torch.distributed.checkpoint.api.CheckpointException: a rank failed to write (the
-            partial directory is removed; ``path`` is unchanged).
+            previous save stays the latest; the partial one is removed by the next save).
     """
+    from ..checkpoint.versioned import begin_save, commit_save  # shardkit.checkpoint imports this module
+
+    if keep < 1:
+        raise ShardkitError(f"save_sharded_checkpoint: keep must be >= 1, got {keep}")
     g = resolve_group(group, "save_sharded_checkpoint")
-    path = os.path.abspath(os.fspath(path))
-    tmp = error = None
-    if g.rank == 0:
-        if os.path.exists(path) and not os.path.isdir(path):
-            error = f"{path} exists and is not a directory"
-        elif os.path.isdir(path) and os.listdir(path) and not os.path.isfile(os.path.join(path, ".metadata")):
-            error = f"{path} is a non-empty directory that holds no DCP checkpoint; it would be replaced"
-        else:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.partial-{uuid.uuid4().hex[:12]}")
-    tmp, error = _broadcast(g, (tmp, error))
-    if error:
-        raise ShardkitError(f"save_sharded_checkpoint: {error}")
-    state = _state(model)
     try:
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), planner=_ChunkSavePlanner(state), process_group=g.pg)
-    except BaseException:
-        if g.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    # dcp.save returns only after the coordinator wrote .metadata: the checkpoint is complete.
-    if g.rank == 0:
-        try:
-            old = None
-            if os.path.isdir(path):
-                old = f"{tmp}.old"
-                os.rename(path, old)
-            os.rename(tmp, path)
-            if old:
-                shutil.rmtree(old, ignore_errors=True)
-        except OSError as exc:
-            error = f"the checkpoint is complete in {tmp} but renaming it to {path} failed: {exc}"
-    error = _broadcast(g, error)  # also: no rank returns before the rename
-    if error:
-        raise ShardkitError(f"save_sharded_checkpoint: {error}")
+        version = begin_save(path, _PREFIX, group)
+    except ShardkitError as exc:
+        raise ShardkitError(f"save_sharded_checkpoint: {exc}") from None
+    state = _state(model)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(version), planner=_ChunkSavePlanner(state), process_group=g.pg)
+    # dcp.save returns only after the coordinator wrote .metadata: the data is complete.
+    commit_save(version, {"format": "shardkit.save_sharded_checkpoint", "keys": len(state), "group_size": g.size},
+                group, keep=keep)
+    return version
+
+
+def saved_entries(path: str) -> dict:
+    """``{key: (full shape, dtype)}`` of a DCP checkpoint directory (dtype None for non-tensors)."""
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    return {k: (tuple(m.size), m.properties.dtype) if isinstance(m, TensorStorageMetadata) else ((), None)
+            for k, m in saved.items()}
 
 
 def load_sharded_checkpoint(model: nn.Module, path: str | os.PathLike, group: Group, *,
@@ -249,7 +236,8 @@ def load_sharded_checkpoint(model: nn.Module, path: str | os.PathLike, group: Gr
 
     Args:
         model: the model, already sharded by :func:`~.apply.apply_tp` (any tp size).
-        path: the checkpoint directory.
+        path: the checkpoint root written by :func:`save_sharded_checkpoint` (its ``latest``
+            save is loaded), or one save's directory.
         group: a ``ProcessGroup`` or 1-D ``DeviceMesh`` of every rank loading (e.g. WORLD).
         device: where meta tensors are allocated (default CPU).
         init_buffers: ``fn(module)`` recomputing non-persistent meta buffers (default
@@ -259,30 +247,28 @@ def load_sharded_checkpoint(model: nn.Module, path: str | os.PathLike, group: Gr
         ``model``.
 
     Raises:
-        ShardkitError: on every rank of ``group``: no checkpoint at ``path``, a key of the model
-            missing from it, or a full shape that differs.
+        ShardkitError: on every rank of ``group``, before anything is read: no complete
+            checkpoint at ``path``, keys of the model missing from it, keys of it in no rank's
+            model, a full shape or a dtype that differs (a load never casts).
     """
+    from ..checkpoint.contents import check_contents
+    from ..checkpoint.versioned import resolve_checkpoint
+
     g = resolve_group(group, "load_sharded_checkpoint")
     state = _state(model)
-    error = None
+    saved = error = None
     try:
-        metadata = dcp.FileSystemReader(os.fspath(path)).read_metadata()
-        saved = metadata.state_dict_metadata
-        problems = [f"{k} is not in the checkpoint" for k in state if k not in saved]
-        problems += [f"{k} is not a tensor in the checkpoint" for k in state
-                     if k in saved and not isinstance(saved[k], TensorStorageMetadata)]
-        problems += [f"{k} has full shape {list(meta.size)} in the checkpoint, the model {list(_full_shape(t))}"
-                     for k, t in state.items() if isinstance(meta := saved.get(k), TensorStorageMetadata)
-                     and meta.size != _full_shape(t)]
-        error = "; ".join(problems[:8]) or None
-    except (OSError, ValueError, RuntimeError) as exc:
+        path = resolve_checkpoint(path, ".metadata")
+        saved = saved_entries(path)
+    except (OSError, ValueError, RuntimeError, ShardkitError) as exc:
         error = f"cannot read a DCP checkpoint at {path}: {exc}"
-    agree_on_error(g.pg, error, "load_sharded_checkpoint")
+    check_contents({k: (tuple(_full_shape(t)), t.dtype) for k, t in state.items()}, saved, g.pg,
+                   "load_sharded_checkpoint", read_error=error)
     root = unwrap(model)
     if any(t.is_meta for t in state.values()):
         persistent = {k for k, t in state.items() if not isinstance(t, nn.Parameter)}
         materialize_meta(root, device or "cpu", persistent, init_buffers)
         state = _state(model)
-    dcp.load(state, storage_reader=dcp.FileSystemReader(os.fspath(path)), planner=_ChunkLoadPlanner(state),
+    dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=_ChunkLoadPlanner(state),
              process_group=g.pg)
     return model

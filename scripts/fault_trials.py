@@ -1,0 +1,476 @@
+"""Fault trials: kill workers and the launcher at chosen moments, kill saves half-way; count outcomes.
+
+``python scripts/fault_trials.py launcher [--runs 20] [--json PATH]``
+    Each scenario ``--runs`` times, on a 2-rank local launch (:func:`shardkit.cli.launch.launch_local`,
+    the launcher of ``shardkit train``) of a small tensor-parallel job (init, model, training steps
+    with collectives, a sharded checkpoint save): SIGKILL of a random worker before
+    ``init_process_group``, during model load, inside a step's collective, during the checkpoint
+    save, after the work; SIGINT, SIGTERM and SIGKILL to the launcher while the ranks train.
+    A run passes when every process of the job (its session, found through ``/proc``) is gone
+    within 5 s of the fault, the exit code is right (1; 130; 143; -9 for a SIGKILLed launcher)
+    and, for a worker fault, the root cause (``rank R failed first`` with ``SIGKILL``) is printed.
+
+``python scripts/fault_trials.py save [--runs 50] [--json PATH]``
+    Each run saves a checkpoint with :func:`shardkit.save_sharded_checkpoint` (2 ranks), changes
+    the weights and saves again; the second save is killed at a random moment: SIGKILL of rank 0,
+    of rank 1, or of the whole job (the launcher, whose ranks follow it), either right before a
+    random one of the victim's file-system operations of that save (``sys.addaudithook``: open
+    for writing, rename / replace, remove, mkdir, rmtree) or after a random delay. Then, in this
+    process: the latest save loads bit-exactly (the first save's weights, or the second's if its
+    ``latest`` pointer was already replaced), training from it gives the same losses as from
+    those weights, and the next save removes the killed one's partial directory.
+
+Both print a table of counts; ``--json`` writes every run's record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+GONE_WITHIN_S = 5.0
+NPROC = 2
+HERE = os.path.abspath(__file__)
+WORKER_MOMENTS = ("before_init", "model_load", "collective", "save", "end")
+LAUNCHER_SIGNALS = ("SIGINT", "SIGTERM", "SIGKILL")
+SCENARIOS = tuple(f"kill worker: {m}" for m in WORKER_MOMENTS) + tuple(f"{s} launcher" for s in LAUNCHER_SIGNALS)
+# file-system operations a save performs (audit events; os.replace raises "os.rename")
+_FS_EVENTS = ("os.rename", "os.remove", "os.rmdir", "os.mkdir", "shutil.rmtree", "os.truncate")
+
+
+# --------------------------------------------------------------------------- worker side
+
+
+def _model(seed: int):
+    import torch
+    from torch import nn
+
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16), nn.ReLU(), nn.Linear(16, 32))
+
+
+_PLAN = {"0": "colwise", "2": "rowwise", "4": "colwise"}
+
+
+def _losses(model, steps: int, world=None) -> list[float]:
+    """``steps`` SGD steps on fixed data; the losses (all-reduced over ``world`` when given)."""
+    import torch
+    import torch.distributed as dist
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(7))
+    out = []
+    for _ in range(steps):
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if world is not None:
+            dist.all_reduce(loss.detach(), group=world)
+        out.append(loss.item())
+    return out
+
+
+def _die(plan: dict, rank: int) -> None:
+    """SIGKILL this rank (or the whole job: the launcher, then this rank), noting when."""
+    with open(os.path.join(plan["dir"], "killed"), "w") as f:
+        f.write(json.dumps({"rank": rank, "time": time.time()}))
+    if plan.get("whole_job"):
+        os.kill(os.getppid(), signal.SIGKILL)  # its ranks die with it (PR_SET_PDEATHSIG)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _is_fs_op(event: str, args: tuple) -> bool:
+    """An audit event that changes the file system: a file opened for writing, or one of
+    :data:`_FS_EVENTS`."""
+    if event == "open":
+        return len(args) > 1 and isinstance(args[1], str) and any(c in args[1] for c in "wax+")
+    return event in _FS_EVENTS
+
+
+def _arm_save_kill(plan: dict, rank: int) -> None:
+    """Die right before the k-th file-system operation from now, or after a delay in a thread."""
+    if plan.get("delay") is not None:
+        import threading
+
+        timer = threading.Timer(plan["delay"], _die, (plan, rank))
+        timer.daemon = True
+        timer.start()
+        return
+    count = [0]
+
+    def hook(event: str, args: tuple) -> None:
+        if _is_fs_op(event, args):
+            count[0] += 1
+            if count[0] == plan["k"]:
+                _die(plan, rank)
+
+    sys.addaudithook(hook)
+
+
+def _count_save_events(plan: dict, rank: int) -> None:
+    """Calibration: write how many file-system operations this rank's save performs."""
+    count = [0]
+
+    def hook(event: str, args: tuple) -> None:
+        if _is_fs_op(event, args):
+            count[0] += 1
+
+    sys.addaudithook(hook)
+    plan["_count"] = count
+
+
+@record
+def worker(plan: dict) -> None:
+    """One rank of a trial job (run by :func:`shardkit.cli.launch.launch_local`)."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from shardkit import apply_tp, save_sharded_checkpoint
+
+    rank = int(os.environ["RANK"])
+    victim = rank == plan.get("victim")
+    moment = plan.get("moment")
+    if victim and moment == "before_init":
+        _die(plan, rank)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    world = dist.group.WORLD
+    if victim and moment == "model_load":
+        import threading
+
+        threading.Timer(random.Random(plan["seed"]).uniform(0, 0.05), _die, (plan, rank)).start()
+    model = apply_tp(_model(plan["seed"]), world, _PLAN, check="off")
+    dist.barrier()
+    with open(os.path.join(plan["dir"], f"ready{rank}"), "w") as f:
+        f.write(str(os.getpid()))
+    ckpt = os.path.join(plan["dir"], "ckpt")
+    if plan["kind"] == "save":
+        save_sharded_checkpoint(model, ckpt, world)  # the previous checkpoint
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+        dist.barrier()
+        if victim:
+            _arm_save_kill(plan, rank)
+        if plan.get("calibrate"):
+            _count_save_events(plan, rank)
+        start = time.time()
+        save_sharded_checkpoint(model, ckpt, world)
+        if plan.get("calibrate"):
+            with open(os.path.join(plan["dir"], f"count{rank}"), "w") as f:
+                f.write(json.dumps({"events": plan["_count"][0], "seconds": time.time() - start}))
+        dist.barrier()
+        dist.destroy_process_group()
+        return
+    step = 0
+    while plan.get("forever") or step < 3:
+        if victim and moment == "collective" and step == 1:
+            time.sleep(random.Random(plan["seed"]).uniform(0, 0.1))  # the peer is inside all_reduce
+            _die(plan, rank)
+        _losses(model, 1, world)
+        step += 1
+    if victim and moment == "save":
+        _arm_save_kill(plan, rank)
+    save_sharded_checkpoint(model, ckpt, world)
+    dist.barrier()
+    dist.destroy_process_group()
+    if victim and moment == "end":
+        _die(plan, rank)
+
+
+def job(plan: dict) -> int:
+    """The launcher process of a trial: :func:`launch_local` as ``shardkit train`` uses it."""
+    from shardkit.cli.launch import LaunchFailed, LaunchInterrupted, exit_now, launch_local, print_failure
+
+    try:
+        launch_local(NPROC, worker, plan)
+    except (LaunchFailed, LaunchInterrupted) as err:
+        exit_now(print_failure(err))  # as `shardkit train` does
+    return 0
+
+
+# --------------------------------------------------------------------------- observer side
+
+
+def _session_pids(sid: int) -> list[int]:
+    """Live (not zombie) processes of session ``sid``, from /proc."""
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] not in "ZX" and int(fields[3]) == sid:  # state, ..., session
+            out.append(int(name))
+    return out
+
+
+def _start(plan: dict) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.path.dirname(HERE), os.environ.get("PYTHONPATH")) if p)}
+    out = open(os.path.join(plan["dir"], "stderr"), "w")
+    # A session of its own: every process of the job (grandchildren re-parented to init
+    # included) stays findable by its session id; a signal to the launcher reaches it alone.
+    return subprocess.Popen([sys.executable, HERE, "_job", json.dumps(plan)], stdout=out, stderr=subprocess.STDOUT,
+                            env=env, start_new_session=True)
+
+
+def _wait_for(path_fn, timeout: float, proc: subprocess.Popen) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if path_fn():
+            return True
+        if proc.poll() is not None and not path_fn():
+            return False
+        time.sleep(0.02)
+    return False
+
+
+def _until_gone(sid: int, proc: subprocess.Popen, limit: float = 60.0) -> tuple[float, float]:
+    """Poll until no process of the session lives; the time.time() when the last worker was gone
+    and when every process was (``inf`` past ``limit``)."""
+    end = time.monotonic() + limit
+    workers_gone = float("inf")
+    while time.monotonic() < end:
+        proc.poll()  # reap the launcher (a zombie otherwise)
+        alive = _session_pids(sid)
+        if workers_gone == float("inf") and not [p for p in alive if p != proc.pid]:
+            workers_gone = time.time()
+        if not alive:
+            return workers_gone, time.time()
+        time.sleep(0.02)
+    return workers_gone, float("inf")
+
+
+def run_fault(scenario: str, seed: int) -> dict:
+    """One run of ``scenario`` (an entry of :data:`SCENARIOS`); returns its record."""
+    rng = random.Random(seed)
+    workdir = tempfile.mkdtemp(prefix="shardkit-fault-")
+    plan: dict = {"kind": "fault", "dir": workdir, "seed": seed}
+    if scenario.startswith("kill worker: "):
+        plan.update(moment=scenario.split(": ")[1], victim=rng.randrange(NPROC))
+        if plan["moment"] == "save":
+            plan["k"] = 1  # its first file-system operation of the save (rank 1 has few)
+    else:
+        plan["forever"] = True
+    proc = _start(plan)
+    sid = proc.pid
+    killed = os.path.join(workdir, "killed")
+    record: dict = {"scenario": scenario, "seed": seed}
+    if "victim" in plan:
+        record["victim"] = plan["victim"]
+        ok = _wait_for(lambda: os.path.exists(killed), 120, proc)
+        if ok:
+            while True:  # the marker is written just before the kill
+                try:
+                    t0 = json.loads(open(killed).read())["time"]
+                    break
+                except (ValueError, OSError):
+                    time.sleep(0.01)
+    else:
+        ready = [os.path.join(workdir, f"ready{r}") for r in range(NPROC)]
+        ok = _wait_for(lambda: all(os.path.exists(p) for p in ready), 120, proc)
+        if ok:
+            time.sleep(rng.uniform(0.0, 0.5))  # somewhere in the training loop
+            t0 = time.time()
+            os.kill(proc.pid, getattr(signal, scenario.split()[0]))
+    if not ok:
+        t0 = time.time()
+    workers_gone, gone = _until_gone(sid, proc)
+    for pid in _session_pids(sid):  # clean up a failed run (never expected)
+        os.kill(pid, signal.SIGKILL)
+    rc = proc.wait()
+    text = open(os.path.join(workdir, "stderr")).read()
+    record.update(t0=t0, gone=gone, started=ok, rc=rc, seconds=round(gone - t0, 3), workers_seconds=round(workers_gone - t0, 3),
+                  output=text[-2000:])
+    record.update(checks(scenario, plan, rc, gone - t0, text) if ok else {"ok": False, "why": "the fault never happened"})
+    subprocess.run(["rm", "-rf", workdir], check=False)
+    return record
+
+
+def checks(scenario: str, plan: dict, rc: int, seconds: float, text: str) -> dict:
+    """Did the run meet the promise? ``{"ok": bool, "why": str}``."""
+    if seconds > GONE_WITHIN_S:
+        return {"ok": False, "why": f"processes alive {seconds:.1f} s after the fault"}
+    if scenario.startswith("kill worker"):
+        cause = f"rank {plan['victim']} failed first (exit code -9):\nSignal 9 (SIGKILL)"
+        if rc != 1 or cause not in text:
+            return {"ok": False, "why": f"rc {rc} or root cause not printed"}
+        return {"ok": True, "why": ""}
+    sig = scenario.split()[0]
+    if sig == "SIGKILL":
+        return {"ok": rc == -signal.SIGKILL, "why": "" if rc == -signal.SIGKILL else f"rc {rc}"}
+    want = 128 + getattr(signal, sig)
+    line = f"shardkit: interrupted ({sig}), stopped {NPROC} ranks"
+    ok = rc == want and line in text
+    return {"ok": ok, "why": "" if ok else f"rc {rc} (want {want}) or no '{line}'"}
+
+
+def calibrate_save() -> dict:
+    """File-system operations and seconds of each rank's second save, unkilled."""
+    workdir = tempfile.mkdtemp(prefix="shardkit-savecal-")
+    plan = {"kind": "save", "dir": workdir, "seed": 0, "calibrate": True}
+    proc = _start(plan)
+    proc.wait()
+    try:
+        counts = {r: json.loads(open(os.path.join(workdir, f"count{r}")).read()) for r in range(NPROC)}
+    except OSError as exc:
+        raise RuntimeError(open(os.path.join(workdir, "stderr")).read()) from exc
+    subprocess.run(["rm", "-rf", workdir], check=False)
+    return counts
+
+
+def _world_of_one() -> bool:
+    """A gloo world of this process alone, unless one exists; True when it was made here."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return False
+    store = dist.FileStore(tempfile.mktemp(prefix="shardkit-store-"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    return True
+
+
+def verify_save(workdir: str, seed: int) -> dict:
+    """After a killed save: the latest save loads bit-exactly, resumes with the same losses, and
+    the next save removes the partial directory (in this process, a world of one rank)."""
+    import torch.distributed as dist
+
+    made = _world_of_one()
+    try:
+        return _verify_save(os.path.join(workdir, "ckpt"), seed)
+    finally:
+        if made:
+            dist.destroy_process_group()
+
+
+def _verify_save(root: str, seed: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from shardkit import load_sharded_checkpoint, save_sharded_checkpoint
+    from shardkit.checkpoint import latest_checkpoint
+
+    latest = latest_checkpoint(root)
+    version = os.path.basename(latest)
+    expected = _model(seed)
+    if version == "version_00000002":  # the killed save had already replaced the pointer
+        with torch.no_grad():
+            for p in expected.parameters():
+                p.add_(1.0)
+    elif version != "version_00000001":
+        return {"ok": False, "why": f"latest is {version}"}
+    loaded = _model(seed + 1)  # other weights, overwritten by the load
+    load_sharded_checkpoint(loaded, root, dist.group.WORLD)
+    exact = all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), expected.state_dict().values()))
+    same_losses = _losses(loaded, 3) == _losses(expected, 3)
+    partial = sorted(n for n in os.listdir(root) if n.startswith("version_") and os.path.join(root, n) != latest)
+    save_sharded_checkpoint(loaded, root, dist.group.WORLD)
+    left = sorted(os.listdir(root))
+    cleaned = len(left) == 2 and left[0] == "latest"
+    ok = exact and same_losses and cleaned
+    return {"ok": ok, "latest": version, "partial_before": partial, "exact": exact, "same_losses": same_losses,
+            "cleaned": cleaned, "why": "" if ok else f"exact {exact}, losses {same_losses}, left {left}"}
+
+
+def run_save(seed: int, counts: dict, target: str | None = None, k: int | None = None) -> dict:
+    """One kill-during-save run; ``counts`` from :func:`calibrate_save`. ``target`` ("rank 0",
+    "rank 1", "whole job") and ``k`` (the victim's file-system operation to die before) are
+    drawn from ``seed`` unless given."""
+    rng = random.Random(seed)
+    workdir = tempfile.mkdtemp(prefix="shardkit-savekill-")
+    target = target or rng.choice(["rank 0", "rank 1", "whole job"])
+    victim = 0 if target != "rank 1" else 1
+    plan: dict = {"kind": "save", "dir": workdir, "seed": seed, "victim": victim, "whole_job": target == "whole job"}
+    if k is not None or rng.random() < 0.5:
+        plan["k"] = k or rng.randint(1, counts[victim]["events"])
+        how = f"before file-system operation {plan['k']} of {counts[victim]['events']}"
+    else:
+        plan["delay"] = round(rng.uniform(0, 1.2 * counts[victim]["seconds"]), 4)
+        how = f"after {plan['delay']} s of a ~{counts[victim]['seconds']:.2f} s save"
+    proc = _start(plan)
+    sid = proc.pid
+    _until_gone(sid, proc)
+    rc = proc.wait()
+    record = {"seed": seed, "target": target, "how": how, "rc": rc,
+              "killed": os.path.exists(os.path.join(workdir, "killed"))}
+    if not os.path.isdir(os.path.join(workdir, "ckpt")):
+        record.update(ok=False, why="no checkpoint at all: " + open(os.path.join(workdir, "stderr")).read()[-1500:])
+    else:
+        record.update(verify_save(workdir, seed))
+    subprocess.run(["rm", "-rf", workdir], check=False)
+    return record
+
+
+# --------------------------------------------------------------------------- main
+
+
+def _table(rows: list[tuple], header: tuple) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("family", choices=("launcher", "save"))
+    parser.add_argument("--runs", type=int, default=None, help="runs per scenario (launcher 20) or in all (save 50)")
+    parser.add_argument("--scenario", action="append", choices=SCENARIOS, help="launcher: only these scenarios")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", metavar="PATH", help="write every run's record here")
+    args = parser.parse_args(argv)
+    records = []
+    if args.family == "launcher":
+        runs = args.runs or 20
+        rows = []
+        for scenario in args.scenario or SCENARIOS:
+            res = [run_fault(scenario, args.seed * 1000 + i) for i in range(runs)]
+            records += res
+            good = [r for r in res if r["ok"]]
+            worst = max((r["seconds"] for r in res if r["started"]), default=float("nan"))
+            rows.append((scenario, len(res), len(good), f"{worst:.2f}", sorted({r["rc"] for r in res})))
+            print(_table(rows[-1:], ("scenario", "runs", "passed", "max s to all gone", "exit codes")), flush=True)
+            for r in res:
+                if not r["ok"]:
+                    print(f"  FAILED seed {r['seed']}: {r['why']}\n{r['output']}", flush=True)
+        print(_table(rows, ("scenario", "runs", "passed", "max s to all gone", "exit codes")))
+    else:
+        runs = args.runs or 50
+        counts = calibrate_save()
+        print(f"calibration: file-system operations and seconds of the killed save per rank: {counts}", flush=True)
+        for i in range(runs):
+            r = run_save(args.seed * 1000 + i, counts)
+            records.append(r)
+            print(f"run {i}: {r['target']} {r['how']}: latest {r.get('latest')} ok={r['ok']} {r['why']}", flush=True)
+        rows = []
+        for target in ("rank 0", "rank 1", "whole job"):
+            sub = [r for r in records if r["target"] == target]
+            rows.append((target, len(sub), sum(r["killed"] for r in sub),
+                         sum(r.get("latest") == "version_00000001" for r in sub),
+                         sum(r.get("latest") == "version_00000002" for r in sub),
+                         sum(r["ok"] for r in sub)))
+        print(_table(rows, ("killed", "runs", "kill happened", "latest = previous save", "latest = new save",
+                            "loaded bit-exactly, same losses, partial cleaned")))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=1)
+    return 0 if all(r["ok"] for r in records) else 1
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "_job":
+        sys.exit(job(json.loads(sys.argv[2])))
+    sys.exit(main())
