@@ -127,7 +127,7 @@ def save_train_state(root: str | os.PathLike, pm: ParallelModel, optimizer: torc
         torch.distributed.checkpoint.api.CheckpointException: a rank failed to write; the
             previous save stays the latest.
     """
-    world = dist.group.WORLD
+    world = _world()
     try:
         path = begin_save(root, _PREFIX, world, number=step)
     except ShardkitError as exc:
@@ -161,10 +161,18 @@ def load_train_state(path: str | os.PathLike, pm: ParallelModel, optimizer: torc
             saved = saved_entries(path)
         except (OSError, ValueError, RuntimeError) as exc:
             error = f"cannot read {path}: {exc}"
-    check_contents({k: (tuple(_full_shape(t)), t.dtype) for k, t in state.items()}, saved, dist.group.WORLD,
+    check_contents({k: (tuple(_full_shape(t)), t.dtype) for k, t in state.items()}, saved, _world(),
                    "load_train_state", read_error=error)
     dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=_ChunkLoadPlanner(state))
     for key, dst in targets:
         _write_back(dst, state[key].reshape(dst.shape) if dst.dim() == 0 else state[key])
     with open(os.path.join(path, MANIFEST)) as f:
         return int(json.load(f)["step"])
+
+
+def _world():
+    """The default process group (these functions are collective over it)."""
+    world = dist.group.WORLD
+    if world is None:
+        raise ShardkitError("train state: torch.distributed is not initialized")
+    return world

@@ -298,10 +298,11 @@ def load_sharded(model: nn.Module, path: str | os.PathLike[str], tp_mesh: Group,
     from ..checkpoint.contents import check_contents  # shardkit.checkpoint imports this package
 
     owns = not isinstance(path, SafetensorsCheckpoint)
-    ckpt, error, saved, expected, sources = None, None, None, {}, {}
+    ckpt: SafetensorsCheckpoint | None = None
+    error, saved, expected, sources = None, None, {}, {}
     root = unwrap(model)
     try:
-        ckpt = SafetensorsCheckpoint(path) if owns else path
+        ckpt = path if isinstance(path, SafetensorsCheckpoint) else SafetensorsCheckpoint(path)
         keys = ckpt.keys()
         params = dict(root.named_parameters())
         # persistent buffers (BatchNorm statistics) are read when the checkpoint has them
@@ -317,6 +318,7 @@ def load_sharded(model: nn.Module, path: str | os.PathLike[str], tp_mesh: Group,
         error = f"cannot read the checkpoint at {path}: {type(exc).__name__}: {exc}"
     try:
         check_contents(expected, saved, tp_mesh, "load_sharded", read_error=error, ignored=_ignored(root))
+        assert ckpt is not None  # opened, or check_contents raised on every rank
         if device is None:
             device = next((p.device for p in params.values() if not p.is_meta), torch.device("cpu"))
         apply_tp(root, tp_mesh, plan, **apply_tp_kwargs)
