@@ -46,17 +46,25 @@ def _pairs():
     return rank() % 2 == 0
 
 
+def _same_in_pair(msg: str) -> None:
+    """Check mode: both ends of a transfer raised the very same text."""
+    texts = [None] * world_size()
+    dist.all_gather_object(texts, msg, group=G())
+    assert texts[rank() ^ 1] == msg, (msg, texts[rank() ^ 1])
+
+
 @pytest.mark.world(2, timeout=20)
 @pytest.mark.parametrize("batched", [False, True], ids=["ordered", "batched"])
 def test_static_tensor_not_matching_the_declaration_raises_on_both_ends(batched):
     decl = dict(shape=(2, 3), dtype=torch.float32, batched=batched)
     with checks(True):
         if _pairs():
-            msg = _raises(ShardkitError, r"declared \[2, 3\] torch.float32 but its tensor is \[2, 4\]",
+            msg = _raises(ShardkitError, r"the sender's tensor \(\[2, 4\] torch.float32\) does not match its own declared",
                           lambda: send_forward(torch.zeros(2, 4), G(), **decl))
         else:
-            msg = _raises(ShardkitError, "stage 0 of 2 .the sender. reported", lambda: recv_forward(G(), **decl))
-    assert "send_forward" in msg or "recv_forward" in msg
+            msg = _raises(ShardkitError, "does not match its own declared", lambda: recv_forward(G(), **decl))
+    assert "stage 0 (send_forward) to stage 1 (recv_forward)" in msg and "nothing was transferred" in msg
+    _same_in_pair(msg)
     _assert_usable()
 
 
@@ -64,29 +72,33 @@ def test_static_tensor_not_matching_the_declaration_raises_on_both_ends(batched)
 @pytest.mark.parametrize("what", ["shape", "dtype"])
 def test_declarations_that_differ_raise_on_both_ends_pp4(what):
     """Sender and receiver each declare consistently with themselves but differently from each
-    other: the receiver sees it in the header, the sender in the verdict."""
+    other: both ends judge the two hellos alike and raise the same text; no payload moves."""
     s = rank()
     mine = dict(shape=(2, 4), dtype=torch.float64)
     theirs = dict(shape=(2, 3), dtype=torch.float64) if what == "shape" else dict(shape=(2, 4), dtype=torch.float32)
+    sender = s if _pairs() else s - 1
+    pattern = (rf"the forward message of stage {sender} \(send_forward\) to stage {sender + 1} \(recv_forward\) .*: "
+               r"the receiver declared .* but the sender sent \[2, 4\] torch.float64; nothing was transferred")
     with checks(True):
         if _pairs():
-            _raises(RankMismatchError, rf"stage {s + 1} of 4 \(the receiver\) rejected the forward message",
-                    lambda: send_forward(torch.zeros(2, 4, dtype=torch.float64), G(), **mine))
+            msg = _raises(RankMismatchError, pattern, lambda: send_forward(torch.zeros(2, 4, dtype=torch.float64), G(),
+                                                                          **mine))
         else:
-            _raises(RankMismatchError, rf"stage {s} of 4 declared .* but stage {s - 1} of 4 sent \[2, 4\] torch.float64",
-                    lambda: recv_forward(G(), **theirs))
+            msg = _raises(RankMismatchError, pattern, lambda: recv_forward(G(), **theirs))
+    _same_in_pair(msg)
     _assert_usable()
 
 
 @pytest.mark.world(2, timeout=20)
-def test_async_sender_learns_the_rejection_at_wait():
+def test_async_sender_raises_at_the_call():
+    # check mode: a send returns only after the handshake, so the mismatch is known at the call
     with checks(True):
         if _pairs():
-            h = send_forward(torch.zeros(5), G(), shape=(5,), async_op=True)
-            _raises(RankMismatchError, "rejected", h.wait)
-            _raises(RankMismatchError, "rejected", h.wait)  # waiting again raises the same
+            msg = _raises(RankMismatchError, "declared", lambda: send_forward(torch.zeros(5), G(), shape=(5,),
+                                                                             async_op=True))
         else:
-            _raises(RankMismatchError, "declared", lambda: recv_forward(G(), shape=(6,), dtype=torch.float32))
+            msg = _raises(RankMismatchError, "declared", lambda: recv_forward(G(), shape=(6,), dtype=torch.float32))
+    _same_in_pair(msg)
     _assert_usable()
 
 

@@ -56,7 +56,7 @@ from ..comm._compat import irecv, isend, p2p_op
 from ..comm._group import GroupInfo
 from ..errors import RankMismatchError, ShardkitError, ShardkitTypeError
 from . import _wire
-from ._wire import HEADER_LEN, HELLO_LEN, OK, REJECTED
+from ._wire import HEADER_LEN, HELLO_LEN, OK
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -114,7 +114,7 @@ class Transfer:
     status: int = OK  # the header status sent or received
     error: ShardkitError | None = None  # raised on this rank once the exchange is complete
     hdr: torch.Tensor | None = None
-    verdict: torch.Tensor | None = None  # sender, checks on: the receiver's answer (raised at wait)
+    hello_out: torch.Tensor | None = None  # checks on: this end's hello
     hello_in: torch.Tensor | None = None  # checks on: the other end's hello
 
     def where(self) -> str:
@@ -159,7 +159,7 @@ def _hello_msgs(t: Transfer, api: str) -> list:
         mine = _wire.encode_hello(True, t.phase, t.g.rank, api, t.status, t.payload.dtype, t.payload.shape, t.device)
     else:
         mine = _wire.encode_hello(False, t.phase, t.g.rank, api, OK, t.dtype, t.shape, t.device)
-    t.hello_in = torch.empty(HELLO_LEN, dtype=torch.int64, device=t.device)
+    t.hello_out, t.hello_in = mine, torch.empty(HELLO_LEN, dtype=torch.int64, device=t.device)
     return [(t, True, mine, "check"), (t, False, t.hello_in, "check")]
 
 
@@ -177,22 +177,39 @@ def _misuse(t: Transfer, peer: _wire.Hello, api: str) -> ShardkitError | None:
     return RankMismatchError(f"P2P misuse in a pipeline group of {t.g.size}: {who} {what}; nothing was transferred")
 
 
+def _declarations(t: Transfer, mine: _wire.Hello, peer: _wire.Hello) -> ShardkitError | None:
+    """The sender's tensor against the receiver's declaration, judged from the two hellos in
+    (sender, receiver) order, so both ends raise the same text and no payload moves."""
+    s, r = (mine, peer) if mine.send else (peer, mine)
+    where = (f"the {s.phase} message of stage {s.rank} ({s.api}) to stage {r.rank} ({r.api}) in a pipeline group "
+             f"of {t.g.size}")
+    sent = _wire.describe(s.meta.shape, s.meta.dtype)
+    if s.meta.status == _wire.BAD_DECLARATION:
+        return ShardkitError(f"P2P: {where}: the sender's tensor ({sent}) does not match its own declared static "
+                             "shape/dtype; nothing was transferred")
+    if s.meta.status != OK:
+        return ShardkitError(f"P2P: {where}: the sender's tensor cannot be described by a header (ndim > 16 or a "
+                             "dtype without a wire code); nothing was transferred")
+    if (r.meta.dtype is not None and r.meta.dtype != s.meta.dtype) or (
+            r.meta.shape is not None and r.meta.shape != s.meta.shape):
+        return RankMismatchError(f"P2P: {where}: the receiver declared {_wire.describe(r.meta.shape, r.meta.dtype)} "
+                                 f"but the sender sent {sent}; nothing was transferred")
+    return None
+
+
 def _settle(t: Transfer, api: str) -> None:
-    """Checks on, both hellos exchanged: the misuse error, or the header read (receiver) and the
-    receiver's verdict on the declarations (sender, raised at ``wait()``)."""
-    peer = _wire.decode_hello(t.hello_in, api, f"stage {t.peer} of {t.g.size}")
-    error = _misuse(t, peer, api)
+    """Checks on, both hellos exchanged: the misuse or declaration error (the same on both
+    ends, no payload follows), else the receiver reads the sender's header."""
+    source = f"stage {t.peer} of {t.g.size}"
+    peer = _wire.decode_hello(t.hello_in, api, source)
+    mine = _wire.decode_hello(t.hello_out, api, t.where())
+    error = _misuse(t, peer, api) or _declarations(t, mine, peer)
     if error is not None:
         t.error, t.status = error, _wire.MISUSE
         return
     if not t.send:
         t.hdr = t.hello_in[:HEADER_LEN]
         _read_header(t, api)
-        return
-    d = peer.meta
-    rejected = t.status == OK and ((d.dtype is not None and d.dtype != t.payload.dtype) or
-                                   (d.shape is not None and d.shape != tuple(t.payload.shape)))
-    t.verdict = _wire.encode(REJECTED if rejected else OK, d.dtype, d.shape, t.device)
 
 
 def _read_header(t: Transfer, api: str) -> None:
@@ -380,7 +397,6 @@ class P2PWork:
         """Complete the transfer; return the received tensor (None when this call only sends).
 
         Raises:
-            RankMismatchError: (checks on) a receiver declared a different shape or dtype.
             ShardkitError: tensors received from several groups differ in shape or dtype, or
                 ``reduce="mean"`` over an integer dtype.
         """
@@ -388,7 +404,6 @@ class P2PWork:
             self.complete()
             self._done = True
             try:
-                self._check_verdicts()
                 received = [t.payload for t in self._transfers if not t.send]
                 self._result = _reduce(received, self._reduce, self._api) if received else None
             except ShardkitError as exc:
@@ -396,18 +411,6 @@ class P2PWork:
         if self._error is not None:
             raise self._error
         return self._result
-
-    def _check_verdicts(self) -> None:
-        for t in self._transfers:
-            if not t.send or t.verdict is None:
-                continue
-            meta = _wire.decode(t.verdict, self._api, f"stage {t.peer} of {t.g.size}")
-            if meta.status == REJECTED:
-                raise RankMismatchError(
-                    f"{self._api}: stage {t.peer} of {t.g.size} (the receiver) rejected the {t.phase} message of "
-                    f"{t.where()}: it declared {_wire.describe(meta.shape, meta.dtype)} but this stage sent "
-                    f"{_wire.describe(t.payload.shape, t.payload.dtype)}"
-                )
 
 
 def _reduce(tensors: list[torch.Tensor], how: str, api: str) -> torch.Tensor:

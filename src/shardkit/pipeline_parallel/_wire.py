@@ -7,15 +7,15 @@ A transfer with dynamic shapes is a fixed-size int64 *header* followed by the pa
 The receiver allocates the payload buffer from it, so shapes (any ndim up to 16) and dtypes can
 change from one microbatch to the next. ``status`` lets a sender that found a problem with its
 own tensor tell the receiver instead of leaving it waiting: any status other than ``OK`` means
-no payload follows. A sender's *verdict* on its receiver (status ``OK`` or ``REJECTED``, then
-the dtype and shape the receiver declared, ``ndim = -1`` when it declared none) uses the same
-layout; it is built from the receiver's hello, never sent.
+no payload follows.
 
 With checks on, both ends of a transfer first exchange a *hello* (``HELLO_LEN`` int64): a header
 (the sender's tensor, or the receiver's declaration with status ``OK``) followed by the author's
 role (send or receive), message phase (forward or backward), group rank and api name. Each end
 then knows both sides' intent and decides alike, before any payload moves: two senders, two
-receivers, or a forward message meeting a backward receive are one error on both ends.
+receivers, a forward message meeting a backward receive, a receiver declaring another shape or
+dtype than the sender's tensor, or a sender's bad tensor are one error, the same text on both
+ends, and no payload follows.
 
 Codes are part of the protocol: append to ``_DTYPES``, never reorder.
 """
@@ -28,7 +28,7 @@ import torch
 
 from ..errors import ShardkitError
 
-__all__ = ["HEADER_LEN", "HELLO_LEN", "MAX_DIMS", "OK", "BAD_DECLARATION", "UNENCODABLE", "REJECTED", "MISUSE", "Meta",
+__all__ = ["HEADER_LEN", "HELLO_LEN", "MAX_DIMS", "OK", "BAD_DECLARATION", "UNENCODABLE", "MISUSE", "Meta",
            "Hello", "encode", "decode", "encode_hello", "decode_hello", "unencodable", "describe"]
 
 MAGIC = 0x534B5032  # "SKP2": catches a receiver reading a payload as a header (mode mismatch)
@@ -38,8 +38,7 @@ HEADER_LEN = 4 + MAX_DIMS
 OK = 0
 BAD_DECLARATION = 1  # sender: its tensor does not match its own declared static shape / dtype
 UNENCODABLE = 2  # sender: ndim > MAX_DIMS or a dtype without a wire code
-REJECTED = 3  # verdict: the receiver declared a different shape / dtype than it got
-MISUSE = 4  # local only (never sent): the hellos showed a misuse, no payload follows
+MISUSE = 4  # local only (never sent): the hellos showed a misuse or a mismatch, no payload follows
 
 SEND, RECV = 0, 1
 PHASES = ("forward", "backward")
@@ -55,7 +54,7 @@ _DTYPES += [getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasat
 
 @dataclass(frozen=True)
 class Meta:
-    """A decoded header, hello header or verdict. ``dtype``/``shape`` are None when not stated."""
+    """A decoded header (or the header part of a hello). ``dtype``/``shape`` are None when not stated."""
 
     status: int
     dtype: torch.dtype | None
@@ -72,7 +71,7 @@ def unencodable(dtype: torch.dtype, shape) -> str | None:
 
 
 def encode(status: int, dtype: torch.dtype | None, shape, device: torch.device) -> torch.Tensor:
-    """Header (or verdict) tensor. A dtype or shape that cannot be encoded is sent as unknown."""
+    """Header tensor. A dtype or shape that cannot be encoded is sent as unknown."""
     code = _DTYPES.index(dtype) + 1 if dtype in _DTYPES else 0
     dims = list(shape) if shape is not None and len(shape) <= MAX_DIMS else None
     row = [MAGIC, status, code, -1 if dims is None else len(dims)]
@@ -81,7 +80,7 @@ def encode(status: int, dtype: torch.dtype | None, shape, device: torch.device) 
 
 
 def decode(buf: torch.Tensor, op: str, source: str) -> Meta:
-    """Parse a received header or verdict.
+    """Parse a received header.
 
     Raises:
         ShardkitError: the message is not a shardkit header: the two ends disagree on the

@@ -21,9 +21,9 @@ of every transfer exchange a *hello* (:mod:`._wire`): the sender's header, or th
 declaration, plus each end's role, phase and api. Both ends then decide alike: two stages that
 both send to each other, both wait to receive, or a forward message meeting a backward receive
 (``loop``) raise the same :class:`~shardkit.errors.RankMismatchError` on both ends, nothing
-transferred and the channel clean; a wrong static declaration raises on both ends (the receiver
-when it reads the header, the sender, which sees the receiver's declaration, at ``wait()``)
-instead of corrupting data or hanging. 2 messages each way per transfer (hello, payload), and
+transferred and the channel clean; a receiver declaring another shape or dtype than the sender's
+tensor, or a sender whose tensor does not match its own declaration, raises the same text on
+both ends, at the call, with no payload sent, instead of corrupting data or hanging. 2 messages each way per transfer (hello, payload), and
 the call returns only once the peer has posted its side. With checks off the sender still checks
 its own tensor against its declaration and raises before sending anything (its receiver then
 waits). A misuse between stages that do not face each other (stage 1 sends forward while stage 2
