@@ -103,6 +103,32 @@ def test_async_sender_raises_at_the_call():
 
 
 @pytest.mark.world(2, timeout=20)
+@pytest.mark.parametrize("bad", ["sender", "receiver"])
+def test_refused_arguments_reach_the_peer_in_check_mode(bad):
+    """A call whose own arguments are refused still says hello (checks on): its peer raises the
+    same error instead of waiting, and the refusing rank keeps its own message as the cause."""
+    with checks(True):
+        if _pairs():
+            x = [1.0, 2.0] if bad == "sender" else torch.zeros(2, 3)
+            msg = _raises(ShardkitError, "stage 0 \\(send_forward\\) raised an argument error" if bad == "sender"
+                          else "stage 1 \\(recv_forward\\) raised an argument error", lambda: send_forward(x, G()))
+        else:
+            kw = dict(shape=(2, 3)) if bad == "receiver" else {}  # a static receive without dtype=
+            msg = _raises(ShardkitError, "raised an argument error", lambda: recv_forward(G(), **kw))
+        refusing = rank() == (0 if bad == "sender" else 1)
+        if refusing:  # the rank's own message survives as the cause
+            with pytest.raises(ShardkitError) as info:
+                send_forward([1.0], G()) if bad == "sender" else recv_forward(G(), shape=(2, 3))
+            assert isinstance(info.value.__cause__, ShardkitTypeError), info.value.__cause__
+        else:
+            with pytest.raises(ShardkitError, match="raised an argument error") as info:
+                recv_forward(G()) if bad == "sender" else send_forward(torch.zeros(2, 3), G())
+            assert info.value.__cause__ is None
+    _same_in_pair(msg)
+    _assert_usable()
+
+
+@pytest.mark.world(2, timeout=20)
 def test_dynamic_receiver_dtype_declaration_is_checked_without_checks():
     if _pairs():
         send_backward(torch.ones(3), G(), loop=True)

@@ -155,10 +155,10 @@ def _payload_msg(t: Transfer):
 
 def _hello_msgs(t: Transfer, api: str) -> list:
     """Checks on: this end's hello out and the other end's hello in (see :mod:`._wire`)."""
-    if t.send:
+    if t.send and t.payload is not None:
         mine = _wire.encode_hello(True, t.phase, t.g.rank, api, t.status, t.payload.dtype, t.payload.shape, t.device)
-    else:
-        mine = _wire.encode_hello(False, t.phase, t.g.rank, api, OK, t.dtype, t.shape, t.device)
+    else:  # a receiver's declaration, or a sender whose arguments were refused (no tensor to describe)
+        mine = _wire.encode_hello(t.send, t.phase, t.g.rank, api, t.status, t.dtype, t.shape, t.device)
     t.hello_out, t.hello_in = mine, torch.empty(HELLO_LEN, dtype=torch.int64, device=t.device)
     return [(t, True, mine, "check"), (t, False, t.hello_in, "check")]
 
@@ -184,6 +184,11 @@ def _declarations(t: Transfer, mine: _wire.Hello, peer: _wire.Hello) -> Shardkit
     where = (f"the {s.phase} message of stage {s.rank} ({s.api}) to stage {r.rank} ({r.api}) in a pipeline group "
              f"of {t.g.size}")
     sent = _wire.describe(s.meta.shape, s.meta.dtype)
+    refused = [e for e in (s, r) if e.meta.status == _wire.BAD_ARGUMENTS]
+    if refused:
+        who = " and ".join(f"stage {e.rank} ({e.api})" for e in refused)
+        return ShardkitError(f"P2P: {where}: {who} raised an argument error (its own message is the cause on that "
+                             "rank); nothing was transferred")
     if s.meta.status == _wire.BAD_DECLARATION:
         return ShardkitError(f"P2P: {where}: the sender's tensor ({sent}) does not match its own declared static "
                              "shape/dtype; nothing was transferred")

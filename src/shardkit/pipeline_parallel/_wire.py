@@ -28,7 +28,7 @@ import torch
 
 from ..errors import ShardkitError
 
-__all__ = ["HEADER_LEN", "HELLO_LEN", "MAX_DIMS", "OK", "BAD_DECLARATION", "UNENCODABLE", "MISUSE", "Meta",
+__all__ = ["HEADER_LEN", "HELLO_LEN", "MAX_DIMS", "OK", "BAD_DECLARATION", "UNENCODABLE", "BAD_ARGUMENTS", "MISUSE", "Meta",
            "Hello", "encode", "decode", "encode_hello", "decode_hello", "unencodable", "describe"]
 
 MAGIC = 0x534B5032  # "SKP2": catches a receiver reading a payload as a header (mode mismatch)
@@ -38,6 +38,7 @@ HEADER_LEN = 4 + MAX_DIMS
 OK = 0
 BAD_DECLARATION = 1  # sender: its tensor does not match its own declared static shape / dtype
 UNENCODABLE = 2  # sender: ndim > MAX_DIMS or a dtype without a wire code
+BAD_ARGUMENTS = 3  # hello only (checks on): this end's call raised an argument error; nothing follows
 MISUSE = 4  # local only (never sent): the hellos showed a misuse or a mismatch, no payload follows
 
 SEND, RECV = 0, 1

@@ -22,7 +22,8 @@ declaration, plus each end's role, phase and api. Both ends then decide alike: t
 both send to each other, both wait to receive, or a forward message meeting a backward receive
 (``loop``) raise the same :class:`~shardkit.errors.RankMismatchError` on both ends, nothing
 transferred and the channel clean; a receiver declaring another shape or dtype than the sender's
-tensor, or a sender whose tensor does not match its own declaration, raises the same text on
+tensor, a sender whose tensor does not match its own declaration, or a call whose own arguments
+are refused (it still says hello, its own message kept as the cause) raises the same text on
 both ends, at the call, with no payload sent, instead of corrupting data or hanging. 2 messages each way per transfer (hello, payload), and
 the call returns only once the peer has posted its side. With checks off the sender still checks
 its own tensor against its declaration and raises before sending anything (its receiver then
@@ -238,19 +239,14 @@ def send_backward_recv_backward(grad: torch.Tensor, group: Group | list[Group] |
 def _run(api, group, x, sends, recvs, shape, dtype, device, loop, batched, async_op, reduce, shape_cache=None):
     """Validate (every check here is a function of this rank's arguments and stage, raised
     before any message is posted), build the transfers and run the exchange."""
-    if sends and not isinstance(x, torch.Tensor):
-        raise ShardkitTypeError(f"{api}: expected a torch.Tensor to send, got {type(x).__name__}")
     groups = _resolve_groups(group, api)
-    shape = _check_shape(shape, api)
-    if dtype is not None and not isinstance(dtype, torch.dtype):
-        raise ShardkitTypeError(f"{api}: dtype must be a torch.dtype, got {dtype!r}")
-    if recvs and shape is not None and dtype is None:
-        raise ShardkitTypeError(f"{api}: a static receive (shape={list(shape)}) also needs dtype=")
-    if reduce not in ("mean", "sum"):
-        raise ShardkitError(f"{api}: reduce must be 'mean' or 'sum', got {reduce!r}")
-    if shape_cache is not None and not isinstance(shape_cache, ShapeCache):
-        raise ShardkitTypeError(f"{api}: shape_cache must be a ShapeCache or None, got {type(shape_cache).__name__}")
     checks = checks_enabled()
+    try:
+        shape = _check_arguments(api, x, sends, recvs, shape, dtype, reduce, shape_cache)
+    except ShardkitError as exc:
+        if checks:  # the peers are waiting for this end's hello: they learn of the error from it
+            _refuse(api, groups, sends, recvs, device, loop, exc)
+        raise
     single = not checks and not batched and len(groups) == 1 and len(sends) + len(recvs) == 1
     if single and shape is not None:
         work = _static_single(api, groups[0], x, sends or recvs, bool(sends), shape, dtype, device, loop)
@@ -274,6 +270,38 @@ def _run(api, group, x, sends, recvs, shape, dtype, device, loop, batched, async
                                       header))
     work = exchange(transfers, api, bool(batched), checks, reduce, shape_cache)
     return work if async_op else work.wait()
+
+
+def _check_arguments(api, x, sends, recvs, shape, dtype, reduce, shape_cache):
+    """This rank's arguments (a function of them alone); the checked static shape."""
+    if sends and not isinstance(x, torch.Tensor):
+        raise ShardkitTypeError(f"{api}: expected a torch.Tensor to send, got {type(x).__name__}")
+    shape = _check_shape(shape, api)
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise ShardkitTypeError(f"{api}: dtype must be a torch.dtype, got {dtype!r}")
+    if recvs and shape is not None and dtype is None:
+        raise ShardkitTypeError(f"{api}: a static receive (shape={list(shape)}) also needs dtype=")
+    if reduce not in ("mean", "sum"):
+        raise ShardkitError(f"{api}: reduce must be 'mean' or 'sum', got {reduce!r}")
+    if shape_cache is not None and not isinstance(shape_cache, ShapeCache):
+        raise ShardkitTypeError(f"{api}: shape_cache must be a ShapeCache or None, got {type(shape_cache).__name__}")
+    return shape
+
+
+def _refuse(api, groups, sends, recvs, device, loop, cause: ShardkitError) -> None:
+    """Checks on, this call's arguments were refused: exchange hellos saying so with every peer,
+    then raise the error both ends raise (this rank's own message as its cause)."""
+    transfers = []
+    for gi, g in enumerate(groups):
+        dev = _device(device if isinstance(device, (str, torch.device)) else None, g, api)
+        for send, directions in ((True, sends), (False, recvs)):
+            for towards, phase in directions:
+                transfers.append(Transfer(send, towards, gi, g, _peer(g, towards, loop, api), phase, dev, None, None,
+                                          True, status=_wire.BAD_ARGUMENTS))
+    try:
+        exchange(transfers, api, False, True, "mean")
+    except ShardkitError as agreed:
+        raise agreed from cause
 
 
 class _StaticWork(P2PWork):
