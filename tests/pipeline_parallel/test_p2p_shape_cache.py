@@ -45,7 +45,7 @@ def _same(got, want):
 def _entries(cache: ShapeCache) -> dict:
     """This rank's cache as {(src stage, dst stage): (shape, dtype)} of the world group."""
     s, out = rank(), {}
-    for (_, is_send, peer), (shape, dtype) in cache._last.items():
+    for (_, is_send, peer), (shape, dtype, *_) in cache._last.items():
         out[(s, peer) if is_send else (peer, s)] = (shape, str(dtype))
     return out
 

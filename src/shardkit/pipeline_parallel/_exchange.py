@@ -46,7 +46,7 @@ both modes (every combination of active links, 2-5 stages, with and without loop
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -61,7 +61,7 @@ from ._wire import HEADER_LEN, HELLO_LEN, OK
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-__all__ = ["Transfer", "P2PWork", "ShapeCache", "cached_recv", "cached_send", "exchange", "order_key", "posting_order",
+__all__ = ["Transfer", "P2PWork", "ShapeCache", "Channel", "cached_recv", "cached_send", "exchange", "order_key", "posting_order",
            "message_order"]
 
 _SLOTS = (
@@ -81,19 +81,39 @@ def posting_order(items) -> list[int]:
     return sorted(range(len(items)), key=lambda i: (items[i][0], order_key(*items[i][1:])))
 
 
+class Channel(NamedTuple):
+    """A channel's negotiated payload: its shape and dtype, its size, and the header an ``OK``
+    transfer of it carries (uint8, ``HEADER_LEN * 8`` bytes, on ``device``, where this end's
+    transfers were): derived from (shape, dtype), so equal on both ends whenever those are."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    nbytes: int
+    header: torch.Tensor
+    device: torch.device
+
+
 class ShapeCache:
     """Negotiated payload shapes per P2P channel, for one run of transfers (e.g. one
     ``run_schedule`` call): create one on every rank at the same point of the program and pass it
     to every transfer of that run. See the module docstring for why the copies cannot diverge."""
 
     def __init__(self) -> None:
-        self._last: dict = {}  # (id of the process group, is_send, peer) -> (shape, dtype)
+        self._last: dict[tuple, Channel] = {}  # (id of the process group, is_send, peer) -> Channel
 
-    def get(self, t: "Transfer") -> tuple[tuple[int, ...], torch.dtype] | None:
+    def get(self, t: "Transfer") -> Channel | None:
         return self._last.get((id(t.g.pg), t.send, t.peer))
 
     def put(self, t: "Transfer", shape: Sequence[int], dtype: torch.dtype) -> None:
-        self._last[(id(t.g.pg), t.send, t.peer)] = (tuple(shape), dtype)
+        key = (id(t.g.pg), t.send, t.peer)
+        old = self._last.get(key)
+        if old is not None and old.dtype == dtype and old.shape == shape and old.device == t.device:
+            return  # a repeat: the entry (and its encoded header) stays
+        n = dtype.itemsize
+        for d in shape:
+            n *= d
+        header = _wire.encode(OK, dtype, shape, t.device).view(torch.uint8)
+        self._last[key] = Channel(tuple(shape), dtype, n, header, t.device)
 
 
 @dataclass(eq=False)
@@ -243,48 +263,48 @@ PACK_MAX_BYTES = 256 * 1024
 _HB = HEADER_LEN * 8  # header bytes; a multiple of 16, so the payload view after it is aligned
 
 
-def _nbytes(cached) -> int:
-    n = cached[1].itemsize
-    for d in cached[0]:
-        n *= d
-    return n
-
-
-def cached_send(t: Transfer, cached, api: str) -> list:
+def cached_send(t: Transfer, ch: Channel, api: str) -> list:
     """Header, then a message of the cached shape (the payload, or a dummy plus the payload);
-    packed into one message when the cached payload is small."""
-    same = t.status == OK and (tuple(t.payload.shape), t.payload.dtype) == cached
-    nb = _nbytes(cached)
-    if nb <= PACK_MAX_BYTES:
-        buf = torch.empty(_HB + nb, dtype=torch.uint8, device=t.device)
-        buf[:_HB].view(torch.int64).copy_(_wire.encode(t.status, t.payload.dtype, t.payload.shape, t.device))
-        if same and nb:
-            buf[_HB:].view(cached[1]).view(cached[0]).copy_(t.payload)
+    packed into one message when the cached payload is small. A repeated shape is one ``cat``
+    of the channel's stored header and the payload (no header encoding, one copy)."""
+    x = t.payload
+    same = t.status == OK and x.dtype == ch.dtype and x.shape == ch.shape
+    if ch.nbytes <= PACK_MAX_BYTES:
+        if same:
+            header = ch.header if ch.device == t.device else ch.header.to(t.device)
+            buf = torch.cat([header, x.reshape(-1).view(torch.uint8)])
+        else:
+            buf = torch.empty(_HB + ch.nbytes, dtype=torch.uint8, device=t.device)
+            buf[:_HB].view(torch.int64).copy_(_wire.encode(t.status, x.dtype, x.shape, t.device))
         msgs = [(t, True, buf, t.phase)]
     else:
-        msgs = [_header_msg(t), (t, True, t.payload if same else torch.empty(cached[0], dtype=cached[1],
-                                                                            device=t.device), t.phase)]
+        msgs = [_header_msg(t), (t, True, x if same else torch.empty(ch.shape, dtype=ch.dtype, device=t.device),
+                                 t.phase)]
     if not same and (pay := _payload_msg(t)) is not None:
         msgs.append(pay)
     return _post(msgs, False, api)
 
 
-def cached_recv(t: Transfer, cached, api: str) -> list:
+def cached_recv(t: Transfer, ch: Channel, api: str) -> list:
     """The mirror of :func:`cached_send`: header and a receive of the cached shape posted
     together (or one packed receive); the real payload after them only when the header
-    announces another shape."""
-    nb = _nbytes(cached)
-    if nb <= PACK_MAX_BYTES:
-        buf = torch.empty(_HB + nb, dtype=torch.uint8, device=t.device)
+    announces another shape. A packed header equal to the channel's stored one (the cached
+    shape, status OK) is accepted by one comparison, without decoding."""
+    if ch.nbytes <= PACK_MAX_BYTES:
+        buf = torch.empty(_HB + ch.nbytes, dtype=torch.uint8, device=t.device)
         _post([(t, False, buf, t.phase)], False, api)[0].wait()
-        t.hdr, pre, rest = buf[:_HB].view(torch.int64), buf[_HB:].view(cached[1]).view(cached[0]), []
+        hdr, body = buf.split_with_sizes((_HB, ch.nbytes))
+        if (t.dtype is None or t.dtype == ch.dtype) and ch.device == t.device and torch.equal(hdr, ch.header):
+            t.payload = body.view(ch.dtype).view(ch.shape)
+            return []
+        t.hdr, pre, rest = hdr.view(torch.int64), body.view(ch.dtype).view(ch.shape), []
     else:
-        pre = torch.empty(cached[0], dtype=cached[1], device=t.device)
+        pre = torch.empty(ch.shape, dtype=ch.dtype, device=t.device)
         posted = _post([_header_msg(t), (t, False, pre, t.phase)], False, api)
         posted[0].wait()
         rest = posted[1:]
     _read_header(t, api)
-    if t.status == OK and (tuple(t.payload.shape), t.payload.dtype) == cached:
+    if t.status == OK and t.payload.dtype == ch.dtype and t.payload.shape == ch.shape:
         t.payload = pre
         return rest
     for w in rest:
