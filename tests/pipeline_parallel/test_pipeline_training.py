@@ -157,6 +157,37 @@ def test_ledger_counts_exactly_the_planned_transfers(schedule_name):
     assert all_true(ok)
 
 
+@pytest.mark.world(3, timeout=30)
+def test_negotiated_shapes_are_kept_across_calls_of_one_stage():
+    """A stage's second call with the same microbatch shapes sends one message per transfer (the
+    header packed with the payload: no negotiation left); a third call with other shapes
+    negotiates again; every call's losses and gradients match the single-process reference."""
+    s, P, g = rank(), world_size(), world_group()
+    full = _model()
+    module = copy.deepcopy(_slice(full, s, P))
+    stage = PipelineStage(module, g, s, P, loss_fn=_mse)
+    table = one_f_one_b_schedule(P, 3)
+    planned = sum(len(c.sends) + len(c.recvs) for c in comm_plan(table[s], s, P))
+    ok, counts = True, []
+    for varlen in (False, False, True):
+        xs, ts = _data(3, varlen)
+        ref_losses = _reference(full, xs, ts)
+        module.zero_grad()
+        with CommLedger() as ledger:
+            losses = run_schedule(stage, table, xs, ts)
+        counts.append(len(ledger.records))
+        if s == P - 1:
+            ok &= all(torch.allclose(a, b, rtol=1e-9, atol=0) for a, b in zip(losses, ref_losses))
+        for p, r in zip(module.parameters(), _slice(full, s, P).parameters(), strict=True):
+            ok &= torch.allclose(p.grad, r.grad, rtol=1e-9, atol=1e-15)
+    # First call: each channel's first transfer negotiates (2 messages); second: 1 each; third:
+    # microbatch 0 keeps the cached shape (1 message), the others change it (a dummy of the
+    # cached shape, then the payload: 2).
+    channels = (s > 0) * 2 + (s < P - 1) * 2
+    ok &= counts == [planned + channels, planned, 2 * planned - channels]
+    assert all_true(ok), counts
+
+
 # ---------------------------------------------------------------- bad inputs: every rank raises
 
 

@@ -74,7 +74,9 @@ def run_schedule(stage: PipelineStage, schedule: Sequence[Sequence[Action]],
         inputs_microbatches: first stage: ``M`` input tensors (shapes may differ); else ignored.
         targets_microbatches: last stage: ``M`` targets for ``loss_fn``; else ignored.
         boundary_shapes: None (activations negotiate their shape and dtype: microbatches may
-            differ), or ``P - 1`` pairs ``(full shape, dtype)``, entry ``b`` for the boundary
+            differ; the stage keeps the negotiated shapes between calls, so a shape seen before
+            costs no header round trip; they are dropped on every rank when any rank's previous
+            call did not complete, agreed with the arguments), or ``P - 1`` pairs ``(full shape, dtype)``, entry ``b`` for the boundary
             between stages ``b`` and ``b + 1`` (the same on every rank and microbatch): static
             transfers, one message fewer each (see :mod:`.p2p` for the check mode).
         stage_kwargs: None, or ``M`` dicts of keyword arguments for this stage's module, one per
@@ -104,12 +106,17 @@ def run_schedule(stage: PipelineStage, schedule: Sequence[Sequence[Action]],
             not isinstance(stage_kwargs, (list, tuple)) or len(stage_kwargs) != M
             or not all(isinstance(kw, dict) for kw in stage_kwargs)):
         error = f"stage {s}: stage_kwargs must be None or {M} dicts (one per microbatch)"
-    _agree(stage, error, decls, op)
+    # The stage's ShapeCache outlives the call only if every rank's previous call completed (its
+    # channels were then updated from the same headers on both ends); else every rank starts a new one.
+    keep = _agree(stage, error, decls, op, clean=stage._shape_cache is not None)
+    cache, stage._shape_cache = (stage._shape_cache if keep else None) or p2p.ShapeCache(), None
     plan = comm_plan(schedule[s], s, P)
     kwargs = stage_kwargs or [{}] * M
     if stage.stages is not None:
         return _execute_tp(stage, plan, M, inputs_microbatches, targets_microbatches, decls, kwargs)
-    return _execute(stage, plan, M, inputs_microbatches, targets_microbatches, decls, kwargs)
+    losses = _execute(stage, plan, M, inputs_microbatches, targets_microbatches, decls, kwargs, cache)
+    stage._shape_cache = cache  # completed: the next call may keep it (agreed by every rank)
+    return losses
 
 
 def _boundary_decls(shapes, P: int, op: str):
@@ -124,20 +131,21 @@ def _boundary_decls(shapes, P: int, op: str):
     return decls
 
 
-def _agree(stage, error, decls, op: str) -> None:
+def _agree(stage, error, decls, op: str, clean: bool) -> bool:
     """Raise the same ShardkitError on every rank if any rank has a data error or ranks passed
-    different boundary shapes. One small ``all_gather`` of (error flag, CRC of the shapes) per
-    call; only when it shows a problem does an ``all_gather_object`` collect the messages."""
+    different boundary shapes; else return whether every rank is ``clean``. One small
+    ``all_gather`` of (error flag, CRC of the shapes, clean flag) per call; only when it shows a
+    problem does an ``all_gather_object`` collect the messages."""
     g = stage._info
     if g.size == 1:
         seen: list[tuple[str | None, str]] = [(error, repr(decls))]
     else:
-        mine = torch.tensor([error is not None, zlib.crc32(repr(decls).encode())], dtype=torch.int64)
-        flags = torch.empty(g.size * 2, dtype=torch.int64)
+        mine = torch.tensor([error is not None, zlib.crc32(repr(decls).encode()), clean], dtype=torch.int64)
+        flags = torch.empty(g.size * 3, dtype=torch.int64)
         all_gather_single(flags, mine, group=g.pg)
-        flags = flags.view(g.size, 2)
+        flags = flags.view(g.size, 3)
         if not flags[:, 0].any() and bool((flags[:, 1] == flags[0, 1]).all()):
-            return
+            return bool(flags[:, 2].all())
         seen = [("", "")] * g.size  # placeholders, filled by all_gather_object
         dist.all_gather_object(seen, (error, repr(decls)), group=g.pg)
     bad = [f"rank {r}: {e}" for r, (e, _) in enumerate(seen) if e is not None]
@@ -146,6 +154,7 @@ def _agree(stage, error, decls, op: str) -> None:
         bad.append(f"ranks {differ} passed boundary_shapes {seen[differ[0]][1]}, rank 0 passed {seen[0][1]}")
     if bad:
         raise ShardkitError(f"{op}: {len(bad)} of {g.size} pipeline ranks rejected their arguments: " + "; ".join(bad))
+    return clean
 
 
 def _data_error(stage, M, inputs, targets) -> str | None:
@@ -159,16 +168,15 @@ def _data_error(stage, M, inputs, targets) -> str | None:
     return None
 
 
-def _execute(stage, plan, M, inputs, targets, decls, kwargs):
+def _execute(stage, plan, M, inputs, targets, decls, kwargs, cache):
     g = stage.group
     received = {}  # (direction, microbatch) -> tensor from a neighbour
     stash = {}  # microbatch -> (input or None, output or scaled loss)
     grads_out = {}  # microbatch -> gradient to send to the previous stage
     outputs = {}  # microbatch -> output to send to the next stage
     losses = [None] * M
-    # Negotiated shapes are remembered per channel for this run (identically on both ends), so
-    # repeated microbatch shapes cost no header round trip.
-    cache = p2p.ShapeCache()
+    # Negotiated shapes are remembered per channel (identically on both ends, across calls: see
+    # run_schedule), so repeated microbatch shapes cost no header round trip.
     # Sends are posted and not waited for: gloo and NCCL sends complete only when the receiver
     # has posted its receive, so a blocking send would idle this stage until its neighbour gets
     # there (as Megatron-LM and torch.distributed.pipelining, the next compute overlaps it).

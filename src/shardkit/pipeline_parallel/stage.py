@@ -20,6 +20,7 @@ from .vtp import StageGroups, check_layout
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
     from .._types import Group
+    from ._exchange import ShapeCache
     from .vtp import Shard
 
 __all__ = ["PipelineStage", "agree_error"]
@@ -106,6 +107,8 @@ class PipelineStage:
         self.module, self.group, self.loss_fn = module, pp_group, loss_fn
         self.stage_index, self.num_stages = stage_index, num_stages
         self._info = g
+        # run_schedule's negotiated P2P shapes, kept between its calls (None: none, or a call failed)
+        self._shape_cache: ShapeCache | None = None
 
     @staticmethod
     def _layout_error(my_stage: int, stages: int, stage_index, num_stages, loss_fn,
