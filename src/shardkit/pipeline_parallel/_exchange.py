@@ -285,24 +285,39 @@ def cached_send(t: Transfer, ch: Channel, api: str) -> list:
     return _post(msgs, False, api)
 
 
+def _post_packed(t: Transfer, ch: Channel, api: str):
+    """Post the one receive of a packed transfer (header + payload of the cached shape)."""
+    buf = torch.empty(_HB + ch.nbytes, dtype=torch.uint8, device=t.device)
+    return buf, _post([(t, False, buf, t.phase)], False, api)[0]
+
+
+def _read_packed(t: Transfer, ch: Channel, buf: torch.Tensor, work, api: str) -> list:
+    """Complete a packed receive: a header equal to the channel's stored one (the cached shape,
+    status OK) is accepted by one comparison, without decoding; else :func:`_after_header`."""
+    work.wait()
+    hdr, body = buf.split_with_sizes((_HB, ch.nbytes))
+    if (t.dtype is None or t.dtype == ch.dtype) and ch.device == t.device and torch.equal(hdr, ch.header):
+        t.payload = body.view(ch.dtype).view(ch.shape)
+        return []
+    t.hdr = hdr.view(torch.int64)
+    return _after_header(t, ch, body.view(ch.dtype).view(ch.shape), [], api)
+
+
 def cached_recv(t: Transfer, ch: Channel, api: str) -> list:
     """The mirror of :func:`cached_send`: header and a receive of the cached shape posted
     together (or one packed receive); the real payload after them only when the header
-    announces another shape. A packed header equal to the channel's stored one (the cached
-    shape, status OK) is accepted by one comparison, without decoding."""
+    announces another shape."""
     if ch.nbytes <= PACK_MAX_BYTES:
-        buf = torch.empty(_HB + ch.nbytes, dtype=torch.uint8, device=t.device)
-        _post([(t, False, buf, t.phase)], False, api)[0].wait()
-        hdr, body = buf.split_with_sizes((_HB, ch.nbytes))
-        if (t.dtype is None or t.dtype == ch.dtype) and ch.device == t.device and torch.equal(hdr, ch.header):
-            t.payload = body.view(ch.dtype).view(ch.shape)
-            return []
-        t.hdr, pre, rest = hdr.view(torch.int64), body.view(ch.dtype).view(ch.shape), []
-    else:
-        pre = torch.empty(ch.shape, dtype=ch.dtype, device=t.device)
-        posted = _post([_header_msg(t), (t, False, pre, t.phase)], False, api)
-        posted[0].wait()
-        rest = posted[1:]
+        return _read_packed(t, ch, *_post_packed(t, ch, api), api)
+    pre = torch.empty(ch.shape, dtype=ch.dtype, device=t.device)
+    posted = _post([_header_msg(t), (t, False, pre, t.phase)], False, api)
+    posted[0].wait()
+    return _after_header(t, ch, pre, posted[1:], api)
+
+
+def _after_header(t: Transfer, ch: Channel, pre: torch.Tensor, rest: list, api: str) -> list:
+    """The header was read into ``t.hdr``: keep ``pre`` (the cached shape arrived), or wait for
+    the dummy and receive the real payload (if any) after it."""
     _read_header(t, api)
     if t.status == OK and t.payload.dtype == ch.dtype and t.payload.shape == ch.shape:
         t.payload = pre
@@ -316,13 +331,28 @@ def cached_recv(t: Transfer, ch: Channel, api: str) -> list:
 def _ordered(transfers: list[Transfer], api: str, checked: bool, cache: ShapeCache | None = None) -> list:
     """Transfer by transfer in slot order, each complete (header or hellos, payload) before the
     next; a receiver waits for its header before posting the payload receive, unless ``cache``
-    holds the channel's shape (then both are posted at once). ``checked``: the check mode's hellos."""
-    works = []
-    for i in posting_order([(t.gi, t.g.rank, t.send, t.towards) for t in transfers]):
+    holds the channel's shape (then both are posted at once). ``checked``: the check mode's hellos.
+
+    On gloo, a packed cached receive that is its group's only receive in the call is posted in
+    its slot and read after the call's later messages are posted: an odd stage's
+    ``send_backward_recv_forward`` then sends its gradient without first waiting for the
+    activation (the peer's send was posted already), one latency fewer on the 1F1B critical path.
+    Gloo matches each pair's messages per direction in posting order and never blocks on a post,
+    so a changed shape (dummy, then the payload received after the later posts) still pairs up.
+    NCCL runs a peer's P2P in order on one stream, where that late payload receive would sit
+    behind this end's later send while the peer's send of the payload blocks: not done there."""
+    works, late = [], []
+    order = posting_order([(t.gi, t.g.rank, t.send, t.towards) for t in transfers])
+    receives = [t.gi for t in transfers if not t.send]
+    for i in order:
         t = transfers[i]
         use_cache = cache is not None and t.header and not checked
         cached = cache.get(t) if use_cache else None
         if cached is not None:
+            if not t.send and cached.nbytes <= PACK_MAX_BYTES and receives.count(t.gi) == 1 and \
+                    t.g.pg.name().lower() == "gloo":
+                late.append((t, cached, *_post_packed(t, cached, api)))
+                continue
             works += (cached_send if t.send else cached_recv)(t, cached, api)
         elif checked:
             for w in _sorted_post(_hello_msgs(t, api), api, batched=False):
@@ -340,6 +370,10 @@ def _ordered(transfers: list[Transfer], api: str, checked: bool, cache: ShapeCac
             works += _post([m for m in [_payload_msg(t)] if m is not None], False, api)
         if use_cache and t.status == OK:
             # Both ends record the header's shape: the sender its own, the receiver the one read.
+            cache.put(t, t.payload.shape, t.payload.dtype)
+    for t, cached, buf, work in late:
+        works += _read_packed(t, cached, buf, work, api)
+        if t.status == OK:
             cache.put(t, t.payload.shape, t.payload.dtype)
     return works
 
