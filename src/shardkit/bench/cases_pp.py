@@ -80,7 +80,11 @@ def _bare_1f1b(stage, plan, xs, rank: int, P: int, M: int, pg) -> list:
     at the end); returns the last stage's losses."""
     from ..pipeline_parallel._exchange import order_key
 
-    got, stash, out, losses, pending = {}, {}, {}, [], []
+    got: dict[tuple, torch.Tensor] = {}
+    stash: dict[int, tuple] = {}
+    out: dict[tuple, torch.Tensor] = {}
+    losses: list[torch.Tensor] = []
+    pending: list = []  # c10d works (typed Work | None by torch)
     for call in plan:
         if call.api == "compute":
             kind, m = call.action
@@ -99,7 +103,7 @@ def _bare_1f1b(stage, plan, xs, rank: int, P: int, M: int, pg) -> list:
                 out[("B", m)] = x.grad
             continue
         msgs = [(True, t, d, m) for t, d, m in call.sends] + [(False, t, d, m) for t, d, m in call.recvs]
-        waits = []
+        waits: list = []
         for is_send, towards, d, m in sorted(msgs, key=lambda x: order_key(rank, x[0], x[1])):
             peer = rank + (1 if towards == "next" else -1)
             if is_send:
