@@ -31,9 +31,14 @@ microbatch, ``e`` bytes per element, ``t`` = tp, per microbatch unless said):
 * once per step: dense gradients FSDP2 does not own (all with ``dp_shard`` 1; else the
   sum-over-tp ones) all-reduced over ``dp_cp``; expert gradients over ``edp``; the gradient
   norm and the loss (one float64 each) over the world.
-
-FSDP2's own collectives (parameter all-gathers, gradient reduce-scatters) are c10d calls of
-torch's ``fully_shard``, not shardkit's: :func:`fsdp_collectives` lists them separately.
+* FSDP2 (api ``fully_shard``, recorded through shardkit's custom all-gather and
+  reduce-scatter, see :mod:`shardkit.data_parallel.fsdp`): every decoder layer and the root
+  (embedding, final norm, ``lm_head``) are ``G`` = layers + 1 groups. Per microbatch every layer
+  is all-gathered before forward and again before backward; the root is resharded after
+  backward only, so it is gathered by the step's first action and each action after a backward
+  (in the 1F1B order: a warm-up forward keeps it). Every group's gradients are
+  reduce-scattered per microbatch, and with HSDP each shard is all-reduced over ``dp_replicate``. Bytes are the parameters FSDP2 owns; its padding of each
+  parameter's dim 0 to a multiple of the ranks is left out (none when dim 0 divides evenly).
 
 Source: the trainer (:mod:`shardkit.cli.trainer`) and the transforms it composes.
 """
@@ -45,10 +50,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ..mesh import ParallelDims
+from ..pipeline_parallel.schedules import one_f_one_b_schedule
 from .model import ModelShape
 from .options import StepOptions, check_layout, hooked_params, resolve_options
 
-__all__ = ["CommRow", "step_collectives", "fsdp_collectives", "merged", "ledger_table", "HEADER_BYTES"]
+__all__ = ["CommRow", "step_collectives", "merged", "ledger_table", "HEADER_BYTES"]
 
 HEADER_BYTES = 160  # the P2P shape header: 20 int64 (dtype, ndim, up to 16 dims, ...)
 
@@ -104,7 +110,8 @@ class _Rows:
 
 
 def step_collectives(shape: ModelShape, dims: ParallelDims, opts: StepOptions, stage: int = 0) -> list[CommRow]:
-    """shardkit's collectives of one training step on a rank of pipeline stage ``stage``.
+    """The collectives of one training step on a rank of pipeline stage ``stage``: shardkit's and
+    FSDP2's (which shardkit records too).
 
     Args:
         shape: the model. dims: the layout. opts: the step's options.
@@ -152,6 +159,7 @@ def step_collectives(shape: ModelShape, dims: ParallelDims, opts: StepOptions, s
     if dims.pp > 1:
         _pp_rows(out, dims.pp, first, last, M, b * S * H * e)
     _grad_rows(out, shape, dims, opts, stage)
+    _fsdp_rows(out, shape, dims, opts, stage)
     world = dims.product
     out.add("world", "all_reduce", "grad_norm", "optimizer", world, 1, 8, 8)
     out.add("world", "all_reduce", "train_loss", "forward", world, 1, 8, 8)
@@ -258,20 +266,9 @@ def _grad_rows(out: _Rows, shape: ModelShape, dims: ParallelDims, opts: StepOpti
         out.add("dp", "all_reduce", "expert_grads", "backward", edp, 1, expert * e, expert * e)
 
 
-def fsdp_collectives(shape: ModelShape, dims: ParallelDims, opts: StepOptions, stage: int = 0) -> list[CommRow]:
-    """FSDP2's own collectives of one step (torch ``fully_shard``, not in the shardkit ledger).
-
-    FSDP2 wraps every decoder layer and the root (embedding, final norm, ``lm_head``): ``G`` =
-    layers + 1 groups. Per microbatch every group is all-gathered before forward, the layers
-    again before backward (the root is not resharded after forward), and every group's
-    gradients are reduce-scattered; with HSDP each group's shard is also all-reduced over
-    ``dp_replicate``. Bytes are nccl-tests sizes (FSDP2's padding to a multiple of the ranks
-    left out). Counts checked with torch's ``CommDebugMode`` in ``tests/plan``.
-    """
+def _fsdp_rows(out: _Rows, shape: ModelShape, dims: ParallelDims, opts: StepOptions, stage: int) -> None:
     if dims.dp_shard == 1:
-        return []
-    opts = resolve_options(shape, dims, opts)
-    out = _Rows()
+        return
     R, M, e = dims.dp_shard * dims.cp, opts.microbatches, opts.elem
     dense, expert = shape.rank_params(dims.tp, dims.ep, dims.pp, stage)
     owned = dense + (expert if dims.ep == 1 else 0) - hooked_params(shape, dims, opts, stage)
@@ -281,12 +278,32 @@ def fsdp_collectives(shape: ModelShape, dims: ParallelDims, opts: StepOptions, s
     if opts.sequence_parallel and stage == dims.pp - 1:
         layer_owned += shape.hidden  # the final norm's hook is the root's, not a layer's
     G = len(layers) + 1
-    full, layer_full = M * owned * e, M * layer_owned * e
-    out.add_total("fsdp", "all_gather", "fully_shard", "forward", R, M * G, full // R, full)
-    out.add_total("fsdp", "all_gather", "fully_shard", "backward", R, M * (G - 1), layer_full // R, layer_full)
-    out.add_total("fsdp", "reduce_scatter", "fully_shard", "backward", R, M * G, full, full // R)
+    full, layer_full, root = M * owned * e, M * layer_owned * e, (owned - layer_owned) * e
+    root_f, root_b = _root_gathers(dims.pp, M, stage)
+    gathered_f, gathered_b = layer_full + root_f * root, layer_full + root_b * root
+    out.add_total("fsdp", "all_gather_single", "fully_shard", "forward", R, M * (G - 1) + root_f, gathered_f // R,
+                  gathered_f)
+    out.add_total("fsdp", "all_gather_single", "fully_shard", "backward", R, M * (G - 1) + root_b, gathered_b // R,
+                  gathered_b)
+    out.add_total("fsdp", "reduce_scatter_single", "fully_shard", "backward", R, M * G, full, full // R)
     out.add_total("fsdp", "all_reduce", "fully_shard", "backward", dims.dp_replicate, M * G, full // R, full // R)
-    return out.result()
+
+
+def _root_gathers(pp: int, M: int, stage: int) -> tuple[int, int]:
+    """FSDP2 gathers of the root on a stage: (before a forward, before a backward).
+
+    Layers are resharded after every forward and backward, so they are gathered once for each.
+    The root is resharded after backward only: the step's first action gathers it, and so does
+    each action that follows a backward. Stage ``stage``'s action order is the trainer's 1F1B
+    table (plain gradient accumulation with ``pp`` 1: F B F B ...).
+    """
+    fwd = bwd = 0
+    previous = "B"  # the root starts the step sharded
+    for action in one_f_one_b_schedule(pp, M)[stage]:
+        if previous == "B":
+            fwd, bwd = (fwd + 1, bwd) if action.kind == "F" else (fwd, bwd + 1)
+        previous = action.kind
+    return fwd, bwd
 
 
 def merged(rows: Iterable[CommRow]) -> dict[tuple[str, str, str, int], tuple[int, int, int]]:

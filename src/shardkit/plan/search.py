@@ -14,7 +14,7 @@ from typing import Any
 from ..errors import ShardkitError
 from ..mesh import ParallelDims
 from .cluster import Cluster
-from .collectives import CommRow, fsdp_collectives, step_collectives
+from .collectives import CommRow, step_collectives
 from .options import StepOptions, check_layout
 from .memory import memory_per_rank
 from .model import ModelShape
@@ -84,7 +84,7 @@ def estimate_step(shape: ModelShape, dims: ParallelDims, options: StepOptions, c
     worst: tuple[float, list[tuple[CommRow, float]], float] | None = None
     memory: dict[str, float] = {}
     for stage in sorted({0, dims.pp // 2, dims.pp - 1}):  # embedding, a middle (MoE) stage, lm_head
-        rows = step_collectives(shape, dims, options, stage) + fsdp_collectives(shape, dims, options, stage)
+        rows = step_collectives(shape, dims, options, stage)
         timed = [(r, row_seconds(r, dims, cluster)) for r in rows]
         critical = sum(s for r, s in timed if r.axis in _CRITICAL)
         overlappable = sum(s for r, s in timed if r.axis not in _CRITICAL)
