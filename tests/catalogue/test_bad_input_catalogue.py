@@ -26,11 +26,6 @@ from bad_input_runner import all_cases, describe, goal_failures, run_catalogue, 
 pytestmark = pytest.mark.slow
 
 # (case, mode) -> why it still violates a goal.
-# P2P in check mode: the hello handshake judges misuse, declarations and refused arguments alike
-# on both ends (one text), but a call past the pipeline's end has no peer to say hello to: a
-# stage waiting on it waits for the process-group timeout.
-_P2P_LOCAL = "P2P: a call past the pipeline's end has no peer to tell; the stage facing it waits for the timeout"
-_P2P_BOTH_LOCAL = "P2P: each stage raises its own local error (different texts), nothing hangs"
 _P2P_DEFAULT = "P2P misuse in the default mode (no handshake): both stages wait"
 _NO_COMMON_GROUP = "the ranks pass different groups: no group on which to agree (a program error, not an argument)"
 _DEFAULT_DISAGREEMENT = ("the ranks disagree on a size-setting argument and take different collectives; "
@@ -44,9 +39,6 @@ KNOWN_OPEN = {
     ("all_to_all_gather_size_differs_r2", "default"): _DEFAULT_DISAGREEMENT,
     ("ulysses_vs_ring_mismatched_op_r2", "default"): _DEFAULT_DISAGREEMENT,
     ("p2p_both_stages_send", "default"): _P2P_DEFAULT,
-    ("p2p_both_stages_receive", "check mode"): _P2P_BOTH_LOCAL,
-    ("p2p_wrong_direction", "check mode"): _P2P_LOCAL,
-    ("p2p_last_stage_sends_forward", "check mode"): _P2P_BOTH_LOCAL,
 }
 
 # Every public function or layer that communicates, by the op names the cases use.
