@@ -29,9 +29,10 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from shardkit import ShardkitError  # noqa: E402
-from shardkit.comm import checks  # noqa: E402
+from shardkit.comm import checks, flight_recorder  # noqa: E402
 
-__all__ = ["Case", "Registry", "follow", "rank", "world", "prepare", "run_case", "followup", "CASE_MODULES"]
+__all__ = ["Case", "Registry", "follow", "rank", "world", "prepare", "run_case", "run_case_recorded", "followup",
+           "CASE_MODULES"]
 
 CASE_MODULES = ("bad_input_cases_comm", "bad_input_cases_cp", "bad_input_cases_ep",
                 "bad_input_cases_pp", "bad_input_cases_spatial", "bad_input_cases_transforms")
@@ -127,6 +128,14 @@ def run_case(module: str, name: str, check: bool) -> dict:
         return {"kind": "error", "type": type(exc).__name__, "shardkit": isinstance(exc, ShardkitError),
                 "msg": str(exc)[:4000], "elapsed": time.monotonic() - start}
     return {"kind": "ok", "match": want is not None and _same(got, want), "elapsed": time.monotonic() - start}
+
+
+def run_case_recorded(module: str, name: str, check: bool, directory: str) -> dict:
+    """:func:`run_case`, then this rank's flight recorder (only this case's collectives: the
+    worker clears it before every task) dumped into ``directory`` for the desync diagnosis."""
+    record = run_case(module, name, check)
+    flight_recorder.dump_all(directory, reason=f"{name} ({'check mode' if check else 'default'})")
+    return record
 
 
 def followup() -> dict:

@@ -20,6 +20,13 @@ after anything else, since ranks that failed apart may have collectives out of s
 
 The process-group timeout is long on purpose: a hang is seen by the wall limits here, not by
 a gloo timeout that would turn it into an error.
+
+A ``hang`` is then put to the test of the issue's desync proof: the case runs again in a fresh
+world whose process-group timeout is ``DESYNC_PG_TIMEOUT``, every rank dumping its flight
+recorder after the case (:mod:`shardkit.comm.flight_recorder`). It is a ``desync`` only if every
+rank raised within that timeout + 10 s and the report over every rank's dump names the first
+divergent call: every rank of its group (or P2P channel) on one side or the other, and the api
+the case called; otherwise it stays a ``hang``.
 """
 
 from __future__ import annotations
@@ -28,7 +35,9 @@ import importlib
 import os
 import pickle
 import queue
+import shutil
 import sys
+import tempfile
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -44,18 +53,22 @@ for _p in (_HERE, _TESTS):
 from harness.worker import Task  # noqa: E402
 from harness.world import START_LIMIT, World  # noqa: E402
 from bad_input_rank import CASE_MODULES, Case  # noqa: E402
+from shardkit.comm import flight_recorder  # noqa: E402
 
 __all__ = ["OUTCOMES", "MODES", "Result", "all_cases", "run_catalogue", "table", "goal_failures", "describe"]
 
 ERROR_LIMIT = 2.0  # s: "the same error on every rank within 2 s"
 HANG_LIMIT = 4.0  # s without any report: every rank hangs (cases take milliseconds)
 PG_TIMEOUT = 60.0
+DESYNC_PG_TIMEOUT = 3.0  # s: the process-group timeout of a hang's rerun
+DESYNC_LIMIT = DESYNC_PG_TIMEOUT + 10.0  # s: "diagnosed within the process-group timeout + 10 s"
 RANK_FILE = str(Path(_HERE) / "bad_input_rank.py")
 MODES = (("default", False), ("check mode", True))
 OUTCOMES = {
     "same_error": "same ShardkitError on every rank within 2 s, group usable",
     "same_error_unusable": "same ShardkitError on every rank, group unusable after",
     "partial": "error on some ranks, the others hang or fail differently",
+    "desync": "desync: every rank fails by the process-group timeout + 10 s, the flight recorder names the call",
     "hang": "every rank hangs",
     "abort": "process abort (gloo `terminate called`, SIGABRT)",
     "wrong": "silent wrong result",
@@ -81,14 +94,15 @@ def all_cases() -> list[Case]:
 class _CatalogueWorld(World):
     """A :class:`World` whose tasks report records, collected with the catalogue's time limits."""
 
-    def call(self, func: str, kwargs: dict, task_name: str, grace: float = ERROR_LIMIT) -> dict:
+    def call(self, func: str, kwargs: dict, task_name: str, grace: float = ERROR_LIMIT,
+             limit: float = HANG_LIMIT) -> dict:
         """Run ``func(**kwargs)`` of the rank module on every rank: {rank: outcome} of those
         that reported (or died) within the limits: ``grace`` seconds after the first rank that
-        reported an error, ``HANG_LIMIT`` after the start."""
+        reported an error, ``limit`` after the start."""
         if not self._procs:
             self.start()
             self._warm()
-        return self._collect_records(func, kwargs, task_name, grace)
+        return self._collect_records(func, kwargs, task_name, grace, limit)
 
     def _warm(self) -> None:
         """Import the case modules on every rank of a fresh world, without a case's time limit
@@ -97,7 +111,7 @@ class _CatalogueWorld(World):
         if not result.ok:
             raise RuntimeError(f"catalogue world of {self.n} failed to import its cases: {result.failure_message()}")
 
-    def _collect_records(self, func: str, kwargs: dict, task_name: str, grace: float) -> dict:
+    def _collect_records(self, func: str, kwargs: dict, task_name: str, grace: float, limit: float) -> dict:
         task_id = next(self._ids)
         task = Task(RANK_FILE, func, pickle.dumps(kwargs), task_name, "bad_input_rank")
         for q in self._task_qs:
@@ -133,7 +147,7 @@ class _CatalogueWorld(World):
                 break
             if first is not None and now - first > grace:
                 break
-            if now - start > HANG_LIMIT:
+            if now - start > limit:
                 break
         return outcomes
 
@@ -192,6 +206,8 @@ def _run_one(world: _CatalogueWorld, case: Case, mode: str, check: bool) -> Resu
         # The same error everywhere, late only because a rank was descheduled (the 2 cores are
         # shared with many processes): one rerun decides whether the op or the machine was slow.
         outcome, detail = _run_case(world, case, check, task + "::rerun")
+    if outcome == "hang":
+        outcome, detail = _desync(world, case, check, task)
     usable = False
     if outcome in ("correct", "wrong", "same_error"):  # every rank returned: are they still in step?
         recs = _records(world.call("followup", {}, task + "::followup"))
@@ -209,6 +225,50 @@ def _run_case(world: _CatalogueWorld, case: Case, check: bool, task: str) -> tup
     grace = HANG_LIMIT if check else ERROR_LIMIT
     outcomes = world.call("run_case", {"module": case.module, "name": case.name, "check": check}, task, grace)
     return _classify(case.n, _records(outcomes))
+
+
+def _desync(world: _CatalogueWorld, case: Case, check: bool, task: str) -> tuple[str, str]:
+    """Rerun a case that hung every rank in a fresh world with a ``DESYNC_PG_TIMEOUT`` process
+    group, every rank dumping its flight recorder: ``("desync", report)`` when every rank raised
+    within ``DESYNC_LIMIT`` and the report names the call; else ``("hang", why not)``."""
+    world.kill()
+    directory = tempfile.mkdtemp(prefix="shardkit-desync-")
+    world.pg_timeout = DESYNC_PG_TIMEOUT
+    try:
+        kwargs = {"module": case.module, "name": case.name, "check": check, "directory": directory}
+        records = _records(world.call("run_case_recorded", kwargs, task + "::desync", DESYNC_LIMIT, DESYNC_LIMIT))
+        why = _undiagnosed(case, records, directory)
+        if why is None:
+            slowest = max(rec["elapsed"] for rec in records.values())
+            first = flight_recorder.format_report(directory).splitlines()[0]
+            return "desync", f"every rank raised within {slowest:.1f} s (timeout {DESYNC_PG_TIMEOUT:g} s); {first}"
+        return "hang", f"no rank reported; with a {DESYNC_PG_TIMEOUT:g} s process-group timeout: {why}"
+    finally:
+        world.kill()
+        world.pg_timeout = PG_TIMEOUT
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _undiagnosed(case: Case, records: dict, directory: str) -> str | None:
+    """Why a desync rerun is not diagnosed (None when it is): a rank that did not raise within
+    ``DESYNC_LIMIT`` or wrote no dump, or a first divergence that misses a rank of its stream or
+    does not name the api the case called."""
+    late = [r for r in range(case.n) if r not in records or records[r]["kind"] != "error"
+            or records[r]["elapsed"] > DESYNC_LIMIT]
+    if late:
+        return f"ranks {late} did not raise within {DESYNC_LIMIT:g} s: {_errors(records)}"
+    dumps = flight_recorder.load_dumps(directory)
+    if sorted(dumps) != list(range(case.n)):
+        return f"dumps of ranks {sorted(dumps)} only"
+    found = flight_recorder.diagnose(dumps)
+    if not found:
+        return flight_recorder.format_report(dumps)
+    first = found[0]
+    named = sorted(r for ranks, _ in first.sides for r in ranks)
+    apis = {e.api for _, e in first.sides if e is not None}
+    if named != sorted(first.channel or first.group) or not apis & set(case.op.split("/")):
+        return "the first divergence does not name the call: " + first.describe()
+    return None
 
 
 def _run_world(n: int, cases: list[Case], progress) -> list[Result]:
@@ -274,7 +334,9 @@ def goal_failures(results: list[Result]) -> list[tuple[Result, str]]:
     Default mode: an uneven shard without its sizes neither aborts nor gives a wrong result.
     Check mode: every case is correct or the same ShardkitError on every rank within 2 s with
     the group usable after, except the fingerprint's cases (per-rank weights or inputs).
-    Both: no case hangs every rank, and every valid input (control, uneven) is correct.
+    Both: no case hangs every rank (a ``desync``, every rank failing at the process-group
+    timeout with the call named by the flight recorder, is the default mode's answer to ranks
+    that disagree without checks), and every valid input (control, uneven) is correct.
     """
     bad = []
     for r in results:
