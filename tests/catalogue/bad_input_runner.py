@@ -22,8 +22,8 @@ The process-group timeout is long on purpose: a hang is seen by the wall limits 
 a gloo timeout that would turn it into an error.
 
 A ``hang`` is then put to the test of the issue's desync proof: the case runs again in a fresh
-world whose process-group timeout is ``DESYNC_PG_TIMEOUT``, every rank dumping its flight
-recorder after the case (:mod:`shardkit.comm.flight_recorder`). It is a ``desync`` only if every
+world, on a copy of the world group whose process-group timeout is ``DESYNC_PG_TIMEOUT``, every
+rank dumping its flight recorder after the case (:mod:`shardkit.comm.flight_recorder`). It is a ``desync`` only if every
 rank raised within that timeout + 10 s and the report over every rank's dump names the first
 divergent call: every rank of its group (or P2P channel) on one side or the other, and the api
 the case called; otherwise it stays a ``hang``.
@@ -228,14 +228,15 @@ def _run_case(world: _CatalogueWorld, case: Case, check: bool, task: str) -> tup
 
 
 def _desync(world: _CatalogueWorld, case: Case, check: bool, task: str) -> tuple[str, str]:
-    """Rerun a case that hung every rank in a fresh world with a ``DESYNC_PG_TIMEOUT`` process
-    group, every rank dumping its flight recorder: ``("desync", report)`` when every rank raised
-    within ``DESYNC_LIMIT`` and the report names the call; else ``("hang", why not)``."""
-    world.kill()
+    """Rerun a case that hung every rank in a fresh world, on a group with a ``DESYNC_PG_TIMEOUT``
+    process-group timeout, every rank dumping its flight recorder: ``("desync", report)`` when
+    every rank raised within ``DESYNC_LIMIT`` and the report names the call; else
+    ``("hang", why not)``."""
+    world.kill()  # its ranks are still in the hung collectives
     directory = tempfile.mkdtemp(prefix="shardkit-desync-")
-    world.pg_timeout = DESYNC_PG_TIMEOUT
     try:
-        kwargs = {"module": case.module, "name": case.name, "check": check, "directory": directory}
+        kwargs = {"module": case.module, "name": case.name, "check": check, "directory": directory,
+                  "timeout": DESYNC_PG_TIMEOUT}
         records = _records(world.call("run_case_recorded", kwargs, task + "::desync", DESYNC_LIMIT, DESYNC_LIMIT))
         why = _undiagnosed(case, records, directory)
         if why is None:
@@ -245,7 +246,6 @@ def _desync(world: _CatalogueWorld, case: Case, check: bool, task: str) -> tuple
         return "hang", f"no rank reported; with a {DESYNC_PG_TIMEOUT:g} s process-group timeout: {why}"
     finally:
         world.kill()
-        world.pg_timeout = PG_TIMEOUT
         shutil.rmtree(directory, ignore_errors=True)
 
 
