@@ -40,7 +40,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -206,8 +206,6 @@ def _run_one(world: _CatalogueWorld, case: Case, mode: str, check: bool) -> Resu
         # The same error everywhere, late only because a rank was descheduled (the 2 cores are
         # shared with many processes): one rerun decides whether the op or the machine was slow.
         outcome, detail = _run_case(world, case, check, task + "::rerun")
-    if outcome == "hang":
-        outcome, detail = _desync(world, case, check, task)
     usable = False
     if outcome in ("correct", "wrong", "same_error"):  # every rank returned: are they still in step?
         recs = _records(world.call("followup", {}, task + "::followup"))
@@ -227,25 +225,29 @@ def _run_case(world: _CatalogueWorld, case: Case, check: bool, task: str) -> tup
     return _classify(case.n, _records(outcomes))
 
 
-def _desync(world: _CatalogueWorld, case: Case, check: bool, task: str) -> tuple[str, str]:
-    """Rerun a case that hung every rank in a fresh world, on a group with a ``DESYNC_PG_TIMEOUT``
-    process-group timeout, every rank dumping its flight recorder: ``("desync", report)`` when
-    every rank raised within ``DESYNC_LIMIT`` and the report names the call; else
-    ``("hang", why not)``."""
-    world.kill()  # its ranks are still in the hung collectives
+def _desync(hung: Result) -> Result:
+    """Rerun a case that hung every rank in a world of its own, on a group with a
+    ``DESYNC_PG_TIMEOUT`` process-group timeout, every rank dumping its flight recorder: a
+    ``desync`` when every rank raised within ``DESYNC_LIMIT`` and the report names the call,
+    else still the ``hang`` (with why not)."""
+    case, check = hung.case, hung.mode == "check mode"
+    world = _CatalogueWorld(case.n, pg_timeout=PG_TIMEOUT)
     directory = tempfile.mkdtemp(prefix="shardkit-desync-")
     try:
         kwargs = {"module": case.module, "name": case.name, "check": check, "directory": directory,
                   "timeout": DESYNC_PG_TIMEOUT}
-        records = _records(world.call("run_case_recorded", kwargs, task + "::desync", DESYNC_LIMIT, DESYNC_LIMIT))
+        task = f"{case.module}::{case.name}[{hung.mode}]::desync"
+        records = _records(world.call("run_case_recorded", kwargs, task, DESYNC_LIMIT, DESYNC_LIMIT))
         why = _undiagnosed(case, records, directory)
         if why is None:
             slowest = max(rec["elapsed"] for rec in records.values())
             first = flight_recorder.format_report(directory).splitlines()[0]
-            return "desync", f"every rank raised within {slowest:.1f} s (timeout {DESYNC_PG_TIMEOUT:g} s); {first}"
-        return "hang", f"no rank reported; with a {DESYNC_PG_TIMEOUT:g} s process-group timeout: {why}"
+            detail = f"every rank raised within {slowest:.1f} s (timeout {DESYNC_PG_TIMEOUT:g} s); {first}"
+            return Result(case, hung.mode, "desync", detail)
+        return Result(case, hung.mode, "hang",
+                      f"{hung.detail}; with a {DESYNC_PG_TIMEOUT:g} s process-group timeout: {why}")
     finally:
-        world.kill()
+        world.kill()  # the ranks of a desync are out of step
         shutil.rmtree(directory, ignore_errors=True)
 
 
@@ -271,15 +273,21 @@ def _undiagnosed(case: Case, records: dict, directory: str) -> str | None:
     return None
 
 
-def _run_world(n: int, cases: list[Case], progress) -> list[Result]:
+def _run_world(n: int, cases: list[Case], progress, rerun) -> list:
+    """The results of ``cases`` on one world, in order; a hang is handed to ``rerun``, whose
+    future stands in its place."""
     world = _CatalogueWorld(n, pg_timeout=PG_TIMEOUT)
-    results = []
+    results: list = []
     try:
         for case in cases:
             for mode, check in MODES:
-                results.append(_run_one(world, case, mode, check))
+                result = _run_one(world, case, mode, check)
+                if result.outcome == "hang":
+                    results.append(rerun(result))
+                    continue
+                results.append(result)
                 if progress is not None:
-                    progress(results[-1])
+                    progress(result)
     finally:
         world.shutdown()
     return results
@@ -291,7 +299,8 @@ def run_catalogue(cases: list[Case] | None = None, progress=None, cases_per_worl
     Cases of one world size are dealt round-robin to one world per ``cases_per_world`` cases,
     and all the worlds run at once (one thread each): most of a run is waiting (the 2 s of an
     error on one rank, a hang's limit, a respawn), which overlaps, while the cases themselves
-    take milliseconds.
+    take milliseconds. A hang's desync rerun (:func:`_desync`, mostly a wait for the short
+    process-group timeout) runs on a world of its own while its world goes on with the next case.
     """
     cases = all_cases() if cases is None else cases
     jobs = []
@@ -299,8 +308,16 @@ def run_catalogue(cases: list[Case] | None = None, progress=None, cases_per_worl
         mine = [c for c in cases if c.n == n]
         k = -(-len(mine) // cases_per_world)
         jobs += [(n, mine[i::k]) for i in range(k) if mine[i::k]]
-    with ThreadPoolExecutor(len(jobs)) as pool:
-        done = [r for rs in pool.map(lambda job: _run_world(*job, progress), jobs) for r in rs]
+    with ThreadPoolExecutor(len(jobs)) as desyncs:
+        def rerun(hung: Result) -> Future:
+            future = desyncs.submit(_desync, hung)
+            if progress is not None:
+                future.add_done_callback(lambda f: progress(f.result()))
+            return future
+
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            done = [r for rs in pool.map(lambda job: _run_world(*job, progress, rerun), jobs) for r in rs]
+        done = [r.result() if isinstance(r, Future) else r for r in done]
     order = {(c.module, c.name): i for i, c in enumerate(cases)}
     return sorted(done, key=lambda r: (order[r.case.module, r.case.name], r.mode != "default"))
 
