@@ -21,11 +21,13 @@ gaps are closed.
 from __future__ import annotations
 
 import inspect
+import json
+import os
 
 import pytest
 
 import shardkit
-from bad_input_runner import all_cases, describe, goal_failures, run_catalogue, table
+from bad_input_runner import DESYNC_LIMIT, _undiagnosed, all_cases, describe, goal_failures, run_catalogue, table
 
 pytestmark = pytest.mark.slow
 
@@ -89,3 +91,34 @@ def test_goals(results):
 def test_every_case_ran_in_both_modes(results):
     assert len(results) == 2 * len(all_cases())
     assert {r.mode for r in results} == {"default", "check mode"}
+
+
+def _dump(directory, rank, calls):
+    """A flight-recorder dump of ``rank``: ``calls`` = [(op, api, phase)] on the group [0, 1]."""
+    entries = [dict(seq=i, group_seq=i, op=op, api=api, phase=phase, group=[0, 1], group_name="0", shape=[2],
+                    sizes=None, peer=None, src=None, dst=None) for i, (op, api, phase) in enumerate(calls)]
+    with open(os.path.join(directory, f"rank{rank}.json"), "w") as f:
+        json.dump({"rank": rank, "entries": entries}, f)
+
+
+def test_a_hang_is_a_desync_only_when_every_rank_raised_and_the_report_names_the_call(tmp_path):
+    """The classifier of a hang's rerun (``bad_input_runner._undiagnosed``) on made-up records and
+    dumps: each missing piece of the proof keeps the case a hang."""
+    case = next(c for c in all_cases() if c.name == "reduce_scatter_sizes_differ_across_ranks_r2")
+    err = {"kind": "error", "type": "RuntimeError", "shardkit": False, "msg": "Timed out", "elapsed": 3.0}
+    mine = ("reduce_scatter_single", "reduce_scatter", "forward")
+    theirs = ("all_to_all_single", "reduce_scatter", "forward")
+    _dump(tmp_path, 0, [mine])
+    _dump(tmp_path, 1, [theirs])
+    assert _undiagnosed(case, {0: err, 1: err}, str(tmp_path)) is None
+    returned = {"kind": "ok", "match": False, "elapsed": 0.1}
+    assert "did not raise" in _undiagnosed(case, {0: err, 1: returned}, str(tmp_path))
+    assert "did not raise" in _undiagnosed(case, {0: err}, str(tmp_path))  # rank 1 never reported
+    assert "did not raise" in _undiagnosed(case, {0: err, 1: dict(err, elapsed=DESYNC_LIMIT + 1)}, str(tmp_path))
+    _dump(tmp_path, 1, [mine])  # the records agree: nothing named
+    assert "no divergence" in _undiagnosed(case, {0: err, 1: err}, str(tmp_path))
+    _dump(tmp_path, 1, [("all_reduce", "all_reduce_forward", "forward")])
+    _dump(tmp_path, 0, [("all_gather_single", "all_gather", "forward")])  # another api than the case's
+    assert "does not name the call" in _undiagnosed(case, {0: err, 1: err}, str(tmp_path))
+    os.remove(tmp_path / "rank1.json")
+    assert "dumps of ranks [0] only" in _undiagnosed(case, {0: err, 1: err}, str(tmp_path))
