@@ -30,7 +30,8 @@ message, the last stage the reverse) has no peer there: it says hello to the sta
 side, the only one that can be facing it, and both raise the same text. 2 messages each way per
 transfer (hello, payload), and the call returns only once the peer has posted its side. With
 checks off the sender still checks its own tensor against its declaration and raises before
-sending anything (its receiver then waits), and a call past the end raises before any message. A misuse between stages that do not face each other (stage 1 sends forward while stage 2
+sending anything (its receiver then waits), and a call past the end raises before any message.
+A misuse between stages that do not face each other (stage 1 sends forward while stage 2
 receives from stage 3) leaves each waiting on another peer: the flight recorder names it.
 
 Several groups (a stage with several previous or next stages): pass a list of groups. A send
