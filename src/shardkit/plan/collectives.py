@@ -50,9 +50,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ..mesh import ParallelDims
-from ..pipeline_parallel.schedules import one_f_one_b_schedule
 from .model import ModelShape
-from .options import StepOptions, check_layout, hooked_params, resolve_options
+from .options import SCHEDULES, StepOptions, check_layout, hooked_params, resolve_options, stage_tp
 
 __all__ = ["CommRow", "step_collectives", "merged", "ledger_table", "HEADER_BYTES"]
 
@@ -109,13 +108,17 @@ class _Rows:
         return [CommRow(*key, *vals) for key, vals in self.rows.items()]
 
 
-def step_collectives(shape: ModelShape, dims: ParallelDims, opts: StepOptions, stage: int = 0) -> list[CommRow]:
+def step_collectives(shape: ModelShape, dims: ParallelDims, opts: StepOptions, stage: int = 0,
+                     tp_rank: int = 0) -> list[CommRow]:
     """The collectives of one training step on a rank of pipeline stage ``stage``: shardkit's and
     FSDP2's (which shardkit records too).
 
     Args:
         shape: the model. dims: the layout. opts: the step's options.
         stage: the rank's pipeline stage (0 when ``pp`` is 1).
+        tp_rank: the rank's place in its stage's tp group; it matters with ``pp_tp`` only, where
+            the stage leader (0) alone talks to a neighbour stage of another tp size
+            (:func:`~shardkit.plan.options.rank_stage` gives both for a global rank).
 
     Returns:
         One :class:`CommRow` per ``(axis, op, api, phase, group size)``; equal to the trainer's
@@ -127,7 +130,7 @@ def step_collectives(shape: ModelShape, dims: ParallelDims, opts: StepOptions, s
     """
     opts = resolve_options(shape, dims, opts)
     check_layout(shape, dims, opts)
-    e, tp, M, H = opts.elem, dims.tp, opts.microbatches, shape.hidden
+    e, tp, M, H = opts.elem, stage_tp(dims, stage), opts.microbatches, shape.hidden
     b = opts.global_batch // (dims.dp * M)
     S = opts.seq_len // dims.cp
     T = b * S
@@ -136,17 +139,19 @@ def step_collectives(shape: ModelShape, dims: ParallelDims, opts: StepOptions, s
     layers = list(shape.stage_layers(dims.pp, stage))
     if tp > 1:
         _tp_rows(out, shape, opts, layers, first, last, T, M, tp, dims.ep)
+    dk, dv = shape.qk_dim, shape.v_dim
     if dims.cp_ulysses > 1:
         q, kv = shape.heads // tp, max(1, shape.kv_heads // tp)
+        # q, k, v in one buffer; with MLA's narrower values (dv != dk) q and k in one, v in another
+        widths = [(q + 2 * kv) * dk] if dk == dv else [(q + kv) * dk, kv * dv]
         for phase in ("forward", "backward"):
-            out.add("cp", "all_to_all_single", "ulysses_attention", phase, dims.cp_ulysses, M * len(layers),
-                    T * (q + 2 * kv) * shape.head_dim * e, T * (q + 2 * kv) * shape.head_dim * e)
-            out.add("cp", "all_to_all_single", "ulysses_attention", phase, dims.cp_ulysses, M * len(layers),
-                    T * q * shape.head_dim * e, T * q * shape.head_dim * e)
+            for width in widths + [q * dv]:  # then the output back
+                out.add("cp", "all_to_all_single", "ulysses_attention", phase, dims.cp_ulysses, M * len(layers),
+                        T * width * e, T * width * e)
     if dims.cp_ring > 1:
         r = dims.cp_ring
         kv = max(1, shape.kv_heads // tp) // dims.cp_ulysses
-        elems = 2 * b * (opts.seq_len // r) * kv * shape.head_dim
+        elems = b * (opts.seq_len // r) * kv * (dk + dv)
         n = M * len(layers)
         # forward: r - 1 K/V shifts; backward: r - 1 K/V shifts again, then r dK/dV shifts home,
         # accumulated in float32 for narrower dtypes (fp32 accumulation of the partial gradients)
@@ -156,7 +161,9 @@ def step_collectives(shape: ModelShape, dims: ParallelDims, opts: StepOptions, s
             out.add_total("cp", "recv", "ring_attention", phase, r, n * steps, 0, n * total[phase])
     if dims.ep > 1:
         _ep_rows(out, shape, dims, layers, T, M, e)
-    if dims.pp > 1:
+    if dims.pp_tp is not None:
+        _vtp_rows(out, dims.pp_tp, stage, tp_rank, M, b * S * H * e)
+    elif dims.pp > 1:
         _pp_rows(out, dims.pp, first, last, M, b * S * H * e)
     _grad_rows(out, shape, dims, opts, stage)
     _fsdp_rows(out, shape, dims, opts, stage)
@@ -178,15 +185,14 @@ def _tp_rows(out: _Rows, shape: ModelShape, opts: StepOptions, layers: list[int]
     if shape.kv_heads < t and not shape.mla:  # replicated key/value heads: their weight gradients summed
         add("tp", "all_reduce", "sum_grad_over", "backward", t, M * 2 * n, shape.head_dim * H * e,
             shape.head_dim * H * e)
+    for i in layers:  # column-parallel inputs inside a block, with or without SP (f: backward all-reduce)
+        if shape.mla:  # kv_b_proj's input [T, kv_lora], the shared rope key [T, rope], q_b_proj's [T, q_lora]
+            for width in (shape.kv_lora_rank, shape.qk_rope_dim) + ((shape.q_lora_rank,) if shape.q_lora_rank else ()):
+                add("tp", "all_reduce", "all_reduce_backward", "backward", t, M, T * width * e, T * width * e)
+        if shape.is_moe_layer(i) and ep == 1:  # tensor-parallel experts: the routing weights [T, k]
+            add("tp", "all_reduce", "all_reduce_backward", "backward", t, M, T * shape.top_k * e, T * shape.top_k * e)
     if opts.sequence_parallel:
-        add("tp", "all_gather_single", "all_gather", "forward", t, M * (2 * n + last), part, full)
-        add("tp", "reduce_scatter_single", "all_gather", "backward", t, M * (2 * n + last), full, part)
-        add("tp", "reduce_scatter_single", "reduce_scatter", "forward", t, M * 2 * n, full, part)
-        add("tp", "all_gather_single", "reduce_scatter", "backward", t, M * 2 * n, part, full)
-        add("tp", "all_reduce", "sum_grad_over", "backward", t, M * (2 * n + last), H * e, H * e)
-        add("tp", "all_gather_single", "split_forward_gather_backward", "backward", t, M, part, full)
-        if not last:
-            add("tp", "all_gather_single", "gather_forward_split_backward", "forward", t, M, part, full)
+        _sp_rows(out, shape, layers, last, T, M, t, e, ep)
     else:
         _megatron_rows(out, shape, layers, last, T, M, t, e, ep)
     if last:
@@ -199,6 +205,32 @@ def _tp_rows(out: _Rows, shape: ModelShape, opts: StepOptions, layers: list[int]
             add("tp", "all_gather_single", "gather_forward_split_backward", "forward", t, M, logits // t, logits)
 
 
+def _sp_rows(out: _Rows, shape: ModelShape, layers: list[int], last: bool, T: int, M: int, t: int, e: int,
+             ep: int) -> None:
+    """tp with SP: every tensor-parallel region gathers its input ``[T/t, H] -> [T, H]`` and
+    reduce-scatters its output; an expert-parallel MoE block runs on the local block (only its
+    shared experts are a region) and its router's gradient is summed over tp."""
+    H, n = shape.hidden, len(layers)
+    full, part = T * H * e, T // t * H * e
+    regions = routers = 0  # per microbatch
+    for i in layers:
+        regions += 1  # attention
+        if not shape.is_moe_layer(i) or ep == 1 or shape.shared_experts:
+            regions += 1  # dense MLP, an MoE block with tensor-parallel experts, or the shared experts
+        if shape.is_moe_layer(i) and ep > 1:
+            routers += 1
+    add = out.add
+    add("tp", "all_gather_single", "all_gather", "forward", t, M * (regions + last), part, full)
+    add("tp", "reduce_scatter_single", "all_gather", "backward", t, M * (regions + last), full, part)
+    add("tp", "reduce_scatter_single", "reduce_scatter", "forward", t, M * regions, full, part)
+    add("tp", "all_gather_single", "reduce_scatter", "backward", t, M * regions, part, full)
+    add("tp", "all_reduce", "sum_grad_over", "backward", t, M * (2 * n + last), H * e, H * e)
+    add("tp", "all_reduce", "sum_grad_over", "backward", t, M * routers, shape.experts * H * e, shape.experts * H * e)
+    add("tp", "all_gather_single", "split_forward_gather_backward", "backward", t, M, part, full)
+    if not last:
+        add("tp", "all_gather_single", "gather_forward_split_backward", "forward", t, M, part, full)
+
+
 def _megatron_rows(out: _Rows, shape: ModelShape, layers: list[int], last: bool, T: int, M: int, t: int, e: int,
                    ep: int) -> None:
     """tp without SP: ``g`` (forward all-reduce) after every row-parallel output, ``f`` (backward
@@ -207,9 +239,6 @@ def _megatron_rows(out: _Rows, shape: ModelShape, layers: list[int], last: bool,
     fwd = bwd = 0  # [T, H] calls per microbatch
     for i in layers:
         fwd, bwd = fwd + 1, bwd + 1  # o_proj; the q/k/v (MLA: q_proj or q_a_proj) input
-        if shape.mla:  # kv_b_proj's input [T, kv_lora] and the shared rope key [T, rope]
-            for width in (shape.kv_lora_rank, shape.qk_rope_dim) + ((shape.q_lora_rank,) if shape.q_lora_rank else ()):
-                out.add("tp", "all_reduce", "all_reduce_backward", "backward", t, M, T * width * e, T * width * e)
         if not shape.is_moe_layer(i):
             fwd, bwd = fwd + 1, bwd + 1  # dense MLP
             continue
@@ -220,10 +249,8 @@ def _megatron_rows(out: _Rows, shape: ModelShape, layers: list[int], last: bool,
             out.add("tp", "all_gather_single", "gather_forward_split_backward", "forward", t, M, T // t * H * e, full)
             out.add("tp", "all_gather_single", "split_forward_gather_backward", "backward", t, M,
                     T // t * (H + k) * e, T * (H + k) * e)
-        else:  # tensor-parallel experts: partial outputs summed; gradients of the input and routing weights
+        else:  # tensor-parallel experts: partial outputs summed
             fwd, bwd = fwd + 1, bwd + 1
-            k = shape.top_k
-            out.add("tp", "all_reduce", "all_reduce_backward", "backward", t, M, T * k * e, T * k * e)
     out.add("tp", "all_reduce", "all_reduce_forward", "forward", t, M * fwd, full, full)
     out.add("tp", "all_reduce", "all_reduce_backward", "backward", t, M * (bwd + last), full, full)
 
@@ -251,10 +278,33 @@ def _pp_rows(out: _Rows, pp: int, first: bool, last: bool, M: int, act: int) -> 
         out.add_total("pp", "send", "p2p", "backward", pp, M + 1, total, 0)
 
 
+def _vtp_rows(out: _Rows, sizes: tuple[int, ...], stage: int, tp_rank: int, M: int, act: int) -> None:
+    """``pp_tp`` boundaries (replicated both sides, :mod:`shardkit.pipeline_parallel._reshard`):
+    between stages of equal tp every rank sends to its peer; otherwise the sending stage's leader
+    sends the whole tensor to the receiving leader, which broadcasts it in its stage. Forward
+    transfers are dynamic (a header, then the payload: two messages each); backward ones are
+    declared (the payload only). P2P runs in the replica's group of ``sum(pp_tp)`` ranks."""
+    group, t, leader = sum(sizes), sizes[stage], tp_rank == 0
+    fwd, bwd = M * (act + HEADER_BYTES), M * act
+    for peer, sending in ((stage + 1, True), (stage - 1, False)):  # the next stage, then the previous one
+        if not 0 <= peer < len(sizes):
+            continue
+        direct = sizes[peer] == t
+        if direct or leader:
+            out.add_total("pp", "send" if sending else "recv", "p2p", "forward", group, 2 * M, fwd * sending,
+                          fwd * (not sending))
+            out.add_total("pp", "recv" if sending else "send", "p2p", "backward", group, M, bwd * (not sending),
+                          bwd * sending)
+        if not direct:  # this stage receives through its leader: backward from the next, forward from the previous
+            count, size = (M, bwd) if sending else (2 * M, fwd)
+            out.add_total("pp", "broadcast", "p2p", "backward" if sending else "forward", t, count, size * leader,
+                          size * (not leader))
+
+
 def _grad_rows(out: _Rows, shape: ModelShape, dims: ParallelDims, opts: StepOptions, stage: int) -> None:
     e = opts.elem
     ep = dims.ep
-    dense, expert = shape.rank_params(dims.tp, ep, dims.pp, stage)
+    dense, expert = shape.rank_params(stage_tp(dims, stage), ep, dims.pp, stage)
     if ep == 1:
         dense, expert = dense + expert, 0
     if dims.dp_shard > 1:
@@ -279,7 +329,7 @@ def _fsdp_rows(out: _Rows, shape: ModelShape, dims: ParallelDims, opts: StepOpti
         layer_owned += shape.hidden  # the final norm's hook is the root's, not a layer's
     G = len(layers) + 1
     full, layer_full, root = M * owned * e, M * layer_owned * e, (owned - layer_owned) * e
-    root_f, root_b = _root_gathers(dims.pp, M, stage)
+    root_f, root_b = _root_gathers(dims.pp, M, stage, opts.schedule)
     gathered_f, gathered_b = layer_full + root_f * root, layer_full + root_b * root
     out.add_total("fsdp", "all_gather_single", "fully_shard", "forward", R, M * (G - 1) + root_f, gathered_f // R,
                   gathered_f)
@@ -289,17 +339,17 @@ def _fsdp_rows(out: _Rows, shape: ModelShape, dims: ParallelDims, opts: StepOpti
     out.add_total("fsdp", "all_reduce", "fully_shard", "backward", dims.dp_replicate, M * G, full // R, full // R)
 
 
-def _root_gathers(pp: int, M: int, stage: int) -> tuple[int, int]:
+def _root_gathers(pp: int, M: int, stage: int, schedule: str) -> tuple[int, int]:
     """FSDP2 gathers of the root on a stage: (before a forward, before a backward).
 
     Layers are resharded after every forward and backward, so they are gathered once for each.
     The root is resharded after backward only: the step's first action gathers it, and so does
-    each action that follows a backward. Stage ``stage``'s action order is the trainer's 1F1B
-    table (plain gradient accumulation with ``pp`` 1: F B F B ...).
+    each action that follows a backward. Stage ``stage``'s action order is the trainer's
+    ``schedule`` table (1F1B or GPipe; plain gradient accumulation with ``pp`` 1: F B F B ...).
     """
     fwd = bwd = 0
     previous = "B"  # the root starts the step sharded
-    for action in one_f_one_b_schedule(pp, M)[stage]:
+    for action in SCHEDULES[schedule if pp > 1 else "1f1b"](pp, M)[stage]:
         if previous == "B":
             fwd, bwd = (fwd + 1, bwd) if action.kind == "F" else (fwd, bwd + 1)
         previous = action.kind
@@ -317,11 +367,13 @@ def merged(rows: Iterable[CommRow]) -> dict[tuple[str, str, str, int], tuple[int
 
 def ledger_table(records: Iterable) -> dict[tuple[str, str, str, int], tuple[int, int, int]]:
     """A :class:`~shardkit.CommLedger`'s records in the form of :func:`merged`: pipeline
-    transfers (every ``send``/``recv`` but ring attention's) under the api ``"p2p"``, since
-    which combined call carries a transfer is the schedule's choice, not a cost."""
+    transfers (every ``send``/``recv`` but ring attention's, and the ``pp_tp`` stage
+    broadcasts) under the api ``"p2p"``, since which combined call carries a transfer is the
+    schedule's choice, not a cost."""
     table: dict[tuple[str, str, str, int], tuple[int, int, int]] = {}
     for r in records:
-        api = "p2p" if r.op in ("send", "recv") and r.api != "ring_attention" else r.api
+        pipeline = r.op == "broadcast" or (r.op in ("send", "recv") and r.api != "ring_attention")
+        api = "p2p" if pipeline else r.api
         key = (r.op, api, r.phase, r.group_size)
         c, s, v = table.get(key, (0, 0, 0))
         table[key] = (c + 1, s + r.bytes_sent, v + r.bytes_received)
