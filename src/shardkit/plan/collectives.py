@@ -6,28 +6,39 @@ microbatch, ``e`` bytes per element, ``t`` = tp, per microbatch unless said):
 
 * tp without SP (Megatron f/g): the vocab-parallel embedding all-reduces ``[T, H]`` (first
   stage); every layer all-reduces its row-parallel outputs (forward: attention, dense MLP,
-  shared or tensor-parallel experts) and the inputs of its column-parallel groups (backward;
-  MLA adds its latent ``[T, kv_lora]`` and rope key ``[T, rope]``, tensor-parallel experts
-  their routing weights ``[T, k]``); ``lm_head``'s input too.
-* tp with SP (Korthikanti et al.): per layer two all-gathers ``[T/t, H] -> [T, H]`` forward and
-  two reduce-scatters back, their adjoints in backward; the norms' gradients summed over tp
-  (``H`` each); the first layer of a stage splits its input (backward: all-gather); a stage
-  before the last gathers its output, the last gathers ``lm_head``'s input.
+  shared or tensor-parallel experts) and the inputs of its column-parallel groups (backward);
+  ``lm_head``'s input too. With expert parallelism each tp rank splits off its block of the
+  (replicated) tokens with their routing weights, and the outputs are gathered back.
+* tp with SP (Korthikanti et al.): every tensor-parallel region (attention, dense MLP, an MoE
+  block with tensor-parallel experts as one region, the shared experts of an expert-parallel
+  block) all-gathers its input ``[T/t, H] -> [T, H]`` forward and reduce-scatters its output,
+  their adjoints in backward; an expert-parallel MoE block runs on the rank's own sequence
+  block (no gather) and its router's gradient ``[E, H]`` is summed over tp; the norms'
+  gradients summed over tp (``H`` each); the first layer of a stage splits its input
+  (backward: all-gather); a stage before the last gathers its output, the last gathers
+  ``lm_head``'s input.
+* with or without SP, inside the blocks: MLA's column-parallel inputs all-reduced in backward
+  (its latent ``[T, kv_lora]``, rope key ``[T, rope]`` and ``[T, q_lora]``), and the routing
+  weights ``[T, k]`` of tensor-parallel experts.
 * the logits: gathered over the vocabulary ``[T, V/t] -> [T, V]``; with the vocab-parallel loss
   two all-reduces instead, ``(T + t + 2)`` float64 (max) and ``(2 T + 1)`` (sums).
 * Ulysses (``u`` ranks): per layer one all-to-all of q, k, v ``[T, (N + 2 N_kv)/t, D]`` and one
-  of the output ``[T, N/t, D]``, forward and backward.
+  of the output ``[T, N/t, Dv]``, forward and backward; with MLA's values narrower than its
+  queries and keys (``Dv != Dqk = nope + rope``) q and k travel together and v alone.
 * ring (``r`` ranks, zigzag): per layer ``r - 1`` K/V shifts forward and ``2 r - 1`` backward
-  (K/V again, then dK/dV home), each ``2 x b x S/r x N_kv/(t u) x D`` elements; dK/dV travel
-  in float32 when the dtype is narrower.
+  (K/V again, then dK/dV home), each ``b x S/r x N_kv/(t u) x (Dqk + Dv)`` elements; dK/dV
+  travel in float32 when the dtype is narrower.
 * ep: per MoE layer the counts ``R x (ceil(E/R) + 1)`` int64, then dispatch and combine of
-  ``T/t x k`` rows of ``H`` forward and backward (tokens are replicated over tp: each tp rank
-  splits off its block, with its routing weights, and the outputs are gathered back). The rows each rank *receives* depend on the
-  router; the rows are given for a balanced router (received = sent), their sum over the ranks
-  is exact.
+  ``T/t x k`` rows of ``H`` forward and backward (each tp rank dispatches its block of the
+  tokens: split off the replicated tokens, or its own sequence block with SP). The rows each
+  rank *receives* depend on the router; the rows are given for a balanced router (received =
+  sent), their sum over the ranks is exact.
 * pp: every transfer between stages is a 160-byte header plus ``[b, S/cp, H]`` (replicated over
   tp); the first transfer of a step on each channel posts them as two messages, later ones as
-  one (the shape cache).
+  one (the shape cache). ``pp_tp`` (stages of different tp sizes, replicated boundaries): in the
+  replica's group, forward transfers are a header and the payload every time, backward ones the
+  payload only; between stages of equal tp every rank sends to its peer, otherwise the leaders
+  exchange the tensor and the receiving leader broadcasts it in its stage.
 * once per step: dense gradients FSDP2 does not own (all with ``dp_shard`` 1; else the
   sum-over-tp ones) all-reduced over ``dp_cp``; expert gradients over ``edp``; the gradient
   norm and the loss (one float64 each) over the world.
@@ -36,9 +47,10 @@ microbatch, ``e`` bytes per element, ``t`` = tp, per microbatch unless said):
   (embedding, final norm, ``lm_head``) are ``G`` = layers + 1 groups. Per microbatch every layer
   is all-gathered before forward and again before backward; the root is resharded after
   backward only, so it is gathered by the step's first action and each action after a backward
-  (in the 1F1B order: a warm-up forward keeps it). Every group's gradients are
-  reduce-scattered per microbatch, and with HSDP each shard is all-reduced over ``dp_replicate``. Bytes are the parameters FSDP2 owns; its padding of each
-  parameter's dim 0 to a multiple of the ranks is left out (none when dim 0 divides evenly).
+  (in the schedule's order, 1F1B or GPipe: a forward after a forward keeps it). Every group's
+  gradients are reduce-scattered per microbatch, and with HSDP each shard is all-reduced over
+  ``dp_replicate``. Bytes are the parameters FSDP2 owns; its padding of each parameter's dim 0
+  to a multiple of the ranks is left out (none when dim 0 divides evenly).
 
 Source: the trainer (:mod:`shardkit.cli.trainer`) and the transforms it composes.
 """
@@ -47,65 +59,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from ..mesh import ParallelDims
+from ._rows import CommRow, Rows
+from ._tp import tp_rows
 from .model import ModelShape
 from .options import SCHEDULES, StepOptions, check_layout, hooked_params, resolve_options, stage_tp
 
 __all__ = ["CommRow", "step_collectives", "merged", "ledger_table", "HEADER_BYTES"]
 
 HEADER_BYTES = 160  # the P2P shape header: 20 int64 (dtype, ndim, up to 16 dims, ...)
-
-
-@dataclass(frozen=True)
-class CommRow:
-    """Calls of one kind in one step on one rank.
-
-    Attributes:
-        axis: the layout axis it belongs to (``tp``, ``cp``, ``ep``, ``pp``, ``dp``, ``fsdp``, ``world``).
-        op: the c10d primitive (as :class:`shardkit.CommRecord`).
-        api: the shardkit function that issues it (``"p2p"`` for pipeline transfers).
-        phase: ``forward``, ``backward`` or ``optimizer``.
-        group_size: ranks in the group.
-        count: calls per step.
-        bytes_sent: input buffer bytes, summed over the calls.
-        bytes_received: output buffer bytes, summed over the calls.
-    """
-
-    axis: str
-    op: str
-    api: str
-    phase: str
-    group_size: int
-    count: int
-    bytes_sent: int
-    bytes_received: int
-
-    def key(self) -> tuple[str, str, str, int]:
-        return self.op, self.api, self.phase, self.group_size
-
-
-class _Rows:
-    def __init__(self) -> None:
-        self.rows: dict[tuple, list[int]] = {}
-
-    def add(self, axis: str, op: str, api: str, phase: str, group: int, count: int, sent: int, recv: int) -> None:
-        """``count`` calls of ``sent`` / ``recv`` bytes each."""
-        self.add_total(axis, op, api, phase, group, count, count * sent, count * recv)
-
-    def add_total(self, axis: str, op: str, api: str, phase: str, group: int, count: int, sent: int,
-                  recv: int) -> None:
-        """``count`` calls of ``sent`` / ``recv`` bytes in all."""
-        if group <= 1 or count <= 0:
-            return  # a size-1 group is the identity: no call
-        row = self.rows.setdefault((axis, op, api, phase, group), [0, 0, 0])
-        row[0] += count
-        row[1] += sent
-        row[2] += recv
-
-    def result(self) -> list[CommRow]:
-        return [CommRow(*key, *vals) for key, vals in self.rows.items()]
 
 
 def step_collectives(shape: ModelShape, dims: ParallelDims, opts: StepOptions, stage: int = 0,
@@ -134,11 +97,11 @@ def step_collectives(shape: ModelShape, dims: ParallelDims, opts: StepOptions, s
     b = opts.global_batch // (dims.dp * M)
     S = opts.seq_len // dims.cp
     T = b * S
-    out = _Rows()
+    out = Rows()
     first, last = stage == 0, stage == dims.pp - 1
     layers = list(shape.stage_layers(dims.pp, stage))
     if tp > 1:
-        _tp_rows(out, shape, opts, layers, first, last, T, M, tp, dims.ep)
+        tp_rows(out, shape, opts, layers, first, last, T, M, tp, dims.ep)
     dk, dv = shape.qk_dim, shape.v_dim
     if dims.cp_ulysses > 1:
         q, kv = shape.heads // tp, max(1, shape.kv_heads // tp)
@@ -173,91 +136,10 @@ def step_collectives(shape: ModelShape, dims: ParallelDims, opts: StepOptions, s
     return out.result()
 
 
-def _tp_rows(out: _Rows, shape: ModelShape, opts: StepOptions, layers: list[int], first: bool, last: bool, T: int,
-             M: int, t: int, ep: int) -> None:
-    e, H, n = opts.elem, shape.hidden, len(layers)
-    full, part = T * H * e, T // t * H * e
-    add = out.add
-    if first:
-        add("tp", "all_reduce", "all_reduce_forward", "forward", t, M, full, full)  # vocab-parallel embedding
-    if shape.family in ("qwen3", "qwen3_moe"):
-        add("tp", "all_reduce", "sum_grad_over", "backward", t, M * 2 * n, shape.head_dim * e, shape.head_dim * e)
-    if shape.kv_heads < t and not shape.mla:  # replicated key/value heads: their weight gradients summed
-        add("tp", "all_reduce", "sum_grad_over", "backward", t, M * 2 * n, shape.head_dim * H * e,
-            shape.head_dim * H * e)
-    for i in layers:  # column-parallel inputs inside a block, with or without SP (f: backward all-reduce)
-        if shape.mla:  # kv_b_proj's input [T, kv_lora], the shared rope key [T, rope], q_b_proj's [T, q_lora]
-            for width in (shape.kv_lora_rank, shape.qk_rope_dim) + ((shape.q_lora_rank,) if shape.q_lora_rank else ()):
-                add("tp", "all_reduce", "all_reduce_backward", "backward", t, M, T * width * e, T * width * e)
-        if shape.is_moe_layer(i) and ep == 1:  # tensor-parallel experts: the routing weights [T, k]
-            add("tp", "all_reduce", "all_reduce_backward", "backward", t, M, T * shape.top_k * e, T * shape.top_k * e)
-    if opts.sequence_parallel:
-        _sp_rows(out, shape, layers, last, T, M, t, e, ep)
-    else:
-        _megatron_rows(out, shape, layers, last, T, M, t, e, ep)
-    if last:
-        if opts.loss_parallel:
-            cdt = 4 if e < 4 else e
-            add("tp", "all_reduce", "vocab_parallel_cross_entropy", "forward", t, M, (T + t + 2) * 8, (T + t + 2) * 8)
-            add("tp", "all_reduce", "vocab_parallel_cross_entropy", "forward", t, M, (2 * T + 1) * cdt, (2 * T + 1) * cdt)
-        else:
-            logits = T * shape.vocab * e
-            add("tp", "all_gather_single", "gather_forward_split_backward", "forward", t, M, logits // t, logits)
 
-
-def _sp_rows(out: _Rows, shape: ModelShape, layers: list[int], last: bool, T: int, M: int, t: int, e: int,
-             ep: int) -> None:
-    """tp with SP: every tensor-parallel region gathers its input ``[T/t, H] -> [T, H]`` and
-    reduce-scatters its output; an expert-parallel MoE block runs on the local block (only its
-    shared experts are a region) and its router's gradient is summed over tp."""
-    H, n = shape.hidden, len(layers)
-    full, part = T * H * e, T // t * H * e
-    regions = routers = 0  # per microbatch
-    for i in layers:
-        regions += 1  # attention
-        if not shape.is_moe_layer(i) or ep == 1 or shape.shared_experts:
-            regions += 1  # dense MLP, an MoE block with tensor-parallel experts, or the shared experts
-        if shape.is_moe_layer(i) and ep > 1:
-            routers += 1
-    add = out.add
-    add("tp", "all_gather_single", "all_gather", "forward", t, M * (regions + last), part, full)
-    add("tp", "reduce_scatter_single", "all_gather", "backward", t, M * (regions + last), full, part)
-    add("tp", "reduce_scatter_single", "reduce_scatter", "forward", t, M * regions, full, part)
-    add("tp", "all_gather_single", "reduce_scatter", "backward", t, M * regions, part, full)
-    add("tp", "all_reduce", "sum_grad_over", "backward", t, M * (2 * n + last), H * e, H * e)
-    add("tp", "all_reduce", "sum_grad_over", "backward", t, M * routers, shape.experts * H * e, shape.experts * H * e)
-    add("tp", "all_gather_single", "split_forward_gather_backward", "backward", t, M, part, full)
-    if not last:
-        add("tp", "all_gather_single", "gather_forward_split_backward", "forward", t, M, part, full)
-
-
-def _megatron_rows(out: _Rows, shape: ModelShape, layers: list[int], last: bool, T: int, M: int, t: int, e: int,
-                   ep: int) -> None:
-    """tp without SP: ``g`` (forward all-reduce) after every row-parallel output, ``f`` (backward
-    all-reduce) on every column-parallel input, per layer and microbatch."""
-    H, full = shape.hidden, T * shape.hidden * e
-    fwd = bwd = 0  # [T, H] calls per microbatch
-    for i in layers:
-        fwd, bwd = fwd + 1, bwd + 1  # o_proj; the q/k/v (MLA: q_proj or q_a_proj) input
-        if not shape.is_moe_layer(i):
-            fwd, bwd = fwd + 1, bwd + 1  # dense MLP
-            continue
-        if shape.shared_experts:
-            fwd, bwd = fwd + 1, bwd + 1
-        if ep > 1:  # each tp rank dispatches its block of the tokens: split (with the routing weights), gather
-            k = shape.top_k
-            out.add("tp", "all_gather_single", "gather_forward_split_backward", "forward", t, M, T // t * H * e, full)
-            out.add("tp", "all_gather_single", "split_forward_gather_backward", "backward", t, M,
-                    T // t * (H + k) * e, T * (H + k) * e)
-        else:  # tensor-parallel experts: partial outputs summed
-            fwd, bwd = fwd + 1, bwd + 1
-    out.add("tp", "all_reduce", "all_reduce_forward", "forward", t, M * fwd, full, full)
-    out.add("tp", "all_reduce", "all_reduce_backward", "backward", t, M * (bwd + last), full, full)
-
-
-def _ep_rows(out: _Rows, shape: ModelShape, dims: ParallelDims, layers: list[int], T: int, M: int, e: int) -> None:
+def _ep_rows(out: Rows, shape: ModelShape, dims: ParallelDims, layers: list[int], T: int, M: int, e: int) -> None:
     R, k, H = dims.ep, shape.top_k, shape.hidden
-    T //= dims.tp  # tokens are replicated over tp: each tp rank dispatches its block
+    T //= dims.tp  # each tp rank dispatches its block: of the replicated tokens, or with SP its own
     n = sum(shape.is_moe_layer(i) for i in layers)
     counts = R * (math.ceil(shape.experts / R) + 1) * 8
     rows = T * k * H * e
@@ -267,7 +149,7 @@ def _ep_rows(out: _Rows, shape: ModelShape, dims: ParallelDims, layers: list[int
             out.add("ep", "all_to_all_single", api, phase, R, M * n, rows, rows)
 
 
-def _pp_rows(out: _Rows, pp: int, first: bool, last: bool, M: int, act: int) -> None:
+def _pp_rows(out: Rows, pp: int, first: bool, last: bool, M: int, act: int) -> None:
     # each channel: M transfers of header + payload; the first as two messages, the rest as one
     total = M * (act + HEADER_BYTES)
     if not last:
@@ -278,7 +160,7 @@ def _pp_rows(out: _Rows, pp: int, first: bool, last: bool, M: int, act: int) -> 
         out.add_total("pp", "send", "p2p", "backward", pp, M + 1, total, 0)
 
 
-def _vtp_rows(out: _Rows, sizes: tuple[int, ...], stage: int, tp_rank: int, M: int, act: int) -> None:
+def _vtp_rows(out: Rows, sizes: tuple[int, ...], stage: int, tp_rank: int, M: int, act: int) -> None:
     """``pp_tp`` boundaries (replicated both sides, :mod:`shardkit.pipeline_parallel._reshard`):
     between stages of equal tp every rank sends to its peer; otherwise the sending stage's leader
     sends the whole tensor to the receiving leader, which broadcasts it in its stage. Forward
@@ -301,7 +183,7 @@ def _vtp_rows(out: _Rows, sizes: tuple[int, ...], stage: int, tp_rank: int, M: i
                           size * (not leader))
 
 
-def _grad_rows(out: _Rows, shape: ModelShape, dims: ParallelDims, opts: StepOptions, stage: int) -> None:
+def _grad_rows(out: Rows, shape: ModelShape, dims: ParallelDims, opts: StepOptions, stage: int) -> None:
     e = opts.elem
     ep = dims.ep
     dense, expert = shape.rank_params(stage_tp(dims, stage), ep, dims.pp, stage)
@@ -316,7 +198,7 @@ def _grad_rows(out: _Rows, shape: ModelShape, dims: ParallelDims, opts: StepOpti
         out.add("dp", "all_reduce", "expert_grads", "backward", edp, 1, expert * e, expert * e)
 
 
-def _fsdp_rows(out: _Rows, shape: ModelShape, dims: ParallelDims, opts: StepOptions, stage: int) -> None:
+def _fsdp_rows(out: Rows, shape: ModelShape, dims: ParallelDims, opts: StepOptions, stage: int) -> None:
     if dims.dp_shard == 1:
         return
     R, M, e = dims.dp_shard * dims.cp, opts.microbatches, opts.elem
