@@ -57,6 +57,7 @@ Source: the trainer (:mod:`shardkit.cli.trainer`) and the transforms it composes
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable
 
@@ -221,6 +222,7 @@ def _fsdp_rows(out: Rows, shape: ModelShape, dims: ParallelDims, opts: StepOptio
     out.add_total("fsdp", "all_reduce", "fully_shard", "backward", dims.dp_replicate, M * G, full // R, full // R)
 
 
+@functools.lru_cache(maxsize=4096)  # a pure function of small ints; plan_layouts asks it thousands of times
 def _root_gathers(pp: int, M: int, stage: int, schedule: str) -> tuple[int, int]:
     """FSDP2 gathers of the root on a stage: (before a forward, before a backward).
 
