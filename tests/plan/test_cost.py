@@ -168,3 +168,16 @@ def test_plan_command_compares_a_pp_tp_layout(tmp_path, capsys):
                  "1", "--schedule", "gpipe", "--compare", "pp_tp=2:1:1", "--plot", str(tmp_path / "p.png")])
     out = capsys.readouterr().out
     assert code == 0 and "pp_tp=2,1,1" in out and "refused" not in out
+
+
+@pytest.mark.parametrize("overrides", [dict(model="llama", tp=2), dict(model="llama", tp=1), dict(model="moe", tp=2),
+                                       dict(model="mla", tp=2, ep=2), dict(model="llama", pp_tp="2,1,1", layers=3)])
+def test_sequence_parallel_default_is_the_trainers(overrides):
+    from shardkit.cli.config import TrainConfig, parallel_dims, validate_config
+    from shardkit.cli.model import _hf_config
+    from shardkit.plan.options import resolve_options
+
+    cfg = validate_config(TrainConfig(**{"nproc": 4, **overrides}), world_size=4)
+    shape = ModelShape.from_config(_hf_config(cfg)[1])
+    planned = resolve_options(shape, parallel_dims(cfg), StepOptions(seq_len=cfg.seq_len, global_batch=cfg.batch_size))
+    assert planned.sequence_parallel == cfg.sequence_parallel
