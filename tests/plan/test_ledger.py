@@ -19,6 +19,7 @@ from shardkit.cli.model import _hf_config
 from shardkit.cli.worker import build_train_model, build_parallel_model, build_task, run_training
 from shardkit.plan import ModelShape, StepOptions
 from shardkit.plan.collectives import ledger_table, merged, step_collectives
+from shardkit.plan.options import rank_stage
 
 SMALL = dict(steps=1, seq_len=16, batch_size=4, dtype="float32", verify=False, layers=2, lr=1e-3)
 ROUTED = ("token_dispatch", "token_combine")
@@ -56,12 +57,12 @@ def check(overrides: dict) -> None:
     dims = parallel_dims(cfg)
     shape = ModelShape.from_config(_hf_config(cfg)[1])
     opts = StepOptions(cfg.seq_len, cfg.batch_size, cfg.microbatches, cfg.dtype, cfg.sequence_parallel,
-                       cfg.loss_parallel)
+                       cfg.loss_parallel, cfg.schedule)
     got_routed = want_routed = 0
     ledgers = _ledgers(cfg)
     for rank, records in enumerate(ledgers):
-        stage = rank // (dims.product // dims.pp)
-        want, got = merged(step_collectives(shape, dims, opts, stage)), ledger_table(records)
+        stage, tp_rank = rank_stage(dims, rank)
+        want, got = merged(step_collectives(shape, dims, opts, stage, tp_rank)), ledger_table(records)
         if dims.ep > 1:
             (want, w), (got, g) = _routed_split(want), _routed_split(got)
             want_routed, got_routed = want_routed + w, got_routed + g
@@ -102,6 +103,23 @@ LAYOUTS_4 = {
     "llama: packed documents, dp=2 x tp=2 (SP)": dict(packed=True, seq_len=64),
     "qwen3: bfloat16, cp_ring=2 x tp=2 (SP), loss parallel": dict(model="qwen3", cp_ring=2, tp=2, seq_len=32,
                                                                   dtype="bfloat16", loss_parallel=True),
+    "moe: tp=4 (SP), tensor-parallel experts": dict(model="moe", tp=4, kv_heads=4, sequence_parallel=True),
+    "mla: tp=2 (SP) x dp=2, tensor-parallel and shared experts": dict(model="mla", sequence_parallel=True),
+    "moe: tp=2 (SP) x dp=2, ep=2 on the local sequence block": dict(model="moe", ep=2, sequence_parallel=True),
+    "mla: tp=2 (SP) x dp=2, ep=2, shared experts gather": dict(model="mla", ep=2, sequence_parallel=True),
+    "moe: dp_shard=2 x tp=2 (SP), ep=2": dict(model="moe", dp_shard=2, ep=2, sequence_parallel=True),
+    "mla: cp_ulysses=2 x dp=2": dict(model="mla", tp=1, cp_ulysses=2),
+    "mla: cp_ring=2 x dp=2": dict(model="mla", tp=1, cp_ring=2, seq_len=32),
+    "mla: USP cp_ring=2 x cp_ulysses=2": dict(model="mla", tp=1, cp_ring=2, cp_ulysses=2, seq_len=32),
+    "mla: cp_ring=2 x tp=2": dict(model="mla", cp_ring=2, tp=2, seq_len=32),
+    "llama: pp_tp=2,1,1 (leader send, broadcast back)": dict(pp_tp="2,1,1", layers=3, microbatches=2),
+    "llama: pp_tp=1,2,1, 3 microbatches (broadcast both ways)": dict(pp_tp="1,2,1", layers=3, microbatches=3,
+                                                                     batch_size=6),
+    "mla: pp_tp=2,1,1, tensor-parallel experts on the tp=2 stage": dict(model="mla", pp_tp="2,1,1", layers=3,
+                                                                        microbatches=2),
+    "llama: pp_tp=1,1 x dp_replicate=2": dict(pp_tp="1,1", dp_replicate=2, microbatches=2),
+    "llama: pp=2 x dp_shard=2 (FSDP2), gpipe, 3 microbatches": dict(tp=1, pp=2, dp_shard=2, microbatches=3,
+                                                                   batch_size=6, schedule="gpipe"),
 }
 
 
