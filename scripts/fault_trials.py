@@ -20,7 +20,16 @@
     ``latest`` pointer was already replaced), training from it gives the same losses as from
     those weights, and the next save removes the killed one's partial directory.
 
-Both print a table of counts; ``--json`` writes every run's record.
+``python scripts/fault_trials.py save --trainer [--runs 10] [--json PATH]``
+    The same kills in the trainer itself: a 2-rank ``tp=2`` float64 run of the composed trainer
+    (:func:`shardkit.cli.worker.train`, what ``shardkit train`` runs on each rank) saving every
+    step (``--save-every 1``) is killed inside its step-2 save (rank 0, rank 1 or the whole job,
+    before a random one of the victim's file-system operations of that save). Then, in this
+    process (one rank, another layout): the latest checkpoint is step 1 or step 2, ``--resume``
+    continues from it with the same per-step losses as an uninterrupted run (float64, 1e-12),
+    and its own saves leave no partial directory behind.
+
+All print a table of counts; ``--json`` writes every run's record.
 """
 
 from __future__ import annotations
@@ -97,8 +106,23 @@ def _is_fs_op(event: str, args: tuple) -> bool:
     return event in _FS_EVENTS
 
 
+def _in_window(plan: dict, event: str, args: tuple, state: dict) -> bool:
+    """Is this file-system operation part of the targeted save? Every one, unless the plan
+    names the save by a path fragment (``after``): from the first operation on a path holding it
+    until one on a path holding ``until`` (the next save)."""
+    if "after" not in plan:
+        return True
+    paths = " ".join(str(a) for a in args if isinstance(a, (str, bytes, os.PathLike)))
+    if plan["until"] in paths:
+        state["done"] = True
+    if plan["after"] in paths:
+        state["open"] = True
+    return state.get("open", False) and not state.get("done", False)
+
+
 def _arm_save_kill(plan: dict, rank: int) -> None:
-    """Die right before the k-th file-system operation from now, or after a delay in a thread."""
+    """Die right before the k-th file-system operation from now (of the targeted save), or after
+    a delay in a thread."""
     if plan.get("delay") is not None:
         import threading
 
@@ -106,10 +130,10 @@ def _arm_save_kill(plan: dict, rank: int) -> None:
         timer.daemon = True
         timer.start()
         return
-    count = [0]
+    count, state = [0], {}
 
     def hook(event: str, args: tuple) -> None:
-        if _is_fs_op(event, args):
+        if _is_fs_op(event, args) and _in_window(plan, event, args, state):
             count[0] += 1
             if count[0] == plan["k"]:
                 _die(plan, rank)
@@ -119,14 +143,43 @@ def _arm_save_kill(plan: dict, rank: int) -> None:
 
 def _count_save_events(plan: dict, rank: int) -> None:
     """Calibration: write how many file-system operations this rank's save performs."""
-    count = [0]
+    count, state = [0], {}
 
     def hook(event: str, args: tuple) -> None:
-        if _is_fs_op(event, args):
+        if _is_fs_op(event, args) and _in_window(plan, event, args, state):
             count[0] += 1
 
     sys.addaudithook(hook)
     plan["_count"] = count
+
+
+# The trainer trials: a small float64 run saving every step; the step-2 save is the one killed.
+TRAIN = dict(model="llama", steps=3, seq_len=16, batch_size=4, dtype="float64", layers=2, lr=1e-3, save_every=1,
+             verify=False)
+TRAIN_WINDOW = {"after": "step_00000002", "until": "step_00000003"}
+
+
+def _train_cfg(nproc: int, **kw):
+    from shardkit.cli.config import TrainConfig, validate_config
+
+    return validate_config(TrainConfig(**{**TRAIN, "nproc": nproc, **kw}), world_size=nproc)
+
+
+def _train_worker(plan: dict, rank: int, victim: bool) -> None:
+    """One rank of a killed trainer run: ``tp`` over both ranks, a save every step."""
+    import torch
+
+    from shardkit.cli.worker import train
+
+    if victim:
+        _arm_save_kill(plan, rank)
+    if plan.get("calibrate"):
+        _count_save_events(plan, rank)
+    train(_train_cfg(NPROC, tp=NPROC, checkpoint_dir=os.path.join(plan["dir"], "ckpt")), "gloo", torch.device("cpu"),
+          time.perf_counter(), progress=False)
+    if plan.get("calibrate"):
+        with open(os.path.join(plan["dir"], f"count{rank}"), "w") as f:
+            f.write(json.dumps({"events": plan["_count"][0], "seconds": 0.0}))
 
 
 @record
@@ -146,6 +199,10 @@ def worker(plan: dict) -> None:
         _die(plan, rank)
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     world = dist.group.WORLD
+    if plan["kind"] == "train":
+        _train_worker(plan, rank, victim)
+        dist.destroy_process_group()
+        return
     if victim and moment == "model_load":
         import threading
 
@@ -319,10 +376,15 @@ def checks(scenario: str, plan: dict, rc: int, seconds: float, text: str) -> dic
     return {"ok": ok, "why": "" if ok else f"rc {rc} (want {want}) or no '{line}'"}
 
 
-def calibrate_save() -> dict:
-    """File-system operations and seconds of each rank's second save, unkilled."""
+def _save_plan(trainer: bool, **kw) -> dict:
+    return {"kind": "train", **TRAIN_WINDOW, **kw} if trainer else {"kind": "save", **kw}
+
+
+def calibrate_save(trainer: bool = False) -> dict:
+    """File-system operations and seconds of each rank's second save (the trainer's step-2
+    save), unkilled."""
     workdir = tempfile.mkdtemp(prefix="shardkit-savecal-")
-    plan = {"kind": "save", "dir": workdir, "seed": 0, "calibrate": True}
+    plan = _save_plan(trainer, dir=workdir, seed=0, calibrate=True)
     proc = _start(plan)
     proc.wait()
     try:
@@ -382,22 +444,71 @@ def _verify_save(root: str, seed: int) -> dict:
     left = sorted(os.listdir(root))
     cleaned = len(left) == 2 and left[0] == "latest"
     ok = exact and same_losses and cleaned
-    return {"ok": ok, "latest": version, "partial_before": partial, "exact": exact, "same_losses": same_losses,
-            "cleaned": cleaned, "why": "" if ok else f"exact {exact}, losses {same_losses}, left {left}"}
+    return {"ok": ok, "latest": version, "latest_is": "new" if version == "version_00000002" else "previous",
+            "partial_before": partial, "exact": exact, "same_losses": same_losses, "cleaned": cleaned,
+            "why": "" if ok else f"exact {exact}, losses {same_losses}, left {left}"}
 
 
-def run_save(seed: int, counts: dict, target: str | None = None, k: int | None = None) -> dict:
+_UNINTERRUPTED: list = []  # the trainer's losses without a kill, computed once per process
+
+
+def verify_train(workdir: str) -> dict:
+    """After a killed trainer save: the latest checkpoint is step 1 or 2, and ``--resume`` (here,
+    one rank: another layout) continues with the uninterrupted run's losses and leaves only
+    complete saves."""
+    import torch.distributed as dist
+
+    made = _world_of_one()
+    try:
+        return _verify_train(os.path.join(workdir, "ckpt"))
+    finally:
+        if made:
+            dist.destroy_process_group()
+
+
+def _verify_train(root: str) -> dict:
+    import torch
+
+    from shardkit.checkpoint import MANIFEST, latest_checkpoint
+    from shardkit.cli.worker import train
+
+    def run(**kw) -> dict:
+        result = train(_train_cfg(1, tp=1, **kw), "gloo", torch.device("cpu"), time.perf_counter(), progress=False)
+        assert result is not None  # rank 0 of a world of one
+        return result
+
+    if not _UNINTERRUPTED:
+        _UNINTERRUPTED.append(run(save_every=0)["losses"])
+    full = _UNINTERRUPTED[0]
+    latest = latest_checkpoint(root)
+    version = os.path.basename(latest) if latest else None
+    if version not in ("step_00000001", "step_00000002"):
+        return {"ok": False, "latest": version, "why": f"latest is {version}"}
+    resumed = run(checkpoint_dir=root, resume=True)
+    start, losses = resumed.get("first_step"), resumed["losses"]
+    same_losses = (start == int(version[5:]) and len(losses) == len(full) - start
+                   and all(abs(a - b) <= 1e-12 * abs(b) for a, b in zip(losses, full[start:])))
+    left = sorted(os.listdir(root))
+    cleaned = all(n == "latest" or os.path.exists(os.path.join(root, n, MANIFEST)) for n in left)
+    ok = same_losses and cleaned
+    return {"ok": ok, "latest": version, "latest_is": "new" if version == "step_00000002" else "previous",
+            "exact": True, "same_losses": same_losses, "cleaned": cleaned,
+            "why": "" if ok else f"resumed at {start}: {losses} vs {full}; left {left}"}
+
+
+def run_save(seed: int, counts: dict, target: str | None = None, k: int | None = None, trainer: bool = False) -> dict:
     """One kill-during-save run; ``counts`` from :func:`calibrate_save`. ``target`` ("rank 0",
     "rank 1", "whole job") and ``k`` (the victim's file-system operation to die before) are
-    drawn from ``seed`` unless given."""
+    drawn from ``seed`` unless given. ``trainer``: kill the trainer's step-2 save (always before
+    a file-system operation: a delay could not aim at that save)."""
     rng = random.Random(seed)
     workdir = tempfile.mkdtemp(prefix="shardkit-savekill-")
     target = target or rng.choice(["rank 0", "rank 1", "whole job"])
     victim = 0 if target != "rank 1" else 1
-    plan: dict = {"kind": "save", "dir": workdir, "seed": seed, "victim": victim, "whole_job": target == "whole job"}
-    if k is not None or rng.random() < 0.5:
+    plan = _save_plan(trainer, dir=workdir, seed=seed, victim=victim, whole_job=target == "whole job")
+    if k is not None or trainer or rng.random() < 0.5:
         plan["k"] = k or rng.randint(1, counts[victim]["events"])
-        how = f"before file-system operation {plan['k']} of {counts[victim]['events']}"
+        how = f"before file-system operation {plan['k']} of {counts.get(victim, {}).get('events', '?')}"
     else:
         plan["delay"] = round(rng.uniform(0, 1.2 * counts[victim]["seconds"]), 4)
         how = f"after {plan['delay']} s of a ~{counts[victim]['seconds']:.2f} s save"
@@ -410,7 +521,7 @@ def run_save(seed: int, counts: dict, target: str | None = None, k: int | None =
     if not os.path.isdir(os.path.join(workdir, "ckpt")):
         record.update(ok=False, why="no checkpoint at all: " + open(os.path.join(workdir, "stderr")).read()[-1500:])
     else:
-        record.update(verify_save(workdir, seed))
+        record.update(verify_train(workdir) if trainer else verify_save(workdir, seed))
     subprocess.run(["rm", "-rf", workdir], check=False)
     return record
 
@@ -427,7 +538,9 @@ def _table(rows: list[tuple], header: tuple) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("family", choices=("launcher", "save"))
-    parser.add_argument("--runs", type=int, default=None, help="runs per scenario (launcher 20) or in all (save 50)")
+    parser.add_argument("--runs", type=int, default=None,
+                        help="runs per scenario (launcher 20) or in all (save 50, save --trainer 10)")
+    parser.add_argument("--trainer", action="store_true", help="save: kill the trainer's own save and --resume")
     parser.add_argument("--scenario", action="append", choices=SCENARIOS, help="launcher: only these scenarios")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="PATH", help="write every run's record here")
@@ -448,21 +561,22 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"  FAILED seed {r['seed']}: {r['why']}\n{r['output']}", flush=True)
         print(_table(rows, ("scenario", "runs", "passed", "max s to all gone", "exit codes")))
     else:
-        runs = args.runs or 50
-        counts = calibrate_save()
+        runs = args.runs or (10 if args.trainer else 50)
+        counts = calibrate_save(args.trainer)
         print(f"calibration: file-system operations and seconds of the killed save per rank: {counts}", flush=True)
         for i in range(runs):
-            r = run_save(args.seed * 1000 + i, counts)
+            r = run_save(args.seed * 1000 + i, counts, trainer=args.trainer)
             records.append(r)
             print(f"run {i}: {r['target']} {r['how']}: latest {r.get('latest')} ok={r['ok']} {r['why']}", flush=True)
         rows = []
         for target in ("rank 0", "rank 1", "whole job"):
             sub = [r for r in records if r["target"] == target]
             rows.append((target, len(sub), sum(r["killed"] for r in sub),
-                         sum(r.get("latest") == "version_00000001" for r in sub),
-                         sum(r.get("latest") == "version_00000002" for r in sub),
+                         sum(r.get("latest_is") == "previous" for r in sub),
+                         sum(r.get("latest_is") == "new" for r in sub),
                          sum(r["ok"] for r in sub)))
         print(_table(rows, ("killed", "runs", "kill happened", "latest = previous save", "latest = new save",
+                            "resumed with the same losses, partial cleaned" if args.trainer else
                             "loaded bit-exactly, same losses, partial cleaned")))
     if args.json:
         with open(args.json, "w") as f:

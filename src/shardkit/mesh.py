@@ -324,6 +324,10 @@ class ParallelMesh:
             except ShardkitError:
                 continue  # a multi-dim view (hsdp) is not one group
             table.setdefault(pg.group_name, name)
+        if "hsdp" in self._views:  # its own 2-D mesh: FSDP2's all-reduce and sharding groups
+            hsdp = self._views["hsdp"]
+            table.setdefault(hsdp.get_group(0).group_name, "dp_replicate")
+            table.setdefault(hsdp.get_group(1).group_name, "dp_shard" if self.dims.cp == 1 else "dp_shard_cp")
         if "stages" in self._views:  # pp_tp: the replica's group carries the stage-to-stage P2P
             table.setdefault(resolve_group(self._views["stages"].group, "ParallelMesh").pg.group_name, "pp")
         world = dist.group.WORLD

@@ -19,6 +19,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, Callable
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -29,9 +30,10 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from shardkit import ShardkitError  # noqa: E402
-from shardkit.comm import checks  # noqa: E402
+from shardkit.comm import checks, flight_recorder  # noqa: E402
 
-__all__ = ["Case", "Registry", "follow", "rank", "world", "prepare", "run_case", "followup", "CASE_MODULES"]
+__all__ = ["Case", "Registry", "follow", "rank", "world", "prepare", "run_case", "run_case_recorded", "followup",
+           "CASE_MODULES"]
 
 CASE_MODULES = ("bad_input_cases_comm", "bad_input_cases_cp", "bad_input_cases_ep",
                 "bad_input_cases_pp", "bad_input_cases_spatial", "bad_input_cases_transforms")
@@ -85,9 +87,12 @@ def rank() -> int:
     return dist.get_rank()
 
 
+_WORLD: list[Any] = []  # a desync rerun's copy of the world group (short timeout), else empty
+
+
 def world():
-    """The world group, declared for the follow-up."""
-    return follow(dist.group.WORLD)
+    """The world group (in a desync rerun, its copy with a short timeout), declared for the follow-up."""
+    return follow(_WORLD[0] if _WORLD else dist.group.WORLD)
 
 
 def prepare() -> None:
@@ -127,6 +132,22 @@ def run_case(module: str, name: str, check: bool) -> dict:
         return {"kind": "error", "type": type(exc).__name__, "shardkit": isinstance(exc, ShardkitError),
                 "msg": str(exc)[:4000], "elapsed": time.monotonic() - start}
     return {"kind": "ok", "match": want is not None and _same(got, want), "elapsed": time.monotonic() - start}
+
+
+def run_case_recorded(module: str, name: str, check: bool, directory: str, timeout: float) -> dict:
+    """:func:`run_case` with :func:`world` a new group of every rank whose process-group timeout
+    is ``timeout`` seconds, then this rank's flight recorder (only this case's collectives: the
+    worker clears it before every task) dumped into ``directory``: the desync rerun of a hang.
+
+    A new group rather than a world started with the short timeout: the world's start
+    (rendezvous of freshly forked ranks) would be held to it too, on a loaded machine."""
+    _WORLD[:] = [dist.new_group(list(range(dist.get_world_size())), timeout=timedelta(seconds=timeout))]
+    try:
+        record = run_case(module, name, check)
+    finally:
+        _WORLD.clear()
+    flight_recorder.dump_all(directory, reason=f"{name} ({'check mode' if check else 'default'})")
+    return record
 
 
 def followup() -> dict:

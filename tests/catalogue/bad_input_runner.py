@@ -20,6 +20,13 @@ after anything else, since ranks that failed apart may have collectives out of s
 
 The process-group timeout is long on purpose: a hang is seen by the wall limits here, not by
 a gloo timeout that would turn it into an error.
+
+A ``hang`` is then put to the test of the issue's desync proof: the case runs again in a fresh
+world, on a copy of the world group whose process-group timeout is ``DESYNC_PG_TIMEOUT``, every
+rank dumping its flight recorder after the case (:mod:`shardkit.comm.flight_recorder`). It is a ``desync`` only if every
+rank raised within that timeout + 10 s and the report over every rank's dump names the first
+divergent call: every rank of its group (or P2P channel) on one side or the other, and the api
+the case called; otherwise it stays a ``hang``.
 """
 
 from __future__ import annotations
@@ -28,10 +35,12 @@ import importlib
 import os
 import pickle
 import queue
+import shutil
 import sys
+import tempfile
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,18 +53,22 @@ for _p in (_HERE, _TESTS):
 from harness.worker import Task  # noqa: E402
 from harness.world import START_LIMIT, World  # noqa: E402
 from bad_input_rank import CASE_MODULES, Case  # noqa: E402
+from shardkit.comm import flight_recorder  # noqa: E402
 
 __all__ = ["OUTCOMES", "MODES", "Result", "all_cases", "run_catalogue", "table", "goal_failures", "describe"]
 
 ERROR_LIMIT = 2.0  # s: "the same error on every rank within 2 s"
 HANG_LIMIT = 4.0  # s without any report: every rank hangs (cases take milliseconds)
 PG_TIMEOUT = 60.0
+DESYNC_PG_TIMEOUT = 3.0  # s: the process-group timeout of a hang's rerun
+DESYNC_LIMIT = DESYNC_PG_TIMEOUT + 10.0  # s: "diagnosed within the process-group timeout + 10 s"
 RANK_FILE = str(Path(_HERE) / "bad_input_rank.py")
 MODES = (("default", False), ("check mode", True))
 OUTCOMES = {
     "same_error": "same ShardkitError on every rank within 2 s, group usable",
     "same_error_unusable": "same ShardkitError on every rank, group unusable after",
     "partial": "error on some ranks, the others hang or fail differently",
+    "desync": "desync: every rank fails by the process-group timeout + 10 s, the flight recorder names the call",
     "hang": "every rank hangs",
     "abort": "process abort (gloo `terminate called`, SIGABRT)",
     "wrong": "silent wrong result",
@@ -81,14 +94,15 @@ def all_cases() -> list[Case]:
 class _CatalogueWorld(World):
     """A :class:`World` whose tasks report records, collected with the catalogue's time limits."""
 
-    def call(self, func: str, kwargs: dict, task_name: str, grace: float = ERROR_LIMIT) -> dict:
+    def call(self, func: str, kwargs: dict, task_name: str, grace: float = ERROR_LIMIT,
+             limit: float = HANG_LIMIT) -> dict:
         """Run ``func(**kwargs)`` of the rank module on every rank: {rank: outcome} of those
         that reported (or died) within the limits: ``grace`` seconds after the first rank that
-        reported an error, ``HANG_LIMIT`` after the start."""
+        reported an error, ``limit`` after the start."""
         if not self._procs:
             self.start()
             self._warm()
-        return self._collect_records(func, kwargs, task_name, grace)
+        return self._collect_records(func, kwargs, task_name, grace, limit)
 
     def _warm(self) -> None:
         """Import the case modules on every rank of a fresh world, without a case's time limit
@@ -97,7 +111,7 @@ class _CatalogueWorld(World):
         if not result.ok:
             raise RuntimeError(f"catalogue world of {self.n} failed to import its cases: {result.failure_message()}")
 
-    def _collect_records(self, func: str, kwargs: dict, task_name: str, grace: float) -> dict:
+    def _collect_records(self, func: str, kwargs: dict, task_name: str, grace: float, limit: float) -> dict:
         task_id = next(self._ids)
         task = Task(RANK_FILE, func, pickle.dumps(kwargs), task_name, "bad_input_rank")
         for q in self._task_qs:
@@ -133,7 +147,7 @@ class _CatalogueWorld(World):
                 break
             if first is not None and now - first > grace:
                 break
-            if now - start > HANG_LIMIT:
+            if now - start > limit:
                 break
         return outcomes
 
@@ -211,15 +225,69 @@ def _run_case(world: _CatalogueWorld, case: Case, check: bool, task: str) -> tup
     return _classify(case.n, _records(outcomes))
 
 
-def _run_world(n: int, cases: list[Case], progress) -> list[Result]:
+def _desync(hung: Result) -> Result:
+    """Rerun a case that hung every rank in a world of its own, on a group with a
+    ``DESYNC_PG_TIMEOUT`` process-group timeout, every rank dumping its flight recorder: a
+    ``desync`` when every rank raised within ``DESYNC_LIMIT`` and the report names the call,
+    else still the ``hang`` (with why not)."""
+    case, check = hung.case, hung.mode == "check mode"
+    world = _CatalogueWorld(case.n, pg_timeout=PG_TIMEOUT)
+    directory = tempfile.mkdtemp(prefix="shardkit-desync-")
+    try:
+        kwargs = {"module": case.module, "name": case.name, "check": check, "directory": directory,
+                  "timeout": DESYNC_PG_TIMEOUT}
+        task = f"{case.module}::{case.name}[{hung.mode}]::desync"
+        records = _records(world.call("run_case_recorded", kwargs, task, DESYNC_LIMIT, DESYNC_LIMIT))
+        why = _undiagnosed(case, records, directory)
+        if why is None:
+            slowest = max(rec["elapsed"] for rec in records.values())
+            first = flight_recorder.format_report(directory).splitlines()[0]
+            detail = f"every rank raised within {slowest:.1f} s (timeout {DESYNC_PG_TIMEOUT:g} s); {first}"
+            return Result(case, hung.mode, "desync", detail)
+        return Result(case, hung.mode, "hang",
+                      f"{hung.detail}; with a {DESYNC_PG_TIMEOUT:g} s process-group timeout: {why}")
+    finally:
+        world.kill()  # the ranks of a desync are out of step
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _undiagnosed(case: Case, records: dict, directory: str) -> str | None:
+    """Why a desync rerun is not diagnosed (None when it is): a rank that did not raise within
+    ``DESYNC_LIMIT`` or wrote no dump, or a first divergence that misses a rank of its stream or
+    does not name the api the case called."""
+    late = [r for r in range(case.n) if r not in records or records[r]["kind"] != "error"
+            or records[r]["elapsed"] > DESYNC_LIMIT]
+    if late:
+        return f"ranks {late} did not raise within {DESYNC_LIMIT:g} s: {_errors(records)}"
+    dumps = flight_recorder.load_dumps(directory)
+    if sorted(dumps) != list(range(case.n)):
+        return f"dumps of ranks {sorted(dumps)} only"
+    found = flight_recorder.diagnose(dumps)
+    if not found:
+        return flight_recorder.format_report(dumps)
+    first = found[0]
+    named = sorted(r for ranks, _ in first.sides for r in ranks)
+    apis = {e.api for _, e in first.sides if e is not None}
+    if named != sorted(first.channel or first.group) or not apis & set(case.op.split("/")):
+        return "the first divergence does not name the call: " + first.describe()
+    return None
+
+
+def _run_world(n: int, cases: list[Case], progress, rerun) -> list:
+    """The results of ``cases`` on one world, in order; a hang is handed to ``rerun``, whose
+    future stands in its place."""
     world = _CatalogueWorld(n, pg_timeout=PG_TIMEOUT)
-    results = []
+    results: list = []
     try:
         for case in cases:
             for mode, check in MODES:
-                results.append(_run_one(world, case, mode, check))
+                result = _run_one(world, case, mode, check)
+                if result.outcome == "hang":
+                    results.append(rerun(result))
+                    continue
+                results.append(result)
                 if progress is not None:
-                    progress(results[-1])
+                    progress(result)
     finally:
         world.shutdown()
     return results
@@ -231,7 +299,8 @@ def run_catalogue(cases: list[Case] | None = None, progress=None, cases_per_worl
     Cases of one world size are dealt round-robin to one world per ``cases_per_world`` cases,
     and all the worlds run at once (one thread each): most of a run is waiting (the 2 s of an
     error on one rank, a hang's limit, a respawn), which overlaps, while the cases themselves
-    take milliseconds.
+    take milliseconds. A hang's desync rerun (:func:`_desync`, mostly a wait for the short
+    process-group timeout) runs on a world of its own while its world goes on with the next case.
     """
     cases = all_cases() if cases is None else cases
     jobs = []
@@ -239,8 +308,16 @@ def run_catalogue(cases: list[Case] | None = None, progress=None, cases_per_worl
         mine = [c for c in cases if c.n == n]
         k = -(-len(mine) // cases_per_world)
         jobs += [(n, mine[i::k]) for i in range(k) if mine[i::k]]
-    with ThreadPoolExecutor(len(jobs)) as pool:
-        done = [r for rs in pool.map(lambda job: _run_world(*job, progress), jobs) for r in rs]
+    with ThreadPoolExecutor(len(jobs)) as desyncs:
+        def rerun(hung: Result) -> Future:
+            future = desyncs.submit(_desync, hung)
+            if progress is not None:
+                future.add_done_callback(lambda f: progress(f.result()))
+            return future
+
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            done = [r for rs in pool.map(lambda job: _run_world(*job, progress, rerun), jobs) for r in rs]
+        done = [r.result() if isinstance(r, Future) else r for r in done]
     order = {(c.module, c.name): i for i, c in enumerate(cases)}
     return sorted(done, key=lambda r: (order[r.case.module, r.case.name], r.mode != "default"))
 
@@ -274,7 +351,9 @@ def goal_failures(results: list[Result]) -> list[tuple[Result, str]]:
     Default mode: an uneven shard without its sizes neither aborts nor gives a wrong result.
     Check mode: every case is correct or the same ShardkitError on every rank within 2 s with
     the group usable after, except the fingerprint's cases (per-rank weights or inputs).
-    Both: no case hangs every rank, and every valid input (control, uneven) is correct.
+    Both: no case hangs every rank (a ``desync``, every rank failing at the process-group
+    timeout with the call named by the flight recorder, is the default mode's answer to ranks
+    that disagree without checks), and every valid input (control, uneven) is correct.
     """
     bad = []
     for r in results:

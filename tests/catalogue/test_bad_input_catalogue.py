@@ -8,6 +8,10 @@ One run of the whole catalogue (tests/catalogue/bad_input_runner.py; the table o
   group usable after (cases whose ranks differ in weights or inputs, not metadata, are the
   opt-in fingerprint's and only counted);
 * both modes: no case hangs every rank; every valid input gives the single-process result.
+  Ranks that disagree where nothing checks (the default mode passes sizes without agreeing on
+  them) fail at the process-group timeout: such a case counts as a ``desync``, not a hang, only
+  when a rerun with a 3 s process-group timeout shows every rank raising within it + 10 s and
+  the flight recorder naming the first divergent call (``bad_input_runner._desync``).
 
 A violation that is known and owned elsewhere is listed in ``KNOWN_OPEN`` with its reason. The
 list must be exact: a case listed there that now passes fails the test too, so it shrinks as the
@@ -17,36 +21,32 @@ gaps are closed.
 from __future__ import annotations
 
 import inspect
+import json
+import os
 
 import pytest
 
 import shardkit
-from bad_input_runner import all_cases, describe, goal_failures, run_catalogue, table
+from bad_input_runner import DESYNC_LIMIT, _undiagnosed, all_cases, describe, goal_failures, run_catalogue, table
 
 pytestmark = pytest.mark.slow
 
 # (case, mode) -> why it still violates a goal.
-# P2P in check mode: the hello handshake judges misuse, declarations and refused arguments alike
-# on both ends (one text), but a call past the pipeline's end has no peer to say hello to: a
-# stage waiting on it waits for the process-group timeout.
-_P2P_LOCAL = "P2P: a call past the pipeline's end has no peer to tell; the stage facing it waits for the timeout"
-_P2P_BOTH_LOCAL = "P2P: each stage raises its own local error (different texts), nothing hangs"
-_P2P_DEFAULT = "P2P misuse in the default mode (no handshake): both stages wait"
+# The ranks pass different groups (a program error, not an argument): an agreement runs on the
+# group each rank passed, so no message of one rank's check reaches a rank waiting on another
+# group. A rank can only agree on a group it was given; guessing another (the world) would be a
+# collective its peers may never call, turning a clean local error into a hang, and the design
+# forbids a WORLD fallback. The ranks that wait are ended by the process-group timeout, and the
+# flight recorder names their call.
 _NO_COMMON_GROUP = "the ranks pass different groups: no group on which to agree (a program error, not an argument)"
-_DEFAULT_DISAGREEMENT = ("the ranks disagree on a size-setting argument and take different collectives; "
-                         "only the check mode (or the process-group timeout) sees it")
 KNOWN_OPEN = {
+    # rank 2 passes the pair (0, 1) it is not in and raises at once; ranks 0 and 1 wait for it
+    # in the world's agreement
     ("all_reduce_forward_group_not_member", "check mode"): _NO_COMMON_GROUP,
+    # ranks 0 and 1 make a valid call on the pair and return; rank 2 waits for them on the world
     ("all_gather_group_size_mismatch", "check mode"): _NO_COMMON_GROUP,
+    # rank 1 passes no plan, so it knows no group; rank 0 waits in the plan's group
     ("dispatch_plan_not_a_plan_one_rank_r2", "check mode"): _NO_COMMON_GROUP + " (no plan, so no group)",
-    ("reduce_scatter_sizes_differ_across_ranks_r2", "default"): _DEFAULT_DISAGREEMENT,
-    ("reduce_scatter_full_dim_mismatch_r2", "default"): _DEFAULT_DISAGREEMENT,
-    ("all_to_all_gather_size_differs_r2", "default"): _DEFAULT_DISAGREEMENT,
-    ("ulysses_vs_ring_mismatched_op_r2", "default"): _DEFAULT_DISAGREEMENT,
-    ("p2p_both_stages_send", "default"): _P2P_DEFAULT,
-    ("p2p_both_stages_receive", "check mode"): _P2P_BOTH_LOCAL,
-    ("p2p_wrong_direction", "check mode"): _P2P_LOCAL,
-    ("p2p_last_stage_sends_forward", "check mode"): _P2P_BOTH_LOCAL,
 }
 
 # Every public function or layer that communicates, by the op names the cases use.
@@ -91,3 +91,34 @@ def test_goals(results):
 def test_every_case_ran_in_both_modes(results):
     assert len(results) == 2 * len(all_cases())
     assert {r.mode for r in results} == {"default", "check mode"}
+
+
+def _dump(directory, rank, calls):
+    """A flight-recorder dump of ``rank``: ``calls`` = [(op, api, phase)] on the group [0, 1]."""
+    entries = [dict(seq=i, group_seq=i, op=op, api=api, phase=phase, group=[0, 1], group_name="0", shape=[2],
+                    sizes=None, peer=None, src=None, dst=None) for i, (op, api, phase) in enumerate(calls)]
+    with open(os.path.join(directory, f"rank{rank}.json"), "w") as f:
+        json.dump({"rank": rank, "entries": entries}, f)
+
+
+def test_a_hang_is_a_desync_only_when_every_rank_raised_and_the_report_names_the_call(tmp_path):
+    """The classifier of a hang's rerun (``bad_input_runner._undiagnosed``) on made-up records and
+    dumps: each missing piece of the proof keeps the case a hang."""
+    case = next(c for c in all_cases() if c.name == "reduce_scatter_sizes_differ_across_ranks_r2")
+    err = {"kind": "error", "type": "RuntimeError", "shardkit": False, "msg": "Timed out", "elapsed": 3.0}
+    mine = ("reduce_scatter_single", "reduce_scatter", "forward")
+    theirs = ("all_to_all_single", "reduce_scatter", "forward")
+    _dump(tmp_path, 0, [mine])
+    _dump(tmp_path, 1, [theirs])
+    assert _undiagnosed(case, {0: err, 1: err}, str(tmp_path)) is None
+    returned = {"kind": "ok", "match": False, "elapsed": 0.1}
+    assert "did not raise" in _undiagnosed(case, {0: err, 1: returned}, str(tmp_path))
+    assert "did not raise" in _undiagnosed(case, {0: err}, str(tmp_path))  # rank 1 never reported
+    assert "did not raise" in _undiagnosed(case, {0: err, 1: dict(err, elapsed=DESYNC_LIMIT + 1)}, str(tmp_path))
+    _dump(tmp_path, 1, [mine])  # the records agree: nothing named
+    assert "no divergence" in _undiagnosed(case, {0: err, 1: err}, str(tmp_path))
+    _dump(tmp_path, 1, [("all_reduce", "all_reduce_forward", "forward")])
+    _dump(tmp_path, 0, [("all_gather_single", "all_gather", "forward")])  # another api than the case's
+    assert "does not name the call" in _undiagnosed(case, {0: err, 1: err}, str(tmp_path))
+    os.remove(tmp_path / "rank1.json")
+    assert "dumps of ranks [0] only" in _undiagnosed(case, {0: err, 1: err}, str(tmp_path))

@@ -5,7 +5,8 @@ its own session and checks, from outside, that every process of it is gone withi
 fault, the exit code (1; 130 SIGINT; 143 SIGTERM; -9 for a SIGKILLed launcher) and the printed
 root cause. The kill-during-save test SIGKILLs a save half-way for real (a rank before one of
 its file-system operations, or the whole job), then loads the latest save in this process and
-compares it bit-exactly with the weights it must hold.
+compares it bit-exactly with the weights it must hold. The trainer's own save is killed the same
+way, and ``--resume`` on another layout continues with the uninterrupted run's losses.
 """
 
 import os
@@ -39,3 +40,13 @@ def test_kill_during_save_leaves_the_previous_checkpoint_loadable():
         assert record["killed"] and record["rc"] != 0, record
         assert record["ok"], record
         assert record["exact"] and record["same_losses"] and record["cleaned"]
+
+
+@pytest.mark.slow
+def test_kill_during_the_trainers_save_then_resume_continues_the_same_losses():
+    # the whole job dies half-way through rank 0's operations of the step-2 save (9 on this
+    # layout: the trials script calibrates them); resuming on one rank continues from step 1
+    record = fault_trials.run_save(seed=5, counts={}, target="whole job", k=5, trainer=True)
+    assert record["killed"] and record["rc"] != 0, record
+    assert record["ok"], record
+    assert record["latest"] == "step_00000001" and record["same_losses"] and record["cleaned"]

@@ -44,6 +44,11 @@ def _check(result: dict | None) -> None:
                | ({"ep", "edp"} if layout["ep"] > 1 else set()) | ({"tp"} if layout["pp_tp"] else set()))
     axes = {row["axis"] for row in result["ledger"]}
     assert axes <= allowed, (sorted(axes - allowed), layout["parallel"])
+    # ... and every axis of the layout paid for something (FSDP2's gathers included), on its own
+    # group or on a flattened view that contains it
+    covered = axes | {a for view in axes for a in FLAT_VIEWS.get(view, ())}
+    silent = [a for a in AXES if layout[a] > 1 and a not in covered]
+    assert not silent, (silent, layout["parallel"], sorted(axes))
 
 
 LAYOUTS_4 = {

@@ -186,6 +186,70 @@ def test_calls_past_the_ends_of_the_pipeline(call):
     _assert_usable()
 
 
+_PAST = {0: "stage 0 is the first of {P} pipeline stages and has no previous stage",
+         -1: "stage {last} is the last of {P} pipeline stages and has no next stage"}
+
+
+def _past_end_calls(case, batched):
+    """(first stage's call, last stage's call, the past-end texts) of a pipeline of 2 stages, each
+    stage facing the other: a call past the pipeline's end meets the call of the stage beside it."""
+    kw = dict(batched=batched)
+    x = torch.ones(2, 3)
+    return {
+        "both_receive": (lambda: recv_forward(G(), **kw), lambda: recv_backward(G(), **kw), (0, -1)),
+        "last_sends_forward": (lambda: recv_forward(G(), **kw), lambda: send_forward(x, G(), **kw), (0, -1)),
+        "wrong_direction": (lambda: send_forward(x, G(), **kw), lambda: recv_backward(G(), **kw), (-1,)),
+        "first_sends_backward": (lambda: send_backward(x, G(), **kw), lambda: recv_forward(G(), **kw), (0,)),
+    }[case]
+
+
+@pytest.mark.world(2, timeout=20)
+@pytest.mark.parametrize("batched", [False, True], ids=["ordered", "batched"])
+@pytest.mark.parametrize("case", ["both_receive", "last_sends_forward", "wrong_direction", "first_sends_backward"])
+def test_calls_past_the_ends_are_the_same_error_on_both_ends_in_check_mode(case, batched):
+    """Checks on: a call past the pipeline's end says hello to the stage on its other side (the
+    one facing it); both raise the same text, naming both calls and the missing stage, within
+    2 s; only hellos moved; the stage past the end keeps its own message as the cause."""
+    first, last, past = _past_end_calls(case, batched)
+    P = world_size()
+    with checks(True), CommLedger() as ledger:
+        msg = _raises(ShardkitError, "nothing was transferred", first if rank() == 0 else last)
+    for end in past:
+        assert _PAST[end].format(P=P, last=P - 1) in msg, msg
+    assert msg.startswith(f"P2P in a pipeline group of {P}: stage 0 (") and " and stage 1 (" in msg, msg
+    assert {r.phase for r in ledger.records} == {"check"}
+    with checks(True), pytest.raises(ShardkitError) as info:  # again, both stages: the cause
+        (first if rank() == 0 else last)()
+    mine = 0 if rank() == 0 else -1
+    if mine in past:  # the stage past the end keeps its own (local) message as the cause
+        assert _PAST[mine].format(P=P, last=P - 1) in str(info.value.__cause__), info.value.__cause__
+    else:
+        assert info.value.__cause__ is None
+    _same_in_pair(msg)
+    _assert_usable()
+
+
+@pytest.mark.world(4, timeout=20)
+def test_calls_past_the_ends_pp4_meet_the_stage_beside_them():
+    """pp = 4, checks on: stage 0 receives a forward message (it has no previous stage) while
+    stage 1 waits for its activation; stage 3 sends one forward while stage 2 sends it one. Each
+    pair raises one text; the group is usable after."""
+    s = rank()
+    x = torch.ones(2, 3)
+    calls = [lambda: recv_forward(G()), lambda: recv_forward(G()), lambda: send_forward(x, G()),
+             lambda: send_forward(x, G())]
+    with checks(True):
+        msg = _raises(ShardkitError, "nothing was transferred", calls[s])
+    if s < 2:
+        assert msg.startswith("P2P in a pipeline group of 4: stage 0 (recv_forward: receives forward) and stage 1 "
+                              "(recv_forward: receives forward): stage 0 is the first of 4 pipeline stages and has no "
+                              "previous stage"), msg
+    else:
+        assert "stage 3 is the last of 4 pipeline stages and has no next stage" in msg, msg
+    _same_in_pair(msg)
+    _assert_usable()
+
+
 def _bad_arguments():
     """The same on every rank: raised before any message."""
     f32 = torch.float32

@@ -110,3 +110,74 @@ def test_bad_layouts_are_refused(tmp_path, capsys):
     config.write_text("{not json")
     assert main(["plan", "--config", str(config), "--gpus", "8"]) == 2
     assert "cannot read the config" in capsys.readouterr().out
+
+
+def test_gpipe_holds_every_microbatch_and_regathers_the_root_once():
+    from shardkit.plan.collectives import merged, step_collectives
+
+    shape = ModelShape.from_config(TINY)
+    dims = ParallelDims(pp=2, dp_shard=2)
+    one_f_one_b = StepOptions(seq_len=16, global_batch=8, microbatches=4, dtype="float32")
+    gpipe = StepOptions(seq_len=16, global_batch=8, microbatches=4, dtype="float32", schedule="gpipe")
+    # stage 0 of 2: 1F1B keeps min(M, 2) = 2 microbatches' activations, GPipe all 4
+    acts = memory_per_rank(shape, dims, gpipe)["activations"] - memory_per_rank(shape, dims, one_f_one_b)["activations"]
+    assert acts == pytest.approx(34 * 1 * 16 * 64 / 2 * 4 * 2 * 2)  # 2 more microbatches x 2 layers
+    key = ("all_gather_single", "fully_shard", "forward", 2)
+    # stage 1 (F B F B ... in both): the root gathered before every forward; GPipe (F F F F B B B B): once
+    layers = 4 * 2  # M x layers, then the root's gathers
+    assert merged(step_collectives(shape, dims, one_f_one_b, 1))[key][0] == layers + 4
+    assert merged(step_collectives(shape, dims, gpipe, 1))[key][0] == layers + 1
+
+
+def test_pp_tp_stage_roles_and_compute():
+    from shardkit.plan.collectives import merged, step_collectives
+    from shardkit.plan.options import rank_stage
+
+    shape = ModelShape.from_config(TINY)
+    dims = ParallelDims(dp_replicate=2, pp_tp=(2, 1, 1), world_size=8)
+    assert [rank_stage(dims, r) for r in range(8)] == [(0, 0), (0, 1), (1, 0), (2, 0)] * 2
+    opts = StepOptions(seq_len=16, global_batch=4, microbatches=2, dtype="float32")
+    act = 1 * 16 * 64 * 4
+    leader, other = (merged(step_collectives(shape, dims, opts, 0, i)) for i in (0, 1))
+    assert leader[("send", "p2p", "forward", 4)] == (4, 2 * (act + 160), 0)  # a header and the payload each
+    assert leader[("broadcast", "p2p", "backward", 2)] == (2, 2 * act, 0)  # gradients broadcast in the stage
+    assert ("send", "p2p", "forward", 4) not in other and other[("broadcast", "p2p", "backward", 2)] == (2, 0, 2 * act)
+    est = estimate_step(shape, dims, opts, Cluster(gpus=8, gpus_per_node=8))
+    # the slowest stage sets the pace: 4 layers as 2, 1, 1 over tp 2, 1, 1: stages 0 and 1 each do 1/4 per rank
+    flops = shape.flops_per_token(16) * 4 * 16
+    assert est.compute_s == pytest.approx(flops / 4 / 2 / (989e12 * 0.5))
+
+
+@pytest.mark.parametrize("dims,opts,match", [
+    (ParallelDims(spatial=2, world_size=2), StepOptions(seq_len=16, global_batch=2), "spatial layouts are not planned"),
+    (ParallelDims(pp_tp=(2, 1), world_size=3), StepOptions(seq_len=16, global_batch=2, sequence_parallel=True),
+     "sequence_parallel with pp_tp is refused by the trainer"),
+    (ParallelDims(pp=2), StepOptions(seq_len=16, global_batch=2, schedule="zb"), "schedule must be one of"),
+])
+def test_refused_layouts_say_why(dims, opts, match):
+    from shardkit.plan import step_collectives
+
+    with pytest.raises(ShardkitError, match=match):
+        step_collectives(ModelShape.from_config(TINY), dims, opts)
+
+
+def test_plan_command_compares_a_pp_tp_layout(tmp_path, capsys):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(TINY))
+    code = main(["plan", "--config", str(config), "--gpus", "8", "--seq-len", "64", "--global-batch", "16", "--top",
+                 "1", "--schedule", "gpipe", "--compare", "pp_tp=2:1:1", "--plot", str(tmp_path / "p.png")])
+    out = capsys.readouterr().out
+    assert code == 0 and "pp_tp=2,1,1" in out and "refused" not in out
+
+
+@pytest.mark.parametrize("overrides", [dict(model="llama", tp=2), dict(model="llama", tp=1), dict(model="moe", tp=2),
+                                       dict(model="mla", tp=2, ep=2), dict(model="llama", pp_tp="2,1,1", layers=3)])
+def test_sequence_parallel_default_is_the_trainers(overrides):
+    from shardkit.cli.config import TrainConfig, parallel_dims, validate_config
+    from shardkit.cli.model import _hf_config
+    from shardkit.plan.options import resolve_options
+
+    cfg = validate_config(TrainConfig(**{"nproc": 4, **overrides}), world_size=4)
+    shape = ModelShape.from_config(_hf_config(cfg)[1])
+    planned = resolve_options(shape, parallel_dims(cfg), StepOptions(seq_len=cfg.seq_len, global_batch=cfg.batch_size))
+    assert planned.sequence_parallel == cfg.sequence_parallel

@@ -16,6 +16,7 @@ from .._optional import install_hint, missing
 from ..errors import ShardkitError
 from ..mesh import ParallelDims
 from ..plan import CLUSTERS, Cluster, ModelShape, StepEstimate, StepOptions, estimate_step, plan_layouts
+from ..plan.options import SCHEDULES
 
 __all__ = ["add_plan_parser", "run_plan", "parse_layout"]
 
@@ -36,32 +37,42 @@ def add_plan_parser(commands) -> None:
     p.add_argument("--seq-len", type=int, default=8192, help="tokens per sequence (default 8192)")
     p.add_argument("--global-batch", type=int, default=2048, help="sequences per step (default 2048)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    p.add_argument("--schedule", choices=sorted(SCHEDULES), default="1f1b",
+                   help="pipeline schedule (default 1f1b; gpipe keeps every microbatch's activations)")
     p.add_argument("--top", type=int, default=10, help="layouts to print (default 10)")
     p.add_argument("--compare", action="append", default=[], metavar="LAYOUT",
-                   help="also estimate this layout, e.g. 'tp=8,pp=16,cp_ring=2' (dp_replicate: the rest)")
+                   help="also estimate this layout, e.g. 'tp=8,pp=16,cp_ring=2' or 'pp_tp=8:8:4' (stages of "
+                        "different tp sizes); dp_replicate: the rest")
     p.add_argument("--plot", default="plan.png", help="where to write the plot (default plan.png)")
     p.set_defaults(func=run_plan)
 
 
 def parse_layout(text: str, gpus: int) -> ParallelDims:
-    """``"tp=8,pp=16,dp_shard=4"`` -> ParallelDims (``dp_replicate`` fills the rest of ``gpus``).
+    """``"tp=8,pp=16,dp_shard=4"`` or ``"pp_tp=8:8:4"`` -> ParallelDims (``dp_replicate`` fills
+    the rest of ``gpus``).
 
     Raises:
         ShardkitError: an unknown axis, a bad number, or degrees that do not divide ``gpus``.
     """
     known = {f.name for f in dataclasses.fields(ParallelDims)} - {"world_size", "pp_tp"}
     degrees: dict[str, int] = {}
+    pp_tp: tuple[int, ...] | None = None
     for part in filter(None, text.split(",")):
-        axis, _, number = part.partition("=")
-        if axis.strip() not in known or not number.strip().isdigit():
-            raise ShardkitError(f"--compare {text!r}: expected axis=int pairs with axes {sorted(known)}, got {part!r}")
-        degrees[axis.strip()] = int(number)
+        axis, _, number = (x.strip() for x in part.partition("="))
+        if axis == "pp_tp" and all(n.isdigit() for n in number.split(":")):
+            pp_tp = tuple(int(n) for n in number.split(":"))
+            continue
+        if axis not in known or not number.isdigit():
+            raise ShardkitError(f"--compare {text!r}: expected axis=int pairs with axes {sorted(known)} (or "
+                                f"pp_tp=t0:t1:...), got {part!r}")
+        degrees[axis] = int(number)
     used = math.prod(d for axis, d in degrees.items() if axis != "ep")  # ep borrows, it does not multiply
+    used *= sum(pp_tp) if pp_tp else 1  # a pipeline replica of stages of different tp sizes
     if "dp_replicate" not in degrees:
         if gpus % used:
             raise ShardkitError(f"--compare {text!r}: the degrees multiply to {used}, which does not divide {gpus} GPUs")
         degrees["dp_replicate"] = gpus // used
-    return ParallelDims(world_size=gpus, **degrees)  # type: ignore[arg-type]
+    return ParallelDims(world_size=gpus, pp_tp=pp_tp, **degrees)  # type: ignore[arg-type]
 
 
 def _cluster(args) -> Cluster:
@@ -130,7 +141,8 @@ def run_plan(args: argparse.Namespace) -> int:
     try:
         cluster = _cluster(args)
         shape = ModelShape.from_config(args.config)
-        options = StepOptions(seq_len=args.seq_len, global_batch=args.global_batch, dtype=args.dtype)
+        options = StepOptions(seq_len=args.seq_len, global_batch=args.global_batch, dtype=args.dtype,
+                              schedule=args.schedule)
         best = plan_layouts(shape, cluster, options, top=args.top)
     except ShardkitError as e:
         print(f"shardkit plan: {e}")

@@ -17,22 +17,37 @@ Left out of FSDP2, kept replicated and reduced by :class:`~.grads.GradientSync` 
   parallelism, so sharding them over ``dp_shard_cp`` would mix different experts. (torchtitan
   shards them over the expert data-parallel ranks instead: a memory saving left for later.)
 
+FSDP2's collectives are shardkit's too: each sharded module gets a custom all-gather and
+reduce-scatter (FSDP2's ``set_custom_all_gather`` / ``set_custom_reduce_scatter``, same c10d
+calls as its defaults) that record themselves in the :class:`~shardkit.CommLedger` and the
+flight recorder under the api ``"fully_shard"``, so a layout's ledger by axis shows what
+``dp_shard`` adds and a desync inside FSDP2 is diagnosed like any other. HSDP's all-reduce over
+``dp_replicate`` is FSDP2's own call; it is recorded from the all-reduce hook FSDP2 runs right
+after it (so it is the one entry logged after, not before, its call).
+
 Source: PyTorch FSDP2 (``torch.distributed.fsdp.fully_shard``, Zhao et al., 2023, per-parameter
 sharding); torchtitan's ``apply_fsdp`` (per-block wrapping, HSDP mesh, ``dp_shard_cp``).
 """
 
 from __future__ import annotations
 
+import functools
+
 from typing import TYPE_CHECKING
 
+import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
+from ..comm import ledger
+from ..comm._compat import all_gather_single, reduce_scatter_single
 from ..expert_parallel.hf import expert_shard
 
 if TYPE_CHECKING:
     from ..mesh import ParallelMesh
 
-__all__ = ["apply_fsdp", "keeps_own_reduction"]
+__all__ = ["LedgerAllGather", "LedgerReduceScatter", "apply_fsdp", "keeps_own_reduction"]
 
 
 def keeps_own_reduction(p: nn.Parameter) -> bool:
@@ -60,7 +75,53 @@ def apply_fsdp(model: nn.Module, mesh: ParallelMesh, blocks: list[nn.Module]) ->
     sharded = [fully_shard(block, mesh=dp_mesh, ignored_params=ignored & set(block.parameters())) for block in blocks]
     sharded.append(fully_shard(model, mesh=dp_mesh, ignored_params=ignored))
     # Sums, not FSDP2's default mean: gloo has no PREMUL_SUM, so ask for plain sums.
+    replicate = dp_mesh.get_group(0) if mesh.dims.dp_replicate > 1 else None  # HSDP: FSDP2's all-reduce group
     for module in sharded:
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)
+        module.set_custom_all_gather(LedgerAllGather())
+        module.set_custom_reduce_scatter(LedgerReduceScatter())
+        if replicate is not None:
+            module.set_all_reduce_hook(functools.partial(_record_hsdp_all_reduce, replicate))
     return names
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _phase() -> str:
+    # FSDP2 all-gathers before forward and again before backward (a resharded block): inside
+    # the autograd engine the current graph task is set.
+    return "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+
+
+class LedgerAllGather(AllGather):
+    """FSDP2's all-gather (``all_gather_into_tensor``), recorded in the ledger first."""
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 async_op: bool = False) -> dist.Work | None:
+        ledger.record("all_gather_single", "fully_shard", _phase(), group.size(), _nbytes(input_tensor),
+                      _nbytes(output_tensor), pg=group, shape=tuple(input_tensor.shape))
+        return all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+class LedgerReduceScatter(ReduceScatter):
+    """FSDP2's gradient reduce-scatter (``reduce_scatter_tensor``), recorded in the ledger first."""
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op, async_op: bool = False) -> dist.Work | None:
+        ledger.record("reduce_scatter_single", "fully_shard", "backward", group.size(), _nbytes(input_tensor),
+                      _nbytes(output_tensor), pg=group, shape=tuple(input_tensor.shape))
+        return reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+
+
+def _record_hsdp_all_reduce(group: dist.ProcessGroup, reduced: torch.Tensor) -> None:
+    ledger.record("all_reduce", "fully_shard", "backward", group.size(), _nbytes(reduced), _nbytes(reduced),
+                  pg=group, shape=tuple(reduced.shape))

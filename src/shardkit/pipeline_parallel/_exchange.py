@@ -200,6 +200,23 @@ def _misuse(t: Transfer, peer: _wire.Hello, api: str) -> ShardkitError | None:
     return RankMismatchError(f"P2P misuse in a pipeline group of {t.g.size}: {who} {what}; nothing was transferred")
 
 
+def _past_end(t: Transfer, mine: _wire.Hello, peer: _wire.Hello) -> ShardkitError | None:
+    """A call addressed past the pipeline's end (status ``PAST_END``: said to the stage on its
+    other side). The message is built from both hellos in stage order: the same text on both ends."""
+    ends = sorted([mine, peer], key=lambda e: e.rank)
+    past = [e for e in ends if e.meta.status == _wire.PAST_END]
+    if not past:
+        return None
+    who = " and ".join(f"stage {e.rank} ({e.api}: {'sends' if e.send else 'receives'} {e.phase})" for e in ends)
+    why = []
+    for e in past:
+        nxt = e.send == (e.phase == "forward")  # sends forward or receives backward: towards the next stage
+        why.append(f"stage {e.rank} is the {'last' if nxt else 'first'} of {t.g.size} pipeline stages and has no "
+                   f"{'next' if nxt else 'previous'} stage")
+    return ShardkitError(f"P2P in a pipeline group of {t.g.size}: {who}: {'; '.join(why)} (pass loop=True to connect "
+                         "the last stage to the first); nothing was transferred")
+
+
 def _declarations(t: Transfer, mine: _wire.Hello, peer: _wire.Hello) -> ShardkitError | None:
     """The sender's tensor against the receiver's declaration, judged from the two hellos in
     (sender, receiver) order, so both ends raise the same text and no payload moves."""
@@ -226,12 +243,12 @@ def _declarations(t: Transfer, mine: _wire.Hello, peer: _wire.Hello) -> Shardkit
 
 
 def _settle(t: Transfer, api: str) -> None:
-    """Checks on, both hellos exchanged: the misuse or declaration error (the same on both
-    ends, no payload follows), else the receiver reads the sender's header."""
+    """Checks on, both hellos exchanged: a call past the pipeline's end, a misuse or a declaration
+    error (the same on both ends, no payload follows), else the receiver reads the sender's header."""
     source = f"stage {t.peer} of {t.g.size}"
     peer = _wire.decode_hello(t.hello_in, api, source)
     mine = _wire.decode_hello(t.hello_out, api, t.where())
-    error = _misuse(t, peer, api) or _declarations(t, mine, peer)
+    error = _past_end(t, mine, peer) or _misuse(t, peer, api) or _declarations(t, mine, peer)
     if error is not None:
         t.error, t.status = error, _wire.MISUSE
         return

@@ -15,7 +15,9 @@ role (send or receive), message phase (forward or backward), group rank and api 
 then knows both sides' intent and decides alike, before any payload moves: two senders, two
 receivers, a forward message meeting a backward receive, a receiver declaring another shape or
 dtype than the sender's tensor, or a sender's bad tensor are one error, the same text on both
-ends, and no payload follows.
+ends, and no payload follows. A call addressed past the pipeline's end (no ``loop``) has no peer
+there: it says its hello, with status ``PAST_END``, to the stage on its other side, the only one
+that can be facing it (e.g. waiting for it in a transfer the program meant the other way round).
 
 Codes are part of the protocol: append to ``_DTYPES``, never reorder.
 """
@@ -28,8 +30,8 @@ import torch
 
 from ..errors import ShardkitError
 
-__all__ = ["HEADER_LEN", "HELLO_LEN", "MAX_DIMS", "OK", "BAD_DECLARATION", "UNENCODABLE", "BAD_ARGUMENTS", "MISUSE", "Meta",
-           "Hello", "encode", "decode", "encode_hello", "decode_hello", "unencodable", "describe"]
+__all__ = ["HEADER_LEN", "HELLO_LEN", "MAX_DIMS", "OK", "BAD_DECLARATION", "UNENCODABLE", "BAD_ARGUMENTS", "MISUSE",
+           "PAST_END", "Meta", "Hello", "encode", "decode", "encode_hello", "decode_hello", "unencodable", "describe"]
 
 MAGIC = 0x534B5032  # "SKP2": catches a receiver reading a payload as a header (mode mismatch)
 MAX_DIMS = 16
@@ -40,6 +42,8 @@ BAD_DECLARATION = 1  # sender: its tensor does not match its own declared static
 UNENCODABLE = 2  # sender: ndim > MAX_DIMS or a dtype without a wire code
 BAD_ARGUMENTS = 3  # hello only (checks on): this end's call raised an argument error; nothing follows
 MISUSE = 4  # local only (never sent): the hellos showed a misuse or a mismatch, no payload follows
+PAST_END = 5  # hello only (checks on): this end's call, in the hello's role and phase, addresses a stage past
+#               the pipeline's end (no loop); said to the stage on its other side; nothing follows
 
 SEND, RECV = 0, 1
 PHASES = ("forward", "backward")

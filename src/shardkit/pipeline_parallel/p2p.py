@@ -24,10 +24,14 @@ both send to each other, both wait to receive, or a forward message meeting a ba
 transferred and the channel clean; a receiver declaring another shape or dtype than the sender's
 tensor, a sender whose tensor does not match its own declaration, or a call whose own arguments
 are refused (it still says hello, its own message kept as the cause) raises the same text on
-both ends, at the call, with no payload sent, instead of corrupting data or hanging. 2 messages each way per transfer (hello, payload), and
-the call returns only once the peer has posted its side. With checks off the sender still checks
-its own tensor against its declaration and raises before sending anything (its receiver then
-waits). A misuse between stages that do not face each other (stage 1 sends forward while stage 2
+both ends, at the call, with no payload sent, instead of corrupting data or hanging. A call past
+the pipeline's end (without ``loop``: the first stage receiving a forward or sending a backward
+message, the last stage the reverse) has no peer there: it says hello to the stage on its other
+side, the only one that can be facing it, and both raise the same text. 2 messages each way per
+transfer (hello, payload), and the call returns only once the peer has posted its side. With
+checks off the sender still checks its own tensor against its declaration and raises before
+sending anything (its receiver then waits), and a call past the end raises before any message.
+A misuse between stages that do not face each other (stage 1 sends forward while stage 2
 receives from stage 3) leaves each waiting on another peer: the flight recorder names it.
 
 Several groups (a stage with several previous or next stages): pass a list of groups. A send
@@ -243,6 +247,10 @@ def _run(api, group, x, sends, recvs, shape, dtype, device, loop, batched, async
     checks = checks_enabled()
     try:
         shape = _check_arguments(api, x, sends, recvs, shape, dtype, reduce, shape_cache)
+        if checks:  # a stage past the pipeline's end: refused too, and said in a hello (see _refuse)
+            for g in groups:
+                for towards, _ in sends + recvs:
+                    _peer(g, towards, loop, api)
     except ShardkitError as exc:
         if checks:  # the peers are waiting for this end's hello: they learn of the error from it
             _refuse(api, groups, sends, recvs, device, loop, exc)
@@ -289,15 +297,28 @@ def _check_arguments(api, x, sends, recvs, shape, dtype, reduce, shape_cache):
 
 
 def _refuse(api, groups, sends, recvs, device, loop, cause: ShardkitError) -> None:
-    """Checks on, this call's arguments were refused: exchange hellos saying so with every peer,
-    then raise the error both ends raise (this rank's own message as its cause)."""
+    """Checks on, this call was refused: exchange hellos saying so with every peer it addresses,
+    then raise the error both ends raise (this rank's own message as its cause).
+
+    A call that addresses only stages past the pipeline's end (no ``loop``) has no such peer: it
+    says hello (status ``PAST_END``, its own role and phase) to the stage on its other side
+    instead. That stage is the only one that can be waiting for this call (in a transfer the
+    program meant the other way round, as when the last stage receives a gradient from a next
+    stage while the previous one sends it an activation); if it makes no P2P call to this stage,
+    this stage waits for it like any check-mode transfer waits for its peer (the flight recorder
+    names it at the process-group timeout)."""
     transfers = []
     for gi, g in enumerate(groups):
         dev = _device(device if isinstance(device, (str, torch.device)) else None, g, api)
-        for send, directions in ((True, sends), (False, recvs)):
-            for towards, phase in directions:
-                transfers.append(Transfer(send, towards, gi, g, _peer(g, towards, loop, api), phase, dev, None, None,
-                                          True, status=_wire.BAD_ARGUMENTS))
+        ends = [(send, towards, phase, _peer_or_none(g, towards, loop))
+                for send, directions in ((True, sends), (False, recvs)) for towards, phase in directions]
+        said = [(s, towards, phase, p, _wire.BAD_ARGUMENTS) for s, towards, phase, p in ends if p is not None]
+        if not said and ends and g.size > 1 and not loop:
+            s, towards, phase, _ = ends[0]
+            other = "prev" if towards == "next" else "next"
+            said = [(s, other, phase, _peer(g, other, loop, api), _wire.PAST_END)]
+        transfers += [Transfer(s, towards, gi, g, p, phase, dev, None, None, True, status=status)
+                      for s, towards, phase, p, status in said]
     try:
         exchange(transfers, api, False, True, "mean")
     except ShardkitError as agreed:
@@ -380,16 +401,22 @@ def _resolve_groups(group, api: str) -> list[GroupInfo]:
     return [resolve_group(g, api) for g in groups]
 
 
+def _peer_or_none(g: GroupInfo, towards: str, loop: bool) -> int | None:
+    """Group rank of the next or previous stage; None past the pipeline's end (or with ``loop``
+    in a group of one)."""
+    peer = g.rank + (1 if towards == "next" else -1)
+    if loop:
+        return peer % g.size if g.size > 1 else None
+    return peer if 0 <= peer < g.size else None
+
+
 def _peer(g: GroupInfo, towards: str, loop: bool, api: str) -> int:
     """Group rank of the next or previous stage."""
-    if loop and g.size < 2:
-        raise ShardkitError(f"{api}: loop=True needs at least 2 pipeline stages, the group has {g.size}")
-    step = 1 if towards == "next" else -1
-    peer = g.rank + step
-    if 0 <= peer < g.size:
+    peer = _peer_or_none(g, towards, loop)
+    if peer is not None:
         return peer
     if loop:
-        return peer % g.size
+        raise ShardkitError(f"{api}: loop=True needs at least 2 pipeline stages, the group has {g.size}")
     which, other = ("last", "next") if towards == "next" else ("first", "previous")
     raise ShardkitError(
         f"{api}: stage {g.rank} is the {which} of {g.size} pipeline stages and has no {other} stage "

@@ -9,10 +9,10 @@
 """
 
 from .cluster import CLUSTERS, Cluster
-from .collectives import CommRow, fsdp_collectives, step_collectives
+from .collectives import CommRow, step_collectives
 from .options import StepOptions
 from .model import ModelShape
 from .search import StepEstimate, estimate_step, plan_layouts
 
 __all__ = ["CLUSTERS", "Cluster", "CommRow", "ModelShape", "StepEstimate", "StepOptions", "estimate_step",
-           "fsdp_collectives", "plan_layouts", "step_collectives"]
+           "plan_layouts", "step_collectives"]

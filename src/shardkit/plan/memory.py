@@ -8,14 +8,15 @@
 * activations per layer and microbatch ``34 x b x S x H`` bytes at 16 bits, divided by tp with
   sequence parallelism and by cp (Korthikanti et al., 2022; flash attention: no ``S^2`` term),
   scaled by the dtype; the logits ``b x S x V / t`` in float32; 1F1B keeps ``min(M, pp - stage)``
-  microbatches in flight on a stage.
+  microbatches in flight on a stage, GPipe all ``M``;
+* with ``pp_tp`` each stage is cut over its own tp size.
 """
 
 from __future__ import annotations
 
 
 from ..mesh import ParallelDims
-from .options import StepOptions, hooked_params, resolve_options
+from .options import StepOptions, hooked_params, resolve_options, stage_tp
 from .model import ModelShape
 
 __all__ = ["memory_per_rank"]
@@ -28,8 +29,8 @@ def memory_per_rank(shape: ModelShape, dims: ParallelDims, opts: StepOptions, st
         ``{"params", "grads", "optimizer", "activations", "total"}`` in bytes.
     """
     opts = resolve_options(shape, dims, opts)
-    e = opts.elem
-    dense, expert = shape.rank_params(dims.tp, dims.ep, dims.pp, stage)
+    e, tp = opts.elem, stage_tp(dims, stage)
+    dense, expert = shape.rank_params(tp, dims.ep, dims.pp, stage)
     params = dense + expert
     if dims.dp_shard > 1:
         kept = hooked_params(shape, dims, opts, stage) + (expert if dims.ep > 1 else 0)
@@ -44,11 +45,13 @@ def memory_per_rank(shape: ModelShape, dims: ParallelDims, opts: StepOptions, st
     S = opts.seq_len // dims.cp
     per_layer = 34 * b * S * shape.hidden / 2 * e
     if opts.sequence_parallel:
-        per_layer /= dims.tp
-    in_flight = min(opts.microbatches, dims.pp - stage) if dims.pp > 1 else 1
+        per_layer /= tp
+    # 1F1B: min(M, pp - stage) microbatches in flight; GPipe: all M forwards before a backward
+    in_flight = 1 if dims.pp == 1 else opts.microbatches if opts.schedule == "gpipe" else min(
+        opts.microbatches, dims.pp - stage)
     acts = per_layer * len(shape.stage_layers(dims.pp, stage)) * in_flight
     if stage == dims.pp - 1:
-        acts += b * S * shape.vocab / dims.tp * 4 * 2  # logits and their gradient, float32
+        acts += b * S * shape.vocab / tp * 4 * 2  # logits and their gradient, float32
     out = dict(params=(held + gathered) * e, grads=held * e, optimizer=optimizer, activations=acts)
     out["total"] = sum(out.values())
     return out

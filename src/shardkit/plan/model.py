@@ -121,6 +121,16 @@ class ModelShape:
         return self.kv_lora_rank > 0
 
     @property
+    def qk_dim(self) -> int:
+        """Head dim of queries and keys (MLA: the non-rotary and rotary parts together)."""
+        return self.qk_nope_dim + self.qk_rope_dim if self.mla else self.head_dim
+
+    @property
+    def v_dim(self) -> int:
+        """Head dim of values and of the attention output."""
+        return self.v_head_dim if self.mla else self.head_dim
+
+    @property
     def moe_layers(self) -> int:
         """Layers with routed experts."""
         return 0 if not self.experts else self.layers - len(self.dense_layers)
@@ -205,6 +215,4 @@ class ModelShape:
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: ``6 N`` for the matmuls plus causal attention
         ``6 L S (d_qk + d_v) N / 2`` (scores and values, forward and backward, half the square)."""
-        qk = self.qk_nope_dim + self.qk_rope_dim if self.mla else self.head_dim
-        v = self.v_head_dim if self.mla else self.head_dim
-        return 6.0 * self.active_params + 3.0 * self.layers * seq_len * self.heads * (qk + v)
+        return 6.0 * self.active_params + 3.0 * self.layers * seq_len * self.heads * (self.qk_dim + self.v_dim)

@@ -9,11 +9,14 @@ from dataclasses import dataclass, replace
 
 from ..errors import ShardkitError
 from ..mesh import ParallelDims
+from ..pipeline_parallel.schedules import gpipe_schedule, one_f_one_b_schedule
 from .model import ModelShape
 
-__all__ = ["StepOptions", "DTYPE_BYTES", "resolve_options", "check_layout", "hooked_params"]
+__all__ = ["StepOptions", "DTYPE_BYTES", "SCHEDULES", "resolve_options", "check_layout", "hooked_params", "stage_tp",
+           "rank_stage"]
 
 DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2}
+SCHEDULES = {"1f1b": one_f_one_b_schedule, "gpipe": gpipe_schedule}  # the trainer's pipeline schedules
 
 
 @dataclass(frozen=True)
@@ -25,8 +28,11 @@ class StepOptions:
         global_batch: sequences per step (all data-parallel ranks together).
         microbatches: M per data-parallel rank (pipeline microbatches or gradient accumulation).
         dtype: ``float32``, ``bfloat16`` or ``float64`` (parameters and activations).
-        sequence_parallel: Megatron-SP with tp (None: on for dense models with tp > 1, as the trainer).
+        sequence_parallel: Megatron-SP with tp (None: on for dense models with tp > 1, as the
+            trainer's default; MoE models take it when asked).
         loss_parallel: vocab-parallel loss (logits never gathered).
+        schedule: the pipeline schedule, ``1f1b`` or ``gpipe`` (with ``pp`` 1 the trainer
+            accumulates F B F B ... whatever it says).
     """
 
     seq_len: int = 4096
@@ -35,6 +41,7 @@ class StepOptions:
     dtype: str = "bfloat16"
     sequence_parallel: bool | None = None
     loss_parallel: bool = False
+    schedule: str = "1f1b"
 
     @property
     def elem(self) -> int:
@@ -43,18 +50,11 @@ class StepOptions:
 
 
 def resolve_options(shape: ModelShape, dims: ParallelDims, opts: StepOptions) -> StepOptions:
-    """``opts`` with ``sequence_parallel`` decided as the trainer does (on for dense models with tp > 1).
-
-    Raises:
-        ShardkitError: sequence parallelism with ``ep > 1`` (the trainer runs it; its MoE blocks
-            on local tokens are not modelled yet).
-    """
+    """``opts`` with ``sequence_parallel`` decided as the trainer does (``cli.config``: on for
+    dense models with tp > 1, off for MoE models unless asked for)."""
     if opts.sequence_parallel is None:
         dense = shape.experts == 0
         opts = replace(opts, sequence_parallel=dense and dims.tp > 1)
-    if opts.sequence_parallel and dims.ep > 1:
-        raise ShardkitError(f"plan: sequence_parallel with ep={dims.ep} is not modelled yet (expert-parallel MoE "
-                            "blocks on the local sequence block)")
     return opts
 
 
@@ -63,44 +63,76 @@ def check_layout(shape: ModelShape, dims: ParallelDims, opts: StepOptions) -> No
 
     Raises:
         ShardkitError: naming the option at fault (batch not divisible by dp x microbatches,
-            sequence not divisible by cp (x tp with SP), heads not divisible by tp, ...).
+            sequence not divisible by cp (x tp with SP), heads not divisible by tp, ...);
+            spatial layouts (the planner plans decoder LMs, spatial parallelism is for the
+            convolutional model); sequence parallelism with ``pp_tp`` (the trainer refuses it:
+            stages of different tp sizes exchange replicated hidden states).
     """
-    dp, cp, tp = dims.dp, dims.cp, dims.tp
-    if dims.pp_tp is not None or dims.spatial > 1 or dims.spatial_h > 1:
-        raise ShardkitError(f"plan: {dims.describe()}: pp_tp and spatial layouts are not planned")
+    dp, cp = dims.dp, dims.cp
+    if opts.schedule not in SCHEDULES:
+        raise ShardkitError(f"plan: schedule must be one of {', '.join(SCHEDULES)}, got {opts.schedule!r}")
+    if dims.spatial > 1 or dims.spatial_h > 1:
+        raise ShardkitError(f"plan: {dims.describe()}: spatial layouts are not planned (the planner plans decoder "
+                            "LMs; spatial parallelism shards the convolutional model)")
+    if dims.pp_tp is not None and opts.sequence_parallel:
+        raise ShardkitError(f"plan: {dims.describe()}: sequence_parallel with pp_tp is refused by the trainer (stages "
+                            "of different tp sizes exchange replicated hidden states)")
     if opts.global_batch % (dp * opts.microbatches):
         raise ShardkitError(f"plan: global_batch {opts.global_batch} must be divisible by dp={dp} x microbatches="
                             f"{opts.microbatches}")
-    if opts.seq_len % (cp * (tp if opts.sequence_parallel else 1) * (2 if dims.cp_ring > 1 else 1)):
+    if opts.seq_len % (cp * (dims.tp if opts.sequence_parallel else 1) * (2 if dims.cp_ring > 1 else 1)):
         raise ShardkitError(f"plan: seq_len {opts.seq_len} must be divisible by cp={cp} (x2 zigzag with ring, x tp "
                             "with sequence parallelism)")
-    if shape.heads % tp or (shape.kv_heads % tp and tp % shape.kv_heads):
-        raise ShardkitError(f"plan: tp={tp} must divide num_attention_heads={shape.heads} and divide or be a "
-                            f"multiple of num_key_value_heads={shape.kv_heads}")
+    for tp in sorted(set(dims.pp_tp or (dims.tp,))):
+        if shape.heads % tp or (shape.kv_heads % tp and tp % shape.kv_heads):
+            raise ShardkitError(f"plan: tp={tp} must divide num_attention_heads={shape.heads} and divide or be a "
+                                f"multiple of num_key_value_heads={shape.kv_heads}")
+        if shape.vocab % tp or shape.hidden % tp or shape.ffn % tp:
+            raise ShardkitError(f"plan: tp={tp} must divide vocab_size, hidden_size and intermediate_size")
+    tp = dims.tp
     if dims.cp_ulysses > 1 and (shape.heads // tp) % dims.cp_ulysses or (
             dims.cp_ulysses > 1 and max(1, shape.kv_heads // tp) % dims.cp_ulysses):
         raise ShardkitError(f"plan: cp_ulysses={dims.cp_ulysses} must divide the heads per tp rank "
                             f"({shape.heads // tp} query, {max(1, shape.kv_heads // tp)} key/value)")
-    if cp > 1 and shape.mla:
-        raise ShardkitError("plan: context parallelism with multi-head latent attention is not composed by the trainer")
     if dims.ep > 1 and (not shape.experts or shape.experts % dims.ep):
         raise ShardkitError(f"plan: ep={dims.ep} needs an MoE model whose {shape.experts} experts it divides")
     if dims.pp > shape.layers:
         raise ShardkitError(f"plan: pp={dims.pp} stages for {shape.layers} layers")
-    if shape.vocab % tp or shape.hidden % tp or shape.ffn % tp:
-        raise ShardkitError(f"plan: tp={tp} must divide vocab_size, hidden_size and intermediate_size")
+
+
+def stage_tp(dims: ParallelDims, stage: int) -> int:
+    """The tp size of pipeline stage ``stage`` (``pp_tp[stage]`` for stages of different tp sizes)."""
+    return dims.pp_tp[stage] if dims.pp_tp is not None else dims.tp
+
+
+def rank_stage(dims: ParallelDims, rank: int) -> tuple[int, int]:
+    """``(pipeline stage, tp rank)`` of global rank ``rank`` (pp outermost, tp innermost;
+    ``pp_tp``: replica-major, ``rank = d x sum(pp_tp) + offset_s + i``)."""
+    if dims.pp_tp is None:
+        return rank // (dims.product // dims.pp), rank % dims.tp
+    offset = rank % sum(dims.pp_tp)
+    for stage, t in enumerate(dims.pp_tp):
+        if offset < t:
+            return stage, offset
+        offset -= t
+    raise AssertionError("unreachable: offset < sum(pp_tp)")
 
 
 def hooked_params(shape: ModelShape, dims: ParallelDims, opts: StepOptions, stage: int) -> int:
-    """Parameters with a sum-over-tp gradient hook (FSDP2 leaves them to the dense all-reduce)."""
-    if dims.tp == 1:
+    """Parameters with a sum-over-tp gradient hook (FSDP2 leaves them to the dense all-reduce):
+    the norms with SP, Qwen3's q/k norms, replicated key/value heads, and with SP the routers
+    of expert-parallel MoE blocks (they run on the local sequence block)."""
+    tp = stage_tp(dims, stage)
+    if tp == 1:
         return 0
     layers = list(shape.stage_layers(dims.pp, stage))
     total = 0
     if opts.sequence_parallel:
         total += 2 * shape.hidden * len(layers) + (shape.hidden if stage == dims.pp - 1 else 0)
+        if dims.ep > 1:
+            total += shape.experts * shape.hidden * sum(shape.is_moe_layer(i) for i in layers)
     if shape.family in ("qwen3", "qwen3_moe"):
         total += 2 * shape.head_dim * len(layers)
-    if shape.kv_heads < dims.tp and not shape.mla:
+    if shape.kv_heads < tp and not shape.mla:
         total += 2 * shape.head_dim * shape.hidden * len(layers)
     return total

@@ -1,6 +1,7 @@
 """One layout's predicted step (:func:`estimate_step`) and every layout ranked (:func:`plan_layouts`).
 
-Step time = compute x (M + pp - 1) / M (the 1F1B bubble, Narayanan et al. 2021) + the
+Step time = compute x (M + pp - 1) / M (the bubble of 1F1B and GPipe alike, Narayanan et al.
+2021; with ``pp_tp`` the compute of the slowest stage) + the
 collectives on the critical path (tp, cp, ep, pp: they wait for their inputs) + the part of the
 data-parallel and FSDP2 traffic that backward (two thirds of the compute) cannot hide.
 """
@@ -14,7 +15,7 @@ from typing import Any
 from ..errors import ShardkitError
 from ..mesh import ParallelDims
 from .cluster import Cluster
-from .collectives import CommRow, fsdp_collectives, step_collectives
+from .collectives import CommRow, step_collectives
 from .options import StepOptions, check_layout
 from .memory import memory_per_rank
 from .model import ModelShape
@@ -33,7 +34,7 @@ class StepEstimate:
         dims: the layout. options: its step options.
         rows: ``(CommRow, seconds)`` of the busiest stage (shardkit's and FSDP2's collectives).
         compute_s: matmul and attention time of one rank, seconds (no bubble).
-        bubble: the 1F1B bubble fraction ``(pp - 1) / (M + pp - 1)``.
+        bubble: the pipeline bubble fraction ``(pp - 1) / (M + pp - 1)`` (1F1B and GPipe).
         comm_s: exposed communication seconds.
         step_s: predicted seconds per step.
         memory: bytes per rank of the fullest stage (:func:`~shardkit.plan.memory.memory_per_rank`).
@@ -83,8 +84,10 @@ def estimate_step(shape: ModelShape, dims: ParallelDims, options: StepOptions, c
     check_layout(shape, dims, options)
     worst: tuple[float, list[tuple[CommRow, float]], float] | None = None
     memory: dict[str, float] = {}
-    for stage in sorted({0, dims.pp // 2, dims.pp - 1}):  # embedding, a middle (MoE) stage, lm_head
-        rows = step_collectives(shape, dims, options, stage) + fsdp_collectives(shape, dims, options, stage)
+    # embedding, a middle (MoE) stage, lm_head; every stage when their tp sizes differ (pp_tp)
+    stages = range(dims.pp) if dims.pp_tp is not None else sorted({0, dims.pp // 2, dims.pp - 1})
+    for stage in stages:
+        rows = step_collectives(shape, dims, options, stage)
         timed = [(r, row_seconds(r, dims, cluster)) for r in rows]
         critical = sum(s for r, s in timed if r.axis in _CRITICAL)
         overlappable = sum(s for r, s in timed if r.axis not in _CRITICAL)
@@ -98,8 +101,11 @@ def estimate_step(shape: ModelShape, dims: ParallelDims, options: StepOptions, c
     tokens = options.global_batch * options.seq_len
     flops = shape.flops_per_token(options.seq_len) * tokens
     compute = flops / cluster.gpus / (cluster.peak_tflops * 1e12 * cluster.efficiency)
+    if dims.pp_tp is not None:  # the slowest stage sets the pace: its layers over its tp ranks
+        share = max(len(shape.stage_layers(dims.pp, s)) / (shape.layers * t) for s, t in enumerate(dims.pp_tp))
+        compute = flops * share / dims.dp / (cluster.peak_tflops * 1e12 * cluster.efficiency)
     M, p = options.microbatches, dims.pp
-    bubble = (p - 1) / (M + p - 1)
+    bubble = (p - 1) / (M + p - 1)  # GPipe and 1F1B alike (1F1B saves memory, not time)
     exposed = critical + max(0.0, overlappable - compute * 2 / 3)
     step = compute * (M + p - 1) / M + exposed
     fits = memory["total"] <= cluster.gpu_memory_gib * 2**30

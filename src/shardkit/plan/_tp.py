@@ -1,0 +1,94 @@
+"""The tensor-parallel rows of :func:`shardkit.plan.collectives.step_collectives` (Megatron f/g,
+or sequence parallelism), per stage and microbatch; the rules are in that module's docstring."""
+
+from __future__ import annotations
+
+from ._rows import Rows
+from .model import ModelShape
+from .options import StepOptions
+
+__all__ = ["tp_rows"]
+
+
+def tp_rows(out: Rows, shape: ModelShape, opts: StepOptions, layers: list[int], first: bool, last: bool, T: int,
+            M: int, t: int, ep: int) -> None:
+    """Add a stage's tp collectives to ``out``: ``layers`` of the stage, ``T`` tokens per
+    microbatch on this rank, ``M`` microbatches, ``t`` tp ranks, ``ep`` expert-parallel ranks."""
+    e, H, n = opts.elem, shape.hidden, len(layers)
+    full = T * H * e
+    add = out.add
+    if first:
+        add("tp", "all_reduce", "all_reduce_forward", "forward", t, M, full, full)  # vocab-parallel embedding
+    if shape.family in ("qwen3", "qwen3_moe"):
+        add("tp", "all_reduce", "sum_grad_over", "backward", t, M * 2 * n, shape.head_dim * e, shape.head_dim * e)
+    if shape.kv_heads < t and not shape.mla:  # replicated key/value heads: their weight gradients summed
+        add("tp", "all_reduce", "sum_grad_over", "backward", t, M * 2 * n, shape.head_dim * H * e,
+            shape.head_dim * H * e)
+    for i in layers:  # column-parallel inputs inside a block, with or without SP (f: backward all-reduce)
+        if shape.mla:  # kv_b_proj's input [T, kv_lora], the shared rope key [T, rope], q_b_proj's [T, q_lora]
+            for width in (shape.kv_lora_rank, shape.qk_rope_dim) + ((shape.q_lora_rank,) if shape.q_lora_rank else ()):
+                add("tp", "all_reduce", "all_reduce_backward", "backward", t, M, T * width * e, T * width * e)
+        if shape.is_moe_layer(i) and ep == 1:  # tensor-parallel experts: the routing weights [T, k]
+            add("tp", "all_reduce", "all_reduce_backward", "backward", t, M, T * shape.top_k * e, T * shape.top_k * e)
+    if opts.sequence_parallel:
+        _sp_rows(out, shape, layers, last, T, M, t, e, ep)
+    else:
+        _megatron_rows(out, shape, layers, last, T, M, t, e, ep)
+    if last:
+        if opts.loss_parallel:
+            cdt = 4 if e < 4 else e
+            add("tp", "all_reduce", "vocab_parallel_cross_entropy", "forward", t, M, (T + t + 2) * 8, (T + t + 2) * 8)
+            add("tp", "all_reduce", "vocab_parallel_cross_entropy", "forward", t, M, (2 * T + 1) * cdt, (2 * T + 1) * cdt)
+        else:
+            logits = T * shape.vocab * e
+            add("tp", "all_gather_single", "gather_forward_split_backward", "forward", t, M, logits // t, logits)
+
+
+def _sp_rows(out: Rows, shape: ModelShape, layers: list[int], last: bool, T: int, M: int, t: int, e: int,
+             ep: int) -> None:
+    """tp with SP: every tensor-parallel region gathers its input ``[T/t, H] -> [T, H]`` and
+    reduce-scatters its output; an expert-parallel MoE block runs on the local block (only its
+    shared experts are a region) and its router's gradient is summed over tp."""
+    H, n = shape.hidden, len(layers)
+    full, part = T * H * e, T // t * H * e
+    regions = routers = 0  # per microbatch
+    for i in layers:
+        regions += 1  # attention
+        if not shape.is_moe_layer(i) or ep == 1 or shape.shared_experts:
+            regions += 1  # dense MLP, an MoE block with tensor-parallel experts, or the shared experts
+        if shape.is_moe_layer(i) and ep > 1:
+            routers += 1
+    add = out.add
+    add("tp", "all_gather_single", "all_gather", "forward", t, M * (regions + last), part, full)
+    add("tp", "reduce_scatter_single", "all_gather", "backward", t, M * (regions + last), full, part)
+    add("tp", "reduce_scatter_single", "reduce_scatter", "forward", t, M * regions, full, part)
+    add("tp", "all_gather_single", "reduce_scatter", "backward", t, M * regions, part, full)
+    add("tp", "all_reduce", "sum_grad_over", "backward", t, M * (2 * n + last), H * e, H * e)
+    add("tp", "all_reduce", "sum_grad_over", "backward", t, M * routers, shape.experts * H * e, shape.experts * H * e)
+    add("tp", "all_gather_single", "split_forward_gather_backward", "backward", t, M, part, full)
+    if not last:
+        add("tp", "all_gather_single", "gather_forward_split_backward", "forward", t, M, part, full)
+
+
+def _megatron_rows(out: Rows, shape: ModelShape, layers: list[int], last: bool, T: int, M: int, t: int, e: int,
+                   ep: int) -> None:
+    """tp without SP: ``g`` (forward all-reduce) after every row-parallel output, ``f`` (backward
+    all-reduce) on every column-parallel input, per layer and microbatch."""
+    H, full = shape.hidden, T * shape.hidden * e
+    fwd = bwd = 0  # [T, H] calls per microbatch
+    for i in layers:
+        fwd, bwd = fwd + 1, bwd + 1  # o_proj; the q/k/v (MLA: q_proj or q_a_proj) input
+        if not shape.is_moe_layer(i):
+            fwd, bwd = fwd + 1, bwd + 1  # dense MLP
+            continue
+        if shape.shared_experts:
+            fwd, bwd = fwd + 1, bwd + 1
+        if ep > 1:  # each tp rank dispatches its block of the tokens: split (with the routing weights), gather
+            k = shape.top_k
+            out.add("tp", "all_gather_single", "gather_forward_split_backward", "forward", t, M, T // t * H * e, full)
+            out.add("tp", "all_gather_single", "split_forward_gather_backward", "backward", t, M,
+                    T // t * (H + k) * e, T * (H + k) * e)
+        else:  # tensor-parallel experts: partial outputs summed
+            fwd, bwd = fwd + 1, bwd + 1
+    out.add("tp", "all_reduce", "all_reduce_forward", "forward", t, M * fwd, full, full)
+    out.add("tp", "all_reduce", "all_reduce_backward", "backward", t, M * (bwd + last), full, full)
