@@ -74,9 +74,9 @@ def apply_fsdp(model: nn.Module, mesh: ParallelMesh, blocks: list[nn.Module]) ->
     names = {name for name, p in model.named_parameters() if p not in ignored}
     sharded = [fully_shard(block, mesh=dp_mesh, ignored_params=ignored & set(block.parameters())) for block in blocks]
     sharded.append(fully_shard(model, mesh=dp_mesh, ignored_params=ignored))
-    # Sums, not FSDP2's default mean: gloo has no PREMUL_SUM, so ask for plain sums.
     replicate = dp_mesh.get_group(0) if mesh.dims.dp_replicate > 1 else None  # HSDP: FSDP2's all-reduce group
     for module in sharded:
+        # Sums, not FSDP2's default mean: gloo has no PREMUL_SUM, so ask for plain sums.
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)
         module.set_custom_all_gather(LedgerAllGather())
