@@ -167,10 +167,13 @@ class FlightRecorder:
         return self._seq
 
     def clear(self) -> None:
+        """Forget every entry, and the groups they named (they may be destroyed now)."""
         with self._lock:
             self._buf = [None] * self.capacity
             self._seq = 0
             self._streams.clear()
+            self._pgs.clear()
+            self._groups.clear()
 
     def dump(self, directory: str, rank: int | None = None, reason: str = "") -> str:
         """Write this process's entries to ``directory/rank{rank}.json`` (atomically); returns the path.
