@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["all_true", "cached_mesh_groups", "get_mesh", "rank", "remove_shared_dir", "shared_tmpdir", "subgroup", "world_group", "world_size"]
+__all__ = ["all_true", "get_mesh", "rank", "remove_shared_dir", "shared_tmpdir", "subgroup", "world_group", "world_size"]
 
 _MESHES: dict[tuple[tuple[int, ...], tuple[str, ...]], DeviceMesh] = {}
 _SUBGROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
@@ -76,14 +76,6 @@ def subgroup(ranks: tuple[int, ...]) -> dist.ProcessGroup:
     if key not in _SUBGROUPS:
         _SUBGROUPS[key] = dist.new_group(list(key))
     return _SUBGROUPS[key]
-
-
-def cached_mesh_groups() -> set:
-    """The process groups of the meshes and subgroups cached above (kept across tests)."""
-    groups = set(_SUBGROUPS.values())
-    for mesh in _MESHES.values():
-        groups.update(mesh.get_all_groups())
-    return groups
 
 
 def all_true(flag: bool) -> bool:

@@ -92,7 +92,25 @@ def _serve(rank: int, task_q: Any, result_q: Any) -> None:
         if item is None:
             return
         task_id, task = item
-        result_q.put((task_id, rank, _run_task(task)))
+        outcome = _run_task(task)
+        if outcome[0] == "ok" and _group_count() > MAX_GROUPS:
+            result_q.put((RESPAWN, rank, ("respawn",)))  # read before the outcome: same queue, same rank
+        result_q.put((task_id, rank, outcome))
+
+
+# Every gloo group keeps a few threads of its own, and their polling adds up: a world that had
+# served the layout and planner tests held hundreds of groups (733 threads a rank) and kept the
+# two cores in system time. Destroying a finished test's groups is not safe (DTensor's sharding
+# cache hands later tests meshes equal by value to old ones, groups included), so a world past
+# this many groups asks to be respawned after a passing test instead.
+MAX_GROUPS = 64
+RESPAWN = -1  # task id of that request
+
+
+def _group_count() -> int:
+    from torch.distributed import distributed_c10d as c10d
+
+    return len(c10d._world.pg_map)
 
 
 def _run_task(task: Task) -> tuple:
@@ -102,9 +120,7 @@ def _run_task(task: Task) -> tuple:
         # not of what ran before it on this world or of the module's first import.
         _reseed(zlib.crc32(task.nodeid.encode()))
         _clear_flight_recorder()  # a desync report reads only this test's collectives
-        before = _groups()
         value = fn(**pickle.loads(task.kwargs))
-        _release_groups(before)
         # A test body returns None; a body that reports something (the bad-input catalogue's
         # per-rank outcome records) returns a picklable value, handed back with "ok".
         return ("ok",) if value is None else ("ok", value)
@@ -144,31 +160,6 @@ def _load_module(path: str, module_name: str | None) -> Any:
             raise
         _MODULES[path] = module
     return module
-
-
-def _groups() -> list:
-    """Every live process group but the world's, in creation order."""
-    from torch.distributed import distributed_c10d as c10d
-
-    return [pg for pg in c10d._world.pg_map if pg is not c10d.GroupMember.WORLD]
-
-
-def _release_groups(before: list) -> None:
-    """Destroy the groups a passing test created (its meshes are gone with it), but those of the
-    meshes the helpers cache across tests. Each gloo group keeps a few threads of its own; a
-    world that serves hundreds of tests would otherwise carry thousands of them, and their
-    polling alone saturated the two cores. Every rank of the world runs the same test and
-    destroys the same groups in the same order; a failed test keeps its groups (a peer may still
-    be inside a collective on one of them)."""
-    import torch.distributed as dist
-
-    from harness.helpers import cached_mesh_groups
-
-    _clear_flight_recorder()  # it holds the groups it recorded
-    keep = set(before) | cached_mesh_groups()
-    for pg in _groups():
-        if pg not in keep:
-            dist.destroy_process_group(pg)
 
 
 def _clear_flight_recorder() -> None:

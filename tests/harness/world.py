@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Callable, ContextManager
 
 from .worker import Task
+from .worker import RESPAWN as _RESPAWN
 from .worker import main as _worker_main
 
 __all__ = ["PG_TIMEOUT", "WALL_LIMIT", "World", "WorldPool", "WorldResult", "set_io_guard"]
@@ -171,6 +172,7 @@ class World:
         self._result_q: Any = None
         self._tmpdir: str | None = None
         self._ids = itertools.count(1)
+        self._respawn = False
 
     def start(self) -> None:
         """Spawn the ranks and wait for their process group (no-op when already running)."""
@@ -217,6 +219,8 @@ class World:
             raise
         if result.failed:
             self.kill()
+        elif self._respawn:  # too many process groups (worker.MAX_GROUPS): start afresh next time
+            self.shutdown()
         return result
 
     def _collect(self, task_id: int, limit: float) -> WorldResult:
@@ -229,7 +233,9 @@ class World:
             except queue.Empty:
                 pass
             else:
-                if tid == task_id:
+                if tid == _RESPAWN:
+                    self._respawn = True
+                elif tid == task_id:
                     result.outcomes[rank] = outcome
                     if outcome[0] == "error" and first_error is None:
                         first_error = time.monotonic()
@@ -307,6 +313,7 @@ class World:
         if self._tmpdir is not None:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
         self._procs, self._task_qs, self._result_q, self._tmpdir = [], [], None, None
+        self._respawn = False
 
 
 class WorldPool:
