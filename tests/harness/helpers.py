@@ -2,8 +2,8 @@
 
 Every rank runs every world test, in the same order, so anything collective here (creating a
 mesh or a subgroup) happens in the same order on all ranks; that is what makes caching the
-result per worker process safe. A world is respawned after any failed test, which also clears
-these caches.
+result per worker process safe. A world is respawned after any failed test, and after a passing
+one once its ranks hold too many process groups (``worker.MAX_GROUPS``); either clears these caches.
 
 Property tests with hypothesis run on every rank in lockstep. All ranks must draw the same
 examples and take the same path through hypothesis, so nothing may depend on time or on a
