@@ -109,3 +109,42 @@ def test_property_any_shape_any_dims(shape, data):
     except AssertionError:
         ok = False
     assert all_true(ok), (shape, scatter_dim, gather_dim)
+
+
+@pytest.mark.world(3)
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("heads", [6, 5])
+def test_outputs_never_alias_the_reused_scratch_buffers(batch, heads, monkeypatch):
+    """The helpers pack and unpack through per-thread scratch buffers reused by every call
+    (`_c10d._Scratch`): an output kept from one call must survive later calls of every size and
+    collective bit for bit, and the send buffers of two packing calls are the same memory."""
+    import torch.distributed as dist
+
+    from shardkit import all_gather, reduce_scatter
+
+    g = world_group()
+    sends = []
+    original = dist.all_to_all_single
+
+    def spy(output, input, *args, **kwargs):
+        sends.append(input.data_ptr())
+        return original(output, input, *args, **kwargs)
+
+    monkeypatch.setattr(dist, "all_to_all_single", spy)
+    kept, packed = [], []
+    for offset, seq in ((0.25, 12), (0.5, 7), (0.75, 9)):  # the largest first: no regrowth
+        full = coords((batch, seq, heads, 8), offset=offset)
+        for s, d in ((2, 1), (1, 2)):
+            x = _block(full, d, full.shape[d])
+            y = all_to_all(x, g, s, d, full.shape[d])
+            kept.append((y, y.clone(), _block(full, s, full.shape[s])))
+            if s == 2:  # scattering heads of [B, S/R, N, D] always packs
+                packed.append(sends[-1])
+        local = _block(full, 1, seq)
+        gathered = all_gather(local, g, 1, balanced_split_sizes(seq, world_size()))
+        kept.append((gathered, gathered.clone(), full))
+        summed = reduce_scatter(full, g, 1, balanced_split_sizes(seq, world_size()))
+        kept.append((summed, summed.clone(), _block(full, 1, seq) * world_size()))
+    assert all(torch.equal(y, copy) and torch.equal(y, expected) for y, copy, expected in kept)
+    # The first call may grow the buffer an earlier test left on this thread; then it stays.
+    assert len(packed) == 3 and packed[1] == packed[2], packed

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 
 import torch
 import torch.distributed as dist
@@ -29,6 +30,42 @@ def _with_dim(shape, dim: int, size: int) -> list[int]:
     out = list(shape)
     out[dim] = size
     return out
+
+
+class _Scratch(threading.local):
+    """Per-thread reusable byte buffers for the send and receive buffers a helper packs or
+    unpacks and never returns (``slot`` 0 and 1: one call may need both).
+
+    Why: the CPU allocator hands blocks of a few MiB back to the OS when they are freed (glibc
+    trims the heap top), so a fresh buffer per call pays a page fault and a zeroed page for
+    every 4 KiB it touches: measured on the 2-rank 4 MiB Ulysses layouts, that was as much as
+    the layout copy itself. The same buffer per thread costs the faults once. A c10d call on a
+    CPU tensor returns when its buffers are free again, so the next call may overwrite them;
+    CUDA's caching allocator already recycles blocks (and an NCCL call returns before it has
+    read them), so other devices get fresh buffers. Megatron-LM keeps a global memory buffer
+    for its sequence-parallel all-gather for the same reason.
+
+    Holds the largest buffer each slot was asked for, for the life of the thread.
+    """
+
+    def __init__(self) -> None:
+        self.buffers: list[torch.Tensor | None] = [None, None]
+
+
+_scratch_buffers = _Scratch()
+
+
+def _scratch(numel: int, like: torch.Tensor, slot: int) -> torch.Tensor:
+    """A flat ``numel``-element buffer of ``like``'s dtype and device whose contents the caller
+    uses only until its c10d call returns (see :class:`_Scratch`)."""
+    if like.device.type != "cpu":
+        return like.new_empty(numel)
+    nbytes = numel * like.element_size()
+    buf = _scratch_buffers.buffers[slot]
+    if buf is None or buf.numel() < nbytes:
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        _scratch_buffers.buffers[slot] = buf
+    return buf[:nbytes].view(like.dtype)
 
 
 # Uneven splits pack and unpack with one row gather (index_select) when rows (the elements after
@@ -81,19 +118,23 @@ def _blocks_view(t: torch.Tensor, dim: int, off: int, count: int, size: int) -> 
 
 
 def _pack(x: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
-    """Flat buffer holding ``x``'s blocks along ``dim`` one after another (block r = sizes[r])."""
+    """Flat send buffer holding ``x``'s blocks along ``dim`` one after another (block r =
+    sizes[r]): ``x`` itself when they already are, else scratch slot 0 (valid until the next
+    pack on this thread: consume it with one c10d call)."""
     if math.prod(x.shape[:dim]) == 1 and x.is_contiguous():
         return x.reshape(-1)  # blocks are already consecutive: no copy
     runs = list(_runs(sizes))
+    buf = _scratch(x.numel(), x, 0)
     if x.is_contiguous() and len(runs) == 1:
-        # Even split: one permuting copy, no staging buffer (the cheapest form at small sizes,
-        # where per-op dispatch dominates).
-        return _blocks_view(x, dim, *runs[0]).contiguous().view(-1)
+        # Even split: one permuting copy.
+        src = _blocks_view(x, dim, *runs[0])
+        buf.view(src.shape).copy_(src)
+        return buf
     a, n, b = math.prod(x.shape[:dim]), x.shape[dim], math.prod(x.shape[dim + 1 :])
     if x.is_contiguous() and b >= _MIN_ROW:
         # Uneven split: one row gather with a cached index instead of a copy per run.
-        return x.view(a * n, b).index_select(0, _pack_order(a, tuple(sizes), x.device)).view(-1)
-    buf = x.new_empty(x.numel())
+        torch.index_select(x.view(a * n, b), 0, _pack_order(a, tuple(sizes), x.device), out=buf.view(a * n, b))
+        return buf
     pos = 0
     if x.is_contiguous():
         for run in runs:
@@ -109,9 +150,20 @@ def _pack(x: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
     return buf
 
 
+def _unpack_copies(out_shape, dim: int) -> bool:
+    """Whether :func:`_unpack` copies into a new tensor (else it returns a view of its buffer,
+    which must then be a fresh allocation, not scratch)."""
+    return math.prod(out_shape[:dim]) != 1
+
+
+def _recv_buffer(numel: int, like: torch.Tensor, out_shape, dim: int) -> torch.Tensor:
+    """Receive buffer for a call unpacked along ``dim``: scratch slot 1 when the unpack copies."""
+    return _scratch(numel, like, 1) if _unpack_copies(out_shape, dim) else like.new_empty(numel)
+
+
 def _unpack(buf: torch.Tensor, out_shape: list[int], dim: int, sizes: list[int]) -> torch.Tensor:
     """Inverse of :func:`_pack`: a contiguous ``out_shape`` tensor from blocks along ``dim``."""
-    if math.prod(out_shape[:dim]) == 1:
+    if not _unpack_copies(out_shape, dim):
         return buf.view(out_shape)  # blocks land where they belong: no copy
     runs = list(_runs(sizes))
     if len(runs) == 1:
@@ -143,7 +195,7 @@ def all_gather(x: torch.Tensor, g: GroupInfo, dim: int, sizes: list[int], api: s
     out_shape = _with_dim(x.shape, dim, sum(sizes))
     blocks = [math.prod(_with_dim(x.shape, dim, s)) for s in sizes]
     src = x.contiguous()
-    buf = x.new_empty(sum(blocks))
+    buf = _recv_buffer(sum(blocks), x, out_shape, dim)
     if len(set(sizes)) == 1:
         ledger.record("all_gather_single", api, phase, g.size, src.nbytes, buf.nbytes, pg=g.pg, shape=x.shape, sizes=sizes)
         all_gather_single(buf, src.reshape(-1), group=g.pg)
@@ -193,10 +245,11 @@ def all_to_all(
     in_splits = [math.prod(_with_dim(x.shape, scatter_dim, s)) for s in scatter_sizes]
     local = _with_dim(x.shape, scatter_dim, scatter_sizes[r])  # what every source sends to us
     out_splits = [math.prod(_with_dim(local, gather_dim, s)) for s in gather_sizes]
-    recv = x.new_empty(sum(out_splits))
+    out_shape = _with_dim(local, gather_dim, sum(gather_sizes))
+    recv = _recv_buffer(sum(out_splits), x, out_shape, gather_dim)
     ledger.record("all_to_all_single", api, phase, g.size, send.nbytes, recv.nbytes, pg=g.pg, shape=x.shape, sizes=gather_sizes)
     dist.all_to_all_single(recv, send, output_split_sizes=out_splits, input_split_sizes=in_splits, group=g.pg)
-    return _unpack(recv, _with_dim(local, gather_dim, sum(gather_sizes)), gather_dim, gather_sizes)
+    return _unpack(recv, out_shape, gather_dim, gather_sizes)
 
 
 def local_split(x: torch.Tensor, g: GroupInfo, dim: int, sizes: list[int]) -> torch.Tensor:
