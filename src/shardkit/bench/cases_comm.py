@@ -24,7 +24,11 @@ def _sizes(settings: Settings, quick, full):
 
 def collectives(pg, settings: Settings) -> list[Record]:
     """all_reduce / all_gather / reduce_scatter (dim 0, float32) against the bare c10d call on
-    preallocated buffers. Bytes = the per-rank input; nccl-tests factors 2(n-1)/n and (n-1)/n."""
+    preallocated buffers. Bytes = the per-rank input; nccl-tests factors 2(n-1)/n and (n-1)/n.
+
+    ``all_gather`` is timed with its sizes given (what shardkit's layers pass: no metadata) and,
+    as ``learned``, without them: every rank's size is then learned by one small metadata
+    all-gather per call (``learned/bare``, no goal)."""
     rank, n = dist.get_rank(pg), dist.get_world_size(pg)
     records = []
     for nbytes in _sizes(settings, (16 * KIB, 1 * MIB), (16 * KIB, 64 * KIB, 256 * KIB, 1 * MIB, 4 * MIB)):
@@ -37,7 +41,8 @@ def collectives(pg, settings: Settings) -> list[Record]:
         fns = {
             "all_reduce/shardkit": lambda: all_reduce_forward(x, pg),
             "all_reduce/bare": lambda: dist.all_reduce(ar_buf.copy_(x), group=pg),
-            "all_gather/shardkit": lambda: all_gather(x, pg, 0),
+            "all_gather/shardkit": lambda: all_gather(x, pg, 0, [rows] * n),
+            "all_gather/learned": lambda: all_gather(x, pg, 0),
             "all_gather/bare": lambda: all_gather_single(gathered, x, group=pg),
             "reduce_scatter/shardkit": lambda: reduce_scatter(big, pg, 0),
             "reduce_scatter/bare": lambda: reduce_scatter_single(scattered, big, group=pg),
@@ -45,7 +50,7 @@ def collectives(pg, settings: Settings) -> list[Record]:
         failures = []
         if not torch.equal(fns["all_reduce/shardkit"](), functools.reduce(torch.add, full.chunk(n))):
             failures.append("all_reduce != sum of the inputs")
-        if not same_bits(fns["all_gather/shardkit"](), full):
+        if not (same_bits(fns["all_gather/shardkit"](), full) and same_bits(fns["all_gather/learned"](), full)):
             failures.append("all_gather != concatenated inputs")
         rs = fns["reduce_scatter/shardkit"]()
         fns["reduce_scatter/bare"]()
@@ -61,6 +66,8 @@ def collectives(pg, settings: Settings) -> list[Record]:
                          busbw={"shardkit": (size, factor), "bare": (size, factor)},
                          checked="bitwise against the expected sum / concatenation / bare reduce_scatter_tensor")
             records.append(rec.ratio("shardkit/bare", "shardkit", "bare", 1.1))
+            if "learned" in sub:
+                rec.ratio("learned/bare", "learned", "bare")
     return records
 
 
