@@ -20,6 +20,7 @@ updated parameters of a few weights agree (rtol 1e-3; sums run in different orde
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import tempfile
@@ -30,7 +31,7 @@ import torch.distributed as dist
 
 from ._method import Record, Settings, agree, time_interleaved
 
-__all__ = ["tp_step"]
+__all__ = ["tp_step", "dtensor_tp", "load_llama", "save_llama", "SHAPES", "CHECKED"]
 
 SHAPES: dict[str, tuple[dict[str, Any], tuple[int, int]]] = {  # LlamaConfig keywords, (batch, seq)
     "tiny": (dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -45,21 +46,20 @@ CHECKED = ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight"
            "model.layers.1.post_attention_layernorm.weight", "lm_head.weight")
 
 
-def _load(path, **kw):
+def load_llama(path, **kw):
     import transformers as tf
 
     return tf.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa", **kw)
 
 
-def _dtensor(model, pg, sp: bool):
-    from torch.distributed.device_mesh import DeviceMesh
+def dtensor_tp(model, mesh, sp: bool):
+    """PyTorch's own tensor parallelism of a Llama model on the 1-D ``mesh`` (torchtitan's plan)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, parallelize_module,
     )
     from torch.distributed.tensor.parallel.style import ParallelStyle
 
-    mesh = DeviceMesh.from_group(pg, "cpu", mesh_dim_names=("tp",))
     out = Shard(1) if sp else Replicate()
     plan: dict[str, ParallelStyle] = {f"self_attn.{n}": ColwiseParallel() for n in ("q_proj", "k_proj", "v_proj")}
     plan.update({"self_attn.o_proj": RowwiseParallel(output_layouts=out), "mlp.gate_proj": ColwiseParallel(),
@@ -85,10 +85,12 @@ def _build(variant: str, path: str, pg):
     if impl == "shardkit":
         from .. import apply_tp
 
-        return apply_tp(_load(path), pg, sequence_parallel=mode == "tp+sp", check="off")
+        return apply_tp(load_llama(path), pg, sequence_parallel=mode == "tp+sp", check="off")
     if impl == "hf":
-        return _load(path, tp_plan="auto")
-    return _dtensor(_load(path), pg, mode == "tp+sp")
+        return load_llama(path, tp_plan="auto")
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return dtensor_tp(load_llama(path), DeviceMesh.from_group(pg, "cpu", mesh_dim_names=("tp",)), mode == "tp+sp")
 
 
 def _full(t):
@@ -154,19 +156,11 @@ def tp_step(pg, settings: Settings) -> list[Record]:
     records = []
     for shape in (("tiny",) if settings.quick else ("small", "large")):
         cfg_kw, (batch, seq) = SHAPES[shape]
-        with tempfile.TemporaryDirectory(prefix="shardkit-bench-tp-") as tmp:
-            folder = os.path.join(tmp, shape)
-            path: list[str | None] = [folder if rank == 0 else None]
-            dist.broadcast_object_list(path, src=0, group=pg)  # rank 0's folder; every rank reads it
-            if rank == 0:
-                torch.manual_seed(0)
-                cfg = tf.LlamaConfig(**cfg_kw, use_cache=False, tie_word_embeddings=False)
-                tf.LlamaForCausalLM(cfg).save_pretrained(folder)
-            dist.barrier(group=pg)
+        with save_llama(cfg_kw, pg) as path:
             ids = torch.randint(0, cfg_kw["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(1))
             for mode, variants in (("tp", ["tp/shardkit", "tp/dtensor"] + (["tp/hf"] if hf else [])),
                                    ("tp+sp", ["tp+sp/shardkit", "tp+sp/dtensor"])):
-                steps, loss = _steps(variants, path[0], ids, pg)
+                steps, loss = _steps(variants, path, ids, pg)
                 times = time_interleaved({v.split("/")[1]: f for v, f in steps.items()}, pg, settings)
                 rec = Record("tp_step", dict(label=f"{mode} {shape}", mode=mode, shape=shape, batch=batch, seq=seq,
                                              loss=loss, **cfg_kw), n, times,
@@ -176,5 +170,24 @@ def tp_step(pg, settings: Settings) -> list[Record]:
                         rec.ratio(f"shardkit/{other}", "shardkit", other, 1.0)
                 records.append(rec)
                 del steps
-            dist.barrier(group=pg)  # nobody reads the checkpoint any more
     return records
+
+
+@contextlib.contextmanager
+def save_llama(cfg_kw: dict, pg):
+    """A random ``LlamaForCausalLM`` of ``cfg_kw`` (seed 0) saved by rank 0 in a temporary folder
+    every rank reads; yields its path; removed once every rank is done with it."""
+    import transformers as tf
+
+    rank = dist.get_rank(pg)
+    with tempfile.TemporaryDirectory(prefix="shardkit-bench-llama-") as tmp:
+        path: list[str | None] = [os.path.join(tmp, "model") if rank == 0 else None]
+        dist.broadcast_object_list(path, src=dist.get_global_rank(pg, 0), group=pg)  # rank 0's folder
+        if rank == 0:
+            torch.manual_seed(0)
+            tf.LlamaForCausalLM(tf.LlamaConfig(**cfg_kw, use_cache=False, tie_word_embeddings=False)).save_pretrained(path[0])
+        dist.barrier(group=pg)
+        try:
+            yield path[0]
+        finally:
+            dist.barrier(group=pg)  # nobody reads the checkpoint any more

@@ -37,6 +37,8 @@ CASES = {
     "vocab_loss": CaseSpec(".cases_other", "vocab_loss", 2, "vocab-parallel loss against gathered logits"),
     "tp_step": CaseSpec(".cases_tp", "tp_step", 2,
                         "TP and TP+SP training steps against DTensor parallelize_module and HF tp_plan"),
+    "fsdp_tp_step": CaseSpec(".cases_fsdp", "fsdp_tp_step", 4,
+                             "FSDP2 + TP step (dp_shard=2 x tp=2) against fully_shard + DTensor parallelize_module"),
     "checks": CaseSpec(".cases_checks", "ops", 4, "each op with the check mode on against off (sizes given)"),
     "checks_train": CaseSpec(".cases_checks", "train_step", 4,
                              "a default shardkit train step (dp_replicate=2 x tp=2, SP) with --checks against without"),
