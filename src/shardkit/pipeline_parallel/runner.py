@@ -25,7 +25,6 @@ import torch
 import torch.distributed as dist
 
 from ..comm import _c10d
-from ..comm._compat import all_gather_single
 from ..errors import ShardkitError
 from . import p2p
 from .schedules import check_deadlock_free, comm_plan, validate_schedule
@@ -92,7 +91,7 @@ def run_schedule(stage: PipelineStage, schedule: Sequence[Sequence[Action]],
         ShardkitError: on every stage: the table is malformed, has the wrong number of stages
             or cannot run with blocking P2P (pure checks); the first (last) stage was given a
             number of inputs (targets) other than ``M``, or ranks passed different
-            ``boundary_shapes`` (agreed by one ``all_gather_object``).
+            ``boundary_shapes`` (agreed by one small all-reduce).
     """
     op = "run_schedule"
     if not isinstance(stage, PipelineStage):
@@ -133,19 +132,24 @@ def _boundary_decls(shapes, P: int, op: str):
 
 def _agree(stage, error, decls, op: str, clean: bool) -> bool:
     """Raise the same ShardkitError on every rank if any rank has a data error or ranks passed
-    different boundary shapes; else return whether every rank is ``clean``. One small
-    ``all_gather`` of (error flag, CRC of the shapes, clean flag) per call; only when it shows a
-    problem does an ``all_gather_object`` collect the messages."""
+    different boundary shapes; else return whether every rank is ``clean``.
+
+    One max all-reduce of four int64 per call: (error flag, CRC of the shapes, minus that CRC,
+    not clean), so the maxima say whether any rank has an error, whether the CRCs agree (max
+    equals min) and whether any rank is not clean. (A small all-gather of the same flags took
+    4 ms on 4 gloo ranks here, the all-reduce 1.5 ms: gloo's all-gather is the slower
+    algorithm at this size.) Only when it shows a problem does an ``all_gather_object`` collect
+    the messages."""
     g = stage._info
     if g.size == 1:
         seen: list[tuple[str | None, str]] = [(error, repr(decls))]
     else:
-        mine = torch.tensor([error is not None, zlib.crc32(repr(decls).encode()), clean], dtype=torch.int64)
-        flags = torch.empty(g.size * 3, dtype=torch.int64)
-        all_gather_single(flags, mine, group=g.pg)
-        flags = flags.view(g.size, 3)
-        if not flags[:, 0].any() and bool((flags[:, 1] == flags[0, 1]).all()):
-            return bool(flags[:, 2].all())
+        crc = zlib.crc32(repr(decls).encode())
+        flags = torch.tensor([error is not None, crc, -crc, not clean], dtype=torch.int64)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=g.pg)
+        any_error, crc_max, minus_crc_min, any_unclean = flags.tolist()
+        if not any_error and crc_max == -minus_crc_min:
+            return not any_unclean
         seen = [("", "")] * g.size  # placeholders, filled by all_gather_object
         dist.all_gather_object(seen, (error, repr(decls)), group=g.pg)
     bad = [f"rank {r}: {e}" for r, (e, _) in enumerate(seen) if e is not None]
