@@ -73,14 +73,14 @@ def _ring_variant(p, pg, seed):
 
 
 def ring(pg, settings: Settings) -> list[Record]:
-    s = 1 if settings.quick else 2
+    s, long = (1, 1024) if settings.quick else (2, 4096)
     world = dist.get_world_size(pg)
     pair = dist.new_group(dist.get_process_group_ranks(pg)[:2])  # collective: every rank creates it
-    zigzag = [dict(B=1, S=2048 * s, N=4, D=64, causal=True, overlap=True, layout=lay) for lay in ("zigzag", "contiguous")]
+    zigzag = [dict(B=1, S=long, N=4, D=64, causal=True, overlap=True, layout=lay) for lay in ("zigzag", "contiguous")]
     cases = [  # label, goal, what differs, variants, ranks
         ("overlap-comm", 0.93, "overlap", [dict(B=1, S=128 * s, N=16, D=64, causal=False, overlap=o, layout="zigzag")
                                           for o in (True, False)], world),
-        ("overlap-compute", 1.02, "overlap", [dict(B=1, S=2048 * s, N=4, D=64, causal=True, overlap=o, layout="zigzag")
+        ("overlap-compute", 1.02, "overlap", [dict(B=1, S=long, N=4, D=64, causal=True, overlap=o, layout="zigzag")
                                              for o in (True, False)], world),
         ("zigzag-causal", 0.8, "layout", zigzag, 2),
         ("zigzag-causal", None, "layout", zigzag, world),
