@@ -181,13 +181,14 @@ def save_llama(cfg_kw: dict, pg):
 
     rank = dist.get_rank(pg)
     with tempfile.TemporaryDirectory(prefix="shardkit-bench-llama-") as tmp:
-        path: list[str | None] = [os.path.join(tmp, "model") if rank == 0 else None]
+        mine = os.path.join(tmp, "model")
+        path: list[str | None] = [mine if rank == 0 else None]
         dist.broadcast_object_list(path, src=dist.get_global_rank(pg, 0), group=pg)  # rank 0's folder
         if rank == 0:
             torch.manual_seed(0)
-            tf.LlamaForCausalLM(tf.LlamaConfig(**cfg_kw, use_cache=False, tie_word_embeddings=False)).save_pretrained(path[0])
+            tf.LlamaForCausalLM(tf.LlamaConfig(**cfg_kw, use_cache=False, tie_word_embeddings=False)).save_pretrained(mine)
         dist.barrier(group=pg)
         try:
-            yield path[0]
+            yield str(path[0])
         finally:
             dist.barrier(group=pg)  # nobody reads the checkpoint any more
