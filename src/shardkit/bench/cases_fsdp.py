@@ -25,7 +25,7 @@ import functools
 import torch
 import torch.distributed as dist
 
-from ._method import Record, Settings, agree, time_interleaved
+from ._method import Record, Settings, agree, close, time_interleaved
 from .cases_tp import CHECKED, SHAPES, dtensor_tp, load_llama, save_llama
 
 __all__ = ["fsdp_tp_step"]
@@ -100,7 +100,7 @@ def fsdp_tp_step(pg, settings: Settings) -> list[Record]:
     if rank == 0:  # shardkit's full parameters exist on rank 0 only
         for p in CHECKED:
             a, b = ref[p], other[p]
-            if a.shape != b.shape or not torch.allclose(a, b, rtol=1e-3, atol=1e-5 * b.abs().max().item()):
+            if not close(a, b, rtol=1e-3, atol=1e-5 * b.abs().max().item()):
                 bad.append(f"updated {p}: shardkit vs torch")
     agree(bad, pg, "fsdp_tp_step variants disagree")
     times = time_interleaved(steps, pg, settings)

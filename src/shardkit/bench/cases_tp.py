@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._method import Record, Settings, agree, time_interleaved
+from ._method import Record, Settings, agree, close, time_interleaved
 
 __all__ = ["tp_step", "dtensor_tp", "load_llama", "save_llama", "SHAPES", "CHECKED"]
 
@@ -139,7 +139,7 @@ def _steps(variants, path, ids, pg):
         for kind, k in (("grad", 1), ("param", 2)):
             for n in CHECKED:
                 a, b = seen[ref][k][n], seen[v][k][n]
-                if a.shape != b.shape or not torch.allclose(a, b, rtol=1e-3, atol=1e-5 * b.abs().max().item()):
+                if not close(a, b, rtol=1e-3, atol=1e-5 * b.abs().max().item()):
                     bad.append(f"{kind} {n}: {v} vs {ref}")
     agree(bad, pg, "tp_step variants disagree")
     return steps, seen[ref][0]
