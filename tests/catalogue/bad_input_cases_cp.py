@@ -241,7 +241,8 @@ def _packed(fn, n, cu, good):
 
 
 for _n in (1, 2, 3):
-    CASES.add(f"packed_gather_control_r{_n}", _n, "packed_gather", "control", lambda n=_n: _packed(packed_gather, n, _CU, _CU))
+    CASES.add(f"packed_gather_control_r{_n}", _n, "packed_gather", "control",
+              lambda n=_n: _packed(packed_gather, n, _CU, _CU))
 CASES.add("packed_split_control_r2", 2, "packed_split", "control", lambda: _packed(packed_split, 2, _CU_DEEP, _CU_DEEP))
 CASES.add("packed_all_gather_control_r3", 3, "packed_all_gather", "control",
           lambda: _packed(packed_all_gather, 3, _CU_DEEP, _CU_DEEP))

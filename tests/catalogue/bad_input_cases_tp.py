@@ -43,8 +43,9 @@ CASES.add("vocab_parallel_cross_entropy_control_empty_shard_r3", 3, "vocab_paral
           lambda: _loss(3, vocab=4))  # torch.chunk: 2, 2, 0
 
 _BAD = {
-    # row 13: one rank's labels are not the logits' leading shape (same numel would not help: [2, 4])
-    "labels_shape_differs_one_rank_r2": (2, lambda: _loss(2, labels=torch.zeros(2, per_rank([5, 4]), dtype=torch.long))),
+    # row 13: one rank's labels are not the logits' leading shape ([2, 4] for logits [2, 5, V / R])
+    "labels_shape_differs_one_rank_r2": (2, lambda: _loss(2, labels=torch.zeros(2, per_rank([5, 4]),
+                                                                                dtype=torch.long))),
     "labels_shape_wrong_one_rank_r3": (3, lambda: _loss(3, labels=torch.zeros(per_rank([(2, 5), (2, 5), (10,)]),
                                                                                dtype=torch.long))),
     "labels_shape_wrong_r2": (2, lambda: _loss(2, labels=torch.zeros(2, 4, dtype=torch.long))),
