@@ -14,7 +14,8 @@ from bad_input_cases_comm import per_rank
 from harness.helpers import get_mesh
 from shardkit import balanced_split_sizes, ring_attention, ulysses_attention, usp_attention
 from shardkit._shapes import split_offsets
-from shardkit.context_parallel import packed_indices, usp_indices, zigzag_positions
+from shardkit.context_parallel import (packed_all_gather, packed_gather, packed_indices, packed_split, usp_indices,
+                                       zigzag_positions)
 
 CASES = Registry(__name__, frozenset({"ulysses_seq_len_negative_r2",
                                       "ulysses_head_dim_differs_across_ranks_r2", "ulysses_q_3d_r2", "ring_heads_differ_r2",
@@ -215,3 +216,38 @@ _USP_BAD = {
 }
 for _name, _body in _USP_BAD.items():
     CASES.add(f"usp_{_name}", 4, "usp_attention", "arg", _body)
+
+# ------------------------------------------------------------------ packed layouts (split / gather)
+# Documents of 2 tokens. A moved interior boundary (one 3-token and one 1-token document instead of
+# two of 2) keeps every rank's size for R = 2, so only the cu_seqlens values tell the ranks apart
+# (issue 19, row 13: the agreement held only the last 9 entries). _CU_DEEP moves entry 9 of 21,
+# past the entries the check row holds as they are: only its digest sees it.
+_CU = list(range(0, 22, 2))
+_CU_MOVED = [0, 3, *_CU[2:]]
+_CU_DEEP = list(range(0, 42, 2))
+_CU_DEEP_MOVED = [*_CU_DEEP[:9], 19, *_CU_DEEP[10:]]
+
+
+def _packed(fn, n, cu, good):
+    """``fn`` on this rank's packed-zigzag part (gathers) or the full tensor (split) of ``good``'s
+    layout, passing ``cu``; the reference only when ``cu`` is ``good``."""
+    full = torch.arange(2 * good[-1], dtype=torch.float64).view(1, good[-1], 2)
+    mine = packed_indices(good, n, rank())
+    if fn is packed_split:
+        got, want = packed_split(full, cu, world(), 1)[0], full[:, mine]
+    else:
+        got, want = fn(full[:, mine], cu, world(), 1), full
+    return got, want if cu == good else None
+
+
+for _n in (1, 2, 3):
+    CASES.add(f"packed_gather_control_r{_n}", _n, "packed_gather", "control",
+              lambda n=_n: _packed(packed_gather, n, _CU, _CU))
+CASES.add("packed_split_control_r2", 2, "packed_split", "control", lambda: _packed(packed_split, 2, _CU_DEEP, _CU_DEEP))
+CASES.add("packed_all_gather_control_r3", 3, "packed_all_gather", "control",
+          lambda: _packed(packed_all_gather, 3, _CU_DEEP, _CU_DEEP))
+for _fn in (packed_gather, packed_all_gather, packed_split):
+    CASES.add(f"{_fn.__name__}_cu_seqlens_interior_differs_r2", 2, _fn.__name__, "arg",
+              lambda fn=_fn: _packed(fn, 2, per_rank([_CU, _CU_MOVED]), _CU))
+CASES.add("packed_gather_cu_seqlens_deep_interior_differs_r2", 2, "packed_gather", "arg",
+          lambda: _packed(packed_gather, 2, per_rank([_CU_DEEP, _CU_DEEP_MOVED]), _CU_DEEP))

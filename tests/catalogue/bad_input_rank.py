@@ -36,7 +36,7 @@ __all__ = ["Case", "Registry", "follow", "rank", "world", "prepare", "run_case",
            "CASE_MODULES"]
 
 CASE_MODULES = ("bad_input_cases_comm", "bad_input_cases_cp", "bad_input_cases_ep",
-                "bad_input_cases_pp", "bad_input_cases_spatial", "bad_input_cases_transforms")
+                "bad_input_cases_pp", "bad_input_cases_spatial", "bad_input_cases_transforms", "bad_input_cases_tp")
 
 
 @dataclass(frozen=True)

@@ -56,7 +56,7 @@ COMMUNICATING = [
     "dispatch_plan", "token_dispatch", "token_combine", "send_forward", "recv_forward", "send_backward",
     "recv_backward", "halo_exchange", "spatial_conv1d", "spatial_conv2d", "spatial_conv_transpose1d",
     "spatial_max_pool", "spatial_avg_pool", "spatial_group_norm", "spatial_interpolate", "apply_tp",
-    "apply_spatial", "parallelize",
+    "apply_spatial", "parallelize", "vocab_parallel_cross_entropy",
 ]
 
 

@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from harness.checks import adjoint_error, coords
 from harness.helpers import rank, world_group, world_size
-from shardkit import ShardkitError, ShardkitTypeError, balanced_split_sizes
-from shardkit.comm import CommLedger
+from shardkit import RankMismatchError, ShardkitError, ShardkitTypeError, balanced_split_sizes
+from shardkit.comm import CommLedger, checks
 from shardkit.context_parallel import (
     packed_all_gather,
     packed_gather,
@@ -289,3 +289,35 @@ def test_bad_input_raises_on_every_rank(case):
     t = torch.ones(1)
     dist.all_reduce(t, group=world_group())  # the group is still usable
     assert t.item() == world_size()
+
+
+# Documents of 2 tokens; a moved interior boundary (3 + 1 tokens instead of 2 + 2) keeps every
+# rank's size for R = 2, so only the values of cu_seqlens tell the ranks apart. Entry 1 of 11 was
+# outside the check row before (issue 19, row 13); entry 9 of 21 is past the entries the row holds
+# as they are (only the digest of the whole list sees it).
+_CU_MOVES = {"entry_1_of_11": (list(range(0, 22, 2)), 1), "entry_9_of_21": (list(range(0, 42, 2)), 9)}
+
+
+@pytest.mark.world(2)
+@pytest.mark.parametrize("op", ["packed_gather", "packed_all_gather", "packed_split"])
+@pytest.mark.parametrize("move", sorted(_CU_MOVES))
+def test_check_mode_agrees_on_every_cu_seqlens_entry(op, move):
+    good, i = _CU_MOVES[move]
+    moved = list(good)
+    moved[i] += 1
+    assert packed_local_sizes(moved, 2) == packed_local_sizes(good, 2)
+    g = world_group()
+    full = coords((1, good[-1], 2))
+    fn = {"packed_gather": packed_gather, "packed_all_gather": packed_all_gather, "packed_split": packed_split}[op]
+    x = full if fn is packed_split else full[:, packed_indices(good, 2, rank())]
+    start = time.monotonic()
+    with checks(True), pytest.raises(RankMismatchError, match=f"{op}: ranks disagree on arguments") as info:
+        fn(x, moved if rank() == 1 else good, g, 1)
+    assert time.monotonic() - start < 2.0
+    texts = [None] * world_size()
+    dist.all_gather_object(texts, str(info.value), group=g)
+    assert len(set(texts)) == 1, texts
+    with checks(True):  # the group is still in step, and the same cu_seqlens everywhere passes
+        out = fn(x, good, g, 1)
+    want = full[:, packed_indices(good, 2, rank())] if fn is packed_split else full
+    assert torch.equal(out[0] if fn is packed_split else out, want)

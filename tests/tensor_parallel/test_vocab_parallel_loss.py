@@ -6,6 +6,8 @@ torch.chunk layouts with empty shards; every reduction, ignore_index, label smoo
 global vocabulary; exact ledger counts; errors raised on every rank; a vocab-parallel head.
 """
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -222,7 +224,8 @@ def _check_ledger():
             continue
         assert fwd.count() == 2 and fwd.count(op="all_reduce", api=OP, phase="forward", group_size=R) == 2
         max_buf, sum_buf = fwd.records
-        assert max_buf.bytes_sent == max_buf.bytes_received == 8 * (n + R + 2)  # float64 maxima + widths + fingerprint
+        # float64 maxima + widths + labels' verdicts + fingerprint
+        assert max_buf.bytes_sent == max_buf.bytes_received == 8 * (n + 2 * R + 2)
         assert sum_buf.bytes_sent == sum_buf.bytes_received == 4 * (k * n + 1)  # float32 columns + label flag
     if R > 1:
         with checks(True), CommLedger() as led:
@@ -266,6 +269,41 @@ def test_errors_on_every_rank_r3():
     # The group is still in step: a valid call works and matches the reference.
     loss = vocab_parallel_cross_entropy(local, labels, world_group(), vocab_sizes=sizes)
     assert _rel(loss, F.cross_entropy(full.reshape(-1, vocab), labels.reshape(-1))) <= 1e-9
+
+
+def _one_rank_labels(mode, bad_rank, bad_labels, exc, match):
+    """Rank ``bad_rank`` passes ``bad_labels``, the others valid ones: ``exc`` with one text on
+    every rank, raised within 2 s, in the default (``mode=False``) and the check mode; the group
+    is still in step afterwards (issue 19, row 13: this aborted the process in both modes)."""
+    R = world_size()
+    vocab, sizes, _ = LAYOUTS["chunk_uneven"](R)  # uneven widths: the text must not name this rank's
+    full, labels = _problem((2, 5), vocab)
+    local = _block(full, sizes)
+    start = time.monotonic()
+    with checks(mode), pytest.raises(exc, match=match) as info:
+        vocab_parallel_cross_entropy(local, bad_labels if rank() == bad_rank else labels, world_group())
+    assert time.monotonic() - start < 2.0
+    texts = [None] * R
+    dist.all_gather_object(texts, (type(info.value).__name__, str(info.value)), group=world_group())
+    assert len(set(texts)) == 1, texts
+    loss = vocab_parallel_cross_entropy(local, labels, world_group())
+    assert _rel(loss, F.cross_entropy(full.reshape(-1, vocab), labels.reshape(-1))) <= 1e-9
+
+
+@pytest.mark.world(2)
+@pytest.mark.parametrize("mode", [False, True], ids=["default", "checks"])
+def test_labels_shape_on_one_rank_r2(mode):
+    # The issue's input: labels [2, 4] on one rank for logits [2, 5, V / R].
+    _one_rank_labels(mode, 1, torch.zeros(2, 4, dtype=torch.long), RankMismatchError,
+                     r"leading dims \(2, 5\) on every rank of the group of 2; ranks \[1\] pass another shape")
+
+
+@pytest.mark.world(3)
+@pytest.mark.parametrize("mode", [False, True], ids=["default", "checks"])
+def test_labels_on_one_rank_r3(mode):
+    _one_rank_labels(mode, 0, torch.zeros(10, dtype=torch.long), RankMismatchError, r"ranks \[0\] pass another shape")
+    _one_rank_labels(mode, 2, torch.zeros(2, 5), ShardkitTypeError, r"integer tensor .*ranks \[2\] pass another type")
+    _one_rank_labels(mode, 1, [[0] * 5] * 2, ShardkitTypeError, r"integer tensor .*ranks \[1\] pass another type")
 
 
 @pytest.mark.world(2)

@@ -102,7 +102,7 @@ def _split(x, group, dim, cu_seqlens, grad_scale, op):
     g = enter(x, group, op)
     d = dim_of(x, dim, op)
     cu = check_cu_seqlens((0, x.shape[d]) if cu_seqlens is None else cu_seqlens, op, total=x.shape[d])
-    maybe_agree(g, op, x, (d, _scale_code(grad_scale), len(cu), *cu[-9:]))
+    maybe_agree(g, op, x, (d, _scale_code(grad_scale), cu))
     factor = grad_scale_factor(grad_scale, x, g, op)
     if g.size == 1:
         return x, g, cu
@@ -114,7 +114,9 @@ def _gather(x, group, dim, cu, grad_scale, op, adjoint):
     g = enter(x, group, op)
     cu = check_cu_seqlens(cu, op)
     order = _order(cu, g.size, x.device)
-    maybe_agree(g, op, x, (dim, _scale_code(grad_scale), len(cu), *cu[-9:]), local_dim=dim, expected_local=order.sizes[g.rank])
+    # Every entry of cu_seqlens, not only the per-rank sizes it implies: two packings with the same
+    # sizes (an interior boundary moved) would otherwise gather into a silently wrong order.
+    maybe_agree(g, op, x, (dim, _scale_code(grad_scale), cu), local_dim=dim, expected_local=order.sizes[g.rank])
     d = dim_of(x, dim, op)
     factor = None if adjoint else grad_scale_factor(grad_scale, x, g, op)
     if x.shape[d] != order.sizes[g.rank]:

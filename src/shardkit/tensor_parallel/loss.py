@@ -8,11 +8,16 @@ label smoothing). Those are combined with two all-reduces of ``O(tokens)`` eleme
 traffic stay ``O(tokens x V / R)`` instead of the ``O(tokens x V)`` of gathering the logits.
 
 Collectives, forward only (the backward is local): one all-reduce MAX of a float64
-``[N + R + 2]`` buffer (row maxima, each rank's vocabulary width, a fingerprint of the labels)
-and one all-reduce SUM of a ``[N, 2 or 3] + 1`` buffer (sum of exponentials, target logit, sum of
-logits when smoothing, out-of-range-label flag). Carrying the widths in the MAX all-reduce means
+``[N + 2R + 2]`` buffer (row maxima, each rank's vocabulary width, each rank's verdict on its
+labels' type and shape, a fingerprint of the labels) and one all-reduce SUM of a
+``[N, 2 or 3] + 1`` buffer (sum of exponentials, target logit, sum of logits when smoothing,
+out-of-range-label flag). Carrying the widths in the MAX all-reduce means
 the vocabulary layout never has to be passed in: any contiguous rank-ordered split works
 (``torch.chunk``'s, with empty trailing shards, or the balanced one), at no extra collective.
+Carrying the labels' verdicts there too makes labels of the wrong shape on one rank one error on
+every rank, in the default mode as in the check mode: a rank that raised alone would leave its
+peers in the all-reduce, and its next collective would meet theirs with another size (gloo
+aborts the process).
 
 Source: Megatron-LM ``vocab_parallel_cross_entropy`` (Shoeybi et al., 2019, "Megatron-LM"),
 with label smoothing over the *global* vocabulary as ``torch.nn.functional.cross_entropy`` does
@@ -42,6 +47,7 @@ __all__ = ["vocab_parallel_cross_entropy"]
 _OP = "vocab_parallel_cross_entropy"
 _REDUCTIONS = ("mean", "sum", "none")
 _PRIME = 2**31 - 1  # labels fingerprint modulus: exact in float64, no int64 overflow below 2**32 tokens
+_LABELS_OK, _LABELS_SHAPE, _LABELS_TYPE = 0, 1, 2  # a rank's verdict on its labels, MAX-reduced per rank
 
 
 def _all_reduce_(buf: torch.Tensor, g, op) -> None:
@@ -65,22 +71,25 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits_local, labels, g, ignore_index, smoothing, reduction, vocab_sizes):
+    def forward(ctx, logits_local, labels, g, ignore_index, smoothing, reduction, vocab_sizes, verdict):
         v_r, n = logits_local.shape[-1], labels.numel()
         cdt = _compute_dtype(logits_local.dtype)
         z = logits_local.reshape(n, v_r)  # explicit n: reshape(-1, 0) is ambiguous for empty shards
         t = labels.reshape(n).to(device=z.device, dtype=torch.int64)
 
         # 1) MAX: row maxima (detached by construction: the backward below is explicit), this
-        #    rank's width in slot R + rank (0 elsewhere), and +-fingerprint (max and -min).
-        mx = torch.zeros(n + g.size + 2, dtype=torch.float64, device=z.device)
+        #    rank's width in slot rank and its labels' verdict in slot R + rank of the tail (0
+        #    elsewhere), and +-fingerprint (max and -min).
+        R = g.size
+        mx = torch.zeros(n + 2 * R + 2, dtype=torch.float64, device=z.device)
         mx[:n] = z.amax(-1) if v_r else float("-inf")
-        mx[n + g.rank] = v_r
+        mx[n + g.rank], mx[n + R + g.rank] = v_r, verdict
         fp = _fingerprint(t)
-        mx[n + g.size], mx[n + g.size + 1] = fp, -fp
+        mx[n + 2 * R], mx[n + 2 * R + 1] = fp, -fp
         _all_reduce_(mx, g, dist.ReduceOp.MAX)
         tail = [int(v) for v in mx[n:].tolist()]  # the one host sync of the layout
-        widths, fp_max, fp_min = tail[: g.size], tail[g.size], -tail[g.size + 1]
+        _check_labels(tail[R : 2 * R], logits_local.shape, g)
+        widths, fp_max, fp_min = tail[:R], tail[2 * R], -tail[2 * R + 1]
         _check_layout(widths, vocab_sizes, fp_max, fp_min, g)
         vocab, offset = sum(widths), split_offsets(widths)[g.rank]
 
@@ -124,7 +133,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         if not ctx.needs_input_grad[0]:
-            return (None,) * 7
+            return (None,) * 8
         e, s, idx, owned, valid = ctx.saved_tensors
         shape, dtype, smoothing, vocab, reduction, count = ctx.meta
         n, v_r = e.shape
@@ -139,7 +148,29 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             gz.sub_((smoothing / vocab) * coef[:, None])
         if v_r:
             gz.scatter_add_(1, idx[:, None], torch.where(owned, -(1 - smoothing) * coef, 0)[:, None])
-        return gz.to(dtype).view(shape), None, None, None, None, None, None
+        return gz.to(dtype).view(shape), None, None, None, None, None, None, None
+
+
+def _labels_verdict(labels, logits_local: torch.Tensor) -> int:
+    """This rank's verdict on its own labels (a local fact its peers cannot see)."""
+    if not isinstance(labels, torch.Tensor) or labels.is_floating_point() or labels.is_complex() \
+            or labels.dtype == torch.bool:
+        return _LABELS_TYPE
+    return _LABELS_OK if tuple(labels.shape) == tuple(logits_local.shape[:-1]) else _LABELS_SHAPE
+
+
+def _check_labels(verdicts, logits_shape, g) -> None:
+    """Checks on the all-reduced labels' verdicts: every rank sees the same values and raises alike."""
+    # The logits' leading dims only: their vocabulary dim is each rank's own, the text must not be.
+    for code, rule, noun in ((_LABELS_TYPE, "be an integer tensor", "type"),
+                             (_LABELS_SHAPE, f"have the logits' leading dims {tuple(logits_shape[:-1])}", "shape")):
+        bad = [r for r in range(g.size) if verdicts[r] == code]
+        if not bad:
+            continue
+        text = f"{_OP}: labels must {rule} on every rank of the group of {g.size}; ranks {bad} pass another {noun}"
+        if code == _LABELS_TYPE:
+            raise ShardkitTypeError(text)
+        raise (ShardkitError if len(bad) == g.size else RankMismatchError)(text)
 
 
 def _check_layout(widths, vocab_sizes, fp_max, fp_min, g) -> None:
@@ -198,14 +229,16 @@ def vocab_parallel_cross_entropy(
 
     Raises:
         ShardkitTypeError: ``logits_local`` not a floating tensor, ``labels`` not an integer
-            tensor, ``label_smoothing`` not a real number, bad ``group`` or ``vocab_sizes`` type.
+            tensor on some rank, ``label_smoothing`` not a real number, bad ``group`` or
+            ``vocab_sizes`` type.
         ShardkitError: unknown ``reduction``; ``label_smoothing`` outside [0, 1]; ``labels``
-            shape not the logits' leading shape; ``vocab_sizes`` of the wrong length or not the
-            widths the ranks hold; an empty vocabulary; a label outside ``[0, V)`` that is not
-            ``ignore_index``. Raised on every rank alike (the last three after the collectives
-            that make them known everywhere).
-        RankMismatchError: the labels differ across ranks; (check mode) ranks disagree on
-            dtype, leading shape or arguments.
+            shape not the logits' leading shape on every rank; ``vocab_sizes`` of the wrong
+            length or not the widths the ranks hold; an empty vocabulary; a label outside
+            ``[0, V)`` that is not ``ignore_index``. Raised on every rank alike (the labels' type
+            and shape, the last three after the collectives that make them known everywhere).
+        RankMismatchError: the labels differ across ranks, or have the wrong shape on some
+            ranks only (raised on every rank after the first all-reduce, in either mode);
+            (check mode) ranks disagree on the logits' dtype, leading shape or arguments.
     """
     if reduction not in _REDUCTIONS:
         raise ShardkitError(f"{_OP}: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
@@ -224,16 +257,12 @@ def vocab_parallel_cross_entropy(
         raise ShardkitTypeError(f"{_OP}: logits_local must be floating point, got {logits_local.dtype}")
     if logits_local.dim() < 1:
         raise ShardkitError(f"{_OP}: logits_local must have a vocabulary dim, got a 0-d tensor")
-    if not isinstance(labels, torch.Tensor) or labels.is_floating_point() or labels.is_complex() \
-            or labels.dtype == torch.bool:
-        got = labels.dtype if isinstance(labels, torch.Tensor) else type(labels).__name__
-        raise ShardkitTypeError(f"{_OP}: labels must be an integer tensor, got {got}")
-    if tuple(labels.shape) != tuple(logits_local.shape[:-1]):
-        raise ShardkitError(
-            f"{_OP}: labels have shape {tuple(labels.shape)} but logits_local {tuple(logits_local.shape)} needs "
-            f"{tuple(logits_local.shape[:-1])} (the leading dims)"
-        )
     if vocab_sizes is not None:
         vocab_sizes = tuple(check_split_sizes(vocab_sizes, g.size, None, _OP))
+    verdict = _labels_verdict(labels, logits_local)
+    if verdict != _LABELS_OK:
+        # A rank whose labels are wrong still takes part in the first all-reduce (sized by the
+        # logits, which the peers share), with a stand-in and its verdict: every rank raises there.
+        labels = torch.zeros(logits_local.shape[:-1], dtype=torch.int64, device=logits_local.device)
     return _VocabParallelCrossEntropy.apply(logits_local, labels, g, ignore_index, float(label_smoothing), reduction,
-                                            vocab_sizes)
+                                            vocab_sizes, verdict)
