@@ -11,7 +11,9 @@ memory, timings, parity) that :mod:`.report` prints and writes; the other ranks 
 from __future__ import annotations
 
 import copy
+import math
 import os
+import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict
@@ -150,6 +152,14 @@ def run_training(pm, task, cfg: TrainConfig, loss_scale=None, on_step=None, layo
 
     With ``cfg.checkpoint_dir``: ``cfg.resume`` first loads the latest save (``first`` = its
     step), and the state is saved every ``cfg.save_every`` steps and after the last one.
+
+    A step with a non-finite global loss or gradient norm is not applied (:func:`.trainer.
+    train_step`); up to ``cfg.skip_nonfinite`` of them are skipped (counted in this run, a
+    resumed run counts afresh), one more raises :class:`~shardkit.errors.NonFiniteError` on
+    every rank before that step's save.
+
+    Raises:
+        NonFiniteError: more non-finite steps than ``cfg.skip_nonfinite``.
     """
     from ..checkpoint import latest_checkpoint, load_train_state, save_train_state
 
@@ -171,7 +181,7 @@ def run_training(pm, task, cfg: TrainConfig, loss_scale=None, on_step=None, layo
             if scheduler is not None:
                 for _ in range(first):
                     scheduler.step()  # the schedule is a function of the step count
-    losses, norms = [], []
+    losses, norms, skipped = [], [], []
     for step in range(first, cfg.steps):
         lr = optimizer.param_groups[0]["lr"]  # the rate this step uses
         stats = train_step(pm, optimizer, task, microbatches=cfg.microbatches, max_norm=cfg.max_norm,
@@ -182,11 +192,32 @@ def run_training(pm, task, cfg: TrainConfig, loss_scale=None, on_step=None, layo
             on_step(step, stats.loss)
         if metrics is not None:
             metrics.write(step, stats, lr)
+        if stats.skipped:
+            skipped.append(step + 1)
+            _nonfinite_step(step, stats, lr, len(skipped), cfg.skip_nonfinite)
         done = step + 1
         if pm.mesh is not None and cfg.checkpoint_dir is not None and (
                 done == cfg.steps or (cfg.save_every and done % cfg.save_every == 0)):
             save_train_state(cfg.checkpoint_dir, pm, optimizer, done, _extra_state(task), layout)
-    return {"losses": losses, "grad_norms": norms, "first_step": first}
+    return {"losses": losses, "grad_norms": norms, "first_step": first, "skipped_steps": skipped}
+
+
+def _nonfinite_step(step: int, stats, lr: float, seen: int, allowed: int) -> None:
+    """A step whose global loss or gradient norm was not finite (it was not applied): raise
+    :class:`~shardkit.errors.NonFiniteError` once more than ``allowed`` (``--skip-nonfinite``)
+    were seen in this run, else say on rank 0 that it was skipped. Both values are global, so
+    every rank takes the same branch."""
+    from ..errors import NonFiniteError
+
+    what = " and ".join(f"{name} {value}" for name, value in (("loss", stats.loss), ("gradient norm", stats.grad_norm))
+                        if not math.isfinite(value))
+    where = f"step {step + 1}: the global {what} is not finite; the step was not applied"
+    if seen > allowed:
+        raise NonFiniteError(f"{where}. Stopping: {seen} non-finite step(s) in this run, --skip-nonfinite allows "
+                             f"{allowed}. Nothing later was saved; lower --lr (this step's: {lr:g}) or look for a "
+                             "NaN in the data or the checkpoint")
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"shardkit train: {where} (skipped {seen} of --skip-nonfinite {allowed})", file=sys.stderr, flush=True)
 
 
 @record
