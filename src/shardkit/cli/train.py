@@ -19,6 +19,7 @@ from .._optional import check_train, require
 from .._quiet import quiet_third_party
 from ..errors import ShardkitError
 from .config import DTYPES, MODELS, SCHEDULES, TrainConfig, load_toml, merge_config, validate_config
+from .corpus import check_files
 from .data import corpus_files
 from .limits import check_machine
 
@@ -130,8 +131,11 @@ def config_from_args(args: argparse.Namespace, world_size: int | None = None) ->
     check_machine(cfg, local_launch=world_size is None)
     if cfg.model == "conv-ae":
         return cfg  # its data is matplotlib's sample photo, not a text corpus
-    # A missing or too short --data fails here, before any process starts (sizes only: stat).
-    size = sum(f.stat().st_size for f in corpus_files(cfg.data))
+    # A missing, unreadable, not regular or too short --data fails here, before any process
+    # starts (stat and open only; a FIFO is never opened for reading blocking).
+    files = corpus_files(cfg.data)
+    check_files(files)
+    size = sum(f.stat().st_size for f in files)
     if size < cfg.seq_len:
         raise ShardkitError(f"--data: the corpus has {size} bytes (tokens), fewer than --seq-len {cfg.seq_len}")
     return cfg

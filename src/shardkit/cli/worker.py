@@ -66,34 +66,29 @@ def _ledger_rows(ledger: CommLedger, mesh: ParallelMesh) -> list[dict]:
     return [{**dict(zip(keys, key)), **row} for key, row in ranked]
 
 
-def build_task(cfg: TrainConfig, device):
-    """The training task of ``cfg`` with a fresh sampler (the same batches on every rank)."""
+def build_task(cfg: TrainConfig, device, corpus=None):
+    """The training task of ``cfg`` with a fresh sampler (the same batches on every rank).
+
+    ``corpus``: the LM's token stream (:class:`.corpus.Corpus`); None: read it with
+    :func:`.corpus.shared_corpus`, collective over the world (global rank 0 reads, every rank
+    receives the same tokens). The ``--verify`` reference passes the run's own corpus.
+    """
     if cfg.model == "conv-ae":
         from .conv_ae import CROP, ConvAETask, CropSampler, load_image
         from .model import TORCH_DTYPES
 
         return ConvAETask(CropSampler(load_image(), CROP, cfg.batch_size, cfg.seed), device, TORCH_DTYPES[cfg.dtype])
-    from .data import BatchSampler, corpus_files, load_tokens
+    from .corpus import shared_corpus
+    from .data import BatchSampler
     from .lm_task import LMTask, PackedSampler
 
-    files = corpus_files(cfg.data)
-    if cfg.model_path is not None:
-        # the checkpoint's own tokenizer (byte ids would scramble a pretrained vocabulary); the
-        # encoded stream is cached, identical on every rank
-        import tempfile
-
-        from .pretrained import check_tokenizer, load_tokenizer, read_config
-        from .tokens import token_stream
-
-        check_tokenizer(load_tokenizer(cfg.model_path), read_config(cfg.model_path))
-        tokens = token_stream(cfg.model_path, files, cache_dir=os.path.join(tempfile.gettempdir(), "shardkit-tokens"))
-    else:
-        tokens = load_tokens(files)
+    if corpus is None:
+        corpus = shared_corpus(cfg, device)
     sampler: PackedSampler | BatchSampler
     if cfg.packed:
-        sampler = PackedSampler(tokens, cfg.seq_len, cfg.batch_size, cfg.seed, [f.stat().st_size for f in files])
+        sampler = PackedSampler(corpus.tokens, cfg.seq_len, cfg.batch_size, cfg.seed, list(corpus.doc_sizes))
     else:
-        sampler = BatchSampler(tokens, cfg.seq_len, cfg.batch_size, cfg.seed)
+        sampler = BatchSampler(corpus.tokens, cfg.seq_len, cfg.batch_size, cfg.seed)
     return LMTask(sampler, device)
 
 
@@ -257,7 +252,12 @@ def _train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool) ->
     rank = dist.get_rank()
     dims = parallel_dims(cfg)
     mesh = dims.build_mesh(device.type)
-    task = build_task(cfg, device)
+    corpus = None
+    if cfg.model != "conv-ae":
+        from .corpus import shared_corpus
+
+        corpus = shared_corpus(cfg, device)  # read once (rank 0), reused by the --verify reference
+    task = build_task(cfg, device, corpus)
     model = build_train_model(cfg)
     reference = copy.deepcopy(model) if cfg.verify and rank == 0 else None
     pm, loss_scale = build_parallel_model(model, mesh, cfg, task, device)
@@ -312,7 +312,7 @@ def _train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool) ->
         assert full_params is not None  # gathered above for --verify; rank 0 holds them
         t2 = time.perf_counter()
         ref_pm, _ = build_parallel_model(reference, None, cfg, None, device)
-        ref = run_training(ref_pm, build_task(cfg, device), cfg)
+        ref = run_training(ref_pm, build_task(cfg, device, corpus), cfg)
         ref_params = gather_full_parameters(ref_pm)
         assert ref_params is not None  # one process: its own parameters
         first = run["first_step"]  # a resumed run is compared from the step it resumed at
