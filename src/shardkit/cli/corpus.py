@@ -162,8 +162,9 @@ def one_source(read: Callable[[], Corpus], dtype: torch.dtype, device: torch.dev
                 raise ShardkitError(f"corpus: read {corpus.tokens.dtype} tokens, expected {dtype}")
         except Exception as exc:  # every failure reaches the other ranks, which would wait forever
             failure = exc
-            text = str(exc) if isinstance(exc, ShardkitError) else f"{type(exc).__name__}: {exc}"
-            error = f"global rank 0 could not read the training data: {text}".encode()[:65536]
+            text = str(exc) if isinstance(exc, ShardkitError) else (
+                f"global rank 0 could not read the training data: {type(exc).__name__}: {exc}")
+            error = text.encode()[:65536]
     header = torch.zeros(3, dtype=torch.int64, device=device)
     if first:
         header[0] = len(error)
@@ -175,8 +176,8 @@ def one_source(read: Callable[[], Corpus], dtype: torch.dtype, device: torch.dev
         text = torch.frombuffer(bytearray(error), dtype=torch.uint8).to(device) if first else torch.empty(
             n_error, dtype=torch.uint8, device=device)
         dist.broadcast(text, src=0)
-        if isinstance(failure, ShardkitError):
-            raise failure
+        if isinstance(failure, ShardkitError) and len(str(failure).encode()) == n_error:
+            raise failure  # the message every other rank raises
         raise ShardkitError(bytes(text.cpu().tolist()).decode(errors="replace")) from failure
     tokens = corpus.tokens.to(device) if corpus is not None else torch.empty(n_tokens, dtype=dtype, device=device)
     sizes = torch.tensor(corpus.doc_sizes if corpus is not None else [0] * n_docs, dtype=torch.int64, device=device)

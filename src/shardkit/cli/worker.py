@@ -204,9 +204,10 @@ def _nonfinite_step(step: int, stats, lr: float, seen: int, allowed: int) -> Non
     every rank takes the same branch."""
     from ..errors import NonFiniteError
 
-    what = " and ".join(f"{name} {value}" for name, value in (("loss", stats.loss), ("gradient norm", stats.grad_norm))
-                        if not math.isfinite(value))
-    where = f"step {step + 1}: the global {what} is not finite; the step was not applied"
+    bad = [f"{name} ({value})" for name, value in (("loss", stats.loss), ("gradient norm", stats.grad_norm))
+           if not math.isfinite(value)]
+    where = f"step {step + 1}: the global {' and '.join(bad)} {'is' if len(bad) == 1 else 'are'} not finite; " \
+            "the step was not applied"
     if seen > allowed:
         raise NonFiniteError(f"{where}. Stopping: {seen} non-finite step(s) in this run, --skip-nonfinite allows "
                              f"{allowed}. Nothing later was saved; lower --lr (this step's: {lr:g}) or look for a "
