@@ -173,12 +173,12 @@ def one_source(read: Callable[[], Corpus], dtype: torch.dtype, device: torch.dev
     dist.broadcast(header, src=0)
     n_error, n_tokens, n_docs = header.tolist()
     if n_error:
-        text = torch.frombuffer(bytearray(error), dtype=torch.uint8).to(device) if first else torch.empty(
+        buf = torch.frombuffer(bytearray(error), dtype=torch.uint8).to(device) if first else torch.empty(
             n_error, dtype=torch.uint8, device=device)
-        dist.broadcast(text, src=0)
+        dist.broadcast(buf, src=0)
         if isinstance(failure, ShardkitError) and len(str(failure).encode()) == n_error:
             raise failure  # the message every other rank raises
-        raise ShardkitError(bytes(text.cpu().tolist()).decode(errors="replace")) from failure
+        raise ShardkitError(bytes(buf.cpu().tolist()).decode(errors="replace")) from failure
     tokens = corpus.tokens.to(device) if corpus is not None else torch.empty(n_tokens, dtype=dtype, device=device)
     sizes = torch.tensor(corpus.doc_sizes if corpus is not None else [0] * n_docs, dtype=torch.int64, device=device)
     if n_tokens:

@@ -106,24 +106,32 @@ def user_cache_dir() -> Path | None:
     another user could have written.
     """
     base = os.environ.get("XDG_CACHE_HOME", "")
-    root = Path(base) if os.path.isabs(base) else Path.home() / ".cache"
+    try:
+        root = Path(base) if os.path.isabs(base) else Path.home() / ".cache"
+    except RuntimeError as e:  # no home directory known
+        print(f"shardkit train: note: no token cache: {e}", file=sys.stderr)
+        return None
     path = root / "shardkit"
+    why = _not_private(path)
+    if why is None:
+        return path
+    print(f"shardkit train: note: token cache {path} not used: {why}; encoding without a cache", file=sys.stderr)
+    return None
+
+
+def _not_private(path: Path) -> str | None:
+    """Why ``path`` (created 0700 if missing) is not a private folder of this user; None if it is."""
     try:
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
         st = os.lstat(path)
     except OSError as e:
-        return _no_cache(path, e.strerror or str(e))
+        return e.strerror or str(e)
     if not stat.S_ISDIR(st.st_mode):
-        return _no_cache(path, "not a directory (a symbolic link?)")
+        return "not a directory (a symbolic link?)"
     if st.st_uid != os.geteuid():
-        return _no_cache(path, f"owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})")
+        return f"owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})"
     if st.st_mode & 0o022:
-        return _no_cache(path, f"writable by its group or others (mode {stat.S_IMODE(st.st_mode):o})")
-    return path
-
-
-def _no_cache(path: Path, why: str) -> None:
-    print(f"shardkit train: note: token cache {path} not used: {why}; encoding without a cache", file=sys.stderr)
+        return f"writable by its group or others (mode {stat.S_IMODE(st.st_mode):o})"
     return None
 
 
