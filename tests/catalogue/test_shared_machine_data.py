@@ -22,6 +22,7 @@ import json
 import math
 import os
 import re
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -137,12 +138,21 @@ def test_skip_nonfinite_skips_a_poisoned_step_without_applying_it(allowed):
     def keep(step, loss):
         params.append([p.detach().clone() for p in pm.module.parameters()])
 
+    from shardkit.cli.metrics import MetricsLog
+
+    folder = tempfile.mkdtemp(prefix="shardkit-metrics-")  # rank 0 writes the metrics
+    metrics = MetricsLog(folder, "tokens", cfg.seq_len, cfg.batch_size, torch.device("cpu"), tensorboard=False)
     message = run = None
     try:
-        run = run_training(pm, _PoisonOnce(task, 2), cfg, loss_scale, on_step=keep)
+        run = run_training(pm, _PoisonOnce(task, 2), cfg, loss_scale, on_step=keep,
+                           metrics=metrics if rank() == 0 else None)
     except NonFiniteError as e:
         message = str(e)
+    lines = [json.loads(line) for line in Path(metrics.path).read_text().splitlines()] if rank() == 0 else None
+    shutil.rmtree(folder)
     messages = _agreed(message)
+    if rank() == 0:  # the step that stopped the run is recorded too, as not applied
+        assert [m["skipped"] for m in lines] == ([False, True] if allowed == 0 else [False, True, False, False])
     if allowed == 0:
         assert messages[0] is not None and len(set(messages)) == 1 and messages[0].startswith("step 2: the global loss")
         return
