@@ -339,6 +339,22 @@ def test_a_fifo_read_after_launch_is_the_same_error_on_every_rank():
         remove_shared_dir(folder)
 
 
+@pytest.mark.world(3)
+def test_any_failure_of_the_reader_is_one_shardkit_error_on_every_rank():
+    from shardkit.cli.corpus import one_source
+
+    def read():
+        raise RuntimeError("disk on fire")
+
+    message = None
+    try:
+        one_source(read, torch.uint8, torch.device("cpu"))
+    except ShardkitError as e:
+        message = str(e)
+    messages = _agreed(message)
+    assert messages == ["global rank 0 could not read the training data: RuntimeError: disk on fire"] * 3, messages
+
+
 def _data_folder(tmp_path: Path) -> Path:
     folder = tmp_path / "data"
     folder.mkdir()
