@@ -20,11 +20,15 @@ import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from ..errors import ShardkitError
+
+if TYPE_CHECKING:
+    from .config import TrainConfig
 
 __all__ = ["Corpus", "check_files", "read_regular", "read_documents", "read_corpus", "shared_corpus", "one_source"]
 
@@ -110,7 +114,7 @@ def read_documents(files: list[Path], max_bytes: int | None = None) -> list[byte
     return docs
 
 
-def read_corpus(cfg) -> Corpus:
+def read_corpus(cfg: TrainConfig) -> Corpus:
     """The token stream of a ``TrainConfig``, read in this process: byte ids of the ``--data``
     files, or their encoding by ``--model-path``'s tokenizer (through the per-user cache)."""
     from .data import corpus_files
@@ -129,7 +133,7 @@ def read_corpus(cfg) -> Corpus:
     return Corpus(token_stream(cfg.model_path, files, cache_dir=user_cache_dir()))
 
 
-def shared_corpus(cfg, device: torch.device) -> Corpus:
+def shared_corpus(cfg: TrainConfig, device: torch.device) -> Corpus:
     """:func:`read_corpus` on global rank 0, the same stream on every rank (collective over the world)."""
     dtype = torch.int32 if cfg.model_path is not None else torch.uint8
     return one_source(lambda: read_corpus(cfg), dtype, device)
