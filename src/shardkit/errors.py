@@ -14,6 +14,7 @@ __all__ = [
     "ShardkitTypeError",
     "GroupMembershipError",
     "RankMismatchError",
+    "NonFiniteError",
 ]
 
 
@@ -33,4 +34,12 @@ class RankMismatchError(ShardkitError):
     """Ranks of one group disagree on metadata (dtype, shape, sizes) of a collective.
 
     Raised identically on every rank of the group by the opt-in cross-rank check mode.
+    """
+
+
+class NonFiniteError(ShardkitError):
+    """A training step's global loss or gradient norm is NaN or infinite.
+
+    Raised identically on every rank (both values are all-reduced over the world before the
+    optimizer steps), so nothing non-finite was applied to the weights.
     """

@@ -34,7 +34,8 @@ def test_jsonl_and_tensorboard_hold_the_same_steps(tmp_path):
     assert [m["step"] for m in on_disk] == [1, 2] and [m["tokens_per_s"] for m in on_disk] == [128.0, 256.0]
     scalars = _scalars(tmp_path / TB_DIR)
     assert sorted(scalars) == sorted(f"train/{k}" for k in (
-        "loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "peak_memory_mib"))
+        "loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "peak_memory_mib", "skipped"))
+    assert [m["skipped"] for m in on_disk] == [False, False]
     assert scalars["train/loss"] == [(1, 2.5), (2, 2.0)]
     assert scalars["train/grad_norm"] == [(1, 1.25), (2, 0.75)]
     assert [s for s, _ in scalars["train/lr"]] == [1, 2]

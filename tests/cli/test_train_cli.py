@@ -92,7 +92,7 @@ def test_missing_toml(tmp_path):
     (dict(cp_ulysses=4, seq_len=3), "--seq-len 3 .*: every cp rank needs at least one token"),
     (dict(cp_ring=2, tp=4, nproc=8), "--tp 4 with context parallelism: tp must divide"),
     (dict(cp_ring=2, packed=True), "--packed with context parallelism: every microbatch must be one row"),
-    (dict(max_norm=-1.0), "--max-norm must be >= 0"),
+    (dict(max_norm=-1.0), "--max-norm must be a finite number >= 0"),
     (dict(pp_tp="2,1,1", sequence_parallel=True, layers=3), "--sequence-parallel with --pp-tp"),
     (dict(dp_shard=0), "--dp-shard must be >= 1"),
     (dict(report="/etc/passwd/out"), "--report /etc/passwd/out: /etc/passwd exists and is not a directory"),

@@ -7,6 +7,7 @@ Everything here is pure (no process group), so every check runs in the launching
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tomllib
 from dataclasses import dataclass, fields
@@ -28,6 +29,11 @@ FAMILY_MODELS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_mo
 LM_MODELS = ("llama", "qwen2", "qwen3", "moe", "mla")
 MODELS = (*LM_MODELS, "conv-ae")
 MOE_MODELS = ("moe", "mla")
+MAX_SIZE = 2**31 - 1  # any size or count flag: beyond it no tensor dimension or rank count is meaningful
+_SIZES = ("nproc", "tp", "pp", "cp_ulysses", "cp_ring", "dp_shard", "dp_replicate", "ep", "spatial", "spatial_h",
+          "microbatches", "batch_size", "seq_len", "hidden_size", "layers", "heads", "kv_heads", "intermediate_size",
+          "experts")
+MAX_SEED = 2**63 - 1  # torch's generators take a 64-bit seed; shardkit keeps it a non-negative int64
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,7 @@ class TrainConfig:
     microbatches: int = 1  # per step and dp rank: pipeline microbatches, or gradient accumulation
     schedule: str = "1f1b"  # pipeline schedule: "1f1b" or "gpipe"
     max_norm: float | None = 1.0  # clip the global gradient norm (None / 0: no clipping)
+    skip_nonfinite: int = 0  # skip up to N steps whose global loss or grad norm is NaN/inf; one more stops the run
     steps: int = 20  # total steps: a resumed run continues up to this count
     checkpoint_dir: str | None = None  # save the training state here (DCP, one directory per save)
     save_every: int = 0  # save every N steps (and after the last); 0: only after the last step
@@ -130,6 +137,8 @@ def load_toml(path: str | Path) -> dict:
             data = tomllib.load(f)
     except OSError as e:
         raise ShardkitError(f"--config: cannot read {path}: {e.strerror}") from e
+    except UnicodeDecodeError as e:  # tomllib decodes the bytes itself, outside TOMLDecodeError
+        raise ShardkitError(f"--config: {path} is not valid TOML: not UTF-8 text ({e.reason} at byte {e.start})") from e
     except tomllib.TOMLDecodeError as e:
         raise ShardkitError(f"--config: {path} is not valid TOML: {e}") from e
     for key, value in data.items():
@@ -221,12 +230,19 @@ def validate_config(cfg: TrainConfig, world_size: int | None = None) -> TrainCon
     for name in ("nproc", "dp_replicate"):
         if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
             raise ShardkitError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
+    for name in _SIZES:  # a sanity bound; cli/limits.py checks what this machine can hold
+        if getattr(cfg, name) is not None and getattr(cfg, name) > MAX_SIZE:
+            raise ShardkitError(f"--{name.replace('_', '-')} must be <= 2**31 - 1, got {getattr(cfg, name)}")
     if cfg.lr is None:
         from .schedule import FINETUNE_LR
 
         cfg = dataclasses.replace(cfg, lr=FINETUNE_LR if cfg.model_path is not None else 1e-3)
-    if cfg.lr <= 0:
-        raise ShardkitError(f"--lr must be > 0, got {cfg.lr}")
+    if not math.isfinite(cfg.lr) or cfg.lr <= 0:
+        raise ShardkitError(f"--lr must be a finite number > 0, got {cfg.lr}")
+    if not 0 <= cfg.seed <= MAX_SEED:
+        raise ShardkitError(f"--seed must be in [0, 2**63 - 1], got {cfg.seed}")
+    if cfg.skip_nonfinite < 0:
+        raise ShardkitError(f"--skip-nonfinite must be >= 0, got {cfg.skip_nonfinite}")
     if cfg.lr_schedule is None:
         cfg = dataclasses.replace(cfg, lr_schedule="warmup-cosine" if cfg.model_path is not None else "constant")
     if cfg.lr_schedule not in LR_SCHEDULES:
@@ -238,8 +254,8 @@ def validate_config(cfg: TrainConfig, world_size: int | None = None) -> TrainCon
     for flag, folder in (("--report", cfg.report), ("--checkpoint-dir", cfg.checkpoint_dir)):
         if folder is not None:
             _check_writable(flag, folder)
-    if cfg.max_norm is not None and cfg.max_norm < 0:
-        raise ShardkitError(f"--max-norm must be >= 0 (0: no clipping), got {cfg.max_norm}")
+    if cfg.max_norm is not None and not (math.isfinite(cfg.max_norm) and cfg.max_norm >= 0):
+        raise ShardkitError(f"--max-norm must be a finite number >= 0 (0: no clipping), got {cfg.max_norm}")
     if cfg.max_norm == 0:
         cfg = dataclasses.replace(cfg, max_norm=None)
     if cfg.dtype not in DTYPES:

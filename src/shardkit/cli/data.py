@@ -68,13 +68,13 @@ def load_tokens(files: list[Path], max_bytes: int | None = None) -> torch.Tensor
 
     Returns:
         ``[N]`` uint8 tensor of token ids (byte values, vocab 256).
+
+    Raises:
+        ShardkitError: a file is not a regular readable file (:func:`.corpus.read_regular`).
     """
-    buf = bytearray()
-    for f in files:
-        buf += f.read_bytes()
-        if max_bytes is not None and len(buf) >= max_bytes:
-            del buf[max_bytes:]
-            break
+    from .corpus import read_documents
+
+    buf = bytearray(b"".join(read_documents(files, max_bytes)))
     if not buf:
         return torch.empty(0, dtype=torch.uint8)
     return torch.frombuffer(buf, dtype=torch.uint8)

@@ -37,7 +37,8 @@ class MetricsLog:
     """One JSON line per step in ``DIR/metrics.jsonl`` (and TensorBoard scalars in ``DIR/tb``).
 
     Fields: ``step`` (1-based), ``loss``, ``grad_norm`` (before clipping), ``lr``,
-    ``tokens_per_s`` (or ``pixels_per_s``), ``step_time_s``, ``peak_memory_bytes`` (this rank).
+    ``tokens_per_s`` (or ``pixels_per_s``), ``step_time_s``, ``peak_memory_bytes`` (this rank),
+    ``skipped`` (the loss or norm was not finite: the step was not applied).
     A resumed run appends to the file of the run it continues. TensorBoard gets the same scalars
     (memory in MiB) under ``train/<field>`` with the step as the global step.
 
@@ -68,13 +69,15 @@ class MetricsLog:
         """Record 0-based ``step``; returns the line written."""
         line = {"step": step + 1, "loss": stats.loss, "grad_norm": stats.grad_norm, "lr": lr,
                 f"{self.unit}_per_s": self.per_step / stats.seconds, "step_time_s": stats.seconds,
-                "peak_memory_bytes": peak_memory(self.device)}
+                "peak_memory_bytes": peak_memory(self.device), "skipped": stats.skipped}
         with open(self.path, "a") as f:
             f.write(json.dumps(line) + "\n")
         if self._writer is not None:
             for key, value in line.items():
                 if key == "peak_memory_bytes":
                     key, value = "peak_memory_mib", value / 2**20
+                if key == "skipped":
+                    value = int(value)
                 if key != "step":
                     self._writer.add_scalar(f"train/{key}", value, global_step=step + 1)
             self._writer.flush()

@@ -5,31 +5,40 @@ fed to a pretrained model they index the wrong embedding rows. :func:`token_stre
 corpus with the checkpoint's tokenizer into one 1-D int32 stream, which
 :class:`~shardkit.cli.data.BatchSampler` windows unchanged (its batches are ``.long()``).
 
-Every rank gets the same stream: encoding is deterministic, and the files read depend only on
-their sizes and ``max_bytes``. With ``cache_dir`` the stream is stored under a key of every
-input (corpus files, checkpoint files, ``max_bytes``, transformers version), so a second run,
-or a second rank, reads it back instead of loading the tokenizer and encoding again.
+The trainer reads and encodes on global rank 0 only and broadcasts the stream
+(:mod:`.corpus`). With ``cache_dir`` (the trainer's: :func:`user_cache_dir`) the stream is stored
+under a key that hashes the *content* of every input (the corpus bytes actually read, the
+tokenizer's files, the stream format, the transformers version), so a second run reads it back
+instead of loading the tokenizer and encoding again. The cache is private to the user (0700,
+owned by them, else not used) and every entry carries the sha256 of its tokens, checked on read:
+an entry that does not match is ignored and rewritten, never trained on.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import stat
+import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
 from ..errors import ShardkitError
+from .corpus import read_regular
 from .pretrained import load_tokenizer, resolve_checkpoint
 
-__all__ = ["DEFAULT_MAX_BYTES", "corpus_prefix", "encode_files", "token_stream"]
+__all__ = ["DEFAULT_MAX_BYTES", "corpus_prefix", "encode_files", "token_stream", "user_cache_dir"]
 
 # 4 MiB of Python source is 1.2M SmolLM2 tokens, encoded in 4-9 s on the shared 2 cores, and far
 # more than a fine-tuning run of a few hundred small batches reads.
 DEFAULT_MAX_BYTES = 4 << 20
+# Checkpoint files that hold weights only: they cannot change the tokens, and hashing them
+# (hundreds of MB) would cost more than the cache saves. A GGUF file holds its tokenizer: hashed.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack")
 # Bump when the stream's layout (document separator, dtype) changes: old cache entries go stale.
-_FORMAT = "tokens-v1"
+_FORMAT = "tokens-v2"
 
 
 def corpus_prefix(files: list[Path], max_bytes: int | None) -> list[tuple[Path, int]]:
@@ -38,7 +47,10 @@ def corpus_prefix(files: list[Path], max_bytes: int | None) -> list[tuple[Path, 
     out: list[tuple[Path, int]] = []
     total = 0
     for f in files:
-        size = f.stat().st_size
+        try:
+            size = f.stat().st_size
+        except OSError as e:
+            raise ShardkitError(f"--data: cannot read {f}: {e.strerror}") from e
         if max_bytes is not None and total + size >= max_bytes:
             out.append((f, max_bytes - total))
             return out
@@ -50,29 +62,29 @@ def corpus_prefix(files: list[Path], max_bytes: int | None) -> list[tuple[Path, 
 def encode_files(parts: list[tuple[Path, int]], tokenizer) -> torch.Tensor:
     """Encode each file's first bytes as one document; documents are joined by the EOS token.
 
-    Each file is decoded as UTF-8 (invalid bytes, e.g. a multi-byte character cut by the byte
-    cap, become U+FFFD) and encoded without special tokens: a file is a document, so no token
-    spans two files, and the EOS between them is the document boundary the model was trained
-    with. Files are encoded in one batch call (the Rust tokenizer parallelizes it; its result
-    does not depend on the thread count).
-
     Args:
-        parts: ``(file, n_bytes)`` pairs, as :func:`corpus_prefix` returns.
+        parts: ``(file, n_bytes)`` pairs, as :func:`corpus_prefix` returns (regular files only:
+            :func:`.corpus.read_regular`).
         tokenizer: a transformers tokenizer.
 
     Returns:
-        ``[N]`` int32 token ids.
+        ``[N]`` int32 token ids (see :func:`_encode`).
 
     Raises:
-        ShardkitError: the tokenizer's vocabulary does not fit int32.
+        ShardkitError: a file is not a regular readable file; the vocabulary does not fit int32.
     """
+    return _encode([read_regular(f, n) for f, n in parts], tokenizer)
+
+
+def _encode(blobs: list[bytes], tokenizer) -> torch.Tensor:
+    """Each blob decoded as UTF-8 (invalid bytes, e.g. a multi-byte character cut by the byte cap,
+    become U+FFFD) and encoded without special tokens: a file is a document, so no token spans
+    two files, and the EOS between them is the document boundary the model was trained with.
+    One batch call (the Rust tokenizer parallelizes it; its result does not depend on the thread
+    count)."""
     if len(tokenizer) > torch.iinfo(torch.int32).max:
         raise ShardkitError(f"tokenizer vocabulary of {len(tokenizer)} tokens does not fit int32 token ids")
-    texts = []
-    for f, n in parts:
-        with open(f, "rb") as fh:
-            texts.append(fh.read(n).decode("utf-8", errors="replace"))
-    texts = [t for t in texts if t]
+    texts = [t for t in (b.decode("utf-8", errors="replace") for b in blobs) if t]
     if not texts:
         return torch.empty(0, dtype=torch.int32)
     encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
@@ -85,17 +97,103 @@ def encode_files(parts: list[tuple[Path, int]], tokenizer) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.int32)
 
 
-def _cache_key(model_path: str | Path, parts: list[tuple[Path, int]], max_bytes: int | None) -> str:
+def user_cache_dir() -> Path | None:
+    """``$XDG_CACHE_HOME/shardkit`` (``~/.cache/shardkit`` when unset or relative), created 0700.
+
+    Returns None, after a note on stderr, when the folder cannot be created or is not private:
+    not a directory of this user (a symbolic link, another owner), or writable by its group or by
+    others. Without a private folder the stream is encoded afresh rather than read from a place
+    another user could have written.
+    """
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    try:
+        root = Path(base) if os.path.isabs(base) else Path.home() / ".cache"
+    except RuntimeError as e:  # no home directory known
+        print(f"shardkit train: note: no token cache: {e}", file=sys.stderr)
+        return None
+    path = root / "shardkit"
+    why = _not_private(path)
+    if why is None:
+        return path
+    print(f"shardkit train: note: token cache {path} not used: {why}; encoding without a cache", file=sys.stderr)
+    return None
+
+
+def _not_private(path: Path) -> str | None:
+    """Why ``path`` (created 0700 if missing) is not a private folder of this user; None if it is."""
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = os.lstat(path)
+    except OSError as e:
+        return e.strerror or str(e)
+    if not stat.S_ISDIR(st.st_mode):
+        return "not a directory (a symbolic link?)"
+    if st.st_uid != os.geteuid():
+        return f"owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})"
+    if st.st_mode & 0o022:
+        return f"writable by its group or others (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _cache_key(model_path: str | Path, blobs: list[bytes]) -> str:
+    """sha256 of the stream's inputs by content: format, transformers version, the tokenizer's
+    files (every checkpoint file but weights), and the corpus bytes read."""
     import transformers
 
-    h = hashlib.sha256(f"{_FORMAT}\0{transformers.__version__}\0{max_bytes}\0".encode())
-    # Path, size and modification time identify a file without reading it (the GGUF is 100 MB).
-    for f in resolve_checkpoint(model_path).files() + [f for f, _ in parts]:
-        st = f.stat()
-        h.update(f"{f.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
-    for _, n in parts:
-        h.update(f"{n}\0".encode())
-    return h.hexdigest()[:32]
+    h = hashlib.sha256(f"{_FORMAT}\0{transformers.__version__}\0".encode())
+    for f in resolve_checkpoint(model_path).files():
+        if f.suffix not in _WEIGHT_SUFFIXES:
+            h.update(f"{f.name}\0{_sha256_file(f)}\0".encode())
+    for blob in blobs:
+        h.update(f"{len(blob)}\0{hashlib.sha256(blob).hexdigest()}\0".encode())
+    return h.hexdigest()
+
+
+def _tokens_hash(tokens: torch.Tensor) -> str:
+    return hashlib.sha256(tokens.contiguous().numpy().tobytes()).hexdigest()
+
+
+def _read_entry(path: Path, key: str) -> torch.Tensor | None:
+    """The tokens of a cache entry, or None when it is missing or fails any check (another key,
+    not a regular file of this user, not int32 ``[N]``, or tokens that do not match its hash)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    with open(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            return None
+        try:
+            entry = torch.load(f, weights_only=True)
+        except Exception:  # a truncated or foreign file: a miss, rewritten below
+            return None
+    if not isinstance(entry, dict) or entry.get("format") != _FORMAT or entry.get("key") != key:
+        return None
+    tokens = entry.get("tokens")
+    if not isinstance(tokens, torch.Tensor) or tokens.dtype != torch.int32 or tokens.dim() != 1:
+        return None
+    return tokens if entry.get("sha256") == _tokens_hash(tokens) else None
+
+
+def _write_entry(path: Path, key: str, tokens: torch.Tensor) -> None:
+    """Atomic: a temporary file (0600, mkstemp) renamed over the entry."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    try:
+        with open(fd, "wb") as f:
+            torch.save({"format": _FORMAT, "key": key, "sha256": _tokens_hash(tokens), "tokens": tokens}, f)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def token_stream(
@@ -104,42 +202,36 @@ def token_stream(
     max_bytes: int | None = DEFAULT_MAX_BYTES,
     cache_dir: str | Path | None = None,
 ) -> torch.Tensor:
-    """The corpus encoded by the checkpoint's own tokenizer, the same on every rank.
+    """The corpus encoded by the checkpoint's own tokenizer.
 
     Args:
         model_path: a checkpoint directory or GGUF file (see :func:`~shardkit.cli.pretrained.
             load_tokenizer`).
-        files: corpus files in order (``cli.data.corpus_files``).
+        files: corpus files in order (``cli.data.corpus_files``); regular files only.
         max_bytes: read at most this many bytes of the corpus (None: all of it; the stdlib is
             32 MB: about 8x the default cap).
-        cache_dir: where to store / find the encoded stream (created if missing); None: no cache.
-            Writes are atomic (temporary file + rename), so ranks sharing the folder never read
-            a partial file.
+        cache_dir: a private folder (:func:`user_cache_dir`) where entries are stored and found
+            by the content key; None: no cache. The corpus is read once: the bytes hashed into
+            the key are the bytes encoded.
 
     Returns:
         ``[N]`` int32 token ids, each below ``len(tokenizer)``.
 
     Raises:
-        ShardkitError: as :func:`~shardkit.cli.pretrained.load_tokenizer`; the corpus encodes to
-            no tokens.
+        ShardkitError: as :func:`~shardkit.cli.pretrained.load_tokenizer`; a file is not a
+            regular readable file; the corpus encodes to no tokens.
     """
-    parts = corpus_prefix(files, max_bytes)
-    path = None
+    blobs = [read_regular(f, n) for f, n in corpus_prefix(files, max_bytes)]
+    path = key = None
     if cache_dir is not None:
-        path = Path(cache_dir) / f"{_cache_key(model_path, parts, max_bytes)}.pt"
-        if path.is_file():
-            return torch.load(path, weights_only=True)
-    tokens = encode_files(parts, load_tokenizer(model_path))
+        key = _cache_key(model_path, blobs)
+        path = Path(cache_dir) / f"{key}.pt"
+        cached = _read_entry(path, key)
+        if cached is not None:
+            return cached
+    tokens = _encode(blobs, load_tokenizer(model_path))
     if tokens.numel() == 0:
         raise ShardkitError(f"--data: the corpus ({len(files)} files) encodes to no tokens")
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-        os.close(fd)
-        try:
-            torch.save(tokens, tmp)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+    if path is not None and key is not None:
+        _write_entry(path, key, tokens)
     return tokens

@@ -19,7 +19,9 @@ from .._optional import check_train, require
 from .._quiet import quiet_third_party
 from ..errors import ShardkitError
 from .config import DTYPES, MODELS, SCHEDULES, TrainConfig, load_toml, merge_config, validate_config
+from .corpus import check_files
 from .data import corpus_files
+from .limits import check_machine
 
 __all__ = ["add_train_parser", "config_from_args", "run_train"]
 
@@ -65,6 +67,9 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction,
                    help="shard hidden states between blocks over tp (default: on for llama with tp > 1)")
     p.add_argument("--max-norm", type=float, help=f"clip the global gradient norm (default {d.max_norm}; 0: off)")
+    p.add_argument("--skip-nonfinite", type=int, metavar="N", help="skip up to N steps whose global loss or gradient "
+                   "norm is NaN or infinite (not applied; the lr schedule still advances); one more stops the run "
+                   f"(default {d.skip_nonfinite}: the first one stops it)")
     p.add_argument("--experts", type=int, help=f"moe / mla: routed experts, top-2 (default {d.experts})")
     p.add_argument("--pp-tp", metavar="T0,T1,...",
                    help="per-stage tp sizes, e.g. 2,1,1 (pp = their count; sum * dp = nproc)")
@@ -123,10 +128,14 @@ def config_from_args(args: argparse.Namespace, world_size: int | None = None) ->
     values = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
     file_values = load_toml(args.config) if args.config else {}
     cfg = validate_config(merge_config(file_values, values), world_size)
+    check_machine(cfg, local_launch=world_size is None)
     if cfg.model == "conv-ae":
         return cfg  # its data is matplotlib's sample photo, not a text corpus
-    # A missing or too short --data fails here, before any process starts (sizes only: stat).
-    size = sum(f.stat().st_size for f in corpus_files(cfg.data))
+    # A missing, unreadable, not regular or too short --data fails here, before any process
+    # starts (stat and open only; a FIFO is never opened for reading blocking).
+    files = corpus_files(cfg.data)
+    check_files(files)
+    size = sum(f.stat().st_size for f in files)
     if size < cfg.seq_len:
         raise ShardkitError(f"--data: the corpus has {size} bytes (tokens), fewer than --seq-len {cfg.seq_len}")
     return cfg

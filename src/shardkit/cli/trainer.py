@@ -8,7 +8,10 @@ A step, whatever the layout (``dp x pp x cp x tp x ep``, FSDP2 or not, spatial f
    schedule (1F1B or GPipe) runs the microbatches through the stages (one branch);
 4. :class:`~shardkit.data_parallel.GradientSync` sums what FSDP2 does not reduce over the ranks
    holding different data, then clips by the global norm (every parameter counted once);
-5. the optimizer and the learning-rate schedule step.
+5. the global loss is summed over the world;
+6. the optimizer steps only if the global loss and gradient norm are both finite (both are
+   all-reduced, so every rank takes the same decision without another collective); the
+   learning-rate schedule steps either way (it is a function of the step count).
 
 ``--verify`` is this same code with every degree 1: :func:`~shardkit.parallelize.parallelize`
 with no mesh changes nothing, and the reductions over size-1 groups are the identity.
@@ -21,6 +24,7 @@ TP + PP + CP).
 from __future__ import annotations
 
 import functools
+import math
 import time
 from dataclasses import dataclass
 
@@ -54,12 +58,17 @@ def make_optimizer(module: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
 
 @dataclass
 class StepStats:
-    """One step: global mean loss, global gradient norm (before clipping), targets, seconds."""
+    """One step: global mean loss, global gradient norm (before clipping), targets, seconds.
+
+    ``skipped``: the loss or the norm was not finite, so the optimizer did not step (the same on
+    every rank: both values are global).
+    """
 
     loss: float
     grad_norm: float
     targets: int
     seconds: float
+    skipped: bool = False
 
 
 class LossScale:
@@ -128,7 +137,9 @@ def train_step(pm, optimizer, task, *, microbatches: int = 1, max_norm: float | 
         scheduler: a learning-rate scheduler stepped after the optimizer, or None.
 
     Returns:
-        :class:`StepStats` (the same on every rank).
+        :class:`StepStats` (the same on every rank). A step whose global loss or gradient norm
+        is NaN or infinite is not applied: its gradients are dropped, the optimizer does not
+        step (``skipped=True``); the scheduler still steps. The caller decides whether to stop.
 
     Collective over the world.
     """
@@ -153,11 +164,14 @@ def train_step(pm, optimizer, task, *, microbatches: int = 1, max_norm: float | 
         local = _pipeline_backward(pm, task, mbs, schedule, loss_scale)
     pm.grads.reduce()
     norm = pm.grads.clip_(max_norm)
-    optimizer.step()
-    if scheduler is not None:
-        scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
+    # The loss is reduced before the optimizer steps, so a non-finite step is never applied.
     contribution = local if _counts_loss(pm) else torch.zeros_like(local)
     device = next(pm.module.parameters()).device
     loss = _global_sum(contribution.to(device), pm) / n
-    return StepStats(loss, norm, n, time.perf_counter() - t0)
+    skipped = not (math.isfinite(loss) and math.isfinite(norm))
+    if not skipped:
+        optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return StepStats(loss, norm, n, time.perf_counter() - t0, skipped)

@@ -11,7 +11,9 @@ memory, timings, parity) that :mod:`.report` prints and writes; the other ranks 
 from __future__ import annotations
 
 import copy
+import math
 import os
+import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict
@@ -64,34 +66,29 @@ def _ledger_rows(ledger: CommLedger, mesh: ParallelMesh) -> list[dict]:
     return [{**dict(zip(keys, key)), **row} for key, row in ranked]
 
 
-def build_task(cfg: TrainConfig, device):
-    """The training task of ``cfg`` with a fresh sampler (the same batches on every rank)."""
+def build_task(cfg: TrainConfig, device, corpus=None):
+    """The training task of ``cfg`` with a fresh sampler (the same batches on every rank).
+
+    ``corpus``: the LM's token stream (:class:`.corpus.Corpus`); None: read it with
+    :func:`.corpus.shared_corpus`, collective over the world (global rank 0 reads, every rank
+    receives the same tokens). The ``--verify`` reference passes the run's own corpus.
+    """
     if cfg.model == "conv-ae":
         from .conv_ae import CROP, ConvAETask, CropSampler, load_image
         from .model import TORCH_DTYPES
 
         return ConvAETask(CropSampler(load_image(), CROP, cfg.batch_size, cfg.seed), device, TORCH_DTYPES[cfg.dtype])
-    from .data import BatchSampler, corpus_files, load_tokens
+    from .corpus import shared_corpus
+    from .data import BatchSampler
     from .lm_task import LMTask, PackedSampler
 
-    files = corpus_files(cfg.data)
-    if cfg.model_path is not None:
-        # the checkpoint's own tokenizer (byte ids would scramble a pretrained vocabulary); the
-        # encoded stream is cached, identical on every rank
-        import tempfile
-
-        from .pretrained import check_tokenizer, load_tokenizer, read_config
-        from .tokens import token_stream
-
-        check_tokenizer(load_tokenizer(cfg.model_path), read_config(cfg.model_path))
-        tokens = token_stream(cfg.model_path, files, cache_dir=os.path.join(tempfile.gettempdir(), "shardkit-tokens"))
-    else:
-        tokens = load_tokens(files)
+    if corpus is None:
+        corpus = shared_corpus(cfg, device)
     sampler: PackedSampler | BatchSampler
     if cfg.packed:
-        sampler = PackedSampler(tokens, cfg.seq_len, cfg.batch_size, cfg.seed, [f.stat().st_size for f in files])
+        sampler = PackedSampler(corpus.tokens, cfg.seq_len, cfg.batch_size, cfg.seed, list(corpus.doc_sizes))
     else:
-        sampler = BatchSampler(tokens, cfg.seq_len, cfg.batch_size, cfg.seed)
+        sampler = BatchSampler(corpus.tokens, cfg.seq_len, cfg.batch_size, cfg.seed)
     return LMTask(sampler, device)
 
 
@@ -150,6 +147,14 @@ def run_training(pm, task, cfg: TrainConfig, loss_scale=None, on_step=None, layo
 
     With ``cfg.checkpoint_dir``: ``cfg.resume`` first loads the latest save (``first`` = its
     step), and the state is saved every ``cfg.save_every`` steps and after the last one.
+
+    A step with a non-finite global loss or gradient norm is not applied (:func:`.trainer.
+    train_step`); up to ``cfg.skip_nonfinite`` of them are skipped (counted in this run, a
+    resumed run counts afresh), one more raises :class:`~shardkit.errors.NonFiniteError` on
+    every rank before that step's save.
+
+    Raises:
+        NonFiniteError: more non-finite steps than ``cfg.skip_nonfinite``.
     """
     from ..checkpoint import latest_checkpoint, load_train_state, save_train_state
 
@@ -171,7 +176,7 @@ def run_training(pm, task, cfg: TrainConfig, loss_scale=None, on_step=None, layo
             if scheduler is not None:
                 for _ in range(first):
                     scheduler.step()  # the schedule is a function of the step count
-    losses, norms = [], []
+    losses, norms, skipped = [], [], []
     for step in range(first, cfg.steps):
         lr = optimizer.param_groups[0]["lr"]  # the rate this step uses
         stats = train_step(pm, optimizer, task, microbatches=cfg.microbatches, max_norm=cfg.max_norm,
@@ -182,11 +187,33 @@ def run_training(pm, task, cfg: TrainConfig, loss_scale=None, on_step=None, layo
             on_step(step, stats.loss)
         if metrics is not None:
             metrics.write(step, stats, lr)
+        if stats.skipped:
+            skipped.append(step + 1)
+            _nonfinite_step(step, stats, lr, len(skipped), cfg.skip_nonfinite)
         done = step + 1
         if pm.mesh is not None and cfg.checkpoint_dir is not None and (
                 done == cfg.steps or (cfg.save_every and done % cfg.save_every == 0)):
             save_train_state(cfg.checkpoint_dir, pm, optimizer, done, _extra_state(task), layout)
-    return {"losses": losses, "grad_norms": norms, "first_step": first}
+    return {"losses": losses, "grad_norms": norms, "first_step": first, "skipped_steps": skipped}
+
+
+def _nonfinite_step(step: int, stats, lr: float, seen: int, allowed: int) -> None:
+    """A step whose global loss or gradient norm was not finite (it was not applied): raise
+    :class:`~shardkit.errors.NonFiniteError` once more than ``allowed`` (``--skip-nonfinite``)
+    were seen in this run, else say on rank 0 that it was skipped. Both values are global, so
+    every rank takes the same branch."""
+    from ..errors import NonFiniteError
+
+    bad = [f"{name} ({value})" for name, value in (("loss", stats.loss), ("gradient norm", stats.grad_norm))
+           if not math.isfinite(value)]
+    where = f"step {step + 1}: the global {' and '.join(bad)} {'is' if len(bad) == 1 else 'are'} not finite; " \
+            "the step was not applied"
+    if seen > allowed:
+        raise NonFiniteError(f"{where}. Stopping: {seen} non-finite step(s) in this run, --skip-nonfinite allows "
+                             f"{allowed}. Nothing later was saved; lower --lr (this step's: {lr:g}) or look for a "
+                             "NaN in the data or the checkpoint")
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"shardkit train: {where} (skipped {seen} of --skip-nonfinite {allowed})", file=sys.stderr, flush=True)
 
 
 @record
@@ -226,7 +253,12 @@ def _train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool) ->
     rank = dist.get_rank()
     dims = parallel_dims(cfg)
     mesh = dims.build_mesh(device.type)
-    task = build_task(cfg, device)
+    corpus = None
+    if cfg.model != "conv-ae":
+        from .corpus import shared_corpus
+
+        corpus = shared_corpus(cfg, device)  # read once (rank 0), reused by the --verify reference
+    task = build_task(cfg, device, corpus)
     model = build_train_model(cfg)
     reference = copy.deepcopy(model) if cfg.verify and rank == 0 else None
     pm, loss_scale = build_parallel_model(model, mesh, cfg, task, device)
@@ -281,7 +313,7 @@ def _train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool) ->
         assert full_params is not None  # gathered above for --verify; rank 0 holds them
         t2 = time.perf_counter()
         ref_pm, _ = build_parallel_model(reference, None, cfg, None, device)
-        ref = run_training(ref_pm, build_task(cfg, device), cfg)
+        ref = run_training(ref_pm, build_task(cfg, device, corpus), cfg)
         ref_params = gather_full_parameters(ref_pm)
         assert ref_params is not None  # one process: its own parameters
         first = run["first_step"]  # a resumed run is compared from the step it resumed at

@@ -1,0 +1,192 @@
+"""One source of training data: global rank 0 reads the corpus, every rank receives its tokens.
+
+Every rank draws the same global batches from the token stream, so every rank must hold the
+same stream. Ranks that each read the files themselves can disagree: a file growing during
+start-up gave tp ranks streams of different lengths (issue 19). Here only global rank 0 reads
+(and tokenizes, with ``--model-path``); it broadcasts a header (error length, token count,
+document count), then the tokens and the document sizes, so the other ranks hold exactly its
+stream. An error while reading is broadcast instead and raised as the same
+:class:`~shardkit.ShardkitError` on every rank.
+
+Only regular files are read: :func:`read_regular` refuses a FIFO (whose ``open`` would block
+every rank forever), a socket, a device, a broken symbolic link or an unreadable file, naming the
+file; :func:`check_files` runs the same checks in the launching process before any rank starts.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from ..errors import ShardkitError
+
+if TYPE_CHECKING:
+    from .config import TrainConfig
+
+__all__ = ["Corpus", "check_files", "read_regular", "read_documents", "read_corpus", "shared_corpus", "one_source"]
+
+_KINDS = {stat.S_ISFIFO: "a FIFO", stat.S_ISSOCK: "a socket", stat.S_ISCHR: "a character device",
+          stat.S_ISBLK: "a block device", stat.S_ISDIR: "a directory"}
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """A token stream and its documents.
+
+    Attributes:
+        tokens: ``[N]`` token ids: uint8 byte values, or int32 tokenizer ids (``--model-path``).
+        doc_sizes: tokens of every document (corpus file) in stream order, summing to ``N``;
+            empty when the documents are not tracked (tokenizer streams: ``--packed`` refuses them).
+    """
+
+    tokens: torch.Tensor
+    doc_sizes: tuple[int, ...] = ()
+
+
+def _regular_stat(path: Path, st: os.stat_result) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        kind = next((name for test, name in _KINDS.items() if test(st.st_mode)), "not a regular file")
+        raise ShardkitError(f"--data: {path} is {kind}; only regular files are read")
+
+
+def _open_regular(path: Path) -> int:
+    """An fd of ``path`` opened for reading without blocking, checked to be a regular file."""
+    try:
+        _regular_stat(path, os.stat(path))  # before open: opening a socket fails, a FIFO would block
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        what = "is a broken symbolic link" if os.path.islink(path) else "does not exist (any more)"
+        raise ShardkitError(f"--data: {path} {what}") from None
+    except OSError as e:
+        raise ShardkitError(f"--data: cannot read {path}: {e.strerror}") from e
+    try:
+        _regular_stat(path, os.fstat(fd))  # the file opened is the one checked (no swap in between)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def check_files(files: list[Path]) -> None:
+    """Every file is a regular file this process can open for reading (nothing is read).
+
+    Raises:
+        ShardkitError: naming the first file that is not (a FIFO, socket, device, broken symbolic
+            link, or a file without read permission).
+    """
+    for f in files:
+        os.close(_open_regular(f))
+
+
+def read_regular(path: Path, limit: int | None = None) -> bytes:
+    """The first ``limit`` bytes of ``path`` (None: all), read only if it is a regular file.
+
+    Raises:
+        ShardkitError: as :func:`check_files`, or the read fails (the message has the errno text).
+    """
+    fd = _open_regular(path)
+    try:
+        with open(fd, "rb", closefd=False) as fh:
+            return fh.read() if limit is None else fh.read(limit)
+    except OSError as e:
+        raise ShardkitError(f"--data: cannot read {path}: {e.strerror}") from e
+    finally:
+        os.close(fd)
+
+
+def read_documents(files: list[Path], max_bytes: int | None = None) -> list[bytes]:
+    """The files' bytes in order, stopping after ``max_bytes`` in all (None: everything)."""
+    docs: list[bytes] = []
+    total = 0
+    for f in files:
+        limit = None if max_bytes is None else max_bytes - total
+        if limit is not None and limit <= 0:
+            break
+        docs.append(read_regular(f, limit))
+        total += len(docs[-1])
+    return docs
+
+
+def read_corpus(cfg: TrainConfig) -> Corpus:
+    """The token stream of a ``TrainConfig``, read in this process: byte ids of the ``--data``
+    files, or their encoding by ``--model-path``'s tokenizer (through the per-user cache)."""
+    from .data import corpus_files
+
+    files = corpus_files(cfg.data)
+    if cfg.model_path is None:
+        docs = read_documents(files)
+        data = bytearray(b"".join(docs))
+        tokens = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+        return Corpus(tokens, tuple(len(d) for d in docs))
+    from .pretrained import check_tokenizer, load_tokenizer, read_config
+    from .tokens import token_stream, user_cache_dir
+
+    # the checkpoint's own tokenizer (byte ids would scramble a pretrained vocabulary)
+    check_tokenizer(load_tokenizer(cfg.model_path), read_config(cfg.model_path))
+    return Corpus(token_stream(cfg.model_path, files, cache_dir=user_cache_dir()))
+
+
+def shared_corpus(cfg: TrainConfig, device: torch.device) -> Corpus:
+    """:func:`read_corpus` on global rank 0, the same stream on every rank (collective over the world)."""
+    dtype = torch.int32 if cfg.model_path is not None else torch.uint8
+    return one_source(lambda: read_corpus(cfg), dtype, device)
+
+
+def one_source(read: Callable[[], Corpus], dtype: torch.dtype, device: torch.device) -> Corpus:
+    """``read()`` on global rank 0, its result on every rank (no collective without a world).
+
+    Broadcasts over the world: an int64 header ``[error bytes, N, documents]``, then the error
+    text (raised on every rank as a ShardkitError) or the ``[N]`` tokens and the document sizes.
+    The tensors travel on ``device`` (NCCL needs them there); the result is on the CPU.
+
+    Args:
+        read: reads the corpus; called on global rank 0 only.
+        dtype: the tokens' dtype (every rank must know it to receive them).
+        device: this rank's device.
+
+    Raises:
+        ShardkitError: ``read`` failed on rank 0 (the same message on every rank; on rank 0
+            chained to its own exception).
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return read()
+    first = dist.get_rank() == 0
+    corpus, error, failure = None, b"", None
+    if first:
+        try:
+            corpus = read()
+            if corpus.tokens.dtype != dtype:
+                raise ShardkitError(f"corpus: read {corpus.tokens.dtype} tokens, expected {dtype}")
+        except Exception as exc:  # every failure reaches the other ranks, which would wait forever
+            failure = exc
+            text = str(exc) if isinstance(exc, ShardkitError) else (
+                f"global rank 0 could not read the training data: {type(exc).__name__}: {exc}")
+            error = text.encode()[:65536]
+    header = torch.zeros(3, dtype=torch.int64, device=device)
+    if first:
+        header[0] = len(error)
+        if corpus is not None:
+            header[1], header[2] = corpus.tokens.numel(), len(corpus.doc_sizes)
+    dist.broadcast(header, src=0)
+    n_error, n_tokens, n_docs = header.tolist()
+    if n_error:
+        buf = torch.frombuffer(bytearray(error), dtype=torch.uint8).to(device) if first else torch.empty(
+            n_error, dtype=torch.uint8, device=device)
+        dist.broadcast(buf, src=0)
+        if isinstance(failure, ShardkitError) and len(str(failure).encode()) == n_error:
+            raise failure  # the message every other rank raises
+        raise ShardkitError(bytes(buf.cpu().tolist()).decode(errors="replace")) from failure
+    tokens = corpus.tokens.to(device) if corpus is not None else torch.empty(n_tokens, dtype=dtype, device=device)
+    sizes = torch.tensor(corpus.doc_sizes if corpus is not None else [0] * n_docs, dtype=torch.int64, device=device)
+    if n_tokens:
+        dist.broadcast(tokens, src=0)
+    if n_docs:
+        dist.broadcast(sizes, src=0)
+    return corpus if corpus is not None else Corpus(tokens.cpu(), tuple(sizes.tolist()))
