@@ -9,9 +9,12 @@ failed, hung or crashed test.
 
 from __future__ import annotations
 
+import atexit
 import os
 import pickle
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -28,6 +31,11 @@ from shardkit._quiet import QUIET_ENV  # noqa: E402
 # No Hugging Face progress bars ("Writing model shards", loading bars) or advisory logs in test
 # output: set before the forkserver starts, so every rank inherits it.
 os.environ.update(QUIET_ENV)
+# The trainer's token cache ($XDG_CACHE_HOME/shardkit) of this session only: tests never read
+# nor fill the user's own cache, and entries still serve later tests of the session.
+_CACHE_HOME = tempfile.mkdtemp(prefix="shardkit-test-cache-")
+os.environ["XDG_CACHE_HOME"] = _CACHE_HOME
+atexit.register(shutil.rmtree, _CACHE_HOME, ignore_errors=True)
 
 _POOL = WorldPool()
 
