@@ -10,12 +10,11 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 
 from harness.helpers import rank, remove_shared_dir, shared_tmpdir, subgroup, world_group
 from hf_models import VOCAB, build
 from shardkit.checkpoint import latest_checkpoint
+from shardkit.checkpoint.reader import read_metadata
 from shardkit.errors import ShardkitError
 from shardkit.tensor_parallel import apply_tp, gather_full_state_dict, shard_spec
 from shardkit.tensor_parallel import dcp as sk_dcp
@@ -31,6 +30,11 @@ def _shared_dir() -> str:
 
 
 _cleanup = remove_shared_dir
+
+
+def _listing(path: str) -> list[str]:
+    """The saves and the pointer (rank 0 releases the root's lock, a dot file, on its own time)."""
+    return sorted(n for n in os.listdir(path) if not n.startswith("."))
 
 
 def _ids():
@@ -86,7 +90,7 @@ def test_each_rank_writes_only_its_owned_chunks():
     path = _shared_dir()
     model, full = _saved_model("llama")
     version = save_sharded_checkpoint(model, path, world_group())
-    md = dcp.FileSystemReader(version).read_metadata()
+    md = read_metadata(version, None)
     for name, p in model.named_parameters():
         chunks = md.state_dict_metadata[name].chunks
         assert sum(c.sizes.numel() for c in chunks) == full[name].numel()
@@ -140,13 +144,13 @@ def test_failed_save_keeps_the_previous_checkpoint():
     if rank() == 2:
         sk_dcp._ChunkSavePlanner.lookup_object = broken
     try:
-        with pytest.raises(CheckpointException) as info:
+        with pytest.raises(ShardkitError, match=r"save_sharded_checkpoint: writing .*version_00000002 failed: "
+                                                r"rank 2: OSError: disk full$"):
             save_sharded_checkpoint(model, path, world_group())
-        assert list(info.value.failures) == [2] and "disk full" in repr(info.value.failures[2])
     finally:
         sk_dcp._ChunkSavePlanner.lookup_object = original
     assert latest_checkpoint(path) == first
-    assert sorted(os.listdir(path)) == ["latest", "version_00000001", "version_00000002"]  # 2: partial
+    assert _listing(path) == ["latest", "version_00000001", "version_00000002"]  # 2: partial
     if rank() == 0:
         with open(os.path.join(base, "notes.txt"), "w") as f:
             f.write("user data")
@@ -163,7 +167,7 @@ def test_failed_save_keeps_the_previous_checkpoint():
     third = save_sharded_checkpoint(model, path, world_group())  # keep=1: the partial, the first, the tmp go
     assert os.path.basename(third) == "version_00000003" and latest_checkpoint(path) == third
     dist.barrier()
-    assert sorted(os.listdir(path)) == ["latest", "version_00000003"]
+    assert _listing(path) == ["latest", "version_00000003"]
     load_sharded_checkpoint(target, path, world_group())
     got = gather_full_state_dict(target)
     assert all(torch.equal(got[n], 3.0 * full[n]) for n in full)
