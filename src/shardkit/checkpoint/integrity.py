@@ -102,8 +102,8 @@ def _root_cause(exc: BaseException) -> BaseException:
 def _cause_text(exc: BaseException) -> str:
     cause = _root_cause(exc)
     if isinstance(cause, OSError) and cause.errno is not None:
-        where = f" ({cause.filename})" if cause.filename else ""
-        return f"{os.strerror(cause.errno)} [errno {cause.errno}]{where}: {cause}"
+        text = f"{os.strerror(cause.errno)} [errno {cause.errno}]"
+        return f"{text} ({cause.filename})" if cause.filename else f"{text}: {cause}"
     return f"{type(cause).__name__}: {cause}"
 
 
