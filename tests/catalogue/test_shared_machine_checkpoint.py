@@ -91,7 +91,7 @@ def _item(save: str, fqn: str = ITEM) -> tuple[str, str, int, int]:
 def _rehash(save: str, key: str | None = None) -> None:
     """Make the manifest agree with the damaged files (an attacker, or a save of bad data)."""
     manifest = json.load(open(os.path.join(save, MANIFEST)))
-    sums = manifest["checksums"]
+    sums = manifest.setdefault("checksums", {"items": {}})  # (before issue 19 a manifest had none)
     sums["metadata"] = hashlib.sha256(open(os.path.join(save, METADATA), "rb").read()).hexdigest()
     if key is not None:
         _, file, offset, length = _item(save, key.rpartition("@")[0])
