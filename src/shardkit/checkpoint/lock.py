@@ -34,13 +34,19 @@ __all__ = ["LOCK", "root_lock", "lock_holder", "holder_alive"]
 LOCK = ".lock"
 
 
-def _start_time(pid: int) -> str | None:
-    """Field 22 of ``/proc/PID/stat`` (start time in clock ticks since boot), None where unknown."""
+def _stat(pid: int) -> list[str]:
+    """The fields of ``/proc/PID/stat`` after the command name (state first), [] where unknown."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
+            return f.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
-        return None
+        return []
+
+
+def _start_time(pid: int) -> str | None:
+    """Field 22 of ``/proc/PID/stat`` (start time in clock ticks since boot), None where unknown."""
+    fields = _stat(pid)
+    return fields[19] if len(fields) > 19 else None
 
 
 def lock_holder(root: str) -> dict | None:
@@ -66,7 +72,10 @@ def holder_alive(holder: dict) -> bool:
         return False
     except PermissionError:
         pass  # alive, another user's
-    start = _start_time(holder["pid"])
+    fields = _stat(holder["pid"])
+    if fields and fields[0] in ("Z", "X"):
+        return False  # exited, not yet reaped (a container's init may never reap it)
+    start = fields[19] if len(fields) > 19 else None
     return holder.get("start") is None or start is None or start == holder["start"]
 
 
