@@ -590,8 +590,11 @@ def run_writers(seed: int) -> dict:
     started = _wait_for(lambda: os.path.exists(os.path.join(root, "latest")), 120, a)  # A saved step 1
     holder = {}
     if started:
-        with open(os.path.join(root, ".lock")) as f:
-            holder = json.load(f)
+        try:
+            with open(os.path.join(root, ".lock")) as f:
+                holder = json.load(f)
+        except FileNotFoundError:
+            pass  # no lock (shardkit before issue 19): B must still not get through
         past = _start({"kind": "train", "dir": b_dir, "ckpt": root, "seed": seed, "steps": WRITER_STEPS,
                        "past_validation": True})
         cli = _cli_job_b(root)
