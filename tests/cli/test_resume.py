@@ -118,3 +118,31 @@ def test_resume_in_another_dtype_raises_instead_of_casting():
                   progress=False)
     finally:
         remove_shared_dir(root)
+
+
+@pytest.mark.world(2, timeout=120)
+@pytest.mark.parametrize("holder,message", [
+    ({"run_id": "r1", "host": "another-host", "pid": 1}, r"in use by run r1 \(pid 1 on host another-host\)"),
+    (None, r"in use by an unreadable lock \(being written, or damaged\)"),
+])
+def test_a_lock_that_cannot_be_judged_stale_is_refused(holder, message):
+    """Another host's lock (its processes cannot be checked from here) and an unreadable one are
+    refused on every rank, in the run as before launch; nothing is written."""
+    from shardkit.checkpoint.lock import LOCK
+
+    root = shared_tmpdir("shardkit-lock-")
+    try:
+        cfg = validate_config(TrainConfig(**{**BASE, "steps": 1, "tp": 2, "checkpoint_dir": root}),
+                              world_size=world_size())
+        torch.distributed.barrier()
+        if rank() == 0:
+            with open(os.path.join(root, LOCK), "w") as f:
+                f.write("{" if holder is None else json.dumps(holder))
+        torch.distributed.barrier()
+        with pytest.raises(ShardkitError, match=message):
+            validate_config(cfg)
+        with pytest.raises(ShardkitError, match=rf"shardkit train --checkpoint-dir: .*{message}"):
+            train(cfg, "gloo", torch.device("cpu"), time.perf_counter(), progress=False)
+        assert sorted(os.listdir(root)) == [LOCK]
+    finally:
+        remove_shared_dir(root)

@@ -202,3 +202,99 @@ def test_float32_checkpoint_into_bfloat16_model_raises_instead_of_casting():
         load_sharded_checkpoint(target, path, world_group())
     assert all(torch.equal(p, before[n]) for n, p in target.named_parameters())  # nothing was read
     _cleanup(path)
+
+
+def _metadata(fqn="w", relative_path="__0_0.distcp", bytes_item=False):
+    """A DCP Metadata of one float32 tensor [2] (or a bytes item), as DCP pickles it."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                       MetadataIndex, TensorProperties, TensorStorageMetadata)
+
+    entry = BytesStorageMetadata() if bytes_item else TensorStorageMetadata(
+        TensorProperties(dtype=torch.float32), torch.Size([2]), [ChunkStorageMetadata(torch.Size([0]), torch.Size([2]))])
+    return Metadata(state_dict_metadata={fqn: entry},
+                    storage_data={MetadataIndex(fqn, torch.Size([0])): _StorageInfo(relative_path, 0, 10)})
+
+
+class _RunsCode:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("case,message", [
+    ("code", r"names the global (posix|os)\.system, which a checkpoint's metadata never holds \(refused, nothing of "
+             r"it was run\)"),
+    ("code inside", r"names the global (posix|os)\.system"),
+    ("bytes item", r"holds pickled \(non-tensor\) items \['w'\], which shardkit never writes"),
+    ("path outside", r"item 'w' is stored at '\.\./elsewhere.distcp', not a plain file of the save's directory"),
+    ("truncated", r"\.metadata is truncated or not a DCP metadata file"),
+    ("another hash", r"\.metadata differs from the save's manifest \(SHA-256 mismatch\)"),
+])
+def test_metadata_is_read_through_the_allow_list(tmp_path, case, message):
+    """DCP's pickled .metadata: its own classes, sizes and dtypes load; any other global is
+    refused before it is looked up (the planted command never runs), as are bytes items (DCP
+    would torch.load them with weights_only=False) and items outside the save's directory."""
+    import pickle
+
+    from shardkit.checkpoint.reader import read_metadata
+
+    marker = tmp_path / "ran"
+    good = pickle.dumps(_metadata())
+    data = {"code": pickle.dumps(_RunsCode(marker)),
+            "code inside": pickle.dumps({"metadata": _metadata(), "extra": _RunsCode(marker)}),
+            "bytes item": pickle.dumps(_metadata(bytes_item=True)),
+            "path outside": pickle.dumps(_metadata(relative_path="../elsewhere.distcp")),
+            "truncated": good[:len(good) // 2], "another hash": good}[case]
+    (tmp_path / ".metadata").write_bytes(data)
+    with pytest.raises(ShardkitError, match=message):
+        read_metadata(str(tmp_path), "0" * 64 if case == "another hash" else None)
+    assert not marker.exists()
+    (tmp_path / ".metadata").write_bytes(good)
+    md = read_metadata(str(tmp_path), None)
+    assert list(md.state_dict_metadata) == ["w"] and md.state_dict_metadata["w"].properties.dtype == torch.float32
+
+
+@pytest.mark.world(2, timeout=180)
+def test_load_sharded_checkpoint_verifies_what_it_reads():
+    """The library's own loader shares the trainer's checks: a planted .metadata is refused
+    unrun, a save without checksums (an older shardkit) is not loaded."""
+    import hashlib
+    import json
+    import pickle
+
+    from shardkit.checkpoint import MANIFEST
+
+    path = _shared_dir()
+    marker = path + "-ran"
+    model = apply_tp(build("llama"), world_group(), check="off")
+    version = save_sharded_checkpoint(model, path, world_group())
+    metadata = os.path.join(version, ".metadata")
+    good = open(metadata, "rb").read()
+
+    def plant():
+        with open(metadata, "wb") as f:
+            pickle.dump(_RunsCode(marker), f)
+        manifest = json.load(open(os.path.join(version, MANIFEST)))
+        manifest["checksums"]["metadata"] = hashlib.sha256(open(metadata, "rb").read()).hexdigest()
+        json.dump(manifest, open(os.path.join(version, MANIFEST), "w"))
+
+    if rank() == 0:
+        plant()
+    dist.barrier()
+    with pytest.raises(ShardkitError, match=r"load_sharded_checkpoint: checkpoint refused .* ranks 0, 1: cannot read a "
+                                            r"DCP checkpoint .*names the global (posix|os)\.system"):
+        load_sharded_checkpoint(model, path, world_group())
+    assert not os.path.exists(marker)
+    dist.barrier()
+    if rank() == 0:  # the right metadata back, and a manifest of an older shardkit (no checksums)
+        open(metadata, "wb").write(good)
+        manifest = json.load(open(os.path.join(version, MANIFEST)))
+        del manifest["checksums"]
+        json.dump(manifest, open(os.path.join(version, MANIFEST), "w"))
+    dist.barrier()
+    with pytest.raises(ShardkitError, match=r"MANIFEST.json has no valid checksums .* the save cannot be verified"):
+        load_sharded_checkpoint(model, path, world_group())
+    _cleanup(path)
