@@ -148,7 +148,7 @@ def root_lock(root: str | os.PathLike, group: Group, op: str, reuse: bool = Fals
     root = os.path.abspath(os.fspath(root))
     holder = {"run_id": uuid.uuid4().hex[:12], "host": socket.gethostname(), "pid": os.getpid(),
               "start": _start_time(os.getpid())}
-    owned = (None, None)
+    owned: tuple[str | None, str | None] = (None, None)
     if g.rank == 0:
         found = lock_holder(root) if reuse else None
         if found and found.get("pid") == holder["pid"] and found.get("host") == holder["host"]:

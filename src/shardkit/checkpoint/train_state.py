@@ -159,9 +159,10 @@ def load_train_state(path: str | os.PathLike, pm: ParallelModel, optimizer: torc
     try:
         manifest, metadata, reader = open_save(path)
         saved = saved_entries(metadata)
-        step = manifest.get("step")
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ShardkitError(f"{os.path.join(path, MANIFEST)} is damaged: step {step!r} is not a count")
+        found = manifest.get("step")
+        if not isinstance(found, int) or isinstance(found, bool) or found < 0:
+            raise ShardkitError(f"{os.path.join(path, MANIFEST)} is damaged: step {found!r} is not a count")
+        step = found
     except (OSError, ShardkitError) as exc:
         error = f"cannot read {path}: {exc}"
     check_contents({k: (tuple(_full_shape(t)), t.dtype) for k, t in state.items()}, saved, _world(),

@@ -6,7 +6,8 @@ Layout under a checkpoint root::
     ROOT/<prefix><NNNNNNNN>/   the data of one save (DCP files), then MANIFEST.json, written last
     ROOT/latest                the name of the newest complete save, replaced atomically
 
-The file-system operations of a save, in order, and what a kill between any two leaves:
+The file-system operations of a save, in order, and what a kill between any two leaves (the
+caller holds the root's lock, :mod:`.lock`, so no other run does any of them meanwhile):
 
 1. rank 0 removes stale saves (directories of this prefix without a manifest: killed saves)
    and temporary pointer files (``latest.tmp-*``: a commit killed before its ``os.replace``);
@@ -18,7 +19,8 @@ The file-system operations of a save, in order, and what a kill between any two 
 
 Before step 4 returns, ``latest`` still names the previous complete save, whose files no step
 touches; after it, the new one. A directory without a manifest is never loaded and is removed
-by the next save. Rename of a single file over another is atomic on POSIX file systems, unlike
+by the next save; a complete save is never removed but by ``keep``, nor replaced. Rename of a
+single file over another is atomic on POSIX file systems, unlike
 renaming a directory over a non-empty one (which needs a second rename and leaves a window with
 no checkpoint at all).
 

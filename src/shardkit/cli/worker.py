@@ -155,7 +155,9 @@ def run_training(pm, task, cfg: TrainConfig, loss_scale=None, on_step=None, layo
     if pm.mesh is not None and cfg.checkpoint_dir is not None:
         from ..checkpoint.lock import root_lock
 
-        with root_lock(cfg.checkpoint_dir, dist.group.WORLD, "shardkit train --checkpoint-dir"):
+        world = dist.group.WORLD
+        assert world is not None  # a mesh exists: the world is initialized
+        with root_lock(cfg.checkpoint_dir, world, "shardkit train --checkpoint-dir"):
             return _run_steps(pm, task, cfg, loss_scale, on_step, layout, metrics)
     return _run_steps(pm, task, cfg, loss_scale, on_step, layout, metrics)
 
