@@ -51,9 +51,15 @@ def agree(problem: str | None, group: Group, op: str) -> None:
 
 
 def nonfinite_keys(state: Mapping[str, torch.Tensor]) -> list[str]:
-    """Keys of floating tensors of ``state`` holding a NaN or an infinity."""
-    return [k for k, t in state.items()
-            if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t.detach()).all())]
+    """Keys of floating tensors of ``state`` holding a NaN or an infinity (one device-to-host
+    copy per device, not one per tensor)."""
+    flags: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+    for k, t in state.items():
+        if t.is_floating_point() and t.numel():
+            flags.setdefault(t.device, []).append((k, torch.isfinite(t.detach()).all()))
+    bad = {k for pairs in flags.values() for (k, _), ok in zip(pairs, torch.stack([f for _, f in pairs]).tolist())
+           if not ok}
+    return [k for k in state if k in bad]
 
 
 def describe_nonfinite(keys: list[str]) -> str | None:

@@ -49,7 +49,7 @@ __all__ = ["MANIFEST", "LATEST", "latest_checkpoint", "resolve_checkpoint", "beg
 
 MANIFEST = "MANIFEST.json"
 LATEST = "latest"
-_SAVE_NAME = re.compile(r"[a-z]+_[0-9]{8}")  # <prefix><NNNNNNNN>: the only names `latest` may hold
+_SAVE_NAME = re.compile(r"[a-z]+_[0-9]{8,}")  # <prefix><NNNNNNNN>: the only names `latest` may hold
 
 
 def broadcast_from_first(group: Group, value):
