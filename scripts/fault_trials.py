@@ -29,6 +29,15 @@
     continues from it with the same per-step losses as an uninterrupted run (float64, 1e-12),
     and its own saves leave no partial directory behind.
 
+``python scripts/fault_trials.py writers [--runs 3] [--json PATH]``
+    Two jobs on one ``--checkpoint-dir``: job A (the 2-rank ``tp=2`` trainer, a save every step,
+    holding after its first save until B's attempts ended) is running when job B starts on the
+    same directory, once through ``shardkit train`` (refused before launch: exit code 2) and
+    once past that check (its workers are refused by the directory's lock). A run passes when
+    both B's are refused with a message naming A's run id, host and pid, A ends with exit code
+    0, every save of A is complete with ``latest`` at its last step, and ``--resume`` (here, one
+    rank) continues from that step.
+
 All print a table of counts; ``--json`` writes every run's record.
 """
 
@@ -165,8 +174,28 @@ def _train_cfg(nproc: int, **kw):
     return validate_config(TrainConfig(**{**TRAIN, "nproc": nproc, **kw}), world_size=nproc)
 
 
+def _hold_after_saves(go_on: str) -> None:
+    """Job A of ``writers``: after each save, wait (at most 120 s) until the file ``go_on``
+    exists (the observer makes it once both B's ended), so that B always meets A running."""
+    import shardkit.checkpoint as checkpoint
+
+    real = checkpoint.save_train_state
+
+    def held(*args, **kwargs):
+        path = real(*args, **kwargs)
+        end = time.monotonic() + 120
+        while not os.path.exists(go_on) and time.monotonic() < end:
+            time.sleep(0.05)
+        return path
+
+    checkpoint.save_train_state = held
+
+
 def _train_worker(plan: dict, rank: int, victim: bool) -> None:
-    """One rank of a killed trainer run: ``tp`` over both ranks, a save every step."""
+    """One rank of a trainer run: ``tp`` over both ranks, a save every step (killed, or a
+    ``writers`` job)."""
+    import dataclasses
+
     import torch
 
     from shardkit.cli.worker import train
@@ -175,8 +204,16 @@ def _train_worker(plan: dict, rank: int, victim: bool) -> None:
         _arm_save_kill(plan, rank)
     if plan.get("calibrate"):
         _count_save_events(plan, rank)
-    train(_train_cfg(NPROC, tp=NPROC, checkpoint_dir=os.path.join(plan["dir"], "ckpt")), "gloo", torch.device("cpu"),
-          time.perf_counter(), progress=False)
+    if plan.get("go_on"):
+        _hold_after_saves(plan["go_on"])
+    ckpt = plan.get("ckpt") or os.path.join(plan["dir"], "ckpt")
+    steps = {"steps": plan["steps"]} if plan.get("steps") else {}
+    if plan.get("past_validation"):  # B of `writers`: validated on an empty directory, then pointed at A's
+        cfg = dataclasses.replace(_train_cfg(NPROC, tp=NPROC, checkpoint_dir=os.path.join(plan["dir"], "empty"),
+                                             **steps), checkpoint_dir=ckpt)
+    else:
+        cfg = _train_cfg(NPROC, tp=NPROC, checkpoint_dir=ckpt, **steps)
+    train(cfg, "gloo", torch.device("cpu"), time.perf_counter(), progress=False)
     if plan.get("calibrate"):
         with open(os.path.join(plan["dir"], f"count{rank}"), "w") as f:
             f.write(json.dumps({"events": plan["_count"][0], "seconds": 0.0}))
@@ -526,6 +563,87 @@ def run_save(seed: int, counts: dict, target: str | None = None, k: int | None =
     return record
 
 
+WRITER_STEPS = 6
+
+
+def _cli_job_b(root: str) -> subprocess.CompletedProcess:
+    """B through ``shardkit train`` on A's directory (the same small job)."""
+    argv = ["train", "--nproc", str(NPROC), "--tp", str(NPROC), "--steps", str(WRITER_STEPS), "--seq-len", "16",
+            "--batch-size", "4", "--dtype", "float64", "--layers", "2", "--save-every", "1", "--no-verify",
+            "--checkpoint-dir", root]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.path.dirname(HERE), os.environ.get("PYTHONPATH"))
+                                                       if p)}
+    return subprocess.run([sys.executable, "-m", "shardkit", *argv], capture_output=True, text=True, env=env,
+                          timeout=300)
+
+
+def run_writers(seed: int) -> dict:
+    """One ``writers`` run: A running, B started twice on its directory; see the module doc."""
+    workdir = tempfile.mkdtemp(prefix="shardkit-writers-")
+    root = os.path.join(workdir, "ckpt")
+    a_dir, b_dir = os.path.join(workdir, "a"), os.path.join(workdir, "b")
+    os.makedirs(a_dir)
+    os.makedirs(b_dir)
+    go_on = os.path.join(workdir, "go_on")
+    a = _start({"kind": "train", "dir": a_dir, "ckpt": root, "seed": seed, "steps": WRITER_STEPS, "go_on": go_on})
+    record: dict = {"seed": seed}
+    started = _wait_for(lambda: os.path.exists(os.path.join(root, "latest")), 120, a)  # A saved step 1
+    holder = {}
+    if started:
+        try:
+            with open(os.path.join(root, ".lock")) as f:
+                holder = json.load(f)
+        except FileNotFoundError:
+            pass  # no lock (shardkit before issue 19): B must still not get through
+        past = _start({"kind": "train", "dir": b_dir, "ckpt": root, "seed": seed, "steps": WRITER_STEPS,
+                       "past_validation": True})
+        cli = _cli_job_b(root)
+        past_rc = past.wait(timeout=300)
+        past_text = open(os.path.join(b_dir, "stderr")).read()
+        still_running = a.poll() is None
+    open(go_on, "w").close()
+    a_rc = a.wait(timeout=300)
+    if not started:
+        record.update(ok=False, why="A never saved: " + open(os.path.join(a_dir, "stderr")).read()[-1500:])
+        subprocess.run(["rm", "-rf", workdir], check=False)
+        return record
+    named = f"run {holder.get('run_id')} (pid {holder.get('pid')} on host {holder.get('host')})"
+    cli_refused = cli.returncode == 2 and f"is in use by {named}" in cli.stderr
+    past_refused = past_rc != 0 and f"is in use by {named}" in past_text
+    record.update(cli_rc=cli.returncode, past_rc=past_rc, a_rc=a_rc, a_running_after_b=still_running,
+                  cli_refused=cli_refused, past_refused=past_refused)
+    record.update(_verify_writers(root))
+    ok = cli_refused and past_refused and still_running and a_rc == 0 and record["saves_ok"]
+    record.update(ok=ok, why="" if ok else f"B: {cli.stderr[-600:]} / {past_text[-600:]}; A rc {a_rc}: "
+                  + open(os.path.join(a_dir, "stderr")).read()[-600:])
+    subprocess.run(["rm", "-rf", workdir], check=False)
+    return record
+
+
+def _verify_writers(root: str) -> dict:
+    """A's saves after B's attempts: all complete, ``latest`` its last, and it resumes."""
+    import torch
+    import torch.distributed as dist
+
+    from shardkit.checkpoint import MANIFEST, latest_checkpoint
+    from shardkit.cli.worker import train
+
+    names = sorted(n for n in os.listdir(root) if not n.startswith("."))
+    expected = ["latest"] + [f"step_{s:08d}" for s in range(1, WRITER_STEPS + 1)]
+    complete = names == expected and all(os.path.isfile(os.path.join(root, n, MANIFEST)) for n in expected[1:])
+    latest = latest_checkpoint(root)
+    made = _world_of_one()
+    try:
+        result = train(_train_cfg(1, tp=1, checkpoint_dir=root, resume=True, steps=WRITER_STEPS + 1), "gloo",
+                       torch.device("cpu"), time.perf_counter(), progress=False)
+    finally:
+        if made:
+            dist.destroy_process_group()
+    resumed = result is not None and result["first_step"] == WRITER_STEPS
+    return {"saves": names, "latest": os.path.basename(latest) if latest else None, "resumed": resumed,
+            "saves_ok": complete and latest is not None and latest.endswith(expected[-1]) and resumed}
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -537,7 +655,7 @@ def _table(rows: list[tuple], header: tuple) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("family", choices=("launcher", "save"))
+    parser.add_argument("family", choices=("launcher", "save", "writers"))
     parser.add_argument("--runs", type=int, default=None,
                         help="runs per scenario (launcher 20) or in all (save 50, save --trainer 10)")
     parser.add_argument("--trainer", action="store_true", help="save: kill the trainer's own save and --resume")
@@ -546,7 +664,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="write every run's record here")
     args = parser.parse_args(argv)
     records = []
-    if args.family == "launcher":
+    if args.family == "writers":
+        records = [run_writers(args.seed * 1000 + i) for i in range(args.runs or 3)]
+        for r in records:
+            if not r["ok"]:
+                print(f"  FAILED seed {r['seed']}: {r['why']}", flush=True)
+        print(_table([("two jobs on one --checkpoint-dir", len(records), sum(r.get("cli_refused", False) for r in records),
+                       sum(r.get("past_refused", False) for r in records), sum(r.get("saves_ok", False) for r in records),
+                       sum(r["ok"] for r in records))],
+                     ("scenario", "runs", "B refused before launch", "B refused by the lock",
+                      "A's saves complete, resumed", "passed")))
+    elif args.family == "launcher":
         runs = args.runs or 20
         rows = []
         for scenario in args.scenario or SCENARIOS:

@@ -6,7 +6,8 @@ fault, the exit code (1; 130 SIGINT; 143 SIGTERM; -9 for a SIGKILLed launcher) a
 root cause. The kill-during-save test SIGKILLs a save half-way for real (a rank before one of
 its file-system operations, or the whole job), then loads the latest save in this process and
 compares it bit-exactly with the weights it must hold. The trainer's own save is killed the same
-way, and ``--resume`` on another layout continues with the uninterrupted run's losses.
+way, and ``--resume`` on another layout continues with the uninterrupted run's losses. Two jobs
+on one checkpoint directory: the second is refused, the first's saves stay whole.
 """
 
 import os
@@ -50,3 +51,13 @@ def test_kill_during_the_trainers_save_then_resume_continues_the_same_losses():
     assert record["killed"] and record["rc"] != 0, record
     assert record["ok"], record
     assert record["latest"] == "step_00000001" and record["same_losses"] and record["cleaned"]
+
+
+def test_two_jobs_on_one_checkpoint_dir_the_second_is_refused_and_the_first_saves_stay():
+    """Issue 19, row 4: B through ``shardkit train`` and B past its pre-launch check, both while
+    A runs on the directory: both refused naming A; A's saves all complete, and they resume."""
+    record = fault_trials.run_writers(seed=0)
+    assert record["cli_refused"] and record["cli_rc"] == 2, record["why"]
+    assert record["past_refused"] and record["a_running_after_b"], record["why"]
+    assert record["a_rc"] == 0 and record["saves_ok"], record
+    assert record["ok"], record

@@ -7,6 +7,8 @@ count, data position and RNG all came back, through a checkpoint that stores ful
 the owners' chunks. A failed save leaves the previous one the latest, and it still loads.
 """
 
+import dataclasses
+import errno
 import json
 import os
 import time
@@ -71,16 +73,15 @@ def test_failed_save_keeps_the_previous_checkpoint():
         _run(steps=1, tp=2, checkpoint_dir=root)
         real = dcp.FileSystemWriter.write_data
 
-        def broken(self, plan, planner):  # rank 1 dies while writing its chunks
+        def broken(self, plan, planner):  # rank 1's disk fills while writing its chunks
             if rank() == 1:
-                raise OSError("disk full (injected)")
+                raise OSError(errno.ENOSPC, "injected", os.path.join(self.path, "__1_0.distcp"))
             return real(self, plan, planner)
 
         dcp.FileSystemWriter.write_data = broken
-        try:
-            from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
-
-            with pytest.raises(CheckpointException, match="disk full"):
+        try:  # DCP's CheckpointException (a BaseException), as one ShardkitError with the cause's text
+            with pytest.raises(ShardkitError, match=r"save_train_state: writing .*step_00000002 failed: rank 1: "
+                                                    r"No space left on device \[errno 28\]"):
                 _run(steps=2, tp=2, checkpoint_dir=root, resume=True)
         finally:
             dcp.FileSystemWriter.write_data = real
@@ -104,8 +105,44 @@ def test_resume_in_another_dtype_raises_instead_of_casting():
     root = shared_tmpdir("shardkit-dtype-")
     try:
         _run(steps=1, tp=2, checkpoint_dir=root)  # float64
+        # before launch: the manifest's model description
+        with pytest.raises(ShardkitError, match=r"--resume from step_00000001, a save of another model: dtype "
+                                                r"'float64' \(checkpoint\) vs 'float32'"):
+            _run(steps=2, tp=2, checkpoint_dir=root, resume=True, dtype="float32")
+        # in the workers (a run that skipped that check): the load itself
+        cfg = validate_config(TrainConfig(**{**BASE, "steps": 2, "tp": 2, "checkpoint_dir": root, "resume": True}),
+                              world_size=world_size())
         with pytest.raises(ShardkitError, match=r"load_train_state: .*ranks 0, 1: dtypes differ .*"
                                                 r"\(checkpoint float64, model float32\)"):
-            _run(steps=2, tp=2, checkpoint_dir=root, resume=True, dtype="float32")
+            train(dataclasses.replace(cfg, dtype="float32"), "gloo", torch.device("cpu"), time.perf_counter(),
+                  progress=False)
+    finally:
+        remove_shared_dir(root)
+
+
+@pytest.mark.world(2, timeout=120)
+@pytest.mark.parametrize("holder,message", [
+    ({"run_id": "r1", "host": "another-host", "pid": 1}, r"in use by run r1 \(pid 1 on host another-host\)"),
+    (None, r"in use by an unreadable lock \(being written, or damaged\)"),
+])
+def test_a_lock_that_cannot_be_judged_stale_is_refused(holder, message):
+    """Another host's lock (its processes cannot be checked from here) and an unreadable one are
+    refused on every rank, in the run as before launch; nothing is written."""
+    from shardkit.checkpoint.lock import LOCK
+
+    root = shared_tmpdir("shardkit-lock-")
+    try:
+        cfg = validate_config(TrainConfig(**{**BASE, "steps": 1, "tp": 2, "checkpoint_dir": root}),
+                              world_size=world_size())
+        torch.distributed.barrier()
+        if rank() == 0:
+            with open(os.path.join(root, LOCK), "w") as f:
+                f.write("{" if holder is None else json.dumps(holder))
+        torch.distributed.barrier()
+        with pytest.raises(ShardkitError, match=message):
+            validate_config(cfg)
+        with pytest.raises(ShardkitError, match=rf"shardkit train --checkpoint-dir: .*{message}"):
+            train(cfg, "gloo", torch.device("cpu"), time.perf_counter(), progress=False)
+        assert sorted(os.listdir(root)) == [LOCK]
     finally:
         remove_shared_dir(root)

@@ -10,12 +10,11 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 
 from harness.helpers import rank, remove_shared_dir, shared_tmpdir, subgroup, world_group
 from hf_models import VOCAB, build
 from shardkit.checkpoint import latest_checkpoint
+from shardkit.checkpoint.reader import read_metadata
 from shardkit.errors import ShardkitError
 from shardkit.tensor_parallel import apply_tp, gather_full_state_dict, shard_spec
 from shardkit.tensor_parallel import dcp as sk_dcp
@@ -31,6 +30,11 @@ def _shared_dir() -> str:
 
 
 _cleanup = remove_shared_dir
+
+
+def _listing(path: str) -> list[str]:
+    """The saves and the pointer (rank 0 releases the root's lock, a dot file, on its own time)."""
+    return sorted(n for n in os.listdir(path) if not n.startswith("."))
 
 
 def _ids():
@@ -86,7 +90,7 @@ def test_each_rank_writes_only_its_owned_chunks():
     path = _shared_dir()
     model, full = _saved_model("llama")
     version = save_sharded_checkpoint(model, path, world_group())
-    md = dcp.FileSystemReader(version).read_metadata()
+    md = read_metadata(version, None)
     for name, p in model.named_parameters():
         chunks = md.state_dict_metadata[name].chunks
         assert sum(c.sizes.numel() for c in chunks) == full[name].numel()
@@ -140,13 +144,13 @@ def test_failed_save_keeps_the_previous_checkpoint():
     if rank() == 2:
         sk_dcp._ChunkSavePlanner.lookup_object = broken
     try:
-        with pytest.raises(CheckpointException) as info:
+        with pytest.raises(ShardkitError, match=r"save_sharded_checkpoint: writing .*version_00000002 failed: "
+                                                r"rank 2: OSError: disk full$"):
             save_sharded_checkpoint(model, path, world_group())
-        assert list(info.value.failures) == [2] and "disk full" in repr(info.value.failures[2])
     finally:
         sk_dcp._ChunkSavePlanner.lookup_object = original
     assert latest_checkpoint(path) == first
-    assert sorted(os.listdir(path)) == ["latest", "version_00000001", "version_00000002"]  # 2: partial
+    assert _listing(path) == ["latest", "version_00000001", "version_00000002"]  # 2: partial
     if rank() == 0:
         with open(os.path.join(base, "notes.txt"), "w") as f:
             f.write("user data")
@@ -163,7 +167,7 @@ def test_failed_save_keeps_the_previous_checkpoint():
     third = save_sharded_checkpoint(model, path, world_group())  # keep=1: the partial, the first, the tmp go
     assert os.path.basename(third) == "version_00000003" and latest_checkpoint(path) == third
     dist.barrier()
-    assert sorted(os.listdir(path)) == ["latest", "version_00000003"]
+    assert _listing(path) == ["latest", "version_00000003"]
     load_sharded_checkpoint(target, path, world_group())
     got = gather_full_state_dict(target)
     assert all(torch.equal(got[n], 3.0 * full[n]) for n in full)
@@ -197,4 +201,100 @@ def test_float32_checkpoint_into_bfloat16_model_raises_instead_of_casting():
     with pytest.raises(ShardkitError, match=r"ranks 0, 1: dtypes differ.*model.embed_tokens.weight \(checkpoint float32, model bfloat16\)"):
         load_sharded_checkpoint(target, path, world_group())
     assert all(torch.equal(p, before[n]) for n, p in target.named_parameters())  # nothing was read
+    _cleanup(path)
+
+
+def _metadata(fqn="w", relative_path="__0_0.distcp", bytes_item=False):
+    """A DCP Metadata of one float32 tensor [2] (or a bytes item), as DCP pickles it."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                       MetadataIndex, TensorProperties, TensorStorageMetadata)
+
+    entry = BytesStorageMetadata() if bytes_item else TensorStorageMetadata(
+        TensorProperties(dtype=torch.float32), torch.Size([2]), [ChunkStorageMetadata(torch.Size([0]), torch.Size([2]))])
+    return Metadata(state_dict_metadata={fqn: entry},
+                    storage_data={MetadataIndex(fqn, torch.Size([0])): _StorageInfo(relative_path, 0, 10)})
+
+
+class _RunsCode:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("case,message", [
+    ("code", r"names the global (posix|os)\.system, which a checkpoint's metadata never holds \(refused, nothing of "
+             r"it was run\)"),
+    ("code inside", r"names the global (posix|os)\.system"),
+    ("bytes item", r"holds pickled \(non-tensor\) items \['w'\], which shardkit never writes"),
+    ("path outside", r"item 'w' is stored at '\.\./elsewhere.distcp', not a plain file of the save's directory"),
+    ("truncated", r"\.metadata is truncated or not a DCP metadata file"),
+    ("another hash", r"\.metadata differs from the save's manifest \(SHA-256 mismatch\)"),
+])
+def test_metadata_is_read_through_the_allow_list(tmp_path, case, message):
+    """DCP's pickled .metadata: its own classes, sizes and dtypes load; any other global is
+    refused before it is looked up (the planted command never runs), as are bytes items (DCP
+    would torch.load them with weights_only=False) and items outside the save's directory."""
+    import pickle
+
+    from shardkit.checkpoint.reader import read_metadata
+
+    marker = tmp_path / "ran"
+    good = pickle.dumps(_metadata())
+    data = {"code": pickle.dumps(_RunsCode(marker)),
+            "code inside": pickle.dumps({"metadata": _metadata(), "extra": _RunsCode(marker)}),
+            "bytes item": pickle.dumps(_metadata(bytes_item=True)),
+            "path outside": pickle.dumps(_metadata(relative_path="../elsewhere.distcp")),
+            "truncated": good[:len(good) // 2], "another hash": good}[case]
+    (tmp_path / ".metadata").write_bytes(data)
+    with pytest.raises(ShardkitError, match=message):
+        read_metadata(str(tmp_path), "0" * 64 if case == "another hash" else None)
+    assert not marker.exists()
+    (tmp_path / ".metadata").write_bytes(good)
+    md = read_metadata(str(tmp_path), None)
+    assert list(md.state_dict_metadata) == ["w"] and md.state_dict_metadata["w"].properties.dtype == torch.float32
+
+
+@pytest.mark.world(2, timeout=180)
+def test_load_sharded_checkpoint_verifies_what_it_reads():
+    """The library's own loader shares the trainer's checks: a planted .metadata is refused
+    unrun, a save without checksums (an older shardkit) is not loaded."""
+    import hashlib
+    import json
+    import pickle
+
+    from shardkit.checkpoint import MANIFEST
+
+    path = _shared_dir()
+    marker = path + "-ran"
+    model = apply_tp(build("llama"), world_group(), check="off")
+    version = save_sharded_checkpoint(model, path, world_group())
+    metadata = os.path.join(version, ".metadata")
+    good = open(metadata, "rb").read()
+
+    def plant():
+        with open(metadata, "wb") as f:
+            pickle.dump(_RunsCode(marker), f)
+        manifest = json.load(open(os.path.join(version, MANIFEST)))
+        manifest["checksums"]["metadata"] = hashlib.sha256(open(metadata, "rb").read()).hexdigest()
+        json.dump(manifest, open(os.path.join(version, MANIFEST), "w"))
+
+    if rank() == 0:
+        plant()
+    dist.barrier()
+    with pytest.raises(ShardkitError, match=r"load_sharded_checkpoint: checkpoint refused .* ranks 0, 1: cannot read a "
+                                            r"DCP checkpoint .*names the global (posix|os)\.system"):
+        load_sharded_checkpoint(model, path, world_group())
+    assert not os.path.exists(marker)
+    dist.barrier()
+    if rank() == 0:  # the right metadata back, and a manifest of an older shardkit (no checksums)
+        open(metadata, "wb").write(good)
+        manifest = json.load(open(os.path.join(version, MANIFEST)))
+        del manifest["checksums"]
+        json.dump(manifest, open(os.path.join(version, MANIFEST), "w"))
+    dist.barrier()
+    with pytest.raises(ShardkitError, match=r"MANIFEST.json has no valid checksums .* the save cannot be verified"):
+        load_sharded_checkpoint(model, path, world_group())
     _cleanup(path)

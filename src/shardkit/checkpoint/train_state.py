@@ -28,20 +28,19 @@ them; the manifest-last / atomic-pointer commit protocol of Megatron-LM's and DC
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
 from ..errors import ShardkitError
-from ..tensor_parallel.dcp import _ChunkLoadPlanner, _ChunkSavePlanner, _full_shape, saved_entries
+from ..tensor_parallel.dcp import _ChunkLoadPlanner, _ChunkSavePlanner, _full_shape
 from ..tensor_parallel.spec import _SPEC_ATTR
 from .contents import check_contents
-from .versioned import MANIFEST, begin_save, commit_save, latest_checkpoint
+from .saves import load_checked, open_save, save_checked, saved_entries
+from .versioned import MANIFEST, latest_checkpoint
 
 if TYPE_CHECKING:
     from ..parallelize import ParallelModel
@@ -110,7 +109,8 @@ def _state_dict(pm, optimizer, extra: dict[str, torch.Tensor]) -> tuple[dict, li
 
 
 def save_train_state(root: str | os.PathLike, pm: ParallelModel, optimizer: torch.optim.Optimizer, step: int,
-                     extra: dict[str, torch.Tensor], layout: str = "") -> str:
+                     extra: dict[str, torch.Tensor], layout: str = "", *, keep: int | None = None,
+                     model: dict | None = None) -> str:
     """Collective over the world: save the training state after ``step`` steps; return its directory.
 
     Args:
@@ -120,23 +120,20 @@ def save_train_state(root: str | os.PathLike, pm: ParallelModel, optimizer: torc
         step: steps done.
         extra: replicated tensors to keep (data-sampler and RNG states), the same on every rank.
         layout: a description of the layout that wrote it, kept in the manifest.
+        keep: complete saves kept, this one included (None: all).
+        model: a description of the model (JSON), kept in the manifest so that a resume can
+            be checked before launch.
 
     Raises:
-        ShardkitError: on every rank, when ``root`` is a file or holds other files, or ``step``
-            is already the latest save (never overwritten in place).
-        torch.distributed.checkpoint.api.CheckpointException: a rank failed to write; the
-            previous save stays the latest.
+        ShardkitError: on every rank, with nothing committed (the previous save stays the
+            latest): ``root`` is a file or holds other files, another run holds its lock,
+            ``step`` names a complete save (never replaced), the state holds a NaN or an
+            infinity, or a rank failed to write (the cause named, e.g. "No space left on device").
     """
-    world = _world()
-    try:
-        path = begin_save(root, _PREFIX, world, number=step)
-    except ShardkitError as exc:
-        raise ShardkitError(f"save_train_state: {exc}") from None
     state, _ = _state_dict(pm, optimizer, extra)
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(path), planner=_ChunkSavePlanner(state))
-    # dcp.save returns on every rank only after the coordinator wrote .metadata: complete.
-    commit_save(path, {"step": step, "layout": layout, "time": time.time(), "keys": len(state)}, world)
-    return path
+    manifest = {"step": step, "layout": layout, "time": time.time(), "keys": len(state), "model": model}
+    return save_checked(root, _PREFIX, _world(), state, _ChunkSavePlanner(state), manifest, "save_train_state",
+                        number=step, keep=keep)
 
 
 def load_train_state(path: str | os.PathLike, pm: ParallelModel, optimizer: torch.optim.Optimizer,
@@ -147,27 +144,34 @@ def load_train_state(path: str | os.PathLike, pm: ParallelModel, optimizer: torc
     full tensors it holds. ``extra`` holds tensors of the saved shapes, filled in place.
 
     Raises:
-        ShardkitError: on every rank, before anything is read: the save has no manifest, keys
-            of this model are missing from it, keys of it are in no rank's model, or a full
-            shape or dtype differs (another model, or ``--dtype`` changed: a load never casts).
+        ShardkitError: on every rank, before anything is read: the save has no manifest or a
+            damaged one, its ``.metadata`` differs from its checksum or is not DCP metadata
+            (refused, never run), keys of this model are missing from it, keys of it are in no
+            rank's model, or a full shape or dtype differs (another model, or ``--dtype``
+            changed: a load never casts). While reading: an item that differs from its
+            checksum or is truncated (named, with its file), an IO error, or a NaN / inf.
     """
     path = os.fspath(path)
-    error = None if os.path.isfile(os.path.join(path, MANIFEST)) else f"{path} has no {MANIFEST} (not a complete save)"
     _ensure_adam_state(optimizer)
     state, targets = _state_dict(pm, optimizer, extra)
-    saved = None
-    if error is None:
-        try:
-            saved = saved_entries(path)
-        except (OSError, ValueError, RuntimeError) as exc:
-            error = f"cannot read {path}: {exc}"
+    saved = error = reader = None
+    step = 0
+    try:
+        manifest, metadata, reader = open_save(path)
+        saved = saved_entries(metadata)
+        found = manifest.get("step")
+        if not isinstance(found, int) or isinstance(found, bool) or found < 0:
+            raise ShardkitError(f"{os.path.join(path, MANIFEST)} is damaged: step {found!r} is not a count")
+        step = found
+    except (OSError, ShardkitError) as exc:
+        error = f"cannot read {path}: {exc}"
     check_contents({k: (tuple(_full_shape(t)), t.dtype) for k, t in state.items()}, saved, _world(),
                    "load_train_state", read_error=error)
-    dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=_ChunkLoadPlanner(state))
+    assert reader is not None  # opened, or check_contents raised on every rank
+    load_checked(state, reader, _ChunkLoadPlanner(state), _world(), "load_train_state", path)
     for key, dst in targets:
         _write_back(dst, state[key].reshape(dst.shape) if dst.dim() == 0 else state[key])
-    with open(os.path.join(path, MANIFEST)) as f:
-        return int(json.load(f)["step"])
+    return step
 
 
 def _world():

@@ -6,7 +6,8 @@ Layout under a checkpoint root::
     ROOT/<prefix><NNNNNNNN>/   the data of one save (DCP files), then MANIFEST.json, written last
     ROOT/latest                the name of the newest complete save, replaced atomically
 
-The file-system operations of a save, in order, and what a kill between any two leaves:
+The file-system operations of a save, in order, and what a kill between any two leaves (the
+caller holds the root's lock, :mod:`.lock`, so no other run does any of them meanwhile):
 
 1. rank 0 removes stale saves (directories of this prefix without a manifest: killed saves)
    and temporary pointer files (``latest.tmp-*``: a commit killed before its ``os.replace``);
@@ -18,7 +19,8 @@ The file-system operations of a save, in order, and what a kill between any two 
 
 Before step 4 returns, ``latest`` still names the previous complete save, whose files no step
 touches; after it, the new one. A directory without a manifest is never loaded and is removed
-by the next save. Rename of a single file over another is atomic on POSIX file systems, unlike
+by the next save; a complete save is never removed but by ``keep``, nor replaced. Rename of a
+single file over another is atomic on POSIX file systems, unlike
 renaming a directory over a non-empty one (which needs a second rename and leaves a window with
 no checkpoint at all).
 
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from typing import TYPE_CHECKING
 
@@ -42,10 +45,11 @@ if TYPE_CHECKING:
     from .._types import Group
 
 __all__ = ["MANIFEST", "LATEST", "latest_checkpoint", "resolve_checkpoint", "begin_save", "commit_save",
-           "broadcast_from_first"]
+           "broadcast_from_first", "read_manifest", "complete_saves"]
 
 MANIFEST = "MANIFEST.json"
 LATEST = "latest"
+_SAVE_NAME = re.compile(r"[a-z]+_[0-9]{8,}")  # <prefix><NNNNNNNN>: the only names `latest` may hold
 
 
 def broadcast_from_first(group: Group, value):
@@ -86,18 +90,54 @@ def _complete(path: str) -> bool:
     return os.path.isfile(os.path.join(path, MANIFEST))
 
 
+def read_manifest(path: str | os.PathLike) -> dict:
+    """The manifest of the save at ``path`` (a JSON object).
+
+    Raises:
+        ShardkitError: no manifest (not a complete save), unreadable, or not a JSON object.
+    """
+    file = os.path.join(os.fspath(path), MANIFEST)
+    try:
+        with open(file, "rb") as f:
+            manifest = json.loads(f.read().decode("utf-8"))
+    except FileNotFoundError:
+        raise ShardkitError(f"{path} has no {MANIFEST} (not a complete save)") from None
+    except OSError as exc:
+        raise ShardkitError(f"cannot read {file}: {exc.strerror or exc}") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise ShardkitError(f"{file} is damaged (not JSON: {exc})") from None
+    if not isinstance(manifest, dict):
+        raise ShardkitError(f"{file} is damaged (a JSON {type(manifest).__name__}, not an object)")
+    return manifest
+
+
+def complete_saves(root: str | os.PathLike, prefix: str) -> list[str]:
+    """Names of the complete saves of ``prefix`` in ``root``, oldest first."""
+    root = os.fspath(root)
+    return sorted(n for n in os.listdir(root) if n.startswith(prefix) and n[len(prefix):].isdigit()
+                  and _complete(os.path.join(root, n)))
+
+
 def latest_checkpoint(root: str | os.PathLike) -> str | None:
     """The newest complete save under ``root`` (the directory ``latest`` names), or None.
 
     Raises:
-        ShardkitError: ``latest`` names a directory without a manifest (a damaged checkpoint).
+        ShardkitError: ``latest`` names anything but a save directly inside ``root``
+            (``<prefix><8 digits>``: no path, no ``..``), or a directory without a manifest
+            (a damaged checkpoint).
     """
     root = os.fspath(root)
     pointer = os.path.join(root, LATEST)
     if not os.path.isfile(pointer):
         return None
-    with open(pointer) as f:
-        name = f.read().strip()
+    try:
+        with open(pointer, "rb") as f:
+            name = f.read(256).decode("utf-8", "replace").strip()
+    except OSError as exc:
+        raise ShardkitError(f"checkpoint: cannot read {pointer}: {exc.strerror or exc}") from None
+    if not _SAVE_NAME.fullmatch(name):
+        raise ShardkitError(f"checkpoint: {pointer} names {name!r}, which is not a save inside {root} "
+                            "(<prefix>_<8 digits>; a path outside the root is never followed)")
     path = os.path.join(root, name)
     if not _complete(path):
         raise ShardkitError(f"checkpoint: {pointer} names {name}, which has no {MANIFEST} (incomplete save)")
@@ -148,14 +188,17 @@ def begin_save(root: str | os.PathLike, prefix: str, group: Group, number: int |
 
     Raises:
         ShardkitError: on every rank, when ``root`` is a file, holds files that are not saves of
-            this protocol (``root`` would mix with the user's data), or ``number`` names the
-            save ``latest`` points to (it would be overwritten in place).
+            this protocol (``root`` would mix with the user's data), ``number`` names a complete
+            save (another run's: never replaced), or the directory cannot be written.
     """
     g = resolve_group(group, "checkpoint")
     root = os.path.abspath(os.fspath(root))
     answer: tuple[str | None, str | None] = (None, None)
     if g.rank == 0:
-        answer = _prepare(root, prefix, number)
+        try:
+            answer = _prepare(root, prefix, number)
+        except (OSError, ShardkitError) as exc:  # rank 0 alone saw it: agreed below, never a hang
+            answer = (f"cannot prepare a save in {root}: {exc.strerror if isinstance(exc, OSError) else exc}", None)
     error, path = broadcast_from_first(group, answer)
     if error:
         raise ShardkitError(error)
@@ -182,8 +225,9 @@ def _prepare(root: str, prefix: str, number: int | None) -> tuple[str | None, st
     if latest is not None and os.path.basename(latest) == name:
         # Writing into the latest save would leave no complete checkpoint while it runs.
         return f"{path} is the latest complete save and is never overwritten in place", None
-    if os.path.isdir(path):  # a complete but older save of the same number: replaced
-        _remove_save(path)
+    if _complete(path):  # another run's complete save (this run's numbers only grow): never replaced
+        return (f"{path} is a complete save of an earlier run; a save never replaces it (resume from it with "
+                "--resume, or choose another directory)"), None
     return None, os.path.join(root, name)
 
 

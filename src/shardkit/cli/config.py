@@ -69,6 +69,7 @@ class TrainConfig:
     steps: int = 20  # total steps: a resumed run continues up to this count
     checkpoint_dir: str | None = None  # save the training state here (DCP, one directory per save)
     save_every: int = 0  # save every N steps (and after the last); 0: only after the last step
+    keep: int | None = None  # keep the newest N complete saves (None: all)
     resume: bool = False  # continue from the latest save in --checkpoint-dir (any layout)
     seq_len: int = 128
     batch_size: int = 8  # global, split over dp
@@ -251,6 +252,8 @@ def validate_config(cfg: TrainConfig, world_size: int | None = None) -> TrainCon
         raise ShardkitError(f"--save-every must be >= 0, got {cfg.save_every}")
     if (cfg.resume or cfg.save_every) and cfg.checkpoint_dir is None:
         raise ShardkitError("--resume and --save-every need --checkpoint-dir DIR")
+    if cfg.keep is not None and (cfg.keep < 1 or cfg.checkpoint_dir is None):
+        raise ShardkitError(f"--keep must be >= 1 (complete saves kept) and needs --checkpoint-dir, got {cfg.keep}")
     for flag, folder in (("--report", cfg.report), ("--checkpoint-dir", cfg.checkpoint_dir)):
         if folder is not None:
             _check_writable(flag, folder)
@@ -275,6 +278,9 @@ def validate_config(cfg: TrainConfig, world_size: int | None = None) -> TrainCon
     else:
         cfg = _validate_lm(cfg)
     parallel_dims(cfg)  # the mesh's own checks (ep borrowing, pp_tp), before launch
+    from .checkpoint_dir import check_checkpoint_dir
+
+    check_checkpoint_dir(cfg)  # its saves are of this model (the description needs it resolved)
     return cfg
 
 

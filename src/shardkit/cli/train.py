@@ -81,6 +81,8 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-dir", metavar="DIR", help="save the training state (model, optimizer, step, "
                    "data position, RNG) here with DCP; it resumes on any layout")
     p.add_argument("--save-every", type=int, help="save every N steps (default: after the last step only)")
+    p.add_argument("--keep", type=int, help="keep only the newest N complete saves in --checkpoint-dir "
+                   "(default: all)")
     p.add_argument("--resume", action=argparse.BooleanOptionalAction,
                    help="continue from the latest complete save in --checkpoint-dir")
     p.add_argument("--seq-len", type=int, help=f"tokens per sequence (default {d.seq_len})")

@@ -145,8 +145,9 @@ def _extra_state(task) -> dict[str, torch.Tensor]:
 def run_training(pm, task, cfg: TrainConfig, loss_scale=None, on_step=None, layout: str = "", metrics=None) -> dict:
     """Steps ``first..cfg.steps - 1`` of :func:`.trainer.train_step`; per-step losses and gradient norms.
 
-    With ``cfg.checkpoint_dir``: ``cfg.resume`` first loads the latest save (``first`` = its
-    step), and the state is saved every ``cfg.save_every`` steps and after the last one.
+    With ``cfg.checkpoint_dir``: the run holds the directory's lock throughout (another run on it
+    is refused), ``cfg.resume`` first loads the latest save (``first`` = its step), and the state
+    is saved every ``cfg.save_every`` steps and after the last one (the newest ``cfg.keep`` kept).
 
     A step with a non-finite global loss or gradient norm is not applied (:func:`.trainer.
     train_step`); up to ``cfg.skip_nonfinite`` of them are skipped (counted in this run, a
@@ -156,7 +157,19 @@ def run_training(pm, task, cfg: TrainConfig, loss_scale=None, on_step=None, layo
     Raises:
         NonFiniteError: more non-finite steps than ``cfg.skip_nonfinite``.
     """
+    if pm.mesh is not None and cfg.checkpoint_dir is not None:
+        from ..checkpoint.lock import root_lock
+
+        world = dist.group.WORLD
+        assert world is not None  # a mesh exists: the world is initialized
+        with root_lock(cfg.checkpoint_dir, world, "shardkit train --checkpoint-dir"):
+            return _run_steps(pm, task, cfg, loss_scale, on_step, layout, metrics)
+    return _run_steps(pm, task, cfg, loss_scale, on_step, layout, metrics)
+
+
+def _run_steps(pm, task, cfg: TrainConfig, loss_scale, on_step, layout: str, metrics) -> dict:
     from ..checkpoint import latest_checkpoint, load_train_state, save_train_state
+    from .checkpoint_dir import model_description
 
     assert cfg.lr is not None  # validate_config resolved it
     optimizer = make_optimizer(pm.module, cfg.lr)
@@ -193,7 +206,8 @@ def run_training(pm, task, cfg: TrainConfig, loss_scale=None, on_step=None, layo
         done = step + 1
         if pm.mesh is not None and cfg.checkpoint_dir is not None and (
                 done == cfg.steps or (cfg.save_every and done % cfg.save_every == 0)):
-            save_train_state(cfg.checkpoint_dir, pm, optimizer, done, _extra_state(task), layout)
+            save_train_state(cfg.checkpoint_dir, pm, optimizer, done, _extra_state(task), layout, keep=cfg.keep,
+                             model=model_description(cfg))
     return {"losses": losses, "grad_norms": norms, "first_step": first, "skipped_steps": skipped}
 
 

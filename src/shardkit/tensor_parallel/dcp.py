@@ -20,7 +20,9 @@ a checkpoint does not depend on the tp size that wrote it.
 Failure safety: each :func:`save_sharded_checkpoint` writes a new versioned directory and
 commits it with a manifest and an atomic ``latest`` pointer
 (:mod:`shardkit.checkpoint.versioned`); a failed or killed save leaves the previous one loadable.
-Loading refuses missing, unexpected and differently typed keys on every rank
+Saves and loads go through :mod:`shardkit.checkpoint.saves` (the root's lock, per-item checksums,
+the allow-list reading of DCP's pickled ``.metadata``, non-finite values refused). Loading
+refuses missing, unexpected and differently typed keys on every rank
 (:mod:`shardkit.checkpoint.contents`).
 
 Source: PyTorch Distributed Checkpoint's planner interface (``SavePlanner`` / ``LoadPlanner``,
@@ -34,7 +36,6 @@ from typing import TYPE_CHECKING
 import os
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties, TensorStorageMetadata
@@ -51,7 +52,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
     from .._types import Group
 
-__all__ = ["save_sharded_checkpoint", "load_sharded_checkpoint", "owned_ranges", "saved_entries"]
+__all__ = ["save_sharded_checkpoint", "load_sharded_checkpoint", "owned_ranges"]
 
 _PREFIX = "version_"
 
@@ -165,6 +166,10 @@ class _ChunkLoadPlanner(DefaultLoadPlanner):
         assert index.index is not None  # read items carry the chunk's index
         return self._targets[index.fqn][index.index][1]
 
+    def load_bytes(self, read_item, value) -> None:
+        # DCP's default unpickles bytes items (torch.load(weights_only=False)); shardkit writes none
+        raise ShardkitError(f"checkpoint: {read_item.dest_index.fqn!r} is a pickled item; shardkit never loads one")
+
 
 def save_sharded_checkpoint(model: nn.Module, path: str | os.PathLike, group: Group, *, keep: int = 1) -> str:
     """Collective over ``group``: save ``model``'s state dict as a new DCP checkpoint under
@@ -191,33 +196,21 @@ def save_sharded_checkpoint(model: nn.Module, path: str | os.PathLike, group: Gr
         The directory of this save.
 
     Raises:
-        ShardkitError: on every rank, when ``path`` is a file or a directory holding other files
-            (nothing is written), or the commit failed.
-        torch.distributed.checkpoint.api.CheckpointException: a rank failed to write (the
-            previous save stays the latest; the partial one is removed by the next save).
+        ShardkitError: on every rank (nothing is committed; the previous save stays the
+            latest): ``path`` is a file or a directory holding other files, another run holds
+            its lock, the model holds a NaN or an infinity, a rank failed to write (the cause
+            named, e.g. "No space left on device"; the partial save is removed by the next
+            save), or the commit failed.
     """
-    from ..checkpoint.versioned import begin_save, commit_save  # shardkit.checkpoint imports this module
+    from ..checkpoint.saves import save_checked  # shardkit.checkpoint imports this module
 
     if keep < 1:
         raise ShardkitError(f"save_sharded_checkpoint: keep must be >= 1, got {keep}")
     g = resolve_group(group, "save_sharded_checkpoint")
-    try:
-        version = begin_save(path, _PREFIX, group)
-    except ShardkitError as exc:
-        raise ShardkitError(f"save_sharded_checkpoint: {exc}") from None
     state = _state(model)
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(version), planner=_ChunkSavePlanner(state), process_group=g.pg)
-    # dcp.save returns only after the coordinator wrote .metadata: the data is complete.
-    commit_save(version, {"format": "shardkit.save_sharded_checkpoint", "keys": len(state), "group_size": g.size},
-                group, keep=keep)
-    return version
-
-
-def saved_entries(path: str) -> dict:
-    """``{key: (full shape, dtype)}`` of a DCP checkpoint directory (dtype None for non-tensors)."""
-    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    return {k: (tuple(m.size), m.properties.dtype) if isinstance(m, TensorStorageMetadata) else ((), None)
-            for k, m in saved.items()}
+    return save_checked(path, _PREFIX, group, state, _ChunkSavePlanner(state),
+                        {"format": "shardkit.save_sharded_checkpoint", "keys": len(state), "group_size": g.size},
+                        "save_sharded_checkpoint", keep=keep)
 
 
 def load_sharded_checkpoint(model: nn.Module, path: str | os.PathLike, group: Group, *,
@@ -248,19 +241,24 @@ def load_sharded_checkpoint(model: nn.Module, path: str | os.PathLike, group: Gr
 
     Raises:
         ShardkitError: on every rank of ``group``, before anything is read: no complete
-            checkpoint at ``path``, keys of the model missing from it, keys of it in no rank's
-            model, a full shape or a dtype that differs (a load never casts).
+            checkpoint at ``path``, a damaged manifest, a ``.metadata`` that differs from its
+            checksum or names a global outside DCP's metadata classes (never unpickled), keys
+            of the model missing from it, keys of it in no rank's model, a full shape or a
+            dtype that differs (a load never casts). While reading: an item that differs from
+            its checksum or is truncated (named), an IO error, or a NaN / inf loaded.
     """
     from ..checkpoint.contents import check_contents
+    from ..checkpoint.saves import load_checked, open_save, saved_entries
     from ..checkpoint.versioned import resolve_checkpoint
 
     g = resolve_group(group, "load_sharded_checkpoint")
     state = _state(model)
-    saved = error = None
+    saved = error = reader = None
     try:
         path = resolve_checkpoint(path, ".metadata")
-        saved = saved_entries(path)
-    except (OSError, ValueError, RuntimeError, ShardkitError) as exc:
+        _, metadata, reader = open_save(os.fspath(path))
+        saved = saved_entries(metadata)
+    except (OSError, ShardkitError) as exc:
         error = f"cannot read a DCP checkpoint at {path}: {exc}"
     check_contents({k: (tuple(_full_shape(t)), t.dtype) for k, t in state.items()}, saved, g.pg,
                    "load_sharded_checkpoint", read_error=error)
@@ -269,6 +267,6 @@ def load_sharded_checkpoint(model: nn.Module, path: str | os.PathLike, group: Gr
         persistent = {k for k, t in state.items() if not isinstance(t, nn.Parameter)}
         materialize_meta(root, device or "cpu", persistent, init_buffers)
         state = _state(model)
-    dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=_ChunkLoadPlanner(state),
-             process_group=g.pg)
+    assert reader is not None  # opened, or check_contents raised on every rank
+    load_checked(state, reader, _ChunkLoadPlanner(state), group, "load_sharded_checkpoint", os.fspath(path))
     return model

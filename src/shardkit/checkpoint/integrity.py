@@ -1,0 +1,128 @@
+"""What makes a save trustworthy, shared by every save and load path: one agreed verdict over
+the group, the checksums of the items each rank wrote, non-finite values refused both ways, and
+DCP's failures turned into one :class:`~shardkit.ShardkitError` naming the path and the cause.
+
+DCP reports a rank's failure as a ``CheckpointException`` (a ``BaseException``, so an
+``except Exception`` misses it, and its text is a traceback list) on every rank;
+:func:`dcp_failure` walks each failed rank's exception chain to its root cause and names the
+operating system's text for its errno ("No space left on device", "Read-only file system").
+
+Source: the per-file checksums of Megatron-LM's and Orbax's checkpoint validation; DCP's
+``CheckpointException.failures`` (rank -> (exception, traceback)).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemWriter
+
+from ..comm._group import resolve_group
+from ..errors import ShardkitError
+from .reader import item_key, sha256
+
+if TYPE_CHECKING:
+    from .._types import Group
+
+__all__ = ["agree", "nonfinite_keys", "RecordingWriter", "hash_written", "dcp_failure"]
+
+_SHOWN = 4
+
+
+def agree(problem: str | None, group: Group, op: str) -> None:
+    """Collective over ``group``: raise one :class:`ShardkitError` on every rank when any rank
+    has a ``problem`` (each problem said once, with the ranks that had it)."""
+    g = resolve_group(group, op)
+    everyone: list[Any] = [problem]
+    if g.size > 1:
+        everyone = [None] * g.size
+        dist.all_gather_object(everyone, problem, group=g.pg)
+    by_problem: dict[str, list[int]] = {}
+    for r, p in enumerate(everyone):
+        if p:
+            by_problem.setdefault(p, []).append(r)
+    if by_problem:
+        raise ShardkitError(f"{op}: " + "; ".join(
+            f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {p}" for p, rs in by_problem.items()))
+
+
+def nonfinite_keys(state: Mapping[str, torch.Tensor]) -> list[str]:
+    """Keys of floating tensors of ``state`` holding a NaN or an infinity (one device-to-host
+    copy per device, not one per tensor)."""
+    flags: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+    for k, t in state.items():
+        if t.is_floating_point() and t.numel():
+            flags.setdefault(t.device, []).append((k, torch.isfinite(t.detach()).all()))
+    bad = {k for pairs in flags.values() for (k, _), ok in zip(pairs, torch.stack([f for _, f in pairs]).tolist())
+           if not ok}
+    return [k for k in state if k in bad]
+
+
+def describe_nonfinite(keys: list[str]) -> str | None:
+    if not keys:
+        return None
+    more = f" and {len(keys) - _SHOWN} more" if len(keys) > _SHOWN else ""
+    return f"non-finite values (NaN or inf) in {', '.join(keys[:_SHOWN])}{more}"
+
+
+class RecordingWriter(FileSystemWriter):
+    """DCP's file-system writer that remembers what this rank wrote (``written``: the items'
+    storage records), so the rank can hash exactly its own files afterwards."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self.written: list = []
+
+    def write_data(self, plan, planner):
+        fut = super().write_data(plan, planner)
+        self.written = list(fut.wait())
+        return fut
+
+
+def hash_written(path: str, writer: RecordingWriter) -> dict[str, str]:
+    """``{item_key: sha256 hex}`` of the items this rank wrote into ``path`` (read back)."""
+    out = {}
+    for result in writer.written:
+        info = result.storage_data
+        with open(os.path.join(path, info.relative_path), "rb") as f:
+            f.seek(info.offset)
+            out[item_key(result.index)] = sha256(f.read(info.length))
+    return out
+
+
+def _root_cause(exc: BaseException) -> BaseException:
+    seen = set()
+    while id(exc) not in seen:
+        seen.add(id(exc))
+        nxt = exc.__cause__ or exc.__context__
+        if isinstance(exc, OSError) or nxt is None:
+            return exc
+        exc = nxt
+    return exc
+
+
+def _cause_text(exc: BaseException) -> str:
+    cause = _root_cause(exc)
+    if isinstance(cause, OSError) and cause.errno is not None:
+        text = f"{os.strerror(cause.errno)} [errno {cause.errno}]"
+        return f"{text} ({cause.filename})" if cause.filename else f"{text}: {cause}"
+    return f"{type(cause).__name__}: {cause}"
+
+
+def dcp_failure(exc: BaseException, op: str, doing: str, path: str) -> ShardkitError:
+    """The :class:`ShardkitError` for DCP's ``CheckpointException`` ``exc`` (the same on every
+    rank: every rank holds every failure): ``op``, what failed (``doing`` ``path``) and, per
+    failed rank, the root cause with its errno text."""
+    failures = getattr(exc, "failures", None) or {}
+    if not failures:
+        return ShardkitError(f"{op}: {doing} {path} failed: {_cause_text(exc)}")
+    by_cause: dict[str, list[int]] = {}
+    for r, wrapped in sorted(failures.items()):
+        cause = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+        by_cause.setdefault(_cause_text(cause), []).append(r)
+    causes = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {c}" for c, rs in by_cause.items())
+    return ShardkitError(f"{op}: {doing} {path} failed: {causes}")

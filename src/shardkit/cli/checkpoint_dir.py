@@ -1,0 +1,112 @@
+"""``--checkpoint-dir`` checked before launch (pure: a function of the file system and the
+configuration), so a run never trains and then fails at its first save, nor mixes its saves
+with another run's.
+
+The directory must be absent or empty (a new run), or a shardkit checkpoint root: only saves
+(``step_*``), the ``latest`` pointer and dot files. A root holding complete saves is resumed
+only with ``--resume``, and only when its latest save is of this model: the manifest of every
+save written by ``shardkit train`` describes the model (:func:`model_description`), compared
+here before any process starts. A root locked by a live run is refused here too (the lock
+itself is taken by the run, :mod:`shardkit.checkpoint.lock`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from ..checkpoint.versioned import LATEST
+from ..errors import ShardkitError
+
+if TYPE_CHECKING:
+    from .config import TrainConfig
+
+__all__ = ["model_description", "check_checkpoint_dir"]
+
+_PREFIX = "step_"  # the trainer's saves (shardkit.checkpoint.train_state)
+_SIZES = ("hidden_size", "layers", "heads", "kv_heads", "intermediate_size")
+_HF_SIZES = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+             "intermediate_size", "vocab_size", "moe_intermediate_size", "num_experts", "n_routed_experts")
+
+
+def model_description(cfg: TrainConfig) -> dict:
+    """What fixes the model's parameter names, shapes and dtype (JSON; a validated ``cfg``)."""
+    out: dict = {"model": cfg.model, "dtype": cfg.dtype}
+    if cfg.model == "conv-ae":
+        return out
+    if cfg.model_path is not None:
+        from .pretrained import read_config
+
+        config = read_config(cfg.model_path)
+        out["config"] = {k: getattr(config, k) for k in _HF_SIZES if isinstance(getattr(config, k, None), (int, str))}
+        return out
+    out.update({k: getattr(cfg, k) for k in _SIZES})
+    if cfg.model in ("moe", "mla"):
+        out["experts"] = cfg.experts
+    return out
+
+
+def _differences(saved, mine: dict) -> str:
+    if not isinstance(saved, dict):
+        return "its manifest does not describe the model (not written by shardkit train)"
+    keys = sorted(set(saved) | set(mine))
+    diff = [f"{k} {saved.get(k)!r} (checkpoint) vs {mine.get(k)!r} (this run)" for k in keys
+            if saved.get(k) != mine.get(k)]
+    return "; ".join(diff)
+
+
+def _ours(root: str, name: str) -> bool:
+    """A name a checkpoint root holds: a save directory, the pointer (or its temporary file), a
+    dot file (the lock)."""
+    if name.startswith(".") or name == LATEST or name.startswith(f"{LATEST}.tmp-"):
+        return True
+    return name.startswith(_PREFIX) and os.path.isdir(os.path.join(root, name))
+
+
+def check_checkpoint_dir(cfg: TrainConfig) -> None:
+    """Refuse, before launch, a ``--checkpoint-dir`` the run could not use or would damage.
+
+    Raises:
+        ShardkitError: naming ``--checkpoint-dir``: empty, a file, a directory holding other
+            files, locked by a live run, holding saves without ``--resume``, or (with it) a
+            latest save that is damaged or of another model.
+    """
+    from ..checkpoint.lock import describe, holder_alive, lock_holder
+    from ..checkpoint.versioned import complete_saves, latest_checkpoint, read_manifest
+
+    root = cfg.checkpoint_dir
+    if root is None:
+        return
+    flag = f"--checkpoint-dir {root!r}"
+    if not root.strip():
+        raise ShardkitError(f"{flag}: give a directory")
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise ShardkitError(f"{flag}: exists and is not a directory")
+    if not os.path.isdir(root):
+        return  # created by the first save
+    names = os.listdir(root)
+    foreign = sorted(n for n in names if not _ours(root, n))
+    if foreign:
+        raise ShardkitError(f"{flag} holds files that are not shardkit train saves ({', '.join(foreign[:3])}); "
+                            "saves would mix with them: choose an empty or new directory")
+    holder = lock_holder(root)
+    if holder is not None and holder_alive(holder):
+        raise ShardkitError(f"{flag} is in use by {describe(holder)}; wait for it to end or choose another "
+                            f"directory (remove {os.path.join(root, '.lock')} if no such run exists)")
+    saves = complete_saves(root, _PREFIX)
+    if not saves:
+        return
+    if not cfg.resume:
+        raise ShardkitError(f"{flag} holds the saves of an earlier run ({saves[-1]}, {len(saves)} in all); pass "
+                            "--resume to continue it or choose another directory")
+    try:
+        latest = latest_checkpoint(root)
+        if latest is None:
+            raise ShardkitError(f"it holds saves but no '{LATEST}' pointer (damaged)")
+        saved = read_manifest(latest).get("model")
+    except ShardkitError as exc:  # a pointer outside the root, a missing save, a garbage manifest
+        raise ShardkitError(f"{flag}: cannot resume: {exc}") from None
+    differences = _differences(saved, model_description(cfg))
+    if differences:
+        raise ShardkitError(f"{flag}: --resume from {os.path.basename(latest)}, a save of another model: "
+                            f"{differences}")
