@@ -417,3 +417,14 @@ def test_checkpoint_dir_is_refused_before_launch(tmp_path, setup, message):
         (root / "latest").write_text("step_00000002")
     with pytest.raises(ShardkitError, match=message):
         validate_config(TrainConfig(**BASE, checkpoint_dir=str(root), **kw))
+
+
+def test_a_save_of_an_earlier_shardkit_passes_the_launch_check(tmp_path):
+    """Its manifest describes no model: --resume is not refused before launch (the load's own
+    check of every key's shape and dtype still refuses another model, on every rank)."""
+    root = tmp_path / "ckpt"
+    (root / "step_00000002").mkdir(parents=True)
+    (root / "step_00000002" / MANIFEST).write_text(json.dumps({"step": 2, "layout": "tp=2", "keys": 9}))
+    (root / "latest").write_text("step_00000002")
+    cfg = validate_config(TrainConfig(**BASE, checkpoint_dir=str(root), resume=True))
+    assert cfg.resume and cfg.checkpoint_dir == str(root)

@@ -260,7 +260,8 @@ def test_metadata_is_read_through_the_allow_list(tmp_path, case, message):
 @pytest.mark.world(2, timeout=180)
 def test_load_sharded_checkpoint_verifies_what_it_reads():
     """The library's own loader shares the trainer's checks: a planted .metadata is refused
-    unrun, a save without checksums (an older shardkit) is not loaded."""
+    unrun; a save without checksums (an older shardkit) loads unverified with a warning; damaged
+    checksums are refused."""
     import hashlib
     import json
     import pickle
@@ -295,6 +296,20 @@ def test_load_sharded_checkpoint_verifies_what_it_reads():
         del manifest["checksums"]
         json.dump(manifest, open(os.path.join(version, MANIFEST), "w"))
     dist.barrier()
-    with pytest.raises(ShardkitError, match=r"MANIFEST.json has no valid checksums .* the save cannot be verified"):
+    expected = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    with pytest.warns(UserWarning, match=r"saved without checksums .* not verified"):
+        load_sharded_checkpoint(model, path, world_group())
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, expected[k]), k
+    dist.barrier()
+    if rank() == 0:  # checksums present but damaged: refused, not taken for an older save
+        manifest = json.load(open(os.path.join(version, MANIFEST)))
+        manifest["checksums"] = "garbage"
+        json.dump(manifest, open(os.path.join(version, MANIFEST), "w"))
+    dist.barrier()
+    with pytest.raises(ShardkitError, match=r"MANIFEST.json has damaged checksums: the save cannot be verified"):
         load_sharded_checkpoint(model, path, world_group())
     _cleanup(path)

@@ -137,10 +137,11 @@ class VerifiedReader(FileSystemReader):
     Args:
         path: one save's directory.
         metadata: from :func:`read_metadata`.
-        checksums: ``{item_key: sha256 hex}`` from the manifest.
+        checksums: ``{item_key: sha256 hex}`` from the manifest; None: a save of an earlier
+            shardkit, read without verification (still ``weights_only``).
     """
 
-    def __init__(self, path: str, metadata: Metadata, checksums: dict[str, str]) -> None:
+    def __init__(self, path: str, metadata: Metadata, checksums: dict[str, str] | None) -> None:
         super().__init__(path)
         self._dir = path
         self._metadata = metadata
@@ -175,8 +176,8 @@ class VerifiedReader(FileSystemReader):
         """The stored tensor of one item, after its bytes matched the manifest."""
         info = self.storage_data[index]
         key, file = item_key(index), os.path.join(self._dir, info.relative_path)
-        expected = self._checksums.get(key)
-        if expected is None:
+        expected = None if self._checksums is None else self._checksums.get(key)
+        if expected is None and self._checksums is not None:
             raise ShardkitError(f"{self._dir}: {_describe(key)} has no checksum in the manifest")
         with open(file, "rb") as f:
             f.seek(info.offset)
@@ -184,7 +185,7 @@ class VerifiedReader(FileSystemReader):
         if len(data) != info.length:
             raise ShardkitError(f"{file}: {_describe(key)} is truncated: {len(data)} of its {info.length} bytes "
                                 f"at offset {info.offset} are there")
-        if sha256(data) != expected:
+        if expected is not None and sha256(data) != expected:
             raise ShardkitError(f"{file}: {_describe(key)} differs from its checksum in the manifest (SHA-256 "
                                 "mismatch): the saved bytes changed since the save")
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)

@@ -24,6 +24,7 @@ commit of :mod:`.versioned`.
 from __future__ import annotations
 
 import os
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
@@ -115,16 +116,23 @@ def open_save(path: str) -> tuple[dict, Metadata, VerifiedReader]:
     reader verifying each item (no collective; the caller agrees on errors).
 
     Raises:
-        ShardkitError: no or damaged manifest, no checksums in it (not written by this
-            shardkit: it cannot be verified), ``.metadata`` changed, refused or damaged, or an
-            item without a checksum.
+        ShardkitError: no or damaged manifest, damaged checksums, ``.metadata`` changed,
+            refused or damaged, or an item without a checksum. A manifest without checksums (a
+            save of an earlier shardkit) loads unverified, with a warning.
     """
     manifest = read_manifest(path)
-    sums = manifest.get("checksums")
+    if "checksums" not in manifest:
+        # Written by a shardkit before checksums (0.x saves): still loadable, the metadata still
+        # through the allow-list and the tensors with weights_only, but its bytes cannot be verified.
+        warnings.warn(f"{path} was saved without checksums (an earlier shardkit): its bytes are not verified; "
+                      "the next save carries them", stacklevel=2)
+        metadata = read_metadata(path, None)
+        return manifest, metadata, VerifiedReader(path, metadata, None)
+    sums = manifest["checksums"]
     if not (isinstance(sums, dict) and sums.get("algorithm") == ALGORITHM and isinstance(sums.get("metadata"), str)
             and isinstance(sums.get("items"), dict)):
-        raise ShardkitError(f"{os.path.join(path, 'MANIFEST.json')} has no valid checksums (damaged, or written by a "
-                            "shardkit without them): the save cannot be verified, so it is not loaded")
+        raise ShardkitError(f"{os.path.join(path, 'MANIFEST.json')} has damaged checksums: the save cannot be "
+                            "verified, so it is not loaded")
     metadata = read_metadata(path, sums["metadata"])
     missing = sorted(k for k in map(item_key, metadata.storage_data) if k not in sums["items"])
     if missing:
