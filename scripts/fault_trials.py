@@ -191,13 +191,14 @@ def worker(plan: dict) -> None:
     import torch.distributed as dist
 
     from shardkit import apply_tp, save_sharded_checkpoint
+    from shardkit.cli.launch import init_local_world
 
     rank = int(os.environ["RANK"])
     victim = rank == plan.get("victim")
     moment = plan.get("moment")
     if victim and moment == "before_init":
         _die(plan, rank)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    init_local_world(plan["run_dir"], timedelta(seconds=60))
     world = dist.group.WORLD
     if plan["kind"] == "train":
         _train_worker(plan, rank, victim)
@@ -248,12 +249,17 @@ def worker(plan: dict) -> None:
 
 def job(plan: dict) -> int:
     """The launcher process of a trial: :func:`launch_local` as ``shardkit train`` uses it."""
-    from shardkit.cli.launch import LaunchFailed, LaunchInterrupted, exit_now, launch_local, print_failure
+    from shardkit.cli.launch import (LaunchFailed, LaunchInterrupted, exit_now, launch_local, print_failure,
+                                     private_run_dir)
 
-    try:
-        launch_local(NPROC, worker, plan)
-    except (LaunchFailed, LaunchInterrupted) as err:
-        exit_now(print_failure(err))  # as `shardkit train` does
+    code = 0
+    with private_run_dir() as run_dir:
+        try:
+            launch_local(NPROC, worker, {**plan, "run_dir": run_dir}, run_dir=run_dir)
+        except (LaunchFailed, LaunchInterrupted) as err:
+            code = print_failure(err)
+    if code:
+        exit_now(code)  # as `shardkit train` does
     return 0
 
 

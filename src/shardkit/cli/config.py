@@ -7,6 +7,7 @@ Everything here is pure (no process group), so every check runs in the launching
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tomllib
 from dataclasses import dataclass, fields
@@ -28,6 +29,7 @@ FAMILY_MODELS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_mo
 LM_MODELS = ("llama", "qwen2", "qwen3", "moe", "mla")
 MODELS = (*LM_MODELS, "conv-ae")
 MOE_MODELS = ("moe", "mla")
+MAX_TIMEOUT_S = 86400  # --timeout: a collective that waits a day for a rank is a hang, not a slow step
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,7 @@ class TrainConfig:
     lr_schedule: str | None = None  # "constant" or "warmup-cosine"; None: warmup-cosine with --model-path
     verify: bool = False
     checks: bool = False  # run with shardkit's cross-rank check mode on (shardkit.comm.checks)
+    timeout: float = 300.0  # seconds any collective (every process group) waits for a rank before failing
     report: str | None = None
     data: str | None = None  # None: the Python standard library's source tree
     model_path: str | None = None  # a local HF checkpoint directory or *.gguf file; None: the built-in config
@@ -227,6 +230,8 @@ def validate_config(cfg: TrainConfig, world_size: int | None = None) -> TrainCon
         cfg = dataclasses.replace(cfg, lr=FINETUNE_LR if cfg.model_path is not None else 1e-3)
     if cfg.lr <= 0:
         raise ShardkitError(f"--lr must be > 0, got {cfg.lr}")
+    if not math.isfinite(cfg.timeout) or not 0 < cfg.timeout <= MAX_TIMEOUT_S:
+        raise ShardkitError(f"--timeout must be a finite number of seconds in (0, {MAX_TIMEOUT_S}], got {cfg.timeout}")
     if cfg.lr_schedule is None:
         cfg = dataclasses.replace(cfg, lr_schedule="warmup-cosine" if cfg.model_path is not None else "constant")
     if cfg.lr_schedule not in LR_SCHEDULES:

@@ -1,8 +1,7 @@
 """Start the workers of a CLI job: a local elastic launch, or the world torchrun already made.
 
 The local launch is ``torchrun --standalone`` done in-process: torch.distributed's elastic
-agent with a c10d rendezvous on a free localhost port, no restarts, and a 0.1 s monitor
-interval, so that when any rank fails the agent stops all others within a fraction of a second
+agent, no restarts, and a 0.1 s monitor interval, so that when any rank fails the agent stops all others within a fraction of a second
 (instead of leaving them to time out in a collective). The failing rank's traceback (recorded by
 ``@record`` on the entry point) is then printed first.
 
@@ -12,24 +11,42 @@ worker with the same signal; :func:`launch_local` then raises :class:`LaunchInte
 (terminating) action on SIGINT instead of Python's ``KeyboardInterrupt``, which only runs between
 bytecodes and so waits out a blocked gloo collective; and each worker dies with its launcher
 (:func:`_die_with_parent`), so a SIGKILLed launcher leaves no orphans.
+
+Private: nothing of a local launch listens beyond loopback, and nothing it keeps can be read or
+written by another user. torch's standalone launch hosts a TCPStore on every interface (the
+rendezvous, and then the workers' store, sharing one port), unauthenticated and holding a
+pickled rendezvous state: anyone who reaches the port can make the launcher unpickle their
+bytes. Instead, the caller makes one private run directory (:func:`private_run_dir`: ``mkdtemp``,
+mode 0700, removed afterwards); the rendezvous is a ``FileStore`` in it, and so is the workers'
+store (:func:`init_local_world`), and gloo's own connections are bound to the loopback interface.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
+import socket
 import sys
+import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
 from typing import Any, NoReturn
 
 from .._quiet import quiet_third_party
+from ..errors import ShardkitError
 
-__all__ = ["under_torchrun", "launch_local", "LaunchFailed", "LaunchInterrupted", "format_failures", "print_failure",
-           "exit_now"]
+__all__ = ["under_torchrun", "launch_local", "private_run_dir", "init_local_world", "loopback_interface",
+           "LaunchFailed", "LaunchInterrupted", "format_failures", "print_failure", "exit_now"]
+
+# torch's own switch (read by its dynamic rendezvous when the rendezvous completes): "1" stops
+# the agent from starting a TCPStore server for the workers to share.
+_NO_SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 # Exceptions that a rank raises because *another* rank died (its peer closed the connection or
 # the store went away): secondary, never the root cause when another rank has its own error.
@@ -81,15 +98,29 @@ def _order(item) -> tuple:
     return (secondary, not has_file, failure.timestamp, rank)
 
 
-def format_failures(err) -> str:
+def format_failures(err, stalled: dict[int, float] | None = None) -> str:
     """The root-cause rank's traceback, then one line per other failed rank.
+
+    A rank that stopped answering (``stalled``: its heartbeats ended long before the others')
+    comes first, named as the suspect: the others' timeout errors are what waiting for it
+    looks like, not a cause.
 
     Args:
         err: a ``torch.distributed.elastic.multiprocessing.errors.ChildFailedError``.
+        stalled: ``{rank: seconds its last heartbeat lags the newest}``
+            (:func:`.liveness.stalled_ranks`); None or empty: no rank went quiet.
     """
-    failures = sorted(err.failures.items(), key=_order)
-    (rank, first), others = failures[0], failures[1:]
-    lines = [f"rank {rank} failed first (exit code {first.exitcode}):", _message(first).rstrip()]
+    stalled = stalled or {}
+    failures = sorted(err.failures.items(), key=lambda item: (item[0] not in stalled, *_order(item)))
+    lines = []
+    for r in sorted(stalled):
+        how = f"exit code {err.failures[r].exitcode}" if r in err.failures else "no exit recorded"
+        lines.append(f"rank {r} stopped answering first (suspect): its heartbeat stopped {stalled[r]:.1f} s before "
+                     f"the other ranks' last; the job was ended while waiting for it ({how})")
+    others = [(r, f) for r, f in failures if r not in stalled]
+    if not stalled:
+        (rank, first), others = failures[0], failures[1:]
+        lines += [f"rank {rank} failed first (exit code {first.exitcode}):", _message(first).rstrip()]
     for r, f in others:
         last = _message(f).strip().splitlines()[-1:] or [""]
         lines.append(f"rank {r} also stopped (exit code {f.exitcode}): {last[0]}")
@@ -137,12 +168,92 @@ def _quiet_then(parent: int, entry: Callable, *args: Any) -> Any:
     return entry(*args)
 
 
-def launch_local(nproc: int, entry: Callable, *args) -> dict:
+@contextmanager
+def private_run_dir() -> Iterator[str]:
+    """A directory for one local launch that only this user can use, removed afterwards.
+
+    ``tempfile.mkdtemp`` creates it with mode 0700, owned by this user, under a fresh random name
+    (never a shared, guessable path). It holds the rendezvous and workers' stores and, without
+    ``--report``, the flight records; it is removed however the launch ends (success, failure,
+    SIGINT / SIGTERM). Only a SIGKILLed launcher leaves it behind.
+
+    Yields:
+        The directory's path.
+    """
+    path = tempfile.mkdtemp(prefix="shardkit-run-")
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def loopback_interface() -> str:
+    """The name of the loopback network interface (``lo`` on Linux, ``lo0`` on macOS and BSD).
+
+    Raises:
+        ShardkitError: neither exists (a local launch would then listen on another interface).
+    """
+    names = {name for _, name in socket.if_nameindex()}
+    for name in ("lo", "lo0"):
+        if name in names:
+            return name
+    raise ShardkitError(f"local launch: no loopback interface (lo or lo0) among {sorted(names)}; a local run "
+                        "binds its connections to loopback only")
+
+
+def init_local_world(run_dir: str, timeout: timedelta) -> None:
+    """Join the gloo world of a local launch, through a ``FileStore`` in the private ``run_dir``.
+
+    Called in each worker of :func:`launch_local` instead of ``init_process_group("gloo")``
+    (``env://`` would start a TCPStore server on every interface at ``MASTER_PORT``). gloo's
+    connections between the ranks bind the address the host name resolves to, which is often a
+    LAN address: ``GLOO_SOCKET_IFNAME`` (torch's own variable, set in this worker process only)
+    pins them to the loopback interface.
+
+    Args:
+        run_dir: the launch's :func:`private_run_dir`.
+        timeout: the process group's timeout (every collective, and every subgroup's:
+            :meth:`shardkit.ParallelDims.build_mesh`).
+    """
+    import torch.distributed as dist
+
+    os.environ["GLOO_SOCKET_IFNAME"] = loopback_interface()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.FileStore(os.path.join(run_dir, "store"), world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+
+
+@contextmanager
+def _no_shared_tcp_store() -> Iterator[None]:
+    """Set torch's ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` for the launch, then restore it.
+
+    Even with a file rendezvous, torch's agent starts a TCPStore server on every interface for its
+    workers to share, unless this variable is set when the rendezvous completes (torch reads it
+    with ``os.getenv`` there, so it must be in the launcher's own environment). The workers use
+    their own ``FileStore`` (:func:`init_local_world`) and never connect to that port.
+    """
+    previous = os.environ.get(_NO_SHARED_STORE)
+    os.environ[_NO_SHARED_STORE] = "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(_NO_SHARED_STORE, None)
+        else:
+            os.environ[_NO_SHARED_STORE] = previous
+
+
+def launch_local(nproc: int, entry: Callable, *args, run_dir: str,
+                 stalled: Callable[[], dict[int, float]] | None = None) -> dict:
     """Run ``entry(*args)`` on ``nproc`` local processes; return ``{local_rank: return value}``.
 
     Args:
         nproc: number of worker processes.
-        entry: a picklable top-level function (decorated with ``@record``).
+        entry: a picklable top-level function (decorated with ``@record``); it joins the world
+            with :func:`init_local_world` (``run_dir`` is passed to it in ``args``).
+        run_dir: a :func:`private_run_dir`: the rendezvous store lives in it.
+        stalled: called after a failure: ``{rank: seconds}`` of the ranks that stopped answering
+            (:func:`.liveness.stalled_ranks`), named first as the suspects.
 
     Raises:
         LaunchFailed: a worker failed; the message holds its traceback.
@@ -159,7 +270,9 @@ def launch_local(nproc: int, entry: Callable, *args) -> dict:
         nproc_per_node=nproc,
         run_id=f"shardkit-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0",  # standalone: the agent hosts the store on a free port
+        # a FileStore in the private directory: no rendezvous port at all
+        rdzv_endpoint=os.path.join(run_dir, "rendezvous"),
+        rdzv_configs={"store_type": "file"},
         max_restarts=0,
         monitor_interval=0.1,
         start_method="spawn",
@@ -177,9 +290,10 @@ def launch_local(nproc: int, entry: Callable, *args) -> dict:
     for log in loggers:
         log.setLevel(logging.CRITICAL)
     try:
-        return elastic_launch(config, _quiet_then)(os.getpid(), entry, *args)
+        with _no_shared_tcp_store():
+            return elastic_launch(config, _quiet_then)(os.getpid(), entry, *args)
     except ChildFailedError as err:
-        raise LaunchFailed(format_failures(err)) from None
+        raise LaunchFailed(format_failures(err, stalled() if stalled is not None else None)) from None
     except SignalException as err:  # the agent has stopped the workers with the same signal
         raise LaunchInterrupted(err.sigval, nproc) from None
     finally:
