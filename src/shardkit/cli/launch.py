@@ -34,12 +34,13 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, NoReturn
 
 from .._quiet import quiet_third_party
 from ..errors import ShardkitError
+from .liveness import Watchdog, read_heartbeats, stalled_ranks
 
 __all__ = ["under_torchrun", "launch_local", "private_run_dir", "init_local_world", "loopback_interface",
            "LaunchFailed", "LaunchInterrupted", "format_failures", "print_failure", "exit_now"]
@@ -243,8 +244,32 @@ def _no_shared_tcp_store() -> Iterator[None]:
             os.environ[_NO_SHARED_STORE] = previous
 
 
-def launch_local(nproc: int, entry: Callable, *args, run_dir: str,
-                 stalled: Callable[[], dict[int, float]] | None = None) -> dict:
+@contextmanager
+def _private_temp(run_dir: str) -> Iterator[None]:
+    """Temporary files of the launch inside ``run_dir``, for the launch only (then restored).
+
+    torch.multiprocessing names each worker's error file (a pickle the launcher loads if the
+    worker fails) in the temporary directory, deletes it and lets the worker create it again; in
+    a shared ``/tmp`` another user could plant it first. torch's elastic agent also leaves a log
+    directory there per launch. ``tempfile.tempdir`` (this process) and ``TMPDIR`` (inherited by
+    the workers) point into the private directory instead, so nothing is left behind either.
+    """
+    temp = os.path.join(run_dir, "tmp")
+    os.makedirs(temp, mode=0o700, exist_ok=True)
+    previous, previous_env = tempfile.tempdir, os.environ.get("TMPDIR")
+    tempfile.tempdir, os.environ["TMPDIR"] = temp, temp
+    try:
+        yield
+    finally:
+        tempfile.tempdir = previous
+        if previous_env is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = previous_env
+
+
+def launch_local(nproc: int, entry: Callable, *args, run_dir: str, heartbeats: str | None = None,
+                 timeout_s: float = 300.0) -> dict:
     """Run ``entry(*args)`` on ``nproc`` local processes; return ``{local_rank: return value}``.
 
     Args:
@@ -252,15 +277,17 @@ def launch_local(nproc: int, entry: Callable, *args, run_dir: str,
         entry: a picklable top-level function (decorated with ``@record``); it joins the world
             with :func:`init_local_world` (``run_dir`` is passed to it in ``args``).
         run_dir: a :func:`private_run_dir`: the rendezvous store lives in it.
-        stalled: called after a failure: ``{rank: seconds}`` of the ranks that stopped answering
-            (:func:`.liveness.stalled_ranks`), named first as the suspects.
+        heartbeats: the directory the ranks beat into (:class:`.liveness.Heartbeat`), if they do:
+            a :class:`.liveness.Watchdog` kills a rank that went silent while the job runs, and
+            after a failure the ranks that stopped answering are named first as the suspects.
+        timeout_s: the ranks' process-group timeout (seconds), which the silences are measured against.
 
     Raises:
         LaunchFailed: a worker failed; the message holds its traceback.
         LaunchInterrupted: the launcher got SIGINT / SIGTERM (from the terminal or ``kill``);
             every worker was stopped with the same signal.
     """
-    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -279,6 +306,8 @@ def launch_local(nproc: int, entry: Callable, *args, run_dir: str,
         # A worker that ignores the forwarded signal is SIGKILLed after this many seconds
         # (torch's default 30 s would outlive the launcher's promise to stop within seconds).
         shutdown_timeout=2,
+        # the agent's per-launch log directory (error files), else a new torchelastic_* in /tmp
+        logs_specs=DefaultLogsSpecs(log_dir=os.path.join(run_dir, "logs")),
     )
     # The agent and torch.multiprocessing log each worker they stop before raising; silenced, so
     # that the root cause (format_failures) is the first thing printed.
@@ -290,10 +319,11 @@ def launch_local(nproc: int, entry: Callable, *args, run_dir: str,
     for log in loggers:
         log.setLevel(logging.CRITICAL)
     try:
-        with _no_shared_tcp_store():
+        with _no_shared_tcp_store(), _private_temp(run_dir), (Watchdog(heartbeats, timeout_s) if heartbeats else nullcontext()):
             return elastic_launch(config, _quiet_then)(os.getpid(), entry, *args)
     except ChildFailedError as err:
-        raise LaunchFailed(format_failures(err, stalled() if stalled is not None else None)) from None
+        stalled = stalled_ranks(read_heartbeats(heartbeats), timeout_s) if heartbeats else None
+        raise LaunchFailed(format_failures(err, stalled)) from None
     except SignalException as err:  # the agent has stopped the workers with the same signal
         raise LaunchInterrupted(err.sigval, nproc) from None
     finally:

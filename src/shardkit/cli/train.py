@@ -18,7 +18,7 @@ from .._quiet import quiet_third_party
 from ..errors import ShardkitError
 from .config import DTYPES, MODELS, SCHEDULES, TrainConfig, load_toml, merge_config, validate_config
 from .data import corpus_files
-from .liveness import clear_flight_dir, read_heartbeats, stalled_ranks
+from .liveness import clear_flight_dir
 
 __all__ = ["add_train_parser", "config_from_args", "run_train"]
 
@@ -183,7 +183,7 @@ def _launch(cfg: TrainConfig) -> tuple[int | None, dict]:
         clear_flight_dir(flight_dir)
         try:
             return None, launch_local(cfg.nproc, worker_main, cfg, run_dir, flight_dir, run_dir=run_dir,
-                                      stalled=lambda: stalled_ranks(read_heartbeats(flight_dir), cfg.timeout))
+                                      heartbeats=flight_dir, timeout_s=cfg.timeout)
         except LaunchFailed as e:
             code = print_failure(e)
             _print_flight_report(flight_dir, cfg.nproc, kept=cfg.report is not None)
