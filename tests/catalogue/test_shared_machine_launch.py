@@ -139,6 +139,20 @@ def test_the_proc_parser_sees_a_wide_listener():
 # --- row 6: --timeout, heartbeats, the stalled rank named -----------------------------------------
 
 
+@pytest.mark.world(4)
+def test_every_group_of_a_pipeline_with_stage_tp_sizes_has_the_worlds_timeout():
+    # --pp-tp layouts build their groups with new_group, whose default is gloo's 30 minutes
+    import torch
+
+    from shardkit import ParallelDims
+
+    want = dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout
+    mesh = ParallelDims(dp_replicate=2, pp_tp=(1, 1)).build_mesh("cpu")
+    for name in ("tp", "dp", "stages"):
+        group = mesh[name].group if name == "stages" else mesh[name]
+        assert group._get_backend(torch.device("cpu")).options._timeout == want, name
+
+
 @pytest.mark.parametrize("value", [0.0, -1.0, float("nan"), float("inf"), 1e9])
 def test_timeout_must_be_a_finite_positive_number_of_seconds(value):
     with pytest.raises(ShardkitError, match="--timeout must be a finite number of seconds"):
