@@ -194,6 +194,24 @@ def test_clear_flight_dir_removes_only_the_dumps_and_heartbeats(tmp_path):
     assert read_heartbeats(str(tmp_path)) == {}
 
 
+def test_the_launcher_names_the_stalled_rank_first_not_the_healthy_one_that_timed_out(tmp_path):
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from shardkit.cli.launch import format_failures
+    from shardkit.comm.flight_recorder import format_report
+
+    timed_out = tmp_path / "error0.json"  # the healthy rank's error file: it timed out waiting
+    timed_out.write_text(json.dumps({"message": {"message": "RuntimeError: Timed out", "extraInfo": {
+        "py_callstack": "Traceback ...\nRuntimeError: Timed out waiting 5000ms for recv", "timestamp": "1"}}}))
+    failures = {0: ProcessFailure(0, 10, 1, str(timed_out)), 1: ProcessFailure(1, 11, -9, str(tmp_path / "none"))}
+    text = format_failures(ChildFailedError("worker", failures), stalled={1: 5.0})
+    first, second = text.splitlines()
+    assert first.startswith("rank 1 stopped answering first (suspect)") and "exit code -9" in first, text
+    assert second.startswith("rank 0 also stopped (exit code 1): RuntimeError: Timed out"), text
+    # the flight report names the rank that left no record
+    assert "no record from rank 1" in format_report({0: []}, world_size=2)
+
+
 def _children(pid: int) -> list[int]:
     with open(f"/proc/{pid}/task/{pid}/children") as f:
         return [int(p) for p in f.read().split()]
