@@ -122,6 +122,22 @@ def test_a_local_launch_listens_on_loopback_only_in_a_private_directory(tmp_path
     assert set(results.values()) == {loopback_interface()}  # gloo pinned to loopback in every rank
 
 
+def test_a_launch_removes_the_run_directories_of_killed_launchers(tmp_path, monkeypatch):
+    # a SIGKILLed launcher cannot remove its run directory; the next launch does
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a pid that no longer runs
+    orphan, alive, other = (tmp_path / f"shardkit-run-{gone.pid}-x", tmp_path / f"shardkit-run-{os.getpid()}-y",
+                            tmp_path / "shardkit-flight-z")
+    for path in (orphan, alive, other):
+        path.mkdir(mode=0o700)
+    (orphan / "store").write_text("")
+    with private_run_dir() as run_dir:
+        assert os.path.dirname(run_dir) == str(tmp_path)
+        assert not orphan.exists() and alive.exists() and other.exists()
+    assert sorted(os.listdir(tmp_path)) == [other.name, alive.name]
+
+
 def test_the_proc_parser_sees_a_wide_listener():
     # the inspection above would see a socket on every interface (what the old launcher opened)
     import socket

@@ -28,6 +28,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import sys
 import tempfile
 import threading
@@ -169,23 +170,61 @@ def _quiet_then(parent: int, entry: Callable, *args: Any) -> Any:
     return entry(*args)
 
 
+_RUN_PREFIX = "shardkit-run-"
+
+
 @contextmanager
 def private_run_dir() -> Iterator[str]:
     """A directory for one local launch that only this user can use, removed afterwards.
 
     ``tempfile.mkdtemp`` creates it with mode 0700, owned by this user, under a fresh random name
-    (never a shared, guessable path). It holds the rendezvous and workers' stores and, without
-    ``--report``, the flight records; it is removed however the launch ends (success, failure,
-    SIGINT / SIGTERM). Only a SIGKILLed launcher leaves it behind.
+    (never a shared, guessable path) that starts with the launcher's pid. It holds the rendezvous
+    and workers' stores and, without ``--report``, the flight records; it is removed however the
+    launch ends (success, failure, SIGINT / SIGTERM). A SIGKILLed launcher cannot remove its
+    own: the next launch removes the directories of launchers that no longer run
+    (:func:`_remove_orphaned_run_dirs`).
 
     Yields:
         The directory's path.
     """
-    path = tempfile.mkdtemp(prefix="shardkit-run-")
+    _remove_orphaned_run_dirs(tempfile.gettempdir())
+    path = tempfile.mkdtemp(prefix=f"{_RUN_PREFIX}{os.getpid()}-")
     try:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def _remove_orphaned_run_dirs(temp: str) -> None:
+    """Remove the run directories in ``temp`` of this user's launchers that no longer run (a
+    SIGKILLed launcher's). Only real directories owned by this user are touched (``lstat``: a
+    symlink is never followed); a pid that runs again, reused by another process, keeps its
+    directory (the safe side)."""
+    try:
+        names = [n for n in os.listdir(temp) if n.startswith(_RUN_PREFIX)]
+    except OSError:
+        return
+    for name in names:
+        pid = name[len(_RUN_PREFIX):].split("-", 1)[0]
+        path = os.path.join(temp, name)
+        try:
+            info = os.lstat(path)
+        except OSError:
+            continue
+        if not pid.isdigit() or not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or _runs(int(pid)):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _runs(pid: int) -> bool:
+    """A process with this pid exists (of any user)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
 
 
 def loopback_interface() -> str:
