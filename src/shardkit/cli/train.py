@@ -174,7 +174,8 @@ def _launch(cfg: TrainConfig) -> tuple[int | None, dict]:
     and flight records go to ``--report DIR/flight`` (kept), else into the run directory; those
     of an earlier run there are removed first.
     """
-    from .launch import LaunchFailed, LaunchInterrupted, launch_local, print_failure, private_run_dir
+    from .launch import LaunchFailed, LaunchInterrupted, launch_local, print_failure
+    from .private import private_run_dir
     from .worker import worker_main
 
     assert cfg.nproc is not None  # validate_config resolved it
