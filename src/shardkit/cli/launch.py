@@ -103,9 +103,9 @@ def format_failures(err, stalled: dict[int, float] | None = None) -> str:
     failures = sorted(err.failures.items(), key=lambda item: (item[0] not in stalled, *_order(item)))
     lines = []
     for r in sorted(stalled):
-        how = f"exit code {err.failures[r].exitcode}" if r in err.failures else "no exit recorded"
+        how = f"exit code {err.failures[r].exitcode}" if r in err.failures else "then stopped by the launcher"
         lines.append(f"rank {r} stopped answering first (suspect): its heartbeat stopped {stalled[r]:.1f} s before "
-                     f"the other ranks' last; the job was ended while waiting for it ({how})")
+                     f"the other ranks' last; they timed out waiting for it ({how})")
     others = [(r, f) for r, f in failures if r not in stalled]
     if not stalled:
         (rank, first), others = failures[0], failures[1:]
