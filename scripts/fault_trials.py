@@ -5,10 +5,13 @@
     the launcher of ``shardkit train``) of a small tensor-parallel job (init, model, training steps
     with collectives, a sharded checkpoint save): SIGKILL of a random worker before
     ``init_process_group``, during model load, inside a step's collective, during the checkpoint
-    save, after the work; SIGINT, SIGTERM and SIGKILL to the launcher while the ranks train.
-    A run passes when every process of the job (its session, found through ``/proc``) is gone
-    within 5 s of the fault, the exit code is right (1; 130; 143; -9 for a SIGKILLed launcher)
-    and, for a worker fault, the root cause (``rank R failed first`` with ``SIGKILL``) is printed.
+    save, after the work; SIGINT, SIGTERM and SIGKILL to the launcher while the ranks train;
+    SIGSTOP of a random worker while the ranks train (a stalled rank: process-group timeout 5 s,
+    the ranks beat heartbeats). A run passes when every process of the job (its session, found
+    through ``/proc``) is gone within 5 s of the fault (35 s, the timeout + 30 s, for the stall),
+    the exit code is right (1; 130; 143; -9 for a SIGKILLed launcher) and, for a worker fault, the
+    root cause (``rank R failed first`` with ``SIGKILL``; for the stall ``rank R stopped answering
+    first (suspect)``) is printed.
 
 ``python scripts/fault_trials.py save [--runs 50] [--json PATH]``
     Each run saves a checkpoint with :func:`shardkit.save_sharded_checkpoint` (2 ranks), changes
@@ -60,7 +63,12 @@ NPROC = 2
 HERE = os.path.abspath(__file__)
 WORKER_MOMENTS = ("before_init", "model_load", "collective", "save", "end")
 LAUNCHER_SIGNALS = ("SIGINT", "SIGTERM", "SIGKILL")
-SCENARIOS = tuple(f"kill worker: {m}" for m in WORKER_MOMENTS) + tuple(f"{s} launcher" for s in LAUNCHER_SIGNALS)
+STALL = "SIGSTOP worker"
+SCENARIOS = (tuple(f"kill worker: {m}" for m in WORKER_MOMENTS) + tuple(f"{s} launcher" for s in LAUNCHER_SIGNALS)
+             + (STALL,))
+# The stall scenario: the ranks' process-group timeout, and how long after it the job may take to end.
+STALL_TIMEOUT_S = 5.0
+STALL_MARGIN_S = 30.0
 # file-system operations a save performs (audit events; os.replace raises "os.rename")
 _FS_EVENTS = ("os.rename", "os.remove", "os.rmdir", "os.mkdir", "shutil.rmtree", "os.truncate")
 
@@ -228,13 +236,17 @@ def worker(plan: dict) -> None:
     import torch.distributed as dist
 
     from shardkit import apply_tp, save_sharded_checkpoint
+    from shardkit.cli.private import init_local_world
+    from shardkit.cli.liveness import Heartbeat
 
     rank = int(os.environ["RANK"])
     victim = rank == plan.get("victim")
     moment = plan.get("moment")
     if victim and moment == "before_init":
         _die(plan, rank)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    init_local_world(plan["run_dir"], timedelta(seconds=plan.get("timeout", 60)))
+    if plan.get("timeout"):  # the stall scenario: beat like `shardkit train` ranks, until the process ends
+        Heartbeat(os.path.join(plan["run_dir"], "flight"), rank).__enter__()
     world = dist.group.WORLD
     if plan["kind"] == "train":
         _train_worker(plan, rank, victim)
@@ -286,11 +298,18 @@ def worker(plan: dict) -> None:
 def job(plan: dict) -> int:
     """The launcher process of a trial: :func:`launch_local` as ``shardkit train`` uses it."""
     from shardkit.cli.launch import LaunchFailed, LaunchInterrupted, exit_now, launch_local, print_failure
+    from shardkit.cli.private import private_run_dir
 
-    try:
-        launch_local(NPROC, worker, plan)
-    except (LaunchFailed, LaunchInterrupted) as err:
-        exit_now(print_failure(err))  # as `shardkit train` does
+    code = 0
+    with private_run_dir() as run_dir:
+        try:
+            beats = os.path.join(run_dir, "flight") if plan.get("timeout") else None
+            launch_local(NPROC, worker, {**plan, "run_dir": run_dir}, run_dir=run_dir, heartbeats=beats,
+                         timeout_s=plan.get("timeout", 60))
+        except (LaunchFailed, LaunchInterrupted) as err:
+            code = print_failure(err)
+    if code:
+        exit_now(code)  # as `shardkit train` does
     return 0
 
 
@@ -360,11 +379,21 @@ def run_fault(scenario: str, seed: int) -> dict:
             plan["k"] = 1  # its first file-system operation of the save (rank 1 has few)
     else:
         plan["forever"] = True
+    if scenario == STALL:
+        plan["timeout"] = STALL_TIMEOUT_S
     proc = _start(plan)
     sid = proc.pid
     killed = os.path.join(workdir, "killed")
     record: dict = {"scenario": scenario, "seed": seed}
-    if "victim" in plan:
+    if scenario == STALL:
+        record["victim"] = plan["victim"] = rng.randrange(NPROC)
+        ready = [os.path.join(workdir, f"ready{r}") for r in range(NPROC)]
+        ok = _wait_for(lambda: all(os.path.exists(p) for p in ready), 120, proc)
+        if ok:
+            time.sleep(rng.uniform(0.0, 0.5))  # somewhere in the training loop
+            t0 = time.time()
+            os.kill(int(open(ready[plan["victim"]]).read()), signal.SIGSTOP)
+    elif "victim" in plan:
         record["victim"] = plan["victim"]
         ok = _wait_for(lambda: os.path.exists(killed), 120, proc)
         if ok:
@@ -395,10 +424,19 @@ def run_fault(scenario: str, seed: int) -> dict:
     return record
 
 
+def limit_s(scenario: str) -> float:
+    """Seconds from the fault within which every process of the job must be gone."""
+    return STALL_TIMEOUT_S + STALL_MARGIN_S if scenario == STALL else GONE_WITHIN_S
+
+
 def checks(scenario: str, plan: dict, rc: int, seconds: float, text: str) -> dict:
     """Did the run meet the promise? ``{"ok": bool, "why": str}``."""
-    if seconds > GONE_WITHIN_S:
+    if seconds > limit_s(scenario):
         return {"ok": False, "why": f"processes alive {seconds:.1f} s after the fault"}
+    if scenario == STALL:
+        suspect = f"rank {plan['victim']} stopped answering first (suspect)"
+        ok = rc == 1 and suspect in text and "failed first" not in text
+        return {"ok": ok, "why": "" if ok else f"rc {rc} or the stopped rank not named first as the suspect"}
     if scenario.startswith("kill worker"):
         cause = f"rank {plan['victim']} failed first (exit code -9):\nSignal 9 (SIGKILL)"
         if rc != 1 or cause not in text:

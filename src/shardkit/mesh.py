@@ -372,21 +372,31 @@ class ParallelMesh:
         return 0 if self._absent(name) else resolve_group(self[name], "ParallelMesh").rank
 
 
-def _world_timeout_options():
-    """Backend options carrying the world's timeout, for every subgroup a mesh creates (torch's
-    subgroups otherwise get the 30-minute default, whatever the world was created with); None
-    when the backend's options cannot be read (torch's default then applies)."""
+def world_timeout():
+    """The default process group's timeout (a ``timedelta``), which every group of a run shares
+    (torch's subgroups otherwise get the backend's default, 30 minutes for gloo, whatever the
+    world was created with); None when the backend's options cannot be read."""
     import torch
+    import torch.distributed as dist
+
+    world = dist.group.WORLD
+    device = torch.device("cuda" if dist.get_backend(world) == "nccl" else "cpu")
+    try:
+        return world._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):
+        return None  # a backend without readable options: keep torch's default
+
+
+def _world_timeout_options():
+    """Backend options carrying :func:`world_timeout`, for every subgroup a mesh creates; None
+    when it cannot be read (torch's default then applies)."""
     import torch.distributed as dist
     from torch._C._distributed_c10d import Backend
 
-    world = dist.group.WORLD
-    backend = dist.get_backend(world)
-    device = torch.device("cuda" if backend == "nccl" else "cpu")
-    try:
-        timeout = world._get_backend(device).options._timeout
-    except (AttributeError, RuntimeError):
-        return None  # a backend without readable options: keep torch's default
+    timeout = world_timeout()
+    if timeout is None:
+        return None
+    backend = dist.get_backend(dist.group.WORLD)
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout

@@ -2,8 +2,9 @@
 
 Each launcher scenario starts a real 2-rank local launch (the launcher of ``shardkit train``) in
 its own session and checks, from outside, that every process of it is gone within 5 s of the
-fault, the exit code (1; 130 SIGINT; 143 SIGTERM; -9 for a SIGKILLed launcher) and the printed
-root cause. The kill-during-save test SIGKILLs a save half-way for real (a rank before one of
+fault (a SIGSTOPped rank: within its 5 s process-group timeout + 30 s), the exit code (1; 130
+SIGINT; 143 SIGTERM; -9 for a SIGKILLed launcher) and the printed root cause (the stopped rank
+named as the suspect). The kill-during-save test SIGKILLs a save half-way for real (a rank before one of
 its file-system operations, or the whole job), then loads the latest save in this process and
 compares it bit-exactly with the weights it must hold. The trainer's own save is killed the same
 way, and ``--resume`` on another layout continues with the uninterrupted run's losses. Two jobs
@@ -28,7 +29,7 @@ def test_fault_stops_every_process_with_the_root_cause(scenario):
     record = fault_trials.run_fault(scenario, seed=3)
     assert record["started"], record["output"]
     assert record["ok"], (record["why"], record["output"])
-    assert record["seconds"] <= fault_trials.GONE_WITHIN_S
+    assert record["seconds"] <= fault_trials.limit_s(scenario)
 
 
 def test_kill_during_save_leaves_the_previous_checkpoint_loadable():

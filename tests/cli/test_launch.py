@@ -1,16 +1,18 @@
 """The local launcher: a failure on any rank stops the whole job quickly, root cause first."""
 
 import time
+from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
 
 from shardkit.cli.launch import LaunchFailed, launch_local
+from shardkit.cli.private import init_local_world, private_run_dir
 
 
-def fail_on_rank_one():
+def fail_on_rank_one(run_dir):
     """Rank 1 raises; rank 0 waits in a barrier that would otherwise block until the timeout."""
-    dist.init_process_group("gloo")
+    init_local_world(run_dir, timedelta(minutes=30))
     if dist.get_rank() == 1:
         raise RuntimeError("deliberate failure on rank 1")
     dist.barrier()
@@ -18,8 +20,8 @@ def fail_on_rank_one():
 
 def test_failure_on_one_rank_stops_the_job_with_its_traceback_first():
     start = time.monotonic()
-    with pytest.raises(LaunchFailed) as info:
-        launch_local(2, fail_on_rank_one)
+    with pytest.raises(LaunchFailed) as info, private_run_dir() as run_dir:
+        launch_local(2, fail_on_rank_one, run_dir, run_dir=run_dir)
     elapsed = time.monotonic() - start
     text = str(info.value)
     assert text.startswith("rank 1 failed first"), text

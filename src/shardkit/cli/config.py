@@ -34,6 +34,7 @@ _SIZES = ("nproc", "tp", "pp", "cp_ulysses", "cp_ring", "dp_shard", "dp_replicat
           "microbatches", "batch_size", "seq_len", "hidden_size", "layers", "heads", "kv_heads", "intermediate_size",
           "experts")
 MAX_SEED = 2**63 - 1  # torch's generators take a 64-bit seed; shardkit keeps it a non-negative int64
+MAX_TIMEOUT_S = 86400  # --timeout: a collective that waits a day for a rank is a hang, not a slow step
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,7 @@ class TrainConfig:
     lr_schedule: str | None = None  # "constant" or "warmup-cosine"; None: warmup-cosine with --model-path
     verify: bool = False
     checks: bool = False  # run with shardkit's cross-rank check mode on (shardkit.comm.checks)
+    timeout: float = 300.0  # seconds any collective (every process group) waits for a rank before failing
     report: str | None = None
     data: str | None = None  # None: the Python standard library's source tree
     model_path: str | None = None  # a local HF checkpoint directory or *.gguf file; None: the built-in config
@@ -244,6 +246,8 @@ def validate_config(cfg: TrainConfig, world_size: int | None = None) -> TrainCon
         raise ShardkitError(f"--seed must be in [0, 2**63 - 1], got {cfg.seed}")
     if cfg.skip_nonfinite < 0:
         raise ShardkitError(f"--skip-nonfinite must be >= 0, got {cfg.skip_nonfinite}")
+    if not math.isfinite(cfg.timeout) or not 0 < cfg.timeout <= MAX_TIMEOUT_S:
+        raise ShardkitError(f"--timeout must be a finite number of seconds in (0, {MAX_TIMEOUT_S}], got {cfg.timeout}")
     if cfg.lr_schedule is None:
         cfg = dataclasses.replace(cfg, lr_schedule="warmup-cosine" if cfg.model_path is not None else "constant")
     if cfg.lr_schedule not in LR_SCHEDULES:

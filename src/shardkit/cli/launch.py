@@ -1,8 +1,7 @@
 """Start the workers of a CLI job: a local elastic launch, or the world torchrun already made.
 
 The local launch is ``torchrun --standalone`` done in-process: torch.distributed's elastic
-agent with a c10d rendezvous on a free localhost port, no restarts, and a 0.1 s monitor
-interval, so that when any rank fails the agent stops all others within a fraction of a second
+agent, no restarts, and a 0.1 s monitor interval, so that when any rank fails the agent stops all others within a fraction of a second
 (instead of leaving them to time out in a collective). The failing rank's traceback (recorded by
 ``@record`` on the entry point) is then printed first.
 
@@ -12,6 +11,10 @@ worker with the same signal; :func:`launch_local` then raises :class:`LaunchInte
 (terminating) action on SIGINT instead of Python's ``KeyboardInterrupt``, which only runs between
 bytecodes and so waits out a blocked gloo collective; and each worker dies with its launcher
 (:func:`_die_with_parent`), so a SIGKILLed launcher leaves no orphans.
+
+Private: nothing of a local launch listens beyond loopback, and nothing it keeps can be read or
+written by another user (:mod:`.private`: the caller's :func:`private_run_dir` holds a file
+rendezvous, the workers' store and the launch's temporary files).
 """
 
 from __future__ import annotations
@@ -24,9 +27,12 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any, NoReturn
 
 from .._quiet import quiet_third_party
+from .liveness import Watchdog, read_heartbeats, stalled_ranks
+from .private import no_shared_tcp_store, private_temp
 
 __all__ = ["under_torchrun", "launch_local", "LaunchFailed", "LaunchInterrupted", "format_failures", "print_failure",
            "exit_now"]
@@ -81,15 +87,29 @@ def _order(item) -> tuple:
     return (secondary, not has_file, failure.timestamp, rank)
 
 
-def format_failures(err) -> str:
+def format_failures(err, stalled: dict[int, float] | None = None) -> str:
     """The root-cause rank's traceback, then one line per other failed rank.
+
+    A rank that stopped answering (``stalled``: its heartbeats ended long before the others')
+    comes first, named as the suspect: the others' timeout errors are what waiting for it
+    looks like, not a cause.
 
     Args:
         err: a ``torch.distributed.elastic.multiprocessing.errors.ChildFailedError``.
+        stalled: ``{rank: seconds its last heartbeat lags the newest}``
+            (:func:`.liveness.stalled_ranks`); None or empty: no rank went quiet.
     """
-    failures = sorted(err.failures.items(), key=_order)
-    (rank, first), others = failures[0], failures[1:]
-    lines = [f"rank {rank} failed first (exit code {first.exitcode}):", _message(first).rstrip()]
+    stalled = stalled or {}
+    failures = sorted(err.failures.items(), key=lambda item: (item[0] not in stalled, *_order(item)))
+    lines = []
+    for r in sorted(stalled):
+        how = f"exit code {err.failures[r].exitcode}" if r in err.failures else "then stopped by the launcher"
+        lines.append(f"rank {r} stopped answering first (suspect): its heartbeat stopped {stalled[r]:.1f} s before "
+                     f"the other ranks' last; they timed out waiting for it ({how})")
+    others = [(r, f) for r, f in failures if r not in stalled]
+    if not stalled:
+        (rank, first), others = failures[0], failures[1:]
+        lines += [f"rank {rank} failed first (exit code {first.exitcode}):", _message(first).rstrip()]
     for r, f in others:
         last = _message(f).strip().splitlines()[-1:] or [""]
         lines.append(f"rank {r} also stopped (exit code {f.exitcode}): {last[0]}")
@@ -137,19 +157,26 @@ def _quiet_then(parent: int, entry: Callable, *args: Any) -> Any:
     return entry(*args)
 
 
-def launch_local(nproc: int, entry: Callable, *args) -> dict:
+def launch_local(nproc: int, entry: Callable, *args, run_dir: str, heartbeats: str | None = None,
+                 timeout_s: float = 300.0) -> dict:
     """Run ``entry(*args)`` on ``nproc`` local processes; return ``{local_rank: return value}``.
 
     Args:
         nproc: number of worker processes.
-        entry: a picklable top-level function (decorated with ``@record``).
+        entry: a picklable top-level function (decorated with ``@record``); it joins the world
+            with :func:`init_local_world` (``run_dir`` is passed to it in ``args``).
+        run_dir: a :func:`.private.private_run_dir`: the rendezvous store lives in it.
+        heartbeats: the directory the ranks beat into (:class:`.liveness.Heartbeat`), if they do:
+            a :class:`.liveness.Watchdog` kills a rank that went silent while the job runs, and
+            after a failure the ranks that stopped answering are named first as the suspects.
+        timeout_s: the ranks' process-group timeout (seconds), which the silences are measured against.
 
     Raises:
         LaunchFailed: a worker failed; the message holds its traceback.
         LaunchInterrupted: the launcher got SIGINT / SIGTERM (from the terminal or ``kill``);
             every worker was stopped with the same signal.
     """
-    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -159,13 +186,17 @@ def launch_local(nproc: int, entry: Callable, *args) -> dict:
         nproc_per_node=nproc,
         run_id=f"shardkit-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0",  # standalone: the agent hosts the store on a free port
+        # a FileStore in the private directory: no rendezvous port at all
+        rdzv_endpoint=os.path.join(run_dir, "rendezvous"),
+        rdzv_configs={"store_type": "file"},
         max_restarts=0,
         monitor_interval=0.1,
         start_method="spawn",
         # A worker that ignores the forwarded signal is SIGKILLed after this many seconds
         # (torch's default 30 s would outlive the launcher's promise to stop within seconds).
         shutdown_timeout=2,
+        # the agent's per-launch log directory (error files), else a new torchelastic_* in /tmp
+        logs_specs=DefaultLogsSpecs(log_dir=os.path.join(run_dir, "logs")),
     )
     # The agent and torch.multiprocessing log each worker they stop before raising; silenced, so
     # that the root cause (format_failures) is the first thing printed.
@@ -177,9 +208,11 @@ def launch_local(nproc: int, entry: Callable, *args) -> dict:
     for log in loggers:
         log.setLevel(logging.CRITICAL)
     try:
-        return elastic_launch(config, _quiet_then)(os.getpid(), entry, *args)
+        with no_shared_tcp_store(), private_temp(run_dir), (Watchdog(heartbeats, timeout_s) if heartbeats else nullcontext()):
+            return elastic_launch(config, _quiet_then)(os.getpid(), entry, *args)
     except ChildFailedError as err:
-        raise LaunchFailed(format_failures(err)) from None
+        stalled = stalled_ranks(read_heartbeats(heartbeats), timeout_s) if heartbeats else None
+        raise LaunchFailed(format_failures(err, stalled)) from None
     except SignalException as err:  # the agent has stopped the workers with the same signal
         raise LaunchInterrupted(err.sigval, nproc) from None
     finally:

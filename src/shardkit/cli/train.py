@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
-import tempfile
 
 from rich.console import Console
 
@@ -22,6 +20,7 @@ from .config import DTYPES, MODELS, SCHEDULES, TrainConfig, load_toml, merge_con
 from .corpus import check_files
 from .data import corpus_files
 from .limits import check_machine
+from .liveness import clear_flight_dir
 
 __all__ = ["add_train_parser", "config_from_args", "run_train"]
 
@@ -104,6 +103,9 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
         "model's plan and replicated weights are fingerprinted at parallelize (a rank disagreement becomes the "
         "same error on every rank instead of a hang; measured cost: docs/reliability.md)",
     )
+    p.add_argument("--timeout", type=float, metavar="SECONDS", help=f"how long any collective waits for a rank "
+                   f"before the job fails; a stopped rank ends the job after about this long and is named as the "
+                   f"suspect (default {d.timeout:g})")
     p.add_argument("--report", metavar="DIR", help="write metrics.jsonl (per step; TensorBoard "
                    "scalars in DIR/tb with the tb extra), report.json, loss.png (and conv-ae's reconstruction.png) "
                    "into DIR")
@@ -145,7 +147,7 @@ def config_from_args(args: argparse.Namespace, world_size: int | None = None) ->
 
 def run_train(args: argparse.Namespace) -> int:
     """Run the ``train`` subcommand; return the process exit code."""
-    from .launch import LaunchFailed, LaunchInterrupted, exit_now, launch_local, print_failure, under_torchrun
+    from .launch import exit_now, under_torchrun
     from .worker import worker_main
 
     torchrun = under_torchrun()
@@ -159,36 +161,62 @@ def run_train(args: argparse.Namespace) -> int:
         return 2
     for note in notes:
         print(f"shardkit train: note: {note}", file=sys.stderr)
-    # Where every rank writes its flight recorder if the job fails (read back below; under
-    # torchrun: `python -m shardkit.comm.flight_recorder DIR` after the job).
-    flight_dir = os.path.join(cfg.report, "flight") if cfg.report else tempfile.mkdtemp(prefix="shardkit-flight-")
     if torchrun:
+        # Every rank writes its heartbeat (and, if the job fails, its flight recorder) into
+        # --report DIR/flight, after removing its own files of an earlier run; read them with
+        # `python -m shardkit.comm.flight_recorder DIR/flight` after the job. No --report: none.
+        flight_dir = os.path.join(cfg.report, "flight") if cfg.report else None
+        if flight_dir is not None:
+            clear_flight_dir(flight_dir, rank=int(os.environ["RANK"]))
         quiet_third_party(int(os.environ.get("RANK", "0")))  # progress bars and warnings on rank 0 only
-        result = worker_main(cfg, False, flight_dir)
+        result = worker_main(cfg, None, flight_dir)
         return 0 if result is None else finish(result, cfg)
-    try:
-        assert cfg.nproc is not None  # validate_config resolved it
-        results = launch_local(cfg.nproc, worker_main, cfg, True, flight_dir)
-    except LaunchFailed as e:
-        print_failure(e)
-        _print_flight_report(flight_dir)
-        exit_now(1)
-    except LaunchInterrupted as e:  # SIGINT / SIGTERM: every rank is already stopped
-        if not cfg.report:
-            shutil.rmtree(flight_dir, ignore_errors=True)
-        exit_now(print_failure(e))
-    if not cfg.report:
-        shutil.rmtree(flight_dir, ignore_errors=True)
+    code, results = _launch(cfg)
+    if code is not None:
+        exit_now(code)  # the run directory is already removed
     return finish(results[0], cfg)
 
 
-def _print_flight_report(flight_dir: str) -> None:
-    """After a failed job: the first collective where the ranks diverged, from their dumps."""
+def _launch(cfg: TrainConfig) -> tuple[int | None, dict]:
+    """The local launch, in a private run directory removed when it ends (however it ends).
+
+    Returns ``(None, results)``, or after a failed or interrupted launch ``(exit code, {})``
+    with the reason, the suspects and the flight report already printed. The ranks' heartbeats
+    and flight records go to ``--report DIR/flight`` (kept), else into the run directory; those
+    of an earlier run there are removed first.
+    """
+    from .launch import LaunchFailed, LaunchInterrupted, launch_local, print_failure
+    from .private import private_run_dir
+    from .worker import worker_main
+
+    assert cfg.nproc is not None  # validate_config resolved it
+    with private_run_dir() as run_dir:
+        flight_dir = os.path.join(cfg.report if cfg.report else run_dir, "flight")
+        clear_flight_dir(flight_dir)
+        try:
+            return None, launch_local(cfg.nproc, worker_main, cfg, run_dir, flight_dir, run_dir=run_dir,
+                                      heartbeats=flight_dir, timeout_s=cfg.timeout)
+        except LaunchFailed as e:
+            code = print_failure(e)
+            _print_flight_report(flight_dir, cfg.nproc, kept=cfg.report is not None)
+            return code, {}
+        except LaunchInterrupted as e:  # SIGINT / SIGTERM: every rank is already stopped
+            return print_failure(e), {}
+
+
+def _print_flight_report(flight_dir: str, nproc: int | None = None, kept: bool = True) -> None:
+    """After a failed job: the first collective where the ranks diverged, from their dumps, and
+    the ranks (of ``nproc``) that left none; where the records are (``kept``), or that they are
+    removed with the run directory."""
     from ..comm import flight_recorder
 
     if os.path.isdir(flight_dir) and any(n.startswith("rank") for n in os.listdir(flight_dir)):
-        print(flight_recorder.format_report(flight_dir), file=sys.stderr)
-        print(f"(flight records of every rank: {flight_dir})", file=sys.stderr)
+        print(flight_recorder.format_report(flight_dir, world_size=nproc), file=sys.stderr)
+        if kept:
+            print(f"(flight records of every rank: {flight_dir})", file=sys.stderr)
+        else:
+            print("(flight records removed with the run's private directory; --report DIR keeps them in DIR/flight)",
+                  file=sys.stderr)
 
 
 def finish(result: dict, cfg: TrainConfig) -> int:

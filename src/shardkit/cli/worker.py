@@ -17,6 +17,7 @@ import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,7 @@ from ..data_parallel import GradientSync, ParamLayout
 from ..mesh import AXES, FLAT_VIEWS, ParallelMesh
 from ..parallelize import ParallelModel, gather_full_parameters, parallelize, parallelize_stage
 from .config import TrainConfig, parallel_dims
+from .liveness import Heartbeat
 from .metrics import MetricsLog, peak_memory
 from .progress import TrainProgress
 from .trainer import LossScale, make_optimizer, train_step
@@ -36,18 +38,23 @@ from .verify import compare_runs
 __all__ = ["worker_main", "build_task", "build_train_model", "build_parallel_model", "run_training"]
 
 
-def _init(local_launch: bool) -> tuple[str, torch.device]:
-    """Join the world: gloo on CPU for the local launch; NCCL on ``cuda:LOCAL_RANK`` under
-    torchrun when GPUs are present, else gloo."""
-    if not local_launch and torch.cuda.is_available():
+def _init(run_dir: str | None, timeout: timedelta) -> tuple[str, torch.device]:
+    """Join the world with ``timeout`` on every collective: gloo on CPU for the local launch
+    (through its private ``run_dir``: :func:`.private.init_local_world`); under torchrun
+    (``run_dir`` None) NCCL on ``cuda:LOCAL_RANK`` when GPUs are present, else gloo."""
+    if run_dir is not None:
+        from .private import init_local_world
+
+        torch.set_num_threads(1)  # 4 ranks on 2 cores: more threads only oversubscribe
+        init_local_world(run_dir, timeout)
+        return "gloo", torch.device("cpu")
+    if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
         backend = "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
-    if local_launch:
-        torch.set_num_threads(1)  # 4 ranks on 2 cores: more threads only oversubscribe
-    dist.init_process_group(backend)
+    dist.init_process_group(backend, timeout=timeout)
     return backend, device
 
 
@@ -231,17 +238,22 @@ def _nonfinite_step(step: int, stats, lr: float, seen: int, allowed: int) -> Non
 
 
 @record
-def worker_main(cfg: TrainConfig, local_launch: bool, flight_dir: str | None = None) -> dict | None:
+def worker_main(cfg: TrainConfig, run_dir: str | None, flight_dir: str | None = None) -> dict | None:
     """Entry point of every rank. Returns rank 0's result dict, None on other ranks.
 
-    On any failure (an error, a collective timeout, SIGTERM turned into an exception) the rank
-    writes its flight recorder (its last shardkit collectives) into ``flight_dir`` before
-    re-raising, so the launcher can name the first call where the ranks diverged.
+    ``run_dir``: the local launch's private directory (:func:`.private.private_run_dir`); None
+    under torchrun. With ``flight_dir``, the rank beats a heartbeat there while it runs
+    (:class:`.liveness.Heartbeat`), and on any failure (an error, a collective timeout, SIGTERM
+    turned into an exception) it writes its flight recorder (its last shardkit collectives) there
+    before re-raising, so the launcher can name the rank that stopped answering and the first
+    call where the ranks diverged.
     """
     t0 = time.perf_counter()
-    backend, device = _init(local_launch)
+    backend, device = _init(run_dir, timedelta(seconds=cfg.timeout))
+    beating = Heartbeat(flight_dir, dist.get_rank()) if flight_dir is not None else nullcontext()
     try:
-        return train(cfg, backend, device, t0)
+        with beating:
+            return train(cfg, backend, device, t0)
     except BaseException as exc:
         if flight_dir is not None:
             from ..comm import flight_recorder

@@ -330,15 +330,26 @@ def diagnose(dumps) -> list[Divergence]:
     return sorted(found, key=lambda d: d.order)
 
 
-def format_report(dumps) -> str:
-    """A human-readable report: the first divergence, then the others; or that none was found."""
+def format_report(dumps, world_size: int | None = None) -> str:
+    """A human-readable report: the first divergence, then the others; or that none was found.
+
+    Args:
+        dumps: ``{global rank: entries}`` (:func:`load_dumps`) or a directory of dumps.
+        world_size: the job's ranks; when given, the ranks that wrote no record are named last
+            (killed, aborted, or stopped answering before they could write one).
+    """
     if isinstance(dumps, (str, os.PathLike)):
         dumps = load_dumps(os.fspath(dumps))
     found = diagnose(dumps)
     if not found:
-        return f"flight recorder: no divergence in the records of ranks {sorted(dumps)}"
-    lines = [f"flight recorder: ranks diverged first here: {found[0].describe()}"]
-    lines += [f"  also: {d.describe()}" for d in found[1:]]
+        lines = [f"flight recorder: no divergence in the records of ranks {sorted(dumps)}"]
+    else:
+        lines = [f"flight recorder: ranks diverged first here: {found[0].describe()}"]
+        lines += [f"  also: {d.describe()}" for d in found[1:]]
+    missing = [r for r in range(world_size or 0) if r not in dumps]
+    if missing:
+        lines.append(f"flight recorder: no record from rank{'s' if len(missing) > 1 else ''} "
+                     f"{', '.join(map(str, missing))} (killed, aborted, or stopped answering before writing one)")
     return "\n".join(lines)
 
 

@@ -38,6 +38,7 @@ Megatron-LM pipeline x tensor parallelism; the box-intersection reshard of array
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch.distributed as dist
@@ -186,13 +187,21 @@ def _normalize(stage_ranks, size: int):
     return ranks, None
 
 
-def new_stage_groups(tp_sizes: Sequence[int], dp: int = 1) -> tuple[StageGroups, dist.ProcessGroup]:
+def new_stage_groups(tp_sizes: Sequence[int], dp: int = 1,
+                     timeout: timedelta | None = None) -> tuple[StageGroups, dist.ProcessGroup]:
     """Create the groups of ``dp`` pipeline replicas whose stages have tp sizes ``tp_sizes``.
 
     Collective over the default process group (``dist.new_group`` is), which must have
     ``dp * sum(tp_sizes)`` ranks laid out as ``rank = d * T + offset_s + i`` (replica ``d``,
     stage ``s`` starting at ``offset_s``, tp rank ``i``), the order of a ``(dp, pp, tp)``
     DeviceMesh when sizes are uniform.
+
+    Args:
+        tp_sizes: the tp size of each stage.
+        dp: pipeline replicas.
+        timeout: every new group's timeout; None: the default process group's
+            (:func:`shardkit.mesh.world_timeout`; torch's own default for a subgroup is 30
+            minutes on gloo, whatever the world's).
 
     Returns:
         ``(StageGroups, dp_group)``: this rank's stages and the ``dp`` ranks holding the same
@@ -207,14 +216,19 @@ def new_stage_groups(tp_sizes: Sequence[int], dp: int = 1) -> tuple[StageGroups,
     T, world, me = sum(sizes), dist.get_world_size(), dist.get_rank()
     if T * dp != world:
         raise ShardkitError(f"new_stage_groups: dp={dp} x sum(tp_sizes {sizes}) = {T * dp} ranks, world has {world}")
+    if timeout is None:
+        from ..mesh import world_timeout
+
+        timeout = world_timeout()
     offsets = split_offsets(sizes)
     mine = {}
     for d in range(dp):  # the same new_group calls in the same order on every rank
-        pg = dist.new_group(list(range(d * T, (d + 1) * T)))
+        pg = dist.new_group(list(range(d * T, (d + 1) * T)), timeout=timeout)
         for s, t in enumerate(sizes):
-            tp = dist.new_group([d * T + offsets[s] + i for i in range(t)])
+            tp = dist.new_group([d * T + offsets[s] + i for i in range(t)], timeout=timeout)
             if d * T + offsets[s] <= me < d * T + offsets[s] + t:
                 mine = dict(pg=pg, tp=tp)
-    dp_groups = [dist.new_group([d * T + k for d in range(dp)]) for k in range(T)]  # same calls on every rank
+    # same calls on every rank
+    dp_groups = [dist.new_group([d * T + k for d in range(dp)], timeout=timeout) for k in range(T)]
     stage_ranks = [[offsets[s] + i for i in range(t)] for s, t in enumerate(sizes)]
     return StageGroups(mine["pg"], stage_ranks, mine["tp"]), dp_groups[me % T]
