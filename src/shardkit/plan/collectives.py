@@ -21,7 +21,8 @@ microbatch, ``e`` bytes per element, ``t`` = tp, per microbatch unless said):
   (its latent ``[T, kv_lora]``, rope key ``[T, rope]`` and ``[T, q_lora]``), and the routing
   weights ``[T, k]`` of tensor-parallel experts.
 * the logits: gathered over the vocabulary ``[T, V/t] -> [T, V]``; with the vocab-parallel loss
-  two all-reduces instead, ``(T + t + 2)`` float64 (max) and ``(2 T + 1)`` (sums).
+  two all-reduces instead, ``(T + 2 t + 2)`` float64 (max: row maxima, widths, labels'
+  verdicts, fingerprint) and ``(2 T + 1)`` (sums).
 * Ulysses (``u`` ranks): per layer one all-to-all of q, k, v ``[T, (N + 2 N_kv)/t, D]`` and one
   of the output ``[T, N/t, Dv]``, forward and backward; with MLA's values narrower than its
   queries and keys (``Dv != Dqk = nope + rope``) q and k travel together and v alone.
