@@ -236,7 +236,7 @@ def worker(plan: dict) -> None:
     import torch.distributed as dist
 
     from shardkit import apply_tp, save_sharded_checkpoint
-    from shardkit.cli.private import init_local_world
+    from shardkit._local_world import init_local_world
     from shardkit.cli.liveness import Heartbeat
 
     rank = int(os.environ["RANK"])
@@ -298,7 +298,7 @@ def worker(plan: dict) -> None:
 def job(plan: dict) -> int:
     """The launcher process of a trial: :func:`launch_local` as ``shardkit train`` uses it."""
     from shardkit.cli.launch import LaunchFailed, LaunchInterrupted, exit_now, launch_local, print_failure
-    from shardkit.cli.private import private_run_dir
+    from shardkit._local_world import private_run_dir
 
     code = 0
     with private_run_dir() as run_dir:

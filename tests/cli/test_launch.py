@@ -7,7 +7,7 @@ import pytest
 import torch.distributed as dist
 
 from shardkit.cli.launch import LaunchFailed, launch_local
-from shardkit.cli.private import init_local_world, private_run_dir
+from shardkit._local_world import init_local_world, private_run_dir
 
 
 def fail_on_rank_one(run_dir):

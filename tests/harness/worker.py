@@ -11,6 +11,7 @@ from __future__ import annotations
 import faulthandler
 import importlib.util
 import multiprocessing as mp
+import os
 import pickle
 import queue
 import random
@@ -65,7 +66,10 @@ def main(tests_dir, rank, n, store_path, stack_path, pg_timeout, task_q, result_
         import torch
         import torch.distributed as dist
 
+        from shardkit._local_world import loopback_interface
+
         torch.set_num_threads(1)  # n ranks share 2 cores; more threads only contend
+        os.environ["GLOO_SOCKET_IFNAME"] = loopback_interface()  # test worlds listen on loopback only
         store = dist.FileStore(store_path, n)  # a file, not a TCP port: no port clashes
         dist.init_process_group(
             "gloo", store=store, rank=rank, world_size=n, timeout=timedelta(seconds=pg_timeout)

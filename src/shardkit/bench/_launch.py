@@ -19,6 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .._local_world import init_local_world, private_temp
 from ._method import Settings
 from .registry import CASES
 
@@ -29,8 +30,7 @@ def _rank_entry(rank: int, nproc: int, names: list[str], settings: Settings, tmp
     from ..comm import checks
 
     torch.set_num_threads(1)
-    store = dist.FileStore(os.path.join(tmp, "store"), nproc)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=nproc, timeout=timedelta(seconds=300))
+    init_local_world(tmp, timedelta(seconds=300), rank, nproc)  # a FileStore in the private folder, gloo on loopback
     try:
         checks(False)
         records = []
@@ -56,7 +56,8 @@ def run_world(nproc: int, names: list[str], settings: Settings, progress: bool =
     A failing case (a correctness check included) raises in the parent
     (``torch.multiprocessing.ProcessRaisedException``).
     """
-    with tempfile.TemporaryDirectory(prefix="shardkit-bench-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="shardkit-bench-") as tmp, private_temp(tmp):
+        # (mode 0700; torch.multiprocessing's error-file pickles go inside it too, not in /tmp)
         torch.multiprocessing.start_processes(_rank_entry, args=(nproc, names, settings, tmp, progress),
                                               nprocs=nproc, start_method="spawn")
         with open(os.path.join(tmp, "result.json")) as f:

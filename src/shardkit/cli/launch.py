@@ -1,9 +1,9 @@
 """Start the workers of a CLI job: a local elastic launch, or the world torchrun already made.
 
 The local launch is ``torchrun --standalone`` done in-process: torch.distributed's elastic
-agent, no restarts, and a 0.1 s monitor interval, so that when any rank fails the agent stops all others within a fraction of a second
-(instead of leaving them to time out in a collective). The failing rank's traceback (recorded by
-``@record`` on the entry point) is then printed first.
+agent, no restarts, and a 0.1 s monitor interval, so that when any rank fails the agent stops all
+others within a fraction of a second (instead of leaving them to time out in a collective). The
+failing rank's traceback (recorded by ``@record`` on the entry point) is then printed first.
 
 Signals: SIGINT / SIGTERM to the launcher reach torch elastic's own handler, which stops every
 worker with the same signal; :func:`launch_local` then raises :class:`LaunchInterrupted`
@@ -13,8 +13,8 @@ bytecodes and so waits out a blocked gloo collective; and each worker dies with 
 (:func:`_die_with_parent`), so a SIGKILLed launcher leaves no orphans.
 
 Private: nothing of a local launch listens beyond loopback, and nothing it keeps can be read or
-written by another user (:mod:`.private`: the caller's :func:`private_run_dir` holds a file
-rendezvous, the workers' store and the launch's temporary files).
+written by another user (:mod:`shardkit._local_world`: the caller's ``private_run_dir`` holds a
+file rendezvous, the workers' store and the launch's temporary files).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any, NoReturn
 
 from .._quiet import quiet_third_party
 from .liveness import Watchdog, read_heartbeats, stalled_ranks
-from .private import no_shared_tcp_store, private_temp
+from .._local_world import no_shared_tcp_store, private_temp
 
 __all__ = ["under_torchrun", "launch_local", "LaunchFailed", "LaunchInterrupted", "format_failures", "print_failure",
            "exit_now"]
@@ -165,7 +165,7 @@ def launch_local(nproc: int, entry: Callable, *args, run_dir: str, heartbeats: s
         nproc: number of worker processes.
         entry: a picklable top-level function (decorated with ``@record``); it joins the world
             with :func:`init_local_world` (``run_dir`` is passed to it in ``args``).
-        run_dir: a :func:`.private.private_run_dir`: the rendezvous store lives in it.
+        run_dir: a :func:`shardkit._local_world.private_run_dir`: the rendezvous store lives in it.
         heartbeats: the directory the ranks beat into (:class:`.liveness.Heartbeat`), if they do:
             a :class:`.liveness.Watchdog` kills a rank that went silent while the job runs, and
             after a failure the ranks that stopped answering are named first as the suspects.
@@ -208,7 +208,8 @@ def launch_local(nproc: int, entry: Callable, *args, run_dir: str, heartbeats: s
     for log in loggers:
         log.setLevel(logging.CRITICAL)
     try:
-        with no_shared_tcp_store(), private_temp(run_dir), (Watchdog(heartbeats, timeout_s) if heartbeats else nullcontext()):
+        watchdog = Watchdog(heartbeats, timeout_s) if heartbeats else nullcontext()
+        with no_shared_tcp_store(), private_temp(run_dir), watchdog:
             return elastic_launch(config, _quiet_then)(os.getpid(), entry, *args)
     except ChildFailedError as err:
         stalled = stalled_ranks(read_heartbeats(heartbeats), timeout_s) if heartbeats else None

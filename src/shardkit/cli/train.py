@@ -186,7 +186,7 @@ def _launch(cfg: TrainConfig) -> tuple[int | None, dict]:
     of an earlier run there are removed first.
     """
     from .launch import LaunchFailed, LaunchInterrupted, launch_local, print_failure
-    from .private import private_run_dir
+    from .._local_world import private_run_dir
     from .worker import worker_main
 
     assert cfg.nproc is not None  # validate_config resolved it

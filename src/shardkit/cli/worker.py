@@ -40,10 +40,10 @@ __all__ = ["worker_main", "build_task", "build_train_model", "build_parallel_mod
 
 def _init(run_dir: str | None, timeout: timedelta) -> tuple[str, torch.device]:
     """Join the world with ``timeout`` on every collective: gloo on CPU for the local launch
-    (through its private ``run_dir``: :func:`.private.init_local_world`); under torchrun
+    (through its private ``run_dir``: :func:`shardkit._local_world.init_local_world`); under torchrun
     (``run_dir`` None) NCCL on ``cuda:LOCAL_RANK`` when GPUs are present, else gloo."""
     if run_dir is not None:
-        from .private import init_local_world
+        from .._local_world import init_local_world
 
         torch.set_num_threads(1)  # 4 ranks on 2 cores: more threads only oversubscribe
         init_local_world(run_dir, timeout)
@@ -241,7 +241,8 @@ def _nonfinite_step(step: int, stats, lr: float, seen: int, allowed: int) -> Non
 def worker_main(cfg: TrainConfig, run_dir: str | None, flight_dir: str | None = None) -> dict | None:
     """Entry point of every rank. Returns rank 0's result dict, None on other ranks.
 
-    ``run_dir``: the local launch's private directory (:func:`.private.private_run_dir`); None
+    ``run_dir``: the local launch's private directory
+    (:func:`shardkit._local_world.private_run_dir`); None
     under torchrun. With ``flight_dir``, the rank beats a heartbeat there while it runs
     (:class:`.liveness.Heartbeat`), and on any failure (an error, a collective timeout, SIGTERM
     turned into an exception) it writes its flight recorder (its last shardkit collectives) there

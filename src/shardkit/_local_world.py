@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 
-from ..errors import ShardkitError
+from .errors import ShardkitError
 
 __all__ = ["private_run_dir", "loopback_interface", "init_local_world", "no_shared_tcp_store", "private_temp"]
 
@@ -100,7 +100,7 @@ def loopback_interface() -> str:
                         "binds its connections to loopback only")
 
 
-def init_local_world(run_dir: str, timeout: timedelta) -> None:
+def init_local_world(run_dir: str, timeout: timedelta, rank: int | None = None, world_size: int | None = None) -> None:
     """Join the gloo world of a local launch, through a ``FileStore`` in the private ``run_dir``.
 
     Called in each worker of :func:`launch_local` instead of ``init_process_group("gloo")``
@@ -113,11 +113,13 @@ def init_local_world(run_dir: str, timeout: timedelta) -> None:
         run_dir: the launch's :func:`private_run_dir`.
         timeout: the process group's timeout (every collective, and every subgroup's:
             :meth:`shardkit.ParallelDims.build_mesh`).
+        rank, world_size: this process's; None: torch elastic's ``RANK`` / ``WORLD_SIZE``.
     """
     import torch.distributed as dist
 
     os.environ["GLOO_SOCKET_IFNAME"] = loopback_interface()
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    rank = int(os.environ["RANK"]) if rank is None else rank
+    world = int(os.environ["WORLD_SIZE"]) if world_size is None else world_size
     store = dist.FileStore(os.path.join(run_dir, "store"), world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
 
