@@ -313,3 +313,20 @@ def test_load_sharded_checkpoint_verifies_what_it_reads():
     with pytest.raises(ShardkitError, match=r"MANIFEST.json has damaged checksums: the save cannot be verified"):
         load_sharded_checkpoint(model, path, world_group())
     _cleanup(path)
+
+
+def test_saved_entries_is_a_deprecated_alias_that_reads_through_the_allow_list(tmp_path):
+    """The old ``saved_entries(path)`` still answers (one release), warns, and never runs a pickle."""
+    import pickle
+
+    from shardkit.tensor_parallel.dcp import saved_entries
+
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(_metadata()))
+    with pytest.warns(DeprecationWarning, match="saved_entries is deprecated"):
+        entries = saved_entries(str(tmp_path))
+    assert entries == {"w": (tuple(_metadata().state_dict_metadata["w"].size), torch.float32)}
+    marker = tmp_path / "ran"
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(_RunsCode(marker)))
+    with pytest.warns(DeprecationWarning), pytest.raises(ShardkitError, match="names the global"):
+        saved_entries(str(tmp_path))
+    assert not marker.exists()

@@ -52,7 +52,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
     from .._types import Group
 
-__all__ = ["save_sharded_checkpoint", "load_sharded_checkpoint", "owned_ranges"]
+__all__ = ["save_sharded_checkpoint", "load_sharded_checkpoint", "owned_ranges", "saved_entries"]
 
 _PREFIX = "version_"
 
@@ -270,3 +270,25 @@ def load_sharded_checkpoint(model: nn.Module, path: str | os.PathLike, group: Gr
     assert reader is not None  # opened, or check_contents raised on every rank
     load_checked(state, reader, _ChunkLoadPlanner(state), group, "load_sharded_checkpoint", os.fspath(path))
     return model
+
+
+def saved_entries(path: str | os.PathLike) -> dict:
+    """Deprecated (removed in the next release): ``{key: (full shape, dtype)}`` of the DCP save
+    at ``path``, tensors only, its ``.metadata`` read through the allow-list
+    (:func:`shardkit.checkpoint.reader.read_metadata`; a planted pickle is refused, not run).
+
+    Use :func:`shardkit.checkpoint.saves.open_save` and :func:`shardkit.checkpoint.saves.
+    saved_entries`, which also check the manifest's checksums.
+
+    Raises:
+        ShardkitError: ``.metadata`` unreadable, truncated, or naming a global outside DCP's
+            metadata classes.
+    """
+    import warnings
+
+    from ..checkpoint import saves
+    from ..checkpoint.reader import read_metadata
+
+    warnings.warn("shardkit.tensor_parallel.dcp.saved_entries is deprecated; use shardkit.checkpoint.saves.open_save "
+                  "and saves.saved_entries (checksums verified)", DeprecationWarning, stacklevel=2)
+    return saves.saved_entries(read_metadata(os.fspath(path), None))
