@@ -707,9 +707,8 @@ def main(argv: list[str] | None = None) -> int:
         for r in records:
             if not r["ok"]:
                 print(f"  FAILED seed {r['seed']}: {r['why']}", flush=True)
-        print(_table([("two jobs on one --checkpoint-dir", len(records), sum(r.get("cli_refused", False) for r in records),
-                       sum(r.get("past_refused", False) for r in records), sum(r.get("saves_ok", False) for r in records),
-                       sum(r["ok"] for r in records))],
+        counts = [sum(r.get(k, False) for r in records) for k in ("cli_refused", "past_refused", "saves_ok", "ok")]
+        print(_table([("two jobs on one --checkpoint-dir", len(records), *counts)],
                      ("scenario", "runs", "B refused before launch", "B refused by the lock",
                       "A's saves complete, resumed", "passed")))
     elif args.family == "launcher":

@@ -238,7 +238,8 @@ def test_planted_file_at_the_old_shared_path_is_not_trained_on(lm_cfg):
 
     planted = Path(tempfile.gettempdir()) / "shardkit-tokens"
     planted.mkdir()
-    torch.save(torch.full((80_000,), 7, dtype=torch.int32), planted / f"{_old_key(lm_cfg.model_path, corpus_files(lm_cfg.data))}.pt")
+    old_name = f"{_old_key(lm_cfg.model_path, corpus_files(lm_cfg.data))}.pt"
+    torch.save(torch.full((80_000,), 7, dtype=torch.int32), planted / old_name)
     task = build_task(lm_cfg, torch.device("cpu"))
     assert torch.equal(task.sampler.tokens, _true_stream(lm_cfg))
 

@@ -37,7 +37,8 @@ def tp_rows(out: Rows, shape: ModelShape, opts: StepOptions, layers: list[int], 
     if last:
         if opts.loss_parallel:
             cdt = 4 if e < 4 else e
-            add("tp", "all_reduce", "vocab_parallel_cross_entropy", "forward", t, M, (T + 2 * t + 2) * 8, (T + 2 * t + 2) * 8)
+            width = (T + 2 * t + 2) * 8  # row maxima, widths, labels verdicts, fingerprint
+            add("tp", "all_reduce", "vocab_parallel_cross_entropy", "forward", t, M, width, width)
             add("tp", "all_reduce", "vocab_parallel_cross_entropy", "forward", t, M, (2 * T + 1) * cdt, (2 * T + 1) * cdt)
         else:
             logits = T * shape.vocab * e
