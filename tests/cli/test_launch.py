@@ -48,3 +48,30 @@ def test_failed_job_prints_where_the_ranks_diverged(tmp_path, capsys):
     assert "diverged" in err and "all_reduce" in err and "all_to_all" in err and str(tmp_path) in err
     _print_flight_report(str(tmp_path / "none"))  # no dumps: nothing printed
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("own", [True, False], ids=["shardkit's error", "another error"])
+def test_a_shardkit_error_is_printed_as_its_message_not_a_traceback(tmp_path, own):
+    """shardkit's own (agreed) errors are written for the user: the launcher prints the message
+    and where it was raised; any other error keeps its whole traceback."""
+    import json
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from shardkit.cli.launch import format_failures
+
+    last = ("shardkit.errors.NonFiniteError: step 2: the global loss (nan) is not finite" if own else
+            "ZeroDivisionError: division by zero")
+    stack = ('Traceback (most recent call last):\n  File "/x/shardkit/cli/worker.py", line 204, in _run_steps\n'
+             '    _nonfinite_step(step)\n  File "/x/shardkit/cli/worker.py", line 233, in _nonfinite_step\n'
+             f'    raise NonFiniteError(where)\n{last}\n')
+    error_file = tmp_path / "error.json"
+    error_file.write_text(json.dumps({"message": {"message": last, "extraInfo": {"py_callstack": stack,
+                                                                                  "timestamp": "1"}}}))
+    text = format_failures(ChildFailedError("worker", {1: ProcessFailure(1, 10, 1, str(error_file))}))
+    if own:
+        assert text.splitlines() == ["rank 1 failed first (exit code 1):",
+                                     "NonFiniteError: step 2: the global loss (nan) is not finite",
+                                     "  (raised at /x/shardkit/cli/worker.py:233, in _nonfinite_step)"], text
+    else:
+        assert "Traceback (most recent call last)" in text and "line 204, in _run_steps" in text, text

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -88,7 +89,8 @@ def _order(item) -> tuple:
 
 
 def format_failures(err, stalled: dict[int, float] | None = None) -> str:
-    """The root-cause rank's traceback, then one line per other failed rank.
+    """The root-cause rank's traceback (for a :class:`~shardkit.ShardkitError`, its message and
+    where it was raised), then one line per other failed rank.
 
     A rank that stopped answering (``stalled``: its heartbeats ended long before the others')
     comes first, named as the suspect: the others' timeout errors are what waiting for it
@@ -109,11 +111,34 @@ def format_failures(err, stalled: dict[int, float] | None = None) -> str:
     others = [(r, f) for r, f in failures if r not in stalled]
     if not stalled:
         (rank, first), others = failures[0], failures[1:]
-        lines += [f"rank {rank} failed first (exit code {first.exitcode}):", _message(first).rstrip()]
+        # One of shardkit's own errors says what is wrong in its message (agreed errors are the
+        # same on every rank): a traceback would only bury it. Any other error keeps its traceback.
+        concise = _shardkit_error(_message(first))
+        lines += [f"rank {rank} failed first (exit code {first.exitcode}):",
+                  concise if concise is not None else _message(first).rstrip()]
     for r, f in others:
         last = _message(f).strip().splitlines()[-1:] or [""]
         lines.append(f"rank {r} also stopped (exit code {f.exitcode}): {last[0]}")
     return "\n".join(lines)
+
+
+# The last line of a traceback of shardkit's own errors (``shardkit.errors.NonFiniteError: ...``),
+# and the innermost frame of a traceback.
+_OWN_ERROR = re.compile(r"^shardkit\.(?:errors|_optional)\.(\w+): ", re.S)
+_FRAME = re.compile(r'^\s*File "(.+)", line (\d+), in (\S+)$')
+
+
+def _shardkit_error(text: str) -> str | None:
+    """A rank's traceback as ``Class: message`` and where it was raised, when the error is one of
+    shardkit's own (a :class:`~shardkit.ShardkitError`: its message is written for the user);
+    None for any other error, whose traceback is the diagnosis."""
+    lines = text.rstrip().splitlines()
+    start = next((i for i, line in enumerate(lines) if _OWN_ERROR.match(line)), None)
+    if start is None:
+        return None
+    frames = [m for line in lines[:start] if (m := _FRAME.match(line))]
+    where = f"\n  (raised at {frames[-1].group(1)}:{frames[-1].group(2)}, in {frames[-1].group(3)})" if frames else ""
+    return "\n".join(lines[start:]).removeprefix("shardkit.errors.").removeprefix("shardkit._optional.") + where
 
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
