@@ -45,6 +45,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from harness.helpers import rank, remove_shared_dir, shared_tmpdir, world_size
 from shardkit import ShardkitError
 from shardkit.checkpoint import MANIFEST, latest_checkpoint
+from shardkit.cli.checkpoint_dir import check_checkpoint_dir
 from shardkit.cli.config import TrainConfig, parallel_dims, validate_config
 from shardkit.cli.worker import build_parallel_model, build_task, build_train_model, run_training, train
 
@@ -66,7 +67,10 @@ def _key(index) -> str:
 
 
 def _cfg(**kw) -> TrainConfig:
-    return validate_config(TrainConfig(**{**BASE, **kw}), world_size=world_size())
+    """A configuration as ``shardkit train`` checks it before launch (layout, then the directory)."""
+    cfg = validate_config(TrainConfig(**{**BASE, **kw}), world_size=world_size())
+    check_checkpoint_dir(cfg)
+    return cfg
 
 
 def _train(cfg: TrainConfig):
@@ -379,7 +383,7 @@ def test_latest_outside_the_root_is_refused(tmp_path):
         latest_checkpoint(root)
     with pytest.raises(ShardkitError, match=r"--checkpoint-dir .*: cannot resume: .*'../elsewhere', which is not a "
                                             "save inside"):
-        validate_config(TrainConfig(**BASE, checkpoint_dir=str(root), resume=True))
+        check_checkpoint_dir(validate_config(TrainConfig(**BASE, checkpoint_dir=str(root), resume=True)))
 
 
 @pytest.mark.parametrize("setup,message", [
@@ -416,7 +420,7 @@ def test_checkpoint_dir_is_refused_before_launch(tmp_path, setup, message):
             (root / f"step_{step:08d}" / MANIFEST).write_text(json.dumps({"step": step, "model": model}))
         (root / "latest").write_text("step_00000002")
     with pytest.raises(ShardkitError, match=message):
-        validate_config(TrainConfig(**BASE, checkpoint_dir=str(root), **kw))
+        check_checkpoint_dir(validate_config(TrainConfig(**BASE, checkpoint_dir=str(root), **kw)))
 
 
 def test_a_save_of_an_earlier_shardkit_passes_the_launch_check(tmp_path):
@@ -427,6 +431,7 @@ def test_a_save_of_an_earlier_shardkit_passes_the_launch_check(tmp_path):
     (root / "step_00000002" / MANIFEST).write_text(json.dumps({"step": 2, "layout": "tp=2", "keys": 9}))
     (root / "latest").write_text("step_00000002")
     cfg = validate_config(TrainConfig(**BASE, checkpoint_dir=str(root), resume=True))
+    check_checkpoint_dir(cfg)
     assert cfg.resume and cfg.checkpoint_dir == str(root)
 
 

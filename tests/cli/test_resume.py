@@ -19,6 +19,7 @@ import torch
 from harness.helpers import rank, remove_shared_dir, shared_tmpdir, world_size
 from shardkit import ShardkitError
 from shardkit.checkpoint import MANIFEST, latest_checkpoint
+from shardkit.cli.checkpoint_dir import check_checkpoint_dir
 from shardkit.cli.config import TrainConfig, validate_config
 from shardkit.cli.worker import train
 
@@ -26,7 +27,9 @@ BASE = dict(seq_len=16, batch_size=4, dtype="float64", layers=2, lr=1e-3)
 
 
 def _run(**kw):
+    """``shardkit train`` in this world: the checks before launch (layout, then the directory), then the run."""
     cfg = validate_config(TrainConfig(**{**BASE, **kw}), world_size=world_size())
+    check_checkpoint_dir(cfg)
     return train(cfg, "gloo", torch.device("cpu"), time.perf_counter(), progress=False)
 
 
@@ -140,7 +143,7 @@ def test_a_lock_that_cannot_be_judged_stale_is_refused(holder, message):
                 f.write("{" if holder is None else json.dumps(holder))
         torch.distributed.barrier()
         with pytest.raises(ShardkitError, match=message):
-            validate_config(cfg)
+            check_checkpoint_dir(cfg)
         with pytest.raises(ShardkitError, match=rf"shardkit train --checkpoint-dir: .*{message}"):
             train(cfg, "gloo", torch.device("cpu"), time.perf_counter(), progress=False)
         assert sorted(os.listdir(root)) == [LOCK]

@@ -282,9 +282,6 @@ def validate_config(cfg: TrainConfig, world_size: int | None = None) -> TrainCon
     else:
         cfg = _validate_lm(cfg)
     parallel_dims(cfg)  # the mesh's own checks (ep borrowing, pp_tp), before launch
-    from .checkpoint_dir import check_checkpoint_dir
-
-    check_checkpoint_dir(cfg)  # its saves are of this model (the description needs it resolved)
     return cfg
 
 

@@ -8,32 +8,28 @@ document count), then the tokens and the document sizes, so the other ranks hold
 stream. An error while reading is broadcast instead and raised as the same
 :class:`~shardkit.ShardkitError` on every rank.
 
-Only regular files are read: :func:`read_regular` refuses a FIFO (whose ``open`` would block
-every rank forever), a socket, a device, a broken symbolic link or an unreadable file, naming the
-file; :func:`check_files` runs the same checks in the launching process before any rank starts.
+Only regular files are read: :func:`.data.read_regular` refuses a FIFO (whose ``open`` would
+block every rank forever), a socket, a device, a broken symbolic link or an unreadable file,
+naming the file; :func:`.data.check_files` runs the same checks in the launching process before
+any rank starts.
 """
 
 from __future__ import annotations
 
-import os
-import stat
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from ..errors import ShardkitError
+from . import data
 
 if TYPE_CHECKING:
     from .config import TrainConfig
 
-__all__ = ["Corpus", "check_files", "read_regular", "read_documents", "read_corpus", "shared_corpus", "one_source"]
-
-_KINDS = {stat.S_ISFIFO: "a FIFO", stat.S_ISSOCK: "a socket", stat.S_ISCHR: "a character device",
-          stat.S_ISBLK: "a block device", stat.S_ISDIR: "a directory"}
+__all__ = ["Corpus", "read_corpus", "shared_corpus", "one_source"]
 
 
 @dataclass(frozen=True)
@@ -50,80 +46,14 @@ class Corpus:
     doc_sizes: tuple[int, ...] = ()
 
 
-def _regular_stat(path: Path, st: os.stat_result) -> None:
-    if not stat.S_ISREG(st.st_mode):
-        kind = next((name for test, name in _KINDS.items() if test(st.st_mode)), "not a regular file")
-        raise ShardkitError(f"--data: {path} is {kind}; only regular files are read")
-
-
-def _open_regular(path: Path) -> int:
-    """An fd of ``path`` opened for reading without blocking, checked to be a regular file."""
-    try:
-        _regular_stat(path, os.stat(path))  # before open: opening a socket fails, a FIFO would block
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        what = "is a broken symbolic link" if os.path.islink(path) else "does not exist (any more)"
-        raise ShardkitError(f"--data: {path} {what}") from None
-    except OSError as e:
-        raise ShardkitError(f"--data: cannot read {path}: {e.strerror}") from e
-    try:
-        _regular_stat(path, os.fstat(fd))  # the file opened is the one checked (no swap in between)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def check_files(files: list[Path]) -> None:
-    """Every file is a regular file this process can open for reading (nothing is read).
-
-    Raises:
-        ShardkitError: naming the first file that is not (a FIFO, socket, device, broken symbolic
-            link, or a file without read permission).
-    """
-    for f in files:
-        os.close(_open_regular(f))
-
-
-def read_regular(path: Path, limit: int | None = None) -> bytes:
-    """The first ``limit`` bytes of ``path`` (None: all), read only if it is a regular file.
-
-    Raises:
-        ShardkitError: as :func:`check_files`, or the read fails (the message has the errno text).
-    """
-    fd = _open_regular(path)
-    try:
-        with open(fd, "rb", closefd=False) as fh:
-            return fh.read() if limit is None else fh.read(limit)
-    except OSError as e:
-        raise ShardkitError(f"--data: cannot read {path}: {e.strerror}") from e
-    finally:
-        os.close(fd)
-
-
-def read_documents(files: list[Path], max_bytes: int | None = None) -> list[bytes]:
-    """The files' bytes in order, stopping after ``max_bytes`` in all (None: everything)."""
-    docs: list[bytes] = []
-    total = 0
-    for f in files:
-        limit = None if max_bytes is None else max_bytes - total
-        if limit is not None and limit <= 0:
-            break
-        docs.append(read_regular(f, limit))
-        total += len(docs[-1])
-    return docs
-
-
 def read_corpus(cfg: TrainConfig) -> Corpus:
     """The token stream of a ``TrainConfig``, read in this process: byte ids of the ``--data``
     files, or their encoding by ``--model-path``'s tokenizer (through the per-user cache)."""
-    from .data import corpus_files
-
-    files = corpus_files(cfg.data)
+    files = data.corpus_files(cfg.data)
     if cfg.model_path is None:
-        docs = read_documents(files)
-        data = bytearray(b"".join(docs))
-        tokens = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+        docs = data.read_documents(files)
+        raw = bytearray(b"".join(docs))
+        tokens = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
         return Corpus(tokens, tuple(len(d) for d in docs))
     from .pretrained import check_tokenizer, load_tokenizer, read_config
     from .tokens import token_stream, user_cache_dir

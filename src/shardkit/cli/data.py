@@ -2,19 +2,22 @@
 
 Byte-level tokenization (token = byte value, vocab 256) needs no tokenizer files, so any text
 works offline. The default corpus is the Python standard library's own source tree, which ships
-with every Python installation.
+with every Python installation. Only regular files are read (:func:`read_regular`): a FIFO would
+block the reader forever, a device never ends.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 import torch
 
 from ..errors import ShardkitError
 
-__all__ = ["VOCAB_SIZE", "stdlib_files", "corpus_files", "load_tokens", "BatchSampler"]
+__all__ = ["VOCAB_SIZE", "stdlib_files", "corpus_files", "check_files", "read_regular", "read_documents", "load_tokens",
+           "BatchSampler"]
 
 VOCAB_SIZE = 256
 # Third-party code lives under the stdlib folder but is not the standard library.
@@ -59,6 +62,74 @@ def corpus_files(path: str | None) -> list[Path]:
     return sorted(out)
 
 
+_KINDS = {stat.S_ISFIFO: "a FIFO", stat.S_ISSOCK: "a socket", stat.S_ISCHR: "a character device",
+          stat.S_ISBLK: "a block device", stat.S_ISDIR: "a directory"}
+
+
+def _regular_stat(path: Path, st: os.stat_result) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        kind = next((name for test, name in _KINDS.items() if test(st.st_mode)), "not a regular file")
+        raise ShardkitError(f"--data: {path} is {kind}; only regular files are read")
+
+
+def _open_regular(path: Path) -> int:
+    """An fd of ``path`` opened for reading without blocking, checked to be a regular file."""
+    try:
+        _regular_stat(path, os.stat(path))  # before open: opening a socket fails, a FIFO would block
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        what = "is a broken symbolic link" if os.path.islink(path) else "does not exist (any more)"
+        raise ShardkitError(f"--data: {path} {what}") from None
+    except OSError as e:
+        raise ShardkitError(f"--data: cannot read {path}: {e.strerror}") from e
+    try:
+        _regular_stat(path, os.fstat(fd))  # the file opened is the one checked (no swap in between)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def check_files(files: list[Path]) -> None:
+    """Every file is a regular file this process can open for reading (nothing is read).
+
+    Raises:
+        ShardkitError: naming the first file that is not (a FIFO, socket, device, broken symbolic
+            link, or a file without read permission).
+    """
+    for f in files:
+        os.close(_open_regular(f))
+
+
+def read_regular(path: Path, limit: int | None = None) -> bytes:
+    """The first ``limit`` bytes of ``path`` (None: all), read only if it is a regular file.
+
+    Raises:
+        ShardkitError: as :func:`check_files`, or the read fails (the message has the errno text).
+    """
+    fd = _open_regular(path)
+    try:
+        with open(fd, "rb", closefd=False) as fh:
+            return fh.read() if limit is None else fh.read(limit)
+    except OSError as e:
+        raise ShardkitError(f"--data: cannot read {path}: {e.strerror}") from e
+    finally:
+        os.close(fd)
+
+
+def read_documents(files: list[Path], max_bytes: int | None = None) -> list[bytes]:
+    """The files' bytes in order, stopping after ``max_bytes`` in all (None: everything)."""
+    docs: list[bytes] = []
+    total = 0
+    for f in files:
+        limit = None if max_bytes is None else max_bytes - total
+        if limit is not None and limit <= 0:
+            break
+        docs.append(read_regular(f, limit))
+        total += len(docs[-1])
+    return docs
+
+
 def load_tokens(files: list[Path], max_bytes: int | None = None) -> torch.Tensor:
     """Concatenate the files' bytes into one token stream.
 
@@ -70,10 +141,8 @@ def load_tokens(files: list[Path], max_bytes: int | None = None) -> torch.Tensor
         ``[N]`` uint8 tensor of token ids (byte values, vocab 256).
 
     Raises:
-        ShardkitError: a file is not a regular readable file (:func:`.corpus.read_regular`).
+        ShardkitError: a file is not a regular readable file (:func:`read_regular`).
     """
-    from .corpus import read_documents
-
     buf = bytearray(b"".join(read_documents(files, max_bytes)))
     if not buf:
         return torch.empty(0, dtype=torch.uint8)

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ShardkitError
-from .corpus import read_regular
+from .data import read_regular
 from .pretrained import load_tokenizer, resolve_checkpoint
 
 __all__ = ["DEFAULT_MAX_BYTES", "corpus_prefix", "encode_files", "token_stream", "user_cache_dir"]
@@ -64,7 +64,7 @@ def encode_files(parts: list[tuple[Path, int]], tokenizer) -> torch.Tensor:
 
     Args:
         parts: ``(file, n_bytes)`` pairs, as :func:`corpus_prefix` returns (regular files only:
-            :func:`.corpus.read_regular`).
+            :func:`.data.read_regular`).
         tokenizer: a transformers tokenizer.
 
     Returns:

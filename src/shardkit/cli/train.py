@@ -16,9 +16,9 @@ from rich.console import Console
 from .._optional import check_train, require
 from .._quiet import quiet_third_party
 from ..errors import ShardkitError
+from .checkpoint_dir import check_checkpoint_dir
 from .config import DTYPES, MODELS, SCHEDULES, TrainConfig, load_toml, merge_config, validate_config
-from .corpus import check_files
-from .data import corpus_files
+from .data import check_files, corpus_files
 from .limits import check_machine
 from .liveness import clear_flight_dir
 
@@ -132,7 +132,10 @@ def config_from_args(args: argparse.Namespace, world_size: int | None = None) ->
     values = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
     file_values = load_toml(args.config) if args.config else {}
     cfg = validate_config(merge_config(file_values, values), world_size)
+    # What this machine and its files allow, checked against the resolved layout: cores and
+    # memory, a --checkpoint-dir of this model's saves, readable regular --data files.
     check_machine(cfg, local_launch=world_size is None)
+    check_checkpoint_dir(cfg)
     if cfg.model == "conv-ae":
         return cfg  # its data is matplotlib's sample photo, not a text corpus
     # A missing, unreadable, not regular or too short --data fails here, before any process
