@@ -32,6 +32,7 @@ import math
 from typing import TYPE_CHECKING, Any
 from dataclasses import dataclass, fields
 
+from .comm._compat import world_timeout_options
 from .errors import ShardkitError, ShardkitTypeError
 
 if TYPE_CHECKING:
@@ -225,7 +226,7 @@ class ParallelDims:
         # Only the axes of degree > 1 get process groups: a size-1 axis is the identity, and a
         # gloo group keeps threads of its own (a long-lived process that builds many layouts,
         # like a test world, would otherwise pile up thousands of idle groups).
-        options = _world_timeout_options()
+        options = world_timeout_options()
         active = [(axis, d) for axis, d in self.degrees.items() if d > 1]
         views: dict[str, Any] = {}
         root = None
@@ -370,36 +371,3 @@ class ParallelMesh:
         from .comm._group import resolve_group
 
         return 0 if self._absent(name) else resolve_group(self[name], "ParallelMesh").rank
-
-
-def world_timeout():
-    """The default process group's timeout (a ``timedelta``), which every group of a run shares
-    (torch's subgroups otherwise get the backend's default, 30 minutes for gloo, whatever the
-    world was created with); None when the backend's options cannot be read."""
-    import torch
-    import torch.distributed as dist
-
-    world = dist.group.WORLD
-    device = torch.device("cuda" if dist.get_backend(world) == "nccl" else "cpu")
-    try:
-        return world._get_backend(device).options._timeout
-    except (AttributeError, RuntimeError):
-        return None  # a backend without readable options: keep torch's default
-
-
-def _world_timeout_options():
-    """Backend options carrying :func:`world_timeout`, for every subgroup a mesh creates; None
-    when it cannot be read (torch's default then applies)."""
-    import torch.distributed as dist
-    from torch._C._distributed_c10d import Backend
-
-    timeout = world_timeout()
-    if timeout is None:
-        return None
-    backend = dist.get_backend(dist.group.WORLD)
-    if backend == "nccl":
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-    else:
-        options = Backend.Options(backend, timeout)
-    return options

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch.distributed as dist
 
 from .._shapes import balanced_split_sizes, split_offsets
+from ..comm._compat import world_timeout
 from ..comm._group import resolve_group
 from ..errors import ShardkitError
 from ..layouts import Replicate, Shard
@@ -200,7 +201,7 @@ def new_stage_groups(tp_sizes: Sequence[int], dp: int = 1,
         tp_sizes: the tp size of each stage.
         dp: pipeline replicas.
         timeout: every new group's timeout; None: the default process group's
-            (:func:`shardkit.mesh.world_timeout`; torch's own default for a subgroup is 30
+            (:func:`shardkit.comm._compat.world_timeout`; torch's own default for a subgroup is 30
             minutes on gloo, whatever the world's).
 
     Returns:
@@ -217,8 +218,6 @@ def new_stage_groups(tp_sizes: Sequence[int], dp: int = 1,
     if T * dp != world:
         raise ShardkitError(f"new_stage_groups: dp={dp} x sum(tp_sizes {sizes}) = {T * dp} ranks, world has {world}")
     if timeout is None:
-        from ..mesh import world_timeout
-
         timeout = world_timeout()
     offsets = split_offsets(sizes)
     mine = {}
