@@ -20,11 +20,11 @@ import time
 
 import torch
 
-from shardkit.cli.data import BatchSampler, stdlib_files
+from shardkit.train.data import BatchSampler, stdlib_files
 from shardkit.cli.loop import ADAM_EPS, causal_lm_loss
-from shardkit.cli.pretrained import load_pretrained, smollm2_gguf
-from shardkit.cli.schedule import FINETUNE_LR, warmup_cosine
-from shardkit.cli.tokens import token_stream
+from shardkit.train.pretrained import load_pretrained, smollm2_gguf
+from shardkit.train.schedule import FINETUNE_LR, warmup_cosine
+from shardkit.train.tokens import token_stream
 
 
 def run(model, sampler, steps: int, lr: float, schedule: bool, held_out: torch.Tensor) -> tuple[list[float], float]:

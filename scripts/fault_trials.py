@@ -25,7 +25,7 @@
 
 ``python scripts/fault_trials.py save --trainer [--runs 10] [--json PATH]``
     The same kills in the trainer itself: a 2-rank ``tp=2`` float64 run of the composed trainer
-    (:func:`shardkit.cli.worker.train`, what ``shardkit train`` runs on each rank) saving every
+    (:func:`shardkit.train.run.train`, what ``shardkit train`` runs on each rank) saving every
     step (``--save-every 1``) is killed inside its step-2 save (rank 0, rank 1 or the whole job,
     before a random one of the victim's file-system operations of that save). Then, in this
     process (one rank, another layout): the latest checkpoint is step 1 or step 2, ``--resume``
@@ -177,7 +177,7 @@ TRAIN_WINDOW = {"after": "step_00000002", "until": "step_00000003"}
 
 
 def _train_cfg(nproc: int, **kw):
-    from shardkit.cli.config import TrainConfig, validate_config
+    from shardkit.train.config import TrainConfig, validate_config
 
     return validate_config(TrainConfig(**{**TRAIN, "nproc": nproc, **kw}), world_size=nproc)
 
@@ -206,7 +206,7 @@ def _train_worker(plan: dict, rank: int, victim: bool) -> None:
 
     import torch
 
-    from shardkit.cli.worker import train
+    from shardkit.train.run import train
 
     if victim:
         _arm_save_kill(plan, rank)
@@ -237,7 +237,7 @@ def worker(plan: dict) -> None:
 
     from shardkit import apply_tp, save_sharded_checkpoint
     from shardkit._local_world import init_local_world
-    from shardkit.cli.liveness import Heartbeat
+    from shardkit.train.liveness import Heartbeat
 
     rank = int(os.environ["RANK"])
     victim = rank == plan.get("victim")
@@ -545,7 +545,7 @@ def _verify_train(root: str) -> dict:
     import torch
 
     from shardkit.checkpoint import MANIFEST, latest_checkpoint
-    from shardkit.cli.worker import train
+    from shardkit.train.run import train
 
     def run(**kw) -> dict:
         result = train(_train_cfg(1, tp=1, **kw), "gloo", torch.device("cpu"), time.perf_counter(), progress=False)
@@ -664,7 +664,7 @@ def _verify_writers(root: str) -> dict:
     import torch.distributed as dist
 
     from shardkit.checkpoint import MANIFEST, latest_checkpoint
-    from shardkit.cli.worker import train
+    from shardkit.train.run import train
 
     names = sorted(n for n in os.listdir(root) if not n.startswith("."))
     expected = ["latest"] + [f"step_{s:08d}" for s in range(1, WRITER_STEPS + 1)]

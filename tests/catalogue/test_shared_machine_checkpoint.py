@@ -16,7 +16,7 @@
 * row 12 (its checkpoint part): ``--keep N`` keeps the newest N saves; a ``latest`` pointing
   outside the root is refused.
 
-Each trainer run is a 2-rank ``tp=2`` float64 run of :func:`shardkit.cli.worker.train` (what
+Each trainer run is a 2-rank ``tp=2`` float64 run of :func:`shardkit.train.run.train` (what
 ``shardkit train`` runs on each rank) in a persistent gloo world; files are damaged by rank 0
 between runs, as a user, a disk or an attacker would.
 """
@@ -45,9 +45,9 @@ from torch.distributed.checkpoint import FileSystemReader
 from harness.helpers import rank, remove_shared_dir, shared_tmpdir, world_size
 from shardkit import ShardkitError
 from shardkit.checkpoint import MANIFEST, latest_checkpoint
-from shardkit.cli.checkpoint_dir import check_checkpoint_dir
-from shardkit.cli.config import TrainConfig, parallel_dims, validate_config
-from shardkit.cli.worker import build_parallel_model, build_task, build_train_model, run_training, train
+from shardkit.train.checkpoint_dir import check_checkpoint_dir
+from shardkit.train.config import TrainConfig, parallel_dims, validate_config
+from shardkit.train.run import build_parallel_model, build_task, build_train_model, run_training, train
 
 BASE = dict(seq_len=16, batch_size=4, dtype="float64", layers=2, lr=1e-3, tp=2)
 ITEM = "model/model.embed_tokens.weight"

@@ -33,8 +33,8 @@ import torch.distributed as dist
 
 from harness.helpers import rank, remove_shared_dir, shared_tmpdir, world_size
 from shardkit import ShardkitError
-from shardkit.cli import limits
-from shardkit.cli.config import TrainConfig, validate_config
+from shardkit.train import limits
+from shardkit.train.config import TrainConfig, validate_config
 from shardkit.cli.main import build_parser
 from shardkit.cli.train import config_from_args
 from shardkit.errors import NonFiniteError
@@ -59,7 +59,7 @@ def _agreed(message: str | None) -> list:
 @pytest.mark.world(2, timeout=120)
 def test_lr_1e9_stops_naming_the_step_and_latest_stays_finite():
     from shardkit.checkpoint import latest_checkpoint
-    from shardkit.cli.worker import train
+    from shardkit.train.run import train
 
     root = shared_tmpdir("shardkit-nonfinite-")
     try:
@@ -82,8 +82,8 @@ def test_lr_1e9_stops_naming_the_step_and_latest_stays_finite():
 
 
 def _built(cfg):
-    from shardkit.cli.config import parallel_dims
-    from shardkit.cli.worker import build_parallel_model, build_task, build_train_model
+    from shardkit.train.config import parallel_dims
+    from shardkit.train.run import build_parallel_model, build_task, build_train_model
 
     device = torch.device("cpu")
     mesh = parallel_dims(cfg).build_mesh("cpu")
@@ -94,7 +94,7 @@ def _built(cfg):
 
 @pytest.mark.world(4, timeout=120)
 def test_nan_parameter_on_one_rank_stops_every_rank_at_step_1():
-    from shardkit.cli.worker import run_training
+    from shardkit.train.run import run_training
 
     cfg = validate_config(TrainConfig(**SMALL, steps=3), world_size=world_size())  # tp=2 x dp=2
     pm, task, loss_scale = _built(cfg)
@@ -129,7 +129,7 @@ class _PoisonOnce:
 @pytest.mark.world(2, timeout=120)
 @pytest.mark.parametrize("allowed", [0, 1])
 def test_skip_nonfinite_skips_a_poisoned_step_without_applying_it(allowed):
-    from shardkit.cli.worker import run_training
+    from shardkit.train.run import run_training
 
     cfg = validate_config(TrainConfig(**SMALL, steps=4, skip_nonfinite=allowed, tp=1), world_size=world_size())
     pm, task, loss_scale = _built(cfg)
@@ -138,7 +138,7 @@ def test_skip_nonfinite_skips_a_poisoned_step_without_applying_it(allowed):
     def keep(step, loss):
         params.append([p.detach().clone() for p in pm.module.parameters()])
 
-    from shardkit.cli.metrics import MetricsLog
+    from shardkit.train.metrics import MetricsLog
 
     folder = tempfile.mkdtemp(prefix="shardkit-metrics-")  # rank 0 writes the metrics
     metrics = MetricsLog(folder, "tokens", cfg.seq_len, cfg.batch_size, torch.device("cpu"), tensorboard=False)
@@ -209,8 +209,8 @@ def lm_cfg(checkpoint, tmp_path, monkeypatch):
 
 
 def _true_stream(cfg) -> torch.Tensor:
-    from shardkit.cli.data import corpus_files
-    from shardkit.cli.tokens import token_stream
+    from shardkit.train.data import corpus_files
+    from shardkit.train.tokens import token_stream
 
     return token_stream(cfg.model_path, corpus_files(cfg.data))  # no cache
 
@@ -219,8 +219,8 @@ def _old_key(model_path: str, files: list[Path]) -> str:
     """The cache file name of the old shared cache: computable by anyone from stat()."""
     import transformers
 
-    from shardkit.cli.pretrained import resolve_checkpoint
-    from shardkit.cli.tokens import DEFAULT_MAX_BYTES, corpus_prefix
+    from shardkit.train.pretrained import resolve_checkpoint
+    from shardkit.train.tokens import DEFAULT_MAX_BYTES, corpus_prefix
 
     parts = corpus_prefix(files, DEFAULT_MAX_BYTES)
     h = hashlib.sha256(f"tokens-v1\0{transformers.__version__}\0{DEFAULT_MAX_BYTES}\0".encode())
@@ -233,8 +233,8 @@ def _old_key(model_path: str, files: list[Path]) -> str:
 
 
 def test_planted_file_at_the_old_shared_path_is_not_trained_on(lm_cfg):
-    from shardkit.cli.data import corpus_files
-    from shardkit.cli.worker import build_task
+    from shardkit.train.data import corpus_files
+    from shardkit.train.run import build_task
 
     planted = Path(tempfile.gettempdir()) / "shardkit-tokens"
     planted.mkdir()
@@ -245,8 +245,8 @@ def test_planted_file_at_the_old_shared_path_is_not_trained_on(lm_cfg):
 
 
 def test_tampered_or_garbage_cache_entry_is_ignored_and_rewritten(lm_cfg, monkeypatch):
-    from shardkit.cli import tokens as tokens_mod
-    from shardkit.cli.worker import build_task
+    from shardkit.train import tokens as tokens_mod
+    from shardkit.train.run import build_task
 
     truth = _true_stream(lm_cfg)
     build_task(lm_cfg, torch.device("cpu"))  # fills the cache
@@ -268,7 +268,7 @@ def test_tampered_or_garbage_cache_entry_is_ignored_and_rewritten(lm_cfg, monkey
 
 @pytest.mark.parametrize("how", ["group-writable", "another owner"])
 def test_a_cache_folder_that_is_not_private_is_not_used(lm_cfg, capsys, how):
-    from shardkit.cli.worker import build_task
+    from shardkit.train.run import build_task
 
     folder = Path(os.environ["XDG_CACHE_HOME"]) / "shardkit"
     folder.mkdir(parents=True, mode=0o700)
@@ -290,8 +290,8 @@ def test_a_cache_folder_that_is_not_private_is_not_used(lm_cfg, capsys, how):
 def test_every_rank_trains_on_rank_0s_stream_when_the_files_change(packed):
     """Each rank sees the corpus file at another moment (rank r: r x 100 bytes appended); every
     rank must still hold global rank 0's stream and documents."""
-    from shardkit.cli import data
-    from shardkit.cli.worker import build_task
+    from shardkit.train import data
+    from shardkit.train.run import build_task
 
     folder = shared_tmpdir("shardkit-onesource-")
     try:
@@ -318,8 +318,8 @@ def test_every_rank_trains_on_rank_0s_stream_when_the_files_change(packed):
 @pytest.mark.world(2, timeout=60)
 def test_a_fifo_read_after_launch_is_the_same_error_on_every_rank():
     """The FIFO appears after the launcher's check (only rank 0 reads): no rank blocks on it."""
-    from shardkit.cli import data
-    from shardkit.cli.worker import build_task
+    from shardkit.train import data
+    from shardkit.train.run import build_task
 
     folder = shared_tmpdir("shardkit-fifo-")
     try:
@@ -342,7 +342,7 @@ def test_a_fifo_read_after_launch_is_the_same_error_on_every_rank():
 
 @pytest.mark.world(3)
 def test_any_failure_of_the_reader_is_one_shardkit_error_on_every_rank():
-    from shardkit.cli.corpus import one_source
+    from shardkit.train.corpus import one_source
 
     def read():
         raise RuntimeError("disk on fire")
@@ -456,7 +456,7 @@ def test_smollm2_fine_tuning_fits_an_8_gib_machine(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("model", ["llama", "qwen2", "qwen3", "moe", "mla"])
 def test_the_limits_model_shape_is_the_built_models(model):
-    from shardkit.cli.model import _hf_config
+    from shardkit.train.model import _hf_config
     from shardkit.plan import ModelShape
 
     cfg = validate_config(TrainConfig(model=model, nproc=4))

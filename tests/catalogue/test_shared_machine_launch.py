@@ -27,10 +27,10 @@ import pytest
 import torch.distributed as dist
 
 from shardkit import ShardkitError
-from shardkit.cli.config import TrainConfig, validate_config
+from shardkit.train.config import TrainConfig, validate_config
 from shardkit.cli.launch import launch_local
 from shardkit._local_world import init_local_world, loopback_interface, private_run_dir
-from shardkit.cli.liveness import GRACE_S, Beat, clear_flight_dir, read_heartbeats, stalled_ranks, to_stop
+from shardkit.train.liveness import GRACE_S, Beat, clear_flight_dir, read_heartbeats, stalled_ranks, to_stop
 
 # --- row 1: nothing listens beyond loopback ----------------------------------------------------
 

@@ -62,8 +62,8 @@ def test_a_shardkit_error_is_printed_as_its_message_not_a_traceback(tmp_path, ow
 
     last = ("shardkit.errors.NonFiniteError: step 2: the global loss (nan) is not finite" if own else
             "ZeroDivisionError: division by zero")
-    stack = ('Traceback (most recent call last):\n  File "/x/shardkit/cli/worker.py", line 204, in _run_steps\n'
-             '    _nonfinite_step(step)\n  File "/x/shardkit/cli/worker.py", line 233, in _nonfinite_step\n'
+    stack = ('Traceback (most recent call last):\n  File "/x/shardkit/train/run.py", line 204, in _run_steps\n'
+             '    _nonfinite_step(step)\n  File "/x/shardkit/train/run.py", line 233, in _nonfinite_step\n'
              f'    raise NonFiniteError(where)\n{last}\n')
     error_file = tmp_path / "error.json"
     error_file.write_text(json.dumps({"message": {"message": last, "extraInfo": {"py_callstack": stack,
@@ -72,6 +72,6 @@ def test_a_shardkit_error_is_printed_as_its_message_not_a_traceback(tmp_path, ow
     if own:
         assert text.splitlines() == ["rank 1 failed first (exit code 1):",
                                      "NonFiniteError: step 2: the global loss (nan) is not finite",
-                                     "  (raised at /x/shardkit/cli/worker.py:233, in _nonfinite_step)"], text
+                                     "  (raised at /x/shardkit/train/run.py:233, in _nonfinite_step)"], text
     else:
         assert "Traceback (most recent call last)" in text and "line 204, in _run_steps" in text, text

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from shardkit import ShardkitError
-from shardkit.cli.config import load_toml, merge_config, parallel_dims, validate_config
-from shardkit.cli.data import BatchSampler, corpus_files, load_tokens, stdlib_files
-from shardkit.cli.lm_task import LMTask, causal_lm_loss, shifted_labels
+from shardkit.train.config import load_toml, merge_config, parallel_dims, validate_config
+from shardkit.train.data import BatchSampler, corpus_files, load_tokens, stdlib_files
+from shardkit.train.lm_task import LMTask, causal_lm_loss, shifted_labels
 from shardkit.cli.main import build_parser
 from shardkit.cli.report import loss_figure, write_report
 from shardkit.cli.train import config_from_args, finish
-from shardkit.cli.verify import compare_runs
+from shardkit.train.verify import compare_runs
 
 
 def _args(*argv):
@@ -147,7 +147,7 @@ def test_fsdp_and_hsdp_layouts():
 
 
 def test_packed_sampler_windows_and_documents():
-    from shardkit.cli.lm_task import PackedSampler
+    from shardkit.train.lm_task import PackedSampler
 
     tokens = torch.arange(100, dtype=torch.int64) % 256
     sizes = [30, 5, 1, 64]  # files start at 30, 35, 36

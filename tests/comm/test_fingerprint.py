@@ -152,8 +152,8 @@ def test_parallelize_per_rank_seed_over_data_parallel_replicas():
     """dp_replicate=2: the replicas must start from the same weights (else their averaged
     gradients train two different models)."""
     from shardkit import ParallelDims
-    from shardkit.cli.config import TrainConfig
-    from shardkit.cli.model import build_model
+    from shardkit.train.config import TrainConfig
+    from shardkit.train.model import build_model
     from shardkit.parallelize import parallelize
 
     mesh = ParallelDims(dp_replicate=2).build_mesh("cpu")
@@ -168,8 +168,8 @@ def test_parallelize_per_rank_seed_over_data_parallel_replicas():
 def test_tp_forward_agrees_once_on_its_replicated_inputs():
     """In check mode a tensor-parallel model's forward agrees once on its inputs over tp (two
     small all-gathers) instead of once per op; tp ranks fed different token ids are caught."""
-    from shardkit.cli.config import TrainConfig
-    from shardkit.cli.model import build_model
+    from shardkit.train.config import TrainConfig
+    from shardkit.train.model import build_model
 
     model = apply_tp(build_model(TrainConfig(layers=1, seed=0)), world_group(), sequence_parallel=True, check="off")
     ids = torch.arange(16).reshape(2, 8) % 50

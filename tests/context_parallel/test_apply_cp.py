@@ -12,8 +12,8 @@ import torch
 
 from harness.helpers import get_mesh, rank, world_group
 from shardkit import CommLedger, ShardkitError
-from shardkit.cli.lm_task import causal_lm_loss
-from shardkit.cli.model import keep_norms_in_input_dtype
+from shardkit.train.lm_task import causal_lm_loss
+from shardkit.train.model import keep_norms_in_input_dtype
 from shardkit.context_parallel import ring_attention, usp_attention
 from shardkit.context_parallel.apply import _packed_supported, apply_cp
 

@@ -50,8 +50,8 @@ def test_flops_and_bubble_by_hand():
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "moe", "mla"])
 def test_parameters_equal_the_real_model(family):
-    from shardkit.cli.config import TrainConfig, validate_config
-    from shardkit.cli.model import build_model
+    from shardkit.train.config import TrainConfig, validate_config
+    from shardkit.train.model import build_model
 
     model = build_model(validate_config(TrainConfig(model=family, nproc=1, tp=1, dtype="float32")))
     shape = ModelShape.from_config(model.config)
@@ -173,8 +173,8 @@ def test_plan_command_compares_a_pp_tp_layout(tmp_path, capsys):
 @pytest.mark.parametrize("overrides", [dict(model="llama", tp=2), dict(model="llama", tp=1), dict(model="moe", tp=2),
                                        dict(model="mla", tp=2, ep=2), dict(model="llama", pp_tp="2,1,1", layers=3)])
 def test_sequence_parallel_default_is_the_trainers(overrides):
-    from shardkit.cli.config import TrainConfig, parallel_dims, validate_config
-    from shardkit.cli.model import _hf_config
+    from shardkit.train.config import TrainConfig, parallel_dims, validate_config
+    from shardkit.train.model import _hf_config
     from shardkit.plan.options import resolve_options
 
     cfg = validate_config(TrainConfig(**{"nproc": 4, **overrides}), world_size=4)

@@ -1,6 +1,6 @@
 """The planner's collectives equal the composed trainer's CommLedger, rank by rank.
 
-Each case trains one step of :mod:`shardkit.cli.worker` (the code ``shardkit train`` runs) in a
+Each case trains one step of :mod:`shardkit.train.run` (the code ``shardkit train`` runs) in a
 persistent gloo world, records every rank's ledger, and compares it with
 :func:`shardkit.plan.step_collectives` for that rank's pipeline stage: the same calls (op, api,
 phase, group size), counts and bytes sent and received, exactly. Expert-parallel token
@@ -14,9 +14,9 @@ import torch.distributed as dist
 
 from harness.helpers import world_size
 from shardkit import CommLedger
-from shardkit.cli.config import TrainConfig, parallel_dims, validate_config
-from shardkit.cli.model import _hf_config
-from shardkit.cli.worker import build_train_model, build_parallel_model, build_task, run_training
+from shardkit.train.config import TrainConfig, parallel_dims, validate_config
+from shardkit.train.model import _hf_config
+from shardkit.train.run import build_train_model, build_parallel_model, build_task, run_training
 from shardkit.plan import ModelShape, StepOptions
 from shardkit.plan.collectives import ledger_table, merged, step_collectives
 from shardkit.plan.options import rank_stage

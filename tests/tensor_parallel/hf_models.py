@@ -13,7 +13,7 @@ import types
 
 import torch.nn.functional as F
 
-from shardkit.cli.model import keep_norms_in_input_dtype
+from shardkit.train.model import keep_norms_in_input_dtype
 
 VOCAB = 101
 _COMMON = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=10, num_hidden_layers=2, num_attention_heads=6,

@@ -34,7 +34,7 @@ def _smol_like(tied: bool, seed=0):
     """SmolLM2-135M's head shape (9 query / 3 KV heads) and tied embeddings, tiny."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from shardkit.cli.model import keep_norms_in_input_dtype
+    from shardkit.train.model import keep_norms_in_input_dtype
 
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=36, intermediate_size=10, num_hidden_layers=2,
                          num_attention_heads=9, num_key_value_heads=3, head_dim=4, use_cache=False,

@@ -73,8 +73,8 @@ def ops(pg, settings: Settings) -> list[Record]:
 
 
 def _trainer(cfg, mesh):
-    from ..cli.trainer import make_optimizer
-    from ..cli.worker import build_parallel_model, build_task, build_train_model
+    from ..train.trainer import make_optimizer
+    from ..train.run import build_parallel_model, build_task, build_train_model
 
     device = torch.device("cpu")
     task = build_task(cfg, device)
@@ -84,8 +84,8 @@ def _trainer(cfg, mesh):
 
 def train_step(pg, settings: Settings) -> list[Record]:
     """A default ``shardkit train`` step (dp_replicate=2 x tp=2, SP) without and with checks."""
-    from ..cli.config import TrainConfig, parallel_dims, validate_config
-    from ..cli.trainer import train_step as step
+    from ..train.config import TrainConfig, parallel_dims, validate_config
+    from ..train.trainer import train_step as step
 
     n = dist.get_world_size(pg)
     cfg = validate_config(TrainConfig(nproc=n), world_size=n)

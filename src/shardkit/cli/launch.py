@@ -32,7 +32,7 @@ from contextlib import nullcontext
 from typing import Any, NoReturn
 
 from .._quiet import quiet_third_party
-from .liveness import Watchdog, read_heartbeats, stalled_ranks
+from ..train.liveness import Watchdog, read_heartbeats, stalled_ranks
 from .._local_world import no_shared_tcp_store, private_temp
 
 __all__ = ["under_torchrun", "launch_local", "LaunchFailed", "LaunchInterrupted", "format_failures", "print_failure",
@@ -99,7 +99,7 @@ def format_failures(err, stalled: dict[int, float] | None = None) -> str:
     Args:
         err: a ``torch.distributed.elastic.multiprocessing.errors.ChildFailedError``.
         stalled: ``{rank: seconds its last heartbeat lags the newest}``
-            (:func:`.liveness.stalled_ranks`); None or empty: no rank went quiet.
+            (:func:`shardkit.train.liveness.stalled_ranks`); None or empty: no rank went quiet.
     """
     stalled = stalled or {}
     failures = sorted(err.failures.items(), key=lambda item: (item[0] not in stalled, *_order(item)))
@@ -191,8 +191,8 @@ def launch_local(nproc: int, entry: Callable, *args, run_dir: str, heartbeats: s
         entry: a picklable top-level function (decorated with ``@record``); it joins the world
             with :func:`init_local_world` (``run_dir`` is passed to it in ``args``).
         run_dir: a :func:`shardkit._local_world.private_run_dir`: the rendezvous store lives in it.
-        heartbeats: the directory the ranks beat into (:class:`.liveness.Heartbeat`), if they do:
-            a :class:`.liveness.Watchdog` kills a rank that went silent while the job runs, and
+        heartbeats: the directory the ranks beat into (:class:`shardkit.train.liveness.Heartbeat`), if they do:
+            a :class:`shardkit.train.liveness.Watchdog` kills a rank that went silent while the job runs, and
             after a failure the ranks that stopped answering are named first as the suspects.
         timeout_s: the ranks' process-group timeout (seconds), which the silences are measured against.
 

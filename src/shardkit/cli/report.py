@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 
 from rich import box
 from rich.console import Console
 from rich.table import Table
 
-__all__ = ["print_summary", "print_parity", "write_report", "atomic_write", "loss_figure"]
+from .._files import atomic_write
+
+__all__ = ["print_summary", "print_parity", "write_report", "loss_figure"]
 
 _MIB = 2**20
 _PHASES = {"forward": "fwd", "backward": "bwd"}
@@ -85,29 +86,6 @@ def print_parity(parity: dict, console: Console) -> None:
         console.print(f"  {d:.3e}  {name}")
     if parity["missing_params"]:
         console.print(f"  parameters in only one run: {parity['missing_params']}")
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def atomic_write(path: Path, write) -> None:
-    """Write ``path`` via a temporary file in the same folder and ``os.replace``.
-
-    ``write(tmp_path)`` produces the content. A reader never sees a half-written file, and a
-    failure leaves any existing ``path`` untouched (only the temporary file is removed).
-    """
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600; give the usual permissions
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 def write_report(result: dict, folder: str | os.PathLike) -> list[Path]:

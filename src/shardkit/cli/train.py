@@ -16,11 +16,11 @@ from rich.console import Console
 from .._optional import check_train, require
 from .._quiet import quiet_third_party
 from ..errors import ShardkitError
-from .checkpoint_dir import check_checkpoint_dir
-from .config import DTYPES, MODELS, SCHEDULES, TrainConfig, load_toml, merge_config, validate_config
-from .data import check_files, corpus_files
-from .limits import check_machine
-from .liveness import clear_flight_dir
+from ..train.checkpoint_dir import check_checkpoint_dir
+from ..train.config import DTYPES, MODELS, SCHEDULES, TrainConfig, load_toml, merge_config, validate_config
+from ..train.data import check_files, corpus_files
+from ..train.limits import check_machine
+from ..train.liveness import clear_flight_dir
 
 __all__ = ["add_train_parser", "config_from_args", "run_train"]
 
@@ -151,7 +151,7 @@ def config_from_args(args: argparse.Namespace, world_size: int | None = None) ->
 def run_train(args: argparse.Namespace) -> int:
     """Run the ``train`` subcommand; return the process exit code."""
     from .launch import exit_now, under_torchrun
-    from .worker import worker_main
+    from ..train.run import worker_main
 
     torchrun = under_torchrun()
     try:
@@ -190,7 +190,7 @@ def _launch(cfg: TrainConfig) -> tuple[int | None, dict]:
     """
     from .launch import LaunchFailed, LaunchInterrupted, launch_local, print_failure
     from .._local_world import private_run_dir
-    from .worker import worker_main
+    from ..train.run import worker_main
 
     assert cfg.nproc is not None  # validate_config resolved it
     with private_run_dir() as run_dir:

@@ -53,7 +53,7 @@ microbatch, ``e`` bytes per element, ``t`` = tp, per microbatch unless said):
   ``dp_replicate``. Bytes are the parameters FSDP2 owns; its padding of each parameter's dim 0
   to a multiple of the ranks is left out (none when dim 0 divides evenly).
 
-Source: the trainer (:mod:`shardkit.cli.trainer`) and the transforms it composes.
+Source: the trainer (:mod:`shardkit.train.trainer`) and the transforms it composes.
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ class StepOptions:
 
 
 def resolve_options(shape: ModelShape, dims: ParallelDims, opts: StepOptions) -> StepOptions:
-    """``opts`` with ``sequence_parallel`` decided as the trainer does (``cli.config``: on for
+    """``opts`` with ``sequence_parallel`` decided as the trainer does (``train.config``: on for
     dense models with tp > 1, off for MoE models unless asked for)."""
     if opts.sequence_parallel is None:
         dense = shape.experts == 0

@@ -1,6 +1,6 @@
 """``shardkit train --checks``: the same trainer in shardkit's check mode, switched on for the run only.
 
-Runs :func:`shardkit.cli.worker.train` on the default layout (tp=2 x dp=2, sequence parallel) in a
+Runs :func:`shardkit.train.run.train` on the default layout (tp=2 x dp=2, sequence parallel) in a
 persistent gloo world with ``checks=True`` and ``--verify``: the check mode must not change a
 single number (float64 parity with one process at 1e-9), must really run (the ledger holds the
 metadata all-gathers of phase ``check``), and must be off again afterwards.
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from harness.helpers import rank, world_size
-from shardkit.cli.config import TrainConfig, validate_config
-from shardkit.cli.worker import train
+from shardkit.train.config import TrainConfig, validate_config
+from shardkit.train.run import train
 from shardkit.comm import checks_enabled
 
 SMALL = dict(steps=2, seq_len=16, batch_size=4, dtype="float64", verify=True, layers=2, lr=1e-3)

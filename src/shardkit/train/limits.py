@@ -48,7 +48,7 @@ def _host_memory() -> int:
 
 
 def builtin_shape(cfg: TrainConfig):
-    """The :class:`~shardkit.plan.ModelShape` of the built-in model of ``cfg`` (``cli/model.py``'s
+    """The :class:`~shardkit.plan.ModelShape` of the built-in model of ``cfg`` (``train/model.py``'s
     ``_hf_config`` at the flags' sizes), without importing transformers."""
     from ..plan import ModelShape
     from .data import VOCAB_SIZE

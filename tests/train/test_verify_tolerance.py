@@ -15,13 +15,13 @@ import torch
 from rich.console import Console
 
 from harness.helpers import rank, world_size
-from shardkit.cli.config import TrainConfig, validate_config
+from shardkit.train.config import TrainConfig, validate_config
 from shardkit.cli.report import print_parity
-from shardkit.cli.verify import TOLERANCES, compare_runs
-from shardkit.cli.worker import train
+from shardkit.train.verify import TOLERANCES, compare_runs
+from shardkit.train.run import train
 from shardkit.data_parallel import GradientSync
 
-# The documented bounds (src/shardkit/cli/verify.py), written out: the cases below are built from
+# The documented bounds (src/shardkit/train/verify.py), written out: the cases below are built from
 # these numbers, not from TOLERANCES, so a loosened or tightened tolerance fails them.
 BOUNDS = {"float64": 1e-9, "float32": 1e-4, "bfloat16": 2e-2}
 REF = {"w": torch.linspace(-1.0, 2.0, 12, dtype=torch.float64), "b": torch.full((3,), 0.5, dtype=torch.float64)}

@@ -229,7 +229,7 @@ def save_reconstruction(model: nn.Module, path: str | os.PathLike, batch: torch.
     """
     import matplotlib.image
 
-    from .report import atomic_write
+    from .._files import atomic_write
 
     inputs = eval_batch() if batch is None else batch
     param = next(model.parameters())

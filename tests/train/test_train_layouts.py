@@ -1,6 +1,6 @@
 """The composed trainer: every layout it accepts matches one-process training (``--verify``).
 
-Each case runs :func:`shardkit.cli.worker.train` (the same code ``shardkit train`` runs on every
+Each case runs :func:`shardkit.train.run.train` (the same code ``shardkit train`` runs on every
 rank) inside a persistent gloo world, in float64, and checks on rank 0 that every step's loss,
 every step's global gradient norm (the one clipping uses) and every final parameter equal those of
 the same trainer with every degree 1 (float64: relative 1e-9; the measured differences are
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from harness.helpers import rank, world_size
-from shardkit.cli.config import TrainConfig, validate_config
-from shardkit.cli.worker import train
+from shardkit.train.config import TrainConfig, validate_config
+from shardkit.train.run import train
 from shardkit.mesh import AXES, FLAT_VIEWS
 
 SMALL = dict(steps=2, seq_len=16, batch_size=4, dtype="float64", verify=True, layers=2, lr=1e-3)

@@ -233,7 +233,7 @@ def validate_config(cfg: TrainConfig, world_size: int | None = None) -> TrainCon
     for name in ("nproc", "dp_replicate"):
         if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
             raise ShardkitError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
-    for name in _SIZES:  # a sanity bound; cli/limits.py checks what this machine can hold
+    for name in _SIZES:  # a sanity bound; train/limits.py checks what this machine can hold
         if getattr(cfg, name) is not None and getattr(cfg, name) > MAX_SIZE:
             raise ShardkitError(f"--{name.replace('_', '-')} must be <= 2**31 - 1, got {getattr(cfg, name)}")
     if cfg.lr is None:

@@ -1,9 +1,9 @@
 """The training token stream of a pretrained checkpoint: the corpus encoded by its own tokenizer.
 
-Byte ids 0-255 (cli/data.py's ``load_tokens``) only suit a model trained from scratch on bytes:
+Byte ids 0-255 (train/data.py's ``load_tokens``) only suit a model trained from scratch on bytes:
 fed to a pretrained model they index the wrong embedding rows. :func:`token_stream` encodes the
 corpus with the checkpoint's tokenizer into one 1-D int32 stream, which
-:class:`~shardkit.cli.data.BatchSampler` windows unchanged (its batches are ``.long()``).
+:class:`~shardkit.train.data.BatchSampler` windows unchanged (its batches are ``.long()``).
 
 The trainer reads and encodes on global rank 0 only and broadcasts the stream
 (:mod:`.corpus`). With ``cache_dir`` (the trainer's: :func:`user_cache_dir`) the stream is stored
@@ -205,9 +205,9 @@ def token_stream(
     """The corpus encoded by the checkpoint's own tokenizer.
 
     Args:
-        model_path: a checkpoint directory or GGUF file (see :func:`~shardkit.cli.pretrained.
+        model_path: a checkpoint directory or GGUF file (see :func:`~shardkit.train.pretrained.
             load_tokenizer`).
-        files: corpus files in order (``cli.data.corpus_files``); regular files only.
+        files: corpus files in order (``train.data.corpus_files``); regular files only.
         max_bytes: read at most this many bytes of the corpus (None: all of it; the stdlib is
             32 MB: about 8x the default cap).
         cache_dir: a private folder (:func:`user_cache_dir`) where entries are stored and found
@@ -218,7 +218,7 @@ def token_stream(
         ``[N]`` int32 token ids, each below ``len(tokenizer)``.
 
     Raises:
-        ShardkitError: as :func:`~shardkit.cli.pretrained.load_tokenizer`; a file is not a
+        ShardkitError: as :func:`~shardkit.train.pretrained.load_tokenizer`; a file is not a
             regular readable file; the corpus encodes to no tokens.
     """
     blobs = [read_regular(f, n) for f, n in corpus_prefix(files, max_bytes)]

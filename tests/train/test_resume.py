@@ -1,6 +1,6 @@
 """Checkpoints in the trainer: save at one layout, resume at another, the same per-step losses.
 
-Float64 runs of :func:`shardkit.cli.worker.train` in a persistent gloo world: an uninterrupted
+Float64 runs of :func:`shardkit.train.run.train` in a persistent gloo world: an uninterrupted
 run of 4 steps, then 2 steps at layout A saved, then steps 3-4 resumed at layout B from that save.
 The resumed losses equal the uninterrupted run's to 1e-12 (relative): model, AdamW state, step
 count, data position and RNG all came back, through a checkpoint that stores full tensors cut into
@@ -19,9 +19,9 @@ import torch
 from harness.helpers import rank, remove_shared_dir, shared_tmpdir, world_size
 from shardkit import ShardkitError
 from shardkit.checkpoint import MANIFEST, latest_checkpoint
-from shardkit.cli.checkpoint_dir import check_checkpoint_dir
-from shardkit.cli.config import TrainConfig, validate_config
-from shardkit.cli.worker import train
+from shardkit.train.checkpoint_dir import check_checkpoint_dir
+from shardkit.train.config import TrainConfig, validate_config
+from shardkit.train.run import train
 
 BASE = dict(seq_len=16, batch_size=4, dtype="float64", layers=2, lr=1e-3)
 

@@ -1,5 +1,5 @@
-"""Pretrained checkpoints (cli/pretrained.py), their token stream (cli/tokens.py) and the
-fine-tuning lr schedule (cli/schedule.py).
+"""Pretrained checkpoints (train/pretrained.py), their token stream (train/tokens.py) and the
+fine-tuning lr schedule (train/schedule.py).
 
 Fast tests use checkpoints made here: a tiny Llama (9 query / 3 KV heads, tied embeddings, like
 SmolLM2) saved with ``save_pretrained`` next to a byte-level BPE trained on a stdlib file, and the
@@ -21,12 +21,12 @@ import pytest
 from harness.pretrained import EOS, SIZES, save_tiny_llama
 import torch
 
-from shardkit.cli import pretrained, tokens as tokens_mod
-from shardkit.cli.data import BatchSampler, stdlib_files
-from shardkit.cli.pretrained import (check_tokenizer, load_pretrained, load_tokenizer, read_config,
+from shardkit.train import pretrained, tokens as tokens_mod
+from shardkit.train.data import BatchSampler, stdlib_files
+from shardkit.train.pretrained import (check_tokenizer, load_pretrained, load_tokenizer, read_config,
                                      resolve_checkpoint, smollm2_gguf)
-from shardkit.cli.schedule import FINETUNE_LR, MIN_LR_RATIO, default_warmup_steps, warmup_cosine
-from shardkit.cli.tokens import corpus_prefix, encode_files, token_stream
+from shardkit.train.schedule import FINETUNE_LR, MIN_LR_RATIO, default_warmup_steps, warmup_cosine
+from shardkit.train.tokens import corpus_prefix, encode_files, token_stream
 from shardkit.errors import ShardkitError
 
 HAS_GGUF = importlib.util.find_spec("gguf") is not None
@@ -344,7 +344,7 @@ if HAS_GGUF and smollm2_gguf() is not None:
         assert model.lm_head.weight is model.model.embed_tokens.weight
         assert sum(p.numel() for p in model.parameters()) == 134_515_008
         ids = stream[:48].long().view(1, 48)
-        from shardkit.cli.lm_task import causal_lm_loss
+        from shardkit.train.lm_task import causal_lm_loss
 
         def loss_of(m):
             return causal_lm_loss(m(input_ids=ids).logits, ids)

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from shardkit import ShardkitError
-from shardkit.cli.config import merge_config, validate_config
-from shardkit.cli.conv_ae import (
+from shardkit.train.config import merge_config, validate_config
+from shardkit.train.conv_ae import (
     CROP,
     ConvAETask,
     CropSampler,

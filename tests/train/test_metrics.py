@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from shardkit.cli.metrics import TB_DIR, MetricsLog
-from shardkit.cli.trainer import StepStats
+from shardkit.train.metrics import TB_DIR, MetricsLog
+from shardkit.train.trainer import StepStats
 
 STEPS = [StepStats(loss=2.5, grad_norm=1.25, targets=64, seconds=0.5),
          StepStats(loss=2.0, grad_norm=0.75, targets=64, seconds=0.25)]
