@@ -23,9 +23,15 @@ import torch
 
 from ..comm._validate import dim_of, enter, expected_size, local_sizes, maybe_agree
 from ..errors import ShardkitError
+from ._conv_core import _local_conv, _SumParamGrads, conv_geometry
 from ._meta import keep_graph_empty
-from ._sizes import check_out_len, conv_out_len, geometry_args, input_ranges, output_bounds
-from .conv import _SumParamGrads, _local_conv, conv_geometry
+from ._sizes import (
+    check_out_len,
+    conv_out_len,
+    geometry_args,
+    input_ranges,
+    output_bounds,
+)
 from .halo import exchange, plan_for
 
 __all__ = ["tiled_conv"]

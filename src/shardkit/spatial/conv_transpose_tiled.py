@@ -18,9 +18,17 @@ from __future__ import annotations
 
 import torch
 
+from ._conv_core import _SumParamGrads
 from ._meta import keep_graph_empty
 from ._sizes import geometry_args, per_dim
-from .conv import _SumParamGrads
+from ._transpose_core import (
+    _CONVT,
+    _check_geometry,
+    _check_weight,
+    transpose_bounds,
+    transpose_input_ranges,
+    transpose_out_len,
+)
 from .conv_tiled import tile_entry
 from .halo import exchange, plan_for
 
@@ -30,8 +38,6 @@ __all__ = ["tiled_conv_transpose"]
 def tiled_conv_transpose(nd, op, x, weight, bias, group, dim, stride, padding, output_padding, groups, dilation,
                          sizes, channels_last, sum_param_grads):
     """:func:`spatial_conv_transpose2d` / ``3d`` when ``dim`` and ``group`` are sequences."""
-    from .conv_transpose import _CONVT, _check_geometry, _check_weight, transpose_bounds, transpose_input_ranges
-    from .conv_transpose import transpose_out_len
 
     extra = geometry_args(weight, bias, stride, padding, dilation, groups, output_padding)
     dims, k, infos, xc, dcs, all_sizes = tile_entry(nd, op, x, group, dim, sizes, channels_last, extra)

@@ -34,7 +34,7 @@ from ..comm._validate import maybe_agree_groups, placeholder
 from ..comm.checks import checks_enabled
 from ..comm.collectives import all_gather
 from ..errors import ShardkitError, ShardkitTypeError
-from .conv import _SumParamGrads
+from ._conv_core import _SumParamGrads
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
