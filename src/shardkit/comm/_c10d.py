@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import math
 import threading
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -108,6 +109,12 @@ def _runs(sizes: list[int]):
         i = j
 
 
+@functools.lru_cache(maxsize=1024)
+def _run_table(sizes: tuple[int, ...]) -> tuple[tuple[int, int, int], ...]:
+    """``tuple(_runs(sizes))``, once per distinct sizes."""
+    return tuple(_runs(sizes))
+
+
 def _blocks_view(t: torch.Tensor, dim: int, off: int, count: int, size: int) -> torch.Tensor:
     """``count`` consecutive blocks of ``size`` along ``dim`` of a contiguous ``t``, as ``[count, A, size, B]``."""
     a, n, b = math.prod(t.shape[:dim]), t.shape[dim], math.prod(t.shape[dim + 1 :])
@@ -123,7 +130,7 @@ def _pack(x: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
     pack on this thread: consume it with one c10d call)."""
     if math.prod(x.shape[:dim]) == 1 and x.is_contiguous():
         return x.reshape(-1)  # blocks are already consecutive: no copy
-    runs = list(_runs(sizes))
+    runs = _run_table(tuple(sizes))
     buf = _scratch(x.numel(), x, 0)
     if x.is_contiguous() and len(runs) == 1:
         # Even split: one permuting copy.
@@ -165,7 +172,7 @@ def _unpack(buf: torch.Tensor, out_shape: list[int], dim: int, sizes: list[int])
     """Inverse of :func:`_pack`: a contiguous ``out_shape`` tensor from blocks along ``dim``."""
     if not _unpack_copies(out_shape, dim):
         return buf.view(out_shape)  # blocks land where they belong: no copy
-    runs = list(_runs(sizes))
+    runs = _run_table(tuple(sizes))
     if len(runs) == 1:
         _, count, size = runs[0]
         a, b = math.prod(out_shape[:dim]), math.prod(out_shape[dim + 1 :])
@@ -190,21 +197,44 @@ def all_reduce(x: torch.Tensor, g: GroupInfo, api: str, phase: str) -> torch.Ten
     return out
 
 
-def all_gather(x: torch.Tensor, g: GroupInfo, dim: int, sizes: list[int], api: str, phase: str) -> torch.Tensor:
+class _Gather(NamedTuple):
+    """What an all-gather of a given shape, dim and sizes needs, computed once (:func:`_gather_plan`)."""
+
+    out_shape: tuple[int, ...]
+    blocks: list[int]  # elements received from each rank (c10d takes a list)
+    total: int
+    even: bool
+    in_place: bool  # the blocks land where they belong: receive straight into the returned tensor
+
+
+@functools.lru_cache(maxsize=1024)
+def _gather_plan(shape: tuple[int, ...], dim: int, sizes: tuple[int, ...]) -> _Gather:
+    out_shape = tuple(_with_dim(shape, dim, sum(sizes)))
+    blocks = [math.prod(_with_dim(shape, dim, s)) for s in sizes]
+    return _Gather(out_shape, blocks, sum(blocks), len(set(sizes)) == 1, not _unpack_copies(out_shape, dim))
+
+
+def all_gather(x: torch.Tensor, g: GroupInfo, dim: int, sizes, api: str, phase: str) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim``; rank r contributes ``sizes[r]`` there."""
-    out_shape = _with_dim(x.shape, dim, sum(sizes))
-    blocks = [math.prod(_with_dim(x.shape, dim, s)) for s in sizes]
+    p = _gather_plan(x.shape, dim, tuple(sizes))
     src = x.contiguous()
-    buf = _recv_buffer(sum(blocks), x, out_shape, dim)
-    if len(set(sizes)) == 1:
+    out = x.new_empty(p.out_shape) if p.in_place else None
+    if p.even and out is not None and dim == 0:
+        # c10d's own concatenation: no flat views (each costs about a microsecond).
+        ledger.record("all_gather_single", api, phase, g.size, src.nbytes, out.nbytes, pg=g.pg, shape=x.shape, sizes=sizes)
+        all_gather_single(out, src, group=g.pg)
+        return out
+    buf = _scratch(p.total, x, 1) if out is None else out.view(-1)
+    if p.even:
         ledger.record("all_gather_single", api, phase, g.size, src.nbytes, buf.nbytes, pg=g.pg, shape=x.shape, sizes=sizes)
-        all_gather_single(buf, src.reshape(-1), group=g.pg)
+        all_gather_single(buf, src.view(-1), group=g.pg)
     else:
         # Uneven: send the whole local block to every rank, receive block r from rank r.
         send = src.reshape(-1).repeat(g.size)  # (an expand + reshape of an empty tensor is not contiguous)
         ledger.record("all_to_all_single", api, phase, g.size, send.nbytes, buf.nbytes, pg=g.pg, shape=x.shape, sizes=sizes)
-        dist.all_to_all_single(buf, send, output_split_sizes=blocks, input_split_sizes=[src.numel()] * g.size, group=g.pg)
-    return _unpack(buf, out_shape, dim, sizes)
+        dist.all_to_all_single(buf, send, output_split_sizes=p.blocks, input_split_sizes=[src.numel()] * g.size,
+                               group=g.pg)
+    return out if out is not None else _unpack(buf, list(p.out_shape), dim, sizes)
 
 
 def reduce_scatter(x: torch.Tensor, g: GroupInfo, dim: int, sizes: list[int], api: str, phase: str) -> torch.Tensor:
@@ -240,16 +270,31 @@ def all_to_all(
     One ``all_to_all_single``; at most one layout copy on each side, none on a side whose dim is
     outermost (all dims before it have size 1).
     """
-    r = g.rank
+    p = _a2a_plan(x.shape, scatter_dim, gather_dim, tuple(scatter_sizes), tuple(gather_sizes), g.rank)
     send = _pack(x, scatter_dim, scatter_sizes)
-    in_splits = [math.prod(_with_dim(x.shape, scatter_dim, s)) for s in scatter_sizes]
-    local = _with_dim(x.shape, scatter_dim, scatter_sizes[r])  # what every source sends to us
-    out_splits = [math.prod(_with_dim(local, gather_dim, s)) for s in gather_sizes]
-    out_shape = _with_dim(local, gather_dim, sum(gather_sizes))
-    recv = _recv_buffer(sum(out_splits), x, out_shape, gather_dim)
+    recv = _scratch(p.total, x, 1) if p.unpack_copies else x.new_empty(p.total)
     ledger.record("all_to_all_single", api, phase, g.size, send.nbytes, recv.nbytes, pg=g.pg, shape=x.shape, sizes=gather_sizes)
-    dist.all_to_all_single(recv, send, output_split_sizes=out_splits, input_split_sizes=in_splits, group=g.pg)
-    return _unpack(recv, out_shape, gather_dim, gather_sizes)
+    dist.all_to_all_single(recv, send, output_split_sizes=p.out_splits, input_split_sizes=p.in_splits, group=g.pg)
+    return _unpack(recv, p.out_shape, gather_dim, gather_sizes)
+
+
+class _AllToAllPlan(NamedTuple):
+    in_splits: tuple[int, ...]  # elements sent to each rank
+    out_splits: tuple[int, ...]  # elements received from each rank
+    out_shape: tuple[int, ...]
+    total: int
+    unpack_copies: bool
+
+
+@functools.lru_cache(maxsize=1024)
+def _a2a_plan(shape: tuple[int, ...], scatter_dim: int, gather_dim: int, scatter_sizes: tuple[int, ...],
+              gather_sizes: tuple[int, ...], rank: int) -> _AllToAllPlan:
+    """Split sizes and output shape of :func:`all_to_all`, once per distinct arguments."""
+    in_splits = tuple(math.prod(_with_dim(shape, scatter_dim, s)) for s in scatter_sizes)
+    local = _with_dim(shape, scatter_dim, scatter_sizes[rank])  # what every source sends to us
+    out_splits = tuple(math.prod(_with_dim(local, gather_dim, s)) for s in gather_sizes)
+    out_shape = tuple(_with_dim(local, gather_dim, sum(gather_sizes)))
+    return _AllToAllPlan(in_splits, out_splits, out_shape, sum(out_splits), _unpack_copies(out_shape, gather_dim))
 
 
 def local_split(x: torch.Tensor, g: GroupInfo, dim: int, sizes: list[int]) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -20,6 +21,12 @@ class GroupInfo:
     rank: int
 
 
+# id(pg) -> (weak reference to pg, its GroupInfo): a ProcessGroup's rank and size never change,
+# so the checks below run once per group. The weak reference says whether the id still names
+# that group (its callback drops the entry when the group is freed, before the id can be reused).
+_resolved: dict[int, tuple[weakref.ref, GroupInfo]] = {}
+
+
 def resolve_group(group, op: str) -> GroupInfo:
     """Accept a ``ProcessGroup`` or a 1-D ``DeviceMesh``; return :class:`GroupInfo`.
 
@@ -30,6 +37,9 @@ def resolve_group(group, op: str) -> GroupInfo:
         GroupMembershipError: this rank is not a member of ``group``.
         ShardkitError: torch.distributed is not initialized.
     """
+    hit = _resolved.get(id(group))
+    if hit is not None and hit[0]() is group and dist.is_initialized():
+        return hit[1]
     if group is None:
         raise ShardkitTypeError(f"{op}: group is required (a ProcessGroup or a 1-D DeviceMesh); shardkit has no default group")
     if not dist.is_initialized():
@@ -54,4 +64,7 @@ def resolve_group(group, op: str) -> GroupInfo:
     rank = group.rank()
     if rank < 0:
         raise GroupMembershipError(f"{op}: global rank {dist.get_rank()} is not a member of the group it passed")
-    return GroupInfo(pg=group, size=group.size(), rank=rank)
+    info = GroupInfo(pg=group, size=group.size(), rank=rank)
+    key = id(group)
+    _resolved[key] = (weakref.ref(group, lambda _, key=key: _resolved.pop(key, None)), info)
+    return info
