@@ -5,8 +5,8 @@ and every derived difference (no timing asserts)."""
 from shardkit.bench import CASES, Settings, run_bench
 from shardkit.bench.cases_host import GOALS, OPS
 
-VARIANTS = {"bare", "shardkit", "recorder", "ledger", "checks", "bare fwd+bwd", "fwd+bwd"}
-DERIVED = {"shardkit-bare us", "fwd+bwd-bare us", "recorder cost us", "ledger cost us", "checks cost us",
+VARIANTS = {"bare", "shardkit", "recorder", "ledger", "checks", "bare fwd+bwd", "floor fwd+bwd", "fwd+bwd"}
+DERIVED = {"shardkit-bare us", "default-bare us", "fwd+bwd-bare us", "fwd+bwd-floor us", "recorder cost us", "ledger cost us", "checks cost us",
            "shardkit/bare"}
 
 
@@ -18,6 +18,7 @@ def test_host_overhead_runs_on_fake_worlds_and_records_every_op():
         assert r["suite"] == r["case"] == "host_overhead"
         assert set(r["times_s"]) == VARIANTS and all(len(v) == 2 and min(v) > 0 for v in r["times_s"].values())
         assert set(r["ratios"]) == DERIVED
-        assert r["ratios"]["shardkit-bare us"]["goal"] == GOALS.get(r["params"]["op"])
+        assert r["ratios"]["shardkit-bare us"]["goal"] == r["ratios"]["default-bare us"]["goal"] == GOALS.get(
+            r["params"]["op"])
         assert "spy" in r["checked"]
     assert {op for op in GOALS} <= set(OPS)

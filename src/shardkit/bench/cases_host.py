@@ -9,10 +9,13 @@ round, reported per call):
 
 - ``bare``: the c10d call(s) the op makes, on preallocated buffers;
 - ``shardkit``: the public op, no gradient, flight recorder off, no ledger, check mode off;
-- ``recorder`` / ``ledger`` / ``checks``: the same with one of them on (the flight recorder
-  is on by default in a process): their own cost is the difference to ``shardkit``;
+- ``recorder`` / ``ledger`` / ``checks``: the same with one of them on: their own cost is the
+  difference to ``shardkit``; the flight recorder is on by default in a process, so
+  ``recorder`` is what a plain call costs (``default-bare``, held to the same goal);
 - ``fwd+bwd`` against ``bare fwd+bwd``: the op on an input that requires grad and its backward,
-  against the forward and backward c10d calls, bare.
+  against the forward and backward c10d calls, bare; and against ``floor fwd+bwd``, the same
+  bare calls inside the smallest autograd Function (what autograd itself costs: the part of
+  ``fwd+bwd`` that no wrapper can remove).
 
 The fake backend writes nothing into outputs, so the data cannot be checked; what is checked
 before timing is that the op issues exactly the c10d calls its ``bare`` variant times (same
@@ -122,6 +125,23 @@ def _ops(pg):
     }
 
 
+class _Floor(torch.autograd.Function):
+    """The bare forward call in forward and the bare backward call in backward, nothing else."""
+
+    @staticmethod
+    def forward(ctx, x, bare_fwd, bare_bwd, out_shape):
+        ctx.bare_bwd, ctx.in_shape = bare_bwd, x.shape
+        if bare_fwd is not None:
+            bare_fwd()
+        return x.new_empty(out_shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.bare_bwd is not None:
+            ctx.bare_bwd()
+        return grad.new_empty(ctx.in_shape), None, None, None
+
+
 def _repeat(fn, n: int, setup=contextlib.nullcontext):
     def run():
         with setup():
@@ -132,9 +152,14 @@ def _repeat(fn, n: int, setup=contextlib.nullcontext):
 
 def _variants(fn, x, bare_fwd, bare_bwd, n: int) -> dict:
     xg = x.clone().requires_grad_(True)
+    out_shape = fn(x).shape
 
     def fwd_bwd():
         y = fn(xg)
+        torch.autograd.backward(y, torch.ones_like(y))
+
+    def floor():
+        y = _Floor.apply(xg, bare_fwd, bare_bwd, out_shape)
         torch.autograd.backward(y, torch.ones_like(y))
 
     def bare_both():
@@ -166,6 +191,7 @@ def _variants(fn, x, bare_fwd, bare_bwd, n: int) -> dict:
         "ledger": _repeat(lambda: fn(x), n, ledger),
         "checks": _repeat(lambda: fn(x), n, _agreeing),
         "bare fwd+bwd": _repeat(bare_both, n),
+        "floor fwd+bwd": _repeat(floor, n),
         "fwd+bwd": _repeat(fwd_bwd, n),
     }
 
@@ -198,7 +224,9 @@ def host_overhead(pg, settings: Settings) -> list[Record]:
                 rec = Record("host_overhead", dict(op=name, label=f"{label} R={world}", calls=calls), world, times,
                              checked="issues exactly the bare variant's c10d calls (spy); fake backend: no data")
                 _above(rec, "shardkit-bare us", "shardkit", "bare", GOALS.get(name))
+                _above(rec, "default-bare us", "recorder", "bare", GOALS.get(name))  # a process's default
                 _above(rec, "fwd+bwd-bare us", "fwd+bwd", "bare fwd+bwd")
+                _above(rec, "fwd+bwd-floor us", "fwd+bwd", "floor fwd+bwd")
                 for feature in ("recorder", "ledger", "checks"):
                     _above(rec, f"{feature} cost us", feature, "shardkit")
                 rec.ratio("shardkit/bare", "shardkit", "bare")

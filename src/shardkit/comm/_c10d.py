@@ -46,11 +46,13 @@ class _Scratch(threading.local):
     read them), so other devices get fresh buffers. Megatron-LM keeps a global memory buffer
     for its sequence-parallel all-gather for the same reason.
 
-    Holds the largest buffer each slot was asked for, for the life of the thread.
+    Holds the largest buffer each slot was asked for, for the life of the thread, and the typed
+    view it handed out last (a repeated request, every step of a run, costs no new view).
     """
 
     def __init__(self) -> None:
         self.buffers: list[torch.Tensor | None] = [None, None]
+        self.views: list[tuple | None] = [None, None]  # (numel, dtype, view of the buffer)
 
 
 _scratch_buffers = _Scratch()
@@ -59,14 +61,19 @@ _scratch_buffers = _Scratch()
 def _scratch(numel: int, like: torch.Tensor, slot: int) -> torch.Tensor:
     """A flat ``numel``-element buffer of ``like``'s dtype and device whose contents the caller
     uses only until its c10d call returns (see :class:`_Scratch`)."""
-    if like.device.type != "cpu":
+    if not like.is_cpu:
         return like.new_empty(numel)
+    last = _scratch_buffers.views[slot]
+    if last is not None and last[0] == numel and last[1] == like.dtype:
+        return last[2]
     nbytes = numel * like.element_size()
     buf = _scratch_buffers.buffers[slot]
     if buf is None or buf.numel() < nbytes:
         buf = torch.empty(nbytes, dtype=torch.uint8)
         _scratch_buffers.buffers[slot] = buf
-    return buf[:nbytes].view(like.dtype)
+    view = buf[:nbytes].view(like.dtype)
+    _scratch_buffers.views[slot] = (numel, like.dtype, view)
+    return view
 
 
 # Uneven splits pack and unpack with one row gather (index_select) when rows (the elements after
@@ -271,11 +278,17 @@ def all_to_all(
     outermost (all dims before it have size 1).
     """
     p = _a2a_plan(x.shape, scatter_dim, gather_dim, tuple(scatter_sizes), tuple(gather_sizes), g.rank)
-    send = _pack(x, scatter_dim, scatter_sizes)
+    if p.pack_view is not None and x.is_contiguous():
+        # Even split of an inner dim: the one permuting copy of _pack, its views read from the plan.
+        a, count, size, b = p.pack_view
+        send = _scratch(x.numel(), x, 0)
+        send.view(count, a, size, b).copy_(x.view(a, count, size, b).transpose(0, 1))
+    else:
+        send = _pack(x, scatter_dim, scatter_sizes)
     recv = _scratch(p.total, x, 1) if p.unpack_copies else x.new_empty(p.total)
     ledger.record("all_to_all_single", api, phase, g.size, send.nbytes, recv.nbytes, pg=g.pg, shape=x.shape, sizes=gather_sizes)
     dist.all_to_all_single(recv, send, output_split_sizes=p.out_splits, input_split_sizes=p.in_splits, group=g.pg)
-    return _unpack(recv, p.out_shape, gather_dim, gather_sizes)
+    return _unpack(recv, p.out_shape, gather_dim, gather_sizes) if p.unpack_copies else recv.view(p.out_shape)
 
 
 class _AllToAllPlan(NamedTuple):
@@ -284,6 +297,7 @@ class _AllToAllPlan(NamedTuple):
     out_shape: tuple[int, ...]
     total: int
     unpack_copies: bool
+    pack_view: tuple[int, int, int, int] | None  # [A, count, size, B] of an even inner split, else None
 
 
 @functools.lru_cache(maxsize=1024)
@@ -294,7 +308,11 @@ def _a2a_plan(shape: tuple[int, ...], scatter_dim: int, gather_dim: int, scatter
     local = _with_dim(shape, scatter_dim, scatter_sizes[rank])  # what every source sends to us
     out_splits = tuple(math.prod(_with_dim(local, gather_dim, s)) for s in gather_sizes)
     out_shape = tuple(_with_dim(local, gather_dim, sum(gather_sizes)))
-    return _AllToAllPlan(in_splits, out_splits, out_shape, sum(out_splits), _unpack_copies(out_shape, gather_dim))
+    a, n, b = math.prod(shape[:scatter_dim]), shape[scatter_dim], math.prod(shape[scatter_dim + 1 :])
+    even = len(set(scatter_sizes)) == 1
+    pack_view = (a, len(scatter_sizes), scatter_sizes[0], b) if even and a != 1 and n else None
+    return _AllToAllPlan(in_splits, out_splits, out_shape, sum(out_splits), _unpack_copies(out_shape, gather_dim),
+                         pack_view)
 
 
 def local_split(x: torch.Tensor, g: GroupInfo, dim: int, sizes: list[int]) -> torch.Tensor:
