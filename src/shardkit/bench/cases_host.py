@@ -1,5 +1,6 @@
 """Host overhead per call: each public op against the bare c10d call it makes, on torch's fake
-process group (issue 24).
+process group (issue 24): the collectives, Megatron's f/g, split/gather, all_to_all, halo
+exchange and static pipeline send/recv (rank 0 of ``R``: it sends to and receives from rank 1).
 
 The fake backend (``init_process_group("fake", ...)``, one process pretending to be rank 0 of
 ``R``) returns from every collective at once without moving data, so the time of a call is the
@@ -28,6 +29,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -42,7 +45,8 @@ __all__ = ["host_overhead", "OPS"]
 
 # Goals in microseconds above the bare call (issue 24's table); ops without one are reported only.
 GOALS = {"all_gather": 25.0, "all_to_all": 30.0}
-_SPIED = ("all_reduce", "all_gather_single", "reduce_scatter_single", "all_to_all_single")
+_SPIED = ("all_reduce", "all_gather_single", "reduce_scatter_single", "all_to_all_single", "isend", "irecv",
+          "batch_isend_irecv")
 
 
 @contextlib.contextmanager
@@ -92,8 +96,22 @@ def _agreeing():
         mod.all_gather_single = original
 
 
-def _ops(pg):
-    """``name -> (label, shardkit fn(x), input, grad shape, bare forward, bare backward)``."""
+class Op(NamedTuple):
+    """One measured op: ``fn(x)`` and the bare c10d call(s) of its forward and backward (None: none)."""
+
+    label: str
+    fn: Callable
+    x: torch.Tensor
+    bare_fwd: Callable | None
+    bare_bwd: Callable | None
+    grad: bool = True  # an autograd op (fwd+bwd measured); P2P functions are not
+    checks: bool = True  # the check mode measurable here (P2P's checks read a peer's hello: no data on a fake group)
+
+
+def _ops(pg) -> dict[str, Op]:
+    from ..pipeline_parallel import recv_backward, send_forward
+    from ..spatial import halo_exchange
+
     r = pg.size()
     ag = torch.randn(16, 64)  # 4 KiB, the issue's all_gather size
     ag_out = torch.empty(16 * r, 64)
@@ -104,24 +122,49 @@ def _ops(pg):
     a2a = torch.randn(1, 64, 16, 8)  # [B, S / R, N, D]: scatter heads, gather sequence
     a2a_send, a2a_recv = torch.empty(a2a.numel()), torch.empty(a2a.numel())
     splits = [a2a.numel() // r] * r
-    seq = 64 * r
-    ar_call = lambda: dist.all_reduce(ar_buf, group=pg)  # noqa: E731
-    ag_call = lambda: _compat.all_gather_single(ag_out, ag, group=pg)  # noqa: E731
-    rs_call = lambda: _compat.reduce_scatter_single(rs_out, rs_in, group=pg)  # noqa: E731
-    a2a_call = lambda: dist.all_to_all_single(a2a_recv, a2a_send, splits, splits, group=pg)  # noqa: E731
-    split_call = lambda: rs_in.narrow(0, 0, 16).clone()  # noqa: E731  (split's forward is local)
+    halo = torch.randn(1, 8, 32)  # [B, C, L / R]: one element each side; rank 0's left is the border (zeros)
+    halo_splits = [0, 8] + [0] * (r - 2)  # 8 channels to and from rank 1
+    halo_send, halo_recv = torch.empty(8), torch.empty(8)
+    p2p_buf = torch.empty(16, 64)
+
+    def ar_call():
+        return dist.all_reduce(ar_buf, group=pg)
+
+    def ag_call():
+        return _compat.all_gather_single(ag_out, ag, group=pg)
+
+    def rs_call():
+        return _compat.reduce_scatter_single(rs_out, rs_in, group=pg)
+
+    def a2a_call():
+        return dist.all_to_all_single(a2a_recv, a2a_send, splits, splits, group=pg)
+
+    def halo_call():
+        return dist.all_to_all_single(halo_recv, halo_send, halo_splits, halo_splits, group=pg)
+
+    def split_call():  # split's forward is local
+        return rs_in.narrow(0, 0, 16).clone()
+
+    static = dict(shape=(16, 64), dtype=torch.float32)
     return {
-        "all_reduce_forward": ("g: all_reduce_forward 4 KiB", lambda x: all_reduce_forward(x, pg), ar, ar_call, None),
-        "all_reduce_backward": ("f: all_reduce_backward 4 KiB", lambda x: all_reduce_backward(x, pg), ar, None,
-                                ar_call),
-        "all_gather": ("all_gather sizes given 4 KiB", lambda x: all_gather(x, pg, 0, [16] * r), ag, ag_call, rs_call),
-        "reduce_scatter": ("reduce_scatter 4 KiB out", lambda x: reduce_scatter(x, pg, 0), rs_in, rs_call, ag_call),
-        "split_gather": ("split_forward_gather_backward 4 KiB out",
-                         lambda x: split_forward_gather_backward(x, pg, 0), rs_in, split_call, ag_call),
-        "gather_split": ("gather_forward_split_backward 4 KiB", lambda x: gather_forward_split_backward(
-            x, pg, 0, [16] * r), ag, ag_call, None),
-        "all_to_all": ("all_to_all heads->seq [1, 64, 16, 8]", lambda x: all_to_all(x, pg, 2, 1, seq), a2a,
-                       a2a_call, a2a_call),
+        "all_reduce_forward": Op("g: all_reduce_forward 4 KiB", lambda x: all_reduce_forward(x, pg), ar, ar_call, None),
+        "all_reduce_backward": Op("f: all_reduce_backward 4 KiB", lambda x: all_reduce_backward(x, pg), ar, None,
+                                  ar_call),
+        "all_gather": Op("all_gather sizes given 4 KiB", lambda x: all_gather(x, pg, 0, [16] * r), ag, ag_call,
+                         rs_call),
+        "reduce_scatter": Op("reduce_scatter 4 KiB out", lambda x: reduce_scatter(x, pg, 0), rs_in, rs_call, ag_call),
+        "split_gather": Op("split_forward_gather_backward 4 KiB out",
+                           lambda x: split_forward_gather_backward(x, pg, 0), rs_in, split_call, ag_call),
+        "gather_split": Op("gather_forward_split_backward 4 KiB",
+                           lambda x: gather_forward_split_backward(x, pg, 0, [16] * r), ag, ag_call, None),
+        "all_to_all": Op("all_to_all heads->seq [1, 64, 16, 8]", lambda x: all_to_all(x, pg, 2, 1, 64 * r), a2a,
+                         a2a_call, a2a_call),
+        "halo_exchange": Op("halo_exchange [1, 8, 32] widths 1, sizes given",
+                            lambda x: halo_exchange(x, pg, 2, 1, 1, sizes=[32] * r), halo, halo_call, halo_call),
+        "send_forward": Op("send_forward static 4 KiB", lambda x: send_forward(x, pg, **static), ag,
+                           lambda: _compat.isend(ag, pg, 1).wait(), None, grad=False, checks=False),
+        "recv_backward": Op("recv_backward static 4 KiB", lambda x: recv_backward(pg, **static), ag,
+                            lambda: _compat.irecv(p2p_buf, pg, 1).wait(), None, grad=False, checks=False),
     }
 
 
@@ -150,9 +193,10 @@ def _repeat(fn, n: int, setup=contextlib.nullcontext):
     return run
 
 
-def _variants(fn, x, bare_fwd, bare_bwd, n: int) -> dict:
+def _variants(op: Op, n: int) -> dict:
+    fn, x, bare_fwd, bare_bwd = op.fn, op.x, op.bare_fwd, op.bare_bwd
     xg = x.clone().requires_grad_(True)
-    out_shape = fn(x).shape
+    out_shape = fn(x).shape if op.grad else None
 
     def fwd_bwd():
         y = fn(xg)
@@ -184,16 +228,18 @@ def _variants(fn, x, bare_fwd, bare_bwd, n: int) -> dict:
         with CommLedger():
             yield
 
-    return {
+    variants = {
         "bare": _repeat(bare_fwd or (lambda: x), n),
         "shardkit": _repeat(lambda: fn(x), n),
         "recorder": _repeat(lambda: fn(x), n, recording),
         "ledger": _repeat(lambda: fn(x), n, ledger),
-        "checks": _repeat(lambda: fn(x), n, _agreeing),
-        "bare fwd+bwd": _repeat(bare_both, n),
-        "floor fwd+bwd": _repeat(floor, n),
-        "fwd+bwd": _repeat(fwd_bwd, n),
     }
+    if op.checks:
+        variants["checks"] = _repeat(lambda: fn(x), n, _agreeing)
+    if op.grad:
+        variants.update({"bare fwd+bwd": _repeat(bare_both, n), "floor fwd+bwd": _repeat(floor, n),
+                         "fwd+bwd": _repeat(fwd_bwd, n)})
+    return variants
 
 
 def _check(name, fn, x, bare_fwd) -> list[str]:
@@ -217,18 +263,20 @@ def host_overhead(pg, settings: Settings) -> list[Record]:
     records = []
     try:
         with checks(False):
-            for name, (label, fn, x, bare_fwd, bare_bwd) in _ops(pg).items():
-                agree(_check(name, fn, x, bare_fwd), pg, f"host_overhead {name}")
-                times = time_interleaved(_variants(fn, x, bare_fwd, bare_bwd, calls), pg, settings)
+            for name, op in _ops(pg).items():
+                agree(_check(name, op.fn, op.x, op.bare_fwd), pg, f"host_overhead {name}")
+                times = time_interleaved(_variants(op, calls), pg, settings)
                 times = {k: [t / calls for t in v] for k, v in times.items()}
-                rec = Record("host_overhead", dict(op=name, label=f"{label} R={world}", calls=calls), world, times,
+                rec = Record("host_overhead", dict(op=name, label=f"{op.label} R={world}", calls=calls), world, times,
                              checked="issues exactly the bare variant's c10d calls (spy); fake backend: no data")
                 _above(rec, "shardkit-bare us", "shardkit", "bare", GOALS.get(name))
                 _above(rec, "default-bare us", "recorder", "bare", GOALS.get(name))  # a process's default
-                _above(rec, "fwd+bwd-bare us", "fwd+bwd", "bare fwd+bwd")
-                _above(rec, "fwd+bwd-floor us", "fwd+bwd", "floor fwd+bwd")
+                if op.grad:
+                    _above(rec, "fwd+bwd-bare us", "fwd+bwd", "bare fwd+bwd")
+                    _above(rec, "fwd+bwd-floor us", "fwd+bwd", "floor fwd+bwd")
                 for feature in ("recorder", "ledger", "checks"):
-                    _above(rec, f"{feature} cost us", feature, "shardkit")
+                    if feature in times:
+                        _above(rec, f"{feature} cost us", feature, "shardkit")
                 rec.ratio("shardkit/bare", "shardkit", "bare")
                 records.append(rec)
     finally:
@@ -242,4 +290,4 @@ def _above(rec: Record, name: str, num: str, den: str, goal: float | None = None
 
 
 OPS = ("all_reduce_forward", "all_reduce_backward", "all_gather", "reduce_scatter", "split_gather", "gather_split",
-       "all_to_all")
+       "all_to_all", "halo_exchange", "send_forward", "recv_backward")
