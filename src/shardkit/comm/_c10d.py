@@ -228,7 +228,8 @@ def all_gather(x: torch.Tensor, g: GroupInfo, dim: int, sizes, api: str, phase: 
     out = x.new_empty(p.out_shape) if p.in_place else None
     if p.even and out is not None and dim == 0:
         # c10d's own concatenation: no flat views (each costs about a microsecond).
-        ledger.record("all_gather_single", api, phase, g.size, src.nbytes, out.nbytes, pg=g.pg, shape=x.shape, sizes=sizes)
+        ledger.record("all_gather_single", api, phase, g.size, src.nbytes, out.nbytes, pg=g.pg, shape=x.shape,
+                      sizes=sizes)
         all_gather_single(out, src, group=g.pg)
         return out
     buf = _scratch(p.total, x, 1) if out is None else out.view(-1)

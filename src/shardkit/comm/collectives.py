@@ -148,7 +148,8 @@ def all_gather(x: torch.Tensor, group: Group, dim: int, sizes: Sequence[int] | N
     g = enter(x, group, "all_gather")
     known = None
     if checking(g):
-        known = maybe_agree(g, "all_gather", x, (dim, sizes), local_dim=dim, expected_local=expected_size(sizes, g.rank))
+        known = maybe_agree(g, "all_gather", x, (dim, sizes), local_dim=dim,
+                            expected_local=expected_size(sizes, g.rank))
     d, sizes = sharded_dim(x, g, dim, sizes, "all_gather", known)
     if g.size == 1:
         return x

@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import _c10d
-from ._validate import GRAD_SCALES, checking, enter, expected_size, full_dim, grad_scale_factor, maybe_agree, sharded_dim
+from ._validate import (GRAD_SCALES, checking, enter, expected_size, full_dim, grad_scale_factor, maybe_agree,
+                        sharded_dim)
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
