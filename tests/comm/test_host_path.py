@@ -81,3 +81,24 @@ def test_without_a_graph_the_same_calls_and_values_as_with_one():
         with torch.no_grad(), CommLedger() as off:
             y0 = fn(x.clone().requires_grad_(True))
         assert not y0.requires_grad and torch.equal(y0, y) and off.records == plain.records, name
+
+
+@pytest.mark.world(2)
+def test_a_freed_group_leaves_the_resolved_cache():
+    """The cache of resolved groups holds no group alive (a destroyed group is freed, and its id,
+    which another group may reuse, names nothing)."""
+    import gc
+
+    import torch.distributed as dist
+
+    from shardkit.comm import _group
+
+    pg = dist.new_group(ranks=list(range(world_size())))
+    key = id(pg)
+    info = _group.resolve_group(pg, "t")
+    assert _group.resolve_group(pg, "t") == info and info.size == world_size() and info.rank == rank()
+    assert key in _group._resolved
+    dist.destroy_process_group(pg)
+    del pg, info
+    gc.collect()
+    assert key not in _group._resolved  # the id may now be reused by another group: it names nothing here
