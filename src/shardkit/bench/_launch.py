@@ -3,7 +3,8 @@
 One world per world size for the whole run (start-up costs seconds on 2 cores), FileStore
 rendezvous (no ports), one intra-op thread per rank (the ranks share the cores; oversubscribed
 pools would time scheduler noise), shardkit's opt-in metadata checks off (not part of what is
-measured).
+measured). Cases on the fake process group (:attr:`.registry.CaseSpec.fake`) share one spawned
+process, which initializes a fake world per size in turn.
 """
 
 from __future__ import annotations
@@ -50,16 +51,47 @@ def _rank_entry(rank: int, nproc: int, names: list[str], settings: Settings, tmp
         dist.destroy_process_group()
 
 
+def _fake_entry(rank: int, names: list[str], settings: Settings, tmp: str, progress: bool) -> None:
+    # torch registers the "fake" backend when this (test-utility) module is imported.
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from ..comm import checks
+
+    torch.set_num_threads(1)
+    checks(False)
+    records = []
+    for name in names:
+        spec = CASES[name]
+        fn = getattr(importlib.import_module(spec.module, __package__), spec.function)
+        for world in spec.fake:
+            t0 = time.perf_counter()
+            dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+            try:
+                torch.manual_seed(0)
+                records += [dict(r.to_json(), suite=name) for r in fn(dist.group.WORLD, settings)]
+            finally:
+                dist.destroy_process_group()
+            if progress:
+                print(f"  [fake, {world} ranks] {name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    with open(os.path.join(tmp, "result.json"), "w") as f:
+        json.dump(records, f)
+
+
 def run_world(nproc: int, names: list[str], settings: Settings, progress: bool = True) -> list[dict]:
     """Run ``names`` (in order) on ``nproc`` spawned gloo ranks; rank 0's records as JSON dicts.
+    ``nproc == 0``: the cases run on fake process groups in one spawned process.
 
     A failing case (a correctness check included) raises in the parent
     (``torch.multiprocessing.ProcessRaisedException``).
     """
     with tempfile.TemporaryDirectory(prefix="shardkit-bench-") as tmp, private_temp(tmp):
         # (mode 0700; torch.multiprocessing's error-file pickles go inside it too, not in /tmp)
-        torch.multiprocessing.start_processes(_rank_entry, args=(nproc, names, settings, tmp, progress),
-                                              nprocs=nproc, start_method="spawn")
+        if nproc == 0:  # the cases on the fake process group, in one process
+            torch.multiprocessing.start_processes(_fake_entry, args=(names, settings, tmp, progress), nprocs=1,
+                                                  start_method="spawn")
+        else:
+            torch.multiprocessing.start_processes(_rank_entry, args=(nproc, names, settings, tmp, progress),
+                                                  nprocs=nproc, start_method="spawn")
         with open(os.path.join(tmp, "result.json")) as f:
             return json.load(f)
 
@@ -68,7 +100,7 @@ def run_cases(names: list[str], settings: Settings, progress: bool = True) -> li
     """Every case of ``names`` on its world size, one spawned world per size; records in order."""
     by_world: dict[int, list[str]] = {}
     for name in names:
-        by_world.setdefault(CASES[name].nproc, []).append(name)
+        by_world.setdefault(0 if CASES[name].fake else CASES[name].nproc, []).append(name)
     records = []
     for nproc, group in sorted(by_world.items()):
         records += run_world(nproc, group, settings, progress)

@@ -1,7 +1,9 @@
 """The cases of ``shardkit bench``: name -> where its per-rank body lives and its world size.
 
 A case body is ``fn(pg, settings) -> list[Record]``, run on every rank of a world of ``nproc``
-gloo ranks; it checks its variants' results before timing them (:func:`._method.agree`).
+gloo ranks; it checks its variants' results before timing them (:func:`._method.agree`). A case
+with ``fake`` world sizes runs instead in one process on torch's fake process group, once per
+size (``pg`` of that many ranks whose collectives return at once: host time only).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ class CaseSpec(NamedTuple):
     function: str
     nproc: int
     what: str
+    fake: tuple[int, ...] = ()  # world sizes on torch's fake process group (one process), instead of gloo
 
 
 CASES = {
@@ -39,6 +42,10 @@ CASES = {
                         "TP and TP+SP training steps against DTensor parallelize_module and HF tp_plan"),
     "fsdp_tp_step": CaseSpec(".cases_fsdp", "fsdp_tp_step", 4,
                              "FSDP2 + TP step (dp_shard=2 x tp=2) against fully_shard + DTensor parallelize_module"),
+    "host_overhead": CaseSpec(".cases_host", "host_overhead", 1,
+                              "host time per call of each op above the bare c10d call, forward and backward, with "
+                              "the flight recorder, the ledger and the check mode each on (fake process group)",
+                              fake=(4, 8)),
     "checks": CaseSpec(".cases_checks", "ops", 4, "each op with the check mode on against off (sizes given)"),
     "checks_train": CaseSpec(".cases_checks", "train_step", 4,
                              "a default shardkit train step (dp_replicate=2 x tp=2, SP) with --checks against without"),

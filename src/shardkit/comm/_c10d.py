@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import math
 import threading
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -45,11 +46,13 @@ class _Scratch(threading.local):
     read them), so other devices get fresh buffers. Megatron-LM keeps a global memory buffer
     for its sequence-parallel all-gather for the same reason.
 
-    Holds the largest buffer each slot was asked for, for the life of the thread.
+    Holds the largest buffer each slot was asked for, for the life of the thread, and the typed
+    view it handed out last (a repeated request, every step of a run, costs no new view).
     """
 
     def __init__(self) -> None:
         self.buffers: list[torch.Tensor | None] = [None, None]
+        self.views: list[tuple | None] = [None, None]  # (numel, dtype, view of the buffer)
 
 
 _scratch_buffers = _Scratch()
@@ -58,14 +61,19 @@ _scratch_buffers = _Scratch()
 def _scratch(numel: int, like: torch.Tensor, slot: int) -> torch.Tensor:
     """A flat ``numel``-element buffer of ``like``'s dtype and device whose contents the caller
     uses only until its c10d call returns (see :class:`_Scratch`)."""
-    if like.device.type != "cpu":
+    if not like.is_cpu:
         return like.new_empty(numel)
+    last = _scratch_buffers.views[slot]
+    if last is not None and last[0] == numel and last[1] == like.dtype:
+        return last[2]
     nbytes = numel * like.element_size()
     buf = _scratch_buffers.buffers[slot]
     if buf is None or buf.numel() < nbytes:
         buf = torch.empty(nbytes, dtype=torch.uint8)
         _scratch_buffers.buffers[slot] = buf
-    return buf[:nbytes].view(like.dtype)
+    view = buf[:nbytes].view(like.dtype)
+    _scratch_buffers.views[slot] = (numel, like.dtype, view)
+    return view
 
 
 # Uneven splits pack and unpack with one row gather (index_select) when rows (the elements after
@@ -108,6 +116,12 @@ def _runs(sizes: list[int]):
         i = j
 
 
+@functools.lru_cache(maxsize=1024)
+def _run_table(sizes: tuple[int, ...]) -> tuple[tuple[int, int, int], ...]:
+    """``tuple(_runs(sizes))``, once per distinct sizes."""
+    return tuple(_runs(sizes))
+
+
 def _blocks_view(t: torch.Tensor, dim: int, off: int, count: int, size: int) -> torch.Tensor:
     """``count`` consecutive blocks of ``size`` along ``dim`` of a contiguous ``t``, as ``[count, A, size, B]``."""
     a, n, b = math.prod(t.shape[:dim]), t.shape[dim], math.prod(t.shape[dim + 1 :])
@@ -123,7 +137,7 @@ def _pack(x: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
     pack on this thread: consume it with one c10d call)."""
     if math.prod(x.shape[:dim]) == 1 and x.is_contiguous():
         return x.reshape(-1)  # blocks are already consecutive: no copy
-    runs = list(_runs(sizes))
+    runs = _run_table(tuple(sizes))
     buf = _scratch(x.numel(), x, 0)
     if x.is_contiguous() and len(runs) == 1:
         # Even split: one permuting copy.
@@ -165,7 +179,7 @@ def _unpack(buf: torch.Tensor, out_shape: list[int], dim: int, sizes: list[int])
     """Inverse of :func:`_pack`: a contiguous ``out_shape`` tensor from blocks along ``dim``."""
     if not _unpack_copies(out_shape, dim):
         return buf.view(out_shape)  # blocks land where they belong: no copy
-    runs = list(_runs(sizes))
+    runs = _run_table(tuple(sizes))
     if len(runs) == 1:
         _, count, size = runs[0]
         a, b = math.prod(out_shape[:dim]), math.prod(out_shape[dim + 1 :])
@@ -190,28 +204,65 @@ def all_reduce(x: torch.Tensor, g: GroupInfo, api: str, phase: str) -> torch.Ten
     return out
 
 
-def all_gather(x: torch.Tensor, g: GroupInfo, dim: int, sizes: list[int], api: str, phase: str) -> torch.Tensor:
+class _Gather(NamedTuple):
+    """What an all-gather of a given shape, dim and sizes needs, computed once (:func:`_gather_plan`)."""
+
+    out_shape: tuple[int, ...]
+    blocks: list[int]  # elements received from each rank (c10d takes a list)
+    total: int
+    even: bool
+    in_place: bool  # the blocks land where they belong: receive straight into the returned tensor
+
+
+@functools.lru_cache(maxsize=1024)
+def _gather_plan(shape: tuple[int, ...], dim: int, sizes: tuple[int, ...]) -> _Gather:
+    out_shape = tuple(_with_dim(shape, dim, sum(sizes)))
+    blocks = [math.prod(_with_dim(shape, dim, s)) for s in sizes]
+    return _Gather(out_shape, blocks, sum(blocks), len(set(sizes)) == 1, not _unpack_copies(out_shape, dim))
+
+
+def all_gather(x: torch.Tensor, g: GroupInfo, dim: int, sizes, api: str, phase: str) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim``; rank r contributes ``sizes[r]`` there."""
-    out_shape = _with_dim(x.shape, dim, sum(sizes))
-    blocks = [math.prod(_with_dim(x.shape, dim, s)) for s in sizes]
+    p = _gather_plan(x.shape, dim, tuple(sizes))
     src = x.contiguous()
-    buf = _recv_buffer(sum(blocks), x, out_shape, dim)
-    if len(set(sizes)) == 1:
+    out = x.new_empty(p.out_shape) if p.in_place else None
+    if p.even and out is not None and dim == 0:
+        # c10d's own concatenation: no flat views (each costs about a microsecond).
+        ledger.record("all_gather_single", api, phase, g.size, src.nbytes, out.nbytes, pg=g.pg, shape=x.shape,
+                      sizes=sizes)
+        all_gather_single(out, src, group=g.pg)
+        return out
+    buf = _scratch(p.total, x, 1) if out is None else out.view(-1)
+    if p.even:
         ledger.record("all_gather_single", api, phase, g.size, src.nbytes, buf.nbytes, pg=g.pg, shape=x.shape, sizes=sizes)
-        all_gather_single(buf, src.reshape(-1), group=g.pg)
+        all_gather_single(buf, src.view(-1), group=g.pg)
     else:
         # Uneven: send the whole local block to every rank, receive block r from rank r.
         send = src.reshape(-1).repeat(g.size)  # (an expand + reshape of an empty tensor is not contiguous)
         ledger.record("all_to_all_single", api, phase, g.size, send.nbytes, buf.nbytes, pg=g.pg, shape=x.shape, sizes=sizes)
-        dist.all_to_all_single(buf, send, output_split_sizes=blocks, input_split_sizes=[src.numel()] * g.size, group=g.pg)
-    return _unpack(buf, out_shape, dim, sizes)
+        dist.all_to_all_single(buf, send, output_split_sizes=p.blocks, input_split_sizes=[src.numel()] * g.size,
+                               group=g.pg)
+    return out if out is not None else _unpack(buf, list(p.out_shape), dim, sizes)
 
 
-def reduce_scatter(x: torch.Tensor, g: GroupInfo, dim: int, sizes: list[int], api: str, phase: str) -> torch.Tensor:
+@functools.lru_cache(maxsize=1024)
+def _scatter_plan(shape: tuple[int, ...], dim: int, sizes: tuple[int, ...], rank: int) -> tuple[bool, tuple[int, ...]]:
+    """(whether the split is even, this rank's output shape) of :func:`reduce_scatter`."""
+    return len(set(sizes)) == 1, tuple(_with_dim(shape, dim, sizes[rank]))
+
+
+def reduce_scatter(x: torch.Tensor, g: GroupInfo, dim: int, sizes, api: str, phase: str) -> torch.Tensor:
     """Sum over ranks of block ``rank`` of ``x`` along ``dim`` (block r has ``sizes[r]``)."""
-    out_shape = _with_dim(x.shape, dim, sizes[g.rank])
+    even, out_shape = _scatter_plan(x.shape, dim, tuple(sizes), g.rank)
+    if even and dim == 0 and x.is_contiguous():
+        # c10d's own split along dim 0: no pack and no flat views (each costs about a microsecond).
+        out = x.new_empty(out_shape)
+        ledger.record("reduce_scatter_single", api, phase, g.size, x.nbytes, out.nbytes, pg=g.pg, shape=x.shape,
+                      sizes=sizes)
+        reduce_scatter_single(out, x, group=g.pg)
+        return out
     send = _pack(x, dim, sizes)
-    if len(set(sizes)) == 1:
+    if even:
         out = x.new_empty(out_shape)
         ledger.record("reduce_scatter_single", api, phase, g.size, send.nbytes, out.nbytes, pg=g.pg, shape=x.shape, sizes=sizes)
         reduce_scatter_single(out.view(-1), send, group=g.pg)
@@ -240,16 +291,42 @@ def all_to_all(
     One ``all_to_all_single``; at most one layout copy on each side, none on a side whose dim is
     outermost (all dims before it have size 1).
     """
-    r = g.rank
-    send = _pack(x, scatter_dim, scatter_sizes)
-    in_splits = [math.prod(_with_dim(x.shape, scatter_dim, s)) for s in scatter_sizes]
-    local = _with_dim(x.shape, scatter_dim, scatter_sizes[r])  # what every source sends to us
-    out_splits = [math.prod(_with_dim(local, gather_dim, s)) for s in gather_sizes]
-    out_shape = _with_dim(local, gather_dim, sum(gather_sizes))
-    recv = _recv_buffer(sum(out_splits), x, out_shape, gather_dim)
+    p = _a2a_plan(x.shape, scatter_dim, gather_dim, tuple(scatter_sizes), tuple(gather_sizes), g.rank)
+    if p.pack_view is not None and x.is_contiguous():
+        # Even split of an inner dim: the one permuting copy of _pack, its views read from the plan.
+        a, count, size, b = p.pack_view
+        send = _scratch(x.numel(), x, 0)
+        send.view(count, a, size, b).copy_(x.view(a, count, size, b).transpose(0, 1))
+    else:
+        send = _pack(x, scatter_dim, scatter_sizes)
+    recv = _scratch(p.total, x, 1) if p.unpack_copies else x.new_empty(p.total)
     ledger.record("all_to_all_single", api, phase, g.size, send.nbytes, recv.nbytes, pg=g.pg, shape=x.shape, sizes=gather_sizes)
-    dist.all_to_all_single(recv, send, output_split_sizes=out_splits, input_split_sizes=in_splits, group=g.pg)
-    return _unpack(recv, out_shape, gather_dim, gather_sizes)
+    dist.all_to_all_single(recv, send, output_split_sizes=p.out_splits, input_split_sizes=p.in_splits, group=g.pg)
+    return _unpack(recv, p.out_shape, gather_dim, gather_sizes) if p.unpack_copies else recv.view(p.out_shape)
+
+
+class _AllToAllPlan(NamedTuple):
+    in_splits: tuple[int, ...]  # elements sent to each rank
+    out_splits: tuple[int, ...]  # elements received from each rank
+    out_shape: tuple[int, ...]
+    total: int
+    unpack_copies: bool
+    pack_view: tuple[int, int, int, int] | None  # [A, count, size, B] of an even inner split, else None
+
+
+@functools.lru_cache(maxsize=1024)
+def _a2a_plan(shape: tuple[int, ...], scatter_dim: int, gather_dim: int, scatter_sizes: tuple[int, ...],
+              gather_sizes: tuple[int, ...], rank: int) -> _AllToAllPlan:
+    """Split sizes and output shape of :func:`all_to_all`, once per distinct arguments."""
+    in_splits = tuple(math.prod(_with_dim(shape, scatter_dim, s)) for s in scatter_sizes)
+    local = _with_dim(shape, scatter_dim, scatter_sizes[rank])  # what every source sends to us
+    out_splits = tuple(math.prod(_with_dim(local, gather_dim, s)) for s in gather_sizes)
+    out_shape = tuple(_with_dim(local, gather_dim, sum(gather_sizes)))
+    a, n, b = math.prod(shape[:scatter_dim]), shape[scatter_dim], math.prod(shape[scatter_dim + 1 :])
+    even = len(set(scatter_sizes)) == 1
+    pack_view = (a, len(scatter_sizes), scatter_sizes[0], b) if even and a != 1 and n else None
+    return _AllToAllPlan(in_splits, out_splits, out_shape, sum(out_splits), _unpack_copies(out_shape, gather_dim),
+                         pack_view)
 
 
 def local_split(x: torch.Tensor, g: GroupInfo, dim: int, sizes: list[int]) -> torch.Tensor:

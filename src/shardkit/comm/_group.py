@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -20,6 +21,13 @@ class GroupInfo:
     rank: int
 
 
+# id(pg) -> (weak reference to pg, size, rank): a ProcessGroup's rank and size never change, so
+# the checks below run once per group. The weak reference says whether the id still names that
+# group (its callback drops the entry when the group is freed, before the id can be reused);
+# nothing here holds the group itself, so a destroyed group is freed as before.
+_resolved: dict[int, tuple[weakref.ref, int, int]] = {}
+
+
 def resolve_group(group, op: str) -> GroupInfo:
     """Accept a ``ProcessGroup`` or a 1-D ``DeviceMesh``; return :class:`GroupInfo`.
 
@@ -30,6 +38,9 @@ def resolve_group(group, op: str) -> GroupInfo:
         GroupMembershipError: this rank is not a member of ``group``.
         ShardkitError: torch.distributed is not initialized.
     """
+    hit = _resolved.get(id(group))
+    if hit is not None and hit[0]() is group and dist.is_initialized():
+        return GroupInfo(group, hit[1], hit[2])
     if group is None:
         raise ShardkitTypeError(f"{op}: group is required (a ProcessGroup or a 1-D DeviceMesh); shardkit has no default group")
     if not dist.is_initialized():
@@ -54,4 +65,7 @@ def resolve_group(group, op: str) -> GroupInfo:
     rank = group.rank()
     if rank < 0:
         raise GroupMembershipError(f"{op}: global rank {dist.get_rank()} is not a member of the group it passed")
-    return GroupInfo(pg=group, size=group.size(), rank=rank)
+    info = GroupInfo(pg=group, size=group.size(), rank=rank)
+    key = id(group)
+    _resolved[key] = (weakref.ref(group, lambda _, key=key: _resolved.pop(key, None)), info.size, rank)
+    return info

@@ -7,6 +7,7 @@ on this rank's own shape come last, so with checks on they never fire before the
 
 from __future__ import annotations
 
+import functools
 import struct
 import zlib
 
@@ -69,7 +70,7 @@ def maybe_agree(g: GroupInfo, op: str, x: torch.Tensor, args=(), local_dim=None,
     without ``sizes=`` need not gather them a second time), or None when nothing was agreed.
     ``error``: this rank's local check error (from :func:`local_checks`), raised on every rank.
     """
-    if _checking(g):
+    if checking(g):
         return agree(g, op, x, tuple(_int_args(args)) if error is None else (), local_dim, expected_local, error)
     if error is not None:
         raise error
@@ -102,12 +103,12 @@ def local_checks(g: GroupInfo, fn):
     try:
         return fn(), None
     except ShardkitError as exc:
-        if not _checking(g):
+        if not checking(g):
             raise
         return None, exc
 
 
-def _checking(g: GroupInfo) -> bool:
+def checking(g: GroupInfo) -> bool:
     """Check mode on, more than one rank, and not inside a region whose agreement covers the group."""
     return checks_enabled() and g.size > 1 and not covered(g.pg)
 
@@ -179,16 +180,63 @@ def local_sizes(x: torch.Tensor, g: GroupInfo, dim: int, sizes, op: str, known=N
     ``known``: the sizes the check mode already agreed on). With explicit sizes, no
     communication: ``sizes[rank]`` must equal the local size.
     """
-    n = x.shape[dim]
     if sizes is None:
         return gather_sizes(x, g, dim, op, known)
-    sizes = check_split_sizes(sizes, g.size, None, op)
-    if sizes[g.rank] != n:
+    return _checked_local(sizes, x.shape[dim], dim, g.size, g.rank, op)
+
+
+def _checked_local(sizes, n: int, dim: int, size: int, rank: int, op: str) -> list[int]:
+    sizes = check_split_sizes(sizes, size, None, op)
+    if sizes[rank] != n:
         raise ShardkitError(
-            f"{op}: rank {g.rank} of {g.size} holds {n} elements along dim {dim} but sizes[{g.rank}] = "
-            f"{sizes[g.rank]} (sizes={sizes})"
+            f"{op}: rank {rank} of {size} holds {n} elements along dim {dim} but sizes[{rank}] = "
+            f"{sizes[rank]} (sizes={sizes})"
         )
     return sizes
+
+
+def _plain_ints(sizes) -> tuple[int, ...] | None:
+    """``sizes`` as a tuple when it is a list or tuple of plain ints (a cache key that tells every
+    accepted value apart: ``True == 1`` and numpy ints hash like ints, so their types are checked
+    here), else None."""
+    if type(sizes) in (list, tuple) and all(type(s) is int for s in sizes):
+        return tuple(sizes)
+    return None
+
+
+@functools.lru_cache(maxsize=1024)
+def _sharded_cached(shape: tuple[int, ...], dim: int, sizes: tuple[int, ...], size: int, rank: int, op: str):
+    d = normalize_dim(dim, len(shape), op)
+    return d, tuple(_checked_local(list(sizes), shape[d], d, size, rank, op))
+
+
+@functools.lru_cache(maxsize=1024)
+def _full_cached(shape: tuple[int, ...], dim: int, sizes: tuple[int, ...] | None, size: int, op: str):
+    d = normalize_dim(dim, len(shape), op)
+    return d, tuple(check_split_sizes(None if sizes is None else list(sizes), size, shape[d], op))
+
+
+def sharded_dim(x: torch.Tensor, g: GroupInfo, dim, sizes, op: str, known=None):
+    """``(dim_of(x, dim), local_sizes(x, g, dim, sizes))`` (sizes as a tuple when explicit).
+
+    Explicit plain-int sizes and dim: computed once per (shape, dim, sizes, group size, rank,
+    op), everything the checks read; a failing check is not cached, so it raises the same error
+    every call. Anything else (sizes to learn, other types) is checked as :func:`local_sizes` does, uncached.
+    """
+    key = _plain_ints(sizes) if type(dim) is int else None
+    if key is None:
+        d = dim_of(x, dim, op)
+        return d, local_sizes(x, g, d, sizes, op, known)
+    return _sharded_cached(x.shape, dim, key, g.size, g.rank, op)
+
+
+def full_dim(x: torch.Tensor, g: GroupInfo, dim, sizes, op: str):
+    """``(dim_of(x, dim), full_sizes(x, g, dim, sizes))``, cached like :func:`sharded_dim`."""
+    key = None if sizes is None else _plain_ints(sizes)
+    if type(dim) is not int or (sizes is not None and key is None):
+        d = dim_of(x, dim, op)
+        return d, full_sizes(x, g, d, sizes, op)
+    return _full_cached(x.shape, dim, key, g.size, op)
 
 
 def full_sizes(x: torch.Tensor, g: GroupInfo, dim: int, sizes, op: str) -> list[int]:
@@ -214,5 +262,5 @@ def grad_scale_factor(grad_scale, x: torch.Tensor, g: GroupInfo, op: str) -> flo
 __all__ = [
     "enter", "group_device", "placeholder", "raise_agreed", "maybe_agree", "maybe_agree_groups", "local_checks",
     "gather_sizes", "gather_ints", "expected_size", "dim_of", "local_sizes", "full_sizes", "grad_scale_factor",
-    "balanced_split_sizes",
+    "balanced_split_sizes", "sharded_dim", "full_dim", "checking",
 ]

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
 
-from .._shapes import balanced_split_sizes
+from .._shapes import balanced_split_sizes, normalize_dim
 from ..errors import ShardkitError, ShardkitTypeError
 from . import _c10d
-from ._validate import dim_of, enter, maybe_agree, raise_agreed
+from ._validate import checking, dim_of, enter, maybe_agree, raise_agreed
 from ._validate import gather_sizes as gather_sizes_of
 
 if TYPE_CHECKING:
@@ -20,8 +21,7 @@ __all__ = ["all_to_all"]
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, g, scatter_dim, gather_dim, gather_sizes):
-        scatter_sizes = balanced_split_sizes(x.shape[scatter_dim], g.size)
+    def forward(ctx, x, g, scatter_dim, gather_dim, scatter_sizes, gather_sizes):
         ctx.g, ctx.scatter_dim, ctx.gather_dim = g, scatter_dim, gather_dim
         ctx.scatter_sizes, ctx.gather_sizes = scatter_sizes, gather_sizes
         return _c10d.all_to_all(x, g, scatter_dim, gather_dim, scatter_sizes, gather_sizes, "all_to_all", "forward")
@@ -33,7 +33,7 @@ class _AllToAll(torch.autograd.Function):
         out = _c10d.all_to_all(
             grad, ctx.g, ctx.gather_dim, ctx.scatter_dim, ctx.gather_sizes, ctx.scatter_sizes, "all_to_all", "backward",
         )
-        return out, None, None, None, None
+        return out, None, None, None, None, None
 
 
 def all_to_all(x: torch.Tensor, group: Group, scatter_dim: int, gather_dim: int,
@@ -78,30 +78,57 @@ def all_to_all(x: torch.Tensor, group: Group, scatter_dim: int, gather_dim: int,
     g = enter(x, group, op)
     if gather_size is not None and (isinstance(gather_size, bool) or not isinstance(gather_size, int)):
         raise_agreed(g, op, ShardkitTypeError(f"{op}: gather_size must be an int or None, got {gather_size!r}"))
-    expected = None
-    if gather_size is not None and gather_size >= 0:
-        expected = balanced_split_sizes(gather_size, g.size)[g.rank]
-    known = maybe_agree(g, op, x, (scatter_dim, gather_dim, gather_size), local_dim=gather_dim, expected_local=expected)
-    s, d = dim_of(x, scatter_dim, op), dim_of(x, gather_dim, op)
-    if s == d:
-        raise ShardkitError(f"{op}: scatter_dim and gather_dim must differ, both are {s} (tensor of shape {tuple(x.shape)})")
-    if gather_size is None:
-        gather_sizes = gather_sizes_of(x, g, d, op, known)  # learned: any split, zero sizes included
-    elif gather_size < 0:
-        raise ShardkitError(f"{op}: gather_size must be >= 0, got {gather_size}")
-    elif expected != x.shape[d]:
-        raise ShardkitError(
-            f"{op}: rank {g.rank} of {g.size} holds {x.shape[d]} elements along gather_dim {d}, but the balanced "
-            f"split of gather_size={gather_size} gives it {expected} ({balanced_split_sizes(gather_size, g.size)})"
-        )
+    known = None
+    if checking(g):
+        expected = None
+        if gather_size is not None and gather_size >= 0:
+            expected = balanced_split_sizes(gather_size, g.size)[g.rank]
+        known = maybe_agree(g, op, x, (scatter_dim, gather_dim, gather_size), local_dim=gather_dim,
+                            expected_local=expected)
+    if gather_size is not None and type(scatter_dim) is int and type(gather_dim) is int:
+        s, d, scatter_sizes, gather_sizes = _checked(x.shape, scatter_dim, gather_dim, gather_size, g.size, g.rank)
     else:
-        gather_sizes = balanced_split_sizes(gather_size, g.size)
+        s, d = dim_of(x, scatter_dim, op), dim_of(x, gather_dim, op)
+        _check_distinct(s, d, x.shape)
+        if gather_size is None:
+            gather_sizes = gather_sizes_of(x, g, d, op, known)  # learned: any split, zero sizes included
+        else:
+            gather_sizes = _balanced_gather(gather_size, x.shape[d], d, g.size, g.rank)
+        scatter_sizes = balanced_split_sizes(x.shape[s], g.size)
     if g.size == 1:
         return x
     if not (x.requires_grad and torch.is_grad_enabled()):
         # No graph to record (inference, benchmarks, integer metadata): skip the autograd
         # Function's bookkeeping, about a third of the per-call cost at small sizes.
-        return _c10d.all_to_all(
-            x, g, s, d, balanced_split_sizes(x.shape[s], g.size), gather_sizes, "all_to_all", "forward",
+        return _c10d.all_to_all(x, g, s, d, scatter_sizes, gather_sizes, "all_to_all", "forward")
+    return _AllToAll.apply(x, g, s, d, scatter_sizes, gather_sizes)
+
+
+def _check_distinct(s: int, d: int, shape) -> None:
+    if s == d:
+        raise ShardkitError(
+            f"all_to_all: scatter_dim and gather_dim must differ, both are {s} (tensor of shape {tuple(shape)})")
+
+
+def _balanced_gather(gather_size: int, local: int, d: int, size: int, rank: int) -> list[int]:
+    """The balanced split of ``gather_size``, checked against this rank's ``local`` size along ``d``."""
+    if gather_size < 0:
+        raise ShardkitError(f"all_to_all: gather_size must be >= 0, got {gather_size}")
+    sizes = balanced_split_sizes(gather_size, size)
+    if sizes[rank] != local:
+        raise ShardkitError(
+            f"all_to_all: rank {rank} of {size} holds {local} elements along gather_dim {d}, but the balanced "
+            f"split of gather_size={gather_size} gives it {sizes[rank]} ({sizes})"
         )
-    return _AllToAll.apply(x, g, s, d, gather_sizes)
+    return sizes
+
+
+@functools.lru_cache(maxsize=1024)
+def _checked(shape: tuple[int, ...], scatter_dim: int, gather_dim: int, gather_size: int, size: int, rank: int):
+    """``(s, d, scatter sizes, gather sizes)`` of a call with ``gather_size`` given, once per
+    distinct arguments (plain ints: the key is everything the checks read). A failing check is
+    not cached: it raises the same error on every call."""
+    s, d = normalize_dim(scatter_dim, len(shape), "all_to_all"), normalize_dim(gather_dim, len(shape), "all_to_all")
+    _check_distinct(s, d, shape)
+    gather_sizes = tuple(_balanced_gather(gather_size, shape[d], d, size, rank))
+    return s, d, tuple(balanced_split_sizes(shape[s], size)), gather_sizes

@@ -6,6 +6,12 @@ the adjoint of its forward under the inner product summed over ranks,
 ``sum_r <A x, y>_r == sum_r <x, A^T y>_r``. That adjoint is the exact gradient when each rank
 back-propagates its own (partial) downstream gradient, the convention of Megatron-LM and
 PyTorch functional collectives.
+
+The host path is kept short (issue 24, ``shardkit bench --cases host_overhead``): the check mode's
+agreement is only prepared when it is on, dims and sizes are checked once per shape
+(:func:`._validate.sharded_dim`), and without a graph to record (no input requiring grad, or
+grad mode off) the c10d helper is called directly: ``Function.apply`` would return the same
+tensor after a few microseconds of bookkeeping.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import _c10d
-from ._validate import dim_of, enter, expected_size, full_sizes, local_sizes, maybe_agree
+from ._validate import checking, enter, expected_size, full_dim, maybe_agree, sharded_dim
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -86,8 +92,13 @@ def all_reduce_forward(x: torch.Tensor, group: Group) -> torch.Tensor:
         RankMismatchError: (check mode) shapes or dtypes differ across ranks.
     """
     g = enter(x, group, "all_reduce_forward")
-    maybe_agree(g, "all_reduce_forward", x)
-    return x if g.size == 1 else _AllReduceForward.apply(x, g)
+    if checking(g):
+        maybe_agree(g, "all_reduce_forward", x)
+    if g.size == 1:
+        return x
+    if not _records_graph(x):
+        return _c10d.all_reduce(x, g, "all_reduce_forward", "forward")
+    return _AllReduceForward.apply(x, g)
 
 
 def all_reduce_backward(x: torch.Tensor, group: Group) -> torch.Tensor:
@@ -107,8 +118,9 @@ def all_reduce_backward(x: torch.Tensor, group: Group) -> torch.Tensor:
         ShardkitTypeError, GroupMembershipError, RankMismatchError: as :func:`all_reduce_forward`.
     """
     g = enter(x, group, "all_reduce_backward")
-    maybe_agree(g, "all_reduce_backward", x)
-    return x if g.size == 1 else _AllReduceBackward.apply(x, g)
+    if checking(g):
+        maybe_agree(g, "all_reduce_backward", x)
+    return x if g.size == 1 or not _records_graph(x) else _AllReduceBackward.apply(x, g)
 
 
 def all_gather(x: torch.Tensor, group: Group, dim: int, sizes: Sequence[int] | None = None) -> torch.Tensor:
@@ -134,10 +146,16 @@ def all_gather(x: torch.Tensor, group: Group, dim: int, sizes: Sequence[int] | N
     ``all_gather`` and it costs the same as an even gather (docs/design.md, Platform facts).
     """
     g = enter(x, group, "all_gather")
-    known = maybe_agree(g, "all_gather", x, (dim, sizes), local_dim=dim, expected_local=expected_size(sizes, g.rank))
-    d = dim_of(x, dim, "all_gather")
-    sizes = local_sizes(x, g, d, sizes, "all_gather", known)
-    return x if g.size == 1 else _AllGather.apply(x, g, d, sizes)
+    known = None
+    if checking(g):
+        known = maybe_agree(g, "all_gather", x, (dim, sizes), local_dim=dim,
+                            expected_local=expected_size(sizes, g.rank))
+    d, sizes = sharded_dim(x, g, dim, sizes, "all_gather", known)
+    if g.size == 1:
+        return x
+    if not _records_graph(x):
+        return _c10d.all_gather(x, g, d, sizes, "all_gather", "forward")
+    return _AllGather.apply(x, g, d, sizes)
 
 
 def reduce_scatter(x: torch.Tensor, group: Group, dim: int, sizes: Sequence[int] | None = None) -> torch.Tensor:
@@ -161,7 +179,16 @@ def reduce_scatter(x: torch.Tensor, group: Group, dim: int, sizes: Sequence[int]
     local sum (same traffic as a ring reduce-scatter).
     """
     g = enter(x, group, "reduce_scatter")
-    maybe_agree(g, "reduce_scatter", x, (dim, sizes))
-    d = dim_of(x, dim, "reduce_scatter")
-    sizes = full_sizes(x, g, d, sizes, "reduce_scatter")
-    return x if g.size == 1 else _ReduceScatter.apply(x, g, d, sizes)
+    if checking(g):
+        maybe_agree(g, "reduce_scatter", x, (dim, sizes))
+    d, sizes = full_dim(x, g, dim, sizes, "reduce_scatter")
+    if g.size == 1:
+        return x
+    if not _records_graph(x):
+        return _c10d.reduce_scatter(x, g, d, sizes, "reduce_scatter", "forward")
+    return _ReduceScatter.apply(x, g, d, sizes)
+
+
+def _records_graph(x: torch.Tensor) -> bool:
+    """Whether autograd would record an op on ``x`` (else its Function is pure bookkeeping)."""
+    return x.requires_grad and torch.is_grad_enabled()

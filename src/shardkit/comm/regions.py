@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import _c10d
-from ._validate import GRAD_SCALES, dim_of, enter, expected_size, full_sizes, grad_scale_factor, local_sizes, maybe_agree
+from ._validate import (GRAD_SCALES, checking, enter, expected_size, full_dim, grad_scale_factor, maybe_agree,
+                        sharded_dim)
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -98,11 +99,15 @@ def split_forward_gather_backward(x: torch.Tensor, group: Group, dim: int, sizes
     """
     op = "split_forward_gather_backward"
     g = enter(x, group, op)
-    maybe_agree(g, op, x, (dim, sizes, _scale_code(grad_scale)))
-    d = dim_of(x, dim, op)
-    sizes = full_sizes(x, g, d, sizes, op)
+    if checking(g):
+        maybe_agree(g, op, x, (dim, sizes, _scale_code(grad_scale)))
+    d, sizes = full_dim(x, g, dim, sizes, op)
     factor = grad_scale_factor(grad_scale, x, g, op)
-    return x if g.size == 1 else _SplitForwardGatherBackward.apply(x, g, d, sizes, factor)
+    if g.size == 1:
+        return x
+    if not (x.requires_grad and torch.is_grad_enabled()):  # no graph to record: skip the Function's bookkeeping
+        return _c10d.local_split(x, g, d, sizes)
+    return _SplitForwardGatherBackward.apply(x, g, d, sizes, factor)
 
 
 def gather_forward_split_backward(x: torch.Tensor, group: Group, dim: int, sizes: Sequence[int] | None = None,
@@ -128,9 +133,14 @@ def gather_forward_split_backward(x: torch.Tensor, group: Group, dim: int, sizes
     """
     op = "gather_forward_split_backward"
     g = enter(x, group, op)
-    known = maybe_agree(g, op, x, (dim, sizes, _scale_code(grad_scale)), local_dim=dim,
-                        expected_local=expected_size(sizes, g.rank))
-    d = dim_of(x, dim, op)
-    sizes = local_sizes(x, g, d, sizes, op, known)
+    known = None
+    if checking(g):
+        known = maybe_agree(g, op, x, (dim, sizes, _scale_code(grad_scale)), local_dim=dim,
+                            expected_local=expected_size(sizes, g.rank))
+    d, sizes = sharded_dim(x, g, dim, sizes, op, known)
     factor = grad_scale_factor(grad_scale, x, g, op)
-    return x if g.size == 1 else _GatherForwardSplitBackward.apply(x, g, d, sizes, factor)
+    if g.size == 1:
+        return x
+    if not (x.requires_grad and torch.is_grad_enabled()):
+        return _c10d.all_gather(x, g, d, sizes, op, "forward")
+    return _GatherForwardSplitBackward.apply(x, g, d, sizes, factor)

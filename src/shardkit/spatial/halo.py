@@ -22,10 +22,10 @@ overlapped convolution (:mod:`._overlap`) computes while the halos travel.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+import functools
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -33,7 +33,7 @@ import torch.distributed as dist
 from .._shapes import split_offsets
 from ..comm import ledger
 from ..comm._group import GroupInfo
-from ..comm._validate import dim_of, enter, expected_size, local_sizes, maybe_agree
+from ..comm._validate import checking, enter, expected_size, maybe_agree, sharded_dim
 from ..errors import ShardkitError, ShardkitTypeError
 from ._plan import Plan, build_plan
 
@@ -251,6 +251,8 @@ def plan_for(op: str, sizes, ranges, mode: str) -> Plan:
 
 
 def _halo_widths(value, R: int, name: str) -> list[int]:
+    if type(value) is int and value >= 0:  # the common case, valid as it is
+        return [value] * R
     if isinstance(value, int) and not isinstance(value, bool):
         value = [value] * R
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or not all(
@@ -297,14 +299,20 @@ def halo_exchange(x: torch.Tensor, group: Group, dim: int, left: int | Sequence[
     """
     op = "halo_exchange"
     g = enter(x, group, op)
-    known = maybe_agree(g, op, x, (dim, int(periodic), sizes, left, right), local_dim=dim,
-                        expected_local=expected_size(sizes, g.rank))
-    d = dim_of(x, dim, op)
-    sizes = local_sizes(x, g, d, sizes, op, known)
+    known = None
+    if checking(g):
+        known = maybe_agree(g, op, x, (dim, int(periodic), sizes, left, right), local_dim=dim,
+                            expected_local=expected_size(sizes, g.rank))
+    d, sizes = sharded_dim(x, g, dim, sizes, op, known)  # checked once per shape and sizes
     lefts, rights = _halo_widths(left, g.size, "left"), _halo_widths(right, g.size, "right")
     if not any(lefts) and not any(rights):
         return x
-    offsets = split_offsets(sizes)
-    ranges = tuple((o - lw, o + n + rw) for o, n, lw, rw in zip(offsets, sizes, lefts, rights))
-    plan = plan_for(op, sizes, ranges, "circular" if periodic else "zeros")
+    plan = _halo_plan(tuple(sizes), tuple(lefts), tuple(rights), "circular" if periodic else "zeros")
     return exchange(x, g, d, plan, op)
+
+
+@functools.lru_cache(maxsize=256)
+def _halo_plan(sizes: tuple[int, ...], lefts: tuple[int, ...], rights: tuple[int, ...], mode: str) -> Plan:
+    """The plan of a halo request, once per distinct widths and sizes (a failing plan raises every call)."""
+    ranges = tuple((o - lw, o + n + rw) for o, n, lw, rw in zip(split_offsets(sizes), sizes, lefts, rights))
+    return plan_for("halo_exchange", sizes, ranges, mode)
