@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -145,7 +145,7 @@ def _ops(pg) -> dict[str, Op]:
     def split_call():  # split's forward is local
         return rs_in.narrow(0, 0, 16).clone()
 
-    static = dict(shape=(16, 64), dtype=torch.float32)
+    static: dict[str, Any] = dict(shape=(16, 64), dtype=torch.float32)
     return {
         "all_reduce_forward": Op("g: all_reduce_forward 4 KiB", lambda x: all_reduce_forward(x, pg), ar, ar_call, None),
         "all_reduce_backward": Op("f: all_reduce_backward 4 KiB", lambda x: all_reduce_backward(x, pg), ar, None,

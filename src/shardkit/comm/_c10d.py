@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import math
 import threading
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -100,7 +101,7 @@ def _unpack_order(a: int, sizes: tuple[int, ...], device: torch.device) -> torch
     return inverse.to(device)
 
 
-def _runs(sizes: list[int]):
+def _runs(sizes: Sequence[int]):
     """Group consecutive equal block sizes: yields ``(offset, count, size)``.
 
     A balanced split has at most two runs whatever R is, so packing costs at most two strided
@@ -175,7 +176,7 @@ def _recv_buffer(numel: int, like: torch.Tensor, out_shape, dim: int) -> torch.T
     return _scratch(numel, like, 1) if _unpack_copies(out_shape, dim) else like.new_empty(numel)
 
 
-def _unpack(buf: torch.Tensor, out_shape: list[int], dim: int, sizes: list[int]) -> torch.Tensor:
+def _unpack(buf: torch.Tensor, out_shape: Sequence[int], dim: int, sizes: Sequence[int]) -> torch.Tensor:
     """Inverse of :func:`_pack`: a contiguous ``out_shape`` tensor from blocks along ``dim``."""
     if not _unpack_copies(out_shape, dim):
         return buf.view(out_shape)  # blocks land where they belong: no copy
@@ -329,7 +330,7 @@ def _a2a_plan(shape: tuple[int, ...], scatter_dim: int, gather_dim: int, scatter
                          pack_view)
 
 
-def local_split(x: torch.Tensor, g: GroupInfo, dim: int, sizes: list[int]) -> torch.Tensor:
+def local_split(x: torch.Tensor, g: GroupInfo, dim: int, sizes: Sequence[int]) -> torch.Tensor:
     """This rank's block of ``x`` along ``dim``, as a new contiguous tensor (no communication)."""
     off = split_offsets(sizes)[g.rank]
     return x.narrow(dim, off, sizes[g.rank]).clone(memory_format=torch.contiguous_format)

@@ -39,8 +39,8 @@ def resolve_group(group, op: str) -> GroupInfo:
         ShardkitError: torch.distributed is not initialized.
     """
     hit = _resolved.get(id(group))
-    if hit is not None and hit[0]() is group and dist.is_initialized():
-        return GroupInfo(group, hit[1], hit[2])
+    if hit is not None and (pg := hit[0]()) is group and dist.is_initialized():
+        return GroupInfo(pg, hit[1], hit[2])
     if group is None:
         raise ShardkitTypeError(f"{op}: group is required (a ProcessGroup or a 1-D DeviceMesh); shardkit has no default group")
     if not dist.is_initialized():
@@ -67,5 +67,9 @@ def resolve_group(group, op: str) -> GroupInfo:
         raise GroupMembershipError(f"{op}: global rank {dist.get_rank()} is not a member of the group it passed")
     info = GroupInfo(pg=group, size=group.size(), rank=rank)
     key = id(group)
-    _resolved[key] = (weakref.ref(group, lambda _, key=key: _resolved.pop(key, None)), info.size, rank)
+
+    def forget(_: weakref.ref, key: int = key) -> None:
+        _resolved.pop(key, None)
+
+    _resolved[key] = (weakref.ref(group, forget), info.size, rank)
     return info
