@@ -98,6 +98,9 @@ def test_a_freed_group_leaves_the_resolved_cache():
     info = _group.resolve_group(pg, "t")
     assert _group.resolve_group(pg, "t") == info and info.size == world_size() and info.rank == rank()
     assert key in _group._resolved
+    # gloo's connectFullMesh can still be running on the peer when this rank's new_group returns:
+    # a barrier on the new group keeps either rank from closing its pairs before both connected.
+    dist.barrier(group=pg)
     dist.destroy_process_group(pg)
     del pg, info
     gc.collect()
