@@ -27,7 +27,6 @@ import sys
 import time
 
 import torch
-import torch.distributed as dist
 from _paired import add_timing_args, cell, check_rounds, print_row, quantiles, ratio_q, run_and_report, time_interleaved
 
 SIZES = (16 * 1024, 1024 * 1024)  # bytes per rank
@@ -48,7 +47,9 @@ def _ops(nbytes: int, pg):
     return {
         "all_gather": (lambda sizes: all_gather(x, pg, 0, sizes=[x.shape[0]] * R if sizes else None)),
         "all_to_all": (lambda sizes: all_to_all(a, pg, 1, 0, gather_size=seq * R if sizes else None)),
-        "ulysses_attention": (lambda sizes: ulysses_attention(q, q, q, pg, causal=True, seq_len=s_q if sizes else None)),
+        "ulysses_attention": (
+            lambda sizes: ulysses_attention(q, q, q, pg, causal=True, seq_len=s_q if sizes else None)
+        ),
     }
 
 
@@ -66,6 +67,7 @@ def _variants(op):
                     return op(sizes)
             finally:
                 fr.set_flight_recorder(previous)
+
         return run
 
     return {
@@ -104,23 +106,34 @@ def summarize(result: dict) -> dict:
     rows = []
     for res in result["ops"]:
         t = res["times_s"]
-        rows.append(dict(
-            op=res["op"], bytes=res["bytes"],
-            us={k: 1e6 * quantiles(t[k])["median"] for k in VARIANTS},
-            ratio={k: ratio_q(t[k], t["plain"]) for k in VARIANTS[1:]},
-            extra_us={k: 1e6 * quantiles([a - b for a, b in zip(t[k], t["plain"])])["median"] for k in VARIANTS[1:]},
-        ))
+        rows.append(
+            dict(
+                op=res["op"],
+                bytes=res["bytes"],
+                us={k: 1e6 * quantiles(t[k])["median"] for k in VARIANTS},
+                ratio={k: ratio_q(t[k], t["plain"]) for k in VARIANTS[1:]},
+                extra_us={
+                    k: 1e6 * quantiles([a - b for a, b in zip(t[k], t["plain"])])["median"] for k in VARIANTS[1:]
+                },
+            )
+        )
     return dict(rows=rows, record_us=result["record_us"])
 
 
 def render(summary: dict, args, elapsed: float) -> None:
-    print(f"reliability features per op, gloo, 2 ranks, {args.rounds} rounds after {args.warmup} warm-up, "
-          f"{args.reps} calls per op, median [q1, q3] of per-round ratios to plain, {elapsed:.0f} s")
+    print(
+        f"reliability features per op, gloo, 2 ranks, {args.rounds} rounds after {args.warmup} warm-up, "
+        f"{args.reps} calls per op, median [q1, q3] of per-round ratios to plain, {elapsed:.0f} s"
+    )
     print_row("op", "size/rank", "plain us", *(f"{k}/plain (+us)" for k in VARIANTS[1:]))
     for r in summary["rows"]:
         size = f"{r['bytes'] // 1024} KiB"
-        print_row(r["op"], size, f"{r['us']['plain']:.1f}",
-                  *(f"{cell(r['ratio'][k])} ({r['extra_us'][k]:+.1f})" for k in VARIANTS[1:]))
+        print_row(
+            r["op"],
+            size,
+            f"{r['us']['plain']:.1f}",
+            *(f"{cell(r['ratio'][k])} ({r['extra_us'][k]:+.1f})" for k in VARIANTS[1:]),
+        )
     print(f"FlightRecorder.record alone: {summary['record_us']:.2f} us per call")
 
 
@@ -128,13 +141,24 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_timing_args(p)
     p.add_argument("--reps", type=int, default=10, help="calls per timed op")
-    p.add_argument("--sizes", type=lambda s: tuple(int(v) for v in s.split(",")), default=SIZES,
-                   help="comma-separated byte counts per rank (multiples of 16 KiB)")
+    p.add_argument(
+        "--sizes",
+        type=lambda s: tuple(int(v) for v in s.split(",")),
+        default=SIZES,
+        help="comma-separated byte counts per rank (multiples of 16 KiB)",
+    )
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
     check_rounds(p, args)
-    return run_and_report(args, _body, 2, summarize, render, dict(rounds=args.rounds, warmup=args.warmup),
-                          prefix="shardkit-bench-reliability-")
+    return run_and_report(
+        args,
+        _body,
+        2,
+        summarize,
+        render,
+        dict(rounds=args.rounds, warmup=args.warmup),
+        prefix="shardkit-bench-reliability-",
+    )
 
 
 if __name__ == "__main__":  # spawned ranks re-import this file; only the parent runs

@@ -20,8 +20,8 @@ import time
 
 import torch
 
-from shardkit.train.data import BatchSampler, stdlib_files
 from shardkit.cli.loop import ADAM_EPS, causal_lm_loss
+from shardkit.train.data import BatchSampler, stdlib_files
 from shardkit.train.pretrained import load_pretrained, smollm2_gguf
 from shardkit.train.schedule import FINETUNE_LR, warmup_cosine
 from shardkit.train.tokens import token_stream
@@ -71,19 +71,26 @@ def main() -> None:
     held_out = tokens[-n:].long().view(4, args.seq_len)
     t = time.perf_counter()
     base = load_pretrained(path, torch.float32)
-    print(f"model: {sum(p.numel() for p in base.parameters()) / 1e6:.1f} M parameters in {time.perf_counter() - t:.1f} s")
+    print(
+        f"model: {sum(p.numel() for p in base.parameters()) / 1e6:.1f} M parameters in {time.perf_counter() - t:.1f} s"
+    )
     print(f"held-out loss before: {evaluate(base, held_out):.3f}")
-    setups = {"today": ("constant 1e-3 (today)", 1e-3, False),
-              "default": (f"warmup+cosine {FINETUNE_LR:g} (default)", FINETUNE_LR, True),
-              "3e-4": ("warmup+cosine 3e-4", 3e-4, True), "3e-5": ("warmup+cosine 3e-5", 3e-5, True)}
+    setups = {
+        "today": ("constant 1e-3 (today)", 1e-3, False),
+        "default": (f"warmup+cosine {FINETUNE_LR:g} (default)", FINETUNE_LR, True),
+        "3e-4": ("warmup+cosine 3e-4", 3e-4, True),
+        "3e-5": ("warmup+cosine 3e-5", 3e-5, True),
+    }
     for name, lr, schedule in (setups[k] for k in args.setups.split(",")):
         sampler = BatchSampler(tokens, args.seq_len, args.batch_size, args.seed)
         t = time.perf_counter()
         losses, after = run(copy.deepcopy(base), sampler, args.steps, lr, schedule, held_out)
         mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-        print(f"{name}: losses {' '.join(f'{x:.2f}' for x in losses)}; first5 mean {mean(losses[:5]):.3f}, "
-              f"last5 mean {mean(losses[-5:]):.3f}; held-out after {after:.3f} ({time.perf_counter() - t:.0f} s)",
-              flush=True)
+        print(
+            f"{name}: losses {' '.join(f'{x:.2f}' for x in losses)}; first5 mean {mean(losses[:5]):.3f}, "
+            f"last5 mean {mean(losses[-5:]):.3f}; held-out after {after:.3f} ({time.perf_counter() - t:.0f} s)",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -42,7 +42,10 @@ def main() -> int:
     import bad_input_runner as runner
 
     cases = [c for c in runner.all_cases() if args.k in c.name]
-    verbose = (lambda r: print(f"{r.case.name:58s} {r.mode:10s} {r.outcome:12s} {r.detail[:200]}", flush=True))
+
+    def verbose(r):
+        print(f"{r.case.name:58s} {r.mode:10s} {r.outcome:12s} {r.detail[:200]}", flush=True)
+
     start = time.monotonic()
     results = runner.run_catalogue(cases, progress=verbose if args.v else None)
     text = runner.table(results)

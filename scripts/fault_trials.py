@@ -64,8 +64,9 @@ HERE = os.path.abspath(__file__)
 WORKER_MOMENTS = ("before_init", "model_load", "collective", "save", "end")
 LAUNCHER_SIGNALS = ("SIGINT", "SIGTERM", "SIGKILL")
 STALL = "SIGSTOP worker"
-SCENARIOS = (tuple(f"kill worker: {m}" for m in WORKER_MOMENTS) + tuple(f"{s} launcher" for s in LAUNCHER_SIGNALS)
-             + (STALL,))
+SCENARIOS = (
+    tuple(f"kill worker: {m}" for m in WORKER_MOMENTS) + tuple(f"{s} launcher" for s in LAUNCHER_SIGNALS) + (STALL,)
+)
 # The stall scenario: the ranks' process-group timeout, and how long after it the job may take to end.
 STALL_TIMEOUT_S = 5.0
 STALL_MARGIN_S = 30.0
@@ -171,8 +172,9 @@ def _count_save_events(plan: dict, rank: int) -> None:
 
 
 # The trainer trials: a small float64 run saving every step; the step-2 save is the one killed.
-TRAIN = dict(model="llama", steps=3, seq_len=16, batch_size=4, dtype="float64", layers=2, lr=1e-3, save_every=1,
-             verify=False)
+TRAIN = dict(
+    model="llama", steps=3, seq_len=16, batch_size=4, dtype="float64", layers=2, lr=1e-3, save_every=1, verify=False
+)
 TRAIN_WINDOW = {"after": "step_00000002", "until": "step_00000003"}
 
 
@@ -217,8 +219,9 @@ def _train_worker(plan: dict, rank: int, victim: bool) -> None:
     ckpt = plan.get("ckpt") or os.path.join(plan["dir"], "ckpt")
     steps = {"steps": plan["steps"]} if plan.get("steps") else {}
     if plan.get("past_validation"):  # B of `writers`: validated on an empty directory, then pointed at A's
-        cfg = dataclasses.replace(_train_cfg(NPROC, tp=NPROC, checkpoint_dir=os.path.join(plan["dir"], "empty"),
-                                             **steps), checkpoint_dir=ckpt)
+        cfg = dataclasses.replace(
+            _train_cfg(NPROC, tp=NPROC, checkpoint_dir=os.path.join(plan["dir"], "empty"), **steps), checkpoint_dir=ckpt
+        )
     else:
         cfg = _train_cfg(NPROC, tp=NPROC, checkpoint_dir=ckpt, **steps)
     train(cfg, "gloo", torch.device("cpu"), time.perf_counter(), progress=False)
@@ -297,15 +300,21 @@ def worker(plan: dict) -> None:
 
 def job(plan: dict) -> int:
     """The launcher process of a trial: :func:`launch_local` as ``shardkit train`` uses it."""
-    from shardkit.cli.launch import LaunchFailed, LaunchInterrupted, exit_now, launch_local, print_failure
     from shardkit._local_world import private_run_dir
+    from shardkit.cli.launch import LaunchFailed, LaunchInterrupted, exit_now, launch_local, print_failure
 
     code = 0
     with private_run_dir() as run_dir:
         try:
             beats = os.path.join(run_dir, "flight") if plan.get("timeout") else None
-            launch_local(NPROC, worker, {**plan, "run_dir": run_dir}, run_dir=run_dir, heartbeats=beats,
-                         timeout_s=plan.get("timeout", 60))
+            launch_local(
+                NPROC,
+                worker,
+                {**plan, "run_dir": run_dir},
+                run_dir=run_dir,
+                heartbeats=beats,
+                timeout_s=plan.get("timeout", 60),
+            )
         except (LaunchFailed, LaunchInterrupted) as err:
             code = print_failure(err)
     if code:
@@ -333,12 +342,20 @@ def _session_pids(sid: int) -> list[int]:
 
 
 def _start(plan: dict) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.path.dirname(HERE), os.environ.get("PYTHONPATH")) if p)}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(p for p in (os.path.dirname(HERE), os.environ.get("PYTHONPATH")) if p),
+    }
     out = open(os.path.join(plan["dir"], "stderr"), "w")
     # A session of its own: every process of the job (grandchildren re-parented to init
     # included) stays findable by its session id; a signal to the launcher reaches it alone.
-    return subprocess.Popen([sys.executable, HERE, "_job", json.dumps(plan)], stdout=out, stderr=subprocess.STDOUT,
-                            env=env, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, HERE, "_job", json.dumps(plan)],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )
 
 
 def _wait_for(path_fn, timeout: float, proc: subprocess.Popen) -> bool:
@@ -417,9 +434,18 @@ def run_fault(scenario: str, seed: int) -> dict:
         os.kill(pid, signal.SIGKILL)
     rc = proc.wait()
     text = open(os.path.join(workdir, "stderr")).read()
-    record.update(t0=t0, gone=gone, started=ok, rc=rc, seconds=round(gone - t0, 3), workers_seconds=round(workers_gone - t0, 3),
-                  output=text[-2000:])
-    record.update(checks(scenario, plan, rc, gone - t0, text) if ok else {"ok": False, "why": "the fault never happened"})
+    record.update(
+        t0=t0,
+        gone=gone,
+        started=ok,
+        rc=rc,
+        seconds=round(gone - t0, 3),
+        workers_seconds=round(workers_gone - t0, 3),
+        output=text[-2000:],
+    )
+    record.update(
+        checks(scenario, plan, rc, gone - t0, text) if ok else {"ok": False, "why": "the fault never happened"}
+    )
     subprocess.run(["rm", "-rf", workdir], check=False)
     return record
 
@@ -519,9 +545,16 @@ def _verify_save(root: str, seed: int) -> dict:
     left = sorted(os.listdir(root))
     cleaned = len(left) == 2 and left[0] == "latest"
     ok = exact and same_losses and cleaned
-    return {"ok": ok, "latest": version, "latest_is": "new" if version == "version_00000002" else "previous",
-            "partial_before": partial, "exact": exact, "same_losses": same_losses, "cleaned": cleaned,
-            "why": "" if ok else f"exact {exact}, losses {same_losses}, left {left}"}
+    return {
+        "ok": ok,
+        "latest": version,
+        "latest_is": "new" if version == "version_00000002" else "previous",
+        "partial_before": partial,
+        "exact": exact,
+        "same_losses": same_losses,
+        "cleaned": cleaned,
+        "why": "" if ok else f"exact {exact}, losses {same_losses}, left {left}",
+    }
 
 
 _UNINTERRUPTED: list = []  # the trainer's losses without a kill, computed once per process
@@ -561,14 +594,23 @@ def _verify_train(root: str) -> dict:
         return {"ok": False, "latest": version, "why": f"latest is {version}"}
     resumed = run(checkpoint_dir=root, resume=True)
     start, losses = resumed.get("first_step"), resumed["losses"]
-    same_losses = (start == int(version[5:]) and len(losses) == len(full) - start
-                   and all(abs(a - b) <= 1e-12 * abs(b) for a, b in zip(losses, full[start:])))
+    same_losses = (
+        start == int(version[5:])
+        and len(losses) == len(full) - start
+        and all(abs(a - b) <= 1e-12 * abs(b) for a, b in zip(losses, full[start:]))
+    )
     left = sorted(os.listdir(root))
     cleaned = all(n == "latest" or os.path.exists(os.path.join(root, n, MANIFEST)) for n in left)
     ok = same_losses and cleaned
-    return {"ok": ok, "latest": version, "latest_is": "new" if version == "step_00000002" else "previous",
-            "exact": True, "same_losses": same_losses, "cleaned": cleaned,
-            "why": "" if ok else f"resumed at {start}: {losses} vs {full}; left {left}"}
+    return {
+        "ok": ok,
+        "latest": version,
+        "latest_is": "new" if version == "step_00000002" else "previous",
+        "exact": True,
+        "same_losses": same_losses,
+        "cleaned": cleaned,
+        "why": "" if ok else f"resumed at {start}: {losses} vs {full}; left {left}",
+    }
 
 
 def run_save(seed: int, counts: dict, target: str | None = None, k: int | None = None, trainer: bool = False) -> dict:
@@ -591,8 +633,13 @@ def run_save(seed: int, counts: dict, target: str | None = None, k: int | None =
     sid = proc.pid
     _until_gone(sid, proc)
     rc = proc.wait()
-    record = {"seed": seed, "target": target, "how": how, "rc": rc,
-              "killed": os.path.exists(os.path.join(workdir, "killed"))}
+    record = {
+        "seed": seed,
+        "target": target,
+        "how": how,
+        "rc": rc,
+        "killed": os.path.exists(os.path.join(workdir, "killed")),
+    }
     if not os.path.isdir(os.path.join(workdir, "ckpt")):
         record.update(ok=False, why="no checkpoint at all: " + open(os.path.join(workdir, "stderr")).read()[-1500:])
     else:
@@ -606,13 +653,35 @@ WRITER_STEPS = 6
 
 def _cli_job_b(root: str) -> subprocess.CompletedProcess:
     """B through ``shardkit train`` on A's directory (the same small job)."""
-    argv = ["train", "--nproc", str(NPROC), "--tp", str(NPROC), "--steps", str(WRITER_STEPS), "--seq-len", "16",
-            "--batch-size", "4", "--dtype", "float64", "--layers", "2", "--save-every", "1", "--no-verify",
-            "--checkpoint-dir", root]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.path.dirname(HERE), os.environ.get("PYTHONPATH"))
-                                                       if p)}
-    return subprocess.run([sys.executable, "-m", "shardkit", *argv], capture_output=True, text=True, env=env,
-                          timeout=300)
+    argv = [
+        "train",
+        "--nproc",
+        str(NPROC),
+        "--tp",
+        str(NPROC),
+        "--steps",
+        str(WRITER_STEPS),
+        "--seq-len",
+        "16",
+        "--batch-size",
+        "4",
+        "--dtype",
+        "float64",
+        "--layers",
+        "2",
+        "--save-every",
+        "1",
+        "--no-verify",
+        "--checkpoint-dir",
+        root,
+    ]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(p for p in (os.path.dirname(HERE), os.environ.get("PYTHONPATH")) if p),
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "shardkit", *argv], capture_output=True, text=True, env=env, timeout=300
+    )
 
 
 def run_writers(seed: int) -> dict:
@@ -633,8 +702,9 @@ def run_writers(seed: int) -> dict:
                 holder = json.load(f)
         except FileNotFoundError:
             pass  # no lock (shardkit before issue 19): B must still not get through
-        past = _start({"kind": "train", "dir": b_dir, "ckpt": root, "seed": seed, "steps": WRITER_STEPS,
-                       "past_validation": True})
+        past = _start(
+            {"kind": "train", "dir": b_dir, "ckpt": root, "seed": seed, "steps": WRITER_STEPS, "past_validation": True}
+        )
         cli = _cli_job_b(root)
         past_rc = past.wait(timeout=300)
         past_text = open(os.path.join(b_dir, "stderr")).read()
@@ -648,12 +718,23 @@ def run_writers(seed: int) -> dict:
     named = f"run {holder.get('run_id')} (pid {holder.get('pid')} on host {holder.get('host')})"
     cli_refused = cli.returncode == 2 and f"is in use by {named}" in cli.stderr
     past_refused = past_rc != 0 and f"is in use by {named}" in past_text
-    record.update(cli_rc=cli.returncode, past_rc=past_rc, a_rc=a_rc, a_running_after_b=still_running,
-                  cli_refused=cli_refused, past_refused=past_refused)
+    record.update(
+        cli_rc=cli.returncode,
+        past_rc=past_rc,
+        a_rc=a_rc,
+        a_running_after_b=still_running,
+        cli_refused=cli_refused,
+        past_refused=past_refused,
+    )
     record.update(_verify_writers(root))
     ok = cli_refused and past_refused and still_running and a_rc == 0 and record["saves_ok"]
-    record.update(ok=ok, why="" if ok else f"B: {cli.stderr[-600:]} / {past_text[-600:]}; A rc {a_rc}: "
-                  + open(os.path.join(a_dir, "stderr")).read()[-600:])
+    record.update(
+        ok=ok,
+        why=""
+        if ok
+        else f"B: {cli.stderr[-600:]} / {past_text[-600:]}; A rc {a_rc}: "
+        + open(os.path.join(a_dir, "stderr")).read()[-600:],
+    )
     subprocess.run(["rm", "-rf", workdir], check=False)
     return record
 
@@ -672,14 +753,23 @@ def _verify_writers(root: str) -> dict:
     latest = latest_checkpoint(root)
     made = _world_of_one()
     try:
-        result = train(_train_cfg(1, tp=1, checkpoint_dir=root, resume=True, steps=WRITER_STEPS + 1), "gloo",
-                       torch.device("cpu"), time.perf_counter(), progress=False)
+        result = train(
+            _train_cfg(1, tp=1, checkpoint_dir=root, resume=True, steps=WRITER_STEPS + 1),
+            "gloo",
+            torch.device("cpu"),
+            time.perf_counter(),
+            progress=False,
+        )
     finally:
         if made:
             dist.destroy_process_group()
     resumed = result is not None and result["first_step"] == WRITER_STEPS
-    return {"saves": names, "latest": os.path.basename(latest) if latest else None, "resumed": resumed,
-            "saves_ok": complete and latest is not None and latest.endswith(expected[-1]) and resumed}
+    return {
+        "saves": names,
+        "latest": os.path.basename(latest) if latest else None,
+        "resumed": resumed,
+        "saves_ok": complete and latest is not None and latest.endswith(expected[-1]) and resumed,
+    }
 
 
 # --------------------------------------------------------------------------- main
@@ -694,8 +784,9 @@ def _table(rows: list[tuple], header: tuple) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("family", choices=("launcher", "save", "writers"))
-    parser.add_argument("--runs", type=int, default=None,
-                        help="runs per scenario (launcher 20) or in all (save 50, save --trainer 10)")
+    parser.add_argument(
+        "--runs", type=int, default=None, help="runs per scenario (launcher 20) or in all (save 50, save --trainer 10)"
+    )
     parser.add_argument("--trainer", action="store_true", help="save: kill the trainer's own save and --resume")
     parser.add_argument("--scenario", action="append", choices=SCENARIOS, help="launcher: only these scenarios")
     parser.add_argument("--seed", type=int, default=0)
@@ -708,9 +799,19 @@ def main(argv: list[str] | None = None) -> int:
             if not r["ok"]:
                 print(f"  FAILED seed {r['seed']}: {r['why']}", flush=True)
         counts = [sum(r.get(k, False) for r in records) for k in ("cli_refused", "past_refused", "saves_ok", "ok")]
-        print(_table([("two jobs on one --checkpoint-dir", len(records), *counts)],
-                     ("scenario", "runs", "B refused before launch", "B refused by the lock",
-                      "A's saves complete, resumed", "passed")))
+        print(
+            _table(
+                [("two jobs on one --checkpoint-dir", len(records), *counts)],
+                (
+                    "scenario",
+                    "runs",
+                    "B refused before launch",
+                    "B refused by the lock",
+                    "A's saves complete, resumed",
+                    "passed",
+                ),
+            )
+        )
     elif args.family == "launcher":
         runs = args.runs or 20
         rows = []
@@ -736,13 +837,31 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
         for target in ("rank 0", "rank 1", "whole job"):
             sub = [r for r in records if r["target"] == target]
-            rows.append((target, len(sub), sum(r["killed"] for r in sub),
-                         sum(r.get("latest_is") == "previous" for r in sub),
-                         sum(r.get("latest_is") == "new" for r in sub),
-                         sum(r["ok"] for r in sub)))
-        print(_table(rows, ("killed", "runs", "kill happened", "latest = previous save", "latest = new save",
-                            "resumed with the same losses, partial cleaned" if args.trainer else
-                            "loaded bit-exactly, same losses, partial cleaned")))
+            rows.append(
+                (
+                    target,
+                    len(sub),
+                    sum(r["killed"] for r in sub),
+                    sum(r.get("latest_is") == "previous" for r in sub),
+                    sum(r.get("latest_is") == "new" for r in sub),
+                    sum(r["ok"] for r in sub),
+                )
+            )
+        print(
+            _table(
+                rows,
+                (
+                    "killed",
+                    "runs",
+                    "kill happened",
+                    "latest = previous save",
+                    "latest = new save",
+                    "resumed with the same losses, partial cleaned"
+                    if args.trainer
+                    else "loaded bit-exactly, same losses, partial cleaned",
+                ),
+            )
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(records, f, indent=1)

@@ -112,8 +112,9 @@ def main(argv: list[str]) -> int:
         site = Path(argv[0])
     else:
         site = Path(tempfile.mkdtemp(prefix="shardkit-site-"))
-        subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(site)], cwd=ROOT,
-                       check=True)
+        subprocess.run(
+            [sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(site)], cwd=ROOT, check=True
+        )
     rows = public_api_table(site)
     print(to_markdown(rows))
     missing = [r["name"] for r in rows if not r["pages"]]

@@ -43,8 +43,13 @@ def _timed(times: dict[str, list[float]], name: str, key: str) -> None:
 def main(mib: int) -> str:
     folder = tempfile.mkdtemp(prefix="shardkit-save-cost-")
     try:
-        dist.init_process_group("gloo", store=dist.FileStore(os.path.join(folder, "store"), 1), rank=0, world_size=1,
-                                timeout=timedelta(seconds=120))
+        dist.init_process_group(
+            "gloo",
+            store=dist.FileStore(os.path.join(folder, "store"), 1),
+            rank=0,
+            world_size=1,
+            timeout=timedelta(seconds=120),
+        )
         rows = mib * (1 << 20) // 4 // 8 // 1024  # 8 layers of [rows, 1024] float32
         model = nn.Sequential(*[nn.Linear(1024, rows, bias=False) for _ in range(8)])
         times: dict[str, list[float]] = {"checksums": [], "nonfinite": [], "save": [], "load": [], "dcp_load": []}
@@ -62,14 +67,17 @@ def main(mib: int) -> str:
             times["load"].append(time.perf_counter() - t0)
             t0 = time.perf_counter()  # the same save through DCP's own reader: no checks at all
             state = _state(model)
-            dcp.load(state, storage_reader=dcp.FileSystemReader(latest_checkpoint(root)),
-                     planner=_ChunkLoadPlanner(state))
+            dcp.load(
+                state, storage_reader=dcp.FileSystemReader(latest_checkpoint(root)), planner=_ChunkLoadPlanner(state)
+            )
             times["dcp_load"].append(time.perf_counter() - t0)
         med = {k: statistics.median(v[1:]) for k, v in times.items()}
-        return (f"state {mib} MiB float32, median of 3 saves after a warm-up: save {med['save']:.2f} s, of it "
-                f"checksums {med['checksums']:.2f} s ({med['checksums'] / med['save']:.0%}), non-finite check "
-                f"{med['nonfinite']:.3f} s; verified load {med['load']:.2f} s, DCP's unchecked reader "
-                f"{med['dcp_load']:.2f} s")
+        return (
+            f"state {mib} MiB float32, median of 3 saves after a warm-up: save {med['save']:.2f} s, of it "
+            f"checksums {med['checksums']:.2f} s ({med['checksums'] / med['save']:.0%}), non-finite check "
+            f"{med['nonfinite']:.3f} s; verified load {med['load']:.2f} s, DCP's unchecked reader "
+            f"{med['dcp_load']:.2f} s"
+        )
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

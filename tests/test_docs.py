@@ -85,15 +85,26 @@ def test_api_index_lists_every_public_name():
 
 def test_no_reference_to_a_missing_design_file():
     old = "DESIGN" + ".md"  # spelled apart, so that this file does not match itself
-    hits = [str(p.relative_to(ROOT)) for d in ("src", "tests", "benchmarks") for p in (ROOT / d).rglob("*.py")
-            if old in p.read_text()]
+    hits = [
+        str(p.relative_to(ROOT))
+        for d in ("src", "tests", "benchmarks")
+        for p in (ROOT / d).rglob("*.py")
+        if old in p.read_text()
+    ]
     assert not hits, f"{old} is docs/design.md now: {hits}"
 
 
+@pytest.mark.meta
 def test_docs_build_strict(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "NO_MKDOCS_2_WARNING": "1"}
-    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(tmp_path / "site")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(tmp_path / "site")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert (tmp_path / "site" / "api" / "comm" / "index.html").read_text().count("all_to_all") > 3
     _check_public_names_rendered(tmp_path / "site")
@@ -113,8 +124,11 @@ def _check_public_names_rendered(site: Path) -> None:
     assert not missing, f"public names whose docstring no page renders: {missing}"
     index = (DOCS / "api" / "index.md").read_text()
     listed = dict(re.findall(r"^\| `(\w+)` \| [^|]+ \| \[[^]]+\]\(([\w.]+)\)", index, re.M))
-    wrong = {r["name"]: (listed.get(r["name"]), r["pages"]) for r in rows
-             if f"api/{listed.get(r['name'])}" not in [page for page, _ in r["pages"]]}
+    wrong = {
+        r["name"]: (listed.get(r["name"]), r["pages"])
+        for r in rows
+        if f"api/{listed.get(r['name'])}" not in [page for page, _ in r["pages"]]
+    }
     assert not wrong, f"docs/api/index.md names a page that does not render them: {wrong}"
 
 

@@ -9,6 +9,7 @@ import zlib
 import pytest
 import torch
 import torch.distributed as dist
+
 from harness.helpers import all_true, get_mesh, rank, subgroup, world_group, world_size
 from harness.world import World
 

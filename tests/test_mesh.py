@@ -14,8 +14,16 @@ from shardkit import ParallelDims, ShardkitError, ShardkitTypeError
 def test_defaults_and_product():
     dims = ParallelDims(dp_replicate=2, tp=2)
     assert dims.product == 4 and dims.active_axes() == ["dp_replicate", "tp"]
-    assert dims.degrees == {"pp": 1, "dp_replicate": 2, "dp_shard": 1, "cp_ring": 1, "cp_ulysses": 1, "spatial_h": 1,
-                            "spatial": 1, "tp": 2}
+    assert dims.degrees == {
+        "pp": 1,
+        "dp_replicate": 2,
+        "dp_shard": 1,
+        "cp_ring": 1,
+        "cp_ulysses": 1,
+        "spatial_h": 1,
+        "spatial": 1,
+        "tp": 2,
+    }
     assert (dims.dp, dims.cp, dims.cp_mode) == (2, 1, None)
     assert dims.describe() == "dp_replicate=2 x tp=2"
     assert ParallelDims().describe() == "single process"
@@ -29,16 +37,19 @@ def test_ep_borrows_ranks():
     assert ParallelDims(cp_ring=2).cp_mode == "ring" and ParallelDims(cp_ulysses=3).cp_mode == "ulysses"
 
 
-@pytest.mark.parametrize("kwargs,err,match", [
-    (dict(tp=0), ShardkitError, "tp must be >= 1"),
-    (dict(dp_replicate=-1), ShardkitError, "dp_replicate must be >= 1"),
-    (dict(tp=2.0), ShardkitTypeError, "tp must be an int"),
-    (dict(tp=True), ShardkitTypeError, "tp must be an int"),
-    (dict(dp_replicate=2, tp=2, world_size=6), ShardkitError, "multiply to 4, but the world size is 6"),
-    (dict(tp=2, ep=4), ShardkitError, "ep=4 must divide dp_shard x cp_ring x cp_ulysses x tp = 2"),
-    (dict(dp_replicate=4, ep=2), ShardkitError, "ep=2 must divide .* = 1"),
-    (dict(spatial=2, dp_shard=2, ep=2), ShardkitError, "spatial"),
-])
+@pytest.mark.parametrize(
+    "kwargs,err,match",
+    [
+        (dict(tp=0), ShardkitError, "tp must be >= 1"),
+        (dict(dp_replicate=-1), ShardkitError, "dp_replicate must be >= 1"),
+        (dict(tp=2.0), ShardkitTypeError, "tp must be an int"),
+        (dict(tp=True), ShardkitTypeError, "tp must be an int"),
+        (dict(dp_replicate=2, tp=2, world_size=6), ShardkitError, "multiply to 4, but the world size is 6"),
+        (dict(tp=2, ep=4), ShardkitError, "ep=4 must divide dp_shard x cp_ring x cp_ulysses x tp = 2"),
+        (dict(dp_replicate=4, ep=2), ShardkitError, "ep=2 must divide .* = 1"),
+        (dict(spatial=2, dp_shard=2, ep=2), ShardkitError, "spatial"),
+    ],
+)
 def test_invalid(kwargs, err, match):
     with pytest.raises(err, match=match):
         ParallelDims(**kwargs)
@@ -128,7 +139,14 @@ def test_ledger_records_name_their_mesh_axis():
             all_reduce_forward(x, mesh[name])
         all_reduce_forward(x, dist.group.WORLD)
     # dp_cp spans the world's ranks but is its own group: named apart from "world"
-    assert [mesh.axis_of(r.group_name) for r in ledger.records] == ["cp_ring", "dp_shard", "dp_cp", "ep", "edp", "world"]
+    assert [mesh.axis_of(r.group_name) for r in ledger.records] == [
+        "cp_ring",
+        "dp_shard",
+        "dp_cp",
+        "ep",
+        "edp",
+        "world",
+    ]
     assert mesh.axis_of(None) == "other"
     single = ParallelDims(dp_replicate=4).build_mesh("cpu")
     # with one axis the flattened views are that axis's group: the axis name wins

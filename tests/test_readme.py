@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
@@ -13,6 +15,7 @@ def _example() -> str:
     return text.split("## API in 15 lines", 1)[1].split("```python", 1)[1].split("```", 1)[0]
 
 
+@pytest.mark.meta
 def test_api_example_is_15_lines_and_runs(tmp_path):
     code = _example()
     assert len(code.strip().splitlines()) == 15
@@ -23,7 +26,10 @@ def test_api_example_is_15_lines_and_runs(tmp_path):
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(script)],
         # Generous: the example itself takes seconds, but torchrun's start and teardown of 4
         # processes can take minutes on a loaded 2-core CI machine (one run hit 120 s).
-        capture_output=True, text=True, timeout=400, env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     # Every rank prints its ledger: 2 uneven all-to-all calls forward (a2a + uneven gather) and 2
@@ -33,9 +39,10 @@ def test_api_example_is_15_lines_and_runs(tmp_path):
 
 def test_readme_is_short_and_points_to_the_docs():
     text = README.read_text()
-    commands = [line for line in text.splitlines() if line.startswith("python -c \"import torch\"")]
+    commands = [line for line in text.splitlines() if line.startswith('python -c "import torch"')]
     assert commands == [
-        'python -c "import torch" 2>/dev/null || pip install torch==2.13.0; pip install -q -e ".[hf,plot]" && shardkit train',
+        'python -c "import torch" 2>/dev/null || pip install torch==2.13.0; '
+        'pip install -q -e ".[hf,plot]" && shardkit train',
         'python -c "import torch" 2>/dev/null || pip install torch==2.13.0; pip install -q -e ".[hf,test,docs]" '
         "&& python -m pytest -q",
     ]

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import shardkit
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,18 +44,27 @@ def test_every_public_signature_is_annotated():
     missing = []
     for qualname, func in _public_callables():
         sig = inspect.signature(func)
-        bare = [p.name for p in sig.parameters.values() if p.annotation is inspect.Parameter.empty
-                and p.name not in ("self", "cls")]
+        bare = [
+            p.name
+            for p in sig.parameters.values()
+            if p.annotation is inspect.Parameter.empty and p.name not in ("self", "cls")
+        ]
         if bare or (sig.return_annotation is inspect.Signature.empty and not qualname.endswith("__init__")):
-            missing.append(f"{qualname}: parameters {bare}" + (", return" if sig.return_annotation is inspect.Signature.empty else ""))
+            missing.append(
+                f"{qualname}: parameters {bare}"
+                + (", return" if sig.return_annotation is inspect.Signature.empty else "")
+            )
     assert not missing, "unannotated public signatures:\n" + "\n".join(missing)
 
 
 def test_group_arguments_take_a_process_group_or_mesh():
     # The project's convention: every `group` argument is typed as shardkit.Group.
-    wrong = [q for q, f in _public_callables()
-             if "group" in inspect.signature(f).parameters
-             and "Group" not in str(inspect.signature(f).parameters["group"].annotation)]
+    wrong = [
+        q
+        for q, f in _public_callables()
+        if "group" in inspect.signature(f).parameters
+        and "Group" not in str(inspect.signature(f).parameters["group"].annotation)
+    ]
     assert not wrong, wrong
 
 
@@ -62,7 +73,9 @@ def test_py_typed_ships():
     assert 'shardkit = ["py.typed"]' in (ROOT / "pyproject.toml").read_text()
 
 
+@pytest.mark.meta
 def test_mypy_passes():
-    proc = subprocess.run([sys.executable, "-m", "mypy", "--no-error-summary"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=1200)
+    proc = subprocess.run(
+        [sys.executable, "-m", "mypy", "--no-error-summary"], cwd=ROOT, capture_output=True, text=True, timeout=1200
+    )
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]

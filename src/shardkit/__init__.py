@@ -24,6 +24,7 @@ documented page by page in ``docs/api``.
 
 from ._shapes import balanced_split_sizes
 from ._types import Group
+from .checkpoint import latest_checkpoint, load_train_state, save_train_state
 from .comm import (
     CommLedger,
     CommRecord,
@@ -47,14 +48,12 @@ from .context_parallel import (
     zigzag_gather,
     zigzag_split,
 )
-from .layouts import Replicate, Shard
+from .data_parallel import GradientSync, apply_fsdp
 from .errors import GroupMembershipError, RankMismatchError, ShardkitError, ShardkitTypeError
 from .expert_parallel import DispatchPlan, dispatch_plan, ep_plan, token_combine, token_dispatch
-from .checkpoint import latest_checkpoint, load_train_state, save_train_state
-from .data_parallel import GradientSync, apply_fsdp
+from .layouts import Replicate, Shard
 from .mesh import ParallelDims, ParallelMesh
 from .parallelize import ParallelModel, gather_full_parameters, parallelize, parallelize_stage
-from .plan import Cluster, ModelShape, StepEstimate, StepOptions, estimate_step, plan_layouts
 from .pipeline_parallel import (
     PipelineStage,
     StageGroups,
@@ -64,6 +63,7 @@ from .pipeline_parallel import (
     run_schedule,
     split_microbatches,
 )
+from .plan import Cluster, ModelShape, StepEstimate, StepOptions, estimate_step, plan_layouts
 from .spatial import (
     RingConv2d,
     SpatialAvgPool2d,

@@ -64,7 +64,7 @@ def _remove_orphaned_run_dirs(temp: str) -> None:
     except OSError:
         return
     for name in names:
-        pid = name[len(_RUN_PREFIX):].split("-", 1)[0]
+        pid = name[len(_RUN_PREFIX) :].split("-", 1)[0]
         path = os.path.join(temp, name)
         try:
             info = os.lstat(path)
@@ -96,8 +96,10 @@ def loopback_interface() -> str:
     for name in ("lo", "lo0"):
         if name in names:
             return name
-    raise ShardkitError(f"local launch: no loopback interface (lo or lo0) among {sorted(names)}; a local run "
-                        "binds its connections to loopback only")
+    raise ShardkitError(
+        f"local launch: no loopback interface (lo or lo0) among {sorted(names)}; a local run "
+        "binds its connections to loopback only"
+    )
 
 
 def init_local_world(run_dir: str, timeout: timedelta, rank: int | None = None, world_size: int | None = None) -> None:

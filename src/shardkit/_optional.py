@@ -83,5 +83,8 @@ def check_train(model: str, report: str | None) -> list[str]:
     if report is None:
         return []
     skipped = {"matplotlib": "loss.png", "tensorboard": "TensorBoard scalars (DIR/tb)"}
-    return [f"{what} will not be written ({module} is not installed): {install_hint([module])}"
-            for module, what in skipped.items() if missing([module])]
+    return [
+        f"{what} will not be written ({module} is not installed): {install_hint([module])}"
+        for module, what in skipped.items()
+        if missing([module])
+    ]

@@ -32,7 +32,9 @@ def balanced_split_sizes(n: int, world_size: int) -> list[int]:
     if isinstance(n, bool) or not isinstance(n, int) or isinstance(world_size, bool) or not isinstance(world_size, int):
         raise ShardkitTypeError(f"balanced_split_sizes: n and world_size must be int, got {n!r}, {world_size!r}")
     if n < 0 or world_size < 1:
-        raise ShardkitError(f"balanced_split_sizes: need n >= 0 and world_size >= 1, got n={n}, world_size={world_size}")
+        raise ShardkitError(
+            f"balanced_split_sizes: need n >= 0 and world_size >= 1, got n={n}, world_size={world_size}"
+        )
     base, extra = divmod(n, world_size)
     return [base + 1 if r < extra else base for r in range(world_size)]
 
@@ -93,8 +95,10 @@ def check_split_sizes(sizes: Sequence[int] | None, world_size: int, total: int |
         if total is None:
             raise ShardkitError(f"{op}: sizes are required when the total size is not known")
         return balanced_split_sizes(total, world_size)
-    if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence) or not all(
-        isinstance(s, int) and not isinstance(s, bool) for s in sizes
+    if (
+        isinstance(sizes, (str, bytes))
+        or not isinstance(sizes, Sequence)
+        or not all(isinstance(s, int) and not isinstance(s, bool) for s in sizes)
     ):
         raise ShardkitTypeError(f"{op}: sizes must be a sequence of ints, got {sizes!r}")
     sizes = list(sizes)

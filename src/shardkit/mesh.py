@@ -29,8 +29,8 @@ view             dims                                                 used for
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
 
 from .comm._compat import world_timeout_options
 from .errors import ShardkitError, ShardkitTypeError
@@ -117,29 +117,39 @@ class ParallelDims:
             if value < 1:
                 raise ShardkitError(f"ParallelDims: {f.name} must be >= 1, got {value} ({self._describe()})")
         if self.world_size is not None and self.product != self.world_size:
-            raise ShardkitError(f"ParallelDims: {self._describe()} multiply to {self.product}, "
-                                f"but the world size is {self.world_size}")
+            raise ShardkitError(
+                f"ParallelDims: {self._describe()} multiply to {self.product}, but the world size is {self.world_size}"
+            )
         if self.ep > 1:
             borrow = self.ep_borrow
             if self.spatial > 1 or self.spatial_h > 1:
-                raise ShardkitError(f"ParallelDims: ep={self.ep} with spatial={self.spatial}, spatial_h={self.spatial_h}: "
-                                    "expert parallelism "
-                                    "is for mixture-of-experts models, spatial for convolutional ones")
+                raise ShardkitError(
+                    f"ParallelDims: ep={self.ep} with spatial={self.spatial}, spatial_h={self.spatial_h}: "
+                    "expert parallelism "
+                    "is for mixture-of-experts models, spatial for convolutional ones"
+                )
             if borrow % self.ep:
                 raise ShardkitError(
                     f"ParallelDims: ep={self.ep} must divide dp_shard x cp_ring x cp_ulysses x tp = {borrow} "
-                    f"(the ranks expert parallelism borrows; {self._describe()})")
+                    f"(the ranks expert parallelism borrows; {self._describe()})"
+                )
 
     def _check_pp_tp(self) -> None:
         sizes = self.pp_tp
-        if not isinstance(sizes, tuple) or len(sizes) < 2 or any(
-                isinstance(t, bool) or not isinstance(t, int) or t < 1 for t in sizes):
+        if (
+            not isinstance(sizes, tuple)
+            or len(sizes) < 2
+            or any(isinstance(t, bool) or not isinstance(t, int) or t < 1 for t in sizes)
+        ):
             raise ShardkitError(f"ParallelDims: pp_tp must be a tuple of at least 2 ints >= 1, got {sizes!r}")
-        others = {a: getattr(self, a) for a in ("dp_shard", "cp_ring", "cp_ulysses", "spatial_h", "spatial", "tp", "ep")}
+        others = {
+            a: getattr(self, a) for a in ("dp_shard", "cp_ring", "cp_ulysses", "spatial_h", "spatial", "tp", "ep")
+        }
         if any(v != 1 for v in others.values()) or self.pp not in (1, len(sizes)):
             raise ShardkitError(
                 f"ParallelDims: pp_tp={sizes} (stages of different tp sizes are not a rectangular mesh) composes "
-                f"with dp_replicate only; got {self._describe()}")
+                f"with dp_replicate only; got {self._describe()}"
+            )
         object.__setattr__(self, "pp", len(sizes))
 
     def _describe(self) -> str:
@@ -219,8 +229,9 @@ class ParallelDims:
             raise ShardkitError("ParallelDims.build_mesh: torch.distributed is not initialized")
         world = dist.get_world_size()
         if self.product != world:
-            raise ShardkitError(f"ParallelDims.build_mesh: {self._describe()} multiply to {self.product}, "
-                                f"but the world size is {world}")
+            raise ShardkitError(
+                f"ParallelDims.build_mesh: {self._describe()} multiply to {self.product}, but the world size is {world}"
+            )
         if self.pp_tp is not None:
             return self._build_vtp(self.pp_tp)
         # Only the axes of degree > 1 get process groups: a size-1 axis is the identity, and a
@@ -233,9 +244,12 @@ class ParallelDims:
         if active:
             names = tuple(a for a, _ in active)
             # options alone: the default backend with these options (torch reads it as (None, options))
-            override: dict[int | str, Any] | None = None if options is None else dict.fromkeys(range(len(names)), options)
-            root = init_device_mesh(device_type, tuple(d for _, d in active), mesh_dim_names=names,
-                                    backend_override=override)
+            override: dict[int | str, Any] | None = (
+                None if options is None else dict.fromkeys(range(len(names)), options)
+            )
+            root = init_device_mesh(
+                device_type, tuple(d for _, d in active), mesh_dim_names=names, backend_override=override
+            )
         for name, dims in FLAT_VIEWS.items():
             present = tuple(d for d in dims if getattr(self, d) > 1)
             if not present:
@@ -259,15 +273,21 @@ class ParallelDims:
                 views["edp"] = expert["edp"]
         if self.dp_shard > 1 and self.dp_replicate > 1:
             # HSDP needs the 2-D (dp_replicate, dp_shard_cp) mesh itself, not its flattened view.
-            shape = [(n, d) for n, d in (("pp", self.pp), ("dp_replicate", self.dp_replicate),
-                                         ("dp_shard_cp", self.dp_shard * self.cp), ("mp", self.spatial_h * self.spatial * self.tp))
-                     if d > 1 or n in ("dp_replicate", "dp_shard_cp")]
+            shape = [
+                (n, d)
+                for n, d in (
+                    ("pp", self.pp),
+                    ("dp_replicate", self.dp_replicate),
+                    ("dp_shard_cp", self.dp_shard * self.cp),
+                    ("mp", self.spatial_h * self.spatial * self.tp),
+                )
+                if d > 1 or n in ("dp_replicate", "dp_shard_cp")
+            ]
             ranks = torch.arange(world).reshape(*(d for _, d in shape))
             ov = None if options is None else tuple((None, options) for _ in shape)
             hsdp = DeviceMesh(device_type, ranks, mesh_dim_names=tuple(n for n, _ in shape), backend_override=ov)
             views["hsdp"] = hsdp["dp_replicate", "dp_shard_cp"]
         return ParallelMesh(self, root, views)
-
 
     def _build_vtp(self, pp_tp: tuple[int, ...]) -> ParallelMesh:
         """``pp_tp`` layouts: the stage groups of :func:`~shardkit.pipeline_parallel.new_stage_groups`
@@ -351,8 +371,10 @@ class ParallelMesh:
             return self._views[name]
         if name in AXES and self.root is not None and name in (self.root.mesh_dim_names or ()):
             return self.root[name]
-        raise ShardkitError(f"ParallelMesh: no mesh named {name!r} in layout {self.dims.describe()}; known: "
-                            f"{list(AXES if self.root is not None else ()) + list(self._views)}")
+        raise ShardkitError(
+            f"ParallelMesh: no mesh named {name!r} in layout {self.dims.describe()}; known: "
+            f"{list(AXES if self.root is not None else ()) + list(self._views)}"
+        )
 
     def _absent(self, name: str) -> bool:
         """A dim this layout does not build because it is size 1 (no group: the identity)."""

@@ -22,7 +22,10 @@ def test_host_overhead_runs_on_fake_worlds_and_records_every_op():
         assert all(len(v) == 2 and min(v) > 0 for v in r["times_s"].values())
         grad_derived = {"fwd+bwd-bare us", "fwd+bwd-floor us", "checks cost us"}
         assert set(r["ratios"]) == DERIVED | (grad_derived if grad else set())
-        assert r["ratios"]["shardkit-bare us"]["goal"] == r["ratios"]["default-bare us"]["goal"] == GOALS.get(
-            r["params"]["op"])
+        assert (
+            r["ratios"]["shardkit-bare us"]["goal"]
+            == r["ratios"]["default-bare us"]["goal"]
+            == GOALS.get(r["params"]["op"])
+        )
         assert "spy" in r["checked"]
     assert {op for op in GOALS} <= set(OPS)

@@ -7,8 +7,8 @@ of every rank's output is a slice of the full tensor.
 from __future__ import annotations
 
 import torch
-
 from bad_input_rank import Registry, follow, rank, world
+
 from harness.helpers import get_mesh, subgroup
 from shardkit import (
     all_gather,
@@ -25,15 +25,41 @@ from shardkit._shapes import split_offsets
 # Variants that the sibling op (all_reduce_forward, all_gather, reduce_scatter) runs through the
 # same validation code: left out of the second op to keep the catalogue under 90 s.
 _SIBLING_VARIANTS = [
-    "control_r1", "control_r3", "control_r4", "numel_mismatch_r3", "ndim_mismatch", "noncontiguous", "group_none",
-    "control_sizes_r1", "control_sizes_r2", "control_sizes_r4", "uneven_no_sizes_5_3", "uneven_no_sizes_0_20_17",
-    "uneven_with_sizes_r3", "noncontiguous_r3", "negative_dim_r2", "sizes_wrong_sum_r3", "sizes_negative_r3",
-    "sizes_not_ints_r2", "dim_out_of_range_r2", "dim_out_of_range_one_rank_r2", "ndim_mismatch_r2",
-    "sizes_with_uneven_local_mismatch_r2", "uneven_balanced_r4", "noncontiguous_r2", "sizes_wrong_length_r3",
-    "sizes_negative_r2", "sizes_differ_across_ranks_r2", "dim_differs_r2", "dtype_mismatch_r2",
+    "control_r1",
+    "control_r3",
+    "control_r4",
+    "numel_mismatch_r3",
+    "ndim_mismatch",
+    "noncontiguous",
+    "group_none",
+    "control_sizes_r1",
+    "control_sizes_r2",
+    "control_sizes_r4",
+    "uneven_no_sizes_5_3",
+    "uneven_no_sizes_0_20_17",
+    "uneven_with_sizes_r3",
+    "noncontiguous_r3",
+    "negative_dim_r2",
+    "sizes_wrong_sum_r3",
+    "sizes_negative_r3",
+    "sizes_not_ints_r2",
+    "dim_out_of_range_r2",
+    "dim_out_of_range_one_rank_r2",
+    "ndim_mismatch_r2",
+    "sizes_with_uneven_local_mismatch_r2",
+    "uneven_balanced_r4",
+    "noncontiguous_r2",
+    "sizes_wrong_length_r3",
+    "sizes_negative_r2",
+    "sizes_differ_across_ranks_r2",
+    "dim_differs_r2",
+    "dtype_mismatch_r2",
 ]
-_SKIP = {f"{op}_{v}" for op in ("all_reduce_backward", "gather_forward_split_backward", "split_forward_gather_backward")
-         for v in _SIBLING_VARIANTS}
+_SKIP = {
+    f"{op}_{v}"
+    for op in ("all_reduce_backward", "gather_forward_split_backward", "split_forward_gather_backward")
+    for v in _SIBLING_VARIANTS
+}
 CASES = Registry(__name__, frozenset(_SKIP))
 
 
@@ -55,6 +81,7 @@ def per_rank(values):
 
 # ------------------------------------------------------------------ f / g (all-reduce regions)
 
+
 def _f_g(op, n, shape=(2, 3), dtype=torch.float64):
     x = coords(*shape, dtype=dtype)
     want = x * n if op is all_reduce_forward else x
@@ -64,21 +91,36 @@ def _f_g(op, n, shape=(2, 3), dtype=torch.float64):
 for _name, _op in (("all_reduce_forward", all_reduce_forward), ("all_reduce_backward", all_reduce_backward)):
     for _n in (1, 2, 3, 4):
         CASES.add(f"{_name}_control_r{_n}", _n, _name, "control", lambda op=_op, n=_n: _f_g(op, n))
-    CASES.add(f"{_name}_shape_mismatch", 2, _name, "shape",
-              lambda op=_op: (op(coords(2, per_rank([3, 4])), world()), None))
-    CASES.add(f"{_name}_numel_mismatch_r3", 3, _name, "shape",
-              lambda op=_op: (op(coords(per_rank([6, 6, 5])), world()), None))
-    CASES.add(f"{_name}_ndim_mismatch", 2, _name, "shape",
-              lambda op=_op: (op(coords(*per_rank([(6,), (2, 3)])), world()), None))
-    CASES.add(f"{_name}_dtype_mismatch", 2, _name, "dtype",
-              lambda op=_op: (op(coords(2, 3, dtype=per_rank([torch.float64, torch.float32])), world()), None))
-    CASES.add(f"{_name}_noncontiguous", 2, _name, "control",
-              lambda op=_op: _f_g_noncontig(op))
-    CASES.add(f"{_name}_not_a_tensor_one_rank", 2, _name, "local",
-              lambda op=_op: (op(per_rank([coords(2), [1.0, 2.0]]), world()), None))
+    CASES.add(
+        f"{_name}_shape_mismatch", 2, _name, "shape", lambda op=_op: (op(coords(2, per_rank([3, 4])), world()), None)
+    )
+    CASES.add(
+        f"{_name}_numel_mismatch_r3", 3, _name, "shape", lambda op=_op: (op(coords(per_rank([6, 6, 5])), world()), None)
+    )
+    CASES.add(
+        f"{_name}_ndim_mismatch",
+        2,
+        _name,
+        "shape",
+        lambda op=_op: (op(coords(*per_rank([(6,), (2, 3)])), world()), None),
+    )
+    CASES.add(
+        f"{_name}_dtype_mismatch",
+        2,
+        _name,
+        "dtype",
+        lambda op=_op: (op(coords(2, 3, dtype=per_rank([torch.float64, torch.float32])), world()), None),
+    )
+    CASES.add(f"{_name}_noncontiguous", 2, _name, "control", lambda op=_op: _f_g_noncontig(op))
+    CASES.add(
+        f"{_name}_not_a_tensor_one_rank",
+        2,
+        _name,
+        "local",
+        lambda op=_op: (op(per_rank([coords(2), [1.0, 2.0]]), world()), None),
+    )
     CASES.add(f"{_name}_group_none", 2, _name, "group", lambda op=_op: (op(coords(2), None), None))
-    CASES.add(f"{_name}_int_requires_grad_one_rank", 2, _name, "local",
-              lambda op=_op: (op(_int_grad(), world()), None))
+    CASES.add(f"{_name}_int_requires_grad_one_rank", 2, _name, "local", lambda op=_op: (op(_int_grad(), world()), None))
 
 
 def _f_g_noncontig(op):
@@ -164,49 +206,135 @@ def _gather_bad(op, local, dim=1, sizes=None):
 
 for _name, _op in _GATHERS.items():
     for _n in (1, 2, 3, 4):
-        CASES.add(f"{_name}_control_sizes_r{_n}", _n, _name, "control",
-                  lambda op=_op, n=_n: _gather(op, n, balanced_split_sizes(8, n), True))
+        CASES.add(
+            f"{_name}_control_sizes_r{_n}",
+            _n,
+            _name,
+            "control",
+            lambda op=_op, n=_n: _gather(op, n, balanced_split_sizes(8, n), True),
+        )
     for _n, _sizes in ((2, [5, 3]), (3, [13, 12, 12]), (3, [37, 0, 0]), (3, [0, 20, 17]), (4, [1, 0, 30, 6])):
-        CASES.add(f"{_name}_uneven_no_sizes_{'_'.join(map(str, _sizes))}", _n, _name, "uneven",
-                  lambda op=_op, n=_n, s=_sizes: _gather(op, n, s, False))
-    CASES.add(f"{_name}_uneven_with_sizes_r3", 3, _name, "control",
-              lambda op=_op: _gather(op, 3, [13, 12, 12], True))
-    CASES.add(f"{_name}_noncontiguous_r3", 3, _name, "control",
-              lambda op=_op: _gather(op, 3, [13, 12, 12], False, noncontig=True))
-    CASES.add(f"{_name}_negative_dim_r2", 2, _name, "control",
-              lambda op=_op: (op(block(coords(2, 3, 8), 2, [4, 4]), world(), -1), coords(2, 3, 8)))
-    CASES.add(f"{_name}_sizes_wrong_sum_r3", 3, _name, "sizes",
-              lambda op=_op: _gather_bad(op, block(coords(2, 37, 3), 1, [13, 12, 12]), sizes=[12, 12, 12]))
-    CASES.add(f"{_name}_sizes_wrong_length_r3", 3, _name, "sizes",
-              lambda op=_op: _gather_bad(op, coords(2, 4, 3), sizes=[4, 4]))
-    CASES.add(f"{_name}_sizes_negative_r3", 3, _name, "sizes",
-              lambda op=_op: _gather_bad(op, coords(2, 4, 3), sizes=[4, -4, 4]))
-    CASES.add(f"{_name}_sizes_not_ints_r2", 2, _name, "sizes",
-              lambda op=_op: _gather_bad(op, coords(2, 4, 3), sizes=[4.0, 4.0]))
-    CASES.add(f"{_name}_sizes_differ_across_ranks_r2", 2, _name, "sizes",
-              lambda op=_op: _gather_bad(op, block(coords(2, 8, 3), 1, per_rank([[5, 3], [3, 5]])),
-                                         sizes=per_rank([[5, 3], [3, 5]])))
-    CASES.add(f"{_name}_dim_out_of_range_r2", 2, _name, "dim",
-              lambda op=_op: _gather_bad(op, coords(2, 4, 3), dim=3))
-    CASES.add(f"{_name}_dim_differs_across_ranks_r2", 2, _name, "dim",
-              lambda op=_op: _gather_bad(op, coords(2, 4, 3), dim=per_rank([0, 1])))
-    CASES.add(f"{_name}_dim_out_of_range_one_rank_r2", 2, _name, "dim",
-              lambda op=_op: _gather_bad(op, coords(2, 4, 3), dim=per_rank([1, 5])))
-    CASES.add(f"{_name}_other_dim_mismatch_r2", 2, _name, "shape",
-              lambda op=_op: _gather_bad(op, coords(2, 4, per_rank([3, 4]))))
-    CASES.add(f"{_name}_ndim_mismatch_r2", 2, _name, "shape",
-              lambda op=_op: _gather_bad(op, coords(*per_rank([(2, 4, 3), (2, 4, 3, 1)]))))
-    CASES.add(f"{_name}_dtype_mismatch_r3", 3, _name, "dtype",
-              lambda op=_op: _gather_bad(op, coords(2, 4, 3, dtype=per_rank([torch.float64, torch.float64, torch.float32]))))
-    CASES.add(f"{_name}_sizes_with_uneven_local_mismatch_r2", 2, _name, "sizes",
-              lambda op=_op: _gather_bad(op, coords(2, per_rank([5, 3]), 3), sizes=[4, 4]))
+        CASES.add(
+            f"{_name}_uneven_no_sizes_{'_'.join(map(str, _sizes))}",
+            _n,
+            _name,
+            "uneven",
+            lambda op=_op, n=_n, s=_sizes: _gather(op, n, s, False),
+        )
+    CASES.add(f"{_name}_uneven_with_sizes_r3", 3, _name, "control", lambda op=_op: _gather(op, 3, [13, 12, 12], True))
+    CASES.add(
+        f"{_name}_noncontiguous_r3",
+        3,
+        _name,
+        "control",
+        lambda op=_op: _gather(op, 3, [13, 12, 12], False, noncontig=True),
+    )
+    CASES.add(
+        f"{_name}_negative_dim_r2",
+        2,
+        _name,
+        "control",
+        lambda op=_op: (op(block(coords(2, 3, 8), 2, [4, 4]), world(), -1), coords(2, 3, 8)),
+    )
+    CASES.add(
+        f"{_name}_sizes_wrong_sum_r3",
+        3,
+        _name,
+        "sizes",
+        lambda op=_op: _gather_bad(op, block(coords(2, 37, 3), 1, [13, 12, 12]), sizes=[12, 12, 12]),
+    )
+    CASES.add(
+        f"{_name}_sizes_wrong_length_r3",
+        3,
+        _name,
+        "sizes",
+        lambda op=_op: _gather_bad(op, coords(2, 4, 3), sizes=[4, 4]),
+    )
+    CASES.add(
+        f"{_name}_sizes_negative_r3",
+        3,
+        _name,
+        "sizes",
+        lambda op=_op: _gather_bad(op, coords(2, 4, 3), sizes=[4, -4, 4]),
+    )
+    CASES.add(
+        f"{_name}_sizes_not_ints_r2",
+        2,
+        _name,
+        "sizes",
+        lambda op=_op: _gather_bad(op, coords(2, 4, 3), sizes=[4.0, 4.0]),
+    )
+    CASES.add(
+        f"{_name}_sizes_differ_across_ranks_r2",
+        2,
+        _name,
+        "sizes",
+        lambda op=_op: _gather_bad(
+            op, block(coords(2, 8, 3), 1, per_rank([[5, 3], [3, 5]])), sizes=per_rank([[5, 3], [3, 5]])
+        ),
+    )
+    CASES.add(f"{_name}_dim_out_of_range_r2", 2, _name, "dim", lambda op=_op: _gather_bad(op, coords(2, 4, 3), dim=3))
+    CASES.add(
+        f"{_name}_dim_differs_across_ranks_r2",
+        2,
+        _name,
+        "dim",
+        lambda op=_op: _gather_bad(op, coords(2, 4, 3), dim=per_rank([0, 1])),
+    )
+    CASES.add(
+        f"{_name}_dim_out_of_range_one_rank_r2",
+        2,
+        _name,
+        "dim",
+        lambda op=_op: _gather_bad(op, coords(2, 4, 3), dim=per_rank([1, 5])),
+    )
+    CASES.add(
+        f"{_name}_other_dim_mismatch_r2",
+        2,
+        _name,
+        "shape",
+        lambda op=_op: _gather_bad(op, coords(2, 4, per_rank([3, 4]))),
+    )
+    CASES.add(
+        f"{_name}_ndim_mismatch_r2",
+        2,
+        _name,
+        "shape",
+        lambda op=_op: _gather_bad(op, coords(*per_rank([(2, 4, 3), (2, 4, 3, 1)]))),
+    )
+    CASES.add(
+        f"{_name}_dtype_mismatch_r3",
+        3,
+        _name,
+        "dtype",
+        lambda op=_op: _gather_bad(op, coords(2, 4, 3, dtype=per_rank([torch.float64, torch.float64, torch.float32]))),
+    )
+    CASES.add(
+        f"{_name}_sizes_with_uneven_local_mismatch_r2",
+        2,
+        _name,
+        "sizes",
+        lambda op=_op: _gather_bad(op, coords(2, per_rank([5, 3]), 3), sizes=[4, 4]),
+    )
 
 for _scale in ("sideways", 2):
-    CASES.add(f"gather_forward_split_backward_bad_grad_scale_{_scale}", 2, "gather_forward_split_backward", "arg",
-              lambda s=_scale: (gather_forward_split_backward(coords(2, 3), world(), 0, grad_scale=s), None))
-CASES.add("gather_forward_split_backward_grad_scale_differs", 2, "gather_forward_split_backward", "arg",
-          lambda: (gather_forward_split_backward(coords(2, 3).requires_grad_(), world(), 0,
-                                                 grad_scale=per_rank(["up", None])), None))
+    CASES.add(
+        f"gather_forward_split_backward_bad_grad_scale_{_scale}",
+        2,
+        "gather_forward_split_backward",
+        "arg",
+        lambda s=_scale: (gather_forward_split_backward(coords(2, 3), world(), 0, grad_scale=s), None),
+    )
+CASES.add(
+    "gather_forward_split_backward_grad_scale_differs",
+    2,
+    "gather_forward_split_backward",
+    "arg",
+    lambda: (
+        gather_forward_split_backward(coords(2, 3).requires_grad_(), world(), 0, grad_scale=per_rank(["up", None])),
+        None,
+    ),
+)
 
 # ------------------------------------------------------------------ reduce_scatter / split_forward_gather_backward
 
@@ -226,18 +354,40 @@ for _name, _op in _SCATTERS.items():
     CASES.add(f"{_name}_uneven_sizes_r3", 3, _name, "control", lambda op=_op: _scatter(op, 3, 37, [30, 0, 7]))
     CASES.add(f"{_name}_uneven_balanced_r4", 4, _name, "control", lambda op=_op: _scatter(op, 4, 37))
     CASES.add(f"{_name}_noncontiguous_r2", 2, _name, "control", lambda op=_op: _scatter(op, 2, noncontig=True))
-    CASES.add(f"{_name}_sizes_wrong_sum_r2", 2, _name, "sizes", lambda op=_op: (op(coords(8, 3), world(), 0, [4, 5]), None))
-    CASES.add(f"{_name}_sizes_wrong_length_r3", 3, _name, "sizes", lambda op=_op: (op(coords(8, 3), world(), 0, [4, 4]), None))
-    CASES.add(f"{_name}_sizes_negative_r2", 2, _name, "sizes", lambda op=_op: (op(coords(8, 3), world(), 0, [10, -2]), None))
-    CASES.add(f"{_name}_sizes_differ_across_ranks_r2", 2, _name, "sizes",
-              lambda op=_op: (op(coords(8, 3), world(), 0, per_rank([[4, 4], [5, 3]])), None))
-    CASES.add(f"{_name}_full_dim_mismatch_r2", 2, _name, "shape",
-              lambda op=_op: (op(coords(per_rank([8, 9]), 3), world(), 0), None))
-    CASES.add(f"{_name}_dim_differs_r2", 2, _name, "dim",
-              lambda op=_op: (op(coords(4, 4), world(), per_rank([0, 1])), None))
+    CASES.add(
+        f"{_name}_sizes_wrong_sum_r2", 2, _name, "sizes", lambda op=_op: (op(coords(8, 3), world(), 0, [4, 5]), None)
+    )
+    CASES.add(
+        f"{_name}_sizes_wrong_length_r3", 3, _name, "sizes", lambda op=_op: (op(coords(8, 3), world(), 0, [4, 4]), None)
+    )
+    CASES.add(
+        f"{_name}_sizes_negative_r2", 2, _name, "sizes", lambda op=_op: (op(coords(8, 3), world(), 0, [10, -2]), None)
+    )
+    CASES.add(
+        f"{_name}_sizes_differ_across_ranks_r2",
+        2,
+        _name,
+        "sizes",
+        lambda op=_op: (op(coords(8, 3), world(), 0, per_rank([[4, 4], [5, 3]])), None),
+    )
+    CASES.add(
+        f"{_name}_full_dim_mismatch_r2",
+        2,
+        _name,
+        "shape",
+        lambda op=_op: (op(coords(per_rank([8, 9]), 3), world(), 0), None),
+    )
+    CASES.add(
+        f"{_name}_dim_differs_r2", 2, _name, "dim", lambda op=_op: (op(coords(4, 4), world(), per_rank([0, 1])), None)
+    )
     CASES.add(f"{_name}_dim_out_of_range_r2", 2, _name, "dim", lambda op=_op: (op(coords(4, 4), world(), -3), None))
-    CASES.add(f"{_name}_dtype_mismatch_r2", 2, _name, "dtype",
-              lambda op=_op: (op(coords(4, 4, dtype=per_rank([torch.float64, torch.float32])), world(), 0), None))
+    CASES.add(
+        f"{_name}_dtype_mismatch_r2",
+        2,
+        _name,
+        "dtype",
+        lambda op=_op: (op(coords(4, 4, dtype=per_rank([torch.float64, torch.float32])), world(), 0), None),
+    )
 
 # ------------------------------------------------------------------ all_to_all
 
@@ -253,10 +403,17 @@ def _a2a(n, S, sizes=None, gather_size=None, noncontig=False):
 
 
 for _n in (1, 2, 3, 4):
-    CASES.add(f"all_to_all_control_gather_size_r{_n}", _n, "all_to_all", "control", lambda n=_n: _a2a(n, 8, gather_size=8))
+    CASES.add(
+        f"all_to_all_control_gather_size_r{_n}", _n, "all_to_all", "control", lambda n=_n: _a2a(n, 8, gather_size=8)
+    )
 for _n, _sizes in ((2, [5, 3]), (3, [13, 12, 12]), (3, [37, 0, 0]), (4, [1, 0, 30, 6])):
-    CASES.add(f"all_to_all_uneven_no_gather_size_{'_'.join(map(str, _sizes))}", _n, "all_to_all", "uneven",
-              lambda n=_n, s=_sizes: _a2a(n, sum(s), sizes=s))
+    CASES.add(
+        f"all_to_all_uneven_no_gather_size_{'_'.join(map(str, _sizes))}",
+        _n,
+        "all_to_all",
+        "uneven",
+        lambda n=_n, s=_sizes: _a2a(n, sum(s), sizes=s),
+    )
 CASES.add("all_to_all_noncontiguous_r3", 3, "all_to_all", "control", lambda: _a2a(3, 37, noncontig=True))
 
 
@@ -266,23 +423,57 @@ def _a2a_bad(x, scatter_dim=2, gather_dim=1, gather_size=None):
 
 CASES.add("all_to_all_same_dims_r2", 2, "all_to_all", "dim", lambda: _a2a_bad(coords(1, 4, 4, 2), 1, 1))
 CASES.add("all_to_all_dim_out_of_range_r2", 2, "all_to_all", "dim", lambda: _a2a_bad(coords(1, 4, 4, 2), 4, 1))
-CASES.add("all_to_all_dims_differ_r2", 2, "all_to_all", "dim",
-          lambda: _a2a_bad(coords(1, 4, 4, 2), per_rank([2, 3]), 1))
-CASES.add("all_to_all_gather_size_wrong_r3", 3, "all_to_all", "sizes",
-          lambda: _a2a_bad(block(coords(1, 37, 4, 2), 1, [13, 12, 12]), gather_size=36))
-CASES.add("all_to_all_gather_size_negative_r2", 2, "all_to_all", "sizes",
-          lambda: _a2a_bad(coords(1, 4, 4, 2), gather_size=-8))
-CASES.add("all_to_all_gather_size_float_r2", 2, "all_to_all", "sizes",
-          lambda: _a2a_bad(coords(1, 4, 4, 2), gather_size=8.0))
-CASES.add("all_to_all_gather_size_differs_r2", 2, "all_to_all", "sizes",
-          lambda: _a2a_bad(coords(1, 4, 4, 2), gather_size=per_rank([8, None])))
-CASES.add("all_to_all_gather_size_uneven_given_r2", 2, "all_to_all", "sizes",
-          lambda: _a2a_bad(coords(1, per_rank([5, 3]), 4, 2), gather_size=8))
-CASES.add("all_to_all_scatter_dim_size_differs_r2", 2, "all_to_all", "shape",
-          lambda: _a2a_bad(coords(1, 4, per_rank([4, 5]), 2)))
-CASES.add("all_to_all_other_dim_differs_r3", 3, "all_to_all", "shape",
-          lambda: _a2a_bad(coords(1, 4, 4, per_rank([2, 2, 3]))))
-CASES.add("all_to_all_dtype_mismatch_r2", 2, "all_to_all", "dtype",
-          lambda: _a2a_bad(coords(1, 4, 4, 2, dtype=per_rank([torch.float64, torch.float32]))))
-CASES.add("all_to_all_ndim_mismatch_r2", 2, "all_to_all", "shape",
-          lambda: _a2a_bad(coords(*per_rank([(1, 4, 4, 2), (1, 4, 4, 2, 1)]))))
+CASES.add(
+    "all_to_all_dims_differ_r2", 2, "all_to_all", "dim", lambda: _a2a_bad(coords(1, 4, 4, 2), per_rank([2, 3]), 1)
+)
+CASES.add(
+    "all_to_all_gather_size_wrong_r3",
+    3,
+    "all_to_all",
+    "sizes",
+    lambda: _a2a_bad(block(coords(1, 37, 4, 2), 1, [13, 12, 12]), gather_size=36),
+)
+CASES.add(
+    "all_to_all_gather_size_negative_r2", 2, "all_to_all", "sizes", lambda: _a2a_bad(coords(1, 4, 4, 2), gather_size=-8)
+)
+CASES.add(
+    "all_to_all_gather_size_float_r2", 2, "all_to_all", "sizes", lambda: _a2a_bad(coords(1, 4, 4, 2), gather_size=8.0)
+)
+CASES.add(
+    "all_to_all_gather_size_differs_r2",
+    2,
+    "all_to_all",
+    "sizes",
+    lambda: _a2a_bad(coords(1, 4, 4, 2), gather_size=per_rank([8, None])),
+)
+CASES.add(
+    "all_to_all_gather_size_uneven_given_r2",
+    2,
+    "all_to_all",
+    "sizes",
+    lambda: _a2a_bad(coords(1, per_rank([5, 3]), 4, 2), gather_size=8),
+)
+CASES.add(
+    "all_to_all_scatter_dim_size_differs_r2",
+    2,
+    "all_to_all",
+    "shape",
+    lambda: _a2a_bad(coords(1, 4, per_rank([4, 5]), 2)),
+)
+CASES.add(
+    "all_to_all_other_dim_differs_r3", 3, "all_to_all", "shape", lambda: _a2a_bad(coords(1, 4, 4, per_rank([2, 2, 3])))
+)
+CASES.add(
+    "all_to_all_dtype_mismatch_r2",
+    2,
+    "all_to_all",
+    "dtype",
+    lambda: _a2a_bad(coords(1, 4, 4, 2, dtype=per_rank([torch.float64, torch.float32]))),
+)
+CASES.add(
+    "all_to_all_ndim_mismatch_r2",
+    2,
+    "all_to_all",
+    "shape",
+    lambda: _a2a_bad(coords(*per_rank([(1, 4, 4, 2), (1, 4, 4, 2, 1)]))),
+)

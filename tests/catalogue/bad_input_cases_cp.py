@@ -8,23 +8,42 @@ rank's tokens.
 from __future__ import annotations
 
 import torch
-
-from bad_input_rank import Registry, follow, rank, world
 from bad_input_cases_comm import per_rank
+from bad_input_rank import Registry, follow, rank, world
+
 from harness.helpers import get_mesh
 from shardkit import balanced_split_sizes, ring_attention, ulysses_attention, usp_attention
 from shardkit._shapes import split_offsets
-from shardkit.context_parallel import (packed_all_gather, packed_gather, packed_indices, packed_split, usp_indices,
-                                       zigzag_positions)
+from shardkit.context_parallel import (
+    packed_all_gather,
+    packed_gather,
+    packed_indices,
+    packed_split,
+    usp_indices,
+    zigzag_positions,
+)
 
-CASES = Registry(__name__, frozenset({"ulysses_seq_len_negative_r2",
-                                      "ulysses_head_dim_differs_across_ranks_r2", "ulysses_q_3d_r2", "ring_heads_differ_r2",
-                                      "ring_batch_differs_r2", "ring_dtype_differs_across_ranks_r2"}))
+CASES = Registry(
+    __name__,
+    frozenset(
+        {
+            "ulysses_seq_len_negative_r2",
+            "ulysses_head_dim_differs_across_ranks_r2",
+            "ulysses_q_3d_r2",
+            "ring_heads_differ_r2",
+            "ring_batch_differs_r2",
+            "ring_dtype_differs_across_ranks_r2",
+        }
+    ),
+)
 
 
 def problem(S, n=4, n_kv=2, D=4, dtype=torch.float64):
     gen = torch.Generator().manual_seed(5)  # identical on every rank: the full problem
-    return [torch.randn(*s, generator=gen, dtype=torch.float64).to(dtype) for s in ((1, S, n, D), (1, S, n_kv, D), (1, S, n_kv, D))]
+    return [
+        torch.randn(*s, generator=gen, dtype=torch.float64).to(dtype)
+        for s in ((1, S, n, D), (1, S, n_kv, D), (1, S, n_kv, D))
+    ]
 
 
 def reference(q, k, v, causal=True, cu=None, scale=None):
@@ -55,23 +74,36 @@ def parity(fn, pos, S, cu=None, causal=True, **kw):
 
 # ------------------------------------------------------------------ Ulysses
 
+
 def _uly(n, S, sizes=None, seq_len=None, cu=None, causal=True, **kw):
     g = world()
     pos = contiguous(sizes or balanced_split_sizes(S, n))
-    return parity(lambda q, k, v: ulysses_attention(q, k, v, g, causal=causal, seq_len=seq_len, cu_seqlens=cu),
-                  pos, S, cu, causal, **kw)
+    return parity(
+        lambda q, k, v: ulysses_attention(q, k, v, g, causal=causal, seq_len=seq_len, cu_seqlens=cu),
+        pos,
+        S,
+        cu,
+        causal,
+        **kw,
+    )
 
 
 for _n in (1, 2, 3, 4):
     CASES.add(f"ulysses_control_seq_len_r{_n}", _n, "ulysses_attention", "control", lambda n=_n: _uly(n, 8, seq_len=8))
 CASES.add("ulysses_control_mha_r2", 2, "ulysses_attention", "control", lambda: _uly(2, 8, seq_len=8, n_kv=4))
-CASES.add("ulysses_control_not_causal_r3", 3, "ulysses_attention", "control",
-          lambda: _uly(3, 9, seq_len=9, causal=False))
+CASES.add(
+    "ulysses_control_not_causal_r3", 3, "ulysses_attention", "control", lambda: _uly(3, 9, seq_len=9, causal=False)
+)
 CASES.add("ulysses_control_packed_r2", 2, "ulysses_attention", "control", lambda: _uly(2, 12, cu=[0, 5, 12]))
 CASES.add("ulysses_control_packed_r3", 3, "ulysses_attention", "control", lambda: _uly(3, 12, cu=[0, 3, 4, 12]))
 for _n, _sizes in ((2, [5, 3]), (3, [13, 12, 12]), (3, [0, 30, 7]), (4, [0, 0, 1, 36])):
-    CASES.add(f"ulysses_uneven_no_seq_len_{'_'.join(map(str, _sizes))}", _n, "ulysses_attention", "uneven",
-              lambda n=_n, s=_sizes: _uly(n, sum(s), sizes=s))
+    CASES.add(
+        f"ulysses_uneven_no_seq_len_{'_'.join(map(str, _sizes))}",
+        _n,
+        "ulysses_attention",
+        "uneven",
+        lambda n=_n, s=_sizes: _uly(n, sum(s), sizes=s),
+    )
 
 
 def _uly_bad(q, k=None, v=None, **kw):
@@ -101,8 +133,14 @@ _BAD = {
     "head_dim_differs_one_rank_r2": (2, lambda: _uly_bad(_q(), _q(d=per_rank([4, 3])), seq_len=8)),
     "head_dim_differs_across_ranks_r2": (2, lambda: _uly_bad(_q(d=per_rank([4, 8])), seq_len=8)),
     "batch_differs_r2": (2, lambda: _uly_bad(_q(b=per_rank([1, 2])), seq_len=8)),
-    "dtype_differs_across_ranks_r2": (2, lambda: _uly_bad(_q(dtype=per_rank([torch.float64, torch.float32])), seq_len=8)),
-    "qk_dtype_differs_one_rank_r2": (2, lambda: _uly_bad(_q(), _q(dtype=per_rank([torch.float64, torch.float32])), seq_len=8)),
+    "dtype_differs_across_ranks_r2": (
+        2,
+        lambda: _uly_bad(_q(dtype=per_rank([torch.float64, torch.float32])), seq_len=8),
+    ),
+    "qk_dtype_differs_one_rank_r2": (
+        2,
+        lambda: _uly_bad(_q(), _q(dtype=per_rank([torch.float64, torch.float32])), seq_len=8),
+    ),
     "k_seq_differs_from_q_one_rank_r2": (2, lambda: _uly_bad(_q(), _q(s=per_rank([4, 5])), seq_len=8)),
     "q_3d_r2": (2, lambda: _uly_bad(torch.zeros(4, 4, 4), seq_len=8)),
     "q_not_tensor_one_rank_r2": (2, lambda: _uly_bad(per_rank([_q(), "q"]), _q(), seq_len=8)),
@@ -122,12 +160,19 @@ def _ring(n, S, layout="zigzag", seq_len=None, cu=None, pos=None, **kw):
             pos = zigzag_positions(S, n, rank())
         else:
             pos = contiguous(balanced_split_sizes(S, n))
-    return parity(lambda q, k, v: ring_attention(q, k, v, g, causal=True, layout=layout, seq_len=seq_len, cu_seqlens=cu),
-                  pos, S, cu, **kw)
+    return parity(
+        lambda q, k, v: ring_attention(q, k, v, g, causal=True, layout=layout, seq_len=seq_len, cu_seqlens=cu),
+        pos,
+        S,
+        cu,
+        **kw,
+    )
 
 
 for _n in (1, 2, 3, 4):
-    CASES.add(f"ring_control_zigzag_seq_len_r{_n}", _n, "ring_attention", "control", lambda n=_n: _ring(n, 16, seq_len=16))
+    CASES.add(
+        f"ring_control_zigzag_seq_len_r{_n}", _n, "ring_attention", "control", lambda n=_n: _ring(n, 16, seq_len=16)
+    )
 CASES.add("ring_control_contiguous_r3", 3, "ring_attention", "control", lambda: _ring(3, 12, "contiguous", seq_len=12))
 CASES.add("ring_control_packed_r2", 2, "ring_attention", "control", lambda: _ring(2, 16, cu=[0, 4, 16]))
 CASES.add("ring_control_packed_r3", 3, "ring_attention", "control", lambda: _ring(3, 24, cu=[0, 6, 8, 24]))
@@ -157,7 +202,10 @@ _RING_BAD = {
     "heads_differ_r2": (2, lambda: _ring_bad(_q(n=per_rank([4, 2])), seq_len=8)),
     "head_dim_differs_one_rank_r2": (2, lambda: _ring_bad(_q(), _q(d=per_rank([4, 3])), seq_len=8)),
     "kv_heads_not_dividing_r2": (2, lambda: _ring_bad(_q(n=4), _q(n=3), seq_len=8)),
-    "dtype_differs_across_ranks_r2": (2, lambda: _ring_bad(_q(dtype=per_rank([torch.float64, torch.float32])), seq_len=8)),
+    "dtype_differs_across_ranks_r2": (
+        2,
+        lambda: _ring_bad(_q(dtype=per_rank([torch.float64, torch.float32])), seq_len=8),
+    ),
     "batch_differs_r2": (2, lambda: _ring_bad(_q(b=per_rank([1, 2])), seq_len=8)),
     "local_seq_differs_r2": (2, lambda: _ring_bad(_q(s=per_rank([4, 5])), seq_len=8)),
 }
@@ -186,7 +234,9 @@ def _usp(S, seq_len=None, cu=None, **kw):
     mesh = _mesh()
     i, j = mesh["cp_ring"].get_local_rank(), mesh["cp_ulysses"].get_local_rank()
     pos = usp_indices(cu or [0, S], 2, 2, i, j)
-    return parity(lambda q, k, v: usp_attention(q, k, v, mesh, causal=True, seq_len=seq_len, cu_seqlens=cu), pos, S, cu, **kw)
+    return parity(
+        lambda q, k, v: usp_attention(q, k, v, mesh, causal=True, seq_len=seq_len, cu_seqlens=cu), pos, S, cu, **kw
+    )
 
 
 CASES.add("usp_control_seq_len", 4, "usp_attention", "control", lambda: _usp(16, seq_len=16))
@@ -241,13 +291,29 @@ def _packed(fn, n, cu, good):
 
 
 for _n in (1, 2, 3):
-    CASES.add(f"packed_gather_control_r{_n}", _n, "packed_gather", "control",
-              lambda n=_n: _packed(packed_gather, n, _CU, _CU))
+    CASES.add(
+        f"packed_gather_control_r{_n}", _n, "packed_gather", "control", lambda n=_n: _packed(packed_gather, n, _CU, _CU)
+    )
 CASES.add("packed_split_control_r2", 2, "packed_split", "control", lambda: _packed(packed_split, 2, _CU_DEEP, _CU_DEEP))
-CASES.add("packed_all_gather_control_r3", 3, "packed_all_gather", "control",
-          lambda: _packed(packed_all_gather, 3, _CU_DEEP, _CU_DEEP))
+CASES.add(
+    "packed_all_gather_control_r3",
+    3,
+    "packed_all_gather",
+    "control",
+    lambda: _packed(packed_all_gather, 3, _CU_DEEP, _CU_DEEP),
+)
 for _fn in (packed_gather, packed_all_gather, packed_split):
-    CASES.add(f"{_fn.__name__}_cu_seqlens_interior_differs_r2", 2, _fn.__name__, "arg",
-              lambda fn=_fn: _packed(fn, 2, per_rank([_CU, _CU_MOVED]), _CU))
-CASES.add("packed_gather_cu_seqlens_deep_interior_differs_r2", 2, "packed_gather", "arg",
-          lambda: _packed(packed_gather, 2, per_rank([_CU_DEEP, _CU_DEEP_MOVED]), _CU_DEEP))
+    CASES.add(
+        f"{_fn.__name__}_cu_seqlens_interior_differs_r2",
+        2,
+        _fn.__name__,
+        "arg",
+        lambda fn=_fn: _packed(fn, 2, per_rank([_CU, _CU_MOVED]), _CU),
+    )
+CASES.add(
+    "packed_gather_cu_seqlens_deep_interior_differs_r2",
+    2,
+    "packed_gather",
+    "arg",
+    lambda: _packed(packed_gather, 2, per_rank([_CU_DEEP, _CU_DEEP_MOVED]), _CU_DEEP),
+)

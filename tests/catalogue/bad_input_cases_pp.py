@@ -8,9 +8,9 @@ P2P agreement.
 from __future__ import annotations
 
 import torch
-
-from bad_input_rank import Registry, rank, world
 from bad_input_cases_comm import coords
+from bad_input_rank import Registry, rank, world
+
 from shardkit.pipeline_parallel import recv_backward, recv_forward, send_backward, send_forward
 
 CASES = Registry(__name__)
@@ -38,10 +38,20 @@ def _chain(n):
 
 
 CASES.add("p2p_forward_dynamic_control", 2, "send_forward/recv_forward", "control", lambda: _fwd())
-CASES.add("p2p_forward_static_control", 2, "send_forward/recv_forward", "control",
-          lambda: _fwd({"shape": X, "dtype": torch.float64}, {"shape": X, "dtype": torch.float64}))
-CASES.add("p2p_forward_batched_control", 2, "send_forward/recv_forward", "control",
-          lambda: _fwd({"batched": True}, {"batched": True}))
+CASES.add(
+    "p2p_forward_static_control",
+    2,
+    "send_forward/recv_forward",
+    "control",
+    lambda: _fwd({"shape": X, "dtype": torch.float64}, {"shape": X, "dtype": torch.float64}),
+)
+CASES.add(
+    "p2p_forward_batched_control",
+    2,
+    "send_forward/recv_forward",
+    "control",
+    lambda: _fwd({"batched": True}, {"batched": True}),
+)
 CASES.add("p2p_forward_noncontiguous_control", 2, "send_forward/recv_forward", "control", lambda: _fwd_noncontig())
 CASES.add("p2p_chain_control_r3", 3, "send_forward/recv_forward", "control", lambda: _chain(3))
 CASES.add("p2p_chain_control_r4", 4, "send_forward/recv_forward", "control", lambda: _chain(4))
@@ -65,14 +75,34 @@ def _backward_control():
 
 CASES.add("p2p_backward_dynamic_control", 2, "send_backward/recv_backward", "control", _backward_control)
 _STATIC = {"shape": X, "dtype": torch.float64}
-CASES.add("p2p_static_shape_mismatch", 2, "send_forward/recv_forward", "shape",
-          lambda: _fwd(_STATIC, {"shape": (3, 2), "dtype": torch.float64}))
-CASES.add("p2p_static_numel_mismatch", 2, "send_forward/recv_forward", "shape",
-          lambda: _fwd(_STATIC, {"shape": (2, 4), "dtype": torch.float64}))
-CASES.add("p2p_static_dtype_mismatch", 2, "send_forward/recv_forward", "dtype",
-          lambda: _fwd(_STATIC, {"shape": X, "dtype": torch.float32}))
-CASES.add("p2p_sender_tensor_not_its_declaration", 2, "send_forward", "shape",
-          lambda: _fwd({"shape": (4, 3), "dtype": torch.float64}, {"shape": (4, 3), "dtype": torch.float64}))
+CASES.add(
+    "p2p_static_shape_mismatch",
+    2,
+    "send_forward/recv_forward",
+    "shape",
+    lambda: _fwd(_STATIC, {"shape": (3, 2), "dtype": torch.float64}),
+)
+CASES.add(
+    "p2p_static_numel_mismatch",
+    2,
+    "send_forward/recv_forward",
+    "shape",
+    lambda: _fwd(_STATIC, {"shape": (2, 4), "dtype": torch.float64}),
+)
+CASES.add(
+    "p2p_static_dtype_mismatch",
+    2,
+    "send_forward/recv_forward",
+    "dtype",
+    lambda: _fwd(_STATIC, {"shape": X, "dtype": torch.float32}),
+)
+CASES.add(
+    "p2p_sender_tensor_not_its_declaration",
+    2,
+    "send_forward",
+    "shape",
+    lambda: _fwd({"shape": (4, 3), "dtype": torch.float64}, {"shape": (4, 3), "dtype": torch.float64}),
+)
 CASES.add("p2p_static_vs_dynamic", 2, "send_forward/recv_forward", "arg", lambda: _fwd(_STATIC, {}))
 CASES.add("p2p_dynamic_vs_static", 2, "send_forward/recv_forward", "arg", lambda: _fwd({}, _STATIC))
 CASES.add("p2p_batched_vs_ordered", 2, "send_forward/recv_forward", "arg", lambda: _fwd({"batched": True}, {}))
@@ -94,11 +124,31 @@ def _both(fn0, fn1):
     return None, None
 
 
-CASES.add("p2p_both_stages_send", 2, "send_forward/send_backward", "op",
-          lambda: _both(lambda g: send_forward(coords(*X), g), lambda g: send_backward(coords(*X), g)))
-CASES.add("p2p_both_stages_receive", 2, "recv_forward/recv_backward", "op",
-          lambda: _both(lambda g: recv_forward(g), lambda g: recv_backward(g)))
-CASES.add("p2p_wrong_direction", 2, "send_forward/recv_backward", "op",
-          lambda: _both(lambda g: send_forward(coords(*X), g), lambda g: recv_backward(g)))
-CASES.add("p2p_last_stage_sends_forward", 2, "send_forward", "arg",
-          lambda: _both(lambda g: recv_forward(g), lambda g: send_forward(coords(*X), g)))
+CASES.add(
+    "p2p_both_stages_send",
+    2,
+    "send_forward/send_backward",
+    "op",
+    lambda: _both(lambda g: send_forward(coords(*X), g), lambda g: send_backward(coords(*X), g)),
+)
+CASES.add(
+    "p2p_both_stages_receive",
+    2,
+    "recv_forward/recv_backward",
+    "op",
+    lambda: _both(lambda g: recv_forward(g), lambda g: recv_backward(g)),
+)
+CASES.add(
+    "p2p_wrong_direction",
+    2,
+    "send_forward/recv_backward",
+    "op",
+    lambda: _both(lambda g: send_forward(coords(*X), g), lambda g: recv_backward(g)),
+)
+CASES.add(
+    "p2p_last_stage_sends_forward",
+    2,
+    "send_forward",
+    "arg",
+    lambda: _both(lambda g: recv_forward(g), lambda g: send_forward(coords(*X), g)),
+)

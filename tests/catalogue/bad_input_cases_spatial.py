@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from bad_input_rank import Registry, rank, world
 from bad_input_cases_comm import block, coords, per_rank
+from bad_input_rank import Registry, rank, world
+
 from shardkit import (
     balanced_split_sizes,
     halo_exchange,
@@ -26,7 +26,9 @@ from shardkit import (
 from shardkit._shapes import split_offsets
 from shardkit.spatial import spatial_transpose_output_sizes
 
-CASES = Registry(__name__, frozenset({"avg_pool_kernel_differs_r2", "avg_pool_sizes_wrong_local_r2", "halo_right_width_differs_r3"}))
+CASES = Registry(
+    __name__, frozenset({"avg_pool_kernel_differs_r2", "avg_pool_sizes_wrong_local_r2", "halo_right_width_differs_r3"})
+)
 
 
 def frame(L, C=2, dtype=torch.float64, seed=3):
@@ -51,17 +53,26 @@ def _halo(sizes, left, right, pass_sizes=True, periodic=False):
     else:
         inside = (q >= 0) & (q < L)
         want = torch.where(inside, full[:, q.clamp(0, L - 1)], torch.zeros(()))
-    got = halo_exchange(block(full, 1, sizes), world(), 1, left, right, sizes=sizes if pass_sizes else None, periodic=periodic)
+    got = halo_exchange(
+        block(full, 1, sizes), world(), 1, left, right, sizes=sizes if pass_sizes else None, periodic=periodic
+    )
     return got, want
 
 
 for _n in (1, 2, 3, 4):
-    CASES.add(f"halo_control_r{_n}", _n, "halo_exchange", "control", lambda n=_n: _halo(balanced_split_sizes(12, n), 1, 2))
+    CASES.add(
+        f"halo_control_r{_n}", _n, "halo_exchange", "control", lambda n=_n: _halo(balanced_split_sizes(12, n), 1, 2)
+    )
 CASES.add("halo_control_periodic_r3", 3, "halo_exchange", "control", lambda: _halo([4, 4, 4], 2, 1, periodic=True))
 CASES.add("halo_control_wide_with_sizes_r3", 3, "halo_exchange", "control", lambda: _halo([13, 12, 12], 6, 14))
 for _n, _sizes in ((2, [5, 3]), (3, [13, 12, 12]), (3, [37, 0, 0]), (4, [1, 0, 30, 6])):
-    CASES.add(f"halo_uneven_no_sizes_wide_{'_'.join(map(str, _sizes))}", _n, "halo_exchange", "uneven",
-              lambda s=_sizes: _halo(s, 6, 14, pass_sizes=False))
+    CASES.add(
+        f"halo_uneven_no_sizes_wide_{'_'.join(map(str, _sizes))}",
+        _n,
+        "halo_exchange",
+        "uneven",
+        lambda s=_sizes: _halo(s, 6, 14, pass_sizes=False),
+    )
 
 
 def _halo_bad(x=None, left=1, right=1, dim=1, sizes=None, periodic=False):
@@ -96,8 +107,17 @@ def _conv(sizes, k=3, stride=1, padding=1, pass_sizes=True, mode="zeros"):
     padded = full if mode == "zeros" else F.pad(full, (padding, padding), mode=mode)
     ref = F.conv1d(padded, w, stride=stride, padding=padding if mode == "zeros" else 0)
     out_sizes = spatial_output_sizes(sizes, k, stride, padding)
-    got = spatial_conv1d(block(full, 2, sizes), w, None, world(), 2, stride=stride, padding=padding,
-                         padding_mode=mode, sizes=sizes if pass_sizes else None)
+    got = spatial_conv1d(
+        block(full, 2, sizes),
+        w,
+        None,
+        world(),
+        2,
+        stride=stride,
+        padding=padding,
+        padding_mode=mode,
+        sizes=sizes if pass_sizes else None,
+    )
     return got, block(ref, 2, out_sizes)
 
 
@@ -112,13 +132,20 @@ def _conv_wrap():
     """Circular padding 3 around a frame of 2: the halo wraps around more than once."""
     full, w = frame(2), weight(7)
     ref = F.conv1d(full[:, :, torch.arange(-3, 5) % 2], w)
-    return spatial_conv1d(block(full, 2, [1, 1]), w, None, world(), 2, padding=3, padding_mode="circular"), block(ref, 2, [1, 1])
+    return spatial_conv1d(block(full, 2, [1, 1]), w, None, world(), 2, padding=3, padding_mode="circular"), block(
+        ref, 2, [1, 1]
+    )
 
 
 CASES.add("conv1d_control_reflect_r2", 2, "spatial_conv1d", "control", lambda: _conv([5, 5], mode="reflect"))
 for _n, _sizes in ((2, [7, 5]), (3, [13, 12, 12]), (3, [0, 20, 17]), (4, [1, 0, 30, 6])):
-    CASES.add(f"conv1d_uneven_no_sizes_wide_{'_'.join(map(str, _sizes))}", _n, "spatial_conv1d", "uneven",
-              lambda s=_sizes: _conv(s, k=9, padding=4, pass_sizes=False))
+    CASES.add(
+        f"conv1d_uneven_no_sizes_wide_{'_'.join(map(str, _sizes))}",
+        _n,
+        "spatial_conv1d",
+        "uneven",
+        lambda s=_sizes: _conv(s, k=9, padding=4, pass_sizes=False),
+    )
 
 
 def _conv2d_uneven():
@@ -135,8 +162,9 @@ CASES.add("conv2d_uneven_no_sizes_wide_r3", 3, "spatial_conv2d", "uneven", _conv
 
 def _conv_bad(x=None, k=3, stride=1, padding=1, mode="zeros", c_in=2, dim=2, sizes=None, bias=None):
     x = frame(4) if x is None else x
-    return spatial_conv1d(x, weight(k, c_in=c_in), bias, world(), dim, stride=stride, padding=padding,
-                          padding_mode=mode, sizes=sizes), None
+    return spatial_conv1d(
+        x, weight(k, c_in=c_in), bias, world(), dim, stride=stride, padding=padding, padding_mode=mode, sizes=sizes
+    ), None
 
 
 _CONV_BAD = {
@@ -167,28 +195,60 @@ def _tconv(sizes, k=3, stride=2, padding=1, pass_sizes=True):
     full, w = frame(sum(sizes)), weight(k, transposed=True)
     ref = F.conv_transpose1d(full, w, stride=stride, padding=padding)
     out_sizes = spatial_transpose_output_sizes(sizes, k, stride, padding)
-    got = spatial_conv_transpose1d(block(full, 2, sizes), w, None, world(), 2, stride=stride, padding=padding,
-                                   sizes=sizes if pass_sizes else None)
+    got = spatial_conv_transpose1d(
+        block(full, 2, sizes), w, None, world(), 2, stride=stride, padding=padding, sizes=sizes if pass_sizes else None
+    )
     return got, block(ref, 2, out_sizes)
 
 
 for _n in (1, 2, 3):
-    CASES.add(f"conv_transpose1d_control_r{_n}", _n, "spatial_conv_transpose1d", "control",
-              lambda n=_n: _tconv(balanced_split_sizes(9, n)))
-CASES.add("conv_transpose1d_uneven_no_sizes_r3", 3, "spatial_conv_transpose1d", "uneven", lambda: _tconv([7, 0, 4], pass_sizes=False))
+    CASES.add(
+        f"conv_transpose1d_control_r{_n}",
+        _n,
+        "spatial_conv_transpose1d",
+        "control",
+        lambda n=_n: _tconv(balanced_split_sizes(9, n)),
+    )
+CASES.add(
+    "conv_transpose1d_uneven_no_sizes_r3",
+    3,
+    "spatial_conv_transpose1d",
+    "uneven",
+    lambda: _tconv([7, 0, 4], pass_sizes=False),
+)
 
 
 def _tconv_bad(k=3, stride=2, padding=1, x=None, sizes=None):
     x = frame(4) if x is None else x
-    return spatial_conv_transpose1d(x, weight(k, transposed=True), None, world(), 2, stride=stride, padding=padding,
-                                    sizes=sizes), None
+    return spatial_conv_transpose1d(
+        x, weight(k, transposed=True), None, world(), 2, stride=stride, padding=padding, sizes=sizes
+    ), None
 
 
-CASES.add("conv_transpose1d_stride_differs_r2", 2, "spatial_conv_transpose1d", "arg", lambda: _tconv_bad(stride=per_rank([2, 1])))
-CASES.add("conv_transpose1d_kernel_differs_r2", 2, "spatial_conv_transpose1d", "arg", lambda: _tconv_bad(k=per_rank([3, 5])))
-CASES.add("conv_transpose1d_padding_differs_r2", 2, "spatial_conv_transpose1d", "arg", lambda: _tconv_bad(padding=per_rank([1, 0])))
-CASES.add("conv_transpose1d_sizes_wrong_local_r2", 2, "spatial_conv_transpose1d", "sizes",
-          lambda: _tconv_bad(x=frame(per_rank([4, 3])), sizes=[4, 4]))
+CASES.add(
+    "conv_transpose1d_stride_differs_r2",
+    2,
+    "spatial_conv_transpose1d",
+    "arg",
+    lambda: _tconv_bad(stride=per_rank([2, 1])),
+)
+CASES.add(
+    "conv_transpose1d_kernel_differs_r2", 2, "spatial_conv_transpose1d", "arg", lambda: _tconv_bad(k=per_rank([3, 5]))
+)
+CASES.add(
+    "conv_transpose1d_padding_differs_r2",
+    2,
+    "spatial_conv_transpose1d",
+    "arg",
+    lambda: _tconv_bad(padding=per_rank([1, 0])),
+)
+CASES.add(
+    "conv_transpose1d_sizes_wrong_local_r2",
+    2,
+    "spatial_conv_transpose1d",
+    "sizes",
+    lambda: _tconv_bad(x=frame(per_rank([4, 3])), sizes=[4, 4]),
+)
 
 # ------------------------------------------------------------------ pooling
 
@@ -204,23 +264,45 @@ def _pool(kind, sizes, k=2, stride=2, padding=0, pass_sizes=True):
 for _kind in ("max", "avg"):
     _op = f"spatial_{_kind}_pool"
     CASES.add(f"{_kind}_pool_control_r2", 2, _op, "control", lambda kind=_kind: _pool(kind, [6, 6]))
-    CASES.add(f"{_kind}_pool_control_overlap_r3", 3, _op, "control", lambda kind=_kind: _pool(kind, [4, 4, 4], k=3, stride=1, padding=1))
-    CASES.add(f"{_kind}_pool_uneven_no_sizes_r3", 3, _op, "uneven",
-              lambda kind=_kind: _pool(kind, [7, 0, 5], k=3, stride=1, padding=1, pass_sizes=False))
-    CASES.add(f"{_kind}_pool_kernel_differs_r2", 2, _op, "arg",
-              lambda kind=_kind: (_pool_bad(kind, k=per_rank([2, 3]))))
-    CASES.add(f"{_kind}_pool_stride_differs_r2", 2, _op, "arg",
-              lambda kind=_kind: (_pool_bad(kind, stride=per_rank([2, 1]))))
-    CASES.add(f"{_kind}_pool_padding_differs_r2", 2, _op, "arg",
-              lambda kind=_kind: (_pool_bad(kind, k=3, stride=1, padding=per_rank([1, 0]))))
-    CASES.add(f"{_kind}_pool_sizes_wrong_local_r2", 2, _op, "sizes",
-              lambda kind=_kind: (_pool_bad(kind, x=frame(per_rank([4, 6])), sizes=[4, 4])))
+    CASES.add(
+        f"{_kind}_pool_control_overlap_r3",
+        3,
+        _op,
+        "control",
+        lambda kind=_kind: _pool(kind, [4, 4, 4], k=3, stride=1, padding=1),
+    )
+    CASES.add(
+        f"{_kind}_pool_uneven_no_sizes_r3",
+        3,
+        _op,
+        "uneven",
+        lambda kind=_kind: _pool(kind, [7, 0, 5], k=3, stride=1, padding=1, pass_sizes=False),
+    )
+    CASES.add(f"{_kind}_pool_kernel_differs_r2", 2, _op, "arg", lambda kind=_kind: _pool_bad(kind, k=per_rank([2, 3])))
+    CASES.add(
+        f"{_kind}_pool_stride_differs_r2", 2, _op, "arg", lambda kind=_kind: _pool_bad(kind, stride=per_rank([2, 1]))
+    )
+    CASES.add(
+        f"{_kind}_pool_padding_differs_r2",
+        2,
+        _op,
+        "arg",
+        lambda kind=_kind: _pool_bad(kind, k=3, stride=1, padding=per_rank([1, 0])),
+    )
+    CASES.add(
+        f"{_kind}_pool_sizes_wrong_local_r2",
+        2,
+        _op,
+        "sizes",
+        lambda kind=_kind: _pool_bad(kind, x=frame(per_rank([4, 6])), sizes=[4, 4]),
+    )
 
 
 def _pool_bad(kind, k=2, stride=2, padding=0, x=None, sizes=None):
     fn = {"max": spatial_max_pool, "avg": spatial_avg_pool}[kind]
     x = frame(4) if x is None else x
     return fn(x, world(), 2, k, stride, padding, sizes=sizes), None
+
 
 # ------------------------------------------------------------------ group norm, resample
 
@@ -234,16 +316,44 @@ def _norm(sizes, groups=2, C=4):
 
 CASES.add("group_norm_control_r2", 2, "spatial_group_norm", "control", lambda: _norm([5, 5]))
 CASES.add("group_norm_uneven_r3", 3, "spatial_group_norm", "uneven", lambda: _norm([7, 0, 4]))
-CASES.add("group_norm_num_groups_differs_r2", 2, "spatial_group_norm", "arg",
-          lambda: (spatial_group_norm(frame(4, C=4), per_rank([2, 4]), None, None, world()), None))
-CASES.add("group_norm_channels_differ_r2", 2, "spatial_group_norm", "shape",
-          lambda: (spatial_group_norm(frame(4, C=per_rank([4, 6])), 2, None, None, world()), None))
-CASES.add("group_norm_channels_not_divisible_one_rank_r2", 2, "spatial_group_norm", "local",
-          lambda: (spatial_group_norm(frame(4, C=4), per_rank([2, 3]), None, None, world()), None))
-CASES.add("group_norm_dtype_differs_r2", 2, "spatial_group_norm", "dtype",
-          lambda: (spatial_group_norm(frame(4, C=4, dtype=per_rank([torch.float64, torch.float32])), 2, None, None, world()), None))
-CASES.add("group_norm_eps_differs_r2", 2, "spatial_group_norm", "arg",
-          lambda: (spatial_group_norm(frame(4, C=4), 2, None, None, world(), eps=per_rank([1e-5, 1e-3])), None))
+CASES.add(
+    "group_norm_num_groups_differs_r2",
+    2,
+    "spatial_group_norm",
+    "arg",
+    lambda: (spatial_group_norm(frame(4, C=4), per_rank([2, 4]), None, None, world()), None),
+)
+CASES.add(
+    "group_norm_channels_differ_r2",
+    2,
+    "spatial_group_norm",
+    "shape",
+    lambda: (spatial_group_norm(frame(4, C=per_rank([4, 6])), 2, None, None, world()), None),
+)
+CASES.add(
+    "group_norm_channels_not_divisible_one_rank_r2",
+    2,
+    "spatial_group_norm",
+    "local",
+    lambda: (spatial_group_norm(frame(4, C=4), per_rank([2, 3]), None, None, world()), None),
+)
+CASES.add(
+    "group_norm_dtype_differs_r2",
+    2,
+    "spatial_group_norm",
+    "dtype",
+    lambda: (
+        spatial_group_norm(frame(4, C=4, dtype=per_rank([torch.float64, torch.float32])), 2, None, None, world()),
+        None,
+    ),
+)
+CASES.add(
+    "group_norm_eps_differs_r2",
+    2,
+    "spatial_group_norm",
+    "arg",
+    lambda: (spatial_group_norm(frame(4, C=4), 2, None, None, world(), eps=per_rank([1e-5, 1e-3])), None),
+)
 
 
 def _resample(sizes, scale=2, pass_sizes=True, mode="nearest"):
@@ -254,11 +364,31 @@ def _resample(sizes, scale=2, pass_sizes=True, mode="nearest"):
 
 
 CASES.add("interpolate_control_r2", 2, "spatial_interpolate", "control", lambda: _resample([4, 4]))
-CASES.add("interpolate_linear_uneven_no_sizes_r3", 3, "spatial_interpolate", "uneven",
-          lambda: _resample([5, 0, 3], mode="linear", pass_sizes=False))
-CASES.add("interpolate_scale_differs_r2", 2, "spatial_interpolate", "arg",
-          lambda: (spatial_interpolate(frame(4), world(), 2, per_rank([2, 3]), "linear"), None))
-CASES.add("interpolate_mode_differs_r2", 2, "spatial_interpolate", "arg",
-          lambda: (spatial_interpolate(frame(4), world(), 2, 2, per_rank(["nearest", "linear"])), None))
-CASES.add("interpolate_sizes_wrong_local_r2", 2, "spatial_interpolate", "sizes",
-          lambda: (spatial_interpolate(frame(per_rank([4, 5])), world(), 2, 2, "linear", sizes=[4, 4]), None))
+CASES.add(
+    "interpolate_linear_uneven_no_sizes_r3",
+    3,
+    "spatial_interpolate",
+    "uneven",
+    lambda: _resample([5, 0, 3], mode="linear", pass_sizes=False),
+)
+CASES.add(
+    "interpolate_scale_differs_r2",
+    2,
+    "spatial_interpolate",
+    "arg",
+    lambda: (spatial_interpolate(frame(4), world(), 2, per_rank([2, 3]), "linear"), None),
+)
+CASES.add(
+    "interpolate_mode_differs_r2",
+    2,
+    "spatial_interpolate",
+    "arg",
+    lambda: (spatial_interpolate(frame(4), world(), 2, 2, per_rank(["nearest", "linear"])), None),
+)
+CASES.add(
+    "interpolate_sizes_wrong_local_r2",
+    2,
+    "spatial_interpolate",
+    "sizes",
+    lambda: (spatial_interpolate(frame(per_rank([4, 5])), world(), 2, 2, "linear", sizes=[4, 4]), None),
+)

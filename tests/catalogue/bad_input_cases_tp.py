@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from bad_input_rank import Registry, rank, world
 from bad_input_cases_comm import block, per_rank
+from bad_input_rank import Registry, rank, world
+
 from shardkit import vocab_parallel_cross_entropy
 
 CASES = Registry(__name__)
@@ -37,27 +37,49 @@ def _loss(n, vocab=7, lead=(2, 5), labels=None, dtype=torch.float64, **kw):
 
 
 for _n in (1, 2, 3):
-    CASES.add(f"vocab_parallel_cross_entropy_control_r{_n}", _n, "vocab_parallel_cross_entropy", "control",
-              lambda n=_n: _loss(n))
-CASES.add("vocab_parallel_cross_entropy_control_empty_shard_r3", 3, "vocab_parallel_cross_entropy", "control",
-          lambda: _loss(3, vocab=4))  # torch.chunk: 2, 2, 0
+    CASES.add(
+        f"vocab_parallel_cross_entropy_control_r{_n}",
+        _n,
+        "vocab_parallel_cross_entropy",
+        "control",
+        lambda n=_n: _loss(n),
+    )
+CASES.add(
+    "vocab_parallel_cross_entropy_control_empty_shard_r3",
+    3,
+    "vocab_parallel_cross_entropy",
+    "control",
+    lambda: _loss(3, vocab=4),
+)  # torch.chunk: 2, 2, 0
 
 _BAD = {
     # row 13: one rank's labels are not the logits' leading shape ([2, 4] for logits [2, 5, V / R])
-    "labels_shape_differs_one_rank_r2": (2, lambda: _loss(2, labels=torch.zeros(2, per_rank([5, 4]),
-                                                                                dtype=torch.long))),
-    "labels_shape_wrong_one_rank_r3": (3, lambda: _loss(3, labels=torch.zeros(per_rank([(2, 5), (2, 5), (10,)]),
-                                                                               dtype=torch.long))),
+    "labels_shape_differs_one_rank_r2": (
+        2,
+        lambda: _loss(2, labels=torch.zeros(2, per_rank([5, 4]), dtype=torch.long)),
+    ),
+    "labels_shape_wrong_one_rank_r3": (
+        3,
+        lambda: _loss(3, labels=torch.zeros(per_rank([(2, 5), (2, 5), (10,)]), dtype=torch.long)),
+    ),
     "labels_shape_wrong_r2": (2, lambda: _loss(2, labels=torch.zeros(2, 4, dtype=torch.long))),
-    "labels_not_integer_one_rank_r2": (2, lambda: _loss(2, labels=per_rank([torch.zeros(2, 5, dtype=torch.long),
-                                                                            torch.zeros(2, 5)]))),
-    "labels_not_a_tensor_one_rank_r2": (2, lambda: _loss(2, labels=per_rank([torch.zeros(2, 5, dtype=torch.long),
-                                                                             [[0] * 5] * 2]))),
+    "labels_not_integer_one_rank_r2": (
+        2,
+        lambda: _loss(2, labels=per_rank([torch.zeros(2, 5, dtype=torch.long), torch.zeros(2, 5)])),
+    ),
+    "labels_not_a_tensor_one_rank_r2": (
+        2,
+        lambda: _loss(2, labels=per_rank([torch.zeros(2, 5, dtype=torch.long), [[0] * 5] * 2])),
+    ),
     "labels_differ_r2": (2, lambda: _loss(2, labels=torch.full((2, 5), rank(), dtype=torch.long))),
-    "ignore_index_differs_r2": (2, lambda: _loss(2, labels=torch.zeros(2, 5, dtype=torch.long),
-                                                 ignore_index=per_rank([0, -100]))),
-    "logits_dtype_differs_r2": (2, lambda: _loss(2, labels=torch.zeros(2, 5, dtype=torch.long),
-                                                 dtype=per_rank([torch.float64, torch.float32]))),
+    "ignore_index_differs_r2": (
+        2,
+        lambda: _loss(2, labels=torch.zeros(2, 5, dtype=torch.long), ignore_index=per_rank([0, -100])),
+    ),
+    "logits_dtype_differs_r2": (
+        2,
+        lambda: _loss(2, labels=torch.zeros(2, 5, dtype=torch.long), dtype=per_rank([torch.float64, torch.float32])),
+    ),
 }
 for _name, (_n, _body) in _BAD.items():
     CASES.add(f"vocab_parallel_cross_entropy_{_name}", _n, "vocab_parallel_cross_entropy", "arg", _body)

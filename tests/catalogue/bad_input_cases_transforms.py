@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from bad_input_cases_comm import block, per_rank
+from bad_input_rank import Registry, follow, rank, world
 from torch import nn
 
-from bad_input_rank import Registry, follow, rank, world
-from bad_input_cases_comm import block, per_rank
 from shardkit import ParallelDims, apply_spatial, apply_tp, balanced_split_sizes, parallelize
 
 CASES = Registry(__name__)
@@ -45,10 +45,22 @@ for _n in (1, 2, 3):
     CASES.add(f"apply_tp_control_r{_n}", _n, "apply_tp", "control", lambda: _tp())
 CASES.add("apply_tp_uneven_inner_r3", 3, "apply_tp", "control", lambda: _tp(inner=7))
 CASES.add("apply_tp_unknown_style_r2", 2, "apply_tp", "arg", lambda: _tp({"up": "diagonal", "down": "rowwise"}))
-CASES.add("apply_tp_unknown_style_one_rank_r2", 2, "apply_tp", "plan",
-          lambda: _tp({"up": per_rank(["colwise", "diagonal"]), "down": "rowwise"}), fingerprint=True)
-CASES.add("apply_tp_plan_differs_r2", 2, "apply_tp", "plan",
-          lambda: _tp(per_rank([{"up": "colwise", "down": "rowwise"}, {"up": "colwise"}])), fingerprint=True)
+CASES.add(
+    "apply_tp_unknown_style_one_rank_r2",
+    2,
+    "apply_tp",
+    "plan",
+    lambda: _tp({"up": per_rank(["colwise", "diagonal"]), "down": "rowwise"}),
+    fingerprint=True,
+)
+CASES.add(
+    "apply_tp_plan_differs_r2",
+    2,
+    "apply_tp",
+    "plan",
+    lambda: _tp(per_rank([{"up": "colwise", "down": "rowwise"}, {"up": "colwise"}])),
+    fingerprint=True,
+)
 CASES.add("apply_tp_seed_differs_r2", 2, "apply_tp", "weights", lambda: _tp(seed=rank()), fingerprint=True)
 CASES.add("apply_tp_input_differs_r2", 2, "apply_tp", "inputs", lambda: _tp(x=_x(2, 6) + rank()), fingerprint=True)
 CASES.add("apply_tp_batch_differs_r2", 2, "apply_tp", "shape", lambda: _tp(x=_x(per_rank([2, 3]), 6)))
@@ -74,14 +86,24 @@ for _n in (1, 2, 3):
 CASES.add("apply_spatial_uneven_r3", 3, "apply_spatial", "uneven", lambda: _spatial([7, 0, 5]))
 CASES.add("apply_spatial_dim_differs_r2", 2, "apply_spatial", "dim", lambda: _spatial(dim=per_rank([2, 1])))
 CASES.add("apply_spatial_dim_not_int_r2", 2, "apply_spatial", "arg", lambda: _spatial(dim="w"))
-CASES.add("apply_spatial_seed_differs_r2", 2, "apply_spatial", "weights", lambda: _spatial(seed=rank()), fingerprint=True)
+CASES.add(
+    "apply_spatial_seed_differs_r2", 2, "apply_spatial", "weights", lambda: _spatial(seed=rank()), fingerprint=True
+)
 
 
 def _llama(seed=0, heads=4):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=61, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
-                         num_attention_heads=heads, num_key_value_heads=2, use_cache=False, attn_implementation="sdpa")
+    config = LlamaConfig(
+        vocab_size=61,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=1,
+        num_attention_heads=heads,
+        num_key_value_heads=2,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
     torch.manual_seed(seed)
     return LlamaForCausalLM(config).double()
 
@@ -97,6 +119,14 @@ def _parallelize(seed=0, heads=4):
 
 
 CASES.add("parallelize_tp2_control", 2, "parallelize", "control", lambda: _parallelize())
-CASES.add("parallelize_tp2_seed_differs", 2, "parallelize", "weights", lambda: _parallelize(seed=rank()), fingerprint=True)
-CASES.add("parallelize_heads_differ", 2, "parallelize", "weights", lambda: _parallelize(heads=per_rank([4, 2])),
-          fingerprint=True)
+CASES.add(
+    "parallelize_tp2_seed_differs", 2, "parallelize", "weights", lambda: _parallelize(seed=rank()), fingerprint=True
+)
+CASES.add(
+    "parallelize_heads_differ",
+    2,
+    "parallelize",
+    "weights",
+    lambda: _parallelize(heads=per_rank([4, 2])),
+    fingerprint=True,
+)

@@ -18,9 +18,10 @@ import importlib
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:  # the ranks load this file by path; the case modules sit beside it
@@ -32,11 +33,28 @@ import torch.distributed as dist  # noqa: E402
 from shardkit import ShardkitError  # noqa: E402
 from shardkit.comm import checks, flight_recorder  # noqa: E402
 
-__all__ = ["Case", "Registry", "follow", "rank", "world", "prepare", "run_case", "run_case_recorded", "followup",
-           "CASE_MODULES"]
+__all__ = [
+    "Case",
+    "Registry",
+    "follow",
+    "rank",
+    "world",
+    "prepare",
+    "run_case",
+    "run_case_recorded",
+    "followup",
+    "CASE_MODULES",
+]
 
-CASE_MODULES = ("bad_input_cases_comm", "bad_input_cases_cp", "bad_input_cases_ep",
-                "bad_input_cases_pp", "bad_input_cases_spatial", "bad_input_cases_transforms", "bad_input_cases_tp")
+CASE_MODULES = (
+    "bad_input_cases_comm",
+    "bad_input_cases_cp",
+    "bad_input_cases_ep",
+    "bad_input_cases_pp",
+    "bad_input_cases_spatial",
+    "bad_input_cases_transforms",
+    "bad_input_cases_tp",
+)
 
 
 @dataclass(frozen=True)
@@ -129,8 +147,13 @@ def run_case(module: str, name: str, check: bool) -> dict:
         with checks(check):
             got, want = case.body()
     except Exception as exc:  # every failure is data here: the controller classifies it
-        return {"kind": "error", "type": type(exc).__name__, "shardkit": isinstance(exc, ShardkitError),
-                "msg": str(exc)[:4000], "elapsed": time.monotonic() - start}
+        return {
+            "kind": "error",
+            "type": type(exc).__name__,
+            "shardkit": isinstance(exc, ShardkitError),
+            "msg": str(exc)[:4000],
+            "elapsed": time.monotonic() - start,
+        }
     return {"kind": "ok", "match": want is not None and _same(got, want), "elapsed": time.monotonic() - start}
 
 

@@ -50,9 +50,10 @@ for _p in (_HERE, _TESTS):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
+from bad_input_rank import CASE_MODULES, Case  # noqa: E402
+
 from harness.worker import Task  # noqa: E402
 from harness.world import START_LIMIT, World  # noqa: E402
-from bad_input_rank import CASE_MODULES, Case  # noqa: E402
 from shardkit.comm import flight_recorder  # noqa: E402
 
 __all__ = ["OUTCOMES", "MODES", "Result", "all_cases", "run_catalogue", "table", "goal_failures", "describe"]
@@ -94,8 +95,9 @@ def all_cases() -> list[Case]:
 class _CatalogueWorld(World):
     """A :class:`World` whose tasks report records, collected with the catalogue's time limits."""
 
-    def call(self, func: str, kwargs: dict, task_name: str, grace: float = ERROR_LIMIT,
-             limit: float = HANG_LIMIT) -> dict:
+    def call(
+        self, func: str, kwargs: dict, task_name: str, grace: float = ERROR_LIMIT, limit: float = HANG_LIMIT
+    ) -> dict:
         """Run ``func(**kwargs)`` of the rank module on every rank: {rank: outcome} of those
         that reported (or died) within the limits: ``grace`` seconds after the first rank that
         reported an error, ``limit`` after the start."""
@@ -234,8 +236,13 @@ def _desync(hung: Result) -> Result:
     world = _CatalogueWorld(case.n, pg_timeout=PG_TIMEOUT)
     directory = tempfile.mkdtemp(prefix="shardkit-desync-")
     try:
-        kwargs = {"module": case.module, "name": case.name, "check": check, "directory": directory,
-                  "timeout": DESYNC_PG_TIMEOUT}
+        kwargs = {
+            "module": case.module,
+            "name": case.name,
+            "check": check,
+            "directory": directory,
+            "timeout": DESYNC_PG_TIMEOUT,
+        }
         task = f"{case.module}::{case.name}[{hung.mode}]::desync"
         records = _records(world.call("run_case_recorded", kwargs, task, DESYNC_LIMIT, DESYNC_LIMIT))
         why = _undiagnosed(case, records, directory)
@@ -244,8 +251,9 @@ def _desync(hung: Result) -> Result:
             first = flight_recorder.format_report(directory).splitlines()[0]
             detail = f"every rank raised within {slowest:.1f} s (timeout {DESYNC_PG_TIMEOUT:g} s); {first}"
             return Result(case, hung.mode, "desync", detail)
-        return Result(case, hung.mode, "hang",
-                      f"{hung.detail}; with a {DESYNC_PG_TIMEOUT:g} s process-group timeout: {why}")
+        return Result(
+            case, hung.mode, "hang", f"{hung.detail}; with a {DESYNC_PG_TIMEOUT:g} s process-group timeout: {why}"
+        )
     finally:
         world.kill()  # the ranks of a desync are out of step
         shutil.rmtree(directory, ignore_errors=True)
@@ -255,8 +263,11 @@ def _undiagnosed(case: Case, records: dict, directory: str) -> str | None:
     """Why a desync rerun is not diagnosed (None when it is): a rank that did not raise within
     ``DESYNC_LIMIT`` or wrote no dump, or a first divergence that misses a rank of its stream or
     does not name the api the case called."""
-    late = [r for r in range(case.n) if r not in records or records[r]["kind"] != "error"
-            or records[r]["elapsed"] > DESYNC_LIMIT]
+    late = [
+        r
+        for r in range(case.n)
+        if r not in records or records[r]["kind"] != "error" or records[r]["elapsed"] > DESYNC_LIMIT
+    ]
     if late:
         return f"ranks {late} did not raise within {DESYNC_LIMIT:g} s: {_errors(records)}"
     dumps = flight_recorder.load_dumps(directory)
@@ -309,6 +320,7 @@ def run_catalogue(cases: list[Case] | None = None, progress=None, cases_per_worl
         k = -(-len(mine) // cases_per_world)
         jobs += [(n, mine[i::k]) for i in range(k) if mine[i::k]]
     with ThreadPoolExecutor(len(jobs)) as desyncs:
+
         def rerun(hung: Result) -> Future:
             future = desyncs.submit(_desync, hung)
             if progress is not None:
@@ -341,7 +353,9 @@ def table(results: list[Result]) -> str:
                 cell += f" ({fp[key, mode]} fingerprint)"
             cells.append(cell)
         lines.append(f"| {text} | {cells[0]} | {cells[1]} |")
-    lines.append(f"| cases (of which the fingerprint's: per-rank weights or inputs) | {n_cases} ({n_fp}) | {n_cases} ({n_fp}) |")
+    lines.append(
+        f"| cases (of which the fingerprint's: per-rank weights or inputs) | {n_cases} ({n_fp}) | {n_cases} ({n_fp}) |"
+    )
     return "\n".join(lines)
 
 

@@ -25,9 +25,9 @@ import json
 import os
 
 import pytest
+from bad_input_runner import DESYNC_LIMIT, _undiagnosed, all_cases, describe, goal_failures, run_catalogue, table
 
 import shardkit
-from bad_input_runner import DESYNC_LIMIT, _undiagnosed, all_cases, describe, goal_failures, run_catalogue, table
 
 pytestmark = pytest.mark.slow
 
@@ -51,12 +51,35 @@ KNOWN_OPEN = {
 
 # Every public function or layer that communicates, by the op names the cases use.
 COMMUNICATING = [
-    "all_reduce_forward", "all_reduce_backward", "all_gather", "reduce_scatter", "split_forward_gather_backward",
-    "gather_forward_split_backward", "all_to_all", "ulysses_attention", "ring_attention", "usp_attention",
-    "dispatch_plan", "token_dispatch", "token_combine", "send_forward", "recv_forward", "send_backward",
-    "recv_backward", "halo_exchange", "spatial_conv1d", "spatial_conv2d", "spatial_conv_transpose1d",
-    "spatial_max_pool", "spatial_avg_pool", "spatial_group_norm", "spatial_interpolate", "apply_tp",
-    "apply_spatial", "parallelize", "vocab_parallel_cross_entropy",
+    "all_reduce_forward",
+    "all_reduce_backward",
+    "all_gather",
+    "reduce_scatter",
+    "split_forward_gather_backward",
+    "gather_forward_split_backward",
+    "all_to_all",
+    "ulysses_attention",
+    "ring_attention",
+    "usp_attention",
+    "dispatch_plan",
+    "token_dispatch",
+    "token_combine",
+    "send_forward",
+    "recv_forward",
+    "send_backward",
+    "recv_backward",
+    "halo_exchange",
+    "spatial_conv1d",
+    "spatial_conv2d",
+    "spatial_conv_transpose1d",
+    "spatial_max_pool",
+    "spatial_avg_pool",
+    "spatial_group_norm",
+    "spatial_interpolate",
+    "apply_tp",
+    "apply_spatial",
+    "parallelize",
+    "vocab_parallel_cross_entropy",
 ]
 
 
@@ -95,8 +118,23 @@ def test_every_case_ran_in_both_modes(results):
 
 def _dump(directory, rank, calls):
     """A flight-recorder dump of ``rank``: ``calls`` = [(op, api, phase)] on the group [0, 1]."""
-    entries = [dict(seq=i, group_seq=i, op=op, api=api, phase=phase, group=[0, 1], group_name="0", shape=[2],
-                    sizes=None, peer=None, src=None, dst=None) for i, (op, api, phase) in enumerate(calls)]
+    entries = [
+        dict(
+            seq=i,
+            group_seq=i,
+            op=op,
+            api=api,
+            phase=phase,
+            group=[0, 1],
+            group_name="0",
+            shape=[2],
+            sizes=None,
+            peer=None,
+            src=None,
+            dst=None,
+        )
+        for i, (op, api, phase) in enumerate(calls)
+    ]
     with open(os.path.join(directory, f"rank{rank}.json"), "w") as f:
         json.dump({"rank": rank, "entries": entries}, f)
 

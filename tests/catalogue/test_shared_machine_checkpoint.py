@@ -113,8 +113,10 @@ def _write_nan(save: str) -> None:
         f.seek(offset)
         data = f.read(length)
     first = torch.load(io.BytesIO(data), weights_only=True).reshape(-1)[0].item()
-    old, new = torch.tensor([first], dtype=torch.float64).numpy().tobytes(), \
-        torch.tensor([math.nan], dtype=torch.float64).numpy().tobytes()
+    old, new = (
+        torch.tensor([first], dtype=torch.float64).numpy().tobytes(),
+        torch.tensor([math.nan], dtype=torch.float64).numpy().tobytes(),
+    )
     assert data.count(old) >= 1
     with open(file, "r+b") as f:
         f.seek(offset + data.index(old))
@@ -157,10 +159,16 @@ def test_planted_metadata_is_refused_on_every_rank_and_never_run(rehash):
                 _rehash(save)
 
         _on_rank0(plant)
-        why = "names the global .*open, which a checkpoint's metadata never holds" if rehash else \
-            r"\.metadata differs from the save's manifest \(SHA-256 mismatch\)"
-        with pytest.raises(ShardkitError, match=rf"load_train_state: checkpoint refused on every rank .*ranks 0, 1: "
-                                                rf"cannot read .*{why}"):
+        why = (
+            "names the global .*open, which a checkpoint's metadata never holds"
+            if rehash
+            else r"\.metadata differs from the save's manifest \(SHA-256 mismatch\)"
+        )
+        with pytest.raises(
+            ShardkitError,
+            match=rf"load_train_state: checkpoint refused on every rank .*ranks 0, 1: "
+            rf"cannot read .*{why}",
+        ):
             _train(_cfg(steps=2, checkpoint_dir=root, resume=True))
         dist.barrier()
         assert not os.path.exists(marker)
@@ -174,8 +182,15 @@ def _fake_live_run(root: str) -> subprocess.Popen:
     """Rank 0: a live process holding ``root``'s lock, as a run in progress does."""
     holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     with open(os.path.join(root, LOCK), "w") as f:
-        json.dump({"run_id": "firstrun0001", "host": socket.gethostname(), "pid": holder.pid,
-                   "start": _start_time(holder.pid)}, f)
+        json.dump(
+            {
+                "run_id": "firstrun0001",
+                "host": socket.gethostname(),
+                "pid": holder.pid,
+                "start": _start_time(holder.pid),
+            },
+            f,
+        )
     return holder
 
 
@@ -197,12 +212,18 @@ def test_a_second_run_on_a_directory_in_use_is_refused_and_the_first_saves_stay(
             box = [holder.pid]
         dist.broadcast_object_list(box, src=0)
         pid = box[0]
-        with pytest.raises(ShardkitError, match=rf"--checkpoint-dir .* is in use by run firstrun0001 \(pid {pid} on "
-                                                rf"host {socket.gethostname()}\)"):
+        with pytest.raises(
+            ShardkitError,
+            match=rf"--checkpoint-dir .* is in use by run firstrun0001 \(pid {pid} on "
+            rf"host {socket.gethostname()}\)",
+        ):
             _cfg(steps=3, checkpoint_dir=root, resume=True)
         for cfg in (resume, fresh):
-            with pytest.raises(ShardkitError, match=rf"shardkit train --checkpoint-dir: the checkpoint directory "
-                                                    rf"{root} is in use by run firstrun0001 \(pid {pid}"):
+            with pytest.raises(
+                ShardkitError,
+                match=rf"shardkit train --checkpoint-dir: the checkpoint directory "
+                rf"{root} is in use by run firstrun0001 \(pid {pid}",
+            ):
                 _train(cfg)
         dist.barrier()
         assert {n: open(os.path.join(root, n, MANIFEST), "rb").read() for n in manifests} == manifests
@@ -220,8 +241,11 @@ def test_a_second_run_on_a_directory_in_use_is_refused_and_the_first_saves_stay(
             assert result["first_step"] == 2
             assert not os.path.exists(os.path.join(root, LOCK))  # released at the end
         # a fresh run (validated before A's saves existed) would write step 1 again: refused
-        with pytest.raises(ShardkitError, match=r"step_00000001 is a complete save of an earlier run; a save never "
-                                                r"replaces it"):
+        with pytest.raises(
+            ShardkitError,
+            match=r"step_00000001 is a complete save of an earlier run; a save never "
+            r"replaces it",
+        ):
             _train(fresh)
         assert {n: open(os.path.join(root, n, MANIFEST), "rb").read() for n in manifests} == manifests
     finally:
@@ -239,7 +263,9 @@ def test_io_failures_are_one_error_with_the_path_and_the_cause(fault):
 
     root = shared_tmpdir("shardkit-ioerr-")
     real = FileSystem.create_stream
-    code, text = (errno.ENOSPC, "No space left on device") if "disk" in fault else (errno.EROFS, "Read-only file system")
+    code, text = (
+        (errno.ENOSPC, "No space left on device") if "disk" in fault else (errno.EROFS, "Read-only file system")
+    )
 
     @contextlib.contextmanager
     def failing(self, path, mode):
@@ -253,8 +279,11 @@ def test_io_failures_are_one_error_with_the_path_and_the_cause(fault):
         FileSystem.create_stream = failing
         try:
             first = 1 if code == errno.ENOSPC else 0  # the first rank that failed (each rank names its file)
-            with pytest.raises(ShardkitError, match=rf"save_train_state: writing {root}/step_00000002 failed: rank "
-                                                    rf"{first}: {text} \[errno {code}\] \({root}/step_00000002/__"):
+            with pytest.raises(
+                ShardkitError,
+                match=rf"save_train_state: writing {root}/step_00000002 failed: rank "
+                rf"{first}: {text} \[errno {code}\] \({root}/step_00000002/__",
+            ):
                 _train(_cfg(steps=2, checkpoint_dir=root, resume=True))
         finally:
             FileSystem.create_stream = real
@@ -295,8 +324,11 @@ def test_a_nan_inside_a_checkpoint_is_refused_naming_the_key():
         save = os.path.join(root, "step_00000001")
         key = _item(save)[0]
         _on_rank0(lambda: (_write_nan(save), _rehash(save, key)))
-        with pytest.raises(ShardkitError, match=rf"load_train_state: ranks? .*{save} holds non-finite values \(NaN or "
-                                                rf"inf\) in {ITEM}: refused"):
+        with pytest.raises(
+            ShardkitError,
+            match=rf"load_train_state: ranks? .*{save} holds non-finite values \(NaN or "
+            rf"inf\) in {ITEM}: refused",
+        ):
             _train(_cfg(steps=2, checkpoint_dir=root, resume=True))
     finally:
         remove_shared_dir(root)
@@ -311,16 +343,20 @@ def test_a_state_with_a_nan_is_never_saved():
         cfg = _cfg(steps=2, save_every=1, checkpoint_dir=root)
         device = torch.device("cpu")
         task = build_task(cfg, device)
-        pm, loss_scale = build_parallel_model(build_train_model(cfg), parallel_dims(cfg).build_mesh("cpu"), cfg, task,
-                                              device)
+        pm, loss_scale = build_parallel_model(
+            build_train_model(cfg), parallel_dims(cfg).build_mesh("cpu"), cfg, task, device
+        )
 
         def poison(step, loss):
             if step == 1 and rank() == 1:
                 with torch.no_grad():
                     next(pm.module.parameters()).view(-1)[0] = float("nan")
 
-        with pytest.raises(ShardkitError, match=r"save_train_state: rank 1: refused to save non-finite values \(NaN or "
-                                                r"inf\) in model/.*the previous save stays the latest"):
+        with pytest.raises(
+            ShardkitError,
+            match=r"save_train_state: rank 1: refused to save non-finite values \(NaN or "
+            r"inf\) in model/.*the previous save stays the latest",
+        ):
             run_training(pm, task, cfg, loss_scale, on_step=poison)
         dist.barrier()
         assert latest_checkpoint(root).endswith("step_00000001")
@@ -330,8 +366,9 @@ def test_a_state_with_a_nan_is_never_saved():
 
 
 @pytest.mark.world(2, timeout=120)
-@pytest.mark.parametrize("damage", ["truncated .metadata", "truncated .metadata, manifest rewritten",
-                                    "garbage manifest"])
+@pytest.mark.parametrize(
+    "damage", ["truncated .metadata", "truncated .metadata, manifest rewritten", "garbage manifest"]
+)
 def test_a_damaged_save_is_a_clear_error(damage):
     """Row 11: before launch (the manifest) and in the workers (every rank, the same text)."""
     root = shared_tmpdir("shardkit-damaged-")
@@ -341,18 +378,31 @@ def test_a_damaged_save_is_a_clear_error(damage):
         save = os.path.join(root, "step_00000001")
         if damage == "garbage manifest":
             _on_rank0(lambda: open(os.path.join(save, MANIFEST), "wb").write(b"\x00garbage{"))
-            with pytest.raises(ShardkitError, match=r"--checkpoint-dir .*: cannot resume: .*MANIFEST.json is damaged "
-                                                    r"\(not JSON"):
+            with pytest.raises(
+                ShardkitError,
+                match=r"--checkpoint-dir .*: cannot resume: .*MANIFEST.json is damaged "
+                r"\(not JSON",
+            ):
                 _cfg(steps=2, checkpoint_dir=root, resume=True)
             why = r"MANIFEST.json is damaged \(not JSON"
         else:
             file = os.path.join(save, METADATA)
-            _on_rank0(lambda: (os.truncate(file, os.path.getsize(file) // 2),
-                               _rehash(save) if "rewritten" in damage else None))
-            why = r"\.metadata is truncated or not a DCP metadata file" if "rewritten" in damage else \
-                r"\.metadata differs from the save's manifest"
-        with pytest.raises(ShardkitError, match=rf"load_train_state: checkpoint refused on every rank .*ranks 0, 1: "
-                                                rf"cannot read {save}: .*{why}"):
+            _on_rank0(
+                lambda: (
+                    os.truncate(file, os.path.getsize(file) // 2),
+                    _rehash(save) if "rewritten" in damage else None,
+                )
+            )
+            why = (
+                r"\.metadata is truncated or not a DCP metadata file"
+                if "rewritten" in damage
+                else r"\.metadata differs from the save's manifest"
+            )
+        with pytest.raises(
+            ShardkitError,
+            match=rf"load_train_state: checkpoint refused on every rank .*ranks 0, 1: "
+            rf"cannot read {save}: .*{why}",
+        ):
             _train(resume)
     finally:
         remove_shared_dir(root)
@@ -365,8 +415,11 @@ def test_keep_holds_the_newest_saves():
     try:
         _train(_cfg(steps=4, save_every=1, keep=2, checkpoint_dir=root))
         dist.barrier()
-        assert sorted(n for n in os.listdir(root) if not n.startswith(".")) == ["latest", "step_00000003",
-                                                                                 "step_00000004"]
+        assert sorted(n for n in os.listdir(root) if not n.startswith(".")) == [
+            "latest",
+            "step_00000003",
+            "step_00000004",
+        ]
     finally:
         remove_shared_dir(root)
 
@@ -381,21 +434,33 @@ def test_latest_outside_the_root_is_refused(tmp_path):
     (root / "latest").write_text("../elsewhere")
     with pytest.raises(ShardkitError, match=r"latest names '../elsewhere', which is not a save inside"):
         latest_checkpoint(root)
-    with pytest.raises(ShardkitError, match=r"--checkpoint-dir .*: cannot resume: .*'../elsewhere', which is not a "
-                                            "save inside"):
+    with pytest.raises(
+        ShardkitError,
+        match=r"--checkpoint-dir .*: cannot resume: .*'../elsewhere', which is not a "
+        "save inside",
+    ):
         check_checkpoint_dir(validate_config(TrainConfig(**BASE, checkpoint_dir=str(root), resume=True)))
 
 
-@pytest.mark.parametrize("setup,message", [
-    ("''", r"--checkpoint-dir '': give a directory"),
-    ("a file", r"exists and is not a directory"),
-    ("other files", r"holds files that are not shardkit train saves \(notes.txt\)"),
-    ("saves of an earlier run", r"holds the saves of an earlier run \(step_00000002, 2 in all\); pass --resume to "
-                                "continue it or choose another directory"),
-    ("a save of another model", r"--resume from step_00000002, a save of another model: hidden_size 32 "
-                                r"\(checkpoint\) vs 64 \(this run\)"),
-    ("--keep 0", r"--keep must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "setup,message",
+    [
+        ("''", r"--checkpoint-dir '': give a directory"),
+        ("a file", r"exists and is not a directory"),
+        ("other files", r"holds files that are not shardkit train saves \(notes.txt\)"),
+        (
+            "saves of an earlier run",
+            r"holds the saves of an earlier run \(step_00000002, 2 in all\); pass --resume to "
+            "continue it or choose another directory",
+        ),
+        (
+            "a save of another model",
+            r"--resume from step_00000002, a save of another model: hidden_size 32 "
+            r"\(checkpoint\) vs 64 \(this run\)",
+        ),
+        ("--keep 0", r"--keep must be >= 1"),
+    ],
+)
 def test_checkpoint_dir_is_refused_before_launch(tmp_path, setup, message):
     """Row 10: what would fail at the first save, after training, or mix runs, fails here."""
     root = tmp_path / "ckpt"
@@ -411,8 +476,11 @@ def test_checkpoint_dir_is_refused_before_launch(tmp_path, setup, message):
         kw["keep"] = 0
     else:
         described = dataclasses.asdict(TrainConfig(**BASE))
-        model = {"model": "llama", "dtype": "float64", **{k: described[k] for k in ("hidden_size", "layers", "heads",
-                                                                                   "kv_heads", "intermediate_size")}}
+        model = {
+            "model": "llama",
+            "dtype": "float64",
+            **{k: described[k] for k in ("hidden_size", "layers", "heads", "kv_heads", "intermediate_size")},
+        }
         if setup == "a save of another model":
             model["hidden_size"], kw["resume"] = 32, True
         for step in (1, 2):
@@ -446,8 +514,14 @@ def test_the_nonfinite_check_is_exact(dtype):
             for value in (math.nan, math.inf, -math.inf):
                 t = torch.randn(n, dtype=torch.float64).to(dtype)
                 t[pos] = value
-                state = {"a": torch.randn(3, dtype=torch.float64).to(dtype), "b": t.reshape(1, -1),
-                         "ids": torch.arange(3)}
+                state = {
+                    "a": torch.randn(3, dtype=torch.float64).to(dtype),
+                    "b": t.reshape(1, -1),
+                    "ids": torch.arange(3),
+                }
                 assert nonfinite_keys(state) == ["b"], (n, pos, value)
     largest = torch.finfo(dtype).max
-    assert nonfinite_keys({"x": torch.full((4,), largest, dtype=dtype), "y": torch.full((4,), -largest, dtype=dtype)}) == []
+    assert (
+        nonfinite_keys({"x": torch.full((4,), largest, dtype=dtype), "y": torch.full((4,), -largest, dtype=dtype)})
+        == []
+    )

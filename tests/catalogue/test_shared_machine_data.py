@@ -33,11 +33,11 @@ import torch.distributed as dist
 
 from harness.helpers import rank, remove_shared_dir, shared_tmpdir, world_size
 from shardkit import ShardkitError
-from shardkit.train import limits
-from shardkit.train.config import TrainConfig, validate_config
 from shardkit.cli.main import build_parser
 from shardkit.cli.train import config_from_args
 from shardkit.errors import NonFiniteError
+from shardkit.train import limits
+from shardkit.train.config import TrainConfig, validate_config
 
 SMALL = dict(seq_len=16, batch_size=4, layers=1, hidden_size=32, intermediate_size=64)
 
@@ -63,8 +63,9 @@ def test_lr_1e9_stops_naming_the_step_and_latest_stays_finite():
 
     root = shared_tmpdir("shardkit-nonfinite-")
     try:
-        cfg = validate_config(TrainConfig(**SMALL, lr=1e9, steps=6, checkpoint_dir=root, save_every=1),
-                              world_size=world_size())
+        cfg = validate_config(
+            TrainConfig(**SMALL, lr=1e9, steps=6, checkpoint_dir=root, save_every=1), world_size=world_size()
+        )
         message = None
         try:
             train(cfg, "gloo", torch.device("cpu"), time.perf_counter(), progress=False)
@@ -144,8 +145,9 @@ def test_skip_nonfinite_skips_a_poisoned_step_without_applying_it(allowed):
     metrics = MetricsLog(folder, "tokens", cfg.seq_len, cfg.batch_size, torch.device("cpu"), tensorboard=False)
     message = run = None
     try:
-        run = run_training(pm, _PoisonOnce(task, 2), cfg, loss_scale, on_step=keep,
-                           metrics=metrics if rank() == 0 else None)
+        run = run_training(
+            pm, _PoisonOnce(task, 2), cfg, loss_scale, on_step=keep, metrics=metrics if rank() == 0 else None
+        )
     except NonFiniteError as e:
         message = str(e)
     lines = [json.loads(line) for line in Path(metrics.path).read_text().splitlines()] if rank() == 0 else None
@@ -165,12 +167,15 @@ def test_skip_nonfinite_skips_a_poisoned_step_without_applying_it(allowed):
     assert all(bool(torch.isfinite(p).all()) for p in params[-1])
 
 
-@pytest.mark.parametrize("argv,match", [
-    (["--lr", "nan"], r"--lr must be a finite number > 0, got nan"),
-    (["--lr", "inf"], r"--lr must be a finite number > 0, got inf"),
-    (["--max-norm", "nan"], r"--max-norm must be a finite number >= 0"),
-    (["--max-norm", "inf"], r"--max-norm must be a finite number >= 0"),
-])
+@pytest.mark.parametrize(
+    "argv,match",
+    [
+        (["--lr", "nan"], r"--lr must be a finite number > 0, got nan"),
+        (["--lr", "inf"], r"--lr must be a finite number > 0, got inf"),
+        (["--max-norm", "nan"], r"--max-norm must be a finite number >= 0"),
+        (["--max-norm", "inf"], r"--max-norm must be a finite number >= 0"),
+    ],
+)
 def test_lr_and_max_norm_must_be_finite(argv, match):
     with pytest.raises(ShardkitError, match=match):
         config_from_args(_args(*argv))
@@ -204,8 +209,9 @@ def lm_cfg(checkpoint, tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    return validate_config(TrainConfig(model_path=str(checkpoint), data=str(data), nproc=1, tp=1, seq_len=16,
-                                       batch_size=2))
+    return validate_config(
+        TrainConfig(model_path=str(checkpoint), data=str(data), nproc=1, tp=1, seq_len=16, batch_size=2)
+    )
 
 
 def _true_stream(cfg) -> torch.Tensor:
@@ -307,8 +313,14 @@ def test_every_rank_trains_on_rank_0s_stream_when_the_files_change(packed):
             task = build_task(cfg, torch.device("cpu"))
         tokens = task.sampler.tokens
         seen = [None] * world_size()
-        dist.all_gather_object(seen, (hashlib.sha256(tokens.numpy().tobytes()).hexdigest(), tokens.numel(),
-                                      task.sampler.starts.tolist() if packed else None))
+        dist.all_gather_object(
+            seen,
+            (
+                hashlib.sha256(tokens.numpy().tobytes()).hexdigest(),
+                tokens.numel(),
+                task.sampler.starts.tolist() if packed else None,
+            ),
+        )
         assert len(set(map(str, seen))) == 1, seen
         assert tokens.numel() == 60 + len(base)  # rank 0's view: nothing appended
     finally:
@@ -399,19 +411,24 @@ def test_unreadable_file_in_data_folder_fails_before_launch(tmp_path, monkeypatc
 # ---- row 11: validation before launch ------------------------------------------------------------
 
 
-@pytest.mark.parametrize("argv,match", [
-    (["--seed", str(2**63)], r"--seed must be in \[0, 2\*\*63 - 1\], got 9223372036854775808"),
-    (["--seed", "-1"], r"--seed must be in \[0, 2\*\*63 - 1\]"),
-    (["--skip-nonfinite", "-1"], r"--skip-nonfinite must be >= 0"),
-    (["--hidden-size", str(2**40), "--heads", "4"], r"--hidden-size must be <= 2\*\*31 - 1"),
-    (["--batch-size", "4000000"], r"--batch-size 4000000 --seq-len 128 .* more than this machine's memory"),
-    (["--seq-len", "4000000"], r"--seq-len 4000000 .* more than this machine's memory"),
-    (["--hidden-size", "65536"], r"--hidden-size 65536 .* more than this machine's memory"),
-    (["--layers", "1000000"], r"--layers 1000000 .* more than this machine's memory"),
-    (["--intermediate-size", "100000000"], r"--intermediate-size 100000000 .* more than this machine's memory"),
-    (["--nproc", "64", "--tp", "1", "--batch-size", "64"],
-     r"--nproc 64: a local launch starts at most max\(8, 4 x CPUs\) ranks: 8 on this machine \(2 CPUs\)"),
-])
+@pytest.mark.parametrize(
+    "argv,match",
+    [
+        (["--seed", str(2**63)], r"--seed must be in \[0, 2\*\*63 - 1\], got 9223372036854775808"),
+        (["--seed", "-1"], r"--seed must be in \[0, 2\*\*63 - 1\]"),
+        (["--skip-nonfinite", "-1"], r"--skip-nonfinite must be >= 0"),
+        (["--hidden-size", str(2**40), "--heads", "4"], r"--hidden-size must be <= 2\*\*31 - 1"),
+        (["--batch-size", "4000000"], r"--batch-size 4000000 --seq-len 128 .* more than this machine's memory"),
+        (["--seq-len", "4000000"], r"--seq-len 4000000 .* more than this machine's memory"),
+        (["--hidden-size", "65536"], r"--hidden-size 65536 .* more than this machine's memory"),
+        (["--layers", "1000000"], r"--layers 1000000 .* more than this machine's memory"),
+        (["--intermediate-size", "100000000"], r"--intermediate-size 100000000 .* more than this machine's memory"),
+        (
+            ["--nproc", "64", "--tp", "1", "--batch-size", "64"],
+            r"--nproc 64: a local launch starts at most max\(8, 4 x CPUs\) ranks: 8 on this machine \(2 CPUs\)",
+        ),
+    ],
+)
 def test_sizes_and_seeds_beyond_the_machine_fail_before_launch(argv, match, monkeypatch):
     monkeypatch.setattr(limits, "_cpus", lambda: 2)
     monkeypatch.setattr(limits, "_host_memory", lambda: 16 << 30)
@@ -426,10 +443,15 @@ def test_binary_toml_is_a_clear_error(tmp_path):
         config_from_args(_args("--config", str(path)))
 
 
-README_RUNS = ["", "--dp-shard 2 --cp-ring 2 --tp 2 --nproc 8 --verify",
-               "--pp 2 --tp 2 --cp-ring 2 --microbatches 2 --nproc 8 --seq-len 64 --verify",
-               "--model moe --dp-shard 4 --tp 1 --ep 4 --verify", "--pp 3 --pp-tp 2,1,1 --layers 3 --verify",
-               "--model conv-ae --spatial-h 2 --spatial 2 --verify", "--model mla --ep 2"]
+README_RUNS = [
+    "",
+    "--dp-shard 2 --cp-ring 2 --tp 2 --nproc 8 --verify",
+    "--pp 2 --tp 2 --cp-ring 2 --microbatches 2 --nproc 8 --seq-len 64 --verify",
+    "--model moe --dp-shard 4 --tp 1 --ep 4 --verify",
+    "--pp 3 --pp-tp 2,1,1 --layers 3 --verify",
+    "--model conv-ae --spatial-h 2 --spatial 2 --verify",
+    "--model mla --ep 2",
+]
 
 
 @pytest.mark.parametrize("argv", README_RUNS)
@@ -442,9 +464,20 @@ def test_readme_runs_fit_a_small_machine(argv, monkeypatch):
 
 def test_smollm2_fine_tuning_fits_an_8_gib_machine(tmp_path, monkeypatch):
     """SmolLM2-135M's config in the README's fine-tuning run (tp 2 x dp 2, 4 x 64 tokens)."""
-    config = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=576,
-                  intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                  tie_word_embeddings=True, max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000)
+    config = dict(
+        model_type="llama",
+        architectures=["LlamaForCausalLM"],
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        tie_word_embeddings=True,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        rope_theta=100000,
+    )
     (tmp_path / "config.json").write_text(json.dumps(config))
     cfg = validate_config(TrainConfig(model_path=str(tmp_path), tp=2, seq_len=64, batch_size=4))
     monkeypatch.setattr(limits, "_host_memory", lambda: 8 << 30)
@@ -456,8 +489,8 @@ def test_smollm2_fine_tuning_fits_an_8_gib_machine(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("model", ["llama", "qwen2", "qwen3", "moe", "mla"])
 def test_the_limits_model_shape_is_the_built_models(model):
-    from shardkit.train.model import _hf_config
     from shardkit.plan import ModelShape
+    from shardkit.train.model import _hf_config
 
     cfg = validate_config(TrainConfig(model=model, nproc=4))
     assert limits.builtin_shape(cfg) == ModelShape.from_config(_hf_config(cfg)[1])

@@ -27,9 +27,9 @@ import pytest
 import torch.distributed as dist
 
 from shardkit import ShardkitError
-from shardkit.train.config import TrainConfig, validate_config
-from shardkit.cli.launch import launch_local
 from shardkit._local_world import init_local_world, loopback_interface, private_run_dir
+from shardkit.cli.launch import launch_local
+from shardkit.train.config import TrainConfig, validate_config
 from shardkit.train.liveness import GRACE_S, Beat, clear_flight_dir, read_heartbeats, stalled_ranks, to_stop
 
 # --- row 1: nothing listens beyond loopback ----------------------------------------------------
@@ -50,7 +50,7 @@ def _socket_inodes(pid: int) -> set[int]:
 def _address(hex_addr: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
     """An address of /proc/net/tcp{,6}: 32-bit words in host (little-endian) byte order."""
     raw = bytes.fromhex(hex_addr)
-    words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
     return ipaddress.ip_address(words)
 
 
@@ -128,8 +128,11 @@ def test_a_launch_removes_the_run_directories_of_killed_launchers(tmp_path, monk
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()  # a pid that no longer runs
-    orphan, alive, other = (tmp_path / f"shardkit-run-{gone.pid}-x", tmp_path / f"shardkit-run-{os.getpid()}-y",
-                            tmp_path / "shardkit-flight-z")
+    orphan, alive, other = (
+        tmp_path / f"shardkit-run-{gone.pid}-x",
+        tmp_path / f"shardkit-run-{os.getpid()}-y",
+        tmp_path / "shardkit-flight-z",
+    )
     for path in (orphan, alive, other):
         path.mkdir(mode=0o700)
     (orphan / "store").write_text("")
@@ -201,8 +204,14 @@ def test_the_watchdog_stops_a_silent_rank_not_a_slow_or_departing_one():
 
 
 def test_clear_flight_dir_removes_only_the_dumps_and_heartbeats(tmp_path):
-    for name in ("rank0.json", "rank1.json.tmp123", "heartbeat-rank0", "heartbeat-rank1", "heartbeat-rank1.tmp",
-                 "notes.txt"):
+    for name in (
+        "rank0.json",
+        "rank1.json.tmp123",
+        "heartbeat-rank0",
+        "heartbeat-rank1",
+        "heartbeat-rank1.tmp",
+        "notes.txt",
+    ):
         (tmp_path / name).write_text("1.0")
     clear_flight_dir(str(tmp_path), rank=1)
     assert sorted(os.listdir(tmp_path)) == ["heartbeat-rank0", "notes.txt", "rank0.json"]
@@ -218,8 +227,19 @@ def test_the_launcher_names_the_stalled_rank_first_not_the_healthy_one_that_time
     from shardkit.comm.flight_recorder import format_report
 
     timed_out = tmp_path / "error0.json"  # the healthy rank's error file: it timed out waiting
-    timed_out.write_text(json.dumps({"message": {"message": "RuntimeError: Timed out", "extraInfo": {
-        "py_callstack": "Traceback ...\nRuntimeError: Timed out waiting 5000ms for recv", "timestamp": "1"}}}))
+    timed_out.write_text(
+        json.dumps(
+            {
+                "message": {
+                    "message": "RuntimeError: Timed out",
+                    "extraInfo": {
+                        "py_callstack": "Traceback ...\nRuntimeError: Timed out waiting 5000ms for recv",
+                        "timestamp": "1",
+                    },
+                }
+            }
+        )
+    )
     failures = {0: ProcessFailure(0, 10, 1, str(timed_out)), 1: ProcessFailure(1, 11, -9, str(tmp_path / "none"))}
     text = format_failures(ChildFailedError("worker", failures), stalled={1: 5.0})
     first, second = text.splitlines()
@@ -248,8 +268,20 @@ STALL_MARGIN_S = 30
 def _plant_stale_records(flight: str) -> None:
     """An earlier run's leftovers: a dump of rank 1 and an old heartbeat of rank 0."""
     os.makedirs(flight)
-    entry = {"seq": 0, "group_seq": 0, "op": "all_reduce", "api": "planted_stale_call", "phase": "forward",
-             "group": [0, 1], "group_name": "0", "shape": [1], "sizes": None, "peer": None, "src": None, "dst": None}
+    entry = {
+        "seq": 0,
+        "group_seq": 0,
+        "op": "all_reduce",
+        "api": "planted_stale_call",
+        "phase": "forward",
+        "group": [0, 1],
+        "group_name": "0",
+        "shape": [1],
+        "sizes": None,
+        "peer": None,
+        "src": None,
+        "dst": None,
+    }
     with open(os.path.join(flight, "rank1.json"), "w") as f:
         json.dump({"rank": 1, "entries": [entry]}, f)
     with open(os.path.join(flight, "heartbeat-rank0"), "w") as f:
@@ -263,8 +295,26 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout_and_is_named_the_suspect
     tmp.mkdir()
     _plant_stale_records(str(report / "flight"))
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(tmp)}
-    argv = [sys.executable, "-m", "shardkit", "train", "--nproc", "2", "--tp", "2", "--steps", "100000",
-            "--seq-len", "16", "--batch-size", "4", "--timeout", str(STALL_TIMEOUT_S), "--report", str(report)]
+    argv = [
+        sys.executable,
+        "-m",
+        "shardkit",
+        "train",
+        "--nproc",
+        "2",
+        "--tp",
+        "2",
+        "--steps",
+        "100000",
+        "--seq-len",
+        "16",
+        "--batch-size",
+        "4",
+        "--timeout",
+        str(STALL_TIMEOUT_S),
+        "--report",
+        str(report),
+    ]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         metrics = report / "metrics.jsonl"
@@ -284,7 +334,7 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout_and_is_named_the_suspect
             proc.communicate()
     assert proc.returncode == 1, out[-3000:]
     assert seconds <= STALL_TIMEOUT_S + STALL_MARGIN_S, (seconds, out[-3000:])
-    failure = out[out.index("shardkit: a worker failed"):]
+    failure = out[out.index("shardkit: a worker failed") :]
     lines = failure.splitlines()
     assert lines[1].startswith("rank 1 stopped answering first (suspect)"), failure[-3000:]
     assert "rank 0 failed first" not in failure, failure[-3000:]

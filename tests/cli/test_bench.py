@@ -24,8 +24,14 @@ def _tiny_case(pg, settings):
     fns = {"shardkit": lambda: all_reduce_forward(x, pg), "bare": lambda: dist.all_reduce(buf.copy_(x), group=pg)}
     want = sum(torch.arange(16, dtype=torch.float32) + r for r in range(world_size()))
     agree([] if same_bits(fns["shardkit"](), want) else ["all_reduce != sum"], pg, "tiny")
-    rec = Record("tiny", dict(bytes=x.nbytes, label="16 floats"), world_size(), time_interleaved(fns, pg, settings),
-                 busbw={k: (x.nbytes, 2 * (world_size() - 1) / world_size()) for k in fns}, checked="bitwise sum")
+    rec = Record(
+        "tiny",
+        dict(bytes=x.nbytes, label="16 floats"),
+        world_size(),
+        time_interleaved(fns, pg, settings),
+        busbw={k: (x.nbytes, 2 * (world_size() - 1) / world_size()) for k in fns},
+        checked="bitwise sum",
+    )
     return [rec.ratio("shardkit/bare", "shardkit", "bare", 10.0)]
 
 
@@ -42,8 +48,18 @@ def test_one_tiny_case_writes_the_schema():
     assert seen[0] == seen[1]
     if rank() != 0:
         return
-    env = dict(date="d", machine="m", processor="p", cpus=2, python="3", torch=torch.__version__, transformers="t",
-               backend="gloo (CPU)", command="shardkit bench --cases tiny", load_average=None)
+    env = dict(
+        date="d",
+        machine="m",
+        processor="p",
+        cpus=2,
+        python="3",
+        torch=torch.__version__,
+        transformers="t",
+        backend="gloo (CPU)",
+        command="shardkit bench --cases tiny",
+        load_average=None,
+    )
     with tempfile.TemporaryDirectory() as out:
         doc = write_outputs([dict(rec.to_json(), suite="tiny")], dict(rounds=40, warmup=5, quick=False), env, out)
         assert sorted(os.listdir(out)) == ["bench.json", "bench.md", "bench_busbw.png", "bench_ratios.png"]
@@ -72,8 +88,17 @@ def test_a_check_failing_on_one_rank_raises_on_every_rank():
 
 
 def test_registry_and_command_line():
-    assert {"collectives", "all_to_all", "p2p", "pipeline_bubble", "ring", "ulysses", "spatial_conv", "vocab_loss",
-            "tp_step"} <= set(CASES)
+    assert {
+        "collectives",
+        "all_to_all",
+        "p2p",
+        "pipeline_bubble",
+        "ring",
+        "ulysses",
+        "spatial_conv",
+        "vocab_loss",
+        "tp_step",
+    } <= set(CASES)
     for spec in CASES.values():
         import importlib
 

@@ -23,8 +23,9 @@ import fault_trials  # noqa: E402
 FAST = ("kill worker: collective", "SIGINT launcher", "SIGKILL launcher")
 
 
-@pytest.mark.parametrize("scenario", [s if s in FAST else pytest.param(s, marks=pytest.mark.slow)
-                                      for s in fault_trials.SCENARIOS])
+@pytest.mark.parametrize(
+    "scenario", [s if s in FAST else pytest.param(s, marks=pytest.mark.slow) for s in fault_trials.SCENARIOS]
+)
 def test_fault_stops_every_process_with_the_root_cause(scenario):
     record = fault_trials.run_fault(scenario, seed=3)
     assert record["started"], record["output"]

@@ -6,8 +6,8 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from shardkit.cli.launch import LaunchFailed, launch_local
 from shardkit._local_world import init_local_world, private_run_dir
+from shardkit.cli.launch import LaunchFailed, launch_local
 
 
 def fail_on_rank_one(run_dir):
@@ -40,8 +40,20 @@ def test_failed_job_prints_where_the_ranks_diverged(tmp_path, capsys):
 
     names = [f.name for f in dataclasses.fields(FlightEntry)]
     for rank, ops in ((0, ["all_gather", "all_reduce"]), (1, ["all_gather", "all_to_all"])):
-        entries = [{**dict.fromkeys(names), "seq": i, "group_seq": i, "op": op, "api": op, "phase": "forward",
-                    "group": [0, 1], "group_name": "tp", "shape": [2, 3]} for i, op in enumerate(ops)]
+        entries = [
+            {
+                **dict.fromkeys(names),
+                "seq": i,
+                "group_seq": i,
+                "op": op,
+                "api": op,
+                "phase": "forward",
+                "group": [0, 1],
+                "group_name": "tp",
+                "shape": [2, 3],
+            }
+            for i, op in enumerate(ops)
+        ]
         (tmp_path / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "entries": entries}))
     _print_flight_report(str(tmp_path))
     err = capsys.readouterr().err
@@ -60,18 +72,26 @@ def test_a_shardkit_error_is_printed_as_its_message_not_a_traceback(tmp_path, ow
 
     from shardkit.cli.launch import format_failures
 
-    last = ("shardkit.errors.NonFiniteError: step 2: the global loss (nan) is not finite" if own else
-            "ZeroDivisionError: division by zero")
-    stack = ('Traceback (most recent call last):\n  File "/x/shardkit/train/run.py", line 204, in _run_steps\n'
-             '    _nonfinite_step(step)\n  File "/x/shardkit/train/run.py", line 233, in _nonfinite_step\n'
-             f'    raise NonFiniteError(where)\n{last}\n')
+    last = (
+        "shardkit.errors.NonFiniteError: step 2: the global loss (nan) is not finite"
+        if own
+        else "ZeroDivisionError: division by zero"
+    )
+    stack = (
+        'Traceback (most recent call last):\n  File "/x/shardkit/train/run.py", line 204, in _run_steps\n'
+        '    _nonfinite_step(step)\n  File "/x/shardkit/train/run.py", line 233, in _nonfinite_step\n'
+        f"    raise NonFiniteError(where)\n{last}\n"
+    )
     error_file = tmp_path / "error.json"
-    error_file.write_text(json.dumps({"message": {"message": last, "extraInfo": {"py_callstack": stack,
-                                                                                  "timestamp": "1"}}}))
+    error_file.write_text(
+        json.dumps({"message": {"message": last, "extraInfo": {"py_callstack": stack, "timestamp": "1"}}})
+    )
     text = format_failures(ChildFailedError("worker", {1: ProcessFailure(1, 10, 1, str(error_file))}))
     if own:
-        assert text.splitlines() == ["rank 1 failed first (exit code 1):",
-                                     "NonFiniteError: step 2: the global loss (nan) is not finite",
-                                     "  (raised at /x/shardkit/train/run.py:233, in _nonfinite_step)"], text
+        assert text.splitlines() == [
+            "rank 1 failed first (exit code 1):",
+            "NonFiniteError: step 2: the global loss (nan) is not finite",
+            "  (raised at /x/shardkit/train/run.py:233, in _nonfinite_step)",
+        ], text
     else:
         assert "Traceback (most recent call last)" in text and "line 204, in _run_steps" in text, text

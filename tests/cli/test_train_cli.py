@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from shardkit import ShardkitError
-from shardkit.train.config import load_toml, merge_config, parallel_dims, validate_config
-from shardkit.train.data import BatchSampler, corpus_files, load_tokens, stdlib_files
-from shardkit.train.lm_task import LMTask, causal_lm_loss, shifted_labels
 from shardkit.cli.main import build_parser
 from shardkit.cli.report import loss_figure, write_report
 from shardkit.cli.train import config_from_args, finish
+from shardkit.train.config import load_toml, merge_config, parallel_dims, validate_config
+from shardkit.train.data import BatchSampler, corpus_files, load_tokens, stdlib_files
+from shardkit.train.lm_task import LMTask, causal_lm_loss, shifted_labels
 from shardkit.train.verify import compare_runs
 
 
@@ -40,12 +40,15 @@ def test_toml_then_flags(tmp_path):
     assert cfg.config == str(path)
 
 
-@pytest.mark.parametrize("text,match", [
-    ("stpes = 3\n", "unknown key 'stpes'"),
-    ('steps = "3"\n', "steps .* must be int"),
-    ("verify = 1\n", "verify .* must be bool"),
-    ("steps = \n", "not valid TOML"),
-])
+@pytest.mark.parametrize(
+    "text,match",
+    [
+        ("stpes = 3\n", "unknown key 'stpes'"),
+        ('steps = "3"\n', "steps .* must be int"),
+        ("verify = 1\n", "verify .* must be bool"),
+        ("steps = \n", "not valid TOML"),
+    ],
+)
 def test_bad_toml(tmp_path, text, match):
     path = tmp_path / "bad.toml"
     path.write_text(text)
@@ -58,46 +61,52 @@ def test_missing_toml(tmp_path):
         load_toml(tmp_path / "nope.toml")
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(tp=3), "tp=3 x spatial=1 x dp_shard=1 = 3 ranks must divide --nproc 4"),
-    (dict(tp=2, dp=1, nproc=4), "dp_replicate=1 = 2 ranks, but --nproc is 4"),
-    (dict(dp=2, dp_replicate=1), "--dp is an alias, give one"),
-    (dict(batch_size=5), "--batch-size 5 .* divisible by dp=2"),
-    (dict(dp_shard=2, tp=1, batch_size=6), "--batch-size 6 .* divisible by dp=4"),
-    (dict(seq_len=1), "--seq-len must be >= 2"),
-    (dict(heads=3), "--hidden-size 64 must be divisible by --heads 3"),
-    (dict(pp=2, tp=2, dp=2, nproc=4), "dp_replicate=2 = 8 ranks, but --nproc is 4"),
-    (dict(pp_tp="2,1"), "pp_tp=2,1 .sum 3. ranks must divide --nproc 4"),
-    (dict(pp_tp="2,1,1", tp=2), "--tp 2 with --pp-tp 2,1,1: give the stage tp sizes once"),
-    (dict(pp_tp="2,1,1", pp=2), "--pp 2 but --pp-tp 2,1,1 lists 3 stages"),
-    (dict(pp_tp="2"), "--pp-tp must list the tp size .* of at least 2 pipeline stages"),
-    (dict(pp_tp="2,x"), "--pp-tp must list"),
-    (dict(pp_tp="2,0"), "--pp-tp must list"),
-    (dict(pp_tp="2,1,1", dp=2, nproc=4), "dp_replicate=2 = 8 ranks, but --nproc is 4"),
-    (dict(pp_tp="2,1,1", cp_ring=2, layers=3), "pp_tp=.* composes with dp_replicate only"),
-    (dict(pp=3), "pp=3 .* = 3 ranks must divide --nproc 4"),
-    (dict(pp=4, layers=2), "--pp 4: .*2 decoder layers cannot fill 4 pipeline stages"),
-    (dict(pp=2, microbatches=3), "--batch-size 8 .* divisible by dp=2 x microbatches=3"),
-    (dict(pp=2, schedule="zb"), "--schedule must be one of 1f1b, gpipe"),
-    (dict(model="llama", ep=2), "--ep 2 needs a mixture-of-experts model"),
-    (dict(model="moe", ep=4), "ep=4 must divide dp_shard x cp_ring x cp_ulysses x tp = 2"),
-    (dict(model="moe", ep=3, tp=1, dp_shard=4), "ep=3 must divide .* = 4"),
-    (dict(model="moe", tp=4, nproc=8, heads=2, hidden_size=64, kv_heads=1), "--tp 4: 2 attention heads cannot be split"),
-    (dict(model="mla", experts=0), "--experts must be >= 1"),
-    (dict(cp_ring=2, tp=2, nproc=2), "cp=2 x tp=2 .* = 4 ranks must divide --nproc 2"),
-    (dict(cp_ulysses=2, cp_ring=2, dp=2, nproc=4), "dp_replicate=2 = 8 ranks, but --nproc is 4"),
-    (dict(cp_ulysses=0), "--cp-ulysses must be >= 1"),
-    (dict(cp_ring=4, seq_len=3), "--seq-len 3 .*: every cp rank needs at least one token"),
-    (dict(cp_ring=2, cp_ulysses=2, seq_len=3), "--seq-len 3 .*: every cp rank needs at least one token"),
-    (dict(cp_ulysses=4, seq_len=3), "--seq-len 3 .*: every cp rank needs at least one token"),
-    (dict(cp_ring=2, tp=4, nproc=8), "--tp 4 with context parallelism: tp must divide"),
-    (dict(cp_ring=2, packed=True), "--packed with context parallelism: every microbatch must be one row"),
-    (dict(max_norm=-1.0), "--max-norm must be a finite number >= 0"),
-    (dict(pp_tp="2,1,1", sequence_parallel=True, layers=3), "--sequence-parallel with --pp-tp"),
-    (dict(dp_shard=0), "--dp-shard must be >= 1"),
-    (dict(report="/etc/passwd/out"), "--report /etc/passwd/out: /etc/passwd exists and is not a directory"),
-    (dict(checkpoint_dir="/etc/passwd"), "--checkpoint-dir /etc/passwd: /etc/passwd exists and is not a directory"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(tp=3), "tp=3 x spatial=1 x dp_shard=1 = 3 ranks must divide --nproc 4"),
+        (dict(tp=2, dp=1, nproc=4), "dp_replicate=1 = 2 ranks, but --nproc is 4"),
+        (dict(dp=2, dp_replicate=1), "--dp is an alias, give one"),
+        (dict(batch_size=5), "--batch-size 5 .* divisible by dp=2"),
+        (dict(dp_shard=2, tp=1, batch_size=6), "--batch-size 6 .* divisible by dp=4"),
+        (dict(seq_len=1), "--seq-len must be >= 2"),
+        (dict(heads=3), "--hidden-size 64 must be divisible by --heads 3"),
+        (dict(pp=2, tp=2, dp=2, nproc=4), "dp_replicate=2 = 8 ranks, but --nproc is 4"),
+        (dict(pp_tp="2,1"), "pp_tp=2,1 .sum 3. ranks must divide --nproc 4"),
+        (dict(pp_tp="2,1,1", tp=2), "--tp 2 with --pp-tp 2,1,1: give the stage tp sizes once"),
+        (dict(pp_tp="2,1,1", pp=2), "--pp 2 but --pp-tp 2,1,1 lists 3 stages"),
+        (dict(pp_tp="2"), "--pp-tp must list the tp size .* of at least 2 pipeline stages"),
+        (dict(pp_tp="2,x"), "--pp-tp must list"),
+        (dict(pp_tp="2,0"), "--pp-tp must list"),
+        (dict(pp_tp="2,1,1", dp=2, nproc=4), "dp_replicate=2 = 8 ranks, but --nproc is 4"),
+        (dict(pp_tp="2,1,1", cp_ring=2, layers=3), "pp_tp=.* composes with dp_replicate only"),
+        (dict(pp=3), "pp=3 .* = 3 ranks must divide --nproc 4"),
+        (dict(pp=4, layers=2), "--pp 4: .*2 decoder layers cannot fill 4 pipeline stages"),
+        (dict(pp=2, microbatches=3), "--batch-size 8 .* divisible by dp=2 x microbatches=3"),
+        (dict(pp=2, schedule="zb"), "--schedule must be one of 1f1b, gpipe"),
+        (dict(model="llama", ep=2), "--ep 2 needs a mixture-of-experts model"),
+        (dict(model="moe", ep=4), "ep=4 must divide dp_shard x cp_ring x cp_ulysses x tp = 2"),
+        (dict(model="moe", ep=3, tp=1, dp_shard=4), "ep=3 must divide .* = 4"),
+        (
+            dict(model="moe", tp=4, nproc=8, heads=2, hidden_size=64, kv_heads=1),
+            "--tp 4: 2 attention heads cannot be split",
+        ),
+        (dict(model="mla", experts=0), "--experts must be >= 1"),
+        (dict(cp_ring=2, tp=2, nproc=2), "cp=2 x tp=2 .* = 4 ranks must divide --nproc 2"),
+        (dict(cp_ulysses=2, cp_ring=2, dp=2, nproc=4), "dp_replicate=2 = 8 ranks, but --nproc is 4"),
+        (dict(cp_ulysses=0), "--cp-ulysses must be >= 1"),
+        (dict(cp_ring=4, seq_len=3), "--seq-len 3 .*: every cp rank needs at least one token"),
+        (dict(cp_ring=2, cp_ulysses=2, seq_len=3), "--seq-len 3 .*: every cp rank needs at least one token"),
+        (dict(cp_ulysses=4, seq_len=3), "--seq-len 3 .*: every cp rank needs at least one token"),
+        (dict(cp_ring=2, tp=4, nproc=8), "--tp 4 with context parallelism: tp must divide"),
+        (dict(cp_ring=2, packed=True), "--packed with context parallelism: every microbatch must be one row"),
+        (dict(max_norm=-1.0), "--max-norm must be a finite number >= 0"),
+        (dict(pp_tp="2,1,1", sequence_parallel=True, layers=3), "--sequence-parallel with --pp-tp"),
+        (dict(dp_shard=0), "--dp-shard must be >= 1"),
+        (dict(report="/etc/passwd/out"), "--report /etc/passwd/out: /etc/passwd exists and is not a directory"),
+        (dict(checkpoint_dir="/etc/passwd"), "--checkpoint-dir /etc/passwd: /etc/passwd exists and is not a directory"),
+    ],
+)
 def test_invalid_layouts(kwargs, match):
     with pytest.raises(ShardkitError, match=match):
         validate_config(merge_config({}, kwargs))
@@ -130,10 +139,18 @@ def test_cp_layouts():
 def test_layouts_that_used_to_be_refused_now_compose():
     # cp x pp, cp with MoE, cp x loss-parallel, gradient accumulation without pp, ep independent
     # of tp, loss-parallel x pp, conv-ae x dp: each is one ParallelDims of the one trainer.
-    for kwargs in (dict(cp_ring=2, pp=2), dict(cp_ring=2, model="moe"), dict(cp_ring=2, loss_parallel=True),
-                   dict(microbatches=2), dict(model="moe", ep=4, tp=1, dp_shard=4),
-                   dict(pp=2, tp=2, loss_parallel=True), dict(model="conv-ae", spatial=2, dp=2),
-                   dict(model="qwen3", pp=2), dict(tp=4), dict(pp=2, tp=4, nproc=8)):
+    for kwargs in (
+        dict(cp_ring=2, pp=2),
+        dict(cp_ring=2, model="moe"),
+        dict(cp_ring=2, loss_parallel=True),
+        dict(microbatches=2),
+        dict(model="moe", ep=4, tp=1, dp_shard=4),
+        dict(pp=2, tp=2, loss_parallel=True),
+        dict(model="conv-ae", spatial=2, dp=2),
+        dict(model="qwen3", pp=2),
+        dict(tp=4),
+        dict(pp=2, tp=4, nproc=8),
+    ):
         cfg = validate_config(merge_config({}, kwargs))
         assert cfg.nproc == kwargs.get("nproc", 4), kwargs
 
@@ -243,9 +260,11 @@ def test_compare_runs():
 
 def test_write_report_keeps_other_files(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
-    result = {"layout": {"nproc": 1, "model": "llama", "parallel": "single process", "backend": "gloo",
-                         "device": "cpu"},
-              "losses": [3.0, 2.0], "reference_losses": [3.0, 2.0]}
+    result = {
+        "layout": {"nproc": 1, "model": "llama", "parallel": "single process", "backend": "gloo", "device": "cpu"},
+        "losses": [3.0, 2.0],
+        "reference_losses": [3.0, 2.0],
+    }
     paths = write_report(result, tmp_path)
     assert json.loads((tmp_path / "report.json").read_text())["losses"] == [3.0, 2.0]
     assert (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG" and len(paths) == 2
@@ -254,9 +273,19 @@ def test_write_report_keeps_other_files(tmp_path):
 
 
 def _figure_result(losses, reference=None, first_step=0):
-    return {"layout": {"nproc": 4, "model": "llama", "parallel": "dp_replicate=2 x tp=2", "backend": "gloo",
-                       "device": "cpu", "sequence_parallel": True},
-            "losses": losses, "reference_losses": reference, "first_step": first_step}
+    return {
+        "layout": {
+            "nproc": 4,
+            "model": "llama",
+            "parallel": "dp_replicate=2 x tp=2",
+            "backend": "gloo",
+            "device": "cpu",
+            "sequence_parallel": True,
+        },
+        "losses": losses,
+        "reference_losses": reference,
+        "first_step": first_step,
+    }
 
 
 def _ticks(ax):
@@ -305,12 +334,30 @@ def _result(passed):
     params = {"w": torch.ones(3)}
     parity = compare_runs([2.0], [2.0], {"w": torch.ones(3) * (1 if passed else 2)}, params, "float32")
     return {
-        "layout": {"nproc": 4, "model": "llama", "parallel": "dp_replicate=2 x tp=2", "backend": "gloo",
-                   "device": "cpu"},
-        "losses": [2.0], "reference_losses": [2.0], "tokens_per_s": 1000.0,
-        "timings_s": {"setup": 1.0, "train": 2.0}, "peak_memory_bytes": [2**20] * 4, "memory_kind": "max RSS",
-        "ledger": [{"op": "all_reduce", "api": "ddp", "phase": "backward", "group_size": 2, "count": 1,
-                    "bytes_sent": 8, "bytes_received": 8}],
+        "layout": {
+            "nproc": 4,
+            "model": "llama",
+            "parallel": "dp_replicate=2 x tp=2",
+            "backend": "gloo",
+            "device": "cpu",
+        },
+        "losses": [2.0],
+        "reference_losses": [2.0],
+        "tokens_per_s": 1000.0,
+        "timings_s": {"setup": 1.0, "train": 2.0},
+        "peak_memory_bytes": [2**20] * 4,
+        "memory_kind": "max RSS",
+        "ledger": [
+            {
+                "op": "all_reduce",
+                "api": "ddp",
+                "phase": "backward",
+                "group_size": 2,
+                "count": 1,
+                "bytes_sent": 8,
+                "bytes_received": 8,
+            }
+        ],
         "parity": parity,
     }
 
@@ -330,21 +377,38 @@ def test_finish_exit_code_and_largest_differences(tmp_path, capsys):
 
 def _shardkit(*argv, timeout):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([sys.executable, "-m", "shardkit", *argv], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "shardkit", *argv], capture_output=True, text=True, timeout=timeout, env=env
+    )
 
 
 def test_end_to_end_verify_and_report(tmp_path):
     # About 20 s on 2 cores (4 spawned ranks); the timeout only bounds a hang.
-    proc = _shardkit("train", "--steps", "2", "--verify", "--seq-len", "32", "--batch-size", "4",
-                     "--report", str(tmp_path), timeout=120)
+    proc = _shardkit(
+        "train",
+        "--steps",
+        "2",
+        "--verify",
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "4",
+        "--report",
+        str(tmp_path),
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "report.json").read_text())
     env = report["environment"]
     assert env["versions"]["torch"] == torch.__version__ and env["host"] and len(env["git_revision"] or "x" * 40) == 40
     layout = report["layout"]
     assert (layout["parallel"], layout["tp"], layout["dp_replicate"], layout["dp_shard"], layout["pp"]) == (
-        "dp_replicate=2 x tp=2", 2, 2, 1, 1)
+        "dp_replicate=2 x tp=2",
+        2,
+        2,
+        1,
+        1,
+    )
     assert layout["sequence_parallel"] is True and layout["nproc"] == 4
     assert len(report["losses"]) == len(report["reference_losses"]) == 2
     assert report["parity"]["passed"] and report["parity"]["max_param_rel_diff"] <= 1e-4

@@ -64,7 +64,9 @@ def test_ulysses_dims_r4(shape, dims, noncontig):
 
 
 @pytest.mark.world(3)
-@pytest.mark.parametrize("shape,dims", [((4, 5), (0, 1)), ((4, 5), (1, 0)), ((2, 3, 4, 5, 6), (4, 1)), ((2, 3, 4, 5, 6), (1, 4))])
+@pytest.mark.parametrize(
+    "shape,dims", [((4, 5), (0, 1)), ((4, 5), (1, 0)), ((2, 3, 4, 5, 6), (4, 1)), ((2, 3, 4, 5, 6), (1, 4))]
+)
 def test_other_ndims(shape, dims):
     _check(shape, *dims)
 

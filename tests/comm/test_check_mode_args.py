@@ -47,8 +47,17 @@ def _conv(**kw):
     args = dict(kernel=3, stride=1, padding=1, padding_mode="zeros")
     args.update({k: v[r] for k, v in kw.items()})
     w = torch.zeros(3, 2, args["kernel"])
-    return lambda: spatial_conv1d(x, w, None, world_group(), 2, stride=args["stride"], padding=args["padding"],
-                                  padding_mode=args["padding_mode"], sizes=[4, 4])
+    return lambda: spatial_conv1d(
+        x,
+        w,
+        None,
+        world_group(),
+        2,
+        stride=args["stride"],
+        padding=args["padding"],
+        padding_mode=args["padding_mode"],
+        sizes=[4, 4],
+    )
 
 
 def _q(s=4, n=2, d=4):
@@ -60,21 +69,40 @@ CASES = {
     "conv_stride": lambda: _conv(stride=[1, 2]),
     "conv_padding": lambda: _conv(padding=[1, 2]),
     "conv_padding_mode": lambda: _conv(padding_mode=["zeros", "circular"]),
-    "halo_widths": lambda: (lambda: halo_exchange(torch.zeros(2, 3), world_group(), 1, [1, 2][rank()], 1)),
-    "attention_scale": lambda: (lambda: ulysses_attention(_q(), _q(), _q(), world_group(), causal=True, seq_len=8,
-                                                          scale=[0.5, 0.25][rank()])),
-    "cu_seqlens_middle": lambda: (lambda: ring_attention(_q(4), _q(4), _q(4), world_group(), causal=True,
-                                                         cu_seqlens=[[0, 4, 6, 8], [0, 2, 6, 8]][rank()])),
-    "num_experts": lambda: (lambda: dispatch_plan(torch.zeros(3, 1, dtype=torch.long), [4, 5][rank()], world_group())),
-    "expert_sizes": lambda: (lambda: dispatch_plan(torch.zeros(3, 1, dtype=torch.long), 4, world_group(),
-                                                   expert_sizes=[[2, 2], [3, 1]][rank()])),
-    "conv_bias_shape": lambda: (lambda: spatial_conv1d(torch.zeros(1, 2, 4), torch.zeros(3, 2, 3), torch.zeros([3, 4][rank()]),
-                                                       world_group(), 2, padding=1, sizes=[4, 4])),
-    "pool_kernel": lambda: (lambda: spatial_max_pool(torch.zeros(1, 2, 4), world_group(), 2, [2, 3][rank()], 1)),
-    "pool_padding": lambda: (lambda: spatial_avg_pool(torch.zeros(1, 2, 4), world_group(), 2, 3, 1, [1, 0][rank()])),
-    "interpolate_scale": lambda: (lambda: spatial_interpolate(torch.zeros(1, 2, 4), world_group(), 2, [2, 3][rank()], "linear")),
-    "group_norm_eps": lambda: (lambda: spatial_group_norm(torch.zeros(1, 4, 3), 2, None, None, world_group(),
-                                                          eps=[1e-5, 1e-3][rank()])),
+    "halo_widths": lambda: lambda: halo_exchange(torch.zeros(2, 3), world_group(), 1, [1, 2][rank()], 1),
+    "attention_scale": lambda: (
+        lambda: ulysses_attention(_q(), _q(), _q(), world_group(), causal=True, seq_len=8, scale=[0.5, 0.25][rank()])
+    ),
+    "cu_seqlens_middle": lambda: (
+        lambda: ring_attention(
+            _q(4), _q(4), _q(4), world_group(), causal=True, cu_seqlens=[[0, 4, 6, 8], [0, 2, 6, 8]][rank()]
+        )
+    ),
+    "num_experts": lambda: lambda: dispatch_plan(torch.zeros(3, 1, dtype=torch.long), [4, 5][rank()], world_group()),
+    "expert_sizes": lambda: (
+        lambda: dispatch_plan(
+            torch.zeros(3, 1, dtype=torch.long), 4, world_group(), expert_sizes=[[2, 2], [3, 1]][rank()]
+        )
+    ),
+    "conv_bias_shape": lambda: (
+        lambda: spatial_conv1d(
+            torch.zeros(1, 2, 4),
+            torch.zeros(3, 2, 3),
+            torch.zeros([3, 4][rank()]),
+            world_group(),
+            2,
+            padding=1,
+            sizes=[4, 4],
+        )
+    ),
+    "pool_kernel": lambda: lambda: spatial_max_pool(torch.zeros(1, 2, 4), world_group(), 2, [2, 3][rank()], 1),
+    "pool_padding": lambda: lambda: spatial_avg_pool(torch.zeros(1, 2, 4), world_group(), 2, 3, 1, [1, 0][rank()]),
+    "interpolate_scale": lambda: (
+        lambda: spatial_interpolate(torch.zeros(1, 2, 4), world_group(), 2, [2, 3][rank()], "linear")
+    ),
+    "group_norm_eps": lambda: (
+        lambda: spatial_group_norm(torch.zeros(1, 4, 3), 2, None, None, world_group(), eps=[1e-5, 1e-3][rank()])
+    ),
 }
 
 
@@ -91,19 +119,35 @@ def _combine_bad_weights():
 # A bad argument that only one rank has, found before that rank has a tensor to agree on (or by
 # a local check): in check mode rank 1 agrees with a placeholder row carrying its error.
 LOCAL = {
-    "not_a_tensor": (ShardkitTypeError, "expected a torch.Tensor",
-                     lambda: all_reduce_forward([torch.zeros(2), [0.0, 0.0]][rank()], world_group())),
-    "gather_size_type": (ShardkitTypeError, "gather_size must be an int",
-                         lambda: all_to_all(torch.zeros(1, 4, 4), world_group(), 2, 1, gather_size=[8, 8.0][rank()])),
+    "not_a_tensor": (
+        ShardkitTypeError,
+        "expected a torch.Tensor",
+        lambda: all_reduce_forward([torch.zeros(2), [0.0, 0.0]][rank()], world_group()),
+    ),
+    "gather_size_type": (
+        ShardkitTypeError,
+        "gather_size must be an int",
+        lambda: all_to_all(torch.zeros(1, 4, 4), world_group(), 2, 1, gather_size=[8, 8.0][rank()]),
+    ),
     "topk_dtype": (ShardkitTypeError, "integer tensor", lambda: dispatch_plan(_topk(), 4, world_group())),
-    "num_experts_type": (ShardkitTypeError, "num_experts must be an int",
-                         lambda: dispatch_plan(torch.zeros(3, 2, dtype=torch.long), [4, 4.0][rank()], world_group())),
-    "hidden_not_a_tensor": (ShardkitTypeError, "hidden must be a torch.Tensor",
-                            lambda: token_dispatch([torch.zeros(3, 4), "h"][rank()],
-                                                   dispatch_plan(torch.zeros(3, 2, dtype=torch.long), 2, world_group()))),
+    "num_experts_type": (
+        ShardkitTypeError,
+        "num_experts must be an int",
+        lambda: dispatch_plan(torch.zeros(3, 2, dtype=torch.long), [4, 4.0][rank()], world_group()),
+    ),
+    "hidden_not_a_tensor": (
+        ShardkitTypeError,
+        "hidden must be a torch.Tensor",
+        lambda: token_dispatch(
+            [torch.zeros(3, 4), "h"][rank()], dispatch_plan(torch.zeros(3, 2, dtype=torch.long), 2, world_group())
+        ),
+    ),
     "combine_weights": (ShardkitError, "topk_weights must be", _combine_bad_weights),
-    "group_norm_channels": (ShardkitError, "C divisible by num_groups",
-                            lambda: spatial_group_norm(torch.zeros(1, 4, 3), [2, 3][rank()], None, None, world_group())),
+    "group_norm_channels": (
+        ShardkitError,
+        "C divisible by num_groups",
+        lambda: spatial_group_norm(torch.zeros(1, 4, 3), [2, 3][rank()], None, None, world_group()),
+    ),
 }
 
 
@@ -128,6 +172,7 @@ def test_op_identity_is_agreed():
         if rank() == 0:
             return ulysses_attention(q, q, q, world_group(), causal=True, seq_len=8)
         return ring_attention(q, q, q, world_group(), causal=True, seq_len=8, layout="contiguous")
+
     msg = _same_error_everywhere(RankMismatchError, "disagree on op", fn)
     assert "rank 0: ulysses_attention; rank 1: ring_attention" in msg
 
@@ -137,8 +182,10 @@ def test_op_identity_is_agreed():
 def test_local_error_on_one_rank_is_raised_on_every_rank(op):
     q = _q()
     k = _q(d=[4, 3][rank()])  # rank 1's k has another head dim: only rank 1 can see it
-    fn = {"ulysses": lambda: ulysses_attention(q, k, k, world_group(), causal=True, seq_len=8),
-          "ring": lambda: ring_attention(q, k, k, world_group(), causal=True, seq_len=8, layout="contiguous")}[op]
+    fn = {
+        "ulysses": lambda: ulysses_attention(q, k, k, world_group(), causal=True, seq_len=8),
+        "ring": lambda: ring_attention(q, k, k, world_group(), causal=True, seq_len=8, layout="contiguous"),
+    }[op]
     msg = _same_error_everywhere(ShardkitError, "head dims differ", fn)
     assert "raised on rank 1 of 2; the check mode raised it on every rank" in msg
 
@@ -147,8 +194,11 @@ def test_local_error_on_one_rank_is_raised_on_every_rank(op):
 def test_local_type_error_keeps_its_type():
     q = _q()
     k = q.to(torch.float64) if rank() == 0 else q
-    _same_error_everywhere(ShardkitTypeError, "share one floating dtype",
-                           lambda: ulysses_attention(q, k, k, world_group(), causal=True, seq_len=8))
+    _same_error_everywhere(
+        ShardkitTypeError,
+        "share one floating dtype",
+        lambda: ulysses_attention(q, k, k, world_group(), causal=True, seq_len=8),
+    )
 
 
 def _usp_case(mesh, scale=None, dtype=torch.float64):

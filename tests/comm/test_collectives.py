@@ -137,8 +137,12 @@ def test_size_one_group_is_identity():
     x = coords((2, 3)).requires_grad_()
     g = world_group()
     with CommLedger() as ledger:
-        for fn in (lambda t: all_gather(t, g, 1), lambda t: reduce_scatter(t, g, 0), lambda t: all_reduce_forward(t, g),
-                   lambda t: all_reduce_backward(t, g)):
+        for fn in (
+            lambda t: all_gather(t, g, 1),
+            lambda t: reduce_scatter(t, g, 0),
+            lambda t: all_reduce_forward(t, g),
+            lambda t: all_reduce_backward(t, g),
+        ):
             y = fn(x)
             assert y is x
     assert ledger.count() == 0

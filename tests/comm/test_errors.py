@@ -34,20 +34,52 @@ def _bad_cases():
         "scatter_dim_equals_gather_dim": (ShardkitError, "must differ", lambda: all_to_all(x, G(), 1, 1)),
         "dim_out_of_range": (ShardkitError, "out of range", lambda: all_gather(x, G(), dim=3)),
         "negative_dim_out_of_range": (ShardkitError, "out of range", lambda: reduce_scatter(x, G(), dim=-4)),
-        "sizes_wrong_length": (ShardkitError, "entries", lambda: reduce_scatter(x, G(), 1, sizes=[6] + [0] * world_size())),
-        "sizes_negative": (ShardkitError, ">= 0", lambda: split_forward_gather_backward(x, G(), 1, sizes=[7, -1] + [0] * (world_size() - 2))),
-        "sizes_not_summing": (ShardkitError, "sum to", lambda: split_forward_gather_backward(x, G(), 1, sizes=[1] * world_size())),
-        "sizes_not_ints": (ShardkitTypeError, "sequence of ints", lambda: reduce_scatter(x, G(), 1, sizes=[6.0] + [0] * (world_size() - 1))),
+        "sizes_wrong_length": (
+            ShardkitError,
+            "entries",
+            lambda: reduce_scatter(x, G(), 1, sizes=[6] + [0] * world_size()),
+        ),
+        "sizes_negative": (
+            ShardkitError,
+            ">= 0",
+            lambda: split_forward_gather_backward(x, G(), 1, sizes=[7, -1] + [0] * (world_size() - 2)),
+        ),
+        "sizes_not_summing": (
+            ShardkitError,
+            "sum to",
+            lambda: split_forward_gather_backward(x, G(), 1, sizes=[1] * world_size()),
+        ),
+        "sizes_not_ints": (
+            ShardkitTypeError,
+            "sequence of ints",
+            lambda: reduce_scatter(x, G(), 1, sizes=[6.0] + [0] * (world_size() - 1)),
+        ),
         "gather_size_negative": (ShardkitError, ">= 0", lambda: all_to_all(x, G(), 2, 1, gather_size=-4)),
         "gather_size_not_int": (ShardkitTypeError, "gather_size", lambda: all_to_all(x, G(), 2, 1, gather_size=4.0)),
-        "grad_scale_unknown": (ShardkitError, "grad_scale", lambda: split_forward_gather_backward(x, G(), 1, grad_scale="sideways")),
-        "grad_scale_on_integer_tensor": (ShardkitTypeError, "floating", lambda: gather_forward_split_backward(torch.zeros(2, 3, dtype=torch.int64), G(), 0, grad_scale="down")),
+        "grad_scale_unknown": (
+            ShardkitError,
+            "grad_scale",
+            lambda: split_forward_gather_backward(x, G(), 1, grad_scale="sideways"),
+        ),
+        "grad_scale_on_integer_tensor": (
+            ShardkitTypeError,
+            "floating",
+            lambda: gather_forward_split_backward(torch.zeros(2, 3, dtype=torch.int64), G(), 0, grad_scale="down"),
+        ),
         "not_a_tensor": (ShardkitTypeError, "torch.Tensor", lambda: all_reduce_forward([1.0, 2.0], G())),
         "group_none": (ShardkitTypeError, "group is required", lambda: all_gather(x, None, 0)),
         "group_wrong_type": (ShardkitTypeError, "ProcessGroup", lambda: all_gather(x, "tp", 0)),
-        "mesh_degrees_not_multiplying": (ShardkitError, "multiply", lambda: ParallelDims(dp_replicate=2, tp=3, world_size=world_size())),
+        "mesh_degrees_not_multiplying": (
+            ShardkitError,
+            "multiply",
+            lambda: ParallelDims(dp_replicate=2, tp=3, world_size=world_size()),
+        ),
         "mesh_degree_zero": (ShardkitError, ">= 1", lambda: ParallelDims(tp=0)),
-        "mesh_build_wrong_world": (ShardkitError, "world size", lambda: ParallelDims(tp=world_size() + 1).build_mesh("cpu")),
+        "mesh_build_wrong_world": (
+            ShardkitError,
+            "world size",
+            lambda: ParallelDims(tp=world_size() + 1).build_mesh("cpu"),
+        ),
     }
 
 
@@ -71,12 +103,28 @@ def _assert_group_usable():
 
 
 @pytest.mark.world(2)
-@pytest.mark.parametrize("case", [
-    "scatter_dim_equals_gather_dim", "dim_out_of_range", "negative_dim_out_of_range", "sizes_wrong_length",
-    "sizes_negative", "sizes_not_summing", "sizes_not_ints", "gather_size_negative", "gather_size_not_int",
-    "grad_scale_unknown", "grad_scale_on_integer_tensor", "not_a_tensor", "group_none", "group_wrong_type",
-    "mesh_degrees_not_multiplying", "mesh_degree_zero", "mesh_build_wrong_world",
-])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "scatter_dim_equals_gather_dim",
+        "dim_out_of_range",
+        "negative_dim_out_of_range",
+        "sizes_wrong_length",
+        "sizes_negative",
+        "sizes_not_summing",
+        "sizes_not_ints",
+        "gather_size_negative",
+        "gather_size_not_int",
+        "grad_scale_unknown",
+        "grad_scale_on_integer_tensor",
+        "not_a_tensor",
+        "group_none",
+        "group_wrong_type",
+        "mesh_degrees_not_multiplying",
+        "mesh_degree_zero",
+        "mesh_build_wrong_world",
+    ],
+)
 def test_bad_argument_raises_on_every_rank(case):
     _assert_same_error_everywhere(*_bad_cases()[case])
 
@@ -113,20 +161,42 @@ def test_two_dim_mesh_is_rejected():
 def _rank_dependent_cases():
     r = rank()
     return {
-        "dtype_mismatch": ("dtype", lambda: all_reduce_forward(torch.zeros(3, dtype=torch.float64 if r else torch.float32), G())),
+        "dtype_mismatch": (
+            "dtype",
+            lambda: all_reduce_forward(torch.zeros(3, dtype=torch.float64 if r else torch.float32), G()),
+        ),
         "trailing_shape_mismatch": ("shape", lambda: all_gather(torch.zeros(2, 3 + r), G(), 0)),
         "ndim_mismatch": ("ndim", lambda: all_gather(torch.zeros(*([2] * (2 + r))), G(), 0)),
-        "local_size_vs_sizes": ("expects", lambda: all_gather(torch.zeros(2, 3), G(), 0, sizes=[2, 1] + [0] * (world_size() - 2))),
+        "local_size_vs_sizes": (
+            "expects",
+            lambda: all_gather(torch.zeros(2, 3), G(), 0, sizes=[2, 1] + [0] * (world_size() - 2)),
+        ),
         # Megatron's f on one rank, g on the other: same shapes, different ops
-        "op_identity": ("disagree on op", lambda: (all_reduce_backward if r else all_reduce_forward)(torch.zeros(3), G())),
-        "gather_size_vs_local": ("expects", lambda: all_to_all(torch.zeros(2, 2 + (r == 1), 4), G(), 2, 1, gather_size=4 + world_size())),
+        "op_identity": (
+            "disagree on op",
+            lambda: (all_reduce_backward if r else all_reduce_forward)(torch.zeros(3), G()),
+        ),
+        "gather_size_vs_local": (
+            "expects",
+            lambda: all_to_all(torch.zeros(2, 2 + (r == 1), 4), G(), 2, 1, gather_size=4 + world_size()),
+        ),
         "argument_mismatch": ("arguments", lambda: reduce_scatter(torch.zeros(4, 4), G(), dim=r % 2)),
     }
 
 
 @pytest.mark.world(2)
-@pytest.mark.parametrize("case", ["dtype_mismatch", "trailing_shape_mismatch", "ndim_mismatch", "local_size_vs_sizes",
-                                  "op_identity", "gather_size_vs_local", "argument_mismatch"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "dtype_mismatch",
+        "trailing_shape_mismatch",
+        "ndim_mismatch",
+        "local_size_vs_sizes",
+        "op_identity",
+        "gather_size_vs_local",
+        "argument_mismatch",
+    ],
+)
 def test_cross_rank_mismatch_caught_by_check_mode(case):
     fragment, fn = _rank_dependent_cases()[case]
     with checks(True):

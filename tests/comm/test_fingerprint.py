@@ -2,16 +2,14 @@
 are one RankMismatchError on every rank (naming the ranks and the first differing tensor) within
 2 s, the group usable after; identical ranks pass and get the same model as without checks."""
 
+import os
 import time
 
 import pytest
+import safetensors.torch
 import torch
 import torch.distributed as dist
 from torch import nn
-
-import os
-
-import safetensors.torch
 
 from harness.helpers import rank, remove_shared_dir, shared_tmpdir, world_group, world_size
 from shardkit import CommLedger
@@ -139,12 +137,13 @@ def test_load_sharded_from_per_rank_checkpoints_is_caught():
         dist.barrier(group=world_group())
         with checks(True):
             load_sharded(_mlp(0), paths[0], world_group(), PLAN, check="off")  # the same file: passes
-        msg = _same_error_everywhere(lambda: load_sharded(_mlp(0), paths[rank()], world_group(), PLAN, check="off"),
-                                     "load_sharded: replicated values differ")
+        msg = _same_error_everywhere(
+            lambda: load_sharded(_mlp(0), paths[rank()], world_group(), PLAN, check="off"),
+            "load_sharded: replicated values differ",
+        )
         assert "first at '2.bias'" in msg and "1 of 3 tensors differ" in msg
     finally:
         remove_shared_dir(folder)
-
 
 
 @pytest.mark.world(2)
@@ -152,15 +151,17 @@ def test_parallelize_per_rank_seed_over_data_parallel_replicas():
     """dp_replicate=2: the replicas must start from the same weights (else their averaged
     gradients train two different models)."""
     from shardkit import ParallelDims
+    from shardkit.parallelize import parallelize
     from shardkit.train.config import TrainConfig
     from shardkit.train.model import build_model
-    from shardkit.parallelize import parallelize
 
     mesh = ParallelDims(dp_replicate=2).build_mesh("cpu")
     with checks(True):
         parallelize(build_model(TrainConfig(layers=1, seed=0)), mesh)  # identical: passes
-    msg = _same_error_everywhere(lambda: parallelize(build_model(TrainConfig(layers=1, seed=rank())), mesh),
-                                 "parallelize: replicated values differ")
+    msg = _same_error_everywhere(
+        lambda: parallelize(build_model(TrainConfig(layers=1, seed=rank())), mesh),
+        "parallelize: replicated values differ",
+    )
     assert "ranks [1] differ from rank 0, first at 'model.embed_tokens.weight'" in msg
 
 
@@ -182,6 +183,8 @@ def test_tp_forward_agrees_once_on_its_replicated_inputs():
     assert ledger.count(phase="check") > 0
     if rank() == 1:
         ids = ids.flip(1)
-    _same_error_everywhere(lambda: model(input_ids=ids), "LlamaForCausalLM.forward: replicated values differ .* "
-                           "first at 'input_ids'.*tp ranks must get the same inputs")
+    _same_error_everywhere(
+        lambda: model(input_ids=ids),
+        "LlamaForCausalLM.forward: replicated values differ .* first at 'input_ids'.*tp ranks must get the same inputs",
+    )
     assert not covered(world_group())  # the region was left when the forward raised

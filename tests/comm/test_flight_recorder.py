@@ -58,22 +58,28 @@ def test_diagnose_pure_tables():
         return fr.FlightEntry(seq, gseq, op, api, phase, group, "g", shape, None, peer, src, dst)
 
     same = [e(0, 0, "all_reduce", "all_reduce_forward")]
-    dumps = {0: same + [e(1, 1, "all_reduce", "all_reduce_forward")], 1: same + [e(1, 1, "all_gather_single", "all_gather")],
-             2: same}
+    dumps = {
+        0: same + [e(1, 1, "all_reduce", "all_reduce_forward")],
+        1: same + [e(1, 1, "all_gather_single", "all_gather")],
+        2: same,
+    }
     (d,) = fr.diagnose(dumps)
     assert d.call == 1 and [s[0] for s in d.sides] == [(0,), (1,), (2,)]  # rank 2 has no such call: last
     text = fr.format_report(dumps)
     assert "rank 0 at call 1: all_reduce [4] in all_reduce_forward forward" in text
     assert "rank 2: no such call" in text
     pair = (0, 1)
-    both_send = {0: [e(0, 0, "send", "send_forward", group=pair, peer=1, src=0, dst=1)],
-                 1: [e(0, 0, "send", "send_backward", "backward", group=pair, peer=0, src=1, dst=0)]}
+    both_send = {
+        0: [e(0, 0, "send", "send_forward", group=pair, peer=1, src=0, dst=1)],
+        1: [e(0, 0, "send", "send_backward", "backward", group=pair, peer=0, src=1, dst=0)],
+    }
     found = fr.diagnose(both_send)
     assert {d.channel for d in found} == {(0, 1), (1, 0)}
     assert fr.diagnose({0: same, 1: same, 2: same}) == []
 
 
 # ---- desync scenarios on a live group -------------------------------------------------------
+
 
 def _x():
     return torch.ones(2, 3, dtype=torch.float64)
@@ -85,7 +91,7 @@ def _different_ops(pg, r):
 
 def _swapped_order(pg, r):
     steps = [lambda: all_reduce_forward(_x(), pg), lambda: all_gather(_x(), pg, 0, sizes=[2] * 3)]
-    for step in (reversed(steps) if r == 1 else steps):
+    for step in reversed(steps) if r == 1 else steps:
         step()
 
 
@@ -148,26 +154,83 @@ def _same_primitive_other_api(pg, r):
 
 # name: (script, call, [(ranks, text)...]) in report order: the minority first, ranks without the call last
 SCENARIOS = {
-    "different_ops": (_different_ops, 0, [((1,), "all_gather_single [2, 3] in all_gather forward"),
-                                          ((0, 2), "all_reduce [2, 3] in all_reduce_forward forward")]),
-    "swapped_order": (_swapped_order, 0, [((1,), "all_gather_single [2, 3] in all_gather forward"),
-                                          ((0, 2), "all_reduce [2, 3] in all_reduce_forward forward")]),
-    "skipped_op": (_skipped_op, 1, [((2,), "all_gather_single [2, 3] in all_gather forward"),
-                                    ((0, 1), "all_reduce [2, 3] in all_reduce_forward forward")]),
-    "f_vs_g": (_f_vs_g, 0, [((1,), "all_reduce [2, 3] in all_reduce_backward backward"),
-                            ((0, 2), "all_reduce [2, 3] in all_reduce_forward forward")]),
-    "left_early": (_left_early, 2, [((0, 1), "all_reduce [2, 3] in all_reduce_forward forward"), ((2,), "no such call")]),
-    "forgotten_backward": (_forgotten_backward, 1, [((1,), "all_reduce [6, 3] in all_reduce_forward forward"),
-                                                    ((0, 2), "reduce_scatter_single [6, 3] in all_gather backward")]),
-    "sizes_on_one_rank": (_sizes_on_one_rank, 0, [((1,), "all_gather_single [1] in all_gather forward"),
-                                                  ((0, 2), "metadata_all_gather [1] in all_gather metadata")]),
-    "ulysses_vs_all_reduce": (_ulysses_vs_all_reduce, 0, [((0,), "all_reduce [2, 3] in all_reduce_forward forward"),
-                                                          ((1, 2), "all_to_all_single [1, 2, 9, 4] in ulysses_attention forward")]),
-    "dispatch_vs_all_reduce": (_dispatch_vs_all_reduce, 0, [((2,), "all_to_all_single [6] in dispatch_plan forward"),
-                                                            ((0, 1), "all_reduce [2, 3] in all_reduce_forward forward")]),
-    "same_primitive_other_api": (_same_primitive_other_api, 0, [
-        ((0,), "all_gather_single [2, 3] in all_gather forward"),
-        ((1, 2), "all_gather_single [2, 3] in gather_forward_split_backward forward")]),
+    "different_ops": (
+        _different_ops,
+        0,
+        [
+            ((1,), "all_gather_single [2, 3] in all_gather forward"),
+            ((0, 2), "all_reduce [2, 3] in all_reduce_forward forward"),
+        ],
+    ),
+    "swapped_order": (
+        _swapped_order,
+        0,
+        [
+            ((1,), "all_gather_single [2, 3] in all_gather forward"),
+            ((0, 2), "all_reduce [2, 3] in all_reduce_forward forward"),
+        ],
+    ),
+    "skipped_op": (
+        _skipped_op,
+        1,
+        [
+            ((2,), "all_gather_single [2, 3] in all_gather forward"),
+            ((0, 1), "all_reduce [2, 3] in all_reduce_forward forward"),
+        ],
+    ),
+    "f_vs_g": (
+        _f_vs_g,
+        0,
+        [
+            ((1,), "all_reduce [2, 3] in all_reduce_backward backward"),
+            ((0, 2), "all_reduce [2, 3] in all_reduce_forward forward"),
+        ],
+    ),
+    "left_early": (
+        _left_early,
+        2,
+        [((0, 1), "all_reduce [2, 3] in all_reduce_forward forward"), ((2,), "no such call")],
+    ),
+    "forgotten_backward": (
+        _forgotten_backward,
+        1,
+        [
+            ((1,), "all_reduce [6, 3] in all_reduce_forward forward"),
+            ((0, 2), "reduce_scatter_single [6, 3] in all_gather backward"),
+        ],
+    ),
+    "sizes_on_one_rank": (
+        _sizes_on_one_rank,
+        0,
+        [
+            ((1,), "all_gather_single [1] in all_gather forward"),
+            ((0, 2), "metadata_all_gather [1] in all_gather metadata"),
+        ],
+    ),
+    "ulysses_vs_all_reduce": (
+        _ulysses_vs_all_reduce,
+        0,
+        [
+            ((0,), "all_reduce [2, 3] in all_reduce_forward forward"),
+            ((1, 2), "all_to_all_single [1, 2, 9, 4] in ulysses_attention forward"),
+        ],
+    ),
+    "dispatch_vs_all_reduce": (
+        _dispatch_vs_all_reduce,
+        0,
+        [
+            ((2,), "all_to_all_single [6] in dispatch_plan forward"),
+            ((0, 1), "all_reduce [2, 3] in all_reduce_forward forward"),
+        ],
+    ),
+    "same_primitive_other_api": (
+        _same_primitive_other_api,
+        0,
+        [
+            ((0,), "all_gather_single [2, 3] in all_gather forward"),
+            ((1, 2), "all_gather_single [2, 3] in gather_forward_split_backward forward"),
+        ],
+    ),
 }
 
 
@@ -203,7 +266,7 @@ def test_desync_is_diagnosed(name):
     first = found[0]
     assert first.channel is None and first.group == (0, 1, 2) and first.call == call, report
     assert [s[0] for s in first.sides] == [ranks for ranks, _ in sides], report
-    for ranks, text in sides:
+    for _ranks, text in sides:
         assert text in report, (text, report)
     assert report.startswith("flight recorder: ranks diverged first here: rank")
 

@@ -59,8 +59,10 @@ def _ops():
         "all_reduce_forward": (lambda t: all_reduce_forward(t, G()), torch.arange(6.0).view(2, 3)),
         "all_gather": (lambda t: all_gather(t, G(), 0, [2] * r), torch.arange(6.0).view(2, 3) + rank()),
         "all_gather_dim1": (lambda t: all_gather(t, G(), 1, [3] * r), torch.arange(6.0).view(2, 3) + rank()),
-        "all_gather_uneven": (lambda t: all_gather(t, G(), 0, [2 - i % 2 for i in range(r)]),
-                              torch.arange(3.0 * (2 - rank() % 2)).view(-1, 3)),
+        "all_gather_uneven": (
+            lambda t: all_gather(t, G(), 0, [2 - i % 2 for i in range(r)]),
+            torch.arange(3.0 * (2 - rank() % 2)).view(-1, 3),
+        ),
         "reduce_scatter": (lambda t: reduce_scatter(t, G(), 0), torch.arange(6.0 * r).view(2 * r, 3)),
         "split": (lambda t: split_forward_gather_backward(t, G(), 0), torch.arange(6.0 * r).view(2 * r, 3)),
         "gather_split": (lambda t: gather_forward_split_backward(t, G(), 1), torch.arange(6.0).view(3, 2) + rank()),

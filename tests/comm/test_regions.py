@@ -81,10 +81,12 @@ def _check_gather(dim):
         local = full.narrow(dim, split_offsets(sizes)[rank()], sizes[rank()])
         assert torch.equal(gather_forward_split_backward(local, g, dim, sizes), full)
         # None: replicated output counted once; "up": the replicated output counted on every rank.
-        e_none = adjoint_error(lambda t: gather_forward_split_backward(t, g, dim, sizes), local,
-                               replicated_cotangent=True, lhs_once=True)
-        e_up = adjoint_error(lambda t: gather_forward_split_backward(t, g, dim, sizes, grad_scale="up"), local,
-                             replicated_cotangent=True)
+        e_none = adjoint_error(
+            lambda t: gather_forward_split_backward(t, g, dim, sizes), local, replicated_cotangent=True, lhs_once=True
+        )
+        e_up = adjoint_error(
+            lambda t: gather_forward_split_backward(t, g, dim, sizes, grad_scale="up"), local, replicated_cotangent=True
+        )
         assert e_none <= 1e-12 and e_up <= 1e-12, (sizes, e_none, e_up)
 
 

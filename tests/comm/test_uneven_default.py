@@ -55,7 +55,9 @@ def _all_gather_case(sizes, check):
     with checks(check):
         assert torch.equal(all_gather(local, g, 1), full)
         assert adjoint_error(lambda t: all_gather(t, g, 1), local) < 1e-12
-        _assert_one_metadata_without_sizes(lambda: all_gather(local, g, 1), lambda: all_gather(local, g, 1, sizes=sizes))
+        _assert_one_metadata_without_sizes(
+            lambda: all_gather(local, g, 1), lambda: all_gather(local, g, 1, sizes=sizes)
+        )
 
 
 @pytest.mark.world(3)
@@ -84,7 +86,9 @@ def test_gather_forward_split_backward_uneven_without_sizes(check):
             op = lambda t: gather_forward_split_backward(t, g, 0)  # noqa: E731
             # replicated output, replicated downstream gradient: the split is its adjoint
             assert adjoint_error(op, local, replicated_cotangent=True, lhs_once=True) < 1e-12
-            _assert_one_metadata_without_sizes(lambda: op(local), lambda: gather_forward_split_backward(local, g, 0, sizes=sizes))
+            _assert_one_metadata_without_sizes(
+                lambda: op(local), lambda: gather_forward_split_backward(local, g, 0, sizes=sizes)
+            )
 
 
 def _all_to_all_case(sizes, check):
@@ -100,7 +104,9 @@ def _all_to_all_case(sizes, check):
         assert back.shape[1] == balanced_split_sizes(37, R)[rank()]
         assert adjoint_error(lambda t: all_to_all(t, g, 2, 1), local) < 1e-12
         if sizes == balanced_split_sizes(37, R):  # gather_size= states a balanced split
-            _assert_one_metadata_without_sizes(lambda: all_to_all(local, g, 2, 1), lambda: all_to_all(local, g, 2, 1, gather_size=37))
+            _assert_one_metadata_without_sizes(
+                lambda: all_to_all(local, g, 2, 1), lambda: all_to_all(local, g, 2, 1, gather_size=37)
+            )
 
 
 @pytest.mark.world(3)
@@ -136,8 +142,9 @@ def test_halo_exchange_wider_than_a_shard_without_sizes(check):
             out = halo_exchange(local, g, 1, 6, 14)  # wider than several shards
             assert torch.equal(out, _halo_reference(full, off - 6, off + sizes[rank()] + 14))
             assert adjoint_error(lambda t: halo_exchange(t, g, 1, 6, 14), local) < 1e-12
-            _assert_one_metadata_without_sizes(lambda: halo_exchange(local, g, 1, 6, 14),
-                                               lambda: halo_exchange(local, g, 1, 6, 14, sizes=sizes))
+            _assert_one_metadata_without_sizes(
+                lambda: halo_exchange(local, g, 1, 6, 14), lambda: halo_exchange(local, g, 1, 6, 14, sizes=sizes)
+            )
 
 
 @pytest.mark.world(3)
@@ -154,5 +161,7 @@ def test_spatial_conv1d_wide_kernel_without_sizes(check):
         with checks(check):
             out = spatial_conv1d(local, weight, None, g, 2, padding=4)
             torch.testing.assert_close(out, _local(ref, 2, out_sizes), rtol=1e-9, atol=1e-12)
-            _assert_one_metadata_without_sizes(lambda: spatial_conv1d(local, weight, None, g, 2, padding=4),
-                                               lambda: spatial_conv1d(local, weight, None, g, 2, padding=4, sizes=sizes))
+            _assert_one_metadata_without_sizes(
+                lambda: spatial_conv1d(local, weight, None, g, 2, padding=4),
+                lambda: spatial_conv1d(local, weight, None, g, 2, padding=4, sizes=sizes),
+            )

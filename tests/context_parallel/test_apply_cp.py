@@ -12,10 +12,10 @@ import torch
 
 from harness.helpers import get_mesh, rank, world_group
 from shardkit import CommLedger, ShardkitError
-from shardkit.train.lm_task import causal_lm_loss
-from shardkit.train.model import keep_norms_in_input_dtype
 from shardkit.context_parallel import ring_attention, usp_attention
 from shardkit.context_parallel.apply import _packed_supported, apply_cp
+from shardkit.train.lm_task import causal_lm_loss
+from shardkit.train.model import keep_norms_in_input_dtype
 
 RTOL = 1e-9
 LAYERS = 2
@@ -28,8 +28,16 @@ def _llama(seed=0, **overrides):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=101, hidden_size=32, intermediate_size=45, num_hidden_layers=LAYERS, num_attention_heads=4,
-        num_key_value_heads=2, use_cache=False, tie_word_embeddings=False, attn_implementation="sdpa", **overrides,
+        vocab_size=101,
+        hidden_size=32,
+        intermediate_size=45,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        use_cache=False,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+        **overrides,
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).double()
@@ -55,7 +63,9 @@ def _reference(ids, cu=None):
         docs = [(a, b) for a, b in zip(cu[:-1], cu[1:]) if b > a]
         parts = [ref(input_ids=ids[:, a:b]).logits for a, b in docs]
         ce = torch.nn.functional.cross_entropy
-        total = sum(ce(p[:, :-1].flatten(0, 1), ids[:, a + 1 : b].flatten(), reduction="sum") for p, (a, b) in zip(parts, docs))
+        total = sum(
+            ce(p[:, :-1].flatten(0, 1), ids[:, a + 1 : b].flatten(), reduction="sum") for p, (a, b) in zip(parts, docs)
+        )
         loss = total / sum(ids.shape[0] * (b - a - 1) for a, b in docs)
         logits = torch.cat(parts, dim=1)
     loss.backward()
@@ -80,8 +90,11 @@ def _check_parity(mode, mesh, seq, batch=2, cu=None, count_locally=False):
     worst = max(errors, key=errors.get)
     assert errors[worst] <= RTOL, (worst, errors[worst])
     if os.environ.get("SHARDKIT_TEST_PRINT_ERRORS") and rank() == 0:
-        print(f"{mode} R={ctx.size} S={seq} cu={cu}: logits {logits_err:.1e} "
-              f"loss {abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()):.1e} grad {errors[worst]:.1e} ({worst})", flush=True)
+        print(
+            f"{mode} R={ctx.size} S={seq} cu={cu}: logits {logits_err:.1e} "
+            f"loss {abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()):.1e} grad {errors[worst]:.1e} ({worst})",
+            flush=True,
+        )
     return ctx, b
 
 

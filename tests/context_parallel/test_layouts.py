@@ -249,8 +249,13 @@ def test_ledger_counts():
     # Split: nothing forward, one all-gather backward; gather: one all-gather forward, nothing
     # backward; all_gather: one all-gather forward, one reduce-scatter backward (11 tokens over
     # 3 ranks is uneven: both go through all_to_all_single).
-    for api, fwd, bwd in (("zigzag_split", 0, 2), ("zigzag_gather", 1, 0), ("zigzag_all_gather", 1, 1),
-                          ("packed_split", 0, 1), ("packed_all_gather", 1, 1)):
+    for api, fwd, bwd in (
+        ("zigzag_split", 0, 2),
+        ("zigzag_gather", 1, 0),
+        ("zigzag_all_gather", 1, 1),
+        ("packed_split", 0, 1),
+        ("packed_all_gather", 1, 1),
+    ):
         assert ledger.count(api=api, phase="forward") == fwd, api
         assert ledger.count(api=api, phase="backward") == bwd, api
     assert ledger.count() == 8
@@ -268,15 +273,28 @@ def _bad_layout_cases():
         "dim_out_of_range": (ShardkitError, "out of range", lambda: zigzag_split(x, g, 3)),
         "group_none": (ShardkitTypeError, "group is required", lambda: zigzag_split(x, None, 1)),
         # Every rank's local size is wrong for S = 9 * R + 2R (2 tokens short everywhere).
-        "local_size_wrong": (ShardkitError, "zigzag layout", lambda: zigzag_all_gather(x, g, 1, 9 * world_size() + 2 * world_size())),
+        "local_size_wrong": (
+            ShardkitError,
+            "zigzag layout",
+            lambda: zigzag_all_gather(x, g, 1, 9 * world_size() + 2 * world_size()),
+        ),
     }
 
 
 @pytest.mark.world(2)
-@pytest.mark.parametrize("case", [
-    "cu_not_ending_at_T", "cu_decreasing", "cu_float", "seq_len_negative", "grad_scale_unknown",
-    "dim_out_of_range", "group_none", "local_size_wrong",
-])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "cu_not_ending_at_T",
+        "cu_decreasing",
+        "cu_float",
+        "seq_len_negative",
+        "grad_scale_unknown",
+        "dim_out_of_range",
+        "group_none",
+        "local_size_wrong",
+    ],
+)
 def test_bad_input_raises_on_every_rank(case):
     expected_type, fragment, fn = _bad_layout_cases()[case]
     start = time.monotonic()

@@ -10,10 +10,10 @@ one-line mutation into ring.py by hand; see the issue note).
 import pytest
 import torch
 
+from harness.attention import reference_attention
 from harness.helpers import get_mesh, rank, world_group
 from shardkit._shapes import split_offsets
 from shardkit.context_parallel import ring_attention, ulysses_attention, usp_attention, usp_indices, zigzag_positions
-from harness.attention import reference_attention
 
 # ||err|| / ||ref|| (Frobenius) of out, dq, dk, dv. Measured at R = 4 (ring, this problem):
 # float32 merges 1.7e-3 .. 6.3e-3 (single-device bf16 SDPA: 1.7e-3 .. 4.6e-3); the bf16-merge
@@ -25,8 +25,10 @@ B, S, N, N_KV, D = 2, 64, 4, 2, 16
 def _errors(fn, pos, causal=True):
     """Relative errors of out, dq, dk, dv of ``fn`` on this rank's tokens ``pos``."""
     gen = torch.Generator().manual_seed(11)
-    full = [(torch.randn(*s, generator=gen, dtype=torch.float64) * 2).to(torch.bfloat16)
-            for s in ((B, S, N, D), (B, S, N_KV, D), (B, S, N_KV, D), (B, S, N, D))]
+    full = [
+        (torch.randn(*s, generator=gen, dtype=torch.float64) * 2).to(torch.bfloat16)
+        for s in ((B, S, N, D), (B, S, N_KV, D), (B, S, N_KV, D), (B, S, N, D))
+    ]
     ref = [t.double().requires_grad_() for t in full[:3]]
     out_ref = reference_attention(*ref, causal)
     (out_ref * full[3].double()).sum().backward()
@@ -48,15 +50,17 @@ def _contiguous(S, R, r):
 
 @pytest.mark.world(4)
 def test_ring_bf16_r4():
-    errs = _errors(lambda q, k, v: ring_attention(q, k, v, world_group(), causal=True, seq_len=S),
-                   zigzag_positions(S, 4, rank()))
+    errs = _errors(
+        lambda q, k, v: ring_attention(q, k, v, world_group(), causal=True, seq_len=S), zigzag_positions(S, 4, rank())
+    )
     assert max(errs) < BOUND, errs
 
 
 @pytest.mark.world(4)
 def test_ulysses_bf16_r4():
-    errs = _errors(lambda q, k, v: ulysses_attention(q, k, v, world_group(), causal=True, seq_len=S),
-                   _contiguous(S, 4, rank()))
+    errs = _errors(
+        lambda q, k, v: ulysses_attention(q, k, v, world_group(), causal=True, seq_len=S), _contiguous(S, 4, rank())
+    )
     assert max(errs) < BOUND, errs
 
 

@@ -13,7 +13,6 @@ from shardkit.comm import CommLedger
 from shardkit.context_parallel import ring, ring_attention, ring_chunks, zigzag_gather, zigzag_positions
 
 
-
 def reference_attention(q, k, v, causal, scale=None):
     """Full attention in plain float64 math, KV heads repeated per GQA group."""
     rep = q.shape[2] // k.shape[2]
@@ -148,11 +147,18 @@ def test_ledger_exact_counts(causal):
     # bytes: forward sends this rank's block, then the blocks of ranks r - 1, r - 2 (k and v packed)
     per_token = B * n_kv * (D + Dv) * 8
     tokens = [len(zigzag_positions(S, R, s)) for s in range(R)]
-    assert ledger.bytes_sent(op="send", phase="forward") == sum(tokens[(rank() - i) % R] for i in range(R - 1)) * per_token
-    assert ledger.bytes_received(op="recv", phase="forward") == sum(tokens[(rank() - i) % R] for i in range(1, R)) * per_token
+    assert (
+        ledger.bytes_sent(op="send", phase="forward") == sum(tokens[(rank() - i) % R] for i in range(R - 1)) * per_token
+    )
+    assert (
+        ledger.bytes_received(op="recv", phase="forward")
+        == sum(tokens[(rank() - i) % R] for i in range(1, R)) * per_token
+    )
     # backward: the same KV traffic, plus every block's dK/dV once around the whole ring (float64 here)
-    assert ledger.bytes_sent(op="send", phase="backward") == (
-        sum(tokens[(rank() - i) % R] for i in range(R - 1)) + sum(tokens)) * per_token
+    assert (
+        ledger.bytes_sent(op="send", phase="backward")
+        == (sum(tokens[(rank() - i) % R] for i in range(R - 1)) + sum(tokens)) * per_token
+    )
 
 
 @pytest.mark.world(4)
@@ -170,7 +176,10 @@ def test_causal_skips_fully_masked_blocks(layout):
             want = R  # one block per step, the whole local query against the whole KV block
         else:
             want = 2 * R + 1 if layout == "zigzag" else rank() + 1
-        assert ring.BLOCK_COUNTS["forward"] == want and ring.BLOCK_COUNTS["backward"] == want, (causal, dict(ring.BLOCK_COUNTS))
+        assert ring.BLOCK_COUNTS["forward"] == want and ring.BLOCK_COUNTS["backward"] == want, (
+            causal,
+            dict(ring.BLOCK_COUNTS),
+        )
 
 
 def test_ring_chunks_cover_the_sequence():
@@ -193,17 +202,27 @@ def _bad_cases():
     kv = torch.zeros(1, 4, 2, 4)
     S = 4 * world_size()
     return {
-        "kv_not_dividing": (ShardkitError, "multiple of the number of KV heads", lambda: ring_attention(q, torch.zeros(1, 4, 4, 4), torch.zeros(1, 4, 4, 4), g, causal=True)),
+        "kv_not_dividing": (
+            ShardkitError,
+            "multiple of the number of KV heads",
+            lambda: ring_attention(q, torch.zeros(1, 4, 4, 4), torch.zeros(1, 4, 4, 4), g, causal=True),
+        ),
         "not_4d": (ShardkitError, r"\[B, S_local, N, D\]", lambda: ring_attention(q[0], kv[0], kv[0], g, causal=True)),
         "mixed_dtypes": (ShardkitTypeError, "dtype", lambda: ring_attention(q, kv.double(), kv, g, causal=False)),
         "bad_layout": (ShardkitError, "layout", lambda: ring_attention(q, kv, kv, g, causal=True, layout="striped")),
-        "wrong_local_length": (ShardkitError, "holds 4 tokens", lambda: ring_attention(q, kv, kv, g, causal=True, seq_len=2 * S)),
+        "wrong_local_length": (
+            ShardkitError,
+            "holds 4 tokens",
+            lambda: ring_attention(q, kv, kv, g, causal=True, seq_len=2 * S),
+        ),
         "group_none": (ShardkitTypeError, "group is required", lambda: ring_attention(q, kv, kv, None, causal=True)),
     }
 
 
 @pytest.mark.world(3)
-@pytest.mark.parametrize("case", ["kv_not_dividing", "not_4d", "mixed_dtypes", "bad_layout", "wrong_local_length", "group_none"])
+@pytest.mark.parametrize(
+    "case", ["kv_not_dividing", "not_4d", "mixed_dtypes", "bad_layout", "wrong_local_length", "group_none"]
+)
 def test_bad_input_raises_on_every_rank(case):
     expected_type, fragment, fn = _bad_cases()[case]
     start = time.monotonic()
@@ -211,7 +230,9 @@ def test_bad_input_raises_on_every_rank(case):
         fn()
     assert time.monotonic() - start < 2.0
     outcomes = [None] * world_size()
-    dist.all_gather_object(outcomes, (type(info.value).__name__, str(info.value).split(": rank")[0]), group=world_group())
+    dist.all_gather_object(
+        outcomes, (type(info.value).__name__, str(info.value).split(": rank")[0]), group=world_group()
+    )
     assert all(o == outcomes[0] for o in outcomes), outcomes
     t = torch.ones(1)
     dist.all_reduce(t, group=world_group())
@@ -228,6 +249,7 @@ def test_transfers_are_posted_before_compute():
         def wrapper(*args, **kwargs):
             events.append(name if name != "post" else f"post-{args[3]}")
             return fn(*args, **kwargs)
+
         return wrapper
 
     S = 9
@@ -241,5 +263,12 @@ def test_transfers_are_posted_before_compute():
     finally:
         ring._Ring.post, ring.block_forward, ring.block_backward = post, fwd, bwd
     assert events == ["post-forward", "F", "post-forward", "F", "F"] + [
-        "post-backward", "B", "post-backward", "post-backward", "B", "post-backward", "B", "post-backward"
+        "post-backward",
+        "B",
+        "post-backward",
+        "post-backward",
+        "B",
+        "post-backward",
+        "B",
+        "post-backward",
     ], events

@@ -163,10 +163,17 @@ def test_packed_ledger_exact_counts(causal):
     assert ledger.count() == 2 * (3 * R - 2)
     per_token = B * n_kv * (D + Dv) * 8
     tokens = packed_local_sizes(cu, R)
-    assert ledger.bytes_sent(op="send", phase="forward") == sum(tokens[(rank() - i) % R] for i in range(R - 1)) * per_token
-    assert ledger.bytes_received(op="recv", phase="forward") == sum(tokens[(rank() - i) % R] for i in range(1, R)) * per_token
-    assert ledger.bytes_sent(op="send", phase="backward") == (
-        sum(tokens[(rank() - i) % R] for i in range(R - 1)) + sum(tokens)) * per_token
+    assert (
+        ledger.bytes_sent(op="send", phase="forward") == sum(tokens[(rank() - i) % R] for i in range(R - 1)) * per_token
+    )
+    assert (
+        ledger.bytes_received(op="recv", phase="forward")
+        == sum(tokens[(rank() - i) % R] for i in range(1, R)) * per_token
+    )
+    assert (
+        ledger.bytes_sent(op="send", phase="backward")
+        == (sum(tokens[(rank() - i) % R] for i in range(R - 1)) + sum(tokens)) * per_token
+    )
 
 
 def _count_blocks(lengths, causal, min_tile):
@@ -210,10 +217,26 @@ def test_bad_packed_input_raises_on_every_rank(case):
     n_local = packed_local_sizes(cu, world_size())[rank()]
     q = torch.zeros(1, n_local, 2, 4)
     fns = {
-        "wrong_total": (ShardkitError, "ends at", lambda: ring_attention(q, q, q, g, causal=True, cu_seqlens=cu, seq_len=13)),
-        "decreasing": (ShardkitError, "non-decreasing", lambda: ring_attention(q, q, q, g, causal=True, cu_seqlens=[0, 5, 4, 12])),
-        "wrong_local": (ShardkitError, "3 documents", lambda: ring_attention(q[:, :0], q[:, :0], q[:, :0], g, causal=True, cu_seqlens=cu)),
-        "overlap_type": (ShardkitTypeError, "overlap", lambda: ring_attention(q, q, q, g, causal=True, cu_seqlens=cu, overlap=1)),
+        "wrong_total": (
+            ShardkitError,
+            "ends at",
+            lambda: ring_attention(q, q, q, g, causal=True, cu_seqlens=cu, seq_len=13),
+        ),
+        "decreasing": (
+            ShardkitError,
+            "non-decreasing",
+            lambda: ring_attention(q, q, q, g, causal=True, cu_seqlens=[0, 5, 4, 12]),
+        ),
+        "wrong_local": (
+            ShardkitError,
+            "3 documents",
+            lambda: ring_attention(q[:, :0], q[:, :0], q[:, :0], g, causal=True, cu_seqlens=cu),
+        ),
+        "overlap_type": (
+            ShardkitTypeError,
+            "overlap",
+            lambda: ring_attention(q, q, q, g, causal=True, cu_seqlens=cu, overlap=1),
+        ),
     }
     expected_type, fragment, fn = fns[case]
     start = time.monotonic()

@@ -29,7 +29,7 @@ def reference_attention(q, k, v, causal, scale=None, cu=None):
     if cu is not None:
         doc = torch.zeros(S, dtype=torch.int64)
         for i in range(1, len(cu) - 1):
-            doc[cu[i]:] += 1
+            doc[cu[i] :] += 1
         keep &= doc[:, None] == doc[None, :]
     probs = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1)
     return torch.einsum("bnqk,bknd->bqnd", probs, v)
@@ -37,8 +37,10 @@ def reference_attention(q, k, v, causal, scale=None, cu=None):
 
 def _inputs(B, S, n, n_kv, D, Dv, dtype):
     gen = torch.Generator().manual_seed(4321)  # identical on every rank: the full problem
-    q, k, v, w = (torch.randn(*shape, generator=gen, dtype=torch.float64) for shape in
-                  ((B, S, n, D), (B, S, n_kv, D), (B, S, n_kv, Dv), (B, S, n, Dv)))
+    q, k, v, w = (
+        torch.randn(*shape, generator=gen, dtype=torch.float64)
+        for shape in ((B, S, n, D), (B, S, n_kv, D), (B, S, n_kv, Dv), (B, S, n, Dv))
+    )
     return [t.to(dtype) for t in (q, k, v, w)]
 
 
@@ -252,23 +254,53 @@ def _bad_cases():
     q = torch.zeros(1, 4, 6, 4)
     kv = torch.zeros(1, 4, 2, 4)
     return {
-        "head_dims_differ": (ShardkitError, "head dims differ", lambda: ulysses_attention(q, torch.zeros(1, 4, 2, 3), kv, g, causal=True)),
-        "kv_not_dividing": (ShardkitError, "multiple of the number of KV heads", lambda: ulysses_attention(q, torch.zeros(1, 4, 4, 4), torch.zeros(1, 4, 4, 4), g, causal=True)),
-        "k_v_heads_differ": (ShardkitError, "disagree", lambda: ulysses_attention(q, kv, torch.zeros(1, 4, 3, 4), g, causal=True)),
-        "not_4d": (ShardkitError, r"\[B, S_local, N, D\]", lambda: ulysses_attention(q[0], kv[0], kv[0], g, causal=True)),
+        "head_dims_differ": (
+            ShardkitError,
+            "head dims differ",
+            lambda: ulysses_attention(q, torch.zeros(1, 4, 2, 3), kv, g, causal=True),
+        ),
+        "kv_not_dividing": (
+            ShardkitError,
+            "multiple of the number of KV heads",
+            lambda: ulysses_attention(q, torch.zeros(1, 4, 4, 4), torch.zeros(1, 4, 4, 4), g, causal=True),
+        ),
+        "k_v_heads_differ": (
+            ShardkitError,
+            "disagree",
+            lambda: ulysses_attention(q, kv, torch.zeros(1, 4, 3, 4), g, causal=True),
+        ),
+        "not_4d": (
+            ShardkitError,
+            r"\[B, S_local, N, D\]",
+            lambda: ulysses_attention(q[0], kv[0], kv[0], g, causal=True),
+        ),
         "mixed_dtypes": (ShardkitTypeError, "dtype", lambda: ulysses_attention(q, kv.double(), kv, g, causal=False)),
         "causal_not_bool": (ShardkitTypeError, "causal", lambda: ulysses_attention(q, kv, kv, g, causal=None)),
         "bad_scale": (ShardkitError, "scale", lambda: ulysses_attention(q, kv, kv, g, causal=True, scale=-1.0)),
-        "cu_seqlens_wrong_total": (ShardkitError, "ends at", lambda: ulysses_attention(q, kv, kv, g, causal=True, cu_seqlens=[0, 3, 5], seq_len=4 * world_size())),
+        "cu_seqlens_wrong_total": (
+            ShardkitError,
+            "ends at",
+            lambda: ulysses_attention(q, kv, kv, g, causal=True, cu_seqlens=[0, 3, 5], seq_len=4 * world_size()),
+        ),
         "group_none": (ShardkitTypeError, "group is required", lambda: ulysses_attention(q, kv, kv, None, causal=True)),
     }
 
 
 @pytest.mark.world(3)
-@pytest.mark.parametrize("case", [
-    "head_dims_differ", "kv_not_dividing", "k_v_heads_differ", "not_4d", "mixed_dtypes", "causal_not_bool",
-    "bad_scale", "cu_seqlens_wrong_total", "group_none",
-])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "head_dims_differ",
+        "kv_not_dividing",
+        "k_v_heads_differ",
+        "not_4d",
+        "mixed_dtypes",
+        "causal_not_bool",
+        "bad_scale",
+        "cu_seqlens_wrong_total",
+        "group_none",
+    ],
+)
 def test_bad_input_raises_on_every_rank(case):
     expected_type, fragment, fn = _bad_cases()[case]
     start = time.monotonic()

@@ -11,20 +11,22 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from harness.attention import reference_attention
 from harness.helpers import get_mesh, rank, world_group, world_size
 from shardkit import ShardkitError, balanced_split_sizes
 from shardkit._shapes import split_offsets
 from shardkit.comm import CommLedger, checks
 from shardkit.context_parallel import ring_attention, ulysses_attention, usp_attention, usp_indices, zigzag_positions
-from harness.attention import reference_attention
 
 MODES = [False, True]
 
 
 def _problem(S, n=4, n_kv=2, D=4, dtype=torch.float64):
     gen = torch.Generator().manual_seed(5)  # identical on every rank: the full problem
-    return [torch.randn(*s, generator=gen, dtype=torch.float64).to(dtype)
-            for s in ((1, S, n, D), (1, S, n_kv, D), (1, S, n_kv, D), (1, S, n, D))]
+    return [
+        torch.randn(*s, generator=gen, dtype=torch.float64).to(dtype)
+        for s in ((1, S, n, D), (1, S, n_kv, D), (1, S, n_kv, D), (1, S, n, D))
+    ]
 
 
 def _parity(fn, pos, S, causal=True):
@@ -37,7 +39,9 @@ def _parity(fn, pos, S, causal=True):
     with CommLedger() as ledger:
         out = fn(*loc)
         (out * w[:, pos]).sum().backward()
-    for name, got, want in zip(("out", "dq", "dk", "dv"), [out] + [t.grad for t in loc], [out_ref] + [t.grad for t in ref]):
+    for name, got, want in zip(
+        ("out", "dq", "dk", "dv"), [out] + [t.grad for t in loc], [out_ref] + [t.grad for t in ref]
+    ):
         torch.testing.assert_close(got, want[:, pos], rtol=1e-9, atol=1e-12, msg=lambda m, name=name: f"{name}: {m}")
     return ledger
 
@@ -76,7 +80,10 @@ def test_ulysses_uneven_without_seq_len_r4(check):
 def _ring(check):
     g, R = world_group(), world_size()
     for S in (37, 2):  # S = 2 < 2R: zero-size zigzag chunks and empty ranks
-        for layout, pos in (("zigzag", zigzag_positions(S, R, rank())), ("contiguous", _block(balanced_split_sizes(S, R)))):
+        for layout, pos in (
+            ("zigzag", zigzag_positions(S, R, rank())),
+            ("contiguous", _block(balanced_split_sizes(S, R))),
+        ):
             with checks(check):
                 ledger = _parity(lambda q, k, v: ring_attention(q, k, v, g, causal=True, layout=layout), pos, S)
             assert ledger.count(op="metadata_all_gather") == 1, (layout, S)
@@ -124,4 +131,3 @@ def test_usp_uneven_without_seq_len_2x2(check):
         assert ledger.count(op="metadata_all_gather", phase="metadata") == (1 if check else 2)
         ledger = _parity(lambda q, k, v: usp_attention(q, k, v, mesh, causal=True, seq_len=S), pos, S)
         assert ledger.count(op="metadata_all_gather") == 0
-

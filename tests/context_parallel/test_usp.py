@@ -3,12 +3,12 @@
 import pytest
 import torch
 
+from harness.attention import reference_attention
 from harness.helpers import get_mesh
 from shardkit import ShardkitError, ShardkitTypeError
 from shardkit._shapes import split_offsets
 from shardkit.comm import CommLedger
 from shardkit.context_parallel import usp_attention, usp_local_sizes, zigzag_positions
-from harness.attention import reference_attention
 
 
 def _mesh():
@@ -26,8 +26,10 @@ def _positions(mesh, S):
 def _parity(B, S, n, n_kv, D, Dv, causal, dtype=torch.float64):
     mesh = _mesh()
     gen = torch.Generator().manual_seed(99)
-    q, k, v, w = (torch.randn(*s, generator=gen, dtype=torch.float64).to(dtype)
-                  for s in ((B, S, n, D), (B, S, n_kv, D), (B, S, n_kv, Dv), (B, S, n, Dv)))
+    q, k, v, w = (
+        torch.randn(*s, generator=gen, dtype=torch.float64).to(dtype)
+        for s in ((B, S, n, D), (B, S, n_kv, D), (B, S, n_kv, Dv), (B, S, n, Dv))
+    )
     ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
     out_ref = reference_attention(*ref, causal)
     (out_ref * w.double()).sum().backward()
@@ -36,18 +38,25 @@ def _parity(B, S, n, n_kv, D, Dv, causal, dtype=torch.float64):
     out = usp_attention(*loc, mesh, causal=causal, seq_len=S)
     (out * w[:, pos]).sum().backward()
     rtol, atol = (1e-9, 1e-12) if dtype == torch.float64 else (1e-5, 1e-5)
-    for name, got, want in zip(("out", "dq", "dk", "dv"), [out] + [t.grad for t in loc], [out_ref] + [t.grad for t in ref]):
-        torch.testing.assert_close(got, want[:, pos].to(dtype), rtol=rtol, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
+    for name, got, want in zip(
+        ("out", "dq", "dk", "dv"), [out] + [t.grad for t in loc], [out_ref] + [t.grad for t in ref]
+    ):
+        torch.testing.assert_close(
+            got, want[:, pos].to(dtype), rtol=rtol, atol=atol, msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
 @pytest.mark.world(4)
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("case", [
-    (2, 16, 4, 4, 4, 4),
-    (1, 13, 6, 2, 4, 4),   # uneven S; GQA (aligned over U = 2)
-    (1, 11, 6, 3, 4, 4),   # a GQA group straddles the Ulysses boundary: KV expanded for the ring
-    (1, 10, 4, 2, 3, 5),   # Dv != D: v in its own all-to-all, math block path
-])
+@pytest.mark.parametrize(
+    "case",
+    [
+        (2, 16, 4, 4, 4, 4),
+        (1, 13, 6, 2, 4, 4),  # uneven S; GQA (aligned over U = 2)
+        (1, 11, 6, 3, 4, 4),  # a GQA group straddles the Ulysses boundary: KV expanded for the ring
+        (1, 10, 4, 2, 3, 5),  # Dv != D: v in its own all-to-all, math block path
+    ],
+)
 def test_parity_2x2(case, causal):
     _parity(*case, causal)
 
@@ -99,8 +108,10 @@ def _packed_parity(B, lengths, n, n_kv, D, Dv, causal, dtype=torch.float64):
         cu.append(cu[-1] + length)
     gen = torch.Generator().manual_seed(7)
     S = cu[-1]
-    q, k, v, w = (torch.randn(*s, generator=gen, dtype=torch.float64).to(dtype)
-                  for s in ((B, S, n, D), (B, S, n_kv, D), (B, S, n_kv, Dv), (B, S, n, Dv)))
+    q, k, v, w = (
+        torch.randn(*s, generator=gen, dtype=torch.float64).to(dtype)
+        for s in ((B, S, n, D), (B, S, n_kv, D), (B, S, n_kv, Dv), (B, S, n, Dv))
+    )
     ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
     out_ref = _packed_reference(*ref, causal, cu)
     (out_ref * w.double()).sum().backward()
@@ -111,8 +122,12 @@ def _packed_parity(B, lengths, n, n_kv, D, Dv, causal, dtype=torch.float64):
         out = usp_attention(*loc, mesh, causal=causal, cu_seqlens=cu)
         (out * w[:, pos]).sum().backward()
     rtol, atol = (1e-9, 1e-12) if dtype == torch.float64 else (1e-5, 1e-5)
-    for name, got, want in zip(("out", "dq", "dk", "dv"), [out] + [t.grad for t in loc], [out_ref] + [t.grad for t in ref]):
-        torch.testing.assert_close(got, want[:, pos].to(dtype), rtol=rtol, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
+    for name, got, want in zip(
+        ("out", "dq", "dk", "dv"), [out] + [t.grad for t in loc], [out_ref] + [t.grad for t in ref]
+    ):
+        torch.testing.assert_close(
+            got, want[:, pos].to(dtype), rtol=rtol, atol=atol, msg=lambda m, name=name: f"{name}: {m}"
+        )
     n_a2a = 2 if Dv == D else 3
     for phase, sends in (("forward", 1), ("backward", 3)):
         assert ledger.count(op="all_to_all_single", api="ulysses_attention", phase=phase, group_size=2) == n_a2a
@@ -123,11 +138,14 @@ def _packed_parity(B, lengths, n, n_kv, D, Dv, causal, dtype=torch.float64):
 
 @pytest.mark.world(4)
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("case", [
-    (1, [9, 3, 0, 12, 1, 5], 4, 2, 4, 4),   # documents shorter than 2R = 4, a zero-length one
-    (2, [0, 7, 2, 0, 10, 0], 6, 2, 4, 4),   # GQA, zero-length first / last documents
-    (1, [5, 1, 6], 6, 3, 3, 5),             # a GQA group straddles the Ulysses ranks; Dv != D
-])
+@pytest.mark.parametrize(
+    "case",
+    [
+        (1, [9, 3, 0, 12, 1, 5], 4, 2, 4, 4),  # documents shorter than 2R = 4, a zero-length one
+        (2, [0, 7, 2, 0, 10, 0], 6, 2, 4, 4),  # GQA, zero-length first / last documents
+        (1, [5, 1, 6], 6, 3, 3, 5),  # a GQA group straddles the Ulysses ranks; Dv != D
+    ],
+)
 def test_packed_parity_2x2(case, causal):
     _packed_parity(*case, causal)
 
@@ -146,5 +164,12 @@ def test_packed_float32_and_layout():
         assert torch.equal(torch.cat([usp_indices(cu, 2, 2, i, j) for j in range(2)]), packed_indices(cu, 2, i))
         assert [len(usp_indices(cu, 2, 2, i, j)) for j in range(2)] == usp_packed_local_sizes(cu, 2, 2)[i]
     with pytest.raises(ShardkitError, match="ends at"):
-        usp_attention(torch.zeros(1, 8, 4, 4), torch.zeros(1, 8, 4, 4), torch.zeros(1, 8, 4, 4), _mesh(), causal=True,
-                      cu_seqlens=cu, seq_len=31)
+        usp_attention(
+            torch.zeros(1, 8, 4, 4),
+            torch.zeros(1, 8, 4, 4),
+            torch.zeros(1, 8, 4, 4),
+            _mesh(),
+            causal=True,
+            cu_seqlens=cu,
+            seq_len=31,
+        )

@@ -54,7 +54,7 @@ def _expected_input(case, k, R, me):
         for src in range(R):
             idx = _routing(case, src, k, R)
             hidden = _hidden(src, idx.shape[0])
-            for t, j in zip(*torch.where(idx == off + lid)):
+            for t, _j in zip(*torch.where(idx == off + lid)):
                 blocks.append(hidden[t])
                 n += 1
         counts.append(n)
@@ -98,7 +98,10 @@ def _check_routing(case, k):
     x, counts = token_dispatch(hidden, plan)
     want, want_counts = _expected_input(case, k, R, me)
     assert counts == want_counts and torch.equal(x, want)
-    assert torch.equal(plan.local_expert_ids(), torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts, dtype=torch.long)))
+    assert torch.equal(
+        plan.local_expert_ids(),
+        torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts, dtype=torch.long)),
+    )
 
     # Combine with expert "(global id + 1) * x", unweighted: integers, so exact.
     gid = plan.local_expert_ids() + plan.expert_offset
@@ -159,7 +162,12 @@ def _check_gradients(case, k):
     loss.backward()
     h_ref, w_ref = leaves[me]
     ok = (
-        torch.allclose(out.detach(), (hidden[:, None, :] * scale_full[idx][..., None] * w[..., None]).sum(1).detach(), rtol=1e-12, atol=0)
+        torch.allclose(
+            out.detach(),
+            (hidden[:, None, :] * scale_full[idx][..., None] * w[..., None]).sum(1).detach(),
+            rtol=1e-12,
+            atol=0,
+        )
         and torch.allclose(hidden.grad, h_ref.grad, rtol=1e-12, atol=1e-300)
         and torch.allclose(w.grad, w_ref.grad, rtol=1e-12, atol=1e-300)
     )

@@ -28,9 +28,19 @@ def _config(num_experts=6, layers=1):
     from transformers import Qwen3MoeConfig
 
     return Qwen3MoeConfig(
-        vocab_size=50, hidden_size=H, intermediate_size=24, moe_intermediate_size=8, num_hidden_layers=layers,
-        num_attention_heads=2, num_key_value_heads=2, head_dim=8, num_experts=num_experts, num_experts_per_tok=2,
-        use_cache=False, experts_implementation="eager", norm_topk_prob=True,
+        vocab_size=50,
+        hidden_size=H,
+        intermediate_size=24,
+        moe_intermediate_size=8,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=num_experts,
+        num_experts_per_tok=2,
+        use_cache=False,
+        experts_implementation="eager",
+        norm_topk_prob=True,
     )
 
 
@@ -253,5 +263,9 @@ def test_identity_expert_under_summed_output():
     xs = x.clone().requires_grad_(True)
     out = all_reduce_forward(toy(all_reduce_backward(xs, g)), g)
     (out * c).sum().backward()
-    errs = [_rel(out.detach(), ref_out), _rel(xs.grad, ref_gx), _rel(toy.up.weight.grad, ref.up.weight.grad[lo : lo + n])]
+    errs = [
+        _rel(out.detach(), ref_out),
+        _rel(xs.grad, ref_gx),
+        _rel(toy.up.weight.grad, ref.up.weight.grad[lo : lo + n]),
+    ]
     assert all_true(max(errs) <= RTOL), errs

@@ -13,7 +13,6 @@ import torch
 import torch.distributed as dist
 
 
-
 def coords(shape, dtype=torch.float64, scale=1.0, offset=0.0) -> torch.Tensor:
     """Coordinate-encoded tensor: element value = offset + scale * (global linear index)."""
     n = 1

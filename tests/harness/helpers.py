@@ -31,7 +31,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["all_true", "get_mesh", "rank", "remove_shared_dir", "shared_tmpdir", "subgroup", "world_group", "world_size"]
+__all__ = [
+    "all_true",
+    "get_mesh",
+    "rank",
+    "remove_shared_dir",
+    "shared_tmpdir",
+    "subgroup",
+    "world_group",
+    "world_size",
+]
 
 _MESHES: dict[tuple[tuple[int, ...], tuple[str, ...]], DeviceMesh] = {}
 _SUBGROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}

@@ -10,8 +10,14 @@ from pathlib import Path
 import torch
 
 EOS = "<|endoftext|>"
-SIZES = dict(hidden_size=36, intermediate_size=48, num_hidden_layers=2, num_attention_heads=9,
-             num_key_value_heads=3, max_position_embeddings=64)
+SIZES = dict(
+    hidden_size=36,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    max_position_embeddings=64,
+)
 
 
 def byte_level_bpe():
@@ -21,8 +27,9 @@ def byte_level_bpe():
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=[EOS], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=[EOS], show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator([Path(os.__file__).read_text()], trainer)
     return tok
 
@@ -34,7 +41,8 @@ def save_tiny_llama(path: Path) -> Path:
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=byte_level_bpe(), eos_token=EOS)
     tokenizer.save_pretrained(path)
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
-                         **SIZES)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id, **SIZES
+    )
     LlamaForCausalLM(config).save_pretrained(path)
     return path

@@ -71,9 +71,7 @@ def main(tests_dir, rank, n, store_path, stack_path, pg_timeout, task_q, result_
         torch.set_num_threads(1)  # n ranks share 2 cores; more threads only contend
         os.environ["GLOO_SOCKET_IFNAME"] = loopback_interface()  # test worlds listen on loopback only
         store = dist.FileStore(store_path, n)  # a file, not a TCP port: no port clashes
-        dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=n, timeout=timedelta(seconds=pg_timeout)
-        )
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=n, timeout=timedelta(seconds=pg_timeout))
     except BaseException as exc:
         result_q.put((0, rank, _error_outcome(exc)))
         return

@@ -20,13 +20,15 @@ import shutil
 import signal
 import tempfile
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager as ContextManager
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ContextManager
+from typing import Any
 
-from .worker import Task
 from .worker import RESPAWN as _RESPAWN
+from .worker import Task
 from .worker import main as _worker_main
 
 __all__ = ["PG_TIMEOUT", "WALL_LIMIT", "World", "WorldPool", "WorldResult", "set_io_guard"]
@@ -111,19 +113,19 @@ class WorldResult:
     def failure_message(self) -> str:
         """The lead failure in full (a death, else the first error, else the hang), then one
         line on every other rank, then the stacks of hung ranks."""
-        kinds = {kind: [r for r, o in self.outcomes.items() if o[0] == kind]
-                 for kind in ("died", "error")}
+        kinds = {kind: [r for r, o in self.outcomes.items() if o[0] == kind] for kind in ("died", "error")}
         lead, lines = None, []
         if kinds["died"]:
             lead = kinds["died"][0]
             lines.append(f"rank {lead} died with exit code {_exit_text(self.outcomes[lead][1])}")
         elif kinds["error"]:
             lead = kinds["error"][0]
-            lines += [f"rank {lead} of {self.n} failed first; its traceback:",
-                      self.outcomes[lead][3].rstrip()]
+            lines += [f"rank {lead} of {self.n} failed first; its traceback:", self.outcomes[lead][3].rstrip()]
         elif self.hang:
-            lines.append(f"HANG: rank(s) {self.missing} of {self.n} did not report within "
-                         f"{self.limit:g} s; the world was killed and respawns on next use")
+            lines.append(
+                f"HANG: rank(s) {self.missing} of {self.n} did not report within "
+                f"{self.limit:g} s; the world was killed and respawns on next use"
+            )
         else:
             lines.append(f"ranks disagree on skipping: {self.outcomes}")
         others = [f"rank {r} {self._describe(r)}" for r in range(self.n) if r != lead]
@@ -185,8 +187,16 @@ class World:
         self._result_q = ctx.Queue()
         self._task_qs = [ctx.Queue() for _ in range(self.n)]
         for r in range(self.n):
-            args = (TESTS_DIR, r, self.n, os.path.join(self._tmpdir, "store"),
-                    self._stack_path(r), self.pg_timeout, self._task_qs[r], self._result_q)
+            args = (
+                TESTS_DIR,
+                r,
+                self.n,
+                os.path.join(self._tmpdir, "store"),
+                self._stack_path(r),
+                self.pg_timeout,
+                self._task_qs[r],
+                self._result_q,
+            )
             proc = ctx.Process(target=_worker_main, args=args, name=f"world{self.n}-rank{r}")
             proc.daemon = True  # multiprocessing's atexit kills them if shutdown never runs
             proc.start()
@@ -197,9 +207,16 @@ class World:
             self.kill()
             raise RuntimeError(f"world of {self.n} failed to start: {result.failure_message()}")
 
-    def run(self, path: str | os.PathLike, func: str, kwargs: dict | None = None, *,
-            nodeid: str | None = None, module_name: str | None = None,
-            timeout: float = WALL_LIMIT) -> WorldResult:
+    def run(
+        self,
+        path: str | os.PathLike,
+        func: str,
+        kwargs: dict | None = None,
+        *,
+        nodeid: str | None = None,
+        module_name: str | None = None,
+        timeout: float = WALL_LIMIT,
+    ) -> WorldResult:
         """Run ``func(**kwargs)`` from the module at ``path`` on every rank and gather outcomes.
 
         After a failure, hang or death the world is killed; the next call respawns it.
@@ -252,8 +269,7 @@ class World:
         return result
 
     def _note_deaths(self, task_id: int, result: WorldResult) -> bool:
-        dead = [r for r, p in enumerate(self._procs)
-                if r not in result.outcomes and p.exitcode is not None]
+        dead = [r for r, p in enumerate(self._procs) if r not in result.outcomes and p.exitcode is not None]
         if not dead:
             return False
         self._drain(task_id, result)  # a rank may have reported just before another died

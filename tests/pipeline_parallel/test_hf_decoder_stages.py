@@ -44,12 +44,15 @@ def _close(a, b):
     return a is not None and b is not None and torch.allclose(a, b, rtol=RTOL, atol=1e-15)
 
 
-@pytest.mark.parametrize("L,P,expected", [
-    (4, 1, [(0, 4)]),
-    (4, 4, [(0, 1), (1, 2), (2, 3), (3, 4)]),
-    (5, 2, [(0, 3), (3, 5)]),
-    (10, 4, [(0, 3), (3, 6), (6, 8), (8, 10)]),
-])
+@pytest.mark.parametrize(
+    "L,P,expected",
+    [
+        (4, 1, [(0, 4)]),
+        (4, 4, [(0, 1), (1, 2), (2, 3), (3, 4)]),
+        (5, 2, [(0, 3), (3, 5)]),
+        (10, 4, [(0, 3), (3, 6), (6, 8), (8, 10)]),
+    ],
+)
 def test_stage_layer_split(L, P, expected):
     ranges = decoder_stage_layers(L, P)
     assert [(r.start, r.stop) for r in ranges] == expected
@@ -135,12 +138,16 @@ def test_pipeline_tied_embeddings_pp3():
 
 
 @pytest.mark.world(4, timeout=240)
-@pytest.mark.parametrize("stage_ranks,schedule,kind,sp", [
-    ([[0, 1], [2], [3]], one_f_one_b_schedule, "llama", False),
-    ([[0, 1], [2, 3]], gpipe_schedule, "qwen3", False),
-    ([[0, 1], [2, 3]], one_f_one_b_schedule, "llama", True),
-    ([[0, 1], [2, 3]], one_f_one_b_schedule, "qwen3_moe", False),
-], ids=["llama-2-1-1", "qwen3-2-2", "llama-2-2-sp", "moe-2-2"])
+@pytest.mark.parametrize(
+    "stage_ranks,schedule,kind,sp",
+    [
+        ([[0, 1], [2], [3]], one_f_one_b_schedule, "llama", False),
+        ([[0, 1], [2, 3]], gpipe_schedule, "qwen3", False),
+        ([[0, 1], [2, 3]], one_f_one_b_schedule, "llama", True),
+        ([[0, 1], [2, 3]], one_f_one_b_schedule, "qwen3_moe", False),
+    ],
+    ids=["llama-2-1-1", "qwen3-2-2", "llama-2-2-sp", "moe-2-2"],
+)
 def test_pipeline_with_tp_stages(stage_ranks, schedule, kind, sp):
     """apply_tp(stage, tp) with the model's own plan (sequence-parallel inside the stages: the
     boundaries stay replicated), stages of different tp sizes, microbatches of different length."""
@@ -178,8 +185,9 @@ def test_pipeline_tp_sp_tied_embeddings_and_loss_parallel():
     mbs = [torch.randint(0, VOCAB, (2, S), generator=gen) for S in (9, 7)]
     ref = [_loss(full(input_ids=x).logits, x) for x in mbs]
     (sum(ref) / len(ref)).backward()
-    module = apply_tp(DecoderStageModule(copy.deepcopy(full), s, 2), tp, check="off", sequence_parallel=True,
-                      loss_parallel=True)
+    module = apply_tp(
+        DecoderStageModule(copy.deepcopy(full), s, 2), tp, check="off", sequence_parallel=True, loss_parallel=True
+    )
     module.zero_grad()
 
     def loss(logits, ids):

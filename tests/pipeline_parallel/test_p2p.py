@@ -63,8 +63,10 @@ def _chain(dtype_name, static, batched, group=None):
             send_backward(value(shape, dtype, BWD, s, m), g, **decl(shape), **kw)
 
 
-_CHAIN = [pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"]),
-          pytest.mark.parametrize("batched", [False, True], ids=["ordered", "batched"])]
+_CHAIN = [
+    pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"]),
+    pytest.mark.parametrize("batched", [False, True], ids=["ordered", "batched"]),
+]
 
 
 def _params(fn):
@@ -150,9 +152,11 @@ def _one_f_one_b(static, batched, M=5):
     assert fm == bm == M
 
 
-_1F1B = [pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"]),
-         pytest.mark.parametrize("batched", [False, True], ids=["ordered", "batched"]),
-         pytest.mark.parametrize("checks_on", [False, True], ids=["", "checks"])]
+_1F1B = [
+    pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"]),
+    pytest.mark.parametrize("batched", [False, True], ids=["ordered", "batched"]),
+    pytest.mark.parametrize("checks_on", [False, True], ids=["", "checks"]),
+]
 
 
 def _params_1f1b(fn):
@@ -418,7 +422,7 @@ def test_ledger_counts_every_message(mode):
     with checks(mode.startswith("checks")), CommLedger() as ledger:
         if s == 0:
             send_forward(x, g, **decl)
-            gr = recv_backward(g, **decl)
+            recv_backward(g, **decl)
         else:
             recv_forward(g, **decl)
             send_backward(x, g, **decl)

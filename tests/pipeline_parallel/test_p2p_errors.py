@@ -59,8 +59,11 @@ def test_static_tensor_not_matching_the_declaration_raises_on_both_ends(batched)
     decl = dict(shape=(2, 3), dtype=torch.float32, batched=batched)
     with checks(True):
         if _pairs():
-            msg = _raises(ShardkitError, r"the sender's tensor \(\[2, 4\] torch.float32\) does not match its own declared",
-                          lambda: send_forward(torch.zeros(2, 4), G(), **decl))
+            msg = _raises(
+                ShardkitError,
+                r"the sender's tensor \(\[2, 4\] torch.float32\) does not match its own declared",
+                lambda: send_forward(torch.zeros(2, 4), G(), **decl),
+            )
         else:
             msg = _raises(ShardkitError, "does not match its own declared", lambda: recv_forward(G(), **decl))
     assert "stage 0 (send_forward) to stage 1 (recv_forward)" in msg and "nothing was transferred" in msg
@@ -77,12 +80,15 @@ def test_declarations_that_differ_raise_on_both_ends_pp4(what):
     mine = dict(shape=(2, 4), dtype=torch.float64)
     theirs = dict(shape=(2, 3), dtype=torch.float64) if what == "shape" else dict(shape=(2, 4), dtype=torch.float32)
     sender = s if _pairs() else s - 1
-    pattern = (rf"the forward message of stage {sender} \(send_forward\) to stage {sender + 1} \(recv_forward\) .*: "
-               r"the receiver declared .* but the sender sent \[2, 4\] torch.float64; nothing was transferred")
+    pattern = (
+        rf"the forward message of stage {sender} \(send_forward\) to stage {sender + 1} \(recv_forward\) .*: "
+        r"the receiver declared .* but the sender sent \[2, 4\] torch.float64; nothing was transferred"
+    )
     with checks(True):
         if _pairs():
-            msg = _raises(RankMismatchError, pattern, lambda: send_forward(torch.zeros(2, 4, dtype=torch.float64), G(),
-                                                                          **mine))
+            msg = _raises(
+                RankMismatchError, pattern, lambda: send_forward(torch.zeros(2, 4, dtype=torch.float64), G(), **mine)
+            )
         else:
             msg = _raises(RankMismatchError, pattern, lambda: recv_forward(G(), **theirs))
     _same_in_pair(msg)
@@ -94,8 +100,9 @@ def test_async_sender_raises_at_the_call():
     # check mode: a send returns only after the handshake, so the mismatch is known at the call
     with checks(True):
         if _pairs():
-            msg = _raises(RankMismatchError, "declared", lambda: send_forward(torch.zeros(5), G(), shape=(5,),
-                                                                             async_op=True))
+            msg = _raises(
+                RankMismatchError, "declared", lambda: send_forward(torch.zeros(5), G(), shape=(5,), async_op=True)
+            )
         else:
             msg = _raises(RankMismatchError, "declared", lambda: recv_forward(G(), shape=(6,), dtype=torch.float32))
     _same_in_pair(msg)
@@ -110,8 +117,13 @@ def test_refused_arguments_reach_the_peer_in_check_mode(bad):
     with checks(True):
         if _pairs():
             x = [1.0, 2.0] if bad == "sender" else torch.zeros(2, 3)
-            msg = _raises(ShardkitError, "stage 0 \\(send_forward\\) raised an argument error" if bad == "sender"
-                          else "stage 1 \\(recv_forward\\) raised an argument error", lambda: send_forward(x, G()))
+            msg = _raises(
+                ShardkitError,
+                "stage 0 \\(send_forward\\) raised an argument error"
+                if bad == "sender"
+                else "stage 1 \\(recv_forward\\) raised an argument error",
+                lambda: send_forward(x, G()),
+            )
         else:
             kw = dict(shape=(2, 3)) if bad == "receiver" else {}  # a static receive without dtype=
             msg = _raises(ShardkitError, "raised an argument error", lambda: recv_forward(G(), **kw))
@@ -133,8 +145,11 @@ def test_dynamic_receiver_dtype_declaration_is_checked_without_checks():
     if _pairs():
         send_backward(torch.ones(3), G(), loop=True)
     else:
-        _raises(RankMismatchError, "declared .* torch.int64 but stage 0 of 2 sent \\[3\\] torch.float32",
-                lambda: recv_backward(G(), dtype=torch.int64, loop=True))
+        _raises(
+            RankMismatchError,
+            "declared .* torch.int64 but stage 0 of 2 sent \\[3\\] torch.float32",
+            lambda: recv_backward(G(), dtype=torch.int64, loop=True),
+        )
     _assert_usable()
 
 
@@ -173,10 +188,14 @@ def test_calls_past_the_ends_of_the_pipeline(call):
     """First stage: nothing before it; last stage: nothing after it (without loop). Raised
     locally before any message; the middle stages are not involved."""
     s, P = rank(), world_size()
-    first = {"recv_forward_on_first": lambda: recv_forward(G()),
-             "send_backward_on_first": lambda: send_backward(torch.ones(1), G())}
-    last = {"recv_forward_on_first": lambda: send_forward(torch.ones(1), G()),
-            "send_backward_on_first": lambda: recv_backward(G())}
+    first = {
+        "recv_forward_on_first": lambda: recv_forward(G()),
+        "send_backward_on_first": lambda: send_backward(torch.ones(1), G()),
+    }
+    last = {
+        "recv_forward_on_first": lambda: send_forward(torch.ones(1), G()),
+        "send_backward_on_first": lambda: recv_backward(G()),
+    }
     with CommLedger() as ledger:
         if s == 0:
             _raises(ShardkitError, "stage 0 is the first of 4 pipeline stages and has no previous stage", first[call])
@@ -186,8 +205,10 @@ def test_calls_past_the_ends_of_the_pipeline(call):
     _assert_usable()
 
 
-_PAST = {0: "stage 0 is the first of {P} pipeline stages and has no previous stage",
-         -1: "stage {last} is the last of {P} pipeline stages and has no next stage"}
+_PAST = {
+    0: "stage 0 is the first of {P} pipeline stages and has no previous stage",
+    -1: "stage {last} is the last of {P} pipeline stages and has no next stage",
+}
 
 
 def _past_end_calls(case, batched):
@@ -236,14 +257,20 @@ def test_calls_past_the_ends_pp4_meet_the_stage_beside_them():
     pair raises one text; the group is usable after."""
     s = rank()
     x = torch.ones(2, 3)
-    calls = [lambda: recv_forward(G()), lambda: recv_forward(G()), lambda: send_forward(x, G()),
-             lambda: send_forward(x, G())]
+    calls = [
+        lambda: recv_forward(G()),
+        lambda: recv_forward(G()),
+        lambda: send_forward(x, G()),
+        lambda: send_forward(x, G()),
+    ]
     with checks(True):
         msg = _raises(ShardkitError, "nothing was transferred", calls[s])
     if s < 2:
-        assert msg.startswith("P2P in a pipeline group of 4: stage 0 (recv_forward: receives forward) and stage 1 "
-                              "(recv_forward: receives forward): stage 0 is the first of 4 pipeline stages and has no "
-                              "previous stage"), msg
+        assert msg.startswith(
+            "P2P in a pipeline group of 4: stage 0 (recv_forward: receives forward) and stage 1 "
+            "(recv_forward: receives forward): stage 0 is the first of 4 pipeline stages and has no "
+            "previous stage"
+        ), msg
     else:
         assert "stage 3 is the last of 4 pipeline stages and has no next stage" in msg, msg
     _same_in_pair(msg)
@@ -254,16 +281,28 @@ def _bad_arguments():
     """The same on every rank: raised before any message."""
     f32 = torch.float32
     return {
-        "not_a_tensor": (ShardkitTypeError, "expected a torch.Tensor",
-                         lambda: send_forward([1.0, 2.0], G(), loop=True)),
+        "not_a_tensor": (
+            ShardkitTypeError,
+            "expected a torch.Tensor",
+            lambda: send_forward([1.0, 2.0], G(), loop=True),
+        ),
         "none_gradient": (ShardkitTypeError, "expected a torch.Tensor", lambda: send_backward(None, G(), loop=True)),
-        "static_recv_without_dtype": (ShardkitTypeError, "also needs dtype",
-                                      lambda: recv_forward(G(), shape=(2,), loop=True)),
+        "static_recv_without_dtype": (
+            ShardkitTypeError,
+            "also needs dtype",
+            lambda: recv_forward(G(), shape=(2,), loop=True),
+        ),
         "negative_shape": (ShardkitError, ">= 0", lambda: recv_forward(G(), shape=(2, -1), dtype=f32, loop=True)),
-        "shape_not_ints": (ShardkitTypeError, "sequence of ints",
-                           lambda: recv_forward(G(), shape=(2.0,), dtype=f32, loop=True)),
-        "dtype_not_a_dtype": (ShardkitTypeError, "torch.dtype",
-                              lambda: recv_forward(G(), shape=(2,), dtype="float32", loop=True)),
+        "shape_not_ints": (
+            ShardkitTypeError,
+            "sequence of ints",
+            lambda: recv_forward(G(), shape=(2.0,), dtype=f32, loop=True),
+        ),
+        "dtype_not_a_dtype": (
+            ShardkitTypeError,
+            "torch.dtype",
+            lambda: recv_forward(G(), shape=(2,), dtype="float32", loop=True),
+        ),
         "unknown_reduce": (ShardkitError, "reduce must be", lambda: recv_forward(G(), reduce="max", loop=True)),
         "group_none": (ShardkitTypeError, "group is required", lambda: recv_forward(None)),
         "empty_group_list": (ShardkitTypeError, "empty list", lambda: send_forward(torch.ones(1), [])),
@@ -271,9 +310,20 @@ def _bad_arguments():
 
 
 @pytest.mark.world(2, timeout=20)
-@pytest.mark.parametrize("case", [
-    "not_a_tensor", "none_gradient", "static_recv_without_dtype", "negative_shape", "shape_not_ints",
-    "dtype_not_a_dtype", "unknown_reduce", "group_none", "empty_group_list"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "not_a_tensor",
+        "none_gradient",
+        "static_recv_without_dtype",
+        "negative_shape",
+        "shape_not_ints",
+        "dtype_not_a_dtype",
+        "unknown_reduce",
+        "group_none",
+        "empty_group_list",
+    ],
+)
 def test_bad_arguments_raise_on_every_rank(case):
     expected, fragment, fn = _bad_arguments()[case]
     with CommLedger() as ledger:
@@ -287,7 +337,9 @@ def test_bad_arguments_raise_on_every_rank(case):
 
 @pytest.mark.world(1, timeout=20)
 def test_single_stage_has_no_neighbours():
-    _raises(ShardkitError, "loop=True needs at least 2 pipeline stages", lambda: send_forward(torch.ones(1), G(), loop=True))
+    _raises(
+        ShardkitError, "loop=True needs at least 2 pipeline stages", lambda: send_forward(torch.ones(1), G(), loop=True)
+    )
     _raises(ShardkitError, "is the last of 1", lambda: send_forward(torch.ones(1), G()))
 
 
@@ -303,16 +355,20 @@ def _misuse_calls(case, batched):
         "both_receive": (lambda: recv_backward(G(), **kw), lambda: recv_forward(G(), **kw)),
         # loop (pp = 2: the next stage is also the previous one): a forward message meets a
         # receive of gradients
-        "wrong_direction": (lambda: send_forward(x, G(), loop=True, **kw),
-                            lambda: recv_backward(G(), loop=True, **kw)),
+        "wrong_direction": (lambda: send_forward(x, G(), loop=True, **kw), lambda: recv_backward(G(), loop=True, **kw)),
     }[case]
 
 
 @pytest.mark.world(2, timeout=20)
 @pytest.mark.parametrize("batched", [False, True], ids=["ordered", "batched"])
-@pytest.mark.parametrize("case, fragment", [("both_send", "both send to each other"),
-                                            ("both_receive", "both wait to receive from each other"),
-                                            ("wrong_direction", "disagree on the direction")])
+@pytest.mark.parametrize(
+    "case, fragment",
+    [
+        ("both_send", "both send to each other"),
+        ("both_receive", "both wait to receive from each other"),
+        ("wrong_direction", "disagree on the direction"),
+    ],
+)
 def test_misuse_is_the_same_error_on_both_ends(case, fragment, batched):
     even, odd = _misuse_calls(case, batched)
     with checks(True):

@@ -128,8 +128,10 @@ def _sends_first(items):
 def _swapped_on_even_stages(items):
     """The right alternation of sends and receives, but even stages treat prev as next."""
     flip = {"next": "prev", "prev": "next"}
-    return sorted(range(len(items)), key=lambda i: order_key(items[i][1], items[i][2],
-                                                             flip[items[i][3]] if items[i][1] % 2 == 0 else items[i][3]))
+    return sorted(
+        range(len(items)),
+        key=lambda i: order_key(items[i][1], items[i][2], flip[items[i][3]] if items[i][1] % 2 == 0 else items[i][3]),
+    )
 
 
 def test_simulator_catches_bad_orders():
@@ -147,6 +149,7 @@ def test_batched_dynamic_combined_calls_need_a_mirror_call():
     """Documented limit of batched mode: a combined call against the two single calls on its
     peer deadlocks with dynamic shapes (the header batch waits for the peer's second call);
     ordered mode completes it, and so does batched mode against the mirror combined call."""
+
     def batches(batched, mirror):
         dyn = KINDS["dynamic"]
         # Stage 0: send_forward_recv_backward (one exchange).

@@ -25,10 +25,23 @@ from shardkit.pipeline_parallel._exchange import PACK_MAX_BYTES
 BIG = (PACK_MAX_BYTES // 4 + 16,)  # float32 payload just over the one-message limit
 # (shape, dtype) per transfer: repeats, a change back and forth across the limit, zero size,
 # 0-d, another dtype, and repeats after each change.
-SEQUENCE = [((2, 3), torch.float32), ((2, 3), torch.float32), ((4,), torch.float32), ((2, 3), torch.float32),
-            (BIG, torch.float32), (BIG, torch.float32), ((1, 2, 0, 3), torch.float32), ((1, 2, 0, 3), torch.float32),
-            ((), torch.float64), ((), torch.float64), ((5, 2), torch.int64), ((2, 3), torch.float32),
-            (BIG, torch.float32), ((3,), torch.bfloat16), ((3,), torch.bfloat16)]
+SEQUENCE = [
+    ((2, 3), torch.float32),
+    ((2, 3), torch.float32),
+    ((4,), torch.float32),
+    ((2, 3), torch.float32),
+    (BIG, torch.float32),
+    (BIG, torch.float32),
+    ((1, 2, 0, 3), torch.float32),
+    ((1, 2, 0, 3), torch.float32),
+    ((), torch.float64),
+    ((), torch.float64),
+    ((5, 2), torch.int64),
+    ((2, 3), torch.float32),
+    (BIG, torch.float32),
+    ((3,), torch.bfloat16),
+    ((3,), torch.bfloat16),
+]
 
 
 def value(shape, dtype, direction, stage, i):

@@ -40,7 +40,7 @@ def _slice(model, s, P):
     """Balanced split of the LAYERS (Linear, Tanh) pairs: the first LAYERS % P stages get one more."""
     sizes = [LAYERS // P + (i < LAYERS % P) for i in range(P)]
     start = sum(sizes[:s])
-    return nn.Sequential(*list(model)[2 * start: 2 * (start + sizes[s])])
+    return nn.Sequential(*list(model)[2 * start : 2 * (start + sizes[s])])
 
 
 def _mse(out, target):
@@ -59,7 +59,7 @@ def _reference(model, xs, ts):
     model.zero_grad()
     losses = [_mse(model(x), t) for x, t in zip(xs, ts)]
     (sum(losses) / len(losses)).backward()
-    return [l.detach() for l in losses]
+    return [loss.detach() for loss in losses]
 
 
 def _parity(schedule_name, M, varlen):
@@ -70,8 +70,7 @@ def _parity(schedule_name, M, varlen):
     module = copy.deepcopy(_slice(full, s, P))
     module.zero_grad()
     stage = PipelineStage(module, g, s, P, loss_fn=_mse if s == P - 1 else None)
-    losses = run_schedule(stage, SCHEDULES[schedule_name](P, M), xs if s == 0 else None,
-                          ts if s == P - 1 else None)
+    losses = run_schedule(stage, SCHEDULES[schedule_name](P, M), xs if s == 0 else None, ts if s == P - 1 else None)
     ok = True
     if s == P - 1:
         ok &= len(losses) == M and all(torch.allclose(a, b, rtol=1e-9, atol=0) for a, b in zip(losses, ref_losses))
@@ -83,8 +82,7 @@ def _parity(schedule_name, M, varlen):
     assert all_true(ok)
 
 
-_CASES = [pytest.mark.parametrize("schedule_name", sorted(SCHEDULES)),
-          pytest.mark.parametrize("M", [1, 3, 4])]
+_CASES = [pytest.mark.parametrize("schedule_name", sorted(SCHEDULES)), pytest.mark.parametrize("M", [1, 3, 4])]
 
 
 def _params(fn):
@@ -119,8 +117,10 @@ def test_parity_pp2_varlen_and_split_batch(schedule_name):
     s, P, g = rank(), world_size(), world_group()
     full = _model()
     gen = torch.Generator().manual_seed(5)
-    x, t = torch.randn(6, 4, H, generator=gen, dtype=torch.float64), torch.randn(6, 4, H, generator=gen,
-                                                                               dtype=torch.float64)
+    x, t = (
+        torch.randn(6, 4, H, generator=gen, dtype=torch.float64),
+        torch.randn(6, 4, H, generator=gen, dtype=torch.float64),
+    )
     full.zero_grad()
     ref = _mse(full(x), t)
     ref.backward()
@@ -207,16 +207,19 @@ def test_split_microbatches_not_dividing_raises():
 def test_stage_index_not_group_rank_raises_on_every_rank():
     s, P, g = rank(), world_size(), world_group()
     wrong = (s + 1) % P if s == 1 else s  # only rank 1 is wrong
-    msg = _raises_everywhere("rank 1: stage_index=2 but this rank is group rank 1",
-                             lambda: PipelineStage(nn.Identity(), g, wrong, P, loss_fn=_mse))
+    msg = _raises_everywhere(
+        "rank 1: stage_index=2 but this rank is group rank 1",
+        lambda: PipelineStage(nn.Identity(), g, wrong, P, loss_fn=_mse),
+    )
     assert "1 of 3 pipeline ranks" in msg
 
 
 @pytest.mark.world(3, timeout=20)
 def test_num_stages_not_group_size_raises_on_every_rank():
     s, g = rank(), world_group()
-    _raises_everywhere("num_stages=2 but the pipeline group has 3 ranks",
-                       lambda: PipelineStage(nn.Identity(), g, s, 2, loss_fn=_mse))
+    _raises_everywhere(
+        "num_stages=2 but the pipeline group has 3 ranks", lambda: PipelineStage(nn.Identity(), g, s, 2, loss_fn=_mse)
+    )
 
 
 @pytest.mark.world(2, timeout=20)
@@ -231,14 +234,17 @@ def test_bad_run_arguments_raise_on_every_rank():
     stage = PipelineStage(nn.Identity(), g, s, P, loss_fn=_mse)
     xs = [torch.zeros(1, 2)] * 3
     # The first stage got 2 inputs for a 3-microbatch schedule: agreed, so no rank hangs.
-    _raises_everywhere("rank 0: stage 0 needs 3 inputs_microbatches .the schedule's M., got 2",
-                       lambda: run_schedule(stage, gpipe_schedule(P, 3), xs[:2], xs))
+    _raises_everywhere(
+        "rank 0: stage 0 needs 3 inputs_microbatches .the schedule's M., got 2",
+        lambda: run_schedule(stage, gpipe_schedule(P, 3), xs[:2], xs),
+    )
     # Pure checks of the table raise identically on every rank without communicating.
-    _raises_everywhere("one action list per stage .3., got 2",
-                       lambda: run_schedule(stage, gpipe_schedule(2, 3), xs, xs))
+    _raises_everywhere(
+        "one action list per stage .3., got 2", lambda: run_schedule(stage, gpipe_schedule(2, 3), xs, xs)
+    )
     bad = gpipe_schedule(P, 2)
     swapped = (bad[0], bad[1][:2] + bad[1][:1:-1], bad[2])
     _raises_everywhere("cannot run with blocking P2P", lambda: run_schedule(stage, swapped, xs[:2], xs[:2]))
     # The stage still runs a step after the errors (nothing stale in the channels).
     losses = run_schedule(stage, one_f_one_b_schedule(P, 3), xs, xs)
-    assert all_true(s < P - 1 or [float(l) for l in losses] == [0.0, 0.0, 0.0])
+    assert all_true(s < P - 1 or [float(loss) for loss in losses] == [0.0, 0.0, 0.0])

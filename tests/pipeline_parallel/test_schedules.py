@@ -73,8 +73,10 @@ def test_simulated_peak_activations():
 def test_1f1b_pairs_steady_state_communication():
     # P = 2, M = 3: stage 0 warms up with one forward; stage 1 alternates from the start.
     table = one_f_one_b_schedule(2, 3)
-    assert table == ((Action("F", 0), Action("F", 1), Action("B", 0), Action("F", 2), Action("B", 1), Action("B", 2)),
-                     (Action("F", 0), Action("B", 0), Action("F", 1), Action("B", 1), Action("F", 2), Action("B", 2)))
+    assert table == (
+        (Action("F", 0), Action("F", 1), Action("B", 0), Action("F", 2), Action("B", 1), Action("B", 2)),
+        (Action("F", 0), Action("B", 0), Action("F", 1), Action("B", 1), Action("F", 2), Action("B", 2)),
+    )
     apis0 = [c.api for c in comm_plan(table[0], 0, 2) if c.api != "compute"]
     apis1 = [c.api for c in comm_plan(table[1], 1, 2) if c.api != "compute"]
     assert apis0 == ["send_forward", "send_forward_recv_backward", "send_forward_recv_backward", "recv_backward"]
@@ -98,16 +100,21 @@ def test_bad_sizes_raise(fn, P, M):
         fn(P, M)
 
 
-@pytest.mark.parametrize("table,fragment", [
-    (((Action("F", 0), Action("B", 0)),), "one action list per stage"),
-    (((Action("B", 0), Action("F", 0)),) * 2, "before F"),
-    (((Action("F", 0), Action("F", 0), Action("B", 0)),) * 2, "twice"),
-    (((Action("F", 1), Action("B", 1)),) * 2, "exactly once"),
-    (((Action("X", 0),),) * 2, "bad action"),
-    (((Action("F", 0), Action("B", 0)), (Action("F", 0), Action("B", 0), Action("F", 1), Action("B", 1))),
-     "same number"),
-    (((), ()), "same number"),
-])
+@pytest.mark.parametrize(
+    "table,fragment",
+    [
+        (((Action("F", 0), Action("B", 0)),), "one action list per stage"),
+        (((Action("B", 0), Action("F", 0)),) * 2, "before F"),
+        (((Action("F", 0), Action("F", 0), Action("B", 0)),) * 2, "twice"),
+        (((Action("F", 1), Action("B", 1)),) * 2, "exactly once"),
+        (((Action("X", 0),),) * 2, "bad action"),
+        (
+            ((Action("F", 0), Action("B", 0)), (Action("F", 0), Action("B", 0), Action("F", 1), Action("B", 1))),
+            "same number",
+        ),
+        (((), ()), "same number"),
+    ],
+)
 def test_validate_schedule_rejects(table, fragment):
     with pytest.raises(ShardkitError, match=fragment):
         validate_schedule(table, 2)

@@ -11,7 +11,7 @@ from harness.helpers import all_true, rank, subgroup, world_group
 from shardkit.comm import CommLedger, checks
 from shardkit.errors import ShardkitError
 from shardkit.pipeline_parallel._reshard import Side, recv_side, send_side
-from shardkit.pipeline_parallel.vtp import Replicate, Shard, StageGroups, local_box, piece_plan, leader_mode
+from shardkit.pipeline_parallel.vtp import Replicate, Shard, StageGroups, leader_mode, local_box, piece_plan
 
 LAYOUTS = [Replicate(), Shard(1), Shard(2)]
 
@@ -75,8 +75,9 @@ def _transfer(groups, a, b, la, lb, shape, tag, static):
 
 
 @pytest.mark.world(4, timeout=30)
-@pytest.mark.parametrize("stage_ranks", [[[0, 1], [2], [3]], [[0, 1], [2, 3]], [[0], [1, 2, 3]]],
-                         ids=["2-1-1", "2-2", "1-3"])
+@pytest.mark.parametrize(
+    "stage_ranks", [[[0, 1], [2], [3]], [[0, 1], [2, 3]], [[0], [1, 2, 3]]], ids=["2-1-1", "2-2", "1-3"]
+)
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 def test_boundary_reshard_bitwise_both_directions(stage_ranks, static):
     groups = _groups(stage_ranks)
@@ -132,7 +133,9 @@ def test_wrong_static_shape_raises_on_both_stages():
     s = groups.stage_index
     with checks(True):
         if s == 0:
-            with pytest.raises(ShardkitError, match=r"declared full \[2, 4, 3\] torch.float64 .* its tensor is \[2, 5, 3\]"):
+            with pytest.raises(
+                ShardkitError, match=r"declared full \[2, 4, 3\] torch.float64 .* its tensor is \[2, 5, 3\]"
+            ):
                 send_side(_value((2, 5, 3), 0), src, dst, groups.info, groups.tp, ((2, 4, 3), torch.float64), "t", "f")
         else:
             with pytest.raises(ShardkitError, match=r"the sending stage \(group ranks \[0\]\) reported an error"):

@@ -57,7 +57,7 @@ def _model():
 def _slice(model, s, P):
     sizes = balanced_split_sizes(LAYERS, P)
     start = sum(sizes[:s])
-    return list(model)[start:start + sizes[s]]
+    return list(model)[start : start + sizes[s]]
 
 
 def _stage_module(blocks, tp, mode, first, last):
@@ -86,8 +86,10 @@ def _mse(out, target):
 def _data(M):
     gen = torch.Generator().manual_seed(7)
     lens = [4 + 2 * (m % 3) for m in range(M)]  # even: sequence-parallel blocks split evenly
-    return ([torch.randn(2, S, H, generator=gen, dtype=torch.float64) for S in lens],
-            [torch.randn(2, S, H, generator=gen, dtype=torch.float64) for S in lens])
+    return (
+        [torch.randn(2, S, H, generator=gen, dtype=torch.float64) for S in lens],
+        [torch.randn(2, S, H, generator=gen, dtype=torch.float64) for S in lens],
+    )
 
 
 def _groups(stage_ranks):
@@ -121,8 +123,9 @@ def _parity(stage_ranks, modes, schedule_name, M=4):
     mode = modes[s] if len(stage_ranks[s]) > 1 else None
     module = _stage_module(blocks, tp, mode, s == 0, s == P - 1)
     layout = Shard(1) if mode == "sp" else Replicate()
-    stage = PipelineStage(module, groups, s, P, loss_fn=_mse if s == P - 1 else None,
-                          in_layout=layout, out_layout=layout)
+    stage = PipelineStage(
+        module, groups, s, P, loss_fn=_mse if s == P - 1 else None, in_layout=layout, out_layout=layout
+    )
     losses = run_schedule(stage, SCHEDULES[schedule_name](P, M), xs if s == 0 else None, ts if s == P - 1 else None)
     ok = losses is None if s < P - 1 else all(_close(a, b.detach()) for a, b in zip(losses, ref_losses, strict=True))
     for b, ref in zip(blocks, _slice(full, s, P), strict=True):
@@ -199,7 +202,12 @@ def test_stage_layouts_that_differ_within_a_stage_raise_on_every_rank():
     with pytest.raises(ShardkitError, match=r"rank 2: stage 1 needs 2 targets_microbatches"):
         run_schedule(stage, gpipe_schedule(2, 2), xs, xs if rank() < 2 else xs[:1])
     with pytest.raises(ShardkitError, match=r"ranks \[1\] passed boundary_shapes"):
-        run_schedule(stage, gpipe_schedule(2, 2), xs, xs,
-                     boundary_shapes=[((1, 2, 3), torch.float32 if rank() == 1 else torch.float64)])
+        run_schedule(
+            stage,
+            gpipe_schedule(2, 2),
+            xs,
+            xs,
+            boundary_shapes=[((1, 2, 3), torch.float32 if rank() == 1 else torch.float64)],
+        )
     losses = run_schedule(stage, gpipe_schedule(2, 2), xs, xs, boundary_shapes=[((1, 2, 3), torch.float32)])
     assert all_true(s == 0 or [float(v) for v in losses] == [0.0, 0.0])

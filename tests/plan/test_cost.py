@@ -11,8 +11,15 @@ from shardkit.plan.collectives import CommRow
 from shardkit.plan.memory import memory_per_rank
 from shardkit.plan.timing import bus_factor, row_seconds
 
-TINY = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
-        "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2}
+TINY = {
+    "model_type": "llama",
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
 
 
 def test_bus_factors_are_nccl_tests():
@@ -23,8 +30,9 @@ def test_bus_factors_are_nccl_tests():
 
 
 def test_alpha_beta_seconds_by_hand():
-    cluster = Cluster(gpus=16, gpus_per_node=8, intra_gbps=100.0, inter_gbps=10.0, intra_latency_us=2.0,
-                      inter_latency_us=20.0)
+    cluster = Cluster(
+        gpus=16, gpus_per_node=8, intra_gbps=100.0, inter_gbps=10.0, intra_latency_us=2.0, inter_latency_us=20.0
+    )
     dims = ParallelDims(dp_replicate=4, tp=4)
     tp_row = CommRow("tp", "all_reduce", "all_reduce_forward", "forward", 4, 3, 3 * 10**8, 3 * 10**8)
     # inside a node: 3 calls x 6 steps x 2 us + 3e8 B x 1.5 / 1e11 B/s
@@ -41,8 +49,9 @@ def test_flops_and_bubble_by_hand():
     assert shape.active_params == active
     assert shape.flops_per_token(16) == 6 * active + 3 * 4 * 16 * 4 * (16 + 16)
     cluster = Cluster(gpus=4, gpus_per_node=4)
-    est = estimate_step(shape, ParallelDims(pp=4), StepOptions(seq_len=16, global_batch=8, microbatches=8,
-                                                                dtype="float32"), cluster)
+    est = estimate_step(
+        shape, ParallelDims(pp=4), StepOptions(seq_len=16, global_batch=8, microbatches=8, dtype="float32"), cluster
+    )
     assert est.bubble == pytest.approx(3 / 11)  # (p - 1) / (m + p - 1)
     flops = shape.flops_per_token(16) * 8 * 16
     assert est.compute_s == pytest.approx(flops / 4 / (989e12 * 0.5))
@@ -73,8 +82,27 @@ def test_fsdp_shards_parameters_and_state():
 def test_plan_command_on_a_small_cluster(tmp_path, capsys):
     config = tmp_path / "config.json"
     config.write_text(json.dumps(TINY))
-    code = main(["plan", "--config", str(config), "--gpus", "8", "--gpus-per-node", "4", "--seq-len", "64",
-                 "--global-batch", "16", "--top", "3", "--compare", "tp=2,pp=2", "--plot", str(tmp_path / "p.png")])
+    code = main(
+        [
+            "plan",
+            "--config",
+            str(config),
+            "--gpus",
+            "8",
+            "--gpus-per-node",
+            "4",
+            "--seq-len",
+            "64",
+            "--global-batch",
+            "16",
+            "--top",
+            "3",
+            "--compare",
+            "tp=2,pp=2",
+            "--plot",
+            str(tmp_path / "p.png"),
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0
     assert "fastest 3 layouts" in out and "pp=2 x dp_replicate=2 x tp=2" in out
@@ -88,11 +116,14 @@ def test_ranking_is_sorted_and_fits():
     assert all(e.dims.product == 8 for e in best)
 
 
-@pytest.mark.parametrize("config,match", [
-    ({**TINY, "hidden_size": None}, "hidden_size"),
-    ({**TINY, "model_type": "gpt2"}, "model_type 'gpt2' is not supported"),
-    ({**TINY, "num_key_value_heads": 3}, "multiple of num_key_value_heads=3"),
-])
+@pytest.mark.parametrize(
+    "config,match",
+    [
+        ({**TINY, "hidden_size": None}, "hidden_size"),
+        ({**TINY, "model_type": "gpt2"}, "model_type 'gpt2' is not supported"),
+        ({**TINY, "num_key_value_heads": 3}, "multiple of num_key_value_heads=3"),
+    ],
+)
 def test_bad_config_is_refused(config, match):
     with pytest.raises(ShardkitError, match=match):
         ModelShape.from_config(config)
@@ -148,12 +179,22 @@ def test_pp_tp_stage_roles_and_compute():
     assert est.compute_s == pytest.approx(flops / 4 / 2 / (989e12 * 0.5))
 
 
-@pytest.mark.parametrize("dims,opts,match", [
-    (ParallelDims(spatial=2, world_size=2), StepOptions(seq_len=16, global_batch=2), "spatial layouts are not planned"),
-    (ParallelDims(pp_tp=(2, 1), world_size=3), StepOptions(seq_len=16, global_batch=2, sequence_parallel=True),
-     "sequence_parallel with pp_tp is refused by the trainer"),
-    (ParallelDims(pp=2), StepOptions(seq_len=16, global_batch=2, schedule="zb"), "schedule must be one of"),
-])
+@pytest.mark.parametrize(
+    "dims,opts,match",
+    [
+        (
+            ParallelDims(spatial=2, world_size=2),
+            StepOptions(seq_len=16, global_batch=2),
+            "spatial layouts are not planned",
+        ),
+        (
+            ParallelDims(pp_tp=(2, 1), world_size=3),
+            StepOptions(seq_len=16, global_batch=2, sequence_parallel=True),
+            "sequence_parallel with pp_tp is refused by the trainer",
+        ),
+        (ParallelDims(pp=2), StepOptions(seq_len=16, global_batch=2, schedule="zb"), "schedule must be one of"),
+    ],
+)
 def test_refused_layouts_say_why(dims, opts, match):
     from shardkit.plan import step_collectives
 
@@ -164,18 +205,45 @@ def test_refused_layouts_say_why(dims, opts, match):
 def test_plan_command_compares_a_pp_tp_layout(tmp_path, capsys):
     config = tmp_path / "config.json"
     config.write_text(json.dumps(TINY))
-    code = main(["plan", "--config", str(config), "--gpus", "8", "--seq-len", "64", "--global-batch", "16", "--top",
-                 "1", "--schedule", "gpipe", "--compare", "pp_tp=2:1:1", "--plot", str(tmp_path / "p.png")])
+    code = main(
+        [
+            "plan",
+            "--config",
+            str(config),
+            "--gpus",
+            "8",
+            "--seq-len",
+            "64",
+            "--global-batch",
+            "16",
+            "--top",
+            "1",
+            "--schedule",
+            "gpipe",
+            "--compare",
+            "pp_tp=2:1:1",
+            "--plot",
+            str(tmp_path / "p.png"),
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0 and "pp_tp=2,1,1" in out and "refused" not in out
 
 
-@pytest.mark.parametrize("overrides", [dict(model="llama", tp=2), dict(model="llama", tp=1), dict(model="moe", tp=2),
-                                       dict(model="mla", tp=2, ep=2), dict(model="llama", pp_tp="2,1,1", layers=3)])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(model="llama", tp=2),
+        dict(model="llama", tp=1),
+        dict(model="moe", tp=2),
+        dict(model="mla", tp=2, ep=2),
+        dict(model="llama", pp_tp="2,1,1", layers=3),
+    ],
+)
 def test_sequence_parallel_default_is_the_trainers(overrides):
+    from shardkit.plan.options import resolve_options
     from shardkit.train.config import TrainConfig, parallel_dims, validate_config
     from shardkit.train.model import _hf_config
-    from shardkit.plan.options import resolve_options
 
     cfg = validate_config(TrainConfig(**{"nproc": 4, **overrides}), world_size=4)
     shape = ModelShape.from_config(_hf_config(cfg)[1])

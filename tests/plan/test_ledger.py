@@ -14,12 +14,12 @@ import torch.distributed as dist
 
 from harness.helpers import world_size
 from shardkit import CommLedger
-from shardkit.train.config import TrainConfig, parallel_dims, validate_config
-from shardkit.train.model import _hf_config
-from shardkit.train.run import build_train_model, build_parallel_model, build_task, run_training
 from shardkit.plan import ModelShape, StepOptions
 from shardkit.plan.collectives import ledger_table, merged, step_collectives
 from shardkit.plan.options import rank_stage
+from shardkit.train.config import TrainConfig, parallel_dims, validate_config
+from shardkit.train.model import _hf_config
+from shardkit.train.run import build_parallel_model, build_task, build_train_model, run_training
 
 SMALL = dict(steps=1, seq_len=16, batch_size=4, dtype="float32", verify=False, layers=2, lr=1e-3)
 ROUTED = ("token_dispatch", "token_combine")
@@ -56,8 +56,9 @@ def check(overrides: dict) -> None:
     cfg = validate_config(TrainConfig(**{**SMALL, **overrides}), world_size=world_size())
     dims = parallel_dims(cfg)
     shape = ModelShape.from_config(_hf_config(cfg)[1])
-    opts = StepOptions(cfg.seq_len, cfg.batch_size, cfg.microbatches, cfg.dtype, cfg.sequence_parallel,
-                       cfg.loss_parallel, cfg.schedule)
+    opts = StepOptions(
+        cfg.seq_len, cfg.batch_size, cfg.microbatches, cfg.dtype, cfg.sequence_parallel, cfg.loss_parallel, cfg.schedule
+    )
     got_routed = want_routed = 0
     ledgers = _ledgers(cfg)
     for rank, records in enumerate(ledgers):
@@ -88,8 +89,9 @@ LAYOUTS_4 = {
     "qwen3: dp_shard=2 x tp=2 (SP)": dict(model="qwen3", dp_shard=2),
     "llama: HSDP dp_replicate=2 x dp_shard=2": dict(tp=1, dp_shard=2),
     "llama: dp_shard=2 x tp=2 (SP)": dict(dp_shard=2),
-    "llama: HSDP dp_replicate=2 x dp_shard=2, 2 accumulated microbatches": dict(tp=1, dp_shard=2, microbatches=2,
-                                                                             batch_size=8),
+    "llama: HSDP dp_replicate=2 x dp_shard=2, 2 accumulated microbatches": dict(
+        tp=1, dp_shard=2, microbatches=2, batch_size=8
+    ),
     "llama: pp=2 x dp_shard=2 (FSDP2), 1f1b": dict(tp=1, pp=2, dp_shard=2, microbatches=2),
     "moe: ep=4 over dp_shard=4": dict(model="moe", tp=1, ep=4, dp_shard=4),
     "moe: ep=4 over cp_ulysses=4 (expert grads over edp=1)": dict(model="moe", tp=1, ep=4, cp_ulysses=4, kv_heads=4),
@@ -98,11 +100,13 @@ LAYOUTS_4 = {
     "mla: tp=2 x dp=2, ep=2, loss parallel": dict(model="mla", ep=2, loss_parallel=True),
     "moe: tp=2 (tensor-parallel experts) x dp=2": dict(model="moe", tp=2),
     "mla: tp=2 (tensor-parallel experts, shared experts) x dp=2": dict(model="mla", tp=2),
-    "llama: packed documents, USP cp_ring=2 x cp_ulysses=2": dict(tp=1, cp_ring=2, cp_ulysses=2, packed=True,
-                                                                 batch_size=1, seq_len=64),
+    "llama: packed documents, USP cp_ring=2 x cp_ulysses=2": dict(
+        tp=1, cp_ring=2, cp_ulysses=2, packed=True, batch_size=1, seq_len=64
+    ),
     "llama: packed documents, dp=2 x tp=2 (SP)": dict(packed=True, seq_len=64),
-    "qwen3: bfloat16, cp_ring=2 x tp=2 (SP), loss parallel": dict(model="qwen3", cp_ring=2, tp=2, seq_len=32,
-                                                                  dtype="bfloat16", loss_parallel=True),
+    "qwen3: bfloat16, cp_ring=2 x tp=2 (SP), loss parallel": dict(
+        model="qwen3", cp_ring=2, tp=2, seq_len=32, dtype="bfloat16", loss_parallel=True
+    ),
     "moe: tp=4 (SP), tensor-parallel experts": dict(model="moe", tp=4, kv_heads=4, sequence_parallel=True),
     "mla: tp=2 (SP) x dp=2, tensor-parallel and shared experts": dict(model="mla", sequence_parallel=True),
     "moe: tp=2 (SP) x dp=2, ep=2 on the local sequence block": dict(model="moe", ep=2, sequence_parallel=True),
@@ -113,13 +117,16 @@ LAYOUTS_4 = {
     "mla: USP cp_ring=2 x cp_ulysses=2": dict(model="mla", tp=1, cp_ring=2, cp_ulysses=2, seq_len=32),
     "mla: cp_ring=2 x tp=2": dict(model="mla", cp_ring=2, tp=2, seq_len=32),
     "llama: pp_tp=2,1,1 (leader send, broadcast back)": dict(pp_tp="2,1,1", layers=3, microbatches=2),
-    "llama: pp_tp=1,2,1, 3 microbatches (broadcast both ways)": dict(pp_tp="1,2,1", layers=3, microbatches=3,
-                                                                     batch_size=6),
-    "mla: pp_tp=2,1,1, tensor-parallel experts on the tp=2 stage": dict(model="mla", pp_tp="2,1,1", layers=3,
-                                                                        microbatches=2),
+    "llama: pp_tp=1,2,1, 3 microbatches (broadcast both ways)": dict(
+        pp_tp="1,2,1", layers=3, microbatches=3, batch_size=6
+    ),
+    "mla: pp_tp=2,1,1, tensor-parallel experts on the tp=2 stage": dict(
+        model="mla", pp_tp="2,1,1", layers=3, microbatches=2
+    ),
     "llama: pp_tp=1,1 x dp_replicate=2": dict(pp_tp="1,1", dp_replicate=2, microbatches=2),
-    "llama: pp=2 x dp_shard=2 (FSDP2), gpipe, 3 microbatches": dict(tp=1, pp=2, dp_shard=2, microbatches=3,
-                                                                   batch_size=6, schedule="gpipe"),
+    "llama: pp=2 x dp_shard=2 (FSDP2), gpipe, 3 microbatches": dict(
+        tp=1, pp=2, dp_shard=2, microbatches=3, batch_size=6, schedule="gpipe"
+    ),
 }
 
 

@@ -36,13 +36,25 @@ class ConvAE(nn.Module):
     def __init__(self, pool=False):
         super().__init__()
         self.encoder = nn.Sequential(
-            nn.Conv2d(3, 8, 3, stride=2, padding=1), nn.GroupNorm(4, 8), nn.SiLU(), ResBlock(8),
+            nn.Conv2d(3, 8, 3, stride=2, padding=1),
+            nn.GroupNorm(4, 8),
+            nn.SiLU(),
+            ResBlock(8),
         )
-        self.pool = nn.Sequential(
-            nn.BatchNorm2d(8), nn.MaxPool2d(3, 1, 1), nn.AvgPool2d(3, 1, 1, count_include_pad=False),
-        ) if pool else nn.Identity()
+        self.pool = (
+            nn.Sequential(
+                nn.BatchNorm2d(8),
+                nn.MaxPool2d(3, 1, 1),
+                nn.AvgPool2d(3, 1, 1, count_include_pad=False),
+            )
+            if pool
+            else nn.Identity()
+        )
         self.decoder = nn.Sequential(
-            nn.Upsample(scale_factor=2, mode="nearest"), nn.Conv2d(8, 8, 3, padding=1), nn.GroupNorm(4, 8), nn.SiLU(),
+            nn.Upsample(scale_factor=2, mode="nearest"),
+            nn.Conv2d(8, 8, 3, padding=1),
+            nn.GroupNorm(4, 8),
+            nn.SiLU(),
             nn.Conv2d(8, 3, 3, padding=1),
         )
 
@@ -54,9 +66,13 @@ CASES = [dict(dim=3, H=6, W=11, pool=False), dict(dim=2, H=9, W=5, pool=False), 
 
 
 def _params(worlds=(1, 2, 3, 4)):
-    return [pytest.param(c, marks=pytest.mark.world(R),
-                         id=f"R{R}-dim{c['dim']}-H{c['H']}W{c['W']}" + ("-pool" if c["pool"] else ""))
-            for R in worlds for c in CASES]
+    return [
+        pytest.param(
+            c, marks=pytest.mark.world(R), id=f"R{R}-dim{c['dim']}-H{c['H']}W{c['W']}" + ("-pool" if c["pool"] else "")
+        )
+        for R in worlds
+        for c in CASES
+    ]
 
 
 @pytest.mark.parametrize("c", _params())
@@ -124,14 +140,28 @@ class Scale(nn.Module):
 def test_apply_spatial_lists_unsupported_layers():
     G = world_group()
     model = nn.Sequential(
-        nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4, 2), nn.Upsample(size=(4, 4)), nn.MaxPool2d(2, ceil_mode=True),
-        nn.Upsample(scale_factor=1.5), Scale(), nn.LayerNorm(3),
+        nn.Conv2d(3, 4, 3),
+        nn.Flatten(),
+        nn.Linear(4, 2),
+        nn.Upsample(size=(4, 4)),
+        nn.MaxPool2d(2, ceil_mode=True),
+        nn.Upsample(scale_factor=1.5),
+        Scale(),
+        nn.LayerNorm(3),
     )
     with pytest.raises(ShardkitError) as info:
         apply_spatial(model, G, 3)
     msg = str(info.value)
-    for fragment in ("1 (Flatten)", "2 (Linear)", "3 (Upsample): Upsample with size=", "4 (MaxPool2d): ceil_mode",
-                     "5 (Upsample): only integer", "6 (Scale): has parameters", "7 (LayerNorm)", "7 layer(s)"):
+    for fragment in (
+        "1 (Flatten)",
+        "2 (Linear)",
+        "3 (Upsample): Upsample with size=",
+        "4 (MaxPool2d): ceil_mode",
+        "5 (Upsample): only integer",
+        "6 (Scale): has parameters",
+        "7 (LayerNorm)",
+        "7 layer(s)",
+    ):
         assert fragment in msg, (fragment, msg)
     assert type(model[0]) is nn.Conv2d  # nothing converted when anything is unsupported
 
@@ -155,10 +185,17 @@ class TileAE(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.encoder = nn.Sequential(nn.Conv2d(3, 8, 3, stride=2, padding=1), nn.GroupNorm(4, 8), nn.SiLU(), ResBlock(8))
-        self.decoder = nn.Sequential(nn.ConvTranspose2d(8, 4, 4, stride=2, padding=1), nn.GroupNorm(2, 4), nn.SiLU(),
-                                     nn.Conv2d(4, 4, 3, stride=2, padding=1), nn.Upsample(scale_factor=2),
-                                     nn.Conv2d(4, 3, 3, padding=1))
+        self.encoder = nn.Sequential(
+            nn.Conv2d(3, 8, 3, stride=2, padding=1), nn.GroupNorm(4, 8), nn.SiLU(), ResBlock(8)
+        )
+        self.decoder = nn.Sequential(
+            nn.ConvTranspose2d(8, 4, 4, stride=2, padding=1),
+            nn.GroupNorm(2, 4),
+            nn.SiLU(),
+            nn.Conv2d(4, 4, 3, stride=2, padding=1),
+            nn.Upsample(scale_factor=2),
+            nn.Conv2d(4, 3, 3, padding=1),
+        )
 
     def forward(self, x):
         return self.decoder(self.encoder(x))
@@ -175,7 +212,7 @@ def test_apply_spatial_tiles_on_a_2d_mesh(hs, ws):
     torch.manual_seed(0)
     ref = TileAE().double()
     with torch.no_grad():
-        for name, p in ref.named_parameters():
+        for p in ref.parameters():
             p.add_(torch.randn_like(p) * 0.3)
     model = apply_spatial(copy.deepcopy(ref), mesh, (2, 3))
     assert isinstance(model.decoder[0], SpatialConvTranspose2d) and isinstance(model.encoder[1], SpatialGroupNorm)
@@ -203,8 +240,11 @@ def test_apply_spatial_tiles_on_a_2d_mesh(hs, ws):
     bad = [] if torch.allclose(gather2(y.detach(), ohs, ows), y_ref, **TOL) else ["output"]
     if not torch.allclose(gather2(x.grad, hs, ws), x_ref.grad, **TOL):
         bad.append("input_grad")
-    bad += [f"grad {name}" for (name, p), (_, q) in zip(ref.named_parameters(), model.named_parameters())
-            if not torch.allclose(p.grad, q.grad, **TOL)]
+    bad += [
+        f"grad {name}"
+        for (name, p), (_, q) in zip(ref.named_parameters(), model.named_parameters())
+        if not torch.allclose(p.grad, q.grad, **TOL)
+    ]
     assert not bad, f"hs={hs} ws={ws} out={ohs}x{ows}: {bad}"
     with pytest.raises(ShardkitError, match="Upsample.*'bilinear' is not supported over tiles"):
         apply_spatial(nn.Sequential(nn.Conv2d(3, 3, 3), nn.Upsample(scale_factor=2, mode="bilinear")), mesh, (2, 3))

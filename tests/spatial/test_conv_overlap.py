@@ -16,8 +16,8 @@ from harness.helpers import all_true, rank, world_group, world_size
 from shardkit import all_gather, balanced_split_sizes
 from shardkit._shapes import split_offsets
 from shardkit.comm import CommLedger
-from shardkit.spatial import _overlap, conv as conv_module, spatial_conv1d, spatial_conv2d, spatial_conv3d
-from shardkit.spatial import spatial_output_sizes
+from shardkit.spatial import _overlap, spatial_conv1d, spatial_conv2d, spatial_conv3d, spatial_output_sizes
+from shardkit.spatial import conv as conv_module
 from shardkit.spatial._sizes import output_bounds
 
 FNS = {1: spatial_conv1d, 2: spatial_conv2d, 3: spatial_conv3d}
@@ -52,16 +52,16 @@ def test_interior_split_matches_its_definition():
 
 # (nd, sharded spatial index, k, s, p, d, groups, padding_mode, split, n, channels_last)
 CASES = [
-    (2, 1, 3, 1, 1, 1, 1, "zeros", "balanced", 17, False),       # the common 3x3 same conv
-    (2, 0, 3, 2, 1, 1, 1, "zeros", "balanced", 16, True),        # stride-2 downsample, H, NHWC
-    (2, 1, 3, 1, 2, 2, 2, "zeros", "uneven", 19, False),         # dilated, grouped
+    (2, 1, 3, 1, 1, 1, 1, "zeros", "balanced", 17, False),  # the common 3x3 same conv
+    (2, 0, 3, 2, 1, 1, 1, "zeros", "balanced", 16, True),  # stride-2 downsample, H, NHWC
+    (2, 1, 3, 1, 2, 2, 2, "zeros", "uneven", 19, False),  # dilated, grouped
     (1, 0, 5, 1, "same", 1, 1, "reflect", "uneven", 21, False),  # reflect at the global borders
     (1, 0, 4, 1, "same", 2, 1, "zeros", "balanced", 32, False),  # even kernel: asymmetric halos
     (2, 1, 3, 1, 1, 1, "dw", "circular", "balanced", 15, False),  # periodic, depthwise, other dim padded
-    (2, 1, 5, 1, 2, 1, 1, "replicate", "zero_mid", 18, False),   # an empty shard in the middle
-    (3, 2, 3, 1, 1, 1, 1, "zeros", "balanced", 12, True),        # 3-d, NDHWC
-    (1, 0, 7, 3, 3, 1, 1, "zeros", "balanced", 40, False),       # wide kernel, stride 3
-    (2, 1, 3, 1, 0, 1, 1, "zeros", "balanced", 16, False),       # valid: no global padding
+    (2, 1, 5, 1, 2, 1, 1, "replicate", "zero_mid", 18, False),  # an empty shard in the middle
+    (3, 2, 3, 1, 1, 1, 1, "zeros", "balanced", 12, True),  # 3-d, NDHWC
+    (1, 0, 7, 3, 3, 1, 1, "zeros", "balanced", 40, False),  # wide kernel, stride 3
+    (2, 1, 3, 1, 0, 1, 1, "zeros", "balanced", 16, False),  # valid: no global padding
 ]
 
 
@@ -85,8 +85,17 @@ def _run(case, overlap, seed=0):
     groups = c_in if groups == "dw" else groups
     spatial = [6, 5, 4][:nd]
     spatial[j] = n
-    ref = MODULES[nd](c_in, 4, [k if i == j else 3 for i in range(nd)], stride=s, padding=p, groups=groups,
-                      dilation=[d if i == j else 1 for i in range(nd)], padding_mode=mode, dtype=torch.float64)
+    ref = MODULES[nd](
+        c_in,
+        4,
+        [k if i == j else 3 for i in range(nd)],
+        stride=s,
+        padding=p,
+        groups=groups,
+        dilation=[d if i == j else 1 for i in range(nd)],
+        padding_mode=mode,
+        dtype=torch.float64,
+    )
     with torch.no_grad():
         for t in (ref.weight, ref.bias):
             t.copy_(torch.randn(t.shape, generator=gen, dtype=torch.float64))
@@ -106,8 +115,21 @@ def _run(case, overlap, seed=0):
     original = conv_module.overlapped_conv
     conv_module.overlapped_conv = lambda *a, **kw: calls.append(1) or original(*a, **kw)
     try:
-        y = FNS[nd](x, w, b, G, dim, s, p, tuple(ref.dilation), groups, padding_mode=mode, sizes=sizes,
-                    channels_last=cl, overlap=overlap)
+        y = FNS[nd](
+            x,
+            w,
+            b,
+            G,
+            dim,
+            s,
+            p,
+            tuple(ref.dilation),
+            groups,
+            padding_mode=mode,
+            sizes=sizes,
+            channels_last=cl,
+            overlap=overlap,
+        )
         y.backward(dy.narrow(dim, split_offsets(out_sizes)[r], out_sizes[r]))
     finally:
         conv_module.overlapped_conv = original

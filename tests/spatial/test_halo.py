@@ -49,7 +49,9 @@ def _check(sizes, periodic, left, right, dim, transposed=False):
         local = local.transpose(0, 2).contiguous().transpose(0, 2)
     out = halo_exchange(local, world_group(), dim, left, right, sizes=sizes, periodic=periodic)
     ok = torch.equal(out, _expected(full, dim, off - left[r], off + n + right[r], periodic))
-    err = adjoint_error(lambda t: halo_exchange(t, world_group(), dim, left, right, sizes=sizes, periodic=periodic), local)
+    err = adjoint_error(
+        lambda t: halo_exchange(t, world_group(), dim, left, right, sizes=sizes, periodic=periodic), local
+    )
     return ok, err
 
 
@@ -143,9 +145,17 @@ def test_plans_are_pure_and_shared():
 def test_bad_widths_raise_on_every_rank(case):
     x = torch.zeros(2, 0)
     calls = {
-        "periodic_empty": (ShardkitError, "empty", lambda: halo_exchange(x, world_group(), 1, 1, 0, sizes=[0, 0], periodic=True)),
+        "periodic_empty": (
+            ShardkitError,
+            "empty",
+            lambda: halo_exchange(x, world_group(), 1, 1, 0, sizes=[0, 0], periodic=True),
+        ),
         "negative": (ShardkitError, ">= 0", lambda: halo_exchange(x, world_group(), 1, -1, 0, sizes=[0, 0])),
-        "wrong_length": (ShardkitError, "one per rank", lambda: halo_exchange(x, world_group(), 1, [1, 1, 1], 0, sizes=[0, 0])),
+        "wrong_length": (
+            ShardkitError,
+            "one per rank",
+            lambda: halo_exchange(x, world_group(), 1, [1, 1, 1], 0, sizes=[0, 0]),
+        ),
         "not_int": (ShardkitTypeError, "int", lambda: halo_exchange(x, world_group(), 1, 1.5, 0, sizes=[0, 0])),
     }
     kind, fragment, fn = calls[case]

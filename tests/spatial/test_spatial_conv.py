@@ -76,10 +76,17 @@ def _sampled(R, count=56):
     while len(cases) < count:
         nd = rng.choice([1, 2, 2, 3])
         c = _case(
-            nd, rng.randrange(nd), rng.randint(1, 7), rng.randint(1, 3), rng.choice([0, 1, 2, 3, "same"]),
-            rng.randint(1, 3), rng.choice(["1", "2", "depthwise"]),
+            nd,
+            rng.randrange(nd),
+            rng.randint(1, 7),
+            rng.randint(1, 3),
+            rng.choice([0, 1, 2, 3, "same"]),
+            rng.randint(1, 3),
+            rng.choice(["1", "2", "depthwise"]),
             rng.choice(["zeros", "zeros", "zeros", "reflect", "replicate", "circular"]),
-            rng.choice(sorted(SPLITS)), rng.randint(R, 13), cl=rng.random() < 0.3,
+            rng.choice(sorted(SPLITS)),
+            rng.randint(R, 13),
+            cl=rng.random() < 0.3,
         )
         if _valid(c):
             cases.append(c)
@@ -87,18 +94,18 @@ def _sampled(R, count=56):
 
 
 EDGE = [
-    _case(1, 0, 4, 1, 3, 3, "1", "zeros", "balanced", 6),          # reach 9 past shards of 1-3
-    _case(2, 1, 3, 1, "same", 1, "1", "zeros", "balanced", 10),    # residual-friendly same conv
+    _case(1, 0, 4, 1, 3, 3, "1", "zeros", "balanced", 6),  # reach 9 past shards of 1-3
+    _case(2, 1, 3, 1, "same", 1, "1", "zeros", "balanced", 10),  # residual-friendly same conv
     _case(2, 1, 4, 1, "same", 2, "depthwise", "zeros", "ragged", 9),  # even kernel: asymmetric
-    _case(2, 0, 3, 2, 1, 1, "1", "zeros", "balanced", 8, cl=True),   # H-shard, NHWC, downsample
-    _case(2, 1, 1, 3, 0, 1, "1", "zeros", "ragged", 10),           # stride > kernel: gaps
-    _case(2, 1, 2, 2, 0, 1, "2", "zeros", "balanced", 8),          # patchify: no traffic at even R
+    _case(2, 0, 3, 2, 1, 1, "1", "zeros", "balanced", 8, cl=True),  # H-shard, NHWC, downsample
+    _case(2, 1, 1, 3, 0, 1, "1", "zeros", "ragged", 10),  # stride > kernel: gaps
+    _case(2, 1, 2, 2, 0, 1, "2", "zeros", "balanced", 8),  # patchify: no traffic at even R
     _case(1, 0, 5, 1, 2, 1, "1", "reflect", "zero_first", 6),
     _case(1, 0, 3, 1, 3, 1, "1", "replicate", "ragged", 4),
     _case(1, 0, 3, 1, 3, 1, "1", "circular", "zero_first", 4),
     _case(3, 2, 3, 1, 1, 1, "depthwise", "circular", "balanced", 7, cl=True),
     _case(3, 0, 2, 2, 1, 1, "1", "replicate", "balanced", 6),
-    _case(1, 0, 7, 3, 0, 1, "1", "zeros", "balanced", 7),          # one output: ranks without any
+    _case(1, 0, 7, 3, 0, 1, "1", "zeros", "balanced", 7),  # one output: ranks without any
 ]
 
 assert all(_valid(c) for c in EDGE)
@@ -125,8 +132,17 @@ def _parity(c, seed=0):
     kernel[j] = c["k"]
     dil = [1] * nd
     dil[j] = c["d"]
-    ref = MODULES[nd](c_in, 4, kernel, stride=c["s"], padding=c["p"], dilation=dil, groups=groups,
-                      padding_mode=c["mode"], dtype=torch.float64)
+    ref = MODULES[nd](
+        c_in,
+        4,
+        kernel,
+        stride=c["s"],
+        padding=c["p"],
+        dilation=dil,
+        groups=groups,
+        padding_mode=c["mode"],
+        dtype=torch.float64,
+    )
     with torch.no_grad():
         ref.weight.copy_(torch.randn(ref.weight.shape, generator=gen, dtype=torch.float64))
         ref.bias.copy_(torch.randn(ref.bias.shape, generator=gen, dtype=torch.float64))
@@ -146,7 +162,9 @@ def _parity(c, seed=0):
     x = x_full.narrow(dim, split_offsets(sizes)[r], sizes[r]).clone().requires_grad_()
     w = ref.weight.detach().clone().requires_grad_()
     b = ref.bias.detach().clone().requires_grad_()
-    y = FNS[nd](x, w, b, G, dim, c["s"], c["p"], tuple(dil), groups, padding_mode=c["mode"], sizes=sizes, channels_last=c["cl"])
+    y = FNS[nd](
+        x, w, b, G, dim, c["s"], c["p"], tuple(dil), groups, padding_mode=c["mode"], sizes=sizes, channels_last=c["cl"]
+    )
     y.backward(dy.narrow(dim, split_offsets(out_sizes)[r], out_sizes[r]))
     y_full = all_gather(y.detach(), G, dim, sizes=out_sizes)
     gx_full = all_gather(x.grad, G, dim, sizes=sizes)
@@ -208,14 +226,17 @@ def test_output_sizes_rule():
         assert sum(spatial_output_sizes(sizes, k, s, p, d)) == (n + 2 * p - d * (k - 1) - 1) // s + 1
 
 
-@pytest.mark.parametrize("args, kind, fragment", [
-    (([3, 3], 9), ShardkitError, "larger than the padded"),
-    (([3, 3], 3, 2, "same"), ShardkitError, "same"),
-    (([3, -1], 3), ShardkitError, ">= 0"),
-    (([3, 3], 0), ShardkitError, ">= 1"),
-    (([3, 3], 3, 1.0), ShardkitTypeError, "stride"),
-    (([], 3), ShardkitTypeError, "non-empty"),
-])
+@pytest.mark.parametrize(
+    "args, kind, fragment",
+    [
+        (([3, 3], 9), ShardkitError, "larger than the padded"),
+        (([3, 3], 3, 2, "same"), ShardkitError, "same"),
+        (([3, -1], 3), ShardkitError, ">= 0"),
+        (([3, 3], 0), ShardkitError, ">= 1"),
+        (([3, 3], 3, 1.0), ShardkitTypeError, "stride"),
+        (([], 3), ShardkitTypeError, "non-empty"),
+    ],
+)
 def test_output_sizes_errors(args, kind, fragment):
     with pytest.raises(kind, match=fragment):
         spatial_output_sizes(*args)
@@ -297,7 +318,9 @@ def test_layers_match_nn_conv_and_share_parameters():
         assert torch.allclose(y, conv(full), rtol=1e-9, atol=1e-12), name
     nhwc = RingConv2d.from_conv(conv, G, data_format="NHWC")
     y = nhwc(local.permute(0, 2, 3, 1), sizes=sizes)
-    assert torch.allclose(all_gather(y.detach(), G, 2, sizes=sizes), conv(full).permute(0, 2, 3, 1), rtol=1e-9, atol=1e-12)
+    assert torch.allclose(
+        all_gather(y.detach(), G, 2, sizes=sizes), conv(full).permute(0, 2, 3, 1), rtol=1e-9, atol=1e-12
+    )
     y = ring_conv2d(local, conv.weight, conv.bias, 1, 1, group=G, sizes=sizes)
     assert torch.allclose(all_gather(y.detach(), G, 3, sizes=sizes), conv(full), rtol=1e-9, atol=1e-12)
     assert "dim=3" in repr(layers["spatial"])
@@ -308,7 +331,10 @@ def test_stack_with_residual_sizes_flow_through():
     # same conv -> residual add on the input shards -> strided conv, over a split with an empty rank
     r, G = rank(), world_group()
     torch.manual_seed(0)
-    ref1, ref2 = nn.Conv2d(3, 3, 3, padding=1, dtype=torch.float64), nn.Conv2d(3, 5, 4, stride=2, padding=1, dtype=torch.float64)
+    ref1, ref2 = (
+        nn.Conv2d(3, 3, 3, padding=1, dtype=torch.float64),
+        nn.Conv2d(3, 5, 4, stride=2, padding=1, dtype=torch.float64),
+    )
     c1, c2 = SpatialConv2d.from_conv(copy.deepcopy(ref1), G, 3), SpatialConv2d.from_conv(copy.deepcopy(ref2), G, 3)
     sizes, full = [5, 0, 4], torch.randn(2, 3, 6, 9, dtype=torch.float64)
     out_sizes = spatial_output_sizes(sizes, 4, 2, 1)
@@ -341,9 +367,23 @@ def _error_cases():
         "channels": (ShardkitError, "channels", lambda: spatial_conv2d(x, torch.zeros(4, 2, 3, 3), None, G, 3)),
         "bias_shape": (ShardkitError, "bias", lambda: spatial_conv2d(x, w, torch.zeros(3), G, 3)),
         "input_ndim": (ShardkitError, "4-d", lambda: spatial_conv2d(x[0], w, None, G, 2)),
-        "kernel_too_large": (ShardkitError, "larger than the padded", lambda: spatial_conv2d(x, torch.zeros(4, 3, 1, 9), None, G, 3, sizes=[2] * R)),
-        "reflect_wider_than_input": (ShardkitError, "reflect", lambda: spatial_conv1d(torch.zeros(1, 3, 1), torch.zeros(4, 3, 3), None, G, 2, padding=R, padding_mode="reflect", sizes=[1] * R)),
-        "padding_mode": (ShardkitError, "padding_mode", lambda: spatial_conv2d(x, w, None, G, 3, padding_mode="mirror")),
+        "kernel_too_large": (
+            ShardkitError,
+            "larger than the padded",
+            lambda: spatial_conv2d(x, torch.zeros(4, 3, 1, 9), None, G, 3, sizes=[2] * R),
+        ),
+        "reflect_wider_than_input": (
+            ShardkitError,
+            "reflect",
+            lambda: spatial_conv1d(
+                torch.zeros(1, 3, 1), torch.zeros(4, 3, 3), None, G, 2, padding=R, padding_mode="reflect", sizes=[1] * R
+            ),
+        ),
+        "padding_mode": (
+            ShardkitError,
+            "padding_mode",
+            lambda: spatial_conv2d(x, w, None, G, 3, padding_mode="mirror"),
+        ),
         "stride_zero": (ShardkitError, ">= 1", lambda: spatial_conv2d(x, w, None, G, 3, 0)),
         "sizes_wrong_length": (ShardkitError, "entries", lambda: spatial_conv2d(x, w, None, G, 3, sizes=[2] * (R + 1))),
         "data_format": (ShardkitError, "data_format", lambda: ring_conv2d(x, w, data_format="NCDHW", group=G)),
@@ -352,10 +392,23 @@ def _error_cases():
 
 
 @pytest.mark.world(2)
-@pytest.mark.parametrize("case", [
-    "same_with_stride", "dim_not_spatial", "channels", "bias_shape", "input_ndim", "kernel_too_large",
-    "reflect_wider_than_input", "padding_mode", "stride_zero", "sizes_wrong_length", "data_format", "group_none",
-])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "same_with_stride",
+        "dim_not_spatial",
+        "channels",
+        "bias_shape",
+        "input_ndim",
+        "kernel_too_large",
+        "reflect_wider_than_input",
+        "padding_mode",
+        "stride_zero",
+        "sizes_wrong_length",
+        "data_format",
+        "group_none",
+    ],
+)
 def test_bad_arguments_raise_on_every_rank(case):
     kind, fragment, fn = _error_cases()[case]
     start = time.monotonic()

@@ -55,19 +55,29 @@ def _sampled(R, count):
     while len(cases) < count:
         nd = rng.choice([1, 2, 2, 3])
         s, d = rng.randint(1, 3), rng.randint(1, 2)
-        c = _case(nd, rng.randrange(nd), rng.randint(1, 4), s, rng.randint(0, 2), rng.randint(0, max(s, d) - 1), d,
-                  rng.choice([1, 2]), rng.choice(["balanced", "zero_first", "ragged"]), rng.randint(R, 9),
-                  cl=rng.random() < 0.25)
+        c = _case(
+            nd,
+            rng.randrange(nd),
+            rng.randint(1, 4),
+            s,
+            rng.randint(0, 2),
+            rng.randint(0, max(s, d) - 1),
+            d,
+            rng.choice([1, 2]),
+            rng.choice(["balanced", "zero_first", "ragged"]),
+            rng.randint(R, 9),
+            cl=rng.random() < 0.25,
+        )
         if _valid(c):
             cases.append(c)
     return cases
 
 
 EDGE = [
-    _case(2, 1, 4, 2, 1, 0, 1, 1, "balanced", 8),   # the usual x2 upsampling: even split -> 2 * sizes
-    _case(2, 1, 2, 2, 0, 0, 1, 1, "balanced", 8),   # patch-unfold: no traffic at even splits
-    _case(2, 0, 3, 2, 1, 1, 1, 1, "ragged", 7),     # output_padding, H sharded
-    _case(1, 0, 1, 3, 0, 2, 1, 1, "balanced", 5),   # stride > kernel: gaps of bias-only outputs
+    _case(2, 1, 4, 2, 1, 0, 1, 1, "balanced", 8),  # the usual x2 upsampling: even split -> 2 * sizes
+    _case(2, 1, 2, 2, 0, 0, 1, 1, "balanced", 8),  # patch-unfold: no traffic at even splits
+    _case(2, 0, 3, 2, 1, 1, 1, 1, "ragged", 7),  # output_padding, H sharded
+    _case(1, 0, 1, 3, 0, 2, 1, 1, "balanced", 5),  # stride > kernel: gaps of bias-only outputs
     _case(1, 0, 3, 1, 2, 0, 2, 2, "zero_first", 6),  # dilated, padding shrinks the output
     _case(3, 2, 4, 3, 2, 1, 1, 1, "balanced", 5, cl=True),
 ]
@@ -75,8 +85,11 @@ assert all(_valid(c) for c in EDGE)
 
 
 def _ids(cases):
-    return [f"{c['nd']}d-s{c['shard']}-k{c['k']}s{c['s']}p{c['p']}q{c['q']}d{c['d']}-g{c['groups']}-{c['split']}{c['n']}"
-            + ("-cl" if c["cl"] else "") for c in cases]
+    return [
+        f"{c['nd']}d-s{c['shard']}-k{c['k']}s{c['s']}p{c['p']}q{c['q']}d{c['d']}-g{c['groups']}-{c['split']}{c['n']}"
+        + ("-cl" if c["cl"] else "")
+        for c in cases
+    ]
 
 
 def _parity(c, seed=0):
@@ -91,8 +104,17 @@ def _parity(c, seed=0):
     if nd > 1:  # the other dims: a strided transposed conv with output padding too
         o = (j + 1) % nd
         kernel[o], stride[o], pad[o], opad[o] = 3, 2, 1, 1
-    ref = MODULES[nd](c_in, 4, kernel, stride=stride, padding=pad, output_padding=opad, groups=c["groups"],
-                      dilation=dil, dtype=torch.float64)
+    ref = MODULES[nd](
+        c_in,
+        4,
+        kernel,
+        stride=stride,
+        padding=pad,
+        output_padding=opad,
+        groups=c["groups"],
+        dilation=dil,
+        dtype=torch.float64,
+    )
     with torch.no_grad():
         ref.weight.copy_(torch.randn(ref.weight.shape, generator=gen, dtype=torch.float64))
         ref.bias.copy_(torch.randn(ref.bias.shape, generator=gen, dtype=torch.float64))
@@ -110,8 +132,20 @@ def _parity(c, seed=0):
     x = x_full.narrow(dim, split_offsets(sizes)[r], sizes[r]).clone().requires_grad_()
     w = ref.weight.detach().clone().requires_grad_()
     b = ref.bias.detach().clone().requires_grad_()
-    y = FNS[nd](x, w, b, G, dim, tuple(stride), tuple(pad), tuple(opad), c["groups"], tuple(dil), sizes=sizes,
-                channels_last=c["cl"])
+    y = FNS[nd](
+        x,
+        w,
+        b,
+        G,
+        dim,
+        tuple(stride),
+        tuple(pad),
+        tuple(opad),
+        c["groups"],
+        tuple(dil),
+        sizes=sizes,
+        channels_last=c["cl"],
+    )
     y.backward(dy.narrow(dim, split_offsets(out_sizes)[r], out_sizes[r]))
     y_full = all_gather(y.detach(), G, dim, sizes=out_sizes)
     gx_full = all_gather(x.grad, G, dim, sizes=sizes)
@@ -207,8 +241,13 @@ class Decoder(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.net = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.SiLU(), nn.ConvTranspose2d(4, 4, 4, 2, 1),
-                                 nn.GroupNorm(2, 4), nn.ConvTranspose2d(4, 2, 3, 2, 1, output_padding=1))
+        self.net = nn.Sequential(
+            nn.Conv2d(3, 4, 3, padding=1),
+            nn.SiLU(),
+            nn.ConvTranspose2d(4, 4, 4, 2, 1),
+            nn.GroupNorm(2, 4),
+            nn.ConvTranspose2d(4, 2, 3, 2, 1, output_padding=1),
+        )
 
     def forward(self, x):
         return self.net(x)

@@ -38,8 +38,11 @@ SPLITS = {
 
 def _worlds(cases, worlds=(1, 2, 3, 4)):
     """Each case at each world size, as pytest params marked with their world."""
-    return [pytest.param(c, marks=pytest.mark.world(R), id=f"R{R}-" + "-".join(f"{k}{v}" for k, v in c.items()))
-            for R in worlds for c in cases]
+    return [
+        pytest.param(c, marks=pytest.mark.world(R), id=f"R{R}-" + "-".join(f"{k}{v}" for k, v in c.items()))
+        for R in worlds
+        for c in cases
+    ]
 
 
 def _gather_check(ref, layer, x_full, dim, split, out_sizes_of, layer_kwargs=None, seed=0):
@@ -138,8 +141,12 @@ def test_group_norm_bfloat16_rounds_once():
     y_full = all_gather(y.detach(), G, 3, sizes=sizes)
     gx_full = all_gather(x.grad, G, 3, sizes=sizes)
     ulp = 2.0**-7  # bfloat16: 8 significant bits
-    for name, got, want in (("output", y_full, y_ref), ("input_grad", gx_full, x_ref.grad),
-                            ("weight_grad", w.grad, w_ref.grad), ("bias_grad", b.grad, b_ref.grad)):
+    for name, got, want in (
+        ("output", y_full, y_ref),
+        ("input_grad", gx_full, x_ref.grad),
+        ("weight_grad", w.grad, w_ref.grad),
+        ("bias_grad", b.grad, b_ref.grad),
+    ):
         err = ((got.double() - want).abs() / want.abs().clamp(min=1e-2)).max().item()
         assert got.dtype == torch.bfloat16 and err <= ulp, f"{name}: {err:.2e} relative (> one bfloat16 ulp {ulp})"
 
@@ -191,8 +198,9 @@ def test_upsample_parity(c):
     layer = SpatialUpsample.from_module(ref, world_group(), c["dim"])
     s = c["scale"] if isinstance(c["scale"], int) else c["scale"][c["dim"] - 2]
     x_full = torch.randn(c["shape"], generator=gen, dtype=torch.float64)
-    bad, sizes = _gather_check(ref, layer, x_full, c["dim"], c["split"], lambda sz: [n * s for n in sz],
-                               lambda sz: dict(sizes=sz))
+    bad, sizes = _gather_check(
+        ref, layer, x_full, c["dim"], c["split"], lambda sz: [n * s for n in sz], lambda sz: dict(sizes=sz)
+    )
     assert not bad, f"{c} sizes={sizes}: {bad}"
 
 
@@ -211,12 +219,15 @@ def test_upsample_channels_last_and_traffic():
     assert ledger.count(phase="metadata") == 1 and ledger.count() == 2
 
 
-@pytest.mark.parametrize("kwargs, fragment", [
-    (dict(scale_factor=1.5), "integer"),
-    (dict(scale_factor=2, mode="bicubic"), "not supported"),
-    (dict(scale_factor=2, mode="bilinear", align_corners=True), "align_corners"),
-    (dict(scale_factor=2, mode="trilinear"), "3 spatial"),
-])
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        (dict(scale_factor=1.5), "integer"),
+        (dict(scale_factor=2, mode="bicubic"), "not supported"),
+        (dict(scale_factor=2, mode="bilinear", align_corners=True), "align_corners"),
+        (dict(scale_factor=2, mode="trilinear"), "3 spatial"),
+    ],
+)
 @pytest.mark.world(2)
 def test_upsample_unsupported_raise(kwargs, fragment):
     x = torch.zeros(1, 2, 4, 4)
@@ -252,9 +263,15 @@ def test_pool_parity(c):
         ref = nn.AvgPool2d(c["k"], c["s"], c["p"], count_include_pad=c.get("cip", True), divisor_override=c.get("div"))
         layer = SpatialAvgPool2d.from_module(ref, world_group(), c["dim"])
     x_full = torch.randn(shape, generator=gen, dtype=torch.float64)
-    bad, sizes = _gather_check(ref, layer, x_full, c["dim"], c["split"],
-                               lambda sz: spatial_output_sizes(sz, pick(c["k"]), pick(c["s"]), pick(c["p"]), c["d"]),
-                               lambda sz: dict(sizes=sz))
+    bad, sizes = _gather_check(
+        ref,
+        layer,
+        x_full,
+        c["dim"],
+        c["split"],
+        lambda sz: spatial_output_sizes(sz, pick(c["k"]), pick(c["s"]), pick(c["p"]), c["d"]),
+        lambda sz: dict(sizes=sz),
+    )
     assert not bad, f"{c} sizes={sizes}: {bad}"
 
 

@@ -38,7 +38,9 @@ def _gather2(y, mesh, hs, ws, dh=2, dw=3):
 
 
 @pytest.mark.world(4)
-@pytest.mark.parametrize("c", CASES, ids=[f"{c['mode']}-k{c['k']}s{c['s']}p{c['p']}d{c['d']}-{c['H']}x{c['W']}" for c in CASES])
+@pytest.mark.parametrize(
+    "c", CASES, ids=[f"{c['mode']}-k{c['k']}s{c['s']}p{c['p']}d{c['d']}-{c['H']}x{c['W']}" for c in CASES]
+)
 def test_tiled_conv2d_parity(c):
     assert world_size() == 4
     mesh = get_mesh((2, 2), ("h", "w"))
@@ -55,15 +57,20 @@ def test_tiled_conv2d_parity(c):
     ohs, ows = (spatial_output_sizes(sz, c["k"], c["s"], c["p"], c["d"]) for sz in (hs, ws))
     x = _tile(x_full.detach(), mesh, hs, ws).clone().requires_grad_()
     w, b = ref.weight.detach().clone().requires_grad_(), ref.bias.detach().clone().requires_grad_()
-    y = spatial_conv2d(x, w, b, (mesh["h"], mesh["w"]), (2, 3), c["s"], c["p"], c["d"], padding_mode=c["mode"],
-                       sizes=(hs, ws))
+    y = spatial_conv2d(
+        x, w, b, (mesh["h"], mesh["w"]), (2, 3), c["s"], c["p"], c["d"], padding_mode=c["mode"], sizes=(hs, ws)
+    )
     y.backward(_tile(dy, mesh, ohs, ows))
-    bad = [name for name, ok in {
-        "output": torch.allclose(_gather2(y.detach(), mesh, ohs, ows), y_ref, **TOL),
-        "input_grad": torch.allclose(_gather2(x.grad, mesh, hs, ws), x_full.grad, **TOL),
-        "weight_grad": torch.allclose(w.grad, ref.weight.grad, **TOL),
-        "bias_grad": torch.allclose(b.grad, ref.bias.grad, **TOL),
-    }.items() if not ok]
+    bad = [
+        name
+        for name, ok in {
+            "output": torch.allclose(_gather2(y.detach(), mesh, ohs, ows), y_ref, **TOL),
+            "input_grad": torch.allclose(_gather2(x.grad, mesh, hs, ws), x_full.grad, **TOL),
+            "weight_grad": torch.allclose(w.grad, ref.weight.grad, **TOL),
+            "bias_grad": torch.allclose(b.grad, ref.bias.grad, **TOL),
+        }.items()
+        if not ok
+    ]
     assert not bad, f"{c} hs={hs} ws={ws}: {bad}"
 
 
@@ -117,22 +124,26 @@ def test_tiled_conv3d_parity(c):
     w, b = ref.weight.detach().clone().requires_grad_(), ref.bias.detach().clone().requires_grad_()
     y = spatial_conv3d(x, w, b, (mesh["h"], mesh["w"]), (d0, d1), c["s"], c["p"], sizes=(s0, s1))
     y.backward(_tile(dy, mesh, o0, o1, d0, d1))
-    bad = [name for name, ok in {
-        "output": torch.allclose(_gather2(y.detach(), mesh, o0, o1, d0, d1), y_ref, **TOL),
-        "input_grad": torch.allclose(_gather2(x.grad, mesh, s0, s1, d0, d1), x_full.grad, **TOL),
-        "weight_grad": torch.allclose(w.grad, ref.weight.grad, **TOL),
-        "bias_grad": torch.allclose(b.grad, ref.bias.grad, **TOL),
-    }.items() if not ok]
+    bad = [
+        name
+        for name, ok in {
+            "output": torch.allclose(_gather2(y.detach(), mesh, o0, o1, d0, d1), y_ref, **TOL),
+            "input_grad": torch.allclose(_gather2(x.grad, mesh, s0, s1, d0, d1), x_full.grad, **TOL),
+            "weight_grad": torch.allclose(w.grad, ref.weight.grad, **TOL),
+            "bias_grad": torch.allclose(b.grad, ref.bias.grad, **TOL),
+        }.items()
+        if not ok
+    ]
     assert not bad, f"{c}: {bad}"
 
 
 # ---------------------------------------------------------------- transposed convolutions over tiles
 
 CASES_T = [
-    dict(H=4, W=5, k=4, s=2, p=1, q=0, d=1, hs=None, ws=None),      # x2 upsampling
-    dict(H=5, W=4, k=3, s=2, p=1, q=1, d=1, hs=[4, 1], ws=None),    # output_padding, uneven H
-    dict(H=5, W=6, k=3, s=1, p=1, q=0, d=2, hs=None, ws=[0, 6]),    # dilated, an empty W tile
-    dict(H=4, W=4, k=2, s=2, p=0, q=0, d=1, hs=None, ws=None),      # unpatchify: no halo at all
+    dict(H=4, W=5, k=4, s=2, p=1, q=0, d=1, hs=None, ws=None),  # x2 upsampling
+    dict(H=5, W=4, k=3, s=2, p=1, q=1, d=1, hs=[4, 1], ws=None),  # output_padding, uneven H
+    dict(H=5, W=6, k=3, s=1, p=1, q=0, d=2, hs=None, ws=[0, 6]),  # dilated, an empty W tile
+    dict(H=4, W=4, k=2, s=2, p=0, q=0, d=1, hs=None, ws=None),  # unpatchify: no halo at all
 ]
 
 
@@ -155,16 +166,21 @@ def test_tiled_conv_transpose2d_parity(c):
     ohs, ows = (spatial_transpose_output_sizes(sz, c["k"], c["s"], c["p"], c["q"], c["d"]) for sz in (hs, ws))
     x = _tile(x_full.detach(), mesh, hs, ws).clone().requires_grad_()
     w, b = ref.weight.detach().clone().requires_grad_(), ref.bias.detach().clone().requires_grad_()
-    y = spatial_conv_transpose2d(x, w, b, (mesh["h"], mesh["w"]), (2, 3), c["s"], c["p"], c["q"], 1, c["d"],
-                                 sizes=(hs, ws))
+    y = spatial_conv_transpose2d(
+        x, w, b, (mesh["h"], mesh["w"]), (2, 3), c["s"], c["p"], c["q"], 1, c["d"], sizes=(hs, ws)
+    )
     y.backward(_tile(dy, mesh, ohs, ows))
-    bad = [name for name, ok in {
-        "local_shape": tuple(y.shape[2:]) == (ohs[mesh["h"].get_local_rank()], ows[mesh["w"].get_local_rank()]),
-        "output": torch.allclose(_gather2(y.detach(), mesh, ohs, ows), y_ref, **TOL),
-        "input_grad": torch.allclose(_gather2(x.grad, mesh, hs, ws), x_full.grad, **TOL),
-        "weight_grad": torch.allclose(w.grad, ref.weight.grad, **TOL),
-        "bias_grad": torch.allclose(b.grad, ref.bias.grad, **TOL),
-    }.items() if not ok]
+    bad = [
+        name
+        for name, ok in {
+            "local_shape": tuple(y.shape[2:]) == (ohs[mesh["h"].get_local_rank()], ows[mesh["w"].get_local_rank()]),
+            "output": torch.allclose(_gather2(y.detach(), mesh, ohs, ows), y_ref, **TOL),
+            "input_grad": torch.allclose(_gather2(x.grad, mesh, hs, ws), x_full.grad, **TOL),
+            "weight_grad": torch.allclose(w.grad, ref.weight.grad, **TOL),
+            "bias_grad": torch.allclose(b.grad, ref.bias.grad, **TOL),
+        }.items()
+        if not ok
+    ]
     assert not bad, f"{c} hs={hs} ws={ws}: {bad}"
 
 

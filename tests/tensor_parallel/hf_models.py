@@ -7,17 +7,25 @@ crashes DTensor TP, pytorch#150336) and a vocabulary of 101 (uneven everywhere).
 
 from __future__ import annotations
 
-import torch
-
 import types
 
+import torch
 import torch.nn.functional as F
 
 from shardkit.train.model import keep_norms_in_input_dtype
 
 VOCAB = 101
-_COMMON = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=10, num_hidden_layers=2, num_attention_heads=6,
-              num_key_value_heads=2, head_dim=8, use_cache=False, tie_word_embeddings=False)
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=48,
+    intermediate_size=10,
+    num_hidden_layers=2,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    head_dim=8,
+    use_cache=False,
+    tie_word_embeddings=False,
+)
 
 
 def build(kind: str, seed: int = 0, dtype=torch.float64, **overrides):
@@ -34,13 +42,32 @@ def build(kind: str, seed: int = 0, dtype=torch.float64, **overrides):
         model_cls, config = tf.Qwen3ForCausalLM, tf.Qwen3Config(**COMMON)  # q/k norms
     elif kind == "qwen3_moe":
         model_cls = tf.Qwen3MoeForCausalLM
-        config = tf.Qwen3MoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=10,
-                                   norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1])
+        config = tf.Qwen3MoeConfig(
+            **COMMON,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=10,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[1],
+        )
     elif kind == "deepseek_v2":
         model_cls = tf.DeepseekV2ForCausalLM
-        mla = dict(num_key_value_heads=6, q_lora_rank=None, kv_lora_rank=12, qk_rope_head_dim=4, qk_nope_head_dim=8,
-                   v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
-                   moe_intermediate_size=10, first_k_dense_replace=1, n_group=1, topk_group=1)
+        mla = dict(
+            num_key_value_heads=6,
+            q_lora_rank=None,
+            kv_lora_rank=12,
+            qk_rope_head_dim=4,
+            qk_nope_head_dim=8,
+            v_head_dim=8,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            moe_intermediate_size=10,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+        )
         common = {k: v for k, v in _COMMON.items() if k != "head_dim"}
         config = tf.DeepseekV2Config(**{**common, **mla, **overrides})
     else:

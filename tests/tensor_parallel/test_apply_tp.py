@@ -8,12 +8,12 @@ unevenly, replicate KV heads and cut MLP and vocabulary shards with torch.chunk 
 
 import pytest
 import torch
-
-from harness.helpers import rank, world_group, world_size
 from hf_models import assert_parity, build
 from hf_models import causal_lm_loss_f64 as _causal_lm_loss_f64
 from hf_models import ids as _ids
 from hf_models import run as _run
+
+from harness.helpers import rank, world_group
 from shardkit import CommLedger
 from shardkit.expert_parallel import ep_plan
 from shardkit.tensor_parallel import apply_tp, shard_spec

@@ -13,18 +13,23 @@ import pytest
 import safetensors.torch
 import torch
 import torch.distributed as dist
-from torch import nn
-
-from harness.helpers import rank, remove_shared_dir, shared_tmpdir, subgroup, world_group
 from hf_models import VOCAB, build
-from shardkit.errors import ShardkitError
-from shardkit.tensor_parallel import apply_tp, gather_full_grads, gather_full_state_dict, shard_spec
-from shardkit.tensor_parallel.checkpoint import SafetensorsCheckpoint, load_sharded
+from torch import nn
 
 # Import transformers' modeling code when a rank loads this module, before any collective: on a
 # busy machine the first import can outlast the test process group's timeout.
 from transformers import (  # noqa: E402, F401
-    DeepseekV2ForCausalLM, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM)
+    DeepseekV2ForCausalLM,
+    LlamaForCausalLM,
+    Qwen2ForCausalLM,
+    Qwen3ForCausalLM,
+    Qwen3MoeForCausalLM,
+)
+
+from harness.helpers import rank, remove_shared_dir, shared_tmpdir, subgroup, world_group
+from shardkit.errors import ShardkitError
+from shardkit.tensor_parallel import apply_tp, gather_full_grads, gather_full_state_dict, shard_spec
+from shardkit.tensor_parallel.checkpoint import SafetensorsCheckpoint, load_sharded
 
 
 def _shared_dir() -> str:
@@ -124,8 +129,11 @@ def test_round_trip_to_other_tp_sizes(kind, fmt):
     full = gather_full_state_dict(model)
     if rank() == 0:
         if fmt == "safetensors":  # fused expert keys, as the model names them
-            safetensors.torch.save_file({k: v.contiguous() for k, v in full.items()},
-                                        os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+            safetensors.torch.save_file(
+                {k: v.contiguous() for k, v in full.items()},
+                os.path.join(path, "model.safetensors"),
+                metadata={"format": "pt"},
+            )
         else:  # transformers 5 writes experts per expert; it empties the dict it is given
             model.save_pretrained(path, state_dict=dict(full), max_shard_size="30KB")
     dist.barrier()

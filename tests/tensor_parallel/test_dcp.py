@@ -10,9 +10,12 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from hf_models import VOCAB, build
+
+# Import transformers' modeling code before any collective (see test_checkpoint.py).
+from transformers import LlamaForCausalLM, Qwen3MoeForCausalLM  # noqa: E402, F401
 
 from harness.helpers import rank, remove_shared_dir, shared_tmpdir, subgroup, world_group
-from hf_models import VOCAB, build
 from shardkit.checkpoint import latest_checkpoint
 from shardkit.checkpoint.reader import read_metadata
 from shardkit.errors import ShardkitError
@@ -20,9 +23,6 @@ from shardkit.tensor_parallel import apply_tp, gather_full_state_dict, shard_spe
 from shardkit.tensor_parallel import dcp as sk_dcp
 from shardkit.tensor_parallel.dcp import load_sharded_checkpoint, owned_ranges, save_sharded_checkpoint
 from shardkit.tensor_parallel.spec import ShardSpec
-
-# Import transformers' modeling code before any collective (see test_checkpoint.py).
-from transformers import LlamaForCausalLM, Qwen3MoeForCausalLM  # noqa: E402, F401
 
 
 def _shared_dir() -> str:
@@ -65,8 +65,12 @@ def test_save_tp4_load_tp1_2_3_4(kind):
     model, full = _saved_model(kind)
     save_sharded_checkpoint(model, path, world_group())
     groups = {1: [None], 2: [subgroup((0, 1)), subgroup((2, 3))], 3: [subgroup((0, 1, 2))], 4: [world_group()]}
-    for tp, members, dcp_group in ((1, (0, 1, 2, 3), world_group()), (2, (0, 1, 2, 3), world_group()),
-                                   (3, (0, 1, 2), subgroup((0, 1, 2))), (4, (0, 1, 2, 3), world_group())):
+    for tp, members, dcp_group in (
+        (1, (0, 1, 2, 3), world_group()),
+        (2, (0, 1, 2, 3), world_group()),
+        (3, (0, 1, 2), subgroup((0, 1, 2))),
+        (4, (0, 1, 2, 3), world_group()),
+    ):
         if rank() not in members:
             continue  # rank 3 idles while ranks 0-2 load at tp 3
         tp_group = groups[tp][rank() // 2 if tp == 2 else 0]
@@ -99,7 +103,7 @@ def test_each_rank_writes_only_its_owned_chunks():
             assert len(chunks) == 1
             continue
         for r in range(4):
-            for a, b, _ in owned_ranges(spec, r):
+            for a, _b, _ in owned_ranges(spec, r):
                 (info,) = [v for k, v in md.storage_data.items() if k.fqn == name and k.offset[spec.dim] == a]
                 assert info.relative_path.startswith(f"__{r}_"), (name, r, info.relative_path)
     _cleanup(path)
@@ -144,8 +148,11 @@ def test_failed_save_keeps_the_previous_checkpoint():
     if rank() == 2:
         sk_dcp._ChunkSavePlanner.lookup_object = broken
     try:
-        with pytest.raises(ShardkitError, match=r"save_sharded_checkpoint: writing .*version_00000002 failed: "
-                                                r"rank 2: OSError: disk full$"):
+        with pytest.raises(
+            ShardkitError,
+            match=r"save_sharded_checkpoint: writing .*version_00000002 failed: "
+            r"rank 2: OSError: disk full$",
+        ):
             save_sharded_checkpoint(model, path, world_group())
     finally:
         sk_dcp._ChunkSavePlanner.lookup_object = original
@@ -180,7 +187,9 @@ def test_load_mismatch_raises_on_every_rank():
     model = apply_tp(build("llama"), world_group(), check="off")
     save_sharded_checkpoint(model, path, world_group())
     other = apply_tp(build("qwen3"), world_group(), check="off")  # q_norm / k_norm not in a llama checkpoint
-    with pytest.raises(ShardkitError, match=r"ranks 0, 1: .*not in the checkpoint: .*model.layers.0.self_attn.k_norm.weight"):
+    with pytest.raises(
+        ShardkitError, match=r"ranks 0, 1: .*not in the checkpoint: .*model.layers.0.self_attn.k_norm.weight"
+    ):
         load_sharded_checkpoint(other, path, world_group())
     with pytest.raises(ShardkitError, match="cannot read a DCP checkpoint"):
         load_sharded_checkpoint(other, os.path.join(path, "absent"), world_group())
@@ -198,7 +207,10 @@ def test_float32_checkpoint_into_bfloat16_model_raises_instead_of_casting():
     save_sharded_checkpoint(model, path, world_group())
     target = apply_tp(build("llama").to(torch.bfloat16), world_group(), check="off")
     before = {n: p.clone() for n, p in target.named_parameters()}
-    with pytest.raises(ShardkitError, match=r"ranks 0, 1: dtypes differ.*model.embed_tokens.weight \(checkpoint float32, model bfloat16\)"):
+    with pytest.raises(
+        ShardkitError,
+        match=r"ranks 0, 1: dtypes differ.*model.embed_tokens.weight \(checkpoint float32, model bfloat16\)",
+    ):
         load_sharded_checkpoint(target, path, world_group())
     assert all(torch.equal(p, before[n]) for n, p in target.named_parameters())  # nothing was read
     _cleanup(path)
@@ -207,13 +219,28 @@ def test_float32_checkpoint_into_bfloat16_model_raises_instead_of_casting():
 def _metadata(fqn="w", relative_path="__0_0.distcp", bytes_item=False):
     """A DCP Metadata of one float32 tensor [2] (or a bytes item), as DCP pickles it."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
-                                                       MetadataIndex, TensorProperties, TensorStorageMetadata)
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
 
-    entry = BytesStorageMetadata() if bytes_item else TensorStorageMetadata(
-        TensorProperties(dtype=torch.float32), torch.Size([2]), [ChunkStorageMetadata(torch.Size([0]), torch.Size([2]))])
-    return Metadata(state_dict_metadata={fqn: entry},
-                    storage_data={MetadataIndex(fqn, torch.Size([0])): _StorageInfo(relative_path, 0, 10)})
+    entry = (
+        BytesStorageMetadata()
+        if bytes_item
+        else TensorStorageMetadata(
+            TensorProperties(dtype=torch.float32),
+            torch.Size([2]),
+            [ChunkStorageMetadata(torch.Size([0]), torch.Size([2]))],
+        )
+    )
+    return Metadata(
+        state_dict_metadata={fqn: entry},
+        storage_data={MetadataIndex(fqn, torch.Size([0])): _StorageInfo(relative_path, 0, 10)},
+    )
 
 
 class _RunsCode:
@@ -224,15 +251,21 @@ class _RunsCode:
         return (os.system, (f"touch {self.marker}",))
 
 
-@pytest.mark.parametrize("case,message", [
-    ("code", r"names the global (posix|os)\.system, which a checkpoint's metadata never holds \(refused, nothing of "
-             r"it was run\)"),
-    ("code inside", r"names the global (posix|os)\.system"),
-    ("bytes item", r"holds pickled \(non-tensor\) items \['w'\], which shardkit never writes"),
-    ("path outside", r"item 'w' is stored at '\.\./elsewhere.distcp', not a plain file of the save's directory"),
-    ("truncated", r"\.metadata is truncated or not a DCP metadata file"),
-    ("another hash", r"\.metadata differs from the save's manifest \(SHA-256 mismatch\)"),
-])
+@pytest.mark.parametrize(
+    "case,message",
+    [
+        (
+            "code",
+            r"names the global (posix|os)\.system, which a checkpoint's metadata never holds \(refused, nothing of "
+            r"it was run\)",
+        ),
+        ("code inside", r"names the global (posix|os)\.system"),
+        ("bytes item", r"holds pickled \(non-tensor\) items \['w'\], which shardkit never writes"),
+        ("path outside", r"item 'w' is stored at '\.\./elsewhere.distcp', not a plain file of the save's directory"),
+        ("truncated", r"\.metadata is truncated or not a DCP metadata file"),
+        ("another hash", r"\.metadata differs from the save's manifest \(SHA-256 mismatch\)"),
+    ],
+)
 def test_metadata_is_read_through_the_allow_list(tmp_path, case, message):
     """DCP's pickled .metadata: its own classes, sizes and dtypes load; any other global is
     refused before it is looked up (the planted command never runs), as are bytes items (DCP
@@ -243,11 +276,14 @@ def test_metadata_is_read_through_the_allow_list(tmp_path, case, message):
 
     marker = tmp_path / "ran"
     good = pickle.dumps(_metadata())
-    data = {"code": pickle.dumps(_RunsCode(marker)),
-            "code inside": pickle.dumps({"metadata": _metadata(), "extra": _RunsCode(marker)}),
-            "bytes item": pickle.dumps(_metadata(bytes_item=True)),
-            "path outside": pickle.dumps(_metadata(relative_path="../elsewhere.distcp")),
-            "truncated": good[:len(good) // 2], "another hash": good}[case]
+    data = {
+        "code": pickle.dumps(_RunsCode(marker)),
+        "code inside": pickle.dumps({"metadata": _metadata(), "extra": _RunsCode(marker)}),
+        "bytes item": pickle.dumps(_metadata(bytes_item=True)),
+        "path outside": pickle.dumps(_metadata(relative_path="../elsewhere.distcp")),
+        "truncated": good[: len(good) // 2],
+        "another hash": good,
+    }[case]
     (tmp_path / ".metadata").write_bytes(data)
     with pytest.raises(ShardkitError, match=message):
         read_metadata(str(tmp_path), "0" * 64 if case == "another hash" else None)
@@ -285,8 +321,11 @@ def test_load_sharded_checkpoint_verifies_what_it_reads():
     if rank() == 0:
         plant()
     dist.barrier()
-    with pytest.raises(ShardkitError, match=r"load_sharded_checkpoint: checkpoint refused .* ranks 0, 1: cannot read a "
-                                            r"DCP checkpoint .*names the global (posix|os)\.system"):
+    with pytest.raises(
+        ShardkitError,
+        match=r"load_sharded_checkpoint: checkpoint refused .* ranks 0, 1: cannot read a "
+        r"DCP checkpoint .*names the global (posix|os)\.system",
+    ):
         load_sharded_checkpoint(model, path, world_group())
     assert not os.path.exists(marker)
     dist.barrier()

@@ -10,13 +10,13 @@ parallelism; the exact collectives of a step; the refusal of expert-parallel exp
 
 import pytest
 import torch
-
-from harness.helpers import get_mesh, rank, world_group
 from hf_models import VOCAB, assert_parity, causal_lm_loss_f64
 from hf_models import build as _build
 from hf_models import ids as _ids
 from hf_models import rel as _rel
 from hf_models import run as _run
+
+from harness.helpers import get_mesh, rank, world_group
 from shardkit import CommLedger, ShardkitError
 from shardkit.tensor_parallel import apply_tp, check_tp, gather_full_grads, shard_spec
 
@@ -36,9 +36,17 @@ def _smol_like(tied: bool, seed=0):
 
     from shardkit.train.model import keep_norms_in_input_dtype
 
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=36, intermediate_size=10, num_hidden_layers=2,
-                         num_attention_heads=9, num_key_value_heads=3, head_dim=4, use_cache=False,
-                         tie_word_embeddings=tied)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=36,
+        intermediate_size=10,
+        num_hidden_layers=2,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=4,
+        use_cache=False,
+        tie_word_embeddings=tied,
+    )
     config._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).double()
@@ -122,9 +130,9 @@ def test_sp_tp2_dp2_ddp(seq):
     ddp = DDP(apply_tp(model, mesh["tp"], check="off", sequence_parallel=True), process_group=mesh["dp"].get_group())
     ids = _ids(4, seq)
     ref_logits, _ = _run(ref, ids)
-    logits, _ = _run(ddp, ids[2 * d: 2 * d + 2])
+    logits, _ = _run(ddp, ids[2 * d : 2 * d + 2])
     grads = gather_full_grads(ddp)
-    assert _rel(logits, ref_logits[2 * d: 2 * d + 2]) <= RTOL
+    assert _rel(logits, ref_logits[2 * d : 2 * d + 2]) <= RTOL
     # DDP averages the two dp halves' mean losses: the full-batch mean loss for equal halves.
     bad = {n: _rel(grads[n], p.grad) for n, p in ref.named_parameters() if _rel(grads[n], p.grad) > RTOL}
     assert not bad, bad

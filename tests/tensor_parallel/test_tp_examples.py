@@ -119,12 +119,19 @@ def test_mlp_sequence_parallel_collectives():
     reduce-scatter's all-gather and the bias gradient's all-reduce (the input needs no gradient)."""
     torch.manual_seed(0)
     model = MLPModule()
-    apply_tp(model, world_group(), {"net1": ColwiseParallel(input_layouts=Shard(0)),
-                                    "net2": RowwiseParallel(output_layouts=Shard(0))}, check="off")
+    apply_tp(
+        model,
+        world_group(),
+        {"net1": ColwiseParallel(input_layouts=Shard(0)), "net2": RowwiseParallel(output_layouts=Shard(0))},
+        check="off",
+    )
     with CommLedger() as fwd:
         out = model(_rows(8, rank()))
     with CommLedger() as bwd:
         out.sum().backward()
     assert (fwd.count(api="all_gather"), fwd.count(api="reduce_scatter"), fwd.count()) == (1, 1, 2), fwd.summary()
-    assert (bwd.count(api="reduce_scatter", phase="backward"), bwd.count(api="sum_grad_over"), bwd.count()) == (1, 1, 2), \
-        bwd.summary()
+    assert (bwd.count(api="reduce_scatter", phase="backward"), bwd.count(api="sum_grad_over"), bwd.count()) == (
+        1,
+        1,
+        2,
+    ), bwd.summary()

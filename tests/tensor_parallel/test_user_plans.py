@@ -10,10 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from harness.helpers import rank, world_group, world_size
+from harness.helpers import rank, world_group
 from shardkit import ShardkitError, ShardkitTypeError
 from shardkit.tensor_parallel import (
-    ColwiseParallel,
     PackedColwiseParallel,
     RowwiseParallel,
     apply_tp,
@@ -162,8 +161,12 @@ def test_rowwise_split_input_and_tied_weights():
 
     ref, model = _pair(Tied)
     model.head.weight = model.embed.weight
-    apply_tp(model, world_group(), {"embed": "embedding_rowwise", "proj": "rowwise_split_input",
-                                    "head": "colwise_gather_output"}, check="error")
+    apply_tp(
+        model,
+        world_group(),
+        {"embed": "embedding_rowwise", "proj": "rowwise_split_input", "head": "colwise_gather_output"},
+        check="error",
+    )
     assert model.head.weight is model.embed.weight and model.embed.num_embeddings == [5, 4][rank()]
     ids = torch.randint(0, 9, (3, 4), generator=torch.Generator().manual_seed(4))
     y_ref, y = ref(ids), model(ids)
@@ -177,8 +180,14 @@ def test_verify_tp_plan_lists_unused_rules_and_unsharded_parameters():
     model = Tiny()
     report = verify_tp_plan(model, {"mlp.up": "colwise", "mlp.down": "rowwise", "layers.*.nothing": "colwise"})
     assert report.unused_rules == ("layers.*.nothing",)
-    assert set(report.unsharded) == {"embed.weight", "attn.qkv.weight", "attn.qkv.bias", "attn.o.weight",
-                                     "attn.o.bias", "head.weight"}
+    assert set(report.unsharded) == {
+        "embed.weight",
+        "attn.qkv.weight",
+        "attn.qkv.bias",
+        "attn.o.weight",
+        "attn.o.bias",
+        "head.weight",
+    }
     assert not report.ok
 
 

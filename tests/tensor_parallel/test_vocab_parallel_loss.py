@@ -69,16 +69,27 @@ def _check_parity(layout, reduction, smoothing, ignore, lead=(2, 3, 4), dtype=to
     ignore_index, with_ignored = IGNORES[ignore]
     full, labels = _problem(lead, vocab, dtype, ignore_index, with_ignored)
     full = full.requires_grad_()
-    ref = F.cross_entropy(full.reshape(-1, vocab), labels.reshape(-1), ignore_index=ignore_index,
-                          label_smoothing=smoothing, reduction=reduction)
+    ref = F.cross_entropy(
+        full.reshape(-1, vocab),
+        labels.reshape(-1),
+        ignore_index=ignore_index,
+        label_smoothing=smoothing,
+        reduction=reduction,
+    )
     if reduction == "none":
         ref = ref.view(lead)
     w = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1), dtype=ref.dtype)  # replicated
     ref.backward(w)
     local = _block(full.detach(), sizes).clone().requires_grad_()
-    loss = vocab_parallel_cross_entropy(local, labels, world_group(), ignore_index=ignore_index,
-                                        label_smoothing=smoothing, reduction=reduction,
-                                        vocab_sizes=sizes if explicit else None)
+    loss = vocab_parallel_cross_entropy(
+        local,
+        labels,
+        world_group(),
+        ignore_index=ignore_index,
+        label_smoothing=smoothing,
+        reduction=reduction,
+        vocab_sizes=sizes if explicit else None,
+    )
     loss.backward(w)
     assert loss.shape == ref.shape and loss.dtype == ref.dtype
     assert _rel(loss.detach(), ref.detach()) <= rtol, (loss, ref)
@@ -294,8 +305,13 @@ def _one_rank_labels(mode, bad_rank, bad_labels, exc, match):
 @pytest.mark.parametrize("mode", [False, True], ids=["default", "checks"])
 def test_labels_shape_on_one_rank_r2(mode):
     # The input: labels [2, 4] on one rank for logits [2, 5, V / R].
-    _one_rank_labels(mode, 1, torch.zeros(2, 4, dtype=torch.long), RankMismatchError,
-                     r"leading dims \(2, 5\) on every rank of the group of 2; ranks \[1\] pass another shape")
+    _one_rank_labels(
+        mode,
+        1,
+        torch.zeros(2, 4, dtype=torch.long),
+        RankMismatchError,
+        r"leading dims \(2, 5\) on every rank of the group of 2; ranks \[1\] pass another shape",
+    )
 
 
 @pytest.mark.world(3)
@@ -337,8 +353,9 @@ def _check_head(layout, hidden=6):
     ref.backward()
     x, w = x0.clone().requires_grad_(), _block(w0.T, sizes).T.clone().requires_grad_()
     logits_local = all_reduce_backward(x, world_group()) @ w.T
-    loss = vocab_parallel_cross_entropy(logits_local, labels, world_group(), label_smoothing=0.1,
-                                        vocab_sizes=sizes if explicit else None)
+    loss = vocab_parallel_cross_entropy(
+        logits_local, labels, world_group(), label_smoothing=0.1, vocab_sizes=sizes if explicit else None
+    )
     loss.backward()
     assert _rel(loss.detach(), ref.detach()) <= 1e-9
     assert _rel(x.grad, x_ref.grad) <= 1e-9

@@ -39,8 +39,8 @@ def test_crop_sampler_is_deterministic_with_the_right_shapes():
     # Each crop is a window of the image.
     tiny = torch.arange(2 * 5 * 6, dtype=torch.float32).view(2, 5, 6)
     crop = CropSampler(tiny, (2, 3), 1, seed=0).next_batch()[0]
-    t, l = divmod(int(crop[0, 0, 0]), 6)
-    assert torch.equal(crop, tiny[:, t : t + 2, l : l + 3])
+    top, left = divmod(int(crop[0, 0, 0]), 6)
+    assert torch.equal(crop, tiny[:, top : top + 2, left : left + 3])
     with pytest.raises(ValueError, match="larger than the image"):
         CropSampler(tiny, (6, 3), 1, seed=0)
 
@@ -89,8 +89,7 @@ def test_reconstruction_png_is_the_model_output_side_by_side(tmp_path):
     expect = outputs[1].clamp(0, 1).mul(255).round().to(torch.uint8).permute(1, 2, 0)
     top, left = 2 * h + 2, 2 * w + 2  # second row, second tile, every other pixel
     assert torch.equal(pixels[top : top + 2 * h : 2, left : left + 2 * w : 2], expect)
-    assert torch.equal(pixels[: 2 * h : 2, : 2 * w : 2],
-                       inputs[0].mul(255).round().to(torch.uint8).permute(1, 2, 0))
+    assert torch.equal(pixels[: 2 * h : 2, : 2 * w : 2], inputs[0].mul(255).round().to(torch.uint8).permute(1, 2, 0))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["reconstruction.png"]  # no temporary file left
 
 
@@ -116,20 +115,23 @@ def test_conv_ae_layout():
     assert (tiles.nproc, tiles.spatial_h, tiles.spatial) == (12, 2, 3)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(spatial=2), "--spatial 2 needs --model conv-ae"),
-    (dict(model="conv-ae", tp=2), "--tp 2 with --model conv-ae"),
-    (dict(model="conv-ae", pp=2, dp=2), "--pp 2 with --model conv-ae"),
-    (dict(model="conv-ae", cp_ring=2), "--cp-ring 2 with --model conv-ae"),
-    (dict(model="conv-ae", spatial=2, dp=1, nproc=4), "dp_replicate=1 = 2 ranks, but --nproc is 4"),
-    (dict(model="conv-ae", spatial=3, nproc=4), "must divide --nproc 4"),
-    (dict(model="conv-ae", spatial=11), "--spatial 11: .* fewer than 8 columns"),
-    (dict(model="conv-ae", spatial=0), "--spatial must be >= 1"),
-    (dict(model="conv-ae", spatial_h=7), "--spatial-h 7: .* fewer than 8 rows"),
-    (dict(model="conv-ae", spatial_h=0), "--spatial-h must be >= 1"),
-    (dict(spatial_h=2), "--spatial-h 2 needs --model conv-ae"),
-    (dict(model="resnet"), "--model must be one of llama, qwen2, qwen3, moe, mla, conv-ae"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(spatial=2), "--spatial 2 needs --model conv-ae"),
+        (dict(model="conv-ae", tp=2), "--tp 2 with --model conv-ae"),
+        (dict(model="conv-ae", pp=2, dp=2), "--pp 2 with --model conv-ae"),
+        (dict(model="conv-ae", cp_ring=2), "--cp-ring 2 with --model conv-ae"),
+        (dict(model="conv-ae", spatial=2, dp=1, nproc=4), "dp_replicate=1 = 2 ranks, but --nproc is 4"),
+        (dict(model="conv-ae", spatial=3, nproc=4), "must divide --nproc 4"),
+        (dict(model="conv-ae", spatial=11), "--spatial 11: .* fewer than 8 columns"),
+        (dict(model="conv-ae", spatial=0), "--spatial must be >= 1"),
+        (dict(model="conv-ae", spatial_h=7), "--spatial-h 7: .* fewer than 8 rows"),
+        (dict(model="conv-ae", spatial_h=0), "--spatial-h must be >= 1"),
+        (dict(spatial_h=2), "--spatial-h 2 needs --model conv-ae"),
+        (dict(model="resnet"), "--model must be one of llama, qwen2, qwen3, moe, mla, conv-ae"),
+    ],
+)
 def test_invalid_conv_ae_options(kwargs, match):
     with pytest.raises(ShardkitError, match=match):
         validate_config(merge_config({}, kwargs))
@@ -137,14 +139,28 @@ def test_invalid_conv_ae_options(kwargs, match):
 
 def _shardkit(*argv, timeout):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([sys.executable, "-m", "shardkit", *argv], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "shardkit", *argv], capture_output=True, text=True, timeout=timeout, env=env
+    )
 
 
 def test_end_to_end_spatial_verify(tmp_path):
     # About 12 s on 2 cores (2 spawned ranks); the timeout only bounds a hang.
-    proc = _shardkit("train", "--model", "conv-ae", "--spatial", "2", "--nproc", "2", "--steps", "2", "--verify",
-                     "--report", str(tmp_path), timeout=120)
+    proc = _shardkit(
+        "train",
+        "--model",
+        "conv-ae",
+        "--spatial",
+        "2",
+        "--nproc",
+        "2",
+        "--steps",
+        "2",
+        "--verify",
+        "--report",
+        str(tmp_path),
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "spatial=2" in proc.stdout and "PASSED" in proc.stdout and "spatial_conv2d" in proc.stdout
     import matplotlib.image
@@ -152,7 +168,8 @@ def test_end_to_end_spatial_verify(tmp_path):
     h, w = CROP
     assert matplotlib.image.imread(tmp_path / "reconstruction.png").shape[:2] == (4 * h + 2, 8 * w + 6)
     assert {"metrics.jsonl", "report.json", "loss.png", "reconstruction.png", "tb"} <= {
-        p.name for p in tmp_path.iterdir()}
+        p.name for p in tmp_path.iterdir()
+    }
     assert "reconstruction.png" in proc.stdout
 
 

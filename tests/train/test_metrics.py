@@ -9,8 +9,10 @@ import torch
 from shardkit.train.metrics import TB_DIR, MetricsLog
 from shardkit.train.trainer import StepStats
 
-STEPS = [StepStats(loss=2.5, grad_norm=1.25, targets=64, seconds=0.5),
-         StepStats(loss=2.0, grad_norm=0.75, targets=64, seconds=0.25)]
+STEPS = [
+    StepStats(loss=2.5, grad_norm=1.25, targets=64, seconds=0.5),
+    StepStats(loss=2.0, grad_norm=0.75, targets=64, seconds=0.25),
+]
 
 
 def _log(metrics):
@@ -33,8 +35,9 @@ def test_jsonl_and_tensorboard_hold_the_same_steps(tmp_path):
     assert on_disk == lines
     assert [m["step"] for m in on_disk] == [1, 2] and [m["tokens_per_s"] for m in on_disk] == [128.0, 256.0]
     scalars = _scalars(tmp_path / TB_DIR)
-    assert sorted(scalars) == sorted(f"train/{k}" for k in (
-        "loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "peak_memory_mib", "skipped"))
+    assert sorted(scalars) == sorted(
+        f"train/{k}" for k in ("loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "peak_memory_mib", "skipped")
+    )
     assert [m["skipped"] for m in on_disk] == [False, False]
     assert scalars["train/loss"] == [(1, 2.5), (2, 2.0)]
     assert scalars["train/grad_norm"] == [(1, 1.25), (2, 0.75)]

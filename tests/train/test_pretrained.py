@@ -17,17 +17,23 @@ import os
 from pathlib import Path
 
 import pytest
-
-from harness.pretrained import EOS, SIZES, save_tiny_llama
 import torch
 
-from shardkit.train import pretrained, tokens as tokens_mod
+from harness.pretrained import EOS, SIZES, save_tiny_llama
+from shardkit.errors import ShardkitError
+from shardkit.train import pretrained
+from shardkit.train import tokens as tokens_mod
 from shardkit.train.data import BatchSampler, stdlib_files
-from shardkit.train.pretrained import (check_tokenizer, load_pretrained, load_tokenizer, read_config,
-                                     resolve_checkpoint, smollm2_gguf)
+from shardkit.train.pretrained import (
+    check_tokenizer,
+    load_pretrained,
+    load_tokenizer,
+    read_config,
+    resolve_checkpoint,
+    smollm2_gguf,
+)
 from shardkit.train.schedule import FINETUNE_LR, MIN_LR_RATIO, default_warmup_steps, warmup_cosine
 from shardkit.train.tokens import corpus_prefix, encode_files, token_stream
-from shardkit.errors import ShardkitError
 
 HAS_GGUF = importlib.util.find_spec("gguf") is not None
 
@@ -39,9 +45,17 @@ def checkpoint(tmp_path_factory) -> Path:
 
 
 # llama.cpp's tensor names for the Llama parameters (a tied checkpoint has no ``output.weight``).
-_GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-               "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+_GGUF_NAMES = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
 
 
 def _gguf_tensor(name: str, weight: torch.Tensor):
@@ -97,7 +111,9 @@ def gguf_file(checkpoint, tmp_path_factory) -> Path:
     from safetensors.torch import load_file
 
     path = tmp_path_factory.mktemp("tiny_gguf") / "tiny.gguf"
-    _write_gguf(path, json.loads((checkpoint / "tokenizer.json").read_text()), load_file(checkpoint / "model.safetensors"))
+    _write_gguf(
+        path, json.loads((checkpoint / "tokenizer.json").read_text()), load_file(checkpoint / "model.safetensors")
+    )
     return path
 
 
@@ -105,7 +121,11 @@ def gguf_file(checkpoint, tmp_path_factory) -> Path:
 def corpus(tmp_path_factory) -> list[Path]:
     """Three documents, one with non-ASCII text (multi-byte UTF-8)."""
     folder = tmp_path_factory.mktemp("corpus")
-    texts = ["def f(x):\n    return x + 1\n" * 20, "import os\nprint(os.getcwd())  # é ü 漢\n" * 15, "class A:\n    pass\n" * 30]
+    texts = [
+        "def f(x):\n    return x + 1\n" * 20,
+        "import os\nprint(os.getcwd())  # é ü 漢\n" * 15,
+        "class A:\n    pass\n" * 30,
+    ]
     files = []
     for i, text in enumerate(texts):
         files.append(folder / f"{i}.py")
@@ -139,8 +159,9 @@ def test_read_config_refuses_other_families(tmp_path):
     from transformers import GPT2Config
 
     GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=300).save_pretrained(tmp_path)
-    with pytest.raises(ShardkitError, match="'gpt2' model; supported families .*llama, qwen2, qwen3, qwen3_moe, "
-                                            "deepseek_v2"):
+    with pytest.raises(
+        ShardkitError, match="'gpt2' model; supported families .*llama, qwen2, qwen3, qwen3_moe, deepseek_v2"
+    ):
         read_config(tmp_path)
 
 
@@ -214,7 +235,9 @@ def test_token_stream_is_the_tokenizer_encoding(checkpoint, corpus):
     stream = token_stream(checkpoint, corpus, max_bytes=None)
     expected = []
     for i, f in enumerate(corpus):
-        expected += ([tokenizer.eos_token_id] if i else []) + tokenizer(f.read_text(), add_special_tokens=False)["input_ids"]
+        expected += ([tokenizer.eos_token_id] if i else []) + tokenizer(f.read_text(), add_special_tokens=False)[
+            "input_ids"
+        ]
     assert stream.dtype == torch.int32 and stream.tolist() == expected
     # Round trip: the documents come back, joined by the EOS token.
     assert tokenizer.decode(stream.tolist()) == EOS.join(f.read_text() for f in corpus)
@@ -279,8 +302,9 @@ def _expected(t, steps, w, ratio, peak):
     return floor + (peak - floor) * (1 + math.cos(math.pi * (t - w) / max(1, steps - 1 - w))) / 2
 
 
-@pytest.mark.parametrize("steps,warmup,ratio", [(20, None, MIN_LR_RATIO), (12, 3, 0.0), (7, 0, 0.5), (1, None, 0.1),
-                                                (3, 10, 0.1)])
+@pytest.mark.parametrize(
+    "steps,warmup,ratio", [(20, None, MIN_LR_RATIO), (12, 3, 0.0), (7, 0, 0.5), (1, None, 0.1), (3, 10, 0.1)]
+)
 def test_warmup_cosine_values(steps, warmup, ratio):
     w = min(default_warmup_steps(steps) if warmup is None else warmup, steps - 1)
     got = _lrs(steps, warmup, ratio)

@@ -42,7 +42,10 @@ def _losses(result):
 RESUMES = {
     "tp=2 x dp=2 -> dp_shard=2 x cp_ring=2 (FSDP2)": (dict(), dict(tp=1, dp_shard=2, cp_ring=2)),
     "dp_shard=2 x tp=2 -> pp=2 x dp=2": (dict(dp_shard=2), dict(tp=1, pp=2, microbatches=2)),
-    "moe ep=2 (tp=2 x dp=2) -> moe ep=4 (dp_shard=4)": (dict(model="moe", ep=2), dict(model="moe", tp=1, dp_shard=4, ep=4)),
+    "moe ep=2 (tp=2 x dp=2) -> moe ep=4 (dp_shard=4)": (
+        dict(model="moe", ep=2),
+        dict(model="moe", tp=1, dp_shard=4, ep=4),
+    ),
 }
 
 
@@ -83,8 +86,11 @@ def test_failed_save_keeps_the_previous_checkpoint():
 
         dcp.FileSystemWriter.write_data = broken
         try:  # DCP's CheckpointException (a BaseException), as one ShardkitError with the cause's text
-            with pytest.raises(ShardkitError, match=r"save_train_state: writing .*step_00000002 failed: rank 1: "
-                                                    r"No space left on device \[errno 28\]"):
+            with pytest.raises(
+                ShardkitError,
+                match=r"save_train_state: writing .*step_00000002 failed: rank 1: "
+                r"No space left on device \[errno 28\]",
+            ):
                 _run(steps=2, tp=2, checkpoint_dir=root, resume=True)
         finally:
             dcp.FileSystemWriter.write_data = real
@@ -109,25 +115,41 @@ def test_resume_in_another_dtype_raises_instead_of_casting():
     try:
         _run(steps=1, tp=2, checkpoint_dir=root)  # float64
         # before launch: the manifest's model description
-        with pytest.raises(ShardkitError, match=r"--resume from step_00000001, a save of another model: dtype "
-                                                r"'float64' \(checkpoint\) vs 'float32'"):
+        with pytest.raises(
+            ShardkitError,
+            match=r"--resume from step_00000001, a save of another model: dtype "
+            r"'float64' \(checkpoint\) vs 'float32'",
+        ):
             _run(steps=2, tp=2, checkpoint_dir=root, resume=True, dtype="float32")
         # in the workers (a run that skipped that check): the load itself
-        cfg = validate_config(TrainConfig(**{**BASE, "steps": 2, "tp": 2, "checkpoint_dir": root, "resume": True}),
-                              world_size=world_size())
-        with pytest.raises(ShardkitError, match=r"load_train_state: .*ranks 0, 1: dtypes differ .*"
-                                                r"\(checkpoint float64, model float32\)"):
-            train(dataclasses.replace(cfg, dtype="float32"), "gloo", torch.device("cpu"), time.perf_counter(),
-                  progress=False)
+        cfg = validate_config(
+            TrainConfig(**{**BASE, "steps": 2, "tp": 2, "checkpoint_dir": root, "resume": True}),
+            world_size=world_size(),
+        )
+        with pytest.raises(
+            ShardkitError,
+            match=r"load_train_state: .*ranks 0, 1: dtypes differ .*"
+            r"\(checkpoint float64, model float32\)",
+        ):
+            train(
+                dataclasses.replace(cfg, dtype="float32"),
+                "gloo",
+                torch.device("cpu"),
+                time.perf_counter(),
+                progress=False,
+            )
     finally:
         remove_shared_dir(root)
 
 
 @pytest.mark.world(2, timeout=120)
-@pytest.mark.parametrize("holder,message", [
-    ({"run_id": "r1", "host": "another-host", "pid": 1}, r"in use by run r1 \(pid 1 on host another-host\)"),
-    (None, r"in use by an unreadable lock \(being written, or damaged\)"),
-])
+@pytest.mark.parametrize(
+    "holder,message",
+    [
+        ({"run_id": "r1", "host": "another-host", "pid": 1}, r"in use by run r1 \(pid 1 on host another-host\)"),
+        (None, r"in use by an unreadable lock \(being written, or damaged\)"),
+    ],
+)
 def test_a_lock_that_cannot_be_judged_stale_is_refused(holder, message):
     """Another host's lock (its processes cannot be checked from here) and an unreadable one are
     refused on every rank, in the run as before launch; nothing is written."""
@@ -135,8 +157,9 @@ def test_a_lock_that_cannot_be_judged_stale_is_refused(holder, message):
 
     root = shared_tmpdir("shardkit-lock-")
     try:
-        cfg = validate_config(TrainConfig(**{**BASE, "steps": 1, "tp": 2, "checkpoint_dir": root}),
-                              world_size=world_size())
+        cfg = validate_config(
+            TrainConfig(**{**BASE, "steps": 1, "tp": 2, "checkpoint_dir": root}), world_size=world_size()
+        )
         torch.distributed.barrier()
         if rank() == 0:
             with open(os.path.join(root, LOCK), "w") as f:

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from harness.helpers import rank, world_size
+from shardkit.comm import checks_enabled
 from shardkit.train.config import TrainConfig, validate_config
 from shardkit.train.run import train
-from shardkit.comm import checks_enabled
 
 SMALL = dict(steps=2, seq_len=16, batch_size=4, dtype="float64", verify=True, layers=2, lr=1e-3)
 

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from harness.helpers import rank, world_size
+from shardkit.mesh import AXES, FLAT_VIEWS
 from shardkit.train.config import TrainConfig, validate_config
 from shardkit.train.run import train
-from shardkit.mesh import AXES, FLAT_VIEWS
 
 SMALL = dict(steps=2, seq_len=16, batch_size=4, dtype="float64", verify=True, layers=2, lr=1e-3)
 
@@ -40,8 +40,13 @@ def _check(result: dict | None) -> None:
         assert abs(a - b) <= 1e-12 * b
     # the ledger by axis: every collective ran on a group of the layout's own mesh
     layout = result["layout"]
-    allowed = ({a for a in AXES if layout[a] > 1} | set(FLAT_VIEWS) | {"world"}
-               | ({"ep", "edp"} if layout["ep"] > 1 else set()) | ({"tp"} if layout["pp_tp"] else set()))
+    allowed = (
+        {a for a in AXES if layout[a] > 1}
+        | set(FLAT_VIEWS)
+        | {"world"}
+        | ({"ep", "edp"} if layout["ep"] > 1 else set())
+        | ({"tp"} if layout["pp_tp"] else set())
+    )
     axes = {row["axis"] for row in result["ledger"]}
     assert axes <= allowed, (sorted(axes - allowed), layout["parallel"])
     # ... and every axis of the layout paid for something (FSDP2's gathers included), on its own
@@ -92,8 +97,9 @@ LAYOUTS_8 = {
     "llama: HSDP dp_replicate=2 x dp_shard=2 x tp=2 (SP)": dict(dp_shard=2),
     "llama: dp=2 x pp=2 x tp=2 (SP)": dict(pp=2, tp=2, microbatches=2),
     "qwen3: pp=2 x cp_ring=2 x tp=2": dict(model="qwen3", pp=2, cp_ring=2, tp=2, microbatches=2, seq_len=32),
-    "moe: dp_shard=2 x cp_ring=2 x tp=2, ep=8 over all of them": dict(model="moe", dp_shard=2, cp_ring=2, tp=2, ep=8,
-                                                                      seq_len=32),
+    "moe: dp_shard=2 x cp_ring=2 x tp=2, ep=8 over all of them": dict(
+        model="moe", dp_shard=2, cp_ring=2, tp=2, ep=8, seq_len=32
+    ),
     "conv-ae: dp_shard=2 x H x W tiles 2x2": dict(model="conv-ae", dp_shard=2, spatial_h=2, spatial=2, batch_size=4),
 }
 
@@ -105,8 +111,11 @@ def test_layout_matches_one_process_8_ranks(overrides):
 
 
 @pytest.mark.world(4, timeout=240)
-@pytest.mark.parametrize("overrides", [dict(tp=2), dict(tp=1, pp=2, microbatches=2), dict(tp=4, sequence_parallel=False)],
-                         ids=["tp=2 (SP) x dp=2", "pp=2 x dp=2 (tied embeddings across stages)", "tp=4, 9/3 heads"])
+@pytest.mark.parametrize(
+    "overrides",
+    [dict(tp=2), dict(tp=1, pp=2, microbatches=2), dict(tp=4, sequence_parallel=False)],
+    ids=["tp=2 (SP) x dp=2", "pp=2 x dp=2 (tied embeddings across stages)", "tp=4, 9/3 heads"],
+)
 def test_pretrained_checkpoint_matches_one_process(overrides):
     # SmolLM2's shape (9 query / 3 KV heads, tied embeddings) through --model-path, trained on its
     # own tokenizer with the fine-tuning warm-up + cosine schedule.
@@ -120,8 +129,7 @@ def test_pretrained_checkpoint_matches_one_process(overrides):
         if rank() == 0:
             save_tiny_llama(Path(root))
         torch.distributed.barrier()
-        result = _train(model_path=root, data=str(Path(torch.__file__).parent / "functional.py"), steps=3,
-                        **overrides)
+        result = _train(model_path=root, data=str(Path(torch.__file__).parent / "functional.py"), steps=3, **overrides)
         if rank() == 0:
             parity = result["parity"]
             assert parity["passed"] and parity["tolerance"] == 1e-9, parity

@@ -15,11 +15,11 @@ import torch
 from rich.console import Console
 
 from harness.helpers import rank, world_size
-from shardkit.train.config import TrainConfig, validate_config
 from shardkit.cli.report import print_parity
-from shardkit.train.verify import TOLERANCES, compare_runs
-from shardkit.train.run import train
 from shardkit.data_parallel import GradientSync
+from shardkit.train.config import TrainConfig, validate_config
+from shardkit.train.run import train
+from shardkit.train.verify import TOLERANCES, compare_runs
 
 # The documented bounds (src/shardkit/train/verify.py), written out: the cases below are built from
 # these numbers, not from TOLERANCES, so a loosened or tightened tolerance fails them.
@@ -59,8 +59,9 @@ def test_verify_run_with_an_injected_gradient_bug_fails_clearly():
     """Default layout (dp_replicate=2 x tp=2), float64, 2 steps: rank 1 scales its gradients by
     1 + 1e-3 after the dp sum (a one-line bug). The parallel run must disagree with the
     one-process reference and the printed verdict must say FAILED and name a parameter."""
-    cfg = validate_config(TrainConfig(steps=2, seq_len=16, batch_size=4, dtype="float64", verify=True),
-                          world_size=world_size())
+    cfg = validate_config(
+        TrainConfig(steps=2, seq_len=16, batch_size=4, dtype="float64", verify=True), world_size=world_size()
+    )
     original = GradientSync.reduce
 
     def buggy(self):

@@ -87,11 +87,13 @@ def run_world(nproc: int, names: list[str], settings: Settings, progress: bool =
     with tempfile.TemporaryDirectory(prefix="shardkit-bench-") as tmp, private_temp(tmp):
         # (mode 0700; torch.multiprocessing's error-file pickles go inside it too, not in /tmp)
         if nproc == 0:  # the cases on the fake process group, in one process
-            torch.multiprocessing.start_processes(_fake_entry, args=(names, settings, tmp, progress), nprocs=1,
-                                                  start_method="spawn")
+            torch.multiprocessing.start_processes(
+                _fake_entry, args=(names, settings, tmp, progress), nprocs=1, start_method="spawn"
+            )
         else:
-            torch.multiprocessing.start_processes(_rank_entry, args=(nproc, names, settings, tmp, progress),
-                                                  nprocs=nproc, start_method="spawn")
+            torch.multiprocessing.start_processes(
+                _rank_entry, args=(nproc, names, settings, tmp, progress), nprocs=nproc, start_method="spawn"
+            )
         with open(os.path.join(tmp, "result.json")) as f:
             return json.load(f)
 

@@ -49,15 +49,21 @@ class Record:
     busbw: dict[str, tuple[int, float]] = field(default_factory=dict)
     checked: str = ""
 
-    def ratio(self, name: str, num: str, den: str, goal: float | None = None, scale: float = 1.0) -> "Record":
+    def ratio(self, name: str, num: str, den: str, goal: float | None = None, scale: float = 1.0) -> Record:
         """Add the per-round ratio ``scale * times[num] / times[den]``; returns self."""
         self.ratios[name] = ([scale * a / b for a, b in zip(self.times_s[num], self.times_s[den])], goal)
         return self
 
     def to_json(self) -> dict:
-        return dict(case=self.case, params=self.params, nproc=self.nproc, times_s=self.times_s,
-                    ratios={k: dict(values=v, goal=g) for k, (v, g) in self.ratios.items()},
-                    busbw={k: dict(bytes=b, factor=f) for k, (b, f) in self.busbw.items()}, checked=self.checked)
+        return dict(
+            case=self.case,
+            params=self.params,
+            nproc=self.nproc,
+            times_s=self.times_s,
+            ratios={k: dict(values=v, goal=g) for k, (v, g) in self.ratios.items()},
+            busbw={k: dict(bytes=b, factor=f) for k, (b, f) in self.busbw.items()},
+            checked=self.checked,
+        )
 
 
 def time_interleaved(fns: dict, pg, settings: Settings, reps: int = 1) -> dict[str, list[float]]:
@@ -70,7 +76,7 @@ def time_interleaved(fns: dict, pg, settings: Settings, reps: int = 1) -> dict[s
     names = list(fns)
     times = torch.zeros(settings.rounds, len(names), dtype=torch.float64)
     for i in range(settings.warmup + settings.rounds):
-        for j in (range(len(names)) if i % 2 == 0 else reversed(range(len(names)))):
+        for j in range(len(names)) if i % 2 == 0 else reversed(range(len(names))):
             fn = fns[names[j]]
             dist.barrier(group=pg)
             t0 = time.perf_counter()
@@ -88,7 +94,9 @@ def agree(failures: list[str], pg, what: str) -> None:
     ok = torch.tensor([0 if failures else 1], dtype=torch.int64)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=pg)
     if failures or ok.item() == 0:
-        raise AssertionError(f"rank {dist.get_rank(pg)}: {what}: {'; '.join(failures) or 'another rank failed its check'}")
+        raise AssertionError(
+            f"rank {dist.get_rank(pg)}: {what}: {'; '.join(failures) or 'another rank failed its check'}"
+        )
 
 
 def quantiles(values, which=SPREAD) -> dict[str, float]:
@@ -99,8 +107,11 @@ def quantiles(values, which=SPREAD) -> dict[str, float]:
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bitwise equality (``torch.equal`` would accept ``-0.0 == 0.0``)."""
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
-        a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
+    )
 
 
 def close(a: torch.Tensor, b: torch.Tensor, rtol: float = 1e-4, atol: float = 1e-4) -> bool:

@@ -98,9 +98,11 @@ def _prepare(seq: int, heads: int, direction: str, pg):
         list_all_to_all(outputs, inputs, pg, rank)
         return torch.cat(outputs, dim=g)
 
-    fns = {"shardkit": lambda: all_to_all(x, pg, s, g, gather_size),
-           "bare": lambda: dist.all_to_all_single(recv, send, out_splits, in_splits, group=pg),
-           "listcat": listcat}
+    fns = {
+        "shardkit": lambda: all_to_all(x, pg, s, g, gather_size),
+        "bare": lambda: dist.all_to_all_single(recv, send, out_splits, in_splits, group=pg),
+        "listcat": listcat,
+    }
     calls: list[tuple[torch.Tensor, torch.Tensor, list[int], list[int]]] = []
     with _spy_all_to_all_single(calls):
         y = fns["shardkit"]()
@@ -111,7 +113,11 @@ def _prepare(seq: int, heads: int, direction: str, pg):
         failures.append("shardkit != expected block / list+cat")
     if len(calls) != 1:
         failures.append(f"shardkit issued {len(calls)} all_to_all_single calls, expected 1")
-    elif not same_bits(calls[0][0], send) or list(calls[0][2:]) != [out_splits, in_splits] or not same_bits(calls[0][1], recv):
+    elif (
+        not same_bits(calls[0][0], send)
+        or list(calls[0][2:]) != [out_splits, in_splits]
+        or not same_bits(calls[0][1], recv)
+    ):
         failures.append("shardkit's send buffer, splits or received bytes differ from the bare call's")
     agree(failures, pg, f"all_to_all S={seq} N={heads} {direction}")
     total = torch.tensor([x.nbytes])
@@ -135,10 +141,20 @@ def all_to_all_case(pg, settings: Settings) -> list[Record]:
             for lab, (_, shape, group_bytes) in prepared.items():
                 t = {impl: times[f"{impl}/{lab}"] for impl in ("shardkit", "bare", "listcat")}
                 per_rank = group_bytes // world
-                rec = Record("all_to_all", dict(bytes=size, direction=direction, heads=shape[2], shape_global=shape,
-                                                label=f"{direction} N={shape[2]}"), world, t,
-                             busbw={k: (per_rank, (world - 1) / world) for k in t},
-                             checked="bitwise: expected block, list+cat, the bare call's buffers and splits")
+                rec = Record(
+                    "all_to_all",
+                    dict(
+                        bytes=size,
+                        direction=direction,
+                        heads=shape[2],
+                        shape_global=shape,
+                        label=f"{direction} N={shape[2]}",
+                    ),
+                    world,
+                    t,
+                    busbw={k: (per_rank, (world - 1) / world) for k in t},
+                    checked="bitwise: expected block, list+cat, the bare call's buffers and splits",
+                )
                 rec.ratio("shardkit/bare", "shardkit", "bare", 1.5)
                 rec.ratio("shardkit/listcat", "shardkit", "listcat", 0.6)
                 if lab == "uneven":  # time per byte moved, uneven over even, same round
@@ -162,10 +178,10 @@ def fused_projection(pg, settings: Settings) -> list[Record]:
     """
     import torch.nn.functional as F
 
-    rank, world = dist.get_rank(pg), dist.get_world_size(pg)
+    world = dist.get_world_size(pg)
     h_in, nd = 16, HEADS * HEAD_DIM
     records = []
-    for size in ((4 * MIB,) if settings.quick else (1 * MIB, 4 * MIB, 8 * MIB)):
+    for size in (4 * MIB,) if settings.quick else (1 * MIB, 4 * MIB, 8 * MIB):
         T = size // (nd * 4)
         gen = torch.Generator().manual_seed(5 + size)
         x, w = torch.randn(T, h_in, generator=gen), torch.randn(nd, h_in, generator=gen) / h_in**0.5
@@ -188,14 +204,21 @@ def fused_projection(pg, settings: Settings) -> list[Record]:
             return recv.view(1, world * T, HEADS // world, HEAD_DIM)  # blocks arrive in sequence order
 
         want, got = unfused(), fused()
-        agree([] if got.shape == want.shape and torch.allclose(got, want, rtol=1e-5, atol=1e-5) else
-              ["fused != unfused"], pg, f"fused projection {size} B")
+        agree(
+            [] if got.shape == want.shape and torch.allclose(got, want, rtol=1e-5, atol=1e-5) else ["fused != unfused"],
+            pg,
+            f"fused projection {size} B",
+        )
         times = time_interleaved(dict(unfused=unfused, fused=fused, proj=proj, bare=bare), pg, settings)
         times["proj+bare"] = [a + b for a, b in zip(times["proj"], times["bare"])]
-        rec = Record("all_to_all_fused", dict(bytes=size, label=f"projection H_in={h_in} -> N={HEADS} D={HEAD_DIM}",
-                                              tokens=T), world, times,
-                     busbw={"fused": (size, (world - 1) / world), "bare": (size, (world - 1) / world)},
-                     checked="fused output against projection + shardkit.all_to_all (rtol 1e-5)")
+        rec = Record(
+            "all_to_all_fused",
+            dict(bytes=size, label=f"projection H_in={h_in} -> N={HEADS} D={HEAD_DIM}", tokens=T),
+            world,
+            times,
+            busbw={"fused": (size, (world - 1) / world), "bare": (size, (world - 1) / world)},
+            checked="fused output against projection + shardkit.all_to_all (rtol 1e-5)",
+        )
         rec.ratio("fused/(proj+bare)", "fused", "proj+bare", 1.1)
         rec.ratio("unfused/(proj+bare)", "unfused", "proj+bare")
         rec.ratio("fused/unfused", "fused", "unfused", 1.0)

@@ -54,6 +54,7 @@ def _with_checks(fn, on: bool):
     def run():
         with checks(on):
             return fn()
+
     return run
 
 
@@ -61,20 +62,25 @@ def ops(pg, settings: Settings) -> list[Record]:
     """Each op ``plain`` (check mode off) against ``checks`` (on); float32, sizes given."""
     rank, n = dist.get_rank(pg), dist.get_world_size(pg)
     records = []
-    for nbytes in ((16 * KIB,) if settings.quick else (16 * KIB, 1 * MIB)):
+    for nbytes in (16 * KIB,) if settings.quick else (16 * KIB, 1 * MIB):
         for name, fn in _op_fns(nbytes, pg, rank, n).items():
             fns = {"plain": _with_checks(fn, False), "checks": _with_checks(fn, True)}
             failures = [] if same_bits(fns["plain"](), fns["checks"]()) else [f"{name}: check mode changed the result"]
             agree(failures, pg, f"checks {name} {nbytes} B")
-            rec = Record(name, dict(bytes=nbytes, label=name), n, time_interleaved(fns, pg, settings),
-                         checked="bitwise: the result with the check mode on equals the result without")
+            rec = Record(
+                name,
+                dict(bytes=nbytes, label=name),
+                n,
+                time_interleaved(fns, pg, settings),
+                checked="bitwise: the result with the check mode on equals the result without",
+            )
             records.append(rec.ratio("checks/plain", "checks", "plain"))
     return records
 
 
 def _trainer(cfg, mesh):
-    from ..train.trainer import make_optimizer
     from ..train.run import build_parallel_model, build_task, build_train_model
+    from ..train.trainer import make_optimizer
 
     device = torch.device("cpu")
     task = build_task(cfg, device)
@@ -99,6 +105,7 @@ def train_step(pg, settings: Settings) -> list[Record]:
         def run():
             with checks(variant == "checks"):
                 losses[variant] = step(pm, opt, task, max_norm=cfg.max_norm).loss
+
         return run
 
     fns = {v: stepper(v) for v in runs}
@@ -107,7 +114,14 @@ def train_step(pg, settings: Settings) -> list[Record]:
     agree([] if losses["plain"] == losses["checks"] else [f"first step losses differ: {losses}"], pg, "train_step")
     times = time_interleaved(fns, pg, settings)
     agree([] if losses["plain"] == losses["checks"] else [f"last step losses differ: {losses}"], pg, "train_step")
-    rec = Record("train_step", dict(label=f"{cfg.model} {parallel_dims(cfg).describe()} seq {cfg.seq_len} "
-                                          f"batch {cfg.batch_size} hidden {cfg.hidden_size}"), n, times,
-                 checked="the two runs' losses are bitwise equal after the first and the last step")
+    rec = Record(
+        "train_step",
+        dict(
+            label=f"{cfg.model} {parallel_dims(cfg).describe()} seq {cfg.seq_len} "
+            f"batch {cfg.batch_size} hidden {cfg.hidden_size}"
+        ),
+        n,
+        times,
+        checked="the two runs' losses are bitwise equal after the first and the last step",
+    )
     return [rec.ratio("checks/plain", "checks", "plain", 1.1)]

@@ -58,13 +58,22 @@ def collectives(pg, settings: Settings) -> list[Record]:
             failures.append("reduce_scatter != n x this rank's block / bare reduce_scatter_tensor")
         agree(failures, pg, f"collectives {nbytes} B")
         times = time_interleaved(fns, pg, settings)
-        for op, factor in (("all_reduce", 2 * (n - 1) / n), ("all_gather", (n - 1) / n), ("reduce_scatter", (n - 1) / n)):
+        for op, factor in (
+            ("all_reduce", 2 * (n - 1) / n),
+            ("all_gather", (n - 1) / n),
+            ("reduce_scatter", (n - 1) / n),
+        ):
             sub = {k.split("/")[1]: v for k, v in times.items() if k.startswith(op + "/")}
             # nccl-tests sizes: all_gather counts the gathered output, reduce_scatter its input.
             size = {"all_reduce": nbytes, "all_gather": nbytes * n, "reduce_scatter": nbytes * n}[op]
-            rec = Record(op, dict(bytes=nbytes, shape=list(x.shape)), n, sub,
-                         busbw={"shardkit": (size, factor), "bare": (size, factor)},
-                         checked="bitwise against the expected sum / concatenation / bare reduce_scatter_tensor")
+            rec = Record(
+                op,
+                dict(bytes=nbytes, shape=list(x.shape)),
+                n,
+                sub,
+                busbw={"shardkit": (size, factor), "bare": (size, factor)},
+                checked="bitwise against the expected sum / concatenation / bare reduce_scatter_tensor",
+            )
             records.append(rec.ratio("shardkit/bare", "shardkit", "bare", 1.1))
             if "learned" in sub:
                 rec.ratio("learned/bare", "learned", "bare")
@@ -114,8 +123,14 @@ def p2p(pg, settings: Settings) -> list[Record]:
         agree(failures, pg, f"p2p {nbytes} B")
         reps = max(1, min(20, (32 * MIB) // (nbytes * 8)))
         times = time_interleaved(fns, pg, settings, reps)
-        rec = Record("p2p", dict(bytes=nbytes, reps=reps, shape=list(shape)), n, times,
-                     busbw={k: (nbytes, 1.0) for k in fns}, checked="received tensors bitwise equal to the sent one")
+        rec = Record(
+            "p2p",
+            dict(bytes=nbytes, reps=reps, shape=list(shape)),
+            n,
+            times,
+            busbw={k: (nbytes, 1.0) for k in fns},
+            checked="received tensors bitwise equal to the sent one",
+        )
         rec.ratio("static/bare", "static", "bare", 1.25 if nbytes <= 64 * KIB else 1.05)
         rec.ratio("cached/bare", "cached", "bare", 1.3 if nbytes <= 64 * KIB else 1.05)
         rec.ratio("dynamic/bare", "dynamic", "bare")

@@ -57,6 +57,7 @@ def _fwd_bwd(attn, q, k, v, dout):
         out = attn(q, k, v)
         out.backward(dout)
         return out.detach(), [t.grad.clone() for t in (q, k, v)]
+
     return fn
 
 
@@ -67,8 +68,15 @@ def _ring_variant(p, pg, seed):
     B, S, N, D = p["B"], p["S"], p["N"], p["D"]
     pos = zigzag_positions(S, R, rank) if p["layout"] == "zigzag" else _contiguous(S, R, rank)
     full, (q, k, v, dout) = _inputs(B, S, N, D, pos, seed)
-    fn = _fwd_bwd(lambda a, b, c: ring_attention(a, b, c, pg, causal=p["causal"], seq_len=S, layout=p["layout"],
-                                                 overlap=p["overlap"]), q, k, v, dout)
+    fn = _fwd_bwd(
+        lambda a, b, c: ring_attention(
+            a, b, c, pg, causal=p["causal"], seq_len=S, layout=p["layout"], overlap=p["overlap"]
+        ),
+        q,
+        k,
+        v,
+        dout,
+    )
     return fn, _reference(full[0], full[1], full[2], p["causal"])[:, pos]
 
 
@@ -78,10 +86,20 @@ def ring(pg, settings: Settings) -> list[Record]:
     pair = dist.new_group(dist.get_process_group_ranks(pg)[:2])  # collective: every rank creates it
     zigzag = [dict(B=1, S=long, N=4, D=64, causal=True, overlap=True, layout=lay) for lay in ("zigzag", "contiguous")]
     cases = [  # label, goal, what differs, variants, ranks
-        ("overlap-comm", 0.93, "overlap", [dict(B=1, S=128 * s, N=16, D=64, causal=False, overlap=o, layout="zigzag")
-                                          for o in (True, False)], world),
-        ("overlap-compute", 1.02, "overlap", [dict(B=1, S=long, N=4, D=64, causal=True, overlap=o, layout="zigzag")
-                                             for o in (True, False)], world),
+        (
+            "overlap-comm",
+            0.93,
+            "overlap",
+            [dict(B=1, S=128 * s, N=16, D=64, causal=False, overlap=o, layout="zigzag") for o in (True, False)],
+            world,
+        ),
+        (
+            "overlap-compute",
+            1.02,
+            "overlap",
+            [dict(B=1, S=long, N=4, D=64, causal=True, overlap=o, layout="zigzag") for o in (True, False)],
+            world,
+        ),
         ("zigzag-causal", 0.8, "layout", zigzag, 2),
         ("zigzag-causal", None, "layout", zigzag, world),
     ]
@@ -97,16 +115,24 @@ def _ring_case(label, goal, key, variants, g, seed, settings: Settings) -> Recor
     names = [("overlap" if p["overlap"] else "no-overlap") if key == "overlap" else str(p["layout"]) for p in variants]
     preps = [_ring_variant(p, g, seed) for p in variants]
     results = [fn() for fn, _ in preps]
-    failures = [f"{nm} != full attention" for nm, (out, _), (_, want) in zip(names, results, preps)
-                if not close(out, want)]
-    if key == "overlap" and not (torch.equal(results[0][0], results[1][0]) and
-                                 all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1]))):
+    failures = [
+        f"{nm} != full attention" for nm, (out, _), (_, want) in zip(names, results, preps) if not close(out, want)
+    ]
+    if key == "overlap" and not (
+        torch.equal(results[0][0], results[1][0])
+        and all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1]))
+    ):
         failures.append("overlap changed the result")
     agree(failures, g, f"ring {label}")
     times = time_interleaved({nm: fn for nm, (fn, _) in zip(names, preps)}, g, settings)
     p = variants[0]
-    rec = Record("ring", dict(label=label, B=p["B"], S=p["S"], N=p["N"], D=p["D"], causal=p["causal"]),
-                 dist.get_world_size(g), times, checked="outputs against full SDPA (rtol 1e-4); overlap on/off bitwise equal")
+    rec = Record(
+        "ring",
+        dict(label=label, B=p["B"], S=p["S"], N=p["N"], D=p["D"], causal=p["causal"]),
+        dist.get_world_size(g),
+        times,
+        checked="outputs against full SDPA (rtol 1e-4); overlap on/off bitwise equal",
+    )
     return rec.ratio(f"{names[0]}/{names[1]}", names[0], names[1], goal)
 
 
@@ -122,6 +148,7 @@ def _dtensor_attention(pg, causal):
         heads = [DTensor.from_local(t, mesh, [Shard(1)]).redistribute(mesh, [Shard(2)]).to_local() for t in (q, k, v)]
         out = _reference(*heads, causal)
         return DTensor.from_local(out, mesh, [Shard(2)]).redistribute(mesh, [Shard(1)]).to_local()
+
     return attn
 
 
@@ -135,32 +162,50 @@ def ulysses(pg, settings: Settings) -> list[Record]:
     # Against DTensor redistribute: even S and N (DTensor's all-to-all needs even shards).
     pos = _contiguous(S, R, rank)
     full, (q, k, v, dout) = _inputs(1, S, 8, 64, pos, 5)
-    fns = {"shardkit": _fwd_bwd(lambda a, b, c: ulysses_attention(a, b, c, pg, causal=True, seq_len=S), q, k, v, dout),
-           "dtensor": _fwd_bwd(_dtensor_attention(pg, True), q, k, v, dout)}
+    fns = {
+        "shardkit": _fwd_bwd(lambda a, b, c: ulysses_attention(a, b, c, pg, causal=True, seq_len=S), q, k, v, dout),
+        "dtensor": _fwd_bwd(_dtensor_attention(pg, True), q, k, v, dout),
+    }
     want = _reference(full[0], full[1], full[2], True)[:, pos]
     results = {nm: fn() for nm, fn in fns.items()}
     failures = [f"{nm} != full attention" for nm, (out, _) in results.items() if not close(out, want)]
-    failures += [f"dtensor grad {i} != shardkit's" for i, (a, b) in
-                 enumerate(zip(results["shardkit"][1], results["dtensor"][1])) if not close(a, b)]
+    failures += [
+        f"dtensor grad {i} != shardkit's"
+        for i, (a, b) in enumerate(zip(results["shardkit"][1], results["dtensor"][1]))
+        if not close(a, b)
+    ]
     agree(failures, pg, "ulysses vs dtensor")
-    rec = Record("ulysses", dict(label="vs DTensor redistribute", B=1, S=S, N=8, D=64, causal=True), R,
-                 time_interleaved(fns, pg, settings), checked="outputs against full SDPA, grads against each other")
+    rec = Record(
+        "ulysses",
+        dict(label="vs DTensor redistribute", B=1, S=S, N=8, D=64, causal=True),
+        R,
+        time_interleaved(fns, pg, settings),
+        checked="outputs against full SDPA, grads against each other",
+    )
     records.append(rec.ratio("shardkit/dtensor", "shardkit", "dtensor", 1.0))
     # Uneven (S and N not divisible by R) against even, per byte moved.
     preps, moved = {}, {}
     for nm, (s_len, n) in (("uneven", (S - 3, 7)), ("even", (S, 8))):
         pos = _contiguous(s_len, R, rank)
         full, (q, k, v, dout) = _inputs(1, s_len, n, 64, pos, 6)
-        preps[nm] = _fwd_bwd(lambda a, b, c, s_len=s_len: ulysses_attention(a, b, c, pg, causal=True, seq_len=s_len),
-                             q, k, v, dout)
+        preps[nm] = _fwd_bwd(
+            lambda a, b, c, s_len=s_len: ulysses_attention(a, b, c, pg, causal=True, seq_len=s_len), q, k, v, dout
+        )
         with CommLedger() as ledger:
             out, _ = preps[nm]()
-        failures = [] if close(out, _reference(full[0], full[1], full[2], True)[:, pos]) else [f"{nm} != full attention"]
+        failures = (
+            [] if close(out, _reference(full[0], full[1], full[2], True)[:, pos]) else [f"{nm} != full attention"]
+        )
         agree(failures, pg, f"ulysses {nm}")
         total = torch.tensor([float(ledger.bytes_sent())])
         dist.all_reduce(total, group=pg)
         moved[nm] = total.item()
-    rec = Record("ulysses", dict(label="uneven S-3, N=7 vs even", S=S, D=64, causal=True, bytes_moved=moved), R,
-                 time_interleaved(preps, pg, settings), checked="outputs against full SDPA")
+    rec = Record(
+        "ulysses",
+        dict(label="uneven S-3, N=7 vs even", S=S, D=64, causal=True, bytes_moved=moved),
+        R,
+        time_interleaved(preps, pg, settings),
+        checked="outputs against full SDPA",
+    )
     records.append(rec.ratio("uneven/even per byte", "uneven", "even", 1.1, scale=moved["even"] / moved["uneven"]))
     return records

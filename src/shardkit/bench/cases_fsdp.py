@@ -104,7 +104,11 @@ def fsdp_tp_step(pg, settings: Settings) -> list[Record]:
                 bad.append(f"updated {p}: shardkit vs torch")
     agree(bad, pg, "fsdp_tp_step variants disagree")
     times = time_interleaved(steps, pg, settings)
-    rec = Record("fsdp_tp_step", dict(label=f"dp_shard={DP} x tp={TP} {shape}", shape=shape, batch=batch, seq=seq,
-                                      loss=ref_loss, **cfg_kw), n, times,
-                 checked="SGD lr 1 first step: mean loss (rtol 1e-4), full updated params (rtol 1e-3)")
+    rec = Record(
+        "fsdp_tp_step",
+        dict(label=f"dp_shard={DP} x tp={TP} {shape}", shape=shape, batch=batch, seq=seq, loss=ref_loss, **cfg_kw),
+        n,
+        times,
+        checked="SGD lr 1 first step: mean loss (rtol 1e-4), full updated params (rtol 1e-3)",
+    )
     return [rec.ratio("shardkit/torch", "shardkit", "torch", 1.0)]

@@ -36,17 +36,32 @@ import torch
 import torch.distributed as dist
 
 from .. import all_gather, all_to_all, reduce_scatter
-from ..comm import CommLedger, FlightRecorder, all_reduce_backward, all_reduce_forward, checks, set_flight_recorder
-from ..comm import gather_forward_split_backward, split_forward_gather_backward
-from ..comm import _compat
+from ..comm import (
+    CommLedger,
+    FlightRecorder,
+    _compat,
+    all_reduce_backward,
+    all_reduce_forward,
+    checks,
+    gather_forward_split_backward,
+    set_flight_recorder,
+    split_forward_gather_backward,
+)
 from ._method import Record, Settings, agree, time_interleaved
 
 __all__ = ["host_overhead", "OPS"]
 
 # Goals in microseconds above the bare call (issue 24's table); ops without one are reported only.
 GOALS = {"all_gather": 25.0, "all_to_all": 30.0}
-_SPIED = ("all_reduce", "all_gather_single", "reduce_scatter_single", "all_to_all_single", "isend", "irecv",
-          "batch_isend_irecv")
+_SPIED = (
+    "all_reduce",
+    "all_gather_single",
+    "reduce_scatter_single",
+    "all_to_all_single",
+    "isend",
+    "irecv",
+    "batch_isend_irecv",
+)
 
 
 @contextlib.contextmanager
@@ -65,6 +80,7 @@ def _spy(calls: list):
             splits = [list(a) for a in (*args, *kwargs.values()) if isinstance(a, (list, tuple))]
             calls.append((name, numels, splits))
             return fn(*args, **kwargs)
+
         return spy
 
     seen: dict = {}
@@ -148,23 +164,55 @@ def _ops(pg) -> dict[str, Op]:
     static: dict[str, Any] = dict(shape=(16, 64), dtype=torch.float32)
     return {
         "all_reduce_forward": Op("g: all_reduce_forward 4 KiB", lambda x: all_reduce_forward(x, pg), ar, ar_call, None),
-        "all_reduce_backward": Op("f: all_reduce_backward 4 KiB", lambda x: all_reduce_backward(x, pg), ar, None,
-                                  ar_call),
-        "all_gather": Op("all_gather sizes given 4 KiB", lambda x: all_gather(x, pg, 0, [16] * r), ag, ag_call,
-                         rs_call),
+        "all_reduce_backward": Op(
+            "f: all_reduce_backward 4 KiB", lambda x: all_reduce_backward(x, pg), ar, None, ar_call
+        ),
+        "all_gather": Op(
+            "all_gather sizes given 4 KiB", lambda x: all_gather(x, pg, 0, [16] * r), ag, ag_call, rs_call
+        ),
         "reduce_scatter": Op("reduce_scatter 4 KiB out", lambda x: reduce_scatter(x, pg, 0), rs_in, rs_call, ag_call),
-        "split_gather": Op("split_forward_gather_backward 4 KiB out",
-                           lambda x: split_forward_gather_backward(x, pg, 0), rs_in, split_call, ag_call),
-        "gather_split": Op("gather_forward_split_backward 4 KiB",
-                           lambda x: gather_forward_split_backward(x, pg, 0, [16] * r), ag, ag_call, None),
-        "all_to_all": Op("all_to_all heads->seq [1, 64, 16, 8]", lambda x: all_to_all(x, pg, 2, 1, 64 * r), a2a,
-                         a2a_call, a2a_call),
-        "halo_exchange": Op("halo_exchange [1, 8, 32] widths 1, sizes given",
-                            lambda x: halo_exchange(x, pg, 2, 1, 1, sizes=[32] * r), halo, halo_call, halo_call),
-        "send_forward": Op("send_forward static 4 KiB", lambda x: send_forward(x, pg, **static), ag,
-                           lambda: _compat.isend(ag, pg, 1).wait(), None, grad=False, checks=False),
-        "recv_backward": Op("recv_backward static 4 KiB", lambda x: recv_backward(pg, **static), ag,
-                            lambda: _compat.irecv(p2p_buf, pg, 1).wait(), None, grad=False, checks=False),
+        "split_gather": Op(
+            "split_forward_gather_backward 4 KiB out",
+            lambda x: split_forward_gather_backward(x, pg, 0),
+            rs_in,
+            split_call,
+            ag_call,
+        ),
+        "gather_split": Op(
+            "gather_forward_split_backward 4 KiB",
+            lambda x: gather_forward_split_backward(x, pg, 0, [16] * r),
+            ag,
+            ag_call,
+            None,
+        ),
+        "all_to_all": Op(
+            "all_to_all heads->seq [1, 64, 16, 8]", lambda x: all_to_all(x, pg, 2, 1, 64 * r), a2a, a2a_call, a2a_call
+        ),
+        "halo_exchange": Op(
+            "halo_exchange [1, 8, 32] widths 1, sizes given",
+            lambda x: halo_exchange(x, pg, 2, 1, 1, sizes=[32] * r),
+            halo,
+            halo_call,
+            halo_call,
+        ),
+        "send_forward": Op(
+            "send_forward static 4 KiB",
+            lambda x: send_forward(x, pg, **static),
+            ag,
+            lambda: _compat.isend(ag, pg, 1).wait(),
+            None,
+            grad=False,
+            checks=False,
+        ),
+        "recv_backward": Op(
+            "recv_backward static 4 KiB",
+            lambda x: recv_backward(pg, **static),
+            ag,
+            lambda: _compat.irecv(p2p_buf, pg, 1).wait(),
+            None,
+            grad=False,
+            checks=False,
+        ),
     }
 
 
@@ -190,6 +238,7 @@ def _repeat(fn, n: int, setup=contextlib.nullcontext):
         with setup():
             for _ in range(n):
                 fn()
+
     return run
 
 
@@ -237,8 +286,9 @@ def _variants(op: Op, n: int) -> dict:
     if op.checks:
         variants["checks"] = _repeat(lambda: fn(x), n, _agreeing)
     if op.grad:
-        variants.update({"bare fwd+bwd": _repeat(bare_both, n), "floor fwd+bwd": _repeat(floor, n),
-                         "fwd+bwd": _repeat(fwd_bwd, n)})
+        variants.update(
+            {"bare fwd+bwd": _repeat(bare_both, n), "floor fwd+bwd": _repeat(floor, n), "fwd+bwd": _repeat(fwd_bwd, n)}
+        )
     return variants
 
 
@@ -267,8 +317,13 @@ def host_overhead(pg, settings: Settings) -> list[Record]:
                 agree(_check(name, op.fn, op.x, op.bare_fwd), pg, f"host_overhead {name}")
                 times = time_interleaved(_variants(op, calls), pg, settings)
                 times = {k: [t / calls for t in v] for k, v in times.items()}
-                rec = Record("host_overhead", dict(op=name, label=f"{op.label} R={world}", calls=calls), world, times,
-                             checked="issues exactly the bare variant's c10d calls (spy); fake backend: no data")
+                rec = Record(
+                    "host_overhead",
+                    dict(op=name, label=f"{op.label} R={world}", calls=calls),
+                    world,
+                    times,
+                    checked="issues exactly the bare variant's c10d calls (spy); fake backend: no data",
+                )
                 _above(rec, "shardkit-bare us", "shardkit", "bare", GOALS.get(name))
                 _above(rec, "default-bare us", "recorder", "bare", GOALS.get(name))  # a process's default
                 if op.grad:
@@ -289,5 +344,15 @@ def _above(rec: Record, name: str, num: str, den: str, goal: float | None = None
     rec.ratios[name] = ([1e6 * (a - b) for a, b in zip(rec.times_s[num], rec.times_s[den])], goal)
 
 
-OPS = ("all_reduce_forward", "all_reduce_backward", "all_gather", "reduce_scatter", "split_gather", "gather_split",
-       "all_to_all", "halo_exchange", "send_forward", "recv_backward")
+OPS = (
+    "all_reduce_forward",
+    "all_reduce_backward",
+    "all_gather",
+    "reduce_scatter",
+    "split_gather",
+    "gather_split",
+    "all_to_all",
+    "halo_exchange",
+    "send_forward",
+    "recv_backward",
+)

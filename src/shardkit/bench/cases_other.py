@@ -29,14 +29,20 @@ def _conv_fns(shape, pg):
     rank, world = dist.get_rank(pg), dist.get_world_size(pg)
     B, C, H, W = shape
     gen = torch.Generator().manual_seed(7 + W)
-    x_full, w0, b0 = torch.randn(shape, generator=gen), torch.randn(C, C, 3, 3, generator=gen) / (3 * C**0.5), \
-        torch.randn(C, generator=gen)
+    x_full, w0, b0 = (
+        torch.randn(shape, generator=gen),
+        torch.randn(C, C, 3, 3, generator=gen) / (3 * C**0.5),
+        torch.randn(C, generator=gen),
+    )
     dy_full = torch.randn(shape, generator=gen)
     sizes = balanced_split_sizes(W, world)
     off, n = split_offsets(sizes)[rank], sizes[rank]
     x = x_full.narrow(3, off, n).contiguous().requires_grad_()
     dy = dy_full.narrow(3, off, n).contiguous()
-    params = {k: (w0.clone().requires_grad_(), b0.clone().requires_grad_()) for k in ("spatial", "sequential", "gather", "conv")}
+    params = {
+        k: (w0.clone().requires_grad_(), b0.clone().requires_grad_())
+        for k in ("spatial", "sequential", "gather", "conv")
+    }
     slab = halo_exchange(x.detach(), pg, 3, 1, 1, sizes=sizes).contiguous().requires_grad_()
     dslab = torch.randn(slab.shape, generator=gen)
     flat_grads = torch.cat([w0.reshape(-1), b0])
@@ -60,7 +66,7 @@ def _conv_fns(shape, pg):
         flat = torch.cat([w.grad.reshape(-1), b.grad])
         dist.all_reduce(flat, group=pg)
         w.grad.copy_(flat[: w.numel()].view(w.shape))
-        b.grad.copy_(flat[w.numel():])
+        b.grad.copy_(flat[w.numel() :])
         return y.detach()
 
     def halo():
@@ -79,8 +85,14 @@ def _conv_fns(shape, pg):
     def allreduce():
         return dist.all_reduce(flat_grads.clone(), group=pg)
 
-    fns = dict(spatial=lambda: conv_sk("spatial", True), sequential=lambda: conv_sk("sequential", False),
-               gather=gather, halo=halo, conv=conv, allreduce=allreduce)
+    fns = dict(
+        spatial=lambda: conv_sk("spatial", True),
+        sequential=lambda: conv_sk("sequential", False),
+        gather=gather,
+        halo=halo,
+        conv=conv,
+        allreduce=allreduce,
+    )
     return fns, x, params, slab
 
 
@@ -94,16 +106,25 @@ def spatial_conv(pg, settings: Settings) -> list[Record]:
         for k in ("sequential", "spatial", "gather", "conv"):
             outs[k] = fns[k]()
             gx[k] = torch.full_like(x, float("nan")) if x.grad is None else x.grad.clone()  # missing: never `close`
-        ok = {"output": close(outs["spatial"], outs["gather"]), "sequential output": close(outs["sequential"], outs["gather"]),
-              "input grad": close(gx["spatial"], gx["gather"]), "sequential input grad": close(gx["sequential"], gx["gather"]),
-              "parts output": close(outs["conv"], outs["spatial"])}
+        ok = {
+            "output": close(outs["spatial"], outs["gather"]),
+            "sequential output": close(outs["sequential"], outs["gather"]),
+            "input grad": close(gx["spatial"], gx["gather"]),
+            "sequential input grad": close(gx["sequential"], gx["gather"]),
+            "parts output": close(outs["conv"], outs["spatial"]),
+        }
         for k in ("spatial", "sequential"):
             ok[f"{k} weight/bias grads"] = all(close(a.grad, b.grad) for a, b in zip(params[k], params["gather"]))
         agree([k for k, v in ok.items() if not v], pg, f"spatial_conv {shape}")
         times = time_interleaved(fns, pg, settings)
         times["parts"] = [h + c + a for h, c, a in zip(times["halo"], times["conv"], times["allreduce"])]
-        rec = Record("spatial_conv", dict(shape=list(shape), label="x".join(map(str, shape))), world, times,
-                     checked="output and all gradients against the full-gather baseline (rtol 1e-4)")
+        rec = Record(
+            "spatial_conv",
+            dict(shape=list(shape), label="x".join(map(str, shape))),
+            world,
+            times,
+            checked="output and all gradients against the full-gather baseline (rtol 1e-4)",
+        )
         rec.ratio("spatial/sequential", "spatial", "sequential", 1.0)
         rec.ratio("spatial/parts", "spatial", "parts", 1.05)
         rec.ratio("spatial/gather", "spatial", "gather", 1.0)
@@ -137,7 +158,11 @@ def vocab_loss(pg, settings: Settings) -> list[Record]:
     (lp, gp), (lg, gg) = parallel(), gathered()
     ok = torch.allclose(lp, lg, rtol=1e-5, atol=0) and bool((gp - gg).norm() <= 1e-5 * gg.norm())
     agree([] if ok else ["parallel and gathered losses or gradients differ"], pg, "vocab_loss")
-    rec = Record("vocab_loss", dict(tokens=tokens, vocab=vocab, label=f"T={tokens} V={vocab}"), world,
-                 time_interleaved(dict(parallel=parallel, gathered=gathered), pg, settings),
-                 checked="loss (rtol 1e-5) and local gradient (norm rtol 1e-5) against the gathered logits")
+    rec = Record(
+        "vocab_loss",
+        dict(tokens=tokens, vocab=vocab, label=f"T={tokens} V={vocab}"),
+        world,
+        time_interleaved(dict(parallel=parallel, gathered=gathered), pg, settings),
+        checked="loss (rtol 1e-5) and local gradient (norm rtol 1e-5) against the gathered logits",
+    )
     return [rec.ratio("parallel/gathered", "parallel", "gathered", 1.0)]

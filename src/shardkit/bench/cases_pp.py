@@ -139,10 +139,12 @@ def _case(P: int, M: int, f_ms: float, b_ms: float, pg, settings: Settings) -> R
         table = one_f_one_b_schedule(P, M)
         plan = comm_plan(table[rank], rank, P)
         xs = [torch.ones(1, 8) for _ in range(M)]
-        fns = {"shardkit": lambda: run_schedule(stage, table, xs, xs),
-               "bare": lambda: _bare_1f1b(stage, plan, xs, rank, P, M, pg)}
+        fns = {
+            "shardkit": lambda: run_schedule(stage, table, xs, xs),
+            "bare": lambda: _bare_1f1b(stage, plan, xs, rank, P, M, pg),
+        }
         for i in range(settings.warmup + settings.rounds):
-            for name in (names if i % 2 == 0 else names[::-1]):
+            for name in names if i % 2 == 0 else names[::-1]:
                 busy[0] = busy[1] = 0.0
                 stage.module.zero_grad()
                 dist.barrier(group=pg)
@@ -155,8 +157,9 @@ def _case(P: int, M: int, f_ms: float, b_ms: float, pg, settings: Settings) -> R
                 gathered = [torch.zeros(3, dtype=torch.float64) for _ in range(P)]
                 dist.all_gather(gathered, stats, group=pg)
                 if i >= settings.warmup:
-                    rounds[name].append((max(float(s[0]) for s in gathered), [(float(s[1]), float(s[2]))
-                                                                               for s in gathered]))
+                    rounds[name].append(
+                        (max(float(s[0]) for s in gathered), [(float(s[1]), float(s[2])) for s in gathered])
+                    )
         agree(failures, pg, f"pipeline bubble p={P} m={M}")
     dist.barrier()
     if rank >= P:
@@ -166,10 +169,17 @@ def _case(P: int, M: int, f_ms: float, b_ms: float, pg, settings: Settings) -> R
     def bubbles(name: str, which: int) -> list[float]:
         return [1 - sum(b[which] for b in busy_) / (P * mk) for mk, busy_ in rounds[name]]
 
-    rec = Record("pipeline_bubble", dict(p=P, m=M, f_ms=f_ms, b_ms=b_ms, theory=theory, label=f"p={P} m={M}"), P,
-                 {"makespan": [mk for mk, _ in rounds["shardkit"]], "bare makespan": [mk for mk, _ in rounds["bare"]],
-                  "ideal": [(M + P - 1) * (f_ms + b_ms) / 1e3] * len(rounds["shardkit"])},
-                 checked="every round's microbatch losses (both variants) equal the expected 8.0")
+    rec = Record(
+        "pipeline_bubble",
+        dict(p=P, m=M, f_ms=f_ms, b_ms=b_ms, theory=theory, label=f"p={P} m={M}"),
+        P,
+        {
+            "makespan": [mk for mk, _ in rounds["shardkit"]],
+            "bare makespan": [mk for mk, _ in rounds["bare"]],
+            "ideal": [(M + P - 1) * (f_ms + b_ms) / 1e3] * len(rounds["shardkit"]),
+        },
+        checked="every round's microbatch losses (both variants) equal the expected 8.0",
+    )
     mine, bare = bubbles("shardkit", 0), bubbles("bare", 0)
     rec.ratios["bubble"] = (mine, None)
     rec.ratios["bubble/theory"] = ([b / theory for b in mine], 1.2)

@@ -34,16 +34,50 @@ from ._method import Record, Settings, agree, close, time_interleaved
 __all__ = ["tp_step", "dtensor_tp", "load_llama", "save_llama", "SHAPES", "CHECKED"]
 
 SHAPES: dict[str, tuple[dict[str, Any], tuple[int, int]]] = {  # LlamaConfig keywords, (batch, seq)
-    "tiny": (dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  intermediate_size=344, vocab_size=2048), (2, 64)),
-    "small": (dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
-                   intermediate_size=688, vocab_size=4096), (4, 128)),
-    "large": (dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
-                   intermediate_size=1408, vocab_size=8192), (2, 256)),
+    "tiny": (
+        dict(
+            hidden_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=344,
+            vocab_size=2048,
+        ),
+        (2, 64),
+    ),
+    "small": (
+        dict(
+            hidden_size=256,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            intermediate_size=688,
+            vocab_size=4096,
+        ),
+        (4, 128),
+    ),
+    "large": (
+        dict(
+            hidden_size=512,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            intermediate_size=1408,
+            vocab_size=8192,
+        ),
+        (2, 256),
+    ),
 }
-CHECKED = ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
-           "model.layers.1.self_attn.o_proj.weight", "model.layers.1.mlp.down_proj.weight", "model.norm.weight",
-           "model.layers.1.post_attention_layernorm.weight", "lm_head.weight")
+CHECKED = (
+    "model.embed_tokens.weight",
+    "model.layers.0.self_attn.q_proj.weight",
+    "model.layers.0.self_attn.k_proj.weight",
+    "model.layers.1.self_attn.o_proj.weight",
+    "model.layers.1.mlp.down_proj.weight",
+    "model.norm.weight",
+    "model.layers.1.post_attention_layernorm.weight",
+    "lm_head.weight",
+)
 
 
 def load_llama(path, **kw):
@@ -56,26 +90,50 @@ def dtensor_tp(model, mesh, sp: bool):
     """PyTorch's own tensor parallelism of a Llama model on the 1-D ``mesh`` (torchtitan's plan)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
-        ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, parallelize_module,
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
     )
     from torch.distributed.tensor.parallel.style import ParallelStyle
 
     out = Shard(1) if sp else Replicate()
     plan: dict[str, ParallelStyle] = {f"self_attn.{n}": ColwiseParallel() for n in ("q_proj", "k_proj", "v_proj")}
-    plan.update({"self_attn.o_proj": RowwiseParallel(output_layouts=out), "mlp.gate_proj": ColwiseParallel(),
-                 "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel(output_layouts=out)})
+    plan.update(
+        {
+            "self_attn.o_proj": RowwiseParallel(output_layouts=out),
+            "mlp.gate_proj": ColwiseParallel(),
+            "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(output_layouts=out),
+        }
+    )
     if sp:
-        plan.update({"input_layernorm": SequenceParallel(), "post_attention_layernorm": SequenceParallel(),
-                     "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
-                                                     desired_input_kwarg_layouts={"hidden_states": Replicate()}),
-                     "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))})
+        plan.update(
+            {
+                "input_layernorm": SequenceParallel(),
+                "post_attention_layernorm": SequenceParallel(),
+                "self_attn": PrepareModuleInput(
+                    input_kwarg_layouts={"hidden_states": Shard(1)},
+                    desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                ),
+                "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            }
+        )
     for layer in model.model.layers:
         parallelize_module(layer, mesh, plan)
-    top: dict[str, ParallelStyle] = {"lm_head": ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(), output_layouts=Replicate())}
+    top: dict[str, ParallelStyle] = {
+        "lm_head": ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(), output_layouts=Replicate())
+    }
     if sp:
-        top.update({"model.norm": SequenceParallel(),
-                    "model.layers.0": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
-                                                          use_local_output=True)})
+        top.update(
+            {
+                "model.norm": SequenceParallel(),
+                "model.layers.0": PrepareModuleInput(
+                    input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True
+                ),
+            }
+        )
     parallelize_module(model, mesh, top)
     return model
 
@@ -154,17 +212,23 @@ def tp_step(pg, settings: Settings) -> list[Record]:
     tf.utils.logging.disable_progress_bar()
     hf = importlib.util.find_spec("accelerate") is not None  # transformers' TP loading needs it
     records = []
-    for shape in (("tiny",) if settings.quick else ("small", "large")):
+    for shape in ("tiny",) if settings.quick else ("small", "large"):
         cfg_kw, (batch, seq) = SHAPES[shape]
         with save_llama(cfg_kw, pg) as path:
             ids = torch.randint(0, cfg_kw["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(1))
-            for mode, variants in (("tp", ["tp/shardkit", "tp/dtensor"] + (["tp/hf"] if hf else [])),
-                                   ("tp+sp", ["tp+sp/shardkit", "tp+sp/dtensor"])):
+            for mode, variants in (
+                ("tp", ["tp/shardkit", "tp/dtensor"] + (["tp/hf"] if hf else [])),
+                ("tp+sp", ["tp+sp/shardkit", "tp+sp/dtensor"]),
+            ):
                 steps, loss = _steps(variants, path, ids, pg)
                 times = time_interleaved({v.split("/")[1]: f for v, f in steps.items()}, pg, settings)
-                rec = Record("tp_step", dict(label=f"{mode} {shape}", mode=mode, shape=shape, batch=batch, seq=seq,
-                                             loss=loss, **cfg_kw), n, times,
-                             checked="first-step loss (rtol 1e-4), gathered grads and updated params (rtol 1e-3)")
+                rec = Record(
+                    "tp_step",
+                    dict(label=f"{mode} {shape}", mode=mode, shape=shape, batch=batch, seq=seq, loss=loss, **cfg_kw),
+                    n,
+                    times,
+                    checked="first-step loss (rtol 1e-4), gathered grads and updated params (rtol 1e-3)",
+                )
                 for other in times:
                     if other != "shardkit":
                         rec.ratio(f"shardkit/{other}", "shardkit", other, 1.0)
@@ -186,7 +250,9 @@ def save_llama(cfg_kw: dict, pg):
         dist.broadcast_object_list(path, src=dist.get_global_rank(pg, 0), group=pg)  # rank 0's folder
         if rank == 0:
             torch.manual_seed(0)
-            tf.LlamaForCausalLM(tf.LlamaConfig(**cfg_kw, use_cache=False, tie_word_embeddings=False)).save_pretrained(mine)
+            tf.LlamaForCausalLM(tf.LlamaConfig(**cfg_kw, use_cache=False, tie_word_embeddings=False)).save_pretrained(
+                mine
+            )
         dist.barrier(group=pg)
         try:
             yield str(path[0])

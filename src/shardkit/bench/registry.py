@@ -22,32 +22,56 @@ class CaseSpec(NamedTuple):
 
 
 CASES = {
-    "collectives": CaseSpec(".cases_comm", "collectives", 2,
-                            "all_reduce / all_gather / reduce_scatter against the bare c10d call"),
-    "all_to_all": CaseSpec(".cases_a2a", "all_to_all_case", 2,
-                           "Ulysses layouts against bare pre-laid all_to_all_single and list all_to_all + cat; "
-                           "uneven against even per byte"),
-    "all_to_all_fused": CaseSpec(".cases_a2a", "fused_projection", 2,
-                                 "projection writing straight into the all-to-all send buffer against the "
-                                 "projection + all_to_all and against the parts (projection, bare call)"),
+    "collectives": CaseSpec(
+        ".cases_comm", "collectives", 2, "all_reduce / all_gather / reduce_scatter against the bare c10d call"
+    ),
+    "all_to_all": CaseSpec(
+        ".cases_a2a",
+        "all_to_all_case",
+        2,
+        "Ulysses layouts against bare pre-laid all_to_all_single and list all_to_all + cat; "
+        "uneven against even per byte",
+    ),
+    "all_to_all_fused": CaseSpec(
+        ".cases_a2a",
+        "fused_projection",
+        2,
+        "projection writing straight into the all-to-all send buffer against the "
+        "projection + all_to_all and against the parts (projection, bare call)",
+    ),
     "p2p": CaseSpec(".cases_comm", "p2p", 2, "pipeline send/recv (static, negotiated) against bare isend/irecv"),
     "pipeline_bubble": CaseSpec(".cases_pp", "bubble", 4, "measured 1F1B bubble against (p-1)/(m+p-1)"),
     "ring": CaseSpec(".cases_cp", "ring", 4, "ring attention: overlap against none; zigzag against contiguous"),
-    "ulysses": CaseSpec(".cases_cp", "ulysses", 4,
-                        "Ulysses attention against DTensor redistribute; uneven against even per byte"),
-    "spatial_conv": CaseSpec(".cases_other", "spatial_conv", 2,
-                             "spatial conv against halo + conv parts and full gather"),
+    "ulysses": CaseSpec(
+        ".cases_cp", "ulysses", 4, "Ulysses attention against DTensor redistribute; uneven against even per byte"
+    ),
+    "spatial_conv": CaseSpec(
+        ".cases_other", "spatial_conv", 2, "spatial conv against halo + conv parts and full gather"
+    ),
     "vocab_loss": CaseSpec(".cases_other", "vocab_loss", 2, "vocab-parallel loss against gathered logits"),
-    "tp_step": CaseSpec(".cases_tp", "tp_step", 2,
-                        "TP and TP+SP training steps against DTensor parallelize_module and HF tp_plan"),
-    "fsdp_tp_step": CaseSpec(".cases_fsdp", "fsdp_tp_step", 4,
-                             "FSDP2 + TP step (dp_shard=2 x tp=2) against fully_shard + DTensor parallelize_module"),
-    "host_overhead": CaseSpec(".cases_host", "host_overhead", 1,
-                              "host time per call of each op above the bare c10d call, forward and backward, with "
-                              "the flight recorder, the ledger and the check mode each on (fake process group)",
-                              fake=(4, 8)),
+    "tp_step": CaseSpec(
+        ".cases_tp", "tp_step", 2, "TP and TP+SP training steps against DTensor parallelize_module and HF tp_plan"
+    ),
+    "fsdp_tp_step": CaseSpec(
+        ".cases_fsdp",
+        "fsdp_tp_step",
+        4,
+        "FSDP2 + TP step (dp_shard=2 x tp=2) against fully_shard + DTensor parallelize_module",
+    ),
+    "host_overhead": CaseSpec(
+        ".cases_host",
+        "host_overhead",
+        1,
+        "host time per call of each op above the bare c10d call, forward and backward, with "
+        "the flight recorder, the ledger and the check mode each on (fake process group)",
+        fake=(4, 8),
+    ),
     "checks": CaseSpec(".cases_checks", "ops", 4, "each op with the check mode on against off (sizes given)"),
-    "checks_train": CaseSpec(".cases_checks", "train_step", 4,
-                             "a default shardkit train step (dp_replicate=2 x tp=2, SP) with --checks against without"),
+    "checks_train": CaseSpec(
+        ".cases_checks",
+        "train_step",
+        4,
+        "a default shardkit train step (dp_replicate=2 x tp=2, SP) with --checks against without",
+    ),
 }
 QUICK = tuple(CASES)  # --quick runs every case at its small sizes

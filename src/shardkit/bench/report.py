@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import platform
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import torch
 
@@ -30,8 +30,16 @@ def summarize(record: dict) -> dict:
         q = quantiles(r["values"])
         ratios[name] = dict(q, goal=r["goal"], met=None if r["goal"] is None else q["median"] <= r["goal"])
     busbw = {k: b["bytes"] / (ms[k] / 1e3) * b["factor"] / 1e9 for k, b in record["busbw"].items()}
-    return dict(case=record["case"], label=_label(record), nproc=record["nproc"], params=record["params"], ms=ms,
-                ratios=ratios, busbw_GBps=busbw, checked=record["checked"])
+    return dict(
+        case=record["case"],
+        label=_label(record),
+        nproc=record["nproc"],
+        params=record["params"],
+        ms=ms,
+        ratios=ratios,
+        busbw_GBps=busbw,
+        checked=record["checked"],
+    )
 
 
 def _size(n: int) -> str:
@@ -52,29 +60,41 @@ def _label(record: dict) -> str:
 def environment(argv: list[str]) -> dict:
     import transformers
 
-    return dict(date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), machine=platform.machine(),
-                processor=platform.processor() or platform.machine(), cpus=os.cpu_count(),
-                python=platform.python_version(), torch=torch.__version__, transformers=transformers.__version__,
-                backend="gloo (CPU)", command="shardkit bench " + " ".join(argv),
-                load_average=list(os.getloadavg()) if hasattr(os, "getloadavg") else None)
+    return dict(
+        date=datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        machine=platform.machine(),
+        processor=platform.processor() or platform.machine(),
+        cpus=os.cpu_count(),
+        python=platform.python_version(),
+        torch=torch.__version__,
+        transformers=transformers.__version__,
+        backend="gloo (CPU)",
+        command="shardkit bench " + " ".join(argv),
+        load_average=list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+    )
 
 
 def markdown(rows: list[dict], env: dict, settings: dict) -> str:
     """One table, one line per (record, ratio): median [p10, p90], goal, met."""
-    out = [f"shardkit bench, {env['date']}: {env['backend']}, {env['cpus']} CPUs ({env['processor']}), "
-           f"Python {env['python']}, torch {env['torch']}, transformers {env['transformers']}; "
-           f"{settings['rounds']} rounds after {settings['warmup']} warm-up per case, median [p10, p90] of "
-           f"per-round ratios (per-op time = max over ranks); `{env['command']}`", "",
-           "| case | R | params | ratio | median [p10, p90] | goal | met | times ms (median) | busbw GB/s |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    out = [
+        f"shardkit bench, {env['date']}: {env['backend']}, {env['cpus']} CPUs ({env['processor']}), "
+        f"Python {env['python']}, torch {env['torch']}, transformers {env['transformers']}; "
+        f"{settings['rounds']} rounds after {settings['warmup']} warm-up per case, median [p10, p90] of "
+        f"per-round ratios (per-op time = max over ranks); `{env['command']}`",
+        "",
+        "| case | R | params | ratio | median [p10, p90] | goal | met | times ms (median) | busbw GB/s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for row in rows:
         times = ", ".join(f"{k} {v:.3g}" for k, v in row["ms"].items())
         bw = ", ".join(f"{k} {v:.2f}" for k, v in row["busbw_GBps"].items()) or "-"
         for name, q in row["ratios"].items():
             goal = "-" if q["goal"] is None else f"<= {q['goal']}"
             met = "-" if q["met"] is None else ("yes" if q["met"] else "**no**")
-            out.append(f"| {row['case']} | {row['nproc']} | {row['label']} | {name} | {q['median']:.3f} "
-                       f"[{q['p10']:.3f}, {q['p90']:.3f}] | {goal} | {met} | {times} | {bw} |")
+            out.append(
+                f"| {row['case']} | {row['nproc']} | {row['label']} | {name} | {q['median']:.3f} "
+                f"[{q['p10']:.3f}, {q['p90']:.3f}] | {goal} | {met} | {times} | {bw} |"
+            )
     return "\n".join(out) + "\n"
 
 
@@ -109,13 +129,22 @@ def _plots(rows: list[dict], out_dir: str) -> list[str]:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         series: dict[str, list] = {}
         for r in bw_rows:
-            tag = r["case"] + ("" if "direction" not in r["params"] else f" {r['params']['direction']} N={r['params']['heads']}")
+            tag = r["case"] + (
+                "" if "direction" not in r["params"] else f" {r['params']['direction']} N={r['params']['heads']}"
+            )
             for variant, bw in r["busbw_GBps"].items():
                 series.setdefault(f"{tag} {variant}", []).append((r["params"]["bytes"], bw))
         for name, pts in sorted(series.items()):
             pts.sort()
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, lw=1, label=name,
-                    ls="-" if "shardkit" in name or "static" in name else "--")
+            ax.plot(
+                [p[0] for p in pts],
+                [p[1] for p in pts],
+                marker="o",
+                ms=3,
+                lw=1,
+                label=name,
+                ls="-" if "shardkit" in name or "static" in name else "--",
+            )
         ax.set_xscale("log", base=2)
         ax.axvline(256 * 1024, color="k", ls=":", lw=0.8)
         ax.set_xlabel("message size per rank, bytes (dotted: ~256 KiB latency/bandwidth crossover)")

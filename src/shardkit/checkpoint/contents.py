@@ -49,19 +49,32 @@ def _local_problems(expected: Mapping[str, Entry], saved: Mapping[str, Entry]) -
     missing = sorted(k for k in expected if k not in saved)
     if missing:
         problems.append(f"{len(missing)} key(s) of the model are not in the checkpoint: {_shown(missing)}")
-    shapes = sorted(f"{k} (checkpoint {list(saved[k][0])}, model {list(e[0])})" for k, e in expected.items()
-                    if k in saved and saved[k][1] is not None and tuple(saved[k][0]) != tuple(e[0]))
+    shapes = sorted(
+        f"{k} (checkpoint {list(saved[k][0])}, model {list(e[0])})"
+        for k, e in expected.items()
+        if k in saved and saved[k][1] is not None and tuple(saved[k][0]) != tuple(e[0])
+    )
     if shapes:
         problems.append(f"full shapes differ: {_shown(shapes)}")
-    dtypes = sorted(f"{k} (checkpoint {_name(saved[k][1])}, model {_name(e[1])})" for k, e in expected.items()
-                    if k in saved and None not in (saved[k][1], e[1]) and saved[k][1] != e[1])
+    dtypes = sorted(
+        f"{k} (checkpoint {_name(saved[k][1])}, model {_name(e[1])})"
+        for k, e in expected.items()
+        if k in saved and None not in (saved[k][1], e[1]) and saved[k][1] != e[1]
+    )
     if dtypes:
         problems.append(f"dtypes differ (a load never casts): {_shown(dtypes)}")
     return problems
 
 
-def check_contents(expected: Mapping[str, Entry], saved: Mapping[str, Entry] | None, group: Group, op: str, *,
-                   read_error: str | None = None, ignored: Callable[[str], bool] | None = None) -> None:
+def check_contents(
+    expected: Mapping[str, Entry],
+    saved: Mapping[str, Entry] | None,
+    group: Group,
+    op: str,
+    *,
+    read_error: str | None = None,
+    ignored: Callable[[str], bool] | None = None,
+) -> None:
     """Collective over ``group``: raise the same :class:`ShardkitError` on every rank when any
     rank's checkpoint does not match its model.
 

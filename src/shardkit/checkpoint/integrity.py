@@ -14,7 +14,6 @@ Source: the per-file checksums of Megatron-LM's and Orbax's checkpoint validatio
 from __future__ import annotations
 
 import math
-
 import os
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -49,8 +48,12 @@ def agree(problem: str | None, group: Group, op: str) -> None:
         if p:
             by_problem.setdefault(p, []).append(r)
     if by_problem:
-        raise ShardkitError(f"{op}: " + "; ".join(
-            f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {p}" for p, rs in by_problem.items()))
+        raise ShardkitError(
+            f"{op}: "
+            + "; ".join(
+                f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {p}" for p, rs in by_problem.items()
+            )
+        )
 
 
 def nonfinite_keys(state: Mapping[str, torch.Tensor]) -> list[str]:
@@ -66,9 +69,12 @@ def nonfinite_keys(state: Mapping[str, torch.Tensor]) -> list[str]:
         if t.is_floating_point() and t.numel():
             lo, hi = torch.aminmax(t.detach())
             extremes.setdefault(t.device, []).append((k, torch.stack([lo, hi]).double()))
-    bad = {k for pairs in extremes.values()
-           for (k, _), (lo, hi) in zip(pairs, torch.stack([e for _, e in pairs]).tolist())
-           if not (math.isfinite(lo) and math.isfinite(hi))}
+    bad = {
+        k
+        for pairs in extremes.values()
+        for (k, _), (lo, hi) in zip(pairs, torch.stack([e for _, e in pairs]).tolist())
+        if not (math.isfinite(lo) and math.isfinite(hi))
+    }
     return [k for k in state if k in bad]
 
 

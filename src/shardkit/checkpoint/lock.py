@@ -108,9 +108,11 @@ def _acquire(root: str, holder: dict) -> tuple[str | None, str | None]:
         if found and found.get("pid") == holder["pid"] and found.get("host") == holder["host"]:
             return f"{path} is already held by this process ({describe(found)})", None
         if not found or holder_alive(found):
-            return (f"the checkpoint directory {root} is in use by {describe(found)}: two runs would replace each "
-                    f"other's saves. Wait for it to end, choose another --checkpoint-dir, or remove {path} if no "
-                    "such run exists"), None
+            return (
+                f"the checkpoint directory {root} is in use by {describe(found)}: two runs would replace each "
+                f"other's saves. Wait for it to end, choose another --checkpoint-dir, or remove {path} if no "
+                "such run exists"
+            ), None
         os.remove(path)
         if not _create(path, holder):
             return f"{path}: another run took the stale lock first", None
@@ -146,8 +148,12 @@ def root_lock(root: str | os.PathLike, group: Group, op: str, reuse: bool = Fals
     """
     g = resolve_group(group, op)
     root = os.path.abspath(os.fspath(root))
-    holder = {"run_id": uuid.uuid4().hex[:12], "host": socket.gethostname(), "pid": os.getpid(),
-              "start": _start_time(os.getpid())}
+    holder = {
+        "run_id": uuid.uuid4().hex[:12],
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "start": _start_time(os.getpid()),
+    }
     owned: tuple[str | None, str | None] = (None, None)
     if g.rank == 0:
         found = lock_holder(root) if reuse else None

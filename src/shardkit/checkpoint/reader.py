@@ -43,13 +43,25 @@ METADATA = ".metadata"
 _DCP = "torch.distributed.checkpoint"
 # (module, name) of every global a DCP metadata pickle is made of; nothing else is looked up.
 _ALLOWED = {
-    *((f"{_DCP}.metadata", n) for n in ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
-                                         "TensorStorageMetadata", "ChunkStorageMetadata", "BytesStorageMetadata",
-                                         "_MEM_FORMAT_ENCODING")),
+    *(
+        (f"{_DCP}.metadata", n)
+        for n in (
+            "Metadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "TensorProperties",
+            "TensorStorageMetadata",
+            "ChunkStorageMetadata",
+            "BytesStorageMetadata",
+            "_MEM_FORMAT_ENCODING",
+        )
+    ),
     (f"{_DCP}.filesystem", "_StorageInfo"),
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),  # a layout by name, from torch's own table
-    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
     ("pathlib", "PureWindowsPath"),  # StorageMeta.checkpoint_id
     ("collections", "OrderedDict"),
 }
@@ -68,8 +80,10 @@ class _MetadataUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), _TORCH_VALUES):
             return getattr(torch, name)  # torch.float32, torch.strided, torch.contiguous_format
-        raise ShardkitError(f"{self._path} is not a DCP metadata file: it names the global {module}.{name}, "
-                            "which a checkpoint's metadata never holds (refused, nothing of it was run)")
+        raise ShardkitError(
+            f"{self._path} is not a DCP metadata file: it names the global {module}.{name}, "
+            "which a checkpoint's metadata never holds (refused, nothing of it was run)"
+        )
 
 
 def sha256(data: bytes) -> str:
@@ -105,8 +119,9 @@ def read_metadata(path: str, expected_sha256: str | None) -> Metadata:
     except OSError as exc:
         raise ShardkitError(f"cannot read {file}: {exc.strerror or exc}") from None
     if expected_sha256 is not None and sha256(data) != expected_sha256:
-        raise ShardkitError(f"{file} differs from the save's manifest (SHA-256 mismatch): changed or damaged "
-                            "since the save")
+        raise ShardkitError(
+            f"{file} differs from the save's manifest (SHA-256 mismatch): changed or damaged since the save"
+        )
     try:
         metadata = _MetadataUnpickler(data, file).load()
     except ShardkitError:
@@ -122,14 +137,22 @@ def _check_structure(metadata, file: str) -> None:
         raise ShardkitError(f"{file} is not a DCP metadata file (it holds a {type(metadata).__name__})")
     bytes_items = sorted(k for k, m in metadata.state_dict_metadata.items() if not isinstance(m, TensorStorageMetadata))
     if bytes_items:
-        raise ShardkitError(f"{file} holds pickled (non-tensor) items {bytes_items[:3]}, which shardkit never "
-                            "writes and does not load")
+        raise ShardkitError(
+            f"{file} holds pickled (non-tensor) items {bytes_items[:3]}, which shardkit never writes and does not load"
+        )
     for index, info in metadata.storage_data.items():
         name = getattr(info, "relative_path", None)
-        if not isinstance(index, MetadataIndex) or not isinstance(name, str) or os.path.basename(name) != name \
-                or name in ("", ".", "..") or getattr(info, "transform_descriptors", None):
-            raise ShardkitError(f"{file}: item {getattr(index, 'fqn', index)!r} is stored at {name!r}, not a plain "
-                                "file of the save's directory")
+        if (
+            not isinstance(index, MetadataIndex)
+            or not isinstance(name, str)
+            or os.path.basename(name) != name
+            or name in ("", ".", "..")
+            or getattr(info, "transform_descriptors", None)
+        ):
+            raise ShardkitError(
+                f"{file}: item {getattr(index, 'fqn', index)!r} is stored at {name!r}, not a plain "
+                "file of the save's directory"
+            )
 
 
 class VerifiedReader(FileSystemReader):
@@ -164,10 +187,14 @@ class VerifiedReader(FileSystemReader):
         workers = max(1, min(torch.get_num_threads(), len(indices)))
         with ThreadPoolExecutor(workers, thread_name_prefix="shardkit-verify") as pool:
             for start in range(0, len(indices), workers):
-                window = indices[start:start + workers]
+                window = indices[start : start + workers]
                 for index, data in zip(window, pool.map(self._verified_bytes, window)):
-                    self._copy_out(index, torch.load(io.BytesIO(data), map_location="cpu", weights_only=True),
-                                   by_item[index], planner)
+                    self._copy_out(
+                        index,
+                        torch.load(io.BytesIO(data), map_location="cpu", weights_only=True),
+                        by_item[index],
+                        planner,
+                    )
         fut: Future = Future()
         fut.set_result(None)
         return fut
@@ -180,8 +207,10 @@ class VerifiedReader(FileSystemReader):
                 piece = piece.narrow(dim, start, length)
             target = planner.resolve_tensor(req).detach()
             if target.shape != piece.shape:
-                raise ShardkitError(f"{self._dir}: {_describe(item_key(index))} gives {list(piece.shape)}, the "
-                                    f"load expects {list(target.shape)}")
+                raise ShardkitError(
+                    f"{self._dir}: {_describe(item_key(index))} gives {list(piece.shape)}, the "
+                    f"load expects {list(target.shape)}"
+                )
             target.copy_(piece)
             planner.commit_tensor(req, target)
 
@@ -196,9 +225,13 @@ class VerifiedReader(FileSystemReader):
             f.seek(info.offset)
             data = f.read(info.length)
         if len(data) != info.length:
-            raise ShardkitError(f"{file}: {_describe(key)} is truncated: {len(data)} of its {info.length} bytes "
-                                f"at offset {info.offset} are there")
+            raise ShardkitError(
+                f"{file}: {_describe(key)} is truncated: {len(data)} of its {info.length} bytes "
+                f"at offset {info.offset} are there"
+            )
         if expected is not None and sha256(data) != expected:
-            raise ShardkitError(f"{file}: {_describe(key)} differs from its checksum in the manifest (SHA-256 "
-                                "mismatch): the saved bytes changed since the save")
+            raise ShardkitError(
+                f"{file}: {_describe(key)} differs from its checksum in the manifest (SHA-256 "
+                "mismatch): the saved bytes changed since the save"
+            )
         return data

@@ -49,8 +49,18 @@ __all__ = ["save_checked", "open_save", "load_checked", "saved_entries"]
 ALGORITHM = "sha256"
 
 
-def save_checked(root: str | os.PathLike, prefix: str, group: Group, state: dict[str, torch.Tensor], planner,
-                 manifest: dict, op: str, *, number: int | None = None, keep: int | None = None) -> str:
+def save_checked(
+    root: str | os.PathLike,
+    prefix: str,
+    group: Group,
+    state: dict[str, torch.Tensor],
+    planner,
+    manifest: dict,
+    op: str,
+    *,
+    number: int | None = None,
+    keep: int | None = None,
+) -> str:
     """Collective over ``group``: write ``state`` as a new save of ``root``; return its directory.
 
     Args:
@@ -71,8 +81,11 @@ def save_checked(root: str | os.PathLike, prefix: str, group: Group, state: dict
     """
     g = resolve_group(group, op)
     bad = describe_nonfinite(nonfinite_keys(state))
-    agree(bad and f"refused to save {bad}: a checkpoint is never written with them (the previous save stays the "
-                  "latest)", group, op)
+    agree(
+        bad and f"refused to save {bad}: a checkpoint is never written with them (the previous save stays the latest)",
+        group,
+        op,
+    )
     with root_lock(root, group, op, reuse=True):
         try:
             path = begin_save(root, prefix, group, number=number)
@@ -124,15 +137,24 @@ def open_save(path: str) -> tuple[dict, Metadata, VerifiedReader]:
     if "checksums" not in manifest:
         # Written by a shardkit before checksums (0.x saves): still loadable, the metadata still
         # through the allow-list and the tensors with weights_only, but its bytes cannot be verified.
-        warnings.warn(f"{path} was saved without checksums (an earlier shardkit): its bytes are not verified; "
-                      "the next save carries them", stacklevel=2)
+        warnings.warn(
+            f"{path} was saved without checksums (an earlier shardkit): its bytes are not verified; "
+            "the next save carries them",
+            stacklevel=2,
+        )
         metadata = read_metadata(path, None)
         return manifest, metadata, VerifiedReader(path, metadata, None)
     sums = manifest["checksums"]
-    if not (isinstance(sums, dict) and sums.get("algorithm") == ALGORITHM and isinstance(sums.get("metadata"), str)
-            and isinstance(sums.get("items"), dict)):
-        raise ShardkitError(f"{os.path.join(path, 'MANIFEST.json')} has damaged checksums: the save cannot be "
-                            "verified, so it is not loaded")
+    if not (
+        isinstance(sums, dict)
+        and sums.get("algorithm") == ALGORITHM
+        and isinstance(sums.get("metadata"), str)
+        and isinstance(sums.get("items"), dict)
+    ):
+        raise ShardkitError(
+            f"{os.path.join(path, 'MANIFEST.json')} has damaged checksums: the save cannot be "
+            "verified, so it is not loaded"
+        )
     metadata = read_metadata(path, sums["metadata"])
     missing = sorted(k for k in map(item_key, metadata.storage_data) if k not in sums["items"])
     if missing:
@@ -142,12 +164,16 @@ def open_save(path: str) -> tuple[dict, Metadata, VerifiedReader]:
 
 def saved_entries(metadata: Metadata) -> dict:
     """``{key: (full shape, dtype)}`` of checked DCP metadata (tensors only: :func:`open_save`)."""
-    return {k: (tuple(m.size), m.properties.dtype) for k, m in metadata.state_dict_metadata.items()
-            if isinstance(m, TensorStorageMetadata)}
+    return {
+        k: (tuple(m.size), m.properties.dtype)
+        for k, m in metadata.state_dict_metadata.items()
+        if isinstance(m, TensorStorageMetadata)
+    }
 
 
-def load_checked(state: dict[str, torch.Tensor], reader: VerifiedReader, planner, group: Group, op: str,
-                 path: str) -> None:
+def load_checked(
+    state: dict[str, torch.Tensor], reader: VerifiedReader, planner, group: Group, op: str, path: str
+) -> None:
     """Collective over ``group``: read the save into ``state`` (each item verified), then
     refuse non-finite values.
 

@@ -108,9 +108,17 @@ def _state_dict(pm, optimizer, extra: dict[str, torch.Tensor]) -> tuple[dict, li
     return state, targets
 
 
-def save_train_state(root: str | os.PathLike, pm: ParallelModel, optimizer: torch.optim.Optimizer, step: int,
-                     extra: dict[str, torch.Tensor], layout: str = "", *, keep: int | None = None,
-                     model: dict | None = None) -> str:
+def save_train_state(
+    root: str | os.PathLike,
+    pm: ParallelModel,
+    optimizer: torch.optim.Optimizer,
+    step: int,
+    extra: dict[str, torch.Tensor],
+    layout: str = "",
+    *,
+    keep: int | None = None,
+    model: dict | None = None,
+) -> str:
     """Collective over the world: save the training state after ``step`` steps; return its directory.
 
     Args:
@@ -132,12 +140,14 @@ def save_train_state(root: str | os.PathLike, pm: ParallelModel, optimizer: torc
     """
     state, _ = _state_dict(pm, optimizer, extra)
     manifest = {"step": step, "layout": layout, "time": time.time(), "keys": len(state), "model": model}
-    return save_checked(root, _PREFIX, _world(), state, _ChunkSavePlanner(state), manifest, "save_train_state",
-                        number=step, keep=keep)
+    return save_checked(
+        root, _PREFIX, _world(), state, _ChunkSavePlanner(state), manifest, "save_train_state", number=step, keep=keep
+    )
 
 
-def load_train_state(path: str | os.PathLike, pm: ParallelModel, optimizer: torch.optim.Optimizer,
-                     extra: dict[str, torch.Tensor]) -> int:
+def load_train_state(
+    path: str | os.PathLike, pm: ParallelModel, optimizer: torch.optim.Optimizer, extra: dict[str, torch.Tensor]
+) -> int:
     """Collective over the world: load a save into ``pm``, ``optimizer`` and ``extra``; return its step.
 
     ``pm`` may use any layout (tp, pp, cp, ep, FSDP2 or none): every rank reads the ranges of the
@@ -165,8 +175,13 @@ def load_train_state(path: str | os.PathLike, pm: ParallelModel, optimizer: torc
         step = found
     except (OSError, ShardkitError) as exc:
         error = f"cannot read {path}: {exc}"
-    check_contents({k: (tuple(_full_shape(t)), t.dtype) for k, t in state.items()}, saved, _world(),
-                   "load_train_state", read_error=error)
+    check_contents(
+        {k: (tuple(_full_shape(t)), t.dtype) for k, t in state.items()},
+        saved,
+        _world(),
+        "load_train_state",
+        read_error=error,
+    )
     assert reader is not None  # opened, or check_contents raised on every rank
     load_checked(state, reader, _ChunkLoadPlanner(state), _world(), "load_train_state", path)
     for key, dst in targets:

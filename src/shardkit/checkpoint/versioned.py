@@ -44,8 +44,17 @@ from ..errors import ShardkitError
 if TYPE_CHECKING:
     from .._types import Group
 
-__all__ = ["MANIFEST", "LATEST", "latest_checkpoint", "resolve_checkpoint", "begin_save", "commit_save",
-           "broadcast_from_first", "read_manifest", "complete_saves"]
+__all__ = [
+    "MANIFEST",
+    "LATEST",
+    "latest_checkpoint",
+    "resolve_checkpoint",
+    "begin_save",
+    "commit_save",
+    "broadcast_from_first",
+    "read_manifest",
+    "complete_saves",
+]
 
 MANIFEST = "MANIFEST.json"
 LATEST = "latest"
@@ -114,8 +123,11 @@ def read_manifest(path: str | os.PathLike) -> dict:
 def complete_saves(root: str | os.PathLike, prefix: str) -> list[str]:
     """Names of the complete saves of ``prefix`` in ``root``, oldest first."""
     root = os.fspath(root)
-    return sorted(n for n in os.listdir(root) if n.startswith(prefix) and n[len(prefix):].isdigit()
-                  and _complete(os.path.join(root, n)))
+    return sorted(
+        n
+        for n in os.listdir(root)
+        if n.startswith(prefix) and n[len(prefix) :].isdigit() and _complete(os.path.join(root, n))
+    )
 
 
 def latest_checkpoint(root: str | os.PathLike) -> str | None:
@@ -136,8 +148,10 @@ def latest_checkpoint(root: str | os.PathLike) -> str | None:
     except OSError as exc:
         raise ShardkitError(f"checkpoint: cannot read {pointer}: {exc.strerror or exc}") from None
     if not _SAVE_NAME.fullmatch(name):
-        raise ShardkitError(f"checkpoint: {pointer} names {name!r}, which is not a save inside {root} "
-                            "(<prefix>_<8 digits>; a path outside the root is never followed)")
+        raise ShardkitError(
+            f"checkpoint: {pointer} names {name!r}, which is not a save inside {root} "
+            "(<prefix>_<8 digits>; a path outside the root is never followed)"
+        )
     path = os.path.join(root, name)
     if not _complete(path):
         raise ShardkitError(f"checkpoint: {pointer} names {name}, which has no {MANIFEST} (incomplete save)")
@@ -171,12 +185,15 @@ def _remove_save(path: str) -> None:
 
 
 def _stale(root: str, prefix: str) -> list[str]:
-    return [n for n in os.listdir(root) if n.startswith(prefix) and os.path.isdir(os.path.join(root, n))
-            and not _complete(os.path.join(root, n))]
+    return [
+        n
+        for n in os.listdir(root)
+        if n.startswith(prefix) and os.path.isdir(os.path.join(root, n)) and not _complete(os.path.join(root, n))
+    ]
 
 
 def _versions(root: str, prefix: str) -> list[int]:
-    return [int(n[len(prefix):]) for n in os.listdir(root) if n.startswith(prefix) and n[len(prefix):].isdigit()]
+    return [int(n[len(prefix) :]) for n in os.listdir(root) if n.startswith(prefix) and n[len(prefix) :].isdigit()]
 
 
 def begin_save(root: str | os.PathLike, prefix: str, group: Group, number: int | None = None) -> str:
@@ -226,8 +243,10 @@ def _prepare(root: str, prefix: str, number: int | None) -> tuple[str | None, st
         # Writing into the latest save would leave no complete checkpoint while it runs.
         return f"{path} is the latest complete save and is never overwritten in place", None
     if _complete(path):  # another run's complete save (this run's numbers only grow): never replaced
-        return (f"{path} is a complete save of an earlier run; a save never replaces it (resume from it with "
-                "--resume, or choose another directory)"), None
+        return (
+            f"{path} is a complete save of an earlier run; a save never replaces it (resume from it with "
+            "--resume, or choose another directory)"
+        ), None
     return None, os.path.join(root, name)
 
 
@@ -252,7 +271,7 @@ def commit_save(path: str, manifest: dict, group: Group, keep: int | None = None
         if error is None and keep is not None:
             prefix = name.rstrip("0123456789")
             older = sorted(n for n in os.listdir(root) if n.startswith(prefix) and n < name)
-            for old in older[:max(0, len(older) - (keep - 1))]:
+            for old in older[: max(0, len(older) - (keep - 1))]:
                 _remove_save(os.path.join(root, old))
     error = broadcast_from_first(group, error)
     if error:

@@ -18,9 +18,27 @@ from .main import main
 __all__ = ["main"]
 
 # old module of shardkit.cli -> its home in shardkit.train (deprecated aliases, one release)
-_MOVED = {name: f"shardkit.train.{name}" for name in (
-    "config", "limits", "checkpoint_dir", "corpus", "data", "tokens", "pretrained", "model", "conv_ae", "lm_task",
-    "trainer", "verify", "schedule", "metrics", "progress", "liveness")}
+_MOVED = {
+    name: f"shardkit.train.{name}"
+    for name in (
+        "config",
+        "limits",
+        "checkpoint_dir",
+        "corpus",
+        "data",
+        "tokens",
+        "pretrained",
+        "model",
+        "conv_ae",
+        "lm_task",
+        "trainer",
+        "verify",
+        "schedule",
+        "metrics",
+        "progress",
+        "liveness",
+    )
+}
 _MOVED["worker"] = "shardkit.train.run"
 
 
@@ -36,8 +54,9 @@ class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def create_module(self, spec):
         new = _MOVED[spec.name.rpartition(".")[2]]
-        warnings.warn(f"{spec.name} is deprecated: import {new} (removed in the next release)", DeprecationWarning,
-                      stacklevel=2)
+        warnings.warn(
+            f"{spec.name} is deprecated: import {new} (removed in the next release)", DeprecationWarning, stacklevel=2
+        )
         return importlib.import_module(new)
 
     def exec_module(self, module) -> None:

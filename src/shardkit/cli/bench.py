@@ -21,8 +21,11 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     from ..bench import CASES
 
     listing = "; ".join(f"{k}: {v.what} ({v.nproc} ranks)" for k, v in CASES.items())
-    p = subparsers.add_parser("bench", help="paired, interleaved benchmarks of every axis (docs/design.md, Benchmarks)",
-                              description=__doc__.split("\n\n")[0] + " Cases: " + listing)
+    p = subparsers.add_parser(
+        "bench",
+        help="paired, interleaved benchmarks of every axis (docs/design.md, Benchmarks)",
+        description=__doc__.split("\n\n")[0] + " Cases: " + listing,
+    )
     p.add_argument("--quick", action="store_true", help="small sizes of every case (< 3 min)")
     p.add_argument("--cases", default=",".join(CASES), help="comma-separated case names (default: all)")
     p.add_argument("--rounds", type=int, default=40, help="timed rounds per case (>= 40, default 40)")
@@ -52,10 +55,13 @@ def run(args: argparse.Namespace) -> int:
     argv = (["--quick"] if args.quick else []) + (["--cases", args.cases] if set(names) != set(CASES) else [])
     argv += [] if args.rounds == 40 else ["--rounds", str(args.rounds)]
     env = dict(environment(argv), elapsed_s=round(time.perf_counter() - t0, 1))
-    doc = write_outputs(records, dict(rounds=args.rounds, warmup=args.warmup, quick=args.quick, cases=names), env,
-                        args.out)
+    doc = write_outputs(
+        records, dict(rounds=args.rounds, warmup=args.warmup, quick=args.quick, cases=names), env, args.out
+    )
     with open(f"{args.out}/bench.md") as f:
         sys.stdout.write(f.read())
-    print(f"\n{len(records)} records in {env['elapsed_s']:.0f} s; wrote {args.out}/bench.json, bench.md, "
-          + ", ".join(p.rsplit("/", 1)[-1] for p in doc["plots"]))
+    print(
+        f"\n{len(records)} records in {env['elapsed_s']:.0f} s; wrote {args.out}/bench.json, bench.md, "
+        + ", ".join(p.rsplit("/", 1)[-1] for p in doc["plots"])
+    )
     return 0

@@ -31,12 +31,19 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any, NoReturn
 
+from .._local_world import no_shared_tcp_store, private_temp
 from .._quiet import quiet_third_party
 from ..train.liveness import Watchdog, read_heartbeats, stalled_ranks
-from .._local_world import no_shared_tcp_store, private_temp
 
-__all__ = ["under_torchrun", "launch_local", "LaunchFailed", "LaunchInterrupted", "format_failures", "print_failure",
-           "exit_now"]
+__all__ = [
+    "under_torchrun",
+    "launch_local",
+    "LaunchFailed",
+    "LaunchInterrupted",
+    "format_failures",
+    "print_failure",
+    "exit_now",
+]
 
 # Exceptions that a rank raises because *another* rank died (its peer closed the connection or
 # the store went away): secondary, never the root cause when another rank has its own error.
@@ -106,16 +113,20 @@ def format_failures(err, stalled: dict[int, float] | None = None) -> str:
     lines = []
     for r in sorted(stalled):
         how = f"exit code {err.failures[r].exitcode}" if r in err.failures else "then stopped by the launcher"
-        lines.append(f"rank {r} stopped answering first (suspect): its heartbeat stopped {stalled[r]:.1f} s before "
-                     f"the other ranks' last; they timed out waiting for it ({how})")
+        lines.append(
+            f"rank {r} stopped answering first (suspect): its heartbeat stopped {stalled[r]:.1f} s before "
+            f"the other ranks' last; they timed out waiting for it ({how})"
+        )
     others = [(r, f) for r, f in failures if r not in stalled]
     if not stalled:
         (rank, first), others = failures[0], failures[1:]
         # One of shardkit's own errors says what is wrong in its message (agreed errors are the
         # same on every rank): a traceback would only bury it. Any other error keeps its traceback.
         concise = _shardkit_error(_message(first))
-        lines += [f"rank {rank} failed first (exit code {first.exitcode}):",
-                  concise if concise is not None else _message(first).rstrip()]
+        lines += [
+            f"rank {rank} failed first (exit code {first.exitcode}):",
+            concise if concise is not None else _message(first).rstrip(),
+        ]
     for r, f in others:
         last = _message(f).strip().splitlines()[-1:] or [""]
         lines.append(f"rank {r} also stopped (exit code {f.exitcode}): {last[0]}")
@@ -160,6 +171,7 @@ def _die_with_parent(parent: int) -> None:
         if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
     else:
+
         def watch() -> None:
             while os.getppid() == parent:
                 time.sleep(0.1)
@@ -182,8 +194,9 @@ def _quiet_then(parent: int, entry: Callable, *args: Any) -> Any:
     return entry(*args)
 
 
-def launch_local(nproc: int, entry: Callable, *args, run_dir: str, heartbeats: str | None = None,
-                 timeout_s: float = 300.0) -> dict:
+def launch_local(
+    nproc: int, entry: Callable, *args, run_dir: str, heartbeats: str | None = None, timeout_s: float = 300.0
+) -> dict:
     """Run ``entry(*args)`` on ``nproc`` local processes; return ``{local_rank: return value}``.
 
     Args:

@@ -20,29 +20,53 @@ from ..plan.options import SCHEDULES
 
 __all__ = ["add_plan_parser", "run_plan", "parse_layout"]
 
-_FIGURES = ("gpus_per_node", "intra_gbps", "inter_gbps", "intra_latency_us", "inter_latency_us", "gpu_memory_gib",
-            "peak_tflops", "efficiency")
+_FIGURES = (
+    "gpus_per_node",
+    "intra_gbps",
+    "inter_gbps",
+    "intra_latency_us",
+    "inter_latency_us",
+    "gpu_memory_gib",
+    "peak_tflops",
+    "efficiency",
+)
 
 
 def add_plan_parser(commands) -> None:
     """Add ``plan`` to the ``shardkit`` subcommands."""
-    p = commands.add_parser("plan", help="rank the layouts of a model on a cluster by predicted step time",
-                            description=__doc__.split("\n\n")[0])
+    p = commands.add_parser(
+        "plan",
+        help="rank the layouts of a model on a cluster by predicted step time",
+        description=__doc__.split("\n\n")[0],
+    )
     p.add_argument("--config", required=True, help="a Hugging Face config.json")
     p.add_argument("--gpus", type=int, required=True, help="GPUs in the job (the world size)")
     p.add_argument("--preset", choices=sorted(CLUSTERS), default="h100", help="cluster figures (default h100)")
     for name in _FIGURES:
-        p.add_argument(f"--{name.replace('_', '-')}", type=float if name != "gpus_per_node" else int, default=None,
-                       help=f"override the preset's {name}")
+        p.add_argument(
+            f"--{name.replace('_', '-')}",
+            type=float if name != "gpus_per_node" else int,
+            default=None,
+            help=f"override the preset's {name}",
+        )
     p.add_argument("--seq-len", type=int, default=8192, help="tokens per sequence (default 8192)")
     p.add_argument("--global-batch", type=int, default=2048, help="sequences per step (default 2048)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
-    p.add_argument("--schedule", choices=sorted(SCHEDULES), default="1f1b",
-                   help="pipeline schedule (default 1f1b; gpipe keeps every microbatch's activations)")
+    p.add_argument(
+        "--schedule",
+        choices=sorted(SCHEDULES),
+        default="1f1b",
+        help="pipeline schedule (default 1f1b; gpipe keeps every microbatch's activations)",
+    )
     p.add_argument("--top", type=int, default=10, help="layouts to print (default 10)")
-    p.add_argument("--compare", action="append", default=[], metavar="LAYOUT",
-                   help="also estimate this layout, e.g. 'tp=8,pp=16,cp_ring=2' or 'pp_tp=8:8:4' (stages of "
-                        "different tp sizes); dp_replicate: the rest")
+    p.add_argument(
+        "--compare",
+        action="append",
+        default=[],
+        metavar="LAYOUT",
+        help="also estimate this layout, e.g. 'tp=8,pp=16,cp_ring=2' or 'pp_tp=8:8:4' (stages of "
+        "different tp sizes); dp_replicate: the rest",
+    )
     p.add_argument("--plot", default="plan.png", help="where to write the plot (default plan.png)")
     p.set_defaults(func=run_plan)
 
@@ -63,14 +87,18 @@ def parse_layout(text: str, gpus: int) -> ParallelDims:
             pp_tp = tuple(int(n) for n in number.split(":"))
             continue
         if axis not in known or not number.isdigit():
-            raise ShardkitError(f"--compare {text!r}: expected axis=int pairs with axes {sorted(known)} (or "
-                                f"pp_tp=t0:t1:...), got {part!r}")
+            raise ShardkitError(
+                f"--compare {text!r}: expected axis=int pairs with axes {sorted(known)} (or "
+                f"pp_tp=t0:t1:...), got {part!r}"
+            )
         degrees[axis] = int(number)
     used = math.prod(d for axis, d in degrees.items() if axis != "ep")  # ep borrows, it does not multiply
     used *= sum(pp_tp) if pp_tp else 1  # a pipeline replica of stages of different tp sizes
     if "dp_replicate" not in degrees:
         if gpus % used:
-            raise ShardkitError(f"--compare {text!r}: the degrees multiply to {used}, which does not divide {gpus} GPUs")
+            raise ShardkitError(
+                f"--compare {text!r}: the degrees multiply to {used}, which does not divide {gpus} GPUs"
+            )
         degrees["dp_replicate"] = gpus // used
     return ParallelDims(world_size=gpus, pp_tp=pp_tp, **degrees)  # type: ignore[arg-type]
 
@@ -84,9 +112,17 @@ def _cluster(args) -> Cluster:
 def _row(est: StepEstimate) -> list[str]:
     axes = est.axis_seconds()
     comm = " ".join(f"{a} {axes[a] * 1e3:.0f}" for a in ("tp", "cp", "ep", "pp", "dp", "fsdp") if axes.get(a))
-    return [est.dims.describe(), f"{est.options.microbatches}", f"{est.step_s:.2f}", f"{est.compute_s:.2f}",
-            f"{est.bubble:.2f}", f"{est.comm_s:.2f}", comm or "-", f"{est.memory['total'] / 2**30:.1f}",
-            f"{est.mfu:.2f}"]
+    return [
+        est.dims.describe(),
+        f"{est.options.microbatches}",
+        f"{est.step_s:.2f}",
+        f"{est.compute_s:.2f}",
+        f"{est.bubble:.2f}",
+        f"{est.comm_s:.2f}",
+        comm or "-",
+        f"{est.memory['total'] / 2**30:.1f}",
+        f"{est.mfu:.2f}",
+    ]
 
 
 HEADER = ["layout", "M", "step s", "compute s", "bubble", "exposed comm s", "comm ms per axis", "GiB/GPU", "MFU"]
@@ -120,11 +156,14 @@ def _plot(path: str, estimates: list[StepEstimate], given: int = 0) -> None:
 
     fig = Figure(figsize=(10, 0.5 * len(estimates) + 1.5))
     ax = fig.add_subplot()
-    names = [e.dims.describe() + (" (given)" if i >= len(estimates) - given else "")
-             for i, e in enumerate(estimates)][::-1]
-    parts = [("compute", [e.compute_s for e in estimates]),
-             ("bubble", [e.compute_s * e.bubble / (1 - e.bubble) for e in estimates]),
-             ("exposed comm", [e.comm_s for e in estimates])]
+    names = [e.dims.describe() + (" (given)" if i >= len(estimates) - given else "") for i, e in enumerate(estimates)][
+        ::-1
+    ]
+    parts = [
+        ("compute", [e.compute_s for e in estimates]),
+        ("bubble", [e.compute_s * e.bubble / (1 - e.bubble) for e in estimates]),
+        ("exposed comm", [e.comm_s for e in estimates]),
+    ]
     left = [0.0] * len(estimates)
     for label, values in parts:
         ax.barh(names, values[::-1], left=left[::-1], label=label)
@@ -141,8 +180,9 @@ def run_plan(args: argparse.Namespace) -> int:
     try:
         cluster = _cluster(args)
         shape = ModelShape.from_config(args.config)
-        options = StepOptions(seq_len=args.seq_len, global_batch=args.global_batch, dtype=args.dtype,
-                              schedule=args.schedule)
+        options = StepOptions(
+            seq_len=args.seq_len, global_batch=args.global_batch, dtype=args.dtype, schedule=args.schedule
+        )
         best = plan_layouts(shape, cluster, options, top=args.top)
     except ShardkitError as e:
         print(f"shardkit plan: {e}")
@@ -155,8 +195,10 @@ def run_plan(args: argparse.Namespace) -> int:
             compared.append(estimate_step(shape, dims, dataclasses.replace(options, microbatches=m), cluster))
         except ShardkitError as e:  # a published layout shardkit cannot run: say why, keep the rest
             refused.append(f"--compare {text}: refused: {e}")
-    print(f"{shape.total_params / 1e9:.1f} B parameters ({shape.active_params / 1e9:.1f} B active); "
-          f"{cluster.gpus} x {cluster.name}; seq {args.seq_len}, {args.global_batch} sequences per step, {args.dtype}")
+    print(
+        f"{shape.total_params / 1e9:.1f} B parameters ({shape.active_params / 1e9:.1f} B active); "
+        f"{cluster.gpus} x {cluster.name}; seq {args.seq_len}, {args.global_batch} sequences per step, {args.dtype}"
+    )
     _print(f"fastest {len(best)} layouts that fit in {cluster.gpu_memory_gib:g} GiB", best)
     if compared:
         _print("compared layouts", compared)

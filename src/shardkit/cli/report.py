@@ -143,8 +143,9 @@ def loss_figure(result: dict):
         shown = [(s, d) for s, d in pairs if d > 0]
         diff.set_yscale("log")
         if shown:  # log scale: an exact match has no point (NaN: a gap in the line, not a bridge over it)
-            diff.plot([s for s, _ in pairs], [d if d > 0 else float("nan") for _, d in pairs], marker=".",
-                      color="tab:red")
+            diff.plot(
+                [s for s, _ in pairs], [d if d > 0 else float("nan") for _, d in pairs], marker=".", color="tab:red"
+            )
         if len(shown) < len(pairs):
             note = "equal at every step" if not shown else f"equal at {len(pairs) - len(shown)} of {len(pairs)} steps"
             diff.text(0.02, 0.9, f"bitwise {note}", transform=diff.transAxes, fontsize=8, va="top")

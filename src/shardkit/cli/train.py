@@ -38,59 +38,118 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
         "trainer for every layout; --verify reruns the same steps in one process and checks parity.",
     )
     p.add_argument("--config", metavar="FILE.toml", help="TOML file of options (keys: option names with underscores)")
-    p.add_argument("--model", choices=MODELS, help=f"what to train (default {d.model}; conv-ae: a convolutional "
-                   "autoencoder on matplotlib's sample photo, frames sharded along W over --spatial ranks, along H over --spatial-h)")
-    p.add_argument("--nproc", type=int, help="local processes to start (default: the product of the degrees, "
-                   "at least 4 for an LM; torchrun: its world)")
+    p.add_argument(
+        "--model",
+        choices=MODELS,
+        help=f"what to train (default {d.model}; conv-ae: a convolutional "
+        "autoencoder on matplotlib's sample photo, frames sharded along W over --spatial ranks, "
+        "along H over --spatial-h)",
+    )
+    p.add_argument(
+        "--nproc",
+        type=int,
+        help="local processes to start (default: the product of the degrees, "
+        "at least 4 for an LM; torchrun: its world)",
+    )
     p.add_argument("--spatial", type=int, help=f"conv-ae: ranks sharing each frame along W (default {d.spatial})")
-    p.add_argument("--spatial-h", type=int, help=f"conv-ae: ranks sharing each frame along H (default {d.spatial_h}; "
-                   "with --spatial > 1: H x W tiles)")
+    p.add_argument(
+        "--spatial-h",
+        type=int,
+        help=f"conv-ae: ranks sharing each frame along H (default {d.spatial_h}; with --spatial > 1: H x W tiles)",
+    )
     p.add_argument("--tp", type=int, help="tensor-parallel degree (default 2 for an LM without pp and cp, else 1)")
-    p.add_argument("--dp-replicate", type=int, help="data-parallel replicas, gradients all-reduced (default: what "
-                   "--nproc leaves after every other degree)")
+    p.add_argument(
+        "--dp-replicate",
+        type=int,
+        help="data-parallel replicas, gradients all-reduced (default: what --nproc leaves after every other degree)",
+    )
     p.add_argument("--dp", type=int, help="alias of --dp-replicate")
-    p.add_argument("--dp-shard", type=int, help=f"FSDP2 ranks sharding parameters, gradients and optimizer state "
-                   f"(default {d.dp_shard}; with --dp-replicate > 1: HSDP)")
-    p.add_argument("--cp-ulysses", type=int, help=f"context parallel: Ulysses ranks sharing each sequence, all-to-all "
-                   f"over heads (default {d.cp_ulysses})")
-    p.add_argument("--cp-ring", type=int, help=f"context parallel: ring-attention ranks sharing each sequence, zigzag "
-                   f"layout (default {d.cp_ring}; with --cp-ulysses > 1: USP, Ulysses inside, ring across)")
+    p.add_argument(
+        "--dp-shard",
+        type=int,
+        help=f"FSDP2 ranks sharding parameters, gradients and optimizer state "
+        f"(default {d.dp_shard}; with --dp-replicate > 1: HSDP)",
+    )
+    p.add_argument(
+        "--cp-ulysses",
+        type=int,
+        help=f"context parallel: Ulysses ranks sharing each sequence, all-to-all over heads (default {d.cp_ulysses})",
+    )
+    p.add_argument(
+        "--cp-ring",
+        type=int,
+        help=f"context parallel: ring-attention ranks sharing each sequence, zigzag "
+        f"layout (default {d.cp_ring}; with --cp-ulysses > 1: USP, Ulysses inside, ring across)",
+    )
     p.add_argument("--pp", type=int, help=f"pipeline-parallel stages (default {d.pp})")
-    p.add_argument("--ep", type=int, help="moe / mla: expert-parallel ranks, borrowed from dp-shard x cp x tp "
-                   "(experts dispatched all-to-all; default 1: tensor-parallel experts)")
-    p.add_argument("--packed", action=argparse.BooleanOptionalAction,
-                   help="treat each window as documents (the corpus files) packed along the sequence; "
-                   "tokens attend and predict only within their file")
-    p.add_argument("--loss-parallel", action=argparse.BooleanOptionalAction,
-                   help="keep the logits vocab-sharded and use the vocab-parallel cross entropy")
-    p.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction,
-                   help="shard hidden states between blocks over tp (default: on for llama with tp > 1)")
+    p.add_argument(
+        "--ep",
+        type=int,
+        help="moe / mla: expert-parallel ranks, borrowed from dp-shard x cp x tp "
+        "(experts dispatched all-to-all; default 1: tensor-parallel experts)",
+    )
+    p.add_argument(
+        "--packed",
+        action=argparse.BooleanOptionalAction,
+        help="treat each window as documents (the corpus files) packed along the sequence; "
+        "tokens attend and predict only within their file",
+    )
+    p.add_argument(
+        "--loss-parallel",
+        action=argparse.BooleanOptionalAction,
+        help="keep the logits vocab-sharded and use the vocab-parallel cross entropy",
+    )
+    p.add_argument(
+        "--sequence-parallel",
+        action=argparse.BooleanOptionalAction,
+        help="shard hidden states between blocks over tp (default: on for llama with tp > 1)",
+    )
     p.add_argument("--max-norm", type=float, help=f"clip the global gradient norm (default {d.max_norm}; 0: off)")
-    p.add_argument("--skip-nonfinite", type=int, metavar="N", help="skip up to N steps whose global loss or gradient "
-                   "norm is NaN or infinite (not applied; the lr schedule still advances); one more stops the run "
-                   f"(default {d.skip_nonfinite}: the first one stops it)")
+    p.add_argument(
+        "--skip-nonfinite",
+        type=int,
+        metavar="N",
+        help="skip up to N steps whose global loss or gradient "
+        "norm is NaN or infinite (not applied; the lr schedule still advances); one more stops the run "
+        f"(default {d.skip_nonfinite}: the first one stops it)",
+    )
     p.add_argument("--experts", type=int, help=f"moe / mla: routed experts, top-2 (default {d.experts})")
-    p.add_argument("--pp-tp", metavar="T0,T1,...",
-                   help="per-stage tp sizes, e.g. 2,1,1 (pp = their count; sum * dp = nproc)")
-    p.add_argument("--microbatches", type=int, help=f"microbatches per step and dp rank: the pipeline's, or "
-                   f"gradient accumulation without one (default {d.microbatches})")
+    p.add_argument(
+        "--pp-tp", metavar="T0,T1,...", help="per-stage tp sizes, e.g. 2,1,1 (pp = their count; sum * dp = nproc)"
+    )
+    p.add_argument(
+        "--microbatches",
+        type=int,
+        help=f"microbatches per step and dp rank: the pipeline's, or "
+        f"gradient accumulation without one (default {d.microbatches})",
+    )
     p.add_argument("--schedule", choices=SCHEDULES, help=f"pipeline schedule (default {d.schedule})")
-    p.add_argument("--steps", type=int, help=f"training steps in all; a resumed run continues up to it "
-                   f"(default {d.steps})")
-    p.add_argument("--checkpoint-dir", metavar="DIR", help="save the training state (model, optimizer, step, "
-                   "data position, RNG) here with DCP; it resumes on any layout")
+    p.add_argument(
+        "--steps", type=int, help=f"training steps in all; a resumed run continues up to it (default {d.steps})"
+    )
+    p.add_argument(
+        "--checkpoint-dir",
+        metavar="DIR",
+        help="save the training state (model, optimizer, step, "
+        "data position, RNG) here with DCP; it resumes on any layout",
+    )
     p.add_argument("--save-every", type=int, help="save every N steps (default: after the last step only)")
-    p.add_argument("--keep", type=int, help="keep only the newest N complete saves in --checkpoint-dir "
-                   "(default: all)")
-    p.add_argument("--resume", action=argparse.BooleanOptionalAction,
-                   help="continue from the latest complete save in --checkpoint-dir")
+    p.add_argument("--keep", type=int, help="keep only the newest N complete saves in --checkpoint-dir (default: all)")
+    p.add_argument(
+        "--resume",
+        action=argparse.BooleanOptionalAction,
+        help="continue from the latest complete save in --checkpoint-dir",
+    )
     p.add_argument("--seq-len", type=int, help=f"tokens per sequence (default {d.seq_len})")
     p.add_argument("--batch-size", type=int, help=f"global batch, split over dp (default {d.batch_size})")
     p.add_argument("--dtype", choices=DTYPES, help=f"parameter and compute dtype (default {d.dtype})")
     p.add_argument("--seed", type=int, help=f"model init and data sampling seed (default {d.seed})")
     p.add_argument("--lr", type=float, help="AdamW peak learning rate (default 1e-3; 1e-4 with --model-path)")
-    p.add_argument("--lr-schedule", choices=("constant", "warmup-cosine"),
-                   help="constant, or linear warm-up then cosine decay (default: warmup-cosine with --model-path)")
+    p.add_argument(
+        "--lr-schedule",
+        choices=("constant", "warmup-cosine"),
+        help="constant, or linear warm-up then cosine decay (default: warmup-cosine with --model-path)",
+    )
     p.add_argument(
         "--verify",
         action=argparse.BooleanOptionalAction,
@@ -103,16 +162,29 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
         "model's plan and replicated weights are fingerprinted at parallelize (a rank disagreement becomes the "
         "same error on every rank instead of a hang; measured cost: docs/reliability.md)",
     )
-    p.add_argument("--timeout", type=float, metavar="SECONDS", help=f"how long any collective waits for a rank "
-                   f"before the job fails; a stopped rank ends the job after about this long and is named as the "
-                   f"suspect (default {d.timeout:g})")
-    p.add_argument("--report", metavar="DIR", help="write metrics.jsonl (per step; TensorBoard "
-                   "scalars in DIR/tb with the tb extra), report.json, loss.png (and conv-ae's reconstruction.png) "
-                   "into DIR")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        metavar="SECONDS",
+        help=f"how long any collective waits for a rank "
+        f"before the job fails; a stopped rank ends the job after about this long and is named as the "
+        f"suspect (default {d.timeout:g})",
+    )
+    p.add_argument(
+        "--report",
+        metavar="DIR",
+        help="write metrics.jsonl (per step; TensorBoard "
+        "scalars in DIR/tb with the tb extra), report.json, loss.png (and conv-ae's reconstruction.png) "
+        "into DIR",
+    )
     p.add_argument("--data", metavar="PATH", help="text file or folder (default: the Python stdlib's sources)")
-    p.add_argument("--model-path", metavar="DIR_OR_GGUF", help="a local Hugging Face causal-LM checkpoint directory or "
-                   "GGUF file (llama, qwen2, qwen3, qwen3-moe, deepseek-v2), trained on its own tokenizer "
-                   "(default: random init of the built-in config, byte-level tokens)")
+    p.add_argument(
+        "--model-path",
+        metavar="DIR_OR_GGUF",
+        help="a local Hugging Face causal-LM checkpoint directory or "
+        "GGUF file (llama, qwen2, qwen3, qwen3-moe, deepseek-v2), trained on its own tokenizer "
+        "(default: random init of the built-in config, byte-level tokens)",
+    )
     model = p.add_argument_group("built-in model (ignored with --model-path)")
     model.add_argument("--hidden-size", type=int, help=f"default {d.hidden_size}")
     model.add_argument("--layers", type=int, help=f"default {d.layers}")
@@ -150,8 +222,8 @@ def config_from_args(args: argparse.Namespace, world_size: int | None = None) ->
 
 def run_train(args: argparse.Namespace) -> int:
     """Run the ``train`` subcommand; return the process exit code."""
-    from .launch import exit_now, under_torchrun
     from ..train.run import worker_main
+    from .launch import exit_now, under_torchrun
 
     torchrun = under_torchrun()
     try:
@@ -188,17 +260,25 @@ def _launch(cfg: TrainConfig) -> tuple[int | None, dict]:
     and flight records go to ``--report DIR/flight`` (kept), else into the run directory; those
     of an earlier run there are removed first.
     """
-    from .launch import LaunchFailed, LaunchInterrupted, launch_local, print_failure
     from .._local_world import private_run_dir
     from ..train.run import worker_main
+    from .launch import LaunchFailed, LaunchInterrupted, launch_local, print_failure
 
     assert cfg.nproc is not None  # validate_config resolved it
     with private_run_dir() as run_dir:
         flight_dir = os.path.join(cfg.report if cfg.report else run_dir, "flight")
         clear_flight_dir(flight_dir)
         try:
-            return None, launch_local(cfg.nproc, worker_main, cfg, run_dir, flight_dir, run_dir=run_dir,
-                                      heartbeats=flight_dir, timeout_s=cfg.timeout)
+            return None, launch_local(
+                cfg.nproc,
+                worker_main,
+                cfg,
+                run_dir,
+                flight_dir,
+                run_dir=run_dir,
+                heartbeats=flight_dir,
+                timeout_s=cfg.timeout,
+            )
         except LaunchFailed as e:
             code = print_failure(e)
             _print_flight_report(flight_dir, cfg.nproc, kept=cfg.report is not None)
@@ -218,8 +298,10 @@ def _print_flight_report(flight_dir: str, nproc: int | None = None, kept: bool =
         if kept:
             print(f"(flight records of every rank: {flight_dir})", file=sys.stderr)
         else:
-            print("(flight records removed with the run's private directory; --report DIR keeps them in DIR/flight)",
-                  file=sys.stderr)
+            print(
+                "(flight records removed with the run's private directory; --report DIR keeps them in DIR/flight)",
+                file=sys.stderr,
+            )
 
 
 def finish(result: dict, cfg: TrainConfig) -> int:

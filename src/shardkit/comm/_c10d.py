@@ -22,10 +22,10 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from .._shapes import split_offsets
 from . import ledger
 from ._compat import all_gather_single, reduce_scatter_single
 from ._group import GroupInfo
-from .._shapes import split_offsets
 
 
 def _with_dim(shape, dim: int, size: int) -> list[int]:
@@ -229,20 +229,26 @@ def all_gather(x: torch.Tensor, g: GroupInfo, dim: int, sizes, api: str, phase: 
     out = x.new_empty(p.out_shape) if p.in_place else None
     if p.even and out is not None and dim == 0:
         # c10d's own concatenation: no flat views (each costs about a microsecond).
-        ledger.record("all_gather_single", api, phase, g.size, src.nbytes, out.nbytes, pg=g.pg, shape=x.shape,
-                      sizes=sizes)
+        ledger.record(
+            "all_gather_single", api, phase, g.size, src.nbytes, out.nbytes, pg=g.pg, shape=x.shape, sizes=sizes
+        )
         all_gather_single(out, src, group=g.pg)
         return out
     buf = _scratch(p.total, x, 1) if out is None else out.view(-1)
     if p.even:
-        ledger.record("all_gather_single", api, phase, g.size, src.nbytes, buf.nbytes, pg=g.pg, shape=x.shape, sizes=sizes)
+        ledger.record(
+            "all_gather_single", api, phase, g.size, src.nbytes, buf.nbytes, pg=g.pg, shape=x.shape, sizes=sizes
+        )
         all_gather_single(buf, src.view(-1), group=g.pg)
     else:
         # Uneven: send the whole local block to every rank, receive block r from rank r.
         send = src.reshape(-1).repeat(g.size)  # (an expand + reshape of an empty tensor is not contiguous)
-        ledger.record("all_to_all_single", api, phase, g.size, send.nbytes, buf.nbytes, pg=g.pg, shape=x.shape, sizes=sizes)
-        dist.all_to_all_single(buf, send, output_split_sizes=p.blocks, input_split_sizes=[src.numel()] * g.size,
-                               group=g.pg)
+        ledger.record(
+            "all_to_all_single", api, phase, g.size, send.nbytes, buf.nbytes, pg=g.pg, shape=x.shape, sizes=sizes
+        )
+        dist.all_to_all_single(
+            buf, send, output_split_sizes=p.blocks, input_split_sizes=[src.numel()] * g.size, group=g.pg
+        )
     return out if out is not None else _unpack(buf, list(p.out_shape), dim, sizes)
 
 
@@ -258,22 +264,29 @@ def reduce_scatter(x: torch.Tensor, g: GroupInfo, dim: int, sizes, api: str, pha
     if even and dim == 0 and x.is_contiguous():
         # c10d's own split along dim 0: no pack and no flat views (each costs about a microsecond).
         out = x.new_empty(out_shape)
-        ledger.record("reduce_scatter_single", api, phase, g.size, x.nbytes, out.nbytes, pg=g.pg, shape=x.shape,
-                      sizes=sizes)
+        ledger.record(
+            "reduce_scatter_single", api, phase, g.size, x.nbytes, out.nbytes, pg=g.pg, shape=x.shape, sizes=sizes
+        )
         reduce_scatter_single(out, x, group=g.pg)
         return out
     send = _pack(x, dim, sizes)
     if even:
         out = x.new_empty(out_shape)
-        ledger.record("reduce_scatter_single", api, phase, g.size, send.nbytes, out.nbytes, pg=g.pg, shape=x.shape, sizes=sizes)
+        ledger.record(
+            "reduce_scatter_single", api, phase, g.size, send.nbytes, out.nbytes, pg=g.pg, shape=x.shape, sizes=sizes
+        )
         reduce_scatter_single(out.view(-1), send, group=g.pg)
         return out
     # Uneven: every rank sends block j to rank j, then sums the R blocks it received. Same
     # traffic as a ring reduce-scatter, and gloo has no uneven reduce-scatter.
     blocks = [math.prod(_with_dim(x.shape, dim, s)) for s in sizes]
     recv = x.new_empty(g.size * blocks[g.rank])
-    ledger.record("all_to_all_single", api, phase, g.size, send.nbytes, recv.nbytes, pg=g.pg, shape=x.shape, sizes=sizes)
-    dist.all_to_all_single(recv, send, output_split_sizes=[blocks[g.rank]] * g.size, input_split_sizes=blocks, group=g.pg)
+    ledger.record(
+        "all_to_all_single", api, phase, g.size, send.nbytes, recv.nbytes, pg=g.pg, shape=x.shape, sizes=sizes
+    )
+    dist.all_to_all_single(
+        recv, send, output_split_sizes=[blocks[g.rank]] * g.size, input_split_sizes=blocks, group=g.pg
+    )
     return recv.view(g.size, *out_shape).sum(0)
 
 
@@ -301,7 +314,9 @@ def all_to_all(
     else:
         send = _pack(x, scatter_dim, scatter_sizes)
     recv = _scratch(p.total, x, 1) if p.unpack_copies else x.new_empty(p.total)
-    ledger.record("all_to_all_single", api, phase, g.size, send.nbytes, recv.nbytes, pg=g.pg, shape=x.shape, sizes=gather_sizes)
+    ledger.record(
+        "all_to_all_single", api, phase, g.size, send.nbytes, recv.nbytes, pg=g.pg, shape=x.shape, sizes=gather_sizes
+    )
     dist.all_to_all_single(recv, send, output_split_sizes=p.out_splits, input_split_sizes=p.in_splits, group=g.pg)
     return _unpack(recv, p.out_shape, gather_dim, gather_sizes) if p.unpack_copies else recv.view(p.out_shape)
 
@@ -316,8 +331,14 @@ class _AllToAllPlan(NamedTuple):
 
 
 @functools.lru_cache(maxsize=1024)
-def _a2a_plan(shape: tuple[int, ...], scatter_dim: int, gather_dim: int, scatter_sizes: tuple[int, ...],
-              gather_sizes: tuple[int, ...], rank: int) -> _AllToAllPlan:
+def _a2a_plan(
+    shape: tuple[int, ...],
+    scatter_dim: int,
+    gather_dim: int,
+    scatter_sizes: tuple[int, ...],
+    gather_sizes: tuple[int, ...],
+    rank: int,
+) -> _AllToAllPlan:
     """Split sizes and output shape of :func:`all_to_all`, once per distinct arguments."""
     in_splits = tuple(math.prod(_with_dim(shape, scatter_dim, s)) for s in scatter_sizes)
     local = _with_dim(shape, scatter_dim, scatter_sizes[rank])  # what every source sends to us
@@ -326,8 +347,9 @@ def _a2a_plan(shape: tuple[int, ...], scatter_dim: int, gather_dim: int, scatter
     a, n, b = math.prod(shape[:scatter_dim]), shape[scatter_dim], math.prod(shape[scatter_dim + 1 :])
     even = len(set(scatter_sizes)) == 1
     pack_view = (a, len(scatter_sizes), scatter_sizes[0], b) if even and a != 1 and n else None
-    return _AllToAllPlan(in_splits, out_splits, out_shape, sum(out_splits), _unpack_copies(out_shape, gather_dim),
-                         pack_view)
+    return _AllToAllPlan(
+        in_splits, out_splits, out_shape, sum(out_splits), _unpack_copies(out_shape, gather_dim), pack_view
+    )
 
 
 def local_split(x: torch.Tensor, g: GroupInfo, dim: int, sizes: Sequence[int]) -> torch.Tensor:
@@ -336,8 +358,9 @@ def local_split(x: torch.Tensor, g: GroupInfo, dim: int, sizes: Sequence[int]) -
     return x.narrow(dim, off, sizes[g.rank]).clone(memory_format=torch.contiguous_format)
 
 
-def all_to_all_flat(send: torch.Tensor, in_splits: list[int], out_splits: list[int], g: GroupInfo, api: str, phase: str,
-                    shape=None) -> torch.Tensor:
+def all_to_all_flat(
+    send: torch.Tensor, in_splits: list[int], out_splits: list[int], g: GroupInfo, api: str, phase: str, shape=None
+) -> torch.Tensor:
     """One ``all_to_all_single`` on flat, already packed buffers (element counts per rank).
 
     For callers that pack their own send buffer in a layout no dim-based helper describes

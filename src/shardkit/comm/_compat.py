@@ -20,8 +20,15 @@ import inspect
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_gather_single", "reduce_scatter_single", "isend", "irecv", "p2p_op", "world_timeout",
-           "world_timeout_options"]
+__all__ = [
+    "all_gather_single",
+    "reduce_scatter_single",
+    "isend",
+    "irecv",
+    "p2p_op",
+    "world_timeout",
+    "world_timeout_options",
+]
 
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

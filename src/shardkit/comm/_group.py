@@ -42,7 +42,9 @@ def resolve_group(group, op: str) -> GroupInfo:
     if hit is not None and (pg := hit[0]()) is group and dist.is_initialized():
         return GroupInfo(pg, hit[1], hit[2])
     if group is None:
-        raise ShardkitTypeError(f"{op}: group is required (a ProcessGroup or a 1-D DeviceMesh); shardkit has no default group")
+        raise ShardkitTypeError(
+            f"{op}: group is required (a ProcessGroup or a 1-D DeviceMesh); shardkit has no default group"
+        )
     if not dist.is_initialized():
         raise ShardkitError(f"{op}: torch.distributed is not initialized")
     # new_group() hands non-members a sentinel instead of a ProcessGroup.

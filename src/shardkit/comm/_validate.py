@@ -15,9 +15,9 @@ import torch
 
 from .._shapes import balanced_split_sizes, check_split_sizes, normalize_dim
 from ..errors import ShardkitError, ShardkitTypeError
-from ._group import GroupInfo, resolve_group
 from . import ledger
 from ._compat import all_gather_single
+from ._group import GroupInfo, resolve_group
 from .checks import agree, checks_enabled, covered
 
 GRAD_SCALES = (None, "up", "down")
@@ -260,7 +260,22 @@ def grad_scale_factor(grad_scale, x: torch.Tensor, g: GroupInfo, op: str) -> flo
 
 
 __all__ = [
-    "enter", "group_device", "placeholder", "raise_agreed", "maybe_agree", "maybe_agree_groups", "local_checks",
-    "gather_sizes", "gather_ints", "expected_size", "dim_of", "local_sizes", "full_sizes", "grad_scale_factor",
-    "balanced_split_sizes", "sharded_dim", "full_dim", "checking",
+    "enter",
+    "group_device",
+    "placeholder",
+    "raise_agreed",
+    "maybe_agree",
+    "maybe_agree_groups",
+    "local_checks",
+    "gather_sizes",
+    "gather_ints",
+    "expected_size",
+    "dim_of",
+    "local_sizes",
+    "full_sizes",
+    "grad_scale_factor",
+    "balanced_split_sizes",
+    "sharded_dim",
+    "full_dim",
+    "checking",
 ]

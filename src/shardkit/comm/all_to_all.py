@@ -31,13 +31,21 @@ class _AllToAll(torch.autograd.Function):
         # The adjoint of an all-to-all is the reverse all-to-all: scatter what was gathered and
         # gather what was scattered, with the forward's split sizes swapped.
         out = _c10d.all_to_all(
-            grad, ctx.g, ctx.gather_dim, ctx.scatter_dim, ctx.gather_sizes, ctx.scatter_sizes, "all_to_all", "backward",
+            grad,
+            ctx.g,
+            ctx.gather_dim,
+            ctx.scatter_dim,
+            ctx.gather_sizes,
+            ctx.scatter_sizes,
+            "all_to_all",
+            "backward",
         )
         return out, None, None, None, None, None
 
 
-def all_to_all(x: torch.Tensor, group: Group, scatter_dim: int, gather_dim: int,
-               gather_size: int | None = None) -> torch.Tensor:
+def all_to_all(
+    x: torch.Tensor, group: Group, scatter_dim: int, gather_dim: int, gather_size: int | None = None
+) -> torch.Tensor:
     """Scatter ``scatter_dim`` and gather ``gather_dim`` in forward; the reverse all-to-all in backward.
 
     The Ulysses layout switch: e.g. ``[B, S/R, N, D]`` with ``scatter_dim=2, gather_dim=1`` becomes
@@ -83,8 +91,9 @@ def all_to_all(x: torch.Tensor, group: Group, scatter_dim: int, gather_dim: int,
         expected = None
         if gather_size is not None and gather_size >= 0:
             expected = balanced_split_sizes(gather_size, g.size)[g.rank]
-        known = maybe_agree(g, op, x, (scatter_dim, gather_dim, gather_size), local_dim=gather_dim,
-                            expected_local=expected)
+        known = maybe_agree(
+            g, op, x, (scatter_dim, gather_dim, gather_size), local_dim=gather_dim, expected_local=expected
+        )
     if gather_size is not None and type(scatter_dim) is int and type(gather_dim) is int:
         s, d, scatter_sizes, gather_sizes = _checked(x.shape, scatter_dim, gather_dim, gather_size, g.size, g.rank)
     else:
@@ -107,7 +116,8 @@ def all_to_all(x: torch.Tensor, group: Group, scatter_dim: int, gather_dim: int,
 def _check_distinct(s: int, d: int, shape) -> None:
     if s == d:
         raise ShardkitError(
-            f"all_to_all: scatter_dim and gather_dim must differ, both are {s} (tensor of shape {tuple(shape)})")
+            f"all_to_all: scatter_dim and gather_dim must differ, both are {s} (tensor of shape {tuple(shape)})"
+        )
 
 
 def _balanced_gather(gather_size: int, local: int, d: int, size: int, rank: int) -> list[int]:

@@ -40,8 +40,18 @@ _state = {"enabled": os.environ.get("SHARDKIT_CHECKS", "0") not in ("", "0", "fa
 
 # Stable dtype codes for the metadata row (index + 1; 0 means "unknown dtype").
 _DTYPES = [
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
-    torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool,
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.complex64,
+    torch.complex128,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.bool,
 ]
 _MAX_DIMS = 16
 _MAX_ARGS = 12
@@ -84,7 +94,7 @@ class checks:
         self._previous = _state["enabled"]
         _state["enabled"] = bool(enabled)
 
-    def __enter__(self) -> "checks":
+    def __enter__(self) -> checks:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -25,6 +25,7 @@ from ._validate import checking, enter, expected_size, full_dim, maybe_agree, sh
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
+
     from .._types import Group
 
 __all__ = ["all_reduce_forward", "all_reduce_backward", "all_gather", "reduce_scatter"]
@@ -148,8 +149,9 @@ def all_gather(x: torch.Tensor, group: Group, dim: int, sizes: Sequence[int] | N
     g = enter(x, group, "all_gather")
     known = None
     if checking(g):
-        known = maybe_agree(g, "all_gather", x, (dim, sizes), local_dim=dim,
-                            expected_local=expected_size(sizes, g.rank))
+        known = maybe_agree(
+            g, "all_gather", x, (dim, sizes), local_dim=dim, expected_local=expected_size(sizes, g.rank)
+        )
     d, sizes = sharded_dim(x, g, dim, sizes, "all_gather", known)
     if g.size == 1:
         return x

@@ -48,8 +48,11 @@ def _crc(lines: Iterable[str]) -> int:
 def describe_style(style) -> str:
     """A rank-independent line for a style object: its class and its plain-valued attributes."""
     plain = (bool, int, float, str, type(None))
-    items = sorted((k, v) for k, v in vars(style).items() if isinstance(v, plain) or (
-        isinstance(v, tuple) and all(isinstance(e, plain) for e in v)))
+    items = sorted(
+        (k, v)
+        for k, v in vars(style).items()
+        if isinstance(v, plain) or (isinstance(v, tuple) and all(isinstance(e, plain) for e in v))
+    )
     return f"{type(style).__name__}{items}"
 
 
@@ -74,13 +77,20 @@ def _checksums(tensors: list[torch.Tensor], device) -> torch.Tensor:
 
 def _gather(mine: torch.Tensor, g, api: str) -> torch.Tensor:
     table = mine.new_empty(g.size * mine.numel())
-    ledger.record("metadata_all_gather", api, "check", g.size, mine.nbytes, table.nbytes, pg=g.pg, shape=tuple(mine.shape))
+    ledger.record(
+        "metadata_all_gather", api, "check", g.size, mine.nbytes, table.nbytes, pg=g.pg, shape=tuple(mine.shape)
+    )
     all_gather_single(table, mine, group=g.pg)
     return table.view(g.size, -1)
 
 
-def fingerprint(tensors: Mapping[str, torch.Tensor], group, api: str, plan: Iterable[str] = (),
-                hint: str = "a per-rank seed or checkpoint?") -> None:
+def fingerprint(
+    tensors: Mapping[str, torch.Tensor],
+    group,
+    api: str,
+    plan: Iterable[str] = (),
+    hint: str = "a per-rank seed or checkpoint?",
+) -> None:
     """Raise on every rank unless every rank of ``group`` holds the same ``plan`` and ``tensors``.
 
     Args:
@@ -102,15 +112,22 @@ def fingerprint(tensors: Mapping[str, torch.Tensor], group, api: str, plan: Iter
         return
     named = [(n, t) for n, t in tensors.items() if not t.is_meta]
     device = group_device(g, (t for _, t in named))
-    head = torch.tensor([_crc(plan), _crc(f"{n} {tuple(t.shape)} {t.dtype}" for n, t in named), len(named)],
-                        dtype=torch.int64, device=device)
+    head = torch.tensor(
+        [_crc(plan), _crc(f"{n} {tuple(t.shape)} {t.dtype}" for n, t in named), len(named)],
+        dtype=torch.int64,
+        device=device,
+    )
     rows = _gather(head, g, api).tolist()
-    for what, col, why in (("plan (module styles and parameter layouts)", 0, "every rank must apply the same plan"),
-                           ("tensor names, shapes and dtypes", 1, hint)):
+    for what, col, why in (
+        ("plan (module styles and parameter layouts)", 0, "every rank must apply the same plan"),
+        ("tensor names, shapes and dtypes", 1, hint),
+    ):
         bad = [r for r in range(g.size) if rows[r][col] != rows[0][col]]
         if bad:
-            raise RankMismatchError(f"{api}: ranks {bad} differ from rank 0 in the {what} in a group of {g.size} "
-                                    f"(digests {[row[col] for row in rows]}); {why}")
+            raise RankMismatchError(
+                f"{api}: ranks {bad} differ from rank 0 in the {what} in a group of {g.size} "
+                f"(digests {[row[col] for row in rows]}); {why}"
+            )
     if not named:  # the same on every rank: the names digests agreed
         return
     sums = _gather(_checksums([t for _, t in named], device), g, api).cpu()
@@ -123,7 +140,8 @@ def fingerprint(tensors: Mapping[str, torch.Tensor], group, api: str, plan: Iter
             f"{api}: replicated values differ across the {g.size} ranks of the group: ranks {bad} differ from rank 0, "
             f"first at {named[i][0]!r} (sum {sums[0, 2 * i].item():.9g} on rank 0, "
             f"{', '.join(f'{sums[r, 2 * i].item():.9g} on rank {r}' for r in bad)}); "
-            f"{len({d // 2 for d in differs})} of {len(named)} tensors differ ({hint})")
+            f"{len({d // 2 for d in differs})} of {len(named)} tensors differ ({hint})"
+        )
 
 
 def maybe_fingerprint(tensors: Mapping[str, torch.Tensor], group, api: str, plan: Iterable[str] = ()) -> None:

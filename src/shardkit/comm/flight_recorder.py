@@ -40,8 +40,19 @@ if TYPE_CHECKING:
 
     from torch.distributed import ProcessGroup
 
-__all__ = ["FlightRecorder", "FlightEntry", "Divergence", "current", "set_flight_recorder", "get_flight_recorder",
-           "dump_all", "load_dumps", "diagnose", "format_report", "DEFAULT_CAPACITY"]
+__all__ = [
+    "FlightRecorder",
+    "FlightEntry",
+    "Divergence",
+    "current",
+    "set_flight_recorder",
+    "get_flight_recorder",
+    "dump_all",
+    "load_dumps",
+    "diagnose",
+    "format_report",
+    "DEFAULT_CAPACITY",
+]
 
 DEFAULT_CAPACITY = 2048
 _P2P = ("send", "recv")
@@ -111,9 +122,17 @@ class FlightRecorder:
         self._groups: dict = {}
         self._lock = threading.Lock()
 
-    def record(self, op: str, api: str, phase: str, group_size: int, pg: ProcessGroup | None = None,
-               shape: Sequence[int] | None = None, sizes: Sequence[int] | None = None,
-               peer: int | None = None) -> None:
+    def record(
+        self,
+        op: str,
+        api: str,
+        phase: str,
+        group_size: int,
+        pg: ProcessGroup | None = None,
+        shape: Sequence[int] | None = None,
+        sizes: Sequence[int] | None = None,
+        peer: int | None = None,
+    ) -> None:
         """Append one collective (called by :func:`shardkit.comm.ledger.record`).
 
         The hot path stores references only (``shape`` a ``torch.Size`` or tuple, ``sizes`` a
@@ -157,8 +176,22 @@ class FlightRecorder:
             src = dst = None
             if peer is not None and me is not None:
                 src, dst = (me, peer) if op == "send" else (peer, me)
-            out.append(FlightEntry(seq, gseq, op, api, phase, ranks, name, None if shape is None else tuple(shape),
-                                   None if sizes is None else tuple(sizes), peer, src, dst))
+            out.append(
+                FlightEntry(
+                    seq,
+                    gseq,
+                    op,
+                    api,
+                    phase,
+                    ranks,
+                    name,
+                    None if shape is None else tuple(shape),
+                    None if sizes is None else tuple(sizes),
+                    peer,
+                    src,
+                    dst,
+                )
+            )
         return out
 
     @property
@@ -297,8 +330,13 @@ def _first_divergence(key, per_rank: dict, dumps) -> Divergence | None:
         at = {r: seqs[r].get(call) for r in members}
         if channel is not None:
             sender, receiver = at[channel[0]], at[channel[1]]
-            same = sender is not None and receiver is not None and sender.op == "send" and receiver.op == "recv" and (
-                sender.shape is None or receiver.shape is None or sender.shape == receiver.shape)
+            same = (
+                sender is not None
+                and receiver is not None
+                and sender.op == "send"
+                and receiver.op == "recv"
+                and (sender.shape is None or receiver.shape is None or sender.shape == receiver.shape)
+            )
         else:
             sigs = {None if e is None else e.signature() for e in at.values()}
             same = len(sigs) == 1 and None not in sigs
@@ -308,7 +346,9 @@ def _first_divergence(key, per_rank: dict, dumps) -> Divergence | None:
         for r, e in at.items():
             groups[None if e is None else (e.signature(), e.shape if channel is not None else None)].append(r)
         # the odd ones out first, ranks without the call last
-        sides = sorted(((tuple(rs), at[rs[0]]) for rs in groups.values()), key=lambda s: (s[1] is None, len(s[0]), s[0]))
+        sides = sorted(
+            ((tuple(rs), at[rs[0]]) for rs in groups.values()), key=lambda s: (s[1] is None, len(s[0]), s[0])
+        )
         order = min(e.seq for e in at.values() if e is not None)
         return Divergence(group, call, tuple(sides), order, channel)
     return None
@@ -326,7 +366,9 @@ def diagnose(dumps) -> list[Divergence]:
     """
     if isinstance(dumps, (str, os.PathLike)):
         dumps = load_dumps(os.fspath(dumps))
-    found = [d for key, per_rank in _streams(dumps).items() if (d := _first_divergence(key, per_rank, dumps)) is not None]
+    found = [
+        d for key, per_rank in _streams(dumps).items() if (d := _first_divergence(key, per_rank, dumps)) is not None
+    ]
     return sorted(found, key=lambda d: d.order)
 
 
@@ -348,8 +390,10 @@ def format_report(dumps, world_size: int | None = None) -> str:
         lines += [f"  also: {d.describe()}" for d in found[1:]]
     missing = [r for r in range(world_size or 0) if r not in dumps]
     if missing:
-        lines.append(f"flight recorder: no record from rank{'s' if len(missing) > 1 else ''} "
-                     f"{', '.join(map(str, missing))} (killed, aborted, or stopped answering before writing one)")
+        lines.append(
+            f"flight recorder: no record from rank{'s' if len(missing) > 1 else ''} "
+            f"{', '.join(map(str, missing))} (killed, aborted, or stopped answering before writing one)"
+        )
     return "\n".join(lines)
 
 

@@ -21,7 +21,7 @@ from . import flight_recorder as _flight
 __all__ = ["CommLedger", "CommRecord", "record"]
 
 _lock = threading.Lock()
-_open: list["CommLedger"] = []
+_open: list[CommLedger] = []
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ class CommLedger:
     def __init__(self) -> None:
         self.records: list[CommRecord] = []
 
-    def __enter__(self) -> "CommLedger":
+    def __enter__(self) -> CommLedger:
         with _lock:
             _open.append(self)
         return self
@@ -83,22 +83,27 @@ class CommLedger:
             and (group_size is None or r.group_size == group_size)
         ]
 
-    def count(self, op: str | None = None, api: str | None = None, phase: str | None = None,
-              group_size: int | None = None) -> int:
+    def count(
+        self, op: str | None = None, api: str | None = None, phase: str | None = None, group_size: int | None = None
+    ) -> int:
         """Number of recorded calls matching every given field."""
         return len(self._select(op, api, phase, group_size))
 
-    def bytes_sent(self, op: str | None = None, api: str | None = None, phase: str | None = None,
-                   group_size: int | None = None) -> int:
+    def bytes_sent(
+        self, op: str | None = None, api: str | None = None, phase: str | None = None, group_size: int | None = None
+    ) -> int:
         return sum(r.bytes_sent for r in self._select(op, api, phase, group_size))
 
-    def bytes_received(self, op: str | None = None, api: str | None = None, phase: str | None = None,
-                       group_size: int | None = None) -> int:
+    def bytes_received(
+        self, op: str | None = None, api: str | None = None, phase: str | None = None, group_size: int | None = None
+    ) -> int:
         return sum(r.bytes_received for r in self._select(op, api, phase, group_size))
 
     def summary(self) -> dict[tuple[str, int], dict[str, int]]:
         """``{(op, group_size): {"count", "bytes_sent", "bytes_received"}}`` over all phases."""
-        table: dict[tuple[str, int], dict[str, int]] = defaultdict(lambda: dict(count=0, bytes_sent=0, bytes_received=0))
+        table: dict[tuple[str, int], dict[str, int]] = defaultdict(
+            lambda: dict(count=0, bytes_sent=0, bytes_received=0)
+        )
         for r in self.records:
             row = table[(r.op, r.group_size)]
             row["count"] += 1
@@ -107,8 +112,19 @@ class CommLedger:
         return dict(table)
 
 
-def record(op: str, api: str, phase: str, group_size: int, bytes_sent: int, bytes_received: int, *, pg=None,
-           shape=None, sizes=None, peer: int | None = None) -> None:
+def record(
+    op: str,
+    api: str,
+    phase: str,
+    group_size: int,
+    bytes_sent: int,
+    bytes_received: int,
+    *,
+    pg=None,
+    shape=None,
+    sizes=None,
+    peer: int | None = None,
+) -> None:
     """Append one call to every open ledger and to the flight recorder.
 
     Call it just *before* the c10d call it describes, so that a call that never returns is the

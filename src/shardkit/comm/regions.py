@@ -32,12 +32,21 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import _c10d
-from ._validate import (GRAD_SCALES, checking, enter, expected_size, full_dim, grad_scale_factor, maybe_agree,
-                        sharded_dim)
+from ._validate import (
+    GRAD_SCALES,
+    checking,
+    enter,
+    expected_size,
+    full_dim,
+    grad_scale_factor,
+    maybe_agree,
+    sharded_dim,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
     from typing import Literal
+
     from .._types import Group
 
 __all__ = ["split_forward_gather_backward", "gather_forward_split_backward"]
@@ -75,8 +84,13 @@ class _GatherForwardSplitBackward(torch.autograd.Function):
         return _scaled(_c10d.local_split(grad, ctx.g, ctx.dim, ctx.sizes), ctx.factor), None, None, None, None
 
 
-def split_forward_gather_backward(x: torch.Tensor, group: Group, dim: int, sizes: Sequence[int] | None = None,
-                                  grad_scale: Literal["up", "down"] | None = None) -> torch.Tensor:
+def split_forward_gather_backward(
+    x: torch.Tensor,
+    group: Group,
+    dim: int,
+    sizes: Sequence[int] | None = None,
+    grad_scale: Literal["up", "down"] | None = None,
+) -> torch.Tensor:
     """Keep this rank's block along ``dim`` in forward; all-gather the gradient in backward.
 
     Args:
@@ -110,8 +124,13 @@ def split_forward_gather_backward(x: torch.Tensor, group: Group, dim: int, sizes
     return _SplitForwardGatherBackward.apply(x, g, d, sizes, factor)
 
 
-def gather_forward_split_backward(x: torch.Tensor, group: Group, dim: int, sizes: Sequence[int] | None = None,
-                                  grad_scale: Literal["up", "down"] | None = None) -> torch.Tensor:
+def gather_forward_split_backward(
+    x: torch.Tensor,
+    group: Group,
+    dim: int,
+    sizes: Sequence[int] | None = None,
+    grad_scale: Literal["up", "down"] | None = None,
+) -> torch.Tensor:
     """All-gather along ``dim`` in forward; keep this rank's block of the gradient in backward.
 
     Args:
@@ -135,8 +154,9 @@ def gather_forward_split_backward(x: torch.Tensor, group: Group, dim: int, sizes
     g = enter(x, group, op)
     known = None
     if checking(g):
-        known = maybe_agree(g, op, x, (dim, sizes, _scale_code(grad_scale)), local_dim=dim,
-                            expected_local=expected_size(sizes, g.rank))
+        known = maybe_agree(
+            g, op, x, (dim, sizes, _scale_code(grad_scale)), local_dim=dim, expected_local=expected_size(sizes, g.rank)
+        )
     d, sizes = sharded_dim(x, g, dim, sizes, op, known)
     factor = grad_scale_factor(grad_scale, x, g, op)
     if g.size == 1:

@@ -9,9 +9,8 @@ attention merges partial results with.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -22,8 +21,9 @@ if TYPE_CHECKING:
 __all__ = ["local_attention", "attention_with_lse", "document_mask"]
 
 
-def document_mask(cu_seqlens: Sequence[int] | torch.Tensor, causal: bool,
-                  device: torch.device | str | None = None) -> torch.Tensor:
+def document_mask(
+    cu_seqlens: Sequence[int] | torch.Tensor, causal: bool, device: torch.device | str | None = None
+) -> torch.Tensor:
     """Boolean ``[S, S]`` mask, True where query ``i`` may attend key ``j``: same document
     (block-diagonal over ``cu_seqlens``), and ``j <= i`` when ``causal``.
 
@@ -45,9 +45,16 @@ def _expand_kv(t: torch.Tensor, kv_index) -> torch.Tensor:
     return t.index_select(2, torch.tensor(kv_index, dtype=torch.int64, device=t.device))
 
 
-def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float | None = None,
-                    cu_seqlens: Sequence[int] | torch.Tensor | None = None,
-                    kv_index: Sequence[int] | None = None) -> torch.Tensor:
+def local_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    scale: float | None = None,
+    cu_seqlens: Sequence[int] | torch.Tensor | None = None,
+    kv_index: Sequence[int] | None = None,
+) -> torch.Tensor:
     """Softmax attention of ``q`` over ``k, v`` on one rank, batch-first.
 
     Args:
@@ -73,8 +80,15 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     return out.transpose(1, 2)
 
 
-def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float | None = None,
-                       mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def attention_with_lse(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    scale: float | None = None,
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain-math attention returning ``(out [B, S_q, n, Dv], lse [B, n, S_q])``; lse in float32 or wider.
 
     ``q`` is ``[B, S_q, n, D]``, ``k`` ``[B, S_k, n, D]``, ``v`` ``[B, S_k, n, Dv]``. ``causal``

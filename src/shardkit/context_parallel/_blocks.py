@@ -59,7 +59,11 @@ def _scores(q, k, causal: bool, scale: float, mask=None) -> torch.Tensor:
 
 def _additive(mask, dtype):
     """Boolean ``[Sq, Sk]`` mask -> the additive form the fused kernel takes (0 or -inf)."""
-    return None if mask is None else torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    return (
+        None
+        if mask is None
+        else torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    )
 
 
 def block_forward(q, k, v, causal: bool, scale: float, rep: int, mask=None):
@@ -72,8 +76,13 @@ def block_forward(q, k, v, causal: bool, scale: float, rep: int, mask=None):
     k, v = _expand(k, rep), _expand(v, rep)
     if _use_flash(q, v):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal,
-            attn_mask=_additive(mask, q.dtype), scale=scale,
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            0.0,
+            causal,
+            attn_mask=_additive(mask, q.dtype),
+            scale=scale,
         )
         out, lse = out.transpose(1, 2), lse.transpose(1, 2).to(acc_dtype(q.dtype))
         if mask is not None:
@@ -98,8 +107,16 @@ def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, rep: int
     if _use_flash(q, ve):
         t = lambda x: x.transpose(1, 2)  # noqa: E731
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            t(dout), t(q), t(ke), t(ve), t(out), t(lse).to(q.dtype if q.dtype == torch.float64 else torch.float32).contiguous(),
-            0.0, causal, attn_mask=_additive(mask, q.dtype), scale=scale,
+            t(dout),
+            t(q),
+            t(ke),
+            t(ve),
+            t(out),
+            t(lse).to(q.dtype if q.dtype == torch.float64 else torch.float32).contiguous(),
+            0.0,
+            causal,
+            attn_mask=_additive(mask, q.dtype),
+            scale=scale,
         )
         dq, dk, dv = t(dq).to(acc), t(dk).to(acc), t(dv).to(acc)
     else:
@@ -123,5 +140,7 @@ def merge(out_acc: torch.Tensor, lse_acc: torch.Tensor, out_b: torch.Tensor, lse
     """
     new = torch.logaddexp(lse_acc, lse_b)
     safe = new.masked_fill(torch.isinf(new), 0.0)
-    out_acc.mul_(torch.exp(lse_acc - safe)[..., None]).add_(out_b.to(out_acc.dtype) * torch.exp(lse_b - safe)[..., None])
+    out_acc.mul_(torch.exp(lse_acc - safe)[..., None]).add_(
+        out_b.to(out_acc.dtype) * torch.exp(lse_b - safe)[..., None]
+    )
     lse_acc.copy_(new)

@@ -46,7 +46,9 @@ def attention_name(mode: str) -> str:
 def _make(mode: str):
     op = attention_name(mode)
 
-    def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None, **kwargs):
+    def attention(
+        module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None, **kwargs
+    ):
         call = kwargs.get(KWARG)
         if not isinstance(call, CPCall):
             raise ShardkitError(
@@ -62,16 +64,22 @@ def _make(mode: str):
                 "pack documents and pass cu_seqlens= to shard_batch instead"
             )
         if dropout:
-            raise ShardkitError(f"{op}: attention dropout is not supported (got dropout={dropout} in training); set attention_dropout=0")
+            raise ShardkitError(
+                f"{op}: attention dropout is not supported (got dropout={dropout} in training); set attention_dropout=0"
+            )
         window = kwargs.get("sliding_window")
         if window is not None and call.seq_len > window:
-            raise ShardkitError(f"{op}: sliding-window attention is not supported (window {window} < S = {call.seq_len})")
+            raise ShardkitError(
+                f"{op}: sliding-window attention is not supported (window {window} < S = {call.seq_len})"
+            )
         bad = [name for name in _UNSUPPORTED if kwargs.get(name) is not None]
         if bad:
             raise ShardkitError(f"{op}: attention arguments {bad} are not supported under context parallelism")
         causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # HF [B, N, S, D] -> shardkit [B, S, N, D]
-        out = call.context._attend(q, k, v, causal=causal, scale=scaling, seq_len=call.seq_len, cu_seqlens=call.cu_seqlens)
+        out = call.context._attend(
+            q, k, v, causal=causal, scale=scaling, seq_len=call.seq_len, cu_seqlens=call.cu_seqlens
+        )
         return out, None
 
     attention.__name__ = attention.__qualname__ = op.replace("-", "_")
@@ -92,7 +100,9 @@ def _no_mask(*args, attention_mask=None, **kwargs):
 
 
 def register(mode: str) -> str:
-    """Register the attention function of ``mode`` and its mask function with transformers (idempotent); returns the name."""
+    """Register the attention function of ``mode`` and its mask function with transformers (idempotent).
+
+    Returns the registered name."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 

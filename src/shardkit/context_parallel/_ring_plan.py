@@ -86,7 +86,12 @@ def _tiles(pieces: list[Piece], min_tile: int) -> list[list[Piece]]:
     tiles: list[list[Piece]] = []
     for p in pieces:
         last = tiles[-1] if tiles else None
-        if last is not None and p.n < min_tile and sum(x.n for x in last) < min_tile and all(x.n < min_tile for x in last):
+        if (
+            last is not None
+            and p.n < min_tile
+            and sum(x.n for x in last) < min_tile
+            and all(x.n < min_tile for x in last)
+        ):
             last.append(p)
         else:
             tiles.append([p])
@@ -122,8 +127,13 @@ def _tile_blocks(qt: list[Piece], kt: list[Piece], causal: bool) -> list[Block]:
         return [Block(q_off, q_n, k_off, k_n, "full")]
     if flat == [DIAG]:
         return [Block(q_off, q_n, k_off, k_n, "diag")]
-    mask = torch.cat([torch.cat([_piece_mask(qp, kp, kinds[i][j], causal) for j, kp in enumerate(kt)], 1)
-                      for i, qp in enumerate(qt)], 0)
+    mask = torch.cat(
+        [
+            torch.cat([_piece_mask(qp, kp, kinds[i][j], causal) for j, kp in enumerate(kt)], 1)
+            for i, qp in enumerate(qt)
+        ],
+        0,
+    )
     rows, cols = mask.any(1).nonzero().flatten(), mask.any(0).nonzero().flatten()
     r0, r1, c0, c1 = int(rows[0]), int(rows[-1]) + 1, int(cols[0]), int(cols[-1]) + 1
     mask = mask[r0:r1, c0:c1].contiguous()
@@ -133,8 +143,9 @@ def _tile_blocks(qt: list[Piece], kt: list[Piece], causal: bool) -> list[Block]:
 
 
 @functools.lru_cache(maxsize=256)
-def block_plan(layout: str, cu: tuple[int, ...], world_size: int, q_rank: int, kv_rank: int, causal: bool,
-               min_tile: int) -> tuple[Block, ...]:
+def block_plan(
+    layout: str, cu: tuple[int, ...], world_size: int, q_rank: int, kv_rank: int, causal: bool, min_tile: int
+) -> tuple[Block, ...]:
     """Blocks rank ``q_rank``'s queries compute against rank ``kv_rank``'s KV block (masks on CPU).
 
     Cached: a pure function of the layout, reused by backward and by every training step.

@@ -78,8 +78,9 @@ def _zigzag_ranges(start: int, length: int, world_size: int, rank: int) -> tuple
     )
 
 
-def zigzag_positions(seq_len: int, world_size: int, rank: int,
-                     device: torch.device | str | None = None) -> torch.Tensor:
+def zigzag_positions(
+    seq_len: int, world_size: int, rank: int, device: torch.device | str | None = None
+) -> torch.Tensor:
     """Global token indices of rank ``rank``'s zigzag part, in local order (int64 ``[S_r]``).
 
     Example: ``zigzag_positions(8, 2, 0) == [0, 1, 6, 7]`` and ``zigzag_positions(8, 2, 1) == [2, 3, 4, 5]``.
@@ -103,20 +104,35 @@ def check_cu_seqlens(cu_seqlens, op: str, total: int | None = None) -> tuple[int
         ShardkitError: empty, not starting at 0, decreasing, or not ending at ``total``.
     """
     if isinstance(cu_seqlens, torch.Tensor):
-        if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point() or cu_seqlens.is_complex() or cu_seqlens.dtype == torch.bool:
-            raise ShardkitTypeError(f"{op}: cu_seqlens must be a 1-D integer tensor, got {cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}")
+        if (
+            cu_seqlens.dim() != 1
+            or cu_seqlens.is_floating_point()
+            or cu_seqlens.is_complex()
+            or cu_seqlens.dtype == torch.bool
+        ):
+            raise ShardkitTypeError(
+                f"{op}: cu_seqlens must be a 1-D integer tensor, "
+                f"got {cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}"
+            )
         values = tuple(int(v) for v in cu_seqlens.tolist())
-    elif isinstance(cu_seqlens, Sequence) and not isinstance(cu_seqlens, (str, bytes)) and all(
-        isinstance(v, int) and not isinstance(v, bool) for v in cu_seqlens
+    elif (
+        isinstance(cu_seqlens, Sequence)
+        and not isinstance(cu_seqlens, (str, bytes))
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in cu_seqlens)
     ):
         values = tuple(cu_seqlens)
     else:
-        raise ShardkitTypeError(f"{op}: cu_seqlens must be a sequence of ints or a 1-D integer tensor, got {cu_seqlens!r}")
+        raise ShardkitTypeError(
+            f"{op}: cu_seqlens must be a sequence of ints or a 1-D integer tensor, got {cu_seqlens!r}"
+        )
     if not values or values[0] != 0:
         raise ShardkitError(f"{op}: cu_seqlens must start with 0 (num_docs + 1 entries), got {list(values)[:8]}")
     bad = [i for i in range(1, len(values)) if values[i] < values[i - 1]]
     if bad:
-        raise ShardkitError(f"{op}: cu_seqlens must be non-decreasing, but entry {bad[0]} ({values[bad[0]]}) < entry {bad[0] - 1} ({values[bad[0] - 1]})")
+        raise ShardkitError(
+            f"{op}: cu_seqlens must be non-decreasing, "
+            f"but entry {bad[0]} ({values[bad[0]]}) < entry {bad[0] - 1} ({values[bad[0] - 1]})"
+        )
     if total is not None and values[-1] != total:
         raise ShardkitError(f"{op}: cu_seqlens ends at {values[-1]} but the sequence dim has {total} tokens")
     return values
@@ -147,16 +163,18 @@ def packed_local_cu_seqlens(cu_seqlens: Sequence[int] | torch.Tensor, world_size
     return out
 
 
-def packed_indices(cu_seqlens: Sequence[int] | torch.Tensor, world_size: int, rank: int,
-                   device: torch.device | str | None = None) -> torch.Tensor:
+def packed_indices(
+    cu_seqlens: Sequence[int] | torch.Tensor, world_size: int, rank: int, device: torch.device | str | None = None
+) -> torch.Tensor:
     """Indices into the packed (global) sequence of rank ``rank``'s local tokens (int64)."""
     _check_world(world_size, rank, "packed_indices")
     cu = check_cu_seqlens(cu_seqlens, "packed_indices")
     return _order(cu, world_size, torch.device("cpu")).local(rank).to(device)
 
 
-def packed_positions(cu_seqlens: Sequence[int] | torch.Tensor, world_size: int, rank: int,
-                     device: torch.device | str | None = None) -> torch.Tensor:
+def packed_positions(
+    cu_seqlens: Sequence[int] | torch.Tensor, world_size: int, rank: int, device: torch.device | str | None = None
+) -> torch.Tensor:
     """Position of each local token within its own document (int64): position ids for packed data."""
     _check_world(world_size, rank, "packed_positions")
     cu = check_cu_seqlens(cu_seqlens, "packed_positions")
@@ -240,7 +258,8 @@ def ulysses_head_plan(num_heads: int, num_kv_heads: int, world_size: int) -> Hea
     _check_world(world_size, None, op)
     if num_heads < 1 or num_kv_heads < 1 or num_heads % num_kv_heads:
         raise ShardkitError(
-            f"{op}: the number of query heads ({num_heads}) must be a positive multiple of the number of KV heads ({num_kv_heads})"
+            f"{op}: the number of query heads ({num_heads}) must be a positive multiple "
+            f"of the number of KV heads ({num_kv_heads})"
         )
     group = num_heads // num_kv_heads
     q_sizes = balanced_split_sizes(num_heads, world_size)

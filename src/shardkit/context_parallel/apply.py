@@ -19,10 +19,9 @@ Zhao, 2024).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
 import inspect
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +40,9 @@ from .usp import usp_attention
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
+
     from torch import nn
+
     from .._types import Group
 
 __all__ = ["apply_cp", "CPContext", "CPBatch"]
@@ -86,7 +87,12 @@ class CPBatch:
 
         Labels are left out on purpose: the model's own loss would shift them a second time.
         """
-        return {"input_ids": self.input_ids, "position_ids": self.position_ids, "use_cache": False, _hf_attention.KWARG: self.call}
+        return {
+            "input_ids": self.input_ids,
+            "position_ids": self.position_ids,
+            "use_cache": False,
+            _hf_attention.KWARG: self.call,
+        }
 
 
 class CPContext:
@@ -100,7 +106,12 @@ class CPContext:
         self.ulysses: GroupInfo | None = None
         if mode == "usp":
             names = getattr(mesh, "mesh_dim_names", None)
-            if not isinstance(mesh, DeviceMesh) or names is None or mesh.ndim != 2 or set(names) != {ring_dim, ulysses_dim}:
+            if (
+                not isinstance(mesh, DeviceMesh)
+                or names is None
+                or mesh.ndim != 2
+                or set(names) != {ring_dim, ulysses_dim}
+            ):
                 raise ShardkitTypeError(
                     f"{op}: mode 'usp' needs a 2-D DeviceMesh with dims ({ring_dim!r}, {ulysses_dim!r}), got "
                     f"{type(mesh).__name__} with dims {names}"
@@ -131,9 +142,14 @@ class CPContext:
         start = split_offsets(sizes)[j]
         return part[start : start + sizes[j]].to(device), order
 
-    def shard_batch(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *,
-                    position_ids: torch.Tensor | None = None,
-                    cu_seqlens: Sequence[int] | torch.Tensor | None = None) -> CPBatch:
+    def shard_batch(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        *,
+        position_ids: torch.Tensor | None = None,
+        cu_seqlens: Sequence[int] | torch.Tensor | None = None,
+    ) -> CPBatch:
         """Keep this rank's tokens of a full batch, identical on every rank of the cp group.
 
         Args:
@@ -159,23 +175,32 @@ class CPContext:
         """
         op = "shard_batch"
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
-            raise ShardkitTypeError(f"{op}: input_ids must be an integer [B, S] tensor, got {getattr(input_ids, 'shape', input_ids)!r}")
+            raise ShardkitTypeError(
+                f"{op}: input_ids must be an integer [B, S] tensor, got {getattr(input_ids, 'shape', input_ids)!r}"
+            )
         b, s = input_ids.shape
         for name, t, shapes in (("labels", labels, [(b, s)]), ("position_ids", position_ids, [(b, s), (1, s)])):
-            if t is not None and (not isinstance(t, torch.Tensor) or t.is_floating_point() or tuple(t.shape) not in shapes):
+            if t is not None and (
+                not isinstance(t, torch.Tensor) or t.is_floating_point() or tuple(t.shape) not in shapes
+            ):
                 want = " or ".join(map(str, shapes))
-                raise ShardkitError(f"{op}: {name} must be an integer tensor of shape {want}, got {getattr(t, 'shape', t)!r}")
+                raise ShardkitError(
+                    f"{op}: {name} must be an integer tensor of shape {want}, got {getattr(t, 'shape', t)!r}"
+                )
         cu = None
         if cu_seqlens is not None:
             cu = check_cu_seqlens(cu_seqlens, op, total=s)
             fn = {"ulysses": ulysses_attention, "ring": ring_attention, "usp": usp_attention}[self.mode]
             if not _packed_supported(fn):
-                raise ShardkitError(f"{op}: packed documents (cu_seqlens) are not supported by {fn.__name__} yet (mode {self.mode!r})")
+                raise ShardkitError(
+                    f"{op}: packed documents (cu_seqlens) are not supported by {fn.__name__} yet (mode {self.mode!r})"
+                )
         dev = input_ids.device
         idx, order = self._part(cu or (0, s), dev)
         if min(order.sizes) < self.ulysses_size:  # HF layers cannot run on zero tokens; same verdict on every rank
             raise ShardkitError(
-                f"{op}: every one of the {self.size} cp ranks needs at least one token, but S = {s} in mode {self.mode!r} "
+                f"{op}: every one of the {self.size} cp ranks needs at least one token, "
+                f"but S = {s} in mode {self.mode!r} "
                 f"gives ring parts of {list(order.sizes)} tokens over {self.ulysses_size} Ulysses rank(s)"
             )
         if position_ids is None:
@@ -195,7 +220,14 @@ class CPContext:
             local_labels = shifted.index_select(1, idx)
         call = _hf_attention.CPCall(self, s, cu)
         return CPBatch(
-            input_ids.index_select(1, idx), position_ids.index_select(1, idx), local_labels, num_tokens, s, cu, idx, call
+            input_ids.index_select(1, idx),
+            position_ids.index_select(1, idx),
+            local_labels,
+            num_tokens,
+            s,
+            cu,
+            idx,
+            call,
         )
 
     def shard(self, x: torch.Tensor, batch: CPBatch, dim: int = 1) -> torch.Tensor:
@@ -206,7 +238,9 @@ class CPContext:
         return x.index_select(dim, batch.indices.to(x.device))
 
     def gather(self, x_local: torch.Tensor, batch: CPBatch, dim: int = 1) -> torch.Tensor:
-        """All-gather the local tokens back to the full sequence in global order; reduce-scatter in backward (its adjoint).
+        """All-gather the local tokens back to the full sequence in global order.
+
+        Reduce-scatter in backward (its adjoint).
 
         Args:
             x_local: ``[..., S_local, ...]`` with the local tokens at ``dim`` (e.g. logits).
@@ -226,9 +260,12 @@ class CPContext:
             x = all_gather(x, self.ring.pg, dim, list(order.sizes))
         return x.index_select(dim, order.inverse.to(x.device))
 
-    def loss(self, logits_local: torch.Tensor, labels_local: torch.Tensor,
-             num_tokens: int | None = None) -> torch.Tensor:
-        """Token-mean cross entropy of the *full* sequence, on every rank; each rank's gradient is its own tokens' share.
+    def loss(
+        self, logits_local: torch.Tensor, labels_local: torch.Tensor, num_tokens: int | None = None
+    ) -> torch.Tensor:
+        """Token-mean cross entropy of the *full* sequence, on every rank.
+
+        Each rank's gradient is its own tokens' share.
 
         ``sum(CE(local tokens)) / num_tokens`` summed over the cp group by an all-reduce whose
         backward is the identity (Megatron's ``g``): every rank back-propagates the gradient of
@@ -250,7 +287,8 @@ class CPContext:
         """
         if logits_local.dim() != 3 or labels_local.shape != logits_local.shape[:2]:
             raise ShardkitError(
-                f"loss: logits [B, S_local, V] and labels [B, S_local] disagree: {tuple(logits_local.shape)} vs {tuple(labels_local.shape)}"
+                f"loss: logits [B, S_local, V] and labels [B, S_local] disagree: "
+                f"{tuple(logits_local.shape)} vs {tuple(labels_local.shape)}"
             )
         if logits_local.dtype in (torch.float16, torch.bfloat16):
             logits_local = logits_local.float()
@@ -262,7 +300,9 @@ class CPContext:
             denominator = count.item()
         else:
             denominator = num_tokens
-        total = F.cross_entropy(logits_local.flatten(0, 1), labels_local.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+        total = F.cross_entropy(
+            logits_local.flatten(0, 1), labels_local.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
         loss = total / denominator
         for g in self._groups:
             loss = all_reduce_forward(loss, g.pg)
@@ -284,22 +324,41 @@ class CPContext:
                 g.copy_(part.view_as(g))
 
     def _attend(self, q, k, v, *, causal: bool, scale, seq_len: int, cu_seqlens):
-        """``[B, S_local, N, D]`` attention of the mode; ``N`` and ``N_kv`` are read from the tensors (TP-sharded heads work)."""
+        """``[B, S_local, N, D]`` attention of the mode.
+
+        ``N`` and ``N_kv`` are read from the tensors, so TP-sharded heads work."""
         packed = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
         if self.mode == "ulysses":
             assert self.ulysses is not None  # __init__ gave the mode its group
             return ulysses_attention(q, k, v, self.ulysses.pg, causal=causal, scale=scale, seq_len=seq_len, **packed)
         if self.mode == "ring":
             assert self.ring is not None  # __init__ gave the mode its group
-            return ring_attention(q, k, v, self.ring.pg, causal=causal, scale=scale, layout="zigzag", seq_len=seq_len, **packed)
+            return ring_attention(
+                q, k, v, self.ring.pg, causal=causal, scale=scale, layout="zigzag", seq_len=seq_len, **packed
+            )
         assert isinstance(self.mesh, DeviceMesh)  # usp: a 2-D DeviceMesh, checked in __init__
         return usp_attention(
-            q, k, v, self.mesh, causal=causal, scale=scale, seq_len=seq_len, ring_dim=self.ring_dim, ulysses_dim=self.ulysses_dim, **packed
+            q,
+            k,
+            v,
+            self.mesh,
+            causal=causal,
+            scale=scale,
+            seq_len=seq_len,
+            ring_dim=self.ring_dim,
+            ulysses_dim=self.ulysses_dim,
+            **packed,
         )
 
 
-def apply_cp(model: nn.Module, cp_mesh: Group, mode: str = "ulysses", *, ring_dim: str = "cp_ring",
-             ulysses_dim: str = "cp_ulysses") -> CPContext:
+def apply_cp(
+    model: nn.Module,
+    cp_mesh: Group,
+    mode: str = "ulysses",
+    *,
+    ring_dim: str = "cp_ring",
+    ulysses_dim: str = "cp_ulysses",
+) -> CPContext:
     """Switch a Hugging Face model's attention to shardkit context-parallel attention, without editing the model.
 
     Registers ``"shardkit_cp_<mode>"`` in transformers' ``AttentionInterface`` and sets it with
@@ -333,8 +392,10 @@ def apply_cp(model: nn.Module, cp_mesh: Group, mode: str = "ulysses", *, ring_di
     if mode not in MODES:
         raise ShardkitError(f"apply_cp: mode must be one of {MODES}, got {mode!r}")
     if not hasattr(model, "config"):
-        raise ShardkitTypeError(f"apply_cp: expected a transformers PreTrainedModel (or a pipeline stage of one), "
-                                f"got {type(model).__name__}")
+        raise ShardkitTypeError(
+            f"apply_cp: expected a transformers PreTrainedModel (or a pipeline stage of one), "
+            f"got {type(model).__name__}"
+        )
     ctx = CPContext(mode, cp_mesh, ring_dim, ulysses_dim)
     name = _hf_attention.register(mode)
     hf: Any = model  # a transformers model or stage of one (it has a config: checked above)

@@ -35,6 +35,7 @@ from ._sizes import _order, check_cu_seqlens, packed_local_cu_seqlens
 if TYPE_CHECKING:
     from collections.abc import Sequence
     from typing import Literal
+
     from .._types import Group
 
 __all__ = ["zigzag_split", "zigzag_gather", "zigzag_all_gather", "packed_split", "packed_gather", "packed_all_gather"]
@@ -71,7 +72,14 @@ class _LayoutGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _scaled(grad.index_select(ctx.dim, ctx.order.local(ctx.g.rank)), ctx.factor), None, None, None, None, None
+        return (
+            _scaled(grad.index_select(ctx.dim, ctx.order.local(ctx.g.rank)), ctx.factor),
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 class _LayoutAllGather(torch.autograd.Function):
@@ -122,7 +130,8 @@ def _gather(x, group, dim, cu, grad_scale, op, adjoint):
     if x.shape[d] != order.sizes[g.rank]:
         raise ShardkitError(
             f"{op}: rank {g.rank} of {g.size} holds {x.shape[d]} tokens along dim {d}, but the zigzag layout of "
-            f"{cu[-1]} tokens ({len(cu) - 1} document(s)) gives it {order.sizes[g.rank]} (per rank: {list(order.sizes)})"
+            f"{cu[-1]} tokens ({len(cu) - 1} document(s)) gives it {order.sizes[g.rank]} "
+            f"(per rank: {list(order.sizes)})"
         )
     if g.size == 1:
         return x
@@ -136,8 +145,9 @@ def _check_seq_len(seq_len, op: str) -> None:
         raise ShardkitError(f"{op}: seq_len must be an int >= 0, got {seq_len!r}")
 
 
-def zigzag_split(x: torch.Tensor, group: Group, dim: int,
-                 grad_scale: Literal["up", "down"] | None = None) -> torch.Tensor:
+def zigzag_split(
+    x: torch.Tensor, group: Group, dim: int, grad_scale: Literal["up", "down"] | None = None
+) -> torch.Tensor:
     """Keep this rank's zigzag part along ``dim`` in forward; all-gather the gradient in backward.
 
     Rank ``r`` keeps chunks ``r`` and ``2R - 1 - r`` of ``2R`` balanced chunks (any length; see
@@ -161,8 +171,9 @@ def zigzag_split(x: torch.Tensor, group: Group, dim: int,
     return _split(x, group, dim, None, grad_scale, "zigzag_split")[0]
 
 
-def zigzag_gather(x_local: torch.Tensor, group: Group, dim: int, seq_len: int,
-                  grad_scale: Literal["up", "down"] | None = None) -> torch.Tensor:
+def zigzag_gather(
+    x_local: torch.Tensor, group: Group, dim: int, seq_len: int, grad_scale: Literal["up", "down"] | None = None
+) -> torch.Tensor:
     """All-gather the zigzag parts along ``dim`` in forward; keep this rank's part of the gradient in backward.
 
     Use when the gathered tensor feeds a replicated computation whose gradient is the same on
@@ -197,9 +208,13 @@ def zigzag_all_gather(x_local: torch.Tensor, group: Group, dim: int, seq_len: in
     return _gather(x_local, group, dim, (0, seq_len), None, "zigzag_all_gather", adjoint=True)
 
 
-def packed_split(x: torch.Tensor, cu_seqlens: Sequence[int] | torch.Tensor, group: Group, dim: int,
-                 grad_scale: Literal["up", "down"] | None = None,
-                 ) -> tuple[torch.Tensor, torch.Tensor | list[int]]:
+def packed_split(
+    x: torch.Tensor,
+    cu_seqlens: Sequence[int] | torch.Tensor,
+    group: Group,
+    dim: int,
+    grad_scale: Literal["up", "down"] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | list[int]]:
     """Keep this rank's zigzag part of every packed document in forward; all-gather the gradient in backward.
 
     Each document ``d`` (tokens ``cu_seqlens[d]:cu_seqlens[d + 1]``) is split zigzag on its own
@@ -231,9 +246,16 @@ def packed_split(x: torch.Tensor, cu_seqlens: Sequence[int] | torch.Tensor, grou
     return x_local, local
 
 
-def packed_gather(x_local: torch.Tensor, cu_seqlens: Sequence[int] | torch.Tensor, group: Group, dim: int,
-                  grad_scale: Literal["up", "down"] | None = None) -> torch.Tensor:
-    """Rebuild the packed tensor from every rank's zigzag parts in forward; keep this rank's part of the gradient in backward.
+def packed_gather(
+    x_local: torch.Tensor,
+    cu_seqlens: Sequence[int] | torch.Tensor,
+    group: Group,
+    dim: int,
+    grad_scale: Literal["up", "down"] | None = None,
+) -> torch.Tensor:
+    """Rebuild the packed tensor from every rank's zigzag parts in forward.
+
+    Backward keeps this rank's part of the gradient.
 
     Args:
         x_local: ``[..., T_r, ...]`` as returned by :func:`packed_split`.
@@ -251,8 +273,9 @@ def packed_gather(x_local: torch.Tensor, cu_seqlens: Sequence[int] | torch.Tenso
     return _gather(x_local, group, dim, cu_seqlens, grad_scale, "packed_gather", adjoint=False)
 
 
-def packed_all_gather(x_local: torch.Tensor, cu_seqlens: Sequence[int] | torch.Tensor, group: Group,
-                      dim: int) -> torch.Tensor:
+def packed_all_gather(
+    x_local: torch.Tensor, cu_seqlens: Sequence[int] | torch.Tensor, group: Group, dim: int
+) -> torch.Tensor:
     """Rebuild the packed tensor in forward; reduce-scatter in packed-zigzag order in backward (its adjoint).
 
     Args and raises as :func:`packed_gather` (no ``grad_scale``).

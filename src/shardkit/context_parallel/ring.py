@@ -36,10 +36,9 @@ Megatron-LM context parallelism and Brandon et al., "Striped Attention" (2023).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import math
 from collections import Counter
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -57,6 +56,7 @@ from .ulysses import _validate
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
+
     from .._types import Group
 
 __all__ = ["ring_attention", "ring_chunks"]
@@ -95,7 +95,9 @@ class _Ring:
         self.nxt, self.prv = (g.rank + 1) % g.size, (g.rank - 1) % g.size
         self.sizes = _layout_sizes(layout, cu, g.size)
         self.shapes = shapes  # (B, N_kv, D, Dv)
-        self.plans = [block_plan(layout, cu, g.size, g.rank, self.src(i), causal, PACKED_MIN_TILE) for i in range(g.size)]
+        self.plans = [
+            block_plan(layout, cu, g.size, g.rank, self.src(i), causal, PACKED_MIN_TILE) for i in range(g.size)
+        ]
         self._masks: dict = {}
 
     def src(self, step: int) -> int:
@@ -119,7 +121,7 @@ class _Ring:
             self._masks[key] = block.mask.to(device)
         return self._masks[key]
 
-    def post(self, sends: list, recvs: list, phase: str) -> "_Pending":
+    def post(self, sends: list, recvs: list, phase: str) -> _Pending:
         """Send ``sends`` to the next rank and receive ``recvs`` from the previous one, in place.
 
         k and v (or dK and dV) travel as they are, without a packing copy, in one
@@ -127,11 +129,31 @@ class _Ring:
         every rank posts its messages in the same order (FIFO matching, as NCCL requires).
         Without ``overlap`` the exchange is waited for at once (the no-overlap baseline).
         """
-        ops = [p2p_op(True, t, self.g.pg, self.nxt) for t in sends] + [p2p_op(False, t, self.g.pg, self.prv) for t in recvs]
-        ledger.record("send", _OP, phase, self.g.size, sum(t.nbytes for t in sends), 0, pg=self.g.pg,
-                      shape=sends[0].shape, peer=self.nxt)
-        ledger.record("recv", _OP, phase, self.g.size, 0, sum(t.nbytes for t in recvs), pg=self.g.pg,
-                      shape=recvs[0].shape, peer=self.prv)
+        ops = [p2p_op(True, t, self.g.pg, self.nxt) for t in sends] + [
+            p2p_op(False, t, self.g.pg, self.prv) for t in recvs
+        ]
+        ledger.record(
+            "send",
+            _OP,
+            phase,
+            self.g.size,
+            sum(t.nbytes for t in sends),
+            0,
+            pg=self.g.pg,
+            shape=sends[0].shape,
+            peer=self.nxt,
+        )
+        ledger.record(
+            "recv",
+            _OP,
+            phase,
+            self.g.size,
+            0,
+            sum(t.nbytes for t in recvs),
+            pg=self.g.pg,
+            shape=recvs[0].shape,
+            peer=self.prv,
+        )
         works = dist.batch_isend_irecv(ops)
         pending = _Pending(works, recvs, sends)
         if not self.overlap:
@@ -166,8 +188,9 @@ class _RingAttention(torch.autograd.Function):
                 pending = ring.post([kb, vb], ring.kv_like(ring.src(step + 1), k), "forward")
             for i, b in enumerate(ring.plans[step]):
                 qs, ks = slice(b.q_off, b.q_off + b.q_n), slice(b.k_off, b.k_off + b.k_n)
-                o_b, l_b = block_forward(q[:, qs], kb[:, ks], vb[:, ks], b.kind == "diag", scale, rep,
-                                         mask=ring.mask(step, i, b, q.device))
+                o_b, l_b = block_forward(
+                    q[:, qs], kb[:, ks], vb[:, ks], b.kind == "diag", scale, rep, mask=ring.mask(step, i, b, q.device)
+                )
                 merge(out[:, qs], lse[:, qs], o_b, l_b)
                 BLOCK_COUNTS["forward"] += 1
             if pending is not None:
@@ -202,7 +225,15 @@ class _RingAttention(torch.autograd.Function):
             for i, b in enumerate(ring.plans[step]):
                 qs, ks = slice(b.q_off, b.q_off + b.q_n), slice(b.k_off, b.k_off + b.k_n)
                 dq_b, dk_b, dv_b = block_backward(
-                    dout[:, qs], q[:, qs], kb[:, ks], vb[:, ks], out[:, qs], lse[:, qs], b.kind == "diag", scale, rep,
+                    dout[:, qs],
+                    q[:, qs],
+                    kb[:, ks],
+                    vb[:, ks],
+                    out[:, qs],
+                    lse[:, qs],
+                    b.kind == "diag",
+                    scale,
+                    rep,
                     mask=ring.mask(step, i, b, q.device),
                 )
                 dq[:, qs] += dq_b
@@ -220,9 +251,19 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group, *, causal: bool,
-                   scale: float | None = None, layout: str = "zigzag", seq_len: int | None = None,
-                   cu_seqlens: Sequence[int] | torch.Tensor | None = None, overlap: bool = True) -> torch.Tensor:
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: Group,
+    *,
+    causal: bool,
+    scale: float | None = None,
+    layout: str = "zigzag",
+    seq_len: int | None = None,
+    cu_seqlens: Sequence[int] | torch.Tensor | None = None,
+    overlap: bool = True,
+) -> torch.Tensor:
     """Ring attention over a sequence sharded in ``layout``; the ring replayed in backward (dK/dV travel home).
 
     Args:
@@ -268,6 +309,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Gro
     accumulation dtype). Nothing for ``R = 1``. The same with ``cu_seqlens``: every block
     travels the whole ring, skipped or not.
     """
+
     def ring_args(g):
         if layout not in LAYOUTS:
             raise ShardkitError(f"{_OP}: layout must be one of {LAYOUTS}, got {layout!r} (group of {g.size})")
@@ -287,7 +329,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Gro
         if sizes != expected:
             bad = [r for r in range(g.size) if sizes[r] != expected[r]]
             raise ShardkitError(
-                f"{_OP}: the ranks hold {sizes} tokens (S = {seq_len}), but the {layout} layout of S over {g.size} ranks "
+                f"{_OP}: the ranks hold {sizes} tokens (S = {seq_len}), "
+                f"but the {layout} layout of S over {g.size} ranks "
                 f"is {expected} (offending ranks {bad}); lay the sequence out with zigzag_split / the balanced split"
             )
         cu = (0, seq_len)

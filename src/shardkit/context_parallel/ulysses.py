@@ -18,10 +18,9 @@ MindSpeed-MM's unaligned all-to-all (balanced split sizes).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import functools
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -35,6 +34,7 @@ from ._sizes import HeadPlan, check_cu_seqlens, ulysses_head_plan
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
+
     from .._types import Group
 
 __all__ = ["ulysses_attention"]
@@ -67,7 +67,14 @@ class _HeadsToSequence(torch.autograd.Function):
         h_me = len(heads[g.rank])
         out_splits = [b * n * h_me * d for n in seq_sizes]
         recv = _c10d.all_to_all_flat(send, in_splits, out_splits, g, _OP, "forward", shape=x.shape)
-        ctx.g, ctx.rows, ctx.in_splits, ctx.out_splits, ctx.seq_sizes, ctx.shape = g, rows, in_splits, out_splits, seq_sizes, x.shape
+        ctx.g, ctx.rows, ctx.in_splits, ctx.out_splits, ctx.seq_sizes, ctx.shape = (
+            g,
+            rows,
+            in_splits,
+            out_splits,
+            seq_sizes,
+            x.shape,
+        )
         return _c10d._unpack(recv, [b, sum(seq_sizes), h_me, d], 1, seq_sizes)
 
     @staticmethod
@@ -152,7 +159,9 @@ def _check_local(q, k, v, g, causal, scale, cu_seqlens, seq_len, op):
         if not isinstance(t, torch.Tensor):
             raise ShardkitTypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
     if any(t.dim() != 4 for t in (q, k, v)):
-        raise ShardkitError(f"{op}: q, k, v must be [B, S_local, N, D], got shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+        raise ShardkitError(
+            f"{op}: q, k, v must be [B, S_local, N, D], got shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
     if not (q.dtype == k.dtype == v.dtype) or not q.is_floating_point():
         raise ShardkitTypeError(f"{op}: q, k, v must share one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if q.shape[:2] != k.shape[:2] or k.shape[:3] != v.shape[:3]:
@@ -164,7 +173,10 @@ def _check_local(q, k, v, g, causal, scale, cu_seqlens, seq_len, op):
         raise ShardkitError(f"{op}: q and k head dims differ: D = {q.shape[3]} vs {k.shape[3]} (group of {g.size})")
     n, n_kv = q.shape[2], k.shape[2]
     if n_kv < 1 or n % n_kv:
-        raise ShardkitError(f"{op}: the number of query heads ({n}) must be a multiple of the number of KV heads ({n_kv}) (group of {g.size})")
+        raise ShardkitError(
+            f"{op}: the number of query heads ({n}) must be a multiple of the number of KV heads "
+            f"({n_kv}) (group of {g.size})"
+        )
     if not isinstance(causal, bool):
         raise ShardkitTypeError(f"{op}: causal must be a bool, got {causal!r}")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0):
@@ -178,10 +190,20 @@ def _check_local(q, k, v, g, causal, scale, cu_seqlens, seq_len, op):
     return cu, seq_len  # seq_len None: neither given, the op learns the local lengths
 
 
-def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group, *, causal: bool,
-                      scale: float | None = None, cu_seqlens: Sequence[int] | torch.Tensor | None = None,
-                      seq_len: int | None = None) -> torch.Tensor:
-    """All-to-all to head shards, local attention over the whole sequence, all-to-all back; the reverse all-to-alls in backward.
+def ulysses_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: Group,
+    *,
+    causal: bool,
+    scale: float | None = None,
+    cu_seqlens: Sequence[int] | torch.Tensor | None = None,
+    seq_len: int | None = None,
+) -> torch.Tensor:
+    """All-to-all to head shards, local attention over the whole sequence, all-to-all back.
+
+    Backward runs the reverse all-to-alls.
 
     Args:
         q: ``[B, S_r, N, D]``, this rank's block of the contiguous balanced split of the sequence
@@ -240,7 +262,10 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     if dv == d:
         moved = _scatter(named, "qkv", g, plan, n, n_kv, seq_sizes)
     else:  # v cannot share the buffer's row width: a second all-to-all for it
-        moved = {**_scatter(named, "qk", g, plan, n, n_kv, seq_sizes), **_scatter(named, "v", g, plan, n, n_kv, seq_sizes)}
+        moved = {
+            **_scatter(named, "qk", g, plan, n, n_kv, seq_sizes),
+            **_scatter(named, "v", g, plan, n, n_kv, seq_sizes),
+        }
     out = local_attention(
         moved["q"], moved["k"], moved["v"], causal=causal, scale=scale, cu_seqlens=cu, kv_index=plan.kv_index[g.rank]
     )

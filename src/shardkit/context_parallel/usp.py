@@ -37,6 +37,7 @@ from .ulysses import _scatter, _SequenceToHeads, _validate
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
+
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["usp_attention", "usp_local_sizes", "usp_packed_local_sizes", "usp_indices"]
@@ -49,14 +50,21 @@ def usp_local_sizes(seq_len: int, ring_size: int, ulysses_size: int) -> list[lis
     return [balanced_split_sizes(n, ulysses_size) for n in zigzag_local_sizes(seq_len, ring_size)]
 
 
-def usp_packed_local_sizes(cu_seqlens: Sequence[int] | torch.Tensor, ring_size: int,
-                           ulysses_size: int) -> list[list[int]]:
+def usp_packed_local_sizes(
+    cu_seqlens: Sequence[int] | torch.Tensor, ring_size: int, ulysses_size: int
+) -> list[list[int]]:
     """Tokens held by rank ``(i, j)`` of the ``R x U`` mesh for packed documents, as ``sizes[i][j]``."""
     return [balanced_split_sizes(n, ulysses_size) for n in packed_local_sizes(cu_seqlens, ring_size)]
 
 
-def usp_indices(cu_seqlens: Sequence[int] | torch.Tensor, ring_size: int, ulysses_size: int, ring_rank: int,
-                ulysses_rank: int, device: torch.device | str | None = None) -> torch.Tensor:
+def usp_indices(
+    cu_seqlens: Sequence[int] | torch.Tensor,
+    ring_size: int,
+    ulysses_size: int,
+    ring_rank: int,
+    ulysses_rank: int,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
     """Global token indices (int64) held by rank ``(ring_rank, ulysses_rank)``, in local order.
 
     ``cu_seqlens`` as in :func:`usp_attention`; ``[0, S]`` for one unpacked sequence. Raises
@@ -114,10 +122,19 @@ def _agree_both(g_uly, g_ring, q, args, expected, error):
     return known
 
 
-def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: DeviceMesh, *, causal: bool,
-                  scale: float | None = None, seq_len: int | None = None,
-                  cu_seqlens: Sequence[int] | torch.Tensor | None = None, ring_dim: str = "cp_ring",
-                  ulysses_dim: str = "cp_ulysses") -> torch.Tensor:
+def usp_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mesh: DeviceMesh,
+    *,
+    causal: bool,
+    scale: float | None = None,
+    seq_len: int | None = None,
+    cu_seqlens: Sequence[int] | torch.Tensor | None = None,
+    ring_dim: str = "cp_ring",
+    ulysses_dim: str = "cp_ulysses",
+) -> torch.Tensor:
     """All-to-all over ``ulysses_dim``, ring attention over ``ring_dim``, all-to-all back; reversed in backward.
 
     Args:
@@ -156,7 +173,9 @@ def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: Devic
         if q.shape[2] < U:
             raise ShardkitError(f"{_OP}: {q.shape[2]} query heads cannot be split over {U} Ulysses ranks (need N >= U)")
 
-    _, cu, seq_len, error = _validate(q, k, v, mesh[ulysses_dim], causal, scale, cu_seqlens, seq_len, op=_OP, extra=heads)
+    _, cu, seq_len, error = _validate(
+        q, k, v, mesh[ulysses_dim], causal, scale, cu_seqlens, seq_len, op=_OP, extra=heads
+    )
     if error is not None:
         _agree_both(g_uly, g_ring, q, (), None, error)  # raises the same error on every rank
     n, n_kv, d, dv = q.shape[2], k.shape[2], q.shape[3], v.shape[3]
@@ -180,7 +199,8 @@ def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: Devic
         _agree_both(g_uly, g_ring, q, args, seq_sizes[g_uly.rank], None)
         if q.shape[1] != seq_sizes[g_uly.rank]:
             raise ShardkitError(
-                f"{_OP}: rank ({g_ring.rank}, {g_uly.rank}) of the {R}x{U} mesh holds {q.shape[1]} tokens, but S = {seq_len} "
+                f"{_OP}: rank ({g_ring.rank}, {g_uly.rank}) of the {R}x{U} mesh holds {q.shape[1]} tokens, "
+                f"but S = {seq_len} "
                 f"{'' if cu is None else f'({len(cu) - 1} documents) '}gives it {seq_sizes[g_uly.rank]} ({sizes}); "
                 "leave seq_len= out to learn S"
             )
@@ -191,10 +211,20 @@ def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: Devic
     elif dv == d:
         moved = _scatter(named, "qkv", g_uly, plan, n, n_kv, seq_sizes)
     else:
-        moved = {**_scatter(named, "qk", g_uly, plan, n, n_kv, seq_sizes), **_scatter(named, "v", g_uly, plan, n, n_kv, seq_sizes)}
+        moved = {
+            **_scatter(named, "qk", g_uly, plan, n, n_kv, seq_sizes),
+            **_scatter(named, "v", g_uly, plan, n, n_kv, seq_sizes),
+        }
     idx = plan.kv_index[g_uly.rank]
     out = ring_attention(
-        moved["q"], _ring_kv(moved["k"], idx), _ring_kv(moved["v"], idx), mesh[ring_dim],
-        causal=causal, scale=scale, layout="zigzag", seq_len=seq_len, cu_seqlens=cu,
+        moved["q"],
+        _ring_kv(moved["k"], idx),
+        _ring_kv(moved["v"], idx),
+        mesh[ring_dim],
+        causal=causal,
+        scale=scale,
+        layout="zigzag",
+        seq_len=seq_len,
+        cu_seqlens=cu,
     )
     return out if U == 1 else _SequenceToHeads.apply(out, g_uly, seq_sizes, list(plan.q_sizes))

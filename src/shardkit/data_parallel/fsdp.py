@@ -32,7 +32,6 @@ sharding); torchtitan's ``apply_fsdp`` (per-block wrapping, HSDP mesh, ``dp_shar
 from __future__ import annotations
 
 import functools
-
 from typing import TYPE_CHECKING
 
 import torch
@@ -102,10 +101,19 @@ class LedgerAllGather(AllGather):
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
-                 async_op: bool = False) -> dist.Work | None:
-        ledger.record("all_gather_single", "fully_shard", _phase(), group.size(), _nbytes(input_tensor),
-                      _nbytes(output_tensor), pg=group, shape=tuple(input_tensor.shape))
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
+    ) -> dist.Work | None:
+        ledger.record(
+            "all_gather_single",
+            "fully_shard",
+            _phase(),
+            group.size(),
+            _nbytes(input_tensor),
+            _nbytes(output_tensor),
+            pg=group,
+            shape=tuple(input_tensor.shape),
+        )
         return all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
@@ -115,13 +123,35 @@ class LedgerReduceScatter(ReduceScatter):
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
-                 op, async_op: bool = False) -> dist.Work | None:
-        ledger.record("reduce_scatter_single", "fully_shard", "backward", group.size(), _nbytes(input_tensor),
-                      _nbytes(output_tensor), pg=group, shape=tuple(input_tensor.shape))
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        ledger.record(
+            "reduce_scatter_single",
+            "fully_shard",
+            "backward",
+            group.size(),
+            _nbytes(input_tensor),
+            _nbytes(output_tensor),
+            pg=group,
+            shape=tuple(input_tensor.shape),
+        )
         return reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
 
 
 def _record_hsdp_all_reduce(group: dist.ProcessGroup, reduced: torch.Tensor) -> None:
-    ledger.record("all_reduce", "fully_shard", "backward", group.size(), _nbytes(reduced), _nbytes(reduced),
-                  pg=group, shape=tuple(reduced.shape))
+    ledger.record(
+        "all_reduce",
+        "fully_shard",
+        "backward",
+        group.size(),
+        _nbytes(reduced),
+        _nbytes(reduced),
+        pg=group,
+        shape=tuple(reduced.shape),
+    )

@@ -99,8 +99,13 @@ class GradientSync:
         ShardkitError: a parameter has no layout.
     """
 
-    def __init__(self, model: nn.Module, mesh: ParallelMesh | None, layouts: dict[str, ParamLayout],
-                 pre_reduce: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        mesh: ParallelMesh | None,
+        layouts: dict[str, ParamLayout],
+        pre_reduce: Callable[[], None] | None = None,
+    ) -> None:
         """See the class docstring; ``pre_reduce``: a callable run at the start of :meth:`reduce`."""
         self.model, self.mesh, self.pre_reduce = model, mesh, pre_reduce
         self.params = [(p, layouts[name]) for name, p in model.named_parameters() if p.requires_grad]

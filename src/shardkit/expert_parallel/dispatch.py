@@ -24,9 +24,8 @@ A size-1 group communicates nothing.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -38,6 +37,7 @@ from ..errors import ShardkitError, ShardkitTypeError
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
+
     from .._types import Group
 
 __all__ = ["DispatchPlan", "dispatch_plan", "token_dispatch", "token_combine"]
@@ -58,9 +58,7 @@ class _AllToAllRows(torch.autograd.Function):
 
 def _exchange(x, g, send, recv, api, phase):
     h = x.shape[1]
-    flat = _c10d.all_to_all_flat(
-        x.contiguous().view(-1), [s * h for s in send], [r * h for r in recv], g, api, phase
-    )
+    flat = _c10d.all_to_all_flat(x.contiguous().view(-1), [s * h for s in send], [r * h for r in recv], g, api, phase)
     return flat.view(sum(recv), h)
 
 
@@ -134,8 +132,9 @@ def _regroup_index(counts: list[list[int]], device) -> torch.Tensor | None:
     return (torch.repeat_interleave(starts, lens) + within).to(device)
 
 
-def dispatch_plan(topk_index: torch.Tensor, num_experts: int, group: Group, *,
-                  expert_sizes: Sequence[int] | None = None) -> DispatchPlan:
+def dispatch_plan(
+    topk_index: torch.Tensor, num_experts: int, group: Group, *, expert_sizes: Sequence[int] | None = None
+) -> DispatchPlan:
     """Route (token, slot) pairs to the ranks owning their experts; exchange the counts once.
 
     Args:
@@ -160,15 +159,23 @@ def dispatch_plan(topk_index: torch.Tensor, num_experts: int, group: Group, *,
     op = "dispatch_plan"
     g = resolve_group(group, op)
     error: ShardkitError | None = None  # this rank's own argument error: in check mode every rank raises it
-    if not isinstance(topk_index, torch.Tensor) or topk_index.is_floating_point() or topk_index.is_complex() or topk_index.dtype == torch.bool:
-        error = ShardkitTypeError(f"{op}: topk_index must be an integer tensor, got {getattr(topk_index, 'dtype', type(topk_index).__name__)}")
+    if (
+        not isinstance(topk_index, torch.Tensor)
+        or topk_index.is_floating_point()
+        or topk_index.is_complex()
+        or topk_index.dtype == torch.bool
+    ):
+        error = ShardkitTypeError(
+            f"{op}: topk_index must be an integer tensor, got {getattr(topk_index, 'dtype', type(topk_index).__name__)}"
+        )
     elif topk_index.dim() != 2:
         error = ShardkitError(f"{op}: topk_index must be [T, k], got shape {tuple(topk_index.shape)}")
     elif isinstance(num_experts, bool) or not isinstance(num_experts, int):
         error = ShardkitTypeError(f"{op}: num_experts must be an int, got {num_experts!r}")
     # check mode: every rank must route over the same experts (E and the split set the counts' layout)
-    maybe_agree(g, op, topk_index if error is None else placeholder(g), (num_experts, expert_sizes), local_dim=0,
-                error=error)
+    maybe_agree(
+        g, op, topk_index if error is None else placeholder(g), (num_experts, expert_sizes), local_dim=0, error=error
+    )
     if num_experts < 1:
         raise ShardkitError(f"{op}: num_experts must be >= 1, got {num_experts}")
     sizes = check_split_sizes(expert_sizes, g.size, num_experts, op)
@@ -181,10 +188,23 @@ def dispatch_plan(topk_index: torch.Tensor, num_experts: int, group: Group, *,
 
     if g.size == 1:
         if bad:
-            raise ShardkitError(f"{op}: expert ids must be in [0, {num_experts}), got {flat.min().item()}..{flat.max().item()}")
+            raise ShardkitError(
+                f"{op}: expert ids must be in [0, {num_experts}), got {flat.min().item()}..{flat.max().item()}"
+            )
         n = flat.numel()
-        return DispatchPlan(g, num_experts, tuple(sizes), num_tokens, top_k, (n,), (n,), (tuple(per_expert.tolist()),),
-                            tuple(per_expert.tolist()), order, None)
+        return DispatchPlan(
+            g,
+            num_experts,
+            tuple(sizes),
+            num_tokens,
+            top_k,
+            (n,),
+            (n,),
+            (tuple(per_expert.tolist()),),
+            tuple(per_expert.tolist()),
+            order,
+            None,
+        )
 
     # Counts as [R, E_max + 1]: row j = this rank's counts for rank j's local experts, padded,
     # plus the bad-id flag in every row so that every rank receives every rank's flag.
@@ -194,19 +214,27 @@ def dispatch_plan(topk_index: torch.Tensor, num_experts: int, group: Group, *,
     send = torch.zeros(g.size, width, dtype=torch.long, device=device)
     send[owner, local] = per_expert
     send[:, -1] = int(bad)
-    recv = _c10d.all_to_all_flat(send.view(-1), [width] * g.size, [width] * g.size, g, op, "forward").view(g.size, width)
+    recv = _c10d.all_to_all_flat(send.view(-1), [width] * g.size, [width] * g.size, g, op, "forward").view(
+        g.size, width
+    )
     send_rows, recv_rows = torch.stack([send, recv]).tolist()  # the one host sync of the layer
     flagged = [r for r, row in enumerate(recv_rows) if row[-1]]
     if flagged:
-        raise ShardkitError(f"{op}: expert ids outside [0, {num_experts}) in topk_index on ranks {flagged} (group of {g.size})")
+        raise ShardkitError(
+            f"{op}: expert ids outside [0, {num_experts}) in topk_index on ranks {flagged} (group of {g.size})"
+        )
     n_local = sizes[g.rank]
     counts = [row[:n_local] for row in recv_rows]
     return DispatchPlan(
-        g, num_experts, tuple(sizes), num_tokens, top_k,
+        g,
+        num_experts,
+        tuple(sizes),
+        num_tokens,
+        top_k,
         send_sizes=tuple(sum(row[:-1]) for row in send_rows),
         recv_sizes=tuple(sum(c) for c in counts),
         recv_counts=tuple(tuple(c) for c in counts),
-        tokens_per_local_expert=tuple(sum(c[l] for c in counts) for l in range(n_local)),
+        tokens_per_local_expert=tuple(sum(c[e] for c in counts) for e in range(n_local)),
         order=order,
         regroup=_regroup_index(counts, device),
     )
@@ -225,12 +253,21 @@ def _check_rows(x, rows, op, what, plan, topk_weights=None):
         error = ShardkitTypeError(f"{op}: {what} must be a torch.Tensor, got {type(x).__name__}")
     elif x.dim() != 2 or x.shape[0] != rows:
         error = ShardkitError(f"{op}: {what} must be [{rows}, H] on rank {plan.group.rank}, got {tuple(x.shape)}")
-    elif topk_weights is not None and (not isinstance(topk_weights, torch.Tensor)
-                                       or tuple(topk_weights.shape) != (plan.num_tokens, plan.top_k)):
-        error = ShardkitError(f"{op}: topk_weights must be [{plan.num_tokens}, {plan.top_k}], "
-                              f"got {getattr(topk_weights, 'shape', topk_weights)}")
-    maybe_agree(plan.group, op, x if error is None else placeholder(plan.group), (int(topk_weights is not None),),
-                local_dim=0, error=error)
+    elif topk_weights is not None and (
+        not isinstance(topk_weights, torch.Tensor) or tuple(topk_weights.shape) != (plan.num_tokens, plan.top_k)
+    ):
+        error = ShardkitError(
+            f"{op}: topk_weights must be [{plan.num_tokens}, {plan.top_k}], "
+            f"got {getattr(topk_weights, 'shape', topk_weights)}"
+        )
+    maybe_agree(
+        plan.group,
+        op,
+        x if error is None else placeholder(plan.group),
+        (int(topk_weights is not None),),
+        local_dim=0,
+        error=error,
+    )
 
 
 def token_dispatch(hidden: torch.Tensor, plan: DispatchPlan) -> tuple[torch.Tensor, list[int]]:
@@ -260,8 +297,9 @@ def token_dispatch(hidden: torch.Tensor, plan: DispatchPlan) -> tuple[torch.Tens
     return rows, list(plan.tokens_per_local_expert)
 
 
-def token_combine(expert_output: torch.Tensor, plan: DispatchPlan,
-                  topk_weights: torch.Tensor | None = None) -> torch.Tensor:
+def token_combine(
+    expert_output: torch.Tensor, plan: DispatchPlan, topk_weights: torch.Tensor | None = None
+) -> torch.Tensor:
     """Return expert outputs to their tokens and sum the ``k`` slots (weighted); exact backward.
 
     Args:

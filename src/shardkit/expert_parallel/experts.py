@@ -74,8 +74,9 @@ def expert_forward(module: nn.Module, e: int, x: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def grouped_experts_forward(module: nn.Module, x: torch.Tensor, tokens_per_expert: Sequence[int] | torch.Tensor,
-                            out_dim: int) -> torch.Tensor:
+def grouped_experts_forward(
+    module: nn.Module, x: torch.Tensor, tokens_per_expert: Sequence[int] | torch.Tensor, out_dim: int
+) -> torch.Tensor:
     """Rows grouped by expert (``tokens_per_expert[l]`` rows for expert ``l``) -> ``[N, out_dim]``.
 
     The output of :func:`shardkit.expert_parallel.token_dispatch` feeds this directly.
@@ -99,7 +100,9 @@ def routed_experts_forward(
     held here contribute nothing (the partial sum of the ``ep_router`` / all-reduce mode).
     """
     out = hidden.new_zeros(hidden.shape[0], hidden.shape[1])
-    stacked: torch.Tensor = getattr(module, "gate_up_proj") if hasattr(module, "gate_up_proj") else getattr(module, "up_proj")
+    stacked: torch.Tensor = (
+        getattr(module, "gate_up_proj") if hasattr(module, "gate_up_proj") else getattr(module, "up_proj")
+    )
     for e in range(stacked.shape[0]):  # the experts this module holds
         token, slot = torch.where(topk_index == offset + e)
         y = expert_forward(module, e, hidden.index_select(0, token))

@@ -24,9 +24,8 @@ routing weights travel together in one buffer in each case).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -41,6 +40,7 @@ from .experts import expert_param_names, grouped_experts_forward, routed_experts
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
+
     from .._types import Group
 
 __all__ = [
@@ -97,8 +97,9 @@ def _module_shard(module: nn.Module, group, expert_sizes, op: str) -> ExpertShar
     return shard
 
 
-def shard_expert_param(module: nn.Module, name: str, group: Group, *,
-                       expert_sizes: Sequence[int] | None = None) -> nn.Parameter:
+def shard_expert_param(
+    module: nn.Module, name: str, group: Group, *, expert_sizes: Sequence[int] | None = None
+) -> nn.Parameter:
     """The ``grouped_gemm`` style for one parameter: keep this rank's experts (dim 0).
 
     Replaces ``module.<name>`` ``[E, ...]`` by a new Parameter ``[E_r, ...]`` (a copy of the
@@ -123,7 +124,9 @@ def shard_expert_param(module: nn.Module, name: str, group: Group, *,
     if expert_shard(p) is not None:
         return p
     if p.dim() < 1 or p.shape[0] != shard.num_experts:
-        raise ShardkitError(f"{op}: {name} has shape {tuple(p.shape)}, expected leading dim {shard.num_experts} (experts)")
+        raise ShardkitError(
+            f"{op}: {name} has shape {tuple(p.shape)}, expected leading dim {shard.num_experts} (experts)"
+        )
     r = resolve_group(group, op).rank
     block = p.detach()[split_offsets(shard.sizes)[r] : split_offsets(shard.sizes)[r] + shard.sizes[r]].clone()
     new = nn.Parameter(block, requires_grad=p.requires_grad)
@@ -140,9 +143,15 @@ def shard_expert_param(module: nn.Module, name: str, group: Group, *,
 def shard_expert_params(module: nn.Module, group: Group, *, expert_sizes: Sequence[int] | None = None) -> list[str]:
     """:func:`shard_expert_param` on every own parameter whose leading dim is ``E``; their names."""
     shard = expert_shard(module)
-    names = expert_param_names(module) if shard is None else [
-        n for n, p in module.named_parameters(recurse=False) if expert_shard(p) is None and p.shape[:1] == (shard.num_experts,)
-    ]
+    names = (
+        expert_param_names(module)
+        if shard is None
+        else [
+            n
+            for n, p in module.named_parameters(recurse=False)
+            if expert_shard(p) is None and p.shape[:1] == (shard.num_experts,)
+        ]
+    )
     for name in names:
         shard_expert_param(module, name, group, expert_sizes=expert_sizes)
     return names
@@ -157,9 +166,17 @@ def _check_mode(mode, tokens, op):
         raise ShardkitError(f"{op}: mode='local' needs the same tokens on every rank (tokens='replicated')")
 
 
-def ep_experts_forward(module: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
-                       top_k_weights: torch.Tensor, group: Group, *, mode: str = "dispatch",
-                       tokens: str = "replicated", token_group: Group | None = None) -> torch.Tensor:
+def ep_experts_forward(
+    module: nn.Module,
+    hidden: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    group: Group,
+    *,
+    mode: str = "dispatch",
+    tokens: str = "replicated",
+    token_group: Group | None = None,
+) -> torch.Tensor:
     """Forward of an expert-sharded experts module (the body :func:`install_ep_forward` installs).
 
     Args:
@@ -185,9 +202,15 @@ def ep_experts_forward(module: nn.Module, hidden: torch.Tensor, top_k_index: tor
     if shard is None:
         raise ShardkitError(f"{op}: shard the expert parameters first (shard_expert_param / shard_expert_params)")
     g = resolve_group(group, op)
-    if hidden.dim() != 2 or tuple(top_k_index.shape) != tuple(top_k_weights.shape) or top_k_index.shape[:1] != hidden.shape[:1]:
-        raise ShardkitError(f"{op}: expected hidden [T, H] and top_k [T, k], got {tuple(hidden.shape)}, "
-                            f"{tuple(top_k_index.shape)}, {tuple(top_k_weights.shape)}")
+    if (
+        hidden.dim() != 2
+        or tuple(top_k_index.shape) != tuple(top_k_weights.shape)
+        or top_k_index.shape[:1] != hidden.shape[:1]
+    ):
+        raise ShardkitError(
+            f"{op}: expected hidden [T, H] and top_k [T, k], got {tuple(hidden.shape)}, "
+            f"{tuple(top_k_index.shape)}, {tuple(top_k_weights.shape)}"
+        )
     T, H = hidden.shape
     # Hidden and weights travel in one buffer so that each boundary costs one collective.
     packed = torch.cat([hidden, top_k_weights.to(hidden.dtype)], dim=1)
@@ -212,8 +235,14 @@ def ep_experts_forward(module: nn.Module, hidden: torch.Tensor, top_k_index: tor
     return out.to(hidden.dtype)
 
 
-def install_ep_forward(module: nn.Module, group: Group, *, mode: str = "dispatch", tokens: str = "replicated",
-                       token_group: Group | None = None) -> nn.Module:
+def install_ep_forward(
+    module: nn.Module,
+    group: Group,
+    *,
+    mode: str = "dispatch",
+    tokens: str = "replicated",
+    token_group: Group | None = None,
+) -> nn.Module:
     """The EP-dispatch / ``ep_router`` style: replace ``module.forward`` by :func:`ep_experts_forward`
     (``token_group``: see there).
 
@@ -229,15 +258,23 @@ def install_ep_forward(module: nn.Module, group: Group, *, mode: str = "dispatch
         resolve_group(token_group, op)
 
     def forward(hidden_states, top_k_index, top_k_weights):
-        return ep_experts_forward(module, hidden_states, top_k_index, top_k_weights, group, mode=mode, tokens=tokens,
-                                  token_group=token_group)
+        return ep_experts_forward(
+            module, hidden_states, top_k_index, top_k_weights, group, mode=mode, tokens=tokens, token_group=token_group
+        )
 
     module.forward = forward
     return module
 
 
-def shard_experts(module: nn.Module, group: Group, *, mode: str = "dispatch", tokens: str = "replicated",
-                  expert_sizes: Sequence[int] | None = None, token_group: Group | None = None) -> nn.Module:
+def shard_experts(
+    module: nn.Module,
+    group: Group,
+    *,
+    mode: str = "dispatch",
+    tokens: str = "replicated",
+    expert_sizes: Sequence[int] | None = None,
+    token_group: Group | None = None,
+) -> nn.Module:
     """Shard an experts module over ``group`` (:func:`shard_expert_params`) and install its EP forward.
 
     Args:

@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from ..data_parallel import GradientSync, ParamLayout, apply_fsdp
 from ..comm.fingerprint import maybe_fingerprint
+from ..data_parallel import GradientSync, ParamLayout, apply_fsdp
 from ..errors import ShardkitError
 from ..expert_parallel.hf import expert_shard, shard_experts
 from ..tensor_parallel import apply_tp
@@ -80,8 +80,10 @@ def _experts_modules(model: nn.Module) -> list[nn.Module]:
     ep = getattr(getattr(model, "config", None), "base_model_ep_plan", None) or {}
     patterns = {k: v for k, v in ep.items() if v == "ep_dispatch_experts"}
     if not patterns:
-        raise ShardkitError(f"parallelize: ep > 1 needs a mixture-of-experts model; {type(model).__name__} "
-                            "has no experts in its config's base_model_ep_plan")
+        raise ShardkitError(
+            f"parallelize: ep > 1 needs a mixture-of-experts model; {type(model).__name__} "
+            "has no experts in its config's base_model_ep_plan"
+        )
     compiled = CompiledPlan.build(patterns, model)
     return [m for name, m in model.named_modules() if name and compiled.match(name)]
 
@@ -93,8 +95,9 @@ def _tp_plan(model: nn.Module, expert_parallel: bool) -> dict:
     return plan
 
 
-def parallelize(model: nn.Module, mesh: ParallelMesh | None, *, sequence_parallel: bool = False,
-                loss_parallel: bool = False) -> ParallelModel:
+def parallelize(
+    model: nn.Module, mesh: ParallelMesh | None, *, sequence_parallel: bool = False, loss_parallel: bool = False
+) -> ParallelModel:
     """Apply tensor, context, expert and data parallelism to ``model``, in that order, in place.
 
     Every rank calls it on a model with the same full weights (built from the same seed or
@@ -126,17 +129,22 @@ def parallelize(model: nn.Module, mesh: ParallelMesh | None, *, sequence_paralle
     if mesh.size("dp_cp") > 1:
         # check mode: the data-parallel (and cp) replicas start from the same weights and options;
         # apply_tp fingerprints the tp group itself
-        maybe_fingerprint(dict(model.named_parameters()), mesh["dp_cp"], "parallelize",
-                          [f"layout {dims.describe()}", f"sequence_parallel {sequence_parallel}",
-                           f"loss_parallel {loss_parallel}"])
+        maybe_fingerprint(
+            dict(model.named_parameters()),
+            mesh["dp_cp"],
+            "parallelize",
+            [f"layout {dims.describe()}", f"sequence_parallel {sequence_parallel}", f"loss_parallel {loss_parallel}"],
+        )
     if tp > 1:
         plan = _tp_plan(model, ep > 1) if ep > 1 else None
-        apply_tp(model, mesh["tp"], plan, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
-                 check="off")
+        apply_tp(model, mesh["tp"], plan, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, check="off")
     cp = None
     if dims.cp_mode is not None:
-        cp_mesh = mesh["cp_ring", "cp_ulysses"] if dims.cp_mode == "usp" else mesh[
-            "cp_ring" if dims.cp_mode == "ring" else "cp_ulysses"]
+        cp_mesh = (
+            mesh["cp_ring", "cp_ulysses"]
+            if dims.cp_mode == "usp"
+            else mesh["cp_ring" if dims.cp_mode == "ring" else "cp_ulysses"]
+        )
         cp = apply_cp(model, cp_mesh, dims.cp_mode)
     if ep > 1:
         for experts in _experts_modules(model):
@@ -148,11 +156,20 @@ def parallelize(model: nn.Module, mesh: ParallelMesh | None, *, sequence_paralle
     if dims.dp_shard > 1:
         for name in apply_fsdp(model, mesh, decoder_layers(model)):
             layouts[name].fsdp = True
-    return ParallelModel(model, mesh, cp, GradientSync(model, mesh, layouts), layouts, loss_parallel and tp > 1,
-                         sequence_parallel and tp > 1)
+    return ParallelModel(
+        model,
+        mesh,
+        cp,
+        GradientSync(model, mesh, layouts),
+        layouts,
+        loss_parallel and tp > 1,
+        sequence_parallel and tp > 1,
+    )
 
 
 def _param_layouts(model: nn.Module) -> dict[str, ParamLayout]:
     """Each parameter's layout after the tp / cp / ep transforms (FSDP2 marks its own after)."""
-    return {name: ParamLayout(name, expert_shard(p) is not None, False, shard_spec(p))
-            for name, p in model.named_parameters()}
+    return {
+        name: ParamLayout(name, expert_shard(p) is not None, False, shard_spec(p))
+        for name, p in model.named_parameters()
+    }

@@ -7,10 +7,10 @@ pipeline every stage's parameters travel to global rank 0 (one ``gather_object``
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
-
-from typing import TYPE_CHECKING
 
 from ..tensor_parallel.spec import gather_full
 
@@ -52,7 +52,9 @@ def gather_full_parameters(pm: ParallelModel) -> dict[str, torch.Tensor] | None:
     mesh = pm.mesh
     leader = mesh.local_rank("dp_cp") == 0 and mesh.local_rank("tp") == 0
     part = {name: t.cpu() for name, t in mine.items()} if leader else {}
-    parts: list[dict[str, torch.Tensor] | None] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    parts: list[dict[str, torch.Tensor] | None] | None = (
+        [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    )
     dist.gather_object(part, parts, dst=0)
     if parts is None:
         return None

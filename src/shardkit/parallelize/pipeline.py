@@ -14,7 +14,6 @@ Megatron-LM pipeline x tensor parallelism; MindSpeed-MM VTP.
 
 from __future__ import annotations
 
-from ..pipeline_parallel import DecoderStageModule, PipelineStage, sum_tied_embedding_grads
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -22,6 +21,7 @@ import torch
 from torch import nn
 
 from ..errors import ShardkitError
+from ..pipeline_parallel import DecoderStageModule, PipelineStage, sum_tied_embedding_grads
 from .decoder import ParallelModel, parallelize
 
 if TYPE_CHECKING:
@@ -30,8 +30,14 @@ if TYPE_CHECKING:
 __all__ = ["parallelize_stage"]
 
 
-def parallelize_stage(model: nn.Module, mesh: ParallelMesh, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                      *, sequence_parallel: bool = False, loss_parallel: bool = False) -> ParallelModel:
+def parallelize_stage(
+    model: nn.Module,
+    mesh: ParallelMesh,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    *,
+    sequence_parallel: bool = False,
+    loss_parallel: bool = False,
+) -> ParallelModel:
     """This rank's pipeline stage of ``model``, parallelized, with its :class:`PipelineStage`.
 
     Args:
@@ -55,11 +61,14 @@ def parallelize_stage(model: nn.Module, mesh: ParallelMesh, loss_fn: Callable[[t
         # are summed between the two stages before the data-parallel reduction, and the last
         # stage's copy is left out of the norm and the gathered parameters.
         if stages is not None:
-            raise ShardkitError("parallelize_stage: tied input/output embeddings with pp_tp stages (different tp "
-                                "sizes cut the two copies differently); untie them or use equal tp sizes")
+            raise ShardkitError(
+                "parallelize_stage: tied input/output embeddings with pp_tp stages (different tp "
+                "sizes cut the two copies differently); untie them or use equal tp sizes"
+            )
         pm.grads.pre_reduce = lambda: sum_tied_embedding_grads(module, mesh["pp"])
         if last:
             pm.layouts["lm_head.weight"].copy = True
-    pm.stage = PipelineStage(pm.module, stages if stages is not None else mesh["pp"], s, dims.pp,
-                             loss_fn=loss_fn if last else None)
+    pm.stage = PipelineStage(
+        pm.module, stages if stages is not None else mesh["pp"], s, dims.pp, loss_fn=loss_fn if last else None
+    )
     return pm

@@ -64,8 +64,18 @@ from ._wire import HEADER_LEN, HELLO_LEN, OK
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-__all__ = ["Transfer", "P2PWork", "ShapeCache", "Channel", "cached_recv", "cached_send", "exchange", "order_key", "posting_order",
-           "message_order"]
+__all__ = [
+    "Transfer",
+    "P2PWork",
+    "ShapeCache",
+    "Channel",
+    "cached_recv",
+    "cached_send",
+    "exchange",
+    "order_key",
+    "posting_order",
+    "message_order",
+]
 
 _SLOTS = (
     {(True, "next"): 0, (False, "prev"): 1, (True, "prev"): 2, (False, "next"): 3},  # even stages
@@ -104,10 +114,10 @@ class ShapeCache:
     def __init__(self) -> None:
         self._last: dict[tuple, Channel] = {}  # (id of the process group, is_send, peer) -> Channel
 
-    def get(self, t: "Transfer") -> Channel | None:
+    def get(self, t: Transfer) -> Channel | None:
         return self._last.get((id(t.g.pg), t.send, t.peer))
 
-    def put(self, t: "Transfer", shape: Sequence[int], dtype: torch.dtype) -> None:
+    def put(self, t: Transfer, shape: Sequence[int], dtype: torch.dtype) -> None:
         key = (id(t.g.pg), t.send, t.peer)
         old = self._last.get(key)
         if old is not None and old.dtype == dtype and old.shape == shape and old.device == t.device:
@@ -148,8 +158,17 @@ def _post(msgs, batched: bool, api: str) -> list:
     """Post ``(transfer, is_send, tensor, ledger_phase)`` messages, already in posting order."""
     for t, is_send, tensor, label in msgs:
         n = tensor.nbytes
-        ledger.record("send" if is_send else "recv", api, label, t.g.size, n if is_send else 0, 0 if is_send else n,
-                      pg=t.g.pg, shape=tensor.shape, peer=t.peer)
+        ledger.record(
+            "send" if is_send else "recv",
+            api,
+            label,
+            t.g.size,
+            n if is_send else 0,
+            0 if is_send else n,
+            pg=t.g.pg,
+            shape=tensor.shape,
+            peer=t.peer,
+        )
     if not batched:
         return [(isend if s else irecv)(tensor, t.g.pg, t.peer) for t, s, tensor, _ in msgs]
     per_group: dict[int, list] = {}  # batch_isend_irecv takes one group per call
@@ -211,34 +230,49 @@ def _past_end(t: Transfer, mine: _wire.Hello, peer: _wire.Hello) -> ShardkitErro
     why = []
     for e in past:
         nxt = e.send == (e.phase == "forward")  # sends forward or receives backward: towards the next stage
-        why.append(f"stage {e.rank} is the {'last' if nxt else 'first'} of {t.g.size} pipeline stages and has no "
-                   f"{'next' if nxt else 'previous'} stage")
-    return ShardkitError(f"P2P in a pipeline group of {t.g.size}: {who}: {'; '.join(why)} (pass loop=True to connect "
-                         "the last stage to the first); nothing was transferred")
+        why.append(
+            f"stage {e.rank} is the {'last' if nxt else 'first'} of {t.g.size} pipeline stages and has no "
+            f"{'next' if nxt else 'previous'} stage"
+        )
+    return ShardkitError(
+        f"P2P in a pipeline group of {t.g.size}: {who}: {'; '.join(why)} (pass loop=True to connect "
+        "the last stage to the first); nothing was transferred"
+    )
 
 
 def _declarations(t: Transfer, mine: _wire.Hello, peer: _wire.Hello) -> ShardkitError | None:
     """The sender's tensor against the receiver's declaration, judged from the two hellos in
     (sender, receiver) order, so both ends raise the same text and no payload moves."""
     s, r = (mine, peer) if mine.send else (peer, mine)
-    where = (f"the {s.phase} message of stage {s.rank} ({s.api}) to stage {r.rank} ({r.api}) in a pipeline group "
-             f"of {t.g.size}")
+    where = (
+        f"the {s.phase} message of stage {s.rank} ({s.api}) to stage {r.rank} ({r.api}) in a pipeline group "
+        f"of {t.g.size}"
+    )
     sent = _wire.describe(s.meta.shape, s.meta.dtype)
     refused = [e for e in (s, r) if e.meta.status == _wire.BAD_ARGUMENTS]
     if refused:
         who = " and ".join(f"stage {e.rank} ({e.api})" for e in refused)
-        return ShardkitError(f"P2P: {where}: {who} raised an argument error (its own message is the cause on that "
-                             "rank); nothing was transferred")
+        return ShardkitError(
+            f"P2P: {where}: {who} raised an argument error (its own message is the cause on that "
+            "rank); nothing was transferred"
+        )
     if s.meta.status == _wire.BAD_DECLARATION:
-        return ShardkitError(f"P2P: {where}: the sender's tensor ({sent}) does not match its own declared static "
-                             "shape/dtype; nothing was transferred")
+        return ShardkitError(
+            f"P2P: {where}: the sender's tensor ({sent}) does not match its own declared static "
+            "shape/dtype; nothing was transferred"
+        )
     if s.meta.status != OK:
-        return ShardkitError(f"P2P: {where}: the sender's tensor cannot be described by a header (ndim > 16 or a "
-                             "dtype without a wire code); nothing was transferred")
+        return ShardkitError(
+            f"P2P: {where}: the sender's tensor cannot be described by a header (ndim > 16 or a "
+            "dtype without a wire code); nothing was transferred"
+        )
     if (r.meta.dtype is not None and r.meta.dtype != s.meta.dtype) or (
-            r.meta.shape is not None and r.meta.shape != s.meta.shape):
-        return RankMismatchError(f"P2P: {where}: the receiver declared {_wire.describe(r.meta.shape, r.meta.dtype)} "
-                                 f"but the sender sent {sent}; nothing was transferred")
+        r.meta.shape is not None and r.meta.shape != s.meta.shape
+    ):
+        return RankMismatchError(
+            f"P2P: {where}: the receiver declared {_wire.describe(r.meta.shape, r.meta.dtype)} "
+            f"but the sender sent {sent}; nothing was transferred"
+        )
     return None
 
 
@@ -263,8 +297,11 @@ def _read_header(t: Transfer, api: str) -> None:
     meta = _wire.decode(t.hdr, api, source)
     t.status = meta.status
     if meta.status != OK:
-        why = "its tensor does not match its own declared static shape/dtype" if meta.status == _wire.BAD_DECLARATION \
+        why = (
+            "its tensor does not match its own declared static shape/dtype"
+            if meta.status == _wire.BAD_DECLARATION
             else "its tensor cannot be described by a header (ndim > 16 or a dtype without a wire code)"
+        )
         t.error = ShardkitError(f"{api}: {source} (the sender) reported that {why}; no payload was sent to {t.where()}")
         return
     if (t.dtype is not None and meta.dtype != t.dtype) or (t.shape is not None and meta.shape != t.shape):
@@ -298,8 +335,10 @@ def cached_send(t: Transfer, ch: Channel, api: str) -> list:
             buf[:_HB].view(torch.int64).copy_(_wire.encode(t.status, x.dtype, x.shape, t.device))
         msgs = [(t, True, buf, t.phase)]
     else:
-        msgs = [_header_msg(t), (t, True, x if same else torch.empty(ch.shape, dtype=ch.dtype, device=t.device),
-                                 t.phase)]
+        msgs = [
+            _header_msg(t),
+            (t, True, x if same else torch.empty(ch.shape, dtype=ch.dtype, device=t.device), t.phase),
+        ]
     if not same and (pay := _payload_msg(t)) is not None:
         msgs.append(pay)
     return _post(msgs, False, api)
@@ -369,8 +408,12 @@ def _ordered(transfers: list[Transfer], api: str, checked: bool, cache: ShapeCac
         use_cache = cache is not None and t.header and not checked
         cached = cache.get(t) if use_cache else None
         if cached is not None:
-            if not t.send and cached.nbytes <= PACK_MAX_BYTES and receives.count(t.gi) == 1 and \
-                    t.g.pg.name().lower() == "gloo":
+            if (
+                not t.send
+                and cached.nbytes <= PACK_MAX_BYTES
+                and receives.count(t.gi) == 1
+                and t.g.pg.name().lower() == "gloo"
+            ):
                 late.append((t, cached, *_post_packed(t, cached, api)))
                 continue
             works += (cached_send if t.send else cached_recv)(t, cached, api)
@@ -431,8 +474,9 @@ def _sorted_post(msgs, api: str, batched: bool = True) -> list:
     return _post([msgs[i] for i in order], batched, api)
 
 
-def exchange(transfers: list[Transfer], api: str, batched: bool, checked: bool, reduce: str,
-             cache: ShapeCache | None = None) -> "P2PWork":
+def exchange(
+    transfers: list[Transfer], api: str, batched: bool, checked: bool, reduce: str, cache: ShapeCache | None = None
+) -> P2PWork:
     """Post every message of one call (see the module docstring) and return its handle.
 
     Errors found on this rank are raised only after every message of the exchange was posted

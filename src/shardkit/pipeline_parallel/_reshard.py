@@ -54,8 +54,9 @@ def _header_pairs(src: Side, dst: Side) -> list[tuple[int, int]]:
 
 def _bcast(t: torch.Tensor, tp: GroupInfo, api: str, phase: str) -> None:
     if tp.size > 1:
-        ledger.record("broadcast", api, phase, tp.size, t.nbytes if tp.rank == 0 else 0, 0 if tp.rank == 0 else t.nbytes,
-                      pg=tp.pg)
+        ledger.record(
+            "broadcast", api, phase, tp.size, t.nbytes if tp.rank == 0 else 0, 0 if tp.rank == 0 else t.nbytes, pg=tp.pg
+        )
         dist.broadcast(t, src=dist.get_global_rank(tp.pg, 0), group=tp.pg)
 
 
@@ -75,15 +76,23 @@ def _full_shape(x: torch.Tensor, src: Side, tp: GroupInfo, decl, header: bool, a
     dynamic sharded boundary (every sender sees every local header, so all agree)."""
     layout = src.layout
     if isinstance(layout, Shard) and layout.dim >= x.dim():
-        return tuple(x.shape), _wire.UNENCODABLE, ShardkitError(
-            f"{api}: the boundary layout is Shard({layout.dim}) but the tensor has {x.dim()} dims")
+        return (
+            tuple(x.shape),
+            _wire.UNENCODABLE,
+            ShardkitError(f"{api}: the boundary layout is Shard({layout.dim}) but the tensor has {x.dim()} dims"),
+        )
     if decl is not None:
         shape, dtype = decl
         want = tuple(hi - lo for lo, hi in local_box(layout, shape, src.size, tp.rank))
         if tuple(x.shape) != want or x.dtype != dtype:
-            return tuple(shape), _wire.BAD_DECLARATION, ShardkitError(
-                f"{api}: tp rank {tp.rank} of the sending stage declared full {_wire.describe(shape, dtype)} "
-                f"(local block {list(want)}) but its tensor is {_wire.describe(x.shape, x.dtype)}")
+            return (
+                tuple(shape),
+                _wire.BAD_DECLARATION,
+                ShardkitError(
+                    f"{api}: tp rank {tp.rank} of the sending stage declared full {_wire.describe(shape, dtype)} "
+                    f"(local block {list(want)}) but its tensor is {_wire.describe(x.shape, x.dtype)}"
+                ),
+            )
         return tuple(shape), OK, None
     if isinstance(layout, Replicate) or src.size == 1:
         return tuple(x.shape), OK, None
@@ -99,9 +108,14 @@ def _full_shape(x: torch.Tensor, src: Side, tp: GroupInfo, decl, header: bool, a
         want = tuple(hi - lo for lo, hi in local_box(layout, shape, tp.size, k))
         if m.dtype != x.dtype or m.shape != want:
             got = "; ".join(f"tp rank {r}: {_wire.describe(mm.shape, mm.dtype)}" for r, mm in enumerate(metas))
-            return tuple(shape), _wire.BAD_DECLARATION, ShardkitError(
-                f"{api}: the sending stage's blocks are not a balanced Shard({d}) split of one "
-                f"{_wire.describe(shape, x.dtype)} tensor: {got}")
+            return (
+                tuple(shape),
+                _wire.BAD_DECLARATION,
+                ShardkitError(
+                    f"{api}: the sending stage's blocks are not a balanced Shard({d}) split of one "
+                    f"{_wire.describe(shape, x.dtype)} tensor: {got}"
+                ),
+            )
     return tuple(shape), OK, None
 
 
@@ -121,8 +135,15 @@ def send_side(x: torch.Tensor, src: Side, dst: Side, pg: GroupInfo, tp: GroupInf
     if header:
         for i, j in _header_pairs(src, dst):
             if i == tp.rank:
-                works.append(_send(_wire.encode(status, x.dtype, shape, x.device), pg, dst.ranks[j], api,
-                                   "check" if decl is not None else phase))
+                works.append(
+                    _send(
+                        _wire.encode(status, x.dtype, shape, x.device),
+                        pg,
+                        dst.ranks[j],
+                        api,
+                        "check" if decl is not None else phase,
+                    )
+                )
     if error is None:
         origin = local_box(src.layout, shape, src.size, tp.rank)
         for p in piece_plan(src.layout, src.size, dst.layout, dst.size, shape):
@@ -154,12 +175,16 @@ def recv_side(src: Side, dst: Side, pg: GroupInfo, tp: GroupInfo, decl, device, 
             _bcast(hdr, tp, api, "check" if decl is not None else phase)
         meta = _wire.decode(hdr, api, f"the sending stage (group ranks {list(src.ranks)})")
         if meta.status != OK:
-            raise ShardkitError(f"{api}: the sending stage (group ranks {list(src.ranks)}) reported an error with "
-                                f"its tensor; nothing was sent to the receiving stage (group ranks {list(dst.ranks)})")
+            raise ShardkitError(
+                f"{api}: the sending stage (group ranks {list(src.ranks)}) reported an error with "
+                f"its tensor; nothing was sent to the receiving stage (group ranks {list(dst.ranks)})"
+            )
         shape, dtype = meta.shape, meta.dtype
         if decl is not None and (tuple(decl[0]) != shape or decl[1] != dtype):
-            error = RankMismatchError(f"{api}: the receiving stage (group ranks {list(dst.ranks)}) declared "
-                                      f"{_wire.describe(decl[0], decl[1])} but was sent {_wire.describe(shape, dtype)}")
+            error = RankMismatchError(
+                f"{api}: the receiving stage (group ranks {list(dst.ranks)}) declared "
+                f"{_wire.describe(decl[0], decl[1])} but was sent {_wire.describe(shape, dtype)}"
+            )
     else:
         shape, dtype = tuple(decl[0]), decl[1]
     lead = leader_mode(src.layout, src.size, dst.layout, dst.size)
@@ -172,8 +197,7 @@ def recv_side(src: Side, dst: Side, pg: GroupInfo, tp: GroupInfo, decl, device, 
         if region.is_contiguous():
             _recv(region, pg, src.ranks[p.src], api, phase)
         else:
-            region.copy_(_recv(torch.empty(region.shape, dtype=dtype, device=device), pg, src.ranks[p.src], api,
-                               phase))
+            region.copy_(_recv(torch.empty(region.shape, dtype=dtype, device=device), pg, src.ranks[p.src], api, phase))
     if lead:
         _bcast(out, tp, api, phase)
     if error is not None:

@@ -30,8 +30,25 @@ import torch
 
 from ..errors import ShardkitError
 
-__all__ = ["HEADER_LEN", "HELLO_LEN", "MAX_DIMS", "OK", "BAD_DECLARATION", "UNENCODABLE", "BAD_ARGUMENTS", "MISUSE",
-           "PAST_END", "Meta", "Hello", "encode", "decode", "encode_hello", "decode_hello", "unencodable", "describe"]
+__all__ = [
+    "HEADER_LEN",
+    "HELLO_LEN",
+    "MAX_DIMS",
+    "OK",
+    "BAD_DECLARATION",
+    "UNENCODABLE",
+    "BAD_ARGUMENTS",
+    "MISUSE",
+    "PAST_END",
+    "Meta",
+    "Hello",
+    "encode",
+    "decode",
+    "encode_hello",
+    "decode_hello",
+    "unencodable",
+    "describe",
+]
 
 MAGIC = 0x534B5032  # "SKP2": catches a receiver reading a payload as a header (mode mismatch)
 MAX_DIMS = 16
@@ -51,8 +68,18 @@ _API_WORDS = 5
 HELLO_LEN = HEADER_LEN + 3 + _API_WORDS
 
 _DTYPES = [
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
-    torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool,
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.complex64,
+    torch.complex128,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.bool,
 ]
 _DTYPES += [getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)]
 
@@ -123,8 +150,11 @@ def encode_hello(send: bool, phase: str, rank: int, api: str, status: int, dtype
     """The hello of one end of a transfer (checks on); see the module docstring."""
     from ..comm.checks import _op_words
 
-    tail = torch.tensor([SEND if send else RECV, PHASES.index(phase), rank, *_op_words(api)][: 3 + _API_WORDS],
-                        dtype=torch.int64, device=device)
+    tail = torch.tensor(
+        [SEND if send else RECV, PHASES.index(phase), rank, *_op_words(api)][: 3 + _API_WORDS],
+        dtype=torch.int64,
+        device=device,
+    )
     return torch.cat([encode(status, dtype, shape, device), tail])
 
 
@@ -138,8 +168,14 @@ def decode_hello(buf: torch.Tensor, api: str, source: str) -> Hello:
 
     row = buf.tolist()
     if row[0] != MAGIC or row[HEADER_LEN] not in (SEND, RECV) or row[HEADER_LEN + 1] not in (0, 1):
-        raise ShardkitError(f"{api}: expected a shardkit P2P hello from {source} but got other data; both ends of a "
-                            "transfer must run with the same check mode")
-    return Hello(decode(buf[:HEADER_LEN], api, source), row[HEADER_LEN] == SEND, PHASES[row[HEADER_LEN + 1]],
-                 row[HEADER_LEN + 2], _op_name(row[HEADER_LEN + 3 :]))
-
+        raise ShardkitError(
+            f"{api}: expected a shardkit P2P hello from {source} but got other data; both ends of a "
+            "transfer must run with the same check mode"
+        )
+    return Hello(
+        decode(buf[:HEADER_LEN], api, source),
+        row[HEADER_LEN] == SEND,
+        PHASES[row[HEADER_LEN + 1]],
+        row[HEADER_LEN + 2],
+        _op_name(row[HEADER_LEN + 3 :]),
+    )

@@ -174,15 +174,25 @@ class DecoderStageModule(nn.Module):
     def _masks(self, h, attention_mask, position_ids) -> dict[bool, object]:
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-        kw = dict(config=self.config, inputs_embeds=h, attention_mask=attention_mask, past_key_values=None,
-                  position_ids=position_ids)
+        kw = dict(
+            config=self.config,
+            inputs_embeds=h,
+            attention_mask=attention_mask,
+            past_key_values=None,
+            position_ids=position_ids,
+        )
         out = {}
         for sliding in set(self._sliding.values()):
             out[sliding] = (create_sliding_window_causal_mask if sliding else create_causal_mask)(**kw)
         return out
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None, **layer_kwargs: Any) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        **layer_kwargs: Any,
+    ) -> torch.Tensor:
         layer_kwargs.pop("use_cache", None)
         layer_kwargs.pop("input_ids", None)
         h = self.model.embed_tokens(x) if self.is_first else x
@@ -191,8 +201,13 @@ class DecoderStageModule(nn.Module):
         masks = self._masks(h, attention_mask, position_ids)
         position_embeddings = self.model.rotary_emb(h, position_ids=position_ids)
         for i, layer in zip(self.layer_indices, self.model.layers.values()):
-            h = layer(h, attention_mask=masks[self._sliding[i]], position_embeddings=position_embeddings,
-                      position_ids=position_ids, **layer_kwargs)
+            h = layer(
+                h,
+                attention_mask=masks[self._sliding[i]],
+                position_embeddings=position_embeddings,
+                position_ids=position_ids,
+                **layer_kwargs,
+            )
         if self.is_last:
             h = self.lm_head(self.model.norm(h))
         return h
@@ -220,14 +235,19 @@ def sum_tied_embedding_grads(stage_module: DecoderStageModule, pp_group: Group) 
     g = resolve_group(pp_group, op)
     P, s = stage_module.num_stages, stage_module.stage_index
     if g.size != P or g.rank != s:
-        raise ShardkitError(f"{op}: the pipeline group has {g.size} ranks (this one {g.rank}) but the stage is {s} of {P}")
+        raise ShardkitError(
+            f"{op}: the pipeline group has {g.size} ranks (this one {g.rank}) but the stage is {s} of {P}"
+        )
     if not stage_module.tied or not (stage_module.is_first or stage_module.is_last):
         return
     p = stage_module.model.embed_tokens.weight if stage_module.is_first else stage_module.lm_head.weight
     mine = (p.grad if p.grad is not None else torch.zeros_like(p)).contiguous()
     theirs = torch.empty_like(mine)
     peer = P - 1 if stage_module.is_first else 0
-    ops = [dist.P2POp(dist.isend, mine, group=g.pg, group_peer=peer), dist.P2POp(dist.irecv, theirs, group=g.pg, group_peer=peer)]
+    ops = [
+        dist.P2POp(dist.isend, mine, group=g.pg, group_peer=peer),
+        dist.P2POp(dist.irecv, theirs, group=g.pg, group_peer=peer),
+    ]
     for work in dist.batch_isend_irecv(ops):
         work.wait()
     ledger.record("send", op, "backward", g.size, mine.nbytes, 0, pg=g.pg, peer=peer)

@@ -80,6 +80,7 @@ from ._exchange import P2PWork, ShapeCache, Transfer, cached_recv, cached_send, 
 if TYPE_CHECKING:
     from collections.abc import Sequence
     from typing import Literal
+
     from .._types import Group
 
 __all__ = [
@@ -99,10 +100,17 @@ _FWD_OUT, _FWD_IN = ("next", "forward"), ("prev", "forward")  # (towards, ledger
 _BWD_OUT, _BWD_IN = ("prev", "backward"), ("next", "backward")
 
 
-def send_forward(x: torch.Tensor, group: Group | list[Group] | tuple[Group, ...], *,
-                 shape: Sequence[int] | None = None, dtype: torch.dtype | None = None, loop: bool = False,
-                 batched: bool = False, async_op: bool = False,
-                 shape_cache: ShapeCache | None = None) -> P2PWork | None:
+def send_forward(
+    x: torch.Tensor,
+    group: Group | list[Group] | tuple[Group, ...],
+    *,
+    shape: Sequence[int] | None = None,
+    dtype: torch.dtype | None = None,
+    loop: bool = False,
+    batched: bool = False,
+    async_op: bool = False,
+    shape_cache: ShapeCache | None = None,
+) -> P2PWork | None:
     """Send an activation to the next stage (forward); its adjoint is :func:`recv_backward`.
 
     Args:
@@ -129,13 +137,23 @@ def send_forward(x: torch.Tensor, group: Group | list[Group] | tuple[Group, ...]
             declared ``shape``/``dtype``; the header cannot describe ``x`` (ndim > 16).
         RankMismatchError: (checks on) the receiver declared a different shape or dtype.
     """
-    return _run("send_forward", group, x, [_FWD_OUT], [], shape, dtype, None, loop, batched, async_op, "mean", shape_cache)
+    return _run(
+        "send_forward", group, x, [_FWD_OUT], [], shape, dtype, None, loop, batched, async_op, "mean", shape_cache
+    )
 
 
-def recv_forward(group: Group | list[Group] | tuple[Group, ...], *, shape: Sequence[int] | None = None,
-                 dtype: torch.dtype | None = None, device: torch.device | str | int | None = None, loop: bool = False,
-                 batched: bool = False, async_op: bool = False, reduce: Literal["mean", "sum"] = "mean",
-                 shape_cache: ShapeCache | None = None) -> torch.Tensor | P2PWork:
+def recv_forward(
+    group: Group | list[Group] | tuple[Group, ...],
+    *,
+    shape: Sequence[int] | None = None,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | int | None = None,
+    loop: bool = False,
+    batched: bool = False,
+    async_op: bool = False,
+    reduce: Literal["mean", "sum"] = "mean",
+    shape_cache: ShapeCache | None = None,
+) -> torch.Tensor | P2PWork:
     """Receive an activation from the previous stage (forward); adjoint of :func:`send_backward`.
 
     Args:
@@ -157,27 +175,45 @@ def recv_forward(group: Group | list[Group] | tuple[Group, ...], *, shape: Seque
             error; tensors from several groups differ.
         RankMismatchError: the sender's header differs from the declared ``shape``/``dtype``.
     """
-    return _run("recv_forward", group, None, [], [_FWD_IN], shape, dtype, device, loop, batched, async_op, reduce, shape_cache)
+    return _run(
+        "recv_forward", group, None, [], [_FWD_IN], shape, dtype, device, loop, batched, async_op, reduce, shape_cache
+    )
 
 
-def send_backward(grad: torch.Tensor, group: Group | list[Group] | tuple[Group, ...], *,
-                  shape: Sequence[int] | None = None, dtype: torch.dtype | None = None, loop: bool = False,
-                  batched: bool = False, async_op: bool = False,
-                  shape_cache: ShapeCache | None = None) -> P2PWork | None:
+def send_backward(
+    grad: torch.Tensor,
+    group: Group | list[Group] | tuple[Group, ...],
+    *,
+    shape: Sequence[int] | None = None,
+    dtype: torch.dtype | None = None,
+    loop: bool = False,
+    batched: bool = False,
+    async_op: bool = False,
+    shape_cache: ShapeCache | None = None,
+) -> P2PWork | None:
     """Send the gradient of a stage's input to the previous stage; adjoint of :func:`recv_forward`.
 
     Arguments, returns and errors as :func:`send_forward` (this is the first stage and ``loop``
     is off: ShardkitError). With several groups, pass ``grad / K`` to be the exact adjoint of
     ``recv_forward(reduce="mean")`` over ``K`` groups (see the module docstring).
     """
-    return _run("send_backward", group, grad, [_BWD_OUT], [], shape, dtype, None, loop, batched, async_op, "mean", shape_cache)
+    return _run(
+        "send_backward", group, grad, [_BWD_OUT], [], shape, dtype, None, loop, batched, async_op, "mean", shape_cache
+    )
 
 
-def recv_backward(group: Group | list[Group] | tuple[Group, ...], *, shape: Sequence[int] | None = None,
-                  dtype: torch.dtype | None = None, device: torch.device | str | int | None = None,
-                  loop: bool = False, batched: bool = False, async_op: bool = False,
-                  reduce: Literal["mean", "sum"] = "mean",
-                  shape_cache: ShapeCache | None = None) -> torch.Tensor | P2PWork:
+def recv_backward(
+    group: Group | list[Group] | tuple[Group, ...],
+    *,
+    shape: Sequence[int] | None = None,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | int | None = None,
+    loop: bool = False,
+    batched: bool = False,
+    async_op: bool = False,
+    reduce: Literal["mean", "sum"] = "mean",
+    shape_cache: ShapeCache | None = None,
+) -> torch.Tensor | P2PWork:
     """Receive the gradient of this stage's output from the next stage; adjoint of
     :func:`send_forward`.
 
@@ -185,59 +221,141 @@ def recv_backward(group: Group | list[Group] | tuple[Group, ...], *, shape: Sequ
     is off: ShardkitError). Use ``reduce="sum"`` after a fan-out :func:`send_forward` to several
     groups: the gradient of a tensor used by several next stages is the sum of theirs.
     """
-    return _run("recv_backward", group, None, [], [_BWD_IN], shape, dtype, device, loop, batched, async_op, reduce, shape_cache)
+    return _run(
+        "recv_backward", group, None, [], [_BWD_IN], shape, dtype, device, loop, batched, async_op, reduce, shape_cache
+    )
 
 
-def send_forward_recv_backward(x: torch.Tensor, group: Group | list[Group] | tuple[Group, ...], *,
-                               shape: Sequence[int] | None = None, dtype: torch.dtype | None = None,
-                               loop: bool = False, batched: bool = False, async_op: bool = False,
-                               reduce: Literal["mean", "sum"] = "mean",
-                               shape_cache: ShapeCache | None = None) -> torch.Tensor | P2PWork:
+def send_forward_recv_backward(
+    x: torch.Tensor,
+    group: Group | list[Group] | tuple[Group, ...],
+    *,
+    shape: Sequence[int] | None = None,
+    dtype: torch.dtype | None = None,
+    loop: bool = False,
+    batched: bool = False,
+    async_op: bool = False,
+    reduce: Literal["mean", "sum"] = "mean",
+    shape_cache: ShapeCache | None = None,
+) -> torch.Tensor | P2PWork:
     """Send an activation to the next stage and receive the gradient of an output from it (1F1B steady state).
 
     ``shape``/``dtype`` declare both tensors (an activation and its gradient share them); the
     received tensor is allocated on ``x``'s device. Otherwise as :func:`send_forward` and
     :func:`recv_backward` together; both directions are posted before waiting.
     """
-    return _run("send_forward_recv_backward", group, x, [_FWD_OUT], [_BWD_IN], shape, dtype, None, loop, batched,
-                async_op, reduce, shape_cache)
+    return _run(
+        "send_forward_recv_backward",
+        group,
+        x,
+        [_FWD_OUT],
+        [_BWD_IN],
+        shape,
+        dtype,
+        None,
+        loop,
+        batched,
+        async_op,
+        reduce,
+        shape_cache,
+    )
 
 
-def send_backward_recv_forward(grad: torch.Tensor, group: Group | list[Group] | tuple[Group, ...], *,
-                               shape: Sequence[int] | None = None, dtype: torch.dtype | None = None,
-                               loop: bool = False, batched: bool = False, async_op: bool = False,
-                               reduce: Literal["mean", "sum"] = "mean",
-                               shape_cache: ShapeCache | None = None) -> torch.Tensor | P2PWork:
+def send_backward_recv_forward(
+    grad: torch.Tensor,
+    group: Group | list[Group] | tuple[Group, ...],
+    *,
+    shape: Sequence[int] | None = None,
+    dtype: torch.dtype | None = None,
+    loop: bool = False,
+    batched: bool = False,
+    async_op: bool = False,
+    reduce: Literal["mean", "sum"] = "mean",
+    shape_cache: ShapeCache | None = None,
+) -> torch.Tensor | P2PWork:
     """Send an input gradient to the previous stage and receive the next activation from it (1F1B steady state).
 
     As :func:`send_forward_recv_backward`, directions reversed.
     """
-    return _run("send_backward_recv_forward", group, grad, [_BWD_OUT], [_FWD_IN], shape, dtype, None, loop, batched,
-                async_op, reduce, shape_cache)
+    return _run(
+        "send_backward_recv_forward",
+        group,
+        grad,
+        [_BWD_OUT],
+        [_FWD_IN],
+        shape,
+        dtype,
+        None,
+        loop,
+        batched,
+        async_op,
+        reduce,
+        shape_cache,
+    )
 
 
-def send_forward_recv_forward(x: torch.Tensor, group: Group | list[Group] | tuple[Group, ...], *,
-                              shape: Sequence[int] | None = None, dtype: torch.dtype | None = None,
-                              loop: bool = False, batched: bool = False, async_op: bool = False,
-                              reduce: Literal["mean", "sum"] = "mean",
-                              shape_cache: ShapeCache | None = None) -> torch.Tensor | P2PWork:
+def send_forward_recv_forward(
+    x: torch.Tensor,
+    group: Group | list[Group] | tuple[Group, ...],
+    *,
+    shape: Sequence[int] | None = None,
+    dtype: torch.dtype | None = None,
+    loop: bool = False,
+    batched: bool = False,
+    async_op: bool = False,
+    reduce: Literal["mean", "sum"] = "mean",
+    shape_cache: ShapeCache | None = None,
+) -> torch.Tensor | P2PWork:
     """Send an activation to the next stage and receive one from the previous stage (a forward shift).
 
     With ``loop=True`` every stage does both: a ring shift by one stage. Otherwise as
     :func:`send_forward_recv_backward`.
     """
-    return _run("send_forward_recv_forward", group, x, [_FWD_OUT], [_FWD_IN], shape, dtype, None, loop, batched,
-                async_op, reduce, shape_cache)
+    return _run(
+        "send_forward_recv_forward",
+        group,
+        x,
+        [_FWD_OUT],
+        [_FWD_IN],
+        shape,
+        dtype,
+        None,
+        loop,
+        batched,
+        async_op,
+        reduce,
+        shape_cache,
+    )
 
 
-def send_backward_recv_backward(grad: torch.Tensor, group: Group | list[Group] | tuple[Group, ...], *,
-                                shape: Sequence[int] | None = None, dtype: torch.dtype | None = None,
-                                loop: bool = False, batched: bool = False, async_op: bool = False,
-                                reduce: Literal["mean", "sum"] = "mean",
-                                shape_cache: ShapeCache | None = None) -> torch.Tensor | P2PWork:
+def send_backward_recv_backward(
+    grad: torch.Tensor,
+    group: Group | list[Group] | tuple[Group, ...],
+    *,
+    shape: Sequence[int] | None = None,
+    dtype: torch.dtype | None = None,
+    loop: bool = False,
+    batched: bool = False,
+    async_op: bool = False,
+    reduce: Literal["mean", "sum"] = "mean",
+    shape_cache: ShapeCache | None = None,
+) -> torch.Tensor | P2PWork:
     """Send a gradient to the previous stage and receive one from the next stage (a backward shift)."""
-    return _run("send_backward_recv_backward", group, grad, [_BWD_OUT], [_BWD_IN], shape, dtype, None, loop, batched,
-                async_op, reduce, shape_cache)
+    return _run(
+        "send_backward_recv_backward",
+        group,
+        grad,
+        [_BWD_OUT],
+        [_BWD_IN],
+        shape,
+        dtype,
+        None,
+        loop,
+        batched,
+        async_op,
+        reduce,
+        shape_cache,
+    )
 
 
 def _run(api, group, x, sends, recvs, shape, dtype, device, loop, batched, async_op, reduce, shape_cache=None):
@@ -268,14 +386,16 @@ def _run(api, group, x, sends, recvs, shape, dtype, device, loop, batched, async
     transfers = []
     for gi, g in enumerate(groups):
         for towards, phase in sends:
-            t = Transfer(True, towards, gi, g, _peer(g, towards, loop, api), phase, payload.device, shape, dtype,
-                         header, payload)
+            t = Transfer(
+                True, towards, gi, g, _peer(g, towards, loop, api), phase, payload.device, shape, dtype, header, payload
+            )
             _check_own_tensor(t, api)
             transfers.append(t)
         for towards, phase in recvs:
             dev = payload.device if payload is not None else _device(device, g, api)
-            transfers.append(Transfer(False, towards, gi, g, _peer(g, towards, loop, api), phase, dev, shape, dtype,
-                                      header))
+            transfers.append(
+                Transfer(False, towards, gi, g, _peer(g, towards, loop, api), phase, dev, shape, dtype, header)
+            )
     work = exchange(transfers, api, bool(batched), checks, reduce, shape_cache)
     return work if async_op else work.wait()
 
@@ -310,15 +430,20 @@ def _refuse(api, groups, sends, recvs, device, loop, cause: ShardkitError) -> No
     transfers = []
     for gi, g in enumerate(groups):
         dev = _device(device if isinstance(device, (str, torch.device)) else None, g, api)
-        ends = [(send, towards, phase, _peer_or_none(g, towards, loop))
-                for send, directions in ((True, sends), (False, recvs)) for towards, phase in directions]
+        ends = [
+            (send, towards, phase, _peer_or_none(g, towards, loop))
+            for send, directions in ((True, sends), (False, recvs))
+            for towards, phase in directions
+        ]
         said = [(s, towards, phase, p, _wire.BAD_ARGUMENTS) for s, towards, phase, p in ends if p is not None]
         if not said and ends and g.size > 1 and not loop:
             s, towards, phase, _ = ends[0]
             other = "prev" if towards == "next" else "next"
             said = [(s, other, phase, _peer(g, other, loop, api), _wire.PAST_END)]
-        transfers += [Transfer(s, towards, gi, g, p, phase, dev, None, None, True, status=status)
-                      for s, towards, phase, p, status in said]
+        transfers += [
+            Transfer(s, towards, gi, g, p, phase, dev, None, None, True, status=status)
+            for s, towards, phase, p, status in said
+        ]
     try:
         exchange(transfers, api, False, True, "mean")
     except ShardkitError as agreed:
@@ -329,7 +454,9 @@ class _StaticWork(P2PWork):
     """The :class:`P2PWork` of one transfer without Transfer bookkeeping (:func:`_static_single`,
     :func:`_cached_single`): its c10d works and the received tensor."""
 
-    def __init__(self, work, received: torch.Tensor | None) -> None:  # noqa: no P2PWork state needed
+    def __init__(
+        self, work, received: torch.Tensor | None
+    ) -> None:  # no P2PWork state needed: super().__init__ is not called
         self._works, self._received = [] if work is None else work if isinstance(work, list) else [work], received
 
     def is_completed(self) -> bool:

@@ -34,6 +34,7 @@ from .vtp import Replicate
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
+
     from .schedules import Action
 
 __all__ = ["run_schedule", "split_microbatches"]
@@ -52,16 +53,22 @@ def split_microbatches(batch: torch.Tensor, num_microbatches: int) -> list[torch
         raise ShardkitError("split_microbatches: batch must be a tensor with a batch dimension (dim 0)")
     B = batch.shape[0]
     if B % M:
-        raise ShardkitError(f"split_microbatches: {M} microbatches do not divide the batch of {B} "
-                            f"(B % M = {B % M}); pick M dividing {B}")
+        raise ShardkitError(
+            f"split_microbatches: {M} microbatches do not divide the batch of {B} "
+            f"(B % M = {B % M}); pick M dividing {B}"
+        )
     return list(batch.split(B // M, dim=0))
 
 
-def run_schedule(stage: PipelineStage, schedule: Sequence[Sequence[Action]],
-                 inputs_microbatches: Sequence[torch.Tensor] | None = None,
-                 targets_microbatches: Sequence[torch.Tensor] | None = None, *,
-                 boundary_shapes: Sequence[tuple[Sequence[int], torch.dtype]] | None = None,
-                 stage_kwargs: Sequence[dict] | None = None) -> list[torch.Tensor] | None:
+def run_schedule(
+    stage: PipelineStage,
+    schedule: Sequence[Sequence[Action]],
+    inputs_microbatches: Sequence[torch.Tensor] | None = None,
+    targets_microbatches: Sequence[torch.Tensor] | None = None,
+    *,
+    boundary_shapes: Sequence[tuple[Sequence[int], torch.dtype]] | None = None,
+    stage_kwargs: Sequence[dict] | None = None,
+) -> list[torch.Tensor] | None:
     """Run this stage's row of ``schedule`` (forward and backward of every microbatch).
 
     Collective over the pipeline group: every stage calls it with the same table.
@@ -75,9 +82,10 @@ def run_schedule(stage: PipelineStage, schedule: Sequence[Sequence[Action]],
         boundary_shapes: None (activations negotiate their shape and dtype: microbatches may
             differ; the stage keeps the negotiated shapes between calls, so a shape seen before
             costs no header round trip; they are dropped on every rank when any rank's previous
-            call did not complete, agreed with the arguments), or ``P - 1`` pairs ``(full shape, dtype)``, entry ``b`` for the boundary
-            between stages ``b`` and ``b + 1`` (the same on every rank and microbatch): static
-            transfers, one message fewer each (see :mod:`.p2p` for the check mode).
+            call did not complete, agreed with the arguments), or ``P - 1`` pairs
+            ``(full shape, dtype)``, entry ``b`` for the boundary between stages ``b`` and
+            ``b + 1`` (the same on every rank and microbatch): static transfers, one message fewer
+            each (see :mod:`.p2p` for the check mode).
         stage_kwargs: None, or ``M`` dicts of keyword arguments for this stage's module, one per
             microbatch (``module(x, **stage_kwargs[m])``; every stage, e.g. the global
             ``position_ids`` and attention call of context parallelism).
@@ -101,9 +109,15 @@ def run_schedule(stage: PipelineStage, schedule: Sequence[Sequence[Action]],
     check_deadlock_free(schedule, op)
     decls = _boundary_decls(boundary_shapes, P, op)
     error = _data_error(stage, M, inputs_microbatches, targets_microbatches)
-    if error is None and stage_kwargs is not None and (
-            not isinstance(stage_kwargs, (list, tuple)) or len(stage_kwargs) != M
-            or not all(isinstance(kw, dict) for kw in stage_kwargs)):
+    if (
+        error is None
+        and stage_kwargs is not None
+        and (
+            not isinstance(stage_kwargs, (list, tuple))
+            or len(stage_kwargs) != M
+            or not all(isinstance(kw, dict) for kw in stage_kwargs)
+        )
+    ):
         error = f"stage {s}: stage_kwargs must be None or {M} dicts (one per microbatch)"
     # The stage's ShapeCache outlives the call only if every rank's previous call completed (its
     # channels were then updated from the same headers on both ends); else every rank starts a new one.
@@ -162,8 +176,10 @@ def _agree(stage, error, decls, op: str, clean: bool) -> bool:
 
 
 def _data_error(stage, M, inputs, targets) -> str | None:
-    for needed, name, xs in ((stage.is_first, "inputs_microbatches", inputs),
-                             (stage.is_last, "targets_microbatches", targets)):
+    for needed, name, xs in (
+        (stage.is_first, "inputs_microbatches", inputs),
+        (stage.is_last, "targets_microbatches", targets),
+    ):
         if needed and (not isinstance(xs, (list, tuple)) or len(xs) != M):
             got = len(xs) if isinstance(xs, (list, tuple)) else type(xs).__name__
             return f"stage {stage.stage_index} needs {M} {name} (the schedule's M), got {got}"
@@ -250,6 +266,7 @@ def _execute_tp(stage, plan, M, inputs, targets, decls, kwargs):
         received[key] = t
         if direction == "F":  # the gradient of this input goes back with its full shape
             grad_decl[("send", m)] = (shape, t.dtype)
+
     for call in plan:
         if call.api == "compute":
             _compute(call.action, stage, M, inputs, targets, received, stash, losses, outputs, grads_out, kwargs)
@@ -277,7 +294,11 @@ def _backward(stage, m, received, stash):
         return None
     # An output that does not depend on the input still owes the previous stage a gradient.
     grad = x.grad if x.grad is not None else torch.zeros_like(x)
-    if stage.stages is not None and stage.tp_size > 1 and stage.input_grad == "partial" \
-            and isinstance(stage.layouts[stage.stage_index][0], Replicate):
+    if (
+        stage.stages is not None
+        and stage.tp_size > 1
+        and stage.input_grad == "partial"
+        and isinstance(stage.layouts[stage.stage_index][0], Replicate)
+    ):
         grad = _c10d.all_reduce(grad, stage.stages.tp, "run_schedule", "backward")  # partial sums -> full
     return grad

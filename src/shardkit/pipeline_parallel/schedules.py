@@ -22,11 +22,9 @@ Sources: GPipe (Huang et al., 2019: all forwards, then all backwards); 1F1B / Pi
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..errors import ShardkitError
 from ._exchange import order_key
@@ -88,7 +86,8 @@ def gpipe_schedule(num_stages: int, num_microbatches: int) -> tuple[tuple[Action
     """
     _check_sizes("gpipe_schedule", num_stages, num_microbatches)
     stage = tuple(Action("F", m) for m in range(num_microbatches)) + tuple(
-        Action("B", m) for m in range(num_microbatches))
+        Action("B", m) for m in range(num_microbatches)
+    )
     return tuple(stage for _ in range(num_stages))
 
 
@@ -143,8 +142,10 @@ def validate_schedule(schedule: Sequence[Sequence[Action]], num_stages: int, op:
             seen.add(m)
         M = len(seen_f)
         if seen_f != set(range(M)) or seen_b != seen_f:
-            raise ShardkitError(f"{op}: stage {s} must run F and B of microbatches 0..{M - 1} exactly once, "
-                                f"got F{sorted(seen_f)} B{sorted(seen_b)}")
+            raise ShardkitError(
+                f"{op}: stage {s} must run F and B of microbatches 0..{M - 1} exactly once, "
+                f"got F{sorted(seen_f)} B{sorted(seen_b)}"
+            )
         sizes.add(M)
     if len(sizes) != 1 or 0 in sizes:
         raise ShardkitError(f"{op}: every stage must run the same number (>= 1) of microbatches, got {sorted(sizes)}")
@@ -173,8 +174,11 @@ def comm_plan(actions, stage: int, num_stages: int) -> tuple[CommCall, ...]:
             if not last:
                 if nxt is not None and nxt[0] == "B":
                     have.add(("B", nxt[1]))
-                    plan.append(CommCall("send_forward_recv_backward", sends=(("next", "F", m),),
-                                         recvs=(("next", "B", nxt[1]),)))
+                    plan.append(
+                        CommCall(
+                            "send_forward_recv_backward", sends=(("next", "F", m),), recvs=(("next", "B", nxt[1]),)
+                        )
+                    )
                 else:
                     plan.append(CommCall("send_forward", sends=(("next", "F", m),)))
         else:
@@ -184,8 +188,11 @@ def comm_plan(actions, stage: int, num_stages: int) -> tuple[CommCall, ...]:
             if not first:
                 if nxt is not None and nxt[0] == "F":
                     have.add(("F", nxt[1]))
-                    plan.append(CommCall("send_backward_recv_forward", sends=(("prev", "B", m),),
-                                         recvs=(("prev", "F", nxt[1]),)))
+                    plan.append(
+                        CommCall(
+                            "send_backward_recv_forward", sends=(("prev", "B", m),), recvs=(("prev", "F", nxt[1]),)
+                        )
+                    )
                 else:
                     plan.append(CommCall("send_backward", sends=(("prev", "B", m),)))
     return tuple(plan)

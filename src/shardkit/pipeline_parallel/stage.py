@@ -19,6 +19,7 @@ from .vtp import StageGroups, check_layout
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
+
     from .._types import Group
     from ._exchange import ShapeCache
     from .vtp import Shard
@@ -75,10 +76,18 @@ class PipelineStage:
             layouts.
     """
 
-    def __init__(self, module: nn.Module, pp_group: Group | Sequence[Group] | StageGroups, stage_index: int,
-                 num_stages: int, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None, *,
-                 in_layout: Replicate | Shard | None = None, out_layout: Replicate | Shard | None = None,
-                 input_grad: str = "replicated"):
+    def __init__(
+        self,
+        module: nn.Module,
+        pp_group: Group | Sequence[Group] | StageGroups,
+        stage_index: int,
+        num_stages: int,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        *,
+        in_layout: Replicate | Shard | None = None,
+        out_layout: Replicate | Shard | None = None,
+        input_grad: str = "replicated",
+    ):
         op = "PipelineStage"
         if not isinstance(module, nn.Module):
             raise ShardkitTypeError(f"{op}: module must be a torch.nn.Module, got {type(module).__name__}")
@@ -92,8 +101,14 @@ class PipelineStage:
             agree_error(g, self._layout_error(g.rank, g.size, stage_index, num_stages, loss_fn), op)
         else:
             g = self.stages.info
-            err = self._layout_error(self.stages.stage_index, self.stages.num_stages, stage_index, num_stages, loss_fn,
-                                     ("has", "stages", "is in stage", "its StageGroups"))
+            err = self._layout_error(
+                self.stages.stage_index,
+                self.stages.num_stages,
+                stage_index,
+                num_stages,
+                loss_fn,
+                ("has", "stages", "is in stage", "its StageGroups"),
+            )
             layouts: tuple[Any, ...] = (in_layout or Replicate(), out_layout or Replicate())
             try:  # a bad argument on one rank must not leave the others waiting: agreed below
                 for name, lay in zip(("in_layout", "out_layout"), layouts):
@@ -111,8 +126,14 @@ class PipelineStage:
         self._shape_cache: ShapeCache | None = None
 
     @staticmethod
-    def _layout_error(my_stage: int, stages: int, stage_index, num_stages, loss_fn,
-                      unit=("group has", "ranks", "is group rank", "stage = group rank")) -> str | None:
+    def _layout_error(
+        my_stage: int,
+        stages: int,
+        stage_index,
+        num_stages,
+        loss_fn,
+        unit=("group has", "ranks", "is group rank", "stage = group rank"),
+    ) -> str | None:
         for name, v in (("stage_index", stage_index), ("num_stages", num_stages)):
             if not isinstance(v, int) or isinstance(v, bool):
                 return f"{name} must be an int, got {v!r}"
@@ -143,7 +164,9 @@ class PipelineStage:
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The last stage's loss on one microbatch."""
         if self.loss_fn is None:
-            raise ShardkitError(f"PipelineStage.loss: stage {self.stage_index} has no loss_fn (only the last stage needs one)")
+            raise ShardkitError(
+                f"PipelineStage.loss: stage {self.stage_index} has no loss_fn (only the last stage needs one)"
+            )
         return self.loss_fn(output, target)
 
 

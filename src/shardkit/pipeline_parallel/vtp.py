@@ -13,8 +13,8 @@ stage's tp group:
   Gradient convention: every rank holds the full gradient (Megatron's ``f`` at the entry of a
   TP region all-reduces the input gradient, ``g``'s backward is the identity), so a replicated
   boundary moves one copy of the gradient back, as the forward moves one copy of the value.
-* :class:`~shardkit.layouts.Shard` ``(dim)`` (``dim >= 0``): rank ``i`` holds block ``i`` of a balanced split along ``dim``
-  (:func:`~shardkit._shapes.balanced_split_sizes`; sequence-parallel ``[B, S / t, H]``); the
+* :class:`~shardkit.layouts.Shard` ``(dim)`` (``dim >= 0``): rank ``i`` holds block ``i`` of a balanced split
+  along ``dim`` (:func:`~shardkit._shapes.balanced_split_sizes`; sequence-parallel ``[B, S / t, H]``); the
   gradient is sharded the same way and each block's gradient is exact (owned by its rank).
 
 With these conventions the gradient has the layout of the value, so the backward of a boundary
@@ -52,6 +52,7 @@ from ..layouts import check_layout as _check_layout
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
+
     from .._types import Group
 
 __all__ = ["Replicate", "Shard", "StageGroups", "Piece", "local_box", "piece_plan", "new_stage_groups"]
@@ -149,8 +150,10 @@ class StageGroups:
         if error is None:
             s, i = next((s, r.index(g.rank)) for s, r in enumerate(ranks) if g.rank in r)
             if tp.size != len(ranks[s]) or tp.rank != i:
-                error = (f"its tp_group has size {tp.size} and rank {tp.rank}, but stage {s} is group ranks "
-                         f"{list(ranks[s])} (size {len(ranks[s])}, this rank at position {i})")
+                error = (
+                    f"its tp_group has size {tp.size} and rank {tp.rank}, but stage {s} is group ranks "
+                    f"{list(ranks[s])} (size {len(ranks[s])}, this rank at position {i})"
+                )
         seen: list[Any] = [None] * g.size  # every rank's (ranks, error), from all_gather_object
         dist.all_gather_object(seen, (ranks, error), group=g.pg)
         bad = [f"rank {r}: {e}" for r, (_, e) in enumerate(seen) if e is not None]
@@ -183,13 +186,16 @@ def _normalize(stage_ranks, size: int):
         return repr(stage_ranks), f"stage_ranks must be lists of ints, got {stage_ranks!r}"
     flat = sorted(r for stage in ranks for r in stage)
     if not ranks or any(not stage for stage in ranks) or flat != list(range(size)):
-        return ranks, (f"stage_ranks {[list(r) for r in ranks]} must be non-empty lists that together hold every "
-                       f"group rank 0..{size - 1} exactly once (sum of stage tp sizes = {len(flat)}, group size {size})")
+        return ranks, (
+            f"stage_ranks {[list(r) for r in ranks]} must be non-empty lists that together hold every "
+            f"group rank 0..{size - 1} exactly once (sum of stage tp sizes = {len(flat)}, group size {size})"
+        )
     return ranks, None
 
 
-def new_stage_groups(tp_sizes: Sequence[int], dp: int = 1,
-                     timeout: timedelta | None = None) -> tuple[StageGroups, dist.ProcessGroup]:
+def new_stage_groups(
+    tp_sizes: Sequence[int], dp: int = 1, timeout: timedelta | None = None
+) -> tuple[StageGroups, dist.ProcessGroup]:
     """Create the groups of ``dp`` pipeline replicas whose stages have tp sizes ``tp_sizes``.
 
     Collective over the default process group (``dist.new_group`` is), which must have

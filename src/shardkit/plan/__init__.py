@@ -10,9 +10,18 @@
 
 from .cluster import CLUSTERS, Cluster
 from .collectives import CommRow, step_collectives
-from .options import StepOptions
 from .model import ModelShape
+from .options import StepOptions
 from .search import StepEstimate, estimate_step, plan_layouts
 
-__all__ = ["CLUSTERS", "Cluster", "CommRow", "ModelShape", "StepEstimate", "StepOptions", "estimate_step",
-           "plan_layouts", "step_collectives"]
+__all__ = [
+    "CLUSTERS",
+    "Cluster",
+    "CommRow",
+    "ModelShape",
+    "StepEstimate",
+    "StepOptions",
+    "estimate_step",
+    "plan_layouts",
+    "step_collectives",
+]

@@ -45,8 +45,7 @@ class Rows:
         """``count`` calls of ``sent`` / ``recv`` bytes each."""
         self.add_total(axis, op, api, phase, group, count, count * sent, count * recv)
 
-    def add_total(self, axis: str, op: str, api: str, phase: str, group: int, count: int, sent: int,
-                  recv: int) -> None:
+    def add_total(self, axis: str, op: str, api: str, phase: str, group: int, count: int, sent: int, recv: int) -> None:
         """``count`` calls of ``sent`` / ``recv`` bytes in all."""
         if group <= 1 or count <= 0:
             return  # a size-1 group is the identity: no call

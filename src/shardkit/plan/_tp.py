@@ -10,8 +10,18 @@ from .options import StepOptions
 __all__ = ["tp_rows"]
 
 
-def tp_rows(out: Rows, shape: ModelShape, opts: StepOptions, layers: list[int], first: bool, last: bool, T: int,
-            M: int, t: int, ep: int) -> None:
+def tp_rows(
+    out: Rows,
+    shape: ModelShape,
+    opts: StepOptions,
+    layers: list[int],
+    first: bool,
+    last: bool,
+    T: int,
+    M: int,
+    t: int,
+    ep: int,
+) -> None:
     """Add a stage's tp collectives to ``out``: ``layers`` of the stage, ``T`` tokens per
     microbatch on this rank, ``M`` microbatches, ``t`` tp ranks, ``ep`` expert-parallel ranks."""
     e, H, n = opts.elem, shape.hidden, len(layers)
@@ -22,8 +32,16 @@ def tp_rows(out: Rows, shape: ModelShape, opts: StepOptions, layers: list[int], 
     if shape.family in ("qwen3", "qwen3_moe"):
         add("tp", "all_reduce", "sum_grad_over", "backward", t, M * 2 * n, shape.head_dim * e, shape.head_dim * e)
     if shape.kv_heads < t and not shape.mla:  # replicated key/value heads: their weight gradients summed
-        add("tp", "all_reduce", "sum_grad_over", "backward", t, M * 2 * n, shape.head_dim * H * e,
-            shape.head_dim * H * e)
+        add(
+            "tp",
+            "all_reduce",
+            "sum_grad_over",
+            "backward",
+            t,
+            M * 2 * n,
+            shape.head_dim * H * e,
+            shape.head_dim * H * e,
+        )
     for i in layers:  # column-parallel inputs inside a block, with or without SP (f: backward all-reduce)
         if shape.mla:  # kv_b_proj's input [T, kv_lora], the shared rope key [T, rope], q_b_proj's [T, q_lora]
             for width in (shape.kv_lora_rank, shape.qk_rope_dim) + ((shape.q_lora_rank,) if shape.q_lora_rank else ()):
@@ -39,14 +57,24 @@ def tp_rows(out: Rows, shape: ModelShape, opts: StepOptions, layers: list[int], 
             cdt = 4 if e < 4 else e
             width = (T + 2 * t + 2) * 8  # row maxima, widths, labels verdicts, fingerprint
             add("tp", "all_reduce", "vocab_parallel_cross_entropy", "forward", t, M, width, width)
-            add("tp", "all_reduce", "vocab_parallel_cross_entropy", "forward", t, M, (2 * T + 1) * cdt, (2 * T + 1) * cdt)
+            add(
+                "tp",
+                "all_reduce",
+                "vocab_parallel_cross_entropy",
+                "forward",
+                t,
+                M,
+                (2 * T + 1) * cdt,
+                (2 * T + 1) * cdt,
+            )
         else:
             logits = T * shape.vocab * e
             add("tp", "all_gather_single", "gather_forward_split_backward", "forward", t, M, logits // t, logits)
 
 
-def _sp_rows(out: Rows, shape: ModelShape, layers: list[int], last: bool, T: int, M: int, t: int, e: int,
-             ep: int) -> None:
+def _sp_rows(
+    out: Rows, shape: ModelShape, layers: list[int], last: bool, T: int, M: int, t: int, e: int, ep: int
+) -> None:
     """tp with SP: every tensor-parallel region gathers its input ``[T/t, H] -> [T, H]`` and
     reduce-scatters its output; an expert-parallel MoE block runs on the local block (only its
     shared experts are a region) and its router's gradient is summed over tp."""
@@ -71,8 +99,9 @@ def _sp_rows(out: Rows, shape: ModelShape, layers: list[int], last: bool, T: int
         add("tp", "all_gather_single", "gather_forward_split_backward", "forward", t, M, part, full)
 
 
-def _megatron_rows(out: Rows, shape: ModelShape, layers: list[int], last: bool, T: int, M: int, t: int, e: int,
-                   ep: int) -> None:
+def _megatron_rows(
+    out: Rows, shape: ModelShape, layers: list[int], last: bool, T: int, M: int, t: int, e: int, ep: int
+) -> None:
     """tp without SP: ``g`` (forward all-reduce) after every row-parallel output, ``f`` (backward
     all-reduce) on every column-parallel input, per layer and microbatch."""
     H, full = shape.hidden, T * shape.hidden * e
@@ -87,8 +116,16 @@ def _megatron_rows(out: Rows, shape: ModelShape, layers: list[int], last: bool, 
         if ep > 1:  # each tp rank dispatches its block of the tokens: split (with the routing weights), gather
             k = shape.top_k
             out.add("tp", "all_gather_single", "gather_forward_split_backward", "forward", t, M, T // t * H * e, full)
-            out.add("tp", "all_gather_single", "split_forward_gather_backward", "backward", t, M,
-                    T // t * (H + k) * e, T * (H + k) * e)
+            out.add(
+                "tp",
+                "all_gather_single",
+                "split_forward_gather_backward",
+                "backward",
+                t,
+                M,
+                T // t * (H + k) * e,
+                T * (H + k) * e,
+            )
         else:  # tensor-parallel experts: partial outputs summed
             fwd, bwd = fwd + 1, bwd + 1
     out.add("tp", "all_reduce", "all_reduce_forward", "forward", t, M * fwd, full, full)

@@ -42,8 +42,15 @@ class Cluster:
     name: str = "custom"
 
     def __post_init__(self) -> None:
-        for field in ("gpus", "gpus_per_node", "intra_gbps", "inter_gbps", "gpu_memory_gib", "peak_tflops",
-                      "efficiency"):
+        for field in (
+            "gpus",
+            "gpus_per_node",
+            "intra_gbps",
+            "inter_gbps",
+            "gpu_memory_gib",
+            "peak_tflops",
+            "efficiency",
+        ):
             if not getattr(self, field) > 0:
                 raise ShardkitError(f"Cluster: {field} must be > 0, got {getattr(self, field)!r}")
         if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
@@ -60,8 +67,24 @@ class Cluster:
 #   80 GB; the same 989 TFLOP/s BF16 as the H100 SXM.
 # Usable memory: 80 GB = 74.5 GiB less ~4 GiB for the CUDA context, NCCL and fragmentation.
 CLUSTERS: dict[str, dict[str, float | str]] = {
-    "h100": dict(gpus_per_node=8, intra_gbps=450.0, inter_gbps=50.0, intra_latency_us=3.0, inter_latency_us=10.0,
-                 gpu_memory_gib=70.0, peak_tflops=989.0, name="H100 SXM, NVLink 4 + 400G IB per GPU"),
-    "h800": dict(gpus_per_node=8, intra_gbps=160.0, inter_gbps=50.0, intra_latency_us=3.0, inter_latency_us=10.0,
-                 gpu_memory_gib=70.0, peak_tflops=989.0, name="H800 SXM, NVLink 160 GB/s + 400G IB per GPU"),
+    "h100": dict(
+        gpus_per_node=8,
+        intra_gbps=450.0,
+        inter_gbps=50.0,
+        intra_latency_us=3.0,
+        inter_latency_us=10.0,
+        gpu_memory_gib=70.0,
+        peak_tflops=989.0,
+        name="H100 SXM, NVLink 4 + 400G IB per GPU",
+    ),
+    "h800": dict(
+        gpus_per_node=8,
+        intra_gbps=160.0,
+        inter_gbps=50.0,
+        intra_latency_us=3.0,
+        inter_latency_us=10.0,
+        gpu_memory_gib=70.0,
+        peak_tflops=989.0,
+        name="H800 SXM, NVLink 160 GB/s + 400G IB per GPU",
+    ),
 }

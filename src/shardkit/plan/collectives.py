@@ -73,8 +73,9 @@ __all__ = ["CommRow", "step_collectives", "merged", "ledger_table", "HEADER_BYTE
 HEADER_BYTES = 160  # the P2P shape header: 20 int64 (dtype, ndim, up to 16 dims, ...)
 
 
-def step_collectives(shape: ModelShape, dims: ParallelDims, opts: StepOptions, stage: int = 0,
-                     tp_rank: int = 0) -> list[CommRow]:
+def step_collectives(
+    shape: ModelShape, dims: ParallelDims, opts: StepOptions, stage: int = 0, tp_rank: int = 0
+) -> list[CommRow]:
     """The collectives of one training step on a rank of pipeline stage ``stage``: shardkit's and
     FSDP2's (which shardkit records too).
 
@@ -111,8 +112,16 @@ def step_collectives(shape: ModelShape, dims: ParallelDims, opts: StepOptions, s
         widths = [(q + 2 * kv) * dk] if dk == dv else [(q + kv) * dk, kv * dv]
         for phase in ("forward", "backward"):
             for width in widths + [q * dv]:  # then the output back
-                out.add("cp", "all_to_all_single", "ulysses_attention", phase, dims.cp_ulysses, M * len(layers),
-                        T * width * e, T * width * e)
+                out.add(
+                    "cp",
+                    "all_to_all_single",
+                    "ulysses_attention",
+                    phase,
+                    dims.cp_ulysses,
+                    M * len(layers),
+                    T * width * e,
+                    T * width * e,
+                )
     if dims.cp_ring > 1:
         r = dims.cp_ring
         kv = max(1, shape.kv_heads // tp) // dims.cp_ulysses
@@ -136,7 +145,6 @@ def step_collectives(shape: ModelShape, dims: ParallelDims, opts: StepOptions, s
     out.add("world", "all_reduce", "grad_norm", "optimizer", world, 1, 8, 8)
     out.add("world", "all_reduce", "train_loss", "forward", world, 1, 8, 8)
     return out.result()
-
 
 
 def _ep_rows(out: Rows, shape: ModelShape, dims: ParallelDims, layers: list[int], T: int, M: int, e: int) -> None:
@@ -175,14 +183,24 @@ def _vtp_rows(out: Rows, sizes: tuple[int, ...], stage: int, tp_rank: int, M: in
             continue
         direct = sizes[peer] == t
         if direct or leader:
-            out.add_total("pp", "send" if sending else "recv", "p2p", "forward", group, 2 * M, fwd * sending,
-                          fwd * (not sending))
-            out.add_total("pp", "recv" if sending else "send", "p2p", "backward", group, M, bwd * (not sending),
-                          bwd * sending)
+            out.add_total(
+                "pp", "send" if sending else "recv", "p2p", "forward", group, 2 * M, fwd * sending, fwd * (not sending)
+            )
+            out.add_total(
+                "pp", "recv" if sending else "send", "p2p", "backward", group, M, bwd * (not sending), bwd * sending
+            )
         if not direct:  # this stage receives through its leader: backward from the next, forward from the previous
             count, size = (M, bwd) if sending else (2 * M, fwd)
-            out.add_total("pp", "broadcast", "p2p", "backward" if sending else "forward", t, count, size * leader,
-                          size * (not leader))
+            out.add_total(
+                "pp",
+                "broadcast",
+                "p2p",
+                "backward" if sending else "forward",
+                t,
+                count,
+                size * leader,
+                size * (not leader),
+            )
 
 
 def _grad_rows(out: Rows, shape: ModelShape, dims: ParallelDims, opts: StepOptions, stage: int) -> None:
@@ -215,10 +233,12 @@ def _fsdp_rows(out: Rows, shape: ModelShape, dims: ParallelDims, opts: StepOptio
     full, layer_full, root = M * owned * e, M * layer_owned * e, (owned - layer_owned) * e
     root_f, root_b = _root_gathers(dims.pp, M, stage, opts.schedule)
     gathered_f, gathered_b = layer_full + root_f * root, layer_full + root_b * root
-    out.add_total("fsdp", "all_gather_single", "fully_shard", "forward", R, M * (G - 1) + root_f, gathered_f // R,
-                  gathered_f)
-    out.add_total("fsdp", "all_gather_single", "fully_shard", "backward", R, M * (G - 1) + root_b, gathered_b // R,
-                  gathered_b)
+    out.add_total(
+        "fsdp", "all_gather_single", "fully_shard", "forward", R, M * (G - 1) + root_f, gathered_f // R, gathered_f
+    )
+    out.add_total(
+        "fsdp", "all_gather_single", "fully_shard", "backward", R, M * (G - 1) + root_b, gathered_b // R, gathered_b
+    )
     out.add_total("fsdp", "reduce_scatter_single", "fully_shard", "backward", R, M * G, full, full // R)
     out.add_total("fsdp", "all_reduce", "fully_shard", "backward", dims.dp_replicate, M * G, full // R, full // R)
 

@@ -14,10 +14,9 @@
 
 from __future__ import annotations
 
-
 from ..mesh import ParallelDims
-from .options import StepOptions, hooked_params, resolve_options, stage_tp
 from .model import ModelShape
+from .options import StepOptions, hooked_params, resolve_options, stage_tp
 
 __all__ = ["memory_per_rank"]
 
@@ -47,13 +46,16 @@ def memory_per_rank(shape: ModelShape, dims: ParallelDims, opts: StepOptions, st
     if opts.sequence_parallel:
         per_layer /= tp
     # 1F1B: min(M, pp - stage) microbatches in flight; GPipe: all M forwards before a backward
-    in_flight = 1 if dims.pp == 1 else opts.microbatches if opts.schedule == "gpipe" else min(
-        opts.microbatches, dims.pp - stage)
+    in_flight = (
+        1
+        if dims.pp == 1
+        else opts.microbatches
+        if opts.schedule == "gpipe"
+        else min(opts.microbatches, dims.pp - stage)
+    )
     acts = per_layer * len(shape.stage_layers(dims.pp, stage)) * in_flight
     if stage == dims.pp - 1:
         acts += b * S * shape.vocab / tp * 4 * 2  # logits and their gradient, float32
     out = dict(params=(held + gathered) * e, grads=held * e, optimizer=optimizer, activations=acts)
     out["total"] = sum(out.values())
     return out
-
-

@@ -22,8 +22,15 @@ from ..errors import ShardkitError
 
 __all__ = ["ModelShape"]
 
-_FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
-             "deepseek_v2": "deepseek", "deepseek_v3": "deepseek"}
+_FAMILIES = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "qwen3_moe": "qwen3_moe",
+    "deepseek_v2": "deepseek",
+    "deepseek_v3": "deepseek",
+}
 
 
 def _get(cfg: Any, name: str, default: Any = None) -> Any:
@@ -97,22 +104,42 @@ class ModelShape:
         if heads % kv:
             raise ShardkitError(f"plan: num_attention_heads={heads} must be a multiple of num_key_value_heads={kv}")
         layers = need("num_hidden_layers")
-        fields: dict[str, Any] = dict(family=family, vocab=need("vocab_size"), hidden=hidden, layers=layers, heads=heads,
-                                      kv_heads=kv, head_dim=head_dim, ffn=need("intermediate_size"),
-                                      tied=bool(_get(config, "tie_word_embeddings", False)))
+        fields: dict[str, Any] = dict(
+            family=family,
+            vocab=need("vocab_size"),
+            hidden=hidden,
+            layers=layers,
+            heads=heads,
+            kv_heads=kv,
+            head_dim=head_dim,
+            ffn=need("intermediate_size"),
+            tied=bool(_get(config, "tie_word_embeddings", False)),
+        )
         if family == "qwen3_moe":
             sparse = _get(config, "decoder_sparse_step", 1) or 1
             only = set(_get(config, "mlp_only_layers", None) or ())
             dense = tuple(i for i in range(layers) if i in only or (i + 1) % sparse)
-            fields.update(experts=need("num_experts"), top_k=need("num_experts_per_tok"),
-                          moe_ffn=need("moe_intermediate_size"), dense_layers=dense)
+            fields.update(
+                experts=need("num_experts"),
+                top_k=need("num_experts_per_tok"),
+                moe_ffn=need("moe_intermediate_size"),
+                dense_layers=dense,
+            )
         if family == "deepseek":
             first = _get(config, "first_k_dense_replace", 0) or 0
-            fields.update(experts=need("n_routed_experts"), top_k=need("num_experts_per_tok"),
-                          moe_ffn=need("moe_intermediate_size"), shared_experts=_get(config, "n_shared_experts", 0) or 0,
-                          dense_layers=tuple(range(min(first, layers))), q_lora_rank=_get(config, "q_lora_rank") or 0,
-                          kv_lora_rank=need("kv_lora_rank"), qk_rope_dim=need("qk_rope_head_dim"),
-                          qk_nope_dim=need("qk_nope_head_dim"), v_head_dim=need("v_head_dim"), kv_heads=heads)
+            fields.update(
+                experts=need("n_routed_experts"),
+                top_k=need("num_experts_per_tok"),
+                moe_ffn=need("moe_intermediate_size"),
+                shared_experts=_get(config, "n_shared_experts", 0) or 0,
+                dense_layers=tuple(range(min(first, layers))),
+                q_lora_rank=_get(config, "q_lora_rank") or 0,
+                kv_lora_rank=need("kv_lora_rank"),
+                qk_rope_dim=need("qk_rope_head_dim"),
+                qk_nope_dim=need("qk_nope_head_dim"),
+                v_head_dim=need("v_head_dim"),
+                kv_heads=heads,
+            )
         return cls(**fields)
 
     @property
@@ -145,7 +172,11 @@ class ModelShape:
         n = N // tp
         if self.mla:
             qk = self.qk_nope_dim + self.qk_rope_dim
-            q = (H * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * n * qk) if self.q_lora_rank else H * n * qk
+            q = (
+                (H * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * n * qk)
+                if self.q_lora_rank
+                else H * n * qk
+            )
             kv_a = H * (self.kv_lora_rank + self.qk_rope_dim) + self.kv_lora_rank  # replicated, with its norm
             kv_b = self.kv_lora_rank * n * (self.qk_nope_dim + self.v_head_dim)
             return q + kv_a + kv_b + n * self.v_head_dim * H

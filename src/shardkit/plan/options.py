@@ -12,8 +12,16 @@ from ..mesh import ParallelDims
 from ..pipeline_parallel.schedules import gpipe_schedule, one_f_one_b_schedule
 from .model import ModelShape
 
-__all__ = ["StepOptions", "DTYPE_BYTES", "SCHEDULES", "resolve_options", "check_layout", "hooked_params", "stage_tp",
-           "rank_stage"]
+__all__ = [
+    "StepOptions",
+    "DTYPE_BYTES",
+    "SCHEDULES",
+    "resolve_options",
+    "check_layout",
+    "hooked_params",
+    "stage_tp",
+    "rank_stage",
+]
 
 DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2}
 SCHEDULES = {"1f1b": one_f_one_b_schedule, "gpipe": gpipe_schedule}  # the trainer's pipeline schedules
@@ -72,28 +80,42 @@ def check_layout(shape: ModelShape, dims: ParallelDims, opts: StepOptions) -> No
     if opts.schedule not in SCHEDULES:
         raise ShardkitError(f"plan: schedule must be one of {', '.join(SCHEDULES)}, got {opts.schedule!r}")
     if dims.spatial > 1 or dims.spatial_h > 1:
-        raise ShardkitError(f"plan: {dims.describe()}: spatial layouts are not planned (the planner plans decoder "
-                            "LMs; spatial parallelism shards the convolutional model)")
+        raise ShardkitError(
+            f"plan: {dims.describe()}: spatial layouts are not planned (the planner plans decoder "
+            "LMs; spatial parallelism shards the convolutional model)"
+        )
     if dims.pp_tp is not None and opts.sequence_parallel:
-        raise ShardkitError(f"plan: {dims.describe()}: sequence_parallel with pp_tp is refused by the trainer (stages "
-                            "of different tp sizes exchange replicated hidden states)")
+        raise ShardkitError(
+            f"plan: {dims.describe()}: sequence_parallel with pp_tp is refused by the trainer (stages "
+            "of different tp sizes exchange replicated hidden states)"
+        )
     if opts.global_batch % (dp * opts.microbatches):
-        raise ShardkitError(f"plan: global_batch {opts.global_batch} must be divisible by dp={dp} x microbatches="
-                            f"{opts.microbatches}")
+        raise ShardkitError(
+            f"plan: global_batch {opts.global_batch} must be divisible by dp={dp} x microbatches={opts.microbatches}"
+        )
     if opts.seq_len % (cp * (dims.tp if opts.sequence_parallel else 1) * (2 if dims.cp_ring > 1 else 1)):
-        raise ShardkitError(f"plan: seq_len {opts.seq_len} must be divisible by cp={cp} (x2 zigzag with ring, x tp "
-                            "with sequence parallelism)")
+        raise ShardkitError(
+            f"plan: seq_len {opts.seq_len} must be divisible by cp={cp} (x2 zigzag with ring, x tp "
+            "with sequence parallelism)"
+        )
     for tp in sorted(set(dims.pp_tp or (dims.tp,))):
         if shape.heads % tp or (shape.kv_heads % tp and tp % shape.kv_heads):
-            raise ShardkitError(f"plan: tp={tp} must divide num_attention_heads={shape.heads} and divide or be a "
-                                f"multiple of num_key_value_heads={shape.kv_heads}")
+            raise ShardkitError(
+                f"plan: tp={tp} must divide num_attention_heads={shape.heads} and divide or be a "
+                f"multiple of num_key_value_heads={shape.kv_heads}"
+            )
         if shape.vocab % tp or shape.hidden % tp or shape.ffn % tp:
             raise ShardkitError(f"plan: tp={tp} must divide vocab_size, hidden_size and intermediate_size")
     tp = dims.tp
-    if dims.cp_ulysses > 1 and (shape.heads // tp) % dims.cp_ulysses or (
-            dims.cp_ulysses > 1 and max(1, shape.kv_heads // tp) % dims.cp_ulysses):
-        raise ShardkitError(f"plan: cp_ulysses={dims.cp_ulysses} must divide the heads per tp rank "
-                            f"({shape.heads // tp} query, {max(1, shape.kv_heads // tp)} key/value)")
+    if (
+        dims.cp_ulysses > 1
+        and (shape.heads // tp) % dims.cp_ulysses
+        or (dims.cp_ulysses > 1 and max(1, shape.kv_heads // tp) % dims.cp_ulysses)
+    ):
+        raise ShardkitError(
+            f"plan: cp_ulysses={dims.cp_ulysses} must divide the heads per tp rank "
+            f"({shape.heads // tp} query, {max(1, shape.kv_heads // tp)} key/value)"
+        )
     if dims.ep > 1 and (not shape.experts or shape.experts % dims.ep):
         raise ShardkitError(f"plan: ep={dims.ep} needs an MoE model whose {shape.experts} experts it divides")
     if dims.pp > shape.layers:

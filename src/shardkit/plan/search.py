@@ -16,9 +16,9 @@ from ..errors import ShardkitError
 from ..mesh import ParallelDims
 from .cluster import Cluster
 from .collectives import CommRow, step_collectives
-from .options import StepOptions, check_layout
 from .memory import memory_per_rank
 from .model import ModelShape
+from .options import StepOptions, check_layout
 from .timing import row_seconds
 
 __all__ = ["StepEstimate", "estimate_step", "plan_layouts", "enumerate_layouts"]
@@ -80,7 +80,9 @@ def estimate_step(shape: ModelShape, dims: ParallelDims, options: StepOptions, c
         ShardkitError: the layout does not match the cluster's GPU count, or the trainer refuses it.
     """
     if dims.product != cluster.gpus:
-        raise ShardkitError(f"estimate_step: {dims.describe()} uses {dims.product} GPUs, the cluster has {cluster.gpus}")
+        raise ShardkitError(
+            f"estimate_step: {dims.describe()} uses {dims.product} GPUs, the cluster has {cluster.gpus}"
+        )
     check_layout(shape, dims, options)
     worst: tuple[float, list[tuple[CommRow, float]], float] | None = None
     memory: dict[str, float] = {}
@@ -117,8 +119,9 @@ def _divisors(n: int, limit: int | None = None) -> list[int]:
     return [d for d in range(1, (limit or n) + 1) if n % d == 0]
 
 
-def enumerate_layouts(shape: ModelShape, gpus: int, gpus_per_node: int, options: StepOptions,
-                      max_cp: int = 32) -> Iterator[tuple[ParallelDims, StepOptions]]:
+def enumerate_layouts(
+    shape: ModelShape, gpus: int, gpus_per_node: int, options: StepOptions, max_cp: int = 32
+) -> Iterator[tuple[ParallelDims, StepOptions]]:
     """Every layout of ``gpus`` the trainer accepts for ``shape`` (ParallelDims and
     :func:`~shardkit.plan.collectives.check_layout` decide), with one sequence per microbatch."""
     moe = shape.experts > 0
@@ -131,10 +134,18 @@ def enumerate_layouts(shape: ModelShape, gpus: int, gpus_per_node: int, options:
                         continue
                     m = options.global_batch // dp
                     for shard in _divisors(dp):
-                        for ep in (_divisors(shape.experts) if moe else [1]):
+                        for ep in _divisors(shape.experts) if moe else [1]:
                             try:
-                                dims = ParallelDims(dp_replicate=dp // shard, dp_shard=shard, pp=pp, cp_ring=ring,
-                                                    cp_ulysses=uly, tp=tp, ep=ep, world_size=gpus)
+                                dims = ParallelDims(
+                                    dp_replicate=dp // shard,
+                                    dp_shard=shard,
+                                    pp=pp,
+                                    cp_ring=ring,
+                                    cp_ulysses=uly,
+                                    tp=tp,
+                                    ep=ep,
+                                    world_size=gpus,
+                                )
                                 opts = replace(options, microbatches=m)
                                 check_layout(shape, dims, opts)
                             except ShardkitError:
@@ -169,8 +180,13 @@ def plan_layouts(config: Any, cluster: Cluster, options: StepOptions, top: int =
         elif smallest is None or est.memory["total"] < smallest.memory["total"]:
             smallest = est
     if not fitting:
-        detail = "no layout is valid" if smallest is None else (
-            f"the smallest needs {smallest.memory['total'] / 2**30:.1f} GiB per GPU ({smallest.dims.describe()})")
-        raise ShardkitError(f"plan_layouts: no layout fits in {cluster.gpu_memory_gib} GiB on {cluster.gpus} GPUs: {detail}")
+        detail = (
+            "no layout is valid"
+            if smallest is None
+            else (f"the smallest needs {smallest.memory['total'] / 2**30:.1f} GiB per GPU ({smallest.dims.describe()})")
+        )
+        raise ShardkitError(
+            f"plan_layouts: no layout fits in {cluster.gpu_memory_gib} GiB on {cluster.gpus} GPUs: {detail}"
+        )
     fitting.sort(key=lambda est: est.step_s)
     return fitting[:top]

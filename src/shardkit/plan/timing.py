@@ -18,9 +18,15 @@ from .collectives import CommRow
 
 __all__ = ["bus_factor", "group_stride", "row_seconds"]
 
-_AXIS_DIMS = {"tp": ("tp",), "cp": ("cp_ring", "cp_ulysses"), "pp": ("pp",), "world": AXES,
-              "dp": ("dp_replicate", "dp_shard", "cp_ring", "cp_ulysses"), "fsdp": ("dp_shard", "cp_ring", "cp_ulysses"),
-              "ep": ("dp_shard", "cp_ring", "cp_ulysses", "tp")}
+_AXIS_DIMS = {
+    "tp": ("tp",),
+    "cp": ("cp_ring", "cp_ulysses"),
+    "pp": ("pp",),
+    "world": AXES,
+    "dp": ("dp_replicate", "dp_shard", "cp_ring", "cp_ulysses"),
+    "fsdp": ("dp_shard", "cp_ring", "cp_ulysses"),
+    "ep": ("dp_shard", "cp_ring", "cp_ulysses", "tp"),
+}
 
 
 def bus_factor(op: str, ranks: int) -> tuple[float, int]:
@@ -41,7 +47,7 @@ def group_stride(dims: ParallelDims, axis: str, size: int) -> int:
     members = [d for d in _AXIS_DIMS.get(axis, AXES) if getattr(dims, d) > 1] or ["tp"]
     inner = max(order.index(d) for d in members)
     stride = 1
-    for d in order[inner + 1:]:
+    for d in order[inner + 1 :]:
         stride *= getattr(dims, d)
     if axis == "ep":  # ep blocks are the innermost ep ranks of dp_shard x cp x tp
         return size

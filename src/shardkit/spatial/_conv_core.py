@@ -63,7 +63,9 @@ def _check_weight(x: torch.Tensor, weight, bias, groups, nd: int, op: str) -> No
     if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
         raise ShardkitError(f"{op}: groups must be an int >= 1, got {groups!r}")
     if weight.dim() != nd + 2:
-        raise ShardkitError(f"{op}: weight must be {nd + 2}-d [C_out, C_in / groups, *K], got shape {tuple(weight.shape)}")
+        raise ShardkitError(
+            f"{op}: weight must be {nd + 2}-d [C_out, C_in / groups, *K], got shape {tuple(weight.shape)}"
+        )
     c_out, c_in = weight.shape[0], x.shape[1]
     if c_in != weight.shape[1] * groups or c_out % groups:
         raise ShardkitError(

@@ -31,6 +31,7 @@ def channels_first(x: torch.Tensor, d: int, nd: int, channels_last: bool, dim, o
     spatial = list(range(1, nd + 1)) if channels_last else list(range(2, nd + 2))
     if d not in spatial:
         layout = "channels-last" if channels_last else "channels-first"
-        raise ShardkitError(f"{op}: dim {dim} is not a spatial dim of a {layout} {nd + 2}-d input (spatial dims {spatial})")
+        raise ShardkitError(
+            f"{op}: dim {dim} is not a spatial dim of a {layout} {nd + 2}-d input (spatial dims {spatial})"
+        )
     return (x.movedim(-1, 1), d + 1) if channels_last else (x, d)
-

@@ -67,8 +67,15 @@ def interior_split(lo: int, hi: int, off: int, n: int, k: int, s: int, d: int, p
     i_hi = min(hi, (off + n - 1 - reach + pad_left) // s + 1)
     if i_hi <= i_lo:
         return None
-    return Split(i_lo - lo, i_hi - i_lo, hi - i_hi, i_lo * s - pad_left - off, (i_hi - 1 - i_lo) * s + reach + 1,
-                 (i_lo - 1 - lo) * s + reach + 1 if i_lo > lo else 0, (i_hi - lo) * s)
+    return Split(
+        i_lo - lo,
+        i_hi - i_lo,
+        hi - i_hi,
+        i_lo * s - pad_left - off,
+        (i_hi - 1 - i_lo) * s + reach + 1,
+        (i_lo - 1 - lo) * s + reach + 1 if i_lo > lo else 0,
+        (i_hi - lo) * s,
+    )
 
 
 class _Spec(NamedTuple):
@@ -111,8 +118,19 @@ def _forward(spec: _Spec, x, weight, bias):
 def _conv_backward(spec: _Spec, gy, x, weight, has_bias: bool, mask):
     """``torch.ops.aten.convolution_backward``: ``(grad_input, grad_weight, grad_bias)`` as ``mask`` asks."""
     bias_sizes = [weight.shape[0]] if has_bias else None
-    return torch.ops.aten.convolution_backward(gy, x, weight, bias_sizes, list(spec.stride), list(spec.conv_pad),
-                                               list(spec.dilation), False, [0] * spec.nd, spec.groups, mask)
+    return torch.ops.aten.convolution_backward(
+        gy,
+        x,
+        weight,
+        bias_sizes,
+        list(spec.stride),
+        list(spec.conv_pad),
+        list(spec.dilation),
+        False,
+        [0] * spec.nd,
+        spec.groups,
+        mask,
+    )
 
 
 class _OverlappedConv(torch.autograd.Function):
@@ -132,26 +150,51 @@ class _OverlappedConv(torch.autograd.Function):
         gx = gw = gb = None
         if need_x:
             # Border input gradients first: they are what the other ranks wait for.
-            chunks = [(req_lo, _conv_backward(spec, gy.narrow(spec.dim, o_lo, n_out), slab, weight, ctx.has_bias,
-                                              [True, False, False])[0])
-                      for req_lo, slab, o_lo, n_out in _slabs(spec, posted)]
+            chunks = [
+                (
+                    req_lo,
+                    _conv_backward(
+                        spec, gy.narrow(spec.dim, o_lo, n_out), slab, weight, ctx.has_bias, [True, False, False]
+                    )[0],
+                )
+                for req_lo, slab, o_lo, n_out in _slabs(spec, posted)
+            ]
             gx = x.new_zeros(x.shape)
             pending = post_backward(chunks, gx, spec.g, spec.dim, spec.plan, spec.api, async_op=True)
-            g_int = _conv_backward(spec, gy.narrow(spec.dim, sp.n_left, sp.n_int),
-                                   x.narrow(spec.dim, sp.int_start, sp.int_len), weight, ctx.has_bias,
-                                   [True, False, False])[0]
+            g_int = _conv_backward(
+                spec,
+                gy.narrow(spec.dim, sp.n_left, sp.n_int),
+                x.narrow(spec.dim, sp.int_start, sp.int_len),
+                weight,
+                ctx.has_bias,
+                [True, False, False],
+            )[0]
             gx.narrow(spec.dim, sp.int_start, sp.int_len).add_(g_int)
         if need_w or need_b:
             # One call over the whole requested range, as the sequential path (same summation).
-            _, gw, gb = _conv_backward(spec, gy, posted.assemble(0, posted.total), weight, ctx.has_bias,
-                                      [False, need_w, need_b])
+            _, gw, gb = _conv_backward(
+                spec, gy, posted.assemble(0, posted.total), weight, ctx.has_bias, [False, need_w, need_b]
+            )
         if need_x:
             pending.finish(gx)
         return None, gx, gw, gb
 
 
-def overlapped_conv(nd: int, x: torch.Tensor, weight, bias, g: GroupInfo, dim: int, plan: Plan, split: Split,
-                    stride, conv_pad, dilation, groups: int, api: str) -> torch.Tensor:
+def overlapped_conv(
+    nd: int,
+    x: torch.Tensor,
+    weight,
+    bias,
+    g: GroupInfo,
+    dim: int,
+    plan: Plan,
+    split: Split,
+    stride,
+    conv_pad,
+    dilation,
+    groups: int,
+    api: str,
+) -> torch.Tensor:
     """This rank's outputs of a convolution of ``x`` ``[B, C, *S_local]`` sharded along ``dim``,
     the exchange of ``plan`` overlapped with the interior (see the module docstring).
 

@@ -141,7 +141,8 @@ def build_plan(sizes: tuple[int, ...], ranges: tuple[tuple[int, int], ...], mode
             raise ShardkitError(f"{mode} border over an empty global dim (sizes={list(sizes)}), requested by rank {r}")
         if mode == "reflect" and (-a > n - 1 or b - 1 > 2 * (n - 1)):
             raise ShardkitError(
-                f"reflect border needs padding < the global size {n}; rank {r} requests [{a}, {b}) (sizes={list(sizes)})"
+                f"reflect border needs padding < the global size {n}; "
+                f"rank {r} requests [{a}, {b}) (sizes={list(sizes)})"
             )
     pieces = tuple(tuple(_pieces(_segments(a, b, n, mode), offsets, sizes)) for a, b in ranges)
     R = len(sizes)

@@ -52,8 +52,9 @@ def per_dim(value, nd: int, name: str, op: str, minimum: int) -> tuple[int, ...]
     return tuple(values)
 
 
-def conv_padding(padding, kernel: Sequence[int], stride: Sequence[int], dilation: Sequence[int],
-                 op: str) -> list[tuple[int, int]]:
+def conv_padding(
+    padding, kernel: Sequence[int], stride: Sequence[int], dilation: Sequence[int], op: str
+) -> list[tuple[int, int]]:
     """``(left, right)`` padding of each spatial dim, following ``torch.nn.functional.conv*d``.
 
     ``padding`` is an int, a sequence of one int per dim, ``"valid"`` (no padding) or ``"same"``
@@ -71,7 +72,9 @@ def conv_padding(padding, kernel: Sequence[int], stride: Sequence[int], dilation
         if mode != "same":
             raise ShardkitError(f"{op}: padding string must be 'same' or 'valid', got {padding!r}")
         if any(s != 1 for s in stride):
-            raise ShardkitError(f"{op}: padding='same' needs stride 1 in every dim (as torch), got stride={tuple(stride)}")
+            raise ShardkitError(
+                f"{op}: padding='same' needs stride 1 in every dim (as torch), got stride={tuple(stride)}"
+            )
         totals = [d * (k - 1) for k, d in zip(kernel, dilation)]
         return [(t // 2, t - t // 2) for t in totals]
     return [(p, p) for p in per_dim(padding, nd, "padding", op, 0)]
@@ -112,8 +115,13 @@ def input_ranges(sizes: Sequence[int], k: int, s: int, d: int, pad: tuple[int, i
     return ranges
 
 
-def spatial_output_sizes(in_sizes: Sequence[int], kernel_size: int, stride: int = 1,
-                         padding: int | tuple[int, int] | str = 0, dilation: int = 1) -> list[int]:
+def spatial_output_sizes(
+    in_sizes: Sequence[int],
+    kernel_size: int,
+    stride: int = 1,
+    padding: int | tuple[int, int] | str = 0,
+    dilation: int = 1,
+) -> list[int]:
     """Per-rank output sizes of a convolution sharded along one spatial dim.
 
     A pure function of the input split and the convolution along that dim (window-centre rule,
@@ -141,7 +149,10 @@ def spatial_output_sizes(in_sizes: Sequence[int], kernel_size: int, stride: int 
     if isinstance(in_sizes, (str, bytes)) or not isinstance(in_sizes, Sequence) or not in_sizes:
         raise ShardkitTypeError(f"{op}: in_sizes must be a non-empty sequence of ints, got {in_sizes!r}")
     sizes = check_split_sizes(in_sizes, len(in_sizes), None, op)
-    (k,), (s,), (d,) = (per_dim(v, 1, name, op, 1) for v, name in ((kernel_size, "kernel_size"), (stride, "stride"), (dilation, "dilation")))
+    (k,), (s,), (d,) = (
+        per_dim(v, 1, name, op, 1)
+        for v, name in ((kernel_size, "kernel_size"), (stride, "stride"), (dilation, "dilation"))
+    )
     pad: tuple[int, int]
     if isinstance(padding, str):
         (pad,) = conv_padding(padding, (k,), (s,), (d,), op)
@@ -174,5 +185,13 @@ def geometry_args(weight, bias, stride, padding, dilation, groups, mode) -> tupl
     then everyone's error), stride, padding, dilation, groups, and the padding mode (or a
     transposed convolution's output padding)."""
     shape, bias_shape = getattr(weight, "shape", None), getattr(bias, "shape", None)
-    return (tuple(shape) if shape is not None else None, bias is not None,
-            tuple(bias_shape) if bias_shape is not None else None, stride, padding, dilation, groups, mode)
+    return (
+        tuple(shape) if shape is not None else None,
+        bias is not None,
+        tuple(bias_shape) if bias_shape is not None else None,
+        stride,
+        padding,
+        dilation,
+        groups,
+        mode,
+    )

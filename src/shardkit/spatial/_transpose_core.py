@@ -50,10 +50,14 @@ def transpose_input_ranges(sizes: Sequence[int], k: int, s: int, p: int, d: int,
 
 def _check_geometry(n, k, s, p, d, q, op, R) -> None:
     if q >= s and q >= d:
-        raise ShardkitError(f"{op}: output_padding {q} must be smaller than the stride {s} or the dilation {d} (as torch)")
+        raise ShardkitError(
+            f"{op}: output_padding {q} must be smaller than the stride {s} or the dilation {d} (as torch)"
+        )
     if transpose_out_len(n, k, s, p, d, q) < 1:
-        raise ShardkitError(f"{op}: non-positive output length for input size {n} (k={k}, s={s}, p={p}, d={d}, "
-                            f"output_padding={q}) in a group of {R}")
+        raise ShardkitError(
+            f"{op}: non-positive output length for input size {n} (k={k}, s={s}, p={p}, d={d}, "
+            f"output_padding={q}) in a group of {R}"
+        )
 
 
 def _check_weight(x, weight, bias, groups, nd, op):
@@ -62,7 +66,9 @@ def _check_weight(x, weight, bias, groups, nd, op):
     if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
         raise ShardkitError(f"{op}: groups must be an int >= 1, got {groups!r}")
     if weight.dim() != nd + 2 or x.shape[1] != weight.shape[0] or weight.shape[0] % groups:
-        raise ShardkitError(f"{op}: weight must be [C_in, C_out / groups, *K] with C_in = {x.shape[1]} divisible by "
-                            f"groups={groups}, got shape {tuple(weight.shape)}")
+        raise ShardkitError(
+            f"{op}: weight must be [C_in, C_out / groups, *K] with C_in = {x.shape[1]} divisible by "
+            f"groups={groups}, got shape {tuple(weight.shape)}"
+        )
     if bias is not None and tuple(bias.shape) != (weight.shape[1] * groups,):
         raise ShardkitError(f"{op}: bias must have shape ({weight.shape[1] * groups},), got {tuple(bias.shape)}")

@@ -42,27 +42,65 @@ from .resample import SpatialUpsample, check_interpolate_args
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
+
     from .._types import Group
 
 __all__ = ["apply_spatial"]
 
 _CONVS: dict[type[nn.Module], type[SpatialConv1d | SpatialConv2d | SpatialConv3d]] = {
-    nn.Conv1d: SpatialConv1d, nn.Conv2d: SpatialConv2d, nn.Conv3d: SpatialConv3d}
+    nn.Conv1d: SpatialConv1d,
+    nn.Conv2d: SpatialConv2d,
+    nn.Conv3d: SpatialConv3d,
+}
 _CONVTS: dict[type[nn.Module], type[SpatialConvTranspose1d | SpatialConvTranspose2d | SpatialConvTranspose3d]] = {
-    nn.ConvTranspose1d: SpatialConvTranspose1d, nn.ConvTranspose2d: SpatialConvTranspose2d,
-    nn.ConvTranspose3d: SpatialConvTranspose3d}
+    nn.ConvTranspose1d: SpatialConvTranspose1d,
+    nn.ConvTranspose2d: SpatialConvTranspose2d,
+    nn.ConvTranspose3d: SpatialConvTranspose3d,
+}
 
 # Layers that mix positions along the sharded dim in ways no halo or statistic reduction here covers.
 _UNSUPPORTED = (
-    nn.Linear, nn.Bilinear, nn.Flatten, nn.Unflatten, nn.LayerNorm, nn.InstanceNorm1d, nn.InstanceNorm2d,
-    nn.InstanceNorm3d, nn.BatchNorm1d, nn.BatchNorm3d, nn.SyncBatchNorm, nn.LocalResponseNorm,
-    nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d, nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d,
-    nn.AdaptiveMaxPool3d, nn.AvgPool1d, nn.AvgPool3d, nn.MaxPool1d, nn.MaxPool3d, nn.LPPool1d, nn.LPPool2d,
-    nn.Fold, nn.Unfold, nn.PixelUnshuffle,
-    nn.MultiheadAttention, nn.Transformer, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer,
-    nn.RNNBase, nn.Embedding, nn.EmbeddingBag, nn.UpsamplingNearest2d, nn.UpsamplingBilinear2d,
-    nn.modules.padding._ReflectionPadNd, nn.modules.padding._ReplicationPadNd, nn.modules.padding._ConstantPadNd,
-    nn.modules.padding._CircularPadNd, nn.ChannelShuffle,
+    nn.Linear,
+    nn.Bilinear,
+    nn.Flatten,
+    nn.Unflatten,
+    nn.LayerNorm,
+    nn.InstanceNorm1d,
+    nn.InstanceNorm2d,
+    nn.InstanceNorm3d,
+    nn.BatchNorm1d,
+    nn.BatchNorm3d,
+    nn.SyncBatchNorm,
+    nn.LocalResponseNorm,
+    nn.AdaptiveAvgPool1d,
+    nn.AdaptiveAvgPool2d,
+    nn.AdaptiveAvgPool3d,
+    nn.AdaptiveMaxPool1d,
+    nn.AdaptiveMaxPool2d,
+    nn.AdaptiveMaxPool3d,
+    nn.AvgPool1d,
+    nn.AvgPool3d,
+    nn.MaxPool1d,
+    nn.MaxPool3d,
+    nn.LPPool1d,
+    nn.LPPool2d,
+    nn.Fold,
+    nn.Unfold,
+    nn.PixelUnshuffle,
+    nn.MultiheadAttention,
+    nn.Transformer,
+    nn.TransformerEncoderLayer,
+    nn.TransformerDecoderLayer,
+    nn.RNNBase,
+    nn.Embedding,
+    nn.EmbeddingBag,
+    nn.UpsamplingNearest2d,
+    nn.UpsamplingBilinear2d,
+    nn.modules.padding._ReflectionPadNd,
+    nn.modules.padding._ReplicationPadNd,
+    nn.modules.padding._ConstantPadNd,
+    nn.modules.padding._CircularPadNd,
+    nn.ChannelShuffle,
 )
 
 
@@ -133,13 +171,16 @@ def _tile_groups(mesh_or_group, dims: tuple, op: str) -> tuple:
             raise ShardkitError(f"{op}: a {mesh_or_group.ndim}-d DeviceMesh needs mesh_dim_names")
         return tuple(mesh_or_group[name] for name in names)
     if not isinstance(mesh_or_group, (tuple, list)) or len(mesh_or_group) != len(dims):
-        raise ShardkitError(f"{op}: with {len(dims)} sharded dims {dims}, pass a {len(dims)}-d DeviceMesh or "
-                            f"{len(dims)} groups, got {mesh_or_group!r}")
+        raise ShardkitError(
+            f"{op}: with {len(dims)} sharded dims {dims}, pass a {len(dims)}-d DeviceMesh or "
+            f"{len(dims)} groups, got {mesh_or_group!r}"
+        )
     return tuple(mesh_or_group)
 
 
-def apply_spatial(module: nn.Module, mesh_or_group: Group | DeviceMesh, dim: int | Sequence[int], *,
-                  channels_last: bool = False) -> nn.Module:
+def apply_spatial(
+    module: nn.Module, mesh_or_group: Group | DeviceMesh, dim: int | Sequence[int], *, channels_last: bool = False
+) -> nn.Module:
     """Shard ``module``'s (transposed) convolutions, norms, upsampling and pooling along spatial dim ``dim``, in place.
 
     After it, ``module(x_local)`` with ``x_local`` this rank's block of the input along ``dim``
@@ -184,14 +225,18 @@ def apply_spatial(module: nn.Module, mesh_or_group: Group | DeviceMesh, dim: int
             raise ShardkitTypeError(f"{op}: dim must be an int or a tuple of ints, got {one!r}")
         sharded = one
         resolve_group(mesh_or_group, op)
-    problems = [f"{name or '<root>'} ({type(m).__name__}): {why}" for name, m in module.named_modules()
-                if (why := _problem(m, tiles)) is not None]
+    problems = [
+        f"{name or '<root>'} ({type(m).__name__}): {why}"
+        for name, m in module.named_modules()
+        if (why := _problem(m, tiles)) is not None
+    ]
     if problems:
-        raise ShardkitError(f"{op}: {len(problems)} layer(s) cannot run on a frame sharded along dim {sharded}: "
-                            + "; ".join(problems))
+        raise ShardkitError(
+            f"{op}: {len(problems)} layer(s) cannot run on a frame sharded along dim {sharded}: " + "; ".join(problems)
+        )
     # check mode: every rank of every sharding group holds the same weights and plan
     plan = [f"dim {dim} channels_last {channels_last}"] + [f"{n} {type(m).__name__}" for n, m in module.named_modules()]
-    for g in (groups if tiles else [groups]):
+    for g in groups if tiles else [groups]:
         maybe_fingerprint(dict(module.named_parameters()), g, op, plan)
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):

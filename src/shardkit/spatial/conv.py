@@ -56,22 +56,66 @@ if TYPE_CHECKING:
 __all__ = ["spatial_conv1d", "spatial_conv2d", "spatial_conv3d"]
 
 
-def _spatial_conv(nd, op, x, weight, bias, group, dim, stride, padding, dilation, groups, padding_mode, sizes,
-                  channels_last, sum_param_grads, overlap=True):
+def _spatial_conv(
+    nd,
+    op,
+    x,
+    weight,
+    bias,
+    group,
+    dim,
+    stride,
+    padding,
+    dilation,
+    groups,
+    padding_mode,
+    sizes,
+    channels_last,
+    sum_param_grads,
+    overlap=True,
+):
     if isinstance(dim, (tuple, list)):  # several sharded dims (tiles on a mesh)
-        return tiled_conv(nd, op, x, weight, bias, group, dim, stride, padding, dilation, groups, padding_mode, sizes,
-                          channels_last, sum_param_grads)
+        return tiled_conv(
+            nd,
+            op,
+            x,
+            weight,
+            bias,
+            group,
+            dim,
+            stride,
+            padding,
+            dilation,
+            groups,
+            padding_mode,
+            sizes,
+            channels_last,
+            sum_param_grads,
+        )
     g: GroupInfo = enter(x, group, op)
-    known = maybe_agree(g, op, x, (dim, int(bool(channels_last)), int(x.requires_grad), sizes,
-                                   *geometry_args(weight, bias, stride, padding, dilation, groups, padding_mode)),
-                        local_dim=dim, expected_local=expected_size(sizes, g.rank))
+    known = maybe_agree(
+        g,
+        op,
+        x,
+        (
+            dim,
+            int(bool(channels_last)),
+            int(x.requires_grad),
+            sizes,
+            *geometry_args(weight, bias, stride, padding, dilation, groups, padding_mode),
+        ),
+        local_dim=dim,
+        expected_local=expected_size(sizes, g.rank),
+    )
     if x.dim() != nd + 2:
         layout = "[B, *S, C]" if channels_last else "[B, C, *S]"
         raise ShardkitError(f"{op}: expected a {nd + 2}-d input {layout}, got shape {tuple(x.shape)}")
     d = dim_of(x, dim, op)
     xc, dc = channels_first(x, d, nd, channels_last, dim, op)
     j = dc - 2
-    kernel, stride, dilation, pads = conv_geometry(xc, weight, bias, groups, nd, stride, padding, dilation, padding_mode, op)
+    kernel, stride, dilation, pads = conv_geometry(
+        xc, weight, bias, groups, nd, stride, padding, dilation, padding_mode, op
+    )
     sizes = local_sizes(xc, g, dc, sizes, op, known)
     lens = [sum(sizes) if i == j else xc.shape[2 + i] for i in range(nd)]
     for i in range(nd):
@@ -84,7 +128,9 @@ def _spatial_conv(nd, op, x, weight, bias, group, dim, stride, padding, dilation
     lo, hi = bounds[g.rank], bounds[g.rank + 1]
     split = None
     if overlap and plan.traffic and hi > lo:  # without traffic there is nothing to overlap
-        split = interior_split(lo, hi, plan.offsets[g.rank], sizes[g.rank], kernel[j], stride[j], dilation[j], pads[j][0])
+        split = interior_split(
+            lo, hi, plan.offsets[g.rank], sizes[g.rank], kernel[j], stride[j], dilation[j], pads[j][0]
+        )
     params = [p for p in (weight, bias) if p is not None]
     if sum_param_grads and g.size > 1 and torch.is_grad_enabled() and any(p.requires_grad for p in params):
         params = _SumParamGrads.apply(g, op, *params)
@@ -101,7 +147,9 @@ def _spatial_conv(nd, op, x, weight, bias, group, dim, stride, padding, dilation
             return out.movedim(1, -1) if channels_last else out
     x_seg = exchange(xc, g, dc, plan, op)
     if hi == lo:
-        out_lens = [0 if i == j else conv_out_len(lens[i], kernel[i], stride[i], dilation[i], pads[i]) for i in range(nd)]
+        out_lens = [
+            0 if i == j else conv_out_len(lens[i], kernel[i], stride[i], dilation[i], pads[i]) for i in range(nd)
+        ]
         out = _EmptyOutput.apply([xc.shape[0], weight.shape[0], *out_lens], x_seg, weight, bias)
     else:
         out = _local_conv(nd, x_seg, weight, bias, j, stride, dilation, groups, local_pads, local_mode)
@@ -162,31 +210,115 @@ _DOC = """Convolution of an input sharded along spatial dim ``dim``; output shar
 """
 
 
-def spatial_conv1d(x_local: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Group,
-                   dim: int | Sequence[int], stride: int | Sequence[int] = 1, padding: int | Sequence[int] | str = 0,
-                   dilation: int | Sequence[int] = 1, groups: int = 1, *, padding_mode: str = "zeros",
-                   sizes: Sequence[int] | None = None, channels_last: bool = False, sum_param_grads: bool = True,
-                   overlap: bool = True) -> torch.Tensor:
-    return _spatial_conv(1, "spatial_conv1d", x_local, weight, bias, group, dim, stride, padding, dilation, groups,
-                         padding_mode, sizes, channels_last, sum_param_grads, overlap)
+def spatial_conv1d(
+    x_local: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    group: Group,
+    dim: int | Sequence[int],
+    stride: int | Sequence[int] = 1,
+    padding: int | Sequence[int] | str = 0,
+    dilation: int | Sequence[int] = 1,
+    groups: int = 1,
+    *,
+    padding_mode: str = "zeros",
+    sizes: Sequence[int] | None = None,
+    channels_last: bool = False,
+    sum_param_grads: bool = True,
+    overlap: bool = True,
+) -> torch.Tensor:
+    return _spatial_conv(
+        1,
+        "spatial_conv1d",
+        x_local,
+        weight,
+        bias,
+        group,
+        dim,
+        stride,
+        padding,
+        dilation,
+        groups,
+        padding_mode,
+        sizes,
+        channels_last,
+        sum_param_grads,
+        overlap,
+    )
 
 
-def spatial_conv2d(x_local: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Group,
-                   dim: int | Sequence[int], stride: int | Sequence[int] = 1, padding: int | Sequence[int] | str = 0,
-                   dilation: int | Sequence[int] = 1, groups: int = 1, *, padding_mode: str = "zeros",
-                   sizes: Sequence[int] | None = None, channels_last: bool = False, sum_param_grads: bool = True,
-                   overlap: bool = True) -> torch.Tensor:
-    return _spatial_conv(2, "spatial_conv2d", x_local, weight, bias, group, dim, stride, padding, dilation, groups,
-                         padding_mode, sizes, channels_last, sum_param_grads, overlap)
+def spatial_conv2d(
+    x_local: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    group: Group,
+    dim: int | Sequence[int],
+    stride: int | Sequence[int] = 1,
+    padding: int | Sequence[int] | str = 0,
+    dilation: int | Sequence[int] = 1,
+    groups: int = 1,
+    *,
+    padding_mode: str = "zeros",
+    sizes: Sequence[int] | None = None,
+    channels_last: bool = False,
+    sum_param_grads: bool = True,
+    overlap: bool = True,
+) -> torch.Tensor:
+    return _spatial_conv(
+        2,
+        "spatial_conv2d",
+        x_local,
+        weight,
+        bias,
+        group,
+        dim,
+        stride,
+        padding,
+        dilation,
+        groups,
+        padding_mode,
+        sizes,
+        channels_last,
+        sum_param_grads,
+        overlap,
+    )
 
 
-def spatial_conv3d(x_local: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Group,
-                   dim: int | Sequence[int], stride: int | Sequence[int] = 1, padding: int | Sequence[int] | str = 0,
-                   dilation: int | Sequence[int] = 1, groups: int = 1, *, padding_mode: str = "zeros",
-                   sizes: Sequence[int] | None = None, channels_last: bool = False, sum_param_grads: bool = True,
-                   overlap: bool = True) -> torch.Tensor:
-    return _spatial_conv(3, "spatial_conv3d", x_local, weight, bias, group, dim, stride, padding, dilation, groups,
-                         padding_mode, sizes, channels_last, sum_param_grads, overlap)
+def spatial_conv3d(
+    x_local: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    group: Group,
+    dim: int | Sequence[int],
+    stride: int | Sequence[int] = 1,
+    padding: int | Sequence[int] | str = 0,
+    dilation: int | Sequence[int] = 1,
+    groups: int = 1,
+    *,
+    padding_mode: str = "zeros",
+    sizes: Sequence[int] | None = None,
+    channels_last: bool = False,
+    sum_param_grads: bool = True,
+    overlap: bool = True,
+) -> torch.Tensor:
+    return _spatial_conv(
+        3,
+        "spatial_conv3d",
+        x_local,
+        weight,
+        bias,
+        group,
+        dim,
+        stride,
+        padding,
+        dilation,
+        groups,
+        padding_mode,
+        sizes,
+        channels_last,
+        sum_param_grads,
+        overlap,
+    )
 
 
 for _fn in (spatial_conv1d, spatial_conv2d, spatial_conv3d):

@@ -58,8 +58,17 @@ def tile_entry(nd: int, op: str, x, group, dim, sizes, channels_last: bool, extr
     grps = _pairs(group, k, "group", op)
     all_sizes = [None] * k if sizes is None else _pairs(sizes, k, "sizes", op)
     infos = [enter(x, gr, op) for gr in grps]
-    known = [maybe_agree(g, op, x, (dm, int(bool(channels_last)), int(x.requires_grad), sz, *extra), local_dim=dm,
-                         expected_local=expected_size(sz, g.rank)) for g, dm, sz in zip(infos, dims, all_sizes)]
+    known = [
+        maybe_agree(
+            g,
+            op,
+            x,
+            (dm, int(bool(channels_last)), int(x.requires_grad), sz, *extra),
+            local_dim=dm,
+            expected_local=expected_size(sz, g.rank),
+        )
+        for g, dm, sz in zip(infos, dims, all_sizes)
+    ]
     if x.dim() != nd + 2:
         raise ShardkitError(f"{op}: expected a {nd + 2}-d input, got shape {tuple(x.shape)}")
     ds = [dim_of(x, dm, op) for dm in dims]
@@ -72,12 +81,29 @@ def tile_entry(nd: int, op: str, x, group, dim, sizes, channels_last: bool, extr
     return dims, k, infos, xc, dcs, all_sizes
 
 
-def tiled_conv(nd, op, x, weight, bias, group, dim, stride, padding, dilation, groups, padding_mode, sizes,
-               channels_last, sum_param_grads):
+def tiled_conv(
+    nd,
+    op,
+    x,
+    weight,
+    bias,
+    group,
+    dim,
+    stride,
+    padding,
+    dilation,
+    groups,
+    padding_mode,
+    sizes,
+    channels_last,
+    sum_param_grads,
+):
     """:func:`spatial_conv2d` / :func:`spatial_conv3d` when ``dim`` and ``group`` are sequences."""
     extra = geometry_args(weight, bias, stride, padding, dilation, groups, padding_mode)
     dims, k, infos, xc, dcs, all_sizes = tile_entry(nd, op, x, group, dim, sizes, channels_last, extra)
-    kernel, stride, dilation, pads = conv_geometry(xc, weight, bias, groups, nd, stride, padding, dilation, padding_mode, op)
+    kernel, stride, dilation, pads = conv_geometry(
+        xc, weight, bias, groups, nd, stride, padding, dilation, padding_mode, op
+    )
     lens = list(xc.shape[2:])
     for dc, sz in zip(dcs, all_sizes):
         lens[dc - 2] = sum(sz)

@@ -46,12 +46,22 @@ from .halo import exchange, plan_for
 if TYPE_CHECKING:
     from .._types import Group
 
-__all__ = ["spatial_conv_transpose1d", "spatial_conv_transpose2d", "spatial_conv_transpose3d",
-           "spatial_transpose_output_sizes"]
+__all__ = [
+    "spatial_conv_transpose1d",
+    "spatial_conv_transpose2d",
+    "spatial_conv_transpose3d",
+    "spatial_transpose_output_sizes",
+]
 
 
-def spatial_transpose_output_sizes(in_sizes: Sequence[int], kernel_size: int, stride: int = 1, padding: int = 0,
-                                   output_padding: int = 0, dilation: int = 1) -> list[int]:
+def spatial_transpose_output_sizes(
+    in_sizes: Sequence[int],
+    kernel_size: int,
+    stride: int = 1,
+    padding: int = 0,
+    output_padding: int = 0,
+    dilation: int = 1,
+) -> list[int]:
     """Per-rank output sizes of a transposed convolution sharded along one spatial dim.
 
     A pure function of the input split (output rule of :mod:`.conv_transpose`), e.g.
@@ -65,23 +75,65 @@ def spatial_transpose_output_sizes(in_sizes: Sequence[int], kernel_size: int, st
     if isinstance(in_sizes, (str, bytes)) or not isinstance(in_sizes, Sequence) or not in_sizes:
         raise ShardkitTypeError(f"{op}: in_sizes must be a non-empty sequence of ints, got {in_sizes!r}")
     sizes = check_split_sizes(in_sizes, len(in_sizes), None, op)
-    (k,), (s,), (d,) = (per_dim(v, 1, n, op, 1) for v, n in ((kernel_size, "kernel_size"), (stride, "stride"),
-                                                              (dilation, "dilation")))
+    (k,), (s,), (d,) = (
+        per_dim(v, 1, n, op, 1) for v, n in ((kernel_size, "kernel_size"), (stride, "stride"), (dilation, "dilation"))
+    )
     (p,), (q,) = per_dim(padding, 1, "padding", op, 0), per_dim(output_padding, 1, "output_padding", op, 0)
     _check_geometry(sum(sizes), k, s, p, d, q, op, len(sizes))
     b = transpose_bounds(sizes, k, s, p, d, q)
     return [hi - lo for lo, hi in zip(b[:-1], b[1:])]
 
 
-def _spatial_conv_transpose(nd, op, x, weight, bias, group, dim, stride, padding, output_padding, groups, dilation,
-                            sizes, channels_last, sum_param_grads):
+def _spatial_conv_transpose(
+    nd,
+    op,
+    x,
+    weight,
+    bias,
+    group,
+    dim,
+    stride,
+    padding,
+    output_padding,
+    groups,
+    dilation,
+    sizes,
+    channels_last,
+    sum_param_grads,
+):
     if isinstance(dim, (tuple, list)):  # several sharded dims (tiles on a mesh)
-        return tiled_conv_transpose(nd, op, x, weight, bias, group, dim, stride, padding, output_padding, groups,
-                                    dilation, sizes, channels_last, sum_param_grads)
+        return tiled_conv_transpose(
+            nd,
+            op,
+            x,
+            weight,
+            bias,
+            group,
+            dim,
+            stride,
+            padding,
+            output_padding,
+            groups,
+            dilation,
+            sizes,
+            channels_last,
+            sum_param_grads,
+        )
     g = enter(x, group, op)
-    known = maybe_agree(g, op, x, (dim, int(bool(channels_last)), int(x.requires_grad), sizes,
-                                   *geometry_args(weight, bias, stride, padding, dilation, groups, output_padding)),
-                        local_dim=dim, expected_local=expected_size(sizes, g.rank))
+    known = maybe_agree(
+        g,
+        op,
+        x,
+        (
+            dim,
+            int(bool(channels_last)),
+            int(x.requires_grad),
+            sizes,
+            *geometry_args(weight, bias, stride, padding, dilation, groups, output_padding),
+        ),
+        local_dim=dim,
+        expected_local=expected_size(sizes, g.rank),
+    )
     if x.dim() != nd + 2:
         raise ShardkitError(f"{op}: expected a {nd + 2}-d input, got shape {tuple(x.shape)}")
     d = dim_of(x, dim, op)
@@ -90,7 +142,10 @@ def _spatial_conv_transpose(nd, op, x, weight, bias, group, dim, stride, padding
     _check_weight(xc, weight, bias, groups, nd, op)
     kernel = tuple(weight.shape[2:])
     stride, dilation = per_dim(stride, nd, "stride", op, 1), per_dim(dilation, nd, "dilation", op, 1)
-    padding, output_padding = per_dim(padding, nd, "padding", op, 0), per_dim(output_padding, nd, "output_padding", op, 0)
+    padding, output_padding = (
+        per_dim(padding, nd, "padding", op, 0),
+        per_dim(output_padding, nd, "output_padding", op, 0),
+    )
     sizes = local_sizes(xc, g, dc, sizes, op, known)
     lens = [sum(sizes) if i == j else xc.shape[2 + i] for i in range(nd)]
     for i in range(nd):
@@ -105,8 +160,12 @@ def _spatial_conv_transpose(nd, op, x, weight, bias, group, dim, stride, padding
     bounds = transpose_bounds(sizes, *geometry)
     lo, hi = bounds[g.rank], bounds[g.rank + 1]
     if hi == lo:
-        out_lens = [0 if i == j else transpose_out_len(lens[i], kernel[i], stride[i], padding[i], dilation[i],
-                                                       output_padding[i]) for i in range(nd)]
+        out_lens = [
+            0
+            if i == j
+            else transpose_out_len(lens[i], kernel[i], stride[i], padding[i], dilation[i], output_padding[i])
+            for i in range(nd)
+        ]
         out = _EmptyOutput.apply([xc.shape[0], weight.shape[1] * groups, *out_lens], x_seg, weight, bias)
     else:
         pad = tuple(0 if i == j else v for i, v in enumerate(padding))
@@ -156,34 +215,109 @@ _DOC = """Transposed convolution of an input sharded along spatial dim ``dim``; 
 """
 
 
-def spatial_conv_transpose1d(x_local: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Group,
-                             dim: int | Sequence[int], stride: int | Sequence[int] = 1,
-                             padding: int | Sequence[int] | str = 0, output_padding: int | Sequence[int] = 0,
-                             groups: int = 1, dilation: int | Sequence[int] = 1, *,
-                             sizes: Sequence[int] | None = None, channels_last: bool = False,
-                             sum_param_grads: bool = True) -> torch.Tensor:
-    return _spatial_conv_transpose(1, "spatial_conv_transpose1d", x_local, weight, bias, group, dim, stride, padding,
-                                   output_padding, groups, dilation, sizes, channels_last, sum_param_grads)
+def spatial_conv_transpose1d(
+    x_local: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    group: Group,
+    dim: int | Sequence[int],
+    stride: int | Sequence[int] = 1,
+    padding: int | Sequence[int] | str = 0,
+    output_padding: int | Sequence[int] = 0,
+    groups: int = 1,
+    dilation: int | Sequence[int] = 1,
+    *,
+    sizes: Sequence[int] | None = None,
+    channels_last: bool = False,
+    sum_param_grads: bool = True,
+) -> torch.Tensor:
+    return _spatial_conv_transpose(
+        1,
+        "spatial_conv_transpose1d",
+        x_local,
+        weight,
+        bias,
+        group,
+        dim,
+        stride,
+        padding,
+        output_padding,
+        groups,
+        dilation,
+        sizes,
+        channels_last,
+        sum_param_grads,
+    )
 
 
-def spatial_conv_transpose2d(x_local: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Group,
-                             dim: int | Sequence[int], stride: int | Sequence[int] = 1,
-                             padding: int | Sequence[int] | str = 0, output_padding: int | Sequence[int] = 0,
-                             groups: int = 1, dilation: int | Sequence[int] = 1, *,
-                             sizes: Sequence[int] | None = None, channels_last: bool = False,
-                             sum_param_grads: bool = True) -> torch.Tensor:
-    return _spatial_conv_transpose(2, "spatial_conv_transpose2d", x_local, weight, bias, group, dim, stride, padding,
-                                   output_padding, groups, dilation, sizes, channels_last, sum_param_grads)
+def spatial_conv_transpose2d(
+    x_local: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    group: Group,
+    dim: int | Sequence[int],
+    stride: int | Sequence[int] = 1,
+    padding: int | Sequence[int] | str = 0,
+    output_padding: int | Sequence[int] = 0,
+    groups: int = 1,
+    dilation: int | Sequence[int] = 1,
+    *,
+    sizes: Sequence[int] | None = None,
+    channels_last: bool = False,
+    sum_param_grads: bool = True,
+) -> torch.Tensor:
+    return _spatial_conv_transpose(
+        2,
+        "spatial_conv_transpose2d",
+        x_local,
+        weight,
+        bias,
+        group,
+        dim,
+        stride,
+        padding,
+        output_padding,
+        groups,
+        dilation,
+        sizes,
+        channels_last,
+        sum_param_grads,
+    )
 
 
-def spatial_conv_transpose3d(x_local: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Group,
-                             dim: int | Sequence[int], stride: int | Sequence[int] = 1,
-                             padding: int | Sequence[int] | str = 0, output_padding: int | Sequence[int] = 0,
-                             groups: int = 1, dilation: int | Sequence[int] = 1, *,
-                             sizes: Sequence[int] | None = None, channels_last: bool = False,
-                             sum_param_grads: bool = True) -> torch.Tensor:
-    return _spatial_conv_transpose(3, "spatial_conv_transpose3d", x_local, weight, bias, group, dim, stride, padding,
-                                   output_padding, groups, dilation, sizes, channels_last, sum_param_grads)
+def spatial_conv_transpose3d(
+    x_local: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    group: Group,
+    dim: int | Sequence[int],
+    stride: int | Sequence[int] = 1,
+    padding: int | Sequence[int] | str = 0,
+    output_padding: int | Sequence[int] = 0,
+    groups: int = 1,
+    dilation: int | Sequence[int] = 1,
+    *,
+    sizes: Sequence[int] | None = None,
+    channels_last: bool = False,
+    sum_param_grads: bool = True,
+) -> torch.Tensor:
+    return _spatial_conv_transpose(
+        3,
+        "spatial_conv_transpose3d",
+        x_local,
+        weight,
+        bias,
+        group,
+        dim,
+        stride,
+        padding,
+        output_padding,
+        groups,
+        dilation,
+        sizes,
+        channels_last,
+        sum_param_grads,
+    )
 
 
 for _fn in (spatial_conv_transpose1d, spatial_conv_transpose2d, spatial_conv_transpose3d):

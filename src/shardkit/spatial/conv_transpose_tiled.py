@@ -35,8 +35,23 @@ from .halo import exchange, plan_for
 __all__ = ["tiled_conv_transpose"]
 
 
-def tiled_conv_transpose(nd, op, x, weight, bias, group, dim, stride, padding, output_padding, groups, dilation,
-                         sizes, channels_last, sum_param_grads):
+def tiled_conv_transpose(
+    nd,
+    op,
+    x,
+    weight,
+    bias,
+    group,
+    dim,
+    stride,
+    padding,
+    output_padding,
+    groups,
+    dilation,
+    sizes,
+    channels_last,
+    sum_param_grads,
+):
     """:func:`spatial_conv_transpose2d` / ``3d`` when ``dim`` and ``group`` are sequences."""
 
     extra = geometry_args(weight, bias, stride, padding, dilation, groups, output_padding)
@@ -44,13 +59,17 @@ def tiled_conv_transpose(nd, op, x, weight, bias, group, dim, stride, padding, o
     _check_weight(xc, weight, bias, groups, nd, op)
     kernel = tuple(weight.shape[2:])
     stride, dilation = per_dim(stride, nd, "stride", op, 1), per_dim(dilation, nd, "dilation", op, 1)
-    padding, output_padding = per_dim(padding, nd, "padding", op, 0), per_dim(output_padding, nd, "output_padding", op, 0)
+    padding, output_padding = (
+        per_dim(padding, nd, "padding", op, 0),
+        per_dim(output_padding, nd, "output_padding", op, 0),
+    )
     lens = list(xc.shape[2:])
     for dc, sz in zip(dcs, all_sizes):
         lens[dc - 2] = sum(sz)
     for i in range(nd):
-        _check_geometry(lens[i], kernel[i], stride[i], padding[i], dilation[i], output_padding[i], op,
-                        max(g.size for g in infos))
+        _check_geometry(
+            lens[i], kernel[i], stride[i], padding[i], dilation[i], output_padding[i], op, max(g.size for g in infos)
+        )
     seg, crops = xc, {}
     for g, dc, sz in zip(infos, dcs, all_sizes):  # one dim after another: the later exchanges carry the corners
         j = dc - 2
@@ -68,9 +87,12 @@ def tiled_conv_transpose(nd, op, x, weight, bias, group, dim, stride, padding, o
         weight, bias = params[0], (params[1] if bias is not None else None)
     c_out = weight.shape[1] * groups
     if any(n == 0 for _, n in crops.values()):
-        out_lens = [crops[2 + i][1] if (2 + i) in crops else
-                    transpose_out_len(lens[i], kernel[i], stride[i], padding[i], dilation[i], output_padding[i])
-                    for i in range(nd)]
+        out_lens = [
+            crops[2 + i][1]
+            if (2 + i) in crops
+            else transpose_out_len(lens[i], kernel[i], stride[i], padding[i], dilation[i], output_padding[i])
+            for i in range(nd)
+        ]
         out = keep_graph_empty([xc.shape[0], c_out, *out_lens], *[t for t in (seg, weight, bias) if t is not None])
     else:
         pad = tuple(0 if (2 + i) in crops else v for i, v in enumerate(padding))

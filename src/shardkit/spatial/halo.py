@@ -49,13 +49,21 @@ def _with_dim(shape, dim: int, size: int) -> list[int]:
     return out
 
 
-def _a2a(send: torch.Tensor, recv_counts: list[int], send_counts: list[int], g: GroupInfo, api: str, phase: str,
-         async_op: bool = False):
+def _a2a(
+    send: torch.Tensor,
+    recv_counts: list[int],
+    send_counts: list[int],
+    g: GroupInfo,
+    api: str,
+    phase: str,
+    async_op: bool = False,
+):
     """One ``all_to_all_single``; returns ``(recv, work)`` (``work`` None unless ``async_op``)."""
     recv = send.new_empty(sum(recv_counts))
     ledger.record("all_to_all_single", api, phase, g.size, send.nbytes, recv.nbytes, pg=g.pg, shape=send.shape)
-    work = dist.all_to_all_single(recv, send, output_split_sizes=recv_counts, input_split_sizes=send_counts,
-                                  group=g.pg, async_op=async_op)
+    work = dist.all_to_all_single(
+        recv, send, output_split_sizes=recv_counts, input_split_sizes=send_counts, group=g.pg, async_op=async_op
+    )
     return recv, work
 
 
@@ -71,7 +79,7 @@ class Posted:
         self.recv, self.work, self._send = recv, work, send
         self.total = sum(p.out_len for p in plan.pieces[g.rank])
 
-    def wait(self) -> "Posted":
+    def wait(self) -> Posted:
         if self.work is not None:
             self.work.wait()
             self.work, self._send = None, None
@@ -125,10 +133,19 @@ def post_forward(x: torch.Tensor, g: GroupInfo, dim: int, plan: Plan, api: str, 
         for p in plan.pieces[q] if q != r else ():
             if p.owner == r:
                 n = p.length * slab
-                send[pos : pos + n].view(_with_dim(x.shape, dim, p.length)).copy_(x.narrow(dim, p.start - off, p.length))
+                send[pos : pos + n].view(_with_dim(x.shape, dim, p.length)).copy_(
+                    x.narrow(dim, p.start - off, p.length)
+                )
                 pos += n
-    recv, work = _a2a(send, [c * slab for c in plan.counts[r]], [plan.counts[q][r] * slab for q in range(R)], g, api,
-                      "forward", async_op)
+    recv, work = _a2a(
+        send,
+        [c * slab for c in plan.counts[r]],
+        [plan.counts[q][r] * slab for q in range(R)],
+        g,
+        api,
+        "forward",
+        async_op,
+    )
     return Posted(x, g, dim, plan, recv, work, send)
 
 
@@ -155,14 +172,17 @@ class PostedGrad:
             for p in plan.pieces[q] if q != r else ():
                 if p.owner == r:
                     n = p.length * math.prod(_with_dim(gx.shape, dim, 1))
-                    gx.narrow(dim, p.start - off, p.length).add_(self.recv[pos : pos + n].view(_with_dim(gx.shape, dim, p.length)))
+                    gx.narrow(dim, p.start - off, p.length).add_(
+                        self.recv[pos : pos + n].view(_with_dim(gx.shape, dim, p.length))
+                    )
                     pos += n
         self.recv = self.work = self._send = None
         return gx
 
 
-def post_backward(chunks, gx: torch.Tensor, g: GroupInfo, dim: int, plan: Plan, api: str,
-                  async_op: bool = False) -> PostedGrad:
+def post_backward(
+    chunks, gx: torch.Tensor, g: GroupInfo, dim: int, plan: Plan, api: str, async_op: bool = False
+) -> PostedGrad:
     """Start the reverse exchange of request gradients given as ``chunks``.
 
     ``chunks``: ``(lo, grad)`` pairs, ``grad`` the gradient of request positions
@@ -206,8 +226,15 @@ def post_backward(chunks, gx: torch.Tensor, g: GroupInfo, dim: int, plan: Plan, 
             n = part.numel()
             send[pos : pos + n].view(part.shape).copy_(part)
             pos += n
-    recv, work = _a2a(send, [plan.counts[q][r] * slab for q in range(R)], [c * slab for c in plan.counts[r]], g, api,
-                      "backward", async_op)
+    recv, work = _a2a(
+        send,
+        [plan.counts[q][r] * slab for q in range(R)],
+        [c * slab for c in plan.counts[r]],
+        g,
+        api,
+        "backward",
+        async_op,
+    )
     return PostedGrad(g, dim, plan, recv, work, send)
 
 
@@ -255,8 +282,10 @@ def _halo_widths(value, R: int, name: str) -> list[int]:
         return [value] * R
     if isinstance(value, int) and not isinstance(value, bool):
         value = [value] * R
-    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or not all(
-        isinstance(v, int) and not isinstance(v, bool) for v in value
+    if (
+        isinstance(value, (str, bytes))
+        or not isinstance(value, Sequence)
+        or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)
     ):
         raise ShardkitTypeError(f"halo_exchange: {name} must be an int or a sequence of {R} ints, got {value!r}")
     if len(value) != R or any(v < 0 for v in value):
@@ -264,8 +293,16 @@ def _halo_widths(value, R: int, name: str) -> list[int]:
     return list(value)
 
 
-def halo_exchange(x: torch.Tensor, group: Group, dim: int, left: int | Sequence[int], right: int | Sequence[int], *,
-                  sizes: Sequence[int] | None = None, periodic: bool = False) -> torch.Tensor:
+def halo_exchange(
+    x: torch.Tensor,
+    group: Group,
+    dim: int,
+    left: int | Sequence[int],
+    right: int | Sequence[int],
+    *,
+    sizes: Sequence[int] | None = None,
+    periodic: bool = False,
+) -> torch.Tensor:
     """Halo exchange along ``dim`` in forward; the reverse exchange with add in backward (its adjoint).
 
     Rank ``r`` holds the global elements ``[off_r, off_r + n_r)`` of a dim of size
@@ -301,8 +338,14 @@ def halo_exchange(x: torch.Tensor, group: Group, dim: int, left: int | Sequence[
     g = enter(x, group, op)
     known = None
     if checking(g):
-        known = maybe_agree(g, op, x, (dim, int(periodic), sizes, left, right), local_dim=dim,
-                            expected_local=expected_size(sizes, g.rank))
+        known = maybe_agree(
+            g,
+            op,
+            x,
+            (dim, int(periodic), sizes, left, right),
+            local_dim=dim,
+            expected_local=expected_size(sizes, g.rank),
+        )
     d, sizes = sharded_dim(x, g, dim, sizes, op, known)  # checked once per shape and sizes
     lefts, rights = _halo_widths(left, g.size, "left"), _halo_widths(right, g.size, "right")
     if not any(lefts) and not any(rights):

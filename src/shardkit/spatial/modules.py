@@ -13,13 +13,14 @@ import torch
 from torch import nn
 
 from ..comm._group import resolve_group
-from ..errors import ShardkitError, ShardkitTypeError
 from ..comm._validate import dim_of
+from ..errors import ShardkitError, ShardkitTypeError
 from ._meta import gather_sizes
 from .conv import spatial_conv1d, spatial_conv2d, spatial_conv3d
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
+
     from .._types import Group
 
 __all__ = ["SpatialConv1d", "SpatialConv2d", "SpatialConv3d", "RingConv2d", "ring_conv2d"]
@@ -37,7 +38,9 @@ class _SpatialConvMixin:
             dims, grps = (dim,), (group,)
         for d, g in zip(dims, grps):
             if isinstance(d, bool) or not isinstance(d, int):
-                raise ShardkitTypeError(f"{name}: dim must be an int (or a sequence of ints with one group each), got {dim!r}")
+                raise ShardkitTypeError(
+                    f"{name}: dim must be an int (or a sequence of ints with one group each), got {dim!r}"
+                )
             resolve_group(g, name)  # fail at construction on a bad group, not in the first forward
         if len(dims) > 1:
             dim, group = dims, grps
@@ -53,13 +56,26 @@ class _SpatialConvMixin:
         if sizes is None and self.infer_sizes:
             name = type(self).__name__
             if isinstance(self.dim, tuple):
-                sizes = tuple(gather_sizes(x, resolve_group(g, name), dim_of(x, d, name), name)
-                              for d, g in zip(self.dim, self.group))
+                sizes = tuple(
+                    gather_sizes(x, resolve_group(g, name), dim_of(x, d, name), name)
+                    for d, g in zip(self.dim, self.group)
+                )
             else:
                 sizes = gather_sizes(x, resolve_group(self.group, name), dim_of(x, self.dim, name), name)
         return type(self)._fn(
-            x, self.weight, self.bias, self.group, self.dim, self.stride, self.padding, self.dilation, self.groups,
-            padding_mode=self.padding_mode, sizes=sizes, channels_last=self.channels_last, overlap=self.overlap,
+            x,
+            self.weight,
+            self.bias,
+            self.group,
+            self.dim,
+            self.stride,
+            self.padding,
+            self.dilation,
+            self.groups,
+            padding_mode=self.padding_mode,
+            sizes=sizes,
+            channels_last=self.channels_last,
+            overlap=self.overlap,
         )
 
     def extra_repr(self) -> str:
@@ -73,11 +89,22 @@ class _SpatialConvMixin:
     @classmethod
     def _build(cls, conv: nn.Module, **extra):
         if type(conv) is not cls._base:
-            raise ShardkitTypeError(f"{cls.__name__}.from_conv: expected an {cls._base.__name__}, got {type(conv).__name__}")
+            raise ShardkitTypeError(
+                f"{cls.__name__}.from_conv: expected an {cls._base.__name__}, got {type(conv).__name__}"
+            )
         layer = cls(
-            conv.in_channels, conv.out_channels, conv.kernel_size, stride=conv.stride, padding=conv.padding,
-            dilation=conv.dilation, groups=conv.groups, bias=conv.bias is not None, padding_mode=conv.padding_mode,
-            device="meta", dtype=conv.weight.dtype, **extra,
+            conv.in_channels,
+            conv.out_channels,
+            conv.kernel_size,
+            stride=conv.stride,
+            padding=conv.padding,
+            dilation=conv.dilation,
+            groups=conv.groups,
+            bias=conv.bias is not None,
+            padding_mode=conv.padding_mode,
+            device="meta",
+            dtype=conv.weight.dtype,
+            **extra,
         )
         layer.weight = conv.weight
         if conv.bias is not None:
@@ -85,10 +112,38 @@ class _SpatialConvMixin:
         return layer
 
 
-def _init(self, base, in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode,
-          device, dtype, group, dim, channels_last):
-    base.__init__(self, in_channels, out_channels, kernel_size, stride=stride, padding=padding, dilation=dilation,
-                  groups=groups, bias=bias, padding_mode=padding_mode, device=device, dtype=dtype)
+def _init(
+    self,
+    base,
+    in_channels,
+    out_channels,
+    kernel_size,
+    stride,
+    padding,
+    dilation,
+    groups,
+    bias,
+    padding_mode,
+    device,
+    dtype,
+    group,
+    dim,
+    channels_last,
+):
+    base.__init__(
+        self,
+        in_channels,
+        out_channels,
+        kernel_size,
+        stride=stride,
+        padding=padding,
+        dilation=dilation,
+        groups=groups,
+        bias=bias,
+        padding_mode=padding_mode,
+        device=device,
+        dtype=dtype,
+    )
     self._setup(group, dim, channels_last)
 
 
@@ -101,13 +156,42 @@ class SpatialConv1d(_SpatialConvMixin, nn.Conv1d):
 
     _fn, _base = staticmethod(spatial_conv1d), nn.Conv1d
 
-    def __init__(self, in_channels: int, out_channels: int, kernel_size: int | Sequence[int],
-                 stride: int | Sequence[int] = 1, padding: int | Sequence[int] | str = 0,
-                 dilation: int | Sequence[int] = 1, groups: int = 1, bias: bool = True, padding_mode: str = "zeros",
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None, *, group: Group,
-                 dim: int | Sequence[int] = -1, channels_last: bool = False):
-        _init(self, nn.Conv1d, in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
-              padding_mode, device, dtype, group, dim, channels_last)
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: int | Sequence[int],
+        stride: int | Sequence[int] = 1,
+        padding: int | Sequence[int] | str = 0,
+        dilation: int | Sequence[int] = 1,
+        groups: int = 1,
+        bias: bool = True,
+        padding_mode: str = "zeros",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        *,
+        group: Group,
+        dim: int | Sequence[int] = -1,
+        channels_last: bool = False,
+    ):
+        _init(
+            self,
+            nn.Conv1d,
+            in_channels,
+            out_channels,
+            kernel_size,
+            stride,
+            padding,
+            dilation,
+            groups,
+            bias,
+            padding_mode,
+            device,
+            dtype,
+            group,
+            dim,
+            channels_last,
+        )
 
 
 class SpatialConv2d(_SpatialConvMixin, nn.Conv2d):
@@ -119,13 +203,42 @@ class SpatialConv2d(_SpatialConvMixin, nn.Conv2d):
 
     _fn, _base = staticmethod(spatial_conv2d), nn.Conv2d
 
-    def __init__(self, in_channels: int, out_channels: int, kernel_size: int | Sequence[int],
-                 stride: int | Sequence[int] = 1, padding: int | Sequence[int] | str = 0,
-                 dilation: int | Sequence[int] = 1, groups: int = 1, bias: bool = True, padding_mode: str = "zeros",
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None, *, group: Group,
-                 dim: int | Sequence[int], channels_last: bool = False):
-        _init(self, nn.Conv2d, in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
-              padding_mode, device, dtype, group, dim, channels_last)
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: int | Sequence[int],
+        stride: int | Sequence[int] = 1,
+        padding: int | Sequence[int] | str = 0,
+        dilation: int | Sequence[int] = 1,
+        groups: int = 1,
+        bias: bool = True,
+        padding_mode: str = "zeros",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        *,
+        group: Group,
+        dim: int | Sequence[int],
+        channels_last: bool = False,
+    ):
+        _init(
+            self,
+            nn.Conv2d,
+            in_channels,
+            out_channels,
+            kernel_size,
+            stride,
+            padding,
+            dilation,
+            groups,
+            bias,
+            padding_mode,
+            device,
+            dtype,
+            group,
+            dim,
+            channels_last,
+        )
 
 
 class SpatialConv3d(_SpatialConvMixin, nn.Conv3d):
@@ -133,13 +246,42 @@ class SpatialConv3d(_SpatialConvMixin, nn.Conv3d):
 
     _fn, _base = staticmethod(spatial_conv3d), nn.Conv3d
 
-    def __init__(self, in_channels: int, out_channels: int, kernel_size: int | Sequence[int],
-                 stride: int | Sequence[int] = 1, padding: int | Sequence[int] | str = 0,
-                 dilation: int | Sequence[int] = 1, groups: int = 1, bias: bool = True, padding_mode: str = "zeros",
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None, *, group: Group,
-                 dim: int | Sequence[int], channels_last: bool = False):
-        _init(self, nn.Conv3d, in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
-              padding_mode, device, dtype, group, dim, channels_last)
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: int | Sequence[int],
+        stride: int | Sequence[int] = 1,
+        padding: int | Sequence[int] | str = 0,
+        dilation: int | Sequence[int] = 1,
+        groups: int = 1,
+        bias: bool = True,
+        padding_mode: str = "zeros",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        *,
+        group: Group,
+        dim: int | Sequence[int],
+        channels_last: bool = False,
+    ):
+        _init(
+            self,
+            nn.Conv3d,
+            in_channels,
+            out_channels,
+            kernel_size,
+            stride,
+            padding,
+            dilation,
+            groups,
+            bias,
+            padding_mode,
+            device,
+            dtype,
+            group,
+            dim,
+            channels_last,
+        )
 
 
 _FORMATS = {"NCHW": (-1, False), "NHWC": (2, True)}
@@ -151,10 +293,20 @@ def _format(data_format, op: str):
     return _FORMATS[data_format]
 
 
-def ring_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                stride: int | Sequence[int] = 1, padding: int | Sequence[int] | str = 0,
-                dilation: int | Sequence[int] = 1, groups: int = 1, data_format: str = "NCHW", *, group: Group,
-                sizes: Sequence[int] | None = None, padding_mode: str = "zeros") -> torch.Tensor:
+def ring_conv2d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    stride: int | Sequence[int] = 1,
+    padding: int | Sequence[int] | str = 0,
+    dilation: int | Sequence[int] = 1,
+    groups: int = 1,
+    data_format: str = "NCHW",
+    *,
+    group: Group,
+    sizes: Sequence[int] | None = None,
+    padding_mode: str = "zeros",
+) -> torch.Tensor:
     """2-D convolution of an input sharded along W (PaddlePaddle ``RingConv2d``'s interface).
 
     ``x`` is ``[B, C, H, W / R]`` (``"NCHW"``) or ``[B, H, W / R, C]`` (``"NHWC"``); the output
@@ -163,8 +315,20 @@ def ring_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     it is :func:`spatial_conv2d` with ``dim`` set to W.
     """
     dim, channels_last = _format(data_format, "ring_conv2d")
-    return spatial_conv2d(x, weight, bias, group, dim, stride, padding, dilation, groups, padding_mode=padding_mode,
-                          sizes=sizes, channels_last=channels_last)
+    return spatial_conv2d(
+        x,
+        weight,
+        bias,
+        group,
+        dim,
+        stride,
+        padding,
+        dilation,
+        groups,
+        padding_mode=padding_mode,
+        sizes=sizes,
+        channels_last=channels_last,
+    )
 
 
 class RingConv2d(SpatialConv2d):
@@ -173,14 +337,40 @@ class RingConv2d(SpatialConv2d):
     Extra keyword arguments: ``group`` and ``data_format`` (``"NCHW"`` or ``"NHWC"``).
     """
 
-    def __init__(self, in_channels: int, out_channels: int, kernel_size: int | Sequence[int],
-                 stride: int | Sequence[int] = 1, padding: int | Sequence[int] | str = 0,
-                 dilation: int | Sequence[int] = 1, groups: int = 1, bias: bool = True, padding_mode: str = "zeros",
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None, *, group: Group,
-                 data_format: str = "NCHW"):
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: int | Sequence[int],
+        stride: int | Sequence[int] = 1,
+        padding: int | Sequence[int] | str = 0,
+        dilation: int | Sequence[int] = 1,
+        groups: int = 1,
+        bias: bool = True,
+        padding_mode: str = "zeros",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        *,
+        group: Group,
+        data_format: str = "NCHW",
+    ):
         dim, channels_last = _format(data_format, "RingConv2d")
-        super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode,
-                         device, dtype, group=group, dim=dim, channels_last=channels_last)
+        super().__init__(
+            in_channels,
+            out_channels,
+            kernel_size,
+            stride,
+            padding,
+            dilation,
+            groups,
+            bias,
+            padding_mode,
+            device,
+            dtype,
+            group=group,
+            dim=dim,
+            channels_last=channels_last,
+        )
         self.data_format = data_format
 
     @classmethod

@@ -14,8 +14,8 @@ from ..comm._group import resolve_group
 from ..comm._validate import dim_of
 from ..errors import ShardkitError, ShardkitTypeError
 from ._meta import gather_sizes
-from .modules import _SpatialConvMixin
 from .conv_transpose import spatial_conv_transpose1d, spatial_conv_transpose2d, spatial_conv_transpose3d
+from .modules import _SpatialConvMixin
 
 __all__ = ["SpatialConvTranspose1d", "SpatialConvTranspose2d", "SpatialConvTranspose3d"]
 
@@ -24,12 +24,40 @@ class _SpatialConvTransposeMixin:
     _fn = None
     _base: type = nn.Module
 
-    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, output_padding=0, groups=1,
-                 bias=True, dilation=1, padding_mode="zeros", device=None, dtype=None, *, group, dim,
-                 channels_last=False):
-        type(self)._base.__init__(self, in_channels, out_channels, kernel_size, stride=stride, padding=padding,
-                                  output_padding=output_padding, groups=groups, bias=bias, dilation=dilation,
-                                  padding_mode=padding_mode, device=device, dtype=dtype)
+    def __init__(
+        self,
+        in_channels,
+        out_channels,
+        kernel_size,
+        stride=1,
+        padding=0,
+        output_padding=0,
+        groups=1,
+        bias=True,
+        dilation=1,
+        padding_mode="zeros",
+        device=None,
+        dtype=None,
+        *,
+        group,
+        dim,
+        channels_last=False,
+    ):
+        type(self)._base.__init__(
+            self,
+            in_channels,
+            out_channels,
+            kernel_size,
+            stride=stride,
+            padding=padding,
+            output_padding=output_padding,
+            groups=groups,
+            bias=bias,
+            dilation=dilation,
+            padding_mode=padding_mode,
+            device=device,
+            dtype=dtype,
+        )
         _SpatialConvMixin._setup(self, group, dim, channels_last)  # the same group/dim checks
 
     def forward(self, x: torch.Tensor, sizes=None) -> torch.Tensor:
@@ -38,13 +66,26 @@ class _SpatialConvTransposeMixin:
         name = type(self).__name__
         if sizes is None and self.infer_sizes:
             if isinstance(self.dim, tuple):
-                sizes = tuple(gather_sizes(x, resolve_group(g, name), dim_of(x, d, name), name)
-                              for d, g in zip(self.dim, self.group))
+                sizes = tuple(
+                    gather_sizes(x, resolve_group(g, name), dim_of(x, d, name), name)
+                    for d, g in zip(self.dim, self.group)
+                )
             else:
                 sizes = gather_sizes(x, resolve_group(self.group, name), dim_of(x, self.dim, name), name)
-        return type(self)._fn(x, self.weight, self.bias, self.group, self.dim, self.stride, self.padding,
-                              self.output_padding, self.groups, self.dilation, sizes=sizes,
-                              channels_last=self.channels_last)
+        return type(self)._fn(
+            x,
+            self.weight,
+            self.bias,
+            self.group,
+            self.dim,
+            self.stride,
+            self.padding,
+            self.output_padding,
+            self.groups,
+            self.dilation,
+            sizes=sizes,
+            channels_last=self.channels_last,
+        )
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", dim={self.dim}, channels_last={self.channels_last}"
@@ -53,13 +94,27 @@ class _SpatialConvTransposeMixin:
     def from_module(cls, conv: nn.Module, group, dim: int, *, channels_last: bool = False):
         """A sharded layer sharing ``conv``'s parameters (no copy): gradients land on them."""
         if type(conv) is not cls._base:
-            raise ShardkitTypeError(f"{cls.__name__}.from_module: expected an {cls._base.__name__}, got {type(conv).__name__}")
+            raise ShardkitTypeError(
+                f"{cls.__name__}.from_module: expected an {cls._base.__name__}, got {type(conv).__name__}"
+            )
         if conv.padding_mode != "zeros":
             raise ShardkitError(f"{cls.__name__}.from_module: only padding_mode='zeros', got {conv.padding_mode!r}")
-        layer = cls(conv.in_channels, conv.out_channels, conv.kernel_size, stride=conv.stride, padding=conv.padding,
-                    output_padding=conv.output_padding, groups=conv.groups, bias=conv.bias is not None,
-                    dilation=conv.dilation, device="meta", dtype=conv.weight.dtype, group=group, dim=dim,
-                    channels_last=channels_last)
+        layer = cls(
+            conv.in_channels,
+            conv.out_channels,
+            conv.kernel_size,
+            stride=conv.stride,
+            padding=conv.padding,
+            output_padding=conv.output_padding,
+            groups=conv.groups,
+            bias=conv.bias is not None,
+            dilation=conv.dilation,
+            device="meta",
+            dtype=conv.weight.dtype,
+            group=group,
+            dim=dim,
+            channels_last=channels_last,
+        )
         layer.weight = conv.weight
         if conv.bias is not None:
             layer.bias = conv.bias

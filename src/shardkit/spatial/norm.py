@@ -71,7 +71,7 @@ def _global_moments(rows: torch.Tensor, gs) -> tuple[torch.Tensor, torch.Tensor,
 
 def _summed(weight, bias, gs, op: str):
     """``weight`` and ``bias`` with their gradients summed over the group(s) in backward (replicated)."""
-    for g in (gs if isinstance(gs, (tuple, list)) else [gs]):
+    for g in gs if isinstance(gs, (tuple, list)) else [gs]:
         params = [p for p in (weight, bias) if p is not None]
         if params and g.size > 1 and torch.is_grad_enabled() and any(p.requires_grad for p in params):
             params = list(_SumParamGrads.apply(g, op, *params))
@@ -97,8 +97,14 @@ def _affine(x, weight, bias, g, op: str):
     return x
 
 
-def spatial_group_norm(x_local: torch.Tensor, num_groups: int, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                       group: Group | Sequence[Group], eps: float = 1e-5) -> torch.Tensor:
+def spatial_group_norm(
+    x_local: torch.Tensor,
+    num_groups: int,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    group: Group | Sequence[Group],
+    eps: float = 1e-5,
+) -> torch.Tensor:
     """GroupNorm of a frame sharded along spatial dims; statistics over the whole frame.
 
     Forward: one all-gather of per-rank (count, mean, M2); backward: its reduce-scatter and
@@ -127,10 +133,16 @@ def spatial_group_norm(x_local: torch.Tensor, num_groups: int, weight: torch.Ten
     error: ShardkitError | None = None
     if not isinstance(x_local, torch.Tensor):
         error = ShardkitTypeError(f"{op}: expected a tensor, got {type(x_local).__name__}")
-    elif x_local.dim() < 2 or isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 1 \
-            or x_local.shape[1] % num_groups:
-        error = ShardkitError(f"{op}: expected [B, C, *S] with C divisible by num_groups={num_groups}, "
-                              f"got {tuple(x_local.shape)}")
+    elif (
+        x_local.dim() < 2
+        or isinstance(num_groups, bool)
+        or not isinstance(num_groups, int)
+        or num_groups < 1
+        or x_local.shape[1] % num_groups
+    ):
+        error = ShardkitError(
+            f"{op}: expected [B, C, *S] with C divisible by num_groups={num_groups}, got {tuple(x_local.shape)}"
+        )
     if checks_enabled():
         # Check mode: B, C, dtype, the groups, eps and the affine shapes set the statistics'
         # all-reduce and the result; the spatial dims may differ (any split), so agree on [B, C].
@@ -159,9 +171,17 @@ class SpatialGroupNorm(nn.GroupNorm):
     Extra keyword argument: ``group``. Same parameters and state-dict keys as ``nn.GroupNorm``.
     """
 
-    def __init__(self, num_groups: int, num_channels: int, eps: float = 1e-5, affine: bool = True,
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None, *,
-                 group: Group | Sequence[Group]):
+    def __init__(
+        self,
+        num_groups: int,
+        num_channels: int,
+        eps: float = 1e-5,
+        affine: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        *,
+        group: Group | Sequence[Group],
+    ):
         super().__init__(num_groups, num_channels, eps, affine, device, dtype)
         _groups(group, type(self).__name__)
         self.group = tuple(group) if isinstance(group, (tuple, list)) else group
@@ -190,9 +210,18 @@ class SpatialBatchNorm2d(nn.BatchNorm2d):
     ``nn.BatchNorm2d``; extra keyword argument ``group``.
     """
 
-    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
-                 track_running_stats: bool = True, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None, *, group: Group):
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        *,
+        group: Group,
+    ):
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
         resolve_group(group, type(self).__name__)
         self.group = group

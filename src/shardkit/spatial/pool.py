@@ -16,9 +16,8 @@ Source: spatial parallelism for CNNs (Dryden et al., IPDPS 2019), as :mod:`.conv
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +32,7 @@ from .halo import exchange, plan_for
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
+
     from .._types import Group
 
 __all__ = ["spatial_max_pool", "spatial_avg_pool", "SpatialMaxPool2d", "SpatialAvgPool2d"]
@@ -47,13 +47,44 @@ def _shape_with(x, d, n):
     return s
 
 
-def _pool(kind, op, x, group, dim, kernel_size, stride, padding, dilation, count_include_pad, divisor_override,
-          ceil_mode, sizes, channels_last):
+def _pool(
+    kind,
+    op,
+    x,
+    group,
+    dim,
+    kernel_size,
+    stride,
+    padding,
+    dilation,
+    count_include_pad,
+    divisor_override,
+    ceil_mode,
+    sizes,
+    channels_last,
+):
     g = enter(x, group, op)
     # every window argument sets the halo widths and the output split: agreed, like the sizes
-    maybe_agree(g, op, x, (dim, int(bool(channels_last)), int(x.requires_grad), sizes, kernel_size, stride, padding,
-                           dilation, int(bool(ceil_mode)), int(bool(count_include_pad)), divisor_override), local_dim=dim,
-                expected_local=expected_size(sizes, g.rank))
+    maybe_agree(
+        g,
+        op,
+        x,
+        (
+            dim,
+            int(bool(channels_last)),
+            int(x.requires_grad),
+            sizes,
+            kernel_size,
+            stride,
+            padding,
+            dilation,
+            int(bool(ceil_mode)),
+            int(bool(count_include_pad)),
+            divisor_override,
+        ),
+        local_dim=dim,
+        expected_local=expected_size(sizes, g.rank),
+    )
     nd = x.dim() - 2
     if nd not in (1, 2, 3):
         raise ShardkitError(f"{op}: expected a 3-d to 5-d input [B, C, *S], got shape {tuple(x.shape)}")
@@ -88,7 +119,11 @@ def _pool(kind, op, x, group, dim, kernel_size, stride, padding, dilation, count
         seg = exchange(xc, g, dc, plan_for(op, sizes, clipped, "zeros"), op)
         left, right = (max(0, -a), max(0, b - N)) if b > a else (0, 0)
         if left or right:
-            parts = [seg.new_full(_shape_with(seg, dc, left), -math.inf), seg, seg.new_full(_shape_with(seg, dc, right), -math.inf)]
+            parts = [
+                seg.new_full(_shape_with(seg, dc, left), -math.inf),
+                seg,
+                seg.new_full(_shape_with(seg, dc, right), -math.inf),
+            ]
             seg = torch.cat(parts, dc)
     else:
         seg = exchange(xc, g, dc, plan_for(op, sizes, ranges, "zeros"), op)
@@ -136,22 +171,69 @@ _ARGS = """
 """
 
 
-def spatial_max_pool(x_local: torch.Tensor, group: Group, dim: int, kernel_size: int | Sequence[int],
-                     stride: int | Sequence[int] | None = None, padding: int | Sequence[int] = 0,
-                     dilation: int | Sequence[int] = 1, *, ceil_mode: bool = False,
-                     sizes: Sequence[int] | None = None, channels_last: bool = False) -> torch.Tensor:
+def spatial_max_pool(
+    x_local: torch.Tensor,
+    group: Group,
+    dim: int,
+    kernel_size: int | Sequence[int],
+    stride: int | Sequence[int] | None = None,
+    padding: int | Sequence[int] = 0,
+    dilation: int | Sequence[int] = 1,
+    *,
+    ceil_mode: bool = False,
+    sizes: Sequence[int] | None = None,
+    channels_last: bool = False,
+) -> torch.Tensor:
     """Max pooling of an input sharded along ``dim``: halo exchange forward, its adjoint backward."""
-    return _pool("max", "spatial_max_pool", x_local, group, dim, kernel_size, stride, padding, dilation, True, None,
-                 ceil_mode, sizes, channels_last)
+    return _pool(
+        "max",
+        "spatial_max_pool",
+        x_local,
+        group,
+        dim,
+        kernel_size,
+        stride,
+        padding,
+        dilation,
+        True,
+        None,
+        ceil_mode,
+        sizes,
+        channels_last,
+    )
 
 
-def spatial_avg_pool(x_local: torch.Tensor, group: Group, dim: int, kernel_size: int | Sequence[int],
-                     stride: int | Sequence[int] | None = None, padding: int | Sequence[int] = 0, *,
-                     ceil_mode: bool = False, count_include_pad: bool = True, divisor_override: int | None = None,
-                     sizes: Sequence[int] | None = None, channels_last: bool = False) -> torch.Tensor:
+def spatial_avg_pool(
+    x_local: torch.Tensor,
+    group: Group,
+    dim: int,
+    kernel_size: int | Sequence[int],
+    stride: int | Sequence[int] | None = None,
+    padding: int | Sequence[int] = 0,
+    *,
+    ceil_mode: bool = False,
+    count_include_pad: bool = True,
+    divisor_override: int | None = None,
+    sizes: Sequence[int] | None = None,
+    channels_last: bool = False,
+) -> torch.Tensor:
     """Average pooling of an input sharded along ``dim``: halo exchange forward, its adjoint backward."""
-    return _pool("avg", "spatial_avg_pool", x_local, group, dim, kernel_size, stride, padding, 1, count_include_pad,
-                 divisor_override, ceil_mode, sizes, channels_last)
+    return _pool(
+        "avg",
+        "spatial_avg_pool",
+        x_local,
+        group,
+        dim,
+        kernel_size,
+        stride,
+        padding,
+        1,
+        count_include_pad,
+        divisor_override,
+        ceil_mode,
+        sizes,
+        channels_last,
+    )
 
 
 spatial_max_pool.__doc__ = (spatial_max_pool.__doc__ or "") + _ARGS
@@ -201,45 +283,117 @@ class SpatialMaxPool2d(_PoolMixin, nn.MaxPool2d):
     the split sizes in forward when none are passed; set by :func:`apply_spatial`).
     """
 
-    def __init__(self, kernel_size: int | Sequence[int], stride: int | Sequence[int] | None = None,
-                 padding: int | Sequence[int] = 0, dilation: int | Sequence[int] = 1,
-                 return_indices: bool = False, ceil_mode: bool = False, *, group: Group, dim: int,
-                 channels_last: bool = False, infer_sizes: bool = False):
+    def __init__(
+        self,
+        kernel_size: int | Sequence[int],
+        stride: int | Sequence[int] | None = None,
+        padding: int | Sequence[int] = 0,
+        dilation: int | Sequence[int] = 1,
+        return_indices: bool = False,
+        ceil_mode: bool = False,
+        *,
+        group: Group,
+        dim: int,
+        channels_last: bool = False,
+        infer_sizes: bool = False,
+    ):
         if return_indices:
             raise ShardkitError("SpatialMaxPool2d: return_indices=True is not supported")
-        super().__init__(_ints(kernel_size), None if stride is None else _ints(stride), _ints(padding), _ints(dilation),
-                         return_indices, ceil_mode)
+        super().__init__(
+            _ints(kernel_size),
+            None if stride is None else _ints(stride),
+            _ints(padding),
+            _ints(dilation),
+            return_indices,
+            ceil_mode,
+        )
         self._setup(group, dim, channels_last, infer_sizes)
 
     def forward(self, x: torch.Tensor, sizes: Sequence[int] | None = None) -> torch.Tensor:
-        return spatial_max_pool(x, self.group, self.dim, self.kernel_size, self.stride, self.padding, self.dilation,
-                                sizes=self._sizes(x, sizes), channels_last=self.channels_last)
+        return spatial_max_pool(
+            x,
+            self.group,
+            self.dim,
+            self.kernel_size,
+            self.stride,
+            self.padding,
+            self.dilation,
+            sizes=self._sizes(x, sizes),
+            channels_last=self.channels_last,
+        )
 
     @classmethod
-    def from_module(cls, m: nn.MaxPool2d, group: Group, dim: int, *, channels_last: bool = False,
-                    infer_sizes: bool = False) -> SpatialMaxPool2d:
-        return cls(m.kernel_size, m.stride, m.padding, m.dilation, m.return_indices, m.ceil_mode, group=group, dim=dim,
-                   channels_last=channels_last, infer_sizes=infer_sizes)
+    def from_module(
+        cls, m: nn.MaxPool2d, group: Group, dim: int, *, channels_last: bool = False, infer_sizes: bool = False
+    ) -> SpatialMaxPool2d:
+        return cls(
+            m.kernel_size,
+            m.stride,
+            m.padding,
+            m.dilation,
+            m.return_indices,
+            m.ceil_mode,
+            group=group,
+            dim=dim,
+            channels_last=channels_last,
+            infer_sizes=infer_sizes,
+        )
 
 
 class SpatialAvgPool2d(_PoolMixin, nn.AvgPool2d):
     """``nn.AvgPool2d`` over an input sharded along H or W (see :func:`spatial_avg_pool`)."""
 
-    def __init__(self, kernel_size: int | Sequence[int], stride: int | Sequence[int] | None = None,
-                 padding: int | Sequence[int] = 0, ceil_mode: bool = False, count_include_pad: bool = True,
-                 divisor_override: int | None = None, *, group: Group, dim: int,
-                 channels_last: bool = False, infer_sizes: bool = False):
-        super().__init__(_pair(kernel_size), None if stride is None else _pair(stride), _pair(padding), ceil_mode,
-                         count_include_pad, divisor_override)
+    def __init__(
+        self,
+        kernel_size: int | Sequence[int],
+        stride: int | Sequence[int] | None = None,
+        padding: int | Sequence[int] = 0,
+        ceil_mode: bool = False,
+        count_include_pad: bool = True,
+        divisor_override: int | None = None,
+        *,
+        group: Group,
+        dim: int,
+        channels_last: bool = False,
+        infer_sizes: bool = False,
+    ):
+        super().__init__(
+            _pair(kernel_size),
+            None if stride is None else _pair(stride),
+            _pair(padding),
+            ceil_mode,
+            count_include_pad,
+            divisor_override,
+        )
         self._setup(group, dim, channels_last, infer_sizes)
 
     def forward(self, x: torch.Tensor, sizes: Sequence[int] | None = None) -> torch.Tensor:
-        return spatial_avg_pool(x, self.group, self.dim, self.kernel_size, self.stride, self.padding,
-                                count_include_pad=self.count_include_pad, divisor_override=self.divisor_override,
-                                sizes=self._sizes(x, sizes), channels_last=self.channels_last)
+        return spatial_avg_pool(
+            x,
+            self.group,
+            self.dim,
+            self.kernel_size,
+            self.stride,
+            self.padding,
+            count_include_pad=self.count_include_pad,
+            divisor_override=self.divisor_override,
+            sizes=self._sizes(x, sizes),
+            channels_last=self.channels_last,
+        )
 
     @classmethod
-    def from_module(cls, m: nn.AvgPool2d, group: Group, dim: int, *, channels_last: bool = False,
-                    infer_sizes: bool = False) -> SpatialAvgPool2d:
-        return cls(m.kernel_size, m.stride, m.padding, m.ceil_mode, m.count_include_pad, m.divisor_override, group=group,
-                   dim=dim, channels_last=channels_last, infer_sizes=infer_sizes)
+    def from_module(
+        cls, m: nn.AvgPool2d, group: Group, dim: int, *, channels_last: bool = False, infer_sizes: bool = False
+    ) -> SpatialAvgPool2d:
+        return cls(
+            m.kernel_size,
+            m.stride,
+            m.padding,
+            m.ceil_mode,
+            m.count_include_pad,
+            m.divisor_override,
+            group=group,
+            dim=dim,
+            channels_last=channels_last,
+            infer_sizes=infer_sizes,
+        )

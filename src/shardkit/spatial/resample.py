@@ -33,7 +33,9 @@ from .halo import exchange, plan_for
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
+
     import torch
+
     from .._types import Group
 
 __all__ = ["spatial_interpolate", "SpatialUpsample"]
@@ -59,11 +61,15 @@ def check_interpolate_args(scale_factor, mode, align_corners, nd: int, op: str, 
     if size is not None:
         raise ShardkitError(f"{op}: size= is not supported on a sharded input; pass an integer scale_factor")
     if mode not in _NEAREST and mode not in _LINEAR:
-        raise ShardkitError(f"{op}: mode {mode!r} is not supported; use nearest, nearest-exact, linear, bilinear or trilinear")
+        raise ShardkitError(
+            f"{op}: mode {mode!r} is not supported; use nearest, nearest-exact, linear, bilinear or trilinear"
+        )
     if mode in _LINEAR and _LINEAR[mode] != nd:
         raise ShardkitError(f"{op}: mode {mode!r} needs {_LINEAR[mode]} spatial dim(s), got {nd}")
     if mode in _LINEAR and align_corners:
-        raise ShardkitError(f"{op}: align_corners=True is not supported (its coordinate map depends on the global size)")
+        raise ShardkitError(
+            f"{op}: align_corners=True is not supported (its coordinate map depends on the global size)"
+        )
     return _scales(scale_factor, nd, op)
 
 
@@ -71,15 +77,28 @@ def _agree_args(x_local, group, dim, scale_factor, mode, align_corners, sizes, c
     g = enter(x_local, group, op)
     # nearest is local: any split works without sizes, so only the other dims must agree
     own = x_local.shape[dim] if mode in _NEAREST and -x_local.dim() <= dim < x_local.dim() else None
-    maybe_agree(g, op, x_local, (dim, int(bool(channels_last)), int(x_local.requires_grad), sizes, scale_factor,
-                                 str(mode), align_corners), local_dim=dim,
-                expected_local=own if own is not None else expected_size(sizes, g.rank))
+    maybe_agree(
+        g,
+        op,
+        x_local,
+        (dim, int(bool(channels_last)), int(x_local.requires_grad), sizes, scale_factor, str(mode), align_corners),
+        local_dim=dim,
+        expected_local=own if own is not None else expected_size(sizes, g.rank),
+    )
     return g
 
 
-def spatial_interpolate(x_local: torch.Tensor, group: Group | Sequence[Group], dim: int | Sequence[int],
-                        scale_factor: int | Sequence[int], mode: str = "nearest", align_corners: bool | None = None,
-                        *, sizes: Sequence[int] | None = None, channels_last: bool = False) -> torch.Tensor:
+def spatial_interpolate(
+    x_local: torch.Tensor,
+    group: Group | Sequence[Group],
+    dim: int | Sequence[int],
+    scale_factor: int | Sequence[int],
+    mode: str = "nearest",
+    align_corners: bool | None = None,
+    *,
+    sizes: Sequence[int] | None = None,
+    channels_last: bool = False,
+) -> torch.Tensor:
     """``F.interpolate`` of an input sharded along ``dim`` with integer scales; output sharded the same way.
 
     Args:
@@ -102,8 +121,10 @@ def spatial_interpolate(x_local: torch.Tensor, group: Group | Sequence[Group], d
     op = "spatial_interpolate"
     if isinstance(dim, (tuple, list)):  # tiles: nearest only, checked per sharded dim
         if mode not in _NEAREST or sizes is not None:
-            raise ShardkitError(f"{op}: over tiles (dims {tuple(dim)}) only nearest modes without sizes= are "
-                                f"supported, got mode={mode!r}")
+            raise ShardkitError(
+                f"{op}: over tiles (dims {tuple(dim)}) only nearest modes without sizes= are "
+                f"supported, got mode={mode!r}"
+            )
         if not isinstance(group, (tuple, list)) or len(group) != len(dim):
             raise ShardkitError(f"{op}: {len(dim)} sharded dims {tuple(dim)} need {len(dim)} groups, got {group!r}")
         for tile_group, tile_dim in zip(group, dim):
@@ -149,9 +170,17 @@ class SpatialUpsample(nn.Module):
     nearest mode.
     """
 
-    def __init__(self, scale_factor: int | Sequence[int], mode: str = "nearest", align_corners: bool | None = None, *,
-                 group: Group | Sequence[Group], dim: int | Sequence[int], channels_last: bool = False,
-                 infer_sizes: bool = False):
+    def __init__(
+        self,
+        scale_factor: int | Sequence[int],
+        mode: str = "nearest",
+        align_corners: bool | None = None,
+        *,
+        group: Group | Sequence[Group],
+        dim: int | Sequence[int],
+        channels_last: bool = False,
+        infer_sizes: bool = False,
+    ):
         super().__init__()
         dims = tuple(dim) if isinstance(dim, (tuple, list)) else (dim,)
         if any(isinstance(d, bool) or not isinstance(d, int) for d in dims):
@@ -160,14 +189,16 @@ class SpatialUpsample(nn.Module):
         self.dim: int | tuple[int, ...]
         if isinstance(dim, (tuple, list)):  # tiles
             if mode not in _NEAREST or not isinstance(group, (tuple, list)) or len(group) != len(dims):
-                raise ShardkitError(f"SpatialUpsample: over tiles (dims {dims}) only nearest modes with one group per "
-                                    f"dim are supported, got mode={mode!r}, group={group!r}")
+                raise ShardkitError(
+                    f"SpatialUpsample: over tiles (dims {dims}) only nearest modes with one group per "
+                    f"dim are supported, got mode={mode!r}, group={group!r}"
+                )
             self.group, self.dim = tuple(group), dims
         elif isinstance(group, (tuple, list)):
             raise ShardkitTypeError(f"SpatialUpsample: one sharded dim {dim} takes one group, got {group!r}")
         else:
             self.group, self.dim = cast("Group", group), dims[0]
-        for g in (self.group if isinstance(self.group, tuple) else (self.group,)):
+        for g in self.group if isinstance(self.group, tuple) else (self.group,):
             resolve_group(g, "SpatialUpsample")
         self.scale_factor, self.mode, self.align_corners = scale_factor, mode, align_corners
         self.channels_last, self.infer_sizes = bool(channels_last), bool(infer_sizes)
@@ -177,24 +208,46 @@ class SpatialUpsample(nn.Module):
             assert not isinstance(self.group, tuple) and isinstance(self.dim, int)
             g = resolve_group(self.group, "SpatialUpsample")
             sizes = gather_sizes(x, g, dim_of(x, self.dim, "SpatialUpsample"), "SpatialUpsample")
-        return spatial_interpolate(x, self.group, self.dim, self.scale_factor, self.mode, self.align_corners,
-                                   sizes=sizes, channels_last=self.channels_last)
+        return spatial_interpolate(
+            x,
+            self.group,
+            self.dim,
+            self.scale_factor,
+            self.mode,
+            self.align_corners,
+            sizes=sizes,
+            channels_last=self.channels_last,
+        )
 
     def extra_repr(self) -> str:
         return f"scale_factor={self.scale_factor}, mode={self.mode!r}, dim={self.dim}"
 
     @classmethod
-    def from_module(cls, up: nn.Upsample, group: Group | Sequence[Group], dim: int | Sequence[int], *,
-                    channels_last: bool = False,
-                    infer_sizes: bool = False) -> SpatialUpsample:
+    def from_module(
+        cls,
+        up: nn.Upsample,
+        group: Group | Sequence[Group],
+        dim: int | Sequence[int],
+        *,
+        channels_last: bool = False,
+        infer_sizes: bool = False,
+    ) -> SpatialUpsample:
         """The sharded equivalent of ``up``; ShardkitError when its settings are unsupported."""
         if up.size is not None or up.scale_factor is None:
             raise ShardkitError("SpatialUpsample.from_module: size= is not supported; use an integer scale_factor")
         # nn.Upsample stores floats (2 -> 2.0); the sharded path takes whole factors only
         factors = up.scale_factor if isinstance(up.scale_factor, tuple) else (up.scale_factor,)
         if not all(float(f).is_integer() for f in factors):
-            raise ShardkitError(f"SpatialUpsample.from_module: only integer scale factors >= 1 are supported, "
-                                f"got {up.scale_factor!r}")
+            raise ShardkitError(
+                f"SpatialUpsample.from_module: only integer scale factors >= 1 are supported, got {up.scale_factor!r}"
+            )
         whole = tuple(int(f) for f in factors)
-        return cls(whole if isinstance(up.scale_factor, tuple) else whole[0], up.mode, up.align_corners, group=group, dim=dim, channels_last=channels_last,
-                   infer_sizes=infer_sizes)
+        return cls(
+            whole if isinstance(up.scale_factor, tuple) else whole[0],
+            up.mode,
+            up.align_corners,
+            group=group,
+            dim=dim,
+            channels_last=channels_last,
+            infer_sizes=infer_sizes,
+        )

@@ -15,8 +15,8 @@ from .embedding import EmbeddingParallel
 from .gather import gather_full_grads, gather_full_state_dict, unwrap
 from .loss import vocab_parallel_cross_entropy
 from .moe import MoeIdentityExpert, MoeTensorParallelExperts
-from .prepare import PrepareModuleInput, PrepareModuleOutput
 from .plan import PlanReport, default_styles, model_tp_plan, verify_tp_plan
+from .prepare import PrepareModuleInput, PrepareModuleOutput
 from .replicated import MlaKvAProjParallel, ReplicatedWithGradAllReduce, SequenceParallel
 from .sequence import SequenceSharding
 from .sp_plan import sequence_parallel_plan

@@ -17,9 +17,8 @@ PyTorch DTensor's ``parallelize_module`` and Hugging Face's ``tp_plan`` do.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -28,10 +27,10 @@ from ..comm._group import resolve_group
 from ..comm._validate import local_checks, maybe_agree
 from ..comm.fingerprint import describe_style, group_device, maybe_fingerprint
 from ..errors import ShardkitError, ShardkitTypeError
+from ..layouts import Shard
 from ._forward_checks import install_forward_checks
 from .heads import attention_head_ranges
 from .plan import CompiledPlan, model_tp_plan, verify_tp_plan
-from ..layouts import Shard
 from .sequence import SequenceSharding
 from .sp_plan import sequence_parallel_plan
 from .styles import ColwiseParallel, RowwiseParallel, StyleContext
@@ -46,7 +45,11 @@ def _head_ranges(model: nn.Module, compiled: CompiledPlan, world: int) -> dict[s
     """Whole-head ranges for the attention projections the plan cuts with default sizes."""
     out: dict[str, tuple] = {}
     for name, module in model.named_modules():
-        layout = attention_head_ranges(module, name, world) if hasattr(module, "head_dim") or hasattr(module, "qk_head_dim") else {}
+        layout = (
+            attention_head_ranges(module, name, world)
+            if hasattr(module, "head_dim") or hasattr(module, "qk_head_dim")
+            else {}
+        )
         cut = {}
         for child, ranges in layout.items():
             if child.startswith("_"):
@@ -54,7 +57,11 @@ def _head_ranges(model: nn.Module, compiled: CompiledPlan, world: int) -> dict[s
             full = f"{name}.{child}" if name else child
             rule = compiled.match(full)
             style = rule[1] if rule else None
-            if isinstance(style, (ColwiseParallel, RowwiseParallel)) and (style.sizes, style.parts, style.unit) == (None, None, 1):
+            if isinstance(style, (ColwiseParallel, RowwiseParallel)) and (style.sizes, style.parts, style.unit) == (
+                None,
+                None,
+                1,
+            ):
                 cut[full] = ranges
         if cut:
             out.update(cut)
@@ -64,8 +71,16 @@ def _head_ranges(model: nn.Module, compiled: CompiledPlan, world: int) -> dict[s
     return out
 
 
-def apply_tp(model: nn.Module, tp_mesh: Group, plan: dict | None = None, *, sequence_parallel: bool = False,
-             loss_parallel: bool = False, styles: dict | None = None, check: str = "warn") -> nn.Module:
+def apply_tp(
+    model: nn.Module,
+    tp_mesh: Group,
+    plan: dict | None = None,
+    *,
+    sequence_parallel: bool = False,
+    loss_parallel: bool = False,
+    styles: dict | None = None,
+    check: str = "warn",
+) -> nn.Module:
     """Apply tensor parallelism to ``model`` in place, following ``plan``.
 
     Args:
@@ -107,8 +122,12 @@ def apply_tp(model: nn.Module, tp_mesh: Group, plan: dict | None = None, *, sequ
     maybe_agree(g, "apply_tp", torch.zeros(0, device=group_device(g, model.parameters())), error=error)
     if g.size == 1:
         return model
-    maybe_fingerprint(dict(model.named_parameters()), g.pg, "apply_tp",
-                      _plan_lines(model, compiled, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel))
+    maybe_fingerprint(
+        dict(model.named_parameters()),
+        g.pg,
+        "apply_tp",
+        _plan_lines(model, compiled, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel),
+    )
     heads = _head_ranges(model, compiled, g.size)
     memo: dict = {}
     seq = SequenceSharding(tp_mesh)
@@ -132,8 +151,9 @@ def apply_tp(model: nn.Module, tp_mesh: Group, plan: dict | None = None, *, sequ
     return model
 
 
-def _compile(model: nn.Module, plan: dict | None, g, sequence_parallel: bool, loss_parallel: bool, styles,
-             check: str) -> CompiledPlan:
+def _compile(
+    model: nn.Module, plan: dict | None, g, sequence_parallel: bool, loss_parallel: bool, styles, check: str
+) -> CompiledPlan:
     """The plan to apply (the model's own when None; loss- and sequence-parallel variants),
     compiled against the model, after the optional plan report."""
     plan = dict(model_tp_plan(model) if plan is None else plan)
@@ -145,7 +165,10 @@ def _compile(model: nn.Module, plan: dict | None, g, sequence_parallel: bool, lo
     if check != "off":
         report = verify_tp_plan(model, plan, styles)
         if not report.ok:
-            msg = f"apply_tp: rules that matched nothing: {list(report.unused_rules)}; parameters left unsharded: {list(report.unsharded)}"
+            msg = (
+                f"apply_tp: rules that matched nothing: {list(report.unused_rules)}; "
+                f"parameters left unsharded: {list(report.unsharded)}"
+            )
             if check == "error":
                 raise ShardkitError(msg)
             if g.rank == 0:  # the report is the same on every rank (a pure plan check): say it once

@@ -19,14 +19,12 @@ Source: the slice-per-rank loading of Megatron-LM / vLLM weight loaders and Hugg
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import json
 import math
 import os
 import re
 from contextlib import ExitStack
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import nn
@@ -41,14 +39,26 @@ from .spec import shard_spec
 if TYPE_CHECKING:
     from collections.abc import Callable
     from typing import Any
+
     from .._types import Group
 
 __all__ = ["SafetensorsCheckpoint", "load_sharded", "materialize_meta", "Piece"]
 
 # safetensors' dtype codes (its file format's "dtype" field)
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
 
@@ -90,8 +100,10 @@ class SafetensorsCheckpoint:
             raise ShardkitError(f"load_sharded: no checkpoint at {path}")
         self._stack = ExitStack()
         self._handles: dict[str, Any] = {}  # safetensors' safe_open handles
-        self._open = lambda file: self._handles.get(file) or self._handles.setdefault(
-            file, self._stack.enter_context(safe_open(file, framework="pt", device="cpu")))
+        self._open = lambda file: (
+            self._handles.get(file)
+            or self._handles.setdefault(file, self._stack.enter_context(safe_open(file, framework="pt", device="cpu")))
+        )
         if files is None:
             files = {k: single for k in self._open(single).keys()}
         for file in sorted(set(files.values())):
@@ -152,11 +164,15 @@ def _expert_pieces(name: str, shape: tuple[int, ...]) -> list[Piece] | None:
     prefix, kind = m.groups()
     E, rows, cols = shape
     if kind == "down_proj":
-        return [Piece(f"{prefix}.{e}.down_proj.weight", ((e, e + 1), (0, rows), (0, cols)), (rows, cols))
-                for e in range(E)]
+        return [
+            Piece(f"{prefix}.{e}.down_proj.weight", ((e, e + 1), (0, rows), (0, cols)), (rows, cols)) for e in range(E)
+        ]
     half = rows // 2
-    return [Piece(f"{prefix}.{e}.{part}_proj.weight", ((e, e + 1), (lo, lo + half), (0, cols)), (half, cols))
-            for e in range(E) for part, lo in (("gate", 0), ("up", half))]
+    return [
+        Piece(f"{prefix}.{e}.{part}_proj.weight", ((e, e + 1), (lo, lo + half), (0, cols)), (half, cols))
+        for e in range(E)
+        for part, lo in (("gate", 0), ("up", half))
+    ]
 
 
 def _fused_or_named(name: str, shape: tuple[int, ...], keys: set[str]) -> list[Piece]:
@@ -208,8 +224,12 @@ def _swap_params(model: nn.Module, device: torch.device) -> None:
             module._parameters[name] = swapped[id(p)]
 
 
-def materialize_meta(model: nn.Module, device: torch.device | str, loaded: set[str],
-                     init_buffers: Callable[[nn.Module], None] | None = None) -> None:
+def materialize_meta(
+    model: nn.Module,
+    device: torch.device | str,
+    loaded: set[str],
+    init_buffers: Callable[[nn.Module], None] | None = None,
+) -> None:
     """Allocate ``model``'s meta parameters and buffers on ``device`` (after ``apply_tp``, so
     only local shards) and recompute the buffers a checkpoint does not hold.
 
@@ -240,20 +260,33 @@ def materialize_meta(model: nn.Module, device: torch.device | str, loaded: set[s
         return
     init_buffers = init_buffers or getattr(model, "_init_weights", None)
     if init_buffers is None:
-        raise ShardkitError(f"load: buffers of {[type(m).__name__ for m in owners]} were on the meta device and are "
-                            "not in the checkpoint; pass init_buffers=fn(module) to recompute them")
+        raise ShardkitError(
+            f"load: buffers of {[type(m).__name__ for m in owners]} were on the meta device and are "
+            "not in the checkpoint; pass init_buffers=fn(module) to recompute them"
+        )
     with torch.no_grad():
         for module in owners:
             init_buffers(module)
-    bad = [f"{type(m).__name__}.{n}" for m in owners for n, b in m._buffers.items()
-           if b is not None and b.is_floating_point() and bool(b.isnan().any())]
+    bad = [
+        f"{type(m).__name__}.{n}"
+        for m in owners
+        for n, b in m._buffers.items()
+        if b is not None and b.is_floating_point() and bool(b.isnan().any())
+    ]
     if bad:
         raise ShardkitError(f"load: init_buffers left these buffers uninitialized: {bad}")
 
 
-def load_sharded(model: nn.Module, path: str | os.PathLike[str], tp_mesh: Group, plan: dict | None = None, *,
-                 device: torch.device | str | None = None, init_buffers: Callable[[nn.Module], None] | None = None,
-                 **apply_tp_kwargs: Any) -> nn.Module:
+def load_sharded(
+    model: nn.Module,
+    path: str | os.PathLike[str],
+    tp_mesh: Group,
+    plan: dict | None = None,
+    *,
+    device: torch.device | str | None = None,
+    init_buffers: Callable[[nn.Module], None] | None = None,
+    **apply_tp_kwargs: Any,
+) -> nn.Module:
     """Shard ``model`` with :func:`~.apply.apply_tp` and fill it from a safetensors checkpoint,
     each rank reading only its own slices.
 
@@ -306,8 +339,9 @@ def load_sharded(model: nn.Module, path: str | os.PathLike[str], tp_mesh: Group,
         keys = ckpt.keys()
         params = dict(root.named_parameters())
         # persistent buffers (BatchNorm statistics) are read when the checkpoint has them
-        buffers = {n: b for n, b in root.state_dict(keep_vars=True).items()
-                   if not isinstance(b, nn.Parameter) and n in keys}
+        buffers = {
+            n: b for n, b in root.state_dict(keep_vars=True).items() if not isinstance(b, nn.Parameter) and n in keys
+        }
         for name, t in {**params, **buffers}.items():
             sources[name] = _fused_or_named(name, tuple(t.shape), keys)
             expected.update({piece.key: (piece.shape, t.dtype) for piece in sources[name]})

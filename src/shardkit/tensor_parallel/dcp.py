@@ -31,14 +31,18 @@ chunk metadata and resharding reads), as torchtitan and FSDP2 use it for DTensor
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import os
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
@@ -50,6 +54,7 @@ from .spec import ShardSpec, shard_spec
 
 if TYPE_CHECKING:
     from collections.abc import Callable
+
     from .._types import Group
 
 __all__ = ["save_sharded_checkpoint", "load_sharded_checkpoint", "owned_ranges", "saved_entries"]
@@ -135,8 +140,13 @@ class _ChunkSavePlanner(DefaultSavePlanner):
             for offsets, piece in _chunks(t, owned=True):
                 self._lookup[(fqn, offsets)] = piece
                 chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=piece.shape)
-                items.append(WriteItem(index=MetadataIndex(fqn, torch.Size(offsets)), type=kind,
-                                       tensor_data=TensorWriteData(chunk=chunk, properties=props, size=_full_shape(t))))
+                items.append(
+                    WriteItem(
+                        index=MetadataIndex(fqn, torch.Size(offsets)),
+                        type=kind,
+                        tensor_data=TensorWriteData(chunk=chunk, properties=props, size=_full_shape(t)),
+                    )
+                )
         self.plan = SavePlan(items)
         return self.plan
 
@@ -208,14 +218,26 @@ def save_sharded_checkpoint(model: nn.Module, path: str | os.PathLike, group: Gr
         raise ShardkitError(f"save_sharded_checkpoint: keep must be >= 1, got {keep}")
     g = resolve_group(group, "save_sharded_checkpoint")
     state = _state(model)
-    return save_checked(path, _PREFIX, group, state, _ChunkSavePlanner(state),
-                        {"format": "shardkit.save_sharded_checkpoint", "keys": len(state), "group_size": g.size},
-                        "save_sharded_checkpoint", keep=keep)
+    return save_checked(
+        path,
+        _PREFIX,
+        group,
+        state,
+        _ChunkSavePlanner(state),
+        {"format": "shardkit.save_sharded_checkpoint", "keys": len(state), "group_size": g.size},
+        "save_sharded_checkpoint",
+        keep=keep,
+    )
 
 
-def load_sharded_checkpoint(model: nn.Module, path: str | os.PathLike, group: Group, *,
-                            device: torch.device | str | None = None,
-                            init_buffers: Callable[[nn.Module], None] | None = None) -> nn.Module:
+def load_sharded_checkpoint(
+    model: nn.Module,
+    path: str | os.PathLike,
+    group: Group,
+    *,
+    device: torch.device | str | None = None,
+    init_buffers: Callable[[nn.Module], None] | None = None,
+) -> nn.Module:
     """Collective over ``group``: fill ``model`` (sharded at any tp size, or unsharded) from a
     checkpoint written by :func:`save_sharded_checkpoint`, each rank reading only its ranges.
 
@@ -260,8 +282,13 @@ def load_sharded_checkpoint(model: nn.Module, path: str | os.PathLike, group: Gr
         saved = saved_entries(metadata)
     except (OSError, ShardkitError) as exc:
         error = f"cannot read a DCP checkpoint at {path}: {exc}"
-    check_contents({k: (tuple(_full_shape(t)), t.dtype) for k, t in state.items()}, saved, g.pg,
-                   "load_sharded_checkpoint", read_error=error)
+    check_contents(
+        {k: (tuple(_full_shape(t)), t.dtype) for k, t in state.items()},
+        saved,
+        g.pg,
+        "load_sharded_checkpoint",
+        read_error=error,
+    )
     root = unwrap(model)
     if any(t.is_meta for t in state.values()):
         persistent = {k for k, t in state.items() if not isinstance(t, nn.Parameter)}
@@ -289,6 +316,10 @@ def saved_entries(path: str | os.PathLike) -> dict:
     from ..checkpoint import saves
     from ..checkpoint.reader import read_metadata
 
-    warnings.warn("shardkit.tensor_parallel.dcp.saved_entries is deprecated; use shardkit.checkpoint.saves.open_save "
-                  "and saves.saved_entries (checksums verified)", DeprecationWarning, stacklevel=2)
+    warnings.warn(
+        "shardkit.tensor_parallel.dcp.saved_entries is deprecated; use shardkit.checkpoint.saves.open_save "
+        "and saves.saved_entries (checksums verified)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
     return saves.saved_entries(read_metadata(os.fspath(path), None))

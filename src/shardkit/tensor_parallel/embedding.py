@@ -38,8 +38,9 @@ def _vocab_parallel_forward(self: nn.Embedding, start: int, stop: int, group: Gr
     """The forward of a vocab-sharded embedding holding rows ``[start, stop)``."""
     outside = (ids < start) | (ids >= stop)
     local = (ids - start).masked_fill(outside, 0)
-    out = F.embedding(local, self.weight, self.padding_idx, self.max_norm, self.norm_type,
-                      self.scale_grad_by_freq, self.sparse)
+    out = F.embedding(
+        local, self.weight, self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq, self.sparse
+    )
     # Multiply rather than assign in place so autograd sees the mask (its gradient rows for the
     # masked ids are zero, as they must be: another rank owns those rows).
     out = out * (~outside).unsqueeze(-1).to(out.dtype)
@@ -60,7 +61,9 @@ class EmbeddingParallel(ParallelStyle):
 
     def apply_module(self, module: nn.Module, ctx: StyleContext) -> None:
         if not isinstance(module, nn.Embedding):
-            raise ShardkitTypeError(f"EmbeddingParallel: expected an nn.Embedding at {ctx.name}, got {type(module).__name__}")
+            raise ShardkitTypeError(
+                f"EmbeddingParallel: expected an nn.Embedding at {ctx.name}, got {type(module).__name__}"
+            )
         full = module.weight.shape[self.dim]
         spec = ShardSpec.blocks(self.dim, chunk_sizes(full, ctx.info.size), ctx.group)
         shard_parameter(module, "weight", spec, ctx.info.rank, ctx.memo)

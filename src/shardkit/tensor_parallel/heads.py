@@ -80,7 +80,9 @@ def attention_head_ranges(attn: nn.Module, name: str, world: int) -> dict[str, t
         return {}
     n_q, rem = divmod(getattr(attn, q_name).out_features, unit_q)
     if rem or n_q < world:
-        raise ShardkitError(f"apply_tp: {name}: {n_q} query heads cannot be split over tp={world} ranks (whole heads per rank)")
+        raise ShardkitError(
+            f"apply_tp: {name}: {n_q} query heads cannot be split over tp={world} ranks (whole heads per rank)"
+        )
     sizes = balanced_split_sizes(n_q, world)
     heads = [list(range(o, o + s)) for o, s in zip(split_offsets(sizes), sizes)]
     out: dict[str, tuple] = {q_name: tuple(_runs(h, unit_q) for h in heads)}

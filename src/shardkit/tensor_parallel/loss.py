@@ -26,9 +26,8 @@ it (Megatron-LM issue #737 divided by the local vocabulary size).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numbers
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -40,6 +39,7 @@ from ..errors import RankMismatchError, ShardkitError, ShardkitTypeError
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
+
     from .._types import Group
 
 __all__ = ["vocab_parallel_cross_entropy"]
@@ -153,8 +153,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 def _labels_verdict(labels, logits_local: torch.Tensor) -> int:
     """This rank's verdict on its own labels (a local fact its peers cannot see)."""
-    if not isinstance(labels, torch.Tensor) or labels.is_floating_point() or labels.is_complex() \
-            or labels.dtype == torch.bool:
+    if (
+        not isinstance(labels, torch.Tensor)
+        or labels.is_floating_point()
+        or labels.is_complex()
+        or labels.dtype == torch.bool
+    ):
         return _LABELS_TYPE
     return _LABELS_OK if tuple(labels.shape) == tuple(logits_local.shape[:-1]) else _LABELS_SHAPE
 
@@ -162,8 +166,10 @@ def _labels_verdict(labels, logits_local: torch.Tensor) -> int:
 def _check_labels(verdicts, logits_shape, g) -> None:
     """Checks on the all-reduced labels' verdicts: every rank sees the same values and raises alike."""
     # The logits' leading dims only: their vocabulary dim is each rank's own, the text must not be.
-    for code, rule, noun in ((_LABELS_TYPE, "be an integer tensor", "type"),
-                             (_LABELS_SHAPE, f"have the logits' leading dims {tuple(logits_shape[:-1])}", "shape")):
+    for code, rule, noun in (
+        (_LABELS_TYPE, "be an integer tensor", "type"),
+        (_LABELS_SHAPE, f"have the logits' leading dims {tuple(logits_shape[:-1])}", "shape"),
+    ):
         bad = [r for r in range(g.size) if verdicts[r] == code]
         if not bad:
             continue
@@ -251,8 +257,14 @@ def vocab_parallel_cross_entropy(
     g = enter(logits_local, group, _OP)
     v_r = logits_local.shape[-1] if logits_local.dim() else 0
     expected = expected_size(vocab_sizes, g.rank)
-    maybe_agree(g, _OP, logits_local, (_REDUCTIONS.index(reduction), ignore_index, round(label_smoothing * 2**30),
-                                       vocab_sizes), local_dim=-1, expected_local=v_r if expected is None else expected)
+    maybe_agree(
+        g,
+        _OP,
+        logits_local,
+        (_REDUCTIONS.index(reduction), ignore_index, round(label_smoothing * 2**30), vocab_sizes),
+        local_dim=-1,
+        expected_local=v_r if expected is None else expected,
+    )
     if not logits_local.is_floating_point():
         raise ShardkitTypeError(f"{_OP}: logits_local must be floating point, got {logits_local.dtype}")
     if logits_local.dim() < 1:
@@ -264,5 +276,6 @@ def vocab_parallel_cross_entropy(
         # A rank whose labels are wrong still takes part in the first all-reduce (sized by the
         # logits, which the peers share), with a stand-in and its verdict: every rank raises there.
         labels = torch.zeros(logits_local.shape[:-1], dtype=torch.int64, device=logits_local.device)
-    return _VocabParallelCrossEntropy.apply(logits_local, labels, g, ignore_index, float(label_smoothing), reduction,
-                                            vocab_sizes, verdict)
+    return _VocabParallelCrossEntropy.apply(
+        logits_local, labels, g, ignore_index, float(label_smoothing), reduction, vocab_sizes, verdict
+    )

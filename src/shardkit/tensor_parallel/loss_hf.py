@@ -24,14 +24,16 @@ __all__ = ["vocab_parallel_causal_lm_loss"]
 def vocab_parallel_causal_lm_loss(tp_mesh):
     """A ``model.loss_function`` replacement computing the causal-LM loss over ``tp_mesh``."""
 
-    def loss_function(logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=-100,
-                      shift_labels=None, **kwargs):
+    def loss_function(
+        logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=-100, shift_labels=None, **kwargs
+    ):
         if shift_labels is None:
             shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         shift_labels = shift_labels.to(logits.device)
         reduction = "sum" if num_items_in_batch is not None else "mean"
-        loss = vocab_parallel_cross_entropy(logits, shift_labels, tp_mesh, ignore_index=ignore_index,
-                                            reduction=reduction)
+        loss = vocab_parallel_cross_entropy(
+            logits, shift_labels, tp_mesh, ignore_index=ignore_index, reduction=reduction
+        )
         if num_items_in_batch is not None:
             if torch.is_tensor(num_items_in_batch):
                 num_items_in_batch = num_items_in_batch.to(loss.device)

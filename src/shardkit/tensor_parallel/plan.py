@@ -68,7 +68,9 @@ def model_tp_plan(model: nn.Module) -> dict:
         prefix = f"{prefix}." if prefix and hasattr(model, prefix) else ""
         plan.update({prefix + k: v for k, v in base.items()})
     if not plan:
-        raise ShardkitError(f"apply_tp: {type(model).__name__} has no tensor-parallel plan; pass plan={{pattern: style}}")
+        raise ShardkitError(
+            f"apply_tp: {type(model).__name__} has no tensor-parallel plan; pass plan={{pattern: style}}"
+        )
     return dict(plan)
 
 
@@ -99,7 +101,9 @@ class CompiledPlan:
                     raise ShardkitError(f"apply_tp: unknown style {style!r} for {pattern!r}; known: {sorted(table)}")
                 style = table[style]
             if not isinstance(style, ParallelStyle):
-                raise ShardkitTypeError(f"apply_tp: the style for {pattern!r} must be a name or a ParallelStyle, got {style!r}")
+                raise ShardkitTypeError(
+                    f"apply_tp: the style for {pattern!r} must be a name or a ParallelStyle, got {style!r}"
+                )
             rules.append((pattern, _regex(pattern), style))
         prefix = getattr(model, "base_model_prefix", "")
         return cls(rules, f"{prefix}." if prefix and hasattr(model, prefix) else "")
@@ -112,7 +116,7 @@ class CompiledPlan:
         """
         names = [name]
         if self.base_prefix and name.startswith(self.base_prefix):
-            names.append(name[len(self.base_prefix):])
+            names.append(name[len(self.base_prefix) :])
         hits = {(p, id(s)): (p, s) for p, rx, s in self.rules if any(rx.fullmatch(n) for n in names)}
         if len({key[1] for key in hits}) > 1:
             raise ShardkitError(f"apply_tp: {name} matches several plan rules: {sorted(p for p, _ in hits.values())}")

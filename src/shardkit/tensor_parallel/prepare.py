@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..errors import ShardkitError
 from ..comm import all_reduce_forward
+from ..errors import ShardkitError
 from ..layouts import Partial, Replicate, Shard, check_layout
 from .sequence import SequenceSharding
 from .styles import ParallelStyle, StyleContext, replace_input
@@ -73,8 +73,9 @@ class PrepareModuleInput(ParallelStyle):
         desired_input_layouts: the layout the module needs.
     """
 
-    def __init__(self, input_layouts: Replicate | Shard = Shard(1),
-                 desired_input_layouts: Replicate | Shard = Replicate()) -> None:
+    def __init__(
+        self, input_layouts: Replicate | Shard = Shard(1), desired_input_layouts: Replicate | Shard = Replicate()
+    ) -> None:
         self.input_layouts = check_layout(input_layouts, "PrepareModuleInput input_layouts")
         self.desired_input_layouts = check_layout(desired_input_layouts, "PrepareModuleInput desired_input_layouts")
 
@@ -98,8 +99,11 @@ class PrepareModuleOutput(ParallelStyle):
         desired_output_layouts: the layout its users need.
     """
 
-    def __init__(self, output_layouts: Replicate | Shard | Partial = Shard(1),
-                 desired_output_layouts: Replicate | Shard = Replicate()) -> None:
+    def __init__(
+        self,
+        output_layouts: Replicate | Shard | Partial = Shard(1),
+        desired_output_layouts: Replicate | Shard = Replicate(),
+    ) -> None:
         self.output_layouts = check_layout(output_layouts, "PrepareModuleOutput output_layouts", partial=True)
         self.desired_output_layouts = check_layout(desired_output_layouts, "PrepareModuleOutput desired_output_layouts")
 

@@ -87,7 +87,9 @@ class SequenceSharding:
         """Declare the per-rank sequence sizes of inputs that arrive already sharded."""
         sizes = [int(s) for s in sizes]
         if len(sizes) != self.info.size or any(s < 0 for s in sizes):
-            raise ShardkitError(f"SequenceSharding.set_sizes: need {self.info.size} sizes >= 0 (one per tp rank), got {sizes}")
+            raise ShardkitError(
+                f"SequenceSharding.set_sizes: need {self.info.size} sizes >= 0 (one per tp rank), got {sizes}"
+            )
         self.sizes = sizes
 
     def _gather_sizes(self, x: torch.Tensor, dim: int) -> list[int]:
@@ -98,7 +100,8 @@ class SequenceSharding:
             raise ShardkitError(
                 f"SequenceSharding.gather: rank {self.info.rank} of {self.info.size} holds {n} positions along dim "
                 f"{dim}, but the split of this forward gave it {self.sizes[self.info.rank]} (sizes {self.sizes}); "
-                "was the sequence split by another model's state?")
+                "was the sequence split by another model's state?"
+            )
         return self.sizes
 
     def _scatter_sizes(self, x: torch.Tensor, dim: int) -> list[int]:
@@ -166,7 +169,9 @@ class SequenceSharding:
 
     def _current(self, op: str) -> list[int]:
         if self.sizes is None:
-            raise ShardkitError(f"SequenceSharding.{op}: no sequence split yet in this forward (the split must run first)")
+            raise ShardkitError(
+                f"SequenceSharding.{op}: no sequence split yet in this forward (the split must run first)"
+            )
         return self.sizes
 
     # ---------------------------------------------------------------- cache

@@ -77,19 +77,23 @@ def decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def sequence_parallel_error(model: nn.Module) -> str | None:
     """Why ``model`` cannot take the sequence-parallel plan, or None (pure: no group)."""
     if not decoder_layers(model):
-        return (f"{type(model).__name__} has no decoder layers (a 'layers' ModuleList/ModuleDict whose layers have "
-                "self_attn and mlp)")
+        return (
+            f"{type(model).__name__} has no decoder layers (a 'layers' ModuleList/ModuleDict whose layers have "
+            "self_attn and mlp)"
+        )
     return None
 
 
 def _norms(module: nn.Module, prefix: str) -> list[str]:
     """Names of the parameterized direct children of ``module`` that are not its blocks: the norms."""
-    return [f"{prefix}.{n}" for n, m in module.named_children()
-            if n not in _BLOCKS and any(True for _ in m.parameters())]
+    return [
+        f"{prefix}.{n}" for n, m in module.named_children() if n not in _BLOCKS and any(True for _ in m.parameters())
+    ]
 
 
-def sequence_parallel_plan(model: nn.Module, plan: dict, *, loss_parallel: bool = False,
-                           styles: dict[str, ParallelStyle] | None = None) -> dict:
+def sequence_parallel_plan(
+    model: nn.Module, plan: dict, *, loss_parallel: bool = False, styles: dict[str, ParallelStyle] | None = None
+) -> dict:
     """``plan`` (the model's tensor-parallel plan) turned into its sequence-parallel plan.
 
     Args:
@@ -114,8 +118,11 @@ def sequence_parallel_plan(model: nn.Module, plan: dict, *, loss_parallel: bool 
     moe = {f"{n}.mlp" for n, layer in layers if hasattr(layer.mlp, "experts")}
     ep_moe = {block for block in moe if compiled.match(f"{block}.experts") is None}  # expert-parallel experts
     moe -= ep_moe
-    shared = {f"{block}.shared_experts" for block in ep_moe
-              if isinstance(getattr(model.get_submodule(block), "shared_experts", None), nn.Module)}
+    shared = {
+        f"{block}.shared_experts"
+        for block in ep_moe
+        if isinstance(getattr(model.get_submodule(block), "shared_experts", None), nn.Module)
+    }
     dense = {f"{n}.{b}" for n, _ in layers for b in _BLOCKS} - moe - ep_moe
     out = {pattern: style for pattern, _, style in compiled.rules}
     _sequence_outputs(model, compiled, out, dense | shared, moe)
@@ -156,7 +163,9 @@ def sequence_parallel_plan(model: nn.Module, plan: dict, *, loss_parallel: bool 
         rule = compiled.match("lm_head")
         if rule is not None:
             del out[rule[0]]
-        out["lm_head"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1) if loss_parallel else Replicate())
+        out["lm_head"] = ColwiseParallel(
+            input_layouts=Shard(1), output_layouts=Shard(-1) if loss_parallel else Replicate()
+        )
     else:
         gather = PrepareModuleOutput(Shard(1), Replicate())
         out[last] = _Chain(out[first], gather) if last == first else gather
@@ -180,17 +189,21 @@ def _sequence_outputs(model: nn.Module, compiled: CompiledPlan, out: dict, dense
             mode = "shard" if parent in dense else "partial" if in_moe else "outside"
         elif in_moe and name.endswith(".experts"):
             if not isinstance(rule[1], MoeTensorParallelExperts):
-                raise ShardkitError(f"apply_tp(sequence_parallel=True): {name} uses {type(rule[1]).__name__}; sequence "
-                                    "parallelism is implemented for tensor-parallel experts (moe_tp_experts) only, "
-                                    "not for expert-parallel token dispatch")
+                raise ShardkitError(
+                    f"apply_tp(sequence_parallel=True): {name} uses {type(rule[1]).__name__}; sequence "
+                    "parallelism is implemented for tensor-parallel experts (moe_tp_experts) only, "
+                    "not for expert-parallel token dispatch"
+                )
             mode = "experts"
         else:
             continue
         modes.setdefault(rule[0], set()).add(mode)
     for pattern, kinds in modes.items():
         if len(kinds) != 1 or "outside" in kinds:
-            raise ShardkitError(f"apply_tp(sequence_parallel=True): the rule {pattern!r} matches modules of different "
-                                f"sequence layouts ({sorted(kinds)}; 'outside' = not in a decoder layer's blocks)")
+            raise ShardkitError(
+                f"apply_tp(sequence_parallel=True): the rule {pattern!r} matches modules of different "
+                f"sequence layouts ({sorted(kinds)}; 'outside' = not in a decoder layer's blocks)"
+            )
         (kind,) = kinds
         if kind == "experts":
             out[pattern] = MoeTensorParallelExperts(reduce_input_grad=False, output_layouts=Partial())
@@ -207,7 +220,9 @@ class _PartialGradInput(ParallelStyle):
     def apply_module(self, module: nn.Module, ctx: StyleContext) -> None:
         seq = ctx.seq
         assert seq is not None  # StyleContext.of and apply_tp always give one
-        module.register_forward_pre_hook(lambda m, args, kwargs: replace_input(args, kwargs, seq.partial_grad), with_kwargs=True)
+        module.register_forward_pre_hook(
+            lambda m, args, kwargs: replace_input(args, kwargs, seq.partial_grad), with_kwargs=True
+        )
 
 
 class _Chain(ParallelStyle):

@@ -19,11 +19,10 @@ wrapping (DDP renames parameters to ``module.*``) and optimizers.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn

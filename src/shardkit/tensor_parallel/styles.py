@@ -35,11 +35,10 @@ parallelism (Korthikanti et al., 2022); PyTorch DTensor's ``ColwiseParallel`` /
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +54,7 @@ from .spec import ShardSpec, shard_parameter, shard_spec
 
 if TYPE_CHECKING:
     from typing import Any
+
     from .._types import Group
 
 __all__ = [
@@ -136,8 +136,9 @@ def _chunks(n: int, R: int, unit: int, where: str) -> list[int]:
     return [s * unit for s in chunk_sizes(n // unit, R)]
 
 
-def _linear_spec(full: int, ctx: StyleContext, dim: int, parts: int | Sequence[int] | None, explicit,
-                 unit: int = 1) -> ShardSpec:
+def _linear_spec(
+    full: int, ctx: StyleContext, dim: int, parts: int | Sequence[int] | None, explicit, unit: int = 1
+) -> ShardSpec:
     """The spec of a linear-like dim of size ``full``: explicit sizes, head ranges, packed, or chunk."""
     R = ctx.info.size
     where = ctx.name or "style"
@@ -193,13 +194,23 @@ class ColwiseParallel(ParallelStyle):
 
     weight_dim = -2
 
-    def __init__(self, sizes: Sequence[int] | None = None, *, input_layouts: Replicate | Shard = Replicate(),
-                 output_layouts: Replicate | Shard = Shard(-1), reduce_input_grad: bool = True, parts: int | Sequence[int] | None = None, unit: int = 1) -> None:
+    def __init__(
+        self,
+        sizes: Sequence[int] | None = None,
+        *,
+        input_layouts: Replicate | Shard = Replicate(),
+        output_layouts: Replicate | Shard = Shard(-1),
+        reduce_input_grad: bool = True,
+        parts: int | Sequence[int] | None = None,
+        unit: int = 1,
+    ) -> None:
         self.sizes, self.parts, self.unit = sizes, parts, unit
         self.input_layouts = check_layout(input_layouts, "ColwiseParallel input_layouts")
         self.output_layouts = check_layout(output_layouts, "ColwiseParallel output_layouts")
         if isinstance(self.output_layouts, Shard) and self.output_layouts.dim != -1:
-            raise ShardkitError(f"ColwiseParallel: output_layouts must be Shard(-1) or Replicate(), got {output_layouts!r}")
+            raise ShardkitError(
+                f"ColwiseParallel: output_layouts must be Shard(-1) or Replicate(), got {output_layouts!r}"
+            )
         self.reduce_input_grad = reduce_input_grad
 
     def _spec(self, full: int, ctx: StyleContext, dim: int) -> ShardSpec:
@@ -211,19 +222,26 @@ class ColwiseParallel(ParallelStyle):
         spec = self._spec(w.shape[dim], ctx, dim)
         shard_parameter(module, "weight", spec, ctx.info.rank, ctx.memo)
         if getattr(module, "bias", None) is not None:
-            shard_parameter(module, "bias", ShardSpec(0, spec.full_size, spec.ranges, ctx.group), ctx.info.rank, ctx.memo)
+            shard_parameter(
+                module, "bias", ShardSpec(0, spec.full_size, spec.ranges, ctx.group), ctx.info.rank, ctx.memo
+            )
         group, seq = ctx.group, ctx.seq
         assert seq is not None  # StyleContext.of and apply_tp always give one
         if isinstance(self.input_layouts, Shard):
             d = self.input_layouts.dim
             module.register_forward_pre_hook(
-                lambda m, args, kwargs: replace_input(args, kwargs, lambda x: seq.gather(x, d), "input"), with_kwargs=True)
+                lambda m, args, kwargs: replace_input(args, kwargs, lambda x: seq.gather(x, d), "input"),
+                with_kwargs=True,
+            )
         elif self.reduce_input_grad:
             module.register_forward_pre_hook(
-                lambda m, args, kwargs: replace_input(args, kwargs, seq.replicate, "input"), with_kwargs=True)
+                lambda m, args, kwargs: replace_input(args, kwargs, seq.replicate, "input"), with_kwargs=True
+            )
         if isinstance(self.output_layouts, Replicate):
             if spec.overlapping or len(spec.ranges[0]) != 1:
-                raise ShardkitError(f"{ctx.name}: output_layouts=Replicate() needs plain (not packed or replicated) shards")
+                raise ShardkitError(
+                    f"{ctx.name}: output_layouts=Replicate() needs plain (not packed or replicated) shards"
+                )
             sizes = list(spec.sizes)
             module.register_forward_hook(lambda m, args, out: gather_forward_split_backward(out, group, -1, sizes))
         elif hasattr(module, "out_features"):
@@ -273,19 +291,30 @@ class RowwiseParallel(ParallelStyle):
 
     weight_dim = -1
 
-    def __init__(self, sizes: Sequence[int] | None = None, *, input_layouts: Replicate | Shard = Shard(-1),
-                 output_layouts: Replicate | Shard | Partial = Replicate(), parts: int | Sequence[int] | None = None, unit: int = 1) -> None:
+    def __init__(
+        self,
+        sizes: Sequence[int] | None = None,
+        *,
+        input_layouts: Replicate | Shard = Shard(-1),
+        output_layouts: Replicate | Shard | Partial = Replicate(),
+        parts: int | Sequence[int] | None = None,
+        unit: int = 1,
+    ) -> None:
         self.sizes, self.parts, self.unit = sizes, parts, unit
         self.input_layouts = check_layout(input_layouts, "RowwiseParallel input_layouts")
         self.output_layouts = check_layout(output_layouts, "RowwiseParallel output_layouts", partial=True)
         if isinstance(self.input_layouts, Shard) and self.input_layouts.dim != -1:
-            raise ShardkitError(f"RowwiseParallel: input_layouts must be Shard(-1) or Replicate(), got {input_layouts!r}")
+            raise ShardkitError(
+                f"RowwiseParallel: input_layouts must be Shard(-1) or Replicate(), got {input_layouts!r}"
+            )
 
     def apply_module(self, module: nn.Module, ctx: StyleContext) -> None:
         name = type(self).__name__
         w = _weight(module, name, ctx)
         if not isinstance(module, nn.Linear):
-            raise ShardkitTypeError(f"{name}: expected an nn.Linear at {ctx.name or 'module'}, got {type(module).__name__}")
+            raise ShardkitTypeError(
+                f"{name}: expected an nn.Linear at {ctx.name or 'module'}, got {type(module).__name__}"
+            )
         spec = _linear_spec(w.shape[-1], ctx, w.dim() - 1, self.parts, self.sizes, self.unit)
         if spec.overlapping:
             raise ShardkitError(f"{name}: {ctx.name}: row-parallel input features cannot be replicated")
@@ -296,7 +325,9 @@ class RowwiseParallel(ParallelStyle):
         reduce: Callable[[torch.Tensor], torch.Tensor]
         if isinstance(self.output_layouts, Partial):
             if module.bias is not None:
-                raise ShardkitError(f"{name}: {ctx.name}: output_layouts=Partial() with a bias (it would be added R times)")
+                raise ShardkitError(
+                    f"{name}: {ctx.name}: output_layouts=Partial() with a bias (it would be added R times)"
+                )
             reduce = lambda y: y  # noqa: E731
         elif isinstance(self.output_layouts, Shard):
             d = self.output_layouts.dim
@@ -313,7 +344,8 @@ class RowwiseParallel(ParallelStyle):
             sizes = list(spec.sizes)
             module.register_forward_pre_hook(
                 lambda m, args, kwargs: replace_input(
-                    args, kwargs, lambda x: split_forward_gather_backward(x, group, -1, sizes), "input"),
+                    args, kwargs, lambda x: split_forward_gather_backward(x, group, -1, sizes), "input"
+                ),
                 with_kwargs=True,
             )
 

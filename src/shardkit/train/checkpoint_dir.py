@@ -25,8 +25,18 @@ __all__ = ["model_description", "check_checkpoint_dir"]
 
 _PREFIX = "step_"  # the trainer's saves (shardkit.checkpoint.train_state)
 _SIZES = ("hidden_size", "layers", "heads", "kv_heads", "intermediate_size")
-_HF_SIZES = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-             "intermediate_size", "vocab_size", "moe_intermediate_size", "num_experts", "n_routed_experts")
+_HF_SIZES = (
+    "model_type",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "vocab_size",
+    "moe_intermediate_size",
+    "num_experts",
+    "n_routed_experts",
+)
 
 
 def model_description(cfg: TrainConfig) -> dict:
@@ -50,8 +60,9 @@ def _differences(saved, mine: dict) -> str:
     if not isinstance(saved, dict):
         return "its manifest does not describe the model (not written by shardkit train)"
     keys = sorted(set(saved) | set(mine))
-    diff = [f"{k} {saved.get(k)!r} (checkpoint) vs {mine.get(k)!r} (this run)" for k in keys
-            if saved.get(k) != mine.get(k)]
+    diff = [
+        f"{k} {saved.get(k)!r} (checkpoint) vs {mine.get(k)!r} (this run)" for k in keys if saved.get(k) != mine.get(k)
+    ]
     return "; ".join(diff)
 
 
@@ -87,18 +98,24 @@ def check_checkpoint_dir(cfg: TrainConfig) -> None:
     names = os.listdir(root)
     foreign = sorted(n for n in names if not _ours(root, n))
     if foreign:
-        raise ShardkitError(f"{flag} holds files that are not shardkit train saves ({', '.join(foreign[:3])}); "
-                            "saves would mix with them: choose an empty or new directory")
+        raise ShardkitError(
+            f"{flag} holds files that are not shardkit train saves ({', '.join(foreign[:3])}); "
+            "saves would mix with them: choose an empty or new directory"
+        )
     holder = lock_holder(root)
     if holder is not None and holder_alive(holder):
-        raise ShardkitError(f"{flag} is in use by {describe(holder)}; wait for it to end or choose another "
-                            f"directory (remove {os.path.join(root, '.lock')} if no such run exists)")
+        raise ShardkitError(
+            f"{flag} is in use by {describe(holder)}; wait for it to end or choose another "
+            f"directory (remove {os.path.join(root, '.lock')} if no such run exists)"
+        )
     saves = complete_saves(root, _PREFIX)
     if not saves:
         return
     if not cfg.resume:
-        raise ShardkitError(f"{flag} holds the saves of an earlier run ({saves[-1]}, {len(saves)} in all); pass "
-                            "--resume to continue it or choose another directory")
+        raise ShardkitError(
+            f"{flag} holds the saves of an earlier run ({saves[-1]}, {len(saves)} in all); pass "
+            "--resume to continue it or choose another directory"
+        )
     try:
         latest = latest_checkpoint(root)
         if latest is None:
@@ -110,5 +127,4 @@ def check_checkpoint_dir(cfg: TrainConfig) -> None:
     # and dtype (checkpoint/contents.py) still refuses another model, on every rank.
     differences = "" if saved is None else _differences(saved, model_description(cfg))
     if differences:
-        raise ShardkitError(f"{flag}: --resume from {os.path.basename(latest)}, a save of another model: "
-                            f"{differences}")
+        raise ShardkitError(f"{flag}: --resume from {os.path.basename(latest)}, a save of another model: {differences}")

@@ -16,8 +16,17 @@ from pathlib import Path
 from ..errors import ShardkitError
 from ..mesh import ParallelDims
 
-__all__ = ["TrainConfig", "DTYPES", "SCHEDULES", "MODELS", "load_toml", "merge_config", "validate_config",
-           "parse_pp_tp", "parallel_dims"]
+__all__ = [
+    "TrainConfig",
+    "DTYPES",
+    "SCHEDULES",
+    "MODELS",
+    "load_toml",
+    "merge_config",
+    "validate_config",
+    "parse_pp_tp",
+    "parallel_dims",
+]
 
 DTYPES = ("float32", "float64", "bfloat16")
 SCHEDULES = ("1f1b", "gpipe")
@@ -30,9 +39,27 @@ LM_MODELS = ("llama", "qwen2", "qwen3", "moe", "mla")
 MODELS = (*LM_MODELS, "conv-ae")
 MOE_MODELS = ("moe", "mla")
 MAX_SIZE = 2**31 - 1  # any size or count flag: beyond it no tensor dimension or rank count is meaningful
-_SIZES = ("nproc", "tp", "pp", "cp_ulysses", "cp_ring", "dp_shard", "dp_replicate", "ep", "spatial", "spatial_h",
-          "microbatches", "batch_size", "seq_len", "hidden_size", "layers", "heads", "kv_heads", "intermediate_size",
-          "experts")
+_SIZES = (
+    "nproc",
+    "tp",
+    "pp",
+    "cp_ulysses",
+    "cp_ring",
+    "dp_shard",
+    "dp_replicate",
+    "ep",
+    "spatial",
+    "spatial_h",
+    "microbatches",
+    "batch_size",
+    "seq_len",
+    "hidden_size",
+    "layers",
+    "heads",
+    "kv_heads",
+    "intermediate_size",
+    "experts",
+)
 MAX_SEED = 2**63 - 1  # torch's generators take a 64-bit seed; shardkit keeps it a non-negative int64
 MAX_TIMEOUT_S = 86400  # --timeout: a collective that waits a day for a rank is a hang, not a slow step
 
@@ -115,8 +142,9 @@ def parse_pp_tp(text) -> tuple[int, ...]:
     except ValueError:
         sizes = ()
     if len(sizes) < 2 or any(t < 1 for t in sizes):
-        raise ShardkitError(f"--pp-tp must list the tp size (>= 1) of each of at least 2 pipeline stages, "
-                            f"e.g. 2,1,1; got {text!r}")
+        raise ShardkitError(
+            f"--pp-tp must list the tp size (>= 1) of each of at least 2 pipeline stages, e.g. 2,1,1; got {text!r}"
+        )
     return sizes
 
 
@@ -226,8 +254,19 @@ def validate_config(cfg: TrainConfig, world_size: int | None = None) -> TrainCon
             raise ShardkitError(f"--pp {cfg.pp} but --pp-tp {cfg.pp_tp} lists {len(sizes)} stages")
         cfg = dataclasses.replace(cfg, pp=len(sizes), pp_tp=",".join(map(str, sizes)))
     cfg = dataclasses.replace(cfg, tp=_default_tp(cfg))
-    for name in ("tp", "pp", "cp_ulysses", "cp_ring", "dp_shard", "ep", "spatial", "spatial_h", "microbatches", "steps",
-                 "batch_size"):
+    for name in (
+        "tp",
+        "pp",
+        "cp_ulysses",
+        "cp_ring",
+        "dp_shard",
+        "ep",
+        "spatial",
+        "spatial_h",
+        "microbatches",
+        "steps",
+        "batch_size",
+    ):
         if getattr(cfg, name) < 1:
             raise ShardkitError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
     for name in ("nproc", "dp_replicate"):
@@ -288,8 +327,12 @@ def validate_config(cfg: TrainConfig, world_size: int | None = None) -> TrainCon
 def _resolve_world(cfg: TrainConfig) -> TrainConfig:
     """nproc and dp_replicate from each other (one of them may be unset)."""
     ranks = _model_ranks(cfg)
-    dims = (f"pp_tp={cfg.pp_tp} (sum {ranks})" if cfg.pp_tp is not None else
-            f"pp={cfg.pp} x cp={cfg.cp_size} x tp={cfg.tp} x spatial={cfg.spatial_h * cfg.spatial} x dp_shard={cfg.dp_shard} = {ranks}")
+    dims = (
+        f"pp_tp={cfg.pp_tp} (sum {ranks})"
+        if cfg.pp_tp is not None
+        else f"pp={cfg.pp} x cp={cfg.cp_size} x tp={cfg.tp} x spatial={cfg.spatial_h * cfg.spatial} "
+        f"x dp_shard={cfg.dp_shard} = {ranks}"
+    )
     if cfg.dp_replicate is None:
         nproc = cfg.nproc if cfg.nproc is not None else max(4, ranks) if cfg.model != "conv-ae" else ranks
         if nproc % ranks:
@@ -297,7 +340,9 @@ def _resolve_world(cfg: TrainConfig) -> TrainConfig:
         cfg = dataclasses.replace(cfg, nproc=nproc, dp_replicate=nproc // ranks)
     nproc = cfg.dp_replicate * ranks
     if cfg.nproc is not None and cfg.nproc != nproc:
-        raise ShardkitError(f"layout {dims} x dp_replicate={cfg.dp_replicate} = {nproc} ranks, but --nproc is {cfg.nproc}")
+        raise ShardkitError(
+            f"layout {dims} x dp_replicate={cfg.dp_replicate} = {nproc} ranks, but --nproc is {cfg.nproc}"
+        )
     cfg = dataclasses.replace(cfg, nproc=nproc)
     dp = cfg.dp_replicate * cfg.dp_shard
     if cfg.batch_size % (dp * cfg.microbatches):
@@ -313,25 +358,44 @@ def parallel_dims(cfg: TrainConfig) -> ParallelDims:
         ShardkitError: from ParallelDims (e.g. ``ep`` not dividing the ranks it borrows).
     """
     pp_tp = parse_pp_tp(cfg.pp_tp) if cfg.pp_tp is not None else None
-    return ParallelDims(dp_replicate=cfg.dp_replicate, dp_shard=cfg.dp_shard, pp=cfg.pp, cp_ring=cfg.cp_ring,
-                        cp_ulysses=cfg.cp_ulysses, spatial_h=cfg.spatial_h, spatial=cfg.spatial, tp=1 if pp_tp else cfg.tp, ep=cfg.ep,
-                        pp_tp=pp_tp, world_size=cfg.nproc)
+    return ParallelDims(
+        dp_replicate=cfg.dp_replicate,
+        dp_shard=cfg.dp_shard,
+        pp=cfg.pp,
+        cp_ring=cfg.cp_ring,
+        cp_ulysses=cfg.cp_ulysses,
+        spatial_h=cfg.spatial_h,
+        spatial=cfg.spatial,
+        tp=1 if pp_tp else cfg.tp,
+        ep=cfg.ep,
+        pp_tp=pp_tp,
+        world_size=cfg.nproc,
+    )
 
 
 def _validate_conv_ae(cfg: TrainConfig) -> None:
     """``--model conv-ae``: spatial (W, or H x W tiles) x dp (data-parallel replicas or FSDP2) only."""
     from .conv_ae import CROP, MIN_LOCAL_WIDTH
 
-    given = [f"--{name.replace('_', '-')} {getattr(cfg, name)}" for name in ("tp", "pp", "cp_ring", "cp_ulysses", "ep")
-             if getattr(cfg, name) != 1]
+    given = [
+        f"--{name.replace('_', '-')} {getattr(cfg, name)}"
+        for name in ("tp", "pp", "cp_ring", "cp_ulysses", "ep")
+        if getattr(cfg, name) != 1
+    ]
     if given or cfg.pp_tp is not None or cfg.loss_parallel or cfg.packed:
-        raise ShardkitError(f"{', '.join(given) or 'the LM options'} with --model conv-ae: a convolutional model has "
-                            "no heads, experts, sequence or vocabulary to shard (it composes --spatial / --spatial-h with dp)")
-    for flag, ranks, length, what in (("--spatial", cfg.spatial, CROP[1], "columns"),
-                                      ("--spatial-h", cfg.spatial_h, CROP[0], "rows")):
+        raise ShardkitError(
+            f"{', '.join(given) or 'the LM options'} with --model conv-ae: a convolutional model has "
+            "no heads, experts, sequence or vocabulary to shard (it composes --spatial / --spatial-h with dp)"
+        )
+    for flag, ranks, length, what in (
+        ("--spatial", cfg.spatial, CROP[1], "columns"),
+        ("--spatial-h", cfg.spatial_h, CROP[0], "rows"),
+    ):
         if ranks > length // MIN_LOCAL_WIDTH:
-            raise ShardkitError(f"{flag} {ranks}: the {length}-{what[:-1]} crops give each rank fewer than "
-                                f"{MIN_LOCAL_WIDTH} {what} (at most {flag} {length // MIN_LOCAL_WIDTH})")
+            raise ShardkitError(
+                f"{flag} {ranks}: the {length}-{what[:-1]} crops give each rank fewer than "
+                f"{MIN_LOCAL_WIDTH} {what} (at most {flag} {length // MIN_LOCAL_WIDTH})"
+            )
 
 
 def _validate_lm(cfg: TrainConfig) -> TrainConfig:
@@ -352,13 +416,15 @@ def _validate_lm(cfg: TrainConfig) -> TrainConfig:
     if cfg.sequence_parallel is None:
         cfg = dataclasses.replace(cfg, sequence_parallel=dense and cfg.tp > 1 and cfg.pp_tp is None)
     if cfg.sequence_parallel and cfg.pp_tp is not None:
-        raise ShardkitError("--sequence-parallel with --pp-tp: stages of different tp sizes exchange replicated "
-                            "hidden states")
+        raise ShardkitError(
+            "--sequence-parallel with --pp-tp: stages of different tp sizes exchange replicated hidden states"
+        )
     if cfg.packed and cfg.cp_size > 1 and cfg.batch_size != cfg.dp_replicate * cfg.dp_shard * cfg.microbatches:
         raise ShardkitError(
             f"--packed with context parallelism: every microbatch must be one row (its documents' cu_seqlens are "
             f"per row), so --batch-size must equal dp x microbatches = "
-            f"{cfg.dp_replicate * cfg.dp_shard * cfg.microbatches}, got {cfg.batch_size}")
+            f"{cfg.dp_replicate * cfg.dp_shard * cfg.microbatches}, got {cfg.batch_size}"
+        )
     if cfg.cp_size > 1:
         _validate_cp_tokens(cfg)
     _validate_model(cfg)
@@ -376,8 +442,12 @@ def _validate_cp_tokens(cfg: TrainConfig) -> None:
     flags = f"--cp-ring {cfg.cp_ring} --cp-ulysses {cfg.cp_ulysses}"
     smallest = min(_order((0, cfg.seq_len), cfg.cp_ring, torch.device("cpu")).sizes)
     if smallest < cfg.cp_ulysses:
-        raise ShardkitError(f"--seq-len {cfg.seq_len} with {flags}: every cp rank needs at least one token "
-                            f"(the smallest ring part has {smallest} tokens for {cfg.cp_ulysses} Ulysses rank(s))")
+        raise ShardkitError(
+            f"--seq-len {cfg.seq_len} with {flags}: every cp rank needs at least one token "
+            f"(the smallest ring part has {smallest} tokens for {cfg.cp_ulysses} Ulysses rank(s))"
+        )
+
+
 def _validate_model(cfg: TrainConfig) -> None:
     """Head counts, layers and vocabulary of the model against the layout."""
     from ..pipeline_parallel import check_pp
@@ -393,9 +463,13 @@ def _validate_model(cfg: TrainConfig) -> None:
             )
         from types import SimpleNamespace
 
-        model_config = SimpleNamespace(num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
-                                       hidden_size=cfg.hidden_size, num_hidden_layers=cfg.layers,
-                                       tie_word_embeddings=False)  # build_model unties
+        model_config = SimpleNamespace(
+            num_attention_heads=cfg.heads,
+            num_key_value_heads=cfg.kv_heads,
+            hidden_size=cfg.hidden_size,
+            num_hidden_layers=cfg.layers,
+            tie_word_embeddings=False,
+        )  # build_model unties
     else:
         from .pretrained import read_config
 
@@ -408,8 +482,10 @@ def _validate_model(cfg: TrainConfig) -> None:
             raise ShardkitError(f"{flag}: {n_q} attention heads cannot be split over {t} ranks (whole heads per rank)")
         if t > 1 and cfg.cp_size > 1 and (n_q % t or n_kv % t):
             # the cp attention gets the same number of heads on every tp rank
-            raise ShardkitError(f"{flag} with context parallelism: tp must divide num_attention_heads={n_q} and "
-                                f"num_key_value_heads={n_kv} (whole query and key/value heads per rank)")
+            raise ShardkitError(
+                f"{flag} with context parallelism: tp must divide num_attention_heads={n_q} and "
+                f"num_key_value_heads={n_kv} (whole query and key/value heads per rank)"
+            )
     try:
         check_pp(model_config, cfg.pp)
     except ShardkitError as e:

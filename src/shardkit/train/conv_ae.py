@@ -37,8 +37,21 @@ from .. import balanced_split_sizes
 from .._shapes import split_offsets
 from .model import TORCH_DTYPES
 
-__all__ = ["CROP", "IMAGE", "SPATIAL_DIMS", "ConvAutoencoder", "build_conv_ae", "load_image", "CropSampler",
-           "block_shard", "sharded_dims", "ConvAETask", "eval_batch", "side_by_side", "save_reconstruction"]
+__all__ = [
+    "CROP",
+    "IMAGE",
+    "SPATIAL_DIMS",
+    "ConvAutoencoder",
+    "build_conv_ae",
+    "load_image",
+    "CropSampler",
+    "block_shard",
+    "sharded_dims",
+    "ConvAETask",
+    "eval_batch",
+    "side_by_side",
+    "save_reconstruction",
+]
 
 IMAGE = "grace_hopper.jpg"
 CROP = (48, 80)  # (H, W); W = 80 splits into >= 8 columns per rank for up to 10 ranks, H into 6
@@ -67,11 +80,16 @@ class ConvAutoencoder(nn.Sequential):
 
     def __init__(self) -> None:
         super().__init__(
-            nn.Conv2d(3, 16, 3, padding=1), nn.GroupNorm(4, 16), nn.SiLU(),
-            nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.GroupNorm(8, 32), nn.SiLU(),
+            nn.Conv2d(3, 16, 3, padding=1),
+            nn.GroupNorm(4, 16),
+            nn.SiLU(),
+            nn.Conv2d(16, 32, 3, stride=2, padding=1),
+            nn.GroupNorm(8, 32),
+            nn.SiLU(),
             _Residual(32),
             nn.Upsample(scale_factor=2, mode="nearest"),
-            nn.Conv2d(32, 16, 3, padding=1), nn.SiLU(),
+            nn.Conv2d(32, 16, 3, padding=1),
+            nn.SiLU(),
             nn.Conv2d(16, 3, 3, padding=1),
         )
 
@@ -114,7 +132,7 @@ class CropSampler:
         (h, w), (_, hi, wi) = self.crop, self.image.shape
         tops = torch.randint(0, hi - h + 1, (self.batch_size,), generator=self.gen).tolist()
         lefts = torch.randint(0, wi - w + 1, (self.batch_size,), generator=self.gen).tolist()
-        return torch.stack([self.image[:, t : t + h, l : l + w] for t, l in zip(tops, lefts)])
+        return torch.stack([self.image[:, top : top + h, left : left + w] for top, left in zip(tops, lefts)])
 
 
 def block_shard(x_full: torch.Tensor, local_size: int, group, dim: int) -> torch.Tensor:
@@ -215,8 +233,11 @@ def side_by_side(inputs: torch.Tensor, outputs: torch.Tensor, scale: int = 2, ga
     return grid
 
 
-def save_reconstruction(model: nn.Module, path: str | os.PathLike, batch: torch.Tensor | None = None,
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+def save_reconstruction(
+    model: nn.Module,
+    path: str | os.PathLike,
+    batch: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Write ``path`` (PNG): the crops of ``batch`` and ``model``'s reconstructions, side by side.
 
     Args:

@@ -96,8 +96,11 @@ def one_source(read: Callable[[], Corpus], dtype: torch.dtype, device: torch.dev
                 raise ShardkitError(f"corpus: read {corpus.tokens.dtype} tokens, expected {dtype}")
         except Exception as exc:  # every failure reaches the other ranks, which would wait forever
             failure = exc
-            text = str(exc) if isinstance(exc, ShardkitError) else (
-                f"global rank 0 could not read the training data: {type(exc).__name__}: {exc}")
+            text = (
+                str(exc)
+                if isinstance(exc, ShardkitError)
+                else (f"global rank 0 could not read the training data: {type(exc).__name__}: {exc}")
+            )
             error = text.encode()[:65536]
     header = torch.zeros(3, dtype=torch.int64, device=device)
     if first:
@@ -107,8 +110,11 @@ def one_source(read: Callable[[], Corpus], dtype: torch.dtype, device: torch.dev
     dist.broadcast(header, src=0)
     n_error, n_tokens, n_docs = header.tolist()
     if n_error:
-        buf = torch.frombuffer(bytearray(error), dtype=torch.uint8).to(device) if first else torch.empty(
-            n_error, dtype=torch.uint8, device=device)
+        buf = (
+            torch.frombuffer(bytearray(error), dtype=torch.uint8).to(device)
+            if first
+            else torch.empty(n_error, dtype=torch.uint8, device=device)
+        )
         dist.broadcast(buf, src=0)
         if isinstance(failure, ShardkitError) and len(str(failure).encode()) == n_error:
             raise failure  # the message every other rank raises

@@ -16,8 +16,16 @@ import torch
 
 from ..errors import ShardkitError
 
-__all__ = ["VOCAB_SIZE", "stdlib_files", "corpus_files", "check_files", "read_regular", "read_documents", "load_tokens",
-           "BatchSampler"]
+__all__ = [
+    "VOCAB_SIZE",
+    "stdlib_files",
+    "corpus_files",
+    "check_files",
+    "read_regular",
+    "read_documents",
+    "load_tokens",
+    "BatchSampler",
+]
 
 VOCAB_SIZE = 256
 # Third-party code lives under the stdlib folder but is not the standard library.
@@ -62,8 +70,13 @@ def corpus_files(path: str | None) -> list[Path]:
     return sorted(out)
 
 
-_KINDS = {stat.S_ISFIFO: "a FIFO", stat.S_ISSOCK: "a socket", stat.S_ISCHR: "a character device",
-          stat.S_ISBLK: "a block device", stat.S_ISDIR: "a directory"}
+_KINDS = {
+    stat.S_ISFIFO: "a FIFO",
+    stat.S_ISSOCK: "a socket",
+    stat.S_ISCHR: "a character device",
+    stat.S_ISBLK: "a block device",
+    stat.S_ISDIR: "a directory",
+}
 
 
 def _regular_stat(path: Path, st: os.stat_result) -> None:

@@ -54,9 +54,15 @@ def builtin_shape(cfg: TrainConfig):
     from .data import VOCAB_SIZE
 
     head_dim = cfg.hidden_size // cfg.heads
-    config: dict = dict(vocab_size=VOCAB_SIZE, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-                        num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
-                        tie_word_embeddings=False)
+    config: dict = dict(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.layers,
+        num_attention_heads=cfg.heads,
+        num_key_value_heads=cfg.kv_heads,
+        tie_word_embeddings=False,
+    )
     moe = dict(num_experts_per_tok=2, moe_intermediate_size=max(1, cfg.intermediate_size // 2))
     if cfg.model in ("llama", "qwen2"):
         config["model_type"] = cfg.model
@@ -65,10 +71,20 @@ def builtin_shape(cfg: TrainConfig):
     elif cfg.model == "moe":
         config.update(model_type="qwen3_moe", head_dim=head_dim, num_experts=cfg.experts, decoder_sparse_step=1, **moe)
     else:  # mla
-        config.update(model_type="deepseek_v2", num_key_value_heads=cfg.heads, q_lora_rank=None, head_dim=head_dim // 2,
-                      kv_lora_rank=cfg.hidden_size // 2, qk_rope_head_dim=head_dim // 2, qk_nope_head_dim=head_dim,
-                      v_head_dim=head_dim, n_routed_experts=cfg.experts, n_shared_experts=1, first_k_dense_replace=1,
-                      **moe)
+        config.update(
+            model_type="deepseek_v2",
+            num_key_value_heads=cfg.heads,
+            q_lora_rank=None,
+            head_dim=head_dim // 2,
+            kv_lora_rank=cfg.hidden_size // 2,
+            qk_rope_head_dim=head_dim // 2,
+            qk_nope_head_dim=head_dim,
+            v_head_dim=head_dim,
+            n_routed_experts=cfg.experts,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            **moe,
+        )
     return ModelShape.from_config(config)
 
 
@@ -94,8 +110,9 @@ def memory_estimate(cfg: TrainConfig) -> list[dict[str, float]]:
     else:
         shape = builtin_shape(cfg)
     dims = parallel_dims(cfg)
-    opts = StepOptions(cfg.seq_len, cfg.batch_size, cfg.microbatches, cfg.dtype, cfg.sequence_parallel,
-                       cfg.loss_parallel, cfg.schedule)
+    opts = StepOptions(
+        cfg.seq_len, cfg.batch_size, cfg.microbatches, cfg.dtype, cfg.sequence_parallel, cfg.loss_parallel, cfg.schedule
+    )
     stages = {s: memory_per_rank(shape, dims, opts, s) for s in range(dims.pp)}
     return [stages[rank_stage(dims, r)[0]] for r in range(dims.product)]
 
@@ -121,8 +138,10 @@ def check_machine(cfg: TrainConfig, local_launch: bool) -> None:
     assert cfg.nproc is not None  # validate_config resolved it
     if local_launch and cfg.nproc > max(MIN_LOCAL_RANKS, RANKS_PER_CPU * _cpus()):
         limit = max(MIN_LOCAL_RANKS, RANKS_PER_CPU * _cpus())
-        raise ShardkitError(f"--nproc {cfg.nproc}: a local launch starts at most max({MIN_LOCAL_RANKS}, "
-                            f"{RANKS_PER_CPU} x CPUs) ranks: {limit} on this machine ({_cpus()} CPUs)")
+        raise ShardkitError(
+            f"--nproc {cfg.nproc}: a local launch starts at most max({MIN_LOCAL_RANKS}, "
+            f"{RANKS_PER_CPU} x CPUs) ranks: {limit} on this machine ({_cpus()} CPUs)"
+        )
     if cfg.model == "conv-ae":
         return  # fixed-size frames and channels: its memory does not grow with the flags
     try:
@@ -138,9 +157,11 @@ def check_machine(cfg: TrainConfig, local_launch: bool) -> None:
     if need > have:
         parts = ", ".join(f"{k} {worst[k] / _GIB:.2f}" for k in ("params", "grads", "optimizer", "activations"))
         where = "this GPU's memory" if cuda else f"this machine's memory (MemTotal) for {local} local rank(s)"
-        raise ShardkitError(f"{_size_flags(cfg)} with --nproc {cfg.nproc}: a rank needs about "
-                            f"{worst['total'] / _GIB:.1f} GiB ({parts} GiB), {need / _GIB:.1f} GiB in all, more than "
-                            f"{where}: {have / _GIB:.1f} GiB. Lower these sizes or shard more (--tp, --dp-shard, --pp)")
+        raise ShardkitError(
+            f"{_size_flags(cfg)} with --nproc {cfg.nproc}: a rank needs about "
+            f"{worst['total'] / _GIB:.1f} GiB ({parts} GiB), {need / _GIB:.1f} GiB in all, more than "
+            f"{where}: {have / _GIB:.1f} GiB. Lower these sizes or shard more (--tp, --dp-shard, --pp)"
+        )
 
 
 def _cuda_memory() -> int | None:

@@ -26,8 +26,17 @@ import time
 from types import TracebackType
 from typing import NamedTuple
 
-__all__ = ["INTERVAL_S", "GRACE_S", "Beat", "Heartbeat", "read_heartbeats", "stalled_ranks", "to_stop", "Watchdog",
-           "clear_flight_dir"]
+__all__ = [
+    "INTERVAL_S",
+    "GRACE_S",
+    "Beat",
+    "Heartbeat",
+    "read_heartbeats",
+    "stalled_ranks",
+    "to_stop",
+    "Watchdog",
+    "clear_flight_dir",
+]
 
 INTERVAL_S = 1.0
 _BEAT = re.compile(r"^heartbeat-rank(\d+)$")
@@ -91,8 +100,9 @@ class Heartbeat:
         self._thread.start()
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self._stop.set()
         self._thread.join()
         try:

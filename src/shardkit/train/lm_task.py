@@ -115,8 +115,10 @@ class LMTask:
         n = ids.shape[0] // dp
         rows = range(dp_rank * n, (dp_rank + 1) * n)
         k = n // m
-        return [Microbatch(ids[rows[i * k] : rows[i * k] + k], None if cus is None else cus[rows[i * k] : rows[i * k] + k])
-                for i in range(m)]
+        return [
+            Microbatch(ids[rows[i * k] : rows[i * k] + k], None if cus is None else cus[rows[i * k] : rows[i * k] + k])
+            for i in range(m)
+        ]
 
     def prepare(self, mb: Microbatch, pm) -> tuple[dict, torch.Tensor]:
         """Model inputs and targets of one microbatch on this rank (its cp tokens with cp)."""
@@ -139,8 +141,9 @@ class LMTask:
     def loss_sum(logits: torch.Tensor, labels: torch.Tensor, pm) -> torch.Tensor:
         """Sum of the cross entropies of the targets (``-100`` ignored); half precision upcast."""
         if pm.loss_parallel:
-            return vocab_parallel_cross_entropy(logits, labels, pm.mesh["tp"], ignore_index=IGNORE_INDEX,
-                                                reduction="sum")
+            return vocab_parallel_cross_entropy(
+                logits, labels, pm.mesh["tp"], ignore_index=IGNORE_INDEX, reduction="sum"
+            )
         if logits.dtype in (torch.float16, torch.bfloat16):
             logits = logits.float()
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")

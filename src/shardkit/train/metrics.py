@@ -51,8 +51,15 @@ class MetricsLog:
         tensorboard: write TensorBoard scalars; None: when ``tensorboard`` is installed.
     """
 
-    def __init__(self, folder: str, unit: str, sample_size: int, batch_size: int, device: torch.device,
-                 tensorboard: bool | None = None) -> None:
+    def __init__(
+        self,
+        folder: str,
+        unit: str,
+        sample_size: int,
+        batch_size: int,
+        device: torch.device,
+        tensorboard: bool | None = None,
+    ) -> None:
         os.makedirs(folder, exist_ok=True)
         self.path = os.path.join(folder, "metrics.jsonl")
         self.unit, self.per_step, self.device = unit, sample_size * batch_size, device
@@ -67,9 +74,16 @@ class MetricsLog:
 
     def write(self, step: int, stats: StepStats, lr: float) -> dict[str, float]:
         """Record 0-based ``step``; returns the line written."""
-        line = {"step": step + 1, "loss": stats.loss, "grad_norm": stats.grad_norm, "lr": lr,
-                f"{self.unit}_per_s": self.per_step / stats.seconds, "step_time_s": stats.seconds,
-                "peak_memory_bytes": peak_memory(self.device), "skipped": stats.skipped}
+        line = {
+            "step": step + 1,
+            "loss": stats.loss,
+            "grad_norm": stats.grad_norm,
+            "lr": lr,
+            f"{self.unit}_per_s": self.per_step / stats.seconds,
+            "step_time_s": stats.seconds,
+            "peak_memory_bytes": peak_memory(self.device),
+            "skipped": stats.skipped,
+        }
         with open(self.path, "a") as f:
             f.write(json.dumps(line) + "\n")
         if self._writer is not None:

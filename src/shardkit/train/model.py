@@ -43,13 +43,24 @@ def _hf_config(cfg: TrainConfig):
     if cfg.model == "qwen3":
         return tf.Qwen3ForCausalLM, tf.Qwen3Config(**common, head_dim=head_dim)
     if cfg.model == "moe":
-        return tf.Qwen3MoeForCausalLM, tf.Qwen3MoeConfig(**common, **moe, head_dim=head_dim, num_experts=cfg.experts,
-                                                         norm_topk_prob=True, decoder_sparse_step=1)
+        return tf.Qwen3MoeForCausalLM, tf.Qwen3MoeConfig(
+            **common, **moe, head_dim=head_dim, num_experts=cfg.experts, norm_topk_prob=True, decoder_sparse_step=1
+        )
     # "mla": DeepSeek-V2 (multi-head latent attention; the first layer dense, the others MoE).
     return tf.DeepseekV2ForCausalLM, tf.DeepseekV2Config(
-        **{**common, "num_key_value_heads": cfg.heads}, **moe, q_lora_rank=None, kv_lora_rank=cfg.hidden_size // 2,
-        qk_rope_head_dim=head_dim // 2, qk_nope_head_dim=head_dim, v_head_dim=head_dim,
-        n_routed_experts=cfg.experts, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1)
+        **{**common, "num_key_value_heads": cfg.heads},
+        **moe,
+        q_lora_rank=None,
+        kv_lora_rank=cfg.hidden_size // 2,
+        qk_rope_head_dim=head_dim // 2,
+        qk_nope_head_dim=head_dim,
+        v_head_dim=head_dim,
+        n_routed_experts=cfg.experts,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+    )
 
 
 def build_model(cfg: TrainConfig):

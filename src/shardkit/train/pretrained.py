@@ -82,16 +82,21 @@ def resolve_checkpoint(path: str | Path) -> CheckpointSource:
     p = Path(path).expanduser().resolve()
     if p.is_file():
         if p.suffix.lower() != _GGUF_SUFFIX:
-            raise ShardkitError(f"--model-path: {path} is a file but not a GGUF file (*.gguf); pass a GGUF file "
-                                "or a Hugging Face checkpoint directory")
+            raise ShardkitError(
+                f"--model-path: {path} is a file but not a GGUF file (*.gguf); pass a GGUF file "
+                "or a Hugging Face checkpoint directory"
+            )
         if importlib.util.find_spec("gguf") is None:
-            raise ShardkitError(f"--model-path: loading the GGUF file {path} needs the gguf package: "
-                                "pip install 'shardkit[pretrained]'")
+            raise ShardkitError(
+                f"--model-path: loading the GGUF file {path} needs the gguf package: pip install 'shardkit[pretrained]'"
+            )
         return CheckpointSource(p.parent, p.name)
     if p.is_dir():
         if not (p / "config.json").is_file():
-            raise ShardkitError(f"--model-path: {path} has no config.json (expected a local Hugging Face checkpoint "
-                                "directory or a GGUF file)")
+            raise ShardkitError(
+                f"--model-path: {path} has no config.json (expected a local Hugging Face checkpoint "
+                "directory or a GGUF file)"
+            )
         return CheckpointSource(p)
     raise ShardkitError(f"--model-path: {path} does not exist")
 
@@ -123,8 +128,10 @@ def read_config(path: str | Path):
     except (OSError, ValueError, KeyError) as e:
         raise ShardkitError(f"--model-path: cannot read the model config of {path}: {e}") from None
     if config.model_type not in FAMILIES:
-        raise ShardkitError(f"--model-path: {path} is a {config.model_type!r} model; supported families "
-                            f"(config.model_type) are {', '.join(FAMILIES)}")
+        raise ShardkitError(
+            f"--model-path: {path} is a {config.model_type!r} model; supported families "
+            f"(config.model_type) are {', '.join(FAMILIES)}"
+        )
     config.use_cache = False
     return config
 
@@ -186,8 +193,10 @@ def check_tokenizer(tokenizer, config) -> None:
         ShardkitError: ``len(tokenizer) > config.vocab_size``.
     """
     if len(tokenizer) > config.vocab_size:
-        raise ShardkitError(f"--model-path: the tokenizer has {len(tokenizer)} tokens but the model's embedding has "
-                            f"{config.vocab_size} rows (vocab_size): ids >= {config.vocab_size} would index past it")
+        raise ShardkitError(
+            f"--model-path: the tokenizer has {len(tokenizer)} tokens but the model's embedding has "
+            f"{config.vocab_size} rows (vocab_size): ids >= {config.vocab_size} would index past it"
+        )
 
 
 def smollm2_gguf() -> Path | None:

@@ -31,7 +31,7 @@ class TrainProgress:
         self.task = self.progress.add_task("train", total=steps, loss="-", tps="-")
         self.start = 0.0
 
-    def __enter__(self) -> "TrainProgress":
+    def __enter__(self) -> TrainProgress:
         self.progress.__enter__()
         self.start = time.perf_counter()
         return self

@@ -199,8 +199,16 @@ def _run_steps(pm, task, cfg: TrainConfig, loss_scale, on_step, layout: str, met
     losses, norms, skipped = [], [], []
     for step in range(first, cfg.steps):
         lr = optimizer.param_groups[0]["lr"]  # the rate this step uses
-        stats = train_step(pm, optimizer, task, microbatches=cfg.microbatches, max_norm=cfg.max_norm,
-                           schedule=cfg.schedule, loss_scale=loss_scale, scheduler=scheduler)
+        stats = train_step(
+            pm,
+            optimizer,
+            task,
+            microbatches=cfg.microbatches,
+            max_norm=cfg.max_norm,
+            schedule=cfg.schedule,
+            loss_scale=loss_scale,
+            scheduler=scheduler,
+        )
         losses.append(stats.loss)
         norms.append(stats.grad_norm)
         if on_step is not None:
@@ -211,10 +219,21 @@ def _run_steps(pm, task, cfg: TrainConfig, loss_scale, on_step, layout: str, met
             skipped.append(step + 1)
             _nonfinite_step(step, stats, lr, len(skipped), cfg.skip_nonfinite)
         done = step + 1
-        if pm.mesh is not None and cfg.checkpoint_dir is not None and (
-                done == cfg.steps or (cfg.save_every and done % cfg.save_every == 0)):
-            save_train_state(cfg.checkpoint_dir, pm, optimizer, done, _extra_state(task), layout, keep=cfg.keep,
-                             model=model_description(cfg))
+        if (
+            pm.mesh is not None
+            and cfg.checkpoint_dir is not None
+            and (done == cfg.steps or (cfg.save_every and done % cfg.save_every == 0))
+        ):
+            save_train_state(
+                cfg.checkpoint_dir,
+                pm,
+                optimizer,
+                done,
+                _extra_state(task),
+                layout,
+                keep=cfg.keep,
+                model=model_description(cfg),
+            )
     return {"losses": losses, "grad_norms": norms, "first_step": first, "skipped_steps": skipped}
 
 
@@ -225,14 +244,21 @@ def _nonfinite_step(step: int, stats, lr: float, seen: int, allowed: int) -> Non
     every rank takes the same branch."""
     from ..errors import NonFiniteError
 
-    bad = [f"{name} ({value})" for name, value in (("loss", stats.loss), ("gradient norm", stats.grad_norm))
-           if not math.isfinite(value)]
-    where = f"step {step + 1}: the global {' and '.join(bad)} {'is' if len(bad) == 1 else 'are'} not finite; " \
-            "the step was not applied"
+    bad = [
+        f"{name} ({value})"
+        for name, value in (("loss", stats.loss), ("gradient norm", stats.grad_norm))
+        if not math.isfinite(value)
+    ]
+    where = (
+        f"step {step + 1}: the global {' and '.join(bad)} {'is' if len(bad) == 1 else 'are'} not finite; "
+        "the step was not applied"
+    )
     if seen > allowed:
-        raise NonFiniteError(f"{where}. Stopping: {seen} non-finite step(s) in this run, --skip-nonfinite allows "
-                             f"{allowed}. Nothing later was saved; lower --lr (this step's: {lr:g}) or look for a "
-                             "NaN in the data or the checkpoint")
+        raise NonFiniteError(
+            f"{where}. Stopping: {seen} non-finite step(s) in this run, --skip-nonfinite allows "
+            f"{allowed}. Nothing later was saved; lower --lr (this step's: {lr:g}) or look for a "
+            "NaN in the data or the checkpoint"
+        )
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(f"shardkit train: {where} (skipped {seen} of --skip-nonfinite {allowed})", file=sys.stderr, flush=True)
 
@@ -294,15 +320,16 @@ def _train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool) ->
 
     unit = "px" if cfg.model == "conv-ae" else "tok"
     bar = TrainProgress(cfg.steps, cfg.batch_size * _sample_size(cfg), unit=unit) if progress and rank == 0 else None
-    with CommLedger() as ledger, (bar or nullcontext()):
+    with CommLedger() as ledger, bar or nullcontext():
         t1 = time.perf_counter()
         metrics = None
         if cfg.report is not None and rank == 0:
             unit_name = "pixels" if cfg.model == "conv-ae" else "tokens"
             metrics = MetricsLog(cfg.report, unit_name, _sample_size(cfg), cfg.batch_size, device)
         try:
-            run = run_training(pm, task, cfg, loss_scale, on_step=bar.update if bar else None,
-                               layout=dims.describe(), metrics=metrics)
+            run = run_training(
+                pm, task, cfg, loss_scale, on_step=bar.update if bar else None, layout=dims.describe(), metrics=metrics
+            )
         finally:
             if metrics is not None:
                 metrics.close()
@@ -320,11 +347,19 @@ def _train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool) ->
     if reconstruct and cfg.report is not None:
         files.append(_save_reconstruction(cfg, cfg.report, full_params))
     result = {
-        "layout": {"nproc": cfg.nproc, "model": cfg.model, "parallel": dims.describe(),
-                   **{k: v for k, v in asdict(dims).items() if k != "world_size"},
-                   "sequence_parallel": pm.sequence_parallel, "loss_parallel": cfg.loss_parallel,
-                   "microbatches": cfg.microbatches, "schedule": cfg.schedule if dims.pp > 1 else None,
-                   "packed": cfg.packed, "backend": backend, "device": str(device)},
+        "layout": {
+            "nproc": cfg.nproc,
+            "model": cfg.model,
+            "parallel": dims.describe(),
+            **{k: v for k, v in asdict(dims).items() if k != "world_size"},
+            "sequence_parallel": pm.sequence_parallel,
+            "loss_parallel": cfg.loss_parallel,
+            "microbatches": cfg.microbatches,
+            "schedule": cfg.schedule if dims.pp > 1 else None,
+            "packed": cfg.packed,
+            "backend": backend,
+            "device": str(device),
+        },
         "config": asdict(cfg),
         "environment": _environment(),
         **run,
@@ -333,8 +368,10 @@ def _train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool) ->
         "ledger": _ledger_rows(ledger, mesh),
         "timings_s": {"setup": t_setup, "train": t_train},
         "files": files,
-        ("pixels_per_s" if cfg.model == "conv-ae" else "tokens_per_s"):
-            cfg.batch_size * _sample_size(cfg) * cfg.steps / t_train,
+        ("pixels_per_s" if cfg.model == "conv-ae" else "tokens_per_s"): cfg.batch_size
+        * _sample_size(cfg)
+        * cfg.steps
+        / t_train,
     }
     if reference is not None:
         assert full_params is not None  # gathered above for --verify; rank 0 holds them
@@ -346,8 +383,14 @@ def _train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool) ->
         first = run["first_step"]  # a resumed run is compared from the step it resumed at
         result["reference_losses"] = ref["losses"][first:]
         result["reference_grad_norms"] = ref["grad_norms"][first:]
-        result["parity"] = compare_runs(run["losses"], result["reference_losses"], full_params, ref_params, cfg.dtype,
-                                        grad_norms=(run["grad_norms"], result["reference_grad_norms"]))
+        result["parity"] = compare_runs(
+            run["losses"],
+            result["reference_losses"],
+            full_params,
+            ref_params,
+            cfg.dtype,
+            grad_norms=(run["grad_norms"], result["reference_grad_norms"]),
+        )
         result["timings_s"]["verify"] = time.perf_counter() - t2
     return result
 
@@ -379,11 +422,24 @@ def _environment() -> dict:
     except ImportError:
         pass
     try:
-        revision = subprocess.run(["git", "rev-parse", "HEAD"], cwd=os.path.dirname(shardkit.__file__), capture_output=True,
-                                  text=True, timeout=10).stdout.strip() or None
+        revision = (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"],
+                cwd=os.path.dirname(shardkit.__file__),
+                capture_output=True,
+                text=True,
+                timeout=10,
+            ).stdout.strip()
+            or None
+        )
     except (OSError, subprocess.SubprocessError):
         revision = None
-    return {"versions": versions, "git_revision": revision, "host": socket.gethostname(), "platform": platform.platform()}
+    return {
+        "versions": versions,
+        "git_revision": revision,
+        "host": socket.gethostname(),
+        "platform": platform.platform(),
+    }
 
 
 def _sample_size(cfg: TrainConfig) -> int:

@@ -77,8 +77,10 @@ def warmup_cosine(
     # eta_min is one number for every group: a per-group floor would need per-group schedulers.
     peaks = {group["lr"] for group in optimizer.param_groups}
     if len(peaks) != 1:
-        raise ShardkitError(f"lr schedule: the optimizer's param groups have different lr {sorted(peaks)}; "
-                            "warmup_cosine takes one peak rate")
+        raise ShardkitError(
+            f"lr schedule: the optimizer's param groups have different lr {sorted(peaks)}; "
+            "warmup_cosine takes one peak rate"
+        )
     cosine = CosineAnnealingLR(optimizer, T_max=max(1, steps - 1 - w), eta_min=min_lr_ratio * peaks.pop())
     if w == 0:
         return cosine

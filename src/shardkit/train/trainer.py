@@ -120,8 +120,17 @@ def _pipeline_backward(pm, task, microbatches: list, schedule: str, loss_scale: 
     return torch.stack([loss.to(dtype) for loss in losses]).sum() / loss_scale.scale
 
 
-def train_step(pm, optimizer, task, *, microbatches: int = 1, max_norm: float | None = None,
-               schedule: str = "1f1b", loss_scale: LossScale | None = None, scheduler=None) -> StepStats:
+def train_step(
+    pm,
+    optimizer,
+    task,
+    *,
+    microbatches: int = 1,
+    max_norm: float | None = None,
+    schedule: str = "1f1b",
+    loss_scale: LossScale | None = None,
+    scheduler=None,
+) -> StepStats:
     """One optimizer step of ``pm`` on the task's next global batch.
 
     Args:

@@ -34,8 +34,9 @@ def relative_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return num / den if den > 0 else num
 
 
-def compare_runs(losses, ref_losses, params: dict, ref_params: dict, dtype: str, top: int = 5,
-                 grad_norms: tuple | None = None) -> dict:
+def compare_runs(
+    losses, ref_losses, params: dict, ref_params: dict, dtype: str, top: int = 5, grad_norms: tuple | None = None
+) -> dict:
     """Per-step loss and final-parameter differences of two runs, against the dtype tolerance.
 
     Args:
