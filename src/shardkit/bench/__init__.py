@@ -9,6 +9,7 @@ of per-round ratios with its spread; every case checks its results before timing
 
 from __future__ import annotations
 
+from ._launch import run_cases
 from ._method import Record, Settings
 from .registry import CASES
 from .report import write_outputs
@@ -19,7 +20,6 @@ __all__ = ["CASES", "Record", "Settings", "run_bench", "write_outputs"]
 def run_bench(names, settings: Settings, progress: bool = True) -> list[dict]:
     """Run the cases ``names`` (keys of :data:`CASES`), one spawned gloo world per world size;
     returns their records (JSON-able dicts). A failed correctness check raises."""
-    from ._launch import run_cases
 
     unknown = [n for n in names if n not in CASES]
     if unknown:

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from .. import all_gather, reduce_scatter
 from ..comm import all_reduce_forward
 from ..comm._compat import all_gather_single, reduce_scatter_single
+from ..pipeline_parallel import ShapeCache, recv_forward, send_forward
 from ._method import Record, Settings, agree, same_bits, time_interleaved
 
 __all__ = ["collectives", "p2p"]
@@ -86,7 +87,6 @@ def p2p(pg, settings: Settings) -> list[Record]:
     time: a header round trip) and ``cached`` (negotiated once per distinct shape: a
     :class:`~shardkit.pipeline_parallel.ShapeCache` on each end).
     An op is ``reps`` transfers in a row (reported per transfer); send/recv bus factor 1."""
-    from ..pipeline_parallel import ShapeCache, recv_forward, send_forward
 
     rank, n = dist.get_rank(pg), dist.get_world_size(pg)
     records = []

@@ -28,6 +28,8 @@ import torch.nn.functional as F
 
 from .. import balanced_split_sizes
 from .._shapes import split_offsets
+from ..comm import CommLedger
+from ..context_parallel import ring_attention, ulysses_attention, zigzag_positions
 from ._method import Record, Settings, agree, close, time_interleaved
 
 __all__ = ["ring", "ulysses"]
@@ -62,7 +64,6 @@ def _fwd_bwd(attn, q, k, v, dout):
 
 
 def _ring_variant(p, pg, seed):
-    from ..context_parallel import ring_attention, zigzag_positions
 
     rank, R = dist.get_rank(pg), dist.get_world_size(pg)
     B, S, N, D = p["B"], p["S"], p["N"], p["D"]
@@ -153,8 +154,6 @@ def _dtensor_attention(pg, causal):
 
 
 def ulysses(pg, settings: Settings) -> list[Record]:
-    from ..comm import CommLedger
-    from ..context_parallel import ulysses_attention
 
     rank, R = dist.get_rank(pg), dist.get_world_size(pg)
     S = 1024 if settings.quick else 2048

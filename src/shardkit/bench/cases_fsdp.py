@@ -25,6 +25,8 @@ import functools
 import torch
 import torch.distributed as dist
 
+from .. import ParallelDims
+from ..parallelize import gather_full_parameters, parallelize
 from ._method import Record, Settings, agree, close, time_interleaved
 from .cases_tp import CHECKED, SHAPES, dtensor_tp, load_llama, save_llama
 
@@ -35,8 +37,6 @@ DP, TP = 2, 2
 
 def _shardkit(path: str):
     """(step module, backward hook before the optimizer, full parameters on rank 0, dp rank)."""
-    from .. import ParallelDims
-    from ..parallelize import gather_full_parameters, parallelize
 
     pm = parallelize(load_llama(path), ParallelDims(dp_shard=DP, tp=TP).build_mesh())
     return pm.module, pm.grads.reduce, lambda: gather_full_parameters(pm), pm.mesh.local_rank("dp")

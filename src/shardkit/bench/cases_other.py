@@ -16,15 +16,16 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .. import all_gather, balanced_split_sizes
+from .. import all_gather, balanced_split_sizes, gather_forward_split_backward
 from .._shapes import split_offsets
+from ..spatial import halo_exchange, spatial_conv2d
+from ..tensor_parallel.loss import vocab_parallel_cross_entropy
 from ._method import Record, Settings, agree, close, time_interleaved
 
 __all__ = ["spatial_conv", "vocab_loss"]
 
 
 def _conv_fns(shape, pg):
-    from ..spatial import halo_exchange, spatial_conv2d
 
     rank, world = dist.get_rank(pg), dist.get_world_size(pg)
     B, C, H, W = shape
@@ -133,8 +134,6 @@ def spatial_conv(pg, settings: Settings) -> list[Record]:
 
 
 def vocab_loss(pg, settings: Settings) -> list[Record]:
-    from .. import gather_forward_split_backward
-    from ..tensor_parallel.loss import vocab_parallel_cross_entropy
 
     rank, world = dist.get_rank(pg), dist.get_world_size(pg)
     tokens, vocab = (128, 32000) if settings.quick else (2048, 32000)

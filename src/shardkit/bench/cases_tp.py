@@ -29,6 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .. import apply_tp
+from ..tensor_parallel import gather_full_grads, gather_full_state_dict
 from ._method import Record, Settings, agree, close, time_interleaved
 
 __all__ = ["tp_step", "dtensor_tp", "load_llama", "save_llama", "SHAPES", "CHECKED"]
@@ -141,8 +143,6 @@ def dtensor_tp(model, mesh, sp: bool):
 def _build(variant: str, path: str, pg):
     mode, impl = variant.split("/")
     if impl == "shardkit":
-        from .. import apply_tp
-
         return apply_tp(load_llama(path), pg, sequence_parallel=mode == "tp+sp", check="off")
     if impl == "hf":
         return load_llama(path, tp_plan="auto")
@@ -159,8 +159,6 @@ def _full(t):
 
 def _gathered(variant, model, grads: bool):
     if variant.endswith("shardkit"):
-        from ..tensor_parallel import gather_full_grads, gather_full_state_dict
-
         full = gather_full_grads(model) if grads else gather_full_state_dict(model)
         return {n: full[n] for n in CHECKED}
     params = dict(model.named_parameters())
