@@ -44,7 +44,7 @@ from ..comm._compat import all_gather_single, reduce_scatter_single
 from ..expert_parallel.hf import expert_shard
 
 if TYPE_CHECKING:
-    from ..mesh import ParallelMesh
+    from ..sharding import ParallelMesh
 
 __all__ = ["LedgerAllGather", "LedgerReduceScatter", "apply_fsdp", "keeps_own_reduction"]
 

@@ -35,10 +35,10 @@ from torch import nn
 from ..comm import _c10d
 from ..comm._group import GroupInfo, resolve_group
 from ..errors import ShardkitError
-from ..tensor_parallel.spec import ShardSpec
+from ..sharding import ShardSpec
 
 if TYPE_CHECKING:
-    from ..mesh import ParallelMesh
+    from ..sharding import ParallelMesh
 
 __all__ = ["GradientSync", "ParamLayout"]
 

@@ -29,15 +29,17 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from ..comm.fingerprint import maybe_fingerprint
+from ..context_parallel import apply_cp
 from ..data_parallel import GradientSync, ParamLayout, apply_fsdp
 from ..errors import ShardkitError
 from ..expert_parallel.hf import expert_shard, shard_experts
+from ..expert_parallel.styles import ep_styles
+from ..sharding import shard_spec
 from ..tensor_parallel import apply_tp
 from ..tensor_parallel.plan import CompiledPlan, model_tp_plan
-from ..tensor_parallel.spec import shard_spec
 
 if TYPE_CHECKING:
-    from ..mesh import ParallelMesh
+    from ..sharding import ParallelMesh
 
 __all__ = ["ParallelModel", "parallelize", "decoder_layers"]
 
@@ -84,7 +86,7 @@ def _experts_modules(model: nn.Module) -> list[nn.Module]:
             f"parallelize: ep > 1 needs a mixture-of-experts model; {type(model).__name__} "
             "has no experts in its config's base_model_ep_plan"
         )
-    compiled = CompiledPlan.build(patterns, model)
+    compiled = CompiledPlan.build(patterns, model, ep_styles())
     return [m for name, m in model.named_modules() if name and compiled.match(name)]
 
 
@@ -119,8 +121,6 @@ def parallelize(
         ShardkitError: a layout the model cannot take (e.g. ``ep > 1`` on a dense model), with
             the reason; the transforms' own errors (head counts, ...).
     """
-    from ..context_parallel import apply_cp
-
     if mesh is None:  # one process: no transform, every parameter replicated
         layouts = _param_layouts(model)
         return ParallelModel(model, None, None, GradientSync(model, None, layouts), layouts, False, False)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from ..tensor_parallel.spec import gather_full
+from ..sharding import gather_full
 
 if TYPE_CHECKING:
     from .decoder import ParallelModel

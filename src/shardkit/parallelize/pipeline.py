@@ -25,7 +25,7 @@ from ..pipeline_parallel import DecoderStageModule, PipelineStage, sum_tied_embe
 from .decoder import ParallelModel, parallelize
 
 if TYPE_CHECKING:
-    from ..mesh import ParallelMesh
+    from ..sharding import ParallelMesh
 
 __all__ = ["parallelize_stage"]
 

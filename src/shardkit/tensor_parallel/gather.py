@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ..errors import ShardkitError
-from .spec import gather_full, shard_spec
+from ..sharding import gather_full, shard_spec
 
 __all__ = ["unwrap", "gather_full_state_dict", "gather_full_grads"]
 

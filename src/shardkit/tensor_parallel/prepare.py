@@ -17,7 +17,7 @@ from torch import nn
 
 from ..comm import all_reduce_forward
 from ..errors import ShardkitError
-from ..layouts import Partial, Replicate, Shard, check_layout
+from ..sharding import Partial, Replicate, Shard, check_layout
 from .sequence import SequenceSharding
 from .styles import ParallelStyle, StyleContext, replace_input
 

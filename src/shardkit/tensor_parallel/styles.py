@@ -48,9 +48,8 @@ from .._shapes import chunk_sizes
 from ..comm import _c10d, all_reduce_forward, gather_forward_split_backward, split_forward_gather_backward
 from ..comm._group import GroupInfo, resolve_group
 from ..errors import ShardkitError, ShardkitTypeError
-from ..layouts import Partial, Replicate, Shard, check_layout
+from ..sharding import Partial, Replicate, Shard, ShardSpec, check_layout, shard_parameter, shard_spec
 from .sequence import SequenceSharding
-from .spec import ShardSpec, shard_parameter, shard_spec
 
 if TYPE_CHECKING:
     from typing import Any
