@@ -15,7 +15,7 @@ One entry point per axis, all exported here (the guides in ``docs/guides`` start
 * data parallelism: a ``dp`` axis of :class:`ParallelDims` (torch's DDP / FSDP over ``mesh["dp"]``)
 
 The composed trainer's ``parallelize`` and the new ``ParallelDims`` land with the trainer
-rewrite; they will be exported here and documented in ``docs/api/mesh.md``.
+rewrite; they will be exported here and documented in ``docs/api/sharding.md``.
 
 The sub-packages (``shardkit.comm``, ``shardkit.tensor_parallel``, ...) hold the lower-level
 pieces (plan styles, layout helpers, P2P calls); their ``__all__`` lists are public too and are
