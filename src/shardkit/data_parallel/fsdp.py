@@ -59,7 +59,7 @@ def apply_fsdp(model: nn.Module, mesh: ParallelMesh, blocks: list[nn.Module]) ->
 
     Args:
         model: the (stage) model, already tensor-, context- and expert-parallel.
-        mesh: the job's :class:`~shardkit.mesh.ParallelMesh` (``dp_shard > 1``).
+        mesh: the job's :class:`~shardkit.sharding.ParallelMesh` (``dp_shard > 1``).
         blocks: the modules to shard one by one (decoder layers): each is all-gathered just
             before its forward and freed after, so only one block is ever unsharded.
 

@@ -2,7 +2,7 @@
 
 One function for every supported family (Llama, Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V2): the
 families differ only in their Hugging Face plans, which the transforms read from the model.
-Each transform takes its own submesh of the job's :class:`~shardkit.mesh.ParallelMesh`:
+Each transform takes its own submesh of the job's :class:`~shardkit.sharding.ParallelMesh`:
 
 1. **tp** (``mesh["tp"]``): :func:`~shardkit.tensor_parallel.apply_tp` with the model's own
    plan, sequence parallelism as a layout option, optionally the vocab-parallel loss. With
@@ -50,7 +50,7 @@ class ParallelModel:
 
     Attributes:
         module: the parallelized module (modified in place; FSDP2-wrapped with ``dp_shard > 1``).
-        mesh: the job's :class:`~shardkit.mesh.ParallelMesh`, None for one process.
+        mesh: the job's :class:`~shardkit.sharding.ParallelMesh`, None for one process.
         cp: the :class:`~shardkit.context_parallel.CPContext` with context parallelism, else None.
         grads: the step's gradient reduction and global-norm clipping.
         layouts: per-parameter layout (tp/ep spec, expert, FSDP), by name.
@@ -109,7 +109,7 @@ def parallelize(
 
     Args:
         model: a transformers causal LM (or a pipeline stage module with the same names).
-        mesh: the job's :class:`~shardkit.mesh.ParallelMesh`; None for one process (nothing
+        mesh: the job's :class:`~shardkit.sharding.ParallelMesh`; None for one process (nothing
             is changed: the same trainer runs the ``--verify`` reference).
         sequence_parallel: shard hidden states between blocks over tp (Megatron-SP).
         loss_parallel: keep the logits vocab-sharded over tp (the vocab-parallel loss).

@@ -3,7 +3,7 @@
 Every function takes the pipeline group explicitly (a ``ProcessGroup``, a 1-D ``DeviceMesh``,
 or a list of them for a stage with several neighbours); stage = group rank. Stages made of tp
 groups, of equal or different sizes (VTP), take a :class:`StageGroups` instead, with boundary
-layouts :class:`~shardkit.layouts.Replicate` / :class:`~shardkit.layouts.Shard`. Hugging Face
+layouts :class:`~shardkit.sharding.Replicate` / :class:`~shardkit.sharding.Shard`. Hugging Face
 decoder models are cut into stages by :class:`DecoderStageModule`.
 """
 

@@ -7,7 +7,7 @@ projection; the children's :class:`~.styles.ColwiseParallel` recognize the prepa
 through the model's :class:`~.sequence.SequenceSharding`.
 
 Source: PyTorch DTensor's ``PrepareModuleInput`` / ``PrepareModuleOutput`` (layouts
-:class:`~shardkit.layouts.Replicate` / :class:`~shardkit.layouts.Shard`), on shardkit's own
+:class:`~shardkit.sharding.Replicate` / :class:`~shardkit.sharding.Shard`), on shardkit's own
 collectives; Megatron-LM sequence parallelism (Korthikanti et al., 2022).
 """
 

@@ -1,9 +1,9 @@
 """Parallel styles for linear layers: column-, row-wise and packed, with input/output layouts.
 
 A style rewrites one module in place: it replaces the weight (and bias) by this rank's shard
-(recording a :class:`~.spec.ShardSpec` on the new parameter) and adds the activation
-communication its declared layouts need (:class:`~shardkit.layouts.Replicate` /
-:class:`~shardkit.layouts.Shard`), as PyTorch DTensor's parallel styles do, on shardkit's own
+(recording a :class:`~shardkit.sharding.ShardSpec` on the new parameter) and adds the activation
+communication its declared layouts need (:class:`~shardkit.sharding.Replicate` /
+:class:`~shardkit.sharding.Shard`), as PyTorch DTensor's parallel styles do, on shardkit's own
 collectives:
 
 * ``ColwiseParallel(input_layouts=Replicate())`` (``colwise``): weight ``[out, in]`` cut by
