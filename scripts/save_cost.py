@@ -22,8 +22,9 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 import shardkit.checkpoint.saves as saves
+from shardkit.checkpoint.chunks import ChunkLoadPlanner
+from shardkit.checkpoint.dcp import _state, load_sharded_checkpoint, save_sharded_checkpoint
 from shardkit.checkpoint.versioned import latest_checkpoint
-from shardkit.tensor_parallel.dcp import _ChunkLoadPlanner, _state, load_sharded_checkpoint, save_sharded_checkpoint
 
 
 def _timed(times: dict[str, list[float]], name: str, key: str) -> None:
@@ -68,7 +69,7 @@ def main(mib: int) -> str:
             t0 = time.perf_counter()  # the same save through DCP's own reader: no checks at all
             state = _state(model)
             dcp.load(
-                state, storage_reader=dcp.FileSystemReader(latest_checkpoint(root)), planner=_ChunkLoadPlanner(state)
+                state, storage_reader=dcp.FileSystemReader(latest_checkpoint(root)), planner=ChunkLoadPlanner(state)
             )
             times["dcp_load"].append(time.perf_counter() - t0)
         med = {k: statistics.median(v[1:]) for k, v in times.items()}

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from harness.helpers import rank
 from harness.world import PG_TIMEOUT
-from shardkit import ParallelDims, ShardkitError, ShardkitTypeError
+from shardkit import ParallelDims, ParallelMesh, ShardkitError, ShardkitTypeError
 
 
 def test_defaults_and_product():
@@ -116,8 +116,6 @@ def test_expert_mesh_borrows_dp_shard_and_tp():
 
 
 def test_unknown_mesh_name():
-    from shardkit.mesh import ParallelMesh
-
     with pytest.raises(ShardkitError, match="no mesh named 'dpp'"):
         ParallelMesh(ParallelDims(), None, {})["dpp"]
 

@@ -15,16 +15,24 @@ One entry point per axis, all exported here (the guides in ``docs/guides`` start
 * data parallelism: a ``dp`` axis of :class:`ParallelDims` (torch's DDP / FSDP over ``mesh["dp"]``)
 
 The composed trainer's ``parallelize`` and the new ``ParallelDims`` land with the trainer
-rewrite; they will be exported here and documented in ``docs/api/mesh.md``.
+rewrite; they will be exported here and documented in ``docs/api/sharding.md``.
 
 The sub-packages (``shardkit.comm``, ``shardkit.tensor_parallel``, ...) hold the lower-level
 pieces (plan styles, layout helpers, P2P calls); their ``__all__`` lists are public too and are
 documented page by page in ``docs/api``.
 """
 
+from ._moved import MOVED_MODULES, install_moved_modules
 from ._shapes import balanced_split_sizes
 from ._types import Group
-from .checkpoint import latest_checkpoint, load_train_state, save_train_state
+from .checkpoint import (
+    latest_checkpoint,
+    load_sharded,
+    load_sharded_checkpoint,
+    load_train_state,
+    save_sharded_checkpoint,
+    save_train_state,
+)
 from .comm import (
     CommLedger,
     CommRecord,
@@ -51,8 +59,6 @@ from .context_parallel import (
 from .data_parallel import GradientSync, apply_fsdp
 from .errors import GroupMembershipError, RankMismatchError, ShardkitError, ShardkitTypeError
 from .expert_parallel import DispatchPlan, dispatch_plan, ep_plan, token_combine, token_dispatch
-from .layouts import Replicate, Shard
-from .mesh import ParallelDims, ParallelMesh
 from .parallelize import ParallelModel, gather_full_parameters, parallelize, parallelize_stage
 from .pipeline_parallel import (
     PipelineStage,
@@ -64,6 +70,7 @@ from .pipeline_parallel import (
     split_microbatches,
 )
 from .plan import Cluster, ModelShape, StepEstimate, StepOptions, estimate_step, plan_layouts
+from .sharding import ParallelDims, ParallelMesh, Replicate, Shard
 from .spatial import (
     RingConv2d,
     SpatialAvgPool2d,
@@ -92,15 +99,10 @@ from .spatial import (
     spatial_max_pool,
     spatial_output_sizes,
 )
-from .tensor_parallel import (
-    apply_tp,
-    gather_full_state_dict,
-    load_sharded,
-    load_sharded_checkpoint,
-    save_sharded_checkpoint,
-    verify_tp_plan,
-    vocab_parallel_cross_entropy,
-)
+from .tensor_parallel import apply_tp, gather_full_state_dict, verify_tp_plan, vocab_parallel_cross_entropy
+
+# Modules that moved: deprecated aliases for one release (the old name imports the new module, with a warning)
+install_moved_modules(MOVED_MODULES)
 
 __version__ = "0.1.0"
 

@@ -13,12 +13,13 @@ from torch import nn
 
 from harness.helpers import rank, remove_shared_dir, shared_tmpdir, world_group, world_size
 from shardkit import CommLedger
+from shardkit.checkpoint import load_sharded
 from shardkit.comm import checks
 from shardkit.comm.checks import covered
 from shardkit.comm.fingerprint import fingerprint
 from shardkit.errors import RankMismatchError, ShardkitError
 from shardkit.spatial import apply_spatial
-from shardkit.tensor_parallel import apply_tp, load_sharded
+from shardkit.tensor_parallel import apply_tp
 
 PLAN = {"0": "colwise", "2": "rowwise"}
 

@@ -11,7 +11,8 @@ from harness.helpers import all_true, rank, subgroup, world_group
 from shardkit.comm import CommLedger, checks
 from shardkit.errors import ShardkitError
 from shardkit.pipeline_parallel._reshard import Side, recv_side, send_side
-from shardkit.pipeline_parallel.vtp import Replicate, Shard, StageGroups, leader_mode, local_box, piece_plan
+from shardkit.pipeline_parallel.vtp import Replicate, Shard, leader_mode, local_box, piece_plan
+from shardkit.sharding import StageGroups
 
 LAYOUTS = [Replicate(), Shard(1), Shard(2)]
 

@@ -20,7 +20,8 @@ from shardkit._shapes import balanced_split_sizes
 from shardkit.comm import all_gather, gather_forward_split_backward, split_forward_gather_backward
 from shardkit.errors import ShardkitError
 from shardkit.pipeline_parallel import PipelineStage, gpipe_schedule, one_f_one_b_schedule, run_schedule
-from shardkit.pipeline_parallel.vtp import Replicate, Shard, StageGroups
+from shardkit.pipeline_parallel.vtp import Replicate, Shard
+from shardkit.sharding import StageGroups
 from shardkit.tensor_parallel.styles import ColwiseParallel, RowwiseParallel, shard_spec
 
 H, F, LAYERS = 4, 6, 6

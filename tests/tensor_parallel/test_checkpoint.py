@@ -27,9 +27,9 @@ from transformers import (  # noqa: E402, F401
 )
 
 from harness.helpers import rank, remove_shared_dir, shared_tmpdir, subgroup, world_group
+from shardkit.checkpoint import SafetensorsCheckpoint, load_sharded
 from shardkit.errors import ShardkitError
 from shardkit.tensor_parallel import apply_tp, gather_full_grads, gather_full_state_dict, shard_spec
-from shardkit.tensor_parallel.checkpoint import SafetensorsCheckpoint, load_sharded
 
 
 def _shared_dir() -> str:

@@ -17,12 +17,12 @@ from transformers import LlamaForCausalLM, Qwen3MoeForCausalLM  # noqa: E402, F4
 
 from harness.helpers import rank, remove_shared_dir, shared_tmpdir, subgroup, world_group
 from shardkit.checkpoint import latest_checkpoint
+from shardkit.checkpoint.chunks import ChunkSavePlanner
+from shardkit.checkpoint.dcp import load_sharded_checkpoint, owned_ranges, save_sharded_checkpoint
 from shardkit.checkpoint.reader import read_metadata
 from shardkit.errors import ShardkitError
+from shardkit.sharding import ShardSpec
 from shardkit.tensor_parallel import apply_tp, gather_full_state_dict, shard_spec
-from shardkit.tensor_parallel import dcp as sk_dcp
-from shardkit.tensor_parallel.dcp import load_sharded_checkpoint, owned_ranges, save_sharded_checkpoint
-from shardkit.tensor_parallel.spec import ShardSpec
 
 
 def _shared_dir() -> str:
@@ -140,13 +140,13 @@ def test_failed_save_keeps_the_previous_checkpoint():
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(3.0)
-    original = sk_dcp._ChunkSavePlanner.lookup_object
+    original = ChunkSavePlanner.lookup_object
 
     def broken(self, index):
         raise OSError("disk full")
 
     if rank() == 2:
-        sk_dcp._ChunkSavePlanner.lookup_object = broken
+        ChunkSavePlanner.lookup_object = broken
     try:
         with pytest.raises(
             ShardkitError,
@@ -155,7 +155,7 @@ def test_failed_save_keeps_the_previous_checkpoint():
         ):
             save_sharded_checkpoint(model, path, world_group())
     finally:
-        sk_dcp._ChunkSavePlanner.lookup_object = original
+        ChunkSavePlanner.lookup_object = original
     assert latest_checkpoint(path) == first
     assert _listing(path) == ["latest", "version_00000001", "version_00000002"]  # 2: partial
     if rank() == 0:
@@ -358,7 +358,10 @@ def test_saved_entries_is_a_deprecated_alias_that_reads_through_the_allow_list(t
     """The old ``saved_entries(path)`` still answers (one release), warns, and never runs a pickle."""
     import pickle
 
-    from shardkit.tensor_parallel.dcp import saved_entries
+    with pytest.warns(
+        DeprecationWarning, match="shardkit.tensor_parallel.dcp is deprecated: import shardkit.checkpoint.dcp"
+    ):
+        from shardkit.tensor_parallel.dcp import saved_entries
 
     (tmp_path / ".metadata").write_bytes(pickle.dumps(_metadata()))
     with pytest.warns(DeprecationWarning, match="saved_entries is deprecated"):

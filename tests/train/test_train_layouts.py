@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from harness.helpers import rank, world_size
-from shardkit.mesh import AXES, FLAT_VIEWS
+from shardkit.sharding import AXES, FLAT_VIEWS
 from shardkit.train.config import TrainConfig, validate_config
 from shardkit.train.run import train
 

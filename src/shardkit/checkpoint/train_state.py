@@ -1,13 +1,13 @@
 """Training checkpoints that resume on any layout: model, optimizer, step, data position, RNG.
 
 Every tensor is stored as its *full* tensor (the unparallelized model's names and shapes) cut
-into the chunks the ranks own, with DCP (:mod:`shardkit.tensor_parallel.dcp`'s chunk planners),
+into the chunks the ranks own, with DCP (:mod:`.chunks`' planners),
 so a checkpoint written at ``tp 2 x dp 2`` loads at ``dp_shard 2 x cp 2``, at ``pp 2``, or in one
 process:
 
 * parameters and AdamW's ``exp_avg`` / ``exp_avg_sq``: the tensor-/expert-parallel local tensor
   (FSDP2 shards all-gathered over their data-parallel mesh first) with its
-  :class:`~shardkit.tensor_parallel.ShardSpec`; each element written once (DCP deduplicates the
+  :class:`~shardkit.sharding.ShardSpec`; each element written once (DCP deduplicates the
   replicas);
 * AdamW's ``step``, the step count, the data sampler's generator state and torch's RNG state:
   replicated tensors, written once.
@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ShardkitError
-from ..tensor_parallel.dcp import _ChunkLoadPlanner, _ChunkSavePlanner, _full_shape
-from ..tensor_parallel.spec import _SPEC_ATTR
+from ..sharding import set_shard_spec
+from .chunks import ChunkLoadPlanner, ChunkSavePlanner, full_shape
 from .contents import check_contents
 from .saves import load_checked, open_save, save_checked, saved_entries
 from .versioned import MANIFEST, latest_checkpoint
@@ -53,10 +53,7 @@ _ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 
 def _tagged(t: torch.Tensor, spec) -> torch.Tensor:
     """``t`` (detached) carrying ``spec`` for the chunk planners."""
-    t = t.detach()
-    if spec is not None:
-        setattr(t, _SPEC_ATTR, spec)
-    return t
+    return set_shard_spec(t.detach(), spec)
 
 
 def _local_full(t: torch.Tensor) -> torch.Tensor:
@@ -141,7 +138,7 @@ def save_train_state(
     state, _ = _state_dict(pm, optimizer, extra)
     manifest = {"step": step, "layout": layout, "time": time.time(), "keys": len(state), "model": model}
     return save_checked(
-        root, _PREFIX, _world(), state, _ChunkSavePlanner(state), manifest, "save_train_state", number=step, keep=keep
+        root, _PREFIX, _world(), state, ChunkSavePlanner(state), manifest, "save_train_state", number=step, keep=keep
     )
 
 
@@ -176,14 +173,14 @@ def load_train_state(
     except (OSError, ShardkitError) as exc:
         error = f"cannot read {path}: {exc}"
     check_contents(
-        {k: (tuple(_full_shape(t)), t.dtype) for k, t in state.items()},
+        {k: (tuple(full_shape(t)), t.dtype) for k, t in state.items()},
         saved,
         _world(),
         "load_train_state",
         read_error=error,
     )
     assert reader is not None  # opened, or check_contents raised on every rank
-    load_checked(state, reader, _ChunkLoadPlanner(state), _world(), "load_train_state", path)
+    load_checked(state, reader, ChunkLoadPlanner(state), _world(), "load_train_state", path)
     for key, dst in targets:
         _write_back(dst, state[key].reshape(dst.shape) if dst.dim() == 0 else state[key])
     return step

@@ -14,9 +14,9 @@ import math
 
 from .._optional import install_hint, missing
 from ..errors import ShardkitError
-from ..mesh import ParallelDims
 from ..plan import CLUSTERS, Cluster, ModelShape, StepEstimate, StepOptions, estimate_step, plan_layouts
 from ..plan.options import SCHEDULES
+from ..sharding import ParallelDims
 
 __all__ = ["add_plan_parser", "run_plan", "parse_layout"]
 

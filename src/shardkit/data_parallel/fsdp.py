@@ -44,7 +44,7 @@ from ..comm._compat import all_gather_single, reduce_scatter_single
 from ..expert_parallel.hf import expert_shard
 
 if TYPE_CHECKING:
-    from ..mesh import ParallelMesh
+    from ..sharding import ParallelMesh
 
 __all__ = ["LedgerAllGather", "LedgerReduceScatter", "apply_fsdp", "keeps_own_reduction"]
 
@@ -59,7 +59,7 @@ def apply_fsdp(model: nn.Module, mesh: ParallelMesh, blocks: list[nn.Module]) ->
 
     Args:
         model: the (stage) model, already tensor-, context- and expert-parallel.
-        mesh: the job's :class:`~shardkit.mesh.ParallelMesh` (``dp_shard > 1``).
+        mesh: the job's :class:`~shardkit.sharding.ParallelMesh` (``dp_shard > 1``).
         blocks: the modules to shard one by one (decoder layers): each is all-gathered just
             before its forward and freed after, so only one block is ever unsharded.
 

@@ -35,10 +35,10 @@ from torch import nn
 from ..comm import _c10d
 from ..comm._group import GroupInfo, resolve_group
 from ..errors import ShardkitError
-from ..tensor_parallel.spec import ShardSpec
+from ..sharding import ShardSpec
 
 if TYPE_CHECKING:
-    from ..mesh import ParallelMesh
+    from ..sharding import ParallelMesh
 
 __all__ = ["GradientSync", "ParamLayout"]
 
@@ -51,7 +51,7 @@ class ParamLayout:
         name: qualified name in the model.
         expert: an expert weight (sharded over ``ep``, replicated over ``edp``).
         fsdp: FSDP2 shards it over ``dp_shard_cp`` and reduces its gradient itself.
-        spec: its tensor- or expert-parallel :class:`~shardkit.tensor_parallel.ShardSpec`, or None.
+        spec: its tensor- or expert-parallel :class:`~shardkit.sharding.ShardSpec`, or None.
         copy: a second copy of another parameter of the model (a tied ``lm_head`` on the last
             pipeline stage, the embedding being on the first): left out of the norm and the
             full parameters.
@@ -91,7 +91,7 @@ class GradientSync:
 
     Args:
         model: the parallelized module (after tensor, context, expert and data parallelism).
-        mesh: its :class:`~shardkit.mesh.ParallelMesh`, or None for one process (then
+        mesh: its :class:`~shardkit.sharding.ParallelMesh`, or None for one process (then
             :meth:`reduce` does nothing and the norm is the local one).
         layouts: ``{name: ParamLayout}`` for every parameter of ``model``.
 

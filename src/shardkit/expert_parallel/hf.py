@@ -1,5 +1,6 @@
-"""Expert parallelism for Hugging Face MoE experts modules (the ``grouped_gemm``, EP-dispatch,
-``ep_router`` and ``moe_identity_expert`` plan styles).
+"""Expert parallelism for Hugging Face MoE experts modules (the ``grouped_gemm``, EP-dispatch and
+``ep_router`` plan styles; the ``moe_identity_expert`` input scaling is
+:func:`shardkit.tensor_parallel.moe.identity_expert_parallel`, re-exported here).
 
 A transformers experts module is called as ``experts(hidden [T, H], top_k_index [T, k],
 top_k_weights [T, k]) -> [T, H]`` with 3-D parameters ``gate_up_proj [E, 2I, H]`` /
@@ -33,8 +34,9 @@ from torch import nn
 from .._shapes import balanced_split_sizes, check_split_sizes, split_offsets
 from ..comm import all_reduce_backward, all_reduce_forward, gather_forward_split_backward, split_forward_gather_backward
 from ..comm._group import resolve_group
-from ..errors import ShardkitError, ShardkitTypeError
-from ..tensor_parallel.spec import _SPEC_ATTR, ShardSpec
+from ..errors import ShardkitError
+from ..sharding import ShardSpec, set_shard_spec
+from ..tensor_parallel.moe import identity_expert_parallel
 from .dispatch import dispatch_plan, token_combine, token_dispatch
 from .experts import expert_param_names, grouped_experts_forward, routed_experts_forward
 
@@ -132,7 +134,7 @@ def shard_expert_param(
     new = nn.Parameter(block, requires_grad=p.requires_grad)
     setattr(new, _EP_ATTR, shard)
     # The tensor-parallel spec too, so gather_full_state_dict and the checkpoint code see it.
-    setattr(new, _SPEC_ATTR, ShardSpec.blocks(0, shard.sizes, group))
+    set_shard_spec(new, ShardSpec.blocks(0, shard.sizes, group))
     module._parameters[name] = new
     # plain attributes HF's experts forward reads (setattr: nn.Module's typing expects submodules)
     setattr(module, "num_experts", shard.sizes[r])
@@ -300,29 +302,3 @@ def shard_experts(
         raise ShardkitError(f"shard_experts: {type(module).__name__} has no parameters with leading dim num_experts")
     shard_expert_params(module, group, expert_sizes=expert_sizes)
     return install_ep_forward(module, group, mode=mode, tokens=tokens, token_group=token_group)
-
-
-def identity_expert_parallel(module: nn.Module, group: Group) -> torch.utils.hooks.RemovableHandle:
-    """The ``moe_identity_expert`` style: divide the module's first input by ``R``.
-
-    For identity ("zero") experts inside an experts module whose output is summed over the
-    group (``moe_tp_experts`` / ``mode="local"``): every rank computes the same identity output,
-    so the sum counts it ``R`` times; scaling the input by ``1 / R`` makes it count once, with an
-    exact gradient once the input's gradient is summed over the group (``all_reduce_backward``).
-
-    Returns:
-        The forward pre-hook handle (``handle.remove()`` undoes it).
-
-    Raises:
-        ShardkitTypeError: ``module`` is not an ``nn.Module`` or ``group`` is not a group.
-
-    Source: Hugging Face ``MoeIdentityExpertParallel`` (LongCat-Flash zero experts).
-    """
-    if not isinstance(module, nn.Module):
-        raise ShardkitTypeError(f"identity_expert_parallel: expected an nn.Module, got {type(module).__name__}")
-    size = resolve_group(group, "identity_expert_parallel").size
-
-    def pre_hook(_mod, args):
-        return (args[0] / size, *args[1:]) if size > 1 else None
-
-    return module.register_forward_pre_hook(pre_hook)

@@ -75,6 +75,10 @@ def ep_plan(model: nn.Module) -> dict:
     """The model's tensor-parallel plan with its experts rules replaced by the config's EP plan
     (``config.base_model_ep_plan``, transformers >= 5), for ``apply_tp(model, mesh, ep_plan(model))``.
 
+    The EP plan's expert-parallel style names (``grouped_gemm``, ``ep_router``,
+    ``ep_dispatch_experts``) come as their style objects (:func:`ep_styles`), which
+    :func:`~shardkit.apply_tp` takes as they are; other names stay strings.
+
     Raises:
         ShardkitError: the model has no EP plan.
     """
@@ -84,5 +88,6 @@ def ep_plan(model: nn.Module) -> dict:
     prefix = getattr(model, "base_model_prefix", "")
     prefix = f"{prefix}." if prefix and hasattr(model, prefix) else ""
     plan = {k: v for k, v in model_tp_plan(model).items() if ".experts" not in k}
-    plan.update({prefix + k: v for k, v in ep.items()})
+    styles = ep_styles()
+    plan.update({prefix + k: styles.get(v, v) if isinstance(v, str) else v for k, v in ep.items()})
     return plan

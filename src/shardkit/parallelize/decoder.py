@@ -2,7 +2,7 @@
 
 One function for every supported family (Llama, Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V2): the
 families differ only in their Hugging Face plans, which the transforms read from the model.
-Each transform takes its own submesh of the job's :class:`~shardkit.mesh.ParallelMesh`:
+Each transform takes its own submesh of the job's :class:`~shardkit.sharding.ParallelMesh`:
 
 1. **tp** (``mesh["tp"]``): :func:`~shardkit.tensor_parallel.apply_tp` with the model's own
    plan, sequence parallelism as a layout option, optionally the vocab-parallel loss. With
@@ -29,15 +29,17 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from ..comm.fingerprint import maybe_fingerprint
+from ..context_parallel import apply_cp
 from ..data_parallel import GradientSync, ParamLayout, apply_fsdp
 from ..errors import ShardkitError
 from ..expert_parallel.hf import expert_shard, shard_experts
+from ..expert_parallel.styles import ep_styles
+from ..sharding import shard_spec
 from ..tensor_parallel import apply_tp
 from ..tensor_parallel.plan import CompiledPlan, model_tp_plan
-from ..tensor_parallel.spec import shard_spec
 
 if TYPE_CHECKING:
-    from ..mesh import ParallelMesh
+    from ..sharding import ParallelMesh
 
 __all__ = ["ParallelModel", "parallelize", "decoder_layers"]
 
@@ -48,7 +50,7 @@ class ParallelModel:
 
     Attributes:
         module: the parallelized module (modified in place; FSDP2-wrapped with ``dp_shard > 1``).
-        mesh: the job's :class:`~shardkit.mesh.ParallelMesh`, None for one process.
+        mesh: the job's :class:`~shardkit.sharding.ParallelMesh`, None for one process.
         cp: the :class:`~shardkit.context_parallel.CPContext` with context parallelism, else None.
         grads: the step's gradient reduction and global-norm clipping.
         layouts: per-parameter layout (tp/ep spec, expert, FSDP), by name.
@@ -84,7 +86,7 @@ def _experts_modules(model: nn.Module) -> list[nn.Module]:
             f"parallelize: ep > 1 needs a mixture-of-experts model; {type(model).__name__} "
             "has no experts in its config's base_model_ep_plan"
         )
-    compiled = CompiledPlan.build(patterns, model)
+    compiled = CompiledPlan.build(patterns, model, ep_styles())
     return [m for name, m in model.named_modules() if name and compiled.match(name)]
 
 
@@ -107,7 +109,7 @@ def parallelize(
 
     Args:
         model: a transformers causal LM (or a pipeline stage module with the same names).
-        mesh: the job's :class:`~shardkit.mesh.ParallelMesh`; None for one process (nothing
+        mesh: the job's :class:`~shardkit.sharding.ParallelMesh`; None for one process (nothing
             is changed: the same trainer runs the ``--verify`` reference).
         sequence_parallel: shard hidden states between blocks over tp (Megatron-SP).
         loss_parallel: keep the logits vocab-sharded over tp (the vocab-parallel loss).
@@ -119,8 +121,6 @@ def parallelize(
         ShardkitError: a layout the model cannot take (e.g. ``ep > 1`` on a dense model), with
             the reason; the transforms' own errors (head counts, ...).
     """
-    from ..context_parallel import apply_cp
-
     if mesh is None:  # one process: no transform, every parameter replicated
         layouts = _param_layouts(model)
         return ParallelModel(model, None, None, GradientSync(model, None, layouts), layouts, False, False)

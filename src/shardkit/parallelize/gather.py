@@ -1,7 +1,7 @@
 """Full (unsharded) parameters of a parallelized model, for checks and reports.
 
 Collective over the world: FSDP2 shards are all-gathered over their data-parallel mesh, tensor-
-and expert-parallel shards by their :class:`~shardkit.tensor_parallel.ShardSpec`, and with a
+and expert-parallel shards by their :class:`~shardkit.sharding.ShardSpec`, and with a
 pipeline every stage's parameters travel to global rank 0 (one ``gather_object``).
 """
 
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from ..tensor_parallel.spec import gather_full
+from ..sharding import gather_full
 
 if TYPE_CHECKING:
     from .decoder import ParallelModel

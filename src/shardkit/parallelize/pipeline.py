@@ -25,7 +25,7 @@ from ..pipeline_parallel import DecoderStageModule, PipelineStage, sum_tied_embe
 from .decoder import ParallelModel, parallelize
 
 if TYPE_CHECKING:
-    from ..mesh import ParallelMesh
+    from ..sharding import ParallelMesh
 
 __all__ = ["parallelize_stage"]
 
@@ -43,7 +43,7 @@ def parallelize_stage(
     Args:
         model: the full causal LM (same weights on every rank); only the stage's modules are
             kept once it is dropped.
-        mesh: the job's :class:`~shardkit.mesh.ParallelMesh` with ``pp > 1``.
+        mesh: the job's :class:`~shardkit.sharding.ParallelMesh` with ``pp > 1``.
         loss_fn: ``loss_fn(logits, labels) -> 0-d`` for the last stage.
         sequence_parallel, loss_parallel: as :func:`~.decoder.parallelize`.
 

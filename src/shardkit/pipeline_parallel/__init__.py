@@ -3,11 +3,11 @@
 Every function takes the pipeline group explicitly (a ``ProcessGroup``, a 1-D ``DeviceMesh``,
 or a list of them for a stage with several neighbours); stage = group rank. Stages made of tp
 groups, of equal or different sizes (VTP), take a :class:`StageGroups` instead, with boundary
-layouts :class:`~shardkit.layouts.Replicate` / :class:`~shardkit.layouts.Shard`. Hugging Face
+layouts :class:`~shardkit.sharding.Replicate` / :class:`~shardkit.sharding.Shard`. Hugging Face
 decoder models are cut into stages by :class:`DecoderStageModule`.
 """
 
-from ..layouts import Replicate, Shard
+from ..sharding import Replicate, Shard, StageGroups, new_stage_groups
 from .hf_decoder import DecoderStageModule, check_pp, decoder_stage_layers, sum_tied_embedding_grads
 from .p2p import (
     P2PWork,
@@ -24,7 +24,6 @@ from .p2p import (
 from .runner import run_schedule, split_microbatches
 from .schedules import Action, bubble_fraction, gpipe_schedule, one_f_one_b_schedule, simulate, validate_schedule
 from .stage import PipelineStage
-from .vtp import StageGroups, new_stage_groups
 
 __all__ = [
     "Action",

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..comm.checks import _op_name, _op_words
 from ..errors import ShardkitError
 
 __all__ = [
@@ -148,8 +149,6 @@ class Hello:
 
 def encode_hello(send: bool, phase: str, rank: int, api: str, status: int, dtype, shape, device) -> torch.Tensor:
     """The hello of one end of a transfer (checks on); see the module docstring."""
-    from ..comm.checks import _op_words
-
     tail = torch.tensor(
         [SEND if send else RECV, PHASES.index(phase), rank, *_op_words(api)][: 3 + _API_WORDS],
         dtype=torch.int64,
@@ -164,8 +163,6 @@ def decode_hello(buf: torch.Tensor, api: str, source: str) -> Hello:
     Raises:
         ShardkitError: not a hello (the other end runs with checks off, or sent data).
     """
-    from ..comm.checks import _op_name
-
     row = buf.tolist()
     if row[0] != MAGIC or row[HEADER_LEN] not in (SEND, RECV) or row[HEADER_LEN + 1] not in (0, 1):
         raise ShardkitError(

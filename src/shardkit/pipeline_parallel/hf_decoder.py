@@ -41,6 +41,7 @@ from .._shapes import balanced_split_sizes
 from ..comm import ledger
 from ..comm._group import resolve_group
 from ..errors import ShardkitError, ShardkitTypeError
+from ..tensor_parallel.plan import CompiledPlan, model_tp_plan
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -93,8 +94,6 @@ class _Body(nn.Module):
 
 def _plan_for(stage: nn.Module, plan: dict) -> dict:
     """The rules of ``plan`` that match a module or parameter of ``stage``."""
-    from ..tensor_parallel.plan import CompiledPlan
-
     compiled = CompiledPlan.build(plan, stage)
     used = set()
     for name, module in stage.named_modules():
@@ -157,8 +156,6 @@ class DecoderStageModule(nn.Module):
             self.model.norm = norm
             self.lm_head = lm_head
         self._sliding = {i: self._is_sliding(i) for i in self.layer_indices}
-        from ..tensor_parallel.plan import model_tp_plan
-
         try:
             plan = model_tp_plan(model)
         except ShardkitError:

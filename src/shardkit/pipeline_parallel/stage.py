@@ -14,8 +14,8 @@ from torch import nn
 
 from ..comm._group import GroupInfo, resolve_group
 from ..errors import ShardkitError, ShardkitTypeError
-from ..layouts import Replicate
-from .vtp import StageGroups, check_layout
+from ..sharding import Replicate, StageGroups
+from .vtp import check_layout
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence

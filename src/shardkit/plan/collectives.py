@@ -62,7 +62,7 @@ import functools
 import math
 from collections.abc import Iterable
 
-from ..mesh import ParallelDims
+from ..sharding import ParallelDims
 from ._rows import CommRow, Rows
 from ._tp import tp_rows
 from .model import ModelShape

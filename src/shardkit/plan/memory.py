@@ -14,7 +14,7 @@
 
 from __future__ import annotations
 
-from ..mesh import ParallelDims
+from ..sharding import ParallelDims
 from .model import ModelShape
 from .options import StepOptions, hooked_params, resolve_options, stage_tp
 

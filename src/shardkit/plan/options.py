@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..errors import ShardkitError
-from ..mesh import ParallelDims
 from ..pipeline_parallel.schedules import gpipe_schedule, one_f_one_b_schedule
+from ..sharding import ParallelDims
 from .model import ModelShape
 
 __all__ = [

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..errors import ShardkitError
-from ..mesh import ParallelDims
+from ..sharding import ParallelDims
 from .cluster import Cluster
 from .collectives import CommRow, step_collectives
 from .memory import memory_per_rank

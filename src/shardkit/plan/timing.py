@@ -12,7 +12,7 @@ MPICH" (2005); NVIDIA nccl-tests ``doc/PERFORMANCE.md`` (bus bandwidth).
 
 from __future__ import annotations
 
-from ..mesh import AXES, ParallelDims
+from ..sharding import AXES, ParallelDims
 from .cluster import Cluster
 from .collectives import CommRow
 

@@ -3,14 +3,15 @@
 :func:`apply_tp` shards any model from a plan of Hugging Face style strings or
 :class:`ParallelStyle` objects (styles declare input/output layouts, ``Replicate()`` /
 ``Shard(dim)``); ``sequence_parallel=True`` turns a decoder model's plan into its
-sequence-parallel plan; :func:`gather_full_state_dict` brings the full weights back.
+sequence-parallel plan; :func:`gather_full_state_dict` brings the full weights back. The layouts
+and :class:`ShardSpec` are :mod:`shardkit.sharding`'s (re-exported here); checkpoint IO
+(``load_sharded``, ``save_sharded_checkpoint``, ...) is :mod:`shardkit.checkpoint`'s.
 """
 
-from ..layouts import Replicate, Shard
+from .._moved import moved_names
+from ..sharding import Replicate, Shard, ShardSpec, shard_parameter, shard_spec
 from .apply import apply_tp
 from .check import check_tp
-from .checkpoint import SafetensorsCheckpoint, load_sharded, materialize_meta
-from .dcp import load_sharded_checkpoint, save_sharded_checkpoint
 from .embedding import EmbeddingParallel
 from .gather import gather_full_grads, gather_full_state_dict, unwrap
 from .loss import vocab_parallel_cross_entropy
@@ -20,7 +21,6 @@ from .prepare import PrepareModuleInput, PrepareModuleOutput
 from .replicated import MlaKvAProjParallel, ReplicatedWithGradAllReduce, SequenceParallel
 from .sequence import SequenceSharding
 from .sp_plan import sequence_parallel_plan
-from .spec import ShardSpec, shard_parameter, shard_spec
 from .styles import (
     ColwiseParallel,
     PackedColwiseParallel,
@@ -40,11 +40,6 @@ __all__ = [
     "PrepareModuleInput",
     "PrepareModuleOutput",
     "vocab_parallel_cross_entropy",
-    "load_sharded",
-    "SafetensorsCheckpoint",
-    "materialize_meta",
-    "save_sharded_checkpoint",
-    "load_sharded_checkpoint",
     "verify_tp_plan",
     "PlanReport",
     "default_styles",
@@ -70,3 +65,18 @@ __all__ = [
     "gather_full_grads",
     "unwrap",
 ]
+
+# Checkpoint IO moved to shardkit.checkpoint (deprecated here for one release).
+__getattr__ = moved_names(
+    __name__,
+    dict.fromkeys(
+        (
+            "load_sharded",
+            "SafetensorsCheckpoint",
+            "materialize_meta",
+            "save_sharded_checkpoint",
+            "load_sharded_checkpoint",
+        ),
+        "shardkit.checkpoint",
+    ),
+)

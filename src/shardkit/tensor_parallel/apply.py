@@ -27,9 +27,10 @@ from ..comm._group import resolve_group
 from ..comm._validate import local_checks, maybe_agree
 from ..comm.fingerprint import describe_style, group_device, maybe_fingerprint
 from ..errors import ShardkitError, ShardkitTypeError
-from ..layouts import Shard
+from ..sharding import Shard
 from ._forward_checks import install_forward_checks
 from .heads import attention_head_ranges
+from .loss_hf import vocab_parallel_causal_lm_loss
 from .plan import CompiledPlan, model_tp_plan, verify_tp_plan
 from .sequence import SequenceSharding
 from .sp_plan import sequence_parallel_plan
@@ -202,8 +203,6 @@ def _loss_parallel_plan(model: nn.Module, plan: dict) -> dict:
 
 def _use_vocab_parallel_loss(model: nn.Module, tp_mesh) -> None:
     """Make HF's ``model.loss_function`` the vocab-parallel causal-LM loss."""
-    from .loss_hf import vocab_parallel_causal_lm_loss
-
     if not hasattr(type(model), "loss_function"):
         return  # a user model computes its own loss with vocab_parallel_cross_entropy
     model.loss_function = vocab_parallel_causal_lm_loss(tp_mesh)

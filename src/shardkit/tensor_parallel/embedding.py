@@ -25,7 +25,7 @@ from torch import nn
 from .._shapes import chunk_sizes
 from ..comm import all_reduce_forward, gather_forward_split_backward
 from ..errors import ShardkitTypeError
-from .spec import ShardSpec, shard_parameter
+from ..sharding import ShardSpec, shard_parameter
 from .styles import ParallelStyle, StyleContext
 
 if TYPE_CHECKING:

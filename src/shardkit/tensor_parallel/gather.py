@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ..errors import ShardkitError
-from .spec import gather_full, shard_spec
+from ..sharding import gather_full, shard_spec
 
 __all__ = ["unwrap", "gather_full_state_dict", "gather_full_grads"]
 
@@ -36,7 +36,7 @@ def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Full (unsharded) copies of every parameter, keyed like the unwrapped model's.
 
     Sharded parameters are all-gathered along their shard dim by their
-    :class:`~.spec.ShardSpec` (packed parts put back in order, replicated heads taken once);
+    :class:`~shardkit.sharding.ShardSpec` (packed parts put back in order, replicated heads taken once);
     replicated ones are cloned. Returns detached tensors, identical on every tp rank.
     """
     return {name: _full(p, p) for name, p in unwrap(model).named_parameters()}

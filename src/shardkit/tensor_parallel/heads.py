@@ -11,7 +11,7 @@ none), and every projection of the block follows that split in its own unit:
   (query head ``h`` uses KV head ``h // (N / N_kv)``). With ``N_kv >= R`` (and ``R | N_kv``) these
   are disjoint blocks; with fewer KV heads than ranks (GQA, e.g. 8 q / 2 kv heads on 4 ranks)
   a KV head is replicated on every rank that needs it and its gradient is summed over them
-  (:class:`~.spec.ShardSpec` overlap). When a rank's query heads use their KV heads unevenly
+  (:class:`~shardkit.sharding.ShardSpec` overlap). When a rank's query heads use their KV heads unevenly
   (9 q / 3 KV heads at tp 2), the rank holds copies of a KV head so that one local
   ``num_key_value_groups`` fits (see :func:`_kv_heads`);
 * ``o_proj`` columns: ``v_head_dim`` (or ``head_dim``) per query head.
@@ -57,7 +57,7 @@ def _kv_heads(q_heads: list[int], group_size: int) -> tuple[list[int], int]:
     heads ``c_j`` times each, ``ratio = gcd(c_j)`` and KV head ``j`` is held ``c_j / ratio`` times
     (e.g. 9 q / 3 KV heads at tp 2: rank 0 has q heads 0-4, uses KV 0 three times and KV 1
     twice: KV heads ``[0, 0, 0, 1, 1]``, ratio 1). The copies' gradients are summed with the
-    other holders' (:class:`~.spec.ShardSpec` overlap).
+    other holders' (:class:`~shardkit.sharding.ShardSpec` overlap).
     """
     kv = sorted({h // group_size for h in q_heads})
     counts = [sum(1 for h in q_heads if h // group_size == j) for j in kv]

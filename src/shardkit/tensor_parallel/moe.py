@@ -19,13 +19,21 @@ Source: Hugging Face transformers' plan strings of the same names; Megatron-LM's
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+import torch
 from torch import nn
 
 from ..comm import all_reduce_backward, all_reduce_forward
-from ..layouts import Partial, Replicate, check_layout
+from ..comm._group import resolve_group
+from ..errors import ShardkitTypeError
+from ..sharding import Partial, Replicate, check_layout
 from .styles import ParallelStyle, StyleContext
 
-__all__ = ["MoeTensorParallelExperts", "MoeIdentityExpert"]
+if TYPE_CHECKING:
+    from .._types import Group
+
+__all__ = ["MoeTensorParallelExperts", "MoeIdentityExpert", "identity_expert_parallel"]
 
 
 class MoeTensorParallelExperts(ParallelStyle):
@@ -64,6 +72,30 @@ class MoeIdentityExpert(ParallelStyle):
     """Divide the input by the group size (its output is summed over the group downstream)."""
 
     def apply_module(self, module: nn.Module, ctx: StyleContext) -> None:
-        from ..expert_parallel.hf import identity_expert_parallel
-
         identity_expert_parallel(module, ctx.group)
+
+
+def identity_expert_parallel(module: nn.Module, group: Group) -> torch.utils.hooks.RemovableHandle:
+    """The ``moe_identity_expert`` style: divide the module's first input by ``R``.
+
+    For identity ("zero") experts inside an experts module whose output is summed over the
+    group (``moe_tp_experts`` / ``mode="local"``): every rank computes the same identity output,
+    so the sum counts it ``R`` times; scaling the input by ``1 / R`` makes it count once, with an
+    exact gradient once the input's gradient is summed over the group (``all_reduce_backward``).
+
+    Returns:
+        The forward pre-hook handle (``handle.remove()`` undoes it).
+
+    Raises:
+        ShardkitTypeError: ``module`` is not an ``nn.Module`` or ``group`` is not a group.
+
+    Source: Hugging Face ``MoeIdentityExpertParallel`` (LongCat-Flash zero experts).
+    """
+    if not isinstance(module, nn.Module):
+        raise ShardkitTypeError(f"identity_expert_parallel: expected an nn.Module, got {type(module).__name__}")
+    size = resolve_group(group, "identity_expert_parallel").size
+
+    def pre_hook(_mod, args):
+        return (args[0] / size, *args[1:]) if size > 1 else None
+
+    return module.register_forward_pre_hook(pre_hook)

@@ -8,7 +8,11 @@ module's own ``weight``/``bias`` and adds activation hooks) or a parameter
 or names relative to the base model (``model.layers.0...`` matches ``layers.*...``).
 
 Values are style names (the Hugging Face strings, see :func:`default_styles`) or style objects
-(:class:`~.styles.ParallelStyle` instances); ``apply_tp(..., styles={...})`` adds names.
+(:class:`~.styles.ParallelStyle` instances); ``apply_tp(..., styles={...})`` adds names. The
+expert-parallel names (``grouped_gemm``, ``ep_router``, ``ep_dispatch_experts``) are
+:mod:`shardkit.expert_parallel`'s, which builds on this package: its
+:func:`~shardkit.expert_parallel.ep_plan` gives them as style objects, and
+``styles=ep_styles()`` adds them by name.
 
 Source: Hugging Face transformers' TP plans and ``verify_tp_plan``; PyTorch DTensor
 ``parallelize_module`` plans.
@@ -22,7 +26,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from ..errors import ShardkitError, ShardkitTypeError
-from ..layouts import Replicate
+from ..sharding import Replicate
 from .embedding import EmbeddingParallel
 from .moe import MoeIdentityExpert, MoeTensorParallelExperts
 from .replicated import MlaKvAProjParallel, ReplicatedWithGradAllReduce, SequenceParallel
@@ -32,9 +36,8 @@ __all__ = ["default_styles", "model_tp_plan", "CompiledPlan", "PlanReport", "ver
 
 
 def default_styles() -> dict[str, ParallelStyle]:
-    """A fresh name -> style table with every Hugging Face plan string."""
-    from ..expert_parallel.styles import ep_styles  # expert_parallel builds on tensor_parallel
-
+    """A fresh name -> style table with every Hugging Face tensor-parallel plan string (the
+    expert-parallel ones: :func:`shardkit.expert_parallel.ep_styles`)."""
     return {
         "colwise": ColwiseParallel(),
         "colwise_gather_output": ColwiseParallel(output_layouts=Replicate()),
@@ -49,7 +52,6 @@ def default_styles() -> dict[str, ParallelStyle]:
         "mla_kv_a_proj": MlaKvAProjParallel(),
         "moe_tp_experts": MoeTensorParallelExperts(),
         "moe_identity_expert": MoeIdentityExpert(),
-        **ep_styles(),
     }
 
 
@@ -98,7 +100,10 @@ class CompiledPlan:
                 raise ShardkitTypeError(f"apply_tp: plan keys must be str patterns, got {pattern!r}")
             if isinstance(style, str):
                 if style not in table:
-                    raise ShardkitError(f"apply_tp: unknown style {style!r} for {pattern!r}; known: {sorted(table)}")
+                    raise ShardkitError(
+                        f"apply_tp: unknown style {style!r} for {pattern!r}; known: {sorted(table)} (expert-parallel "
+                        f"names: pass styles=shardkit.expert_parallel.ep_styles(), or the plan of ep_plan(model))"
+                    )
                 style = table[style]
             if not isinstance(style, ParallelStyle):
                 raise ShardkitTypeError(

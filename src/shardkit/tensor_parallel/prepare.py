@@ -7,7 +7,7 @@ projection; the children's :class:`~.styles.ColwiseParallel` recognize the prepa
 through the model's :class:`~.sequence.SequenceSharding`.
 
 Source: PyTorch DTensor's ``PrepareModuleInput`` / ``PrepareModuleOutput`` (layouts
-:class:`~shardkit.layouts.Replicate` / :class:`~shardkit.layouts.Shard`), on shardkit's own
+:class:`~shardkit.sharding.Replicate` / :class:`~shardkit.sharding.Shard`), on shardkit's own
 collectives; Megatron-LM sequence parallelism (Korthikanti et al., 2022).
 """
 
@@ -17,7 +17,7 @@ from torch import nn
 
 from ..comm import all_reduce_forward
 from ..errors import ShardkitError
-from ..layouts import Partial, Replicate, Shard, check_layout
+from ..sharding import Partial, Replicate, Shard, check_layout
 from .sequence import SequenceSharding
 from .styles import ParallelStyle, StyleContext, replace_input
 

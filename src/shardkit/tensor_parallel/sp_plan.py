@@ -48,7 +48,7 @@ import copy
 from torch import nn
 
 from ..errors import ShardkitError
-from ..layouts import Partial, Replicate, Shard
+from ..sharding import Partial, Replicate, Shard
 from .moe import MoeTensorParallelExperts
 from .plan import CompiledPlan
 from .prepare import PrepareModuleInput, PrepareModuleOutput

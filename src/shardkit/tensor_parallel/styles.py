@@ -1,9 +1,9 @@
 """Parallel styles for linear layers: column-, row-wise and packed, with input/output layouts.
 
 A style rewrites one module in place: it replaces the weight (and bias) by this rank's shard
-(recording a :class:`~.spec.ShardSpec` on the new parameter) and adds the activation
-communication its declared layouts need (:class:`~shardkit.layouts.Replicate` /
-:class:`~shardkit.layouts.Shard`), as PyTorch DTensor's parallel styles do, on shardkit's own
+(recording a :class:`~shardkit.sharding.ShardSpec` on the new parameter) and adds the activation
+communication its declared layouts need (:class:`~shardkit.sharding.Replicate` /
+:class:`~shardkit.sharding.Shard`), as PyTorch DTensor's parallel styles do, on shardkit's own
 collectives:
 
 * ``ColwiseParallel(input_layouts=Replicate())`` (``colwise``): weight ``[out, in]`` cut by
@@ -48,9 +48,8 @@ from .._shapes import chunk_sizes
 from ..comm import _c10d, all_reduce_forward, gather_forward_split_backward, split_forward_gather_backward
 from ..comm._group import GroupInfo, resolve_group
 from ..errors import ShardkitError, ShardkitTypeError
-from ..layouts import Partial, Replicate, Shard, check_layout
+from ..sharding import Partial, Replicate, Shard, ShardSpec, check_layout, shard_parameter, shard_spec
 from .sequence import SequenceSharding
-from .spec import ShardSpec, shard_parameter, shard_spec
 
 if TYPE_CHECKING:
     from typing import Any

@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from ..errors import ShardkitError
-from ..mesh import ParallelDims
+from ..sharding import ParallelDims
 
 __all__ = [
     "TrainConfig",

@@ -26,8 +26,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from .. import CommLedger
 from ..comm import checks, checks_enabled
 from ..data_parallel import GradientSync, ParamLayout
-from ..mesh import AXES, FLAT_VIEWS, ParallelMesh
 from ..parallelize import ParallelModel, gather_full_parameters, parallelize, parallelize_stage
+from ..sharding import AXES, FLAT_VIEWS, ParallelMesh
 from .config import TrainConfig, parallel_dims
 from .liveness import Heartbeat
 from .metrics import MetricsLog, peak_memory

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import ShardkitError, ShardkitTypeError
+from ..errors import ShardkitError, ShardkitTypeError
 
 __all__ = ["Replicate", "Shard", "Partial", "check_layout"]
 

@@ -1,4 +1,8 @@
-"""How a tensor-parallel parameter was cut: :class:`ShardSpec`, and cutting / gathering by it.
+"""How a sharded parameter was cut: :class:`ShardSpec`, and cutting / gathering by it.
+
+The vocabulary of every wing that cuts parameters by index ranges: tensor parallelism (its
+styles), expert parallelism (experts blocks), data parallelism (gradient norms) and checkpoints
+(chunks of the full tensor).
 
 A spec lists, for every rank, the ranges of the full tensor's sharded dim that the rank holds,
 in local order. One description covers every layout tensor parallelism needs:
@@ -35,7 +39,7 @@ from ..errors import ShardkitError
 if TYPE_CHECKING:
     from .._types import Group
 
-__all__ = ["ShardSpec", "shard_spec", "cut", "gather_full", "shard_parameter"]
+__all__ = ["ShardSpec", "shard_spec", "set_shard_spec", "cut", "gather_full", "shard_parameter"]
 
 _SPEC_ATTR = "_shardkit_shard"
 
@@ -110,6 +114,13 @@ class ShardSpec:
 def shard_spec(param: torch.Tensor) -> ShardSpec | None:
     """The :class:`ShardSpec` of a sharded parameter, or None for a replicated one."""
     return getattr(param, _SPEC_ATTR, None)
+
+
+def set_shard_spec(t: torch.Tensor, spec: ShardSpec | None) -> torch.Tensor:
+    """Record ``spec`` on ``t`` (read back by :func:`shard_spec`) and return ``t``; None records nothing."""
+    if spec is not None:
+        setattr(t, _SPEC_ATTR, spec)
+    return t
 
 
 def cut(full: torch.Tensor, spec: ShardSpec, rank: int) -> torch.Tensor:
@@ -190,7 +201,7 @@ def shard_parameter(module: nn.Module, name: str, spec: ShardSpec, rank: int, me
     if shard_spec(old) is not None:
         raise ShardkitError(f"shard_parameter: {type(module).__name__}.{name} is already sharded")
     new = nn.Parameter(cut(old.detach(), spec, rank), requires_grad=old.requires_grad)
-    setattr(new, _SPEC_ATTR, spec)
+    set_shard_spec(new, spec)
     if spec.overlapping and new.requires_grad:
         new.register_hook(_sum_over_holders(spec, rank))
         setattr(new, "_shardkit_grad_hook", True)  # see sum_grad_over

@@ -1,11 +1,12 @@
 """Load a Hugging Face safetensors checkpoint straight into a tensor-parallel model, slice by slice.
 
-:func:`load_sharded` shards the (ideally meta-device) model with :func:`~.apply.apply_tp`, then
-fills every parameter from the byte ranges of the file that its :class:`~.spec.ShardSpec` names:
-each rank reads only its own rows / columns of sharded parameters (a ``safe_open`` slice per
-range, so packed parts and replicated KV heads are read directly) and replicated parameters
-whole. The full model never exists on any rank; the bytes a rank reads are about ``1 / R`` of
-the sharded weights plus the replicated ones (:attr:`SafetensorsCheckpoint.bytes_read`).
+:func:`load_sharded` shards the (ideally meta-device) model with :func:`~shardkit.apply_tp`, then
+fills every parameter from the byte ranges of the file that its
+:class:`~shardkit.sharding.ShardSpec` names: each rank reads only its own rows / columns of
+sharded parameters (a ``safe_open`` slice per range, so packed parts and replicated KV heads are
+read directly) and replicated parameters whole. The full model never exists on any rank; the
+bytes a rank reads are about ``1 / R`` of the sharded weights plus the replicated ones
+(:attr:`SafetensorsCheckpoint.bytes_read`).
 
 Checkpoint keys are the model's ``named_parameters`` names, as ``save_pretrained`` writes them,
 with one conversion transformers 5 applies on save: fused MoE experts (``experts.gate_up_proj``
@@ -19,11 +20,9 @@ Source: the slice-per-rank loading of Megatron-LM / vLLM weight loaders and Hugg
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
-from contextlib import ExitStack
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -32,9 +31,12 @@ from torch import nn
 from ..comm._group import resolve_group
 from ..comm.fingerprint import maybe_fingerprint
 from ..errors import ShardkitError
-from .apply import apply_tp
-from .gather import unwrap
-from .spec import shard_spec
+from ..sharding import shard_spec
+from ..tensor_parallel.apply import apply_tp
+from ..tensor_parallel.gather import unwrap
+from .contents import check_contents
+from .meta import materialize_meta
+from .safetensors_file import SafetensorsCheckpoint
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -43,104 +45,6 @@ if TYPE_CHECKING:
     from .._types import Group
 
 __all__ = ["SafetensorsCheckpoint", "load_sharded", "materialize_meta", "Piece"]
-
-# safetensors' dtype codes (its file format's "dtype" field)
-_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
-_INDEX = "model.safetensors.index.json"
-_SINGLE = "model.safetensors"
-
-
-class SafetensorsCheckpoint:
-    """A safetensors checkpoint (one file or an index of shards) read lazily, slice by slice.
-
-    Args:
-        path: a directory holding ``model.safetensors`` or ``model.safetensors.index.json``, or
-            one ``.safetensors`` file.
-
-    Attributes:
-        bytes_read: bytes of tensor data returned by :meth:`read` so far (file dtype).
-
-    Raises:
-        ShardkitError: no checkpoint at ``path``, or an index naming a missing file.
-
-    Use as a context manager (or call :meth:`close`) to release the memory maps.
-    """
-
-    def __init__(self, path: str | os.PathLike) -> None:
-        from safetensors import safe_open
-
-        path = os.fspath(path)
-        if os.path.isdir(path):
-            index = os.path.join(path, _INDEX)
-            if os.path.isfile(index):
-                with open(index) as f:
-                    weight_map = json.load(f)["weight_map"]
-                files = {k: os.path.join(path, v) for k, v in weight_map.items()}
-            elif os.path.isfile(os.path.join(path, _SINGLE)):
-                files = None
-                single = os.path.join(path, _SINGLE)
-            else:
-                raise ShardkitError(f"load_sharded: {path} has neither {_SINGLE} nor {_INDEX}")
-        elif os.path.isfile(path):
-            files, single = None, path
-        else:
-            raise ShardkitError(f"load_sharded: no checkpoint at {path}")
-        self._stack = ExitStack()
-        self._handles: dict[str, Any] = {}  # safetensors' safe_open handles
-        self._open = lambda file: (
-            self._handles.get(file)
-            or self._handles.setdefault(file, self._stack.enter_context(safe_open(file, framework="pt", device="cpu")))
-        )
-        if files is None:
-            files = {k: single for k in self._open(single).keys()}
-        for file in sorted(set(files.values())):
-            if not os.path.isfile(file):
-                raise ShardkitError(f"load_sharded: the index of {path} names a missing file {file}")
-        self._files = files
-        self.bytes_read = 0
-
-    def keys(self) -> set[str]:
-        return set(self._files)
-
-    def shape(self, key: str) -> tuple[int, ...]:
-        return tuple(self._open(self._files[key]).get_slice(key).get_shape())
-
-    def dtype(self, key: str) -> torch.dtype | None:
-        """The stored dtype of ``key`` (None for a safetensors type torch lacks)."""
-        return _DTYPES.get(self._open(self._files[key]).get_slice(key).get_dtype())
-
-    def read(self, key: str, box: tuple[tuple[int, int], ...]) -> torch.Tensor:
-        """The block ``box`` (a ``(start, stop)`` per dim) of tensor ``key``; only it is read."""
-        handle = self._open(self._files[key])
-        if not box:  # a 0-dim tensor has no slice
-            out = handle.get_tensor(key)
-        else:
-            out = handle.get_slice(key)[tuple(slice(a, b) for a, b in box)]
-        self.bytes_read += out.numel() * out.element_size()
-        return out
-
-    def close(self) -> None:
-        self._stack.close()
-        self._handles.clear()
-
-    def __enter__(self) -> SafetensorsCheckpoint:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 class Piece(NamedTuple):
@@ -204,79 +108,6 @@ def _fill(dest: torch.Tensor, pieces: list[Piece], box: list[tuple[int, int]], c
         dest[region] = part.reshape([b - a for a, b in inter]).to(dest.dtype)
 
 
-def _swap_params(model: nn.Module, device: torch.device) -> None:
-    """Give every meta parameter real (uninitialized) storage on ``device``, keeping the object's
-    attributes (its ShardSpec) and gradient hooks (replicated heads' sum): a new Parameter
-    replaces it in every module that holds it, tied parameters staying tied."""
-    swapped: dict[int, nn.Parameter] = {}
-    for module in model.modules():
-        for name, p in list(module._parameters.items()):
-            if p is None or not p.is_meta:
-                continue
-            if id(p) not in swapped:
-                new = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=p.requires_grad)
-                new.__dict__.update(p.__dict__)
-                # Tensor.register_hook keeps a leaf's hooks in this dict; re-register them on the
-                # new tensor so the autograd engine runs them.
-                for hook in (getattr(p, "_backward_hooks", None) or {}).values():
-                    new.register_hook(hook)
-                swapped[id(p)] = new
-            module._parameters[name] = swapped[id(p)]
-
-
-def materialize_meta(
-    model: nn.Module,
-    device: torch.device | str,
-    loaded: set[str],
-    init_buffers: Callable[[nn.Module], None] | None = None,
-) -> None:
-    """Allocate ``model``'s meta parameters and buffers on ``device`` (after ``apply_tp``, so
-    only local shards) and recompute the buffers a checkpoint does not hold.
-
-    Parameters and the persistent buffers named in ``loaded`` stay uninitialized: the caller
-    fills them from the checkpoint. Other meta buffers (non-persistent: rotary ``inv_freq``) are
-    recomputed by ``init_buffers(module)``, default Hugging Face's ``model._init_weights`` (which
-    recomputes rotary embeddings). Floating buffers are first filled with NaN, so one the
-    initializer skipped raises instead of being used.
-
-    Raises:
-        ShardkitError: a meta buffer no initializer restores.
-    """
-    device = torch.device(device)
-    _swap_params(model, device)
-    owners: list[nn.Module] = []
-    for mname, module in model.named_modules():
-        missing = False
-        for bname, b in list(module._buffers.items()):
-            if b is None or not b.is_meta:
-                continue
-            fill = float("nan") if b.is_floating_point() else 0
-            module._buffers[bname] = torch.full(b.shape, fill, dtype=b.dtype, device=device)
-            full = f"{mname}.{bname}" if mname else bname
-            missing |= bname in module._non_persistent_buffers_set or full not in loaded
-        if missing:
-            owners.append(module)
-    if not owners:
-        return
-    init_buffers = init_buffers or getattr(model, "_init_weights", None)
-    if init_buffers is None:
-        raise ShardkitError(
-            f"load: buffers of {[type(m).__name__ for m in owners]} were on the meta device and are "
-            "not in the checkpoint; pass init_buffers=fn(module) to recompute them"
-        )
-    with torch.no_grad():
-        for module in owners:
-            init_buffers(module)
-    bad = [
-        f"{type(m).__name__}.{n}"
-        for m in owners
-        for n, b in m._buffers.items()
-        if b is not None and b.is_floating_point() and bool(b.isnan().any())
-    ]
-    if bad:
-        raise ShardkitError(f"load: init_buffers left these buffers uninitialized: {bad}")
-
-
 def load_sharded(
     model: nn.Module,
     path: str | os.PathLike[str],
@@ -287,13 +118,13 @@ def load_sharded(
     init_buffers: Callable[[nn.Module], None] | None = None,
     **apply_tp_kwargs: Any,
 ) -> nn.Module:
-    """Shard ``model`` with :func:`~.apply.apply_tp` and fill it from a safetensors checkpoint,
+    """Shard ``model`` with :func:`~shardkit.apply_tp` and fill it from a safetensors checkpoint,
     each rank reading only its own slices.
 
     This reads a *Hugging Face* checkpoint (the full, unsharded ``*.safetensors`` files a model
     is published with): the way to start from pretrained weights. To save and resume a model
-    that is already sharded, use :func:`~.dcp.save_sharded_checkpoint` /
-    :func:`~.dcp.load_sharded_checkpoint` (shardkit's own DCP checkpoint) instead.
+    that is already sharded, use :func:`~shardkit.checkpoint.save_sharded_checkpoint` /
+    :func:`~shardkit.checkpoint.load_sharded_checkpoint` (shardkit's own DCP checkpoint) instead.
 
     Build the model on the meta device so the full model is never allocated::
 
@@ -311,12 +142,12 @@ def load_sharded(
         path: a checkpoint directory (``model.safetensors`` or ``model.safetensors.index.json``),
             a ``.safetensors`` file, or an open :class:`SafetensorsCheckpoint` (to count bytes).
         tp_mesh: the tp ``ProcessGroup`` or 1-D ``DeviceMesh``.
-        plan: the tp plan (None: the model's own), as for :func:`~.apply.apply_tp`.
+        plan: the tp plan (None: the model's own), as for :func:`~shardkit.apply_tp`.
         device: where parameters are materialized; default the device of the model's first
             non-meta parameter, else CPU.
         init_buffers: ``fn(module)`` recomputing the non-persistent buffers of ``module``
             (rotary ``inv_freq``) in place; default ``model._init_weights`` (Hugging Face).
-        **apply_tp_kwargs: ``loss_parallel``, ``styles``, ``check`` of :func:`~.apply.apply_tp`.
+        **apply_tp_kwargs: ``loss_parallel``, ``styles``, ``check`` of :func:`~shardkit.apply_tp`.
 
     Returns:
         ``model``, sharded and loaded (the file's dtypes must be the model's: a load never casts).
@@ -328,8 +159,6 @@ def load_sharded(
             model does not take a float32 file: build the model in the file's dtype); buffers
             that cannot be recomputed.
     """
-    from ..checkpoint.contents import check_contents  # shardkit.checkpoint imports this package
-
     owns = not isinstance(path, SafetensorsCheckpoint)
     ckpt: SafetensorsCheckpoint | None = None
     error, saved, expected, sources = None, None, {}, {}

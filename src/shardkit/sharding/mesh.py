@@ -2,28 +2,9 @@
 
 shardkit keeps no module-level process groups. A job describes its layout once with
 :class:`ParallelDims`; :meth:`ParallelDims.build_mesh` is the only place that creates process
-groups for it, and every layer, collective and transform takes its (sub)mesh explicitly
-(``mesh["tp"]``, ``mesh["dp_cp"]``).
-
-Axes, outermost first: ``pp``, ``dp_replicate``, ``dp_shard``, ``cp_ring``, ``cp_ulysses``,
-``spatial_h``, ``spatial``, ``tp`` (tp innermost, so tp peers are adjacent ranks: same node, fastest links;
-the order of torchtitan's ``ParallelDims`` and Megatron-LM). Their product is the world size.
-Expert parallelism does not multiply the world: ``ep`` ranks are *borrowed* from
-``dp_shard x cp_ring x cp_ulysses x tp`` (experts are then not tensor-parallel), as
-torchtitan's ``ParallelDims`` and Megatron-LM's expert-data-parallel groups do. The ranks
-holding the same experts form the expert data-parallel group (``edp``), over which expert
-gradients are reduced instead of ``dp_cp``.
-
-Flattened views on the mesh (built once, for the gradient reductions and the loss):
-
-===============  ===================================================  ====================
-view             dims                                                 used for
-===============  ===================================================  ====================
-``dp``           ``dp_replicate x dp_shard``                          batch rows
-``cp``           ``cp_ring x cp_ulysses``                             sequence shards
-``dp_cp``        ``dp_replicate x dp_shard x cp_ring x cp_ulysses``   dense gradients, loss
-``dp_shard_cp``  ``dp_shard x cp_ring x cp_ulysses``                  FSDP2 sharding
-===============  ===================================================  ====================
+groups for it (:mod:`.groups`), and every layer, collective and transform takes its (sub)mesh
+explicitly from the :class:`ParallelMesh` (``mesh["tp"]``, ``mesh["dp_cp"]``). The axes and
+flattened views are listed in :mod:`.axes`.
 """
 
 from __future__ import annotations
@@ -32,24 +13,17 @@ import math
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
-from .comm._compat import world_timeout_options
-from .errors import ShardkitError, ShardkitTypeError
+import torch.distributed as dist
+
+from ..comm._group import resolve_group
+from ..errors import ShardkitError, ShardkitTypeError
+from .axes import AXES, EP_BORROW
+from .groups import build_groups
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["ParallelDims", "ParallelMesh", "AXES", "FLAT_VIEWS"]
-
-AXES = ("pp", "dp_replicate", "dp_shard", "cp_ring", "cp_ulysses", "spatial_h", "spatial", "tp")
-FLAT_VIEWS = {
-    "dp": ("dp_replicate", "dp_shard"),
-    "cp": ("cp_ring", "cp_ulysses"),
-    "dp_cp": ("dp_replicate", "dp_shard", "cp_ring", "cp_ulysses"),
-    "dp_shard_cp": ("dp_shard", "cp_ring", "cp_ulysses"),
-}
-# Dims whose ranks expert parallelism may borrow, outermost first (contiguous in AXES but for
-# the spatial dims, which must be 1 with ep > 1).
-_EP_BORROW = ("dp_shard", "cp_ring", "cp_ulysses", "tp")
+__all__ = ["ParallelDims", "ParallelMesh"]
 
 
 @dataclass(frozen=True)
@@ -191,7 +165,7 @@ class ParallelDims:
     @property
     def ep_borrow(self) -> int:
         """Ranks expert parallelism may borrow from: ``dp_shard x cp_ring x cp_ulysses x tp``."""
-        return math.prod(getattr(self, a) for a in _EP_BORROW)
+        return math.prod(getattr(self, a) for a in EP_BORROW)
 
     def active_axes(self) -> list[str]:
         """Axes with degree > 1, outermost first (``ep`` last when > 1)."""
@@ -221,10 +195,6 @@ class ParallelDims:
         Raises:
             ShardkitError: the process group is not initialized, or its size is not the product.
         """
-        import torch
-        import torch.distributed as dist
-        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-
         if not dist.is_initialized():
             raise ShardkitError("ParallelDims.build_mesh: torch.distributed is not initialized")
         world = dist.get_world_size()
@@ -232,73 +202,8 @@ class ParallelDims:
             raise ShardkitError(
                 f"ParallelDims.build_mesh: {self._describe()} multiply to {self.product}, but the world size is {world}"
             )
-        if self.pp_tp is not None:
-            return self._build_vtp(self.pp_tp)
-        # Only the axes of degree > 1 get process groups: a size-1 axis is the identity, and a
-        # gloo group keeps threads of its own (a long-lived process that builds many layouts,
-        # like a test world, would otherwise pile up thousands of idle groups).
-        options = world_timeout_options()
-        active = [(axis, d) for axis, d in self.degrees.items() if d > 1]
-        views: dict[str, Any] = {}
-        root = None
-        if active:
-            names = tuple(a for a, _ in active)
-            # options alone: the default backend with these options (torch reads it as (None, options))
-            override: dict[int | str, Any] | None = (
-                None if options is None else dict.fromkeys(range(len(names)), options)
-            )
-            root = init_device_mesh(
-                device_type, tuple(d for _, d in active), mesh_dim_names=names, backend_override=override
-            )
-        for name, dims in FLAT_VIEWS.items():
-            present = tuple(d for d in dims if getattr(self, d) > 1)
-            if not present:
-                continue
-            assert root is not None  # an axis of degree > 1 made the root mesh
-            if len(present) == 1:
-                views[name] = root[present[0]]
-            else:
-                views[name] = root[present]._flatten(name, backend_override=options)
-        if self.ep > 1:
-            # ep groups: blocks of ep consecutive ranks inside each dp_shard x cp x tp block
-            # (innermost first: with ep <= tp they stay inside a tp group's node); edp pairs
-            # the ranks holding the same experts (across those blocks and dp replicas).
-            edp = self.dp_replicate * (self.ep_borrow // self.ep)
-            shape = [(n, d) for n, d in (("pp", self.pp), ("edp", edp), ("ep", self.ep)) if d > 1]
-            ranks = torch.arange(world).reshape(*(d for _, d in shape))
-            ov = None if options is None else tuple((None, options) for _ in shape)
-            expert = DeviceMesh(device_type, ranks, mesh_dim_names=tuple(n for n, _ in shape), backend_override=ov)
-            views["ep"] = expert["ep"]
-            if edp > 1:
-                views["edp"] = expert["edp"]
-        if self.dp_shard > 1 and self.dp_replicate > 1:
-            # HSDP needs the 2-D (dp_replicate, dp_shard_cp) mesh itself, not its flattened view.
-            shape = [
-                (n, d)
-                for n, d in (
-                    ("pp", self.pp),
-                    ("dp_replicate", self.dp_replicate),
-                    ("dp_shard_cp", self.dp_shard * self.cp),
-                    ("mp", self.spatial_h * self.spatial * self.tp),
-                )
-                if d > 1 or n in ("dp_replicate", "dp_shard_cp")
-            ]
-            ranks = torch.arange(world).reshape(*(d for _, d in shape))
-            ov = None if options is None else tuple((None, options) for _ in shape)
-            hsdp = DeviceMesh(device_type, ranks, mesh_dim_names=tuple(n for n, _ in shape), backend_override=ov)
-            views["hsdp"] = hsdp["dp_replicate", "dp_shard_cp"]
+        root, views = build_groups(self.degrees, self.ep, self.pp_tp, device_type)
         return ParallelMesh(self, root, views)
-
-    def _build_vtp(self, pp_tp: tuple[int, ...]) -> ParallelMesh:
-        """``pp_tp`` layouts: the stage groups of :func:`~shardkit.pipeline_parallel.new_stage_groups`
-        (replica-major ranks: ``rank = d * sum(pp_tp) + offset_s + i``)."""
-        from .pipeline_parallel.vtp import new_stage_groups
-
-        stages, dp_group = new_stage_groups(pp_tp, self.dp_replicate)
-        views = {"stages": stages, "tp": stages.tp_group}
-        for name in ("dp_replicate", "dp", "dp_cp"):
-            views[name] = dp_group
-        return ParallelMesh(self, None, views)
 
 
 class ParallelMesh:
@@ -333,10 +238,6 @@ class ParallelMesh:
         return self._axis_names.get(group_name, "other") if group_name is not None else "other"
 
     def _group_names(self) -> dict[str, str]:
-        import torch.distributed as dist
-
-        from .comm._group import resolve_group
-
         table: dict[str, str] = {}
         names = [n for n in (*AXES, "ep", "edp") if not self._absent(n)] + [n for n in self._views if n != "stages"]
         for name in names:
@@ -384,12 +285,8 @@ class ParallelMesh:
 
     def size(self, name: str) -> int:
         """Ranks in ``mesh[name]`` (1 for a dim the layout does not have)."""
-        from .comm._group import resolve_group
-
         return 1 if self._absent(name) else resolve_group(self[name], "ParallelMesh").size
 
     def local_rank(self, name: str) -> int:
         """This rank's coordinate in ``mesh[name]`` (0 for a dim the layout does not have)."""
-        from .comm._group import resolve_group
-
         return 0 if self._absent(name) else resolve_group(self[name], "ParallelMesh").rank

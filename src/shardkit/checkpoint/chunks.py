@@ -1,0 +1,156 @@
+"""DCP chunk planners for tensors cut by a :class:`~shardkit.sharding.ShardSpec`: each tensor is
+described to ``torch.distributed.checkpoint`` as chunks of its *full* tensor.
+
+A spec lists arbitrary ranges per rank (balanced head splits, packed ``[G_r | U_r]`` parts, KV
+heads held by several ranks), which DTensor's ``Shard(dim)`` (``torch.chunk`` blocks) cannot
+describe. So:
+
+* save (:class:`ChunkSavePlanner`): every rank writes the pieces of the full tensor it *owns*
+  (for each full index, the first rank holding it, as in :func:`~shardkit.sharding.gather_full`),
+  one DCP chunk per piece with its global offsets. The owned pieces of all ranks tile the full
+  tensor exactly, which DCP's global-plan check verifies. Replicated tensors (and the identical
+  pieces of other dp replicas) are written once: DCP's save-plan deduplication keeps one copy of
+  each ``(key, offsets)``.
+* load (:class:`ChunkLoadPlanner`): every rank asks for each of its local ranges (all of them,
+  replicated heads included); DCP's ``create_read_items_for_chunk_list`` intersects them with the
+  saved chunks, whatever layout wrote them, and reads straight into views of the local tensor.
+
+Used by :mod:`.dcp` (tensor-parallel models) and :mod:`.train_state` (training checkpoints).
+
+Source: PyTorch Distributed Checkpoint's planner interface (``SavePlanner`` / ``LoadPlanner``,
+chunk metadata and resharding reads), as torchtitan and FSDP2 use it for DTensors.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from ..comm._group import resolve_group
+from ..errors import ShardkitError
+from ..sharding import ShardSpec, shard_spec
+
+__all__ = ["ChunkSavePlanner", "ChunkLoadPlanner", "owned_ranges", "full_shape"]
+
+# (global offsets, local view) of one chunk
+_Chunk = tuple[tuple[int, ...], torch.Tensor]
+
+
+def owned_ranges(spec: ShardSpec, rank: int) -> list[tuple[int, int, int]]:
+    """``(start, stop, local_pos)`` of the full-index ranges ``rank`` owns: those of its ranges
+    no lower rank holds, nor an earlier range of its own (the first holder owns a replicated
+    index; a rank may hold a KV head twice). Over all ranks they tile ``[0, spec.full_size)``
+    exactly once."""
+    earlier = [r for rs in spec.ranges[:rank] for r in rs]
+    out, pos = [], 0
+    for a, b in spec.ranges[rank]:
+        cur = a
+        for c, d in sorted(earlier):  # subtract every earlier range from [a, b)
+            if d <= cur or c >= b:
+                continue
+            if c > cur:
+                out.append((cur, c, pos + cur - a))
+            cur = max(cur, d)
+        if cur < b:
+            out.append((cur, b, pos + cur - a))
+        earlier.append((a, b))
+        pos += b - a
+    return out
+
+
+def full_shape(t: torch.Tensor) -> torch.Size:
+    """The full tensor's shape of local tensor ``t`` (its own shape when it has no ShardSpec)."""
+    spec = shard_spec(t)
+    if spec is None:
+        return t.shape
+    shape = list(t.shape)
+    shape[spec.dim] = spec.full_size
+    return torch.Size(shape)
+
+
+def _chunks(t: torch.Tensor, owned: bool) -> list[_Chunk]:
+    """The chunks of local tensor ``t`` to write (``owned``) or to read (all local ranges)."""
+    spec = shard_spec(t)
+    if spec is None:
+        return [((0,) * t.dim(), t.detach())]
+    rank = resolve_group(spec.group, "checkpoint").rank
+    if owned:
+        ranges = owned_ranges(spec, rank)
+    else:
+        ranges, pos = [], 0
+        for a, b in spec.ranges[rank]:
+            ranges.append((a, b, pos))
+            pos += b - a
+    out = []
+    for a, b, pos in ranges:
+        if b > a:
+            offsets = [0] * t.dim()
+            offsets[spec.dim] = a
+            out.append((tuple(offsets), t.detach().narrow(spec.dim, pos, b - a)))
+    return out
+
+
+class ChunkSavePlanner(DefaultSavePlanner):
+    """Writes each tensor as the chunks this rank owns, at their global offsets."""
+
+    def __init__(self, state: dict[str, torch.Tensor]) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self._state = state
+        self._lookup: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+
+    def create_local_plan(self) -> SavePlan:
+        items = []
+        for fqn, t in self._state.items():
+            props = TensorProperties.create_from_tensor(t)
+            # SHARD: one of several chunks of fqn (DCP merges them); TENSOR: the whole tensor
+            kind = WriteItemType.TENSOR if shard_spec(t) is None else WriteItemType.SHARD
+            for offsets, piece in _chunks(t, owned=True):
+                self._lookup[(fqn, offsets)] = piece
+                chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=piece.shape)
+                items.append(
+                    WriteItem(
+                        index=MetadataIndex(fqn, torch.Size(offsets)),
+                        type=kind,
+                        tensor_data=TensorWriteData(chunk=chunk, properties=props, size=full_shape(t)),
+                    )
+                )
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def lookup_object(self, index: MetadataIndex) -> torch.Tensor:
+        assert index.offset is not None  # every item this planner wrote has its chunk offset
+        return self._lookup[(index.fqn, tuple(index.offset))]
+
+
+class ChunkLoadPlanner(DefaultLoadPlanner):
+    """Reads every local range of each tensor from whichever saved chunks overlap it."""
+
+    def __init__(self, state: dict[str, torch.Tensor]) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self._targets = {fqn: _chunks(t, owned=False) for fqn, t in state.items()}
+
+    def create_local_plan(self) -> LoadPlan:
+        requests = []
+        assert self.metadata is not None  # set by set_up_planner before any plan
+        for fqn, chunks in self._targets.items():
+            local = [ChunkStorageMetadata(offsets=torch.Size(o), sizes=v.shape) for o, v in chunks]
+            saved = self.metadata.state_dict_metadata[fqn]
+            assert isinstance(saved, TensorStorageMetadata)  # the caller checked each key first (check_contents)
+            requests += create_read_items_for_chunk_list(fqn, saved, local)
+        return LoadPlan(requests)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        assert index.index is not None  # read items carry the chunk's index
+        return self._targets[index.fqn][index.index][1]
+
+    def load_bytes(self, read_item, value) -> None:
+        # DCP's default unpickles bytes items (torch.load(weights_only=False)); shardkit writes none
+        raise ShardkitError(f"checkpoint: {read_item.dest_index.fqn!r} is a pickled item; shardkit never loads one")
