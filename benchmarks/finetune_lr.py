@@ -20,11 +20,12 @@ import time
 
 import torch
 
-from shardkit.cli.loop import ADAM_EPS, causal_lm_loss
 from shardkit.train.data import BatchSampler, stdlib_files
+from shardkit.train.lm_task import causal_lm_loss
 from shardkit.train.pretrained import load_pretrained, smollm2_gguf
 from shardkit.train.schedule import FINETUNE_LR, warmup_cosine
 from shardkit.train.tokens import token_stream
+from shardkit.train.trainer import ADAM_EPS
 
 
 def run(model, sampler, steps: int, lr: float, schedule: bool, held_out: torch.Tensor) -> tuple[list[float], float]:

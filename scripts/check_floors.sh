@@ -11,6 +11,11 @@
 # The venv is made without --system-site-packages, so nothing installed globally (a newer
 # transformers, say) can leak into the run.
 set -euo pipefail
+if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then
+  echo "usage: scripts/check_floors.sh [TEST_PATH ...]"
+  sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'
+  exit 0
+fi
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv-floors}

@@ -12,6 +12,7 @@ it. Exit status 1 if a public name is rendered on no page. tests/test_docs.py ru
 
 from __future__ import annotations
 
+import argparse
 import inspect
 import re
 import subprocess
@@ -108,8 +109,11 @@ def to_markdown(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    if argv:
-        site = Path(argv[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("site", nargs="?", help="a built mkdocs site (default: build one into a temporary folder)")
+    args = parser.parse_args(argv)
+    if args.site:
+        site = Path(args.site)
     else:
         site = Path(tempfile.mkdtemp(prefix="shardkit-site-"))
         subprocess.run(

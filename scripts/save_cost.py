@@ -9,10 +9,10 @@ numbers are shares of the same saves. Usage: ``python scripts/save_cost.py [MIB]
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from datetime import timedelta
@@ -86,4 +86,6 @@ def main(mib: int) -> str:
 
 
 if __name__ == "__main__":
-    print(main(int(sys.argv[1]) if len(sys.argv) > 1 else 256))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("mib", type=int, nargs="?", default=256, help="MiB of float32 state to save (default 256)")
+    print(main(parser.parse_args().mib))

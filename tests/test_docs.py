@@ -87,11 +87,65 @@ def test_no_reference_to_a_missing_design_file():
     old = "DESIGN" + ".md"  # spelled apart, so that this file does not match itself
     hits = [
         str(p.relative_to(ROOT))
-        for d in ("src", "tests", "benchmarks")
-        for p in (ROOT / d).rglob("*.py")
+        for d in ("src", "tests", "benchmarks", "docs")
+        for p in [*(ROOT / d).rglob("*.py"), *(ROOT / d).rglob("*.md")]
         if old in p.read_text()
     ]
     assert not hits, f"{old} is docs/design.md now: {hits}"
+
+
+# A project path in prose: ``tests/cli/test_x.py``, ``comm/_c10d.py``, ``docs/guides/data.md``.
+_PATH = re.compile(r"(?<![\w./-])((?:[\w.-]+/)+[\w.-]+\.(?:py|md|sh))\b")
+# A bare test or bench file name (``test_ring.py``, ``cases_pp.py``): it names a file of this
+# project; other bare names (``first.py``) are what a user calls an example.
+_BARE = re.compile(r"(?<![\w./-])((?:test|cases)_\w+\.py)\b")
+# Paths of other projects cited as sources (nccl-tests' bus bandwidth notes).
+_EXTERNAL = {"doc/PERFORMANCE.md"}
+# Where a relative path may start: the citing file's folder, the checkout, src/, the package, docs/.
+_BASES = (ROOT, ROOT / "src", ROOT / "src" / "shardkit", DOCS)
+
+
+def _missing_paths(path: Path) -> list[str]:
+    """The paths ``path`` mentions that exist nowhere in the checkout. A mention after "former"
+    (a removed file cited as the source of old numbers) is history, not a reference."""
+    out = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        for m in _PATH.finditer(line):
+            ref = m.group(1)
+            placeholder = ref.split("/")[0].isupper()  # ``DIR/bench.md``: a folder the user names
+            if placeholder or ref in _EXTERNAL or "former" in line[max(0, m.start() - 12) : m.start()]:
+                continue
+            if not any((base / ref).exists() for base in (path.parent, *_BASES)):
+                out.append(f"{path.relative_to(ROOT)}:{i}: {ref}")
+        for m in _BARE.finditer(line):
+            if not any(next((ROOT / d).rglob(m.group(1)), None) for d in ("tests", "src")):
+                out.append(f"{path.relative_to(ROOT)}:{i}: {m.group(1)}")
+    return out
+
+
+def _citing_files() -> list[Path]:
+    return [
+        *DOCS.rglob("*.md"),
+        ROOT / "README.md",
+        ROOT / "benchmarks" / "RESULTS.md",
+        *(ROOT / "src").rglob("*.py"),
+        *(ROOT / "scripts").rglob("*.py"),
+        *(ROOT / "benchmarks").rglob("*.py"),
+    ]
+
+
+def test_every_path_the_docs_and_sources_mention_exists():
+    missing = [hit for path in _citing_files() for hit in _missing_paths(path)]
+    assert not missing, "references to files that do not exist:\n" + "\n".join(missing)
+
+
+def test_a_missing_path_is_found(tmp_path):
+    doc = ROOT / "docs" / "_probe_missing_path.md"  # inside the checkout, as a real page would be
+    doc.write_text("see `benchmarks/bench_gone.py` and test_nowhere.py; the former `scripts/x.py` is history\n")
+    try:
+        assert [h.split(": ")[1] for h in _missing_paths(doc)] == ["benchmarks/bench_gone.py", "test_nowhere.py"]
+    finally:
+        doc.unlink()
 
 
 @pytest.mark.meta

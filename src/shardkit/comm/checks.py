@@ -11,7 +11,7 @@ tensor-parallel model's forward, one agreement on the forward's inputs covers th
 
 Enable with ``shardkit.comm.checks(True)`` (also usable as ``with checks(True): ...``) or by
 setting ``SHARDKIT_CHECKS=1`` before import. Cost: one metadata all-gather of
-``R x 39`` int64 per forward op (measured by ``benchmarks/bench_reliability.py``).
+``R x 39`` int64 per forward op (measured by ``shardkit bench --cases checks``).
 
 The row holds the op's identity, so two different ops never agree. Without explicit sizes an
 op's local sizes may differ across ranks (uneven shards are learned, not assumed): then the

@@ -18,7 +18,7 @@ collectives are issued deep inside autograd Functions, often on autograd's worke
 where no caller could hand a recorder down; PyTorch's NCCL flight recorder is per process for
 the same reason. It is an explicit object all the same: :func:`set_flight_recorder` replaces or
 disables it (``None``), and tests build their own. Cost: one tuple appended under a lock per
-collective (measured by ``benchmarks/bench_flight_recorder.py``).
+collective (measured by ``shardkit bench --cases host_overhead``: its ``recorder`` variant).
 
 Source: PyTorch's NCCL flight recorder (``TORCH_NCCL_TRACE_BUFFER_SIZE``, ``fr_trace``).
 """

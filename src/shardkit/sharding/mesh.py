@@ -9,9 +9,11 @@ flattened views are listed in :mod:`.axes`.
 
 from __future__ import annotations
 
+import functools
 import math
+import warnings
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch.distributed as dist
 
@@ -26,6 +28,46 @@ if TYPE_CHECKING:
 __all__ = ["ParallelDims", "ParallelMesh"]
 
 
+_T = TypeVar("_T")
+
+
+def _last_release_keywords(cls: type[_T]) -> type[_T]:
+    """Accept the keywords the last release renamed, on top of the dataclass's ``__init__``.
+
+    ``dp=`` means what ``dp_replicate=`` means now (replicas whose gradients are all-reduced; the
+    release before had no sharded data parallelism): it works, with a ``DeprecationWarning``.
+    ``cp=`` has no single replacement (the attention kind is now a mesh dim), so it raises.
+
+    Raises:
+        ShardkitTypeError: ``cp=``; ``dp=`` together with ``dp_replicate=``.
+    """
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        if "cp" in kwargs:
+            raise ShardkitTypeError(
+                f"ParallelDims(cp={kwargs['cp']!r}): cp was split in the last release; pass cp_ring= (zigzag ring "
+                "attention) or cp_ulysses= (Ulysses all-to-all), or both (USP); ParallelDims.cp and the mesh's 'cp' "
+                "view are their product"
+            )
+        if "dp" in kwargs:
+            if "dp_replicate" in kwargs:
+                raise ShardkitTypeError("ParallelDims: dp= is the old name of dp_replicate=; pass dp_replicate= only")
+            warnings.warn(
+                "ParallelDims(dp=) is deprecated: use dp_replicate= (replicas, gradients all-reduced; dp_shard= "
+                "shards them with FSDP2); dp= will be removed in the next release",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            kwargs["dp_replicate"] = kwargs.pop("dp")
+        init(self, *args, **kwargs)
+
+    setattr(cls, "__init__", __init__)  # noqa: B010 (mypy refuses assigning to a method)
+    return cls
+
+
+@_last_release_keywords
 @dataclass(frozen=True)
 class ParallelDims:
     """Degrees of every parallel axis of one job.
@@ -51,8 +93,11 @@ class ParallelDims:
             ``dp_replicate x sum(pp_tp)``).
         world_size: when given, the product of the degrees must equal it.
 
+    The last release's ``dp=`` still works as ``dp_replicate=`` (``DeprecationWarning``); its
+    ``cp=`` raises ``ShardkitTypeError`` naming ``cp_ring=`` and ``cp_ulysses=``.
+
     Raises:
-        ShardkitTypeError: a degree is not an int.
+        ShardkitTypeError: a degree is not an int; ``cp=`` (see above).
         ShardkitError: a degree is < 1; the product is not ``world_size``; ``ep`` does not
             divide the ranks it borrows from, or is combined with ``spatial`` or ``spatial_h`` > 1. The message
             names every degree.

@@ -36,6 +36,7 @@ parallelism (Korthikanti et al., 2022); PyTorch DTensor's ``ColwiseParallel`` /
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -286,6 +287,15 @@ class RowwiseParallel(ParallelStyle):
             block's shared experts with its routed experts); no bias allowed.
         parts: packed weights (``packed_rowwise``).
         unit: cut in whole units of this many features (heads of an attention output).
+        split_input: deprecated (the last release's name): ``True`` is ``input_layouts=Replicate()``;
+            warns ``DeprecationWarning``.
+        reduce: removed in the last release (a callable on the partial sum); ``output_layouts``
+            says the reduction now. Passing it raises.
+
+    Raises:
+        ShardkitTypeError: ``reduce=`` (naming ``output_layouts``); ``split_input=`` together
+            with ``input_layouts=``.
+        ShardkitError: ``input_layouts`` is a ``Shard`` other than ``Shard(-1)``.
     """
 
     weight_dim = -1
@@ -298,7 +308,25 @@ class RowwiseParallel(ParallelStyle):
         output_layouts: Replicate | Shard | Partial = Replicate(),
         parts: int | Sequence[int] | None = None,
         unit: int = 1,
+        split_input: bool | None = None,
+        reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
+        if reduce is not None:
+            raise ShardkitTypeError(
+                "RowwiseParallel(reduce=) was replaced in the last release by output_layouts=: Replicate() "
+                "all-reduces (the old default), Shard(d) reduce-scatters along d (sequence parallelism), "
+                "Partial() leaves the partial sums to the caller"
+            )
+        if split_input is not None:
+            if input_layouts != Shard(-1):
+                raise ShardkitTypeError("RowwiseParallel: split_input= is the old name of input_layouts=; pass one")
+            warnings.warn(
+                "RowwiseParallel(split_input=) is deprecated: use input_layouts=Replicate() (True) or leave the "
+                "default Shard(-1) (False); split_input= will be removed in the next release",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            input_layouts = Replicate() if split_input else Shard(-1)
         self.sizes, self.parts, self.unit = sizes, parts, unit
         self.input_layouts = check_layout(input_layouts, "RowwiseParallel input_layouts")
         self.output_layouts = check_layout(output_layouts, "RowwiseParallel output_layouts", partial=True)

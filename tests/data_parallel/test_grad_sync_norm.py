@@ -1,0 +1,104 @@
+"""``GradientSync``'s global gradient norm counts every parameter element once, without the CLI.
+
+A tiny float64 Hugging Face decoder, parallelized on 4 ranks; each data rank back-propagates its
+rows of one global batch (loss / global token count), ``pm.grads.reduce()`` sums over the data
+ranks, and ``pm.grads.global_norm()`` must equal the 2-norm of the one-process gradient of the
+mean loss over the whole batch:
+
+* GQA with ``tp`` > KV heads (4 query heads, 1 KV head, tp = 2): both tp ranks hold the one KV
+  head; it counts once.
+* ``edp`` experts (Qwen3-MoE, ep = 2 of the 4 ranks): every expert is held by the 2 ranks of its
+  expert-data-parallel group; it counts once.
+
+Each claim can fail: the same run with the duplicate masking (or the ``edp`` replica rule)
+switched off gives a different norm (checked below).
+"""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+
+from harness.helpers import all_true, rank
+from harness.tiny_lm import loss_sum, predicted_tokens, tiny_decoder, token_ids
+from shardkit.data_parallel import grads as grads_module
+from shardkit.mesh import ParallelDims
+from shardkit.parallelize import parallelize
+
+BATCH = 4
+GQA = dict(model="llama", kv_heads=1)  # 4 query heads, 1 KV head
+MOE = dict(model="moe", experts=4)
+
+
+def _one_process_norm(model_kw: dict) -> float:
+    model = tiny_decoder(**model_kw)
+    ids = token_ids(BATCH)
+    (loss_sum(model(input_ids=ids).logits, ids) / predicted_tokens(ids)).backward()
+    return torch.sqrt(sum(p.grad.double().pow(2).sum() for p in model.parameters() if p.grad is not None)).item()
+
+
+def _parallel_norm(layout: dict, model_kw: dict) -> tuple[float, object]:
+    """The global norm after one backward and ``reduce`` on ``layout``; and the ParallelModel."""
+    mesh = ParallelDims(**layout).build_mesh("cpu")
+    pm = parallelize(tiny_decoder(**model_kw), mesh)
+    ids = token_ids(BATCH)
+    rows = BATCH // mesh.size("dp")
+    mine = ids[mesh.local_rank("dp") * rows : (mesh.local_rank("dp") + 1) * rows]
+    (loss_sum(pm.module(input_ids=mine).logits, mine) / predicted_tokens(ids)).backward()
+    pm.grads.reduce()
+    return pm.grads.global_norm().item(), pm
+
+
+def _matches(norm: float, model_kw: dict) -> bool:
+    """Whether ``norm`` is the one-process norm (float64 rounding), the same verdict on every rank."""
+    ref = torch.tensor([_one_process_norm(model_kw) if rank() == 0 else 0.0], dtype=torch.float64)
+    torch.distributed.broadcast(ref, src=0)
+    return abs(norm - ref.item()) <= 1e-11 * ref.item()
+
+
+GQA_LAYOUTS = {"tp=2 x dp_replicate=2": dict(tp=2, dp_replicate=2), "tp=2 x dp_shard=2": dict(tp=2, dp_shard=2)}
+
+
+@pytest.mark.world(4, timeout=180)
+@pytest.mark.parametrize("layout", list(GQA_LAYOUTS.values()), ids=list(GQA_LAYOUTS))
+def test_global_norm_counts_replicated_kv_heads_once(layout):
+    norm, pm = _parallel_norm(layout, GQA)
+    k_spec = pm.layouts["model.layers.0.self_attn.k_proj.weight"].spec
+    assert k_spec is not None and k_spec.overlapping  # the case under test: the KV head on both tp ranks
+    assert all_true(_matches(norm, GQA)), f"rank {rank()}: norm {norm}"
+
+
+@pytest.mark.world(4, timeout=180)
+@pytest.mark.parametrize("layout", list(GQA_LAYOUTS.values()), ids=list(GQA_LAYOUTS))
+def test_the_kv_check_fails_when_copies_are_counted_twice(layout):
+    with mock.patch.object(grads_module, "_owned_mask", return_value=None):
+        norm, _ = _parallel_norm(layout, GQA)
+    assert all_true(not _matches(norm, GQA))
+
+
+MOE_LAYOUTS = {
+    "moe tp=2 x dp_replicate=2, ep=2": dict(tp=2, dp_replicate=2, ep=2),
+    "moe dp_shard=4, ep=2": dict(dp_shard=4, ep=2),
+}
+
+
+@pytest.mark.world(4, timeout=180)
+@pytest.mark.parametrize("layout", list(MOE_LAYOUTS.values()), ids=list(MOE_LAYOUTS))
+def test_global_norm_counts_edp_experts_once(layout):
+    norm, pm = _parallel_norm(layout, MOE)
+    assert pm.mesh.size("edp") == 2  # each expert on 2 ranks
+    assert any(lay.expert for lay in pm.layouts.values())
+    assert all_true(_matches(norm, MOE)), f"rank {rank()}: norm {norm}"
+
+
+@pytest.mark.world(4, timeout=180)
+def test_the_edp_check_fails_when_expert_replicas_all_count():
+    def every_expert_replica(self, lay):
+        return True if lay.expert else real(self, lay)
+
+    real = grads_module.GradientSync._counts_here
+    with mock.patch.object(grads_module.GradientSync, "_counts_here", every_expert_replica):
+        norm, _ = _parallel_norm(dict(tp=2, dp_replicate=2, ep=2), MOE)
+    assert all_true(not _matches(norm, MOE))
