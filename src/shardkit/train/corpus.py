@@ -27,7 +27,7 @@ from ..errors import ShardkitError
 from . import data
 
 if TYPE_CHECKING:
-    from .config import TrainConfig
+    from .options import TrainConfig
 
 __all__ = ["Corpus", "read_corpus", "shared_corpus", "one_source"]
 
