@@ -134,7 +134,7 @@ def test_bad_layouts_are_refused(tmp_path, capsys):
     shape = ModelShape.from_config(TINY)
     with pytest.raises(ShardkitError, match="uses 4 GPUs, the cluster has 8"):
         estimate_step(shape, ParallelDims(tp=4), StepOptions(seq_len=16, global_batch=8), Cluster(gpus=8))
-    with pytest.raises(ShardkitError, match="tp=8: --tp 8: 4 attention heads cannot be split over 8 ranks"):
+    with pytest.raises(ShardkitError, match="tp=8: --tp 8: 4 query heads cannot be split over tp=8 ranks"):
         estimate_step(shape, ParallelDims(tp=8), StepOptions(seq_len=16, global_batch=8), Cluster(gpus=8))
     with pytest.raises(ShardkitError, match="no layout fits in 1e-05 GiB"):
         plan_layouts(shape, Cluster(gpus=4, gpu_memory_gib=1e-05), StepOptions(seq_len=16, global_batch=8))

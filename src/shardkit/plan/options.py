@@ -11,7 +11,7 @@ from ..errors import ShardkitError
 from ..mesh import ParallelDims
 from ..pipeline_parallel.schedules import gpipe_schedule, one_f_one_b_schedule
 from .model import ModelShape
-from .rules import decoder_layout_rule
+from .rules import decoder_layout_rule, sequence_parallel_default
 
 __all__ = [
     "StepOptions",
@@ -59,11 +59,10 @@ class StepOptions:
 
 
 def resolve_options(shape: ModelShape, dims: ParallelDims, opts: StepOptions) -> StepOptions:
-    """``opts`` with ``sequence_parallel`` decided as the trainer does (``train.config``: on for
-    dense models with tp > 1, off for MoE models unless asked for)."""
+    """``opts`` with ``sequence_parallel`` decided as the trainer does
+    (:func:`.rules.sequence_parallel_default`)."""
     if opts.sequence_parallel is None:
-        dense = shape.experts == 0
-        opts = replace(opts, sequence_parallel=dense and dims.tp > 1)
+        opts = replace(opts, sequence_parallel=sequence_parallel_default(shape.experts > 0, dims.tp, dims.pp_tp))
     return opts
 
 

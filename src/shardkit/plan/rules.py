@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from ..context_parallel._sizes import _order
+from ..tensor_parallel.check import tp_heads_rule
 
 __all__ = [
     "batch_rule",
@@ -36,8 +37,16 @@ __all__ = [
     "ep_rule",
     "sp_pp_tp_rule",
     "lm_spatial_rule",
+    "sequence_parallel_default",
     "decoder_layout_rule",
 ]
+
+
+def sequence_parallel_default(experts: bool, tp: int, pp_tp: tuple[int, ...] | None) -> bool:
+    """Sequence parallelism when not asked either way: on for a dense model with tp > 1 (it
+    saves activation memory at the same traffic), off for MoE models (their routers would run on
+    the sequence block) and with ``pp_tp`` (:func:`sp_pp_tp_rule`)."""
+    return not experts and tp > 1 and pp_tp is None
 
 
 def batch_rule(global_batch: int, dp: int, microbatches: int) -> str | None:
@@ -71,15 +80,16 @@ def cp_tokens_rule(seq_len: int, cp_ring: int, cp_ulysses: int) -> str | None:
 
 
 def stage_heads_rule(heads: int, kv_heads: int, tp: int, cp: int, flag: str) -> str | None:
-    """Whole query heads on every tp rank; with cp, the same number of them on every tp rank.
+    """Whole query heads on every tp rank (:func:`shardkit.tensor_parallel.check.tp_heads_rule`,
+    apply_tp's own rule); with cp, the same number of them on every tp rank.
 
     Args:
         heads, kv_heads: the model's query and key/value heads.
         tp: the tp size of one stage; cp: ``cp_ring x cp_ulysses``.
         flag: how the message names this tp size (``--tp 4``, ``--pp-tp 2,1 (stage 0)``).
     """
-    if tp > heads:
-        return f"{flag}: {heads} attention heads cannot be split over {tp} ranks (whole heads per rank)"
+    if (why := tp_heads_rule(heads, kv_heads, tp)) is not None:
+        return f"{flag}: {why}"
     if tp > 1 and cp > 1 and (heads % tp or kv_heads % tp):
         return (
             f"{flag} with context parallelism: tp must divide num_attention_heads={heads} and "

@@ -21,6 +21,7 @@ from ..plan.rules import (
     lm_spatial_rule,
     pp_layers_rule,
     seq_len_rule,
+    sequence_parallel_default,
     sp_pp_tp_rule,
     stage_heads_rule,
 )
@@ -57,7 +58,7 @@ def _raise(why: str | None) -> None:
 
 def validate_lm(cfg: TrainConfig, family: LMFamily) -> TrainConfig:
     """The decoder LMs' real limits (:mod:`shardkit.plan.rules`), against the model's shape;
-    ``sequence_parallel`` resolved (None: on for a dense model with tp > 1 and no ``--pp-tp``).
+    ``sequence_parallel`` resolved (None: :func:`~shardkit.plan.rules.sequence_parallel_default`).
 
     Raises:
         ShardkitError: naming the flags at fault.
@@ -70,15 +71,16 @@ def validate_lm(cfg: TrainConfig, family: LMFamily) -> TrainConfig:
     if cfg.model_path is not None and cfg.packed:
         # document borders are known in bytes of the corpus files, not in the tokenizer's tokens
         raise ShardkitError("--packed with --model-path: packed documents are built for byte-level tokens")
+    assert cfg.tp is not None and cfg.dp_replicate is not None  # validate_config resolved them
+    dp = cfg.dp_replicate * cfg.dp_shard
+    pp_tp = cfg.stage_tp_sizes if cfg.pp_tp is not None else None
     if cfg.sequence_parallel is None:
-        sp = not family.experts and cfg.tp > 1 and cfg.pp_tp is None
-        cfg = dataclasses.replace(cfg, sequence_parallel=sp)
-    _raise(sp_pp_tp_rule(bool(cfg.sequence_parallel), cfg.pp_tp))
-    if cfg.packed and cfg.cp_size > 1 and cfg.batch_size != cfg.dp_replicate * cfg.dp_shard * cfg.microbatches:
+        cfg = dataclasses.replace(cfg, sequence_parallel=sequence_parallel_default(family.experts, cfg.tp, pp_tp))
+    _raise(sp_pp_tp_rule(bool(cfg.sequence_parallel), pp_tp))
+    if cfg.packed and cfg.cp_size > 1 and cfg.batch_size != dp * cfg.microbatches:
         raise ShardkitError(
             f"--packed with context parallelism: every microbatch must be one row (its documents' cu_seqlens are "
-            f"per row), so --batch-size must equal dp x microbatches = "
-            f"{cfg.dp_replicate * cfg.dp_shard * cfg.microbatches}, got {cfg.batch_size}"
+            f"per row), so --batch-size must equal dp x microbatches = {dp * cfg.microbatches}, got {cfg.batch_size}"
         )
     _raise(cp_tokens_rule(cfg.seq_len, cfg.cp_ring, cfg.cp_ulysses))
     _validate_shape(cfg)
