@@ -2,10 +2,12 @@
 
 Runs in every worker process (started by the local elastic launch or by torchrun). The layout
 (:func:`.config.parallel_dims`) gives one :class:`~shardkit.ParallelDims`, whose mesh is the only
-one built; the model goes through :func:`~shardkit.parallelize.parallelize` (or
-:func:`~shardkit.parallelize.parallelize_stage` with a pipeline), and every step through
-:func:`.trainer.train_step`. Rank 0 returns a result dict (losses, gradient norms, ledger,
-memory, timings, parity) that :mod:`.report` prints and writes; the other ranks return None.
+one built. The model, its task and its parallelization are its spec's (:mod:`.specs`): the
+decoder LMs go through :func:`~shardkit.parallelize.parallelize` (or
+:func:`~shardkit.parallelize.parallelize_stage` with a pipeline), ``conv-ae`` through
+:func:`~shardkit.parallelize.parallelize_conv`; every step through :func:`.trainer.train_step`.
+Rank 0 returns a result dict (losses, gradient norms, ledger, memory, timings, parity) that
+:mod:`.report` prints and writes; the other ranks return None.
 """
 
 from __future__ import annotations
