@@ -3,7 +3,7 @@
 The same layouts (valid and invalid) go through ``shardkit train``'s :func:`validate_config`
 and the planner's :func:`check_layout`; both must accept or both refuse. The layouts where the
 planner used to be stricter than the trainer (uneven sequence over cp, tp not dividing the
-vocabulary, the KV heads or the heads per Ulysses rank) are among them, and two of them train
+vocabulary, the KV heads, the heads per Ulysses rank or the experts) are among them, and three train
 with ``--verify`` parity here, so the common verdict is the trainer's real one.
 """
 
@@ -38,6 +38,7 @@ LAYOUTS = [
     (dict(tp=1, pp=4), False),  # 2 layers, 4 stages
     (dict(tp=2, ep=2), False),  # a dense model
     (dict(model="moe", tp=2, ep=2), True),
+    (dict(model="moe", tp=2, ep=2, experts=3), True),  # 3 experts over 2 ep ranks: balanced
     (dict(tp=2, batch_size=5, nproc=4), False),  # 5 rows over dp=2
     (dict(tp=1, batch_size=8, microbatches=3, nproc=2), False),
     (dict(pp_tp="2,1", sequence_parallel=True, layers=3), False),
@@ -113,6 +114,12 @@ def test_tp_3_over_an_uneven_vocabulary_and_kv_heads_trains_with_parity():
     # 256-token vocabulary (vocab-parallel loss) and 2 KV heads over 3 tp ranks: the planner
     # refused it before its rules were the trainer's
     _check(dict(tp=3, heads=6, kv_heads=2, hidden_size=96, loss_parallel=True))
+
+
+@pytest.mark.world(4, timeout=120)
+def test_uneven_experts_over_ep_train_with_parity():
+    # 3 routed experts over ep=2 (2 + 1): the planner asked ep to divide them
+    _check(dict(model="moe", tp=2, ep=2, experts=3))
 
 
 @pytest.mark.world(4, timeout=120)
