@@ -14,8 +14,7 @@ import warnings
 import pytest
 
 from shardkit import ShardkitError
-from shardkit.layouts import Replicate, Shard
-from shardkit.mesh import ParallelDims
+from shardkit.sharding import ParallelDims, Replicate, Shard
 from shardkit.tensor_parallel import RowwiseParallel
 
 

@@ -57,24 +57,24 @@ def test_conv_ae_without_matplotlib_says_pip_install_plot(no_matplotlib, capsys)
 
 
 def test_report_without_matplotlib_is_one_note(no_matplotlib, no_tensorboard):
-    notes = check_train("llama", "reports/run1")
+    notes = check_train(["transformers"], "shardkit train --model llama", "reports/run1")
     assert notes == [
         "loss.png will not be written (matplotlib is not installed): pip install 'shardkit[plot]'",
         "TensorBoard scalars (DIR/tb) will not be written (tensorboard is not installed): pip install 'shardkit[tb]'",
     ]
-    assert check_train("llama", None) == []
+    assert check_train(["transformers"], "shardkit train --model llama", None) == []
 
 
 def test_report_without_tensorboard_is_one_note(no_tensorboard):
     assert missing(["tensorboard", "matplotlib"]) == ["tensorboard"]
-    assert check_train("conv-ae", "out") == [
+    assert check_train(["matplotlib"], "shardkit train --model conv-ae (its sample photo)", "out") == [
         "TensorBoard scalars (DIR/tb) will not be written (tensorboard is not installed): pip install 'shardkit[tb]'"
     ]
 
 
 def test_report_with_every_extra_has_no_note():
     # tensorboard is in the test extra: the suite checks the path that writes DIR/tb
-    assert check_train("llama", "out") == []
+    assert check_train(["transformers"], "shardkit train --model llama", "out") == []
 
 
 def test_help_describes_train_honestly(capsys):

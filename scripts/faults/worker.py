@@ -85,9 +85,9 @@ def _count_save_events(plan: dict, rank: int) -> None:
 def _hold_after_saves(go_on: str) -> None:
     """Job A of ``writers``: after each save, wait (at most 120 s) until the file ``go_on``
     exists (the observer makes it once both B's ended), so that B always meets A running."""
-    import shardkit.checkpoint as checkpoint
+    import shardkit.train.run as run  # the trainer's own name for it (imported at the top of run.py)
 
-    real = checkpoint.save_train_state
+    real = run.save_train_state
 
     def held(*args, **kwargs):
         path = real(*args, **kwargs)
@@ -96,7 +96,7 @@ def _hold_after_saves(go_on: str) -> None:
             time.sleep(0.05)
         return path
 
-    checkpoint.save_train_state = held
+    run.save_train_state = held
 
 
 def _train_worker(plan: dict, rank: int, victim: bool) -> None:

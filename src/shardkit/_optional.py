@@ -10,7 +10,7 @@ worker process after the launch.
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from .errors import ShardkitError
 
@@ -61,11 +61,14 @@ def require(modules: Iterable[str], feature: str) -> None:
         )
 
 
-def check_train(model: str, report: str | None) -> list[str]:
+def check_train(needs: Sequence[str], what: str, report: str | None) -> list[str]:
     """Check the extras ``shardkit train`` needs before any process starts.
 
     Args:
-        model: the ``--model`` value (``"conv-ae"`` or a Hugging Face causal LM family).
+        needs: the modules the model cannot be built without (its spec's
+            :attr:`~shardkit.train.specs.ModelSpec.needs`: transformers for the language models,
+            matplotlib for conv-ae's sample photo).
+        what: what needs them, for the message (``shardkit train --model llama``).
         report: the ``--report`` folder, or None.
 
     Returns:
@@ -73,13 +76,9 @@ def check_train(model: str, report: str | None) -> list[str]:
         matplotlib, the TensorBoard scalars (``DIR/tb``) without tensorboard.
 
     Raises:
-        MissingExtraError: the model cannot be built without an extra (transformers for the
-            language models, matplotlib for conv-ae's sample photo).
+        MissingExtraError: a module of ``needs`` is not installed.
     """
-    if model == "conv-ae":
-        require(["matplotlib"], "shardkit train --model conv-ae (its sample photo)")
-    else:
-        require(["transformers"], f"shardkit train --model {model}")
+    require(list(needs), what)
     if report is None:
         return []
     skipped = {"matplotlib": "loss.png", "tensorboard": "TensorBoard scalars (DIR/tb)"}

@@ -490,7 +490,8 @@ def test_smollm2_fine_tuning_fits_an_8_gib_machine(tmp_path, monkeypatch):
 @pytest.mark.parametrize("model", ["llama", "qwen2", "qwen3", "moe", "mla"])
 def test_the_limits_model_shape_is_the_built_models(model):
     from shardkit.plan import ModelShape
-    from shardkit.train.model import _hf_config
+    from shardkit.train.model import hf_config
+    from shardkit.train.specs import model_spec
 
     cfg = validate_config(TrainConfig(model=model, nproc=4))
-    assert limits.builtin_shape(cfg) == ModelShape.from_config(_hf_config(cfg)[1])
+    assert limits.builtin_shape(cfg) == ModelShape.from_config(hf_config(cfg, model_spec(cfg.model).family)[1])

@@ -21,8 +21,8 @@ from harness.helpers import all_true, rank, remove_shared_dir, shared_tmpdir
 from harness.tiny_lm import loss_sum, predicted_tokens, tiny_decoder, token_ids
 from shardkit import ShardkitError
 from shardkit.checkpoint import latest_checkpoint, load_train_state, save_train_state
-from shardkit.mesh import ParallelDims
 from shardkit.parallelize import gather_full_parameters, parallelize
+from shardkit.sharding import ParallelDims
 
 BATCH, LR = 4, 1e-2
 FIRST, SECOND = token_ids(BATCH, seed=1), token_ids(BATCH, seed=2)

@@ -89,7 +89,7 @@ def test_missing_toml(tmp_path):
         (dict(model="moe", ep=3, tp=1, dp_shard=4), "ep=3 must divide .* = 4"),
         (
             dict(model="moe", tp=4, nproc=8, heads=2, hidden_size=64, kv_heads=1),
-            "--tp 4: 2 attention heads cannot be split",
+            "--tp 4: 2 query heads cannot be split over tp=4",
         ),
         (dict(model="mla", experts=0), "--experts must be >= 1"),
         (dict(cp_ring=2, tp=2, nproc=2), "cp=2 x tp=2 .* = 4 ranks must divide --nproc 2"),

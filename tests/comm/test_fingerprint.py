@@ -154,13 +154,14 @@ def test_parallelize_per_rank_seed_over_data_parallel_replicas():
     from shardkit import ParallelDims
     from shardkit.parallelize import parallelize
     from shardkit.train.config import TrainConfig
+    from shardkit.train.lm_families import LLAMA
     from shardkit.train.model import build_model
 
     mesh = ParallelDims(dp_replicate=2).build_mesh("cpu")
     with checks(True):
-        parallelize(build_model(TrainConfig(layers=1, seed=0)), mesh)  # identical: passes
+        parallelize(build_model(TrainConfig(layers=1, seed=0), LLAMA), mesh)  # identical: passes
     msg = _same_error_everywhere(
-        lambda: parallelize(build_model(TrainConfig(layers=1, seed=rank())), mesh),
+        lambda: parallelize(build_model(TrainConfig(layers=1, seed=rank()), LLAMA), mesh),
         "parallelize: replicated values differ",
     )
     assert "ranks [1] differ from rank 0, first at 'model.embed_tokens.weight'" in msg
@@ -171,9 +172,12 @@ def test_tp_forward_agrees_once_on_its_replicated_inputs():
     """In check mode a tensor-parallel model's forward agrees once on its inputs over tp (two
     small all-gathers) instead of once per op; tp ranks fed different token ids are caught."""
     from shardkit.train.config import TrainConfig
+    from shardkit.train.lm_families import LLAMA
     from shardkit.train.model import build_model
 
-    model = apply_tp(build_model(TrainConfig(layers=1, seed=0)), world_group(), sequence_parallel=True, check="off")
+    model = apply_tp(
+        build_model(TrainConfig(layers=1, seed=0), LLAMA), world_group(), sequence_parallel=True, check="off"
+    )
     ids = torch.arange(16).reshape(2, 8) % 50
     with checks(True), CommLedger() as ledger:
         model(input_ids=ids)

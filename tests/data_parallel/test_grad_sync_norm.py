@@ -24,8 +24,8 @@ import torch
 from harness.helpers import all_true, rank
 from harness.tiny_lm import loss_sum, predicted_tokens, tiny_decoder, token_ids
 from shardkit.data_parallel import grads as grads_module
-from shardkit.mesh import ParallelDims
 from shardkit.parallelize import parallelize
+from shardkit.sharding import ParallelDims
 
 BATCH = 4
 GQA = dict(model="llama", kv_heads=1)  # 4 query heads, 1 KV head

@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 from harness.helpers import all_true, rank
 from harness.tiny_lm import loss_sum, predicted_tokens, tiny_decoder, token_ids
-from shardkit.mesh import ParallelDims
 from shardkit.parallelize import gather_full_parameters, parallelize
+from shardkit.sharding import ParallelDims
 
 BATCH = 4
 LAYOUTS = {

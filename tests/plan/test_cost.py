@@ -60,9 +60,10 @@ def test_flops_and_bubble_by_hand():
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "moe", "mla"])
 def test_parameters_equal_the_real_model(family):
     from shardkit.train.config import TrainConfig, validate_config
-    from shardkit.train.model import build_model
+    from shardkit.train.specs import model_spec
 
-    model = build_model(validate_config(TrainConfig(model=family, nproc=1, tp=1, dtype="float32")))
+    cfg = validate_config(TrainConfig(model=family, nproc=1, tp=1, dtype="float32"))
+    model = model_spec(cfg.model).build(cfg)
     shape = ModelShape.from_config(model.config)
     numel = sum(p.numel() for p in model.parameters())
     assert shape.total_params == numel
@@ -133,7 +134,7 @@ def test_bad_layouts_are_refused(tmp_path, capsys):
     shape = ModelShape.from_config(TINY)
     with pytest.raises(ShardkitError, match="uses 4 GPUs, the cluster has 8"):
         estimate_step(shape, ParallelDims(tp=4), StepOptions(seq_len=16, global_batch=8), Cluster(gpus=8))
-    with pytest.raises(ShardkitError, match="tp=8 must divide num_attention_heads=4"):
+    with pytest.raises(ShardkitError, match="tp=8: --tp 8: 4 query heads cannot be split over tp=8 ranks"):
         estimate_step(shape, ParallelDims(tp=8), StepOptions(seq_len=16, global_batch=8), Cluster(gpus=8))
     with pytest.raises(ShardkitError, match="no layout fits in 1e-05 GiB"):
         plan_layouts(shape, Cluster(gpus=4, gpu_memory_gib=1e-05), StepOptions(seq_len=16, global_batch=8))
@@ -185,12 +186,12 @@ def test_pp_tp_stage_roles_and_compute():
         (
             ParallelDims(spatial=2, world_size=2),
             StepOptions(seq_len=16, global_batch=2),
-            "spatial layouts are not planned",
+            "--spatial 2 needs --model conv-ae",
         ),
         (
             ParallelDims(pp_tp=(2, 1), world_size=3),
             StepOptions(seq_len=16, global_batch=2, sequence_parallel=True),
-            "sequence_parallel with pp_tp is refused by the trainer",
+            "--sequence-parallel with --pp-tp: stages of different tp sizes",
         ),
         (ParallelDims(pp=2), StepOptions(seq_len=16, global_batch=2, schedule="zb"), "schedule must be one of"),
     ],
@@ -243,9 +244,10 @@ def test_plan_command_compares_a_pp_tp_layout(tmp_path, capsys):
 def test_sequence_parallel_default_is_the_trainers(overrides):
     from shardkit.plan.options import resolve_options
     from shardkit.train.config import TrainConfig, parallel_dims, validate_config
-    from shardkit.train.model import _hf_config
+    from shardkit.train.model import hf_config
+    from shardkit.train.specs import model_spec
 
     cfg = validate_config(TrainConfig(**{"nproc": 4, **overrides}), world_size=4)
-    shape = ModelShape.from_config(_hf_config(cfg)[1])
+    shape = ModelShape.from_config(hf_config(cfg, model_spec(cfg.model).family)[1])
     planned = resolve_options(shape, parallel_dims(cfg), StepOptions(seq_len=cfg.seq_len, global_batch=cfg.batch_size))
     assert planned.sequence_parallel == cfg.sequence_parallel

@@ -18,8 +18,9 @@ from shardkit.plan import ModelShape, StepOptions
 from shardkit.plan.collectives import ledger_table, merged, step_collectives
 from shardkit.plan.options import rank_stage
 from shardkit.train.config import TrainConfig, parallel_dims, validate_config
-from shardkit.train.model import _hf_config
+from shardkit.train.model import hf_config
 from shardkit.train.run import build_parallel_model, build_task, build_train_model, run_training
+from shardkit.train.specs import model_spec
 
 SMALL = dict(steps=1, seq_len=16, batch_size=4, dtype="float32", verify=False, layers=2, lr=1e-3)
 ROUTED = ("token_dispatch", "token_combine")
@@ -55,7 +56,7 @@ def _routed_split(table: dict) -> tuple[dict, int]:
 def check(overrides: dict) -> None:
     cfg = validate_config(TrainConfig(**{**SMALL, **overrides}), world_size=world_size())
     dims = parallel_dims(cfg)
-    shape = ModelShape.from_config(_hf_config(cfg)[1])
+    shape = ModelShape.from_config(hf_config(cfg, model_spec(cfg.model).family)[1])
     opts = StepOptions(
         cfg.seq_len, cfg.batch_size, cfg.microbatches, cfg.dtype, cfg.sequence_parallel, cfg.loss_parallel, cfg.schedule
     )

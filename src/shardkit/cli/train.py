@@ -17,10 +17,11 @@ from .._optional import check_train, require
 from .._quiet import quiet_third_party
 from ..errors import ShardkitError
 from ..train.checkpoint_dir import check_checkpoint_dir
-from ..train.config import DTYPES, MODELS, SCHEDULES, TrainConfig, load_toml, merge_config, validate_config
+from ..train.config import DTYPES, SCHEDULES, TrainConfig, load_toml, merge_config, validate_config
 from ..train.data import check_files, corpus_files
 from ..train.limits import check_machine
 from ..train.liveness import clear_flight_dir
+from ..train.specs import SPECS, model_spec
 
 __all__ = ["add_train_parser", "config_from_args", "run_train"]
 
@@ -40,10 +41,8 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--config", metavar="FILE.toml", help="TOML file of options (keys: option names with underscores)")
     p.add_argument(
         "--model",
-        choices=MODELS,
-        help=f"what to train (default {d.model}; conv-ae: a convolutional "
-        "autoencoder on matplotlib's sample photo, frames sharded along W over --spatial ranks, "
-        "along H over --spatial-h)",
+        choices=tuple(SPECS),
+        help=f"what to train (default {d.model}): " + "; ".join(f"{n}: {s.summary}" for n, s in SPECS.items()),
     )
     p.add_argument(
         "--nproc",
@@ -208,8 +207,8 @@ def config_from_args(args: argparse.Namespace, world_size: int | None = None) ->
     # memory, a --checkpoint-dir of this model's saves, readable regular --data files.
     check_machine(cfg, local_launch=world_size is None)
     check_checkpoint_dir(cfg)
-    if cfg.model == "conv-ae":
-        return cfg  # its data is matplotlib's sample photo, not a text corpus
+    if not model_spec(cfg.model).reads_corpus:
+        return cfg  # e.g. conv-ae: its data is matplotlib's sample photo, not a text corpus
     # A missing, unreadable, not regular or too short --data fails here, before any process
     # starts (stat and open only; a FIFO is never opened for reading blocking).
     files = corpus_files(cfg.data)
@@ -230,7 +229,8 @@ def run_train(args: argparse.Namespace) -> int:
         if getattr(args, "model_path", None):  # the layout check reads its config with transformers
             require(["transformers"], "shardkit train --model-path")
         cfg = config_from_args(args, int(os.environ["WORLD_SIZE"]) if torchrun else None)
-        notes = check_train(cfg.model, cfg.report)  # a missing extra: one line, before any launch
+        spec = model_spec(cfg.model)  # a missing extra: one line, before any launch
+        notes = check_train(spec.needs, f"shardkit train --model {spec.name}{spec.needs_why}", cfg.report)
     except ShardkitError as e:
         print(f"shardkit train: error: {e}", file=sys.stderr)
         return 2

@@ -4,11 +4,20 @@
   and data parallelism (FSDP2 / HSDP, or the replicated path) to a Hugging Face decoder.
 * :func:`parallelize_stage`: cut the decoder into pipeline stages first, then the same
   :func:`parallelize` on this rank's stage.
+* :func:`parallelize_conv`: spatial x dp on a convolutional model (frames sharded along H / W).
 * :func:`gather_full_parameters`: the full parameters back, for checks and reports.
 """
 
+from .conv import parallelize_conv
 from .decoder import ParallelModel, decoder_layers, parallelize
 from .gather import gather_full_parameters
 from .pipeline import parallelize_stage
 
-__all__ = ["ParallelModel", "parallelize", "parallelize_stage", "gather_full_parameters", "decoder_layers"]
+__all__ = [
+    "ParallelModel",
+    "parallelize",
+    "parallelize_conv",
+    "parallelize_stage",
+    "gather_full_parameters",
+    "decoder_layers",
+]

@@ -11,6 +11,7 @@ from ..errors import ShardkitError
 from ..pipeline_parallel.schedules import gpipe_schedule, one_f_one_b_schedule
 from ..sharding import ParallelDims
 from .model import ModelShape
+from .rules import decoder_layout_rule, sequence_parallel_default
 
 __all__ = [
     "StepOptions",
@@ -58,68 +59,38 @@ class StepOptions:
 
 
 def resolve_options(shape: ModelShape, dims: ParallelDims, opts: StepOptions) -> StepOptions:
-    """``opts`` with ``sequence_parallel`` decided as the trainer does (``train.config``: on for
-    dense models with tp > 1, off for MoE models unless asked for)."""
+    """``opts`` with ``sequence_parallel`` decided as the trainer does
+    (:func:`.rules.sequence_parallel_default`)."""
     if opts.sequence_parallel is None:
-        dense = shape.experts == 0
-        opts = replace(opts, sequence_parallel=dense and dims.tp > 1)
+        opts = replace(opts, sequence_parallel=sequence_parallel_default(shape.experts > 0, dims.tp, dims.pp_tp))
     return opts
 
 
 def check_layout(shape: ModelShape, dims: ParallelDims, opts: StepOptions) -> None:
-    """The trainer's limits for this model and layout (pure).
+    """The trainer's limits for this model and layout (pure): the rules of :mod:`.rules`, which
+    ``shardkit train`` checks too, so the planner ranks exactly the layouts the trainer runs.
 
     Raises:
-        ShardkitError: naming the option at fault (batch not divisible by dp x microbatches,
-            sequence not divisible by cp (x tp with SP), heads not divisible by tp, ...);
-            spatial layouts (the planner plans decoder LMs, spatial parallelism is for the
-            convolutional model); sequence parallelism with ``pp_tp`` (the trainer refuses it:
-            stages of different tp sizes exchange replicated hidden states).
+        ShardkitError: ``plan:`` and the first refusal of :func:`.rules.decoder_layout_rule`
+            (batch not divisible by dp x microbatches, a cp rank without a token, more tp ranks
+            than query heads, spatial layouts, sequence parallelism with ``pp_tp``, ...); an
+            unknown schedule.
     """
-    dp, cp = dims.dp, dims.cp
     if opts.schedule not in SCHEDULES:
         raise ShardkitError(f"plan: schedule must be one of {', '.join(SCHEDULES)}, got {opts.schedule!r}")
-    if dims.spatial > 1 or dims.spatial_h > 1:
-        raise ShardkitError(
-            f"plan: {dims.describe()}: spatial layouts are not planned (the planner plans decoder "
-            "LMs; spatial parallelism shards the convolutional model)"
-        )
-    if dims.pp_tp is not None and opts.sequence_parallel:
-        raise ShardkitError(
-            f"plan: {dims.describe()}: sequence_parallel with pp_tp is refused by the trainer (stages "
-            "of different tp sizes exchange replicated hidden states)"
-        )
-    if opts.global_batch % (dp * opts.microbatches):
-        raise ShardkitError(
-            f"plan: global_batch {opts.global_batch} must be divisible by dp={dp} x microbatches={opts.microbatches}"
-        )
-    if opts.seq_len % (cp * (dims.tp if opts.sequence_parallel else 1) * (2 if dims.cp_ring > 1 else 1)):
-        raise ShardkitError(
-            f"plan: seq_len {opts.seq_len} must be divisible by cp={cp} (x2 zigzag with ring, x tp "
-            "with sequence parallelism)"
-        )
-    for tp in sorted(set(dims.pp_tp or (dims.tp,))):
-        if shape.heads % tp or (shape.kv_heads % tp and tp % shape.kv_heads):
-            raise ShardkitError(
-                f"plan: tp={tp} must divide num_attention_heads={shape.heads} and divide or be a "
-                f"multiple of num_key_value_heads={shape.kv_heads}"
-            )
-        if shape.vocab % tp or shape.hidden % tp or shape.ffn % tp:
-            raise ShardkitError(f"plan: tp={tp} must divide vocab_size, hidden_size and intermediate_size")
-    tp = dims.tp
-    if (
-        dims.cp_ulysses > 1
-        and (shape.heads // tp) % dims.cp_ulysses
-        or (dims.cp_ulysses > 1 and max(1, shape.kv_heads // tp) % dims.cp_ulysses)
-    ):
-        raise ShardkitError(
-            f"plan: cp_ulysses={dims.cp_ulysses} must divide the heads per tp rank "
-            f"({shape.heads // tp} query, {max(1, shape.kv_heads // tp)} key/value)"
-        )
-    if dims.ep > 1 and (not shape.experts or shape.experts % dims.ep):
-        raise ShardkitError(f"plan: ep={dims.ep} needs an MoE model whose {shape.experts} experts it divides")
-    if dims.pp > shape.layers:
-        raise ShardkitError(f"plan: pp={dims.pp} stages for {shape.layers} layers")
+    why = decoder_layout_rule(
+        dims,
+        seq_len=opts.seq_len,
+        global_batch=opts.global_batch,
+        microbatches=opts.microbatches,
+        sequence_parallel=bool(resolve_options(shape, dims, opts).sequence_parallel),
+        heads=shape.heads,
+        kv_heads=shape.kv_heads,
+        layers=shape.layers,
+        experts=shape.experts,
+    )
+    if why is not None:
+        raise ShardkitError(f"plan: {dims.describe()}: {why}")
 
 
 def stage_tp(dims: ParallelDims, stage: int) -> int:

@@ -15,45 +15,23 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from ..checkpoint.versioned import LATEST
+from ..checkpoint.lock import describe, holder_alive, lock_holder
+from ..checkpoint.versioned import LATEST, complete_saves, latest_checkpoint, read_manifest
 from ..errors import ShardkitError
+from .specs import model_spec
 
 if TYPE_CHECKING:
-    from .config import TrainConfig
+    from .options import TrainConfig
 
 __all__ = ["model_description", "check_checkpoint_dir"]
 
 _PREFIX = "step_"  # the trainer's saves (shardkit.checkpoint.train_state)
-_SIZES = ("hidden_size", "layers", "heads", "kv_heads", "intermediate_size")
-_HF_SIZES = (
-    "model_type",
-    "hidden_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "intermediate_size",
-    "vocab_size",
-    "moe_intermediate_size",
-    "num_experts",
-    "n_routed_experts",
-)
 
 
 def model_description(cfg: TrainConfig) -> dict:
-    """What fixes the model's parameter names, shapes and dtype (JSON; a validated ``cfg``)."""
-    out: dict = {"model": cfg.model, "dtype": cfg.dtype}
-    if cfg.model == "conv-ae":
-        return out
-    if cfg.model_path is not None:
-        from .pretrained import read_config
-
-        config = read_config(cfg.model_path)
-        out["config"] = {k: getattr(config, k) for k in _HF_SIZES if isinstance(getattr(config, k, None), (int, str))}
-        return out
-    out.update({k: getattr(cfg, k) for k in _SIZES})
-    if cfg.model in ("moe", "mla"):
-        out["experts"] = cfg.experts
-    return out
+    """What fixes the model's parameter names, shapes and dtype (JSON; a validated ``cfg``):
+    ``model``, ``dtype`` and the model spec's description (:attr:`.specs.ModelSpec.describe`)."""
+    return {"model": cfg.model, "dtype": cfg.dtype, **model_spec(cfg.model).describe(cfg)}
 
 
 def _differences(saved, mine: dict) -> str:
@@ -82,9 +60,6 @@ def check_checkpoint_dir(cfg: TrainConfig) -> None:
             files, locked by a live run, holding saves without ``--resume``, or (with it) a
             latest save that is damaged or of another model.
     """
-    from ..checkpoint.lock import describe, holder_alive, lock_holder
-    from ..checkpoint.versioned import complete_saves, latest_checkpoint, read_manifest
-
     root = cfg.checkpoint_dir
     if root is None:
         return

@@ -34,8 +34,9 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import balanced_split_sizes
+from .._files import atomic_write
 from .._shapes import split_offsets
-from .model import TORCH_DTYPES
+from .options import TORCH_DTYPES
 
 __all__ = [
     "CROP",
@@ -249,8 +250,6 @@ def save_reconstruction(
         ``(inputs, outputs)``: the batch and what ``model`` returned for it (model dtype).
     """
     import matplotlib.image
-
-    from .._files import atomic_write
 
     inputs = eval_batch() if batch is None else batch
     param = next(model.parameters())

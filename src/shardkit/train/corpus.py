@@ -25,9 +25,11 @@ import torch.distributed as dist
 
 from ..errors import ShardkitError
 from . import data
+from .pretrained import check_tokenizer, load_tokenizer, read_config
+from .tokens import token_stream, user_cache_dir
 
 if TYPE_CHECKING:
-    from .config import TrainConfig
+    from .options import TrainConfig
 
 __all__ = ["Corpus", "read_corpus", "shared_corpus", "one_source"]
 
@@ -55,9 +57,6 @@ def read_corpus(cfg: TrainConfig) -> Corpus:
         raw = bytearray(b"".join(docs))
         tokens = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
         return Corpus(tokens, tuple(len(d) for d in docs))
-    from .pretrained import check_tokenizer, load_tokenizer, read_config
-    from .tokens import token_stream, user_cache_dir
-
     # the checkpoint's own tokenizer (byte ids would scramble a pretrained vocabulary)
     check_tokenizer(load_tokenizer(cfg.model_path), read_config(cfg.model_path))
     return Corpus(token_stream(cfg.model_path, files, cache_dir=user_cache_dir()))

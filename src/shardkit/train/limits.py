@@ -21,8 +21,15 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 from ..errors import ShardkitError
+from ..plan import ModelShape, StepOptions
+from ..plan.memory import memory_per_rank
+from ..plan.options import rank_stage
 from .config import TrainConfig, parallel_dims
+from .pretrained import read_config
+from .specs import model_spec
 
 __all__ = ["RANKS_PER_CPU", "MIN_LOCAL_RANKS", "RANK_OVERHEAD", "check_machine", "builtin_shape", "memory_estimate"]
 
@@ -47,45 +54,13 @@ def _host_memory() -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def builtin_shape(cfg: TrainConfig):
-    """The :class:`~shardkit.plan.ModelShape` of the built-in model of ``cfg`` (``train/model.py``'s
-    ``_hf_config`` at the flags' sizes), without importing transformers."""
-    from ..plan import ModelShape
-    from .data import VOCAB_SIZE
-
-    head_dim = cfg.hidden_size // cfg.heads
-    config: dict = dict(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.layers,
-        num_attention_heads=cfg.heads,
-        num_key_value_heads=cfg.kv_heads,
-        tie_word_embeddings=False,
-    )
-    moe = dict(num_experts_per_tok=2, moe_intermediate_size=max(1, cfg.intermediate_size // 2))
-    if cfg.model in ("llama", "qwen2"):
-        config["model_type"] = cfg.model
-    elif cfg.model == "qwen3":
-        config.update(model_type="qwen3", head_dim=head_dim)
-    elif cfg.model == "moe":
-        config.update(model_type="qwen3_moe", head_dim=head_dim, num_experts=cfg.experts, decoder_sparse_step=1, **moe)
-    else:  # mla
-        config.update(
-            model_type="deepseek_v2",
-            num_key_value_heads=cfg.heads,
-            q_lora_rank=None,
-            head_dim=head_dim // 2,
-            kv_lora_rank=cfg.hidden_size // 2,
-            qk_rope_head_dim=head_dim // 2,
-            qk_nope_head_dim=head_dim,
-            v_head_dim=head_dim,
-            n_routed_experts=cfg.experts,
-            n_shared_experts=1,
-            first_k_dense_replace=1,
-            **moe,
-        )
-    return ModelShape.from_config(config)
+def builtin_shape(cfg: TrainConfig) -> ModelShape:
+    """The :class:`~shardkit.plan.ModelShape` of the built-in model of ``cfg``: its family's config
+    (:meth:`.lm_families.LMFamily.config`, the one :func:`.model.build_model` builds), without
+    importing transformers."""
+    family = model_spec(cfg.model).family
+    assert family is not None  # a decoder LM (check_machine skips the others)
+    return ModelShape.from_config(family.config(cfg))
 
 
 def memory_estimate(cfg: TrainConfig) -> list[dict[str, float]]:
@@ -98,14 +73,7 @@ def memory_estimate(cfg: TrainConfig) -> list[dict[str, float]]:
         ShardkitError: the model's shape is outside the planner's model (e.g. an MLA latent
             rank of 0); callers treat it as "no estimate".
     """
-    from ..plan import StepOptions
-    from ..plan.memory import memory_per_rank
-    from ..plan.options import rank_stage
-
     if cfg.model_path is not None:
-        from ..plan import ModelShape
-        from .pretrained import read_config
-
         shape = ModelShape.from_config(read_config(cfg.model_path))
     else:
         shape = builtin_shape(cfg)
@@ -120,7 +88,7 @@ def memory_estimate(cfg: TrainConfig) -> list[dict[str, float]]:
 def _size_flags(cfg: TrainConfig) -> str:
     sizes = ["batch_size", "seq_len", "microbatches"]
     if cfg.model_path is None:
-        sizes += ["hidden_size", "layers", "intermediate_size"] + (["experts"] if cfg.model in ("moe", "mla") else [])
+        sizes += ["hidden_size", "layers", "intermediate_size"] + (["experts"] if model_spec(cfg.model).experts else [])
     return " ".join(f"--{n.replace('_', '-')} {getattr(cfg, n)}" for n in sizes) + f" --dtype {cfg.dtype}"
 
 
@@ -142,8 +110,8 @@ def check_machine(cfg: TrainConfig, local_launch: bool) -> None:
             f"--nproc {cfg.nproc}: a local launch starts at most max({MIN_LOCAL_RANKS}, "
             f"{RANKS_PER_CPU} x CPUs) ranks: {limit} on this machine ({_cpus()} CPUs)"
         )
-    if cfg.model == "conv-ae":
-        return  # fixed-size frames and channels: its memory does not grow with the flags
+    if not model_spec(cfg.model).planned:
+        return  # e.g. conv-ae: fixed-size frames and channels, its memory does not grow with the flags
     try:
         ranks = memory_estimate(cfg)
     except ShardkitError:
@@ -166,8 +134,6 @@ def check_machine(cfg: TrainConfig, local_launch: bool) -> None:
 
 def _cuda_memory() -> int | None:
     """This torchrun rank's GPU memory in bytes, or None without CUDA."""
-    import torch
-
     if not torch.cuda.is_available():
         return None
     return torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", 0))).total_memory

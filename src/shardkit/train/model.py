@@ -3,80 +3,40 @@
 from __future__ import annotations
 
 import types
+from typing import Any
 
 import torch
 
-from .config import TrainConfig
-from .data import VOCAB_SIZE
+from .lm_families import LMFamily
+from .options import TORCH_DTYPES, TrainConfig
+from .pretrained import load_pretrained
 
-__all__ = ["TORCH_DTYPES", "build_model", "keep_norms_in_input_dtype", "keep_float64"]
-
-TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
-
-# SDPA and eager attention both give float64 parity at rounding level (~1e-16) against the
-# unsharded model on CPU (measured); SDPA is the faster of the two.
-ATTN_IMPLEMENTATION = "sdpa"
+__all__ = ["hf_config", "build_model", "keep_norms_in_input_dtype", "keep_float64"]
 
 
-def _hf_config(cfg: TrainConfig):
-    """The transformers config of ``cfg.model`` at the sizes of ``cfg``."""
-    import transformers as tf
+def hf_config(cfg: TrainConfig, family: LMFamily) -> tuple[type, Any]:
+    """``(model class, config)``: ``family``'s transformers classes, the config at ``cfg``'s sizes
+    (:meth:`.lm_families.LMFamily.config`)."""
+    import transformers  # kept out of `shardkit --help` and of the conv model's runs
 
-    common = dict(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.layers,
-        num_attention_heads=cfg.heads,
-        num_key_value_heads=cfg.kv_heads,
-        max_position_embeddings=max(2048, cfg.seq_len),
-        use_cache=False,
-        tie_word_embeddings=False,
-        attn_implementation=ATTN_IMPLEMENTATION,
-    )
-    moe = dict(num_experts_per_tok=2, moe_intermediate_size=max(1, cfg.intermediate_size // 2))
-    head_dim = cfg.hidden_size // cfg.heads
-    if cfg.model == "llama":
-        return tf.LlamaForCausalLM, tf.LlamaConfig(**common)
-    if cfg.model == "qwen2":
-        return tf.Qwen2ForCausalLM, tf.Qwen2Config(**common)
-    if cfg.model == "qwen3":
-        return tf.Qwen3ForCausalLM, tf.Qwen3Config(**common, head_dim=head_dim)
-    if cfg.model == "moe":
-        return tf.Qwen3MoeForCausalLM, tf.Qwen3MoeConfig(
-            **common, **moe, head_dim=head_dim, num_experts=cfg.experts, norm_topk_prob=True, decoder_sparse_step=1
-        )
-    # "mla": DeepSeek-V2 (multi-head latent attention; the first layer dense, the others MoE).
-    return tf.DeepseekV2ForCausalLM, tf.DeepseekV2Config(
-        **{**common, "num_key_value_heads": cfg.heads},
-        **moe,
-        q_lora_rank=None,
-        kv_lora_rank=cfg.hidden_size // 2,
-        qk_rope_head_dim=head_dim // 2,
-        qk_nope_head_dim=head_dim,
-        v_head_dim=head_dim,
-        n_routed_experts=cfg.experts,
-        n_shared_experts=1,
-        first_k_dense_replace=1,
-        n_group=1,
-        topk_group=1,
-    )
+    kwargs = family.config(cfg)
+    del kwargs["model_type"]  # the config class's own
+    return getattr(transformers, family.model_class), getattr(transformers, family.config_class)(**kwargs)
 
 
-def build_model(cfg: TrainConfig):
+def build_model(cfg: TrainConfig, family: LMFamily):
     """``cfg.model``'s causal LM in ``cfg.dtype``, in training mode, with the full weights.
 
     With ``cfg.model_path`` the local checkpoint is loaded (``local_files_only``: nothing is
-    downloaded); otherwise the built-in GQA config is initialized randomly from ``cfg.seed``, so
-    every rank (and the ``--verify`` reference) gets bitwise the same weights.
+    downloaded); otherwise ``family``'s built-in config at the flags' sizes is initialized
+    randomly from ``cfg.seed``, so every rank (and the ``--verify`` reference) gets bitwise the
+    same weights.
     """
     dtype = TORCH_DTYPES[cfg.dtype]
     if cfg.model_path is not None:
-        from .pretrained import load_pretrained
-
         model = load_pretrained(cfg.model_path, dtype)
     else:
-        model_cls, config = _hf_config(cfg)
+        model_cls, config = hf_config(cfg, family)
         # The loop over experts: transformers' grouped_mm kernel has no float64 on CPU.
         config._experts_implementation = "eager"
         # Initialize in float32 from the seed, then cast: the same weights for every dtype.

@@ -39,7 +39,7 @@ __all__ = [
 
 # config.model_type of the decoder families shardkit parallelizes (issue 10).
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v2")
-# The attention the built-in models use too (train/model.py): float64 parity at rounding level.
+# The attention the built-in models use too (train/lm_families.py): float64 parity at rounding level.
 ATTN_IMPLEMENTATION = "sdpa"
 _GGUF_SUFFIX = ".gguf"
 

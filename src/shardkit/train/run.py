@@ -2,10 +2,12 @@
 
 Runs in every worker process (started by the local elastic launch or by torchrun). The layout
 (:func:`.config.parallel_dims`) gives one :class:`~shardkit.ParallelDims`, whose mesh is the only
-one built; the model goes through :func:`~shardkit.parallelize.parallelize` (or
-:func:`~shardkit.parallelize.parallelize_stage` with a pipeline), and every step through
-:func:`.trainer.train_step`. Rank 0 returns a result dict (losses, gradient norms, ledger,
-memory, timings, parity) that :mod:`.report` prints and writes; the other ranks return None.
+one built. The model, its task and its parallelization are its spec's (:mod:`.specs`): the
+decoder LMs go through :func:`~shardkit.parallelize.parallelize` (or
+:func:`~shardkit.parallelize.parallelize_stage` with a pipeline), ``conv-ae`` through
+:func:`~shardkit.parallelize.parallelize_conv`; every step through :func:`.trainer.train_step`.
+Rank 0 returns a result dict (losses, gradient norms, ledger, memory, timings, parity) that
+:mod:`.report` prints and writes; the other ranks return None.
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ from __future__ import annotations
 import copy
 import math
 import os
+import platform
+import socket
+import subprocess
 import sys
 import time
 from contextlib import nullcontext
@@ -23,15 +28,22 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from .. import CommLedger
-from ..comm import checks, checks_enabled
-from ..data_parallel import GradientSync, ParamLayout
-from ..parallelize import ParallelModel, gather_full_parameters, parallelize, parallelize_stage
+from .. import CommLedger, __version__
+from .._local_world import init_local_world
+from ..checkpoint import latest_checkpoint, load_train_state, save_train_state
+from ..checkpoint.lock import root_lock
+from ..comm import checks, checks_enabled, flight_recorder
+from ..errors import NonFiniteError
+from ..parallelize import ParallelModel, gather_full_parameters
 from ..sharding import AXES, FLAT_VIEWS, ParallelMesh
+from .checkpoint_dir import model_description
 from .config import TrainConfig, parallel_dims
+from .corpus import shared_corpus
 from .liveness import Heartbeat
 from .metrics import MetricsLog, peak_memory
 from .progress import TrainProgress
+from .schedule import warmup_cosine
+from .specs import model_spec
 from .trainer import LossScale, make_optimizer, train_step
 from .verify import compare_runs
 
@@ -43,8 +55,6 @@ def _init(run_dir: str | None, timeout: timedelta) -> tuple[str, torch.device]:
     (through its private ``run_dir``: :func:`shardkit._local_world.init_local_world`); under torchrun
     (``run_dir`` None) NCCL on ``cuda:LOCAL_RANK`` when GPUs are present, else gloo."""
     if run_dir is not None:
-        from .._local_world import init_local_world
-
         torch.set_num_threads(1)  # 4 ranks on 2 cores: more threads only oversubscribe
         init_local_world(run_dir, timeout)
         return "gloo", torch.device("cpu")
@@ -74,73 +84,23 @@ def _ledger_rows(ledger: CommLedger, mesh: ParallelMesh) -> list[dict]:
 
 
 def build_task(cfg: TrainConfig, device, corpus=None):
-    """The training task of ``cfg`` with a fresh sampler (the same batches on every rank).
+    """The training task of ``cfg``'s model spec with a fresh sampler (the same batches on every rank).
 
     ``corpus``: the LM's token stream (:class:`.corpus.Corpus`); None: read it with
     :func:`.corpus.shared_corpus`, collective over the world (global rank 0 reads, every rank
     receives the same tokens). The ``--verify`` reference passes the run's own corpus.
     """
-    if cfg.model == "conv-ae":
-        from .conv_ae import CROP, ConvAETask, CropSampler, load_image
-        from .model import TORCH_DTYPES
-
-        return ConvAETask(CropSampler(load_image(), CROP, cfg.batch_size, cfg.seed), device, TORCH_DTYPES[cfg.dtype])
-    from .corpus import shared_corpus
-    from .data import BatchSampler
-    from .lm_task import LMTask, PackedSampler
-
-    if corpus is None:
-        corpus = shared_corpus(cfg, device)
-    sampler: PackedSampler | BatchSampler
-    if cfg.packed:
-        sampler = PackedSampler(corpus.tokens, cfg.seq_len, cfg.batch_size, cfg.seed, list(corpus.doc_sizes))
-    else:
-        sampler = BatchSampler(corpus.tokens, cfg.seq_len, cfg.batch_size, cfg.seed)
-    return LMTask(sampler, device)
+    return model_spec(cfg.model).task(cfg, device, corpus)
 
 
 def build_train_model(cfg: TrainConfig):
-    """The model of ``cfg`` (an LM or the conv autoencoder), the same on every rank (same seed)."""
-    if cfg.model == "conv-ae":
-        from .conv_ae import build_conv_ae
-
-        return build_conv_ae(cfg.dtype, cfg.seed)
-    from .model import build_model
-
-    return build_model(cfg)
-
-
-def _spatial_model(model, mesh) -> ParallelModel:
-    """conv-ae: frames sharded along W over ``spatial``, along H over ``spatial_h`` (both: tiles on
-    the 2-D mesh); the layers sum parameter gradients over them, the trainer over ``dp`` after."""
-    from .conv_ae import sharded_dims
-
-    if sharded := sharded_dims(mesh):
-        from ..spatial import apply_spatial
-
-        names, dims = zip(*sharded)
-        if len(names) == 1:
-            model = apply_spatial(model, mesh[names[0]], dim=dims[0])
-        else:
-            model = apply_spatial(model, mesh[names], dim=dims)
-    layouts = {name: ParamLayout(name, False, False, None) for name, _ in model.named_parameters()}
-    return ParallelModel(model, mesh, None, GradientSync(model, mesh, layouts), layouts)
+    """The model of ``cfg`` (its spec's), the same on every rank (same seed)."""
+    return model_spec(cfg.model).build(cfg)
 
 
 def build_parallel_model(model, mesh, cfg: TrainConfig, task, device) -> tuple[ParallelModel, LossScale | None]:
-    """``model`` parallelized for ``cfg``'s layout on ``mesh`` (None: one process, unchanged)."""
-    model = model.to(device)
-    if cfg.model == "conv-ae":
-        return _spatial_model(model, mesh), None
-    # validate_config resolved sequence_parallel; one process (mesh None) has neither option
-    sp, lp = (bool(cfg.sequence_parallel), cfg.loss_parallel) if mesh is not None else (False, False)
-    if mesh is not None and mesh.dims.pp > 1:
-        holder: list = [None]
-        loss = LossScale(task, holder)
-        pm = parallelize_stage(model, mesh, loss, sequence_parallel=sp, loss_parallel=lp)
-        holder[0] = pm
-        return pm, loss
-    return parallelize(model, mesh, sequence_parallel=sp, loss_parallel=lp), None
+    """``model`` parallelized for ``cfg``'s layout on ``mesh`` by its spec (None: one process, unchanged)."""
+    return model_spec(cfg.model).parallelize(model.to(device), mesh, cfg, task)
 
 
 def _extra_state(task) -> dict[str, torch.Tensor]:
@@ -165,8 +125,6 @@ def run_training(pm, task, cfg: TrainConfig, loss_scale=None, on_step=None, layo
         NonFiniteError: more non-finite steps than ``cfg.skip_nonfinite``.
     """
     if pm.mesh is not None and cfg.checkpoint_dir is not None:
-        from ..checkpoint.lock import root_lock
-
         world = dist.group.WORLD
         assert world is not None  # a mesh exists: the world is initialized
         with root_lock(cfg.checkpoint_dir, world, "shardkit train --checkpoint-dir"):
@@ -175,15 +133,10 @@ def run_training(pm, task, cfg: TrainConfig, loss_scale=None, on_step=None, layo
 
 
 def _run_steps(pm, task, cfg: TrainConfig, loss_scale, on_step, layout: str, metrics) -> dict:
-    from ..checkpoint import latest_checkpoint, load_train_state, save_train_state
-    from .checkpoint_dir import model_description
-
     assert cfg.lr is not None  # validate_config resolved it
     optimizer = make_optimizer(pm.module, cfg.lr)
     scheduler = None
     if cfg.lr_schedule == "warmup-cosine":
-        from .schedule import warmup_cosine
-
         scheduler = warmup_cosine(optimizer, cfg.steps)
     first = 0
     if cfg.resume and pm.mesh is not None and cfg.checkpoint_dir is not None:  # --resume needs the dir
@@ -242,8 +195,6 @@ def _nonfinite_step(step: int, stats, lr: float, seen: int, allowed: int) -> Non
     :class:`~shardkit.errors.NonFiniteError` once more than ``allowed`` (``--skip-nonfinite``)
     were seen in this run, else say on rank 0 that it was skipped. Both values are global, so
     every rank takes the same branch."""
-    from ..errors import NonFiniteError
-
     bad = [
         f"{name} ({value})"
         for name, value in (("loss", stats.loss), ("gradient norm", stats.grad_norm))
@@ -283,8 +234,6 @@ def worker_main(cfg: TrainConfig, run_dir: str | None, flight_dir: str | None = 
             return train(cfg, backend, device, t0)
     except BaseException as exc:
         if flight_dir is not None:
-            from ..comm import flight_recorder
-
             flight_recorder.dump_all(flight_dir, reason=f"{type(exc).__name__}: {exc}"[:500])
         raise
     finally:
@@ -307,9 +256,8 @@ def _train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool) ->
     dims = parallel_dims(cfg)
     mesh = dims.build_mesh(device.type)
     corpus = None
-    if cfg.model != "conv-ae":
-        from .corpus import shared_corpus
-
+    spec = model_spec(cfg.model)
+    if spec.reads_corpus:
         corpus = shared_corpus(cfg, device)  # read once (rank 0), reused by the --verify reference
     task = build_task(cfg, device, corpus)
     model = build_train_model(cfg)
@@ -318,14 +266,14 @@ def _train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool) ->
     del model
     t_setup = time.perf_counter() - t0
 
-    unit = "px" if cfg.model == "conv-ae" else "tok"
-    bar = TrainProgress(cfg.steps, cfg.batch_size * _sample_size(cfg), unit=unit) if progress and rank == 0 else None
+    unit, unit_name = spec.unit
+    sample = spec.sample_size(cfg)
+    bar = TrainProgress(cfg.steps, cfg.batch_size * sample, unit=unit) if progress and rank == 0 else None
     with CommLedger() as ledger, bar or nullcontext():
         t1 = time.perf_counter()
         metrics = None
         if cfg.report is not None and rank == 0:
-            unit_name = "pixels" if cfg.model == "conv-ae" else "tokens"
-            metrics = MetricsLog(cfg.report, unit_name, _sample_size(cfg), cfg.batch_size, device)
+            metrics = MetricsLog(cfg.report, unit_name, sample, cfg.batch_size, device)
         try:
             run = run_training(
                 pm, task, cfg, loss_scale, on_step=bar.update if bar else None, layout=dims.describe(), metrics=metrics
@@ -337,15 +285,16 @@ def _train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool) ->
 
     memory = [None] * dist.get_world_size()
     dist.all_gather_object(memory, peak_memory(device))
-    reconstruct = cfg.model == "conv-ae" and cfg.report is not None
-    full_params = gather_full_parameters(pm) if cfg.verify or reconstruct else None
+    outputs = spec.outputs if cfg.report is not None else None
+    full_params = gather_full_parameters(pm) if cfg.verify or outputs is not None else None
     if rank != 0:
         return None
     files = []
     if metrics is not None:
         files += [metrics.path] + ([metrics.tb_dir] if metrics.tb_dir else [])
-    if reconstruct and cfg.report is not None:
-        files.append(_save_reconstruction(cfg, cfg.report, full_params))
+    if outputs is not None and cfg.report is not None:
+        assert full_params is not None  # gathered above; rank 0 holds them
+        files += outputs(cfg, cfg.report, full_params)
     result = {
         "layout": {
             "nproc": cfg.nproc,
@@ -368,10 +317,7 @@ def _train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool) ->
         "ledger": _ledger_rows(ledger, mesh),
         "timings_s": {"setup": t_setup, "train": t_train},
         "files": files,
-        ("pixels_per_s" if cfg.model == "conv-ae" else "tokens_per_s"): cfg.batch_size
-        * _sample_size(cfg)
-        * cfg.steps
-        / t_train,
+        f"{unit_name}_per_s": cfg.batch_size * sample * cfg.steps / t_train,
     }
     if reference is not None:
         assert full_params is not None  # gathered above for --verify; rank 0 holds them
@@ -395,28 +341,11 @@ def _train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool) ->
     return result
 
 
-def _save_reconstruction(cfg: TrainConfig, folder: str, full_params) -> str:
-    """conv-ae: ``reconstruction.png`` of the fixed eval crops by the trained (full) model."""
-    from .conv_ae import build_conv_ae, save_reconstruction
-
-    model = build_conv_ae(cfg.dtype, cfg.seed)
-    model.load_state_dict(full_params)
-    path = os.path.join(folder, "reconstruction.png")
-    save_reconstruction(model, path)
-    return path
-
-
 def _environment() -> dict:
     """Versions, git revision (of the checkout shardkit runs from, if any) and host of a run."""
-    import platform
-    import socket
-    import subprocess
-
-    import shardkit
-
-    versions = {"python": platform.python_version(), "torch": torch.__version__, "shardkit": shardkit.__version__}
+    versions = {"python": platform.python_version(), "torch": torch.__version__, "shardkit": __version__}
     try:
-        import transformers
+        import transformers  # an optional extra: the conv model runs without it
 
         versions["transformers"] = transformers.__version__
     except ImportError:
@@ -425,7 +354,7 @@ def _environment() -> dict:
         revision = (
             subprocess.run(
                 ["git", "rev-parse", "HEAD"],
-                cwd=os.path.dirname(shardkit.__file__),
+                cwd=os.path.dirname(os.path.dirname(__file__)),
                 capture_output=True,
                 text=True,
                 timeout=10,
@@ -440,12 +369,3 @@ def _environment() -> dict:
         "host": socket.gethostname(),
         "platform": platform.platform(),
     }
-
-
-def _sample_size(cfg: TrainConfig) -> int:
-    """Tokens (LM) or pixels (conv-ae) of one sample of the global batch."""
-    if cfg.model == "conv-ae":
-        from .conv_ae import CROP
-
-        return CROP[0] * CROP[1]
-    return cfg.seq_len

@@ -1,0 +1,168 @@
+"""The layout rules of the decoder LMs, in one place: ``shardkit train`` and the planner read them.
+
+Each rule is a pure function of layout sizes and model dims that returns the refusal (one
+sentence naming the flags and sizes at fault) or None. :func:`shardkit.train.config.
+validate_config` raises the first refusal before any process starts; the planner's
+:func:`.options.check_layout` raises it (prefixed ``plan:``) for a layout it would rank, so the
+two never disagree about which layouts the trainer runs.
+
+Only real limits are rules. The layers split uneven sizes (balanced splits of query heads, the
+sequence over sequence parallelism and Ulysses, the vocabulary of the vocab-parallel loss, the
+FFN), so nothing asks ``tp`` or ``cp`` to divide them; what the layers cannot do is:
+
+* a rank without a whole query head (``tp > heads``);
+* with context parallelism, an uneven head split over tp (the cp attention gets the same number
+  of heads on every tp rank);
+* a cp rank without a token (HF layers cannot run on zero tokens): the zigzag ring parts of S,
+  each split over the Ulysses ranks;
+* a pipeline stage without a layer, a next-token loss on fewer than 2 tokens, a global batch
+  that the data-parallel ranks and microbatches do not divide;
+* expert parallelism of a dense model, sequence parallelism across stages of different tp sizes
+  (they exchange replicated hidden states), spatial parallelism of an LM.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..context_parallel._sizes import _order
+from ..tensor_parallel.check import tp_heads_rule
+
+__all__ = [
+    "batch_rule",
+    "seq_len_rule",
+    "cp_tokens_rule",
+    "stage_heads_rule",
+    "pp_layers_rule",
+    "ep_rule",
+    "sp_pp_tp_rule",
+    "lm_spatial_rule",
+    "sequence_parallel_default",
+    "decoder_layout_rule",
+]
+
+
+def sequence_parallel_default(experts: bool, tp: int, pp_tp: tuple[int, ...] | None) -> bool:
+    """Sequence parallelism when not asked either way: on for a dense model with tp > 1 (it
+    saves activation memory at the same traffic), off for MoE models (their routers would run on
+    the sequence block) and with ``pp_tp`` (:func:`sp_pp_tp_rule`)."""
+    return not experts and tp > 1 and pp_tp is None
+
+
+def batch_rule(global_batch: int, dp: int, microbatches: int) -> str | None:
+    """Every data-parallel rank takes ``global_batch / dp`` rows, cut into ``microbatches``."""
+    if global_batch % (dp * microbatches):
+        what = f"dp={dp} x microbatches={microbatches}" if microbatches > 1 else f"dp={dp}"
+        return f"--batch-size {global_batch} (global) must be divisible by {what}"
+    return None
+
+
+def seq_len_rule(seq_len: int) -> str | None:
+    """A next-token loss needs two tokens."""
+    if seq_len < 2:
+        return f"--seq-len must be >= 2 (a next-token loss needs two tokens), got {seq_len}"
+    return None
+
+
+def cp_tokens_rule(seq_len: int, cp_ring: int, cp_ulysses: int) -> str | None:
+    """Every cp rank holds at least one token of ``seq_len`` (uneven splits are fine)."""
+    if cp_ring * cp_ulysses == 1:
+        return None
+    # shard_batch's split: the zigzag ring parts of S (Ulysses alone: one part), each split over
+    # the Ulysses ranks; the rule shard_batch enforces per batch
+    smallest = min(_order((0, seq_len), cp_ring, torch.device("cpu")).sizes)
+    if smallest < cp_ulysses:
+        return (
+            f"--seq-len {seq_len} with --cp-ring {cp_ring} --cp-ulysses {cp_ulysses}: every cp rank needs at least "
+            f"one token (the smallest ring part has {smallest} tokens for {cp_ulysses} Ulysses rank(s))"
+        )
+    return None
+
+
+def stage_heads_rule(heads: int, kv_heads: int, tp: int, cp: int, flag: str) -> str | None:
+    """Whole query heads on every tp rank (:func:`shardkit.tensor_parallel.check.tp_heads_rule`,
+    apply_tp's own rule); with cp, the same number of them on every tp rank.
+
+    Args:
+        heads, kv_heads: the model's query and key/value heads.
+        tp: the tp size of one stage; cp: ``cp_ring x cp_ulysses``.
+        flag: how the message names this tp size (``--tp 4``, ``--pp-tp 2,1 (stage 0)``).
+    """
+    if (why := tp_heads_rule(heads, kv_heads, tp)) is not None:
+        return f"{flag}: {why}"
+    if tp > 1 and cp > 1 and (heads % tp or kv_heads % tp):
+        return (
+            f"{flag} with context parallelism: tp must divide num_attention_heads={heads} and "
+            f"num_key_value_heads={kv_heads} (whole query and key/value heads per rank)"
+        )
+    return None
+
+
+def pp_layers_rule(layers: int, pp: int) -> str | None:
+    """Every pipeline stage holds at least one decoder layer."""
+    if layers < pp:
+        return f"--pp {pp}: {layers} decoder layers cannot fill {pp} pipeline stages (need layers >= pp)"
+    return None
+
+
+def ep_rule(ep: int, experts: int) -> str | None:
+    """Expert parallelism needs routed experts (``experts`` 0: a dense model)."""
+    if ep > 1 and experts == 0:
+        return f"--ep {ep} needs a mixture-of-experts model (--model moe or mla)"
+    return None
+
+
+def sp_pp_tp_rule(sequence_parallel: bool, pp_tp: tuple[int, ...] | None) -> str | None:
+    """Stages of different tp sizes exchange replicated hidden states: no sequence parallelism."""
+    if sequence_parallel and pp_tp is not None:
+        return "--sequence-parallel with --pp-tp: stages of different tp sizes exchange replicated hidden states"
+    return None
+
+
+def lm_spatial_rule(spatial: int, spatial_h: int) -> str | None:
+    """Spatial parallelism shards images (the conv model), not token sequences."""
+    if spatial != 1 or spatial_h != 1:
+        flag = f"--spatial {spatial}" if spatial != 1 else f"--spatial-h {spatial_h}"
+        return f"{flag} needs --model conv-ae (language models use --tp/--cp-*/--pp/--dp*)"
+    return None
+
+
+def decoder_layout_rule(
+    dims,
+    *,
+    seq_len: int,
+    global_batch: int,
+    microbatches: int,
+    sequence_parallel: bool,
+    heads: int,
+    kv_heads: int,
+    layers: int,
+    experts: int,
+) -> str | None:
+    """The first refusal of every rule above for a decoder LM on ``dims``, or None.
+
+    Args:
+        dims: the :class:`~shardkit.sharding.ParallelDims` (already consistent: ep borrowing, pp_tp).
+        seq_len, global_batch, microbatches: the step's S, global B and M per dp rank.
+        sequence_parallel: Megatron-SP with tp (resolved: not None).
+        heads, kv_heads, layers, experts: the model's dims (``experts`` 0 for a dense model).
+    """
+    sizes = dims.pp_tp or (dims.tp,) * dims.pp
+    flags = [f"--pp-tp {','.join(map(str, dims.pp_tp))} (stage {s})" for s in range(dims.pp)] if dims.pp_tp else None
+    checks = [
+        lambda: lm_spatial_rule(dims.spatial, dims.spatial_h),
+        lambda: batch_rule(global_batch, dims.dp, microbatches),
+        lambda: seq_len_rule(seq_len),
+        lambda: ep_rule(dims.ep, experts),
+        lambda: sp_pp_tp_rule(sequence_parallel, dims.pp_tp),
+        lambda: cp_tokens_rule(seq_len, dims.cp_ring, dims.cp_ulysses),
+        *(
+            (lambda s=s, t=t: stage_heads_rule(heads, kv_heads, t, dims.cp, flags[s] if flags else f"--tp {t}"))
+            for s, t in enumerate(sizes)
+        ),
+        lambda: pp_layers_rule(layers, dims.pp),
+    ]
+    for check in checks:
+        if (why := check()) is not None:
+            return why
+    return None

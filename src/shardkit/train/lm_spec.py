@@ -1,0 +1,160 @@
+"""The decoder LMs' hooks of the spec registry (:mod:`.specs`): rules, model, task, parallelize.
+
+One set of hooks serves every decoder family (the built-in configs of :mod:`.lm_families` and
+``--model-path`` checkpoints): the families differ only in their :class:`.lm_families.LMFamily`,
+which the hooks take as an argument.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+from ..errors import ShardkitError
+from ..parallelize import ParallelModel, parallelize, parallelize_stage
+from ..plan.rules import (
+    cp_tokens_rule,
+    ep_rule,
+    lm_spatial_rule,
+    pp_layers_rule,
+    seq_len_rule,
+    sequence_parallel_default,
+    sp_pp_tp_rule,
+    stage_heads_rule,
+)
+from .corpus import Corpus, shared_corpus
+from .data import BatchSampler
+from .lm_families import LMFamily
+from .lm_task import LMTask, PackedSampler
+from .model import build_model
+from .options import TrainConfig
+from .pretrained import read_config
+from .trainer import LossScale
+
+__all__ = ["validate_lm", "build_lm", "lm_task", "parallelize_lm", "describe_lm"]
+
+_SIZES = ("hidden_size", "layers", "heads", "kv_heads", "intermediate_size")
+_HF_SIZES = (
+    "model_type",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "vocab_size",
+    "moe_intermediate_size",
+    "num_experts",
+    "n_routed_experts",
+)
+
+
+def _raise(why: str | None) -> None:
+    if why is not None:
+        raise ShardkitError(why)
+
+
+def validate_lm(cfg: TrainConfig, family: LMFamily) -> TrainConfig:
+    """The decoder LMs' real limits (:mod:`shardkit.plan.rules`), against the model's shape;
+    ``sequence_parallel`` resolved (None: :func:`~shardkit.plan.rules.sequence_parallel_default`).
+
+    Raises:
+        ShardkitError: naming the flags at fault.
+    """
+    _raise(lm_spatial_rule(cfg.spatial, cfg.spatial_h))
+    _raise(seq_len_rule(cfg.seq_len))
+    _raise(ep_rule(cfg.ep, cfg.experts if family.experts else 0))
+    if cfg.experts < 1:
+        raise ShardkitError(f"--experts must be >= 1, got {cfg.experts}")
+    if cfg.model_path is not None and cfg.packed:
+        # document borders are known in bytes of the corpus files, not in the tokenizer's tokens
+        raise ShardkitError("--packed with --model-path: packed documents are built for byte-level tokens")
+    assert cfg.tp is not None and cfg.dp_replicate is not None  # validate_config resolved them
+    dp = cfg.dp_replicate * cfg.dp_shard
+    pp_tp = cfg.stage_tp_sizes if cfg.pp_tp is not None else None
+    if cfg.sequence_parallel is None:
+        cfg = dataclasses.replace(cfg, sequence_parallel=sequence_parallel_default(family.experts, cfg.tp, pp_tp))
+    _raise(sp_pp_tp_rule(bool(cfg.sequence_parallel), pp_tp))
+    if cfg.packed and cfg.cp_size > 1 and cfg.batch_size != dp * cfg.microbatches:
+        raise ShardkitError(
+            f"--packed with context parallelism: every microbatch must be one row (its documents' cu_seqlens are "
+            f"per row), so --batch-size must equal dp x microbatches = {dp * cfg.microbatches}, got {cfg.batch_size}"
+        )
+    _raise(cp_tokens_rule(cfg.seq_len, cfg.cp_ring, cfg.cp_ulysses))
+    _validate_shape(cfg)
+    return cfg
+
+
+def _validate_shape(cfg: TrainConfig) -> None:
+    """Head counts and layers of the model against the layout."""
+    if cfg.model_path is None:
+        for name in _SIZES:
+            if getattr(cfg, name) < 1:
+                raise ShardkitError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
+        if cfg.hidden_size % cfg.heads or cfg.heads % cfg.kv_heads:
+            raise ShardkitError(
+                f"--hidden-size {cfg.hidden_size} must be divisible by --heads {cfg.heads}, and --heads by "
+                f"--kv-heads {cfg.kv_heads}"
+            )
+        model_config = SimpleNamespace(
+            num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads, num_hidden_layers=cfg.layers
+        )
+    else:
+        model_config = read_config(cfg.model_path)
+    n_q = model_config.num_attention_heads
+    n_kv = getattr(model_config, "num_key_value_heads", None) or n_q
+    for s, t in enumerate(cfg.stage_tp_sizes):
+        flag = f"--pp-tp {cfg.pp_tp} (stage {s})" if cfg.pp_tp is not None else f"--tp {t}"
+        _raise(stage_heads_rule(n_q, n_kv, t, cfg.cp_size, flag))
+    _raise(pp_layers_rule(model_config.num_hidden_layers, cfg.pp))
+
+
+def build_lm(cfg: TrainConfig, family: LMFamily) -> nn.Module:
+    """:func:`.model.build_model`: the checkpoint of ``--model-path``, else ``family`` at the flags' sizes."""
+    return build_model(cfg, family)
+
+
+def lm_task(cfg: TrainConfig, device: torch.device, corpus: Corpus | None = None) -> LMTask:
+    """The next-token task with a fresh sampler (the same batches on every rank).
+
+    ``corpus``: the token stream; None: read it with :func:`.corpus.shared_corpus`, collective
+    over the world (global rank 0 reads, every rank receives the same tokens).
+    """
+    if corpus is None:
+        corpus = shared_corpus(cfg, device)
+    sampler: PackedSampler | BatchSampler
+    if cfg.packed:
+        sampler = PackedSampler(corpus.tokens, cfg.seq_len, cfg.batch_size, cfg.seed, list(corpus.doc_sizes))
+    else:
+        sampler = BatchSampler(corpus.tokens, cfg.seq_len, cfg.batch_size, cfg.seed)
+    return LMTask(sampler, device)
+
+
+def parallelize_lm(model: nn.Module, mesh, cfg: TrainConfig, task) -> tuple[ParallelModel, LossScale | None]:
+    """:func:`~shardkit.parallelize.parallelize` (or ``parallelize_stage`` with ``pp > 1``) for
+    ``cfg``'s options; the pipeline's loss function with a pipeline, else None."""
+    # validate_config resolved sequence_parallel; one process (mesh None) has neither option
+    sp, lp = (bool(cfg.sequence_parallel), cfg.loss_parallel) if mesh is not None else (False, False)
+    if mesh is not None and mesh.dims.pp > 1:
+        holder: list = [None]
+        loss = LossScale(task, holder)
+        pm = parallelize_stage(model, mesh, loss, sequence_parallel=sp, loss_parallel=lp)
+        holder[0] = pm
+        return pm, loss
+    return parallelize(model, mesh, sequence_parallel=sp, loss_parallel=lp), None
+
+
+def describe_lm(cfg: TrainConfig, family: LMFamily) -> dict:
+    """What fixes the parameters beyond ``model`` and ``dtype``: the checkpoint's config sizes,
+    else the flags' sizes (and the experts of an MoE family)."""
+    if cfg.model_path is not None:
+        config = read_config(cfg.model_path)
+        return {
+            "config": {k: getattr(config, k) for k in _HF_SIZES if isinstance(getattr(config, k, None), (int, str))}
+        }
+    out = {k: getattr(cfg, k) for k in _SIZES}
+    if family.experts:
+        out["experts"] = cfg.experts
+    return out

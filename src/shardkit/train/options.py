@@ -1,0 +1,126 @@
+"""The options of ``shardkit train`` (:class:`TrainConfig`) and their fixed vocabularies.
+
+The bottom of :mod:`shardkit.train`: no other module of the application is imported here, so the
+models, tasks and the spec registry (:mod:`.specs`) take :class:`TrainConfig` from here while
+:mod:`.config` (files, flags, checks) sits above them all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ShardkitError
+
+__all__ = ["TrainConfig", "parse_pp_tp", "DTYPES", "TORCH_DTYPES", "SCHEDULES", "LR_SCHEDULES", "SIZE_FLAGS"]
+
+DTYPES = ("float32", "float64", "bfloat16")
+TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+SCHEDULES = ("1f1b", "gpipe")
+LR_SCHEDULES = ("constant", "warmup-cosine")
+SIZE_FLAGS = (
+    "nproc",
+    "tp",
+    "pp",
+    "cp_ulysses",
+    "cp_ring",
+    "dp_shard",
+    "dp_replicate",
+    "ep",
+    "spatial",
+    "spatial_h",
+    "microbatches",
+    "batch_size",
+    "seq_len",
+    "hidden_size",
+    "layers",
+    "heads",
+    "kv_heads",
+    "intermediate_size",
+    "experts",
+)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Options of ``shardkit train``; field names are the flags with underscores.
+
+    The default model is small enough that the default run (4 CPU processes, 20 steps) takes
+    well under 3 minutes on 2 cores: about 0.1 M parameters, GQA with 4 query and 2 key/value
+    heads (head dim 16), so tp=2 keeps whole heads per rank.
+    """
+
+    model: str = "llama"  # a name of the spec registry (shardkit.train.specs.SPECS)
+    nproc: int | None = None  # None: the product of the degrees (4 by default)
+    spatial: int = 1  # conv-ae only: ranks sharing each frame along W
+    spatial_h: int = 1  # conv-ae only: ranks sharing each frame along H (both > 1: H x W tiles)
+    tp: int | None = None  # None: 2 for an LM without pp, cp and pp_tp; else 1
+    pp_tp: str | None = None  # per-stage tp sizes "2,1,1" (VTP): pp = their count, sum * dp = nproc
+    dp: int | None = None  # alias of dp_replicate (kept for old command lines)
+    dp_replicate: int | None = None  # None: what nproc leaves after every other degree
+    dp_shard: int = 1  # FSDP2 ranks (ZeRO-3 sharding of parameters, gradients, optimizer state)
+    pp: int = 1
+    cp_ulysses: int = 1  # context parallel: ranks sharing each sequence, all-to-all over heads (Ulysses)
+    cp_ring: int = 1  # context parallel: ranks sharing each sequence, zigzag ring attention (both > 1: USP)
+    packed: bool = False  # each window is documents (corpus files) packed along S, no cross-file attention
+    ep: int = 1  # moe / mla: expert-parallel ranks, borrowed from dp_shard x cp x tp
+    loss_parallel: bool = False  # vocab-sharded logits and loss (never the full [B, S, V] logits)
+    sequence_parallel: bool | None = None  # None: on for llama with tp > 1 (Megatron-SP)
+    experts: int = 4  # moe / mla: routed experts (top-2)
+    microbatches: int = 1  # per step and dp rank: pipeline microbatches, or gradient accumulation
+    schedule: str = "1f1b"  # pipeline schedule: "1f1b" or "gpipe"
+    max_norm: float | None = 1.0  # clip the global gradient norm (None / 0: no clipping)
+    skip_nonfinite: int = 0  # skip up to N steps whose global loss or grad norm is NaN/inf; one more stops the run
+    steps: int = 20  # total steps: a resumed run continues up to this count
+    checkpoint_dir: str | None = None  # save the training state here (DCP, one directory per save)
+    save_every: int = 0  # save every N steps (and after the last); 0: only after the last step
+    keep: int | None = None  # keep the newest N complete saves (None: all)
+    resume: bool = False  # continue from the latest save in --checkpoint-dir (any layout)
+    seq_len: int = 128
+    batch_size: int = 8  # global, split over dp
+    dtype: str = "float32"
+    seed: int = 0
+    lr: float | None = None  # None: 1e-3 from scratch, 1e-4 (FINETUNE_LR) with --model-path
+    lr_schedule: str | None = None  # "constant" or "warmup-cosine"; None: warmup-cosine with --model-path
+    verify: bool = False
+    checks: bool = False  # run with shardkit's cross-rank check mode on (shardkit.comm.checks)
+    timeout: float = 300.0  # seconds any collective (every process group) waits for a rank before failing
+    report: str | None = None
+    data: str | None = None  # None: the Python standard library's source tree
+    model_path: str | None = None  # a local HF checkpoint directory or *.gguf file; None: the built-in config
+    hidden_size: int = 64
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    intermediate_size: int = 128
+    config: str | None = None  # the TOML file these values came from, if any
+
+    @property
+    def cp_size(self) -> int:
+        """Context-parallel ranks per replica: ``cp_ring * cp_ulysses``."""
+        return self.cp_ring * self.cp_ulysses
+
+    @property
+    def stage_tp_sizes(self) -> tuple[int, ...]:
+        """The tp size of every pipeline stage: ``--pp-tp``, else ``tp`` in each of ``pp`` stages."""
+        if self.pp_tp is not None:
+            return parse_pp_tp(self.pp_tp)
+        return (self.tp or 1,) * self.pp
+
+
+def parse_pp_tp(text) -> tuple[int, ...]:
+    """``"2,1,1"`` -> ``(2, 1, 1)``: the tp size of each pipeline stage (pure).
+
+    Raises:
+        ShardkitError: not a comma-separated list of at least two ints >= 1.
+    """
+    try:
+        sizes = tuple(int(t) for t in str(text).split(","))
+    except ValueError:
+        sizes = ()
+    if len(sizes) < 2 or any(t < 1 for t in sizes):
+        raise ShardkitError(
+            f"--pp-tp must list the tp size (>= 1) of each of at least 2 pipeline stages, e.g. 2,1,1; got {text!r}"
+        )
+    return sizes
