@@ -1,6 +1,6 @@
 """A tiny Hugging Face decoder and its loss, for library tests that parallelize it without the CLI.
 
-The model is the trainer's own (:func:`shardkit.train.model.build_model`: transformers' Llama,
+The model is the trainer's own (its spec's ``build``, :func:`shardkit.train.model.build_model`: transformers' Llama,
 Qwen3-MoE, ... from a config, weights from the seed, float64 kept in float64), at sizes small
 enough for a persistent gloo world on two loaded cores. The loss follows the trainer's
 convention (src/shardkit/data_parallel/grads.py): every rank back-propagates the sum of its token
@@ -13,14 +13,14 @@ import torch
 import torch.nn.functional as F
 
 from shardkit.train.config import TrainConfig
-from shardkit.train.model import build_model
+from shardkit.train.specs import model_spec
 
 SIZES = dict(hidden_size=32, intermediate_size=64, layers=2, heads=4, kv_heads=2, seq_len=8, dtype="float64")
 
 
 def tiny_decoder(model: str = "llama", **sizes) -> torch.nn.Module:
     """``model`` ("llama", "moe", ...) at :data:`SIZES` (overridden by ``sizes``), float64, seed 0."""
-    return build_model(TrainConfig(model=model, **{**SIZES, **sizes}))
+    return model_spec(model).build(TrainConfig(model=model, **{**SIZES, **sizes}))
 
 
 def token_ids(batch: int, seq_len: int = SIZES["seq_len"], vocab: int = 256, seed: int = 1) -> torch.Tensor:
