@@ -77,20 +77,24 @@ def maybe_agree(g: GroupInfo, op: str, x: torch.Tensor, args=(), local_dim=None,
     return None
 
 
-def maybe_agree_groups(gs, op: str, x: torch.Tensor, args=(), error=None) -> None:
+def maybe_agree_groups(gs, op: str, x: torch.Tensor, args=(), error=None, local_dim=None, expected_local=None):
     """:func:`maybe_agree` over several groups (the dims of a mesh, tiles), one after another.
 
     A disagreement or local error found in one group is carried into the next agreement instead
     of raised at once (a rank raising early would leave the peers of its other groups waiting),
-    and the last group's verdict is raised: each agreement hands its ranks one text.
+    and the last group's verdict is raised: each agreement hands its ranks one text. Returns
+    the first group's agreed sizes along ``local_dim`` (see :func:`maybe_agree`).
     """
-    for g in gs:
+    first = None
+    for i, g in enumerate(gs):
         try:
-            maybe_agree(g, op, x, args, error=error)
+            known = maybe_agree(g, op, x, args, local_dim, expected_local, error)
+            first = known if i == 0 else first
         except ShardkitError as exc:
             error = exc
     if error is not None:
         raise error
+    return first
 
 
 def local_checks(g: GroupInfo, fn):
