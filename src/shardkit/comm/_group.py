@@ -24,7 +24,10 @@ class GroupInfo:
 # id(pg) -> (weak reference to pg, size, rank): a ProcessGroup's rank and size never change, so
 # the checks below run once per group. The weak reference says whether the id still names that
 # group (its callback drops the entry when the group is freed, before the id can be reused);
-# nothing here holds the group itself, so a destroyed group is freed as before.
+# nothing here holds the group itself, so a destroyed group is freed as before
+# (tests/comm/test_host_path.py checks both). Module-level on purpose, the one cache of its kind:
+# a ProcessGroup is a C++ object shardkit should not add attributes to, its entries are facts
+# that never change for the life of the group, and a stale id can never hit (the callback).
 _resolved: dict[int, tuple[weakref.ref, int, int]] = {}
 
 

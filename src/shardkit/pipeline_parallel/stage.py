@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
     from .._types import Group
-    from ._exchange import ShapeCache
+    from ._transfer import ShapeCache
 
 __all__ = ["PipelineStage"]
 
@@ -134,7 +134,7 @@ class PipelineStage:
     @property
     def has_shape_cache(self) -> bool:
         """Whether this stage's last :func:`~.runner.run_schedule` call completed and left its
-        negotiated P2P shapes (:class:`~._exchange.ShapeCache`) for the next call."""
+        negotiated P2P shapes (:class:`~._transfer.ShapeCache`) for the next call."""
         return self._shape_cache is not None
 
     def take_shape_cache(self, keep: bool, new: Callable[[], ShapeCache]) -> ShapeCache:
