@@ -48,6 +48,8 @@ both modes (every combination of active links, 2-5 stages, with and without loop
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 from ..errors import ShardkitError, ShardkitTypeError
@@ -79,7 +81,7 @@ def _ordered(transfers: list[Transfer], api: str, checked: bool, cache: ShapeCac
     for i in order:
         t = transfers[i]
         use_cache = cache is not None and t.header and not checked
-        cached = cache.get(t) if use_cache else None
+        cached = cache.get(t) if cache is not None and use_cache else None
         if cached is not None:
             if (
                 not t.send
@@ -104,12 +106,12 @@ def _ordered(transfers: list[Transfer], api: str, checked: bool, cache: ShapeCac
                     posted[0].wait()
                     read_header(t, api)
             works += post([m for m in [payload_msg(t)] if m is not None], False, api)
-        if use_cache and t.status == OK:
+        if cache is not None and use_cache and t.status == OK and t.payload is not None:
             # Both ends record the header's shape: the sender its own, the receiver the one read.
             cache.put(t, t.payload.shape, t.payload.dtype)
     for t, cached, buf, work in late:
         works += read_packed(t, cached, buf, work, api)
-        if t.status == OK:
+        if cache is not None and t.status == OK and t.payload is not None:
             cache.put(t, t.payload.shape, t.payload.dtype)
     return works
 
@@ -166,7 +168,9 @@ class P2PWork:
 
     def __init__(self, api: str, transfers: list[Transfer], works: list, reduce: str) -> None:
         self._api, self._transfers, self._works, self._reduce = api, transfers, works, reduce
-        self._done, self._result, self._error = False, None, None
+        self._done = False
+        self._result: torch.Tensor | None = None
+        self._error: ShardkitError | None = None
 
     def is_completed(self) -> bool:
         """Whether every message has completed (``wait()`` would not block)."""
@@ -188,7 +192,8 @@ class P2PWork:
             self.complete()
             self._done = True
             try:
-                received = [t.payload for t in self._transfers if not t.send]
+                # every receive holds its tensor once complete (an error status raised in exchange)
+                received = cast("list[torch.Tensor]", [t.payload for t in self._transfers if not t.send])
                 self._result = _reduce(received, self._reduce, self._api) if received else None
             except ShardkitError as exc:
                 self._error = exc

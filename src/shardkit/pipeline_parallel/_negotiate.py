@@ -103,6 +103,7 @@ def settle(t: Transfer, api: str) -> None:
     """Checks on, both hellos exchanged: a call past the pipeline's end, a misuse or a declaration
     error (the same on both ends, no payload follows), else the receiver reads the sender's header."""
     source = f"stage {t.peer} of {t.g.size}"
+    assert t.hello_in is not None and t.hello_out is not None  # both exchanged by now
     peer = _wire.decode_hello(t.hello_in, api, source)
     mine = _wire.decode_hello(t.hello_out, api, t.where())
     error = _past_end(t, mine, peer) or _misuse(t, peer, api) or _declarations(t, mine, peer)
@@ -117,6 +118,7 @@ def settle(t: Transfer, api: str) -> None:
 def read_header(t: Transfer, api: str) -> None:
     """Decode a received header; set the payload buffer, or the error to raise later."""
     source = f"stage {t.peer} of {t.g.size}"
+    assert t.hdr is not None  # received by now
     meta = _wire.decode(t.hdr, api, source)
     t.status = meta.status
     if meta.status != OK:
@@ -133,4 +135,5 @@ def read_header(t: Transfer, api: str) -> None:
             f"{api}: {t.where()} declared {_wire.describe(t.shape, t.dtype)} but {source} sent "
             f"{_wire.describe(meta.shape, meta.dtype)}"
         )
+    assert meta.shape is not None  # an OK header describes its payload
     t.payload = torch.empty(meta.shape, dtype=meta.dtype, device=t.device)

@@ -4,11 +4,13 @@ sends the header with a message of that shape, packed into one message when smal
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from . import _wire
 from ._negotiate import read_header
-from ._transfer import Channel, Transfer, header_msg, payload_msg, post
+from ._transfer import Channel, Message, Transfer, header_msg, payload_msg, post
 from ._wire import HEADER_LEN, OK
 
 __all__ = ["PACK_MAX_BYTES", "cached_send", "cached_recv", "post_packed", "read_packed"]
@@ -25,6 +27,7 @@ def cached_send(t: Transfer, ch: Channel, api: str) -> list:
     packed into one message when the cached payload is small. A repeated shape is one ``cat``
     of the channel's stored header and the payload (no header encoding, one copy)."""
     x = t.payload
+    assert x is not None  # a sender's transfer holds its tensor
     same = t.status == OK and x.dtype == ch.dtype and x.shape == ch.shape
     if ch.nbytes <= PACK_MAX_BYTES:
         if same:
@@ -33,7 +36,7 @@ def cached_send(t: Transfer, ch: Channel, api: str) -> list:
         else:
             buf = torch.empty(_HB + ch.nbytes, dtype=torch.uint8, device=t.device)
             buf[:_HB].view(torch.int64).copy_(_wire.encode(t.status, x.dtype, x.shape, t.device))
-        msgs = [(t, True, buf, t.phase)]
+        msgs: list[Message] = [(t, True, buf, t.phase)]
     else:
         msgs = [
             header_msg(t),
@@ -44,7 +47,7 @@ def cached_send(t: Transfer, ch: Channel, api: str) -> list:
     return post(msgs, False, api)
 
 
-def post_packed(t: Transfer, ch: Channel, api: str):
+def post_packed(t: Transfer, ch: Channel, api: str) -> tuple[torch.Tensor, Any]:
     """Post the one receive of a packed transfer (header + payload of the cached shape)."""
     buf = torch.empty(_HB + ch.nbytes, dtype=torch.uint8, device=t.device)
     return buf, post([(t, False, buf, t.phase)], False, api)[0]
@@ -78,7 +81,7 @@ def _after_header(t: Transfer, ch: Channel, pre: torch.Tensor, rest: list, api: 
     """The header was read into ``t.hdr``: keep ``pre`` (the cached shape arrived), or wait for
     the dummy and receive the real payload (if any) after it."""
     read_header(t, api)
-    if t.status == OK and t.payload.dtype == ch.dtype and t.payload.shape == ch.shape:
+    if t.status == OK and t.payload is not None and t.payload.dtype == ch.dtype and t.payload.shape == ch.shape:
         t.payload = pre
         return rest
     for w in rest:

@@ -133,18 +133,24 @@ def post(msgs, batched: bool, api: str) -> list:
     return [w for ops in per_group.values() for w in dist.batch_isend_irecv(ops)]
 
 
-def header_msg(t: Transfer):
+Message = tuple["Transfer", bool, torch.Tensor, str]  # (transfer, is_send, tensor, ledger phase)
+
+
+def header_msg(t: Transfer) -> Message:
     if t.send:
-        t.hdr = _wire.encode(t.status, t.payload.dtype, t.payload.shape, t.device)
+        assert t.payload is not None  # a sender's header describes its tensor
+        hdr = _wire.encode(t.status, t.payload.dtype, t.payload.shape, t.device)
     else:
-        t.hdr = torch.empty(HEADER_LEN, dtype=torch.int64, device=t.device)
+        hdr = torch.empty(HEADER_LEN, dtype=torch.int64, device=t.device)
+    t.hdr = hdr
     # A header on a static transfer exists only for the checks: count it as "check" traffic.
-    return (t, t.send, t.hdr, "check" if t.shape is not None else t.phase)
+    return (t, t.send, hdr, "check" if t.shape is not None else t.phase)
 
 
-def payload_msg(t: Transfer):
+def payload_msg(t: Transfer) -> Message | None:
     """The payload message, or None (zero elements, or an error status: nothing follows)."""
     if not t.send and not t.header:
+        assert t.shape is not None  # a receive without header has a declared static shape
         t.payload = torch.empty(t.shape, dtype=t.dtype, device=t.device)
     if t.status != OK or t.payload is None or t.payload.numel() == 0:
         return None

@@ -182,7 +182,8 @@ def _agree_layouts(stages: StageGroups, error: str | None, mine: tuple, op: str)
     payload = [stages.stage_index, [repr(mine[0]), repr(mine[1]), mine[2]], repr(mine)]
 
     def judge(seen: list) -> list[str]:
-        bad, first = [], {}
+        bad: list[str] = []
+        first: dict[int, tuple[int, str]] = {}  # stage -> (its first rank, that rank's layouts)
         for r, (s, _, text) in enumerate(seen):
             if first.setdefault(s, (r, text))[1] != text:
                 bad.append(f"stage {s}: rank {r} passed layouts {text} but rank {first[s][0]} passed {first[s][1]}")
