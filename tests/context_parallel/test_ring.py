@@ -272,3 +272,8 @@ def test_transfers_are_posted_before_compute():
         "B",
         "post-backward",
     ], events
+
+
+def test_the_removed_block_counts_name_the_replacement():
+    with pytest.raises(AttributeError, match=r"block_counts=collections.Counter\(\)"):
+        ring.BLOCK_COUNTS  # noqa: B018

@@ -254,6 +254,15 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
+def __getattr__(name: str):
+    if name == "BLOCK_COUNTS":  # removed: a process-wide counter mutated inside the autograd Function
+        raise AttributeError(
+            "shardkit.context_parallel.ring.BLOCK_COUNTS was removed: pass ring_attention(..., "
+            "block_counts=collections.Counter()) and read that counter"
+        )
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def ring_attention(
     q: torch.Tensor,
     k: torch.Tensor,

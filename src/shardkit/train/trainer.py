@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import math
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -82,15 +83,25 @@ class LossScale:
     :meth:`bind` hands it over once built, before the first step.
     """
 
-    def __init__(self, task) -> None:
+    def __init__(self, task, pm_ref: list | None = None) -> None:
         self.task, self.pm = task, None
         self.scale = 1.0
+        self._ref = pm_ref
+        if pm_ref is not None:
+            warnings.warn(
+                "LossScale(task, pm_ref) is deprecated: use LossScale(task) and loss.bind(pm) once the "
+                "model is built (removed in the next release)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
 
     def bind(self, pm) -> None:
         """The parallel model whose last stage computes this loss."""
         self.pm = pm
 
     def __call__(self, logits, labels):
+        if self.pm is None and self._ref is not None:  # the deprecated holder list
+            self.pm = self._ref[0]
         if self.pm is None:
             raise ShardkitError("LossScale: no model bound (call bind(pm) once the pipeline stage is built)")
         return self.task.loss_sum(logits, labels, self.pm) * self.scale
