@@ -16,8 +16,8 @@ microbatches may differ in shape) unless the caller declares static boundary sha
 from __future__ import annotations
 
 from ..comm._group import GroupInfo
-from ._transfer import order_key
 from ._reshard import Side, recv_side, send_side
+from ._transfer import order_key
 
 __all__ = ["StageTransport"]
 
