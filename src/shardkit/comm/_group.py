@@ -5,11 +5,12 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 from ..errors import GroupMembershipError, ShardkitError, ShardkitTypeError
 
-__all__ = ["GroupInfo", "resolve_group"]
+__all__ = ["GroupInfo", "group_device", "resolve_group"]
 
 
 @dataclass(frozen=True)
@@ -78,3 +79,12 @@ def resolve_group(group, op: str) -> GroupInfo:
 
     _resolved[key] = (weakref.ref(group, forget), info.size, rank)
     return info
+
+
+def group_device(g: GroupInfo) -> torch.device:
+    """Where the group's metadata tensors live when no input tensor says: CPU for gloo, else
+    the current accelerator (one rule with the P2P receive buffers)."""
+    accelerator = getattr(torch, "accelerator", None)
+    if g.pg.name().lower() == "gloo" or accelerator is None or accelerator.current_accelerator() is None:
+        return torch.device("cpu")
+    return torch.device(accelerator.current_accelerator().type, accelerator.current_device_index())

@@ -17,7 +17,7 @@ from .._shapes import balanced_split_sizes, check_split_sizes, normalize_dim
 from ..errors import ShardkitError, ShardkitTypeError
 from . import ledger
 from ._compat import all_gather_single
-from ._group import GroupInfo, resolve_group
+from ._group import GroupInfo, group_device, resolve_group
 from .checks import agree, checks_enabled, covered
 
 GRAD_SCALES = (None, "up", "down")
@@ -39,15 +39,6 @@ def enter(x, group, op: str) -> GroupInfo:
     if error is not None:
         raise_agreed(g, op, error)
     return g
-
-
-def group_device(g: GroupInfo) -> torch.device:
-    """Where the group's metadata tensors live when no input tensor says: CPU for gloo, else
-    the current accelerator (one rule with the P2P receive buffers)."""
-    accelerator = getattr(torch, "accelerator", None)
-    if g.pg.name().lower() == "gloo" or accelerator is None or accelerator.current_accelerator() is None:
-        return torch.device("cpu")
-    return torch.device(accelerator.current_accelerator().type, accelerator.current_device_index())
 
 
 def placeholder(g: GroupInfo) -> torch.Tensor:

@@ -25,10 +25,9 @@ import torch.distributed as dist
 from ..errors import ShardkitError
 from . import ledger
 from ._compat import all_gather_single
-from ._group import GroupInfo
-from ._validate import group_device
+from ._group import GroupInfo, group_device
 
-__all__ = ["agree", "by_ranks"]
+__all__ = ["agree", "by_ranks", "gather_padded"]
 
 _HEADLINE = "{n} of {size} ranks rejected their arguments"
 
@@ -125,11 +124,17 @@ def _exchange(g: GroupInfo, op: str, failed: bool, payload: Any, data: bytes, ga
     if not (gather or any_failed or high != -minus_low):
         return [json.loads(data)] * g.size  # no error and every payload's digest equal: all are this one
     # JSON escapes every control character, so the zero padding never occurs inside a text.
+    return [json.loads(row.rstrip(b"\0")) for row in gather_padded(g, op, data, width, device)]
+
+
+def gather_padded(g: GroupInfo, op: str, data: bytes, width: int, device) -> list[bytes]:
+    """Every rank's ``data`` zero-padded to ``width`` bytes (every rank passes the same ``width``,
+    at least its own length), in rank order: one ``uint8`` all-gather, recorded in the ledger as
+    ``metadata_all_gather`` in phase ``"check"``."""
     buf = torch.zeros(width, dtype=torch.uint8, device=device)
     if data:
-        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        buf[: len(data)] = torch.frombuffer(bytearray(data[:width]), dtype=torch.uint8)
     table = buf.new_empty(g.size * width)
     ledger.record("metadata_all_gather", op, "check", g.size, width, table.nbytes, pg=g.pg, shape=(width,))
     all_gather_single(table, buf, group=g.pg)
-    rows = table.view(g.size, width).cpu().tolist()
-    return [json.loads(bytes(row).rstrip(b"\0")) for row in rows]
+    return [bytes(row) for row in table.view(g.size, width).cpu().tolist()]

@@ -33,6 +33,7 @@ from ..errors import GroupMembershipError, RankMismatchError, ShardkitError, Sha
 from . import ledger
 from ._compat import all_gather_single
 from ._group import GroupInfo
+from .agree import gather_padded
 
 __all__ = ["checks", "checks_enabled", "agree", "covered", "cover"]
 
@@ -242,14 +243,8 @@ def _raise_agreed_error(op: str, g: GroupInfo, rows: list[list[int]], message: b
     if not flagged:
         return
     width = max(rows[r][-3] for r in flagged)
-    mine = torch.zeros(width, dtype=torch.uint8, device=device)
-    if message:
-        mine[: len(message)] = torch.frombuffer(bytearray(message[:width]), dtype=torch.uint8)
-    table = mine.new_empty(g.size * width)
-    ledger.record("metadata_all_gather", op, "check", g.size, mine.nbytes, table.nbytes, pg=g.pg, shape=(width,))
-    all_gather_single(table, mine, group=g.pg)
     first = flagged[0]
-    text = bytes(table.view(g.size, width)[first, : rows[first][-3]].tolist()).decode(errors="replace")
+    text = gather_padded(g, op, message, width, device)[first][: rows[first][-3]].decode(errors="replace")
     raise _ERRORS[rows[first][-4] - 1](text)
 
 
