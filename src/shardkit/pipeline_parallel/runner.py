@@ -121,7 +121,7 @@ def run_schedule(
     # The stage's ShapeCache outlives the call only if every rank's previous call completed (its
     # channels were then updated from the same headers on both ends); else every rank starts a new one.
     keep = _agree(stage, error, decls, op, clean=stage.has_shape_cache)
-    cache = stage.take_shape_cache(keep, p2p.ShapeCache)
+    cache = stage.take_shape_cache(keep)
     plan = comm_plan(schedule[s], s, P)
     kwargs = stage_kwargs or [{}] * M
     if stage.stages is not None:

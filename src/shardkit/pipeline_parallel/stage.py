@@ -15,13 +15,13 @@ from ..comm._group import GroupInfo, resolve_group
 from ..comm.agree import agree
 from ..errors import ShardkitError, ShardkitTypeError
 from ..layouts import Replicate, Shard
+from ._transfer import ShapeCache
 from .vtp import StageGroups, check_layout
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
     from .._types import Group
-    from ._transfer import ShapeCache
 
 __all__ = ["PipelineStage"]
 
@@ -137,11 +137,11 @@ class PipelineStage:
         negotiated P2P shapes (:class:`~._transfer.ShapeCache`) for the next call."""
         return self._shape_cache is not None
 
-    def take_shape_cache(self, keep: bool, new: Callable[[], ShapeCache]) -> ShapeCache:
+    def take_shape_cache(self, keep: bool) -> ShapeCache:
         """The cache a schedule call runs with: the kept one if ``keep`` (every rank agreed that
-        every rank has one), else ``new()``. The stage holds none until :meth:`keep_shape_cache`:
+        every rank has one), else a new one. The stage holds none until :meth:`keep_shape_cache`:
         a call that fails leaves no cache behind, and the next call starts afresh on every rank."""
-        cache = (self._shape_cache if keep else None) or new()
+        cache = (self._shape_cache if keep else None) or ShapeCache()
         self._shape_cache = None
         return cache
 
