@@ -122,7 +122,8 @@ def _exchange(g: GroupInfo, op: str, failed: bool, payload: Any, data: bytes, ga
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=g.pg)
     any_failed, high, minus_low, width = flags.tolist()
     if not (gather or any_failed or high != -minus_low):
-        return [json.loads(data)] * g.size  # no error and every payload's digest equal: all are this one
+        # no error and every payload's digest equal: all are this one (a copy each, none shared)
+        return [json.loads(data) for _ in range(g.size)]
     # JSON escapes every control character, so the zero padding never occurs inside a text.
     return [json.loads(row.rstrip(b"\0")) for row in gather_padded(g, op, data, width, device)]
 
