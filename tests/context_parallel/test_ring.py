@@ -1,6 +1,7 @@
 """ring_attention against full single-process attention: output and dq, dk, dv; ledger; skipped blocks; errors."""
 
 import time
+from collections import Counter
 
 import pytest
 import torch
@@ -170,16 +171,15 @@ def test_causal_skips_fully_masked_blocks(layout):
     pos = _positions(layout, S, R, rank())
     loc = [t[:, pos].clone().requires_grad_() for t in (q, k, v)]
     for causal in (True, False):
-        ring.BLOCK_COUNTS.clear()
-        ring_attention(*loc, world_group(), causal=causal, layout=layout, seq_len=S).sum().backward()
+        counts = Counter()
+        ring_attention(
+            *loc, world_group(), causal=causal, layout=layout, seq_len=S, block_counts=counts
+        ).sum().backward()
         if not causal:
             want = R  # one block per step, the whole local query against the whole KV block
         else:
             want = 2 * R + 1 if layout == "zigzag" else rank() + 1
-        assert ring.BLOCK_COUNTS["forward"] == want and ring.BLOCK_COUNTS["backward"] == want, (
-            causal,
-            dict(ring.BLOCK_COUNTS),
-        )
+        assert counts["forward"] == want and counts["backward"] == want, (causal, dict(counts))
 
 
 def test_ring_chunks_cover_the_sequence():
@@ -272,3 +272,8 @@ def test_transfers_are_posted_before_compute():
         "B",
         "post-backward",
     ], events
+
+
+def test_the_removed_block_counts_name_the_replacement():
+    with pytest.raises(AttributeError, match=r"block_counts=collections.Counter\(\)"):
+        ring.BLOCK_COUNTS  # noqa: B018

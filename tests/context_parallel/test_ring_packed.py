@@ -1,6 +1,7 @@
 """ring_attention on packed documents (cu_seqlens) against full block-diagonal attention; overlap switch."""
 
 import time
+from collections import Counter
 
 import pytest
 import torch
@@ -182,13 +183,13 @@ def _count_blocks(lengths, causal, min_tile):
     pos = packed_indices(cu, world_size(), rank())
     loc = [t[:, pos].clone().requires_grad_() for t in (q, k, v)]
     saved, ring.PACKED_MIN_TILE = ring.PACKED_MIN_TILE, min_tile
-    ring.BLOCK_COUNTS.clear()
+    counts = Counter()
     try:
-        ring_attention(*loc, world_group(), causal=causal, cu_seqlens=cu).sum().backward()
+        ring_attention(*loc, world_group(), causal=causal, cu_seqlens=cu, block_counts=counts).sum().backward()
     finally:
         ring.PACKED_MIN_TILE = saved
-    assert ring.BLOCK_COUNTS["forward"] == ring.BLOCK_COUNTS["backward"], dict(ring.BLOCK_COUNTS)
-    return ring.BLOCK_COUNTS["forward"]
+    assert counts["forward"] == counts["backward"], dict(counts)
+    return counts["forward"]
 
 
 @pytest.mark.world(4)

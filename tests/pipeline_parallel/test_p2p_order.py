@@ -17,7 +17,7 @@ from collections import defaultdict
 
 import pytest
 
-from shardkit.pipeline_parallel._exchange import order_key, posting_order
+from shardkit.pipeline_parallel._transfer import order_key, posting_order
 
 KINDS = {"dynamic": ("header", "payload"), "static": ("payload",), "checks": ("hello", "payload")}
 

@@ -20,7 +20,7 @@ from shardkit.pipeline_parallel import (
     send_forward,
     send_forward_recv_forward,
 )
-from shardkit.pipeline_parallel._exchange import PACK_MAX_BYTES
+from shardkit.pipeline_parallel._packed import PACK_MAX_BYTES
 
 BIG = (PACK_MAX_BYTES // 4 + 16,)  # float32 payload just over the one-message limit
 # (shape, dtype) per transfer: repeats, a change back and forth across the limit, zero size,

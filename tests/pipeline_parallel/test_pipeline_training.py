@@ -138,7 +138,8 @@ def test_parity_pp2_varlen_and_split_batch(schedule_name):
 @pytest.mark.parametrize("schedule_name", sorted(SCHEDULES))
 def test_ledger_counts_exactly_the_planned_transfers(schedule_name):
     """Each planned transfer is a header and a payload (negotiated shapes), under the API the
-    plan names (combined calls in 1F1B's steady state); nothing else is sent."""
+    plan names (combined calls in 1F1B's steady state); nothing else is sent but the argument
+    agreement's one all-reduce."""
     s, P, g = rank(), world_size(), world_group()
     M, table = 4, SCHEDULES[schedule_name](P, 4)
     xs, ts = _data(M, varlen=True)
@@ -150,8 +151,10 @@ def test_ledger_counts_exactly_the_planned_transfers(schedule_name):
         for _, direction, _ in call.sends + call.recvs:
             key = (call.api, "forward" if direction == "F" else "backward")
             expected[key] = expected.get(key, 0) + 2
+    ok = sum(expected.values()) == 4 * M * ((s > 0) + (s < P - 1))
+    expected[("run_schedule", "check")] = 1  # the argument agreement: one small all-reduce
     got = {(r.api, r.phase): ledger.count(api=r.api, phase=r.phase) for r in ledger.records}
-    ok = got == expected and sum(expected.values()) == 4 * M * ((s > 0) + (s < P - 1))
+    ok &= got == expected and ledger.count(op="all_reduce", api="run_schedule", group_size=P) == 1
     if schedule_name == "1f1b" and s < P - 1:  # the steady state pairs F's send with B's receive
         ok &= ("send_forward_recv_backward", "backward") in got
     assert all_true(ok)
@@ -182,9 +185,9 @@ def test_negotiated_shapes_are_kept_across_calls_of_one_stage():
             ok &= torch.allclose(p.grad, r.grad, rtol=1e-9, atol=1e-15)
     # First call: each channel's first transfer negotiates (2 messages); second: 1 each; third:
     # microbatch 0 keeps the cached shape (1 message), the others change it (a dummy of the
-    # cached shape, then the payload: 2).
+    # cached shape, then the payload: 2). Each call also agrees on its arguments (one all-reduce).
     channels = (s > 0) * 2 + (s < P - 1) * 2
-    ok &= counts == [planned + channels, planned, 2 * planned - channels]
+    ok &= counts == [planned + channels + 1, planned + 1, 2 * planned - channels + 1]
     assert all_true(ok), counts
 
 

@@ -304,3 +304,16 @@ def test_pool_unsupported_raise():
         spatial_avg_pool(x, world_group(), 3, 2, padding=2)
     with pytest.raises(ShardkitError, match="return_indices"):
         SpatialMaxPool2d(2, return_indices=True, group=world_group(), dim=3)
+
+
+@pytest.mark.world(4)
+def test_tiles_carry_one_groups_error_into_the_next_agreement():
+    """Check mode over tiles: a disagreement inside one column's group is carried into the row
+    agreement, so the ranks of the other column raise it too instead of waiting for it."""
+    from harness.helpers import get_mesh
+    from shardkit.comm import checks
+
+    mesh = get_mesh((2, 2), ("h", "w"))
+    x = torch.zeros(1, 2, 3, 3, dtype=torch.float32 if rank() == 0 else torch.float64)  # rank 0's tile differs
+    with checks(True), pytest.raises(ShardkitError, match="disagree on dtype"):
+        spatial_interpolate(x, (mesh["h"], mesh["w"]), (2, 3), 2)

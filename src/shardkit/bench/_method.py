@@ -16,6 +16,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ..comm._group import resolve_group
+from ..comm.agree import agree as agree_over
+
 __all__ = ["Settings", "Record", "time_interleaved", "agree", "quantiles", "same_bits", "close", "SPREAD"]
 
 # (quantile, name) pairs every summary reports: the median and two spreads.
@@ -89,14 +92,12 @@ def time_interleaved(fns: dict, pg, settings: Settings, reps: int = 1) -> dict[s
 
 
 def agree(failures: list[str], pg, what: str) -> None:
-    """Raise AssertionError on every rank if any rank found a failure (one all-reduce), so a
-    correctness check that fails on one rank does not leave the others timing alone."""
-    ok = torch.tensor([0 if failures else 1], dtype=torch.int64)
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=pg)
-    if failures or ok.item() == 0:
-        raise AssertionError(
-            f"rank {dist.get_rank(pg)}: {what}: {'; '.join(failures) or 'another rank failed its check'}"
-        )
+    """Raise the same AssertionError on every rank if any rank found a failure (naming the
+    ranks and their failures), so a correctness check that fails on one rank does not leave the
+    others timing alone. One small all-reduce when every rank passed
+    (:func:`~shardkit.comm.agree.agree`)."""
+    failed = "; ".join(failures) if failures else None
+    agree_over(resolve_group(pg, what), what, failed, headline="{n} of {size} ranks failed", error_type=AssertionError)
 
 
 def quantiles(values, which=SPREAD) -> dict[str, float]:

@@ -78,7 +78,7 @@ class _Stage(torch.nn.Module):
 def _bare_1f1b(stage, plan, xs, rank: int, P: int, M: int, pg) -> list:
     """The runner's plan over bare c10d P2P (static ``[1, 8]`` shapes, slot order, sends waited
     at the end); returns the last stage's losses."""
-    from ..pipeline_parallel._exchange import order_key
+    from ..pipeline_parallel._transfer import order_key
 
     got: dict[tuple, torch.Tensor] = {}
     stash: dict[int, tuple] = {}

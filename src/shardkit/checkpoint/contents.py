@@ -7,7 +7,7 @@ silently (a float32 checkpoint in a bfloat16 model loses up to 3.9e-3 relative) 
 skips keys leaves parameters at their initial values, so both are errors, as in PyTorch's
 ``load_state_dict(strict=True)``.
 
-The verdict is agreed: one ``all_gather_object`` of each rank's problems and expected keys.
+The verdict is agreed: one :func:`~shardkit.comm.agree.agree` gathers each rank's problems and keys.
 "Unexpected" means in the checkpoint and expected by *no* rank of the group (a pipeline stage
 holds only its own layers), so every rank computes the same set and raises the same error.
 """
@@ -15,12 +15,10 @@ holds only its own layers), so every rank computes the same set and raises the s
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
-
-import torch.distributed as dist
+from typing import TYPE_CHECKING
 
 from ..comm._group import resolve_group
-from ..errors import ShardkitError
+from ..comm.agree import agree, by_ranks
 
 if TYPE_CHECKING:
     import torch
@@ -92,20 +90,17 @@ def check_contents(
     """
     g = resolve_group(group, op)
     problems = [read_error] if read_error else _local_problems(expected, saved or {})
-    mine = (problems, sorted(expected), sorted(saved or {}))
-    everyone: list[Any] = [mine]
-    if g.size > 1:
-        everyone = [None] * g.size
-        dist.all_gather_object(everyone, mine, group=g.pg)
-    wanted = {k for _, keys, _ in everyone for k in keys}
-    stored = {k for _, _, keys in everyone for k in keys}
-    unexpected = sorted(k for k in stored - wanted if ignored is None or not ignored(k))
-    by_problem: dict[str, list[int]] = {}  # the same problem on several ranks is said once
-    for r, (ps, _, _) in enumerate(everyone):
-        for p in ps:
-            by_problem.setdefault(p, []).append(r)
-    lines = [f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {p}" for p, rs in by_problem.items()]
-    if unexpected:
-        lines.append(f"{len(unexpected)} key(s) of the checkpoint are in no rank's model: {_shown(unexpected)}")
-    if lines:
-        raise ShardkitError(f"{op}: checkpoint refused on every rank of the group of {g.size}: " + "; ".join(lines))
+
+    def judge(everyone: list) -> list[str]:
+        wanted = {k for _, keys, _ in everyone for k in keys}
+        stored = {k for _, _, keys in everyone for k in keys}
+        unexpected = sorted(k for k in stored - wanted if ignored is None or not ignored(k))
+        lines = by_ranks([ps for ps, _, _ in everyone])  # the same problem on several ranks is said once
+        if unexpected:
+            lines.append(f"{len(unexpected)} key(s) of the checkpoint are in no rank's model: {_shown(unexpected)}")
+        return lines
+
+    mine = [problems, sorted(expected), sorted(saved or {})]
+    agree(
+        g, op, None, mine, judge=judge, gather=True, headline="checkpoint refused on every rank of the group of {size}"
+    )

@@ -17,13 +17,14 @@ import math
 import os
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
 
 from ..comm._group import resolve_group
+from ..comm.agree import agree as agree_over
+from ..comm.agree import by_ranks
 from ..errors import ShardkitError
 from .reader import item_key, sha256
 
@@ -38,22 +39,7 @@ _SHOWN = 4
 def agree(problem: str | None, group: Group, op: str) -> None:
     """Collective over ``group``: raise one :class:`ShardkitError` on every rank when any rank
     has a ``problem`` (each problem said once, with the ranks that had it)."""
-    g = resolve_group(group, op)
-    everyone: list[Any] = [problem]
-    if g.size > 1:
-        everyone = [None] * g.size
-        dist.all_gather_object(everyone, problem, group=g.pg)
-    by_problem: dict[str, list[int]] = {}
-    for r, p in enumerate(everyone):
-        if p:
-            by_problem.setdefault(p, []).append(r)
-    if by_problem:
-        raise ShardkitError(
-            f"{op}: "
-            + "; ".join(
-                f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {p}" for p, rs in by_problem.items()
-            )
-        )
+    agree_over(resolve_group(group, op), op, None, [problem] if problem else [], judge=by_ranks, headline="")
 
 
 def nonfinite_keys(state: Mapping[str, torch.Tensor]) -> list[str]:

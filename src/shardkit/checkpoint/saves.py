@@ -27,12 +27,12 @@ import os
 import warnings
 from typing import TYPE_CHECKING, Any
 
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from ..comm._group import resolve_group
+from ..comm.agree import agree as agree_over
 from ..errors import ShardkitError
 from .integrity import RecordingWriter, agree, dcp_failure, describe_nonfinite, hash_written, nonfinite_keys
 from .lock import root_lock
@@ -113,14 +113,8 @@ def _gather_checksums(path: str, writer: RecordingWriter, g, op: str) -> dict:
                 mine[METADATA] = sha256(f.read())
     except OSError as exc:
         error = f"reading back {path} to hash it failed: {os.strerror(exc.errno) if exc.errno else exc}"
-    everyone: list[Any] = [(mine, error)]
-    if g.size > 1:
-        everyone = [None] * g.size
-        dist.all_gather_object(everyone, (mine, error), group=g.pg)
-    errors = [f"rank {r}: {e}" for r, (_, e) in enumerate(everyone) if e]
-    if errors:
-        raise ShardkitError(f"{op}: " + "; ".join(errors))
-    items = {k: v for hashes, _ in everyone for k, v in hashes.items()}
+    everyone = agree_over(g, op, error, mine, gather=True, headline="")
+    items = {k: v for hashes in everyone for k, v in hashes.items()}
     return {"algorithm": ALGORITHM, "metadata": items.pop(METADATA), "items": dict(sorted(items.items()))}
 
 

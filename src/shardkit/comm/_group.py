@@ -5,11 +5,12 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 from ..errors import GroupMembershipError, ShardkitError, ShardkitTypeError
 
-__all__ = ["GroupInfo", "resolve_group"]
+__all__ = ["GroupInfo", "group_device", "resolve_group"]
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,10 @@ class GroupInfo:
 # id(pg) -> (weak reference to pg, size, rank): a ProcessGroup's rank and size never change, so
 # the checks below run once per group. The weak reference says whether the id still names that
 # group (its callback drops the entry when the group is freed, before the id can be reused);
-# nothing here holds the group itself, so a destroyed group is freed as before.
+# nothing here holds the group itself, so a destroyed group is freed as before
+# (tests/comm/test_host_path.py checks both). Module-level on purpose, the one cache of its kind:
+# a ProcessGroup is a C++ object shardkit should not add attributes to, its entries are facts
+# that never change for the life of the group, and a stale id can never hit (the callback).
 _resolved: dict[int, tuple[weakref.ref, int, int]] = {}
 
 
@@ -75,3 +79,12 @@ def resolve_group(group, op: str) -> GroupInfo:
 
     _resolved[key] = (weakref.ref(group, forget), info.size, rank)
     return info
+
+
+def group_device(g: GroupInfo) -> torch.device:
+    """Where the group's metadata tensors live when no input tensor says: CPU for gloo, else
+    the current accelerator (one rule with the P2P receive buffers)."""
+    accelerator = getattr(torch, "accelerator", None)
+    if g.pg.name().lower() == "gloo" or accelerator is None or accelerator.current_accelerator() is None:
+        return torch.device("cpu")
+    return torch.device(accelerator.current_accelerator().type, accelerator.current_device_index())

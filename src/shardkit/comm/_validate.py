@@ -17,7 +17,7 @@ from .._shapes import balanced_split_sizes, check_split_sizes, normalize_dim
 from ..errors import ShardkitError, ShardkitTypeError
 from . import ledger
 from ._compat import all_gather_single
-from ._group import GroupInfo, resolve_group
+from ._group import GroupInfo, group_device, resolve_group
 from .checks import agree, checks_enabled, covered
 
 GRAD_SCALES = (None, "up", "down")
@@ -39,15 +39,6 @@ def enter(x, group, op: str) -> GroupInfo:
     if error is not None:
         raise_agreed(g, op, error)
     return g
-
-
-def group_device(g: GroupInfo) -> torch.device:
-    """Where the group's metadata tensors live when no input tensor says: CPU for gloo, else
-    the current accelerator (one rule with the P2P receive buffers)."""
-    accelerator = getattr(torch, "accelerator", None)
-    if g.pg.name().lower() == "gloo" or accelerator is None or accelerator.current_accelerator() is None:
-        return torch.device("cpu")
-    return torch.device(accelerator.current_accelerator().type, accelerator.current_device_index())
 
 
 def placeholder(g: GroupInfo) -> torch.Tensor:
@@ -77,20 +68,24 @@ def maybe_agree(g: GroupInfo, op: str, x: torch.Tensor, args=(), local_dim=None,
     return None
 
 
-def maybe_agree_groups(gs, op: str, x: torch.Tensor, args=(), error=None) -> None:
+def maybe_agree_groups(gs, op: str, x: torch.Tensor, args=(), error=None, local_dim=None, expected_local=None):
     """:func:`maybe_agree` over several groups (the dims of a mesh, tiles), one after another.
 
     A disagreement or local error found in one group is carried into the next agreement instead
     of raised at once (a rank raising early would leave the peers of its other groups waiting),
-    and the last group's verdict is raised: each agreement hands its ranks one text.
+    and the last group's verdict is raised: each agreement hands its ranks one text. Returns
+    the first group's agreed sizes along ``local_dim`` (see :func:`maybe_agree`).
     """
-    for g in gs:
+    first = None
+    for i, g in enumerate(gs):
         try:
-            maybe_agree(g, op, x, args, error=error)
+            known = maybe_agree(g, op, x, args, local_dim, expected_local, error)
+            first = known if i == 0 else first
         except ShardkitError as exc:
             error = exc
     if error is not None:
         raise error
+    return first
 
 
 def local_checks(g: GroupInfo, fn):

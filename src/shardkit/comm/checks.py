@@ -33,10 +33,31 @@ from ..errors import GroupMembershipError, RankMismatchError, ShardkitError, Sha
 from . import ledger
 from ._compat import all_gather_single
 from ._group import GroupInfo
+from .agree import gather_padded
 
 __all__ = ["checks", "checks_enabled", "agree", "covered", "cover"]
 
-_state = {"enabled": os.environ.get("SHARDKIT_CHECKS", "0") not in ("", "0", "false", "False")}
+
+class _CheckMode:
+    """The check mode's whole state, in one object.
+
+    It is process-wide on purpose: the documented switch is ``shardkit.checks(True)`` (or
+    ``SHARDKIT_CHECKS=1``) for the whole program, every rank of a job sets it alike, and the
+    ops it governs also run in backward, on autograd's worker threads, which a context variable
+    or thread-local would not reach (the ledger is process-wide for the same reason).
+    """
+
+    def __init__(self) -> None:
+        self.enabled = os.environ.get("SHARDKIT_CHECKS", "0") not in ("", "0", "false", "False")
+        # Process groups whose ops are covered by an agreement already made for a whole region
+        # (a tensor-parallel model's forward: see shardkit.tensor_parallel._forward_checks), by
+        # id, with a nesting depth. Entered and left at the same program points on every rank
+        # of the group, right after a collective agreement, so every rank decides alike
+        # whether an op inside is checked.
+        self.covered: dict[int, int] = {}
+
+
+_MODE = _CheckMode()
 
 # Stable dtype codes for the metadata row (index + 1; 0 means "unknown dtype").
 _DTYPES = [
@@ -91,40 +112,33 @@ class checks:
     """Turn the cross-rank check mode on or off; as a context manager, restore it on exit."""
 
     def __init__(self, enabled: bool = True) -> None:
-        self._previous = _state["enabled"]
-        _state["enabled"] = bool(enabled)
+        self._previous = _MODE.enabled
+        _MODE.enabled = bool(enabled)
 
     def __enter__(self) -> checks:
         return self
 
     def __exit__(self, *exc) -> None:
-        _state["enabled"] = self._previous
+        _MODE.enabled = self._previous
 
 
 def checks_enabled() -> bool:
     """Whether the cross-rank check mode is on."""
-    return _state["enabled"]
-
-
-# Process groups whose ops are covered by an agreement already made for a whole region (a
-# tensor-parallel model's forward: see shardkit.tensor_parallel._forward_checks), by id, with a
-# nesting depth. Entered and left at the same program points on every rank of the group, right
-# after a collective agreement, so every rank decides alike whether an op inside is checked.
-_covered: dict[int, int] = {}
+    return _MODE.enabled
 
 
 def covered(pg) -> bool:
     """Whether ops over ``pg`` are inside a region whose agreement covers them."""
-    return _covered.get(id(pg), 0) > 0
+    return _MODE.covered.get(id(pg), 0) > 0
 
 
 def cover(pg, enter: bool) -> None:
     """Enter (``enter=True``) or leave a covered region of ``pg``; see :func:`covered`."""
-    depth = _covered.get(id(pg), 0) + (1 if enter else -1)
+    depth = _MODE.covered.get(id(pg), 0) + (1 if enter else -1)
     if depth > 0:
-        _covered[id(pg)] = depth
+        _MODE.covered[id(pg)] = depth
     else:
-        _covered.pop(id(pg), None)
+        _MODE.covered.pop(id(pg), None)
 
 
 def _dtype_code(dtype: torch.dtype) -> int:
@@ -229,14 +243,8 @@ def _raise_agreed_error(op: str, g: GroupInfo, rows: list[list[int]], message: b
     if not flagged:
         return
     width = max(rows[r][-3] for r in flagged)
-    mine = torch.zeros(width, dtype=torch.uint8, device=device)
-    if message:
-        mine[: len(message)] = torch.frombuffer(bytearray(message[:width]), dtype=torch.uint8)
-    table = mine.new_empty(g.size * width)
-    ledger.record("metadata_all_gather", op, "check", g.size, mine.nbytes, table.nbytes, pg=g.pg, shape=(width,))
-    all_gather_single(table, mine, group=g.pg)
     first = flagged[0]
-    text = bytes(table.view(g.size, width)[first, : rows[first][-3]].tolist()).decode(errors="replace")
+    text = gather_padded(g, op, message, width, device)[first][: rows[first][-3]].decode(errors="replace")
     raise _ERRORS[rows[first][-4] - 1](text)
 
 

@@ -27,7 +27,8 @@ from ._sizes import (
     zigzag_local_sizes,
     zigzag_positions,
 )
-from .apply import CPBatch, CPContext, apply_cp
+from .apply import CPContext, apply_cp
+from .batch import CPBatch
 from .layouts import packed_all_gather, packed_gather, packed_split, zigzag_all_gather, zigzag_gather, zigzag_split
 from .ring import ring_attention, ring_chunks
 from .ulysses import ulysses_attention

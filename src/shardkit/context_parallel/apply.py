@@ -20,7 +20,6 @@ Zhao, 2024).
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,6 +33,7 @@ from ..comm.collectives import all_gather, all_reduce_forward
 from ..errors import ShardkitError, ShardkitTypeError
 from . import _hf_attention
 from ._sizes import _order, check_cu_seqlens
+from .batch import CPBatch
 from .ring import ring_attention
 from .ulysses import ulysses_attention
 from .usp import usp_attention
@@ -53,46 +53,6 @@ IGNORE_INDEX = -100
 
 def _packed_supported(fn) -> bool:
     return "cu_seqlens" in inspect.signature(fn).parameters
-
-
-@dataclass(frozen=True)
-class CPBatch:
-    """This rank's share of a batch, from :meth:`CPContext.shard_batch`.
-
-    Attributes:
-        input_ids: ``[B, S_local]`` local token ids.
-        position_ids: ``[B or 1, S_local]`` global positions of the local tokens (restarting at 0
-            in every document when packed).
-        labels: ``[B, S_local]`` targets of the local tokens (the next token of the full
-            sequence; ``-100`` where there is none), or None.
-        num_tokens: global count of targets that are not ``-100`` (0 without labels).
-        seq_len: global ``S``.
-        cu_seqlens: global cumulative document lengths, or None.
-        indices: ``[S_local]`` global index of each local token.
-        call: what the attention needs of this batch; travels as ``inputs["shardkit_cp"]``.
-    """
-
-    input_ids: torch.Tensor
-    position_ids: torch.Tensor
-    labels: torch.Tensor | None
-    num_tokens: int
-    seq_len: int
-    cu_seqlens: tuple[int, ...] | None
-    indices: torch.Tensor
-    call: _hf_attention.CPCall
-
-    @property
-    def inputs(self) -> dict:
-        """Keyword arguments for ``model(**batch.inputs)`` (ids, positions, no KV cache, the CP context).
-
-        Labels are left out on purpose: the model's own loss would shift them a second time.
-        """
-        return {
-            "input_ids": self.input_ids,
-            "position_ids": self.position_ids,
-            "use_cache": False,
-            _hf_attention.KWARG: self.call,
-        }
 
 
 class CPContext:

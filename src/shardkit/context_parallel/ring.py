@@ -64,10 +64,6 @@ __all__ = ["ring_attention", "ring_chunks"]
 _OP = "ring_attention"
 LAYOUTS = ("zigzag", "contiguous")
 
-#: Local block computations on this process, by phase (``"forward"``/``"backward"``); for tests
-#: and profiling (skipped causal blocks never count).
-BLOCK_COUNTS: Counter = Counter()
-
 #: With packed documents, consecutive pieces shorter than this many tokens share a block tile
 #: (computed with a mask) instead of costing one kernel call per piece pair; see :mod:`._ring_plan`.
 PACKED_MIN_TILE = 64
@@ -90,8 +86,10 @@ def _layout_sizes(layout: str, cu: tuple[int, ...], world_size: int) -> list[int
 class _Ring:
     """The ring neighbours, per-rank block sizes and block plans of one call."""
 
-    def __init__(self, g: GroupInfo, layout: str, cu: tuple[int, ...], causal: bool, overlap: bool, shapes):
-        self.g, self.layout, self.overlap = g, layout, overlap
+    def __init__(
+        self, g: GroupInfo, layout: str, cu: tuple[int, ...], causal: bool, overlap: bool, shapes, counts=None
+    ):
+        self.g, self.layout, self.overlap, self.counts = g, layout, overlap, counts
         self.nxt, self.prv = (g.rank + 1) % g.size, (g.rank - 1) % g.size
         self.sizes = _layout_sizes(layout, cu, g.size)
         self.shapes = shapes  # (B, N_kv, D, Dv)
@@ -102,6 +100,11 @@ class _Ring:
 
     def src(self, step: int) -> int:
         return (self.g.rank - step) % self.g.size
+
+    def count(self, phase: str, blocks: int) -> None:
+        """Add ``blocks`` computed blocks of ``phase`` to the caller's counter, if it passed one."""
+        if self.counts is not None:
+            self.counts[phase] += blocks
 
     def tokens(self, rank: int) -> int:
         return self.sizes[rank]
@@ -192,7 +195,7 @@ class _RingAttention(torch.autograd.Function):
                     q[:, qs], kb[:, ks], vb[:, ks], b.kind == "diag", scale, rep, mask=ring.mask(step, i, b, q.device)
                 )
                 merge(out[:, qs], lse[:, qs], o_b, l_b)
-                BLOCK_COUNTS["forward"] += 1
+            ring.count("forward", len(ring.plans[step]))
             if pending is not None:
                 kb, vb = pending.wait()
         out = out.to(q.dtype)
@@ -240,7 +243,7 @@ class _RingAttention(torch.autograd.Function):
                 dk[:, ks] += dk_b
                 dv[:, ks] += dv_b
                 del dq_b, dk_b, dv_b
-                BLOCK_COUNTS["backward"] += 1
+            ring.count("backward", len(ring.plans[step]))
             if kv_pending is not None:
                 kb, vb = kv_pending.wait()
             if g.size > 1:  # dK/dV of block ``src`` travel on with it
@@ -249,6 +252,15 @@ class _RingAttention(torch.autograd.Function):
         if grad_pending is not None:  # after R hops the buffers of this rank's own block are home
             dk, dv = grad_pending.wait()
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+def __getattr__(name: str):
+    if name == "BLOCK_COUNTS":  # removed: a process-wide counter mutated inside the autograd Function
+        raise AttributeError(
+            "shardkit.context_parallel.ring.BLOCK_COUNTS was removed: pass ring_attention(..., "
+            "block_counts=collections.Counter()) and read that counter"
+        )
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def ring_attention(
@@ -263,6 +275,7 @@ def ring_attention(
     seq_len: int | None = None,
     cu_seqlens: Sequence[int] | torch.Tensor | None = None,
     overlap: bool = True,
+    block_counts: Counter | None = None,
 ) -> torch.Tensor:
     """Ring attention over a sequence sharded in ``layout``; the ring replayed in backward (dK/dV travel home).
 
@@ -291,6 +304,9 @@ def ring_attention(
         overlap: post each exchange before computing on the current block (default). False
             waits for every exchange before computing (the baseline the overlap is measured
             against); results are identical.
+        block_counts: a :class:`collections.Counter` the caller owns (tests, profiling): each
+            local block computation adds 1 under ``"forward"`` and, when the backward runs,
+            ``"backward"`` (skipped causal or cross-document blocks never count).
 
     Returns:
         ``[B, S_r, N, Dv]`` in ``q.dtype``: attention output for this rank's tokens, same layout.
@@ -345,5 +361,5 @@ def ring_attention(
                 f"{expected[g.rank]} ({expected}); leave seq_len= out to learn S"
             )
     scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
-    ring = _Ring(g, layout, cu, causal, overlap, (q.shape[0], k.shape[2], k.shape[3], v.shape[3]))
+    ring = _Ring(g, layout, cu, causal, overlap, (q.shape[0], k.shape[2], k.shape[3], v.shape[3]), block_counts)
     return _RingAttention.apply(q, k, v, ring, scale)

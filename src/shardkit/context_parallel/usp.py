@@ -29,7 +29,7 @@ import torch
 
 from .._shapes import balanced_split_sizes, split_offsets
 from ..comm._group import resolve_group
-from ..comm._validate import gather_ints, gather_sizes, maybe_agree
+from ..comm._validate import gather_ints, gather_sizes, maybe_agree_groups
 from ..errors import ShardkitError, ShardkitTypeError
 from ._sizes import check_cu_seqlens, packed_indices, packed_local_sizes, ulysses_head_plan, zigzag_local_sizes
 from .ring import ring_attention
@@ -102,24 +102,10 @@ def _ring_kv(k, kv_index):
 
 
 def _agree_both(g_uly, g_ring, q, args, expected, error):
-    """Check mode: agree over the Ulysses dim, then over the ring dim, so that every rank of the
-    2-D mesh has seen the same arguments before any data moves. A disagreement (or a local
-    error) found in the first is carried into the second, and raised only after both: a rank
-    raising early would leave its ring peers waiting. Returns the Ulysses blocks' sizes."""
-    known = None
-    try:
-        known = maybe_agree(g_uly, _OP, q, args, local_dim=1, expected_local=expected, error=error)
-    except ShardkitError as exc:
-        error = exc
-    try:
-        maybe_agree(g_ring, _OP, q, args, local_dim=1, expected_local=expected, error=error)
-    except ShardkitError as exc:
-        # The ring dim's verdict, not this rank's Ulysses one: the ring agreement hands both
-        # ring peers the first flagged rank's message, so every rank of the mesh raises one text.
-        error = exc
-    if error is not None:
-        raise error
-    return known
+    """Check mode: agree over the Ulysses dim, then over the ring dim
+    (:func:`~shardkit.comm._validate.maybe_agree_groups`), so that every rank of the 2-D mesh
+    has seen the same arguments before any data moves; returns the Ulysses blocks' sizes."""
+    return maybe_agree_groups((g_uly, g_ring), _OP, q, args, error, local_dim=1, expected_local=expected)
 
 
 def usp_attention(

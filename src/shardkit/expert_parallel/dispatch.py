@@ -81,6 +81,9 @@ class DispatchPlan:
         tokens_per_local_expert: rows per local expert after dispatch (sum ``T_recv``).
         order: ``[T * k]`` sorted position -> flat (token, slot) index (stable sort by expert).
         regroup: ``[T_recv]`` expert-major position -> received position, or None (identity).
+        dispatched: the ``[T_recv, H]`` rows :func:`token_dispatch` last returned for this plan
+            (None before): :func:`token_combine` ties an expert output without graph to them,
+            so that a rank that received no rows still joins the backward all-to-alls.
     """
 
     group: GroupInfo
@@ -94,7 +97,7 @@ class DispatchPlan:
     tokens_per_local_expert: tuple[int, ...]
     order: torch.Tensor
     regroup: torch.Tensor | None
-    _anchor: torch.Tensor | None = field(default=None, repr=False)
+    dispatched: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def num_local_experts(self) -> int:
@@ -293,7 +296,7 @@ def token_dispatch(hidden: torch.Tensor, plan: DispatchPlan) -> tuple[torch.Tens
         rows = _AllToAllRows.apply(rows, plan.group, plan.send_sizes, plan.recv_sizes, op)
     if plan.regroup is not None:
         rows = rows.index_select(0, plan.regroup)
-    plan._anchor = rows
+    plan.dispatched = rows
     return rows, list(plan.tokens_per_local_expert)
 
 
@@ -322,7 +325,7 @@ def token_combine(
     _check_plan(plan, op)
     _check_rows(expert_output, sum(plan.tokens_per_local_expert), op, "expert_output", plan, topk_weights)
     y = expert_output
-    anchor = plan._anchor
+    anchor = plan.dispatched
     if torch.is_grad_enabled() and not y.requires_grad and anchor is not None and anchor.requires_grad:
         y = y + anchor[:0].sum().to(y.dtype)  # zero, but keeps this rank in the backward exchanges
     if plan.regroup is not None:

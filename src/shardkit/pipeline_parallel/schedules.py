@@ -27,7 +27,7 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..errors import ShardkitError
-from ._exchange import order_key
+from ._transfer import order_key
 
 if TYPE_CHECKING:
     from collections.abc import Sequence

@@ -9,39 +9,25 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..comm._group import GroupInfo, resolve_group
+from ..comm.agree import agree
 from ..errors import ShardkitError, ShardkitTypeError
-from ..sharding import Replicate, StageGroups
+from ..sharding import Replicate, Shard, StageGroups
+from ._transfer import ShapeCache
 from .vtp import check_layout
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
     from .._types import Group
-    from ._exchange import ShapeCache
-    from .vtp import Shard
 
-__all__ = ["PipelineStage", "agree_error"]
+__all__ = ["PipelineStage"]
 
 
-def agree_error(g: GroupInfo, local_error: str | None, op: str) -> None:
-    """Collective: raise the same ShardkitError on every rank of ``g`` if any rank has an error.
-
-    For checks that could fail on one rank only (e.g. one rank's arguments); the message names
-    every offending rank. One ``all_gather_object`` per call; a size-1 group is free.
-    """
-    if g.size == 1:
-        errors = [local_error]
-    else:
-        errors = [None] * g.size
-        dist.all_gather_object(errors, local_error, group=g.pg)
-    bad = [(r, e) for r, e in enumerate(errors) if e is not None]
-    if bad:
-        detail = "; ".join(f"rank {r}: {e}" for r, e in bad)
-        raise ShardkitError(f"{op}: {len(bad)} of {g.size} pipeline ranks rejected their arguments: {detail}")
+# agree()'s headline for the pipeline's argument checks (PipelineStage and run_schedule)
+REJECTED = "{n} of {size} pipeline ranks rejected their arguments"
 
 
 class PipelineStage:
@@ -70,7 +56,7 @@ class PipelineStage:
 
     Raises:
         ShardkitTypeError: ``module`` is not an ``nn.Module``; ``loss_fn`` not callable.
-        ShardkitError: on every rank of the group (agreed by one ``all_gather_object``) when any
+        ShardkitError: on every rank of the group (agreed by :func:`~shardkit.comm.agree.agree`) when any
             rank's ``stage_index``/``num_stages`` do not match its stage and the number of
             stages, the last stage has no ``loss_fn``, or ranks of one stage disagree on its
             layouts.
@@ -98,7 +84,7 @@ class PipelineStage:
             if in_layout is not None or out_layout is not None:
                 raise ShardkitError(f"{op}: in_layout/out_layout need a StageGroups pp_group (stages with tp groups)")
             g = resolve_group(pp_group, op)
-            agree_error(g, self._layout_error(g.rank, g.size, stage_index, num_stages, loss_fn), op)
+            agree(g, op, self._layout_error(g.rank, g.size, stage_index, num_stages, loss_fn), headline=REJECTED)
         else:
             g = self.stages.info
             err = self._layout_error(
@@ -121,7 +107,7 @@ class PipelineStage:
             self.input_grad = input_grad
         self.module, self.group, self.loss_fn = module, pp_group, loss_fn
         self.stage_index, self.num_stages = stage_index, num_stages
-        self._info = g
+        self.info: GroupInfo = g  # the pipeline group (the replica group of a StageGroups), resolved
         # run_schedule's negotiated P2P shapes, kept between its calls (None: none, or a call failed)
         self._shape_cache: ShapeCache | None = None
 
@@ -144,6 +130,24 @@ class PipelineStage:
         if stage_index == num_stages - 1 and loss_fn is None:
             return f"the last stage ({stage_index}) needs loss_fn(output, target)"
         return None
+
+    @property
+    def has_shape_cache(self) -> bool:
+        """Whether this stage's last :func:`~.runner.run_schedule` call completed and left its
+        negotiated P2P shapes (:class:`~._transfer.ShapeCache`) for the next call."""
+        return self._shape_cache is not None
+
+    def take_shape_cache(self, keep: bool) -> ShapeCache:
+        """The cache a schedule call runs with: the kept one if ``keep`` (every rank agreed that
+        every rank has one), else a new one. The stage holds none until :meth:`keep_shape_cache`:
+        a call that fails leaves no cache behind, and the next call starts afresh on every rank."""
+        cache = (self._shape_cache if keep else None) or ShapeCache()
+        self._shape_cache = None
+        return cache
+
+    def keep_shape_cache(self, cache: ShapeCache) -> None:
+        """Keep ``cache`` for the next call (the calling schedule completed on this rank)."""
+        self._shape_cache = cache
 
     @property
     def is_first(self) -> bool:
@@ -172,16 +176,32 @@ class PipelineStage:
 
 def _agree_layouts(stages: StageGroups, error: str | None, mine: tuple, op: str) -> list:
     """Every rank's (in_layout, out_layout, input_grad), agreed over the replica group; return
-    the per-stage list. One ``all_gather_object``; raises the same error on every rank."""
-    g = stages.info
-    seen: list[Any] = [None] * g.size  # every rank's (error, stage, layouts), from all_gather_object
-    dist.all_gather_object(seen, (error, stages.stage_index, mine), group=g.pg)
-    bad = [f"rank {r}: {e}" for r, (e, _, _) in enumerate(seen) if e is not None]
-    per_stage: dict[int, tuple[int, tuple]] = {}
-    for r, (_, s, lay) in enumerate(seen):
-        if per_stage.setdefault(s, (r, lay))[1] != lay:
-            r0, lay0 = per_stage[s]
-            bad.append(f"stage {s}: rank {r} passed layouts {lay} but rank {r0} passed {lay0}")
-    if bad:
-        raise ShardkitError(f"{op}: {len(bad)} problem(s) over the {g.size} ranks of the pipeline: " + "; ".join(bad))
-    return [per_stage[s][1] for s in range(stages.num_stages)]
+    the per-stage list. One :func:`~shardkit.comm.agree.agree` (every payload gathered: the
+    stages differ); raises the same error on every rank."""
+    # the layouts travel as their reprs (JSON text), rebuilt below once every rank's are valid
+    payload = [stages.stage_index, [repr(mine[0]), repr(mine[1]), mine[2]], repr(mine)]
+
+    def judge(seen: list) -> list[str]:
+        bad: list[str] = []
+        first: dict[int, tuple[int, str]] = {}  # stage -> (its first rank, that rank's layouts)
+        for r, (s, _, text) in enumerate(seen):
+            if first.setdefault(s, (r, text))[1] != text:
+                bad.append(f"stage {s}: rank {r} passed layouts {text} but rank {first[s][0]} passed {first[s][1]}")
+        return bad
+
+    seen = agree(
+        stages.info,
+        op,
+        error,
+        payload,
+        judge=judge,
+        gather=True,
+        headline="{n} problem(s) over the {size} ranks of the pipeline",
+    )
+    per_stage = {s: lay for s, lay, _ in reversed(seen)}  # every rank of a stage agreed: any one
+    return [(_layout(i), _layout(o), grad) for i, o, grad in (per_stage[s] for s in range(stages.num_stages))]
+
+
+def _layout(text: str) -> Replicate | Shard:
+    """A valid boundary layout back from its repr (``Replicate()`` or ``Shard(dim)``)."""
+    return Replicate() if text == "Replicate()" else Shard(int(text.removeprefix("Shard(").removesuffix(")")))

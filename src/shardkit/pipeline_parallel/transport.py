@@ -3,7 +3,7 @@
 :func:`~.runner.run_schedule` turns a schedule row into :class:`~.schedules.CommCall` s; for a
 stage with a :class:`~.vtp.StageGroups` each call's transfers (send to next, receive from
 previous, ...) run here, in the fixed even/odd slot order of :mod:`._exchange`
-(:func:`~._exchange.order_key`), each complete before the next. Every rank of a stage runs the
+(:func:`~._transfer.order_key`), each complete before the next. Every rank of a stage runs the
 same calls, so a stage behaves like one pipeline rank with blocking P2P and the deadlock
 freedom the schedule simulator proves for one rank per stage carries over; inside a transfer
 the piece order of :func:`~.vtp.piece_plan` is deadlock-free on its own.
@@ -16,8 +16,8 @@ microbatches may differ in shape) unless the caller declares static boundary sha
 from __future__ import annotations
 
 from ..comm._group import GroupInfo
-from ._exchange import order_key
 from ._reshard import Side, recv_side, send_side
+from ._transfer import order_key
 
 __all__ = ["StageTransport"]
 

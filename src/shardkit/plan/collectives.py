@@ -40,6 +40,7 @@ microbatch, ``e`` bytes per element, ``t`` = tp, per microbatch unless said):
   replica's group, forward transfers are a header and the payload every time, backward ones the
   payload only; between stages of equal tp every rank sends to its peer, otherwise the leaders
   exchange the tensor and the receiving leader broadcasts it in its stage.
+* pp, once per step: ``run_schedule`` agrees on its arguments (one max all-reduce of 4 int64).
 * once per step: dense gradients FSDP2 does not own (all with ``dp_shard`` 1; else the
   sum-over-tp ones) all-reduced over ``dp_cp``; expert gradients over ``edp``; the gradient
   norm and the loss (one float64 each) over the world.
@@ -139,6 +140,9 @@ def step_collectives(
         _vtp_rows(out, dims.pp_tp, stage, tp_rank, M, b * S * H * e)
     elif dims.pp > 1:
         _pp_rows(out, dims.pp, first, last, M, b * S * H * e)
+    if dims.pp > 1:  # run_schedule's argument agreement (shardkit.comm.agree): 4 int64, max-reduced
+        pp_group = sum(dims.pp_tp) if dims.pp_tp is not None else dims.pp
+        out.add("pp", "all_reduce", "run_schedule", "check", pp_group, 1, 32, 32)
     _grad_rows(out, shape, dims, opts, stage)
     _fsdp_rows(out, shape, dims, opts, stage)
     world = dims.product

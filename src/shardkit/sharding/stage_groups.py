@@ -15,13 +15,14 @@ tensor parallelism.
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
 from .._shapes import split_offsets
 from ..comm._compat import world_timeout
 from ..comm._group import resolve_group
+from ..comm.agree import agree
 from ..errors import ShardkitError
 
 if TYPE_CHECKING:
@@ -44,7 +45,7 @@ class StageGroups:
 
     Raises:
         ShardkitTypeError: bad group types.
-        ShardkitError: on every rank of ``group`` (agreed by one ``all_gather_object``) when
+        ShardkitError: on every rank of ``group`` (agreed by :func:`~shardkit.comm.agree.agree`) when
             ranks passed different ``stage_ranks``, they are not a partition of the group, or a
             rank's ``tp_group`` does not have its stage's size and rank order.
     """
@@ -62,14 +63,15 @@ class StageGroups:
                     f"its tp_group has size {tp.size} and rank {tp.rank}, but stage {s} is group ranks "
                     f"{list(ranks[s])} (size {len(ranks[s])}, this rank at position {i})"
                 )
-        seen: list[Any] = [None] * g.size  # every rank's (ranks, error), from all_gather_object
-        dist.all_gather_object(seen, (ranks, error), group=g.pg)
-        bad = [f"rank {r}: {e}" for r, (_, e) in enumerate(seen) if e is not None]
-        differ = [r for r, (rk, _) in enumerate(seen) if rk != seen[0][0]]
-        if differ:
-            bad.append(f"ranks {differ} passed stage_ranks {seen[differ[0]][0]} but rank 0 passed {seen[0][0]}")
-        if bad:
-            raise ShardkitError(f"{op}: mismatched stage layout over {g.size} ranks: " + "; ".join(bad))
+        shown = ranks if isinstance(ranks, str) else repr(ranks)  # compared and said as its repr
+
+        def judge(seen: list[str]) -> list[str]:
+            differ = [r for r, rk in enumerate(seen) if rk != seen[0]]
+            return (
+                [f"ranks {differ} passed stage_ranks {seen[differ[0]]} but rank 0 passed {seen[0]}"] if differ else []
+            )
+
+        agree(g, op, error, shown, judge=judge, headline="mismatched stage layout over {size} ranks")
         self.group, self.tp_group, self.info, self.tp = group, tp_group, g, tp
         self.stage_ranks = ranks
         assert s is not None and i is not None  # found whenever no rank reported an error

@@ -73,7 +73,7 @@ def check_interpolate_args(scale_factor, mode, align_corners, nd: int, op: str, 
     return _scales(scale_factor, nd, op)
 
 
-def _agree_args(x_local, group, dim, scale_factor, mode, align_corners, sizes, channels_last, op):
+def _agree_args(x_local, group, dim, scale_factor, mode, align_corners, sizes, channels_last, op, error=None):
     g = enter(x_local, group, op)
     # nearest is local: any split works without sizes, so only the other dims must agree
     own = x_local.shape[dim] if mode in _NEAREST and -x_local.dim() <= dim < x_local.dim() else None
@@ -84,6 +84,7 @@ def _agree_args(x_local, group, dim, scale_factor, mode, align_corners, sizes, c
         (dim, int(bool(channels_last)), int(x_local.requires_grad), sizes, scale_factor, str(mode), align_corners),
         local_dim=dim,
         expected_local=own if own is not None else expected_size(sizes, g.rank),
+        error=error,
     )
     return g
 
@@ -127,8 +128,16 @@ def spatial_interpolate(
             )
         if not isinstance(group, (tuple, list)) or len(group) != len(dim):
             raise ShardkitError(f"{op}: {len(dim)} sharded dims {tuple(dim)} need {len(dim)} groups, got {group!r}")
+        error = None  # one tile group's verdict is carried into the next, as maybe_agree_groups does
         for tile_group, tile_dim in zip(group, dim):
-            _agree_args(x_local, tile_group, tile_dim, scale_factor, mode, align_corners, sizes, channels_last, op)
+            try:
+                _agree_args(
+                    x_local, tile_group, tile_dim, scale_factor, mode, align_corners, sizes, channels_last, op, error
+                )
+            except ShardkitError as exc:
+                error = exc
+        if error is not None:
+            raise error
         one: int = dim[0]  # nearest reads only the own tile: the dim only places the channels
     else:
         if not isinstance(dim, int) or isinstance(group, (tuple, list)):

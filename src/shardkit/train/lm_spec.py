@@ -138,10 +138,9 @@ def parallelize_lm(model: nn.Module, mesh, cfg: TrainConfig, task) -> tuple[Para
     # validate_config resolved sequence_parallel; one process (mesh None) has neither option
     sp, lp = (bool(cfg.sequence_parallel), cfg.loss_parallel) if mesh is not None else (False, False)
     if mesh is not None and mesh.dims.pp > 1:
-        holder: list = [None]
-        loss = LossScale(task, holder)
+        loss = LossScale(task)
         pm = parallelize_stage(model, mesh, loss, sequence_parallel=sp, loss_parallel=lp)
-        holder[0] = pm
+        loss.bind(pm)
         return pm, loss
     return parallelize(model, mesh, sequence_parallel=sp, loss_parallel=lp), None
 

@@ -74,19 +74,29 @@ def keep_float64(model: torch.nn.Module) -> None:
     embedding, which cast to float32 whatever the model dtype: a float64 ``--verify`` would then
     measure float32 rounding (1e-8 in the router weights after two steps) instead of the layout.
     The parallel run and its reference get the same replacements (same math, no float32 round
-    trip). The rotary function is looked up by the attention forward at call time, so it is
-    replaced in transformers' DeepSeek-V2 module: this process trains this one model.
+    trip). The attention forward looks the rotary function up among its module's globals at
+    call time, so each attention of ``model`` gets its own forward, the same code over a copy of
+    those globals holding the replacement: transformers' module and other models are unchanged.
     """
     keep_norms_in_input_dtype(model)
     routers = [m for m in model.modules() if type(m).__name__ == "DeepseekV2TopkRouter"]
     if not routers:
         return
-    from transformers.models.deepseek_v2 import modeling_deepseek_v2
-
-    modeling_deepseek_v2.apply_rotary_emb = _rotary_in_input_dtype
+    for attention in (m for m in model.modules() if type(m).__name__ == "DeepseekV2Attention"):
+        attention.forward = types.MethodType(_with_rotary_in_input_dtype(type(attention).forward), attention)
     for router in routers:
         if router.topk_method == "greedy":
             router.forward = types.MethodType(_greedy_router_in_input_dtype, router)
+
+
+def _with_rotary_in_input_dtype(forward):
+    """``forward`` (its undecorated function: the decorator only renames a deprecated keyword the
+    decoder layer does not pass) over its globals with ``apply_rotary_emb`` replaced."""
+    inner = getattr(forward, "__wrapped__", forward)
+    scope = {**inner.__globals__, "apply_rotary_emb": _rotary_in_input_dtype}
+    fn = types.FunctionType(inner.__code__, scope, inner.__name__, inner.__defaults__, inner.__closure__)
+    fn.__kwdefaults__ = inner.__kwdefaults__
+    return fn
 
 
 def _rotary_in_input_dtype(xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor):

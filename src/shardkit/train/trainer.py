@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import math
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,7 @@ import torch.distributed as dist
 
 from ..comm import _c10d
 from ..comm._group import resolve_group
+from ..errors import ShardkitError
 from ..pipeline_parallel import gpipe_schedule, one_f_one_b_schedule, run_schedule
 
 __all__ = ["ADAM_EPS", "StepStats", "make_optimizer", "train_step", "LossScale"]
@@ -76,14 +78,33 @@ class LossScale:
 
     The schedule runner divides every microbatch loss by ``M`` (its mean convention); the loss
     here is already a share of the global sum, so it is multiplied by ``M`` first.
+
+    The stage is built with this loss, and the loss needs the built model (its mesh and stage):
+    :meth:`bind` hands it over once built, before the first step.
     """
 
-    def __init__(self, task, pm_ref: list) -> None:
-        self.task, self.pm_ref = task, pm_ref
+    def __init__(self, task, pm_ref: list | None = None) -> None:
+        self.task, self.pm = task, None
         self.scale = 1.0
+        self._ref = pm_ref
+        if pm_ref is not None:
+            warnings.warn(
+                "LossScale(task, pm_ref) is deprecated: use LossScale(task) and loss.bind(pm) once the "
+                "model is built (removed in the next release)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+
+    def bind(self, pm) -> None:
+        """The parallel model whose last stage computes this loss."""
+        self.pm = pm
 
     def __call__(self, logits, labels):
-        return self.task.loss_sum(logits, labels, self.pm_ref[0]) * self.scale
+        if self.pm is None and self._ref is not None:  # the deprecated holder list
+            self.pm = self._ref[0]
+        if self.pm is None:
+            raise ShardkitError("LossScale: no model bound (call bind(pm) once the pipeline stage is built)")
+        return self.task.loss_sum(logits, labels, self.pm) * self.scale
 
 
 def _counts_loss(pm) -> bool:

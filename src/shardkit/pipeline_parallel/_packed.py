@@ -1,0 +1,90 @@
+"""Cached shapes in the P2P engine (:mod:`._exchange`): a channel whose shape was negotiated
+sends the header with a message of that shape, packed into one message when small.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import _wire
+from ._negotiate import read_header
+from ._transfer import Channel, Message, Transfer, header_msg, payload_msg, post
+from ._wire import HEADER_LEN, OK
+
+__all__ = ["PACK_MAX_BYTES", "cached_send", "cached_recv", "post_packed", "read_packed"]
+
+# Cached shapes up to this many payload bytes travel in one message, the header in front of the
+# payload (a copy on each side, cheap below gloo's ~256 KiB latency/bandwidth crossover, where the
+# second message's latency costs more); larger ones as two messages posted together.
+PACK_MAX_BYTES = 256 * 1024
+_HB = HEADER_LEN * 8  # header bytes; a multiple of 16, so the payload view after it is aligned
+
+
+def cached_send(t: Transfer, ch: Channel, api: str) -> list:
+    """Header, then a message of the cached shape (the payload, or a dummy plus the payload);
+    packed into one message when the cached payload is small. A repeated shape is one ``cat``
+    of the channel's stored header and the payload (no header encoding, one copy)."""
+    x = t.payload
+    assert x is not None  # a sender's transfer holds its tensor
+    same = t.status == OK and x.dtype == ch.dtype and x.shape == ch.shape
+    if ch.nbytes <= PACK_MAX_BYTES:
+        if same:
+            header = ch.header if ch.device == t.device else ch.header.to(t.device)
+            buf = torch.cat([header, x.reshape(-1).view(torch.uint8)])
+        else:
+            buf = torch.empty(_HB + ch.nbytes, dtype=torch.uint8, device=t.device)
+            buf[:_HB].view(torch.int64).copy_(_wire.encode(t.status, x.dtype, x.shape, t.device))
+        msgs: list[Message] = [(t, True, buf, t.phase)]
+    else:
+        msgs = [
+            header_msg(t),
+            (t, True, x if same else torch.empty(ch.shape, dtype=ch.dtype, device=t.device), t.phase),
+        ]
+    if not same and (pay := payload_msg(t)) is not None:
+        msgs.append(pay)
+    return post(msgs, False, api)
+
+
+def post_packed(t: Transfer, ch: Channel, api: str) -> tuple[torch.Tensor, Any]:
+    """Post the one receive of a packed transfer (header + payload of the cached shape)."""
+    buf = torch.empty(_HB + ch.nbytes, dtype=torch.uint8, device=t.device)
+    return buf, post([(t, False, buf, t.phase)], False, api)[0]
+
+
+def read_packed(t: Transfer, ch: Channel, buf: torch.Tensor, work, api: str) -> list:
+    """Complete a packed receive: a header equal to the channel's stored one (the cached shape,
+    status OK) is accepted by one comparison, without decoding; else :func:`_after_header`."""
+    work.wait()
+    hdr, body = buf.split_with_sizes((_HB, ch.nbytes))
+    if (t.dtype is None or t.dtype == ch.dtype) and ch.device == t.device and torch.equal(hdr, ch.header):
+        t.payload = body.view(ch.dtype).view(ch.shape)
+        return []
+    t.hdr = hdr.view(torch.int64)
+    return _after_header(t, ch, body.view(ch.dtype).view(ch.shape), [], api)
+
+
+def cached_recv(t: Transfer, ch: Channel, api: str) -> list:
+    """The mirror of :func:`cached_send`: header and a receive of the cached shape posted
+    together (or one packed receive); the real payload after them only when the header
+    announces another shape."""
+    if ch.nbytes <= PACK_MAX_BYTES:
+        return read_packed(t, ch, *post_packed(t, ch, api), api)
+    pre = torch.empty(ch.shape, dtype=ch.dtype, device=t.device)
+    posted = post([header_msg(t), (t, False, pre, t.phase)], False, api)
+    posted[0].wait()
+    return _after_header(t, ch, pre, posted[1:], api)
+
+
+def _after_header(t: Transfer, ch: Channel, pre: torch.Tensor, rest: list, api: str) -> list:
+    """The header was read into ``t.hdr``: keep ``pre`` (the cached shape arrived), or wait for
+    the dummy and receive the real payload (if any) after it."""
+    read_header(t, api)
+    if t.status == OK and t.payload is not None and t.payload.dtype == ch.dtype and t.payload.shape == ch.shape:
+        t.payload = pre
+        return rest
+    for w in rest:
+        w.wait()  # a dummy: the real payload (if any) follows
+    pay = payload_msg(t)
+    return post([pay], False, api) if pay is not None else []

@@ -1,0 +1,163 @@
+"""The messages of the P2P engine (:mod:`._exchange`): the slot order they are posted in, a
+transfer as one rank sees it, the negotiated shapes per channel, and posting itself.
+
+A transfer is a header (dynamic shapes; see :mod:`._wire`) and the payload. Matching never
+relies on tags: messages are posted in the fixed even/odd slot order of :func:`order_key`, so
+NCCL's FIFO pairing between two ranks matches them (why it is safe: :mod:`._exchange`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from ..comm import ledger
+from ..comm._compat import irecv, isend, p2p_op
+from ..comm._group import GroupInfo
+from ..errors import ShardkitError
+from . import _wire
+from ._wire import HEADER_LEN, OK
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+__all__ = ["Channel", "ShapeCache", "Transfer", "order_key", "posting_order", "message_order"]
+
+_SLOTS = (
+    {(True, "next"): 0, (False, "prev"): 1, (True, "prev"): 2, (False, "next"): 3},  # even stages
+    {(False, "prev"): 0, (True, "next"): 1, (False, "next"): 2, (True, "prev"): 3},  # odd stages
+)
+
+
+def order_key(group_rank: int, is_send: bool, towards: str) -> int:
+    """Position of a message in its phase: the slot order of the module docstring."""
+    return _SLOTS[group_rank % 2][(is_send, towards)]
+
+
+def posting_order(items) -> list[int]:
+    """Indices of ``items`` = ``[(group_index, group_rank, is_send, towards), ...]`` in posting
+    order: groups in the order the caller listed them, slots by :func:`order_key` within each."""
+    return sorted(range(len(items)), key=lambda i: (items[i][0], order_key(*items[i][1:])))
+
+
+def message_order(items) -> list[int]:
+    """Indices of ``items`` = ``[(group_index, group_rank, is_send, towards, phase), ...]`` in
+    posting order: :func:`posting_order`, then forward before backward. The tie-break matters
+    only for hellos, where one link carries one message per transfer in each direction."""
+    return sorted(range(len(items)), key=lambda i: (items[i][0], order_key(*items[i][1:4]), items[i][4] != "forward"))
+
+
+class Channel(NamedTuple):
+    """A channel's negotiated payload: its shape and dtype, its size, and the header an ``OK``
+    transfer of it carries (uint8, ``HEADER_LEN * 8`` bytes, on ``device``, where this end's
+    transfers were): derived from (shape, dtype), so equal on both ends whenever those are."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    nbytes: int
+    header: torch.Tensor
+    device: torch.device
+
+
+class ShapeCache:
+    """Negotiated payload shapes per P2P channel, for one run of transfers (e.g. one
+    ``run_schedule`` call): create one on every rank at the same point of the program and pass it
+    to every transfer of that run. See the module docstring for why the copies cannot diverge."""
+
+    def __init__(self) -> None:
+        self._last: dict[tuple, Channel] = {}  # (id of the process group, is_send, peer) -> Channel
+
+    def get(self, t: Transfer) -> Channel | None:
+        return self._last.get((id(t.g.pg), t.send, t.peer))
+
+    def put(self, t: Transfer, shape: Sequence[int], dtype: torch.dtype) -> None:
+        key = (id(t.g.pg), t.send, t.peer)
+        old = self._last.get(key)
+        if old is not None and old.dtype == dtype and old.shape == shape and old.device == t.device:
+            return  # a repeat: the entry (and its encoded header) stays
+        n = dtype.itemsize
+        for d in shape:
+            n *= d
+        header = _wire.encode(OK, dtype, shape, t.device).view(torch.uint8)
+        self._last[key] = Channel(tuple(shape), dtype, n, header, t.device)
+
+
+@dataclass(eq=False)
+class Transfer:
+    """One message stream of an exchange, as seen from this rank."""
+
+    send: bool
+    towards: str  # "next" or "prev"
+    gi: int  # index of the group in the caller's list (posting order)
+    g: GroupInfo
+    peer: int  # group rank of the other end
+    phase: str  # "forward" or "backward", for the ledger
+    device: torch.device
+    shape: tuple[int, ...] | None  # declared static shape
+    dtype: torch.dtype | None  # declared dtype
+    header: bool  # a header precedes the payload
+    payload: torch.Tensor | None = None  # send: the contiguous tensor; recv: the buffer
+    status: int = OK  # the header status sent or received
+    error: ShardkitError | None = None  # raised on this rank once the exchange is complete
+    hdr: torch.Tensor | None = None
+    hello_out: torch.Tensor | None = None  # checks on: this end's hello
+    hello_in: torch.Tensor | None = None  # checks on: the other end's hello
+
+    def where(self) -> str:
+        return f"stage {self.g.rank} of {self.g.size}"
+
+
+def post(msgs, batched: bool, api: str) -> list:
+    """Post ``(transfer, is_send, tensor, ledger_phase)`` messages, already in posting order."""
+    for t, is_send, tensor, label in msgs:
+        n = tensor.nbytes
+        ledger.record(
+            "send" if is_send else "recv",
+            api,
+            label,
+            t.g.size,
+            n if is_send else 0,
+            0 if is_send else n,
+            pg=t.g.pg,
+            shape=tensor.shape,
+            peer=t.peer,
+        )
+    if not batched:
+        return [(isend if s else irecv)(tensor, t.g.pg, t.peer) for t, s, tensor, _ in msgs]
+    per_group: dict[int, list] = {}  # batch_isend_irecv takes one group per call
+    for t, s, tensor, _ in msgs:
+        per_group.setdefault(t.gi, []).append(p2p_op(s, tensor, t.g.pg, t.peer))
+    return [w for ops in per_group.values() for w in dist.batch_isend_irecv(ops)]
+
+
+Message = tuple["Transfer", bool, torch.Tensor, str]  # (transfer, is_send, tensor, ledger phase)
+
+
+def header_msg(t: Transfer) -> Message:
+    if t.send:
+        assert t.payload is not None  # a sender's header describes its tensor
+        hdr = _wire.encode(t.status, t.payload.dtype, t.payload.shape, t.device)
+    else:
+        hdr = torch.empty(HEADER_LEN, dtype=torch.int64, device=t.device)
+    t.hdr = hdr
+    # A header on a static transfer exists only for the checks: count it as "check" traffic.
+    return (t, t.send, hdr, "check" if t.shape is not None else t.phase)
+
+
+def payload_msg(t: Transfer) -> Message | None:
+    """The payload message, or None (zero elements, or an error status: nothing follows)."""
+    if not t.send and not t.header:
+        assert t.shape is not None  # a receive without header has a declared static shape
+        t.payload = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    if t.status != OK or t.payload is None or t.payload.numel() == 0:
+        return None
+    return (t, t.send, t.payload, t.phase)
+
+
+def sorted_post(msgs, api: str, batched: bool = True) -> list:
+    """:func:`post` in :func:`message_order`."""
+    order = message_order([(t.gi, t.g.rank, s, t.towards, t.phase) for t, s, _, _ in msgs])
+    return post([msgs[i] for i in order], batched, api)
