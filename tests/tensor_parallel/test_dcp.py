@@ -354,10 +354,13 @@ def test_load_sharded_checkpoint_verifies_what_it_reads():
     _cleanup(path)
 
 
-def test_saved_entries_is_a_deprecated_alias_that_reads_through_the_allow_list(tmp_path):
+def test_saved_entries_is_a_deprecated_alias_that_reads_through_the_allow_list(tmp_path, monkeypatch):
     """The old ``saved_entries(path)`` still answers (one release), warns, and never runs a pickle."""
     import pickle
+    import sys
 
+    # An earlier test may have imported the old name already (the warning is given once per import).
+    monkeypatch.delitem(sys.modules, "shardkit.tensor_parallel.dcp", raising=False)
     with pytest.warns(
         DeprecationWarning, match="shardkit.tensor_parallel.dcp is deprecated: import shardkit.checkpoint.dcp"
     ):
