@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .._local_world import init_local_world, private_temp
+from ..comm import checks
 from ._method import Settings
 from .registry import CASES
 
@@ -28,7 +29,6 @@ __all__ = ["run_world", "run_cases"]
 
 
 def _rank_entry(rank: int, nproc: int, names: list[str], settings: Settings, tmp: str, progress: bool) -> None:
-    from ..comm import checks
 
     torch.set_num_threads(1)
     init_local_world(tmp, timedelta(seconds=300), rank, nproc)  # a FileStore in the private folder, gloo on loopback
@@ -54,8 +54,6 @@ def _rank_entry(rank: int, nproc: int, names: list[str], settings: Settings, tmp
 def _fake_entry(rank: int, names: list[str], settings: Settings, tmp: str, progress: bool) -> None:
     # torch registers the "fake" backend when this (test-utility) module is imported.
     from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from ..comm import checks
 
     torch.set_num_threads(1)
     checks(False)

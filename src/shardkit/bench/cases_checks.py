@@ -18,7 +18,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..comm import checks
+from .. import all_gather, all_to_all, reduce_scatter
+from ..comm import all_reduce_forward, checks
+from ..context_parallel import ulysses_attention
+from ..spatial import halo_exchange
+from ..train.config import TrainConfig, parallel_dims, validate_config
+from ..train.run import build_parallel_model, build_task, build_train_model
+from ..train.trainer import make_optimizer
+from ..train.trainer import train_step as step
 from ._method import Record, Settings, agree, same_bits, time_interleaved
 
 __all__ = ["ops", "train_step"]
@@ -28,10 +35,6 @@ KIB, MIB = 1 << 10, 1 << 20
 
 def _op_fns(nbytes: int, pg, rank: int, n: int) -> dict:
     """Each op as a no-argument callable with every size given (bitwise deterministic)."""
-    from .. import all_gather, all_to_all, reduce_scatter
-    from ..comm import all_reduce_forward
-    from ..context_parallel import ulysses_attention
-    from ..spatial import halo_exchange
 
     d = 64
     rows = nbytes // 4 // d
@@ -79,8 +82,6 @@ def ops(pg, settings: Settings) -> list[Record]:
 
 
 def _trainer(cfg, mesh):
-    from ..train.run import build_parallel_model, build_task, build_train_model
-    from ..train.trainer import make_optimizer
 
     device = torch.device("cpu")
     task = build_task(cfg, device)
@@ -90,8 +91,6 @@ def _trainer(cfg, mesh):
 
 def train_step(pg, settings: Settings) -> list[Record]:
     """A default ``shardkit train`` step (dp_replicate=2 x tp=2, SP) without and with checks."""
-    from ..train.config import TrainConfig, parallel_dims, validate_config
-    from ..train.trainer import train_step as step
 
     n = dist.get_world_size(pg)
     cfg = validate_config(TrainConfig(nproc=n), world_size=n)

@@ -13,12 +13,14 @@ import argparse
 import sys
 import time
 
+from ..bench import CASES, Settings, run_bench, write_outputs
+from ..bench.report import environment
+
 __all__ = ["add_bench_parser", "run"]
 
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     """Add the ``bench`` subcommand to an ``argparse`` subparsers object; returns its parser."""
-    from ..bench import CASES
 
     listing = "; ".join(f"{k}: {v.what} ({v.nproc} ranks)" for k, v in CASES.items())
     p = subparsers.add_parser(
@@ -38,8 +40,6 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Run the selected cases and write the outputs; returns 0 (a failed check raises)."""
-    from ..bench import Settings, run_bench, write_outputs
-    from ..bench.report import environment
 
     if args.rounds < 40 or args.warmup < 5:
         raise SystemExit("shardkit bench: docs/design.md (Benchmarks) needs --rounds >= 40 and --warmup >= 5")
@@ -50,7 +50,6 @@ def run(args: argparse.Namespace) -> int:
         records = run_bench(names, settings, progress=not args.quiet)
     except ValueError as exc:
         raise SystemExit(f"shardkit bench: {exc}") from None
-    from ..bench import CASES
 
     argv = (["--quick"] if args.quick else []) + (["--cases", args.cases] if set(names) != set(CASES) else [])
     argv += [] if args.rounds == 40 else ["--rounds", str(args.rounds)]

@@ -13,15 +13,20 @@ import sys
 
 from rich.console import Console
 
+from .._local_world import private_run_dir
 from .._optional import check_train, require
 from .._quiet import quiet_third_party
+from ..comm import flight_recorder
 from ..errors import ShardkitError
 from ..train.checkpoint_dir import check_checkpoint_dir
 from ..train.config import DTYPES, SCHEDULES, TrainConfig, load_toml, merge_config, validate_config
 from ..train.data import check_files, corpus_files
 from ..train.limits import check_machine
 from ..train.liveness import clear_flight_dir
+from ..train.run import worker_main
 from ..train.specs import SPECS, model_spec
+from .launch import LaunchFailed, LaunchInterrupted, exit_now, launch_local, print_failure, under_torchrun
+from .report import print_parity, print_summary, write_report
 
 __all__ = ["add_train_parser", "config_from_args", "run_train"]
 
@@ -221,8 +226,6 @@ def config_from_args(args: argparse.Namespace, world_size: int | None = None) ->
 
 def run_train(args: argparse.Namespace) -> int:
     """Run the ``train`` subcommand; return the process exit code."""
-    from ..train.run import worker_main
-    from .launch import exit_now, under_torchrun
 
     torchrun = under_torchrun()
     try:
@@ -260,9 +263,6 @@ def _launch(cfg: TrainConfig) -> tuple[int | None, dict]:
     and flight records go to ``--report DIR/flight`` (kept), else into the run directory; those
     of an earlier run there are removed first.
     """
-    from .._local_world import private_run_dir
-    from ..train.run import worker_main
-    from .launch import LaunchFailed, LaunchInterrupted, launch_local, print_failure
 
     assert cfg.nproc is not None  # validate_config resolved it
     with private_run_dir() as run_dir:
@@ -291,7 +291,6 @@ def _print_flight_report(flight_dir: str, nproc: int | None = None, kept: bool =
     """After a failed job: the first collective where the ranks diverged, from their dumps, and
     the ranks (of ``nproc``) that left none; where the records are (``kept``), or that they are
     removed with the run directory."""
-    from ..comm import flight_recorder
 
     if os.path.isdir(flight_dir) and any(n.startswith("rank") for n in os.listdir(flight_dir)):
         print(flight_recorder.format_report(flight_dir, world_size=nproc), file=sys.stderr)
@@ -306,7 +305,6 @@ def _print_flight_report(flight_dir: str, nproc: int | None = None, kept: bool =
 
 def finish(result: dict, cfg: TrainConfig) -> int:
     """Print the summary (and parity), write the report; 1 if verification failed, else 0."""
-    from .report import print_parity, print_summary, write_report
 
     console = Console()
     if not console.is_terminal:
