@@ -51,7 +51,7 @@ MAKESPAN = {
     "interleaved-1f1b": lambda p, v, m: 3 * (v * m + p - 1),  # bubble (p - 1)(t_f + t_b) of a chunk
     "looped-bfs": lambda p, v, m: 3 * (v * m + p - 1),
     "zb-h1": lambda p, v, m: 3 * m + (p - 1),  # bubble (p - 1)(t_f + t_i - t_w)
-    "zbv": lambda p, v, m: 6 * m + 2 * (p - 1),
+    "zbv": lambda p, v, m: 6 * m + (p - 1),  # the least possible; for m >= p + 2
     "dualpipev": lambda p, v, m: 6 * m + (p - 1),
 }
 
@@ -82,7 +82,10 @@ def test_every_step_once_no_deadlock_peak_and_makespan(name, p):
             assert max(rep.peak) <= 2 * p and (m < 2 * p or rep.peak == (2 * p,) * p)
         else:
             assert rep.peak == tuple(PEAK[name](p, v, m, r) for r in range(p)), (name, p, v, m)
-        assert rep.makespan == MAKESPAN[name](p, v, m), (name, p, v, m)
+        if name == "zbv" and m < p + 2:  # too few microbatches to fill the cool-down
+            assert MAKESPAN[name](p, v, m) <= rep.makespan <= 6 * m + 2 * (p - 1)
+        else:
+            assert rep.makespan == MAKESPAN[name](p, v, m), (name, p, v, m)
 
 
 @pytest.mark.parametrize("p", [2, 4, 8])
@@ -100,8 +103,9 @@ def test_bubble_ordering_the_papers_state(p):
     )
     assert bubble["zb-h1"] == pytest.approx((p - 1) / (3 * m + p - 1))  # a third of 1F1B's idle time
     assert bubble["zb-h1"] < bubble["interleaved-1f1b"]
-    assert bubble["zbv"] <= bubble["zb-h1"] + 1e-12
-    assert bubble["dualpipev"] < bubble["zbv"]
+    # V-shapes: rank p - 1 idles p - 1 chunk forwards (half a stage each) at the start, no more
+    assert bubble["zbv"] == bubble["dualpipev"] == pytest.approx((p - 1) / (6 * m + p - 1))
+    assert bubble["zbv"] < bubble["zb-h1"]
 
 
 def test_zero_bubble_time_is_a_third_of_1f1b():

@@ -44,13 +44,15 @@ def zbv_table(p: int, v: int, m: int) -> Table:
 
     Rank ``r``: ``2(p - r) - 1`` forwards of chunk 0; ``r`` pairs (F chunk 1, F chunk 0);
     ``p - r`` triples (F, I, W) of chunk 1; then (F, I, W) of chunk 0 and of chunk 1 in turn
-    until every microbatch is done (forwards stop after ``m``).
+    until the forwards run out; in the cool-down each ``W`` lags its ``I`` by ``r`` steps (rank
+    ``r`` finishes its input gradients ``r`` steps before rank 0 must, as in ZB-H1).
 
     Source's claims: peak activation memory equal to 1F1B's (``p`` whole-stage microbatches =
     ``2p`` half-stage chunks on every rank); with ``F = I = W`` almost no bubble.
     Here, at unit costs ``F = I = W = 1`` a chunk: at most ``2p`` in-flight chunk-microbatches
-    on every rank (exactly ``2p`` when ``m >= 2p``); makespan ``6m + 2(p - 1)`` when ``m >= p``,
-    the same bubble fraction as ZB-H1 at equal whole-stage costs (all tested).
+    on every rank (exactly ``2p`` when ``m >= 2p``); makespan ``6m + p - 1`` when ``m >= p + 2``: the
+    least possible, as rank ``p - 1`` waits ``p - 1`` forwards for its first input; half ZB-H1's
+    bubble time at equal whole-stage costs (all tested).
 
     Raises:
         ShardkitError: ``v != 2`` or sizes not ints >= 1.
@@ -68,11 +70,15 @@ def zbv_table(p: int, v: int, m: int) -> Table:
             row.add("F", 1)
             row.add("I", 1)
             row.weight()
-        while len(row.steps) < 6 * m:
+        while len(row.steps) + len(row.w_queue) < 6 * m:
             for c in (0, 1):
+                steady = row.next.get(("F", c), 0) < m
                 row.add("F", c)
                 row.add("I", c)
-                row.weight()
+                if steady or len(row.w_queue) > r:  # cool-down: W lags I by r steps, filling the tail
+                    row.weight()
+        while row.w_queue:
+            row.weight()
         table.append(tuple(row.steps))
     return tuple(table)
 
