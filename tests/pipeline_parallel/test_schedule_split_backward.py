@@ -44,12 +44,12 @@ def test_split_equals_backward_bitwise_over_microbatches(build, shape):
     for j in range(3):  # I of every microbatch first: no parameter gradient yet
         x = xs[j].clone().requires_grad_()
         y = split(x)
-        dx = input_grad(x, y, gys[j])
+        dx, saved[j] = input_grad(x, y, split.parameters(), gys[j])
         assert torch.equal(dx, ref_dx[j])
-        saved[j] = y
+        assert len(saved[j].groups) > 1  # W starts at the branch nodes, not at the output
     assert all(p.grad is None for p in split.parameters())
     for j in w_order:
-        weight_grad(split.parameters(), saved[j], gys[j])
+        weight_grad(saved[j])
     for (name, p), q in zip(ref.named_parameters(), split.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad), name
 
@@ -64,8 +64,9 @@ def test_last_stage_scalar_loss_and_first_stage_input():
     loss_fn(ref(xr), t).backward()
     xs = x.clone().requires_grad_()
     loss = loss_fn(split(xs), t)
-    assert torch.equal(input_grad(xs, loss), xr.grad)
-    weight_grad(split.parameters(), loss)
+    dx, pending = input_grad(xs, loss, split.parameters())
+    assert torch.equal(dx, xr.grad)
+    weight_grad(pending)
     for p, q in zip(ref.parameters(), split.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad)
 
@@ -73,21 +74,67 @@ def test_last_stage_scalar_loss_and_first_stage_input():
     ref2, split2 = _twin(_mlp)
     ref2(x).backward(t)
     y = split2(x)
-    assert input_grad(x, y, t) is None
-    weight_grad(split2.parameters(), y, t)
+    dx, pending = input_grad(x, y, split2.parameters(), t)
+    assert dx is None
+    weight_grad(pending)
     for p, q in zip(ref2.parameters(), split2.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad)
 
 
-def test_weight_grad_frees_the_graph():
-    m = _mlp()
-    x = torch.randn(2, 6, dtype=torch.float64, requires_grad=True)
-    y = m(x)
-    g = torch.ones_like(y)
-    input_grad(x, y, g)
-    weight_grad(m.parameters(), y, g)
-    with pytest.raises(RuntimeError, match="second time"):
-        weight_grad(m.parameters(), y, g)
+class _Count(torch.autograd.Function):
+    """Identity whose backward counts its calls."""
+
+    calls = [0]
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        _Count.calls[0] += 1
+        return g
+
+
+def test_weight_grad_does_not_rerun_the_input_gradient_chain():
+    ref, split = _twin(_mlp)
+    x = torch.randn(3, 6, dtype=torch.float64)
+    g = torch.randn(3, 6, dtype=torch.float64)
+
+    def run(m, inp):
+        return m[3](m[2](_Count.apply(m[1](m[0](inp)))))
+
+    xr = x.clone().requires_grad_()
+    run(ref, xr).backward(g)
+    _Count.calls[0] = 0
+    xs = x.clone().requires_grad_()
+    dx, pending = input_grad(xs, run(split, xs), split.parameters(), g)
+    assert _Count.calls[0] == 1
+    weight_grad(pending)
+    assert _Count.calls[0] == 1  # W started below the counting node: it ran once in all
+    assert torch.equal(dx, xr.grad)
+    for p, q in zip(ref.parameters(), split.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+    with pytest.raises(ShardkitError, match="ran already"):
+        weight_grad(pending)
+
+
+def test_a_weight_used_twice_falls_back_to_the_output_and_stays_exact():
+    torch.manual_seed(0)
+    lin = nn.Linear(5, 5).double()
+    ref = nn.Linear(5, 5).double()
+    ref.load_state_dict(lin.state_dict())
+    x = torch.randn(2, 5, dtype=torch.float64)
+    g = torch.randn(2, 5, dtype=torch.float64)
+    xr = x.clone().requires_grad_()
+    ref(torch.tanh(ref(xr))).backward(g)
+    xs = x.clone().requires_grad_()
+    dx, pending = input_grad(xs, lin(torch.tanh(lin(xs))), lin.parameters(), g)
+    assert len(pending.groups) == 1  # rooted at the output: the outer matmul's weight is reached below it too
+    weight_grad(pending)
+    assert torch.equal(dx, xr.grad)
+    for p, q in zip(ref.parameters(), lin.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize(
@@ -98,6 +145,4 @@ def test_bad_grad_output_is_refused(grad, match):
     x = torch.randn(2, 6, dtype=torch.float64, requires_grad=True)
     y = m(x)
     with pytest.raises(ShardkitError, match=match):
-        input_grad(x, y, grad)
-    with pytest.raises(ShardkitError, match=match):
-        weight_grad(m.parameters(), y, grad)
+        input_grad(x, y, m.parameters(), grad)
