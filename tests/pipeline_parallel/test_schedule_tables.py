@@ -16,10 +16,8 @@ from shardkit.pipeline_parallel.tables import SCHEDULES, schedule_table
 
 
 def _v_values(name):
-    allowed = SCHEDULES[name].v_values
-    return [
-        v for v in range(1, 5) if (allowed is None and (name != "interleaved-1f1b" or v >= 2)) or v in (allowed or ())
-    ]
+    spec = SCHEDULES[name]
+    return [v for v in range(1, 5) if spec.v_min <= v <= (spec.v_max or 4)]
 
 
 def _m_values(name, p):
@@ -173,9 +171,10 @@ def test_a_chunk_on_the_wrong_rank_order_deadlocks():
         ("interleaved-1f1b", 4, 2, 6, "multiple of p=4"),
         ("interleaved-1f1b", 4, 1, 8, "chunks per rank"),
         ("interleaved-1f1b", 4, 2, 2, "must be >= 4"),
-        ("zbv", 4, 3, 8, "one of (2,)"),
+        ("zbv", 4, 3, 8, "v (chunks per rank) must be 2, got 3"),
         ("dualpipev", 4, 2, 7, "must be >= 8"),
-        ("1f1b", 4, 2, 8, "one of (1,)"),
+        ("1f1b", 4, 2, 8, "must be 1, got 2"),
+        ("interleaved-1f1b", 4, 1, 8, "must be >= 2, got 1"),
         ("gpipe", 2, 1, 0, "must be >= 1"),
         ("zb-h1", 2.0, 1, 4, "must be an int"),
         ("nope", 2, 1, 4, "unknown pipeline schedule"),
@@ -184,6 +183,17 @@ def test_a_chunk_on_the_wrong_rank_order_deadlocks():
 def test_sizes_a_schedule_refuses(name, p, v, m, match):
     with pytest.raises(ShardkitError, match=match.replace("(", r"\(").replace(")", r"\)")):
         schedule_table(name, p, v, m)
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_the_registry_states_the_chunks_each_table_accepts(name):
+    spec = SCHEDULES[name]
+    for v in range(1, 6):
+        if spec.v_min <= v <= (spec.v_max or v):
+            assert len(spec.build(4, v, 8)) == 4
+        else:
+            with pytest.raises(ShardkitError, match="chunks per rank"):
+                spec.build(4, v, 8)
 
 
 def test_one_chunk_tables_lower_to_the_runner_tables():

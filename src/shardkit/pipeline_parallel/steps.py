@@ -91,20 +91,20 @@ def lower(table: Sequence[Sequence[Step]], op: str = "lower") -> tuple[tuple[Act
     return tuple(tuple(Action(s.kind, s.microbatch) for s in row) for row in table)
 
 
-def check_sizes(op: str, p: int, v: int, m: int, *, v_allowed: Sequence[int] | None = None, m_min: int = 1) -> None:
+def check_sizes(op: str, p: int, v: int, m: int, *, v_min: int = 1, v_max: int | None = None, m_min: int = 1) -> None:
     """Check a schedule's sizes: ``p`` ranks, ``v`` chunks per rank, ``m`` microbatches.
 
     Raises:
-        ShardkitError: ``p``, ``v`` or ``m`` not an int; ``p < 1``; ``v`` not in ``v_allowed``
-            (or ``< 1``); ``m < m_min``.
+        ShardkitError: ``p``, ``v`` or ``m`` not an int; ``p < 1``; ``v`` outside
+            ``v_min..v_max`` (``v_max`` None: no upper bound); ``m < m_min``.
     """
     for name, x in (("p", p), ("v", v), ("m", m)):
         if not isinstance(x, int) or isinstance(x, bool):
             raise ShardkitError(f"{op}: {name} must be an int, got {x!r}")
     if p < 1:
         raise ShardkitError(f"{op}: p (pipeline ranks) must be >= 1, got {p}")
-    if v < 1 or (v_allowed is not None and v not in v_allowed):
-        allowed = "an int >= 1" if v_allowed is None else f"one of {tuple(v_allowed)}"
-        raise ShardkitError(f"{op}: v (chunks per rank) must be {allowed}, got {v}")
+    if v < v_min or (v_max is not None and v > v_max):
+        want = f">= {v_min}" if v_max is None else str(v_min) if v_min == v_max else f"in {v_min}..{v_max}"
+        raise ShardkitError(f"{op}: v (chunks per rank) must be {want}, got {v}")
     if m < m_min:
         raise ShardkitError(f"{op}: m (microbatches) must be >= {m_min} here, got {m}")

@@ -43,7 +43,7 @@ def gpipe_table(p: int, v: int, m: int) -> Table:
     Raises:
         ShardkitError: ``v != 1`` or sizes not ints >= 1.
     """
-    check_sizes("gpipe", p, v, m, v_allowed=(1,))
+    check_sizes("gpipe", p, v, m, v_min=1, v_max=1)
     return lift(gpipe_schedule(p, m))
 
 
@@ -58,7 +58,7 @@ def one_f_one_b_table(p: int, v: int, m: int) -> Table:
     Raises:
         ShardkitError: ``v != 1`` or sizes not ints >= 1.
     """
-    check_sizes("1f1b", p, v, m, v_allowed=(1,))
+    check_sizes("1f1b", p, v, m, v_min=1, v_max=1)
     return lift(one_f_one_b_schedule(p, m))
 
 
@@ -86,7 +86,7 @@ def interleaved_1f1b_table(p: int, v: int, m: int) -> Table:
         ShardkitError: ``v < 2`` (``v = 1`` is ``1f1b``), ``m < p`` or ``m % p != 0``
             (Megatron-LM's requirement: microbatches go round the chunks in groups of ``p``).
     """
-    check_sizes("interleaved-1f1b", p, v, m, v_allowed=range(2, 1 << 16), m_min=p)
+    check_sizes("interleaved-1f1b", p, v, m, v_min=2, m_min=p)
     if m % p:
         raise ShardkitError(f"interleaved-1f1b: m (microbatches) must be a multiple of p={p}, got {m}")
     total = m * v
@@ -132,7 +132,7 @@ def zb_h1_table(p: int, v: int, m: int) -> Table:
     Raises:
         ShardkitError: ``v != 1`` or sizes not ints >= 1.
     """
-    check_sizes("zb-h1", p, v, m, v_allowed=(1,))
+    check_sizes("zb-h1", p, v, m, v_min=1, v_max=1)
     table = []
     for r in range(p):
         warm = min(p - r - 1, m)
@@ -152,25 +152,26 @@ def zb_h1_table(p: int, v: int, m: int) -> Table:
 @dataclass(frozen=True)
 class ScheduleSpec:
     """A schedule: its table function ``build(p, v, m)``, the placement of chunks (``"looped"``
-    or ``"v"``), the ``v`` values it accepts (``None``: any ``>= 1``; ``(2,)`` etc.) and whether
-    it splits backwards into ``I``/``W``. The table function's docstring gives the source, the
-    bubble and the peak in-flight activations."""
+    or ``"v"``), the chunks per rank it accepts (``v_min..v_max``, ``v_max`` None: unbounded)
+    and whether it splits backwards into ``I``/``W``. The table function's docstring gives the
+    source, the bubble and the peak in-flight activations."""
 
     build: Callable[[int, int, int], Table]
     placement: str
-    v_values: tuple[int, ...] | None
+    v_min: int
+    v_max: int | None
     split_backward: bool
 
 
 SCHEDULES = MappingProxyType(
     {
-        "1f1b": ScheduleSpec(one_f_one_b_table, "looped", (1,), False),
-        "gpipe": ScheduleSpec(gpipe_table, "looped", (1,), False),
-        "interleaved-1f1b": ScheduleSpec(interleaved_1f1b_table, "looped", None, False),
-        "looped-bfs": ScheduleSpec(looped_bfs_table, "looped", None, False),
-        "zb-h1": ScheduleSpec(zb_h1_table, "looped", (1,), True),
-        "zbv": ScheduleSpec(zbv_table, "v", (2,), True),
-        "dualpipev": ScheduleSpec(dualpipev_table, "v", (2,), True),
+        "1f1b": ScheduleSpec(one_f_one_b_table, "looped", 1, 1, False),
+        "gpipe": ScheduleSpec(gpipe_table, "looped", 1, 1, False),
+        "interleaved-1f1b": ScheduleSpec(interleaved_1f1b_table, "looped", 2, None, False),
+        "looped-bfs": ScheduleSpec(looped_bfs_table, "looped", 1, None, False),
+        "zb-h1": ScheduleSpec(zb_h1_table, "looped", 1, 1, True),
+        "zbv": ScheduleSpec(zbv_table, "v", 2, 2, True),
+        "dualpipev": ScheduleSpec(dualpipev_table, "v", 2, 2, True),
     }
 )
 

@@ -57,7 +57,7 @@ def zbv_table(p: int, v: int, m: int) -> Table:
     Raises:
         ShardkitError: ``v != 2`` or sizes not ints >= 1.
     """
-    check_sizes("zbv", p, v, m, v_allowed=(2,))
+    check_sizes("zbv", p, v, m, v_min=2, v_max=2)
     table = []
     for r in range(p):
         row = _Row(m)
@@ -94,15 +94,16 @@ def dualpipev_table(p: int, v: int, m: int) -> Table:
     ``r + 1`` (B1, B0) whose backwards switch to I (W deferred) half way, on odd ranks before
     B1, on even ranks before B0; ``p - r - 1`` (W, I0); ``r + 1`` W.
 
-    Source's claims (DualPipe, table 2): bubble ``(p/2 - 1)(F&B + B - 3W)`` per half-pipeline;
-    parameters held once (not twice as in DualPipe). Here: peak in-flight chunk-microbatches
-    ``2p + 1`` on every rank (``2p`` forwards before the first backward, one more in the main
-    phase); makespan at unit chunk costs ``6m + p - 1`` (both tested).
+    Source's claims (DeepSeek-V3 report, table 2, for DualPipe): bubble
+    ``(PP/2 - 1)(F&B + B - 3W)``, activations ``PP + 1`` microbatches; the halved DualPipeV keeps
+    one copy of the parameters where DualPipe keeps two. Here: peak in-flight
+    chunk-microbatches ``2p + 1`` on every rank (``2p`` forwards before the first backward, one
+    more in the main phase); makespan at unit chunk costs ``6m + p - 1`` (both tested).
 
     Raises:
         ShardkitError: ``v != 2`` or ``m < 2p`` (the source's requirement).
     """
-    check_sizes("dualpipev", p, v, m, v_allowed=(2,), m_min=2 * p)
+    check_sizes("dualpipev", p, v, m, v_min=2, v_max=2, m_min=2 * p)
     return tuple(tuple(_dualpipev_row(p, r, m)) for r in range(p))
 
 
