@@ -10,7 +10,7 @@ import pytest
 
 from shardkit.errors import ShardkitError
 from shardkit.pipeline_parallel.schedules import one_f_one_b_schedule
-from shardkit.pipeline_parallel.simulate import simulate_steps
+from shardkit.pipeline_parallel.simulate import fifo_mismatches, simulate_steps, transfers
 from shardkit.pipeline_parallel.steps import Step, chunk_owner, global_chunk, lower
 from shardkit.pipeline_parallel.tables import SCHEDULES, schedule_table
 
@@ -217,3 +217,24 @@ def test_placements_round_trip(placement):
         assert global_chunk("v", 0, 1, p) == 2 * p - 1  # loss and embedding on rank 0
         with pytest.raises(ShardkitError, match="local 0 or 1"):
             global_chunk("v", 0, 2, p)
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_every_message_is_sent_once_and_needed_once(name):
+    spec = SCHEDULES[name]
+    for p in (2, 3, 4):
+        for v, m in _cases(name, p):
+            sent, needed = transfers(spec.build(p, v, m), placement=spec.placement, v=v)
+            assert {k: sorted(x) for k, x in sent.items()} == {k: sorted(x) for k, x in needed.items()}
+            # each boundary between chunks on different ranks carries F and B once per microbatch
+            cross = sum(
+                spec.placement == "looped" or g != p - 1 for g in range(p * v - 1)
+            )  # V: chunks p - 1 and p share rank p - 1
+            assert sum(len(x) for x in sent.values()) == 2 * m * cross
+            fifo = fifo_mismatches(spec.build(p, v, m), placement=spec.placement, v=v)
+            assert fifo == [] or spec.placement == "v", (name, p, v, m, fifo)
+
+
+@pytest.mark.parametrize(("name", "p", "m"), [("zbv", 2, 4), ("dualpipev", 3, 6)])
+def test_v_tables_can_need_messages_out_of_the_senders_order(name, p, m):
+    assert fifo_mismatches(schedule_table(name, p, 2, m), placement="v", v=2) != []

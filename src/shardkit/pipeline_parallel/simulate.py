@@ -21,12 +21,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .steps import KINDS, Step, global_chunk
+from .steps import KINDS, Step, chunk_owner, global_chunk
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
 
-__all__ = ["Report", "simulate_steps", "UNIT_COSTS"]
+__all__ = ["Report", "simulate_steps", "UNIT_COSTS", "transfers", "fifo_mismatches"]
 
 UNIT_COSTS = {"F": 1.0, "I": 1.0, "W": 1.0, "B": 2.0}  # B = I + W, the zero-bubble paper's equal-cost case
 
@@ -152,3 +152,44 @@ def simulate_steps(
         if not progressed:
             stuck = {r: table[r][pc[r]] for r in range(p) if pc[r] < len(table[r])}
             return Report(max(clock), tuple(busy), peak, f"deadlock: blocked ranks and their next step: {stuck}")
+
+
+Message = tuple[str, int, int]  # ("F" activation | "B" gradient, microbatch, receiving global chunk)
+
+
+def transfers(
+    table: Sequence[Sequence[Step]], *, placement: str = "looped", v: int = 1
+) -> tuple[dict[tuple[int, int], list[Message]], dict[tuple[int, int], list[Message]]]:
+    """The cross-rank messages of a table, per channel ``(src rank, dst rank)``: ``(sent,
+    needed)``, each channel's messages in the order the sender produces them (right after the
+    step that computes them) and in the order the receiver's row first needs them. Chunks on
+    the same rank exchange nothing. Activations and gradients between the same two ranks share
+    one channel: without tags (NCCL) they pair in FIFO order.
+    """
+    p = len(table)
+    last = p * v - 1
+    sent: dict[tuple[int, int], list[Message]] = {}
+    needed: dict[tuple[int, int], list[Message]] = {}
+    for r, row in enumerate(table):
+        for s in row:
+            if s.kind == "W":
+                continue
+            g = global_chunk(placement, r, s.chunk, p)
+            src_g, dst_g, tag = (g - 1, g + 1, "F") if s.kind == "F" else (g + 1, g - 1, "B")
+            if 0 <= src_g <= last and (q := chunk_owner(placement, src_g, p)[0]) != r:
+                needed.setdefault((q, r), []).append((tag, s.microbatch, g))
+            if 0 <= dst_g <= last and (q := chunk_owner(placement, dst_g, p)[0]) != r:
+                sent.setdefault((r, q), []).append((tag, s.microbatch, dst_g))
+    return sent, needed
+
+
+def fifo_mismatches(table: Sequence[Sequence[Step]], *, placement: str = "looped", v: int = 1) -> list[tuple[int, int]]:
+    """Channels whose receiver needs messages in another order than the sender sends them.
+
+    On those, receiving each message right before the step that needs it would pair the wrong
+    messages under FIFO matching: the receiver must post its receives in the sender's order
+    (both rows are known to every rank) and hold early arrivals. Empty for the one-chunk and
+    looped tables; not always for the V-shaped ones (e.g. ``zbv`` at p = 2, m = 4; tested).
+    """
+    sent, needed = transfers(table, placement=placement, v=v)
+    return sorted(k for k in set(sent) | set(needed) if sent.get(k) != needed.get(k))
