@@ -112,6 +112,11 @@ def test_zero_bubble_time_is_a_third_of_1f1b():
     assert idle["zb-h1"] * 3 == idle["1f1b"]
 
 
+def test_plain_tuples_are_steps():
+    table = tuple(tuple(tuple(s) for s in row) for row in schedule_table("zbv", 2, 2, 4))
+    assert _run("zbv", 2, 2, 4, table) == _run("zbv", 2, 2, 4)
+
+
 def test_other_costs_are_used():
     costs = {"F": 1.0, "B": 3.0, "I": 2.0, "W": 1.0}
     rep = simulate_steps(schedule_table("1f1b", 3, 1, 5), num_microbatches=5, costs=costs)
@@ -136,6 +141,7 @@ def test_a_swapped_pair_deadlocks():
         (lambda row: row + (Step("B", 0, 0),), "expected F+B or F+I+W"),  # B beside I+W
         (lambda row: row + (Step("F", 99, 0),), "outside microbatches"),
         (lambda row: row + (Step("X", 0, 0),), "bad step"),
+        (lambda row: row + (Step("F", "0", 0),), "bad step"),
     ],
 )
 def test_broken_tables_are_reported(mutate, match):

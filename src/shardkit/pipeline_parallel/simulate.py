@@ -58,7 +58,7 @@ def _structure(table: Sequence[Sequence[Step]], placement: str, v: int, m: int) 
     for r, row in enumerate(table):
         seen: dict[tuple[str, int, int], int] = {}
         for i, s in enumerate(row):
-            if not isinstance(s, tuple) or len(s) != 3 or s[0] not in KINDS:
+            if not isinstance(s, tuple) or len(s) != 3 or s[0] not in KINDS or not _ints(s[1:]):
                 return f"rank {r}: bad step {s!r}; expected Step(F|B|I|W, microbatch, chunk)"
             if not (0 <= s[1] < m and 0 <= s[2] < v):
                 return f"rank {r}: {s} outside microbatches 0..{m - 1} or chunks 0..{v - 1}"
@@ -78,10 +78,15 @@ def _structure(table: Sequence[Sequence[Step]], placement: str, v: int, m: int) 
     return None
 
 
+def _ints(xs: Sequence[object]) -> bool:
+    return all(isinstance(x, int) and not isinstance(x, bool) for x in xs)
+
+
 def _peak(row: Sequence[Step]) -> int:
     live = peak = 0
     for s in row:
-        live += 1 if s.kind == "F" else -1 if s.kind in ("B", "W") else 0
+        kind = s[0] if isinstance(s, tuple) and s else None
+        live += 1 if kind == "F" else -1 if kind in ("B", "W") else 0
         peak = max(peak, live)
     return peak
 
@@ -130,6 +135,7 @@ def simulate_steps(
     why = _structure(table, placement, v, m)
     if why is not None:
         return Report(0.0, (0.0,) * p, peak, why)
+    table = [[Step(*s) for s in row] for row in table]  # plain (kind, microbatch, chunk) tuples too
     done: dict[tuple[str, int, int], float] = {}  # (kind, microbatch, global chunk) -> end time
     pc, clock, busy = [0] * p, [0.0] * p, [0.0] * p
     while True:
