@@ -15,6 +15,9 @@ by the actions, not listed:
 :func:`simulate` executes all stages' plans with blocking (rendezvous) P2P semantics, the worst
 case of NCCL: it reports a deadlock or a message matched out of order, and the time line.
 
+These are the runner's one-chunk ``F``/``B`` tables. Tables with virtual stages and the
+zero-bubble ``I``/``W`` split are :mod:`.tables` (checked by :mod:`.simulate`).
+
 Sources: GPipe (Huang et al., 2019: all forwards, then all backwards); 1F1B / PipeDream-Flush
 (Narayanan et al., 2021; Megatron-LM ``forward_backward_pipelining_without_interleaving``:
 ``min(P - s - 1, M)`` warm-up forwards, alternating steady state, cool-down backwards).
