@@ -29,7 +29,12 @@ from shardkit.parallelize import parallelize
 from shardkit.sharding import ParallelDims
 
 BATCH, SEQ = 4, 8
-WORLD_2 = {"dp_replicate=2": dict(dp_replicate=2), "dp_shard=2": dict(dp_shard=2), "cp=2": dict(cp_ring=2)}
+WORLD_2 = {
+    "dp_replicate=2": dict(dp_replicate=2),
+    "dp_shard=2": dict(dp_shard=2),
+    "cp_ring=2": dict(cp_ring=2),
+    "cp_ulysses=2": dict(cp_ulysses=2),
+}
 WORLD_4 = {
     "HSDP dp_replicate=2 x dp_shard=2": dict(dp_replicate=2, dp_shard=2),
     "tp=2 x dp_replicate=2": dict(tp=2, dp_replicate=2),
