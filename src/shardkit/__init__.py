@@ -56,7 +56,7 @@ from .context_parallel import (
     zigzag_gather,
     zigzag_split,
 )
-from .data_parallel import GradientSync, apply_fsdp
+from .data_parallel import GradientSync, apply_fsdp, global_mean_loss
 from .errors import GroupMembershipError, RankMismatchError, ShardkitError, ShardkitTypeError
 from .expert_parallel import DispatchPlan, dispatch_plan, ep_plan, token_combine, token_dispatch
 from .parallelize import ParallelModel, gather_full_parameters, parallelize, parallelize_stage
@@ -123,6 +123,7 @@ __all__ = [
     "ParallelModel",
     "gather_full_parameters",
     "GradientSync",
+    "global_mean_loss",
     "apply_fsdp",
     "save_train_state",
     "load_train_state",

@@ -40,7 +40,7 @@ def _step(pm, optimizer, ids: torch.Tensor) -> None:
 
 def _parallel(layout: dict | None, seed: int = 0):
     mesh = None if layout is None else ParallelDims(**layout).build_mesh("cpu")
-    pm = parallelize(tiny_decoder(seed=seed), mesh)
+    pm = parallelize(tiny_decoder(seed=seed), mesh, grad_reduce="sum")  # the loss is over the global count
     return pm, torch.optim.AdamW(pm.module.parameters(), lr=LR)
 
 

@@ -2,13 +2,17 @@
 
 A tiny float64 Hugging Face decoder, parallelized on 4 ranks; each data rank back-propagates its
 rows of one global batch (loss / global token count), ``pm.grads.reduce()`` sums over the data
-ranks, and ``pm.grads.global_norm()`` must equal the 2-norm of the one-process gradient of the
-mean loss over the whole batch:
+ranks (``grad_reduce="sum"``), and ``pm.grads.global_norm()`` must equal the 2-norm of the
+one-process gradient of the mean loss over the whole batch:
 
 * GQA with ``tp`` > KV heads (4 query heads, 1 KV head, tp = 2): both tp ranks hold the one KV
   head; it counts once.
 * ``edp`` experts (Qwen3-MoE, ep = 2 of the 4 ranks): every expert is held by the 2 ranks of its
   expert-data-parallel group; it counts once.
+
+With ``grad_reduce="mean"`` (the default) and each rank's own token mean as its loss, the norm
+is the same: dense and expert gradients alike are divided by the data ranks once (FSDP2's own
+divide factor for the parameters it reduces, :class:`GradientSync` for the rest).
 
 Each claim can fail: the same run with the duplicate masking (or the ``edp`` replica rule)
 switched off gives a different norm (checked below).
@@ -39,14 +43,16 @@ def _one_process_norm(model_kw: dict) -> float:
     return torch.sqrt(sum(p.grad.double().pow(2).sum() for p in model.parameters() if p.grad is not None)).item()
 
 
-def _parallel_norm(layout: dict, model_kw: dict) -> tuple[float, object]:
-    """The global norm after one backward and ``reduce`` on ``layout``; and the ParallelModel."""
+def _parallel_norm(layout: dict, model_kw: dict, grad_reduce: str = "sum") -> tuple[float, object]:
+    """The global norm after one backward and ``reduce`` on ``layout``; and the ParallelModel.
+    The loss is this rank's token losses over the global count (``"sum"``) or its own (``"mean"``)."""
     mesh = ParallelDims(**layout).build_mesh("cpu")
-    pm = parallelize(tiny_decoder(**model_kw), mesh)
+    pm = parallelize(tiny_decoder(**model_kw), mesh, grad_reduce=grad_reduce)
     ids = token_ids(BATCH)
     rows = BATCH // mesh.size("dp")
     mine = ids[mesh.local_rank("dp") * rows : (mesh.local_rank("dp") + 1) * rows]
-    (loss_sum(pm.module(input_ids=mine).logits, mine) / predicted_tokens(ids)).backward()
+    count = predicted_tokens(ids if grad_reduce == "sum" else mine)
+    (loss_sum(pm.module(input_ids=mine).logits, mine) / count).backward()
     pm.grads.reduce()
     return pm.grads.global_norm().item(), pm
 
@@ -102,3 +108,16 @@ def test_the_edp_check_fails_when_expert_replicas_all_count():
     with mock.patch.object(grads_module.GradientSync, "_counts_here", every_expert_replica):
         norm, _ = _parallel_norm(dict(tp=2, dp_replicate=2, ep=2), MOE)
     assert all_true(not _matches(norm, MOE))
+
+
+# ep = 4 over tp x dp_shard leaves edp = 1: the expert gradients are divided without a reduction
+MEAN_LAYOUTS = {**GQA_LAYOUTS, **MOE_LAYOUTS, "moe tp=2 x dp_shard=2, ep=4": dict(tp=2, dp_shard=2, ep=4)}
+
+
+@pytest.mark.world(4, timeout=180)
+@pytest.mark.parametrize("layout", list(MEAN_LAYOUTS.values()), ids=list(MEAN_LAYOUTS))
+def test_global_norm_of_the_mean_over_data_ranks(layout):
+    model_kw = MOE if "ep" in layout else GQA
+    norm, pm = _parallel_norm(layout, model_kw, grad_reduce="mean")
+    assert layout.get("ep") != 4 or pm.mesh.size("edp") == 1
+    assert all_true(_matches(norm, model_kw)), f"rank {rank()}: norm {norm}"

@@ -2,7 +2,8 @@
 
 Float64 parity of the output block and of every reduced parameter gradient (the sharded W not
 divisible by the spatial ranks), the H x W tiled case, one process unchanged, and the layouts a
-convolutional model cannot take refused on every rank.
+convolutional model cannot take refused on every rank. Both gradient reductions: ``"sum"`` with
+every block's loss over the global element count, ``"mean"`` (the default) over its dp rank's.
 """
 
 import pytest
@@ -35,7 +36,7 @@ def _block(x: torch.Tensor, mesh, dims=NCHW) -> torch.Tensor:
     return x
 
 
-def _parity(dims: ParallelDims, width: int) -> None:
+def _parity(dims: ParallelDims, width: int, grad_reduce: str) -> None:
     torch.manual_seed(1)
     x = torch.randn(4, 3, 6, width, dtype=torch.float64)
     ref = _model()
@@ -43,30 +44,35 @@ def _parity(dims: ParallelDims, width: int) -> None:
     (ref_out.pow(2).sum() / ref_out.numel()).backward()
 
     mesh = dims.build_mesh("cpu")
-    pm = parallelize_conv(_model(), mesh, NCHW)
+    pm = parallelize_conv(_model(), mesh, NCHW, grad_reduce=grad_reduce)
     assert pm.cp is None and not pm.sequence_parallel and not pm.loss_parallel
     assert isinstance(pm.module[0], SpatialConv2d)
     out = pm.module(_block(x, mesh))
     torch.testing.assert_close(out, _block(ref_out.detach(), mesh), **TOL)
-    (out.pow(2).sum() / ref_out.numel()).backward()  # this rank's share of the global mean
+    # this rank's share of the global mean ("sum") or of its dp rank's mean ("mean")
+    elements = ref_out.numel() // (mesh.size("dp_cp") if grad_reduce == "mean" else 1)
+    (out.pow(2).sum() / elements).backward()
     pm.grads.reduce()
     for (name, p), (_, q) in zip(pm.module.named_parameters(), ref.named_parameters()):
         torch.testing.assert_close(p.grad, q.grad, **TOL, msg=name)
 
 
 @pytest.mark.world(4, timeout=60)
-def test_spatial_2_x_dp_2_matches_one_process():
-    _parity(ParallelDims(spatial=2, dp_replicate=2), width=7)  # 7 columns: 4 + 3
+@pytest.mark.parametrize("grad_reduce", ["mean", "sum"])
+def test_spatial_2_x_dp_2_matches_one_process(grad_reduce):
+    _parity(ParallelDims(spatial=2, dp_replicate=2), width=7, grad_reduce=grad_reduce)  # 7 columns: 4 + 3
 
 
 @pytest.mark.world(4, timeout=60)
-def test_h_x_w_tiles_match_one_process():
-    _parity(ParallelDims(spatial_h=2, spatial=2), width=5)
+@pytest.mark.parametrize("grad_reduce", ["mean", "sum"])
+def test_h_x_w_tiles_match_one_process(grad_reduce):
+    _parity(ParallelDims(spatial_h=2, spatial=2), width=5, grad_reduce=grad_reduce)
 
 
 @pytest.mark.world(4, timeout=60)
-def test_dp_shard_holds_whole_replicas():
-    _parity(ParallelDims(spatial=2, dp_shard=2), width=6)
+@pytest.mark.parametrize("grad_reduce", ["mean", "sum"])
+def test_dp_shard_holds_whole_replicas(grad_reduce):
+    _parity(ParallelDims(spatial=2, dp_shard=2), width=6, grad_reduce=grad_reduce)
 
 
 def test_one_process_is_unchanged():

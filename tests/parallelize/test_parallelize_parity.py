@@ -1,8 +1,9 @@
 """``parallelize`` on a tiny Hugging Face Llama, without the CLI: loss and gradients equal one process's.
 
 Each rank builds the same float64 model (the trainer's builder, seed 0), parallelizes it on a
-4-rank layout, runs its data rows of one global batch (loss = its token losses / the global token
-count), and after ``pm.grads.reduce()`` takes one SGD step of ``lr = 1``; the full parameters
+4-rank layout with ``grad_reduce="sum"`` (the trainer's convention), runs its data rows of one
+global batch (loss = its token losses / the global token count), and after ``pm.grads.reduce()``
+takes one SGD step of ``lr = 1``; the full parameters
 (gathered) then moved by exactly minus the one-process gradient of the mean loss over the whole
 batch, to float64 rounding. The summed loss equals the one-process loss.
 
@@ -43,7 +44,7 @@ def _parallel_step(layout: dict, sequence_parallel: bool, sync: bool) -> tuple[f
     """One step of the parallelized model: the loss summed over the data ranks, and on rank 0 the
     full parameters' change under one SGD step of lr 1 (minus the gradient)."""
     mesh = ParallelDims(**layout).build_mesh("cpu")
-    pm = parallelize(tiny_decoder(), mesh, sequence_parallel=sequence_parallel)
+    pm = parallelize(tiny_decoder(), mesh, sequence_parallel=sequence_parallel, grad_reduce="sum")
     ids = token_ids(BATCH)
     rows = BATCH // mesh.size("dp")
     mine = ids[mesh.local_rank("dp") * rows : (mesh.local_rank("dp") + 1) * rows]

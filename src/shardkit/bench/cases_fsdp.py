@@ -38,7 +38,7 @@ DP, TP = 2, 2
 def _shardkit(path: str):
     """(step module, backward hook before the optimizer, full parameters on rank 0, dp rank)."""
 
-    pm = parallelize(load_llama(path), ParallelDims(dp_shard=DP, tp=TP).build_mesh())
+    pm = parallelize(load_llama(path), ParallelDims(dp_shard=DP, tp=TP).build_mesh(), grad_reduce="sum")
     return pm.module, pm.grads.reduce, lambda: gather_full_parameters(pm), pm.mesh.local_rank("dp")
 
 

@@ -2,10 +2,14 @@
 
 * :func:`apply_fsdp`: FSDP2 ``fully_shard`` over ``dp_shard x cp`` (HSDP with ``dp_replicate``).
 * :class:`GradientSync`: after the last backward of a step, sums what FSDP2 does not reduce over
-  ``dp_cp`` (dense) and ``edp`` (experts), and clips by the global norm.
+  ``dp_cp`` (dense) and ``edp`` (experts), divides by the data ranks for ``grad_reduce="mean"``
+  (DDP's average), and clips by the global norm.
+* :func:`global_mean_loss`: the loss to back-propagate for the global token mean when data ranks
+  count different numbers of tokens.
 """
 
 from .fsdp import apply_fsdp
-from .grads import GradientSync, ParamLayout
+from .grads import GradientSync, GradReduce, ParamLayout
+from .loss import global_mean_loss
 
-__all__ = ["apply_fsdp", "GradientSync", "ParamLayout"]
+__all__ = ["apply_fsdp", "GradientSync", "GradReduce", "ParamLayout", "global_mean_loss"]

@@ -4,8 +4,11 @@ Parameters, gradients and optimizer state of every transformer block are sharded
 ``dp_shard_cp`` ranks (ZeRO-3): context-parallel ranks hold the same parameters and different
 tokens, so they shard like data-parallel ranks (torchtitan's ``dp_shard_cp`` mesh). With
 ``dp_replicate > 1`` the mesh is 2-D and FSDP2 runs HSDP: reduce-scatter inside a replica
-group, all-reduce across them. Gradient reductions are sums (the loss is already normalized by
-the global token count, see :mod:`.grads`).
+group, all-reduce across them. Gradient reductions follow ``grad_reduce`` (see :mod:`.grads`):
+``"mean"`` divides the summed gradient by the ``D`` data ranks with FSDP2's own
+``set_gradient_divide_factor(D)``, ``"sum"`` sets the factor to 1 (the loss is already
+normalized by the global token count). Either way the collectives are plain sums (gloo has no
+``AVG`` or ``PREMUL_SUM``); FSDP2 divides once, after the reduce-scatter (and HSDP's all-reduce).
 
 Left out of FSDP2, kept replicated and reduced by :class:`~.grads.GradientSync` instead:
 
@@ -42,6 +45,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 from ..comm import ledger
 from ..comm._compat import all_gather_single, reduce_scatter_single
 from ..expert_parallel.hf import expert_shard
+from .grads import GradReduce, check_grad_reduce
 
 if TYPE_CHECKING:
     from ..sharding import ParallelMesh
@@ -54,7 +58,9 @@ def keeps_own_reduction(p: nn.Parameter) -> bool:
     return bool(getattr(p, "_shardkit_grad_hook", False)) or expert_shard(p) is not None
 
 
-def apply_fsdp(model: nn.Module, mesh: ParallelMesh, blocks: list[nn.Module]) -> set[str]:
+def apply_fsdp(
+    model: nn.Module, mesh: ParallelMesh, blocks: list[nn.Module], *, grad_reduce: GradReduce = "mean"
+) -> set[str]:
     """Apply FSDP2 to every block of ``blocks`` and then to ``model`` (the root), in place.
 
     Args:
@@ -62,12 +68,18 @@ def apply_fsdp(model: nn.Module, mesh: ParallelMesh, blocks: list[nn.Module]) ->
         mesh: the job's :class:`~shardkit.sharding.ParallelMesh` (``dp_shard > 1``).
         blocks: the modules to shard one by one (decoder layers): each is all-gathered just
             before its forward and freed after, so only one block is ever unsharded.
+        grad_reduce: ``"mean"`` (FSDP2's and DDP's average over the ``D`` data ranks) or
+            ``"sum"``; the :class:`~.grads.GradientSync` of the same model must use the same.
 
     Returns:
         The names of the parameters FSDP2 now owns (their gradients are reduced by FSDP2).
+
+    Raises:
+        ShardkitError: ``grad_reduce`` not ``"mean"`` or ``"sum"``.
     """
     from torch.distributed.fsdp import fully_shard
 
+    mode = check_grad_reduce(grad_reduce, "apply_fsdp")
     dp_mesh = mesh["hsdp"] if mesh.dims.dp_replicate > 1 else mesh["dp_shard_cp"]
     ignored = {p for p in model.parameters() if keeps_own_reduction(p)}
     names = {name for name, p in model.named_parameters() if p not in ignored}
@@ -75,8 +87,8 @@ def apply_fsdp(model: nn.Module, mesh: ParallelMesh, blocks: list[nn.Module]) ->
     sharded.append(fully_shard(model, mesh=dp_mesh, ignored_params=ignored))
     replicate = dp_mesh.get_group(0) if mesh.dims.dp_replicate > 1 else None  # HSDP: FSDP2's all-reduce group
     for module in sharded:
-        # Sums, not FSDP2's default mean: gloo has no PREMUL_SUM, so ask for plain sums.
-        module.set_gradient_divide_factor(1.0)
+        # FSDP2 divides by the factor after plain-sum collectives (gloo has no AVG / PREMUL_SUM)
+        module.set_gradient_divide_factor(float(dp_mesh.size()) if mode == "mean" else 1.0)
         module.set_force_sum_reduction_for_comms(True)
         module.set_custom_all_gather(LedgerAllGather())
         module.set_custom_reduce_scatter(LedgerReduceScatter())

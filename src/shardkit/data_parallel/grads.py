@@ -1,32 +1,45 @@
 """The one gradient-reduction path of a composed layout, and the global gradient norm.
 
-Convention: every rank back-propagates ``sum(its token losses) / N`` with ``N`` the *global*
-target count, so the gradient of the global token-mean loss is the **sum** over the ranks
-holding different data (``dp_replicate x dp_shard x cp_ring x cp_ulysses``) of the per-rank
-gradients. Tensor-parallel ranks hold the same data: their reductions are inside the model
-(Megatron's f/g, and :func:`~shardkit.tensor_parallel.sum_grad_over` for replicated weights
-used on local data). Expert weights are held by the ``ep`` ranks and replicated over ``edp``:
-their gradients are summed over ``edp`` instead.
+Two conventions, chosen by ``grad_reduce`` (the ranks holding different data are
+``dp_replicate x dp_shard x cp_ring x cp_ulysses``, ``D`` of them: the ``dp_cp`` group):
+
+* ``"mean"`` (torch DDP's and FSDP2's): every rank back-propagates its own loss, e.g. the
+  mean over its tokens (Hugging Face's ``labels=`` loss), and the reduced gradient is the
+  **mean** over the ``D`` data ranks of the per-rank gradients. That is the gradient of the
+  global token mean exactly when every data rank counts the same number of tokens (equal rows,
+  no ``-100`` labels, or cp ranks each holding the same number of targeted tokens); otherwise
+  back-propagate :func:`~shardkit.data_parallel.global_mean_loss`.
+* ``"sum"`` (the trainer's): every rank back-propagates ``sum(its token losses) / N`` with ``N``
+  the *global* target count, and the reduced gradient is the **sum** over the data ranks.
+
+Tensor-parallel ranks hold the same data: their reductions are inside the model (Megatron's
+f/g, and :func:`~shardkit.tensor_parallel.sum_grad_over` for replicated weights used on local
+data). Expert weights are held by the ``ep`` ranks and replicated over ``edp``: their gradients
+are summed over ``edp`` instead (and, for ``"mean"``, divided by the same ``D``).
 
 :class:`GradientSync` does, after the last backward of a step (Megatron-LM's
 ``finalize_model_grads``): one bucketed all-reduce (sum) per dtype over ``dp_cp`` of every dense
-gradient FSDP2 does not reduce itself, and one over ``edp`` of the expert gradients. A step with
-gradient accumulation or a pipeline schedule reduces once, after all its microbatches.
+gradient FSDP2 does not reduce itself, and one over ``edp`` of the expert gradients, then for
+``"mean"`` one division by ``D`` (FSDP2 divides the gradients it reduces itself, by its
+``set_gradient_divide_factor``). A step with gradient accumulation or a pipeline schedule reduces
+once, after all its microbatches.
 
-:meth:`GradientSync.clip_` computes the global 2-norm with every parameter element counted once,
-however it is laid out: sharded over tp or ep (each rank its own elements; replicated KV heads
-once), FSDP-sharded (each shard once), replicated (only rank 0 of each replica group counts),
-split over pipeline stages (each stage its own), then one all-reduce over the world.
+:meth:`GradientSync.clip_` computes the global 2-norm of the reduced gradient with every
+parameter element counted once, however it is laid out: sharded over tp or ep (each rank its own
+elements; replicated KV heads once), FSDP-sharded (each shard once), replicated (only rank 0 of
+each replica group counts), split over pipeline stages (each stage its own), then one all-reduce
+over the world. It is the norm of the gradient each mode produces, so clipping acts on it alike.
 
 Source: Megatron-LM ``finalize_model_grads`` / ``clip_grad_norm_fp32`` (norm over model-parallel
-ranks with duplicates counted once); torchtitan's FSDP2 + TP gradient clipping.
+ranks with duplicates counted once); torchtitan's FSDP2 + TP gradient clipping; torch DDP's
+gradient averaging (Li et al., VLDB 2020).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.distributed as dist
@@ -40,7 +53,16 @@ from ..sharding import ShardSpec
 if TYPE_CHECKING:
     from ..sharding import ParallelMesh
 
-__all__ = ["GradientSync", "ParamLayout"]
+__all__ = ["GradReduce", "GradientSync", "ParamLayout", "check_grad_reduce"]
+
+GradReduce = Literal["mean", "sum"]
+
+
+def check_grad_reduce(grad_reduce: object, op: str) -> GradReduce:
+    """``grad_reduce`` if it is ``"mean"`` or ``"sum"``; else a :class:`ShardkitError` naming ``op``."""
+    if grad_reduce == "mean" or grad_reduce == "sum":
+        return grad_reduce
+    raise ShardkitError(f"{op}: grad_reduce must be 'mean' or 'sum', got {grad_reduce!r}")
 
 
 @dataclass
@@ -94,9 +116,15 @@ class GradientSync:
         mesh: its :class:`~shardkit.sharding.ParallelMesh`, or None for one process (then
             :meth:`reduce` does nothing and the norm is the local one).
         layouts: ``{name: ParamLayout}`` for every parameter of ``model``.
+        pre_reduce: a callable run at the start of :meth:`reduce` (the tied-embedding sum
+            between the first and last pipeline stage).
+        grad_reduce: ``"mean"`` (torch DDP's: the mean over the ``D`` data ranks) or ``"sum"``
+            (for losses already divided by the global token count); see the module docstring.
+            It must match how FSDP2 was applied (:func:`~shardkit.data_parallel.apply_fsdp`'s
+            ``grad_reduce``): FSDP2 reduces its own parameters.
 
     Raises:
-        ShardkitError: a parameter has no layout.
+        ShardkitError: a parameter has no layout; ``grad_reduce`` not ``"mean"`` or ``"sum"``.
     """
 
     def __init__(
@@ -105,9 +133,14 @@ class GradientSync:
         mesh: ParallelMesh | None,
         layouts: dict[str, ParamLayout],
         pre_reduce: Callable[[], None] | None = None,
+        *,
+        grad_reduce: GradReduce = "mean",
     ) -> None:
-        """See the class docstring; ``pre_reduce``: a callable run at the start of :meth:`reduce`."""
+        """See the class docstring."""
         self.model, self.mesh, self.pre_reduce = model, mesh, pre_reduce
+        self.grad_reduce = check_grad_reduce(grad_reduce, "GradientSync")
+        # "mean" divides every gradient it reduces by the number of data ranks (DDP's average)
+        self.divisor = mesh.size("dp_cp") if mesh is not None and self.grad_reduce == "mean" else 1
         self.params = [(p, layouts[name]) for name, p in model.named_parameters() if p.requires_grad]
         missing = [name for name, p in model.named_parameters() if p.requires_grad and name not in layouts]
         if missing:
@@ -119,7 +152,8 @@ class GradientSync:
             self._expert = resolve_group(mesh["edp"], "GradientSync") if mesh.size("edp") > 1 else None
 
     def reduce(self) -> None:
-        """Sum the gradients FSDP2 does not reduce over the ranks holding different data.
+        """Sum the gradients FSDP2 does not reduce over the ranks holding different data; for
+        ``"mean"``, divide them by the number of data ranks ``D``.
 
         Collective over ``dp_cp`` (dense) and ``edp`` (experts). A parameter without a gradient
         gets zeros first, so every rank reduces the same buckets. ``pre_reduce`` (given at
@@ -128,7 +162,7 @@ class GradientSync:
         if self.pre_reduce is not None:
             self.pre_reduce()
         for group, expert in ((self._dense, False), (self._expert, True)):
-            if group is None:
+            if group is None and self.divisor == 1:
                 continue
             params = [p for p, lay in self.params if lay.expert == expert and not lay.fsdp]
             grads = []
@@ -139,7 +173,10 @@ class GradientSync:
             for dtype in sorted({g.dtype for g in grads}, key=str):
                 same = [g for g in grads if g.dtype == dtype]
                 flat = torch.cat([g.reshape(-1) for g in same])
-                flat = _c10d.all_reduce(flat, group, "expert_grads" if expert else "dp_cp_grads", "backward")
+                if group is not None:
+                    flat = _c10d.all_reduce(flat, group, "expert_grads" if expert else "dp_cp_grads", "backward")
+                if self.divisor != 1:
+                    flat = flat / self.divisor
                 for g, part in zip(same, flat.split([g.numel() for g in same])):
                     g.copy_(part.view_as(g))
 

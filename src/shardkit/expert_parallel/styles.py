@@ -18,12 +18,21 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..errors import ShardkitError
+from ..errors import ShardkitError, ShardkitTypeError
 from ..tensor_parallel.plan import model_tp_plan
 from ..tensor_parallel.styles import ParallelStyle, StyleContext
-from .hf import install_ep_forward, shard_expert_param, shard_expert_params
+from .hf import expert_shard, install_ep_forward, shard_expert_param, shard_expert_params
 
 __all__ = ["GroupedGemm", "EpDispatchExperts", "EpRouter", "ep_styles", "ep_plan"]
+
+
+def _shard_experts_or_refuse(module: nn.Module, ctx: StyleContext, style: str) -> None:
+    """Cut the module's per-expert parameters; refuse a module that has none (not an experts module)."""
+    if not shard_expert_params(module, ctx.group) and expert_shard(module) is None:
+        raise ShardkitTypeError(
+            f"{style}: {ctx.name or 'the module'} ({type(module).__name__}) has no per-expert parameters "
+            "(leading dim num_experts) to shard; it takes a transformers experts module"
+        )
 
 
 class GroupedGemm(ParallelStyle):
@@ -33,7 +42,7 @@ class GroupedGemm(ParallelStyle):
         shard_expert_param(module, pname, ctx.group)
 
     def apply_module(self, module: nn.Module, ctx: StyleContext) -> None:
-        shard_expert_params(module, ctx.group)
+        _shard_experts_or_refuse(module, ctx, "grouped_gemm")
 
 
 class EpDispatchExperts(ParallelStyle):
@@ -49,7 +58,7 @@ class EpDispatchExperts(ParallelStyle):
         self.mode, self.tokens = mode, tokens
 
     def apply_module(self, module: nn.Module, ctx: StyleContext) -> None:
-        shard_expert_params(module, ctx.group)  # no-op for parameters a grouped_gemm rule cut
+        _shard_experts_or_refuse(module, ctx, "ep_dispatch_experts")  # no-op for what a grouped_gemm rule cut
         install_ep_forward(module, ctx.group, mode=self.mode, tokens=self.tokens)
 
 

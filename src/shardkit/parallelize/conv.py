@@ -6,8 +6,9 @@ counterpart).
    tile them on the 2-D submesh. The converted layers sum parameter gradients over the spatial
    group in backward.
 2. **dp**: every parameter stays replicated; one :class:`~shardkit.data_parallel.GradientSync`
-   sums the gradients over the data-parallel ranks (``dp_replicate x dp_shard``: the frames are
-   small, so ``dp_shard`` ranks hold whole replicas too) and clips by the global norm.
+   reduces the gradients over the data-parallel ranks (``dp_replicate x dp_shard``: the frames
+   are small, so ``dp_shard`` ranks hold whole replicas too), their mean (``grad_reduce="mean"``,
+   DDP's) or sum, and clips by the global norm.
 
 Source: spatial (domain) parallelism of convolutions with halo exchange, as in Dryden et al.,
 "Improving Strong-Scaling of CNN Training by Exploiting Finer-Grained Parallelism" (IPDPS 2019).
@@ -20,7 +21,8 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from ..data_parallel import GradientSync, ParamLayout
+from ..data_parallel import GradientSync, GradReduce, ParamLayout
+from ..data_parallel.grads import check_grad_reduce
 from ..errors import ShardkitError
 from ..spatial import apply_spatial
 from .decoder import ParallelModel
@@ -32,7 +34,11 @@ __all__ = ["parallelize_conv"]
 
 
 def parallelize_conv(
-    model: nn.Module, mesh: ParallelMesh | None, spatial_dims: Sequence[tuple[str, int]]
+    model: nn.Module,
+    mesh: ParallelMesh | None,
+    spatial_dims: Sequence[tuple[str, int]],
+    *,
+    grad_reduce: GradReduce = "mean",
 ) -> ParallelModel:
     """Shard ``model``'s frames over the mesh's spatial dims, replicate its parameters over dp, in place.
 
@@ -46,15 +52,22 @@ def parallelize_conv(
             process (nothing is changed: the same trainer runs the ``--verify`` reference).
         spatial_dims: ``(mesh dim, tensor dim)`` pairs, e.g. ``(("spatial_h", 2), ("spatial", 3))``
             for NCHW frames; the mesh dims of size 1 are skipped.
+        grad_reduce: ``"mean"`` (DDP's): the mean over the dp ranks of their gradients, for a
+            loss that is each dp rank's own mean; ``"sum"``: their sum, for a loss already
+            divided by the global element count. The spatial ranks of one frame are parts of
+            one loss either way: each back-propagates its block's share, normalised by the
+            element count of its dp rank's (``"mean"``) or the global (``"sum"``) batch.
 
     Returns:
         :class:`~shardkit.parallelize.ParallelModel` (no cp, no sequence or loss parallelism).
 
     Raises:
         ShardkitError: a mesh with tp, cp, pp or ep (a convolutional model has no heads,
-            sequence or experts to shard), a mesh dim in ``spatial_dims`` that is not spatial;
+            sequence or experts to shard), a mesh dim in ``spatial_dims`` that is not spatial,
+            ``grad_reduce`` not ``"mean"`` or ``"sum"``;
             :func:`~shardkit.spatial.apply_spatial`'s errors (layers it cannot shard).
     """
+    grad_reduce = check_grad_reduce(grad_reduce, "parallelize_conv")
     if mesh is not None:
         dims = mesh.dims
         others = {"tp": dims.tp, "pp": dims.pp, "cp": dims.cp, "ep": dims.ep}
@@ -71,4 +84,4 @@ def parallelize_conv(
             names, tensor_dims = zip(*sharded)
             model = apply_spatial(model, mesh[names], dim=tensor_dims)
     layouts = {name: ParamLayout(name, False, False, None) for name, _ in model.named_parameters()}
-    return ParallelModel(model, mesh, None, GradientSync(model, mesh, layouts), layouts)
+    return ParallelModel(model, mesh, None, GradientSync(model, mesh, layouts, grad_reduce=grad_reduce), layouts)

@@ -16,6 +16,8 @@ Each transform takes its own submesh of the job's :class:`~shardkit.sharding.Par
    sequence parallelism each tp rank already holds its own block of the sequence.
 4. **dp**: FSDP2 over ``dp_shard x cp`` (HSDP with ``dp_replicate``) when ``dp_shard > 1``;
    everything FSDP2 does not reduce is summed by one :class:`~shardkit.data_parallel.GradientSync`.
+   ``grad_reduce`` picks DDP's mean over the data ranks (the default) or their sum (the
+   trainer's, with the loss divided by the global token count).
 
 Source: torchtitan ``parallelize_llama`` (TP, then CP, then FSDP, one function per family);
 Megatron-LM's TP x CP x EP x DP layouts.
@@ -30,7 +32,8 @@ from torch import nn
 
 from ..comm.fingerprint import maybe_fingerprint
 from ..context_parallel import apply_cp
-from ..data_parallel import GradientSync, ParamLayout, apply_fsdp
+from ..data_parallel import GradientSync, GradReduce, ParamLayout, apply_fsdp
+from ..data_parallel.grads import check_grad_reduce
 from ..errors import ShardkitError
 from ..expert_parallel.hf import expert_shard, shard_experts
 from ..expert_parallel.styles import ep_styles
@@ -98,7 +101,12 @@ def _tp_plan(model: nn.Module, expert_parallel: bool) -> dict:
 
 
 def parallelize(
-    model: nn.Module, mesh: ParallelMesh | None, *, sequence_parallel: bool = False, loss_parallel: bool = False
+    model: nn.Module,
+    mesh: ParallelMesh | None,
+    *,
+    sequence_parallel: bool = False,
+    loss_parallel: bool = False,
+    grad_reduce: GradReduce = "mean",
 ) -> ParallelModel:
     """Apply tensor, context, expert and data parallelism to ``model``, in that order, in place.
 
@@ -113,17 +121,33 @@ def parallelize(
             is changed: the same trainer runs the ``--verify`` reference).
         sequence_parallel: shard hidden states between blocks over tp (Megatron-SP).
         loss_parallel: keep the logits vocab-sharded over tp (the vocab-parallel loss).
+        grad_reduce: how ``pm.grads.reduce()`` (and FSDP2) combine the gradients of the ``D``
+            ranks holding different data (``dp_replicate x dp_shard x cp``):
+
+            * ``"mean"`` (torch DDP's and FSDP2's default): the mean of the per-rank gradients.
+              Back-propagate each rank's own mean loss (Hugging Face's ``labels=``). With cp,
+              every cp rank's loss is the mean over *its* tokens of the sequence, and the mean
+              of those is the global token mean only when every data and cp rank counts the
+              same number of tokens (no ``-100`` labels, equal parts); with uneven counts
+              back-propagate :func:`~shardkit.data_parallel.global_mean_loss` instead.
+            * ``"sum"``: the sum; back-propagate ``sum(token losses) / N`` with ``N`` the
+              *global* token count (the trainer's exact normalisation).
+
+            Gradient accumulation over microbatches is yours to scale, as with DDP.
 
     Returns:
         :class:`ParallelModel`.
 
     Raises:
         ShardkitError: a layout the model cannot take (e.g. ``ep > 1`` on a dense model), with
-            the reason; the transforms' own errors (head counts, ...).
+            the reason; ``grad_reduce`` not ``"mean"`` or ``"sum"``; the transforms' own errors
+            (head counts, ...).
     """
+    grad_reduce = check_grad_reduce(grad_reduce, "parallelize")
     if mesh is None:  # one process: no transform, every parameter replicated
         layouts = _param_layouts(model)
-        return ParallelModel(model, None, None, GradientSync(model, None, layouts), layouts, False, False)
+        sync = GradientSync(model, None, layouts, grad_reduce=grad_reduce)
+        return ParallelModel(model, None, None, sync, layouts, False, False)
     dims = mesh.dims
     tp, ep = mesh.size("tp"), dims.ep
     if mesh.size("dp_cp") > 1:
@@ -133,7 +157,12 @@ def parallelize(
             dict(model.named_parameters()),
             mesh["dp_cp"],
             "parallelize",
-            [f"layout {dims.describe()}", f"sequence_parallel {sequence_parallel}", f"loss_parallel {loss_parallel}"],
+            [
+                f"layout {dims.describe()}",
+                f"sequence_parallel {sequence_parallel}",
+                f"loss_parallel {loss_parallel}",
+                f"grad_reduce {grad_reduce}",
+            ],
         )
     if tp > 1:
         plan = _tp_plan(model, ep > 1) if ep > 1 else None
@@ -154,13 +183,13 @@ def parallelize(
                 shard_experts(experts, mesh["ep"], mode="dispatch", tokens="sharded")
     layouts = _param_layouts(model)
     if dims.dp_shard > 1:
-        for name in apply_fsdp(model, mesh, decoder_layers(model)):
+        for name in apply_fsdp(model, mesh, decoder_layers(model), grad_reduce=grad_reduce):
             layouts[name].fsdp = True
     return ParallelModel(
         model,
         mesh,
         cp,
-        GradientSync(model, mesh, layouts),
+        GradientSync(model, mesh, layouts, grad_reduce=grad_reduce),
         layouts,
         loss_parallel and tp > 1,
         sequence_parallel and tp > 1,

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from ..data_parallel import GradReduce
 from ..errors import ShardkitError
 from ..pipeline_parallel import DecoderStageModule, PipelineStage, sum_tied_embedding_grads
 from .decoder import ParallelModel, parallelize
@@ -37,6 +38,7 @@ def parallelize_stage(
     *,
     sequence_parallel: bool = False,
     loss_parallel: bool = False,
+    grad_reduce: GradReduce = "mean",
 ) -> ParallelModel:
     """This rank's pipeline stage of ``model``, parallelized, with its :class:`PipelineStage`.
 
@@ -45,7 +47,10 @@ def parallelize_stage(
             kept once it is dropped.
         mesh: the job's :class:`~shardkit.sharding.ParallelMesh` with ``pp > 1``.
         loss_fn: ``loss_fn(logits, labels) -> 0-d`` for the last stage.
-        sequence_parallel, loss_parallel: as :func:`~.decoder.parallelize`.
+        sequence_parallel: as :func:`~.decoder.parallelize`.
+        loss_parallel: as :func:`~.decoder.parallelize`.
+        grad_reduce: as :func:`~.decoder.parallelize` (over the data ranks of this stage; the
+            schedule's microbatch losses are ``loss_fn``'s to scale).
 
     Returns:
         :class:`~.decoder.ParallelModel` whose ``stage`` runs the schedule.
@@ -54,7 +59,9 @@ def parallelize_stage(
     stages = mesh["stages"] if dims.pp_tp is not None else None
     s = stages.stage_index if stages is not None else mesh.local_rank("pp")
     module = DecoderStageModule(model, s, dims.pp)
-    pm = parallelize(module, mesh, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    pm = parallelize(
+        module, mesh, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, grad_reduce=grad_reduce
+    )
     last = s == dims.pp - 1
     if module.tied:
         # embed_tokens (first stage) and lm_head (last) are copies of one weight: their gradients

@@ -15,42 +15,24 @@ transformers' ``embedding_rowwise`` / ``embedding_colwise`` plan strings.
 
 from __future__ import annotations
 
-import functools
-from typing import TYPE_CHECKING
-
-import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .._shapes import chunk_sizes
-from ..comm import all_reduce_forward, gather_forward_split_backward
+from ..comm import all_reduce_forward
 from ..errors import ShardkitTypeError
-from ..sharding import ShardSpec, shard_parameter
+from ..sharding import ShardSpec
+from .embedding_shards import shard_embedding_columns, shard_embedding_rows
 from .styles import ParallelStyle, StyleContext
 
-if TYPE_CHECKING:
-    from .._types import Group
-
 __all__ = ["EmbeddingParallel"]
-
-
-def _vocab_parallel_forward(self: nn.Embedding, start: int, stop: int, group: Group, ids: torch.Tensor) -> torch.Tensor:
-    """The forward of a vocab-sharded embedding holding rows ``[start, stop)``."""
-    outside = (ids < start) | (ids >= stop)
-    local = (ids - start).masked_fill(outside, 0)
-    out = F.embedding(
-        local, self.weight, self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq, self.sparse
-    )
-    # Multiply rather than assign in place so autograd sees the mask (its gradient rows for the
-    # masked ids are zero, as they must be: another rank owns those rows).
-    out = out * (~outside).unsqueeze(-1).to(out.dtype)
-    return all_reduce_forward(out, group)
 
 
 class EmbeddingParallel(ParallelStyle):
     """Shard an ``nn.Embedding`` by vocabulary rows (``dim=0``) or by hidden columns (``dim=1``).
 
     Input: integer ids ``[...]`` (replicated); output ``[..., H]`` replicated on every rank.
+    (:class:`~.styles.RowwiseParallel` / :class:`~.styles.ColwiseParallel` on an embedding cut
+    the same dims, with DTensor's output layouts.)
 
     Args:
         dim: 0 for ``embedding_rowwise`` (vocab-parallel), 1 for ``embedding_colwise``.
@@ -66,18 +48,8 @@ class EmbeddingParallel(ParallelStyle):
             )
         full = module.weight.shape[self.dim]
         spec = ShardSpec.blocks(self.dim, chunk_sizes(full, ctx.info.size), ctx.group)
-        shard_parameter(module, "weight", spec, ctx.info.rank, ctx.memo)
-        ((start, stop),) = spec.ranges[ctx.info.rank]
         group = ctx.group
         if self.dim == 0:
-            module.num_embeddings = stop - start
-            if module.padding_idx is not None:
-                # padding_idx is a global id; keep it (as a local id) only on its owner.
-                p = module.padding_idx % full
-                module.padding_idx = p - start if start <= p < stop else None
-            # an instance attribute shadows the class's forward (setattr: a method assignment on purpose)
-            setattr(module, "forward", functools.partial(_vocab_parallel_forward, module, start, stop, group))
+            shard_embedding_rows(module, spec, ctx.info.rank, ctx.memo, lambda y: all_reduce_forward(y, group))
         else:
-            module.embedding_dim = stop - start
-            sizes = list(spec.sizes)
-            module.register_forward_hook(lambda m, args, out: gather_forward_split_backward(out, group, -1, sizes))
+            shard_embedding_columns(module, spec, ctx.info.rank, ctx.memo, group, f"EmbeddingParallel at {ctx.name}")

@@ -51,6 +51,13 @@ class MoeTensorParallelExperts(ParallelStyle):
         self.output_layouts = check_layout(output_layouts, "MoeTensorParallelExperts output_layouts", partial=True)
 
     def apply_module(self, module: nn.Module, ctx: StyleContext) -> None:
+        if not isinstance(getattr(module, "num_experts", None), int):
+            # on another module the all-reduced output would count a replicated result R times
+            raise ShardkitTypeError(
+                f"MoeTensorParallelExperts: {ctx.name or 'the module'} is a {type(module).__name__} without "
+                "num_experts; it takes a transformers experts module (forward(hidden_states, top_k_index, "
+                "top_k_weights)); shard a linear layer with ColwiseParallel / RowwiseParallel"
+            )
         group = ctx.group
         reduced = ((0, "hidden_states"),) if self.reduce_input_grad else ()
 
@@ -72,6 +79,12 @@ class MoeIdentityExpert(ParallelStyle):
     """Divide the input by the group size (its output is summed over the group downstream)."""
 
     def apply_module(self, module: nn.Module, ctx: StyleContext) -> None:
+        if any(True for _ in module.parameters()):
+            # a module with weights is no identity expert: scaling its input would be silently wrong
+            raise ShardkitTypeError(
+                f"MoeIdentityExpert: {ctx.name or 'the module'} is a {type(module).__name__} with parameters; "
+                "it takes a parameter-free identity ('zero') expert inside a summed experts module"
+            )
         identity_expert_parallel(module, ctx.group)
 
 

@@ -50,6 +50,7 @@ from ..comm import _c10d, all_reduce_forward, gather_forward_split_backward, spl
 from ..comm._group import GroupInfo, resolve_group
 from ..errors import ShardkitError, ShardkitTypeError
 from ..sharding import Partial, Replicate, Shard, ShardSpec, check_layout, shard_parameter, shard_spec
+from .embedding_shards import shard_embedding_columns, shard_embedding_rows
 from .sequence import SequenceSharding
 
 if TYPE_CHECKING:
@@ -160,6 +161,29 @@ def _linear_spec(
     return ShardSpec.packed(dim, [_chunks(b, R, unit, where) for b in blocks], ctx.group)
 
 
+def _refuse(style: str, module: nn.Module, ctx: StyleContext, takes: str) -> ShardkitTypeError:
+    """The error for a module type ``style`` cannot shard, naming what to use instead."""
+    w = getattr(module, "weight", None)
+    what = "" if isinstance(w, torch.Tensor) and w.dim() >= 2 else ", which has no 2-D weight to shard"
+    return ShardkitTypeError(
+        f"{style}: {ctx.name or 'the module'} is a {type(module).__name__}{what}; {style} shards {takes}. "
+        "A module whose parameters stay replicated (a norm) takes SequenceParallel() on a sequence-sharded "
+        "input or ReplicatedWithGradAllReduce(); a convolution takes shardkit.spatial.apply_spatial"
+    )
+
+
+def _linear_like(module: nn.Module, w: torch.Tensor | None) -> bool:
+    """An ``nn.Linear``, or a module whose weight is ``[..., out_features, in_features]`` (Linear's layout)."""
+    if isinstance(module, nn.Linear):
+        return True
+    return (
+        isinstance(w, torch.Tensor)
+        and w.dim() >= 2
+        and getattr(module, "out_features", None) == w.shape[-2]
+        and getattr(module, "in_features", None) == w.shape[-1]
+    )
+
+
 def _weight(module: nn.Module, style: str, ctx: StyleContext) -> torch.Tensor:
     w = getattr(module, "weight", None)
     if not isinstance(w, torch.Tensor) or w.dim() < 2:
@@ -169,12 +193,26 @@ def _weight(module: nn.Module, style: str, ctx: StyleContext) -> torch.Tensor:
     return w
 
 
+def _embedding_input(style: str, layout: object, want: str, ctx: StyleContext) -> None:
+    """An embedding's ids are replicated: refuse another declared input layout."""
+    if not isinstance(layout, Replicate):
+        raise ShardkitError(
+            f"{style}: {ctx.name or 'the module'} is an nn.Embedding, whose input ids must be replicated: "
+            f"pass input_layouts=Replicate() (got {layout!r}{want})"
+        )
+
+
 class ColwiseParallel(ParallelStyle):
     """Shard a linear layer by output features; ``colwise`` / ``colwise_gather_output``.
 
     Weight ``[out, in]`` -> ``[out_r, in]``, bias ``[out]`` -> ``[out_r]``. Input ``[..., in]``
     replicated (or ``[B, S_r, in]`` with ``input_layouts=Shard(1)``); output ``[..., out_r]``
     (this rank's output features), or ``[..., out]`` with ``output_layouts=Replicate()``.
+
+    On an ``nn.Embedding`` (as DTensor's ``ColwiseParallel``): the *embedding* features are cut,
+    weight ``[V, H]`` -> ``[V, H_r]`` (dim 1, not the vocabulary); ids ``[...]`` replicated;
+    output ``[..., H_r]`` with no communication, or ``[..., H]`` all-gathered with
+    ``output_layouts=Replicate()``. Any other module type (a norm, a convolution) is refused.
 
     Args:
         sizes: output features per rank; None for ``torch.chunk`` semantics (or the head
@@ -217,7 +255,13 @@ class ColwiseParallel(ParallelStyle):
         return _linear_spec(full, ctx, dim, self.parts, self.sizes, self.unit)
 
     def apply_module(self, module: nn.Module, ctx: StyleContext) -> None:
-        w = _weight(module, type(self).__name__, ctx)
+        name = type(self).__name__
+        if isinstance(module, nn.Embedding):
+            self._apply_embedding(module, ctx)
+            return
+        if not _linear_like(module, getattr(module, "weight", None)):
+            raise _refuse(name, module, ctx, "nn.Linear (or a module with Linear's weight layout) and nn.Embedding")
+        w = _weight(module, name, ctx)
         dim = w.dim() - 2
         spec = self._spec(w.shape[dim], ctx, dim)
         shard_parameter(module, "weight", spec, ctx.info.rank, ctx.memo)
@@ -247,6 +291,17 @@ class ColwiseParallel(ParallelStyle):
         elif hasattr(module, "out_features"):
             setattr(module, "out_features", spec.sizes[ctx.info.rank])  # an int, not a submodule
 
+    def _apply_embedding(self, module: nn.Embedding, ctx: StyleContext) -> None:
+        """DTensor's ``ColwiseParallel`` on an embedding: cut its features (weight dim 1)."""
+        name = type(self).__name__
+        _embedding_input(name, self.input_layouts, "", ctx)
+        if self.parts is not None:
+            raise ShardkitError(f"{name}: {ctx.name}: an nn.Embedding has no packed parts (got parts={self.parts})")
+        w = _weight(module, name, ctx)
+        spec = _linear_spec(w.shape[1], ctx, 1, None, self.sizes, self.unit)
+        gather = ctx.group if isinstance(self.output_layouts, Replicate) else None
+        shard_embedding_columns(module, spec, ctx.info.rank, ctx.memo, gather, f"{name} at {ctx.name}")
+
     def shard_param(self, module: nn.Module, pname: str, ctx: StyleContext) -> None:
         p = getattr(module, pname)
         dim = p.dim() - 1 if p.dim() == 1 else p.dim() + self.weight_dim
@@ -273,6 +328,11 @@ class RowwiseParallel(ParallelStyle):
     Input ``[..., in_r]`` is this rank's block of the input features (a colwise partner's
     output); the local matmul gives a partial sum ``[..., out]``. The bias stays replicated and
     is added once, after the reduction.
+
+    On an ``nn.Embedding`` (as DTensor's ``RowwiseParallel``, vocab-parallel): weight
+    ``[V, H]`` -> ``[V_r, H]``; the ids must be declared replicated (``input_layouts=Replicate()``);
+    each rank looks up the ids in its rows (zeros for the others) and the partial ``[..., H]`` is
+    reduced by ``output_layouts`` as for a linear layer. Any other module type is refused.
 
     Args:
         sizes: input features per rank (must match the colwise partner); None for chunk
@@ -335,34 +395,46 @@ class RowwiseParallel(ParallelStyle):
                 f"RowwiseParallel: input_layouts must be Shard(-1) or Replicate(), got {input_layouts!r}"
             )
 
+    def _reduce(self, ctx: StyleContext) -> Callable[[torch.Tensor], torch.Tensor]:
+        """How the partial outputs are combined: ``output_layouts``' collective (or none)."""
+        group, seq = ctx.group, ctx.seq
+        assert seq is not None  # StyleContext.of and apply_tp always give one
+        if isinstance(self.output_layouts, Partial):
+            return lambda y: y
+        if isinstance(self.output_layouts, Shard):
+            d = self.output_layouts.dim
+            return lambda y: seq.reduce_scatter(y, d)
+        return lambda y: all_reduce_forward(y, group)
+
+    def _apply_embedding(self, module: nn.Embedding, ctx: StyleContext) -> None:
+        """DTensor's ``RowwiseParallel`` on an embedding: cut its vocabulary (weight dim 0)."""
+        name = type(self).__name__
+        _embedding_input(name, self.input_layouts, "; RowwiseParallel's default Shard(-1) is for nn.Linear", ctx)
+        if self.parts is not None:
+            raise ShardkitError(f"{name}: {ctx.name}: an nn.Embedding has no packed parts (got parts={self.parts})")
+        w = _weight(module, name, ctx)
+        spec = _linear_spec(w.shape[0], ctx, 0, None, self.sizes, self.unit)
+        shard_embedding_rows(module, spec, ctx.info.rank, ctx.memo, self._reduce(ctx))
+
     def apply_module(self, module: nn.Module, ctx: StyleContext) -> None:
         name = type(self).__name__
-        w = _weight(module, name, ctx)
+        if isinstance(module, nn.Embedding):
+            self._apply_embedding(module, ctx)
+            return
         if not isinstance(module, nn.Linear):
-            raise ShardkitTypeError(
-                f"{name}: expected an nn.Linear at {ctx.name or 'module'}, got {type(module).__name__}"
-            )
+            raise _refuse(name, module, ctx, "nn.Linear and nn.Embedding")
+        w = _weight(module, name, ctx)
         spec = _linear_spec(w.shape[-1], ctx, w.dim() - 1, self.parts, self.sizes, self.unit)
         if spec.overlapping:
             raise ShardkitError(f"{name}: {ctx.name}: row-parallel input features cannot be replicated")
         shard_parameter(module, "weight", spec, ctx.info.rank, ctx.memo)
         module.in_features = spec.sizes[ctx.info.rank]
-        group, seq = ctx.group, ctx.seq
-        assert seq is not None  # StyleContext.of and apply_tp always give one
-        reduce: Callable[[torch.Tensor], torch.Tensor]
-        if isinstance(self.output_layouts, Partial):
-            if module.bias is not None:
-                raise ShardkitError(
-                    f"{name}: {ctx.name}: output_layouts=Partial() with a bias (it would be added R times)"
-                )
-            reduce = lambda y: y  # noqa: E731
-        elif isinstance(self.output_layouts, Shard):
-            d = self.output_layouts.dim
-            reduce = lambda y: seq.reduce_scatter(y, d)  # noqa: E731
-            if module.bias is not None and module.bias.requires_grad:
-                sum_grad_over(module.bias, group)  # added to this rank's block only: partial gradient
-        else:
-            reduce = lambda y: all_reduce_forward(y, group)  # noqa: E731
+        group = ctx.group
+        if isinstance(self.output_layouts, Partial) and module.bias is not None:
+            raise ShardkitError(f"{name}: {ctx.name}: output_layouts=Partial() with a bias (it would be added R times)")
+        if isinstance(self.output_layouts, Shard) and module.bias is not None and module.bias.requires_grad:
+            sum_grad_over(module.bias, group)  # added to this rank's block only: partial gradient
+        reduce = self._reduce(ctx)
         # an instance attribute shadows the class's forward (setattr: a method assignment on purpose)
         setattr(module, "forward", functools.partial(_rowwise_forward, module, reduce))
         if isinstance(self.input_layouts, Replicate):

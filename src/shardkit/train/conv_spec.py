@@ -72,7 +72,8 @@ def conv_task(cfg: TrainConfig, device: torch.device, corpus=None) -> ConvAETask
 
 def parallelize_conv_ae(model: nn.Module, mesh, cfg: TrainConfig, task) -> tuple[ParallelModel, None]:
     """:func:`~shardkit.parallelize.parallelize_conv` over the crops' H and W dims; no pipeline loss."""
-    return parallelize_conv(model, mesh, SPATIAL_DIMS), None
+    # the trainer divides the loss by the global element count itself: sum, not DDP's mean
+    return parallelize_conv(model, mesh, SPATIAL_DIMS, grad_reduce="sum"), None
 
 
 def conv_outputs(cfg: TrainConfig, folder: str, full_params: dict) -> list[str]:

@@ -139,10 +139,11 @@ def parallelize_lm(model: nn.Module, mesh, cfg: TrainConfig, task) -> tuple[Para
     sp, lp = (bool(cfg.sequence_parallel), cfg.loss_parallel) if mesh is not None else (False, False)
     if mesh is not None and mesh.dims.pp > 1:
         loss = LossScale(task)
-        pm = parallelize_stage(model, mesh, loss, sequence_parallel=sp, loss_parallel=lp)
+        pm = parallelize_stage(model, mesh, loss, sequence_parallel=sp, loss_parallel=lp, grad_reduce="sum")
         loss.bind(pm)
         return pm, loss
-    return parallelize(model, mesh, sequence_parallel=sp, loss_parallel=lp), None
+    # the trainer divides every rank's loss by the global token count itself: sum, not DDP's mean
+    return parallelize(model, mesh, sequence_parallel=sp, loss_parallel=lp, grad_reduce="sum"), None
 
 
 def describe_lm(cfg: TrainConfig, family: LMFamily) -> dict:
