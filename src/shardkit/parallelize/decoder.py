@@ -14,7 +14,9 @@ Each transform takes its own submesh of the job's :class:`~shardkit.sharding.Par
    block of experts; tokens travel with the all-to-all dispatcher. Tokens are replicated over
    tp only, so each tp rank dispatches its own block of them (``token_group = tp``); with
    sequence parallelism each tp rank already holds its own block of the sequence.
-4. **dp**: FSDP2 over ``dp_shard x cp`` (HSDP with ``dp_replicate``) when ``dp_shard > 1``;
+4. **ac**: activation checkpointing of every decoder block, ``full`` or ``selective``
+   (:mod:`.checkpointing`), inside FSDP2's hooks.
+5. **dp**: FSDP2 over ``dp_shard x cp`` (HSDP with ``dp_replicate``) when ``dp_shard > 1``;
    everything FSDP2 does not reduce is summed by one :class:`~shardkit.data_parallel.GradientSync`.
 
 Source: torchtitan ``parallelize_llama`` (TP, then CP, then FSDP, one function per family);
@@ -37,6 +39,7 @@ from ..expert_parallel.styles import ep_styles
 from ..sharding import shard_spec
 from ..tensor_parallel import apply_tp
 from ..tensor_parallel.plan import CompiledPlan, model_tp_plan
+from .checkpointing import apply_ac, check_ac_mode
 
 if TYPE_CHECKING:
     from ..sharding import ParallelMesh
@@ -98,7 +101,12 @@ def _tp_plan(model: nn.Module, expert_parallel: bool) -> dict:
 
 
 def parallelize(
-    model: nn.Module, mesh: ParallelMesh | None, *, sequence_parallel: bool = False, loss_parallel: bool = False
+    model: nn.Module,
+    mesh: ParallelMesh | None,
+    *,
+    sequence_parallel: bool = False,
+    loss_parallel: bool = False,
+    activation_checkpoint: str = "none",
 ) -> ParallelModel:
     """Apply tensor, context, expert and data parallelism to ``model``, in that order, in place.
 
@@ -113,6 +121,9 @@ def parallelize(
             is changed: the same trainer runs the ``--verify`` reference).
         sequence_parallel: shard hidden states between blocks over tp (Megatron-SP).
         loss_parallel: keep the logits vocab-sharded over tp (the vocab-parallel loss).
+        activation_checkpoint: ``"none"``, ``"full"`` (each decoder block recomputed in
+            backward) or ``"selective"`` (matmul, attention and collective outputs kept), applied
+            after tp, cp and ep and before FSDP2 (:func:`~.checkpointing.apply_ac`).
 
     Returns:
         :class:`ParallelModel`.
@@ -121,7 +132,9 @@ def parallelize(
         ShardkitError: a layout the model cannot take (e.g. ``ep > 1`` on a dense model), with
             the reason; the transforms' own errors (head counts, ...).
     """
+    check_ac_mode(activation_checkpoint)
     if mesh is None:  # one process: no transform, every parameter replicated
+        apply_ac(decoder_layers(model), activation_checkpoint)
         layouts = _param_layouts(model)
         return ParallelModel(model, None, None, GradientSync(model, None, layouts), layouts, False, False)
     dims = mesh.dims
@@ -133,7 +146,12 @@ def parallelize(
             dict(model.named_parameters()),
             mesh["dp_cp"],
             "parallelize",
-            [f"layout {dims.describe()}", f"sequence_parallel {sequence_parallel}", f"loss_parallel {loss_parallel}"],
+            [
+                f"layout {dims.describe()}",
+                f"sequence_parallel {sequence_parallel}",
+                f"loss_parallel {loss_parallel}",
+                f"activation_checkpoint {activation_checkpoint}",
+            ],
         )
     if tp > 1:
         plan = _tp_plan(model, ep > 1) if ep > 1 else None
@@ -152,6 +170,7 @@ def parallelize(
                 shard_experts(experts, mesh["ep"], mode="dispatch", tokens="replicated", token_group=mesh["tp"])
             else:  # every rank's tokens are its own (with sequence parallelism: its sequence block)
                 shard_experts(experts, mesh["ep"], mode="dispatch", tokens="sharded")
+    apply_ac(decoder_layers(model), activation_checkpoint)
     layouts = _param_layouts(model)
     if dims.dp_shard > 1:
         for name in apply_fsdp(model, mesh, decoder_layers(model)):

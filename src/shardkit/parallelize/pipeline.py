@@ -37,6 +37,7 @@ def parallelize_stage(
     *,
     sequence_parallel: bool = False,
     loss_parallel: bool = False,
+    activation_checkpoint: str = "none",
 ) -> ParallelModel:
     """This rank's pipeline stage of ``model``, parallelized, with its :class:`PipelineStage`.
 
@@ -45,7 +46,7 @@ def parallelize_stage(
             kept once it is dropped.
         mesh: the job's :class:`~shardkit.sharding.ParallelMesh` with ``pp > 1``.
         loss_fn: ``loss_fn(logits, labels) -> 0-d`` for the last stage.
-        sequence_parallel, loss_parallel: as :func:`~.decoder.parallelize`.
+        sequence_parallel, loss_parallel, activation_checkpoint: as :func:`~.decoder.parallelize`.
 
     Returns:
         :class:`~.decoder.ParallelModel` whose ``stage`` runs the schedule.
@@ -54,7 +55,13 @@ def parallelize_stage(
     stages = mesh["stages"] if dims.pp_tp is not None else None
     s = stages.stage_index if stages is not None else mesh.local_rank("pp")
     module = DecoderStageModule(model, s, dims.pp)
-    pm = parallelize(module, mesh, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    pm = parallelize(
+        module,
+        mesh,
+        sequence_parallel=sequence_parallel,
+        loss_parallel=loss_parallel,
+        activation_checkpoint=activation_checkpoint,
+    )
     last = s == dims.pp - 1
     if module.tied:
         # embed_tokens (first stage) and lm_head (last) are copies of one weight: their gradients
