@@ -34,7 +34,15 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from ..errors import ShardkitError
 
-__all__ = ["AC_MODES", "SAVED_OPS", "CollectiveReplay", "apply_ac", "check_ac_mode", "selective_policy"]
+__all__ = [
+    "AC_MODES",
+    "SAVED_OPS",
+    "REPLAYED_C10D_OPS",
+    "CollectiveReplay",
+    "apply_ac",
+    "check_ac_mode",
+    "selective_policy",
+]
 
 AC_MODES = ("none", "full", "selective")
 
@@ -56,7 +64,7 @@ SAVED_OPS = _aten_ops(
 )
 
 # c10d ops the replay serves from the kept result: op name -> the ledger op names its callers record.
-_REPLAYED = {
+REPLAYED_C10D_OPS = {
     "allreduce_": ("all_reduce",),
     "_allgather_base_": ("all_gather_single", "metadata_all_gather"),
     "allgather_into_tensor_coalesced_": ("all_gather_single", "metadata_all_gather"),
@@ -112,11 +120,13 @@ class CollectiveReplay(TorchDispatchMode):
         super().__init__()
         self.kept = kept
         self.replaying = replaying
-        self.replayed_ledger_ops = frozenset(n for names in _REPLAYED.values() for n in names) if replaying else ()
+        self.replayed_ledger_ops = (
+            frozenset(n for names in REPLAYED_C10D_OPS.values() for n in names) if replaying else ()
+        )
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func.namespace != "c10d" or func._opname not in _REPLAYED:
+        if func.namespace != "c10d" or func._opname not in REPLAYED_C10D_OPS:
             return func(*args, **kwargs)
         dests = _destinations(func, args)
         if self.replaying:
