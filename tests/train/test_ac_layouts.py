@@ -9,12 +9,13 @@ or the RNG would fail the 1e-9 parity. The ledger of each run shows what recompu
 attention's point-to-point exchanges (not replayed: they run again).
 """
 
+import json
 import time
 
 import pytest
 import torch
 
-from harness.helpers import rank, world_size
+from harness.helpers import rank, remove_shared_dir, shared_tmpdir, world_size
 from shardkit.errors import ShardkitError
 from shardkit.train.config import TrainConfig, validate_config
 from shardkit.train.run import train
@@ -78,3 +79,31 @@ def test_ac_rejects_unknown_mode_and_conv_ae():
         validate_config(TrainConfig(ac="some"), world_size=4)
     with pytest.raises(ShardkitError, match="--ac full with --model conv-ae"):
         validate_config(TrainConfig(model="conv-ae", ac="full", tp=1, spatial=2, batch_size=4, seq_len=2), world_size=4)
+
+
+@pytest.mark.world(4, timeout=180)
+def test_saved_activation_bytes_reach_the_report_and_metrics():
+    folder = shared_tmpdir("ac-report")
+    try:
+        runs = {
+            ac: train(
+                validate_config(
+                    TrainConfig(**{**SMALL, "verify": False, "steps": 1, "ac": ac, "report": f"{folder}/{ac}"}),
+                    world_size=world_size(),
+                ),
+                "gloo",
+                torch.device("cpu"),
+                time.perf_counter(),
+                progress=False,
+            )
+            for ac in ("none", "full", "selective")
+        }
+        if rank() == 0:
+            kept = {ac: r["saved_activation_bytes"] for ac, r in runs.items()}
+            assert all(len(v) == world_size() and all(b > 0 for b in v) for v in kept.values()), kept
+            assert all(f < s < n for f, s, n in zip(kept["full"], kept["selective"], kept["none"])), kept
+            for ac, r in runs.items():
+                line = json.loads(open(f"{folder}/{ac}/metrics.jsonl").read().splitlines()[0])
+                assert line["saved_activation_bytes"] == kept[ac][0] == sum(r["saved_bytes_per_block"])
+    finally:
+        remove_shared_dir(folder)

@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_leaves
 
 from .checkpointing import REPLAYED_C10D_OPS, SAVED_OPS, check_ac_mode
 
-__all__ = ["SavedBytesMeter"]
+__all__ = ["SavedBytesMeter", "activation_meter"]
 
 
 class _Tally:
@@ -128,3 +128,12 @@ class SavedBytesMeter:
         i, tally, stack = self._open.pop()
         stack.close()
         self.per_block[i] += tally.bytes
+
+
+def activation_meter(module: nn.Module, mode: str) -> SavedBytesMeter | None:
+    """A :class:`SavedBytesMeter` on ``module``'s decoder blocks, or None for a model without
+    ``model.layers`` (the conv autoencoder)."""
+    layers = getattr(getattr(module, "model", None), "layers", None)
+    if layers is None:
+        return None
+    return SavedBytesMeter(list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers), mode)
