@@ -16,6 +16,8 @@ import pytest
 import torch
 
 from harness.helpers import rank, remove_shared_dir, shared_tmpdir, world_size
+from shardkit.cli.main import build_parser
+from shardkit.cli.train import config_from_args
 from shardkit.errors import ShardkitError
 from shardkit.train.config import TrainConfig, validate_config
 from shardkit.train.run import train
@@ -72,6 +74,13 @@ def test_ac_layout_matches_one_process(ac, overrides):
 @pytest.mark.parametrize("overrides", list(SLOW.values()), ids=list(SLOW))
 def test_ac_layout_matches_one_process_slow(ac, overrides):
     _check(ac, _run(ac, overrides), ring="cp_ring" in overrides)
+
+
+def test_ac_flag_reaches_the_config():
+    assert config_from_args(build_parser().parse_args(["train", "--ac", "selective"]), world_size=4).ac == "selective"
+    assert config_from_args(build_parser().parse_args(["train"]), world_size=4).ac == "none"
+    with pytest.raises(SystemExit):  # argparse: not one of the choices
+        build_parser().parse_args(["train", "--ac", "offload"])
 
 
 def test_ac_rejects_unknown_mode_and_conv_ae():
