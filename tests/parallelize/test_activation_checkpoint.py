@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from harness.helpers import all_true
 from harness.tiny_lm import tiny_decoder, token_ids
+from shardkit.comm import checks
 from shardkit.comm.ledger import CommLedger
 from shardkit.errors import ShardkitError
 from shardkit.parallelize import decoder_layers, parallelize
@@ -119,3 +120,9 @@ def test_checkpointing_keeps_losses_gradients_and_the_claimed_communication(layo
 def test_unknown_mode_is_refused():
     with pytest.raises(ShardkitError, match="activation checkpointing must be one of none, full, selective"):
         parallelize(tiny_decoder(), None, activation_checkpoint="offload")
+
+
+@pytest.mark.world(1, timeout=60)
+def test_selective_is_refused_in_check_mode():
+    with checks(True), pytest.raises(ShardkitError, match="selective.*check mode"):
+        parallelize(tiny_decoder(), None, activation_checkpoint="selective")

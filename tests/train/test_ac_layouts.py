@@ -68,6 +68,12 @@ def test_ac_layout_matches_one_process(ac, overrides):
     _check(ac, _run(ac, overrides), ring=False)
 
 
+@pytest.mark.world(4, timeout=120)
+def test_full_ac_in_check_mode():
+    # the recompute runs outside the tp forward's agreement: it checks op by op, and still matches
+    _check("full", _run("full", dict(checks=True, steps=1)), ring=False)
+
+
 @pytest.mark.slow
 @pytest.mark.world(4, timeout=240)
 @pytest.mark.parametrize("ac", ["full", "selective"])
@@ -86,6 +92,8 @@ def test_ac_flag_reaches_the_config():
 def test_ac_rejects_unknown_mode_and_conv_ae():
     with pytest.raises(ShardkitError, match="--ac"):
         validate_config(TrainConfig(ac="some"), world_size=4)
+    with pytest.raises(ShardkitError, match="--ac selective with --checks"):
+        validate_config(TrainConfig(ac="selective", checks=True), world_size=4)
     with pytest.raises(ShardkitError, match="--ac full with --model conv-ae"):
         validate_config(TrainConfig(model="conv-ae", ac="full", tp=1, spatial=2, batch_size=4, seq_len=2), world_size=4)
 

@@ -138,8 +138,8 @@ def record(
     ``shape`` the local tensor shape, ``sizes`` the per-rank split sizes, ``peer`` the group
     rank of the other side of a ``send``/``recv``.
     """
-    if phase in ("forward", "metadata") and torch._C._current_graph_task_id() != -1:
-        # a forward collective inside backward: an activation-checkpointed block recomputing
+    if phase != "backward" and torch._C._current_graph_task_id() != -1:
+        # a forward-side call inside backward: an activation-checkpointed block recomputing
         if _replayed(op):
             return  # served from the kept result (parallelize.checkpointing.CollectiveReplay): not issued
         phase = "recompute" if phase == "forward" else phase

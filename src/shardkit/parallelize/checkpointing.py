@@ -32,6 +32,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from ..comm import checks_enabled
 from ..errors import ShardkitError
 
 __all__ = [
@@ -130,6 +131,11 @@ class CollectiveReplay(TorchDispatchMode):
             return func(*args, **kwargs)
         dests = _destinations(func, args)
         if self.replaying:
+            if not self.kept:
+                raise ShardkitError(
+                    f"activation_checkpoint='selective': the recompute issued {func} beyond the "
+                    "collectives of the forward (a block whose communication depends on state that changed)"
+                )
             kept, out = self.kept.pop(0)
             for d, k in zip(dests, kept, strict=True):
                 d.copy_(k)
@@ -171,9 +177,18 @@ def apply_ac(blocks: Sequence[nn.Module], mode: str) -> None:
         mode: one of :data:`AC_MODES`.
 
     Raises:
-        ShardkitError: an unknown mode.
+        ShardkitError: an unknown mode; ``"selective"`` with the check mode on
+            (:func:`shardkit.comm.checks`).
     """
     if check_ac_mode(mode) == "none":
         return
+    if mode == "selective" and checks_enabled():
+        # a tp model's forward agrees once for the ops inside it (comm.checks.covered); the
+        # recompute runs outside that region, checks op by op and so dispatches other ops than
+        # the forward did, which SAC cannot match. Every rank sets the check mode alike.
+        raise ShardkitError(
+            "activation_checkpoint='selective' with shardkit's check mode on (--checks / SHARDKIT_CHECKS): "
+            "the recompute would run the checks' own ops, not the forward's; use 'full' or turn checks off"
+        )
     for block in blocks:
         block.forward = functools.partial(_checkpointed, block.forward, mode == "selective")

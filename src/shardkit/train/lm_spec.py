@@ -66,6 +66,8 @@ def validate_lm(cfg: TrainConfig, family: LMFamily) -> TrainConfig:
     """
     _raise(lm_spatial_rule(cfg.spatial, cfg.spatial_h))
     check_ac_mode(cfg.ac, "--ac")
+    if cfg.ac == "selective" and cfg.checks:
+        raise ShardkitError("--ac selective with --checks: the check mode changes the recomputed ops; use --ac full")
     _raise(seq_len_rule(cfg.seq_len))
     _raise(ep_rule(cfg.ep, cfg.experts if family.experts else 0))
     if cfg.experts < 1:
