@@ -50,6 +50,11 @@ def print_summary(result: dict, console: Console) -> None:
     table.add_row("train time", f"{result['timings_s']['train']:.2f} s (setup {result['timings_s']['setup']:.2f} s)")
     mem = ", ".join(f"r{r}: {b / _MIB:.0f}" for r, b in enumerate(result["peak_memory_bytes"]))
     table.add_row(f"peak memory MiB ({result['memory_kind']})", mem)
+    saved = result.get("saved_activation_bytes") or []
+    if any(b is not None for b in saved):
+        ac = result.get("config", {}).get("ac", "none")
+        kept = ", ".join(f"r{r}: {b / _MIB:.2f}" for r, b in enumerate(saved) if b is not None)
+        table.add_row(f"saved activations MiB (step 1, --ac {ac})", kept)
     console.print(table)
 
     # By mesh axis, in mesh order. Fits 80 columns: c10d op without "_single", forward/backward

@@ -23,6 +23,7 @@ from ..train.config import DTYPES, SCHEDULES, TrainConfig, load_toml, merge_conf
 from ..train.data import check_files, corpus_files
 from ..train.limits import check_machine
 from ..train.liveness import clear_flight_dir
+from ..train.options import AC_MODES
 from ..train.run import worker_main
 from ..train.specs import SPECS, model_spec
 from .launch import LaunchFailed, LaunchInterrupted, exit_now, launch_local, print_failure, under_torchrun
@@ -126,6 +127,12 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
         type=int,
         help=f"microbatches per step and dp rank: the pipeline's, or "
         f"gradient accumulation without one (default {d.microbatches})",
+    )
+    p.add_argument(
+        "--ac",
+        choices=AC_MODES,
+        help="activation checkpointing of each decoder block: none, full (recompute the block in backward) or "
+        f"selective (keep matmul, attention and collective outputs; recompute the rest) (default {d.ac})",
     )
     p.add_argument("--schedule", choices=SCHEDULES, help=f"pipeline schedule (default {d.schedule})")
     p.add_argument(

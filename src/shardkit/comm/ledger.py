@@ -16,6 +16,9 @@ import threading
 from collections import defaultdict
 from dataclasses import dataclass
 
+import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
 from . import flight_recorder as _flight
 
 __all__ = ["CommLedger", "CommRecord", "record"]
@@ -32,7 +35,9 @@ class CommRecord:
         op: the c10d primitive issued (``all_reduce``, ``all_gather_single``,
             ``reduce_scatter_single``, ``all_to_all_single``, ``metadata_all_gather``, ...).
         api: the shardkit function that issued it (``all_gather``, ``all_to_all``, ...).
-        phase: ``"forward"`` or ``"backward"`` (or ``"check"`` for cross-rank metadata checks).
+        phase: ``"forward"`` or ``"backward"`` (or ``"check"`` for cross-rank metadata checks);
+            ``"recompute"`` for a forward call issued again while autograd runs backward
+            (activation checkpointing recomputes the block).
         group_size: number of ranks in the group.
         bytes_sent: bytes of the input buffer on this rank.
         bytes_received: bytes of the output buffer on this rank.
@@ -133,6 +138,11 @@ def record(
     ``shape`` the local tensor shape, ``sizes`` the per-rank split sizes, ``peer`` the group
     rank of the other side of a ``send``/``recv``.
     """
+    if phase != "backward" and torch._C._current_graph_task_id() != -1:
+        # a forward-side call inside backward: an activation-checkpointed block recomputing
+        if _replayed(op):
+            return  # served from the kept result (parallelize.checkpointing.CollectiveReplay): not issued
+        phase = "recompute" if phase == "forward" else phase
     rec_ = _flight.current
     if rec_ is not None:
         rec_.record(op, api, phase, group_size, pg, shape, sizes, peer)
@@ -142,3 +152,9 @@ def record(
     with _lock:
         for ledger in _open:
             ledger.records.append(rec)
+
+
+def _replayed(op: str) -> bool:
+    """Whether a dispatch mode on the stack serves ``op`` from a kept result instead of issuing it
+    (a mode advertising ``replayed_ledger_ops``: the selective checkpoint's replay)."""
+    return any(op in getattr(m, "replayed_ledger_ops", ()) for m in _get_current_dispatch_mode_stack())

@@ -14,7 +14,9 @@ Each transform takes its own submesh of the job's :class:`~shardkit.sharding.Par
    block of experts; tokens travel with the all-to-all dispatcher. Tokens are replicated over
    tp only, so each tp rank dispatches its own block of them (``token_group = tp``); with
    sequence parallelism each tp rank already holds its own block of the sequence.
-4. **dp**: FSDP2 over ``dp_shard x cp`` (HSDP with ``dp_replicate``) when ``dp_shard > 1``;
+4. **ac**: activation checkpointing of every decoder block, ``full`` or ``selective``
+   (:mod:`.checkpointing`), inside FSDP2's hooks.
+5. **dp**: FSDP2 over ``dp_shard x cp`` (HSDP with ``dp_replicate``) when ``dp_shard > 1``;
    everything FSDP2 does not reduce is summed by one :class:`~shardkit.data_parallel.GradientSync`.
    ``grad_reduce`` picks DDP's mean over the data ranks (the default) or their sum (the
    trainer's, with the loss divided by the global token count).
@@ -40,6 +42,7 @@ from ..expert_parallel.styles import ep_styles
 from ..sharding import shard_spec
 from ..tensor_parallel import apply_tp
 from ..tensor_parallel.plan import CompiledPlan, model_tp_plan
+from .checkpointing import apply_ac, check_ac_mode
 
 if TYPE_CHECKING:
     from ..sharding import ParallelMesh
@@ -107,6 +110,7 @@ def parallelize(
     sequence_parallel: bool = False,
     loss_parallel: bool = False,
     grad_reduce: GradReduce = "mean",
+    activation_checkpoint: str = "none",
 ) -> ParallelModel:
     """Apply tensor, context, expert and data parallelism to ``model``, in that order, in place.
 
@@ -134,6 +138,9 @@ def parallelize(
               *global* token count (the trainer's exact normalisation).
 
             Gradient accumulation over microbatches is yours to scale, as with DDP.
+        activation_checkpoint: ``"none"``, ``"full"`` (each decoder block recomputed in
+            backward) or ``"selective"`` (matmul, attention and collective outputs kept), applied
+            after tp, cp and ep and before FSDP2 (:func:`~.checkpointing.apply_ac`).
 
     Returns:
         :class:`ParallelModel`.
@@ -144,7 +151,9 @@ def parallelize(
             (head counts, ...).
     """
     grad_reduce = check_grad_reduce(grad_reduce, "parallelize")
+    check_ac_mode(activation_checkpoint)
     if mesh is None:  # one process: no transform, every parameter replicated
+        apply_ac(decoder_layers(model), activation_checkpoint)
         layouts = _param_layouts(model)
         sync = GradientSync(model, None, layouts, grad_reduce=grad_reduce)
         return ParallelModel(model, None, None, sync, layouts, False, False)
@@ -162,6 +171,7 @@ def parallelize(
                 f"sequence_parallel {sequence_parallel}",
                 f"loss_parallel {loss_parallel}",
                 f"grad_reduce {grad_reduce}",
+                f"activation_checkpoint {activation_checkpoint}",
             ],
         )
     if tp > 1:
@@ -181,6 +191,7 @@ def parallelize(
                 shard_experts(experts, mesh["ep"], mode="dispatch", tokens="replicated", token_group=mesh["tp"])
             else:  # every rank's tokens are its own (with sequence parallelism: its sequence block)
                 shard_experts(experts, mesh["ep"], mode="dispatch", tokens="sharded")
+    apply_ac(decoder_layers(model), activation_checkpoint)
     layouts = _param_layouts(model)
     if dims.dp_shard > 1:
         for name in apply_fsdp(model, mesh, decoder_layers(model), grad_reduce=grad_reduce):

@@ -39,6 +39,7 @@ def parallelize_stage(
     sequence_parallel: bool = False,
     loss_parallel: bool = False,
     grad_reduce: GradReduce = "mean",
+    activation_checkpoint: str = "none",
 ) -> ParallelModel:
     """This rank's pipeline stage of ``model``, parallelized, with its :class:`PipelineStage`.
 
@@ -47,8 +48,7 @@ def parallelize_stage(
             kept once it is dropped.
         mesh: the job's :class:`~shardkit.sharding.ParallelMesh` with ``pp > 1``.
         loss_fn: ``loss_fn(logits, labels) -> 0-d`` for the last stage.
-        sequence_parallel: as :func:`~.decoder.parallelize`.
-        loss_parallel: as :func:`~.decoder.parallelize`.
+        sequence_parallel, loss_parallel, activation_checkpoint: as :func:`~.decoder.parallelize`.
         grad_reduce: as :func:`~.decoder.parallelize` (over the data ranks of this stage; the
             schedule's microbatch losses are ``loss_fn``'s to scale).
 
@@ -60,7 +60,12 @@ def parallelize_stage(
     s = stages.stage_index if stages is not None else mesh.local_rank("pp")
     module = DecoderStageModule(model, s, dims.pp)
     pm = parallelize(
-        module, mesh, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, grad_reduce=grad_reduce
+        module,
+        mesh,
+        sequence_parallel=sequence_parallel,
+        loss_parallel=loss_parallel,
+        grad_reduce=grad_reduce,
+        activation_checkpoint=activation_checkpoint,
     )
     last = s == dims.pp - 1
     if module.tied:

@@ -48,6 +48,8 @@ def validate_conv(cfg: TrainConfig) -> TrainConfig:
             f"{', '.join(given) or 'the LM options'} with --model conv-ae: a convolutional model has "
             "no heads, experts, sequence or vocabulary to shard (it composes --spatial / --spatial-h with dp)"
         )
+    if cfg.ac != "none":
+        raise ShardkitError(f"--ac {cfg.ac} with --model conv-ae: activation checkpointing wraps decoder blocks")
     for flag, ranks, length, what in (
         ("--spatial", cfg.spatial, CROP[1], "columns"),
         ("--spatial-h", cfg.spatial_h, CROP[0], "rows"),

@@ -15,6 +15,7 @@ from torch import nn
 
 from ..errors import ShardkitError
 from ..parallelize import ParallelModel, parallelize, parallelize_stage
+from ..parallelize.checkpointing import check_ac_mode
 from ..plan.rules import (
     cp_tokens_rule,
     ep_rule,
@@ -64,6 +65,9 @@ def validate_lm(cfg: TrainConfig, family: LMFamily) -> TrainConfig:
         ShardkitError: naming the flags at fault.
     """
     _raise(lm_spatial_rule(cfg.spatial, cfg.spatial_h))
+    check_ac_mode(cfg.ac, "--ac")
+    if cfg.ac == "selective" and cfg.checks:
+        raise ShardkitError("--ac selective with --checks: the check mode changes the recomputed ops; use --ac full")
     _raise(seq_len_rule(cfg.seq_len))
     _raise(ep_rule(cfg.ep, cfg.experts if family.experts else 0))
     if cfg.experts < 1:
@@ -137,13 +141,18 @@ def parallelize_lm(model: nn.Module, mesh, cfg: TrainConfig, task) -> tuple[Para
     ``cfg``'s options; the pipeline's loss function with a pipeline, else None."""
     # validate_config resolved sequence_parallel; one process (mesh None) has neither option
     sp, lp = (bool(cfg.sequence_parallel), cfg.loss_parallel) if mesh is not None else (False, False)
+    # the --verify reference (mesh None) keeps every activation: --verify checks AC against plain autograd
+    ac = cfg.ac if mesh is not None else "none"
     if mesh is not None and mesh.dims.pp > 1:
         loss = LossScale(task)
-        pm = parallelize_stage(model, mesh, loss, sequence_parallel=sp, loss_parallel=lp, grad_reduce="sum")
+        pm = parallelize_stage(
+            model, mesh, loss, sequence_parallel=sp, loss_parallel=lp, grad_reduce="sum", activation_checkpoint=ac
+        )
         loss.bind(pm)
         return pm, loss
     # the trainer divides every rank's loss by the global token count itself: sum, not DDP's mean
-    return parallelize(model, mesh, sequence_parallel=sp, loss_parallel=lp, grad_reduce="sum"), None
+    pm = parallelize(model, mesh, sequence_parallel=sp, loss_parallel=lp, grad_reduce="sum", activation_checkpoint=ac)
+    return pm, None
 
 
 def describe_lm(cfg: TrainConfig, family: LMFamily) -> dict:

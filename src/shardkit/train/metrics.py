@@ -38,7 +38,10 @@ class MetricsLog:
 
     Fields: ``step`` (1-based), ``loss``, ``grad_norm`` (before clipping), ``lr``,
     ``tokens_per_s`` (or ``pixels_per_s``), ``step_time_s``, ``peak_memory_bytes`` (this rank),
-    ``skipped`` (the loss or norm was not finite: the step was not applied).
+    ``skipped`` (the loss or norm was not finite: the step was not applied), and on the run's
+    first step ``saved_activation_bytes``: the bytes rank 0's decoder blocks kept for backward
+    (:class:`~shardkit.parallelize.saved_bytes.SavedBytesMeter`; on CPU the activation measure,
+    the peak being the process's max RSS).
     A resumed run appends to the file of the run it continues. TensorBoard gets the same scalars
     (memory in MiB) under ``train/<field>`` with the step as the global step.
 
@@ -72,8 +75,8 @@ class MetricsLog:
 
             self._writer = SummaryWriter(log_dir=self.tb_dir)
 
-    def write(self, step: int, stats: StepStats, lr: float) -> dict[str, float]:
-        """Record 0-based ``step``; returns the line written."""
+    def write(self, step: int, stats: StepStats, lr: float, saved_bytes: int | None = None) -> dict[str, float]:
+        """Record 0-based ``step`` (``saved_bytes``: its measured activation bytes, if counted); returns the line."""
         line = {
             "step": step + 1,
             "loss": stats.loss,
@@ -84,12 +87,14 @@ class MetricsLog:
             "peak_memory_bytes": peak_memory(self.device),
             "skipped": stats.skipped,
         }
+        if saved_bytes is not None:
+            line["saved_activation_bytes"] = saved_bytes
         with open(self.path, "a") as f:
             f.write(json.dumps(line) + "\n")
         if self._writer is not None:
             for key, value in line.items():
-                if key == "peak_memory_bytes":
-                    key, value = "peak_memory_mib", value / 2**20
+                if key in ("peak_memory_bytes", "saved_activation_bytes"):
+                    key, value = key.replace("_bytes", "_mib"), value / 2**20
                 if key == "skipped":
                     value = int(value)
                 if key != "step":

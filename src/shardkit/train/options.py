@@ -12,8 +12,18 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ShardkitError
+from ..parallelize.checkpointing import AC_MODES
 
-__all__ = ["TrainConfig", "parse_pp_tp", "DTYPES", "TORCH_DTYPES", "SCHEDULES", "LR_SCHEDULES", "SIZE_FLAGS"]
+__all__ = [
+    "TrainConfig",
+    "parse_pp_tp",
+    "AC_MODES",
+    "DTYPES",
+    "TORCH_DTYPES",
+    "SCHEDULES",
+    "LR_SCHEDULES",
+    "SIZE_FLAGS",
+]
 
 DTYPES = ("float32", "float64", "bfloat16")
 TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
@@ -70,6 +80,7 @@ class TrainConfig:
     experts: int = 4  # moe / mla: routed experts (top-2)
     microbatches: int = 1  # per step and dp rank: pipeline microbatches, or gradient accumulation
     schedule: str = "1f1b"  # pipeline schedule: "1f1b" or "gpipe"
+    ac: str = "none"  # activation checkpointing of each decoder block: "none", "full" or "selective"
     max_norm: float | None = 1.0  # clip the global gradient norm (None / 0: no clipping)
     skip_nonfinite: int = 0  # skip up to N steps whose global loss or grad norm is NaN/inf; one more stops the run
     steps: int = 20  # total steps: a resumed run continues up to this count

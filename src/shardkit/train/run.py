@@ -35,6 +35,7 @@ from ..checkpoint.lock import root_lock
 from ..comm import checks, checks_enabled, flight_recorder
 from ..errors import NonFiniteError
 from ..parallelize import ParallelModel, gather_full_parameters
+from ..parallelize.saved_bytes import activation_meter
 from ..sharding import AXES, FLAT_VIEWS, ParallelMesh
 from .checkpoint_dir import model_description
 from .config import TrainConfig, parallel_dims
@@ -150,24 +151,30 @@ def _run_steps(pm, task, cfg: TrainConfig, loss_scale, on_step, layout: str, met
                 for _ in range(first):
                     scheduler.step()  # the schedule is a function of the step count
     losses, norms, skipped = [], [], []
+    saved: dict = {"saved_activation_bytes": None, "saved_bytes_per_block": None}
     for step in range(first, cfg.steps):
         lr = optimizer.param_groups[0]["lr"]  # the rate this step uses
-        stats = train_step(
-            pm,
-            optimizer,
-            task,
-            microbatches=cfg.microbatches,
-            max_norm=cfg.max_norm,
-            schedule=cfg.schedule,
-            loss_scale=loss_scale,
-            scheduler=scheduler,
-        )
+        # the first step counts the activation bytes each block keeps (pack hooks cost Python time)
+        meter = activation_meter(pm.module, cfg.ac if pm.mesh is not None else "none") if step == first else None
+        with meter or nullcontext():
+            stats = train_step(
+                pm,
+                optimizer,
+                task,
+                microbatches=cfg.microbatches,
+                max_norm=cfg.max_norm,
+                schedule=cfg.schedule,
+                loss_scale=loss_scale,
+                scheduler=scheduler,
+            )
+        if meter is not None:
+            saved = {"saved_activation_bytes": sum(meter.per_block), "saved_bytes_per_block": meter.per_block}
         losses.append(stats.loss)
         norms.append(stats.grad_norm)
         if on_step is not None:
             on_step(step, stats.loss)
         if metrics is not None:
-            metrics.write(step, stats, lr)
+            metrics.write(step, stats, lr, saved["saved_activation_bytes"] if step == first else None)
         if stats.skipped:
             skipped.append(step + 1)
             _nonfinite_step(step, stats, lr, len(skipped), cfg.skip_nonfinite)
@@ -187,7 +194,7 @@ def _run_steps(pm, task, cfg: TrainConfig, loss_scale, on_step, layout: str, met
                 keep=cfg.keep,
                 model=model_description(cfg),
             )
-    return {"losses": losses, "grad_norms": norms, "first_step": first, "skipped_steps": skipped}
+    return {"losses": losses, "grad_norms": norms, "first_step": first, "skipped_steps": skipped, **saved}
 
 
 def _nonfinite_step(step: int, stats, lr: float, seen: int, allowed: int) -> None:
@@ -285,6 +292,8 @@ def _train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool) ->
 
     memory = [None] * dist.get_world_size()
     dist.all_gather_object(memory, peak_memory(device))
+    saved_bytes = [None] * dist.get_world_size()
+    dist.all_gather_object(saved_bytes, run["saved_activation_bytes"])
     outputs = spec.outputs if cfg.report is not None else None
     full_params = gather_full_parameters(pm) if cfg.verify or outputs is not None else None
     if rank != 0:
@@ -314,6 +323,8 @@ def _train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool) ->
         **run,
         "peak_memory_bytes": memory,
         "memory_kind": "cuda max_memory_allocated" if device.type == "cuda" else "max RSS",
+        # per rank, its first step: bytes its decoder blocks kept for backward (parallelize.saved_bytes)
+        "saved_activation_bytes": saved_bytes,
         "ledger": _ledger_rows(ledger, mesh),
         "timings_s": {"setup": t_setup, "train": t_train},
         "files": files,

@@ -1,0 +1,194 @@
+"""Activation checkpointing of decoder blocks: ``full`` recompute or an op-level ``selective`` policy.
+
+* ``full``: every block's forward runs under non-reentrant :func:`torch.utils.checkpoint.checkpoint`;
+  only the block's inputs are kept, and the whole block (its tp / sp / cp collectives included) runs
+  again in backward.
+* ``selective``: the same wrapper with a
+  :func:`torch.utils.checkpoint.create_selective_checkpoint_contexts` policy that keeps the outputs
+  of matmuls and attention kernels (:data:`SAVED_OPS`), plus :class:`CollectiveReplay`, which
+  keeps the result of every shardkit collective and hands it back in the recompute instead of
+  communicating again. The collectives are autograd Functions whose c10d calls reach the
+  dispatcher as in-place ``c10d.*_`` ops: the SAC policy sees them, but saving them through SAC
+  would hand back the old output without filling the new buffer, so the replay writes the kept
+  result into the destination buffer itself. Point-to-point ops (ring attention) are not
+  replayed: they run again.
+
+The wrapper replaces the block's ``forward`` (an instance attribute), so parameter names do not
+change and FSDP2's hooks, applied afterwards, stay outside the recomputed region (as torchtitan
+applies AC after tp and cp and before FSDP2).
+
+Source: torchtitan ``apply_ac`` (full and op-level selective AC); Korthikanti et al. 2022,
+"Reducing Activation Recomputation in Large Transformer Models" (selective recomputation).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from ..comm import checks_enabled
+from ..errors import ShardkitError
+
+__all__ = [
+    "AC_MODES",
+    "SAVED_OPS",
+    "REPLAYED_C10D_OPS",
+    "CollectiveReplay",
+    "apply_ac",
+    "check_ac_mode",
+    "selective_policy",
+]
+
+AC_MODES = ("none", "full", "selective")
+
+
+def _aten_ops(*names: str) -> frozenset:
+    return frozenset(getattr(torch.ops.aten, n).default for n in names if hasattr(torch.ops.aten, n))
+
+
+# Outputs the selective policy keeps: the matmuls and the attention kernels (the expensive ops).
+SAVED_OPS = _aten_ops(
+    "mm",
+    "addmm",
+    "bmm",
+    "baddbmm",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+)
+
+# c10d ops the replay serves from the kept result: op name -> the ledger op names its callers record.
+REPLAYED_C10D_OPS = {
+    "allreduce_": ("all_reduce",),
+    "_allgather_base_": ("all_gather_single", "metadata_all_gather"),
+    "allgather_into_tensor_coalesced_": ("all_gather_single", "metadata_all_gather"),
+    "_reduce_scatter_base_": ("reduce_scatter_single",),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter_single",),
+    "alltoall_base_": ("all_to_all_single",),
+    "broadcast_": ("broadcast",),
+}
+
+
+def check_ac_mode(mode: str, where: str = "parallelize") -> str:
+    """``mode`` if it is one of :data:`AC_MODES`.
+
+    Raises:
+        ShardkitError: any other value, naming ``where`` and the allowed modes.
+    """
+    if mode not in AC_MODES:
+        raise ShardkitError(f"{where}: activation checkpointing must be one of {', '.join(AC_MODES)}; got {mode!r}")
+    return mode
+
+
+def selective_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+    """Keep the outputs of :data:`SAVED_OPS`, recompute everything else (the SAC policy)."""
+    return CheckpointPolicy.MUST_SAVE if func in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _destinations(func, args) -> list[torch.Tensor]:
+    """The tensors a replayed c10d op fills (its first argument: a tensor or a list of them)."""
+    first = args[0]
+    return list(first) if isinstance(first, (list, tuple)) else [first]
+
+
+def _works(out) -> list:
+    items = out if isinstance(out, (list, tuple)) else [out]
+    return [w for w in items if isinstance(w, torch.ScriptObject)]
+
+
+class CollectiveReplay(TorchDispatchMode):
+    """Keep each shardkit collective's result in forward; hand it back, without communicating, in the recompute.
+
+    One instance pair (``record`` / ``replay``) per checkpointed call shares ``kept``: the results,
+    in call order (every rank recomputes the same ops in the same order). The recorded op waits
+    for its c10d work before copying the result (the caller would wait right after anyway).
+
+    Attributes:
+        replaying: True in the recompute context.
+        replayed_ledger_ops: ledger op names whose calls are served from ``kept`` while
+            ``replaying`` (:func:`shardkit.comm.ledger.record` does not record them: they are not issued).
+        kept: the kept results (one list of tensors per replayed call).
+    """
+
+    def __init__(self, kept: list, replaying: bool) -> None:
+        super().__init__()
+        self.kept = kept
+        self.replaying = replaying
+        self.replayed_ledger_ops = (
+            frozenset(n for names in REPLAYED_C10D_OPS.values() for n in names) if replaying else ()
+        )
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace != "c10d" or func._opname not in REPLAYED_C10D_OPS:
+            return func(*args, **kwargs)
+        dests = _destinations(func, args)
+        if self.replaying:
+            if not self.kept:
+                raise ShardkitError(
+                    f"activation_checkpoint='selective': the recompute issued {func} beyond the "
+                    "collectives of the forward (a block whose communication depends on state that changed)"
+                )
+            kept, out = self.kept.pop(0)
+            for d, k in zip(dests, kept, strict=True):
+                d.copy_(k)
+            return out  # the forward's (completed) work: waiting on it again returns at once
+        out = func(*args, **kwargs)
+        for w in _works(out):
+            w.wait()
+        self.kept.append(([d.detach().clone() for d in dests], out))
+        return out
+
+
+def _contexts(selective: bool):
+    """``(forward, recompute)`` contexts of one checkpointed call (a fresh pair per call)."""
+    if not selective:
+        return contextlib.nullcontext(), contextlib.nullcontext()
+    kept: list = []
+    record, replay = CollectiveReplay(kept, False), CollectiveReplay(kept, True)
+    sac_fwd, sac_re = create_selective_checkpoint_contexts(selective_policy)
+    return _stacked(record, sac_fwd), _stacked(replay, sac_re)
+
+
+@contextlib.contextmanager
+def _stacked(lower, upper):
+    """Enter ``lower`` then ``upper``: SAC's mode sits above the replay, so the ops the replay
+    issues itself (copying a kept result) reach no SAC cache."""
+    with lower, upper:
+        yield
+
+
+def _checkpointed(forward: Callable, selective: bool, *args, **kwargs):
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=functools.partial(_contexts, selective), **kwargs)
+
+
+def apply_ac(blocks: Sequence[nn.Module], mode: str) -> None:
+    """Checkpoint each block's forward in place (``"full"`` or ``"selective"``; ``"none"``: nothing).
+
+    Args:
+        blocks: the decoder blocks (:func:`~.decoder.decoder_layers`), after tp and cp, before FSDP2.
+        mode: one of :data:`AC_MODES`.
+
+    Raises:
+        ShardkitError: an unknown mode; ``"selective"`` with the check mode on
+            (:func:`shardkit.comm.checks`).
+    """
+    if check_ac_mode(mode) == "none":
+        return
+    if mode == "selective" and checks_enabled():
+        # a tp model's forward agrees once for the ops inside it (comm.checks.covered); the
+        # recompute runs outside that region, checks op by op and so dispatches other ops than
+        # the forward did, which SAC cannot match. Every rank sets the check mode alike.
+        raise ShardkitError(
+            "activation_checkpoint='selective' with shardkit's check mode on (--checks / SHARDKIT_CHECKS): "
+            "the recompute would run the checks' own ops, not the forward's; use 'full' or turn checks off"
+        )
+    for block in blocks:
+        block.forward = functools.partial(_checkpointed, block.forward, mode == "selective")
