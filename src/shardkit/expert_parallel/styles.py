@@ -20,7 +20,7 @@ from torch import nn
 
 from ..errors import ShardkitError, ShardkitTypeError
 from ..tensor_parallel.plan import model_tp_plan
-from ..tensor_parallel.styles import ParallelStyle, StyleContext
+from ..tensor_parallel.style_base import ParallelStyle, StyleContext
 from .hf import expert_shard, install_ep_forward, shard_expert_param, shard_expert_params
 
 __all__ = ["GroupedGemm", "EpDispatchExperts", "EpRouter", "ep_styles", "ep_plan"]

@@ -34,7 +34,8 @@ from .loss_hf import vocab_parallel_causal_lm_loss
 from .plan import CompiledPlan, model_tp_plan, verify_tp_plan
 from .sequence import SequenceSharding
 from .sp_plan import sequence_parallel_plan
-from .styles import ColwiseParallel, RowwiseParallel, StyleContext
+from .style_base import StyleContext
+from .styles import ColwiseParallel, RowwiseParallel
 
 if TYPE_CHECKING:
     from .._types import Group

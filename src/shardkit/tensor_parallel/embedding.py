@@ -22,7 +22,7 @@ from ..comm import all_reduce_forward
 from ..errors import ShardkitTypeError
 from ..sharding import ShardSpec
 from .embedding_shards import shard_embedding_columns, shard_embedding_rows
-from .styles import ParallelStyle, StyleContext
+from .style_base import ParallelStyle, StyleContext
 
 __all__ = ["EmbeddingParallel"]
 

@@ -28,7 +28,7 @@ from ..comm import all_reduce_backward, all_reduce_forward
 from ..comm._group import resolve_group
 from ..errors import ShardkitTypeError
 from ..sharding import Partial, Replicate, check_layout
-from .styles import ParallelStyle, StyleContext
+from .style_base import ParallelStyle, StyleContext
 
 if TYPE_CHECKING:
     from .._types import Group

@@ -19,7 +19,7 @@ from ..comm import all_reduce_forward
 from ..errors import ShardkitError
 from ..sharding import Partial, Replicate, Shard, check_layout
 from .sequence import SequenceSharding
-from .styles import ParallelStyle, StyleContext, replace_input
+from .style_base import ParallelStyle, StyleContext, replace_input
 
 __all__ = ["PrepareModuleInput", "PrepareModuleOutput", "layout_change"]
 

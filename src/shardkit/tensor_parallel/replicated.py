@@ -23,7 +23,7 @@ from torch import nn
 
 from ..comm import all_reduce_backward
 from ..errors import ShardkitError
-from .styles import ParallelStyle, StyleContext, sum_grad_over
+from .style_base import ParallelStyle, StyleContext, sum_grad_over
 
 __all__ = ["ReplicatedWithGradAllReduce", "SequenceParallel", "MlaKvAProjParallel"]
 

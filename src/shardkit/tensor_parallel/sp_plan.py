@@ -53,7 +53,8 @@ from .moe import MoeTensorParallelExperts
 from .plan import CompiledPlan
 from .prepare import PrepareModuleInput, PrepareModuleOutput
 from .replicated import SequenceParallel
-from .styles import ColwiseParallel, ParallelStyle, RowwiseParallel, StyleContext, replace_input
+from .style_base import ParallelStyle, StyleContext, replace_input
+from .styles import ColwiseParallel, RowwiseParallel
 
 __all__ = ["sequence_parallel_plan", "sequence_parallel_error", "decoder_layers"]
 
