@@ -21,8 +21,8 @@ from shardkit.comm import all_gather, gather_forward_split_backward, split_forwa
 from shardkit.errors import ShardkitError
 from shardkit.pipeline_parallel import PipelineStage, gpipe_schedule, one_f_one_b_schedule, run_schedule
 from shardkit.pipeline_parallel.vtp import Replicate, Shard
-from shardkit.sharding import StageGroups
-from shardkit.tensor_parallel.styles import ColwiseParallel, RowwiseParallel, shard_spec
+from shardkit.sharding import StageGroups, shard_spec
+from shardkit.tensor_parallel.styles import ColwiseParallel, RowwiseParallel
 
 H, F, LAYERS = 4, 6, 6
 SCHEDULES = {"gpipe": gpipe_schedule, "1f1b": one_f_one_b_schedule}
