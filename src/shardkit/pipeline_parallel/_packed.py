@@ -1,5 +1,10 @@
 """Cached shapes in the P2P engine (:mod:`._exchange`): a channel whose shape was negotiated
 sends the header with a message of that shape, packed into one message when small.
+
+A repeat of the cached shape (the common case: every microbatch of a run) sends the channel's
+stored header bytes and is accepted by the receiver with one comparison against its own stored
+header: no encoding, no decoding, no second buffer. Any other header (a new shape or dtype, an
+error status) differs in some byte and is decoded, so a changed shape is always seen.
 """
 
 from __future__ import annotations
@@ -31,20 +36,25 @@ def cached_send(t: Transfer, ch: Channel, api: str) -> list:
     same = t.status == OK and x.dtype == ch.dtype and x.shape == ch.shape
     if ch.nbytes <= PACK_MAX_BYTES:
         if same:
-            header = ch.header if ch.device == t.device else ch.header.to(t.device)
-            buf = torch.cat([header, x.reshape(-1).view(torch.uint8)])
+            buf = torch.cat([_header(ch, t.device), x.reshape(-1).view(torch.uint8)])
         else:
             buf = torch.empty(_HB + ch.nbytes, dtype=torch.uint8, device=t.device)
             buf[:_HB].view(torch.int64).copy_(_wire.encode(t.status, x.dtype, x.shape, t.device))
         msgs: list[Message] = [(t, True, buf, t.phase)]
+    elif same:
+        # The channel's stored header (the bytes an OK header of this shape encodes to): no encoding.
+        t.hdr = _header(ch, t.device).view(torch.int64)
+        msgs = [(t, True, t.hdr, t.phase), (t, True, x, t.phase)]
     else:
-        msgs = [
-            header_msg(t),
-            (t, True, x if same else torch.empty(ch.shape, dtype=ch.dtype, device=t.device), t.phase),
-        ]
+        msgs = [header_msg(t), (t, True, torch.empty(ch.shape, dtype=ch.dtype, device=t.device), t.phase)]
     if not same and (pay := payload_msg(t)) is not None:
         msgs.append(pay)
     return post(msgs, False, api)
+
+
+def _header(ch: Channel, device: torch.device) -> torch.Tensor:
+    """The channel's stored header (uint8) on ``device``."""
+    return ch.header if ch.device == device else ch.header.to(device)
 
 
 def post_packed(t: Transfer, ch: Channel, api: str) -> tuple[torch.Tensor, Any]:
@@ -58,7 +68,7 @@ def read_packed(t: Transfer, ch: Channel, buf: torch.Tensor, work, api: str) -> 
     status OK) is accepted by one comparison, without decoding; else :func:`_after_header`."""
     work.wait()
     hdr, body = buf.split_with_sizes((_HB, ch.nbytes))
-    if (t.dtype is None or t.dtype == ch.dtype) and ch.device == t.device and torch.equal(hdr, ch.header):
+    if _accepts(t, ch, hdr):
         t.payload = body.view(ch.dtype).view(ch.shape)
         return []
     t.hdr = hdr.view(torch.int64)
@@ -74,7 +84,18 @@ def cached_recv(t: Transfer, ch: Channel, api: str) -> list:
     pre = torch.empty(ch.shape, dtype=ch.dtype, device=t.device)
     posted = post([header_msg(t), (t, False, pre, t.phase)], False, api)
     posted[0].wait()
+    assert t.hdr is not None  # header_msg gave the receive its buffer
+    if _accepts(t, ch, t.hdr.view(torch.uint8)):
+        t.payload = pre
+        return posted[1:]
     return _after_header(t, ch, pre, posted[1:], api)
+
+
+def _accepts(t: Transfer, ch: Channel, hdr: torch.Tensor) -> bool:
+    """Whether a received header (uint8) announces the cached shape with status OK, for a receive
+    that accepts the cached dtype: one comparison with the stored header, no decoding (a header
+    that differs in any byte is decoded and judged by :func:`._negotiate.read_header`)."""
+    return (t.dtype is None or t.dtype == ch.dtype) and ch.device == t.device and torch.equal(hdr, ch.header)
 
 
 def _after_header(t: Transfer, ch: Channel, pre: torch.Tensor, rest: list, api: str) -> list:
