@@ -197,3 +197,25 @@ def test_a_repeated_large_shape_sends_the_stored_header_and_any_change_is_decode
         with pytest.raises(ShardkitError, match="cannot be described by a header"):
             recv_forward(g, shape_cache=cache)
     _assert_caches_equal(cache)
+
+
+@pytest.mark.world(2, timeout=30)
+def test_a_packed_send_reuses_its_buffer_only_once_the_last_send_completed():
+    g, s, cache = world_group(), rank(), ShapeCache()
+    seen = []
+    for i in range(3):
+        if s == 0:
+            send_forward(value((4, 4), torch.float32, 0, 0, i), g, shape_cache=cache)
+            if i:  # the first transfer negotiates: a header and the payload, nothing packed
+                ((buf, _),) = cache._packed.values()
+                seen.append(buf)
+        else:
+            assert _same(recv_forward(g, shape_cache=cache), value((4, 4), torch.float32, 0, 0, i))
+    if s == 0:
+        assert seen[0] is seen[1]  # a repeat after a completed send: the same buffer, no allocation
+        key = next(iter(cache._packed))
+        cache._packed[key] = (seen[1], mock.Mock(is_completed=lambda: False))  # c10d may still read it
+        send_forward(value((4, 4), torch.float32, 0, 0, 3), g, shape_cache=cache)
+        assert cache._packed[key][0] is not seen[1]
+    else:
+        assert _same(recv_forward(g, shape_cache=cache), value((4, 4), torch.float32, 0, 0, 3))

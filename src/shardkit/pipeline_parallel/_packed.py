@@ -15,30 +15,32 @@ import torch
 
 from . import _wire
 from ._negotiate import read_header
-from ._transfer import Channel, Message, Transfer, header_msg, payload_msg, post
+from ._transfer import Channel, Message, ShapeCache, Transfer, header_msg, payload_msg, post
 from ._wire import HEADER_LEN, OK
 
 __all__ = ["PACK_MAX_BYTES", "cached_send", "cached_recv", "post_packed", "read_packed"]
 
 # Cached shapes up to this many payload bytes travel in one message, the header in front of the
-# payload (a copy on each side, cheap below gloo's ~256 KiB latency/bandwidth crossover, where the
-# second message's latency costs more); larger ones as two messages posted together.
+# payload (one copy on the sending side, into a reused buffer; the receiver returns a view of what
+# it received), cheaper below gloo's ~256 KiB latency/bandwidth crossover than a second message's
+# latency; larger ones as two messages posted together (the payload itself, no copy).
 PACK_MAX_BYTES = 256 * 1024
 _HB = HEADER_LEN * 8  # header bytes; a multiple of 16, so the payload view after it is aligned
 
 
-def cached_send(t: Transfer, ch: Channel, api: str) -> list:
+def cached_send(t: Transfer, ch: Channel, api: str, cache: ShapeCache) -> list:
     """Header, then a message of the cached shape (the payload, or a dummy plus the payload);
     packed into one message when the cached payload is small. A repeated shape is one ``cat``
-    of the channel's stored header and the payload (no header encoding, one copy)."""
+    of the channel's stored header and the payload into the peer's reused send buffer
+    (:meth:`ShapeCache.packed_buffer`: no header encoding, one copy, no allocation)."""
     x = t.payload
     assert x is not None  # a sender's transfer holds its tensor
     same = t.status == OK and x.dtype == ch.dtype and x.shape == ch.shape
     if ch.nbytes <= PACK_MAX_BYTES:
+        buf = cache.packed_buffer(t, _HB + ch.nbytes)
         if same:
-            buf = torch.cat([_header(ch, t.device), x.reshape(-1).view(torch.uint8)])
+            torch.cat([_header(ch, t.device), x.reshape(-1).view(torch.uint8)], out=buf)
         else:
-            buf = torch.empty(_HB + ch.nbytes, dtype=torch.uint8, device=t.device)
             buf[:_HB].view(torch.int64).copy_(_wire.encode(t.status, x.dtype, x.shape, t.device))
         msgs: list[Message] = [(t, True, buf, t.phase)]
     elif same:
@@ -49,7 +51,10 @@ def cached_send(t: Transfer, ch: Channel, api: str) -> list:
         msgs = [header_msg(t), (t, True, torch.empty(ch.shape, dtype=ch.dtype, device=t.device), t.phase)]
     if not same and (pay := payload_msg(t)) is not None:
         msgs.append(pay)
-    return post(msgs, False, api)
+    works = post(msgs, False, api)
+    if ch.nbytes <= PACK_MAX_BYTES:
+        cache.hold_packed(t, msgs[0][2], works[0])
+    return works
 
 
 def _header(ch: Channel, device: torch.device) -> torch.Tensor:
