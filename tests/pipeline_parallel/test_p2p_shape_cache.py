@@ -4,6 +4,8 @@ an error status in the middle) and every received tensor is bitwise the coordina
 sent; after every transfer the sender's and the receiver's cached entries for the channel are
 equal, so the two ends cannot fall out of step."""
 
+from unittest import mock
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -13,6 +15,7 @@ from shardkit.comm import CommLedger
 from shardkit.errors import ShardkitError
 from shardkit.pipeline_parallel import (
     ShapeCache,
+    _wire,
     recv_backward,
     recv_forward,
     send_backward,
@@ -155,3 +158,64 @@ def test_an_error_status_keeps_both_caches_and_the_next_transfer_works():
         else:
             assert _same(recv_forward(g, shape_cache=cache), value(shape, torch.float32, 0, 0, i))
     _assert_caches_equal(cache)
+
+
+@pytest.mark.world(2, timeout=30)
+def test_a_repeated_large_shape_sends_the_stored_header_and_any_change_is_decoded():
+    """Over the one-message limit a repeat sends the channel's stored header bytes (no encoding)
+    and the receiver accepts it by comparison (no decoding); a change of dtype or shape with the
+    same byte count, or an error status, differs in some header byte and is decoded and seen."""
+    g, s, cache = world_group(), rank(), ShapeCache()
+    n = BIG[0]
+    steps = [
+        ((n,), torch.float32),
+        ((n,), torch.float32),
+        ((n,), torch.int32),  # same bytes, another dtype
+        ((n // 8, 8), torch.int32),  # same bytes, another shape
+        ((n // 8, 8), torch.int32),
+    ]
+    counts, coded = [], []
+    for i, (shape, dt) in enumerate(steps):
+        with mock.patch.object(_wire, "encode", wraps=_wire.encode) as enc:
+            with mock.patch.object(_wire, "decode", wraps=_wire.decode) as dec:
+                with CommLedger() as ledger:
+                    if s == 0:
+                        send_forward(value(shape, dt, 0, 0, i), g, shape_cache=cache)
+                    else:
+                        assert _same(recv_forward(g, shape_cache=cache), value(shape, dt, 0, 0, i))
+        counts.append(ledger.count())
+        coded.append(enc.call_count + dec.call_count)
+        _assert_caches_equal(cache)
+    # first: header + payload; repeat: stored header + payload; a change: header + dummy + payload.
+    assert counts == [2, 2, 3, 3, 2]
+    assert coded[1] == 0 and coded[4] == 0, coded  # repeats: no header encoded or decoded
+    assert all(c > 0 for c in (coded[0], coded[2], coded[3])), coded
+    if s == 0:
+        with pytest.raises(ShardkitError, match="ndim 17 exceeds"):
+            send_forward(torch.zeros([1] * 17), g, shape_cache=cache)
+    else:
+        with pytest.raises(ShardkitError, match="cannot be described by a header"):
+            recv_forward(g, shape_cache=cache)
+    _assert_caches_equal(cache)
+
+
+@pytest.mark.world(2, timeout=30)
+def test_a_packed_send_reuses_its_buffer_only_once_the_last_send_completed():
+    g, s, cache = world_group(), rank(), ShapeCache()
+    seen = []
+    for i in range(3):
+        if s == 0:
+            send_forward(value((4, 4), torch.float32, 0, 0, i), g, shape_cache=cache)
+            if i:  # the first transfer negotiates: a header and the payload, nothing packed
+                ((buf, _),) = cache._packed.values()
+                seen.append(buf)
+        else:
+            assert _same(recv_forward(g, shape_cache=cache), value((4, 4), torch.float32, 0, 0, i))
+    if s == 0:
+        assert seen[0] is seen[1]  # a repeat after a completed send: the same buffer, no allocation
+        key = next(iter(cache._packed))
+        cache._packed[key] = (seen[1], mock.Mock(is_completed=lambda: False))  # c10d may still read it
+        send_forward(value((4, 4), torch.float32, 0, 0, 3), g, shape_cache=cache)
+        assert cache._packed[key][0] is not seen[1]
+    else:
+        assert _same(recv_forward(g, shape_cache=cache), value((4, 4), torch.float32, 0, 0, 3))

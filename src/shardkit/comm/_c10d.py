@@ -358,6 +358,14 @@ def local_split(x: torch.Tensor, g: GroupInfo, dim: int, sizes: Sequence[int]) -
     return x.narrow(dim, off, sizes[g.rank]).clone(memory_format=torch.contiguous_format)
 
 
+def local_block(x: torch.Tensor, g: GroupInfo, dim: int, sizes: Sequence[int]) -> torch.Tensor:
+    """This rank's block of ``x`` along ``dim``, contiguous: a view of ``x`` when the block is
+    already consecutive in memory (no copy), else one copy. For gradients, which nothing
+    modifies in place (torch's own ``cat`` backward hands out views of its gradient too)."""
+    block = x.narrow(dim, split_offsets(sizes)[g.rank], sizes[g.rank])
+    return block if block.is_contiguous() else block.clone(memory_format=torch.contiguous_format)
+
+
 def all_to_all_flat(
     send: torch.Tensor, in_splits: list[int], out_splits: list[int], g: GroupInfo, api: str, phase: str, shape=None
 ) -> torch.Tensor:

@@ -81,7 +81,7 @@ class _GatherForwardSplitBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _scaled(_c10d.local_split(grad, ctx.g, ctx.dim, ctx.sizes), ctx.factor), None, None, None, None
+        return _scaled(_c10d.local_block(grad, ctx.g, ctx.dim, ctx.sizes), ctx.factor), None, None, None, None
 
 
 def split_forward_gather_backward(

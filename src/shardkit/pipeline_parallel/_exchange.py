@@ -35,7 +35,8 @@ of the cached shape with the header: the payload when its tensor has that shape 
 a dummy of the cached shape followed by the real payload (or nothing after an error status).
 The header still travels every time, so a shape change or an error is always seen.
 Each channel also stores the header of its cached shape, so a repeat is packed by one ``cat``
-and accepted by one comparison. On gloo, a combined call's packed cached receive is read only
+(into the peer's reused send buffer) or, over the limit, sent as those stored bytes, and
+accepted by one comparison. On gloo, a combined call's packed cached receive is read only
 after the call's later messages are posted (see :func:`_ordered`).
 
 Why it is safe. (a) Each even/odd pair of neighbours has one side sending first and the other
@@ -91,7 +92,8 @@ def _ordered(transfers: list[Transfer], api: str, checked: bool, cache: ShapeCac
             ):
                 late.append((t, cached, *post_packed(t, cached, api)))
                 continue
-            works += (cached_send if t.send else cached_recv)(t, cached, api)
+            assert cache is not None  # the cached shape came from it
+            works += cached_send(t, cached, api, cache) if t.send else cached_recv(t, cached, api)
         elif checked:
             for w in sorted_post(hello_msgs(t, api), api, batched=False):
                 w.wait()

@@ -173,7 +173,7 @@ def _cached_single(api, g: GroupInfo, x, directions, send: bool, dtype, device, 
         return None
     if send:
         _check_own_tensor(t, api)
-    works = (cached_send if send else cached_recv)(t, cached, api)
+    works = cached_send(t, cached, api, cache) if send else cached_recv(t, cached, api)
     if t.status == _wire.OK and t.payload is not None:  # a completed transfer holds its tensor
         cache.put(t, t.payload.shape, t.payload.dtype)
     if t.error is not None:

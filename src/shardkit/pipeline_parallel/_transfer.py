@@ -9,7 +9,7 @@ NCCL's FIFO pairing between two ranks matches them (why it is safe: :mod:`._exch
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -69,6 +69,26 @@ class ShapeCache:
 
     def __init__(self) -> None:
         self._last: dict[tuple, Channel] = {}  # (id of the process group, is_send, peer) -> Channel
+        # (id of the process group, peer) -> (packed send buffer, the work of its last send)
+        self._packed: dict[tuple, tuple[torch.Tensor, Any]] = {}
+
+    def packed_buffer(self, t: Transfer, nbytes: int) -> torch.Tensor:
+        """A ``nbytes`` uint8 send buffer for a packed (header + payload) message to ``t``'s peer:
+        the one the last packed send to that peer used when that send has completed (c10d no
+        longer reads it), else a new one. Why: a fresh CPU buffer of a few hundred KiB comes from
+        ``mmap`` and pays a page fault per 4 KiB it touches, measured as more than the copy
+        itself; CUDA's caching allocator recycles blocks, so other devices get fresh buffers."""
+        held = self._packed.get((id(t.g.pg), t.peer))
+        if held is not None:
+            buf, work = held
+            if buf.numel() == nbytes and buf.device == t.device and work.is_completed():
+                return buf
+        return torch.empty(nbytes, dtype=torch.uint8, device=t.device)
+
+    def hold_packed(self, t: Transfer, buf: torch.Tensor, work) -> None:
+        """Remember a CPU packed send's buffer and work, for :meth:`packed_buffer`."""
+        if buf.is_cpu:
+            self._packed[(id(t.g.pg), t.peer)] = (buf, work)
 
     def get(self, t: Transfer) -> Channel | None:
         return self._last.get((id(t.g.pg), t.send, t.peer))
