@@ -7,12 +7,10 @@ crashes DTensor TP, pytorch#150336) and a vocabulary of 101 (uneven everywhere).
 
 from __future__ import annotations
 
-import types
-
 import torch
 import torch.nn.functional as F
 
-from shardkit.train.model import keep_norms_in_input_dtype
+from shardkit.train.model import keep_float64
 
 VOCAB = 101
 _COMMON = dict(
@@ -77,37 +75,10 @@ def build(kind: str, seed: int = 0, dtype=torch.float64, **overrides):
     torch.manual_seed(seed)
     model = model_cls(config).to(dtype)
     if dtype == torch.float64:
-        keep_norms_in_input_dtype(model)
-        if kind == "deepseek_v2":
-            _deepseek_in_float64(model)
+        # the trainer's own float64 replacements (norms; DeepSeek-V2's router and rotary, per
+        # instance: transformers' module and the other tests' models stay untouched)
+        keep_float64(model)
     return model
-
-
-def _deepseek_in_float64(model) -> None:
-    """DeepSeek-V2's router and rotary embedding round to float32 whatever the model dtype, which
-    caps float64 parity at float32 rounding (1e-7 measured). Both the reference and the sharded
-    model get these float64-preserving replacements (same math, no float32 round trip)."""
-    from transformers.models.deepseek_v2 import modeling_deepseek_v2 as mod
-
-    mod.apply_rotary_emb = _rotary_in_input_dtype  # looked up at call time by the attention forward
-    for module in model.modules():
-        if type(module).__name__ == "DeepseekV2TopkRouter":
-            assert module.topk_method == "greedy", module.topk_method
-            module.forward = types.MethodType(_greedy_router_in_input_dtype, module)
-
-
-def _rotary_in_input_dtype(xq, xk, freqs_cis):
-    def rotate(x):
-        pairs = torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2).contiguous())
-        return torch.view_as_real(pairs * freqs_cis.unsqueeze(1).to(pairs.dtype)).flatten(3)
-
-    return rotate(xq), rotate(xk)
-
-
-def _greedy_router_in_input_dtype(self, hidden_states):
-    logits = F.linear(hidden_states.view(-1, self.hidden_dim), self.weight)
-    weights, indices = torch.topk(logits.softmax(dim=-1), k=self.top_k, dim=-1, sorted=False)
-    return logits, weights * self.routed_scaling_factor, indices
 
 
 def rel(a, b):

@@ -85,7 +85,7 @@ class ShapeCache:
                 return buf
         return torch.empty(nbytes, dtype=torch.uint8, device=t.device)
 
-    def hold_packed(self, t: Transfer, buf: torch.Tensor, work) -> None:
+    def hold_packed(self, t: Transfer, buf: torch.Tensor, work: object) -> None:
         """Remember a CPU packed send's buffer and work, for :meth:`packed_buffer`."""
         if buf.is_cpu:
             self._packed[(id(t.g.pg), t.peer)] = (buf, work)
