@@ -39,6 +39,7 @@ from .. import all_gather, all_to_all, reduce_scatter
 from ..comm import (
     CommLedger,
     FlightRecorder,
+    _c10d,
     _compat,
     all_reduce_backward,
     all_reduce_forward,
@@ -47,6 +48,8 @@ from ..comm import (
     set_flight_recorder,
     split_forward_gather_backward,
 )
+from ..pipeline_parallel import recv_backward, send_forward
+from ..spatial import halo_exchange
 from ._method import Record, Settings, agree, time_interleaved
 
 __all__ = ["host_overhead", "OPS"]
@@ -68,7 +71,6 @@ _SPIED = (
 def _spy(calls: list):
     """Record ``(primitive, numel of each tensor argument, split sizes)`` of every c10d call
     made through ``dist`` or through the names the comm layer bound at import."""
-    from ..comm import _c10d
 
     bound = [(mod, name) for mod in (_compat, _c10d) for name in ("all_gather_single", "reduce_scatter_single")]
     targets = [(dist, name) for name in _SPIED if hasattr(dist, name)] + bound
@@ -125,8 +127,6 @@ class Op(NamedTuple):
 
 
 def _ops(pg) -> dict[str, Op]:
-    from ..pipeline_parallel import recv_backward, send_forward
-    from ..spatial import halo_exchange
 
     r = pg.size()
     ag = torch.randn(16, 64)  # 4 KiB, the issue's all_gather size

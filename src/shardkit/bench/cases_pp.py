@@ -31,6 +31,9 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..pipeline_parallel import PipelineStage, one_f_one_b_schedule, run_schedule
+from ..pipeline_parallel._transfer import order_key
+from ..pipeline_parallel.schedules import comm_plan
 from ._method import Record, Settings, agree
 
 __all__ = ["bubble"]
@@ -78,7 +81,6 @@ class _Stage(torch.nn.Module):
 def _bare_1f1b(stage, plan, xs, rank: int, P: int, M: int, pg) -> list:
     """The runner's plan over bare c10d P2P (static ``[1, 8]`` shapes, slot order, sends waited
     at the end); returns the last stage's losses."""
-    from ..pipeline_parallel._transfer import order_key
 
     got: dict[tuple, torch.Tensor] = {}
     stash: dict[int, tuple] = {}
@@ -119,8 +121,6 @@ def _bare_1f1b(stage, plan, xs, rank: int, P: int, M: int, pg) -> list:
 
 
 def _case(P: int, M: int, f_ms: float, b_ms: float, pg, settings: Settings) -> Record | None:
-    from ..pipeline_parallel import PipelineStage, one_f_one_b_schedule, run_schedule
-    from ..pipeline_parallel.schedules import comm_plan
 
     rank = dist.get_rank()
     names = ("shardkit", "bare")

@@ -1,12 +1,12 @@
-"""The ``shardkit`` command: ``shardkit train``, ``shardkit plan`` (and ``shardkit bench`` where installed)."""
+"""The ``shardkit`` command: ``shardkit train``, ``shardkit plan`` and ``shardkit bench``."""
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 
 from .. import __version__
+from .bench import add_bench_parser
 from .plan import add_plan_parser
 from .train import add_train_parser
 
@@ -20,12 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_train_parser(commands)
     add_plan_parser(commands)
-    # `bench` lives in cli/bench.py (add_bench_parser(subparsers)). Only its absence is
-    # tolerated: an error inside the module must surface, not silently drop the command.
-    if importlib.util.find_spec(f"{__package__}.bench") is not None:
-        from .bench import add_bench_parser
-
-        add_bench_parser(commands)
+    add_bench_parser(commands)
     return parser
 
 
