@@ -66,6 +66,9 @@ def test_stage_layer_split_errors():
         decoder_stage_layers(3, 0)
 
 
+# transformers' deprecation of the mask builders' `past_key_values` would break --pp on its removal:
+# the stages must pass the new name, so any FutureWarning here is a failure.
+@pytest.mark.filterwarnings("error::FutureWarning")
 @pytest.mark.parametrize("kind", KINDS)
 def test_stages_chain_to_the_full_model(kind):
     model = _model(kind)
@@ -80,6 +83,7 @@ def test_stages_chain_to_the_full_model(kind):
     assert stages[1].tp_plan and "lm_head" not in stages[1].tp_plan and "lm_head" in stages[2].tp_plan
 
 
+@pytest.mark.filterwarnings("error::FutureWarning")
 def test_position_ids_and_layer_kwargs_reach_the_layers():
     """Given position ids are used (not 0..S-1) and extra keywords reach every decoder layer."""
     model = _model("llama", layers=2)

@@ -31,6 +31,7 @@ the per-family forward of Hugging Face transformers' decoder models.
 
 from __future__ import annotations
 
+import inspect
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -171,13 +172,16 @@ class DecoderStageModule(nn.Module):
     def _masks(self, h, attention_mask, position_ids) -> dict[bool, object]:
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-        kw = dict(
-            config=self.config,
-            inputs_embeds=h,
-            attention_mask=attention_mask,
-            past_key_values=None,
-            position_ids=position_ids,
-        )
+        # transformers renamed the mask builders' `past_key_values` to `cache` (the old name warns
+        # and is to be removed): pass whichever this version takes. No cache: stages train.
+        cache_kw = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
+        kw = {
+            "config": self.config,
+            "inputs_embeds": h,
+            "attention_mask": attention_mask,
+            cache_kw: None,
+            "position_ids": position_ids,
+        }
         out = {}
         for sliding in set(self._sliding.values()):
             out[sliding] = (create_sliding_window_causal_mask if sliding else create_causal_mask)(**kw)
