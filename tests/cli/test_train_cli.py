@@ -425,3 +425,12 @@ def test_bad_layout_fails_before_launch():
     # Exit code 2 is the up-front configuration error; a failed worker would give 1.
     assert proc.returncode == 2, proc.stderr
     assert "= 3 ranks must divide --nproc 4" in proc.stderr and not proc.stdout
+
+
+def test_resume_without_a_save_is_said_before_launch(tmp_path, capsys):
+    """A requeued job's first ``--resume`` trains from step 0, and says so on stderr before launch."""
+    root = tmp_path / "ckpt"
+    config_from_args(_args("--checkpoint-dir", str(root), "--resume"))
+    assert f"--resume: no save in {str(root)!r}: this run starts at step 0" in capsys.readouterr().err
+    config_from_args(_args("--checkpoint-dir", str(root)))
+    assert "--resume" not in capsys.readouterr().err

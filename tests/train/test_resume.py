@@ -172,3 +172,29 @@ def test_a_lock_that_cannot_be_judged_stale_is_refused(holder, message):
         assert sorted(os.listdir(root)) == [LOCK]
     finally:
         remove_shared_dir(root)
+
+
+@pytest.mark.world(2, timeout=120)
+def test_resume_says_what_it_continues_from_and_refuses_a_step_count_already_reached():
+    """``--resume`` names the step, the save and its layout, or says loudly that it found no save
+    (a requeued job's first start trains from step 0); ``--steps`` at or below the saved step is
+    an error, not a run that trains nothing and reports a throughput."""
+    root = shared_tmpdir("shardkit-resume-says-")
+    try:
+
+        def check(**kw):
+            return check_checkpoint_dir(
+                validate_config(TrainConfig(**{**BASE, "checkpoint_dir": root, **kw}), world_size=world_size())
+            )
+
+        assert check(steps=2, resume=True) == f"--resume: no save in {root!r}: this run starts at step 0"
+        assert check(steps=2) is None
+        _run(steps=2, checkpoint_dir=root)
+        said = check(steps=4, resume=True)
+        assert said.startswith(f"--resume: continuing from step 2 of {latest_checkpoint(root)} (saved at ")
+        assert said.endswith("(saved at tp=2)")  # the layout of the save
+        for steps in (1, 2):
+            with pytest.raises(ShardkitError, match=rf"--steps {steps}: the save to resume .* is at step 2 already"):
+                check(steps=steps, resume=True)
+    finally:
+        remove_shared_dir(root)

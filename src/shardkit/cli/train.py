@@ -218,7 +218,9 @@ def config_from_args(args: argparse.Namespace, world_size: int | None = None) ->
     # What this machine and its files allow, checked against the resolved layout: cores and
     # memory, a --checkpoint-dir of this model's saves, readable regular --data files.
     check_machine(cfg, local_launch=world_size is None)
-    check_checkpoint_dir(cfg)
+    resumed = check_checkpoint_dir(cfg)
+    if resumed is not None and (world_size is None or int(os.environ.get("RANK", "0")) == 0):
+        print(resumed, file=sys.stderr)  # said before any process starts: what this run continues
     if not model_spec(cfg.model).reads_corpus:
         return cfg  # e.g. conv-ae: its data is matplotlib's sample photo, not a text corpus
     # A missing, unreadable, not regular or too short --data fails here, before any process

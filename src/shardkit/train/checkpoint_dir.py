@@ -52,24 +52,30 @@ def _ours(root: str, name: str) -> bool:
     return name.startswith(_PREFIX) and os.path.isdir(os.path.join(root, name))
 
 
-def check_checkpoint_dir(cfg: TrainConfig) -> None:
+def check_checkpoint_dir(cfg: TrainConfig) -> str | None:
     """Refuse, before launch, a ``--checkpoint-dir`` the run could not use or would damage.
+
+    Returns:
+        With ``--resume``, the line to tell the user what the run continues from: the step, the
+        save's path and the layout it was saved at, or that no save was found and the run starts
+        at step 0 (a requeued job's first start); None without ``--resume``.
 
     Raises:
         ShardkitError: naming ``--checkpoint-dir``: empty, a file, a directory holding other
             files, locked by a live run, holding saves without ``--resume``, or (with it) a
-            latest save that is damaged or of another model.
+            latest save that is damaged, of another model, or at a step not below ``--steps``.
     """
     root = cfg.checkpoint_dir
     if root is None:
-        return
+        return None
+    nothing = f"--resume: no save in {root!r}: this run starts at step 0" if cfg.resume else None
     flag = f"--checkpoint-dir {root!r}"
     if not root.strip():
         raise ShardkitError(f"{flag}: give a directory")
     if os.path.exists(root) and not os.path.isdir(root):
         raise ShardkitError(f"{flag}: exists and is not a directory")
     if not os.path.isdir(root):
-        return  # created by the first save
+        return nothing  # created by the first save
     names = os.listdir(root)
     foreign = sorted(n for n in names if not _ours(root, n))
     if foreign:
@@ -85,7 +91,7 @@ def check_checkpoint_dir(cfg: TrainConfig) -> None:
         )
     saves = complete_saves(root, _PREFIX)
     if not saves:
-        return
+        return nothing
     if not cfg.resume:
         raise ShardkitError(
             f"{flag} holds the saves of an earlier run ({saves[-1]}, {len(saves)} in all); pass "
@@ -95,7 +101,8 @@ def check_checkpoint_dir(cfg: TrainConfig) -> None:
         latest = latest_checkpoint(root)
         if latest is None:
             raise ShardkitError(f"it holds saves but no '{LATEST}' pointer (damaged)")
-        saved = read_manifest(latest).get("model")
+        manifest = read_manifest(latest)
+        saved = manifest.get("model")
     except ShardkitError as exc:  # a pointer outside the root, a missing save, a garbage manifest
         raise ShardkitError(f"{flag}: cannot resume: {exc}") from None
     # A save of an earlier shardkit describes no model: the load's own check of every key's shape
@@ -103,3 +110,11 @@ def check_checkpoint_dir(cfg: TrainConfig) -> None:
     differences = "" if saved is None else _differences(saved, model_description(cfg))
     if differences:
         raise ShardkitError(f"{flag}: --resume from {os.path.basename(latest)}, a save of another model: {differences}")
+    step = manifest.get("step")
+    if isinstance(step, int) and cfg.steps <= step:
+        raise ShardkitError(
+            f"--steps {cfg.steps}: the save to resume ({latest}) is at step {step} already, so there is "
+            f"nothing to train; --steps counts all the steps, so pass more than {step}"
+        )
+    layout = manifest.get("layout") or "an unrecorded layout"
+    return f"--resume: continuing from step {step} of {latest} (saved at {layout})"
