@@ -2,20 +2,25 @@
 
 ``ParallelDims(dp=)`` is ``dp_replicate=`` (the same meaning: replicas whose gradients are
 all-reduced); ``ParallelDims(cp=)`` has no single replacement (ring or Ulysses is now a mesh dim),
-so it raises. ``RowwiseParallel(split_input=)`` is ``input_layouts=Replicate()``;
+so it raises. ``RowwiseParallel(split_input=)`` is ``input_layouts=Replicate()`` and
+``ColwiseParallel(gather_output=)`` is ``output_layouts=Replicate()``;
 ``RowwiseParallel(reduce=)`` took any callable, which no layout can stand for, so it raises
 naming ``output_layouts``. CHANGELOG.md lists them under "Deprecated".
 """
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
+import torch
+from torch import nn
 
+from harness.helpers import world_group
 from shardkit import ShardkitError
 from shardkit.sharding import ParallelDims, Replicate, Shard
-from shardkit.tensor_parallel import RowwiseParallel
+from shardkit.tensor_parallel import ColwiseParallel, RowwiseParallel
 
 
 def test_parallel_dims_dp_is_dp_replicate_and_warns():
@@ -70,3 +75,27 @@ def test_rowwise_new_keywords_do_not_warn():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert RowwiseParallel(input_layouts=Replicate()).input_layouts == Replicate()
+
+
+@pytest.mark.parametrize("old, new", [(True, Replicate()), (False, Shard(-1))])
+def test_colwise_gather_output_is_output_layouts_and_warns(old, new):
+    with pytest.warns(DeprecationWarning, match=r"output_layouts=Replicate\(\)"):
+        style = ColwiseParallel(gather_output=old)
+    assert style.output_layouts == new
+
+
+def test_colwise_gather_output_with_output_layouts_is_refused():
+    with pytest.raises(TypeError, match=r"pass one"):
+        ColwiseParallel(gather_output=True, output_layouts=Replicate())
+
+
+@pytest.mark.world(2)
+def test_colwise_gather_output_gathers_the_output_as_before():
+    """The old keyword still does what it did: the full ``[..., out]`` output on every rank."""
+    torch.manual_seed(0)
+    ref = nn.Linear(4, 6).double()
+    layer = copy.deepcopy(ref)
+    with pytest.warns(DeprecationWarning):
+        ColwiseParallel(gather_output=True).apply(layer, world_group())
+    x = torch.randn(3, 4, dtype=torch.float64)
+    assert layer.weight.shape == (3, 4) and torch.allclose(layer(x), ref(x), rtol=0, atol=1e-12)

@@ -102,6 +102,11 @@ class ColwiseParallel(ParallelStyle):
         parts: packed weights: the number of equal packed parts, or their sizes (a fused GQA
             ``qkv_proj``: ``[N * D, N_kv * D, N_kv * D]``).
         unit: cut in whole units of this many features (the head dim of a fused ``qkv_proj``).
+        gather_output: deprecated (the last release's name): ``True`` is
+            ``output_layouts=Replicate()``; removed in the next release.
+
+    Raises:
+        ShardkitTypeError: ``gather_output=`` together with ``output_layouts=``.
     """
 
     weight_dim = -2
@@ -115,7 +120,18 @@ class ColwiseParallel(ParallelStyle):
         reduce_input_grad: bool = True,
         parts: int | Sequence[int] | None = None,
         unit: int = 1,
+        gather_output: bool | None = None,
     ) -> None:
+        if gather_output is not None:
+            if output_layouts != Shard(-1):
+                raise ShardkitTypeError("ColwiseParallel: gather_output= is the old name of output_layouts=; pass one")
+            warnings.warn(
+                "ColwiseParallel(gather_output=) is deprecated: use output_layouts=Replicate() (True) or leave the "
+                "default Shard(-1) (False); gather_output= will be removed in the next release",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            output_layouts = Replicate() if gather_output else Shard(-1)
         self.sizes, self.parts, self.unit = sizes, parts, unit
         self.input_layouts = check_layout(input_layouts, "ColwiseParallel input_layouts")
         self.output_layouts = check_layout(output_layouts, "ColwiseParallel output_layouts")
