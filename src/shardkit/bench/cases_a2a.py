@@ -7,12 +7,16 @@ Variants on a local ``[B, S / R, N, D]`` (scatter heads, gather sequence) or ``[
 - ``shardkit``: one ``all_to_all_single`` plus at most one layout copy per side;
 - ``bare``: ``all_to_all_single`` alone on a send buffer laid out in advance and a preallocated
   receive buffer: the floor for one c10d call moving the same bytes;
+- ``floor``: what any implementation of the layout change must do at least: one layout copy of
+  the input into a send buffer (``torch.cat`` of the per-destination blocks) and the bare call
+  into a freshly allocated output. shardkit makes the same single copy, on whichever side its
+  layout needs it (``docs/guides/comm.md``, copies table), so ``shardkit/floor`` is its overhead;
 - ``listcat``: MindSpeed-MM's unaligned path: per-destination ``split(...).contiguous()``, list
   all-to-all into fresh outputs, ``torch.cat`` along the gather dim.
 
 Checked bitwise before timing: shardkit equals the expected block and list+cat, issues exactly
 one ``all_to_all_single`` whose send buffer and splits equal the pre-laid ones, and the bare call
-receives the same bytes.
+and the floor receive the same bytes.
 """
 
 from __future__ import annotations
@@ -92,6 +96,11 @@ def _prepare(seq: int, heads: int, direction: str, pg):
     out_splits = [math.prod(_with_dim(local, g, k)) for k in gsz]
     recv = x.new_empty(sum(out_splits))
 
+    def floor():
+        laid, out = torch.cat([c.reshape(-1) for c in torch.split(x, ssz, dim=s)]), x.new_empty(sum(out_splits))
+        dist.all_to_all_single(out, laid, out_splits, in_splits, group=pg)
+        return out
+
     def listcat():
         inputs = [c.contiguous() for c in torch.split(x, ssz, dim=s)]
         outputs = [x.new_empty(_with_dim(local, g, k)) for k in gsz]
@@ -101,6 +110,7 @@ def _prepare(seq: int, heads: int, direction: str, pg):
     fns = {
         "shardkit": lambda: all_to_all(x, pg, s, g, gather_size),
         "bare": lambda: dist.all_to_all_single(recv, send, out_splits, in_splits, group=pg),
+        "floor": floor,
         "listcat": listcat,
     }
     calls: list[tuple[torch.Tensor, torch.Tensor, list[int], list[int]]] = []
@@ -119,6 +129,8 @@ def _prepare(seq: int, heads: int, direction: str, pg):
         or not same_bits(calls[0][1], recv)
     ):
         failures.append("shardkit's send buffer, splits or received bytes differ from the bare call's")
+    if not same_bits(fns["floor"](), recv):
+        failures.append("the floor's received bytes differ from the bare call's")
     agree(failures, pg, f"all_to_all S={seq} N={heads} {direction}")
     total = torch.tensor([x.nbytes])
     dist.all_reduce(total, group=pg)
@@ -126,7 +138,7 @@ def _prepare(seq: int, heads: int, direction: str, pg):
 
 
 def all_to_all_case(pg, settings: Settings) -> list[Record]:
-    """Every (size, direction): aligned (N=16) and uneven (N=15) heads at the same S, six
+    """Every (size, direction): aligned (N=16) and uneven (N=15) heads at the same S, eight
     variants interleaved; sizes are the aligned local input bytes."""
     world = dist.get_world_size(pg)
     sizes = (64 * KIB, 4 * MIB) if settings.quick else (16 * KIB, 64 * KIB, 256 * KIB, 1 * MIB, 4 * MIB, 8 * MIB)
@@ -139,7 +151,7 @@ def all_to_all_case(pg, settings: Settings) -> list[Record]:
             fns = {f"{impl}/{lab}": f for lab, (fs, _, _) in prepared.items() for impl, f in fs.items()}
             times = time_interleaved(fns, pg, settings)
             for lab, (_, shape, group_bytes) in prepared.items():
-                t = {impl: times[f"{impl}/{lab}"] for impl in ("shardkit", "bare", "listcat")}
+                t = {impl: times[f"{impl}/{lab}"] for impl in ("shardkit", "bare", "floor", "listcat")}
                 per_rank = group_bytes // world
                 rec = Record(
                     "all_to_all",
@@ -156,6 +168,7 @@ def all_to_all_case(pg, settings: Settings) -> list[Record]:
                     checked="bitwise: expected block, list+cat, the bare call's buffers and splits",
                 )
                 rec.ratio("shardkit/bare", "shardkit", "bare", 1.5)
+                rec.ratio("shardkit/floor", "shardkit", "floor", 1.15)
                 rec.ratio("shardkit/listcat", "shardkit", "listcat", 0.6)
                 if lab == "uneven":  # time per byte moved, uneven over even, same round
                     even, scale = times["shardkit/even"], prepared["even"][2] / group_bytes
