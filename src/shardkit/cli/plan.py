@@ -58,6 +58,12 @@ def add_plan_parser(commands) -> None:
         default="1f1b",
         help="pipeline schedule (default 1f1b; gpipe keeps every microbatch's activations)",
     )
+    p.add_argument(
+        "--ac",
+        choices=("none", "full", "selective"),
+        default="none",
+        help="activation checkpointing, as shardkit train --ac (default none)",
+    )
     p.add_argument("--top", type=int, default=10, help="layouts to print (default 10)")
     p.add_argument(
         "--compare",
@@ -181,7 +187,11 @@ def run_plan(args: argparse.Namespace) -> int:
         cluster = _cluster(args)
         shape = ModelShape.from_config(args.config)
         options = StepOptions(
-            seq_len=args.seq_len, global_batch=args.global_batch, dtype=args.dtype, schedule=args.schedule
+            seq_len=args.seq_len,
+            global_batch=args.global_batch,
+            dtype=args.dtype,
+            schedule=args.schedule,
+            activation_checkpoint=args.ac,
         )
         best = plan_layouts(shape, cluster, options, top=args.top)
     except ShardkitError as e:

@@ -5,16 +5,18 @@
   parameter, Rajbhandari et al., ZeRO);
 * FSDP2 (``dp_shard``) shards all three over ``dp_shard x cp`` except the parameters it leaves to
   shardkit's reductions; one decoder layer is gathered at a time (its full size added);
-* activations per layer and microbatch ``34 x b x S x H`` bytes at 16 bits, divided by tp with
-  sequence parallelism and by cp (Korthikanti et al., 2022; flash attention: no ``S^2`` term),
-  scaled by the dtype; the logits ``b x S x V / t`` in float32; 1F1B keeps ``min(M, pp - stage)``
-  microbatches in flight on a stage, GPipe all ``M``;
+* activations per layer and microbatch: the bytes shardkit's decoder block keeps for backward
+  under the run's activation checkpointing (:mod:`.activations`, checked against the measured
+  count), plus, when blocks are checkpointed, one block's full set during its recompute; the
+  logits ``b x S x V / t`` in float32; 1F1B keeps ``min(M, pp - stage)`` microbatches in flight
+  on a stage, GPipe all ``M``;
 * with ``pp_tp`` each stage is cut over its own tp size.
 """
 
 from __future__ import annotations
 
 from ..sharding import ParallelDims
+from .activations import BlockLayout, block_saved_bytes
 from .model import ModelShape
 from .options import StepOptions, hooked_params, resolve_options, stage_tp
 
@@ -41,10 +43,8 @@ def memory_per_rank(shape: ModelShape, dims: ParallelDims, opts: StepOptions, st
         held, gathered = params, 0.0
     optimizer = held * (8 + (4 if e < 4 else 0))
     b = opts.global_batch // (dims.dp * opts.microbatches)
-    S = opts.seq_len // dims.cp
-    per_layer = 34 * b * S * shape.hidden / 2 * e
-    if opts.sequence_parallel:
-        per_layer /= tp
+    where = BlockLayout(b, opts.seq_len, tp, dims.cp_ulysses, dims.cp_ring, bool(opts.sequence_parallel))
+    per_layer = block_saved_bytes(shape, where, opts.activation_checkpoint, e)
     # 1F1B: min(M, pp - stage) microbatches in flight; GPipe: all M forwards before a backward
     in_flight = (
         1
@@ -54,6 +54,9 @@ def memory_per_rank(shape: ModelShape, dims: ParallelDims, opts: StepOptions, st
         else min(opts.microbatches, dims.pp - stage)
     )
     acts = per_layer * len(shape.stage_layers(dims.pp, stage)) * in_flight
+    if opts.activation_checkpoint != "none":  # backward recomputes one block at a time
+        acts += block_saved_bytes(shape, where, "none", e)
+    S = opts.seq_len // dims.cp
     if stage == dims.pp - 1:
         acts += b * S * shape.vocab / tp * 4 * 2  # logits and their gradient, float32
     out = dict(params=(held + gathered) * e, grads=held * e, optimizer=optimizer, activations=acts)

@@ -42,6 +42,8 @@ class StepOptions:
         loss_parallel: vocab-parallel loss (logits never gathered).
         schedule: the pipeline schedule, ``1f1b`` or ``gpipe`` (with ``pp`` 1 the trainer
             accumulates F B F B ... whatever it says).
+        activation_checkpoint: ``none``, ``full`` or ``selective`` (``shardkit train --ac``): what
+            each decoder block keeps for backward (:mod:`.activations`).
     """
 
     seq_len: int = 4096
@@ -51,6 +53,7 @@ class StepOptions:
     sequence_parallel: bool | None = None
     loss_parallel: bool = False
     schedule: str = "1f1b"
+    activation_checkpoint: str = "none"
 
     @property
     def elem(self) -> int:

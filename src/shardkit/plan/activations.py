@@ -1,0 +1,116 @@
+"""Activation bytes one decoder block keeps for backward, per rank, under each activation checkpointing mode.
+
+The model counts the tensors shardkit's parallelized transformers decoder block (GQA attention
+and a gated MLP: Llama, Qwen2) actually keeps, as
+:class:`~shardkit.parallelize.saved_bytes.SavedBytesMeter` measures them (distinct storages,
+parameters excluded); ``tests/plan/test_activations.py`` checks it against the meter at tp 1, 2
+and 4, with and without sequence parallelism, Ulysses and Ring context parallelism, for ``none``,
+``full`` and ``selective``. Per rank, with ``b`` rows of ``s = S / cp`` tokens (``T = b x s``),
+``T_n = T / tp`` under sequence parallelism (else ``T``), ``n = N / tp`` query heads and
+``k = max(1, N_kv / tp)`` key/value heads (replicated when ``N_kv < tp``), ``F = F_mlp / tp``:
+
+* ``none`` (autograd's saved tensors): each RMSNorm keeps its input, the inverse RMS, the
+  normalized output (``T_n`` tokens) and the matmul input after it (``T`` tokens: the
+  sequence-parallel all-gather's output); the MLP keeps gate, up, ``silu(gate)`` and their
+  product (``4 T F``); rotary cos and sin ``[1, s, D]``; attention keeps ``q`` and its output
+  (``T n D`` each), ``k`` and ``v`` (``T k D`` each) and the log-sum-exp ``b n s``. Ulysses
+  keeps its all-to-all's output (q, k and v for ``n / u`` heads of the whole sequence, the
+  key/value heads replicated when fewer than ``u``), the key/value heads expanded to the query
+  heads when the counts differ, and the output all-to-all's result.
+* ``full``: only the block's inputs (hidden states ``T_n x H``, cos and sin, the position ids).
+* ``selective`` (:data:`~shardkit.parallelize.checkpointing.SAVED_OPS`): the inputs, every
+  matmul's output, attention's output and log-sum-exp, and every collective's result (the
+  replay keeps them so the recompute does not communicate). Ring attention keeps ``cp + 1/2``
+  block outputs on rank 0 (one per ring step, the zigzag's halves included: measured, constant
+  over the tested sizes).
+
+Under ``bfloat16`` the norms compute in float32 (transformers' RMSNorm) and the log-sum-exp is
+float32, so those terms take 4 bytes. The figures are what one block holds at the end of its
+forward; a checkpointed block's recompute briefly holds the ``none`` figure of one block in
+backward, which :func:`~.memory.memory_per_rank` adds once. MoE and MLA blocks are counted with
+the same attention and a top-k gated MLP of ``moe_ffn`` (an approximation: the token dispatch
+buffers are not counted).
+
+Source: the saved-tensor inventory of transformers' ``LlamaDecoderLayer`` with PyTorch's SDPA,
+measured with ``torch.autograd.graph.saved_tensors_hooks``; compare Korthikanti et al.,
+"Reducing Activation Recomputation in Large Transformer Models" (2022), whose ``34 s b h``
+counts Megatron's block with dropout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import ShardkitError
+from .model import ModelShape
+
+__all__ = ["BlockLayout", "block_saved_bytes"]
+
+AC_MODES = ("none", "full", "selective")
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """What one rank of a decoder block sees: ``rows`` sequences of ``seq_len`` tokens (before
+    context parallelism) over ``tp`` x ``cp_ulysses`` x ``cp_ring`` ranks."""
+
+    rows: int
+    seq_len: int
+    tp: int = 1
+    cp_ulysses: int = 1
+    cp_ring: int = 1
+    sequence_parallel: bool = False
+
+
+def _mlp_width(shape: ModelShape, tp: int) -> int:
+    return -(-(shape.moe_ffn * shape.top_k if shape.experts else shape.ffn) // tp)
+
+
+def block_saved_bytes(shape: ModelShape, where: BlockLayout, mode: str, elem: int) -> int:
+    """Bytes one decoder block keeps for backward on one rank (see the module docstring).
+
+    Args:
+        shape: the model.
+        where: rows, sequence length and the block's tensor / context parallel layout.
+        mode: activation checkpointing, ``none``, ``full`` or ``selective``.
+        elem: bytes per activation element (8 float64, 4 float32, 2 bfloat16).
+
+    Returns:
+        Bytes (an int).
+
+    Uneven splits (sequence, heads, MLP width) count the fullest rank.
+
+    Raises:
+        ShardkitError: an unknown mode.
+    """
+    if mode not in AC_MODES:
+        raise ShardkitError(f"plan: activation checkpointing must be one of {', '.join(AC_MODES)}, got {mode!r}")
+    u, r, tp = where.cp_ulysses, where.cp_ring, where.tp
+    e, wide = elem, max(elem, 4)
+    s = -(-where.seq_len // (u * r))  # uneven splits: the fullest rank
+    T = where.rows * s
+    Tn = -(-T // tp) if where.sequence_parallel and tp > 1 else T
+    n, k = -(-shape.heads // tp), max(1, shape.kv_heads // tp)
+    H, D, F = shape.hidden, shape.head_dim, _mlp_width(shape, tp)
+    inputs = Tn * H * e + 2 * s * D * e + s * 8  # hidden states, cos and sin [1, s, D], int64 position ids
+    # Ulysses: n / u query heads over the ring shard's s x u tokens; k / u key/value heads, one when fewer
+    Sg, nu, ku = s * u, -(-n // u), (k // u if k >= u else 1)
+    a2a = where.rows * Sg * D * (nu + 2 * ku) * e + T * n * D * e if u > 1 else 0
+    attn_out = where.rows * Sg * nu * D * e + where.rows * nu * Sg * wide  # output and log-sum-exp
+    if mode == "full":
+        return inputs
+    if mode == "selective":
+        matmuls = T * (n + 2 * k) * D * e + 2 * T * H * e + 2 * T * F * e  # q, k, v, o; gate, up; down
+        if r > 1:
+            attn_out = attn_out * (2 * r + 1) // 2
+        tp_collectives = 0 if tp == 1 else 2 * T * H * e + (2 * Tn * H * e if where.sequence_parallel else 0)
+        return inputs + matmuls + attn_out + tp_collectives + a2a
+    norms = 2 * (Tn * H * (wide + e) + Tn * wide + T * H * e)
+    mlp = 4 * T * F * e
+    rope = 2 * s * D * e
+    if u > 1:
+        expanded = 2 * where.rows * Sg * nu * D * e + 2 * nu * 8 if ku != nu else 0
+        attention = a2a + expanded + attn_out
+    else:
+        attention = 2 * T * n * D * e + 2 * T * k * D * e + where.rows * n * s * wide
+    return norms + mlp + rope + attention
