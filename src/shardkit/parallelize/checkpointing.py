@@ -5,13 +5,20 @@
   again in backward.
 * ``selective``: the same wrapper with a
   :func:`torch.utils.checkpoint.create_selective_checkpoint_contexts` policy that keeps the outputs
-  of matmuls and attention kernels (:data:`SAVED_OPS`), plus :class:`CollectiveReplay`, which
+  of matmuls and attention kernels (:data:`SAVED_OPS`) except those of the block's output
+  projections (:data:`OUTPUT_PROJECTIONS`: ``o_proj``, ``down_proj``), plus :class:`CollectiveReplay`, which
   keeps the result of every shardkit collective and hands it back in the recompute instead of
   communicating again. The collectives are autograd Functions whose c10d calls reach the
   dispatcher as in-place ``c10d.*_`` ops: the SAC policy sees them, but saving them through SAC
   would hand back the old output without filling the new buffer, so the replay writes the kept
   result into the destination buffer itself. Point-to-point ops (ring attention) are not
   replayed: they run again.
+
+  Why the output projections are recomputed: their outputs are ``H`` wide for every token of the
+  rank (before the sequence-parallel reduce-scatter, for all of them) and backward never reads
+  them; kept, they made a selective block hold more than an unchecked one under tp x cp. Only
+  ``o_proj`` runs again (one matmul of seven): the recompute stops once the last tensor backward
+  needs (``down_proj``'s input) exists, and the reduce-scatter after ``o_proj`` is replayed.
 
 The wrapper replaces the block's ``forward`` (an instance attribute), so parameter names do not
 change and FSDP2's hooks, applied afterwards, stay outside the recomputed region (as torchtitan
@@ -37,6 +44,7 @@ from ..errors import ShardkitError
 
 __all__ = [
     "AC_MODES",
+    "OUTPUT_PROJECTIONS",
     "SAVED_OPS",
     "REPLAYED_C10D_OPS",
     "CollectiveReplay",
@@ -64,6 +72,9 @@ SAVED_OPS = _aten_ops(
     "_scaled_dot_product_cudnn_attention",
 )
 
+# Submodules (transformers' names) whose matmul outputs the selective policy recomputes (module docstring).
+OUTPUT_PROJECTIONS = ("o_proj", "down_proj")
+
 # c10d ops the replay serves from the kept result: op name -> the ledger op names its callers record.
 REPLAYED_C10D_OPS = {
     "allreduce_": ("all_reduce",),
@@ -90,6 +101,34 @@ def check_ac_mode(mode: str, where: str = "parallelize") -> str:
 def selective_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
     """Keep the outputs of :data:`SAVED_OPS`, recompute everything else (the SAC policy)."""
     return CheckpointPolicy.MUST_SAVE if func in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class _SelectivePolicy:
+    """:func:`selective_policy` for one block, recomputing inside its :data:`OUTPUT_PROJECTIONS`.
+
+    Forward hooks on those submodules count how deep the block's forward (or its recompute) is
+    inside one; state per block, created by :func:`apply_ac`.
+    """
+
+    def __init__(self, block: nn.Module) -> None:
+        self.depth = 0
+        for name, module in block.named_modules():
+            if name.rsplit(".", 1)[-1] in OUTPUT_PROJECTIONS:
+                module.register_forward_pre_hook(self._enter)
+                module.register_forward_hook(self._leave, always_call=True)
+
+    def _enter(self, module, args) -> None:
+        self.depth += 1
+
+    def _leave(self, module, args, output) -> None:
+        self.depth -= 1
+
+    def keeps(self, func) -> bool:
+        """Whether the policy keeps the output of ``func`` called now."""
+        return not self.depth and func in SAVED_OPS
+
+    def __call__(self, ctx, func, *args, **kwargs) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if self.keeps(func) else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _destinations(func, args) -> list[torch.Tensor]:
@@ -147,13 +186,13 @@ class CollectiveReplay(TorchDispatchMode):
         return out
 
 
-def _contexts(selective: bool):
+def _contexts(policy: _SelectivePolicy | None):
     """``(forward, recompute)`` contexts of one checkpointed call (a fresh pair per call)."""
-    if not selective:
+    if policy is None:
         return contextlib.nullcontext(), contextlib.nullcontext()
     kept: list = []
     record, replay = CollectiveReplay(kept, False), CollectiveReplay(kept, True)
-    sac_fwd, sac_re = create_selective_checkpoint_contexts(selective_policy)
+    sac_fwd, sac_re = create_selective_checkpoint_contexts(policy)
     return _stacked(record, sac_fwd), _stacked(replay, sac_re)
 
 
@@ -165,8 +204,8 @@ def _stacked(lower, upper):
         yield
 
 
-def _checkpointed(forward: Callable, selective: bool, *args, **kwargs):
-    return checkpoint(forward, *args, use_reentrant=False, context_fn=functools.partial(_contexts, selective), **kwargs)
+def _checkpointed(forward: Callable, policy: _SelectivePolicy | None, *args, **kwargs):
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=functools.partial(_contexts, policy), **kwargs)
 
 
 def apply_ac(blocks: Sequence[nn.Module], mode: str) -> None:
@@ -191,4 +230,6 @@ def apply_ac(blocks: Sequence[nn.Module], mode: str) -> None:
             "the recompute would run the checks' own ops, not the forward's; use 'full' or turn checks off"
         )
     for block in blocks:
-        block.forward = functools.partial(_checkpointed, block.forward, mode == "selective")
+        policy = _SelectivePolicy(block) if mode == "selective" else None
+        block.forward = functools.partial(_checkpointed, block.forward, policy)
+        block.shardkit_ac_policy = policy  # what the saved-bytes meter counts as kept

@@ -9,9 +9,10 @@ backward, parameters excluded:
 * ``full``: the tensors the checkpoint keeps to recompute the block: its tensor inputs (hidden
   states, rotary cos / sin, position ids, masks), deduplicated the same way. Inside the
   checkpoint autograd saves nothing (the checkpoint's own hooks hold only placeholders).
-* ``selective``: the inputs, plus the outputs the policy keeps (:data:`~.checkpointing.SAVED_OPS`,
-  seen by a dispatch mode below the SAC cache), plus the kept results of the collectives the
-  replay serves (:class:`~.checkpointing.CollectiveReplay`, at their tensor sizes: they are clones).
+* ``selective``: the inputs, plus the outputs the block's policy keeps (matmuls and attention
+  outside the output projections, seen by a dispatch mode below the SAC cache), plus the kept
+  results of the collectives the replay serves (:class:`~.checkpointing.CollectiveReplay`, at
+  their tensor sizes: they are clones).
 
 Inputs shared by every block (cos / sin) are counted in each block: the figure is what one
 block holds. On CPU these bytes are the activation measure (there is no allocator peak); on
@@ -28,7 +29,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from .checkpointing import REPLAYED_C10D_OPS, SAVED_OPS, check_ac_mode
+from .checkpointing import REPLAYED_C10D_OPS, check_ac_mode
 
 __all__ = ["SavedBytesMeter", "activation_meter"]
 
@@ -50,15 +51,17 @@ class _Tally:
 
 
 class _KeptOutputs(TorchDispatchMode):
-    """Counts what the selective policy keeps: outputs of :data:`SAVED_OPS` and replayed collectives."""
+    """Counts what the block's selective policy keeps: the outputs it keeps
+    (``block.shardkit_ac_policy``, set by :func:`~.checkpointing.apply_ac`) and replayed collectives."""
 
-    def __init__(self, tally: _Tally) -> None:
+    def __init__(self, tally: _Tally, keeps) -> None:
         super().__init__()
         self.tally = tally
+        self.keeps = keeps
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func in SAVED_OPS:
+        if self.keeps(func):
             for t in tree_leaves(out):
                 self.tally.add(t)
         elif func.namespace == "c10d" and func._opname in REPLAYED_C10D_OPS:
@@ -111,7 +114,7 @@ class SavedBytesMeter:
                 for t in tree_leaves((args, kwargs)):
                     tally.add(t)
             if self.mode == "selective":
-                stack.enter_context(_KeptOutputs(tally))
+                stack.enter_context(_KeptOutputs(tally, module.shardkit_ac_policy.keeps))
             self._open.append((i, tally, stack))
 
         return hook

@@ -18,9 +18,10 @@ and 4, with and without sequence parallelism, Ulysses and Ring context paralleli
   key/value heads replicated when fewer than ``u``), the key/value heads expanded to the query
   heads when the counts differ, and the output all-to-all's result.
 * ``full``: only the block's inputs (hidden states ``T_n x H``, cos and sin, the position ids).
-* ``selective`` (:data:`~shardkit.parallelize.checkpointing.SAVED_OPS`): the inputs, every
-  matmul's output, attention's output and log-sum-exp, and every collective's result (the
-  replay keeps them so the recompute does not communicate). Ring attention keeps ``cp + 1/2``
+* ``selective`` (:data:`~shardkit.parallelize.checkpointing.SAVED_OPS`): the inputs, the
+  outputs of the q, k, v, gate and up matmuls (the output projections are recomputed),
+  attention's output and log-sum-exp, and every collective's result (the replay keeps them so
+  the recompute does not communicate). Ring attention keeps ``cp + 1/2``
   block outputs on rank 0 (one per ring step, the zigzag's halves included: measured, constant
   over the tested sizes).
 
@@ -100,7 +101,7 @@ def block_saved_bytes(shape: ModelShape, where: BlockLayout, mode: str, elem: in
     if mode == "full":
         return inputs
     if mode == "selective":
-        matmuls = T * (n + 2 * k) * D * e + 2 * T * H * e + 2 * T * F * e  # q, k, v, o; gate, up; down
+        matmuls = T * (n + 2 * k) * D * e + 2 * T * F * e  # q, k, v; gate, up
         if r > 1:
             attn_out = attn_out * (2 * r + 1) // 2
         tp_collectives = 0 if tp == 1 else 2 * T * H * e + (2 * Tn * H * e if where.sequence_parallel else 0)
