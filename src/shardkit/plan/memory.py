@@ -53,7 +53,7 @@ def memory_per_rank(shape: ModelShape, dims: ParallelDims, opts: StepOptions, st
         if opts.schedule == "gpipe"
         else min(opts.microbatches, dims.pp - stage)
     )
-    acts = per_layer * len(shape.stage_layers(dims.pp, stage)) * in_flight
+    acts = float(per_layer * len(shape.stage_layers(dims.pp, stage)) * in_flight)
     if opts.activation_checkpoint != "none":  # backward recomputes one block at a time
         acts += block_saved_bytes(shape, where, "none", e)
     S = opts.seq_len // dims.cp
