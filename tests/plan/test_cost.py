@@ -7,8 +7,8 @@ import pytest
 
 from shardkit import Cluster, ModelShape, ParallelDims, ShardkitError, StepOptions, estimate_step, plan_layouts
 from shardkit.cli.main import main
-from shardkit.plan.collectives import CommRow
 from shardkit.plan.activations import BlockLayout, block_saved_bytes
+from shardkit.plan.collectives import CommRow
 from shardkit.plan.memory import memory_per_rank
 from shardkit.plan.timing import bus_factor, row_seconds
 
