@@ -26,8 +26,10 @@ group and fake tensors); FSDP2's root, which is not resharded after forward.
 from __future__ import annotations
 
 import copy
+import json
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,7 +44,7 @@ from ..sharding import ParallelDims
 from .decoder import decoder_layers, parallelize
 from .pipeline import parallelize_stage
 
-__all__ = ["RankMemory", "count_rank", "fake_world_memory"]
+__all__ = ["RankMemory", "count_rank", "fake_world_memory", "fake_world_table", "read_hf_config"]
 
 _ROWS = ("params", "grads", "optimizer")
 
@@ -182,3 +184,49 @@ def fake_world_memory(config: Any, dims: ParallelDims, opts: StepOptions) -> lis
         ratio = {k: counted[k] / planned[k] if planned[k] else float(counted[k] == 0) for k in _ROWS}
         out.append(dict(stage=stage, rank=stage * per_stage, counted=counted, planned=planned, ratio=ratio))
     return out
+
+
+def read_hf_config(config: Any) -> Any:
+    """A transformers ``PretrainedConfig`` from itself, a ``config.json`` dict or a path to one.
+
+    Raises:
+        ShardkitError: unreadable file, or a ``model_type`` transformers does not know.
+    """
+    import transformers
+
+    if isinstance(config, transformers.PretrainedConfig):
+        return config
+    if not isinstance(config, dict):
+        try:
+            config = json.loads(Path(config).read_text())
+        except (OSError, ValueError) as e:
+            raise ShardkitError(f"plan --dry-run: cannot read the config {config}: {e}") from e
+    fields = dict(config)
+    try:
+        return transformers.AutoConfig.for_model(fields.pop("model_type", None), **fields)
+    except ValueError as e:
+        raise ShardkitError(f"plan --dry-run: transformers cannot build this config: {e}") from e
+
+
+def fake_world_table(config: Any, dims: ParallelDims, opts: StepOptions) -> list[str]:
+    """:func:`fake_world_memory` as printable lines: per stage, counted / planned GiB of params,
+    grads and optimizer state, and the largest relative difference.
+
+    Args:
+        config: a ``PretrainedConfig``, a ``config.json`` dict or a path (:func:`read_hf_config`).
+        dims, opts: as :func:`fake_world_memory`.
+
+    Raises:
+        ShardkitError: as :func:`read_hf_config` and :func:`fake_world_memory`.
+    """
+    rows = fake_world_memory(read_hf_config(config), dims, opts)
+    gib = 2**30
+    lines = [
+        f"{dims.describe()} ({dims.product} ranks), {opts.dtype}: counted on a fake world / planned, GiB per rank",
+        " | ".join(["stage", "rank", *(f"{k} counted / planned" for k in _ROWS), "max diff"]),
+    ]
+    for r in rows:
+        cells = [f"{r['counted'][k] / gib:.2f} / {r['planned'][k] / gib:.2f}" for k in _ROWS]
+        worst = max(abs(v - 1) for v in r["ratio"].values())
+        lines.append(" | ".join([str(r["stage"]), str(r["rank"]), *cells, f"{worst:.2%}"]))
+    return lines
