@@ -8,7 +8,8 @@ Tolerances, and why the counts can differ at all:
   rounding of the planner's divisions). Before this check the planner divided the FSDP2-sharded
   parameters by the layer count for the gathered term; FSDP2 keeps its root (embedding, final
   norm, ``lm_head``) gathered from forward through backward, so the first and last stages'
-  params row was 22 % low at these widths (fixed in ``plan/memory.py``).
+  params row was low (by 23 % and 18 % here, a third at tp 8 x pp 16 x dp_shard 128; fixed in
+  ``plan/memory.py``).
 * MoE with ep (relative 1e-3): FSDP2 cuts dim 0 like ``torch.chunk``, so when a parameter has
   fewer rows than data ranks or rows not divisible by them, the sampled first data rank holds a
   whole row where the planner counts the even fraction. DeepSeek's first stage at dp_shard 128:
