@@ -87,6 +87,47 @@ def test_moe_with_expert_parallelism_on_256_ranks_equals_the_plan(config, dims):
     _check(rows, rel=1e-3)
 
 
+SMALL_LLAMA = dict(hidden_size=1024, num_attention_heads=16, num_key_value_heads=4, intermediate_size=4096)
+
+
+@pytest.mark.parametrize(
+    "config, dims",
+    [
+        # HSDP with ring cp inside FSDP2's group, tp and pp
+        (
+            transformers.LlamaConfig(num_hidden_layers=6, vocab_size=32000, **SMALL_LLAMA),
+            ParallelDims(dp_replicate=2, dp_shard=4, cp_ring=2, tp=2, pp=2),
+        ),
+        # tp 8 over 4 key/value heads: replicated heads, kept out of FSDP2
+        (
+            transformers.LlamaConfig(num_hidden_layers=6, vocab_size=32000, **SMALL_LLAMA),
+            ParallelDims(dp_shard=8, tp=8, pp=2),
+        ),
+        # replicas without FSDP2: nothing gathered
+        (
+            transformers.LlamaConfig(num_hidden_layers=6, vocab_size=32000, **SMALL_LLAMA),
+            ParallelDims(dp_replicate=4, tp=2, pp=3),
+        ),
+        # Qwen2's q/k/v biases and tied embeddings (a copy on each end stage)
+        (
+            transformers.Qwen2Config(
+                hidden_size=896,
+                num_hidden_layers=4,
+                num_attention_heads=14,
+                num_key_value_heads=2,
+                intermediate_size=4864,
+                vocab_size=151936,
+                tie_word_embeddings=True,
+            ),
+            ParallelDims(dp_shard=4, tp=2, pp=2),
+        ),
+    ],
+    ids=["hsdp-cp-tp-pp", "tp-over-kv-heads", "dp_replicate", "qwen2-tied"],
+)
+def test_layouts_the_planner_keeps_apart_equal_the_plan(config, dims):
+    _check(fake_world_memory(config, dims, StepOptions(global_batch=64)), rel=1e-9)
+
+
 def test_refusals_name_the_cause():
     config = transformers.LlamaConfig(
         hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, vocab_size=256
