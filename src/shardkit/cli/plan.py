@@ -14,6 +14,7 @@ import math
 
 from .._optional import install_hint, missing
 from ..errors import ShardkitError
+from ..parallelize.fake_world import fake_world_table
 from ..plan import CLUSTERS, Cluster, ModelShape, StepEstimate, StepOptions, estimate_step, plan_layouts
 from ..plan.options import SCHEDULES
 from ..sharding import ParallelDims
@@ -201,8 +202,6 @@ def run_plan(args: argparse.Namespace) -> int:
             activation_checkpoint=args.ac,
         )
         if args.dry_run is not None:
-            from ..parallelize.fake_world import fake_world_table  # torch and transformers: only here
-
             dims = parse_layout(args.dry_run, args.gpus)
             m = dataclasses.replace(options, microbatches=max(1, args.global_batch // dims.dp))
             print("\n".join(fake_world_table(args.config, dims, m)))
