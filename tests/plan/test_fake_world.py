@@ -24,9 +24,14 @@ import pytest
 import torch.distributed as dist
 import transformers
 
-from shardkit import ParallelDims, ShardkitError, StepOptions
+from harness.helpers import all_true
+from harness.tiny_lm import loss_sum, tiny_decoder
+from shardkit import ModelShape, ParallelDims, ShardkitError, StepOptions
 from shardkit.cli.main import main
-from shardkit.parallelize.fake_world import count_rank, fake_world_memory
+from shardkit.parallelize import parallelize, parallelize_stage
+from shardkit.parallelize.fake_world import RankMemory, count_parallel_model, count_rank, fake_world_memory
+from shardkit.plan.memory import memory_per_rank
+from shardkit.plan.options import resolve_options
 
 ROWS = ("params", "grads", "optimizer")
 
@@ -126,6 +131,23 @@ SMALL_LLAMA = dict(hidden_size=1024, num_attention_heads=16, num_key_value_heads
 )
 def test_layouts_the_planner_keeps_apart_equal_the_plan(config, dims):
     _check(fake_world_memory(config, dims, StepOptions(global_batch=64)), rel=1e-9)
+
+
+@pytest.mark.world(4, timeout=180)
+@pytest.mark.parametrize("layout", [dict(pp=2, dp_shard=2), dict(tp=2, dp_shard=2)], ids=["pp-dp_shard", "tp-dp_shard"])
+def test_a_real_gloo_world_counts_what_the_plan_says(layout):
+    # the same count on real tensors and gloo (what the fake world stands in for), every rank
+    dims = ParallelDims(**layout)
+    mesh = dims.build_mesh("cpu")
+    model = tiny_decoder(layers=4)  # float64, the trainer's build; 2 layers per stage
+    shape = ModelShape.from_config(model.config)
+    opts = resolve_options(shape, dims, StepOptions(dtype="float64", global_batch=4))
+    kw = dict(sequence_parallel=bool(opts.sequence_parallel), grad_reduce="sum")
+    pm = parallelize_stage(model, mesh, loss_sum, **kw) if dims.pp > 1 else parallelize(model, mesh, **kw)
+    stage = mesh.local_rank("pp")
+    counted = RankMemory(0, stage, *count_parallel_model(pm), elem=8).rows()
+    planned = memory_per_rank(shape, dims, opts, stage)
+    assert all_true(all(counted[k] == pytest.approx(planned[k], rel=1e-9) for k in ROWS))
 
 
 def test_refusals_name_the_cause():

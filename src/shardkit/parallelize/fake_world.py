@@ -41,10 +41,17 @@ from ..plan.memory import memory_per_rank
 from ..plan.model import ModelShape
 from ..plan.options import DTYPE_BYTES, StepOptions, check_layout, resolve_options
 from ..sharding import ParallelDims
-from .decoder import decoder_layers, parallelize
+from .decoder import ParallelModel, decoder_layers, parallelize
 from .pipeline import parallelize_stage
 
-__all__ = ["RankMemory", "count_rank", "fake_world_memory", "fake_world_table", "read_hf_config"]
+__all__ = [
+    "RankMemory",
+    "count_parallel_model",
+    "count_rank",
+    "fake_world_memory",
+    "fake_world_table",
+    "read_hf_config",
+]
 
 _ROWS = ("params", "grads", "optimizer")
 
@@ -113,6 +120,16 @@ def _fsdp_numel(module: nn.Module, seen: set[int]) -> int:
     return total
 
 
+def count_parallel_model(pm: ParallelModel) -> tuple[int, int]:
+    """``(held, gathered)`` parameter elements of this rank's parallelized model or stage (see
+    the module docstring); the same count on a real world and on the fake one."""
+    held = sum(_local(p).numel() for p in pm.module.parameters())
+    seen: set[int] = set()
+    blocks = [_fsdp_numel(block, seen) for block in decoder_layers(pm.module)]
+    root = _fsdp_numel(pm.module, seen)  # what is left: the root's own group
+    return held, root + max(blocks, default=0)
+
+
 def count_rank(config: Any, dims: ParallelDims, rank: int, opts: StepOptions) -> RankMemory:
     """Build ``rank``'s parallelized model (stage) of a fake world of ``dims.product`` ranks and count it.
 
@@ -149,11 +166,7 @@ def count_rank(config: Any, dims: ParallelDims, rank: int, opts: StepOptions) ->
             pm = parallelize_stage(model, mesh, lambda logits, labels: logits.sum(), **kw)
         else:
             pm = parallelize(model, mesh, **kw)
-        held = sum(_local(p).numel() for p in pm.module.parameters())
-        seen: set[int] = set()
-        blocks = [_fsdp_numel(block, seen) for block in decoder_layers(pm.module)]
-        root = _fsdp_numel(pm.module, seen)  # what is left: the root's own group
-        gathered = root + max(blocks, default=0)
+        held, gathered = count_parallel_model(pm)
     finally:
         dist.destroy_process_group()
     return RankMemory(rank, stage, held, gathered, DTYPE_BYTES[opts.dtype])
