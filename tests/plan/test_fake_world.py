@@ -1,10 +1,12 @@
 """The planner's params, grads and optimizer rows against the real parallelized model on a fake
 world of a few hundred ranks (:mod:`shardkit.parallelize.fake_world`: torch's fake process group,
-the model on the meta device, one rank per pipeline stage built and counted in this process).
+the model on the meta device, one rank per pipeline stage built and counted in this process),
+and the same count on a real 4-rank gloo world with real tensors (what the fake world stands in
+for).
 
 Tolerances, and why the counts can differ at all:
 
-* Llama (every size divides its ranks evenly): equal to the element (relative 1e-9, float
+* Llama, Qwen2 and the real world (every size divides its ranks evenly): equal to the element (relative 1e-9, float
   rounding of the planner's divisions). Before this check the planner divided the FSDP2-sharded
   parameters by the layer count for the gathered term; FSDP2 keeps its root (embedding, final
   norm, ``lm_head``) gathered from forward through backward, so the first and last stages'
