@@ -14,6 +14,7 @@ import math
 
 from .._optional import install_hint, missing
 from ..errors import ShardkitError
+from ..parallelize.fake_world import fake_world_table
 from ..plan import CLUSTERS, Cluster, ModelShape, StepEstimate, StepOptions, estimate_step, plan_layouts
 from ..plan.options import SCHEDULES
 from ..sharding import ParallelDims
@@ -74,6 +75,13 @@ def add_plan_parser(commands) -> None:
         "different tp sizes); dp_replicate: the rest",
     )
     p.add_argument("--plot", default="plan.png", help="where to write the plot (default plan.png)")
+    p.add_argument(
+        "--dry-run",
+        default=None,
+        metavar="LAYOUT",
+        help="instead of ranking: build the real parallelized model of this layout (as --compare) on a fake "
+        "world, one rank per pipeline stage, and print its counted params/grads/optimizer bytes against the plan",
+    )
     p.set_defaults(func=run_plan)
 
 
@@ -193,6 +201,11 @@ def run_plan(args: argparse.Namespace) -> int:
             schedule=args.schedule,
             activation_checkpoint=args.ac,
         )
+        if args.dry_run is not None:
+            dims = parse_layout(args.dry_run, args.gpus)
+            m = dataclasses.replace(options, microbatches=max(1, args.global_batch // dims.dp))
+            print("\n".join(fake_world_table(args.config, dims, m)))
+            return 0
         best = plan_layouts(shape, cluster, options, top=args.top)
     except ShardkitError as e:
         print(f"shardkit plan: {e}")

@@ -4,7 +4,10 @@
   float32 master copy when the dtype is narrower (mixed precision: 2 + 2 + 12 bytes per bf16
   parameter, Rajbhandari et al., ZeRO);
 * FSDP2 (``dp_shard``) shards all three over ``dp_shard x cp`` except the parameters it leaves to
-  shardkit's reductions; one decoder layer is gathered at a time (its full size added);
+  shardkit's reductions; the root's parameters (embedding, final norm, ``lm_head``) stay gathered
+  from forward through backward (FSDP2 does not reshard its root after forward) and the largest
+  decoder layer is gathered at a time (their full sizes added; checked against the real model on
+  a fake world by :mod:`shardkit.parallelize.fake_world`);
 * activations per layer and microbatch: the bytes shardkit's decoder block keeps for backward
   under the run's activation checkpointing (:mod:`.activations`, checked against the measured
   count), plus, when blocks are checkpointed, one block's full set during its recompute; the
@@ -23,6 +26,21 @@ from .options import StepOptions, hooked_params, resolve_options, stage_tp
 __all__ = ["memory_per_rank"]
 
 
+def _gathered(
+    shape: ModelShape, dims: ParallelDims, opts: StepOptions, stage: int, sharded: float, kept: float
+) -> float:
+    """Elements FSDP2 holds unsharded at the peak of a step on ``stage``: its root's (the
+    non-layer parameters, less the final norm kept with sequence parallelism) plus the largest
+    decoder layer's (its share of the kept parameters taken as the layers' average)."""
+    tp = stage_tp(dims, stage)
+    parts = [shape.layer_params(i, tp, dims.ep) for i in shape.stage_layers(dims.pp, stage)]
+    sizes = [d + (0 if dims.ep > 1 else e) for d, e in parts]  # experts with ep > 1 are kept whole
+    final_norm = shape.hidden if opts.sequence_parallel and tp > 1 and stage == dims.pp - 1 else 0
+    layers_kept = kept - (sum(e for _, e in parts) if dims.ep > 1 else 0) - final_norm
+    root = sharded - (sum(sizes) - layers_kept)
+    return root + max(sizes, default=0) - layers_kept / max(1, len(sizes))
+
+
 def memory_per_rank(shape: ModelShape, dims: ParallelDims, opts: StepOptions, stage: int = 0) -> dict[str, float]:
     """Bytes held by one rank of pipeline stage ``stage`` at the peak of a step.
 
@@ -36,8 +54,7 @@ def memory_per_rank(shape: ModelShape, dims: ParallelDims, opts: StepOptions, st
     if dims.dp_shard > 1:
         kept = hooked_params(shape, dims, opts, stage) + (expert if dims.ep > 1 else 0)
         sharded = params - kept
-        layers = max(1, len(shape.stage_layers(dims.pp, stage)))
-        gathered = sharded / layers  # one layer unsharded at a time
+        gathered = _gathered(shape, dims, opts, stage, sharded, kept)
         held = kept + sharded / (dims.dp_shard * dims.cp)
     else:
         held, gathered = params, 0.0
