@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 __all__ = ["HF_ENTRY", "hf_description", "check_out_dir", "write_hf"]
 
 HF_ENTRY = "hf"  # the manifest entry holding hf_description()
-_SHARD = "2GB"  # safetensors shard size, transformers' own default (5GB) is too large for many hosts
+_SHARD = "5GB"  # the shard size of most Hub checkpoints; transformers' default (50GB) makes one file
 
 _BYTES_README = """# {name}
 
