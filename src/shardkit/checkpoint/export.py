@@ -21,11 +21,13 @@ import warnings
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
 
 from ..errors import ShardkitError
 from .chunks import ChunkLoadPlanner
 from .hf_writer import HF_ENTRY, check_out_dir, write_hf
 from .integrity import dcp_failure
+from .reader import VerifiedReader
 from .saves import open_save, saved_entries
 from .versioned import MANIFEST, complete_saves, latest_checkpoint, read_manifest
 
@@ -75,7 +77,7 @@ def _no_hf_form(path: str, manifest: dict) -> ShardkitError:
     )
 
 
-def _read_parameters(path: str, metadata, reader) -> dict[str, torch.Tensor]:
+def _read_parameters(path: str, metadata: Metadata, reader: VerifiedReader) -> dict[str, torch.Tensor]:
     """The full ``model/*`` tensors of an opened save, by parameter name (one process, no group)."""
     entries = saved_entries(metadata)
     unknown = sorted(k for k in entries if not k.startswith((_MODEL, *_TRAIN_ONLY)))

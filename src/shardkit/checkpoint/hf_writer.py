@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -80,8 +80,9 @@ def check_out_dir(out_dir: str | os.PathLike, flag: str) -> None:
         raise ShardkitError(f"{flag} {out!r} is not empty; the export would mix with its files: choose a new directory")
 
 
-def _meta_model(config_dict: dict):
-    """The causal LM of ``config_dict`` on the meta device (no memory, no init)."""
+def _meta_model(config_dict: dict) -> Any:
+    """The causal LM (a transformers ``PreTrainedModel``) of ``config_dict`` on the meta device (no
+    memory, no init)."""
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
     model_type = config_dict.get("model_type")
@@ -92,7 +93,7 @@ def _meta_model(config_dict: dict):
         return AutoModelForCausalLM.from_config(config)
 
 
-def _assign(model, tensors: dict[str, torch.Tensor], origin: str) -> None:
+def _assign(model: Any, tensors: dict[str, torch.Tensor], origin: str) -> None:
     """Put ``tensors`` into the meta ``model`` (a transformers ``PreTrainedModel``); every parameter
     must get a value (tied ones once)."""
     _, unexpected = model.load_state_dict(tensors, strict=False, assign=True)

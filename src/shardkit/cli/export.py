@@ -18,7 +18,7 @@ from ..errors import ShardkitError
 __all__ = ["add_export_parser", "run_export"]
 
 
-def add_export_parser(commands) -> None:
+def add_export_parser(commands: argparse._SubParsersAction) -> None:
     """Add ``export`` to the ``shardkit`` subcommands."""
     p = commands.add_parser(
         "export",
