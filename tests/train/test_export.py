@@ -3,10 +3,10 @@
 
 A tiny float32 model is trained for 2 steps at a parallel layout with ``--checkpoint-dir``; the
 save is exported and ``AutoModelForCausalLM.from_pretrained`` of the export must give the logits
-of the trained model in one process (its full parameters gathered, loaded into a fresh model) to
-1e-6. The pipeline and MoE saves are exported too (the experts gathered whole), and a fine-tuned
-``--model-path`` checkpoint goes back to its own config class with its tokenizer. Bad input is one
-:class:`~shardkit.ShardkitError` naming what is wrong.
+of a one-process model loaded from the same save by the trainer's resume path to 1e-6. The
+pipeline and MoE saves are exported too (the experts gathered whole), and a fine-tuned
+``--model-path`` checkpoint goes back to its own config class with its tokenizer. Bad input is
+one :class:`~shardkit.ShardkitError` naming what is wrong.
 """
 
 from __future__ import annotations
@@ -21,13 +21,12 @@ import torch
 
 from harness.helpers import rank, remove_shared_dir, shared_tmpdir, world_size
 from shardkit import ShardkitError, export_hf
-from shardkit.checkpoint import MANIFEST
-from shardkit.checkpoint.hf_writer import hf_description
+from shardkit.checkpoint import MANIFEST, latest_checkpoint, load_train_state
 from shardkit.cli.main import main
-from shardkit.parallelize import gather_full_parameters
 from shardkit.train.checkpoint_dir import check_checkpoint_dir
-from shardkit.train.config import TrainConfig, parallel_dims, validate_config
-from shardkit.train.run import build_parallel_model, build_task, build_train_model, run_training, train
+from shardkit.train.config import TrainConfig, validate_config
+from shardkit.train.run import build_parallel_model, build_task, build_train_model, train
+from shardkit.train.trainer import make_optimizer
 
 BASE = dict(seq_len=16, batch_size=4, dtype="float32", layers=2, lr=1e-2, steps=2)
 
@@ -54,30 +53,34 @@ def _tokens(vocab: int) -> torch.Tensor:
     return torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(1))
 
 
+def _one_process_model_from(save: str, cfg: TrainConfig):
+    """Collective over the world: on every rank, the unparallelized model of ``cfg`` loaded from
+    ``save`` by the trainer's own resume path (each rank reads every tensor whole)."""
+    pm, _ = build_parallel_model(build_train_model(cfg), None, cfg, None, torch.device("cpu"))
+    task = build_task(cfg, torch.device("cpu"))
+    extra = {"data_generator": task.sampler.gen.get_state(), "torch_rng": torch.get_rng_state()}
+    load_train_state(save, pm, make_optimizer(pm.module, cfg.lr), extra)
+    return pm.module.eval()
+
+
 @pytest.mark.world(4, timeout=240)
-def test_export_of_a_tp2_dp2_save_gives_the_trained_models_logits():
+def test_export_of_a_tp2_dp2_save_gives_the_logits_of_the_save_in_one_process():
     root = shared_tmpdir("shardkit-export-")
     try:
         cfg = _cfg(tp=2, dp_replicate=2, checkpoint_dir=os.path.join(root, "ckpt"))
-        dims = parallel_dims(cfg)
-        task = build_task(cfg, torch.device("cpu"))
-        model = build_train_model(cfg)
-        hf = hf_description(model, None)
-        pm, _ = build_parallel_model(model, dims.build_mesh("cpu"), cfg, task, torch.device("cpu"))
-        run_training(pm, task, cfg, layout=dims.describe(), hf=hf)
-        full = gather_full_parameters(pm)
+        train(cfg, "gloo", torch.device("cpu"), time.perf_counter(), progress=False)
+        save = latest_checkpoint(cfg.checkpoint_dir)
+        reference = _one_process_model_from(save, cfg)
         if rank() == 0:
             out = os.path.join(root, "hf")
             assert main(["export", "--checkpoint-dir", cfg.checkpoint_dir, "--out", out]) == 0
-            reference = build_train_model(cfg).eval()  # one process, the trained parameters
-            reference.load_state_dict(full)
             exported = _hf(out)
             assert type(exported).__name__ == "LlamaForCausalLM" and exported.dtype == torch.float32
             x = _tokens(256)
             with torch.no_grad():
                 want, got = reference(x).logits, exported(x).logits
             assert torch.allclose(got, want, rtol=1e-6, atol=1e-6), (got - want).abs().max()
-            assert not torch.equal(full["model.norm.weight"], torch.ones(64))  # it trained
+            assert not torch.equal(reference.model.norm.weight, torch.ones(64))  # it trained
             assert "byte-level" in Path(out, "README.md").read_text()  # no tokenizer: says so
             assert not any(n.startswith("tokenizer") for n in os.listdir(out))
     finally:
