@@ -186,3 +186,28 @@ def test_the_export_command_says_what_is_wrong_in_one_line(tmp_path, capsys):
     assert main(["export", "--checkpoint-dir", str(tmp_path / "nowhere"), "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("shardkit export: error: ") and "does not exist" in err and err.count("\n") == 1
+
+
+def test_write_hf_refuses_missing_and_foreign_tensors_and_a_vanished_tokenizer(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from shardkit.checkpoint.hf_writer import hf_description, write_hf
+
+    config = LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
+    )
+    model = LlamaForCausalLM(config)
+    tensors = {k: v.detach() for k, v in model.named_parameters()}
+    hf = hf_description(model, None)
+    missing = {k: v for k, v in tensors.items() if k != "model.norm.weight"}
+    with pytest.raises(
+        ShardkitError, match=r"1 parameter\(s\) of the LlamaForCausalLM are not in the save: model.norm"
+    ):
+        write_hf(tmp_path / "a", missing, hf, "the save")
+    with pytest.raises(ShardkitError, match=r"1 tensor\(s\) of the save are not parameters of the LlamaForCausalLM"):
+        write_hf(tmp_path / "b", {**tensors, "model.extra.weight": torch.zeros(2)}, hf, "the save")
+    with pytest.raises(ShardkitError, match=r"--model-path .*gone, which no longer exists"):
+        write_hf(tmp_path / "c", tensors, {**hf, "model_path": str(tmp_path / "gone")}, "the save")
+    assert not any((tmp_path / n).exists() for n in "abc")  # nothing written before the checks passed
+    assert write_hf(tmp_path / "d", tensors, hf, "the save") == str(tmp_path / "d")
+    assert LlamaForCausalLM.from_pretrained(tmp_path / "d").model.norm.weight.equal(tensors["model.norm.weight"])

@@ -111,13 +111,10 @@ def _assign(model: Any, tensors: dict[str, torch.Tensor], origin: str) -> None:
         )
 
 
-def _write_tokenizer(out: str, model_path: str | None, origin: str) -> list[str]:
-    """The run's tokenizer saved into ``out``; a README for byte-level runs. Returns the files written."""
+def _load_tokenizer(model_path: str | None) -> Any:
+    """The tokenizer the run trained on (``--model-path``'s), or None for a byte-level run."""
     if model_path is None:
-        readme = os.path.join(out, "README.md")
-        with open(readme, "w") as f:
-            f.write(_BYTES_README.format(name=os.path.basename(os.path.abspath(out)), save=origin))
-        return [readme]
+        return None
     from transformers import AutoTokenizer
 
     path = Path(model_path)
@@ -130,10 +127,18 @@ def _write_tokenizer(out: str, model_path: str | None, origin: str) -> list[str]
     if path.is_file():  # a GGUF file: its vocabulary and merges are in its metadata
         path, kwargs["gguf_file"] = path.parent, path.name
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+        return AutoTokenizer.from_pretrained(path, **kwargs)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ShardkitError(f"export: cannot load the tokenizer of --model-path {model_path}: {exc}") from None
-    return list(tokenizer.save_pretrained(out))
+
+
+def _write_tokenizer(out: str, tokenizer: Any, origin: str) -> None:
+    """``tokenizer`` saved into ``out``; for a byte-level run (None) a README saying what the tokens are."""
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+        return
+    with open(os.path.join(out, "README.md"), "w") as f:
+        f.write(_BYTES_README.format(name=os.path.basename(os.path.abspath(out)), save=origin))
 
 
 def write_hf(out_dir: str | os.PathLike, tensors: dict[str, torch.Tensor], hf: dict | None, origin: str) -> str:
@@ -156,7 +161,8 @@ def write_hf(out_dir: str | os.PathLike, tensors: dict[str, torch.Tensor], hf: d
     check_out_dir(out, "export: the output directory")
     model = _meta_model(hf["config"])
     _assign(model, tensors, origin)
+    tokenizer = _load_tokenizer(hf.get("model_path"))  # every check passed before anything is written
     os.makedirs(out, exist_ok=True)
     model.save_pretrained(out, max_shard_size=_SHARD)
-    _write_tokenizer(out, hf.get("model_path"), origin)
+    _write_tokenizer(out, tokenizer, origin)
     return out
