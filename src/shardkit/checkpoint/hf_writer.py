@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 __all__ = ["HF_ENTRY", "hf_description", "check_out_dir", "write_hf"]
 
 HF_ENTRY = "hf"  # the manifest entry holding hf_description()
-_SHARD = "5GB"  # the shard size of most Hub checkpoints; transformers' default (50GB) makes one file
+_SHARD = "5GB"  # transformers 4's default shard size; its current default (50GB) makes one file of most models
 
 _BYTES_README = """# {name}
 
