@@ -26,6 +26,7 @@ from ._moved import MOVED_MODULES, install_moved_modules
 from ._shapes import balanced_split_sizes
 from ._types import Group
 from .checkpoint import (
+    export_hf,
     latest_checkpoint,
     load_sharded,
     load_sharded_checkpoint,
@@ -128,6 +129,7 @@ __all__ = [
     "save_train_state",
     "load_train_state",
     "latest_checkpoint",
+    "export_hf",
     "Group",
     "balanced_split_sizes",
     # differentiable collectives

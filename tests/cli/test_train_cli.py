@@ -372,6 +372,12 @@ def test_finish_exit_code_and_largest_differences(tmp_path, capsys):
     assert json.loads((tmp_path / "report.json").read_text())["parity"]["passed"] is False
 
 
+def test_finish_names_the_save_hf_directory(tmp_path, capsys):
+    cfg = config_from_args(_args("--save-hf", str(tmp_path / "hf")))
+    assert finish(_result(passed=True), cfg) == 0
+    assert f"Hugging Face model (--save-hf): {tmp_path / 'hf'}" in capsys.readouterr().out
+
+
 # --- subprocesses ----------------------------------------------------------------------------
 
 

@@ -7,9 +7,12 @@
   checkpoint of a tensor-parallel model, loadable at any tp size (:mod:`.dcp`).
 * :func:`load_sharded`: a Hugging Face safetensors checkpoint (full weights) read straight into a
   tensor-parallel model, each rank reading only its slices (:mod:`.safetensors`).
+* :func:`export_hf`: a training save, of any layout, written back as a Hugging Face model
+  directory (config, safetensors shards, tokenizer) (:mod:`.export`).
 """
 
 from .dcp import load_sharded_checkpoint, save_sharded_checkpoint
+from .export import export_hf
 from .meta import materialize_meta
 from .safetensors import load_sharded
 from .safetensors_file import SafetensorsCheckpoint
@@ -25,4 +28,5 @@ __all__ = [
     "load_sharded",
     "SafetensorsCheckpoint",
     "materialize_meta",
+    "export_hf",
 ]

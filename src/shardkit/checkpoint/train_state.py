@@ -39,6 +39,7 @@ from ..errors import ShardkitError
 from ..sharding import set_shard_spec
 from .chunks import ChunkLoadPlanner, ChunkSavePlanner, full_shape
 from .contents import check_contents
+from .hf_writer import HF_ENTRY
 from .saves import load_checked, open_save, save_checked, saved_entries
 from .versioned import MANIFEST, latest_checkpoint
 
@@ -115,6 +116,7 @@ def save_train_state(
     *,
     keep: int | None = None,
     model: dict | None = None,
+    hf: dict | None = None,
 ) -> str:
     """Collective over the world: save the training state after ``step`` steps; return its directory.
 
@@ -128,6 +130,9 @@ def save_train_state(
         keep: complete saves kept, this one included (None: all).
         model: a description of the model (JSON), kept in the manifest so that a resume can
             be checked before launch.
+        hf: the model's Hugging Face description (:func:`.hf_writer.hf_description`), kept in
+            the manifest so that :func:`~shardkit.export_hf` can write the save as a Hugging
+            Face model directory; None: a model with no Hugging Face form.
 
     Raises:
         ShardkitError: on every rank, with nothing committed (the previous save stays the
@@ -137,6 +142,8 @@ def save_train_state(
     """
     state, _ = _state_dict(pm, optimizer, extra)
     manifest = {"step": step, "layout": layout, "time": time.time(), "keys": len(state), "model": model}
+    if hf is not None:
+        manifest[HF_ENTRY] = hf
     return save_checked(
         root, _PREFIX, _world(), state, ChunkSavePlanner(state), manifest, "save_train_state", number=step, keep=keep
     )

@@ -1,4 +1,4 @@
-"""The ``shardkit`` command: ``shardkit train``, ``shardkit plan`` and ``shardkit bench``."""
+"""The ``shardkit`` command: ``shardkit train``, ``shardkit plan``, ``shardkit bench`` and ``shardkit export``."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import sys
 
 from .. import __version__
 from .bench import add_bench_parser
+from .export import add_export_parser
 from .plan import add_plan_parser
 from .train import add_train_parser
 
@@ -21,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_parser(commands)
     add_plan_parser(commands)
     add_bench_parser(commands)
+    add_export_parser(commands)
     return parser
 
 

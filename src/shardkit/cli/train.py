@@ -151,6 +151,12 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         help="continue from the latest complete save in --checkpoint-dir",
     )
+    p.add_argument(
+        "--save-hf",
+        metavar="DIR",
+        help="after the last step, write the model as a Hugging Face directory (config.json, safetensors, "
+        "tokenizer) into DIR, a new or empty directory; `shardkit export` does the same from a save",
+    )
     p.add_argument("--seq-len", type=int, help=f"tokens per sequence (default {d.seq_len})")
     p.add_argument("--batch-size", type=int, help=f"global batch, split over dp (default {d.batch_size})")
     p.add_argument("--dtype", choices=DTYPES, help=f"parameter and compute dtype (default {d.dtype})")
@@ -322,6 +328,8 @@ def finish(result: dict, cfg: TrainConfig) -> int:
     parity = result.get("parity")
     if parity is not None:
         print_parity(parity, console)
+    if cfg.save_hf:
+        console.print(f"Hugging Face model (--save-hf): {cfg.save_hf}", highlight=False, soft_wrap=True)
     if cfg.report:
         paths = [*result.get("files", []), *write_report(result, cfg.report)]
         console.print("report: " + ", ".join(str(p) for p in paths), highlight=False)

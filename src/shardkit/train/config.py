@@ -16,6 +16,7 @@ import tomllib
 from dataclasses import fields
 from pathlib import Path
 
+from ..checkpoint.hf_writer import check_out_dir
 from ..errors import ShardkitError
 from ..plan.rules import batch_rule
 from ..sharding import ParallelDims
@@ -189,6 +190,11 @@ def validate_config(cfg: TrainConfig, world_size: int | None = None) -> TrainCon
     for flag, folder in (("--report", cfg.report), ("--checkpoint-dir", cfg.checkpoint_dir)):
         if folder is not None:
             _check_writable(flag, folder)
+    if cfg.save_hf is not None:
+        if model_spec(cfg.model).family is None:
+            raise ShardkitError(f"--save-hf: --model {cfg.model} has no Hugging Face form")
+        check_out_dir(cfg.save_hf, "--save-hf")
+        _check_writable("--save-hf", cfg.save_hf)
     if cfg.max_norm is not None and not (math.isfinite(cfg.max_norm) and cfg.max_norm >= 0):
         raise ShardkitError(f"--max-norm must be a finite number >= 0 (0: no clipping), got {cfg.max_norm}")
     if cfg.max_norm == 0:

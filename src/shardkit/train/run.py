@@ -31,6 +31,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from .. import CommLedger, __version__
 from .._local_world import init_local_world
 from ..checkpoint import latest_checkpoint, load_train_state, save_train_state
+from ..checkpoint.hf_writer import hf_description, write_hf
 from ..checkpoint.lock import root_lock
 from ..comm import checks, checks_enabled, flight_recorder
 from ..errors import NonFiniteError
@@ -110,12 +111,15 @@ def _extra_state(task) -> dict[str, torch.Tensor]:
     return {"data_generator": task.sampler.gen.get_state(), "torch_rng": torch.get_rng_state()}
 
 
-def run_training(pm, task, cfg: TrainConfig, loss_scale=None, on_step=None, layout: str = "", metrics=None) -> dict:
+def run_training(
+    pm, task, cfg: TrainConfig, loss_scale=None, on_step=None, layout: str = "", metrics=None, hf=None
+) -> dict:
     """Steps ``first..cfg.steps - 1`` of :func:`.trainer.train_step`; per-step losses and gradient norms.
 
     With ``cfg.checkpoint_dir``: the run holds the directory's lock throughout (another run on it
     is refused), ``cfg.resume`` first loads the latest save (``first`` = its step), and the state
-    is saved every ``cfg.save_every`` steps and after the last one (the newest ``cfg.keep`` kept).
+    is saved every ``cfg.save_every`` steps and after the last one (the newest ``cfg.keep`` kept),
+    each save's manifest holding ``hf`` (:func:`~shardkit.checkpoint.hf_writer.hf_description`).
 
     A step with a non-finite global loss or gradient norm is not applied (:func:`.trainer.
     train_step`); up to ``cfg.skip_nonfinite`` of them are skipped (counted in this run, a
@@ -129,11 +133,11 @@ def run_training(pm, task, cfg: TrainConfig, loss_scale=None, on_step=None, layo
         world = dist.group.WORLD
         assert world is not None  # a mesh exists: the world is initialized
         with root_lock(cfg.checkpoint_dir, world, "shardkit train --checkpoint-dir"):
-            return _run_steps(pm, task, cfg, loss_scale, on_step, layout, metrics)
-    return _run_steps(pm, task, cfg, loss_scale, on_step, layout, metrics)
+            return _run_steps(pm, task, cfg, loss_scale, on_step, layout, metrics, hf)
+    return _run_steps(pm, task, cfg, loss_scale, on_step, layout, metrics, hf)
 
 
-def _run_steps(pm, task, cfg: TrainConfig, loss_scale, on_step, layout: str, metrics) -> dict:
+def _run_steps(pm, task, cfg: TrainConfig, loss_scale, on_step, layout: str, metrics, hf) -> dict:
     assert cfg.lr is not None  # validate_config resolved it
     optimizer = make_optimizer(pm.module, cfg.lr)
     scheduler = None
@@ -193,6 +197,7 @@ def _run_steps(pm, task, cfg: TrainConfig, loss_scale, on_step, layout: str, met
                 layout,
                 keep=cfg.keep,
                 model=model_description(cfg),
+                hf=hf,
             )
     return {"losses": losses, "grad_norms": norms, "first_step": first, "skipped_steps": skipped, **saved}
 
@@ -268,6 +273,7 @@ def _train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool) ->
         corpus = shared_corpus(cfg, device)  # read once (rank 0), reused by the --verify reference
     task = build_task(cfg, device, corpus)
     model = build_train_model(cfg)
+    hf = hf_description(model, cfg.model_path)  # kept in each save's manifest (shardkit export)
     reference = copy.deepcopy(model) if cfg.verify and rank == 0 else None
     pm, loss_scale = build_parallel_model(model, mesh, cfg, task, device)
     del model
@@ -283,7 +289,7 @@ def _train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool) ->
             metrics = MetricsLog(cfg.report, unit_name, sample, cfg.batch_size, device)
         try:
             run = run_training(
-                pm, task, cfg, loss_scale, on_step=bar.update if bar else None, layout=dims.describe(), metrics=metrics
+                pm, task, cfg, loss_scale, bar.update if bar else None, dims.describe(), metrics=metrics, hf=hf
             )
         finally:
             if metrics is not None:
@@ -295,7 +301,7 @@ def _train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool) ->
     saved_bytes = [None] * dist.get_world_size()
     dist.all_gather_object(saved_bytes, run["saved_activation_bytes"])
     outputs = spec.outputs if cfg.report is not None else None
-    full_params = gather_full_parameters(pm) if cfg.verify or outputs is not None else None
+    full_params = gather_full_parameters(pm) if cfg.verify or outputs is not None or cfg.save_hf else None
     if rank != 0:
         return None
     files = []
@@ -304,6 +310,9 @@ def _train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool) ->
     if outputs is not None and cfg.report is not None:
         assert full_params is not None  # gathered above; rank 0 holds them
         files += outputs(cfg, cfg.report, full_params)
+    if cfg.save_hf is not None:  # --save-hf: the trained model as a Hugging Face directory
+        assert full_params is not None  # gathered above; rank 0 holds them
+        files.append(write_hf(cfg.save_hf, full_params, hf, "this run"))
     result = {
         "layout": {
             "nproc": cfg.nproc,
