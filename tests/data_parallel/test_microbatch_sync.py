@@ -52,11 +52,17 @@ def _groups(overrides: dict) -> int:
     return LAYERS // overrides.get("pp", 1) + 1
 
 
-def _check_parity(result: dict | None) -> None:
+def _check_parity(result: dict | None, counts: list[Counter]) -> None:
+    """Rank 0: the run matched one process, and its report's ledger shows the counted calls."""
     if rank() != 0:
         return
     assert result is not None and result["parity"]["passed"], result and result["parity"]
     assert result["parity"]["tolerance"] == 1e-9
+    report: Counter = Counter()
+    for row in result["ledger"]:
+        if row["api"] == "fully_shard":
+            report[(row["op"], row["phase"])] += row["count"]
+    assert report == counts[0], (dict(report), dict(counts[0]))
 
 
 ONCE = {
@@ -71,7 +77,7 @@ ONCE = {
 @pytest.mark.parametrize("overrides", list(ONCE.values()), ids=list(ONCE))
 def test_fsdp_gathers_and_reduces_once_per_step(overrides):
     counts, result = _run(overrides)
-    _check_parity(result)
+    _check_parity(result, counts)
     hsdp = overrides.get("pp", 1) == 1 and overrides["dp_shard"] < world_size()
     for r, got in enumerate(counts):
         g = _groups(overrides) * STEPS
@@ -91,7 +97,7 @@ def test_fsdp_without_policy_gathers_per_microbatch():
         mock.patch("shardkit.pipeline_parallel.runner.set_microbatch"),
     ):
         counts, result = _run(overrides)
-    _check_parity(result)
+    _check_parity(result, counts)
     for got in counts:
         assert got[("reduce_scatter_single", "backward")] == 4 * 2 * STEPS  # M x groups x steps
         assert got[("all_gather_single", "backward")] >= 4 * STEPS  # the layer, before each backward
@@ -101,7 +107,7 @@ def test_fsdp_without_policy_gathers_per_microbatch():
 def test_one_microbatch_keeps_fsdp_resharding():
     # ZeRO-3 memory when no microbatch reuses the gathered layers: gathered again for backward.
     counts, result = _run(dict(dp_shard=4, batch_size=4))
-    _check_parity(result)
+    _check_parity(result, counts)
     for got in counts:
         assert got[("all_gather_single", "forward")] == (LAYERS + 1) * STEPS
         assert got[("all_gather_single", "backward")] == LAYERS * STEPS
@@ -114,9 +120,12 @@ def test_replicated_dp_reduces_once_per_step():
     cfg = validate_config(TrainConfig(**{**SMALL, "microbatches": 4, "batch_size": 16}), world_size=world_size())
     with CommLedger() as ledger:
         result = train(cfg, "gloo", torch.device("cpu"), time.perf_counter(), progress=False)
-    _check_parity(result)
+    _check_parity(result, [Counter()])  # no FSDP2 call in rank 0's report either
     assert ledger.count(op="all_reduce", api="dp_cp_grads") == STEPS
     assert ledger.count(api="fully_shard") == 0
+    if rank() == 0:  # the report's ledger shows the same one reduction per step
+        rows = [r for r in result["ledger"] if r["api"] == "dp_cp_grads"]
+        assert [(r["op"], r["axis"], r["count"]) for r in rows] == [("all_reduce", "dp_replicate", STEPS)], rows
 
 
 @pytest.mark.parametrize("index,count", [(0, 0), (4, 4), (-1, 4), (0, True), (1.0, 2)])
