@@ -87,6 +87,20 @@ def test_fsdp_gathers_and_reduces_once_per_step(overrides):
         assert got == want, (r, dict(got), dict(want))
 
 
+@pytest.mark.world(8, timeout=300)
+def test_hsdp_under_pipeline_gathers_and_reduces_once_per_step():
+    # pp=2 x dp_replicate=2 x dp_shard=2: HSDP's all-reduce over dp_replicate once per step too
+    overrides = dict(pp=2, dp_shard=2, microbatches=4, batch_size=16)
+    counts, result = _run(overrides)
+    _check_parity(result, counts)
+    g = _groups(overrides) * STEPS
+    want = Counter(
+        {("all_gather_single", "forward"): g, ("reduce_scatter_single", "backward"): g, ("all_reduce", "backward"): g}
+    )
+    for r, got in enumerate(counts):
+        assert got == want, (r, dict(got), dict(want))
+
+
 @pytest.mark.world(4, timeout=240)
 def test_fsdp_without_policy_gathers_per_microbatch():
     # The counts above come from set_microbatch: switched off, the same pipelined run gathers
