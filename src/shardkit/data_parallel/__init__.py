@@ -4,6 +4,8 @@
 * :class:`GradientSync`: after the last backward of a step, sums what FSDP2 does not reduce over
   ``dp_cp`` (dense) and ``edp`` (experts), divides by the data ranks for ``grad_reduce="mean"``
   (DDP's average), and clips by the global norm.
+* :func:`set_microbatch`: "this is microbatch k of M": FSDP2 gathers a block once per step and
+  reduces its gradient once, after the last microbatch's backward.
 * :func:`global_mean_loss`: the loss to back-propagate for the global token mean when data ranks
   count different numbers of tokens.
 """
@@ -11,5 +13,6 @@
 from .fsdp import apply_fsdp
 from .grads import GradientSync, GradReduce, ParamLayout
 from .loss import global_mean_loss
+from .microbatches import set_microbatch
 
-__all__ = ["apply_fsdp", "GradientSync", "GradReduce", "ParamLayout", "global_mean_loss"]
+__all__ = ["apply_fsdp", "GradientSync", "GradReduce", "ParamLayout", "global_mean_loss", "set_microbatch"]

@@ -24,6 +24,7 @@ import torch
 
 from ..comm import _c10d
 from ..comm.agree import agree
+from ..data_parallel.microbatches import set_microbatch
 from ..errors import ShardkitError
 from . import p2p
 from .schedules import check_deadlock_free, comm_plan, validate_schedule
@@ -218,7 +219,7 @@ def _compute(action, stage, M, inputs, targets, received, stash, losses, outputs
     if kind == "F":
         outputs[m] = _forward(stage, m, M, inputs, targets, received, stash, losses, kwargs[m])
     else:
-        grads_out[m] = _backward(stage, m, received, stash)
+        grads_out[m] = _backward(stage, m, M, received, stash)
 
 
 def _forward(stage, m, M, inputs, targets, received, stash, losses, kwargs):
@@ -271,9 +272,10 @@ def _execute_tp(stage, plan, M, inputs, targets, decls, kwargs):
     return losses if stage.is_last else None
 
 
-def _backward(stage, m, received, stash):
+def _backward(stage, m, M, received, stash):
     x, y = stash.pop(m)
     grad = None if stage.is_last else received.pop(("B", m))
+    set_microbatch(stage.module, m, M)  # FSDP2 reduces the stage's gradients after the last microbatch only
     if y.requires_grad:  # else nothing upstream to differentiate (no parameters, a first stage)
         torch.autograd.backward(y, grad)
     if stage.is_first:

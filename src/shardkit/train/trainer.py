@@ -5,7 +5,9 @@ A step, whatever the layout (``dp x pp x cp x tp x ep``, FSDP2 or not, spatial f
 1. every rank draws the same global batch; ``N`` = its global target count (no collective);
 2. this rank keeps its data-parallel rows, cut into ``M`` microbatches (gradient accumulation);
 3. without a pipeline, each microbatch runs forward and ``backward(loss_sum / N)``; with one, the
-   schedule (1F1B or GPipe) runs the microbatches through the stages (one branch);
+   schedule (1F1B or GPipe) runs the microbatches through the stages (one branch). Either way
+   FSDP2 is told which microbatch runs (:func:`~shardkit.data_parallel.set_microbatch`): it
+   gathers each block once per step and reduces its gradients once, after the last backward;
 4. :class:`~shardkit.data_parallel.GradientSync` sums what FSDP2 does not reduce over the ranks
    holding different data, then clips by the global norm (every parameter counted once);
 5. the global loss is summed over the world;
@@ -34,6 +36,7 @@ import torch.distributed as dist
 
 from ..comm import _c10d
 from ..comm._group import resolve_group
+from ..data_parallel import set_microbatch
 from ..errors import ShardkitError
 from ..pipeline_parallel import gpipe_schedule, one_f_one_b_schedule, run_schedule
 
@@ -134,6 +137,7 @@ def _pipeline_backward(pm, task, microbatches: list, schedule: str, loss_scale: 
     targets = [p[1] for p in prepared]
     table = SCHEDULES[schedule](stage.num_stages, M)
     loss_scale.scale *= M
+    set_microbatch(pm.module, 0, M)  # FSDP2 keeps the stage unsharded from its first forward on
     losses = run_schedule(stage, table, inputs, targets, stage_kwargs=kwargs if any(kwargs) else None)
     dtype = torch.float64
     if losses is None:  # only the last stage has losses
@@ -181,7 +185,8 @@ def train_step(
     mbs = task.microbatches(batch, dp_rank, dp, microbatches)
     if pm.stage is None:
         sums = []
-        for mb in mbs:
+        for k, mb in enumerate(mbs):
+            set_microbatch(pm.module, k, len(mbs))  # FSDP2 gathers once and reduces after the last
             inputs, targets = task.prepare(mb, pm)
             loss_sum = task.loss_sum(task.forward(pm.module, inputs), targets, pm)
             (loss_sum / n).backward()

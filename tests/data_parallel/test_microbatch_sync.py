@@ -1,0 +1,148 @@
+"""FSDP2 and HSDP under pipelines and gradient accumulation gather and reduce once per step.
+
+Each case runs the trainer (:func:`shardkit.train.run.train`, what ``shardkit train`` runs) for
+two steps in float64 with ``--verify`` and counts, on every rank, the FSDP2 collectives of the
+:class:`~shardkit.CommLedger` (api ``"fully_shard"``: shardkit's custom all-gather and
+reduce-scatter, and HSDP's all-reduce hook). With ``M > 1`` microbatches, every FSDP2 parameter
+group of a rank's model (stage) -- each decoder layer and the root -- is all-gathered once per
+step, before the first forward, and its gradient is reduce-scattered (HSDP: and all-reduced over
+``dp_replicate``) once per step; the losses, gradient norms and parameters still equal one
+process's. One microbatch keeps FSDP2's default (gathered again for backward). Replicated data
+parallelism (:class:`~shardkit.data_parallel.GradientSync`, no FSDP2) reduces once per step too.
+
+Every count here is per-microbatch without :func:`~shardkit.data_parallel.set_microbatch` (the
+``without_policy`` case checks that the counts do change when the policy is switched off).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness.helpers import rank, world_size
+from shardkit import CommLedger
+from shardkit.data_parallel import set_microbatch
+from shardkit.errors import ShardkitError
+from shardkit.train.config import TrainConfig, validate_config
+from shardkit.train.run import train
+
+STEPS, LAYERS = 2, 2
+SMALL = dict(steps=STEPS, seq_len=16, dtype="float64", verify=True, layers=LAYERS, lr=1e-3, tp=1)
+
+
+def _run(overrides: dict) -> tuple[list[Counter], dict | None]:
+    """Every rank's FSDP2 calls over the run, ``Counter((op, phase))``, and rank 0's result."""
+    cfg = validate_config(TrainConfig(**{**SMALL, **overrides}), world_size=world_size())
+    with CommLedger() as ledger:
+        result = train(cfg, "gloo", torch.device("cpu"), time.perf_counter(), progress=False)
+    mine = Counter((r.op, r.phase) for r in ledger.records if r.api == "fully_shard")
+    everyone: list = [None] * world_size()
+    dist.all_gather_object(everyone, mine)
+    return everyone, result
+
+
+def _groups(overrides: dict) -> int:
+    """FSDP2 parameter groups of one rank: its stage's decoder layers (stages split them evenly
+    here) and the root."""
+    return LAYERS // overrides.get("pp", 1) + 1
+
+
+def _check_parity(result: dict | None, counts: list[Counter]) -> None:
+    """Rank 0: the run matched one process, and its report's ledger shows the counted calls."""
+    if rank() != 0:
+        return
+    assert result is not None and result["parity"]["passed"], result and result["parity"]
+    assert result["parity"]["tolerance"] == 1e-9
+    report: Counter = Counter()
+    for row in result["ledger"]:
+        if row["api"] == "fully_shard":
+            report[(row["op"], row["phase"])] += row["count"]
+    assert report == counts[0], (dict(report), dict(counts[0]))
+
+
+ONCE = {
+    "pp=2 x dp_shard=2, 1f1b, 4 microbatches": dict(pp=2, dp_shard=2, microbatches=4, batch_size=8),
+    "pp=2 x dp_shard=2, gpipe, 4 microbatches": dict(pp=2, dp_shard=2, microbatches=4, batch_size=8, schedule="gpipe"),
+    "HSDP dp_replicate=2 x dp_shard=2, 4 microbatches": dict(dp_shard=2, microbatches=4, batch_size=16),
+    "dp_shard=4, 4 accumulated microbatches": dict(dp_shard=4, microbatches=4, batch_size=16),
+}
+
+
+@pytest.mark.world(4, timeout=240)
+@pytest.mark.parametrize("overrides", list(ONCE.values()), ids=list(ONCE))
+def test_fsdp_gathers_and_reduces_once_per_step(overrides):
+    counts, result = _run(overrides)
+    _check_parity(result, counts)
+    hsdp = overrides.get("pp", 1) == 1 and overrides["dp_shard"] < world_size()
+    for r, got in enumerate(counts):
+        g = _groups(overrides) * STEPS
+        want = Counter({("all_gather_single", "forward"): g, ("reduce_scatter_single", "backward"): g})
+        if hsdp:
+            want[("all_reduce", "backward")] = g
+        assert got == want, (r, dict(got), dict(want))
+
+
+@pytest.mark.world(8, timeout=300)
+def test_hsdp_under_pipeline_gathers_and_reduces_once_per_step():
+    # pp=2 x dp_replicate=2 x dp_shard=2: HSDP's all-reduce over dp_replicate once per step too
+    overrides = dict(pp=2, dp_shard=2, microbatches=4, batch_size=16)
+    counts, result = _run(overrides)
+    _check_parity(result, counts)
+    g = _groups(overrides) * STEPS
+    want = Counter(
+        {("all_gather_single", "forward"): g, ("reduce_scatter_single", "backward"): g, ("all_reduce", "backward"): g}
+    )
+    for r, got in enumerate(counts):
+        assert got == want, (r, dict(got), dict(want))
+
+
+@pytest.mark.world(4, timeout=240)
+def test_fsdp_without_policy_gathers_per_microbatch():
+    # The counts above come from set_microbatch: switched off, the same pipelined run gathers
+    # every layer for each forward and backward and reduces after each backward.
+    overrides = ONCE["pp=2 x dp_shard=2, 1f1b, 4 microbatches"]
+    with (
+        mock.patch("shardkit.train.trainer.set_microbatch"),
+        mock.patch("shardkit.pipeline_parallel.runner.set_microbatch"),
+    ):
+        counts, result = _run(overrides)
+    _check_parity(result, counts)
+    for got in counts:
+        assert got[("reduce_scatter_single", "backward")] == 4 * 2 * STEPS  # M x groups x steps
+        assert got[("all_gather_single", "backward")] >= 4 * STEPS  # the layer, before each backward
+
+
+@pytest.mark.world(4, timeout=240)
+def test_one_microbatch_keeps_fsdp_resharding():
+    # ZeRO-3 memory when no microbatch reuses the gathered layers: gathered again for backward.
+    counts, result = _run(dict(dp_shard=4, batch_size=4))
+    _check_parity(result, counts)
+    for got in counts:
+        assert got[("all_gather_single", "forward")] == (LAYERS + 1) * STEPS
+        assert got[("all_gather_single", "backward")] == LAYERS * STEPS
+        assert got[("reduce_scatter_single", "backward")] == (LAYERS + 1) * STEPS
+
+
+@pytest.mark.world(4, timeout=240)
+def test_replicated_dp_reduces_once_per_step():
+    # GradientSync (no FSDP2): one bucketed all-reduce per dtype and step, after the last microbatch.
+    cfg = validate_config(TrainConfig(**{**SMALL, "microbatches": 4, "batch_size": 16}), world_size=world_size())
+    with CommLedger() as ledger:
+        result = train(cfg, "gloo", torch.device("cpu"), time.perf_counter(), progress=False)
+    _check_parity(result, [Counter()])  # no FSDP2 call in rank 0's report either
+    assert ledger.count(op="all_reduce", api="dp_cp_grads") == STEPS
+    assert ledger.count(api="fully_shard") == 0
+    if rank() == 0:  # the report's ledger shows the same one reduction per step
+        rows = [r for r in result["ledger"] if r["api"] == "dp_cp_grads"]
+        assert [(r["op"], r["axis"], r["count"]) for r in rows] == [("all_reduce", "dp_replicate", STEPS)], rows
+
+
+@pytest.mark.parametrize("index,count", [(0, 0), (4, 4), (-1, 4), (0, True), (1.0, 2)])
+def test_set_microbatch_rejects_bad_positions(index, count):
+    with pytest.raises(ShardkitError, match="set_microbatch"):
+        set_microbatch(torch.nn.Linear(2, 2), index, count)
