@@ -145,7 +145,7 @@ def test_bad_layouts_are_refused(tmp_path, capsys):
     assert "cannot read the config" in capsys.readouterr().out
 
 
-def test_gpipe_holds_every_microbatch_and_regathers_the_root_once():
+def test_gpipe_holds_every_microbatch_and_gathers_each_group_once():
     from shardkit.plan.collectives import merged, step_collectives
 
     shape = ModelShape.from_config(TINY)
@@ -157,10 +157,13 @@ def test_gpipe_holds_every_microbatch_and_regathers_the_root_once():
     block = block_saved_bytes(shape, BlockLayout(rows=1, seq_len=16), "none", 4)
     assert acts == 2 * 2 * block  # 2 more microbatches x 2 layers
     key = ("all_gather_single", "fully_shard", "forward", 2)
-    # stage 1 (F B F B ... in both): the root gathered before every forward; GPipe (F F F F B B B B): once
-    layers = 4 * 2  # M x layers, then the root's gathers
-    assert merged(step_collectives(shape, dims, one_f_one_b, 1))[key][0] == layers + 4
-    assert merged(step_collectives(shape, dims, gpipe, 1))[key][0] == layers + 1
+    # either schedule (set_microbatch): every group (2 layers and the root) gathered once per
+    # step, before the first forward, never again for a backward, and reduced once
+    for opts in (one_f_one_b, gpipe):
+        table = merged(step_collectives(shape, dims, opts, 1))
+        assert table[key][0] == 2 + 1
+        assert ("all_gather_single", "fully_shard", "backward", 2) not in table
+        assert table[("reduce_scatter_single", "fully_shard", "backward", 2)][0] == 2 + 1
 
 
 def test_pp_tp_stage_roles_and_compute():

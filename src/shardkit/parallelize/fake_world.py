@@ -10,7 +10,8 @@ What that rank then holds is counted from the parameters themselves:
   ``to_local()``; the parameters FSDP2 leaves to shardkit's reductions, tp/ep-local, whole);
 * ``gathered``: the elements FSDP2 all-gathers at the peak of a step: the root's parameters
   (embedding, final norm, ``lm_head``), which FSDP2 keeps unsharded from forward through
-  backward, plus the largest decoder layer, gathered one at a time;
+  backward, plus the largest decoder layer, gathered one at a time; with ``M > 1`` microbatches
+  every layer, kept gathered for the step, and as many unsharded gradient elements;
 * gradients as ``held`` in the training dtype, AdamW's state 8 bytes per held element plus a
   float32 master copy (4) when the dtype is narrower: the convention of
   :func:`shardkit.plan.memory.memory_per_rank`.
@@ -65,6 +66,8 @@ class RankMemory:
         held: parameter elements it keeps between steps.
         gathered: parameter elements FSDP2 holds unsharded at the peak (0 without ``dp_shard``).
         elem: bytes per element of the training dtype.
+        unsharded_grads: gradient elements FSDP2 accumulates unsharded over the microbatches of a
+            step (``M > 1``: :func:`shardkit.data_parallel.set_microbatch`), else 0.
     """
 
     rank: int
@@ -72,13 +75,14 @@ class RankMemory:
     held: int
     gathered: int
     elem: int
+    unsharded_grads: int = 0
 
     def rows(self) -> dict[str, float]:
         """``{"params", "grads", "optimizer"}`` in bytes, as :func:`~shardkit.plan.memory.memory_per_rank`."""
         master = 4 if self.elem < 4 else 0
         return {
             "params": float((self.held + self.gathered) * self.elem),
-            "grads": float(self.held * self.elem),
+            "grads": float((self.held + self.unsharded_grads) * self.elem),
             "optimizer": float(self.held * (8 + master)),
         }
 
@@ -120,14 +124,15 @@ def _fsdp_numel(module: nn.Module, seen: set[int]) -> int:
     return total
 
 
-def count_parallel_model(pm: ParallelModel) -> tuple[int, int]:
+def count_parallel_model(pm: ParallelModel, microbatches: int = 1) -> tuple[int, int]:
     """``(held, gathered)`` parameter elements of this rank's parallelized model or stage (see
-    the module docstring); the same count on a real world and on the fake one."""
+    the module docstring); the same count on a real world and on the fake one. With
+    ``microbatches > 1`` every FSDP2 group stays gathered for the step (``set_microbatch``)."""
     held = sum(_local(p).numel() for p in pm.module.parameters())
     seen: set[int] = set()
     blocks = [_fsdp_numel(block, seen) for block in decoder_layers(pm.module)]
     root = _fsdp_numel(pm.module, seen)  # what is left: the root's own group
-    return held, root + max(blocks, default=0)
+    return held, root + (sum(blocks) if microbatches > 1 else max(blocks, default=0))
 
 
 def count_rank(config: Any, dims: ParallelDims, rank: int, opts: StepOptions) -> RankMemory:
@@ -166,10 +171,11 @@ def count_rank(config: Any, dims: ParallelDims, rank: int, opts: StepOptions) ->
             pm = parallelize_stage(model, mesh, lambda logits, labels: logits.sum(), **kw)
         else:
             pm = parallelize(model, mesh, **kw)
-        held, gathered = count_parallel_model(pm)
+        held, gathered = count_parallel_model(pm, opts.microbatches)
     finally:
         dist.destroy_process_group()
-    return RankMemory(rank, stage, held, gathered, DTYPE_BYTES[opts.dtype])
+    unsharded_grads = gathered if opts.microbatches > 1 else 0
+    return RankMemory(rank, stage, held, gathered, DTYPE_BYTES[opts.dtype], unsharded_grads)
 
 
 def fake_world_memory(config: Any, dims: ParallelDims, opts: StepOptions) -> list[dict[str, Any]]:

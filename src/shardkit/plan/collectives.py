@@ -46,20 +46,20 @@ microbatch, ``e`` bytes per element, ``t`` = tp, per microbatch unless said):
   norm and the loss (one float64 each) over the world.
 * FSDP2 (api ``fully_shard``, recorded through shardkit's custom all-gather and
   reduce-scatter, see :mod:`shardkit.data_parallel.fsdp`): every decoder layer and the root
-  (embedding, final norm, ``lm_head``) are ``G`` = layers + 1 groups. Per microbatch every layer
-  is all-gathered before forward and again before backward; the root is resharded after
-  backward only, so it is gathered by the step's first action and each action after a backward
-  (in the schedule's order, 1F1B or GPipe: a forward after a forward keeps it). Every group's
-  gradients are reduce-scattered per microbatch, and with HSDP each shard is all-reduced over
-  ``dp_replicate``. Bytes are the parameters FSDP2 owns; its padding of each parameter's dim 0
-  to a multiple of the ranks is left out (none when dim 0 divides evenly).
+  (embedding, final norm, ``lm_head``) are ``G`` = layers + 1 groups. With ``M > 1``
+  microbatches (accumulation or a pipeline, :func:`shardkit.data_parallel.set_microbatch`) every
+  group is all-gathered once per step, before the step's first forward, and its gradients are
+  reduce-scattered (with HSDP, each shard all-reduced over ``dp_replicate``) once, after the last
+  backward. With one microbatch every layer is gathered before forward and again before backward,
+  the root (resharded after backward only) before forward; each group is reduced once. Bytes
+  are the parameters FSDP2 owns; its padding of each parameter's dim 0 to a multiple of the
+  ranks is left out (none when dim 0 divides evenly).
 
 Source: the trainer (:mod:`shardkit.train.trainer`) and the transforms it composes.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Iterable
 
@@ -67,7 +67,7 @@ from ..sharding import ParallelDims
 from ._rows import CommRow, Rows
 from ._tp import tp_rows
 from .model import ModelShape
-from .options import SCHEDULES, StepOptions, check_layout, hooked_params, resolve_options, stage_tp
+from .options import StepOptions, check_layout, hooked_params, resolve_options, stage_tp
 
 __all__ = ["CommRow", "step_collectives", "merged", "ledger_table", "HEADER_BYTES"]
 
@@ -234,35 +234,13 @@ def _fsdp_rows(out: Rows, shape: ModelShape, dims: ParallelDims, opts: StepOptio
     if opts.sequence_parallel and stage == dims.pp - 1:
         layer_owned += shape.hidden  # the final norm's hook is the root's, not a layer's
     G = len(layers) + 1
-    full, layer_full, root = M * owned * e, M * layer_owned * e, (owned - layer_owned) * e
-    root_f, root_b = _root_gathers(dims.pp, M, stage, opts.schedule)
-    gathered_f, gathered_b = layer_full + root_f * root, layer_full + root_b * root
-    out.add_total(
-        "fsdp", "all_gather_single", "fully_shard", "forward", R, M * (G - 1) + root_f, gathered_f // R, gathered_f
-    )
-    out.add_total(
-        "fsdp", "all_gather_single", "fully_shard", "backward", R, M * (G - 1) + root_b, gathered_b // R, gathered_b
-    )
-    out.add_total("fsdp", "reduce_scatter_single", "fully_shard", "backward", R, M * G, full, full // R)
-    out.add_total("fsdp", "all_reduce", "fully_shard", "backward", dims.dp_replicate, M * G, full // R, full // R)
-
-
-@functools.lru_cache(maxsize=4096)  # a pure function of small ints; plan_layouts asks it thousands of times
-def _root_gathers(pp: int, M: int, stage: int, schedule: str) -> tuple[int, int]:
-    """FSDP2 gathers of the root on a stage: (before a forward, before a backward).
-
-    Layers are resharded after every forward and backward, so they are gathered once for each.
-    The root is resharded after backward only: the step's first action gathers it, and so does
-    each action that follows a backward. Stage ``stage``'s action order is the trainer's
-    ``schedule`` table (1F1B or GPipe; plain gradient accumulation with ``pp`` 1: F B F B ...).
-    """
-    fwd = bwd = 0
-    previous = "B"  # the root starts the step sharded
-    for action in SCHEDULES[schedule if pp > 1 else "1f1b"](pp, M)[stage]:
-        if previous == "B":
-            fwd, bwd = (fwd + 1, bwd) if action.kind == "F" else (fwd, bwd + 1)
-        previous = action.kind
-    return fwd, bwd
+    full, layer_full = owned * e, layer_owned * e
+    once = M > 1  # set_microbatch: the blocks stay unsharded through the step
+    out.add_total("fsdp", "all_gather_single", "fully_shard", "forward", R, G, full // R, full)
+    if not once:  # ZeRO-3: each layer gathered again for its backward (the root is not resharded)
+        out.add_total("fsdp", "all_gather_single", "fully_shard", "backward", R, G - 1, layer_full // R, layer_full)
+    out.add_total("fsdp", "reduce_scatter_single", "fully_shard", "backward", R, G, full, full // R)
+    out.add_total("fsdp", "all_reduce", "fully_shard", "backward", dims.dp_replicate, G, full // R, full // R)
 
 
 def merged(rows: Iterable[CommRow]) -> dict[tuple[str, str, str, int], tuple[int, int, int]]:

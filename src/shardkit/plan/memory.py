@@ -7,7 +7,9 @@
   shardkit's reductions; the root's parameters (embedding, final norm, ``lm_head``) stay gathered
   from forward through backward (FSDP2 does not reshard its root after forward) and the largest
   decoder layer is gathered at a time (their full sizes added; checked against the real model on
-  a fake world by :mod:`shardkit.parallelize.fake_world`);
+  a fake world by :mod:`shardkit.parallelize.fake_world`); with ``M > 1`` microbatches the whole
+  stage stays gathered for the step and its gradients accumulate unsharded until the step's one
+  reduce-scatter (:func:`shardkit.data_parallel.set_microbatch`);
 * activations per layer and microbatch: the bytes shardkit's decoder block keeps for backward
   under the run's activation checkpointing (:mod:`.activations`, checked against the measured
   count), plus, when blocks are checkpointed, one block's full set during its recompute; the
@@ -54,10 +56,15 @@ def memory_per_rank(shape: ModelShape, dims: ParallelDims, opts: StepOptions, st
     if dims.dp_shard > 1:
         kept = hooked_params(shape, dims, opts, stage) + (expert if dims.ep > 1 else 0)
         sharded = params - kept
-        gathered = _gathered(shape, dims, opts, stage, sharded, kept)
         held = kept + sharded / (dims.dp_shard * dims.cp)
+        if opts.microbatches > 1:
+            # set_microbatch: the stage stays unsharded from the first forward to the last
+            # backward, and its gradients accumulate unsharded until the one reduce-scatter
+            gathered, unsharded_grads = sharded, sharded
+        else:
+            gathered, unsharded_grads = _gathered(shape, dims, opts, stage, sharded, kept), 0.0
     else:
-        held, gathered = params, 0.0
+        held, gathered, unsharded_grads = params, 0.0, 0.0
     optimizer = held * (8 + (4 if e < 4 else 0))
     b = opts.global_batch // (dims.dp * opts.microbatches)
     where = BlockLayout(b, opts.seq_len, tp, dims.cp_ulysses, dims.cp_ring, bool(opts.sequence_parallel))
@@ -76,6 +83,6 @@ def memory_per_rank(shape: ModelShape, dims: ParallelDims, opts: StepOptions, st
     S = opts.seq_len // dims.cp
     if stage == dims.pp - 1:
         acts += b * S * shape.vocab / tp * 4 * 2  # logits and their gradient, float32
-    out = dict(params=(held + gathered) * e, grads=held * e, optimizer=optimizer, activations=acts)
+    out = dict(params=(held + gathered) * e, grads=(held + unsharded_grads) * e, optimizer=optimizer, activations=acts)
     out["total"] = sum(out.values())
     return out
