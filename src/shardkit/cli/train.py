@@ -149,7 +149,14 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--resume",
         action=argparse.BooleanOptionalAction,
-        help="continue from the latest complete save in --checkpoint-dir",
+        help="continue from the latest complete save in --checkpoint-dir (none yet: start at step 0, "
+        "for requeued jobs)",
+    )
+    p.add_argument(
+        "--resume-from",
+        metavar="PATH",
+        help="continue from this save: a checkpoint directory (its latest save) or one save's directory "
+        "(step_*); fails if PATH holds no save. New saves go to --checkpoint-dir, which must hold none",
     )
     p.add_argument("--seq-len", type=int, help=f"tokens per sequence (default {d.seq_len})")
     p.add_argument("--batch-size", type=int, help=f"global batch, split over dp (default {d.batch_size})")

@@ -182,6 +182,13 @@ def validate_config(cfg: TrainConfig, world_size: int | None = None) -> TrainCon
         raise ShardkitError(f"--lr-schedule must be one of {', '.join(LR_SCHEDULES)}, got {cfg.lr_schedule!r}")
     if cfg.save_every < 0:
         raise ShardkitError(f"--save-every must be >= 0, got {cfg.save_every}")
+    if cfg.resume and cfg.resume_from is not None:
+        raise ShardkitError(
+            f"--resume and --resume-from {cfg.resume_from!r}: give one (--resume: the latest save in "
+            "--checkpoint-dir; --resume-from: that save)"
+        )
+    if cfg.resume_from is not None and not cfg.resume_from.strip():
+        raise ShardkitError("--resume-from: give a checkpoint directory or one save's directory")
     if (cfg.resume or cfg.save_every) and cfg.checkpoint_dir is None:
         raise ShardkitError("--resume and --save-every need --checkpoint-dir DIR")
     if cfg.keep is not None and (cfg.keep < 1 or cfg.checkpoint_dir is None):

@@ -88,6 +88,7 @@ class TrainConfig:
     save_every: int = 0  # save every N steps (and after the last); 0: only after the last step
     keep: int | None = None  # keep the newest N complete saves (None: all)
     resume: bool = False  # continue from the latest save in --checkpoint-dir (any layout)
+    resume_from: str | None = None  # continue from this save (a checkpoint root or one save's directory)
     seq_len: int = 128
     batch_size: int = 8  # global, split over dp
     dtype: str = "float32"

@@ -30,14 +30,14 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from .. import CommLedger, __version__
 from .._local_world import init_local_world
-from ..checkpoint import latest_checkpoint, load_train_state, save_train_state
+from ..checkpoint import load_train_state, save_train_state
 from ..checkpoint.lock import root_lock
 from ..comm import checks, checks_enabled, flight_recorder
 from ..errors import NonFiniteError
 from ..parallelize import ParallelModel, gather_full_parameters
 from ..parallelize.saved_bytes import activation_meter
 from ..sharding import AXES, FLAT_VIEWS, ParallelMesh
-from .checkpoint_dir import model_description
+from .checkpoint_dir import model_description, resume_source
 from .config import TrainConfig, parallel_dims
 from .corpus import shared_corpus
 from .liveness import Heartbeat
@@ -114,7 +114,8 @@ def run_training(pm, task, cfg: TrainConfig, loss_scale=None, on_step=None, layo
     """Steps ``first..cfg.steps - 1`` of :func:`.trainer.train_step`; per-step losses and gradient norms.
 
     With ``cfg.checkpoint_dir``: the run holds the directory's lock throughout (another run on it
-    is refused), ``cfg.resume`` first loads the latest save (``first`` = its step), and the state
+    is refused), ``cfg.resume`` first loads the latest save (``cfg.resume_from``: that save;
+    ``first`` = its step; :func:`.checkpoint_dir.resume_source`), and the state
     is saved every ``cfg.save_every`` steps and after the last one (the newest ``cfg.keep`` kept).
 
     A step with a non-finite global loss or gradient norm is not applied (:func:`.trainer.
@@ -140,8 +141,8 @@ def _run_steps(pm, task, cfg: TrainConfig, loss_scale, on_step, layout: str, met
     if cfg.lr_schedule == "warmup-cosine":
         scheduler = warmup_cosine(optimizer, cfg.steps)
     first = 0
-    if cfg.resume and pm.mesh is not None and cfg.checkpoint_dir is not None:  # --resume needs the dir
-        path = latest_checkpoint(cfg.checkpoint_dir)
+    if pm.mesh is not None:  # the --verify reference (no mesh) starts at step 0 and is compared from `first`
+        path = resume_source(cfg)
         if path is not None:
             extra = _extra_state(task)
             first = load_train_state(path, pm, optimizer, extra)
