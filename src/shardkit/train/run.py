@@ -274,6 +274,7 @@ def _train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool) ->
     del model
     t_setup = time.perf_counter() - t0
 
+    resumed = resume_source(cfg) is not None  # every rank alike (the same files), checked before launch
     unit, unit_name = spec.unit
     sample = spec.sample_size(cfg)
     bar = TrainProgress(cfg.steps, cfg.batch_size * sample, unit=unit) if progress and rank == 0 else None
@@ -281,7 +282,7 @@ def _train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool) ->
         t1 = time.perf_counter()
         metrics = None
         if cfg.report is not None and rank == 0:
-            metrics = MetricsLog(cfg.report, unit_name, sample, cfg.batch_size, device)
+            metrics = MetricsLog(cfg.report, unit_name, sample, cfg.batch_size, device, resumed=resumed)
         try:
             run = run_training(
                 pm, task, cfg, loss_scale, on_step=bar.update if bar else None, layout=dims.describe(), metrics=metrics
@@ -320,6 +321,7 @@ def _train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool) ->
             "device": str(device),
         },
         "config": asdict(cfg),
+        "run_id": metrics.run_id if metrics is not None else None,
         "environment": _environment(),
         **run,
         "peak_memory_bytes": memory,
