@@ -434,3 +434,20 @@ def test_resume_without_a_save_is_said_before_launch(tmp_path, capsys):
     assert f"--resume: no save in {str(root)!r}: this run starts at step 0" in capsys.readouterr().err
     config_from_args(_args("--checkpoint-dir", str(root)))
     assert "--resume" not in capsys.readouterr().err
+
+
+def test_piped_run_logs_every_n_steps_and_starts_a_fresh_report(tmp_path):
+    """stdout a pipe (not a terminal): set-up notes on stderr, a line per --log-every on stdout;
+    a new run into a used --report folder keeps the earlier run's metrics under its run id."""
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"run_id": "earlier", "step": 1, "loss": 9.0}) + "\n")
+    argv = ("--steps", "3", "--log-every", "2", "--seq-len", "32", "--batch-size", "4", "--report", str(tmp_path))
+    proc = _shardkit("train", *argv, timeout=600)  # bounds a hang only (2.5 min at load 20 on 2 cores)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    steps = [line.split("  ")[0] for line in proc.stdout.splitlines() if line.startswith("step ")]
+    assert steps == ["step 2/3", "step 3/3"], proc.stdout
+    for stage in ("joined (gloo)", "reading the corpus", "building the model (llama)", "parallelizing", "training 3"):
+        assert stage in proc.stderr, proc.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(m["run_id"], m["step"]) for m in lines] == [(report["run_id"], s) for s in (1, 2, 3)]
+    assert json.loads((tmp_path / "runs" / "earlier" / "metrics.jsonl").read_text())["loss"] == 9.0

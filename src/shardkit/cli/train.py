@@ -195,6 +195,13 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
         "scalars in DIR/tb with the tb extra), report.json, loss.png (and conv-ae's reconstruction.png) "
         "into DIR",
     )
+    p.add_argument(
+        "--log-every",
+        type=int,
+        metavar="N",
+        help="when stdout is not a terminal (nohup, SLURM, a pipe): a line every N steps with the step, the mean "
+        "loss since the last line, lr and tokens/s (default: every step up to 20 steps, else every 10)",
+    )
     p.add_argument("--data", metavar="PATH", help="text file or folder (default: the Python stdlib's sources)")
     p.add_argument(
         "--model-path",

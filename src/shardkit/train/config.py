@@ -180,6 +180,8 @@ def validate_config(cfg: TrainConfig, world_size: int | None = None) -> TrainCon
         cfg = dataclasses.replace(cfg, lr_schedule="warmup-cosine" if cfg.model_path is not None else "constant")
     if cfg.lr_schedule not in LR_SCHEDULES:
         raise ShardkitError(f"--lr-schedule must be one of {', '.join(LR_SCHEDULES)}, got {cfg.lr_schedule!r}")
+    if cfg.log_every is not None and cfg.log_every < 1:
+        raise ShardkitError(f"--log-every must be >= 1 (steps between log lines), got {cfg.log_every}")
     if cfg.save_every < 0:
         raise ShardkitError(f"--save-every must be >= 0, got {cfg.save_every}")
     if cfg.resume and cfg.resume_from is not None:

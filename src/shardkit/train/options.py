@@ -99,6 +99,9 @@ class TrainConfig:
     checks: bool = False  # run with shardkit's cross-rank check mode on (shardkit.comm.checks)
     timeout: float = 300.0  # seconds any collective (every process group) waits for a rank before failing
     report: str | None = None
+    log_every: int | None = (
+        None  # a plain line every N steps when stdout is no terminal; None: 1 up to 20 steps, else 10
+    )
     data: str | None = None  # None: the Python standard library's source tree
     model_path: str | None = None  # a local HF checkpoint directory or *.gguf file; None: the built-in config
     hidden_size: int = 64

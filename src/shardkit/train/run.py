@@ -42,7 +42,7 @@ from .config import TrainConfig, parallel_dims
 from .corpus import shared_corpus
 from .liveness import Heartbeat
 from .metrics import MetricsLog, peak_memory
-from .progress import TrainProgress
+from .progress import default_log_every, make_progress, setup_note
 from .schedule import warmup_cosine
 from .specs import model_spec
 from .trainer import LossScale, make_optimizer, train_step
@@ -110,7 +110,9 @@ def _extra_state(task) -> dict[str, torch.Tensor]:
     return {"data_generator": task.sampler.gen.get_state(), "torch_rng": torch.get_rng_state()}
 
 
-def run_training(pm, task, cfg: TrainConfig, loss_scale=None, on_step=None, layout: str = "", metrics=None) -> dict:
+def run_training(
+    pm, task, cfg: TrainConfig, loss_scale=None, on_step=None, layout: str = "", metrics=None, progress=None
+) -> dict:
     """Steps ``first..cfg.steps - 1`` of :func:`.trainer.train_step`; per-step losses and gradient norms.
 
     With ``cfg.checkpoint_dir``: the run holds the directory's lock throughout (another run on it
@@ -123,6 +125,9 @@ def run_training(pm, task, cfg: TrainConfig, loss_scale=None, on_step=None, layo
     resumed run counts afresh), one more raises :class:`~shardkit.errors.NonFiniteError` on
     every rank before that step's save.
 
+    ``on_step(step, loss)`` and ``progress.update(step, loss, lr)`` (:mod:`.progress`) are called
+    after every step (0-based), ``metrics.write`` records it (:class:`.metrics.MetricsLog`).
+
     Raises:
         NonFiniteError: more non-finite steps than ``cfg.skip_nonfinite``.
     """
@@ -130,11 +135,11 @@ def run_training(pm, task, cfg: TrainConfig, loss_scale=None, on_step=None, layo
         world = dist.group.WORLD
         assert world is not None  # a mesh exists: the world is initialized
         with root_lock(cfg.checkpoint_dir, world, "shardkit train --checkpoint-dir"):
-            return _run_steps(pm, task, cfg, loss_scale, on_step, layout, metrics)
-    return _run_steps(pm, task, cfg, loss_scale, on_step, layout, metrics)
+            return _run_steps(pm, task, cfg, loss_scale, on_step, layout, metrics, progress)
+    return _run_steps(pm, task, cfg, loss_scale, on_step, layout, metrics, progress)
 
 
-def _run_steps(pm, task, cfg: TrainConfig, loss_scale, on_step, layout: str, metrics) -> dict:
+def _run_steps(pm, task, cfg: TrainConfig, loss_scale, on_step, layout: str, metrics, progress) -> dict:
     assert cfg.lr is not None  # validate_config resolved it
     optimizer = make_optimizer(pm.module, cfg.lr)
     scheduler = None
@@ -174,6 +179,8 @@ def _run_steps(pm, task, cfg: TrainConfig, loss_scale, on_step, layout: str, met
         norms.append(stats.grad_norm)
         if on_step is not None:
             on_step(step, stats.loss)
+        if progress is not None:
+            progress.update(step, stats.loss, lr)
         if metrics is not None:
             metrics.write(step, stats, lr, saved["saved_activation_bytes"] if step == first else None)
         if stats.skipped:
@@ -251,7 +258,8 @@ def worker_main(cfg: TrainConfig, run_dir: str | None, flight_dir: str | None = 
 def train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool = True) -> dict | None:
     """The whole run on this rank, inside an initialized world of ``cfg.nproc`` ranks.
 
-    ``progress``: show rank 0's progress bar (tests turn it off). With ``cfg.checks`` the run
+    ``progress``: rank 0 says each set-up stage on stderr and shows its progress: a bar on a
+    terminal, a plain line every ``cfg.log_every`` steps elsewhere (tests turn it off). With ``cfg.checks`` the run
     (parallelize, its fingerprint, every step) is in shardkit's check mode, switched on for this
     run only with :class:`shardkit.comm.checks` (every rank sets it alike: the config is the same).
     """
@@ -262,31 +270,40 @@ def train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool = Tr
 def _train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool) -> dict | None:
     rank = dist.get_rank()
     dims = parallel_dims(cfg)
+
+    def note(what: str) -> None:  # set-up stages on rank 0, so a log file is not blank meanwhile
+        if progress and rank == 0:
+            setup_note(what, t0)
+
+    note(f"{cfg.nproc} rank(s) joined ({backend}); building the mesh {dims.describe()}")
     mesh = dims.build_mesh(device.type)
     corpus = None
     spec = model_spec(cfg.model)
     if spec.reads_corpus:
+        note(f"reading the corpus ({cfg.data or 'the Python standard library'})")
         corpus = shared_corpus(cfg, device)  # read once (rank 0), reused by the --verify reference
     task = build_task(cfg, device, corpus)
+    note(f"building the model ({cfg.model_path or cfg.model})")
     model = build_train_model(cfg)
     reference = copy.deepcopy(model) if cfg.verify and rank == 0 else None
+    note(f"parallelizing ({dims.describe()})")
     pm, loss_scale = build_parallel_model(model, mesh, cfg, task, device)
     del model
     t_setup = time.perf_counter() - t0
+    source = resume_source(cfg)  # every rank alike (the same files), checked before launch
+    note(f"loading {source}, then training" if source is not None else f"training {cfg.steps} steps")
 
-    resumed = resume_source(cfg) is not None  # every rank alike (the same files), checked before launch
     unit, unit_name = spec.unit
     sample = spec.sample_size(cfg)
-    bar = TrainProgress(cfg.steps, cfg.batch_size * sample, unit=unit) if progress and rank == 0 else None
+    every = cfg.log_every or default_log_every(cfg.steps)
+    bar = make_progress(cfg.steps, cfg.batch_size * sample, every, unit) if progress and rank == 0 else None
     with CommLedger() as ledger, bar or nullcontext():
         t1 = time.perf_counter()
         metrics = None
         if cfg.report is not None and rank == 0:
-            metrics = MetricsLog(cfg.report, unit_name, sample, cfg.batch_size, device, resumed=resumed)
+            metrics = MetricsLog(cfg.report, unit_name, sample, cfg.batch_size, device, resumed=source is not None)
         try:
-            run = run_training(
-                pm, task, cfg, loss_scale, on_step=bar.update if bar else None, layout=dims.describe(), metrics=metrics
-            )
+            run = run_training(pm, task, cfg, loss_scale, layout=dims.describe(), metrics=metrics, progress=bar)
         finally:
             if metrics is not None:
                 metrics.close()
