@@ -451,3 +451,31 @@ def test_piped_run_logs_every_n_steps_and_starts_a_fresh_report(tmp_path):
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [(m["run_id"], m["step"]) for m in lines] == [(report["run_id"], s) for s in (1, 2, 3)]
     assert json.loads((tmp_path / "runs" / "earlier" / "metrics.jsonl").read_text())["loss"] == 9.0
+    assert report["parameters"] > 0 and report["mfu"] is None and "n/a on cpu" in proc.stdout
+    assert "loss (mean of steps 1 -> 3)" in proc.stdout
+
+
+def test_summary_shows_parameters_mfu_and_windowed_means(capsys):
+    """A noisy run whose last step is above its first reads as falling when the 5-step means fell."""
+    from rich.console import Console
+
+    from shardkit.cli.report import print_summary
+
+    losses = [3.0, 3.1, 2.9, 3.0, 3.1] + [2.9] * 10 + [2.7, 2.8, 2.75, 2.85, 3.21]
+    result = {
+        **_result(passed=True),
+        "losses": losses,
+        "grad_norms": [1.0] * 20,
+        "parameters": 1_234_567,
+        "mfu": None,
+        "mfu_basis": "n/a on cpu (no peak figure)",
+    }
+    print_summary(result, Console(width=200))
+    out = capsys.readouterr().out
+    assert "parameters" in out and "1.23 M (1,234,567)" in out
+    assert "loss (mean of steps 1-5 -> 16-20)" in out and "3.02000 -> 2.86200" in out
+    assert "grad norm (mean of steps 1-5 -> 16-20)" in out and "first -> last" not in out
+    assert "MFU" in out and "n/a on cpu (no peak figure)" in out
+    print_summary({**result, "losses": [2.0, 1.0, float("nan")], "first_step": 4, "mfu": 0.123}, Console(width=200))
+    out = capsys.readouterr().out
+    assert "loss (mean of steps 5 -> 7)" in out and "2.00000 -> nan" in out and "12.3% n/a on cpu" in out

@@ -103,3 +103,22 @@ def test_files_of_a_run_without_ids_are_kept_too(tmp_path):
     assert (tmp_path / RUNS_DIR / os.path.basename(log.archived) / "metrics.jsonl").read_text().startswith('{"step": 1')
     again = MetricsLog(str(tmp_path), "tokens", 32, 2, torch.device("cpu"), tensorboard=False)
     assert again.archived is None  # nothing left to move: the folder already starts afresh
+
+
+def test_model_size_and_the_peak_figures(monkeypatch):
+    """Parameters counted once each, the planner's FLOPs per token; MFU's peak from the planner's
+    GPU figures, none on a CPU or an unknown GPU."""
+    from harness.tiny_lm import tiny_decoder
+    from shardkit.plan.model import ModelShape
+    from shardkit.train.metrics import model_size, peak_flops
+
+    model = tiny_decoder("llama")
+    size = model_size(model, seq_len=16)
+    assert size["parameters"] == sum(p.numel() for p in model.parameters()) > 0
+    assert size["flops_per_token"] == ModelShape.from_config(model.config).flops_per_token(16)
+    assert model_size(torch.nn.Linear(3, 2), seq_len=16) == {"parameters": 8, "flops_per_token": None}
+    assert peak_flops(torch.device("cpu")) == (None, "n/a on cpu (no peak figure)")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    assert peak_flops(torch.device("cuda", 0)) == (989e12, "of the H100 dense bf16 peak, 989 TFLOP/s per GPU")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
+    assert peak_flops(torch.device("cuda", 0)) == (None, "n/a (no peak figure for Tesla T4)")

@@ -25,9 +25,22 @@ from typing import Any
 import torch
 
 from .._optional import missing
+from ..errors import ShardkitError
+from ..plan.cluster import CLUSTERS
+from ..plan.model import ModelShape
 from .trainer import StepStats
 
-__all__ = ["MetricsLog", "peak_memory", "TB_DIR", "RUNS_DIR", "RUN_FILES", "new_run_id", "last_run_id"]
+__all__ = [
+    "MetricsLog",
+    "peak_memory",
+    "TB_DIR",
+    "RUNS_DIR",
+    "RUN_FILES",
+    "new_run_id",
+    "last_run_id",
+    "model_size",
+    "peak_flops",
+]
 
 TB_DIR = "tb"
 """Sub-folder of the report folder that holds the TensorBoard event files."""
@@ -35,6 +48,35 @@ RUNS_DIR = "runs"
 """Sub-folder of the report folder that keeps earlier runs' files, one folder per run id."""
 RUN_FILES = ("metrics.jsonl", TB_DIR, "report.json", "loss.png")
 """The files of one run in the report folder, moved aside when a new run starts there."""
+
+
+def model_size(model: torch.nn.Module, seq_len: int) -> dict[str, Any]:
+    """``parameters`` (every one, shared ones once) and ``flops_per_token`` of a whole, unsharded
+    model: the planner's training FLOPs per token (:meth:`shardkit.plan.model.ModelShape.
+    flops_per_token`, ``6 N`` plus causal attention) for a Hugging Face decoder of a family it
+    knows, else None (e.g. the conv autoencoder)."""
+    flops = None
+    config = getattr(model, "config", None)
+    if config is not None:
+        try:
+            flops = ModelShape.from_config(config).flops_per_token(seq_len)
+        except ShardkitError:  # a family the planner does not describe: no MFU, said as n/a
+            flops = None
+    return {"parameters": sum(p.numel() for p in model.parameters()), "flops_per_token": flops}
+
+
+def peak_flops(device: torch.device) -> tuple[float | None, str]:
+    """The dense bf16 peak FLOP/s of one ``device`` from the planner's GPU figures
+    (:data:`shardkit.plan.cluster.CLUSTERS`), and what it is; ``(None, why)`` on a CPU or a GPU
+    without a figure (the summary's MFU is then "n/a")."""
+    if device.type != "cuda":
+        return None, f"n/a on {device.type} (no peak figure)"
+    name = torch.cuda.get_device_name(device)
+    for key, figures in CLUSTERS.items():
+        if key.upper() in name.upper():
+            tflops = float(figures["peak_tflops"])
+            return tflops * 1e12, f"of the {key.upper()} dense bf16 peak, {tflops:g} TFLOP/s per GPU"
+    return None, f"n/a (no peak figure for {name})"
 
 
 def new_run_id() -> str:

@@ -41,7 +41,7 @@ from .checkpoint_dir import model_description, resume_source
 from .config import TrainConfig, parallel_dims
 from .corpus import shared_corpus
 from .liveness import Heartbeat
-from .metrics import MetricsLog, peak_memory
+from .metrics import MetricsLog, model_size, peak_flops, peak_memory
 from .progress import default_log_every, make_progress, setup_note
 from .schedule import warmup_cosine
 from .specs import model_spec
@@ -285,6 +285,7 @@ def _train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool) ->
     task = build_task(cfg, device, corpus)
     note(f"building the model ({cfg.model_path or cfg.model})")
     model = build_train_model(cfg)
+    size = model_size(model, cfg.seq_len)  # the whole model, before parallelize cuts it
     reference = copy.deepcopy(model) if cfg.verify and rank == 0 else None
     note(f"parallelizing ({dims.describe()})")
     pm, loss_scale = build_parallel_model(model, mesh, cfg, task, device)
@@ -323,6 +324,7 @@ def _train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool) ->
     if outputs is not None and cfg.report is not None:
         assert full_params is not None  # gathered above; rank 0 holds them
         files += outputs(cfg, cfg.report, full_params)
+    rate = cfg.batch_size * sample * (cfg.steps - run["first_step"]) / t_train  # this run's steps
     result = {
         "layout": {
             "nproc": cfg.nproc,
@@ -348,7 +350,9 @@ def _train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool) ->
         "ledger": _ledger_rows(ledger, mesh),
         "timings_s": {"setup": t_setup, "train": t_train},
         "files": files,
-        f"{unit_name}_per_s": cfg.batch_size * sample * cfg.steps / t_train,
+        f"{unit_name}_per_s": rate,
+        **size,
+        **_mfu(size["flops_per_token"], rate if unit_name == "tokens" else None, cfg.nproc, device),
     }
     if reference is not None:
         assert full_params is not None  # gathered above for --verify; rank 0 holds them
@@ -370,6 +374,15 @@ def _train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool) ->
         )
         result["timings_s"]["verify"] = time.perf_counter() - t2
     return result
+
+
+def _mfu(flops_per_token, tokens_per_s, nproc, device) -> dict:
+    """``mfu``: model FLOPs utilisation, ``flops_per_token x tokens/s / (nproc x peak)``, or None
+    (a CPU, a GPU without a planner figure, a model without a FLOPs count); ``mfu_basis``: which."""
+    peak, basis = peak_flops(device)
+    if peak is None or flops_per_token is None or tokens_per_s is None:
+        return {"mfu": None, "mfu_basis": basis if peak is None else "n/a (no FLOPs count for this model)"}
+    return {"mfu": flops_per_token * tokens_per_s / (nproc * peak), "mfu_basis": basis}
 
 
 def _environment() -> dict:
