@@ -469,6 +469,7 @@ def test_summary_shows_parameters_mfu_and_windowed_means(capsys):
         "parameters": 1_234_567,
         "mfu": None,
         "mfu_basis": "n/a on cpu (no peak figure)",
+        "eval_losses": [[10, 2.9], [15, 2.85], [20, 2.8]],
     }
     print_summary(result, Console(width=200))
     out = capsys.readouterr().out
@@ -476,6 +477,14 @@ def test_summary_shows_parameters_mfu_and_windowed_means(capsys):
     assert "loss (mean of steps 1-5 -> 16-20)" in out and "3.02000 -> 2.86200" in out
     assert "grad norm (mean of steps 1-5 -> 16-20)" in out and "first -> last" not in out
     assert "MFU" in out and "n/a on cpu (no peak figure)" in out
+    assert "held-out loss" in out and "2.90000 (step 10) -> 2.80000 (step 20)" in out
     print_summary({**result, "losses": [2.0, 1.0, float("nan")], "first_step": 4, "mfu": 0.123}, Console(width=200))
     out = capsys.readouterr().out
     assert "loss (mean of steps 5 -> 7)" in out and "2.00000 -> nan" in out and "12.3% n/a on cpu" in out
+
+
+def test_loss_figure_shows_the_held_out_loss():
+    result = {**_figure_result([3.0, 2.5, 2.25, 2.0]), "eval_losses": [[2, 2.6], [4, 2.2]]}
+    ax = loss_figure(result).axes[0]
+    held = [line for line in ax.lines if line.get_label() == "held-out (--eval-every)"]
+    assert len(held) == 1 and list(held[0].get_xdata()) == [2, 4] and list(held[0].get_ydata()) == [2.6, 2.2]

@@ -67,7 +67,8 @@ def print_summary(result: dict, console: Console) -> None:
 
     The summary: layout, parameter count, steps, throughput, MFU (against the planner's peak
     figure of the GPU; "n/a" on a CPU), the mean loss and gradient norm of the first and of the
-    last :data:`WINDOW` steps, time, peak memory per rank, saved activations.
+    last :data:`WINDOW` steps, the held-out loss (first and last validation), time, peak memory
+    per rank, saved activations.
     """
     losses = result["losses"]
     table = Table(title="shardkit train", show_header=False)
@@ -86,6 +87,10 @@ def print_summary(result: dict, console: Console) -> None:
         table.add_row("MFU", result["mfu_basis"] if mfu is None else f"{100 * mfu:.1f}% {result['mfu_basis']}")
     first = result.get("first_step", 0)
     table.add_row(*_windows("loss", losses, first, 5))
+    evals = result.get("eval_losses") or []
+    if evals:
+        shown = evals if len(evals) <= 2 else [evals[0], evals[-1]]
+        table.add_row("held-out loss", " -> ".join(f"{loss:.5f} (step {step})" for step, loss in shown))
     norms = result.get("grad_norms")
     if norms:
         table.add_row(*_windows("grad norm", norms, first, 4))
@@ -166,7 +171,8 @@ def write_report(result: dict, folder: str | os.PathLike) -> list[Path]:
 def loss_figure(result: dict):
     """The ``loss.png`` figure of a run: a :class:`matplotlib.figure.Figure` (not drawn yet).
 
-    Top panel: the loss per step (and the ``--verify`` reference's, dashed). With a reference, a
+    Top panel: the loss per step (and the ``--verify`` reference's, dashed; the held-out loss
+    at the steps validated, ``--eval-every``, as squares). With a reference, a
     second panel: ``|parallel - reference|`` per step on a log scale (a step where the two are
     bitwise equal has no point there; the panel says so when every step is). Steps are the
     1-based step numbers (a resumed run starts at its ``first_step + 1``), on integer ticks; the
@@ -198,6 +204,9 @@ def loss_figure(result: dict):
             diff.text(0.02, 0.9, f"bitwise {note}", transform=diff.transAxes, fontsize=8, va="top")
         diff.set_ylabel("|parallel - reference|")
         diff.grid(True, which="major", alpha=0.3)
+    evals = result.get("eval_losses") or []
+    if evals:
+        ax.plot([e[0] for e in evals], [e[1] for e in evals], "s-", color="tab:green", label="held-out (--eval-every)")
     ax.set_ylabel("loss")
     ax.set_title(_layout(result), fontsize=9)
     ax.legend(fontsize=8)

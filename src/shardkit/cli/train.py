@@ -196,6 +196,19 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
         "into DIR",
     )
     p.add_argument(
+        "--eval-every",
+        type=int,
+        metavar="N",
+        help="validation loss on a held-out split (the corpus's last tenth, never trained on) every N steps and "
+        f"after the last, into the summary, metrics.jsonl, TensorBoard and loss.png (default {d.eval_every}: none)",
+    )
+    p.add_argument(
+        "--eval-batches",
+        type=int,
+        metavar="K",
+        help=f"global batches of held-out windows per validation (default {d.eval_batches})",
+    )
+    p.add_argument(
         "--log-every",
         type=int,
         metavar="N",

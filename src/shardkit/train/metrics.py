@@ -134,7 +134,8 @@ class MetricsLog:
     ``skipped`` (the loss or norm was not finite: the step was not applied), and on the run's
     first step ``saved_activation_bytes``: the bytes rank 0's decoder blocks kept for backward
     (:class:`~shardkit.parallelize.saved_bytes.SavedBytesMeter`; on CPU the activation measure,
-    the peak being the process's max RSS).
+    the peak being the process's max RSS); ``eval_loss`` on the steps validated
+    (``--eval-every``; TensorBoard ``eval/loss``).
     ``run_id``: see the module's note (a new run moves an earlier run's files aside; a resumed one
     appends under its lineage's id). TensorBoard gets the same scalars (memory in MiB) under
     ``train/<field>`` with the step as the global step.
@@ -176,8 +177,11 @@ class MetricsLog:
 
             self._writer = SummaryWriter(log_dir=self.tb_dir)
 
-    def write(self, step: int, stats: StepStats, lr: float, saved_bytes: int | None = None) -> dict[str, Any]:
-        """Record 0-based ``step`` (``saved_bytes``: its measured activation bytes, if counted); returns the line."""
+    def write(
+        self, step: int, stats: StepStats, lr: float, saved_bytes: int | None = None, eval_loss: float | None = None
+    ) -> dict[str, Any]:
+        """Record 0-based ``step`` (``saved_bytes``: its measured activation bytes, if counted;
+        ``eval_loss``: the held-out loss after it, if evaluated); returns the line."""
         line: dict[str, Any] = {
             "run_id": self.run_id,
             "step": step + 1,
@@ -191,6 +195,8 @@ class MetricsLog:
         }
         if saved_bytes is not None:
             line["saved_activation_bytes"] = saved_bytes
+        if eval_loss is not None:
+            line["eval_loss"] = eval_loss
         with open(self.path, "a") as f:
             f.write(json.dumps(line) + "\n")
         if self._writer is not None:
@@ -200,7 +206,8 @@ class MetricsLog:
                 if key == "skipped":
                     value = int(value)
                 if key not in ("step", "run_id"):
-                    self._writer.add_scalar(f"train/{key}", value, global_step=step + 1)
+                    tag = "eval/loss" if key == "eval_loss" else f"train/{key}"
+                    self._writer.add_scalar(tag, value, global_step=step + 1)
             self._writer.flush()
         return line
 

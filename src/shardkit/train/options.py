@@ -95,6 +95,8 @@ class TrainConfig:
     seed: int = 0
     lr: float | None = None  # None: 1e-3 from scratch, 1e-4 (FINETUNE_LR) with --model-path
     lr_schedule: str | None = None  # "constant" or "warmup-cosine"; None: warmup-cosine with --model-path
+    eval_every: int = 0  # validation loss on the held-out split every N steps (and after the last); 0: none
+    eval_batches: int = 4  # global batches per validation
     verify: bool = False
     checks: bool = False  # run with shardkit's cross-rank check mode on (shardkit.comm.checks)
     timeout: float = 300.0  # seconds any collective (every process group) waits for a rank before failing

@@ -40,6 +40,7 @@ from ..sharding import AXES, FLAT_VIEWS, ParallelMesh
 from .checkpoint_dir import model_description, resume_source
 from .config import TrainConfig, parallel_dims
 from .corpus import shared_corpus
+from .evaluate import eval_loss
 from .liveness import Heartbeat
 from .metrics import MetricsLog, model_size, peak_flops, peak_memory
 from .progress import default_log_every, make_progress, setup_note
@@ -120,6 +121,9 @@ def run_training(
     ``first`` = its step; :func:`.checkpoint_dir.resume_source`), and the state
     is saved every ``cfg.save_every`` steps and after the last one (the newest ``cfg.keep`` kept).
 
+    With ``cfg.eval_every``, the held-out loss (:func:`.evaluate.eval_loss`) after every
+    ``eval_every``-th step and the last: ``eval_losses`` ``[[step, loss], ...]`` (1-based steps).
+
     A step with a non-finite global loss or gradient norm is not applied (:func:`.trainer.
     train_step`); up to ``cfg.skip_nonfinite`` of them are skipped (counted in this run, a
     resumed run counts afresh), one more raises :class:`~shardkit.errors.NonFiniteError` on
@@ -156,7 +160,7 @@ def _run_steps(pm, task, cfg: TrainConfig, loss_scale, on_step, layout: str, met
             if scheduler is not None:
                 for _ in range(first):
                     scheduler.step()  # the schedule is a function of the step count
-    losses, norms, skipped = [], [], []
+    losses, norms, skipped, evals = [], [], [], []
     saved: dict = {"saved_activation_bytes": None, "saved_bytes_per_block": None}
     for step in range(first, cfg.steps):
         lr = optimizer.param_groups[0]["lr"]  # the rate this step uses
@@ -175,6 +179,10 @@ def _run_steps(pm, task, cfg: TrainConfig, loss_scale, on_step, layout: str, met
             )
         if meter is not None:
             saved = {"saved_activation_bytes": sum(meter.per_block), "saved_bytes_per_block": meter.per_block}
+        held = None
+        if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
+            held = eval_loss(pm, task, cfg.microbatches, cfg.schedule, loss_scale)
+            evals.append([step + 1, held])
         losses.append(stats.loss)
         norms.append(stats.grad_norm)
         if on_step is not None:
@@ -182,7 +190,7 @@ def _run_steps(pm, task, cfg: TrainConfig, loss_scale, on_step, layout: str, met
         if progress is not None:
             progress.update(step, stats.loss, lr)
         if metrics is not None:
-            metrics.write(step, stats, lr, saved["saved_activation_bytes"] if step == first else None)
+            metrics.write(step, stats, lr, saved["saved_activation_bytes"] if step == first else None, held)
         if stats.skipped:
             skipped.append(step + 1)
             _nonfinite_step(step, stats, lr, len(skipped), cfg.skip_nonfinite)
@@ -202,7 +210,14 @@ def _run_steps(pm, task, cfg: TrainConfig, loss_scale, on_step, layout: str, met
                 keep=cfg.keep,
                 model=model_description(cfg),
             )
-    return {"losses": losses, "grad_norms": norms, "first_step": first, "skipped_steps": skipped, **saved}
+    return {
+        "losses": losses,
+        "grad_norms": norms,
+        "first_step": first,
+        "skipped_steps": skipped,
+        "eval_losses": evals,
+        **saved,
+    }
 
 
 def _nonfinite_step(step: int, stats, lr: float, seen: int, allowed: int) -> None:
@@ -364,6 +379,7 @@ def _train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool) ->
         first = run["first_step"]  # a resumed run is compared from the step it resumed at
         result["reference_losses"] = ref["losses"][first:]
         result["reference_grad_norms"] = ref["grad_norms"][first:]
+        result["reference_eval_losses"] = [e for e in ref["eval_losses"] if e[0] > first]
         result["parity"] = compare_runs(
             run["losses"],
             result["reference_losses"],
