@@ -488,3 +488,11 @@ def test_loss_figure_shows_the_held_out_loss():
     ax = loss_figure(result).axes[0]
     held = [line for line in ax.lines if line.get_label() == "held-out (--eval-every)"]
     assert len(held) == 1 and list(held[0].get_xdata()) == [2, 4] and list(held[0].get_ydata()) == [2.6, 2.2]
+
+
+def test_a_corpus_too_short_to_hold_out_is_refused_before_launch(tmp_path):
+    text = tmp_path / "tiny.txt"
+    text.write_bytes(b"x" * 60)
+    config_from_args(_args("--data", str(text), "--seq-len", "32"))  # trains without --eval-every
+    with pytest.raises(ShardkitError, match="--eval-every: the corpus has 60 tokens; holding out 32"):
+        config_from_args(_args("--data", str(text), "--seq-len", "32", "--eval-every", "2"))

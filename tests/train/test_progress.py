@@ -52,3 +52,14 @@ def test_setup_note_says_the_stage_and_the_seconds():
     setup_note("building the model (llama)", 0.0, out)
     text = out.getvalue()
     assert text.startswith("shardkit train: [") and text.endswith(" s] building the model (llama)\n")
+
+
+def test_a_validation_shows_on_the_next_line():
+    out = io.StringIO()
+    with LogLines(steps=4, tokens_per_step=8, every=2, out=out) as log:
+        log.update(0, 3.0, 1e-3, eval_loss=2.5)  # validated after step 1, between two lines
+        log.update(1, 3.0, 1e-3)
+        log.update(2, 3.0, 1e-3)
+        log.update(3, 3.0, 1e-3)
+    first, second = out.getvalue().splitlines()
+    assert first.endswith("  held-out 2.5000 (step 1)") and "held-out" not in second

@@ -20,7 +20,7 @@ from ..comm import flight_recorder
 from ..errors import ShardkitError
 from ..train.checkpoint_dir import check_checkpoint_dir
 from ..train.config import DTYPES, SCHEDULES, TrainConfig, load_toml, merge_config, validate_config
-from ..train.data import check_files, corpus_files
+from ..train.data import check_files, corpus_files, held_out_start
 from ..train.limits import check_machine
 from ..train.liveness import clear_flight_dir
 from ..train.options import AC_MODES
@@ -257,6 +257,8 @@ def config_from_args(args: argparse.Namespace, world_size: int | None = None) ->
     size = sum(f.stat().st_size for f in files)
     if size < cfg.seq_len:
         raise ShardkitError(f"--data: the corpus has {size} bytes (tokens), fewer than --seq-len {cfg.seq_len}")
+    if cfg.eval_every and cfg.model_path is None:  # byte tokens: the split is known before launch
+        held_out_start(size, cfg.seq_len)
     return cfg
 
 

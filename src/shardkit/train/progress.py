@@ -64,8 +64,8 @@ class TrainProgress:
     def __exit__(self, *exc) -> None:
         self.progress.__exit__(*exc)
 
-    def update(self, step: int, loss: float, lr: float | None = None) -> None:
-        """Called after step ``step`` (0-based) with its global loss (``lr``: unused by the bar)."""
+    def update(self, step: int, loss: float, lr: float | None = None, eval_loss: float | None = None) -> None:
+        """Called after step ``step`` (0-based) with its global loss (``lr``, ``eval_loss``: unused by the bar)."""
         self.done += 1  # steps of this run (a resumed run starts at its save's step)
         elapsed = max(time.perf_counter() - self.start, 1e-9)
         tps = self.tokens_per_step * self.done / elapsed
@@ -77,7 +77,8 @@ class LogLines:
 
     ``step 10/20  loss 2.4512 (mean of 10)  lr 1.00e-03  2,345 tok/s``: the loss is the mean of
     the steps since the previous line (non-finite ones, which were not applied, left out; "nan"
-    if all were), the rate is over the same steps.
+    if all were), the rate is over the same steps; a validation since the previous line adds
+    ``held-out 2.3456 (step 10)``.
 
     Args:
         steps: total number of steps.
@@ -92,6 +93,7 @@ class LogLines:
         self.out = out
         self.window: list[float] = []
         self.since = 0.0
+        self.held: tuple[int, float] | None = None
 
     def __enter__(self) -> LogLines:
         self.since = time.perf_counter()
@@ -100,10 +102,13 @@ class LogLines:
     def __exit__(self, *exc) -> None:
         pass
 
-    def update(self, step: int, loss: float, lr: float | None = None) -> None:
-        """Called after step ``step`` (0-based) with its global loss and the rate it used."""
+    def update(self, step: int, loss: float, lr: float | None = None, eval_loss: float | None = None) -> None:
+        """Called after step ``step`` (0-based) with its global loss, the rate it used and the
+        held-out loss after it (``--eval-every``; None: not evaluated)."""
         self.window.append(loss)
         done = step + 1
+        if eval_loss is not None:
+            self.held = (done, eval_loss)
         if done % self.every and done != self.steps:
             return
         now = time.perf_counter()
@@ -114,8 +119,10 @@ class LogLines:
         if lr is not None:
             parts.append(f"lr {lr:.2e}")
         parts.append(f"{rate:,.0f} {self.unit}/s")
+        if self.held is not None:  # the latest validation since the previous line
+            parts.append(f"held-out {self.held[1]:.4f} (step {self.held[0]})")
         print("  ".join(parts), file=self.out if self.out is not None else sys.stdout, flush=True)
-        self.window, self.since = [], now
+        self.window, self.since, self.held = [], now, None
 
 
 def make_progress(steps: int, tokens_per_step: int, every: int, unit: str = "tok") -> TrainProgress | LogLines:

@@ -129,7 +129,7 @@ def run_training(
     resumed run counts afresh), one more raises :class:`~shardkit.errors.NonFiniteError` on
     every rank before that step's save.
 
-    ``on_step(step, loss)`` and ``progress.update(step, loss, lr)`` (:mod:`.progress`) are called
+    ``on_step(step, loss)`` and ``progress.update(step, loss, lr, eval_loss)`` (:mod:`.progress`) are called
     after every step (0-based), ``metrics.write`` records it (:class:`.metrics.MetricsLog`).
 
     Raises:
@@ -188,7 +188,7 @@ def _run_steps(pm, task, cfg: TrainConfig, loss_scale, on_step, layout: str, met
         if on_step is not None:
             on_step(step, stats.loss)
         if progress is not None:
-            progress.update(step, stats.loss, lr)
+            progress.update(step, stats.loss, lr, held)
         if metrics is not None:
             metrics.write(step, stats, lr, saved["saved_activation_bytes"] if step == first else None, held)
         if stats.skipped:
