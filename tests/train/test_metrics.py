@@ -110,7 +110,7 @@ def test_model_size_and_the_peak_figures(monkeypatch):
     GPU figures, none on a CPU or an unknown GPU."""
     from harness.tiny_lm import tiny_decoder
     from shardkit.plan.model import ModelShape
-    from shardkit.train.metrics import model_size, peak_flops
+    from shardkit.train.metrics import model_size, peak_flops, utilisation
 
     model = tiny_decoder("llama")
     size = model_size(model, seq_len=16)
@@ -120,5 +120,8 @@ def test_model_size_and_the_peak_figures(monkeypatch):
     assert peak_flops(torch.device("cpu")) == (None, "n/a on cpu (no peak figure)")
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
     assert peak_flops(torch.device("cuda", 0)) == (989e12, "of the H100 dense bf16 peak, 989 TFLOP/s per GPU")
+    assert utilisation(1e9, 2e5, 4, torch.device("cuda", 0))["mfu"] == pytest.approx(2e14 / (4 * 989e12))
+    assert utilisation(None, 2e5, 4, torch.device("cuda", 0))["mfu_basis"] == "n/a (no FLOPs count for this model)"
+    assert utilisation(1e9, 2e5, 4, torch.device("cpu")) == {"mfu": None, "mfu_basis": "n/a on cpu (no peak figure)"}
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
     assert peak_flops(torch.device("cuda", 0)) == (None, "n/a (no peak figure for Tesla T4)")

@@ -40,6 +40,7 @@ __all__ = [
     "last_run_id",
     "model_size",
     "peak_flops",
+    "utilisation",
 ]
 
 TB_DIR = "tb"
@@ -77,6 +78,18 @@ def peak_flops(device: torch.device) -> tuple[float | None, str]:
             tflops = float(figures["peak_tflops"])
             return tflops * 1e12, f"of the {key.upper()} dense bf16 peak, {tflops:g} TFLOP/s per GPU"
     return None, f"n/a (no peak figure for {name})"
+
+
+def utilisation(
+    flops_per_token: float | None, tokens_per_s: float | None, nproc: int, device: torch.device
+) -> dict[str, Any]:
+    """``mfu``: model FLOPs utilisation, ``flops_per_token x tokens/s / (nproc x peak)``
+    (:func:`peak_flops`), or None (a CPU, a GPU without a planner figure, a model without a FLOPs
+    count, a rate not in tokens); ``mfu_basis``: against what, or why not."""
+    peak, basis = peak_flops(device)
+    if peak is None or flops_per_token is None or tokens_per_s is None:
+        return {"mfu": None, "mfu_basis": basis if peak is None else "n/a (no FLOPs count for this model)"}
+    return {"mfu": flops_per_token * tokens_per_s / (nproc * peak), "mfu_basis": basis}
 
 
 def new_run_id() -> str:

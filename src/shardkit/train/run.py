@@ -15,9 +15,6 @@ from __future__ import annotations
 import copy
 import math
 import os
-import platform
-import socket
-import subprocess
 import sys
 import time
 from contextlib import nullcontext
@@ -28,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from .. import CommLedger, __version__
+from .. import CommLedger
 from .._local_world import init_local_world
 from ..checkpoint import load_train_state, save_train_state
 from ..checkpoint.lock import root_lock
@@ -40,9 +37,10 @@ from ..sharding import AXES, FLAT_VIEWS, ParallelMesh
 from .checkpoint_dir import model_description, resume_source
 from .config import TrainConfig, parallel_dims
 from .corpus import shared_corpus
+from .environment import run_environment
 from .evaluate import eval_loss
 from .liveness import Heartbeat
-from .metrics import MetricsLog, model_size, peak_flops, peak_memory
+from .metrics import MetricsLog, model_size, peak_memory, utilisation
 from .progress import default_log_every, make_progress, setup_note
 from .schedule import warmup_cosine
 from .specs import model_spec
@@ -356,7 +354,7 @@ def _train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool) ->
         },
         "config": asdict(cfg),
         "run_id": metrics.run_id if metrics is not None else None,
-        "environment": _environment(),
+        "environment": run_environment(),
         **run,
         "peak_memory_bytes": memory,
         "memory_kind": "cuda max_memory_allocated" if device.type == "cuda" else "max RSS",
@@ -367,7 +365,7 @@ def _train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool) ->
         "files": files,
         f"{unit_name}_per_s": rate,
         **size,
-        **_mfu(size["flops_per_token"], rate if unit_name == "tokens" else None, cfg.nproc, device),
+        **utilisation(size["flops_per_token"], rate if unit_name == "tokens" else None, cfg.nproc, device),
     }
     if reference is not None:
         assert full_params is not None  # gathered above for --verify; rank 0 holds them
@@ -390,42 +388,3 @@ def _train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool) ->
         )
         result["timings_s"]["verify"] = time.perf_counter() - t2
     return result
-
-
-def _mfu(flops_per_token, tokens_per_s, nproc, device) -> dict:
-    """``mfu``: model FLOPs utilisation, ``flops_per_token x tokens/s / (nproc x peak)``, or None
-    (a CPU, a GPU without a planner figure, a model without a FLOPs count); ``mfu_basis``: which."""
-    peak, basis = peak_flops(device)
-    if peak is None or flops_per_token is None or tokens_per_s is None:
-        return {"mfu": None, "mfu_basis": basis if peak is None else "n/a (no FLOPs count for this model)"}
-    return {"mfu": flops_per_token * tokens_per_s / (nproc * peak), "mfu_basis": basis}
-
-
-def _environment() -> dict:
-    """Versions, git revision (of the checkout shardkit runs from, if any) and host of a run."""
-    versions = {"python": platform.python_version(), "torch": torch.__version__, "shardkit": __version__}
-    try:
-        import transformers  # an optional extra: the conv model runs without it
-
-        versions["transformers"] = transformers.__version__
-    except ImportError:
-        pass
-    try:
-        revision = (
-            subprocess.run(
-                ["git", "rev-parse", "HEAD"],
-                cwd=os.path.dirname(os.path.dirname(__file__)),
-                capture_output=True,
-                text=True,
-                timeout=10,
-            ).stdout.strip()
-            or None
-        )
-    except (OSError, subprocess.SubprocessError):
-        revision = None
-    return {
-        "versions": versions,
-        "git_revision": revision,
-        "host": socket.gethostname(),
-        "platform": platform.platform(),
-    }
