@@ -365,7 +365,7 @@ def _train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool) ->
         "files": files,
         f"{unit_name}_per_s": rate,
         **size,
-        **utilisation(size["flops_per_token"], rate if unit_name == "tokens" else None, cfg.nproc, device),
+        **utilisation(size["flops_per_token"], rate if unit_name == "tokens" else None, dist.get_world_size(), device),
     }
     if reference is not None:
         assert full_params is not None  # gathered above for --verify; rank 0 holds them
