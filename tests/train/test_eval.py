@@ -54,6 +54,7 @@ LAYOUTS = {
     "dp_shard=2 (FSDP2)": dict(tp=1, dp_shard=2),
     "cp_ring=2": dict(tp=1, cp_ring=2),
     "tp=2, vocab-parallel loss, selective AC": dict(loss_parallel=True, ac="selective"),
+    "moe ep=2 over dp_shard=2": dict(model="moe", tp=1, dp_shard=2, ep=2),
 }
 
 
