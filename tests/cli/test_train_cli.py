@@ -440,3 +440,65 @@ def test_resume_without_a_save_is_said_before_launch(tmp_path, capsys):
     assert f"--resume: no save in {str(root)!r}: this run starts at step 0" in capsys.readouterr().err
     config_from_args(_args("--checkpoint-dir", str(root)))
     assert "--resume" not in capsys.readouterr().err
+
+
+def test_piped_run_logs_every_n_steps_and_starts_a_fresh_report(tmp_path):
+    """stdout a pipe (not a terminal): set-up notes on stderr, a line per --log-every on stdout;
+    a new run into a used --report folder keeps the earlier run's metrics under its run id."""
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"run_id": "earlier", "step": 1, "loss": 9.0}) + "\n")
+    argv = ("--steps", "3", "--log-every", "2", "--seq-len", "32", "--batch-size", "4", "--report", str(tmp_path))
+    proc = _shardkit("train", *argv, timeout=600)  # bounds a hang only (2.5 min at load 20 on 2 cores)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    steps = [line.split("  ")[0] for line in proc.stdout.splitlines() if line.startswith("step ")]
+    assert steps == ["step 2/3", "step 3/3"], proc.stdout
+    for stage in ("joined (gloo)", "reading the corpus", "building the model (llama)", "parallelizing", "training 3"):
+        assert stage in proc.stderr, proc.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(m["run_id"], m["step"]) for m in lines] == [(report["run_id"], s) for s in (1, 2, 3)]
+    assert json.loads((tmp_path / "runs" / "earlier" / "metrics.jsonl").read_text())["loss"] == 9.0
+    assert report["parameters"] > 0 and report["mfu"] is None and "n/a on cpu" in proc.stdout
+    assert "loss (mean of steps 1 -> 3)" in proc.stdout
+
+
+def test_summary_shows_parameters_mfu_and_windowed_means(capsys):
+    """A noisy run whose last step is above its first reads as falling when the 5-step means fell."""
+    from rich.console import Console
+
+    from shardkit.cli.report import print_summary
+
+    losses = [3.0, 3.1, 2.9, 3.0, 3.1] + [2.9] * 10 + [2.7, 2.8, 2.75, 2.85, 3.21]
+    result = {
+        **_result(passed=True),
+        "losses": losses,
+        "grad_norms": [1.0] * 20,
+        "parameters": 1_234_567,
+        "mfu": None,
+        "mfu_basis": "n/a on cpu (no peak figure)",
+        "eval_losses": [[10, 2.9], [15, 2.85], [20, 2.8]],
+    }
+    print_summary(result, Console(width=200))
+    out = capsys.readouterr().out
+    assert "parameters" in out and "1.23 M (1,234,567)" in out
+    assert "loss (mean of steps 1-5 -> 16-20)" in out and "3.02000 -> 2.86200" in out
+    assert "grad norm (mean of steps 1-5 -> 16-20)" in out and "first -> last" not in out
+    assert "MFU" in out and "n/a on cpu (no peak figure)" in out
+    assert "held-out loss" in out and "2.90000 (step 10) -> 2.80000 (step 20)" in out
+    print_summary({**result, "losses": [2.0, 1.0, float("nan")], "first_step": 4, "mfu": 0.123}, Console(width=200))
+    out = capsys.readouterr().out
+    assert "loss (mean of steps 5 -> 7)" in out and "2.00000 -> nan" in out and "12.3% n/a on cpu" in out
+
+
+def test_loss_figure_shows_the_held_out_loss():
+    result = {**_figure_result([3.0, 2.5, 2.25, 2.0]), "eval_losses": [[2, 2.6], [4, 2.2]]}
+    ax = loss_figure(result).axes[0]
+    held = [line for line in ax.lines if line.get_label() == "held-out (--eval-every)"]
+    assert len(held) == 1 and list(held[0].get_xdata()) == [2, 4] and list(held[0].get_ydata()) == [2.6, 2.2]
+
+
+def test_a_corpus_too_short_to_hold_out_is_refused_before_launch(tmp_path):
+    text = tmp_path / "tiny.txt"
+    text.write_bytes(b"x" * 60)
+    config_from_args(_args("--data", str(text), "--seq-len", "32"))  # trains without --eval-every
+    with pytest.raises(ShardkitError, match="--eval-every: the corpus has 60 tokens; holding out 32"):
+        config_from_args(_args("--data", str(text), "--seq-len", "32", "--eval-every", "2"))

@@ -2,11 +2,12 @@
 tensorboard is installed (the missing path simulated by a failing import)."""
 
 import json
+import os
 
 import pytest
 import torch
 
-from shardkit.train.metrics import TB_DIR, MetricsLog
+from shardkit.train.metrics import RUNS_DIR, TB_DIR, MetricsLog
 from shardkit.train.trainer import StepStats
 
 STEPS = [
@@ -54,3 +55,73 @@ def test_without_tensorboard_only_the_jsonl(tmp_path, hide_module):
     lines = _log(metrics)
     assert [m["pixels_per_s"] for m in lines] == [20.0, 40.0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+
+
+def _lines(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_a_new_run_starts_afresh_and_keeps_the_old_under_its_run_id(tmp_path):
+    """A second (not resumed) run into the same folder gets a fresh metrics.jsonl and tb/; the
+    first run's files move to runs/<its run id>/; every line carries its run's id."""
+    cpu = torch.device("cpu")
+    first = MetricsLog(str(tmp_path), "tokens", 32, 2, cpu)
+    _log(first)
+    (tmp_path / "report.json").write_text("{}")
+    second = MetricsLog(str(tmp_path), "tokens", 32, 2, cpu)
+    assert second.run_id != first.run_id and second.archived == str(tmp_path / RUNS_DIR / first.run_id)
+    old = tmp_path / RUNS_DIR / first.run_id
+    assert sorted(p.name for p in old.iterdir()) == ["metrics.jsonl", "report.json", TB_DIR]
+    assert [m["run_id"] for m in _lines(old / "metrics.jsonl")] == [first.run_id] * 2
+    assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "report.json").exists()
+    _log(second)
+    assert [(m["run_id"], m["step"]) for m in _lines(tmp_path / "metrics.jsonl")] == [
+        (second.run_id, 1),
+        (second.run_id, 2),
+    ]
+    assert [s for s, _ in _scalars(tmp_path / TB_DIR)["train/loss"]] == [1, 2]  # the first run's events moved
+
+
+def test_a_resumed_run_appends_under_the_same_run_id(tmp_path):
+    cpu = torch.device("cpu")
+    first = MetricsLog(str(tmp_path), "tokens", 32, 2, cpu, tensorboard=False)
+    _log(first)
+    resumed = MetricsLog(str(tmp_path), "tokens", 32, 2, cpu, tensorboard=False, resumed=True)
+    assert resumed.run_id == first.run_id and resumed.archived is None
+    resumed.write(2, STEPS[0], lr=1e-3)
+    assert [(m["run_id"], m["step"]) for m in _lines(tmp_path / "metrics.jsonl")] == [
+        (first.run_id, s) for s in (1, 2, 3)
+    ]
+    assert not (tmp_path / RUNS_DIR).exists()
+
+
+def test_files_of_a_run_without_ids_are_kept_too(tmp_path):
+    """A metrics.jsonl written before run ids (or torn by a kill) is moved under an ``unnamed-<time>`` id."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')
+    log = MetricsLog(str(tmp_path), "tokens", 32, 2, torch.device("cpu"), tensorboard=False)
+    assert os.path.basename(log.archived).startswith("unnamed-")
+    assert (tmp_path / RUNS_DIR / os.path.basename(log.archived) / "metrics.jsonl").read_text().startswith('{"step": 1')
+    again = MetricsLog(str(tmp_path), "tokens", 32, 2, torch.device("cpu"), tensorboard=False)
+    assert again.archived is None  # nothing left to move: the folder already starts afresh
+
+
+def test_model_size_and_the_peak_figures(monkeypatch):
+    """Parameters counted once each, the planner's FLOPs per token; MFU's peak from the planner's
+    GPU figures, none on a CPU or an unknown GPU."""
+    from harness.tiny_lm import tiny_decoder
+    from shardkit.plan.model import ModelShape
+    from shardkit.train.metrics import model_size, peak_flops, utilisation
+
+    model = tiny_decoder("llama")
+    size = model_size(model, seq_len=16)
+    assert size["parameters"] == sum(p.numel() for p in model.parameters()) > 0
+    assert size["flops_per_token"] == ModelShape.from_config(model.config).flops_per_token(16)
+    assert model_size(torch.nn.Linear(3, 2), seq_len=16) == {"parameters": 8, "flops_per_token": None}
+    assert peak_flops(torch.device("cpu")) == (None, "n/a on cpu (no peak figure)")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    assert peak_flops(torch.device("cuda", 0)) == (989e12, "of the H100 dense bf16 peak, 989 TFLOP/s per GPU")
+    assert utilisation(1e9, 2e5, 4, torch.device("cuda", 0))["mfu"] == pytest.approx(2e14 / (4 * 989e12))
+    assert utilisation(None, 2e5, 4, torch.device("cuda", 0))["mfu_basis"] == "n/a (no FLOPs count for this model)"
+    assert utilisation(1e9, 2e5, 4, torch.device("cpu")) == {"mfu": None, "mfu_basis": "n/a on cpu (no peak figure)"}
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
+    assert peak_flops(torch.device("cuda", 0)) == (None, "n/a (no peak figure for Tesla T4)")

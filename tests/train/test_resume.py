@@ -198,3 +198,38 @@ def test_resume_says_what_it_continues_from_and_refuses_a_step_count_already_rea
                 check(steps=steps, resume=True)
     finally:
         remove_shared_dir(root)
+
+
+def test_resume_from_a_path_without_a_save_is_refused(tmp_path):
+    """``--resume-from PATH`` fails before launch when PATH holds no save (``--resume`` would start at step 0)."""
+    for path, what in ((tmp_path, "holds no save"), (tmp_path / "missing", "does not exist")):
+        cfg = validate_config(TrainConfig(**BASE, resume_from=str(path)), world_size=4)
+        with pytest.raises(ShardkitError, match=rf"--resume-from '{path}' {what}: expected a checkpoint directory"):
+            check_checkpoint_dir(cfg)
+    with pytest.raises(ShardkitError, match="--resume and --resume-from .*: give one"):
+        validate_config(TrainConfig(**BASE, resume=True, checkpoint_dir=str(tmp_path), resume_from=str(tmp_path)))
+
+
+@pytest.mark.world(2, timeout=120)
+def test_resume_from_one_save_continues_its_losses_into_a_new_directory():
+    """``--resume-from ROOT/step_N`` loads that save (not the latest) and saves into its own new
+    ``--checkpoint-dir``; the losses after it are the uninterrupted run's."""
+    root, branch = shared_tmpdir("shardkit-resume-from-"), shared_tmpdir("shardkit-resume-branch-")
+    try:
+        full, _ = _losses(_run(steps=3))
+        _run(steps=2, checkpoint_dir=root, save_every=1)
+        save = os.path.join(root, "step_00000001")
+        cfg = validate_config(TrainConfig(**BASE, steps=3, resume_from=save), world_size=world_size())
+        assert check_checkpoint_dir(cfg) == f"--resume-from: continuing from step 1 of {save} (saved at tp=2)"
+        with pytest.raises(ShardkitError, match="holds the saves of an earlier run .* pass --resume"):
+            check_checkpoint_dir(dataclasses.replace(cfg, checkpoint_dir=root))
+        resumed, start = _losses(_run(steps=3, resume_from=save, checkpoint_dir=branch))
+        assert start == 1 and len(resumed) == 2
+        for a, b in zip(resumed, full[1:]):
+            assert abs(a - b) <= 1e-12 * abs(b), (resumed, full)
+        if rank() == 0:
+            assert latest_checkpoint(branch).endswith("step_00000003")
+            assert latest_checkpoint(root).endswith("step_00000002")  # the source is not touched
+    finally:
+        remove_shared_dir(root)
+        remove_shared_dir(branch)

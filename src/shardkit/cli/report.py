@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -15,6 +16,8 @@ from .._files import atomic_write
 __all__ = ["print_summary", "print_parity", "write_report", "loss_figure"]
 
 _MIB = 2**20
+WINDOW = 5
+"""Steps in each window of the summary's loss and gradient-norm means (first and last)."""
 _PHASES = {"forward": "fwd", "backward": "bwd"}
 
 
@@ -31,22 +34,66 @@ def _layout(result: dict) -> str:
     return f"{lay['model']}: {lay['parallel']}{detail} {where}"
 
 
+def _count(n: int) -> str:
+    """``1234567`` -> ``"1.23 M (1,234,567)"``."""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit} ({n:,})"
+    return f"{n:,}"
+
+
+def _windows(name: str, values: list[float], first: int, digits: int, width: int = WINDOW) -> tuple[str, str]:
+    """The summary row of a noisy series: the mean of its first and of its last ``width`` steps
+    (fewer on a short run: at most half of the steps each, at least one), non-finite steps left
+    out. One step's value reads as divergence on a noisy fine-tune where the means fell."""
+    if not values:
+        return f"{name} (mean)", "-"
+    w = max(1, min(width, len(values) // 2))
+
+    def mean(part: list[float]) -> str:
+        finite = [v for v in part if math.isfinite(v)]
+        return f"{sum(finite) / len(finite):.{digits}f}" if finite else "nan"
+
+    def span(a: int, b: int) -> str:  # 1-based step numbers of values[a:b]
+        return f"{first + a + 1}" if a + 1 == b else f"{first + a + 1}-{first + b}"
+
+    n = len(values)
+    label = f"{name} (mean of steps {span(0, w)} -> {span(n - w, n)})"
+    return label, f"{mean(values[:w])} -> {mean(values[n - w :])}"
+
+
 def print_summary(result: dict, console: Console) -> None:
-    """Run summary (layout, steps, throughput, losses, peak memory per rank) and the comm ledger."""
+    """Run summary and the comm ledger.
+
+    The summary: layout, parameter count, steps, throughput, MFU (against the planner's peak
+    figure of the GPU; "n/a" on a CPU), the mean loss and gradient norm of the first and of the
+    last :data:`WINDOW` steps, the held-out loss (first and last validation), time, peak memory
+    per rank, saved activations.
+    """
     losses = result["losses"]
     table = Table(title="shardkit train", show_header=False)
     table.add_column(style="bold")
     table.add_column()
     table.add_row("layout", _layout(result))
+    if result.get("parameters") is not None:
+        table.add_row("parameters", _count(result["parameters"]))
     table.add_row("steps", str(len(losses)))
     if "pixels_per_s" in result:
         table.add_row("pixels/s", f"{result['pixels_per_s']:,.0f}")
     else:
         table.add_row("tokens/s", f"{result['tokens_per_s']:,.0f}")
-    table.add_row("loss first -> last", f"{losses[0]:.5f} -> {losses[-1]:.5f}" if losses else "-")
+    if "mfu_basis" in result:
+        mfu = result.get("mfu")
+        table.add_row("MFU", result["mfu_basis"] if mfu is None else f"{100 * mfu:.1f}% {result['mfu_basis']}")
+    first = result.get("first_step", 0)
+    table.add_row(*_windows("loss", losses, first, 5))
+    evals = result.get("eval_losses") or []
+    if evals:
+        shown = evals if len(evals) <= 2 else [evals[0], evals[-1]]
+        table.add_row("held-out loss", " -> ".join(f"{loss:.5f} (step {step})" for step, loss in shown))
     norms = result.get("grad_norms")
     if norms:
-        table.add_row("grad norm first -> last", f"{norms[0]:.4f} -> {norms[-1]:.4f}")
+        table.add_row(*_windows("grad norm", norms, first, 4))
     table.add_row("train time", f"{result['timings_s']['train']:.2f} s (setup {result['timings_s']['setup']:.2f} s)")
     mem = ", ".join(f"r{r}: {b / _MIB:.0f}" for r, b in enumerate(result["peak_memory_bytes"]))
     table.add_row(f"peak memory MiB ({result['memory_kind']})", mem)
@@ -124,7 +171,8 @@ def write_report(result: dict, folder: str | os.PathLike) -> list[Path]:
 def loss_figure(result: dict):
     """The ``loss.png`` figure of a run: a :class:`matplotlib.figure.Figure` (not drawn yet).
 
-    Top panel: the loss per step (and the ``--verify`` reference's, dashed). With a reference, a
+    Top panel: the loss per step (and the ``--verify`` reference's, dashed; the held-out loss
+    at the steps validated, ``--eval-every``, as squares). With a reference, a
     second panel: ``|parallel - reference|`` per step on a log scale (a step where the two are
     bitwise equal has no point there; the panel says so when every step is). Steps are the
     1-based step numbers (a resumed run starts at its ``first_step + 1``), on integer ticks; the
@@ -156,6 +204,9 @@ def loss_figure(result: dict):
             diff.text(0.02, 0.9, f"bitwise {note}", transform=diff.transAxes, fontsize=8, va="top")
         diff.set_ylabel("|parallel - reference|")
         diff.grid(True, which="major", alpha=0.3)
+    evals = result.get("eval_losses") or []
+    if evals:
+        ax.plot([e[0] for e in evals], [e[1] for e in evals], "s-", color="tab:green", label="held-out (--eval-every)")
     ax.set_ylabel("loss")
     ax.set_title(_layout(result), fontsize=9)
     ax.legend(fontsize=8)

@@ -20,7 +20,7 @@ from ..comm import flight_recorder
 from ..errors import ShardkitError
 from ..train.checkpoint_dir import check_checkpoint_dir
 from ..train.config import DTYPES, SCHEDULES, TrainConfig, load_toml, merge_config, validate_config
-from ..train.data import check_files, corpus_files
+from ..train.data import check_files, corpus_files, held_out_start
 from ..train.limits import check_machine
 from ..train.liveness import clear_flight_dir
 from ..train.options import AC_MODES
@@ -149,7 +149,14 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--resume",
         action=argparse.BooleanOptionalAction,
-        help="continue from the latest complete save in --checkpoint-dir",
+        help="continue from the latest complete save in --checkpoint-dir (none yet: start at step 0, "
+        "for requeued jobs)",
+    )
+    p.add_argument(
+        "--resume-from",
+        metavar="PATH",
+        help="continue from this save: a checkpoint directory (its latest save) or one save's directory "
+        "(step_*); fails if PATH holds no save. New saves go to --checkpoint-dir, which must hold none",
     )
     p.add_argument(
         "--save-hf",
@@ -194,6 +201,26 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
         "scalars in DIR/tb with the tb extra), report.json, loss.png (and conv-ae's reconstruction.png) "
         "into DIR",
     )
+    p.add_argument(
+        "--eval-every",
+        type=int,
+        metavar="N",
+        help="validation loss on a held-out split (the corpus's last tenth, never trained on) every N steps and "
+        f"after the last, into the summary, metrics.jsonl, TensorBoard and loss.png (default {d.eval_every}: none)",
+    )
+    p.add_argument(
+        "--eval-batches",
+        type=int,
+        metavar="K",
+        help=f"global batches of held-out windows per validation (default {d.eval_batches})",
+    )
+    p.add_argument(
+        "--log-every",
+        type=int,
+        metavar="N",
+        help="when stdout is not a terminal (nohup, SLURM, a pipe): a line every N steps with the step, the mean "
+        "loss since the last line, lr and tokens/s (default: every step up to 20 steps, else every 10)",
+    )
     p.add_argument("--data", metavar="PATH", help="text file or folder (default: the Python stdlib's sources)")
     p.add_argument(
         "--model-path",
@@ -236,6 +263,8 @@ def config_from_args(args: argparse.Namespace, world_size: int | None = None) ->
     size = sum(f.stat().st_size for f in files)
     if size < cfg.seq_len:
         raise ShardkitError(f"--data: the corpus has {size} bytes (tokens), fewer than --seq-len {cfg.seq_len}")
+    if cfg.eval_every and cfg.model_path is None:  # byte tokens: the split is known before launch
+        held_out_start(size, cfg.seq_len)
     return cfg
 
 

@@ -4,7 +4,8 @@ with another run's.
 
 The directory must be absent or empty (a new run), or a shardkit checkpoint root: only saves
 (``step_*``), the ``latest`` pointer and dot files. A root holding complete saves is resumed
-only with ``--resume``, and only when its latest save is of this model: the manifest of every
+only with ``--resume``, and only when its latest save is of this model (``--resume-from PATH``:
+the save at PATH, checked alike; its run saves into a ``--checkpoint-dir`` holding no saves): the manifest of every
 save written by ``shardkit train`` describes the model (:func:`model_description`), compared
 here before any process starts. A root locked by a live run is refused here too (the lock
 itself is taken by the run, :mod:`shardkit.checkpoint.lock`).
@@ -16,14 +17,14 @@ import os
 from typing import TYPE_CHECKING
 
 from ..checkpoint.lock import describe, holder_alive, lock_holder
-from ..checkpoint.versioned import LATEST, complete_saves, latest_checkpoint, read_manifest
+from ..checkpoint.versioned import LATEST, MANIFEST, complete_saves, latest_checkpoint, read_manifest
 from ..errors import ShardkitError
 from .specs import model_spec
 
 if TYPE_CHECKING:
     from .options import TrainConfig
 
-__all__ = ["model_description", "check_checkpoint_dir"]
+__all__ = ["model_description", "check_checkpoint_dir", "resume_source"]
 
 _PREFIX = "step_"  # the trainer's saves (shardkit.checkpoint.train_state)
 
@@ -56,18 +57,23 @@ def check_checkpoint_dir(cfg: TrainConfig) -> str | None:
     """Refuse, before launch, a ``--checkpoint-dir`` the run could not use or would damage.
 
     Returns:
-        With ``--resume``, the line to tell the user what the run continues from: the step, the
-        save's path and the layout it was saved at, or that no save was found and the run starts
-        at step 0 (a requeued job's first start); None without ``--resume``.
+        With ``--resume`` or ``--resume-from``, the line to tell the user what the run continues
+        from: the step, the save's path and the layout it was saved at, or (``--resume``) that no
+        save was found and the run starts at step 0 (a requeued job's first start); else None.
 
     Raises:
         ShardkitError: naming ``--checkpoint-dir``: empty, a file, a directory holding other
             files, locked by a live run, holding saves without ``--resume``, or (with it) a
-            latest save that is damaged, of another model, or at a step not below ``--steps``.
+            latest save that is damaged, of another model, or at a step not below ``--steps``;
+            naming ``--resume-from``: PATH holds no save, or one of those faults.
     """
+    said = None
+    if cfg.resume_from is not None:
+        flag = f"--resume-from {cfg.resume_from!r}"
+        said = _continued("--resume-from", flag, _save_at(cfg.resume_from), cfg)
     root = cfg.checkpoint_dir
     if root is None:
-        return None
+        return said
     nothing = f"--resume: no save in {root!r}: this run starts at step 0" if cfg.resume else None
     flag = f"--checkpoint-dir {root!r}"
     if not root.strip():
@@ -75,7 +81,7 @@ def check_checkpoint_dir(cfg: TrainConfig) -> str | None:
     if os.path.exists(root) and not os.path.isdir(root):
         raise ShardkitError(f"{flag}: exists and is not a directory")
     if not os.path.isdir(root):
-        return nothing  # created by the first save
+        return nothing or said  # created by the first save
     names = os.listdir(root)
     foreign = sorted(n for n in names if not _ours(root, n))
     if foreign:
@@ -91,8 +97,8 @@ def check_checkpoint_dir(cfg: TrainConfig) -> str | None:
         )
     saves = complete_saves(root, _PREFIX)
     if not saves:
-        return nothing
-    if not cfg.resume:
+        return nothing or said
+    if not cfg.resume:  # --resume-from too: its run saves a new lineage, never among another's saves
         raise ShardkitError(
             f"{flag} holds the saves of an earlier run ({saves[-1]}, {len(saves)} in all); pass "
             "--resume to continue it or choose another directory"
@@ -101,15 +107,57 @@ def check_checkpoint_dir(cfg: TrainConfig) -> str | None:
         latest = latest_checkpoint(root)
         if latest is None:
             raise ShardkitError(f"it holds saves but no '{LATEST}' pointer (damaged)")
-        manifest = read_manifest(latest)
-        saved = manifest.get("model")
-    except ShardkitError as exc:  # a pointer outside the root, a missing save, a garbage manifest
+    except ShardkitError as exc:  # a pointer outside the root, a missing save
         raise ShardkitError(f"{flag}: cannot resume: {exc}") from None
+    return _continued("--resume", flag, latest, cfg)
+
+
+def resume_source(cfg: TrainConfig) -> str | None:
+    """The save a run continues from (pure): ``--resume-from``'s, or with ``--resume`` the latest
+    complete save in ``--checkpoint-dir``; None for a run from step 0.
+
+    Raises:
+        ShardkitError: ``--resume-from PATH`` holds no save (neither a checkpoint root with a
+            ``latest`` pointer nor one save's directory with its manifest), or its pointer is damaged.
+    """
+    if cfg.resume_from is not None:
+        return _save_at(cfg.resume_from)
+    if cfg.resume and cfg.checkpoint_dir is not None and os.path.isdir(cfg.checkpoint_dir):
+        return latest_checkpoint(cfg.checkpoint_dir)
+    return None
+
+
+def _save_at(path: str) -> str:
+    """The save ``--resume-from PATH`` names: a checkpoint root's latest, or PATH itself if it is one save."""
+    flag = f"--resume-from {path!r}"
+    try:
+        found = latest_checkpoint(path) if os.path.isdir(path) else None
+    except ShardkitError as exc:
+        raise ShardkitError(f"{flag}: {exc}") from None
+    if found is not None:
+        return found
+    if os.path.isfile(os.path.join(path, MANIFEST)):
+        return path
+    what = "does not exist" if not os.path.exists(path) else "holds no save"
+    raise ShardkitError(
+        f"{flag} {what}: expected a checkpoint directory (with a '{LATEST}' pointer) or one save's "
+        f"directory (with {MANIFEST}) written by shardkit train --checkpoint-dir"
+    )
+
+
+def _continued(how: str, flag: str, latest: str, cfg: TrainConfig) -> str:
+    """The line saying what the run continues from, after checking that the save at ``latest``
+    is of this model and below ``--steps``."""
+    try:
+        manifest = read_manifest(latest)
+    except ShardkitError as exc:  # a missing save, a garbage manifest
+        raise ShardkitError(f"{flag}: cannot resume: {exc}") from None
+    saved = manifest.get("model")
     # A save of an earlier shardkit describes no model: the load's own check of every key's shape
     # and dtype (checkpoint/contents.py) still refuses another model, on every rank.
     differences = "" if saved is None else _differences(saved, model_description(cfg))
     if differences:
-        raise ShardkitError(f"{flag}: --resume from {os.path.basename(latest)}, a save of another model: {differences}")
+        raise ShardkitError(f"{flag}: {how} from {os.path.basename(latest)}, a save of another model: {differences}")
     step = manifest.get("step")
     if isinstance(step, int) and cfg.steps <= step:
         raise ShardkitError(
@@ -117,4 +165,4 @@ def check_checkpoint_dir(cfg: TrainConfig) -> str | None:
             f"nothing to train; --steps counts all the steps, so pass more than {step}"
         )
     layout = manifest.get("layout") or "an unrecorded layout"
-    return f"--resume: continuing from step {step} of {latest} (saved at {layout})"
+    return f"{how}: continuing from step {step} of {latest} (saved at {layout})"

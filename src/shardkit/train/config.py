@@ -181,8 +181,26 @@ def validate_config(cfg: TrainConfig, world_size: int | None = None) -> TrainCon
         cfg = dataclasses.replace(cfg, lr_schedule="warmup-cosine" if cfg.model_path is not None else "constant")
     if cfg.lr_schedule not in LR_SCHEDULES:
         raise ShardkitError(f"--lr-schedule must be one of {', '.join(LR_SCHEDULES)}, got {cfg.lr_schedule!r}")
+    if cfg.eval_every < 0 or cfg.eval_batches < 1:
+        raise ShardkitError(
+            f"--eval-every must be >= 0 (0: no validation) and --eval-batches >= 1, got {cfg.eval_every} "
+            f"and {cfg.eval_batches}"
+        )
+    if cfg.eval_every and not model_spec(cfg.model).reads_corpus:
+        raise ShardkitError(
+            f"--eval-every: --model {cfg.model} trains on no text corpus, so there is no held-out split"
+        )
+    if cfg.log_every is not None and cfg.log_every < 1:
+        raise ShardkitError(f"--log-every must be >= 1 (steps between log lines), got {cfg.log_every}")
     if cfg.save_every < 0:
         raise ShardkitError(f"--save-every must be >= 0, got {cfg.save_every}")
+    if cfg.resume and cfg.resume_from is not None:
+        raise ShardkitError(
+            f"--resume and --resume-from {cfg.resume_from!r}: give one (--resume: the latest save in "
+            "--checkpoint-dir; --resume-from: that save)"
+        )
+    if cfg.resume_from is not None and not cfg.resume_from.strip():
+        raise ShardkitError("--resume-from: give a checkpoint directory or one save's directory")
     if (cfg.resume or cfg.save_every) and cfg.checkpoint_dir is None:
         raise ShardkitError("--resume and --save-every need --checkpoint-dir DIR")
     if cfg.keep is not None and (cfg.keep < 1 or cfg.checkpoint_dir is None):

@@ -25,6 +25,8 @@ __all__ = [
     "read_documents",
     "load_tokens",
     "BatchSampler",
+    "held_out_start",
+    "HeldOutBatches",
 ]
 
 VOCAB_SIZE = 256
@@ -189,3 +191,43 @@ class BatchSampler:
         """The next global batch: ``[B, S]`` int64 token ids."""
         starts = torch.randint(0, self.tokens.numel() - self.seq_len + 1, (self.batch_size,), generator=self.gen)
         return self.tokens[starts[:, None] + self._offsets].long()
+
+
+def held_out_start(n_tokens: int, seq_len: int) -> int:
+    """Where the held-out split of a stream of ``n_tokens`` begins (pure): its last tenth, at
+    least one window of ``seq_len``. Training draws only from ``[0, start)``, validation only
+    from ``[start, n_tokens)``.
+
+    Raises:
+        ShardkitError: the stream cannot hold one window for each part.
+    """
+    held = max(seq_len, n_tokens // 10)
+    if n_tokens - held < seq_len:
+        raise ShardkitError(
+            f"--eval-every: the corpus has {n_tokens} tokens; holding out {held} for validation leaves "
+            f"fewer than --seq-len {seq_len} to train on (give more --data or a shorter --seq-len)"
+        )
+    return n_tokens - held
+
+
+class HeldOutBatches:
+    """The validation batches: ``batches`` global batches ``[B, S]`` of windows spread evenly
+    over the held-out tokens, the same at every evaluation and on every rank (no generator is
+    drawn, so evaluating changes nothing in training).
+
+    Args:
+        tokens: ``[N]`` held-out token stream (at least ``seq_len``).
+        seq_len, batch_size: as the training batches.
+        batches: ``K``, batches per evaluation (``--eval-batches``).
+    """
+
+    def __init__(self, tokens: torch.Tensor, seq_len: int, batch_size: int, batches: int) -> None:
+        self.tokens, self.seq_len, self.batch_size, self.count = tokens, seq_len, batch_size, batches
+
+    def batches(self) -> list[torch.Tensor]:
+        """``K`` batches ``[B, S]`` of int64 ids."""
+        windows = self.count * self.batch_size
+        last = self.tokens.numel() - self.seq_len  # the last start of a whole window
+        starts = torch.arange(windows, dtype=torch.int64) * last // max(1, windows - 1)
+        ids = self.tokens[starts[:, None] + torch.arange(self.seq_len)].long()
+        return list(ids.split(self.batch_size))

@@ -27,7 +27,7 @@ from ..plan.rules import (
     stage_heads_rule,
 )
 from .corpus import Corpus, shared_corpus
-from .data import BatchSampler
+from .data import BatchSampler, HeldOutBatches, held_out_start
 from .lm_families import LMFamily
 from .lm_task import LMTask, PackedSampler
 from .model import build_model
@@ -124,16 +124,34 @@ def lm_task(cfg: TrainConfig, device: torch.device, corpus: Corpus | None = None
     """The next-token task with a fresh sampler (the same batches on every rank).
 
     ``corpus``: the token stream; None: read it with :func:`.corpus.shared_corpus`, collective
-    over the world (global rank 0 reads, every rank receives the same tokens).
+    over the world (global rank 0 reads, every rank receives the same tokens). With
+    ``--eval-every``, the stream's held-out tail (:func:`.data.held_out_start`) gives the
+    validation batches and training draws from the rest only.
     """
     if corpus is None:
         corpus = shared_corpus(cfg, device)
+    tokens, docs, held_out = corpus.tokens, list(corpus.doc_sizes), None
+    if cfg.eval_every:  # the held-out tail is never trained on
+        start = held_out_start(tokens.numel(), cfg.seq_len)
+        held_out = HeldOutBatches(tokens[start:], cfg.seq_len, cfg.batch_size, cfg.eval_batches)
+        tokens, docs = tokens[:start], _cut_documents(docs, start)
     sampler: PackedSampler | BatchSampler
     if cfg.packed:
-        sampler = PackedSampler(corpus.tokens, cfg.seq_len, cfg.batch_size, cfg.seed, list(corpus.doc_sizes))
+        sampler = PackedSampler(tokens, cfg.seq_len, cfg.batch_size, cfg.seed, docs)
     else:
-        sampler = BatchSampler(corpus.tokens, cfg.seq_len, cfg.batch_size, cfg.seed)
-    return LMTask(sampler, device)
+        sampler = BatchSampler(tokens, cfg.seq_len, cfg.batch_size, cfg.seed)
+    return LMTask(sampler, device, held_out)
+
+
+def _cut_documents(sizes: list[int], end: int) -> list[int]:
+    """Document sizes of the stream's first ``end`` tokens (the last one cut at ``end``)."""
+    out, total = [], 0
+    for size in sizes:
+        if total >= end:
+            break
+        out.append(min(size, end - total))
+        total += out[-1]
+    return out
 
 
 def parallelize_lm(model: nn.Module, mesh, cfg: TrainConfig, task) -> tuple[ParallelModel, LossScale | None]:

@@ -93,10 +93,11 @@ class LMTask:
     Args:
         sampler: :class:`.data.BatchSampler` (``[B, S]`` batches) or :class:`PackedSampler`.
         device: where microbatches go.
+        held_out: the validation batches (:class:`.data.HeldOutBatches`), or None.
     """
 
-    def __init__(self, sampler, device) -> None:
-        self.sampler, self.device = sampler, device
+    def __init__(self, sampler, device, held_out=None) -> None:
+        self.sampler, self.device, self.held_out = sampler, device, held_out
         self.packed = isinstance(sampler, PackedSampler)
 
     def next_batch(self):

@@ -4,6 +4,12 @@ scalars in ``DIR/tb/`` when the ``tb`` extra (``tensorboard``) is installed.
 Both are written by rank 0 as training goes (one line / one event per step, flushed), so a run
 can be followed live (``tail -f DIR/metrics.jsonl``, ``tensorboard --logdir DIR/tb``) and a
 crashed run keeps every step it finished.
+
+Every line carries the ``run_id`` of its run. A new run (from step 0) into a folder holding an
+earlier run's files starts afresh: ``metrics.jsonl``, ``tb/``, ``report.json`` and ``loss.png``
+of that run move to ``DIR/runs/<its run_id>/`` first. A resumed run (``--resume`` finding a save,
+or ``--resume-from``) appends to the folder's ``metrics.jsonl`` and ``tb/`` under the run id of
+the file's last line: one id per lineage of saves (a new id if the folder holds no metrics).
 """
 
 from __future__ import annotations
@@ -11,18 +17,118 @@ from __future__ import annotations
 import json
 import os
 import resource
+import secrets
 import sys
+import time
 from typing import Any
 
 import torch
 
 from .._optional import missing
+from ..errors import ShardkitError
+from ..plan.cluster import CLUSTERS
+from ..plan.model import ModelShape
 from .trainer import StepStats
 
-__all__ = ["MetricsLog", "peak_memory", "TB_DIR"]
+__all__ = [
+    "MetricsLog",
+    "peak_memory",
+    "TB_DIR",
+    "RUNS_DIR",
+    "RUN_FILES",
+    "new_run_id",
+    "last_run_id",
+    "model_size",
+    "peak_flops",
+    "utilisation",
+]
 
 TB_DIR = "tb"
 """Sub-folder of the report folder that holds the TensorBoard event files."""
+RUNS_DIR = "runs"
+"""Sub-folder of the report folder that keeps earlier runs' files, one folder per run id."""
+RUN_FILES = ("metrics.jsonl", TB_DIR, "report.json", "loss.png")
+"""The files of one run in the report folder, moved aside when a new run starts there."""
+
+
+def model_size(model: torch.nn.Module, seq_len: int) -> dict[str, Any]:
+    """``parameters`` (every one, shared ones once) and ``flops_per_token`` of a whole, unsharded
+    model: the planner's training FLOPs per token (:meth:`shardkit.plan.model.ModelShape.
+    flops_per_token`, ``6 N`` plus causal attention) for a Hugging Face decoder of a family it
+    knows, else None (e.g. the conv autoencoder)."""
+    flops = None
+    config = getattr(model, "config", None)
+    if config is not None:
+        try:
+            flops = ModelShape.from_config(config).flops_per_token(seq_len)
+        except ShardkitError:  # a family the planner does not describe: no MFU, said as n/a
+            flops = None
+    return {"parameters": sum(p.numel() for p in model.parameters()), "flops_per_token": flops}
+
+
+def peak_flops(device: torch.device) -> tuple[float | None, str]:
+    """The dense bf16 peak FLOP/s of one ``device`` from the planner's GPU figures
+    (:data:`shardkit.plan.cluster.CLUSTERS`), and what it is; ``(None, why)`` on a CPU or a GPU
+    without a figure (the summary's MFU is then "n/a")."""
+    if device.type != "cuda":
+        return None, f"n/a on {device.type} (no peak figure)"
+    name = torch.cuda.get_device_name(device)
+    for key, figures in CLUSTERS.items():
+        if key.upper() in name.upper():
+            tflops = float(figures["peak_tflops"])
+            return tflops * 1e12, f"of the {key.upper()} dense bf16 peak, {tflops:g} TFLOP/s per GPU"
+    return None, f"n/a (no peak figure for {name})"
+
+
+def utilisation(
+    flops_per_token: float | None, tokens_per_s: float | None, nproc: int, device: torch.device
+) -> dict[str, Any]:
+    """``mfu``: model FLOPs utilisation, ``flops_per_token x tokens/s / (nproc x peak)``
+    (:func:`peak_flops`), or None (a CPU, a GPU without a planner figure, a model without a FLOPs
+    count, a rate not in tokens); ``mfu_basis``: against what, or why not."""
+    peak, basis = peak_flops(device)
+    if peak is None or flops_per_token is None or tokens_per_s is None:
+        return {"mfu": None, "mfu_basis": basis if peak is None else "n/a (no FLOPs count for this model)"}
+    return {"mfu": flops_per_token * tokens_per_s / (nproc * peak), "mfu_basis": basis}
+
+
+def new_run_id() -> str:
+    """A fresh run id: the UTC start time and 4 random hex digits (``20261126T040411Z-3f2a``)."""
+    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + secrets.token_hex(2)
+
+
+def last_run_id(path: str) -> str | None:
+    """The ``run_id`` of the last line of the metrics file ``path`` (None: no file, no id)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - 65536))  # a line is far shorter
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    try:
+        found = json.loads(lines[-1]).get("run_id") if lines else None
+    except (ValueError, AttributeError):  # a torn last line (a killed run), not an object
+        return None
+    return found if isinstance(found, str) else None
+
+
+def _archive(folder: str) -> str | None:
+    """Move an earlier run's files (:data:`RUN_FILES`) to ``folder/runs/<its run id>``; the folder used."""
+    present = [n for n in RUN_FILES if os.path.exists(os.path.join(folder, n))]
+    if not present:
+        return None
+    metrics = os.path.join(folder, RUN_FILES[0])
+    when = os.path.getmtime(os.path.join(folder, present[0]))
+    old = last_run_id(metrics) or time.strftime("unnamed-%Y%m%dT%H%M%SZ", time.gmtime(when))
+    target = os.path.join(folder, RUNS_DIR, old)
+    n = 1
+    while os.path.exists(target):  # never mix two runs' files
+        n += 1
+        target = os.path.join(folder, RUNS_DIR, f"{old}.{n}")
+    os.makedirs(target)
+    for name in present:
+        os.replace(os.path.join(folder, name), os.path.join(target, name))
+    return target
 
 
 def peak_memory(device: torch.device) -> int:
@@ -41,9 +147,11 @@ class MetricsLog:
     ``skipped`` (the loss or norm was not finite: the step was not applied), and on the run's
     first step ``saved_activation_bytes``: the bytes rank 0's decoder blocks kept for backward
     (:class:`~shardkit.parallelize.saved_bytes.SavedBytesMeter`; on CPU the activation measure,
-    the peak being the process's max RSS).
-    A resumed run appends to the file of the run it continues. TensorBoard gets the same scalars
-    (memory in MiB) under ``train/<field>`` with the step as the global step.
+    the peak being the process's max RSS); ``eval_loss`` on the steps validated
+    (``--eval-every``; TensorBoard ``eval/loss``).
+    ``run_id``: see the module's note (a new run moves an earlier run's files aside; a resumed one
+    appends under its lineage's id). TensorBoard gets the same scalars (memory in MiB) under
+    ``train/<field>`` with the step as the global step.
 
     Args:
         folder: the report folder (created if needed).
@@ -52,6 +160,10 @@ class MetricsLog:
         batch_size: samples per global batch.
         device: this rank's device (its peak memory is recorded).
         tensorboard: write TensorBoard scalars; None: when ``tensorboard`` is installed.
+        resumed: the run continues a save (append under the folder's last run id).
+
+    Attributes:
+        run_id: this run's id; ``archived``: where an earlier run's files were moved (or None).
     """
 
     def __init__(
@@ -62,9 +174,12 @@ class MetricsLog:
         batch_size: int,
         device: torch.device,
         tensorboard: bool | None = None,
+        resumed: bool = False,
     ) -> None:
         os.makedirs(folder, exist_ok=True)
-        self.path = os.path.join(folder, "metrics.jsonl")
+        self.path = os.path.join(folder, RUN_FILES[0])
+        self.archived = None if resumed else _archive(folder)
+        self.run_id = (last_run_id(self.path) if resumed else None) or new_run_id()
         self.unit, self.per_step, self.device = unit, sample_size * batch_size, device
         if tensorboard is None:
             tensorboard = not missing(["tensorboard"])
@@ -75,9 +190,13 @@ class MetricsLog:
 
             self._writer = SummaryWriter(log_dir=self.tb_dir)
 
-    def write(self, step: int, stats: StepStats, lr: float, saved_bytes: int | None = None) -> dict[str, float]:
-        """Record 0-based ``step`` (``saved_bytes``: its measured activation bytes, if counted); returns the line."""
-        line = {
+    def write(
+        self, step: int, stats: StepStats, lr: float, saved_bytes: int | None = None, eval_loss: float | None = None
+    ) -> dict[str, Any]:
+        """Record 0-based ``step`` (``saved_bytes``: its measured activation bytes, if counted;
+        ``eval_loss``: the held-out loss after it, if evaluated); returns the line."""
+        line: dict[str, Any] = {
+            "run_id": self.run_id,
             "step": step + 1,
             "loss": stats.loss,
             "grad_norm": stats.grad_norm,
@@ -89,6 +208,8 @@ class MetricsLog:
         }
         if saved_bytes is not None:
             line["saved_activation_bytes"] = saved_bytes
+        if eval_loss is not None:
+            line["eval_loss"] = eval_loss
         with open(self.path, "a") as f:
             f.write(json.dumps(line) + "\n")
         if self._writer is not None:
@@ -97,8 +218,9 @@ class MetricsLog:
                     key, value = key.replace("_bytes", "_mib"), value / 2**20
                 if key == "skipped":
                     value = int(value)
-                if key != "step":
-                    self._writer.add_scalar(f"train/{key}", value, global_step=step + 1)
+                if key not in ("step", "run_id"):
+                    tag = "eval/loss" if key == "eval_loss" else f"train/{key}"
+                    self._writer.add_scalar(tag, value, global_step=step + 1)
             self._writer.flush()
         return line
 

@@ -89,16 +89,22 @@ class TrainConfig:
     keep: int | None = None  # keep the newest N complete saves (None: all)
     resume: bool = False  # continue from the latest save in --checkpoint-dir (any layout)
     save_hf: str | None = None  # after the last step, write the model as a Hugging Face directory here
+    resume_from: str | None = None  # continue from this save (a checkpoint root or one save's directory)
     seq_len: int = 128
     batch_size: int = 8  # global, split over dp
     dtype: str = "float32"
     seed: int = 0
     lr: float | None = None  # None: 1e-3 from scratch, 1e-4 (FINETUNE_LR) with --model-path
     lr_schedule: str | None = None  # "constant" or "warmup-cosine"; None: warmup-cosine with --model-path
+    eval_every: int = 0  # validation loss on the held-out split every N steps (and after the last); 0: none
+    eval_batches: int = 4  # global batches per validation
     verify: bool = False
     checks: bool = False  # run with shardkit's cross-rank check mode on (shardkit.comm.checks)
     timeout: float = 300.0  # seconds any collective (every process group) waits for a rank before failing
     report: str | None = None
+    log_every: int | None = (
+        None  # a plain line every N steps when stdout is no terminal; None: 1 up to 20 steps, else 10
+    )
     data: str | None = None  # None: the Python standard library's source tree
     model_path: str | None = None  # a local HF checkpoint directory or *.gguf file; None: the built-in config
     hidden_size: int = 64

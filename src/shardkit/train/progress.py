@@ -1,12 +1,36 @@
-"""Rank 0's progress bar for ``shardkit train`` (rich.progress): step, loss, tokens/s."""
+"""Rank 0's progress for ``shardkit train``: a bar on a terminal, plain lines elsewhere.
+
+On a terminal, :class:`TrainProgress` draws a bar (rich.progress) with the latest loss and the
+rate. When stdout is not a terminal (nohup, SLURM, CI, a pipe) a bar would show nothing until
+the run ends, so :class:`LogLines` prints one flushed line every ``--log-every`` steps instead:
+the step, the mean loss of the steps since the last line, the learning rate and the rate over
+those steps. :func:`setup_note` says on stderr what the run is doing before its first step
+(reading the corpus, building, parallelizing, loading a save), so such logs are not blank during
+set-up either.
+"""
 
 from __future__ import annotations
 
+import math
+import sys
 import time
+from typing import IO
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-__all__ = ["TrainProgress"]
+__all__ = ["TrainProgress", "LogLines", "make_progress", "default_log_every", "setup_note"]
+
+
+def default_log_every(steps: int) -> int:
+    """``--log-every``'s default: every step for a run of at most 20 steps, else every 10."""
+    return 1 if steps <= 20 else 10
+
+
+def setup_note(what: str, t0: float, out: IO[str] | None = None) -> None:
+    """Print ``shardkit train: [  1.2 s] <what>`` (seconds since ``t0``, ``time.perf_counter``) to
+    ``out`` (default stderr), flushed: a set-up stage is starting."""
+    stream = out if out is not None else sys.stderr
+    print(f"shardkit train: [{time.perf_counter() - t0:6.1f} s] {what}", file=stream, flush=True)
 
 
 class TrainProgress:
@@ -30,6 +54,7 @@ class TrainProgress:
         )
         self.task = self.progress.add_task("train", total=steps, loss="-", tps="-")
         self.start = 0.0
+        self.done = 0
 
     def __enter__(self) -> TrainProgress:
         self.progress.__enter__()
@@ -39,8 +64,69 @@ class TrainProgress:
     def __exit__(self, *exc) -> None:
         self.progress.__exit__(*exc)
 
-    def update(self, step: int, loss: float) -> None:
-        """Called after step ``step`` (0-based) with its global loss."""
+    def update(self, step: int, loss: float, lr: float | None = None, eval_loss: float | None = None) -> None:
+        """Called after step ``step`` (0-based) with its global loss (``lr``, ``eval_loss``: unused by the bar)."""
+        self.done += 1  # steps of this run (a resumed run starts at its save's step)
         elapsed = max(time.perf_counter() - self.start, 1e-9)
-        tps = self.tokens_per_step * (step + 1) / elapsed
+        tps = self.tokens_per_step * self.done / elapsed
         self.progress.update(self.task, advance=1, loss=f"{loss:.4f}", tps=f"{tps:,.0f}")
+
+
+class LogLines:
+    """One plain, flushed line every ``every`` steps (and after the last step) for a log file.
+
+    ``step 10/20  loss 2.4512 (mean of 10)  lr 1.00e-03  2,345 tok/s``: the loss is the mean of
+    the steps since the previous line (non-finite ones, which were not applied, left out; "nan"
+    if all were), the rate is over the same steps; a validation since the previous line adds
+    ``held-out 2.3456 (step 10)``.
+
+    Args:
+        steps: total number of steps.
+        tokens_per_step: tokens (or ``unit``) of one global batch.
+        every: print after every ``every``-th step (1-based step numbers).
+        unit: the rate's unit label.
+        out: where to print (default stdout).
+    """
+
+    def __init__(self, steps: int, tokens_per_step: int, every: int, unit: str = "tok", out=None) -> None:
+        self.steps, self.tokens_per_step, self.every, self.unit = steps, tokens_per_step, every, unit
+        self.out = out
+        self.window: list[float] = []
+        self.since = 0.0
+        self.held: tuple[int, float] | None = None
+
+    def __enter__(self) -> LogLines:
+        self.since = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def update(self, step: int, loss: float, lr: float | None = None, eval_loss: float | None = None) -> None:
+        """Called after step ``step`` (0-based) with its global loss, the rate it used and the
+        held-out loss after it (``--eval-every``; None: not evaluated)."""
+        self.window.append(loss)
+        done = step + 1
+        if eval_loss is not None:
+            self.held = (done, eval_loss)
+        if done % self.every and done != self.steps:
+            return
+        now = time.perf_counter()
+        finite = [v for v in self.window if math.isfinite(v)]
+        mean = sum(finite) / len(finite) if finite else float("nan")
+        rate = self.tokens_per_step * len(self.window) / max(now - self.since, 1e-9)
+        parts = [f"step {done}/{self.steps}", f"loss {mean:.4f} (mean of {len(self.window)})"]
+        if lr is not None:
+            parts.append(f"lr {lr:.2e}")
+        parts.append(f"{rate:,.0f} {self.unit}/s")
+        if self.held is not None:  # the latest validation since the previous line
+            parts.append(f"held-out {self.held[1]:.4f} (step {self.held[0]})")
+        print("  ".join(parts), file=self.out if self.out is not None else sys.stdout, flush=True)
+        self.window, self.since, self.held = [], now, None
+
+
+def make_progress(steps: int, tokens_per_step: int, every: int, unit: str = "tok") -> TrainProgress | LogLines:
+    """A bar when stdout is a terminal, else :class:`LogLines` every ``every`` steps."""
+    if sys.stdout.isatty():
+        return TrainProgress(steps, tokens_per_step, unit)
+    return LogLines(steps, tokens_per_step, every, unit)

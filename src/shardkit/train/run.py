@@ -15,9 +15,6 @@ from __future__ import annotations
 import copy
 import math
 import os
-import platform
-import socket
-import subprocess
 import sys
 import time
 from contextlib import nullcontext
@@ -28,9 +25,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from .. import CommLedger, __version__
+from .. import CommLedger
 from .._local_world import init_local_world
-from ..checkpoint import latest_checkpoint, load_train_state, save_train_state
+from ..checkpoint import load_train_state, save_train_state
 from ..checkpoint.hf_writer import hf_description, write_hf
 from ..checkpoint.lock import root_lock
 from ..comm import checks, checks_enabled, flight_recorder
@@ -38,12 +35,14 @@ from ..errors import NonFiniteError
 from ..parallelize import ParallelModel, gather_full_parameters
 from ..parallelize.saved_bytes import activation_meter
 from ..sharding import AXES, FLAT_VIEWS, ParallelMesh
-from .checkpoint_dir import model_description
+from .checkpoint_dir import model_description, resume_source
 from .config import TrainConfig, parallel_dims
 from .corpus import shared_corpus
+from .environment import run_environment
+from .evaluate import eval_loss
 from .liveness import Heartbeat
-from .metrics import MetricsLog, peak_memory
-from .progress import TrainProgress
+from .metrics import MetricsLog, model_size, peak_memory, utilisation
+from .progress import default_log_every, make_progress, setup_note
 from .schedule import warmup_cosine
 from .specs import model_spec
 from .trainer import LossScale, make_optimizer, train_step
@@ -112,19 +111,34 @@ def _extra_state(task) -> dict[str, torch.Tensor]:
 
 
 def run_training(
-    pm, task, cfg: TrainConfig, loss_scale=None, on_step=None, layout: str = "", metrics=None, hf=None
+    pm,
+    task,
+    cfg: TrainConfig,
+    loss_scale=None,
+    on_step=None,
+    layout: str = "",
+    metrics=None,
+    hf=None,
+    progress=None,
 ) -> dict:
     """Steps ``first..cfg.steps - 1`` of :func:`.trainer.train_step`; per-step losses and gradient norms.
 
     With ``cfg.checkpoint_dir``: the run holds the directory's lock throughout (another run on it
-    is refused), ``cfg.resume`` first loads the latest save (``first`` = its step), and the state
+    is refused), ``cfg.resume`` first loads the latest save (``cfg.resume_from``: that save;
+    ``first`` = its step; :func:`.checkpoint_dir.resume_source`), and the state
     is saved every ``cfg.save_every`` steps and after the last one (the newest ``cfg.keep`` kept),
     each save's manifest holding ``hf`` (:func:`~shardkit.checkpoint.hf_writer.hf_description`).
+
+    With ``cfg.eval_every``, the held-out loss (:func:`.evaluate.eval_loss`) after every
+    ``eval_every``-th step and the last: ``eval_losses`` ``[[step, loss], ...]`` (1-based steps).
 
     A step with a non-finite global loss or gradient norm is not applied (:func:`.trainer.
     train_step`); up to ``cfg.skip_nonfinite`` of them are skipped (counted in this run, a
     resumed run counts afresh), one more raises :class:`~shardkit.errors.NonFiniteError` on
     every rank before that step's save.
+
+    ``on_step(step, loss)`` and ``progress.update(step, loss, lr, eval_loss)`` (:mod:`.progress`) are called
+    after every step (0-based), ``metrics.write`` records it (:class:`.metrics.MetricsLog`).
 
     Raises:
         NonFiniteError: more non-finite steps than ``cfg.skip_nonfinite``.
@@ -133,19 +147,19 @@ def run_training(
         world = dist.group.WORLD
         assert world is not None  # a mesh exists: the world is initialized
         with root_lock(cfg.checkpoint_dir, world, "shardkit train --checkpoint-dir"):
-            return _run_steps(pm, task, cfg, loss_scale, on_step, layout, metrics, hf)
-    return _run_steps(pm, task, cfg, loss_scale, on_step, layout, metrics, hf)
+            return _run_steps(pm, task, cfg, loss_scale, on_step, layout, metrics, hf, progress)
+    return _run_steps(pm, task, cfg, loss_scale, on_step, layout, metrics, hf, progress)
 
 
-def _run_steps(pm, task, cfg: TrainConfig, loss_scale, on_step, layout: str, metrics, hf) -> dict:
+def _run_steps(pm, task, cfg: TrainConfig, loss_scale, on_step, layout: str, metrics, hf, progress) -> dict:
     assert cfg.lr is not None  # validate_config resolved it
     optimizer = make_optimizer(pm.module, cfg.lr)
     scheduler = None
     if cfg.lr_schedule == "warmup-cosine":
         scheduler = warmup_cosine(optimizer, cfg.steps)
     first = 0
-    if cfg.resume and pm.mesh is not None and cfg.checkpoint_dir is not None:  # --resume needs the dir
-        path = latest_checkpoint(cfg.checkpoint_dir)
+    if pm.mesh is not None:  # the --verify reference (no mesh) starts at step 0 and is compared from `first`
+        path = resume_source(cfg)
         if path is not None:
             extra = _extra_state(task)
             first = load_train_state(path, pm, optimizer, extra)
@@ -154,7 +168,7 @@ def _run_steps(pm, task, cfg: TrainConfig, loss_scale, on_step, layout: str, met
             if scheduler is not None:
                 for _ in range(first):
                     scheduler.step()  # the schedule is a function of the step count
-    losses, norms, skipped = [], [], []
+    losses, norms, skipped, evals = [], [], [], []
     saved: dict = {"saved_activation_bytes": None, "saved_bytes_per_block": None}
     for step in range(first, cfg.steps):
         lr = optimizer.param_groups[0]["lr"]  # the rate this step uses
@@ -173,12 +187,18 @@ def _run_steps(pm, task, cfg: TrainConfig, loss_scale, on_step, layout: str, met
             )
         if meter is not None:
             saved = {"saved_activation_bytes": sum(meter.per_block), "saved_bytes_per_block": meter.per_block}
+        held = None
+        if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
+            held = eval_loss(pm, task, cfg.microbatches, cfg.schedule, loss_scale)
+            evals.append([step + 1, held])
         losses.append(stats.loss)
         norms.append(stats.grad_norm)
         if on_step is not None:
             on_step(step, stats.loss)
+        if progress is not None:
+            progress.update(step, stats.loss, lr, held)
         if metrics is not None:
-            metrics.write(step, stats, lr, saved["saved_activation_bytes"] if step == first else None)
+            metrics.write(step, stats, lr, saved["saved_activation_bytes"] if step == first else None, held)
         if stats.skipped:
             skipped.append(step + 1)
             _nonfinite_step(step, stats, lr, len(skipped), cfg.skip_nonfinite)
@@ -199,7 +219,14 @@ def _run_steps(pm, task, cfg: TrainConfig, loss_scale, on_step, layout: str, met
                 model=model_description(cfg),
                 hf=hf,
             )
-    return {"losses": losses, "grad_norms": norms, "first_step": first, "skipped_steps": skipped, **saved}
+    return {
+        "losses": losses,
+        "grad_norms": norms,
+        "first_step": first,
+        "skipped_steps": skipped,
+        "eval_losses": evals,
+        **saved,
+    }
 
 
 def _nonfinite_step(step: int, stats, lr: float, seen: int, allowed: int) -> None:
@@ -255,7 +282,8 @@ def worker_main(cfg: TrainConfig, run_dir: str | None, flight_dir: str | None = 
 def train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool = True) -> dict | None:
     """The whole run on this rank, inside an initialized world of ``cfg.nproc`` ranks.
 
-    ``progress``: show rank 0's progress bar (tests turn it off). With ``cfg.checks`` the run
+    ``progress``: rank 0 says each set-up stage on stderr and shows its progress: a bar on a
+    terminal, a plain line every ``cfg.log_every`` steps elsewhere (tests turn it off). With ``cfg.checks`` the run
     (parallelize, its fingerprint, every step) is in shardkit's check mode, switched on for this
     run only with :class:`shardkit.comm.checks` (every rank sets it alike: the config is the same).
     """
@@ -266,31 +294,42 @@ def train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool = Tr
 def _train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool) -> dict | None:
     rank = dist.get_rank()
     dims = parallel_dims(cfg)
+
+    def note(what: str) -> None:  # set-up stages on rank 0, so a log file is not blank meanwhile
+        if progress and rank == 0:
+            setup_note(what, t0)
+
+    note(f"{cfg.nproc} rank(s) joined ({backend}); building the mesh {dims.describe()}")
     mesh = dims.build_mesh(device.type)
     corpus = None
     spec = model_spec(cfg.model)
     if spec.reads_corpus:
+        note(f"reading the corpus ({cfg.data or 'the Python standard library'})")
         corpus = shared_corpus(cfg, device)  # read once (rank 0), reused by the --verify reference
     task = build_task(cfg, device, corpus)
+    note(f"building the model ({cfg.model_path or cfg.model})")
     model = build_train_model(cfg)
     hf = hf_description(model, cfg.model_path)  # kept in each save's manifest (shardkit export)
+    size = model_size(model, cfg.seq_len)  # the whole model, before parallelize cuts it
     reference = copy.deepcopy(model) if cfg.verify and rank == 0 else None
+    note(f"parallelizing ({dims.describe()})")
     pm, loss_scale = build_parallel_model(model, mesh, cfg, task, device)
     del model
     t_setup = time.perf_counter() - t0
+    source = resume_source(cfg)  # every rank alike (the same files), checked before launch
+    note(f"loading {source}, then training" if source is not None else f"training {cfg.steps} steps")
 
     unit, unit_name = spec.unit
     sample = spec.sample_size(cfg)
-    bar = TrainProgress(cfg.steps, cfg.batch_size * sample, unit=unit) if progress and rank == 0 else None
+    every = cfg.log_every or default_log_every(cfg.steps)
+    bar = make_progress(cfg.steps, cfg.batch_size * sample, every, unit) if progress and rank == 0 else None
     with CommLedger() as ledger, bar or nullcontext():
         t1 = time.perf_counter()
         metrics = None
         if cfg.report is not None and rank == 0:
-            metrics = MetricsLog(cfg.report, unit_name, sample, cfg.batch_size, device)
+            metrics = MetricsLog(cfg.report, unit_name, sample, cfg.batch_size, device, resumed=source is not None)
         try:
-            run = run_training(
-                pm, task, cfg, loss_scale, bar.update if bar else None, dims.describe(), metrics=metrics, hf=hf
-            )
+            run = run_training(pm, task, cfg, loss_scale, layout=dims.describe(), metrics=metrics, hf=hf, progress=bar)
         finally:
             if metrics is not None:
                 metrics.close()
@@ -313,6 +352,7 @@ def _train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool) ->
     if cfg.save_hf is not None:  # --save-hf: the trained model as a Hugging Face directory
         assert full_params is not None  # gathered above; rank 0 holds them
         files.append(write_hf(cfg.save_hf, full_params, hf, "this run"))
+    rate = cfg.batch_size * sample * (cfg.steps - run["first_step"]) / t_train  # this run's steps
     result = {
         "layout": {
             "nproc": cfg.nproc,
@@ -328,7 +368,8 @@ def _train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool) ->
             "device": str(device),
         },
         "config": asdict(cfg),
-        "environment": _environment(),
+        "run_id": metrics.run_id if metrics is not None else None,
+        "environment": run_environment(),
         **run,
         "peak_memory_bytes": memory,
         "memory_kind": "cuda max_memory_allocated" if device.type == "cuda" else "max RSS",
@@ -337,7 +378,9 @@ def _train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool) ->
         "ledger": _ledger_rows(ledger, mesh),
         "timings_s": {"setup": t_setup, "train": t_train},
         "files": files,
-        f"{unit_name}_per_s": cfg.batch_size * sample * cfg.steps / t_train,
+        f"{unit_name}_per_s": rate,
+        **size,
+        **utilisation(size["flops_per_token"], rate if unit_name == "tokens" else None, dist.get_world_size(), device),
     }
     if reference is not None:
         assert full_params is not None  # gathered above for --verify; rank 0 holds them
@@ -349,6 +392,7 @@ def _train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool) ->
         first = run["first_step"]  # a resumed run is compared from the step it resumed at
         result["reference_losses"] = ref["losses"][first:]
         result["reference_grad_norms"] = ref["grad_norms"][first:]
+        result["reference_eval_losses"] = [e for e in ref["eval_losses"] if e[0] > first]
         result["parity"] = compare_runs(
             run["losses"],
             result["reference_losses"],
@@ -359,33 +403,3 @@ def _train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool) ->
         )
         result["timings_s"]["verify"] = time.perf_counter() - t2
     return result
-
-
-def _environment() -> dict:
-    """Versions, git revision (of the checkout shardkit runs from, if any) and host of a run."""
-    versions = {"python": platform.python_version(), "torch": torch.__version__, "shardkit": __version__}
-    try:
-        import transformers  # an optional extra: the conv model runs without it
-
-        versions["transformers"] = transformers.__version__
-    except ImportError:
-        pass
-    try:
-        revision = (
-            subprocess.run(
-                ["git", "rev-parse", "HEAD"],
-                cwd=os.path.dirname(os.path.dirname(__file__)),
-                capture_output=True,
-                text=True,
-                timeout=10,
-            ).stdout.strip()
-            or None
-        )
-    except (OSError, subprocess.SubprocessError):
-        revision = None
-    return {
-        "versions": versions,
-        "git_revision": revision,
-        "host": socket.gethostname(),
-        "platform": platform.platform(),
-    }
