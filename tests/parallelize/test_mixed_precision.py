@@ -1,7 +1,7 @@
 """``parallelize(..., mixed_precision="bf16")``: float64 parity within a derived bf16 bound, fp32 reductions.
 
 Each rank builds the tiny decoder in float32 (the masters), parallelizes it with bf16 compute on a
-4-rank layout, runs one global batch (the trainer's loss convention) and, after
+4-rank layout (the Qwen3 MoE too, with ep), runs one global batch (the trainer's loss convention) and, after
 ``pm.grads.reduce()``, one SGD step of lr 1: the full parameters moved by minus the gradient. The
 loss and that gradient are compared with the float64 one-process run from the same weights.
 
@@ -11,15 +11,19 @@ loss and that gradient are compared with the float64 one-process run from the sa
 ``u * sqrt(n / 3)``. A gradient's path crosses every block twice (forward and backward), about 12
 bf16 roundings each way per block (the weight casts, q/k/v, attention, o, two norms, gate, up, the
 activation, down, two residual adds), plus about 6 for the embedding, final norm and ``lm_head``:
-``n = 24 L + 6``. The test allows twice the model: ``2 u sqrt((24 L + 6) / 3)`` = 0.033 for the
-tiny decoder (``L = 2``); measured: 0.010 to 0.011 on the four layouts. The loss, a mean over tokens,
-is held to the same bound (measured: 4e-7 to 2e-5). A dropped or doubled reduction is an O(1)
-error, and a run that silently computed in float32 stays under ``u / 8`` (float32 rounding: about 1e-6), so
-both sides of the check can fail.
+``n = 24 L + 6``. The test allows twice the model, ``2 u sqrt((24 L + 6) / 3)`` = 0.033 for the
+tiny decoders (``L = 2``), for the whole gradient (every parameter's, concatenated) and for the
+loss; measured: gradient 0.0056 to 0.0059 (Llama), 0.0083 (the MoE), loss 4e-7 to 3e-5. One
+parameter alone can exceed the model where its gradient is a sum over tokens that cancels (the
+Qwen3 MoE's per-head q/k norm weights: 0.032; Llama's worst: 0.011), so each parameter is held to
+a bug bar of 0.1 instead: a dropped or doubled reduction errs by 0.5 to 1. A run that silently
+computed in float32 stays under ``u / 8`` (float32 rounding: about 1e-6), so the lower side can
+fail too.
 
 The ledger of the same step: every parameter-gradient reduction (FSDP2's reduce-scatter and
-HSDP all-reduce, ``GradientSync``, tp's ``sum_grad_over`` hooks) is float32; every other
-collective that moves data (forward, and the activations' gradients in backward) is bfloat16.
+HSDP all-reduce, ``GradientSync`` over ``dp_cp`` and ``edp``, tp's ``sum_grad_over`` hooks) is
+float32; every other collective that moves floating-point data (forward, and the activations'
+gradients in backward, ep's token all-to-alls included) is bfloat16.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ from shardkit.sharding import ParallelDims
 
 BATCH = 4
 U = 2.0**-8  # bfloat16's unit roundoff
+FLOATS = ("float64", "float32", "bfloat16", "float16")
+BUG_BAR = 0.1  # per parameter: a dropped or doubled reduction errs by 0.5 to 1
 
 
 def bf16_bound(layers: int) -> float:
@@ -48,18 +54,19 @@ def bf16_bound(layers: int) -> float:
 
 
 LAYOUTS = {
-    "tp=2 x dp_shard=2 (FSDP2)": (dict(tp=2, dp_shard=2), False),
-    "tp=2 x dp_replicate=2, sequence parallel": (dict(tp=2, dp_replicate=2), True),
-    "dp_shard=2 x dp_replicate=2 (HSDP)": (dict(dp_shard=2, dp_replicate=2), False),
-    "cp_ulysses=2 x tp=2": (dict(cp_ulysses=2, tp=2), False),
+    "tp=2 x dp_shard=2 (FSDP2)": ("llama", dict(tp=2, dp_shard=2), False),
+    "tp=2 x dp_replicate=2, sequence parallel": ("llama", dict(tp=2, dp_replicate=2), True),
+    "dp_shard=2 x dp_replicate=2 (HSDP)": ("llama", dict(dp_shard=2, dp_replicate=2), False),
+    "cp_ulysses=2 x tp=2": ("llama", dict(cp_ulysses=2, tp=2), False),
+    "moe: ep=2 from tp=2, x dp_replicate=2": ("moe", dict(tp=2, dp_replicate=2, ep=2), False),
 }
 # ledger apis of the parameter-gradient reductions (FSDP2's are its backward reduce-scatter / all-reduce)
 REDUCTIONS = {"dp_cp_grads", "expert_grads", "sum_grad_over", "tp_replicated_heads"}
 
 
-def _reference() -> tuple[float, dict[str, torch.Tensor]]:
+def _reference(model_name: str) -> tuple[float, dict[str, torch.Tensor]]:
     """float64, one process: the mean loss over the whole batch and its gradients."""
-    model = tiny_decoder()
+    model = tiny_decoder(model_name)
     ids = token_ids(BATCH)
     loss = loss_sum(model(input_ids=ids).logits, ids) / predicted_tokens(ids)
     loss.backward()
@@ -70,11 +77,11 @@ def _is_reduction(r) -> bool:
     return r.api in REDUCTIONS or (r.api == "fully_shard" and r.op in ("reduce_scatter_single", "all_reduce"))
 
 
-def _mixed_step(layout: dict, sequence_parallel: bool):
+def _mixed_step(model_name: str, layout: dict, sequence_parallel: bool):
     """One bf16 step: (global loss, {name: -gradient} on rank 0 else None, ledger records)."""
     mesh = ParallelDims(**layout).build_mesh("cpu")
     pm = parallelize(
-        tiny_decoder(dtype="float32"),
+        tiny_decoder(model_name, dtype="float32"),
         mesh,
         sequence_parallel=sequence_parallel,
         grad_reduce="sum",
@@ -105,11 +112,12 @@ def _mixed_step(layout: dict, sequence_parallel: bool):
 
 
 @pytest.mark.world(4, timeout=240)
-@pytest.mark.parametrize("layout,sequence_parallel", list(LAYOUTS.values()), ids=list(LAYOUTS))
-def test_bf16_step_matches_float64_within_the_bound_and_reduces_in_fp32(layout, sequence_parallel):
-    loss, moved, records, logits_dtype = _mixed_step(layout, sequence_parallel)
+@pytest.mark.parametrize("model_name,layout,sequence_parallel", list(LAYOUTS.values()), ids=list(LAYOUTS))
+def test_bf16_step_matches_float64_within_the_bound_and_reduces_in_fp32(model_name, layout, sequence_parallel):
+    loss, moved, records, logits_dtype = _mixed_step(model_name, layout, sequence_parallel)
     reductions = [r for r in records if _is_reduction(r)]
-    moving = [r for r in records if not _is_reduction(r) and r.dtype is not None and r.phase != "check"]
+    # collectives moving floating-point data (routing counts and metadata are integers)
+    moving = [r for r in records if not _is_reduction(r) and r.dtype in FLOATS and r.phase != "check"]
     checks = {
         "logits in bf16": logits_dtype == torch.bfloat16,
         "gradient reductions issued": len(reductions) > 0,
@@ -117,13 +125,16 @@ def test_bf16_step_matches_float64_within_the_bound_and_reduces_in_fp32(layout, 
         "forward collectives issued": any(r.phase == "forward" for r in moving),
         "every activation collective in bfloat16": all(r.dtype == "bfloat16" for r in moving),
     }
-    ref_loss, grads = _reference()
+    ref_loss, grads = _reference(model_name)
     bound = bf16_bound(SIZES["layers"])
     checks["loss within the bound"] = abs(loss - ref_loss) / abs(ref_loss) <= bound
     if rank() == 0:  # the full parameters are gathered on rank 0
+        diff = torch.cat([(moved[n].double() - grads[n]).reshape(-1) for n in grads])
+        whole = (diff.norm() / torch.cat([g.reshape(-1) for g in grads.values()]).norm()).item()
         worst = max(((moved[n].double() - grads[n]).norm() / grads[n].norm()).item() for n in grads)
-    checks["gradients within the bound"] = rank() != 0 or worst <= bound
-    checks["really computed in bf16"] = rank() != 0 or worst > U / 8
+    checks["the gradient within the bound"] = rank() != 0 or whole <= bound
+    checks["every parameter's gradient within the bug bar"] = rank() != 0 or worst <= BUG_BAR
+    checks["really computed in bf16"] = rank() != 0 or whole > U / 8
     for name, ok in checks.items():
         assert all_true(ok), (name, sorted({(r.api, r.op, r.phase, r.dtype) for r in records}))
 
