@@ -61,7 +61,7 @@ LAYOUTS = {
     "moe: ep=2 from tp=2, x dp_replicate=2": ("moe", dict(tp=2, dp_replicate=2, ep=2), False),
 }
 # ledger apis of the parameter-gradient reductions (FSDP2's are its backward reduce-scatter / all-reduce)
-REDUCTIONS = {"dp_cp_grads", "expert_grads", "sum_grad_over", "tp_replicated_heads"}
+REDUCTIONS = {"dp_cp_grads", "expert_grads", "sum_grad_over", "tp_replicated_heads", "sum_tied_embedding_grads"}
 
 
 def _reference(model_name: str) -> tuple[float, dict[str, torch.Tensor]]:

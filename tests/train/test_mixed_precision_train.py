@@ -28,7 +28,7 @@ LAYOUTS = {
     "dp_replicate=2 x tp=2 (SP), --ac selective": dict(ac="selective"),
     "moe: ep=2 from tp=2 x dp=2, --ac full": dict(model="moe", ep=2, ac="full"),
 }
-REDUCTIONS = {"dp_cp_grads", "expert_grads", "sum_grad_over", "tp_replicated_heads"}
+REDUCTIONS = {"dp_cp_grads", "expert_grads", "sum_grad_over", "tp_replicated_heads", "sum_tied_embedding_grads"}
 
 
 def _is_reduction(row: dict) -> bool:
