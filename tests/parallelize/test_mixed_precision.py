@@ -108,6 +108,7 @@ def _mixed_step(model_name: str, layout: dict, sequence_parallel: bool):
     total = loss.detach().double()
     dist.all_reduce(total, group=mesh["dp_cp"].get_group())
     moved = None if before is None or after is None else {n: before[n] - after[n] for n in before}
+    assert ledger.count(dtype="float32") == sum(r.dtype == "float32" for r in ledger.records)  # count by dtype
     return total.item(), moved, ledger.records, logits.dtype
 
 
