@@ -121,6 +121,11 @@ def apply_mixed_precision(model: nn.Module, blocks: Sequence[nn.Module], mode: s
         )
     inside: set[int] = set()
     for block in blocks:
-        block.forward = functools.partial(_cast_forward, block.forward, _slots(block, set()), dtype)
+        block.forward = _wrapped(block.forward, _slots(block, set()), dtype)
         inside.update(id(p) for p in block.parameters())
-    model.forward = functools.partial(_cast_forward, model.forward, _slots(model, inside), dtype)
+    model.forward = _wrapped(model.forward, _slots(model, inside), dtype)
+
+
+def _wrapped(forward: Callable, slots: list[tuple[nn.Module, str]], dtype: torch.dtype) -> Callable:
+    # keeps the forward's name and signature visible (inspect follows __wrapped__)
+    return functools.update_wrapper(functools.partial(_cast_forward, forward, slots, dtype), forward)
