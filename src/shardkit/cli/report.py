@@ -19,6 +19,7 @@ _MIB = 2**20
 WINDOW = 5
 """Steps in each window of the summary's loss and gradient-norm means (first and last)."""
 _PHASES = {"forward": "fwd", "backward": "bwd"}
+_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float64": "fp64", "float16": "fp16", "int64": "i64"}
 
 
 def _layout(result: dict) -> str:
@@ -107,14 +108,16 @@ def print_summary(result: dict, console: Console) -> None:
     # By mesh axis, in mesh order. Fits 80 columns: c10d op without "_single", forward/backward
     # as fwd/bwd in api names (report.json keeps the full names and the group size).
     ledger = Table(title="comm ledger by axis (rank 0)", box=box.SIMPLE_HEAD, pad_edge=False)
-    for name in ("axis", "op", "api", "phase", "calls", "MiB out", "MiB in"):
-        ledger.add_column(name, justify="left" if name in ("axis", "op", "api", "phase") else "right", no_wrap=True)
+    for name in ("axis", "op", "api", "phase", "dtype", "calls", "MiB out", "MiB in"):
+        left = name in ("axis", "op", "api", "phase", "dtype")
+        ledger.add_column(name, justify="left" if left else "right", no_wrap=True)
     for row in result["ledger"]:
         ledger.add_row(
             row.get("axis", "-"),
             row["op"].removesuffix("_single"),
             row["api"].replace("forward", "fwd").replace("backward", "bwd"),
             _PHASES.get(row["phase"], row["phase"]),
+            _DTYPES.get(row.get("dtype", "-"), row.get("dtype", "-")),
             str(row["count"]),
             f"{row['bytes_sent'] / _MIB:.2f}",
             f"{row['bytes_received'] / _MIB:.2f}",

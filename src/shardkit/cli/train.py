@@ -23,7 +23,7 @@ from ..train.config import DTYPES, SCHEDULES, TrainConfig, load_toml, merge_conf
 from ..train.data import check_files, corpus_files, held_out_start
 from ..train.limits import check_machine
 from ..train.liveness import clear_flight_dir
-from ..train.options import AC_MODES
+from ..train.options import AC_MODES, MIXED_PRECISION
 from ..train.run import worker_main
 from ..train.specs import SPECS, model_spec
 from .launch import LaunchFailed, LaunchInterrupted, exit_now, launch_local, print_failure, under_torchrun
@@ -167,6 +167,12 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, help=f"tokens per sequence (default {d.seq_len})")
     p.add_argument("--batch-size", type=int, help=f"global batch, split over dp (default {d.batch_size})")
     p.add_argument("--dtype", choices=DTYPES, help=f"parameter and compute dtype (default {d.dtype})")
+    p.add_argument(
+        "--mixed-precision",
+        choices=MIXED_PRECISION,
+        help="bf16: forward and backward in bfloat16 on float32 master parameters and optimizer state, "
+        f"every gradient reduction in float32 (needs --dtype float32) (default {d.mixed_precision})",
+    )
     p.add_argument("--seed", type=int, help=f"model init and data sampling seed (default {d.seed})")
     p.add_argument("--lr", type=float, help="AdamW peak learning rate (default 1e-3; 1e-4 with --model-path)")
     p.add_argument(

@@ -197,10 +197,17 @@ def _unpack(buf: torch.Tensor, out_shape: Sequence[int], dim: int, sizes: Sequen
     return out
 
 
+def _record(op: str, api: str, phase: str, g: GroupInfo, sent: torch.Tensor, received: torch.Tensor, shape, sizes=None):
+    """The ledger entry of one call: its buffers' bytes and the dtype of the data it moves."""
+    ledger.record(
+        op, api, phase, g.size, sent.nbytes, received.nbytes, pg=g.pg, shape=shape, sizes=sizes, dtype=sent.dtype
+    )
+
+
 def all_reduce(x: torch.Tensor, g: GroupInfo, api: str, phase: str) -> torch.Tensor:
     """Sum of ``x`` over the group, in a new contiguous tensor."""
     out = x.clone(memory_format=torch.contiguous_format)
-    ledger.record("all_reduce", api, phase, g.size, out.nbytes, out.nbytes, pg=g.pg, shape=out.shape)
+    _record("all_reduce", api, phase, g, out, out, out.shape)
     dist.all_reduce(out, group=g.pg)
     return out
 
@@ -229,23 +236,17 @@ def all_gather(x: torch.Tensor, g: GroupInfo, dim: int, sizes, api: str, phase: 
     out = x.new_empty(p.out_shape) if p.in_place else None
     if p.even and out is not None and dim == 0:
         # c10d's own concatenation: no flat views (each costs about a microsecond).
-        ledger.record(
-            "all_gather_single", api, phase, g.size, src.nbytes, out.nbytes, pg=g.pg, shape=x.shape, sizes=sizes
-        )
+        _record("all_gather_single", api, phase, g, src, out, x.shape, sizes)
         all_gather_single(out, src, group=g.pg)
         return out
     buf = _scratch(p.total, x, 1) if out is None else out.view(-1)
     if p.even:
-        ledger.record(
-            "all_gather_single", api, phase, g.size, src.nbytes, buf.nbytes, pg=g.pg, shape=x.shape, sizes=sizes
-        )
+        _record("all_gather_single", api, phase, g, src, buf, x.shape, sizes)
         all_gather_single(buf, src.view(-1), group=g.pg)
     else:
         # Uneven: send the whole local block to every rank, receive block r from rank r.
         send = src.reshape(-1).repeat(g.size)  # (an expand + reshape of an empty tensor is not contiguous)
-        ledger.record(
-            "all_to_all_single", api, phase, g.size, send.nbytes, buf.nbytes, pg=g.pg, shape=x.shape, sizes=sizes
-        )
+        _record("all_to_all_single", api, phase, g, send, buf, x.shape, sizes)
         dist.all_to_all_single(
             buf, send, output_split_sizes=p.blocks, input_split_sizes=[src.numel()] * g.size, group=g.pg
         )
@@ -264,26 +265,20 @@ def reduce_scatter(x: torch.Tensor, g: GroupInfo, dim: int, sizes, api: str, pha
     if even and dim == 0 and x.is_contiguous():
         # c10d's own split along dim 0: no pack and no flat views (each costs about a microsecond).
         out = x.new_empty(out_shape)
-        ledger.record(
-            "reduce_scatter_single", api, phase, g.size, x.nbytes, out.nbytes, pg=g.pg, shape=x.shape, sizes=sizes
-        )
+        _record("reduce_scatter_single", api, phase, g, x, out, x.shape, sizes)
         reduce_scatter_single(out, x, group=g.pg)
         return out
     send = _pack(x, dim, sizes)
     if even:
         out = x.new_empty(out_shape)
-        ledger.record(
-            "reduce_scatter_single", api, phase, g.size, send.nbytes, out.nbytes, pg=g.pg, shape=x.shape, sizes=sizes
-        )
+        _record("reduce_scatter_single", api, phase, g, send, out, x.shape, sizes)
         reduce_scatter_single(out.view(-1), send, group=g.pg)
         return out
     # Uneven: every rank sends block j to rank j, then sums the R blocks it received. Same
     # traffic as a ring reduce-scatter, and gloo has no uneven reduce-scatter.
     blocks = [math.prod(_with_dim(x.shape, dim, s)) for s in sizes]
     recv = x.new_empty(g.size * blocks[g.rank])
-    ledger.record(
-        "all_to_all_single", api, phase, g.size, send.nbytes, recv.nbytes, pg=g.pg, shape=x.shape, sizes=sizes
-    )
+    _record("all_to_all_single", api, phase, g, send, recv, x.shape, sizes)
     dist.all_to_all_single(
         recv, send, output_split_sizes=[blocks[g.rank]] * g.size, input_split_sizes=blocks, group=g.pg
     )
@@ -314,9 +309,7 @@ def all_to_all(
     else:
         send = _pack(x, scatter_dim, scatter_sizes)
     recv = _scratch(p.total, x, 1) if p.unpack_copies else x.new_empty(p.total)
-    ledger.record(
-        "all_to_all_single", api, phase, g.size, send.nbytes, recv.nbytes, pg=g.pg, shape=x.shape, sizes=gather_sizes
-    )
+    _record("all_to_all_single", api, phase, g, send, recv, x.shape, gather_sizes)
     dist.all_to_all_single(recv, send, output_split_sizes=p.out_splits, input_split_sizes=p.in_splits, group=g.pg)
     return _unpack(recv, p.out_shape, gather_dim, gather_sizes) if p.unpack_copies else recv.view(p.out_shape)
 
@@ -376,6 +369,6 @@ def all_to_all_flat(
     logical local shape, for the flight recorder.
     """
     recv = send.new_empty(sum(out_splits))
-    ledger.record("all_to_all_single", api, phase, g.size, send.nbytes, recv.nbytes, pg=g.pg, shape=shape or send.shape)
+    _record("all_to_all_single", api, phase, g, send, recv, shape or send.shape)
     dist.all_to_all_single(recv, send, output_split_sizes=out_splits, input_split_sizes=in_splits, group=g.pg)
     return recv

@@ -44,6 +44,8 @@ class CommRecord:
         group_name: the process group's name (``ProcessGroup.group_name``; None when the caller
             did not pass the group): which mesh axis the call ran on
             (:meth:`shardkit.ParallelMesh.axis_of`).
+        dtype: the dtype of the data the call moves (``"float32"``, ``"bfloat16"``, ...; None when
+            the caller did not say): mixed precision shows its reductions in float32 here.
     """
 
     op: str
@@ -53,6 +55,7 @@ class CommRecord:
     bytes_sent: int
     bytes_received: int
     group_name: str | None = None
+    dtype: str | None = None
 
 
 class CommLedger:
@@ -78,7 +81,7 @@ class CommLedger:
         with _lock:
             _open.remove(self)
 
-    def _select(self, op=None, api=None, phase=None, group_size=None):
+    def _select(self, op=None, api=None, phase=None, group_size=None, dtype=None):
         return [
             r
             for r in self.records
@@ -86,13 +89,19 @@ class CommLedger:
             and (api is None or r.api == api)
             and (phase is None or r.phase == phase)
             and (group_size is None or r.group_size == group_size)
+            and (dtype is None or r.dtype == dtype)
         ]
 
     def count(
-        self, op: str | None = None, api: str | None = None, phase: str | None = None, group_size: int | None = None
+        self,
+        op: str | None = None,
+        api: str | None = None,
+        phase: str | None = None,
+        group_size: int | None = None,
+        dtype: str | None = None,
     ) -> int:
-        """Number of recorded calls matching every given field."""
-        return len(self._select(op, api, phase, group_size))
+        """Number of recorded calls matching every given field (``dtype`` by name, e.g. ``"float32"``)."""
+        return len(self._select(op, api, phase, group_size, dtype))
 
     def bytes_sent(
         self, op: str | None = None, api: str | None = None, phase: str | None = None, group_size: int | None = None
@@ -129,6 +138,7 @@ def record(
     shape=None,
     sizes=None,
     peer: int | None = None,
+    dtype: torch.dtype | None = None,
 ) -> None:
     """Append one call to every open ledger and to the flight recorder.
 
@@ -136,7 +146,8 @@ def record(
     last entry of the flight recorder (:mod:`.flight_recorder`). The keyword arguments only feed
     the recorder: ``pg`` the process group (its ranks name the group in a desync report),
     ``shape`` the local tensor shape, ``sizes`` the per-rank split sizes, ``peer`` the group
-    rank of the other side of a ``send``/``recv``.
+    rank of the other side of a ``send``/``recv``. ``dtype``: the dtype of the data moved (kept in
+    :attr:`CommRecord.dtype` by its name).
     """
     if phase != "backward" and torch._C._current_graph_task_id() != -1:
         # a forward-side call inside backward: an activation-checkpointed block recomputing
@@ -148,7 +159,16 @@ def record(
         rec_.record(op, api, phase, group_size, pg, shape, sizes, peer)
     if not _open:
         return
-    rec = CommRecord(op, api, phase, group_size, bytes_sent, bytes_received, None if pg is None else pg.group_name)
+    rec = CommRecord(
+        op,
+        api,
+        phase,
+        group_size,
+        bytes_sent,
+        bytes_received,
+        None if pg is None else pg.group_name,
+        None if dtype is None else str(dtype).removeprefix("torch."),
+    )
     with _lock:
         for ledger in _open:
             ledger.records.append(rec)

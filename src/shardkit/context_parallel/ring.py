@@ -145,6 +145,7 @@ class _Ring:
             pg=self.g.pg,
             shape=sends[0].shape,
             peer=self.nxt,
+            dtype=sends[0].dtype,
         )
         ledger.record(
             "recv",
@@ -156,6 +157,7 @@ class _Ring:
             pg=self.g.pg,
             shape=recvs[0].shape,
             peer=self.prv,
+            dtype=recvs[0].dtype,
         )
         works = dist.batch_isend_irecv(ops)
         pending = _Pending(works, recvs, sends)

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
 from ..comm import ledger
@@ -59,7 +60,12 @@ def keeps_own_reduction(p: nn.Parameter) -> bool:
 
 
 def apply_fsdp(
-    model: nn.Module, mesh: ParallelMesh, blocks: list[nn.Module], *, grad_reduce: GradReduce = "mean"
+    model: nn.Module,
+    mesh: ParallelMesh,
+    blocks: list[nn.Module],
+    *,
+    grad_reduce: GradReduce = "mean",
+    mp_policy: MixedPrecisionPolicy | None = None,
 ) -> set[str]:
     """Apply FSDP2 to every block of ``blocks`` and then to ``model`` (the root), in place.
 
@@ -70,6 +76,10 @@ def apply_fsdp(
             before its forward and freed after, so only one block is ever unsharded.
         grad_reduce: ``"mean"`` (FSDP2's and DDP's average over the ``D`` data ranks) or
             ``"sum"``; the :class:`~.grads.GradientSync` of the same model must use the same.
+        mp_policy: FSDP2's ``MixedPrecisionPolicy`` for every sharded module (None: its default,
+            everything in the parameters' dtype); mixed precision passes
+            ``param_dtype=bfloat16, reduce_dtype=float32``
+            (:func:`shardkit.parallelize.mixed_precision.fsdp_policy`).
 
     Returns:
         The names of the parameters FSDP2 now owns (their gradients are reduced by FSDP2).
@@ -83,8 +93,12 @@ def apply_fsdp(
     dp_mesh = mesh["hsdp"] if mesh.dims.dp_replicate > 1 else mesh["dp_shard_cp"]
     ignored = {p for p in model.parameters() if keeps_own_reduction(p)}
     names = {name for name, p in model.named_parameters() if p not in ignored}
-    sharded = [fully_shard(block, mesh=dp_mesh, ignored_params=ignored & set(block.parameters())) for block in blocks]
-    sharded.append(fully_shard(model, mesh=dp_mesh, ignored_params=ignored))
+    mp = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
+    sharded = [
+        fully_shard(block, mesh=dp_mesh, ignored_params=ignored & set(block.parameters()), mp_policy=mp)
+        for block in blocks
+    ]
+    sharded.append(fully_shard(model, mesh=dp_mesh, ignored_params=ignored, mp_policy=mp))
     replicate = dp_mesh.get_group(0) if mesh.dims.dp_replicate > 1 else None  # HSDP: FSDP2's all-reduce group
     for module in sharded:
         # FSDP2 divides by the factor after plain-sum collectives (gloo has no AVG / PREMUL_SUM)
@@ -125,6 +139,7 @@ class LedgerAllGather(AllGather):
             _nbytes(output_tensor),
             pg=group,
             shape=tuple(input_tensor.shape),
+            dtype=input_tensor.dtype,
         )
         return all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
 
@@ -152,6 +167,7 @@ class LedgerReduceScatter(ReduceScatter):
             _nbytes(output_tensor),
             pg=group,
             shape=tuple(input_tensor.shape),
+            dtype=input_tensor.dtype,
         )
         return reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
 
@@ -166,4 +182,5 @@ def _record_hsdp_all_reduce(group: dist.ProcessGroup, reduced: torch.Tensor) -> 
         _nbytes(reduced),
         pg=group,
         shape=tuple(reduced.shape),
+        dtype=reduced.dtype,
     )

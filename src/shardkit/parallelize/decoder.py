@@ -14,9 +14,11 @@ Each transform takes its own submesh of the job's :class:`~shardkit.sharding.Par
    block of experts; tokens travel with the all-to-all dispatcher. Tokens are replicated over
    tp only, so each tp rank dispatches its own block of them (``token_group = tp``); with
    sequence parallelism each tp rank already holds its own block of the sequence.
-4. **ac**: activation checkpointing of every decoder block, ``full`` or ``selective``
+4. **mixed precision** (optional): each block and the root compute on a bfloat16 copy of their
+   float32 parameters; every parameter-gradient reduction stays float32 (:mod:`.mixed_precision`).
+5. **ac**: activation checkpointing of every decoder block, ``full`` or ``selective``
    (:mod:`.checkpointing`), inside FSDP2's hooks.
-5. **dp**: FSDP2 over ``dp_shard x cp`` (HSDP with ``dp_replicate``) when ``dp_shard > 1``;
+6. **dp**: FSDP2 over ``dp_shard x cp`` (HSDP with ``dp_replicate``) when ``dp_shard > 1``;
    everything FSDP2 does not reduce is summed by one :class:`~shardkit.data_parallel.GradientSync`.
    ``grad_reduce`` picks DDP's mean over the data ranks (the default) or their sum (the
    trainer's, with the loss divided by the global token count).
@@ -43,6 +45,7 @@ from ..sharding import shard_spec
 from ..tensor_parallel import apply_tp
 from ..tensor_parallel.plan import CompiledPlan, model_tp_plan
 from .checkpointing import apply_ac, check_ac_mode
+from .mixed_precision import apply_mixed_precision, check_mixed_precision, fsdp_policy
 
 if TYPE_CHECKING:
     from ..sharding import ParallelMesh
@@ -111,6 +114,7 @@ def parallelize(
     loss_parallel: bool = False,
     grad_reduce: GradReduce = "mean",
     activation_checkpoint: str = "none",
+    mixed_precision: str = "none",
 ) -> ParallelModel:
     """Apply tensor, context, expert and data parallelism to ``model``, in that order, in place.
 
@@ -141,6 +145,12 @@ def parallelize(
         activation_checkpoint: ``"none"``, ``"full"`` (each decoder block recomputed in
             backward) or ``"selective"`` (matmul, attention and collective outputs kept), applied
             after tp, cp and ep and before FSDP2 (:func:`~.checkpointing.apply_ac`).
+        mixed_precision: ``"none"`` or ``"bf16"``: forward and backward in bfloat16 on float32
+            master parameters (the optimizer's), every parameter-gradient reduction in float32
+            (FSDP2's ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``, the
+            replicated path's :class:`~shardkit.data_parallel.GradientSync`, tp's hooks); the
+            activations' collectives run in bfloat16 (:mod:`.mixed_precision`). Also with
+            ``mesh=None``, so a one-process reference computes alike.
 
     Returns:
         :class:`ParallelModel`.
@@ -148,11 +158,14 @@ def parallelize(
     Raises:
         ShardkitError: a layout the model cannot take (e.g. ``ep > 1`` on a dense model), with
             the reason; ``grad_reduce`` not ``"mean"`` or ``"sum"``; the transforms' own errors
-            (head counts, ...).
+            (head counts, ...); ``mixed_precision`` not ``"none"`` or ``"bf16"``, or ``"bf16"``
+            on a model whose parameters are not float32.
     """
     grad_reduce = check_grad_reduce(grad_reduce, "parallelize")
     check_ac_mode(activation_checkpoint)
-    if mesh is None:  # one process: no transform, every parameter replicated
+    check_mixed_precision(mixed_precision)
+    if mesh is None:  # one process: no parallel transform, every parameter replicated
+        apply_mixed_precision(model, decoder_layers(model), mixed_precision)
         apply_ac(decoder_layers(model), activation_checkpoint)
         layouts = _param_layouts(model)
         sync = GradientSync(model, None, layouts, grad_reduce=grad_reduce)
@@ -172,6 +185,7 @@ def parallelize(
                 f"loss_parallel {loss_parallel}",
                 f"grad_reduce {grad_reduce}",
                 f"activation_checkpoint {activation_checkpoint}",
+                f"mixed_precision {mixed_precision}",
             ],
         )
     if tp > 1:
@@ -191,10 +205,13 @@ def parallelize(
                 shard_experts(experts, mesh["ep"], mode="dispatch", tokens="replicated", token_group=mesh["tp"])
             else:  # every rank's tokens are its own (with sequence parallelism: its sequence block)
                 shard_experts(experts, mesh["ep"], mode="dispatch", tokens="sharded")
+    # the cast sits inside the checkpoint: a recomputed block casts its weights again
+    apply_mixed_precision(model, decoder_layers(model), mixed_precision)
     apply_ac(decoder_layers(model), activation_checkpoint)
     layouts = _param_layouts(model)
     if dims.dp_shard > 1:
-        for name in apply_fsdp(model, mesh, decoder_layers(model), grad_reduce=grad_reduce):
+        policy = fsdp_policy(mixed_precision)
+        for name in apply_fsdp(model, mesh, decoder_layers(model), grad_reduce=grad_reduce, mp_policy=policy):
             layouts[name].fsdp = True
     return ParallelModel(
         model,

@@ -40,6 +40,7 @@ def parallelize_stage(
     loss_parallel: bool = False,
     grad_reduce: GradReduce = "mean",
     activation_checkpoint: str = "none",
+    mixed_precision: str = "none",
 ) -> ParallelModel:
     """This rank's pipeline stage of ``model``, parallelized, with its :class:`PipelineStage`.
 
@@ -48,7 +49,8 @@ def parallelize_stage(
             kept once it is dropped.
         mesh: the job's :class:`~shardkit.sharding.ParallelMesh` with ``pp > 1``.
         loss_fn: ``loss_fn(logits, labels) -> 0-d`` for the last stage.
-        sequence_parallel, loss_parallel, activation_checkpoint: as :func:`~.decoder.parallelize`.
+        sequence_parallel, loss_parallel, activation_checkpoint, mixed_precision: as
+            :func:`~.decoder.parallelize` (with ``"bf16"`` the stages exchange bfloat16 hidden states).
         grad_reduce: as :func:`~.decoder.parallelize` (over the data ranks of this stage; the
             schedule's microbatch losses are ``loss_fn``'s to scale).
 
@@ -66,6 +68,7 @@ def parallelize_stage(
         loss_parallel=loss_parallel,
         grad_reduce=grad_reduce,
         activation_checkpoint=activation_checkpoint,
+        mixed_precision=mixed_precision,
     )
     last = s == dims.pp - 1
     if module.tied:

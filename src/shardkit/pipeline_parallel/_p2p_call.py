@@ -149,12 +149,14 @@ def _static_single(api, g: GroupInfo, x, directions, send: bool, shape, dtype, d
         payload = x.detach().contiguous()
         if payload.numel() == 0:
             return _StaticWork(None, None)
-        ledger.record("send", api, phase, g.size, payload.nbytes, 0, pg=g.pg, shape=payload.shape, peer=peer)
+        ledger.record(
+            "send", api, phase, g.size, payload.nbytes, 0, pg=g.pg, shape=payload.shape, peer=peer, dtype=payload.dtype
+        )
         return _StaticWork(isend(payload, g.pg, peer), None)
     buf = torch.empty(shape, dtype=dtype, device=_device(device, g, api))
     if buf.numel() == 0:
         return _StaticWork(None, buf)
-    ledger.record("recv", api, phase, g.size, 0, buf.nbytes, pg=g.pg, shape=buf.shape, peer=peer)
+    ledger.record("recv", api, phase, g.size, 0, buf.nbytes, pg=g.pg, shape=buf.shape, peer=peer, dtype=buf.dtype)
     return _StaticWork(irecv(buf, g.pg, peer), buf)
 
 

@@ -61,12 +61,12 @@ def _bcast(t: torch.Tensor, tp: GroupInfo, api: str, phase: str) -> None:
 
 
 def _send(t, pg: GroupInfo, peer: int, api: str, phase: str):
-    ledger.record("send", api, phase, pg.size, t.nbytes, 0, pg=pg.pg, peer=peer)
+    ledger.record("send", api, phase, pg.size, t.nbytes, 0, pg=pg.pg, peer=peer, dtype=t.dtype)
     return isend(t, pg.pg, peer)
 
 
 def _recv(t, pg: GroupInfo, peer: int, api: str, phase: str) -> torch.Tensor:
-    ledger.record("recv", api, phase, pg.size, 0, t.nbytes, pg=pg.pg, peer=peer)
+    ledger.record("recv", api, phase, pg.size, 0, t.nbytes, pg=pg.pg, peer=peer, dtype=t.dtype)
     irecv(t, pg.pg, peer).wait()
     return t
 

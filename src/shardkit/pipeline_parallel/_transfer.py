@@ -144,6 +144,7 @@ def post(msgs, batched: bool, api: str) -> list:
             pg=t.g.pg,
             shape=tensor.shape,
             peer=t.peer,
+            dtype=tensor.dtype,
         )
     if not batched:
         return [(isend if s else irecv)(tensor, t.g.pg, t.peer) for t, s, tensor, _ in msgs]

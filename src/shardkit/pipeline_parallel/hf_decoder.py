@@ -251,7 +251,7 @@ def sum_tied_embedding_grads(stage_module: DecoderStageModule, pp_group: Group) 
     ]
     for work in dist.batch_isend_irecv(ops):
         work.wait()
-    ledger.record("send", op, "backward", g.size, mine.nbytes, 0, pg=g.pg, peer=peer)
-    ledger.record("recv", op, "backward", g.size, 0, theirs.nbytes, pg=g.pg, peer=peer)
+    ledger.record("send", op, "backward", g.size, mine.nbytes, 0, pg=g.pg, peer=peer, dtype=mine.dtype)
+    ledger.record("recv", op, "backward", g.size, 0, theirs.nbytes, pg=g.pg, peer=peer, dtype=theirs.dtype)
     first, last = (mine, theirs) if stage_module.is_first else (theirs, mine)
     p.grad = first + last

@@ -54,7 +54,7 @@ def _all_reduce_(buf: torch.Tensor, g, op) -> None:
     """In-place all-reduce of an already-packed buffer (nothing to do on a size-1 group)."""
     if g.size > 1:
         dist.all_reduce(buf, op=op, group=g.pg)
-        ledger.record("all_reduce", _OP, "forward", g.size, buf.nbytes, buf.nbytes, pg=g.pg)
+        ledger.record("all_reduce", _OP, "forward", g.size, buf.nbytes, buf.nbytes, pg=g.pg, dtype=buf.dtype)
 
 
 def _fingerprint(t: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from ..checkpoint.hf_writer import check_out_dir
 from ..errors import ShardkitError
+from ..parallelize.mixed_precision import check_mixed_precision
 from ..plan.rules import batch_rule
 from ..sharding import ParallelDims
 from .options import DTYPES, LR_SCHEDULES, SCHEDULES, SIZE_FLAGS, TrainConfig, parse_pp_tp
@@ -219,6 +220,12 @@ def validate_config(cfg: TrainConfig, world_size: int | None = None) -> TrainCon
         cfg = dataclasses.replace(cfg, max_norm=None)
     if cfg.dtype not in DTYPES:
         raise ShardkitError(f"--dtype must be one of {', '.join(DTYPES)}, got {cfg.dtype!r}")
+    check_mixed_precision(cfg.mixed_precision, "--mixed-precision")
+    if cfg.mixed_precision != "none" and cfg.dtype != "float32":
+        raise ShardkitError(
+            f"--mixed-precision {cfg.mixed_precision} keeps float32 master parameters and computes in bfloat16: "
+            f"it needs --dtype float32, got --dtype {cfg.dtype}"
+        )
     if cfg.schedule not in SCHEDULES:
         raise ShardkitError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {cfg.schedule!r}")
     cfg = _resolve_world(cfg)

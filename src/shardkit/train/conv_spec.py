@@ -48,6 +48,10 @@ def validate_conv(cfg: TrainConfig) -> TrainConfig:
             f"{', '.join(given) or 'the LM options'} with --model conv-ae: a convolutional model has "
             "no heads, experts, sequence or vocabulary to shard (it composes --spatial / --spatial-h with dp)"
         )
+    if cfg.mixed_precision != "none":
+        raise ShardkitError(
+            f"--mixed-precision {cfg.mixed_precision} with --model conv-ae: mixed precision casts decoder blocks"
+        )
     if cfg.ac != "none":
         raise ShardkitError(f"--ac {cfg.ac} with --model conv-ae: activation checkpointing wraps decoder blocks")
     for flag, ranks, length, what in (

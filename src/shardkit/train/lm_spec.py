@@ -159,17 +159,33 @@ def parallelize_lm(model: nn.Module, mesh, cfg: TrainConfig, task) -> tuple[Para
     ``cfg``'s options; the pipeline's loss function with a pipeline, else None."""
     # validate_config resolved sequence_parallel; one process (mesh None) has neither option
     sp, lp = (bool(cfg.sequence_parallel), cfg.loss_parallel) if mesh is not None else (False, False)
-    # the --verify reference (mesh None) keeps every activation: --verify checks AC against plain autograd
+    # the --verify reference (mesh None) keeps every activation: --verify checks AC against plain autograd;
+    # it computes in the same mixed precision (parallelize casts with mesh None too)
     ac = cfg.ac if mesh is not None else "none"
     if mesh is not None and mesh.dims.pp > 1:
         loss = LossScale(task)
         pm = parallelize_stage(
-            model, mesh, loss, sequence_parallel=sp, loss_parallel=lp, grad_reduce="sum", activation_checkpoint=ac
+            model,
+            mesh,
+            loss,
+            sequence_parallel=sp,
+            loss_parallel=lp,
+            grad_reduce="sum",
+            activation_checkpoint=ac,
+            mixed_precision=cfg.mixed_precision,
         )
         loss.bind(pm)
         return pm, loss
     # the trainer divides every rank's loss by the global token count itself: sum, not DDP's mean
-    pm = parallelize(model, mesh, sequence_parallel=sp, loss_parallel=lp, grad_reduce="sum", activation_checkpoint=ac)
+    pm = parallelize(
+        model,
+        mesh,
+        sequence_parallel=sp,
+        loss_parallel=lp,
+        grad_reduce="sum",
+        activation_checkpoint=ac,
+        mixed_precision=cfg.mixed_precision,
+    )
     return pm, None
 
 

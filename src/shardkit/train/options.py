@@ -13,11 +13,13 @@ import torch
 
 from ..errors import ShardkitError
 from ..parallelize.checkpointing import AC_MODES
+from ..parallelize.mixed_precision import MIXED_PRECISION
 
 __all__ = [
     "TrainConfig",
     "parse_pp_tp",
     "AC_MODES",
+    "MIXED_PRECISION",
     "DTYPES",
     "TORCH_DTYPES",
     "SCHEDULES",
@@ -93,6 +95,7 @@ class TrainConfig:
     seq_len: int = 128
     batch_size: int = 8  # global, split over dp
     dtype: str = "float32"
+    mixed_precision: str = "none"  # "bf16": bf16 compute on float32 masters, fp32 gradient reductions (dtype float32)
     seed: int = 0
     lr: float | None = None  # None: 1e-3 from scratch, 1e-4 (FINETUNE_LR) with --model-path
     lr_schedule: str | None = None  # "constant" or "warmup-cosine"; None: warmup-cosine with --model-path

@@ -70,15 +70,16 @@ def _init(run_dir: str | None, timeout: timedelta) -> tuple[str, torch.device]:
 
 
 def _ledger_rows(ledger: CommLedger, mesh: ParallelMesh) -> list[dict]:
-    """Ledger totals by (mesh axis, op, issuing api, phase, group size), axes in mesh order."""
+    """Ledger totals by (mesh axis, op, issuing api, phase, group size, dtype), axes in mesh order
+    (dtype ``"-"`` where the call did not say: metadata checks)."""
     rows: dict[tuple, dict] = {}
     for r in ledger.records:
-        key = (mesh.axis_of(r.group_name), r.op, r.api, r.phase, r.group_size)
+        key = (mesh.axis_of(r.group_name), r.op, r.api, r.phase, r.group_size, r.dtype or "-")
         row = rows.setdefault(key, dict(count=0, bytes_sent=0, bytes_received=0))
         row["count"] += 1
         row["bytes_sent"] += r.bytes_sent
         row["bytes_received"] += r.bytes_received
-    keys = ("axis", "op", "api", "phase", "group_size")
+    keys = ("axis", "op", "api", "phase", "group_size", "dtype")
     order = {name: i for i, name in enumerate((*AXES, "ep", "edp", *FLAT_VIEWS, "world"))}
     ranked = sorted(rows.items(), key=lambda item: (order.get(item[0][0].split("=")[0], len(order)), item[0]))
     return [{**dict(zip(keys, key)), **row} for key, row in ranked]
@@ -398,7 +399,7 @@ def _train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool) ->
             result["reference_losses"],
             full_params,
             ref_params,
-            cfg.dtype,
+            cfg.dtype if cfg.mixed_precision == "none" else "bfloat16",  # bf16 compute: bf16's tolerance
             grad_norms=(run["grad_norms"], result["reference_grad_norms"]),
         )
         result["timings_s"]["verify"] = time.perf_counter() - t2
