@@ -25,13 +25,16 @@ from typing import Any
 import torch
 
 from .._optional import missing
+from ..comm.ledger import CommLedger
 from ..errors import ShardkitError
 from ..plan.cluster import CLUSTERS
 from ..plan.model import ModelShape
+from ..sharding import AXES, FLAT_VIEWS, ParallelMesh
 from .trainer import StepStats
 
 __all__ = [
     "MetricsLog",
+    "ledger_rows",
     "peak_memory",
     "TB_DIR",
     "RUNS_DIR",
@@ -229,3 +232,19 @@ class MetricsLog:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+
+
+def ledger_rows(ledger: CommLedger, mesh: ParallelMesh) -> list[dict]:
+    """Ledger totals by (mesh axis, op, issuing api, phase, group size, dtype), axes in mesh order
+    (dtype ``"-"`` where the call did not say: metadata checks)."""
+    rows: dict[tuple, dict] = {}
+    for r in ledger.records:
+        key = (mesh.axis_of(r.group_name), r.op, r.api, r.phase, r.group_size, r.dtype or "-")
+        row = rows.setdefault(key, dict(count=0, bytes_sent=0, bytes_received=0))
+        row["count"] += 1
+        row["bytes_sent"] += r.bytes_sent
+        row["bytes_received"] += r.bytes_received
+    keys = ("axis", "op", "api", "phase", "group_size", "dtype")
+    order = {name: i for i, name in enumerate((*AXES, "ep", "edp", *FLAT_VIEWS, "world"))}
+    ranked = sorted(rows.items(), key=lambda item: (order.get(item[0][0].split("=")[0], len(order)), item[0]))
+    return [{**dict(zip(keys, key)), **row} for key, row in ranked]

@@ -34,14 +34,13 @@ from ..comm import checks, checks_enabled, flight_recorder
 from ..errors import NonFiniteError
 from ..parallelize import ParallelModel, gather_full_parameters
 from ..parallelize.saved_bytes import activation_meter
-from ..sharding import AXES, FLAT_VIEWS, ParallelMesh
 from .checkpoint_dir import model_description, resume_source
 from .config import TrainConfig, parallel_dims
 from .corpus import shared_corpus
 from .environment import run_environment
 from .evaluate import eval_loss
 from .liveness import Heartbeat
-from .metrics import MetricsLog, model_size, peak_memory, utilisation
+from .metrics import MetricsLog, ledger_rows, model_size, peak_memory, utilisation
 from .progress import default_log_every, make_progress, setup_note
 from .schedule import warmup_cosine
 from .specs import model_spec
@@ -67,22 +66,6 @@ def _init(run_dir: str | None, timeout: timedelta) -> tuple[str, torch.device]:
         device, backend = torch.device("cpu"), "gloo"
     dist.init_process_group(backend, timeout=timeout)
     return backend, device
-
-
-def _ledger_rows(ledger: CommLedger, mesh: ParallelMesh) -> list[dict]:
-    """Ledger totals by (mesh axis, op, issuing api, phase, group size, dtype), axes in mesh order
-    (dtype ``"-"`` where the call did not say: metadata checks)."""
-    rows: dict[tuple, dict] = {}
-    for r in ledger.records:
-        key = (mesh.axis_of(r.group_name), r.op, r.api, r.phase, r.group_size, r.dtype or "-")
-        row = rows.setdefault(key, dict(count=0, bytes_sent=0, bytes_received=0))
-        row["count"] += 1
-        row["bytes_sent"] += r.bytes_sent
-        row["bytes_received"] += r.bytes_received
-    keys = ("axis", "op", "api", "phase", "group_size", "dtype")
-    order = {name: i for i, name in enumerate((*AXES, "ep", "edp", *FLAT_VIEWS, "world"))}
-    ranked = sorted(rows.items(), key=lambda item: (order.get(item[0][0].split("=")[0], len(order)), item[0]))
-    return [{**dict(zip(keys, key)), **row} for key, row in ranked]
 
 
 def build_task(cfg: TrainConfig, device, corpus=None):
@@ -376,7 +359,7 @@ def _train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool) ->
         "memory_kind": "cuda max_memory_allocated" if device.type == "cuda" else "max RSS",
         # per rank, its first step: bytes its decoder blocks kept for backward (parallelize.saved_bytes)
         "saved_activation_bytes": saved_bytes,
-        "ledger": _ledger_rows(ledger, mesh),
+        "ledger": ledger_rows(ledger, mesh),
         "timings_s": {"setup": t_setup, "train": t_train},
         "files": files,
         f"{unit_name}_per_s": rate,
