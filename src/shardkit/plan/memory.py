@@ -60,11 +60,11 @@ def memory_per_rank(shape: ModelShape, dims: ParallelDims, opts: StepOptions, st
         if opts.microbatches > 1:
             # set_microbatch: the stage stays unsharded from the first forward to the last
             # backward, and its gradients accumulate unsharded until the one reduce-scatter
-            gathered, unsharded_grads = sharded, sharded
+            gathered, unsharded_grads = float(sharded), float(sharded)
         else:
             gathered, unsharded_grads = _gathered(shape, dims, opts, stage, sharded, kept), 0.0
     else:
-        held, gathered, unsharded_grads = params, 0.0, 0.0
+        held, gathered, unsharded_grads = float(params), 0.0, 0.0
     optimizer = held * (8 + (4 if e < 4 else 0))
     b = opts.global_batch // (dims.dp * opts.microbatches)
     where = BlockLayout(b, opts.seq_len, tp, dims.cp_ulysses, dims.cp_ring, bool(opts.sequence_parallel))
