@@ -141,6 +141,16 @@ class ChunkedStage:
         """Whether this rank holds global ``chunk``."""
         return self.owner(chunk) == self.rank
 
+    @property
+    def is_first(self) -> bool:
+        """Whether this rank holds the first chunk (it takes the inputs)."""
+        return self.holds(0)
+
+    @property
+    def is_last(self) -> bool:
+        """Whether this rank holds the last chunk (it computes the loss)."""
+        return self.holds(self.num_chunks - 1)
+
     def take_caches(self, keep: bool) -> dict:
         """The shape caches a call runs with: the kept ones if ``keep`` (agreed by every rank),
         else new ones; none is held until :meth:`keep_caches` (a failed call leaves none)."""

@@ -5,7 +5,8 @@ A step, whatever the layout (``dp x pp x cp x tp x ep``, FSDP2 or not, spatial f
 1. every rank draws the same global batch; ``N`` = its global target count (no collective);
 2. this rank keeps its data-parallel rows, cut into ``M`` microbatches (gradient accumulation);
 3. without a pipeline, each microbatch runs forward and ``backward(loss_sum / N)``; with one, the
-   schedule (1F1B or GPipe) runs the microbatches through the stages (one branch);
+   schedule (any of ``--schedule``, on ``--virtual-stages`` chunks per rank) runs the
+   microbatches through the stages (one branch);
 4. :class:`~shardkit.data_parallel.GradientSync` sums what FSDP2 does not reduce over the ranks
    holding different data, then clips by the global norm (every parameter counted once);
 5. the global loss is summed over the world;
@@ -35,7 +36,7 @@ import torch.distributed as dist
 from ..comm import _c10d
 from ..comm._group import resolve_group
 from ..errors import ShardkitError
-from ..pipeline_parallel import gpipe_schedule, one_f_one_b_schedule, run_schedule
+from ..pipeline_parallel import run_schedule
 
 __all__ = ["ADAM_EPS", "StepStats", "make_optimizer", "train_step", "LossScale"]
 
@@ -46,7 +47,6 @@ __all__ = ["ADAM_EPS", "StepStats", "make_optimizer", "train_step", "LossScale"]
 # (tp=1 x dp=4, one element of 4096 in an o_proj) from that alone, next to the 1e-4 tolerance.
 # 1e-6 damps such elements and is still far below real gradients, so training is unchanged.
 ADAM_EPS = 1e-6
-SCHEDULES = {"1f1b": one_f_one_b_schedule, "gpipe": gpipe_schedule}
 
 
 def make_optimizer(module: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
@@ -132,9 +132,9 @@ def _pipeline_backward(pm, task, microbatches: list, schedule: str, loss_scale: 
     inputs = [p[0]["input_ids"] for p in prepared]
     kwargs = [{k: v for k, v in p[0].items() if k not in ("input_ids", "use_cache")} for p in prepared]
     targets = [p[1] for p in prepared]
-    table = SCHEDULES[schedule](stage.num_stages, M)
     loss_scale.scale *= M
-    losses = run_schedule(stage, table, inputs, targets, stage_kwargs=kwargs if any(kwargs) else None)
+    kw = kwargs if any(kwargs) else None
+    losses = run_schedule(stage, schedule, inputs, targets, stage_kwargs=kw, num_microbatches=M)
     dtype = torch.float64
     if losses is None:  # only the last stage has losses
         return torch.zeros((), dtype=dtype)
