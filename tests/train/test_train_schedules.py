@@ -35,6 +35,7 @@ def _verified(result) -> bool:
 
 
 def _run_schedule(name: str, pp: int, **kw) -> None:
+    """``--verify`` of ``name`` at ``pp`` (chunks per rank: the schedule's own v), on this world."""
     m = 2 * pp if name == "dualpipev" else pp  # dualpipev needs m >= 2 pp; interleaved m % pp == 0
     result = _train(pp=pp, schedule=name, virtual_stages=V[name], microbatches=m, batch_size=2 * m, **kw)
     assert _verified(result), result and result["parity"]
@@ -57,6 +58,22 @@ def test_schedule_verifies_at_pp2(name):
 @pytest.mark.parametrize("name", list(V))
 def test_every_schedule_verifies_at_pp2_x_dp2(name):
     _run_schedule(name, 2)
+
+
+COMPOSED = {
+    "zbv: pp=2 x tp=2 (SP)": dict(name="zbv", tp=2),
+    "zb-h1: pp=2 x tp=2, loss parallel": dict(name="zb-h1", tp=2, loss_parallel=True),
+    "interleaved-1f1b: pp=2 x dp_shard=2 (FSDP2)": dict(name="interleaved-1f1b", dp_shard=2),
+    "dualpipev: qwen2 pp=2 x cp_ring=2": dict(name="dualpipev", model="qwen2", cp_ring=2, seq_len=32),
+    "looped-bfs: moe pp=2 x dp_shard=2, ep=2": dict(name="looped-bfs", model="moe", dp_shard=2, ep=2),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.world(4, timeout=300)
+@pytest.mark.parametrize("overrides", list(COMPOSED.values()), ids=list(COMPOSED))
+def test_chunked_schedules_compose_with_tp_fsdp_cp_ep(overrides):
+    _run_schedule(**overrides, pp=2)
 
 
 @pytest.mark.slow
@@ -95,6 +112,7 @@ def test_save_under_1f1b_resumes_under_interleaved_with_the_same_losses():
         (dict(pp=2, schedule="dualpipev", virtual_stages=2, microbatches=2), "m .microbatches. must be >= 4"),
         (dict(pp=2, schedule="1f1b", virtual_stages=2, microbatches=2), "must be 1"),
         (dict(pp=1, schedule="zbv", virtual_stages=2), "need a pipeline"),
+        (dict(pp=2, schedule="zb-h1", microbatches=2, checks=True), "--checks with --schedule zb-h1"),
         (dict(pp_tp="2,1", tp=None, schedule="zb-h1", microbatches=2), "--pp-tp stages run"),
         (dict(pp=2, schedule="looped-bfs", virtual_stages=3, microbatches=2, layers=4), "cannot fill 6 chunks"),
     ],

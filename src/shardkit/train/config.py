@@ -220,6 +220,12 @@ def _check_schedule(cfg: TrainConfig) -> None:
         if not simple:
             raise ShardkitError(f"--schedule {cfg.schedule} --virtual-stages {v} need a pipeline (--pp > 1)")
         return
+    if cfg.checks and not simple:
+        raise ShardkitError(
+            f"--checks with --schedule {cfg.schedule} --virtual-stages {v}: the P2P check mode's hellos wait for "
+            "the peer, which chunked schedules cannot (their sends must not block); use 1f1b or gpipe with "
+            "--virtual-stages 1 under --checks"
+        )
     if cfg.pp_tp is not None and not simple:
         raise ShardkitError(
             f"--pp-tp stages run --schedule 1f1b or gpipe with --virtual-stages 1, got {cfg.schedule} with {v}"
