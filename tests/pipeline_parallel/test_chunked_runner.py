@@ -16,6 +16,7 @@ from harness.helpers import all_true, rank, world_group, world_size
 from shardkit.comm import CommLedger
 from shardkit.errors import ShardkitError
 from shardkit.pipeline_parallel import ChunkedStage, chunk_layers, run_schedule, split_microbatches
+from shardkit.pipeline_parallel._chunk_exec import backend_error
 from shardkit.pipeline_parallel.simulate import fifo_mismatches, transfers
 from shardkit.pipeline_parallel.tables import SCHEDULES, schedule_table
 
@@ -165,6 +166,11 @@ def test_chunked_stage_refuses_bad_arguments_on_every_rank():
         ChunkedStage([nn.Identity()] * (1 + rank()), g, loss_fn=_mse)
     with pytest.raises(ShardkitError, match="needs loss_fn"):
         ChunkedStage([nn.Identity()], g)
+
+
+def test_nccl_is_refused_until_the_step_exchange_is_batched():
+    assert backend_error("gloo") is None
+    assert "deadlock on an NCCL stream" in backend_error("NCCL")
 
 
 def test_chunk_layers_cuts_uneven_layers_in_dataflow_order():

@@ -210,6 +210,7 @@ def run_chunked(stage: ChunkedStage, schedule, inputs, targets, stage_kwargs, nu
         error = str(e)
     if error is None and checks_enabled():
         error = "the P2P check mode (hellos that wait for the peer) cannot run chunked schedules: turn checks off"
+    error = error or backend_error(stage.info.pg.name())
 
     def judge(seen: list) -> list[str]:
         differ = [r for r, (d, _) in enumerate(seen) if d != seen[0][0]]
@@ -220,6 +221,21 @@ def run_chunked(stage: ChunkedStage, schedule, inputs, targets, stage_kwargs, nu
     losses = execute(stage, table, m, inputs, targets, stage_kwargs or [{}] * m, caches)
     stage.keep_caches(caches)  # completed: the next call may keep them (agreed by every rank)
     return losses
+
+
+def backend_error(backend: str) -> str | None:
+    """Why ``backend`` cannot run chunked schedules yet, or None (pure).
+
+    NCCL runs a rank pair's sends and receives in order on one stream, so a posted send to a
+    neighbour (waiting for its receive) sits in front of a later receive from it; when that
+    neighbour sends first too, messages above NCCL's buffer wait on each other. The one-stage
+    runner orders each such pair by stage parity (:mod:`._exchange`); this one does not yet."""
+    if backend.lower() == "nccl":
+        return (
+            "chunked schedules run on gloo for now: their unbatched sends and receives to one neighbour "
+            "can deadlock on an NCCL stream; use 1f1b or gpipe with one chunk per rank (PipelineStage) on NCCL"
+        )
+    return None
 
 
 def _data_error(stage: ChunkedStage, m: int, inputs, targets, stage_kwargs) -> str | None:
