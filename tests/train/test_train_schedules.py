@@ -83,6 +83,27 @@ def test_every_schedule_verifies_at_pp4_x_dp2(name):
     _run_schedule(name, 4, layers=8)
 
 
+@pytest.mark.slow
+@pytest.mark.world(4, timeout=300)
+@pytest.mark.parametrize("name", ["interleaved-1f1b", "zbv"])
+def test_tied_embeddings_on_chunks(name):
+    """A tied checkpoint (SmolLM2's shape): looped chunks keep the two copies on ranks 0 and p - 1
+    (their gradients summed), the V places both on rank 0 (one parameter)."""
+    from pathlib import Path
+
+    from harness.pretrained import save_tiny_llama
+
+    root = shared_tmpdir("sched-tied")
+    try:
+        if rank() == 0:
+            save_tiny_llama(Path(root), num_hidden_layers=4)
+        torch.distributed.barrier()
+        data = str(Path(torch.__file__).parent / "functional.py")
+        _run_schedule(name, 2, model_path=root, data=data)
+    finally:
+        remove_shared_dir(root)
+
+
 @pytest.mark.world(2, timeout=240)
 def test_save_under_1f1b_resumes_under_interleaved_with_the_same_losses():
     """4 steps under 1f1b; 2 steps saved under 1f1b, then resumed under interleaved-1f1b on 2

@@ -19,6 +19,10 @@ Why it cannot hang. Sends are posted and not waited for (checks off, gloo and NC
 send without waiting for the receiver), and a receive waits only for messages the sender
 produces before the one the step needs; so a rank is never later than in the dataflow model of
 :func:`.simulate.simulate_steps`, which :func:`check_table` runs on the table first.
+
+Source: Megatron-LM's interleaved schedule (explicit gradients between model chunks);
+torch.distributed.pipelining's ``PipelineScheduleMulti`` (per-step actions of several stages per
+rank, ``I``/``W`` for zero-bubble tables); Qi et al., ICLR 2024 (the I/W split).
 """
 
 from __future__ import annotations

@@ -5,6 +5,11 @@ The model is cut into ``p * v`` chunks, numbered in the order data flows through
 chunks ``r, r + p, ...``; ``"v"``: chunks ``r`` and ``2p - 1 - r``). :func:`chunk_layers` says
 which layers each chunk gets; :func:`~.runner.run_schedule` runs a :class:`ChunkedStage` under a
 :class:`~.steps.Step` table (:mod:`._chunk_exec`).
+
+Source: Megatron-LM's virtual pipeline (``virtual_pipeline_model_parallel_size``: a list of model
+chunks per rank, Narayanan et al., SC 2021); torch.distributed.pipelining's multi-stage
+schedules (several ``PipelineStage`` s per rank); ZB-V / DualPipeV's V placement (Qi et al.
+2024; DeepSeek-V3 report).
 """
 
 from __future__ import annotations
