@@ -124,17 +124,23 @@ def test_local_handover_and_shape_caches_kept_across_calls():
     mine = copy.deepcopy(_chunks(full, p, 2, "v", r))
     stage = ChunkedStage(mine, g, placement="v", loss_fn=_mse)
     xs, ts = _data(4, varlen=False)
-    counts = []
+    counts, apis = [], {}
     for _ in range(2):
         with CommLedger() as ledger:
             run_schedule(stage, table, xs, ts)
         counts.append(sum(1 for rec in ledger.records if rec.op == "send"))
+        apis = {
+            (a, ph): ledger.count(op="send", api=a, phase=ph) for a, ph in {(r.api, r.phase) for r in ledger.records}
+        }
     # The table's cross-rank transfers from this rank (none for the local chunk 1 -> 2); shapes
     # are cached per (direction, receiving chunk): each key's first transfer of the first call
     # negotiates (header, payload), every other one is one packed message.
     sent = transfers(table, placement="v", v=2)[0][(r, 1 - r)]
     keys = {(d, c) for d, _, c in sent}
     ok = len(sent) == 8 and all(c != 2 for d, _, c in sent if d == "F")
+    # activations are forward traffic and gradients backward, whichever neighbour they go to
+    n_f = sum(d == "F" for d, _, _ in sent)
+    ok &= apis.get(("send_forward", "forward")) == n_f and apis.get(("send_backward", "backward")) == 8 - n_f
     assert all_true(ok and counts == [len(sent) + len(keys), len(sent)]), counts
 
 

@@ -8,16 +8,20 @@ loss is scaled by ``1 / M`` (gradients of the mean of the microbatch losses).
 Messages. A hand-over to a chunk on this rank (``"v"``: chunk ``p - 1`` to ``p`` on the last
 rank; every chunk when ``p = 1``) is a dictionary entry, no P2P. Every other one goes to the
 neighbour ``r + 1`` or ``r - 1`` (mod ``p``) as one negotiated transfer of :mod:`.p2p`
-(``loop=True``), its shape cached per (receiving chunk, direction) on both ends
+(``loop=True``): activations as ``send_forward``/``recv_forward`` (ledger phase ``forward``),
+gradients as ``send_backward``/``recv_backward`` (``backward``), towards whichever neighbour
+holds the chunk (a V's ascending leg sends activations to ``r - 1``). Shapes are cached per
+(direction, receiving chunk) on both ends
 (one :class:`~._transfer.ShapeCache` each). No tags: between two ranks the messages pair in
 FIFO order, so a rank receives each channel's messages in the order the sender sends them, an
 order both derive from the table (:func:`.simulate.transfers`), and holds those that arrive
 before the step that needs them (V tables need this: their receivers need messages in another
 order than they are sent, :func:`.simulate.fifo_mismatches`).
 
-Why it cannot hang. Sends are posted and not waited for (checks off, gloo and NCCL post a
-send without waiting for the receiver), and a receive waits only for messages the sender
-produces before the one the step needs; so a rank is never later than in the dataflow model of
+Why it cannot hang (gloo; NCCL is refused, see :func:`backend_error`). Sends are posted and not
+waited for (checks off, gloo posts a send without waiting for the receiver), and a receive waits
+only for messages the sender produces before the one the step needs; so a rank is never later
+than in the dataflow model of
 :func:`.simulate.simulate_steps`, which :func:`check_table` runs on the table first.
 
 Source: Megatron-LM's interleaved schedule (explicit gradients between model chunks);
@@ -36,7 +40,7 @@ import torch
 from ..comm.agree import agree
 from ..comm.checks import checks_enabled
 from ..errors import ShardkitError
-from . import p2p
+from ._p2p_call import run
 from ._transfer import ShapeCache
 from .simulate import simulate_steps, transfers
 from .split_backward import input_grad, weight_grad
@@ -126,9 +130,10 @@ class _Run:
         if dst == st.rank:
             self.inbox[msg] = t
             return
-        fwd = dst == (st.rank + 1) % st.p  # towards "next" (the pair send_forward / recv_forward)
-        send = p2p.send_forward if fwd else p2p.send_backward
-        work = send(t, st.group, loop=True, async_op=True, shape_cache=self.cache((msg[0], msg[2])))
+        towards = "next" if dst == (st.rank + 1) % st.p else "prev"  # p = 2: both; the receiver says "prev"
+        api, phase = ("send_forward", "forward") if msg[0] == "F" else ("send_backward", "backward")
+        sends = [(towards, phase)]
+        work = run(api, st.group, t, sends, [], None, None, None, True, False, True, "mean", self.cache(msg[::2]))
         self.sending = [w for w in self.sending if not w.is_completed()] + [work]
 
     def take(self, msg: tuple[str, int, int], src_chunk: int) -> torch.Tensor:
@@ -139,8 +144,12 @@ class _Run:
             if src == st.rank or not self.incoming.get(src):
                 raise ShardkitError(f"run_schedule: rank {st.rank} waits for {msg} that no step produces")
             nxt = self.incoming[src].pop(0)
-            recv = p2p.recv_forward if st.rank == (src + 1) % st.p else p2p.recv_backward
-            got = recv(st.group, loop=True, shape_cache=self.cache((nxt[0], nxt[2])))
+            towards = "prev" if st.rank == (src + 1) % st.p else "next"
+            api, phase = ("recv_forward", "forward") if nxt[0] == "F" else ("recv_backward", "backward")
+            recvs = [(towards, phase)]
+            got = run(
+                api, st.group, None, [], recvs, None, None, None, True, False, False, "mean", self.cache(nxt[::2])
+            )
             assert isinstance(got, torch.Tensor)  # a blocking receive returns its tensor
             self.inbox[nxt] = got
         return self.inbox.pop(msg)
