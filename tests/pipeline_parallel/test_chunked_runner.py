@@ -174,6 +174,20 @@ def test_chunked_stage_refuses_bad_arguments_on_every_rank():
         ChunkedStage([nn.Identity()], g)
 
 
+@pytest.mark.world(2, timeout=60)
+def test_fsdp2_modules_refuse_the_iw_split_on_every_rank():
+    """FSDP2 reduce-scatters at I, before W's weight gradients: zero-bubble tables are refused on
+    FSDP2 modules (F/B tables run)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mod = fully_shard(nn.Linear(H, H, dtype=torch.float64), mesh=init_device_mesh("cpu", (2,)))
+    stage = ChunkedStage([mod], world_group(), loss_fn=_mse)
+    xs, ts = _data(2, varlen=False)
+    with pytest.raises(ShardkitError, match="FSDP2 .fully_shard. modules cannot run the I/W split"):
+        run_schedule(stage, "zb-h1", xs, ts, num_microbatches=2)
+
+
 def test_nccl_is_refused_until_the_step_exchange_is_batched():
     assert backend_error("gloo") is None
     assert "deadlock on an NCCL stream" in backend_error("NCCL")

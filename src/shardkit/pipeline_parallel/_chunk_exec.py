@@ -216,7 +216,7 @@ def run_chunked(stage: ChunkedStage, schedule, inputs, targets, stage_kwargs, nu
         table, m = resolve_table(stage, schedule, num_microbatches, op)
         check_table(table, stage, m, op)
         digest = hashlib.sha1(repr(table).encode()).hexdigest()
-        error = _data_error(stage, m, inputs, targets, stage_kwargs)
+        error = _data_error(stage, m, inputs, targets, stage_kwargs) or _split_error(stage, table)
         if boundary_shapes is not None:
             error = "a ChunkedStage negotiates its shapes: boundary_shapes must be None"
     except ShardkitError as e:
@@ -248,6 +248,25 @@ def backend_error(backend: str) -> str | None:
             "chunked schedules run on gloo for now: their unbatched sends and receives to one neighbour "
             "can deadlock on an NCCL stream; use 1f1b or gpipe with one chunk per rank (PipelineStage) on NCCL"
         )
+    return None
+
+
+def _split_error(stage: ChunkedStage, table: Table) -> str | None:
+    """Why ``table``'s ``I``/``W`` steps cannot run on ``stage``'s modules, or None: FSDP2
+    reduce-scatters (and reshards) in its post-backward hooks, which run at ``I``; the weight
+    gradients ``W`` adds later would miss the reduction (``--verify`` measured it)."""
+    if not any(s.kind == "I" for row in table for s in row):
+        return None
+    from torch.distributed.fsdp import FSDPModule
+
+    for c, mod in enumerate(stage.modules):
+        owner = getattr(mod, "owner", None)  # a chunk view of a stage module (hf_decoder)
+        roots = [mod] + ([owner] if isinstance(owner, torch.nn.Module) else [])
+        if any(isinstance(m, FSDPModule) for r in roots for m in r.modules()):
+            return (
+                f"rank {stage.rank}, chunk {c}: FSDP2 (fully_shard) modules cannot run the I/W split of zero-bubble "
+                "schedules (the deferred weight gradient misses FSDP2's reduce-scatter); use a schedule of F/B steps"
+            )
     return None
 
 

@@ -210,6 +210,7 @@ def validate_config(cfg: TrainConfig, world_size: int | None = None) -> TrainCon
 def _check_schedule(cfg: TrainConfig) -> None:
     """The pipeline schedule's own limits on ``--pp``, ``--virtual-stages`` and ``--microbatches``
     (the table function's refusal, named with the flags), and what runs only one chunk per rank."""
+    from ..pipeline_parallel.tables import SCHEDULES as TABLES
     from ..pipeline_parallel.tables import schedule_table
 
     v, pp = cfg.virtual_stages, len(cfg.stage_tp_sizes) if cfg.pp_tp is not None else cfg.pp
@@ -225,6 +226,12 @@ def _check_schedule(cfg: TrainConfig) -> None:
             f"--checks with --schedule {cfg.schedule} --virtual-stages {v}: the P2P check mode's hellos wait for "
             "the peer, which chunked schedules cannot (their sends must not block); use 1f1b or gpipe with "
             "--virtual-stages 1 under --checks"
+        )
+    if TABLES[cfg.schedule].split_backward and cfg.dp_shard > 1:
+        raise ShardkitError(
+            f"--schedule {cfg.schedule} splits backwards into I and W, which FSDP2 cannot follow (its "
+            f"reduce-scatter runs at I, before W's weight gradients): --dp-shard {cfg.dp_shard} needs a schedule "
+            "of F/B steps (1f1b, gpipe, interleaved-1f1b, looped-bfs)"
         )
     if cfg.pp_tp is not None and not simple:
         raise ShardkitError(
