@@ -67,6 +67,10 @@ COMPOSED = {
     "dualpipev: qwen2 pp=2 x cp_ring=2": dict(name="dualpipev", model="qwen2", cp_ring=2, seq_len=32),
     "looped-bfs: moe pp=2 x dp_shard=2, ep=2": dict(name="looped-bfs", model="moe", dp_shard=2, ep=2),
     "zb-h1: moe pp=2 x tp=2, ep=2 (I/W split)": dict(name="zb-h1", model="moe", tp=2, ep=2),
+    "zbv: qwen2 pp=2 x cp_ring=2 (I/W split)": dict(name="zbv", model="qwen2", cp_ring=2, seq_len=32),
+    "zbv: pp=2 x cp_ulysses=2 (I/W split)": dict(name="zbv", cp_ulysses=2),
+    "zb-h1: pp=2 x dp=2, --ac full (I/W split)": dict(name="zb-h1", ac="full"),
+    "interleaved-1f1b: pp=2 x dp=2, --ac full": dict(name="interleaved-1f1b", ac="full"),
 }
 
 
@@ -136,6 +140,7 @@ def test_save_under_1f1b_resumes_under_interleaved_with_the_same_losses():
         (dict(pp=1, schedule="zbv", virtual_stages=2), "need a pipeline"),
         (dict(pp=2, schedule="zb-h1", microbatches=2, checks=True), "--checks with --schedule zb-h1"),
         (dict(pp=2, schedule="zbv", virtual_stages=2, microbatches=2, dp_shard=2), "which FSDP2 cannot follow"),
+        (dict(pp=2, schedule="zb-h1", microbatches=2, ac="selective"), "--ac selective replays"),
         (dict(pp_tp="2,1", tp=None, schedule="zb-h1", microbatches=2), "--pp-tp stages run"),
         (dict(pp=2, schedule="looped-bfs", virtual_stages=3, microbatches=2, layers=4), "cannot fill 6 chunks"),
     ],

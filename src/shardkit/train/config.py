@@ -233,6 +233,11 @@ def _check_schedule(cfg: TrainConfig) -> None:
             f"reduce-scatter runs at I, before W's weight gradients): --dp-shard {cfg.dp_shard} needs a schedule "
             "of F/B steps (1f1b, gpipe, interleaved-1f1b, looped-bfs)"
         )
+    if TABLES[cfg.schedule].split_backward and cfg.ac == "selective":
+        raise ShardkitError(
+            f"--schedule {cfg.schedule} splits backwards into I and W, and each recomputes a checkpointed block; "
+            "--ac selective replays its kept results once per block: use --ac full or none with it"
+        )
     if cfg.pp_tp is not None and not simple:
         raise ShardkitError(
             f"--pp-tp stages run --schedule 1f1b or gpipe with --virtual-stages 1, got {cfg.schedule} with {v}"
