@@ -63,6 +63,8 @@ def test_every_schedule_verifies_at_pp2_x_dp2(name):
 COMPOSED = {
     "zbv: pp=2 x tp=2 (SP)": dict(name="zbv", tp=2),
     "zb-h1: pp=2 x tp=2, loss parallel": dict(name="zb-h1", tp=2, loss_parallel=True),
+    "dualpipev: pp=2 x tp=2 (SP), loss parallel": dict(name="dualpipev", tp=2, loss_parallel=True),
+    "interleaved-1f1b: qwen3 pp=2 x tp=2 (SP)": dict(name="interleaved-1f1b", model="qwen3", tp=2),
     "interleaved-1f1b: pp=2 x dp_shard=2 (FSDP2)": dict(name="interleaved-1f1b", dp_shard=2),
     "dualpipev: qwen2 pp=2 x cp_ring=2": dict(name="dualpipev", model="qwen2", cp_ring=2, seq_len=32),
     "looped-bfs: moe pp=2 x dp_shard=2, ep=2": dict(name="looped-bfs", model="moe", dp_shard=2, ep=2),
