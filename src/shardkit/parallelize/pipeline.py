@@ -62,17 +62,25 @@ def parallelize_stage(
 
     Returns:
         :class:`~.decoder.ParallelModel` whose ``stage`` runs the schedule.
+
+    Raises:
+        ShardkitError: an unknown ``schedule``; a chunked one with ``pp_tp`` stages; fewer
+            layers than ``pp x virtual_stages`` (:class:`DecoderStageModule`).
     """
     dims = mesh.dims
     stages = mesh["stages"] if dims.pp_tp is not None else None
     s = stages.stage_index if stages is not None else mesh.local_rank("pp")
+    if schedule not in SCHEDULES:
+        raise ShardkitError(
+            f"parallelize_stage: unknown pipeline schedule {schedule!r}; expected one of {list(SCHEDULES)}"
+        )
     chunked = virtual_stages > 1 or schedule not in ("1f1b", "gpipe")
     if chunked and stages is not None:
         raise ShardkitError(
             f"parallelize_stage: pp_tp stages run 1f1b or gpipe with one chunk per rank, got schedule {schedule!r} "
             f"with {virtual_stages} virtual stages"
         )
-    placement = SCHEDULES[schedule].placement if schedule in SCHEDULES else "looped"
+    placement = SCHEDULES[schedule].placement
     module = DecoderStageModule(model, s, dims.pp, virtual_stages=virtual_stages, placement=placement)
     pm = parallelize(
         module,
