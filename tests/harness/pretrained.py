@@ -34,15 +34,16 @@ def byte_level_bpe():
     return tok
 
 
-def save_tiny_llama(path: Path) -> Path:
-    """Write the tiny tied-embedding Llama checkpoint and its tokenizer into ``path``."""
+def save_tiny_llama(path: Path, **sizes: int) -> Path:
+    """Write the tiny tied-embedding Llama checkpoint and its tokenizer into ``path`` (``sizes``
+    override :data:`SIZES`, e.g. ``num_hidden_layers=4``)."""
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=byte_level_bpe(), eos_token=EOS)
     tokenizer.save_pretrained(path)
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=len(tokenizer), tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id, **SIZES
+        vocab_size=len(tokenizer), tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id, **{**SIZES, **sizes}
     )
     LlamaForCausalLM(config).save_pretrained(path)
     return path

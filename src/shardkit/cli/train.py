@@ -136,6 +136,12 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--schedule", choices=SCHEDULES, help=f"pipeline schedule (default {d.schedule})")
     p.add_argument(
+        "--virtual-stages",
+        type=int,
+        help="chunks (virtual stages) per pipeline rank: the layers are cut into pp x V chunks "
+        f"(interleaved-1f1b, looped-bfs: V >= 2 or looped-bfs 1; zbv, dualpipev: 2) (default {d.virtual_stages})",
+    )
+    p.add_argument(
         "--steps", type=int, help=f"training steps in all; a resumed run continues up to it (default {d.steps})"
     )
     p.add_argument(

@@ -65,7 +65,8 @@ class ParallelModel:
         layouts: per-parameter layout (tp/ep spec, expert, FSDP), by name.
         loss_parallel: logits stay vocab-sharded over tp (use the vocab-parallel loss).
         sequence_parallel: hidden states between blocks are sequence-sharded over tp.
-        stage: the :class:`~shardkit.pipeline_parallel.PipelineStage` with ``pp > 1``, else None.
+        stage: the :class:`~shardkit.pipeline_parallel.PipelineStage` (or ``ChunkedStage``) with
+            ``pp > 1``, else None.
     """
 
     module: nn.Module

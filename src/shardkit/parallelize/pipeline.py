@@ -22,7 +22,8 @@ from torch import nn
 
 from ..data_parallel import GradReduce
 from ..errors import ShardkitError
-from ..pipeline_parallel import DecoderStageModule, PipelineStage, sum_tied_embedding_grads
+from ..pipeline_parallel import ChunkedStage, DecoderStageModule, PipelineStage, sum_tied_embedding_grads
+from ..pipeline_parallel.tables import SCHEDULES
 from .decoder import ParallelModel, parallelize
 
 if TYPE_CHECKING:
@@ -41,6 +42,8 @@ def parallelize_stage(
     grad_reduce: GradReduce = "mean",
     activation_checkpoint: str = "none",
     mixed_precision: str = "none",
+    schedule: str = "1f1b",
+    virtual_stages: int = 1,
 ) -> ParallelModel:
     """This rank's pipeline stage of ``model``, parallelized, with its :class:`PipelineStage`.
 
@@ -53,14 +56,34 @@ def parallelize_stage(
             :func:`~.decoder.parallelize` (with ``"bf16"`` the stages exchange bfloat16 hidden states).
         grad_reduce: as :func:`~.decoder.parallelize` (over the data ranks of this stage; the
             schedule's microbatch losses are ``loss_fn``'s to scale).
+        schedule: the pipeline schedule (a name of
+            :data:`~shardkit.pipeline_parallel.tables.SCHEDULES`): it places the chunks.
+        virtual_stages: chunks per rank. With ``v > 1`` or a schedule other than ``1f1b`` and
+            ``gpipe`` the stage is a :class:`~shardkit.pipeline_parallel.ChunkedStage` (every
+            schedule; no ``pp_tp`` stages), else a :class:`PipelineStage`.
 
     Returns:
         :class:`~.decoder.ParallelModel` whose ``stage`` runs the schedule.
+
+    Raises:
+        ShardkitError: an unknown ``schedule``; a chunked one with ``pp_tp`` stages; fewer
+            layers than ``pp x virtual_stages`` (:class:`DecoderStageModule`).
     """
     dims = mesh.dims
     stages = mesh["stages"] if dims.pp_tp is not None else None
     s = stages.stage_index if stages is not None else mesh.local_rank("pp")
-    module = DecoderStageModule(model, s, dims.pp)
+    if schedule not in SCHEDULES:
+        raise ShardkitError(
+            f"parallelize_stage: unknown pipeline schedule {schedule!r}; expected one of {list(SCHEDULES)}"
+        )
+    chunked = virtual_stages > 1 or schedule not in ("1f1b", "gpipe")
+    if chunked and stages is not None:
+        raise ShardkitError(
+            f"parallelize_stage: pp_tp stages run 1f1b or gpipe with one chunk per rank, got schedule {schedule!r} "
+            f"with {virtual_stages} virtual stages"
+        )
+    placement = SCHEDULES[schedule].placement
+    module = DecoderStageModule(model, s, dims.pp, virtual_stages=virtual_stages, placement=placement)
     pm = parallelize(
         module,
         mesh,
@@ -70,7 +93,7 @@ def parallelize_stage(
         activation_checkpoint=activation_checkpoint,
         mixed_precision=mixed_precision,
     )
-    last = s == dims.pp - 1
+    last = module.is_last
     if module.tied:
         # embed_tokens (first stage) and lm_head (last) are copies of one weight: their gradients
         # are summed between the two stages before the data-parallel reduction, and the last
@@ -83,6 +106,10 @@ def parallelize_stage(
         pm.grads.pre_reduce = lambda: sum_tied_embedding_grads(module, mesh["pp"])
         if last:
             pm.layouts["lm_head.weight"].copy = True
+    if chunked:
+        chunks = [module.chunk_module(c) for c in range(virtual_stages)]
+        pm.stage = ChunkedStage(chunks, mesh["pp"], placement=placement, loss_fn=loss_fn if last else None)
+        return pm
     pm.stage = PipelineStage(
         pm.module, stages if stages is not None else mesh["pp"], s, dims.pp, loss_fn=loss_fn if last else None
     )

@@ -8,6 +8,7 @@ decoder models are cut into stages by :class:`DecoderStageModule`.
 """
 
 from ..sharding import Replicate, Shard, StageGroups, new_stage_groups
+from .chunked import ChunkedStage, chunk_layers
 from .hf_decoder import DecoderStageModule, check_pp, decoder_stage_layers, sum_tied_embedding_grads
 from .p2p import (
     P2PWork,
@@ -33,6 +34,8 @@ __all__ = [
     "simulate",
     "bubble_fraction",
     "PipelineStage",
+    "ChunkedStage",
+    "chunk_layers",
     "StageGroups",
     "Replicate",
     "Shard",

@@ -43,8 +43,12 @@ from ..comm import ledger
 from ..comm._group import resolve_group
 from ..errors import ShardkitError, ShardkitTypeError
 from ..tensor_parallel.plan import CompiledPlan, model_tp_plan
+from .chunked import chunk_layers
+from .steps import global_chunk
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
     from transformers import PretrainedConfig
 
     from .._types import Group
@@ -121,18 +125,26 @@ class DecoderStageModule(nn.Module):
         model: the full ``*ForCausalLM`` (same weights on every rank). Its modules are reused,
             not copied; the modules of other stages are simply not referenced, so each rank
             keeps only its stage's parameters once ``model`` is dropped.
-        stage_index: this stage, ``0 <= stage_index < num_stages``.
+        stage_index: this stage, ``0 <= stage_index < num_stages`` (the pipeline rank).
         num_stages: ``P``.
+        virtual_stages: ``v``, chunks per rank: the layers are cut into ``P v`` chunks by
+            :func:`~.chunked.chunk_layers` and this module holds the ``v`` of its rank under
+            ``placement`` (:mod:`.steps`); ``forward(x, chunk=c)`` runs local chunk ``c`` (the
+            embedding on chunk 0, the norm and head on the last) and :meth:`chunk_module` gives
+            each chunk as a module for :class:`~.chunked.ChunkedStage`.
+        placement: ``"looped"`` or ``"v"``.
 
     Raises:
         ShardkitTypeError: ``model`` does not have the decoder layout (``model.model.layers``,
             ``embed_tokens``, ``norm``, ``rotary_emb``, ``lm_head``).
-        ShardkitError: see :func:`check_pp`; a bad ``stage_index``.
+        ShardkitError: see :func:`check_pp`; a bad ``stage_index``; fewer layers than ``P v``.
     """
 
     base_model_prefix = "model"
 
-    def __init__(self, model: nn.Module, stage_index: int, num_stages: int) -> None:
+    def __init__(
+        self, model: nn.Module, stage_index: int, num_stages: int, *, virtual_stages: int = 1, placement: str = "looped"
+    ) -> None:
         super().__init__()
         try:
             base, config = model.model, model.config
@@ -145,9 +157,15 @@ class DecoderStageModule(nn.Module):
             raise ShardkitError(f"DecoderStageModule: stage_index must be in [0, {num_stages}), got {stage_index!r}")
         self.config = config
         self.stage_index, self.num_stages = stage_index, num_stages
-        self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
-        self.tied = num_stages > 1 and lm_head.weight is embed.weight
-        self.layer_indices = decoder_stage_layers(config.num_hidden_layers, num_stages)[stage_index]
+        v = virtual_stages
+        # the layers of each chunk this rank holds, and the global chunk of each (v = 1: the stage)
+        self.chunk_layers = chunk_layers(config.num_hidden_layers, num_stages, v, placement, stage_index)
+        self.chunks = [global_chunk(placement, stage_index, c, num_stages) for c in range(v)]
+        self.is_first, self.is_last = 0 in self.chunks, num_stages * v - 1 in self.chunks
+        # the two copies of a tied embedding are on ranks 0 and p - 1 (summed by
+        # sum_tied_embedding_grads); "v" puts both ends on rank 0: one parameter, nothing to sum
+        self.tied = num_stages > 1 and lm_head.weight is embed.weight and placement != "v"
+        self.layer_indices = [i for r in self.chunk_layers for i in r]
         self.model = _Body()
         if self.is_first:
             self.model.embed_tokens = embed
@@ -187,31 +205,66 @@ class DecoderStageModule(nn.Module):
             out[sliding] = (create_sliding_window_causal_mask if sliding else create_causal_mask)(**kw)
         return out
 
+    def _ends(self, chunk: int) -> tuple[bool, bool]:
+        """Whether local ``chunk`` is the model's first (embedding) and its last (norm, head)."""
+        g = self.chunks[chunk]
+        return g == 0, g == self.num_stages * len(self.chunks) - 1
+
+    def chunk_parameters(self, chunk: int) -> list[nn.Parameter]:
+        """The parameters local ``chunk`` uses (its layers; the embedding, norm and head at the ends)."""
+        first, last = self._ends(chunk)
+        mods = [self.model.layers[str(i)] for i in self.chunk_layers[chunk]]
+        mods += ([self.model.embed_tokens] if first else []) + ([self.model.norm, self.lm_head] if last else [])
+        return [p for m in mods for p in m.parameters()]
+
+    def chunk_module(self, chunk: int) -> nn.Module:
+        """Local ``chunk`` as a module of its own (for :class:`~.chunked.ChunkedStage`)."""
+        return _DecoderChunk(self, chunk)
+
     def forward(
         self,
         x: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
+        chunk: int = 0,
         **layer_kwargs: Any,
     ) -> torch.Tensor:
         layer_kwargs.pop("use_cache", None)
         layer_kwargs.pop("input_ids", None)
-        h = self.model.embed_tokens(x) if self.is_first else x
+        first, last = self._ends(chunk)
+        h = self.model.embed_tokens(x) if first else x
         if position_ids is None:  # as the full model without a cache
             position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
         masks = self._masks(h, attention_mask, position_ids)
         position_embeddings = self.model.rotary_emb(h, position_ids=position_ids)
-        for i, layer in zip(self.layer_indices, self.model.layers.values()):
-            h = layer(
+        for i in self.chunk_layers[chunk]:
+            h = self.model.layers[str(i)](
                 h,
                 attention_mask=masks[self._sliding[i]],
                 position_embeddings=position_embeddings,
                 position_ids=position_ids,
                 **layer_kwargs,
             )
-        if self.is_last:
+        if last:
             h = self.lm_head(self.model.norm(h))
         return h
+
+
+class _DecoderChunk(nn.Module):
+    """One local chunk of a :class:`DecoderStageModule`: ``forward`` runs that chunk and
+    ``parameters()`` yields its parameters. The stage module stays their only owner (it is what
+    the optimizer, the data-parallel wrappers and checkpoints see), so it is not a submodule."""
+
+    def __init__(self, owner: DecoderStageModule, chunk: int) -> None:
+        super().__init__()
+        self.__dict__["owner"] = owner  # bypasses Module.__setattr__: not registered
+        self.chunk = chunk
+
+    def forward(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        return self.__dict__["owner"](x, chunk=self.chunk, **kwargs)
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        return iter(self.__dict__["owner"].chunk_parameters(self.chunk))
 
 
 def sum_tied_embedding_grads(stage_module: DecoderStageModule, pp_group: Group) -> None:

@@ -18,7 +18,7 @@ backpropagates it and the TP regions' reductions make the gradients exact).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -27,8 +27,12 @@ from ..comm.agree import agree
 from ..data_parallel.microbatches import set_microbatch
 from ..errors import ShardkitError
 from . import p2p
+from ._chunk_exec import run_chunked
+from .chunked import ChunkedStage
 from .schedules import check_deadlock_free, comm_plan, validate_schedule
 from .stage import REJECTED, PipelineStage
+from .steps import lower
+from .tables import schedule_table
 from .transport import StageTransport
 from .vtp import Replicate
 
@@ -36,6 +40,7 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from .schedules import Action
+    from .steps import Step
 
 __all__ = ["run_schedule", "split_microbatches"]
 
@@ -61,22 +66,28 @@ def split_microbatches(batch: torch.Tensor, num_microbatches: int) -> list[torch
 
 
 def run_schedule(
-    stage: PipelineStage,
-    schedule: Sequence[Sequence[Action]],
+    stage: PipelineStage | ChunkedStage,
+    schedule: Sequence[Sequence[Action]] | Sequence[Sequence[Step]] | str,
     inputs_microbatches: Sequence[torch.Tensor] | None = None,
     targets_microbatches: Sequence[torch.Tensor] | None = None,
     *,
     boundary_shapes: Sequence[tuple[Sequence[int], torch.dtype]] | None = None,
     stage_kwargs: Sequence[dict] | None = None,
+    num_microbatches: int | None = None,
 ) -> list[torch.Tensor] | None:
     """Run this stage's row of ``schedule`` (forward and backward of every microbatch).
 
     Collective over the pipeline group: every stage calls it with the same table.
 
     Args:
-        stage: this rank's :class:`PipelineStage`.
-        schedule: the full table, one tuple of :class:`~.schedules.Action` per stage (e.g.
-            ``one_f_one_b_schedule(P, M)``).
+        stage: this rank's :class:`PipelineStage` (one stage per rank), or its
+            :class:`~.chunked.ChunkedStage` (``v`` chunks per rank, virtual stages: the table's
+            ``F``/``B``/``I``/``W`` steps run as :mod:`._chunk_exec` says; the first
+            (last) stage below is then the rank holding the first (last) chunk).
+        schedule: the full table, one row per stage: :class:`~.schedules.Action` s (e.g.
+            ``one_f_one_b_schedule(P, M)``) or, for a ``ChunkedStage``, :class:`~.steps.Step` s
+            (e.g. ``schedule_table("zbv", P, 2, M)``); or a name of
+            :data:`~.tables.SCHEDULES` with ``num_microbatches``.
         inputs_microbatches: first stage: ``M`` input tensors (shapes may differ); else ignored.
         targets_microbatches: last stage: ``M`` targets for ``loss_fn``; else ignored.
         boundary_shapes: None (activations negotiate their shape and dtype: microbatches may
@@ -89,6 +100,7 @@ def run_schedule(
         stage_kwargs: None, or ``M`` dicts of keyword arguments for this stage's module, one per
             microbatch (``module(x, **stage_kwargs[m])``; every stage, e.g. the global
             ``position_ids`` and attention call of context parallelism).
+        num_microbatches: ``M`` when ``schedule`` is a name.
 
     Returns:
         Last stage (every rank of it): the ``M`` detached, unscaled microbatch losses; other
@@ -99,12 +111,19 @@ def run_schedule(
         ShardkitError: on every stage: the table is malformed, has the wrong number of stages
             or cannot run with blocking P2P (pure checks); the first (last) stage was given a
             number of inputs (targets) other than ``M``, or ranks passed different
-            ``boundary_shapes`` (agreed by one small all-reduce).
+            ``boundary_shapes`` (agreed by one small all-reduce). A ``ChunkedStage``: a table
+            that does not fit ``p`` ranks of ``v`` chunks or cannot run (a dependency out of
+            order, a deadlock), ranks passing different tables, ``boundary_shapes`` given, or
+            the P2P check mode on.
     """
     op = "run_schedule"
+    if isinstance(stage, ChunkedStage):
+        args = (inputs_microbatches, targets_microbatches, stage_kwargs, num_microbatches, boundary_shapes)
+        return run_chunked(stage, schedule, *args, op)
     if not isinstance(stage, PipelineStage):
-        raise ShardkitError(f"{op}: stage must be a PipelineStage, got {type(stage).__name__}")
+        raise ShardkitError(f"{op}: stage must be a PipelineStage or ChunkedStage, got {type(stage).__name__}")
     P, s = stage.num_stages, stage.stage_index
+    schedule = _actions(schedule, P, num_microbatches, op)
     M = validate_schedule(schedule, P, op)
     check_deadlock_free(schedule, op)
     decls = _boundary_decls(boundary_shapes, P, op)
@@ -130,6 +149,20 @@ def run_schedule(
     losses = _execute(stage, plan, M, inputs_microbatches, targets_microbatches, decls, kwargs, cache)
     stage.keep_shape_cache(cache)  # completed: the next call may keep it (agreed by every rank)
     return losses
+
+
+def _actions(schedule, P: int, num_microbatches, op: str) -> Sequence[Sequence[Action]]:
+    """A one-stage-per-rank table as ``Action`` s: a name is built for ``v = 1``, a
+    :class:`~.steps.Step` table lowered (pure; chunk 0 and ``F``/``B`` steps only)."""
+    if isinstance(schedule, str):
+        if not isinstance(num_microbatches, int) or isinstance(num_microbatches, bool):
+            raise ShardkitError(f"{op}: a schedule name needs num_microbatches= (an int), got {num_microbatches!r}")
+        schedule = schedule_table(schedule, P, 1, num_microbatches)
+    if isinstance(schedule, (list, tuple)) and any(
+        isinstance(a, tuple) and len(a) == 3 for row in schedule if isinstance(row, (list, tuple)) for a in row
+    ):
+        return lower(schedule, op)
+    return cast("Sequence[Sequence[Action]]", schedule)
 
 
 def _boundary_decls(shapes, P: int, op: str):

@@ -17,7 +17,8 @@ the input gradient only; ``W`` the weight gradient of an earlier ``I``. Each (mi
 chunk) runs ``F`` once and either ``B`` once or ``I`` then ``W`` once each.
 
 The one-chunk ``F``/``B`` tables of :mod:`.schedules` (``Action(kind, microbatch)``, which the
-runner executes) lift to steps with :func:`lift` and back with :func:`lower`.
+runner executes on a :class:`~.stage.PipelineStage`) lift to steps with :func:`lift` and back with
+:func:`lower`; a :class:`~.chunked.ChunkedStage` runs every step table.
 """
 
 from __future__ import annotations
@@ -81,13 +82,16 @@ def lower(table: Sequence[Sequence[Step]], op: str = "lower") -> tuple[tuple[Act
     """A one-chunk ``F``/``B`` step table as the runner's ``Action`` table.
 
     Raises:
-        ShardkitError: a step on a chunk other than 0 or of kind ``I``/``W``: the runner
-            executes one chunk per rank and full backwards only.
+        ShardkitError: a step on a chunk other than 0 or of kind ``I``/``W``: a
+            :class:`~.stage.PipelineStage` runs one chunk per rank and full backwards only.
     """
     for r, row in enumerate(table):
         for s in row:
             if s.chunk != 0 or s.kind not in ("F", "B"):
-                raise ShardkitError(f"{op}: rank {r} has {s}; the runner executes chunk 0 and F/B steps only")
+                raise ShardkitError(
+                    f"{op}: rank {r} has {s}; a PipelineStage runs chunk 0 and F/B steps only (run I/W or "
+                    "several chunks on a ChunkedStage)"
+                )
     return tuple(tuple(Action(s.kind, s.microbatch) for s in row) for row in table)
 
 

@@ -152,7 +152,14 @@ def sequence_parallel_plan(
                     out[key] = reader
         for norm in _norms(layer, name):
             out[norm] = SequenceParallel()
-    first, last = layers[0][0], layers[-1][0]
+    # a pipeline rank holding several chunks (virtual stages): each chunk's input is split and
+    # each chunk's output gathered, as for a whole stage; the head follows the last chunk
+    segments = _chunk_segments(model, layers)
+    for first, last in segments[:-1]:
+        out[first] = PrepareModuleInput(Replicate(), Shard(1))
+        gather = PrepareModuleOutput(Shard(1), Replicate())
+        out[last] = _Chain(out[first], gather) if last == first else gather
+    first, last = segments[-1]
     out[first] = PrepareModuleInput(Replicate(), Shard(1))
     head = getattr(model, "lm_head", None)
     if isinstance(head, nn.Linear):
@@ -170,6 +177,17 @@ def sequence_parallel_plan(
     else:
         gather = PrepareModuleOutput(Shard(1), Replicate())
         out[last] = _Chain(out[first], gather) if last == first else gather
+    return out
+
+
+def _chunk_segments(model: nn.Module, layers: list) -> list[tuple[str, str]]:
+    """(first, last) layer name of each chunk of ``model`` in forward order: its ``chunk_layers``
+    (a pipeline stage holding several chunks), else one segment of every layer."""
+    sizes = [len(r) for r in getattr(model, "chunk_layers", None) or [layers]]
+    out, start = [], 0
+    for n in sizes:
+        out.append((layers[start][0], layers[start + n - 1][0]))
+        start += n
     return out
 
 

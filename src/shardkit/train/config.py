@@ -228,6 +228,7 @@ def validate_config(cfg: TrainConfig, world_size: int | None = None) -> TrainCon
         )
     if cfg.schedule not in SCHEDULES:
         raise ShardkitError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {cfg.schedule!r}")
+    _check_schedule(cfg)
     cfg = _resolve_world(cfg)
     if cfg.model_path is not None and model_spec(cfg.model).family is not None:
         # the checkpoint's family decides the model (read_config refuses unsupported ones)
@@ -235,6 +236,49 @@ def validate_config(cfg: TrainConfig, world_size: int | None = None) -> TrainCon
     cfg = model_spec(cfg.model).validate(cfg)
     parallel_dims(cfg)  # the mesh's own checks (ep borrowing, pp_tp), before launch
     return cfg
+
+
+def _check_schedule(cfg: TrainConfig) -> None:
+    """The pipeline schedule's own limits on ``--pp``, ``--virtual-stages`` and ``--microbatches``
+    (the table function's refusal, named with the flags), and what runs only one chunk per rank."""
+    from ..pipeline_parallel.tables import SCHEDULES as TABLES
+    from ..pipeline_parallel.tables import schedule_table
+
+    v, pp = cfg.virtual_stages, len(cfg.stage_tp_sizes) if cfg.pp_tp is not None else cfg.pp
+    if not isinstance(v, int) or v < 1:
+        raise ShardkitError(f"--virtual-stages must be an int >= 1, got {v!r}")
+    simple = v == 1 and cfg.schedule in ("1f1b", "gpipe")
+    if pp == 1:
+        if not simple:
+            raise ShardkitError(f"--schedule {cfg.schedule} --virtual-stages {v} need a pipeline (--pp > 1)")
+        return
+    if cfg.checks and not simple:
+        raise ShardkitError(
+            f"--checks with --schedule {cfg.schedule} --virtual-stages {v}: the P2P check mode's hellos wait for "
+            "the peer, which chunked schedules cannot (their sends must not block); use 1f1b or gpipe with "
+            "--virtual-stages 1 under --checks"
+        )
+    if TABLES[cfg.schedule].split_backward and cfg.dp_shard > 1:
+        raise ShardkitError(
+            f"--schedule {cfg.schedule} splits backwards into I and W, which FSDP2 cannot follow (its "
+            f"reduce-scatter runs at I, before W's weight gradients): --dp-shard {cfg.dp_shard} needs a schedule "
+            "of F/B steps (1f1b, gpipe, interleaved-1f1b, looped-bfs)"
+        )
+    if TABLES[cfg.schedule].split_backward and cfg.ac == "selective":
+        raise ShardkitError(
+            f"--schedule {cfg.schedule} splits backwards into I and W, and each recomputes a checkpointed block; "
+            "--ac selective replays its kept results once per block: use --ac full or none with it"
+        )
+    if cfg.pp_tp is not None and not simple:
+        raise ShardkitError(
+            f"--pp-tp stages run --schedule 1f1b or gpipe with --virtual-stages 1, got {cfg.schedule} with {v}"
+        )
+    try:
+        schedule_table(cfg.schedule, pp, v, cfg.microbatches)
+    except ShardkitError as e:
+        raise ShardkitError(
+            f"--schedule {cfg.schedule} --pp {pp} --virtual-stages {v} --microbatches {cfg.microbatches}: {e}"
+        ) from None
 
 
 def _resolve_world(cfg: TrainConfig) -> TrainConfig:

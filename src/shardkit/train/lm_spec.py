@@ -113,6 +113,11 @@ def _validate_shape(cfg: TrainConfig) -> None:
         flag = f"--pp-tp {cfg.pp_tp} (stage {s})" if cfg.pp_tp is not None else f"--tp {t}"
         _raise(stage_heads_rule(n_q, n_kv, t, cfg.cp_size, flag))
     _raise(pp_layers_rule(model_config.num_hidden_layers, cfg.pp))
+    if cfg.pp * cfg.virtual_stages > model_config.num_hidden_layers:
+        raise ShardkitError(
+            f"--pp {cfg.pp} --virtual-stages {cfg.virtual_stages}: {model_config.num_hidden_layers} decoder layers "
+            f"cannot fill {cfg.pp * cfg.virtual_stages} chunks (need layers >= pp x virtual stages)"
+        )
 
 
 def build_lm(cfg: TrainConfig, family: LMFamily) -> nn.Module:
@@ -173,6 +178,8 @@ def parallelize_lm(model: nn.Module, mesh, cfg: TrainConfig, task) -> tuple[Para
             grad_reduce="sum",
             activation_checkpoint=ac,
             mixed_precision=cfg.mixed_precision,
+            schedule=cfg.schedule,
+            virtual_stages=cfg.virtual_stages,
         )
         loss.bind(pm)
         return pm, loss

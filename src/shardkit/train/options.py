@@ -29,7 +29,8 @@ __all__ = [
 
 DTYPES = ("float32", "float64", "bfloat16")
 TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
-SCHEDULES = ("1f1b", "gpipe")
+# the pipeline schedules (shardkit.pipeline_parallel.tables.SCHEDULES; kept literal: no torch here)
+SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "looped-bfs", "zb-h1", "zbv", "dualpipev")
 LR_SCHEDULES = ("constant", "warmup-cosine")
 SIZE_FLAGS = (
     "nproc",
@@ -81,7 +82,8 @@ class TrainConfig:
     sequence_parallel: bool | None = None  # None: on for llama with tp > 1 (Megatron-SP)
     experts: int = 4  # moe / mla: routed experts (top-2)
     microbatches: int = 1  # per step and dp rank: pipeline microbatches, or gradient accumulation
-    schedule: str = "1f1b"  # pipeline schedule: "1f1b" or "gpipe"
+    schedule: str = "1f1b"  # pipeline schedule: a name of SCHEDULES
+    virtual_stages: int = 1  # chunks per pipeline rank (interleaved-1f1b, looped-bfs: >= 2; zbv, dualpipev: 2)
     ac: str = "none"  # activation checkpointing of each decoder block: "none", "full" or "selective"
     max_norm: float | None = 1.0  # clip the global gradient norm (None / 0: no clipping)
     skip_nonfinite: int = 0  # skip up to N steps whose global loss or grad norm is NaN/inf; one more stops the run

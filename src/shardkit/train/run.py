@@ -347,6 +347,7 @@ def _train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool) ->
             "loss_parallel": cfg.loss_parallel,
             "microbatches": cfg.microbatches,
             "schedule": cfg.schedule if dims.pp > 1 else None,
+            "virtual_stages": cfg.virtual_stages if dims.pp > 1 else None,
             "packed": cfg.packed,
             "backend": backend,
             "device": str(device),

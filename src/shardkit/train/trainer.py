@@ -5,9 +5,11 @@ A step, whatever the layout (``dp x pp x cp x tp x ep``, FSDP2 or not, spatial f
 1. every rank draws the same global batch; ``N`` = its global target count (no collective);
 2. this rank keeps its data-parallel rows, cut into ``M`` microbatches (gradient accumulation);
 3. without a pipeline, each microbatch runs forward and ``backward(loss_sum / N)``; with one, the
-   schedule (1F1B or GPipe) runs the microbatches through the stages (one branch). Either way
-   FSDP2 is told which microbatch runs (:func:`~shardkit.data_parallel.set_microbatch`): it
-   gathers each block once per step and reduces its gradients once, after the last backward;
+   schedule (any of ``--schedule``, on ``--virtual-stages`` chunks per rank) runs the
+   microbatches through the stages (one branch). Either way FSDP2 is told which microbatch runs
+   (:func:`~shardkit.data_parallel.set_microbatch`): it gathers each block once per step and
+   reduces its gradients once, after the last backward (not yet on virtual stages, whose runner
+   keeps FSDP2's per-microbatch gathers);
 4. :class:`~shardkit.data_parallel.GradientSync` sums what FSDP2 does not reduce over the ranks
    holding different data, then clips by the global norm (every parameter counted once);
 5. the global loss is summed over the world;
@@ -38,7 +40,7 @@ from ..comm import _c10d
 from ..comm._group import resolve_group
 from ..data_parallel import set_microbatch
 from ..errors import ShardkitError
-from ..pipeline_parallel import gpipe_schedule, one_f_one_b_schedule, run_schedule
+from ..pipeline_parallel import ChunkedStage, run_schedule
 
 __all__ = ["ADAM_EPS", "StepStats", "make_optimizer", "train_step", "LossScale"]
 
@@ -49,7 +51,6 @@ __all__ = ["ADAM_EPS", "StepStats", "make_optimizer", "train_step", "LossScale"]
 # (tp=1 x dp=4, one element of 4096 in an o_proj) from that alone, next to the 1e-4 tolerance.
 # 1e-6 damps such elements and is still far below real gradients, so training is unchanged.
 ADAM_EPS = 1e-6
-SCHEDULES = {"1f1b": one_f_one_b_schedule, "gpipe": gpipe_schedule}
 
 
 def make_optimizer(module: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
@@ -135,10 +136,13 @@ def _pipeline_backward(pm, task, microbatches: list, schedule: str, loss_scale: 
     inputs = [p[0]["input_ids"] for p in prepared]
     kwargs = [{k: v for k, v in p[0].items() if k not in ("input_ids", "use_cache")} for p in prepared]
     targets = [p[1] for p in prepared]
-    table = SCHEDULES[schedule](stage.num_stages, M)
     loss_scale.scale *= M
-    set_microbatch(pm.module, 0, M)  # FSDP2 keeps the stage unsharded from its first forward on
-    losses = run_schedule(stage, table, inputs, targets, stage_kwargs=kwargs if any(kwargs) else None)
+    if not isinstance(stage, ChunkedStage):
+        # FSDP2 keeps the stage unsharded from its first forward on; the chunked runner
+        # interleaves the backwards of several chunks and keeps FSDP2's per-microbatch defaults
+        set_microbatch(pm.module, 0, M)
+    kw = kwargs if any(kwargs) else None
+    losses = run_schedule(stage, schedule, inputs, targets, stage_kwargs=kw, num_microbatches=M)
     dtype = torch.float64
     if losses is None:  # only the last stage has losses
         return torch.zeros((), dtype=dtype)

@@ -1,0 +1,289 @@
+"""Run one rank's row of a :class:`~.steps.Step` table on a :class:`~.chunked.ChunkedStage`.
+
+Steps: ``F`` runs a chunk on a microbatch and hands its output to the next chunk; ``B`` runs
+``torch.autograd.backward`` and hands the input gradient to the previous chunk; ``I``/``W`` are
+:func:`~.split_backward.input_grad` and :func:`~.split_backward.weight_grad`. The last chunk's
+loss is scaled by ``1 / M`` (gradients of the mean of the microbatch losses).
+
+Messages. A hand-over to a chunk on this rank (``"v"``: chunk ``p - 1`` to ``p`` on the last
+rank; every chunk when ``p = 1``) is a dictionary entry, no P2P. Every other one goes to the
+neighbour ``r + 1`` or ``r - 1`` (mod ``p``) as one negotiated transfer of :mod:`.p2p`
+(``loop=True``): activations as ``send_forward``/``recv_forward`` (ledger phase ``forward``),
+gradients as ``send_backward``/``recv_backward`` (``backward``), towards whichever neighbour
+holds the chunk (a V's ascending leg sends activations to ``r - 1``). Shapes are cached per
+(direction, receiving chunk) on both ends
+(one :class:`~._transfer.ShapeCache` each). No tags: between two ranks the messages pair in
+FIFO order, so a rank receives each channel's messages in the order the sender sends them, an
+order both derive from the table (:func:`.simulate.transfers`), and holds those that arrive
+before the step that needs them (V tables need this: their receivers need messages in another
+order than they are sent, :func:`.simulate.fifo_mismatches`).
+
+Why it cannot hang (gloo; NCCL is refused, see :func:`backend_error`). Sends are posted and not
+waited for (checks off, gloo posts a send without waiting for the receiver), and a receive waits
+only for messages the sender produces before the one the step needs; so a rank is never later
+than in the dataflow model of
+:func:`.simulate.simulate_steps`, which :func:`check_table` runs on the table first.
+
+Source: Megatron-LM's interleaved schedule (explicit gradients between model chunks);
+torch.distributed.pipelining's ``PipelineScheduleMulti`` (per-step actions of several stages per
+rank, ``I``/``W`` for zero-bubble tables); Qi et al., ICLR 2024 (the I/W split).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from functools import lru_cache
+from typing import TYPE_CHECKING, cast
+
+import torch
+
+from ..comm.agree import agree
+from ..comm.checks import checks_enabled
+from ..errors import ShardkitError
+from ._p2p_call import run
+from ._transfer import ShapeCache
+from .simulate import simulate_steps, transfers
+from .split_backward import input_grad, weight_grad
+from .stage import REJECTED
+from .steps import Step, Table
+from .tables import SCHEDULES
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from .chunked import ChunkedStage
+
+__all__ = ["run_chunked", "resolve_table", "check_table", "execute"]
+
+
+def resolve_table(stage: ChunkedStage, schedule, num_microbatches: int | None, op: str) -> tuple[Table, int]:
+    """The :class:`Step` table and ``M`` of ``schedule``: a name of :data:`~.tables.SCHEDULES`
+    (built for this pipeline's ``p``, ``v`` and ``num_microbatches``), a :class:`Step` table, or a
+    one-chunk ``Action`` table (lifted to chunk 0). Pure.
+
+    Raises:
+        ShardkitError: an unknown name, a placement other than the stage's, sizes the schedule
+            refuses, a missing ``num_microbatches`` with a name, or a malformed table.
+    """
+    if isinstance(schedule, str):
+        spec = SCHEDULES.get(schedule)
+        if spec is None:
+            raise ShardkitError(f"{op}: unknown pipeline schedule {schedule!r}; expected one of {sorted(SCHEDULES)}")
+        if spec.placement != stage.placement:
+            raise ShardkitError(
+                f"{op}: schedule {schedule!r} places chunks {spec.placement!r}, the stage was built {stage.placement!r}"
+            )
+        if not isinstance(num_microbatches, int) or isinstance(num_microbatches, bool):
+            raise ShardkitError(f"{op}: a schedule name needs num_microbatches= (an int), got {num_microbatches!r}")
+        return spec.build(stage.p, stage.v, num_microbatches), num_microbatches
+    try:
+        table = tuple(tuple(Step(*s) for s in row) for row in schedule)
+    except TypeError:
+        raise ShardkitError(
+            f"{op}: the schedule must be a name or one row of Step per rank, got {schedule!r}"
+        ) from None
+    m = 1 + max((s.microbatch for row in table for s in row if isinstance(s.microbatch, int)), default=-1)
+    if num_microbatches is not None and num_microbatches != m:
+        raise ShardkitError(f"{op}: num_microbatches={num_microbatches} but the table runs {m} microbatches")
+    return table, m
+
+
+def check_table(table: Table, stage: ChunkedStage, m: int, op: str) -> None:
+    """Raise ShardkitError unless ``table`` has one row per rank, runs every (microbatch, chunk)
+    of ``v`` chunks and cannot deadlock (:func:`.simulate.simulate_steps`; cached, pure)."""
+    if len(table) != stage.p:
+        raise ShardkitError(f"{op}: the table has {len(table)} rows, the pipeline {stage.p} ranks (one row per rank)")
+    error = _simulated(table, stage.placement, stage.v, m)
+    if error is not None:
+        raise ShardkitError(f"{op}: the table cannot run on {stage.p} ranks x {stage.v} chunks: {error}")
+
+
+@lru_cache(maxsize=64)
+def _simulated(table: Table, placement: str, v: int, m: int) -> str | None:
+    if m < 1:
+        return "it runs no microbatch"
+    return simulate_steps(table, placement=placement, v=v, num_microbatches=m).error
+
+
+class _Run:
+    """One call's state on this rank (see the module docstring)."""
+
+    def __init__(self, stage: ChunkedStage, table: Table, m: int, inputs, targets, kwargs, caches: dict) -> None:
+        self.stage, self.m, self.inputs, self.targets, self.kwargs = stage, m, inputs, targets, kwargs
+        self.caches = caches  # (direction, receiving chunk) -> ShapeCache, the same key on both ends
+        sent, _ = transfers(table, placement=stage.placement, v=stage.v)
+        r = stage.rank
+        self.incoming = {q: list(msgs) for (q, dst), msgs in sent.items() if dst == r}  # sender order
+        self.inbox: dict[tuple[str, int, int], torch.Tensor] = {}  # (direction, microbatch, chunk) -> tensor
+        self.stash: dict[tuple[int, int], tuple] = {}  # (microbatch, local chunk) -> (input, output)
+        self.pending: dict[tuple[int, int], object] = {}  # (microbatch, local chunk) -> I's pending W
+        self.sending: list = []
+        self.losses: list[torch.Tensor | None] = [None] * m
+
+    def cache(self, key: tuple[str, int]) -> ShapeCache:
+        return self.caches.setdefault(key, ShapeCache())
+
+    def deliver(self, msg: tuple[str, int, int], t: torch.Tensor) -> None:
+        """Hand ``t`` to the chunk ``msg`` names: locally, or a posted send to its rank."""
+        st = self.stage
+        dst = st.owner(msg[2])
+        if dst == st.rank:
+            self.inbox[msg] = t
+            return
+        towards = "next" if dst == (st.rank + 1) % st.p else "prev"  # p = 2: both; the receiver says "prev"
+        api, phase = ("send_forward", "forward") if msg[0] == "F" else ("send_backward", "backward")
+        sends = [(towards, phase)]
+        work = run(api, st.group, t, sends, [], None, None, None, True, False, True, "mean", self.cache(msg[::2]))
+        self.sending = [w for w in self.sending if not w.is_completed()] + [work]
+
+    def take(self, msg: tuple[str, int, int], src_chunk: int) -> torch.Tensor:
+        """The tensor ``msg`` names; receives from its rank, in the sender's order, until it came."""
+        st = self.stage
+        src = st.owner(src_chunk)
+        while msg not in self.inbox:
+            if src == st.rank or not self.incoming.get(src):
+                raise ShardkitError(f"run_schedule: rank {st.rank} waits for {msg} that no step produces")
+            nxt = self.incoming[src].pop(0)
+            towards = "prev" if st.rank == (src + 1) % st.p else "next"
+            api, phase = ("recv_forward", "forward") if nxt[0] == "F" else ("recv_backward", "backward")
+            recvs = [(towards, phase)]
+            got = run(
+                api, st.group, None, [], recvs, None, None, None, True, False, False, "mean", self.cache(nxt[::2])
+            )
+            assert isinstance(got, torch.Tensor)  # a blocking receive returns its tensor
+            self.inbox[nxt] = got
+        return self.inbox.pop(msg)
+
+    def step(self, s: Step) -> None:
+        j, c = s.microbatch, s.chunk
+        g = self.stage.global_chunk(c)
+        if s.kind == "F":
+            self.forward(j, c, g)
+        elif s.kind == "W":
+            weight_grad(self.pending.pop((j, c)))  # type: ignore[arg-type]
+        else:
+            self.backward(j, c, g, split=s.kind == "I")
+
+    def forward(self, j: int, c: int, g: int) -> None:
+        st = self.stage
+        x = self.inputs[j] if g == 0 else self.take(("F", j, g), g - 1).requires_grad_(True)
+        y = st.modules[c](x, **self.kwargs[j])
+        if g == st.num_chunks - 1:
+            assert st.loss_fn is not None  # checked when the stage was built
+            loss = st.loss_fn(y, self.targets[j])
+            self.losses[j] = loss.detach()
+            y = loss / self.m  # gradients of the mean over microbatches
+        else:
+            self.deliver(("F", j, g + 1), y.detach())
+        self.stash[(j, c)] = (x, y)
+
+    def backward(self, j: int, c: int, g: int, split: bool) -> None:
+        """``B`` (``split`` False) or ``I``; both hand the input gradient to chunk ``g - 1``."""
+        x, y = self.stash.pop((j, c))
+        grad = None if g == self.stage.num_chunks - 1 else self.take(("B", j, g), g + 1)
+        if split:
+            dx, self.pending[(j, c)] = input_grad(x, y, self.stage.modules[c].parameters(), grad)
+        else:
+            dx = _backward(x, y, grad)
+        if g > 0:
+            self.deliver(("B", j, g - 1), dx if dx is not None else torch.zeros_like(x))
+
+
+def _backward(x: torch.Tensor, y: torch.Tensor, grad: torch.Tensor | None) -> torch.Tensor | None:
+    """A chunk's full backward: parameter gradients accumulate; returns ``x``'s gradient (None:
+    ``x`` is the data). One small function: the place a hook around each backward goes."""
+    if y.requires_grad:  # else nothing upstream to differentiate
+        torch.autograd.backward(y, grad)
+    return x.grad if x.requires_grad else None
+
+
+def execute(stage: ChunkedStage, table: Table, m: int, inputs, targets, kwargs: Sequence[dict], caches: dict):
+    """Run this rank's row of ``table``; return the ``M`` losses on the rank holding the last
+    chunk, else None (parameter gradients accumulate into ``.grad``)."""
+    run = _Run(stage, table, m, inputs, targets, kwargs, caches)
+    for s in table[stage.rank]:
+        run.step(s)
+    for work in run.sending:
+        work.wait()
+    return run.losses if stage.holds(stage.num_chunks - 1) else None
+
+
+def run_chunked(stage: ChunkedStage, schedule, inputs, targets, stage_kwargs, num_microbatches, boundary_shapes, op):
+    """:func:`~.runner.run_schedule` on a :class:`~.chunked.ChunkedStage`: resolve and check the
+    table, agree on it and on every rank's data (one small all-reduce when all is well), run."""
+    error, digest, table, m = None, None, cast("Table", ()), 0
+    try:
+        table, m = resolve_table(stage, schedule, num_microbatches, op)
+        check_table(table, stage, m, op)
+        digest = hashlib.sha1(repr(table).encode()).hexdigest()
+        error = _data_error(stage, m, inputs, targets, stage_kwargs) or _split_error(stage, table)
+        if boundary_shapes is not None:
+            error = "a ChunkedStage negotiates its shapes: boundary_shapes must be None"
+    except ShardkitError as e:
+        error = str(e)
+    if error is None and checks_enabled():
+        error = "the P2P check mode (hellos that wait for the peer) cannot run chunked schedules: turn checks off"
+    error = error or backend_error(stage.info.pg.name())
+
+    def judge(seen: list) -> list[str]:
+        differ = [r for r, (d, _) in enumerate(seen) if d != seen[0][0]]
+        return [f"ranks {differ} passed another schedule table than rank 0"] if differ else []
+
+    seen = agree(stage.info, op, error, [digest, stage.has_caches], judge=judge, headline=REJECTED)
+    caches = stage.take_caches(all(c for _, c in seen))
+    losses = execute(stage, table, m, inputs, targets, stage_kwargs or [{}] * m, caches)
+    stage.keep_caches(caches)  # completed: the next call may keep them (agreed by every rank)
+    return losses
+
+
+def backend_error(backend: str) -> str | None:
+    """Why ``backend`` cannot run chunked schedules yet, or None (pure).
+
+    NCCL runs a rank pair's sends and receives in order on one stream, so a posted send to a
+    neighbour (waiting for its receive) sits in front of a later receive from it; when that
+    neighbour sends first too, messages above NCCL's buffer wait on each other. The one-stage
+    runner orders each such pair by stage parity (:mod:`._exchange`); this one does not yet."""
+    if backend.lower() == "nccl":
+        return (
+            "chunked schedules run on gloo for now: their unbatched sends and receives to one neighbour "
+            "can deadlock on an NCCL stream; use 1f1b or gpipe with one chunk per rank (PipelineStage) on NCCL"
+        )
+    return None
+
+
+def _split_error(stage: ChunkedStage, table: Table) -> str | None:
+    """Why ``table``'s ``I``/``W`` steps cannot run on ``stage``'s modules, or None: FSDP2
+    reduce-scatters (and reshards) in its post-backward hooks, which run at ``I``; the weight
+    gradients ``W`` adds later would miss the reduction (``--verify`` measured it)."""
+    if not any(s.kind == "I" for row in table for s in row):
+        return None
+    from torch.distributed.fsdp import FSDPModule
+
+    for c, mod in enumerate(stage.modules):
+        owner = getattr(mod, "owner", None)  # a chunk view of a stage module (hf_decoder)
+        roots = [mod] + ([owner] if isinstance(owner, torch.nn.Module) else [])
+        if any(isinstance(m, FSDPModule) for r in roots for m in r.modules()):
+            return (
+                f"rank {stage.rank}, chunk {c}: FSDP2 (fully_shard) modules cannot run the I/W split of zero-bubble "
+                "schedules (the deferred weight gradient misses FSDP2's reduce-scatter); use a schedule of F/B steps"
+            )
+    return None
+
+
+def _data_error(stage: ChunkedStage, m: int, inputs, targets, stage_kwargs) -> str | None:
+    for chunk, name, xs in (
+        (0, "inputs_microbatches", inputs),
+        (stage.num_chunks - 1, "targets_microbatches", targets),
+    ):
+        if stage.holds(chunk) and (not isinstance(xs, (list, tuple)) or len(xs) != m):
+            got = len(xs) if isinstance(xs, (list, tuple)) else type(xs).__name__
+            return f"rank {stage.rank} holds chunk {chunk} and needs {m} {name} (the schedule's M), got {got}"
+    if stage.holds(0) and not all(isinstance(x, torch.Tensor) for x in inputs):
+        return f"rank {stage.rank}: every input microbatch must be a tensor"
+    if stage_kwargs is not None and (
+        not isinstance(stage_kwargs, (list, tuple))
+        or len(stage_kwargs) != m
+        or not all(isinstance(k, dict) for k in stage_kwargs)
+    ):
+        return f"rank {stage.rank}: stage_kwargs must be None or {m} dicts (one per microbatch)"
+    return None

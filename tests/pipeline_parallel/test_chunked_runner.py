@@ -1,0 +1,203 @@
+"""The runner on virtual stages: every schedule of SCHEDULES executed on p ranks of v chunks.
+
+Every rank builds the full float64 MLP from one seed, keeps its chunks (:func:`chunk_layers`:
+9 layers over p * v chunks, uneven) and compares the losses (the rank holding the last chunk)
+and its chunks' parameter gradients with one process's backprop of the mean microbatch loss
+(1e-12). Microbatches differ in sequence length, so every channel negotiates shapes.
+"""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from harness.helpers import all_true, rank, world_group, world_size
+from shardkit.comm import CommLedger
+from shardkit.errors import ShardkitError
+from shardkit.pipeline_parallel import ChunkedStage, chunk_layers, run_schedule, split_microbatches
+from shardkit.pipeline_parallel._chunk_exec import backend_error
+from shardkit.pipeline_parallel.simulate import fifo_mismatches, transfers
+from shardkit.pipeline_parallel.tables import SCHEDULES, schedule_table
+
+H, LAYERS = 4, 9
+# (schedule, v): v in each schedule's allowed set; looped-bfs also at v = 1
+CASES = [("1f1b", 1), ("gpipe", 1), ("interleaved-1f1b", 2), ("looped-bfs", 1), ("looped-bfs", 2)]
+CASES += [("zb-h1", 1), ("zbv", 2), ("dualpipev", 2)]
+
+
+def _model():
+    torch.manual_seed(4321)
+    mods = []
+    for _ in range(LAYERS):
+        mods += [nn.Linear(H, H, dtype=torch.float64), nn.Tanh()]
+    return nn.Sequential(*mods)
+
+
+def _chunks(model, p, v, placement, r):
+    return [nn.Sequential(*list(model)[2 * k.start : 2 * k.stop]) for k in chunk_layers(LAYERS, p, v, placement, r)]
+
+
+def _mse(out, target):
+    return ((out - target) ** 2).mean()
+
+
+def _data(m, varlen):
+    gen = torch.Generator().manual_seed(7)
+    lens = [2 + (m_ % 3 if varlen else 0) for m_ in range(m)]
+    xs = [torch.randn(2, s, H, generator=gen, dtype=torch.float64) for s in lens]
+    ts = [torch.randn(2, s, H, generator=gen, dtype=torch.float64) for s in lens]
+    return xs, ts
+
+
+def _close(a, b):
+    return a is not None and torch.allclose(a, b, rtol=1e-12, atol=1e-12)
+
+
+def _parity(name, v, m, varlen=True):
+    r, p, g = rank(), world_size(), world_group()
+    placement = SCHEDULES[name].placement
+    full = _model()
+    xs, ts = _data(m, varlen)
+    full.zero_grad()
+    ref_losses = [_mse(full(x), t) for x, t in zip(xs, ts)]
+    (sum(ref_losses) / m).backward()
+    mine = copy.deepcopy(_chunks(full, p, v, placement, r))
+    for mod in mine:
+        mod.zero_grad()
+    stage = ChunkedStage(mine, g, placement=placement, loss_fn=_mse)
+    losses = run_schedule(stage, name, xs, ts, num_microbatches=m)
+    ok = True
+    if stage.holds(p * v - 1):
+        ok &= len(losses) == m and all(_close(a, b.detach()) for a, b in zip(losses, ref_losses))
+    else:
+        ok &= losses is None
+    for mod, ref in zip(mine, _chunks(full, p, v, placement, r), strict=True):
+        for a, b in zip(mod.parameters(), ref.parameters(), strict=True):
+            ok &= _close(a.grad, b.grad)
+    assert all_true(ok), (name, v, r)
+
+
+@pytest.mark.world(2, timeout=60)
+@pytest.mark.parametrize(("name", "v"), CASES)
+def test_parity_p2_every_schedule(name, v):
+    _parity(name, v, m=4)
+
+
+@pytest.mark.world(4, timeout=90)
+@pytest.mark.parametrize(("name", "v"), CASES)
+def test_parity_p4_every_schedule(name, v):
+    _parity(name, v, m=8)
+
+
+@pytest.mark.world(2, timeout=60)
+def test_v_table_with_fifo_mismatch_runs_and_equals_full_batch_backprop():
+    """zbv at p = 2, m = 4: a receiver needs messages in another order than they are sent (the
+    simulator's finding); the runner posts receives in the sender's order and still matches the
+    full-batch reference (one batch split into equal microbatches)."""
+    assert fifo_mismatches(schedule_table("zbv", 2, 2, 4), placement="v", v=2)
+    r, p, g = rank(), world_size(), world_group()
+    full = _model()
+    gen = torch.Generator().manual_seed(3)
+    x, t = (torch.randn(8, 3, H, generator=gen, dtype=torch.float64) for _ in range(2))
+    full.zero_grad()
+    ref = _mse(full(x), t)
+    ref.backward()
+    mine = copy.deepcopy(_chunks(full, p, 2, "v", r))
+    stage = ChunkedStage(mine, g, placement="v", loss_fn=_mse)
+    losses = run_schedule(stage, "zbv", split_microbatches(x, 4), split_microbatches(t, 4), num_microbatches=4)
+    ok = r != 0 or _close(torch.stack(losses).mean(), ref.detach())
+    for mod, refmod in zip(mine, _chunks(full, p, 2, "v", r), strict=True):
+        for a, b in zip(mod.parameters(), refmod.parameters(), strict=True):
+            ok &= _close(a.grad, b.grad)
+    assert all_true(ok)
+
+
+@pytest.mark.world(2, timeout=60)
+def test_local_handover_and_shape_caches_kept_across_calls():
+    """V placement on p = 2: chunk 1 -> 2 stays on rank 1 (no P2P for it: rank 1 sends exactly the
+    messages of the table's cross-rank transfers). A second call with the same shapes sends one
+    message per transfer (the shape caches are kept); both calls match the reference."""
+    r, p, g = rank(), world_size(), world_group()
+    table = schedule_table("dualpipev", p, 2, 4)
+    full = _model()
+    mine = copy.deepcopy(_chunks(full, p, 2, "v", r))
+    stage = ChunkedStage(mine, g, placement="v", loss_fn=_mse)
+    xs, ts = _data(4, varlen=False)
+    counts, apis = [], {}
+    for _ in range(2):
+        with CommLedger() as ledger:
+            run_schedule(stage, table, xs, ts)
+        counts.append(sum(1 for rec in ledger.records if rec.op == "send"))
+        apis = {
+            (a, ph): ledger.count(op="send", api=a, phase=ph) for a, ph in {(r.api, r.phase) for r in ledger.records}
+        }
+    # The table's cross-rank transfers from this rank (none for the local chunk 1 -> 2); shapes
+    # are cached per (direction, receiving chunk): each key's first transfer of the first call
+    # negotiates (header, payload), every other one is one packed message.
+    sent = transfers(table, placement="v", v=2)[0][(r, 1 - r)]
+    keys = {(d, c) for d, _, c in sent}
+    ok = len(sent) == 8 and all(c != 2 for d, _, c in sent if d == "F")
+    # activations are forward traffic and gradients backward, whichever neighbour they go to
+    n_f = sum(d == "F" for d, _, _ in sent)
+    ok &= apis.get(("send_forward", "forward")) == n_f and apis.get(("send_backward", "backward")) == 8 - n_f
+    assert all_true(ok and counts == [len(sent) + len(keys), len(sent)]), counts
+
+
+@pytest.mark.world(2, timeout=60)
+def test_table_that_does_not_fit_the_chunks_raises_on_every_rank():
+    r, g = rank(), world_group()
+    stage = ChunkedStage([nn.Identity(), nn.Identity()], g, loss_fn=_mse)  # v = 2, looped
+    xs, ts = _data(2, varlen=False)
+    one_chunk = schedule_table("1f1b", 2, 1, 2)  # chunk 1 never runs
+    with pytest.raises(ShardkitError, match="cannot run on 2 ranks x 2 chunks"):
+        run_schedule(stage, one_chunk, xs, ts)
+    with pytest.raises(ShardkitError, match="places chunks 'v'"):
+        run_schedule(stage, "zbv", xs, ts, num_microbatches=2)
+    with pytest.raises(ShardkitError, match="v .chunks per rank. must be 1"):
+        run_schedule(stage, "zb-h1", xs, ts, num_microbatches=2)
+    wrong = schedule_table("looped-bfs" if r == 0 else "interleaved-1f1b", 2, 2, 2)  # valid, but not the same
+    with pytest.raises(ShardkitError, match="another schedule table"):
+        run_schedule(stage, wrong, xs, ts)
+    with pytest.raises(ShardkitError, match="needs 2 targets_microbatches"):
+        run_schedule(stage, "looped-bfs", xs, ts[:1] if r == 1 else ts, num_microbatches=2)
+
+
+@pytest.mark.world(2, timeout=60)
+def test_chunked_stage_refuses_bad_arguments_on_every_rank():
+    g = world_group()
+    with pytest.raises(ShardkitError, match="placement 'v' holds 2 chunks"):
+        ChunkedStage([nn.Identity()] * 3, g, placement="v", loss_fn=_mse)
+    with pytest.raises(ShardkitError, match=r"rank 1 has \(v, placement\)"):
+        ChunkedStage([nn.Identity()] * (1 + rank()), g, loss_fn=_mse)
+    with pytest.raises(ShardkitError, match="needs loss_fn"):
+        ChunkedStage([nn.Identity()], g)
+
+
+@pytest.mark.world(2, timeout=60)
+def test_fsdp2_modules_refuse_the_iw_split_on_every_rank():
+    """FSDP2 reduce-scatters at I, before W's weight gradients: zero-bubble tables are refused on
+    FSDP2 modules (F/B tables run)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mod = fully_shard(nn.Linear(H, H, dtype=torch.float64), mesh=init_device_mesh("cpu", (2,)))
+    stage = ChunkedStage([mod], world_group(), loss_fn=_mse)
+    xs, ts = _data(2, varlen=False)
+    with pytest.raises(ShardkitError, match="FSDP2 .fully_shard. modules cannot run the I/W split"):
+        run_schedule(stage, "zb-h1", xs, ts, num_microbatches=2)
+
+
+def test_nccl_is_refused_until_the_step_exchange_is_batched():
+    assert backend_error("gloo") is None
+    assert "deadlock on an NCCL stream" in backend_error("NCCL")
+
+
+def test_chunk_layers_cuts_uneven_layers_in_dataflow_order():
+    assert [list(map(list, chunk_layers(10, 2, 2, "looped", r))) for r in range(2)] == [
+        [[0, 1, 2], [6, 7]],
+        [[3, 4, 5], [8, 9]],
+    ]
+    assert chunk_layers(8, 2, 2, "v", 0) == [range(0, 2), range(6, 8)]
+    with pytest.raises(ShardkitError, match="need layers >= p \\* v"):
+        chunk_layers(3, 2, 2, "looped", 0)

@@ -1,0 +1,152 @@
+"""``shardkit train --pp P --virtual-stages V --schedule S``: every schedule passes ``--verify``
+(float64, 1e-9 against one process) and a save under one schedule resumes under another.
+
+Fast tier: pp 2 on 2 ranks (one looped, one zero-bubble, one V schedule with chunks).
+Slow tier (``-m slow``): every schedule at pp 2 and pp 4 (4 and 8 ranks, with dp or tp beside).
+"""
+
+import time
+
+import pytest
+import torch
+
+from harness.helpers import rank, remove_shared_dir, shared_tmpdir, world_size
+from shardkit.errors import ShardkitError
+from shardkit.pipeline_parallel.tables import SCHEDULES as TABLES
+from shardkit.train.checkpoint_dir import check_checkpoint_dir
+from shardkit.train.config import TrainConfig, validate_config
+from shardkit.train.options import SCHEDULES
+from shardkit.train.run import train
+
+SMALL = dict(steps=2, seq_len=16, batch_size=4, dtype="float64", verify=True, layers=4, lr=1e-3, tp=1)
+V = {"1f1b": 1, "gpipe": 1, "interleaved-1f1b": 2, "looped-bfs": 2, "zb-h1": 1, "zbv": 2, "dualpipev": 2}
+
+
+def _train(**overrides) -> dict | None:
+    cfg = validate_config(TrainConfig(**{**SMALL, **overrides}), world_size=world_size())
+    return train(cfg, "gloo", torch.device("cpu"), time.perf_counter(), progress=False)
+
+
+def _verified(result) -> bool:
+    if rank() != 0:
+        return result is None
+    parity = result["parity"]
+    return parity["passed"] and parity["max_param_rel_diff"] <= 1e-9
+
+
+def _run_schedule(name: str, pp: int, **kw) -> None:
+    """``--verify`` of ``name`` at ``pp`` (chunks per rank: the schedule's own v), on this world."""
+    m = 2 * pp if name == "dualpipev" else pp  # dualpipev needs m >= 2 pp; interleaved m % pp == 0
+    result = _train(pp=pp, schedule=name, virtual_stages=V[name], microbatches=m, batch_size=2 * m, **kw)
+    assert _verified(result), result and result["parity"]
+    if rank() == 0:
+        assert result["layout"]["schedule"] == name and result["layout"]["virtual_stages"] == V[name]
+
+
+def test_trainer_offers_every_schedule_of_the_registry():
+    assert tuple(SCHEDULES) == tuple(TABLES)
+
+
+@pytest.mark.world(2, timeout=180)
+@pytest.mark.parametrize("name", ["interleaved-1f1b", "zb-h1", "zbv"])
+def test_schedule_verifies_at_pp2(name):
+    _run_schedule(name, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.world(4, timeout=300)
+@pytest.mark.parametrize("name", list(V))
+def test_every_schedule_verifies_at_pp2_x_dp2(name):
+    _run_schedule(name, 2)
+
+
+COMPOSED = {
+    "zbv: pp=2 x tp=2 (SP)": dict(name="zbv", tp=2),
+    "zb-h1: pp=2 x tp=2, loss parallel": dict(name="zb-h1", tp=2, loss_parallel=True),
+    "dualpipev: pp=2 x tp=2 (SP), loss parallel": dict(name="dualpipev", tp=2, loss_parallel=True),
+    "interleaved-1f1b: qwen3 pp=2 x tp=2 (SP)": dict(name="interleaved-1f1b", model="qwen3", tp=2),
+    "interleaved-1f1b: pp=2 x dp_shard=2 (FSDP2)": dict(name="interleaved-1f1b", dp_shard=2),
+    "dualpipev: qwen2 pp=2 x cp_ring=2": dict(name="dualpipev", model="qwen2", cp_ring=2, seq_len=32),
+    "looped-bfs: moe pp=2 x dp_shard=2, ep=2": dict(name="looped-bfs", model="moe", dp_shard=2, ep=2),
+    "zb-h1: moe pp=2 x tp=2, ep=2 (I/W split)": dict(name="zb-h1", model="moe", tp=2, ep=2),
+    "zbv: qwen2 pp=2 x cp_ring=2 (I/W split)": dict(name="zbv", model="qwen2", cp_ring=2, seq_len=32),
+    "zbv: pp=2 x cp_ulysses=2 (I/W split)": dict(name="zbv", cp_ulysses=2),
+    "zb-h1: pp=2 x dp=2, --ac full (I/W split)": dict(name="zb-h1", ac="full"),
+    "interleaved-1f1b: pp=2 x dp=2, --ac full": dict(name="interleaved-1f1b", ac="full"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.world(4, timeout=300)
+@pytest.mark.parametrize("overrides", list(COMPOSED.values()), ids=list(COMPOSED))
+def test_chunked_schedules_compose_with_tp_fsdp_cp_ep(overrides):
+    _run_schedule(**overrides, pp=2)
+
+
+@pytest.mark.slow
+@pytest.mark.world(8, timeout=600)
+@pytest.mark.parametrize("name", list(V))
+def test_every_schedule_verifies_at_pp4_x_dp2(name):
+    _run_schedule(name, 4, layers=8)
+
+
+@pytest.mark.slow
+@pytest.mark.world(4, timeout=300)
+@pytest.mark.parametrize("name", ["interleaved-1f1b", "zbv"])
+def test_tied_embeddings_on_chunks(name):
+    """A tied checkpoint (SmolLM2's shape): looped chunks keep the two copies on ranks 0 and p - 1
+    (their gradients summed), the V places both on rank 0 (one parameter)."""
+    from pathlib import Path
+
+    from harness.pretrained import save_tiny_llama
+
+    root = shared_tmpdir("sched-tied")
+    try:
+        if rank() == 0:
+            save_tiny_llama(Path(root), num_hidden_layers=4)
+        torch.distributed.barrier()
+        data = str(Path(torch.__file__).parent / "functional.py")
+        _run_schedule(name, 2, model_path=root, data=data)
+    finally:
+        remove_shared_dir(root)
+
+
+@pytest.mark.world(2, timeout=240)
+def test_save_under_1f1b_resumes_under_interleaved_with_the_same_losses():
+    """4 steps under 1f1b; 2 steps saved under 1f1b, then resumed under interleaved-1f1b on 2
+    chunks per rank (the chunks re-cut the layers): the same losses (float64, 1e-12)."""
+    root = shared_tmpdir("sched-resume")
+    try:
+        base = dict(pp=2, microbatches=2, batch_size=4, verify=False)
+        whole = _train(**base, steps=4)
+        cfg = validate_config(TrainConfig(**{**SMALL, **base, "steps": 2, "checkpoint_dir": root}), world_size=2)
+        check_checkpoint_dir(cfg)
+        train(cfg, "gloo", torch.device("cpu"), time.perf_counter(), progress=False)
+        again = dict(schedule="interleaved-1f1b", virtual_stages=2, checkpoint_dir=root, resume=True)
+        resumed = _train(**base, steps=4, **again)
+        if rank() == 0:
+            a, b = whole["losses"], resumed["losses"]
+            assert resumed["first_step"] == 2 and len(b) == 2, resumed.get("first_step")
+            assert all(abs(x - y) <= 1e-12 * abs(x) for x, y in zip(a[2:], b)), (a, b)
+    finally:
+        remove_shared_dir(root)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (dict(pp=2, schedule="zbv", virtual_stages=1, microbatches=2), "v .chunks per rank. must be 2"),
+        (dict(pp=2, schedule="interleaved-1f1b", virtual_stages=2, microbatches=3), "must be a multiple of p=2"),
+        (dict(pp=2, schedule="dualpipev", virtual_stages=2, microbatches=2), "m .microbatches. must be >= 4"),
+        (dict(pp=2, schedule="1f1b", virtual_stages=2, microbatches=2), "must be 1"),
+        (dict(pp=1, schedule="zbv", virtual_stages=2), "need a pipeline"),
+        (dict(pp=2, schedule="zb-h1", microbatches=2, checks=True), "--checks with --schedule zb-h1"),
+        (dict(pp=2, schedule="zbv", virtual_stages=2, microbatches=2, dp_shard=2), "which FSDP2 cannot follow"),
+        (dict(pp=2, schedule="zb-h1", microbatches=2, ac="selective"), "--ac selective replays"),
+        (dict(pp_tp="2,1", tp=None, schedule="zb-h1", microbatches=2), "--pp-tp stages run"),
+        (dict(pp=2, schedule="looped-bfs", virtual_stages=3, microbatches=2, layers=4), "cannot fill 6 chunks"),
+    ],
+)
+def test_combinations_that_cannot_work_are_refused_naming_the_limit(overrides, message):
+    with pytest.raises(ShardkitError, match=message):
+        validate_config(TrainConfig(**{**SMALL, **overrides}), world_size=4)
