@@ -1,4 +1,5 @@
-"""The pipeline case: the measured 1F1B bubble against the theory ``(p - 1) / (m + p - 1)``.
+"""The pipeline case: the measured 1F1B bubble against the theory ``(p - 1) / (m + p - 1)``,
+then one row per schedule (:mod:`.cases_pp_schedules`).
 
 For p in {2, 4} stages (ranks 0..p-1 of a pipeline group; the others wait) and m microbatches,
 each round runs ``one_f_one_b_schedule(p, m)`` on a tiny ``[1, 8]`` activation whose stage
@@ -35,6 +36,7 @@ from ..pipeline_parallel import PipelineStage, one_f_one_b_schedule, run_schedul
 from ..pipeline_parallel._transfer import order_key
 from ..pipeline_parallel.schedules import comm_plan
 from ._method import Record, Settings, agree
+from .cases_pp_schedules import schedules
 
 __all__ = ["bubble"]
 
@@ -193,4 +195,4 @@ def bubble(pg, settings: Settings) -> list[Record]:
     f_ms, b_ms = (4.0, 8.0) if settings.quick else (10.0, 20.0)
     groups = {2: dist.new_group([0, 1]), 4: pg}
     out = [_case(P, M, f_ms, b_ms, groups[P], settings) for P, M in ((2, 4), (2, 8), (4, 4), (4, 8))]
-    return [r for r in out if r is not None]
+    return [r for r in out if r is not None] + schedules(pg, settings)

@@ -40,7 +40,12 @@ CASES = {
         "projection + all_to_all and against the parts (projection, bare call)",
     ),
     "p2p": CaseSpec(".cases_comm", "p2p", 2, "pipeline send/recv (static, negotiated) against bare isend/irecv"),
-    "pipeline_bubble": CaseSpec(".cases_pp", "bubble", 4, "measured 1F1B bubble against (p-1)/(m+p-1)"),
+    "pipeline_bubble": CaseSpec(
+        ".cases_pp",
+        "bubble",
+        4,
+        "measured 1F1B bubble against (p-1)/(m+p-1); every schedule's bubble against its theory and 1F1B's",
+    ),
     "ring": CaseSpec(".cases_cp", "ring", 4, "ring attention: overlap against none; zigzag against contiguous"),
     "ulysses": CaseSpec(
         ".cases_cp", "ulysses", 4, "Ulysses attention against DTensor redistribute; uneven against even per byte"
