@@ -17,6 +17,7 @@ from ..errors import ShardkitError
 from ..plan import CLUSTERS, Cluster, ModelShape, StepEstimate, StepOptions, estimate_step, plan_layouts
 from ..plan.options import SCHEDULES
 from ..sharding import ParallelDims
+from .commands import COMMANDS
 
 __all__ = ["add_plan_parser", "run_plan", "parse_layout"]
 
@@ -32,11 +33,11 @@ _FIGURES = (
 )
 
 
-def add_plan_parser(commands) -> None:
-    """Add ``plan`` to the ``shardkit`` subcommands."""
+def add_plan_parser(commands) -> argparse.ArgumentParser:
+    """Add ``plan`` to the ``shardkit`` subcommands; returns its parser."""
     p = commands.add_parser(
         "plan",
-        help="rank the layouts of a model on a cluster by predicted step time",
+        help=COMMANDS["plan"],
         description=__doc__.split("\n\n")[0],
     )
     p.add_argument("--config", required=True, help="a Hugging Face config.json")
@@ -69,6 +70,7 @@ def add_plan_parser(commands) -> None:
     )
     p.add_argument("--plot", default="plan.png", help="where to write the plot (default plan.png)")
     p.set_defaults(func=run_plan)
+    return p
 
 
 def parse_layout(text: str, gpus: int) -> ParallelDims:

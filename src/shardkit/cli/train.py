@@ -26,6 +26,7 @@ from ..train.liveness import clear_flight_dir
 from ..train.options import AC_MODES
 from ..train.run import worker_main
 from ..train.specs import SPECS, model_spec
+from .commands import COMMANDS
 from .launch import LaunchFailed, LaunchInterrupted, exit_now, launch_local, print_failure, under_torchrun
 from .report import print_parity, print_summary, write_report
 
@@ -38,7 +39,7 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     d = TrainConfig()
     p = subparsers.add_parser(
         "train",
-        help="train a Hugging Face causal LM (or a conv autoencoder) with any composition of dp x pp x cp x tp x ep",
+        help=COMMANDS["train"],
         description="Train a Hugging Face causal LM (Llama, Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V2) on real text with "
         "any composition of data (replicated and FSDP2-sharded), pipeline, context (Ulysses, ring, USP), tensor "
         "(+ sequence) and expert parallelism, or a convolutional autoencoder with spatial x data parallelism. One "
