@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 import shardkit
+from harness.limits import patient
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -156,7 +157,7 @@ def test_docs_build_strict(tmp_path):
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=patient(600),
         env=env,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

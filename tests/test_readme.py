@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from harness.limits import patient
+
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
@@ -28,7 +30,7 @@ def test_api_example_is_15_lines_and_runs(tmp_path):
         # processes can take minutes on a loaded 2-core CI machine (one run hit 120 s).
         capture_output=True,
         text=True,
-        timeout=400,
+        timeout=patient(400),
         env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
