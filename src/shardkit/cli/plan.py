@@ -173,7 +173,7 @@ def _plot(path: str, estimates: list[StepEstimate], given: int = 0) -> None:
     ax.set_xlabel("predicted seconds per step")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path, bbox_inches="tight")  # long layout names: grow the image, never clip them
     print(f"plot: {path}")
 
 

@@ -164,7 +164,8 @@ class ConvAETask:
 
     Args:
         sampler: :class:`CropSampler`.
-        device, dtype: where and in which dtype the crops go.
+        device: where the crops go.
+        dtype: the crops' dtype.
     """
 
     def __init__(self, sampler: CropSampler, device, dtype: torch.dtype) -> None:
@@ -215,7 +216,8 @@ def side_by_side(inputs: torch.Tensor, outputs: torch.Tensor, scale: int = 2, ga
     """One RGB picture: the inputs on the top row, their reconstructions below.
 
     Args:
-        inputs, outputs: ``[B, 3, H, W]`` in [0, 1] (outputs are clamped to it).
+        inputs: ``[B, 3, H, W]`` in [0, 1].
+        outputs: ``[B, 3, H, W]``, clamped to [0, 1].
         scale: each pixel repeated ``scale`` x ``scale`` times (the crops are small).
         gap: white pixels between tiles.
 
