@@ -26,6 +26,7 @@ from ..train.liveness import clear_flight_dir
 from ..train.options import AC_MODES
 from ..train.run import worker_main
 from ..train.specs import SPECS, model_spec
+from ..train.tokens import check_checkpoint_tokenizer
 from .commands import COMMANDS
 from .launch import LaunchFailed, LaunchInterrupted, exit_now, launch_local, print_failure, under_torchrun
 from .report import print_parity, print_summary, write_report
@@ -222,6 +223,8 @@ def config_from_args(args: argparse.Namespace, world_size: int | None = None) ->
     resumed = check_checkpoint_dir(cfg)
     if resumed is not None and (world_size is None or int(os.environ.get("RANK", "0")) == 0):
         print(resumed, file=sys.stderr)  # said before any process starts: what this run continues
+    if cfg.model_path is not None:
+        check_checkpoint_tokenizer(cfg.model_path)  # a folder of weights alone: fails here, not in every worker
     if not model_spec(cfg.model).reads_corpus:
         return cfg  # e.g. conv-ae: its data is matplotlib's sample photo, not a text corpus
     # A missing, unreadable, not regular or too short --data fails here, before any process
