@@ -44,9 +44,9 @@ def quiet_third_party(rank: int) -> None:
         # draws one with tqdm directly (not through its own, switchable, progress bars).
         import functools
 
-        import tqdm.std
+        import tqdm.std  # type: ignore[import-untyped]
 
-        tqdm.std.tqdm.__init__ = functools.partialmethod(tqdm.std.tqdm.__init__, disable=True)  # type: ignore[method-assign]
+        tqdm.std.tqdm.__init__ = functools.partialmethod(tqdm.std.tqdm.__init__, disable=True)
     if "transformers" in sys.modules:
         from transformers.utils import logging as hf_logging
 

@@ -11,6 +11,7 @@ import argparse
 import difflib
 import sys
 from collections.abc import Callable, Iterable
+from typing import NoReturn
 
 from .. import __version__
 from .commands import COMMANDS
@@ -30,7 +31,7 @@ def suggest(word: str, known: Iterable[str]) -> str:
 class _Parser(argparse.ArgumentParser):
     """An ``ArgumentParser`` whose "invalid choice" errors name the closest choices."""
 
-    def error(self, message: str):  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         for action in self._actions:
             name = "/".join(action.option_strings) or action.metavar or action.dest
             if action.choices is not None and message.startswith(f"argument {name}: invalid choice: "):
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     command = next((a for a in argv if not a.startswith("-")), None)
-    parser, built = _build([command] if command in COMMANDS else [])
+    parser, built = _build([command] if command is not None and command in COMMANDS else [])
     args, extras = parser.parse_known_args(argv)
     if extras:
         sub = built[args.command]
