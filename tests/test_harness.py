@@ -163,7 +163,8 @@ def test_world_api_error_on_one_rank(world2):
 def test_world_api_hang(world2):
     begin = time.monotonic()
     result = world2.run(__file__, "task_hang_on_rank1", timeout=3)
-    assert 3 <= time.monotonic() - begin < 15  # the wall limit, not PG_TIMEOUT or 100 s
+    # the 3 s wall limit, not the 100 s sleep (about 4 s when quiet; 60 holds on a loaded machine)
+    assert 3 <= time.monotonic() - begin < 60
     assert result.hang and result.missing == [1]
     message = result.failure_message()
     assert message.startswith("HANG: rank(s) [1] of 2 did not report within 3 s")
@@ -177,7 +178,8 @@ def test_world_api_hang(world2):
 def test_world_api_rank_dies(world2):
     begin = time.monotonic()
     result = world2.run(__file__, "task_exit_on_rank0")
-    assert time.monotonic() - begin < 5  # noticed by polling, not by the 60 s wall limit
+    # noticed by polling, not by the 60 s wall limit (0.5 s when quiet; 30 holds on a loaded machine)
+    assert time.monotonic() - begin < 30
     assert result.outcomes[0] == ("died", 3)
     assert result.failure_message().startswith("rank 0 died with exit code 3")
     assert world2.run(__file__, "task_all_reduce").ok
