@@ -16,17 +16,29 @@ def _fresh(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
 
 
-def test_help_imports_no_torch():
+@pytest.mark.parametrize("argv", [["--help"], ["train", "--help"]])
+def test_help_imports_no_torch(argv):
     code = (
         "import sys\nfrom shardkit.cli.main import main\n"
-        "try:\n    main(['--help'])\nexcept SystemExit as e:\n    assert e.code == 0\n"
+        f"try:\n    main({argv!r})\nexcept SystemExit as e:\n    assert e.code == 0\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'numpy'))\n"
         "assert not bad, bad\n"
-        "assert not [m for m in sys.modules if m.startswith(('shardkit.train', 'shardkit.comm'))]\n"
+        "assert not [m for m in sys.modules if m.startswith(('shardkit.comm', 'shardkit.train.specs'))]\n"
     )
     run = _fresh(code)
     assert run.returncode == 0, run.stderr
-    assert "train" in run.stdout and "plan" in run.stdout and "bench" in run.stdout
+    assert "train" in run.stdout and ("plan" in run.stdout or "--dp-shard" in run.stdout)
+
+
+def test_the_flags_vocabularies_agree_with_the_library_and_the_registry():
+    from shardkit.parallelize.checkpointing import AC_MODES
+    from shardkit.train import options
+    from shardkit.train.model_names import MODEL_SUMMARIES
+    from shardkit.train.specs import SPECS
+
+    assert options.AC_MODES == AC_MODES
+    assert tuple(SPECS) == tuple(MODEL_SUMMARIES)
+    assert all(spec.summary == MODEL_SUMMARIES[name] for name, spec in SPECS.items())
 
 
 def test_python_m_shardkit_help_imports_no_torch():

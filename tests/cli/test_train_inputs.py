@@ -26,9 +26,9 @@ def _weights_only(checkpoint, folder):
 
 
 def test_a_checkpoint_without_tokenizer_fails_before_launch(checkpoint, tmp_path, capsys, monkeypatch):
-    import shardkit.cli.train as cli_train
+    import shardkit.cli.launch as cli_launch
 
-    monkeypatch.setattr(cli_train, "launch_local", lambda *a, **k: pytest.fail("launched"))
+    monkeypatch.setattr(cli_launch, "launch_local", lambda *a, **k: pytest.fail("launched"))
     folder = _weights_only(checkpoint, tmp_path / "weights")
     assert main(["train", "--model-path", str(folder), "--steps", "1"]) == 2
     err = capsys.readouterr().err
@@ -39,9 +39,9 @@ def test_a_checkpoint_without_tokenizer_fails_before_launch(checkpoint, tmp_path
 def test_a_tokenizer_larger_than_the_embedding_fails_before_launch(checkpoint, tmp_path, capsys, monkeypatch):
     import json
 
-    import shardkit.cli.train as cli_train
+    import shardkit.cli.launch as cli_launch
 
-    monkeypatch.setattr(cli_train, "launch_local", lambda *a, **k: pytest.fail("launched"))
+    monkeypatch.setattr(cli_launch, "launch_local", lambda *a, **k: pytest.fail("launched"))
     folder = tmp_path / "small"
     shutil.copytree(checkpoint, folder)
     config = json.loads((folder / "config.json").read_text())

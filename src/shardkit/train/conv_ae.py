@@ -36,7 +36,6 @@ from torch import nn
 from .. import balanced_split_sizes
 from .._files import atomic_write
 from .._shapes import split_offsets
-from .options import TORCH_DTYPES
 
 __all__ = [
     "CROP",
@@ -99,7 +98,7 @@ def build_conv_ae(dtype: str, seed: int) -> ConvAutoencoder:
     """The unsharded model in ``dtype``, training mode; initialized in float32 from ``seed``, then
     cast (bitwise the same weights on every rank and in the reference)."""
     torch.manual_seed(seed)
-    return ConvAutoencoder().to(TORCH_DTYPES[dtype]).train()
+    return ConvAutoencoder().to(getattr(torch, dtype)).train()
 
 
 def load_image(name: str = IMAGE) -> torch.Tensor:

@@ -9,24 +9,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from ..errors import ShardkitError
-from ..parallelize.checkpointing import AC_MODES
 
 __all__ = [
     "TrainConfig",
     "parse_pp_tp",
     "AC_MODES",
     "DTYPES",
-    "TORCH_DTYPES",
     "SCHEDULES",
     "LR_SCHEDULES",
     "SIZE_FLAGS",
 ]
 
-DTYPES = ("float32", "float64", "bfloat16")
-TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+DTYPES = ("float32", "float64", "bfloat16")  # torch's names: getattr(torch, name) is the dtype
+# shardkit.parallelize.checkpointing.AC_MODES (tests/cli/test_main.py checks they agree), here so
+# that the flags (`shardkit train --help`) import no torch
+AC_MODES = ("none", "full", "selective")
 SCHEDULES = ("1f1b", "gpipe")
 LR_SCHEDULES = ("constant", "warmup-cosine")
 SIZE_FLAGS = (
