@@ -25,6 +25,7 @@ if _TESTS_DIR not in sys.path:
     # and the workers start with this process's sys.path.
     sys.path.insert(0, _TESTS_DIR)
 
+from harness.limits import patient  # noqa: E402
 from harness.world import WALL_LIMIT, WorldPool, set_io_guard  # noqa: E402
 from shardkit._quiet import QUIET_ENV  # noqa: E402
 
@@ -83,7 +84,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         kwargs,
         nodeid=pyfuncitem.nodeid,
         module_name=pyfuncitem.module.__name__,
-        timeout=limit,
+        timeout=patient(limit),  # the HANG limit, stretched on a loaded machine
     )
     if result.skipped:
         pytest.skip(result.outcomes[0][1])

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 import shardkit
+from harness.limits import patient
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -152,11 +153,12 @@ def test_a_missing_path_is_found(tmp_path):
 def test_docs_build_strict(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "NO_MKDOCS_2_WARNING": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(tmp_path / "site")],
+        # No -q: it hid griffe warnings (grouped parameter names) that a plain --strict build fails on.
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=patient(600),
         env=env,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

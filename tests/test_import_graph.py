@@ -53,7 +53,9 @@ def _imports(path: Path) -> tuple[set[str], list[str]]:
             names = _target(node, module, is_package)
         elif isinstance(node, ast.Import):
             names = [a.name for a in node.names if a.name.startswith("shardkit")]
-        if names and id(node) in local:
+        # cli/ may import a command's module inside the function that runs it: `shardkit --help`
+        # must not pay for torch (issue 23). Such imports still count as edges of the graph below.
+        if names and id(node) in local and not module.startswith("shardkit.cli"):
             hidden.append(f"{path.relative_to(SRC)}:{node.lineno}")
         targets.update(names)
     return targets, hidden

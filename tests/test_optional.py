@@ -94,6 +94,9 @@ def test_third_party_output_on_rank_0_only(monkeypatch):
 
     for key in QUIET_ENV:
         monkeypatch.delenv(key, raising=False)
+    import tqdm.std
+
+    monkeypatch.setattr(tqdm.std.tqdm, "__init__", tqdm.std.tqdm.__init__)  # rank 1 turns tqdm off: undone after
     was_enabled, level = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
     with warnings.catch_warnings():  # huggingface_hub notes that the test env disables bars anyway
         warnings.simplefilter("ignore")

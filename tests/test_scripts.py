@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from harness.limits import patient
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted(
     p.relative_to(ROOT).as_posix() for folder in ("scripts", "benchmarks") for p in (ROOT / folder).glob("*.[ps][yh]")
@@ -32,6 +34,8 @@ def test_the_script_list_is_not_empty():
 def test_script_answers_help(script):
     runner = ["bash"] if script.endswith(".sh") else [sys.executable]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([*runner, script, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    proc = subprocess.run(
+        [*runner, script, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=patient(120), env=env
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert proc.stdout.lower().startswith("usage:"), proc.stdout[:500]

@@ -115,7 +115,8 @@ def init_local_world(run_dir: str, timeout: timedelta, rank: int | None = None, 
         run_dir: the launch's :func:`private_run_dir`.
         timeout: the process group's timeout (every collective, and every subgroup's:
             :meth:`shardkit.ParallelDims.build_mesh`).
-        rank, world_size: this process's; None: torch elastic's ``RANK`` / ``WORLD_SIZE``.
+        rank: this process's rank; None: torch elastic's ``RANK``.
+        world_size: this process's world size; None: torch elastic's ``WORLD_SIZE``.
     """
     import torch.distributed as dist
 

@@ -16,6 +16,7 @@ QUIET_ENV: dict[str, str] = {
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",  # read by huggingface_hub and transformers at import
     "TRANSFORMERS_VERBOSITY": "error",
     "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
+    "TQDM_DISABLE": "1",  # bars drawn with tqdm itself (transformers' GGUF load), if tqdm is not imported yet
 }
 """Environment that silences Hugging Face progress bars and advisory logs in a process."""
 
@@ -37,6 +38,15 @@ def quiet_third_party(rank: int) -> None:
     warnings.filterwarnings("ignore", module="huggingface_hub")
     import sys
 
+    if "tqdm" in sys.modules:
+        # torch imports tqdm (torch.hub) before this runs, and tqdm reads TQDM_DISABLE only at
+        # import: turn its bars off in this process by default instead. transformers' GGUF load
+        # draws one with tqdm directly (not through its own, switchable, progress bars).
+        import functools
+
+        import tqdm.std  # type: ignore[import-untyped]
+
+        tqdm.std.tqdm.__init__ = functools.partialmethod(tqdm.std.tqdm.__init__, disable=True)
     if "transformers" in sys.modules:
         from transformers.utils import logging as hf_logging
 

@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from harness.limits import patient
 from shardkit import ShardkitError
 from shardkit.cli.main import build_parser
 from shardkit.cli.report import loss_figure, write_report
@@ -384,7 +385,7 @@ def test_finish_names_the_save_hf_directory(tmp_path, capsys):
 def _shardkit(*argv, timeout):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.run(
-        [sys.executable, "-m", "shardkit", *argv], capture_output=True, text=True, timeout=timeout, env=env
+        [sys.executable, "-m", "shardkit", *argv], capture_output=True, text=True, timeout=patient(timeout), env=env
     )
 
 

@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from harness.helpers import rank, subgroup, world_group, world_size
+from harness.limits import patient
 from shardkit import (
     GroupMembershipError,
     ParallelDims,
@@ -144,7 +145,7 @@ def test_group_the_rank_is_not_in():
     start = time.monotonic()
     with pytest.raises(GroupMembershipError, match="not a member"):
         all_gather(torch.zeros(2), mine_not, 0)
-    assert time.monotonic() - start < 2.0
+    assert time.monotonic() - start < patient(2.0)  # 2 s when quiet, stretched by the machine's load
     _assert_group_usable()
 
 

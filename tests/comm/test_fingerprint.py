@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from harness.helpers import rank, remove_shared_dir, shared_tmpdir, world_group, world_size
+from harness.limits import patient
 from shardkit import CommLedger
 from shardkit.checkpoint import load_sharded
 from shardkit.comm import checks
@@ -33,7 +34,7 @@ def _same_error_everywhere(fn, fragment: str) -> str:
     start = time.monotonic()
     with checks(True), pytest.raises(RankMismatchError, match=fragment) as info:
         fn()
-    assert time.monotonic() - start < 2.0
+    assert time.monotonic() - start < patient(2.0)  # 2 s when quiet, stretched by the machine's load
     msgs = [None] * world_size()
     dist.all_gather_object(msgs, str(info.value), group=world_group())
     assert len(set(msgs)) == 1, msgs  # the same message on every rank
@@ -100,7 +101,7 @@ def test_plan_error_on_one_rank_is_raised_on_every_rank():
     start = time.monotonic()
     with checks(True), pytest.raises(ShardkitError, match="raised on rank 1 of 2") as info:
         apply_tp(_mlp(0), world_group(), PLAN, check="off", **options)
-    assert time.monotonic() - start < 2.0 and "needs the model's output head" in str(info.value)
+    assert time.monotonic() - start < patient(2.0) and "needs the model's output head" in str(info.value)
 
 
 @pytest.mark.world(2)

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from harness.checks import adjoint_error, coords
 from harness.helpers import rank, world_group, world_size
+from harness.limits import patient
 from shardkit import RankMismatchError, ShardkitError, ShardkitTypeError, balanced_split_sizes
 from shardkit.comm import CommLedger, checks
 from shardkit.context_parallel import (
@@ -300,7 +301,7 @@ def test_bad_input_raises_on_every_rank(case):
     start = time.monotonic()
     with pytest.raises(expected_type, match=fragment) as info:
         fn()
-    assert time.monotonic() - start < 2.0
+    assert time.monotonic() - start < patient(2.0)  # 2 s when quiet, stretched by the machine's load
     names = [None] * world_size()
     dist.all_gather_object(names, type(info.value).__name__, group=world_group())
     assert len(set(names)) == 1, names
@@ -331,7 +332,7 @@ def test_check_mode_agrees_on_every_cu_seqlens_entry(op, move):
     start = time.monotonic()
     with checks(True), pytest.raises(RankMismatchError, match=f"{op}: ranks disagree on arguments") as info:
         fn(x, moved if rank() == 1 else good, g, 1)
-    assert time.monotonic() - start < 2.0
+    assert time.monotonic() - start < patient(2.0)  # 2 s when quiet, stretched by the machine's load
     texts = [None] * world_size()
     dist.all_gather_object(texts, str(info.value), group=g)
     assert len(set(texts)) == 1, texts

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from harness.helpers import rank, world_group, world_size
+from harness.limits import patient
 from shardkit import ShardkitError, balanced_split_sizes
 from shardkit._shapes import split_offsets
 from shardkit.comm import CommLedger
@@ -243,7 +244,7 @@ def test_bad_packed_input_raises_on_every_rank(case):
     start = time.monotonic()
     with pytest.raises(expected_type, match=fragment) as info:
         fn()
-    assert time.monotonic() - start < 2.0
+    assert time.monotonic() - start < patient(2.0)  # 2 s when quiet, stretched by the machine's load
     outcomes = [None] * world_size()
     dist.all_gather_object(outcomes, (type(info.value).__name__, str(info.value).split(": rank")[0]), group=g)
     assert all(o == outcomes[0] for o in outcomes), outcomes

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .limits import patient
 from .worker import RESPAWN as _RESPAWN
 from .worker import Task
 from .worker import main as _worker_main
@@ -202,7 +203,7 @@ class World:
             proc.start()
             self._procs.append(proc)
         self.starts += 1
-        result = self._collect(0, START_LIMIT)
+        result = self._collect(0, patient(START_LIMIT))
         if not result.ok:
             self.kill()
             raise RuntimeError(f"world of {self.n} failed to start: {result.failure_message()}")

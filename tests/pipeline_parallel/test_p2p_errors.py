@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from harness.helpers import rank, world_group, world_size
+from harness.limits import patient
 from shardkit.comm import CommLedger, checks
 from shardkit.errors import RankMismatchError, ShardkitError, ShardkitTypeError
 from shardkit.pipeline_parallel import recv_backward, recv_forward, send_backward, send_forward
@@ -20,7 +21,7 @@ def _raises(expected, fragment, fn):
     start = time.monotonic()
     with pytest.raises(expected, match=fragment) as info:
         fn()
-    assert time.monotonic() - start < 2.0
+    assert time.monotonic() - start < patient(2.0)  # 2 s when quiet, stretched by the machine's load
     assert isinstance(info.value, ShardkitError)
     return str(info.value)
 

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from harness.helpers import rank, world_group, world_size
+from harness.limits import patient
 from shardkit import ShardkitError, ShardkitTypeError, all_gather, balanced_split_sizes
 from shardkit._shapes import split_offsets
 from shardkit.comm import CommLedger
@@ -414,7 +415,7 @@ def test_bad_arguments_raise_on_every_rank(case):
     start = time.monotonic()
     with pytest.raises(kind, match=fragment) as info:
         fn()
-    assert time.monotonic() - start < 2.0
+    assert time.monotonic() - start < patient(2.0)  # 2 s when quiet, stretched by the machine's load
     outcomes = [None] * world_size()
     dist.all_gather_object(outcomes, str(info.value), group=world_group())
     assert all(o == outcomes[0] for o in outcomes), outcomes

@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from harness.helpers import rank, world_group, world_size
+from harness.limits import patient
 from shardkit import CommLedger, RankMismatchError, ShardkitError, ShardkitTypeError, all_reduce_backward
 from shardkit._shapes import split_offsets
 from shardkit.comm import checks
@@ -293,7 +294,7 @@ def _one_rank_labels(mode, bad_rank, bad_labels, exc, match):
     start = time.monotonic()
     with checks(mode), pytest.raises(exc, match=match) as info:
         vocab_parallel_cross_entropy(local, bad_labels if rank() == bad_rank else labels, world_group())
-    assert time.monotonic() - start < 2.0
+    assert time.monotonic() - start < patient(2.0)  # 2 s when quiet, stretched by the machine's load
     texts = [None] * R
     dist.all_gather_object(texts, (type(info.value).__name__, str(info.value)), group=world_group())
     assert len(set(texts)) == 1, texts

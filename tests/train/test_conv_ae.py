@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 
+from harness.limits import patient
 from shardkit import ShardkitError
 from shardkit.train.config import merge_config, validate_config
 from shardkit.train.conv_ae import (
@@ -140,7 +141,7 @@ def test_invalid_conv_ae_options(kwargs, match):
 def _shardkit(*argv, timeout):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.run(
-        [sys.executable, "-m", "shardkit", *argv], capture_output=True, text=True, timeout=timeout, env=env
+        [sys.executable, "-m", "shardkit", *argv], capture_output=True, text=True, timeout=patient(timeout), env=env
     )
 
 

@@ -122,7 +122,7 @@ def _plots(rows: list[dict], out_dir: str) -> list[str]:
         ax.set_xlabel("median of per-round ratios, bars p10-p90; black tick = goal (green met, red missed)")
         fig.tight_layout()
         paths.append(os.path.join(out_dir, "bench_ratios.png"))
-        fig.savefig(paths[-1], dpi=130)
+        fig.savefig(paths[-1], dpi=130, bbox_inches="tight")  # no clipped labels
         plt.close(fig)
     bw_rows = [r for r in rows if r["busbw_GBps"] and "bytes" in r["params"]]
     if bw_rows:
@@ -152,7 +152,7 @@ def _plots(rows: list[dict], out_dir: str) -> list[str]:
         ax.legend(fontsize=5, ncol=2)
         fig.tight_layout()
         paths.append(os.path.join(out_dir, "bench_busbw.png"))
-        fig.savefig(paths[-1], dpi=130)
+        fig.savefig(paths[-1], dpi=130, bbox_inches="tight")  # no clipped labels
         plt.close(fig)
     return paths
 

@@ -15,6 +15,7 @@ import time
 
 from ..bench import CASES, Settings, run_bench, write_outputs
 from ..bench.report import environment
+from .commands import COMMANDS
 
 __all__ = ["add_bench_parser", "run"]
 
@@ -25,7 +26,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     listing = "; ".join(f"{k}: {v.what} ({v.nproc} ranks)" for k, v in CASES.items())
     p = subparsers.add_parser(
         "bench",
-        help="paired, interleaved benchmarks of every axis (docs/design.md, Benchmarks)",
+        help=COMMANDS["bench"],
         description=__doc__.split("\n\n")[0] + " Cases: " + listing,
     )
     p.add_argument("--quick", action="store_true", help="small sizes of every case (< 3 min)")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 
 from .._optional import install_hint, missing
 from ..errors import ShardkitError
@@ -18,6 +19,7 @@ from ..parallelize.fake_world import fake_world_table
 from ..plan import CLUSTERS, Cluster, ModelShape, StepEstimate, StepOptions, estimate_step, plan_layouts
 from ..plan.options import SCHEDULES
 from ..sharding import ParallelDims
+from .commands import COMMANDS
 
 __all__ = ["add_plan_parser", "run_plan", "parse_layout"]
 
@@ -33,14 +35,19 @@ _FIGURES = (
 )
 
 
-def add_plan_parser(commands) -> None:
-    """Add ``plan`` to the ``shardkit`` subcommands."""
+def add_plan_parser(commands) -> argparse.ArgumentParser:
+    """Add ``plan`` to the ``shardkit`` subcommands; returns its parser."""
     p = commands.add_parser(
         "plan",
-        help="rank the layouts of a model on a cluster by predicted step time",
+        help=COMMANDS["plan"],
         description=__doc__.split("\n\n")[0],
     )
-    p.add_argument("--config", required=True, help="a Hugging Face config.json")
+    p.add_argument(
+        "--config",
+        required=True,
+        metavar="PATH",
+        help="a Hugging Face config.json, or what `train --model-path` takes: a checkpoint directory or a GGUF file",
+    )
     p.add_argument("--gpus", type=int, required=True, help="GPUs in the job (the world size)")
     p.add_argument("--preset", choices=sorted(CLUSTERS), default="h100", help="cluster figures (default h100)")
     for name in _FIGURES:
@@ -83,6 +90,7 @@ def add_plan_parser(commands) -> None:
         "world, one rank per pipeline stage, and print its counted params/grads/optimizer bytes against the plan",
     )
     p.set_defaults(func=run_plan)
+    return p
 
 
 def parse_layout(text: str, gpus: int) -> ParallelDims:
@@ -185,15 +193,39 @@ def _plot(path: str, estimates: list[StepEstimate], given: int = 0) -> None:
     ax.set_xlabel("predicted seconds per step")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path, bbox_inches="tight")  # long layout names: grow the image, never clip them
     print(f"plot: {path}")
+
+
+def _model_config(path: str):
+    """``--config``: a ``config.json`` as it is, the one of a checkpoint directory, or a GGUF
+    file's (read as ``train --model-path`` reads it; needs transformers and gguf).
+
+    Raises:
+        ShardkitError: a directory without ``config.json``, or an unreadable GGUF file.
+    """
+    if os.path.isdir(path):
+        config = os.path.join(path, "config.json")
+        if not os.path.isfile(config):
+            raise ShardkitError(
+                f"--config: the directory {path} has no config.json (a Hugging Face checkpoint has one)"
+            )
+        return config
+    if not path.lower().endswith(".gguf"):
+        return path
+    from ..train.pretrained import read_config  # transformers: imported only for a GGUF file
+
+    try:
+        return read_config(path)
+    except ShardkitError as e:
+        raise ShardkitError(str(e).replace("--model-path", "--config", 1)) from None
 
 
 def run_plan(args: argparse.Namespace) -> int:
     """Run ``shardkit plan``; returns the exit code (errors: one line, code 2)."""
     try:
         cluster = _cluster(args)
-        shape = ModelShape.from_config(args.config)
+        shape = ModelShape.from_config(_model_config(args.config))
         options = StepOptions(
             seq_len=args.seq_len,
             global_batch=args.global_batch,

@@ -221,4 +221,4 @@ def loss_figure(result: dict):
 
 
 def _plot(result: dict, path: str) -> None:
-    loss_figure(result).savefig(path, format="png")
+    loss_figure(result).savefig(path, format="png", bbox_inches="tight")

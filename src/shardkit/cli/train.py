@@ -11,23 +11,15 @@ import argparse
 import os
 import sys
 
-from rich.console import Console
-
-from .._local_world import private_run_dir
 from .._optional import check_train, require
 from .._quiet import quiet_third_party
-from ..comm import flight_recorder
 from ..errors import ShardkitError
-from ..train.checkpoint_dir import check_checkpoint_dir
-from ..train.config import DTYPES, SCHEDULES, TrainConfig, load_toml, merge_config, validate_config
-from ..train.data import check_files, corpus_files, held_out_start
-from ..train.limits import check_machine
-from ..train.liveness import clear_flight_dir
-from ..train.options import AC_MODES, MIXED_PRECISION
-from ..train.run import worker_main
-from ..train.specs import SPECS, model_spec
-from .launch import LaunchFailed, LaunchInterrupted, exit_now, launch_local, print_failure, under_torchrun
-from .report import print_parity, print_summary, write_report
+from ..train.model_names import MODEL_SUMMARIES
+from ..train.options import AC_MODES, DTYPES, MIXED_PRECISION, SCHEDULES, TrainConfig
+from .commands import COMMANDS
+
+# The flags need only the two modules above (no torch: `shardkit train --help` stays fast); the
+# checks, the launch and the report import the application inside the functions that run them.
 
 __all__ = ["add_train_parser", "config_from_args", "run_train"]
 
@@ -38,7 +30,7 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     d = TrainConfig()
     p = subparsers.add_parser(
         "train",
-        help="train a Hugging Face causal LM (or a conv autoencoder) with any composition of dp x pp x cp x tp x ep",
+        help=COMMANDS["train"],
         description="Train a Hugging Face causal LM (Llama, Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V2) on real text with "
         "any composition of data (replicated and FSDP2-sharded), pipeline, context (Ulysses, ring, USP), tensor "
         "(+ sequence) and expert parallelism, or a convolutional autoencoder with spatial x data parallelism. One "
@@ -47,8 +39,8 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--config", metavar="FILE.toml", help="TOML file of options (keys: option names with underscores)")
     p.add_argument(
         "--model",
-        choices=tuple(SPECS),
-        help=f"what to train (default {d.model}): " + "; ".join(f"{n}: {s.summary}" for n, s in SPECS.items()),
+        choices=tuple(MODEL_SUMMARIES),
+        help=f"what to train (default {d.model}): " + "; ".join(f"{n}: {s}" for n, s in MODEL_SUMMARIES.items()),
     )
     p.add_argument(
         "--nproc",
@@ -257,6 +249,13 @@ def config_from_args(args: argparse.Namespace, world_size: int | None = None) ->
     Raises:
         ShardkitError: a bad file, option or layout.
     """
+    from ..train.checkpoint_dir import check_checkpoint_dir
+    from ..train.config import load_toml, merge_config, validate_config
+    from ..train.data import check_files, corpus_files, held_out_start
+    from ..train.limits import check_machine
+    from ..train.specs import model_spec
+    from ..train.tokens import check_checkpoint_tokenizer
+
     values = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
     file_values = load_toml(args.config) if args.config else {}
     cfg = validate_config(merge_config(file_values, values), world_size)
@@ -266,6 +265,8 @@ def config_from_args(args: argparse.Namespace, world_size: int | None = None) ->
     resumed = check_checkpoint_dir(cfg)
     if resumed is not None and (world_size is None or int(os.environ.get("RANK", "0")) == 0):
         print(resumed, file=sys.stderr)  # said before any process starts: what this run continues
+    if cfg.model_path is not None:
+        check_checkpoint_tokenizer(cfg.model_path)  # a folder of weights alone: fails here, not in every worker
     if not model_spec(cfg.model).reads_corpus:
         return cfg  # e.g. conv-ae: its data is matplotlib's sample photo, not a text corpus
     # A missing, unreadable, not regular or too short --data fails here, before any process
@@ -282,6 +283,10 @@ def config_from_args(args: argparse.Namespace, world_size: int | None = None) ->
 
 def run_train(args: argparse.Namespace) -> int:
     """Run the ``train`` subcommand; return the process exit code."""
+    from ..train.liveness import clear_flight_dir
+    from ..train.run import worker_main
+    from ..train.specs import model_spec
+    from .launch import exit_now, under_torchrun
 
     torchrun = under_torchrun()
     try:
@@ -320,6 +325,11 @@ def _launch(cfg: TrainConfig) -> tuple[int | None, dict]:
     of an earlier run there are removed first.
     """
 
+    from .._local_world import private_run_dir
+    from ..train.liveness import clear_flight_dir
+    from ..train.run import worker_main
+    from .launch import LaunchFailed, LaunchInterrupted, launch_local, print_failure
+
     assert cfg.nproc is not None  # validate_config resolved it
     with private_run_dir() as run_dir:
         flight_dir = os.path.join(cfg.report if cfg.report else run_dir, "flight")
@@ -347,6 +357,7 @@ def _print_flight_report(flight_dir: str, nproc: int | None = None, kept: bool =
     """After a failed job: the first collective where the ranks diverged, from their dumps, and
     the ranks (of ``nproc``) that left none; where the records are (``kept``), or that they are
     removed with the run directory."""
+    from ..comm import flight_recorder
 
     if os.path.isdir(flight_dir) and any(n.startswith("rank") for n in os.listdir(flight_dir)):
         print(flight_recorder.format_report(flight_dir, world_size=nproc), file=sys.stderr)
@@ -361,6 +372,9 @@ def _print_flight_report(flight_dir: str, nproc: int | None = None, kept: bool =
 
 def finish(result: dict, cfg: TrainConfig) -> int:
     """Print the summary (and parity), write the report; 1 if verification failed, else 0."""
+    from rich.console import Console
+
+    from .report import print_parity, print_summary, write_report
 
     console = Console()
     if not console.is_terminal:

@@ -180,15 +180,19 @@ def _unpack(buf: torch.Tensor, out_shape: Sequence[int], dim: int, sizes: Sequen
     """Inverse of :func:`_pack`: a contiguous ``out_shape`` tensor from blocks along ``dim``."""
     if not _unpack_copies(out_shape, dim):
         return buf.view(out_shape)  # blocks land where they belong: no copy
+    # The copies land in a tensor of out_shape, not in a flat one viewed as out_shape: a view
+    # returned from a module wrapped by FSDP2 (the gathered logits) makes it warn on every step.
+    out = buf.new_empty(out_shape)
     runs = _run_table(tuple(sizes))
     if len(runs) == 1:
         _, count, size = runs[0]
         a, b = math.prod(out_shape[:dim]), math.prod(out_shape[dim + 1 :])
-        return buf.view(count, a, size, b).transpose(0, 1).contiguous().view(out_shape)  # one copy
+        out.view(a, count, size, b).copy_(buf.view(count, a, size, b).transpose(0, 1))  # one copy
+        return out
     a, n, b = math.prod(out_shape[:dim]), out_shape[dim], math.prod(out_shape[dim + 1 :])
     if b >= _MIN_ROW:
-        return buf.view(a * n, b).index_select(0, _unpack_order(a, tuple(sizes), buf.device)).view(out_shape)
-    out = buf.new_empty(out_shape)
+        torch.index_select(buf.view(a * n, b), 0, _unpack_order(a, tuple(sizes), buf.device), out=out.view(a * n, b))
+        return out
     pos = 0
     for run in runs:
         dst = _blocks_view(out, dim, *run)

@@ -38,7 +38,8 @@ class FlightEntry:
         shape: local tensor shape, when known.
         sizes: per-rank split sizes, when known.
         peer: for P2P, the other side's group rank.
-        src, dst: for P2P, sender and receiver group ranks.
+        src: for P2P, the sender's group rank.
+        dst: for P2P, the receiver's group rank.
     """
 
     seq: int

@@ -185,7 +185,8 @@ def ep_experts_forward(
         module: experts module whose parameters were sharded by :func:`shard_expert_param`.
         hidden: ``[T, H]``; ``top_k_index``: ``[T, k]`` global expert ids; ``top_k_weights``: ``[T, k]``.
         group: the EP group the parameters were sharded over.
-        mode, tokens: see the module docstring.
+        mode: see the module docstring.
+        tokens: see the module docstring.
         token_group: with ``tokens="replicated"``, the group the tokens are replicated over
             (default ``group``). Expert parallelism composed with tensor parallelism borrows
             ranks beyond tp (``ep`` spans ``dp_shard x cp x tp``): the tokens are then the same

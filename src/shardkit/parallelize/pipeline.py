@@ -52,8 +52,11 @@ def parallelize_stage(
             kept once it is dropped.
         mesh: the job's :class:`~shardkit.sharding.ParallelMesh` with ``pp > 1``.
         loss_fn: ``loss_fn(logits, labels) -> 0-d`` for the last stage.
-        sequence_parallel, loss_parallel, activation_checkpoint, mixed_precision: as
-            :func:`~.decoder.parallelize` (with ``"bf16"`` the stages exchange bfloat16 hidden states).
+        sequence_parallel: as :func:`~.decoder.parallelize`.
+        loss_parallel: as :func:`~.decoder.parallelize`.
+        activation_checkpoint: as :func:`~.decoder.parallelize`.
+        mixed_precision: as :func:`~.decoder.parallelize` (with ``"bf16"`` the stages exchange
+            bfloat16 hidden states).
         grad_reduce: as :func:`~.decoder.parallelize` (over the data ranks of this stage; the
             schedule's microbatch losses are ``loss_fn``'s to scale).
         schedule: the pipeline schedule (a name of

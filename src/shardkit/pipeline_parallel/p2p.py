@@ -159,7 +159,9 @@ def recv_forward(
         dtype: the declared dtype; alone, it is checked against the header.
         device: where to allocate; default CPU for a gloo group, else the current accelerator.
         loop: the first stage receives from the last.
-        batched, async_op, shape_cache: as :func:`send_forward`.
+        batched: as :func:`send_forward`.
+        async_op: as :func:`send_forward`.
+        shape_cache: as :func:`send_forward`.
         reduce: ``"mean"`` or ``"sum"`` of the tensors received from several groups.
 
     Returns:

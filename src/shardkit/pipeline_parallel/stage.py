@@ -42,9 +42,10 @@ class PipelineStage:
         stage_index: this stage's index; must equal the group rank.
         num_stages: the number of stages; must equal the group size.
         loss_fn: ``loss_fn(output, target) -> scalar``; required on the last stage only.
-        in_layout, out_layout: (tp stages only) the layout of the stage's input / output over
-            its tp group, :class:`~shardkit.sharding.layouts.Replicate` (default) or
+        in_layout: (tp stages only) the layout of the stage's input over its tp group,
+            :class:`~shardkit.sharding.layouts.Replicate` (default) or
             :class:`~shardkit.sharding.layouts.Shard`.
+        out_layout: (tp stages only) the layout of the stage's output, as ``in_layout``.
         input_grad: (tp stages, replicated input) ``"replicated"``: every rank's input gradient
             is the full gradient (the module enters its TP regions through Megatron's ``f``);
             ``"partial"``: each rank's is a partial sum (e.g. the input feeds a column-parallel

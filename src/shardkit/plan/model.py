@@ -50,8 +50,11 @@ class ModelShape:
         experts: routed experts E (0: dense). top_k: experts per token. moe_ffn: one expert's width.
         shared_experts: always-on experts (DeepSeek) of width ``moe_ffn``.
         dense_layers: indices of the layers with a dense MLP in an MoE model.
-        q_lora_rank, kv_lora_rank, qk_rope_dim, qk_nope_dim, v_head_dim: MLA sizes (``kv_lora_rank``
-            0 for ordinary attention; ``q_lora_rank`` 0: a plain ``q_proj``).
+        q_lora_rank: MLA's query LoRA rank (0: a plain ``q_proj``).
+        kv_lora_rank: MLA's key/value LoRA rank (0 for ordinary attention).
+        qk_rope_dim: MLA's rotary part of each query/key head.
+        qk_nope_dim: MLA's non-rotary part of each query/key head.
+        v_head_dim: MLA's value head dim.
     """
 
     family: str

@@ -84,8 +84,10 @@ def stage_heads_rule(heads: int, kv_heads: int, tp: int, cp: int, flag: str) -> 
     apply_tp's own rule); with cp, the same number of them on every tp rank.
 
     Args:
-        heads, kv_heads: the model's query and key/value heads.
-        tp: the tp size of one stage; cp: ``cp_ring x cp_ulysses``.
+        heads: the model's query heads.
+        kv_heads: the model's key/value heads.
+        tp: the tp size of one stage.
+        cp: ``cp_ring x cp_ulysses``.
         flag: how the message names this tp size (``--tp 4``, ``--pp-tp 2,1 (stage 0)``).
     """
     if (why := tp_heads_rule(heads, kv_heads, tp)) is not None:
@@ -143,9 +145,14 @@ def decoder_layout_rule(
 
     Args:
         dims: the :class:`~shardkit.sharding.ParallelDims` (already consistent: ep borrowing, pp_tp).
-        seq_len, global_batch, microbatches: the step's S, global B and M per dp rank.
+        seq_len: the step's sequence length S.
+        global_batch: the step's global batch B.
+        microbatches: the step's microbatches M per dp rank.
         sequence_parallel: Megatron-SP with tp (resolved: not None).
-        heads, kv_heads, layers, experts: the model's dims (``experts`` 0 for a dense model).
+        heads: the model's query heads.
+        kv_heads: the model's key/value heads.
+        layers: the model's decoder layers.
+        experts: the model's routed experts (0 for a dense model).
     """
     sizes = dims.pp_tp or (dims.tp,) * dims.pp
     flags = [f"--pp-tp {','.join(map(str, dims.pp_tp))} (stage {s})" for s in range(dims.pp)] if dims.pp_tp else None

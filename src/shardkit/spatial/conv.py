@@ -170,7 +170,8 @@ _DOC = """Convolution of an input sharded along spatial dim ``dim``; output shar
         group: a ``ProcessGroup`` or 1-D ``DeviceMesh`` of ``R`` ranks.
         dim: the sharded spatial dim of ``x_local`` (negative allowed), e.g. ``-1`` for W of
             NCHW, ``2`` for W of NHWC.
-        stride, dilation: an int or one per spatial dim (>= 1).
+        stride: an int or one per spatial dim (>= 1).
+        dilation: an int or one per spatial dim (>= 1).
         padding: an int or one per spatial dim (both sides), ``"valid"`` or ``"same"``
             (stride 1 only, as torch).
         groups: as torch (``groups == C_in`` is depthwise).

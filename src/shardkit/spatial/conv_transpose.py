@@ -188,8 +188,10 @@ _DOC = """Transposed convolution of an input sharded along spatial dim ``dim``; 
         bias: ``[C_out]`` or None, replicated.
         group: a ``ProcessGroup`` or 1-D ``DeviceMesh`` of ``R`` ranks.
         dim: the sharded spatial dim of ``x_local`` (negative allowed).
-        stride, padding, output_padding, dilation: an int or one per spatial dim, as torch
-            (``output_padding`` < stride or dilation).
+        stride: an int or one per spatial dim, as torch.
+        padding: an int or one per spatial dim, as torch.
+        output_padding: an int or one per spatial dim, as torch (< stride or dilation).
+        dilation: an int or one per spatial dim, as torch.
         groups: as torch.
         sizes: every rank's input size along ``dim`` (uneven and zero sizes allowed); None
             learns them (one small metadata all-gather, ledger phase ``"metadata"``).

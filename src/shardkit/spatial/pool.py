@@ -157,8 +157,9 @@ _ARGS = """
             spatial dims, sharded along ``dim``.
         group: a ``ProcessGroup`` or 1-D ``DeviceMesh`` of ``R`` ranks.
         dim: the sharded spatial dim (negative allowed).
-        kernel_size, stride, padding: as torch (stride None = kernel_size); padding at most
-            half the kernel.
+        kernel_size: as torch.
+        stride: as torch (None = kernel_size).
+        padding: as torch; at most half the kernel.
         sizes: every rank's size along ``dim`` (uneven and zero allowed); None = equal sizes.
 
     Returns:

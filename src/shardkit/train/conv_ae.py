@@ -36,7 +36,6 @@ from torch import nn
 from .. import balanced_split_sizes
 from .._files import atomic_write
 from .._shapes import split_offsets
-from .options import TORCH_DTYPES
 
 __all__ = [
     "CROP",
@@ -99,7 +98,7 @@ def build_conv_ae(dtype: str, seed: int) -> ConvAutoencoder:
     """The unsharded model in ``dtype``, training mode; initialized in float32 from ``seed``, then
     cast (bitwise the same weights on every rank and in the reference)."""
     torch.manual_seed(seed)
-    return ConvAutoencoder().to(TORCH_DTYPES[dtype]).train()
+    return ConvAutoencoder().to(getattr(torch, dtype)).train()
 
 
 def load_image(name: str = IMAGE) -> torch.Tensor:
@@ -164,7 +163,8 @@ class ConvAETask:
 
     Args:
         sampler: :class:`CropSampler`.
-        device, dtype: where and in which dtype the crops go.
+        device: where the crops go.
+        dtype: the crops' dtype.
     """
 
     def __init__(self, sampler: CropSampler, device, dtype: torch.dtype) -> None:
@@ -215,7 +215,8 @@ def side_by_side(inputs: torch.Tensor, outputs: torch.Tensor, scale: int = 2, ga
     """One RGB picture: the inputs on the top row, their reconstructions below.
 
     Args:
-        inputs, outputs: ``[B, 3, H, W]`` in [0, 1] (outputs are clamped to it).
+        inputs: ``[B, 3, H, W]`` in [0, 1].
+        outputs: ``[B, 3, H, W]``, clamped to [0, 1].
         scale: each pixel repeated ``scale`` x ``scale`` times (the crops are small).
         gap: white pixels between tiles.
 

@@ -24,7 +24,7 @@ from .conv_ae import (
     load_image,
     save_reconstruction,
 )
-from .options import TORCH_DTYPES, TrainConfig
+from .options import TrainConfig
 
 __all__ = ["validate_conv", "build_conv", "conv_task", "parallelize_conv_ae", "conv_outputs"]
 
@@ -73,7 +73,7 @@ def build_conv(cfg: TrainConfig) -> nn.Module:
 
 def conv_task(cfg: TrainConfig, device: torch.device, corpus=None) -> ConvAETask:
     """Random crops of the sample photo (``corpus`` unused: there is no text)."""
-    return ConvAETask(CropSampler(load_image(), CROP, cfg.batch_size, cfg.seed), device, TORCH_DTYPES[cfg.dtype])
+    return ConvAETask(CropSampler(load_image(), CROP, cfg.batch_size, cfg.seed), device, getattr(torch, cfg.dtype))
 
 
 def parallelize_conv_ae(model: nn.Module, mesh, cfg: TrainConfig, task) -> tuple[ParallelModel, None]:

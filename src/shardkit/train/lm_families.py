@@ -24,7 +24,8 @@ class LMFamily:
 
     Attributes:
         model_type: the config's ``model_type`` (what ``--model-path`` checkpoints name).
-        model_class, config_class: the transformers class names (looked up when building).
+        model_class: the transformers model class name (looked up when building).
+        config_class: the transformers config class name (looked up when building).
         experts: a mixture-of-experts architecture (``--ep``, ``--experts``).
         extras: the family's config keys beyond the common ones, from the flags.
     """

@@ -35,7 +35,10 @@ class PackedSampler(BatchSampler):
     the cumulative document lengths of row ``b`` (the file boundaries inside its window).
 
     Args:
-        tokens, seq_len, batch_size, seed: as :class:`.data.BatchSampler`.
+        tokens: as :class:`.data.BatchSampler`.
+        seq_len: as :class:`.data.BatchSampler`.
+        batch_size: as :class:`.data.BatchSampler`.
+        seed: as :class:`.data.BatchSampler`.
         file_sizes: token count of every corpus file, in stream order (summing to ``N``).
     """
 

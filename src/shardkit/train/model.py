@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from .lm_families import LMFamily
-from .options import TORCH_DTYPES, TrainConfig
+from .options import TrainConfig
 from .pretrained import load_pretrained
 
 __all__ = ["hf_config", "build_model", "keep_norms_in_input_dtype", "keep_float64"]
@@ -32,7 +32,7 @@ def build_model(cfg: TrainConfig, family: LMFamily):
     randomly from ``cfg.seed``, so every rank (and the ``--verify`` reference) gets bitwise the
     same weights.
     """
-    dtype = TORCH_DTYPES[cfg.dtype]
+    dtype = getattr(torch, cfg.dtype)  # a name of options.DTYPES
     if cfg.model_path is not None:
         model = load_pretrained(cfg.model_path, dtype)
     else:

@@ -9,11 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from ..errors import ShardkitError
-from ..parallelize.checkpointing import AC_MODES
-from ..parallelize.mixed_precision import MIXED_PRECISION
 
 __all__ = [
     "TrainConfig",
@@ -21,15 +17,17 @@ __all__ = [
     "AC_MODES",
     "MIXED_PRECISION",
     "DTYPES",
-    "TORCH_DTYPES",
     "SCHEDULES",
     "LR_SCHEDULES",
     "SIZE_FLAGS",
 ]
 
-DTYPES = ("float32", "float64", "bfloat16")
-TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
-# the pipeline schedules (shardkit.pipeline_parallel.tables.SCHEDULES; kept literal: no torch here)
+DTYPES = ("float32", "float64", "bfloat16")  # torch's names: getattr(torch, name) is the dtype
+# shardkit.parallelize.checkpointing.AC_MODES, .mixed_precision.MIXED_PRECISION and
+# shardkit.pipeline_parallel.tables.SCHEDULES (tests/cli/test_main.py checks they agree), here so
+# that the flags (`shardkit train --help`) import no torch
+AC_MODES = ("none", "full", "selective")
+MIXED_PRECISION = ("none", "bf16")
 SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "looped-bfs", "zb-h1", "zbv", "dualpipev")
 LR_SCHEDULES = ("constant", "warmup-cosine")
 SIZE_FLAGS = (

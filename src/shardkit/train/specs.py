@@ -26,6 +26,7 @@ from .conv_ae import CROP
 from .conv_spec import build_conv, conv_outputs, conv_task, parallelize_conv_ae, validate_conv
 from .lm_families import DEEPSEEK_V2, LLAMA, QWEN2, QWEN3, QWEN3_MOE, LMFamily
 from .lm_spec import build_lm, describe_lm, lm_task, parallelize_lm, validate_lm
+from .model_names import MODEL_SUMMARIES
 from .options import TrainConfig
 
 __all__ = ["ModelSpec", "SPECS", "MODELS", "model_spec", "spec_of_family"]
@@ -83,10 +84,10 @@ class ModelSpec:
         return self.family is not None and self.family.experts
 
 
-def _decoder(name: str, family: LMFamily, summary: str) -> ModelSpec:
+def _decoder(name: str, family: LMFamily) -> ModelSpec:
     return ModelSpec(
         name=name,
-        summary=summary,
+        summary=MODEL_SUMMARIES[name],
         family=family,
         validate=partial(validate_lm, family=family),
         build=partial(build_lm, family=family),
@@ -99,14 +100,14 @@ def _decoder(name: str, family: LMFamily, summary: str) -> ModelSpec:
 
 SPECS = MappingProxyType(
     {
-        "llama": _decoder("llama", LLAMA, "Llama (GQA)"),
-        "qwen2": _decoder("qwen2", QWEN2, "Qwen2 (GQA, q/k/v biases)"),
-        "qwen3": _decoder("qwen3", QWEN3, "Qwen3 (GQA, q/k norms)"),
-        "moe": _decoder("moe", QWEN3_MOE, "Qwen3-MoE (routed experts, top-2)"),
-        "mla": _decoder("mla", DEEPSEEK_V2, "DeepSeek-V2 (multi-head latent attention + MoE)"),
+        "llama": _decoder("llama", LLAMA),
+        "qwen2": _decoder("qwen2", QWEN2),
+        "qwen3": _decoder("qwen3", QWEN3),
+        "moe": _decoder("moe", QWEN3_MOE),
+        "mla": _decoder("mla", DEEPSEEK_V2),
         "conv-ae": ModelSpec(
             name="conv-ae",
-            summary="a convolutional autoencoder on a real photo, sharded with --spatial / --spatial-h",
+            summary=MODEL_SUMMARIES["conv-ae"],
             family=None,
             validate=validate_conv,
             build=build_conv,

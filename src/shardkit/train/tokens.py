@@ -27,9 +27,17 @@ import torch
 
 from ..errors import ShardkitError
 from .data import read_regular
-from .pretrained import load_tokenizer, resolve_checkpoint
+from .pretrained import check_tokenizer, load_tokenizer, read_config, resolve_checkpoint
 
-__all__ = ["DEFAULT_MAX_BYTES", "corpus_prefix", "encode_files", "token_stream", "user_cache_dir"]
+__all__ = [
+    "DEFAULT_MAX_BYTES",
+    "TOKENIZER_FILES",
+    "check_checkpoint_tokenizer",
+    "corpus_prefix",
+    "encode_files",
+    "token_stream",
+    "user_cache_dir",
+]
 
 # 4 MiB of Python source is 1.2M SmolLM2 tokens, encoded in 4-9 s on the shared 2 cores, and far
 # more than a fine-tuning run of a few hundred small batches reads.
@@ -37,8 +45,44 @@ DEFAULT_MAX_BYTES = 4 << 20
 # Checkpoint files that hold weights only: they cannot change the tokens, and hashing them
 # (hundreds of MB) would cost more than the cache saves. A GGUF file holds its tokenizer: hashed.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack")
+# The files a Hugging Face tokenizer is read from (one is enough: tokenizer.json for a fast
+# tokenizer, the vocabulary of a slow one); a checkpoint directory of weights alone has none.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+    "tokenizer_config.json",
+)
 # Bump when the stream's layout (document separator, dtype) changes: old cache entries go stale.
 _FORMAT = "tokens-v2"
+
+
+def check_checkpoint_tokenizer(model_path: str | Path) -> None:
+    """Before launch: ``--model-path``'s tokenizer loads and its ids fit the model's embedding.
+
+    A GGUF file carries its tokenizer in its metadata (read by the workers; its parse takes
+    seconds). A checkpoint directory is checked here, in the launching process, so that a
+    directory of weights alone fails in a second with what to do, not inside every worker with
+    transformers' hint to install sentencepiece.
+
+    Raises:
+        ShardkitError: as :func:`~shardkit.train.pretrained.load_tokenizer` and
+            :func:`~shardkit.train.pretrained.check_tokenizer`; the directory has none of
+            :data:`TOKENIZER_FILES`.
+    """
+    source = resolve_checkpoint(model_path)
+    if source.gguf_file is not None:
+        return
+    if not any((source.directory / name).is_file() for name in TOKENIZER_FILES):
+        raise ShardkitError(
+            f"--model-path: {model_path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); the "
+            "text is encoded with the checkpoint's own tokenizer: copy its tokenizer files from the model's "
+            f"original repository into {source.directory}, e.g. `hf download REPO tokenizer.json "
+            f"tokenizer_config.json --local-dir {source.directory}`"
+        )
+    check_tokenizer(load_tokenizer(model_path), read_config(model_path))
 
 
 def corpus_prefix(files: list[Path], max_bytes: int | None) -> list[tuple[Path, int]]:

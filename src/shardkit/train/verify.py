@@ -40,8 +40,10 @@ def compare_runs(
     """Per-step loss and final-parameter differences of two runs, against the dtype tolerance.
 
     Args:
-        losses, ref_losses: per-step losses of the parallel and the reference run.
-        params, ref_params: final full parameters ``{name: tensor}`` of both runs.
+        losses: per-step losses of the parallel run.
+        ref_losses: per-step losses of the reference run.
+        params: final full parameters ``{name: tensor}`` of the parallel run.
+        ref_params: the same of the reference run.
         dtype: training dtype name, selects the tolerance in :data:`TOLERANCES`.
         top: how many of the largest parameter differences to list.
         grad_norms: ``(norms, ref_norms)``, the per-step global gradient norms of both runs
