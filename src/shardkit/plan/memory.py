@@ -7,16 +7,20 @@
   shardkit's reductions; one decoder layer is gathered at a time (its full size added);
 * activations per layer and microbatch ``34 x b x S x H`` bytes at 16 bits, divided by tp with
   sequence parallelism and by cp (Korthikanti et al., 2022; flash attention: no ``S^2`` term),
-  scaled by the dtype; the logits ``b x S x V / t`` in float32; 1F1B keeps ``min(M, pp - stage)``
-  microbatches in flight on a stage, GPipe all ``M``;
+  scaled by the dtype; the logits ``b x S x V / t`` in float32 on the rank of the last chunk (the
+  last stage; rank 0 with the V-shaped schedules); a stage holds its schedule's peak in-flight
+  microbatch-chunks (:func:`.pipeline.peak_chunks`: 1F1B ``min(M, pp - stage)``, GPipe ``M``, ...)
+  of ``1 / v`` of its layers each;
 * with ``pp_tp`` each stage is cut over its own tp size.
 """
 
 from __future__ import annotations
 
+from ..pipeline_parallel.tables import SCHEDULES
 from ..sharding import ParallelDims
 from .model import ModelShape
 from .options import StepOptions, hooked_params, resolve_options, stage_tp
+from .pipeline import peak_chunks
 
 __all__ = ["memory_per_rank"]
 
@@ -45,16 +49,11 @@ def memory_per_rank(shape: ModelShape, dims: ParallelDims, opts: StepOptions, st
     per_layer = 34 * b * S * shape.hidden / 2 * e
     if opts.sequence_parallel:
         per_layer /= tp
-    # 1F1B: min(M, pp - stage) microbatches in flight; GPipe: all M forwards before a backward
-    in_flight = (
-        1
-        if dims.pp == 1
-        else opts.microbatches
-        if opts.schedule == "gpipe"
-        else min(opts.microbatches, dims.pp - stage)
-    )
-    acts = per_layer * len(shape.stage_layers(dims.pp, stage)) * in_flight
-    if stage == dims.pp - 1:
+    v = opts.virtual_stages if dims.pp > 1 else 1
+    in_flight = 1 if dims.pp == 1 else peak_chunks(opts.schedule, dims.pp, v, opts.microbatches, stage)
+    acts = per_layer * len(shape.stage_layers(dims.pp, stage)) / v * in_flight  # chunks of 1/v of the stage
+    v_shaped = dims.pp > 1 and SCHEDULES[opts.schedule].placement == "v"
+    if stage == (0 if v_shaped else dims.pp - 1):
         acts += b * S * shape.vocab / tp * 4 * 2  # logits and their gradient, float32
     out = dict(params=(held + gathered) * e, grads=held * e, optimizer=optimizer, activations=acts)
     out["total"] = sum(out.values())

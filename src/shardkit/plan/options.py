@@ -8,15 +8,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..errors import ShardkitError
-from ..pipeline_parallel.schedules import gpipe_schedule, one_f_one_b_schedule
 from ..sharding import ParallelDims
 from .model import ModelShape
-from .rules import decoder_layout_rule, sequence_parallel_default
+from .rules import decoder_layout_rule, schedule_rule, sequence_parallel_default
 
 __all__ = [
     "StepOptions",
     "DTYPE_BYTES",
-    "SCHEDULES",
     "resolve_options",
     "check_layout",
     "hooked_params",
@@ -25,7 +23,6 @@ __all__ = [
 ]
 
 DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2}
-SCHEDULES = {"1f1b": one_f_one_b_schedule, "gpipe": gpipe_schedule}  # the trainer's pipeline schedules
 
 
 @dataclass(frozen=True)
@@ -40,8 +37,10 @@ class StepOptions:
         sequence_parallel: Megatron-SP with tp (None: on for dense models with tp > 1, as the
             trainer's default; MoE models take it when asked).
         loss_parallel: vocab-parallel loss (logits never gathered).
-        schedule: the pipeline schedule, ``1f1b`` or ``gpipe`` (with ``pp`` 1 the trainer
+        schedule: the pipeline schedule, a key of
+            :data:`shardkit.pipeline_parallel.tables.SCHEDULES` (with ``pp`` 1 the trainer
             accumulates F B F B ... whatever it says).
+        virtual_stages: chunks per pipeline rank (``v``; :func:`.rules.schedule_rule`).
     """
 
     seq_len: int = 4096
@@ -51,6 +50,7 @@ class StepOptions:
     sequence_parallel: bool | None = None
     loss_parallel: bool = False
     schedule: str = "1f1b"
+    virtual_stages: int = 1
 
     @property
     def elem(self) -> int:
@@ -73,11 +73,9 @@ def check_layout(shape: ModelShape, dims: ParallelDims, opts: StepOptions) -> No
     Raises:
         ShardkitError: ``plan:`` and the first refusal of :func:`.rules.decoder_layout_rule`
             (batch not divisible by dp x microbatches, a cp rank without a token, more tp ranks
-            than query heads, spatial layouts, sequence parallelism with ``pp_tp``, ...); an
-            unknown schedule.
+            than query heads, spatial layouts, sequence parallelism with ``pp_tp``, ...), or of
+            :func:`.rules.schedule_rule` (the schedule, its virtual stages and microbatches).
     """
-    if opts.schedule not in SCHEDULES:
-        raise ShardkitError(f"plan: schedule must be one of {', '.join(SCHEDULES)}, got {opts.schedule!r}")
     why = decoder_layout_rule(
         dims,
         seq_len=opts.seq_len,
@@ -88,7 +86,7 @@ def check_layout(shape: ModelShape, dims: ParallelDims, opts: StepOptions) -> No
         kv_heads=shape.kv_heads,
         layers=shape.layers,
         experts=shape.experts,
-    )
+    ) or schedule_rule(opts.schedule, dims.pp, opts.virtual_stages, opts.microbatches, shape.layers)
     if why is not None:
         raise ShardkitError(f"plan: {dims.describe()}: {why}")
 
