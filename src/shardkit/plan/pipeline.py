@@ -16,8 +16,9 @@ table is small (``p v m <= SIMULATE_LIMIT`` microbatch-chunks), otherwise from a
 
 * ``1f1b``, ``gpipe``: ``(m + p - 1)(F + B)`` (Narayanan et al. 2021);
 * ``interleaved-1f1b``, ``looped-bfs``: ``(v m + p - 1)(F + B)`` (the interleaved bubble is the
-  1F1B one over ``v``, Narayanan et al. 2021 sec. 2.2.2; breadth-first: Lamy-Poirier 2023);
-* ``zb-h1``: ``m (F + I + W) + (p - 1)(F + I - W)`` (Qi et al. 2024, sec. 3.1);
+  1F1B one over ``v``, Narayanan et al. 2021 sec. 2.2.2; breadth-first: Lamy-Poirier 2023), for
+  ``m >= p``; ``looped-bfs`` with ``m < p``: ``(p v + m - 1)(F + B)``;
+* ``zb-h1``, ``m >= p``: ``m (F + I + W) + (p - 1)(F + I - W)`` (Qi et al. 2024, sec. 3.1);
 * ``zbv`` (``m >= p + 2``), ``dualpipev``, with ``I = F`` (as here): ``v m (F + I + W) + (p - 1)
   (F + I - W)``, ZB-H1's form over ``v`` chunks: at ``x = 0`` that is ``6 m f + (p - 1) f``, the
   sources' near-zero bubble (found with the simulator; with ``I != F`` the table is simulated).
@@ -69,14 +70,14 @@ def closed_makespan(schedule: str, p: int, v: int, m: int, costs: dict[str, floa
     """The makespan of ``schedule``'s table from its closed form (the module docstring).
 
     ``zbv`` and ``dualpipev`` have one where ``I`` costs what ``F`` does (the planner's costs)
-    and, for ``zbv``, ``m >= p + 2``; elsewhere their table is simulated.
+    and, for ``zbv``, ``m >= p + 2``; ``zb-h1`` where ``m >= p``; elsewhere the table is simulated.
     """
     fwd, inp, wgt, bwd = costs["F"], costs["I"], costs["W"], costs["B"]
     if schedule in ("1f1b", "gpipe"):
         return (m + p - 1) * (fwd + bwd)
-    if schedule in ("interleaved-1f1b", "looped-bfs"):
-        return (v * m + p - 1) * (fwd + bwd)
-    if schedule == "zb-h1" or (inp == fwd and (schedule == "dualpipev" or m >= p + 2)):
+    if schedule in ("interleaved-1f1b", "looped-bfs"):  # looped-bfs with m < p: the chunks' chain sets the pace
+        return max(v * m + p - 1, p * v + m - 1) * (fwd + bwd)
+    if (schedule == "zb-h1" and m >= p) or (inp == fwd and (schedule == "dualpipev" or m >= p + 2)):
         return m * v * (fwd + inp + wgt) + (p - 1) * (fwd + inp - wgt)
     return _simulated(schedule, p, v, m, tuple(sorted(costs.items())))[0]
 
