@@ -203,3 +203,12 @@ def test_plan_json_lists_the_ranked_layouts(tmp_path, capsys):
 def test_plan_refuses_a_bad_schedule_and_v(tmp_path, capsys):
     code, out = _plan(tmp_path, capsys, "--schedule", "zbv", "--virtual-stages", "3")
     assert code == 2 and "--schedule zbv needs --virtual-stages 2, got 3" in out.out
+
+
+def test_the_old_schedules_name_still_works_and_warns():
+    from shardkit.pipeline_parallel.schedules import one_f_one_b_schedule
+    from shardkit.plan import options
+
+    with pytest.warns(DeprecationWarning, match="shardkit.pipeline_parallel.tables.SCHEDULES"):
+        old = options.SCHEDULES
+    assert set(old) == {"1f1b", "gpipe"} and old["1f1b"] is one_f_one_b_schedule

@@ -5,7 +5,9 @@ Pure functions of metadata (no process group), so a bad layout fails before anyt
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, replace
+from typing import Any
 
 from ..errors import ShardkitError
 from ..sharding import ParallelDims
@@ -23,6 +25,22 @@ __all__ = [
 ]
 
 DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2}
+
+
+def __getattr__(name: str) -> Any:
+    """``SCHEDULES`` (1F1B and GPipe as ``(p, m) -> Action table``), deprecated for one release:
+    the registry :data:`shardkit.pipeline_parallel.tables.SCHEDULES` names every schedule."""
+    if name != "SCHEDULES":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from ..pipeline_parallel.schedules import gpipe_schedule, one_f_one_b_schedule
+
+    warnings.warn(
+        "shardkit.plan.options.SCHEDULES is deprecated; use shardkit.pipeline_parallel.tables.SCHEDULES "
+        "(every schedule, with schedule_table(name, p, v, m))",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return {"1f1b": one_f_one_b_schedule, "gpipe": gpipe_schedule}
 
 
 @dataclass(frozen=True)
