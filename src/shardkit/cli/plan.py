@@ -2,22 +2,27 @@
 
 The model is a Hugging Face ``config.json``; the cluster a preset (``--preset h100`` / ``h800``,
 figures and sources in :mod:`shardkit.plan.cluster`) with any figure overridden by a flag.
-Prints the fastest layouts that fit in memory with their breakdown, and writes a plot of
-them when matplotlib (the ``plot`` extra) is installed.
+Prints the fastest layouts that fit in memory (pipeline schedule and virtual stages included)
+with their breakdown, and writes a plot of them when matplotlib (the ``plot`` extra) is
+installed; ``--json`` prints them as a JSON list instead.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import os
+import sys
 
 from .._optional import install_hint, missing
 from ..errors import ShardkitError
 from ..parallelize.fake_world import fake_world_table
+from ..pipeline_parallel.tables import SCHEDULES
 from ..plan import CLUSTERS, Cluster, ModelShape, StepEstimate, StepOptions, estimate_step, plan_layouts
-from ..plan.options import SCHEDULES
+from ..plan.rules import check_schedule
+from ..plan.search import schedule_choices
 from ..sharding import ParallelDims
 from .commands import COMMANDS
 
@@ -62,9 +67,9 @@ def add_plan_parser(commands) -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     p.add_argument(
         "--schedule",
-        choices=sorted(SCHEDULES),
-        default="1f1b",
-        help="pipeline schedule (default 1f1b; gpipe keeps every microbatch's activations)",
+        choices=list(SCHEDULES),
+        default=None,
+        help="pipeline schedule (default: rank every schedule; gpipe keeps every microbatch's activations)",
     )
     p.add_argument(
         "--ac",
@@ -72,6 +77,15 @@ def add_plan_parser(commands) -> argparse.ArgumentParser:
         default="none",
         help="activation checkpointing, as shardkit train --ac (default none)",
     )
+    p.add_argument(
+        "--virtual-stages",
+        type=int,
+        default=None,
+        metavar="V",
+        help="chunks per pipeline rank (default: every V the schedule takes, up to 8); with --compare "
+        "the V of the compared layouts (default 1, or 2 for zbv and dualpipev)",
+    )
+    p.add_argument("--json", action="store_true", help="print the ranked layouts as a JSON list (no table or plot)")
     p.add_argument("--top", type=int, default=10, help="layouts to print (default 10)")
     p.add_argument(
         "--compare",
@@ -136,6 +150,7 @@ def _row(est: StepEstimate) -> list[str]:
     comm = " ".join(f"{a} {axes[a] * 1e3:.0f}" for a in ("tp", "cp", "ep", "pp", "dp", "fsdp") if axes.get(a))
     return [
         est.dims.describe(),
+        f"{est.options.schedule} v={est.options.virtual_stages}" if est.dims.pp > 1 else "-",
         f"{est.options.microbatches}",
         f"{est.step_s:.2f}",
         f"{est.compute_s:.2f}",
@@ -147,7 +162,18 @@ def _row(est: StepEstimate) -> list[str]:
     ]
 
 
-HEADER = ["layout", "M", "step s", "compute s", "bubble", "exposed comm s", "comm ms per axis", "GiB/GPU", "MFU"]
+HEADER = [
+    "layout",
+    "schedule",
+    "M",
+    "step s",
+    "compute s",
+    "bubble",
+    "exposed comm s",
+    "comm ms per axis",
+    "GiB/GPU",
+    "MFU",
+]
 
 
 def _print(title: str, estimates: list[StepEstimate]) -> None:
@@ -166,6 +192,27 @@ def _print(title: str, estimates: list[StepEstimate]) -> None:
     for est in estimates:
         table.add_row(*_row(est))
     Console(width=160).print(table)
+
+
+def as_json(est: StepEstimate, given: bool = False) -> dict[str, object]:
+    """One layout's row of ``--json``: ``layout``, ``schedule``, ``virtual_stages``,
+    ``microbatches``, ``step_s``, ``compute_s``, ``bubble``, ``comm_s``, ``memory_gib``,
+    ``fits``, ``mfu``, ``tokens_per_s``, and ``given`` (a ``--compare`` layout)."""
+    return dict(
+        layout=est.dims.describe(),
+        schedule=est.options.schedule,
+        virtual_stages=est.options.virtual_stages,
+        microbatches=est.options.microbatches,
+        step_s=est.step_s,
+        compute_s=est.compute_s,
+        bubble=est.bubble,
+        comm_s=est.comm_s,
+        memory_gib=est.memory["total"] / 2**30,
+        fits=est.fits,
+        mfu=est.mfu,
+        tokens_per_s=est.tokens_per_s,
+        given=given,
+    )
 
 
 def _plot(path: str, estimates: list[StepEstimate], given: int = 0) -> None:
@@ -226,19 +273,23 @@ def run_plan(args: argparse.Namespace) -> int:
     try:
         cluster = _cluster(args)
         shape = ModelShape.from_config(_model_config(args.config))
+        if args.virtual_stages is not None:  # the schedule's v range, before any layout (pp 2, 4 microbatches)
+            for name in [args.schedule] if args.schedule else []:
+                check_schedule(name, 2, args.virtual_stages, 4, 2 * args.virtual_stages)
+            if args.virtual_stages < 1:
+                raise ShardkitError(f"--virtual-stages must be >= 1, got {args.virtual_stages}")
         options = StepOptions(
-            seq_len=args.seq_len,
-            global_batch=args.global_batch,
-            dtype=args.dtype,
-            schedule=args.schedule,
-            activation_checkpoint=args.ac,
+            seq_len=args.seq_len, global_batch=args.global_batch, dtype=args.dtype, activation_checkpoint=args.ac
         )
         if args.dry_run is not None:
             dims = parse_layout(args.dry_run, args.gpus)
             m = dataclasses.replace(options, microbatches=max(1, args.global_batch // dims.dp))
             print("\n".join(fake_world_table(args.config, dims, m)))
             return 0
-        best = plan_layouts(shape, cluster, options, top=args.top)
+        choices = None
+        if args.schedule is not None or args.virtual_stages is not None:
+            choices = schedule_choices(args.schedule, args.virtual_stages)
+        best = plan_layouts(shape, cluster, options, top=args.top, schedules=choices)
     except ShardkitError as e:
         print(f"shardkit plan: {e}")
         return 2
@@ -246,10 +297,21 @@ def run_plan(args: argparse.Namespace) -> int:
     for text in args.compare:
         try:
             dims = parse_layout(text, args.gpus)
-            m = args.global_batch // dims.dp
-            compared.append(estimate_step(shape, dims, dataclasses.replace(options, microbatches=m), cluster))
+            schedule = args.schedule or "1f1b"
+            v = args.virtual_stages or SCHEDULES[schedule].v_min if dims.pp > 1 else 1
+            opts = dataclasses.replace(
+                options, microbatches=args.global_batch // dims.dp, schedule=schedule, virtual_stages=v
+            )
+            check_schedule(schedule, dims.pp, v, opts.microbatches, shape.layers)
+            compared.append(estimate_step(shape, dims, opts, cluster))
         except ShardkitError as e:  # a published layout shardkit cannot run: say why, keep the rest
             refused.append(f"--compare {text}: refused: {e}")
+    if args.json:
+        rows = [as_json(e) for e in best] + [as_json(e, given=True) for e in compared]
+        print(json.dumps(rows, indent=1))
+        for line in refused:
+            print(line, file=sys.stderr)
+        return 0
     print(
         f"{shape.total_params / 1e9:.1f} B parameters ({shape.active_params / 1e9:.1f} B active); "
         f"{cluster.gpus} x {cluster.name}; seq {args.seq_len}, {args.global_batch} sequences per step, {args.dtype}"

@@ -13,17 +13,21 @@
 * activations per layer and microbatch: the bytes shardkit's decoder block keeps for backward
   under the run's activation checkpointing (:mod:`.activations`, checked against the measured
   count), plus, when blocks are checkpointed, one block's full set during its recompute; the
-  logits ``b x S x V / t`` in float32; 1F1B keeps ``min(M, pp - stage)`` microbatches in flight
-  on a stage, GPipe all ``M``;
+  logits ``b x S x V / t`` in float32 on the rank of the last chunk (the last stage; rank 0 with
+  the V-shaped schedules); a stage holds its schedule's peak in-flight microbatch-chunks
+  (:func:`.pipeline.peak_chunks`: 1F1B ``min(M, pp - stage)``, GPipe ``M``, ...) of ``1 / v`` of
+  its layers each;
 * with ``pp_tp`` each stage is cut over its own tp size.
 """
 
 from __future__ import annotations
 
+from ..pipeline_parallel.tables import SCHEDULES
 from ..sharding import ParallelDims
 from .activations import BlockLayout, block_saved_bytes
 from .model import ModelShape
-from .options import StepOptions, hooked_params, resolve_options, stage_tp
+from .options import StepOptions, fsdp_once_per_step, hooked_params, resolve_options, stage_tp
+from .pipeline import peak_chunks
 
 __all__ = ["memory_per_rank"]
 
@@ -57,7 +61,7 @@ def memory_per_rank(shape: ModelShape, dims: ParallelDims, opts: StepOptions, st
         kept = hooked_params(shape, dims, opts, stage) + (expert if dims.ep > 1 else 0)
         sharded = params - kept
         held = kept + sharded / (dims.dp_shard * dims.cp)
-        if opts.microbatches > 1:
+        if fsdp_once_per_step(dims, opts):
             # set_microbatch: the stage stays unsharded from the first forward to the last
             # backward, and its gradients accumulate unsharded until the one reduce-scatter
             gathered, unsharded_grads = float(sharded), float(sharded)
@@ -69,19 +73,14 @@ def memory_per_rank(shape: ModelShape, dims: ParallelDims, opts: StepOptions, st
     b = opts.global_batch // (dims.dp * opts.microbatches)
     where = BlockLayout(b, opts.seq_len, tp, dims.cp_ulysses, dims.cp_ring, bool(opts.sequence_parallel))
     per_layer = block_saved_bytes(shape, where, opts.activation_checkpoint, e)
-    # 1F1B: min(M, pp - stage) microbatches in flight; GPipe: all M forwards before a backward
-    in_flight = (
-        1
-        if dims.pp == 1
-        else opts.microbatches
-        if opts.schedule == "gpipe"
-        else min(opts.microbatches, dims.pp - stage)
-    )
-    acts = float(per_layer * len(shape.stage_layers(dims.pp, stage)) * in_flight)
+    v = opts.virtual_stages if dims.pp > 1 else 1
+    in_flight = 1 if dims.pp == 1 else peak_chunks(opts.schedule, dims.pp, v, opts.microbatches, stage)
+    acts = per_layer * len(shape.stage_layers(dims.pp, stage)) / v * in_flight  # chunks of 1/v of the stage
     if opts.activation_checkpoint != "none":  # backward recomputes one block at a time
         acts += block_saved_bytes(shape, where, "none", e)
     S = opts.seq_len // dims.cp
-    if stage == dims.pp - 1:
+    v_shaped = dims.pp > 1 and SCHEDULES[opts.schedule].placement == "v"
+    if stage == (0 if v_shaped else dims.pp - 1):
         acts += b * S * shape.vocab / tp * 4 * 2  # logits and their gradient, float32
     out = dict(params=(held + gathered) * e, grads=(held + unsharded_grads) * e, optimizer=optimizer, activations=acts)
     out["total"] = sum(out.values())

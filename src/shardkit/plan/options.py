@@ -5,19 +5,20 @@ Pure functions of metadata (no process group), so a bad layout fails before anyt
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, replace
+from typing import Any
 
 from ..errors import ShardkitError
-from ..pipeline_parallel.schedules import gpipe_schedule, one_f_one_b_schedule
 from ..sharding import ParallelDims
 from .model import ModelShape
-from .rules import decoder_layout_rule, sequence_parallel_default
+from .rules import decoder_layout_rule, schedule_rule, sequence_parallel_default
 
 __all__ = [
     "StepOptions",
     "DTYPE_BYTES",
-    "SCHEDULES",
     "resolve_options",
+    "fsdp_once_per_step",
     "check_layout",
     "hooked_params",
     "stage_tp",
@@ -25,7 +26,22 @@ __all__ = [
 ]
 
 DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2}
-SCHEDULES = {"1f1b": one_f_one_b_schedule, "gpipe": gpipe_schedule}  # the trainer's pipeline schedules
+
+
+def __getattr__(name: str) -> Any:
+    """``SCHEDULES`` (1F1B and GPipe as ``(p, m) -> Action table``), deprecated for one release:
+    the registry :data:`shardkit.pipeline_parallel.tables.SCHEDULES` names every schedule."""
+    if name != "SCHEDULES":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from ..pipeline_parallel.schedules import gpipe_schedule, one_f_one_b_schedule
+
+    warnings.warn(
+        "shardkit.plan.options.SCHEDULES is deprecated; use shardkit.pipeline_parallel.tables.SCHEDULES "
+        "(every schedule, with schedule_table(name, p, v, m))",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return {"1f1b": one_f_one_b_schedule, "gpipe": gpipe_schedule}
 
 
 @dataclass(frozen=True)
@@ -40,10 +56,12 @@ class StepOptions:
         sequence_parallel: Megatron-SP with tp (None: on for dense models with tp > 1, as the
             trainer's default; MoE models take it when asked).
         loss_parallel: vocab-parallel loss (logits never gathered).
-        schedule: the pipeline schedule, ``1f1b`` or ``gpipe`` (with ``pp`` 1 the trainer
+        schedule: the pipeline schedule, a key of
+            :data:`shardkit.pipeline_parallel.tables.SCHEDULES` (with ``pp`` 1 the trainer
             accumulates F B F B ... whatever it says).
         activation_checkpoint: ``none``, ``full`` or ``selective`` (``shardkit train --ac``): what
             each decoder block keeps for backward (:mod:`.activations`).
+        virtual_stages: chunks per pipeline rank (``v``; :func:`.rules.schedule_rule`).
     """
 
     seq_len: int = 4096
@@ -54,6 +72,7 @@ class StepOptions:
     loss_parallel: bool = False
     schedule: str = "1f1b"
     activation_checkpoint: str = "none"
+    virtual_stages: int = 1
 
     @property
     def elem(self) -> int:
@@ -76,11 +95,9 @@ def check_layout(shape: ModelShape, dims: ParallelDims, opts: StepOptions) -> No
     Raises:
         ShardkitError: ``plan:`` and the first refusal of :func:`.rules.decoder_layout_rule`
             (batch not divisible by dp x microbatches, a cp rank without a token, more tp ranks
-            than query heads, spatial layouts, sequence parallelism with ``pp_tp``, ...); an
-            unknown schedule.
+            than query heads, spatial layouts, sequence parallelism with ``pp_tp``, ...), or of
+            :func:`.rules.schedule_rule` (the schedule, its virtual stages and microbatches).
     """
-    if opts.schedule not in SCHEDULES:
-        raise ShardkitError(f"plan: schedule must be one of {', '.join(SCHEDULES)}, got {opts.schedule!r}")
     why = decoder_layout_rule(
         dims,
         seq_len=opts.seq_len,
@@ -91,7 +108,7 @@ def check_layout(shape: ModelShape, dims: ParallelDims, opts: StepOptions) -> No
         kv_heads=shape.kv_heads,
         layers=shape.layers,
         experts=shape.experts,
-    )
+    ) or schedule_rule(opts.schedule, dims.pp, opts.virtual_stages, opts.microbatches, shape.layers)
     if why is not None:
         raise ShardkitError(f"plan: {dims.describe()}: {why}")
 
@@ -132,3 +149,11 @@ def hooked_params(shape: ModelShape, dims: ParallelDims, opts: StepOptions, stag
     if shape.kv_heads < tp and not shape.mla:
         total += 2 * shape.head_dim * shape.hidden * len(layers)
     return total
+
+
+def fsdp_once_per_step(dims: ParallelDims, opts: StepOptions) -> bool:
+    """Whether FSDP2 gathers and reduces each group once per step (:func:`shardkit.data_parallel.set_microbatch`):
+    ``M > 1`` microbatches of gradient accumulation or of the one-chunk runner (1F1B, GPipe); the
+    chunked runner of the other schedules keeps FSDP2's per-microbatch defaults."""
+    one_chunk = dims.pp == 1 or (opts.schedule in ("1f1b", "gpipe") and opts.virtual_stages == 1)
+    return opts.microbatches > 1 and one_chunk

@@ -18,7 +18,8 @@ FFN), so nothing asks ``tp`` or ``cp`` to divide them; what the layers cannot do
 * a pipeline stage without a layer, a next-token loss on fewer than 2 tokens, a global batch
   that the data-parallel ranks and microbatches do not divide;
 * expert parallelism of a dense model, sequence parallelism across stages of different tp sizes
-  (they exchange replicated hidden states), spatial parallelism of an LM.
+  (they exchange replicated hidden states), spatial parallelism of an LM;
+* a pipeline schedule outside its table's sizes (:func:`schedule_rule`, :func:`check_schedule`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from __future__ import annotations
 import torch
 
 from ..context_parallel._sizes import _order
+from ..errors import ShardkitError
+from ..pipeline_parallel.tables import SCHEDULES as SCHEDULE_TABLES
 from ..tensor_parallel.check import tp_heads_rule
 
 __all__ = [
@@ -39,6 +42,8 @@ __all__ = [
     "lm_spatial_rule",
     "sequence_parallel_default",
     "decoder_layout_rule",
+    "schedule_rule",
+    "check_schedule",
 ]
 
 
@@ -105,6 +110,62 @@ def pp_layers_rule(layers: int, pp: int) -> str | None:
     if layers < pp:
         return f"--pp {pp}: {layers} decoder layers cannot fill {pp} pipeline stages (need layers >= pp)"
     return None
+
+
+def schedule_rule(schedule: str, pp: int, virtual_stages: int, microbatches: int, layers: int) -> str | None:
+    """The pipeline schedule's limits (:data:`shardkit.pipeline_parallel.tables.SCHEDULES`).
+
+    Args:
+        schedule: ``--schedule``, a key of the registry.
+        pp: pipeline ranks ``p``; with ``pp`` 1 every schedule is plain gradient accumulation.
+        virtual_stages: ``--virtual-stages`` ``v``, chunks per pipeline rank.
+        microbatches: ``m`` per data-parallel rank.
+        layers: decoder layers, cut into ``p x v`` chunks.
+
+    Returns:
+        None, or the refusal: an unknown schedule; ``v`` outside the schedule's range (``1f1b``,
+        ``gpipe``, ``zb-h1``: 1; ``interleaved-1f1b``: >= 2; ``looped-bfs``: >= 1; ``zbv``,
+        ``dualpipev``: 2) or ``v > 1`` without a pipeline; fewer microbatches than the table
+        needs (``interleaved-1f1b``: ``m >= p`` and ``p | m``, Megatron-LM's rule; ``dualpipev``:
+        ``m >= 2p``); fewer layers than chunks (``layers >= p x v``).
+    """
+    if schedule not in SCHEDULE_TABLES:
+        return f"--schedule must be one of {', '.join(SCHEDULE_TABLES)}, got {schedule!r}"
+    if virtual_stages < 1:
+        return f"--virtual-stages must be >= 1, got {virtual_stages}"
+    if pp == 1:
+        if virtual_stages != 1:
+            return f"--virtual-stages {virtual_stages} needs --pp > 1 (chunks are pipeline stages of one rank)"
+        return None
+    spec = SCHEDULE_TABLES[schedule]
+    lo, hi = spec.v_min, spec.v_max
+    if virtual_stages < lo or (hi is not None and virtual_stages > hi):
+        want = str(lo) if lo == hi else f">= {lo}" if hi is None else f"in {lo}..{hi}"
+        return f"--schedule {schedule} needs --virtual-stages {want}, got {virtual_stages}"
+    if schedule == "interleaved-1f1b" and (microbatches < pp or microbatches % pp):
+        return (
+            f"--schedule interleaved-1f1b with --pp {pp}: microbatches must be a multiple of pp "
+            f"(groups of pp go round the chunks), got {microbatches}"
+        )
+    if schedule == "dualpipev" and microbatches < 2 * pp:
+        return f"--schedule dualpipev with --pp {pp}: microbatches must be >= 2 x pp = {2 * pp}, got {microbatches}"
+    chunks = pp * virtual_stages
+    if layers < chunks:
+        return (
+            f"--pp {pp} x --virtual-stages {virtual_stages}: {layers} decoder layers cannot fill "
+            f"{chunks} chunks (need layers >= pp x virtual stages)"
+        )
+    return None
+
+
+def check_schedule(schedule: str, pp: int, virtual_stages: int, microbatches: int, layers: int) -> None:
+    """Raise :func:`schedule_rule`'s refusal.
+
+    Raises:
+        ShardkitError: the refusal of :func:`schedule_rule` (it names the flags and sizes).
+    """
+    if (why := schedule_rule(schedule, pp, virtual_stages, microbatches, layers)) is not None:
+        raise ShardkitError(why)
 
 
 def ep_rule(ep: int, experts: int) -> str | None:

@@ -1,27 +1,33 @@
 """One layout's predicted step (:func:`estimate_step`) and every layout ranked (:func:`plan_layouts`).
 
-Step time = compute x (M + pp - 1) / M (the bubble of 1F1B and GPipe alike, Narayanan et al.
-2021; with ``pp_tp`` the compute of the slowest stage) + the
-collectives on the critical path (tp, cp, ep, pp: they wait for their inputs) + the part of the
-data-parallel and FSDP2 traffic that backward (two thirds of the compute) cannot hide.
+Step time = the pipeline schedule's makespan (:func:`.pipeline.pipeline_cost`: its bubble and
+its P2P transfers, with ``pp_tp`` at the pace of the slowest stage) + the other collectives on
+the critical path (tp, cp, ep, the pp check, ``pp_tp`` broadcasts: they wait for their inputs) +
+the part of the data-parallel and FSDP2 traffic that backward (two thirds of the compute) cannot
+hide. The search ranks schedules and virtual stages like the other layout dimensions.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from ..errors import ShardkitError
+from ..pipeline_parallel.tables import SCHEDULES
 from ..sharding import ParallelDims
 from .cluster import Cluster
-from .collectives import CommRow, step_collectives
+from .collectives import HEADER_BYTES, CommRow, step_collectives
 from .memory import memory_per_rank
 from .model import ModelShape
 from .options import StepOptions, check_layout
-from .timing import row_seconds
+from .pipeline import pipeline_cost
+from .timing import group_stride, row_seconds
 
-__all__ = ["StepEstimate", "estimate_step", "plan_layouts", "enumerate_layouts"]
+__all__ = ["StepEstimate", "estimate_step", "plan_layouts", "enumerate_layouts", "schedule_choices"]
+
+SEARCHED_V = (2, 4, 8)  # virtual stages the search tries where a schedule takes more than one
 
 _CRITICAL = ("tp", "cp", "ep", "pp", "world")
 
@@ -34,8 +40,9 @@ class StepEstimate:
         dims: the layout. options: its step options.
         rows: ``(CommRow, seconds)`` of the busiest stage (shardkit's and FSDP2's collectives).
         compute_s: matmul and attention time of one rank, seconds (no bubble).
-        bubble: the pipeline bubble fraction ``(pp - 1) / (M + pp - 1)`` (1F1B and GPipe).
-        comm_s: exposed communication seconds.
+        bubble: the idle fraction of the pipeline schedule's makespan (1F1B and GPipe
+            ``(pp - 1) / (M + pp - 1)`` without P2P time; :func:`.pipeline.pipeline_cost`).
+        comm_s: exposed communication seconds besides the pipeline's P2P (in its makespan).
         step_s: predicted seconds per step.
         memory: bytes per rank of the fullest stage (:func:`~shardkit.plan.memory.memory_per_rank`).
         fits: ``memory["total"]`` within the cluster's GPU memory.
@@ -70,7 +77,7 @@ def estimate_step(shape: ModelShape, dims: ParallelDims, options: StepOptions, c
         shape: the model (:meth:`ModelShape.from_config`).
         dims: the layout; its product must be ``cluster.gpus``.
         options: sequence length, global batch (sequences), microbatches per dp rank, dtype,
-            sequence / loss parallelism.
+            sequence / loss parallelism, the pipeline schedule and its virtual stages.
         cluster: the machines.
 
     Returns:
@@ -88,11 +95,10 @@ def estimate_step(shape: ModelShape, dims: ParallelDims, options: StepOptions, c
     memory: dict[str, float] = {}
     # embedding, a middle (MoE) stage, lm_head; every stage when their tp sizes differ (pp_tp)
     stages = range(dims.pp) if dims.pp_tp is not None else sorted({0, dims.pp // 2, dims.pp - 1})
+    # the schedule changes a stage's collectives only through FSDP2's root gathers
+    comm_opts = options if dims.dp_shard > 1 else replace(options, schedule="1f1b", virtual_stages=1)
     for stage in stages:
-        rows = step_collectives(shape, dims, options, stage)
-        timed = [(r, row_seconds(r, dims, cluster)) for r in rows]
-        critical = sum(s for r, s in timed if r.axis in _CRITICAL)
-        overlappable = sum(s for r, s in timed if r.axis not in _CRITICAL)
+        critical, timed, overlappable = _stage_comm(shape, dims, comm_opts, cluster, stage)
         if worst is None or critical + overlappable > worst[0] + worst[2]:
             worst = (critical, timed, overlappable)
         mem = memory_per_rank(shape, dims, options, stage)
@@ -106,13 +112,63 @@ def estimate_step(shape: ModelShape, dims: ParallelDims, options: StepOptions, c
     if dims.pp_tp is not None:  # the slowest stage sets the pace: its layers over its tp ranks
         share = max(len(shape.stage_layers(dims.pp, s)) / (shape.layers * t) for s, t in enumerate(dims.pp_tp))
         compute = flops * share / dims.dp / (cluster.peak_tflops * 1e12 * cluster.efficiency)
-    M, p = options.microbatches, dims.pp
-    bubble = (p - 1) / (M + p - 1)  # GPipe and 1F1B alike (1F1B saves memory, not time)
+    M, v = options.microbatches, options.virtual_stages if dims.pp > 1 else 1
+    pipe = pipeline_cost(
+        options.schedule, dims.pp, v, M, compute / (3 * M * v), _p2p_seconds(shape, dims, options, cluster)
+    )
     exposed = critical + max(0.0, overlappable - compute * 2 / 3)
-    step = compute * (M + p - 1) / M + exposed
+    step = pipe.makespan + exposed
     fits = memory["total"] <= cluster.gpu_memory_gib * 2**30
     mfu = flops / (step * cluster.gpus * cluster.peak_tflops * 1e12)
-    return StepEstimate(dims, options, tuple(timed), compute, bubble, exposed, step, memory, fits, tokens / step, mfu)
+    return StepEstimate(
+        dims, options, tuple(timed), compute, pipe.bubble, exposed, step, memory, fits, tokens / step, mfu
+    )
+
+
+@functools.lru_cache(maxsize=1024)  # plan_layouts asks once per schedule of a layout
+def _stage_comm(
+    shape: ModelShape, dims: ParallelDims, options: StepOptions, cluster: Cluster, stage: int
+) -> tuple[float, list[tuple[CommRow, float]], float]:
+    """A stage's (critical seconds, timed rows, overlappable seconds); P2P is the schedule's."""
+    timed = [(r, row_seconds(r, dims, cluster)) for r in step_collectives(shape, dims, options, stage)]
+    critical = sum(s for r, s in timed if r.axis in _CRITICAL and not _p2p(r))
+    overlappable = sum(s for r, s in timed if r.axis not in _CRITICAL)
+    return critical, timed, overlappable
+
+
+def _p2p(row: CommRow) -> bool:
+    """A pipeline transfer (its time is in the schedule's makespan)."""
+    return row.axis == "pp" and row.op in ("send", "recv")
+
+
+def _p2p_seconds(shape: ModelShape, dims: ParallelDims, options: StepOptions, cluster: Cluster) -> float:
+    """One P2P transfer of a microbatch's hidden states ``[b, S / cp, H]`` with its header,
+    alpha-beta, on NVLink when the pipeline's ranks share a node, else on the NIC."""
+    if dims.pp == 1:
+        return 0.0
+    b = options.global_batch // (dims.dp * options.microbatches)
+    size = b * options.seq_len // dims.cp * shape.hidden * options.elem + HEADER_BYTES
+    inside = group_stride(dims, "pp", dims.pp) <= cluster.gpus_per_node
+    gbps, alpha_us = (
+        (cluster.intra_gbps, cluster.intra_latency_us) if inside else (cluster.inter_gbps, cluster.inter_latency_us)
+    )
+    return alpha_us * 1e-6 + size / (gbps * 1e9)
+
+
+def schedule_choices(schedule: str | None = None, v: int | None = None) -> list[tuple[str, int]]:
+    """The ``(schedule, virtual stages)`` pairs the search tries where ``pp > 1``: every schedule
+    (or ``schedule``) at every ``v`` it accepts among 1, 2 and :data:`SEARCHED_V` (or at ``v``).
+    An unknown name or a ``v`` it refuses is kept: :func:`.rules.schedule_rule` refuses it per
+    layout (with the layers and microbatch rules), naming the limit."""
+    names = list(SCHEDULES) if schedule is None else [schedule]
+    out = []
+    for name in names:
+        spec = SCHEDULES.get(name)
+        if v is not None or spec is None:
+            out.append((name, v or 1))
+            continue
+        out += [(name, x) for x in sorted({1, 2, *SEARCHED_V}) if spec.v_min <= x <= (spec.v_max or x)]
+    return out
 
 
 def _divisors(n: int, limit: int | None = None) -> list[int]:
@@ -120,10 +176,17 @@ def _divisors(n: int, limit: int | None = None) -> list[int]:
 
 
 def enumerate_layouts(
-    shape: ModelShape, gpus: int, gpus_per_node: int, options: StepOptions, max_cp: int = 32
+    shape: ModelShape,
+    gpus: int,
+    gpus_per_node: int,
+    options: StepOptions,
+    max_cp: int = 32,
+    schedules: Sequence[tuple[str, int]] | None = None,
 ) -> Iterator[tuple[ParallelDims, StepOptions]]:
     """Every layout of ``gpus`` the trainer accepts for ``shape`` (ParallelDims and
-    :func:`~shardkit.plan.collectives.check_layout` decide), with one sequence per microbatch."""
+    :func:`~shardkit.plan.collectives.check_layout` decide), with one sequence per microbatch,
+    under every ``(schedule, virtual stages)`` of ``schedules`` (None: :func:`schedule_choices`;
+    with ``pp`` 1 only plain accumulation)."""
     moe = shape.experts > 0
     for tp in _divisors(gpus, gpus_per_node):
         for pp in _divisors(gpus // tp, shape.layers):
@@ -146,22 +209,35 @@ def enumerate_layouts(
                                     ep=ep,
                                     world_size=gpus,
                                 )
-                                opts = replace(options, microbatches=m)
-                                check_layout(shape, dims, opts)
                             except ShardkitError:
                                 continue
-                            yield dims, opts
+                            pairs = schedule_choices() if schedules is None else schedules
+                            for name, v in pairs if pp > 1 else [("1f1b", 1)]:
+                                opts = replace(options, microbatches=m, schedule=name, virtual_stages=v)
+                                try:
+                                    check_layout(shape, dims, opts)
+                                except ShardkitError:
+                                    continue
+                                yield dims, opts
 
 
-def plan_layouts(config: Any, cluster: Cluster, options: StepOptions, top: int = 10) -> list[StepEstimate]:
+def plan_layouts(
+    config: Any,
+    cluster: Cluster,
+    options: StepOptions,
+    top: int = 10,
+    schedules: Sequence[tuple[str, int]] | None = None,
+) -> list[StepEstimate]:
     """Rank every valid layout of ``config`` on ``cluster`` by predicted step time.
 
     Args:
         config: a transformers config, a ``config.json`` dict or path, or a :class:`ModelShape`.
         cluster: the machines (``cluster.gpus`` is the world size).
         options: sequence length, global batch, dtype (microbatches are set per layout: one
-            sequence each, ``global_batch / dp``).
+            sequence each, ``global_batch / dp``; the schedule and virtual stages by ``schedules``).
         top: how many to return.
+        schedules: the ``(schedule, virtual stages)`` pairs to rank (None: every schedule at the
+            virtual stages of :func:`schedule_choices`).
 
     Returns:
         The ``top`` fastest layouts that fit in memory, fastest first.
@@ -173,7 +249,7 @@ def plan_layouts(config: Any, cluster: Cluster, options: StepOptions, top: int =
     shape = config if isinstance(config, ModelShape) else ModelShape.from_config(config)
     fitting: list[StepEstimate] = []
     smallest: StepEstimate | None = None
-    for dims, opts in enumerate_layouts(shape, cluster.gpus, cluster.gpus_per_node, options):
+    for dims, opts in enumerate_layouts(shape, cluster.gpus, cluster.gpus_per_node, options, schedules=schedules):
         est = estimate_step(shape, dims, opts, cluster)
         if est.fits:
             fitting.append(est)
