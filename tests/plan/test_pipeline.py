@@ -11,6 +11,7 @@ from shardkit import Cluster, ModelShape, ParallelDims, ShardkitError, StepOptio
 from shardkit.cli.main import main
 from shardkit.pipeline_parallel.tables import SCHEDULES
 from shardkit.plan import pipeline
+from shardkit.plan.activations import BlockLayout, block_saved_bytes
 from shardkit.plan.memory import memory_per_rank
 from shardkit.plan.pipeline import closed_makespan, peak_chunks, pipeline_cost, step_costs
 from shardkit.plan.rules import check_schedule, schedule_rule
@@ -149,7 +150,7 @@ def test_virtual_stages_shrink_the_bubble_and_v_shape_moves_the_logits():
     zbv = StepOptions(**{**base.__dict__, "schedule": "zbv", "virtual_stages": 2})
     logits = 16 * 256 * 4 * 2  # b S V float32, and its gradient
     first, last = (memory_per_rank(shape, ParallelDims(pp=4), zbv, s)["activations"] for s in (0, 3))
-    per_chunk = 34 * 16 * 64 / 2 * 4 * 1  # one layer per chunk, float32
+    per_chunk = block_saved_bytes(shape, BlockLayout(rows=1, seq_len=16), "none", 4)  # one layer per chunk
     assert first == pytest.approx(per_chunk * peak_chunks("zbv", 4, 2, 8, 0) + logits)
     assert last == pytest.approx(per_chunk * peak_chunks("zbv", 4, 2, 8, 3))
 
