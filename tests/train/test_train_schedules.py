@@ -135,10 +135,16 @@ def test_save_under_1f1b_resumes_under_interleaved_with_the_same_losses():
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (dict(pp=2, schedule="zbv", virtual_stages=1, microbatches=2), "v .chunks per rank. must be 2"),
-        (dict(pp=2, schedule="interleaved-1f1b", virtual_stages=2, microbatches=3), "must be a multiple of p=2"),
-        (dict(pp=2, schedule="dualpipev", virtual_stages=2, microbatches=2), "m .microbatches. must be >= 4"),
-        (dict(pp=2, schedule="1f1b", virtual_stages=2, microbatches=2), "must be 1"),
+        (
+            dict(pp=2, schedule="zbv", virtual_stages=1, microbatches=2),
+            "--schedule zbv needs --virtual-stages 2, got 1",
+        ),
+        (
+            dict(pp=2, schedule="interleaved-1f1b", virtual_stages=2, microbatches=3),
+            "microbatches must be a multiple of pp",
+        ),
+        (dict(pp=2, schedule="dualpipev", virtual_stages=2, microbatches=2), "microbatches must be >= 2 x pp = 4"),
+        (dict(pp=2, schedule="1f1b", virtual_stages=2, microbatches=2), "needs --virtual-stages 1, got 2"),
         (dict(pp=1, schedule="zbv", virtual_stages=2), "need a pipeline"),
         (dict(pp=2, schedule="zb-h1", microbatches=2, checks=True), "--checks with --schedule zb-h1"),
         (dict(pp=2, schedule="zbv", virtual_stages=2, microbatches=2, dp_shard=2), "which FSDP2 cannot follow"),

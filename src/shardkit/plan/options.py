@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..errors import ShardkitError
+from ..pipeline_parallel.schedules import gpipe_schedule, one_f_one_b_schedule
 from ..sharding import ParallelDims
 from .model import ModelShape
 from .rules import decoder_layout_rule, schedule_rule, sequence_parallel_default
@@ -33,8 +34,6 @@ def __getattr__(name: str) -> Any:
     the registry :data:`shardkit.pipeline_parallel.tables.SCHEDULES` names every schedule."""
     if name != "SCHEDULES":
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from ..pipeline_parallel.schedules import gpipe_schedule, one_f_one_b_schedule
-
     warnings.warn(
         "shardkit.plan.options.SCHEDULES is deprecated; use shardkit.pipeline_parallel.tables.SCHEDULES "
         "(every schedule, with schedule_table(name, p, v, m))",

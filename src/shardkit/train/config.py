@@ -19,7 +19,8 @@ from pathlib import Path
 from ..checkpoint.hf_writer import check_out_dir
 from ..errors import ShardkitError
 from ..parallelize.mixed_precision import check_mixed_precision
-from ..plan.rules import batch_rule
+from ..pipeline_parallel.tables import SCHEDULES as TABLES
+from ..plan.rules import batch_rule, schedule_rule
 from ..sharding import ParallelDims
 from .options import DTYPES, LR_SCHEDULES, SCHEDULES, SIZE_FLAGS, TrainConfig, parse_pp_tp
 from .pretrained import read_config
@@ -241,9 +242,6 @@ def validate_config(cfg: TrainConfig, world_size: int | None = None) -> TrainCon
 def _check_schedule(cfg: TrainConfig) -> None:
     """The pipeline schedule's own limits on ``--pp``, ``--virtual-stages`` and ``--microbatches``
     (the table function's refusal, named with the flags), and what runs only one chunk per rank."""
-    from ..pipeline_parallel.tables import SCHEDULES as TABLES
-    from ..pipeline_parallel.tables import schedule_table
-
     v, pp = cfg.virtual_stages, len(cfg.stage_tp_sizes) if cfg.pp_tp is not None else cfg.pp
     if not isinstance(v, int) or v < 1:
         raise ShardkitError(f"--virtual-stages must be an int >= 1, got {v!r}")
@@ -273,12 +271,11 @@ def _check_schedule(cfg: TrainConfig) -> None:
         raise ShardkitError(
             f"--pp-tp stages run --schedule 1f1b or gpipe with --virtual-stages 1, got {cfg.schedule} with {v}"
         )
-    try:
-        schedule_table(cfg.schedule, pp, v, cfg.microbatches)
-    except ShardkitError as e:
-        raise ShardkitError(
-            f"--schedule {cfg.schedule} --pp {pp} --virtual-stages {v} --microbatches {cfg.microbatches}: {e}"
-        ) from None
+    # the planner's rule (plan/rules.py), equal to what the table functions refuse; a pretrained
+    # model's layer count is checked when its stages are cut (chunk_layers)
+    why = schedule_rule(cfg.schedule, pp, v, cfg.microbatches, cfg.layers if cfg.model_path is None else pp * v)
+    if why is not None:
+        raise ShardkitError(why)
 
 
 def _resolve_world(cfg: TrainConfig) -> TrainConfig:
