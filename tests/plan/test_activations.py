@@ -21,6 +21,7 @@ from harness.tiny_lm import tiny_decoder, token_ids
 from shardkit import ShardkitError
 from shardkit.parallelize import decoder_layers, parallelize
 from shardkit.parallelize.saved_bytes import SavedBytesMeter
+from shardkit.plan import Cluster, estimate_step
 from shardkit.plan.activations import BlockLayout, block_saved_bytes
 from shardkit.plan.memory import memory_per_rank
 from shardkit.plan.model import ModelShape
@@ -84,3 +85,17 @@ def test_checkpointing_lowers_the_planned_activation_memory():
     assert acts["full"] < acts["selective"] < acts["none"]
     with pytest.raises(ShardkitError, match="activation checkpointing must be one of"):
         memory_per_rank(deep, dims, StepOptions(seq_len=S, global_batch=4, activation_checkpoint="some"))
+
+
+def test_checkpointing_charges_its_recompute_in_the_step_time():
+    deep = dataclasses.replace(SHAPE, layers=32)
+    cluster = Cluster(gpus=1, gpus_per_node=1)
+    est = {
+        mode: estimate_step(
+            deep, ParallelDims(), StepOptions(seq_len=S, global_batch=4, activation_checkpoint=mode), cluster
+        )
+        for mode in ("none", "selective", "full")
+    }
+    assert est["full"].compute_s == pytest.approx(est["none"].compute_s * 4 / 3)  # one more forward
+    assert est["none"].compute_s < est["selective"].compute_s < est["full"].compute_s
+    assert est["full"].mfu < est["none"].mfu  # model FLOPs leave the recompute out

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from ..errors import ShardkitError
 from .model import ModelShape
 
-__all__ = ["BlockLayout", "block_saved_bytes"]
+__all__ = ["BlockLayout", "block_saved_bytes", "recompute_flops_per_token"]
 
 AC_MODES = ("none", "full", "selective")
 
@@ -115,3 +115,21 @@ def block_saved_bytes(shape: ModelShape, where: BlockLayout, mode: str, elem: in
     else:
         attention = 2 * T * n * D * e + 2 * T * k * D * e + where.rows * n * s * wide
     return norms + mlp + rope + attention
+
+
+def recompute_flops_per_token(shape: ModelShape, mode: str, seq_len: int) -> float:
+    """FLOPs per token the backward spends recomputing checkpointed blocks: ``full`` one whole
+    forward (a third of :meth:`~.model.ModelShape.flops_per_token`), ``selective`` the output
+    projection ``o_proj`` (``2 N d_v H`` per layer; ``down_proj``'s recompute is cut short, see
+    :mod:`shardkit.parallelize.checkpointing`), ``none`` 0. Model FLOPs (and so MFU) leave it out.
+
+    Raises:
+        ShardkitError: an unknown mode.
+    """
+    if mode not in AC_MODES:
+        raise ShardkitError(f"plan: activation checkpointing must be one of {', '.join(AC_MODES)}, got {mode!r}")
+    if mode == "full":
+        return shape.flops_per_token(seq_len) / 3
+    if mode == "selective":
+        return 2.0 * shape.layers * shape.heads * shape.v_dim * shape.hidden
+    return 0.0

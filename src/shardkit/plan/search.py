@@ -17,6 +17,7 @@ from typing import Any
 from ..errors import ShardkitError
 from ..pipeline_parallel.tables import SCHEDULES
 from ..sharding import ParallelDims
+from .activations import recompute_flops_per_token
 from .cluster import Cluster
 from .collectives import HEADER_BYTES, CommRow, step_collectives
 from .memory import memory_per_rank
@@ -39,7 +40,8 @@ class StepEstimate:
     Attributes:
         dims: the layout. options: its step options.
         rows: ``(CommRow, seconds)`` of the busiest stage (shardkit's and FSDP2's collectives).
-        compute_s: matmul and attention time of one rank, seconds (no bubble).
+        compute_s: matmul and attention time of one rank, seconds (no bubble; with activation
+            checkpointing, the recompute included).
         bubble: the idle fraction of the pipeline schedule's makespan (1F1B and GPipe
             ``(pp - 1) / (M + pp - 1)`` without P2P time; :func:`.pipeline.pipeline_cost`).
         comm_s: exposed communication seconds besides the pipeline's P2P (in its makespan).
@@ -108,10 +110,13 @@ def estimate_step(shape: ModelShape, dims: ParallelDims, options: StepOptions, c
     critical, timed, overlappable = worst
     tokens = options.global_batch * options.seq_len
     flops = shape.flops_per_token(options.seq_len) * tokens
-    compute = flops / cluster.gpus / (cluster.peak_tflops * 1e12 * cluster.efficiency)
+    # the recompute of checkpointed blocks is spread over the steps like the rest of the work
+    # (exact for the 1F1B-form makespans, (m + p - 1)(F + B) with B growing by the recompute)
+    work = flops + recompute_flops_per_token(shape, options.activation_checkpoint, options.seq_len) * tokens
+    compute = work / cluster.gpus / (cluster.peak_tflops * 1e12 * cluster.efficiency)
     if dims.pp_tp is not None:  # the slowest stage sets the pace: its layers over its tp ranks
         share = max(len(shape.stage_layers(dims.pp, s)) / (shape.layers * t) for s, t in enumerate(dims.pp_tp))
-        compute = flops * share / dims.dp / (cluster.peak_tflops * 1e12 * cluster.efficiency)
+        compute = work * share / dims.dp / (cluster.peak_tflops * 1e12 * cluster.efficiency)
     M, v = options.microbatches, options.virtual_stages if dims.pp > 1 else 1
     pipe = pipeline_cost(
         options.schedule, dims.pp, v, M, compute / (3 * M * v), _p2p_seconds(shape, dims, options, cluster)
