@@ -15,7 +15,8 @@ Each transform takes its own submesh of the job's :class:`~shardkit.sharding.Par
    tp only, so each tp rank dispatches its own block of them (``token_group = tp``); with
    sequence parallelism each tp rank already holds its own block of the sequence.
 4. **ac**: activation checkpointing of every decoder block, ``full`` or ``selective``
-   (:mod:`.checkpointing`), inside FSDP2's hooks.
+   (:mod:`.checkpointing`), inside FSDP2's hooks; then, optionally, ``torch.compile`` of every
+   block (:mod:`.compiling`).
 5. **dp**: FSDP2 over ``dp_shard x cp`` (HSDP with ``dp_replicate``) when ``dp_shard > 1``;
    everything FSDP2 does not reduce is summed by one :class:`~shardkit.data_parallel.GradientSync`.
    ``grad_reduce`` picks DDP's mean over the data ranks (the default) or their sum (the
@@ -43,6 +44,7 @@ from ..sharding import shard_spec
 from ..tensor_parallel import apply_tp
 from ..tensor_parallel.plan import CompiledPlan, model_tp_plan
 from .checkpointing import apply_ac, check_ac_mode
+from .compiling import apply_compile, check_compile
 
 if TYPE_CHECKING:
     from ..sharding import ParallelMesh
@@ -111,6 +113,7 @@ def parallelize(
     loss_parallel: bool = False,
     grad_reduce: GradReduce = "mean",
     activation_checkpoint: str = "none",
+    compile: bool | str = False,
 ) -> ParallelModel:
     """Apply tensor, context, expert and data parallelism to ``model``, in that order, in place.
 
@@ -141,19 +144,25 @@ def parallelize(
         activation_checkpoint: ``"none"``, ``"full"`` (each decoder block recomputed in
             backward) or ``"selective"`` (matmul, attention and collective outputs kept), applied
             after tp, cp and ep and before FSDP2 (:func:`~.checkpointing.apply_ac`).
+        compile: ``torch.compile`` each decoder block after activation checkpointing and before
+            FSDP2 (:func:`~.compiling.apply_compile`): False (eager), True (inductor) or a backend
+            name (e.g. ``"aot_eager"``).
 
     Returns:
         :class:`ParallelModel`.
 
     Raises:
         ShardkitError: a layout the model cannot take (e.g. ``ep > 1`` on a dense model), with
-            the reason; ``grad_reduce`` not ``"mean"`` or ``"sum"``; the transforms' own errors
+            the reason; ``grad_reduce`` not ``"mean"`` or ``"sum"``; an unknown compile backend;
+            the transforms' own errors
             (head counts, ...).
     """
     grad_reduce = check_grad_reduce(grad_reduce, "parallelize")
     check_ac_mode(activation_checkpoint)
+    backend = check_compile(compile)
     if mesh is None:  # one process: no transform, every parameter replicated
         apply_ac(decoder_layers(model), activation_checkpoint)
+        apply_compile(decoder_layers(model), backend)
         layouts = _param_layouts(model)
         sync = GradientSync(model, None, layouts, grad_reduce=grad_reduce)
         return ParallelModel(model, None, None, sync, layouts, False, False)
@@ -172,6 +181,7 @@ def parallelize(
                 f"loss_parallel {loss_parallel}",
                 f"grad_reduce {grad_reduce}",
                 f"activation_checkpoint {activation_checkpoint}",
+                f"compile {backend}",
             ],
         )
     if tp > 1:
@@ -192,6 +202,7 @@ def parallelize(
             else:  # every rank's tokens are its own (with sequence parallelism: its sequence block)
                 shard_experts(experts, mesh["ep"], mode="dispatch", tokens="sharded")
     apply_ac(decoder_layers(model), activation_checkpoint)
+    apply_compile(decoder_layers(model), backend)
     layouts = _param_layouts(model)
     if dims.dp_shard > 1:
         for name in apply_fsdp(model, mesh, decoder_layers(model), grad_reduce=grad_reduce):

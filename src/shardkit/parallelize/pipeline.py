@@ -40,6 +40,7 @@ def parallelize_stage(
     loss_parallel: bool = False,
     grad_reduce: GradReduce = "mean",
     activation_checkpoint: str = "none",
+    compile: bool | str = False,
 ) -> ParallelModel:
     """This rank's pipeline stage of ``model``, parallelized, with its :class:`PipelineStage`.
 
@@ -48,7 +49,7 @@ def parallelize_stage(
             kept once it is dropped.
         mesh: the job's :class:`~shardkit.sharding.ParallelMesh` with ``pp > 1``.
         loss_fn: ``loss_fn(logits, labels) -> 0-d`` for the last stage.
-        sequence_parallel, loss_parallel, activation_checkpoint: as :func:`~.decoder.parallelize`.
+        sequence_parallel, loss_parallel, activation_checkpoint, compile: as :func:`~.decoder.parallelize`.
         grad_reduce: as :func:`~.decoder.parallelize` (over the data ranks of this stage; the
             schedule's microbatch losses are ``loss_fn``'s to scale).
 
@@ -66,6 +67,7 @@ def parallelize_stage(
         loss_parallel=loss_parallel,
         grad_reduce=grad_reduce,
         activation_checkpoint=activation_checkpoint,
+        compile=compile,
     )
     last = s == dims.pp - 1
     if module.tied:
