@@ -81,6 +81,7 @@ class TrainConfig:
     microbatches: int = 1  # per step and dp rank: pipeline microbatches, or gradient accumulation
     schedule: str = "1f1b"  # pipeline schedule: "1f1b" or "gpipe"
     ac: str = "none"  # activation checkpointing of each decoder block: "none", "full" or "selective"
+    compile: str | None = None  # torch.compile each decoder block with this backend ("inductor", "aot_eager", ...)
     max_norm: float | None = 1.0  # clip the global gradient norm (None / 0: no clipping)
     skip_nonfinite: int = 0  # skip up to N steps whose global loss or grad norm is NaN/inf; one more stops the run
     steps: int = 20  # total steps: a resumed run continues up to this count
