@@ -3,8 +3,11 @@
 :func:`apply_compile` replaces each block's ``forward`` (an instance attribute, like
 :func:`~.checkpointing.apply_ac`) by its ``torch.compile``-d version, so parameter names do not
 change and FSDP2's hooks, applied afterwards, stay outside the compiled region. It runs after tp,
-cp, ep and activation checkpointing and before FSDP2 (torchtitan's order): the compiled region is
-the block as checkpointing left it.
+cp and ep and before FSDP2 (torchtitan's order), but *inside* activation checkpointing: ``full``
+AC then checkpoints the compiled forward, and its recompute runs the compiled graphs again.
+(torchtitan compiles the checkpointed block instead; Dynamo refuses shardkit's checkpoint, whose
+``context_fn`` is not a pair of dispatch modes.) ``selective`` AC is refused: its dispatch modes
+(SAC's and the collective replay) keep Dynamo out of the block, so nothing would be compiled.
 
 Shapes are static (``dynamic=False``): a layout fixes every block's shapes for the whole run, and
 dynamic tracing fails on the shape reads of the tensor-parallel styles (``.nbytes`` of a tensor
@@ -37,29 +40,36 @@ def compile_backends() -> tuple[str, ...]:
     return tuple(sorted(torch._dynamo.list_backends(exclude_tags=())))
 
 
-def check_compile(compile: bool | str, where: str = "parallelize") -> str | None:
+def check_compile(
+    compile: bool | str, where: str = "parallelize(compile=...)", activation_checkpoint: str = "none"
+) -> str | None:
     """The backend ``compile`` names: None for False, ``"inductor"`` for True, else the name itself.
 
     Raises:
-        ShardkitError: ``compile`` neither a bool nor a known backend name (``where`` names the
-            flag or argument in the message).
+        ShardkitError: ``compile`` neither a bool nor a known backend name; a backend with
+            ``activation_checkpoint="selective"`` (module docstring). ``where`` names the flag or
+            argument in the message.
     """
     if compile is False or compile is None:
         return None
-    if compile is True:
-        return "inductor"
+    backend = "inductor" if compile is True else compile
     backends = compile_backends()
-    if not isinstance(compile, str) or compile not in backends:
-        raise ShardkitError(f"{where}: compile backend must be one of {', '.join(backends)}; got {compile!r}")
-    return compile
+    if not isinstance(backend, str) or backend not in backends:
+        raise ShardkitError(f"{where}: backend must be one of {', '.join(backends)}; got {compile!r}")
+    if activation_checkpoint == "selective":
+        raise ShardkitError(
+            f"{where} {backend!r} with selective activation checkpointing: its dispatch modes keep torch.compile "
+            "out of the block (nothing would be compiled); use full or no activation checkpointing"
+        )
+    return backend
 
 
 def apply_compile(blocks: Sequence[nn.Module], backend: str | None) -> None:
     """Compile each block's forward in place with ``backend`` (None: nothing).
 
     Args:
-        blocks: the decoder blocks (:func:`~.decoder.decoder_layers`), after tp, cp, ep and
-            activation checkpointing, before FSDP2.
+        blocks: the decoder blocks (:func:`~.decoder.decoder_layers`), after tp, cp and ep,
+            before activation checkpointing and FSDP2.
         backend: a name from :func:`compile_backends` (checked by :func:`check_compile`), or None.
     """
     if backend is None:

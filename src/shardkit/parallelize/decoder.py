@@ -15,8 +15,8 @@ Each transform takes its own submesh of the job's :class:`~shardkit.sharding.Par
    tp only, so each tp rank dispatches its own block of them (``token_group = tp``); with
    sequence parallelism each tp rank already holds its own block of the sequence.
 4. **ac**: activation checkpointing of every decoder block, ``full`` or ``selective``
-   (:mod:`.checkpointing`), inside FSDP2's hooks; then, optionally, ``torch.compile`` of every
-   block (:mod:`.compiling`).
+   (:mod:`.checkpointing`), inside FSDP2's hooks, around the block's forward ``torch.compile``-d
+   first when asked (:mod:`.compiling`).
 5. **dp**: FSDP2 over ``dp_shard x cp`` (HSDP with ``dp_replicate``) when ``dp_shard > 1``;
    everything FSDP2 does not reduce is summed by one :class:`~shardkit.data_parallel.GradientSync`.
    ``grad_reduce`` picks DDP's mean over the data ranks (the default) or their sum (the
@@ -144,25 +144,27 @@ def parallelize(
         activation_checkpoint: ``"none"``, ``"full"`` (each decoder block recomputed in
             backward) or ``"selective"`` (matmul, attention and collective outputs kept), applied
             after tp, cp and ep and before FSDP2 (:func:`~.checkpointing.apply_ac`).
-        compile: ``torch.compile`` each decoder block after activation checkpointing and before
-            FSDP2 (:func:`~.compiling.apply_compile`): False (eager), True (inductor) or a backend
-            name (e.g. ``"aot_eager"``).
+        compile: ``torch.compile`` each decoder block's forward after tp, cp and ep, inside
+            activation checkpointing and FSDP2 (:func:`~.compiling.apply_compile`): False
+            (eager), True (inductor) or a backend name (e.g. ``"aot_eager"``); not with
+            ``"selective"`` checkpointing.
 
     Returns:
         :class:`ParallelModel`.
 
     Raises:
         ShardkitError: a layout the model cannot take (e.g. ``ep > 1`` on a dense model), with
-            the reason; ``grad_reduce`` not ``"mean"`` or ``"sum"``; an unknown compile backend;
+            the reason; ``grad_reduce`` not ``"mean"`` or ``"sum"``; an unknown compile backend
+            or one with selective checkpointing;
             the transforms' own errors
             (head counts, ...).
     """
     grad_reduce = check_grad_reduce(grad_reduce, "parallelize")
     check_ac_mode(activation_checkpoint)
-    backend = check_compile(compile)
+    backend = check_compile(compile, activation_checkpoint=activation_checkpoint)
     if mesh is None:  # one process: no transform, every parameter replicated
-        apply_ac(decoder_layers(model), activation_checkpoint)
         apply_compile(decoder_layers(model), backend)
+        apply_ac(decoder_layers(model), activation_checkpoint)
         layouts = _param_layouts(model)
         sync = GradientSync(model, None, layouts, grad_reduce=grad_reduce)
         return ParallelModel(model, None, None, sync, layouts, False, False)
@@ -201,8 +203,8 @@ def parallelize(
                 shard_experts(experts, mesh["ep"], mode="dispatch", tokens="replicated", token_group=mesh["tp"])
             else:  # every rank's tokens are its own (with sequence parallelism: its sequence block)
                 shard_experts(experts, mesh["ep"], mode="dispatch", tokens="sharded")
-    apply_ac(decoder_layers(model), activation_checkpoint)
     apply_compile(decoder_layers(model), backend)
+    apply_ac(decoder_layers(model), activation_checkpoint)
     layouts = _param_layouts(model)
     if dims.dp_shard > 1:
         for name in apply_fsdp(model, mesh, decoder_layers(model), grad_reduce=grad_reduce):
