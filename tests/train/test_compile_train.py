@@ -1,5 +1,5 @@
 """``shardkit train --compile BACKEND``: the flag reaches the config, bad values fail before launch,
-and a compiled tp run matches the eager one-process reference under ``--verify`` (float64).
+and compiled tp and pp runs match the eager one-process reference under ``--verify`` (float64).
 
 The ``--verify`` reference is parallelized without compiling (the LM spec passes ``compile=False``
 with no mesh), so a compiled block that changed a value or a gradient fails the 1e-9 parity.
@@ -40,8 +40,11 @@ def test_compile_rejects_unknown_backend_and_conv_ae():
 
 
 @pytest.mark.world(2, timeout=600)
-def test_compiled_tp_run_matches_one_process():
-    cfg = validate_config(TrainConfig(**SMALL, tp=2, compile="aot_eager"), world_size=world_size())
+@pytest.mark.parametrize(
+    "layout", [dict(tp=2), dict(tp=1, pp=2, microbatches=2)], ids=["tp=2 (SP)", "pp=2 (parallelize_stage)"]
+)
+def test_compiled_run_matches_one_process(layout):
+    cfg = validate_config(TrainConfig(**SMALL, **layout, compile="aot_eager"), world_size=world_size())
     graphs = counters["stats"]["unique_graphs"]
     result = train(cfg, "gloo", torch.device("cpu"), time.perf_counter(), progress=False)
     assert counters["stats"]["unique_graphs"] > graphs, "the blocks were not compiled"
