@@ -126,6 +126,13 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
         help="activation checkpointing of each decoder block: none, full (recompute the block in backward) or "
         f"selective (keep matmul, attention and collective outputs; recompute the rest) (default {d.ac})",
     )
+    p.add_argument(
+        "--compile",
+        nargs="?",
+        const="inductor",
+        metavar="BACKEND",
+        help="torch.compile each decoder block with BACKEND (inductor when given alone; aot_eager, ...)",
+    )
     p.add_argument("--schedule", choices=SCHEDULES, help=f"pipeline schedule (default {d.schedule})")
     p.add_argument(
         "--virtual-stages",

@@ -14,11 +14,12 @@ Each transform takes its own submesh of the job's :class:`~shardkit.sharding.Par
    block of experts; tokens travel with the all-to-all dispatcher. Tokens are replicated over
    tp only, so each tp rank dispatches its own block of them (``token_group = tp``); with
    sequence parallelism each tp rank already holds its own block of the sequence.
-4. **mixed precision** (optional): each block and the root compute on a bfloat16 copy of their
+4. **compile** (optional): ``torch.compile`` of every decoder block's forward (:mod:`.compiling`).
+5. **mixed precision** (optional): each block and the root compute on a bfloat16 copy of their
    float32 parameters; every parameter-gradient reduction stays float32 (:mod:`.mixed_precision`).
-5. **ac**: activation checkpointing of every decoder block, ``full`` or ``selective``
-   (:mod:`.checkpointing`), inside FSDP2's hooks.
-6. **dp**: FSDP2 over ``dp_shard x cp`` (HSDP with ``dp_replicate``) when ``dp_shard > 1``;
+6. **ac**: activation checkpointing of every decoder block, ``full`` or ``selective``
+   (:mod:`.checkpointing`), inside FSDP2's hooks, around the (compiled) forward.
+7. **dp**: FSDP2 over ``dp_shard x cp`` (HSDP with ``dp_replicate``) when ``dp_shard > 1``;
    everything FSDP2 does not reduce is summed by one :class:`~shardkit.data_parallel.GradientSync`.
    ``grad_reduce`` picks DDP's mean over the data ranks (the default) or their sum (the
    trainer's, with the loss divided by the global token count).
@@ -45,6 +46,7 @@ from ..sharding import shard_spec
 from ..tensor_parallel import apply_tp
 from ..tensor_parallel.plan import CompiledPlan, model_tp_plan
 from .checkpointing import apply_ac, check_ac_mode
+from .compiling import apply_compile, check_compile
 from .mixed_precision import apply_mixed_precision, check_mixed_precision, fsdp_policy
 
 if TYPE_CHECKING:
@@ -116,6 +118,7 @@ def parallelize(
     grad_reduce: GradReduce = "mean",
     activation_checkpoint: str = "none",
     mixed_precision: str = "none",
+    compile: bool | str = False,
 ) -> ParallelModel:
     """Apply tensor, context, expert and data parallelism to ``model``, in that order, in place.
 
@@ -152,6 +155,10 @@ def parallelize(
             replicated path's :class:`~shardkit.data_parallel.GradientSync`, tp's hooks); the
             activations' collectives run in bfloat16 (:mod:`.mixed_precision`). Also with
             ``mesh=None``, so a one-process reference computes alike.
+        compile: ``torch.compile`` each decoder block's forward after tp, cp and ep, inside
+            activation checkpointing and FSDP2 (:func:`~.compiling.apply_compile`): False
+            (eager), True (inductor) or a backend name (e.g. ``"aot_eager"``); not with
+            ``"selective"`` checkpointing.
 
     Returns:
         :class:`ParallelModel`.
@@ -160,12 +167,20 @@ def parallelize(
         ShardkitError: a layout the model cannot take (e.g. ``ep > 1`` on a dense model), with
             the reason; ``grad_reduce`` not ``"mean"`` or ``"sum"``; the transforms' own errors
             (head counts, ...); ``mixed_precision`` not ``"none"`` or ``"bf16"``, or ``"bf16"``
-            on a model whose parameters are not float32.
+            on a model whose parameters are not float32; an unknown compile backend, or compile
+            with selective checkpointing or with mixed precision.
     """
     grad_reduce = check_grad_reduce(grad_reduce, "parallelize")
     check_ac_mode(activation_checkpoint)
     check_mixed_precision(mixed_precision)
+    backend = check_compile(compile, activation_checkpoint=activation_checkpoint)
+    if backend is not None and mixed_precision != "none":
+        # the per-block bfloat16 cast wraps the forward Dynamo would trace; not tested together yet
+        raise ShardkitError(
+            f"parallelize: compile={compile!r} with mixed_precision={mixed_precision!r} is not supported"
+        )
     if mesh is None:  # one process: no parallel transform, every parameter replicated
+        apply_compile(decoder_layers(model), backend)
         apply_mixed_precision(model, decoder_layers(model), mixed_precision)
         apply_ac(decoder_layers(model), activation_checkpoint)
         layouts = _param_layouts(model)
@@ -187,6 +202,7 @@ def parallelize(
                 f"grad_reduce {grad_reduce}",
                 f"activation_checkpoint {activation_checkpoint}",
                 f"mixed_precision {mixed_precision}",
+                f"compile {backend}",
             ],
         )
     if tp > 1:
@@ -206,6 +222,7 @@ def parallelize(
                 shard_experts(experts, mesh["ep"], mode="dispatch", tokens="replicated", token_group=mesh["tp"])
             else:  # every rank's tokens are its own (with sequence parallelism: its sequence block)
                 shard_experts(experts, mesh["ep"], mode="dispatch", tokens="sharded")
+    apply_compile(decoder_layers(model), backend)
     # the cast sits inside the checkpoint: a recomputed block casts its weights again
     apply_mixed_precision(model, decoder_layers(model), mixed_precision)
     apply_ac(decoder_layers(model), activation_checkpoint)

@@ -44,6 +44,7 @@ def parallelize_stage(
     mixed_precision: str = "none",
     schedule: str = "1f1b",
     virtual_stages: int = 1,
+    compile: bool | str = False,
 ) -> ParallelModel:
     """This rank's pipeline stage of ``model``, parallelized, with its :class:`PipelineStage`.
 
@@ -57,6 +58,7 @@ def parallelize_stage(
         activation_checkpoint: as :func:`~.decoder.parallelize`.
         mixed_precision: as :func:`~.decoder.parallelize` (with ``"bf16"`` the stages exchange
             bfloat16 hidden states).
+        compile: as :func:`~.decoder.parallelize`.
         grad_reduce: as :func:`~.decoder.parallelize` (over the data ranks of this stage; the
             schedule's microbatch losses are ``loss_fn``'s to scale).
         schedule: the pipeline schedule (a name of
@@ -95,6 +97,7 @@ def parallelize_stage(
         grad_reduce=grad_reduce,
         activation_checkpoint=activation_checkpoint,
         mixed_precision=mixed_precision,
+        compile=compile,
     )
     last = module.is_last
     if module.tied:

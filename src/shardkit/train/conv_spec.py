@@ -54,6 +54,8 @@ def validate_conv(cfg: TrainConfig) -> TrainConfig:
         )
     if cfg.ac != "none":
         raise ShardkitError(f"--ac {cfg.ac} with --model conv-ae: activation checkpointing wraps decoder blocks")
+    if cfg.compile is not None:
+        raise ShardkitError(f"--compile {cfg.compile} with --model conv-ae: compiling wraps decoder blocks")
     for flag, ranks, length, what in (
         ("--spatial", cfg.spatial, CROP[1], "columns"),
         ("--spatial-h", cfg.spatial_h, CROP[0], "rows"),

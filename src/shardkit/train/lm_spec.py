@@ -16,6 +16,7 @@ from torch import nn
 from ..errors import ShardkitError
 from ..parallelize import ParallelModel, parallelize, parallelize_stage
 from ..parallelize.checkpointing import check_ac_mode
+from ..parallelize.compiling import check_compile
 from ..plan.rules import (
     cp_tokens_rule,
     ep_rule,
@@ -66,6 +67,7 @@ def validate_lm(cfg: TrainConfig, family: LMFamily) -> TrainConfig:
     """
     _raise(lm_spatial_rule(cfg.spatial, cfg.spatial_h))
     check_ac_mode(cfg.ac, "--ac")
+    check_compile(cfg.compile or False, "--compile", cfg.ac)
     if cfg.ac == "selective" and cfg.checks:
         raise ShardkitError("--ac selective with --checks: the check mode changes the recomputed ops; use --ac full")
     _raise(seq_len_rule(cfg.seq_len))
@@ -167,6 +169,7 @@ def parallelize_lm(model: nn.Module, mesh, cfg: TrainConfig, task) -> tuple[Para
     # the --verify reference (mesh None) keeps every activation: --verify checks AC against plain autograd;
     # it computes in the same mixed precision (parallelize casts with mesh None too)
     ac = cfg.ac if mesh is not None else "none"
+    compile = (cfg.compile or False) if mesh is not None else False  # ... and compiled blocks against eager
     if mesh is not None and mesh.dims.pp > 1:
         loss = LossScale(task)
         pm = parallelize_stage(
@@ -180,6 +183,7 @@ def parallelize_lm(model: nn.Module, mesh, cfg: TrainConfig, task) -> tuple[Para
             mixed_precision=cfg.mixed_precision,
             schedule=cfg.schedule,
             virtual_stages=cfg.virtual_stages,
+            compile=compile,
         )
         loss.bind(pm)
         return pm, loss
@@ -192,6 +196,7 @@ def parallelize_lm(model: nn.Module, mesh, cfg: TrainConfig, task) -> tuple[Para
         grad_reduce="sum",
         activation_checkpoint=ac,
         mixed_precision=cfg.mixed_precision,
+        compile=compile,
     )
     return pm, None
 
