@@ -33,6 +33,8 @@ def test_compile_rejects_unknown_backend_and_conv_ae():
         validate_config(TrainConfig(compile="fast"), world_size=4)
     with pytest.raises(ShardkitError, match="--compile 'inductor' with selective activation checkpointing"):
         validate_config(TrainConfig(compile="inductor", ac="selective"), world_size=4)
+    with pytest.raises(ShardkitError, match="--compile with --mixed-precision bf16: not supported together yet"):
+        validate_config(TrainConfig(compile="aot_eager", mixed_precision="bf16"), world_size=4)
     with pytest.raises(ShardkitError, match="--compile aot_eager with --model conv-ae"):
         validate_config(
             TrainConfig(model="conv-ae", compile="aot_eager", tp=1, spatial=2, batch_size=4, seq_len=2), world_size=4

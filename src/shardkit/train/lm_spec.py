@@ -68,6 +68,8 @@ def validate_lm(cfg: TrainConfig, family: LMFamily) -> TrainConfig:
     _raise(lm_spatial_rule(cfg.spatial, cfg.spatial_h))
     check_ac_mode(cfg.ac, "--ac")
     check_compile(cfg.compile or False, "--compile", cfg.ac)
+    if cfg.compile and cfg.mixed_precision != "none":
+        raise ShardkitError(f"--compile with --mixed-precision {cfg.mixed_precision}: not supported together yet")
     if cfg.ac == "selective" and cfg.checks:
         raise ShardkitError("--ac selective with --checks: the check mode changes the recomputed ops; use --ac full")
     _raise(seq_len_rule(cfg.seq_len))
