@@ -17,7 +17,9 @@ Tolerances, and why the counts can differ at all:
   whole row where the planner counts the even fraction. DeepSeek's first stage at dp_shard 128:
   the routers' 32 rows (rank 0 holds 1 row, the plan 0.25: 2 x 5376 elements) and
   ``kv_a_proj_with_mqa``'s 576 rows (5 against 4.5: 3 x 3584), 21504 elements more than the
-  planned 1.9e8 (1.1e-4). Qwen3-MoE's sizes divide evenly: equal.
+  planned 1.9e8 (1.1e-4). Qwen3-MoE's sizes divide evenly: equal. The expert weights, FSDP2-sharded
+  over ``edp`` (8 ranks in both), are planned as the first rank's shard: DeepSeek's 2 experts per
+  ep rank leave rank 0 one of them (a half, not an eighth).
 """
 
 import json

@@ -107,7 +107,9 @@ class SavedBytesMeter:
 
     def _pre(self, i: int):
         def hook(module, args, kwargs):
-            tally = _Tally({p.untyped_storage().data_ptr() for p in module.parameters()})
+            # a nested FSDP2 module's (the experts over edp) parameters are still sharded DTensors here
+            params = [p.to_local() if hasattr(p, "to_local") else p for p in module.parameters()]
+            tally = _Tally({p.untyped_storage().data_ptr() for p in params})
             stack = contextlib.ExitStack()
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack(tally), lambda t: t))
             if self.mode != "none":  # the checkpoint holds the inputs for the recompute
