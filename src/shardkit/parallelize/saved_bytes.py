@@ -124,7 +124,10 @@ class SavedBytesMeter:
     @staticmethod
     def _pack(tally: _Tally):
         def pack(t: torch.Tensor) -> torch.Tensor:
-            tally.add(t)
+            # a nested FSDP2 module (experts over edp) gathers its weights after the block's
+            # pre-hook: they are parameters (or views of them) all the same, not activations
+            if not isinstance(t, nn.Parameter) and not isinstance(t._base, nn.Parameter):
+                tally.add(t)
             return t
 
         return pack
