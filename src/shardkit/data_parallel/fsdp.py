@@ -50,6 +50,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ..comm import ledger
 from ..comm._compat import all_gather_single, reduce_scatter_single
@@ -172,18 +173,22 @@ class LedgerAllGather(AllGather):
     def __call__(
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
     ) -> dist.Work | None:
-        ledger.record(
-            "all_gather_single",
-            "fully_shard",
-            _phase(),
-            group.size(),
-            _nbytes(input_tensor),
-            _nbytes(output_tensor),
-            pg=group,
-            shape=tuple(input_tensor.shape),
-            dtype=input_tensor.dtype,
-        )
-        return all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+        # A nested module (experts over edp) gathers inside its checkpointed block: the gather is
+        # FSDP2's state, not the block's math, so no dispatch mode (the selective checkpoint's
+        # record / replay) may keep or serve it; its recompute gathers again only if FSDP2 resharded.
+        with _disable_current_modes():
+            ledger.record(
+                "all_gather_single",
+                "fully_shard",
+                _phase(),
+                group.size(),
+                _nbytes(input_tensor),
+                _nbytes(output_tensor),
+                pg=group,
+                shape=tuple(input_tensor.shape),
+                dtype=input_tensor.dtype,
+            )
+            return all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
 class LedgerReduceScatter(ReduceScatter):
