@@ -84,6 +84,9 @@ LAYOUTS_4 = {
     "mla: tp=2 (SP) x dp_shard=2, ep=4 (shared experts)": dict(model="mla", ep=4, dp_shard=2, sequence_parallel=True),
     "moe: dp_shard=4, ep=2 (experts FSDP2 over edp=2)": dict(model="moe", tp=1, dp_shard=4, ep=2),
     "moe: HSDP dp_replicate=2 x dp_shard=2, ep=2 (experts FSDP2 over edp=2)": dict(model="moe", tp=1, dp_shard=2, ep=2),
+    "moe: dp_shard=4, ep=2 (experts over edp), 2 accumulated microbatches": dict(
+        model="moe", tp=1, dp_shard=4, ep=2, microbatches=2, batch_size=8
+    ),
 }
 
 
@@ -115,6 +118,9 @@ LAYOUTS_8 = {
         model="moe", dp_shard=2, cp_ring=2, tp=2, ep=8, seq_len=32
     ),
     "conv-ae: dp_shard=2 x H x W tiles 2x2": dict(model="conv-ae", dp_shard=2, spatial_h=2, spatial=2, batch_size=4),
+    "moe: pp=2 x dp_shard=4, ep=2 (experts FSDP2 over edp=2)": dict(
+        model="moe", pp=2, tp=1, dp_shard=4, ep=2, microbatches=2
+    ),
 }
 
 
