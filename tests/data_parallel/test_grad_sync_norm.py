@@ -8,7 +8,8 @@ one-process gradient of the mean loss over the whole batch:
 * GQA with ``tp`` > KV heads (4 query heads, 1 KV head, tp = 2): both tp ranks hold the one KV
   head; it counts once.
 * ``edp`` experts (Qwen3-MoE, ep = 2 of the 4 ranks): every expert is held by the 2 ranks of its
-  expert-data-parallel group; it counts once.
+  expert-data-parallel group; it counts once. With ``dp_shard`` FSDP2 shards it over those 2
+  ranks instead: each shard counts, once.
 
 With ``grad_reduce="mean"`` (the default) and each rank's own token mean as its loss, the norm
 is the same: dense and expert gradients alike are divided by the data ranks once (FSDP2's own
@@ -107,6 +108,21 @@ def test_the_edp_check_fails_when_expert_replicas_all_count():
     real = grads_module.GradientSync._counts_here
     with mock.patch.object(grads_module.GradientSync, "_counts_here", every_expert_replica):
         norm, _ = _parallel_norm(dict(tp=2, dp_replicate=2, ep=2), MOE)
+    assert all_true(not _matches(norm, MOE))
+
+
+@pytest.mark.world(4, timeout=180)
+def test_the_edp_check_fails_when_one_fsdp2_shard_counts_for_the_expert():
+    def replica_rule(self, lay):  # the rule for replicated experts, wrong for FSDP2 shards
+        return self.mesh.local_rank("edp") == 0 if lay.expert else real(self, lay)
+
+    real = grads_module.GradientSync._counts_here
+    layout = MOE_LAYOUTS["moe dp_shard=4, ep=2"]
+    norm, pm = _parallel_norm(layout, MOE)
+    assert all(lay.fsdp for lay in pm.layouts.values() if lay.expert)  # experts FSDP2-sharded over edp
+    assert all_true(_matches(norm, MOE))
+    with mock.patch.object(grads_module.GradientSync, "_counts_here", replica_rule):
+        norm, _ = _parallel_norm(layout, MOE)
     assert all_true(not _matches(norm, MOE))
 
 

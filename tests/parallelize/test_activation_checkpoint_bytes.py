@@ -68,3 +68,29 @@ def test_saved_bytes_full_below_selective_below_none(layout, selective_below_non
     ok &= all((s < n) == selective_below_none for s, n in zip(selective, none))
     ok &= len(set(none)) == 1 and all(n > 0 for n in none)  # identical blocks keep the same
     assert all_true(ok), (none, selective, full, expected)
+
+
+@pytest.mark.world(4, timeout=60)
+def test_saved_bytes_leave_out_the_weights_a_nested_fsdp2_module_gathers():
+    # experts FSDP2-sharded over edp are gathered inside the block, after its pre-hook: the linear's
+    # saved weight is that gathered parameter, not an activation; only the input counts
+    import torch
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.Linear(H, H, bias=False, dtype=torch.float64)
+
+        def forward(self, x):
+            return self.inner(x)
+
+    block = Block()
+    fully_shard(block.inner, mesh=init_device_mesh("cpu", (4,)))
+    x = torch.randn(ROWS, S, H, dtype=torch.float64, requires_grad=True)
+    with SavedBytesMeter([block], "none") as meter:
+        y = block(x)
+    y.sum().backward()
+    assert all_true(meter.per_block == [x.nbytes]), meter.per_block

@@ -17,7 +17,9 @@ Tolerances, and why the counts can differ at all:
   whole row where the planner counts the even fraction. DeepSeek's first stage at dp_shard 128:
   the routers' 32 rows (rank 0 holds 1 row, the plan 0.25: 2 x 5376 elements) and
   ``kv_a_proj_with_mqa``'s 576 rows (5 against 4.5: 3 x 3584), 21504 elements more than the
-  planned 1.9e8 (1.1e-4). Qwen3-MoE's sizes divide evenly: equal.
+  planned 1.9e8 (1.1e-4). Qwen3-MoE's sizes divide evenly: equal. The expert weights, FSDP2-sharded
+  over ``edp`` (8 ranks in both), are planned as the first rank's shard: DeepSeek's 2 experts per
+  ep rank leave rank 0 one of them (a half, not an eighth).
 """
 
 import json
@@ -150,6 +152,23 @@ def test_a_real_gloo_world_counts_what_the_plan_says(layout):
     counted = RankMemory(0, stage, *count_parallel_model(pm), elem=8).rows()
     planned = memory_per_rank(shape, dims, opts, stage)
     assert all_true(all(counted[k] == pytest.approx(planned[k], rel=1e-9) for k in ROWS))
+
+
+@pytest.mark.world(4, timeout=180)
+def test_a_real_gloo_world_counts_experts_sharded_over_edp_as_the_plan_says():
+    # dp_shard=4, ep=2: each expert on the 2 ranks of its edp group, FSDP2-sharded over them
+    dims = ParallelDims(dp_shard=4, ep=2)
+    mesh = dims.build_mesh("cpu")
+    model = tiny_decoder(model="moe", experts=4, layers=2)
+    shape = ModelShape.from_config(model.config)
+    opts = resolve_options(shape, dims, StepOptions(dtype="float64", global_batch=4))
+    pm = parallelize(model, mesh, sequence_parallel=bool(opts.sequence_parallel), grad_reduce="sum")
+    counted = RankMemory(0, 0, *count_parallel_model(pm), elem=8).rows()
+    planned = memory_per_rank(shape, dims, opts, 0)
+    experts = [p for name, p in pm.module.named_parameters() if pm.layouts[name].expert]
+    # each rank holds half of its ep block of experts (2 of the 4): one expert
+    assert mesh.size("edp") == 2 and all(p.to_local().shape[0] == 1 and p.shape[0] == 2 for p in experts)
+    assert all_true(all(counted[k] == pytest.approx(planned[k], rel=1e-9) for k in ROWS)), (counted, planned)
 
 
 def test_refusals_name_the_cause():

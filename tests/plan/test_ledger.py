@@ -113,6 +113,10 @@ LAYOUTS_4 = {
     "moe: tp=2 (SP) x dp=2, ep=2 on the local sequence block": dict(model="moe", ep=2, sequence_parallel=True),
     "mla: tp=2 (SP) x dp=2, ep=2, shared experts gather": dict(model="mla", ep=2, sequence_parallel=True),
     "moe: dp_shard=2 x tp=2 (SP), ep=2": dict(model="moe", dp_shard=2, ep=2, sequence_parallel=True),
+    "moe: dp_shard=4, ep=2 (experts FSDP2 over edp=2)": dict(model="moe", tp=1, dp_shard=4, ep=2),
+    "moe: HSDP dp_replicate=2 x dp_shard=2, ep=2, 2 accumulated microbatches (experts over edp)": dict(
+        model="moe", tp=1, dp_shard=2, ep=2, microbatches=2, batch_size=8
+    ),
     "mla: cp_ulysses=2 x dp=2": dict(model="mla", tp=1, cp_ulysses=2),
     "mla: cp_ring=2 x dp=2": dict(model="mla", tp=1, cp_ring=2, seq_len=32),
     "mla: USP cp_ring=2 x cp_ulysses=2": dict(model="mla", tp=1, cp_ring=2, cp_ulysses=2, seq_len=32),

@@ -29,6 +29,7 @@ LAYOUTS = {
     "tp=2 (no SP) x dp=2, 2 accumulated microbatches": dict(sequence_parallel=False, microbatches=2, batch_size=8),
     "cp_ulysses=2 x dp_shard=2 (FSDP2)": dict(tp=1, cp_ulysses=2, dp_shard=2),
     "pp=2 x tp=2 (SP), 1f1b": dict(pp=2, tp=2, microbatches=2),
+    "moe: dp_shard=4, ep=2 (experts FSDP2 over edp)": dict(model="moe", tp=1, dp_shard=4, ep=2),
 }
 SLOW = {
     "qwen2: cp_ring=2 x tp=2": dict(model="qwen2", cp_ring=2, tp=2),

@@ -27,6 +27,9 @@ LAYOUTS = {
     "pp=2 x tp=2 (SP), 1f1b": dict(pp=2, tp=2, microbatches=2),
     "dp_replicate=2 x tp=2 (SP), --ac selective": dict(ac="selective"),
     "moe: ep=2 from tp=2 x dp=2, --ac full": dict(model="moe", ep=2, ac="full"),
+    "moe: dp_shard=2 x tp=2, ep=2 (experts FSDP2 over edp), --ac selective": dict(
+        model="moe", dp_shard=2, ep=2, ac="selective"
+    ),
 }
 REDUCTIONS = {"dp_cp_grads", "expert_grads", "sum_grad_over", "tp_replicated_heads", "sum_tied_embedding_grads"}
 

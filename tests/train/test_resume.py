@@ -46,6 +46,16 @@ RESUMES = {
         dict(model="moe", ep=2),
         dict(model="moe", tp=1, dp_shard=4, ep=4),
     ),
+    # experts FSDP2-sharded over edp=2 saved, resumed replicated (ep=1: tensor-parallel over
+    # nothing, FSDP2 over dp_shard) and at ep=4 (edp=1, whole), and back onto edp shards
+    "moe ep=2 x dp_shard=2 x tp=2 (experts over edp) -> moe dp_shard=4, ep=1": (
+        dict(model="moe", dp_shard=2, ep=2),
+        dict(model="moe", tp=1, dp_shard=4),
+    ),
+    "moe ep=4 (dp_shard=4) -> moe ep=2 x dp_shard=4 (experts over edp)": (
+        dict(model="moe", tp=1, dp_shard=4, ep=4),
+        dict(model="moe", tp=1, dp_shard=4, ep=2),
+    ),
 }
 
 

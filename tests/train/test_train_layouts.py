@@ -82,6 +82,11 @@ LAYOUTS_4 = {
     "mla: tp=2 (SP, tensor-parallel experts) x dp_shard=2": dict(model="mla", sequence_parallel=True, dp_shard=2),
     "moe: tp=2 (SP) x dp=2, ep=2": dict(model="moe", ep=2, sequence_parallel=True),
     "mla: tp=2 (SP) x dp_shard=2, ep=4 (shared experts)": dict(model="mla", ep=4, dp_shard=2, sequence_parallel=True),
+    "moe: dp_shard=4, ep=2 (experts FSDP2 over edp=2)": dict(model="moe", tp=1, dp_shard=4, ep=2),
+    "moe: HSDP dp_replicate=2 x dp_shard=2, ep=2 (experts FSDP2 over edp=2)": dict(model="moe", tp=1, dp_shard=2, ep=2),
+    "moe: dp_shard=4, ep=2 (experts over edp), 2 accumulated microbatches": dict(
+        model="moe", tp=1, dp_shard=4, ep=2, microbatches=2, batch_size=8
+    ),
 }
 
 
@@ -89,6 +94,18 @@ LAYOUTS_4 = {
 @pytest.mark.parametrize("overrides", list(LAYOUTS_4.values()), ids=list(LAYOUTS_4))
 def test_layout_matches_one_process(overrides):
     _check(_train(**overrides))
+
+
+@pytest.mark.world(4, timeout=120)
+def test_experts_fsdp2_sharded_over_edp():
+    # dp_shard=2 x tp=2, ep=2: ep is the tp pair, edp the dp_shard pair; FSDP2 all-gathers and
+    # reduce-scatters the expert weights on the edp group, and nothing reduces them otherwise
+    result = _train(model="moe", dp_shard=2, ep=2)
+    _check(result)
+    if rank() != 0:
+        return
+    edp = {(row["op"], row["api"]) for row in result["ledger"] if row["axis"] == "edp"}
+    assert edp == {("all_gather_single", "fully_shard"), ("reduce_scatter_single", "fully_shard")}, edp
 
 
 LAYOUTS_8 = {
@@ -101,6 +118,9 @@ LAYOUTS_8 = {
         model="moe", dp_shard=2, cp_ring=2, tp=2, ep=8, seq_len=32
     ),
     "conv-ae: dp_shard=2 x H x W tiles 2x2": dict(model="conv-ae", dp_shard=2, spatial_h=2, spatial=2, batch_size=4),
+    "moe: pp=2 x dp_shard=4, ep=2 (experts FSDP2 over edp=2)": dict(
+        model="moe", pp=2, tp=1, dp_shard=4, ep=2, microbatches=2
+    ),
 }
 
 

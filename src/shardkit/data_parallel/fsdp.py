@@ -16,9 +16,17 @@ Left out of FSDP2, kept replicated and reduced by :class:`~.grads.GradientSync` 
   data, :func:`~shardkit.tensor_parallel.sum_grad_over`, and key/value heads replicated over tp):
   ``fully_shard`` replaces every parameter by a new ``DTensor`` parameter, which would drop
   the hook. They are small (norm weights, a few heads).
-* expert weights: they differ across the ``ep`` ranks that ``dp_shard`` lends to expert
-  parallelism, so sharding them over ``dp_shard_cp`` would mix different experts. (torchtitan
-  shards them over the expert data-parallel ranks instead: a memory saving left for later.)
+* expert weights when no rank holds the same experts as another (``edp`` of size 1: ``ep``
+  borrows every data rank): they are only ``ep``-sharded.
+
+Expert weights differ across the ``ep`` ranks that ``dp_shard`` lends to expert parallelism, so
+they cannot be sharded over ``dp_shard_cp`` (that would mix different experts). With an ``edp``
+group (the ranks holding the same experts) of size > 1, each experts module is ``fully_shard``-ed
+over ``mesh["edp"]`` on its own, before its block (nested, torchtitan's layout): its weights,
+gradients and optimizer state are split over ``edp`` and FSDP2 reduce-scatters the expert
+gradients over ``edp`` (divided by the same ``D`` as the dense ones), so
+:class:`~.grads.GradientSync` leaves them alone. Parameters of an experts module that are not
+per-expert (no ``ep`` block) stay out of FSDP2 and are reduced over ``dp_cp``.
 
 FSDP2's collectives are shardkit's too: each sharded module gets a custom all-gather and
 reduce-scatter (FSDP2's ``set_custom_all_gather`` / ``set_custom_reduce_scatter``, same c10d
@@ -42,6 +50,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ..comm import ledger
 from ..comm._compat import all_gather_single, reduce_scatter_single
@@ -55,8 +64,37 @@ __all__ = ["LedgerAllGather", "LedgerReduceScatter", "apply_fsdp", "keeps_own_re
 
 
 def keeps_own_reduction(p: nn.Parameter) -> bool:
-    """True for parameters FSDP2 must leave alone (see the module docstring)."""
+    """True for parameters the per-block FSDP2 over ``dp_shard_cp`` must leave alone (see the module
+    docstring): the tensor-hooked ones and the expert weights (these go to :func:`_shard_experts`)."""
     return bool(getattr(p, "_shardkit_grad_hook", False)) or expert_shard(p) is not None
+
+
+def _expert_owned(module: nn.Module) -> set[nn.Parameter]:
+    """The ``ep``-sharded expert weights of one experts module, without a tensor hook."""
+    return {
+        p for p in module.parameters() if expert_shard(p) is not None and not getattr(p, "_shardkit_grad_hook", False)
+    }
+
+
+def _shard_experts(model: nn.Module, mesh: ParallelMesh, mp: MixedPrecisionPolicy) -> tuple[list, set[str]]:
+    """``fully_shard`` each experts module over ``mesh["edp"]`` (its non-expert parameters ignored).
+
+    Returns:
+        The sharded modules and the names of the parameters they own (none when ``edp`` is 1).
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    if mesh.size("edp") == 1:
+        return [], set()
+    modules = [m for m in model.modules() if expert_shard(m) is not None]
+    owned: set[nn.Parameter] = set()
+    sharded = []
+    for m in modules:
+        mine = _expert_owned(m)
+        owned |= mine
+        ignored = set(m.parameters()) - mine
+        sharded.append(fully_shard(m, mesh=mesh["edp"], ignored_params=ignored, mp_policy=mp))
+    return sharded, {name for name, p in model.named_parameters() if p in owned}
 
 
 def apply_fsdp(
@@ -67,7 +105,8 @@ def apply_fsdp(
     grad_reduce: GradReduce = "mean",
     mp_policy: MixedPrecisionPolicy | None = None,
 ) -> set[str]:
-    """Apply FSDP2 to every block of ``blocks`` and then to ``model`` (the root), in place.
+    """Apply FSDP2 to every experts module (over ``edp``, when it has more than one rank), to every
+    block of ``blocks`` and then to ``model`` (the root), in place.
 
     Args:
         model: the (stage) model, already tensor-, context- and expert-parallel.
@@ -82,7 +121,8 @@ def apply_fsdp(
             (:func:`shardkit.parallelize.mixed_precision.fsdp_policy`).
 
     Returns:
-        The names of the parameters FSDP2 now owns (their gradients are reduced by FSDP2).
+        The names of the parameters FSDP2 now owns (their gradients are reduced by FSDP2), the
+        edp-sharded expert weights included.
 
     Raises:
         ShardkitError: ``grad_reduce`` not ``"mean"`` or ``"sum"``.
@@ -91,22 +131,25 @@ def apply_fsdp(
 
     mode = check_grad_reduce(grad_reduce, "apply_fsdp")
     dp_mesh = mesh["hsdp"] if mesh.dims.dp_replicate > 1 else mesh["dp_shard_cp"]
-    ignored = {p for p in model.parameters() if keeps_own_reduction(p)}
-    names = {name for name, p in model.named_parameters() if p not in ignored}
     mp = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
+    experts, names = _shard_experts(model, mesh, mp)  # first: the blocks then skip what they own
+    ignored = {p for p in model.parameters() if keeps_own_reduction(p)}
+    names |= {name for name, p in model.named_parameters() if p not in ignored and name not in names}
     sharded = [
         fully_shard(block, mesh=dp_mesh, ignored_params=ignored & set(block.parameters()), mp_policy=mp)
         for block in blocks
     ]
     sharded.append(fully_shard(model, mesh=dp_mesh, ignored_params=ignored, mp_policy=mp))
     replicate = dp_mesh.get_group(0) if mesh.dims.dp_replicate > 1 else None  # HSDP: FSDP2's all-reduce group
-    for module in sharded:
-        # FSDP2 divides by the factor after plain-sum collectives (gloo has no AVG / PREMUL_SUM)
-        module.set_gradient_divide_factor(float(dp_mesh.size()) if mode == "mean" else 1.0)
+    # FSDP2 divides by the factor after plain-sum collectives (gloo has no AVG / PREMUL_SUM); the
+    # experts' edp group is smaller than the D data ranks but their gradient is divided by D too
+    factor = float(mesh.size("dp_cp")) if mode == "mean" else 1.0
+    for module in [*experts, *sharded]:
+        module.set_gradient_divide_factor(factor)
         module.set_force_sum_reduction_for_comms(True)
         module.set_custom_all_gather(LedgerAllGather())
         module.set_custom_reduce_scatter(LedgerReduceScatter())
-        if replicate is not None:
+        if replicate is not None and module not in experts:
             module.set_all_reduce_hook(functools.partial(_record_hsdp_all_reduce, replicate))
     return names
 
@@ -130,18 +173,22 @@ class LedgerAllGather(AllGather):
     def __call__(
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
     ) -> dist.Work | None:
-        ledger.record(
-            "all_gather_single",
-            "fully_shard",
-            _phase(),
-            group.size(),
-            _nbytes(input_tensor),
-            _nbytes(output_tensor),
-            pg=group,
-            shape=tuple(input_tensor.shape),
-            dtype=input_tensor.dtype,
-        )
-        return all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+        # A nested module (experts over edp) gathers inside its checkpointed block: the gather is
+        # FSDP2's state, not the block's math, so no dispatch mode (the selective checkpoint's
+        # record / replay) may keep or serve it; its recompute gathers again only if FSDP2 resharded.
+        with _disable_current_modes():
+            ledger.record(
+                "all_gather_single",
+                "fully_shard",
+                _phase(),
+                group.size(),
+                _nbytes(input_tensor),
+                _nbytes(output_tensor),
+                pg=group,
+                shape=tuple(input_tensor.shape),
+                dtype=input_tensor.dtype,
+            )
+            return all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
 class LedgerReduceScatter(ReduceScatter):

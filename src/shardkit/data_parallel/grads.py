@@ -15,7 +15,8 @@ Two conventions, chosen by ``grad_reduce`` (the ranks holding different data are
 Tensor-parallel ranks hold the same data: their reductions are inside the model (Megatron's
 f/g, and :func:`~shardkit.tensor_parallel.sum_grad_over` for replicated weights used on local
 data). Expert weights are held by the ``ep`` ranks and replicated over ``edp``: their gradients
-are summed over ``edp`` instead (and, for ``"mean"``, divided by the same ``D``).
+are summed over ``edp`` instead (and, for ``"mean"``, divided by the same ``D``); with FSDP2
+(``dp_shard > 1``) the expert weights are sharded over ``edp`` and FSDP2 reduce-scatters them there.
 
 :class:`GradientSync` does, after the last backward of a step (Megatron-LM's
 ``finalize_model_grads``): one bucketed all-reduce (sum) per dtype over ``dp_cp`` of every dense
@@ -26,7 +27,8 @@ once, after all its microbatches.
 
 :meth:`GradientSync.clip_` computes the global 2-norm of the reduced gradient with every
 parameter element counted once, however it is laid out: sharded over tp or ep (each rank its own
-elements; replicated KV heads once), FSDP-sharded (each shard once), replicated (only rank 0 of
+elements; replicated KV heads once), FSDP-sharded (each shard once; expert weights: each ``edp``
+shard of each ``ep`` block once), replicated (only rank 0 of
 each replica group counts), split over pipeline stages (each stage its own), then one all-reduce
 over the world. It is the norm of the gradient each mode produces, so clipping acts on it alike.
 
@@ -71,8 +73,9 @@ class ParamLayout:
 
     Attributes:
         name: qualified name in the model.
-        expert: an expert weight (sharded over ``ep``, replicated over ``edp``).
-        fsdp: FSDP2 shards it over ``dp_shard_cp`` and reduces its gradient itself.
+        expert: an expert weight (sharded over ``ep``, replicated over ``edp`` unless ``fsdp``).
+        fsdp: FSDP2 shards it (over ``dp_shard_cp``, an expert weight over ``edp``) and reduces its
+            gradient itself.
         spec: its tensor- or expert-parallel :class:`~shardkit.sharding.ShardSpec`, or None.
         copy: a second copy of another parameter of the model (a tied ``lm_head`` on the last
             pipeline stage, the embedding being on the first): left out of the norm and the
@@ -186,8 +189,10 @@ class GradientSync:
             return False
         if self.mesh is None:
             return True
-        replicas = ["edp"] if lay.expert else ["dp_replicate" if lay.fsdp else "dp_cp", "spatial_h", "spatial"]
-        if lay.spec is None and not lay.expert:
+        if lay.expert:  # FSDP2 over edp: every rank holds its own shard of its ep block
+            return lay.fsdp or self.mesh.local_rank("edp") == 0
+        replicas = ["dp_replicate" if lay.fsdp else "dp_cp", "spatial_h", "spatial"]
+        if lay.spec is None:
             replicas.append("tp")
         return all(self.mesh.local_rank(name) == 0 for name in replicas)
 

@@ -18,7 +18,8 @@ What that rank then holds is counted from the parameters themselves:
 
 Ranks sampled: one per pipeline stage, the stage's first rank (tp, cp and dp coordinates 0).
 tp, cp and ep ranks hold the same sizes (whole heads, whole experts); FSDP2 cuts dim 0 like
-``torch.chunk``, so on an uneven split the first data rank holds the largest shard.
+``torch.chunk`` (over ``dp_shard x cp``, expert weights over ``edp``), so on an uneven split the
+first data rank holds the largest shard.
 
 Source: torchtitan's memory estimation (``estimation.py``: the real model under a fake process
 group and fake tensors); FSDP2's root, which is not resharded after forward.

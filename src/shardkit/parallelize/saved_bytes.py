@@ -107,7 +107,9 @@ class SavedBytesMeter:
 
     def _pre(self, i: int):
         def hook(module, args, kwargs):
-            tally = _Tally({p.untyped_storage().data_ptr() for p in module.parameters()})
+            # a nested FSDP2 module's (the experts over edp) parameters are still sharded DTensors here
+            params = [p.to_local() if hasattr(p, "to_local") else p for p in module.parameters()]
+            tally = _Tally({p.untyped_storage().data_ptr() for p in params})
             stack = contextlib.ExitStack()
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack(tally), lambda t: t))
             if self.mode != "none":  # the checkpoint holds the inputs for the recompute
@@ -122,7 +124,10 @@ class SavedBytesMeter:
     @staticmethod
     def _pack(tally: _Tally):
         def pack(t: torch.Tensor) -> torch.Tensor:
-            tally.add(t)
+            # a nested FSDP2 module (experts over edp) gathers its weights after the block's
+            # pre-hook: they are parameters (or views of them) all the same, not activations
+            if not isinstance(t, nn.Parameter) and not isinstance(t._base, nn.Parameter):
+                tally.add(t)
             return t
 
         return pack

@@ -42,11 +42,13 @@ microbatch, ``e`` bytes per element, ``t`` = tp, per microbatch unless said):
   exchange the tensor and the receiving leader broadcasts it in its stage.
 * pp, once per step: ``run_schedule`` agrees on its arguments (one max all-reduce of 4 int64).
 * once per step: dense gradients FSDP2 does not own (all with ``dp_shard`` 1; else the
-  sum-over-tp ones) all-reduced over ``dp_cp``; expert gradients over ``edp``; the gradient
+  sum-over-tp ones) all-reduced over ``dp_cp``; expert gradients over ``edp`` (with
+  ``dp_shard`` 1; else FSDP2 reduce-scatters them there, below); the gradient
   norm and the loss (one float64 each) over the world.
 * FSDP2 (api ``fully_shard``, recorded through shardkit's custom all-gather and
   reduce-scatter, see :mod:`shardkit.data_parallel.fsdp`): every decoder layer and the root
-  (embedding, final norm, ``lm_head``) are ``G`` = layers + 1 groups. With ``M > 1``
+  (embedding, final norm, ``lm_head``) are ``G`` = layers + 1 groups, and with ``ep > 1`` each MoE
+  layer's experts one more group over ``edp`` (its expert weights; none when ``edp`` is 1). With ``M > 1``
   microbatches (accumulation or a pipeline, :func:`shardkit.data_parallel.set_microbatch`) every
   group is all-gathered once per step, before the step's first forward, and its gradients are
   reduce-scattered (with HSDP, each shard all-reduced over ``dp_replicate``) once, after the last
@@ -69,7 +71,15 @@ from ..sharding import ParallelDims
 from ._rows import CommRow, Rows
 from ._tp import tp_rows
 from .model import ModelShape
-from .options import StepOptions, check_layout, fsdp_once_per_step, hooked_params, resolve_options, stage_tp
+from .options import (
+    StepOptions,
+    check_layout,
+    expert_fsdp_ranks,
+    fsdp_once_per_step,
+    hooked_params,
+    resolve_options,
+    stage_tp,
+)
 
 __all__ = ["CommRow", "step_collectives", "merged", "ledger_table", "HEADER_BYTES"]
 
@@ -220,7 +230,7 @@ def _grad_rows(out: Rows, shape: ModelShape, dims: ParallelDims, opts: StepOptio
     if dense:  # no bucket, no call
         out.add("dp", "all_reduce", "dp_cp_grads", "backward", dims.dp * dims.cp, 1, dense * e, dense * e)
     edp = dims.dp_replicate * dims.ep_borrow // ep
-    if ep > 1 and expert:
+    if ep > 1 and expert and dims.dp_shard == 1:  # with dp_shard, FSDP2 reduces them over edp
         out.add("dp", "all_reduce", "expert_grads", "backward", edp, 1, expert * e, expert * e)
 
 
@@ -236,11 +246,13 @@ def _fsdp_rows(out: Rows, shape: ModelShape, dims: ParallelDims, opts: StepOptio
     if opts.sequence_parallel and stage == dims.pp - 1:
         layer_owned += shape.hidden  # the final norm's hook is the root's, not a layer's
     G = len(layers) + 1
+    experts = [x * e for _, x in per_layer if x and dims.ep > 1]  # their own FSDP2 groups over edp
     if fsdp_once_per_step(dims, opts):  # set_microbatch: every group gathered and reduced once
         full = owned * e
         out.add_total("fsdp", "all_gather_single", "fully_shard", "forward", R, G, full // R, full)
         out.add_total("fsdp", "reduce_scatter_single", "fully_shard", "backward", R, G, full, full // R)
         out.add_total("fsdp", "all_reduce", "fully_shard", "backward", dims.dp_replicate, G, full // R, full // R)
+        _expert_fsdp_rows(out, experts, expert_fsdp_ranks(dims), 1, once=True)
         return
     full, layer_full, root = M * owned * e, M * layer_owned * e, (owned - layer_owned) * e
     root_f, root_b = _root_gathers(dims.pp, M, stage, opts.schedule, opts.virtual_stages)
@@ -253,6 +265,23 @@ def _fsdp_rows(out: Rows, shape: ModelShape, dims: ParallelDims, opts: StepOptio
     )
     out.add_total("fsdp", "reduce_scatter_single", "fully_shard", "backward", R, M * G, full, full // R)
     out.add_total("fsdp", "all_reduce", "fully_shard", "backward", dims.dp_replicate, M * G, full // R, full // R)
+    _expert_fsdp_rows(out, experts, expert_fsdp_ranks(dims), M, once=False)
+
+
+def _expert_fsdp_rows(out: Rows, sizes: list[int], edp: int, microbatches: int, once: bool) -> None:
+    """Each MoE layer's experts module, its own FSDP2 group over ``edp`` (``sizes``: its bytes):
+    gathered and reduced once per step under ``set_microbatch`` (``once``), else gathered before
+    each microbatch's forward and again before its backward, and reduced after each backward."""
+    n, full, shard = len(sizes), sum(sizes), sum(s // edp for s in sizes)
+    times = 1 if once else microbatches
+    out.add_total("fsdp", "all_gather_single", "fully_shard", "forward", edp, n * times, shard * times, full * times)
+    if not once:  # resharded after forward like the blocks
+        out.add_total(
+            "fsdp", "all_gather_single", "fully_shard", "backward", edp, n * times, shard * times, full * times
+        )
+    out.add_total(
+        "fsdp", "reduce_scatter_single", "fully_shard", "backward", edp, n * times, full * times, shard * times
+    )
 
 
 def _root_gathers(pp: int, M: int, stage: int, schedule: str, v: int = 1) -> tuple[int, int]:

@@ -4,11 +4,13 @@
   float32 master copy when the dtype is narrower (mixed precision: 2 + 2 + 12 bytes per bf16
   parameter, Rajbhandari et al., ZeRO);
 * FSDP2 (``dp_shard``) shards all three over ``dp_shard x cp`` except the parameters it leaves to
-  shardkit's reductions; the root's parameters (embedding, final norm, ``lm_head``) stay gathered
-  from forward through backward (FSDP2 does not reshard its root after forward) and the largest
-  decoder layer is gathered at a time (their full sizes added; checked against the real model on
-  a fake world by :mod:`shardkit.parallelize.fake_world`); with ``M > 1`` microbatches the whole
-  stage stays gathered for the step and its gradients accumulate unsharded until the step's one
+  shardkit's reductions, and the expert weights of ``ep > 1`` over their ``edp`` ranks (whole
+  when ``edp`` is 1; gathered with their layer; the first rank's share of uneven rows); the
+  root's parameters (embedding, final norm, ``lm_head``) stay gathered from forward through
+  backward (FSDP2 does not reshard its root after forward) and the largest decoder layer is
+  gathered at a time (their full sizes added; checked against the real model on a fake world by
+  :mod:`shardkit.parallelize.fake_world`); with ``M > 1`` microbatches the whole stage stays
+  gathered for the step and its gradients accumulate unsharded until the step's one
   reduce-scatter (:func:`shardkit.data_parallel.set_microbatch`);
 * activations per layer and microbatch: the bytes shardkit's decoder block keeps for backward
   under the run's activation checkpointing (:mod:`.activations`, checked against the measured
@@ -22,11 +24,13 @@
 
 from __future__ import annotations
 
+import math
+
 from ..pipeline_parallel.tables import SCHEDULES
 from ..sharding import ParallelDims
 from .activations import BlockLayout, block_saved_bytes
 from .model import ModelShape
-from .options import StepOptions, fsdp_once_per_step, hooked_params, resolve_options, stage_tp
+from .options import StepOptions, expert_fsdp_ranks, fsdp_once_per_step, hooked_params, resolve_options, stage_tp
 from .pipeline import peak_chunks
 
 __all__ = ["memory_per_rank"]
@@ -40,11 +44,20 @@ def _gathered(
     decoder layer's (its share of the kept parameters taken as the layers' average)."""
     tp = stage_tp(dims, stage)
     parts = [shape.layer_params(i, tp, dims.ep) for i in shape.stage_layers(dims.pp, stage)]
-    sizes = [d + (0 if dims.ep > 1 else e) for d, e in parts]  # experts with ep > 1 are kept whole
+    whole = dims.ep > 1 and expert_fsdp_ranks(dims) == 1  # experts kept whole, never gathered
+    sizes = [d + (0 if whole else e) for d, e in parts]
     final_norm = shape.hidden if opts.sequence_parallel and tp > 1 and stage == dims.pp - 1 else 0
-    layers_kept = kept - (sum(e for _, e in parts) if dims.ep > 1 else 0) - final_norm
+    layers_kept = kept - (sum(e for _, e in parts) if whole else 0) - final_norm
     root = sharded - (sum(sizes) - layers_kept)
     return root + max(sizes, default=0) - layers_kept / max(1, len(sizes))
+
+
+def _first_shard(shape: ModelShape, dims: ParallelDims, edp: int) -> float:
+    """The share of a rank's expert rows (``E / ep``) the first ``edp`` rank holds: FSDP2 cuts dim 0
+    like ``torch.chunk``, and few experts per rank over many ``edp`` ranks is the common case (the
+    largest shard, not the even ``1 / edp``)."""
+    rows = shape.experts // dims.ep
+    return math.ceil(rows / edp) / rows if rows else 0.0
 
 
 def memory_per_rank(shape: ModelShape, dims: ParallelDims, opts: StepOptions, stage: int = 0) -> dict[str, float]:
@@ -58,9 +71,11 @@ def memory_per_rank(shape: ModelShape, dims: ParallelDims, opts: StepOptions, st
     dense, expert = shape.rank_params(tp, dims.ep, dims.pp, stage)
     params = dense + expert
     if dims.dp_shard > 1:
-        kept = hooked_params(shape, dims, opts, stage) + (expert if dims.ep > 1 else 0)
+        edp = expert_fsdp_ranks(dims)
+        kept = hooked_params(shape, dims, opts, stage) + (expert if dims.ep > 1 and edp == 1 else 0)
         sharded = params - kept
-        held = kept + sharded / (dims.dp_shard * dims.cp)
+        on_edp = expert if edp > 1 else 0  # expert weights sharded over edp, the rest over dp_shard x cp
+        held = kept + (sharded - on_edp) / (dims.dp_shard * dims.cp) + on_edp * _first_shard(shape, dims, edp)
         if fsdp_once_per_step(dims, opts):
             # set_microbatch: the stage stays unsharded from the first forward to the last
             # backward, and its gradients accumulate unsharded until the one reduce-scatter

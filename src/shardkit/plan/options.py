@@ -22,6 +22,7 @@ __all__ = [
     "fsdp_once_per_step",
     "check_layout",
     "hooked_params",
+    "expert_fsdp_ranks",
     "stage_tp",
     "rank_stage",
 ]
@@ -115,6 +116,14 @@ def check_layout(shape: ModelShape, dims: ParallelDims, opts: StepOptions) -> No
 def stage_tp(dims: ParallelDims, stage: int) -> int:
     """The tp size of pipeline stage ``stage`` (``pp_tp[stage]`` for stages of different tp sizes)."""
     return dims.pp_tp[stage] if dims.pp_tp is not None else dims.tp
+
+
+def expert_fsdp_ranks(dims: ParallelDims) -> int:
+    """The ``edp`` ranks FSDP2 shards each expert weight over (``dp_shard > 1``, ``ep > 1``), else 1
+    (experts whole on their ep rank; :func:`shardkit.data_parallel.apply_fsdp`)."""
+    if dims.dp_shard == 1 or dims.ep == 1:
+        return 1
+    return dims.dp_replicate * dims.ep_borrow // dims.ep
 
 
 def rank_stage(dims: ParallelDims, rank: int) -> tuple[int, int]:
