@@ -25,6 +25,8 @@ documented page by page in ``docs/api``.
 import ast
 import importlib
 import importlib.util
+import sys
+import types
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -152,6 +154,22 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
+
+
+class _Package(types.ModuleType):
+    """The ``shardkit`` module's class: the export ``parallelize`` (a function) shares its name
+    with the sub-package ``shardkit.parallelize``, and importing a sub-package sets it as an
+    attribute of its parent, which would hide the function from the lazy ``__getattr__``. The
+    attribute stays the export, as the eager imports had it; the sub-package is in
+    ``sys.modules`` (``from shardkit.parallelize import ...`` reads it there)."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if isinstance(value, types.ModuleType) and name in _export_modules():
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 __all__ = [

@@ -8,6 +8,7 @@ import warnings
 import pytest
 
 import shardkit
+from harness.limits import patient
 from shardkit.cli.main import main, suggest
 
 
@@ -92,3 +93,16 @@ def test_a_mistyped_name_gets_the_closest_ones(argv, usage, hint, capsys):
 def test_suggest_says_nothing_without_a_close_match():
     assert suggest("--zzzz", ["--tp", "--pp"]) == ""
     assert suggest("--tp-size", ["--tp", "--pp", "--tp-degree"]).startswith(" (did you mean --tp")
+
+
+def test_an_export_named_like_its_sub_package_stays_the_export():
+    """``shardkit.parallelize`` is the function even after ``shardkit.parallelize.*`` is imported
+    (the lazy exports once let the import system replace it by the sub-package)."""
+    code = (
+        "import shardkit.parallelize.decoder, shardkit, inspect, sys; "
+        "assert inspect.isfunction(shardkit.parallelize), shardkit.parallelize; "
+        "assert sys.modules['shardkit.parallelize'].decoder_layers; "
+        "from shardkit.parallelize import parallelize_stage; print('ok')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=patient(120))
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
