@@ -234,7 +234,8 @@ def fake_world_table(config: Any, dims: ParallelDims, opts: StepOptions) -> list
 
     Args:
         config: a ``PretrainedConfig``, a ``config.json`` dict or a path (:func:`read_hf_config`).
-        dims, opts: as :func:`fake_world_memory`.
+        dims: as :func:`fake_world_memory`.
+        opts: as :func:`fake_world_memory`.
 
     Raises:
         ShardkitError: as :func:`read_hf_config` and :func:`fake_world_memory`.

@@ -217,7 +217,8 @@ class HeldOutBatches:
 
     Args:
         tokens: ``[N]`` held-out token stream (at least ``seq_len``).
-        seq_len, batch_size: as the training batches.
+        seq_len: as the training batches.
+        batch_size: as the training batches.
         batches: ``K``, batches per evaluation (``--eval-batches``).
     """
 

@@ -28,7 +28,8 @@ def eval_loss(pm, task, microbatches: int, schedule: str, loss_scale: LossScale 
     Args:
         pm: the :class:`~shardkit.parallelize.ParallelModel` (``pm.mesh`` None: one process).
         task: an :class:`.lm_task.LMTask` with ``held_out``.
-        microbatches, schedule: as the training step's (``--microbatches``, ``--schedule``).
+        microbatches: as the training step's (``--microbatches``).
+        schedule: as the training step's (``--schedule``).
         loss_scale: the pipeline's loss function (with ``pp > 1``).
 
     Collective over the world.
