@@ -240,6 +240,12 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
         "GGUF file (llama, qwen2, qwen3, qwen3-moe, deepseek-v2), trained on its own tokenizer "
         "(default: random init of the built-in config, byte-level tokens)",
     )
+    p.add_argument(
+        "--tokenizer",
+        metavar="DIR_OR_GGUF",
+        help="a local Hugging Face tokenizer directory or GGUF file encoding --data for the built-in model "
+        "(its vocabulary becomes the model's; not with --model-path, which has its own; default: byte-level tokens)",
+    )
     model = p.add_argument_group("built-in model (ignored with --model-path)")
     model.add_argument("--hidden-size", type=int, help=f"default {d.hidden_size}")
     model.add_argument("--layers", type=int, help=f"default {d.layers}")
@@ -261,7 +267,7 @@ def config_from_args(args: argparse.Namespace, world_size: int | None = None) ->
     from ..train.data import check_files, corpus_files, held_out_start
     from ..train.limits import check_machine
     from ..train.specs import model_spec
-    from ..train.tokens import check_checkpoint_tokenizer
+    from ..train.tokens import check_checkpoint_tokenizer, load_text_tokenizer
 
     values = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
     file_values = load_toml(args.config) if args.config else {}
@@ -274,6 +280,8 @@ def config_from_args(args: argparse.Namespace, world_size: int | None = None) ->
         print(resumed, file=sys.stderr)  # said before any process starts: what this run continues
     if cfg.model_path is not None:
         check_checkpoint_tokenizer(cfg.model_path)  # a folder of weights alone: fails here, not in every worker
+    if cfg.tokenizer is not None:
+        load_text_tokenizer(cfg.tokenizer, "--tokenizer")  # a folder without tokenizer files: fails here
     if not model_spec(cfg.model).reads_corpus:
         return cfg  # e.g. conv-ae: its data is matplotlib's sample photo, not a text corpus
     # A missing, unreadable, not regular or too short --data fails here, before any process
@@ -283,7 +291,9 @@ def config_from_args(args: argparse.Namespace, world_size: int | None = None) ->
     size = sum(f.stat().st_size for f in files)
     if size < cfg.seq_len:
         raise ShardkitError(f"--data: the corpus has {size} bytes (tokens), fewer than --seq-len {cfg.seq_len}")
-    if cfg.eval_every and cfg.model_path is None:  # byte tokens: the split is known before launch
+    if (
+        cfg.eval_every and cfg.model_path is None and cfg.tokenizer is None
+    ):  # byte tokens: the split is known before launch
         held_out_start(size, cfg.seq_len)
     return cfg
 
@@ -299,6 +309,8 @@ def run_train(args: argparse.Namespace) -> int:
     try:
         if getattr(args, "model_path", None):  # the layout check reads its config with transformers
             require(["transformers"], "shardkit train --model-path")
+        if getattr(args, "tokenizer", None):
+            require(["transformers"], "shardkit train --tokenizer")
         cfg = config_from_args(args, int(os.environ["WORLD_SIZE"]) if torchrun else None)
         spec = model_spec(cfg.model)  # a missing extra: one line, before any launch
         notes = check_train(spec.needs, f"shardkit train --model {spec.name}{spec.needs_why}", cfg.report)

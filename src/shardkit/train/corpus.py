@@ -50,8 +50,10 @@ class Corpus:
 
 def read_corpus(cfg: TrainConfig) -> Corpus:
     """The token stream of a ``TrainConfig``, read in this process: byte ids of the ``--data``
-    files, or their encoding by ``--model-path``'s tokenizer (through the per-user cache)."""
+    files, or their encoding by ``--model-path``'s or ``--tokenizer``'s tokenizer (through the per-user cache)."""
     files = data.corpus_files(cfg.data)
+    if cfg.tokenizer is not None:
+        return Corpus(token_stream(cfg.tokenizer, files, cache_dir=user_cache_dir(), flag="--tokenizer"))
     if cfg.model_path is None:
         docs = data.read_documents(files)
         raw = bytearray(b"".join(docs))
@@ -64,7 +66,7 @@ def read_corpus(cfg: TrainConfig) -> Corpus:
 
 def shared_corpus(cfg: TrainConfig, device: torch.device) -> Corpus:
     """:func:`read_corpus` on global rank 0, the same stream on every rank (collective over the world)."""
-    dtype = torch.int32 if cfg.model_path is not None else torch.uint8
+    dtype = torch.int32 if cfg.model_path is not None or cfg.tokenizer is not None else torch.uint8
     return one_source(lambda: read_corpus(cfg), dtype, device)
 
 

@@ -111,6 +111,7 @@ class TrainConfig:
     )
     data: str | None = None  # None: the Python standard library's source tree
     model_path: str | None = None  # a local HF checkpoint directory or *.gguf file; None: the built-in config
+    tokenizer: str | None = None  # a HF tokenizer directory or *.gguf file encoding --data; None: byte tokens
     hidden_size: int = 64
     layers: int = 2
     heads: int = 4

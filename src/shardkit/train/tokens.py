@@ -17,6 +17,7 @@ an entry that does not match is ignored and rewritten, never trained on.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import stat
 import sys
@@ -27,7 +28,7 @@ import torch
 
 from ..errors import ShardkitError
 from .data import read_regular
-from .pretrained import check_tokenizer, load_tokenizer, read_config, resolve_checkpoint
+from .pretrained import CheckpointSource, check_tokenizer, load_tokenizer, read_config, resolve_checkpoint
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
@@ -35,7 +36,10 @@ __all__ = [
     "check_checkpoint_tokenizer",
     "corpus_prefix",
     "encode_files",
+    "load_text_tokenizer",
     "token_stream",
+    "tokenizer_source",
+    "tokenizer_vocab",
     "user_cache_dir",
 ]
 
@@ -83,6 +87,54 @@ def check_checkpoint_tokenizer(model_path: str | Path) -> None:
             f"tokenizer_config.json --local-dir {source.directory}`"
         )
     check_tokenizer(load_tokenizer(model_path), read_config(model_path))
+
+
+def tokenizer_source(path: str | Path, flag: str) -> CheckpointSource:
+    """Where the tokenizer of ``flag`` is: ``--model-path``'s checkpoint (:func:`~shardkit.train.
+    pretrained.resolve_checkpoint`), or a ``--tokenizer`` directory holding any of
+    :data:`TOKENIZER_FILES` (no ``config.json`` needed) or GGUF file.
+
+    Raises:
+        ShardkitError: naming ``flag``: the path does not exist, is a file but not ``*.gguf`` (or
+            the ``gguf`` package is missing), or is a directory without tokenizer files.
+    """
+    if flag == "--model-path":
+        return resolve_checkpoint(path)
+    p = Path(path).expanduser().resolve()
+    if p.is_file():
+        if p.suffix.lower() != ".gguf":
+            raise ShardkitError(f"{flag}: {path} is a file but not a GGUF file (*.gguf); pass a tokenizer directory")
+        if importlib.util.find_spec("gguf") is None:
+            raise ShardkitError(f"{flag}: reading the GGUF file {path} needs the gguf package: pip install gguf")
+        return CheckpointSource(p.parent, p.name)
+    if not p.is_dir():
+        raise ShardkitError(f"{flag}: {path} does not exist")
+    if not any((p / name).is_file() for name in TOKENIZER_FILES):
+        raise ShardkitError(f"{flag}: {path} has no tokenizer (looked for {', '.join(TOKENIZER_FILES)})")
+    return CheckpointSource(p)
+
+
+def load_text_tokenizer(path: str | Path, flag: str):
+    """The transformers tokenizer of :func:`tokenizer_source` (offline: ``local_files_only``).
+
+    Raises:
+        ShardkitError: as :func:`tokenizer_source`; transformers cannot load it (named with ``flag``).
+    """
+    if flag == "--model-path":
+        return load_tokenizer(path)
+    from transformers import AutoTokenizer
+
+    source = tokenizer_source(path, flag)
+    try:
+        return AutoTokenizer.from_pretrained(source.directory, **source.kwargs())
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ShardkitError(f"{flag}: cannot load the tokenizer of {path}: {e}") from None
+
+
+def tokenizer_vocab(path: str | Path) -> int:
+    """``len(tokenizer)`` of ``--tokenizer`` ``path``: the vocabulary of a model built for it
+    (every id it encodes, added tokens included, is an embedding row)."""
+    return len(load_text_tokenizer(path, "--tokenizer"))
 
 
 def corpus_prefix(files: list[Path], max_bytes: int | None) -> list[tuple[Path, int]]:
@@ -187,13 +239,13 @@ def _sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def _cache_key(model_path: str | Path, blobs: list[bytes]) -> str:
+def _cache_key(model_path: str | Path, blobs: list[bytes], flag: str = "--model-path") -> str:
     """sha256 of the stream's inputs by content: format, transformers version, the tokenizer's
-    files (every checkpoint file but weights), and the corpus bytes read."""
+    files (every checkpoint or tokenizer-folder file but weights), and the corpus bytes read."""
     import transformers
 
     h = hashlib.sha256(f"{_FORMAT}\0{transformers.__version__}\0".encode())
-    for f in resolve_checkpoint(model_path).files():
+    for f in tokenizer_source(model_path, flag).files():
         if f.suffix not in _WEIGHT_SUFFIXES:
             h.update(f"{f.name}\0{_sha256_file(f)}\0".encode())
     for blob in blobs:
@@ -245,18 +297,20 @@ def token_stream(
     files: list[Path],
     max_bytes: int | None = DEFAULT_MAX_BYTES,
     cache_dir: str | Path | None = None,
+    flag: str = "--model-path",
 ) -> torch.Tensor:
-    """The corpus encoded by the checkpoint's own tokenizer.
+    """The corpus encoded by the checkpoint's own tokenizer (or ``--tokenizer``'s).
 
     Args:
         model_path: a checkpoint directory or GGUF file (see :func:`~shardkit.train.pretrained.
-            load_tokenizer`).
+            load_tokenizer`); with ``flag`` ``"--tokenizer"`` a tokenizer directory or GGUF file.
         files: corpus files in order (``train.data.corpus_files``); regular files only.
         max_bytes: read at most this many bytes of the corpus (None: all of it; the stdlib is
             32 MB: about 8x the default cap).
         cache_dir: a private folder (:func:`user_cache_dir`) where entries are stored and found
             by the content key; None: no cache. The corpus is read once: the bytes hashed into
             the key are the bytes encoded.
+        flag: the option ``model_path`` came from (``--model-path`` or ``--tokenizer``).
 
     Returns:
         ``[N]`` int32 token ids, each below ``len(tokenizer)``.
@@ -268,12 +322,12 @@ def token_stream(
     blobs = [read_regular(f, n) for f, n in corpus_prefix(files, max_bytes)]
     path = key = None
     if cache_dir is not None:
-        key = _cache_key(model_path, blobs)
+        key = _cache_key(model_path, blobs, flag)
         path = Path(cache_dir) / f"{key}.pt"
         cached = _read_entry(path, key)
         if cached is not None:
             return cached
-    tokens = _encode(blobs, load_tokenizer(model_path))
+    tokens = _encode(blobs, load_text_tokenizer(model_path, flag))
     if tokens.numel() == 0:
         raise ShardkitError(f"--data: the corpus ({len(files)} files) encodes to no tokens")
     if path is not None and key is not None:
