@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from harness.helpers import rank, remove_shared_dir, shared_tmpdir, world_size
+from harness.pretrained import save_tokenizer
 from shardkit import ShardkitError, export_hf
 from shardkit.cli.main import main
 from shardkit.train.checkpoint_dir import check_checkpoint_dir
@@ -25,16 +26,6 @@ BASE = dict(seq_len=16, batch_size=4, dtype="float32", layers=2, lr=1e-2, steps=
 DATA = str(Path(json.__file__))
 
 
-def _save_tokenizer(path: Path) -> Path:
-    """A byte-level BPE tokenizer alone (no config.json) in ``path``."""
-    from transformers import PreTrainedTokenizerFast
-
-    from harness.pretrained import EOS, byte_level_bpe
-
-    PreTrainedTokenizerFast(tokenizer_object=byte_level_bpe(), eos_token=EOS).save_pretrained(path)
-    return path
-
-
 @pytest.mark.world(2, timeout=240)
 def test_tp2_run_with_a_tokenizer_dir_builds_its_vocab_verifies_and_exports_it():
     from transformers import AutoTokenizer
@@ -43,7 +34,7 @@ def test_tp2_run_with_a_tokenizer_dir_builds_its_vocab_verifies_and_exports_it()
     try:
         tok, ckpt, out = (os.path.join(root, n) for n in ("tok", "ckpt", "hf"))
         if rank() == 0:
-            _save_tokenizer(Path(tok))
+            save_tokenizer(Path(tok))
         torch.distributed.barrier()
         cfg = validate_config(
             TrainConfig(**BASE, tokenizer=tok, data=DATA, tp=2, verify=True, checkpoint_dir=ckpt),
@@ -66,7 +57,7 @@ def test_tp2_run_with_a_tokenizer_dir_builds_its_vocab_verifies_and_exports_it()
 
 
 def test_tokenizer_is_refused_with_model_path_and_for_conv_ae(tmp_path):
-    tok = str(_save_tokenizer(tmp_path / "tok"))
+    tok = str(save_tokenizer(tmp_path / "tok"))
     with pytest.raises(ShardkitError, match="--tokenizer with --model-path"):
         validate_config(TrainConfig(**BASE, tokenizer=tok, model_path=str(tmp_path)), world_size=1)
     with pytest.raises(ShardkitError, match="--tokenizer with --model conv-ae"):
@@ -86,7 +77,7 @@ def test_a_dir_without_tokenizer_files_fails_before_launch_naming_them(tmp_path,
 
 
 def test_the_token_cache_key_of_a_tokenizer_dir_follows_its_files(tmp_path):
-    tok = _save_tokenizer(tmp_path / "tok")
+    tok = save_tokenizer(tmp_path / "tok")
     before = _cache_key(tok, [b"abc"], "--tokenizer")
     assert before == _cache_key(tok, [b"abc"], "--tokenizer")
     config = tok / "tokenizer_config.json"

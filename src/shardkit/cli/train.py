@@ -232,7 +232,17 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
         help="when stdout is not a terminal (nohup, SLURM, a pipe): a line every N steps with the step, the mean "
         "loss since the last line, lr and tokens/s (default: every step up to 20 steps, else every 10)",
     )
-    p.add_argument("--data", metavar="PATH", help="text file or folder (default: the Python stdlib's sources)")
+    p.add_argument(
+        "--data",
+        metavar="PATH",
+        help="text file or folder; *.jsonl lines and *.parquet rows are documents "
+        "(default: the Python stdlib's sources)",
+    )
+    p.add_argument(
+        "--data-column",
+        metavar="NAME",
+        help=f"the text field of *.jsonl lines and *.parquet rows in --data (default {d.data_column!r})",
+    )
     p.add_argument(
         "--model-path",
         metavar="DIR_OR_GGUF",
@@ -264,7 +274,7 @@ def config_from_args(args: argparse.Namespace, world_size: int | None = None) ->
     """
     from ..train.checkpoint_dir import check_checkpoint_dir
     from ..train.config import load_toml, merge_config, validate_config
-    from ..train.data import check_files, corpus_files, held_out_start
+    from ..train.data import check_files, corpus_files, file_documents, held_out_start
     from ..train.limits import check_machine
     from ..train.specs import model_spec
     from ..train.tokens import check_checkpoint_tokenizer, load_text_tokenizer
@@ -288,6 +298,9 @@ def config_from_args(args: argparse.Namespace, world_size: int | None = None) ->
     # starts (stat and open only; a FIFO is never opened for reading blocking).
     files = corpus_files(cfg.data)
     check_files(files)
+    for f in files:  # a bad JSONL line or a Parquet file without pyarrow: fails here, naming it
+        if f.suffix.lower() in (".jsonl", ".parquet"):
+            file_documents(f, None, cfg.data_column)
     size = sum(f.stat().st_size for f in files)
     if size < cfg.seq_len:
         raise ShardkitError(f"--data: the corpus has {size} bytes (tokens), fewer than --seq-len {cfg.seq_len}")

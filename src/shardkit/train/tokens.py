@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ShardkitError
-from .data import read_regular
+from .data import file_documents, read_regular
 from .pretrained import CheckpointSource, check_tokenizer, load_tokenizer, read_config, resolve_checkpoint
 
 __all__ = [
@@ -298,6 +298,7 @@ def token_stream(
     max_bytes: int | None = DEFAULT_MAX_BYTES,
     cache_dir: str | Path | None = None,
     flag: str = "--model-path",
+    column: str = "text",
 ) -> torch.Tensor:
     """The corpus encoded by the checkpoint's own tokenizer (or ``--tokenizer``'s).
 
@@ -311,6 +312,8 @@ def token_stream(
             by the content key; None: no cache. The corpus is read once: the bytes hashed into
             the key are the bytes encoded.
         flag: the option ``model_path`` came from (``--model-path`` or ``--tokenizer``).
+        column: the text field of ``*.jsonl`` / ``*.parquet`` files (:func:`.data.file_documents`):
+            each line or row is a document.
 
     Returns:
         ``[N]`` int32 token ids, each below ``len(tokenizer)``.
@@ -319,7 +322,7 @@ def token_stream(
         ShardkitError: as :func:`~shardkit.train.pretrained.load_tokenizer`; a file is not a
             regular readable file; the corpus encodes to no tokens.
     """
-    blobs = [read_regular(f, n) for f, n in corpus_prefix(files, max_bytes)]
+    blobs = [doc for f, n in corpus_prefix(files, max_bytes) for doc in file_documents(f, n, column)]
     path = key = None
     if cache_dir is not None:
         key = _cache_key(model_path, blobs, flag)
