@@ -19,8 +19,9 @@ from shardkit import ShardkitError, export_hf
 from shardkit.cli.main import main
 from shardkit.train.checkpoint_dir import check_checkpoint_dir
 from shardkit.train.config import TrainConfig, validate_config
+from shardkit.train.pretrained import TOKENIZER_FILES, load_text_tokenizer, tokenizer_vocab
 from shardkit.train.run import train
-from shardkit.train.tokens import TOKENIZER_FILES, _cache_key, load_text_tokenizer, tokenizer_vocab
+from shardkit.train.tokens import _cache_key
 
 BASE = dict(seq_len=16, batch_size=4, dtype="float32", layers=2, lr=1e-2, steps=2)
 DATA = str(Path(json.__file__))

@@ -276,8 +276,9 @@ def config_from_args(args: argparse.Namespace, world_size: int | None = None) ->
     from ..train.config import load_toml, merge_config, validate_config
     from ..train.data import check_files, corpus_files, file_documents, held_out_start
     from ..train.limits import check_machine
+    from ..train.pretrained import load_text_tokenizer
     from ..train.specs import model_spec
-    from ..train.tokens import check_checkpoint_tokenizer, load_text_tokenizer
+    from ..train.tokens import check_checkpoint_tokenizer
 
     values = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
     file_values = load_toml(args.config) if args.config else {}

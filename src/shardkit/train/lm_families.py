@@ -13,8 +13,7 @@ from dataclasses import dataclass
 
 from .data import VOCAB_SIZE
 from .options import TrainConfig
-from .pretrained import ATTN_IMPLEMENTATION
-from .tokens import tokenizer_vocab
+from .pretrained import ATTN_IMPLEMENTATION, tokenizer_vocab
 
 __all__ = ["LMFamily", "LLAMA", "QWEN2", "QWEN3", "QWEN3_MOE", "DEEPSEEK_V2"]
 

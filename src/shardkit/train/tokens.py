@@ -17,7 +17,6 @@ an entry that does not match is ignored and rewritten, never trained on.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import os
 import stat
 import sys
@@ -28,7 +27,15 @@ import torch
 
 from ..errors import ShardkitError
 from .data import file_documents, read_regular
-from .pretrained import CheckpointSource, check_tokenizer, load_tokenizer, read_config, resolve_checkpoint
+from .pretrained import (
+    TOKENIZER_FILES,
+    check_tokenizer,
+    load_text_tokenizer,
+    load_tokenizer,
+    read_config,
+    resolve_checkpoint,
+    tokenizer_source,
+)
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
@@ -36,10 +43,7 @@ __all__ = [
     "check_checkpoint_tokenizer",
     "corpus_prefix",
     "encode_files",
-    "load_text_tokenizer",
     "token_stream",
-    "tokenizer_source",
-    "tokenizer_vocab",
     "user_cache_dir",
 ]
 
@@ -49,16 +53,6 @@ DEFAULT_MAX_BYTES = 4 << 20
 # Checkpoint files that hold weights only: they cannot change the tokens, and hashing them
 # (hundreds of MB) would cost more than the cache saves. A GGUF file holds its tokenizer: hashed.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack")
-# The files a Hugging Face tokenizer is read from (one is enough: tokenizer.json for a fast
-# tokenizer, the vocabulary of a slow one); a checkpoint directory of weights alone has none.
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer.model",
-    "vocab.json",
-    "vocab.txt",
-    "spiece.model",
-    "tokenizer_config.json",
-)
 # Bump when the stream's layout (document separator, dtype) changes: old cache entries go stale.
 _FORMAT = "tokens-v2"
 
@@ -87,54 +81,6 @@ def check_checkpoint_tokenizer(model_path: str | Path) -> None:
             f"tokenizer_config.json --local-dir {source.directory}`"
         )
     check_tokenizer(load_tokenizer(model_path), read_config(model_path))
-
-
-def tokenizer_source(path: str | Path, flag: str) -> CheckpointSource:
-    """Where the tokenizer of ``flag`` is: ``--model-path``'s checkpoint (:func:`~shardkit.train.
-    pretrained.resolve_checkpoint`), or a ``--tokenizer`` directory holding any of
-    :data:`TOKENIZER_FILES` (no ``config.json`` needed) or GGUF file.
-
-    Raises:
-        ShardkitError: naming ``flag``: the path does not exist, is a file but not ``*.gguf`` (or
-            the ``gguf`` package is missing), or is a directory without tokenizer files.
-    """
-    if flag == "--model-path":
-        return resolve_checkpoint(path)
-    p = Path(path).expanduser().resolve()
-    if p.is_file():
-        if p.suffix.lower() != ".gguf":
-            raise ShardkitError(f"{flag}: {path} is a file but not a GGUF file (*.gguf); pass a tokenizer directory")
-        if importlib.util.find_spec("gguf") is None:
-            raise ShardkitError(f"{flag}: reading the GGUF file {path} needs the gguf package: pip install gguf")
-        return CheckpointSource(p.parent, p.name)
-    if not p.is_dir():
-        raise ShardkitError(f"{flag}: {path} does not exist")
-    if not any((p / name).is_file() for name in TOKENIZER_FILES):
-        raise ShardkitError(f"{flag}: {path} has no tokenizer (looked for {', '.join(TOKENIZER_FILES)})")
-    return CheckpointSource(p)
-
-
-def load_text_tokenizer(path: str | Path, flag: str):
-    """The transformers tokenizer of :func:`tokenizer_source` (offline: ``local_files_only``).
-
-    Raises:
-        ShardkitError: as :func:`tokenizer_source`; transformers cannot load it (named with ``flag``).
-    """
-    if flag == "--model-path":
-        return load_tokenizer(path)
-    from transformers import AutoTokenizer
-
-    source = tokenizer_source(path, flag)
-    try:
-        return AutoTokenizer.from_pretrained(source.directory, **source.kwargs())
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ShardkitError(f"{flag}: cannot load the tokenizer of {path}: {e}") from None
-
-
-def tokenizer_vocab(path: str | Path) -> int:
-    """``len(tokenizer)`` of ``--tokenizer`` ``path``: the vocabulary of a model built for it
-    (every id it encodes, added tokens included, is an embedding row)."""
-    return len(load_text_tokenizer(path, "--tokenizer"))
 
 
 def corpus_prefix(files: list[Path], max_bytes: int | None) -> list[tuple[Path, int]]:
@@ -330,7 +276,8 @@ def token_stream(
         cached = _read_entry(path, key)
         if cached is not None:
             return cached
-    tokens = _encode(blobs, load_text_tokenizer(model_path, flag))
+    tokenizer = load_tokenizer(model_path) if flag == "--model-path" else load_text_tokenizer(model_path, flag)
+    tokens = _encode(blobs, tokenizer)
     if tokens.numel() == 0:
         raise ShardkitError(f"--data: the corpus ({len(files)} files) encodes to no tokens")
     if path is not None and key is not None:
