@@ -67,7 +67,10 @@ def test_tokenizer_is_refused_with_model_path_and_for_conv_ae(tmp_path):
         validate_config(TrainConfig(**BASE, tokenizer=tok, packed=True, tp=1), world_size=1)
 
 
-def test_a_dir_without_tokenizer_files_fails_before_launch_naming_them(tmp_path, capsys):
+def test_a_dir_without_tokenizer_files_fails_before_launch_naming_them(tmp_path, capsys, monkeypatch):
+    import shardkit.cli.launch as cli_launch
+
+    monkeypatch.setattr(cli_launch, "launch_local", lambda *a, **k: pytest.fail("launched"))
     (tmp_path / "empty").mkdir()
     with pytest.raises(ShardkitError, match="has no tokenizer") as e:
         load_text_tokenizer(tmp_path / "empty", "--tokenizer")
