@@ -34,6 +34,14 @@ def byte_level_bpe():
     return tok
 
 
+def save_tokenizer(path: Path) -> Path:
+    """Write the byte-level BPE tokenizer alone (no config.json, no weights) into ``path``."""
+    from transformers import PreTrainedTokenizerFast
+
+    PreTrainedTokenizerFast(tokenizer_object=byte_level_bpe(), eos_token=EOS).save_pretrained(path)
+    return path
+
+
 def save_tiny_llama(path: Path, **sizes: int) -> Path:
     """Write the tiny tied-embedding Llama checkpoint and its tokenizer into ``path`` (``sizes``
     override :data:`SIZES`, e.g. ``num_hidden_layers=4``)."""

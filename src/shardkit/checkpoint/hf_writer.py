@@ -46,22 +46,28 @@ text with `list(text.encode("utf-8"))` and decode ids with `bytes(ids).decode("u
 """
 
 
-def hf_description(model: nn.Module, model_path: str | os.PathLike | None) -> dict | None:
+def hf_description(
+    model: nn.Module, model_path: str | os.PathLike | None, tokenizer: str | os.PathLike | None = None
+) -> dict | None:
     """What :func:`write_hf` needs besides the tensors (JSON), or None for a model with no
     Hugging Face form (one without a transformers config, e.g. the conv autoencoder).
 
     Args:
         model: the full, unparallelized model (a transformers ``PreTrainedModel``).
         model_path: the local checkpoint directory or GGUF file it was loaded from (its tokenizer
-            is the one the run used), None for a model built from flags (byte-level tokens).
+            is the one the run used), None for a model built from flags.
+        tokenizer: the ``--tokenizer`` directory or GGUF file a model built from flags was
+            trained on; None with ``model_path`` or for byte-level tokens.
 
     Returns:
-        ``{"config": config.json's dict, "model_path": absolute path or None}``.
+        ``{"config": config.json's dict, "model_path": absolute path or None}``; the tokenizer's
+        source is ``model_path`` (``--model-path``'s, else ``--tokenizer``'s).
     """
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "to_json_string"):
         return None
-    path = None if model_path is None else str(Path(model_path).expanduser().resolve())
+    source = model_path if model_path is not None else tokenizer
+    path = None if source is None else str(Path(source).expanduser().resolve())
     return {"config": json.loads(config.to_json_string(use_diff=False)), "model_path": path}
 
 
@@ -112,7 +118,7 @@ def _assign(model: Any, tensors: dict[str, torch.Tensor], origin: str) -> None:
 
 
 def _load_tokenizer(model_path: str | None) -> Any:
-    """The tokenizer the run trained on (``--model-path``'s), or None for a byte-level run."""
+    """The tokenizer the run trained on (``--model-path``'s or ``--tokenizer``'s), or None for a byte-level run."""
     if model_path is None:
         return None
     from transformers import AutoTokenizer

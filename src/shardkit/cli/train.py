@@ -232,13 +232,29 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
         help="when stdout is not a terminal (nohup, SLURM, a pipe): a line every N steps with the step, the mean "
         "loss since the last line, lr and tokens/s (default: every step up to 20 steps, else every 10)",
     )
-    p.add_argument("--data", metavar="PATH", help="text file or folder (default: the Python stdlib's sources)")
+    p.add_argument(
+        "--data",
+        metavar="PATH",
+        help="text file or folder; *.jsonl lines and *.parquet rows are documents "
+        "(default: the Python stdlib's sources)",
+    )
+    p.add_argument(
+        "--data-column",
+        metavar="NAME",
+        help=f"the text field of *.jsonl lines and *.parquet rows in --data (default {d.data_column!r})",
+    )
     p.add_argument(
         "--model-path",
         metavar="DIR_OR_GGUF",
         help="a local Hugging Face causal-LM checkpoint directory or "
         "GGUF file (llama, qwen2, qwen3, qwen3-moe, deepseek-v2), trained on its own tokenizer "
         "(default: random init of the built-in config, byte-level tokens)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        metavar="DIR_OR_GGUF",
+        help="a local Hugging Face tokenizer directory or GGUF file encoding --data for the built-in model "
+        "(its vocabulary becomes the model's; not with --model-path, which has its own; default: byte-level tokens)",
     )
     model = p.add_argument_group("built-in model (ignored with --model-path)")
     model.add_argument("--hidden-size", type=int, help=f"default {d.hidden_size}")
@@ -258,8 +274,9 @@ def config_from_args(args: argparse.Namespace, world_size: int | None = None) ->
     """
     from ..train.checkpoint_dir import check_checkpoint_dir
     from ..train.config import load_toml, merge_config, validate_config
-    from ..train.data import check_files, corpus_files, held_out_start
+    from ..train.data import check_files, corpus_files, file_documents, held_out_start
     from ..train.limits import check_machine
+    from ..train.pretrained import load_text_tokenizer
     from ..train.specs import model_spec
     from ..train.tokens import check_checkpoint_tokenizer
 
@@ -274,16 +291,23 @@ def config_from_args(args: argparse.Namespace, world_size: int | None = None) ->
         print(resumed, file=sys.stderr)  # said before any process starts: what this run continues
     if cfg.model_path is not None:
         check_checkpoint_tokenizer(cfg.model_path)  # a folder of weights alone: fails here, not in every worker
+    if cfg.tokenizer is not None:
+        load_text_tokenizer(cfg.tokenizer, "--tokenizer")  # a folder without tokenizer files: fails here
     if not model_spec(cfg.model).reads_corpus:
         return cfg  # e.g. conv-ae: its data is matplotlib's sample photo, not a text corpus
     # A missing, unreadable, not regular or too short --data fails here, before any process
     # starts (stat and open only; a FIFO is never opened for reading blocking).
     files = corpus_files(cfg.data)
     check_files(files)
+    for f in files:  # a bad JSONL line or a Parquet file without pyarrow: fails here, naming it
+        if f.suffix.lower() in (".jsonl", ".parquet"):
+            file_documents(f, None, cfg.data_column)
     size = sum(f.stat().st_size for f in files)
     if size < cfg.seq_len:
         raise ShardkitError(f"--data: the corpus has {size} bytes (tokens), fewer than --seq-len {cfg.seq_len}")
-    if cfg.eval_every and cfg.model_path is None:  # byte tokens: the split is known before launch
+    if (
+        cfg.eval_every and cfg.model_path is None and cfg.tokenizer is None
+    ):  # byte tokens: the split is known before launch
         held_out_start(size, cfg.seq_len)
     return cfg
 
@@ -299,6 +323,8 @@ def run_train(args: argparse.Namespace) -> int:
     try:
         if getattr(args, "model_path", None):  # the layout check reads its config with transformers
             require(["transformers"], "shardkit train --model-path")
+        if getattr(args, "tokenizer", None):
+            require(["transformers"], "shardkit train --tokenizer")
         cfg = config_from_args(args, int(os.environ["WORLD_SIZE"]) if torchrun else None)
         spec = model_spec(cfg.model)  # a missing extra: one line, before any launch
         notes = check_train(spec.needs, f"shardkit train --model {spec.name}{spec.needs_why}", cfg.report)

@@ -229,6 +229,10 @@ def validate_config(cfg: TrainConfig, world_size: int | None = None) -> TrainCon
         )
     if cfg.schedule not in SCHEDULES:
         raise ShardkitError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {cfg.schedule!r}")
+    if cfg.tokenizer is not None and cfg.model_path is not None:
+        raise ShardkitError("--tokenizer with --model-path: the checkpoint encodes --data with its own tokenizer")
+    if cfg.tokenizer is not None and not model_spec(cfg.model).reads_corpus:
+        raise ShardkitError(f"--tokenizer with --model {cfg.model}: this model reads no text corpus")
     _check_schedule(cfg)
     cfg = _resolve_world(cfg)
     if cfg.model_path is not None and model_spec(cfg.model).family is not None:

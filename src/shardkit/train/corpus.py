@@ -40,7 +40,7 @@ class Corpus:
 
     Attributes:
         tokens: ``[N]`` token ids: uint8 byte values, or int32 tokenizer ids (``--model-path``).
-        doc_sizes: tokens of every document (corpus file) in stream order, summing to ``N``;
+        doc_sizes: tokens of every document (corpus file, JSONL line or Parquet row) in stream order, summing to ``N``;
             empty when the documents are not tracked (tokenizer streams: ``--packed`` refuses them).
     """
 
@@ -50,21 +50,25 @@ class Corpus:
 
 def read_corpus(cfg: TrainConfig) -> Corpus:
     """The token stream of a ``TrainConfig``, read in this process: byte ids of the ``--data``
-    files, or their encoding by ``--model-path``'s tokenizer (through the per-user cache)."""
+    files, or their encoding by ``--model-path``'s or ``--tokenizer``'s tokenizer (through the per-user cache)."""
     files = data.corpus_files(cfg.data)
+    if cfg.tokenizer is not None:
+        return Corpus(
+            token_stream(cfg.tokenizer, files, cache_dir=user_cache_dir(), flag="--tokenizer", column=cfg.data_column)
+        )
     if cfg.model_path is None:
-        docs = data.read_documents(files)
+        docs = data.read_documents(files, column=cfg.data_column)
         raw = bytearray(b"".join(docs))
         tokens = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
         return Corpus(tokens, tuple(len(d) for d in docs))
     # the checkpoint's own tokenizer (byte ids would scramble a pretrained vocabulary)
     check_tokenizer(load_tokenizer(cfg.model_path), read_config(cfg.model_path))
-    return Corpus(token_stream(cfg.model_path, files, cache_dir=user_cache_dir()))
+    return Corpus(token_stream(cfg.model_path, files, cache_dir=user_cache_dir(), column=cfg.data_column))
 
 
 def shared_corpus(cfg: TrainConfig, device: torch.device) -> Corpus:
     """:func:`read_corpus` on global rank 0, the same stream on every rank (collective over the world)."""
-    dtype = torch.int32 if cfg.model_path is not None else torch.uint8
+    dtype = torch.int32 if cfg.model_path is not None or cfg.tokenizer is not None else torch.uint8
     return one_source(lambda: read_corpus(cfg), dtype, device)
 
 

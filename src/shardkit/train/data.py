@@ -8,6 +8,9 @@ block the reader forever, a device never ends.
 
 from __future__ import annotations
 
+import importlib
+import io
+import json
 import os
 import stat
 from pathlib import Path
@@ -23,6 +26,7 @@ __all__ = [
     "check_files",
     "read_regular",
     "read_documents",
+    "file_documents",
     "load_tokens",
     "BatchSampler",
     "held_out_start",
@@ -132,17 +136,67 @@ def read_regular(path: Path, limit: int | None = None) -> bytes:
         os.close(fd)
 
 
-def read_documents(files: list[Path], max_bytes: int | None = None) -> list[bytes]:
-    """The files' bytes in order, stopping after ``max_bytes`` in all (None: everything)."""
+def read_documents(files: list[Path], max_bytes: int | None = None, column: str = "text") -> list[bytes]:
+    """The documents of the files in order (:func:`file_documents`), stopping after ``max_bytes``
+    bytes read in all (None: everything)."""
     docs: list[bytes] = []
     total = 0
     for f in files:
         limit = None if max_bytes is None else max_bytes - total
         if limit is not None and limit <= 0:
             break
-        docs.append(read_regular(f, limit))
-        total += len(docs[-1])
+        docs += file_documents(f, limit, column)
+        total += min(f.stat().st_size, limit) if limit is not None else f.stat().st_size
     return docs
+
+
+def file_documents(path: Path, limit: int | None, column: str) -> list[bytes]:
+    """The documents of one corpus file read up to ``limit`` bytes (None: all): the file itself;
+    for ``*.jsonl`` the text field ``column`` (``--data-column``) of every non-blank line, as
+    UTF-8 (a line cut by ``limit`` is dropped); for ``*.parquet`` the column of every row (read
+    whole, with pyarrow).
+
+    Raises:
+        ShardkitError: as :func:`read_regular`; a JSONL line that is not JSON, not an object, or
+            has no text field ``column`` (naming ``file:line``); a Parquet file without pyarrow
+            installed or without the column.
+    """
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        return _parquet_documents(path, read_regular(path), column)
+    blob = read_regular(path, limit)
+    if suffix != ".jsonl":
+        return [blob]
+    lines = blob.split(b"\n")
+    if limit is not None and limit < path.stat().st_size:
+        lines = lines[:-1]  # the last line was cut by the byte cap
+    return [_jsonl_text(path, n, line, column) for n, line in enumerate(lines, 1) if line.strip()]
+
+
+def _jsonl_text(path: Path, n: int, line: bytes, column: str) -> bytes:
+    try:
+        row = json.loads(line)
+    except ValueError as e:  # json.JSONDecodeError and bad UTF-8 alike
+        raise ShardkitError(f"--data: {path}:{n}: not a JSON line ({e})") from None
+    text = row.get(column) if isinstance(row, dict) else None
+    if not isinstance(text, str):
+        raise ShardkitError(
+            f"--data: {path}:{n}: no text field {column!r} (--data-column {column}); the line holds "
+            f"{'keys ' + ', '.join(map(repr, row)) if isinstance(row, dict) else type(row).__name__}"
+        )
+    return text.encode()
+
+
+def _parquet_documents(path: Path, blob: bytes, column: str) -> list[bytes]:
+    try:  # optional: import_module keeps the type check free of pyarrow's stubs
+        pq = importlib.import_module("pyarrow.parquet")
+    except ImportError:
+        raise ShardkitError(f"--data: reading the Parquet file {path} needs pyarrow: pip install pyarrow") from None
+    try:
+        values = pq.read_table(io.BytesIO(blob), columns=[column]).column(column).to_pylist()
+    except (KeyError, ValueError, OSError) as e:
+        raise ShardkitError(f"--data: {path}: cannot read the column {column!r} (--data-column): {e}") from None
+    return [v.encode() for v in values if isinstance(v, str) and v]
 
 
 def load_tokens(files: list[Path], max_bytes: int | None = None) -> torch.Tensor:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from .data import VOCAB_SIZE
 from .options import TrainConfig
-from .pretrained import ATTN_IMPLEMENTATION
+from .pretrained import ATTN_IMPLEMENTATION, tokenizer_vocab
 
 __all__ = ["LMFamily", "LLAMA", "QWEN2", "QWEN3", "QWEN3_MOE", "DEEPSEEK_V2"]
 
@@ -40,7 +40,7 @@ class LMFamily:
         """The transformers config kwargs of this family at ``cfg``'s sizes (``model_type`` included)."""
         common = dict(
             model_type=self.model_type,
-            vocab_size=VOCAB_SIZE,
+            vocab_size=VOCAB_SIZE if cfg.tokenizer is None else tokenizer_vocab(cfg.tokenizer),
             hidden_size=cfg.hidden_size,
             intermediate_size=cfg.intermediate_size,
             num_hidden_layers=cfg.layers,

@@ -76,9 +76,10 @@ def validate_lm(cfg: TrainConfig, family: LMFamily) -> TrainConfig:
     _raise(ep_rule(cfg.ep, cfg.experts if family.experts else 0))
     if cfg.experts < 1:
         raise ShardkitError(f"--experts must be >= 1, got {cfg.experts}")
-    if cfg.model_path is not None and cfg.packed:
+    if (cfg.model_path is not None or cfg.tokenizer is not None) and cfg.packed:
         # document borders are known in bytes of the corpus files, not in the tokenizer's tokens
-        raise ShardkitError("--packed with --model-path: packed documents are built for byte-level tokens")
+        flag = "--model-path" if cfg.model_path is not None else "--tokenizer"
+        raise ShardkitError(f"--packed with {flag}: packed documents are built for byte-level tokens")
     assert cfg.tp is not None and cfg.dp_replicate is not None  # validate_config resolved them
     dp = cfg.dp_replicate * cfg.dp_shard
     pp_tp = cfg.stage_tp_sizes if cfg.pp_tp is not None else None

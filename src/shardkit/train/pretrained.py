@@ -35,6 +35,10 @@ __all__ = [
     "load_tokenizer",
     "check_tokenizer",
     "smollm2_gguf",
+    "TOKENIZER_FILES",
+    "tokenizer_source",
+    "load_text_tokenizer",
+    "tokenizer_vocab",
 ]
 
 # config.model_type of the decoder families shardkit parallelizes (issue 10).
@@ -42,6 +46,16 @@ FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v2")
 # The attention the built-in models use too (train/lm_families.py): float64 parity at rounding level.
 ATTN_IMPLEMENTATION = "sdpa"
 _GGUF_SUFFIX = ".gguf"
+# The files a Hugging Face tokenizer is read from (one is enough: tokenizer.json for a fast
+# tokenizer, the vocabulary of a slow one); a checkpoint directory of weights alone has none.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+    "tokenizer_config.json",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,13 +188,7 @@ def load_tokenizer(path: str | Path):
     Raises:
         ShardkitError: as :func:`resolve_checkpoint`; the checkpoint carries no tokenizer.
     """
-    from transformers import AutoTokenizer
-
-    source = resolve_checkpoint(path)
-    try:
-        return AutoTokenizer.from_pretrained(source.directory, **source.kwargs())
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ShardkitError(f"--model-path: cannot load the tokenizer of {path}: {e}") from None
+    return load_text_tokenizer(path, "--model-path")
 
 
 def check_tokenizer(tokenizer, config) -> None:
@@ -213,3 +221,49 @@ def smollm2_gguf() -> Path | None:
         if found:
             return found[0]
     return None
+
+
+def tokenizer_source(path: str | Path, flag: str) -> CheckpointSource:
+    """Where the tokenizer of ``flag`` is: ``--model-path``'s checkpoint (:func:`~shardkit.train.
+    pretrained.resolve_checkpoint`), or a ``--tokenizer`` directory holding any of
+    :data:`TOKENIZER_FILES` (no ``config.json`` needed) or GGUF file.
+
+    Raises:
+        ShardkitError: naming ``flag``: the path does not exist, is a file but not ``*.gguf`` (or
+            the ``gguf`` package is missing), or is a directory without tokenizer files.
+    """
+    if flag == "--model-path":
+        return resolve_checkpoint(path)
+    p = Path(path).expanduser().resolve()
+    if p.is_file():
+        if p.suffix.lower() != _GGUF_SUFFIX:
+            raise ShardkitError(f"{flag}: {path} is a file but not a GGUF file (*.gguf); pass a tokenizer directory")
+        if importlib.util.find_spec("gguf") is None:
+            raise ShardkitError(f"{flag}: reading the GGUF file {path} needs the gguf package: pip install gguf")
+        return CheckpointSource(p.parent, p.name)
+    if not p.is_dir():
+        raise ShardkitError(f"{flag}: {path} does not exist")
+    if not any((p / name).is_file() for name in TOKENIZER_FILES):
+        raise ShardkitError(f"{flag}: {path} has no tokenizer (looked for {', '.join(TOKENIZER_FILES)})")
+    return CheckpointSource(p)
+
+
+def load_text_tokenizer(path: str | Path, flag: str):
+    """The transformers tokenizer of :func:`tokenizer_source` (offline: ``local_files_only``).
+
+    Raises:
+        ShardkitError: as :func:`tokenizer_source`; transformers cannot load it (named with ``flag``).
+    """
+    from transformers import AutoTokenizer
+
+    source = tokenizer_source(path, flag)
+    try:
+        return AutoTokenizer.from_pretrained(source.directory, **source.kwargs())
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ShardkitError(f"{flag}: cannot load the tokenizer of {path}: {e}") from None
+
+
+def tokenizer_vocab(path: str | Path) -> int:
+    """``len(tokenizer)`` of ``--tokenizer`` ``path``: the vocabulary of a model built for it
+    (every id it encodes, added tokens included, is an embedding row)."""
+    return len(load_text_tokenizer(path, "--tokenizer"))

@@ -293,7 +293,7 @@ def _train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool) ->
     task = build_task(cfg, device, corpus)
     note(f"building the model ({cfg.model_path or cfg.model})")
     model = build_train_model(cfg)
-    hf = hf_description(model, cfg.model_path)  # kept in each save's manifest (shardkit export)
+    hf = hf_description(model, cfg.model_path, cfg.tokenizer)  # kept in each save's manifest (shardkit export)
     size = model_size(model, cfg.seq_len)  # the whole model, before parallelize cuts it
     reference = copy.deepcopy(model) if cfg.verify and rank == 0 else None
     note(f"parallelizing ({dims.describe()})")

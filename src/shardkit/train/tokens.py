@@ -26,8 +26,16 @@ from pathlib import Path
 import torch
 
 from ..errors import ShardkitError
-from .data import read_regular
-from .pretrained import check_tokenizer, load_tokenizer, read_config, resolve_checkpoint
+from .data import file_documents, read_regular
+from .pretrained import (
+    TOKENIZER_FILES,
+    check_tokenizer,
+    load_text_tokenizer,
+    load_tokenizer,
+    read_config,
+    resolve_checkpoint,
+    tokenizer_source,
+)
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
@@ -45,16 +53,6 @@ DEFAULT_MAX_BYTES = 4 << 20
 # Checkpoint files that hold weights only: they cannot change the tokens, and hashing them
 # (hundreds of MB) would cost more than the cache saves. A GGUF file holds its tokenizer: hashed.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack")
-# The files a Hugging Face tokenizer is read from (one is enough: tokenizer.json for a fast
-# tokenizer, the vocabulary of a slow one); a checkpoint directory of weights alone has none.
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer.model",
-    "vocab.json",
-    "vocab.txt",
-    "spiece.model",
-    "tokenizer_config.json",
-)
 # Bump when the stream's layout (document separator, dtype) changes: old cache entries go stale.
 _FORMAT = "tokens-v2"
 
@@ -187,13 +185,13 @@ def _sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def _cache_key(model_path: str | Path, blobs: list[bytes]) -> str:
+def _cache_key(model_path: str | Path, blobs: list[bytes], flag: str = "--model-path") -> str:
     """sha256 of the stream's inputs by content: format, transformers version, the tokenizer's
-    files (every checkpoint file but weights), and the corpus bytes read."""
+    files (every checkpoint or tokenizer-folder file but weights), and the corpus bytes read."""
     import transformers
 
     h = hashlib.sha256(f"{_FORMAT}\0{transformers.__version__}\0".encode())
-    for f in resolve_checkpoint(model_path).files():
+    for f in tokenizer_source(model_path, flag).files():
         if f.suffix not in _WEIGHT_SUFFIXES:
             h.update(f"{f.name}\0{_sha256_file(f)}\0".encode())
     for blob in blobs:
@@ -245,18 +243,23 @@ def token_stream(
     files: list[Path],
     max_bytes: int | None = DEFAULT_MAX_BYTES,
     cache_dir: str | Path | None = None,
+    flag: str = "--model-path",
+    column: str = "text",
 ) -> torch.Tensor:
-    """The corpus encoded by the checkpoint's own tokenizer.
+    """The corpus encoded by the checkpoint's own tokenizer (or ``--tokenizer``'s).
 
     Args:
         model_path: a checkpoint directory or GGUF file (see :func:`~shardkit.train.pretrained.
-            load_tokenizer`).
+            load_tokenizer`); with ``flag`` ``"--tokenizer"`` a tokenizer directory or GGUF file.
         files: corpus files in order (``train.data.corpus_files``); regular files only.
         max_bytes: read at most this many bytes of the corpus (None: all of it; the stdlib is
             32 MB: about 8x the default cap).
         cache_dir: a private folder (:func:`user_cache_dir`) where entries are stored and found
             by the content key; None: no cache. The corpus is read once: the bytes hashed into
             the key are the bytes encoded.
+        flag: the option ``model_path`` came from (``--model-path`` or ``--tokenizer``).
+        column: the text field of ``*.jsonl`` / ``*.parquet`` files (:func:`.data.file_documents`):
+            each line or row is a document.
 
     Returns:
         ``[N]`` int32 token ids, each below ``len(tokenizer)``.
@@ -265,15 +268,16 @@ def token_stream(
         ShardkitError: as :func:`~shardkit.train.pretrained.load_tokenizer`; a file is not a
             regular readable file; the corpus encodes to no tokens.
     """
-    blobs = [read_regular(f, n) for f, n in corpus_prefix(files, max_bytes)]
+    blobs = [doc for f, n in corpus_prefix(files, max_bytes) for doc in file_documents(f, n, column)]
     path = key = None
     if cache_dir is not None:
-        key = _cache_key(model_path, blobs)
+        key = _cache_key(model_path, blobs, flag)
         path = Path(cache_dir) / f"{key}.pt"
         cached = _read_entry(path, key)
         if cached is not None:
             return cached
-    tokens = _encode(blobs, load_tokenizer(model_path))
+    tokenizer = load_tokenizer(model_path) if flag == "--model-path" else load_text_tokenizer(model_path, flag)
+    tokens = _encode(blobs, tokenizer)
     if tokens.numel() == 0:
         raise ShardkitError(f"--data: the corpus ({len(files)} files) encodes to no tokens")
     if path is not None and key is not None:
