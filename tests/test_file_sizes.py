@@ -28,7 +28,6 @@ COHESIVE = {
     "src/shardkit/expert_parallel/hf.py": "expert parallelism on HF MoE blocks: the three plan styles of one block",
     "src/shardkit/sharding/mesh.py": "ParallelDims and ParallelMesh: degrees, validation, named meshes",
     "src/shardkit/train/run.py": "one rank of shardkit train: build, parallelize, train, save, report in order",
-    "src/shardkit/cli/train.py": "the train command's flags, checks before launch, launch and summary",
     "src/shardkit/tensor_parallel/styles.py": "ColwiseParallel and RowwiseParallel on Linear and Embedding, packed too",
     "src/shardkit/bench/cases_host.py": "the host-overhead case: every op against its bare c10d call, one table",
 }
