@@ -158,6 +158,21 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _record(op: str, phase: str, sent: torch.Tensor, received: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """One FSDP2 collective in the ledger (api ``fully_shard``), before its call."""
+    ledger.record(
+        op,
+        "fully_shard",
+        phase,
+        group.size(),
+        _nbytes(sent),
+        _nbytes(received),
+        pg=group,
+        shape=tuple(sent.shape),
+        dtype=sent.dtype,
+    )
+
+
 def _phase() -> str:
     # FSDP2 all-gathers before forward and again before backward (a resharded block): inside
     # the autograd engine the current graph task is set.
@@ -177,17 +192,7 @@ class LedgerAllGather(AllGather):
         # FSDP2's state, not the block's math, so no dispatch mode (the selective checkpoint's
         # record / replay) may keep or serve it; its recompute gathers again only if FSDP2 resharded.
         with _disable_current_modes():
-            ledger.record(
-                "all_gather_single",
-                "fully_shard",
-                _phase(),
-                group.size(),
-                _nbytes(input_tensor),
-                _nbytes(output_tensor),
-                pg=group,
-                shape=tuple(input_tensor.shape),
-                dtype=input_tensor.dtype,
-            )
+            _record("all_gather_single", _phase(), input_tensor, output_tensor, group)
             return all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
@@ -205,17 +210,7 @@ class LedgerReduceScatter(ReduceScatter):
         op,
         async_op: bool = False,
     ) -> dist.Work | None:
-        ledger.record(
-            "reduce_scatter_single",
-            "fully_shard",
-            "backward",
-            group.size(),
-            _nbytes(input_tensor),
-            _nbytes(output_tensor),
-            pg=group,
-            shape=tuple(input_tensor.shape),
-            dtype=input_tensor.dtype,
-        )
+        _record("reduce_scatter_single", "backward", input_tensor, output_tensor, group)
         return reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 from torch import nn
@@ -173,27 +174,8 @@ def parallelize_lm(model: nn.Module, mesh, cfg: TrainConfig, task) -> tuple[Para
     # it computes in the same mixed precision (parallelize casts with mesh None too)
     ac = cfg.ac if mesh is not None else "none"
     compile = (cfg.compile or False) if mesh is not None else False  # ... and compiled blocks against eager
-    if mesh is not None and mesh.dims.pp > 1:
-        loss = LossScale(task)
-        pm = parallelize_stage(
-            model,
-            mesh,
-            loss,
-            sequence_parallel=sp,
-            loss_parallel=lp,
-            grad_reduce="sum",
-            activation_checkpoint=ac,
-            mixed_precision=cfg.mixed_precision,
-            schedule=cfg.schedule,
-            virtual_stages=cfg.virtual_stages,
-            compile=compile,
-        )
-        loss.bind(pm)
-        return pm, loss
     # the trainer divides every rank's loss by the global token count itself: sum, not DDP's mean
-    pm = parallelize(
-        model,
-        mesh,
+    options: dict[str, Any] = dict(
         sequence_parallel=sp,
         loss_parallel=lp,
         grad_reduce="sum",
@@ -201,6 +183,12 @@ def parallelize_lm(model: nn.Module, mesh, cfg: TrainConfig, task) -> tuple[Para
         mixed_precision=cfg.mixed_precision,
         compile=compile,
     )
+    if mesh is not None and mesh.dims.pp > 1:
+        loss = LossScale(task)
+        pm = parallelize_stage(model, mesh, loss, schedule=cfg.schedule, virtual_stages=cfg.virtual_stages, **options)
+        loss.bind(pm)
+        return pm, loss
+    pm = parallelize(model, mesh, **options)
     return pm, None
 
 
