@@ -237,7 +237,9 @@ def _check_ledger():
         assert fwd.count() == 2 and fwd.count(op="all_reduce", api=OP, phase="forward", group_size=R) == 2
         max_buf, sum_buf = fwd.records
         # float64 maxima + widths + labels' verdicts + fingerprint
-        assert max_buf.bytes_sent == max_buf.bytes_received == 8 * (n + 2 * R + 2)
+        assert (
+            max_buf.bytes_sent == max_buf.bytes_received == 8 * (n + 2 * R + 8)
+        )  # + the 4 shared values as max and -min
         assert sum_buf.bytes_sent == sum_buf.bytes_received == 4 * (k * n + 1)  # float32 columns + label flag
     if R > 1:
         with checks(True), CommLedger() as led:
@@ -299,6 +301,32 @@ def _one_rank_labels(mode, bad_rank, bad_labels, exc, match):
     dist.all_gather_object(texts, (type(info.value).__name__, str(info.value)), group=world_group())
     assert len(set(texts)) == 1, texts
     loss = vocab_parallel_cross_entropy(local, labels, world_group())
+    assert _rel(loss, F.cross_entropy(full.reshape(-1, vocab), labels.reshape(-1))) <= 1e-9
+
+
+@pytest.mark.world(2)
+@pytest.mark.parametrize(
+    "arg, mine, match",
+    [
+        ("dtype", torch.float32, r"compute dtype .* they pass torch\.float32 and torch\.float64"),
+        ("ignore_index", 0, "ignore_index must be the same on the 2 ranks of the group; they pass -100 and 0"),
+        ("label_smoothing", 0.1, "label_smoothing must be the same on the 2 ranks of the group; they pass 0 and 0.1"),
+    ],
+)
+def test_an_argument_differing_on_one_rank_is_one_error_r2(arg, mine, match):
+    # Default mode (nothing agrees beforehand): another compute dtype or smoothing on one rank gave
+    # the SUM all-reduce another size or dtype (gloo aborted); another ignore_index a wrong loss.
+    vocab, sizes, _ = LAYOUTS["chunk_uneven"](world_size())
+    full, labels = _problem((2, 5), vocab)
+    local = _block(full, sizes)
+    kw = {arg: mine} if rank() == 1 else {}
+    dtype = kw.pop("dtype", torch.float64)
+    with pytest.raises(RankMismatchError, match=match) as info:
+        vocab_parallel_cross_entropy(local.to(dtype), labels, world_group(), **kw)
+    texts = [None, None]
+    dist.all_gather_object(texts, str(info.value), group=world_group())
+    assert texts[0] == texts[1], texts
+    loss = vocab_parallel_cross_entropy(local, labels, world_group())  # the group is still in step
     assert _rel(loss, F.cross_entropy(full.reshape(-1, vocab), labels.reshape(-1))) <= 1e-9
 
 

@@ -8,8 +8,9 @@ label smoothing). Those are combined with two all-reduces of ``O(tokens)`` eleme
 traffic stay ``O(tokens x V / R)`` instead of the ``O(tokens x V)`` of gathering the logits.
 
 Collectives, forward only (the backward is local): one all-reduce MAX of a float64
-``[N + 2R + 2]`` buffer (row maxima, each rank's vocabulary width, each rank's verdict on its
-labels' type and shape, a fingerprint of the labels) and one all-reduce SUM of a
+``[N + 2R + 8]`` buffer (row maxima, each rank's vocabulary width, each rank's verdict on its
+labels' type and shape, and +-(labels fingerprint, compute dtype, ``ignore_index``,
+``label_smoothing``): max and -min, equal iff every rank passed the same) and one all-reduce SUM of a
 ``[N, 2 or 3] + 1`` buffer (sum of exponentials, target logit, sum of logits when smoothing,
 out-of-range-label flag). Carrying the widths in the MAX all-reduce means
 the vocabulary layout never has to be passed in: any contiguous rank-ordered split works
@@ -17,7 +18,9 @@ the vocabulary layout never has to be passed in: any contiguous rank-ordered spl
 Carrying the labels' verdicts there too makes labels of the wrong shape on one rank one error on
 every rank, in the default mode as in the check mode: a rank that raised alone would leave its
 peers in the all-reduce, and its next collective would meet theirs with another size (gloo
-aborts the process).
+aborts the process). The same holds for the arguments that size or type the SUM buffer (the compute
+dtype, smoothing on or off) or decide which tokens count (``ignore_index``): agreed in the MAX
+all-reduce, a rank passing another one is one error on every rank, not an abort or a wrong loss.
 
 Source: Megatron-LM ``vocab_parallel_cross_entropy`` (Shoeybi et al., 2019, "Megatron-LM"),
 with label smoothing over the *global* vocabulary as ``torch.nn.functional.cross_entropy`` does
@@ -35,7 +38,8 @@ import torch.distributed as dist
 from .._shapes import check_split_sizes, split_offsets
 from ..comm import ledger
 from ..comm._validate import enter, expected_size, maybe_agree
-from ..errors import RankMismatchError, ShardkitError, ShardkitTypeError
+from ..errors import ShardkitError, ShardkitTypeError
+from ._loss_checks import LABELS_OK, check_labels, check_layout, check_shared, dtype_code, fingerprint, labels_verdict
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -46,8 +50,6 @@ __all__ = ["vocab_parallel_cross_entropy"]
 
 _OP = "vocab_parallel_cross_entropy"
 _REDUCTIONS = ("mean", "sum", "none")
-_PRIME = 2**31 - 1  # labels fingerprint modulus: exact in float64, no int64 overflow below 2**32 tokens
-_LABELS_OK, _LABELS_SHAPE, _LABELS_TYPE = 0, 1, 2  # a rank's verdict on its labels, MAX-reduced per rank
 
 
 def _all_reduce_(buf: torch.Tensor, g, op) -> None:
@@ -55,13 +57,6 @@ def _all_reduce_(buf: torch.Tensor, g, op) -> None:
     if g.size > 1:
         dist.all_reduce(buf, op=op, group=g.pg)
         ledger.record("all_reduce", _OP, "forward", g.size, buf.nbytes, buf.nbytes, pg=g.pg, dtype=buf.dtype)
-
-
-def _fingerprint(t: torch.Tensor) -> torch.Tensor:
-    """Position-weighted sum of the labels modulo a prime: equal on every rank iff (up to a
-    collision) the labels are, which the loss assumes but cannot see locally."""
-    pos = torch.arange(1, t.numel() + 1, device=t.device)
-    return ((t % _PRIME) * pos % _PRIME).sum() % _PRIME
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -79,18 +74,20 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
         # 1) MAX: row maxima (detached by construction: the backward below is explicit), this
         #    rank's width in slot rank and its labels' verdict in slot R + rank of the tail (0
-        #    elsewhere), and +-fingerprint (max and -min).
+        #    elsewhere), then +-(values every rank must share): max and -min.
         R = g.size
-        mx = torch.zeros(n + 2 * R + 2, dtype=torch.float64, device=z.device)
+        args = torch.tensor([dtype_code(cdt), ignore_index, smoothing], dtype=torch.float64, device=z.device)
+        shared = torch.cat([fingerprint(t).to(torch.float64).reshape(1), args])
+        mx = torch.zeros(n + 2 * R + 2 * len(shared), dtype=torch.float64, device=z.device)
         mx[:n] = z.amax(-1) if v_r else float("-inf")
         mx[n + g.rank], mx[n + R + g.rank] = v_r, verdict
-        fp = _fingerprint(t)
-        mx[n + 2 * R], mx[n + 2 * R + 1] = fp, -fp
+        mx[n + 2 * R :] = torch.cat([shared, -shared])
         _all_reduce_(mx, g, dist.ReduceOp.MAX)
-        tail = [int(v) for v in mx[n:].tolist()]  # the one host sync of the layout
-        _check_labels(tail[R : 2 * R], logits_local.shape, g)
-        widths, fp_max, fp_min = tail[:R], tail[2 * R], -tail[2 * R + 1]
-        _check_layout(widths, vocab_sizes, fp_max, fp_min, g)
+        tail = mx[n:].tolist()  # the one host sync of the layout
+        check_labels([int(v) for v in tail[R : 2 * R]], logits_local.shape, g)
+        widths, top, low = [int(v) for v in tail[:R]], tail[2 * R : 2 * R + 4], [-v for v in tail[2 * R + 4 :]]
+        check_layout(widths, vocab_sizes, g)
+        check_shared(top, low, g)
         vocab, offset = sum(widths), split_offsets(widths)[g.rank]
 
         # 2) SUM: per token [sum exp(z - m), z_target - m (owner only), sum (z - m) if smoothing]
@@ -151,51 +148,6 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return gz.to(dtype).view(shape), None, None, None, None, None, None, None
 
 
-def _labels_verdict(labels, logits_local: torch.Tensor) -> int:
-    """This rank's verdict on its own labels (a local fact its peers cannot see)."""
-    if (
-        not isinstance(labels, torch.Tensor)
-        or labels.is_floating_point()
-        or labels.is_complex()
-        or labels.dtype == torch.bool
-    ):
-        return _LABELS_TYPE
-    return _LABELS_OK if tuple(labels.shape) == tuple(logits_local.shape[:-1]) else _LABELS_SHAPE
-
-
-def _check_labels(verdicts, logits_shape, g) -> None:
-    """Checks on the all-reduced labels' verdicts: every rank sees the same values and raises alike."""
-    # The logits' leading dims only: their vocabulary dim is each rank's own, the text must not be.
-    for code, rule, noun in (
-        (_LABELS_TYPE, "be an integer tensor", "type"),
-        (_LABELS_SHAPE, f"have the logits' leading dims {tuple(logits_shape[:-1])}", "shape"),
-    ):
-        bad = [r for r in range(g.size) if verdicts[r] == code]
-        if not bad:
-            continue
-        text = f"{_OP}: labels must {rule} on every rank of the group of {g.size}; ranks {bad} pass another {noun}"
-        if code == _LABELS_TYPE:
-            raise ShardkitTypeError(text)
-        raise (ShardkitError if len(bad) == g.size else RankMismatchError)(text)
-
-
-def _check_layout(widths, vocab_sizes, fp_max, fp_min, g) -> None:
-    """Checks on the all-reduced layout: every rank sees the same values and raises alike."""
-    if vocab_sizes is not None and list(vocab_sizes) != widths:
-        bad = [r for r in range(g.size) if widths[r] != vocab_sizes[r]]
-        raise ShardkitError(
-            f"{_OP}: vocab_sizes={list(vocab_sizes)} but the ranks of the group of {g.size} hold logits of "
-            f"widths {widths} (offending ranks {bad})"
-        )
-    if sum(widths) == 0:
-        raise ShardkitError(f"{_OP}: the vocabulary is empty on all {g.size} ranks")
-    if fp_max != fp_min:
-        raise RankMismatchError(
-            f"{_OP}: labels differ across the {g.size} ranks of the group; they must be replicated "
-            "(every tensor-parallel rank needs the same targets)"
-        )
-
-
 def vocab_parallel_cross_entropy(
     logits_local: torch.Tensor,
     labels: torch.Tensor,
@@ -243,7 +195,9 @@ def vocab_parallel_cross_entropy(
             ``[0, V)`` that is not ``ignore_index``. Raised on every rank alike (the labels' type
             and shape, the last three after the collectives that make them known everywhere).
         RankMismatchError: the labels differ across ranks, or have the wrong shape on some
-            ranks only (raised on every rank after the first all-reduce, in either mode);
+            ranks only, or ranks pass logits of another compute dtype or another
+            ``ignore_index`` or ``label_smoothing`` (raised on every rank after the first
+            all-reduce, in either mode);
             (check mode) ranks disagree on the logits' dtype, leading shape or arguments.
     """
     if reduction not in _REDUCTIONS:
@@ -271,8 +225,8 @@ def vocab_parallel_cross_entropy(
         raise ShardkitError(f"{_OP}: logits_local must have a vocabulary dim, got a 0-d tensor")
     if vocab_sizes is not None:
         vocab_sizes = tuple(check_split_sizes(vocab_sizes, g.size, None, _OP))
-    verdict = _labels_verdict(labels, logits_local)
-    if verdict != _LABELS_OK:
+    verdict = labels_verdict(labels, logits_local)
+    if verdict != LABELS_OK:
         # A rank whose labels are wrong still takes part in the first all-reduce (sized by the
         # logits, which the peers share), with a stand-in and its verdict: every rank raises there.
         labels = torch.zeros(logits_local.shape[:-1], dtype=torch.int64, device=logits_local.device)
