@@ -55,7 +55,7 @@ def tp_rows(
     if last:
         if opts.loss_parallel:
             cdt = 4 if e < 4 else e
-            width = (T + 2 * t + 2) * 8  # row maxima, widths, labels verdicts, fingerprint
+            width = (T + 2 * t + 8) * 8  # row maxima, widths, labels verdicts, 4 shared values as max and -min
             add("tp", "all_reduce", "vocab_parallel_cross_entropy", "forward", t, M, width, width)
             add(
                 "tp",
