@@ -30,6 +30,8 @@ import torch
 import torch.distributed as dist
 
 from .. import apply_tp
+from ..comm._group import resolve_group
+from ..comm.agree import agree as agree_all
 from ..tensor_parallel import gather_full_grads, gather_full_state_dict
 from ._method import Record, Settings, agree, close, time_interleaved
 
@@ -244,8 +246,8 @@ def save_llama(cfg_kw: dict, pg):
     rank = dist.get_rank(pg)
     with tempfile.TemporaryDirectory(prefix="shardkit-bench-llama-") as tmp:
         mine = os.path.join(tmp, "model")
-        path: list[str | None] = [mine if rank == 0 else None]
-        dist.broadcast_object_list(path, src=dist.get_global_rank(pg, 0), group=pg)  # rank 0's folder
+        g = resolve_group(pg, "bench")
+        path = agree_all(g, "bench", None, mine if rank == 0 else None, gather=True)[:1]  # rank 0's folder
         if rank == 0:
             torch.manual_seed(0)
             tf.LlamaForCausalLM(tf.LlamaConfig(**cfg_kw, use_cache=False, tie_word_embeddings=False)).save_pretrained(

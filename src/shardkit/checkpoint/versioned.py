@@ -36,9 +36,8 @@ import re
 import shutil
 from typing import TYPE_CHECKING
 
-import torch.distributed as dist
-
 from ..comm._group import resolve_group
+from ..comm.agree import agree
 from ..errors import ShardkitError
 
 if TYPE_CHECKING:
@@ -62,12 +61,10 @@ _SAVE_NAME = re.compile(r"[a-z]+_[0-9]{8,}")  # <prefix><NNNNNNNN>: the only nam
 
 
 def broadcast_from_first(group: Group, value):
-    """Rank 0's ``value`` (a picklable object) on every rank of ``group``."""
+    """Rank 0's ``value`` (anything JSON carries; tuples come back as lists) on every rank of
+    ``group``. JSON, not pickle (:func:`~shardkit.comm.agree.agree`): a peer's bytes never run code."""
     g = resolve_group(group, "checkpoint")
-    box = [value]
-    if g.size > 1:
-        dist.broadcast_object_list(box, group=g.pg, group_src=0)
-    return box[0]
+    return agree(g, "checkpoint", None, value if g.rank == 0 else None, gather=True)[0]
 
 
 def _fsync_dir(path: str) -> None:

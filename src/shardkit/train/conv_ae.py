@@ -36,6 +36,8 @@ from torch import nn
 from .. import balanced_split_sizes
 from .._files import atomic_write
 from .._shapes import split_offsets
+from ..comm._group import resolve_group
+from ..comm.agree import agree
 
 __all__ = [
     "CROP",
@@ -141,8 +143,7 @@ def block_shard(x_full: torch.Tensor, local_size: int, group, dim: int) -> torch
     The sizes are all-gathered (one tiny collective), so the split of a layer's output (which
     the spatial layers choose) need not be the balanced split of the input.
     """
-    sizes = [0] * dist.get_world_size(group)  # filled by all_gather_object
-    dist.all_gather_object(sizes, local_size, group=group)
+    sizes = agree(resolve_group(group, "block_shard"), "block_shard", None, local_size, gather=True)
     if sum(sizes) != x_full.shape[dim]:
         raise RuntimeError(f"block_shard: local sizes {sizes} do not add up to {x_full.shape[dim]} along dim {dim}")
     return x_full.narrow(dim, split_offsets(sizes)[dist.get_rank(group)], local_size)

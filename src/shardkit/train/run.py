@@ -31,6 +31,8 @@ from ..checkpoint import load_train_state, save_train_state
 from ..checkpoint.hf_writer import hf_description, write_hf
 from ..checkpoint.lock import root_lock
 from ..comm import checks, checks_enabled, flight_recorder
+from ..comm._group import resolve_group
+from ..comm.agree import agree
 from ..errors import NonFiniteError
 from ..parallelize import ParallelModel, gather_full_parameters
 from ..parallelize.saved_bytes import activation_meter
@@ -319,10 +321,9 @@ def _train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool) ->
                 metrics.close()
         t_train = time.perf_counter() - t1
 
-    memory = [None] * dist.get_world_size()
-    dist.all_gather_object(memory, peak_memory(device))
-    saved_bytes = [None] * dist.get_world_size()
-    dist.all_gather_object(saved_bytes, run["saved_activation_bytes"])
+    world = resolve_group(dist.group.WORLD, "shardkit train")
+    gathered = agree(world, "shardkit train", None, [peak_memory(device), run["saved_activation_bytes"]], gather=True)
+    memory, saved_bytes = [m for m, _ in gathered], [s for _, s in gathered]
     outputs = spec.outputs if cfg.report is not None else None
     full_params = gather_full_parameters(pm) if cfg.verify or outputs is not None or cfg.save_hf else None
     if rank != 0:
