@@ -62,11 +62,9 @@ Source: the trainer (:mod:`shardkit.train.trainer`) and the transforms it compos
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Iterable
 
-from ..pipeline_parallel.tables import schedule_table
 from ..sharding import ParallelDims
 from ._rows import CommRow, Rows
 from ._tp import tp_rows
@@ -254,15 +252,12 @@ def _fsdp_rows(out: Rows, shape: ModelShape, dims: ParallelDims, opts: StepOptio
         out.add_total("fsdp", "all_reduce", "fully_shard", "backward", dims.dp_replicate, G, full // R, full // R)
         _expert_fsdp_rows(out, experts, expert_fsdp_ranks(dims), 1, once=True)
         return
-    full, layer_full, root = M * owned * e, M * layer_owned * e, (owned - layer_owned) * e
-    root_f, root_b = _root_gathers(dims.pp, M, stage, opts.schedule, opts.virtual_stages)
-    gathered_f, gathered_b = layer_full + root_f * root, layer_full + root_b * root
-    out.add_total(
-        "fsdp", "all_gather_single", "fully_shard", "forward", R, M * (G - 1) + root_f, gathered_f // R, gathered_f
-    )
-    out.add_total(
-        "fsdp", "all_gather_single", "fully_shard", "backward", R, M * (G - 1) + root_b, gathered_b // R, gathered_b
-    )
+    # M = 1, F/B steps: every layer is resharded after its forward and gathered again for its
+    # backward; the root (FSDP2 never reshards it after forward) only before the first forward
+    full, layer_full = M * owned * e, M * layer_owned * e
+    gathered_f = layer_full + (owned - layer_owned) * e
+    out.add_total("fsdp", "all_gather_single", "fully_shard", "forward", R, M * G, gathered_f // R, gathered_f)
+    out.add_total("fsdp", "all_gather_single", "fully_shard", "backward", R, M * (G - 1), layer_full // R, layer_full)
     out.add_total("fsdp", "reduce_scatter_single", "fully_shard", "backward", R, M * G, full, full // R)
     out.add_total("fsdp", "all_reduce", "fully_shard", "backward", dims.dp_replicate, M * G, full // R, full // R)
     _expert_fsdp_rows(out, experts, expert_fsdp_ranks(dims), M, once=False)
@@ -282,33 +277,6 @@ def _expert_fsdp_rows(out: Rows, sizes: list[int], edp: int, microbatches: int, 
     out.add_total(
         "fsdp", "reduce_scatter_single", "fully_shard", "backward", edp, n * times, full * times, shard * times
     )
-
-
-def _root_gathers(pp: int, M: int, stage: int, schedule: str, v: int = 1) -> tuple[int, int]:
-    """FSDP2 gathers of the root on a stage: (before a forward, before a backward).
-
-    Layers are resharded after every forward and backward, so they are gathered once for each.
-    The root is resharded after backward only: the step's first action gathers it, and so does
-    each action that follows a backward. Stage ``stage``'s action order is the trainer's
-    ``schedule`` table (:func:`~shardkit.pipeline_parallel.tables.schedule_table`; plain gradient
-    accumulation with ``pp`` 1: F B F B ...). A split backward ends at its ``W``.
-    """
-    return _all_root_gathers(pp, M, schedule, v)[stage]
-
-
-@functools.lru_cache(maxsize=1024)  # a pure function of small ints; plan_layouts asks it thousands of times
-def _all_root_gathers(pp: int, M: int, schedule: str, v: int) -> tuple[tuple[int, int], ...]:
-    table = schedule_table(schedule, pp, v, M) if pp > 1 else schedule_table("1f1b", 1, 1, M)
-    out = []
-    for row in table:
-        fwd = bwd = 0
-        previous = "B"  # the root starts the step sharded
-        for action in row:
-            if previous in ("B", "W"):
-                fwd, bwd = (fwd + 1, bwd) if action.kind == "F" else (fwd, bwd + 1)
-            previous = action.kind
-        out.append((fwd, bwd))
-    return tuple(out)
 
 
 def merged(rows: Iterable[CommRow]) -> dict[tuple[str, str, str, int], tuple[int, int, int]]:

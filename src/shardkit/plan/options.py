@@ -13,7 +13,7 @@ from ..errors import ShardkitError
 from ..pipeline_parallel.schedules import gpipe_schedule, one_f_one_b_schedule
 from ..sharding import ParallelDims
 from .model import ModelShape
-from .rules import decoder_layout_rule, schedule_rule, sequence_parallel_default
+from .rules import SCHEDULE_TABLES, decoder_layout_rule, schedule_rule, sequence_parallel_default
 
 __all__ = [
     "StepOptions",
@@ -160,8 +160,10 @@ def hooked_params(shape: ModelShape, dims: ParallelDims, opts: StepOptions, stag
 
 
 def fsdp_once_per_step(dims: ParallelDims, opts: StepOptions) -> bool:
-    """Whether FSDP2 gathers and reduces each group once per step (:func:`shardkit.data_parallel.set_microbatch`):
-    ``M > 1`` microbatches of gradient accumulation or of the one-chunk runner (1F1B, GPipe); the
-    chunked runner of the other schedules keeps FSDP2's per-microbatch defaults."""
-    one_chunk = dims.pp == 1 or (opts.schedule in ("1f1b", "gpipe") and opts.virtual_stages == 1)
-    return opts.microbatches > 1 and one_chunk
+    """Whether FSDP2 gathers and reduces each group once per step: with ``M > 1`` microbatches
+    (:func:`shardkit.data_parallel.set_microbatch` for accumulation and one chunk per rank; the
+    chunked runner's per-group controls, :mod:`shardkit.pipeline_parallel._fsdp_steps`), and
+    under an I/W-split schedule, whose ``I`` must see the parameters its forward used."""
+    spec = SCHEDULE_TABLES.get(opts.schedule)
+    split = dims.pp > 1 and spec is not None and spec.split_backward
+    return opts.microbatches > 1 or split

@@ -260,12 +260,6 @@ def _check_schedule(cfg: TrainConfig) -> None:
             "the peer, which chunked schedules cannot (their sends must not block); use 1f1b or gpipe with "
             "--virtual-stages 1 under --checks"
         )
-    if TABLES[cfg.schedule].split_backward and cfg.dp_shard > 1:
-        raise ShardkitError(
-            f"--schedule {cfg.schedule} splits backwards into I and W, which FSDP2 cannot follow (its "
-            f"reduce-scatter runs at I, before W's weight gradients): --dp-shard {cfg.dp_shard} needs a schedule "
-            "of F/B steps (1f1b, gpipe, interleaved-1f1b, looped-bfs)"
-        )
     if TABLES[cfg.schedule].split_backward and cfg.ac == "selective":
         raise ShardkitError(
             f"--schedule {cfg.schedule} splits backwards into I and W, and each recomputes a checkpointed block; "
