@@ -58,7 +58,14 @@ def check(overrides: dict) -> None:
     dims = parallel_dims(cfg)
     shape = ModelShape.from_config(hf_config(cfg, model_spec(cfg.model).family)[1])
     opts = StepOptions(
-        cfg.seq_len, cfg.batch_size, cfg.microbatches, cfg.dtype, cfg.sequence_parallel, cfg.loss_parallel, cfg.schedule
+        cfg.seq_len,
+        cfg.batch_size,
+        cfg.microbatches,
+        cfg.dtype,
+        cfg.sequence_parallel,
+        cfg.loss_parallel,
+        cfg.schedule,
+        virtual_stages=cfg.virtual_stages,
     )
     got_routed = want_routed = 0
     ledgers = _ledgers(cfg)
@@ -131,6 +138,18 @@ LAYOUTS_4 = {
     "llama: pp_tp=1,1 x dp_replicate=2": dict(pp_tp="1,1", dp_replicate=2, microbatches=2),
     "llama: pp=2 x dp_shard=2 (FSDP2), gpipe, 3 microbatches": dict(
         tp=1, pp=2, dp_shard=2, microbatches=3, batch_size=6, schedule="gpipe"
+    ),
+    "llama: pp=2 x dp=2, interleaved-1f1b on 2 chunks per rank": dict(
+        tp=1, pp=2, microbatches=2, schedule="interleaved-1f1b", virtual_stages=2, layers=4
+    ),
+    "llama: pp=2 x dp=2, zbv (the V's turn on the last rank is local)": dict(
+        tp=1, pp=2, microbatches=2, schedule="zbv", virtual_stages=2, layers=4
+    ),
+    "llama: pp=2 x dp_shard=2 (FSDP2), zbv": dict(
+        tp=1, pp=2, dp_shard=2, microbatches=2, schedule="zbv", virtual_stages=2, layers=4
+    ),
+    "llama: pp=2 x dp_shard=2 (FSDP2), interleaved-1f1b, 4 microbatches": dict(
+        tp=1, pp=2, dp_shard=2, microbatches=4, batch_size=8, schedule="interleaved-1f1b", virtual_stages=2, layers=4
     ),
 }
 
