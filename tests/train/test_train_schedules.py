@@ -149,7 +149,10 @@ def test_save_under_1f1b_resumes_under_interleaved_with_the_same_losses():
         (dict(pp=2, schedule="1f1b", virtual_stages=2, microbatches=2), "needs --virtual-stages 1, got 2"),
         (dict(pp=1, schedule="zbv", virtual_stages=2), "need a pipeline"),
         (dict(pp=2, schedule="zb-h1", microbatches=2, checks=True), "--checks with --schedule zb-h1"),
-        (dict(pp=2, schedule="zb-h1", microbatches=2, ac="selective"), "--ac selective replays"),
+        (
+            dict(pp=2, schedule="zb-h1", microbatches=2, ac="selective"),
+            "selective activation checkpointing allows one backward per checkpointed region",
+        ),
         (dict(pp_tp="2,1", tp=None, schedule="zb-h1", microbatches=2), "--pp-tp stages run"),
         (dict(pp=2, schedule="looped-bfs", virtual_stages=3, microbatches=2, layers=4), "cannot fill 6 chunks"),
     ],
@@ -157,3 +160,25 @@ def test_save_under_1f1b_resumes_under_interleaved_with_the_same_losses():
 def test_combinations_that_cannot_work_are_refused_naming_the_limit(overrides, message):
     with pytest.raises(ShardkitError, match=message):
         validate_config(TrainConfig(**{**SMALL, **overrides}), world_size=4)
+
+
+def test_selective_checkpointing_allows_one_backward_per_region_the_limit_zero_bubble_meets():
+    """Why I/W schedules refuse ``--ac selective``: after ``I`` (a backward to the input that keeps
+    the graph), ``W``'s pass to the weights recomputes the checkpointed region again, and torch's
+    selective checkpointing refuses a second backward through one region. Fails (and the refusal
+    can go) once torch allows it."""
+    import functools
+
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    def keep_matmuls(ctx, func, *args, **kwargs):
+        saved = func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+        return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+    lin = torch.nn.Linear(3, 3, dtype=torch.float64)
+    x = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+    contexts = functools.partial(create_selective_checkpoint_contexts, keep_matmuls)
+    y = checkpoint(lambda t: torch.tanh(lin(torch.tanh(lin(t)))), x, use_reentrant=False, context_fn=contexts)
+    torch.autograd.grad(y.sum(), x, retain_graph=True)  # I
+    with pytest.raises(RuntimeError, match="backward an extra time"):
+        torch.autograd.grad(y.sum(), list(lin.parameters()))  # W

@@ -111,7 +111,14 @@ def check_layout(shape: ModelShape, dims: ParallelDims, opts: StepOptions) -> No
         kv_heads=shape.kv_heads,
         layers=shape.layers,
         experts=shape.experts,
-    ) or schedule_rule(opts.schedule, dims.pp, opts.virtual_stages, opts.microbatches, shape.layers)
+    ) or schedule_rule(
+        opts.schedule,
+        dims.pp,
+        opts.virtual_stages,
+        opts.microbatches,
+        shape.layers,
+        activation_checkpoint=opts.activation_checkpoint,
+    )
     if why is not None:
         raise ShardkitError(f"plan: {dims.describe()}: {why}")
 

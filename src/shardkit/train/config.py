@@ -19,7 +19,6 @@ from pathlib import Path
 from ..checkpoint.hf_writer import check_out_dir
 from ..errors import ShardkitError
 from ..parallelize.mixed_precision import check_mixed_precision
-from ..pipeline_parallel.tables import SCHEDULES as TABLES
 from ..plan.rules import batch_rule, schedule_rule
 from ..sharding import ParallelDims
 from .options import DTYPES, LR_SCHEDULES, SCHEDULES, SIZE_FLAGS, TrainConfig, parse_pp_tp
@@ -260,11 +259,6 @@ def _check_schedule(cfg: TrainConfig) -> None:
             "the peer, which chunked schedules cannot (their sends must not block); use 1f1b or gpipe with "
             "--virtual-stages 1 under --checks"
         )
-    if TABLES[cfg.schedule].split_backward and cfg.ac == "selective":
-        raise ShardkitError(
-            f"--schedule {cfg.schedule} splits backwards into I and W, and each recomputes a checkpointed block; "
-            "--ac selective replays its kept results once per block: use --ac full or none with it"
-        )
     if cfg.pp_tp is not None and not simple:
         raise ShardkitError(
             f"--pp-tp stages run --schedule 1f1b or gpipe with --virtual-stages 1, got {cfg.schedule} with {v}"
@@ -273,7 +267,7 @@ def _check_schedule(cfg: TrainConfig) -> None:
     # model's layer count is checked when its stages are cut (chunk_layers)
     # layers vs chunks only for v > 1 (one chunk per rank: the pipeline's own layer rule, later)
     layers = cfg.layers if cfg.model_path is None and v > 1 else pp * v
-    why = schedule_rule(cfg.schedule, pp, v, cfg.microbatches, layers)
+    why = schedule_rule(cfg.schedule, pp, v, cfg.microbatches, layers, activation_checkpoint=cfg.ac)
     if why is not None:
         raise ShardkitError(why)
 
