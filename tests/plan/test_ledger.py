@@ -163,6 +163,9 @@ def test_plan_equals_ledger(overrides):
 LAYOUTS_8 = {
     "llama: dp=2 x pp=2 x tp=2 (SP)": dict(pp=2, tp=2, microbatches=2, batch_size=8),
     "qwen2: pp=2 x cp_ring=2 x tp=2": dict(model="qwen2", pp=2, cp_ring=2, tp=2, microbatches=2, seq_len=32),
+    "llama: pp=4 x dp_shard=2 (FSDP2), zbv (middle stages: both chunks talk, no root group)": dict(
+        tp=1, pp=4, dp_shard=2, microbatches=4, batch_size=8, schedule="zbv", virtual_stages=2, layers=8
+    ),
 }
 
 
