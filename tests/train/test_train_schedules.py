@@ -70,6 +70,9 @@ COMPOSED = {
     "looped-bfs: moe pp=2 x dp_shard=2, ep=2": dict(name="looped-bfs", model="moe", dp_shard=2, ep=2),
     "zbv: pp=2 x dp_shard=2 (FSDP2 reduced after the last W)": dict(name="zbv", dp_shard=2),
     "dualpipev: pp=2 x dp_shard=2 (FSDP2 reduced after the last W)": dict(name="dualpipev", dp_shard=2),
+    "zb-h1: pp=2 x dp_shard=2, --ac full (FSDP2, I/W split, recomputed twice)": dict(
+        name="zb-h1", dp_shard=2, ac="full"
+    ),
     "zb-h1: moe pp=2 x tp=2, ep=2 (I/W split)": dict(name="zb-h1", model="moe", tp=2, ep=2),
     "zbv: qwen2 pp=2 x cp_ring=2 (I/W split)": dict(name="zbv", model="qwen2", cp_ring=2, seq_len=32),
     "zbv: pp=2 x cp_ulysses=2 (I/W split)": dict(name="zbv", cp_ulysses=2),

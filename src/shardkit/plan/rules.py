@@ -134,8 +134,9 @@ def schedule_rule(
         ``--ac selective``: ``W``'s autograd pass recomputes each checkpointed block a second
         time (the first was ``I``'s), and torch's selective activation checkpointing allows one
         backward per checkpointed region (its kept op outputs are consumed by the first
-        recompute; "Trying to backward an extra time"), so only ``full`` (which recomputes
-        everything, twice, exactly) or ``none`` run there.
+        recompute; "Trying to backward an extra time"; shardkit's own replay of the kept
+        collectives, :class:`~shardkit.parallelize.checkpointing.CollectiveReplay`, is one-shot
+        too), so only ``full`` (which recomputes everything, twice, exactly) or ``none`` run there.
     """
     if schedule not in SCHEDULE_TABLES:
         return f"--schedule must be one of {', '.join(SCHEDULE_TABLES)}, got {schedule!r}"
