@@ -247,13 +247,3 @@ def test_p2p_rows_cross_every_rank_boundary_v_times_and_the_v_turn_is_local():
         for s in (0, 3)
     )
     assert v0["params"] > v3["params"]
-
-
-def test_split_schedules_refuse_selective_ac_in_the_planner_too():
-    why = schedule_rule("zbv", 2, 2, 4, 4, activation_checkpoint="selective")
-    assert why is not None and "allows one backward per checkpointed region" in why
-    assert schedule_rule("zbv", 2, 2, 4, 4, activation_checkpoint="full") is None
-    assert schedule_rule("interleaved-1f1b", 2, 2, 4, 4, activation_checkpoint="selective") is None
-    opts = StepOptions(16, 8, 4, "float32", schedule="zb-h1", activation_checkpoint="selective")
-    with pytest.raises(ShardkitError, match="--schedule zb-h1 splits backwards"):
-        estimate_step(ModelShape.from_config(TINY), ParallelDims(pp=2, world_size=2), opts, Cluster(gpus=2))

@@ -53,6 +53,13 @@ def test_schedule_verifies_at_pp2(name):
     _run_schedule(name, 2)
 
 
+@pytest.mark.world(2, timeout=180)
+def test_zero_bubble_verifies_with_selective_ac():
+    """--ac selective under an I/W split: each block recomputes at I and again at W; the second
+    recompute gets the kept outputs from the first (torch's SAC hands them back once)."""
+    _run_schedule("zbv", 2, ac="selective")
+
+
 @pytest.mark.slow
 @pytest.mark.world(4, timeout=300)
 @pytest.mark.parametrize("name", list(V))
@@ -72,6 +79,9 @@ COMPOSED = {
     "dualpipev: pp=2 x dp_shard=2 (FSDP2 reduced after the last W)": dict(name="dualpipev", dp_shard=2),
     "zb-h1: pp=2 x dp_shard=2, --ac full (FSDP2, I/W split, recomputed twice)": dict(
         name="zb-h1", dp_shard=2, ac="full"
+    ),
+    "zbv: pp=2 x tp=2 (SP), --ac selective (recomputed at I and again at W, collectives replayed)": dict(
+        name="zbv", tp=2, ac="selective"
     ),
     "zb-h1: moe pp=2 x tp=2, ep=2 (I/W split)": dict(name="zb-h1", model="moe", tp=2, ep=2),
     "zbv: qwen2 pp=2 x cp_ring=2 (I/W split)": dict(name="zbv", model="qwen2", cp_ring=2, seq_len=32),
@@ -152,10 +162,6 @@ def test_save_under_1f1b_resumes_under_interleaved_with_the_same_losses():
         (dict(pp=2, schedule="1f1b", virtual_stages=2, microbatches=2), "needs --virtual-stages 1, got 2"),
         (dict(pp=1, schedule="zbv", virtual_stages=2), "need a pipeline"),
         (dict(pp=2, schedule="zb-h1", microbatches=2, checks=True), "--checks with --schedule zb-h1"),
-        (
-            dict(pp=2, schedule="zb-h1", microbatches=2, ac="selective"),
-            "selective activation checkpointing allows one backward per checkpointed region",
-        ),
         (dict(pp_tp="2,1", tp=None, schedule="zb-h1", microbatches=2), "--pp-tp stages run"),
         (dict(pp=2, schedule="looped-bfs", virtual_stages=3, microbatches=2, layers=4), "cannot fill 6 chunks"),
     ],
@@ -165,11 +171,12 @@ def test_combinations_that_cannot_work_are_refused_naming_the_limit(overrides, m
         validate_config(TrainConfig(**{**SMALL, **overrides}), world_size=4)
 
 
-def test_selective_checkpointing_allows_one_backward_per_region_the_limit_zero_bubble_meets():
-    """Why I/W schedules refuse ``--ac selective``: after ``I`` (a backward to the input that keeps
+def test_selective_checkpointing_alone_allows_one_backward_per_region():
+    """Why shardkit's selective recompute keeps its own copy of the kept outputs
+    (``parallelize.checkpointing._KeptOutputs``): after ``I`` (a backward to the input that keeps
     the graph), ``W``'s pass to the weights recomputes the checkpointed region again, and torch's
-    selective checkpointing refuses a second backward through one region. Fails (and the refusal
-    can go) once torch allows it."""
+    selective checkpointing alone refuses a second backward through one region. Fails (and the
+    copy can go) once torch allows it."""
     import functools
 
     from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts

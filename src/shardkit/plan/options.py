@@ -111,14 +111,7 @@ def check_layout(shape: ModelShape, dims: ParallelDims, opts: StepOptions) -> No
         kv_heads=shape.kv_heads,
         layers=shape.layers,
         experts=shape.experts,
-    ) or schedule_rule(
-        opts.schedule,
-        dims.pp,
-        opts.virtual_stages,
-        opts.microbatches,
-        shape.layers,
-        activation_checkpoint=opts.activation_checkpoint,
-    )
+    ) or schedule_rule(opts.schedule, dims.pp, opts.virtual_stages, opts.microbatches, shape.layers)
     if why is not None:
         raise ShardkitError(f"plan: {dims.describe()}: {why}")
 

@@ -112,9 +112,7 @@ def pp_layers_rule(layers: int, pp: int) -> str | None:
     return None
 
 
-def schedule_rule(
-    schedule: str, pp: int, virtual_stages: int, microbatches: int, layers: int, *, activation_checkpoint: str = "none"
-) -> str | None:
+def schedule_rule(schedule: str, pp: int, virtual_stages: int, microbatches: int, layers: int) -> str | None:
     """The pipeline schedule's limits (:data:`shardkit.pipeline_parallel.tables.SCHEDULES`).
 
     Args:
@@ -123,20 +121,13 @@ def schedule_rule(
         virtual_stages: ``--virtual-stages`` ``v``, chunks per pipeline rank.
         microbatches: ``m`` per data-parallel rank.
         layers: decoder layers, cut into ``p x v`` chunks.
-        activation_checkpoint: ``--ac`` (``none``, ``full``, ``selective``).
 
     Returns:
         None, or the refusal: an unknown schedule; ``v`` outside the schedule's range (``1f1b``,
         ``gpipe``, ``zb-h1``: 1; ``interleaved-1f1b``: >= 2; ``looped-bfs``: >= 1; ``zbv``,
         ``dualpipev``: 2) or ``v > 1`` without a pipeline; fewer microbatches than the table
         needs (``interleaved-1f1b``: ``m >= p`` and ``p | m``, Megatron-LM's rule; ``dualpipev``:
-        ``m >= 2p``); fewer layers than chunks (``layers >= p x v``); an I/W-split schedule with
-        ``--ac selective``: ``W``'s autograd pass recomputes each checkpointed block a second
-        time (the first was ``I``'s), and torch's selective activation checkpointing allows one
-        backward per checkpointed region (its kept op outputs are consumed by the first
-        recompute; "Trying to backward an extra time"; shardkit's own replay of the kept
-        collectives, :class:`~shardkit.parallelize.checkpointing.CollectiveReplay`, is one-shot
-        too), so only ``full`` (which recomputes everything, twice, exactly) or ``none`` run there.
+        ``m >= 2p``); fewer layers than chunks (``layers >= p x v``).
     """
     if schedule not in SCHEDULE_TABLES:
         return f"--schedule must be one of {', '.join(SCHEDULE_TABLES)}, got {schedule!r}"
@@ -151,13 +142,6 @@ def schedule_rule(
     if virtual_stages < lo or (hi is not None and virtual_stages > hi):
         want = str(lo) if lo == hi else f">= {lo}" if hi is None else f"in {lo}..{hi}"
         return f"--schedule {schedule} needs --virtual-stages {want}, got {virtual_stages}"
-    if spec.split_backward and activation_checkpoint == "selective":
-        return (
-            f"--schedule {schedule} splits backwards into I and W, and W's autograd pass recomputes each "
-            "checkpointed block a second time; torch's selective activation checkpointing allows one backward "
-            "per checkpointed region (the first recompute, at I, consumes its kept op outputs): use --ac full "
-            "(recomputes the whole block, exact) or --ac none with it"
-        )
     if schedule == "interleaved-1f1b" and (microbatches < pp or microbatches % pp):
         return (
             f"--schedule interleaved-1f1b with --pp {pp}: microbatches must be a multiple of pp "

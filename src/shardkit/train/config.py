@@ -267,7 +267,7 @@ def _check_schedule(cfg: TrainConfig) -> None:
     # model's layer count is checked when its stages are cut (chunk_layers)
     # layers vs chunks only for v > 1 (one chunk per rank: the pipeline's own layer rule, later)
     layers = cfg.layers if cfg.model_path is None and v > 1 else pp * v
-    why = schedule_rule(cfg.schedule, pp, v, cfg.microbatches, layers, activation_checkpoint=cfg.ac)
+    why = schedule_rule(cfg.schedule, pp, v, cfg.microbatches, layers)
     if why is not None:
         raise ShardkitError(why)
 
