@@ -80,6 +80,9 @@ COMPOSED = {
     "zb-h1: pp=2 x dp_shard=2, --ac full (FSDP2, I/W split, recomputed twice)": dict(
         name="zb-h1", dp_shard=2, ac="full"
     ),
+    "zbv: pp=2 x dp_shard=2, --ac selective (FSDP2 gathered until the last W's recompute)": dict(
+        name="zbv", dp_shard=2, ac="selective"
+    ),
     "zbv: pp=2 x tp=2 (SP), --ac selective (recomputed at I and again at W, collectives replayed)": dict(
         name="zbv", tp=2, ac="selective"
     ),
