@@ -145,6 +145,13 @@ LAYOUTS_4 = {
     "llama: pp=2 x dp=2, zbv (the V's turn on the last rank is local)": dict(
         tp=1, pp=2, microbatches=2, schedule="zbv", virtual_stages=2, layers=4
     ),
+    "llama: pp=2 x dp=2, looped-bfs on 2 chunks per rank": dict(
+        tp=1, pp=2, microbatches=2, schedule="looped-bfs", virtual_stages=2, layers=4
+    ),
+    "llama: pp=2 x dp=2, zb-h1": dict(tp=1, pp=2, microbatches=2, schedule="zb-h1"),
+    "llama: pp=2 x dp_shard=2 (FSDP2), dualpipev, 4 microbatches": dict(
+        tp=1, pp=2, dp_shard=2, microbatches=4, batch_size=8, schedule="dualpipev", virtual_stages=2, layers=4
+    ),
     "llama: pp=2 x dp_shard=2 (FSDP2), zbv": dict(
         tp=1, pp=2, dp_shard=2, microbatches=2, schedule="zbv", virtual_stages=2, layers=4
     ),
