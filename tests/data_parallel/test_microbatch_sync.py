@@ -24,9 +24,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness.helpers import rank, world_size
+from harness.helpers import get_mesh, rank, world_size
 from shardkit import CommLedger
 from shardkit.data_parallel import set_microbatch
+from shardkit.data_parallel.microbatches import reduce_outside_autograd, set_group_sync
 from shardkit.errors import ShardkitError
 from shardkit.train.config import TrainConfig, validate_config
 from shardkit.train.run import train
@@ -46,10 +47,14 @@ def _run(overrides: dict) -> tuple[list[Counter], dict | None]:
     return everyone, result
 
 
-def _groups(overrides: dict) -> int:
-    """FSDP2 parameter groups of one rank: its stage's decoder layers (stages split them evenly
-    here) and the root."""
-    return LAYERS // overrides.get("pp", 1) + 1
+def _groups(overrides: dict, r: int = 0) -> int:
+    """FSDP2 parameter groups of world rank ``r``: its stage's decoder layers (stages split them
+    evenly here) and the root, which holds parameters on every stage of one chunk per rank
+    (the embedding or the head, or both) and on stage 0 alone under a V (it holds both ends)."""
+    pp = overrides.get("pp", 1)
+    stage = r // (world_size() // pp)  # the mesh's pp axis comes first
+    root = stage == 0 or overrides.get("schedule") not in ("zbv", "dualpipev")
+    return overrides.get("layers", LAYERS) // pp + root
 
 
 def _check_parity(result: dict | None, counts: list[Counter]) -> None:
@@ -68,6 +73,13 @@ def _check_parity(result: dict | None, counts: list[Counter]) -> None:
 ONCE = {
     "pp=2 x dp_shard=2, 1f1b, 4 microbatches": dict(pp=2, dp_shard=2, microbatches=4, batch_size=8),
     "pp=2 x dp_shard=2, gpipe, 4 microbatches": dict(pp=2, dp_shard=2, microbatches=4, batch_size=8, schedule="gpipe"),
+    "pp=2 x dp_shard=2, interleaved-1f1b on 2 chunks per rank": dict(
+        pp=2, dp_shard=2, microbatches=4, batch_size=8, schedule="interleaved-1f1b", virtual_stages=2, layers=4
+    ),
+    "pp=2 x dp_shard=2, zbv (V, I/W split)": dict(
+        pp=2, dp_shard=2, microbatches=4, batch_size=8, schedule="zbv", virtual_stages=2, layers=4
+    ),
+    "pp=2 x dp_shard=2, zb-h1 (I/W split)": dict(pp=2, dp_shard=2, microbatches=4, batch_size=8, schedule="zb-h1"),
     "HSDP dp_replicate=2 x dp_shard=2, 4 microbatches": dict(dp_shard=2, microbatches=4, batch_size=16),
     "dp_shard=4, 4 accumulated microbatches": dict(dp_shard=4, microbatches=4, batch_size=16),
 }
@@ -80,7 +92,7 @@ def test_fsdp_gathers_and_reduces_once_per_step(overrides):
     _check_parity(result, counts)
     hsdp = overrides.get("pp", 1) == 1 and overrides["dp_shard"] < world_size()
     for r, got in enumerate(counts):
-        g = _groups(overrides) * STEPS
+        g = _groups(overrides, r) * STEPS
         want = Counter({("all_gather_single", "forward"): g, ("reduce_scatter_single", "backward"): g})
         if hsdp:
             want[("all_reduce", "backward")] = g
@@ -88,33 +100,47 @@ def test_fsdp_gathers_and_reduces_once_per_step(overrides):
 
 
 @pytest.mark.world(8, timeout=300)
-def test_hsdp_under_pipeline_gathers_and_reduces_once_per_step():
-    # pp=2 x dp_replicate=2 x dp_shard=2: HSDP's all-reduce over dp_replicate once per step too
-    overrides = dict(pp=2, dp_shard=2, microbatches=4, batch_size=16)
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_hsdp_under_pipeline_gathers_and_reduces_once_per_step(schedule):
+    # pp=2 x dp_replicate=2 x dp_shard=2: HSDP's all-reduce over dp_replicate once per step too,
+    # on one chunk per rank and on a V of two chunks with the I/W split
+    overrides = dict(pp=2, dp_shard=2, microbatches=4, batch_size=16, schedule=schedule)
+    if schedule == "zbv":
+        overrides.update(virtual_stages=2, layers=4)
     counts, result = _run(overrides)
     _check_parity(result, counts)
-    g = _groups(overrides) * STEPS
-    want = Counter(
-        {("all_gather_single", "forward"): g, ("reduce_scatter_single", "backward"): g, ("all_reduce", "backward"): g}
-    )
     for r, got in enumerate(counts):
+        g = _groups(overrides, r) * STEPS
+        want = Counter(
+            {
+                ("all_gather_single", "forward"): g,
+                ("reduce_scatter_single", "backward"): g,
+                ("all_reduce", "backward"): g,
+            }
+        )
         assert got == want, (r, dict(got), dict(want))
 
 
 @pytest.mark.world(4, timeout=240)
-def test_fsdp_without_policy_gathers_per_microbatch():
-    # The counts above come from set_microbatch: switched off, the same pipelined run gathers
-    # every layer for each forward and backward and reduces after each backward.
-    overrides = ONCE["pp=2 x dp_shard=2, 1f1b, 4 microbatches"]
+@pytest.mark.parametrize(
+    "name", ["pp=2 x dp_shard=2, 1f1b, 4 microbatches", "pp=2 x dp_shard=2, interleaved-1f1b on 2 chunks per rank"]
+)
+def test_fsdp_without_policy_gathers_per_microbatch(name):
+    # The counts above come from set_microbatch (one chunk per rank) and the chunked runner's
+    # FsdpSteps: switched off, the same pipelined run gathers every layer for each forward and
+    # backward and reduces after each backward.
+    overrides = ONCE[name]
     with (
         mock.patch("shardkit.train.trainer.set_microbatch"),
         mock.patch("shardkit.pipeline_parallel.runner.set_microbatch"),
+        mock.patch("shardkit.pipeline_parallel._chunk_exec.fsdp_steps", return_value=None),
     ):
         counts, result = _run(overrides)
     _check_parity(result, counts)
-    for got in counts:
-        assert got[("reduce_scatter_single", "backward")] == 4 * 2 * STEPS  # M x groups x steps
-        assert got[("all_gather_single", "backward")] >= 4 * STEPS  # the layer, before each backward
+    layers = overrides.get("layers", LAYERS) // 2
+    for r, got in enumerate(counts):
+        assert got[("reduce_scatter_single", "backward")] == 4 * _groups(overrides, r) * STEPS  # M x groups x steps
+        assert got[("all_gather_single", "backward")] >= 4 * layers * STEPS  # each layer, before each backward
 
 
 @pytest.mark.world(4, timeout=240)
@@ -146,3 +172,29 @@ def test_replicated_dp_reduces_once_per_step():
 def test_set_microbatch_rejects_bad_positions(index, count):
     with pytest.raises(ShardkitError, match="set_microbatch"):
         set_microbatch(torch.nn.Linear(2, 2), index, count)
+
+
+@pytest.mark.world(2, timeout=60)
+def test_reduce_outside_autograd_reduces_what_w_added_after_the_backward():
+    """The one private FSDP2 name shardkit uses (FSDP2's end-of-backward callback, behind
+    reduce_outside_autograd): a gradient added into ``.grad`` after the backward, as the
+    zero-bubble W adds it, is reduced (the mean over the ranks) when it is called, not before.
+    Fails if torch renames or changes the callback."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    torch.manual_seed(0)
+    mod = fully_shard(torch.nn.Linear(4, 4, bias=False, dtype=torch.float64), mesh=get_mesh((2,), ("dp",)))
+    gen = torch.Generator().manual_seed(3)
+    xs = [torch.randn(3, 4, generator=gen, dtype=torch.float64) for _ in range(2)]
+    extras = [torch.full((4, 4), float(r + 1), dtype=torch.float64) for r in range(2)]
+    set_group_sync(mod, False)
+    mod(xs[rank()]).sum().backward()  # sync off: the gradient stays unsharded, unreduced
+    assert not isinstance(mod.weight, DTensor) and mod.weight.grad is not None
+    mod.weight.grad.add_(extras[rank()])  # what W adds after its autograd pass
+    set_group_sync(mod, True)
+    reduce_outside_autograd(mod)
+    assert isinstance(mod.weight, DTensor)  # resharded, its gradient reduced
+    want = sum(x.sum(0).expand(4, 4) + e for x, e in zip(xs, extras)) / 2
+    got = mod.weight.grad.full_tensor()
+    assert torch.allclose(got, want, rtol=1e-12, atol=1e-12), (got, want)

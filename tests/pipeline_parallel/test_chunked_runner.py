@@ -7,17 +7,20 @@ and its chunks' parameter gradients with one process's backprop of the mean micr
 """
 
 import copy
+import warnings
 
 import pytest
 import torch
 from torch import nn
 
-from harness.helpers import all_true, rank, world_group, world_size
+from harness.helpers import all_true, get_mesh, rank, world_group, world_size
 from shardkit.comm import CommLedger
 from shardkit.errors import ShardkitError
 from shardkit.pipeline_parallel import ChunkedStage, chunk_layers, run_schedule, split_microbatches
 from shardkit.pipeline_parallel._chunk_exec import backend_error
+from shardkit.pipeline_parallel._fsdp_steps import last_backwards
 from shardkit.pipeline_parallel.simulate import fifo_mismatches, transfers
+from shardkit.pipeline_parallel.steps import Step
 from shardkit.pipeline_parallel.tables import SCHEDULES, schedule_table
 
 H, LAYERS = 4, 9
@@ -174,18 +177,50 @@ def test_chunked_stage_refuses_bad_arguments_on_every_rank():
         ChunkedStage([nn.Identity()], g)
 
 
-@pytest.mark.world(2, timeout=60)
-def test_fsdp2_modules_refuse_the_iw_split_on_every_rank():
-    """FSDP2 reduce-scatters at I, before W's weight gradients: zero-bubble tables are refused on
-    FSDP2 modules (F/B tables run)."""
-    from torch.distributed.device_mesh import init_device_mesh
+@pytest.mark.world(4, timeout=120)
+@pytest.mark.parametrize(("name", "v"), [("zb-h1", 1), ("zbv", 2), ("interleaved-1f1b", 2)])
+def test_fsdp2_chunks_equal_full_batch_backprop(name, v):
+    """pp 2 x dp 2, every chunk its own FSDP2 root over dp with its layers as groups: the I/W
+    split included, each group reduces once per step after its chunk's last B or W
+    (:mod:`shardkit.pipeline_parallel._fsdp_steps`), and the reduced gradients are the mean over
+    the dp ranks' microbatches of one process's backprop (float64, 1e-12)."""
     from torch.distributed.fsdp import fully_shard
 
-    mod = fully_shard(nn.Linear(H, H, dtype=torch.float64), mesh=init_device_mesh("cpu", (2,)))
-    stage = ChunkedStage([mod], world_group(), loss_fn=_mse)
-    xs, ts = _data(2, varlen=False)
-    with pytest.raises(ShardkitError, match="FSDP2 .fully_shard. modules cannot run the I/W split"):
-        run_schedule(stage, "zb-h1", xs, ts, num_microbatches=2)
+    mesh = get_mesh((2, 2), ("pp", "dp"))
+    pp, dp, m = mesh.get_local_rank("pp"), mesh.get_local_rank("dp"), 2
+    placement = SCHEDULES[name].placement
+    full = _model()
+    xs, ts = _data(2 * m, varlen=False)
+    full.zero_grad()
+    (sum(_mse(full(x), t) for x, t in zip(xs, ts)) / (2 * m)).backward()
+    mine = copy.deepcopy(_chunks(full, 2, v, placement, pp))
+    for chunk in mine:
+        for layer in chunk:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh["dp"])
+        fully_shard(chunk, mesh=mesh["dp"])
+    stage = ChunkedStage(mine, mesh["pp"], placement=placement, loss_fn=_mse)
+    with warnings.catch_warnings():  # nn.Linear on [B, S, H] returns a view; nothing here writes into it
+        warnings.filterwarnings("ignore", "FSDP2-wrapped module")
+        run_schedule(stage, name, xs[dp * m : (dp + 1) * m], ts[dp * m : (dp + 1) * m], num_microbatches=m)
+    ok = True
+    for mod, ref in zip(mine, _chunks(full, 2, v, placement, pp), strict=True):
+        for a, b in zip(mod.parameters(), ref.parameters(), strict=True):
+            ok &= a.grad is not None and _close(a.grad.full_tensor(), b.grad)
+    assert all_true(ok), (name, rank())
+
+
+def test_last_backwards_finds_each_groups_last_b_or_w():
+    """Each FSDP2 group reduces after the last B, I or W of a chunk running through it (pure)."""
+    row = (Step("F", 0, 0), Step("F", 0, 1), Step("I", 0, 1), Step("B", 0, 0), Step("W", 0, 1), Step("F", 1, 0))
+    assert last_backwards(row, [frozenset({0}), frozenset({1}), frozenset({0, 1}), frozenset()]) == (3, 4, 4, None)
+    for name, v in (("interleaved-1f1b", 2), ("zbv", 2), ("zb-h1", 1)):
+        for row in schedule_table(name, 2, v, 4):
+            ends = last_backwards(row, [frozenset({c}) for c in range(v)] + [frozenset(range(v))])
+            for c, i in enumerate(ends[:v]):  # a chunk's last backward step: its last microbatch's B or W
+                assert row[i] == Step("W" if SCHEDULES[name].split_backward else "B", row[i].microbatch, c)
+                assert not any(s.kind != "F" and s.chunk == c for s in row[i + 1 :])
+            assert ends[v] == max(ends[:v]) == max(i for i, s in enumerate(row) if s.kind != "F")  # the root
 
 
 def test_nccl_is_refused_until_the_step_exchange_is_batched():

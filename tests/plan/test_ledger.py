@@ -58,7 +58,14 @@ def check(overrides: dict) -> None:
     dims = parallel_dims(cfg)
     shape = ModelShape.from_config(hf_config(cfg, model_spec(cfg.model).family)[1])
     opts = StepOptions(
-        cfg.seq_len, cfg.batch_size, cfg.microbatches, cfg.dtype, cfg.sequence_parallel, cfg.loss_parallel, cfg.schedule
+        cfg.seq_len,
+        cfg.batch_size,
+        cfg.microbatches,
+        cfg.dtype,
+        cfg.sequence_parallel,
+        cfg.loss_parallel,
+        cfg.schedule,
+        virtual_stages=cfg.virtual_stages,
     )
     got_routed = want_routed = 0
     ledgers = _ledgers(cfg)
@@ -132,6 +139,25 @@ LAYOUTS_4 = {
     "llama: pp=2 x dp_shard=2 (FSDP2), gpipe, 3 microbatches": dict(
         tp=1, pp=2, dp_shard=2, microbatches=3, batch_size=6, schedule="gpipe"
     ),
+    "llama: pp=2 x dp=2, interleaved-1f1b on 2 chunks per rank": dict(
+        tp=1, pp=2, microbatches=2, schedule="interleaved-1f1b", virtual_stages=2, layers=4
+    ),
+    "llama: pp=2 x dp=2, zbv (the V's turn on the last rank is local)": dict(
+        tp=1, pp=2, microbatches=2, schedule="zbv", virtual_stages=2, layers=4
+    ),
+    "llama: pp=2 x dp=2, looped-bfs on 2 chunks per rank": dict(
+        tp=1, pp=2, microbatches=2, schedule="looped-bfs", virtual_stages=2, layers=4
+    ),
+    "llama: pp=2 x dp=2, zb-h1": dict(tp=1, pp=2, microbatches=2, schedule="zb-h1"),
+    "llama: pp=2 x dp_shard=2 (FSDP2), dualpipev, 4 microbatches": dict(
+        tp=1, pp=2, dp_shard=2, microbatches=4, batch_size=8, schedule="dualpipev", virtual_stages=2, layers=4
+    ),
+    "llama: pp=2 x dp_shard=2 (FSDP2), zbv": dict(
+        tp=1, pp=2, dp_shard=2, microbatches=2, schedule="zbv", virtual_stages=2, layers=4
+    ),
+    "llama: pp=2 x dp_shard=2 (FSDP2), interleaved-1f1b, 4 microbatches": dict(
+        tp=1, pp=2, dp_shard=2, microbatches=4, batch_size=8, schedule="interleaved-1f1b", virtual_stages=2, layers=4
+    ),
 }
 
 
@@ -144,6 +170,9 @@ def test_plan_equals_ledger(overrides):
 LAYOUTS_8 = {
     "llama: dp=2 x pp=2 x tp=2 (SP)": dict(pp=2, tp=2, microbatches=2, batch_size=8),
     "qwen2: pp=2 x cp_ring=2 x tp=2": dict(model="qwen2", pp=2, cp_ring=2, tp=2, microbatches=2, seq_len=32),
+    "llama: pp=4 x dp_shard=2 (FSDP2), zbv (middle stages: both chunks talk, no root group)": dict(
+        tp=1, pp=4, dp_shard=2, microbatches=4, batch_size=8, schedule="zbv", virtual_stages=2, layers=8
+    ),
 }
 
 

@@ -213,3 +213,37 @@ def test_the_old_schedules_name_still_works_and_warns():
     with pytest.warns(DeprecationWarning, match="shardkit.pipeline_parallel.tables.SCHEDULES"):
         old = options.SCHEDULES
     assert set(old) == {"1f1b", "gpipe"} and old["1f1b"] is one_f_one_b_schedule
+
+
+def test_p2p_rows_cross_every_rank_boundary_v_times_and_the_v_turn_is_local():
+    from shardkit.plan.collectives import merged, step_collectives
+
+    shape, dims = ModelShape.from_config(TINY), ParallelDims(pp=4, world_size=4)
+    act = 1 * 16 * 64 * 4 + 160  # one microbatch's [b, S, H] float32 and its header
+
+    def p2p(schedule, v, stage):
+        opts = StepOptions(16, 8, 8, "float32", schedule=schedule, virtual_stages=v)
+        rows = merged(step_collectives(shape, dims, opts, stage))
+        return {(k[0], k[2]): (c, s + r) for k, (c, s, r) in rows.items() if k[1] == "p2p"}
+
+    # interleaved v = 2: stage 0 receives into chunk 4 only (chunk 0 takes the data) and sends
+    # from chunks 0 and 4; the last stage the mirror; 8 microbatches per channel, 9 messages
+    assert p2p("interleaved-1f1b", 2, 0) == {
+        ("send", "forward"): (2 * 9, 2 * 8 * act),
+        ("recv", "backward"): (2 * 9, 2 * 8 * act),
+        ("recv", "forward"): (9, 8 * act),
+        ("send", "backward"): (9, 8 * act),
+    }
+    assert p2p("interleaved-1f1b", 2, 3)[("send", "forward")] == (9, 8 * act)
+    # the V: the middle stages talk both ways on both chunks, the ends on one (stage 3 turns
+    # chunk 3 into chunk 4 locally, stage 0 holds the data and the loss)
+    for stage, n in ((0, 1), (1, 2), (2, 2), (3, 1)):
+        assert p2p("zbv", 2, stage) == {
+            (op, phase): (n * 9, n * 8 * act) for op in ("send", "recv") for phase in ("forward", "backward")
+        }, stage
+    # and the V's ends: stage 0 holds the embedding and the head, stage 3 neither
+    v0, v3 = (
+        memory_per_rank(shape, dims, StepOptions(16, 8, 8, "float32", schedule="zbv", virtual_stages=2), s)
+        for s in (0, 3)
+    )
+    assert v0["params"] > v3["params"]

@@ -53,6 +53,13 @@ def test_schedule_verifies_at_pp2(name):
     _run_schedule(name, 2)
 
 
+@pytest.mark.world(2, timeout=180)
+def test_zero_bubble_verifies_with_selective_ac():
+    """--ac selective under an I/W split: each block recomputes at I and again at W; the second
+    recompute gets the kept outputs from the first (torch's SAC hands them back once)."""
+    _run_schedule("zbv", 2, ac="selective")
+
+
 @pytest.mark.slow
 @pytest.mark.world(4, timeout=300)
 @pytest.mark.parametrize("name", list(V))
@@ -68,6 +75,17 @@ COMPOSED = {
     "interleaved-1f1b: pp=2 x dp_shard=2 (FSDP2)": dict(name="interleaved-1f1b", dp_shard=2),
     "dualpipev: qwen2 pp=2 x cp_ring=2": dict(name="dualpipev", model="qwen2", cp_ring=2, seq_len=32),
     "looped-bfs: moe pp=2 x dp_shard=2, ep=2": dict(name="looped-bfs", model="moe", dp_shard=2, ep=2),
+    "zbv: pp=2 x dp_shard=2 (FSDP2 reduced after the last W)": dict(name="zbv", dp_shard=2),
+    "dualpipev: pp=2 x dp_shard=2 (FSDP2 reduced after the last W)": dict(name="dualpipev", dp_shard=2),
+    "zb-h1: pp=2 x dp_shard=2, --ac full (FSDP2, I/W split, recomputed twice)": dict(
+        name="zb-h1", dp_shard=2, ac="full"
+    ),
+    "zbv: pp=2 x dp_shard=2, --ac selective (FSDP2 gathered until the last W's recompute)": dict(
+        name="zbv", dp_shard=2, ac="selective"
+    ),
+    "zbv: pp=2 x tp=2 (SP), --ac selective (recomputed at I and again at W, collectives replayed)": dict(
+        name="zbv", tp=2, ac="selective"
+    ),
     "zb-h1: moe pp=2 x tp=2, ep=2 (I/W split)": dict(name="zb-h1", model="moe", tp=2, ep=2),
     "zbv: qwen2 pp=2 x cp_ring=2 (I/W split)": dict(name="zbv", model="qwen2", cp_ring=2, seq_len=32),
     "zbv: pp=2 x cp_ulysses=2 (I/W split)": dict(name="zbv", cp_ulysses=2),
@@ -147,8 +165,6 @@ def test_save_under_1f1b_resumes_under_interleaved_with_the_same_losses():
         (dict(pp=2, schedule="1f1b", virtual_stages=2, microbatches=2), "needs --virtual-stages 1, got 2"),
         (dict(pp=1, schedule="zbv", virtual_stages=2), "need a pipeline"),
         (dict(pp=2, schedule="zb-h1", microbatches=2, checks=True), "--checks with --schedule zb-h1"),
-        (dict(pp=2, schedule="zbv", virtual_stages=2, microbatches=2, dp_shard=2), "which FSDP2 cannot follow"),
-        (dict(pp=2, schedule="zb-h1", microbatches=2, ac="selective"), "--ac selective replays"),
         (dict(pp_tp="2,1", tp=None, schedule="zb-h1", microbatches=2), "--pp-tp stages run"),
         (dict(pp=2, schedule="looped-bfs", virtual_stages=3, microbatches=2, layers=4), "cannot fill 6 chunks"),
     ],
@@ -156,3 +172,26 @@ def test_save_under_1f1b_resumes_under_interleaved_with_the_same_losses():
 def test_combinations_that_cannot_work_are_refused_naming_the_limit(overrides, message):
     with pytest.raises(ShardkitError, match=message):
         validate_config(TrainConfig(**{**SMALL, **overrides}), world_size=4)
+
+
+def test_selective_checkpointing_alone_allows_one_backward_per_region():
+    """Why shardkit's selective recompute keeps its own copy of the kept outputs
+    (``parallelize.checkpointing._KeptOutputs``): after ``I`` (a backward to the input that keeps
+    the graph), ``W``'s pass to the weights recomputes the checkpointed region again, and torch's
+    selective checkpointing alone refuses a second backward through one region. Fails (and the
+    copy can go) once torch allows it."""
+    import functools
+
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    def keep_matmuls(ctx, func, *args, **kwargs):
+        saved = func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+        return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+    lin = torch.nn.Linear(3, 3, dtype=torch.float64)
+    x = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+    contexts = functools.partial(create_selective_checkpoint_contexts, keep_matmuls)
+    y = checkpoint(lambda t: torch.tanh(lin(torch.tanh(lin(t)))), x, use_reentrant=False, context_fn=contexts)
+    torch.autograd.grad(y.sum(), x, retain_graph=True)  # I
+    with pytest.raises(RuntimeError, match="backward an extra time"):
+        torch.autograd.grad(y.sum(), list(lin.parameters()))  # W

@@ -38,7 +38,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from ..errors import ShardkitError
 
-__all__ = ["set_microbatch"]
+__all__ = ["set_microbatch", "set_group_sync", "reduce_outside_autograd"]
 
 
 def set_microbatch(module: nn.Module, index: int, count: int) -> None:
@@ -74,3 +74,37 @@ def set_microbatch(module: nn.Module, index: int, count: int) -> None:
         sub.set_reshard_after_backward(last, recurse=False)
         sub.set_requires_gradient_sync(last, recurse=False)
         sub.set_is_last_backward(last)
+
+
+def set_group_sync(module: nn.Module, reduce: bool) -> None:
+    """FSDP2 group ``module`` (one ``fully_shard`` call's parameters, without its FSDP2
+    submodules): reduce its gradients and reshard it after the next backward that runs its hooks
+    (``reduce``), or keep both gathered and unreduced. The per-group form of
+    :func:`set_microbatch`'s backward controls, for runners whose groups finish at different
+    steps (the chunked pipeline runner: each chunk's last backward)."""
+    assert isinstance(module, FSDPModule)  # callers pass FSDP2 modules only
+    module.set_reshard_after_backward(reduce, recurse=False)
+    module.set_requires_gradient_sync(reduce, recurse=False)
+
+
+def reduce_outside_autograd(root: nn.Module) -> None:
+    """Run FSDP2's end of backward now, on every group of ``root``'s FSDP2 tree, as if an
+    autograd backward through it had just ended: each group whose gradient sync is on
+    (:func:`set_group_sync`) reduce-scatters (HSDP: and all-reduces) the gradient in its
+    unsharded parameters' ``.grad`` and reshards; the others keep accumulating.
+
+    Why: the zero-bubble ``W`` step (:func:`~shardkit.pipeline_parallel.split_backward.weight_grad`)
+    adds weight gradients outside the autograd pass whose hooks FSDP2 reduces in, and FSDP2 has no
+    public call that reduces without a backward. This is the one private FSDP2 name shardkit uses
+    (``FSDPState._root_post_backward_final_callback``, the callback FSDP2 queues at the end of each
+    backward); ``torch.distributed.pipelining`` calls the same one after a stage's last ``W``
+    (``_PipelineStageBase.perform_reduce_grad``). ``tests/data_parallel/test_microbatch_sync.py``
+    fails if torch renames or changes it.
+
+    Args:
+        root: the module ``fully_shard`` was applied to last (FSDP2's root), after its first
+            forward (FSDP2 initializes lazily there).
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard.state(root)._root_post_backward_final_callback()  # type: ignore[attr-defined]

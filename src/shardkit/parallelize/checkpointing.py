@@ -12,7 +12,9 @@
   dispatcher as in-place ``c10d.*_`` ops: the SAC policy sees them, but saving them through SAC
   would hand back the old output without filling the new buffer, so the replay writes the kept
   result into the destination buffer itself. Point-to-point ops (ring attention) are not
-  replayed: they run again.
+  replayed: they run again. A block may be recomputed twice (the zero-bubble split's ``I``, then
+  ``W``): torch's SAC hands each kept output back once, so the first recompute keeps them
+  (:class:`_KeptOutputs`) and later ones get them, and the collectives' results, from there.
 
   Why the output projections are recomputed: their outputs are ``H`` wide for every token of the
   rank (before the sequence-parallel reduce-scatter, for all of them) and backward never reads
@@ -33,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -163,6 +166,11 @@ class CollectiveReplay(TorchDispatchMode):
         self.replayed_ledger_ops = (
             frozenset(n for names in REPLAYED_C10D_OPS.values() for n in names) if replaying else ()
         )
+        self.position = 0  # the next kept result a recompute hands back
+
+    def __enter__(self):
+        self.position = 0  # every recompute (I's, then W's under a zero-bubble split) replays them all
+        return super().__enter__()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -170,12 +178,13 @@ class CollectiveReplay(TorchDispatchMode):
             return func(*args, **kwargs)
         dests = _destinations(func, args)
         if self.replaying:
-            if not self.kept:
+            if self.position >= len(self.kept):
                 raise ShardkitError(
                     f"activation_checkpoint='selective': the recompute issued {func} beyond the "
                     "collectives of the forward (a block whose communication depends on state that changed)"
                 )
-            kept, out = self.kept.pop(0)
+            kept, out = self.kept[self.position]
+            self.position += 1
             for d, k in zip(dests, kept, strict=True):
                 d.copy_(k)
             return out  # the forward's (completed) work: waiting on it again returns at once
@@ -186,6 +195,57 @@ class CollectiveReplay(TorchDispatchMode):
         return out
 
 
+class _KeptOutputs(TorchDispatchMode):
+    """The outputs the selective policy keeps, for a second recompute of one checkpointed call.
+
+    torch's SAC hands each kept output back once (its first recompute consumes it; "Trying to
+    backward an extra time"), but a zero-bubble split back-propagates a block twice: ``I``
+    recomputes it, then ``W`` again (:mod:`shardkit.pipeline_parallel.split_backward`). Above
+    SAC in the first recompute, this mode keeps what SAC hands back for the ops the policy keeps;
+    in later ones (without SAC) it hands those back itself and runs the rest. Ops are matched by
+    (op, n-th call of it): every recompute of a call runs the same ops in the same order.
+    """
+
+    def __init__(self, policy: _SelectivePolicy, kept: dict, serving: bool) -> None:
+        super().__init__()
+        self.policy, self.kept, self.serving = policy, kept, serving
+        self.calls: dict = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        key = (func, self.calls.get(func, 0))
+        self.calls[func] = key[1] + 1
+        if self.serving and key in self.kept:
+            return self.kept[key]
+        out = func(*args, **(kwargs or {}))
+        if not self.serving and self.policy.keeps(func):
+            self.kept[key] = out
+        return out
+
+
+class _Recompute:
+    """The recompute context of one checkpointed call; re-enterable (see :class:`_KeptOutputs`):
+    the first recompute replays the collectives under SAC and keeps SAC's outputs, later ones
+    replay both without SAC."""
+
+    def __init__(self, replay: CollectiveReplay, sac: Any, policy: _SelectivePolicy) -> None:
+        self.replay, self.sac, self.policy = replay, sac, policy
+        self.kept: dict = {}
+        self.stacks: list[contextlib.ExitStack] = []
+        self.entered = 0
+
+    def __enter__(self) -> None:
+        first, self.entered = self.entered == 0, self.entered + 1
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.replay)  # lowest: SAC's mode and ours sit above the replay
+        if first:
+            stack.enter_context(self.sac)
+        stack.enter_context(_KeptOutputs(self.policy, self.kept, serving=not first))
+        self.stacks.append(stack)
+
+    def __exit__(self, *exc: Any) -> bool:
+        return bool(self.stacks.pop().__exit__(*exc))
+
+
 def _contexts(policy: _SelectivePolicy | None):
     """``(forward, recompute)`` contexts of one checkpointed call (a fresh pair per call)."""
     if policy is None:
@@ -193,7 +253,7 @@ def _contexts(policy: _SelectivePolicy | None):
     kept: list = []
     record, replay = CollectiveReplay(kept, False), CollectiveReplay(kept, True)
     sac_fwd, sac_re = create_selective_checkpoint_contexts(policy)
-    return _stacked(record, sac_fwd), _stacked(replay, sac_re)
+    return _stacked(record, sac_fwd), _Recompute(replay, sac_re, policy)
 
 
 @contextlib.contextmanager

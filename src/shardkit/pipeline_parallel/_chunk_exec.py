@@ -18,6 +18,9 @@ order both derive from the table (:func:`.simulate.transfers`), and holds those 
 before the step that needs them (V tables need this: their receivers need messages in another
 order than they are sent, :func:`.simulate.fifo_mismatches`).
 
+FSDP2 chunks: every group is gathered once per step and reduced once, after the last ``B`` or
+``W`` of the row that runs through it (:mod:`._fsdp_steps`, set around each backward step).
+
 Why it cannot hang (gloo; NCCL is refused, see :func:`backend_error`). Sends are posted and not
 waited for (checks off, gloo posts a send without waiting for the receiver), and a receive waits
 only for messages the sender produces before the one the step needs; so a rank is never later
@@ -40,6 +43,7 @@ import torch
 from ..comm.agree import agree
 from ..comm.checks import checks_enabled
 from ..errors import ShardkitError
+from ._fsdp_steps import fsdp_steps
 from ._p2p_call import run
 from ._transfer import ShapeCache
 from .simulate import simulate_steps, transfers
@@ -201,8 +205,13 @@ def execute(stage: ChunkedStage, table: Table, m: int, inputs, targets, kwargs: 
     """Run this rank's row of ``table``; return the ``M`` losses on the rank holding the last
     chunk, else None (parameter gradients accumulate into ``.grad``)."""
     run = _Run(stage, table, m, inputs, targets, kwargs, caches)
-    for s in table[stage.rank]:
+    fsdp = fsdp_steps(stage, table[stage.rank], m)  # FSDP2: each group gathered and reduced once
+    for i, s in enumerate(table[stage.rank]):
+        if fsdp is not None and s.kind != "F":
+            fsdp.before(i, s.kind)
         run.step(s)
+        if fsdp is not None and s.kind != "F":
+            fsdp.after(i, s.kind)
     for work in run.sending:
         work.wait()
     return run.losses if stage.holds(stage.num_chunks - 1) else None
@@ -216,7 +225,7 @@ def run_chunked(stage: ChunkedStage, schedule, inputs, targets, stage_kwargs, nu
         table, m = resolve_table(stage, schedule, num_microbatches, op)
         check_table(table, stage, m, op)
         digest = hashlib.sha1(repr(table).encode()).hexdigest()
-        error = _data_error(stage, m, inputs, targets, stage_kwargs) or _split_error(stage, table)
+        error = _data_error(stage, m, inputs, targets, stage_kwargs)
         if boundary_shapes is not None:
             error = "a ChunkedStage negotiates its shapes: boundary_shapes must be None"
     except ShardkitError as e:
@@ -248,25 +257,6 @@ def backend_error(backend: str) -> str | None:
             "chunked schedules run on gloo for now: their unbatched sends and receives to one neighbour "
             "can deadlock on an NCCL stream; use 1f1b or gpipe with one chunk per rank (PipelineStage) on NCCL"
         )
-    return None
-
-
-def _split_error(stage: ChunkedStage, table: Table) -> str | None:
-    """Why ``table``'s ``I``/``W`` steps cannot run on ``stage``'s modules, or None: FSDP2
-    reduce-scatters (and reshards) in its post-backward hooks, which run at ``I``; the weight
-    gradients ``W`` adds later would miss the reduction (``--verify`` measured it)."""
-    if not any(s.kind == "I" for row in table for s in row):
-        return None
-    from torch.distributed.fsdp import FSDPModule
-
-    for c, mod in enumerate(stage.modules):
-        owner = getattr(mod, "owner", None)  # a chunk view of a stage module (hf_decoder)
-        roots = [mod] + ([owner] if isinstance(owner, torch.nn.Module) else [])
-        if any(isinstance(m, FSDPModule) for r in roots for m in r.modules()):
-            return (
-                f"rank {stage.rank}, chunk {c}: FSDP2 (fully_shard) modules cannot run the I/W split of zero-bubble "
-                "schedules (the deferred weight gradient misses FSDP2's reduce-scatter); use a schedule of F/B steps"
-            )
     return None
 
 

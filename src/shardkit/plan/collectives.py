@@ -36,7 +36,10 @@ microbatch, ``e`` bytes per element, ``t`` = tp, per microbatch unless said):
   sent), their sum over the ranks is exact.
 * pp: every transfer between stages is a 160-byte header plus ``[b, S/cp, H]`` (replicated over
   tp); the first transfer of a step on each channel posts them as two messages, later ones as
-  one (the shape cache). ``pp_tp`` (stages of different tp sizes, replicated boundaries): in the
+  one (the shape cache). A channel is a receiving chunk and direction: with ``v`` looped chunks
+  per rank each microbatch crosses every rank boundary ``v`` times each way; a V's turn from
+  chunk ``p - 1`` to ``p`` stays on the last rank (no P2P), and stage 0 holds the embedding and
+  the head. ``pp_tp`` (stages of different tp sizes, replicated boundaries): in the
   replica's group, forward transfers are a header and the payload every time, backward ones the
   payload only; between stages of equal tp every rank sends to its peer, otherwise the leaders
   exchange the tensor and the receiving leader broadcasts it in its stage.
@@ -47,13 +50,15 @@ microbatch, ``e`` bytes per element, ``t`` = tp, per microbatch unless said):
   norm and the loss (one float64 each) over the world.
 * FSDP2 (api ``fully_shard``, recorded through shardkit's custom all-gather and
   reduce-scatter, see :mod:`shardkit.data_parallel.fsdp`): every decoder layer and the root
-  (embedding, final norm, ``lm_head``) are ``G`` = layers + 1 groups, and with ``ep > 1`` each MoE
+  (embedding, final norm, ``lm_head``; a group only on a rank holding one of them) are ``G`` =
+  layers + 1 groups, and with ``ep > 1`` each MoE
   layer's experts one more group over ``edp`` (its expert weights; none when ``edp`` is 1). With ``M > 1``
-  microbatches (accumulation or a pipeline, :func:`shardkit.data_parallel.set_microbatch`) every
+  microbatches (accumulation or a pipeline, :func:`shardkit.data_parallel.set_microbatch`; on
+  virtual stages each group after its last backward step), and under an I/W split, every
   group is all-gathered once per step, before the step's first forward, and its gradients are
   reduce-scattered (with HSDP, each shard all-reduced over ``dp_replicate``) once, after the last
   backward. With one microbatch every layer is gathered before forward and again before backward,
-  the root (resharded after backward only) before forward; each group is reduced once. Bytes
+  the root (never resharded after forward) once, before forward; each group is reduced once. Bytes
   are the parameters FSDP2 owns; its padding of each parameter's dim 0 to a multiple of the
   ranks is left out (none when dim 0 divides evenly).
 
@@ -62,11 +67,9 @@ Source: the trainer (:mod:`shardkit.train.trainer`) and the transforms it compos
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Iterable
 
-from ..pipeline_parallel.tables import schedule_table
 from ..sharding import ParallelDims
 from ._rows import CommRow, Rows
 from ._tp import tp_rows
@@ -78,8 +81,10 @@ from .options import (
     fsdp_once_per_step,
     hooked_params,
     resolve_options,
+    stage_part,
     stage_tp,
 )
+from .rules import SCHEDULE_TABLES
 
 __all__ = ["CommRow", "step_collectives", "merged", "ledger_table", "HEADER_BYTES"]
 
@@ -114,8 +119,7 @@ def step_collectives(
     S = opts.seq_len // dims.cp
     T = b * S
     out = Rows()
-    first, last = stage == 0, stage == dims.pp - 1
-    layers = list(shape.stage_layers(dims.pp, stage))
+    layers, first, last = stage_part(shape, dims, opts, stage)
     if tp > 1:
         tp_rows(out, shape, opts, layers, first, last, T, M, tp, dims.ep)
     dk, dv = shape.qk_dim, shape.v_dim
@@ -151,7 +155,7 @@ def step_collectives(
     if dims.pp_tp is not None:
         _vtp_rows(out, dims.pp_tp, stage, tp_rank, M, b * S * H * e)
     elif dims.pp > 1:
-        _pp_rows(out, dims.pp, first, last, M, b * S * H * e)
+        _pp_rows(out, dims.pp, _pp_channels(dims, opts, stage), M, b * S * H * e)
     if dims.pp > 1:  # run_schedule's argument agreement (shardkit.comm.agree): 4 int64, max-reduced
         pp_group = sum(dims.pp_tp) if dims.pp_tp is not None else dims.pp
         out.add("pp", "all_reduce", "run_schedule", "check", pp_group, 1, 32, 32)
@@ -175,15 +179,36 @@ def _ep_rows(out: Rows, shape: ModelShape, dims: ParallelDims, layers: list[int]
             out.add("ep", "all_to_all_single", api, phase, R, M * n, rows, rows)
 
 
-def _pp_rows(out: Rows, pp: int, first: bool, last: bool, M: int, act: int) -> None:
+def _pp_channels(dims: ParallelDims, opts: StepOptions, stage: int) -> dict[tuple[str, str], int]:
+    """``{(op, phase): channels}`` of stage ``stage``: the chunk boundaries its P2P crosses.
+
+    A channel is one receiving chunk and direction (the runners' shape caches). One chunk per
+    rank, or looped chunks: every chunk but the model's first receives activations from the
+    rank before and sends back their gradients, every chunk but the last sends activations on
+    and receives gradients (each microbatch crosses every rank boundary ``v`` times each way). A
+    V (``v = 2``): the hand-over from chunk ``p - 1`` to ``p`` is local to the last rank, so each
+    of a stage's two chunks talks to a neighbour only where that neighbour exists."""
+    v, p = (opts.virtual_stages, dims.pp)
+    spec = SCHEDULE_TABLES.get(opts.schedule)
+    if spec is not None and spec.placement == "v" and v == 2:
+        n = (stage < p - 1) + (stage > 0)
+        return {(op, phase): n for op in ("send", "recv") for phase in ("forward", "backward")}
+    takes, ends = v - (stage == 0), v - (stage == p - 1)  # chunks with a previous / a next one
+    return {
+        ("recv", "forward"): takes,
+        ("send", "backward"): takes,
+        ("send", "forward"): ends,
+        ("recv", "backward"): ends,
+    }
+
+
+def _pp_rows(out: Rows, pp: int, channels: dict[tuple[str, str], int], M: int, act: int) -> None:
     # each channel: M transfers of header + payload; the first as two messages, the rest as one
     total = M * (act + HEADER_BYTES)
-    if not last:
-        out.add_total("pp", "send", "p2p", "forward", pp, M + 1, total, 0)
-        out.add_total("pp", "recv", "p2p", "backward", pp, M + 1, 0, total)
-    if not first:
-        out.add_total("pp", "recv", "p2p", "forward", pp, M + 1, 0, total)
-        out.add_total("pp", "send", "p2p", "backward", pp, M + 1, total, 0)
+    for (op, phase), n in channels.items():
+        if n:
+            sent = n * total if op == "send" else 0
+            out.add_total("pp", op, "p2p", phase, pp, n * (M + 1), sent, n * total - sent)
 
 
 def _vtp_rows(out: Rows, sizes: tuple[int, ...], stage: int, tp_rank: int, M: int, act: int) -> None:
@@ -222,7 +247,7 @@ def _vtp_rows(out: Rows, sizes: tuple[int, ...], stage: int, tp_rank: int, M: in
 def _grad_rows(out: Rows, shape: ModelShape, dims: ParallelDims, opts: StepOptions, stage: int) -> None:
     e = opts.elem
     ep = dims.ep
-    dense, expert = shape.rank_params(stage_tp(dims, stage), ep, dims.pp, stage)
+    dense, expert = shape.rank_params(stage_tp(dims, stage), ep, part=stage_part(shape, dims, opts, stage))
     if ep == 1:
         dense, expert = dense + expert, 0
     if dims.dp_shard > 1:
@@ -238,14 +263,14 @@ def _fsdp_rows(out: Rows, shape: ModelShape, dims: ParallelDims, opts: StepOptio
     if dims.dp_shard == 1:
         return
     R, M, e = dims.dp_shard * dims.cp, opts.microbatches, opts.elem
-    dense, expert = shape.rank_params(dims.tp, dims.ep, dims.pp, stage)
+    part = layers, first, last = stage_part(shape, dims, opts, stage)
+    dense, expert = shape.rank_params(dims.tp, dims.ep, part=part)
     owned = dense + (expert if dims.ep == 1 else 0) - hooked_params(shape, dims, opts, stage)
-    layers = list(shape.stage_layers(dims.pp, stage))
     per_layer = [shape.layer_params(i, dims.tp, dims.ep) for i in layers]
     layer_owned = sum(d + (x if dims.ep == 1 else 0) for d, x in per_layer) - hooked_params(shape, dims, opts, stage)
-    if opts.sequence_parallel and stage == dims.pp - 1:
+    if opts.sequence_parallel and last:
         layer_owned += shape.hidden  # the final norm's hook is the root's, not a layer's
-    G = len(layers) + 1
+    G = len(layers) + (first or last)  # the root is a group where it holds the embedding or the head
     experts = [x * e for _, x in per_layer if x and dims.ep > 1]  # their own FSDP2 groups over edp
     if fsdp_once_per_step(dims, opts):  # set_microbatch: every group gathered and reduced once
         full = owned * e
@@ -254,15 +279,12 @@ def _fsdp_rows(out: Rows, shape: ModelShape, dims: ParallelDims, opts: StepOptio
         out.add_total("fsdp", "all_reduce", "fully_shard", "backward", dims.dp_replicate, G, full // R, full // R)
         _expert_fsdp_rows(out, experts, expert_fsdp_ranks(dims), 1, once=True)
         return
-    full, layer_full, root = M * owned * e, M * layer_owned * e, (owned - layer_owned) * e
-    root_f, root_b = _root_gathers(dims.pp, M, stage, opts.schedule, opts.virtual_stages)
-    gathered_f, gathered_b = layer_full + root_f * root, layer_full + root_b * root
-    out.add_total(
-        "fsdp", "all_gather_single", "fully_shard", "forward", R, M * (G - 1) + root_f, gathered_f // R, gathered_f
-    )
-    out.add_total(
-        "fsdp", "all_gather_single", "fully_shard", "backward", R, M * (G - 1) + root_b, gathered_b // R, gathered_b
-    )
+    # M = 1, F/B steps: every layer is resharded after its forward and gathered again for its
+    # backward; the root (FSDP2 never reshards it after forward) only before the first forward
+    full, layer_full = M * owned * e, M * layer_owned * e
+    gathered_f = layer_full + (owned - layer_owned) * e
+    out.add_total("fsdp", "all_gather_single", "fully_shard", "forward", R, M * G, gathered_f // R, gathered_f)
+    out.add_total("fsdp", "all_gather_single", "fully_shard", "backward", R, M * (G - 1), layer_full // R, layer_full)
     out.add_total("fsdp", "reduce_scatter_single", "fully_shard", "backward", R, M * G, full, full // R)
     out.add_total("fsdp", "all_reduce", "fully_shard", "backward", dims.dp_replicate, M * G, full // R, full // R)
     _expert_fsdp_rows(out, experts, expert_fsdp_ranks(dims), M, once=False)
@@ -282,33 +304,6 @@ def _expert_fsdp_rows(out: Rows, sizes: list[int], edp: int, microbatches: int, 
     out.add_total(
         "fsdp", "reduce_scatter_single", "fully_shard", "backward", edp, n * times, full * times, shard * times
     )
-
-
-def _root_gathers(pp: int, M: int, stage: int, schedule: str, v: int = 1) -> tuple[int, int]:
-    """FSDP2 gathers of the root on a stage: (before a forward, before a backward).
-
-    Layers are resharded after every forward and backward, so they are gathered once for each.
-    The root is resharded after backward only: the step's first action gathers it, and so does
-    each action that follows a backward. Stage ``stage``'s action order is the trainer's
-    ``schedule`` table (:func:`~shardkit.pipeline_parallel.tables.schedule_table`; plain gradient
-    accumulation with ``pp`` 1: F B F B ...). A split backward ends at its ``W``.
-    """
-    return _all_root_gathers(pp, M, schedule, v)[stage]
-
-
-@functools.lru_cache(maxsize=1024)  # a pure function of small ints; plan_layouts asks it thousands of times
-def _all_root_gathers(pp: int, M: int, schedule: str, v: int) -> tuple[tuple[int, int], ...]:
-    table = schedule_table(schedule, pp, v, M) if pp > 1 else schedule_table("1f1b", 1, 1, M)
-    out = []
-    for row in table:
-        fwd = bwd = 0
-        previous = "B"  # the root starts the step sharded
-        for action in row:
-            if previous in ("B", "W"):
-                fwd, bwd = (fwd + 1, bwd) if action.kind == "F" else (fwd, bwd + 1)
-            previous = action.kind
-        out.append((fwd, bwd))
-    return tuple(out)
 
 
 def merged(rows: Iterable[CommRow]) -> dict[tuple[str, str, str, int], tuple[int, int, int]]:

@@ -30,7 +30,15 @@ from ..pipeline_parallel.tables import SCHEDULES
 from ..sharding import ParallelDims
 from .activations import BlockLayout, block_saved_bytes
 from .model import ModelShape
-from .options import StepOptions, expert_fsdp_ranks, fsdp_once_per_step, hooked_params, resolve_options, stage_tp
+from .options import (
+    StepOptions,
+    expert_fsdp_ranks,
+    fsdp_once_per_step,
+    hooked_params,
+    resolve_options,
+    stage_part,
+    stage_tp,
+)
 from .pipeline import peak_chunks
 
 __all__ = ["memory_per_rank"]
@@ -43,10 +51,11 @@ def _gathered(
     non-layer parameters, less the final norm kept with sequence parallelism) plus the largest
     decoder layer's (its share of the kept parameters taken as the layers' average)."""
     tp = stage_tp(dims, stage)
-    parts = [shape.layer_params(i, tp, dims.ep) for i in shape.stage_layers(dims.pp, stage)]
+    layers, _, last = stage_part(shape, dims, opts, stage)
+    parts = [shape.layer_params(i, tp, dims.ep) for i in layers]
     whole = dims.ep > 1 and expert_fsdp_ranks(dims) == 1  # experts kept whole, never gathered
     sizes = [d + (0 if whole else e) for d, e in parts]
-    final_norm = shape.hidden if opts.sequence_parallel and tp > 1 and stage == dims.pp - 1 else 0
+    final_norm = shape.hidden if opts.sequence_parallel and tp > 1 and last else 0
     layers_kept = kept - (sum(e for _, e in parts) if whole else 0) - final_norm
     root = sharded - (sum(sizes) - layers_kept)
     return root + max(sizes, default=0) - layers_kept / max(1, len(sizes))
@@ -68,7 +77,7 @@ def memory_per_rank(shape: ModelShape, dims: ParallelDims, opts: StepOptions, st
     """
     opts = resolve_options(shape, dims, opts)
     e, tp = opts.elem, stage_tp(dims, stage)
-    dense, expert = shape.rank_params(tp, dims.ep, dims.pp, stage)
+    dense, expert = shape.rank_params(tp, dims.ep, part=stage_part(shape, dims, opts, stage))
     params = dense + expert
     if dims.dp_shard > 1:
         edp = expert_fsdp_ranks(dims)

@@ -16,9 +16,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ShardkitError
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 __all__ = ["ModelShape"]
 
@@ -213,21 +216,33 @@ class ModelShape:
         start = stage * base + min(stage, extra)
         return range(start, start + base + (stage < extra))
 
-    def rank_params(self, tp: int = 1, ep: int = 1, pp: int = 1, stage: int = 0) -> tuple[int, int]:
+    def rank_params(
+        self,
+        tp: int = 1,
+        ep: int = 1,
+        pp: int = 1,
+        stage: int = 0,
+        *,
+        part: tuple[Sequence[int], bool, bool] | None = None,
+    ) -> tuple[int, int]:
         """``(dense, expert)`` parameters held by one rank of pipeline stage ``stage`` before FSDP2.
 
         The embedding (vocab-parallel rows) sits on the first stage; the final norm and
-        ``lm_head`` (vocab-parallel columns) on the last; a tied head on one stage is one weight.
+        ``lm_head`` (vocab-parallel columns) on the last; a tied head on the stage of the
+        embedding is one weight. ``part``: the rank's ``(layers, holds the embedding, holds the
+        head)`` where they are not the stage's (virtual stages,
+        :func:`~shardkit.plan.options.stage_part`).
         """
+        layers, first, last = part if part is not None else (self.stage_layers(pp, stage), stage == 0, stage == pp - 1)
         dense = expert = 0
-        for i in self.stage_layers(pp, stage):
+        for i in layers:
             d, e = self.layer_params(i, tp, ep)
             dense, expert = dense + d, expert + e
         table = self.vocab // tp * self.hidden
-        if stage == 0:
+        if first:
             dense += table
-        if stage == pp - 1:
-            dense += self.hidden + (0 if self.tied and pp == 1 else table)
+        if last:
+            dense += self.hidden + (0 if self.tied and first else table)
         return dense, expert
 
     @property

@@ -10,16 +10,19 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..errors import ShardkitError
+from ..pipeline_parallel.chunked import chunk_layers
 from ..pipeline_parallel.schedules import gpipe_schedule, one_f_one_b_schedule
+from ..pipeline_parallel.steps import global_chunk
 from ..sharding import ParallelDims
 from .model import ModelShape
-from .rules import decoder_layout_rule, schedule_rule, sequence_parallel_default
+from .rules import SCHEDULE_TABLES, decoder_layout_rule, schedule_rule, sequence_parallel_default
 
 __all__ = [
     "StepOptions",
     "DTYPE_BYTES",
     "resolve_options",
     "fsdp_once_per_step",
+    "stage_part",
     "check_layout",
     "hooked_params",
     "expert_fsdp_ranks",
@@ -139,6 +142,23 @@ def rank_stage(dims: ParallelDims, rank: int) -> tuple[int, int]:
     raise AssertionError("unreachable: offset < sum(pp_tp)")
 
 
+def stage_part(shape: ModelShape, dims: ParallelDims, opts: StepOptions, stage: int) -> tuple[list[int], bool, bool]:
+    """What a rank of pipeline stage ``stage`` holds: its decoder layers, whether it holds the
+    embedding (the first chunk) and whether it holds the final norm and head (the last chunk).
+
+    One chunk per rank: the stage's layers (:meth:`~.model.ModelShape.stage_layers`), the
+    embedding on stage 0, the head on the last. ``v`` chunks per rank: the layers of its chunks
+    (:func:`~shardkit.pipeline_parallel.chunked.chunk_layers`) under the schedule's placement;
+    a V holds both ends on stage 0 and none elsewhere."""
+    v = opts.virtual_stages if dims.pp > 1 else 1
+    spec = SCHEDULE_TABLES.get(opts.schedule)
+    if v == 1 or spec is None or dims.pp_tp is not None:
+        return list(shape.stage_layers(dims.pp, stage)), stage == 0, stage == dims.pp - 1
+    ranges = chunk_layers(shape.layers, dims.pp, v, spec.placement, stage)
+    chunks = {global_chunk(spec.placement, stage, c, dims.pp) for c in range(v)}
+    return [i for r in ranges for i in r], 0 in chunks, dims.pp * v - 1 in chunks
+
+
 def hooked_params(shape: ModelShape, dims: ParallelDims, opts: StepOptions, stage: int) -> int:
     """Parameters with a sum-over-tp gradient hook (FSDP2 leaves them to the dense all-reduce):
     the norms with SP, Qwen3's q/k norms, replicated key/value heads, and with SP the routers
@@ -146,10 +166,10 @@ def hooked_params(shape: ModelShape, dims: ParallelDims, opts: StepOptions, stag
     tp = stage_tp(dims, stage)
     if tp == 1:
         return 0
-    layers = list(shape.stage_layers(dims.pp, stage))
+    layers, _, last = stage_part(shape, dims, opts, stage)
     total = 0
     if opts.sequence_parallel:
-        total += 2 * shape.hidden * len(layers) + (shape.hidden if stage == dims.pp - 1 else 0)
+        total += 2 * shape.hidden * len(layers) + (shape.hidden if last else 0)
         if dims.ep > 1:
             total += shape.experts * shape.hidden * sum(shape.is_moe_layer(i) for i in layers)
     if shape.family in ("qwen3", "qwen3_moe"):
@@ -160,8 +180,10 @@ def hooked_params(shape: ModelShape, dims: ParallelDims, opts: StepOptions, stag
 
 
 def fsdp_once_per_step(dims: ParallelDims, opts: StepOptions) -> bool:
-    """Whether FSDP2 gathers and reduces each group once per step (:func:`shardkit.data_parallel.set_microbatch`):
-    ``M > 1`` microbatches of gradient accumulation or of the one-chunk runner (1F1B, GPipe); the
-    chunked runner of the other schedules keeps FSDP2's per-microbatch defaults."""
-    one_chunk = dims.pp == 1 or (opts.schedule in ("1f1b", "gpipe") and opts.virtual_stages == 1)
-    return opts.microbatches > 1 and one_chunk
+    """Whether FSDP2 gathers and reduces each group once per step: with ``M > 1`` microbatches
+    (:func:`shardkit.data_parallel.set_microbatch` for accumulation and one chunk per rank; the
+    chunked runner's per-group controls, :mod:`shardkit.pipeline_parallel._fsdp_steps`), and
+    under an I/W-split schedule, whose ``I`` must see the parameters its forward used."""
+    spec = SCHEDULE_TABLES.get(opts.schedule)
+    split = dims.pp > 1 and spec is not None and spec.split_backward
+    return opts.microbatches > 1 or split

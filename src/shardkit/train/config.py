@@ -19,7 +19,6 @@ from pathlib import Path
 from ..checkpoint.hf_writer import check_out_dir
 from ..errors import ShardkitError
 from ..parallelize.mixed_precision import check_mixed_precision
-from ..pipeline_parallel.tables import SCHEDULES as TABLES
 from ..plan.rules import batch_rule, schedule_rule
 from ..sharding import ParallelDims
 from .options import DTYPES, LR_SCHEDULES, SCHEDULES, SIZE_FLAGS, TrainConfig, parse_pp_tp
@@ -259,17 +258,6 @@ def _check_schedule(cfg: TrainConfig) -> None:
             f"--checks with --schedule {cfg.schedule} --virtual-stages {v}: the P2P check mode's hellos wait for "
             "the peer, which chunked schedules cannot (their sends must not block); use 1f1b or gpipe with "
             "--virtual-stages 1 under --checks"
-        )
-    if TABLES[cfg.schedule].split_backward and cfg.dp_shard > 1:
-        raise ShardkitError(
-            f"--schedule {cfg.schedule} splits backwards into I and W, which FSDP2 cannot follow (its "
-            f"reduce-scatter runs at I, before W's weight gradients): --dp-shard {cfg.dp_shard} needs a schedule "
-            "of F/B steps (1f1b, gpipe, interleaved-1f1b, looped-bfs)"
-        )
-    if TABLES[cfg.schedule].split_backward and cfg.ac == "selective":
-        raise ShardkitError(
-            f"--schedule {cfg.schedule} splits backwards into I and W, and each recomputes a checkpointed block; "
-            "--ac selective replays its kept results once per block: use --ac full or none with it"
         )
     if cfg.pp_tp is not None and not simple:
         raise ShardkitError(

@@ -7,9 +7,9 @@ A step, whatever the layout (``dp x pp x cp x tp x ep``, FSDP2 or not, spatial f
 3. without a pipeline, each microbatch runs forward and ``backward(loss_sum / N)``; with one, the
    schedule (any of ``--schedule``, on ``--virtual-stages`` chunks per rank) runs the
    microbatches through the stages (one branch). Either way FSDP2 is told which microbatch runs
-   (:func:`~shardkit.data_parallel.set_microbatch`): it gathers each block once per step and
-   reduces its gradients once, after the last backward (not yet on virtual stages, whose runner
-   keeps FSDP2's per-microbatch gathers);
+   (:func:`~shardkit.data_parallel.set_microbatch`; on virtual stages the chunked runner tells
+   each FSDP2 group which backward step is its last): it gathers each block once per step and
+   reduces its gradients once, after the last backward (or ``W``) through it;
 4. :class:`~shardkit.data_parallel.GradientSync` sums what FSDP2 does not reduce over the ranks
    holding different data, then clips by the global norm (every parameter counted once);
 5. the global loss is summed over the world;
@@ -138,8 +138,8 @@ def _pipeline_backward(pm, task, microbatches: list, schedule: str, loss_scale: 
     targets = [p[1] for p in prepared]
     loss_scale.scale *= M
     if not isinstance(stage, ChunkedStage):
-        # FSDP2 keeps the stage unsharded from its first forward on; the chunked runner
-        # interleaves the backwards of several chunks and keeps FSDP2's per-microbatch defaults
+        # FSDP2 keeps the stage unsharded from its first forward on; the chunked runner sets
+        # FSDP2's controls per group itself (pipeline_parallel/_fsdp_steps.py)
         set_microbatch(pm.module, 0, M)
     kw = kwargs if any(kwargs) else None
     losses = run_schedule(stage, schedule, inputs, targets, stage_kwargs=kw, num_microbatches=M)
