@@ -34,7 +34,7 @@ under pp) and ``torch.distributed.pipelining`` reduces a stage's gradients after
 from __future__ import annotations
 
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from ..errors import ShardkitError
 
@@ -105,6 +105,4 @@ def reduce_outside_autograd(root: nn.Module) -> None:
         root: the module ``fully_shard`` was applied to last (FSDP2's root), after its first
             forward (FSDP2 initializes lazily there).
     """
-    from torch.distributed.fsdp import fully_shard
-
     fully_shard.state(root)._root_post_backward_final_callback()  # type: ignore[attr-defined]
