@@ -19,7 +19,17 @@ from ._negotiate import read_header
 from ._transfer import Channel, Message, ShapeCache, Transfer, header_msg, payload_msg, post, post_one
 from ._wire import HEADER_LEN, OK
 
-__all__ = ["PACK_MAX_BYTES", "cached_send", "cached_recv", "post_packed", "read_packed", "send_repeat"]
+__all__ = [
+    "PACK_MAX_BYTES",
+    "accepted",
+    "cached_send",
+    "cached_recv",
+    "decode_packed",
+    "post_packed",
+    "post_packed_at",
+    "read_packed",
+    "send_repeat",
+]
 
 # Cached shapes up to this many payload bytes travel in one message, the header in front of the
 # payload (one copy on the sending side, into a reused buffer; the receiver returns a view of what
@@ -78,20 +88,43 @@ def _header(ch: Channel, device: torch.device) -> torch.Tensor:
 
 def post_packed(t: Transfer, ch: Channel, api: str) -> tuple[torch.Tensor, Any]:
     """Post the one receive of a packed transfer (header + payload of the cached shape)."""
-    buf = torch.empty(_HB + ch.nbytes, dtype=torch.uint8, device=t.device)
-    return buf, post([(t, False, buf, t.phase)], False, api)[0]
+    return post_packed_at(t.g, t.peer, t.phase, ch, t.device, api)
+
+
+def post_packed_at(
+    g: GroupInfo, peer: int, phase: str, ch: Channel, device: torch.device, api: str
+) -> tuple[torch.Tensor, Any]:
+    """:func:`post_packed` from group rank ``peer`` without a :class:`Transfer`: ``(buffer, work)``."""
+    buf = torch.empty(_HB + ch.nbytes, dtype=torch.uint8, device=device)
+    return buf, post_one(g, peer, False, buf, phase, api)
 
 
 def read_packed(t: Transfer, ch: Channel, buf: torch.Tensor, work, api: str) -> list:
     """Complete a packed receive: a header equal to the channel's stored one (the cached shape,
     status OK) is accepted by one comparison, without decoding; else :func:`_after_header`."""
     work.wait()
-    hdr, body = buf.split_with_sizes((_HB, ch.nbytes))
-    if _accepts(t, ch, hdr):
-        t.payload = body.view(ch.dtype).view(ch.shape)
+    body = accepted(buf, ch, t.dtype, t.device)
+    if body is not None:
+        t.payload = body
         return []
-    t.hdr = hdr.view(torch.int64)
-    return _after_header(t, ch, body.view(ch.dtype).view(ch.shape), [], api)
+    return decode_packed(t, ch, buf, api)
+
+
+def decode_packed(t: Transfer, ch: Channel, buf: torch.Tensor, api: str) -> list:
+    """A completed packed receive whose header is not the channel's stored one: decoded and
+    judged (:func:`_after_header`). Its work was waited already (a gloo receive's work must not
+    be waited twice: the second wait expects another message)."""
+    t.hdr = buf[:_HB].view(torch.int64)
+    return _after_header(t, ch, buf[_HB:].view(ch.dtype).view(ch.shape), [], api)
+
+
+def accepted(buf: torch.Tensor, ch: Channel, dtype: torch.dtype | None, device: torch.device) -> torch.Tensor | None:
+    """The payload of a completed packed receive ``buf`` (a view of its bytes after the header)
+    when its header is the channel's stored one and the receive accepts the cached dtype on the
+    channel's device (:func:`_accepts`), else None: :func:`read_packed` decodes it."""
+    if _accepts(dtype, device, ch, buf[:_HB]):
+        return buf[_HB:].view(ch.dtype).view(ch.shape)
+    return None
 
 
 def cached_recv(t: Transfer, ch: Channel, api: str) -> list:
@@ -104,17 +137,18 @@ def cached_recv(t: Transfer, ch: Channel, api: str) -> list:
     posted = post([header_msg(t), (t, False, pre, t.phase)], False, api)
     posted[0].wait()
     assert t.hdr is not None  # header_msg gave the receive its buffer
-    if _accepts(t, ch, t.hdr.view(torch.uint8)):
+    if _accepts(t.dtype, t.device, ch, t.hdr.view(torch.uint8)):
         t.payload = pre
         return posted[1:]
     return _after_header(t, ch, pre, posted[1:], api)
 
 
-def _accepts(t: Transfer, ch: Channel, hdr: torch.Tensor) -> bool:
+def _accepts(dtype: torch.dtype | None, device: torch.device, ch: Channel, hdr: torch.Tensor) -> bool:
     """Whether a received header (uint8) announces the cached shape with status OK, for a receive
-    that accepts the cached dtype: one comparison with the stored header, no decoding (a header
-    that differs in any byte is decoded and judged by :func:`._negotiate.read_header`)."""
-    return (t.dtype is None or t.dtype == ch.dtype) and ch.device == t.device and torch.equal(hdr, ch.header)
+    on ``device`` that accepts ``dtype`` (None: any): one comparison with the stored header, no
+    decoding (a header that differs in any byte is decoded and judged by
+    :func:`._negotiate.read_header`)."""
+    return (dtype is None or dtype == ch.dtype) and ch.device == device and torch.equal(hdr, ch.header)
 
 
 def _after_header(t: Transfer, ch: Channel, pre: torch.Tensor, rest: list, api: str) -> list:
