@@ -207,15 +207,63 @@ def test_a_packed_send_reuses_its_buffer_only_once_the_last_send_completed():
         if s == 0:
             send_forward(value((4, 4), torch.float32, 0, 0, i), g, shape_cache=cache)
             if i:  # the first transfer negotiates: a header and the payload, nothing packed
-                ((buf, _),) = cache._packed.values()
+                ((buf, _, _),) = cache._packed.values()
                 seen.append(buf)
         else:
             assert _same(recv_forward(g, shape_cache=cache), value((4, 4), torch.float32, 0, 0, i))
     if s == 0:
         assert seen[0] is seen[1]  # a repeat after a completed send: the same buffer, no allocation
         key = next(iter(cache._packed))
-        cache._packed[key] = (seen[1], mock.Mock(is_completed=lambda: False))  # c10d may still read it
+        _, _, body = cache._packed[key]
+        cache._packed[key] = (seen[1], mock.Mock(is_completed=lambda: False), body)  # c10d may still read it
         send_forward(value((4, 4), torch.float32, 0, 0, 3), g, shape_cache=cache)
         assert cache._packed[key][0] is not seen[1]
     else:
         assert _same(recv_forward(g, shape_cache=cache), value((4, 4), torch.float32, 0, 0, 3))
+
+
+@pytest.mark.world(2, timeout=30)
+def test_same_size_changes_through_the_reused_packed_buffer_arrive_as_sent():
+    """Changes of shape or dtype with the same byte count reuse the packed send buffer (whose
+    header bytes a repeat leaves in place) with another header: every tensor arrives as sent,
+    in the protocol's number of messages."""
+    g, s, cache = world_group(), rank(), ShapeCache()
+    steps = (
+        [((4, 4), torch.float32)] * 2 + [((16,), torch.float32), ((4, 4), torch.int32)] + [((4, 4), torch.float32)] * 2
+    )
+    counts = []
+    for i, (shape, dt) in enumerate(steps):
+        with CommLedger() as ledger:
+            if s == 0:
+                send_forward(value(shape, dt, 0, 0, i), g, shape_cache=cache)
+            else:
+                assert _same(recv_forward(g, shape_cache=cache), value(shape, dt, 0, 0, i)), i
+        counts.append(ledger.count())
+    # negotiation: header + payload; repeat: one packed message; a change: packed dummy + payload.
+    assert counts == [2, 1, 2, 2, 2, 1]
+    _assert_caches_equal(cache)
+
+
+@pytest.mark.world(2, timeout=30)
+def test_a_repeat_that_contradicts_its_declared_dtype_is_refused_on_both_ends():
+    """The repeat's fast path skips the sender's own checks only when they cannot fail: a
+    declared dtype other than the tensor's still goes through them and the header says so. That
+    error header is written into the reused packed buffer, so the next repeat (the cache still
+    holds the shape) must write the stored header again, not take the buffer's bytes as it."""
+    g, s, cache = world_group(), rank(), ShapeCache()
+    for i in range(2):
+        if s == 0:
+            send_forward(value((4, 4), torch.float32, 0, 0, i), g, shape_cache=cache)
+        else:
+            recv_forward(g, shape_cache=cache)
+    if s == 0:
+        with pytest.raises(ShardkitError, match="declared"):
+            send_forward(value((4, 4), torch.float32, 0, 0, 2), g, dtype=torch.float16, shape_cache=cache)
+    else:
+        with pytest.raises(ShardkitError, match="does not match its own declared"):
+            recv_forward(g, shape_cache=cache)
+    if s == 0:
+        send_forward(value((4, 4), torch.float32, 0, 0, 3), g, shape_cache=cache)
+    else:
+        assert _same(recv_forward(g, shape_cache=cache), value((4, 4), torch.float32, 0, 0, 3))
+    _assert_caches_equal(cache)

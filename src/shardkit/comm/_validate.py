@@ -194,7 +194,8 @@ def _plain_ints(sizes) -> tuple[int, ...] | None:
     """``sizes`` as a tuple when it is a list or tuple of plain ints (a cache key that tells every
     accepted value apart: ``True == 1`` and numpy ints hash like ints, so their types are checked
     here), else None."""
-    if type(sizes) in (list, tuple) and all(type(s) is int for s in sizes):
+    # map/set rather than a generator: no Python frame per rank on every call of a sized op
+    if type(sizes) in (list, tuple) and set(map(type, sizes)) <= {int}:
         return tuple(sizes)
     return None
 

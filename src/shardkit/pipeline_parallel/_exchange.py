@@ -34,10 +34,11 @@ the two are one message, the header in front of the payload. The sender always s
 of the cached shape with the header: the payload when its tensor has that shape and dtype, else
 a dummy of the cached shape followed by the real payload (or nothing after an error status).
 The header still travels every time, so a shape change or an error is always seen.
-Each channel also stores the header of its cached shape, so a repeat is packed by one ``cat``
-(into the peer's reused send buffer) or, over the limit, sent as those stored bytes, and
-accepted by one comparison. On gloo, a combined call's packed cached receive is read only
-after the call's later messages are posted (see :func:`_ordered`).
+Each channel also stores the header of its cached shape, so a repeat is packed by one copy of
+the payload (into the peer's reused send buffer, whose header bytes stay in place) or, over the
+limit, sent as those stored bytes, and accepted by one comparison. On gloo, a combined call's
+packed cached receive is read only after the call's later messages are posted (see
+:func:`_ordered`).
 
 Why it is safe. (a) Each even/odd pair of neighbours has one side sending first and the other
 receiving first, so with blocking (rendezvous) semantics, the worst case of NCCL, every exchange

@@ -13,48 +13,72 @@ from typing import Any
 
 import torch
 
+from ..comm._group import GroupInfo
 from . import _wire
 from ._negotiate import read_header
-from ._transfer import Channel, Message, ShapeCache, Transfer, header_msg, payload_msg, post
+from ._transfer import Channel, Message, ShapeCache, Transfer, header_msg, payload_msg, post, post_one
 from ._wire import HEADER_LEN, OK
 
-__all__ = ["PACK_MAX_BYTES", "cached_send", "cached_recv", "post_packed", "read_packed"]
+__all__ = [
+    "PACK_MAX_BYTES",
+    "accepted",
+    "cached_send",
+    "cached_recv",
+    "decode_packed",
+    "post_packed",
+    "post_packed_at",
+    "read_packed",
+    "send_repeat",
+]
 
 # Cached shapes up to this many payload bytes travel in one message, the header in front of the
 # payload (one copy on the sending side, into a reused buffer; the receiver returns a view of what
-# it received), cheaper below gloo's ~256 KiB latency/bandwidth crossover than a second message's
-# latency; larger ones as two messages posted together (the payload itself, no copy).
-PACK_MAX_BYTES = 256 * 1024
+# it received); larger ones as two messages posted together (the payload itself, no copy). On
+# gloo a second message costs each end about as much host time as a whole single-message send
+# (its record, post and wait), more than copying up to 2 MiB of a recently written payload:
+# packed/two-message time 0.69-0.71 at 128-256 KiB, 0.77-0.89 at 1 MiB, 0.86-0.93 at 2 MiB, 1.08
+# at 3 MiB, 1.10-1.15 at 4 MiB (benchmarks/RESULTS.md, session 21). The limit sits at half the
+# crossover: a payload that is no longer in cache costs the copy more.
+PACK_MAX_BYTES = 1024 * 1024
 _HB = HEADER_LEN * 8  # header bytes; a multiple of 16, so the payload view after it is aligned
 
 
 def cached_send(t: Transfer, ch: Channel, api: str, cache: ShapeCache) -> list:
     """Header, then a message of the cached shape (the payload, or a dummy plus the payload);
-    packed into one message when the cached payload is small. A repeated shape is one ``cat``
-    of the channel's stored header and the payload into the peer's reused send buffer
-    (:meth:`ShapeCache.packed_buffer`: no header encoding, one copy, no allocation)."""
+    packed into one message when the cached payload is small. A repeat of the cached shape is
+    :func:`send_repeat`."""
     x = t.payload
     assert x is not None  # a sender's transfer holds its tensor
-    same = t.status == OK and x.dtype == ch.dtype and x.shape == ch.shape
+    if t.status == OK and x.dtype == ch.dtype and x.shape == ch.shape:
+        return send_repeat(t.g, t.peer, t.phase, x, ch, cache, api)
     if ch.nbytes <= PACK_MAX_BYTES:
-        buf = cache.packed_buffer(t, _HB + ch.nbytes)
-        if same:
-            torch.cat([_header(ch, t.device), x.reshape(-1).view(torch.uint8)], out=buf)
-        else:
-            buf[:_HB].view(torch.int64).copy_(_wire.encode(t.status, x.dtype, x.shape, t.device))
+        buf = cache.packed_buffer(t.g.pg, t.peer, _HB + ch.nbytes, t.device)
+        buf[:_HB].view(torch.int64).copy_(_wire.encode(t.status, x.dtype, x.shape, t.device))
         msgs: list[Message] = [(t, True, buf, t.phase)]
-    elif same:
-        # The channel's stored header (the bytes an OK header of this shape encodes to): no encoding.
-        t.hdr = _header(ch, t.device).view(torch.int64)
-        msgs = [(t, True, t.hdr, t.phase), (t, True, x, t.phase)]
     else:
         msgs = [header_msg(t), (t, True, torch.empty(ch.shape, dtype=ch.dtype, device=t.device), t.phase)]
-    if not same and (pay := payload_msg(t)) is not None:
+    if (pay := payload_msg(t)) is not None:
         msgs.append(pay)
     works = post(msgs, False, api)
     if ch.nbytes <= PACK_MAX_BYTES:
-        cache.hold_packed(t, msgs[0][2], works[0])
+        cache.hold_packed(t.g.pg, t.peer, msgs[0][2], works[0])
     return works
+
+
+def send_repeat(g: GroupInfo, peer: int, phase: str, x: torch.Tensor, ch: Channel, cache: ShapeCache, api: str) -> list:
+    """Send ``x`` (contiguous, status OK, the cached shape and dtype) to group rank ``peer``: one
+    copy of the payload into the peer's reused send buffer, whose first bytes already hold the
+    channel's stored header (:meth:`ShapeCache.packed_body`: no encoding, one copy, no
+    allocation), or over the limit the stored header bytes and the payload as two messages. No
+    :class:`Transfer`: a repeat changes nothing in the cache, and each step costs host time."""
+    if ch.nbytes <= PACK_MAX_BYTES:
+        buf, body = cache.packed_body(g.pg, peer, ch, x.device)
+        body.copy_(x)
+        work = post_one(g, peer, True, buf, phase, api)
+        cache.hold_packed(g.pg, peer, buf, work, body)
+        return [work]
+    hdr = _header(ch, x.device).view(torch.int64)
+    return [post_one(g, peer, True, hdr, phase, api), post_one(g, peer, True, x, phase, api)]
 
 
 def _header(ch: Channel, device: torch.device) -> torch.Tensor:
@@ -64,20 +88,43 @@ def _header(ch: Channel, device: torch.device) -> torch.Tensor:
 
 def post_packed(t: Transfer, ch: Channel, api: str) -> tuple[torch.Tensor, Any]:
     """Post the one receive of a packed transfer (header + payload of the cached shape)."""
-    buf = torch.empty(_HB + ch.nbytes, dtype=torch.uint8, device=t.device)
-    return buf, post([(t, False, buf, t.phase)], False, api)[0]
+    return post_packed_at(t.g, t.peer, t.phase, ch, t.device, api)
+
+
+def post_packed_at(
+    g: GroupInfo, peer: int, phase: str, ch: Channel, device: torch.device, api: str
+) -> tuple[torch.Tensor, Any]:
+    """:func:`post_packed` from group rank ``peer`` without a :class:`Transfer`: ``(buffer, work)``."""
+    buf = torch.empty(_HB + ch.nbytes, dtype=torch.uint8, device=device)
+    return buf, post_one(g, peer, False, buf, phase, api)
 
 
 def read_packed(t: Transfer, ch: Channel, buf: torch.Tensor, work, api: str) -> list:
     """Complete a packed receive: a header equal to the channel's stored one (the cached shape,
     status OK) is accepted by one comparison, without decoding; else :func:`_after_header`."""
     work.wait()
-    hdr, body = buf.split_with_sizes((_HB, ch.nbytes))
-    if _accepts(t, ch, hdr):
-        t.payload = body.view(ch.dtype).view(ch.shape)
+    body = accepted(buf, ch, t.dtype, t.device)
+    if body is not None:
+        t.payload = body
         return []
-    t.hdr = hdr.view(torch.int64)
-    return _after_header(t, ch, body.view(ch.dtype).view(ch.shape), [], api)
+    return decode_packed(t, ch, buf, api)
+
+
+def decode_packed(t: Transfer, ch: Channel, buf: torch.Tensor, api: str) -> list:
+    """A completed packed receive whose header is not the channel's stored one: decoded and
+    judged (:func:`_after_header`). Its work was waited already (a gloo receive's work must not
+    be waited twice: the second wait expects another message)."""
+    t.hdr = buf[:_HB].view(torch.int64)
+    return _after_header(t, ch, buf[_HB:].view(ch.dtype).view(ch.shape), [], api)
+
+
+def accepted(buf: torch.Tensor, ch: Channel, dtype: torch.dtype | None, device: torch.device) -> torch.Tensor | None:
+    """The payload of a completed packed receive ``buf`` (a view of its bytes after the header)
+    when its header is the channel's stored one and the receive accepts the cached dtype on the
+    channel's device (:func:`_accepts`), else None: :func:`read_packed` decodes it."""
+    if _accepts(dtype, device, ch, buf[:_HB]):
+        return buf[_HB:].view(ch.dtype).view(ch.shape)
+    return None
 
 
 def cached_recv(t: Transfer, ch: Channel, api: str) -> list:
@@ -90,17 +137,18 @@ def cached_recv(t: Transfer, ch: Channel, api: str) -> list:
     posted = post([header_msg(t), (t, False, pre, t.phase)], False, api)
     posted[0].wait()
     assert t.hdr is not None  # header_msg gave the receive its buffer
-    if _accepts(t, ch, t.hdr.view(torch.uint8)):
+    if _accepts(t.dtype, t.device, ch, t.hdr.view(torch.uint8)):
         t.payload = pre
         return posted[1:]
     return _after_header(t, ch, pre, posted[1:], api)
 
 
-def _accepts(t: Transfer, ch: Channel, hdr: torch.Tensor) -> bool:
+def _accepts(dtype: torch.dtype | None, device: torch.device, ch: Channel, hdr: torch.Tensor) -> bool:
     """Whether a received header (uint8) announces the cached shape with status OK, for a receive
-    that accepts the cached dtype: one comparison with the stored header, no decoding (a header
-    that differs in any byte is decoded and judged by :func:`._negotiate.read_header`)."""
-    return (t.dtype is None or t.dtype == ch.dtype) and ch.device == t.device and torch.equal(hdr, ch.header)
+    on ``device`` that accepts ``dtype`` (None: any): one comparison with the stored header, no
+    decoding (a header that differs in any byte is decoded and judged by
+    :func:`._negotiate.read_header`)."""
+    return (dtype is None or dtype == ch.dtype) and ch.device == device and torch.equal(hdr, ch.header)
 
 
 def _after_header(t: Transfer, ch: Channel, pre: torch.Tensor, rest: list, api: str) -> list:

@@ -69,29 +69,58 @@ class ShapeCache:
 
     def __init__(self) -> None:
         self._last: dict[tuple, Channel] = {}  # (id of the process group, is_send, peer) -> Channel
-        # (id of the process group, peer) -> (packed send buffer, the work of its last send)
-        self._packed: dict[tuple, tuple[torch.Tensor, Any]] = {}
+        # (id of the process group, peer) -> (packed send buffer, the work of its last send, the
+        # view of its payload bytes when its header bytes hold that payload's OK header, else None)
+        self._packed: dict[tuple, tuple[torch.Tensor, Any, torch.Tensor | None]] = {}
 
-    def packed_buffer(self, t: Transfer, nbytes: int) -> torch.Tensor:
-        """A ``nbytes`` uint8 send buffer for a packed (header + payload) message to ``t``'s peer:
-        the one the last packed send to that peer used when that send has completed (c10d no
-        longer reads it), else a new one. Why: a fresh CPU buffer of a few hundred KiB comes from
-        ``mmap`` and pays a page fault per 4 KiB it touches, measured as more than the copy
-        itself; CUDA's caching allocator recycles blocks, so other devices get fresh buffers."""
-        held = self._packed.get((id(t.g.pg), t.peer))
+    def packed_buffer(self, pg, peer: int, nbytes: int, device: torch.device) -> torch.Tensor:
+        """A ``nbytes`` uint8 send buffer for a packed (header + payload) message to group rank
+        ``peer`` of ``pg``: the one the last packed send to that peer used when that send has
+        completed (c10d no longer reads it), else a new one. Why: a fresh CPU buffer of a few
+        hundred KiB comes from ``mmap`` and pays a page fault per 4 KiB it touches, measured as
+        more than the copy itself; CUDA's caching allocator recycles blocks, so other devices get
+        fresh buffers."""
+        held = self._packed.get((id(pg), peer))
         if held is not None:
-            buf, work = held
-            if buf.numel() == nbytes and buf.device == t.device and work.is_completed():
+            buf, work, _ = held
+            if buf.numel() == nbytes and buf.device == device and work.is_completed():
                 return buf
-        return torch.empty(nbytes, dtype=torch.uint8, device=t.device)
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
-    def hold_packed(self, t: Transfer, buf: torch.Tensor, work: object) -> None:
-        """Remember a CPU packed send's buffer and work, for :meth:`packed_buffer`."""
+    def packed_body(self, pg, peer: int, ch: Channel, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(buffer, payload view)`` for a packed send of ``ch``'s cached shape (status OK) to
+        ``peer``: the buffer of :meth:`packed_buffer` with ``ch.header`` in its first bytes and
+        the rest viewed as ``ch.shape`` / ``ch.dtype``. A repeat after a completed send of the
+        same shape finds both already made: the send is then one copy of the payload (no header
+        write, no ``cat`` of flat views: each tensor op costs microseconds of host time)."""
+        held = self._packed.get((id(pg), peer))
+        if held is not None:
+            buf, work, body = held
+            if (
+                body is not None
+                and body.dtype == ch.dtype
+                and body.shape == ch.shape
+                and buf.device == device
+                and work.is_completed()
+            ):
+                return buf, body
+        hb = ch.header.numel()
+        buf = self.packed_buffer(pg, peer, hb + ch.nbytes, device)
+        buf[:hb].copy_(ch.header)
+        return buf, buf[hb:].view(ch.dtype).view(ch.shape)
+
+    def hold_packed(self, pg, peer: int, buf: torch.Tensor, work: object, body: torch.Tensor | None = None) -> None:
+        """Remember a CPU packed send's buffer and work (and ``body``, the payload view of
+        :meth:`packed_body` when the buffer holds an OK header of its shape), for the next send."""
         if buf.is_cpu:
-            self._packed[(id(t.g.pg), t.peer)] = (buf, work)
+            self._packed[(id(pg), peer)] = (buf, work, body)
+
+    def lookup(self, pg, send: bool, peer: int) -> Channel | None:
+        """The channel towards (``send``) or from group rank ``peer`` of ``pg``, if negotiated."""
+        return self._last.get((id(pg), send, peer))
 
     def get(self, t: Transfer) -> Channel | None:
-        return self._last.get((id(t.g.pg), t.send, t.peer))
+        return self.lookup(t.g.pg, t.send, t.peer)
 
     def put(self, t: Transfer, shape: Sequence[int], dtype: torch.dtype) -> None:
         key = (id(t.g.pg), t.send, t.peer)
@@ -105,7 +134,7 @@ class ShapeCache:
         self._last[key] = Channel(tuple(shape), dtype, n, header, t.device)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Transfer:
     """One message stream of an exchange, as seen from this rank."""
 
@@ -132,26 +161,37 @@ class Transfer:
 
 def post(msgs, batched: bool, api: str) -> list:
     """Post ``(transfer, is_send, tensor, ledger_phase)`` messages, already in posting order."""
-    for t, is_send, tensor, label in msgs:
-        n = tensor.nbytes
-        ledger.record(
-            "send" if is_send else "recv",
-            api,
-            label,
-            t.g.size,
-            n if is_send else 0,
-            0 if is_send else n,
-            pg=t.g.pg,
-            shape=tensor.shape,
-            peer=t.peer,
-            dtype=tensor.dtype,
-        )
     if not batched:
-        return [(isend if s else irecv)(tensor, t.g.pg, t.peer) for t, s, tensor, _ in msgs]
+        return [post_one(t.g, t.peer, s, tensor, label, api) for t, s, tensor, label in msgs]
+    for t, is_send, tensor, label in msgs:
+        _record(t.g, t.peer, is_send, tensor, label, api)
     per_group: dict[int, list] = {}  # batch_isend_irecv takes one group per call
     for t, s, tensor, _ in msgs:
         per_group.setdefault(t.gi, []).append(p2p_op(s, tensor, t.g.pg, t.peer))
     return [w for ops in per_group.values() for w in dist.batch_isend_irecv(ops)]
+
+
+def post_one(g: GroupInfo, peer: int, is_send: bool, tensor: torch.Tensor, label: str, api: str):
+    """Record and post one message (``isend`` or ``irecv`` with group rank ``peer``); its work."""
+    _record(g, peer, is_send, tensor, label, api)
+    return (isend if is_send else irecv)(tensor, g.pg, peer)
+
+
+def _record(g: GroupInfo, peer: int, is_send: bool, tensor: torch.Tensor, label: str, api: str) -> None:
+    """The ledger entry of one message, made just before it is posted (:func:`.ledger.record`)."""
+    n = tensor.nbytes
+    ledger.record(
+        "send" if is_send else "recv",
+        api,
+        label,
+        g.size,
+        n if is_send else 0,
+        0 if is_send else n,
+        pg=g.pg,
+        shape=tensor.shape,
+        peer=peer,
+        dtype=tensor.dtype,
+    )
 
 
 Message = tuple["Transfer", bool, torch.Tensor, str]  # (transfer, is_send, tensor, ledger phase)
