@@ -16,7 +16,6 @@ from harness.helpers import all_true, rank, world_group, world_size
 from shardkit.comm import CommLedger
 from shardkit.errors import ShardkitError
 from shardkit.pipeline_parallel import ChunkedStage, chunk_layers, run_schedule, split_microbatches
-from shardkit.pipeline_parallel._chunk_exec import backend_error
 from shardkit.pipeline_parallel.simulate import fifo_mismatches, transfers
 from shardkit.pipeline_parallel.tables import SCHEDULES, schedule_table
 
@@ -186,11 +185,6 @@ def test_fsdp2_modules_refuse_the_iw_split_on_every_rank():
     xs, ts = _data(2, varlen=False)
     with pytest.raises(ShardkitError, match="FSDP2 .fully_shard. modules cannot run the I/W split"):
         run_schedule(stage, "zb-h1", xs, ts, num_microbatches=2)
-
-
-def test_nccl_is_refused_until_the_step_exchange_is_batched():
-    assert backend_error("gloo") is None
-    assert "deadlock on an NCCL stream" in backend_error("NCCL")
 
 
 def test_chunk_layers_cuts_uneven_layers_in_dataflow_order():

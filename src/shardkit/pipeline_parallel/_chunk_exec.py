@@ -5,24 +5,30 @@ Steps: ``F`` runs a chunk on a microbatch and hands its output to the next chunk
 :func:`~.split_backward.input_grad` and :func:`~.split_backward.weight_grad`. The last chunk's
 loss is scaled by ``1 / M`` (gradients of the mean of the microbatch losses).
 
-Messages. A hand-over to a chunk on this rank (``"v"``: chunk ``p - 1`` to ``p`` on the last
-rank; every chunk when ``p = 1``) is a dictionary entry, no P2P. Every other one goes to the
-neighbour ``r + 1`` or ``r - 1`` (mod ``p``) as one negotiated transfer of :mod:`.p2p`
-(``loop=True``): activations as ``send_forward``/``recv_forward`` (ledger phase ``forward``),
-gradients as ``send_backward``/``recv_backward`` (``backward``), towards whichever neighbour
-holds the chunk (a V's ascending leg sends activations to ``r - 1``). Shapes are cached per
-(direction, receiving chunk) on both ends
-(one :class:`~._transfer.ShapeCache` each). No tags: between two ranks the messages pair in
-FIFO order, so a rank receives each channel's messages in the order the sender sends them, an
-order both derive from the table (:func:`.simulate.transfers`), and holds those that arrive
-before the step that needs them (V tables need this: their receivers need messages in another
-order than they are sent, :func:`.simulate.fifo_mismatches`).
+Messages (:mod:`._mailbox`). A hand-over to a chunk on this rank (``"v"``: chunk ``p - 1`` to
+``p`` on the last rank; every chunk when ``p = 1``) is a dictionary entry, no P2P. Every other
+one goes to the neighbour ``r + 1`` or ``r - 1`` (mod ``p``) as one negotiated transfer of
+:mod:`.p2p` (``loop=True``): activations as ``send_forward``/``recv_forward`` (ledger phase
+``forward``), gradients as ``send_backward``/``recv_backward`` (``backward``), towards whichever
+neighbour holds the chunk (a V's ascending leg sends activations to ``r - 1``), on the process
+group of that direction (``stage.links``: one group carries ``r -> r + 1``, another ``r -> r -
+1``). Shapes are cached per (direction, receiving chunk) on both ends (one
+:class:`~._transfer.ShapeCache` each). No tags: between two ranks the messages pair in FIFO
+order, so a rank receives each neighbour's messages in the order it sends them, an order both
+derive from the table (:func:`.simulate.transfers`), and holds those that arrive before the
+step that needs them (V tables need this: their receivers need messages in another order than
+they are sent, :func:`.simulate.fifo_mismatches`). On gloo each neighbour's next receive is
+posted as soon as the previous one completed, so data moves while this rank computes.
 
-Why it cannot hang (gloo; NCCL is refused, see :func:`backend_error`). Sends are posted and not
-waited for (checks off, gloo posts a send without waiting for the receiver), and a receive waits
-only for messages the sender produces before the one the step needs; so a rank is never later
-than in the dataflow model of
-:func:`.simulate.simulate_steps`, which :func:`check_table` runs on the table first.
+Why it cannot hang. Sends are posted and waited for only at the end; a receive waits only for
+messages the sender produces before the one the step needs, so a rank is never later than in
+the dataflow model of :func:`.simulate.simulate_steps`, which :func:`check_table` runs on the
+table first; gloo never blocks a post, and pairs each direction of a rank pair on its own. On
+NCCL a rank pair's P2P of one group runs in order on one stream, so a send to a neighbour could
+wait in front of a receive from it: with one group per direction, a group's stream between two
+ranks carries messages one way only. :mod:`.stream_model` replays the runner's own posting
+order on a model of those streams, for every table of :data:`~.tables.SCHEDULES` (tested; not
+run on a GPU here).
 
 Source: Megatron-LM's interleaved schedule (explicit gradients between model chunks);
 torch.distributed.pipelining's ``PipelineScheduleMulti`` (per-step actions of several stages per
@@ -40,7 +46,9 @@ import torch
 from ..comm.agree import agree
 from ..comm.checks import checks_enabled
 from ..errors import ShardkitError
+from ._mailbox import Mailbox, Message, link, step_messages
 from ._p2p_call import run
+from ._posted_recv import PostedRecv
 from ._transfer import ShapeCache
 from .simulate import simulate_steps, transfers
 from .split_backward import input_grad, weight_grad
@@ -105,88 +113,89 @@ def _simulated(table: Table, placement: str, v: int, m: int) -> str | None:
     return simulate_steps(table, placement=placement, v=v, num_microbatches=m).error
 
 
+class _Links:
+    """The P2P engine as :class:`~._mailbox.Transport`: a message travels on the process group
+    of its :func:`~._mailbox.link` (``stage.links``), negotiated, with the shape cache of its
+    (direction, receiving chunk), the same key on both ends."""
+
+    def __init__(self, stage: ChunkedStage, caches: dict) -> None:
+        self.stage, self.caches = stage, caches  # (direction, receiving chunk) -> ShapeCache
+
+    def cache(self, msg: Message) -> ShapeCache:
+        return self.caches.setdefault(msg[::2], ShapeCache())
+
+    def send(self, msg: Message, dst: int, tensor: torch.Tensor):
+        st = self.stage
+        towards = link(st.rank, dst, st.p)
+        api, phase = ("send_forward", "forward") if msg[0] == "F" else ("send_backward", "backward")
+        pg = st.links[towards].pg
+        return run(
+            api, pg, tensor, [(towards, phase)], [], None, None, None, True, False, True, "mean", self.cache(msg)
+        )
+
+    def post(self, msg: Message, src: int) -> PostedRecv:
+        st = self.stage
+        group = link(src, st.rank, st.p)  # the sender's link; this end receives from its other side
+        towards = "prev" if group == "next" else "next"
+        api, phase = ("recv_forward", "forward") if msg[0] == "F" else ("recv_backward", "backward")
+        return PostedRecv(api, st.links[group], towards, phase, self.cache(msg))
+
+    def receive(self, handle: PostedRecv) -> torch.Tensor:
+        return handle.wait()
+
+
 class _Run:
     """One call's state on this rank (see the module docstring)."""
 
     def __init__(self, stage: ChunkedStage, table: Table, m: int, inputs, targets, kwargs, caches: dict) -> None:
         self.stage, self.m, self.inputs, self.targets, self.kwargs = stage, m, inputs, targets, kwargs
-        self.caches = caches  # (direction, receiving chunk) -> ShapeCache, the same key on both ends
-        sent, _ = transfers(table, placement=stage.placement, v=stage.v)
-        r = stage.rank
-        self.incoming = {q: list(msgs) for (q, dst), msgs in sent.items() if dst == r}  # sender order
-        self.inbox: dict[tuple[str, int, int], torch.Tensor] = {}  # (direction, microbatch, chunk) -> tensor
+        early = stage.info.pg.name().lower() == "gloo"  # why only gloo: :mod:`.stream_model`
+        self.mail = Mailbox(stage.rank, stage.owner, incoming(table, stage), _Links(stage, caches), early)
         self.stash: dict[tuple[int, int], tuple] = {}  # (microbatch, local chunk) -> (input, output)
         self.pending: dict[tuple[int, int], object] = {}  # (microbatch, local chunk) -> I's pending W
-        self.sending: list = []
         self.losses: list[torch.Tensor | None] = [None] * m
-
-    def cache(self, key: tuple[str, int]) -> ShapeCache:
-        return self.caches.setdefault(key, ShapeCache())
-
-    def deliver(self, msg: tuple[str, int, int], t: torch.Tensor) -> None:
-        """Hand ``t`` to the chunk ``msg`` names: locally, or a posted send to its rank."""
-        st = self.stage
-        dst = st.owner(msg[2])
-        if dst == st.rank:
-            self.inbox[msg] = t
-            return
-        towards = "next" if dst == (st.rank + 1) % st.p else "prev"  # p = 2: both; the receiver says "prev"
-        api, phase = ("send_forward", "forward") if msg[0] == "F" else ("send_backward", "backward")
-        sends = [(towards, phase)]
-        work = run(api, st.group, t, sends, [], None, None, None, True, False, True, "mean", self.cache(msg[::2]))
-        self.sending = [w for w in self.sending if not w.is_completed()] + [work]
-
-    def take(self, msg: tuple[str, int, int], src_chunk: int) -> torch.Tensor:
-        """The tensor ``msg`` names; receives from its rank, in the sender's order, until it came."""
-        st = self.stage
-        src = st.owner(src_chunk)
-        while msg not in self.inbox:
-            if src == st.rank or not self.incoming.get(src):
-                raise ShardkitError(f"run_schedule: rank {st.rank} waits for {msg} that no step produces")
-            nxt = self.incoming[src].pop(0)
-            towards = "prev" if st.rank == (src + 1) % st.p else "next"
-            api, phase = ("recv_forward", "forward") if nxt[0] == "F" else ("recv_backward", "backward")
-            recvs = [(towards, phase)]
-            got = run(
-                api, st.group, None, [], recvs, None, None, None, True, False, False, "mean", self.cache(nxt[::2])
-            )
-            assert isinstance(got, torch.Tensor)  # a blocking receive returns its tensor
-            self.inbox[nxt] = got
-        return self.inbox.pop(msg)
 
     def step(self, s: Step) -> None:
         j, c = s.microbatch, s.chunk
         g = self.stage.global_chunk(c)
+        need, give = step_messages(s.kind, j, g, self.stage.num_chunks)
         if s.kind == "F":
-            self.forward(j, c, g)
+            self.forward(j, c, g, need, give)
         elif s.kind == "W":
             weight_grad(self.pending.pop((j, c)))  # type: ignore[arg-type]
         else:
-            self.backward(j, c, g, split=s.kind == "I")
+            self.backward(j, c, need, give, split=s.kind == "I")
 
-    def forward(self, j: int, c: int, g: int) -> None:
+    def forward(self, j: int, c: int, g: int, need: Message | None, give: Message | None) -> None:
         st = self.stage
-        x = self.inputs[j] if g == 0 else self.take(("F", j, g), g - 1).requires_grad_(True)
+        x = self.inputs[j] if need is None else self.mail.take(need).requires_grad_(True)
         y = st.modules[c](x, **self.kwargs[j])
-        if g == st.num_chunks - 1:
+        if give is None:  # the last chunk
             assert st.loss_fn is not None  # checked when the stage was built
             loss = st.loss_fn(y, self.targets[j])
             self.losses[j] = loss.detach()
             y = loss / self.m  # gradients of the mean over microbatches
         else:
-            self.deliver(("F", j, g + 1), y.detach())
+            self.mail.deliver(give, y.detach())
         self.stash[(j, c)] = (x, y)
 
-    def backward(self, j: int, c: int, g: int, split: bool) -> None:
-        """``B`` (``split`` False) or ``I``; both hand the input gradient to chunk ``g - 1``."""
+    def backward(self, j: int, c: int, need: Message | None, give: Message | None, split: bool) -> None:
+        """``B`` (``split`` False) or ``I``; both hand the input gradient to the previous chunk."""
         x, y = self.stash.pop((j, c))
-        grad = None if g == self.stage.num_chunks - 1 else self.take(("B", j, g), g + 1)
+        grad = None if need is None else self.mail.take(need)
         if split:
             dx, self.pending[(j, c)] = input_grad(x, y, self.stage.modules[c].parameters(), grad)
         else:
             dx = _backward(x, y, grad)
-        if g > 0:
-            self.deliver(("B", j, g - 1), dx if dx is not None else torch.zeros_like(x))
+        if give is not None:
+            self.mail.deliver(give, dx if dx is not None else torch.zeros_like(x))
+
+
+def incoming(table: Table, stage) -> dict[int, list[Message]]:
+    """Per sending rank, the messages it sends ``stage.rank`` under ``table``, in its order
+    (pure: :func:`.simulate.transfers`)."""
+    sent, _ = transfers(table, placement=stage.placement, v=stage.v)
+    return {q: list(msgs) for (q, dst), msgs in sent.items() if dst == stage.rank}
 
 
 def _backward(x: torch.Tensor, y: torch.Tensor, grad: torch.Tensor | None) -> torch.Tensor | None:
@@ -203,8 +212,7 @@ def execute(stage: ChunkedStage, table: Table, m: int, inputs, targets, kwargs: 
     run = _Run(stage, table, m, inputs, targets, kwargs, caches)
     for s in table[stage.rank]:
         run.step(s)
-    for work in run.sending:
-        work.wait()
+    run.mail.finish()
     return run.losses if stage.holds(stage.num_chunks - 1) else None
 
 
@@ -223,7 +231,6 @@ def run_chunked(stage: ChunkedStage, schedule, inputs, targets, stage_kwargs, nu
         error = str(e)
     if error is None and checks_enabled():
         error = "the P2P check mode (hellos that wait for the peer) cannot run chunked schedules: turn checks off"
-    error = error or backend_error(stage.info.pg.name())
 
     def judge(seen: list) -> list[str]:
         differ = [r for r, (d, _) in enumerate(seen) if d != seen[0][0]]
@@ -234,21 +241,6 @@ def run_chunked(stage: ChunkedStage, schedule, inputs, targets, stage_kwargs, nu
     losses = execute(stage, table, m, inputs, targets, stage_kwargs or [{}] * m, caches)
     stage.keep_caches(caches)  # completed: the next call may keep them (agreed by every rank)
     return losses
-
-
-def backend_error(backend: str) -> str | None:
-    """Why ``backend`` cannot run chunked schedules yet, or None (pure).
-
-    NCCL runs a rank pair's sends and receives in order on one stream, so a posted send to a
-    neighbour (waiting for its receive) sits in front of a later receive from it; when that
-    neighbour sends first too, messages above NCCL's buffer wait on each other. The one-stage
-    runner orders each such pair by stage parity (:mod:`._exchange`); this one does not yet."""
-    if backend.lower() == "nccl":
-        return (
-            "chunked schedules run on gloo for now: their unbatched sends and receives to one neighbour "
-            "can deadlock on an NCCL stream; use 1f1b or gpipe with one chunk per rank (PipelineStage) on NCCL"
-        )
-    return None
 
 
 def _split_error(stage: ChunkedStage, table: Table) -> str | None:

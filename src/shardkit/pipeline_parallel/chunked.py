@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch.distributed as dist
 from torch import nn
 
 from .._shapes import balanced_split_sizes
@@ -73,6 +74,17 @@ def chunk_layers(num_layers: int, p: int, v: int, placement: str, rank: int) -> 
     return [range(starts[g], starts[g + 1]) for g in chunks]
 
 
+def _prev_error(g: GroupInfo, prev: GroupInfo | None) -> str | None:
+    """Why ``prev`` cannot carry ``g``'s messages to ``r - 1``, or None."""
+    if prev is None:
+        return None
+    if prev.pg is g.pg:
+        return "prev_group must be another process group than pp_group (one communicator per direction)"
+    if dist.get_process_group_ranks(prev.pg) != dist.get_process_group_ranks(g.pg):
+        return "prev_group must have the ranks of pp_group, in the same order"
+    return None
+
+
 class ChunkedStage:
     """The chunks one rank holds: ``modules[c]`` is local chunk ``c`` (each maps one tensor to
     one tensor, e.g. ``[B / M, S, H] -> [B / M, S, H]``).
@@ -83,12 +95,19 @@ class ChunkedStage:
         placement: ``"looped"`` or ``"v"`` (``v = 2``); the schedule's placement.
         loss_fn: ``loss_fn(output, target) -> scalar``; required on the rank holding the last
             chunk (``p - 1`` looped, 0 for ``"v"``).
+        prev_group: the process group carrying messages from each rank to ``r - 1`` (``pp_group``
+            carries those to ``r + 1``; with ``p = 2``: ``pp_group`` from rank 0 to 1, this one
+            back): the same ranks, another communicator, so that on NCCL a group's stream between
+            two ranks carries messages one way only (:mod:`._chunk_exec`). None: built here from
+            ``pp_group``'s ranks (``dist.new_group(ranks, use_local_synchronization=True)``,
+            collective over the pipeline group).
 
     Raises:
         ShardkitTypeError: a module is not an ``nn.Module``; ``loss_fn`` not callable.
         ShardkitError: on every rank (one :func:`~shardkit.comm.agree.agree`) when any rank has
             no modules, an unknown placement, ``v != 2`` with ``"v"``, the last chunk without a
-            ``loss_fn``, or ranks disagree on ``v`` or the placement.
+            ``loss_fn``, ranks disagree on ``v`` or the placement, or ``prev_group`` has other
+            ranks (or sizes) than ``pp_group``.
     """
 
     def __init__(
@@ -98,6 +117,7 @@ class ChunkedStage:
         *,
         placement: str = "looped",
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        prev_group: Group | None = None,
     ) -> None:
         op = "ChunkedStage"
         if not isinstance(modules, (list, tuple)) or not all(isinstance(m, nn.Module) for m in modules):
@@ -108,13 +128,20 @@ class ChunkedStage:
         self.modules, self.group, self.placement, self.loss_fn = list(modules), pp_group, placement, loss_fn
         self.info: GroupInfo = g
         self.rank, self.p, self.v = g.rank, g.size, len(self.modules)
-        error = self._error()
+        prev = resolve_group(prev_group, op) if prev_group is not None else None
+        error = self._error() or _prev_error(g, prev)
 
         def judge(seen: list) -> list[str]:
             differ = [r for r, x in enumerate(seen) if x != seen[0]]
             return [f"rank {r} has (v, placement) {seen[r]}, rank 0 {seen[0]}" for r in differ[:1]]
 
         agree(g, op, error, [self.v, placement], judge=judge, headline=REJECTED)
+        if prev is None:  # every rank of the pipeline group gets here (the agreement passed)
+            ranks = dist.get_process_group_ranks(g.pg)
+            pg = dist.new_group(ranks, backend=dist.get_backend(g.pg), use_local_synchronization=True)
+            prev = resolve_group(pg, op)
+        # the group of each link (:func:`._mailbox.link`): messages to r + 1 and to r - 1
+        self.links: dict[str, GroupInfo] = {"next": g, "prev": prev}
         # run_schedule's negotiated shapes per (receiving chunk, direction), kept between calls
         self._caches: dict | None = None
 
