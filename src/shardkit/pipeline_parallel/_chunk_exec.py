@@ -11,24 +11,24 @@ one goes to the neighbour ``r + 1`` or ``r - 1`` (mod ``p``) as one negotiated t
 :mod:`.p2p` (``loop=True``): activations as ``send_forward``/``recv_forward`` (ledger phase
 ``forward``), gradients as ``send_backward``/``recv_backward`` (``backward``), towards whichever
 neighbour holds the chunk (a V's ascending leg sends activations to ``r - 1``), on the process
-group of that direction (``stage.links``: one group carries ``r -> r + 1``, another ``r -> r -
-1``). Shapes are cached per (direction, receiving chunk) on both ends (one
-:class:`~._transfer.ShapeCache` each). No tags: between two ranks the messages pair in FIFO
-order, so a rank receives each neighbour's messages in the order it sends them, an order both
-derive from the table (:func:`.simulate.transfers`), and holds those that arrive before the
-step that needs them (V tables need this: their receivers need messages in another order than
-they are sent, :func:`.simulate.fifo_mismatches`). On gloo each neighbour's next receive is
-posted as soon as the previous one completed, so data moves while this rank computes.
+group of its link (``stage.links``, :func:`.chunked.link_groups`). Shapes are cached per (kind,
+receiving chunk) on both ends (one :class:`~._transfer.ShapeCache` each). No tags: between two
+ranks the messages pair in FIFO order, so a rank receives each neighbour's messages in the order
+it sends them, an order both derive from the table (:func:`.simulate.transfers`), and holds
+those that arrive before the step that needs them (V tables need this: their receivers need
+messages in another order than they are sent, :func:`.simulate.fifo_mismatches`). On gloo each
+neighbour's next receive is posted as soon as the previous one completed, so its data moves
+while this rank computes (gloo hands a send over only to a posted receive).
 
-Why it cannot hang. Sends are posted and waited for only at the end; a receive waits only for
-messages the sender produces before the one the step needs, so a rank is never later than in
-the dataflow model of :func:`.simulate.simulate_steps`, which :func:`check_table` runs on the
-table first; gloo never blocks a post, and pairs each direction of a rank pair on its own. On
-NCCL a rank pair's P2P of one group runs in order on one stream, so a send to a neighbour could
-wait in front of a receive from it: with one group per direction, a group's stream between two
-ranks carries messages one way only. :mod:`.stream_model` replays the runner's own posting
-order on a model of those streams, for every table of :data:`~.tables.SCHEDULES` (tested; not
-run on a GPU here).
+Why it cannot hang. Sends are waited for only at the end; a receive waits only for messages the
+sender produces before the one the step needs, so a rank is never later than in the dataflow
+model of :func:`.simulate.simulate_steps`, which :func:`check_table` runs on the table first,
+provided no send waits in front of a receive it depends on. Gloo never blocks a post and pairs
+each direction of a rank pair on its own. NCCL runs a group's P2P between two ranks (or, with an
+eagerly initialized communicator, all of a rank's) in order on one stream: with one process
+group per link, no two links of a group sharing a rank, each stream carries one rank pair's
+messages one way. :mod:`.stream_model` replays the runner's own posting order on a model of
+those streams for every table of :data:`~.tables.SCHEDULES` (tested; not run on a GPU here).
 
 Source: Megatron-LM's interleaved schedule (explicit gradients between model chunks);
 torch.distributed.pipelining's ``PipelineScheduleMulti`` (per-step actions of several stages per
@@ -46,7 +46,7 @@ import torch
 from ..comm.agree import agree
 from ..comm.checks import checks_enabled
 from ..errors import ShardkitError
-from ._mailbox import Mailbox, Message, link, step_messages
+from ._mailbox import Mailbox, Message, incoming, link, step_messages
 from ._p2p_call import run
 from ._posted_recv import PostedRecv
 from ._transfer import ShapeCache
@@ -116,7 +116,7 @@ def _simulated(table: Table, placement: str, v: int, m: int) -> str | None:
 class _Links:
     """The P2P engine as :class:`~._mailbox.Transport`: a message travels on the process group
     of its :func:`~._mailbox.link` (``stage.links``), negotiated, with the shape cache of its
-    (direction, receiving chunk), the same key on both ends."""
+    (kind, receiving chunk), the same key on both ends."""
 
     def __init__(self, stage: ChunkedStage, caches: dict) -> None:
         self.stage, self.caches = stage, caches  # (direction, receiving chunk) -> ShapeCache
@@ -126,19 +126,18 @@ class _Links:
 
     def send(self, msg: Message, dst: int, tensor: torch.Tensor):
         st = self.stage
-        towards = link(st.rank, dst, st.p)
+        name = link(st.rank, dst, st.p)
         api, phase = ("send_forward", "forward") if msg[0] == "F" else ("send_backward", "backward")
-        pg = st.links[towards].pg
-        return run(
-            api, pg, tensor, [(towards, phase)], [], None, None, None, True, False, True, "mean", self.cache(msg)
-        )
+        sends = [(name[0], phase)]
+        pg = st.links[name].pg
+        return run(api, pg, tensor, sends, [], None, None, None, True, False, True, "mean", self.cache(msg))
 
     def post(self, msg: Message, src: int) -> PostedRecv:
         st = self.stage
-        group = link(src, st.rank, st.p)  # the sender's link; this end receives from its other side
-        towards = "prev" if group == "next" else "next"
+        name = link(src, st.rank, st.p)  # the sender's link: this end receives from the other side
+        towards = "prev" if name[0] == "next" else "next"
         api, phase = ("recv_forward", "forward") if msg[0] == "F" else ("recv_backward", "backward")
-        return PostedRecv(api, st.links[group], towards, phase, self.cache(msg))
+        return PostedRecv(api, st.links[name], towards, phase, self.cache(msg))
 
     def receive(self, handle: PostedRecv) -> torch.Tensor:
         return handle.wait()
@@ -150,7 +149,8 @@ class _Run:
     def __init__(self, stage: ChunkedStage, table: Table, m: int, inputs, targets, kwargs, caches: dict) -> None:
         self.stage, self.m, self.inputs, self.targets, self.kwargs = stage, m, inputs, targets, kwargs
         early = stage.info.pg.name().lower() == "gloo"  # why only gloo: :mod:`.stream_model`
-        self.mail = Mailbox(stage.rank, stage.owner, incoming(table, stage), _Links(stage, caches), early)
+        mine = incoming(transfers(table, placement=stage.placement, v=stage.v)[0], stage.rank)
+        self.mail = Mailbox(stage.rank, stage.owner, mine, _Links(stage, caches), early)
         self.stash: dict[tuple[int, int], tuple] = {}  # (microbatch, local chunk) -> (input, output)
         self.pending: dict[tuple[int, int], object] = {}  # (microbatch, local chunk) -> I's pending W
         self.losses: list[torch.Tensor | None] = [None] * m
@@ -189,13 +189,6 @@ class _Run:
             dx = _backward(x, y, grad)
         if give is not None:
             self.mail.deliver(give, dx if dx is not None else torch.zeros_like(x))
-
-
-def incoming(table: Table, stage) -> dict[int, list[Message]]:
-    """Per sending rank, the messages it sends ``stage.rank`` under ``table``, in its order
-    (pure: :func:`.simulate.transfers`)."""
-    sent, _ = transfers(table, placement=stage.placement, v=stage.v)
-    return {q: list(msgs) for (q, dst), msgs in sent.items() if dst == stage.rank}
 
 
 def _backward(x: torch.Tensor, y: torch.Tensor, grad: torch.Tensor | None) -> torch.Tensor | None:

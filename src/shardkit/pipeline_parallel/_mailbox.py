@@ -28,7 +28,7 @@ from ..errors import ShardkitError
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-__all__ = ["Message", "Transport", "Mailbox", "link", "step_messages"]
+__all__ = ["Message", "Transport", "Mailbox", "incoming", "link", "links", "step_messages"]
 
 Message = tuple[str, int, int]  # (kind "F" | "B", microbatch, receiving global chunk)
 
@@ -48,15 +48,31 @@ def step_messages(kind: str, microbatch: int, chunk: int, num_chunks: int) -> tu
     return (("B", microbatch, chunk) if chunk < last else None), (("B", microbatch, chunk - 1) if chunk > 0 else None)
 
 
-def link(src: int, dst: int, p: int) -> str:
-    """The link a message from pipeline rank ``src`` to ``dst`` travels on, as the sender sees
-    it: ``"next"`` from ``r`` to ``r + 1`` (mod ``p``), ``"prev"`` from ``r`` to ``r - 1``; with
-    ``p = 2`` (both neighbours are the same rank) ``"next"`` from rank 0 to 1, ``"prev"`` back.
-    Each link is one process group of :class:`~.chunked.ChunkedStage`, so between two ranks a
-    group carries messages one way only."""
-    if p == 2:
-        return "next" if dst > src else "prev"
-    return "next" if dst == (src + 1) % p else "prev"
+def incoming(sent: dict[tuple[int, int], list[Message]], rank: int) -> dict[int, list[Message]]:
+    """Per sending rank, the messages it sends ``rank``, in its order (pure), from ``sent``: the
+    first result of :func:`.simulate.transfers` on the table."""
+    return {q: list(msgs) for (q, dst), msgs in sent.items() if dst == rank}
+
+
+def link(src: int, dst: int, p: int) -> tuple[str, int]:
+    """The link a message from pipeline rank ``src`` to neighbour ``dst`` travels on (pure):
+    ``(direction, colour)``.
+
+    ``direction`` as the sender sees it: ``"next"`` from ``r`` to ``r + 1`` (mod ``p``),
+    ``"prev"`` from ``r`` to ``r - 1``; with ``p = 2`` (both neighbours are one rank) ``"next"``
+    from rank 0 to 1, ``"prev"`` back. ``colour`` tells apart the rank pairs ``{a, a + 1}``:
+    ``a % 2``, and 2 for the pair ``{p - 1, 0}`` when ``p`` is odd (3 or more). Each link is one
+    process group on NCCL (:func:`~.chunked.link_groups`): no two links of a group share a rank,
+    so every stream of a group carries one rank pair's messages one way."""
+    direction = "next" if (dst > src if p == 2 else dst == (src + 1) % p) else "prev"
+    a = src if direction == "next" else dst  # the pair {a, a + 1}
+    colour = 2 if (a == p - 1 and p % 2 == 1 and p > 2) else a % 2
+    return direction, colour
+
+
+def links(p: int) -> list[tuple[str, int]]:
+    """Every link of a ``p``-rank pipeline (``p >= 2``), in one order (pure)."""
+    return sorted({link(r, q, p) for r in range(p) for q in ((r + 1) % p, (r - 1) % p) if q != r})
 
 
 class Transport(Protocol):

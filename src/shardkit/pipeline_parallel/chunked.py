@@ -23,6 +23,7 @@ from .._shapes import balanced_split_sizes
 from ..comm._group import GroupInfo, resolve_group
 from ..comm.agree import agree
 from ..errors import ShardkitError, ShardkitTypeError
+from ._mailbox import links
 from .stage import REJECTED
 from .steps import PLACEMENTS, chunk_owner, global_chunk
 
@@ -74,15 +75,29 @@ def chunk_layers(num_layers: int, p: int, v: int, placement: str, rank: int) -> 
     return [range(starts[g], starts[g + 1]) for g in chunks]
 
 
-def _prev_error(g: GroupInfo, prev: GroupInfo | None) -> str | None:
-    """Why ``prev`` cannot carry ``g``'s messages to ``r - 1``, or None."""
-    if prev is None:
-        return None
-    if prev.pg is g.pg:
-        return "prev_group must be another process group than pp_group (one communicator per direction)"
-    if dist.get_process_group_ranks(prev.pg) != dist.get_process_group_ranks(g.pg):
-        return "prev_group must have the ranks of pp_group, in the same order"
-    return None
+def link_groups(g: GroupInfo, separate: bool) -> dict[tuple[str, int], GroupInfo]:
+    """The process group of each link (:func:`~._mailbox.links`) of the pipeline group ``g``.
+
+    ``separate`` (NCCL, any backend but gloo): ``g`` for the first link and, for each other one,
+    a new group of ``g``'s ranks (``dist.new_group(ranks, use_local_synchronization=True)``:
+    collective over ``g``; 2 to 6 groups in all, by ``p``). NCCL runs a group's P2P between two
+    ranks in order on one stream (on one stream per rank when the communicator is initialized
+    eagerly), so a send could wait in front of a receive it depends on; no two links of a group
+    share a rank, so each stream carries one rank pair's messages one way (the proof:
+    :mod:`.stream_model`). Else ``g`` for every link: gloo pairs each direction of a rank pair
+    on its own and never blocks a post. A group of one rank has no link."""
+    if g.size < 2:
+        return {}
+    names = links(g.size)
+    if not separate:
+        return dict.fromkeys(names, g)
+    ranks = dist.get_process_group_ranks(g.pg)
+    backend = dist.get_backend(g.pg)
+    made = [g] + [
+        resolve_group(dist.new_group(ranks, backend=backend, use_local_synchronization=True), "ChunkedStage")
+        for _ in names[1:]
+    ]
+    return dict(zip(names, made, strict=True))
 
 
 class ChunkedStage:
@@ -95,19 +110,15 @@ class ChunkedStage:
         placement: ``"looped"`` or ``"v"`` (``v = 2``); the schedule's placement.
         loss_fn: ``loss_fn(output, target) -> scalar``; required on the rank holding the last
             chunk (``p - 1`` looped, 0 for ``"v"``).
-        prev_group: the process group carrying messages from each rank to ``r - 1`` (``pp_group``
-            carries those to ``r + 1``; with ``p = 2``: ``pp_group`` from rank 0 to 1, this one
-            back): the same ranks, another communicator, so that on NCCL a group's stream between
-            two ranks carries messages one way only (:mod:`._chunk_exec`). None: built here from
-            ``pp_group``'s ranks (``dist.new_group(ranks, use_local_synchronization=True)``,
-            collective over the pipeline group).
+
+    Attributes:
+        links: the process group of each link (:func:`link_groups`).
 
     Raises:
         ShardkitTypeError: a module is not an ``nn.Module``; ``loss_fn`` not callable.
         ShardkitError: on every rank (one :func:`~shardkit.comm.agree.agree`) when any rank has
             no modules, an unknown placement, ``v != 2`` with ``"v"``, the last chunk without a
-            ``loss_fn``, ranks disagree on ``v`` or the placement, or ``prev_group`` has other
-            ranks (or sizes) than ``pp_group``.
+            ``loss_fn``, or ranks disagree on ``v`` or the placement.
     """
 
     def __init__(
@@ -117,7 +128,6 @@ class ChunkedStage:
         *,
         placement: str = "looped",
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-        prev_group: Group | None = None,
     ) -> None:
         op = "ChunkedStage"
         if not isinstance(modules, (list, tuple)) or not all(isinstance(m, nn.Module) for m in modules):
@@ -128,20 +138,14 @@ class ChunkedStage:
         self.modules, self.group, self.placement, self.loss_fn = list(modules), pp_group, placement, loss_fn
         self.info: GroupInfo = g
         self.rank, self.p, self.v = g.rank, g.size, len(self.modules)
-        prev = resolve_group(prev_group, op) if prev_group is not None else None
-        error = self._error() or _prev_error(g, prev)
+        error = self._error()
 
         def judge(seen: list) -> list[str]:
             differ = [r for r, x in enumerate(seen) if x != seen[0]]
             return [f"rank {r} has (v, placement) {seen[r]}, rank 0 {seen[0]}" for r in differ[:1]]
 
         agree(g, op, error, [self.v, placement], judge=judge, headline=REJECTED)
-        if prev is None:  # every rank of the pipeline group gets here (the agreement passed)
-            ranks = dist.get_process_group_ranks(g.pg)
-            pg = dist.new_group(ranks, backend=dist.get_backend(g.pg), use_local_synchronization=True)
-            prev = resolve_group(pg, op)
-        # the group of each link (:func:`._mailbox.link`): messages to r + 1 and to r - 1
-        self.links: dict[str, GroupInfo] = {"next": g, "prev": prev}
+        self.links = link_groups(g, separate=g.pg.name().lower() != "gloo")  # every rank gets here
         # run_schedule's negotiated shapes per (receiving chunk, direction), kept between calls
         self._caches: dict | None = None
 
