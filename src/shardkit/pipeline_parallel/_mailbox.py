@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from ..errors import ShardkitError
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Mapping, Sequence
 
 __all__ = ["Message", "Transport", "Mailbox", "incoming", "link", "links", "step_messages"]
 
@@ -103,7 +103,7 @@ class Mailbox:
     """
 
     def __init__(
-        self, rank: int, owner, incoming: dict[int, Sequence[Message]], transport: Transport, early: bool
+        self, rank: int, owner, incoming: Mapping[int, Sequence[Message]], transport: Transport, early: bool
     ) -> None:
         self.rank, self.owner, self.transport, self.early = rank, owner, transport, early
         self.incoming = {q: list(msgs) for q, msgs in sorted(incoming.items())}  # what is still to post
