@@ -148,7 +148,7 @@ class _Run:
 
     def __init__(self, stage: ChunkedStage, table: Table, m: int, inputs, targets, kwargs, caches: dict) -> None:
         self.stage, self.m, self.inputs, self.targets, self.kwargs = stage, m, inputs, targets, kwargs
-        early = stage.info.pg.name().lower() == "gloo"  # why only gloo: :mod:`.stream_model`
+        early = stage.info.pg.name().lower() == "gloo"  # why only gloo: :mod:`._mailbox`
         mine = incoming(transfers(table, placement=stage.placement, v=stage.v)[0], stage.rank)
         self.mail = Mailbox(stage.rank, stage.owner, mine, _Links(stage, caches), early)
         self.stash: dict[tuple[int, int], tuple] = {}  # (microbatch, local chunk) -> (input, output)

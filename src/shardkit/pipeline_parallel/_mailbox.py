@@ -16,7 +16,9 @@ payload after a dummy, :mod:`._packed`) never meets a receive posted for the nex
 completed (and at the start), so a sender's message moves while this rank computes: gloo hands a
 send over only once the receive is posted (a rendezvous), which otherwise costs a round trip
 on the critical path at every hand-over. Without ``early`` (NCCL) a receive is posted when the
-step needs it: why, :mod:`.stream_model`.
+step needs it: NCCL's receive is a kernel on the GPU that waits there for its data, so posting it
+early would gain no host time and hold GPU resources meanwhile. :mod:`.stream_model` checks both
+orders.
 """
 
 from __future__ import annotations
