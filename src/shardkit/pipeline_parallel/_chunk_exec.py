@@ -119,7 +119,7 @@ class _Links:
     (kind, receiving chunk), the same key on both ends."""
 
     def __init__(self, stage: ChunkedStage, caches: dict) -> None:
-        self.stage, self.caches = stage, caches  # (direction, receiving chunk) -> ShapeCache
+        self.stage, self.caches = stage, caches  # (kind, receiving chunk) -> ShapeCache
 
     def cache(self, msg: Message) -> ShapeCache:
         return self.caches.setdefault(msg[::2], ShapeCache())
@@ -160,13 +160,13 @@ class _Run:
         g = self.stage.global_chunk(c)
         need, give = step_messages(s.kind, j, g, self.stage.num_chunks)
         if s.kind == "F":
-            self.forward(j, c, g, need, give)
+            self.forward(j, c, need, give)
         elif s.kind == "W":
             weight_grad(self.pending.pop((j, c)))  # type: ignore[arg-type]
         else:
             self.backward(j, c, need, give, split=s.kind == "I")
 
-    def forward(self, j: int, c: int, g: int, need: Message | None, give: Message | None) -> None:
+    def forward(self, j: int, c: int, need: Message | None, give: Message | None) -> None:
         st = self.stage
         x = self.inputs[j] if need is None else self.mail.take(need).requires_grad_(True)
         y = st.modules[c](x, **self.kwargs[j])

@@ -3,7 +3,7 @@ step takes and gives which message, which link carries it, and the order receive
 
 A message is ``(kind, microbatch, receiving global chunk)``: ``"F"`` an activation, ``"B"`` an
 input gradient. :func:`step_messages` says which message a step needs and which it produces;
-:func:`link` which of the two links of a pipeline rank carries a message between two ranks;
+:func:`link` which link (one process group on NCCL) carries a message between two neighbours;
 :class:`Mailbox` posts the receives and sends of one call through a transport (the P2P engine in
 :mod:`._chunk_exec`, or the recorder of :mod:`.stream_model`, which replays the same calls on a
 model of NCCL's streams: the posting order it checks is the runner's own, by construction).
@@ -16,9 +16,9 @@ payload after a dummy, :mod:`._packed`) never meets a receive posted for the nex
 completed (and at the start), so a sender's message moves while this rank computes: gloo hands a
 send over only once the receive is posted (a rendezvous), which otherwise costs a round trip
 on the critical path at every hand-over. Without ``early`` (NCCL) a receive is posted when the
-step needs it: NCCL's receive is a kernel on the GPU that waits there for its data, so posting it
-early would gain no host time and hold GPU resources meanwhile. :mod:`.stream_model` checks both
-orders.
+step needs it: NCCL's receive is a kernel that waits on the GPU for its data, and one posted
+early would hold GPU resources while this rank computes (not measured here: no GPU).
+:mod:`.stream_model` checks both orders.
 """
 
 from __future__ import annotations
@@ -42,12 +42,11 @@ def step_messages(kind: str, microbatch: int, chunk: int, num_chunks: int) -> tu
     pipeline take the data (``F`` of chunk 0) and the loss (``B``/``I`` of the last chunk)."""
     if kind == "W":
         return None, None
-    last = num_chunks - 1
     if kind == "F":
-        return (("F", microbatch, chunk) if chunk > 0 else None), (
-            ("F", microbatch, chunk + 1) if chunk < last else None
-        )
-    return (("B", microbatch, chunk) if chunk < last else None), (("B", microbatch, chunk - 1) if chunk > 0 else None)
+        need, give = ("F", microbatch, chunk), ("F", microbatch, chunk + 1)
+        return (need if chunk > 0 else None), (give if chunk < num_chunks - 1 else None)
+    need, give = ("B", microbatch, chunk), ("B", microbatch, chunk - 1)
+    return (need if chunk < num_chunks - 1 else None), (give if chunk > 0 else None)
 
 
 def incoming(sent: dict[tuple[int, int], list[Message]], rank: int) -> dict[int, list[Message]]:
