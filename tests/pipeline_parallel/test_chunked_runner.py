@@ -16,7 +16,7 @@ from harness.helpers import all_true, rank, world_group, world_size
 from shardkit.comm import CommLedger
 from shardkit.errors import ShardkitError
 from shardkit.pipeline_parallel import ChunkedStage, chunk_layers, run_schedule, split_microbatches
-from shardkit.pipeline_parallel.chunked import link_groups
+from shardkit.pipeline_parallel.chunked import link_groups, links_error
 from shardkit.pipeline_parallel.simulate import fifo_mismatches, transfers
 from shardkit.pipeline_parallel.tables import SCHEDULES, schedule_table
 
@@ -186,6 +186,13 @@ def test_fsdp2_modules_refuse_the_iw_split_on_every_rank():
     xs, ts = _data(2, varlen=False)
     with pytest.raises(ShardkitError, match="FSDP2 .fully_shard. modules cannot run the I/W split"):
         run_schedule(stage, "zb-h1", xs, ts, num_microbatches=2)
+
+
+def test_link_groups_are_refused_only_where_they_cannot_be_built():
+    """NCCL needs its link groups; an eagerly initialized default group cannot build them from
+    the pipeline's ranks alone (ncclCommSplit joins every rank): refused, naming device_id."""
+    assert links_error("gloo", eager=True) is None and links_error("nccl", eager=False) is None
+    assert "initialize it without device_id" in links_error("NCCL", eager=True)
 
 
 def test_chunk_layers_cuts_uneven_layers_in_dataflow_order():

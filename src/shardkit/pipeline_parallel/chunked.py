@@ -100,6 +100,22 @@ def link_groups(g: GroupInfo, separate: bool) -> dict[tuple[str, int], GroupInfo
     return dict(zip(names, made, strict=True))
 
 
+def links_error(backend: str, eager: bool) -> str | None:
+    """Why :func:`link_groups` cannot build a pipeline's link groups, or None (pure).
+
+    On NCCL with an eagerly initialized default group (``init_process_group(device_id=...)``)
+    ``new_group`` splits the default communicator (``ncclCommSplit``), which every rank of the
+    default group must join, so a group built by the pipeline's ranks alone would wait for the
+    others; lazily initialized groups (the default, and ``shardkit train``'s) have no split."""
+    if backend.lower() != "gloo" and eager:
+        return (
+            "chunked schedules on NCCL build one process group per pipeline link from the pipeline's ranks "
+            "alone, which an eagerly initialized default group (init_process_group(device_id=...)) cannot do "
+            "(ncclCommSplit needs every rank); initialize it without device_id"
+        )
+    return None
+
+
 class ChunkedStage:
     """The chunks one rank holds: ``modules[c]`` is local chunk ``c`` (each maps one tensor to
     one tensor, e.g. ``[B / M, S, H] -> [B / M, S, H]``).
@@ -118,7 +134,8 @@ class ChunkedStage:
         ShardkitTypeError: a module is not an ``nn.Module``; ``loss_fn`` not callable.
         ShardkitError: on every rank (one :func:`~shardkit.comm.agree.agree`) when any rank has
             no modules, an unknown placement, ``v != 2`` with ``"v"``, the last chunk without a
-            ``loss_fn``, or ranks disagree on ``v`` or the placement.
+            ``loss_fn``, ranks disagree on ``v`` or the placement, or an NCCL pipeline whose
+            default group was initialized eagerly (:func:`links_error`).
     """
 
     def __init__(
@@ -138,7 +155,8 @@ class ChunkedStage:
         self.modules, self.group, self.placement, self.loss_fn = list(modules), pp_group, placement, loss_fn
         self.info: GroupInfo = g
         self.rank, self.p, self.v = g.rank, g.size, len(self.modules)
-        error = self._error()
+        eager = getattr(dist.group.WORLD, "bound_device_id", None) is not None
+        error = self._error() or links_error(g.pg.name(), eager)
 
         def judge(seen: list) -> list[str]:
             differ = [r for r, x in enumerate(seen) if x != seen[0]]
