@@ -17,8 +17,8 @@ from harness.helpers import all_true, get_mesh, rank, world_group, world_size
 from shardkit.comm import CommLedger
 from shardkit.errors import ShardkitError
 from shardkit.pipeline_parallel import ChunkedStage, chunk_layers, run_schedule, split_microbatches
-from shardkit.pipeline_parallel._chunk_exec import backend_error
 from shardkit.pipeline_parallel._fsdp_steps import last_backwards
+from shardkit.pipeline_parallel.chunked import link_groups, links_error
 from shardkit.pipeline_parallel.simulate import fifo_mismatches, transfers
 from shardkit.pipeline_parallel.steps import Step
 from shardkit.pipeline_parallel.tables import SCHEDULES, schedule_table
@@ -223,9 +223,11 @@ def test_last_backwards_finds_each_groups_last_b_or_w():
             assert ends[v] == max(ends[:v]) == max(i for i, s in enumerate(row) if s.kind != "F")  # the root
 
 
-def test_nccl_is_refused_until_the_step_exchange_is_batched():
-    assert backend_error("gloo") is None
-    assert "deadlock on an NCCL stream" in backend_error("NCCL")
+def test_link_groups_are_refused_only_where_they_cannot_be_built():
+    """NCCL needs its link groups; an eagerly initialized default group cannot build them from
+    the pipeline's ranks alone (ncclCommSplit joins every rank): refused, naming device_id."""
+    assert links_error("gloo", eager=True) is None and links_error("nccl", eager=False) is None
+    assert "initialize it without device_id" in links_error("NCCL", eager=True)
 
 
 def test_chunk_layers_cuts_uneven_layers_in_dataflow_order():
@@ -236,3 +238,84 @@ def test_chunk_layers_cuts_uneven_layers_in_dataflow_order():
     assert chunk_layers(8, 2, 2, "v", 0) == [range(0, 2), range(6, 8)]
     with pytest.raises(ShardkitError, match="need layers >= p \\* v"):
         chunk_layers(3, 2, 2, "looped", 0)
+
+
+class _Scale(nn.Module):
+    """``tanh(x * w)`` over the last dimension: any sequence length, any message size."""
+
+    def __init__(self, width, seed):
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(width, generator=gen, dtype=torch.float64))
+
+    def forward(self, x):
+        return torch.tanh(x * self.weight)
+
+
+@pytest.mark.world(2, timeout=90)
+@pytest.mark.parametrize("width", [4, 20_000])  # packed messages; over PACK_MAX_BYTES (two messages)
+def test_shapes_that_change_mid_run_under_early_receives_match_backprop(width):
+    """On gloo each neighbour's next receive is posted early, with the cached shape: a message of
+    another shape (microbatch 2, then back; a second call with new shapes on kept caches) is
+    still received whole, and losses and gradients equal one process's backprop (1e-12)."""
+    r, g = rank(), world_group()
+    full = nn.Sequential(*[_Scale(width, seed) for seed in range(4)])
+    mine = copy.deepcopy([full[c] for c in (r, 3 - r)])  # V placement: chunks r and 3 - r
+    stage = ChunkedStage(mine, g, placement="v", loss_fn=_mse)
+    gen = torch.Generator().manual_seed(5)
+    ok = True
+    for lens in ([3, 3, 5, 3], [2, 4, 4, 2]):
+        xs = [torch.randn(2, s, width, generator=gen, dtype=torch.float64) for s in lens]
+        ts = [torch.randn(2, s, width, generator=gen, dtype=torch.float64) for s in lens]
+        for mod in [*mine, *full]:
+            mod.zero_grad()
+        ref = [_mse(full(x), t) for x, t in zip(xs, ts)]
+        (sum(ref) / 4).backward()
+        losses = run_schedule(stage, "dualpipev", xs, ts, num_microbatches=4)
+        if r == 0:
+            ok &= all(_close(a, b.detach()) for a, b in zip(losses, ref))
+        ok &= all(_close(mine[i].weight.grad, full[c].weight.grad) for i, c in enumerate((r, 3 - r)))
+    assert all_true(ok)
+
+
+@pytest.mark.world(2, timeout=60)
+def test_early_receives_receive_every_message_as_it_was_sent():
+    """The ledger of a run with early receives: each rank's receives are its neighbour's sends,
+    message by message in the same order and size (no message lost, split or mixed)."""
+    r, p, g = rank(), world_size(), world_group()
+    stage = ChunkedStage(copy.deepcopy(_chunks(_model(), p, 2, "v", r)), g, placement="v", loss_fn=_mse)
+    xs, ts = _data(6, varlen=True)
+    with CommLedger() as ledger:
+        run_schedule(stage, "zbv", xs, ts, num_microbatches=6)
+    mine = [
+        (rec.op, rec.phase, rec.bytes_sent or rec.bytes_received)
+        for rec in ledger.records
+        if rec.op in ("send", "recv")
+    ]
+    seen = [None] * p
+    torch.distributed.all_gather_object(seen, mine, group=g)
+    sends = [(ph, n) for op, ph, n in seen[1 - r] if op == "send"]
+    recvs = [(ph, n) for op, ph, n in mine if op == "recv"]
+    assert all_true(len(recvs) > 12 and recvs == sends), (recvs, sends)
+
+
+@pytest.mark.world(4, timeout=90)
+def test_one_group_per_link_runs_every_direction():
+    """The NCCL layout of groups (one per link, :func:`link_groups`) run on gloo: 4 links at
+    p = 4, messages to both neighbours, parity with backprop."""
+    r, p, g = rank(), world_size(), world_group()
+    full = _model()
+    mine = copy.deepcopy(_chunks(full, p, 2, "v", r))
+    stage = ChunkedStage(mine, g, placement="v", loss_fn=_mse)
+    stage.links = link_groups(stage.info, separate=True)
+    pgs = {id(info.pg) for info in stage.links.values()}
+    xs, ts = _data(8, varlen=True)
+    full.zero_grad()
+    ref = [_mse(full(x), t) for x, t in zip(xs, ts)]
+    (sum(ref) / 8).backward()
+    losses = run_schedule(stage, "zbv", xs, ts, num_microbatches=8)
+    ok = len(pgs) == 4 and (r != 0 or all(_close(a, b.detach()) for a, b in zip(losses, ref)))
+    for mod, refmod in zip(mine, _chunks(full, p, 2, "v", r), strict=True):
+        for a, b in zip(mod.parameters(), refmod.parameters(), strict=True):
+            ok &= _close(a.grad, b.grad)
+    assert all_true(ok)

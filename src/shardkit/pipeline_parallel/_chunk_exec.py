@@ -5,27 +5,33 @@ Steps: ``F`` runs a chunk on a microbatch and hands its output to the next chunk
 :func:`~.split_backward.input_grad` and :func:`~.split_backward.weight_grad`. The last chunk's
 loss is scaled by ``1 / M`` (gradients of the mean of the microbatch losses).
 
-Messages. A hand-over to a chunk on this rank (``"v"``: chunk ``p - 1`` to ``p`` on the last
-rank; every chunk when ``p = 1``) is a dictionary entry, no P2P. Every other one goes to the
-neighbour ``r + 1`` or ``r - 1`` (mod ``p``) as one negotiated transfer of :mod:`.p2p`
-(``loop=True``): activations as ``send_forward``/``recv_forward`` (ledger phase ``forward``),
-gradients as ``send_backward``/``recv_backward`` (``backward``), towards whichever neighbour
-holds the chunk (a V's ascending leg sends activations to ``r - 1``). Shapes are cached per
-(direction, receiving chunk) on both ends
-(one :class:`~._transfer.ShapeCache` each). No tags: between two ranks the messages pair in
-FIFO order, so a rank receives each channel's messages in the order the sender sends them, an
-order both derive from the table (:func:`.simulate.transfers`), and holds those that arrive
-before the step that needs them (V tables need this: their receivers need messages in another
-order than they are sent, :func:`.simulate.fifo_mismatches`).
+Messages (:mod:`._mailbox`). A hand-over to a chunk on this rank (``"v"``: chunk ``p - 1`` to
+``p`` on the last rank; every chunk when ``p = 1``) is a dictionary entry, no P2P. Every other
+one goes to the neighbour ``r + 1`` or ``r - 1`` (mod ``p``) as one negotiated transfer of
+:mod:`.p2p` (``loop=True``): activations as ``send_forward``/``recv_forward`` (ledger phase
+``forward``), gradients as ``send_backward``/``recv_backward`` (``backward``), towards whichever
+neighbour holds the chunk (a V's ascending leg sends activations to ``r - 1``), on the process
+group of its link (``stage.links``, :func:`.chunked.link_groups`). Shapes are cached per (kind,
+receiving chunk) on both ends (one :class:`~._transfer.ShapeCache` each). No tags: between two
+ranks the messages pair in FIFO order, so a rank receives each neighbour's messages in the order
+it sends them, an order both derive from the table (:func:`.simulate.transfers`), and holds
+those that arrive before the step that needs them (V tables need this: their receivers need
+messages in another order than they are sent, :func:`.simulate.fifo_mismatches`). On gloo each
+neighbour's next receive is posted as soon as the previous one completed, so its data moves
+while this rank computes (gloo hands a send over only to a posted receive).
 
 FSDP2 chunks: every group is gathered once per step and reduced once, after the last ``B`` or
 ``W`` of the row that runs through it (:mod:`._fsdp_steps`, set around each backward step).
 
-Why it cannot hang (gloo; NCCL is refused, see :func:`backend_error`). Sends are posted and not
-waited for (checks off, gloo posts a send without waiting for the receiver), and a receive waits
-only for messages the sender produces before the one the step needs; so a rank is never later
-than in the dataflow model of
-:func:`.simulate.simulate_steps`, which :func:`check_table` runs on the table first.
+Why it cannot hang. Sends are waited for only at the end; a receive waits only for messages the
+sender produces before the one the step needs, so a rank is never later than in the dataflow
+model of :func:`.simulate.simulate_steps`, which :func:`check_table` runs on the table first,
+provided no send waits in front of a receive it depends on. Gloo never blocks a post and pairs
+each direction of a rank pair on its own. NCCL runs a group's P2P between two ranks (or, with an
+eagerly initialized communicator, all of a rank's) in order on one stream: with one process
+group per link, no two links of a group sharing a rank, each stream carries one rank pair's
+messages one way. :mod:`.stream_model` replays the runner's own posting order on a model of
+those streams for every table of :data:`~.tables.SCHEDULES` (tested; not run on a GPU here).
 
 Source: Megatron-LM's interleaved schedule (explicit gradients between model chunks);
 torch.distributed.pipelining's ``PipelineScheduleMulti`` (per-step actions of several stages per
@@ -44,7 +50,9 @@ from ..comm.agree import agree
 from ..comm.checks import checks_enabled
 from ..errors import ShardkitError
 from ._fsdp_steps import fsdp_steps
+from ._mailbox import Mailbox, Message, incoming, link, step_messages
 from ._p2p_call import run
+from ._posted_recv import PostedRecv
 from ._transfer import ShapeCache
 from .simulate import simulate_steps, transfers
 from .split_backward import input_grad, weight_grad
@@ -109,88 +117,82 @@ def _simulated(table: Table, placement: str, v: int, m: int) -> str | None:
     return simulate_steps(table, placement=placement, v=v, num_microbatches=m).error
 
 
+class _Links:
+    """The P2P engine as :class:`~._mailbox.Transport`: a message travels on the process group
+    of its :func:`~._mailbox.link` (``stage.links``), negotiated, with the shape cache of its
+    (kind, receiving chunk), the same key on both ends."""
+
+    def __init__(self, stage: ChunkedStage, caches: dict) -> None:
+        self.stage, self.caches = stage, caches  # (kind, receiving chunk) -> ShapeCache
+
+    def cache(self, msg: Message) -> ShapeCache:
+        return self.caches.setdefault(msg[::2], ShapeCache())
+
+    def send(self, msg: Message, dst: int, tensor: torch.Tensor):
+        st = self.stage
+        name = link(st.rank, dst, st.p)
+        api, phase = ("send_forward", "forward") if msg[0] == "F" else ("send_backward", "backward")
+        sends = [(name[0], phase)]
+        pg = st.links[name].pg
+        return run(api, pg, tensor, sends, [], None, None, None, True, False, True, "mean", self.cache(msg))
+
+    def post(self, msg: Message, src: int) -> PostedRecv:
+        st = self.stage
+        name = link(src, st.rank, st.p)  # the sender's link: this end receives from the other side
+        towards = "prev" if name[0] == "next" else "next"
+        api, phase = ("recv_forward", "forward") if msg[0] == "F" else ("recv_backward", "backward")
+        return PostedRecv(api, st.links[name], towards, phase, self.cache(msg))
+
+    def receive(self, handle: PostedRecv) -> torch.Tensor:
+        return handle.wait()
+
+
 class _Run:
     """One call's state on this rank (see the module docstring)."""
 
     def __init__(self, stage: ChunkedStage, table: Table, m: int, inputs, targets, kwargs, caches: dict) -> None:
         self.stage, self.m, self.inputs, self.targets, self.kwargs = stage, m, inputs, targets, kwargs
-        self.caches = caches  # (direction, receiving chunk) -> ShapeCache, the same key on both ends
-        sent, _ = transfers(table, placement=stage.placement, v=stage.v)
-        r = stage.rank
-        self.incoming = {q: list(msgs) for (q, dst), msgs in sent.items() if dst == r}  # sender order
-        self.inbox: dict[tuple[str, int, int], torch.Tensor] = {}  # (direction, microbatch, chunk) -> tensor
+        early = stage.info.pg.name().lower() == "gloo"  # why only gloo: :mod:`._mailbox`
+        mine = incoming(transfers(table, placement=stage.placement, v=stage.v)[0], stage.rank)
+        self.mail = Mailbox(stage.rank, stage.owner, mine, _Links(stage, caches), early)
         self.stash: dict[tuple[int, int], tuple] = {}  # (microbatch, local chunk) -> (input, output)
         self.pending: dict[tuple[int, int], object] = {}  # (microbatch, local chunk) -> I's pending W
-        self.sending: list = []
         self.losses: list[torch.Tensor | None] = [None] * m
-
-    def cache(self, key: tuple[str, int]) -> ShapeCache:
-        return self.caches.setdefault(key, ShapeCache())
-
-    def deliver(self, msg: tuple[str, int, int], t: torch.Tensor) -> None:
-        """Hand ``t`` to the chunk ``msg`` names: locally, or a posted send to its rank."""
-        st = self.stage
-        dst = st.owner(msg[2])
-        if dst == st.rank:
-            self.inbox[msg] = t
-            return
-        towards = "next" if dst == (st.rank + 1) % st.p else "prev"  # p = 2: both; the receiver says "prev"
-        api, phase = ("send_forward", "forward") if msg[0] == "F" else ("send_backward", "backward")
-        sends = [(towards, phase)]
-        work = run(api, st.group, t, sends, [], None, None, None, True, False, True, "mean", self.cache(msg[::2]))
-        self.sending = [w for w in self.sending if not w.is_completed()] + [work]
-
-    def take(self, msg: tuple[str, int, int], src_chunk: int) -> torch.Tensor:
-        """The tensor ``msg`` names; receives from its rank, in the sender's order, until it came."""
-        st = self.stage
-        src = st.owner(src_chunk)
-        while msg not in self.inbox:
-            if src == st.rank or not self.incoming.get(src):
-                raise ShardkitError(f"run_schedule: rank {st.rank} waits for {msg} that no step produces")
-            nxt = self.incoming[src].pop(0)
-            towards = "prev" if st.rank == (src + 1) % st.p else "next"
-            api, phase = ("recv_forward", "forward") if nxt[0] == "F" else ("recv_backward", "backward")
-            recvs = [(towards, phase)]
-            got = run(
-                api, st.group, None, [], recvs, None, None, None, True, False, False, "mean", self.cache(nxt[::2])
-            )
-            assert isinstance(got, torch.Tensor)  # a blocking receive returns its tensor
-            self.inbox[nxt] = got
-        return self.inbox.pop(msg)
 
     def step(self, s: Step) -> None:
         j, c = s.microbatch, s.chunk
         g = self.stage.global_chunk(c)
+        need, give = step_messages(s.kind, j, g, self.stage.num_chunks)
         if s.kind == "F":
-            self.forward(j, c, g)
+            self.forward(j, c, need, give)
         elif s.kind == "W":
             weight_grad(self.pending.pop((j, c)))  # type: ignore[arg-type]
         else:
-            self.backward(j, c, g, split=s.kind == "I")
+            self.backward(j, c, need, give, split=s.kind == "I")
 
-    def forward(self, j: int, c: int, g: int) -> None:
+    def forward(self, j: int, c: int, need: Message | None, give: Message | None) -> None:
         st = self.stage
-        x = self.inputs[j] if g == 0 else self.take(("F", j, g), g - 1).requires_grad_(True)
+        x = self.inputs[j] if need is None else self.mail.take(need).requires_grad_(True)
         y = st.modules[c](x, **self.kwargs[j])
-        if g == st.num_chunks - 1:
+        if give is None:  # the last chunk
             assert st.loss_fn is not None  # checked when the stage was built
             loss = st.loss_fn(y, self.targets[j])
             self.losses[j] = loss.detach()
             y = loss / self.m  # gradients of the mean over microbatches
         else:
-            self.deliver(("F", j, g + 1), y.detach())
+            self.mail.deliver(give, y.detach())
         self.stash[(j, c)] = (x, y)
 
-    def backward(self, j: int, c: int, g: int, split: bool) -> None:
-        """``B`` (``split`` False) or ``I``; both hand the input gradient to chunk ``g - 1``."""
+    def backward(self, j: int, c: int, need: Message | None, give: Message | None, split: bool) -> None:
+        """``B`` (``split`` False) or ``I``; both hand the input gradient to the previous chunk."""
         x, y = self.stash.pop((j, c))
-        grad = None if g == self.stage.num_chunks - 1 else self.take(("B", j, g), g + 1)
+        grad = None if need is None else self.mail.take(need)
         if split:
             dx, self.pending[(j, c)] = input_grad(x, y, self.stage.modules[c].parameters(), grad)
         else:
             dx = _backward(x, y, grad)
-        if g > 0:
-            self.deliver(("B", j, g - 1), dx if dx is not None else torch.zeros_like(x))
+        if give is not None:
+            self.mail.deliver(give, dx if dx is not None else torch.zeros_like(x))
 
 
 def _backward(x: torch.Tensor, y: torch.Tensor, grad: torch.Tensor | None) -> torch.Tensor | None:
@@ -212,8 +214,7 @@ def execute(stage: ChunkedStage, table: Table, m: int, inputs, targets, kwargs: 
         run.step(s)
         if fsdp is not None and s.kind != "F":
             fsdp.after(i, s.kind)
-    for work in run.sending:
-        work.wait()
+    run.mail.finish()
     return run.losses if stage.holds(stage.num_chunks - 1) else None
 
 
@@ -232,7 +233,6 @@ def run_chunked(stage: ChunkedStage, schedule, inputs, targets, stage_kwargs, nu
         error = str(e)
     if error is None and checks_enabled():
         error = "the P2P check mode (hellos that wait for the peer) cannot run chunked schedules: turn checks off"
-    error = error or backend_error(stage.info.pg.name())
 
     def judge(seen: list) -> list[str]:
         differ = [r for r, (d, _) in enumerate(seen) if d != seen[0][0]]
@@ -243,21 +243,6 @@ def run_chunked(stage: ChunkedStage, schedule, inputs, targets, stage_kwargs, nu
     losses = execute(stage, table, m, inputs, targets, stage_kwargs or [{}] * m, caches)
     stage.keep_caches(caches)  # completed: the next call may keep them (agreed by every rank)
     return losses
-
-
-def backend_error(backend: str) -> str | None:
-    """Why ``backend`` cannot run chunked schedules yet, or None (pure).
-
-    NCCL runs a rank pair's sends and receives in order on one stream, so a posted send to a
-    neighbour (waiting for its receive) sits in front of a later receive from it; when that
-    neighbour sends first too, messages above NCCL's buffer wait on each other. The one-stage
-    runner orders each such pair by stage parity (:mod:`._exchange`); this one does not yet."""
-    if backend.lower() == "nccl":
-        return (
-            "chunked schedules run on gloo for now: their unbatched sends and receives to one neighbour "
-            "can deadlock on an NCCL stream; use 1f1b or gpipe with one chunk per rank (PipelineStage) on NCCL"
-        )
-    return None
 
 
 def _data_error(stage: ChunkedStage, m: int, inputs, targets, stage_kwargs) -> str | None:

@@ -25,6 +25,8 @@ __all__ = [
     "cached_send",
     "cached_recv",
     "decode_packed",
+    "finish_cached_recv",
+    "post_cached_recv",
     "post_packed",
     "post_packed_at",
     "read_packed",
@@ -131,16 +133,30 @@ def cached_recv(t: Transfer, ch: Channel, api: str) -> list:
     """The mirror of :func:`cached_send`: header and a receive of the cached shape posted
     together (or one packed receive); the real payload after them only when the header
     announces another shape."""
+    return finish_cached_recv(t, ch, post_cached_recv(t, ch, api), api)
+
+
+def post_cached_recv(t: Transfer, ch: Channel, api: str) -> tuple[torch.Tensor, Any]:
+    """:func:`cached_recv`'s posts: one packed receive, or the header and a receive of the
+    cached shape (the chunked runner posts them early, :mod:`._mailbox`). Returns the buffer
+    and the work (packed) or the works (header, cached shape) for :func:`finish_cached_recv`."""
     if ch.nbytes <= PACK_MAX_BYTES:
-        return read_packed(t, ch, *post_packed(t, ch, api), api)
+        return post_packed(t, ch, api)
     pre = torch.empty(ch.shape, dtype=ch.dtype, device=t.device)
-    posted = post([header_msg(t), (t, False, pre, t.phase)], False, api)
-    posted[0].wait()
+    return pre, post([header_msg(t), (t, False, pre, t.phase)], False, api)
+
+
+def finish_cached_recv(t: Transfer, ch: Channel, posted: tuple[torch.Tensor, Any], api: str) -> list:
+    """Complete the receive :func:`post_cached_recv` posted; the works still to wait for."""
+    if ch.nbytes <= PACK_MAX_BYTES:
+        return read_packed(t, ch, *posted, api)
+    pre, works = posted
+    works[0].wait()
     assert t.hdr is not None  # header_msg gave the receive its buffer
     if _accepts(t.dtype, t.device, ch, t.hdr.view(torch.uint8)):
         t.payload = pre
-        return posted[1:]
-    return _after_header(t, ch, pre, posted[1:], api)
+        return works[1:]
+    return _after_header(t, ch, pre, works[1:], api)
 
 
 def _accepts(dtype: torch.dtype | None, device: torch.device, ch: Channel, hdr: torch.Tensor) -> bool:

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch.distributed as dist
 from torch import nn
 
 from .._shapes import balanced_split_sizes
 from ..comm._group import GroupInfo, resolve_group
 from ..comm.agree import agree
 from ..errors import ShardkitError, ShardkitTypeError
+from ._mailbox import links
 from .stage import REJECTED
 from .steps import PLACEMENTS, chunk_owner, global_chunk
 
@@ -73,6 +75,47 @@ def chunk_layers(num_layers: int, p: int, v: int, placement: str, rank: int) -> 
     return [range(starts[g], starts[g + 1]) for g in chunks]
 
 
+def link_groups(g: GroupInfo, separate: bool) -> dict[tuple[str, int], GroupInfo]:
+    """The process group of each link (:func:`~._mailbox.links`) of the pipeline group ``g``.
+
+    ``separate`` (NCCL, any backend but gloo): ``g`` for the first link and, for each other one,
+    a new group of ``g``'s ranks (``dist.new_group(ranks, use_local_synchronization=True)``:
+    collective over ``g``; 2 to 6 groups in all, by ``p``). NCCL runs a group's P2P between two
+    ranks in order on one stream (on one stream per rank when the communicator is initialized
+    eagerly), so a send could wait in front of a receive it depends on; no two links of a group
+    share a rank, so each stream carries one rank pair's messages one way (the proof:
+    :mod:`.stream_model`). Else ``g`` for every link: gloo pairs each direction of a rank pair
+    on its own and never blocks a post. A group of one rank has no link."""
+    if g.size < 2:
+        return {}
+    names = links(g.size)
+    if not separate:
+        return dict.fromkeys(names, g)
+    ranks = dist.get_process_group_ranks(g.pg)
+    backend = dist.get_backend(g.pg)
+    made = [g] + [
+        resolve_group(dist.new_group(ranks, backend=backend, use_local_synchronization=True), "ChunkedStage")
+        for _ in names[1:]
+    ]
+    return dict(zip(names, made, strict=True))
+
+
+def links_error(backend: str, eager: bool) -> str | None:
+    """Why :func:`link_groups` cannot build a pipeline's link groups, or None (pure).
+
+    On NCCL with an eagerly initialized default group (``init_process_group(device_id=...)``)
+    ``new_group`` splits the default communicator (``ncclCommSplit``), which every rank of the
+    default group must join, so a group built by the pipeline's ranks alone would wait for the
+    others; lazily initialized groups (the default, and ``shardkit train``'s) have no split."""
+    if backend.lower() != "gloo" and eager:
+        return (
+            "chunked schedules on NCCL build one process group per pipeline link from the pipeline's ranks "
+            "alone, which an eagerly initialized default group (init_process_group(device_id=...)) cannot do "
+            "(ncclCommSplit needs every rank); initialize it without device_id"
+        )
+    return None
+
+
 class ChunkedStage:
     """The chunks one rank holds: ``modules[c]`` is local chunk ``c`` (each maps one tensor to
     one tensor, e.g. ``[B / M, S, H] -> [B / M, S, H]``).
@@ -84,11 +127,15 @@ class ChunkedStage:
         loss_fn: ``loss_fn(output, target) -> scalar``; required on the rank holding the last
             chunk (``p - 1`` looped, 0 for ``"v"``).
 
+    Attributes:
+        links: the process group of each link (:func:`link_groups`).
+
     Raises:
         ShardkitTypeError: a module is not an ``nn.Module``; ``loss_fn`` not callable.
         ShardkitError: on every rank (one :func:`~shardkit.comm.agree.agree`) when any rank has
             no modules, an unknown placement, ``v != 2`` with ``"v"``, the last chunk without a
-            ``loss_fn``, or ranks disagree on ``v`` or the placement.
+            ``loss_fn``, ranks disagree on ``v`` or the placement, or an NCCL pipeline whose
+            default group was initialized eagerly (:func:`links_error`).
     """
 
     def __init__(
@@ -108,13 +155,15 @@ class ChunkedStage:
         self.modules, self.group, self.placement, self.loss_fn = list(modules), pp_group, placement, loss_fn
         self.info: GroupInfo = g
         self.rank, self.p, self.v = g.rank, g.size, len(self.modules)
-        error = self._error()
+        eager = getattr(dist.group.WORLD, "bound_device_id", None) is not None
+        error = self._error() or links_error(g.pg.name(), eager)
 
         def judge(seen: list) -> list[str]:
             differ = [r for r, x in enumerate(seen) if x != seen[0]]
             return [f"rank {r} has (v, placement) {seen[r]}, rank 0 {seen[0]}" for r in differ[:1]]
 
         agree(g, op, error, [self.v, placement], judge=judge, headline=REJECTED)
+        self.links = link_groups(g, separate=g.pg.name().lower() != "gloo")  # every rank gets here
         # run_schedule's negotiated shapes per (receiving chunk, direction), kept between calls
         self._caches: dict | None = None
 
