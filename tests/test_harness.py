@@ -227,3 +227,23 @@ def test_a_world_test_limit_is_stretched_by_the_load(monkeypatch):
     monkeypatch.setattr(os, "getloadavg", lambda: (10.0, 10.0, 10.0))
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     assert conftest.pytest_pyfunc_call(item) is True and seen["timeout"] == 150
+
+
+# ------------------------------------------------------------------ the quick and slow tiers
+
+
+def test_tiered_marks_every_case_but_the_quick_ones_slow():
+    from harness.tiers import tiered
+
+    params = tiered({"a": dict(tp=2), "b": (dict(pp=2), "x"), "c": dict(tp=4)}, ("b",))
+    assert [p.id for p in params] == ["a", "b", "c"]
+    assert [p.values for p in params] == [(dict(tp=2),), (dict(pp=2), "x"), (dict(tp=4),)]
+    assert [[m.name for m in p.marks] for p in params] == [["slow"], [], ["slow"]]
+
+
+@pytest.mark.parametrize("quick", [(), ("a", "typo")])
+def test_tiered_refuses_an_empty_or_unknown_quick_tier(quick):
+    from harness.tiers import tiered
+
+    with pytest.raises(ValueError, match="non-empty subset"):
+        tiered({"a": 1, "b": 2}, quick)

@@ -33,6 +33,9 @@ def test_fault_stops_every_process_with_the_root_cause(scenario):
     assert record["seconds"] <= fault_trials.limit_s(scenario)
 
 
+# Slow tier (about a minute: three launches, each a save killed for real). The quick tier keeps the
+# in-process failed save: tests/train/test_resume.py::test_failed_save_keeps_the_previous_checkpoint.
+@pytest.mark.slow
 def test_kill_during_save_leaves_the_previous_checkpoint_loadable():
     counts = fault_trials.calibrate_save()
     rank0_events = counts[0]["events"]
@@ -55,6 +58,10 @@ def test_kill_during_the_trainers_save_then_resume_continues_the_same_losses():
     assert record["latest"] == "step_00000001" and record["same_losses"] and record["cleaned"]
 
 
+# Slow tier (over a minute: three real jobs, one through the launcher). The quick tier keeps the
+# same refusal in one world: tests/catalogue/test_shared_machine_checkpoint.py::
+# test_a_second_run_on_a_directory_in_use_is_refused_and_the_first_saves_stay.
+@pytest.mark.slow
 def test_two_jobs_on_one_checkpoint_dir_the_second_is_refused_and_the_first_saves_stay():
     """Issue 19, row 4: B through ``shardkit train`` and B past its pre-launch check, both while
     A runs on the directory: both refused naming A; A's saves all complete, and they resume."""

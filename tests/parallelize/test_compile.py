@@ -8,7 +8,7 @@ compares the losses, every local gradient (to 1e-12; measured: bitwise) and the 
 communication ledger (equal). With full activation checkpointing the checkpoint wraps the
 compiled forward (its recompute runs the compiled graphs); selective is refused. The test can
 fail: the compiled blocks must really run (Dynamo's graph counter moves) and a compiled model
-with a perturbed weight is caught.
+with a perturbed weight is caught. The quick tier (``-m "not slow"``) runs the layouts in ``QUICK``.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from harness.helpers import all_true
+from harness.tiers import tiered
 from harness.tiny_lm import loss_sum, tiny_decoder, token_ids
 from shardkit.comm.ledger import CommLedger
 from shardkit.errors import ShardkitError
@@ -68,8 +69,15 @@ def _close(a, b) -> bool:
     )
 
 
+# Quick tier: tp + SP under full AC (the compiled blocks' tp collectives, and the checkpoint
+# replaying the compiled graphs: the plain tp case's path and more) and ring cp (point-to-point
+# exchanges inside compiled attention). The plain tp case also stays compiled in the quick tier
+# through test_a_perturbed_compiled_model_is_caught and test_graph_breaks_are_counted.
+QUICK = ("tp=2, sequence parallel, full AC", "cp_ring=2")
+
+
 @pytest.mark.world(2, timeout=600)
-@pytest.mark.parametrize("layout,model,sp,ac", list(LAYOUTS.values()), ids=list(LAYOUTS))
+@pytest.mark.parametrize("layout,model,sp,ac", tiered(LAYOUTS, QUICK))
 def test_compiled_blocks_match_eager(layout, model, sp, ac):
     torch._dynamo.reset()
     eager = _step(layout, model, sp, ac, False)

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from harness.helpers import rank, remove_shared_dir, shared_tmpdir, world_size
+from harness.tiers import tiered
 from shardkit.cli.main import build_parser
 from shardkit.cli.train import config_from_args
 from shardkit.errors import ShardkitError
@@ -62,9 +63,15 @@ def _check(ac: str, result: dict | None, ring: bool) -> None:
         assert all(row["op"] in ("send", "recv") for row in again) and (bool(again) == ring), again
 
 
+# Quick tier, both modes of each: tp + SP (the recomputed / replayed tp collectives), a pipeline
+# stage (AC inside parallelize_stage) and moe with FSDP2 over edp (the expert dispatch replayed).
+# The no-SP accumulation and Ulysses x FSDP2 cases recompute the same kinds of collective.
+QUICK = ("dp_replicate=2 x tp=2 (SP)", "pp=2 x tp=2 (SP), 1f1b", "moe: dp_shard=4, ep=2 (experts FSDP2 over edp)")
+
+
 @pytest.mark.world(4, timeout=180)
 @pytest.mark.parametrize("ac", ["full", "selective"])
-@pytest.mark.parametrize("overrides", list(LAYOUTS.values()), ids=list(LAYOUTS))
+@pytest.mark.parametrize("overrides", tiered(LAYOUTS, QUICK))
 def test_ac_layout_matches_one_process(ac, overrides):
     _check(ac, _run(ac, overrides), ring=False)
 

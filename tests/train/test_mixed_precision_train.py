@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from harness.helpers import rank, world_size
+from harness.tiers import tiered
 from shardkit.cli.main import build_parser
 from shardkit.cli.train import config_from_args
 from shardkit.errors import ShardkitError
@@ -62,8 +63,20 @@ def test_unknown_mode_and_the_conv_model_are_refused():
         validate_config(TrainConfig(model="conv-ae", mixed_precision="bf16"))
 
 
+# Quick tier: tp + SP beside dp_replicate (dp's all-reduce in float32), a pipeline (bfloat16 stage
+# boundaries), moe with full AC (expert reductions, the recompute in bf16), and moe with FSDP2 over
+# dp_shard and edp under selective AC (FSDP2's float32 reduce-scatter of dense and expert weights,
+# the replayed results). Ulysses x FSDP2 and selective AC alone add no reduction of their own.
+QUICK = (
+    "dp_replicate=2 x tp=2 (SP)",
+    "pp=2 x tp=2 (SP), 1f1b",
+    "moe: ep=2 from tp=2 x dp=2, --ac full",
+    "moe: dp_shard=2 x tp=2, ep=2 (experts FSDP2 over edp), --ac selective",
+)
+
+
 @pytest.mark.world(4, timeout=240)
-@pytest.mark.parametrize("overrides", list(LAYOUTS.values()), ids=list(LAYOUTS))
+@pytest.mark.parametrize("overrides", tiered(LAYOUTS, QUICK))
 def test_mixed_precision_layout_matches_one_process_and_reduces_in_fp32(overrides):
     cfg = validate_config(TrainConfig(**{**SMALL, **overrides}), world_size=world_size())
     result = train(cfg, "gloo", torch.device("cpu"), time.perf_counter(), progress=False)

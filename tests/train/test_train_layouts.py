@@ -7,6 +7,9 @@ the same trainer with every degree 1 (float64: relative 1e-9; the measured diffe
 ~1e-15). The cases cover every pair of axes, several triples, every model family, packed
 documents, FSDP2 and HSDP, expert parallelism independent of tp, and conv-ae spatial x dp and
 H x W tiles. Each run's ledger names a mesh axis for every collective, and only axes the layout has.
+
+The quick tier (``-m "not slow"``) keeps one case of each distinct path (the ``QUICK`` tuples,
+each with its reason); the rest of each matrix is marked ``slow`` and runs in CI.
 """
 
 import time
@@ -15,6 +18,7 @@ import pytest
 import torch
 
 from harness.helpers import rank, world_size
+from harness.tiers import tiered
 from shardkit.sharding import AXES, FLAT_VIEWS
 from shardkit.train.config import TrainConfig, validate_config
 from shardkit.train.run import train
@@ -90,8 +94,32 @@ LAYOUTS_4 = {
 }
 
 
+# Quick tier: one case per distinct path of the trainer. The default layout (tp + SP beside
+# dp_replicate); HSDP (FSDP2 on a 2-D mesh); each model family with its own axis (qwen3 FSDP2 x
+# tp, qwen2 ring cp, mla ep with loss parallel, moe ep borrowed from tp); USP (Ulysses and ring
+# together, packed documents); packed documents without cp (the in-rank document mask);
+# accumulation; a pipeline (tp and the last stage's vocab-parallel loss); pp_tp; conv-ae's W
+# strips and H x W tiles. The experts' FSDP2 over edp stays quick in
+# test_experts_fsdp2_sharded_over_edp below.
+QUICK_4 = (
+    "dp_replicate=2 x tp=2 (SP)",
+    "dp_replicate=2 x dp_shard=2 (HSDP)",
+    "qwen3: dp_shard=2 x tp=2",
+    "qwen2: cp_ring=2 x tp=2",
+    "llama: USP cp_ring=2 x cp_ulysses=2, packed",
+    "llama: packed, dp=2 x tp=2 (no cp)",
+    "llama: dp=4, 2 accumulated microbatches",
+    "llama: pp=2 x tp=2, loss parallel, gpipe",
+    "llama: pp_tp=2,1,1",
+    "moe: ep=2 borrowed from tp=2 x dp=2",
+    "mla: tp=2 x dp=2, ep=2, loss parallel",
+    "conv-ae: spatial=2 x dp=2",
+    "conv-ae: spatial_h=2 x spatial=2 (H x W tiles)",
+)
+
+
 @pytest.mark.world(4, timeout=120)
-@pytest.mark.parametrize("overrides", list(LAYOUTS_4.values()), ids=list(LAYOUTS_4))
+@pytest.mark.parametrize("overrides", tiered(LAYOUTS_4, QUICK_4))
 def test_layout_matches_one_process(overrides):
     _check(_train(**overrides))
 
@@ -124,18 +152,29 @@ LAYOUTS_8 = {
 }
 
 
+# Quick tier: three axes at once with a pipeline among them (stage groups cut out of a 3-D
+# mesh); the 4-rank quick cases above cover each other axis.
+QUICK_8 = ("llama: dp=2 x pp=2 x tp=2 (SP)",)
+
+
 @pytest.mark.world(8, timeout=240)
-@pytest.mark.parametrize("overrides", list(LAYOUTS_8.values()), ids=list(LAYOUTS_8))
+@pytest.mark.parametrize("overrides", tiered(LAYOUTS_8, QUICK_8))
 def test_layout_matches_one_process_8_ranks(overrides):
     _check(_train(**{"batch_size": 8, **overrides}))
 
 
+PRETRAINED = {
+    "tp=2 (SP) x dp=2": dict(tp=2),
+    "pp=2 x dp=2 (tied embeddings across stages)": dict(tp=1, pp=2, microbatches=2),
+    "tp=4, 9/3 heads": dict(tp=4, sequence_parallel=False),
+}
+# Quick tier: the tied embedding split across stages, and 3 KV heads over tp=4 (replicated
+# heads); tp=2 x dp=2 adds no path of its own.
+QUICK_PRETRAINED = ("pp=2 x dp=2 (tied embeddings across stages)", "tp=4, 9/3 heads")
+
+
 @pytest.mark.world(4, timeout=240)
-@pytest.mark.parametrize(
-    "overrides",
-    [dict(tp=2), dict(tp=1, pp=2, microbatches=2), dict(tp=4, sequence_parallel=False)],
-    ids=["tp=2 (SP) x dp=2", "pp=2 x dp=2 (tied embeddings across stages)", "tp=4, 9/3 heads"],
-)
+@pytest.mark.parametrize("overrides", tiered(PRETRAINED, QUICK_PRETRAINED))
 def test_pretrained_checkpoint_matches_one_process(overrides):
     # SmolLM2's shape (9 query / 3 KV heads, tied embeddings) through --model-path, trained on its
     # own tokenizer with the fine-tuning warm-up + cosine schedule.
@@ -177,8 +216,13 @@ PAIRS = {  # (pair, first axis alone, second axis alone), all on 4 ranks
 }
 
 
+# Quick tier: a pipeline pair (p2p beside tp's collectives) and a ring pair (cp's p2p beside dp's
+# gradient all-reduce); the other pairs compose the same kinds of collective.
+QUICK_PAIRS = ("pp x tp", "cp_ring x dp")
+
+
 @pytest.mark.world(4, timeout=240)
-@pytest.mark.parametrize("pair,first,second", list(PAIRS.values()), ids=list(PAIRS))
+@pytest.mark.parametrize("pair,first,second", tiered(PAIRS, QUICK_PAIRS))
 def test_composed_ledger_is_the_union_of_its_axes(pair, first, second):
     # Composition adds no collective of its own: a pair of axes issues exactly the (op, api)
     # kinds its two axes issue alone (group sizes differ, the kinds do not).
