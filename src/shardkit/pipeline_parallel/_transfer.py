@@ -73,7 +73,7 @@ class ShapeCache:
         # view of its payload bytes when its header bytes hold that payload's OK header, else None)
         self._packed: dict[tuple, tuple[torch.Tensor, Any, torch.Tensor | None]] = {}
 
-    def packed_buffer(self, pg, peer: int, nbytes: int, device: torch.device) -> torch.Tensor:
+    def packed_buffer(self, pg: dist.ProcessGroup, peer: int, nbytes: int, device: torch.device) -> torch.Tensor:
         """A ``nbytes`` uint8 send buffer for a packed (header + payload) message to group rank
         ``peer`` of ``pg``: the one the last packed send to that peer used when that send has
         completed (c10d no longer reads it), else a new one. Why: a fresh CPU buffer of a few
@@ -87,7 +87,9 @@ class ShapeCache:
                 return buf
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
-    def packed_body(self, pg, peer: int, ch: Channel, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def packed_body(
+        self, pg: dist.ProcessGroup, peer: int, ch: Channel, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(buffer, payload view)`` for a packed send of ``ch``'s cached shape (status OK) to
         ``peer``: the buffer of :meth:`packed_buffer` with ``ch.header`` in its first bytes and
         the rest viewed as ``ch.shape`` / ``ch.dtype``. A repeat after a completed send of the
@@ -109,13 +111,15 @@ class ShapeCache:
         buf[:hb].copy_(ch.header)
         return buf, buf[hb:].view(ch.dtype).view(ch.shape)
 
-    def hold_packed(self, pg, peer: int, buf: torch.Tensor, work: object, body: torch.Tensor | None = None) -> None:
+    def hold_packed(
+        self, pg: dist.ProcessGroup, peer: int, buf: torch.Tensor, work: object, body: torch.Tensor | None = None
+    ) -> None:
         """Remember a CPU packed send's buffer and work (and ``body``, the payload view of
         :meth:`packed_body` when the buffer holds an OK header of its shape), for the next send."""
         if buf.is_cpu:
             self._packed[(id(pg), peer)] = (buf, work, body)
 
-    def lookup(self, pg, send: bool, peer: int) -> Channel | None:
+    def lookup(self, pg: dist.ProcessGroup, send: bool, peer: int) -> Channel | None:
         """The channel towards (``send``) or from group rank ``peer`` of ``pg``, if negotiated."""
         return self._last.get((id(pg), send, peer))
 
