@@ -65,6 +65,8 @@ class Cluster:
 # H800 SXM (DeepSeek-V3 technical report, section 3.1): NVLink 400 GB/s bidirectional, of which
 #   about 160 GB/s achievable per GPU; 8 x 400 Gb/s InfiniBand per node = 50 GB/s per GPU;
 #   80 GB; the same 989 TFLOP/s BF16 as the H100 SXM.
+# H200 SXM (NVIDIA H200 datasheet): the H100's chip, NVLink and 989 TFLOP/s dense BF16, with
+#   141 GB HBM3e at 4.8 TB/s: 131 GiB less the same ~4 GiB.
 # Usable memory: 80 GB = 74.5 GiB less ~4 GiB for the CUDA context, NCCL and fragmentation.
 CLUSTERS: dict[str, dict[str, float | str]] = {
     "h100": dict(
@@ -76,6 +78,16 @@ CLUSTERS: dict[str, dict[str, float | str]] = {
         gpu_memory_gib=70.0,
         peak_tflops=989.0,
         name="H100 SXM, NVLink 4 + 400G IB per GPU",
+    ),
+    "h200": dict(
+        gpus_per_node=8,
+        intra_gbps=450.0,
+        inter_gbps=50.0,
+        intra_latency_us=3.0,
+        inter_latency_us=10.0,
+        gpu_memory_gib=127.0,
+        peak_tflops=989.0,
+        name="H200 SXM, NVLink 4 + 400G IB per GPU",
     ),
     "h800": dict(
         gpus_per_node=8,

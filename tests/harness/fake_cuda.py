@@ -1,0 +1,143 @@
+"""Fake CUDA tensors on this CPU build: which kernels a code path would launch, and how large.
+
+torch's ``FakeTensorMode`` makes tensors on a ``cuda`` device without a GPU and runs every aten
+op's meta kernel, the fused attention kernels included, so the ops a path dispatches and the
+shapes it allocates are those a real GPU would see. Two limits of a CPU build, and how this
+module meets them:
+
+* A few handwritten Python bindings (``Tensor.__getitem__`` / ``__setitem__``, ``copy_``,
+  ``contiguous``, ``__invert__``) open a CUDA device guard before they dispatch, which a CPU
+  build cannot construct. :class:`GuardFree` sends those calls to the same aten ops through the
+  dispatcher, where the fake mode serves them; the code under test is unchanged.
+* The autograd engine needs a CUDA stream for a fake CUDA tensor that requires grad (the process
+  aborts). :func:`forward_backward` runs an autograd Function's ``forward`` and ``backward``
+  directly instead, with a stand-in context.
+
+One process plays rank 0 of a world on torch's ``fake`` process group (every collective returns
+at once, nothing moves): :func:`fake_world`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+aten = torch.ops.aten
+
+
+def _index(t: torch.Tensor, index) -> torch.Tensor:
+    """``t[index]`` for ints, slices, ``None`` and one ``...``, as aten view ops."""
+    index = index if isinstance(index, tuple) else (index,)
+    if any(isinstance(i, torch.Tensor | list) for i in index):
+        raise NotImplementedError(f"GuardFree indexing: {index!r}")
+    at = [n for n, i in enumerate(index) if i is Ellipsis]
+    if at:  # ``...`` stands for every dim the other entries leave out
+        fill = t.dim() - sum(i is not None and i is not Ellipsis for i in index)
+        index = index[: at[0]] + (slice(None),) * fill + index[at[0] + 1 :]
+    dim = 0
+    for i in index:
+        if i is None:
+            t = aten.unsqueeze.default(t, dim)
+            dim += 1
+        elif isinstance(i, int):
+            t = aten.select.int(t, dim, i)
+        else:
+            t = aten.slice.Tensor(t, dim, i.start, i.stop, 1 if i.step is None else i.step)
+            dim += 1
+    return t
+
+
+class GuardFree(TorchFunctionMode):
+    """Routes the guard-opening bindings to the dispatcher (module docstring)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not (args and isinstance(args[0], torch.Tensor) and args[0].device.type == "cuda"):
+            return func(*args, **kwargs)
+        if func is torch.Tensor.__getitem__:
+            return _index(*args)
+        if func is torch.Tensor.__setitem__:
+            view, value = _index(args[0], args[1]), args[2]
+            if isinstance(value, torch.Tensor):
+                aten.copy_.default(view, value)
+            else:
+                aten.fill_.Scalar(view, value)
+            return None
+        if func is torch.Tensor.copy_:
+            return aten.copy_.default(args[0], args[1])
+        if func is torch.Tensor.contiguous:
+            x = args[0]
+            return x if x.is_contiguous() else aten.clone.default(x, memory_format=torch.contiguous_format)
+        if func is torch.Tensor.__invert__:
+            return aten.bitwise_not.default(args[0])
+        return func(*args, **kwargs)
+
+
+class OpLog(TorchDispatchMode):
+    """Every aten op dispatched (its name) and the largest tensor any op returned (elements)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+        self.largest = (0, "")
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        self.ops.append(name)
+        for t in out if isinstance(out, tuple | list) else (out,):
+            if isinstance(t, torch.Tensor) and t.numel() > self.largest[0]:
+                self.largest = (t.numel(), f"{name} -> {list(t.shape)}")
+        return out
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int) -> Iterator[dist.ProcessGroup]:
+    """Rank 0 of a ``world_size`` world on torch's fake process group, torn down afterwards."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers "fake"
+
+    assert not dist.is_initialized(), "a process group is already initialized in this process"
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def fake_cuda() -> Iterator[OpLog]:
+    """Fake CUDA tensors with the guard-free bindings; yields the op log of everything inside."""
+    with FakeTensorMode(allow_non_fake_inputs=True), GuardFree(), OpLog() as log:
+        yield log
+
+
+class _Ctx:
+    """Stand-in for an autograd Function's context: what ``forward`` saves, ``backward`` reads."""
+
+    def save_for_backward(self, *tensors: torch.Tensor) -> None:
+        self.saved_tensors = tensors
+
+    def mark_non_differentiable(self, *tensors: torch.Tensor) -> None:
+        pass
+
+    def set_materialize_grads(self, value: bool) -> None:
+        pass
+
+
+def forward_backward(monkeypatch, function: type[torch.autograd.Function], grads: list) -> None:
+    """Make ``function.apply`` run ``forward`` then ``backward`` (with a ones gradient) directly,
+    appending each backward's result to ``grads``."""
+
+    def apply(*args):
+        ctx = _Ctx()
+        out = function.forward(ctx, *args)
+        grads.append(function.backward(ctx, torch.ones_like(out)))
+        return out
+
+    monkeypatch.setattr(function, "apply", apply)
