@@ -55,16 +55,16 @@ TRAIN_MODEL=(--hidden-size 1024 --layers 8 --heads 16 --kv-heads 4 --intermediat
 TORCHRUN=("$PY" -m torch.distributed.run --standalone --nproc-per-node)
 NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
 
-step env 60 "$PY" scripts/gpu_checks.py --out "$OUT_DIR/env.json" env
-step fake_tier 90 "$PY" -m pytest -q -p no:cacheprovider tests/context_parallel/test_fused_blocks_cuda.py
-step blocks 90 "$PY" scripts/gpu_checks.py --out "$OUT_DIR/blocks.json" blocks
-step attention 120 "$PY" scripts/gpu_checks.py --out "$OUT_DIR/attention.json" attention --seq 2048 4096 8192
-step train_1gpu 150 "${TORCHRUN[@]}" 1 -m shardkit.cli.main train --tp 1 --steps 30 --log-every 10 \
+step env 45 "$PY" scripts/gpu_checks.py --out "$OUT_DIR/env.json" env
+step fake_tier 60 "$PY" -m pytest -q -p no:cacheprovider tests/context_parallel/test_fused_blocks_cuda.py
+step blocks 60 "$PY" scripts/gpu_checks.py --out "$OUT_DIR/blocks.json" blocks
+step attention 90 "$PY" scripts/gpu_checks.py --out "$OUT_DIR/attention.json" attention --seq 2048 4096 8192
+step train_1gpu 120 "${TORCHRUN[@]}" 1 -m shardkit.cli.main train --tp 1 --steps 30 --log-every 10 \
   "${TRAIN_MODEL[@]}" --report "$OUT_DIR/train_1gpu"
-step syncs 120 "${TORCHRUN[@]}" 1 scripts/gpu_checks.py --out "$OUT_DIR/syncs.json" syncs --tp 1 --steps 6 \
+step syncs 90 "${TORCHRUN[@]}" 1 scripts/gpu_checks.py --out "$OUT_DIR/syncs.json" syncs --tp 1 --steps 6 \
   --seq-len 256 --batch-size 4 --dtype bfloat16
 if "$PY" -m shardkit.cli.main bench --help 2>/dev/null | grep -q -- "--device"; then
-  step bench 120 "${TORCHRUN[@]}" 1 -m shardkit.cli.main bench --device cuda --quick --out "$OUT_DIR/bench"
+  step bench 90 "${TORCHRUN[@]}" 1 -m shardkit.cli.main bench --device cuda --quick --out "$OUT_DIR/bench"
 fi
 if [ "$NGPU" -ge 2 ] || [ $DRY -eq 1 ]; then  # NCCL needs one GPU per rank
   NP=2
