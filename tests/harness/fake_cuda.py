@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 aten = torch.ops.aten
@@ -34,6 +35,8 @@ aten = torch.ops.aten
 def _index(t: torch.Tensor, index) -> torch.Tensor:
     """``t[index]`` for ints, slices, ``None`` and one ``...``, as aten view ops."""
     index = index if isinstance(index, tuple) else (index,)
+    if all(isinstance(i, torch.Tensor) for i in index):  # advanced indexing of the leading dims
+        return aten.index.Tensor(t, list(index))
     if any(isinstance(i, torch.Tensor | list) for i in index):
         raise NotImplementedError(f"GuardFree indexing: {index!r}")
     at = [n for n, i in enumerate(index) if i is Ellipsis]
@@ -53,13 +56,52 @@ def _index(t: torch.Tensor, index) -> torch.Tensor:
     return t
 
 
+def _to_target(t: torch.Tensor, args: tuple, kwargs: dict) -> tuple[torch.device, torch.dtype]:
+    """The device and dtype of ``t.to(*args, **kwargs)``."""
+    device, dtype = kwargs.get("device", t.device), kwargs.get("dtype", t.dtype)
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            device, dtype = a.device, a.dtype
+        elif isinstance(a, torch.dtype):
+            dtype = a
+        elif isinstance(a, str | torch.device | int):
+            device = torch.device("cuda", a) if isinstance(a, int) else torch.device(a)
+    return torch.device(device), dtype
+
+
+class HostRead(RuntimeError):
+    """A value of a CUDA tensor was read on the host (a device synchronization on a GPU)."""
+
+
+_HOST_READS = {
+    torch.Tensor.__int__,
+    torch.Tensor.__float__,
+    torch.Tensor.__bool__,
+    torch.Tensor.__index__,
+    torch.Tensor.item,
+    torch.Tensor.tolist,
+}
+
+
 class GuardFree(TorchFunctionMode):
     """Routes the guard-opening bindings to the dispatcher (module docstring)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in (torch.Tensor.to, torch.Tensor.cuda) and isinstance(args[0], torch.Tensor):
+            t = args[0]
+            if func is torch.Tensor.cuda:
+                device, dtype = torch.device("cuda"), t.dtype
+            else:
+                device, dtype = _to_target(t, args[1:], kwargs)
+            if "cuda" in (device.type, t.device.type) and (device.type != t.device.type or dtype != t.dtype):
+                return aten._to_copy.default(t, dtype=dtype, device=device)
+            if "cuda" in (device.type, t.device.type):
+                return t
         if not (args and isinstance(args[0], torch.Tensor) and args[0].device.type == "cuda"):
             return func(*args, **kwargs)
+        if func in _HOST_READS:
+            raise HostRead(f"{func.__name__} of a CUDA tensor {list(args[0].shape)}: a host read")
         if func is torch.Tensor.__getitem__:
             return _index(*args)
         if func is torch.Tensor.__setitem__:
@@ -80,19 +122,41 @@ class GuardFree(TorchFunctionMode):
 
 
 class OpLog(TorchDispatchMode):
-    """Every aten op dispatched (its name) and the largest tensor any op returned (elements)."""
+    """Every aten op dispatched, the largest tensor any op returned, and where data went.
+
+    Attributes:
+        ops: op names in dispatch order.
+        largest: ``(elements, "op -> shape")`` of the largest tensor returned.
+        collectives: ``(op, device type)`` of every tensor handed to a c10d op.
+        to_host: ops that returned a CPU tensor from CUDA inputs (a device-to-host copy or a
+            CPU fallback).
+        to_device: ``(op, shape)`` of every CPU tensor copied to the device (host-to-device).
+    """
 
     def __init__(self) -> None:
         super().__init__()
         self.ops: list[str] = []
         self.largest = (0, "")
+        self.collectives: list[tuple[str, str]] = []
+        self.to_host: list[str] = []
+        self.to_device: list[tuple[str, list[int]]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
         self.ops.append(name)
-        for t in out if isinstance(out, tuple | list) else (out,):
-            if isinstance(t, torch.Tensor) and t.numel() > self.largest[0]:
+        inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if func.namespace in ("c10d", "_c10d_functional"):
+            self.collectives += [(name, t.device.type) for t in inputs]
+        on_device = any(t.device.type == "cuda" for t in inputs)
+        if on_device and any(t.device.type == "cpu" for t in outputs):
+            self.to_host.append(name)
+        if name in ("_to_copy", "copy_") and inputs and inputs[-1].device.type == "cpu":
+            if any(t.device.type == "cuda" for t in outputs):
+                self.to_device.append((name, list(inputs[-1].shape)))
+        for t in outputs:
+            if t.numel() > self.largest[0]:
                 self.largest = (t.numel(), f"{name} -> {list(t.shape)}")
         return out
 
@@ -141,3 +205,16 @@ def forward_backward(monkeypatch, function: type[torch.autograd.Function], grads
         return out
 
     monkeypatch.setattr(function, "apply", apply)
+
+
+def to_fake_cuda(module: torch.nn.Module) -> torch.nn.Module:
+    """Move ``module``'s parameters and buffers to fake CUDA tensors in place (inside
+    :func:`fake_cuda`); ``Module.to`` cannot, as it assigns a fake tensor to a real one's ``.data``."""
+    for m in module.modules():
+        for name, p in list(m._parameters.items()):
+            if p is not None:
+                m._parameters[name] = torch.nn.Parameter(p.to("cuda"), requires_grad=p.requires_grad)
+        for name, b in list(m._buffers.items()):
+            if b is not None:
+                m._buffers[name] = b.to("cuda")
+    return module
