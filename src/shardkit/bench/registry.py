@@ -121,5 +121,5 @@ def skip_reason(name: str, world: int) -> str | None:
     worlds = spec.worlds or (spec.nproc,)
     if world in worlds:
         return None
-    sizes = " or ".join(map(str, worlds))
+    sizes = " or ".join(map(str, worlds)) if len(worlds) < 3 else f"{', '.join(map(str, worlds[:-1]))} or {worlds[-1]}"
     return f"needs {sizes} ranks, this world has {world} (torchrun --nproc-per-node {worlds[0]})"
