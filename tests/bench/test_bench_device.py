@@ -133,7 +133,7 @@ def test_a_torchrun_world_of_one_gloo_rank_runs_its_cases_and_records_the_skippe
     assert doc["settings"]["device"] == "cpu" and doc["environment"]["backend"] == "gloo (CPU)"
     assert "p2p: skipped: needs 2 ranks" in done.stderr
     assert (
-        "Skipped (not run, not passed): 1 case(s)" in done.stdout and "1 case(s) skipped (not run): p2p" in done.stdout
+        "Skipped or failed (not passed): 1 case(s)" in done.stdout and "1 case(s) skipped (not run): p2p" in done.stdout
     )
 
 
@@ -152,3 +152,16 @@ def test_cuda_without_torchrun_or_cuda_says_how_to_launch(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(ShardkitError, match=r"need more than one rank; launch with `torchrun .* --cases p2p,ring`"):
         run_in_world(["p2p", "ring"], Settings(device="cuda"), progress=False)
+
+
+def test_a_failing_case_alone_in_its_world_is_recorded_as_failed_and_the_next_runs():
+    from shardkit.bench._world import _isolated
+
+    def boom():
+        raise RuntimeError("no kernel image\nsecond line")
+
+    skipped: list = []
+    assert _isolated("tp_step", True, skipped, boom) == [] and _isolated("x", True, skipped, lambda: [1]) == [1]
+    assert skipped == [dict(case="tp_step", reason="failed: RuntimeError: no kernel image", failed=True)]
+    with pytest.raises(RuntimeError):  # in a larger world the error propagates (as on the CPU)
+        _isolated("tp_step", False, skipped, boom)

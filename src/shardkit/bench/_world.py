@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -77,12 +78,29 @@ def _world(settings: Settings, env: dict[str, int] | None) -> Iterator[None]:
             dist.destroy_process_group()
 
 
+def _isolated(name: str, alone: bool, skipped: list[dict], run) -> list[dict]:
+    """``run()``'s records; where this process is alone (a world of 1, the fake worlds) a failing
+    case is recorded in ``skipped`` as failed (its traceback printed) and the next one runs. In a
+    larger world the error propagates, as on the CPU: a rank going on alone would wait forever."""
+    if not alone:
+        return run()
+    try:
+        return run()
+    except Exception as exc:  # noqa: BLE001 - reported, counted as failed, never as passed
+        traceback.print_exc()
+        print(f"  {name}: FAILED: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        skipped.append(dict(case=name, reason=f"failed: {type(exc).__name__}: {exc}".splitlines()[0], failed=True))
+        return []
+
+
 def run_in_world(names: list[str], settings: Settings, progress: bool = True) -> tuple[list[dict], list[dict], bool]:
     """Run ``names`` in the existing world (see the module docstring).
 
     Returns:
         ``(records, skipped, writer)``: rank 0's records (other ranks: empty), the skipped
-        cases as ``{"case", "reason"}`` and whether this rank writes the outputs (rank 0).
+        cases as ``{"case", "reason"}`` (and ``"failed": True`` for a case that raised in a
+        world of one process, where the next case still runs) and whether this rank writes the
+        outputs (rank 0).
 
     Raises:
         ShardkitError: ``--device cuda`` where CUDA is missing, or without torchrun where no
@@ -104,16 +122,20 @@ def run_in_world(names: list[str], settings: Settings, progress: bool = True) ->
     runnable = [n for n in names if not skip_reason(n, world)]
     fake = [n for n in runnable if CASES[n].fake]
     records: list[dict] = []
+    tag = f"{world} ranks, {settings.device}"
     with _world(settings, env), checks(False):
         if settings.device == "cpu":
             torch.set_num_threads(1)  # as the spawned CPU worlds (the ranks share the cores)
-        live = [n for n in runnable if not CASES[n].fake]
-        records += run_named(live, dist.group.WORLD, settings, progress, f"{world} ranks, {settings.device}")
+        for name in (n for n in runnable if not CASES[n].fake):
+            records += _isolated(
+                name, world == 1, skipped, lambda n=name: run_named([n], dist.group.WORLD, settings, progress, tag)
+            )
     if rank == 0 and fake and dist.is_initialized():  # a caller's world stays: no fake world beside it
         skipped += [dict(case=n, reason="runs on fake worlds, not beside a caller's process group") for n in fake]
     elif rank == 0 and fake:
         with checks(False):
-            records += run_fake(fake, settings, progress)
+            for name in fake:
+                records += _isolated(name, True, skipped, lambda n=name: run_fake([n], settings, progress))
     order = {n: i for i, n in enumerate(names)}
     records = sorted(records, key=lambda r: order[r["suite"]]) if rank == 0 else []
     return records, skipped, rank == 0

@@ -209,5 +209,8 @@ def ulysses(pg, settings: Settings) -> list[Record]:
         time_interleaved(preps, pg, settings),
         checked="outputs against full SDPA",
     )
-    records.append(rec.ratio("uneven/even per byte", "uneven", "even", 1.1, scale=moved["even"] / moved["uneven"]))
+    if moved["uneven"] > 0:
+        records.append(rec.ratio("uneven/even per byte", "uneven", "even", 1.1, scale=moved["even"] / moved["uneven"]))
+    else:  # one rank: nothing moves, no per-byte ratio
+        records.append(rec.ratio("uneven/even", "uneven", "even"))
     return records

@@ -105,7 +105,7 @@ def markdown(rows: list[dict], env: dict, settings: dict, skipped: list[dict] = 
                 f"[{q['p10']:.3f}, {q['p90']:.3f}] | {goal} | {met} | {times} | {bw} |"
             )
     if skipped:
-        out += ["", f"Skipped (not run, not passed): {len(skipped)} case(s)", ""]
+        out += ["", f"Skipped or failed (not passed): {len(skipped)} case(s)", ""]
         out += [f"- {s['case']}: {s['reason']}" for s in skipped]
     return "\n".join(out) + "\n"
 

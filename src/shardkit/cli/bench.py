@@ -55,7 +55,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the selected cases and write the outputs (rank 0); returns 0 (a failed check raises)."""
+    """Run the selected cases and write the outputs (rank 0); returns 0, or 1 where a case failed
+    in a one-process world (elsewhere a failed check raises)."""
 
     if args.rounds < 40 or args.warmup < 5:
         raise SystemExit("shardkit bench: docs/design.md (Benchmarks) needs --rounds >= 40 and --warmup >= 5")
@@ -88,6 +89,12 @@ def run(args: argparse.Namespace) -> int:
         f"\n{len(records)} records in {env['elapsed_s']:.0f} s; wrote {args.out}/bench.json, bench.md, "
         + ", ".join(p.rsplit("/", 1)[-1] for p in doc["plots"])
     )
-    if skipped:
-        print(f"{len(skipped)} case(s) skipped (not run): " + ", ".join(s["case"] for s in skipped))
-    return 0
+    failed = [s["case"] for s in skipped if s.get("failed")]
+    if len(skipped) > len(failed):
+        print(
+            f"{len(skipped) - len(failed)} case(s) skipped (not run): "
+            + ", ".join(s["case"] for s in skipped if not s.get("failed"))
+        )
+    if failed:
+        print(f"{len(failed)} case(s) FAILED: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
