@@ -39,9 +39,10 @@ class Timer:
 
     def __init__(self, device: torch.device | str = "cpu", events: bool = True, cuda: Any = None) -> None:
         self.device = torch.device(device)
-        self.cuda = None if self.device.type != "cuda" else (cuda if cuda is not None else torch.cuda)
+        module: Any = cuda if cuda is not None else torch.cuda
+        self.cuda: Any = module if self.device.type == "cuda" else None
         self.events = events and self.cuda is not None
-        self._pair = (self.cuda.Event(enable_timing=True), self.cuda.Event(enable_timing=True)) if self.events else None
+        self._pair = (module.Event(enable_timing=True), module.Event(enable_timing=True)) if self.events else None
         self._t0 = 0.0
 
     def start(self) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+from collections.abc import Sequence
 from datetime import UTC, datetime
 
 import torch
@@ -82,7 +83,7 @@ def environment(argv: list[str], backend: str = "gloo (CPU)") -> dict:
     )
 
 
-def markdown(rows: list[dict], env: dict, settings: dict, skipped: list[dict] = ()) -> str:
+def markdown(rows: list[dict], env: dict, settings: dict, skipped: Sequence[dict] = ()) -> str:
     """One table, one line per (record, ratio): median [p10, p90], goal, met; then the skipped
     cases with their reasons."""
     out = [
@@ -169,7 +170,7 @@ def _plots(rows: list[dict], out_dir: str) -> list[str]:
     return paths
 
 
-def write_outputs(records: list[dict], settings: dict, env: dict, out_dir: str, skipped: list[dict] = ()) -> dict:
+def write_outputs(records: list[dict], settings: dict, env: dict, out_dir: str, skipped: Sequence[dict] = ()) -> dict:
     """Write ``bench.json``, ``bench.md`` and the plots to ``out_dir``; returns the JSON object.
     ``skipped``: ``{"case", "reason"}`` of the selected cases this world could not run."""
     os.makedirs(out_dir, exist_ok=True)

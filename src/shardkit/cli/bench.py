@@ -64,9 +64,10 @@ def run(args: argparse.Namespace) -> int:
     device = getattr(args, "device", "cpu")
     settings = Settings(rounds=args.rounds, warmup=args.warmup, quick=args.quick, device=device)
     t0 = time.perf_counter()
+    skipped: list[dict] = []
     try:
         if device == "cpu" and torchrun_env() is None:
-            records, skipped, writer = run_bench(names, settings, progress=not args.quiet), [], True
+            records, writer = run_bench(names, settings, progress=not args.quiet), True
         else:
             if unknown := [n for n in names if n not in CASES]:
                 raise ValueError(f"unknown bench case(s) {unknown}; choose from {list(CASES)}")
