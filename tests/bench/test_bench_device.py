@@ -165,3 +165,13 @@ def test_a_failing_case_alone_in_its_world_is_recorded_as_failed_and_the_next_ru
     assert skipped == [dict(case="tp_step", reason="failed: RuntimeError: no kernel image", failed=True)]
     with pytest.raises(RuntimeError):  # in a larger world the error propagates (as on the CPU)
         _isolated("tp_step", False, skipped, boom)
+
+
+def test_the_cuda_cases_run_without_tf32_and_the_setting_is_restored():
+    from shardkit.bench._world import _ieee_fp32
+
+    conv, matmul = torch.backends.cudnn.conv, torch.backends.cuda.matmul
+    before = (conv.fp32_precision, matmul.fp32_precision)
+    with _ieee_fp32():
+        assert (conv.fp32_precision, matmul.fp32_precision) == ("ieee", "ieee")
+    assert (conv.fp32_precision, matmul.fp32_precision) == before

@@ -5,7 +5,8 @@ NCCL with ``--device cuda`` (each rank on ``cuda:LOCAL_RANK``), gloo with ``--de
 With ``--device cuda`` and no torchrun, the cases that run on one rank get a world of 1 on
 ``cuda:0`` in this process. A case whose world size this world does not have is skipped, its
 reason printed and recorded (:func:`.registry.skip_reason`); the cases on torch's fake process
-group run on rank 0 once the world is closed, their tensors on the same device.
+group run on rank 0 once the world is closed, their tensors on the same device. On CUDA,
+float32 runs without TF32 (the cases' checks compare float32 results at rtol 1e-4).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import sys
 import tempfile
 import traceback
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 
 import torch
@@ -51,6 +52,27 @@ def _need_cuda(local_rank: int) -> None:
         raise ShardkitError(
             f"shardkit bench --device cuda: LOCAL_RANK {local_rank} but {torch.cuda.device_count()} GPUs visible"
         )
+
+
+@contextmanager
+def _ieee_fp32() -> Iterator[None]:
+    """float32 matmuls and convolutions at full precision (no TF32, cuDNN's default for
+    convolutions) while the cases run: their checks compare float32 results at rtol 1e-4."""
+    conv, matmul = getattr(torch.backends.cudnn, "conv", None), torch.backends.cuda.matmul
+    if conv is not None and hasattr(conv, "fp32_precision") and hasattr(matmul, "fp32_precision"):
+        saved = (conv.fp32_precision, matmul.fp32_precision)
+        conv.fp32_precision = matmul.fp32_precision = "ieee"
+        try:
+            yield
+        finally:
+            conv.fp32_precision, matmul.fp32_precision = saved
+        return
+    saved = (torch.backends.cudnn.allow_tf32, matmul.allow_tf32)  # torch before the fp32_precision API
+    torch.backends.cudnn.allow_tf32 = matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32, matmul.allow_tf32 = saved
 
 
 @contextmanager
@@ -123,7 +145,7 @@ def run_in_world(names: list[str], settings: Settings, progress: bool = True) ->
     fake = [n for n in runnable if CASES[n].fake]
     records: list[dict] = []
     tag = f"{world} ranks, {settings.device}"
-    with _world(settings, env), checks(False):
+    with _world(settings, env), checks(False), _ieee_fp32() if settings.device == "cuda" else nullcontext():
         if settings.device == "cpu":
             torch.set_num_threads(1)  # as the spawned CPU worlds (the ranks share the cores)
         for name in (n for n in runnable if not CASES[n].fake):
@@ -133,7 +155,7 @@ def run_in_world(names: list[str], settings: Settings, progress: bool = True) ->
     if rank == 0 and fake and dist.is_initialized():  # a caller's world stays: no fake world beside it
         skipped += [dict(case=n, reason="runs on fake worlds, not beside a caller's process group") for n in fake]
     elif rank == 0 and fake:
-        with checks(False):
+        with checks(False), _ieee_fp32() if settings.device == "cuda" else nullcontext():
             for name in fake:
                 records += _isolated(name, True, skipped, lambda n=name: run_fake([n], settings, progress))
     order = {n: i for i, n in enumerate(names)}
