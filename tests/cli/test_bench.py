@@ -68,7 +68,8 @@ def test_one_tiny_case_writes_the_schema():
         with open(os.path.join(out, "bench.md")) as f:
             table = f.read()
     assert doc["schema"] == saved["schema"] == 1
-    assert set(saved) == {"schema", "environment", "settings", "summary", "records"}
+    assert set(saved) == {"schema", "environment", "settings", "summary", "records", "skipped"}
+    assert saved["skipped"] == [] and "Skipped" not in table
     (row,) = saved["summary"]
     assert set(row) == {"case", "label", "nproc", "params", "ms", "ratios", "busbw_GBps", "checked"}
     q = row["ratios"]["shardkit/bare"]

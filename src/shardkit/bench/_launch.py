@@ -25,38 +25,29 @@ from ..comm import checks
 from ._method import Settings
 from .registry import CASES
 
-__all__ = ["run_world", "run_cases"]
+__all__ = ["run_world", "run_cases", "run_named", "run_fake"]
 
 
-def _rank_entry(rank: int, nproc: int, names: list[str], settings: Settings, tmp: str, progress: bool) -> None:
-
-    torch.set_num_threads(1)
-    init_local_world(tmp, timedelta(seconds=300), rank, nproc)  # a FileStore in the private folder, gloo on loopback
-    try:
-        checks(False)
-        records = []
-        for name in names:
-            spec = CASES[name]
-            t0 = time.perf_counter()
-            fn = getattr(importlib.import_module(spec.module, __package__), spec.function)
-            torch.manual_seed(0)
-            out = fn(dist.group.WORLD, settings)
-            records += [dict(r.to_json(), suite=name) for r in out]
-            if progress and rank == 0:
-                print(f"  [{nproc} ranks] {name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
-        if rank == 0:
-            with open(os.path.join(tmp, "result.json"), "w") as f:
-                json.dump(records, f)
-    finally:
-        dist.destroy_process_group()
+def run_named(names: list[str], pg, settings: Settings, progress: bool, tag: str) -> list[dict]:
+    """Run the cases ``names`` in order on ``pg`` (every rank calls it); this rank's records."""
+    records = []
+    for name in names:
+        spec = CASES[name]
+        t0 = time.perf_counter()
+        fn = getattr(importlib.import_module(spec.module, __package__), spec.function)
+        torch.manual_seed(0)
+        records += [dict(r.to_json(), suite=name) for r in fn(pg, settings)]
+        if progress and dist.get_rank() == 0:
+            print(f"  [{tag}] {name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    return records
 
 
-def _fake_entry(rank: int, names: list[str], settings: Settings, tmp: str, progress: bool) -> None:
+def run_fake(names: list[str], settings: Settings, progress: bool) -> list[dict]:
+    """Run the cases ``names`` on torch's fake process group, once per world size of each
+    (:attr:`.registry.CaseSpec.fake`), in this process (no other process group initialized)."""
     # torch registers the "fake" backend when this (test-utility) module is imported.
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    torch.set_num_threads(1)
-    checks(False)
     records = []
     for name in names:
         spec = CASES[name]
@@ -71,6 +62,27 @@ def _fake_entry(rank: int, names: list[str], settings: Settings, tmp: str, progr
                 dist.destroy_process_group()
             if progress:
                 print(f"  [fake, {world} ranks] {name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    return records
+
+
+def _rank_entry(rank: int, nproc: int, names: list[str], settings: Settings, tmp: str, progress: bool) -> None:
+
+    torch.set_num_threads(1)
+    init_local_world(tmp, timedelta(seconds=300), rank, nproc)  # a FileStore in the private folder, gloo on loopback
+    try:
+        checks(False)
+        records = run_named(names, dist.group.WORLD, settings, progress, f"{nproc} ranks")
+        if rank == 0:
+            with open(os.path.join(tmp, "result.json"), "w") as f:
+                json.dump(records, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def _fake_entry(rank: int, names: list[str], settings: Settings, tmp: str, progress: bool) -> None:
+    torch.set_num_threads(1)
+    checks(False)
+    records = run_fake(names, settings, progress)
     with open(os.path.join(tmp, "result.json"), "w") as f:
         json.dump(records, f)
 

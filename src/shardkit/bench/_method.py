@@ -10,14 +10,14 @@ Nothing here prints; :mod:`.report` summarizes and renders what the cases return
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from ..comm._group import resolve_group
+from ..comm._group import group_device, resolve_group
 from ..comm.agree import agree as agree_over
+from ._timing import Timer, bench_device
 
 __all__ = ["Settings", "Record", "time_interleaved", "agree", "quantiles", "same_bits", "close", "SPREAD"]
 
@@ -27,11 +27,17 @@ SPREAD = ((0.1, "p10"), (0.25, "q1"), (0.5, "median"), (0.75, "q3"), (0.9, "p90"
 
 @dataclass(frozen=True)
 class Settings:
-    """What every case is run with; picklable (it crosses into the spawned ranks)."""
+    """What every case is run with; picklable (it crosses into the spawned ranks). ``device``:
+    ``"cpu"`` or ``"cuda"`` (this rank's current GPU), where every case allocates its tensors."""
 
     rounds: int = 40
     warmup: int = 5
     quick: bool = False
+    device: str = "cpu"
+
+    @property
+    def torch_device(self) -> torch.device:
+        return bench_device(self)
 
 
 @dataclass
@@ -69,24 +75,26 @@ class Record:
         )
 
 
-def time_interleaved(fns: dict, pg, settings: Settings, reps: int = 1) -> dict[str, list[float]]:
+def time_interleaved(
+    fns: dict, pg, settings: Settings, reps: int = 1, timer: Timer | None = None
+) -> dict[str, list[float]]:
     """Seconds per call of each variant and round, max over the ranks of ``pg``.
 
     Every round runs each variant once (``reps`` calls in a row, reported per call), in
     alternating order so that neither side always follows the other, after a barrier; the first
-    ``settings.warmup`` rounds are not recorded.
+    ``settings.warmup`` rounds are not recorded. ``timer``: default a :class:`~._timing.Timer`
+    on ``settings``' device (CUDA events around each op there).
     """
+    timer = Timer(settings.torch_device) if timer is None else timer
     names = list(fns)
     times = torch.zeros(settings.rounds, len(names), dtype=torch.float64)
     for i in range(settings.warmup + settings.rounds):
         for j in range(len(names)) if i % 2 == 0 else reversed(range(len(names))):
-            fn = fns[names[j]]
             dist.barrier(group=pg)
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                fn()
+            seconds = timer.time(fns[names[j]], reps)
             if i >= settings.warmup:
-                times[i - settings.warmup, j] = (time.perf_counter() - t0) / reps
+                times[i - settings.warmup, j] = seconds
+    times = times.to(group_device(resolve_group(pg, "bench")))  # NCCL reduces device tensors only
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=pg)  # per-op time = the slowest rank
     return {name: times[:, j].tolist() for j, name in enumerate(names)}
 

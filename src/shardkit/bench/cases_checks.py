@@ -33,16 +33,16 @@ __all__ = ["ops", "train_step"]
 KIB, MIB = 1 << 10, 1 << 20
 
 
-def _op_fns(nbytes: int, pg, rank: int, n: int) -> dict:
+def _op_fns(nbytes: int, pg, rank: int, n: int, dev: torch.device) -> dict:
     """Each op as a no-argument callable with every size given (bitwise deterministic)."""
 
     d = 64
     rows = nbytes // 4 // d
     gen = torch.Generator().manual_seed(rank)
-    x = torch.randn(rows, d, generator=gen)
-    big = torch.randn(rows * n, d, generator=gen)
-    a = torch.randn(max(1, rows // 8), 8, d, generator=gen)  # [S/R, N, D], N = 8 heads
-    q = torch.randn(1, max(1, rows // 64), 8, d, generator=gen)  # attention: smaller S (S^2 compute)
+    x = torch.randn(rows, d, generator=gen).to(dev)
+    big = torch.randn(rows * n, d, generator=gen).to(dev)
+    a = torch.randn(max(1, rows // 8), 8, d, generator=gen).to(dev)  # [S/R, N, D], N = 8 heads
+    q = torch.randn(1, max(1, rows // 64), 8, d, generator=gen).to(dev)  # attention: smaller S (S^2 compute)
     return {
         "all_reduce_forward": lambda: all_reduce_forward(x, pg),
         "all_gather": lambda: all_gather(x, pg, 0, sizes=[rows] * n),
@@ -66,7 +66,7 @@ def ops(pg, settings: Settings) -> list[Record]:
     rank, n = dist.get_rank(pg), dist.get_world_size(pg)
     records = []
     for nbytes in (16 * KIB,) if settings.quick else (16 * KIB, 1 * MIB):
-        for name, fn in _op_fns(nbytes, pg, rank, n).items():
+        for name, fn in _op_fns(nbytes, pg, rank, n, settings.torch_device).items():
             fns = {"plain": _with_checks(fn, False), "checks": _with_checks(fn, True)}
             failures = [] if same_bits(fns["plain"](), fns["checks"]()) else [f"{name}: check mode changed the result"]
             agree(failures, pg, f"checks {name} {nbytes} B")
@@ -81,9 +81,8 @@ def ops(pg, settings: Settings) -> list[Record]:
     return records
 
 
-def _trainer(cfg, mesh):
+def _trainer(cfg, mesh, device: torch.device):
 
-    device = torch.device("cpu")
     task = build_task(cfg, device)
     pm, _ = build_parallel_model(build_train_model(cfg), mesh, cfg, task, device)
     return pm, make_optimizer(pm.module, cfg.lr), task
@@ -94,8 +93,9 @@ def train_step(pg, settings: Settings) -> list[Record]:
 
     n = dist.get_world_size(pg)
     cfg = validate_config(TrainConfig(nproc=n), world_size=n)
-    mesh = parallel_dims(cfg).build_mesh("cpu")
-    runs = {v: _trainer(cfg, mesh) for v in ("plain", "checks")}
+    dev = settings.torch_device
+    mesh = parallel_dims(cfg).build_mesh(dev.type)
+    runs = {v: _trainer(cfg, mesh, dev) for v in ("plain", "checks")}
     losses: dict[str, float] = {}
 
     def stepper(variant: str):

@@ -30,13 +30,14 @@ def collectives(pg, settings: Settings) -> list[Record]:
     ``all_gather`` is timed with its sizes given (what shardkit's layers pass: no metadata) and,
     as ``learned``, without them: every rank's size is then learned by one small metadata
     all-gather per call (``learned/bare``, no goal)."""
-    rank, n = dist.get_rank(pg), dist.get_world_size(pg)
+    rank, n, dev = dist.get_rank(pg), dist.get_world_size(pg), settings.torch_device
     records = []
     for nbytes in _sizes(settings, (16 * KIB, 1 * MIB), (16 * KIB, 64 * KIB, 256 * KIB, 1 * MIB, 4 * MIB)):
         rows = nbytes // 4 // 64
-        x = torch.arange(rows * 64, dtype=torch.float32).reshape(rows, 64) + 1000 * rank
-        full = torch.cat([torch.arange(rows * 64, dtype=torch.float32).reshape(rows, 64) + 1000 * r for r in range(n)])
-        gathered, scattered = torch.empty_like(full), torch.empty(rows, 64)
+        base = torch.arange(rows * 64, dtype=torch.float32, device=dev).reshape(rows, 64)
+        x = base + 1000 * rank
+        full = torch.cat([base + 1000 * r for r in range(n)])
+        gathered, scattered = torch.empty_like(full), torch.empty(rows, 64, device=dev)
         big = full.clone()  # reduce_scatter input: n blocks of the local size
         ar_buf = x.clone()
         fns = {
@@ -88,16 +89,16 @@ def p2p(pg, settings: Settings) -> list[Record]:
     :class:`~shardkit.pipeline_parallel.ShapeCache` on each end).
     An op is ``reps`` transfers in a row (reported per transfer); send/recv bus factor 1."""
 
-    rank, n = dist.get_rank(pg), dist.get_world_size(pg)
+    rank, n, dev = dist.get_rank(pg), dist.get_world_size(pg), settings.torch_device
     records = []
     for nbytes in _sizes(settings, (16 * KIB, 1 * MIB), (16 * KIB, 256 * KIB, 1 * MIB, 8 * MIB)):
         shape = (nbytes // 4 // 64, 64)
-        x = torch.arange(shape[0] * shape[1], dtype=torch.float32).reshape(shape)
+        x = torch.arange(shape[0] * shape[1], dtype=torch.float32, device=dev).reshape(shape)
 
         def bare():
             if rank == 0:
                 return dist.isend(x, 1, group=pg).wait()
-            buf = torch.empty(shape, dtype=torch.float32)
+            buf = torch.empty(shape, dtype=torch.float32, device=dev)
             dist.irecv(buf, 0, group=pg).wait()
             return buf
 

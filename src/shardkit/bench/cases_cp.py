@@ -40,10 +40,11 @@ def _reference(q, k, v, causal):
     return t(F.scaled_dot_product_attention(t(q), t(k), t(v), is_causal=causal))
 
 
-def _inputs(B, S, N, D, pos, seed):
+def _inputs(B, S, N, D, pos, seed, dev: torch.device):
+    """The full inputs (q, k, v, output gradient) on ``dev`` and this rank's tokens ``pos`` of them."""
     gen = torch.Generator().manual_seed(seed)
-    full = [torch.randn(B, S, N, D, generator=gen) for _ in range(4)]
-    local = [t[:, pos].contiguous().requires_grad_(i < 3) for i, t in enumerate(full)]
+    full = [torch.randn(B, S, N, D, generator=gen).to(dev) for _ in range(4)]
+    local = [t[:, pos.to(dev)].contiguous().requires_grad_(i < 3) for i, t in enumerate(full)]
     return full, local
 
 
@@ -63,12 +64,12 @@ def _fwd_bwd(attn, q, k, v, dout):
     return fn
 
 
-def _ring_variant(p, pg, seed):
+def _ring_variant(p, pg, seed, dev: torch.device):
 
     rank, R = dist.get_rank(pg), dist.get_world_size(pg)
     B, S, N, D = p["B"], p["S"], p["N"], p["D"]
     pos = zigzag_positions(S, R, rank) if p["layout"] == "zigzag" else _contiguous(S, R, rank)
-    full, (q, k, v, dout) = _inputs(B, S, N, D, pos, seed)
+    full, (q, k, v, dout) = _inputs(B, S, N, D, pos, seed, dev)
     fn = _fwd_bwd(
         lambda a, b, c: ring_attention(
             a, b, c, pg, causal=p["causal"], seq_len=S, layout=p["layout"], overlap=p["overlap"]
@@ -78,7 +79,7 @@ def _ring_variant(p, pg, seed):
         v,
         dout,
     )
-    return fn, _reference(full[0], full[1], full[2], p["causal"])[:, pos]
+    return fn, _reference(full[0], full[1], full[2], p["causal"])[:, pos.to(dev)]
 
 
 def ring(pg, settings: Settings) -> list[Record]:
@@ -114,7 +115,7 @@ def ring(pg, settings: Settings) -> list[Record]:
 
 def _ring_case(label, goal, key, variants, g, seed, settings: Settings) -> Record:
     names = [("overlap" if p["overlap"] else "no-overlap") if key == "overlap" else str(p["layout"]) for p in variants]
-    preps = [_ring_variant(p, g, seed) for p in variants]
+    preps = [_ring_variant(p, g, seed, settings.torch_device) for p in variants]
     results = [fn() for fn, _ in preps]
     failures = [
         f"{nm} != full attention" for nm, (out, _), (_, want) in zip(names, results, preps) if not close(out, want)
@@ -137,13 +138,13 @@ def _ring_case(label, goal, key, variants, g, seed, settings: Settings) -> Recor
     return rec.ratio(f"{names[0]}/{names[1]}", names[0], names[1], goal)
 
 
-def _dtensor_attention(pg, causal):
+def _dtensor_attention(pg, causal, device_type: str):
     """Ulysses from PyTorch's DTensor: redistribute ``Shard(1)`` (sequence) to ``Shard(2)``
     (heads), SDPA on local heads over the whole sequence, redistribute back."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Shard
 
-    mesh = DeviceMesh.from_group(pg, "cpu", mesh_dim_names=("cp",))
+    mesh = DeviceMesh.from_group(pg, device_type, mesh_dim_names=("cp",))
 
     def attn(q, k, v):
         heads = [DTensor.from_local(t, mesh, [Shard(1)]).redistribute(mesh, [Shard(2)]).to_local() for t in (q, k, v)]
@@ -155,17 +156,17 @@ def _dtensor_attention(pg, causal):
 
 def ulysses(pg, settings: Settings) -> list[Record]:
 
-    rank, R = dist.get_rank(pg), dist.get_world_size(pg)
+    rank, R, dev = dist.get_rank(pg), dist.get_world_size(pg), settings.torch_device
     S = 1024 if settings.quick else 2048
     records = []
     # Against DTensor redistribute: even S and N (DTensor's all-to-all needs even shards).
     pos = _contiguous(S, R, rank)
-    full, (q, k, v, dout) = _inputs(1, S, 8, 64, pos, 5)
+    full, (q, k, v, dout) = _inputs(1, S, 8, 64, pos, 5, dev)
     fns = {
         "shardkit": _fwd_bwd(lambda a, b, c: ulysses_attention(a, b, c, pg, causal=True, seq_len=S), q, k, v, dout),
-        "dtensor": _fwd_bwd(_dtensor_attention(pg, True), q, k, v, dout),
+        "dtensor": _fwd_bwd(_dtensor_attention(pg, True, dev.type), q, k, v, dout),
     }
-    want = _reference(full[0], full[1], full[2], True)[:, pos]
+    want = _reference(full[0], full[1], full[2], True)[:, pos.to(dev)]
     results = {nm: fn() for nm, fn in fns.items()}
     failures = [f"{nm} != full attention" for nm, (out, _) in results.items() if not close(out, want)]
     failures += [
@@ -186,17 +187,19 @@ def ulysses(pg, settings: Settings) -> list[Record]:
     preps, moved = {}, {}
     for nm, (s_len, n) in (("uneven", (S - 3, 7)), ("even", (S, 8))):
         pos = _contiguous(s_len, R, rank)
-        full, (q, k, v, dout) = _inputs(1, s_len, n, 64, pos, 6)
+        full, (q, k, v, dout) = _inputs(1, s_len, n, 64, pos, 6, dev)
         preps[nm] = _fwd_bwd(
             lambda a, b, c, s_len=s_len: ulysses_attention(a, b, c, pg, causal=True, seq_len=s_len), q, k, v, dout
         )
         with CommLedger() as ledger:
             out, _ = preps[nm]()
         failures = (
-            [] if close(out, _reference(full[0], full[1], full[2], True)[:, pos]) else [f"{nm} != full attention"]
+            []
+            if close(out, _reference(full[0], full[1], full[2], True)[:, pos.to(dev)])
+            else [f"{nm} != full attention"]
         )
         agree(failures, pg, f"ulysses {nm}")
-        total = torch.tensor([float(ledger.bytes_sent())])
+        total = torch.tensor([float(ledger.bytes_sent())], device=dev)
         dist.all_reduce(total, group=pg)
         moved[nm] = total.item()
     rec = Record(
@@ -206,5 +209,8 @@ def ulysses(pg, settings: Settings) -> list[Record]:
         time_interleaved(preps, pg, settings),
         checked="outputs against full SDPA",
     )
-    records.append(rec.ratio("uneven/even per byte", "uneven", "even", 1.1, scale=moved["even"] / moved["uneven"]))
+    if moved["uneven"] > 0:
+        records.append(rec.ratio("uneven/even per byte", "uneven", "even", 1.1, scale=moved["even"] / moved["uneven"]))
+    else:  # one rank: nothing moves, no per-byte ratio
+        records.append(rec.ratio("uneven/even", "uneven", "even"))
     return records

@@ -35,19 +35,20 @@ __all__ = ["fsdp_tp_step"]
 DP, TP = 2, 2
 
 
-def _shardkit(path: str):
+def _shardkit(path: str, dev: torch.device):
     """(step module, backward hook before the optimizer, full parameters on rank 0, dp rank)."""
 
-    pm = parallelize(load_llama(path), ParallelDims(dp_shard=DP, tp=TP).build_mesh(), grad_reduce="sum")
+    mesh = ParallelDims(dp_shard=DP, tp=TP).build_mesh(dev.type)
+    pm = parallelize(load_llama(path).to(dev), mesh, grad_reduce="sum")
     return pm.module, pm.grads.reduce, lambda: gather_full_parameters(pm), pm.mesh.local_rank("dp")
 
 
-def _torch(path: str):
+def _torch(path: str, dev: torch.device):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
-    model = dtensor_tp(load_llama(path), mesh["tp"], sp=False)
+    mesh = init_device_mesh(dev.type, (DP, TP), mesh_dim_names=("dp", "tp"))
+    model = dtensor_tp(load_llama(path).to(dev), mesh["tp"], sp=False)
     for module in [*model.model.layers, model]:
         fully_shard(module, mesh=mesh["dp"])
         module.set_gradient_divide_factor(1.0)
@@ -72,10 +73,11 @@ def fsdp_tp_step(pg, settings: Settings) -> list[Record]:
     cfg_kw, (batch, seq) = SHAPES[shape]
     batch *= DP  # the shape's batch per data-parallel rank
     ids = torch.randint(0, cfg_kw["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(1))
+    ids = ids.to(settings.torch_device)
     steps, seen = {}, {}
     with save_llama(cfg_kw, pg) as path:
         for name, build in (("shardkit", _shardkit), ("torch", _torch)):
-            model, reduce, full, dp_rank = build(path)
+            model, reduce, full, dp_rank = build(path, ids.device)
             model.train()
             rows = ids.chunk(DP)[dp_rank]
 

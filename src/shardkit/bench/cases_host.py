@@ -126,22 +126,22 @@ class Op(NamedTuple):
     checks: bool = True  # the check mode measurable here (P2P's checks read a peer's hello: no data on a fake group)
 
 
-def _ops(pg) -> dict[str, Op]:
+def _ops(pg, dev: torch.device | str = "cpu") -> dict[str, Op]:
 
     r = pg.size()
-    ag = torch.randn(16, 64)  # 4 KiB, the issue's all_gather size
-    ag_out = torch.empty(16 * r, 64)
-    rs_in = torch.randn(16 * r, 64)
-    rs_out = torch.empty(16, 64)
-    ar = torch.randn(16, 64)
+    ag = torch.randn(16, 64, device=dev)  # 4 KiB, the issue's all_gather size
+    ag_out = torch.empty(16 * r, 64, device=dev)
+    rs_in = torch.randn(16 * r, 64, device=dev)
+    rs_out = torch.empty(16, 64, device=dev)
+    ar = torch.randn(16, 64, device=dev)
     ar_buf = torch.empty_like(ar)
-    a2a = torch.randn(1, 64, 16, 8)  # [B, S / R, N, D]: scatter heads, gather sequence
-    a2a_send, a2a_recv = torch.empty(a2a.numel()), torch.empty(a2a.numel())
+    a2a = torch.randn(1, 64, 16, 8, device=dev)  # [B, S / R, N, D]: scatter heads, gather sequence
+    a2a_send, a2a_recv = torch.empty(a2a.numel(), device=dev), torch.empty(a2a.numel(), device=dev)
     splits = [a2a.numel() // r] * r
-    halo = torch.randn(1, 8, 32)  # [B, C, L / R]: one element each side; rank 0's left is the border (zeros)
+    halo = torch.randn(1, 8, 32, device=dev)  # [B, C, L / R]: one element each side; rank 0's left: zeros
     halo_splits = [0, 8] + [0] * (r - 2)  # 8 channels to and from rank 1
-    halo_send, halo_recv = torch.empty(8), torch.empty(8)
-    p2p_buf = torch.empty(16, 64)
+    halo_send, halo_recv = torch.empty(8, device=dev), torch.empty(8, device=dev)
+    p2p_buf = torch.empty(16, 64, device=dev)
 
     def ar_call():
         return dist.all_reduce(ar_buf, group=pg)
@@ -313,7 +313,7 @@ def host_overhead(pg, settings: Settings) -> list[Record]:
     records = []
     try:
         with checks(False):
-            for name, op in _ops(pg).items():
+            for name, op in _ops(pg, settings.torch_device).items():
                 agree(_check(name, op.fn, op.x, op.bare_fwd), pg, f"host_overhead {name}")
                 times = time_interleaved(_variants(op, calls), pg, settings)
                 times = {k: [t / calls for t in v] for k, v in times.items()}

@@ -25,17 +25,17 @@ from ._method import Record, Settings, agree, close, time_interleaved
 __all__ = ["spatial_conv", "vocab_loss"]
 
 
-def _conv_fns(shape, pg):
+def _conv_fns(shape, pg, dev: torch.device):
 
     rank, world = dist.get_rank(pg), dist.get_world_size(pg)
     B, C, H, W = shape
     gen = torch.Generator().manual_seed(7 + W)
     x_full, w0, b0 = (
-        torch.randn(shape, generator=gen),
-        torch.randn(C, C, 3, 3, generator=gen) / (3 * C**0.5),
-        torch.randn(C, generator=gen),
+        torch.randn(shape, generator=gen).to(dev),
+        (torch.randn(C, C, 3, 3, generator=gen) / (3 * C**0.5)).to(dev),
+        torch.randn(C, generator=gen).to(dev),
     )
-    dy_full = torch.randn(shape, generator=gen)
+    dy_full = torch.randn(shape, generator=gen).to(dev)
     sizes = balanced_split_sizes(W, world)
     off, n = split_offsets(sizes)[rank], sizes[rank]
     x = x_full.narrow(3, off, n).contiguous().requires_grad_()
@@ -45,7 +45,7 @@ def _conv_fns(shape, pg):
         for k in ("spatial", "sequential", "gather", "conv")
     }
     slab = halo_exchange(x.detach(), pg, 3, 1, 1, sizes=sizes).contiguous().requires_grad_()
-    dslab = torch.randn(slab.shape, generator=gen)
+    dslab = torch.randn(slab.shape, generator=gen).to(dev)
     flat_grads = torch.cat([w0.reshape(-1), b0])
 
     def zero(*ts):
@@ -102,7 +102,7 @@ def spatial_conv(pg, settings: Settings) -> list[Record]:
     sizes = ((1, 32, 64, 256),) if settings.quick else ((1, 32, 64, 256), (1, 32, 128, 512))
     records = []
     for shape in sizes:
-        fns, x, params, slab = _conv_fns(shape, pg)
+        fns, x, params, slab = _conv_fns(shape, pg, settings.torch_device)
         outs, gx = {}, {}
         for k in ("sequential", "spatial", "gather", "conv"):
             outs[k] = fns[k]()
@@ -135,12 +135,14 @@ def spatial_conv(pg, settings: Settings) -> list[Record]:
 
 def vocab_loss(pg, settings: Settings) -> list[Record]:
 
-    rank, world = dist.get_rank(pg), dist.get_world_size(pg)
+    rank, world, dev = dist.get_rank(pg), dist.get_world_size(pg), settings.torch_device
     tokens, vocab = (128, 32000) if settings.quick else (2048, 32000)
     sizes = [c.numel() for c in torch.arange(vocab).chunk(world)]
     labels = torch.randint(0, vocab, (tokens,), generator=torch.Generator().manual_seed(11))
     labels[::7] = -100
-    local = (torch.randn(tokens, sizes[rank], generator=torch.Generator().manual_seed(100 + rank)) * 3).requires_grad_()
+    labels = labels.to(dev)
+    local = torch.randn(tokens, sizes[rank], generator=torch.Generator().manual_seed(100 + rank)) * 3
+    local = local.to(dev).requires_grad_()
 
     def parallel():
         local.grad = None

@@ -36,6 +36,7 @@ from ..pipeline_parallel import PipelineStage, one_f_one_b_schedule, run_schedul
 from ..pipeline_parallel._transfer import order_key
 from ..pipeline_parallel.schedules import comm_plan
 from ._method import Record, Settings, agree
+from ._timing import Timer
 from .cases_pp_schedules import schedules
 
 __all__ = ["bubble"]
@@ -71,9 +72,9 @@ class _Sleep(torch.autograd.Function):
 
 
 class _Stage(torch.nn.Module):
-    def __init__(self, f, b, busy):
+    def __init__(self, f, b, busy, dev):
         super().__init__()
-        self.w = torch.nn.Parameter(torch.ones(8))
+        self.w = torch.nn.Parameter(torch.ones(8, device=dev))
         self.f, self.b, self.busy = f, b, busy
 
     def forward(self, x):
@@ -113,7 +114,7 @@ def _bare_1f1b(stage, plan, xs, rank: int, P: int, M: int, pg) -> list:
             if is_send:
                 pending.append(dist.isend(out.pop((d, m)).contiguous(), peer, group=pg))
             else:
-                got[(d, m)] = torch.empty(1, 8)
+                got[(d, m)] = torch.empty(1, 8, device=xs[0].device)
                 waits.append(dist.irecv(got[(d, m)], peer, group=pg))
         for w in waits:
             w.wait()
@@ -124,7 +125,8 @@ def _bare_1f1b(stage, plan, xs, rank: int, P: int, M: int, pg) -> list:
 
 def _case(P: int, M: int, f_ms: float, b_ms: float, pg, settings: Settings) -> Record | None:
 
-    rank = dist.get_rank()
+    rank, dev = dist.get_rank(), settings.torch_device
+    timer = Timer(dev, events=False)  # the wall includes host sleeps: synchronize, read the host clock
     names = ("shardkit", "bare")
     rounds: dict[str, list] = {k: [] for k in names}
     failures = []
@@ -137,10 +139,10 @@ def _case(P: int, M: int, f_ms: float, b_ms: float, pg, settings: Settings) -> R
             busy[0] += time.perf_counter() - t0
             return out
 
-        stage = PipelineStage(_Stage(f_ms / 1e3, b_ms / 1e3, busy), pg, rank, P, loss_fn=loss_fn)
+        stage = PipelineStage(_Stage(f_ms / 1e3, b_ms / 1e3, busy, dev), pg, rank, P, loss_fn=loss_fn)
         table = one_f_one_b_schedule(P, M)
         plan = comm_plan(table[rank], rank, P)
-        xs = [torch.ones(1, 8) for _ in range(M)]
+        xs = [torch.ones(1, 8, device=dev) for _ in range(M)]
         fns = {
             "shardkit": lambda: run_schedule(stage, table, xs, xs),
             "bare": lambda: _bare_1f1b(stage, plan, xs, rank, P, M, pg),
@@ -150,13 +152,13 @@ def _case(P: int, M: int, f_ms: float, b_ms: float, pg, settings: Settings) -> R
                 busy[0] = busy[1] = 0.0
                 stage.module.zero_grad()
                 dist.barrier(group=pg)
-                t0 = time.perf_counter()
+                timer.start()
                 losses = fns[name]()
-                wall = time.perf_counter() - t0
+                wall = timer.stop()
                 if rank == P - 1 and (losses is None or len(losses) != M or any(float(v) != 8.0 for v in losses)):
                     failures.append(f"{name} p={P} m={M}: losses {losses}, expected {M} x 8.0")
-                stats = torch.tensor([wall, busy[0], busy[1]], dtype=torch.float64)
-                gathered = [torch.zeros(3, dtype=torch.float64) for _ in range(P)]
+                stats = torch.tensor([wall, busy[0], busy[1]], dtype=torch.float64, device=dev)
+                gathered = [torch.zeros(3, dtype=torch.float64, device=dev) for _ in range(P)]
                 dist.all_gather(gathered, stats, group=pg)
                 if i >= settings.warmup:
                     rounds[name].append(

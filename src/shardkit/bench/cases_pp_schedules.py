@@ -40,6 +40,7 @@ from ..pipeline_parallel import ChunkedStage, run_schedule
 from ..pipeline_parallel.simulate import simulate_steps
 from ..pipeline_parallel.tables import SCHEDULES, schedule_table
 from ._method import Record, Settings, agree
+from ._timing import Timer
 
 __all__ = ["schedules"]
 
@@ -84,9 +85,9 @@ class _WeightGrad(torch.autograd.Function):
 
 
 class _Chunk(torch.nn.Module):
-    def __init__(self, f: float, i: float, w: float, busy: list) -> None:
+    def __init__(self, f: float, i: float, w: float, busy: list, dev: torch.device | str = "cpu") -> None:
         super().__init__()
-        self.weight = torch.nn.Parameter(torch.ones(8))
+        self.weight = torch.nn.Parameter(torch.ones(8, device=dev))
         self.f, self.i, self.w, self.busy = f, i, w, busy
 
     def forward(self, x):
@@ -97,9 +98,9 @@ class _Chunk(torch.nn.Module):
         return y
 
 
-def _stage(name: str, P: int, costs_s: dict, busy: list, pg) -> ChunkedStage:
+def _stage(name: str, P: int, costs_s: dict, busy: list, pg, dev: torch.device) -> ChunkedStage:
     spec, v = SCHEDULES[name], CHUNKS[name]
-    modules = [_Chunk(costs_s["F"] / v, costs_s["I"] / v, costs_s["W"] / v, busy) for _ in range(v)]
+    modules = [_Chunk(costs_s["F"] / v, costs_s["I"] / v, costs_s["W"] / v, busy, dev) for _ in range(v)]
 
     def loss_fn(y, t):
         t0 = time.perf_counter()
@@ -120,12 +121,13 @@ def _theory(name: str, P: int, M: int, costs_s: dict) -> float:
 
 def _rounds(P: int, M: int, costs_s: dict, pg, settings: Settings) -> dict[str, list[tuple[float, float]]]:
     """``(makespan, busy summed over ranks)`` per round and schedule."""
-    rank = dist.get_rank(pg)
+    rank, dev = dist.get_rank(pg), settings.torch_device
+    timer = Timer(dev, events=False)  # the wall includes host sleeps: synchronize, read the host clock
     busy = [0.0]
-    stages = {name: _stage(name, P, costs_s, busy, pg) for name in CHUNKS}
+    stages = {name: _stage(name, P, costs_s, busy, pg, dev) for name in CHUNKS}
     # The inputs need a gradient, as a real first chunk's input does (the embedding's output): else
     # autograd skips chunk 0's input-gradient sleep, its rank idles for I and every bubble reads high.
-    xs = [torch.ones(1, 8, requires_grad=True) for _ in range(M)]
+    xs = [torch.ones(1, 8, device=dev, requires_grad=True) for _ in range(M)]
     out: dict[str, list[tuple[float, float]]] = {name: [] for name in CHUNKS}
     failures: list[str] = []
     names = list(CHUNKS)
@@ -137,13 +139,13 @@ def _rounds(P: int, M: int, costs_s: dict, pg, settings: Settings) -> dict[str, 
             for module in stage.modules:
                 module.zero_grad()
             dist.barrier(group=pg)
-            t0 = time.perf_counter()
+            timer.start()
             losses = run_schedule(stage, name, xs, xs, num_microbatches=M)
-            wall = time.perf_counter() - t0
+            wall = timer.stop()
             if stage.is_last and (losses is None or len(losses) != M or any(float(v) != 8.0 for v in losses)):
                 failures.append(f"{name} p={P} m={M}: losses {losses}, expected {M} x 8.0")
-            stats = torch.tensor([wall, busy[0]], dtype=torch.float64)
-            gathered = [torch.zeros(2, dtype=torch.float64) for _ in range(P)]
+            stats = torch.tensor([wall, busy[0]], dtype=torch.float64, device=dev)
+            gathered = [torch.zeros(2, dtype=torch.float64, device=dev) for _ in range(P)]
             dist.all_gather(gathered, stats, group=pg)
             if i >= settings.warmup:
                 out[name].append((max(float(s[0]) for s in gathered), sum(float(s[1]) for s in gathered)))

@@ -142,15 +142,16 @@ def dtensor_tp(model, mesh, sp: bool):
     return model
 
 
-def _build(variant: str, path: str, pg):
+def _build(variant: str, path: str, pg, dev: torch.device):
     mode, impl = variant.split("/")
     if impl == "shardkit":
-        return apply_tp(load_llama(path), pg, sequence_parallel=mode == "tp+sp", check="off")
-    if impl == "hf":
+        return apply_tp(load_llama(path).to(dev), pg, sequence_parallel=mode == "tp+sp", check="off")
+    if impl == "hf":  # transformers places it (cuda:LOCAL_RANK under torchrun)
         return load_llama(path, tp_plan="auto")
     from torch.distributed.device_mesh import DeviceMesh
 
-    return dtensor_tp(load_llama(path), DeviceMesh.from_group(pg, "cpu", mesh_dim_names=("tp",)), mode == "tp+sp")
+    mesh = DeviceMesh.from_group(pg, dev.type, mesh_dim_names=("tp",))
+    return dtensor_tp(load_llama(path).to(dev), mesh, mode == "tp+sp")
 
 
 def _full(t):
@@ -171,7 +172,7 @@ def _steps(variants, path, ids, pg):
     """Each variant's step callable, after checking the first step against the first variant."""
     steps, seen = {}, {}
     for v in variants:
-        model = _build(v, path, pg)
+        model = _build(v, path, pg, ids.device)
         model.train()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
 
@@ -207,7 +208,8 @@ def tp_step(pg, settings: Settings) -> list[Record]:
     import transformers as tf
 
     rank, n = dist.get_rank(pg), dist.get_world_size(pg)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(n))  # read by transformers' TP
+    for key, value in dict(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=n).items():  # read by transformers' TP
+        os.environ.setdefault(key, str(value))  # (torchrun's are kept: LOCAL_RANK is not the rank there)
     tf.logging.set_verbosity_error()
     tf.utils.logging.disable_progress_bar()
     hf = importlib.util.find_spec("accelerate") is not None  # transformers' TP loading needs it
@@ -216,6 +218,7 @@ def tp_step(pg, settings: Settings) -> list[Record]:
         cfg_kw, (batch, seq) = SHAPES[shape]
         with save_llama(cfg_kw, pg) as path:
             ids = torch.randint(0, cfg_kw["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(1))
+            ids = ids.to(settings.torch_device)
             for mode, variants in (
                 ("tp", ["tp/shardkit", "tp/dtensor"] + (["tp/hf"] if hf else [])),
                 ("tp+sp", ["tp+sp/shardkit", "tp+sp/dtensor"]),

@@ -3,7 +3,8 @@
 Per record: the median time of each variant, each per-round ratio's median with its spread
 (p10, q1, q3, p90) and whether the median meets its goal, and the bus bandwidth of each variant
 (nccl-tests: bytes per rank / time x factor: all_reduce ``2(n-1)/n``; all_gather,
-reduce_scatter, all_to_all ``(n-1)/n``; send/recv 1).
+reduce_scatter, all_to_all ``(n-1)/n``; send/recv 1), the same on gloo and NCCL; then the cases
+the run skipped (a world of the wrong size) with their reasons.
 """
 
 from __future__ import annotations
@@ -11,13 +12,14 @@ from __future__ import annotations
 import json
 import os
 import platform
+from collections.abc import Sequence
 from datetime import UTC, datetime
 
 import torch
 
 from ._method import quantiles
 
-__all__ = ["summarize", "environment", "write_outputs", "markdown", "SCHEMA_VERSION"]
+__all__ = ["summarize", "environment", "backend_name", "write_outputs", "markdown", "SCHEMA_VERSION"]
 
 SCHEMA_VERSION = 1
 
@@ -57,7 +59,14 @@ def _label(record: dict) -> str:
     return " ".join(parts) or record["case"]
 
 
-def environment(argv: list[str]) -> dict:
+def backend_name(device: str) -> str:
+    """``"gloo (CPU)"``, or ``"nccl (CUDA: <the GPU's name>)"``."""
+    if device == "cpu":
+        return "gloo (CPU)"
+    return f"nccl (CUDA: {torch.cuda.get_device_name()}, CUDA {torch.version.cuda})"
+
+
+def environment(argv: list[str], backend: str = "gloo (CPU)") -> dict:
     import transformers
 
     return dict(
@@ -68,14 +77,15 @@ def environment(argv: list[str]) -> dict:
         python=platform.python_version(),
         torch=torch.__version__,
         transformers=transformers.__version__,
-        backend="gloo (CPU)",
+        backend=backend,
         command="shardkit bench " + " ".join(argv),
         load_average=list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     )
 
 
-def markdown(rows: list[dict], env: dict, settings: dict) -> str:
-    """One table, one line per (record, ratio): median [p10, p90], goal, met."""
+def markdown(rows: list[dict], env: dict, settings: dict, skipped: Sequence[dict] = ()) -> str:
+    """One table, one line per (record, ratio): median [p10, p90], goal, met; then the skipped
+    cases with their reasons."""
     out = [
         f"shardkit bench, {env['date']}: {env['backend']}, {env['cpus']} CPUs ({env['processor']}), "
         f"Python {env['python']}, torch {env['torch']}, transformers {env['transformers']}; "
@@ -95,6 +105,9 @@ def markdown(rows: list[dict], env: dict, settings: dict) -> str:
                 f"| {row['case']} | {row['nproc']} | {row['label']} | {name} | {q['median']:.3f} "
                 f"[{q['p10']:.3f}, {q['p90']:.3f}] | {goal} | {met} | {times} | {bw} |"
             )
+    if skipped:
+        out += ["", f"Skipped or failed (not passed): {len(skipped)} case(s)", ""]
+        out += [f"- {s['case']}: {s['reason']}" for s in skipped]
     return "\n".join(out) + "\n"
 
 
@@ -157,14 +170,18 @@ def _plots(rows: list[dict], out_dir: str) -> list[str]:
     return paths
 
 
-def write_outputs(records: list[dict], settings: dict, env: dict, out_dir: str) -> dict:
-    """Write ``bench.json``, ``bench.md`` and the plots to ``out_dir``; returns the JSON object."""
+def write_outputs(records: list[dict], settings: dict, env: dict, out_dir: str, skipped: Sequence[dict] = ()) -> dict:
+    """Write ``bench.json``, ``bench.md`` and the plots to ``out_dir``; returns the JSON object.
+    ``skipped``: ``{"case", "reason"}`` of the selected cases this world could not run."""
     os.makedirs(out_dir, exist_ok=True)
     rows = [summarize(r) for r in records]
-    doc = dict(schema=SCHEMA_VERSION, environment=env, settings=settings, summary=rows, records=records)
+    skipped = list(skipped)
+    doc = dict(
+        schema=SCHEMA_VERSION, environment=env, settings=settings, summary=rows, records=records, skipped=skipped
+    )
     with open(os.path.join(out_dir, "bench.json"), "w") as f:
         json.dump(doc, f, indent=1)
     with open(os.path.join(out_dir, "bench.md"), "w") as f:
-        f.write(markdown(rows, env, settings))
+        f.write(markdown(rows, env, settings, skipped))
     doc["plots"] = _plots(rows, out_dir)
     return doc
