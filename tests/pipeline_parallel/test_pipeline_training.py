@@ -185,9 +185,10 @@ def test_negotiated_shapes_are_kept_across_calls_of_one_stage():
             ok &= torch.allclose(p.grad, r.grad, rtol=1e-9, atol=1e-15)
     # First call: each channel's first transfer negotiates (2 messages); second: 1 each; third:
     # microbatch 0 keeps the cached shape (1 message), the others change it (a dummy of the
-    # cached shape, then the payload: 2). Each call also agrees on its arguments (one all-reduce).
+    # cached shape, then the payload: 2). The first call also agrees on its arguments (one
+    # all-reduce); later calls of the same table skip it with checks off (issue 29).
     channels = (s > 0) * 2 + (s < P - 1) * 2
-    ok &= counts == [planned + channels + 1, planned + 1, 2 * planned - channels + 1]
+    ok &= counts == [planned + channels + 1, planned, 2 * planned - channels]
     assert all_true(ok), counts
 
 

@@ -38,11 +38,19 @@ def document_mask(
     return mask
 
 
+_KV_INDEX: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}  # one copy per heads and device
+
+
 def _expand_kv(t: torch.Tensor, kv_index) -> torch.Tensor:
-    """Local KV heads -> one per query head (GQA). Autograd sums the gradient of shared heads."""
+    """Local KV heads -> one per query head (GQA). Autograd sums the gradient of shared heads.
+    The index tensor is built once per head map and device, not once per layer and step."""
     if kv_index is None or tuple(kv_index) == tuple(range(t.shape[2])):
         return t
-    return t.index_select(2, torch.tensor(kv_index, dtype=torch.int64, device=t.device))
+    key = (tuple(int(i) for i in kv_index), t.device)
+    index = _KV_INDEX.get(key)
+    if index is None:
+        index = _KV_INDEX[key] = torch.tensor(key[0], dtype=torch.int64, device=t.device)
+    return t.index_select(2, index)
 
 
 def local_attention(

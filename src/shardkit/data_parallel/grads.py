@@ -148,6 +148,7 @@ class GradientSync:
         missing = [name for name, p in model.named_parameters() if p.requires_grad and name not in layouts]
         if missing:
             raise ShardkitError(f"GradientSync: no layout recorded for {missing[:5]}")
+        self._masks: dict[tuple[int, torch.dtype, torch.device], torch.Tensor | None] = {}  # per parameter
         self._dense: GroupInfo | None = None
         self._expert: GroupInfo | None = None
         if mesh is not None:
@@ -208,7 +209,10 @@ class GradientSync:
                 continue
             g = _local(p.grad).double()
             if lay.spec is not None and not lay.fsdp:
-                mask = _owned_mask(lay.spec, resolve_group(lay.spec.group, "GradientSync").rank, g)
+                key = (id(p), g.dtype, g.device)  # built once (on the device), not once per step
+                if key not in self._masks:
+                    self._masks[key] = _owned_mask(lay.spec, resolve_group(lay.spec.group, "GradientSync").rank, g)
+                mask = self._masks[key]
                 if mask is not None:
                     g = g * mask
             total += g.pow(2).sum()
@@ -217,8 +221,10 @@ class GradientSync:
             total = _c10d.all_reduce(total.reshape(1), world, "grad_norm", "optimizer").reshape(())
         return total.sqrt()
 
-    def clip_(self, max_norm: float | None) -> float:
-        """Scale every gradient by ``min(1, max_norm / (norm + 1e-6))`` (torch's rule); return the norm.
+    def clip_norm_(self, max_norm: float | None) -> torch.Tensor:
+        """Scale every gradient by ``min(1, max_norm / (norm + 1e-6))`` (torch's rule); return the
+        norm as a 0-d float64 tensor on the gradients' device, not read by the host (the trainer
+        reads it with the loss, once per step).
 
         ``max_norm=None`` only measures. Collective over the world.
         """
@@ -228,4 +234,8 @@ class GradientSync:
             for p, _ in self.params:
                 if p.grad is not None:
                     _local(p.grad).mul_(scale.to(p.grad.dtype))
-        return norm.item()
+        return norm
+
+    def clip_(self, max_norm: float | None) -> float:
+        """:meth:`clip_norm_`, the norm read as a float (one device-to-host read)."""
+        return self.clip_norm_(max_norm).item()

@@ -49,6 +49,7 @@ import torch
 from ..comm.agree import agree
 from ..comm.checks import checks_enabled
 from ..errors import ShardkitError
+from ._agreed import agree_once
 from ._fsdp_steps import fsdp_steps
 from ._mailbox import Mailbox, Message, incoming, link, step_messages
 from ._p2p_call import run
@@ -238,8 +239,12 @@ def run_chunked(stage: ChunkedStage, schedule, inputs, targets, stage_kwargs, nu
         differ = [r for r, (d, _) in enumerate(seen) if d != seen[0][0]]
         return [f"ranks {differ} passed another schedule table than rank 0"] if differ else []
 
-    seen = agree(stage.info, op, error, [digest, stage.has_caches], judge=judge, headline=REJECTED)
-    caches = stage.take_caches(all(c for _, c in seen))
+    def agreed() -> bool:
+        seen = agree(stage.info, op, error, [digest, stage.has_caches], judge=judge, headline=REJECTED)
+        return all(c for _, c in seen)
+
+    # the table's hash once per stage in the default mode (every call with checks on)
+    caches = stage.take_caches(agree_once(stage, str(digest), stage.has_caches, error, op, agreed))
     losses = execute(stage, table, m, inputs, targets, stage_kwargs or [{}] * m, caches)
     stage.keep_caches(caches)  # completed: the next call may keep them (agreed by every rank)
     return losses

@@ -27,6 +27,7 @@ from ..comm.agree import agree
 from ..data_parallel.microbatches import set_microbatch
 from ..errors import ShardkitError
 from . import p2p
+from ._agreed import agree_once
 from ._chunk_exec import run_chunked
 from .chunked import ChunkedStage
 from .schedules import check_deadlock_free, comm_plan, validate_schedule
@@ -191,8 +192,11 @@ def _agree(stage, error, decls, op: str, clean: bool) -> bool:
             return [f"ranks {differ} passed boundary_shapes {seen[differ[0]][0]}, rank 0 passed {seen[0][0]}"]
         return []
 
-    seen = agree(stage.info, op, error, [repr(decls), clean], judge=judge, headline=REJECTED)
-    return all(c for _, c in seen)
+    def run() -> bool:
+        seen = agree(stage.info, op, error, [repr(decls), clean], judge=judge, headline=REJECTED)
+        return all(c for _, c in seen)
+
+    return agree_once(stage, repr(decls), clean, error, op, run)  # once per stage in the default mode
 
 
 def _data_error(stage, M, inputs, targets) -> str | None:

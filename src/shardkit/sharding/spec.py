@@ -160,9 +160,12 @@ def _sum_over_holders(spec: ShardSpec, rank: int):
     """
     g = resolve_group(spec.group, "shard_parameter")
     local_index = torch.tensor(spec.indices(rank), dtype=torch.long)
+    on_device: dict[torch.device, torch.Tensor] = {}  # copied once per device, not once per step
 
     def hook(grad: torch.Tensor) -> torch.Tensor:
-        idx = local_index.to(grad.device)
+        idx = on_device.get(grad.device)
+        if idx is None:
+            idx = on_device[grad.device] = local_index.to(grad.device)
         shape = list(grad.shape)
         shape[spec.dim] = spec.full_size
         full = grad.new_zeros(shape).index_add_(spec.dim, idx, grad)

@@ -38,6 +38,7 @@ from .._files import atomic_write
 from .._shapes import split_offsets
 from ..comm._group import resolve_group
 from ..comm.agree import agree
+from ..comm.host_sync import to_device
 
 __all__ = [
     "CROP",
@@ -184,7 +185,7 @@ class ConvAETask:
         return list(batch[dp_rank * rows : (dp_rank + 1) * rows].split(rows // m))
 
     def prepare(self, mb: torch.Tensor, pm) -> tuple[dict, torch.Tensor]:
-        x_full = mb.to(self.device, self.dtype)
+        x_full = to_device(mb, self.device).to(self.dtype)  # pinned, non-blocking off the CPU
         x = x_full
         for name, dim in sharded_dims(pm.mesh):
             sizes = balanced_split_sizes(x_full.shape[dim], pm.mesh.size(name))

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..comm.host_sync import host_side, to_device
 from ..tensor_parallel.loss import vocab_parallel_cross_entropy
 from .data import BatchSampler
 
@@ -126,15 +127,21 @@ class LMTask:
 
     def prepare(self, mb: Microbatch, pm) -> tuple[dict, torch.Tensor]:
         """Model inputs and targets of one microbatch on this rank (its cp tokens with cp)."""
-        ids = mb.ids.to(self.device)
+        with host_side():  # labels and positions from the host copy; one non-blocking copy each
+            labels = shifted_labels(mb.ids, mb.cus) if pm.cp is None else None
+            positions = None
+            if pm.cp is None and mb.cus is not None:
+                positions = torch.stack([_positions(cu, mb.ids.shape[1]) for cu in mb.cus])
+        ids = to_device(mb.ids, self.device)
         if pm.cp is not None:
             cu = None if mb.cus is None else mb.cus[0]  # one row per microbatch when packed (checked up front)
             batch = pm.cp.shard_batch(ids, ids, cu_seqlens=cu)
             return dict(batch.inputs), batch.labels
         inputs = {"input_ids": ids, "use_cache": False}
-        if mb.cus is not None:
-            inputs["position_ids"] = torch.stack([_positions(cu, ids.shape[1]) for cu in mb.cus]).to(self.device)
-        return inputs, shifted_labels(ids, mb.cus)
+        if positions is not None:
+            inputs["position_ids"] = to_device(positions, self.device)
+        assert labels is not None  # made above without cp
+        return inputs, to_device(labels, self.device)
 
     @staticmethod
     def forward(module, inputs: dict) -> torch.Tensor:

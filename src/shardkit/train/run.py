@@ -13,9 +13,7 @@ Rank 0 returns a result dict (losses, gradient norms, ledger, memory, timings, p
 from __future__ import annotations
 
 import copy
-import math
 import os
-import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict
@@ -33,7 +31,6 @@ from ..checkpoint.lock import root_lock
 from ..comm import checks, checks_enabled, flight_recorder
 from ..comm._group import resolve_group
 from ..comm.agree import agree
-from ..errors import NonFiniteError
 from ..parallelize import ParallelModel, gather_full_parameters
 from ..parallelize.saved_bytes import activation_meter
 from .checkpoint_dir import model_description, resume_source
@@ -46,7 +43,7 @@ from .metrics import MetricsLog, ledger_rows, model_size, peak_memory, utilisati
 from .progress import default_log_every, make_progress, setup_note
 from .schedule import warmup_cosine
 from .specs import model_spec
-from .trainer import LossScale, make_optimizer, train_step
+from .trainer import LossScale, make_optimizer, nonfinite_step, train_step
 from .verify import compare_runs
 
 __all__ = ["worker_main", "build_task", "build_train_model", "build_parallel_model", "run_training"]
@@ -106,6 +103,7 @@ def run_training(
     metrics=None,
     hf=None,
     progress=None,
+    host_syncs=None,
 ) -> dict:
     """Steps ``first..cfg.steps - 1`` of :func:`.trainer.train_step`; per-step losses and gradient norms.
 
@@ -125,6 +123,8 @@ def run_training(
 
     ``on_step(step, loss)`` and ``progress.update(step, loss, lr, eval_loss)`` (:mod:`.progress`) are called
     after every step (0-based), ``metrics.write`` records it (:class:`.metrics.MetricsLog`).
+    ``host_syncs`` (a :class:`~shardkit.comm.host_sync.HostSyncCounter`) counts the host syncs of
+    every ``train_step`` (one entry of its ``steps`` per step).
 
     Raises:
         NonFiniteError: more non-finite steps than ``cfg.skip_nonfinite``.
@@ -133,11 +133,13 @@ def run_training(
         world = dist.group.WORLD
         assert world is not None  # a mesh exists: the world is initialized
         with root_lock(cfg.checkpoint_dir, world, "shardkit train --checkpoint-dir"):
-            return _run_steps(pm, task, cfg, loss_scale, on_step, layout, metrics, hf, progress)
-    return _run_steps(pm, task, cfg, loss_scale, on_step, layout, metrics, hf, progress)
+            return _run_steps(pm, task, cfg, loss_scale, on_step, layout, metrics, hf, progress, host_syncs)
+    return _run_steps(pm, task, cfg, loss_scale, on_step, layout, metrics, hf, progress, host_syncs)
 
 
-def _run_steps(pm, task, cfg: TrainConfig, loss_scale, on_step, layout: str, metrics, hf, progress) -> dict:
+def _run_steps(
+    pm, task, cfg: TrainConfig, loss_scale, on_step, layout: str, metrics, hf, progress, host_syncs=None
+) -> dict:
     assert cfg.lr is not None  # validate_config resolved it
     optimizer = make_optimizer(pm.module, cfg.lr)
     scheduler = None
@@ -160,7 +162,7 @@ def _run_steps(pm, task, cfg: TrainConfig, loss_scale, on_step, layout: str, met
         lr = optimizer.param_groups[0]["lr"]  # the rate this step uses
         # the first step counts the activation bytes each block keeps (pack hooks cost Python time)
         meter = activation_meter(pm.module, cfg.ac if pm.mesh is not None else "none") if step == first else None
-        with meter or nullcontext():
+        with meter or nullcontext(), host_syncs or nullcontext():
             stats = train_step(
                 pm,
                 optimizer,
@@ -171,6 +173,8 @@ def _run_steps(pm, task, cfg: TrainConfig, loss_scale, on_step, layout: str, met
                 loss_scale=loss_scale,
                 scheduler=scheduler,
             )
+        if host_syncs is not None:
+            host_syncs.next_step()
         if meter is not None:
             saved = {"saved_activation_bytes": sum(meter.per_block), "saved_bytes_per_block": meter.per_block}
         held = None
@@ -187,7 +191,7 @@ def _run_steps(pm, task, cfg: TrainConfig, loss_scale, on_step, layout: str, met
             metrics.write(step, stats, lr, saved["saved_activation_bytes"] if step == first else None, held)
         if stats.skipped:
             skipped.append(step + 1)
-            _nonfinite_step(step, stats, lr, len(skipped), cfg.skip_nonfinite)
+            nonfinite_step(step, stats, lr, len(skipped), cfg.skip_nonfinite)
         done = step + 1
         if (
             pm.mesh is not None
@@ -213,30 +217,6 @@ def _run_steps(pm, task, cfg: TrainConfig, loss_scale, on_step, layout: str, met
         "eval_losses": evals,
         **saved,
     }
-
-
-def _nonfinite_step(step: int, stats, lr: float, seen: int, allowed: int) -> None:
-    """A step whose global loss or gradient norm was not finite (it was not applied): raise
-    :class:`~shardkit.errors.NonFiniteError` once more than ``allowed`` (``--skip-nonfinite``)
-    were seen in this run, else say on rank 0 that it was skipped. Both values are global, so
-    every rank takes the same branch."""
-    bad = [
-        f"{name} ({value})"
-        for name, value in (("loss", stats.loss), ("gradient norm", stats.grad_norm))
-        if not math.isfinite(value)
-    ]
-    where = (
-        f"step {step + 1}: the global {' and '.join(bad)} {'is' if len(bad) == 1 else 'are'} not finite; "
-        "the step was not applied"
-    )
-    if seen > allowed:
-        raise NonFiniteError(
-            f"{where}. Stopping: {seen} non-finite step(s) in this run, --skip-nonfinite allows "
-            f"{allowed}. Nothing later was saved; lower --lr (this step's: {lr:g}) or look for a "
-            "NaN in the data or the checkpoint"
-        )
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(f"shardkit train: {where} (skipped {seen} of --skip-nonfinite {allowed})", file=sys.stderr, flush=True)
 
 
 @record
@@ -265,19 +245,20 @@ def worker_main(cfg: TrainConfig, run_dir: str | None, flight_dir: str | None = 
         dist.destroy_process_group()
 
 
-def train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool = True) -> dict | None:
+def train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool = True, host_syncs=None) -> dict | None:
     """The whole run on this rank, inside an initialized world of ``cfg.nproc`` ranks.
 
     ``progress``: rank 0 says each set-up stage on stderr and shows its progress: a bar on a
     terminal, a plain line every ``cfg.log_every`` steps elsewhere (tests turn it off). With ``cfg.checks`` the run
     (parallelize, its fingerprint, every step) is in shardkit's check mode, switched on for this
     run only with :class:`shardkit.comm.checks` (every rank sets it alike: the config is the same).
+    ``host_syncs``: see :func:`run_training` (the run's own steps, not the ``--verify`` reference).
     """
     with checks(cfg.checks or checks_enabled()):
-        return _train(cfg, backend, device, t0, progress)
+        return _train(cfg, backend, device, t0, progress, host_syncs)
 
 
-def _train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool) -> dict | None:
+def _train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool, host_syncs=None) -> dict | None:
     rank = dist.get_rank()
     dims = parallel_dims(cfg)
 
@@ -315,7 +296,17 @@ def _train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool) ->
         if cfg.report is not None and rank == 0:
             metrics = MetricsLog(cfg.report, unit_name, sample, cfg.batch_size, device, resumed=source is not None)
         try:
-            run = run_training(pm, task, cfg, loss_scale, layout=dims.describe(), metrics=metrics, hf=hf, progress=bar)
+            run = run_training(
+                pm,
+                task,
+                cfg,
+                loss_scale,
+                layout=dims.describe(),
+                metrics=metrics,
+                hf=hf,
+                progress=bar,
+                host_syncs=host_syncs,
+            )
         finally:
             if metrics is not None:
                 metrics.close()

@@ -13,9 +13,11 @@ A step, whatever the layout (``dp x pp x cp x tp x ep``, FSDP2 or not, spatial f
 4. :class:`~shardkit.data_parallel.GradientSync` sums what FSDP2 does not reduce over the ranks
    holding different data, then clips by the global norm (every parameter counted once);
 5. the global loss is summed over the world;
-6. the optimizer steps only if the global loss and gradient norm are both finite (both are
-   all-reduced, so every rank takes the same decision without another collective); the
-   learning-rate schedule steps either way (it is a function of the step count).
+6. the host reads the global loss sum and the gradient norm once, in one tensor (the step's only
+   device-to-host read outside the model: :mod:`shardkit.comm.host_sync` counts them); the
+   optimizer steps only if both are finite (both are all-reduced, so every rank takes the same
+   decision without another collective); the learning-rate schedule steps either way (it is a
+   function of the step count).
 
 ``--verify`` is this same code with every degree 1: :func:`~shardkit.parallelize.parallelize`
 with no mesh changes nothing, and the reductions over size-1 groups are the identity.
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -38,11 +41,12 @@ import torch.distributed as dist
 
 from ..comm import _c10d
 from ..comm._group import resolve_group
+from ..comm.host_sync import host_side
 from ..data_parallel import set_microbatch
-from ..errors import ShardkitError
+from ..errors import NonFiniteError, ShardkitError
 from ..pipeline_parallel import ChunkedStage, run_schedule
 
-__all__ = ["ADAM_EPS", "StepStats", "make_optimizer", "train_step", "LossScale"]
+__all__ = ["ADAM_EPS", "StepStats", "make_optimizer", "train_step", "LossScale", "nonfinite_step"]
 
 # AdamW's eps, above the float32 rounding floor of the gradients. With the default 1e-8 an
 # element whose exact gradient is ~0 gets a rounding-noise gradient (~1e-9 against typical
@@ -120,12 +124,18 @@ def _counts_loss(pm) -> bool:
     return last and pm.mesh.local_rank("tp") == 0
 
 
-def _global_sum(value: torch.Tensor, pm) -> float:
-    """Sum of every counted rank's ``value`` (one world all-reduce; none in one process)."""
+def _global_sum_tensor(value: torch.Tensor, pm) -> torch.Tensor:
+    """Sum of every counted rank's 0-d ``value``, left on its device (one world all-reduce; none
+    in one process)."""
     if pm.mesh is None or dist.get_world_size() == 1:
-        return value.item()
+        return value
     world = resolve_group(dist.group.WORLD, "train_step")
-    return _c10d.all_reduce(value.reshape(1), world, "train_loss", "forward").item()
+    return _c10d.all_reduce(value.reshape(1), world, "train_loss", "forward").reshape(())
+
+
+def _global_sum(value: torch.Tensor, pm) -> float:
+    """:func:`_global_sum_tensor` read as a float."""
+    return _global_sum_tensor(value, pm).item()
 
 
 def _pipeline_backward(pm, task, microbatches: list, schedule: str, loss_scale: LossScale) -> torch.Tensor:
@@ -145,7 +155,7 @@ def _pipeline_backward(pm, task, microbatches: list, schedule: str, loss_scale: 
     losses = run_schedule(stage, schedule, inputs, targets, stage_kwargs=kw, num_microbatches=M)
     dtype = torch.float64
     if losses is None:  # only the last stage has losses
-        return torch.zeros((), dtype=dtype)
+        return torch.zeros((), dtype=dtype, device=inputs[0].device)
     return torch.stack([loss.to(dtype) for loss in losses]).sum() / loss_scale.scale
 
 
@@ -182,11 +192,12 @@ def train_step(
     Collective over the world.
     """
     t0 = time.perf_counter()
-    batch = task.next_batch()
-    n = task.count(batch)
     mesh = pm.mesh
     dp, dp_rank = (1, 0) if mesh is None else (mesh.size("dp"), mesh.local_rank("dp"))
-    mbs = task.microbatches(batch, dp_rank, dp, microbatches)
+    with host_side():  # the sampled batch stays on the host until prepare copies it
+        batch = task.next_batch()
+        n = task.count(batch)
+        mbs = task.microbatches(batch, dp_rank, dp, microbatches)
     if pm.stage is None:
         sums = []
         for k, mb in enumerate(mbs):
@@ -202,11 +213,13 @@ def train_step(
         loss_scale.scale = 1.0 / n
         local = _pipeline_backward(pm, task, mbs, schedule, loss_scale)
     pm.grads.reduce()
-    norm = pm.grads.clip_(max_norm)
+    norm_t = pm.grads.clip_norm_(max_norm)
     # The loss is reduced before the optimizer steps, so a non-finite step is never applied.
     contribution = local if _counts_loss(pm) else torch.zeros_like(local)
-    device = next(pm.module.parameters()).device
-    loss = _global_sum(contribution.to(device), pm) / n
+    loss_sum_t = _global_sum_tensor(contribution, pm)  # on the device already
+    # the step's one device-to-host read: the loss sum and the norm together (both float64)
+    loss_sum, norm = torch.stack([loss_sum_t.to(norm_t.dtype), norm_t]).tolist()
+    loss = loss_sum / n
     skipped = not (math.isfinite(loss) and math.isfinite(norm))
     if not skipped:
         optimizer.step()
@@ -214,3 +227,27 @@ def train_step(
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return StepStats(loss, norm, n, time.perf_counter() - t0, skipped)
+
+
+def nonfinite_step(step: int, stats, lr: float, seen: int, allowed: int) -> None:
+    """A step whose global loss or gradient norm was not finite (it was not applied): raise
+    :class:`~shardkit.errors.NonFiniteError` once more than ``allowed`` (``--skip-nonfinite``)
+    were seen in this run, else say on rank 0 that it was skipped. Both values are global, so
+    every rank takes the same branch."""
+    bad = [
+        f"{name} ({value})"
+        for name, value in (("loss", stats.loss), ("gradient norm", stats.grad_norm))
+        if not math.isfinite(value)
+    ]
+    where = (
+        f"step {step + 1}: the global {' and '.join(bad)} {'is' if len(bad) == 1 else 'are'} not finite; "
+        "the step was not applied"
+    )
+    if seen > allowed:
+        raise NonFiniteError(
+            f"{where}. Stopping: {seen} non-finite step(s) in this run, --skip-nonfinite allows "
+            f"{allowed}. Nothing later was saved; lower --lr (this step's: {lr:g}) or look for a "
+            "NaN in the data or the checkpoint"
+        )
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"shardkit train: {where} (skipped {seen} of --skip-nonfinite {allowed})", file=sys.stderr, flush=True)
