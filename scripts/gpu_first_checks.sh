@@ -22,7 +22,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY=1 ;;
     --out) OUT_DIR=$2; shift ;;
-    -h|--help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) echo "usage: scripts/gpu_first_checks.sh [--dry-run] [--out DIR]"; sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "gpu_first_checks.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
