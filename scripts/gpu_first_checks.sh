@@ -31,9 +31,8 @@ PY=${PYTHON:-python3}
 SCALE=${STEP_SCALE:-1}
 "$PY" -c "import shardkit" 2>/dev/null || export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
-mkdir -p "$OUT_DIR"
 SUMMARY="$OUT_DIR/summary.tsv"
-[ $DRY -eq 1 ] || printf 'step\trc\tseconds\tlimit_s\n' >"$SUMMARY"
+[ $DRY -eq 1 ] || { mkdir -p "$OUT_DIR" && printf 'step\trc\tseconds\tlimit_s\n' >"$SUMMARY"; }
 
 step() {  # step NAME LIMIT_SECONDS COMMAND...: output in $OUT_DIR/NAME.log, a row in summary.tsv
   local name=$1 limit=$(($2 * SCALE)); shift 2

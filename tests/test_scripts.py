@@ -39,3 +39,21 @@ def test_script_answers_help(script):
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert proc.stdout.lower().startswith("usage:"), proc.stdout[:500]
+
+
+@pytest.mark.meta
+def test_gpu_first_checks_dry_run_lists_every_step_and_writes_nothing(tmp_path):
+    out = tmp_path / "never"
+    proc = subprocess.run(
+        ["bash", "scripts/gpu_first_checks.sh", "--dry-run", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=patient(120),
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    steps = [line.split()[0] for line in proc.stdout.splitlines() if "<=" in line]
+    assert steps[:6] == ["env", "fake_tier", "blocks", "attention", "train_1gpu", "syncs"], proc.stdout
+    assert {"nccl_tp", "nccl_fsdp2", "nccl_ring", "nccl_ulysses", "nccl_pp", "nccl_moe", "nccl_checks"} <= set(steps)
+    assert all(int(line.split("<=")[1].split("s")[0]) <= 150 for line in proc.stdout.splitlines() if "<=" in line)
+    assert not out.exists()
