@@ -1,21 +1,27 @@
 """FSDP2 + tensor parallelism: a shardkit training step against the same step built from PyTorch alone.
 
 Four ranks as ``dp_shard=2 x tp=2`` (tp the inner dim in both), the same ``LlamaForCausalLM``
-checkpoint (float32, sdpa) and the same batch rows per data-parallel rank. One step =
-``zero_grad``, forward with ``labels`` (HF's causal-LM loss), backward, ``AdamW.step``:
+checkpoint (float32, sdpa) and the same batch rows per data-parallel rank. One step is a
+training loop's, as torchtitan's: ``zero_grad``, forward with ``labels`` (HF's causal-LM loss),
+backward, the gradient reduction, clipping by the global norm (``max_norm=1``), ``AdamW.step``,
+and one host read of the loss summed over the ranks together with the norm:
 
 - ``shardkit``: :func:`shardkit.parallelize` on ``ParallelDims(dp_shard=2, tp=2).build_mesh()``:
   shardkit's tensor-parallel layers from the model's HF plan, then FSDP2 ``fully_shard`` per
-  decoder layer and on the root (``apply_fsdp``), and ``GradientSync.reduce`` before the step;
+  decoder layer and on the root (``apply_fsdp``), ``GradientSync.reduce`` and ``clip_norm_``
+  (the norm stays on the device) before the step;
 - ``torch``: ``init_device_mesh("cpu", (2, 2), ("dp", "tp"))``, DTensor ``parallelize_module``
   on ``mesh["tp"]`` (torchtitan's plan, as in the ``tp_step`` case) and ``fully_shard`` per
-  decoder layer and on the root on ``mesh["dp"]``, torchtitan's order.
+  decoder layer and on the root on ``mesh["dp"]``, torchtitan's order, and the global norm
+  from ``torch.nn.utils.get_total_norm`` per device mesh (torch's ``clip_grad_norm_`` takes one
+  mesh; the tp-replicated parameters live on the dp mesh alone).
 
 Both reduce gradients as sums over dp (``set_gradient_divide_factor(1.0)``, sums for the
 communication: gloo has no ``PREMUL_SUM``), so the two steps compute the same update.
 Checked before timing, on a first step with SGD at lr 1 (the update is the gradient itself):
-its loss averaged over the ranks (rtol 1e-4) and a few full parameters after it (rtol 1e-3;
-sums run in different orders). The timed steps use AdamW.
+its loss averaged over the ranks and the global gradient norm (rtol 1e-4), and a few full
+parameters after it (rtol 1e-3; sums run in different orders). The timed steps use AdamW and
+clip.
 """
 
 from __future__ import annotations
@@ -35,12 +41,21 @@ __all__ = ["fsdp_tp_step"]
 DP, TP = 2, 2
 
 
+MAX_NORM = 1.0  # both loops clip by the global gradient norm, as torchtitan's does
+
+
 def _shardkit(path: str, dev: torch.device):
-    """(step module, backward hook before the optimizer, full parameters on rank 0, dp rank)."""
+    """(step module, gradient reduction + clipping returning the norm on the device, full
+    parameters on rank 0, dp rank)."""
 
     mesh = ParallelDims(dp_shard=DP, tp=TP).build_mesh(dev.type)
     pm = parallelize(load_llama(path).to(dev), mesh, grad_reduce="sum")
-    return pm.module, pm.grads.reduce, lambda: gather_full_parameters(pm), pm.mesh.local_rank("dp")
+
+    def reduce_and_clip(max_norm):
+        pm.grads.reduce()
+        return pm.grads.clip_norm_(max_norm)
+
+    return pm.module, reduce_and_clip, lambda: gather_full_parameters(pm), pm.mesh.local_rank("dp")
 
 
 def _torch(path: str, dev: torch.device):
@@ -58,7 +73,23 @@ def _torch(path: str, dev: torch.device):
         params = dict(model.named_parameters())
         return {n: params[n].full_tensor() for n in CHECKED}  # collective: every rank calls it
 
-    return model, lambda: None, full, mesh["dp"].get_local_rank()
+    def clip(max_norm):
+        # The global norm from DTensor gradients, per device mesh (the tp-replicated parameters
+        # live on the dp mesh only, and torch's clip_grad_norm_ takes one mesh), then torch's
+        # rule on every local shard: scale by min(1, max_norm / (norm + 1e-6)).
+        groups: dict = {}
+        for p in model.parameters():
+            if p.grad is not None:
+                groups.setdefault(p.grad.device_mesh, []).append(p.grad)
+        squares = [torch.nn.utils.get_total_norm(g).full_tensor() ** 2 for g in groups.values()]
+        norm = torch.stack(squares).sum().sqrt()
+        if max_norm is not None:
+            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+            for grads in groups.values():
+                torch._foreach_mul_([g.to_local() for g in grads], coef)
+        return norm
+
+    return model, clip, full, mesh["dp"].get_local_rank()
 
 
 def fsdp_tp_step(pg, settings: Settings) -> list[Record]:
@@ -81,24 +112,31 @@ def fsdp_tp_step(pg, settings: Settings) -> list[Record]:
             model.train()
             rows = ids.chunk(DP)[dp_rank]
 
-            def step(opt, model=model, reduce=reduce, rows=rows):
+            def step(opt, max_norm=MAX_NORM, model=model, reduce=reduce, rows=rows):
+                # A training loop's step as torchtitan runs it: forward, backward, the gradient
+                # reduction and global-norm clipping, the optimizer, and one host read of the
+                # loss (summed over the ranks) with the norm.
                 opt.zero_grad(set_to_none=True)
                 loss = model(input_ids=rows, labels=rows).loss
                 loss.backward()
-                reduce()
+                norm = reduce(max_norm)
                 opt.step()
-                return loss.detach()
+                read = torch.stack([loss.detach().to(torch.float64), norm.to(torch.float64)])
+                dist.all_reduce(read[:1], group=pg)
+                return read.tolist()
 
-            # The checked step is plain SGD at lr 1: the update is the gradient itself, so a wrong
-            # gradient scale (that Adam would normalize away) shows in the parameters.
-            loss = step(torch.optim.SGD(model.parameters(), lr=1.0)).reshape(1).to(torch.float64)
-            dist.all_reduce(loss, group=pg)
-            seen[name] = (loss.item() / n, full())
+            # The checked step is plain SGD at lr 1 without clipping: the update is the gradient
+            # itself, so a wrong gradient scale (that Adam would normalize away) shows in the
+            # parameters.
+            loss_sum, norm = step(torch.optim.SGD(model.parameters(), lr=1.0), max_norm=None)
+            seen[name] = (loss_sum / n, full(), norm)
             steps[name] = functools.partial(step, torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False))
     bad = []
-    (ref_loss, ref), (loss_t, other) = seen["shardkit"], seen["torch"]
+    (ref_loss, ref, ref_norm), (loss_t, other, norm_t) = seen["shardkit"], seen["torch"]
     if abs(ref_loss - loss_t) > 1e-4 * abs(ref_loss):
         bad.append(f"mean loss: shardkit {ref_loss} vs torch {loss_t}")
+    if abs(ref_norm - norm_t) > 1e-4 * abs(ref_norm):
+        bad.append(f"global gradient norm: shardkit {ref_norm} vs torch {norm_t}")
     if rank == 0:  # shardkit's full parameters exist on rank 0 only
         for p in CHECKED:
             a, b = ref[p], other[p]
@@ -111,6 +149,6 @@ def fsdp_tp_step(pg, settings: Settings) -> list[Record]:
         dict(label=f"dp_shard={DP} x tp={TP} {shape}", shape=shape, batch=batch, seq=seq, loss=ref_loss, **cfg_kw),
         n,
         times,
-        checked="SGD lr 1 first step: mean loss (rtol 1e-4), full updated params (rtol 1e-3)",
+        checked="SGD lr 1 first step: mean loss, global grad norm (rtol 1e-4), full updated params (rtol 1e-3)",
     )
     return [rec.ratio("shardkit/torch", "shardkit", "torch", 1.0)]
