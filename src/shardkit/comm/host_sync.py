@@ -48,6 +48,7 @@ import sys
 import threading
 from collections import Counter
 from collections.abc import Iterator
+from types import FrameType
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -109,7 +110,7 @@ _HOST_RESIDENT = ("/torch/optim/", "/torch/distributed/device_mesh.py")
 def _where(cpu: bool) -> str | None:
     """``file:line function`` of the innermost frame in shardkit (not this file) or transformers;
     None (not counted) for a CPU counter when a frame below it is in :data:`_HOST_RESIDENT`."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         name = frame.f_code.co_filename.replace("\\", "/")
         if cpu and any(part in name for part in _HOST_RESIDENT):
@@ -145,7 +146,7 @@ class HostSyncCounter(TorchDispatchMode):
         super().__init__()
         self.device = torch.device(device)
         self.steps: list[dict[str, Counter]] = []
-        self._current = {"reads": Counter(), "h2d": Counter()}
+        self._current: dict[str, Counter] = {"reads": Counter(), "h2d": Counter()}
         self._patched: list[tuple[str, object]] = []
 
     # -- per step ---------------------------------------------------------------------------
