@@ -58,7 +58,6 @@ GOAL = 1  # reads per step: the loss sum and the gradient norm in one tensor (+ 
 HF_MASK = 1  # transformers' find_packed_sequence_indices, once per model forward (per pipeline chunk)
 CP_BATCH = 1  # CPContext.shard_batch's int(count) of the targets
 PIPE_HEADER = 1  # per received message: the cached header compared with torch.equal on the host
-MOE = 7  # dispatch_plan per MoE layer: counts read 3x, index tensors copied (goal: 1 read per layer)
 SPATIAL = 8  # conv-ae: the halo's per-call shape agreement (gather_ints, agree): reads (6 copies)
 
 # name -> (overrides, reads allowed per step, blocking host-to-device copies allowed per step)
@@ -96,8 +95,10 @@ CASES = {
         0,
     ),
     "pp=2 x dp=2, zb-h1": (dict(pp=2, tp=1, schedule="zb-h1", microbatches=2), GOAL + 2 * HF_MASK + 2 * PIPE_HEADER, 0),
-    "moe: ep=2 x dp_shard=4": (dict(model="moe", tp=1, dp_shard=4, ep=2), GOAL + MOE_LAYERS * MOE + HF_MASK, 12),
-    "moe: ep=2 borrowed from tp=2": (dict(model="moe", ep=2), GOAL + MOE_LAYERS * MOE + HF_MASK, 12),
+    # each dropless MoE layer reads its token counts once (dispatch_plan / the sort-based experts)
+    "moe: ep=2 x dp_shard=4": (dict(model="moe", tp=1, dp_shard=4, ep=2), GOAL + MOE_LAYERS + HF_MASK, 0),
+    "moe: ep=2 borrowed from tp=2": (dict(model="moe", ep=2), GOAL + MOE_LAYERS + HF_MASK, 0),
+    "moe: tp=2 experts (ep=1)": (dict(model="moe", tp=2), GOAL + MOE_LAYERS + HF_MASK, 0),
     "conv-ae: spatial=2 x dp=2": (dict(model="conv-ae", spatial=2, seq_len=2), GOAL + SPATIAL, 6),
     "--checks, pp=2 x dp=2, 1f1b": (dict(pp=2, tp=1, microbatches=2, checks=True), None, None),
 }
