@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
 from .._shapes import check_split_sizes, split_offsets
 from ..comm import _c10d
@@ -81,6 +82,7 @@ class DispatchPlan:
         tokens_per_local_expert: rows per local expert after dispatch (sum ``T_recv``).
         order: ``[T * k]`` sorted position -> flat (token, slot) index (stable sort by expert).
         regroup: ``[T_recv]`` expert-major position -> received position, or None (identity).
+        local_counts: ``tokens_per_local_expert`` as a tensor on the device (where it was counted).
         dispatched: the ``[T_recv, H]`` rows :func:`token_dispatch` last returned for this plan
             (None before): :func:`token_combine` ties an expert output without graph to them,
             so that a rank that received no rows still joins the backward all-to-alls.
@@ -97,6 +99,7 @@ class DispatchPlan:
     tokens_per_local_expert: tuple[int, ...]
     order: torch.Tensor
     regroup: torch.Tensor | None
+    local_counts: torch.Tensor = field(repr=False, kw_only=True)
     dispatched: torch.Tensor | None = field(default=None, repr=False)
 
     @property
@@ -110,8 +113,9 @@ class DispatchPlan:
 
     def local_expert_ids(self) -> torch.Tensor:
         """``[T_recv]`` local expert id of every dispatched row (expert-major, so non-decreasing)."""
-        counts = torch.tensor(self.tokens_per_local_expert, dtype=torch.long, device=self.order.device)
-        return torch.repeat_interleave(torch.arange(len(counts), device=counts.device), counts)
+        # the device copy of the counts and the host total: no copy from the host, no read back
+        ids = torch.arange(self.local_counts.numel(), device=self.local_counts.device)
+        return torch.repeat_interleave(ids, self.local_counts, output_size=sum(self.tokens_per_local_expert))
 
 
 def _inverse(perm: torch.Tensor) -> torch.Tensor:
@@ -120,25 +124,54 @@ def _inverse(perm: torch.Tensor) -> torch.Tensor:
     return inv
 
 
-def _regroup_index(counts: list[list[int]], device) -> torch.Tensor | None:
-    """Expert-major order of a source-major buffer of blocks ``counts[src][l]``.
+def _regroup_index(counts: torch.Tensor, total: int) -> torch.Tensor | None:
+    """Expert-major order of a source-major buffer of blocks ``counts[src][l]`` (``[R, L]`` on the
+    device, ``total`` rows in all, a host int the caller read with the counts).
 
-    Megatron's ``sort_chunks_by_idxs``: block (src, l) starts at the exclusive prefix sum of the
-    source-major flattening; visiting blocks (l, src) in expert-major order gives the index.
+    Megatron's ``sort_chunks_by_idxs``, built on the device without a host sync: every received
+    row gets its local expert id (``repeat_interleave`` of the flattened counts, its output size
+    known from the host read, so it does not read the device), and a stable sort by that id
+    visits the blocks (l, src) in expert-major order, each block's rows in their received order.
     """
-    if len(counts) <= 1 or not counts[0] or len(counts[0]) <= 1:
+    n_src, n_local = counts.shape
+    if n_src <= 1 or n_local <= 1:
         return None  # one source or one local expert: already expert-major
-    c = torch.tensor(counts, dtype=torch.long)
-    starts = (torch.cumsum(c.view(-1), 0) - c.view(-1)).view(c.shape)
-    lens, starts = c.t().reshape(-1), starts.t().reshape(-1)
-    within = torch.arange(int(lens.sum())) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
-    return (torch.repeat_interleave(starts, lens) + within).to(device)
+    local = torch.arange(n_local, device=counts.device).repeat(n_src)  # block (src, l) -> l, source-major
+    row_expert = torch.repeat_interleave(local, counts.reshape(-1), output_size=total)
+    return torch.argsort(row_expert, stable=True)
+
+
+def _counts_on_device(flat: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(per_expert [E], bad [], order [T k])`` without a host sync.
+
+    ``bincount`` reads the device (its output size depends on the largest id) and an
+    out-of-range id would fault a ``scatter`` on an accelerator, so the ids are clamped into
+    ``[0, E)`` and counted by ``scatter_add_`` into ``E`` bins; ``bad`` (any id outside) travels
+    with the counts to the host in the layer's one read, which raises before the clamped
+    routing is used. The stable sort of the clamped ids is the dispatch order.
+    """
+    bad = ((flat < 0) | (flat >= num_experts)).any()
+    ids = flat.clamp(0, num_experts - 1)
+    per_expert = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
+    per_expert.scatter_add_(0, ids, torch.ones_like(ids))
+    return per_expert, bad, torch.argsort(ids, stable=True)
+
+
+def _bad_ids(op: str, num_experts: int, ranks: list[int], size: int) -> ShardkitError:
+    return ShardkitError(
+        f"{op}: expert ids outside [0, {num_experts}) in topk_index on ranks {ranks} (group of {size})"
+    )
 
 
 def dispatch_plan(
     topk_index: torch.Tensor, num_experts: int, group: Group, *, expert_sizes: Sequence[int] | None = None
 ) -> DispatchPlan:
     """Route (token, slot) pairs to the ranks owning their experts; exchange the counts once.
+
+    One device-to-host read per call (the split sizes of the all-to-alls are host ints, as in
+    Megatron-LM and torchtitan): the counts are computed and exchanged on the device and read
+    in one ``tolist()`` of one tensor; the sort order and the regrouping index are built on the
+    device from them. No tensor is built from host data.
 
     Args:
         topk_index: ``[T, k]`` integer global expert ids (``T`` may differ by rank, may be 0).
@@ -184,16 +217,12 @@ def dispatch_plan(
     sizes = check_split_sizes(expert_sizes, g.size, num_experts, op)
     num_tokens, top_k = topk_index.shape
     flat = topk_index.reshape(-1).long()
-    device = flat.device
-    bad = bool(((flat < 0) | (flat >= num_experts)).any()) if flat.numel() else False
-    per_expert = torch.bincount(flat, minlength=num_experts) if not bad else flat.new_zeros(num_experts)
-    order = torch.argsort(flat, stable=True)
+    per_expert, bad, order = _counts_on_device(flat, num_experts)
 
     if g.size == 1:
-        if bad:
-            raise ShardkitError(
-                f"{op}: expert ids must be in [0, {num_experts}), got {flat.min().item()}..{flat.max().item()}"
-            )
+        *counts, flagged = torch.cat([per_expert, bad.view(1)]).tolist()  # the one host sync of the layer
+        if flagged:
+            raise _bad_ids(op, num_experts, [0], 1)
         n = flat.numel()
         return DispatchPlan(
             g,
@@ -203,31 +232,30 @@ def dispatch_plan(
             top_k,
             (n,),
             (n,),
-            (tuple(per_expert.tolist()),),
-            tuple(per_expert.tolist()),
+            (tuple(counts),),
+            tuple(counts),
             order,
             None,
+            local_counts=per_expert,
         )
 
     # Counts as [R, E_max + 1]: row j = this rank's counts for rank j's local experts, padded,
-    # plus the bad-id flag in every row so that every rank receives every rank's flag.
+    # plus the bad-id flag in every row so that every rank receives every rank's flag. Built
+    # from the device counts by split + pad (the experts are contiguous blocks per rank), so no
+    # index tensor has to be copied from the host.
     width = max(sizes) + 1
-    owner = torch.repeat_interleave(torch.arange(g.size), torch.tensor(sizes)).to(device)
-    local = torch.arange(num_experts, device=device) - torch.tensor(split_offsets(sizes), device=device)[owner]
-    send = torch.zeros(g.size, width, dtype=torch.long, device=device)
-    send[owner, local] = per_expert
-    send[:, -1] = int(bad)
+    send = torch.stack([F.pad(c, (0, width - c.numel())) for c in per_expert.split(sizes)])
+    send[:, -1] = bad
     recv = _c10d.all_to_all_flat(send.view(-1), [width] * g.size, [width] * g.size, g, op, "forward").view(
         g.size, width
     )
     send_rows, recv_rows = torch.stack([send, recv]).tolist()  # the one host sync of the layer
     flagged = [r for r, row in enumerate(recv_rows) if row[-1]]
     if flagged:
-        raise ShardkitError(
-            f"{op}: expert ids outside [0, {num_experts}) in topk_index on ranks {flagged} (group of {g.size})"
-        )
+        raise _bad_ids(op, num_experts, flagged, g.size)
     n_local = sizes[g.rank]
     counts = [row[:n_local] for row in recv_rows]
+    recv_sizes = tuple(sum(c) for c in counts)
     return DispatchPlan(
         g,
         num_experts,
@@ -235,11 +263,12 @@ def dispatch_plan(
         num_tokens,
         top_k,
         send_sizes=tuple(sum(row[:-1]) for row in send_rows),
-        recv_sizes=tuple(sum(c) for c in counts),
+        recv_sizes=recv_sizes,
         recv_counts=tuple(tuple(c) for c in counts),
         tokens_per_local_expert=tuple(sum(c[e] for c in counts) for e in range(n_local)),
         order=order,
-        regroup=_regroup_index(counts, device),
+        regroup=_regroup_index(recv[:, :n_local], sum(recv_sizes)),
+        local_counts=recv[:, :n_local].sum(0),
     )
 
 

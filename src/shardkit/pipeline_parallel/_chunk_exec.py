@@ -127,7 +127,7 @@ class _Links:
         self.stage, self.caches = stage, caches  # (kind, receiving chunk) -> ShapeCache
 
     def cache(self, msg: Message) -> ShapeCache:
-        return self.caches.setdefault(msg[::2], ShapeCache())
+        return self.caches.setdefault(msg[::2], ShapeCache(self.stage.shape_trust))
 
     def send(self, msg: Message, dst: int, tensor: torch.Tensor):
         st = self.stage
@@ -187,7 +187,7 @@ class _Run:
     def backward(self, j: int, c: int, need: Message | None, give: Message | None, split: bool) -> None:
         """``B`` (``split`` False) or ``I``; both hand the input gradient to the previous chunk."""
         x, y = self.stash.pop((j, c))
-        grad = None if need is None else self.mail.take(need)
+        grad = None if need is None else self.stage.shape_trust.fit(self.mail.take(need), y)
         if split:
             dx, self.pending[(j, c)] = input_grad(x, y, self.stage.modules[c].parameters(), grad)
         else:
@@ -219,7 +219,9 @@ def execute(stage: ChunkedStage, table: Table, m: int, inputs, targets, kwargs: 
     return run.losses if stage.holds(stage.num_chunks - 1) else None
 
 
-def run_chunked(stage: ChunkedStage, schedule, inputs, targets, stage_kwargs, num_microbatches, boundary_shapes, op):
+def run_chunked(
+    stage: ChunkedStage, schedule, inputs, targets, stage_kwargs, num_microbatches, boundary_shapes, op, shape_key=None
+):
     """:func:`~.runner.run_schedule` on a :class:`~.chunked.ChunkedStage`: resolve and check the
     table, agree on it and on every rank's data (one small all-reduce when all is well), run."""
     error, digest, table, m = None, None, cast("Table", ()), 0
@@ -244,9 +246,12 @@ def run_chunked(stage: ChunkedStage, schedule, inputs, targets, stage_kwargs, nu
         return all(c for _, c in seen)
 
     # the table's hash once per stage in the default mode (every call with checks on)
-    caches = stage.take_caches(agree_once(stage, str(digest), stage.has_caches, error, op, agreed))
+    keep = agree_once(stage, str(digest), stage.has_caches, error, op, agreed)
+    caches = stage.take_caches(keep)
+    stage.shape_trust.begin(shape_key, keep)
     losses = execute(stage, table, m, inputs, targets, stage_kwargs or [{}] * m, caches)
     stage.keep_caches(caches)  # completed: the next call may keep them (agreed by every rank)
+    stage.shape_trust.end(shape_key)
     return losses
 
 

@@ -53,13 +53,16 @@ def cached_send(t: Transfer, ch: Channel, api: str, cache: ShapeCache) -> list:
     assert x is not None  # a sender's transfer holds its tensor
     if t.status == OK and x.dtype == ch.dtype and x.shape == ch.shape:
         return send_repeat(t.g, t.peer, t.phase, x, ch, cache, api)
+    trusted = ch.trust is not None and ch.trust.on
+    if trusted:  # the receiver takes the agreed shape unread: flag the change, send nothing after it
+        ch.trust.note(ch.header.new_ones((), dtype=torch.bool))
     if ch.nbytes <= PACK_MAX_BYTES:
         buf = cache.packed_buffer(t.g.pg, t.peer, _HB + ch.nbytes, t.device)
         buf[:_HB].view(torch.int64).copy_(_wire.encode(t.status, x.dtype, x.shape, t.device))
         msgs: list[Message] = [(t, True, buf, t.phase)]
     else:
         msgs = [header_msg(t), (t, True, torch.empty(ch.shape, dtype=ch.dtype, device=t.device), t.phase)]
-    if (pay := payload_msg(t)) is not None:
+    if not trusted and (pay := payload_msg(t)) is not None:
         msgs.append(pay)
     works = post(msgs, False, api)
     if ch.nbytes <= PACK_MAX_BYTES:
@@ -163,8 +166,17 @@ def _accepts(dtype: torch.dtype | None, device: torch.device, ch: Channel, hdr: 
     """Whether a received header (uint8) announces the cached shape with status OK, for a receive
     on ``device`` that accepts ``dtype`` (None: any): one comparison with the stored header, no
     decoding (a header that differs in any byte is decoded and judged by
-    :func:`._negotiate.read_header`)."""
-    return (dtype is None or dtype == ch.dtype) and ch.device == device and torch.equal(hdr, ch.header)
+    :func:`._negotiate.read_header`).
+
+    Trusted shapes (:class:`._transfer.ShapeTrust`): the comparison runs on the device into the
+    trust's flag and the cached shape is taken without a host read (``torch.equal`` would stall
+    the host until the message arrived, once per message)."""
+    if not ((dtype is None or dtype == ch.dtype) and ch.device == device):
+        return False
+    if ch.trust is not None and ch.trust.on:
+        ch.trust.note((hdr != ch.header).any())
+        return True
+    return torch.equal(hdr, ch.header)
 
 
 def _after_header(t: Transfer, ch: Channel, pre: torch.Tensor, rest: list, api: str) -> list:

@@ -24,7 +24,7 @@ from ._wire import HEADER_LEN, OK
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-__all__ = ["Channel", "ShapeCache", "Transfer", "order_key", "posting_order", "message_order"]
+__all__ = ["Channel", "ShapeCache", "ShapeTrust", "Transfer", "order_key", "posting_order", "message_order"]
 
 _SLOTS = (
     {(True, "next"): 0, (False, "prev"): 1, (True, "prev"): 2, (False, "next"): 3},  # even stages
@@ -50,6 +50,53 @@ def message_order(items) -> list[int]:
     return sorted(range(len(items)), key=lambda i: (items[i][0], order_key(*items[i][1:4]), items[i][4] != "forward"))
 
 
+class ShapeTrust:
+    """Whether a stage's negotiated shapes are trusted, and the device flag of what broke the trust.
+
+    Trusted (``on``, set by the runner for a call whose caller promised the same shapes as its
+    previous completed call, :func:`~.runner.run_schedule`'s ``shape_key``): a receive of a
+    negotiated channel takes the cached shape without reading the header on the host (the read
+    would stall the host until the message arrived). It still compares the header with the stored
+    one, on the device, into :attr:`mismatch`; a sender whose tensor does not have the agreed
+    shape sends a message of the agreed shape with its own header (so the receiver's comparison
+    fails too), nothing after it, and sets its own flag. The caller reads the flag with its own
+    next read (the trainer: with the loss and the gradient norm) and raises on every rank.
+    """
+
+    def __init__(self) -> None:
+        self.on = False
+        self.key: object = None  # the shape key of the last completed call (None: none)
+        self.mismatch: torch.Tensor | None = None  # 0-d bool on the device, or None
+
+    def begin(self, key: object, kept: bool) -> None:
+        """A call starts: trusted when it runs on the kept caches of a completed call whose
+        ``key`` (not None) it repeats; a call on new caches forgets the key."""
+        self.on = kept and key is not None and key == self.key
+        if not kept:
+            self.key = None
+
+    def end(self, key: object) -> None:
+        """The call completed on this rank: its key is the one the next call may repeat."""
+        self.on, self.key = False, key
+
+    def note(self, bad: torch.Tensor) -> None:
+        """OR the 0-d bool ``bad`` (on the device) into :attr:`mismatch`; no host sync."""
+        self.mismatch = bad if self.mismatch is None else self.mismatch | bad  # one device per stage
+
+    def fit(self, grad: torch.Tensor | None, output: torch.Tensor) -> torch.Tensor | None:
+        """``grad`` for ``output``; under trust, a gradient of the agreed shape that is not the
+        output's (a broken promise: flagged already) becomes zeros, so that the call runs to its
+        end on every rank and the caller raises everywhere from the flag instead of here alone."""
+        if self.on and grad is not None and grad.shape != output.shape:
+            return torch.zeros_like(output)
+        return grad
+
+    def take(self) -> torch.Tensor | None:
+        """The flag of the calls since the last take (None: nothing trusted was received)."""
+        flag, self.mismatch = self.mismatch, None
+        return flag
+
+
 class Channel(NamedTuple):
     """A channel's negotiated payload: its shape and dtype, its size, and the header an ``OK``
     transfer of it carries (uint8, ``HEADER_LEN * 8`` bytes, on ``device``, where this end's
@@ -60,6 +107,7 @@ class Channel(NamedTuple):
     nbytes: int
     header: torch.Tensor
     device: torch.device
+    trust: ShapeTrust | None = None  # the cache's (shared by its channels)
 
 
 class ShapeCache:
@@ -67,7 +115,8 @@ class ShapeCache:
     ``run_schedule`` call): create one on every rank at the same point of the program and pass it
     to every transfer of that run. See the module docstring for why the copies cannot diverge."""
 
-    def __init__(self) -> None:
+    def __init__(self, trust: ShapeTrust | None = None) -> None:
+        self.trust = ShapeTrust() if trust is None else trust
         self._last: dict[tuple, Channel] = {}  # (id of the process group, is_send, peer) -> Channel
         # (id of the process group, peer) -> (packed send buffer, the work of its last send, the
         # view of its payload bytes when its header bytes hold that payload's OK header, else None)
@@ -131,11 +180,13 @@ class ShapeCache:
         old = self._last.get(key)
         if old is not None and old.dtype == dtype and old.shape == shape and old.device == t.device:
             return  # a repeat: the entry (and its encoded header) stays
+        if old is not None and self.trust.on:
+            return  # trusted: the agreed shape stays on both ends (a change was flagged, ShapeTrust)
         n = dtype.itemsize
         for d in shape:
             n *= d
         header = _wire.encode(OK, dtype, shape, t.device).view(torch.uint8)
-        self._last[key] = Channel(tuple(shape), dtype, n, header, t.device)
+        self._last[key] = Channel(tuple(shape), dtype, n, header, t.device, self.trust)
 
 
 @dataclass(eq=False, slots=True)

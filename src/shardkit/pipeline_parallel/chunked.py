@@ -24,6 +24,7 @@ from ..comm._group import GroupInfo, resolve_group
 from ..comm.agree import agree
 from ..errors import ShardkitError, ShardkitTypeError
 from ._mailbox import links
+from ._transfer import ShapeTrust
 from .stage import REJECTED
 from .steps import PLACEMENTS, chunk_owner, global_chunk
 
@@ -166,6 +167,7 @@ class ChunkedStage:
         self.links = link_groups(g, separate=g.pg.name().lower() != "gloo")  # every rank gets here
         # run_schedule's negotiated shapes per (receiving chunk, direction), kept between calls
         self._caches: dict | None = None
+        self.shape_trust = ShapeTrust()  # trusted negotiated shapes (run_schedule's shape_key)
 
     def _error(self) -> str | None:
         if self.v < 1:

@@ -38,7 +38,7 @@ from .transport import StageTransport
 from .vtp import Replicate
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Hashable, Sequence
 
     from .schedules import Action
     from .steps import Step
@@ -75,6 +75,7 @@ def run_schedule(
     boundary_shapes: Sequence[tuple[Sequence[int], torch.dtype]] | None = None,
     stage_kwargs: Sequence[dict] | None = None,
     num_microbatches: int | None = None,
+    shape_key: Hashable | None = None,
 ) -> list[torch.Tensor] | None:
     """Run this stage's row of ``schedule`` (forward and backward of every microbatch).
 
@@ -102,6 +103,16 @@ def run_schedule(
             microbatch (``module(x, **stage_kwargs[m])``; every stage, e.g. the global
             ``position_ids`` and attention call of context parallelism).
         num_microbatches: ``M`` when ``schedule`` is a name.
+        shape_key: None, or the caller's promise that every message's shape follows from this
+            key (the same on every rank of the pipeline group, e.g. the microbatches' input
+            shapes of a trainer whose stages map ``[b, S]`` to ``[b, S, H]``). A call repeating
+            the key of the stage's previous completed call trusts the shapes that call
+            negotiated: no host read of a received header (one per message otherwise, each a
+            stall of the host until the message arrived); the headers are still compared, on
+            the device, into ``stage.shape_trust`` (:class:`~._transfer.ShapeTrust`), whose
+            ``take()`` the caller reads with its own next read and raises on every rank when
+            set (a message did not have the agreed shape: its payload was not delivered).
+            Ignored in the P2P check mode (every header verified).
 
     Returns:
         Last stage (every rank of it): the ``M`` detached, unscaled microbatch losses; other
@@ -120,7 +131,7 @@ def run_schedule(
     op = "run_schedule"
     if isinstance(stage, ChunkedStage):
         args = (inputs_microbatches, targets_microbatches, stage_kwargs, num_microbatches, boundary_shapes)
-        return run_chunked(stage, schedule, *args, op)
+        return run_chunked(stage, schedule, *args, op, shape_key)
     if not isinstance(stage, PipelineStage):
         raise ShardkitError(f"{op}: stage must be a PipelineStage or ChunkedStage, got {type(stage).__name__}")
     P, s = stage.num_stages, stage.stage_index
@@ -143,12 +154,14 @@ def run_schedule(
     # channels were then updated from the same headers on both ends); else every rank starts a new one.
     keep = _agree(stage, error, decls, op, clean=stage.has_shape_cache)
     cache = stage.take_shape_cache(keep)
+    stage.shape_trust.begin(shape_key, keep)
     plan = comm_plan(schedule[s], s, P)
     kwargs = stage_kwargs or [{}] * M
     if stage.stages is not None:
         return _execute_tp(stage, plan, M, inputs_microbatches, targets_microbatches, decls, kwargs)
     losses = _execute(stage, plan, M, inputs_microbatches, targets_microbatches, decls, kwargs, cache)
     stage.keep_shape_cache(cache)  # completed: the next call may keep it (agreed by every rank)
+    stage.shape_trust.end(shape_key)
     return losses
 
 
@@ -311,7 +324,7 @@ def _execute_tp(stage, plan, M, inputs, targets, decls, kwargs):
 
 def _backward(stage, m, M, received, stash):
     x, y = stash.pop(m)
-    grad = None if stage.is_last else received.pop(("B", m))
+    grad = None if stage.is_last else stage.shape_trust.fit(received.pop(("B", m)), y)
     set_microbatch(stage.module, m, M)  # FSDP2 reduces the stage's gradients after the last microbatch only
     if y.requires_grad:  # else nothing upstream to differentiate (no parameters, a first stage)
         torch.autograd.backward(y, grad)

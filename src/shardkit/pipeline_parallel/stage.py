@@ -15,7 +15,7 @@ from ..comm._group import GroupInfo, resolve_group
 from ..comm.agree import agree
 from ..errors import ShardkitError, ShardkitTypeError
 from ..sharding import Replicate, Shard, StageGroups
-from ._transfer import ShapeCache
+from ._transfer import ShapeCache, ShapeTrust
 from .vtp import check_layout
 
 if TYPE_CHECKING:
@@ -111,6 +111,7 @@ class PipelineStage:
         self.info: GroupInfo = g  # the pipeline group (the replica group of a StageGroups), resolved
         # run_schedule's negotiated P2P shapes, kept between its calls (None: none, or a call failed)
         self._shape_cache: ShapeCache | None = None
+        self.shape_trust = ShapeTrust()  # trusted negotiated shapes (run_schedule's shape_key)
 
     @staticmethod
     def _layout_error(
@@ -142,7 +143,7 @@ class PipelineStage:
         """The cache a schedule call runs with: the kept one if ``keep`` (every rank agreed that
         every rank has one), else a new one. The stage holds none until :meth:`keep_shape_cache`:
         a call that fails leaves no cache behind, and the next call starts afresh on every rank."""
-        cache = (self._shape_cache if keep else None) or ShapeCache()
+        cache = (self._shape_cache if keep else None) or ShapeCache(self.shape_trust)
         self._shape_cache = None
         return cache
 

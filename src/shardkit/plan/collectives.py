@@ -163,7 +163,8 @@ def step_collectives(
     _fsdp_rows(out, shape, dims, opts, stage)
     world = dims.product
     out.add("world", "all_reduce", "grad_norm", "optimizer", world, 1, 8, 8)
-    out.add("world", "all_reduce", "train_loss", "forward", world, 1, 8, 8)
+    loss = 16 if dims.pp > 1 else 8  # a pipeline's trusted-shape flag travels with the loss sum
+    out.add("world", "all_reduce", "train_loss", "forward", world, 1, loss, loss)
     return out.result()
 
 

@@ -10,6 +10,10 @@ weighted sum of this rank's partial expert outputs, so:
 * ``top_k_weights``' gradient is ``<dL/dout, expert_out_partial>``, also partial: ``f``, which
   makes the router's gradient exact and identical on every rank.
 
+Under transformers' eager experts implementation the module's forward is replaced by the same
+math run sort-based (one host sync per layer instead of one per expert; see
+:func:`_sort_based_eager_forward`).
+
 ``moe_identity_expert`` (zero-compute identity experts, e.g. LongCat-Flash): their output is the
 same on every rank, so under the summed output it would count ``R`` times; the input is divided
 by ``R``.
@@ -24,6 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from .._experts import routed_experts_forward
 from ..comm import all_reduce_backward, all_reduce_forward
 from ..comm._group import resolve_group
 from ..errors import ShardkitTypeError
@@ -71,8 +76,31 @@ class MoeTensorParallelExperts(ParallelStyle):
             return tuple(args), kwargs
 
         module.register_forward_pre_hook(pre, with_kwargs=True)
+        _sort_based_eager_forward(module)
         if not isinstance(self.output_layouts, Partial):
             module.register_forward_hook(lambda m, args, out: all_reduce_forward(out, group))
+
+
+def _sort_based_eager_forward(module: nn.Module) -> None:
+    """Run Hugging Face's eager experts loop sort-based, with one host sync instead of one per expert.
+
+    The eager implementation (transformers' ``@use_experts_implementation`` default, what the
+    trainer selects) finds each hit expert's tokens with a ``torch.where`` and tests the expert id
+    on the host: a device-to-host read per expert. :func:`shardkit._experts.routed_experts_forward`
+    computes the same sum (every expert, this rank's slice of its features) from one sort by
+    expert id and one read of the counts. Other implementations (``grouped_mm``, ``batched_mm``,
+    ...) the user chose are left as they are.
+    """
+    config = getattr(module, "config", None)
+    if getattr(config, "_experts_implementation", None) not in (None, "eager"):
+        return
+    if not (hasattr(module, "gate_up_proj") or hasattr(module, "up_proj")) or not hasattr(module, "down_proj"):
+        return  # not a transformers experts module: its own forward is the math
+
+    def forward(hidden_states, top_k_index, top_k_weights):
+        return routed_experts_forward(module, hidden_states, top_k_index, top_k_weights, 0).to(hidden_states.dtype)
+
+    module.forward = forward
 
 
 class MoeIdentityExpert(ParallelStyle):

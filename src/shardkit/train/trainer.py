@@ -125,12 +125,12 @@ def _counts_loss(pm) -> bool:
 
 
 def _global_sum_tensor(value: torch.Tensor, pm) -> torch.Tensor:
-    """Sum of every counted rank's 0-d ``value``, left on its device (one world all-reduce; none
-    in one process)."""
+    """Sum of every counted rank's ``value`` (0-d, or a pipeline's pair), left on its device (one
+    world all-reduce; none in one process)."""
     if pm.mesh is None or dist.get_world_size() == 1:
         return value
     world = resolve_group(dist.group.WORLD, "train_step")
-    return _c10d.all_reduce(value.reshape(1), world, "train_loss", "forward").reshape(())
+    return _c10d.all_reduce(value.reshape(-1), world, "train_loss", "forward").reshape(value.shape)
 
 
 def _global_sum(value: torch.Tensor, pm) -> float:
@@ -152,7 +152,14 @@ def _pipeline_backward(pm, task, microbatches: list, schedule: str, loss_scale: 
         # FSDP2's controls per group itself (pipeline_parallel/_fsdp_steps.py)
         set_microbatch(pm.module, 0, M)
     kw = kwargs if any(kwargs) else None
-    losses = run_schedule(stage, schedule, inputs, targets, stage_kwargs=kw, num_microbatches=M)
+    # The stages' activations are [b, S, H] for inputs [b, S]: the same microbatch shapes as the
+    # previous step's mean the same messages, so the runner trusts the shapes it negotiated and
+    # reads no received header on the host (train_step reads the flag of a broken promise).
+    key = tuple(
+        (tuple(x.shape), tuple((k, tuple(v.shape)) for k, v in sorted(kw_.items()) if isinstance(v, torch.Tensor)))
+        for x, kw_ in zip(inputs, kwargs)
+    )
+    losses = run_schedule(stage, schedule, inputs, targets, stage_kwargs=kw, num_microbatches=M, shape_key=key)
     dtype = torch.float64
     if losses is None:  # only the last stage has losses
         return torch.zeros((), dtype=dtype, device=inputs[0].device)
@@ -216,9 +223,23 @@ def train_step(
     norm_t = pm.grads.clip_norm_(max_norm)
     # The loss is reduced before the optimizer steps, so a non-finite step is never applied.
     contribution = local if _counts_loss(pm) else torch.zeros_like(local)
-    loss_sum_t = _global_sum_tensor(contribution, pm)  # on the device already
-    # the step's one device-to-host read: the loss sum and the norm together (both float64)
-    loss_sum, norm = torch.stack([loss_sum_t.to(norm_t.dtype), norm_t]).tolist()
+    if pm.stage is None:
+        loss_sum_t = _global_sum_tensor(contribution, pm)  # on the device already
+        # the step's one device-to-host read: the loss sum and the norm together (both float64)
+        loss_sum, norm = torch.stack([loss_sum_t.to(norm_t.dtype), norm_t]).tolist()
+    else:
+        # A pipeline adds the flag of its trusted shapes (ShapeTrust) to the same all-reduce and
+        # the same read, so that a broken shape promise raises on every rank, at no extra sync.
+        flag = pm.stage.shape_trust.take()
+        flag = torch.zeros_like(contribution) if flag is None else flag.to(contribution.dtype)
+        pair = _global_sum_tensor(torch.stack([contribution, flag]), pm)
+        loss_sum, mismatch, norm = torch.cat([pair.to(norm_t.dtype), norm_t.reshape(1)]).tolist()
+        if mismatch:
+            raise ShardkitError(
+                "train_step: a pipeline message did not have the shape negotiated in the previous step, "
+                "although this step's microbatches have the same shapes (the stages' activation shapes "
+                "must follow from the input shapes); rerun with --checks to find it"
+            )
     loss = loss_sum / n
     skipped = not (math.isfinite(loss) and math.isfinite(norm))
     if not skipped:
