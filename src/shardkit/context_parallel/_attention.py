@@ -9,6 +9,7 @@ attention merges partial results with.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import TYPE_CHECKING
 
@@ -38,19 +39,18 @@ def document_mask(
     return mask
 
 
-_KV_INDEX: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}  # one copy per heads and device
+@functools.lru_cache(maxsize=64)
+def _head_index(kv_index: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The int64 head index on ``device``, built once per head map and device: a tensor made
+    from Python data is a blocking host-to-device copy, which every layer and step would pay."""
+    return torch.tensor(kv_index, dtype=torch.int64, device=device)
 
 
 def _expand_kv(t: torch.Tensor, kv_index) -> torch.Tensor:
-    """Local KV heads -> one per query head (GQA). Autograd sums the gradient of shared heads.
-    The index tensor is built once per head map and device, not once per layer and step."""
+    """Local KV heads -> one per query head (GQA). Autograd sums the gradient of shared heads."""
     if kv_index is None or tuple(kv_index) == tuple(range(t.shape[2])):
         return t
-    key = (tuple(int(i) for i in kv_index), t.device)
-    index = _KV_INDEX.get(key)
-    if index is None:
-        index = _KV_INDEX[key] = torch.tensor(key[0], dtype=torch.int64, device=t.device)
-    return t.index_select(2, index)
+    return t.index_select(2, _head_index(tuple(int(i) for i in kv_index), t.device))
 
 
 def local_attention(

@@ -110,7 +110,8 @@ def block_saved_bytes(shape: ModelShape, where: BlockLayout, mode: str, elem: in
     mlp = 4 * T * F * e
     rope = 2 * s * D * e
     if u > 1:
-        expanded = 2 * where.rows * Sg * nu * D * e + 2 * nu * 8 if ku != nu else 0
+        # k and v expanded to the query heads; one cached int64 head index (nu entries) serves both
+        expanded = 2 * where.rows * Sg * nu * D * e + nu * 8 if ku != nu else 0
         attention = a2a + expanded + attn_out
     else:
         attention = 2 * T * n * D * e + 2 * T * k * D * e + where.rows * n * s * wide
