@@ -24,10 +24,12 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from shardkit.comm.host_sync import _host_side
 
 aten = torch.ops.aten
 
@@ -88,6 +90,11 @@ class GuardFree(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.Tensor.pin_memory:  # page-locking is a host property (no fake kernel): as it is
+            return args[0]
+        if _host_side() and not any(isinstance(t, FakeTensor) for t in pytree.tree_leaves((args, kwargs))):
+            with unset_fake_temporarily():  # the trainer's host data (shardkit's host_side()): real CPU work
+                return func(*args, **kwargs)
         if func in (torch.Tensor.to, torch.Tensor.cuda) and isinstance(args[0], torch.Tensor):
             t = args[0]
             if func is torch.Tensor.cuda:

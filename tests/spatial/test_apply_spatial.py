@@ -248,3 +248,40 @@ def test_apply_spatial_tiles_on_a_2d_mesh(hs, ws):
     assert not bad, f"hs={hs} ws={ws} out={ohs}x{ows}: {bad}"
     with pytest.raises(ShardkitError, match="Upsample.*'bilinear' is not supported over tiles"):
         apply_spatial(nn.Sequential(nn.Conv2d(3, 3, 3), nn.Upsample(scale_factor=2, mode="bilinear")), mesh, (2, 3))
+
+
+@pytest.mark.world(2)
+def test_apply_spatial_learns_sizes_once_per_layout():
+    from shardkit.comm import CommLedger, checks
+    from shardkit.spatial._meta import layout_key
+
+    G, r = world_group(), rank()
+    torch.manual_seed(0)
+    model = apply_spatial(ConvAE(pool=True).double(), G, 3)
+
+    def gathers(width: int, key: bool = True) -> int:
+        x = torch.randn(1, 3, 4, balanced_split_sizes(width, world_size())[r], dtype=torch.float64)
+        with CommLedger() as ledger, torch.no_grad():
+            if key:
+                with layout_key((1, 3, 4, width)):
+                    model(x)
+            else:
+                model(x)
+        return ledger.count(op="metadata_all_gather")
+
+    first = gathers(10, key=False)
+    assert first > 0 and gathers(10, key=False) == first  # no key: every call learns its sizes
+    assert gathers(10) == first  # the first call of a layout learns them ...
+    assert gathers(10) == 0  # ... the next ones know them (default mode)
+    # W = 12: the stride-2 layer's rank 0 gets 3 columns as with W = 10, its peer does not: the
+    # key (not the local shape) decides, so every rank learns again
+    assert gathers(12) == first
+    assert gathers(10) == 0
+    with checks(True):
+        assert gathers(10) >= first  # the check mode learns (and agrees) on every call
+
+    # bad input: the same error on every rank, on the first call of the layout and every later one
+    short = apply_spatial(nn.Sequential(nn.Conv2d(3, 3, 5)).double(), G, 3)
+    for _ in range(2):
+        with layout_key("short"), pytest.raises(ShardkitError):
+            short(torch.randn(1, 3, 8, 1, dtype=torch.float64))

@@ -13,7 +13,9 @@ Forward only: the autograd engine needs a real CUDA device for a tensor that req
 create CUDA streams, which a CPU build cannot: those parts are checked on a GPU by
 ``scripts/gpu_first_checks.sh``. Mixture-of-experts layouts are not here: dropless dispatch
 reads each layer's token counts on the host by design (the split sizes of its all-to-all), a
-value a fake tensor does not have; likewise transformers' own MoE experts (``--model mla``).
+value a fake tensor does not have; likewise transformers' own MoE experts (``--model mla``), and
+the conv-ae's spatial layers, which learn every rank's split sizes on the first step of a crop
+shape (one read per layer, then none: tests/train/test_host_syncs.py).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import pytest
 import torch
 
 from harness.fake_cuda import fake_cuda, fake_world, to_fake_cuda
+from shardkit.comm.host_sync import host_side
 from shardkit.train.config import TrainConfig, parallel_dims, validate_config
 from shardkit.train.corpus import read_corpus
 from shardkit.train.run import build_task, build_train_model
@@ -33,6 +36,11 @@ LAYOUTS = {
     "tp": dict(tp=2),
     "tp_sp_dp": dict(tp=2, dp_replicate=2),
     "uneven_gqa_tp": dict(tp=4, hidden_size=96, heads=6, kv_heads=2),
+    "ulysses": dict(tp=1, cp_ulysses=2),
+    "ring": dict(tp=1, cp_ring=2),
+    "usp_tp": dict(tp=2, cp_ring=2, cp_ulysses=2),
+    "ring_packed": dict(tp=1, cp_ring=2, packed=True, batch_size=2),
+    "packed": dict(tp=2, packed=True),
 }
 
 
@@ -50,7 +58,9 @@ def _forward(kw: dict):
             pm, _ = spec.parallelize(to_fake_cuda(model), mesh, cfg, task)
             dp, dp_rank = (1, 0) if pm.mesh is None else (pm.mesh.size("dp"), pm.mesh.local_rank("dp"))
             losses = []
-            for mb in task.microbatches(batch, dp_rank, dp, cfg.microbatches):
+            with host_side():  # as train_step: the microbatches are host data (real CPU tensors)
+                mbs = task.microbatches(batch, dp_rank, dp, cfg.microbatches)
+            for mb in mbs:
                 inputs, targets = task.prepare(mb, pm)
                 losses.append(task.loss_sum(task.forward(pm.module, inputs), targets, pm))
     return log, losses, n

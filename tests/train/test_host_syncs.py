@@ -11,8 +11,9 @@ the device (its module docstring says what that counts), so these are the CUDA c
 FILE (the table in docs/guides/host_syncs.md comes from it).
 
 The quick tier keeps one case per distinct path: tp + FSDP2 (the fused read), uneven GQA (the
-norm masks and gradient hooks), ring and Ulysses attention, a pipeline and an MoE layer; the
-others are ``slow``.
+norm masks and gradient hooks), packed rows (the block-causal mask from the host), ring and
+Ulysses attention (the batch sharded on the host), a pipeline, an MoE layer and the conv-ae's
+spatial layers (their sizes learned once per shape); the others are ``slow``.
 """
 
 import os
@@ -55,61 +56,50 @@ def _log(name: str, counts: list) -> None:
 
 GOAL = 1  # reads per step: the loss sum and the gradient norm in one tensor (+ 1 per dropless MoE layer)
 # What each case still pays above GOAL (issue 29, item 2, "what remains"); a budget only falls:
-HF_MASK = 1  # transformers' find_packed_sequence_indices, once per model forward (per pipeline chunk)
-CP_BATCH = 1  # CPContext.shard_batch's int(count) of the targets
-# pipelines: none per received message (the runner trusts the shapes of the previous step's
-# microbatches, ShapeTrust; the headers are compared on the device, the flag read with the loss)
-SPATIAL = 8  # conv-ae: the halo's per-call shape agreement (gather_ints, agree): reads (6 copies)
+# Pipelines pay nothing per received message: the runner trusts the shapes of the previous step's
+# microbatches (ShapeTrust); the headers are compared on the device, the flag read with the loss.
+# transformers' mask (find_packed_sequence_indices) is not built: the trainer's models run
+# shardkit_sdpa; the cp batch is sharded on the host; the halo learns its sizes once per layout.
 
 # name -> (overrides, reads allowed per step, blocking host-to-device copies allowed per step)
 CASES = {
-    "tp=2 (SP) x dp=2": (dict(), GOAL + HF_MASK, 0),
-    "tp=2 x dp_shard=2 (FSDP2)": (dict(tp=2, dp_shard=2), GOAL + HF_MASK, 0),
-    "HSDP dp_replicate=2 x dp_shard=2": (dict(tp=1, dp_shard=2), GOAL + HF_MASK, 0),
-    "tp=2 x dp_shard=2, uneven GQA (6/3 heads)": (
-        dict(tp=2, dp_shard=2, hidden_size=48, heads=6, kv_heads=3),
-        GOAL + HF_MASK,
-        0,
-    ),
-    "packed, tp=2 x dp=2": (dict(packed=True, seq_len=64), GOAL + HF_MASK, 0),
-    "ring cp=2 x tp=2": (dict(cp_ring=2, tp=2), GOAL + HF_MASK + CP_BATCH, 1),
-    "Ulysses cp=2 x dp_shard=2": (dict(cp_ulysses=2, dp_shard=2, tp=1), GOAL + HF_MASK + CP_BATCH, 1),
+    "tp=2 (SP) x dp=2": (dict(), GOAL, 0),
+    "tp=2 x dp_shard=2 (FSDP2)": (dict(tp=2, dp_shard=2), GOAL, 0),
+    "HSDP dp_replicate=2 x dp_shard=2": (dict(tp=1, dp_shard=2), GOAL, 0),
+    "tp=2 x dp_shard=2, uneven GQA (6/3 heads)": (dict(tp=2, dp_shard=2, hidden_size=48, heads=6, kv_heads=3), GOAL, 0),
+    "packed, tp=2 x dp=2": (dict(packed=True, seq_len=64), GOAL, 0),
+    "ring cp=2 x tp=2": (dict(cp_ring=2, tp=2), GOAL, 0),
+    "Ulysses cp=2 x dp_shard=2": (dict(cp_ulysses=2, dp_shard=2, tp=1), GOAL, 0),
     "USP ring=2 x Ulysses=2, packed": (
         dict(cp_ring=2, cp_ulysses=2, tp=1, packed=True, batch_size=1, seq_len=64),
-        GOAL + HF_MASK + 2 * CP_BATCH,
-        5,
-    ),
-    "pp=2 x dp=2, 1f1b": (dict(pp=2, tp=1, microbatches=2), GOAL + 2 * HF_MASK, 0),
-    "pp=2 x tp=2, gpipe": (
-        dict(pp=2, tp=2, schedule="gpipe", microbatches=2),
-        GOAL + 2 * HF_MASK,
+        GOAL,
         0,
     ),
+    "pp=2 x dp=2, 1f1b": (dict(pp=2, tp=1, microbatches=2), GOAL, 0),
+    "pp=2 x tp=2, gpipe": (dict(pp=2, tp=2, schedule="gpipe", microbatches=2), GOAL, 0),
     "pp=2 x dp=2, interleaved-1f1b": (
         dict(pp=2, tp=1, schedule="interleaved-1f1b", virtual_stages=2, layers=4, microbatches=2),
-        GOAL + 4 * HF_MASK,
+        GOAL,
         0,
     ),
-    "pp=2 x dp=2, zbv": (
-        dict(pp=2, tp=1, schedule="zbv", virtual_stages=2, layers=4, microbatches=2),
-        GOAL + 4 * HF_MASK,
-        0,
-    ),
-    "pp=2 x dp=2, zb-h1": (dict(pp=2, tp=1, schedule="zb-h1", microbatches=2), GOAL + 2 * HF_MASK, 0),
+    "pp=2 x dp=2, zbv": (dict(pp=2, tp=1, schedule="zbv", virtual_stages=2, layers=4, microbatches=2), GOAL, 0),
+    "pp=2 x dp=2, zb-h1": (dict(pp=2, tp=1, schedule="zb-h1", microbatches=2), GOAL, 0),
     # each dropless MoE layer reads its token counts once (dispatch_plan / the sort-based experts)
-    "moe: ep=2 x dp_shard=4": (dict(model="moe", tp=1, dp_shard=4, ep=2), GOAL + MOE_LAYERS + HF_MASK, 0),
-    "moe: ep=2 borrowed from tp=2": (dict(model="moe", ep=2), GOAL + MOE_LAYERS + HF_MASK, 0),
-    "moe: tp=2 experts (ep=1)": (dict(model="moe", tp=2), GOAL + MOE_LAYERS + HF_MASK, 0),
-    "conv-ae: spatial=2 x dp=2": (dict(model="conv-ae", spatial=2, seq_len=2), GOAL + SPATIAL, 6),
+    "moe: ep=2 x dp_shard=4": (dict(model="moe", tp=1, dp_shard=4, ep=2), GOAL + MOE_LAYERS, 0),
+    "moe: ep=2 borrowed from tp=2": (dict(model="moe", ep=2), GOAL + MOE_LAYERS, 0),
+    "moe: tp=2 experts (ep=1)": (dict(model="moe", tp=2), GOAL + MOE_LAYERS, 0),
+    "conv-ae: spatial=2 x dp=2": (dict(model="conv-ae", spatial=2, seq_len=2), GOAL, 0),
     "--checks, pp=2 x dp=2, 1f1b": (dict(pp=2, tp=1, microbatches=2, checks=True), None, None),
 }
 QUICK = (
     "tp=2 x dp_shard=2 (FSDP2)",
     "tp=2 x dp_shard=2, uneven GQA (6/3 heads)",
+    "packed, tp=2 x dp=2",
     "ring cp=2 x tp=2",
     "Ulysses cp=2 x dp_shard=2",
     "pp=2 x dp=2, 1f1b",
     "moe: ep=2 x dp_shard=4",
+    "conv-ae: spatial=2 x dp=2",
 )
 
 

@@ -9,21 +9,25 @@ keyword, :data:`KWARG`, that :meth:`CPBatch.inputs` adds; nothing is stored betw
 keeps gradient checkpointing (a second forward inside backward) right.
 
 The causal mask: causality comes from the global positions inside the shardkit attention, so
-the model must not build a mask of the *local* length. transformers would build none for an
-implementation missing from its ``AttentionMaskInterface``, but it would also drop a padding
-``attention_mask`` without a word (``create_causal_mask`` returns None). So :func:`register`
-also registers a mask function for the name: it returns None (no ``[S, S]`` mask is ever
-made) and raises on a padding mask instead of ignoring it.
+the model must not build a mask of the *local* length. The shardkit names have no entry in
+transformers' ``AttentionMaskInterface``, so ``create_causal_mask`` builds none and returns at
+once, before it would probe ``position_ids`` for packed sequences (a device-to-host read per
+forward, issue 29). It would also drop a padding ``attention_mask`` without a word, so
+:func:`refuse_padding_masks` hooks the model: a padding mask raises instead of being ignored (a
+prepared 4-D mask reaches the attention, which raises).
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
+from torch import nn
+
 from ..errors import ShardkitError
 
-__all__ = ["KWARG", "CPCall", "attention_name", "register"]
+__all__ = ["KWARG", "CPCall", "attention_name", "register", "refuse_padding_masks"]
 
 #: The keyword the per-batch context travels under, from ``model(**batch.inputs)`` to the attention.
 KWARG = "shardkit_cp"
@@ -89,24 +93,40 @@ def _make(mode: str):
 _FUNCTIONS = {mode: _make(mode) for mode in ("ulysses", "ring", "usp")}
 
 
-def _no_mask(*args, attention_mask=None, **kwargs):
-    """transformers' mask hook for the shardkit names: never a mask; a padding mask is an error, not ignored."""
-    if attention_mask is not None:
-        raise ShardkitError(
-            "apply_cp: attention_mask (padding) is not supported under context parallelism; "
-            "pack documents and pass cu_seqlens= to shard_batch instead"
-        )
-    return None
+_PADDING = (
+    "apply_cp: attention_mask (padding) is not supported under context parallelism; "
+    "pack documents and pass cu_seqlens= to shard_batch instead"
+)
+
+
+def _mask_hook(position: int | None):
+    def hook(module, args, kwargs):
+        mask = kwargs.get("attention_mask")
+        if mask is None and position is not None and len(args) > position:
+            mask = args[position]
+        if mask is not None:  # the model's argument: the same verdict on every rank
+            raise ShardkitError(_PADDING)
+
+    return hook
+
+
+def refuse_padding_masks(model: nn.Module) -> None:
+    """Raise on a padding ``attention_mask`` given to ``model`` (or to its base model), which
+    transformers would drop without a word for an implementation without a mask function.
+    One forward pre-hook per module (idempotent)."""
+    for m in {id(x): x for x in (model, getattr(model, "base_model", None)) if isinstance(x, nn.Module)}.values():
+        if getattr(m, "_shardkit_cp_mask_hook", None) is not None:
+            continue
+        names = list(inspect.signature(m.forward).parameters)
+        position = names.index("attention_mask") if "attention_mask" in names else None
+        m._shardkit_cp_mask_hook = m.register_forward_pre_hook(_mask_hook(position), with_kwargs=True)
 
 
 def register(mode: str) -> str:
-    """Register the attention function of ``mode`` and its mask function with transformers (idempotent).
-
-    Returns the registered name."""
+    """Register the attention function of ``mode`` with transformers (idempotent; no mask
+    function: see the module docstring). Returns the registered name."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
 
     name = attention_name(mode)
     AttentionInterface.register(name, _FUNCTIONS[mode])
-    AttentionMaskInterface.register(name, _no_mask)
     return name

@@ -30,6 +30,7 @@ from .._shapes import balanced_split_sizes, split_offsets
 from ..comm import _c10d
 from ..comm._group import GroupInfo, resolve_group
 from ..comm.collectives import all_gather, all_reduce_forward
+from ..comm.host_sync import host_side, to_device
 from ..errors import ShardkitError, ShardkitTypeError
 from . import _hf_attention
 from ._sizes import _order, check_cu_seqlens
@@ -53,6 +54,14 @@ IGNORE_INDEX = -100
 
 def _packed_supported(fn) -> bool:
     return "cu_seqlens" in inspect.signature(fn).parameters
+
+
+def _positions(s: int, cu: tuple[int, ...] | None) -> torch.Tensor:
+    """``[S]`` positions ``0..S-1`` on the host, restarting at 0 in every document of ``cu``."""
+    pos = torch.arange(s)
+    for a, b in zip((cu or ())[:-1], (cu or ())[1:]):
+        pos[a:b] -= a
+    return pos
 
 
 class CPContext:
@@ -93,14 +102,15 @@ class CPContext:
         """Ranks in the context-parallel group, ``R x U``."""
         return self.ring_size * self.ulysses_size
 
-    def _part(self, cu: tuple[int, ...], device):
-        """(global indices of this rank's tokens, the zigzag order over the ring; ``order.sizes`` = ring part sizes)."""
+    def _part(self, cu: tuple[int, ...]):
+        """(global indices of this rank's tokens on the host, the zigzag order over the ring;
+        ``order.sizes`` = ring part sizes)."""
         order = _order(cu, self.ring_size, torch.device("cpu"))
         part = order.local(self.ring.rank if self.ring else 0)
         j = self.ulysses.rank if self.ulysses else 0
         sizes = balanced_split_sizes(part.numel(), self.ulysses_size)
         start = split_offsets(sizes)[j]
-        return part[start : start + sizes[j]].to(device), order
+        return part[start : start + sizes[j]], order
 
     def shard_batch(
         self,
@@ -125,7 +135,11 @@ class CPContext:
                 within their document.
 
         Returns:
-            :class:`CPBatch`; call the model as ``model(**batch.inputs)``.
+            :class:`CPBatch` on the inputs' device; call the model as ``model(**batch.inputs)``.
+            The layout (token indices, default positions) is built on the host and copied
+            without blocking. ``num_tokens`` reads the labels: with labels on an accelerator that
+            is one device-to-host read; shard host (CPU) tensors and move the result with
+            :meth:`CPBatch.to` for none (what the trainer does).
 
         Raises:
             ShardkitError: bad shapes or ``cu_seqlens``; a rank left without tokens (``S < R x U``,
@@ -156,32 +170,39 @@ class CPContext:
                     f"{op}: packed documents (cu_seqlens) are not supported by {fn.__name__} yet (mode {self.mode!r})"
                 )
         dev = input_ids.device
-        idx, order = self._part(cu or (0, s), dev)
-        if min(order.sizes) < self.ulysses_size:  # HF layers cannot run on zero tokens; same verdict on every rank
-            raise ShardkitError(
-                f"{op}: every one of the {self.size} cp ranks needs at least one token, "
-                f"but S = {s} in mode {self.mode!r} "
-                f"gives ring parts of {list(order.sizes)} tokens over {self.ulysses_size} Ulysses rank(s)"
-            )
-        if position_ids is None:
-            position_ids = torch.arange(s, device=dev)
-            if cu is not None:  # positions restart at every document
-                lengths = torch.tensor([cu[d + 1] - cu[d] for d in range(len(cu) - 1)], device=dev)
-                position_ids = position_ids - torch.repeat_interleave(torch.tensor(cu[:-1], device=dev), lengths)
-            position_ids = position_ids[None]
+        with host_side():  # the layout: host data built from ints (the same on every device)
+            idx_host, order = self._part(cu or (0, s))
+            if min(order.sizes) < self.ulysses_size:  # HF layers cannot run on zero tokens; same verdict on every rank
+                raise ShardkitError(
+                    f"{op}: every one of the {self.size} cp ranks needs at least one token, "
+                    f"but S = {s} in mode {self.mode!r} "
+                    f"gives ring parts of {list(order.sizes)} tokens over {self.ulysses_size} Ulysses rank(s)"
+                )
+            local_positions = None
+            if position_ids is None:  # 0..S-1, restarting at every document when packed
+                local_positions = _positions(s, cu).index_select(0, idx_host)[None]
+            ends = None
+            if labels is not None and cu is not None:  # no target across a document border
+                ends = torch.tensor([cu[d + 1] - 1 for d in range(len(cu) - 1) if cu[d + 1] > cu[d]], dtype=torch.int64)
+        idx = to_device(idx_host, dev)
+        if local_positions is not None:
+            position_ids = to_device(local_positions, dev)
+        else:
+            assert position_ids is not None
+            position_ids = position_ids.index_select(1, idx)
         local_labels, num_tokens = None, 0
         if labels is not None:
             shifted = torch.full_like(labels, IGNORE_INDEX)
             shifted[:, :-1] = labels[:, 1:]
-            if cu is not None:  # no target across a document border
-                ends = [cu[d + 1] - 1 for d in range(len(cu) - 1) if cu[d + 1] > cu[d]]
-                shifted[:, ends] = IGNORE_INDEX
+            if ends is not None:
+                shifted.index_fill_(1, to_device(ends, dev), IGNORE_INDEX)
+            # a device read unless the labels are host data (the trainer shards on the host, then CPBatch.to)
             num_tokens = int((shifted != IGNORE_INDEX).sum())
             local_labels = shifted.index_select(1, idx)
         call = _hf_attention.CPCall(self, s, cu)
         return CPBatch(
             input_ids.index_select(1, idx),
-            position_ids.index_select(1, idx),
+            position_ids,
             local_labels,
             num_tokens,
             s,
@@ -370,4 +391,5 @@ def apply_cp(
             f"apply_cp: {type(model).__name__} did not switch its attention implementation to {name!r} "
             f"(it is {hf.config._attn_implementation!r}); the model must call ALL_ATTENTION_FUNCTIONS.get_interface"
         )
+    _hf_attention.refuse_padding_masks(model)
     return ctx

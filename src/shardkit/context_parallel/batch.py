@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from ..comm.host_sync import to_device
 from . import _hf_attention
 
 __all__ = ["CPBatch"]
@@ -36,6 +37,23 @@ class CPBatch:
     cu_seqlens: tuple[int, ...] | None
     indices: torch.Tensor
     call: _hf_attention.CPCall
+
+    def to(self, device: torch.device | str) -> CPBatch:
+        """This batch with its tensors on ``device``, host (CPU) tensors copied without blocking
+        (pinned, ``non_blocking``: :func:`shardkit.comm.host_sync.to_device`); ``self`` when they
+        are there already. For a batch sharded on the host: its ``num_tokens`` then cost no read.
+        """
+        device = torch.device(device)
+
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None or (t.device.type == device.type and (device.index is None or t.device == device)):
+                return t
+            return to_device(t, device) if t.device.type == "cpu" else t.to(device)
+
+        moved = {name: move(getattr(self, name)) for name in ("input_ids", "position_ids", "labels", "indices")}
+        if all(moved[name] is getattr(self, name) for name in moved):
+            return self
+        return replace(self, **moved)
 
     @property
     def inputs(self) -> dict:

@@ -13,9 +13,8 @@ import torch
 from torch import nn
 
 from ..comm._group import resolve_group
-from ..comm._validate import dim_of
 from ..errors import ShardkitError, ShardkitTypeError
-from ._meta import gather_sizes
+from ._meta import inferred_sizes
 from .conv import spatial_conv1d, spatial_conv2d, spatial_conv3d
 
 if TYPE_CHECKING:
@@ -54,14 +53,7 @@ class _SpatialConvMixin:
         """This rank's outputs; ``sizes``: every rank's input size along ``dim`` (None = equal,
         or all-gathered in forward when ``infer_sizes`` is set)."""
         if sizes is None and self.infer_sizes:
-            name = type(self).__name__
-            if isinstance(self.dim, tuple):
-                sizes = tuple(
-                    gather_sizes(x, resolve_group(g, name), dim_of(x, d, name), name)
-                    for d, g in zip(self.dim, self.group)
-                )
-            else:
-                sizes = gather_sizes(x, resolve_group(self.group, name), dim_of(x, self.dim, name), name)
+            sizes = inferred_sizes(self, x, type(self).__name__)
         return type(self)._fn(
             x,
             self.weight,

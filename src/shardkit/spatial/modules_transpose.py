@@ -10,10 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..comm._group import resolve_group
-from ..comm._validate import dim_of
 from ..errors import ShardkitError, ShardkitTypeError
-from ._meta import gather_sizes
+from ._meta import inferred_sizes
 from .conv_transpose import spatial_conv_transpose1d, spatial_conv_transpose2d, spatial_conv_transpose3d
 from .modules import _SpatialConvMixin
 
@@ -65,13 +63,7 @@ class _SpatialConvTransposeMixin:
         or all-gathered in forward when ``infer_sizes`` is set). No ``output_size=``."""
         name = type(self).__name__
         if sizes is None and self.infer_sizes:
-            if isinstance(self.dim, tuple):
-                sizes = tuple(
-                    gather_sizes(x, resolve_group(g, name), dim_of(x, d, name), name)
-                    for d, g in zip(self.dim, self.group)
-                )
-            else:
-                sizes = gather_sizes(x, resolve_group(self.group, name), dim_of(x, self.dim, name), name)
+            sizes = inferred_sizes(self, x, name)
         return type(self)._fn(
             x,
             self.weight,

@@ -26,7 +26,7 @@ from torch import nn
 from ..comm._group import resolve_group
 from ..comm._validate import dim_of, enter, expected_size, local_sizes, maybe_agree
 from ..errors import ShardkitError, ShardkitTypeError
-from ._meta import channels_first, gather_sizes, keep_graph_empty
+from ._meta import channels_first, inferred_sizes, keep_graph_empty
 from ._sizes import check_out_len, conv_out_len, input_ranges, output_bounds, per_dim
 from .halo import exchange, plan_for
 
@@ -269,8 +269,7 @@ class _PoolMixin(nn.Module):
 
     def _sizes(self, x, sizes):
         if sizes is None and self.infer_sizes:
-            g = resolve_group(self.group, type(self).__name__)
-            sizes = gather_sizes(x, g, dim_of(x, self.dim, type(self).__name__), type(self).__name__)
+            sizes = inferred_sizes(self, x, type(self).__name__)
         return sizes
 
     def extra_repr(self) -> str:

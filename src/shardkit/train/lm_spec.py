@@ -28,6 +28,7 @@ from ..plan.rules import (
     sp_pp_tp_rule,
     stage_heads_rule,
 )
+from .attention import mask_free_sdpa
 from .corpus import Corpus, shared_corpus
 from .data import BatchSampler, HeldOutBatches, held_out_start
 from .lm_families import LMFamily
@@ -183,6 +184,8 @@ def parallelize_lm(model: nn.Module, mesh, cfg: TrainConfig, task) -> tuple[Para
         mixed_precision=cfg.mixed_precision,
         compile=compile,
     )
+    if cfg.cp_size == 1:  # no causal-mask builder, no device read per forward (cp has its own attention)
+        mask_free_sdpa(model)
     if mesh is not None and mesh.dims.pp > 1:
         loss = LossScale(task)
         pm = parallelize_stage(model, mesh, loss, schedule=cfg.schedule, virtual_stages=cfg.virtual_stages, **options)

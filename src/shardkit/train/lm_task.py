@@ -5,9 +5,9 @@ data-parallel coordinate, splits them into microbatches and, with context parall
 tokens (:meth:`~shardkit.context_parallel.CPContext.shard_batch`: labels shifted on the full
 sequence first, global position ids). Packed documents (``--packed``: each window is the corpus
 files it spans, packed along ``S``) restart their positions at every document and never predict
-across a border; without cp the model's own attention mask keeps them apart (transformers builds
-a block-causal mask from restarting ``position_ids``), with cp the ring / Ulysses attention does
-(``cu_seqlens``).
+across a border; without cp a block-causal ``attention_mask`` keeps them apart
+(:func:`.attention.packed_causal_mask`, built from the sampler's document borders), with cp the
+ring / Ulysses attention does (``cu_seqlens``).
 
 Loss: the *sum* of next-token cross entropies over this rank's targets; the trainer divides by
 the global target count ``N``, so every layout back-propagates its share of the global mean.
@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from ..comm.host_sync import host_side, to_device
 from ..tensor_parallel.loss import vocab_parallel_cross_entropy
+from .attention import packed_causal_mask
 from .data import BatchSampler
 
 __all__ = ["IGNORE_INDEX", "LMTask", "PackedSampler", "shifted_labels", "causal_lm_loss"]
@@ -132,14 +133,18 @@ class LMTask:
             positions = None
             if pm.cp is None and mb.cus is not None:
                 positions = torch.stack([_positions(cu, mb.ids.shape[1]) for cu in mb.cus])
-        ids = to_device(mb.ids, self.device)
         if pm.cp is not None:
             cu = None if mb.cus is None else mb.cus[0]  # one row per microbatch when packed (checked up front)
-            batch = pm.cp.shard_batch(ids, ids, cu_seqlens=cu)
+            with host_side():  # sharded on the host (no read of the target count), then copied
+                host = pm.cp.shard_batch(mb.ids, mb.ids, cu_seqlens=cu)
+            batch = host.to(self.device)
             return dict(batch.inputs), batch.labels
+        ids = to_device(mb.ids, self.device)
         inputs = {"input_ids": ids, "use_cache": False}
         if positions is not None:
             inputs["position_ids"] = to_device(positions, self.device)
+            # the documents' mask from the host: transformers would read the device to find them
+            inputs["attention_mask"] = packed_causal_mask(mb.cus, mb.ids.shape[1], self.device)
         assert labels is not None  # made above without cp
         return inputs, to_device(labels, self.device)
 
