@@ -12,6 +12,10 @@ Timeouts: a subgroup gets the backend's default timeout (30 minutes for gloo), n
 :func:`world_timeout` reads the world's from its backend's private options, so that every group
 of a run can be given it.
 
+Launch: ``LaunchConfig(shutdown_timeout=)`` (how long the elastic agent waits for a worker that
+ignores the forwarded signal before SIGKILL) is absent from older torch (2.11 seen), whose agent
+always waits 30 s; :func:`launch_config` passes it where it exists.
+
 Attention: torch < 2.13's CPU ``scaled_dot_product_attention`` dies with SIGFPE on an empty head
 dim (seen on 2.11: a rank of a Ulysses group that holds no heads); :func:`sdpa` builds such an
 empty output without the kernel.
@@ -52,6 +56,7 @@ __all__ = [
     "release",
     "TORCH_RELEASE",
     "transformers_release",
+    "launch_config",
     "sdpa",
     "hf_tp_plan",
     "hf_ep_plan",
@@ -134,6 +139,16 @@ def world_timeout_options():
     else:
         options = Backend.Options(backend, timeout)
     return options
+
+
+def launch_config(**kwargs):
+    """``torch.distributed.launcher.api.LaunchConfig(**kwargs)``, without ``shutdown_timeout`` on a
+    torch whose ``LaunchConfig`` has none (2.11: its agent waits a fixed 30 s instead)."""
+    from torch.distributed.launcher.api import LaunchConfig  # imported when a launch needs it
+
+    if "shutdown_timeout" not in inspect.signature(LaunchConfig).parameters:
+        kwargs.pop("shutdown_timeout", None)
+    return LaunchConfig(**kwargs)
 
 
 # torch < 2.13: F.scaled_dot_product_attention on CPU raises SIGFPE (the process dies) when the
