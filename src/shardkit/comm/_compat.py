@@ -16,6 +16,11 @@ Launch: ``LaunchConfig(shutdown_timeout=)`` (how long the elastic agent waits fo
 ignores the forwarded signal before SIGKILL) is absent from older torch (2.11 seen), whose agent
 always waits 30 s; :func:`launch_config` passes it where it exists.
 
+FSDP2: shardkit runs FSDP2's end-of-backward callback outside a backward (the zero-bubble ``W``
+step's reduction, :func:`shardkit.data_parallel.microbatches.reduce_outside_autograd`). From torch
+2.15 that callback reads the backward's finalization mode (manual or automatic), which a backward
+sets when it starts; :func:`fsdp_end_of_backward` sets it the same way when no backward did.
+
 Attention: torch < 2.13's CPU ``scaled_dot_product_attention`` dies with SIGFPE on an empty head
 dim (seen on 2.11: a rank of a Ulysses group that holds no heads); :func:`sdpa` builds such an
 empty output without the kernel.
@@ -57,6 +62,7 @@ __all__ = [
     "TORCH_RELEASE",
     "transformers_release",
     "launch_config",
+    "fsdp_end_of_backward",
     "sdpa",
     "hf_tp_plan",
     "hf_ep_plan",
@@ -149,6 +155,17 @@ def launch_config(**kwargs):
     if "shutdown_timeout" not in inspect.signature(LaunchConfig).parameters:
         kwargs.pop("shutdown_timeout", None)
     return LaunchConfig(**kwargs)
+
+
+def fsdp_end_of_backward(state) -> None:
+    """Run FSDP2's end-of-backward callback (``FSDPState._root_post_backward_final_callback``) on the
+    root's ``state`` now. torch >= 2.15 asserts the backward's finalization mode was chosen, which
+    its backward does when it starts (from ``set_manual_backward_finalization``, off by default):
+    outside a backward it is chosen here the same way. Older torch has no such mode."""
+    ctx = state._state_ctx
+    if hasattr(ctx, "manual_backward_finalization_active") and ctx.manual_backward_finalization_active is None:
+        ctx.manual_backward_finalization_active = ctx.manual_backward_finalization
+    state._root_post_backward_final_callback()
 
 
 # torch < 2.13: F.scaled_dot_product_attention on CPU raises SIGFPE (the process dies) when the
