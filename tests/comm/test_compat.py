@@ -64,6 +64,8 @@ def test_the_earlier_ep_plan_reads_as_dispatch(monkeypatch, hf):
     monkeypatch.setattr(_compat, "transformers_release", lambda: hf)
     assert _compat.hf_ep_plan(_Config(_EARLIER_EP)) == _DISPATCH_EP
     assert _compat.hf_ep_plan(_Config(_DISPATCH_EP)) == _DISPATCH_EP
+    mixed = {"layers.*.mlp.gate": "ep_router", **_DISPATCH_EP}  # a plan someone wrote: kept
+    assert _compat.hf_ep_plan(_Config(mixed)) == mixed
     assert _compat.hf_ep_plan(_Config(None)) is None and _compat.hf_ep_plan(None) is None
 
 

@@ -219,13 +219,17 @@ def hf_tp_plan(model: nn.Module) -> dict | None:
 def hf_ep_plan(config) -> dict | None:
     """A transformers config's ``base_model_ep_plan`` (a copy), in the form transformers >= 5.19
     ships: on an older release, whose plans use Hugging Face's earlier all-reduce expert
-    parallelism (``ep_router`` on the router, ``moe_tp_experts`` on its sibling experts), the
-    router rules are dropped and the experts rules become ``ep_dispatch_experts`` (the parameter
-    rules, ``grouped_gemm``, are the same in both). None when the config has no EP plan."""
+    parallelism (``ep_router`` on the router, ``moe_tp_experts`` on its sibling experts, and no
+    ``ep_dispatch_experts``), the router rules are dropped and the experts rules become
+    ``ep_dispatch_experts`` (the parameter rules, ``grouped_gemm``, are the same in both). None
+    when the config has no EP plan."""
     ep = getattr(config, "base_model_ep_plan", None)
     if not ep:
         return None
-    hf = transformers_release()
-    if hf is None or hf >= _HF_EP_DISPATCH or "ep_router" not in ep.values():
+    hf, styles = transformers_release(), set(ep.values())
+    # the earlier form: routers and tensor-parallel experts, no dispatch (a plan that mixes them is
+    # someone's own choice, kept as it is)
+    earlier = {"ep_router", "moe_tp_experts"} <= styles and "ep_dispatch_experts" not in styles
+    if hf is None or hf >= _HF_EP_DISPATCH or not earlier:
         return dict(ep)
     return {k: "ep_dispatch_experts" if v == "moe_tp_experts" else v for k, v in ep.items() if v != "ep_router"}
