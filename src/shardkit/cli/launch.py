@@ -216,9 +216,11 @@ def launch_local(
     """
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import elastic_launch
 
-    config = LaunchConfig(
+    from ..comm._compat import launch_config  # torch, like the imports above: not at import time
+
+    config = launch_config(
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=nproc,
@@ -231,7 +233,8 @@ def launch_local(
         monitor_interval=0.1,
         start_method="spawn",
         # A worker that ignores the forwarded signal is SIGKILLed after this many seconds
-        # (torch's default 30 s would outlive the launcher's promise to stop within seconds).
+        # (torch's default 30 s would outlive the launcher's promise to stop within seconds;
+        # a torch without the option, 2.11, keeps its 30 s: comm/_compat.launch_config).
         shutdown_timeout=2,
         # the agent's per-launch log directory (error files), else a new torchelastic_* in /tmp
         logs_specs=DefaultLogsSpecs(log_dir=os.path.join(run_dir, "logs")),

@@ -83,8 +83,9 @@ def resolve_group(group, op: str) -> GroupInfo:
 
 def group_device(g: GroupInfo) -> torch.device:
     """Where the group's metadata tensors live when no input tensor says: CPU for gloo, else
-    the current accelerator (one rule with the P2P receive buffers)."""
-    accelerator = getattr(torch, "accelerator", None)
-    if g.pg.name().lower() == "gloo" or accelerator is None or accelerator.current_accelerator() is None:
+    the current accelerator (one rule with the P2P receive buffers). A build with accelerator
+    support on a machine without one (torch's CUDA wheels on CPU) has none available: CPU."""
+    current = torch.accelerator.current_accelerator(check_available=True)
+    if g.pg.name().lower() == "gloo" or current is None:
         return torch.device("cpu")
-    return torch.device(accelerator.current_accelerator().type, accelerator.current_device_index())
+    return torch.device(current.type, torch.accelerator.current_device_index())

@@ -62,7 +62,7 @@ def group_device(g, tensors: Iterable[torch.Tensor] = ()) -> torch.device:
     if dist.get_backend(g.pg) == "gloo":
         return torch.device("cpu")
     found = next((t.device for t in tensors if t.device.type not in ("cpu", "meta")), None)
-    return found or torch.accelerator.current_accelerator() or torch.device("cpu")
+    return found or torch.accelerator.current_accelerator(check_available=True) or torch.device("cpu")
 
 
 def _checksums(tensors: list[torch.Tensor], device) -> torch.Tensor:

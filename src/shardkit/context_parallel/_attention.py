@@ -14,7 +14,8 @@ import math
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
+
+from ..comm._compat import sdpa
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -82,9 +83,9 @@ def local_attention(
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     if cu_seqlens is not None and len(cu_seqlens) > 2:
         mask = document_mask(cu_seqlens, causal, q.device)
-        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale)
+        out = sdpa(qt, kt, vt, attn_mask=mask, scale=scale)
     else:
-        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, scale=scale)
+        out = sdpa(qt, kt, vt, is_causal=causal, scale=scale)
     return out.transpose(1, 2)
 
 

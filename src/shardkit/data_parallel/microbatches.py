@@ -36,6 +36,7 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
+from ..comm._compat import fsdp_end_of_backward
 from ..errors import ShardkitError
 
 __all__ = ["set_microbatch", "set_group_sync", "reduce_outside_autograd"]
@@ -99,10 +100,11 @@ def reduce_outside_autograd(root: nn.Module) -> None:
     (``FSDPState._root_post_backward_final_callback``, the callback FSDP2 queues at the end of each
     backward); ``torch.distributed.pipelining`` calls the same one after a stage's last ``W``
     (``_PipelineStageBase.perform_reduce_grad``). ``tests/data_parallel/test_microbatch_sync.py``
-    fails if torch renames or changes it.
+    fails if torch renames or changes it; ``comm/_compat.fsdp_end_of_backward`` holds what differs
+    between torch releases (2.15 asks for the backward's finalization mode first).
 
     Args:
         root: the module ``fully_shard`` was applied to last (FSDP2's root), after its first
             forward (FSDP2 initializes lazily there).
     """
-    fully_shard.state(root)._root_post_backward_final_callback()  # type: ignore[attr-defined]
+    fsdp_end_of_backward(fully_shard.state(root))  # type: ignore[attr-defined]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from ..comm._compat import hf_ep_plan
 from ..errors import ShardkitError, ShardkitTypeError
 from ..tensor_parallel.plan import model_tp_plan
 from ..tensor_parallel.style_base import ParallelStyle, StyleContext
@@ -91,7 +92,7 @@ def ep_plan(model: nn.Module) -> dict:
     Raises:
         ShardkitError: the model has no EP plan.
     """
-    ep = getattr(getattr(model, "config", None), "base_model_ep_plan", None)
+    ep = hf_ep_plan(getattr(model, "config", None))
     if not ep:
         raise ShardkitError(f"ep_plan: {type(model).__name__} has no base_model_ep_plan")
     prefix = getattr(model, "base_model_prefix", "")

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from ..comm._compat import hf_ep_plan
 from ..comm.fingerprint import maybe_fingerprint
 from ..context_parallel import apply_cp
 from ..data_parallel import GradientSync, GradReduce, ParamLayout, apply_fsdp
@@ -91,7 +92,7 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 def _experts_modules(model: nn.Module) -> list[nn.Module]:
     """Experts modules named by the model's EP plan (``...mlp.experts``)."""
-    ep = getattr(getattr(model, "config", None), "base_model_ep_plan", None) or {}
+    ep = hf_ep_plan(getattr(model, "config", None)) or {}
     patterns = {k: v for k, v in ep.items() if v == "ep_dispatch_experts"}
     if not patterns:
         raise ShardkitError(

@@ -274,7 +274,8 @@ def _device(device, g: GroupInfo, api: str) -> torch.device:
         except (RuntimeError, TypeError) as exc:
             raise ShardkitTypeError(f"{api}: bad device {device!r}: {exc}") from None
     backend = g.pg.name().lower()  # the backend's name, e.g. "gloo" (cheaper than dist.get_backend)
-    accelerator = getattr(torch, "accelerator", None)
-    if backend == "gloo" or accelerator is None or accelerator.current_accelerator() is None:
+    # check_available: a CUDA build on a machine without a GPU has no current accelerator
+    current = torch.accelerator.current_accelerator(check_available=True)
+    if backend == "gloo" or current is None:
         return torch.device("cpu")
-    return torch.device(accelerator.current_accelerator().type, accelerator.current_device_index())
+    return torch.device(current.type, torch.accelerator.current_device_index())

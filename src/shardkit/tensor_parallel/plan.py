@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from ..comm._compat import hf_tp_plan
 from ..errors import ShardkitError, ShardkitTypeError
 from ..sharding import Replicate
 from .embedding import EmbeddingParallel
@@ -56,13 +57,14 @@ def default_styles() -> dict[str, ParallelStyle]:
 
 
 def model_tp_plan(model: nn.Module) -> dict:
-    """The model's own plan: ``model.tp_plan`` (transformers >= 4.50), else ``_tp_plan`` plus the
-    config's ``base_model_tp_plan`` under the base model prefix.
+    """The model's own plan: ``model.tp_plan`` (transformers >= 4.50; read through
+    :func:`shardkit.comm._compat.hf_tp_plan`, which gives every supported release the newest one's
+    rules), else ``_tp_plan`` plus the config's ``base_model_tp_plan`` under the base model prefix.
 
     Raises:
         ShardkitError: the model has no plan (pass ``plan=`` explicitly).
     """
-    plan = getattr(model, "tp_plan", None)
+    plan = hf_tp_plan(model)
     if not plan:
         plan = dict(getattr(model, "_tp_plan", None) or {})
         base = getattr(getattr(model, "config", None), "base_model_tp_plan", None) or {}
