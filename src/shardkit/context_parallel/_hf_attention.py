@@ -119,7 +119,7 @@ def refuse_padding_masks(model: nn.Module) -> None:
             continue
         names = list(inspect.signature(m.forward).parameters)
         position = names.index("attention_mask") if "attention_mask" in names else None
-        m._shardkit_cp_mask_hook = m.register_forward_pre_hook(_mask_hook(position), with_kwargs=True)
+        setattr(m, "_shardkit_cp_mask_hook", m.register_forward_pre_hook(_mask_hook(position), with_kwargs=True))
 
 
 def register(mode: str) -> str:

@@ -53,7 +53,7 @@ class CPBatch:
         moved = {name: move(getattr(self, name)) for name in ("input_ids", "position_ids", "labels", "indices")}
         if all(moved[name] is getattr(self, name) for name in moved):
             return self
-        return replace(self, **moved)
+        return replace(self, **moved)  # type: ignore[arg-type]  # each field keeps its kind: a tensor, or None where it was
 
     @property
     def inputs(self) -> dict:

@@ -53,9 +53,11 @@ def cached_send(t: Transfer, ch: Channel, api: str, cache: ShapeCache) -> list:
     assert x is not None  # a sender's transfer holds its tensor
     if t.status == OK and x.dtype == ch.dtype and x.shape == ch.shape:
         return send_repeat(t.g, t.peer, t.phase, x, ch, cache, api)
-    trusted = ch.trust is not None and ch.trust.on
-    if trusted:  # the receiver takes the agreed shape unread: flag the change, send nothing after it
-        ch.trust.note(ch.header.new_ones((), dtype=torch.bool))
+    trust = ch.trust
+    trusted = trust is not None and trust.on
+    if trust is not None and trusted:
+        # the receiver takes the agreed shape unread: flag the change, send nothing after it
+        trust.note(ch.header.new_ones((), dtype=torch.bool))
     if ch.nbytes <= PACK_MAX_BYTES:
         buf = cache.packed_buffer(t.g.pg, t.peer, _HB + ch.nbytes, t.device)
         buf[:_HB].view(torch.int64).copy_(_wire.encode(t.status, x.dtype, x.shape, t.device))

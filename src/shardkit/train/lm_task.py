@@ -141,7 +141,7 @@ class LMTask:
             return dict(batch.inputs), batch.labels
         ids = to_device(mb.ids, self.device)
         inputs = {"input_ids": ids, "use_cache": False}
-        if positions is not None:
+        if positions is not None and mb.cus is not None:
             inputs["position_ids"] = to_device(positions, self.device)
             # the documents' mask from the host: transformers would read the device to find them
             inputs["attention_mask"] = packed_causal_mask(mb.cus, mb.ids.shape[1], self.device)
