@@ -79,16 +79,6 @@ CLUSTERS: dict[str, dict[str, float | str]] = {
         peak_tflops=989.0,
         name="H100 SXM, NVLink 4 + 400G IB per GPU",
     ),
-    "h200": dict(
-        gpus_per_node=8,
-        intra_gbps=450.0,
-        inter_gbps=50.0,
-        intra_latency_us=3.0,
-        inter_latency_us=10.0,
-        gpu_memory_gib=127.0,
-        peak_tflops=989.0,
-        name="H200 SXM, NVLink 4 + 400G IB per GPU",
-    ),
     "h800": dict(
         gpus_per_node=8,
         intra_gbps=160.0,
@@ -100,3 +90,4 @@ CLUSTERS: dict[str, dict[str, float | str]] = {
         name="H800 SXM, NVLink 160 GB/s + 400G IB per GPU",
     ),
 }
+CLUSTERS["h200"] = CLUSTERS["h100"] | dict(gpu_memory_gib=127.0, name="H200 SXM, NVLink 4 + 400G IB per GPU")
