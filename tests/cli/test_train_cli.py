@@ -113,6 +113,26 @@ def test_invalid_layouts(kwargs, match):
         validate_config(merge_config({}, kwargs))
 
 
+@pytest.mark.parametrize(
+    "flag", ["--steps", "--eval-every", "--log-every", "--save-every", "--keep", "--eval-batches", "--skip-nonfinite"]
+)
+def test_step_counts_are_bounded_like_sizes(flag, tmp_path):
+    # issue 31 item 6: --steps 2**31 and the like were accepted (a run that never ends, or an
+    # overflow deep in a worker); refused before launch, naming the flag
+    extra = ["--checkpoint-dir", str(tmp_path / "ck")] if flag in ("--keep", "--save-every") else []
+    with pytest.raises(ShardkitError, match=rf"{flag} must be <= 2\*\*31 - 1, got 2147483648"):
+        config_from_args(_args(flag, str(2**31), *extra))
+    assert config_from_args(_args("--steps", str(2**31 - 1))).steps == 2**31 - 1
+
+
+@pytest.mark.parametrize("value", ["0.001", "0.5"])
+def test_a_timeout_shorter_than_a_process_group_start_is_refused(value):
+    # issue 31 item 5: --timeout 0.001 was accepted, then every rank failed with a raw "Wait timeout"
+    with pytest.raises(ShardkitError, match=rf"--timeout must be .* in \[1, 86400\], got {value} \(a process group"):
+        config_from_args(_args("--timeout", value))
+    assert config_from_args(_args("--timeout", "1")).timeout == 1
+
+
 def test_pipeline_layout_defaults():
     cfg = config_from_args(_args("--pp", "2", "--microbatches", "2", "--schedule", "gpipe"))
     assert (cfg.pp, cfg.tp, cfg.dp_replicate, cfg.microbatches, cfg.schedule) == (2, 1, 2, 2, "gpipe")
