@@ -293,6 +293,31 @@ def test_write_report_keeps_other_files(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["loss.png", "notes.txt", "report.json"]  # no temp files
 
 
+def _strict_json(text: str):
+    """``json.loads`` refusing the NaN / Infinity tokens Python's json writes by default (not JSON)."""
+
+    def refuse(token):
+        raise ValueError(f"not JSON: {token}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_report_json_writes_non_finite_numbers_as_null_with_a_flag(tmp_path):
+    # issue 31 item 6: a skipped step's NaN loss reached report.json as the token NaN / Infinity
+    nan, inf = float("nan"), float("inf")
+    result = {
+        "layout": {"nproc": 1, "model": "llama", "parallel": "single process", "backend": "gloo", "device": "cpu"},
+        "losses": [3.0, nan, 2.0],
+        "grad_norms": [1.0, inf, 0.5],
+        "parity": {"max_loss_rel_diff": -inf},
+    }
+    write_report(result, tmp_path)
+    report = _strict_json((tmp_path / "report.json").read_text())
+    assert report["losses"] == [3.0, None, 2.0] and report["grad_norms"] == [1.0, None, 0.5]
+    assert report["nonfinite"] == ["losses[1]", "grad_norms[1]", "parity.max_loss_rel_diff"]
+    assert result["losses"][1] != result["losses"][1]  # the caller's dict is unchanged (NaN)
+
+
 def _figure_result(losses, reference=None, first_step=0):
     return {
         "layout": {
