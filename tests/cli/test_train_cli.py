@@ -421,7 +421,7 @@ def test_finish_exit_code_and_largest_differences(tmp_path, capsys):
 def test_finish_names_the_save_hf_directory(tmp_path, capsys):
     cfg = config_from_args(_args("--save-hf", str(tmp_path / "hf")))
     assert finish(_result(passed=True), cfg) == 0
-    assert f"Hugging Face model (--save-hf): {tmp_path / 'hf'}" in capsys.readouterr().out
+    assert f"Hugging Face model (--save-hf, step 20): {tmp_path / 'hf'}" in capsys.readouterr().out  # the step
 
 
 # --- subprocesses ----------------------------------------------------------------------------

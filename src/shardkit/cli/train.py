@@ -181,7 +181,9 @@ def finish(result: dict, cfg: TrainConfig) -> int:
     if parity is not None:
         print_parity(parity, console)
     if cfg.save_hf:
-        console.print(f"Hugging Face model (--save-hf): {cfg.save_hf}", highlight=False, soft_wrap=True)
+        console.print(
+            f"Hugging Face model (--save-hf, step {cfg.steps}): {cfg.save_hf}", highlight=False, soft_wrap=True
+        )
     if cfg.report:
         paths = [*result.get("files", []), *write_report(result, cfg.report)]
         console.print("report: " + ", ".join(str(p) for p in paths), highlight=False)
