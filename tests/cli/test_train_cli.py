@@ -424,6 +424,55 @@ def test_finish_names_the_save_hf_directory(tmp_path, capsys):
     assert f"Hugging Face model (--save-hf, step 20): {tmp_path / 'hf'}" in capsys.readouterr().out  # the step
 
 
+def _report_held_by(folder, pid: int) -> None:
+    """``folder``'s report lock, as a job in progress (process ``pid``) holds it."""
+    import socket
+
+    from shardkit.checkpoint.lock import _start_time
+
+    folder.mkdir(exist_ok=True)
+    holder = {"run_id": "firstjob0001", "host": socket.gethostname(), "pid": pid, "start": _start_time(pid)}
+    (folder / ".report.lock").write_text(json.dumps(holder))  # checkpoint.lock.REPORT_LOCK
+
+
+def test_a_second_job_on_one_report_dir_is_refused_before_launch(tmp_path, capsys):
+    # issue 31 item 5: two jobs on one --report interleaved metrics.jsonl and overwrote report.json
+    from shardkit.cli.main import main
+
+    first = subprocess.Popen(["sleep", "120"])
+    try:
+        _report_held_by(tmp_path, first.pid)
+        argv = ["train", "--report", str(tmp_path), "--steps", "1", "--tp", "1", "--nproc", "1", "--seq-len", "16"]
+        assert main([*argv, "--batch-size", "2"]) == 2
+        err = capsys.readouterr().err
+        assert (
+            f"shardkit train --report: the report directory {tmp_path} is in use by run firstjob0001 "
+            f"(pid {first.pid} on host" in err
+        )
+        assert "two runs would interleave metrics.jsonl and overwrite report.json" in err and err.count("\n") == 1
+        assert sorted(p.name for p in tmp_path.iterdir()) == [".report.lock"]  # nothing of the second job
+    finally:
+        first.kill()
+        first.wait()
+
+
+def test_the_report_lock_is_the_checkpoint_lock_helper(tmp_path, capsys):
+    # one process holds it (the launcher); a dead holder's lock is taken over, and released at the end
+    from shardkit.checkpoint.lock import LOCK, REPORT_LOCK, lock_holder, process_lock
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    _report_held_by(tmp_path, gone.pid)
+    (tmp_path / LOCK).write_text("{}")  # the --checkpoint-dir lock of the same folder: another file
+    with process_lock(tmp_path, "op"):
+        assert "took over the stale lock of run firstjob0001" in capsys.readouterr().err
+        assert lock_holder(str(tmp_path), REPORT_LOCK)["pid"] == os.getpid()
+        with pytest.raises(ShardkitError, match=r"op: .* is already held by this process"):
+            with process_lock(tmp_path, "op"):
+                pass
+    assert lock_holder(str(tmp_path), REPORT_LOCK) is None and (tmp_path / LOCK).exists()
+
+
 # --- subprocesses ----------------------------------------------------------------------------
 
 
