@@ -41,7 +41,7 @@ class _Terminated(BaseException):
     """SIGTERM during the export: unwinds like KeyboardInterrupt, so the partial directory is removed."""
 
 
-def _raise_terminated(signum, frame) -> None:
+def _raise_terminated(signum: int, frame: object) -> None:
     raise _Terminated
 
 
