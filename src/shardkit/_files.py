@@ -1,13 +1,16 @@
-"""Files a run writes for the user (reports, images): replaced atomically, never half-written."""
+"""Files a run writes for the user (reports, images): replaced atomically, never half-written;
+JSON with no ``NaN`` / ``Infinity`` tokens (they are not JSON: strict parsers refuse the file)."""
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-__all__ = ["atomic_write"]
+__all__ = ["atomic_write", "finite_json"]
 
 
 def _umask() -> int:
@@ -31,3 +34,26 @@ def atomic_write(path: Path, write: Callable[[str], object]) -> None:
     except BaseException:
         os.unlink(tmp)
         raise
+
+
+def finite_json(value: Any, where: str = "") -> tuple[Any, list[str]]:
+    """``value`` with every non-finite float (NaN, +-inf) replaced by None, and where they were
+    (``"loss"``, ``"losses[3]"``, ``"parity.max_loss_rel_diff"``), for ``json.dumps(...,
+    allow_nan=False)``: the writer records the list as a flag next to the nulls."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None, [where or "value"]
+    found: list[str] = []
+    if isinstance(value, dict):
+        out: dict = {}
+        for k, v in value.items():
+            out[k], bad = finite_json(v, f"{where}.{k}" if where else str(k))
+            found += bad
+        return out, found
+    if isinstance(value, list | tuple):
+        items = []
+        for i, v in enumerate(value):
+            item, bad = finite_json(v, f"{where}[{i}]")
+            items.append(item)
+            found += bad
+        return items, found
+    return value, found

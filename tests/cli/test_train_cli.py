@@ -113,6 +113,26 @@ def test_invalid_layouts(kwargs, match):
         validate_config(merge_config({}, kwargs))
 
 
+@pytest.mark.parametrize(
+    "flag", ["--steps", "--eval-every", "--log-every", "--save-every", "--keep", "--eval-batches", "--skip-nonfinite"]
+)
+def test_step_counts_are_bounded_like_sizes(flag, tmp_path):
+    # issue 31 item 6: --steps 2**31 and the like were accepted (a run that never ends, or an
+    # overflow deep in a worker); refused before launch, naming the flag
+    extra = ["--checkpoint-dir", str(tmp_path / "ck")] if flag in ("--keep", "--save-every") else []
+    with pytest.raises(ShardkitError, match=rf"{flag} must be <= 2\*\*31 - 1, got 2147483648"):
+        config_from_args(_args(flag, str(2**31), *extra))
+    assert config_from_args(_args("--steps", str(2**31 - 1))).steps == 2**31 - 1
+
+
+@pytest.mark.parametrize("value", ["0.001", "0.5"])
+def test_a_timeout_shorter_than_a_process_group_start_is_refused(value):
+    # issue 31 item 5: --timeout 0.001 was accepted, then every rank failed with a raw "Wait timeout"
+    with pytest.raises(ShardkitError, match=rf"--timeout must be .* in \[1, 86400\], got {value} \(a process group"):
+        config_from_args(_args("--timeout", value))
+    assert config_from_args(_args("--timeout", "1")).timeout == 1
+
+
 def test_pipeline_layout_defaults():
     cfg = config_from_args(_args("--pp", "2", "--microbatches", "2", "--schedule", "gpipe"))
     assert (cfg.pp, cfg.tp, cfg.dp_replicate, cfg.microbatches, cfg.schedule) == (2, 1, 2, 2, "gpipe")
@@ -273,6 +293,31 @@ def test_write_report_keeps_other_files(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["loss.png", "notes.txt", "report.json"]  # no temp files
 
 
+def _strict_json(text: str):
+    """``json.loads`` refusing the NaN / Infinity tokens Python's json writes by default (not JSON)."""
+
+    def refuse(token):
+        raise ValueError(f"not JSON: {token}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_report_json_writes_non_finite_numbers_as_null_with_a_flag(tmp_path):
+    # issue 31 item 6: a skipped step's NaN loss reached report.json as the token NaN / Infinity
+    nan, inf = float("nan"), float("inf")
+    result = {
+        "layout": {"nproc": 1, "model": "llama", "parallel": "single process", "backend": "gloo", "device": "cpu"},
+        "losses": [3.0, nan, 2.0],
+        "grad_norms": [1.0, inf, 0.5],
+        "parity": {"max_loss_rel_diff": -inf},
+    }
+    write_report(result, tmp_path)
+    report = _strict_json((tmp_path / "report.json").read_text())
+    assert report["losses"] == [3.0, None, 2.0] and report["grad_norms"] == [1.0, None, 0.5]
+    assert report["nonfinite"] == ["losses[1]", "grad_norms[1]", "parity.max_loss_rel_diff"]
+    assert result["losses"][1] != result["losses"][1]  # the caller's dict is unchanged (NaN)
+
+
 def _figure_result(losses, reference=None, first_step=0):
     return {
         "layout": {
@@ -376,7 +421,56 @@ def test_finish_exit_code_and_largest_differences(tmp_path, capsys):
 def test_finish_names_the_save_hf_directory(tmp_path, capsys):
     cfg = config_from_args(_args("--save-hf", str(tmp_path / "hf")))
     assert finish(_result(passed=True), cfg) == 0
-    assert f"Hugging Face model (--save-hf): {tmp_path / 'hf'}" in capsys.readouterr().out
+    assert f"Hugging Face model (--save-hf, step 20): {tmp_path / 'hf'}" in capsys.readouterr().out  # the step
+
+
+def _report_held_by(folder, pid: int) -> None:
+    """``folder``'s report lock, as a job in progress (process ``pid``) holds it."""
+    import socket
+
+    from shardkit.checkpoint.lock import _start_time
+
+    folder.mkdir(exist_ok=True)
+    holder = {"run_id": "firstjob0001", "host": socket.gethostname(), "pid": pid, "start": _start_time(pid)}
+    (folder / ".report.lock").write_text(json.dumps(holder))  # checkpoint.lock.REPORT_LOCK
+
+
+def test_a_second_job_on_one_report_dir_is_refused_before_launch(tmp_path, capsys):
+    # issue 31 item 5: two jobs on one --report interleaved metrics.jsonl and overwrote report.json
+    from shardkit.cli.main import main
+
+    first = subprocess.Popen(["sleep", "120"])
+    try:
+        _report_held_by(tmp_path, first.pid)
+        argv = ["train", "--report", str(tmp_path), "--steps", "1", "--tp", "1", "--nproc", "1", "--seq-len", "16"]
+        assert main([*argv, "--batch-size", "2"]) == 2
+        err = capsys.readouterr().err
+        assert (
+            f"shardkit train --report: the report directory {tmp_path} is in use by run firstjob0001 "
+            f"(pid {first.pid} on host" in err
+        )
+        assert "two runs would interleave metrics.jsonl and overwrite report.json" in err and err.count("\n") == 1
+        assert sorted(p.name for p in tmp_path.iterdir()) == [".report.lock"]  # nothing of the second job
+    finally:
+        first.kill()
+        first.wait()
+
+
+def test_the_report_lock_is_the_checkpoint_lock_helper(tmp_path, capsys):
+    # one process holds it (the launcher); a dead holder's lock is taken over, and released at the end
+    from shardkit.checkpoint.lock import LOCK, REPORT_LOCK, lock_holder, process_lock
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    _report_held_by(tmp_path, gone.pid)
+    (tmp_path / LOCK).write_text("{}")  # the --checkpoint-dir lock of the same folder: another file
+    with process_lock(tmp_path, "op"):
+        assert "took over the stale lock of run firstjob0001" in capsys.readouterr().err
+        assert lock_holder(str(tmp_path), REPORT_LOCK)["pid"] == os.getpid()
+        with pytest.raises(ShardkitError, match=r"op: .* is already held by this process"):
+            with process_lock(tmp_path, "op"):
+                pass
+    assert lock_holder(str(tmp_path), REPORT_LOCK) is None and (tmp_path / LOCK).exists()
 
 
 # --- subprocesses ----------------------------------------------------------------------------

@@ -37,6 +37,24 @@ def test_ring_buffer_keeps_the_last_entries_in_order():
         fr.FlightRecorder(0)
 
 
+def test_a_dump_that_fails_midway_leaves_no_temporary_file(tmp_path, monkeypatch):
+    # issue 31 item 6: flight/rank0.json.tmpNNN was left behind when the write failed (a full
+    # disk, SIGTERM mid-write); the old dump of the rank stays whole and nothing else is added
+    rec = fr.FlightRecorder(4)
+    rec.record("all_reduce", "x", "forward", 2)
+    (tmp_path / "rank0.json").write_text('{"rank": 0}')
+
+    def full_disk(data, f):
+        f.write('{"rank": 0, "entr')  # a partial write, then the device is full
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(fr.json, "dump", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        rec.dump(str(tmp_path), rank=0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0.json"]
+    assert (tmp_path / "rank0.json").read_text() == '{"rank": 0}'
+
+
 def test_ledger_record_feeds_the_current_recorder_and_none_disables_it():
     rec = fr.FlightRecorder(8)
     previous = fr.set_flight_recorder(rec)

@@ -227,3 +227,173 @@ def test_every_decoder_family_round_trips_through_write_hf(name, tmp_path):
     x = _tokens(256)
     with torch.no_grad():
         assert torch.equal(exported(x).logits, model(x).logits)
+
+
+# --- issue 31 item 4: an export as safe as a resume -------------------------------------------
+
+
+def _tiny_llama(seed: int = 0):
+    """A small transformers Llama (about 60 kB of float32 weights), its tensors and description."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from shardkit.checkpoint.hf_writer import hf_description
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2
+    )
+    model = LlamaForCausalLM(config)
+    return {k: v.detach().clone() for k, v in model.named_parameters()}, hf_description(model, None)
+
+
+def _nothing_model_like(parent: Path, name: str = "hf") -> None:
+    """No ``name`` and no partial directory of it in ``parent``."""
+    assert not os.path.lexists(parent / name)
+    assert not [n for n in os.listdir(parent) if n.startswith(f".{name}.")], os.listdir(parent)
+
+
+def test_write_hf_refuses_non_finite_weights_naming_the_key(tmp_path):
+    # resume refuses a save holding NaN; export wrote it as a model with rc 0
+    from shardkit.checkpoint.hf_writer import write_hf
+
+    tensors, hf = _tiny_llama()
+    tensors["model.layers.0.mlp.up_proj.weight"][3, 1] = float("nan")
+    tensors["lm_head.weight"][0, 0] = float("-inf")
+    with pytest.raises(
+        ShardkitError,
+        match=r"export: the save holds non-finite values \(NaN or inf\) in model.layers.0.mlp.up_proj.weight, "
+        r"lm_head.weight: refused",
+    ):
+        write_hf(tmp_path / "hf", tensors, hf, "the save")
+    _nothing_model_like(tmp_path)
+
+
+def test_write_hf_io_errors_are_one_error_with_the_path_and_nothing_left(tmp_path):
+    import resource
+    import signal
+
+    from shardkit.checkpoint.hf_writer import write_hf
+
+    tensors, hf = _tiny_llama()
+    dangling = tmp_path / "dangling"
+    dangling.symlink_to(tmp_path / "nowhere")
+    with pytest.raises(ShardkitError, match=r"'.*dangling' is a symbolic link to '.*nowhere', which does not exist"):
+        write_hf(dangling, tensors, hf, "the save")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ShardkitError, match=r"cannot write the model to '.*file/hf': Not a directory \(.*file\)"):
+        write_hf(tmp_path / "file" / "hf", tensors, hf, "the save")
+    # a full disk, for real: the kernel refuses writes beyond RLIMIT_FSIZE (EFBIG) while config.json fits
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    xfsz = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails instead of killing the process
+    resource.setrlimit(resource.RLIMIT_FSIZE, (16384, hard))
+    try:
+        with pytest.raises(
+            ShardkitError, match=r"cannot write the model to '.*hf': .*File too large.*nothing was left"
+        ):
+            write_hf(tmp_path / "hf", tensors, hf, "the save")
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, xfsz)
+    _nothing_model_like(tmp_path)  # before: config.json alone, which looks like a model
+    assert write_hf(tmp_path / "hf", tensors, hf, "the save") == str(tmp_path / "hf")  # the retry is not blocked
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
+def test_write_hf_into_a_read_only_directory_is_one_error(tmp_path):
+    from shardkit.checkpoint.hf_writer import write_hf
+
+    tensors, hf = _tiny_llama()
+    (tmp_path / "ro").mkdir(mode=0o555)
+    with pytest.raises(ShardkitError, match=r"cannot write the model to '.*ro/hf': Permission denied"):
+        write_hf(tmp_path / "ro" / "hf", tensors, hf, "the save")
+
+
+def test_a_killed_exports_leftover_is_removed_and_a_live_ones_kept(tmp_path):
+    import socket
+    import subprocess
+
+    from shardkit.checkpoint.hf_writer import write_hf
+
+    tensors, hf = _tiny_llama()
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    for name, pid in ((".hf.partial-killed", gone.pid), (".hf.partial-live", os.getpid())):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text("{}")
+        (tmp_path / name / ".shardkit-export-writer").write_text(json.dumps({"host": socket.gethostname(), "pid": pid}))
+    write_hf(tmp_path / "hf", tensors, hf, "the save")
+    assert sorted(os.listdir(tmp_path)) == [".hf.partial-live", "hf"]
+    assert ".shardkit-export-writer" not in os.listdir(tmp_path / "hf")
+    assert oct((tmp_path / "hf").stat().st_mode & 0o777) != oct(0o700)  # not the private mode of the partial dir
+
+
+def test_sigterm_during_export_leaves_nothing_at_out_and_the_retry_works(tmp_path, monkeypatch, capsys):
+    import signal
+
+    import shardkit.cli.export as cli_export
+    from shardkit.checkpoint import hf_writer
+
+    tensors, hf = _tiny_llama()
+    monkeypatch.setattr(cli_export, "find_save", lambda root, step: f"{root}/step_00000003", raising=False)
+    monkeypatch.setattr(cli_export, "read_manifest", lambda save: {"step": 3}, raising=False)
+    monkeypatch.setattr(
+        cli_export, "export_hf", lambda save, out, step=None: hf_writer.write_hf(out, tensors, hf, save)
+    )
+    write_tokenizer = hf_writer._write_tokenizer
+
+    def terminated_midway(*args):  # the weights are written, the tokenizer not yet: SIGTERM arrives
+        os.kill(os.getpid(), signal.SIGTERM)
+        return write_tokenizer(*args)
+
+    got = []  # without shardkit's handler the test must survive the signal (and then fail)
+    previous = signal.signal(signal.SIGTERM, lambda *_: got.append("ignored"))
+    try:
+        monkeypatch.setattr(hf_writer, "_write_tokenizer", terminated_midway)
+        out = tmp_path / "hf"
+        assert main(["export", "--checkpoint-dir", str(tmp_path / "ck"), "--out", str(out)]) == 143
+        assert "stopped by SIGTERM; nothing was written" in capsys.readouterr().err
+        _nothing_model_like(tmp_path)
+        monkeypatch.setattr(hf_writer, "_write_tokenizer", write_tokenizer)
+        assert main(["export", "--checkpoint-dir", str(tmp_path / "ck"), "--out", str(out)]) == 0
+        assert f"wrote step 3 ({tmp_path / 'ck'}/step_00000003) to {out}" in capsys.readouterr().out
+        assert {"config.json", "model.safetensors", "README.md"} <= set(os.listdir(out))
+        assert signal.getsignal(signal.SIGTERM) is not cli_export._raise_terminated  # restored
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert got == []
+
+
+@pytest.mark.world(1, timeout=120)
+def test_the_export_command_refuses_a_save_with_nan_weights_and_prints_the_step():
+    # a save that went through (checksums and all) with a NaN weight: resume refuses it, and so must
+    # export; a good save's export says which step it wrote
+    import contextlib
+    import io
+    from unittest import mock
+
+    from harness.tiny_lm import tiny_decoder
+    from shardkit.checkpoint import save_train_state
+    from shardkit.checkpoint.hf_writer import hf_description
+    from shardkit.parallelize import parallelize
+
+    root = shared_tmpdir("shardkit-export-")
+    try:
+        model = tiny_decoder(dtype="float32")
+        pm = parallelize(model, None)
+        hf = hf_description(model, None)
+        optimizer = make_optimizer(pm.module, 1e-3)
+        good = save_train_state(os.path.join(root, "good"), pm, optimizer, 4, {}, hf=hf)
+        with torch.no_grad():
+            model.model.layers[1].self_attn.o_proj.weight[0, 0] = float("nan")
+        with mock.patch("shardkit.checkpoint.saves.nonfinite_keys", return_value=[]):  # a save that got past
+            save_train_state(os.path.join(root, "bad"), pm, optimizer, 4, {}, hf=hf)
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            bad_rc = main(["export", "--checkpoint-dir", os.path.join(root, "bad"), "--out", os.path.join(root, "x")])
+            good_rc = main(["export", "--checkpoint-dir", os.path.join(root, "good"), "--out", os.path.join(root, "y")])
+        assert bad_rc == 2, err.getvalue()
+        assert "non-finite values (NaN or inf) in model.layers.1.self_attn.o_proj.weight: refused" in err.getvalue()
+        assert not os.path.exists(os.path.join(root, "x"))
+        assert good_rc == 0 and f"wrote step 4 ({good})" in out.getvalue(), (out.getvalue(), err.getvalue())
+    finally:
+        remove_shared_dir(root)

@@ -48,6 +48,26 @@ def test_jsonl_and_tensorboard_hold_the_same_steps(tmp_path):
     assert [v for _, v in scalars["train/peak_memory_mib"]] == pytest.approx(mib, rel=1e-6)
 
 
+def test_non_finite_metrics_are_json_null_with_a_flag(tmp_path):
+    # issue 31 item 6: a skipped step wrote "loss": NaN / "grad_norm": Infinity (tokens no JSON
+    # parser but Python's accepts); now null, the fields named in "nonfinite"
+    metrics = MetricsLog(str(tmp_path), "tokens", 32, 2, torch.device("cpu"), tensorboard=False)
+    bad = StepStats(loss=float("nan"), grad_norm=float("inf"), targets=64, seconds=0.5, skipped=True)
+    written = [metrics.write(0, STEPS[0], 1e-3), metrics.write(1, bad, 1e-3, eval_loss=float("-inf"))]
+    metrics.close()
+
+    def refuse(token):
+        raise ValueError(f"not JSON: {token}")
+
+    on_disk = [
+        json.loads(line, parse_constant=refuse) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert on_disk == written
+    assert "nonfinite" not in on_disk[0] and on_disk[0]["loss"] == 2.5
+    assert (on_disk[1]["loss"], on_disk[1]["grad_norm"], on_disk[1]["eval_loss"]) == (None, None, None)
+    assert on_disk[1]["nonfinite"] == ["loss", "grad_norm", "eval_loss"] and on_disk[1]["skipped"] is True
+
+
 def test_without_tensorboard_only_the_jsonl(tmp_path, hide_module):
     hide_module("tensorboard")
     metrics = MetricsLog(str(tmp_path), "pixels", sample_size=10, batch_size=1, device=torch.device("cpu"))

@@ -13,14 +13,28 @@ format (an MoE's fused ``experts.gate_up_proj`` written as the per-expert ``gate
 ``up_proj`` its loaders convert back; tied embeddings written once) are the checkpoint format
 the Hub's models use.
 
+The directory is written as safely as a save is resumed: non-finite tensors are refused (naming
+the parameter) before anything is written; everything goes into a private directory beside the
+output (``.<name>.partial-XXXX``) that is renamed to it at the end, so an export that fails or is
+stopped (SIGTERM) leaves no directory that looks like a model, and a later one removes what a
+killed one left (its writer's pid is gone). A file-system failure (read-only, full disk, a
+dangling symbolic link) is one :class:`~shardkit.ShardkitError` naming the path and the cause.
+
 Source: transformers' ``PreTrainedModel.save_pretrained`` (safetensors, ``max_shard_size``) and
-``PreTrainedTokenizerBase.save_pretrained``.
+``PreTrainedTokenizerBase.save_pretrained``; write-then-rename as in ``git``'s lock files and
+DCP's own staging.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
+import shutil
+import socket
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +49,8 @@ __all__ = ["HF_ENTRY", "hf_description", "check_out_dir", "write_hf"]
 
 HF_ENTRY = "hf"  # the manifest entry holding hf_description()
 _SHARD = "5GB"  # transformers 4's default shard size; its current default (50GB) makes one file of most models
+_PARTIAL = ".partial-"  # ".<out name>.partial-XXXX": an export being written beside its output (or a killed one's)
+_WRITER = ".shardkit-export-writer"  # in it: the writing process (host, pid, start), to tell a killed one's
 
 _BYTES_README = """# {name}
 
@@ -80,6 +96,8 @@ def check_out_dir(out_dir: str | os.PathLike, flag: str) -> None:
     out = os.fspath(out_dir)
     if not out.strip():
         raise ShardkitError(f"{flag}: give a directory")
+    if os.path.islink(out) and not os.path.exists(out):
+        raise ShardkitError(f"{flag} {out!r} is a symbolic link to {os.readlink(out)!r}, which does not exist")
     if os.path.exists(out) and not os.path.isdir(out):
         raise ShardkitError(f"{flag} {out!r} exists and is not a directory")
     if os.path.isdir(out) and os.listdir(out):
@@ -138,13 +156,82 @@ def _load_tokenizer(model_path: str | None) -> Any:
         raise ShardkitError(f"export: cannot load the tokenizer of --model-path {model_path}: {exc}") from None
 
 
-def _write_tokenizer(out: str, tokenizer: Any, origin: str) -> None:
+def _write_tokenizer(out: str, tokenizer: Any, origin: str, name: str) -> None:
     """``tokenizer`` saved into ``out``; for a byte-level run (None) a README saying what the tokens are."""
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
         return
     with open(os.path.join(out, "README.md"), "w") as f:
-        f.write(_BYTES_README.format(name=os.path.basename(os.path.abspath(out)), save=origin))
+        f.write(_BYTES_README.format(name=name, save=origin))
+
+
+def _remove_abandoned(parent: str, name: str) -> None:
+    """Remove the partial directories of ``name`` that a killed export left in ``parent`` (its
+    writer, recorded inside, is a process of this host that is gone); others' are left alone."""
+    from .lock import holder_alive
+
+    prefix = f".{name}{_PARTIAL}"
+    for entry in os.listdir(parent):
+        path = os.path.join(parent, entry)
+        if not entry.startswith(prefix) or os.path.islink(path) or not os.path.isdir(path):
+            continue
+        try:
+            with open(os.path.join(path, _WRITER)) as f:
+                writer = json.load(f)
+        except (OSError, ValueError):
+            continue  # no record (not ours, or being created): left alone, never in the way
+        if isinstance(writer, dict) and not holder_alive(writer):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _partial_dir(target: str) -> Iterator[str]:
+    """A private directory beside ``target`` to write into, removed on leaving unless renamed."""
+    from .lock import _start_time
+
+    parent, name = os.path.split(target)
+    probe = parent
+    while not os.path.lexists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):  # makedirs would say "File exists" of a file in the way
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), probe)
+    os.makedirs(parent, exist_ok=True)
+    _remove_abandoned(parent, name)
+    tmp = tempfile.mkdtemp(dir=parent, prefix=f".{name}{_PARTIAL}")
+    try:
+        with open(os.path.join(tmp, _WRITER), "w") as f:
+            json.dump({"host": socket.gethostname(), "pid": os.getpid(), "start": _start_time(os.getpid())}, f)
+        yield tmp
+    finally:
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _publish(tmp: str, target: str) -> None:
+    """Rename the finished ``tmp`` to ``target`` (new, or an empty directory it replaces)."""
+    os.remove(os.path.join(tmp, _WRITER))
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(tmp, 0o777 & ~mask)  # mkdtemp makes it private (0700); the model gets the usual mode
+    try:
+        os.replace(tmp, target)
+    except OSError as exc:
+        if os.path.isdir(target) and os.listdir(target):  # ENOTEMPTY / EEXIST: filled meanwhile
+            raise ShardkitError(
+                f"export: {target!r} was filled by something else while the model was written: nothing "
+                "of the export was put there; choose a new directory"
+            ) from None
+        raise exc
+
+
+def _write_failure(out: str, exc: Exception) -> ShardkitError:
+    """One error for a file-system failure while writing ``out``: the path and the cause."""
+    where = getattr(exc, "filename", None)
+    cause = (exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)) or type(exc).__name__
+    return ShardkitError(
+        f"export: cannot write the model to {out!r}: {cause}{f' ({where})' if where else ''}; "
+        f"nothing was left at {out!r}"
+    )
 
 
 def write_hf(out_dir: str | os.PathLike, tensors: dict[str, torch.Tensor], hf: dict | None, origin: str) -> str:
@@ -156,19 +243,36 @@ def write_hf(out_dir: str | os.PathLike, tensors: dict[str, torch.Tensor], hf: d
         hf: :func:`hf_description` of the model.
         origin: where the tensors come from (a save's path), named in errors and the README.
 
+    The files are written into a private directory beside ``out_dir`` and renamed to it at the
+    end: an error or a signal on the way leaves nothing at ``out_dir`` (see the module's note).
+
     Raises:
         ShardkitError: ``hf`` is None (the model has no Hugging Face form), ``out_dir`` is not
-            new or empty, tensors missing or left over against the config's model, or the
-            tokenizer of the run's ``--model-path`` cannot be read.
+            new or empty (or a dangling symbolic link), a tensor holds a NaN or an infinity
+            (named), tensors missing or left over against the config's model, the tokenizer of
+            the run's ``--model-path`` cannot be read, or writing failed (the path and the cause:
+            read-only, no space left, ...).
     """
+    from safetensors import SafetensorError
+
+    from .integrity import describe_nonfinite, nonfinite_keys
+
     if not isinstance(hf, dict) or not isinstance(hf.get("config"), dict):
         raise ShardkitError(f"export: {origin} holds no Hugging Face config (a model with no Hugging Face form)")
     out = os.fspath(out_dir)
     check_out_dir(out, "export: the output directory")
+    bad = describe_nonfinite(nonfinite_keys(tensors))
+    if bad:
+        raise ShardkitError(f"export: {origin} holds {bad}: refused (a model is never exported with them)")
     model = _meta_model(hf["config"])
     _assign(model, tensors, origin)
     tokenizer = _load_tokenizer(hf.get("model_path"))  # every check passed before anything is written
-    os.makedirs(out, exist_ok=True)
-    model.save_pretrained(out, max_shard_size=_SHARD)
-    _write_tokenizer(out, tokenizer, origin)
+    target = os.path.realpath(out) if os.path.islink(out) else os.path.abspath(out)  # a link to an empty dir
+    try:
+        with _partial_dir(target) as tmp:
+            model.save_pretrained(tmp, max_shard_size=_SHARD)
+            _write_tokenizer(tmp, tokenizer, origin, os.path.basename(target))
+            _publish(tmp, target)
+    except (OSError, SafetensorError) as exc:  # safetensors reports a full disk as its own error
+        raise _write_failure(out, exc) from None
     return out

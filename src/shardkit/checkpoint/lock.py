@@ -29,9 +29,19 @@ from .versioned import broadcast_from_first
 if TYPE_CHECKING:
     from .._types import Group
 
-__all__ = ["LOCK", "root_lock", "lock_holder", "holder_alive"]
+__all__ = ["LOCK", "REPORT_LOCK", "root_lock", "process_lock", "lock_holder", "holder_alive"]
 
 LOCK = ".lock"
+REPORT_LOCK = ".report.lock"  # --report DIR's (DIR may be the --checkpoint-dir too: another file)
+# what two holders of a lock would do to each other, and the flag to change: said when refused
+_CLASH = {
+    LOCK: ("the checkpoint directory", "two runs would replace each other's saves", "--checkpoint-dir"),
+    REPORT_LOCK: (
+        "the report directory",
+        "two runs would interleave metrics.jsonl and overwrite report.json",
+        "--report",
+    ),
+}
 
 
 def _stat(pid: int) -> list[str]:
@@ -49,10 +59,10 @@ def _start_time(pid: int) -> str | None:
     return fields[19] if len(fields) > 19 else None
 
 
-def lock_holder(root: str) -> dict | None:
-    """The holder recorded in ``root``'s lock, None without a lock; ``{}`` for an unreadable one."""
+def lock_holder(root: str, name: str = LOCK) -> dict | None:
+    """The holder recorded in ``root``'s lock (file ``name``), None without a lock; ``{}`` for an unreadable one."""
     try:
-        with open(os.path.join(root, LOCK)) as f:
+        with open(os.path.join(root, name)) as f:
             holder = json.load(f)
     except FileNotFoundError:
         return None
@@ -95,38 +105,38 @@ def _create(path: str, holder: dict) -> bool:
     return True
 
 
-def _acquire(root: str, holder: dict) -> tuple[str | None, str | None]:
-    """Rank 0: (error, message) of taking ``root``'s lock for ``holder``."""
+def _acquire(root: str, holder: dict, name: str = LOCK) -> tuple[str | None, str | None]:
+    """Rank 0: (error, message) of taking ``root``'s lock (file ``name``) for ``holder``."""
+    what, clash, flag = _CLASH[name]
     try:
         os.makedirs(root, exist_ok=True)
-        path = os.path.join(root, LOCK)
+        path = os.path.join(root, name)
         if _create(path, holder):
             return None, None
-        found = lock_holder(root)
+        found = lock_holder(root, name)
         if found is None:  # released between the two calls
             return (None, None) if _create(path, holder) else (f"{path}: the lock changed hands; retry", None)
         if found and found.get("pid") == holder["pid"] and found.get("host") == holder["host"]:
             return f"{path} is already held by this process ({describe(found)})", None
         if not found or holder_alive(found):
             return (
-                f"the checkpoint directory {root} is in use by {describe(found)}: two runs would replace each "
-                f"other's saves. Wait for it to end, choose another --checkpoint-dir, or remove {path} if no "
-                "such run exists"
+                f"{what} {root} is in use by {describe(found)}: {clash}. Wait for it to end, choose another "
+                f"{flag}, or remove {path} if no such run exists"
             ), None
         os.remove(path)
         if not _create(path, holder):
             return f"{path}: another run took the stale lock first", None
         return None, f"shardkit: took over the stale lock of {describe(found)}, which is no longer running"
     except OSError as exc:
-        return f"cannot lock the checkpoint directory {root}: {exc.strerror or exc}", None
+        return f"cannot lock {what} {root}: {exc.strerror or exc}", None
 
 
-def _release(root: str, holder: dict) -> None:
+def _release(root: str, holder: dict, name: str = LOCK) -> None:
     """Rank 0: remove the lock if it is still this run's."""
-    found = lock_holder(root)
+    found = lock_holder(root, name)
     if found and found.get("run_id") == holder["run_id"]:
         try:
-            os.remove(os.path.join(root, LOCK))
+            os.remove(os.path.join(root, name))
         except OSError:
             pass  # already gone, or the directory went read-only: the next run sees a dead pid
 
@@ -171,3 +181,25 @@ def root_lock(root: str | os.PathLike, group: Group, op: str, reuse: bool = Fals
     finally:
         if g.rank == 0 and message != "reused":
             _release(root, holder)
+
+
+@contextmanager
+def process_lock(root: str | os.PathLike, op: str, name: str = REPORT_LOCK):
+    """One process, no group: hold ``root``'s lock file ``name`` inside the ``with`` block (the
+    same lock as :func:`root_lock`: a live holder refused, a dead one's taken over with a message).
+
+    Raises:
+        ShardkitError: another live run (or another host's) holds it, or it cannot be created.
+    """
+    root = os.path.abspath(os.fspath(root))
+    pid = os.getpid()
+    holder = {"run_id": uuid.uuid4().hex[:12], "host": socket.gethostname(), "pid": pid, "start": _start_time(pid)}
+    error, message = _acquire(root, holder, name)
+    if error:
+        raise ShardkitError(f"{op}: {error}")
+    if message:
+        print(message, file=sys.stderr)
+    try:
+        yield
+    finally:
+        _release(root, holder, name)

@@ -11,7 +11,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from .._files import atomic_write
+from .._files import atomic_write, finite_json
 
 __all__ = ["print_summary", "print_parity", "write_report", "loss_figure"]
 
@@ -147,7 +147,8 @@ def write_report(result: dict, folder: str | os.PathLike) -> list[Path]:
     """Write ``report.json`` (and ``loss.png`` when matplotlib is installed) into ``folder``.
 
     The folder is created if needed; only these two names are written (replaced atomically),
-    nothing else in it is touched.
+    nothing else in it is touched. A non-finite number (a skipped step's NaN loss) is written as
+    ``null`` and its place listed in ``nonfinite`` (``"losses[3]"``): JSON has no NaN.
 
     Returns:
         The paths written.
@@ -156,9 +157,13 @@ def write_report(result: dict, folder: str | os.PathLike) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     written = [folder / "report.json"]
 
+    finite, nonfinite = finite_json(result)  # NaN / inf are no JSON: null, their places in "nonfinite"
+    if nonfinite:
+        finite["nonfinite"] = nonfinite
+
     def dump(tmp: str) -> None:
         with open(tmp, "w") as f:
-            json.dump(result, f, indent=2, default=str)
+            json.dump(finite, f, indent=2, default=str, allow_nan=False)
             f.write("\n")
 
     atomic_write(written[0], dump)

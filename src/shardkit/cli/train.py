@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from contextlib import ExitStack
 
 from .._optional import check_train, require
 from .._quiet import quiet_third_party
@@ -78,6 +79,7 @@ def config_from_args(args: argparse.Namespace, world_size: int | None = None) ->
 
 def run_train(args: argparse.Namespace) -> int:
     """Run the ``train`` subcommand; return the process exit code."""
+    from ..checkpoint.lock import REPORT_LOCK, process_lock
     from ..train.liveness import clear_flight_dir
     from ..train.run import worker_main
     from ..train.specs import model_spec
@@ -97,20 +99,32 @@ def run_train(args: argparse.Namespace) -> int:
         return 2
     for note in notes:
         print(f"shardkit train: note: {note}", file=sys.stderr)
-    if torchrun:
-        # Every rank writes its heartbeat (and, if the job fails, its flight recorder) into
-        # --report DIR/flight, after removing its own files of an earlier run; read them with
-        # `python -m shardkit.comm.flight_recorder DIR/flight` after the job. No --report: none.
-        flight_dir = os.path.join(cfg.report, "flight") if cfg.report else None
-        if flight_dir is not None:
-            clear_flight_dir(flight_dir, rank=int(os.environ["RANK"]))
-        quiet_third_party(int(os.environ.get("RANK", "0")))  # progress bars and warnings on rank 0 only
-        result = worker_main(cfg, None, flight_dir)
-        return 0 if result is None else finish(result, cfg)
-    code, results = _launch(cfg)
-    if code is not None:
-        exit_now(code)  # the run directory is already removed
-    return finish(results[0], cfg)
+    # --report DIR is locked like --checkpoint-dir (DIR/.report.lock) from before the launch to the
+    # last file written: two jobs would interleave metrics.jsonl and overwrite report.json. The
+    # launcher holds it; under torchrun, rank 0 (whose exit makes torchrun stop the others).
+    lock = ExitStack()
+    try:
+        if cfg.report is not None and (not torchrun or int(os.environ.get("RANK", "0")) == 0):
+            lock.enter_context(process_lock(cfg.report, "shardkit train --report", REPORT_LOCK))
+    except ShardkitError as e:
+        print(f"shardkit train: error: {e}", file=sys.stderr)
+        return 2
+    with lock:
+        if torchrun:
+            # Every rank writes its heartbeat (and, if the job fails, its flight recorder) into
+            # --report DIR/flight, after removing its own files of an earlier run; read them with
+            # `python -m shardkit.comm.flight_recorder DIR/flight` after the job. No --report: none.
+            flight_dir = os.path.join(cfg.report, "flight") if cfg.report else None
+            if flight_dir is not None:
+                clear_flight_dir(flight_dir, rank=int(os.environ["RANK"]))
+            quiet_third_party(int(os.environ.get("RANK", "0")))  # progress bars and warnings on rank 0 only
+            result = worker_main(cfg, None, flight_dir)
+            return 0 if result is None else finish(result, cfg)
+        code, results = _launch(cfg)
+        if code is None:
+            return finish(results[0], cfg)
+    assert code is not None  # a launch that returned results returned above
+    exit_now(code)  # the run directory is already removed, the lock released
 
 
 def _launch(cfg: TrainConfig) -> tuple[int | None, dict]:
@@ -181,7 +195,9 @@ def finish(result: dict, cfg: TrainConfig) -> int:
     if parity is not None:
         print_parity(parity, console)
     if cfg.save_hf:
-        console.print(f"Hugging Face model (--save-hf): {cfg.save_hf}", highlight=False, soft_wrap=True)
+        console.print(
+            f"Hugging Face model (--save-hf, step {cfg.steps}): {cfg.save_hf}", highlight=False, soft_wrap=True
+        )
     if cfg.report:
         paths = [*result.get("files", []), *write_report(result, cfg.report)]
         console.print("report: " + ", ".join(str(p) for p in paths), highlight=False)

@@ -25,6 +25,7 @@ Source: PyTorch's NCCL flight recorder (``TORCH_NCCL_TRACE_BUFFER_SIZE``, ``fr_t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -182,9 +183,14 @@ class FlightRecorder:
         }
         path = os.path.join(directory, f"rank{rank}.json")
         tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(data, f)
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "w") as f:
+                json.dump(data, f)
+            os.replace(tmp, path)
+        except BaseException:  # a full disk, an entry json cannot write, SIGTERM mid-write: no tmp left
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
         return path
 
 

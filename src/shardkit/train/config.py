@@ -41,6 +41,11 @@ __all__ = [
 MAX_SIZE = 2**31 - 1  # any size or count flag: beyond it no tensor dimension or rank count is meaningful
 MAX_SEED = 2**63 - 1  # torch's generators take a 64-bit seed; shardkit keeps it a non-negative int64
 MAX_TIMEOUT_S = 86400  # --timeout: a collective that waits a day for a rank is a hang, not a slow step
+# --timeout: starting a process group takes about 1 s here (forkserver, torch preloaded; 4-10 s with
+# spawn): below it every launch fails with the backend's raw "Wait timeout" before the first step
+MIN_TIMEOUT_S = 1.0
+# step counts and other counts: bounded like the sizes (an int32 count; beyond it no run ends)
+COUNT_FLAGS = ("steps", "save_every", "keep", "eval_every", "eval_batches", "log_every", "skip_nonfinite")
 
 _FIELDS = {f.name: f for f in fields(TrainConfig)}
 _TYPES = {"int": int, "float": (int, float), "str": str, "bool": bool}
@@ -165,7 +170,7 @@ def validate_config(cfg: TrainConfig, world_size: int | None = None) -> TrainCon
     for name in ("nproc", "dp_replicate"):
         if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
             raise ShardkitError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
-    for name in SIZE_FLAGS:  # a sanity bound; train/limits.py checks what this machine can hold
+    for name in (*SIZE_FLAGS, *COUNT_FLAGS):  # a sanity bound; train/limits.py checks what this machine can hold
         if getattr(cfg, name) is not None and getattr(cfg, name) > MAX_SIZE:
             raise ShardkitError(f"--{name.replace('_', '-')} must be <= 2**31 - 1, got {getattr(cfg, name)}")
     if cfg.lr is None:
@@ -176,8 +181,11 @@ def validate_config(cfg: TrainConfig, world_size: int | None = None) -> TrainCon
         raise ShardkitError(f"--seed must be in [0, 2**63 - 1], got {cfg.seed}")
     if cfg.skip_nonfinite < 0:
         raise ShardkitError(f"--skip-nonfinite must be >= 0, got {cfg.skip_nonfinite}")
-    if not math.isfinite(cfg.timeout) or not 0 < cfg.timeout <= MAX_TIMEOUT_S:
-        raise ShardkitError(f"--timeout must be a finite number of seconds in (0, {MAX_TIMEOUT_S}], got {cfg.timeout}")
+    if not math.isfinite(cfg.timeout) or not MIN_TIMEOUT_S <= cfg.timeout <= MAX_TIMEOUT_S:
+        raise ShardkitError(
+            f"--timeout must be a finite number of seconds in [{MIN_TIMEOUT_S:g}, {MAX_TIMEOUT_S}], got {cfg.timeout} "
+            f"(a process group takes about {MIN_TIMEOUT_S:g} s to start: a shorter timeout fails every launch)"
+        )
     if cfg.lr_schedule is None:
         cfg = dataclasses.replace(cfg, lr_schedule="warmup-cosine" if cfg.model_path is not None else "constant")
     if cfg.lr_schedule not in LR_SCHEDULES:

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from .._files import finite_json
 from .._optional import missing
 from ..comm.ledger import CommLedger
 from ..errors import ShardkitError
@@ -147,7 +148,8 @@ class MetricsLog:
 
     Fields: ``step`` (1-based), ``loss``, ``grad_norm`` (before clipping), ``lr``,
     ``tokens_per_s`` (or ``pixels_per_s``), ``step_time_s``, ``peak_memory_bytes`` (this rank),
-    ``skipped`` (the loss or norm was not finite: the step was not applied), and on the run's
+    ``skipped`` (the loss or norm was not finite: the step was not applied; a non-finite value is
+    written as ``null`` and its field named in ``nonfinite``, as JSON has no NaN), and on the run's
     first step ``saved_activation_bytes``: the bytes rank 0's decoder blocks kept for backward
     (:class:`~shardkit.parallelize.saved_bytes.SavedBytesMeter`; on CPU the activation measure,
     the peak being the process's max RSS); ``eval_loss`` on the steps validated
@@ -213,8 +215,11 @@ class MetricsLog:
             line["saved_activation_bytes"] = saved_bytes
         if eval_loss is not None:
             line["eval_loss"] = eval_loss
+        written, nonfinite = finite_json(line)  # NaN / inf are no JSON: null, named in "nonfinite"
+        if nonfinite:
+            written["nonfinite"] = nonfinite
         with open(self.path, "a") as f:
-            f.write(json.dumps(line) + "\n")
+            f.write(json.dumps(written, allow_nan=False) + "\n")
         if self._writer is not None:
             for key, value in line.items():
                 if key in ("peak_memory_bytes", "saved_activation_bytes"):
@@ -225,7 +230,7 @@ class MetricsLog:
                     tag = "eval/loss" if key == "eval_loss" else f"train/{key}"
                     self._writer.add_scalar(tag, value, global_step=step + 1)
             self._writer.flush()
-        return line
+        return written
 
     def close(self) -> None:
         """Close the TensorBoard writer (the JSONL file is closed after every line)."""
