@@ -285,6 +285,7 @@ def test_metadata_is_read_through_the_allow_list(tmp_path, case, message):
         "another hash": good,
     }[case]
     (tmp_path / ".metadata").write_bytes(data)
+    (tmp_path / "__0_0.distcp").write_bytes(bytes(10))  # the bytes _metadata() says it stores
     with pytest.raises(ShardkitError, match=message):
         read_metadata(str(tmp_path), "0" * 64 if case == "another hash" else None)
     assert not marker.exists()
@@ -367,6 +368,7 @@ def test_saved_entries_is_a_deprecated_alias_that_reads_through_the_allow_list(t
         from shardkit.tensor_parallel.dcp import saved_entries
 
     (tmp_path / ".metadata").write_bytes(pickle.dumps(_metadata()))
+    (tmp_path / "__0_0.distcp").write_bytes(bytes(10))
     with pytest.warns(DeprecationWarning, match="saved_entries is deprecated"):
         entries = saved_entries(str(tmp_path))
     assert entries == {"w": (tuple(_metadata().state_dict_metadata["w"].size), torch.float32)}
