@@ -96,7 +96,13 @@ def _read_parameters(path: str, metadata: Metadata, reader: VerifiedReader) -> d
     return {k[len(_MODEL) :]: t for k, t in state.items()}
 
 
-def export_hf(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, step: int | None = None) -> str:
+def export_hf(
+    checkpoint_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    step: int | None = None,
+    *,
+    allow_unverified: bool = False,
+) -> str:
     """Write a save of ``shardkit train`` as a Hugging Face model directory; return ``out_dir``.
 
     ``out_dir`` gets ``config.json`` (the trained model's transformers config: Llama, Qwen2,
@@ -111,6 +117,8 @@ def export_hf(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, ste
         checkpoint_dir: a ``--checkpoint-dir`` of ``shardkit train`` (or one save inside it).
         out_dir: a new or empty directory.
         step: the save to export (None: the latest).
+        allow_unverified: export a save whose manifest has no checksums (an earlier
+            shardkit's), with a warning; refused otherwise.
 
     Raises:
         ShardkitError: ``checkpoint_dir`` missing or holding no save, no save at ``step``, a
@@ -123,5 +131,5 @@ def export_hf(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, ste
     hf = read_manifest(path).get(HF_ENTRY)  # a model with no Hugging Face form is refused before any read
     if not isinstance(hf, dict):
         raise _no_hf_form(path, read_manifest(path))
-    _, metadata, reader = open_save(path)
+    _, metadata, reader = open_save(path, allow_unverified)
     return write_hf(out_dir, _read_parameters(path, metadata, reader), hf, path)

@@ -28,6 +28,11 @@ def add_export_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--checkpoint-dir", required=True, metavar="DIR", help="the --checkpoint-dir of shardkit train")
     p.add_argument("--out", required=True, metavar="HF_DIR", help="a new or empty directory to write")
     p.add_argument("--step", type=int, default=None, help="the save to export (default: the latest)")
+    p.add_argument(
+        "--allow-unverified",
+        action="store_true",
+        help="export a save whose manifest has no checksums (one of an earlier shardkit); refused without it",
+    )
     p.set_defaults(func=run_export)
 
 
@@ -35,7 +40,7 @@ def run_export(args: argparse.Namespace) -> int:
     """Run ``export``; return the exit code (2 with one line on stderr for bad input)."""
     try:
         require(["transformers"], "shardkit export")
-        out = export_hf(args.checkpoint_dir, args.out, args.step)
+        out = export_hf(args.checkpoint_dir, args.out, args.step, allow_unverified=args.allow_unverified)
     except ShardkitError as exc:
         print(f"shardkit export: error: {exc}", file=sys.stderr)
         return 2

@@ -150,7 +150,7 @@ def _run_steps(
         path = resume_source(cfg)
         if path is not None:
             extra = _extra_state(task)
-            first = load_train_state(path, pm, optimizer, extra)
+            first = load_train_state(path, pm, optimizer, extra, allow_unverified=cfg.allow_unverified)
             task.sampler.gen.set_state(extra["data_generator"])
             torch.set_rng_state(extra["torch_rng"])
             if scheduler is not None:
