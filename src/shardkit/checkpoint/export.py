@@ -27,6 +27,7 @@ from ..errors import ShardkitError
 from .chunks import ChunkLoadPlanner
 from .hf_writer import HF_ENTRY, check_out_dir, write_hf
 from .integrity import dcp_failure
+from .paths import check_inside
 from .reader import VerifiedReader
 from .saves import open_save, saved_entries
 from .versioned import MANIFEST, complete_saves, latest_checkpoint, read_manifest
@@ -43,8 +44,9 @@ def find_save(checkpoint_dir: str | os.PathLike, step: int | None = None) -> str
     be one save's own directory.
 
     Raises:
-        ShardkitError: naming the directory: it does not exist, holds no complete save, or
-            holds none at ``step`` (the message lists the steps it holds).
+        ShardkitError: naming the directory: it does not exist, holds no complete save, holds
+            none at ``step`` (the message lists the steps it holds), or the save (or ``latest``)
+            is a symbolic link resolving outside it.
     """
     root = os.fspath(checkpoint_dir)
     where = f"--checkpoint-dir {root!r}"
@@ -55,14 +57,20 @@ def find_save(checkpoint_dir: str | os.PathLike, step: int | None = None) -> str
     saves = complete_saves(root, _PREFIX)
     if not saves:
         raise ShardkitError(f"export: {where} holds no complete save of shardkit train (step_* with a {MANIFEST})")
-    if step is None:
-        latest = latest_checkpoint(root)
-        return latest if latest is not None else os.path.join(root, saves[-1])
-    name = f"{_PREFIX}{step:08d}"
-    if name not in saves:
-        steps = ", ".join(str(int(s[len(_PREFIX) :])) for s in saves)
-        raise ShardkitError(f"export: --step {step}: {where} holds no save at step {step}; its saves: steps {steps}")
-    return os.path.join(root, name)
+    try:
+        if step is None:
+            latest = latest_checkpoint(root)
+            found = latest if latest is not None else os.path.join(root, saves[-1])
+        else:
+            name = f"{_PREFIX}{step:08d}"
+            if name not in saves:
+                steps = ", ".join(str(int(s[len(_PREFIX) :])) for s in saves)
+                raise ShardkitError(f"--step {step}: {where} holds no save at step {step}; its saves: steps {steps}")
+            found = os.path.join(root, name)
+        check_inside(root, found, "save")  # a link into another root is never exported
+    except ShardkitError as exc:
+        raise ShardkitError(f"export: {exc}") from None
+    return found
 
 
 def _no_hf_form(path: str, manifest: dict) -> ShardkitError:
