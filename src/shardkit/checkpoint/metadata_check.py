@@ -99,8 +99,8 @@ def _items(metadata: Metadata, file: str, directory: str) -> dict:
             sizes[name] = regular_file_inside(directory, os.path.join(directory, name), "data file")
         if start + length > sizes[name]:
             raise ShardkitError(
-                f"{file}: item {fqn!r} claims bytes {start}..{start + length} of {name}, which holds "
-                f"{sizes[name]}: refused before reading"
+                f"{file}: item {fqn!r} at chunk offset {list(offset)} claims bytes {start}..{start + length} "
+                f"of {name}, which holds {sizes[name]} (truncated, or a crafted length): refused before reading"
             )
         items[(fqn, offset)] = length
     return items
