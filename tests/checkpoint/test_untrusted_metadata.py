@@ -91,7 +91,10 @@ def _save(tmp_path, data: bytes, length: int = 16) -> str:
         ("a 20-level tuple DAG as an offset", r"memo entry \d+, a container, is used twice"),
         ("an offset nested 100 deep", r"objects nested more than 32 levels deep"),
         ("a tensor of [2^20, 2^20]", r"tensor 'w'.*claims \d+ elements .*more than its stored 16 bytes"),
-        ("an item of length 2^40", r"item 'w' at chunk offset \[0\] claims bytes 0\.\.1099511627776 of __0_0\.distcp, which holds 16"),
+        (
+            "an item of length 2^40",
+            r"item 'w' at chunk offset \[0\] claims bytes 0\.\.1099511627776 of __0_0\.distcp, which holds 16",
+        ),
         ("a size covering more than its chunks", r"tensor 'w' claims size \[1048576\] .* its chunks hold 2"),
     ],
 )
