@@ -126,6 +126,7 @@ def test_a_save_is_never_begun_beside_a_linked_save(tmp_path):
     (other / "step_00000002").mkdir()  # an incomplete save of the other root: stale-looking
     os.symlink(other / "step_00000002", mine / "step_00000002")
     os.unlink(mine / "step_00000001")
+    os.unlink(mine / "latest")
     with pytest.raises(ShardkitError, match=rf"cannot prepare a save in .*mine: .*step_00000002: this save {LINK}"):
         begin_save(str(mine), "step_", world_group(), number=2)
     assert (other / "step_00000002").is_dir()

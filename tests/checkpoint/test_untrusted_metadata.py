@@ -38,13 +38,13 @@ PLACEHOLDER = "SHARDKIT_SPLICE_HERE"
 DATA = "__0_0.distcp"
 
 
-def _metadata(size=(2,), chunk=(2,), length=16, offset="placeholder") -> Metadata:
+def _metadata(size=(2,), chunk=(2,), length=16, offset="placeholder", fqn="w") -> Metadata:
     """One float32 tensor ``w`` in one chunk; its storage index's offset is ``PLACEHOLDER``
     (set after the dict is built, so nothing hashes it) unless ``offset`` is None."""
-    index = MetadataIndex("w", torch.Size([0] * len(size)))
+    index = MetadataIndex(fqn, torch.Size([0] * len(size)))
     md = Metadata(
         state_dict_metadata={
-            "w": TensorStorageMetadata(
+            fqn: TensorStorageMetadata(
                 TensorProperties(dtype=torch.float32),
                 torch.Size(size),
                 [ChunkStorageMetadata(torch.Size([0] * len(size)), torch.Size(chunk))],
@@ -181,7 +181,7 @@ def _manifest_save(tmp_path, metadata: bytes, checksums: bool) -> str:
         manifest["checksums"] = {
             "algorithm": "sha256",
             "metadata": hashlib.sha256(metadata).hexdigest(),
-            "items": {"w@0": item, "w@0,0": item},
+            "items": {"w@0": item, "model/w@0,0": item},
         }
     (tmp_path / "MANIFEST.json").write_text(json.dumps(manifest))
     return path
@@ -194,9 +194,10 @@ def test_export_refuses_crafted_sizes_before_allocating(tmp_path):
 
     save = tmp_path / "save"
     save.mkdir()
-    _manifest_save(save, pickle.dumps(_metadata((2**20, 2**20), (2**20, 2**20), offset=None)), checksums=True)
+    crafted = _metadata((2**20, 2**20), (2**20, 2**20), offset=None, fqn="model/w")
+    _manifest_save(save, pickle.dumps(crafted), checksums=True)
     start = time.perf_counter()
-    with pytest.raises(ShardkitError, match=rf"{save}/\.metadata: tensor 'w'.*claims 1099511627776 elements"):
+    with pytest.raises(ShardkitError, match=rf"{save}/\.metadata: tensor 'model/w'.*claims 1099511627776 elements"):
         export_hf(save, tmp_path / "out")
     assert time.perf_counter() - start < 10
 
