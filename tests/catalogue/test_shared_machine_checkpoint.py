@@ -241,10 +241,11 @@ def test_a_second_run_on_a_directory_in_use_is_refused_and_the_first_saves_stay(
             assert result["first_step"] == 2
             assert not os.path.exists(os.path.join(root, LOCK))  # released at the end
         # a fresh run (validated before A's saves existed) would write step 1 again: refused
+        # (since issue 31, when it takes the lock, before training; before, at its first save)
         with pytest.raises(
             ShardkitError,
             match=r"step_00000001 is a complete save of an earlier run; a save never "
-            r"replaces it",
+            r"replaces it|holds the saves of an earlier run \(step_00000003, 3 in all\); pass --resume",
         ):
             _train(fresh)
         assert {n: open(os.path.join(root, n, MANIFEST), "rb").read() for n in manifests} == manifests
@@ -304,7 +305,15 @@ def test_corrupted_saved_bytes_are_refused_naming_the_item(damage):
         key, file, offset, length = _item(save)
         if damage == "a truncated shard":
             _on_rank0(os.truncate, file, offset + length // 2)
-            why = rf"{ITEM} at chunk offset \[0, 0\] is truncated: {length // 2} of its {length} bytes"
+            # refused when the metadata is checked, before reading (issue 31): on every rank
+            with pytest.raises(
+                ShardkitError,
+                match=rf"load_train_state: checkpoint refused on every rank .*ranks 0, 1: cannot read {save}: "
+                rf".*item '{ITEM}' at chunk offset \[0, 0\] claims bytes {offset}\.\.{offset + length} of "
+                rf"{os.path.basename(file)}, which holds {offset + length // 2} \(truncated",
+            ):
+                _train(_cfg(steps=2, checkpoint_dir=root, resume=True))
+            return
         else:
             _on_rank0(_flip_bit if "bit" in damage else _write_nan, save)
             why = rf"{ITEM} at chunk offset \[0, 0\] differs from its checksum in the manifest"
@@ -384,7 +393,15 @@ def test_a_damaged_save_is_a_clear_error(damage):
                 r"\(not JSON",
             ):
                 _cfg(steps=2, checkpoint_dir=root, resume=True)
-            why = r"MANIFEST.json is damaged \(not JSON"
+            # the run checks its directory again once it holds the lock (issue 31): refused there,
+            # on every rank, before the load
+            with pytest.raises(
+                ShardkitError,
+                match=rf"shardkit train --checkpoint-dir: --checkpoint-dir .*: cannot resume: {save}/"
+                r"MANIFEST.json is damaged \(not JSON.*\(checked again once the lock was taken\)",
+            ):
+                _train(resume)
+            return
         else:
             file = os.path.join(save, METADATA)
             _on_rank0(

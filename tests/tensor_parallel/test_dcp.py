@@ -285,6 +285,7 @@ def test_metadata_is_read_through_the_allow_list(tmp_path, case, message):
         "another hash": good,
     }[case]
     (tmp_path / ".metadata").write_bytes(data)
+    (tmp_path / "__0_0.distcp").write_bytes(bytes(10))  # the bytes _metadata() says it stores
     with pytest.raises(ShardkitError, match=message):
         read_metadata(str(tmp_path), "0" * 64 if case == "another hash" else None)
     assert not marker.exists()
@@ -296,7 +297,8 @@ def test_metadata_is_read_through_the_allow_list(tmp_path, case, message):
 @pytest.mark.world(2, timeout=180)
 def test_load_sharded_checkpoint_verifies_what_it_reads():
     """The library's own loader shares the trainer's checks: a planted .metadata is refused
-    unrun; a save without checksums (an older shardkit) loads unverified with a warning; damaged
+    unrun; a save without checksums (an older shardkit) is refused, and loads unverified with a
+    warning only when allowed (``allow_unverified``); damaged
     checksums are refused."""
     import hashlib
     import json
@@ -339,8 +341,10 @@ def test_load_sharded_checkpoint_verifies_what_it_reads():
     with torch.no_grad():
         for p in model.parameters():
             p.zero_()
+    with pytest.raises(ShardkitError, match=r"MANIFEST.json has no checksums, .* refused.* --allow-unverified"):
+        load_sharded_checkpoint(model, path, world_group())  # deleting the checksums turns nothing off
     with pytest.warns(UserWarning, match=r"saved without checksums .* not verified"):
-        load_sharded_checkpoint(model, path, world_group())
+        load_sharded_checkpoint(model, path, world_group(), allow_unverified=True)
     for k, v in model.state_dict().items():
         assert torch.equal(v, expected[k]), k
     dist.barrier()
@@ -367,6 +371,7 @@ def test_saved_entries_is_a_deprecated_alias_that_reads_through_the_allow_list(t
         from shardkit.tensor_parallel.dcp import saved_entries
 
     (tmp_path / ".metadata").write_bytes(pickle.dumps(_metadata()))
+    (tmp_path / "__0_0.distcp").write_bytes(bytes(10))
     with pytest.warns(DeprecationWarning, match="saved_entries is deprecated"):
         entries = saved_entries(str(tmp_path))
     assert entries == {"w": (tuple(_metadata().state_dict_metadata["w"].size), torch.float32)}

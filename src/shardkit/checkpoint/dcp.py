@@ -105,6 +105,7 @@ def load_sharded_checkpoint(
     *,
     device: torch.device | str | None = None,
     init_buffers: Callable[[nn.Module], None] | None = None,
+    allow_unverified: bool = False,
 ) -> nn.Module:
     """Collective over ``group``: fill ``model`` (sharded at any tp size, or unsharded) from a
     checkpoint written by :func:`save_sharded_checkpoint`, each rank reading only its ranges.
@@ -125,6 +126,8 @@ def load_sharded_checkpoint(
         device: where meta tensors are allocated (default CPU).
         init_buffers: ``fn(module)`` recomputing non-persistent meta buffers (default
             ``model._init_weights``).
+        allow_unverified: load a save whose manifest has no checksums (an earlier shardkit's),
+            with a warning; refused otherwise.
 
     Returns:
         ``model``.
@@ -142,7 +145,7 @@ def load_sharded_checkpoint(
     saved = error = reader = None
     try:
         path = resolve_checkpoint(path, ".metadata")
-        _, metadata, reader = open_save(os.fspath(path))
+        _, metadata, reader = open_save(os.fspath(path), allow_unverified)
         saved = saves.saved_entries(metadata)
     except (OSError, ShardkitError) as exc:
         error = f"cannot read a DCP checkpoint at {path}: {exc}"

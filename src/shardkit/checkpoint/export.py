@@ -27,6 +27,7 @@ from ..errors import ShardkitError
 from .chunks import ChunkLoadPlanner
 from .hf_writer import HF_ENTRY, check_out_dir, write_hf
 from .integrity import dcp_failure
+from .paths import check_inside
 from .reader import VerifiedReader
 from .saves import open_save, saved_entries
 from .versioned import MANIFEST, complete_saves, latest_checkpoint, read_manifest
@@ -43,8 +44,9 @@ def find_save(checkpoint_dir: str | os.PathLike, step: int | None = None) -> str
     be one save's own directory.
 
     Raises:
-        ShardkitError: naming the directory: it does not exist, holds no complete save, or
-            holds none at ``step`` (the message lists the steps it holds).
+        ShardkitError: naming the directory: it does not exist, holds no complete save, holds
+            none at ``step`` (the message lists the steps it holds), or the save (or ``latest``)
+            is a symbolic link resolving outside it.
     """
     root = os.fspath(checkpoint_dir)
     where = f"--checkpoint-dir {root!r}"
@@ -55,14 +57,20 @@ def find_save(checkpoint_dir: str | os.PathLike, step: int | None = None) -> str
     saves = complete_saves(root, _PREFIX)
     if not saves:
         raise ShardkitError(f"export: {where} holds no complete save of shardkit train (step_* with a {MANIFEST})")
-    if step is None:
-        latest = latest_checkpoint(root)
-        return latest if latest is not None else os.path.join(root, saves[-1])
-    name = f"{_PREFIX}{step:08d}"
-    if name not in saves:
-        steps = ", ".join(str(int(s[len(_PREFIX) :])) for s in saves)
-        raise ShardkitError(f"export: --step {step}: {where} holds no save at step {step}; its saves: steps {steps}")
-    return os.path.join(root, name)
+    try:
+        if step is None:
+            latest = latest_checkpoint(root)
+            found = latest if latest is not None else os.path.join(root, saves[-1])
+        else:
+            name = f"{_PREFIX}{step:08d}"
+            if name not in saves:
+                steps = ", ".join(str(int(s[len(_PREFIX) :])) for s in saves)
+                raise ShardkitError(f"--step {step}: {where} holds no save at step {step}; its saves: steps {steps}")
+            found = os.path.join(root, name)
+        check_inside(root, found, "save")  # a link into another root is never exported
+    except ShardkitError as exc:
+        raise ShardkitError(f"export: {exc}") from None
+    return found
 
 
 def _no_hf_form(path: str, manifest: dict) -> ShardkitError:
@@ -96,7 +104,13 @@ def _read_parameters(path: str, metadata: Metadata, reader: VerifiedReader) -> d
     return {k[len(_MODEL) :]: t for k, t in state.items()}
 
 
-def export_hf(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, step: int | None = None) -> str:
+def export_hf(
+    checkpoint_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    step: int | None = None,
+    *,
+    allow_unverified: bool = False,
+) -> str:
     """Write a save of ``shardkit train`` as a Hugging Face model directory; return ``out_dir``.
 
     ``out_dir`` gets ``config.json`` (the trained model's transformers config: Llama, Qwen2,
@@ -111,6 +125,8 @@ def export_hf(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, ste
         checkpoint_dir: a ``--checkpoint-dir`` of ``shardkit train`` (or one save inside it).
         out_dir: a new or empty directory.
         step: the save to export (None: the latest).
+        allow_unverified: export a save whose manifest has no checksums (an earlier
+            shardkit's), with a warning; refused otherwise.
 
     Raises:
         ShardkitError: ``checkpoint_dir`` missing or holding no save, no save at ``step``, a
@@ -123,5 +139,5 @@ def export_hf(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, ste
     hf = read_manifest(path).get(HF_ENTRY)  # a model with no Hugging Face form is refused before any read
     if not isinstance(hf, dict):
         raise _no_hf_form(path, read_manifest(path))
-    _, metadata, reader = open_save(path)
+    _, metadata, reader = open_save(path, allow_unverified)
     return write_hf(out_dir, _read_parameters(path, metadata, reader), hf, path)

@@ -19,6 +19,7 @@ import os
 import socket
 import sys
 import uuid
+from collections.abc import Callable
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
@@ -29,7 +30,7 @@ from .versioned import broadcast_from_first
 if TYPE_CHECKING:
     from .._types import Group
 
-__all__ = ["LOCK", "REPORT_LOCK", "root_lock", "process_lock", "lock_holder", "holder_alive"]
+__all__ = ["LOCK", "REPORT_LOCK", "root_lock", "process_lock", "lock_holder", "holder_alive", "link_lock"]
 
 LOCK = ".lock"
 REPORT_LOCK = ".report.lock"  # --report DIR's (DIR may be the --checkpoint-dir too: another file)
@@ -111,6 +112,8 @@ def _acquire(root: str, holder: dict, name: str = LOCK) -> tuple[str | None, str
     try:
         os.makedirs(root, exist_ok=True)
         path = os.path.join(root, name)
+        if os.path.islink(path):  # O_EXCL never creates through it, and reading it finds no holder
+            return link_lock(path), None
         if _create(path, holder):
             return None, None
         found = lock_holder(root, name)
@@ -131,6 +134,14 @@ def _acquire(root: str, holder: dict, name: str = LOCK) -> tuple[str | None, str
         return f"cannot lock {what} {root}: {exc.strerror or exc}", None
 
 
+def link_lock(path: str) -> str:
+    """Why a lock file that is a symbolic link is refused (dangling or not: shardkit writes a file)."""
+    return (
+        f"{path} is a symbolic link (to {os.readlink(path)!r}), not a lock shardkit wrote: no run can take "
+        "the lock while it is there; remove it if no run is using the directory"
+    )
+
+
 def _release(root: str, holder: dict, name: str = LOCK) -> None:
     """Rank 0: remove the lock if it is still this run's."""
     found = lock_holder(root, name)
@@ -142,7 +153,9 @@ def _release(root: str, holder: dict, name: str = LOCK) -> None:
 
 
 @contextmanager
-def root_lock(root: str | os.PathLike, group: Group, op: str, reuse: bool = False):
+def root_lock(
+    root: str | os.PathLike, group: Group, op: str, reuse: bool = False, verify: Callable[[str], None] | None = None
+):
     """Collective over ``group`` (on entry): hold ``root``'s lock inside the ``with`` block.
 
     Args:
@@ -151,10 +164,14 @@ def root_lock(root: str | os.PathLike, group: Group, op: str, reuse: bool = Fals
         op: named in errors.
         reuse: when this process already holds the lock (a save inside a locked run), use it
             and leave it held.
+        verify: ``fn(root)``, run by rank 0 once the lock is taken: the directory checked again
+            now that no other run can change it (what was checked before launch may have
+            changed since); a ``ShardkitError`` it raises releases the lock and is raised on
+            every rank.
 
     Raises:
-        ShardkitError: on every rank: another live run (or another host's) holds it, or it
-            cannot be created.
+        ShardkitError: on every rank: another live run (or another host's) holds it, it
+            cannot be created, ``.lock`` is a symbolic link, or ``verify`` refused the directory.
     """
     g = resolve_group(group, op)
     root = os.path.abspath(os.fspath(root))
@@ -171,6 +188,12 @@ def root_lock(root: str | os.PathLike, group: Group, op: str, reuse: bool = Fals
             owned = (None, "reused")
         else:
             owned = _acquire(root, holder)
+            if owned[0] is None and verify is not None:
+                try:
+                    verify(root)
+                except ShardkitError as exc:
+                    _release(root, holder)
+                    owned = (f"{exc} (checked again once the lock was taken)", None)
     error, message = broadcast_from_first(group, owned)
     if error:
         raise ShardkitError(f"{op}: {error}")

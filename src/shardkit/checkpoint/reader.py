@@ -6,9 +6,13 @@ names: a planted ``.metadata`` runs code as the user who loads it. :func:`read_m
 unpickles with a :class:`pickle.Unpickler` whose ``find_class`` admits only the classes a DCP
 metadata file is made of (DCP's metadata dataclasses, its file-system ``_StorageInfo``,
 ``torch.Size``, dtypes, layouts, memory formats, ``pathlib`` paths) and refuses any other global
-before it is looked up. The result is then checked to be tensor metadata only: shardkit never
-writes DCP "bytes" items (DCP loads those with ``torch.load(weights_only=False)``), so a file
-holding one is refused, and every item must lie in a plain file of the save's own directory.
+before it is looked up (torch's values are read from its namespace, never through ``getattr``,
+which imports submodules). Before unpickling, :func:`.pickle_scan.scan_pickle` bounds the work
+(no shared containers, no deep nesting); after it, :func:`.metadata_check.check_metadata`
+checks every field before anything hashes, allocates or reads with it: tensor metadata only
+(shardkit never writes DCP "bytes" items, which DCP loads with
+``torch.load(weights_only=False)``), every item in a regular file of the save's own directory
+(no link out of it), every size within those files' bytes.
 
 :class:`VerifiedReader` is DCP's ``FileSystemReader`` with the already-checked metadata and the
 manifest's checksums: ``read_data`` reads each stored item's byte range once, compares its hash
@@ -30,11 +34,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType
 from torch.futures import Future
 
 from ..errors import ShardkitError
+from .metadata_check import check_metadata
+from .paths import regular_file_inside
+from .pickle_scan import MAX_BYTES, scan_pickle
 
 __all__ = ["METADATA", "read_metadata", "item_key", "VerifiedReader", "sha256"]
 
@@ -78,8 +85,12 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if (module, name) in _ALLOWED:
             return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), _TORCH_VALUES):
-            return getattr(torch, name)  # torch.float32, torch.strided, torch.contiguous_format
+        # torch.float32, torch.strided, torch.contiguous_format: read from torch's own namespace,
+        # never through getattr (torch's module __getattr__ imports the submodule a name names,
+        # e.g. torch._inductor, before anything could refuse it)
+        value = vars(torch).get(name) if module == "torch" and isinstance(name, str) else None
+        if isinstance(value, _TORCH_VALUES):
+            return value
         raise ShardkitError(
             f"{self._path} is not a DCP metadata file: it names the global {module}.{name}, "
             "which a checkpoint's metadata never holds (refused, nothing of it was run)"
@@ -109,50 +120,35 @@ def read_metadata(path: str, expected_sha256: str | None) -> Metadata:
             None for a file not covered by a manifest.
 
     Raises:
-        ShardkitError: unreadable, a hash that differs, a global outside the allow-list, a
-            truncated or malformed pickle, bytes items, or an item outside ``path``.
+        ShardkitError: unreadable, not a regular file inside ``path`` or over
+            :data:`.pickle_scan.MAX_BYTES`, a hash that differs, a pickle whose unpickling would
+            cost more than linear work (a shared container, deep nesting:
+            :func:`.pickle_scan.scan_pickle`), a global outside the allow-list, a truncated or
+            malformed pickle, bytes items, a field of the wrong type or beyond the save's files
+            (:func:`.metadata_check.check_metadata`), or an item outside ``path``.
     """
     file = os.path.join(path, METADATA)
+    size = regular_file_inside(path, file, "metadata file")
+    if size > MAX_BYTES:
+        raise ShardkitError(f"{file} holds {size} bytes, more than a DCP metadata file's {MAX_BYTES}: refused unread")
     try:
         with open(file, "rb") as f:
-            data = f.read()
+            data = f.read(MAX_BYTES + 1)
     except OSError as exc:
         raise ShardkitError(f"cannot read {file}: {exc.strerror or exc}") from None
     if expected_sha256 is not None and sha256(data) != expected_sha256:
         raise ShardkitError(
             f"{file} differs from the save's manifest (SHA-256 mismatch): changed or damaged since the save"
         )
+    scan_pickle(data, file)  # bounded work: no shared containers, no deep nesting (linear in the file)
     try:
         metadata = _MetadataUnpickler(data, file).load()
     except ShardkitError:
         raise
     except Exception as exc:  # noqa: BLE001 - a truncated or garbage pickle raises many types
         raise ShardkitError(f"{file} is truncated or not a DCP metadata file ({type(exc).__name__}: {exc})") from None
-    _check_structure(metadata, file)
+    check_metadata(metadata, file, path)
     return metadata
-
-
-def _check_structure(metadata, file: str) -> None:
-    if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
-        raise ShardkitError(f"{file} is not a DCP metadata file (it holds a {type(metadata).__name__})")
-    bytes_items = sorted(k for k, m in metadata.state_dict_metadata.items() if not isinstance(m, TensorStorageMetadata))
-    if bytes_items:
-        raise ShardkitError(
-            f"{file} holds pickled (non-tensor) items {bytes_items[:3]}, which shardkit never writes and does not load"
-        )
-    for index, info in metadata.storage_data.items():
-        name = getattr(info, "relative_path", None)
-        if (
-            not isinstance(index, MetadataIndex)
-            or not isinstance(name, str)
-            or os.path.basename(name) != name
-            or name in ("", ".", "..")
-            or getattr(info, "transform_descriptors", None)
-        ):
-            raise ShardkitError(
-                f"{file}: item {getattr(index, 'fqn', index)!r} is stored at {name!r}, not a plain "
-                "file of the save's directory"
-            )
 
 
 class VerifiedReader(FileSystemReader):
@@ -218,6 +214,7 @@ class VerifiedReader(FileSystemReader):
         """The stored bytes of one item, once they matched the manifest."""
         info = self.storage_data[index]
         key, file = item_key(index), os.path.join(self._dir, info.relative_path)
+        regular_file_inside(self._dir, file, "data file")  # again: a link may have been planted since
         expected = None if self._checksums is None else self._checksums.get(key)
         if expected is None and self._checksums is not None:
             raise ShardkitError(f"{self._dir}: {_describe(key)} has no checksum in the manifest")

@@ -118,19 +118,31 @@ def _gather_checksums(path: str, writer: RecordingWriter, g, op: str) -> dict:
     return {"algorithm": ALGORITHM, "metadata": items.pop(METADATA), "items": dict(sorted(items.items()))}
 
 
-def open_save(path: str) -> tuple[dict, Metadata, VerifiedReader]:
+def open_save(path: str, allow_unverified: bool = False) -> tuple[dict, Metadata, VerifiedReader]:
     """This rank's view of the save at ``path``: its manifest, its checked DCP metadata and a
     reader verifying each item (no collective; the caller agrees on errors).
 
+    Args:
+        path: one save's directory.
+        allow_unverified: load a manifest without checksums (a save of an earlier shardkit),
+            with a warning; otherwise it is refused (deleting the checksums from a manifest
+            must not turn verification off).
+
     Raises:
-        ShardkitError: no or damaged manifest, damaged checksums, ``.metadata`` changed,
-            refused or damaged, or an item without a checksum. A manifest without checksums (a
-            save of an earlier shardkit) loads unverified, with a warning.
+        ShardkitError: no or damaged manifest, no checksums (without ``allow_unverified``),
+            damaged checksums, ``.metadata`` changed, refused or damaged, or an item without a
+            checksum.
     """
     manifest = read_manifest(path)
     if "checksums" not in manifest:
-        # Written by a shardkit before checksums (0.x saves): still loadable, the metadata still
-        # through the allow-list and the tensors with weights_only, but its bytes cannot be verified.
+        if not allow_unverified:
+            raise ShardkitError(
+                f"{os.path.join(path, 'MANIFEST.json')} has no checksums, so the save's bytes cannot be "
+                "verified: refused. A save of an earlier shardkit (before checksums) loads with "
+                "--allow-unverified (allow_unverified=True); its next save carries them"
+            )
+        # Written by a shardkit before checksums (0.x saves): the metadata still through the
+        # allow-list and the tensors with weights_only, but its bytes cannot be verified.
         warnings.warn(
             f"{path} was saved without checksums (an earlier shardkit): its bytes are not verified; "
             "the next save carries them",

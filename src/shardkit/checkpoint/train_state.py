@@ -150,7 +150,12 @@ def save_train_state(
 
 
 def load_train_state(
-    path: str | os.PathLike, pm: ParallelModel, optimizer: torch.optim.Optimizer, extra: dict[str, torch.Tensor]
+    path: str | os.PathLike,
+    pm: ParallelModel,
+    optimizer: torch.optim.Optimizer,
+    extra: dict[str, torch.Tensor],
+    *,
+    allow_unverified: bool = False,
 ) -> int:
     """Collective over the world: load a save into ``pm``, ``optimizer`` and ``extra``; return its step.
 
@@ -159,7 +164,8 @@ def load_train_state(
 
     Raises:
         ShardkitError: on every rank, before anything is read: the save has no manifest or a
-            damaged one, its ``.metadata`` differs from its checksum or is not DCP metadata
+            damaged one, no checksums (unless ``allow_unverified``: a save of an earlier
+            shardkit, loaded with a warning), its ``.metadata`` differs from its checksum or is not DCP metadata
             (refused, never run), keys of this model are missing from it, keys of it are in no
             rank's model, or a full shape or dtype differs (another model, or ``--dtype``
             changed: a load never casts). While reading: an item that differs from its
@@ -171,7 +177,7 @@ def load_train_state(
     saved = error = reader = None
     step = 0
     try:
-        manifest, metadata, reader = open_save(path)
+        manifest, metadata, reader = open_save(path, allow_unverified)
         saved = saved_entries(metadata)
         found = manifest.get("step")
         if not isinstance(found, int) or isinstance(found, bool) or found < 0:

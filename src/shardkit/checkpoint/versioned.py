@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 from ..comm._group import resolve_group
 from ..comm.agree import agree
 from ..errors import ShardkitError
+from .paths import check_inside, regular_file_inside
 
 if TYPE_CHECKING:
     from .._types import Group
@@ -100,9 +101,12 @@ def read_manifest(path: str | os.PathLike) -> dict:
     """The manifest of the save at ``path`` (a JSON object).
 
     Raises:
-        ShardkitError: no manifest (not a complete save), unreadable, or not a JSON object.
+        ShardkitError: no manifest (not a complete save), a link out of the save or not a
+            regular file, unreadable, or not a JSON object.
     """
     file = os.path.join(os.fspath(path), MANIFEST)
+    if os.path.lexists(file):  # a link out of the save, a FIFO: refused before it is opened
+        regular_file_inside(os.fspath(path), file, "manifest")
     try:
         with open(file, "rb") as f:
             manifest = json.loads(f.read().decode("utf-8"))
@@ -132,13 +136,18 @@ def latest_checkpoint(root: str | os.PathLike) -> str | None:
 
     Raises:
         ShardkitError: ``latest`` names anything but a save directly inside ``root``
-            (``<prefix><8 digits>``: no path, no ``..``), or a directory without a manifest
-            (a damaged checkpoint).
+            (``<prefix><8 digits>``: no path, no ``..``), ``latest`` or the save it names is a
+            link resolving outside ``root`` (:mod:`.paths`), or names a directory without a
+            manifest (a damaged checkpoint).
     """
     root = os.fspath(root)
     pointer = os.path.join(root, LATEST)
-    if not os.path.isfile(pointer):
+    if not os.path.lexists(pointer):
         return None
+    try:
+        regular_file_inside(root, pointer, "pointer")
+    except ShardkitError as exc:
+        raise ShardkitError(f"checkpoint: {exc}") from None
     try:
         with open(pointer, "rb") as f:
             name = f.read(256).decode("utf-8", "replace").strip()
@@ -150,6 +159,10 @@ def latest_checkpoint(root: str | os.PathLike) -> str | None:
             "(<prefix>_<8 digits>; a path outside the root is never followed)"
         )
     path = os.path.join(root, name)
+    try:
+        check_inside(root, path, "save")
+    except ShardkitError as exc:
+        raise ShardkitError(f"checkpoint: {exc}") from None
     if not _complete(path):
         raise ShardkitError(f"checkpoint: {pointer} names {name}, which has no {MANIFEST} (incomplete save)")
     return path
@@ -173,7 +186,12 @@ def resolve_checkpoint(path: str | os.PathLike, data_file: str) -> str:
 
 def _remove_save(path: str) -> None:
     """Remove a save: its manifest first, so that a kill half-way leaves a stale directory (which
-    the next save removes), never one that looks complete with files missing."""
+    the next save removes), never one that looks complete with files missing. A save that is a
+    symbolic link loses the link only: nothing is removed through it (it may lead into another
+    checkpoint root, whose save would lose its manifest)."""
+    if os.path.islink(path):
+        os.unlink(path)
+        return
     try:
         os.remove(os.path.join(path, MANIFEST))
     except FileNotFoundError:
@@ -202,7 +220,8 @@ def begin_save(root: str | os.PathLike, prefix: str, group: Group, number: int |
 
     Raises:
         ShardkitError: on every rank, when ``root`` is a file, holds files that are not saves of
-            this protocol (``root`` would mix with the user's data), ``number`` names a complete
+            this protocol (``root`` would mix with the user's data), a save that is a link
+            resolving outside ``root``, ``number`` names a complete
             save (another run's: never replaced), or the directory cannot be written.
     """
     g = resolve_group(group, "checkpoint")
@@ -228,8 +247,11 @@ def _prepare(root: str, prefix: str, number: int | None) -> tuple[str | None, st
         return f"{root} holds files that are not checkpoint saves ({sorted(foreign)[:3]}); it would be mixed", None
     if number is None:  # counted before stale saves go, so that numbers only grow
         number = max(_versions(root, prefix), default=0) + 1
+    for name in os.listdir(root):  # a link out of the root is never written through nor removed
+        if name.startswith(prefix):
+            check_inside(root, os.path.join(root, name), "save")
     for name in _stale(root, prefix):
-        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        _remove_save(os.path.join(root, name))
     for name in os.listdir(root):  # a pointer update killed before its os.replace
         if name.startswith(f"{LATEST}.tmp-"):
             os.remove(os.path.join(root, name))

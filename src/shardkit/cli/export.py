@@ -34,6 +34,11 @@ def add_export_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--checkpoint-dir", required=True, metavar="DIR", help="the --checkpoint-dir of shardkit train")
     p.add_argument("--out", required=True, metavar="HF_DIR", help="a new or empty directory to write")
     p.add_argument("--step", type=int, default=None, help="the save to export (default: the latest)")
+    p.add_argument(
+        "--allow-unverified",
+        action="store_true",
+        help="export a save whose manifest has no checksums (one of an earlier shardkit); refused without it",
+    )
     p.set_defaults(func=run_export)
 
 
@@ -53,7 +58,7 @@ def run_export(args: argparse.Namespace) -> int:
     try:
         require(["transformers"], "shardkit export")
         save = find_save(args.checkpoint_dir, args.step)
-        out = export_hf(save, args.out)
+        out = export_hf(save, args.out, allow_unverified=args.allow_unverified)
         step = read_manifest(save).get("step")
     except ShardkitError as exc:
         print(f"shardkit export: error: {exc}", file=sys.stderr)

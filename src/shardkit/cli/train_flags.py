@@ -153,6 +153,12 @@ def add_train_flags(subparsers) -> argparse.ArgumentParser:
         "(step_*); fails if PATH holds no save. New saves go to --checkpoint-dir, which must hold none",
     )
     p.add_argument(
+        "--allow-unverified",
+        action=argparse.BooleanOptionalAction,
+        help="resume from a save whose manifest has no checksums (one of an earlier shardkit); without it "
+        "such a save is refused, its bytes being unverifiable",
+    )
+    p.add_argument(
         "--save-hf",
         metavar="DIR",
         help="after the last step, write the model as a Hugging Face directory (config.json, safetensors, "

@@ -16,7 +16,8 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from ..checkpoint.lock import describe, holder_alive, lock_holder
+from ..checkpoint.lock import LOCK, describe, holder_alive, link_lock, lock_holder
+from ..checkpoint.paths import check_inside
 from ..checkpoint.versioned import LATEST, MANIFEST, complete_saves, latest_checkpoint, read_manifest
 from ..errors import ShardkitError
 from .specs import model_spec
@@ -24,7 +25,7 @@ from .specs import model_spec
 if TYPE_CHECKING:
     from .options import TrainConfig
 
-__all__ = ["model_description", "check_checkpoint_dir", "resume_source"]
+__all__ = ["model_description", "check_checkpoint_dir", "recheck_checkpoint_dir", "resume_source"]
 
 _PREFIX = "step_"  # the trainer's saves (shardkit.checkpoint.train_state)
 
@@ -53,8 +54,13 @@ def _ours(root: str, name: str) -> bool:
     return name.startswith(_PREFIX) and os.path.isdir(os.path.join(root, name))
 
 
-def check_checkpoint_dir(cfg: TrainConfig) -> str | None:
+def check_checkpoint_dir(cfg: TrainConfig, locked: bool = False) -> str | None:
     """Refuse, before launch, a ``--checkpoint-dir`` the run could not use or would damage.
+
+    Args:
+        cfg: the validated configuration.
+        locked: the run holds the directory's lock (:func:`recheck_checkpoint_dir`): its own
+            lock is not "in use".
 
     Returns:
         With ``--resume`` or ``--resume-from``, the line to tell the user what the run continues
@@ -63,7 +69,8 @@ def check_checkpoint_dir(cfg: TrainConfig) -> str | None:
 
     Raises:
         ShardkitError: naming ``--checkpoint-dir``: empty, a file, a directory holding other
-            files, locked by a live run, holding saves without ``--resume``, or (with it) a
+            files, a save or ``latest`` that is a symbolic link resolving outside it, a ``.lock``
+            that is a symbolic link, locked by a live run, holding saves without ``--resume``, or (with it) a
             latest save that is damaged, of another model, or at a step not below ``--steps``;
             naming ``--resume-from``: PATH holds no save, or one of those faults.
     """
@@ -89,7 +96,15 @@ def check_checkpoint_dir(cfg: TrainConfig) -> str | None:
             f"{flag} holds files that are not shardkit train saves ({', '.join(foreign[:3])}); "
             "saves would mix with them: choose an empty or new directory"
         )
-    holder = lock_holder(root)
+    for name in names:  # a link out of the root: never loaded, written through or removed by --keep
+        if name.startswith(_PREFIX) or name == LATEST:
+            try:
+                check_inside(root, os.path.join(root, name), "save" if name != LATEST else "pointer")
+            except ShardkitError as exc:
+                raise ShardkitError(f"{flag}: {exc}") from None
+    if os.path.islink(os.path.join(root, LOCK)):
+        raise ShardkitError(f"{flag}: {link_lock(os.path.join(root, LOCK))}")
+    holder = None if locked else lock_holder(root)
     if holder is not None and holder_alive(holder):
         raise ShardkitError(
             f"{flag} is in use by {describe(holder)}; wait for it to end or choose another "
@@ -110,6 +125,14 @@ def check_checkpoint_dir(cfg: TrainConfig) -> str | None:
     except ShardkitError as exc:  # a pointer outside the root, a missing save
         raise ShardkitError(f"{flag}: cannot resume: {exc}") from None
     return _continued("--resume", flag, latest, cfg)
+
+
+def recheck_checkpoint_dir(cfg: TrainConfig, root: str) -> None:
+    """:func:`check_checkpoint_dir` again, by rank 0 once the run holds the lock of ``root``
+    (``cfg.checkpoint_dir``): between the check before launch and the lock, a link may have been
+    planted, or another run may have saved there."""
+    del root  # cfg.checkpoint_dir, made absolute by the lock
+    check_checkpoint_dir(cfg, locked=True)
 
 
 def resume_source(cfg: TrainConfig) -> str | None:

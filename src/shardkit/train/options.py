@@ -93,6 +93,7 @@ class TrainConfig:
     resume: bool = False  # continue from the latest save in --checkpoint-dir (any layout)
     save_hf: str | None = None  # after the last step, write the model as a Hugging Face directory here
     resume_from: str | None = None  # continue from this save (a checkpoint root or one save's directory)
+    allow_unverified: bool = False  # resume from a save without checksums (an earlier shardkit's)
     seq_len: int = 128
     batch_size: int = 8  # global, split over dp
     dtype: str = "float32"

@@ -18,6 +18,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import asdict
 from datetime import timedelta
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -33,7 +34,7 @@ from ..comm._group import resolve_group
 from ..comm.agree import agree
 from ..parallelize import ParallelModel, gather_full_parameters
 from ..parallelize.saved_bytes import activation_meter
-from .checkpoint_dir import model_description, resume_source
+from .checkpoint_dir import model_description, recheck_checkpoint_dir, resume_source
 from .config import TrainConfig, parallel_dims
 from .corpus import shared_corpus
 from .environment import run_environment
@@ -132,7 +133,8 @@ def run_training(
     if pm.mesh is not None and cfg.checkpoint_dir is not None:
         world = dist.group.WORLD
         assert world is not None  # a mesh exists: the world is initialized
-        with root_lock(cfg.checkpoint_dir, world, "shardkit train --checkpoint-dir"):
+        recheck = partial(recheck_checkpoint_dir, cfg)
+        with root_lock(cfg.checkpoint_dir, world, "shardkit train --checkpoint-dir", verify=recheck):
             return _run_steps(pm, task, cfg, loss_scale, on_step, layout, metrics, hf, progress, host_syncs)
     return _run_steps(pm, task, cfg, loss_scale, on_step, layout, metrics, hf, progress, host_syncs)
 
@@ -150,7 +152,7 @@ def _run_steps(
         path = resume_source(cfg)
         if path is not None:
             extra = _extra_state(task)
-            first = load_train_state(path, pm, optimizer, extra)
+            first = load_train_state(path, pm, optimizer, extra, allow_unverified=cfg.allow_unverified)
             task.sampler.gen.set_state(extra["data_generator"])
             torch.set_rng_state(extra["torch_rng"])
             if scheduler is not None:
