@@ -337,7 +337,9 @@ def test_sigterm_during_export_leaves_nothing_at_out_and_the_retry_works(tmp_pat
     monkeypatch.setattr(cli_export, "find_save", lambda root, step: f"{root}/step_00000003", raising=False)
     monkeypatch.setattr(cli_export, "read_manifest", lambda save: {"step": 3}, raising=False)
     monkeypatch.setattr(
-        cli_export, "export_hf", lambda save, out, step=None: hf_writer.write_hf(out, tensors, hf, save)
+        cli_export,
+        "export_hf",
+        lambda save, out, step=None, allow_unverified=False: hf_writer.write_hf(out, tensors, hf, save),
     )
     write_tokenizer = hf_writer._write_tokenizer
 
