@@ -41,6 +41,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..errors import ShardkitError
+from .integrity import describe_nonfinite, nonfinite_keys
+from .lock import _start_time, holder_alive
 
 if TYPE_CHECKING:
     from torch import nn
@@ -168,8 +170,6 @@ def _write_tokenizer(out: str, tokenizer: Any, origin: str, name: str) -> None:
 def _remove_abandoned(parent: str, name: str) -> None:
     """Remove the partial directories of ``name`` that a killed export left in ``parent`` (its
     writer, recorded inside, is a process of this host that is gone); others' are left alone."""
-    from .lock import holder_alive
-
     prefix = f".{name}{_PARTIAL}"
     for entry in os.listdir(parent):
         path = os.path.join(parent, entry)
@@ -187,8 +187,6 @@ def _remove_abandoned(parent: str, name: str) -> None:
 @contextlib.contextmanager
 def _partial_dir(target: str) -> Iterator[str]:
     """A private directory beside ``target`` to write into, removed on leaving unless renamed."""
-    from .lock import _start_time
-
     parent, name = os.path.split(target)
     probe = parent
     while not os.path.lexists(probe):
@@ -254,8 +252,6 @@ def write_hf(out_dir: str | os.PathLike, tensors: dict[str, torch.Tensor], hf: d
             read-only, no space left, ...).
     """
     from safetensors import SafetensorError
-
-    from .integrity import describe_nonfinite, nonfinite_keys
 
     if not isinstance(hf, dict) or not isinstance(hf.get("config"), dict):
         raise ShardkitError(f"export: {origin} holds no Hugging Face config (a model with no Hugging Face form)")
