@@ -11,16 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import tomllib
-from dataclasses import fields
-from pathlib import Path
 
 from ..checkpoint.hf_writer import check_out_dir
 from ..errors import ShardkitError
 from ..parallelize.mixed_precision import check_mixed_precision
 from ..plan.rules import batch_rule, schedule_rule
 from ..sharding import ParallelDims
+from .config_file import check_output_dirs, check_writable, load_toml, merge_config
 from .options import DTYPES, LR_SCHEDULES, SCHEDULES, SIZE_FLAGS, TrainConfig, parse_pp_tp
 from .pretrained import read_config
 from .schedule import FINETUNE_LR
@@ -46,65 +43,6 @@ MAX_TIMEOUT_S = 86400  # --timeout: a collective that waits a day for a rank is 
 MIN_TIMEOUT_S = 1.0
 # step counts and other counts: bounded like the sizes (an int32 count; beyond it no run ends)
 COUNT_FLAGS = ("steps", "save_every", "keep", "eval_every", "eval_batches", "log_every", "skip_nonfinite")
-
-_FIELDS = {f.name: f for f in fields(TrainConfig)}
-_TYPES = {"int": int, "float": (int, float), "str": str, "bool": bool}
-
-
-def _type_name(field) -> str:
-    return str(field.type).split(" ")[0]  # "int | None" -> "int"
-
-
-def load_toml(path: str | Path) -> dict:
-    """Read a TOML file of ``shardkit train`` options (keys are option names with underscores).
-
-    Raises:
-        ShardkitError: the file is missing or not valid TOML, has an unknown key or a value of
-            the wrong type.
-    """
-    try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except OSError as e:
-        raise ShardkitError(f"--config: cannot read {path}: {e.strerror}") from e
-    except UnicodeDecodeError as e:  # tomllib decodes the bytes itself, outside TOMLDecodeError
-        raise ShardkitError(f"--config: {path} is not valid TOML: not UTF-8 text ({e.reason} at byte {e.start})") from e
-    except tomllib.TOMLDecodeError as e:
-        raise ShardkitError(f"--config: {path} is not valid TOML: {e}") from e
-    for key, value in data.items():
-        if key not in _FIELDS or key == "config":
-            known = ", ".join(k for k in _FIELDS if k != "config")
-            raise ShardkitError(f"--config: unknown key {key!r} in {path} (known keys: {known})")
-        want = _TYPES[_type_name(_FIELDS[key])]
-        if isinstance(value, bool) and want is not bool or not isinstance(value, want):
-            raise ShardkitError(f"--config: {key} in {path} must be {_type_name(_FIELDS[key])}, got {value!r}")
-    return data
-
-
-def merge_config(file_values: dict, cli_values: dict) -> TrainConfig:
-    """Defaults, overridden by ``file_values``, overridden by the flags that were given.
-
-    Args:
-        file_values: keys/values from :func:`load_toml` (may be empty).
-        cli_values: parsed flags; a value of None means "not given on the command line".
-    """
-    merged = {**file_values, **{k: v for k, v in cli_values.items() if v is not None and k in _FIELDS}}
-    return dataclasses.replace(TrainConfig(), **merged)
-
-
-def _check_writable(flag: str, folder: str) -> None:
-    """``folder`` exists as a writable directory, or can be created (checked before launch, so a
-    run never trains for nothing and then fails to write its results)."""
-    probe = os.path.abspath(folder)
-    while not os.path.exists(probe):
-        parent = os.path.dirname(probe)
-        if parent == probe:
-            break
-        probe = parent
-    if not os.path.isdir(probe):
-        raise ShardkitError(f"{flag} {folder}: {probe} exists and is not a directory")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise ShardkitError(f"{flag} {folder}: {probe} is not writable")
 
 
 def _default_tp(cfg: TrainConfig) -> int:
@@ -214,14 +152,12 @@ def validate_config(cfg: TrainConfig, world_size: int | None = None) -> TrainCon
         raise ShardkitError("--resume and --save-every need --checkpoint-dir DIR")
     if cfg.keep is not None and (cfg.keep < 1 or cfg.checkpoint_dir is None):
         raise ShardkitError(f"--keep must be >= 1 (complete saves kept) and needs --checkpoint-dir, got {cfg.keep}")
-    for flag, folder in (("--report", cfg.report), ("--checkpoint-dir", cfg.checkpoint_dir)):
-        if folder is not None:
-            _check_writable(flag, folder)
+    check_output_dirs(cfg)
     if cfg.save_hf is not None:
         if model_spec(cfg.model).family is None:
             raise ShardkitError(f"--save-hf: --model {cfg.model} has no Hugging Face form")
         check_out_dir(cfg.save_hf, "--save-hf")
-        _check_writable("--save-hf", cfg.save_hf)
+        check_writable("--save-hf", cfg.save_hf)
     if cfg.max_norm is not None and not (math.isfinite(cfg.max_norm) and cfg.max_norm >= 0):
         raise ShardkitError(f"--max-norm must be a finite number >= 0 (0: no clipping), got {cfg.max_norm}")
     if cfg.max_norm == 0:

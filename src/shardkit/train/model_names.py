@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
-__all__ = ["MODEL_SUMMARIES"]
+__all__ = ["MODEL_SUMMARIES", "READS_CORPUS"]
 
 MODEL_SUMMARIES = MappingProxyType(
     {
@@ -21,3 +21,7 @@ MODEL_SUMMARIES = MappingProxyType(
     }
 )
 """``--model`` name -> its summary (``--help``), in the order ``--help`` lists them."""
+
+READS_CORPUS = MappingProxyType({name: name != "conv-ae" for name in MODEL_SUMMARIES})
+"""``--model`` name -> whether it trains on the text corpus (``--data``): the spec's
+``reads_corpus``, here so that the launcher checks ``--data`` before importing torch."""

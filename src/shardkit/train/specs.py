@@ -26,7 +26,7 @@ from .conv_ae import CROP
 from .conv_spec import build_conv, conv_outputs, conv_task, parallelize_conv_ae, validate_conv
 from .lm_families import DEEPSEEK_V2, LLAMA, QWEN2, QWEN3, QWEN3_MOE, LMFamily
 from .lm_spec import build_lm, describe_lm, lm_task, parallelize_lm, validate_lm
-from .model_names import MODEL_SUMMARIES
+from .model_names import MODEL_SUMMARIES, READS_CORPUS
 from .options import TrainConfig
 
 __all__ = ["ModelSpec", "SPECS", "MODELS", "model_spec", "spec_of_family"]
@@ -95,6 +95,7 @@ def _decoder(name: str, family: LMFamily) -> ModelSpec:
         parallelize=parallelize_lm,
         describe=partial(describe_lm, family=family),
         sample_size=lambda cfg: cfg.seq_len,
+        reads_corpus=READS_CORPUS[name],
     )
 
 
@@ -116,7 +117,7 @@ SPECS = MappingProxyType(
             describe=lambda cfg: {},
             sample_size=lambda cfg: CROP[0] * CROP[1],
             unit=("px", "pixels"),
-            reads_corpus=False,
+            reads_corpus=READS_CORPUS["conv-ae"],
             planned=False,
             default_tp=1,
             min_nproc=1,
