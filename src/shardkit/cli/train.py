@@ -34,40 +34,42 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace, world_size: int | None = None) -> TrainConfig:
     """Merge defaults, the TOML file and the flags; validate.
 
-    The checks that read only files and paths run first, before anything imports torch (issue
-    32): the ``--config`` file (keys and types), the output folders, ``--tokenizer``'s files and
-    the ``--data`` corpus (regular files, JSONL lines, its size). Then :func:`.validate_config`
-    (which runs the same path check again, for callers of the library) and the machine's limits.
+    The checks that need no library module run first, before anything imports torch (issue
+    32): the ``--config`` file (keys and types), the options and the world's arithmetic
+    (:func:`~shardkit.train.layout.check_options`: degrees against ``--nproc``, the batch, the
+    output folders, ...), ``--tokenizer``'s files and the ``--data`` corpus (regular files, JSONL
+    lines, its size). Then the rest of :func:`~shardkit.train.config.validate_config` (the
+    schedule, the model's own rules, the mesh) and the machine's limits.
 
     Raises:
         ShardkitError: a bad file, option or layout.
     """
-    from ..train.config_file import check_output_dirs, load_toml, merge_config
+    from ..train.config_file import load_toml, merge_config
     from ..train.data import check_corpus
-    from ..train.model_names import READS_CORPUS
+    from ..train.layout import check_options
+    from ..train.model_names import model_facts
     from ..train.pretrained import tokenizer_source
 
     values = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
     file_values = load_toml(args.config) if args.config else {}
-    merged = merge_config(file_values, values)
-    check_output_dirs(merged)
-    if merged.tokenizer is not None:
-        tokenizer_source(merged.tokenizer, "--tokenizer")  # a folder without tokenizer files: fails here
+    checked = check_options(merge_config(file_values, values), world_size)
+    if checked.tokenizer is not None:
+        tokenizer_source(checked.tokenizer, "--tokenizer")  # a folder without tokenizer files: fails here
     # A missing, unreadable, not regular or too short --data, or a bad JSONL line, fails here
-    # (stat and open only; a FIFO is never opened for reading blocking). An unknown --model in
-    # the file is refused by validate_config below.
-    size = check_corpus(merged.data, merged.data_column, merged.seq_len) if READS_CORPUS.get(merged.model) else 0
+    # (stat and open only; a FIFO is never opened for reading blocking).
+    reads_corpus = model_facts(checked.model).reads_corpus
+    size = check_corpus(checked.data, checked.data_column, checked.seq_len) if reads_corpus else 0
 
     # From here on the checks need the model specs, the mesh and the planner: they import torch.
     from ..train.checkpoint_dir import check_checkpoint_dir
-    from ..train.config import validate_config
+    from ..train.config import finish_config
     from ..train.data import held_out_start
     from ..train.limits import check_machine
     from ..train.pretrained import load_text_tokenizer
     from ..train.specs import model_spec
     from ..train.tokens import check_checkpoint_tokenizer
 
-    cfg = validate_config(merged, world_size)
+    cfg = finish_config(checked)
     # What this machine and its files allow, checked against the resolved layout: cores and
     # memory, a --checkpoint-dir of this model's saves.
     check_machine(cfg, local_launch=world_size is None)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from .._shapes import batch_rule  # torch-free: the launcher checks it before import torch
 from ..context_parallel._sizes import _order
 from ..errors import ShardkitError
 from ..pipeline_parallel.tables import SCHEDULES as SCHEDULE_TABLES
@@ -52,14 +53,6 @@ def sequence_parallel_default(experts: bool, tp: int, pp_tp: tuple[int, ...] | N
     saves activation memory at the same traffic), off for MoE models (their routers would run on
     the sequence block) and with ``pp_tp`` (:func:`sp_pp_tp_rule`)."""
     return not experts and tp > 1 and pp_tp is None
-
-
-def batch_rule(global_batch: int, dp: int, microbatches: int) -> str | None:
-    """Every data-parallel rank takes ``global_batch / dp`` rows, cut into ``microbatches``."""
-    if global_batch % (dp * microbatches):
-        what = f"dp={dp} x microbatches={microbatches}" if microbatches > 1 else f"dp={dp}"
-        return f"--batch-size {global_batch} (global) must be divisible by {what}"
-    return None
 
 
 def seq_len_rule(seq_len: int) -> str | None:
