@@ -85,26 +85,12 @@ def finish_config(cfg: TrainConfig) -> TrainConfig:
 
 
 def _check_schedule(cfg: TrainConfig) -> None:
-    """The pipeline schedule's own limits on ``--pp``, ``--virtual-stages`` and ``--microbatches``
-    (the table function's refusal, named with the flags), and what runs only one chunk per rank."""
+    """The pipeline schedule's own limits on ``--pp``, ``--virtual-stages``, ``--microbatches`` and
+    the layers (the table function's refusal, named with the flags); the rules of the flags alone
+    ran before (:func:`.layout.check_options`)."""
     v, pp = cfg.virtual_stages, len(cfg.stage_tp_sizes) if cfg.pp_tp is not None else cfg.pp
-    if not isinstance(v, int) or v < 1:
-        raise ShardkitError(f"--virtual-stages must be an int >= 1, got {v!r}")
-    simple = v == 1 and cfg.schedule in ("1f1b", "gpipe")
     if pp == 1:
-        if not simple:
-            raise ShardkitError(f"--schedule {cfg.schedule} --virtual-stages {v} need a pipeline (--pp > 1)")
         return
-    if cfg.checks and not simple:
-        raise ShardkitError(
-            f"--checks with --schedule {cfg.schedule} --virtual-stages {v}: the P2P check mode's hellos wait for "
-            "the peer, which chunked schedules cannot (their sends must not block); use 1f1b or gpipe with "
-            "--virtual-stages 1 under --checks"
-        )
-    if cfg.pp_tp is not None and not simple:
-        raise ShardkitError(
-            f"--pp-tp stages run --schedule 1f1b or gpipe with --virtual-stages 1, got {cfg.schedule} with {v}"
-        )
     # the planner's rule (plan/rules.py), equal to what the table functions refuse; a pretrained
     # model's layer count is checked when its stages are cut (chunk_layers)
     # layers vs chunks only for v > 1 (one chunk per rank: the pipeline's own layer rule, later)

@@ -150,7 +150,32 @@ def check_options(cfg: TrainConfig, world_size: int | None = None) -> TrainConfi
         raise ShardkitError("--tokenizer with --model-path: the checkpoint encodes --data with its own tokenizer")
     if cfg.tokenizer is not None and not model_facts(cfg.model).reads_corpus:
         raise ShardkitError(f"--tokenizer with --model {cfg.model}: this model reads no text corpus")
+    _check_pipeline_flags(cfg)
     return _resolve_world(cfg)
+
+
+def _check_pipeline_flags(cfg: TrainConfig) -> None:
+    """The schedule rules of the flags alone: ``--virtual-stages`` an int >= 1, chunked schedules
+    only with a pipeline, not under ``--checks`` nor with ``--pp-tp``. The schedule's table rules
+    (microbatches, layers) need the schedule registry: :func:`.config.finish_config`."""
+    v, pp = cfg.virtual_stages, len(cfg.stage_tp_sizes) if cfg.pp_tp is not None else cfg.pp
+    if not isinstance(v, int) or v < 1:
+        raise ShardkitError(f"--virtual-stages must be an int >= 1, got {v!r}")
+    simple = v == 1 and cfg.schedule in ("1f1b", "gpipe")
+    if pp == 1:
+        if not simple:
+            raise ShardkitError(f"--schedule {cfg.schedule} --virtual-stages {v} need a pipeline (--pp > 1)")
+        return
+    if cfg.checks and not simple:
+        raise ShardkitError(
+            f"--checks with --schedule {cfg.schedule} --virtual-stages {v}: the P2P check mode's hellos wait for "
+            "the peer, which chunked schedules cannot (their sends must not block); use 1f1b or gpipe with "
+            "--virtual-stages 1 under --checks"
+        )
+    if cfg.pp_tp is not None and not simple:
+        raise ShardkitError(
+            f"--pp-tp stages run --schedule 1f1b or gpipe with --virtual-stages 1, got {cfg.schedule} with {v}"
+        )
 
 
 def _resolve_world(cfg: TrainConfig) -> TrainConfig:
