@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from .errors import ShardkitError, ShardkitTypeError
 
-__all__ = ["batch_rule", "balanced_split_sizes", "chunk_sizes", "split_offsets", "normalize_dim", "check_split_sizes"]
+__all__ = ["balanced_split_sizes", "chunk_sizes", "split_offsets", "normalize_dim", "check_split_sizes"]
 
 
 def balanced_split_sizes(n: int, world_size: int) -> list[int]:
@@ -110,11 +110,3 @@ def check_split_sizes(sizes: Sequence[int] | None, world_size: int, total: int |
     if total is not None and sum(sizes) != total:
         raise ShardkitError(f"{op}: sizes {sizes} sum to {sum(sizes)} but the dim has size {total}")
     return sizes
-
-
-def batch_rule(global_batch: int, dp: int, microbatches: int) -> str | None:
-    """Every data-parallel rank takes ``global_batch / dp`` rows, cut into ``microbatches``."""
-    if global_batch % (dp * microbatches):
-        what = f"dp={dp} x microbatches={microbatches}" if microbatches > 1 else f"dp={dp}"
-        return f"--batch-size {global_batch} (global) must be divisible by {what}"
-    return None

@@ -52,6 +52,11 @@ def _file(tmp_path) -> str:
 
 CASES = {
     "layout": (lambda t: ["--tp", "3", "--nproc", "4"], "must divide --nproc 4"),
+    "heads": (lambda t: ["--hidden-size", "64", "--heads", "6", "--kv-heads", "2"], "divisible by --heads 6"),
+    "tp heads": (
+        lambda t: ["--tp", "4", "--hidden-size", "64", "--heads", "2", "--kv-heads", "2"],
+        "--tp 4: 2 query heads cannot be split over tp=4",
+    ),
     "path": (lambda t: ["--report", _file(t)], "exists and is not a directory"),
     "data path": (lambda t: ["--data", str(t / "missing.txt")], "is neither a file nor a folder"),
     "toml key": (lambda t: _toml(t, "stepz = 3\n"), "unknown key 'stepz'"),
@@ -80,3 +85,18 @@ def test_the_error_is_printed_before_torch_is_imported(kind, tmp_path):
     assert out["rc"] == 2 and message in stderr, stderr
     assert "shardkit train: error:" in stderr
     assert not out["torch"], f"{kind}: torch was imported before the error: {stderr}"
+
+
+def test_the_facts_the_launcher_reads_are_the_specs():
+    from shardkit.train.model_names import MODEL_FACTS
+    from shardkit.train.specs import SPECS
+
+    assert list(MODEL_FACTS) == list(SPECS)
+    for name, spec in SPECS.items():
+        facts = MODEL_FACTS[name]
+        assert (facts.reads_corpus, facts.default_tp, facts.min_nproc) == (
+            spec.reads_corpus,
+            spec.default_tp,
+            spec.min_nproc,
+        )
+        assert facts.decoder == (spec.family is not None)

@@ -14,13 +14,21 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from .._shapes import batch_rule
+from .._rules import batch_rule, pp_layers_rule, stage_heads_rule
 from ..errors import ShardkitError
 from .config_file import check_output_dirs
 from .model_names import model_facts
 from .options import DTYPES, FINETUNE_LR, LR_SCHEDULES, SCHEDULES, SIZE_FLAGS, TrainConfig, parse_pp_tp
 
-__all__ = ["check_options", "MAX_SIZE", "MAX_SEED", "MAX_TIMEOUT_S", "MIN_TIMEOUT_S", "COUNT_FLAGS"]
+__all__ = [
+    "check_options",
+    "check_model_shape",
+    "MAX_SIZE",
+    "MAX_SEED",
+    "MAX_TIMEOUT_S",
+    "MIN_TIMEOUT_S",
+    "COUNT_FLAGS",
+]
 
 MAX_SIZE = 2**31 - 1  # any size or count flag: beyond it no tensor dimension or rank count is meaningful
 MAX_SEED = 2**63 - 1  # torch's generators take a 64-bit seed; shardkit keeps it a non-negative int64
@@ -29,6 +37,8 @@ MAX_TIMEOUT_S = 86400  # --timeout: a collective that waits a day for a rank is 
 # spawn): below it every launch fails with the backend's raw "Wait timeout" before the first step
 MIN_TIMEOUT_S = 1.0
 # step counts and other counts: bounded like the sizes (an int32 count; beyond it no run ends)
+# the built-in decoder's size flags (each >= 1)
+SHAPE_FLAGS = ("hidden_size", "layers", "heads", "kv_heads", "intermediate_size")
 COUNT_FLAGS = ("steps", "save_every", "keep", "eval_every", "eval_batches", "log_every", "skip_nonfinite")
 
 
@@ -151,7 +161,40 @@ def check_options(cfg: TrainConfig, world_size: int | None = None) -> TrainConfi
     if cfg.tokenizer is not None and not model_facts(cfg.model).reads_corpus:
         raise ShardkitError(f"--tokenizer with --model {cfg.model}: this model reads no text corpus")
     _check_pipeline_flags(cfg)
-    return _resolve_world(cfg)
+    cfg = _resolve_world(cfg)
+    if model_facts(cfg.model).decoder and cfg.model_path is None:  # the built-in model's shape, from the flags
+        for name in SHAPE_FLAGS:
+            if getattr(cfg, name) < 1:
+                raise ShardkitError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
+        if cfg.hidden_size % cfg.heads or cfg.heads % cfg.kv_heads:
+            raise ShardkitError(
+                f"--hidden-size {cfg.hidden_size} must be divisible by --heads {cfg.heads}, and --heads by "
+                f"--kv-heads {cfg.kv_heads}"
+            )
+        check_model_shape(cfg, cfg.heads, cfg.kv_heads, cfg.layers)
+    return cfg
+
+
+def check_model_shape(cfg: TrainConfig, heads: int, kv_heads: int, layers: int) -> None:
+    """A decoder's head counts and layers against the layout: whole heads on every tp rank of every
+    stage (:func:`~shardkit._rules.stage_heads_rule`), a layer for every stage and chunk. The
+    built-in model's come from the flags (:func:`check_options`), a checkpoint's from its config
+    (:func:`.lm_spec.validate_lm`).
+
+    Raises:
+        ShardkitError: naming the flags at fault.
+    """
+    for s, t in enumerate(cfg.stage_tp_sizes):
+        flag = f"--pp-tp {cfg.pp_tp} (stage {s})" if cfg.pp_tp is not None else f"--tp {t}"
+        if (why := stage_heads_rule(heads, kv_heads, t, cfg.cp_size, flag)) is not None:
+            raise ShardkitError(why)
+    if (why := pp_layers_rule(layers, cfg.pp)) is not None:
+        raise ShardkitError(why)
+    if cfg.pp * cfg.virtual_stages > layers:
+        raise ShardkitError(
+            f"--pp {cfg.pp} --virtual-stages {cfg.virtual_stages}: {layers} decoder layers "
+            f"cannot fill {cfg.pp * cfg.virtual_stages} chunks (need layers >= pp x virtual stages)"
+        )
 
 
 def _check_pipeline_flags(cfg: TrainConfig) -> None:

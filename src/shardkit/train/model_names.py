@@ -34,15 +34,18 @@ class ModelFacts:
         reads_corpus: trains on the text corpus (``--data``), read and checked before launch.
         default_tp: the tp size when ``--tp`` is not given, without pp, cp or ``--pp-tp``.
         min_nproc: the ranks a run without ``--nproc`` starts at least (data parallelism fills them).
+        decoder: a decoder LM (the spec's ``family`` is not None): without ``--model-path`` its
+            shape flags (``--hidden-size``, ``--heads``, ``--kv-heads``, ``--layers``) meet the layout.
     """
 
     reads_corpus: bool = True
     default_tp: int = 2
     min_nproc: int = 4
+    decoder: bool = True
 
 
 MODEL_FACTS = MappingProxyType(
-    {name: ModelFacts(False, 1, 1) if name == "conv-ae" else ModelFacts() for name in MODEL_SUMMARIES}
+    {name: ModelFacts(False, 1, 1, decoder=False) if name == "conv-ae" else ModelFacts() for name in MODEL_SUMMARIES}
 )
 """``--model`` name -> its :class:`ModelFacts`, here so that the launcher checks the layout and
 ``--data`` before importing torch (issue 32); :mod:`.specs` copies them into each spec."""
