@@ -20,7 +20,7 @@ from .options import TrainConfig
 __all__ = ["load_toml", "merge_config", "check_writable", "check_output_dirs"]
 
 _FIELDS = {f.name: f for f in fields(TrainConfig)}
-_TYPES = {"int": int, "float": (int, float), "str": str, "bool": bool}
+_TYPES: dict[str, type | tuple[type, ...]] = {"int": int, "float": (int, float), "str": str, "bool": bool}
 
 
 def _type_name(field) -> str:

@@ -53,6 +53,7 @@ def _model_ranks(cfg: TrainConfig) -> int:
     """Ranks of one data-parallel replica (every degree but dp_replicate)."""
     if cfg.pp_tp is not None:
         return sum(parse_pp_tp(cfg.pp_tp))
+    assert cfg.tp is not None  # resolved first (_default_tp)
     return cfg.pp * cfg.cp_size * cfg.tp * cfg.spatial_h * cfg.spatial * cfg.dp_shard
 
 
@@ -106,10 +107,10 @@ def check_options(cfg: TrainConfig, world_size: int | None = None) -> TrainConfi
     for name in (*SIZE_FLAGS, *COUNT_FLAGS):  # a sanity bound; train/limits.py checks what this machine can hold
         if getattr(cfg, name) is not None and getattr(cfg, name) > MAX_SIZE:
             raise ShardkitError(f"--{name.replace('_', '-')} must be <= 2**31 - 1, got {getattr(cfg, name)}")
-    if cfg.lr is None:
-        cfg = dataclasses.replace(cfg, lr=FINETUNE_LR if cfg.model_path is not None else 1e-3)
-    if not math.isfinite(cfg.lr) or cfg.lr <= 0:
-        raise ShardkitError(f"--lr must be a finite number > 0, got {cfg.lr}")
+    lr = cfg.lr if cfg.lr is not None else FINETUNE_LR if cfg.model_path is not None else 1e-3
+    if not math.isfinite(lr) or lr <= 0:
+        raise ShardkitError(f"--lr must be a finite number > 0, got {lr}")
+    cfg = dataclasses.replace(cfg, lr=lr)
     if not 0 <= cfg.seed <= MAX_SEED:
         raise ShardkitError(f"--seed must be in [0, 2**63 - 1], got {cfg.seed}")
     if cfg.skip_nonfinite < 0:
@@ -235,12 +236,12 @@ def _resolve_world(cfg: TrainConfig) -> TrainConfig:
         if nproc % ranks:
             raise ShardkitError(f"layout {dims} ranks must divide --nproc {nproc} (dp_replicate = nproc // that)")
         cfg = dataclasses.replace(cfg, nproc=nproc, dp_replicate=nproc // ranks)
-    nproc = cfg.dp_replicate * ranks
+    dp_replicate = cfg.dp_replicate
+    assert dp_replicate is not None  # given, or resolved just above
+    nproc = dp_replicate * ranks
     if cfg.nproc is not None and cfg.nproc != nproc:
-        raise ShardkitError(
-            f"layout {dims} x dp_replicate={cfg.dp_replicate} = {nproc} ranks, but --nproc is {cfg.nproc}"
-        )
+        raise ShardkitError(f"layout {dims} x dp_replicate={dp_replicate} = {nproc} ranks, but --nproc is {cfg.nproc}")
     cfg = dataclasses.replace(cfg, nproc=nproc)
-    if (why := batch_rule(cfg.batch_size, cfg.dp_replicate * cfg.dp_shard, cfg.microbatches)) is not None:
+    if (why := batch_rule(cfg.batch_size, dp_replicate * cfg.dp_shard, cfg.microbatches)) is not None:
         raise ShardkitError(why)
     return cfg
