@@ -50,6 +50,11 @@ def _file(tmp_path) -> str:
     return str(tmp_path / "file" / "report")
 
 
+def _nonempty(tmp_path) -> str:
+    (tmp_path / "file").write_text("x")
+    return str(tmp_path)
+
+
 CASES = {
     "layout": (lambda t: ["--tp", "3", "--nproc", "4"], "must divide --nproc 4"),
     "heads": (lambda t: ["--hidden-size", "64", "--heads", "6", "--kv-heads", "2"], "divisible by --heads 6"),
@@ -58,6 +63,7 @@ CASES = {
         "--tp 4: 2 query heads cannot be split over tp=4",
     ),
     "path": (lambda t: ["--report", _file(t)], "exists and is not a directory"),
+    "save-hf folder": (lambda t: ["--save-hf", _nonempty(t)], "is not empty"),
     "data path": (lambda t: ["--data", str(t / "missing.txt")], "is neither a file nor a folder"),
     "toml key": (lambda t: _toml(t, "stepz = 3\n"), "unknown key 'stepz'"),
     "toml type": (lambda t: _toml(t, 'steps = "three"\n'), "steps in"),

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..checkpoint.hf_writer import check_out_dir
 from ..errors import ShardkitError
 from ..parallelize.mixed_precision import check_mixed_precision
 from ..plan.rules import schedule_rule
 from ..sharding import ParallelDims
-from .config_file import check_writable, load_toml, merge_config
+from .config_file import load_toml, merge_config
 from .layout import check_options
 from .options import DTYPES, SCHEDULES, TrainConfig, parse_pp_tp
 from .pretrained import read_config
@@ -41,7 +40,7 @@ def validate_config(cfg: TrainConfig, world_size: int | None = None) -> TrainCon
 
     Only real limits are refused (each with its reason; the README lists them). Every check is
     pure, so a bad layout fails in the launching process before any worker starts: first
-    :func:`.layout.check_options` (no torch), then the save folder, the pipeline schedule, the
+    :func:`.layout.check_options` (no torch), then mixed precision, the pipeline schedule, the
     model's own rules and the mesh.
 
     Args:
@@ -57,18 +56,13 @@ def validate_config(cfg: TrainConfig, world_size: int | None = None) -> TrainCon
 
 def finish_config(cfg: TrainConfig) -> TrainConfig:
     """The second half of :func:`validate_config`, on a configuration that passed
-    :func:`.layout.check_options` (the command line runs that half before importing torch): the
-    ``--save-hf`` folder, mixed precision, the pipeline schedule, the model's own rules (heads,
+    :func:`.layout.check_options` (the command line runs that half before importing torch): mixed
+    precision, the pipeline schedule, the model's own rules (heads,
     layers, ...) and the mesh.
 
     Raises:
         ShardkitError: with a message naming the options at fault.
     """
-    if cfg.save_hf is not None:
-        if model_spec(cfg.model).family is None:
-            raise ShardkitError(f"--save-hf: --model {cfg.model} has no Hugging Face form")
-        check_out_dir(cfg.save_hf, "--save-hf")
-        check_writable("--save-hf", cfg.save_hf)
     check_mixed_precision(cfg.mixed_precision, "--mixed-precision")
     if cfg.mixed_precision != "none" and cfg.dtype != "float32":
         raise ShardkitError(

@@ -14,9 +14,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from .._files import check_out_dir
 from .._rules import batch_rule, pp_layers_rule, stage_heads_rule
 from ..errors import ShardkitError
-from .config_file import check_output_dirs
+from .config_file import check_output_dirs, check_writable
 from .model_names import model_facts
 from .options import DTYPES, FINETUNE_LR, LR_SCHEDULES, SCHEDULES, SIZE_FLAGS, TrainConfig, parse_pp_tp
 
@@ -149,6 +150,11 @@ def check_options(cfg: TrainConfig, world_size: int | None = None) -> TrainConfi
     if cfg.keep is not None and (cfg.keep < 1 or cfg.checkpoint_dir is None):
         raise ShardkitError(f"--keep must be >= 1 (complete saves kept) and needs --checkpoint-dir, got {cfg.keep}")
     check_output_dirs(cfg)
+    if cfg.save_hf is not None:
+        if not model_facts(cfg.model).decoder:
+            raise ShardkitError(f"--save-hf: --model {cfg.model} has no Hugging Face form")
+        check_out_dir(cfg.save_hf, "--save-hf")
+        check_writable("--save-hf", cfg.save_hf)
     if cfg.max_norm is not None and not (math.isfinite(cfg.max_norm) and cfg.max_norm >= 0):
         raise ShardkitError(f"--max-norm must be a finite number >= 0 (0: no clipping), got {cfg.max_norm}")
     if cfg.max_norm == 0:
