@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .._files import check_out_dir  # torch-free: shardkit train checks --save-hf before import torch
 from ..errors import ShardkitError
 from .integrity import describe_nonfinite, nonfinite_keys
 from .lock import _start_time, holder_alive
@@ -87,23 +88,6 @@ def hf_description(
     source = model_path if model_path is not None else tokenizer
     path = None if source is None else str(Path(source).expanduser().resolve())
     return {"config": json.loads(config.to_json_string(use_diff=False)), "model_path": path}
-
-
-def check_out_dir(out_dir: str | os.PathLike, flag: str) -> None:
-    """Refuse an output directory an export would mix with other files (pure: the file system).
-
-    Raises:
-        ShardkitError: naming ``flag``: ``out_dir`` is empty text, a file, or a non-empty directory.
-    """
-    out = os.fspath(out_dir)
-    if not out.strip():
-        raise ShardkitError(f"{flag}: give a directory")
-    if os.path.islink(out) and not os.path.exists(out):
-        raise ShardkitError(f"{flag} {out!r} is a symbolic link to {os.readlink(out)!r}, which does not exist")
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise ShardkitError(f"{flag} {out!r} exists and is not a directory")
-    if os.path.isdir(out) and os.listdir(out):
-        raise ShardkitError(f"{flag} {out!r} is not empty; the export would mix with its files: choose a new directory")
 
 
 def _meta_model(config_dict: dict) -> Any:
