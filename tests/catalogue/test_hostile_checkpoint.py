@@ -106,6 +106,7 @@ def test_hostile_metadata_and_deleted_checksums_are_refused_on_every_rank():
             r".*MANIFEST.json has no checksums, .*refused.*--allow-unverified",
         ):
             _train(resume)
+        dist.barrier()  # rank 0 releases the lock after the refusal: the next run's check must not see it
         with pytest.warns(UserWarning, match="saved without checksums"):
             result = _train(_cfg(steps=2, checkpoint_dir=root, resume=True, allow_unverified=True))
         assert rank() != 0 or result["first_step"] == 1  # (the result is rank 0's)

@@ -158,7 +158,7 @@ def test_save_under_1f1b_resumes_under_interleaved_with_the_same_losses():
             "--schedule zbv needs --virtual-stages 2, got 1",
         ),
         (
-            dict(pp=2, schedule="interleaved-1f1b", virtual_stages=2, microbatches=3),
+            dict(pp=2, schedule="interleaved-1f1b", virtual_stages=2, microbatches=3, batch_size=6),
             "microbatches must be a multiple of pp",
         ),
         (dict(pp=2, schedule="dualpipev", virtual_stages=2, microbatches=2), "microbatches must be >= 2 x pp = 4"),
