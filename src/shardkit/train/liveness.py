@@ -14,13 +14,27 @@ launcher names them first.
 The files are written next to the flight recorder's dumps (``rank<r>.json``), and both are
 cleared at launch (:func:`clear_flight_dir`), so an earlier run's records never enter a new
 diagnosis.
+
+The watchdog judges progress, not a thread's punctuality (a heartbeat thread can miss its beats
+for many seconds on a saturated machine while its rank works). Each beat carries the *phase* the
+rank is in (:data:`PHASES`: ``starting``, ``training``, ``evaluating``, ``saving``, ``exporting``,
+``loading``, ``finishing``) and a *progress counter*: the rank's explicit :func:`progress` calls
+(each step, each file written, each phase entered) plus the shardkit collectives its flight
+recorder counted. A rank is stalled only when that counter has not moved for ``--timeout``
+seconds, in any phase; rank 0's solo work after the others exit (gather, ``--save-hf``, the
+report) is the phase ``finishing`` with the same deadline. Every kill is announced on stderr
+("shardkit's watchdog stopped rank R: no progress for N s in phase P"); a rank that never sent
+its first heartbeat is named as such; and when every rank stalls together (all of them at 100 %
+CPU with the GIL held, say) they are all stopped, so the job still ends within about the timeout.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
+import sys
 import threading
 import time
 from types import TracebackType
@@ -28,8 +42,12 @@ from typing import NamedTuple
 
 __all__ = [
     "INTERVAL_S",
-    "GRACE_S",
+    "FIRST_BEAT_S",
+    "PHASES",
     "Beat",
+    "Verdict",
+    "set_phase",
+    "progress",
     "Heartbeat",
     "read_heartbeats",
     "stalled_ranks",
@@ -44,17 +62,79 @@ _DUMP = re.compile(r"^rank(\d+)\.json(\.tmp\d+)?$")
 # A healthy rank's beats may lag by a few intervals on a loaded machine; a stalled rank's lag the
 # others' last beats by about the process-group timeout (they time out waiting for it).
 _MIN_LAG_S = 3 * INTERVAL_S
-# Once the job is ending, a rank silent this long is not shutting down: it is stopped.
-GRACE_S = 5.0
+# A rank's first beat may come this late (seconds; or ``--timeout``, if longer): starting a worker
+# imports torch, which takes tens of seconds on a saturated machine.
+FIRST_BEAT_S = 30.0
+
+PHASES = ("starting", "training", "evaluating", "saving", "exporting", "loading", "finishing")
+
+# This process's phase and progress counter, read by its Heartbeat thread (plain attributes: a
+# torn read costs one beat's accuracy, never a crash).
+_phase = "starting"
+_count = 0
+
+
+def set_phase(name: str) -> None:
+    """Say that this rank entered phase ``name`` (one of :data:`PHASES`); entering a phase is progress.
+
+    Raises:
+        ValueError: an unknown phase.
+    """
+    global _phase
+    if name not in PHASES:
+        raise ValueError(f"set_phase: unknown phase {name!r}; expected one of {', '.join(PHASES)}")
+    _phase = name
+    progress()
+
+
+def progress(n: int = 1) -> None:
+    """Count ``n`` units of progress of this rank (a step, a file written): the watchdog stops a
+    rank only when its count has not moved for ``--timeout`` seconds."""
+    global _count
+    _count += n
+
+
+def _collectives() -> int:
+    """The shardkit collectives this process's flight recorder counted (0 when disabled, or not
+    imported: a beat never imports torch, which takes seconds on a loaded machine)."""
+    module = sys.modules.get("shardkit.comm.flight_recorder")
+    recorder = getattr(module, "current", None)
+    return recorder.total if recorder is not None else 0
 
 
 class Beat(NamedTuple):
-    """One rank's heartbeat file: the wall time of its last beat (seconds), its pid, and whether
-    it has left its run (the rank is exiting: not beating any more is no sign of a stall)."""
+    """One rank's heartbeat file: the wall time of its last beat (seconds), its pid, whether it
+    has left its run (the rank is exiting: not beating any more is no sign of a stall), its phase,
+    and the wall time its progress counter last moved (a file of an older release: its beat time)."""
 
     time: float
     pid: int
     exiting: bool
+    phase: str = "starting"
+    progressed: float | None = None
+
+    @property
+    def moved(self) -> float:
+        """The wall time this rank last made progress."""
+        return self.time if self.progressed is None else self.progressed
+
+
+class Verdict(NamedTuple):
+    """Why the watchdog stops a rank: ``seconds`` without progress (or without any heartbeat,
+    ``never_beat``) in ``phase``."""
+
+    seconds: float
+    phase: str
+    never_beat: bool = False
+
+    def describe(self, rank: int) -> str:
+        """The line the watchdog announces on stderr."""
+        if self.never_beat:
+            return (
+                f"shardkit's watchdog stopped rank {rank}: rank {rank} sent no heartbeat in "
+                f"{self.seconds:.0f} s (phase {self.phase})"
+            )
+        return f"shardkit's watchdog stopped rank {rank}: no progress for {self.seconds:.0f} s in phase {self.phase}"
 
 
 class Heartbeat:
@@ -72,6 +152,8 @@ class Heartbeat:
         self.path = os.path.join(directory, f"heartbeat-rank{rank}")
         self.interval = interval
         self._last = time.time()
+        self._seen = -1  # the progress count at the last beat
+        self._moved = self._last
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"shardkit-heartbeat-rank{rank}", daemon=True)
 
@@ -79,12 +161,15 @@ class Heartbeat:
         """Write the file atomically (a reader never sees a half-written one)."""
         tmp = f"{self.path}.tmp"
         with open(tmp, "w") as f:
-            f.write(f"{self._last:.3f} {os.getpid()}{' exiting' if exiting else ''}\n")
+            f.write(f"{self._last:.3f} {os.getpid()} {_phase} {self._moved:.3f}{' exiting' if exiting else ''}\n")
         os.replace(tmp, self.path)
 
     def beat(self) -> None:
-        """Write one beat."""
+        """Write one beat (with the time the progress counter last moved)."""
         self._last = time.time()
+        count = _count + _collectives()
+        if count != self._seen:
+            self._seen, self._moved = count, self._last
         self._write()
 
     def _run(self) -> None:
@@ -124,7 +209,10 @@ def read_heartbeats(directory: str) -> dict[int, Beat]:
         try:
             with open(os.path.join(directory, name)) as f:
                 fields = f.read().split()
-            beats[int(m.group(1))] = Beat(float(fields[0]), int(fields[1]), fields[2:] == ["exiting"])
+            exiting = fields[-1:] == ["exiting"]
+            rest = fields[2 : len(fields) - exiting]
+            phase, moved = (rest[0], float(rest[1])) if len(rest) == 2 else ("starting", None)
+            beats[int(m.group(1))] = Beat(float(fields[0]), int(fields[1]), exiting, phase, moved)
         except (OSError, ValueError, IndexError):
             continue  # unreadable: that rank is simply not known
     return beats
@@ -148,28 +236,43 @@ def stalled_ranks(beats: dict[int, Beat], timeout_s: float) -> dict[int, float]:
     return {r: round(newest - b.time, 1) for r, b in sorted(beats.items()) if newest - b.time > limit}
 
 
-def to_stop(beats: dict[int, Beat], alive: set[int], now: float, timeout_s: float) -> set[int]:
-    """The ranks the launcher should kill now: alive, not exiting, and silent (pure).
+def to_stop(
+    beats: dict[int, Beat],
+    alive: set[int],
+    now: float,
+    timeout_s: float,
+    nproc: int | None = None,
+    started: float | None = None,
+) -> dict[int, Verdict]:
+    """The ranks the launcher should kill now, each with its :class:`Verdict` (pure).
 
-    * While every rank runs: a rank whose last beat lags the newest by more than ``timeout_s``
-      (it has been silent for longer than any collective waits for it, while the others ran).
-    * Once a rank has left (failed, exiting, or gone): a rank silent for :data:`GRACE_S`. The
-      launcher stops the others with SIGTERM and waits 30 s for each; a stopped process does not
-      act on SIGTERM until continued, so without this the job would outlive the timeout by 30 s.
+    * A rank (of ``range(nproc)``) with no heartbeat file ``max(timeout_s, FIRST_BEAT_S)`` seconds
+      after the launch (``started``): it never started its run. Only these are named then, and
+      until then nobody is: the ranks that did start are waiting for it.
+    * Otherwise a rank alive and not exiting whose progress has not moved for ``timeout_s``,
+      whatever its phase (alone after the others exited, too: rank 0's ``finishing``). When some
+      of the stalled ranks are also silent (no beat for more than :data:`_MIN_LAG_S`: stopped, or
+      holding the GIL), only those are named: the others are waiting for them in a collective.
+      When every stalled rank still beats, all are named: nothing tells which one waits for which.
 
     Args:
         beats: from :func:`read_heartbeats`.
         alive: ranks whose process still runs.
         now: the wall time (``time.time()``).
-        timeout_s: the run's process-group timeout.
+        timeout_s: the run's process-group timeout (``--timeout``).
+        nproc: the ranks launched (None: only the ranks that beat are judged).
+        started: the wall time of the launch (with ``nproc``).
     """
+    missing = [r for r in range(nproc) if r not in beats] if nproc is not None else []
+    if missing and started is not None:  # the ranks that did start may be waiting for them
+        waited = now - started
+        if waited <= max(timeout_s, FIRST_BEAT_S):
+            return {}
+        return {r: Verdict(round(waited, 1), "starting", never_beat=True) for r in missing}
     running = {r: b for r, b in beats.items() if r in alive and not b.exiting}
-    if not running:
-        return set()
-    if len(running) < len(beats):  # someone left: the job is ending
-        return {r for r, b in running.items() if now - b.time > GRACE_S}
-    newest = max(b.time for b in running.values())
-    return {r for r, b in running.items() if newest - b.time > timeout_s}
+    stalled = {r: b for r, b in running.items() if now - b.moved > timeout_s}
+    silent = {r: b for r, b in stalled.items() if now - b.time > _MIN_LAG_S}
+    return {r: Verdict(round(now - b.moved, 1), b.phase) for r, b in sorted((silent or stalled).items())}
 
 
 def _alive(pid: int) -> bool:
@@ -188,35 +291,59 @@ def _alive(pid: int) -> bool:
 
 
 class Watchdog:
-    """In the launcher: every second, kill (SIGKILL) the ranks :func:`to_stop` names.
+    """In the launcher: every second, kill (SIGKILL) the ranks :func:`to_stop` names, announcing
+    each on stderr (:meth:`Verdict.describe`); ``stopped`` keeps ``{rank: its Verdict}``.
 
-    A rank is killed only when it stays named for two checks in a row at least ``2 * INTERVAL_S``
-    apart (a machine that was suspended resumes its ranks one after the other), and only if its
-    pid is a child of this process.
+    Ranks are killed only when one of them stays named for two checks in a row at least
+    ``2 * INTERVAL_S`` apart (a machine that was suspended resumes its ranks one after the other);
+    then every rank named in that check is, if its pid is a child of this process. A rank that
+    never beat has no pid on file: the launcher's worker processes that no heartbeat names are
+    killed (Linux); where they cannot be found, the ranks that did start are, so that the job
+    ends either way.
 
     Args:
         directory: the flight directory the ranks beat into.
         timeout_s: the run's process-group timeout.
+        nproc: the ranks launched (None: only the ranks that beat are judged).
     """
 
-    def __init__(self, directory: str, timeout_s: float) -> None:
-        self.directory, self.timeout_s = directory, timeout_s
+    def __init__(self, directory: str, timeout_s: float, nproc: int | None = None) -> None:
+        self.directory, self.timeout_s, self.nproc = directory, timeout_s, nproc
         self.killed: list[int] = []
+        self.stopped: dict[int, Verdict] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="shardkit-watchdog", daemon=True)
 
     def _run(self) -> None:
         named_since: dict[int, float] = {}
+        started = time.time()
         while not self._stop.wait(INTERVAL_S):
             beats = read_heartbeats(self.directory)
             alive = {r for r, b in beats.items() if _alive(b.pid)}
             now = time.time()
-            named = to_stop(beats, alive, now, self.timeout_s)
+            named = to_stop(beats, alive, now, self.timeout_s, self.nproc, started)
             named_since = {r: named_since.get(r, now) for r in named}
-            for r in named:
-                if now - named_since[r] >= 2 * INTERVAL_S and r not in self.killed and _is_child(beats[r].pid):
-                    self.killed.append(r)
-                    os.kill(beats[r].pid, signal.SIGKILL)
+            if not any(now - t >= 2 * INTERVAL_S for t in named_since.values()):
+                continue
+            # one rank confirmed: every rank named now goes with it (ranks stalled together)
+            ready = {
+                r: v for r, v in named.items() if r not in self.killed and (v.never_beat or _is_child(beats[r].pid))
+            }
+            if not ready:
+                continue
+            if any(v.never_beat for v in ready.values()):
+                pids = _unnamed_workers({b.pid for b in beats.values()})
+                if not pids:  # not found: stop the ranks that wait for it
+                    pids = [b.pid for r, b in beats.items() if r in alive and _is_child(b.pid)]
+            else:
+                pids = [beats[r].pid for r in ready]
+            for r, verdict in ready.items():
+                self.killed.append(r)
+                self.stopped[r] = verdict
+                print(verdict.describe(r), file=sys.stderr, flush=True)
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
 
     def __enter__(self) -> Watchdog:
         self._thread.start()
@@ -225,6 +352,27 @@ class Watchdog:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
+
+
+def _unnamed_workers(named: set[int]) -> list[int]:
+    """The pids of this process's worker children (started by multiprocessing's spawn) that are
+    not in ``named`` (Linux /proc; elsewhere none are found)."""
+    pids = []
+    try:
+        for task in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{task}/children") as f:
+                pids += [int(p) for p in f.read().split()]
+    except OSError:
+        return []
+    out = []
+    for pid in sorted(set(pids) - named):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"spawn_main" in f.read() and _alive(pid):
+                    out.append(pid)
+        except OSError:
+            continue
+    return out
 
 
 def _is_child(pid: int) -> bool:
