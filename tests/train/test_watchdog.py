@@ -52,6 +52,8 @@ def test_progress_not_punctuality_decides():
     # a silent stalled rank (stopped, or holding the GIL) is named, not the ranks waiting for it
     waiting = {0: Beat(1010.0, 100, False, "training", 1000.0), 1: Beat(1000.0, 101, False, "training", 1000.0)}
     assert list(to_stop(waiting, {0, 1}, now=1010.0, timeout_s=5)) == [1]
+    late = {**waiting, 0: Beat(1006.0, 100, False, "training", 1000.0)}  # its thread 4 s late (load)
+    assert list(to_stop(late, {0, 1}, now=1010.0, timeout_s=5)) == [1]
     # every rank stalled and silent together (the hash bomb): all of them, naming the phase
     bomb = {r: Beat(1000.0, 100 + r, False, "loading", 1000.0) for r in range(2)}
     assert {r: v.phase for r, v in to_stop(bomb, {0, 1}, now=1010.0, timeout_s=5).items()} == {

@@ -72,6 +72,7 @@ PHASES = ("starting", "training", "evaluating", "saving", "exporting", "loading"
 # torn read costs one beat's accuracy, never a crash).
 _phase = "starting"
 _count = 0
+_active: Heartbeat | None = None  # the open Heartbeat of this process: a new phase is written at once
 
 
 def set_phase(name: str) -> None:
@@ -83,8 +84,11 @@ def set_phase(name: str) -> None:
     global _phase
     if name not in PHASES:
         raise ValueError(f"set_phase: unknown phase {name!r}; expected one of {', '.join(PHASES)}")
-    _phase = name
+    changed, _phase = name != _phase, name
     progress()
+    if changed and _active is not None:  # the watchdog names the phase the rank is really in
+        with contextlib.suppress(OSError):
+            _active.beat()
 
 
 def progress(n: int = 1) -> None:
@@ -154,6 +158,7 @@ class Heartbeat:
         self._last = time.time()
         self._seen = -1  # the progress count at the last beat
         self._moved = self._last
+        self._lock = threading.Lock()  # the thread's beats and set_phase's share one temporary file
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"shardkit-heartbeat-rank{rank}", daemon=True)
 
@@ -166,11 +171,12 @@ class Heartbeat:
 
     def beat(self) -> None:
         """Write one beat (with the time the progress counter last moved)."""
-        self._last = time.time()
-        count = _count + _collectives()
-        if count != self._seen:
-            self._seen, self._moved = count, self._last
-        self._write()
+        with self._lock:
+            self._last = time.time()
+            count = _count + _collectives()
+            if count != self._seen:
+                self._seen, self._moved = count, self._last
+            self._write()
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
@@ -180,14 +186,19 @@ class Heartbeat:
                 return  # the directory was removed (the launcher is cleaning up): nothing to report to
 
     def __enter__(self) -> Heartbeat:
+        global _active
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         self.beat()
         self._thread.start()
+        _active = self
         return self
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
+        global _active
+        if _active is self:
+            _active = None
         self._stop.set()
         self._thread.join()
         try:
@@ -251,9 +262,10 @@ def to_stop(
       until then nobody is: the ranks that did start are waiting for it.
     * Otherwise a rank alive and not exiting whose progress has not moved for ``timeout_s``,
       whatever its phase (alone after the others exited, too: rank 0's ``finishing``). When some
-      of the stalled ranks are also silent (no beat for more than :data:`_MIN_LAG_S`: stopped, or
-      holding the GIL), only those are named: the others are waiting for them in a collective.
-      When every stalled rank still beats, all are named: nothing tells which one waits for which.
+      of the stalled ranks are also silent (their beats stopped when their progress did, within
+      :data:`_MIN_LAG_S`: stopped, or holding the GIL), only those are named: the others are
+      waiting for them in a collective. When every stalled rank still beats, all are named:
+      nothing tells which one waits for which.
 
     Args:
         beats: from :func:`read_heartbeats`.
@@ -271,7 +283,9 @@ def to_stop(
         return {r: Verdict(round(waited, 1), "starting", never_beat=True) for r in missing}
     running = {r: b for r, b in beats.items() if r in alive and not b.exiting}
     stalled = {r: b for r, b in running.items() if now - b.moved > timeout_s}
-    silent = {r: b for r, b in stalled.items() if now - b.time > _MIN_LAG_S}
+    # silent: its beats stopped (about) when its progress did; a rank waiting in a collective beat
+    # on long after its progress stopped, even when its thread is late on a loaded machine
+    silent = {r: b for r, b in stalled.items() if now - b.time > max(_MIN_LAG_S, now - b.moved - _MIN_LAG_S)}
     return {r: Verdict(round(now - b.moved, 1), b.phase) for r, b in sorted((silent or stalled).items())}
 
 
