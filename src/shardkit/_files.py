@@ -1,5 +1,7 @@
 """Files a run writes for the user (reports, images): replaced atomically, never half-written;
-JSON with no ``NaN`` / ``Infinity`` tokens (they are not JSON: strict parsers refuse the file)."""
+JSON with no ``NaN`` / ``Infinity`` tokens (they are not JSON: strict parsers refuse the file);
+an export's output folder checked before anything is written (no torch: ``shardkit train``
+checks ``--save-hf`` before importing it)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["atomic_write", "finite_json"]
+from .errors import ShardkitError
+
+__all__ = ["atomic_write", "finite_json", "check_out_dir"]
 
 
 def _umask() -> int:
@@ -57,3 +61,20 @@ def finite_json(value: Any, where: str = "") -> tuple[Any, list[str]]:
             found += bad
         return items, found
     return value, found
+
+
+def check_out_dir(out_dir: str | os.PathLike, flag: str) -> None:
+    """Refuse an output directory an export would mix with other files (pure: the file system).
+
+    Raises:
+        ShardkitError: naming ``flag``: ``out_dir`` is empty text, a file, or a non-empty directory.
+    """
+    out = os.fspath(out_dir)
+    if not out.strip():
+        raise ShardkitError(f"{flag}: give a directory")
+    if os.path.islink(out) and not os.path.exists(out):
+        raise ShardkitError(f"{flag} {out!r} is a symbolic link to {os.readlink(out)!r}, which does not exist")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ShardkitError(f"{flag} {out!r} exists and is not a directory")
+    if os.path.isdir(out) and os.listdir(out):
+        raise ShardkitError(f"{flag} {out!r} is not empty; the export would mix with its files: choose a new directory")

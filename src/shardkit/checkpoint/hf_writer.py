@@ -40,7 +40,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .._files import check_out_dir  # torch-free: shardkit train checks --save-hf before import torch
 from ..errors import ShardkitError
+from .integrity import describe_nonfinite, nonfinite_keys
+from .lock import _start_time, holder_alive
 
 if TYPE_CHECKING:
     from torch import nn
@@ -85,23 +88,6 @@ def hf_description(
     source = model_path if model_path is not None else tokenizer
     path = None if source is None else str(Path(source).expanduser().resolve())
     return {"config": json.loads(config.to_json_string(use_diff=False)), "model_path": path}
-
-
-def check_out_dir(out_dir: str | os.PathLike, flag: str) -> None:
-    """Refuse an output directory an export would mix with other files (pure: the file system).
-
-    Raises:
-        ShardkitError: naming ``flag``: ``out_dir`` is empty text, a file, or a non-empty directory.
-    """
-    out = os.fspath(out_dir)
-    if not out.strip():
-        raise ShardkitError(f"{flag}: give a directory")
-    if os.path.islink(out) and not os.path.exists(out):
-        raise ShardkitError(f"{flag} {out!r} is a symbolic link to {os.readlink(out)!r}, which does not exist")
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise ShardkitError(f"{flag} {out!r} exists and is not a directory")
-    if os.path.isdir(out) and os.listdir(out):
-        raise ShardkitError(f"{flag} {out!r} is not empty; the export would mix with its files: choose a new directory")
 
 
 def _meta_model(config_dict: dict) -> Any:
@@ -168,8 +154,6 @@ def _write_tokenizer(out: str, tokenizer: Any, origin: str, name: str) -> None:
 def _remove_abandoned(parent: str, name: str) -> None:
     """Remove the partial directories of ``name`` that a killed export left in ``parent`` (its
     writer, recorded inside, is a process of this host that is gone); others' are left alone."""
-    from .lock import holder_alive
-
     prefix = f".{name}{_PARTIAL}"
     for entry in os.listdir(parent):
         path = os.path.join(parent, entry)
@@ -187,8 +171,6 @@ def _remove_abandoned(parent: str, name: str) -> None:
 @contextlib.contextmanager
 def _partial_dir(target: str) -> Iterator[str]:
     """A private directory beside ``target`` to write into, removed on leaving unless renamed."""
-    from .lock import _start_time
-
     parent, name = os.path.split(target)
     probe = parent
     while not os.path.lexists(probe):
@@ -254,8 +236,6 @@ def write_hf(out_dir: str | os.PathLike, tensors: dict[str, torch.Tensor], hf: d
             read-only, no space left, ...).
     """
     from safetensors import SafetensorError
-
-    from .integrity import describe_nonfinite, nonfinite_keys
 
     if not isinstance(hf, dict) or not isinstance(hf.get("config"), dict):
         raise ShardkitError(f"export: {origin} holds no Hugging Face config (a model with no Hugging Face form)")

@@ -34,22 +34,44 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace, world_size: int | None = None) -> TrainConfig:
     """Merge defaults, the TOML file and the flags; validate.
 
+    The checks that need no library module run first, before anything imports torch (issue
+    32): the ``--config`` file (keys and types), the options and the world's arithmetic
+    (:func:`~shardkit.train.layout.check_options`: degrees against ``--nproc``, the batch, the
+    output folders, ...), ``--tokenizer``'s files and the ``--data`` corpus (regular files, JSONL
+    lines, its size). Then the rest of :func:`~shardkit.train.config.validate_config` (the
+    schedule, the model's own rules, the mesh) and the machine's limits.
+
     Raises:
         ShardkitError: a bad file, option or layout.
     """
+    from ..train.config_file import load_toml, merge_config
+    from ..train.data import check_corpus
+    from ..train.layout import check_options
+    from ..train.model_names import model_facts
+    from ..train.pretrained import tokenizer_source
+
+    values = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
+    file_values = load_toml(args.config) if args.config else {}
+    checked = check_options(merge_config(file_values, values), world_size)
+    if checked.tokenizer is not None:
+        tokenizer_source(checked.tokenizer, "--tokenizer")  # a folder without tokenizer files: fails here
+    # A missing, unreadable, not regular or too short --data, or a bad JSONL line, fails here
+    # (stat and open only; a FIFO is never opened for reading blocking).
+    reads_corpus = model_facts(checked.model).reads_corpus
+    size = check_corpus(checked.data, checked.data_column, checked.seq_len) if reads_corpus else 0
+
+    # From here on the checks need the model specs, the mesh and the planner: they import torch.
     from ..train.checkpoint_dir import check_checkpoint_dir
-    from ..train.config import load_toml, merge_config, validate_config
-    from ..train.data import check_files, corpus_files, file_documents, held_out_start
+    from ..train.config import finish_config
+    from ..train.data import held_out_start
     from ..train.limits import check_machine
     from ..train.pretrained import load_text_tokenizer
     from ..train.specs import model_spec
     from ..train.tokens import check_checkpoint_tokenizer
 
-    values = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
-    file_values = load_toml(args.config) if args.config else {}
-    cfg = validate_config(merge_config(file_values, values), world_size)
+    cfg = finish_config(checked)
     # What this machine and its files allow, checked against the resolved layout: cores and
-    # memory, a --checkpoint-dir of this model's saves, readable regular --data files.
+    # memory, a --checkpoint-dir of this model's saves.
     check_machine(cfg, local_launch=world_size is None)
     resumed = check_checkpoint_dir(cfg)
     if resumed is not None and (world_size is None or int(os.environ.get("RANK", "0")) == 0):
@@ -57,19 +79,9 @@ def config_from_args(args: argparse.Namespace, world_size: int | None = None) ->
     if cfg.model_path is not None:
         check_checkpoint_tokenizer(cfg.model_path)  # a folder of weights alone: fails here, not in every worker
     if cfg.tokenizer is not None:
-        load_text_tokenizer(cfg.tokenizer, "--tokenizer")  # a folder without tokenizer files: fails here
+        load_text_tokenizer(cfg.tokenizer, "--tokenizer")  # files that transformers cannot load: fail here
     if not model_spec(cfg.model).reads_corpus:
         return cfg  # e.g. conv-ae: its data is matplotlib's sample photo, not a text corpus
-    # A missing, unreadable, not regular or too short --data fails here, before any process
-    # starts (stat and open only; a FIFO is never opened for reading blocking).
-    files = corpus_files(cfg.data)
-    check_files(files)
-    for f in files:  # a bad JSONL line or a Parquet file without pyarrow: fails here, naming it
-        if f.suffix.lower() in (".jsonl", ".parquet"):
-            file_documents(f, None, cfg.data_column)
-    size = sum(f.stat().st_size for f in files)
-    if size < cfg.seq_len:
-        raise ShardkitError(f"--data: the corpus has {size} bytes (tokens), fewer than --seq-len {cfg.seq_len}")
     if (
         cfg.eval_every and cfg.model_path is None and cfg.tokenizer is None
     ):  # byte tokens: the split is known before launch
@@ -79,11 +91,7 @@ def config_from_args(args: argparse.Namespace, world_size: int | None = None) ->
 
 def run_train(args: argparse.Namespace) -> int:
     """Run the ``train`` subcommand; return the process exit code."""
-    from ..checkpoint.lock import REPORT_LOCK, process_lock
-    from ..train.liveness import clear_flight_dir
-    from ..train.run import worker_main
-    from ..train.specs import model_spec
-    from .launch import exit_now, under_torchrun
+    from .launch import exit_now, under_torchrun  # no torch: the checks below come first
 
     torchrun = under_torchrun()
     try:
@@ -92,6 +100,8 @@ def run_train(args: argparse.Namespace) -> int:
         if getattr(args, "tokenizer", None):
             require(["transformers"], "shardkit train --tokenizer")
         cfg = config_from_args(args, int(os.environ["WORLD_SIZE"]) if torchrun else None)
+        from ..train.specs import model_spec
+
         spec = model_spec(cfg.model)  # a missing extra: one line, before any launch
         notes = check_train(spec.needs, f"shardkit train --model {spec.name}{spec.needs_why}", cfg.report)
     except ShardkitError as e:
@@ -99,6 +109,10 @@ def run_train(args: argparse.Namespace) -> int:
         return 2
     for note in notes:
         print(f"shardkit train: note: {note}", file=sys.stderr)
+    from ..checkpoint.lock import REPORT_LOCK, process_lock
+    from ..train.liveness import clear_flight_dir
+    from ..train.run import worker_main
+
     # --report DIR is locked like --checkpoint-dir (DIR/.report.lock) from before the launch to the
     # last file written: two jobs would interleave metrics.jsonl and overwrite report.json. The
     # launcher holds it; under torchrun, rank 0 (whose exit makes torchrun stop the others).

@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import torch
 
+# torch-free rules, where the launcher checks them before import torch (issue 32)
+from .._rules import batch_rule, pp_layers_rule, stage_heads_rule
 from ..context_parallel._sizes import _order
 from ..errors import ShardkitError
 from ..pipeline_parallel.tables import SCHEDULES as SCHEDULE_TABLES
-from ..tensor_parallel.check import tp_heads_rule
 
 __all__ = [
     "batch_rule",
@@ -54,14 +55,6 @@ def sequence_parallel_default(experts: bool, tp: int, pp_tp: tuple[int, ...] | N
     return not experts and tp > 1 and pp_tp is None
 
 
-def batch_rule(global_batch: int, dp: int, microbatches: int) -> str | None:
-    """Every data-parallel rank takes ``global_batch / dp`` rows, cut into ``microbatches``."""
-    if global_batch % (dp * microbatches):
-        what = f"dp={dp} x microbatches={microbatches}" if microbatches > 1 else f"dp={dp}"
-        return f"--batch-size {global_batch} (global) must be divisible by {what}"
-    return None
-
-
 def seq_len_rule(seq_len: int) -> str | None:
     """A next-token loss needs two tokens."""
     if seq_len < 2:
@@ -81,34 +74,6 @@ def cp_tokens_rule(seq_len: int, cp_ring: int, cp_ulysses: int) -> str | None:
             f"--seq-len {seq_len} with --cp-ring {cp_ring} --cp-ulysses {cp_ulysses}: every cp rank needs at least "
             f"one token (the smallest ring part has {smallest} tokens for {cp_ulysses} Ulysses rank(s))"
         )
-    return None
-
-
-def stage_heads_rule(heads: int, kv_heads: int, tp: int, cp: int, flag: str) -> str | None:
-    """Whole query heads on every tp rank (:func:`shardkit.tensor_parallel.check.tp_heads_rule`,
-    apply_tp's own rule); with cp, the same number of them on every tp rank.
-
-    Args:
-        heads: the model's query heads.
-        kv_heads: the model's key/value heads.
-        tp: the tp size of one stage.
-        cp: ``cp_ring x cp_ulysses``.
-        flag: how the message names this tp size (``--tp 4``, ``--pp-tp 2,1 (stage 0)``).
-    """
-    if (why := tp_heads_rule(heads, kv_heads, tp)) is not None:
-        return f"{flag}: {why}"
-    if tp > 1 and cp > 1 and (heads % tp or kv_heads % tp):
-        return (
-            f"{flag} with context parallelism: tp must divide num_attention_heads={heads} and "
-            f"num_key_value_heads={kv_heads} (whole query and key/value heads per rank)"
-        )
-    return None
-
-
-def pp_layers_rule(layers: int, pp: int) -> str | None:
-    """Every pipeline stage holds at least one decoder layer."""
-    if layers < pp:
-        return f"--pp {pp}: {layers} decoder layers cannot fill {pp} pipeline stages (need layers >= pp)"
     return None
 
 

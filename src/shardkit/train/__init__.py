@@ -2,7 +2,8 @@
 
 One rank's run (:mod:`.run`: mesh, parallelize, the step loop, the report dict) and the one
 ``train_step`` (:mod:`.trainer`); the options (:mod:`.options`), their checks (:mod:`.config`,
-the machine's limits :mod:`.limits`, the checkpoint directory :mod:`.checkpoint_dir`); the
+whose torch-free first half is :mod:`.config_file` and :mod:`.layout`; the machine's limits
+:mod:`.limits`, the checkpoint directory :mod:`.checkpoint_dir`); the
 model-spec registry (:mod:`.specs`: every ``--model``'s rules, model, task and parallelization)
 with the decoder LMs' hooks (:mod:`.lm_spec`, :mod:`.lm_families`, :mod:`.model`,
 :mod:`.pretrained`, :mod:`.lm_task`) and the conv autoencoder's (:mod:`.conv_spec`,

@@ -10,20 +10,15 @@ planner reads too.
 from __future__ import annotations
 
 import dataclasses
-import math
-import os
-import tomllib
-from dataclasses import fields
-from pathlib import Path
 
-from ..checkpoint.hf_writer import check_out_dir
 from ..errors import ShardkitError
 from ..parallelize.mixed_precision import check_mixed_precision
-from ..plan.rules import batch_rule, schedule_rule
+from ..plan.rules import schedule_rule
 from ..sharding import ParallelDims
-from .options import DTYPES, LR_SCHEDULES, SCHEDULES, SIZE_FLAGS, TrainConfig, parse_pp_tp
+from .config_file import load_toml, merge_config
+from .layout import check_options
+from .options import DTYPES, SCHEDULES, TrainConfig, parse_pp_tp
 from .pretrained import read_config
-from .schedule import FINETUNE_LR
 from .specs import MODELS, model_spec, spec_of_family
 
 __all__ = [
@@ -34,98 +29,19 @@ __all__ = [
     "load_toml",
     "merge_config",
     "validate_config",
+    "finish_config",
     "parse_pp_tp",
     "parallel_dims",
 ]
-
-MAX_SIZE = 2**31 - 1  # any size or count flag: beyond it no tensor dimension or rank count is meaningful
-MAX_SEED = 2**63 - 1  # torch's generators take a 64-bit seed; shardkit keeps it a non-negative int64
-MAX_TIMEOUT_S = 86400  # --timeout: a collective that waits a day for a rank is a hang, not a slow step
-# --timeout: starting a process group takes about 1 s here (forkserver, torch preloaded; 4-10 s with
-# spawn): below it every launch fails with the backend's raw "Wait timeout" before the first step
-MIN_TIMEOUT_S = 1.0
-# step counts and other counts: bounded like the sizes (an int32 count; beyond it no run ends)
-COUNT_FLAGS = ("steps", "save_every", "keep", "eval_every", "eval_batches", "log_every", "skip_nonfinite")
-
-_FIELDS = {f.name: f for f in fields(TrainConfig)}
-_TYPES = {"int": int, "float": (int, float), "str": str, "bool": bool}
-
-
-def _type_name(field) -> str:
-    return str(field.type).split(" ")[0]  # "int | None" -> "int"
-
-
-def load_toml(path: str | Path) -> dict:
-    """Read a TOML file of ``shardkit train`` options (keys are option names with underscores).
-
-    Raises:
-        ShardkitError: the file is missing or not valid TOML, has an unknown key or a value of
-            the wrong type.
-    """
-    try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except OSError as e:
-        raise ShardkitError(f"--config: cannot read {path}: {e.strerror}") from e
-    except UnicodeDecodeError as e:  # tomllib decodes the bytes itself, outside TOMLDecodeError
-        raise ShardkitError(f"--config: {path} is not valid TOML: not UTF-8 text ({e.reason} at byte {e.start})") from e
-    except tomllib.TOMLDecodeError as e:
-        raise ShardkitError(f"--config: {path} is not valid TOML: {e}") from e
-    for key, value in data.items():
-        if key not in _FIELDS or key == "config":
-            known = ", ".join(k for k in _FIELDS if k != "config")
-            raise ShardkitError(f"--config: unknown key {key!r} in {path} (known keys: {known})")
-        want = _TYPES[_type_name(_FIELDS[key])]
-        if isinstance(value, bool) and want is not bool or not isinstance(value, want):
-            raise ShardkitError(f"--config: {key} in {path} must be {_type_name(_FIELDS[key])}, got {value!r}")
-    return data
-
-
-def merge_config(file_values: dict, cli_values: dict) -> TrainConfig:
-    """Defaults, overridden by ``file_values``, overridden by the flags that were given.
-
-    Args:
-        file_values: keys/values from :func:`load_toml` (may be empty).
-        cli_values: parsed flags; a value of None means "not given on the command line".
-    """
-    merged = {**file_values, **{k: v for k, v in cli_values.items() if v is not None and k in _FIELDS}}
-    return dataclasses.replace(TrainConfig(), **merged)
-
-
-def _check_writable(flag: str, folder: str) -> None:
-    """``folder`` exists as a writable directory, or can be created (checked before launch, so a
-    run never trains for nothing and then fails to write its results)."""
-    probe = os.path.abspath(folder)
-    while not os.path.exists(probe):
-        parent = os.path.dirname(probe)
-        if parent == probe:
-            break
-        probe = parent
-    if not os.path.isdir(probe):
-        raise ShardkitError(f"{flag} {folder}: {probe} exists and is not a directory")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise ShardkitError(f"{flag} {folder}: {probe} is not writable")
-
-
-def _default_tp(cfg: TrainConfig) -> int:
-    if cfg.tp is not None:
-        return cfg.tp
-    plain = cfg.pp == 1 and cfg.cp_size == 1 and cfg.pp_tp is None
-    return model_spec(cfg.model).default_tp if plain else 1
-
-
-def _model_ranks(cfg: TrainConfig) -> int:
-    """Ranks of one data-parallel replica (every degree but dp_replicate)."""
-    if cfg.pp_tp is not None:
-        return sum(parse_pp_tp(cfg.pp_tp))
-    return cfg.pp * cfg.cp_size * cfg.tp * cfg.spatial_h * cfg.spatial * cfg.dp_shard
 
 
 def validate_config(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
     """Check a configuration before launching; return it with every degree resolved.
 
     Only real limits are refused (each with its reason; the README lists them). Every check is
-    pure, so a bad layout fails in the launching process before any worker starts.
+    pure, so a bad layout fails in the launching process before any worker starts: first
+    :func:`.layout.check_options` (no torch), then mixed precision, the pipeline schedule, the
+    model's own rules and the mesh.
 
     Args:
         cfg: the merged configuration.
@@ -135,113 +51,25 @@ def validate_config(cfg: TrainConfig, world_size: int | None = None) -> TrainCon
     Raises:
         ShardkitError: with a message naming the options at fault.
     """
-    if world_size is not None:
-        if cfg.nproc not in (None, world_size):
-            raise ShardkitError(f"--nproc {cfg.nproc} does not match the torchrun world size {world_size}")
-        cfg = dataclasses.replace(cfg, nproc=world_size)
-    model_spec(cfg.model)  # a registered model
-    if cfg.dp is not None:
-        if cfg.dp_replicate not in (None, cfg.dp):
-            raise ShardkitError(f"--dp {cfg.dp} and --dp-replicate {cfg.dp_replicate}: --dp is an alias, give one")
-        cfg = dataclasses.replace(cfg, dp_replicate=cfg.dp, dp=None)
-    if cfg.pp_tp is not None:
-        sizes = parse_pp_tp(cfg.pp_tp)
-        if cfg.tp is not None:
-            raise ShardkitError(f"--tp {cfg.tp} with --pp-tp {cfg.pp_tp}: give the stage tp sizes once (--pp-tp)")
-        if cfg.pp not in (1, len(sizes)):
-            raise ShardkitError(f"--pp {cfg.pp} but --pp-tp {cfg.pp_tp} lists {len(sizes)} stages")
-        cfg = dataclasses.replace(cfg, pp=len(sizes), pp_tp=",".join(map(str, sizes)))
-    cfg = dataclasses.replace(cfg, tp=_default_tp(cfg))
-    for name in (
-        "tp",
-        "pp",
-        "cp_ulysses",
-        "cp_ring",
-        "dp_shard",
-        "ep",
-        "spatial",
-        "spatial_h",
-        "microbatches",
-        "steps",
-        "batch_size",
-    ):
-        if getattr(cfg, name) < 1:
-            raise ShardkitError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
-    for name in ("nproc", "dp_replicate"):
-        if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
-            raise ShardkitError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
-    for name in (*SIZE_FLAGS, *COUNT_FLAGS):  # a sanity bound; train/limits.py checks what this machine can hold
-        if getattr(cfg, name) is not None and getattr(cfg, name) > MAX_SIZE:
-            raise ShardkitError(f"--{name.replace('_', '-')} must be <= 2**31 - 1, got {getattr(cfg, name)}")
-    if cfg.lr is None:
-        cfg = dataclasses.replace(cfg, lr=FINETUNE_LR if cfg.model_path is not None else 1e-3)
-    if not math.isfinite(cfg.lr) or cfg.lr <= 0:
-        raise ShardkitError(f"--lr must be a finite number > 0, got {cfg.lr}")
-    if not 0 <= cfg.seed <= MAX_SEED:
-        raise ShardkitError(f"--seed must be in [0, 2**63 - 1], got {cfg.seed}")
-    if cfg.skip_nonfinite < 0:
-        raise ShardkitError(f"--skip-nonfinite must be >= 0, got {cfg.skip_nonfinite}")
-    if not math.isfinite(cfg.timeout) or not MIN_TIMEOUT_S <= cfg.timeout <= MAX_TIMEOUT_S:
-        raise ShardkitError(
-            f"--timeout must be a finite number of seconds in [{MIN_TIMEOUT_S:g}, {MAX_TIMEOUT_S}], got {cfg.timeout} "
-            f"(a process group takes about {MIN_TIMEOUT_S:g} s to start: a shorter timeout fails every launch)"
-        )
-    if cfg.lr_schedule is None:
-        cfg = dataclasses.replace(cfg, lr_schedule="warmup-cosine" if cfg.model_path is not None else "constant")
-    if cfg.lr_schedule not in LR_SCHEDULES:
-        raise ShardkitError(f"--lr-schedule must be one of {', '.join(LR_SCHEDULES)}, got {cfg.lr_schedule!r}")
-    if cfg.eval_every < 0 or cfg.eval_batches < 1:
-        raise ShardkitError(
-            f"--eval-every must be >= 0 (0: no validation) and --eval-batches >= 1, got {cfg.eval_every} "
-            f"and {cfg.eval_batches}"
-        )
-    if cfg.eval_every and not model_spec(cfg.model).reads_corpus:
-        raise ShardkitError(
-            f"--eval-every: --model {cfg.model} trains on no text corpus, so there is no held-out split"
-        )
-    if cfg.log_every is not None and cfg.log_every < 1:
-        raise ShardkitError(f"--log-every must be >= 1 (steps between log lines), got {cfg.log_every}")
-    if cfg.save_every < 0:
-        raise ShardkitError(f"--save-every must be >= 0, got {cfg.save_every}")
-    if cfg.resume and cfg.resume_from is not None:
-        raise ShardkitError(
-            f"--resume and --resume-from {cfg.resume_from!r}: give one (--resume: the latest save in "
-            "--checkpoint-dir; --resume-from: that save)"
-        )
-    if cfg.resume_from is not None and not cfg.resume_from.strip():
-        raise ShardkitError("--resume-from: give a checkpoint directory or one save's directory")
-    if (cfg.resume or cfg.save_every) and cfg.checkpoint_dir is None:
-        raise ShardkitError("--resume and --save-every need --checkpoint-dir DIR")
-    if cfg.keep is not None and (cfg.keep < 1 or cfg.checkpoint_dir is None):
-        raise ShardkitError(f"--keep must be >= 1 (complete saves kept) and needs --checkpoint-dir, got {cfg.keep}")
-    for flag, folder in (("--report", cfg.report), ("--checkpoint-dir", cfg.checkpoint_dir)):
-        if folder is not None:
-            _check_writable(flag, folder)
-    if cfg.save_hf is not None:
-        if model_spec(cfg.model).family is None:
-            raise ShardkitError(f"--save-hf: --model {cfg.model} has no Hugging Face form")
-        check_out_dir(cfg.save_hf, "--save-hf")
-        _check_writable("--save-hf", cfg.save_hf)
-    if cfg.max_norm is not None and not (math.isfinite(cfg.max_norm) and cfg.max_norm >= 0):
-        raise ShardkitError(f"--max-norm must be a finite number >= 0 (0: no clipping), got {cfg.max_norm}")
-    if cfg.max_norm == 0:
-        cfg = dataclasses.replace(cfg, max_norm=None)
-    if cfg.dtype not in DTYPES:
-        raise ShardkitError(f"--dtype must be one of {', '.join(DTYPES)}, got {cfg.dtype!r}")
+    return finish_config(check_options(cfg, world_size))
+
+
+def finish_config(cfg: TrainConfig) -> TrainConfig:
+    """The second half of :func:`validate_config`, on a configuration that passed
+    :func:`.layout.check_options` (the command line runs that half before importing torch): mixed
+    precision, the pipeline schedule, the model's own rules (heads,
+    layers, ...) and the mesh.
+
+    Raises:
+        ShardkitError: with a message naming the options at fault.
+    """
     check_mixed_precision(cfg.mixed_precision, "--mixed-precision")
     if cfg.mixed_precision != "none" and cfg.dtype != "float32":
         raise ShardkitError(
             f"--mixed-precision {cfg.mixed_precision} keeps float32 master parameters and computes in bfloat16: "
             f"it needs --dtype float32, got --dtype {cfg.dtype}"
         )
-    if cfg.schedule not in SCHEDULES:
-        raise ShardkitError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {cfg.schedule!r}")
-    if cfg.tokenizer is not None and cfg.model_path is not None:
-        raise ShardkitError("--tokenizer with --model-path: the checkpoint encodes --data with its own tokenizer")
-    if cfg.tokenizer is not None and not model_spec(cfg.model).reads_corpus:
-        raise ShardkitError(f"--tokenizer with --model {cfg.model}: this model reads no text corpus")
     _check_schedule(cfg)
-    cfg = _resolve_world(cfg)
     if cfg.model_path is not None and model_spec(cfg.model).family is not None:
         # the checkpoint's family decides the model (read_config refuses unsupported ones)
         cfg = dataclasses.replace(cfg, model=spec_of_family(read_config(cfg.model_path).model_type).name)
@@ -251,26 +79,12 @@ def validate_config(cfg: TrainConfig, world_size: int | None = None) -> TrainCon
 
 
 def _check_schedule(cfg: TrainConfig) -> None:
-    """The pipeline schedule's own limits on ``--pp``, ``--virtual-stages`` and ``--microbatches``
-    (the table function's refusal, named with the flags), and what runs only one chunk per rank."""
+    """The pipeline schedule's own limits on ``--pp``, ``--virtual-stages``, ``--microbatches`` and
+    the layers (the table function's refusal, named with the flags); the rules of the flags alone
+    ran before (:func:`.layout.check_options`)."""
     v, pp = cfg.virtual_stages, len(cfg.stage_tp_sizes) if cfg.pp_tp is not None else cfg.pp
-    if not isinstance(v, int) or v < 1:
-        raise ShardkitError(f"--virtual-stages must be an int >= 1, got {v!r}")
-    simple = v == 1 and cfg.schedule in ("1f1b", "gpipe")
     if pp == 1:
-        if not simple:
-            raise ShardkitError(f"--schedule {cfg.schedule} --virtual-stages {v} need a pipeline (--pp > 1)")
         return
-    if cfg.checks and not simple:
-        raise ShardkitError(
-            f"--checks with --schedule {cfg.schedule} --virtual-stages {v}: the P2P check mode's hellos wait for "
-            "the peer, which chunked schedules cannot (their sends must not block); use 1f1b or gpipe with "
-            "--virtual-stages 1 under --checks"
-        )
-    if cfg.pp_tp is not None and not simple:
-        raise ShardkitError(
-            f"--pp-tp stages run --schedule 1f1b or gpipe with --virtual-stages 1, got {cfg.schedule} with {v}"
-        )
     # the planner's rule (plan/rules.py), equal to what the table functions refuse; a pretrained
     # model's layer count is checked when its stages are cut (chunk_layers)
     # layers vs chunks only for v > 1 (one chunk per rank: the pipeline's own layer rule, later)
@@ -278,31 +92,6 @@ def _check_schedule(cfg: TrainConfig) -> None:
     why = schedule_rule(cfg.schedule, pp, v, cfg.microbatches, layers)
     if why is not None:
         raise ShardkitError(why)
-
-
-def _resolve_world(cfg: TrainConfig) -> TrainConfig:
-    """nproc and dp_replicate from each other (one of them may be unset)."""
-    ranks = _model_ranks(cfg)
-    dims = (
-        f"pp_tp={cfg.pp_tp} (sum {ranks})"
-        if cfg.pp_tp is not None
-        else f"pp={cfg.pp} x cp={cfg.cp_size} x tp={cfg.tp} x spatial={cfg.spatial_h * cfg.spatial} "
-        f"x dp_shard={cfg.dp_shard} = {ranks}"
-    )
-    if cfg.dp_replicate is None:
-        nproc = cfg.nproc if cfg.nproc is not None else max(model_spec(cfg.model).min_nproc, ranks)
-        if nproc % ranks:
-            raise ShardkitError(f"layout {dims} ranks must divide --nproc {nproc} (dp_replicate = nproc // that)")
-        cfg = dataclasses.replace(cfg, nproc=nproc, dp_replicate=nproc // ranks)
-    nproc = cfg.dp_replicate * ranks
-    if cfg.nproc is not None and cfg.nproc != nproc:
-        raise ShardkitError(
-            f"layout {dims} x dp_replicate={cfg.dp_replicate} = {nproc} ranks, but --nproc is {cfg.nproc}"
-        )
-    cfg = dataclasses.replace(cfg, nproc=nproc)
-    if (why := batch_rule(cfg.batch_size, cfg.dp_replicate * cfg.dp_shard, cfg.microbatches)) is not None:
-        raise ShardkitError(why)
-    return cfg
 
 
 def parallel_dims(cfg: TrainConfig) -> ParallelDims:

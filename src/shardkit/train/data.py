@@ -14,16 +14,22 @@ import json
 import os
 import stat
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from ..errors import ShardkitError
+
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported inside the functions that make tensors: the file checks here (paths, regular
+# files, JSONL lines) run in the launcher before `import torch` (issue 32), so a bad --data fails fast.
 
 __all__ = [
     "VOCAB_SIZE",
     "stdlib_files",
     "corpus_files",
     "check_files",
+    "check_corpus",
     "read_regular",
     "read_documents",
     "file_documents",
@@ -120,6 +126,25 @@ def check_files(files: list[Path]) -> None:
         os.close(_open_regular(f))
 
 
+def check_corpus(path: str | None, column: str, seq_len: int) -> int:
+    """The ``--data`` corpus as the launcher checks it (stat, open and JSONL/Parquet parsing only,
+    no torch): every file regular and readable, every ``*.jsonl`` line and ``*.parquet`` row a
+    document with ``column``, at least ``seq_len`` bytes in all. Returns that byte count.
+
+    Raises:
+        ShardkitError: naming the file (and line) or the sizes at fault.
+    """
+    files = corpus_files(path)
+    check_files(files)
+    for f in files:  # a bad JSONL line or a Parquet file without pyarrow: fails here, naming it
+        if f.suffix.lower() in (".jsonl", ".parquet"):
+            file_documents(f, None, column)
+    size = sum(f.stat().st_size for f in files)
+    if size < seq_len:
+        raise ShardkitError(f"--data: the corpus has {size} bytes (tokens), fewer than --seq-len {seq_len}")
+    return size
+
+
 def read_regular(path: Path, limit: int | None = None) -> bytes:
     """The first ``limit`` bytes of ``path`` (None: all), read only if it is a regular file.
 
@@ -212,6 +237,8 @@ def load_tokens(files: list[Path], max_bytes: int | None = None) -> torch.Tensor
     Raises:
         ShardkitError: a file is not a regular readable file (:func:`read_regular`).
     """
+    import torch
+
     buf = bytearray(b"".join(read_documents(files, max_bytes)))
     if not buf:
         return torch.empty(0, dtype=torch.uint8)
@@ -235,6 +262,8 @@ class BatchSampler:
     """
 
     def __init__(self, tokens: torch.Tensor, seq_len: int, batch_size: int, seed: int) -> None:
+        import torch
+
         if tokens.numel() < seq_len:
             raise ShardkitError(f"--data: the corpus has {tokens.numel()} tokens, fewer than --seq-len {seq_len}")
         self.tokens, self.seq_len, self.batch_size = tokens, seq_len, batch_size
@@ -243,6 +272,8 @@ class BatchSampler:
 
     def next_batch(self) -> torch.Tensor:
         """The next global batch: ``[B, S]`` int64 token ids."""
+        import torch
+
         starts = torch.randint(0, self.tokens.numel() - self.seq_len + 1, (self.batch_size,), generator=self.gen)
         return self.tokens[starts[:, None] + self._offsets].long()
 
@@ -281,6 +312,8 @@ class HeldOutBatches:
 
     def batches(self) -> list[torch.Tensor]:
         """``K`` batches ``[B, S]`` of int64 ids."""
+        import torch
+
         windows = self.count * self.batch_size
         last = self.tokens.numel() - self.seq_len  # the last start of a whole window
         starts = torch.arange(windows, dtype=torch.int64) * last // max(1, windows - 1)

@@ -8,7 +8,6 @@ which the hooks take as an argument.
 from __future__ import annotations
 
 import dataclasses
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -22,15 +21,14 @@ from ..plan.rules import (
     cp_tokens_rule,
     ep_rule,
     lm_spatial_rule,
-    pp_layers_rule,
     seq_len_rule,
     sequence_parallel_default,
     sp_pp_tp_rule,
-    stage_heads_rule,
 )
 from .attention import mask_free_sdpa
 from .corpus import Corpus, shared_corpus
 from .data import BatchSampler, HeldOutBatches, held_out_start
+from .layout import SHAPE_FLAGS, check_model_shape
 from .lm_families import LMFamily
 from .lm_task import LMTask, PackedSampler
 from .model import build_model
@@ -40,7 +38,6 @@ from .trainer import LossScale
 
 __all__ = ["validate_lm", "build_lm", "lm_task", "parallelize_lm", "describe_lm"]
 
-_SIZES = ("hidden_size", "layers", "heads", "kv_heads", "intermediate_size")
 _HF_SIZES = (
     "model_type",
     "hidden_size",
@@ -99,32 +96,13 @@ def validate_lm(cfg: TrainConfig, family: LMFamily) -> TrainConfig:
 
 
 def _validate_shape(cfg: TrainConfig) -> None:
-    """Head counts and layers of the model against the layout."""
+    """A checkpoint's head counts and layers against the layout (the built-in model's, from the
+    flags, were checked by :func:`.layout.check_options`, before import torch)."""
     if cfg.model_path is None:
-        for name in _SIZES:
-            if getattr(cfg, name) < 1:
-                raise ShardkitError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
-        if cfg.hidden_size % cfg.heads or cfg.heads % cfg.kv_heads:
-            raise ShardkitError(
-                f"--hidden-size {cfg.hidden_size} must be divisible by --heads {cfg.heads}, and --heads by "
-                f"--kv-heads {cfg.kv_heads}"
-            )
-        model_config = SimpleNamespace(
-            num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads, num_hidden_layers=cfg.layers
-        )
-    else:
-        model_config = read_config(cfg.model_path)
-    n_q = model_config.num_attention_heads
-    n_kv = getattr(model_config, "num_key_value_heads", None) or n_q
-    for s, t in enumerate(cfg.stage_tp_sizes):
-        flag = f"--pp-tp {cfg.pp_tp} (stage {s})" if cfg.pp_tp is not None else f"--tp {t}"
-        _raise(stage_heads_rule(n_q, n_kv, t, cfg.cp_size, flag))
-    _raise(pp_layers_rule(model_config.num_hidden_layers, cfg.pp))
-    if cfg.pp * cfg.virtual_stages > model_config.num_hidden_layers:
-        raise ShardkitError(
-            f"--pp {cfg.pp} --virtual-stages {cfg.virtual_stages}: {model_config.num_hidden_layers} decoder layers "
-            f"cannot fill {cfg.pp * cfg.virtual_stages} chunks (need layers >= pp x virtual stages)"
-        )
+        return
+    config = read_config(cfg.model_path)
+    n_q = config.num_attention_heads
+    check_model_shape(cfg, n_q, getattr(config, "num_key_value_heads", None) or n_q, config.num_hidden_layers)
 
 
 def build_lm(cfg: TrainConfig, family: LMFamily) -> nn.Module:
@@ -203,7 +181,7 @@ def describe_lm(cfg: TrainConfig, family: LMFamily) -> dict:
         return {
             "config": {k: getattr(config, k) for k in _HF_SIZES if isinstance(getattr(config, k, None), (int, str))}
         }
-    out = {k: getattr(cfg, k) for k in _SIZES}
+    out = {k: getattr(cfg, k) for k in SHAPE_FLAGS}
     if family.experts:
         out["experts"] = cfg.experts
     return out

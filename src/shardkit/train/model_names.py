@@ -6,9 +6,12 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import MappingProxyType
 
-__all__ = ["MODEL_SUMMARIES"]
+from ..errors import ShardkitError
+
+__all__ = ["MODEL_SUMMARIES", "MODEL_FACTS", "ModelFacts", "model_facts"]
 
 MODEL_SUMMARIES = MappingProxyType(
     {
@@ -21,3 +24,39 @@ MODEL_SUMMARIES = MappingProxyType(
     }
 )
 """``--model`` name -> its summary (``--help``), in the order ``--help`` lists them."""
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the launcher's pure checks need of a ``--model`` (its spec's fields of the same names).
+
+    Attributes:
+        reads_corpus: trains on the text corpus (``--data``), read and checked before launch.
+        default_tp: the tp size when ``--tp`` is not given, without pp, cp or ``--pp-tp``.
+        min_nproc: the ranks a run without ``--nproc`` starts at least (data parallelism fills them).
+        decoder: a decoder LM (the spec's ``family`` is not None): without ``--model-path`` its
+            shape flags (``--hidden-size``, ``--heads``, ``--kv-heads``, ``--layers``) meet the layout.
+    """
+
+    reads_corpus: bool = True
+    default_tp: int = 2
+    min_nproc: int = 4
+    decoder: bool = True
+
+
+MODEL_FACTS = MappingProxyType(
+    {name: ModelFacts(False, 1, 1, decoder=False) if name == "conv-ae" else ModelFacts() for name in MODEL_SUMMARIES}
+)
+"""``--model`` name -> its :class:`ModelFacts`, here so that the launcher checks the layout and
+``--data`` before importing torch (issue 32); :mod:`.specs` copies them into each spec."""
+
+
+def model_facts(name: str) -> ModelFacts:
+    """The facts of ``--model name``.
+
+    Raises:
+        ShardkitError: not a registered model (the message lists them).
+    """
+    if name not in MODEL_FACTS:
+        raise ShardkitError(f"--model must be one of {', '.join(MODEL_FACTS)}, got {name!r}")
+    return MODEL_FACTS[name]

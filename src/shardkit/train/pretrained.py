@@ -20,10 +20,12 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from ..errors import ShardkitError
+
+if TYPE_CHECKING:  # no torch at import: the launcher checks --tokenizer's files before it (issue 32)
+    import torch
 
 __all__ = [
     "FAMILIES",
@@ -254,9 +256,9 @@ def load_text_tokenizer(path: str | Path, flag: str):
     Raises:
         ShardkitError: as :func:`tokenizer_source`; transformers cannot load it (named with ``flag``).
     """
+    source = tokenizer_source(path, flag)  # the files first: a missing one fails before transformers and torch
     from transformers import AutoTokenizer
 
-    source = tokenizer_source(path, flag)
     try:
         return AutoTokenizer.from_pretrained(source.directory, **source.kwargs())
     except (OSError, ValueError, KeyError, TypeError) as e:

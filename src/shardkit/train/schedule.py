@@ -17,15 +17,10 @@ import torch
 from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, LRScheduler, SequentialLR
 
 from ..errors import ShardkitError
+from .options import FINETUNE_LR  # where the launcher's torch-free checks read it
 
 __all__ = ["FINETUNE_LR", "MIN_LR_RATIO", "default_warmup_steps", "warmup_cosine"]
 
-# Peak AdamW rate for fine-tuning a pretrained checkpoint, the upper end of the usual 1e-5..1e-4
-# so that a short run visibly learns. Measured on SmolLM2-135M-Instruct (stdlib corpus in its own
-# tokens, float32, 20 steps of 4 x 32 tokens, the same batches for both, benchmarks/finetune_lr.py):
-# this schedule at 1e-4 had a lower training loss than a constant 1e-3 at each of steps 2-20
-# (mean 3.55 vs 4.41; steps 16-20 mean 3.30 vs 4.22, from 3.87 at step 1).
-FINETUNE_LR = 1e-4
 # The cosine ends at this fraction of the peak rate (not 0: the last steps still learn).
 MIN_LR_RATIO = 0.1
 

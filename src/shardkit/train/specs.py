@@ -26,7 +26,7 @@ from .conv_ae import CROP
 from .conv_spec import build_conv, conv_outputs, conv_task, parallelize_conv_ae, validate_conv
 from .lm_families import DEEPSEEK_V2, LLAMA, QWEN2, QWEN3, QWEN3_MOE, LMFamily
 from .lm_spec import build_lm, describe_lm, lm_task, parallelize_lm, validate_lm
-from .model_names import MODEL_SUMMARIES
+from .model_names import MODEL_FACTS, MODEL_SUMMARIES, model_facts
 from .options import TrainConfig
 
 __all__ = ["ModelSpec", "SPECS", "MODELS", "model_spec", "spec_of_family"]
@@ -95,6 +95,9 @@ def _decoder(name: str, family: LMFamily) -> ModelSpec:
         parallelize=parallelize_lm,
         describe=partial(describe_lm, family=family),
         sample_size=lambda cfg: cfg.seq_len,
+        reads_corpus=MODEL_FACTS[name].reads_corpus,
+        default_tp=MODEL_FACTS[name].default_tp,
+        min_nproc=MODEL_FACTS[name].min_nproc,
     )
 
 
@@ -116,10 +119,10 @@ SPECS = MappingProxyType(
             describe=lambda cfg: {},
             sample_size=lambda cfg: CROP[0] * CROP[1],
             unit=("px", "pixels"),
-            reads_corpus=False,
+            reads_corpus=MODEL_FACTS["conv-ae"].reads_corpus,
             planned=False,
-            default_tp=1,
-            min_nproc=1,
+            default_tp=MODEL_FACTS["conv-ae"].default_tp,
+            min_nproc=MODEL_FACTS["conv-ae"].min_nproc,
             outputs=conv_outputs,
             needs=("matplotlib",),
             needs_why=" (its sample photo)",
@@ -135,8 +138,7 @@ def model_spec(name: str) -> ModelSpec:
     Raises:
         ShardkitError: not a registered model (the message lists them).
     """
-    if name not in SPECS:
-        raise ShardkitError(f"--model must be one of {', '.join(MODELS)}, got {name!r}")
+    model_facts(name)  # a registered name, or the error listing them
     return SPECS[name]
 
 
