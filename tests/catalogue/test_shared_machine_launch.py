@@ -30,7 +30,8 @@ from shardkit import ShardkitError
 from shardkit._local_world import init_local_world, loopback_interface, private_run_dir
 from shardkit.cli.launch import launch_local
 from shardkit.train.config import TrainConfig, validate_config
-from shardkit.train.liveness import Beat, clear_flight_dir, read_heartbeats, stalled_ranks, to_stop
+from shardkit.train.liveness import Beat, clear_flight_dir, read_heartbeats
+from shardkit.train.watchdog import stalled_ranks, to_stop
 
 # --- row 1: nothing listens beyond loopback ----------------------------------------------------
 

@@ -18,8 +18,9 @@ import pytest
 
 from shardkit._local_world import private_run_dir
 from shardkit.cli.launch import LaunchFailed, launch_local
-from shardkit.train import liveness
-from shardkit.train.liveness import Beat, Heartbeat, read_heartbeats, set_phase, to_stop
+from shardkit.train import liveness, watchdog
+from shardkit.train.liveness import Beat, Heartbeat, read_heartbeats, set_phase
+from shardkit.train.watchdog import to_stop
 
 TIMEOUT_S = 3.0
 SLACK_S = 12.0  # the watchdog's two checks, the agent stopping the others, a loaded machine
@@ -71,7 +72,7 @@ def test_a_rank_that_never_beat_is_named_not_the_one_waiting_for_it():
         stop[1].describe(1) == "shardkit's watchdog stopped rank 1: rank 1 sent no heartbeat in 40 s (phase starting)"
     )
     # not before FIRST_BEAT_S (or --timeout, if longer): a worker's start-up imports torch
-    assert 1 not in to_stop(beats, {0}, now=1000.0 + liveness.FIRST_BEAT_S - 1, timeout_s=5, nproc=2, started=1000.0)
+    assert 1 not in to_stop(beats, {0}, now=1000.0 + watchdog.FIRST_BEAT_S - 1, timeout_s=5, nproc=2, started=1000.0)
 
 
 def _next_beat(directory: str, rank: int, after: float) -> Beat:
@@ -186,7 +187,7 @@ def rank_one_never_beats(flight: str) -> None:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_a_rank_that_never_sent_a_heartbeat_is_named(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(liveness, "FIRST_BEAT_S", 20.0)  # the launcher's side: rank 0 beats by then
+    monkeypatch.setattr(watchdog, "FIRST_BEAT_S", 20.0)  # the launcher's side: rank 0 beats by then
     with pytest.raises(LaunchFailed) as info, private_run_dir() as run_dir:
         launch_local(
             2, rank_one_never_beats, str(tmp_path), run_dir=run_dir, heartbeats=str(tmp_path), timeout_s=TIMEOUT_S

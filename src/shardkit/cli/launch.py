@@ -33,7 +33,8 @@ from typing import Any, NoReturn
 
 from .._local_world import no_shared_tcp_store, private_temp
 from .._quiet import quiet_third_party
-from ..train.liveness import Watchdog, read_heartbeats, stalled_ranks
+from ..train.liveness import read_heartbeats
+from ..train.watchdog import Watchdog, stalled_ranks
 
 __all__ = [
     "under_torchrun",
@@ -106,9 +107,9 @@ def format_failures(err, stalled: dict[int, float] | None = None, stopped: dict[
     Args:
         err: a ``torch.distributed.elastic.multiprocessing.errors.ChildFailedError``.
         stalled: ``{rank: seconds its last heartbeat lags the newest}``
-            (:func:`shardkit.train.liveness.stalled_ranks`); None or empty: no rank went quiet.
+            (:func:`shardkit.train.watchdog.stalled_ranks`); None or empty: no rank went quiet.
         stopped: ``{rank: the watchdog's announcement}`` of the ranks it killed
-            (:class:`shardkit.train.liveness.Watchdog`): named first, with why; their ``-9`` is
+            (:class:`shardkit.train.watchdog.Watchdog`): named first, with why; their ``-9`` is
             not a crash (nor an out-of-memory kill).
     """
     stopped = stopped or {}
@@ -210,7 +211,7 @@ def launch_local(
             with :func:`init_local_world` (``run_dir`` is passed to it in ``args``).
         run_dir: a :func:`shardkit._local_world.private_run_dir`: the rendezvous store lives in it.
         heartbeats: the directory the ranks beat into (:class:`shardkit.train.liveness.Heartbeat`), if they do:
-            a :class:`shardkit.train.liveness.Watchdog` kills a rank that went silent while the job runs, and
+            a :class:`shardkit.train.watchdog.Watchdog` kills a rank that went silent while the job runs, and
             after a failure the ranks that stopped answering are named first as the suspects.
         timeout_s: the ranks' process-group timeout (seconds), which the silences are measured against.
 
