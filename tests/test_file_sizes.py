@@ -10,6 +10,7 @@ LIMIT, SOFT = 400, 300
 
 # file -> why it is one piece (the algorithm would be split across files, not made simpler).
 COHESIVE = {
+    "src/shardkit/train/data.py": "the training data: files, their documents (text, JSONL, Parquet), tokens, samplers",
     "src/shardkit/pipeline_parallel/hf_decoder.py": "HF decoder as stages: cut, chunks, forward",
     "src/shardkit/pipeline_parallel/runner.py": "the one-chunk runner: stage plans, tp-group transport",
     "src/shardkit/plan/collectives.py": "the collectives of one step per axis, the rows the ledger test holds equal",
