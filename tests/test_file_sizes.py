@@ -14,7 +14,6 @@ COHESIVE = {
     "src/shardkit/pipeline_parallel/hf_decoder.py": "HF decoder as stages: cut, chunks, forward",
     "src/shardkit/pipeline_parallel/runner.py": "the one-chunk runner: stage plans, tp-group transport",
     "src/shardkit/plan/collectives.py": "the collectives of one step per axis, the rows the ledger test holds equal",
-    "src/shardkit/train/config.py": "shardkit train's options checked before launch: one rule per flag group",
     "src/shardkit/cli/plan.py": "shardkit plan: flags, the ranked table, --json, the plot and --dry-run",
     "src/shardkit/spatial/pool.py": "max/avg pooling over halo'd tiles: one window rule, forward and its exact adjoint",
     "src/shardkit/spatial/modules.py": "the nn.Conv*d subclasses: one mixin, its 1-D/2-D/3-D and ring variants",
