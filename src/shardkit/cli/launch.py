@@ -33,7 +33,8 @@ from typing import Any, NoReturn
 
 from .._local_world import no_shared_tcp_store, private_temp
 from .._quiet import quiet_third_party
-from ..train.liveness import Watchdog, read_heartbeats, stalled_ranks
+from ..train.liveness import read_heartbeats
+from ..train.watchdog import Watchdog, stalled_ranks
 
 __all__ = [
     "under_torchrun",
@@ -95,7 +96,7 @@ def _order(item) -> tuple:
     return (secondary, not has_file, failure.timestamp, rank)
 
 
-def format_failures(err, stalled: dict[int, float] | None = None) -> str:
+def format_failures(err, stalled: dict[int, float] | None = None, stopped: dict[int, str] | None = None) -> str:
     """The root-cause rank's traceback (for a :class:`~shardkit.ShardkitError`, its message and
     where it was raised), then one line per other failed rank.
 
@@ -106,11 +107,16 @@ def format_failures(err, stalled: dict[int, float] | None = None) -> str:
     Args:
         err: a ``torch.distributed.elastic.multiprocessing.errors.ChildFailedError``.
         stalled: ``{rank: seconds its last heartbeat lags the newest}``
-            (:func:`shardkit.train.liveness.stalled_ranks`); None or empty: no rank went quiet.
+            (:func:`shardkit.train.watchdog.stalled_ranks`); None or empty: no rank went quiet.
+        stopped: ``{rank: the watchdog's announcement}`` of the ranks it killed
+            (:class:`shardkit.train.watchdog.Watchdog`): named first, with why; their ``-9`` is
+            not a crash (nor an out-of-memory kill).
     """
-    stalled = stalled or {}
+    stopped = stopped or {}
+    stalled = {r: s for r, s in (stalled or {}).items() if r not in stopped}
     failures = sorted(err.failures.items(), key=lambda item: (item[0] not in stalled, *_order(item)))
-    lines = []
+    lines = [stopped[r] for r in sorted(stopped)]  # the root cause: why the watchdog stopped them
+    failures = [(r, f) for r, f in failures if r not in stopped]
     for r in sorted(stalled):
         how = f"exit code {err.failures[r].exitcode}" if r in err.failures else "then stopped by the launcher"
         lines.append(
@@ -118,7 +124,7 @@ def format_failures(err, stalled: dict[int, float] | None = None) -> str:
             f"the other ranks' last; they timed out waiting for it ({how})"
         )
     others = [(r, f) for r, f in failures if r not in stalled]
-    if not stalled:
+    if not stalled and not stopped and failures:
         (rank, first), others = failures[0], failures[1:]
         # One of shardkit's own errors says what is wrong in its message (agreed errors are the
         # same on every rank): a traceback would only bury it. Any other error keeps its traceback.
@@ -205,7 +211,7 @@ def launch_local(
             with :func:`init_local_world` (``run_dir`` is passed to it in ``args``).
         run_dir: a :func:`shardkit._local_world.private_run_dir`: the rendezvous store lives in it.
         heartbeats: the directory the ranks beat into (:class:`shardkit.train.liveness.Heartbeat`), if they do:
-            a :class:`shardkit.train.liveness.Watchdog` kills a rank that went silent while the job runs, and
+            a :class:`shardkit.train.watchdog.Watchdog` kills a rank that went silent while the job runs, and
             after a failure the ranks that stopped answering are named first as the suspects.
         timeout_s: the ranks' process-group timeout (seconds), which the silences are measured against.
 
@@ -249,12 +255,13 @@ def launch_local(
     for log in loggers:
         log.setLevel(logging.CRITICAL)
     try:
-        watchdog = Watchdog(heartbeats, timeout_s) if heartbeats else nullcontext()
-        with no_shared_tcp_store(), private_temp(run_dir), watchdog:
+        watchdog = Watchdog(heartbeats, timeout_s, nproc) if heartbeats else None
+        with no_shared_tcp_store(), private_temp(run_dir), watchdog or nullcontext():
             return elastic_launch(config, _quiet_then)(os.getpid(), entry, *args)
     except ChildFailedError as err:
         stalled = stalled_ranks(read_heartbeats(heartbeats), timeout_s) if heartbeats else None
-        raise LaunchFailed(format_failures(err, stalled)) from None
+        stopped = {r: v.describe(r) for r, v in watchdog.stopped.items()} if watchdog is not None else None
+        raise LaunchFailed(format_failures(err, stalled, stopped)) from None
     except SignalException as err:  # the agent has stopped the workers with the same signal
         raise LaunchInterrupted(err.sigval, nproc) from None
     finally:

@@ -9,7 +9,7 @@ with the decoder LMs' hooks (:mod:`.lm_spec`, :mod:`.lm_families`, :mod:`.model`
 :mod:`.pretrained`, :mod:`.lm_task`) and the conv autoencoder's (:mod:`.conv_spec`,
 :mod:`.conv_ae`); the data (:mod:`.data`,
 :mod:`.corpus`, :mod:`.tokens`); the learning-rate schedule, metrics, progress, heartbeats and
-``--verify`` (:mod:`.schedule`, :mod:`.metrics`, :mod:`.progress`, :mod:`.liveness`,
+``--verify`` (:mod:`.schedule`, :mod:`.metrics`, :mod:`.progress`, :mod:`.liveness`, :mod:`.watchdog`,
 :mod:`.verify`). :mod:`shardkit.cli` is the front door only: flags, launch, report.
 
 Nothing is imported here: ``import shardkit.train.config`` stays free of torch.distributed's

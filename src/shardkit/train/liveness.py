@@ -6,55 +6,115 @@ then fail themselves, each with a timeout error. Their errors are real but secon
 look at is the one that went quiet. Each rank therefore runs a daemon thread that writes the wall
 time into ``<flight dir>/heartbeat-rank<r>`` every :data:`INTERVAL_S` seconds (a thread keeps
 beating while its rank waits in a collective, which releases the GIL; a stopped process does
-not). In the launcher a :class:`Watchdog` kills a rank that went silent (:func:`to_stop`), so that
-a stopped rank ends the job within about the timeout; after a failed launch
-:func:`stalled_ranks` names the ranks whose last beat is far older than the others', and the
-launcher names them first.
+not). In the launcher a :class:`~.watchdog.Watchdog` kills a rank that went silent
+(:func:`~.watchdog.to_stop`), so that a stopped rank ends the job within about the timeout;
+after a failed launch :func:`~.watchdog.stalled_ranks` names the ranks whose last beat is far
+older than the others', and the launcher names them first.
 
 The files are written next to the flight recorder's dumps (``rank<r>.json``), and both are
 cleared at launch (:func:`clear_flight_dir`), so an earlier run's records never enter a new
 diagnosis.
+
+The watchdog judges progress, not a thread's punctuality (a heartbeat thread can miss its beats
+for many seconds on a saturated machine while its rank works). Each beat carries the *phase* the
+rank is in (:data:`PHASES`: ``starting``, ``training``, ``evaluating``, ``saving``, ``exporting``,
+``loading``, ``finishing``) and a *progress counter*: the rank's explicit :func:`progress` calls
+(each step, each file written, each phase entered) plus the shardkit collectives its flight
+recorder counted. A rank is stalled only when that counter has not moved for ``--timeout``
+seconds, in any phase; rank 0's solo work after the others exit (gather, ``--save-hf``, the
+report) is the phase ``finishing`` with the same deadline. Every kill is announced on stderr
+("shardkit's watchdog stopped rank R: no progress for N s in phase P"); a rank that never sent
+its first heartbeat is named as such; and when every rank stalls together (all of them at 100 %
+CPU with the GIL held, say) they are all stopped, so the job still ends within about the timeout.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
-import signal
+import sys
 import threading
 import time
 from types import TracebackType
 from typing import NamedTuple
 
+from .._moved import moved_names
+
 __all__ = [
     "INTERVAL_S",
-    "GRACE_S",
+    "FIRST_BEAT_S",
+    "PHASES",
     "Beat",
+    "set_phase",
+    "progress",
     "Heartbeat",
     "read_heartbeats",
-    "stalled_ranks",
-    "to_stop",
-    "Watchdog",
     "clear_flight_dir",
 ]
 
 INTERVAL_S = 1.0
 _BEAT = re.compile(r"^heartbeat-rank(\d+)$")
 _DUMP = re.compile(r"^rank(\d+)\.json(\.tmp\d+)?$")
-# A healthy rank's beats may lag by a few intervals on a loaded machine; a stalled rank's lag the
-# others' last beats by about the process-group timeout (they time out waiting for it).
-_MIN_LAG_S = 3 * INTERVAL_S
-# Once the job is ending, a rank silent this long is not shutting down: it is stopped.
-GRACE_S = 5.0
+# A rank's first beat may come this late (seconds; or ``--timeout``, if longer): starting a worker
+# imports torch, which takes tens of seconds on a saturated machine.
+FIRST_BEAT_S = 30.0
+
+PHASES = ("starting", "training", "evaluating", "saving", "exporting", "loading", "finishing")
+
+# This process's phase and progress counter, read by its Heartbeat thread (plain attributes: a
+# torn read costs one beat's accuracy, never a crash).
+_phase = "starting"
+_count = 0
+_active: Heartbeat | None = None  # the open Heartbeat of this process: a new phase is written at once
+
+
+def set_phase(name: str) -> None:
+    """Say that this rank entered phase ``name`` (one of :data:`PHASES`); entering a phase is progress.
+
+    Raises:
+        ValueError: an unknown phase.
+    """
+    global _phase
+    if name not in PHASES:
+        raise ValueError(f"set_phase: unknown phase {name!r}; expected one of {', '.join(PHASES)}")
+    changed, _phase = name != _phase, name
+    progress()
+    if changed and _active is not None:  # the watchdog names the phase the rank is really in
+        with contextlib.suppress(OSError):
+            _active.beat()
+
+
+def progress(n: int = 1) -> None:
+    """Count ``n`` units of progress of this rank (a step, a file written): the watchdog stops a
+    rank only when its count has not moved for ``--timeout`` seconds."""
+    global _count
+    _count += n
+
+
+def _collectives() -> int:
+    """The shardkit collectives this process's flight recorder counted (0 when disabled, or not
+    imported: a beat never imports torch, which takes seconds on a loaded machine)."""
+    module = sys.modules.get("shardkit.comm.flight_recorder")
+    recorder = getattr(module, "current", None)
+    return recorder.total if recorder is not None else 0
 
 
 class Beat(NamedTuple):
-    """One rank's heartbeat file: the wall time of its last beat (seconds), its pid, and whether
-    it has left its run (the rank is exiting: not beating any more is no sign of a stall)."""
+    """One rank's heartbeat file: the wall time of its last beat (seconds), its pid, whether it
+    has left its run (the rank is exiting: not beating any more is no sign of a stall), its phase,
+    and the wall time its progress counter last moved (a file of an older release: its beat time)."""
 
     time: float
     pid: int
     exiting: bool
+    phase: str = "starting"
+    progressed: float | None = None
+
+    @property
+    def moved(self) -> float:
+        """The wall time this rank last made progress."""
+        return self.time if self.progressed is None else self.progressed
 
 
 class Heartbeat:
@@ -72,6 +132,9 @@ class Heartbeat:
         self.path = os.path.join(directory, f"heartbeat-rank{rank}")
         self.interval = interval
         self._last = time.time()
+        self._seen = -1  # the progress count at the last beat
+        self._moved = self._last
+        self._lock = threading.Lock()  # the thread's beats and set_phase's share one temporary file
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"shardkit-heartbeat-rank{rank}", daemon=True)
 
@@ -79,13 +142,17 @@ class Heartbeat:
         """Write the file atomically (a reader never sees a half-written one)."""
         tmp = f"{self.path}.tmp"
         with open(tmp, "w") as f:
-            f.write(f"{self._last:.3f} {os.getpid()}{' exiting' if exiting else ''}\n")
+            f.write(f"{self._last:.3f} {os.getpid()} {_phase} {self._moved:.3f}{' exiting' if exiting else ''}\n")
         os.replace(tmp, self.path)
 
     def beat(self) -> None:
-        """Write one beat."""
-        self._last = time.time()
-        self._write()
+        """Write one beat (with the time the progress counter last moved)."""
+        with self._lock:
+            self._last = time.time()
+            count = _count + _collectives()
+            if count != self._seen:
+                self._seen, self._moved = count, self._last
+            self._write()
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
@@ -95,14 +162,19 @@ class Heartbeat:
                 return  # the directory was removed (the launcher is cleaning up): nothing to report to
 
     def __enter__(self) -> Heartbeat:
+        global _active
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         self.beat()
         self._thread.start()
+        _active = self
         return self
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
+        global _active
+        if _active is self:
+            _active = None
         self._stop.set()
         self._thread.join()
         try:
@@ -124,119 +196,13 @@ def read_heartbeats(directory: str) -> dict[int, Beat]:
         try:
             with open(os.path.join(directory, name)) as f:
                 fields = f.read().split()
-            beats[int(m.group(1))] = Beat(float(fields[0]), int(fields[1]), fields[2:] == ["exiting"])
+            exiting = fields[-1:] == ["exiting"]
+            rest = fields[2 : len(fields) - exiting]
+            phase, moved = (rest[0], float(rest[1])) if len(rest) == 2 else ("starting", None)
+            beats[int(m.group(1))] = Beat(float(fields[0]), int(fields[1]), exiting, phase, moved)
         except (OSError, ValueError, IndexError):
             continue  # unreadable: that rank is simply not known
     return beats
-
-
-def stalled_ranks(beats: dict[int, Beat], timeout_s: float) -> dict[int, float]:
-    """The ranks that stopped answering: ``{rank: seconds its last beat lags the newest one}``.
-
-    A rank is stalled when its last beat is older than the newest rank's last beat by more than
-    ``max(3 beats, timeout_s / 2)``: when a rank stops, the others keep beating until they time
-    out waiting for it, about ``timeout_s`` later (pure; sorted by rank).
-
-    Args:
-        beats: from :func:`read_heartbeats`.
-        timeout_s: the run's process-group timeout (``--timeout``), seconds.
-    """
-    if len(beats) < 2:
-        return {}
-    newest = max(b.time for b in beats.values())
-    limit = max(_MIN_LAG_S, timeout_s / 2)
-    return {r: round(newest - b.time, 1) for r, b in sorted(beats.items()) if newest - b.time > limit}
-
-
-def to_stop(beats: dict[int, Beat], alive: set[int], now: float, timeout_s: float) -> set[int]:
-    """The ranks the launcher should kill now: alive, not exiting, and silent (pure).
-
-    * While every rank runs: a rank whose last beat lags the newest by more than ``timeout_s``
-      (it has been silent for longer than any collective waits for it, while the others ran).
-    * Once a rank has left (failed, exiting, or gone): a rank silent for :data:`GRACE_S`. The
-      launcher stops the others with SIGTERM and waits 30 s for each; a stopped process does not
-      act on SIGTERM until continued, so without this the job would outlive the timeout by 30 s.
-
-    Args:
-        beats: from :func:`read_heartbeats`.
-        alive: ranks whose process still runs.
-        now: the wall time (``time.time()``).
-        timeout_s: the run's process-group timeout.
-    """
-    running = {r: b for r, b in beats.items() if r in alive and not b.exiting}
-    if not running:
-        return set()
-    if len(running) < len(beats):  # someone left: the job is ending
-        return {r for r, b in running.items() if now - b.time > GRACE_S}
-    newest = max(b.time for b in running.values())
-    return {r for r, b in running.items() if newest - b.time > timeout_s}
-
-
-def _alive(pid: int) -> bool:
-    """``pid`` runs (a zombie, dead but not yet reaped, does not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in "ZX"
-    except FileNotFoundError:
-        return False
-    except OSError:  # no /proc (macOS): signal 0 tells whether the pid exists
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        return True
-
-
-class Watchdog:
-    """In the launcher: every second, kill (SIGKILL) the ranks :func:`to_stop` names.
-
-    A rank is killed only when it stays named for two checks in a row at least ``2 * INTERVAL_S``
-    apart (a machine that was suspended resumes its ranks one after the other), and only if its
-    pid is a child of this process.
-
-    Args:
-        directory: the flight directory the ranks beat into.
-        timeout_s: the run's process-group timeout.
-    """
-
-    def __init__(self, directory: str, timeout_s: float) -> None:
-        self.directory, self.timeout_s = directory, timeout_s
-        self.killed: list[int] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="shardkit-watchdog", daemon=True)
-
-    def _run(self) -> None:
-        named_since: dict[int, float] = {}
-        while not self._stop.wait(INTERVAL_S):
-            beats = read_heartbeats(self.directory)
-            alive = {r for r, b in beats.items() if _alive(b.pid)}
-            now = time.time()
-            named = to_stop(beats, alive, now, self.timeout_s)
-            named_since = {r: named_since.get(r, now) for r in named}
-            for r in named:
-                if now - named_since[r] >= 2 * INTERVAL_S and r not in self.killed and _is_child(beats[r].pid):
-                    self.killed.append(r)
-                    os.kill(beats[r].pid, signal.SIGKILL)
-
-    def __enter__(self) -> Watchdog:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
-def _is_child(pid: int) -> bool:
-    """``pid``'s parent is this process (Linux /proc; elsewhere assumed: the pid came from a rank's
-    heartbeat file in this user's own directory)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1]) == os.getpid()
-    except FileNotFoundError:
-        return False
-    except OSError:
-        return True
 
 
 def clear_flight_dir(directory: str, rank: int | None = None) -> None:
@@ -250,3 +216,10 @@ def clear_flight_dir(directory: str, rank: int | None = None) -> None:
         m = _BEAT.match(name.removesuffix(".tmp")) or _DUMP.match(name)
         if m is not None and (rank is None or int(m.group(1)) == rank):
             os.remove(os.path.join(directory, name))
+
+
+# The watchdog moved to .watchdog (this module was over the file-size limit): the old names still
+# resolve, with a DeprecationWarning, for one release.
+__getattr__ = moved_names(
+    __name__, dict.fromkeys(("Verdict", "stalled_ranks", "to_stop", "Watchdog"), "shardkit.train.watchdog")
+)

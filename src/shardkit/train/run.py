@@ -39,7 +39,8 @@ from .config import TrainConfig, parallel_dims
 from .corpus import shared_corpus
 from .environment import run_environment
 from .evaluate import eval_loss
-from .liveness import Heartbeat
+from .liveness import Heartbeat, set_phase
+from .liveness import progress as count_progress
 from .metrics import MetricsLog, ledger_rows, model_size, peak_memory, utilisation
 from .progress import default_log_every, make_progress, setup_note
 from .schedule import warmup_cosine
@@ -151,6 +152,7 @@ def _run_steps(
     if pm.mesh is not None:  # the --verify reference (no mesh) starts at step 0 and is compared from `first`
         path = resume_source(cfg)
         if path is not None:
+            set_phase("loading")
             extra = _extra_state(task)
             first = load_train_state(path, pm, optimizer, extra, allow_unverified=cfg.allow_unverified)
             task.sampler.gen.set_state(extra["data_generator"])
@@ -161,6 +163,7 @@ def _run_steps(
     losses, norms, skipped, evals = [], [], [], []
     saved: dict = {"saved_activation_bytes": None, "saved_bytes_per_block": None}
     for step in range(first, cfg.steps):
+        set_phase("training")  # entering a phase is progress: one count per step
         lr = optimizer.param_groups[0]["lr"]  # the rate this step uses
         # the first step counts the activation bytes each block keeps (pack hooks cost Python time)
         meter = activation_meter(pm.module, cfg.ac if pm.mesh is not None else "none") if step == first else None
@@ -181,6 +184,7 @@ def _run_steps(
             saved = {"saved_activation_bytes": sum(meter.per_block), "saved_bytes_per_block": meter.per_block}
         held = None
         if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
+            set_phase("evaluating")
             held = eval_loss(pm, task, cfg.microbatches, cfg.schedule, loss_scale)
             evals.append([step + 1, held])
         losses.append(stats.loss)
@@ -200,6 +204,7 @@ def _run_steps(
             and cfg.checkpoint_dir is not None
             and (done == cfg.steps or (cfg.save_every and done % cfg.save_every == 0))
         ):
+            set_phase("saving")
             save_train_state(
                 cfg.checkpoint_dir,
                 pm,
@@ -211,6 +216,7 @@ def _run_steps(
                 model=model_description(cfg),
                 hf=hf,
             )
+            count_progress()  # the save's files are written
     return {
         "losses": losses,
         "grad_norms": norms,
@@ -234,17 +240,20 @@ def worker_main(cfg: TrainConfig, run_dir: str | None, flight_dir: str | None = 
     call where the ranks diverged.
     """
     t0 = time.perf_counter()
-    backend, device = _init(run_dir, timedelta(seconds=cfg.timeout))
-    beating = Heartbeat(flight_dir, dist.get_rank()) if flight_dir is not None else nullcontext()
-    try:
-        with beating:
+    # the first beat before joining the world (the launcher sets RANK): a rank that never joins
+    # is then the one without a heartbeat, not the ranks waiting for it
+    rank = int(os.environ.get("RANK", "0"))
+    beating = Heartbeat(flight_dir, rank) if flight_dir is not None else nullcontext()
+    with beating:
+        backend, device = _init(run_dir, timedelta(seconds=cfg.timeout))
+        try:
             return train(cfg, backend, device, t0)
-    except BaseException as exc:
-        if flight_dir is not None:
-            flight_recorder.dump_all(flight_dir, reason=f"{type(exc).__name__}: {exc}"[:500])
-        raise
-    finally:
-        dist.destroy_process_group()
+        except BaseException as exc:
+            if flight_dir is not None:
+                flight_recorder.dump_all(flight_dir, reason=f"{type(exc).__name__}: {exc}"[:500])
+            raise
+        finally:
+            dist.destroy_process_group()
 
 
 def train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool = True, host_syncs=None) -> dict | None:
@@ -265,6 +274,7 @@ def _train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool, ho
     dims = parallel_dims(cfg)
 
     def note(what: str) -> None:  # set-up stages on rank 0, so a log file is not blank meanwhile
+        count_progress()  # each stage of the set-up is progress (phase starting)
         if progress and rank == 0:
             setup_note(what, t0)
 
@@ -314,6 +324,8 @@ def _train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool, ho
                 metrics.close()
         t_train = time.perf_counter() - t1
 
+    # the gather, then rank 0 alone (the others exit): the report's files, --save-hf, --verify
+    set_phase("finishing")
     world = resolve_group(dist.group.WORLD, "shardkit train")
     gathered = agree(world, "shardkit train", None, [peak_memory(device), run["saved_activation_bytes"]], gather=True)
     memory, saved_bytes = [m for m, _ in gathered], [s for _, s in gathered]
@@ -327,9 +339,12 @@ def _train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool, ho
     if outputs is not None and cfg.report is not None:
         assert full_params is not None  # gathered above; rank 0 holds them
         files += outputs(cfg, cfg.report, full_params)
+        count_progress()
     if cfg.save_hf is not None:  # --save-hf: the trained model as a Hugging Face directory
         assert full_params is not None  # gathered above; rank 0 holds them
+        set_phase("exporting")
         files.append(write_hf(cfg.save_hf, full_params, hf, "this run"))
+        set_phase("finishing")
     rate = cfg.batch_size * sample * (cfg.steps - run["first_step"]) / t_train  # this run's steps
     result = {
         "layout": {
