@@ -100,8 +100,13 @@ def checks(scenario: str, plan: dict, rc: int, seconds: float, text: str) -> dic
     if seconds > limit_s(scenario):
         return {"ok": False, "why": f"processes alive {seconds:.1f} s after the fault"}
     if scenario == STALL:
-        suspect = f"rank {plan['victim']} stopped answering first (suspect)"
-        ok = rc == 1 and suspect in text and "failed first" not in text
+        # the watchdog stops the silent rank and says so; after the process-group timeout the
+        # launcher's diagnosis names it as the suspect: either names the victim, never another rank
+        v = plan["victim"]
+        stopped = "shardkit's watchdog stopped rank {}:"
+        named = f"rank {v} stopped answering first (suspect)" in text or stopped.format(v) in text
+        others = [r for r in range(NPROC) if r != v and stopped.format(r) in text]
+        ok = rc == 1 and named and not others and "failed first" not in text
         return {"ok": ok, "why": "" if ok else f"rc {rc} or the stopped rank not named first as the suspect"}
     if scenario.startswith("kill worker"):
         cause = f"rank {plan['victim']} failed first (exit code -9):\nSignal 9 (SIGKILL)"
