@@ -139,9 +139,9 @@ def test_model_size_and_the_peak_figures(monkeypatch):
     assert model_size(torch.nn.Linear(3, 2), seq_len=16) == {"parameters": 8, "flops_per_token": None}
     assert peak_flops(torch.device("cpu")) == (None, "n/a on cpu (no peak figure)")
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
-    assert peak_flops(torch.device("cuda", 0)) == (989e12, "of the H100 dense bf16 peak, 989 TFLOP/s per GPU")
+    assert peak_flops(torch.device("cuda", 0)) == (989e12, "of the H100 SXM dense bf16 peak, 989 TFLOP/s per GPU")
     assert utilisation(1e9, 2e5, 4, torch.device("cuda", 0))["mfu"] == pytest.approx(2e14 / (4 * 989e12))
     assert utilisation(None, 2e5, 4, torch.device("cuda", 0))["mfu_basis"] == "n/a (no FLOPs count for this model)"
     assert utilisation(1e9, 2e5, 4, torch.device("cpu")) == {"mfu": None, "mfu_basis": "n/a on cpu (no peak figure)"}
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
-    assert peak_flops(torch.device("cuda", 0)) == (None, "n/a (no peak figure for Tesla T4)")
+    assert peak_flops(torch.device("cuda", 0)) == (None, "n/a (no bf16 peak figure for Tesla T4)")

@@ -1,10 +1,11 @@
-"""Cluster descriptions for the planner, and presets for H100 and H800 nodes."""
+"""Cluster descriptions for the planner, and presets for H100, H800 and H200 nodes."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from ..errors import ShardkitError
+from .peaks import gpu_peak
 
 __all__ = ["Cluster", "CLUSTERS"]
 
@@ -57,11 +58,19 @@ class Cluster:
             raise ShardkitError(f"Cluster: gpus={self.gpus} is not a multiple of gpus_per_node={self.gpus_per_node}")
 
 
+def _bf16(device_name: str) -> float:
+    """The dense bf16 peak of a preset's GPU, from the one table of peaks (plan/peaks.py)."""
+    row = gpu_peak(device_name)
+    assert row is not None, device_name  # the presets name GPUs of the table
+    return row.bf16
+
+
 # Figures and sources:
 # H100 SXM (DGX/HGX H100): NVLink 4 at 900 GB/s bidirectional = 450 GB/s per direction per GPU;
 #   one 400 Gb/s ConnectX-7 NIC per GPU = 50 GB/s; 80 GB HBM3; 989 TFLOP/s dense BF16
-#   (NVIDIA H100 datasheet; DGX H100 user guide). Latencies: NCCL's typical per-step alpha,
-#   a few microseconds on NVLink, ~10 on InfiniBand (nccl-tests small-message times).
+#   (NVIDIA H100 datasheet; DGX H100 user guide; every GPU's peaks, with sources: plan/peaks.py).
+#   Latencies: NCCL's typical per-step alpha, a few microseconds on NVLink, ~10 on InfiniBand
+#   (nccl-tests small-message times).
 # H800 SXM (DeepSeek-V3 technical report, section 3.1): NVLink 400 GB/s bidirectional, of which
 #   about 160 GB/s achievable per GPU; 8 x 400 Gb/s InfiniBand per node = 50 GB/s per GPU;
 #   80 GB; the same 989 TFLOP/s BF16 as the H100 SXM.
@@ -76,7 +85,7 @@ CLUSTERS: dict[str, dict[str, float | str]] = {
         intra_latency_us=3.0,
         inter_latency_us=10.0,
         gpu_memory_gib=70.0,
-        peak_tflops=989.0,
+        peak_tflops=_bf16("NVIDIA H100 80GB HBM3"),
         name="H100 SXM, NVLink 4 + 400G IB per GPU",
     ),
     "h800": dict(
@@ -86,8 +95,10 @@ CLUSTERS: dict[str, dict[str, float | str]] = {
         intra_latency_us=3.0,
         inter_latency_us=10.0,
         gpu_memory_gib=70.0,
-        peak_tflops=989.0,
+        peak_tflops=_bf16("NVIDIA H800"),
         name="H800 SXM, NVLink 160 GB/s + 400G IB per GPU",
     ),
 }
-CLUSTERS["h200"] = CLUSTERS["h100"] | dict(gpu_memory_gib=127.0, name="H200 SXM, NVLink 4 + 400G IB per GPU")
+CLUSTERS["h200"] = CLUSTERS["h100"] | dict(
+    gpu_memory_gib=127.0, peak_tflops=_bf16("NVIDIA H200"), name="H200 SXM, NVLink 4 + 400G IB per GPU"
+)

@@ -28,8 +28,8 @@ from .._files import finite_json
 from .._optional import missing
 from ..comm.ledger import CommLedger
 from ..errors import ShardkitError
-from ..plan.cluster import CLUSTERS
 from ..plan.model import ModelShape
+from ..plan.peaks import gpu_peak
 from ..sharding import AXES, FLAT_VIEWS, ParallelMesh
 from .trainer import StepStats
 
@@ -70,25 +70,31 @@ def model_size(model: torch.nn.Module, seq_len: int) -> dict[str, Any]:
     return {"parameters": sum(p.numel() for p in model.parameters()), "flops_per_token": flops}
 
 
-def peak_flops(device: torch.device) -> tuple[float | None, str]:
-    """The dense bf16 peak FLOP/s of one ``device`` from the planner's GPU figures
-    (:data:`shardkit.plan.cluster.CLUSTERS`), and what it is; ``(None, why)`` on a CPU or a GPU
-    without a figure (the summary's MFU is then "n/a")."""
+def peak_flops(device: torch.device, dtype: str = "bf16") -> tuple[float | None, str]:
+    """The dense ``dtype`` peak FLOP/s of one ``device`` (:func:`shardkit.plan.peaks.gpu_peak`:
+    H100, H800, H200, GH200, B200, GB200, A100, MI300X, with datasheet sources), and what it is;
+    ``(None, why)`` on a CPU, a GPU without a figure or a dtype it has no peak for (the summary's
+    MFU is then "n/a").
+
+    Args:
+        device: this rank's device; ROCm's torch reports an AMD GPU as ``cuda`` too.
+        dtype: ``"bf16"`` (the trainer's compute), ``"fp16"`` or ``"fp8"``.
+    """
     if device.type != "cuda":
         return None, f"n/a on {device.type} (no peak figure)"
     name = torch.cuda.get_device_name(device)
-    for key, figures in CLUSTERS.items():
-        if key.upper() in name.upper():
-            tflops = float(figures["peak_tflops"])
-            return tflops * 1e12, f"of the {key.upper()} dense bf16 peak, {tflops:g} TFLOP/s per GPU"
-    return None, f"n/a (no peak figure for {name})"
+    row = gpu_peak(name)
+    tflops = row.tflops(dtype) if row is not None else None
+    if row is None or tflops is None:
+        return None, f"n/a (no {dtype} peak figure for {name})"
+    return tflops * 1e12, f"of the {row.label} dense {dtype} peak, {tflops:g} TFLOP/s per GPU"
 
 
 def utilisation(
     flops_per_token: float | None, tokens_per_s: float | None, nproc: int, device: torch.device
 ) -> dict[str, Any]:
     """``mfu``: model FLOPs utilisation, ``flops_per_token x tokens/s / (nproc x peak)``
-    (:func:`peak_flops`), or None (a CPU, a GPU without a planner figure, a model without a FLOPs
+    (:func:`peak_flops`, bf16), or None (a CPU, a GPU without a peak figure, a model without a FLOPs
     count, a rate not in tokens); ``mfu_basis``: against what, or why not."""
     peak, basis = peak_flops(device)
     if peak is None or flops_per_token is None or tokens_per_s is None:
