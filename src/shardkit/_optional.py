@@ -2,7 +2,8 @@
 
 shardkit's core needs only torch. The Hugging Face paths need the ``hf`` extra (transformers,
 safetensors), the conv-ae photo and ``loss.png`` need the ``plot`` extra (matplotlib) and the
-TensorBoard scalars of ``--report`` the ``tb`` extra (tensorboard). A
+TensorBoard scalars of ``--report`` the ``tb`` extra (tensorboard), ``--wandb`` the ``wandb`` extra
+and ``--data hf:NAME`` the ``datasets`` extra. A
 missing one is reported up front, by name, instead of as an ``ImportError`` traceback from a
 worker process after the launch.
 """
@@ -16,7 +17,14 @@ from .errors import ShardkitError
 
 __all__ = ["EXTRAS", "MissingExtraError", "missing", "require", "install_hint", "check_train"]
 
-EXTRAS: dict[str, str] = {"transformers": "hf", "safetensors": "hf", "matplotlib": "plot", "tensorboard": "tb"}
+EXTRAS: dict[str, str] = {
+    "transformers": "hf",
+    "safetensors": "hf",
+    "matplotlib": "plot",
+    "tensorboard": "tb",
+    "wandb": "wandb",
+    "datasets": "datasets",
+}
 """Import name of each optional dependency -> the shardkit extra that installs it."""
 
 

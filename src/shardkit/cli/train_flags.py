@@ -208,6 +208,12 @@ def add_train_flags(subparsers) -> argparse.ArgumentParser:
         "into DIR",
     )
     p.add_argument(
+        "--wandb",
+        metavar="PROJECT",
+        help="log the per-step scalars to this Weights & Biases project too (the wandb extra; offline into "
+        "DIR/wandb or ./wandb unless WANDB_MODE is set: upload later with `wandb sync`)",
+    )
+    p.add_argument(
         "--eval-every",
         type=int,
         metavar="N",

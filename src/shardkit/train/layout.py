@@ -18,6 +18,7 @@ from .._files import check_out_dir
 from .._rules import batch_rule, pp_layers_rule, stage_heads_rule
 from ..errors import ShardkitError
 from .config_file import check_output_dirs, check_writable
+from .loggers import check_loggers
 from .model_names import model_facts
 from .options import DTYPES, FINETUNE_LR, LR_SCHEDULES, SCHEDULES, SIZE_FLAGS, TrainConfig, parse_pp_tp
 
@@ -150,6 +151,7 @@ def check_options(cfg: TrainConfig, world_size: int | None = None) -> TrainConfi
     if cfg.keep is not None and (cfg.keep < 1 or cfg.checkpoint_dir is None):
         raise ShardkitError(f"--keep must be >= 1 (complete saves kept) and needs --checkpoint-dir, got {cfg.keep}")
     check_output_dirs(cfg)
+    check_loggers(cfg.wandb)  # a bad project name or no wandb package: here, not on rank 0 alone
     if cfg.save_hf is not None:
         if not model_facts(cfg.model).decoder:
             raise ShardkitError(f"--save-hf: --model {cfg.model} has no Hugging Face form")

@@ -1,7 +1,8 @@
 """Per-step metrics of ``shardkit train --report DIR``: ``metrics.jsonl`` always, TensorBoard
-scalars in ``DIR/tb/`` when the ``tb`` extra (``tensorboard``) is installed.
+scalars in ``DIR/tb/`` when the ``tb`` extra (``tensorboard``) is installed, and a Weights &
+Biases run with ``--wandb PROJECT`` (with or without ``--report``; :mod:`.loggers`).
 
-Both are written by rank 0 as training goes (one line / one event per step, flushed), so a run
+All are written by rank 0 as training goes (one line / one event per step, flushed), so a run
 can be followed live (``tail -f DIR/metrics.jsonl``, ``tensorboard --logdir DIR/tb``) and a
 crashed run keeps every step it finished.
 
@@ -14,13 +15,14 @@ the file's last line: one id per lineage of saves (a new id if the folder holds 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import resource
 import secrets
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -31,10 +33,15 @@ from ..errors import ShardkitError
 from ..plan.model import ModelShape
 from ..plan.peaks import gpu_peak
 from ..sharding import AXES, FLAT_VIEWS, ParallelMesh
+from .loggers import Logger, TensorBoardLogger, WandbLogger, scalars
 from .trainer import StepStats
+
+if TYPE_CHECKING:
+    from .options import TrainConfig
 
 __all__ = [
     "MetricsLog",
+    "open_metrics",
     "ledger_rows",
     "peak_memory",
     "TB_DIR",
@@ -150,7 +157,8 @@ def peak_memory(device: torch.device) -> int:
 
 
 class MetricsLog:
-    """One JSON line per step in ``DIR/metrics.jsonl`` (and TensorBoard scalars in ``DIR/tb``).
+    """One JSON line per step in ``DIR/metrics.jsonl``, and the same scalars to every
+    :class:`~shardkit.train.loggers.Logger`: TensorBoard in ``DIR/tb``, Weights & Biases.
 
     Fields: ``step`` (1-based), ``loss``, ``grad_norm`` (before clipping), ``lr``,
     ``tokens_per_s`` (or ``pixels_per_s``), ``step_time_s``, ``peak_memory_bytes`` (this rank),
@@ -161,45 +169,62 @@ class MetricsLog:
     the peak being the process's max RSS); ``eval_loss`` on the steps validated
     (``--eval-every``; TensorBoard ``eval/loss``).
     ``run_id``: see the module's note (a new run moves an earlier run's files aside; a resumed one
-    appends under its lineage's id). TensorBoard gets the same scalars (memory in MiB) under
-    ``train/<field>`` with the step as the global step.
+    appends under its lineage's id). The loggers get the same scalars (memory in MiB) under
+    ``train/<field>`` (``eval/loss``) with the step as the global step (:func:`.loggers.scalars`).
 
     Args:
-        folder: the report folder (created if needed).
+        folder: the report folder (created if needed); None: no ``metrics.jsonl`` and no
+            TensorBoard, only ``wandb_project``'s run.
         unit: ``"tokens"`` or ``"pixels"``: the throughput field is ``<unit>_per_s``.
         sample_size: tokens (or pixels) of one sample; times ``batch_size``: one step's work.
         batch_size: samples per global batch.
         device: this rank's device (its peak memory is recorded).
         tensorboard: write TensorBoard scalars; None: when ``tensorboard`` is installed.
         resumed: the run continues a save (append under the folder's last run id).
+        wandb_project: log to this Weights & Biases project too (:class:`~shardkit.train.loggers.
+            WandbLogger`, offline unless ``WANDB_MODE`` says otherwise), run id = ``run_id``.
+        config: the run's options, for the W&B run's config.
 
     Attributes:
-        run_id: this run's id; ``archived``: where an earlier run's files were moved (or None).
+        run_id: this run's id; ``archived``: where an earlier run's files were moved (or None);
+        ``loggers``: the backends written to, TensorBoard first.
     """
 
     def __init__(
         self,
-        folder: str,
+        folder: str | None,
         unit: str,
         sample_size: int,
         batch_size: int,
         device: torch.device,
         tensorboard: bool | None = None,
         resumed: bool = False,
+        wandb_project: str | None = None,
+        config: dict | None = None,
     ) -> None:
-        os.makedirs(folder, exist_ok=True)
-        self.path = os.path.join(folder, RUN_FILES[0])
-        self.archived = None if resumed else _archive(folder)
-        self.run_id = (last_run_id(self.path) if resumed else None) or new_run_id()
+        self.path: str | None = None
+        self.archived = None
+        if folder is not None:
+            os.makedirs(folder, exist_ok=True)
+            self.path = os.path.join(folder, RUN_FILES[0])
+            self.archived = None if resumed else _archive(folder)
+        self.run_id = (last_run_id(self.path) if resumed and self.path else None) or new_run_id()
         self.unit, self.per_step, self.device = unit, sample_size * batch_size, device
         if tensorboard is None:
             tensorboard = not missing(["tensorboard"])
-        self.tb_dir: str | None = os.path.join(folder, TB_DIR) if tensorboard else None
-        self._writer: Any = None
-        if self.tb_dir is not None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._writer = SummaryWriter(log_dir=self.tb_dir)
+        self.tb_dir: str | None = os.path.join(folder, TB_DIR) if tensorboard and folder is not None else None
+        self.loggers: list[Logger] = []
+        self.wandb_dir: str | None = None
+        try:
+            if self.tb_dir is not None:
+                self.loggers.append(TensorBoardLogger(self.tb_dir))
+            if wandb_project is not None:
+                wandb = WandbLogger(wandb_project, self.run_id, folder, config)
+                self.loggers.append(wandb)
+                self.wandb_dir = wandb.run_dir
+        except BaseException:
+            self.close()  # the loggers opened before the failure
+            raise
 
     def write(
         self, step: int, stats: StepStats, lr: float, saved_bytes: int | None = None, eval_loss: float | None = None
@@ -224,25 +249,37 @@ class MetricsLog:
         written, nonfinite = finite_json(line)  # NaN / inf are no JSON: null, named in "nonfinite"
         if nonfinite:
             written["nonfinite"] = nonfinite
-        with open(self.path, "a") as f:
-            f.write(json.dumps(written, allow_nan=False) + "\n")
-        if self._writer is not None:
-            for key, value in line.items():
-                if key in ("peak_memory_bytes", "saved_activation_bytes"):
-                    key, value = key.replace("_bytes", "_mib"), value / 2**20
-                if key == "skipped":
-                    value = int(value)
-                if key not in ("step", "run_id"):
-                    tag = "eval/loss" if key == "eval_loss" else f"train/{key}"
-                    self._writer.add_scalar(tag, value, global_step=step + 1)
-            self._writer.flush()
+        if self.path is not None:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(written, allow_nan=False) + "\n")
+        tagged = scalars(line)
+        for logger in self.loggers:
+            logger.log(step + 1, tagged)
         return written
 
+    def files(self) -> list[str]:
+        """What this log wrote: ``metrics.jsonl``, the TensorBoard folder, the W&B run's folder."""
+        return [p for p in (self.path, self.tb_dir, self.wandb_dir) if p is not None]
+
     def close(self) -> None:
-        """Close the TensorBoard writer (the JSONL file is closed after every line)."""
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        """Close every logger (the JSONL file is closed after every line)."""
+        loggers, self.loggers = self.loggers, []
+        for logger in loggers:
+            logger.close()
+
+
+def open_metrics(
+    cfg: TrainConfig, rank: int, unit: str, sample_size: int, device: torch.device, resumed: bool
+) -> MetricsLog | None:
+    """The trainer's :class:`MetricsLog` on global rank 0 when ``--report`` or ``--wandb`` asks
+    for one (None elsewhere): ``cfg.report``'s files, ``cfg.wandb``'s run with the options as
+    its config."""
+    if rank != 0 or (cfg.report is None and cfg.wandb is None):
+        return None
+    return MetricsLog(
+        cfg.report, unit, sample_size, cfg.batch_size, device, resumed=resumed, wandb_project=cfg.wandb,
+        config=dataclasses.asdict(cfg),
+    )  # fmt: skip
 
 
 def ledger_rows(ledger: CommLedger, mesh: ParallelMesh) -> list[dict]:

@@ -115,6 +115,7 @@ class TrainConfig:
     checks: bool = False  # run with shardkit's cross-rank check mode on (shardkit.comm.checks)
     timeout: float = 300.0  # seconds any collective (every process group) waits for a rank before failing
     report: str | None = None
+    wandb: str | None = None  # log the per-step scalars to this Weights & Biases project too (offline by default)
     log_every: int | None = (
         None  # a plain line every N steps when stdout is no terminal; None: 1 up to 20 steps, else 10
     )

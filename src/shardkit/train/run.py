@@ -41,7 +41,7 @@ from .environment import run_environment
 from .evaluate import eval_loss
 from .liveness import Heartbeat, set_phase
 from .liveness import progress as count_progress
-from .metrics import MetricsLog, ledger_rows, model_size, peak_memory, utilisation
+from .metrics import ledger_rows, model_size, open_metrics, peak_memory, utilisation
 from .progress import default_log_every, make_progress, setup_note
 from .schedule import warmup_cosine
 from .specs import model_spec
@@ -304,9 +304,7 @@ def _train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool, ho
     bar = make_progress(cfg.steps, cfg.batch_size * sample, every, unit) if progress and rank == 0 else None
     with CommLedger() as ledger, bar or nullcontext():
         t1 = time.perf_counter()
-        metrics = None
-        if cfg.report is not None and rank == 0:
-            metrics = MetricsLog(cfg.report, unit_name, sample, cfg.batch_size, device, resumed=source is not None)
+        metrics = open_metrics(cfg, rank, unit_name, sample, device, resumed=source is not None)
         try:
             run = run_training(
                 pm,
@@ -335,7 +333,7 @@ def _train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool, ho
         return None
     files = []
     if metrics is not None:
-        files += [metrics.path] + ([metrics.tb_dir] if metrics.tb_dir else [])
+        files += metrics.files()
     if outputs is not None and cfg.report is not None:
         assert full_params is not None  # gathered above; rank 0 holds them
         files += outputs(cfg, cfg.report, full_params)
