@@ -153,7 +153,8 @@ def test_the_real_wandb_package_logs_every_step_offline(tmp_path, monkeypatch):
     history = [r.history for r in records if r.WhichOneof("record_type") == "history"]
     assert [h.step.num for h in history] == [1, 2]
     for h, line in zip(history, lines):
-        logged = {item.key: json.loads(item.value_json) for item in h.item if not item.key.startswith("_")}
+        items = {(item.key or "/".join(item.nested_key)): item.value_json for item in h.item}  # "a/b": nested
+        logged = {key: json.loads(value) for key, value in items.items() if not key.startswith("_")}
         assert logged == pytest.approx(scalars(line))
     on_disk = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert on_disk == lines  # the JSONL and TensorBoard are unchanged beside it

@@ -83,8 +83,8 @@ def config_from_args(args: argparse.Namespace, world_size: int | None = None) ->
     if not model_spec(cfg.model).reads_corpus:
         return cfg  # e.g. conv-ae: its data is matplotlib's sample photo, not a text corpus
     if (
-        cfg.eval_every and cfg.model_path is None and cfg.tokenizer is None
-    ):  # byte tokens: the split is known before launch
+        cfg.eval_every and cfg.model_path is None and cfg.tokenizer is None and size is not None
+    ):  # byte tokens of files: the split is known before launch
         held_out_start(size, cfg.seq_len)
     return cfg
 

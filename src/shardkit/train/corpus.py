@@ -25,8 +25,9 @@ import torch.distributed as dist
 
 from ..errors import ShardkitError
 from . import data
+from .hf_data import hf_documents, parse_hf
 from .pretrained import check_tokenizer, load_tokenizer, read_config
-from .tokens import token_stream, user_cache_dir
+from .tokens import DEFAULT_MAX_BYTES, encode_documents, token_stream, user_cache_dir
 
 if TYPE_CHECKING:
     from .options import TrainConfig
@@ -50,7 +51,11 @@ class Corpus:
 
 def read_corpus(cfg: TrainConfig) -> Corpus:
     """The token stream of a ``TrainConfig``, read in this process: byte ids of the ``--data``
-    files, or their encoding by ``--model-path``'s or ``--tokenizer``'s tokenizer (through the per-user cache)."""
+    files, or their encoding by ``--model-path``'s or ``--tokenizer``'s tokenizer (through the per-user cache).
+    ``--data hf:NAME[:SPLIT]``: the dataset's rows, each a document as a JSONL line is (:mod:`.hf_data`)."""
+    hf = parse_hf(cfg.data)
+    if hf is not None:
+        return _hf_corpus(cfg, *hf)
     files = data.corpus_files(cfg.data)
     if cfg.tokenizer is not None:
         return Corpus(
@@ -64,6 +69,21 @@ def read_corpus(cfg: TrainConfig) -> Corpus:
     # the checkpoint's own tokenizer (byte ids would scramble a pretrained vocabulary)
     check_tokenizer(load_tokenizer(cfg.model_path), read_config(cfg.model_path))
     return Corpus(token_stream(cfg.model_path, files, cache_dir=user_cache_dir(), column=cfg.data_column))
+
+
+def _hf_corpus(cfg: TrainConfig, name: str, split: str | None) -> Corpus:
+    """:func:`read_corpus` of ``--data hf:NAME[:SPLIT]``: the rows' bytes, or their tokens."""
+    source = cfg.model_path if cfg.tokenizer is None else cfg.tokenizer
+    if source is None:
+        docs = hf_documents(name, split, cfg.data_column)
+        raw = bytearray(b"".join(docs))
+        tokens = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+        return Corpus(tokens, tuple(len(d) for d in docs))
+    flag = "--model-path" if cfg.tokenizer is None else "--tokenizer"
+    if cfg.tokenizer is None:
+        check_tokenizer(load_tokenizer(source), read_config(source))
+    docs = hf_documents(name, split, cfg.data_column, DEFAULT_MAX_BYTES)
+    return Corpus(encode_documents(source, docs, user_cache_dir(), flag, f"--data hf:{name}"))
 
 
 def shared_corpus(cfg: TrainConfig, device: torch.device) -> Corpus:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import ShardkitError
+from .hf_data import check_hf, parse_hf
 
 if TYPE_CHECKING:
     import torch
@@ -126,14 +127,20 @@ def check_files(files: list[Path]) -> None:
         os.close(_open_regular(f))
 
 
-def check_corpus(path: str | None, column: str, seq_len: int) -> int:
+def check_corpus(path: str | None, column: str, seq_len: int) -> int | None:
     """The ``--data`` corpus as the launcher checks it (stat, open and JSONL/Parquet parsing only,
     no torch): every file regular and readable, every ``*.jsonl`` line and ``*.parquet`` row a
-    document with ``column``, at least ``seq_len`` bytes in all. Returns that byte count.
+    document with ``column``, at least ``seq_len`` bytes in all. Returns that byte count; None
+    for ``hf:NAME`` (:func:`.hf_data.check_hf`: the dataset, split and column; its text is
+    counted by the ranks, which all raise the same error when it is too short).
 
     Raises:
         ShardkitError: naming the file (and line) or the sizes at fault.
     """
+    if parse_hf(path) is not None:  # a Hugging Face dataset: its package, split and column
+        assert path is not None
+        check_hf(path, column)
+        return None
     files = corpus_files(path)
     check_files(files)
     for f in files:  # a bad JSONL line or a Parquet file without pyarrow: fails here, naming it

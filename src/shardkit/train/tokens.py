@@ -42,6 +42,7 @@ __all__ = [
     "TOKENIZER_FILES",
     "check_checkpoint_tokenizer",
     "corpus_prefix",
+    "encode_documents",
     "encode_files",
     "token_stream",
     "user_cache_dir",
@@ -269,6 +270,19 @@ def token_stream(
             regular readable file; the corpus encodes to no tokens.
     """
     blobs = [doc for f, n in corpus_prefix(files, max_bytes) for doc in file_documents(f, n, column)]
+    return encode_documents(model_path, blobs, cache_dir, flag, f"the corpus ({len(files)} files)")
+
+
+def encode_documents(
+    model_path: str | Path,
+    blobs: list[bytes],
+    cache_dir: str | Path | None = None,
+    flag: str = "--model-path",
+    what: str = "the corpus",
+) -> torch.Tensor:
+    """Documents (already read: :func:`token_stream`'s files, or ``--data hf:``'s rows) encoded by
+    ``model_path``'s tokenizer, through the cache: the second half of :func:`token_stream`, with
+    its arguments, result and errors (``what`` names the documents in the no-token error)."""
     path = key = None
     if cache_dir is not None:
         key = _cache_key(model_path, blobs, flag)
@@ -279,7 +293,7 @@ def token_stream(
     tokenizer = load_tokenizer(model_path) if flag == "--model-path" else load_text_tokenizer(model_path, flag)
     tokens = _encode(blobs, tokenizer)
     if tokens.numel() == 0:
-        raise ShardkitError(f"--data: the corpus ({len(files)} files) encodes to no tokens")
+        raise ShardkitError(f"--data: {what} encodes to no tokens")
     if path is not None and key is not None:
         _write_entry(path, key, tokens)
     return tokens
