@@ -236,13 +236,14 @@ def add_train_flags(subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--data",
         metavar="PATH",
-        help="text file or folder; *.jsonl lines and *.parquet rows are documents "
-        "(default: the Python stdlib's sources)",
+        help="text file or folder; *.jsonl lines and *.parquet rows are documents; hf:NAME[:SPLIT]: a Hugging "
+        "Face dataset, a save_to_disk folder or one in the local datasets cache, read offline (the datasets extra; "
+        "SPLIT default train) (default: the Python stdlib's sources)",
     )
     p.add_argument(
         "--data-column",
         metavar="NAME",
-        help=f"the text field of *.jsonl lines and *.parquet rows in --data (default {d.data_column!r})",
+        help=f"the text field of *.jsonl lines, *.parquet rows and hf: rows in --data (default {d.data_column!r})",
     )
     p.add_argument(
         "--model-path",

@@ -119,8 +119,8 @@ class TrainConfig:
     log_every: int | None = (
         None  # a plain line every N steps when stdout is no terminal; None: 1 up to 20 steps, else 10
     )
-    data: str | None = None  # None: the Python standard library's source tree
-    data_column: str = "text"  # the text field of *.jsonl lines and *.parquet rows in --data
+    data: str | None = None  # a file or folder, or hf:NAME[:SPLIT]; None: the Python standard library's source tree
+    data_column: str = "text"  # the text field of *.jsonl lines, *.parquet rows and hf: dataset rows in --data
     model_path: str | None = None  # a local HF checkpoint directory or *.gguf file; None: the built-in config
     tokenizer: str | None = None  # a HF tokenizer directory or *.gguf file encoding --data; None: byte tokens
     hidden_size: int = 64
