@@ -55,6 +55,13 @@ def _nonempty(tmp_path) -> str:
     return str(tmp_path)
 
 
+def _hf_dataset(tmp_path) -> list[str]:
+    from datasets import Dataset
+
+    Dataset.from_dict({"body": ["a first document, long enough"]}).save_to_disk(str(tmp_path / "ds"))
+    return ["--data", f"hf:{tmp_path / 'ds'}"]
+
+
 CASES = {
     "layout": (lambda t: ["--tp", "3", "--nproc", "4"], "must divide --nproc 4"),
     "heads": (lambda t: ["--hidden-size", "64", "--heads", "6", "--kv-heads", "2"], "divisible by --heads 6"),
@@ -69,6 +76,8 @@ CASES = {
     "toml type": (lambda t: _toml(t, 'steps = "three"\n'), "steps in"),
     "tokenizer file": (lambda t: ["--tokenizer", str(t)], "has no tokenizer"),
     "jsonl line": (_jsonl, "docs.jsonl:2: not a JSON line"),
+    "hf dataset column": (_hf_dataset, "no column 'text' (--data-column text); the dataset's columns: 'body'"),
+    "wandb project": (lambda t: ["--wandb", "team/proj"], "is not a W&B project name"),
     "schedule rule": (lambda t: ["--schedule", "interleaved-1f1b", "--virtual-stages", "2"], "need a pipeline"),
     "schedule table rule": (
         lambda t: ["--pp", "2", "--schedule", "interleaved-1f1b", "--virtual-stages", "2", "--microbatches", "3"],
