@@ -195,9 +195,9 @@ def _train_commands() -> list[str]:
     for text in texts:
         found.update(re.findall(r"`(shardkit train[^`]*)`", text))
         found.update(line.split("#")[0] for line in text.splitlines() if line.startswith("shardkit train"))
-    # --help exits; --model-path and --tokenizer need files, as do the page's notes.jsonl examples;
-    # "T0,T1,..." is the README's flag synopsis
-    return sorted(c.strip() for c in found if not re.search(r"--help|--model-path|--tokenizer|\.jsonl|T0,", c))
+    # --help exits; --model-path and --tokenizer need files, as do the page's notes.jsonl and hf:
+    # dataset examples; "T0,T1,..." is the README's flag synopsis
+    return sorted(c.strip() for c in found if not re.search(r"--help|--model-path|--tokenizer|\.jsonl|hf:|T0,", c))
 
 
 @pytest.mark.parametrize("command", _train_commands())
