@@ -31,7 +31,7 @@ import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from ..errors import ShardkitError
-from .weight_defer import collect_deferred
+from .weight_defer import closures_to_run, collect_deferred
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -216,9 +216,11 @@ def weight_grad(pending: PendingWeightGrad) -> None:
     written = {id(p) for p in pending.written}
     kept = _keep(pending.written)  # what I wrote; this pass may run the writing Function again
     later: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+    from_w: list = []  # closures deferred by this pass (reruns of I's nodes, or nodes I never reached)
     for roots, grads, params in groups:
-        with collect_deferred():  # a Function rerun here defers again: I's closures are the ones to run
+        with collect_deferred() as deferred:
             got = torch.autograd.grad(roots, params, grads, retain_graph=True, allow_unused=True)
+        from_w += deferred
         for p, g in zip(params, got, strict=True):
             if g is None:
                 continue
@@ -227,7 +229,7 @@ def weight_grad(pending: PendingWeightGrad) -> None:
             else:
                 _accumulate(p, g)
     _restore(kept)
-    for fn in pending.deferred:
+    for fn in closures_to_run(pending.deferred, from_w):
         fn()
     pending.deferred = []
     for p, g in later:
