@@ -235,3 +235,46 @@ def test_modes_that_cannot_run_are_refused_on_every_rank(chunked):
         run_schedule(stage, name, xs, None if last else ts, num_microbatches=2, train=False)
     out = run_schedule(stage, name, xs, ts, num_microbatches=2, return_outputs=False)  # still runs after
     assert all_true((out is not None) == last)
+
+
+class _Flagged(nn.Module):
+    """A chunk whose call mixes the tensor with non-tensor arguments (a bool and a float)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x, *, negate: bool, scale: float):
+        y = self.inner(x) * scale
+        return -y if negate else y
+
+
+@pytest.mark.world(2, timeout=90)
+@pytest.mark.parametrize("train", [True, False])
+def test_non_tensor_arguments_per_microbatch_reach_every_chunk(train):
+    """Non-tensor arguments (flags) go with each microbatch as ``stage_kwargs`` (every chunk's
+    call gets them; they are not sent): zbv with a flag that differs per microbatch."""
+    r = rank()
+    full = _model()
+    xs, ts = _data(4)
+    kws = [{"negate": j % 2 == 1, "scale": 0.5 + j} for j in range(4)]
+    mine = [_Flagged(copy.deepcopy(c)) for c in _chunks(full, 2, 2, "v", r)]
+    ref = [_Flagged(c) for c in _chunks(full, 1, 4, "looped", 0)]
+
+    def ref_forward(x, kw):
+        for mod in ref:
+            x = mod(x, **kw)
+        return x
+
+    stage = ChunkedStage(mine, world_group(), placement="v", loss_fn=_mse)
+    with torch.set_grad_enabled(train):
+        losses = run_schedule(stage, "zbv", xs, ts, num_microbatches=4, stage_kwargs=kws, scale_grads=False)
+        want = [_mse(ref_forward(x, kw), t) for x, kw, t in zip(xs, kws, ts)]
+    ok = losses is None if r == 1 else all(torch.equal(a, b.detach()) for a, b in zip(losses, want))
+    if train:
+        sum(want).backward()
+        mods = [m.inner for m in ref]
+        for mod, g in zip(mine, (0, 3) if r == 0 else (1, 2), strict=True):
+            for a, b in zip(mod.parameters(), mods[g].parameters(), strict=True):
+                ok &= torch.allclose(a.grad, b.grad, rtol=1e-12, atol=1e-12)
+    assert all_true(ok)
