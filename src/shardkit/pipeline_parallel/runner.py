@@ -153,7 +153,8 @@ def run_schedule(
         ShardkitError: on every stage: the table is malformed, has the wrong number of stages
             or cannot run with blocking P2P (pure checks); the first (last) stage was given a
             number of inputs (targets) other than ``M``, or ranks passed different
-            ``boundary_shapes`` (agreed by one small all-reduce). A ``ChunkedStage``: a table
+            ``boundary_shapes``, or modes (``train=True`` under ``torch.no_grad()``, ranks in
+            different modes, non-bool flags; agreed by one small all-reduce). A ``ChunkedStage``: a table
             that does not fit ``p`` ranks of ``v`` chunks or cannot run (a dependency out of
             order, a deadlock), ranks passing different tables, ``boundary_shapes`` given, or
             the P2P check mode on.
