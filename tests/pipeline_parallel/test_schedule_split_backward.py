@@ -8,6 +8,7 @@ from torch import nn
 
 from shardkit.errors import ShardkitError
 from shardkit.pipeline_parallel.split_backward import input_grad, weight_grad
+from shardkit.pipeline_parallel.weight_defer import defer, deferring
 
 
 def _mlp():
@@ -146,3 +147,82 @@ def test_bad_grad_output_is_refused(grad, match):
     y = m(x)
     with pytest.raises(ShardkitError, match=match):
         input_grad(x, y, m.parameters(), grad)
+
+
+class _WritesGrad(torch.autograd.Function):
+    """``x @ w.T`` whose backward adds ``w``'s gradient into ``w.grad`` or ``w.main_grad`` itself
+    (deferred to W when asked) and returns None for ``w``."""
+
+    mode = "grad"  # "grad", "main" or "defer"
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x @ w.T
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, w = ctx.saved_tensors
+
+        def add():
+            g = gy.flatten(0, -2).T @ x.flatten(0, -2)
+            if _WritesGrad.mode == "main":
+                w.main_grad.add_(g)
+            else:
+                w.grad = g if w.grad is None else w.grad.add_(g)
+
+        if _WritesGrad.mode == "defer" and deferring():
+            defer(add)
+        else:
+            add()
+        return gy @ w, None
+
+
+class _FuncNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.w1 = nn.Parameter(torch.randn(5, 5, dtype=torch.float64))
+        self.lin = nn.Linear(5, 5, dtype=torch.float64)
+        self.w2 = nn.Parameter(torch.randn(5, 5, dtype=torch.float64))
+
+    def forward(self, x):
+        return _WritesGrad.apply(self.lin(torch.tanh(_WritesGrad.apply(x, self.w1))), self.w2)
+
+
+def _grads(net):
+    """Every gradient a parameter holds, ``.grad`` and ``main_grad``, in parameter order."""
+    return [t for p in net.parameters() for t in (p.grad, getattr(p, "main_grad", None)) if t is not None]
+
+
+@pytest.mark.parametrize("mode", ["grad", "main", "defer"])
+@pytest.mark.parametrize("first_stage", [False, True], ids=["middle", "first"])
+def test_functions_that_write_their_weight_grad_count_once(mode, first_stage):
+    """Over two microbatches, I of both then W of both (as zero-bubble tables run them): each
+    weight gradient once, whether the Function writes ``.grad`` or ``main_grad`` in I, or defers
+    the work to W; on a first stage (no input gradient, so no I pass) W runs the Function alone."""
+    _WritesGrad.mode = mode
+    ref, split = _FuncNet(), _FuncNet()
+    for net in (ref, split):
+        for p in (net.w1, net.w2):
+            p.main_grad = torch.zeros_like(p)
+    xs = [torch.randn(3, 5, dtype=torch.float64) for _ in range(2)]
+    gs = [torch.randn(3, 5, dtype=torch.float64) for _ in range(2)]
+    for x, g in zip(xs, gs):
+        ref(x if first_stage else x.clone().requires_grad_()).backward(g)
+    pend = []
+    for x, g in zip(xs, gs):
+        xi = x if first_stage else x.clone().requires_grad_()
+        pend.append(input_grad(xi, split(xi), split.parameters(), g)[1])
+    if mode != "defer" and not first_stage:
+        assert {id(p) for p in pend[0].written} == {id(split.w1), id(split.w2)}  # noted in I
+    for pd in pend:
+        weight_grad(pd)
+    for a, b in zip(_grads(ref), _grads(split), strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-13, atol=1e-13)
+
+
+def test_defer_outside_a_split_backward_is_refused():
+    with pytest.raises(ShardkitError, match="no split backward is running"):
+        defer(lambda: None)
+    assert not deferring()

@@ -132,6 +132,13 @@ def _parity(stage_ranks, modes, schedule_name, M=4):
     for b, ref in zip(blocks, _slice(full, s, P), strict=True):
         for p, r in zip(b.parameters(), ref.parameters(), strict=True):
             ok &= _close(p.grad, _shard_of(r.grad, p, i))
+    # the same stages evaluated (the forward-only table through the tp-group transport): the
+    # same losses, no gradient touched
+    grads = [p.grad.clone() for b in blocks for p in b.parameters()]
+    with torch.no_grad():
+        evals = run_schedule(stage, SCHEDULES[schedule_name](P, M), xs if s == 0 else None, ts if s == P - 1 else None)
+    ok &= evals is None if s < P - 1 else all(_close(a, b.detach()) for a, b in zip(evals, ref_losses, strict=True))
+    ok &= all(torch.equal(g, p.grad) for g, p in zip(grads, (p for b in blocks for p in b.parameters())))
     assert all_true(ok)
 
 

@@ -50,7 +50,10 @@ def test_held_out_limits_are_refused():
 
 LAYOUTS = {
     "tp=2 (sequence parallel)": dict(),
-    "pp=2, 2 microbatches (forward and backward, gradients dropped)": dict(tp=1, pp=2, microbatches=2),
+    "pp=2, 2 microbatches (the forward-only table)": dict(tp=1, pp=2, microbatches=2),
+    "pp=2, zbv (forward-only table of an I/W schedule)": dict(
+        tp=1, pp=2, microbatches=4, schedule="zbv", virtual_stages=2, layers=4
+    ),
     "dp_shard=2 (FSDP2)": dict(tp=1, dp_shard=2),
     "cp_ring=2": dict(tp=1, cp_ring=2),
     "tp=2, vocab-parallel loss, selective AC": dict(loss_parallel=True, ac="selective"),
@@ -63,6 +66,16 @@ LAYOUTS = {
 def test_eval_loss_at_the_right_steps_equals_one_process(layout):
     """Against the --verify reference in float64: the same held-out loss after steps 2, 4 and the
     last (5), in the result and in metrics.jsonl; training itself unchanged (parity passes)."""
+    _eval_equals_one_process(layout)
+
+
+@pytest.mark.world(4, timeout=240)
+def test_eval_of_fsdp2_pipeline_stages_equals_one_process():
+    """pp=2 x dp_shard=2: FSDP2 stages evaluated by the forward-only table between steps."""
+    _eval_equals_one_process(dict(tp=1, pp=2, dp_shard=2, microbatches=2))
+
+
+def _eval_equals_one_process(layout):
     folder = shared_tmpdir("shardkit-eval-")
     try:
         cfg = TrainConfig(

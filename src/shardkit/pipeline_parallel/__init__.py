@@ -22,9 +22,12 @@ from .p2p import (
     send_forward_recv_backward,
     send_forward_recv_forward,
 )
+from .run_mode import ScheduleOutput
 from .runner import run_schedule, split_microbatches
 from .schedules import Action, bubble_fraction, gpipe_schedule, one_f_one_b_schedule, simulate, validate_schedule
 from .stage import PipelineStage
+from .steps import forward_only
+from .weight_defer import defer, deferring
 
 __all__ = [
     "Action",
@@ -45,6 +48,10 @@ __all__ = [
     "check_pp",
     "sum_tied_embedding_grads",
     "run_schedule",
+    "ScheduleOutput",
+    "forward_only",
+    "deferring",
+    "defer",
     "split_microbatches",
     "P2PWork",
     "ShapeCache",

@@ -2,8 +2,11 @@
 
 Steps: ``F`` runs a chunk on a microbatch and hands its output to the next chunk; ``B`` runs
 ``torch.autograd.backward`` and hands the input gradient to the previous chunk; ``I``/``W`` are
-:func:`~.split_backward.input_grad` and :func:`~.split_backward.weight_grad`. The last chunk's
-loss is scaled by ``1 / M`` (gradients of the mean of the microbatch losses).
+:func:`~.split_backward.input_grad` and :func:`~.split_backward.weight_grad` (a chunk with
+post-accumulate-grad hooks runs ``I`` as ``B``: :func:`.run_mode.accumulate_hooks`). The last
+chunk's loss is scaled by ``1 / M`` (gradients of the mean of the microbatch losses), or not
+(``scale_grads=False``: the sum). A forward-only call (:mod:`.run_mode`) runs the table's
+:func:`~.steps.forward_only` rows under ``torch.no_grad``.
 
 Messages (:mod:`._mailbox`). A hand-over to a chunk on this rank (``"v"``: chunk ``p - 1`` to
 ``p`` on the last rank; every chunk when ``p = 1``) is a dictionary entry, no P2P. Every other
@@ -55,10 +58,11 @@ from ._mailbox import Mailbox, Message, incoming, link, step_messages
 from ._p2p_call import run
 from ._posted_recv import PostedRecv
 from ._transfer import ShapeCache
+from .run_mode import TRAIN, RunMode, ScheduleOutput, accumulate_hooks, resolve_mode, targets_needed
 from .simulate import simulate_steps, transfers
 from .split_backward import input_grad, weight_grad
 from .stage import REJECTED
-from .steps import Step, Table
+from .steps import Step, Table, forward_only
 from .tables import SCHEDULES
 
 if TYPE_CHECKING:
@@ -151,14 +155,19 @@ class _Links:
 class _Run:
     """One call's state on this rank (see the module docstring)."""
 
-    def __init__(self, stage: ChunkedStage, table: Table, m: int, inputs, targets, kwargs, caches: dict) -> None:
+    def __init__(
+        self, stage: ChunkedStage, table: Table, m: int, inputs, targets, kwargs, caches: dict, mode: RunMode
+    ) -> None:
         self.stage, self.m, self.inputs, self.targets, self.kwargs = stage, m, inputs, targets, kwargs
+        self.mode = mode
         early = stage.info.pg.name().lower() == "gloo"  # why only gloo: :mod:`._mailbox`
         mine = incoming(transfers(table, placement=stage.placement, v=stage.v)[0], stage.rank)
         self.mail = Mailbox(stage.rank, stage.owner, mine, _Links(stage, caches), early)
         self.stash: dict[tuple[int, int], tuple] = {}  # (microbatch, local chunk) -> (input, output)
         self.pending: dict[tuple[int, int], object] = {}  # (microbatch, local chunk) -> I's pending W
         self.losses: list[torch.Tensor | None] = [None] * m
+        self.outputs: list[torch.Tensor | None] = [None] * m
+        self.plain = [bool(accumulate_hooks(mod)) for mod in stage.modules]  # these chunks run I as B
 
     def step(self, s: Step) -> None:
         j, c = s.microbatch, s.chunk
@@ -167,22 +176,27 @@ class _Run:
         if s.kind == "F":
             self.forward(j, c, need, give)
         elif s.kind == "W":
-            weight_grad(self.pending.pop((j, c)))  # type: ignore[arg-type]
+            if not self.plain[c]:  # a plain chunk's I ran as B
+                weight_grad(self.pending.pop((j, c)))  # type: ignore[arg-type]
         else:
-            self.backward(j, c, need, give, split=s.kind == "I")
+            self.backward(j, c, need, give, split=s.kind == "I" and not self.plain[c])
 
     def forward(self, j: int, c: int, need: Message | None, give: Message | None) -> None:
-        st = self.stage
-        x = self.inputs[j] if need is None else self.mail.take(need).requires_grad_(True)
+        st, train = self.stage, self.mode.train
+        x = self.inputs[j] if need is None else self.mail.take(need).requires_grad_(train)
         y = st.modules[c](x, **self.kwargs[j])
         if give is None:  # the last chunk
             assert st.loss_fn is not None  # checked when the stage was built
-            loss = st.loss_fn(y, self.targets[j])
-            self.losses[j] = loss.detach()
-            y = loss / self.m  # gradients of the mean over microbatches
+            if self.mode.return_outputs:
+                self.outputs[j] = y.detach()
+            if self.targets is not None:  # always when training (checked)
+                loss = st.loss_fn(y, self.targets[j])
+                self.losses[j] = loss.detach()
+                y = loss / self.m if self.mode.scale_grads else loss  # the mean, or the sum
         else:
             self.mail.deliver(give, y.detach())
-        self.stash[(j, c)] = (x, y)
+        if train:  # a forward-only call keeps nothing
+            self.stash[(j, c)] = (x, y)
 
     def backward(self, j: int, c: int, need: Message | None, give: Message | None, split: bool) -> None:
         """``B`` (``split`` False) or ``I``; both hand the input gradient to the previous chunk."""
@@ -204,32 +218,61 @@ def _backward(x: torch.Tensor, y: torch.Tensor, grad: torch.Tensor | None) -> to
     return x.grad if x.requires_grad else None
 
 
-def execute(stage: ChunkedStage, table: Table, m: int, inputs, targets, kwargs: Sequence[dict], caches: dict):
+def execute(
+    stage: ChunkedStage,
+    table: Table,
+    m: int,
+    inputs,
+    targets,
+    kwargs: Sequence[dict],
+    caches: dict,
+    mode: RunMode = TRAIN,
+):
     """Run this rank's row of ``table``; return the ``M`` losses on the rank holding the last
-    chunk, else None (parameter gradients accumulate into ``.grad``)."""
-    run = _Run(stage, table, m, inputs, targets, kwargs, caches)
-    fsdp = fsdp_steps(stage, table[stage.rank], m)  # FSDP2: each group gathered and reduced once
-    for i, s in enumerate(table[stage.rank]):
-        if fsdp is not None and s.kind != "F":
-            fsdp.before(i, s.kind)
-        run.step(s)
-        if fsdp is not None and s.kind != "F":
-            fsdp.after(i, s.kind)
+    chunk, else None (parameter gradients accumulate into ``.grad``); with
+    ``mode.return_outputs`` a :class:`~.run_mode.ScheduleOutput` on every rank."""
+    run = _Run(stage, table, m, inputs, targets, kwargs, caches, mode)
+    fsdp = fsdp_steps(stage, table[stage.rank], m) if mode.train else None  # each group gathered, reduced once
+    with torch.set_grad_enabled(mode.train):
+        for i, s in enumerate(table[stage.rank]):
+            if fsdp is not None and s.kind != "F":
+                fsdp.before(i, s.kind)
+            run.step(s)
+            if fsdp is not None and s.kind != "F":
+                fsdp.after(i, s.kind)
     run.mail.finish()
-    return run.losses if stage.holds(stage.num_chunks - 1) else None
+    last = stage.holds(stage.num_chunks - 1)
+    losses = cast("list[torch.Tensor]", run.losses) if last and targets is not None else None  # every one ran
+    if mode.return_outputs:
+        return ScheduleOutput(losses, cast("list[torch.Tensor]", run.outputs) if last else None)
+    return losses
 
 
 def run_chunked(
-    stage: ChunkedStage, schedule, inputs, targets, stage_kwargs, num_microbatches, boundary_shapes, op, shape_key=None
+    stage: ChunkedStage,
+    schedule,
+    inputs,
+    targets,
+    stage_kwargs,
+    num_microbatches,
+    boundary_shapes,
+    op,
+    shape_key=None,
+    mode: tuple = (None, True, False),
 ):
     """:func:`~.runner.run_schedule` on a :class:`~.chunked.ChunkedStage`: resolve and check the
-    table, agree on it and on every rank's data (one small all-reduce when all is well), run."""
+    table (its forward-only rows in an eval call), agree on it and on every rank's data (one
+    small all-reduce when all is well), run. ``mode``: ``(train, scale_grads, return_outputs)``
+    as passed (:func:`.run_mode.resolve_mode`)."""
     error, digest, table, m = None, None, cast("Table", ()), 0
+    run_mode, error = resolve_mode(*mode)
     try:
         table, m = resolve_table(stage, schedule, num_microbatches, op)
+        if not run_mode.train:  # a rank in another mode has another table: refused by the agreement
+            table = forward_only(table)
         check_table(table, stage, m, op)
         digest = hashlib.sha1(repr(table).encode()).hexdigest()
-        error = _data_error(stage, m, inputs, targets, stage_kwargs)
+        error = error or _data_error(stage, m, inputs, targets, stage_kwargs, run_mode)
         if boundary_shapes is not None:
             error = "a ChunkedStage negotiates its shapes: boundary_shapes must be None"
     except ShardkitError as e:
@@ -239,7 +282,8 @@ def run_chunked(
 
     def judge(seen: list) -> list[str]:
         differ = [r for r, (d, _) in enumerate(seen) if d != seen[0][0]]
-        return [f"ranks {differ} passed another schedule table than rank 0"] if differ else []
+        why = "another schedule table than rank 0 (or ran in another mode: train / forward-only)"
+        return [f"ranks {differ} passed {why}"] if differ else []
 
     def agreed() -> bool:
         seen = agree(stage.info, op, error, [digest, stage.has_caches], judge=judge, headline=REJECTED)
@@ -249,18 +293,18 @@ def run_chunked(
     keep = agree_once(stage, str(digest), stage.has_caches, error, op, agreed)
     caches = stage.take_caches(keep)
     stage.shape_trust.begin(shape_key, keep)
-    losses = execute(stage, table, m, inputs, targets, stage_kwargs or [{}] * m, caches)
+    losses = execute(stage, table, m, inputs, targets, stage_kwargs or [{}] * m, caches, run_mode)
     stage.keep_caches(caches)  # completed: the next call may keep them (agreed by every rank)
     stage.shape_trust.end(shape_key)
     return losses
 
 
-def _data_error(stage: ChunkedStage, m: int, inputs, targets, stage_kwargs) -> str | None:
-    for chunk, name, xs in (
-        (0, "inputs_microbatches", inputs),
-        (stage.num_chunks - 1, "targets_microbatches", targets),
+def _data_error(stage: ChunkedStage, m: int, inputs, targets, stage_kwargs, mode: RunMode) -> str | None:
+    for chunk, name, xs, needed in (
+        (0, "inputs_microbatches", inputs, True),
+        (stage.num_chunks - 1, "targets_microbatches", targets, targets_needed(mode, targets)),
     ):
-        if stage.holds(chunk) and (not isinstance(xs, (list, tuple)) or len(xs) != m):
+        if needed and stage.holds(chunk) and (not isinstance(xs, (list, tuple)) or len(xs) != m):
             got = len(xs) if isinstance(xs, (list, tuple)) else type(xs).__name__
             return f"rank {stage.rank} holds chunk {chunk} and needs {m} {name} (the schedule's M), got {got}"
     if stage.holds(0) and not all(isinstance(x, torch.Tensor) for x in inputs):

@@ -7,7 +7,8 @@ shape (e.g. sequence length). Gradients are moved explicitly, as in Megatron-LM:
 ``(input, output)`` per microbatch, ``B`` calls ``torch.autograd.backward(output, grad)`` and
 sends ``input.grad`` back. The loss of each microbatch is scaled by ``1 / M``, so the
 accumulated parameter gradients are those of the mean of the microbatch losses (the full-batch
-mean for equal-size microbatches of a mean loss).
+mean for equal-size microbatches of a mean loss), or not (``scale_grads=False``: the sum). An
+eval call runs the table's forward-only rows (:mod:`.run_mode`).
 
 Stages made of tp groups (:class:`~.vtp.StageGroups`): every rank of a stage runs the same
 plan; transfers go through :class:`~.transport.StageTransport` (layouts reshard across the
@@ -18,7 +19,7 @@ backpropagates it and the TP regions' reductions make the gradients exact).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Literal, cast, overload
 
 import torch
 
@@ -30,9 +31,11 @@ from . import p2p
 from ._agreed import agree_once
 from ._chunk_exec import run_chunked
 from .chunked import ChunkedStage
+from .run_mode import TRAIN, ScheduleOutput, resolve_mode, targets_needed
+from .run_split import split_microbatches  # re-exported: its home until the runner grew
 from .schedules import check_deadlock_free, comm_plan, validate_schedule
 from .stage import REJECTED, PipelineStage
-from .steps import lower
+from .steps import forward_only, lower
 from .tables import schedule_table
 from .transport import StageTransport
 from .vtp import Replicate
@@ -46,24 +49,38 @@ if TYPE_CHECKING:
 __all__ = ["run_schedule", "split_microbatches"]
 
 
-def split_microbatches(batch: torch.Tensor, num_microbatches: int) -> list[torch.Tensor]:
-    """Split ``[B, ...]`` into ``M`` microbatches ``[B / M, ...]`` along dim 0 (views).
+@overload
+def run_schedule(
+    stage: PipelineStage | ChunkedStage,
+    schedule: Sequence[Sequence[Action]] | Sequence[Sequence[Step]] | str,
+    inputs_microbatches: Sequence[torch.Tensor] | None = None,
+    targets_microbatches: Sequence[torch.Tensor] | None = None,
+    *,
+    boundary_shapes: Sequence[tuple[Sequence[int], torch.dtype]] | None = None,
+    stage_kwargs: Sequence[dict] | None = None,
+    num_microbatches: int | None = None,
+    shape_key: Hashable | None = None,
+    train: bool | None = None,
+    scale_grads: bool = True,
+    return_outputs: Literal[False] = False,
+) -> list[torch.Tensor] | None: ...
 
-    Raises:
-        ShardkitError: ``M`` not an int >= 1, ``batch`` 0-d, or ``M`` does not divide ``B``.
-    """
-    M = num_microbatches
-    if not isinstance(M, int) or isinstance(M, bool) or M < 1:
-        raise ShardkitError(f"split_microbatches: num_microbatches must be an int >= 1, got {M!r}")
-    if not isinstance(batch, torch.Tensor) or batch.dim() == 0:
-        raise ShardkitError("split_microbatches: batch must be a tensor with a batch dimension (dim 0)")
-    B = batch.shape[0]
-    if B % M:
-        raise ShardkitError(
-            f"split_microbatches: {M} microbatches do not divide the batch of {B} "
-            f"(B % M = {B % M}); pick M dividing {B}"
-        )
-    return list(batch.split(B // M, dim=0))
+
+@overload
+def run_schedule(
+    stage: PipelineStage | ChunkedStage,
+    schedule: Sequence[Sequence[Action]] | Sequence[Sequence[Step]] | str,
+    inputs_microbatches: Sequence[torch.Tensor] | None = None,
+    targets_microbatches: Sequence[torch.Tensor] | None = None,
+    *,
+    boundary_shapes: Sequence[tuple[Sequence[int], torch.dtype]] | None = None,
+    stage_kwargs: Sequence[dict] | None = None,
+    num_microbatches: int | None = None,
+    shape_key: Hashable | None = None,
+    train: bool | None = None,
+    scale_grads: bool = True,
+    return_outputs: Literal[True],
+) -> ScheduleOutput: ...
 
 
 def run_schedule(
@@ -76,8 +93,12 @@ def run_schedule(
     stage_kwargs: Sequence[dict] | None = None,
     num_microbatches: int | None = None,
     shape_key: Hashable | None = None,
-) -> list[torch.Tensor] | None:
-    """Run this stage's row of ``schedule`` (forward and backward of every microbatch).
+    train: bool | None = None,
+    scale_grads: bool = True,
+    return_outputs: bool = False,
+) -> list[torch.Tensor] | ScheduleOutput | None:
+    """Run this stage's row of ``schedule`` (forward and backward of every microbatch), or its
+    forward-only rows (eval).
 
     Collective over the pipeline group: every stage calls it with the same table.
 
@@ -113,17 +134,27 @@ def run_schedule(
             ``take()`` the caller reads with its own next read and raises on every rank when
             set (a message did not have the agreed shape: its payload was not delivered).
             Ignored in the P2P check mode (every header verified).
+        train: True: forwards and backwards; False: the table's forward-only rows
+            (:func:`~.steps.forward_only`, every schedule, zero-bubble ones included) under
+            ``torch.no_grad``, no gradient message; None (default): ``torch.is_grad_enabled()``.
+        scale_grads: True (default): back-propagate ``loss / M`` (gradients of the mean of the
+            microbatch losses); False: each ``loss`` (the sum; torch's ``scale_grads=False``,
+            DualPipe).
+        return_outputs: also return the last stage's outputs (see Returns).
 
     Returns:
-        Last stage (every rank of it): the ``M`` detached, unscaled microbatch losses; other
-        stages: None.
+        Last stage (every rank of it): the ``M`` detached, unscaled microbatch losses (None in an
+        eval call without targets); other stages: None. With ``return_outputs``, on every rank
+        a :class:`~.run_mode.ScheduleOutput` ``(losses, outputs)``: the losses as above and the
+        last stage's ``M`` detached outputs (before the loss), both None on other stages.
         Parameter gradients accumulate into ``.grad`` (call ``zero_grad`` between steps).
 
     Raises:
         ShardkitError: on every stage: the table is malformed, has the wrong number of stages
             or cannot run with blocking P2P (pure checks); the first (last) stage was given a
             number of inputs (targets) other than ``M``, or ranks passed different
-            ``boundary_shapes`` (agreed by one small all-reduce). A ``ChunkedStage``: a table
+            ``boundary_shapes``, or modes (``train=True`` under ``torch.no_grad()``, ranks in
+            different modes, non-bool flags; agreed by one small all-reduce). A ``ChunkedStage``: a table
             that does not fit ``p`` ranks of ``v`` chunks or cannot run (a dependency out of
             order, a deadlock), ranks passing different tables, ``boundary_shapes`` given, or
             the P2P check mode on.
@@ -131,15 +162,19 @@ def run_schedule(
     op = "run_schedule"
     if isinstance(stage, ChunkedStage):
         args = (inputs_microbatches, targets_microbatches, stage_kwargs, num_microbatches, boundary_shapes)
-        return run_chunked(stage, schedule, *args, op, shape_key)
+        return run_chunked(stage, schedule, *args, op, shape_key, (train, scale_grads, return_outputs))
     if not isinstance(stage, PipelineStage):
         raise ShardkitError(f"{op}: stage must be a PipelineStage or ChunkedStage, got {type(stage).__name__}")
     P, s = stage.num_stages, stage.stage_index
+    mode, error = resolve_mode(train, scale_grads, return_outputs)
     schedule = _actions(schedule, P, num_microbatches, op)
-    M = validate_schedule(schedule, P, op)
+    if not mode.train:  # eval: the well-formed table's forwards alone, in its order
+        validate_schedule(schedule, P, op)
+        schedule = forward_only(schedule)
+    M = validate_schedule(schedule, P, op, forward_only=not mode.train)
     check_deadlock_free(schedule, op)
     decls = _boundary_decls(boundary_shapes, P, op)
-    error = _data_error(stage, M, inputs_microbatches, targets_microbatches)
+    error = error or _data_error(stage, M, inputs_microbatches, targets_microbatches, mode)
     if (
         error is None
         and stage_kwargs is not None
@@ -152,16 +187,26 @@ def run_schedule(
         error = f"stage {s}: stage_kwargs must be None or {M} dicts (one per microbatch)"
     # The stage's ShapeCache outlives the call only if every rank's previous call completed (its
     # channels were then updated from the same headers on both ends); else every rank starts a new one.
-    keep = _agree(stage, error, decls, op, clean=stage.has_shape_cache)
+    keep = _agree(stage, error, (decls, mode.train), op, clean=stage.has_shape_cache)
     cache = stage.take_shape_cache(keep)
     stage.shape_trust.begin(shape_key, keep)
     plan = comm_plan(schedule[s], s, P)
     kwargs = stage_kwargs or [{}] * M
-    if stage.stages is not None:
-        return _execute_tp(stage, plan, M, inputs_microbatches, targets_microbatches, decls, kwargs)
-    losses = _execute(stage, plan, M, inputs_microbatches, targets_microbatches, decls, kwargs, cache)
+    data = (M, inputs_microbatches, targets_microbatches, decls, kwargs)
+    with torch.set_grad_enabled(mode.train):
+        if stage.stages is not None:
+            return _result(stage, _execute_tp(stage, plan, *data, mode), targets_microbatches, mode)
+        out = _execute(stage, plan, *data, cache, mode)
     stage.keep_shape_cache(cache)  # completed: the next call may keep it (agreed by every rank)
     stage.shape_trust.end(shape_key)
+    return _result(stage, out, targets_microbatches, mode)
+
+
+def _result(stage, out, targets, mode):
+    """``run_schedule``'s value from an executor's ``(losses, outputs)``."""
+    losses = out[0] if stage.is_last and targets is not None else None
+    if mode.return_outputs:
+        return ScheduleOutput(losses, out[1] if stage.is_last else None)
     return losses
 
 
@@ -191,31 +236,35 @@ def _boundary_decls(shapes, P: int, op: str):
     return decls
 
 
-def _agree(stage, error, decls, op: str, clean: bool) -> bool:
+def _agree(stage, error, key, op: str, clean: bool) -> bool:
     """Raise the same ShardkitError on every rank if any rank has a data error or ranks passed
-    different boundary shapes; else return whether every rank is ``clean``.
+    different boundary shapes or modes (``key``: ``(decls, train)``); else return whether every
+    rank is ``clean``.
 
     One :func:`~shardkit.comm.agree.agree`: a single small all-reduce when every rank is fine
     and passed the same shapes and ``clean`` flag (the usual call); the verdicts are gathered
     only otherwise."""
 
     def judge(seen: list) -> list[str]:
-        differ = [r for r, (d, _) in enumerate(seen) if d != seen[0][0]]
+        differ = [r for r, (d, t, _) in enumerate(seen) if d != seen[0][0]]
         if differ:
             return [f"ranks {differ} passed boundary_shapes {seen[differ[0]][0]}, rank 0 passed {seen[0][0]}"]
+        differ = [r for r, (_, t, _) in enumerate(seen) if t != seen[0][1]]
+        if differ:  # train=None follows torch.no_grad(): one rank under it beside training ones
+            return [f"ranks {differ} run with train={seen[differ[0]][1]}, rank 0 with train={seen[0][1]}"]
         return []
 
     def run() -> bool:
-        seen = agree(stage.info, op, error, [repr(decls), clean], judge=judge, headline=REJECTED)
-        return all(c for _, c in seen)
+        seen = agree(stage.info, op, error, [repr(key[0]), key[1], clean], judge=judge, headline=REJECTED)
+        return all(c for *_, c in seen)
 
-    return agree_once(stage, repr(decls), clean, error, op, run)  # once per stage in the default mode
+    return agree_once(stage, repr(key), clean, error, op, run)  # once per stage in the default mode
 
 
-def _data_error(stage, M, inputs, targets) -> str | None:
+def _data_error(stage, M, inputs, targets, mode) -> str | None:
     for needed, name, xs in (
         (stage.is_first, "inputs_microbatches", inputs),
-        (stage.is_last, "targets_microbatches", targets),
+        (stage.is_last and targets_needed(mode, targets), "targets_microbatches", targets),
     ):
         if needed and (not isinstance(xs, (list, tuple)) or len(xs) != M):
             got = len(xs) if isinstance(xs, (list, tuple)) else type(xs).__name__
@@ -225,12 +274,12 @@ def _data_error(stage, M, inputs, targets) -> str | None:
     return None
 
 
-def _execute(stage, plan, M, inputs, targets, decls, kwargs, cache):
+def _execute(stage, plan, M, inputs, targets, decls, kwargs, cache, mode=TRAIN):
     g = stage.group
     received = {}  # (direction, microbatch) -> tensor from a neighbour
     stash = {}  # microbatch -> (input or None, output or scaled loss)
     grads_out = {}  # microbatch -> gradient to send to the previous stage
-    outputs = {}  # microbatch -> output to send to the next stage
+    outputs = {}  # microbatch -> output to send to the next stage (last stage: returned)
     losses = [None] * M
     # Negotiated shapes are remembered per channel (identically on both ends, across calls: see
     # run_schedule), so repeated microbatch shapes cost no header round trip.
@@ -240,7 +289,7 @@ def _execute(stage, plan, M, inputs, targets, decls, kwargs, cache):
     sending = []
     for call in plan:
         if call.api == "compute":
-            _compute(call.action, stage, M, inputs, targets, received, stash, losses, outputs, grads_out, kwargs)
+            _compute(call.action, stage, M, inputs, targets, received, stash, losses, outputs, grads_out, kwargs, mode)
             continue
         send = None
         if call.sends:
@@ -260,33 +309,40 @@ def _execute(stage, plan, M, inputs, targets, decls, kwargs, cache):
             sending = [w for w in sending if not w.is_completed()] + [got]
     for work in sending:
         work.wait()
-    return losses if stage.is_last else None
+    return losses, [outputs.get(m) for m in range(M)]
 
 
-def _compute(action, stage, M, inputs, targets, received, stash, losses, outputs, grads_out, kwargs) -> None:
-    """Run one F or B action; its output (or input gradient) waits in ``outputs`` / ``grads_out``."""
+def _compute(action, stage, M, inputs, targets, received, stash, losses, outputs, grads_out, kwargs, mode) -> None:
+    """Run one F or B action; its output (or input gradient) waits in ``outputs`` / ``grads_out``
+    (the last stage's output stays there with ``return_outputs``)."""
     kind, m = action
     if kind == "F":
-        outputs[m] = _forward(stage, m, M, inputs, targets, received, stash, losses, kwargs[m])
+        y = _forward(stage, m, M, inputs, targets, received, stash, losses, kwargs[m], mode)
+        if y is not None:
+            outputs[m] = y
     else:
         grads_out[m] = _backward(stage, m, M, received, stash)
 
 
-def _forward(stage, m, M, inputs, targets, received, stash, losses, kwargs):
+def _forward(stage, m, M, inputs, targets, received, stash, losses, kwargs, mode):
+    """One F: the output to send (None on the last stage, but with ``return_outputs``)."""
     if stage.is_first:
         x = inputs[m]
     else:
-        x = received.pop(("F", m)).requires_grad_(True)
-    y = stage.forward(x, **kwargs)
+        x = received.pop(("F", m)).requires_grad_(mode.train)
+    y = out = stage.forward(x, **kwargs)
     if stage.is_last:
-        loss = stage.loss(y, targets[m])
-        losses[m] = loss.detach()
-        y = loss / M  # gradients of the mean over microbatches
-    stash[m] = (None if stage.is_first else x, y)
-    return None if stage.is_last else y.detach()
+        if targets is not None:  # always when training (checked)
+            loss = stage.loss(y, targets[m])
+            losses[m] = loss.detach()
+            y = loss / M if mode.scale_grads else loss  # gradients of the mean, or the sum
+        out = out if mode.return_outputs else None
+    if mode.train:  # a forward-only call keeps nothing
+        stash[m] = (None if stage.is_first else x, y)
+    return None if out is None else out.detach()
 
 
-def _execute_tp(stage, plan, M, inputs, targets, decls, kwargs):
+def _execute_tp(stage, plan, M, inputs, targets, decls, kwargs, mode=TRAIN):
     tr = StageTransport(stage.stages, stage.layouts)
     device = next((p.device for p in stage.module.parameters()), torch.device("cpu"))
     received, stash, grads_out, outputs, losses = {}, {}, {}, {}, [None] * M
@@ -306,7 +362,7 @@ def _execute_tp(stage, plan, M, inputs, targets, decls, kwargs):
 
     for call in plan:
         if call.api == "compute":
-            _compute(call.action, stage, M, inputs, targets, received, stash, losses, outputs, grads_out, kwargs)
+            _compute(call.action, stage, M, inputs, targets, received, stash, losses, outputs, grads_out, kwargs, mode)
             continue
         sends, recvs = [], []
         for towards, direction, m in call.sends:
@@ -319,7 +375,7 @@ def _execute_tp(stage, plan, M, inputs, targets, decls, kwargs):
             decl = (decls[s - 1] if decls else None) if direction == "F" else (lambda m=m: grad_decl.pop(("recv", m)))
             recvs.append((towards, (direction, m), decl))
         tr.run(call.api, sends, recvs, device, done)
-    return losses if stage.is_last else None
+    return losses, [outputs.get(m) for m in range(M)]
 
 
 def _backward(stage, m, M, received, stash):

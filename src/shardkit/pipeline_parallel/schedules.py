@@ -116,11 +116,13 @@ def one_f_one_b_schedule(num_stages: int, num_microbatches: int) -> tuple[tuple[
     return tuple(table)
 
 
-def validate_schedule(schedule: Sequence[Sequence[Action]], num_stages: int, op: str = "validate_schedule") -> int:
+def validate_schedule(
+    schedule: Sequence[Sequence[Action]], num_stages: int, op: str = "validate_schedule", *, forward_only: bool = False
+) -> int:
     """Check a table's structure; return ``M``, the number of microbatches.
 
-    Every stage must run ``F(m)`` and ``B(m)`` exactly once for ``m`` in ``0..M-1`` (the same
-    ``M`` on every stage), ``F(m)`` before ``B(m)``. Pure: every rank raises the same error.
+    Every stage must run ``F(m)`` and ``B(m)`` (``forward_only``: ``F(m)`` alone) exactly once for
+    ``m`` in ``0..M-1`` (the same ``M`` on every stage), ``F(m)`` before ``B(m)``. Pure.
 
     Raises:
         ShardkitError: wrong number of stages, unknown action, a microbatch missing, repeated
@@ -144,9 +146,10 @@ def validate_schedule(schedule: Sequence[Sequence[Action]], num_stages: int, op:
                 raise ShardkitError(f"{op}: stage {s} runs B({m}) before F({m})")
             seen.add(m)
         M = len(seen_f)
-        if seen_f != set(range(M)) or seen_b != seen_f:
+        if seen_f != set(range(M)) or seen_b != (set() if forward_only else seen_f):
+            what = "F" if forward_only else "F and B"
             raise ShardkitError(
-                f"{op}: stage {s} must run F and B of microbatches 0..{M - 1} exactly once, "
+                f"{op}: stage {s} must run {what} of microbatches 0..{M - 1} exactly once, "
                 f"got F{sorted(seen_f)} B{sorted(seen_b)}"
             )
         sizes.add(M)

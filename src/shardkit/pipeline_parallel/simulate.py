@@ -53,8 +53,12 @@ class Report:
 
 
 def _structure(table: Sequence[Sequence[Step]], placement: str, v: int, m: int) -> str | None:
-    """The first missing, repeated, unknown or misordered step, or None."""
+    """The first missing, repeated, unknown or misordered step, or None. A table without any
+    ``B``/``I``/``W`` is forward-only (:func:`.steps.forward_only`): every (microbatch, chunk)
+    then runs ``F`` alone."""
     p = len(table)
+    fwd = all(isinstance(s, tuple) and len(s) == 3 and s[0] == "F" for row in table for s in row)
+    complete = ({"F"},) if fwd else ({"F", "B"}, {"F", "I", "W"})
     for r, row in enumerate(table):
         seen: dict[tuple[str, int, int], int] = {}
         for i, s in enumerate(row):
@@ -68,9 +72,10 @@ def _structure(table: Sequence[Sequence[Step]], placement: str, v: int, m: int) 
         for j in range(m):
             for c in range(v):
                 has = {k for k in KINDS if (k, j, c) in seen}
-                if has not in ({"F", "B"}, {"F", "I", "W"}):
+                if has not in complete:
                     g = global_chunk(placement, r, c, p)
-                    return f"rank {r}, microbatch {j}, chunk {g}: runs {sorted(has)}, expected F+B or F+I+W"
+                    want = "F (forward-only)" if fwd else "F+B or F+I+W"
+                    return f"rank {r}, microbatch {j}, chunk {g}: runs {sorted(has)}, expected {want}"
                 before = [("F", "B"), ("F", "I"), ("I", "W")]
                 for a, b in before:
                     if b in has and seen[(a, j, c)] > seen[(b, j, c)]:

@@ -12,17 +12,26 @@ parameter's ``.grad`` as ``backward()`` would. The recorded gradients are held b
 calls (the memory cost of the split); the graph is freed when the caller drops ``output``.
 ``W`` runs from the output instead when the input needs no gradient (the first stage) or a
 parameter is also reached through the input path below a branch node (weights used twice).
+
+Parameters that get gradients other than through autograd's accumulation (a custom Function
+whose backward adds into ``weight.grad`` or ``main_grad`` and returns None for the weight) are
+never counted twice: ``I`` notes every parameter whose ``.grad`` or ``main_grad`` changed during
+it (tensor identity and version counter), and ``W``, whose autograd pass reruns such a Function,
+keeps those parameters' values from before its pass (the Function's second write is dropped;
+autograd's contributions are added after). A Function may instead defer its weight gradient to
+``W`` (:mod:`.weight_defer`): ``I`` collects the closures, ``W`` runs them once.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from ..errors import ShardkitError
+from .weight_defer import closures_to_run, collect_deferred
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -33,10 +42,45 @@ __all__ = ["PendingWeightGrad", "input_grad", "weight_grad"]
 @dataclass
 class PendingWeightGrad:
     """What ``I`` leaves for ``W``: ``groups`` of (graph roots, their gradients, the parameters
-    behind them); one group rooted at the output when ``W`` starts there."""
+    behind them); one group rooted at the output when ``W`` starts there; the closures custom
+    Functions ``deferred`` during ``I`` (:mod:`.weight_defer`); the parameters whose gradient
+    ``I`` ``written`` (changed outside autograd's accumulation)."""
 
     groups: list[tuple[list[Any], list[torch.Tensor | None], list[torch.nn.Parameter]]]
     done: bool = False
+    deferred: list = field(default_factory=list)
+    written: list[torch.nn.Parameter] = field(default_factory=list)
+
+
+def _marks(params: list[torch.nn.Parameter]) -> list[tuple]:
+    """Per parameter, the identity and version of ``.grad`` and ``main_grad``: any write to them
+    (in place or a new tensor) changes the mark. Ids are compared while the tensors live."""
+    out = []
+    for p in params:
+        main = getattr(p, "main_grad", None)
+        out.append(tuple((id(t), t._version) if isinstance(t, torch.Tensor) else None for t in (p.grad, main)))
+    return out
+
+
+def _keep(params: list[torch.nn.Parameter]) -> list[tuple]:
+    """Copies of ``params``' ``.grad`` and ``main_grad`` to restore with :func:`_restore`."""
+    kept = []
+    for p in params:
+        main = getattr(p, "main_grad", None)
+        copies = [(t, t.detach().clone()) if isinstance(t, torch.Tensor) else (t, None) for t in (p.grad, main)]
+        kept.append((p, copies))
+    return kept
+
+
+def _restore(kept: list[tuple]) -> None:
+    with torch.no_grad():
+        for p, ((grad, grad_copy), (main, main_copy)) in kept:
+            if grad is not None:
+                grad.copy_(grad_copy)
+            p.grad = grad
+            if main is not None:
+                main.copy_(main_copy)
+                p.main_grad = main
 
 
 def _check_grad_out(output: torch.Tensor, grad_output: torch.Tensor | None, op: str) -> None:
@@ -120,7 +164,8 @@ def input_grad(
     Returns:
         ``(dx, pending)``: ``d output / d stage_input`` contracted with ``grad_output`` (shape
         of ``stage_input``; None when it does not require grad), and the state to pass to
-        :func:`weight_grad`. Parameters' ``.grad`` is untouched.
+        :func:`weight_grad`. Parameters' ``.grad`` is untouched by autograd (a custom Function
+        may write it: noted in ``pending.written``).
 
     Raises:
         ShardkitError: ``grad_output`` missing for a non-scalar output or of the wrong shape.
@@ -133,20 +178,24 @@ def input_grad(
     found = _weight_roots(output, stage_input, params) if params else []
     seen: dict[Any, tuple] = {}
     hooks = [n.register_prehook(lambda gos, n=n: seen.__setitem__(n, gos)) for n, _ in found or []]
+    before = _marks(params)
     try:
-        (dx,) = torch.autograd.grad(output, stage_input, grad_output, retain_graph=True, allow_unused=True)
+        with collect_deferred() as deferred:
+            (dx,) = torch.autograd.grad(output, stage_input, grad_output, retain_graph=True, allow_unused=True)
     finally:
         for h in hooks:
             h.remove()
+    written = [p for p, a, b in zip(params, before, _marks(params), strict=True) if a != b]
     dx = torch.zeros_like(stage_input) if dx is None else dx
     if found is None:
+        from_output.deferred, from_output.written = deferred, written
         return dx, from_output
     groups = []
     for node, idx in found:
         edges = [(GradientEdge(node, i), g) for i, g in enumerate(seen.get(node, ())) if g is not None]
         if edges:
             groups.append(([e for e, _ in edges], [g for _, g in edges], [params[i] for i in idx]))
-    return dx, PendingWeightGrad(groups)
+    return dx, PendingWeightGrad(groups, deferred=deferred, written=written)
 
 
 def weight_grad(pending: PendingWeightGrad) -> None:
@@ -164,13 +213,33 @@ def weight_grad(pending: PendingWeightGrad) -> None:
         raise ShardkitError("weight_grad: this microbatch's weight gradient ran already")
     pending.done = True
     groups, pending.groups = pending.groups, []  # drop the recorded gradients with the graph
+    written = {id(p) for p in pending.written}
+    kept = _keep(pending.written)  # what I wrote; this pass may run the writing Function again
+    later: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+    from_w: list = []  # closures deferred by this pass (reruns of I's nodes, or nodes I never reached)
     for roots, grads, params in groups:
-        got = torch.autograd.grad(roots, params, grads, retain_graph=True, allow_unused=True)
-        with torch.no_grad():
-            for p, g in zip(params, got, strict=True):
-                if g is None:
-                    continue
-                if p.grad is None:
-                    p.grad = g.detach().clone()
-                else:
-                    p.grad.add_(g)
+        with collect_deferred() as deferred:
+            got = torch.autograd.grad(roots, params, grads, retain_graph=True, allow_unused=True)
+        from_w += deferred
+        for p, g in zip(params, got, strict=True):
+            if g is None:
+                continue
+            if id(p) in written:
+                later.append((p, g))  # after the restore below
+            else:
+                _accumulate(p, g)
+    _restore(kept)
+    for fn in closures_to_run(pending.deferred, from_w):
+        fn()
+    pending.deferred = []
+    for p, g in later:
+        _accumulate(p, g)
+
+
+def _accumulate(p: torch.nn.Parameter, g: torch.Tensor) -> None:
+    """Add ``g`` into ``p.grad`` as ``backward()`` accumulates it."""
+    with torch.no_grad():
+        if p.grad is None:
+            p.grad = g.detach().clone()
+        else:
+            p.grad.add_(g)

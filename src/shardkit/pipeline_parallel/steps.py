@@ -31,7 +31,18 @@ from .schedules import Action
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-__all__ = ["Step", "Table", "KINDS", "PLACEMENTS", "global_chunk", "chunk_owner", "lift", "lower", "check_sizes"]
+__all__ = [
+    "Step",
+    "Table",
+    "KINDS",
+    "PLACEMENTS",
+    "global_chunk",
+    "chunk_owner",
+    "lift",
+    "lower",
+    "forward_only",
+    "check_sizes",
+]
 
 KINDS = ("F", "B", "I", "W")
 PLACEMENTS = ("looped", "v")
@@ -93,6 +104,21 @@ def lower(table: Sequence[Sequence[Step]], op: str = "lower") -> tuple[tuple[Act
                     "several chunks on a ChunkedStage)"
                 )
     return tuple(tuple(Action(s.kind, s.microbatch) for s in row) for row in table)
+
+
+def forward_only(table: Sequence[Sequence[tuple]]) -> tuple[tuple, ...]:
+    """The forward-only table of ``table`` (an ``Action`` or :class:`Step` table): each row's
+    ``F`` steps in their order, every ``B``/``I``/``W`` dropped (pure).
+
+    Why it cannot deadlock when ``table`` cannot: a forward waits only for the forward of the
+    previous chunk on the same microbatch and for the steps before it in its row; the forwards
+    kept are in the same row order, so every wait of the forward-only table is one the full
+    table had (or implied through a dropped step), and no cycle appears. The messages of a
+    channel keep the sender's order (the activations' order is the ``F`` order). Checked again
+    by the simulators, as every table is (:func:`.simulate.simulate_steps`,
+    :func:`.schedules.simulate`).
+    """
+    return tuple(tuple(a for a in row if a[0] == "F") for row in table)
 
 
 def check_sizes(op: str, p: int, v: int, m: int, *, v_min: int = 1, v_max: int | None = None, m_min: int = 1) -> None:

@@ -6,9 +6,9 @@ every layout: this rank's data-parallel rows in ``M`` microbatches, the task's `
 sum of the counted ranks divided by the global target count. So the value is the global mean
 next-token loss of the same tokens whatever the layout, equal to the one-process value.
 
-Without a pipeline the model runs in eval mode under ``torch.no_grad``. The pipeline runner has
-no forward-only table, so with ``pp > 1`` the schedule runs forward and backward and the
-gradients are dropped before the next step (the parameters are unchanged, the cost is a step's).
+The model runs in eval mode under ``torch.no_grad``; with ``pp > 1`` the schedule runs its
+forward-only table (``run_schedule(..., train=False)``: the forwards of every microbatch in the
+schedule's order, no backward, no gradient message), so validating costs the forwards only.
 """
 
 from __future__ import annotations
@@ -53,13 +53,10 @@ def eval_loss(pm, task, microbatches: int, schedule: str, loss_scale: LossScale 
             else:
                 assert loss_scale is not None  # the pipeline is built with its loss
                 loss_scale.scale = 1.0
-                total += _pipeline_backward(pm, task, mbs, schedule, loss_scale).cpu()
-        if pm.stage is not None:
-            pm.grads.reduce()  # completes the backward's reductions; the gradients are then dropped
+                with torch.no_grad():
+                    total += _pipeline_backward(pm, task, mbs, schedule, loss_scale, train=False).cpu()
     finally:
         pm.module.train(was_training)
-        for p in pm.module.parameters():
-            p.grad = None
     contribution = total if _counts_loss(pm) else torch.zeros_like(total)
     device = next(pm.module.parameters()).device
     return _global_sum(contribution.to(device), pm) / count

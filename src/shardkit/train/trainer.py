@@ -138,8 +138,17 @@ def _global_sum(value: torch.Tensor, pm) -> float:
     return _global_sum_tensor(value, pm).item()
 
 
-def _pipeline_backward(pm, task, microbatches: list, schedule: str, loss_scale: LossScale) -> torch.Tensor:
-    """Run the schedule over this rank's microbatches; return the last stage's loss sum (else 0)."""
+def _pipeline_backward(
+    pm, task, microbatches: list, schedule: str, loss_scale: LossScale, train: bool = True
+) -> torch.Tensor:
+    """Run the schedule over this rank's microbatches (``train=False``: its forwards only, the
+    validation loss); return the last stage's loss sum (else 0).
+
+    The scaling convention: the stage's loss is ``loss_sum * scale`` (:class:`LossScale`) with
+    ``scale`` multiplied by ``M`` here, and the runner back-propagates ``loss / M`` (its default
+    ``scale_grads=True``): the ``M`` cancel, so the gradients are those of the sum of the
+    microbatches' loss sums times the step's ``1 / N`` (``N`` the global target count), as
+    gradient accumulation's. The returned sum divides the ``M`` back out."""
     stage = pm.stage
     M = len(microbatches)
     prepared = [task.prepare(mb, pm) for mb in microbatches]
@@ -147,7 +156,7 @@ def _pipeline_backward(pm, task, microbatches: list, schedule: str, loss_scale: 
     kwargs = [{k: v for k, v in p[0].items() if k not in ("input_ids", "use_cache")} for p in prepared]
     targets = [p[1] for p in prepared]
     loss_scale.scale *= M
-    if not isinstance(stage, ChunkedStage):
+    if train and not isinstance(stage, ChunkedStage):
         # FSDP2 keeps the stage unsharded from its first forward on; the chunked runner sets
         # FSDP2's controls per group itself (pipeline_parallel/_fsdp_steps.py)
         set_microbatch(pm.module, 0, M)
@@ -159,7 +168,9 @@ def _pipeline_backward(pm, task, microbatches: list, schedule: str, loss_scale: 
         (tuple(x.shape), tuple((k, tuple(v.shape)) for k, v in sorted(kw_.items()) if isinstance(v, torch.Tensor)))
         for x, kw_ in zip(inputs, kwargs)
     )
-    losses = run_schedule(stage, schedule, inputs, targets, stage_kwargs=kw, num_microbatches=M, shape_key=key)
+    losses = run_schedule(
+        stage, schedule, inputs, targets, stage_kwargs=kw, num_microbatches=M, shape_key=key, train=train
+    )
     dtype = torch.float64
     if losses is None:  # only the last stage has losses
         return torch.zeros((), dtype=dtype, device=inputs[0].device)
