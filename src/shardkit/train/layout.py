@@ -5,8 +5,9 @@ needs only the options and :mod:`.model_names`' facts of the model (sizes and co
 learning rate, seed and timeout, the checkpoint flags, the output folders, ``--nproc`` against
 the product of the degrees, the global batch against dp x microbatches). It imports neither
 torch nor the library's packages, so ``shardkit train`` refuses such input before
-``import torch`` (issue 32). The second half (the pipeline schedule's rules, the model's own
-rules, the mesh) reads the library and stays in :mod:`.config`.
+``import torch`` (issue 32), and so are the pipeline schedule's table rules and the decoder LMs'
+option rules (:mod:`.layout_lm`). The second half (a checkpoint's config, the compile backend,
+the conv model's rules, the mesh) reads the library and stays in :mod:`.config`.
 """
 
 from __future__ import annotations
@@ -15,11 +16,13 @@ import dataclasses
 import math
 
 from .._files import check_out_dir
-from .._rules import batch_rule, pp_layers_rule, stage_heads_rule
+from .._rules import batch_rule, pp_layers_rule, schedule_rule, stage_heads_rule
 from ..errors import ShardkitError
 from .config_file import check_output_dirs, check_writable
+from .layout_lm import check_lm_options, check_precision
 from .model_names import model_facts
 from .options import DTYPES, FINETUNE_LR, LR_SCHEDULES, SCHEDULES, SIZE_FLAGS, TrainConfig, parse_pp_tp
+from .profile_rules import check_profile_options
 
 __all__ = [
     "check_options",
@@ -150,6 +153,7 @@ def check_options(cfg: TrainConfig, world_size: int | None = None) -> TrainConfi
     if cfg.keep is not None and (cfg.keep < 1 or cfg.checkpoint_dir is None):
         raise ShardkitError(f"--keep must be >= 1 (complete saves kept) and needs --checkpoint-dir, got {cfg.keep}")
     check_output_dirs(cfg)
+    check_profile_options(cfg, world_size)
     if cfg.save_hf is not None:
         if not model_facts(cfg.model).decoder:
             raise ShardkitError(f"--save-hf: --model {cfg.model} has no Hugging Face form")
@@ -179,6 +183,9 @@ def check_options(cfg: TrainConfig, world_size: int | None = None) -> TrainConfi
                 f"--kv-heads {cfg.kv_heads}"
             )
         check_model_shape(cfg, cfg.heads, cfg.kv_heads, cfg.layers)
+    check_precision(cfg)
+    if model_facts(cfg.model).decoder:  # a checkpoint's family (--model-path) decides on experts later
+        check_lm_options(cfg, model_facts(cfg.model).experts if cfg.model_path is None else None)
     return cfg
 
 
@@ -205,9 +212,9 @@ def check_model_shape(cfg: TrainConfig, heads: int, kv_heads: int, layers: int) 
 
 
 def _check_pipeline_flags(cfg: TrainConfig) -> None:
-    """The schedule rules of the flags alone: ``--virtual-stages`` an int >= 1, chunked schedules
-    only with a pipeline, not under ``--checks`` nor with ``--pp-tp``. The schedule's table rules
-    (microbatches, layers) need the schedule registry: :func:`.config.finish_config`."""
+    """The schedule rules: ``--virtual-stages`` an int >= 1, chunked schedules only with a pipeline,
+    not under ``--checks`` nor with ``--pp-tp``; then the table's own sizes (microbatches, layers
+    per chunk: :func:`~shardkit._rules.schedule_rule`, the same rule as the planner's)."""
     v, pp = cfg.virtual_stages, len(cfg.stage_tp_sizes) if cfg.pp_tp is not None else cfg.pp
     if not isinstance(v, int) or v < 1:
         raise ShardkitError(f"--virtual-stages must be an int >= 1, got {v!r}")
@@ -226,6 +233,11 @@ def _check_pipeline_flags(cfg: TrainConfig) -> None:
         raise ShardkitError(
             f"--pp-tp stages run --schedule 1f1b or gpipe with --virtual-stages 1, got {cfg.schedule} with {v}"
         )
+    # layers against chunks only for v > 1 and the built-in model (one chunk per rank: the pipeline's
+    # own layer rule, check_model_shape; a checkpoint's layers are checked when its stages are cut)
+    layers = cfg.layers if cfg.model_path is None and v > 1 else pp * v
+    if (why := schedule_rule(cfg.schedule, pp, v, cfg.microbatches, layers)) is not None:
+        raise ShardkitError(why)
 
 
 def _resolve_world(cfg: TrainConfig) -> TrainConfig:
