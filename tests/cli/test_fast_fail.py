@@ -64,6 +64,12 @@ def _nonempty(tmp_path) -> str:
 
 CASES = {
     "layout": (lambda t: ["--tp", "3", "--nproc", "4"], "must divide --nproc 4"),
+    "profile steps": (lambda t: ["--profile-steps", "3:2", "--report", str(t)], "--profile-steps must be A:B"),
+    "memory snapshot on CPU": (
+        lambda t: ["--memory-snapshot", "--report", str(t)],
+        "--memory-snapshot records the CUDA caching allocator: it needs CUDA ranks",
+    ),
+    "nproc 1": (lambda t: ["--nproc", "1"], "add --tp 1 to run on 1 process(es)"),
     "heads": (lambda t: ["--hidden-size", "64", "--heads", "6", "--kv-heads", "2"], "divisible by --heads 6"),
     "tp heads": (
         lambda t: ["--tp", "4", "--hidden-size", "64", "--heads", "2", "--kv-heads", "2"],

@@ -13,7 +13,7 @@ import sys
 from contextlib import ExitStack
 
 from .._optional import check_train, require
-from .._quiet import quiet_third_party
+from .._quiet import no_progress_bars, quiet_third_party
 from ..errors import ShardkitError
 from ..train.options import TrainConfig
 from .train_flags import add_train_flags
@@ -98,6 +98,7 @@ def run_train(args: argparse.Namespace) -> int:
     from .launch import exit_now, under_torchrun  # no torch: the checks below come first
 
     torchrun = under_torchrun()
+    no_progress_bars()  # the pre-launch checks read --model-path's config and tokenizer with transformers
     try:
         if getattr(args, "model_path", None):  # the layout check reads its config with transformers
             require(["transformers"], "shardkit train --model-path")

@@ -200,16 +200,22 @@ def _plain_ints(sizes) -> tuple[int, ...] | None:
     return None
 
 
-@functools.lru_cache(maxsize=1024)
-def _sharded_cached(shape: tuple[int, ...], dim: int, sizes: tuple[int, ...], size: int, rank: int, op: str):
+def _sharded(shape: tuple[int, ...], dim: int, sizes: tuple[int, ...], size: int, rank: int, op: str):
     d = normalize_dim(dim, len(shape), op)
     return d, tuple(_checked_local(list(sizes), shape[d], d, size, rank, op))
 
 
-@functools.lru_cache(maxsize=1024)
-def _full_cached(shape: tuple[int, ...], dim: int, sizes: tuple[int, ...] | None, size: int, op: str):
+def _full(shape: tuple[int, ...], dim: int, sizes: tuple[int, ...] | None, size: int, op: str):
     d = normalize_dim(dim, len(shape), op)
     return d, tuple(check_split_sizes(None if sizes is None else list(sizes), size, shape[d], op))
+
+
+# Eager calls pay the checks once per key. Under torch.compile the uncached functions are traced
+# instead: Dynamo folds their integer arithmetic into the graph at trace time (so the cache buys
+# nothing there), and it warns on every lru_cache-wrapped call it traces (--compile printed one per
+# op and rank, issue 32).
+_sharded_cached = functools.lru_cache(maxsize=1024)(_sharded)
+_full_cached = functools.lru_cache(maxsize=1024)(_full)
 
 
 def sharded_dim(x: torch.Tensor, g: GroupInfo, dim, sizes, op: str, known=None):
@@ -223,7 +229,8 @@ def sharded_dim(x: torch.Tensor, g: GroupInfo, dim, sizes, op: str, known=None):
     if key is None:
         d = dim_of(x, dim, op)
         return d, local_sizes(x, g, d, sizes, op, known)
-    return _sharded_cached(x.shape, dim, key, g.size, g.rank, op)
+    sharded = _sharded if torch.compiler.is_compiling() else _sharded_cached
+    return sharded(x.shape, dim, key, g.size, g.rank, op)
 
 
 def full_dim(x: torch.Tensor, g: GroupInfo, dim, sizes, op: str):
@@ -232,7 +239,8 @@ def full_dim(x: torch.Tensor, g: GroupInfo, dim, sizes, op: str):
     if type(dim) is not int or (sizes is not None and key is None):
         d = dim_of(x, dim, op)
         return d, full_sizes(x, g, d, sizes, op)
-    return _full_cached(x.shape, dim, key, g.size, op)
+    full = _full if torch.compiler.is_compiling() else _full_cached
+    return full(x.shape, dim, key, g.size, op)
 
 
 def full_sizes(x: torch.Tensor, g: GroupInfo, dim: int, sizes, op: str) -> list[int]:

@@ -89,6 +89,7 @@ def check_options(cfg: TrainConfig, world_size: int | None = None) -> TrainConfi
         if cfg.pp not in (1, len(sizes)):
             raise ShardkitError(f"--pp {cfg.pp} but --pp-tp {cfg.pp_tp} lists {len(sizes)} stages")
         cfg = dataclasses.replace(cfg, pp=len(sizes), pp_tp=",".join(map(str, sizes)))
+    tp_given = cfg.tp is not None
     cfg = dataclasses.replace(cfg, tp=_default_tp(cfg))
     for name in (
         "tp",
@@ -172,7 +173,7 @@ def check_options(cfg: TrainConfig, world_size: int | None = None) -> TrainConfi
     if cfg.tokenizer is not None and not model_facts(cfg.model).reads_corpus:
         raise ShardkitError(f"--tokenizer with --model {cfg.model}: this model reads no text corpus")
     _check_pipeline_flags(cfg)
-    cfg = _resolve_world(cfg)
+    cfg = _resolve_world(cfg, tp_given)
     if model_facts(cfg.model).decoder and cfg.model_path is None:  # the built-in model's shape, from the flags
         for name in SHAPE_FLAGS:
             if getattr(cfg, name) < 1:
@@ -240,7 +241,16 @@ def _check_pipeline_flags(cfg: TrainConfig) -> None:
         raise ShardkitError(why)
 
 
-def _resolve_world(cfg: TrainConfig) -> TrainConfig:
+def _tp_hint(cfg: TrainConfig, tp_given: bool, nproc: int) -> str:
+    """The way out when the default tp alone does not fit ``nproc`` (``--nproc 1`` of a decoder,
+    whose tp defaults to 2): say that tp was not given and that ``--tp 1`` fits."""
+    tp = cfg.tp or 1
+    if tp_given or tp == 1 or nproc % (_model_ranks(cfg) // tp):
+        return ""
+    return f" (--tp defaults to {tp} for --model {cfg.model}; add --tp 1 to run on {nproc} process(es))"
+
+
+def _resolve_world(cfg: TrainConfig, tp_given: bool = True) -> TrainConfig:
     """nproc and dp_replicate from each other (one of them may be unset)."""
     ranks = _model_ranks(cfg)
     dims = (
@@ -252,13 +262,19 @@ def _resolve_world(cfg: TrainConfig) -> TrainConfig:
     if cfg.dp_replicate is None:
         nproc = cfg.nproc if cfg.nproc is not None else max(model_facts(cfg.model).min_nproc, ranks)
         if nproc % ranks:
-            raise ShardkitError(f"layout {dims} ranks must divide --nproc {nproc} (dp_replicate = nproc // that)")
+            raise ShardkitError(
+                f"layout {dims} ranks must divide --nproc {nproc} (dp_replicate = nproc // that)"
+                + _tp_hint(cfg, tp_given, nproc)
+            )
         cfg = dataclasses.replace(cfg, nproc=nproc, dp_replicate=nproc // ranks)
     dp_replicate = cfg.dp_replicate
     assert dp_replicate is not None  # given, or resolved just above
     nproc = dp_replicate * ranks
     if cfg.nproc is not None and cfg.nproc != nproc:
-        raise ShardkitError(f"layout {dims} x dp_replicate={dp_replicate} = {nproc} ranks, but --nproc is {cfg.nproc}")
+        raise ShardkitError(
+            f"layout {dims} x dp_replicate={dp_replicate} = {nproc} ranks, but --nproc is {cfg.nproc}"
+            + _tp_hint(cfg, tp_given, cfg.nproc)
+        )
     cfg = dataclasses.replace(cfg, nproc=nproc)
     if (why := batch_rule(cfg.batch_size, dp_replicate * cfg.dp_shard, cfg.microbatches)) is not None:
         raise ShardkitError(why)

@@ -45,7 +45,7 @@ from .metrics import MetricsLog, ledger_rows, model_size, peak_memory, utilisati
 from .profiling import step_profiler
 from .progress import default_log_every, make_progress, setup_note
 from .saving import save_step
-from .schedule import warmup_cosine
+from .schedule import fast_forward, warmup_cosine
 from .specs import model_spec
 from .trainer import LossScale, make_optimizer, nonfinite_step, train_step
 from .verify import compare_runs
@@ -159,9 +159,8 @@ def _run_steps(
             first = load_train_state(path, pm, optimizer, extra, allow_unverified=cfg.allow_unverified)
             task.sampler.gen.set_state(extra["data_generator"])
             torch.set_rng_state(extra["torch_rng"])
-            if scheduler is not None:
-                for _ in range(first):
-                    scheduler.step()  # the schedule is a function of the step count
+            if scheduler is not None:  # the schedule is a function of the step count
+                fast_forward(scheduler, optimizer, cfg.steps, first)
     losses, norms, skipped, evals = [], [], [], []
     saved: dict = {"saved_activation_bytes": None, "saved_bytes_per_block": None}
     prof = step_profiler(cfg) if pm.mesh is not None else None  # --profile-steps, --memory-snapshot
