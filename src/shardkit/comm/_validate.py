@@ -7,7 +7,6 @@ on this rank's own shape come last, so with checks on they never fire before the
 
 from __future__ import annotations
 
-import functools
 import struct
 import zlib
 
@@ -16,6 +15,7 @@ import torch
 from .._shapes import balanced_split_sizes, check_split_sizes, normalize_dim
 from ..errors import ShardkitError, ShardkitTypeError
 from . import ledger
+from ._cache import plan_cache
 from ._compat import all_gather_single
 from ._group import GroupInfo, group_device, resolve_group
 from .checks import agree, checks_enabled, covered
@@ -200,22 +200,16 @@ def _plain_ints(sizes) -> tuple[int, ...] | None:
     return None
 
 
-def _sharded(shape: tuple[int, ...], dim: int, sizes: tuple[int, ...], size: int, rank: int, op: str):
+@plan_cache(1024)
+def _sharded_cached(shape: tuple[int, ...], dim: int, sizes: tuple[int, ...], size: int, rank: int, op: str):
     d = normalize_dim(dim, len(shape), op)
     return d, tuple(_checked_local(list(sizes), shape[d], d, size, rank, op))
 
 
-def _full(shape: tuple[int, ...], dim: int, sizes: tuple[int, ...] | None, size: int, op: str):
+@plan_cache(1024)
+def _full_cached(shape: tuple[int, ...], dim: int, sizes: tuple[int, ...] | None, size: int, op: str):
     d = normalize_dim(dim, len(shape), op)
     return d, tuple(check_split_sizes(None if sizes is None else list(sizes), size, shape[d], op))
-
-
-# Eager calls pay the checks once per key. Under torch.compile the uncached functions are traced
-# instead: Dynamo folds their integer arithmetic into the graph at trace time (so the cache buys
-# nothing there), and it warns on every lru_cache-wrapped call it traces (--compile printed one per
-# op and rank, issue 32).
-_sharded_cached = functools.lru_cache(maxsize=1024)(_sharded)
-_full_cached = functools.lru_cache(maxsize=1024)(_full)
 
 
 def sharded_dim(x: torch.Tensor, g: GroupInfo, dim, sizes, op: str, known=None):
@@ -229,8 +223,7 @@ def sharded_dim(x: torch.Tensor, g: GroupInfo, dim, sizes, op: str, known=None):
     if key is None:
         d = dim_of(x, dim, op)
         return d, local_sizes(x, g, d, sizes, op, known)
-    sharded = _sharded if torch.compiler.is_compiling() else _sharded_cached
-    return sharded(x.shape, dim, key, g.size, g.rank, op)
+    return _sharded_cached(x.shape, dim, key, g.size, g.rank, op)
 
 
 def full_dim(x: torch.Tensor, g: GroupInfo, dim, sizes, op: str):
@@ -239,8 +232,7 @@ def full_dim(x: torch.Tensor, g: GroupInfo, dim, sizes, op: str):
     if type(dim) is not int or (sizes is not None and key is None):
         d = dim_of(x, dim, op)
         return d, full_sizes(x, g, d, sizes, op)
-    full = _full if torch.compiler.is_compiling() else _full_cached
-    return full(x.shape, dim, key, g.size, op)
+    return _full_cached(x.shape, dim, key, g.size, op)
 
 
 def full_sizes(x: torch.Tensor, g: GroupInfo, dim: int, sizes, op: str) -> list[int]:
