@@ -4,8 +4,12 @@ no heartbeat left in ``--report DIR`` after a good run; one trace per rank."""
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
+
+import pytest
 
 from harness.limits import patient
 from shardkit.checkpoint.versioned import LATEST, MANIFEST
@@ -103,3 +107,30 @@ def test_saves_keep_profile_and_eta_are_said_in_a_run(tmp_path):
         assert {"shardkit step 2", "shardkit step 3"} <= names and "shardkit step 1" not in names
     assert json.loads((report / "report.json").read_text())["profile"]["steps"] == [2, 3]
     assert not (report / "flight").exists()  # heartbeats of a good run removed
+
+
+@pytest.mark.slow
+def test_ctrl_c_after_a_save_names_it_and_how_to_continue(tmp_path):
+    """A real 2-rank launch, SIGINT to the launcher once it said its first save (as Ctrl-C does)."""
+    ckpt = tmp_path / "ckpt"
+    argv = ["train", "--nproc", "2", "--tp", "2", "--steps", "500", "--seq-len", "16", "--batch-size", "2"]
+    argv += ["--log-every", "1", "--checkpoint-dir", str(ckpt), "--save-every", "1"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with subprocess.Popen(
+        [sys.executable, "-m", "shardkit", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    ) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        for line in proc.stdout:  # bounded by the run's 500 steps
+            if line.startswith("saved step 1:"):
+                break
+        proc.send_signal(signal.SIGINT)
+        try:
+            stderr = proc.communicate(timeout=patient(120))[1]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert proc.returncode == 130, stderr[-3000:]
+    note = next((line for line in stderr.splitlines() if "last save: step" in line), None)
+    assert note is not None, stderr[-3000:]
+    m = re.search(r"last save: step (\d+) \((.+)\); rerun the same command with --resume to continue from it$", note)
+    assert m is not None and m.group(2) == str(ckpt / f"step_{int(m.group(1)):08d}"), note
