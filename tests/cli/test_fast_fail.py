@@ -50,6 +50,13 @@ def _file(tmp_path) -> str:
     return str(tmp_path / "file" / "report")
 
 
+def _tokenizer(tmp_path) -> str:
+    # a folder with a tokenizer file: tokenizer_source accepts it by name, before any torch
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_text("{}")
+    return str(tmp_path / "tok")
+
+
 def _nonempty(tmp_path) -> str:
     (tmp_path / "file").write_text("x")
     return str(tmp_path)
@@ -64,6 +71,12 @@ def _hf_dataset(tmp_path) -> list[str]:
 
 CASES = {
     "layout": (lambda t: ["--tp", "3", "--nproc", "4"], "must divide --nproc 4"),
+    "profile steps": (lambda t: ["--profile-steps", "3:2", "--report", str(t)], "--profile-steps must be A:B"),
+    "memory snapshot on CPU": (
+        lambda t: ["--memory-snapshot", "--report", str(t)],
+        "--memory-snapshot records the CUDA caching allocator: it needs CUDA ranks",
+    ),
+    "nproc 1": (lambda t: ["--nproc", "1"], "add --tp 1 to run on 1 process(es)"),
     "heads": (lambda t: ["--hidden-size", "64", "--heads", "6", "--kv-heads", "2"], "divisible by --heads 6"),
     "tp heads": (
         lambda t: ["--tp", "4", "--hidden-size", "64", "--heads", "2", "--kv-heads", "2"],
@@ -83,12 +96,51 @@ CASES = {
         lambda t: ["--pp", "2", "--schedule", "interleaved-1f1b", "--virtual-stages", "2", "--microbatches", "3"],
         "microbatches must be a multiple of pp",
     ),
+    "schedule chunk layers": (
+        lambda t: ["--pp", "2", "--schedule", "looped-bfs", "--virtual-stages", "3", "--layers", "4"],
+        "4 decoder layers cannot fill 6 chunks",
+    ),
+    "schedule chunk range": (
+        lambda t: ["--pp", "2", "--schedule", "zbv", "--virtual-stages", "3"],
+        "--schedule zbv needs --virtual-stages 2, got 3",
+    ),
+    "mixed precision dtype": (
+        lambda t: ["--mixed-precision", "bf16", "--dtype", "float64"],
+        "it needs --dtype float32, got --dtype float64",
+    ),
+    "mixed precision name": (lambda t: _toml(t, 'mixed_precision = "fp8"\n'), "mixed precision must be one of"),
+    "ac name": (lambda t: _toml(t, 'ac = "half"\n'), "activation checkpointing must be one of"),
+    "compile with selective ac": (
+        lambda t: ["--compile", "--ac", "selective"],
+        "with selective activation checkpointing",
+    ),
+    "compile with mixed precision": (
+        lambda t: ["--compile", "--mixed-precision", "bf16"],
+        "--compile with --mixed-precision bf16",
+    ),
+    "selective ac with checks": (lambda t: ["--ac", "selective", "--checks"], "--ac selective with --checks"),
+    "ep of a dense model": (lambda t: ["--ep", "2"], "--ep 2 needs a mixture-of-experts model"),
+    "seq len": (lambda t: ["--seq-len", "1"], "--seq-len must be >= 2"),
+    "cp tokens": (
+        lambda t: ["--tp", "1", "--cp-ring", "4", "--nproc", "4", "--seq-len", "3"],
+        "every cp rank needs at least one token",
+    ),
+    "packed with tokenizer": (lambda t: ["--tokenizer", _tokenizer(t), "--packed"], "--packed with --tokenizer"),
+    "sequence parallel with pp-tp": (
+        lambda t: ["--pp-tp", "2,1", "--nproc", "3", "--sequence-parallel", "--batch-size", "3"],
+        "--sequence-parallel with --pp-tp",
+    ),
+    "spatial of an LM": (
+        lambda t: ["--tp", "1", "--spatial", "2", "--nproc", "2"],
+        "--spatial 2 needs --model conv-ae",
+    ),
 }
 
 
-# Not yet without torch: the schedule's table rules (microbatches, layers per chunk) read the
-# registry pipeline_parallel.tables, whose package and schedules module import torch.
-_TORCH_YET = {"schedule table rule"}
+# Not yet without torch (none): a checkpoint's config (--model-path, transformers), the compile
+# backend's name (torch's Dynamo registry) and the machine's memory estimate (the planner) are
+# checked after import torch; tests/cli/test_train_inputs.py holds their refusals.
+_TORCH_YET: set[str] = set()
 
 
 @pytest.mark.parametrize(
@@ -115,3 +167,4 @@ def test_the_facts_the_launcher_reads_are_the_specs():
             spec.min_nproc,
         )
         assert facts.decoder == (spec.family is not None)
+        assert facts.experts == spec.experts

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from shardkit import Cluster, ModelShape, ParallelDims, ShardkitError, StepOptions, estimate_step, plan_layouts
+from shardkit._rules import SCHEDULE_CHUNKS
 from shardkit.cli.main import main
 from shardkit.pipeline_parallel.tables import SCHEDULES
 from shardkit.plan import pipeline
@@ -110,6 +111,12 @@ def test_rule_refuses_exactly_what_the_tables_refuse():
                     except ShardkitError:
                         builds = False
                     assert (schedule_rule(name, p, v, m, layers=p * v) is None) == builds, (name, p, v, m)
+
+
+def test_the_torch_free_chunk_ranges_are_the_registrys():
+    # shardkit._rules keeps its own copy (the launcher checks schedules before import torch)
+    assert list(SCHEDULE_CHUNKS) == list(SCHEDULES)
+    assert {n: (s.v_min, s.v_max) for n, s in SCHEDULES.items()} == dict(SCHEDULE_CHUNKS)
 
 
 @pytest.mark.parametrize(

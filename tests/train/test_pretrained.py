@@ -14,6 +14,7 @@ import importlib.util
 import json
 import math
 import os
+import warnings
 from pathlib import Path
 
 import pytest
@@ -32,7 +33,7 @@ from shardkit.train.pretrained import (
     resolve_checkpoint,
     smollm2_gguf,
 )
-from shardkit.train.schedule import FINETUNE_LR, MIN_LR_RATIO, default_warmup_steps, warmup_cosine
+from shardkit.train.schedule import FINETUNE_LR, MIN_LR_RATIO, default_warmup_steps, fast_forward, warmup_cosine
 from shardkit.train.tokens import corpus_prefix, encode_files, token_stream
 
 HAS_GGUF = importlib.util.find_spec("gguf") is not None
@@ -335,6 +336,27 @@ def test_warmup_cosine_resumes_from_state_dict():
         resumed_opt.step()
         resumed.step()
     assert rest == pytest.approx(_lrs(steps, None)[4:], rel=1e-12)
+
+
+@pytest.mark.parametrize("steps,done", [(10, 4), (10, 1), (20, 9), (3, 2)])
+def test_a_resumed_schedule_continues_the_same_rates_without_torchs_order_warning(steps, done):
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=FINETUNE_LR)
+    scheduler = warmup_cosine(optimizer, steps)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fast_forward(scheduler, optimizer, steps, done)
+        rest = []
+        for _ in range(done, steps):
+            rest.append(optimizer.param_groups[0]["lr"])
+            optimizer.step()
+            scheduler.step()
+    assert not [w for w in caught if "lr_scheduler.step()" in str(w.message)], [str(w.message) for w in caught]
+    assert rest == pytest.approx(_lrs(steps, None)[done:], rel=1e-12)
+    # what the trainer did before: stepping the scheduler before any optimizer step warns
+    replayed = warmup_cosine(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=FINETUNE_LR), steps)
+    with pytest.warns(UserWarning, match=r"lr_scheduler.step\(\)` before `optimizer.step\(\)"):
+        for _ in range(max(2, done)):
+            replayed.step()
 
 
 def test_warmup_cosine_refusals():

@@ -109,8 +109,16 @@ CASES = {
         4,
         "a default shardkit train step (dp_replicate=2 x tp=2, SP) with --checks against without",
     ),
+    "startup": CaseSpec(
+        ".cases_startup",
+        "startup",
+        1,
+        "time to the first step: shardkit train --steps 1 against a plain torchrun script on the same layout",
+        worlds=(1,),
+    ),
 }
-QUICK = tuple(CASES)  # --quick runs every case at its small sizes
+# --quick runs every case at its small sizes but startup: its launches alone take minutes under load
+QUICK = tuple(name for name in CASES if name != "startup")
 
 
 def skip_reason(name: str, world: int) -> str | None:

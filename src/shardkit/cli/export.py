@@ -16,6 +16,7 @@ import sys
 import threading
 
 from .._optional import require
+from .._quiet import no_progress_bars
 from ..checkpoint import export_hf
 from ..checkpoint.export import find_save
 from ..checkpoint.versioned import read_manifest
@@ -57,6 +58,7 @@ def run_export(args: argparse.Namespace) -> int:
     previous = signal.signal(signal.SIGTERM, _raise_terminated) if main else None
     try:
         require(["transformers"], "shardkit export")
+        no_progress_bars()  # transformers' bars (tokenizer, weights) would leak into the one line said below
         save = find_save(args.checkpoint_dir, args.step)
         out = export_hf(save, args.out, allow_unverified=args.allow_unverified)
         step = read_manifest(save).get("step")

@@ -13,7 +13,7 @@ import sys
 from contextlib import ExitStack
 
 from .._optional import check_train, require
-from .._quiet import quiet_third_party
+from .._quiet import no_progress_bars, quiet_third_party
 from ..errors import ShardkitError
 from ..train.options import TrainConfig
 from .train_flags import add_train_flags
@@ -21,7 +21,9 @@ from .train_flags import add_train_flags
 # The flags need only the two modules above (no torch: `shardkit train --help` stays fast); the
 # checks, the launch and the report import the application inside the functions that run them.
 
-__all__ = ["add_train_parser", "config_from_args", "run_train"]
+__all__ = ["add_train_parser", "config_from_args", "run_train", "LOG_WIDTH"]
+
+LOG_WIDTH = 100_000  # the summary's width when stdout is no terminal (finish): rows never wrap
 
 
 def add_train_parser(subparsers) -> argparse.ArgumentParser:
@@ -66,10 +68,12 @@ def config_from_args(args: argparse.Namespace, world_size: int | None = None) ->
     from ..train.data import held_out_start
     from ..train.limits import check_machine
     from ..train.pretrained import load_text_tokenizer
+    from ..train.profiling import check_memory_snapshot_device
     from ..train.specs import model_spec
     from ..train.tokens import check_checkpoint_tokenizer
 
     cfg = finish_config(checked)
+    check_memory_snapshot_device(cfg)  # under torchrun: GPUs or not (the local launch was refused before torch)
     # What this machine and its files allow, checked against the resolved layout: cores and
     # memory, a --checkpoint-dir of this model's saves.
     check_machine(cfg, local_launch=world_size is None)
@@ -94,6 +98,7 @@ def run_train(args: argparse.Namespace) -> int:
     from .launch import exit_now, under_torchrun  # no torch: the checks below come first
 
     torchrun = under_torchrun()
+    no_progress_bars()  # the pre-launch checks read --model-path's config and tokenizer with transformers
     try:
         if getattr(args, "model_path", None):  # the layout check reads its config with transformers
             require(["transformers"], "shardkit train --model-path")
@@ -133,6 +138,8 @@ def run_train(args: argparse.Namespace) -> int:
                 clear_flight_dir(flight_dir, rank=int(os.environ["RANK"]))
             quiet_third_party(int(os.environ.get("RANK", "0")))  # progress bars and warnings on rank 0 only
             result = worker_main(cfg, None, flight_dir)
+            if flight_dir is not None:  # a good run: its heartbeat is no record worth keeping
+                _clear_after_good_run(flight_dir, int(os.environ["RANK"]))
             return 0 if result is None else finish(result, cfg)
         code, results = _launch(cfg)
         if code is None:
@@ -153,6 +160,7 @@ def _launch(cfg: TrainConfig) -> tuple[int | None, dict]:
     from .._local_world import private_run_dir
     from ..train.liveness import clear_flight_dir
     from ..train.run import worker_main
+    from ..train.saving import last_save_note
     from .launch import LaunchFailed, LaunchInterrupted, launch_local, print_failure
 
     assert cfg.nproc is not None  # validate_config resolved it
@@ -160,7 +168,7 @@ def _launch(cfg: TrainConfig) -> tuple[int | None, dict]:
         flight_dir = os.path.join(cfg.report if cfg.report else run_dir, "flight")
         clear_flight_dir(flight_dir)
         try:
-            return None, launch_local(
+            results = launch_local(
                 cfg.nproc,
                 worker_main,
                 cfg,
@@ -175,7 +183,23 @@ def _launch(cfg: TrainConfig) -> tuple[int | None, dict]:
             _print_flight_report(flight_dir, cfg.nproc, kept=cfg.report is not None)
             return code, {}
         except LaunchInterrupted as e:  # SIGINT / SIGTERM: every rank is already stopped
-            return print_failure(e), {}
+            code = print_failure(e)
+            print(f"shardkit train: {last_save_note(cfg)}", file=sys.stderr)  # what a rerun continues from
+            return code, {}
+        _clear_after_good_run(flight_dir)  # --report DIR keeps flight records of failed runs only
+        return None, results
+
+
+def _clear_after_good_run(flight_dir: str, rank: int | None = None) -> None:
+    """Remove the heartbeats (every rank's, or ``rank``'s) after a good run, and the folder when
+    that leaves it empty: ``--report DIR/flight`` then exists only after a failed run."""
+    from ..train.liveness import clear_flight_dir
+
+    clear_flight_dir(flight_dir, rank=rank)
+    try:
+        os.rmdir(flight_dir)
+    except OSError:  # not empty (another rank's heartbeat, a user's file) or already gone
+        pass
 
 
 def _print_flight_report(flight_dir: str, nproc: int | None = None, kept: bool = True) -> None:
@@ -203,7 +227,10 @@ def finish(result: dict, cfg: TrainConfig) -> int:
 
     console = Console()
     if not console.is_terminal:
-        console = Console(width=120)  # a pipe or file: rich's 80-column fallback truncates the ledger
+        # A pipe or file has no width: rich's 80-column fallback truncates the ledger, and any fixed
+        # width wraps a long layout or memory row mid-cell (at 120 a 16-rank memory row did). No
+        # table here expands, so a width no row reaches prints every table at its natural width.
+        console = Console(width=LOG_WIDTH)
     print_summary(result, console)
     parity = result.get("parity")
     if parity is not None:
@@ -211,6 +238,14 @@ def finish(result: dict, cfg: TrainConfig) -> int:
     if cfg.save_hf:
         console.print(
             f"Hugging Face model (--save-hf, step {cfg.steps}): {cfg.save_hf}", highlight=False, soft_wrap=True
+        )
+    profile = result.get("profile")
+    if profile is not None:  # rank 0's files; every rank wrote its own into the same folder
+        a, b = profile["steps"]
+        console.print(
+            f"profile (steps {a}-{b}, one file per rank, Perfetto / memory_viz): {profile['dir']}",
+            highlight=False,
+            soft_wrap=True,
         )
     if cfg.report:
         paths = [*result.get("files", []), *write_report(result, cfg.report)]

@@ -214,6 +214,19 @@ def add_train_flags(subparsers) -> argparse.ArgumentParser:
         "DIR/wandb or ./wandb unless WANDB_MODE is set: upload later with `wandb sync`)",
     )
     p.add_argument(
+        "--profile-steps",
+        metavar="A:B",
+        help="torch.profiler trace of steps A to B (1-based, both included): one Chrome-trace JSON per rank "
+        "(rank{R}.trace.json, for Perfetto) in --profile-dir, else DIR/profile of --report",
+    )
+    p.add_argument("--profile-dir", metavar="DIR", help="where --profile-steps and --memory-snapshot write")
+    p.add_argument(
+        "--memory-snapshot",
+        action=argparse.BooleanOptionalAction,
+        help="CUDA ranks (torchrun on GPUs) only: record the caching allocator over the profiled steps (all "
+        "steps without --profile-steps) into rank{R}.memory.pickle, for pytorch.org/memory_viz",
+    )
+    p.add_argument(
         "--eval-every",
         type=int,
         metavar="N",

@@ -13,7 +13,6 @@ Uneven sizes go through ``all_to_all_single`` with split sizes because gloo reje
 
 from __future__ import annotations
 
-import functools
 import math
 import threading
 from collections.abc import Sequence
@@ -24,6 +23,7 @@ import torch.distributed as dist
 
 from .._shapes import split_offsets
 from . import ledger
+from ._cache import plan_cache
 from ._compat import all_gather_single, reduce_scatter_single
 from ._group import GroupInfo
 
@@ -82,7 +82,7 @@ def _scratch(numel: int, like: torch.Tensor, slot: int) -> torch.Tensor:
 _MIN_ROW = 8
 
 
-@functools.lru_cache(maxsize=128)
+@plan_cache(128)
 def _pack_order(a: int, sizes: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """Row permutation of a ``[a, n]`` grid of rows that lays out the blocks of ``sizes``
     along ``n`` one after another: packed row k is source row ``order[k]``. Cached per shape:
@@ -92,7 +92,7 @@ def _pack_order(a: int, sizes: tuple[int, ...], device: torch.device) -> torch.T
     return torch.cat([rows[:, off : off + s].reshape(-1) for off, s in zip(split_offsets(sizes), sizes)]).to(device)
 
 
-@functools.lru_cache(maxsize=128)
+@plan_cache(128)
 def _unpack_order(a: int, sizes: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """Inverse permutation of :func:`_pack_order`."""
     order = _pack_order(a, sizes, torch.device("cpu"))
@@ -117,7 +117,7 @@ def _runs(sizes: Sequence[int]):
         i = j
 
 
-@functools.lru_cache(maxsize=1024)
+@plan_cache(1024)
 def _run_table(sizes: tuple[int, ...]) -> tuple[tuple[int, int, int], ...]:
     """``tuple(_runs(sizes))``, once per distinct sizes."""
     return tuple(_runs(sizes))
@@ -226,7 +226,7 @@ class _Gather(NamedTuple):
     in_place: bool  # the blocks land where they belong: receive straight into the returned tensor
 
 
-@functools.lru_cache(maxsize=1024)
+@plan_cache(1024)
 def _gather_plan(shape: tuple[int, ...], dim: int, sizes: tuple[int, ...]) -> _Gather:
     out_shape = tuple(_with_dim(shape, dim, sum(sizes)))
     blocks = [math.prod(_with_dim(shape, dim, s)) for s in sizes]
@@ -257,7 +257,7 @@ def all_gather(x: torch.Tensor, g: GroupInfo, dim: int, sizes, api: str, phase: 
     return out if out is not None else _unpack(buf, list(p.out_shape), dim, sizes)
 
 
-@functools.lru_cache(maxsize=1024)
+@plan_cache(1024)
 def _scatter_plan(shape: tuple[int, ...], dim: int, sizes: tuple[int, ...], rank: int) -> tuple[bool, tuple[int, ...]]:
     """(whether the split is even, this rank's output shape) of :func:`reduce_scatter`."""
     return len(set(sizes)) == 1, tuple(_with_dim(shape, dim, sizes[rank]))
@@ -327,7 +327,7 @@ class _AllToAllPlan(NamedTuple):
     pack_view: tuple[int, int, int, int] | None  # [A, count, size, B] of an even inner split, else None
 
 
-@functools.lru_cache(maxsize=1024)
+@plan_cache(1024)
 def _a2a_plan(
     shape: tuple[int, ...],
     scatter_dim: int,

@@ -35,6 +35,11 @@ which give every release the form of the newest:
   experts module); older releases ship Hugging Face's earlier all-reduce form (``ep_router`` on
   the router, ``moe_tp_experts`` on the experts), which names the same experts modules.
 
+Memory snapshots: the CUDA caching allocator's history (``--memory-snapshot``) is recorded and
+dumped through torch's private ``torch.cuda.memory._record_memory_history`` / ``_dump_snapshot``
+(the API of https://pytorch.org/docs/stable/torch_cuda_memory.html, which torchtitan uses too);
+:func:`record_memory_history` / :func:`dump_memory_snapshot` are shardkit's only calls of them.
+
 Nothing here imports transformers: the version is read from the installed distribution.
 """
 
@@ -66,7 +71,24 @@ __all__ = [
     "sdpa",
     "hf_tp_plan",
     "hf_ep_plan",
+    "record_memory_history",
+    "dump_memory_snapshot",
 ]
+
+# Allocation events kept by --memory-snapshot (torchtitan's default): enough for a few steps of a
+# large model, a bounded host buffer however many steps are recorded.
+MEMORY_HISTORY_ENTRIES = 100_000
+
+
+def record_memory_history(enabled: bool) -> None:
+    """Start (``True``) or stop the CUDA caching allocator's history, with stack traces."""
+    torch.cuda.memory._record_memory_history("all" if enabled else None, max_entries=MEMORY_HISTORY_ENTRIES)
+
+
+def dump_memory_snapshot(path: str) -> None:
+    """Write the allocator's snapshot and recorded history to ``path`` (a pickle for
+    https://pytorch.org/memory_viz)."""
+    torch.cuda.memory._dump_snapshot(path)
 
 
 def release(version: str) -> tuple[int, int]:

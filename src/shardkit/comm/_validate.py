@@ -7,7 +7,6 @@ on this rank's own shape come last, so with checks on they never fire before the
 
 from __future__ import annotations
 
-import functools
 import struct
 import zlib
 
@@ -16,6 +15,7 @@ import torch
 from .._shapes import balanced_split_sizes, check_split_sizes, normalize_dim
 from ..errors import ShardkitError, ShardkitTypeError
 from . import ledger
+from ._cache import plan_cache
 from ._compat import all_gather_single
 from ._group import GroupInfo, group_device, resolve_group
 from .checks import agree, checks_enabled, covered
@@ -200,13 +200,13 @@ def _plain_ints(sizes) -> tuple[int, ...] | None:
     return None
 
 
-@functools.lru_cache(maxsize=1024)
+@plan_cache(1024)
 def _sharded_cached(shape: tuple[int, ...], dim: int, sizes: tuple[int, ...], size: int, rank: int, op: str):
     d = normalize_dim(dim, len(shape), op)
     return d, tuple(_checked_local(list(sizes), shape[d], d, size, rank, op))
 
 
-@functools.lru_cache(maxsize=1024)
+@plan_cache(1024)
 def _full_cached(shape: tuple[int, ...], dim: int, sizes: tuple[int, ...] | None, size: int, op: str):
     d = normalize_dim(dim, len(shape), op)
     return d, tuple(check_split_sizes(None if sizes is None else list(sizes), size, shape[d], op))

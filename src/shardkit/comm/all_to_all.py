@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -10,6 +9,7 @@ import torch
 from .._shapes import balanced_split_sizes, normalize_dim
 from ..errors import ShardkitError, ShardkitTypeError
 from . import _c10d
+from ._cache import plan_cache
 from ._validate import checking, dim_of, enter, maybe_agree, raise_agreed
 from ._validate import gather_sizes as gather_sizes_of
 
@@ -133,7 +133,7 @@ def _balanced_gather(gather_size: int, local: int, d: int, size: int, rank: int)
     return sizes
 
 
-@functools.lru_cache(maxsize=1024)
+@plan_cache(1024)
 def _checked(shape: tuple[int, ...], scatter_dim: int, gather_dim: int, gather_size: int, size: int, rank: int):
     """``(s, d, scatter sizes, gather sizes)`` of a call with ``gather_size`` given, once per
     distinct arguments (plain ints: the key is everything the checks read). A failing check is

@@ -70,6 +70,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
+from ..pipeline_parallel.tables import SCHEDULES as SCHEDULE_TABLES
 from ..sharding import ParallelDims
 from ._rows import CommRow, Rows
 from ._tp import tp_rows
@@ -84,7 +85,6 @@ from .options import (
     stage_part,
     stage_tp,
 )
-from .rules import SCHEDULE_TABLES
 
 __all__ = ["CommRow", "step_collectives", "merged", "ledger_table", "HEADER_BYTES"]
 

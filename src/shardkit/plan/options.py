@@ -13,9 +13,10 @@ from ..errors import ShardkitError
 from ..pipeline_parallel.chunked import chunk_layers
 from ..pipeline_parallel.schedules import gpipe_schedule, one_f_one_b_schedule
 from ..pipeline_parallel.steps import global_chunk
+from ..pipeline_parallel.tables import SCHEDULES as SCHEDULE_TABLES
 from ..sharding import ParallelDims
 from .model import ModelShape
-from .rules import SCHEDULE_TABLES, decoder_layout_rule, schedule_rule, sequence_parallel_default
+from .rules import decoder_layout_rule, schedule_rule, sequence_parallel_default
 
 __all__ = [
     "StepOptions",

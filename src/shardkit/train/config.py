@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..errors import ShardkitError
-from ..parallelize.mixed_precision import check_mixed_precision
-from ..plan.rules import schedule_rule
 from ..sharding import ParallelDims
 from .config_file import load_toml, merge_config
 from .layout import check_options
@@ -40,8 +37,8 @@ def validate_config(cfg: TrainConfig, world_size: int | None = None) -> TrainCon
 
     Only real limits are refused (each with its reason; the README lists them). Every check is
     pure, so a bad layout fails in the launching process before any worker starts: first
-    :func:`.layout.check_options` (no torch), then mixed precision, the pipeline schedule, the
-    model's own rules and the mesh.
+    :func:`.layout.check_options` (no torch: the layout, mixed precision, the pipeline schedule,
+    the LM options), then the model's own rules and the mesh.
 
     Args:
         cfg: the merged configuration.
@@ -56,42 +53,19 @@ def validate_config(cfg: TrainConfig, world_size: int | None = None) -> TrainCon
 
 def finish_config(cfg: TrainConfig) -> TrainConfig:
     """The second half of :func:`validate_config`, on a configuration that passed
-    :func:`.layout.check_options` (the command line runs that half before importing torch): mixed
-    precision, the pipeline schedule, the model's own rules (heads,
-    layers, ...) and the mesh.
+    :func:`.layout.check_options` (the command line runs that half before importing torch, with
+    mixed precision, the pipeline schedule and the LM options' rules): a checkpoint's family, the
+    model's own rules (a checkpoint's heads and layers, the compile backend, ...) and the mesh.
 
     Raises:
         ShardkitError: with a message naming the options at fault.
     """
-    check_mixed_precision(cfg.mixed_precision, "--mixed-precision")
-    if cfg.mixed_precision != "none" and cfg.dtype != "float32":
-        raise ShardkitError(
-            f"--mixed-precision {cfg.mixed_precision} keeps float32 master parameters and computes in bfloat16: "
-            f"it needs --dtype float32, got --dtype {cfg.dtype}"
-        )
-    _check_schedule(cfg)
     if cfg.model_path is not None and model_spec(cfg.model).family is not None:
         # the checkpoint's family decides the model (read_config refuses unsupported ones)
         cfg = dataclasses.replace(cfg, model=spec_of_family(read_config(cfg.model_path).model_type).name)
     cfg = model_spec(cfg.model).validate(cfg)
     parallel_dims(cfg)  # the mesh's own checks (ep borrowing, pp_tp), before launch
     return cfg
-
-
-def _check_schedule(cfg: TrainConfig) -> None:
-    """The pipeline schedule's own limits on ``--pp``, ``--virtual-stages``, ``--microbatches`` and
-    the layers (the table function's refusal, named with the flags); the rules of the flags alone
-    ran before (:func:`.layout.check_options`)."""
-    v, pp = cfg.virtual_stages, len(cfg.stage_tp_sizes) if cfg.pp_tp is not None else cfg.pp
-    if pp == 1:
-        return
-    # the planner's rule (plan/rules.py), equal to what the table functions refuse; a pretrained
-    # model's layer count is checked when its stages are cut (chunk_layers)
-    # layers vs chunks only for v > 1 (one chunk per rank: the pipeline's own layer rule, later)
-    layers = cfg.layers if cfg.model_path is None and v > 1 else pp * v
-    why = schedule_rule(cfg.schedule, pp, v, cfg.microbatches, layers)
-    if why is not None:
-        raise ShardkitError(why)
 
 
 def parallel_dims(cfg: TrainConfig) -> ParallelDims:

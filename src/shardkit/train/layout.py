@@ -5,8 +5,9 @@ needs only the options and :mod:`.model_names`' facts of the model (sizes and co
 learning rate, seed and timeout, the checkpoint flags, the output folders, ``--nproc`` against
 the product of the degrees, the global batch against dp x microbatches). It imports neither
 torch nor the library's packages, so ``shardkit train`` refuses such input before
-``import torch`` (issue 32). The second half (the pipeline schedule's rules, the model's own
-rules, the mesh) reads the library and stays in :mod:`.config`.
+``import torch`` (issue 32), and so are the pipeline schedule's table rules and the decoder LMs'
+option rules (:mod:`.layout_lm`). The second half (a checkpoint's config, the compile backend,
+the conv model's rules, the mesh) reads the library and stays in :mod:`.config`.
 """
 
 from __future__ import annotations
@@ -15,12 +16,14 @@ import dataclasses
 import math
 
 from .._files import check_out_dir
-from .._rules import batch_rule, pp_layers_rule, stage_heads_rule
+from .._rules import batch_rule, pp_layers_rule, schedule_rule, stage_heads_rule
 from ..errors import ShardkitError
 from .config_file import check_output_dirs, check_writable
+from .layout_lm import check_lm_options, check_precision
 from .loggers import check_loggers
 from .model_names import model_facts
 from .options import DTYPES, FINETUNE_LR, LR_SCHEDULES, SCHEDULES, SIZE_FLAGS, TrainConfig, parse_pp_tp
+from .profile_rules import check_profile_options
 
 __all__ = [
     "check_options",
@@ -87,6 +90,7 @@ def check_options(cfg: TrainConfig, world_size: int | None = None) -> TrainConfi
         if cfg.pp not in (1, len(sizes)):
             raise ShardkitError(f"--pp {cfg.pp} but --pp-tp {cfg.pp_tp} lists {len(sizes)} stages")
         cfg = dataclasses.replace(cfg, pp=len(sizes), pp_tp=",".join(map(str, sizes)))
+    tp_given = cfg.tp is not None
     cfg = dataclasses.replace(cfg, tp=_default_tp(cfg))
     for name in (
         "tp",
@@ -152,6 +156,7 @@ def check_options(cfg: TrainConfig, world_size: int | None = None) -> TrainConfi
         raise ShardkitError(f"--keep must be >= 1 (complete saves kept) and needs --checkpoint-dir, got {cfg.keep}")
     check_output_dirs(cfg)
     check_loggers(cfg.wandb)  # a bad project name or no wandb package: here, not on rank 0 alone
+    check_profile_options(cfg, world_size)
     if cfg.save_hf is not None:
         if not model_facts(cfg.model).decoder:
             raise ShardkitError(f"--save-hf: --model {cfg.model} has no Hugging Face form")
@@ -170,7 +175,7 @@ def check_options(cfg: TrainConfig, world_size: int | None = None) -> TrainConfi
     if cfg.tokenizer is not None and not model_facts(cfg.model).reads_corpus:
         raise ShardkitError(f"--tokenizer with --model {cfg.model}: this model reads no text corpus")
     _check_pipeline_flags(cfg)
-    cfg = _resolve_world(cfg)
+    cfg = _resolve_world(cfg, tp_given)
     if model_facts(cfg.model).decoder and cfg.model_path is None:  # the built-in model's shape, from the flags
         for name in SHAPE_FLAGS:
             if getattr(cfg, name) < 1:
@@ -181,6 +186,9 @@ def check_options(cfg: TrainConfig, world_size: int | None = None) -> TrainConfi
                 f"--kv-heads {cfg.kv_heads}"
             )
         check_model_shape(cfg, cfg.heads, cfg.kv_heads, cfg.layers)
+    check_precision(cfg)
+    if model_facts(cfg.model).decoder:  # a checkpoint's family (--model-path) decides on experts later
+        check_lm_options(cfg, model_facts(cfg.model).experts if cfg.model_path is None else None)
     return cfg
 
 
@@ -207,9 +215,9 @@ def check_model_shape(cfg: TrainConfig, heads: int, kv_heads: int, layers: int) 
 
 
 def _check_pipeline_flags(cfg: TrainConfig) -> None:
-    """The schedule rules of the flags alone: ``--virtual-stages`` an int >= 1, chunked schedules
-    only with a pipeline, not under ``--checks`` nor with ``--pp-tp``. The schedule's table rules
-    (microbatches, layers) need the schedule registry: :func:`.config.finish_config`."""
+    """The schedule rules: ``--virtual-stages`` an int >= 1, chunked schedules only with a pipeline,
+    not under ``--checks`` nor with ``--pp-tp``; then the table's own sizes (microbatches, layers
+    per chunk: :func:`~shardkit._rules.schedule_rule`, the same rule as the planner's)."""
     v, pp = cfg.virtual_stages, len(cfg.stage_tp_sizes) if cfg.pp_tp is not None else cfg.pp
     if not isinstance(v, int) or v < 1:
         raise ShardkitError(f"--virtual-stages must be an int >= 1, got {v!r}")
@@ -228,9 +236,23 @@ def _check_pipeline_flags(cfg: TrainConfig) -> None:
         raise ShardkitError(
             f"--pp-tp stages run --schedule 1f1b or gpipe with --virtual-stages 1, got {cfg.schedule} with {v}"
         )
+    # layers against chunks only for v > 1 and the built-in model (one chunk per rank: the pipeline's
+    # own layer rule, check_model_shape; a checkpoint's layers are checked when its stages are cut)
+    layers = cfg.layers if cfg.model_path is None and v > 1 else pp * v
+    if (why := schedule_rule(cfg.schedule, pp, v, cfg.microbatches, layers)) is not None:
+        raise ShardkitError(why)
 
 
-def _resolve_world(cfg: TrainConfig) -> TrainConfig:
+def _tp_hint(cfg: TrainConfig, tp_given: bool, nproc: int) -> str:
+    """The way out when the default tp alone does not fit ``nproc`` (``--nproc 1`` of a decoder,
+    whose tp defaults to 2): say that tp was not given and that ``--tp 1`` fits."""
+    tp = cfg.tp or 1
+    if tp_given or tp == 1 or nproc % (_model_ranks(cfg) // tp):
+        return ""
+    return f" (--tp defaults to {tp} for --model {cfg.model}; add --tp 1 to run on {nproc} process(es))"
+
+
+def _resolve_world(cfg: TrainConfig, tp_given: bool = True) -> TrainConfig:
     """nproc and dp_replicate from each other (one of them may be unset)."""
     ranks = _model_ranks(cfg)
     dims = (
@@ -242,13 +264,19 @@ def _resolve_world(cfg: TrainConfig) -> TrainConfig:
     if cfg.dp_replicate is None:
         nproc = cfg.nproc if cfg.nproc is not None else max(model_facts(cfg.model).min_nproc, ranks)
         if nproc % ranks:
-            raise ShardkitError(f"layout {dims} ranks must divide --nproc {nproc} (dp_replicate = nproc // that)")
+            raise ShardkitError(
+                f"layout {dims} ranks must divide --nproc {nproc} (dp_replicate = nproc // that)"
+                + _tp_hint(cfg, tp_given, nproc)
+            )
         cfg = dataclasses.replace(cfg, nproc=nproc, dp_replicate=nproc // ranks)
     dp_replicate = cfg.dp_replicate
     assert dp_replicate is not None  # given, or resolved just above
     nproc = dp_replicate * ranks
     if cfg.nproc is not None and cfg.nproc != nproc:
-        raise ShardkitError(f"layout {dims} x dp_replicate={dp_replicate} = {nproc} ranks, but --nproc is {cfg.nproc}")
+        raise ShardkitError(
+            f"layout {dims} x dp_replicate={dp_replicate} = {nproc} ranks, but --nproc is {cfg.nproc}"
+            + _tp_hint(cfg, tp_given, cfg.nproc)
+        )
     cfg = dataclasses.replace(cfg, nproc=nproc)
     if (why := batch_rule(cfg.batch_size, dp_replicate * cfg.dp_shard, cfg.microbatches)) is not None:
         raise ShardkitError(why)

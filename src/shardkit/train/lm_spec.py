@@ -13,22 +13,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import ShardkitError
 from ..parallelize import ParallelModel, parallelize, parallelize_stage
-from ..parallelize.checkpointing import check_ac_mode
 from ..parallelize.compiling import check_compile
-from ..plan.rules import (
-    cp_tokens_rule,
-    ep_rule,
-    lm_spatial_rule,
-    seq_len_rule,
-    sequence_parallel_default,
-    sp_pp_tp_rule,
-)
+from ..plan.rules import sequence_parallel_default
 from .attention import mask_free_sdpa
 from .corpus import Corpus, shared_corpus
 from .data import BatchSampler, HeldOutBatches, held_out_start
 from .layout import SHAPE_FLAGS, check_model_shape
+from .layout_lm import check_lm_options
 from .lm_families import LMFamily
 from .lm_task import LMTask, PackedSampler
 from .model import build_model
@@ -52,11 +44,6 @@ _HF_SIZES = (
 )
 
 
-def _raise(why: str | None) -> None:
-    if why is not None:
-        raise ShardkitError(why)
-
-
 def validate_lm(cfg: TrainConfig, family: LMFamily) -> TrainConfig:
     """The decoder LMs' real limits (:mod:`shardkit.plan.rules`), against the model's shape;
     ``sequence_parallel`` resolved (None: :func:`~shardkit.plan.rules.sequence_parallel_default`).
@@ -64,33 +51,14 @@ def validate_lm(cfg: TrainConfig, family: LMFamily) -> TrainConfig:
     Raises:
         ShardkitError: naming the flags at fault.
     """
-    _raise(lm_spatial_rule(cfg.spatial, cfg.spatial_h))
-    check_ac_mode(cfg.ac, "--ac")
-    check_compile(cfg.compile or False, "--compile", cfg.ac)
-    if cfg.compile and cfg.mixed_precision != "none":
-        raise ShardkitError(f"--compile with --mixed-precision {cfg.mixed_precision}: not supported together yet")
-    if cfg.ac == "selective" and cfg.checks:
-        raise ShardkitError("--ac selective with --checks: the check mode changes the recomputed ops; use --ac full")
-    _raise(seq_len_rule(cfg.seq_len))
-    _raise(ep_rule(cfg.ep, cfg.experts if family.experts else 0))
-    if cfg.experts < 1:
-        raise ShardkitError(f"--experts must be >= 1, got {cfg.experts}")
-    if (cfg.model_path is not None or cfg.tokenizer is not None) and cfg.packed:
-        # document borders are known in bytes of the corpus files, not in the tokenizer's tokens
-        flag = "--model-path" if cfg.model_path is not None else "--tokenizer"
-        raise ShardkitError(f"--packed with {flag}: packed documents are built for byte-level tokens")
-    assert cfg.tp is not None and cfg.dp_replicate is not None  # validate_config resolved them
-    dp = cfg.dp_replicate * cfg.dp_shard
+    # the rules of the options alone, which the launcher ran before import torch (layout_lm.py);
+    # again here for the library's callers of validate_config / spec.validate
+    check_lm_options(cfg, family.experts)
+    check_compile(cfg.compile or False, "--compile", cfg.ac)  # the backend's name: torch's Dynamo registry
+    assert cfg.tp is not None
     pp_tp = cfg.stage_tp_sizes if cfg.pp_tp is not None else None
     if cfg.sequence_parallel is None:
         cfg = dataclasses.replace(cfg, sequence_parallel=sequence_parallel_default(family.experts, cfg.tp, pp_tp))
-    _raise(sp_pp_tp_rule(bool(cfg.sequence_parallel), pp_tp))
-    if cfg.packed and cfg.cp_size > 1 and cfg.batch_size != dp * cfg.microbatches:
-        raise ShardkitError(
-            f"--packed with context parallelism: every microbatch must be one row (its documents' cu_seqlens are "
-            f"per row), so --batch-size must equal dp x microbatches = {dp * cfg.microbatches}, got {cfg.batch_size}"
-        )
-    _raise(cp_tokens_rule(cfg.seq_len, cfg.cp_ring, cfg.cp_ulysses))
     _validate_shape(cfg)
     return cfg
 

@@ -36,16 +36,23 @@ class ModelFacts:
         min_nproc: the ranks a run without ``--nproc`` starts at least (data parallelism fills them).
         decoder: a decoder LM (the spec's ``family`` is not None): without ``--model-path`` its
             shape flags (``--hidden-size``, ``--heads``, ``--kv-heads``, ``--layers``) meet the layout.
+        experts: a mixture-of-experts decoder (the spec's ``experts``): ``--ep`` needs one.
     """
 
     reads_corpus: bool = True
     default_tp: int = 2
     min_nproc: int = 4
     decoder: bool = True
+    experts: bool = False
 
 
 MODEL_FACTS = MappingProxyType(
-    {name: ModelFacts(False, 1, 1, decoder=False) if name == "conv-ae" else ModelFacts() for name in MODEL_SUMMARIES}
+    {
+        name: ModelFacts(False, 1, 1, decoder=False)
+        if name == "conv-ae"
+        else ModelFacts(experts=name in ("moe", "mla"))
+        for name in MODEL_SUMMARIES
+    }
 )
 """``--model`` name -> its :class:`ModelFacts`, here so that the launcher checks the layout and
 ``--data`` before importing torch (issue 32); :mod:`.specs` copies them into each spec."""

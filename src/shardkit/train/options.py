@@ -116,6 +116,9 @@ class TrainConfig:
     timeout: float = 300.0  # seconds any collective (every process group) waits for a rank before failing
     report: str | None = None
     wandb: str | None = None  # log the per-step scalars to this Weights & Biases project too (offline by default)
+    profile_steps: str | None = None  # "A:B": torch.profiler traces of steps A..B (1-based), one per rank
+    profile_dir: str | None = None  # where the traces go; None: --report DIR/profile
+    memory_snapshot: bool = False  # CUDA only: the caching allocator's history over the profiled steps
     log_every: int | None = (
         None  # a plain line every N steps when stdout is no terminal; None: 1 up to 20 steps, else 10
     )

@@ -16,9 +16,9 @@ import sys
 import time
 from typing import IO
 
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-__all__ = ["TrainProgress", "LogLines", "make_progress", "default_log_every", "setup_note"]
+__all__ = ["TrainProgress", "LogLines", "make_progress", "default_log_every", "setup_note", "format_eta"]
 
 
 def default_log_every(steps: int) -> int:
@@ -31,6 +31,16 @@ def setup_note(what: str, t0: float, out: IO[str] | None = None) -> None:
     ``out`` (default stderr), flushed: a set-up stage is starting."""
     stream = out if out is not None else sys.stderr
     print(f"shardkit train: [{time.perf_counter() - t0:6.1f} s] {what}", file=stream, flush=True)
+
+
+def format_eta(seconds: float) -> str:
+    """``42s``, ``3m05s``, ``2h07m``: a remaining time, to the second below an hour."""
+    s = max(0, round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 class TrainProgress:
@@ -51,6 +61,7 @@ class TrainProgress:
             TextColumn("loss {task.fields[loss]}"),
             TextColumn(f"{{task.fields[tps]}} {unit}/s"),
             TimeElapsedColumn(),
+            TimeRemainingColumn(),  # the ETA, from rich's recent step rate
         )
         self.task = self.progress.add_task("train", total=steps, loss="-", tps="-")
         self.start = 0.0
@@ -71,14 +82,20 @@ class TrainProgress:
         tps = self.tokens_per_step * self.done / elapsed
         self.progress.update(self.task, advance=1, loss=f"{loss:.4f}", tps=f"{tps:,.0f}")
 
+    def note(self, text: str) -> None:
+        """A line above the bar (a save, a removed save)."""
+        self.progress.console.print(text, highlight=False, soft_wrap=True)
+
 
 class LogLines:
     """One plain, flushed line every ``every`` steps (and after the last step) for a log file.
 
-    ``step 10/20  loss 2.4512 (mean of 10)  lr 1.00e-03  2,345 tok/s``: the loss is the mean of
-    the steps since the previous line (non-finite ones, which were not applied, left out; "nan"
-    if all were), the rate is over the same steps; a validation since the previous line adds
-    ``held-out 2.3456 (step 10)``.
+    ``step 10/20  loss 2.4512 (mean of 10)  lr 1.00e-03  2,345 tok/s  eta 1m05s``: the loss is the
+    mean of the steps since the previous line (non-finite ones, which were not applied, left out;
+    "nan" if all were), the rate is over the same steps; a validation since the previous line adds
+    ``held-out 2.3456 (step 10)``. The ETA is the steps left times the mean time of this run's
+    steps after its first (the first one also warms up: compiling, allocating); it is left out
+    until two steps have run, and after the last.
 
     Args:
         steps: total number of steps.
@@ -94,10 +111,22 @@ class LogLines:
         self.window: list[float] = []
         self.since = 0.0
         self.held: tuple[int, float] | None = None
+        self.count = 0  # steps of this run (a resumed run starts at its save's step)
+        self.after_first = 0.0  # when this run's first step ended
 
     def __enter__(self) -> LogLines:
         self.since = time.perf_counter()
         return self
+
+    def note(self, text: str) -> None:
+        """A line of its own (a save, a removed save), flushed like the step lines."""
+        print(text, file=self.out if self.out is not None else sys.stdout, flush=True)
+
+    def _eta(self, done: int, now: float) -> str | None:
+        if self.count < 2 or done >= self.steps:
+            return None
+        per_step = (now - self.after_first) / (self.count - 1)
+        return format_eta(per_step * (self.steps - done))
 
     def __exit__(self, *exc) -> None:
         pass
@@ -106,12 +135,14 @@ class LogLines:
         """Called after step ``step`` (0-based) with its global loss, the rate it used and the
         held-out loss after it (``--eval-every``; None: not evaluated)."""
         self.window.append(loss)
-        done = step + 1
+        done, now = step + 1, time.perf_counter()
+        self.count += 1
+        if self.count == 1:
+            self.after_first = now
         if eval_loss is not None:
             self.held = (done, eval_loss)
         if done % self.every and done != self.steps:
             return
-        now = time.perf_counter()
         finite = [v for v in self.window if math.isfinite(v)]
         mean = sum(finite) / len(finite) if finite else float("nan")
         rate = self.tokens_per_step * len(self.window) / max(now - self.since, 1e-9)
@@ -121,6 +152,8 @@ class LogLines:
         parts.append(f"{rate:,.0f} {self.unit}/s")
         if self.held is not None:  # the latest validation since the previous line
             parts.append(f"held-out {self.held[1]:.4f} (step {self.held[0]})")
+        if (eta := self._eta(done, now)) is not None:
+            parts.append(f"eta {eta}")
         print("  ".join(parts), file=self.out if self.out is not None else sys.stdout, flush=True)
         self.window, self.since, self.held = [], now, None
 

@@ -26,7 +26,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from .. import CommLedger
 from .._local_world import init_local_world
-from ..checkpoint import load_train_state, save_train_state
+from ..checkpoint import load_train_state
 from ..checkpoint.hf_writer import hf_description, write_hf
 from ..checkpoint.lock import root_lock
 from ..comm import checks, checks_enabled, flight_recorder
@@ -34,7 +34,7 @@ from ..comm._group import resolve_group
 from ..comm.agree import agree
 from ..parallelize import ParallelModel, gather_full_parameters
 from ..parallelize.saved_bytes import activation_meter
-from .checkpoint_dir import model_description, recheck_checkpoint_dir, resume_source
+from .checkpoint_dir import recheck_checkpoint_dir, resume_source
 from .config import TrainConfig, parallel_dims
 from .corpus import shared_corpus
 from .environment import run_environment
@@ -42,8 +42,10 @@ from .evaluate import eval_loss
 from .liveness import Heartbeat, set_phase
 from .liveness import progress as count_progress
 from .metrics import ledger_rows, model_size, open_metrics, peak_memory, utilisation
+from .profiling import step_profiler
 from .progress import default_log_every, make_progress, setup_note
-from .schedule import warmup_cosine
+from .saving import save_step
+from .schedule import fast_forward, warmup_cosine
 from .specs import model_spec
 from .trainer import LossScale, make_optimizer, nonfinite_step, train_step
 from .verify import compare_runs
@@ -124,9 +126,9 @@ def run_training(
     every rank before that step's save.
 
     ``on_step(step, loss)`` and ``progress.update(step, loss, lr, eval_loss)`` (:mod:`.progress`) are called
-    after every step (0-based), ``metrics.write`` records it (:class:`.metrics.MetricsLog`).
-    ``host_syncs`` (a :class:`~shardkit.comm.host_sync.HostSyncCounter`) counts the host syncs of
-    every ``train_step`` (one entry of its ``steps`` per step).
+    after every step (0-based), ``metrics.write`` records it (:class:`.metrics.MetricsLog`); ``host_syncs``
+    (:class:`~shardkit.comm.host_sync.HostSyncCounter`) counts each ``train_step``'s host syncs.
+    ``--profile-steps`` / ``--memory-snapshot``: :mod:`.profiling` (``profile`` in the result).
 
     Raises:
         NonFiniteError: more non-finite steps than ``cfg.skip_nonfinite``.
@@ -157,17 +159,17 @@ def _run_steps(
             first = load_train_state(path, pm, optimizer, extra, allow_unverified=cfg.allow_unverified)
             task.sampler.gen.set_state(extra["data_generator"])
             torch.set_rng_state(extra["torch_rng"])
-            if scheduler is not None:
-                for _ in range(first):
-                    scheduler.step()  # the schedule is a function of the step count
+            if scheduler is not None:  # the schedule is a function of the step count
+                fast_forward(scheduler, optimizer, cfg.steps, first)
     losses, norms, skipped, evals = [], [], [], []
     saved: dict = {"saved_activation_bytes": None, "saved_bytes_per_block": None}
+    prof = step_profiler(cfg) if pm.mesh is not None else None  # --profile-steps, --memory-snapshot
     for step in range(first, cfg.steps):
         set_phase("training")  # entering a phase is progress: one count per step
         lr = optimizer.param_groups[0]["lr"]  # the rate this step uses
         # the first step counts the activation bytes each block keeps (pack hooks cost Python time)
         meter = activation_meter(pm.module, cfg.ac if pm.mesh is not None else "none") if step == first else None
-        with meter or nullcontext(), host_syncs or nullcontext():
+        with meter or nullcontext(), host_syncs or nullcontext(), prof.step(step) if prof else nullcontext():
             stats = train_step(
                 pm,
                 optimizer,
@@ -204,18 +206,8 @@ def _run_steps(
             and cfg.checkpoint_dir is not None
             and (done == cfg.steps or (cfg.save_every and done % cfg.save_every == 0))
         ):
-            set_phase("saving")
-            save_train_state(
-                cfg.checkpoint_dir,
-                pm,
-                optimizer,
-                done,
-                _extra_state(task),
-                layout,
-                keep=cfg.keep,
-                model=model_description(cfg),
-                hf=hf,
-            )
+            set_phase("saving")  # rank 0 (the one with progress) says what was saved and removed
+            save_step(cfg, pm, optimizer, done, _extra_state(task), layout, hf, progress.note if progress else None)
             count_progress()  # the save's files are written
     return {
         "losses": losses,
@@ -224,6 +216,7 @@ def _run_steps(
         "skipped_steps": skipped,
         "eval_losses": evals,
         **saved,
+        **(prof.result() if prof else {}),
     }
 
 

@@ -19,7 +19,7 @@ from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, LRScheduler, S
 from ..errors import ShardkitError
 from .options import FINETUNE_LR  # where the launcher's torch-free checks read it
 
-__all__ = ["FINETUNE_LR", "MIN_LR_RATIO", "default_warmup_steps", "warmup_cosine"]
+__all__ = ["FINETUNE_LR", "MIN_LR_RATIO", "default_warmup_steps", "warmup_cosine", "fast_forward"]
 
 # The cosine ends at this fraction of the peak rate (not 0: the last steps still learn).
 MIN_LR_RATIO = 0.1
@@ -81,3 +81,32 @@ def warmup_cosine(
         return cosine
     warmup = LinearLR(optimizer, start_factor=1.0 / (w + 1), end_factor=1.0, total_iters=w)
     return SequentialLR(optimizer, [warmup, cosine], milestones=[w])
+
+
+def fast_forward(scheduler: LRScheduler, optimizer: torch.optim.Optimizer, steps: int, done: int) -> None:
+    """Put a :func:`warmup_cosine` ``scheduler`` of ``optimizer`` where it is after ``done`` steps
+    of a ``steps``-step run (a resumed run), and set each group's ``lr`` to the rate of step ``done``.
+
+    The schedule is a function of the step count, replayed here on a stand-in optimizer of one
+    parameter that takes a (gradient-free, so empty) step before each scheduler step, as in
+    training; the stand-in's state then becomes ``scheduler``'s. Stepping ``scheduler`` itself
+    ``done`` times before this process's first ``optimizer.step()`` would print torch's
+    "``lr_scheduler.step()`` before ``optimizer.step()``" warning on every rank (issue 32).
+
+    Args:
+        scheduler: built by :func:`warmup_cosine` on ``optimizer`` with the same ``steps``.
+        optimizer: the run's optimizer (its state already loaded).
+        steps: the run's total steps.
+        done: the steps the save had taken (0: nothing to do).
+    """
+    if done == 0:
+        return
+    peak = optimizer.param_groups[0].get("initial_lr", optimizer.defaults["lr"])  # the schedule's peak
+    stand_in = torch.optim.SGD([torch.nn.Parameter(torch.zeros(()))], lr=peak)
+    replay = warmup_cosine(stand_in, steps)
+    for _ in range(done):
+        stand_in.step()  # no gradient: nothing moves, but torch sees the optimizer step first
+        replay.step()
+    scheduler.load_state_dict(replay.state_dict())
+    for group in optimizer.param_groups:  # as each scheduler step would have set it
+        group["lr"] = stand_in.param_groups[0]["lr"]

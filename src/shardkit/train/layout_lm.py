@@ -1,0 +1,92 @@
+"""The decoder LMs' rules that need only the options, checked without torch.
+
+:func:`check_lm_options` is the part of :func:`.lm_spec.validate_lm` that reads no model file
+and no torch registry: the names of ``--ac`` and ``--mixed-precision`` and their combinations with
+``--compile``, ``--checks`` and ``--dtype``, the sequence length, expert parallelism of a dense
+model, ``--packed``'s limits, sequence parallelism across stages of different tp sizes and a token
+for every cp rank. :func:`.layout.check_options` calls it before ``import torch`` (issue 32), and
+``validate_lm`` calls it again for the callers of the library API (the checks are pure and
+idempotent). What stays after torch: the compile backend's name (torch's Dynamo registry) and a
+``--model-path`` checkpoint's config (transformers).
+"""
+
+from __future__ import annotations
+
+from .._rules import cp_tokens_rule, ep_rule, lm_spatial_rule, seq_len_rule, sequence_parallel_default, sp_pp_tp_rule
+from ..errors import ShardkitError
+from .options import AC_MODES, MIXED_PRECISION, TrainConfig
+
+__all__ = ["check_lm_options", "check_precision"]
+
+
+def _raise(why: str | None) -> None:
+    if why is not None:
+        raise ShardkitError(why)
+
+
+def check_precision(cfg: TrainConfig) -> None:
+    """``--mixed-precision`` one of :data:`.options.MIXED_PRECISION`, and only on float32 masters.
+
+    Raises:
+        ShardkitError: an unknown mode (a TOML file bypasses the flag's choices), or bf16 compute
+            with a ``--dtype`` other than float32.
+    """
+    if cfg.mixed_precision not in MIXED_PRECISION:
+        raise ShardkitError(
+            f"--mixed-precision: mixed precision must be one of {', '.join(MIXED_PRECISION)}; "
+            f"got {cfg.mixed_precision!r}"
+        )
+    if cfg.mixed_precision != "none" and cfg.dtype != "float32":
+        raise ShardkitError(
+            f"--mixed-precision {cfg.mixed_precision} keeps float32 master parameters and computes in bfloat16: "
+            f"it needs --dtype float32, got --dtype {cfg.dtype}"
+        )
+
+
+def check_lm_options(cfg: TrainConfig, experts: bool | None) -> None:
+    """Raise the first refusal of the decoder LMs' option rules (module docstring).
+
+    Args:
+        cfg: a configuration with ``tp``, ``dp_replicate`` and ``nproc`` resolved
+            (:func:`.layout.check_options`).
+        experts: the model has routed experts; None when a ``--model-path`` checkpoint decides
+            the family (its config is read after torch, so the ``--ep`` rule waits for it).
+
+    Raises:
+        ShardkitError: naming the flags at fault.
+    """
+    _raise(lm_spatial_rule(cfg.spatial, cfg.spatial_h))
+    if cfg.ac not in AC_MODES:
+        raise ShardkitError(f"--ac: activation checkpointing must be one of {', '.join(AC_MODES)}; got {cfg.ac!r}")
+    if cfg.compile and cfg.ac == "selective":
+        # torch's selective-AC dispatch modes keep torch.compile out of the block (parallelize/compiling.py)
+        raise ShardkitError(
+            f"--compile {cfg.compile!r} with selective activation checkpointing: its dispatch modes keep "
+            "torch.compile out of the block (nothing would be compiled); use full or no activation checkpointing"
+        )
+    if cfg.compile and cfg.mixed_precision != "none":
+        raise ShardkitError(f"--compile with --mixed-precision {cfg.mixed_precision}: not supported together yet")
+    if cfg.ac == "selective" and cfg.checks:
+        raise ShardkitError("--ac selective with --checks: the check mode changes the recomputed ops; use --ac full")
+    _raise(seq_len_rule(cfg.seq_len))
+    if experts is not None:
+        _raise(ep_rule(cfg.ep, cfg.experts if experts else 0))
+    if cfg.experts < 1:
+        raise ShardkitError(f"--experts must be >= 1, got {cfg.experts}")
+    if (cfg.model_path is not None or cfg.tokenizer is not None) and cfg.packed:
+        # document borders are known in bytes of the corpus files, not in the tokenizer's tokens
+        flag = "--model-path" if cfg.model_path is not None else "--tokenizer"
+        raise ShardkitError(f"--packed with {flag}: packed documents are built for byte-level tokens")
+    assert cfg.tp is not None and cfg.dp_replicate is not None  # check_options resolved them
+    pp_tp = cfg.stage_tp_sizes if cfg.pp_tp is not None else None
+    sp = cfg.sequence_parallel
+    if sp is None:  # the default cannot break the rule (off with pp_tp); an MoE default is off too
+        sp = sequence_parallel_default(bool(experts), cfg.tp, pp_tp)
+    _raise(sp_pp_tp_rule(bool(sp), pp_tp))
+    dp = cfg.dp_replicate * cfg.dp_shard
+    if cfg.packed and cfg.cp_size > 1 and cfg.batch_size != dp * cfg.microbatches:
+        raise ShardkitError(
+            f"--packed with context parallelism: every microbatch must be one row (its documents' cu_seqlens are "
+            f"per row), so --batch-size must equal dp x microbatches = {dp * cfg.microbatches}, got {cfg.batch_size}"
+        )
+    _raise(cp_tokens_rule(cfg.seq_len, cfg.cp_ring, cfg.cp_ulysses))
