@@ -82,11 +82,13 @@ def test_resume_and_export_of_the_hash_bomb_end_within_the_timeout_naming_the_lo
     )
     out = done.stdout + done.stderr
     assert done.returncode == 1, out[-3000:]
+    print(f"{bomb}: train --resume {seconds:.1f} s (--timeout {timeout:g})")
     assert seconds <= timeout + 10, (seconds, out[-3000:])
     assert "load_train_state: checkpoint refused on every rank" in out, out[-3000:]
     assert f"{metadata} is refused unread" in out and why in out, out[-3000:]
     done, seconds = _shardkit("export", "--checkpoint-dir", root, "--out", str(tmp_path / "hf"))
     assert done.returncode == 2, done.stdout + done.stderr
+    print(f"{bomb}: export {seconds:.1f} s")
     assert seconds <= timeout + 10, (seconds, done.stderr)
     assert done.stderr.startswith("shardkit export: error: ") and f"{metadata} is refused unread" in done.stderr
     assert why in done.stderr and not (tmp_path / "hf").exists()
@@ -125,6 +127,7 @@ def test_every_rank_hashing_the_bomb_is_stopped_by_the_watchdog_naming_loading(t
     assert loading is not None, out[-3000:]
     assert {r: b.phase for r, b in beats.items()} == {0: "loading", 1: "loading"}, (beats, out[-3000:])
     assert proc.returncode == 1, out[-3000:]
+    print(f"loading -> every process gone: {ended - loading:.1f} s (--timeout {timeout:g})")
     assert ended - loading <= timeout + 10, (ended - loading, out[-3000:])
     failure = out[out.index("shardkit: a worker failed") :].splitlines()
     # every rank stalled together: the watchdog stops them (those confirmed first, any left by the

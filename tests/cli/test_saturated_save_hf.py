@@ -67,6 +67,7 @@ def test_save_hf_on_a_saturated_cpu_with_rank_0_starved_alone_completes(tmp_path
             proc.kill()
             proc.wait()
     text = log.read_text()
+    print(f"rank 0 held alone {starved['held_s']} s; {BUSY} busy processes; load {load:.1f}")
     # the starvation happened: rank 0 was held, alone and silent, past the old grace
     assert starved["held_s"] >= HOLD_S - 0.5, (starved, text[-3000:])
     assert proc.returncode == 0, (load, text[-3000:])

@@ -62,6 +62,12 @@ def test_progress_not_punctuality_decides():
         1: "loading",
     }
     assert to_stop(bomb, {0, 1}, now=1004.0, timeout_s=5) == {}
+    # every rank beating without progress (building the model at load 13 took longer than a 5 s
+    # --timeout): waiting or slow, none is stopped; alone (the others exited) a rank has the deadline
+    slow = {r: Beat(1010.0, 100 + r, False, "starting", 1000.0) for r in range(2)}
+    assert to_stop(slow, {0, 1}, now=1010.0, timeout_s=5) == {}
+    alone = {0: slow[0], 1: Beat(1003.0, 101, True)}
+    assert list(to_stop(alone, {0, 1}, now=1010.0, timeout_s=5)) == [0]
 
 
 def test_a_rank_that_never_beat_is_named_not_the_one_waiting_for_it():
@@ -148,6 +154,23 @@ def test_a_rank_without_progress_for_the_timeout_is_killed_and_announced(tmp_pat
     first = str(info.value).splitlines()[0]
     assert first.startswith("shardkit's watchdog stopped rank 1: no progress for"), str(info.value)
     assert elapsed < 30, elapsed  # start-up included
+
+
+def all_slow_in_one_stage(flight: str) -> None:
+    """Every rank in one long stage without progress (building the model on a saturated machine),
+    its heartbeat beating, for three times the timeout; then done."""
+    with Heartbeat(flight, _rank(), interval=0.5):
+        set_phase("starting")
+        time.sleep(3 * TIMEOUT_S + 2)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_ranks_all_slow_in_one_stage_and_beating_are_never_killed(tmp_path, capsys):
+    with private_run_dir() as run_dir:
+        out = launch_local(
+            2, all_slow_in_one_stage, str(tmp_path), run_dir=run_dir, heartbeats=str(tmp_path), timeout_s=TIMEOUT_S
+        )
+    assert len(out) == 2 and "watchdog" not in capsys.readouterr().err
 
 
 def all_hog_the_gil(flight: str) -> None:
