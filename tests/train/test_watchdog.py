@@ -81,6 +81,29 @@ def test_a_rank_that_never_beat_is_named_not_the_one_waiting_for_it():
     assert 1 not in to_stop(beats, {0}, now=1000.0 + watchdog.FIRST_BEAT_S - 1, timeout_s=5, nproc=2, started=1000.0)
 
 
+def test_a_rank_failing_after_its_peer_stopped_is_not_named_once_it_marks_exiting():
+    # the SIGSTOP fault trial's flake: rank 1 stopped at 1000; rank 0 timed out waiting for it at
+    # 1005.5 (its starved thread saw its last progress only at 1003) and then tore torch down for
+    # seconds, beating no more and, in the trial's worker, never marked exiting: at 1009 both
+    # ranks looked stalled and silent, and the watchdog named rank 0 with the stopped one
+    stopped = Beat(1000.0, 101, False, "training", 1000.0)
+    failing = Beat(1005.5, 100, False, "training", 1003.0)
+    assert set(to_stop({0: failing, 1: stopped}, {0, 1}, now=1009.0, timeout_s=5)) == {0, 1}
+    # leaving its run marks it exiting (a Heartbeat context, as shardkit train's worker_main has)
+    assert set(to_stop({0: failing._replace(exiting=True), 1: stopped}, {0, 1}, now=1009.0, timeout_s=5)) == {1}
+
+
+def test_leaving_marks_exiting_with_the_time_it_left(tmp_path):
+    # a starved heartbeat thread (no beat after the first): the launcher's suspect line compares
+    # the time a failing rank left with the stopped rank's last beat, not this thread's lateness
+    with Heartbeat(str(tmp_path), 0, interval=60.0):
+        first = read_heartbeats(str(tmp_path))[0].time
+        time.sleep(0.3)
+        before = time.time()
+    beat = read_heartbeats(str(tmp_path))[0]
+    assert beat.exiting and beat.time >= before > first
+
+
 def _next_beat(directory: str, rank: int, after: float) -> Beat:
     """The first beat of ``rank`` newer than ``after`` (a loaded machine delays the thread)."""
     end = time.monotonic() + 30
