@@ -77,6 +77,9 @@ def test_a_rank_that_never_beat_is_named_not_the_one_waiting_for_it():
     assert (
         stop[1].describe(1) == "shardkit's watchdog stopped rank 1: rank 1 sent no heartbeat in 40 s (phase starting)"
     )
+    # no rank has beaten yet: every rank is starting slowly (at load 100 the catalogue's stopped-rank
+    # run had both healthy ranks SIGKILLed as "sent no heartbeat in 33 s"), nobody waits for anybody
+    assert to_stop({}, set(), now=2000.0, timeout_s=5, nproc=2, started=1000.0) == {}
     # not before FIRST_BEAT_S (or --timeout, if longer): a worker's start-up imports torch
     assert 1 not in to_stop(beats, {0}, now=1000.0 + watchdog.FIRST_BEAT_S - 1, timeout_s=5, nproc=2, started=1000.0)
 

@@ -77,8 +77,9 @@ def to_stop(
     """The ranks the launcher should kill now, each with its :class:`Verdict` (pure).
 
     * A rank (of ``range(nproc)``) with no heartbeat file ``max(timeout_s, FIRST_BEAT_S)`` seconds
-      after the launch (``started``): it never started its run. Only these are named then, and
-      until then nobody is: the ranks that did start are waiting for it.
+      after the launch's first heartbeat (``started``): it never started its run. Only these are
+      named then, and until then nobody is: the ranks that did start are waiting for it. While
+      no rank has beaten, none is named (at load 100 importing torch takes over 30 s).
     * Otherwise a rank alive and not exiting whose progress has not moved for ``timeout_s``,
       whatever its phase, when it is also *silent* (its beats stopped when its progress did,
       within :data:`_MIN_LAG_S`: stopped, or holding the GIL; every rank at once, too: the hash
@@ -95,10 +96,14 @@ def to_stop(
         now: the wall time (``time.time()``).
         timeout_s: the run's process-group timeout (``--timeout``).
         nproc: the ranks launched (None: only the ranks that beat are judged).
-        started: the wall time of the launch (with ``nproc``).
+        started: the wall time the first heartbeat of the launch was seen (with ``nproc``; the
+            :class:`Watchdog` passes it): a rank is late against the ranks that did start, never
+            against a machine on which every rank starts slowly.
     """
     missing = [r for r in range(nproc) if r not in beats] if nproc is not None else []
     if missing and started is not None:  # the ranks that did start may be waiting for them
+        if not beats:  # nobody has beaten yet: every rank is still starting (import torch, at load 100)
+            return {}
         waited = now - started
         if waited <= max(timeout_s, FIRST_BEAT_S):
             return {}
@@ -154,11 +159,13 @@ class Watchdog:
 
     def _run(self) -> None:
         named_since: dict[int, float] = {}
-        started = time.time()
+        started: float | None = None  # when the first heartbeat of the launch was seen
         while not self._stop.wait(INTERVAL_S):
             beats = read_heartbeats(self.directory)
             alive = {r for r, b in beats.items() if _alive(b.pid)}
             now = time.time()
+            if started is None and beats:
+                started = now
             named = to_stop(beats, alive, now, self.timeout_s, self.nproc, started)
             named_since = {r: named_since.get(r, now) for r in named}
             if not any(now - t >= 2 * INTERVAL_S for t in named_since.values()):
