@@ -41,6 +41,13 @@
     0, every save of A is complete with ``latest`` at its last step, and ``--resume`` (here, one
     rank) continues from that step.
 
+``python scripts/fault_trials.py saturated --tokenizer DIR [--busy 48] [--min-load 40] [--runs 1]``
+    Issue 31, finding 1, by hand: ``--busy`` processes spinning at normal priority raise the
+    1-minute load average above ``--min-load``, then ``shardkit train --tokenizer DIR --data FILE
+    --tp 2 --steps 10 --save-hf OUT`` runs (4 ranks, as the finding's command) while they keep
+    spinning. A run passes when it exits 0 with the model and its tokenizer in ``OUT`` and no
+    watchdog line; the load while it ran (min / median / max), its seconds and exit code are printed.
+
 All print a table of counts; ``--json`` writes every run's record. The trials live in
 ``scripts/faults/`` (one module per family; ``worker.py`` is the job they kill).
 """
@@ -53,7 +60,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `faults` beside this file, when imported
-from faults import launcher, save, writers  # noqa: E402
+from faults import launcher, saturated, save, writers  # noqa: E402
 from faults.launcher import SCENARIOS, limit_s, run_fault  # noqa: E402
 from faults.save import calibrate_save, run_save  # noqa: E402
 from faults.writers import run_writers  # noqa: E402
@@ -63,16 +70,28 @@ __all__ = ["SCENARIOS", "calibrate_save", "limit_s", "main", "run_fault", "run_s
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("family", choices=("launcher", "save", "writers"))
+    parser.add_argument("family", choices=("launcher", "save", "writers", "saturated"))
     parser.add_argument(
         "--runs", type=int, default=None, help="runs per scenario (launcher 20) or in all (save 50, save --trainer 10)"
     )
     parser.add_argument("--trainer", action="store_true", help="save: kill the trainer's own save and --resume")
     parser.add_argument("--scenario", action="append", choices=SCENARIOS, help="launcher: only these scenarios")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tokenizer", metavar="DIR", help="saturated: the tokenizer directory of the command")
+    parser.add_argument("--data", default=json.__file__, help="saturated: the text the command trains on")
+    parser.add_argument("--busy", type=int, default=48, help="saturated: spinning processes (default 48)")
+    parser.add_argument("--min-load", type=float, default=40.0, help="saturated: load average to reach first")
+    parser.add_argument("--steps", type=int, default=10, help="saturated: the command's --steps")
+    parser.add_argument("--nproc", type=int, help="saturated: the command's --nproc (default: its own, 4)")
     parser.add_argument("--json", metavar="PATH", help="write every run's record here")
     args = parser.parse_args(argv)
-    if args.family == "writers":
+    if args.family == "saturated":
+        if not args.tokenizer:
+            parser.error("saturated needs --tokenizer DIR")
+        records = saturated.main(
+            args.runs or 1, args.tokenizer, args.data, args.busy, args.min_load, args.steps, args.nproc
+        )
+    elif args.family == "writers":
         records = writers.main(args.runs or 3, args.seed)
     elif args.family == "launcher":
         records = launcher.main(args.runs or 20, args.scenario, args.seed)

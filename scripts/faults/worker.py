@@ -9,6 +9,7 @@ import random
 import signal
 import sys
 import time
+from contextlib import nullcontext
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -133,10 +134,6 @@ def worker(plan: dict) -> None:
     """One rank of a trial job (run by :func:`shardkit.cli.launch.launch_local`)."""
     from datetime import timedelta
 
-    import torch
-    import torch.distributed as dist
-
-    from shardkit import apply_tp, save_sharded_checkpoint
     from shardkit._local_world import init_local_world
     from shardkit.train.liveness import Heartbeat
 
@@ -146,8 +143,21 @@ def worker(plan: dict) -> None:
     if victim and moment == "before_init":
         _die(plan, rank)
     init_local_world(plan["run_dir"], timedelta(seconds=plan.get("timeout", 60)))
-    if plan.get("timeout"):  # the stall scenario: beat like `shardkit train` ranks, until the process ends
-        Heartbeat(os.path.join(plan["run_dir"], "flight"), rank).__enter__()
+    # the stall scenario: beat as `shardkit train`'s ranks do (worker_main), from a context that
+    # marks the file `exiting` however the rank leaves its work: a rank failing after its peer
+    # stopped is leaving, not stalled, while its interpreter tears torch down (seconds under load)
+    beating = Heartbeat(os.path.join(plan["run_dir"], "flight"), rank) if plan.get("timeout") else nullcontext()
+    with beating:
+        _work(plan, rank, victim, moment)
+
+
+def _work(plan: dict, rank: int, victim: bool, moment: str | None) -> None:
+    """The body of one rank of a trial job, in its world; dies where the plan says."""
+    import torch
+    import torch.distributed as dist
+
+    from shardkit import apply_tp, save_sharded_checkpoint
+
     world = dist.group.WORLD
     if plan["kind"] == "train":
         _train_worker(plan, rank, victim)

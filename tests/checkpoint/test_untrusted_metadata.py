@@ -14,7 +14,6 @@ import json
 import os
 import pickle
 import re
-import struct
 import subprocess
 import sys
 import textwrap
@@ -31,10 +30,10 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from harness.hostile import PLACEHOLDER, dag_ops, deep_ops, spliced
 from shardkit import ShardkitError
 from shardkit.checkpoint.reader import read_metadata
 
-PLACEHOLDER = "SHARDKIT_SPLICE_HERE"
 DATA = "__0_0.distcp"
 
 
@@ -58,25 +57,8 @@ def _metadata(size=(2,), chunk=(2,), length=16, offset="placeholder", fqn="w") -
 
 
 def _spliced(ops: bytes) -> bytes:
-    """A protocol-2 metadata pickle whose storage offset is what ``ops`` push (no frames, so the
-    splice needs no length fix-up)."""
-    data = pickle.dumps(_metadata(), protocol=2)
-    marker = b"X" + struct.pack("<I", len(PLACEHOLDER)) + PLACEHOLDER.encode()
-    assert data.count(marker) == 1
-    return data.replace(marker, ops)
-
-
-def _dag_ops(levels: int) -> bytes:
-    """``t = 0; t = (t, t)`` ``levels`` times: each level stores ``t`` in the memo and fetches it
-    again (memo indexes far above the pickler's own)."""
-    ops = b"K\x00"
-    for i in range(levels):
-        ops += b"r" + struct.pack("<I", 10**6 + i) + b"j" + struct.pack("<I", 10**6 + i) + b"\x86"
-    return ops
-
-
-def _deep_ops(levels: int) -> bytes:
-    return b"K\x00" + b"\x85" * levels  # (((0,),),)... : TUPLE1 ``levels`` times
+    """A protocol-2 metadata pickle whose storage offset is what ``ops`` push."""
+    return spliced(_metadata(offset=None), ops)
 
 
 def _save(tmp_path, data: bytes, length: int = 16) -> str:
@@ -103,8 +85,8 @@ def test_hostile_metadata_is_refused_naming_the_file(tmp_path, case, message):
     before a tensor of it is allocated or a byte range read (the old reader accepted all of them:
     hashing the small DAG, or leaving the export a raw allocator error)."""
     data = {
-        "a 20-level tuple DAG as an offset": _spliced(_dag_ops(20)),
-        "an offset nested 100 deep": _spliced(_deep_ops(100)),
+        "a 20-level tuple DAG as an offset": _spliced(dag_ops(20)),
+        "an offset nested 100 deep": _spliced(deep_ops(100)),
         "a tensor of [2^20, 2^20]": pickle.dumps(_metadata((2**20, 2**20), (2**20, 2**20), offset=None)),
         "an item of length 2^40": pickle.dumps(_metadata(length=2**40, offset=None)),
         "a size covering more than its chunks": pickle.dumps(_metadata((2**20,), (2,), offset=None)),
@@ -122,7 +104,7 @@ def test_hostile_metadata_is_refused_naming_the_file(tmp_path, case, message):
 def test_the_hash_bomb_and_deep_nesting_are_refused_quickly(tmp_path):
     """The issue's files: a 100-level DAG (2^100 hashes) and 10^7 nested tuples as an offset.
     Run in a fresh process with a deadline, since the old reader never returns from them."""
-    for name, ops in (("dag", _dag_ops(100)), ("deep", _deep_ops(10**7))):
+    for name, ops in (("dag", dag_ops(100)), ("deep", deep_ops(10**7))):
         (tmp_path / name).mkdir()
         _save(tmp_path / name, _spliced(ops))
     script = textwrap.dedent(

@@ -62,6 +62,12 @@ def test_progress_not_punctuality_decides():
         1: "loading",
     }
     assert to_stop(bomb, {0, 1}, now=1004.0, timeout_s=5) == {}
+    # every rank beating without progress (building the model at load 13 took longer than a 5 s
+    # --timeout): waiting or slow, none is stopped; alone (the others exited) a rank has the deadline
+    slow = {r: Beat(1010.0, 100 + r, False, "starting", 1000.0) for r in range(2)}
+    assert to_stop(slow, {0, 1}, now=1010.0, timeout_s=5) == {}
+    alone = {0: slow[0], 1: Beat(1003.0, 101, True)}
+    assert list(to_stop(alone, {0, 1}, now=1010.0, timeout_s=5)) == [0]
 
 
 def test_a_rank_that_never_beat_is_named_not_the_one_waiting_for_it():
@@ -71,8 +77,34 @@ def test_a_rank_that_never_beat_is_named_not_the_one_waiting_for_it():
     assert (
         stop[1].describe(1) == "shardkit's watchdog stopped rank 1: rank 1 sent no heartbeat in 40 s (phase starting)"
     )
+    # no rank has beaten yet: every rank is starting slowly (at load 100 the catalogue's stopped-rank
+    # run had both healthy ranks SIGKILLed as "sent no heartbeat in 33 s"), nobody waits for anybody
+    assert to_stop({}, set(), now=2000.0, timeout_s=5, nproc=2, started=1000.0) == {}
     # not before FIRST_BEAT_S (or --timeout, if longer): a worker's start-up imports torch
     assert 1 not in to_stop(beats, {0}, now=1000.0 + watchdog.FIRST_BEAT_S - 1, timeout_s=5, nproc=2, started=1000.0)
+
+
+def test_a_rank_failing_after_its_peer_stopped_is_not_named_once_it_marks_exiting():
+    # the SIGSTOP fault trial's flake: rank 1 stopped at 1000; rank 0 timed out waiting for it at
+    # 1005.5 (its starved thread saw its last progress only at 1003) and then tore torch down for
+    # seconds, beating no more and, in the trial's worker, never marked exiting: at 1009 both
+    # ranks looked stalled and silent, and the watchdog named rank 0 with the stopped one
+    stopped = Beat(1000.0, 101, False, "training", 1000.0)
+    failing = Beat(1005.5, 100, False, "training", 1003.0)
+    assert set(to_stop({0: failing, 1: stopped}, {0, 1}, now=1009.0, timeout_s=5)) == {0, 1}
+    # leaving its run marks it exiting (a Heartbeat context, as shardkit train's worker_main has)
+    assert set(to_stop({0: failing._replace(exiting=True), 1: stopped}, {0, 1}, now=1009.0, timeout_s=5)) == {1}
+
+
+def test_leaving_marks_exiting_with_the_time_it_left(tmp_path):
+    # a starved heartbeat thread (no beat after the first): the launcher's suspect line compares
+    # the time a failing rank left with the stopped rank's last beat, not this thread's lateness
+    with Heartbeat(str(tmp_path), 0, interval=60.0):
+        first = read_heartbeats(str(tmp_path))[0].time
+        time.sleep(0.3)
+        before = time.time()
+    beat = read_heartbeats(str(tmp_path))[0]
+    assert beat.exiting and beat.time >= before > first
 
 
 def _next_beat(directory: str, rank: int, after: float) -> Beat:
@@ -148,6 +180,23 @@ def test_a_rank_without_progress_for_the_timeout_is_killed_and_announced(tmp_pat
     first = str(info.value).splitlines()[0]
     assert first.startswith("shardkit's watchdog stopped rank 1: no progress for"), str(info.value)
     assert elapsed < 30, elapsed  # start-up included
+
+
+def all_slow_in_one_stage(flight: str) -> None:
+    """Every rank in one long stage without progress (building the model on a saturated machine),
+    its heartbeat beating, for three times the timeout; then done."""
+    with Heartbeat(flight, _rank(), interval=0.5):
+        set_phase("starting")
+        time.sleep(3 * TIMEOUT_S + 2)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_ranks_all_slow_in_one_stage_and_beating_are_never_killed(tmp_path, capsys):
+    with private_run_dir() as run_dir:
+        out = launch_local(
+            2, all_slow_in_one_stage, str(tmp_path), run_dir=run_dir, heartbeats=str(tmp_path), timeout_s=TIMEOUT_S
+        )
+    assert len(out) == 2 and "watchdog" not in capsys.readouterr().err
 
 
 def all_hog_the_gil(flight: str) -> None:

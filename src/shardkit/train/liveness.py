@@ -120,7 +120,9 @@ class Beat(NamedTuple):
 class Heartbeat:
     """Write this rank's wall time (``time.time()``, seconds) to ``directory/heartbeat-rank<rank>``
     every ``interval`` seconds from a daemon thread, while the context is open; on leaving it,
-    mark the file ``exiting`` (the last beat's time is kept).
+    mark the file ``exiting``, with the time it left (the last sign of life: a rank that fails
+    after waiting for a stopped peer is then seen alive until it failed, however late its thread's
+    last beat was on a loaded machine; :func:`~.watchdog.stalled_ranks` compares these times).
 
     Args:
         directory: the run's flight directory (created if missing).
@@ -177,6 +179,7 @@ class Heartbeat:
             _active = None
         self._stop.set()
         self._thread.join()
+        self._last = time.time()
         try:
             self._write(exiting=True)
         except OSError:

@@ -4,9 +4,11 @@ and the thread that stops them.
 It judges progress, not a heartbeat thread's punctuality: a rank is stalled only when its
 progress counter has not moved for ``--timeout`` seconds, in any phase (:data:`.liveness.PHASES`).
 Every kill is announced on stderr (:class:`Verdict`); a rank that never sent its first heartbeat
-is named as such; when every rank stalls together they are all stopped, so the job still ends
-within about the timeout. After a failed launch :func:`stalled_ranks` names the ranks whose last
-beat is far older than the others'.
+is named as such; when every rank stalls together with its beats stopped (the GIL held) they are
+all stopped, so the job still ends within about the timeout, while ranks that all still beat
+without progress are left alone (waiting in collectives, which time out by themselves, or slow).
+After a failed launch :func:`stalled_ranks` names the ranks whose last beat is far older than the
+others'.
 """
 
 from __future__ import annotations
@@ -75,14 +77,18 @@ def to_stop(
     """The ranks the launcher should kill now, each with its :class:`Verdict` (pure).
 
     * A rank (of ``range(nproc)``) with no heartbeat file ``max(timeout_s, FIRST_BEAT_S)`` seconds
-      after the launch (``started``): it never started its run. Only these are named then, and
-      until then nobody is: the ranks that did start are waiting for it.
+      after the launch's first heartbeat (``started``): it never started its run. Only these are
+      named then, and until then nobody is: the ranks that did start are waiting for it. While
+      no rank has beaten, none is named (at load 100 importing torch takes over 30 s).
     * Otherwise a rank alive and not exiting whose progress has not moved for ``timeout_s``,
-      whatever its phase (alone after the others exited, too: rank 0's ``finishing``). When some
-      of the stalled ranks are also silent (their beats stopped when their progress did, within
-      :data:`_MIN_LAG_S`: stopped, or holding the GIL), only those are named: the others are
-      waiting for them in a collective. When every stalled rank still beats, all are named:
-      nothing tells which one waits for which.
+      whatever its phase, when it is also *silent* (its beats stopped when its progress did,
+      within :data:`_MIN_LAG_S`: stopped, or holding the GIL; every rank at once, too: the hash
+      bomb). Only the silent ones are named then: the others are waiting for them.
+    * A stalled rank that still beats is named only when it is the odd one out: another running
+      rank still progresses, or it runs alone (the others exited: rank 0's ``finishing`` has the
+      same deadline). When every running rank is stalled and still beats, none is: they wait in
+      collectives, which the process-group timeout ends by itself, or they compute slowly
+      (building the model on a saturated machine): alive, never killed.
 
     Args:
         beats: from :func:`read_heartbeats`.
@@ -90,10 +96,14 @@ def to_stop(
         now: the wall time (``time.time()``).
         timeout_s: the run's process-group timeout (``--timeout``).
         nproc: the ranks launched (None: only the ranks that beat are judged).
-        started: the wall time of the launch (with ``nproc``).
+        started: the wall time the first heartbeat of the launch was seen (with ``nproc``; the
+            :class:`Watchdog` passes it): a rank is late against the ranks that did start, never
+            against a machine on which every rank starts slowly.
     """
     missing = [r for r in range(nproc) if r not in beats] if nproc is not None else []
     if missing and started is not None:  # the ranks that did start may be waiting for them
+        if not beats:  # nobody has beaten yet: every rank is still starting (import torch, at load 100)
+            return {}
         waited = now - started
         if waited <= max(timeout_s, FIRST_BEAT_S):
             return {}
@@ -103,6 +113,8 @@ def to_stop(
     # silent: its beats stopped (about) when its progress did; a rank waiting in a collective beat
     # on long after its progress stopped, even when its thread is late on a loaded machine
     silent = {r: b for r, b in stalled.items() if now - b.time > max(_MIN_LAG_S, now - b.moved - _MIN_LAG_S)}
+    if not silent and len(stalled) == len(running) > 1:
+        return {}  # every rank beats without progress: waiting (the process-group timeout) or slow
     return {r: Verdict(round(now - b.moved, 1), b.phase) for r, b in sorted((silent or stalled).items())}
 
 
@@ -147,11 +159,13 @@ class Watchdog:
 
     def _run(self) -> None:
         named_since: dict[int, float] = {}
-        started = time.time()
+        started: float | None = None  # when the first heartbeat of the launch was seen
         while not self._stop.wait(INTERVAL_S):
             beats = read_heartbeats(self.directory)
             alive = {r for r, b in beats.items() if _alive(b.pid)}
             now = time.time()
+            if started is None and beats:
+                started = now
             named = to_stop(beats, alive, now, self.timeout_s, self.nproc, started)
             named_since = {r: named_since.get(r, now) for r in named}
             if not any(now - t >= 2 * INTERVAL_S for t in named_since.values()):
