@@ -9,9 +9,13 @@ module meets them:
   ``contiguous``, ``__invert__``) open a CUDA device guard before they dispatch, which a CPU
   build cannot construct. :class:`GuardFree` sends those calls to the same aten ops through the
   dispatcher, where the fake mode serves them; the code under test is unchanged.
-* The autograd engine needs a CUDA stream for a fake CUDA tensor that requires grad (the process
-  aborts). :func:`forward_backward` runs an autograd Function's ``forward`` and ``backward``
-  directly instead, with a stand-in context.
+* The autograd engine needs CUDA's device guard and streams for a fake CUDA tensor that requires
+  grad (the process aborts). In a process of its own, ``fake_cuda_shim.cpp`` provides them
+  (``fake_cuda_step.py``: whole training steps); inside pytest, :func:`forward_backward` runs an
+  autograd Function's ``forward`` and ``backward`` directly instead, with a stand-in context.
+
+A fake tensor has no values: a host read of one raises :class:`HostRead`, or is answered with the
+value a :class:`ReadRecorder` saw at the same place in a real run of the same code.
 
 One process plays rank 0 of a world on torch's ``fake`` process group (every collective returns
 at once, nothing moves): :func:`fake_world`.
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -29,7 +34,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from shardkit.comm.host_sync import _host_side
+from shardkit.comm.host_sync import _host_side, _where
 
 aten = torch.ops.aten
 
@@ -75,18 +80,33 @@ class HostRead(RuntimeError):
     """A value of a CUDA tensor was read on the host (a device synchronization on a GPU)."""
 
 
-_HOST_READS = {
-    torch.Tensor.__int__,
-    torch.Tensor.__float__,
-    torch.Tensor.__bool__,
-    torch.Tensor.__index__,
-    torch.Tensor.item,
-    torch.Tensor.tolist,
-}
+# by name: a fake tensor overrides ``tolist`` with its own method; ``torch.equal`` returns a bool
+_HOST_READS = {"__int__", "__float__", "__bool__", "__index__", "item", "tolist", "equal"}
 
 
 class GuardFree(TorchFunctionMode):
-    """Routes the guard-opening bindings to the dispatcher (module docstring)."""
+    """Routes the guard-opening bindings to the dispatcher (module docstring).
+
+    A host read of a CUDA tensor raises :class:`HostRead`, or, given ``answers`` (what a
+    :class:`ReadRecorder` saw in a CPU run of the same code), returns the next recorded value after
+    checking that it was recorded at the same op and shape; ``log.reads`` lists the reads answered.
+    """
+
+    def __init__(self, log: OpLog, answers: list | None = None) -> None:
+        super().__init__()
+        self.log, self.answers = log, answers
+
+    def _answer(self, func, t: torch.Tensor):
+        what = (func.__name__, list(t.shape))
+        if self.answers is None:
+            raise HostRead(f"{what[0]} of a {t.device.type} fake tensor {what[1]}: a host read")
+        if not self.answers:
+            raise HostRead(f"{what}: a host read the CPU run did not make")
+        name, shape, value = self.answers.pop(0)
+        if (name, shape) != what:
+            raise HostRead(f"{what}: a host read where the CPU run read {(name, shape)}")
+        self.log.reads.append(what)
+        return value
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -102,13 +122,15 @@ class GuardFree(TorchFunctionMode):
             else:
                 device, dtype = _to_target(t, args[1:], kwargs)
             if "cuda" in (device.type, t.device.type) and (device.type != t.device.type or dtype != t.dtype):
-                return aten._to_copy.default(t, dtype=dtype, device=device)
+                non_blocking = bool(kwargs.get("non_blocking", False))
+                return aten._to_copy.default(t, dtype=dtype, device=device, non_blocking=non_blocking)
             if "cuda" in (device.type, t.device.type):
                 return t
+        if getattr(func, "__name__", None) in _HOST_READS and args and isinstance(args[0], FakeTensor):
+            if _where(cpu=True) is not None:  # not torch's CPU-resident structures: as ReadRecorder
+                return self._answer(func, args[0])  # of the device, or of a host copy of it (``.cpu()``)
         if not (args and isinstance(args[0], torch.Tensor) and args[0].device.type == "cuda"):
             return func(*args, **kwargs)
-        if func in _HOST_READS:
-            raise HostRead(f"{func.__name__} of a CUDA tensor {list(args[0].shape)}: a host read")
         if func is torch.Tensor.__getitem__:
             return _index(*args)
         if func is torch.Tensor.__setitem__:
@@ -137,7 +159,8 @@ class OpLog(TorchDispatchMode):
         collectives: ``(op, device type)`` of every tensor handed to a c10d op.
         to_host: ops that returned a CPU tensor from CUDA inputs (a device-to-host copy or a
             CPU fallback).
-        to_device: ``(op, shape)`` of every CPU tensor copied to the device (host-to-device).
+        to_device: ``(op, shape, non_blocking)`` of every CPU tensor copied to the device.
+        reads: ``(op, shape)`` of every host read of a CUDA tensor that :class:`GuardFree` answered.
     """
 
     def __init__(self) -> None:
@@ -146,7 +169,8 @@ class OpLog(TorchDispatchMode):
         self.largest = (0, "")
         self.collectives: list[tuple[str, str]] = []
         self.to_host: list[str] = []
-        self.to_device: list[tuple[str, list[int]]] = []
+        self.to_device: list[tuple[str, list[int], bool]] = []
+        self.reads: list[tuple[str, list[int]]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -161,7 +185,8 @@ class OpLog(TorchDispatchMode):
             self.to_host.append(name)
         if name in ("_to_copy", "copy_") and inputs and inputs[-1].device.type == "cpu":
             if any(t.device.type == "cuda" for t in outputs):
-                self.to_device.append((name, list(inputs[-1].shape)))
+                non_blocking = (kwargs or {}).get("non_blocking", len(args) > 2 and bool(args[2]))
+                self.to_device.append((name, list(inputs[-1].shape), non_blocking))
         for t in outputs:
             if t.numel() > self.largest[0]:
                 self.largest = (t.numel(), f"{name} -> {list(t.shape)}")
@@ -181,10 +206,36 @@ def fake_world(world_size: int) -> Iterator[dist.ProcessGroup]:
         dist.destroy_process_group()
 
 
+class ReadRecorder(TorchFunctionMode):
+    """Records every host read of a tensor with its value, as ``HostSyncCounter`` on a CPU run
+    counts them (not inside shardkit's ``host_side()``, nor under torch's structures that stay on
+    the CPU whatever the device): ``reads`` is ``[(op, shape, value)]``, what :class:`GuardFree`
+    answers a fake run with."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[tuple[str, list[int], object]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        host = _host_side() or _where(cpu=True) is None  # host data, or torch's CPU-resident structures
+        if getattr(func, "__name__", None) in _HOST_READS and isinstance(args[0], torch.Tensor) and not host:
+            self.reads.append((func.__name__, list(args[0].shape), out))
+        return out
+
+
 @contextlib.contextmanager
-def fake_cuda() -> Iterator[OpLog]:
-    """Fake CUDA tensors with the guard-free bindings; yields the op log of everything inside."""
-    with FakeTensorMode(allow_non_fake_inputs=True), GuardFree(), OpLog() as log:
+def fake_cuda(answers: list | None = None, log: OpLog | None = None) -> Iterator[OpLog]:
+    """Fake CUDA tensors with the guard-free bindings; yields the op log (``log``, or a new one)
+    of everything inside. ``answers``: the host reads' values (:class:`GuardFree`), in order."""
+    log = OpLog() if log is None else log
+    # a fake tensor's own ``tolist`` reads element by element; send it to GuardFree as one read
+    with (
+        mock.patch.object(FakeTensor, "tolist", torch.Tensor.tolist),
+        FakeTensorMode(allow_non_fake_inputs=True),
+        GuardFree(log, answers),
+        log,
+    ):
         yield log
 
 
