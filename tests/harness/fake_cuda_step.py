@@ -3,10 +3,11 @@
 Usage: ``python fake_cuda_step.py SHIM JOB``. ``SHIM`` is the library built from
 ``fake_cuda_shim.cpp``: loaded before ``import torch``, it makes a CPU build run the autograd
 engine on fake CUDA tensors (the shim's comment says how), so this runs in a process of its own,
-never inside pytest or a test world. ``JOB`` is a JSON file: ``overrides`` (the layout's
-``TrainConfig`` fields), ``steps``, and ``answers``, the host reads rank 0 made in a real gloo
-world running the same steps on CPU (``fake_cuda_steps.record_reads``); the worker replaces it
-with the facts of its fake run (``fake_cuda_steps.fake_run``).
+never inside pytest or a test world. ``JOB`` is a JSON file: ``world``, ``steps`` and
+``layouts``, by name: ``overrides`` (the layout's ``TrainConfig`` fields) and ``answers``, the
+host reads rank 0 made in a real gloo world running the same steps on CPU
+(``fake_cuda_steps.record_reads``). The worker replaces it with each layout's facts of its fake
+run (``fake_cuda_steps.fake_run``), or its ``error`` (a traceback).
 
 The fake run is rank 0 of a world on torch's fake process group (every collective returns at
 once, nothing moves): the model, its optimizer state, every activation and gradient live on a fake
@@ -24,6 +25,7 @@ import importlib.util
 import json
 import os
 import sys
+import traceback
 
 
 def _preload(shim: str) -> None:
@@ -74,9 +76,15 @@ def main(argv: list[str]) -> int:
     _cuda_python_api(torch)
     with open(job) as f:
         spec = json.load(f)
-    result = fake_run(spec["overrides"], spec["steps"], [tuple(a) for a in spec["answers"]], spec["world"])
+    results = {}
+    for name, layout in spec["layouts"].items():  # each on its own: one failure hides no other
+        try:
+            answers = [tuple(a) for a in layout["answers"]]
+            results[name] = fake_run(layout["overrides"], spec["steps"], answers, spec["world"])
+        except Exception:
+            results[name] = {"error": traceback.format_exc()}
     with open(job, "w") as f:
-        json.dump(result, f)
+        json.dump(results, f)
     return 0
 
 
