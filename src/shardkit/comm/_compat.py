@@ -91,6 +91,12 @@ def dump_memory_snapshot(path: str) -> None:
     torch.cuda.memory._dump_snapshot(path)
 
 
+def current_autograd_node():
+    """The autograd node whose backward is running on this thread (None outside a backward):
+    what a deferred weight-gradient closure is keyed by (``pipeline_parallel.weight_defer``)."""
+    return torch._C._current_autograd_node()
+
+
 def release(version: str) -> tuple[int, int]:
     """``(major, minor)`` of a version string (``"2.11.0+cu130"`` -> ``(2, 11)``)."""
     m = re.match(r"(\d+)\.(\d+)", version)

@@ -13,8 +13,8 @@ Which closures ``W`` runs. ``W``'s own autograd pass (:func:`~.split_backward.we
 reruns the nodes that feed the weights, a deferring Function among them when its weight is an
 input of it, and a Function that ``I`` never reached (the first chunk, whose input needs no
 gradient; a branch that leads to weights only) runs there for the first time. Each closure is
-kept with the autograd node that deferred it (``torch._C._current_autograd_node()``, the one
-private torch API here): ``W`` runs ``I``'s closures and, of its own pass's, those of nodes that
+kept with the autograd node that deferred it (``torch._C._current_autograd_node()``, through
+``comm._compat``): ``W`` runs ``I``'s closures and, of its own pass's, those of nodes that
 deferred nothing in ``I``, so every node's weight gradient is added once.
 
 A Function that writes ``.grad`` in ``I`` without deferring is exact too, at the cost of its
@@ -34,8 +34,7 @@ import threading
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-import torch
-
+from ..comm._compat import current_autograd_node
 from ..errors import ShardkitError
 
 if TYPE_CHECKING:
@@ -68,7 +67,7 @@ def defer(fn: Callable[[], None]) -> None:
         raise ShardkitError("defer: no split backward is running (check deferring() first and call fn() otherwise)")
     if not callable(fn):
         raise ShardkitError(f"defer: fn must be callable, got {type(fn).__name__}")
-    queue.append((torch._C._current_autograd_node(), fn))  # the node: see "Which closures W runs"
+    queue.append((current_autograd_node(), fn))  # the node: see "Which closures W runs"
 
 
 @contextmanager
