@@ -132,8 +132,8 @@ def markdown(rows: list[dict], env: dict, settings: dict, skipped: Sequence[dict
 ROWS_PER_CHART = 45
 DPI = 100
 UNITS = {  # unit -> (file stem, x-axis label)
-    "ratio": ("bench_ratios", "median of per-round ratios, bars p10-p90; black tick = goal (green met, red missed)"),
-    "us": ("bench_us", "microseconds per call above the baseline: median, bars p10-p90; black tick = goal"),
+    "ratio": ("bench_ratios", "per-round ratio: median (dot), p10-p90 (line); black tick = goal (green met, red not)"),
+    "us": ("bench_us", "microseconds per call above the baseline: median (dot), p10-p90 (line); black tick = goal"),
 }
 
 
@@ -162,10 +162,13 @@ def _bar_chart(plt, items: list[tuple[str, dict]], path: str, xlabel: str, title
     lo = [q["median"] - q["p10"] for _, q in items]
     hi = [q["p90"] - q["median"] for _, q in items]
     colors = ["tab:gray" if q["met"] is None else ("tab:green" if q["met"] else "tab:red") for _, q in items]
-    ax.barh(y, med, xerr=[lo, hi], color=colors, alpha=0.8, error_kw=dict(lw=0.8))
+    # Dots, not bars: a bar's length from the axis' edge means nothing on a log axis.
+    for yi, m, low, high, color in zip(y, med, lo, hi, colors):
+        ax.errorbar([m], [yi], xerr=[[low], [high]], fmt="o", ms=5, color=color, ecolor=color, elinewidth=1.2)
     for yi, (_, q) in zip(y, items):
         if q["goal"] is not None:
             ax.plot([q["goal"]] * 2, [yi - 0.4, yi + 0.4], color="k", lw=1.2)
+    ax.grid(axis="y", color="0.9", lw=0.6)  # a line per row, to follow a label to its dot
     if ratio:
         ax.axvline(1.0, color="k", ls=":", lw=0.8)
         if all(q["p10"] > 0 for _, q in items):

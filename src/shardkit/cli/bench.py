@@ -2,9 +2,11 @@
 
 ``shardkit bench [--quick] [--cases a,b] [--rounds 40] [--warmup 5] [--out DIR] [--device cpu|cuda]``
 runs the selected cases, prints the markdown table and writes ``DIR/bench.json``,
-``DIR/bench.md``, ``DIR/bench_ratios.png`` and ``DIR/bench_busbw.png``. ``--device cpu`` (the
-default) runs them on local gloo ranks (one spawned world per world size); ``--quick`` runs every
-case at its small sizes (under 3 minutes on 2 cores); the full suite takes under 20. Under
+``DIR/bench.md`` and one chart per unit: ``DIR/bench_ratios.png``, ``DIR/bench_us.png`` (host
+microseconds) and ``DIR/bench_busbw.png`` (:mod:`shardkit.bench.report`). ``--device cpu`` (the
+default) runs them on local gloo ranks (one spawned world per world size); ``--quick`` runs one
+configuration of every case at small sizes (about 2-3 minutes on 2 quiet cores, each case's wall
+and CPU seconds printed as it ends); the full suite takes under 20. Under
 ``torchrun`` they run in its world (``--device cuda``: NCCL, one GPU a rank, CUDA events around
 every timed op): ``torchrun --standalone --nproc-per-node N -m shardkit bench --device cuda``;
 a case needing another world size is skipped, its reason printed and written.
