@@ -90,7 +90,7 @@ def ring(pg, settings: Settings) -> list[Record]:
     world = dist.get_world_size(pg)
     pair = dist.new_group(dist.get_process_group_ranks(pg)[:2])  # collective: every rank creates it
     zigzag = [dict(B=1, S=long, N=4, D=64, causal=True, overlap=True, layout=lay) for lay in ("zigzag", "contiguous")]
-    cases = [  # label, goal, what differs, variants, ranks
+    cases: list[tuple] = [  # label, goal, what differs, variants, ranks
         (
             "overlap-comm",
             0.93,
