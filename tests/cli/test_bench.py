@@ -124,4 +124,4 @@ def test_bench_help_is_plain_text_with_one_case_a_line(capsys):
     lines = text.splitlines()
     for name in CASES:
         assert any(line.startswith(f"  {name}: ") for line in lines), name  # one case a line, as written
-    assert "--quick" in text and "2 quiet cores" in " ".join(text.split())  # (argparse wraps help lines)
+    assert "--quick" in text and "on 2 cores" in " ".join(text.split())  # (argparse wraps help lines)

@@ -5,7 +5,7 @@ runs the selected cases, prints the markdown table and writes ``DIR/bench.json``
 ``DIR/bench.md`` and one chart per unit: ``DIR/bench_ratios.png``, ``DIR/bench_us.png`` (host
 microseconds) and ``DIR/bench_busbw.png`` (:mod:`shardkit.bench.report`). ``--device cpu`` (the
 default) runs them on local gloo ranks (one spawned world per world size); ``--quick`` runs one
-configuration of every case at small sizes (about 2.5-3 minutes on 2 quiet cores, each case's wall
+configuration of every case at small sizes (2 min 55 s on 2 cores at load 4-8, each case's wall
 and CPU seconds printed as it ends); the full suite takes under 20. Under
 ``torchrun`` they run in its world (``--device cuda``: NCCL, one GPU a rank, CUDA events around
 every timed op): ``torchrun --standalone --nproc-per-node N -m shardkit bench --device cuda``;
@@ -37,7 +37,7 @@ DESCRIPTION = textwrap.fill(
     width=100,
 )
 QUICK_WHAT = "one configuration of each case at small sizes (docs/design.md, Benchmarks)"
-QUICK_TIME = "about 2.5-3 minutes on 2 quiet cores"
+QUICK_TIME = "2 min 55 s measured on 2 cores at load 4-8"
 
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
