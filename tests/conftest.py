@@ -26,6 +26,7 @@ if _TESTS_DIR not in sys.path:
     sys.path.insert(0, _TESTS_DIR)
 
 from harness.limits import patient  # noqa: E402
+from harness.tiers import mark_matrix  # noqa: E402
 from harness.world import WALL_LIMIT, WorldPool, set_io_guard  # noqa: E402
 from shardkit._quiet import QUIET_ENV  # noqa: E402
 
@@ -44,9 +45,17 @@ _POOL = WorldPool()
 def pytest_configure(config: pytest.Config) -> None:
     capman = config.pluginmanager.getplugin("capturemanager")
     if capman is not None:
-        # Ranks print straight to the terminal: the forkserver they inherit stdout/stderr from
-        # must start outside pytest's fd capture.
+        # Ranks write to files of their own (harness/world.py); the forkserver, which prints
+        # its own import warnings, must still start outside pytest's fd capture or they would
+        # land in one test's capture file for the rest of the session.
         set_io_guard(capman.global_and_fixture_disabled)
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's -m deselection reads the marks
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # The quick tier keeps one case per value of each parametrize argument; the rest of each
+    # product is the matrix tier (harness/tiers.py: mark_matrix).
+    mark_matrix(items)
 
 
 def _world_args(item: pytest.Function, marker: pytest.Mark) -> tuple[int, float]:
@@ -86,6 +95,9 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         module_name=pyfuncitem.module.__name__,
         timeout=patient(limit),  # the HANG limit, stretched on a loaded machine
     )
+    # What the ranks printed, into this test's captured output: pytest shows it under the
+    # failure ("Captured stdout call"), and for a passing test only with -rP or -s.
+    sys.stdout.write(getattr(result, "output_text", lambda: "")())
     if result.skipped:
         pytest.skip(result.outcomes[0][1])
     if not result.ok:

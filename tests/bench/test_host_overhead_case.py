@@ -2,6 +2,8 @@
 world 4 and 8 (one spawned process) and returns one record per op and world with every variant
 and every derived difference (no timing asserts)."""
 
+import pytest
+
 from shardkit.bench import CASES, Settings, run_bench
 from shardkit.bench.cases_host import GOALS, OPS
 
@@ -11,6 +13,7 @@ GRAD_VARIANTS = {"bare fwd+bwd", "floor fwd+bwd", "fwd+bwd"}
 DERIVED = {"shardkit-bare us", "default-bare us", "recorder cost us", "ledger cost us", "shardkit/bare"}
 
 
+@pytest.mark.slow  # the whole case (28 s at load 40); `shardkit bench --quick` runs it too
 def test_host_overhead_runs_on_fake_worlds_and_records_every_op():
     assert CASES["host_overhead"].fake == (4, 8)
     records = run_bench(["host_overhead"], Settings(rounds=2, warmup=1, quick=True), progress=False)

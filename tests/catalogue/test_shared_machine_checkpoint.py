@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader
 
 from harness.helpers import rank, remove_shared_dir, shared_tmpdir, world_size
+from harness.tiers import tiered
 from shardkit import ShardkitError
 from shardkit.checkpoint import MANIFEST, latest_checkpoint
 from shardkit.train.checkpoint_dir import check_checkpoint_dir
@@ -294,8 +295,13 @@ def test_io_failures_are_one_error_with_the_path_and_the_cause(fault):
         remove_shared_dir(root)
 
 
+# Quick tier: one flipped bit (the checksum's refusal); a NaN (also test_a_nan_inside_...) and a
+# truncated shard take 10-13 s each at load 40 through the same refusal (issue 32, item 4).
+DAMAGES = ("one flipped bit", "a NaN written over one value", "a truncated shard")
+
+
 @pytest.mark.world(2, timeout=120)
-@pytest.mark.parametrize("damage", ["one flipped bit", "a NaN written over one value", "a truncated shard"])
+@pytest.mark.parametrize("damage", tiered({d: d for d in DAMAGES}, DAMAGES[:1]))
 def test_corrupted_saved_bytes_are_refused_naming_the_item(damage):
     """Rows 7, 8: the bytes of one item changed after the save; the load names it, on every rank."""
     root = shared_tmpdir("shardkit-corrupt-")
@@ -375,8 +381,13 @@ def test_a_state_with_a_nan_is_never_saved():
 
 
 @pytest.mark.world(2, timeout=120)
+# Quick tier: the workers' refusal (manifest rewritten) and the launch check's (garbage manifest).
 @pytest.mark.parametrize(
-    "damage", ["truncated .metadata", "truncated .metadata, manifest rewritten", "garbage manifest"]
+    "damage",
+    tiered(
+        {d: d for d in ("truncated .metadata", "truncated .metadata, manifest rewritten", "garbage manifest")},
+        ("truncated .metadata, manifest rewritten", "garbage manifest"),
+    ),
 )
 def test_a_damaged_save_is_a_clear_error(damage):
     """Row 11: before launch (the manifest) and in the workers (every rank, the same text)."""

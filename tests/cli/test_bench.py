@@ -4,6 +4,7 @@ the registry and the command-line floor on rounds."""
 
 import json
 import os
+import re
 import tempfile
 
 import pytest
@@ -111,3 +112,16 @@ def test_registry_and_command_line():
         args.func(build_parser().parse_args(["bench", "--rounds", "10"]))
     with pytest.raises(SystemExit, match="unknown bench case"):
         args.func(build_parser().parse_args(["bench", "--cases", "nope", "--out", tempfile.mkdtemp()]))
+
+
+def test_bench_help_is_plain_text_with_one_case_a_line(capsys):
+    """Issue 32, item 3: ``bench --help`` showed the module's reST (double backquotes, roles)."""
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["bench", "--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith("usage: ") and "``" not in text and not re.search(r":(mod|func|class|data|attr):`", text)
+    lines = text.splitlines()
+    for name in CASES:
+        assert any(line.startswith(f"  {name}: ") for line in lines), name  # one case a line, as written
+    assert "--quick" in text and "on 2 cores" in " ".join(text.split())  # (argparse wraps help lines)

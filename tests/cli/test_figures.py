@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from shardkit.bench.report import _plots
+from shardkit.bench.report import DPI, _plots, chart_pages
 from shardkit.cli.plan import _plot
 
 pytest.importorskip("matplotlib")
@@ -31,4 +31,30 @@ def test_a_long_bench_label_widens_the_ratio_figure(tmp_path):
     q = {"median": 1.0, "p10": 0.9, "p90": 1.1, "goal": None, "met": None}
     rows = [{"case": "c" * 400, "label": "x", "ratios": {"r": q}, "busbw_GBps": {}, "params": {}}]
     (path,) = _plots(rows, str(tmp_path))
-    assert _png_width(path) > 9 * 130  # figsize 9 in at dpi 130: the label would be clipped
+    assert _png_width(path) > 10 * DPI  # figsize 10 in: the label would be clipped
+
+
+def _png_height(path) -> int:
+    return int.from_bytes(open(path, "rb").read(24)[20:24], "big")
+
+
+def _row(case: str, names: list[str], median: float) -> dict:
+    q = {"median": median, "p10": 0.9 * median, "p90": 1.1 * median, "goal": None, "met": None}
+    return {"case": case, "label": "x", "ratios": {n: dict(q) for n in names}, "busbw_GBps": {}, "params": {}}
+
+
+def test_one_chart_per_unit_and_no_chart_taller_than_a_screen(tmp_path):
+    """Issue 32, item 3: the microsecond rows of the host-overhead case squashed every ratio
+    into a sliver of one 9388 px tall chart."""
+    rows = [_row("host_overhead", ["shardkit-bare us", "ledger cost us"], 40.0), _row("ring", ["a/b"], 0.9)]
+    rows += [_row(f"case{i}", [f"r{j}" for j in range(10)], 1.0 + i / 10) for i in range(11)]  # 111 ratio rows
+    pages = chart_pages(rows)
+    assert [len(p) for p in pages["us"]] == [2] and [len(p) for p in pages["ratio"]] == [45, 45, 21]
+    assert all(name.endswith(" us") for name, _ in pages["us"][0])
+    assert not any(name.endswith(" us") for page in pages["ratio"] for name, _ in page)
+    paths = _plots(rows, str(tmp_path))
+    names = [p.rsplit("/", 1)[-1] for p in paths]
+    assert names == ["bench_us.png", "bench_ratios.png", "bench_ratios_2.png", "bench_ratios_3.png"]
+    for path in paths:
+        assert 100 < _png_height(path) <= 1600, (path, _png_height(path))
+        assert _png_width(path) <= 1600, (path, _png_width(path))

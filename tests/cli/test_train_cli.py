@@ -537,6 +537,9 @@ def test_resume_without_a_save_is_said_before_launch(tmp_path, capsys):
     assert "--resume" not in capsys.readouterr().err
 
 
+# A second full launch (28 s at load 40): the slow tier; test_end_to_end_verify_and_report keeps
+# the launch path in the quick tier (issue 32, item 4).
+@pytest.mark.slow
 def test_piped_run_logs_every_n_steps_and_starts_a_fresh_report(tmp_path):
     """stdout a pipe (not a terminal): set-up notes on stderr, a line per --log-every on stdout;
     a new run into a used --report folder keeps the earlier run's metrics under its run id."""

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from harness.helpers import get_mesh, rank, world_size
+from harness.tiers import tiered
 from shardkit import CommLedger
 from shardkit.data_parallel import set_microbatch
 from shardkit.data_parallel.microbatches import reduce_outside_autograd, set_group_sync
@@ -85,8 +86,18 @@ ONCE = {
 }
 
 
+# Quick tier (issue 32, item 4): one case per path that counts the gathers: set_microbatch on one
+# chunk a rank (1f1b), the chunked runner with the I/W split (zbv), and no pipeline (HSDP). GPipe,
+# interleaved 1F1B, ZB-H1 and dp_shard=4 take the same paths (5-8 s each at load 40).
+ONCE_QUICK = (
+    "pp=2 x dp_shard=2, 1f1b, 4 microbatches",
+    "pp=2 x dp_shard=2, zbv (V, I/W split)",
+    "HSDP dp_replicate=2 x dp_shard=2, 4 microbatches",
+)
+
+
 @pytest.mark.world(4, timeout=240)
-@pytest.mark.parametrize("overrides", list(ONCE.values()), ids=list(ONCE))
+@pytest.mark.parametrize("overrides", tiered(ONCE, ONCE_QUICK))
 def test_fsdp_gathers_and_reduces_once_per_step(overrides):
     counts, result = _run(overrides)
     _check_parity(result, counts)
@@ -100,7 +111,8 @@ def test_fsdp_gathers_and_reduces_once_per_step(overrides):
 
 
 @pytest.mark.world(8, timeout=300)
-@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+# Quick tier: 1f1b (the V of zbv gathers once per step in test_fsdp_gathers_and_reduces_once_per_step)
+@pytest.mark.parametrize("schedule", tiered({"1f1b": "1f1b", "zbv": "zbv"}, ["1f1b"]))
 def test_hsdp_under_pipeline_gathers_and_reduces_once_per_step(schedule):
     # pp=2 x dp_replicate=2 x dp_shard=2: HSDP's all-reduce over dp_replicate once per step too,
     # on one chunk per rank and on a V of two chunks with the I/W split

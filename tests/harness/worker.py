@@ -34,34 +34,43 @@ class Task(NamedTuple):
     module_name: str | None  # name to register the module under (pytest's, when known)
 
 
-class _RankStream:
-    """Prefixes each line a rank prints with ``[rank r]``, so interleaved output stays readable."""
+def _to_file(path: str) -> None:
+    """Send this process's fd 1 and 2 (Python's prints and warnings, and C++ output such as
+    gloo's and torch's TORCH_WARN lines alike) to ``path``, opened for appending.
 
-    def __init__(self, stream: Any, rank: int) -> None:
-        self._stream, self._prefix, self._at_line_start = stream, f"[rank {rank}] ", True
-
-    def write(self, text: str) -> int:
-        pieces = []
-        for line in text.splitlines(keepends=True):
-            pieces.append(self._prefix + line if self._at_line_start else line)
-            self._at_line_start = line.endswith("\n")
-        self._stream.write("".join(pieces))
-        self._stream.flush()  # ranks share the terminal: keep each write in one piece
-        return len(text)
-
-    def __getattr__(self, name: str) -> Any:  # fileno, flush, encoding, isatty, ...
-        return getattr(self._stream, name)
+    The pytest side empties the file before each task and hands its text to the test's captured
+    output, which pytest shows only when the test fails (``-rP`` or ``-s`` show it always):
+    ranks no longer print ``[rank r]`` lines into a passing run. O_APPEND keeps every write at
+    the end after the other process truncates the file.
+    """
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    # Line-buffered text streams on the new fds: what a rank printed is on disk before it reports.
+    sys.stdout = open(1, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)
+    sys.stderr = open(2, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)
 
 
-def main(tests_dir, rank, n, store_path, stack_path, pg_timeout, task_q, result_q):
-    """Process target of one rank: join the gloo world, then serve tasks until told to stop."""
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a test may have closed or replaced it
+            pass
+
+
+def main(tests_dir, rank, n, store_path, stack_path, pg_timeout, task_q, result_q, out_path=None):
+    """Process target of one rank: join the gloo world, then serve tasks until told to stop.
+    ``out_path``: the file this rank's stdout and stderr go to (None: the inherited ones)."""
     if tests_dir not in sys.path:  # test modules do `from harness... import ...`
         sys.path.insert(0, tests_dir)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C belongs to pytest, which kills us
-    faulthandler.enable()  # a segfaulting rank leaves a Python stack on stderr
+    if out_path is not None:
+        _to_file(out_path)
+    faulthandler.enable()  # a segfaulting rank leaves a Python stack on stderr (its output file)
     # On a hang the pytest side sends SIGUSR1 and puts this file into the HANG report.
     faulthandler.register(signal.SIGUSR1, file=open(stack_path, "w"), all_threads=True)
-    sys.stdout, sys.stderr = _RankStream(sys.stdout, rank), _RankStream(sys.stderr, rank)
     try:
         import torch
         import torch.distributed as dist
@@ -73,8 +82,10 @@ def main(tests_dir, rank, n, store_path, stack_path, pg_timeout, task_q, result_
         store = dist.FileStore(store_path, n)  # a file, not a TCP port: no port clashes
         dist.init_process_group("gloo", store=store, rank=rank, world_size=n, timeout=timedelta(seconds=pg_timeout))
     except BaseException as exc:
+        _flush()
         result_q.put((0, rank, _error_outcome(exc)))
         return
+    _flush()
     result_q.put((0, rank, ("ok",)))  # task 0 is the start handshake
     try:
         _serve(rank, task_q, result_q)
@@ -95,6 +106,7 @@ def _serve(rank: int, task_q: Any, result_q: Any) -> None:
             return
         task_id, task = item
         outcome = _run_task(task)
+        _flush()  # before the outcome: the pytest side reads the output once every rank reported
         if outcome[0] == "ok" and _group_count() > MAX_GROUPS:
             result_q.put((RESPAWN, rank, ("respawn",)))  # read before the outcome: same queue, same rank
         result_q.put((task_id, rank, outcome))

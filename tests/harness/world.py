@@ -5,7 +5,9 @@ A :class:`World` is ``n`` worker processes forked from a forkserver that has tor
 rank runs every task exactly once and in the same order; all ranks answer on one result queue.
 The pytest side waits with a wall limit, notices dead ranks, and kills the world after any
 failure: ranks that failed at different points may have collectives out of step, and a fresh
-world costs about a second.
+world costs about a second. A rank's stdout and stderr go to a file of its own, emptied before
+each task; :attr:`WorldResult.output` hands back what the task printed (conftest puts it in the
+test's captured output, which pytest shows for a failing test only).
 """
 
 from __future__ import annotations
@@ -91,6 +93,15 @@ class WorldResult:
     hang: bool = False
     stacks: dict[int, str] = field(default_factory=dict)  # faulthandler dumps of hung ranks
     elapsed: float = 0.0
+    output: dict[int, str] = field(default_factory=dict)  # what each rank printed during the task
+
+    def output_text(self) -> str:
+        """Every rank's output of the task, each line prefixed ``[rank r]`` ("" when silent)."""
+        return "".join(
+            f"[rank {r}] {line}" + ("" if line.endswith("\n") else "\n")
+            for r, text in sorted(self.output.items())
+            for line in text.splitlines(keepends=True)
+        )
 
     def _all(self, kind: str) -> bool:
         return len(self.outcomes) == self.n and all(o[0] == kind for o in self.outcomes.values())
@@ -197,6 +208,7 @@ class World:
                 self.pg_timeout,
                 self._task_qs[r],
                 self._result_q,
+                self._out_path(r),
             )
             proc = ctx.Process(target=_worker_main, args=args, name=f"world{self.n}-rank{r}")
             proc.daemon = True  # multiprocessing's atexit kills them if shutdown never runs
@@ -205,8 +217,9 @@ class World:
         self.starts += 1
         result = self._collect(0, patient(START_LIMIT))
         if not result.ok:
+            output = "".join(self._read_output(r) for r in range(self.n))
             self.kill()
-            raise RuntimeError(f"world of {self.n} failed to start: {result.failure_message()}")
+            raise RuntimeError(f"world of {self.n} failed to start: {result.failure_message()}\n{output}")
 
     def run(
         self,
@@ -226,12 +239,15 @@ class World:
         self.start()
         task_id = next(self._ids)
         task = Task(str(path), func, blob, nodeid or f"{path}::{func}", module_name)
+        for r in range(self.n):
+            os.truncate(self._out_path(r), 0)  # the ranks append: this task's output only
         for q in self._task_qs:
             q.put((task_id, task))
         try:
             result = self._collect(task_id, timeout)
             if result.hang:
                 result.stacks = self._dump_stacks(result.missing)
+            result.output = {r: text for r in range(self.n) if (text := self._read_output(r))}
         except BaseException:  # e.g. Ctrl-C while waiting: do not leave ranks mid-test
             self.kill()
             raise
@@ -286,6 +302,15 @@ class World:
                 return
             if tid == task_id:
                 result.outcomes.setdefault(rank, outcome)
+
+    def _out_path(self, rank: int) -> str:
+        return os.path.join(self._tmpdir or "", f"out-{rank}.txt")
+
+    def _read_output(self, rank: int) -> str:
+        try:
+            return Path(self._out_path(rank)).read_text(errors="replace")
+        except OSError:  # a rank that died before creating it
+            return ""
 
     def _stack_path(self, rank: int) -> str:
         return os.path.join(self._tmpdir or "", f"stack-{rank}.txt")

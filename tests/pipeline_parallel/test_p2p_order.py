@@ -111,6 +111,7 @@ def _run(batches, what=""):
     return {r: batches[r][current[r]] for r in batches if current[r] < len(batches[r])}
 
 
+@pytest.mark.combinations  # the FIFO pairing of one exchange depends on its pair of sides and sizes (ms a case)
 @pytest.mark.parametrize("batched", [False, True], ids=["ordered", "batched"])
 @pytest.mark.parametrize("mode", sorted(KINDS))
 @pytest.mark.parametrize("loop", [False, True], ids=["", "loop"])

@@ -60,6 +60,7 @@ def _run(name, p, v, m, table=None):
     return simulate_steps(table, placement=spec.placement, v=v, num_microbatches=m)
 
 
+@pytest.mark.combinations  # a deadlock is a property of a schedule at a given p and m, not of either alone (ms a case)
 @pytest.mark.parametrize("p", range(2, 9))
 @pytest.mark.parametrize("name", sorted(SCHEDULES))
 def test_every_step_once_no_deadlock_peak_and_makespan(name, p):

@@ -84,6 +84,7 @@ def _style(name: str):
     return STYLES[name]()
 
 
+@pytest.mark.combinations  # each style meets each module type on its own path (applied or refused) (ms a case)
 @pytest.mark.world(2)
 @pytest.mark.parametrize("module", list(MODULES))
 @pytest.mark.parametrize("style", list(STYLES))

@@ -149,6 +149,7 @@ def steady_alone(flight: str) -> None:
             time.sleep(0.2)
 
 
+@pytest.mark.slow  # waits out real timeouts (10-22 s at load 40); the quick tier keeps the kill path
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_a_lone_rank_progressing_slowly_beyond_the_old_grace_is_never_killed(tmp_path, capsys):
     with private_run_dir() as run_dir:
@@ -211,6 +212,7 @@ def all_hog_the_gil(flight: str) -> None:
         sum(range(4 * 10**9))
 
 
+@pytest.mark.slow  # waits out real timeouts (10-22 s at load 40); the quick tier keeps the kill path
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_all_ranks_stalled_together_end_within_the_timeout_naming_the_phase(tmp_path, capsys):
     start = time.monotonic()
@@ -234,6 +236,7 @@ def rank_one_never_beats(flight: str) -> None:
         time.sleep(60)
 
 
+@pytest.mark.slow  # waits out real timeouts (10-22 s at load 40); the quick tier keeps the kill path
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_a_rank_that_never_sent_a_heartbeat_is_named(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(watchdog, "FIRST_BEAT_S", 20.0)  # the launcher's side: rank 0 beats by then

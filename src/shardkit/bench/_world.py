@@ -26,6 +26,7 @@ from ..comm import checks
 from ..errors import ShardkitError
 from ._launch import run_fake, run_named
 from ._method import Settings
+from ._quiet import quiet_known_warnings
 from .registry import CASES, skip_reason
 
 __all__ = ["LAUNCH", "torchrun_env", "run_in_world"]
@@ -128,6 +129,7 @@ def run_in_world(names: list[str], settings: Settings, progress: bool = True) ->
         ShardkitError: ``--device cuda`` where CUDA is missing, or without torchrun where no
             selected case runs on one rank (the message gives the torchrun command).
     """
+    quiet_known_warnings()  # this process runs the cases (torch's peers' two known notices)
     env = torchrun_env()
     world = env["world"] if env else 1
     if env is None and settings.device == "cuda":

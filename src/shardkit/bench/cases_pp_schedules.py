@@ -16,7 +16,8 @@ Two step costs (``F = I = W``): 10 ms, the issue's rows, where the runner's fixe
 (the Python of a step and a P2P hand-over on the critical path, a few tenths of a millisecond on
 2 shared cores) is a visible part of the makespan; and 40 ms (labels end ``(40 ms steps)``),
 where it is small against the compute, as a GPU step's launch cost is against its kernels: the
-schedule's structure then decides the bubble. ``--quick`` runs 4 ms only.
+schedule's structure then decides the bubble. ``--quick`` runs 4 ms only, and only the schedules
+with a goal and 1F1B (:data:`QUICK`).
 
 Per round, every schedule runs once, in a rotating order; busy time is what the chunks' sleeps
 and products took, the makespan the slowest rank's wall time after a barrier, and
@@ -47,6 +48,13 @@ __all__ = ["schedules"]
 # schedule -> chunks per rank in this case
 CHUNKS = {"1f1b": 1, "gpipe": 1, "interleaved-1f1b": 2, "looped-bfs": 2, "zb-h1": 1, "zbv": 2, "dualpipev": 2}
 GOALS = {"interleaved-1f1b": 0.75, "zb-h1": 0.5, "zbv": 0.35, "dualpipev": 0.35}  # bubble / 1F1B's
+# --quick: the schedules with a goal and 1F1B, their base (GPipe and looped BFS add 40 % of the
+# case's sleeps and no goal).
+QUICK = ("1f1b", *GOALS)
+
+
+def _names(settings: Settings) -> list[str]:
+    return [name for name in CHUNKS if not settings.quick or name in QUICK]
 
 
 class _Forward(torch.autograd.Function):
@@ -124,13 +132,13 @@ def _rounds(P: int, M: int, costs_s: dict, pg, settings: Settings) -> dict[str, 
     rank, dev = dist.get_rank(pg), settings.torch_device
     timer = Timer(dev, events=False)  # the wall includes host sleeps: synchronize, read the host clock
     busy = [0.0]
-    stages = {name: _stage(name, P, costs_s, busy, pg, dev) for name in CHUNKS}
+    names = _names(settings)
+    stages = {name: _stage(name, P, costs_s, busy, pg, dev) for name in names}
     # The inputs need a gradient, as a real first chunk's input does (the embedding's output): else
     # autograd skips chunk 0's input-gradient sleep, its rank idles for I and every bubble reads high.
     xs = [torch.ones(1, 8, device=dev, requires_grad=True) for _ in range(M)]
-    out: dict[str, list[tuple[float, float]]] = {name: [] for name in CHUNKS}
+    out: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
     failures: list[str] = []
-    names = list(CHUNKS)
     for i in range(settings.warmup + settings.rounds):
         shift = i % len(names)
         for name in names[shift:] + names[:shift]:
@@ -176,7 +184,7 @@ def _records(pg, settings: Settings, step_ms: float) -> list[Record]:
 
     base = bubbles("1f1b")
     records = []
-    for name in CHUNKS:
+    for name in _names(settings):
         v, theory = CHUNKS[name], _theory(name, P, M, costs_s)
         mine = bubbles(name)
         rec = Record(

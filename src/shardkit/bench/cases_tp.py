@@ -16,6 +16,7 @@ on a transformers ``LlamaForCausalLM`` (float32, sdpa) loaded by every rank from
 
 Checked before timing: the first step's losses agree (rtol 1e-4) and gathered gradients and
 updated parameters of a few weights agree (rtol 1e-3; sums run in different orders).
+``--quick``: TP only, at the tiny shape (the full run: TP and TP+SP at the small and large shapes).
 """
 
 from __future__ import annotations
@@ -219,10 +220,11 @@ def tp_step(pg, settings: Settings) -> list[Record]:
         with save_llama(cfg_kw, pg) as path:
             ids = torch.randint(0, cfg_kw["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(1))
             ids = ids.to(settings.torch_device)
-            for mode, variants in (
+            modes = [
                 ("tp", ["tp/shardkit", "tp/dtensor"] + (["tp/hf"] if hf else [])),
                 ("tp+sp", ["tp+sp/shardkit", "tp+sp/dtensor"]),
-            ):
+            ]
+            for mode, variants in modes[:1] if settings.quick else modes:  # --quick: tp only (half the time)
                 steps, loss = _steps(variants, path, ids, pg)
                 times = time_interleaved({v.split("/")[1]: f for v, f in steps.items()}, pg, settings)
                 rec = Record(

@@ -1,4 +1,10 @@
-"""Summaries and outputs of ``shardkit bench``: ``bench.json``, a markdown table and PNG plots.
+"""Summaries and outputs of ``shardkit bench``: ``bench.json``, a markdown table and PNG charts.
+
+Charts: one per unit, as the ratios' spreads differ by orders of magnitude between them:
+``bench_ratios.png`` (unitless ratios and bubble fractions, log axis around 1),
+``bench_us.png`` (host microseconds above a baseline) and ``bench_busbw.png`` (GB/s against
+message size); at most :data:`ROWS_PER_CHART` bars a chart, more continue in ``bench_ratios_2.png``
+and so on, so that each reads at 100 % zoom.
 
 Per record: the median time of each variant, each per-round ratio's median with its spread
 (p10, q1, q3, p90) and whether the median meets its goal, and the bus bandwidth of each variant
@@ -19,7 +25,16 @@ import torch
 
 from ._method import quantiles
 
-__all__ = ["summarize", "environment", "backend_name", "write_outputs", "markdown", "SCHEMA_VERSION"]
+__all__ = [
+    "summarize",
+    "environment",
+    "backend_name",
+    "write_outputs",
+    "markdown",
+    "chart_pages",
+    "unit",
+    "SCHEMA_VERSION",
+]
 
 SCHEMA_VERSION = 1
 
@@ -111,6 +126,64 @@ def markdown(rows: list[dict], env: dict, settings: dict, skipped: Sequence[dict
     return "\n".join(out) + "\n"
 
 
+# Charts a person reads at 100 % zoom: at most ROWS_PER_CHART bars a chart (0.3 in a bar at DPI:
+# about 1500 px tall at most; the full suite's rows continue on bench_ratios_2.png, ...), 8-point
+# labels, one chart per unit so that microsecond rows never squash the ratios near 1.
+ROWS_PER_CHART = 45
+DPI = 100
+UNITS = {  # unit -> (file stem, x-axis label)
+    "ratio": ("bench_ratios", "per-round ratio: median (dot), p10-p90 (line); black tick = goal (green met, red not)"),
+    "us": ("bench_us", "microseconds per call above the baseline: median (dot), p10-p90 (line); black tick = goal"),
+}
+
+
+def unit(ratio_name: str) -> str:
+    """``"us"`` for a per-round difference in microseconds (its name ends ``" us"``: the host
+    overhead case), else ``"ratio"`` (a unitless quotient, or a bubble fraction)."""
+    return "us" if ratio_name.endswith(" us") else "ratio"
+
+
+def chart_pages(rows: list[dict]) -> dict[str, list[list[tuple[str, dict]]]]:
+    """``{unit: pages}``, a page a list of ``(label, summary quantiles)`` of at most
+    :data:`ROWS_PER_CHART` bars, in the rows' order; units without a row are left out."""
+    by_unit: dict[str, list[tuple[str, dict]]] = {}
+    for r in rows:
+        for name, q in r["ratios"].items():
+            by_unit.setdefault(unit(name), []).append((f"{r['case']} {r['label']} {name}", q))
+    return {
+        u: [items[i : i + ROWS_PER_CHART] for i in range(0, len(items), ROWS_PER_CHART)] for u, items in by_unit.items()
+    }
+
+
+def _bar_chart(plt, items: list[tuple[str, dict]], path: str, xlabel: str, title: str, ratio: bool) -> None:
+    fig, ax = plt.subplots(figsize=(10, 0.3 * len(items) + 1.3))
+    y = list(range(len(items)))[::-1]
+    med = [q["median"] for _, q in items]
+    lo = [q["median"] - q["p10"] for _, q in items]
+    hi = [q["p90"] - q["median"] for _, q in items]
+    colors = ["tab:gray" if q["met"] is None else ("tab:green" if q["met"] else "tab:red") for _, q in items]
+    # Dots, not bars: a bar's length from the axis' edge means nothing on a log axis.
+    for yi, m, low, high, color in zip(y, med, lo, hi, colors):
+        ax.errorbar([m], [yi], xerr=[[low], [high]], fmt="o", ms=5, color=color, ecolor=color, elinewidth=1.2)
+    for yi, (_, q) in zip(y, items):
+        if q["goal"] is not None:
+            ax.plot([q["goal"]] * 2, [yi - 0.4, yi + 0.4], color="k", lw=1.2)
+    ax.grid(axis="y", color="0.9", lw=0.6)  # a line per row, to follow a label to its dot
+    if ratio:
+        ax.axvline(1.0, color="k", ls=":", lw=0.8)
+        if all(q["p10"] > 0 for _, q in items):
+            ax.set_xscale("log")  # 0.5 and 2 equally far from 1; a 10x outlier leaves the rest readable
+    else:
+        ax.axvline(0.0, color="k", lw=0.8)
+    ax.set_yticks(y, [n for n, _ in items], fontsize=8)
+    ax.set_ylim(-0.6, len(items) - 0.4)
+    ax.set_xlabel(xlabel, fontsize=9)
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI, bbox_inches="tight")  # no clipped labels
+    plt.close(fig)
+
+
 def _plots(rows: list[dict], out_dir: str) -> list[str]:
     import matplotlib
 
@@ -118,28 +191,16 @@ def _plots(rows: list[dict], out_dir: str) -> list[str]:
     import matplotlib.pyplot as plt
 
     paths = []
-    items = [(f"{r['case']} {r['label']} {name}", q) for r in rows for name, q in r["ratios"].items()]
-    if items:
-        fig, ax = plt.subplots(figsize=(9, 0.28 * len(items) + 1.2))
-        y = list(range(len(items)))[::-1]
-        med = [q["median"] for _, q in items]
-        lo = [q["median"] - q["p10"] for _, q in items]
-        hi = [q["p90"] - q["median"] for _, q in items]
-        colors = ["tab:gray" if q["met"] is None else ("tab:green" if q["met"] else "tab:red") for _, q in items]
-        ax.barh(y, med, xerr=[lo, hi], color=colors, alpha=0.8, error_kw=dict(lw=0.8))
-        for yi, (_, q) in zip(y, items):
-            if q["goal"] is not None:
-                ax.plot([q["goal"]] * 2, [yi - 0.4, yi + 0.4], color="k", lw=1.2)
-        ax.axvline(1.0, color="k", ls=":", lw=0.8)
-        ax.set_yticks(y, [n for n, _ in items], fontsize=6)
-        ax.set_xlabel("median of per-round ratios, bars p10-p90; black tick = goal (green met, red missed)")
-        fig.tight_layout()
-        paths.append(os.path.join(out_dir, "bench_ratios.png"))
-        fig.savefig(paths[-1], dpi=130, bbox_inches="tight")  # no clipped labels
-        plt.close(fig)
+    for u, pages in chart_pages(rows).items():
+        stem, xlabel = UNITS[u]
+        for i, items in enumerate(pages):
+            paths.append(os.path.join(out_dir, f"{stem}.png" if i == 0 else f"{stem}_{i + 1}.png"))
+            title = f"shardkit bench: {'ratios' if u == 'ratio' else 'host microseconds'}"
+            title += f" (chart {i + 1} of {len(pages)})" if len(pages) > 1 else ""
+            _bar_chart(plt, items, paths[-1], xlabel, title, u == "ratio")
     bw_rows = [r for r in rows if r["busbw_GBps"] and "bytes" in r["params"]]
     if bw_rows:
-        fig, ax = plt.subplots(figsize=(7, 4.5))
+        fig, ax = plt.subplots(figsize=(10, 6))
         series: dict[str, list] = {}
         for r in bw_rows:
             tag = r["case"] + (
@@ -162,10 +223,10 @@ def _plots(rows: list[dict], out_dir: str) -> list[str]:
         ax.axvline(256 * 1024, color="k", ls=":", lw=0.8)
         ax.set_xlabel("message size per rank, bytes (dotted: ~256 KiB latency/bandwidth crossover)")
         ax.set_ylabel("bus bandwidth GB/s (nccl-tests factors)")
-        ax.legend(fontsize=5, ncol=2)
+        ax.legend(fontsize=7, ncol=2)
         fig.tight_layout()
         paths.append(os.path.join(out_dir, "bench_busbw.png"))
-        fig.savefig(paths[-1], dpi=130, bbox_inches="tight")  # no clipped labels
+        fig.savefig(paths[-1], dpi=DPI, bbox_inches="tight")  # no clipped labels
         plt.close(fig)
     return paths
 
