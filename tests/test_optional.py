@@ -90,7 +90,7 @@ def test_third_party_output_on_rank_0_only(monkeypatch):
 
     from transformers.utils import logging as hf_logging
 
-    from shardkit._quiet import QUIET_ENV, quiet_third_party
+    from shardkit._quiet import BAR_ENV, QUIET_ENV, quiet_third_party
 
     for key in QUIET_ENV:
         monkeypatch.delenv(key, raising=False)
@@ -103,8 +103,10 @@ def test_third_party_output_on_rank_0_only(monkeypatch):
         hf_logging.enable_progress_bar()
     try:
         with warnings.catch_warnings():
-            quiet_third_party(0)
-            assert not any(k in os.environ for k in QUIET_ENV) and hf_logging.is_progress_bar_enabled()
+            quiet_third_party(0)  # rank 0: its warnings and logs stay; no bars (issue 32), as every rank
+            assert all(os.environ[k] == v for k, v in BAR_ENV.items())
+            assert not any(k in os.environ for k in QUIET_ENV if k not in BAR_ENV)
+            assert not hf_logging.is_progress_bar_enabled() and hf_logging.get_verbosity() == level
             quiet_third_party(1)
             assert all(os.environ[k] == v for k, v in QUIET_ENV.items())
             assert not hf_logging.is_progress_bar_enabled()

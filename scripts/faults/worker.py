@@ -86,9 +86,9 @@ def _count_save_events(plan: dict, rank: int) -> None:
 def _hold_after_saves(go_on: str) -> None:
     """Job A of ``writers``: after each save, wait (at most 120 s) until the file ``go_on``
     exists (the observer makes it once both B's ended), so that B always meets A running."""
-    import shardkit.train.run as run  # the trainer's own name for it (imported at the top of run.py)
+    import shardkit.train.saving as saving  # the trainer's own name for it (imported at the top of saving.py)
 
-    real = run.save_train_state
+    real = saving.save_train_state
 
     def held(*args, **kwargs):
         path = real(*args, **kwargs)
@@ -97,7 +97,7 @@ def _hold_after_saves(go_on: str) -> None:
             time.sleep(0.05)
         return path
 
-    run.save_train_state = held
+    saving.save_train_state = held
 
 
 def _train_worker(plan: dict, rank: int, victim: bool) -> None:

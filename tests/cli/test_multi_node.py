@@ -62,5 +62,6 @@ def test_two_nodes_on_loopback_train_and_verify(tmp_path):
     assert len(report["losses"]) == 2 and report["losses"] == report["reference_losses"]
     assert report["parity"]["passed"] is True
     assert "PASSED" in done.stdout and done.stdout.count("verify (") == 1  # rank 0 alone reports
-    heartbeats = sorted(p.name for p in (tmp_path / "two-nodes" / "flight").iterdir())
-    assert heartbeats == ["heartbeat-rank0", "heartbeat-rank1"]  # both nodes' ranks ran under the report
+    # both nodes' ranks ran (tp 2 spans them: the parity above needs both); a good run leaves no
+    # heartbeat files behind (issue 32)
+    assert not (tmp_path / "two-nodes" / "flight").exists()

@@ -125,7 +125,8 @@ def hf_documents(name: str, split: str | None, column: str, max_bytes: int | Non
     """The documents of NAME's SPLIT: each row's ``column`` as UTF-8, in row order, streamed.
 
     Args:
-        name, split: as :func:`parse_hf` returns them.
+        name: the dataset's name or folder, as :func:`parse_hf` returns it.
+        split: the split, as :func:`parse_hf` returns it.
         column: the text column (``--data-column``).
         max_bytes: stop before the first row that would take the text past this many bytes
             (None: every row), as a JSONL line cut by the byte cap is dropped.
