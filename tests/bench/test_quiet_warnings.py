@@ -9,9 +9,11 @@ import inspect
 import logging
 import warnings
 
+import torch
 import torch.distributed.fsdp._fully_shard._fsdp_state as fsdp_state
 
 from shardkit.bench._quiet import _FILTERS, DTENSOR_NOTICES, quiet_known_warnings
+from shardkit.comm._compat import release
 
 
 def test_the_filtered_texts_are_still_the_ones_torch_emits():
@@ -20,7 +22,8 @@ def test_the_filtered_texts_are_still_the_ones_torch_emits():
         module = importlib.import_module(name)
         assert module.logger.name == name
         assert prefix.split("%s")[0] in inspect.getsource(module), name
-    assert "returned a view tensor" in inspect.getsource(fsdp_state)
+    if release(torch.__version__) >= (2, 13):  # torch 2.11's FSDP2 has no such warning to filter
+        assert "returned a view tensor" in inspect.getsource(fsdp_state)
 
 
 def test_only_the_known_notices_are_dropped():
