@@ -97,17 +97,6 @@ def current_autograd_node():
     return torch._C._current_autograd_node()
 
 
-def grad_from(roots, inputs, grads):
-    """``torch.autograd.grad(roots, inputs, grads, retain_graph=True, allow_unused=True)`` where
-    ``roots`` may be ``GradientEdge`` s of custom Functions' nodes. torch < 2.13 checks the given
-    gradients against such an edge's node metadata, which a custom Function's node refuses
-    (RuntimeError): there the engine is called directly, with the same arguments ``grad`` passes."""
-    if release(torch.__version__) >= (2, 13):
-        return torch.autograd.grad(roots, inputs, grads, retain_graph=True, allow_unused=True)
-    run = torch.autograd.graph._engine_run_backward  # type: ignore[attr-defined]
-    return run(tuple(roots), tuple(grads), True, False, tuple(inputs), True, accumulate_grad=False)
-
-
 def release(version: str) -> tuple[int, int]:
     """``(major, minor)`` of a version string (``"2.11.0+cu130"`` -> ``(2, 11)``)."""
     m = re.match(r"(\d+)\.(\d+)", version)

@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from ..comm._compat import grad_from
 from ..errors import ShardkitError
 from .weight_defer import closures_to_run, collect_deferred
 
@@ -220,7 +219,7 @@ def weight_grad(pending: PendingWeightGrad) -> None:
     from_w: list = []  # closures deferred by this pass (reruns of I's nodes, or nodes I never reached)
     for roots, grads, params in groups:
         with collect_deferred() as deferred:
-            got = grad_from(roots, params, grads)
+            got = torch.autograd.grad(roots, params, grads, retain_graph=True, allow_unused=True)
         from_w += deferred
         for p, g in zip(params, got, strict=True):
             if g is None:
