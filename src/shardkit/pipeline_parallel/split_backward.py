@@ -44,12 +44,16 @@ class PendingWeightGrad:
     """What ``I`` leaves for ``W``: ``groups`` of (graph roots, their gradients, the parameters
     behind them); one group rooted at the output when ``W`` starts there; the closures custom
     Functions ``deferred`` during ``I`` (:mod:`.weight_defer`); the parameters whose gradient
-    ``I`` ``written`` (changed outside autograd's accumulation)."""
+    ``I`` ``written`` (changed outside autograd's accumulation); ``owner``, the stage's output
+    held while a root is a custom Function's node: the Python object of such a node does not
+    keep its C++ node alive (torch's ``get_gradient_edge`` adds an ownership token for the
+    same reason), so without the output the root would be freed before ``W``."""
 
     groups: list[tuple[list[Any], list[torch.Tensor | None], list[torch.nn.Parameter]]]
     done: bool = False
     deferred: list = field(default_factory=list)
     written: list[torch.nn.Parameter] = field(default_factory=list)
+    owner: torch.Tensor | None = None
 
 
 def _marks(params: list[torch.nn.Parameter]) -> list[tuple]:
@@ -195,7 +199,9 @@ def input_grad(
         edges = [(GradientEdge(node, i), g) for i, g in enumerate(seen.get(node, ())) if g is not None]
         if edges:
             groups.append(([e for e, _ in edges], [g for _, g in edges], [params[i] for i in idx]))
-    return dx, PendingWeightGrad(groups, deferred=deferred, written=written)
+    python_node = any(isinstance(e.node, torch._C._FunctionBase) for roots, _, _ in groups for e in roots)
+    owner = output if python_node else None
+    return dx, PendingWeightGrad(groups, deferred=deferred, written=written, owner=owner)
 
 
 def weight_grad(pending: PendingWeightGrad) -> None:
@@ -213,6 +219,7 @@ def weight_grad(pending: PendingWeightGrad) -> None:
         raise ShardkitError("weight_grad: this microbatch's weight gradient ran already")
     pending.done = True
     groups, pending.groups = pending.groups, []  # drop the recorded gradients with the graph
+    owner, pending.owner = pending.owner, None  # alive (with its graph) until this pass is done
     written = {id(p) for p in pending.written}
     kept = _keep(pending.written)  # what I wrote; this pass may run the writing Function again
     later: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
@@ -228,6 +235,7 @@ def weight_grad(pending: PendingWeightGrad) -> None:
                 later.append((p, g))  # after the restore below
             else:
                 _accumulate(p, g)
+    del owner  # the graph may be freed now
     _restore(kept)
     for fn in closures_to_run(pending.deferred, from_w):
         fn()
