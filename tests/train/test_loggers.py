@@ -129,7 +129,7 @@ def _wandb_records(run_file: Path) -> list:
     out, i = [], 7
     while i + 7 <= len(blob):
         _, length, kind = struct.unpack("<IHB", blob[i : i + 7])
-        if length == 0 and kind == 0:  # the block's zero padding
+        if (length == 0 and kind == 0) or i + 7 + length > len(blob):  # zero padding; still being written
             break
         assert kind == 1, "a record split over blocks: this reader handles one-block files only"
         record = wandb_internal_pb2.Record()
@@ -147,7 +147,14 @@ def test_the_real_wandb_package_logs_every_step_offline(tmp_path, monkeypatch):
     lines = _write(metrics)
     run_dir = Path(metrics.files()[-1])
     assert run_dir.parent == tmp_path / "wandb" and run_dir.name.startswith("offline-run-")
-    records = _wandb_records(next(run_dir.glob("run-*.wandb")))
+    # ``finish()`` returns once wandb's service process has the run; that process may still be
+    # writing the file: read it again until its last record (``exit``) is there.
+    deadline = time.monotonic() + 60
+    while True:
+        records = _wandb_records(next(run_dir.glob("run-*.wandb")))
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
     assert (run.run_id, run.project) == (metrics.run_id, "shardkit-test")
     history = [r.history for r in records if r.WhichOneof("record_type") == "history"]
