@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import signal
 import sys
 import threading
@@ -35,6 +34,7 @@ from .._local_world import no_shared_tcp_store, private_temp
 from .._quiet import quiet_third_party
 from ..train.liveness import read_heartbeats
 from ..train.watchdog import Watchdog, stalled_ranks
+from .failures import flight_waits, format_failures
 
 __all__ = [
     "under_torchrun",
@@ -45,10 +45,6 @@ __all__ = [
     "print_failure",
     "exit_now",
 ]
-
-# Exceptions that a rank raises because *another* rank died (its peer closed the connection or
-# the store went away): secondary, never the root cause when another rank has its own error.
-_SECONDARY = ("DistNetworkError", "DistBackendError", "Connection closed by peer", "Connection reset", "Broken pipe")
 
 
 class LaunchFailed(Exception):
@@ -76,86 +72,6 @@ class LaunchInterrupted(Exception):
 def under_torchrun() -> bool:
     """True inside a process started by torchrun / torch elastic (its env vars are set)."""
     return "TORCHELASTIC_RUN_ID" in os.environ or ("LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ)
-
-
-def _message(failure) -> str:
-    msg = failure.message
-    if isinstance(msg, dict):
-        return msg.get("extraInfo", {}).get("py_callstack") or msg.get("message", "<no message>")
-    return str(msg) or f"exit code {failure.exitcode} (no error file)"
-
-
-def _order(item) -> tuple:
-    """Root cause first: ranks with their own error file, non-secondary errors, earliest."""
-    rank, failure = item
-    text = _message(failure)
-    has_file = isinstance(failure.message, dict)
-    secondary = any(s in text for s in _SECONDARY)
-    # A secondary error (a peer closed the connection) is never the root cause, even when the
-    # rank that really failed has not written its error file yet (a race under load).
-    return (secondary, not has_file, failure.timestamp, rank)
-
-
-def format_failures(err, stalled: dict[int, float] | None = None, stopped: dict[int, str] | None = None) -> str:
-    """The root-cause rank's traceback (for a :class:`~shardkit.ShardkitError`, its message and
-    where it was raised), then one line per other failed rank.
-
-    A rank that stopped answering (``stalled``: its heartbeats ended long before the others')
-    comes first, named as the suspect: the others' timeout errors are what waiting for it
-    looks like, not a cause.
-
-    Args:
-        err: a ``torch.distributed.elastic.multiprocessing.errors.ChildFailedError``.
-        stalled: ``{rank: seconds its last heartbeat lags the newest}``
-            (:func:`shardkit.train.watchdog.stalled_ranks`); None or empty: no rank went quiet.
-        stopped: ``{rank: the watchdog's announcement}`` of the ranks it killed
-            (:class:`shardkit.train.watchdog.Watchdog`): named first, with why; their ``-9`` is
-            not a crash (nor an out-of-memory kill).
-    """
-    stopped = stopped or {}
-    stalled = {r: s for r, s in (stalled or {}).items() if r not in stopped}
-    failures = sorted(err.failures.items(), key=lambda item: (item[0] not in stalled, *_order(item)))
-    lines = [stopped[r] for r in sorted(stopped)]  # the root cause: why the watchdog stopped them
-    failures = [(r, f) for r, f in failures if r not in stopped]
-    for r in sorted(stalled):
-        how = f"exit code {err.failures[r].exitcode}" if r in err.failures else "then stopped by the launcher"
-        lines.append(
-            f"rank {r} stopped answering first (suspect): its heartbeat stopped {stalled[r]:.1f} s before "
-            f"the other ranks' last; they timed out waiting for it ({how})"
-        )
-    others = [(r, f) for r, f in failures if r not in stalled]
-    if not stalled and not stopped and failures:
-        (rank, first), others = failures[0], failures[1:]
-        # One of shardkit's own errors says what is wrong in its message (agreed errors are the
-        # same on every rank): a traceback would only bury it. Any other error keeps its traceback.
-        concise = _shardkit_error(_message(first))
-        lines += [
-            f"rank {rank} failed first (exit code {first.exitcode}):",
-            concise if concise is not None else _message(first).rstrip(),
-        ]
-    for r, f in others:
-        last = _message(f).strip().splitlines()[-1:] or [""]
-        lines.append(f"rank {r} also stopped (exit code {f.exitcode}): {last[0]}")
-    return "\n".join(lines)
-
-
-# The last line of a traceback of shardkit's own errors (``shardkit.errors.NonFiniteError: ...``),
-# and the innermost frame of a traceback.
-_OWN_ERROR = re.compile(r"^shardkit\.(?:errors|_optional)\.(\w+): ", re.S)
-_FRAME = re.compile(r'^\s*File "(.+)", line (\d+), in (\S+)$')
-
-
-def _shardkit_error(text: str) -> str | None:
-    """A rank's traceback as ``Class: message`` and where it was raised, when the error is one of
-    shardkit's own (a :class:`~shardkit.ShardkitError`: its message is written for the user);
-    None for any other error, whose traceback is the diagnosis."""
-    lines = text.rstrip().splitlines()
-    start = next((i for i, line in enumerate(lines) if _OWN_ERROR.match(line)), None)
-    if start is None:
-        return None
-    frames = [m for line in lines[:start] if (m := _FRAME.match(line))]
-    where = f"\n  (raised at {frames[-1].group(1)}:{frames[-1].group(2)}, in {frames[-1].group(3)})" if frames else ""
-    return "\n".join(lines[start:]).removeprefix("shardkit.errors.").removeprefix("shardkit._optional.") + where
 
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -261,7 +177,8 @@ def launch_local(
     except ChildFailedError as err:
         stalled = stalled_ranks(read_heartbeats(heartbeats), timeout_s) if heartbeats else None
         stopped = {r: v.describe(r) for r, v in watchdog.stopped.items()} if watchdog is not None else None
-        raise LaunchFailed(format_failures(err, stalled, stopped)) from None
+        waited = flight_waits(heartbeats, timeout_s) if heartbeats else None
+        raise LaunchFailed(format_failures(err, stalled, stopped, waited)) from None
     except SignalException as err:  # the agent has stopped the workers with the same signal
         raise LaunchInterrupted(err.sigval, nproc) from None
     finally:

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 
 # The reading side, kept importable from here (its documented home): entries, dumps, diagnosis.
-from .flight_report import Divergence, FlightEntry, diagnose, format_report, load_dumps, main
+from .flight_report import Divergence, FlightEntry, Wait, diagnose, format_report, load_dumps, main, waited_for
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -52,6 +52,8 @@ __all__ = [
     "dump_all",
     "load_dumps",
     "diagnose",
+    "Wait",
+    "waited_for",
     "format_report",
     "DEFAULT_CAPACITY",
 ]
@@ -103,7 +105,8 @@ class FlightRecorder:
             n = self._streams.get(key, 0)
             self._streams[key] = n + 1
             seq = self._seq
-            self._buf[seq % self.capacity] = (seq, n, op, api, phase, gid, shape, sizes, peer)
+            # the wall time of entry: after a timeout it shows who waited for whom (flight_report.waited_for)
+            self._buf[seq % self.capacity] = (seq, n, op, api, phase, gid, shape, sizes, peer, time.time())
             self._seq = seq + 1
 
     def _group(self, gid):
@@ -128,7 +131,7 @@ class FlightRecorder:
             n, cap = self._seq, self.capacity
             raw = [self._buf[i % cap] for i in range(max(0, n - cap), n)]
         out = []
-        for seq, gseq, op, api, phase, gid, shape, sizes, peer in raw:
+        for seq, gseq, op, api, phase, gid, shape, sizes, peer, entered in raw:
             name, ranks, me = self._group(gid)
             src = dst = None
             if peer is not None and me is not None:
@@ -147,6 +150,7 @@ class FlightRecorder:
                     peer,
                     src,
                     dst,
+                    entered,
                 )
             )
         return out

@@ -17,7 +17,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["FlightEntry", "Divergence", "load_dumps", "diagnose", "format_report", "main"]
+__all__ = ["FlightEntry", "Divergence", "Wait", "load_dumps", "diagnose", "waited_for", "format_report", "main"]
 
 P2P_OPS = ("send", "recv")
 
@@ -40,6 +40,8 @@ class FlightEntry:
         peer: for P2P, the other side's group rank.
         src: for P2P, the sender's group rank.
         dst: for P2P, the receiver's group rank.
+        time: wall-clock time (``time.time()``, seconds) when this rank entered the call; None in
+            dumps of releases before it was recorded.
     """
 
     seq: int
@@ -54,6 +56,7 @@ class FlightEntry:
     peer: int | None
     src: int | None
     dst: int | None
+    time: float | None = None
 
     def describe(self) -> str:
         shape = f" {list(self.shape)}" if self.shape is not None else ""
@@ -182,6 +185,66 @@ def diagnose(dumps) -> list[Divergence]:
         d for key, per_rank in _streams(dumps).items() if (d := _first_divergence(key, per_rank, dumps)) is not None
     ]
     return sorted(found, key=lambda d: d.order)
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Ranks that sat in a call waiting for one that came late or never came.
+
+    Attributes:
+        late: the global rank the others waited for.
+        waiting: the global ranks that had entered the call.
+        seconds: how long after the first of them ``late`` entered it; None when it never did.
+        entry: the call, as the first waiting rank recorded it.
+    """
+
+    late: int
+    waiting: tuple
+    seconds: float | None
+    entry: FlightEntry
+
+    def describe(self) -> str:
+        who = f"rank{'s' if len(self.waiting) > 1 else ''} {', '.join(map(str, self.waiting))}"
+        when = "had not reached it" if self.seconds is None else f"entered it {self.seconds:.1f} s after them"
+        return f"{who} waited for it in {self.entry.describe()} (call {self.entry.group_seq}); rank {self.late} {when}"
+
+
+def waited_for(dumps, min_wait_s: float) -> list[Wait]:
+    """Who waited for whom at the end of the records: per stream (group or P2P channel), the last
+    call any member entered, and the members that entered it more than ``min_wait_s`` after the
+    first one or not at all. The root of the wait first (a late rank not itself waiting in another
+    stream), then the most recent.
+
+    Needs entry times (:attr:`FlightEntry.time`); a stream without them is skipped. Where only a
+    rank that failed by itself lacks the call, it is named too: the caller decides, from the ranks'
+    errors, whether a wait or an error is the cause.
+
+    Args:
+        dumps: ``{global rank: entries}`` (:func:`load_dumps`) or a directory of dumps.
+        min_wait_s: seconds of lateness that count as waiting (e.g. half the process-group timeout).
+    """
+    if isinstance(dumps, (str, os.PathLike)):
+        dumps = load_dumps(os.fspath(dumps))
+    found = []
+    for (_, group, channel), per_rank in _streams(dumps).items():
+        members = [r for r in (channel if channel is not None else group) if r in dumps]
+        last = max((max(per_rank[r]) for r in members if per_rank.get(r)), default=None)
+        if len(members) < 2 or last is None:
+            continue
+        at = {r: per_rank.get(r, {}).get(last) for r in members}
+        times = {r: e.time for r, e in at.items() if e is not None and e.time is not None}
+        if not times:
+            continue
+        first = min(times.values())
+        waiting = tuple(r for r in members if r in times and times[r] - first <= min_wait_s)
+        entry = next(at[r] for r in waiting if times[r] == first)
+        for r in members:
+            if r not in waiting and (r in times or at[r] is None):
+                found.append(Wait(r, waiting, round(times[r] - first, 1) if r in times else None, entry))
+    # A late rank that itself waits elsewhere is a link of a chain (it waits in one group while its
+    # other group waits for it): the ranks waiting nowhere come first, the root of the wait.
+    waits_too = {r for w in found for r in w.waiting}
+    return sorted(found, key=lambda w: (w.late in waits_too, -(w.entry.time or 0.0)))
 
 
 def format_report(dumps, world_size: int | None = None) -> str:
