@@ -80,7 +80,7 @@ class ExpertGroups:
         dtype: of the weights (the GEMM's dtype).
         dims: every inner and outer dim ``K`` / ``M`` the projections will use (the alignment
             check of the grouped kernel).
-        device_counts: the same counts as a device tensor when the caller has them (no
+        device_counts: the same counts as a tensor on ``device`` when the caller has them (no
             host-to-device copy then).
         path: force ``"grouped_mm"`` or ``"bmm"`` (tests, the bench); None chooses.
     """
@@ -97,8 +97,9 @@ class ExpertGroups:
     ) -> None:
         self.counts = [int(c) for c in counts]
         self.rows = sum(self.counts)
+        # the caller's device copy as it is (a .to(device) would count as a host-to-device copy)
         dev_counts = (
-            device_counts.to(device=device, dtype=torch.long)
+            device_counts.long()
             if device_counts is not None
             else torch.tensor(self.counts, dtype=torch.long, device=device)
         )

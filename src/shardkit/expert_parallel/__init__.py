@@ -5,11 +5,13 @@
 * :mod:`.experts`: the per-expert math of a transformers experts module on local experts, all
   of them as one grouped GEMM per projection.
 * :mod:`.capacity`: expert capacity and token dropping (Megatron-LM's capacity factor).
+* :mod:`.balance`: router load balancing (DeepSeek-V3's bias and sequence-wise loss, z-loss).
 * :mod:`.hf`: ``grouped_gemm`` parameter sharding, the EP-dispatch and ``ep_router`` forwards
   and the ``moe_identity_expert`` input scaling, for transformers MoE models.
 * :mod:`.styles`: those as :func:`shardkit.apply_tp` plan styles, and :func:`ep_plan`.
 """
 
+from .balance import biased_topk, expert_load, router_z_loss, sequence_balance_loss, update_router_bias_
 from .capacity import CapacityRouting, apply_capacity, expert_capacity
 from .dispatch import DispatchPlan, dispatch_plan, token_combine, token_dispatch
 from .experts import expert_forward, grouped_experts_forward, routed_experts_forward
@@ -33,6 +35,11 @@ __all__ = [
     "CapacityRouting",
     "apply_capacity",
     "expert_capacity",
+    "biased_topk",
+    "expert_load",
+    "update_router_bias_",
+    "sequence_balance_loss",
+    "router_z_loss",
     "expert_forward",
     "grouped_experts_forward",
     "routed_experts_forward",
