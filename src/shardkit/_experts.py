@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._grouped_gemm import ExpertGroups
+from ._grouped_gemm import ExpertGroups, grouped_mm_supported
 from .errors import ShardkitError
 
 if TYPE_CHECKING:
@@ -99,7 +99,8 @@ def grouped_experts_forward(
         path: ``"grouped_mm"`` or ``"bmm"`` to force one (tests, benchmarks); None chooses.
 
     Raises:
-        ShardkitError: not an experts module; ``path`` not one of the two.
+        ShardkitError: not an experts module; ``path`` not one of the two, or ``"grouped_mm"``
+            where this build does not run it for the dtype and device.
 
     Source: Megatron-LM ``GroupedMLP`` / torchtitan grouped experts (``torch._grouped_mm``).
     """
@@ -112,6 +113,10 @@ def grouped_experts_forward(
     w1, w2 = getattr(experts, first), experts.down_proj
     # the GEMM wants [E, K, M]; HF stores [E, M, K] (F.linear's layout) unless is_transposed
     w1, w2 = (w1, w2) if transposed else (w1.transpose(1, 2), w2.transpose(1, 2))
+    if path == "grouped_mm" and not grouped_mm_supported(x.device.type, w1.dtype):
+        raise ShardkitError(
+            f"grouped_experts_forward: torch._grouped_mm does not run {w1.dtype} on {x.device.type} in this torch build"
+        )
     groups = ExpertGroups(
         counts, x.device, w1.dtype, (*w1.shape[1:], *w2.shape[1:]), device_counts=device_counts, path=path
     )

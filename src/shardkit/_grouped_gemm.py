@@ -8,8 +8,9 @@ grouping once per layer call and picks one of two paths for all its projections:
 * ``"grouped_mm"``: one ``torch._grouped_mm(x [N, K], w [E, K, M], offs)`` per projection (the
   kernel Megatron-LM's ``GroupedMLP`` and torchtitan use). Used where this torch build has it,
   runs it for the device and dtype (float64 never; measured once per device and dtype by a tiny
-  forward and backward, since the supported set differs by build and GPU) and every row stride
-  is a multiple of 16 bytes (the kernel's constraint: ``K`` and ``M`` times the element size).
+  forward and backward, since the supported set differs by build and GPU), every row stride
+  is a multiple of 16 bytes (the kernel's constraint: ``K`` and ``M`` times the element size)
+  and, under ``torch.compile``, the dtype is bfloat16 (:func:`grouped_mm_fits`).
 * ``"bmm"``: the rows are scattered into a zero-padded ``[E, C, K]`` buffer (``C`` = the largest
   count), one ``torch.bmm`` runs all experts, and the rows are gathered back. Exact in float64
   (each output row is the same dot products as a per-expert ``mm``); costs ``E * C`` rows of
@@ -21,7 +22,6 @@ gradient (never ``None``): data-parallel reducers see the same parameters on eve
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,7 +29,7 @@ import torch
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-__all__ = ["ExpertGroups", "grouped_mm_supported"]
+__all__ = ["ExpertGroups", "grouped_mm_fits", "grouped_mm_supported"]
 
 _ALIGN = 16  # bytes: torch._grouped_mm's stride constraint
 
@@ -50,13 +50,24 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
-@functools.cache
+_PROBED: dict[tuple[str, torch.dtype], bool] = {}
+
+
 def grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
     """Whether ``torch._grouped_mm`` runs forward and backward for ``dtype`` on ``device_type`` here.
 
-    Measured once (a 2-expert product with an empty expert) and cached: CPU builds run float32,
-    bfloat16 and float16; CUDA builds depend on the GPU. Never float64 (the kernel rejects it).
+    Measured once (a 2-expert product with an empty expert) and remembered: CPU builds run
+    float32, bfloat16 and float16; CUDA builds depend on the GPU. Never float64 (the kernel
+    rejects it).
     """
+    key = (device_type, dtype)
+    if key not in _PROBED:
+        _PROBED[key] = _probe(device_type, dtype)
+    return _PROBED[key]
+
+
+@torch.compiler.disable  # run eagerly even when first asked inside torch.compile: not part of any graph
+def _probe(device_type: str, dtype: torch.dtype) -> bool:
     grouped = getattr(torch, "_grouped_mm", None)
     if grouped is None or dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return False
@@ -69,6 +80,19 @@ def grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
     except (RuntimeError, NotImplementedError, TypeError):
         return False  # not built for this device / dtype / GPU: the bmm path runs instead
     return True
+
+
+def grouped_mm_fits(device_type: str, dtype: torch.dtype, dims: Sequence[int]) -> bool:
+    """Whether the grouped kernel takes this call: it runs here (:func:`grouped_mm_supported`),
+    every ``K`` / ``M`` in ``dims`` is a 16-byte multiple, and, under ``torch.compile``, the
+    dtype is bfloat16 (the kernel's meta function, which tracing runs, takes nothing else, even
+    where the eager CPU kernel runs float32: measured on torch 2.13)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    if any(d * size % _ALIGN for d in dims):
+        return False
+    if torch.compiler.is_compiling() and dtype != torch.bfloat16:
+        return False
+    return grouped_mm_supported(device_type, dtype)
 
 
 class ExpertGroups:
@@ -104,9 +128,7 @@ class ExpertGroups:
             else torch.tensor(self.counts, dtype=torch.long, device=device)
         )
         if path is None:
-            size = torch.empty((), dtype=dtype).element_size()
-            aligned = all(d * size % _ALIGN == 0 for d in dims)
-            path = "grouped_mm" if aligned and grouped_mm_supported(torch.device(device).type, dtype) else "bmm"
+            path = "grouped_mm" if grouped_mm_fits(torch.device(device).type, dtype, dims) else "bmm"
         self.path = path
         self.device_counts = dev_counts
         if path == "grouped_mm":

@@ -135,6 +135,8 @@ def test_bad_path_and_module():
     module = _Experts()
     with pytest.raises(ShardkitError, match="path must be"):
         grouped_experts_forward(module, torch.zeros(1, 16, dtype=torch.float64), [1, 0, 0, 0, 0], 16, path="loop")
+    with pytest.raises(ShardkitError, match="does not run torch.float64"):
+        grouped_experts_forward(module, torch.zeros(1, 16, dtype=torch.float64), [1, 0, 0, 0, 0], 16, path="grouped_mm")
     with pytest.raises(ShardkitError, match="down_proj"):
         grouped_experts_forward(nn.Linear(2, 2), torch.zeros(1, 2), [1], 2)
 
@@ -142,3 +144,17 @@ def test_bad_path_and_module():
 def test_no_local_experts():
     out = grouped_experts_forward(_Experts(e=0), torch.zeros(0, 16, dtype=torch.float64), [], 16)
     assert out.shape == (0, 16)
+
+
+@pytest.mark.slow  # about 30 s of compiling on the shared 2-core machine
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_under_torch_compile(dtype):
+    """Tracing runs _grouped_mm's meta function, which takes bfloat16 only: float32 takes the bmm
+    path there (the eager CPU kernel would have run it), bfloat16 the grouped kernel."""
+    module = _Experts(dtype=dtype)
+    counts = COUNTS[0]
+    compiled = torch.compile(lambda m, x, c: grouped_experts_forward(m, x, c, 16), backend="aot_eager")
+    ref = _run(module, _loop, counts, dtype)
+    got = _run(module, compiled, counts, dtype)
+    _assert_same(got, ref, 1e-5 if dtype == torch.float32 else 2e-2)
+    torch._dynamo.reset()
