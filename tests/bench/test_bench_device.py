@@ -102,6 +102,7 @@ def test_torchrun_env_and_the_skip_reasons():
         "ulysses",
         "spatial_conv",
         "vocab_loss",
+        "moe",
         "tp_step",
         "host_overhead",
         "checks",

@@ -79,6 +79,13 @@ CASES = {
         worlds=ANY,
     ),
     "vocab_loss": CaseSpec(".cases_other", "vocab_loss", 2, "vocab-parallel loss against gathered logits", worlds=ANY),
+    "moe": CaseSpec(
+        ".cases_moe",
+        "moe_experts",
+        1,
+        "8 local experts: one grouped GEMM per projection (and the padded bmm) against a per-expert loop",
+        worlds=ANY,
+    ),
     "tp_step": CaseSpec(
         ".cases_tp",
         "tp_step",

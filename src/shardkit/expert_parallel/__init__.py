@@ -2,12 +2,17 @@
 
 * :mod:`.dispatch`: :func:`dispatch_plan`, :func:`token_dispatch`, :func:`token_combine`
   (Megatron-LM / torchtitan all-to-all token dispatcher, exact backward, zero-token ranks).
-* :mod:`.experts`: the per-expert math of a transformers experts module on local experts.
+* :mod:`.experts`: the per-expert math of a transformers experts module on local experts, all
+  of them as one grouped GEMM per projection.
+* :mod:`.capacity`: expert capacity and token dropping (Megatron-LM's capacity factor).
+* :mod:`.balance`: router load balancing (DeepSeek-V3's bias and sequence-wise loss, z-loss).
 * :mod:`.hf`: ``grouped_gemm`` parameter sharding, the EP-dispatch and ``ep_router`` forwards
   and the ``moe_identity_expert`` input scaling, for transformers MoE models.
 * :mod:`.styles`: those as :func:`shardkit.apply_tp` plan styles, and :func:`ep_plan`.
 """
 
+from .balance import biased_topk, expert_load, router_z_loss, sequence_balance_loss, update_router_bias_
+from .capacity import CapacityRouting, apply_capacity, expert_capacity
 from .dispatch import DispatchPlan, dispatch_plan, token_combine, token_dispatch
 from .experts import expert_forward, grouped_experts_forward, routed_experts_forward
 from .hf import (
@@ -27,6 +32,14 @@ __all__ = [
     "dispatch_plan",
     "token_dispatch",
     "token_combine",
+    "CapacityRouting",
+    "apply_capacity",
+    "expert_capacity",
+    "biased_topk",
+    "expert_load",
+    "update_router_bias_",
+    "sequence_balance_loss",
+    "router_z_loss",
     "expert_forward",
     "grouped_experts_forward",
     "routed_experts_forward",

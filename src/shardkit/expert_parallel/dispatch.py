@@ -83,6 +83,8 @@ class DispatchPlan:
         order: ``[T * k]`` sorted position -> flat (token, slot) index (stable sort by expert).
         regroup: ``[T_recv]`` expert-major position -> received position, or None (identity).
         local_counts: ``tokens_per_local_expert`` as a tensor on the device (where it was counted).
+        num_dropped: pairs dropped by the ``keep`` mask (capacity): sorted last in ``order``,
+            never sent; their combined output is zero.
         dispatched: the ``[T_recv, H]`` rows :func:`token_dispatch` last returned for this plan
             (None before): :func:`token_combine` ties an expert output without graph to them,
             so that a rank that received no rows still joins the backward all-to-alls.
@@ -100,6 +102,7 @@ class DispatchPlan:
     order: torch.Tensor
     regroup: torch.Tensor | None
     local_counts: torch.Tensor = field(repr=False, kw_only=True)
+    num_dropped: int = field(default=0, kw_only=True)
     dispatched: torch.Tensor | None = field(default=None, repr=False)
 
     @property
@@ -141,8 +144,11 @@ def _regroup_index(counts: torch.Tensor, total: int) -> torch.Tensor | None:
     return torch.argsort(row_expert, stable=True)
 
 
-def _counts_on_device(flat: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(per_expert [E], bad [], order [T k])`` without a host sync.
+def _counts_on_device(
+    flat: torch.Tensor, num_experts: int, keep: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(per_expert [E], bad [], order [T k])`` without a host sync; dropped pairs (``keep``
+    False) go to an extra last bin, so they sort last and count for no expert.
 
     ``bincount`` reads the device (its output size depends on the largest id) and an
     out-of-range id would fault a ``scatter`` on an accelerator, so the ids are clamped into
@@ -152,9 +158,11 @@ def _counts_on_device(flat: torch.Tensor, num_experts: int) -> tuple[torch.Tenso
     """
     bad = ((flat < 0) | (flat >= num_experts)).any()
     ids = flat.clamp(0, num_experts - 1)
-    per_expert = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
+    if keep is not None:
+        ids = torch.where(keep.reshape(-1), ids, num_experts)
+    per_expert = torch.zeros(num_experts + 1, dtype=torch.long, device=flat.device)
     per_expert.scatter_add_(0, ids, torch.ones_like(ids))
-    return per_expert, bad, torch.argsort(ids, stable=True)
+    return per_expert[:num_experts], bad, torch.argsort(ids, stable=True)
 
 
 def _bad_ids(op: str, num_experts: int, ranks: list[int], size: int) -> ShardkitError:
@@ -164,7 +172,12 @@ def _bad_ids(op: str, num_experts: int, ranks: list[int], size: int) -> Shardkit
 
 
 def dispatch_plan(
-    topk_index: torch.Tensor, num_experts: int, group: Group, *, expert_sizes: Sequence[int] | None = None
+    topk_index: torch.Tensor,
+    num_experts: int,
+    group: Group,
+    *,
+    expert_sizes: Sequence[int] | None = None,
+    keep: torch.Tensor | None = None,
 ) -> DispatchPlan:
     """Route (token, slot) pairs to the ranks owning their experts; exchange the counts once.
 
@@ -179,6 +192,9 @@ def dispatch_plan(
         group: a ``ProcessGroup`` or 1-D ``DeviceMesh`` of ``R`` ranks (the EP group).
         expert_sizes: experts per rank, contiguous blocks in rank order (zeros allowed); None
             for the balanced split of ``E`` (the first ``E % R`` ranks get one more).
+        keep: ``[T, k]`` bool, the pairs to send (None: all); a dropped pair (capacity, see
+            :func:`~shardkit.expert_parallel.capacity.apply_capacity`) is not sent and its
+            combined output is zero. Ids of dropped pairs are still checked.
 
     Returns:
         A :class:`DispatchPlan`.
@@ -208,6 +224,13 @@ def dispatch_plan(
         error = ShardkitError(f"{op}: topk_index must be [T, k], got shape {tuple(topk_index.shape)}")
     elif isinstance(num_experts, bool) or not isinstance(num_experts, int):
         error = ShardkitTypeError(f"{op}: num_experts must be an int, got {num_experts!r}")
+    elif keep is not None and (
+        not isinstance(keep, torch.Tensor) or keep.dtype != torch.bool or keep.shape != topk_index.shape
+    ):
+        error = ShardkitError(
+            f"{op}: keep must be a bool tensor of topk_index's shape {tuple(topk_index.shape)}, "
+            f"got {getattr(keep, 'dtype', type(keep).__name__)} {tuple(getattr(keep, 'shape', ()))}"
+        )
     # check mode: every rank must route over the same experts (E and the split set the counts' layout)
     maybe_agree(
         g, op, topk_index if error is None else placeholder(g), (num_experts, expert_sizes), local_dim=0, error=error
@@ -217,13 +240,13 @@ def dispatch_plan(
     sizes = check_split_sizes(expert_sizes, g.size, num_experts, op)
     num_tokens, top_k = topk_index.shape
     flat = topk_index.reshape(-1).long()
-    per_expert, bad, order = _counts_on_device(flat, num_experts)
+    per_expert, bad, order = _counts_on_device(flat, num_experts, keep)
 
     if g.size == 1:
         *counts, flagged = torch.cat([per_expert, bad.view(1)]).tolist()  # the one host sync of the layer
         if flagged:
             raise _bad_ids(op, num_experts, [0], 1)
-        n = flat.numel()
+        n = sum(counts)
         return DispatchPlan(
             g,
             num_experts,
@@ -237,6 +260,7 @@ def dispatch_plan(
             order,
             None,
             local_counts=per_expert,
+            num_dropped=flat.numel() - n,
         )
 
     # Counts as [R, E_max + 1]: row j = this rank's counts for rank j's local experts, padded,
@@ -256,19 +280,21 @@ def dispatch_plan(
     n_local = sizes[g.rank]
     counts = [row[:n_local] for row in recv_rows]
     recv_sizes = tuple(sum(c) for c in counts)
+    send_sizes = tuple(sum(row[:-1]) for row in send_rows)
     return DispatchPlan(
         g,
         num_experts,
         tuple(sizes),
         num_tokens,
         top_k,
-        send_sizes=tuple(sum(row[:-1]) for row in send_rows),
+        send_sizes=send_sizes,
         recv_sizes=recv_sizes,
         recv_counts=tuple(tuple(c) for c in counts),
         tokens_per_local_expert=tuple(sum(c[e] for c in counts) for e in range(n_local)),
         order=order,
         regroup=_regroup_index(recv[:, :n_local], sum(recv_sizes)),
         local_counts=recv[:, :n_local].sum(0),
+        num_dropped=flat.numel() - sum(send_sizes),
     )
 
 
@@ -320,7 +346,8 @@ def token_dispatch(hidden: torch.Tensor, plan: DispatchPlan) -> tuple[torch.Tens
     op = "token_dispatch"
     _check_plan(plan, op)
     _check_rows(hidden, plan.num_tokens, op, "hidden", plan)
-    rows = hidden.index_select(0, plan.order // plan.top_k)  # k copies; backward sums them
+    order = plan.order[: plan.order.numel() - plan.num_dropped]  # dropped pairs sort last: not sent
+    rows = hidden.index_select(0, order // plan.top_k)  # k copies; backward sums them
     if plan.group.size > 1:
         rows = _AllToAllRows.apply(rows, plan.group, plan.send_sizes, plan.recv_sizes, op)
     if plan.regroup is not None:
@@ -361,6 +388,8 @@ def token_combine(
         y = y.index_select(0, _inverse(plan.regroup))
     if plan.group.size > 1:
         y = _AllToAllRows.apply(y, plan.group, plan.recv_sizes, plan.send_sizes, op)
+    if plan.num_dropped:  # dropped pairs (sorted last) contribute exact zeros
+        y = torch.cat([y, y.new_zeros(plan.num_dropped, y.shape[1])])
     y = y.index_select(0, _inverse(plan.order)).view(plan.num_tokens, plan.top_k, y.shape[1])
     if topk_weights is None:
         return y.sum(1)

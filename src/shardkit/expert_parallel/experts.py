@@ -6,12 +6,13 @@ module decorated with ``@use_experts_implementation``: ``gate_up_proj [E, 2I, H]
 [E, ...]``, transposed layouts (``is_transposed``: ``[E, H, 2I]`` / ``[E, I, H]``), a gating
 function ``_apply_gate`` (default: ``act_fn(gate) * up`` on the concatenated halves; models with
 an interleaved layout or clamped activations override it) and an optional
-``post_expert_norm``. The functions here apply exactly that per-expert math, expert by
-expert, on rows already grouped by expert, so a sharded module needs no HF forward.
+``post_expert_norm``. The functions here apply exactly that per-expert math on rows already
+grouped by expert, so a sharded module needs no HF forward: :func:`expert_forward` one expert,
+:func:`grouped_experts_forward` all local experts as one GEMM per projection
+(``torch._grouped_mm`` where the build runs it, else a zero-padded ``torch.bmm``).
 
-Every local expert runs even on zero rows (an empty matmul), so its parameters always take
-part in backward and get a (zero) gradient instead of ``None``: data-parallel reducers then see
-the same parameters on every rank.
+Every local expert takes part even with zero rows, so its parameters always get a (zero)
+gradient instead of ``None``: data-parallel reducers then see the same parameters on every rank.
 """
 
 from __future__ import annotations

@@ -37,6 +37,7 @@ from ..comm._group import resolve_group
 from ..errors import ShardkitError
 from ..sharding import ShardSpec, set_shard_spec
 from ..tensor_parallel.moe import identity_expert_parallel
+from .capacity import apply_capacity, check_capacity_args
 from .dispatch import dispatch_plan, token_combine, token_dispatch
 from .experts import expert_param_names, grouped_experts_forward, routed_experts_forward
 
@@ -178,6 +179,9 @@ def ep_experts_forward(
     mode: str = "dispatch",
     tokens: str = "replicated",
     token_group: Group | None = None,
+    capacity_factor: float | None = None,
+    drop_policy: str = "probs",
+    pad_to_capacity: bool = False,
 ) -> torch.Tensor:
     """Forward of an expert-sharded experts module (the body :func:`install_ep_forward` installs).
 
@@ -192,6 +196,13 @@ def ep_experts_forward(
             ranks beyond tp (``ep`` spans ``dp_shard x cp x tp``): the tokens are then the same
             on the tp ranks only, so each tp rank keeps its block of them (split over
             ``token_group``) and dispatches it over ``group`` as its own.
+        capacity_factor: None (dropless, the default) or Megatron's expert capacity factor
+            ``f``: each expert keeps at most ``ceil(T * k / E * f)`` pairs of the ``T`` tokens
+            routed in this call (all of them with replicated tokens, so the result equals one
+            process; this rank's own with sharded tokens); see :mod:`.capacity`.
+        drop_policy: ``"probs"`` (keep the highest weights) or ``"position"`` (the earliest).
+        pad_to_capacity: fill every expert to the capacity with zero-weight pairs (fixed
+            shapes; same output and gradients).
 
     Returns:
         ``[T, H]`` in ``hidden``'s dtype: ``sum_j w[t, j] * expert_{idx[t, j]}(hidden[t])``.
@@ -201,6 +212,7 @@ def ep_experts_forward(
     """
     op = "ep_experts_forward"
     _check_mode(mode, tokens, op)
+    check_capacity_args(capacity_factor, drop_policy, pad_to_capacity, op)
     shard = expert_shard(module)
     if shard is None:
         raise ShardkitError(f"{op}: shard the expert parameters first (shard_expert_param / shard_expert_params)")
@@ -215,12 +227,22 @@ def ep_experts_forward(
             f"{tuple(top_k_index.shape)}, {tuple(top_k_weights.shape)}"
         )
     T, H = hidden.shape
+    keep = None
+    if capacity_factor is not None:  # on the tokens routed in this call, before any split
+        top_k_index, top_k_weights, keep, _ = apply_capacity(
+            top_k_index,
+            top_k_weights,
+            shard.num_experts,
+            capacity_factor,
+            drop_policy=drop_policy,
+            pad_to_capacity=pad_to_capacity,
+        )
     # Hidden and weights travel in one buffer so that each boundary costs one collective.
     packed = torch.cat([hidden, top_k_weights.to(hidden.dtype)], dim=1)
     offset = split_offsets(shard.sizes)[g.rank]
     if mode == "local":
         packed = all_reduce_backward(packed, group)
-        out = routed_experts_forward(module, packed[:, :H], top_k_index, packed[:, H:], offset)
+        out = routed_experts_forward(module, packed[:, :H], top_k_index, packed[:, H:], offset, keep)
         return all_reduce_forward(out, group).to(hidden.dtype)
     tg = g if token_group is None else resolve_group(token_group, op)
     split_group = group if token_group is None else token_group
@@ -229,9 +251,10 @@ def ep_experts_forward(
         sizes = balanced_split_sizes(T, tg.size)
         packed = split_forward_gather_backward(packed, split_group, 0, sizes)
         top_k_index = top_k_index.narrow(0, split_offsets(sizes)[tg.rank], sizes[tg.rank])
-    plan = dispatch_plan(top_k_index, shard.num_experts, group, expert_sizes=list(shard.sizes))
+        keep = None if keep is None else keep.narrow(0, split_offsets(sizes)[tg.rank], sizes[tg.rank])
+    plan = dispatch_plan(top_k_index, shard.num_experts, group, expert_sizes=list(shard.sizes), keep=keep)
     x, counts = token_dispatch(packed[:, :H], plan)
-    y = grouped_experts_forward(module, x, counts, H)
+    y = grouped_experts_forward(module, x, counts, H, device_counts=plan.local_counts)
     out = token_combine(y, plan, packed[:, H:])
     if split:
         out = gather_forward_split_backward(out, split_group, 0, sizes)
@@ -245,15 +268,19 @@ def install_ep_forward(
     mode: str = "dispatch",
     tokens: str = "replicated",
     token_group: Group | None = None,
+    capacity_factor: float | None = None,
+    drop_policy: str = "probs",
+    pad_to_capacity: bool = False,
 ) -> nn.Module:
     """The EP-dispatch / ``ep_router`` style: replace ``module.forward`` by :func:`ep_experts_forward`
-    (``token_group``: see there).
+    (``token_group`` and the capacity arguments: see there).
 
     Raises:
         ShardkitError: bad ``mode`` / ``tokens``; the parameters are not sharded yet.
     """
     op = "install_ep_forward"
     _check_mode(mode, tokens, op)
+    check_capacity_args(capacity_factor, drop_policy, pad_to_capacity, op)
     if expert_shard(module) is None:
         raise ShardkitError(f"{op}: shard the expert parameters first (shard_expert_param / shard_expert_params)")
     resolve_group(group, op)
@@ -262,7 +289,17 @@ def install_ep_forward(
 
     def forward(hidden_states, top_k_index, top_k_weights):
         return ep_experts_forward(
-            module, hidden_states, top_k_index, top_k_weights, group, mode=mode, tokens=tokens, token_group=token_group
+            module,
+            hidden_states,
+            top_k_index,
+            top_k_weights,
+            group,
+            mode=mode,
+            tokens=tokens,
+            token_group=token_group,
+            capacity_factor=capacity_factor,
+            drop_policy=drop_policy,
+            pad_to_capacity=pad_to_capacity,
         )
 
     module.forward = forward
@@ -277,6 +314,9 @@ def shard_experts(
     tokens: str = "replicated",
     expert_sizes: Sequence[int] | None = None,
     token_group: Group | None = None,
+    capacity_factor: float | None = None,
+    drop_policy: str = "probs",
+    pad_to_capacity: bool = False,
 ) -> nn.Module:
     """Shard an experts module over ``group`` (:func:`shard_expert_params`) and install its EP forward.
 
@@ -288,6 +328,9 @@ def shard_experts(
         expert_sizes: experts per rank; None for the balanced split.
         token_group: the group the tokens are replicated over, when not ``group`` (see
             :func:`ep_experts_forward`).
+        capacity_factor: expert capacity (Megatron-LM's); None is dropless (see :func:`ep_experts_forward`).
+        drop_policy: ``"probs"`` or ``"position"`` (see :func:`ep_experts_forward`).
+        pad_to_capacity: fill every expert to the capacity (see :func:`ep_experts_forward`).
 
     Returns:
         ``module``, modified in place.
@@ -299,7 +342,17 @@ def shard_experts(
     styles; Megatron-LM all-to-all token dispatcher.
     """
     _check_mode(mode, tokens, "shard_experts")
+    check_capacity_args(capacity_factor, drop_policy, pad_to_capacity, "shard_experts")
     if not expert_param_names(module) and expert_shard(module) is None:
         raise ShardkitError(f"shard_experts: {type(module).__name__} has no parameters with leading dim num_experts")
     shard_expert_params(module, group, expert_sizes=expert_sizes)
-    return install_ep_forward(module, group, mode=mode, tokens=tokens, token_group=token_group)
+    return install_ep_forward(
+        module,
+        group,
+        mode=mode,
+        tokens=tokens,
+        token_group=token_group,
+        capacity_factor=capacity_factor,
+        drop_policy=drop_policy,
+        pad_to_capacity=pad_to_capacity,
+    )
