@@ -58,6 +58,8 @@ LAYOUTS_4 = {
     "dp=4, zero 1": (dict(tp=1, zero=1), 1, "dp_replicate"),
     "dp=4, zero 2": (dict(tp=1, zero=2), 2, "dp_replicate"),
     "dp=2 x tp=2 (SP), zero 2": (dict(tp=2, zero=2), 2, "dp_replicate"),
+    # 24858 parameters: the bucket is padded to 24860, the last rank's slice ends in 2 zeros
+    "dp=4, zero 1, padded bucket": (dict(tp=1, zero=1, hidden_size=18, heads=3, kv_heads=1), 1, "dp_replicate"),
     "pp=2 x dp=2, zero 1, 1f1b": (dict(tp=1, pp=2, microbatches=2, zero=1), 1, "dp_replicate"),
     "dp=4, zero 2, 2 accumulated microbatches": (dict(tp=1, zero=2, microbatches=2, batch_size=8), 2, "dp_replicate"),
     "cp_ring=2 x dp=2, zero 2": (dict(tp=1, cp_ring=2, seq_len=32, zero=2), 2, "dp_cp"),
@@ -68,7 +70,7 @@ LAYOUTS_4 = {
         None,
     ),
 }
-QUICK_4 = ("dp=4, zero 2", "dp=2 x tp=2 (SP), zero 2", "pp=2 x dp=2, zero 1, 1f1b")
+QUICK_4 = ("dp=4, zero 2", "dp=4, zero 1, padded bucket", "dp=2 x tp=2 (SP), zero 2", "pp=2 x dp=2, zero 1, 1f1b")
 
 
 @pytest.mark.world(4, timeout=120)
