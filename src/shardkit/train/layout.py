@@ -19,7 +19,7 @@ from .._files import check_out_dir
 from .._rules import batch_rule, pp_layers_rule, schedule_rule, stage_heads_rule
 from ..errors import ShardkitError
 from .config_file import check_output_dirs, check_writable
-from .layout_lm import check_lm_options, check_precision
+from .layout_lm import check_lm_options, check_precision, check_zero
 from .loggers import check_loggers
 from .model_names import model_facts
 from .options import DTYPES, FINETUNE_LR, LR_SCHEDULES, SCHEDULES, SIZE_FLAGS, TrainConfig, parse_pp_tp
@@ -282,27 +282,3 @@ def _resolve_world(cfg: TrainConfig, tp_given: bool = True) -> TrainConfig:
     if (why := batch_rule(cfg.batch_size, dp_replicate * cfg.dp_shard, cfg.microbatches)) is not None:
         raise ShardkitError(why)
     return cfg
-
-
-def check_zero(cfg: TrainConfig) -> None:
-    """``--zero``: 0, 1 or 2, and not over FSDP2 ranks (pure).
-
-    ZeRO shards the optimizer state (and gradients) over ``dp_replicate x cp``; with
-    ``--dp-shard > 1`` FSDP2 already shards parameters, gradients and state there (ZeRO-3), and
-    HSDP's replicas all-reduce inside FSDP2, so the two are not stacked: refused, with the layout
-    to use instead. The conv autoencoder's layouts are spatial x dp without ZeRO.
-
-    Raises:
-        ShardkitError: naming the options at fault.
-    """
-    if isinstance(cfg.zero, bool) or cfg.zero not in (0, 1, 2):
-        raise ShardkitError(f"--zero must be 0 (off), 1 (optimizer state) or 2 (and gradients), got {cfg.zero!r}")
-    if not cfg.zero:
-        return
-    if cfg.dp_shard > 1:
-        raise ShardkitError(
-            f"--zero {cfg.zero} with --dp-shard {cfg.dp_shard}: FSDP2 already shards parameters, gradients and "
-            "optimizer state over dp_shard (ZeRO-3); use --zero over --dp-replicate (x cp) with --dp-shard 1"
-        )
-    if not model_facts(cfg.model).decoder:
-        raise ShardkitError(f"--zero {cfg.zero} with --model {cfg.model}: ZeRO is built for the decoder LMs")
