@@ -72,12 +72,18 @@ class ZeroBucket:
     """One flat buffer: the parameters of one reduction group and dtype, and this rank's slice.
 
     Attributes:
+        name: ``"dp_cp"`` or ``"edp"``.
         params: the model's parameters in the bucket, in ``named_parameters`` order (now views
-            of ``flat``). layouts: their :class:`~.grads.ParamLayout`.
-        group: the reduction group (None: one rank). ranks, rank: its size and this rank's place.
-        flat: ``[R * N_r]`` the parameters, then zero padding. shard: ``flat[rank * N_r :
-            (rank + 1) * N_r]`` as the optimizer's parameter (a view: stepping it steps the model).
-        offsets: each parameter's first element in ``flat``. name: ``"dp_cp"`` or ``"edp"``.
+            of ``flat``).
+        layouts: their :class:`~.grads.ParamLayout`.
+        group: the reduction group (None: one rank).
+        ranks: its size ``R``.
+        rank: this rank's place in it.
+        shard_size: ``N_r = ceil(N / R)`` elements per rank.
+        flat: ``[R * N_r]`` the parameters, then zero padding.
+        shard: ``flat[rank * N_r : (rank + 1) * N_r]`` as the optimizer's parameter (a view:
+            stepping it steps the model).
+        offsets: each parameter's first element in ``flat``.
     """
 
     def __init__(self, name: str, params: list[tuple[nn.Parameter, ParamLayout]], group: GroupInfo | None) -> None:
@@ -127,7 +133,11 @@ class ZeroSync(GradientSync):
     """:class:`~.grads.GradientSync` for ZeRO-1 / ZeRO-2: reduce into this rank's slice, clip, gather.
 
     Args:
-        model, mesh, layouts, pre_reduce, grad_reduce: as :class:`~.grads.GradientSync`.
+        model: as :class:`~.grads.GradientSync`.
+        mesh: as :class:`~.grads.GradientSync`.
+        layouts: as :class:`~.grads.GradientSync`.
+        pre_reduce: as :class:`~.grads.GradientSync`.
+        grad_reduce: as :class:`~.grads.GradientSync`.
         stage: 1 (optimizer state sharded; gradients all-reduced) or 2 (gradients reduce-scattered).
 
     The optimizer must be built over :attr:`shard_params` (:class:`.zero_optim.ZeroAdamW`), and

@@ -34,7 +34,8 @@ class ZeroAdamW(torch.optim.AdamW):
 
     Args:
         sync: the model's :class:`~.zero.ZeroSync` (``pm.grads`` of a ``zero`` layout).
-        lr: learning rate. eps: AdamW's eps.
+        lr: learning rate.
+        eps: AdamW's eps.
     """
 
     def __init__(self, sync: ZeroSync, lr: float, eps: float) -> None:
