@@ -147,6 +147,9 @@ LAYOUTS_4 = {
     "llama: pp=2 x dp=2, zero 1, 1f1b": dict(tp=1, pp=2, microbatches=2, zero=1),
     "llama: cp_ring=2 x dp=2, zero 2": dict(tp=1, cp_ring=2, seq_len=32, zero=2),
     "moe: ep=2 borrowed from tp=2 x dp=2, zero 2 (experts over edp)": dict(model="moe", ep=2, zero=2),
+    "moe: ep=4 over dp_replicate=4 (experts over replicas, no edp)": dict(model="moe", tp=1, ep=4),
+    "moe: ep=2 over dp_replicate=4 (edp=2), zero 1": dict(model="moe", tp=1, ep=2, zero=1),
+    "moe: ep=4 over tp=2 x dp_replicate=2, zero 1": dict(model="moe", tp=2, ep=4, zero=1),
     "llama: pp=2 x dp_shard=2 (FSDP2), gpipe, 3 microbatches": dict(
         tp=1, pp=2, dp_shard=2, microbatches=3, batch_size=6, schedule="gpipe"
     ),
