@@ -98,3 +98,13 @@ def test_fake_world_llama_405b_widths_zero1_equals_the_plan():
 def test_zero_over_fsdp2_is_refused_by_the_planner():
     with pytest.raises(ShardkitError, match="zero 1 with dp_shard 4: FSDP2 already shards"):
         fake_world_memory(transformers.LlamaConfig(num_hidden_layers=2), ParallelDims(dp_shard=4), StepOptions(zero=1))
+
+
+def test_fake_world_deepseek_v3_ep_over_zero1_replicas_equals_the_plan():
+    # DeepSeek-V3's widths (6 layers, 32 experts): ep 16 over ZeRO-1 replicas, pp 2, 256 ranks;
+    # the dense bucket over 128 replicas, the experts' over edp = 8
+    config = transformers.DeepseekV3Config(num_hidden_layers=6, first_k_dense_replace=1, n_routed_experts=32)
+    rows = fake_world_memory(config, ParallelDims(pp=2, dp_replicate=128, ep=16), StepOptions(zero=1))
+    assert len(rows) == 2
+    for r in rows:
+        assert r["counted"] == r["planned"], r

@@ -79,7 +79,8 @@ def add_train_flags(subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--ep",
         type=int,
-        help="moe / mla: expert-parallel ranks, borrowed from dp-shard x cp x tp "
+        help="moe / mla: expert-parallel ranks, borrowed from dp-shard x cp x tp, or whole such blocks of "
+        "several --dp-replicate replicas "
         "(experts dispatched all-to-all; default 1: tensor-parallel experts)",
     )
     p.add_argument(
