@@ -70,6 +70,18 @@ LAYOUTS_4 = {
         None,
     ),
 }
+
+
+@pytest.mark.world(4, timeout=120)
+def test_zero_with_bf16_mixed_precision_and_check_mode():
+    # float32 masters in the flat buckets, bfloat16 compute, float32 reductions; the cross-rank
+    # check mode on (every collective's metadata agreed): bf16's --verify tolerance
+    result = _train(tp=2, zero=2, dtype="float32", mixed_precision="bf16", checks=True)
+    if rank() == 0:
+        assert result["parity"]["passed"], result["parity"]
+        assert any(r["api"] == "zero_params" and r["dtype"] == "float32" for r in result["ledger"])
+
+
 QUICK_4 = ("dp=4, zero 2", "dp=4, zero 1, padded bucket", "dp=2 x tp=2 (SP), zero 2", "pp=2 x dp=2, zero 1, 1f1b")
 
 
