@@ -46,7 +46,9 @@ def test_ep_borrows_ranks():
         (dict(tp=True), ShardkitTypeError, "tp must be an int"),
         (dict(dp_replicate=2, tp=2, world_size=6), ShardkitError, "multiply to 4, but the world size is 6"),
         (dict(tp=2, ep=4), ShardkitError, "ep=4 must divide dp_shard x cp_ring x cp_ulysses x tp = 2"),
-        (dict(dp_replicate=4, ep=2), ShardkitError, "ep=2 must divide .* = 1"),
+        (dict(dp_replicate=3, ep=2), ShardkitError, "ep=2 must divide .* = 1, or be a multiple of it that divides"),
+        (dict(dp_replicate=2, tp=4, ep=6), ShardkitError, "ep=6 must divide .* = 4, or be a multiple"),
+        (dict(dp_replicate=4, tp=2, ep=6), ShardkitError, "ep=6 must divide .* = 2, or be a multiple"),
         (dict(spatial=2, dp_shard=2, ep=2), ShardkitError, "spatial"),
     ],
 )
@@ -113,6 +115,19 @@ def test_expert_mesh_borrows_dp_shard_and_tp():
     assert (plain.size("ep"), plain.size("edp"), plain.local_rank("ep")) == (1, 1, 0)
     whole = ParallelDims(dp_shard=2, tp=2, ep=4).build_mesh("cpu")
     assert _ranks(whole["ep"]) == [0, 1, 2, 3] and whole.size("edp") == 1
+
+
+@pytest.mark.world(4)
+def test_expert_mesh_borrows_dp_replicas():
+    # ep past one replica's dp_shard x cp x tp ranks takes whole blocks of consecutive replicas
+    me = rank()
+    across = ParallelDims(dp_replicate=2, tp=2, ep=4).build_mesh("cpu")
+    assert _ranks(across["ep"]) == [0, 1, 2, 3] and across.size("edp") == 1
+    replicas = ParallelDims(dp_replicate=4, ep=2).build_mesh("cpu")
+    assert _ranks(replicas["ep"]) == [me // 2 * 2, me // 2 * 2 + 1]
+    assert _ranks(replicas["edp"]) == [me % 2, me % 2 + 2]
+    # the dense gradients still span every replica
+    assert replicas.size("dp_cp") == 4
 
 
 def test_unknown_mesh_name():

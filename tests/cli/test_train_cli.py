@@ -86,7 +86,8 @@ def test_missing_toml(tmp_path):
         (dict(pp=2, microbatches=3), "--batch-size 8 .* divisible by dp=2 x microbatches=3"),
         (dict(pp=2, schedule="zb"), "--schedule must be one of 1f1b, gpipe"),
         (dict(model="llama", ep=2), "--ep 2 needs a mixture-of-experts model"),
-        (dict(model="moe", ep=4), "ep=4 must divide dp_shard x cp_ring x cp_ulysses x tp = 2"),
+        # ep=4 over tp=2 x dp_replicate=2 is experts over both replicas (issue 33 item 4); 8 is too many
+        (dict(model="moe", ep=8), "ep=8 must divide dp_shard x cp_ring x cp_ulysses x tp = 2, or be a multiple"),
         (dict(model="moe", ep=3, tp=1, dp_shard=4), "ep=3 must divide .* = 4"),
         (
             dict(model="moe", tp=4, nproc=8, heads=2, hidden_size=64, kv_heads=1),
@@ -171,6 +172,9 @@ def test_layouts_that_used_to_be_refused_now_compose():
         dict(model="qwen3", pp=2),
         dict(tp=4),
         dict(pp=2, tp=4, nproc=8),
+        dict(model="moe", ep=4),  # experts over tp=2 x both dp replicas (issue 33 item 4)
+        dict(model="moe", ep=2, tp=1, zero=1),  # experts on pairs of ZeRO-1 replicas
+        dict(zero=2),  # ZeRO-2 over the dp replicas beside tp=2
     ):
         cfg = validate_config(merge_config({}, kwargs))
         assert cfg.nproc == kwargs.get("nproc", 4), kwargs

@@ -67,6 +67,7 @@ def check(overrides: dict) -> None:
         cfg.loss_parallel,
         cfg.schedule,
         virtual_stages=cfg.virtual_stages,
+        zero=cfg.zero,
     )
     got_routed = want_routed = 0
     ledgers = _ledgers(cfg)
@@ -137,6 +138,18 @@ LAYOUTS_4 = {
         model="mla", pp_tp="2,1,1", layers=3, microbatches=2
     ),
     "llama: pp_tp=1,1 x dp_replicate=2": dict(pp_tp="1,1", dp_replicate=2, microbatches=2),
+    "llama: dp_replicate=4, zero 1": dict(tp=1, zero=1),
+    "llama: dp_replicate=4, zero 2, 2 accumulated microbatches": dict(tp=1, zero=2, microbatches=2, batch_size=8),
+    "llama: tp=2 (SP) x dp=2, zero 2": dict(zero=2),
+    "llama: dp=4, zero 2, 24858 parameters (bucket padded to 24860)": dict(
+        tp=1, zero=2, hidden_size=18, heads=3, kv_heads=1
+    ),
+    "llama: pp=2 x dp=2, zero 1, 1f1b": dict(tp=1, pp=2, microbatches=2, zero=1),
+    "llama: cp_ring=2 x dp=2, zero 2": dict(tp=1, cp_ring=2, seq_len=32, zero=2),
+    "moe: ep=2 borrowed from tp=2 x dp=2, zero 2 (experts over edp)": dict(model="moe", ep=2, zero=2),
+    "moe: ep=4 over dp_replicate=4 (experts over replicas, no edp)": dict(model="moe", tp=1, ep=4),
+    "moe: ep=2 over dp_replicate=4 (edp=2), zero 1": dict(model="moe", tp=1, ep=2, zero=1),
+    "moe: ep=4 over tp=2 x dp_replicate=2, zero 1": dict(model="moe", tp=2, ep=4, zero=1),
     "llama: pp=2 x dp_shard=2 (FSDP2), gpipe, 3 microbatches": dict(
         tp=1, pp=2, dp_shard=2, microbatches=3, batch_size=6, schedule="gpipe"
     ),
@@ -176,6 +189,8 @@ LEDGER_QUICK = (
     "mla: tp=2 (SP) x dp=2, ep=2, shared experts gather",
     "llama: pp_tp=1,2,1, 3 microbatches (broadcast both ways)",
     "llama: pp=2 x dp_shard=2 (FSDP2), dualpipev, 4 microbatches",
+    "llama: dp=4, zero 2, 24858 parameters (bucket padded to 24860)",
+    "moe: ep=2 borrowed from tp=2 x dp=2, zero 2 (experts over edp)",
 )
 
 

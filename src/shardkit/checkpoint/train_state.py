@@ -9,6 +9,8 @@ process:
   (FSDP2 shards all-gathered over their data-parallel mesh first) with its
   :class:`~shardkit.sharding.ShardSpec`; each element written once (DCP deduplicates the
   replicas);
+* with ZeRO (``--zero``), AdamW's moments all-gathered per bucket into the same per-parameter
+  tensors first, and each rank's slice kept on load: a ZeRO save resumes without ZeRO and back;
 * AdamW's ``step``, the step count, the data sampler's generator state and torch's RNG state:
   replicated tensors, written once.
 
@@ -88,12 +90,16 @@ def _state_dict(pm, optimizer, extra: dict[str, torch.Tensor]) -> tuple[dict, li
     """The flat ``{key: tensor}`` to save or load into, and ``(key, target)`` pairs to write back."""
     state, targets = {}, []
     params = dict(pm.module.named_parameters())
+    # a ZeRO optimizer (shardkit.data_parallel.ZeroAdamW) steps slices of flat buckets: it hands
+    # out the full per-parameter moments (a collective gather), so every layout saves alike
+    full_state = getattr(optimizer, "full_param_state", None)
+    opt_state = full_state() if full_state is not None else optimizer.state
     for name, p in params.items():
         spec = pm.layouts[name].spec
         local = _local_full(p)
         state[f"model/{name}"] = _tagged(local, spec)
         targets.append((f"model/{name}", p))
-        opt = optimizer.state.get(p, {})
+        opt = opt_state.get(p, {})
         for key in _ADAM_KEYS:
             if key in opt:
                 state[f"optim/{name}/{key}"] = _tagged(_local_full(opt[key]), spec)
@@ -196,6 +202,9 @@ def load_train_state(
     load_checked(state, reader, ChunkLoadPlanner(state), _world(), "load_train_state", path)
     for key, dst in targets:
         _write_back(dst, state[key].reshape(dst.shape) if dst.dim() == 0 else state[key])
+    keep_slices = getattr(optimizer, "load_full_param_state", None)
+    if keep_slices is not None:  # ZeRO: each rank keeps its slice of the loaded moments
+        keep_slices()
     return step
 
 

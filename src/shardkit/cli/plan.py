@@ -78,6 +78,14 @@ def add_plan_parser(commands) -> argparse.ArgumentParser:
         help="activation checkpointing, as shardkit train --ac (default none)",
     )
     p.add_argument(
+        "--zero",
+        type=int,
+        choices=(0, 1, 2),
+        default=0,
+        help="ZeRO-1 / ZeRO-2 over the data ranks, as shardkit train --zero: only layouts with "
+        "dp_shard 1 are ranked (default 0: off)",
+    )
+    p.add_argument(
         "--virtual-stages",
         type=int,
         default=None,
@@ -279,7 +287,11 @@ def run_plan(args: argparse.Namespace) -> int:
             if args.virtual_stages < 1:
                 raise ShardkitError(f"--virtual-stages must be >= 1, got {args.virtual_stages}")
         options = StepOptions(
-            seq_len=args.seq_len, global_batch=args.global_batch, dtype=args.dtype, activation_checkpoint=args.ac
+            seq_len=args.seq_len,
+            global_batch=args.global_batch,
+            dtype=args.dtype,
+            activation_checkpoint=args.ac,
+            zero=args.zero,
         )
         if args.dry_run is not None:
             dims = parse_layout(args.dry_run, args.gpus)

@@ -57,6 +57,14 @@ def add_train_flags(subparsers) -> argparse.ArgumentParser:
         f"(default {d.dp_shard}; with --dp-replicate > 1: HSDP)",
     )
     p.add_argument(
+        "--zero",
+        type=int,
+        choices=(0, 1, 2),
+        help="ZeRO over the data ranks (--dp-replicate x cp; experts over their edp ranks), parameters "
+        "replicated: 1 shards the optimizer state, 2 the reduced gradients too; not with --dp-shard > 1 "
+        f"(FSDP2 is ZeRO-3) (default {d.zero}: off)",
+    )
+    p.add_argument(
         "--cp-ulysses",
         type=int,
         help=f"context parallel: Ulysses ranks sharing each sequence, all-to-all over heads (default {d.cp_ulysses})",
@@ -71,7 +79,8 @@ def add_train_flags(subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--ep",
         type=int,
-        help="moe / mla: expert-parallel ranks, borrowed from dp-shard x cp x tp "
+        help="moe / mla: expert-parallel ranks, borrowed from dp-shard x cp x tp, or whole such blocks of "
+        "several --dp-replicate replicas "
         "(experts dispatched all-to-all; default 1: tensor-parallel experts)",
     )
     p.add_argument(

@@ -216,6 +216,10 @@ class GradientSync:
                 if mask is not None:
                     g = g * mask
             total += g.pow(2).sum()
+        return self._world_sum(total)
+
+    def _world_sum(self, total: torch.Tensor) -> torch.Tensor:
+        """The square root of ``total`` (this rank's sum of squares) summed over the world."""
         if self.mesh is not None and dist.get_world_size() > 1:
             world = resolve_group(dist.group.WORLD, "GradientSync")
             total = _c10d.all_reduce(total.reshape(1), world, "grad_norm", "optimizer").reshape(())

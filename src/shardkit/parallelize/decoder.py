@@ -40,6 +40,7 @@ from ..comm.fingerprint import maybe_fingerprint
 from ..context_parallel import apply_cp
 from ..data_parallel import GradientSync, GradReduce, ParamLayout, apply_fsdp
 from ..data_parallel.grads import check_grad_reduce
+from ..data_parallel.zero import ZeroSync, check_zero_stage
 from ..errors import ShardkitError
 from ..expert_parallel.hf import expert_shard, shard_experts
 from ..expert_parallel.styles import ep_styles
@@ -120,6 +121,7 @@ def parallelize(
     activation_checkpoint: str = "none",
     mixed_precision: str = "none",
     compile: bool | str = False,
+    zero: int = 0,
 ) -> ParallelModel:
     """Apply tensor, context, expert and data parallelism to ``model``, in that order, in place.
 
@@ -160,6 +162,10 @@ def parallelize(
             activation checkpointing and FSDP2 (:func:`~.compiling.apply_compile`): False
             (eager), True (inductor) or a backend name (e.g. ``"aot_eager"``); not with
             ``"selective"`` checkpointing.
+        zero: 0 (off), 1 or 2: ZeRO-1 / ZeRO-2 over the data ranks (``dp_replicate x cp``;
+            expert weights over ``edp``): ``pm.grads`` is a :class:`~shardkit.data_parallel.ZeroSync`
+            and the optimizer must be :class:`~shardkit.data_parallel.ZeroAdamW`. Not with
+            ``dp_shard > 1`` (FSDP2 is ZeRO-3 there). Ignored with ``mesh=None``.
 
     Returns:
         :class:`ParallelModel`.
@@ -167,11 +173,18 @@ def parallelize(
     Raises:
         ShardkitError: a layout the model cannot take (e.g. ``ep > 1`` on a dense model), with
             the reason; ``grad_reduce`` not ``"mean"`` or ``"sum"``; the transforms' own errors
-            (head counts, ...); ``mixed_precision`` not ``"none"`` or ``"bf16"``, or ``"bf16"``
+            (head counts, ...); ``zero`` not 0, 1 or 2, or ``zero`` with ``dp_shard > 1``;
+            ``mixed_precision`` not ``"none"`` or ``"bf16"``, or ``"bf16"``
             on a model whose parameters are not float32; an unknown compile backend, or compile
             with selective checkpointing or with mixed precision.
     """
     grad_reduce = check_grad_reduce(grad_reduce, "parallelize")
+    zero = check_zero_stage(zero, "parallelize")
+    if zero and mesh is not None and mesh.dims.dp_shard > 1:
+        raise ShardkitError(
+            f"parallelize: zero={zero} with dp_shard={mesh.dims.dp_shard}: FSDP2 already shards parameters, "
+            "gradients and optimizer state over dp_shard (ZeRO-3); use zero over dp_replicate x cp with dp_shard 1"
+        )
     check_ac_mode(activation_checkpoint)
     check_mixed_precision(mixed_precision)
     backend = check_compile(compile, activation_checkpoint=activation_checkpoint)
@@ -232,11 +245,16 @@ def parallelize(
         policy = fsdp_policy(mixed_precision)
         for name in apply_fsdp(model, mesh, decoder_layers(model), grad_reduce=grad_reduce, mp_policy=policy):
             layouts[name].fsdp = True
+    sync = (
+        ZeroSync(model, mesh, layouts, grad_reduce=grad_reduce, stage=zero)
+        if zero
+        else GradientSync(model, mesh, layouts, grad_reduce=grad_reduce)
+    )
     return ParallelModel(
         model,
         mesh,
         cp,
-        GradientSync(model, mesh, layouts, grad_reduce=grad_reduce),
+        sync,
         layouts,
         loss_parallel and tp > 1,
         sequence_parallel and tp > 1,

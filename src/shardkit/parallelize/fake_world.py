@@ -69,6 +69,8 @@ class RankMemory:
         elem: bytes per element of the training dtype.
         unsharded_grads: gradient elements FSDP2 accumulates unsharded over the microbatches of a
             step (``M > 1``: :func:`shardkit.data_parallel.set_microbatch`), else 0.
+        stepped: elements the optimizer holds state for: ZeRO's slices of the flat buckets
+            (their padding included); None: ``held``.
     """
 
     rank: int
@@ -77,6 +79,7 @@ class RankMemory:
     gathered: int
     elem: int
     unsharded_grads: int = 0
+    stepped: int | None = None
 
     def rows(self) -> dict[str, float]:
         """``{"params", "grads", "optimizer"}`` in bytes, as :func:`~shardkit.plan.memory.memory_per_rank`."""
@@ -84,7 +87,7 @@ class RankMemory:
         return {
             "params": float((self.held + self.gathered) * self.elem),
             "grads": float((self.held + self.unsharded_grads) * self.elem),
-            "optimizer": float(self.held * (8 + master)),
+            "optimizer": float((self.held if self.stepped is None else self.stepped) * (8 + master)),
         }
 
 
@@ -167,16 +170,18 @@ def count_rank(config: Any, dims: ParallelDims, rank: int, opts: StepOptions) ->
     try:
         mesh = dims.build_mesh("cpu")
         model = _stage_model(config, dims, stage, getattr(torch, opts.dtype))
-        kw: dict[str, Any] = dict(sequence_parallel=bool(opts.sequence_parallel), grad_reduce="sum")
+        kw: dict[str, Any] = dict(sequence_parallel=bool(opts.sequence_parallel), grad_reduce="sum", zero=opts.zero)
         if dims.pp > 1:
             pm = parallelize_stage(model, mesh, lambda logits, labels: logits.sum(), **kw)
         else:
             pm = parallelize(model, mesh, **kw)
         held, gathered = count_parallel_model(pm, opts.microbatches)
+        buckets = getattr(pm.grads, "buckets", None)  # ZeroSync: the optimizer steps one slice of each
+        stepped = sum(b.shard.numel() for b in buckets) if buckets is not None else None
     finally:
         dist.destroy_process_group()
     unsharded_grads = gathered if opts.microbatches > 1 else 0
-    return RankMemory(rank, stage, held, gathered, DTYPE_BYTES[opts.dtype], unsharded_grads)
+    return RankMemory(rank, stage, held, gathered, DTYPE_BYTES[opts.dtype], unsharded_grads, stepped)
 
 
 def fake_world_memory(config: Any, dims: ParallelDims, opts: StepOptions) -> list[dict[str, Any]]:

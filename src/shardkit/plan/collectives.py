@@ -84,6 +84,7 @@ from .options import (
     resolve_options,
     stage_part,
     stage_tp,
+    zero_buckets,
 )
 
 __all__ = ["CommRow", "step_collectives", "merged", "ledger_table", "HEADER_BYTES"]
@@ -245,7 +246,22 @@ def _vtp_rows(out: Rows, sizes: tuple[int, ...], stage: int, tp_rank: int, M: in
             )
 
 
+def _zero_rows(out: Rows, shape: ModelShape, dims: ParallelDims, opts: StepOptions, stage: int) -> None:
+    """ZeRO's calls per padded bucket of ``n`` elements over ``r`` ranks: stage 1 all-reduces it,
+    stage 2 reduce-scatters it (``1 / r`` received), then the updated slices are all-gathered."""
+    e = opts.elem
+    for (n, r), api in zip(zero_buckets(shape, dims, opts, stage), ("dp_cp_grads", "expert_grads")):
+        if opts.zero == 1:
+            out.add("dp", "all_reduce", api, "backward", r, 1, n * e, n * e)
+        else:
+            out.add("dp", "reduce_scatter_single", api, "backward", r, 1, n * e, n // r * e)
+        out.add("dp", "all_gather_single", "zero_params", "optimizer", r, 1, n // r * e, n * e)
+
+
 def _grad_rows(out: Rows, shape: ModelShape, dims: ParallelDims, opts: StepOptions, stage: int) -> None:
+    if opts.zero:
+        _zero_rows(out, shape, dims, opts, stage)
+        return
     e = opts.elem
     ep = dims.ep
     dense, expert = shape.rank_params(stage_tp(dims, stage), ep, part=stage_part(shape, dims, opts, stage))

@@ -19,7 +19,11 @@
   the V-shaped schedules); a stage holds its schedule's peak in-flight microbatch-chunks
   (:func:`.pipeline.peak_chunks`: 1F1B ``min(M, pp - stage)``, GPipe ``M``, ...) of ``1 / v`` of
   its layers each;
-* with ``pp_tp`` each stage is cut over its own tp size.
+* with ``pp_tp`` each stage is cut over its own tp size;
+* ZeRO-1 / ZeRO-2 (``opts.zero``): AdamW's state for ``1 / R`` of each flat bucket (padded to
+  ``R``; dense over ``dp_replicate x cp``, experts over ``edp``); parameters whole; gradients whole
+  too, for both stages: the peak is the end of backward, before the step's one reduction (stage 2
+  reduce-scatters there and frees the full gradient, so only its bytes on the wire halve).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from .options import (
     resolve_options,
     stage_part,
     stage_tp,
+    zero_buckets,
 )
 from .pipeline import peak_chunks
 
@@ -93,7 +98,10 @@ def memory_per_rank(shape: ModelShape, dims: ParallelDims, opts: StepOptions, st
             gathered, unsharded_grads = _gathered(shape, dims, opts, stage, sharded, kept), 0.0
     else:
         held, gathered, unsharded_grads = float(params), 0.0, 0.0
-    optimizer = held * (8 + (4 if e < 4 else 0))
+    stepped = held
+    if opts.zero:  # ZeRO: AdamW's state for this rank's slice of each padded bucket only
+        stepped = sum(n // r for n, r in zero_buckets(shape, dims, opts, stage))
+    optimizer = stepped * (8 + (4 if e < 4 else 0))
     b = opts.global_batch // (dims.dp * opts.microbatches)
     where = BlockLayout(b, opts.seq_len, tp, dims.cp_ulysses, dims.cp_ring, bool(opts.sequence_parallel))
     per_layer = block_saved_bytes(shape, where, opts.activation_checkpoint, e)

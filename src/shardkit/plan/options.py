@@ -29,6 +29,7 @@ __all__ = [
     "expert_fsdp_ranks",
     "stage_tp",
     "rank_stage",
+    "zero_buckets",
 ]
 
 DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2}
@@ -66,6 +67,8 @@ class StepOptions:
         activation_checkpoint: ``none``, ``full`` or ``selective`` (``shardkit train --ac``): what
             each decoder block keeps for backward (:mod:`.activations`).
         virtual_stages: chunks per pipeline rank (``v``; :func:`.rules.schedule_rule`).
+        zero: 0 (off), 1 or 2: ZeRO over the data ranks (``shardkit train --zero``,
+            :class:`~shardkit.data_parallel.ZeroSync`); not with ``dp_shard > 1``.
     """
 
     seq_len: int = 4096
@@ -77,6 +80,7 @@ class StepOptions:
     schedule: str = "1f1b"
     activation_checkpoint: str = "none"
     virtual_stages: int = 1
+    zero: int = 0
 
     @property
     def elem(self) -> int:
@@ -113,6 +117,10 @@ def check_layout(shape: ModelShape, dims: ParallelDims, opts: StepOptions) -> No
         layers=shape.layers,
         experts=shape.experts,
     ) or schedule_rule(opts.schedule, dims.pp, opts.virtual_stages, opts.microbatches, shape.layers)
+    if why is None and opts.zero not in (0, 1, 2):
+        why = f"zero must be 0, 1 or 2, got {opts.zero!r}"
+    if why is None and opts.zero and dims.dp_shard > 1:
+        why = f"zero {opts.zero} with dp_shard {dims.dp_shard}: FSDP2 already shards the optimizer state (ZeRO-3)"
     if why is not None:
         raise ShardkitError(f"plan: {dims.describe()}: {why}")
 
@@ -188,3 +196,21 @@ def fsdp_once_per_step(dims: ParallelDims, opts: StepOptions) -> bool:
     spec = SCHEDULE_TABLES.get(opts.schedule)
     split = dims.pp > 1 and spec is not None and spec.split_backward
     return opts.microbatches > 1 or split
+
+
+def zero_buckets(shape: ModelShape, dims: ParallelDims, opts: StepOptions, stage: int) -> list[tuple[int, int]]:
+    """``(elements, ranks)`` of each flat ZeRO bucket of a rank of ``stage`` (pure): its dense
+    parameters over ``dp_replicate x cp``, its expert weights (``ep > 1``) over ``edp``; each
+    padded to a multiple of its ranks, as :class:`~shardkit.data_parallel.ZeroSync` lays them out.
+    Empty without ``opts.zero``."""
+    if not opts.zero:
+        return []
+    dense, expert = shape.rank_params(stage_tp(dims, stage), dims.ep, part=stage_part(shape, dims, opts, stage))
+    if dims.ep == 1:
+        dense, expert = dense + expert, 0
+    edp = dims.dp_replicate * dims.ep_borrow // dims.ep
+    out = []
+    for n, r in ((dense, dims.dp * dims.cp), (expert, edp)):
+        if n:
+            out.append((-(-n // r) * r, r))
+    return out

@@ -5,7 +5,9 @@ Axes, outermost first: ``pp``, ``dp_replicate``, ``dp_shard``, ``cp_ring``, ``cp
 the order of torchtitan's ``ParallelDims`` and Megatron-LM). Their product is the world size.
 Expert parallelism does not multiply the world: ``ep`` ranks are *borrowed* from
 ``dp_shard x cp_ring x cp_ulysses x tp`` (experts are then not tensor-parallel), as
-torchtitan's ``ParallelDims`` and Megatron-LM's expert-data-parallel groups do. The ranks
+torchtitan's ``ParallelDims`` and Megatron-LM's expert-data-parallel groups do, and past those
+from whole blocks of several ``dp_replicate`` replicas (DeepSeek-V3's EP 64 spans its
+data-parallel ranks; the ep group is then a run of consecutive replicas' blocks). The ranks
 holding the same experts form the expert data-parallel group (``edp``), over which expert
 gradients are reduced instead of ``dp_cp``.
 

@@ -68,9 +68,10 @@ def build_groups(
     pp, dp_replicate, dp_shard = degrees["pp"], degrees["dp_replicate"], degrees["dp_shard"]
     if ep > 1:
         # ep groups: blocks of ep consecutive ranks inside each dp_shard x cp x tp block
-        # (innermost first: with ep <= tp they stay inside a tp group's node); edp pairs
+        # (innermost first: with ep <= tp they stay inside a tp group's node), or runs of whole
+        # such blocks of consecutive dp replicas (dp_replicate is the next dim out); edp pairs
         # the ranks holding the same experts (across those blocks and dp replicas).
-        edp = dp_replicate * (math.prod(degrees[a] for a in EP_BORROW) // ep)
+        edp = dp_replicate * math.prod(degrees[a] for a in EP_BORROW) // ep
         shape = [(n, d) for n, d in (("pp", pp), ("edp", edp), ("ep", ep)) if d > 1]
         expert = _mesh(device_type, world, shape, options)
         views["ep"] = expert["ep"]

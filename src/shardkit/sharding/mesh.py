@@ -86,7 +86,9 @@ class ParallelDims:
             one H x W tile (``mesh["spatial_h", "spatial"]``).
         tp: tensor-parallel ranks (Megatron TP, optionally with sequence parallelism).
         ep: expert-parallel ranks, borrowed from ``dp_shard x cp_ring x cp_ulysses x tp``
-            (must divide that product); 1 keeps experts tensor-parallel over ``tp``.
+            (must divide that product), or from whole such blocks of several ``dp_replicate``
+            replicas (a multiple of it dividing ``dp_replicate`` times it); 1 keeps experts
+            tensor-parallel over ``tp``.
         pp_tp: a tp size per pipeline stage (MindSpeed-MM "VTP", e.g. ``(2, 1, 1)``): stages
             of different sizes are not a rectangle, so this layout composes with
             ``dp_replicate`` only (``tp`` stays 1, ``pp`` is ``len(pp_tp)``, and the world is
@@ -147,9 +149,12 @@ class ParallelDims:
                     "expert parallelism "
                     "is for mixture-of-experts models, spatial for convolutional ones"
                 )
-            if borrow % self.ep:
+            # ep inside each replica's dp_shard x cp x tp ranks, or whole blocks of them across
+            # dp_replicate replicas (DeepSeek-V3's EP 64 over its data-parallel ranks)
+            if borrow % self.ep and (self.ep % borrow or self.dp_replicate % (self.ep // borrow)):
                 raise ShardkitError(
-                    f"ParallelDims: ep={self.ep} must divide dp_shard x cp_ring x cp_ulysses x tp = {borrow} "
+                    f"ParallelDims: ep={self.ep} must divide dp_shard x cp_ring x cp_ulysses x tp = {borrow}, "
+                    f"or be a multiple of it that divides dp_replicate x {borrow} = {self.dp_replicate * borrow} "
                     f"(the ranks expert parallelism borrows; {self._describe()})"
                 )
 

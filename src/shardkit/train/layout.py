@@ -19,7 +19,7 @@ from .._files import check_out_dir
 from .._rules import batch_rule, pp_layers_rule, schedule_rule, stage_heads_rule
 from ..errors import ShardkitError
 from .config_file import check_output_dirs, check_writable
-from .layout_lm import check_lm_options, check_precision
+from .layout_lm import check_lm_options, check_precision, check_zero
 from .loggers import check_loggers
 from .model_names import model_facts
 from .options import DTYPES, FINETUNE_LR, LR_SCHEDULES, SCHEDULES, SIZE_FLAGS, TrainConfig, parse_pp_tp
@@ -162,6 +162,7 @@ def check_options(cfg: TrainConfig, world_size: int | None = None) -> TrainConfi
             raise ShardkitError(f"--save-hf: --model {cfg.model} has no Hugging Face form")
         check_out_dir(cfg.save_hf, "--save-hf")
         check_writable("--save-hf", cfg.save_hf)
+    check_zero(cfg)
     if cfg.max_norm is not None and not (math.isfinite(cfg.max_norm) and cfg.max_norm >= 0):
         raise ShardkitError(f"--max-norm must be a finite number >= 0 (0: no clipping), got {cfg.max_norm}")
     if cfg.max_norm == 0:

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 from .._rules import cp_tokens_rule, ep_rule, lm_spatial_rule, seq_len_rule, sequence_parallel_default, sp_pp_tp_rule
 from ..errors import ShardkitError
+from .model_names import model_facts
 from .options import AC_MODES, MIXED_PRECISION, TrainConfig
 
-__all__ = ["check_lm_options", "check_precision"]
+__all__ = ["check_lm_options", "check_precision", "check_zero"]
 
 
 def _raise(why: str | None) -> None:
@@ -90,3 +91,27 @@ def check_lm_options(cfg: TrainConfig, experts: bool | None) -> None:
             f"per row), so --batch-size must equal dp x microbatches = {dp * cfg.microbatches}, got {cfg.batch_size}"
         )
     _raise(cp_tokens_rule(cfg.seq_len, cfg.cp_ring, cfg.cp_ulysses))
+
+
+def check_zero(cfg: TrainConfig) -> None:
+    """``--zero``: 0, 1 or 2, and not over FSDP2 ranks (pure).
+
+    ZeRO shards the optimizer state (and gradients) over ``dp_replicate x cp``; with
+    ``--dp-shard > 1`` FSDP2 already shards parameters, gradients and state there (ZeRO-3), and
+    HSDP's replicas all-reduce inside FSDP2, so the two are not stacked: refused, with the layout
+    to use instead. The conv autoencoder's layouts are spatial x dp without ZeRO.
+
+    Raises:
+        ShardkitError: naming the options at fault.
+    """
+    if isinstance(cfg.zero, bool) or cfg.zero not in (0, 1, 2):
+        raise ShardkitError(f"--zero must be 0 (off), 1 (optimizer state) or 2 (and gradients), got {cfg.zero!r}")
+    if not cfg.zero:
+        return
+    if cfg.dp_shard > 1:
+        raise ShardkitError(
+            f"--zero {cfg.zero} with --dp-shard {cfg.dp_shard}: FSDP2 already shards parameters, gradients and "
+            "optimizer state over dp_shard (ZeRO-3); use --zero over --dp-replicate (x cp) with --dp-shard 1"
+        )
+    if not model_facts(cfg.model).decoder:
+        raise ShardkitError(f"--zero {cfg.zero} with --model {cfg.model}: ZeRO is built for the decoder LMs")

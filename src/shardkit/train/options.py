@@ -79,11 +79,12 @@ class TrainConfig:
     dp: int | None = None  # alias of dp_replicate (kept for old command lines)
     dp_replicate: int | None = None  # None: what nproc leaves after every other degree
     dp_shard: int = 1  # FSDP2 ranks (ZeRO-3 sharding of parameters, gradients, optimizer state)
+    zero: int = 0  # ZeRO over dp_replicate x cp: 1 shards the optimizer state, 2 the gradients too; 0: off
     pp: int = 1
     cp_ulysses: int = 1  # context parallel: ranks sharing each sequence, all-to-all over heads (Ulysses)
     cp_ring: int = 1  # context parallel: ranks sharing each sequence, zigzag ring attention (both > 1: USP)
     packed: bool = False  # each window is documents (corpus files) packed along S, no cross-file attention
-    ep: int = 1  # moe / mla: expert-parallel ranks, borrowed from dp_shard x cp x tp
+    ep: int = 1  # moe / mla: expert-parallel ranks, borrowed from dp_shard x cp x tp (or whole blocks of replicas)
     loss_parallel: bool = False  # vocab-sharded logits and loss (never the full [B, S, V] logits)
     sequence_parallel: bool | None = None  # None: on for llama with tp > 1 (Megatron-SP)
     experts: int = 4  # moe / mla: routed experts (top-2)

@@ -146,7 +146,7 @@ def _run_steps(
     pm, task, cfg: TrainConfig, loss_scale, on_step, layout: str, metrics, hf, progress, host_syncs=None
 ) -> dict:
     assert cfg.lr is not None  # validate_config resolved it
-    optimizer = make_optimizer(pm.module, cfg.lr)
+    optimizer = make_optimizer(pm.module, cfg.lr, pm.grads)
     scheduler = None
     if cfg.lr_schedule == "warmup-cosine":
         scheduler = warmup_cosine(optimizer, cfg.steps)

@@ -42,7 +42,7 @@ import torch.distributed as dist
 from ..comm import _c10d
 from ..comm._group import resolve_group
 from ..comm.host_sync import host_side
-from ..data_parallel import set_microbatch
+from ..data_parallel import GradientSync, ZeroAdamW, ZeroSync, set_microbatch
 from ..errors import NonFiniteError, ShardkitError
 from ..pipeline_parallel import ChunkedStage, run_schedule
 
@@ -57,12 +57,16 @@ __all__ = ["ADAM_EPS", "StepStats", "make_optimizer", "train_step", "LossScale",
 ADAM_EPS = 1e-6
 
 
-def make_optimizer(module: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+def make_optimizer(module: torch.nn.Module, lr: float, grads: GradientSync | None = None) -> torch.optim.Optimizer:
     """AdamW over every parameter, ``eps`` = :data:`ADAM_EPS`.
 
     AdamW is elementwise, so a shard's update (tp, ep, FSDP2) is exactly the matching block of
-    the full tensor's update: the optimizer needs no parallelism of its own.
+    the full tensor's update: the optimizer needs no parallelism of its own. With ``grads`` a
+    :class:`~shardkit.data_parallel.ZeroSync` (``--zero``), AdamW over its slices instead
+    (:class:`~shardkit.data_parallel.ZeroAdamW`: it all-gathers the parameters after each step).
     """
+    if isinstance(grads, ZeroSync):
+        return ZeroAdamW(grads, lr=lr, eps=ADAM_EPS)
     return torch.optim.AdamW(module.parameters(), lr=lr, eps=ADAM_EPS)
 
 
