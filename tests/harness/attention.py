@@ -11,3 +11,40 @@ def reference_attention(q, k, v, causal):
     if causal:
         scores = scores.masked_fill(~torch.ones(q.shape[1], q.shape[1], dtype=torch.bool).tril(), float("-inf"))
     return torch.einsum("bnqk,bknd->bqnd", torch.softmax(scores, dim=-1), v)
+
+
+def variant_attention(q, k, v, causal, *, window=None, softcap=None, cu=None, scale=None):
+    """Eager attention with the variants, written out independently of shardkit's block plan.
+
+    ``window``: flash-attn's ``(left, right)`` (``-1`` unbounded; causal forces ``j <= i``);
+    ``softcap``: Gemma 2's ``cap * tanh(scores / cap)`` on the scaled scores before the mask;
+    ``cu``: packed documents (attention within a document only). Returns ``(out [B, S, N, Dv],
+    lse [B, S, N])``, differentiable (autograd through the eager ops).
+    """
+    rep = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+    s_len = q.shape[1]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = torch.einsum("bqnd,bknd->bnqk", q, k) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    i = torch.arange(s_len)[:, None]
+    j = torch.arange(s_len)[None, :]
+    keep = torch.ones(s_len, s_len, dtype=torch.bool)
+    if causal:
+        keep &= j <= i
+    if window is not None:
+        left, right = window
+        if left >= 0:
+            keep &= j >= i - left
+        if right >= 0:
+            keep &= j <= i + right
+    if cu is not None:
+        doc = torch.zeros(s_len, dtype=torch.int64)
+        for d, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
+            doc[a:b] = d
+        keep &= doc[:, None] == doc[None, :]
+    scores = scores.masked_fill(~keep, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [B, N, S]
+    out = torch.einsum("bnqk,bknd->bqnd", torch.softmax(scores, dim=-1), v)
+    return out, lse.transpose(1, 2)
