@@ -17,13 +17,9 @@ from ..comm._group import GroupInfo
 from ._ring_plan import block_plan
 from ._sizes import packed_local_sizes
 
-__all__ = ["_Ring", "_Pending", "layout_sizes", "ring_kv", "PACKED_MIN_TILE"]
+__all__ = ["_Ring", "_Pending", "layout_sizes", "ring_kv"]
 
 _OP = "ring_attention"
-
-#: With packed documents, consecutive pieces shorter than this many tokens share a block tile
-#: (computed with a mask) instead of costing one kernel call per piece pair; see :mod:`._ring_plan`.
-PACKED_MIN_TILE = 64
 
 
 def ring_kv(k, kv_index):
@@ -58,13 +54,14 @@ class _Ring:
         shapes,
         counts=None,
         window: tuple[int, int] | None = None,
+        min_tile: int = 0,
     ):
         self.g, self.layout, self.overlap, self.counts = g, layout, overlap, counts
         self.nxt, self.prv = (g.rank + 1) % g.size, (g.rank - 1) % g.size
         self.sizes = layout_sizes(layout, cu, g.size)
         self.shapes = shapes  # (B, N_kv, D, Dv)
         self.plans = [
-            block_plan(layout, cu, g.size, g.rank, self.src(i), causal, PACKED_MIN_TILE, window) for i in range(g.size)
+            block_plan(layout, cu, g.size, g.rank, self.src(i), causal, min_tile, window) for i in range(g.size)
         ]
         self._masks: dict = {}
 

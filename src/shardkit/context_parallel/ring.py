@@ -61,6 +61,10 @@ __all__ = ["ring_attention", "ring_chunks", "local_variant_attention"]
 _OP = "ring_attention"
 LAYOUTS = ("zigzag", "contiguous")
 
+#: With packed documents, consecutive pieces shorter than this many tokens share a block tile
+#: (computed with a mask) instead of costing one kernel call per piece pair; see :mod:`._ring_plan`.
+PACKED_MIN_TILE = 64
+
 
 def ring_chunks(layout: str, seq_len: int, world_size: int, rank: int) -> list[tuple[int, int, int]]:
     """``(global chunk index, local offset, length)`` of each chunk rank ``rank`` holds, in local order."""
@@ -291,7 +295,7 @@ def ring_attention(
             )
     scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
     shapes = (q.shape[0], k.shape[2], k.shape[3], v.shape[3])
-    ring = _Ring(g, layout, cu, causal, overlap, shapes, block_counts, var.window)
+    ring = _Ring(g, layout, cu, causal, overlap, shapes, block_counts, var.window, PACKED_MIN_TILE)
     return _RingAttention.apply(q, k, v, ring, scale, var.softcap, var.return_lse)
 
 
@@ -306,6 +310,7 @@ def local_variant_attention(q, k, v, *, causal: bool, scale, cu, kv_index, var):
     g = GroupInfo(cast(Any, None), 1, 0)  # no process group: a ring of one never posts
     cu = (0, q.shape[1]) if cu is None else cu
     k, v = ring_kv(k, kv_index), ring_kv(v, kv_index)
-    ring = _Ring(g, "contiguous", cu, causal, True, (q.shape[0], k.shape[2], k.shape[3], v.shape[3]), None, var.window)
+    shapes = (q.shape[0], k.shape[2], k.shape[3], v.shape[3])
+    ring = _Ring(g, "contiguous", cu, causal, True, shapes, None, var.window, PACKED_MIN_TILE)
     scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
     return _RingAttention.apply(q, k, v, ring, scale, var.softcap, True)
