@@ -304,11 +304,12 @@ class CPContext:
             for g, part in zip(same, flat.split([g.numel() for g in same])):
                 g.copy_(part.view_as(g))
 
-    def _attend(self, q, k, v, *, causal: bool, scale, seq_len: int, cu_seqlens):
+    def _attend(self, q, k, v, *, causal: bool, scale, seq_len: int, cu_seqlens, **variant):
         """``[B, S_local, N, D]`` attention of the mode.
 
-        ``N`` and ``N_kv`` are read from the tensors, so TP-sharded heads work."""
-        packed = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
+        ``N`` and ``N_kv`` are read from the tensors, so TP-sharded heads work; ``variant``: the
+        layer's ``sliding_window`` / ``softcap`` (None: off)."""
+        packed = dict(variant) if cu_seqlens is None else {"cu_seqlens": cu_seqlens, **variant}
         if self.mode == "ulysses":
             assert self.ulysses is not None  # __init__ gave the mode its group
             return ulysses_attention(q, k, v, self.ulysses.pg, causal=causal, scale=scale, seq_len=seq_len, **packed)
@@ -367,8 +368,8 @@ def apply_cp(
         ShardkitTypeError: bad ``cp_mesh`` (missing dims, wrong rank count) or not a transformers model.
 
     At run time the attention raises ``ShardkitError`` (on every rank: the checks read the
-    config and the batch) for a padding ``attention_mask``, dropout > 0 in training, a sliding
-    window shorter than ``S``, or a call without the ``shard_batch`` inputs.
+    config and the batch) for a padding ``attention_mask``, dropout > 0 in training, or a call
+    without the ``shard_batch`` inputs. Sliding windows and Gemma 2's logit softcap are applied.
     """
     if mode not in MODES:
         raise ShardkitError(f"apply_cp: mode must be one of {MODES}, got {mode!r}")
