@@ -12,7 +12,8 @@ from collections import Counter
 import pytest
 import torch
 
-from harness.attention import variant_attention
+from harness.attention import check_variant_parity as check
+from harness.attention import problem as _problem
 from harness.helpers import get_mesh, rank, world_group, world_size
 from shardkit import ShardkitError, ShardkitTypeError, balanced_split_sizes
 from shardkit._shapes import split_offsets
@@ -26,35 +27,11 @@ from shardkit.context_parallel import (
 )
 from shardkit.context_parallel._ring_plan import block_plan
 
-RTOL, ATOL = 1e-9, 1e-12
-
 
 def _block(S, R, r):
     sizes = balanced_split_sizes(S, R)
     off = split_offsets(sizes)[r]
     return torch.arange(off, off + sizes[r])
-
-
-def _problem(B, S, n, n_kv, D, seed=7):
-    gen = torch.Generator().manual_seed(seed)  # identical on every rank: the full problem
-    shapes = ((B, S, n, D), (B, S, n_kv, D), (B, S, n_kv, D), (B, S, n, D))
-    return [torch.randn(*s, generator=gen, dtype=torch.float64) for s in shapes]
-
-
-def check(run, idx, shape, causal, window=None, softcap=None, cu=None, seed=7):
-    """``run(q, k, v)`` on this rank's rows ``idx``; returns ``(out, lse)``. Compares out, lse and grads."""
-    B, S, n, n_kv, D = shape
-    q, k, v, w = _problem(B, S, n, n_kv, D, seed)
-    ref = [t.clone().requires_grad_() for t in (q, k, v)]
-    out_ref, lse_ref = variant_attention(*ref, causal, window=window, softcap=softcap, cu=cu)
-    (out_ref * w).sum().backward()
-    loc = [t[:, idx].clone().requires_grad_() for t in (q, k, v)]
-    out, lse = run(*loc)
-    assert lse.dtype == torch.float64 and lse.shape == (B, len(idx), n) and not lse.requires_grad
-    (out * w[:, idx]).sum().backward()
-    pairs = [(out, out_ref), (lse, lse_ref)] + [(a.grad, b.grad) for a, b in zip(loc, ref)]
-    for name, (got, want) in zip(("out", "lse", "dq", "dk", "dv"), pairs):
-        torch.testing.assert_close(got, want[:, idx], rtol=RTOL, atol=ATOL, msg=lambda m, name=name: f"{name}: {m}")
 
 
 # (window, softcap): a window narrower than a chunk (out-of-window chunk pairs skipped), one

@@ -48,3 +48,28 @@ def variant_attention(q, k, v, causal, *, window=None, softcap=None, cu=None, sc
     lse = torch.logsumexp(scores, dim=-1)  # [B, N, S]
     out = torch.einsum("bnqk,bknd->bqnd", torch.softmax(scores, dim=-1), v)
     return out, lse.transpose(1, 2)
+
+
+RTOL, ATOL = 1e-9, 1e-12
+
+
+def problem(B, S, n, n_kv, D, seed=7):
+    gen = torch.Generator().manual_seed(seed)  # identical on every rank: the full problem
+    shapes = ((B, S, n, D), (B, S, n_kv, D), (B, S, n_kv, D), (B, S, n, D))
+    return [torch.randn(*s, generator=gen, dtype=torch.float64) for s in shapes]
+
+
+def check_variant_parity(run, idx, shape, causal, window=None, softcap=None, cu=None, seed=7):
+    """``run(q, k, v)`` on this rank's rows ``idx``; returns ``(out, lse)``. Compares out, lse and grads."""
+    B, S, n, n_kv, D = shape
+    q, k, v, w = problem(B, S, n, n_kv, D, seed)
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    out_ref, lse_ref = variant_attention(*ref, causal, window=window, softcap=softcap, cu=cu)
+    (out_ref * w).sum().backward()
+    loc = [t[:, idx].clone().requires_grad_() for t in (q, k, v)]
+    out, lse = run(*loc)
+    assert lse.dtype == torch.float64 and lse.shape == (B, len(idx), n) and not lse.requires_grad
+    (out * w[:, idx]).sum().backward()
+    pairs = [(out, out_ref), (lse, lse_ref)] + [(a.grad, b.grad) for a, b in zip(loc, ref)]
+    for name, (got, want) in zip(("out", "lse", "dq", "dk", "dv"), pairs):
+        torch.testing.assert_close(got, want[:, idx], rtol=RTOL, atol=ATOL, msg=lambda m, name=name: f"{name}: {m}")
