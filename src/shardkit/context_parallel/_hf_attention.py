@@ -13,9 +13,10 @@ the model must not build a mask of the *local* length. The shardkit names have n
 transformers' ``AttentionMaskInterface``, so ``create_causal_mask`` builds none and returns at
 once, before it would probe ``position_ids`` for packed sequences (a device-to-host read per
 forward, issue 29); a sliding window comes to the attention as the layer's ``sliding_window``
-keyword and is applied there on global positions, as is Gemma 2's ``softcap``. It would also drop a padding ``attention_mask`` without a word, so
-:func:`refuse_padding_masks` hooks the model: a padding mask raises instead of being ignored (a
-prepared 4-D mask reaches the attention, which raises).
+keyword and is applied there on global positions, as is Gemma 2's ``softcap``. transformers
+would also drop a padding ``attention_mask`` without a word, so :func:`refuse_padding_masks`
+hooks the model: a padding mask raises instead of being ignored (a prepared 4-D mask reaches
+the attention, which raises).
 """
 
 from __future__ import annotations

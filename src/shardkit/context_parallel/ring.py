@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Literal, cast, overload
 
 import torch
 
@@ -165,6 +165,48 @@ def __getattr__(name: str):
             "block_counts=collections.Counter()) and read that counter"
         )
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+@overload
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: Group,
+    *,
+    causal: bool,
+    scale: float | None = None,
+    layout: str = "zigzag",
+    seq_len: int | None = None,
+    cu_seqlens: Sequence[int] | torch.Tensor | None = None,
+    overlap: bool = True,
+    block_counts: Counter | None = None,
+    window: tuple[int, int] | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    return_lse: Literal[False] = False,
+) -> torch.Tensor: ...
+
+
+@overload
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: Group,
+    *,
+    causal: bool,
+    scale: float | None = None,
+    layout: str = "zigzag",
+    seq_len: int | None = None,
+    cu_seqlens: Sequence[int] | torch.Tensor | None = None,
+    overlap: bool = True,
+    block_counts: Counter | None = None,
+    window: tuple[int, int] | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    return_lse: Literal[True],
+) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def ring_attention(

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal, overload
 
 import torch
 
@@ -133,6 +133,42 @@ def _scatter(tensors: dict, parts: str, g: GroupInfo, plan: HeadPlan, n: int, n_
         out[p] = moved.narrow(2, at, width)
         at += width
     return out
+
+
+@overload
+def ulysses_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: Group,
+    *,
+    causal: bool,
+    scale: float | None = None,
+    cu_seqlens: Sequence[int] | torch.Tensor | None = None,
+    seq_len: int | None = None,
+    window: tuple[int, int] | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    return_lse: Literal[False] = False,
+) -> torch.Tensor: ...
+
+
+@overload
+def ulysses_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: Group,
+    *,
+    causal: bool,
+    scale: float | None = None,
+    cu_seqlens: Sequence[int] | torch.Tensor | None = None,
+    seq_len: int | None = None,
+    window: tuple[int, int] | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    return_lse: Literal[True],
+) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def ulysses_attention(

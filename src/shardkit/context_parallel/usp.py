@@ -23,7 +23,7 @@ AI" (2024).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal, overload
 
 import torch
 
@@ -96,6 +96,46 @@ def _agree_both(g_uly, g_ring, q, args, expected, error):
     (:func:`~shardkit.comm._validate.maybe_agree_groups`), so that every rank of the 2-D mesh
     has seen the same arguments before any data moves; returns the Ulysses blocks' sizes."""
     return maybe_agree_groups((g_uly, g_ring), _OP, q, args, error, local_dim=1, expected_local=expected)
+
+
+@overload
+def usp_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mesh: DeviceMesh,
+    *,
+    causal: bool,
+    scale: float | None = None,
+    seq_len: int | None = None,
+    cu_seqlens: Sequence[int] | torch.Tensor | None = None,
+    ring_dim: str = "cp_ring",
+    ulysses_dim: str = "cp_ulysses",
+    window: tuple[int, int] | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    return_lse: Literal[False] = False,
+) -> torch.Tensor: ...
+
+
+@overload
+def usp_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mesh: DeviceMesh,
+    *,
+    causal: bool,
+    scale: float | None = None,
+    seq_len: int | None = None,
+    cu_seqlens: Sequence[int] | torch.Tensor | None = None,
+    ring_dim: str = "cp_ring",
+    ulysses_dim: str = "cp_ulysses",
+    window: tuple[int, int] | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    return_lse: Literal[True],
+) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def usp_attention(
