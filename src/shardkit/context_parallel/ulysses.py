@@ -210,11 +210,10 @@ def ulysses_attention(
             :func:`~shardkit.context_parallel.ring_attention`).
         sliding_window: Hugging Face's ``W`` (keys ``i - W < j <= i``): ``window=(W - 1, W - 1)``.
         softcap: Gemma 2's ``softcap * tanh(scores / softcap)`` before the mask; 0 or None is off.
-        return_lse: also return the log-sum-exp of every query row (not differentiable).
-
-        With any of the last four the local attention runs ring attention's blocks on one rank
-        (:func:`~shardkit.context_parallel.ring.local_variant_attention`: fused kernels with a
-        window mask where they take one, the math path with a softcap) instead of SDPA.
+        return_lse: also return the log-sum-exp of every query row (not differentiable). With
+            any of the last four the local attention runs ring attention's blocks on one rank
+            (:func:`~shardkit.context_parallel.ring.local_variant_attention`: fused kernels, with
+            a window mask where a block is partly covered, the math path with a softcap).
 
     Returns:
         ``[B, S_r, N, Dv]``: attention output for this rank's tokens; with ``return_lse``,

@@ -173,9 +173,12 @@ def usp_attention(
             rank). Then ``S_ij = usp_packed_local_sizes(cu, R, U)[i][j]``: block ``j`` of ring
             part ``i`` of the packed zigzag layout (module docstring); tokens attend only within
             their document. :func:`usp_indices` gives each rank's global token indices.
-        window, sliding_window, softcap, return_lse: as in
-            :func:`~shardkit.context_parallel.ring_attention`, which runs them over the ring dim
-            (out-of-window chunk pairs skipped there).
+        window: ``(left, right)`` over global positions, as in
+            :func:`~shardkit.context_parallel.ring_attention`, which applies it over the ring
+            dim (out-of-window chunk pairs skipped there).
+        sliding_window: Hugging Face's ``W``: ``window=(W - 1, W - 1)``.
+        softcap: Gemma 2's logit cap before the mask; 0 or None is off.
+        return_lse: also return the log-sum-exp of every query row (not differentiable).
 
     Returns:
         ``[B, S_ij, N, Dv]`` in the input layout; with ``return_lse``, ``(out, lse)``, ``lse``
