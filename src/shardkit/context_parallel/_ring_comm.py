@@ -37,7 +37,9 @@ def ring_kv(k, kv_index):
 
 
 def layout_sizes(layout: str, cu: tuple[int, ...], world_size: int) -> list[int]:
-    """Tokens of every rank in ``layout`` (packed zigzag with several documents)."""
+    """Tokens of every rank in ``layout`` (packed zigzag with several documents; stripe: every ``R``-th token)."""
+    if layout == "stripe":
+        return [len(range(r, cu[-1], world_size)) for r in range(world_size)]
     return packed_local_sizes(cu, world_size) if layout == "zigzag" else balanced_split_sizes(cu[-1], world_size)
 
 

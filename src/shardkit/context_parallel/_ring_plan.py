@@ -155,6 +155,23 @@ def _tile_blocks(qt: list[Piece], kt: list[Piece], causal: bool, window) -> list
     return [Block(q_off + r0, r1 - r0, k_off + c0, c1 - c0, "mask", mask)]
 
 
+def _stripe_blocks(seq_len: int, world_size: int, q_rank: int, kv_rank: int, causal: bool) -> tuple[Block, ...]:
+    """Stripe layout (rank ``r`` holds global tokens ``r, r + R, r + 2R, ...``): one block per pair.
+
+    Local query ``a`` of rank ``r`` is position ``r + R a``, local key ``b`` of rank ``s`` is
+    ``s + R b``; causal visibility ``s + R b <= r + R a`` is ``b <= a`` when ``s <= r`` (the
+    diagonal block of the first ``n_q`` keys: rank ``s`` holds at least as many tokens) and
+    ``b < a`` when ``s > r`` (queries ``1..`` against keys ``..n_q - 2``, again a diagonal block).
+    Every rank computes one (triangular) block per step: balanced, as Striped Attention intends.
+    """
+    nq, nk = len(range(q_rank, seq_len, world_size)), len(range(kv_rank, seq_len, world_size))
+    if not causal:
+        return (Block(0, nq, 0, nk, "full"),) if nq and nk else ()
+    if kv_rank <= q_rank:
+        return (Block(0, nq, 0, nq, "diag"),) if nq else ()
+    return (Block(1, nq - 1, 0, nq - 1, "diag"),) if nq > 1 else ()
+
+
 @functools.lru_cache(maxsize=256)
 def block_plan(
     layout: str,
@@ -171,6 +188,8 @@ def block_plan(
     ``window``: the normalized ``(left, right)`` of :func:`._options.variant`, or None.
     Cached: a pure function of the layout, reused by backward and by every training step.
     """
+    if layout == "stripe":  # one sequence, no window (checked by ring_attention)
+        return _stripe_blocks(cu[-1], world_size, q_rank, kv_rank, causal)
     tile = min_tile if len(cu) > 2 else 0
     positional = causal or window is not None
     q_tiles = _tiles(rank_pieces(layout, cu, world_size, q_rank, positional), tile)

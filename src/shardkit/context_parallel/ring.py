@@ -48,6 +48,7 @@ from ..comm._validate import gather_sizes, maybe_agree
 from ..errors import ShardkitError, ShardkitTypeError
 from ._blocks import acc_dtype, block_backward, block_forward, merge
 from ._checks import _validate
+from ._options import variant
 from ._ring_comm import _Ring, layout_sizes, ring_kv
 from ._sizes import zigzag_chunk_sizes
 
@@ -59,7 +60,7 @@ if TYPE_CHECKING:
 __all__ = ["ring_attention", "ring_chunks", "local_variant_attention"]
 
 _OP = "ring_attention"
-LAYOUTS = ("zigzag", "contiguous")
+LAYOUTS = ("zigzag", "contiguous", "stripe")
 
 #: With packed documents, consecutive pieces shorter than this many tokens share a block tile
 #: (computed with a mask) instead of costing one kernel call per piece pair; see :mod:`._ring_plan`.
@@ -67,7 +68,13 @@ PACKED_MIN_TILE = 64
 
 
 def ring_chunks(layout: str, seq_len: int, world_size: int, rank: int) -> list[tuple[int, int, int]]:
-    """``(global chunk index, local offset, length)`` of each chunk rank ``rank`` holds, in local order."""
+    """``(global chunk index, local offset, length)`` of each chunk rank ``rank`` holds, in local order.
+
+    Raises:
+        ShardkitError: ``layout="stripe"`` (no chunks: rank ``r`` holds every ``R``-th token).
+    """
+    if layout == "stripe":
+        raise ShardkitError("ring_chunks: the stripe layout has no chunks (rank r holds tokens r, r + R, ...)")
     if layout == "zigzag":
         c = zigzag_chunk_sizes(seq_len, world_size)
         second = 2 * world_size - 1 - rank
@@ -232,6 +239,7 @@ def ring_attention(
     Args:
         q: ``[B, S_r, N, D]``: this rank's tokens in ``layout`` (zigzag: chunks ``r`` and
             ``2R - 1 - r`` of ``zigzag_chunk_sizes(S, 2R)``, as :func:`zigzag_split` gives;
+            stripe: global tokens ``r, r + R, r + 2R, ...``, i.e. ``x[:, r::R]``;
             packed zigzag with ``cu_seqlens``: this rank's zigzag part of every document, in
             document order, as :func:`packed_split` gives; contiguous: block ``r`` of
             ``balanced_split_sizes(S, R)``, documents or not).
@@ -241,7 +249,9 @@ def ring_attention(
         group: a ``ProcessGroup`` or 1-D ``DeviceMesh`` of ``R`` ranks (the ring).
         causal: mask keys after each query's global position (within its document when packed).
         scale: softmax scale; None for ``1 / sqrt(D)``.
-        layout: ``"zigzag"`` (load-balanced for causal attention) or ``"contiguous"``.
+        layout: ``"zigzag"`` (load-balanced for causal attention), ``"contiguous"`` or
+            ``"stripe"`` (Brandon et al., "Striped Attention" (2023): balanced too, one
+            triangular block per step; one sequence, no window).
         seq_len: the global length ``S``; None means ``cu_seqlens[-1]`` when given, else it is
             learned: one small metadata all-gather of the local lengths (ledger phase
             ``"metadata"``), ``S`` their sum, checked against ``layout`` on every rank. Passing
@@ -292,6 +302,14 @@ def ring_attention(
             raise ShardkitError(f"{_OP}: layout must be one of {LAYOUTS}, got {layout!r} (group of {g.size})")
         if not isinstance(overlap, bool):
             raise ShardkitTypeError(f"{_OP}: overlap must be a bool, got {overlap!r}")
+        if layout == "stripe" and (
+            (cu_seqlens is not None and len(cu_seqlens) > 2)
+            or variant(_OP, causal, window, sliding_window, softcap, return_lse).window is not None
+        ):
+            raise ShardkitError(
+                f"{_OP}: the stripe layout takes one sequence without a window (no cu_seqlens with several "
+                f"documents, no window); use layout='zigzag' (group of {g.size})"
+            )
 
     options = dict(window=window, sliding_window=sliding_window, softcap=softcap, return_lse=return_lse)
     g, cu, seq_len, var, error = _validate(
