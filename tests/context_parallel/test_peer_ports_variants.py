@@ -10,6 +10,9 @@ from the facts of those tests, not their code:
 * ring-flash-attn ``test/test_ring_flash_attn_func.py``: contiguous ring, ``S = 3816``, 5 heads,
   ``D = 128``, causal; out, lse (theirs ``[B, N, S]``, ours ``[B, S, N]``), dq, dk, dv.
 * ring-flash-attn ``test/test_zigzag_ring_flash_attn_func.py``: zigzag ring, ``S = 3824``, the same.
+* ring-flash-attn ``test/test_stripe_flash_attn_func.py``: stripe layout (rank ``r`` holds tokens
+  ``r, r + R, ...``), ``S = 3824``, the same quantities; windows are refused by the stripe layout,
+  so it runs at the default window with and without a cap.
 * ring-flash-attn ``test/test_zigzag_ring_flash_attn_varlen_func.py``: packed documents
   ``cu_seqlens = [0, 120, 1248, 4232]``, zigzag per document, 5 heads, causal.
 * yunchang ``test/test_hybrid_attn.py``: USP (Ulysses x zigzag ring), ``S = 1024``, 32 heads,
@@ -49,6 +52,8 @@ def _ring_case(S, layout, window, softcap, cu=None):
     R, r = world_size(), rank()
     if cu is not None:
         idx = packed_indices(cu, R, r)
+    elif layout == "stripe":
+        idx = torch.arange(r, S, R)
     else:
         idx = zigzag_positions(S, R, r) if layout == "zigzag" else _block(S, R, r)
 
@@ -79,6 +84,12 @@ def test_ring_flash_attn_func(window, softcap):
 @pytest.mark.parametrize("window,softcap", WINDOWS)
 def test_zigzag_ring_flash_attn_func(window, softcap):
     _ring_case(3824 // 8, "zigzag", window, softcap)
+
+
+@pytest.mark.world(2)
+@pytest.mark.parametrize("softcap", [0.0, 1.0])
+def test_stripe_flash_attn_func(softcap):
+    _ring_case(3824 // 8, "stripe", (-1, -1), softcap)
 
 
 @pytest.mark.world(2)
