@@ -15,6 +15,11 @@ from the facts of those tests, not their code:
   so it runs at the default window with and without a cap.
 * ring-flash-attn ``test/test_zigzag_ring_flash_attn_varlen_func.py``: packed documents
   ``cu_seqlens = [0, 120, 1248, 4232]``, zigzag per document, 5 heads, causal.
+* ring-flash-attn ``test/test_llama3_flash_attn_varlen_func.py``: Llama 3's layout, rank ``r``
+  holding the contiguous slice ``r`` of the packed sequence (documents cut where the slice
+  falls), ``cu_seqlens = [0, 120, 1248, 4232]``, 5 heads, ``D = 8``, causal; out, lse, dq, dk,
+  dv. In shardkit that placement is ``ring_attention(layout="contiguous", cu_seqlens=...)``
+  (the KV blocks travel the ring, cross-document pairs skipped, instead of one all-gather).
 * yunchang ``test/test_hybrid_attn.py``: USP (Ulysses x zigzag ring), ``S = 1024``, 32 heads,
   ``D = 40``, causal and not; out, dq, dk, dv (its "basic" ring is not a USP layout of shardkit).
 * yunchang ``test/test_ulysses_attn.py``: Ulysses alone, causal and not.
@@ -97,6 +102,29 @@ def test_stripe_flash_attn_func(softcap):
 def test_zigzag_ring_flash_attn_varlen_func(window, softcap):
     cu = tuple(x // 8 for x in (0, 120, 1248, 4232))
     _ring_case(cu[-1], "zigzag", window, softcap, cu=cu)
+
+
+@pytest.mark.world(2)
+@pytest.mark.parametrize("window,softcap", WINDOWS)
+def test_llama3_flash_attn_varlen_func(window, softcap):
+    cu = tuple(x // 8 for x in (0, 120, 1248, 4232))
+    R, r = world_size(), rank()
+
+    def run(q, k, v):
+        return ring_attention(
+            q,
+            k,
+            v,
+            world_group(),
+            causal=True,
+            layout="contiguous",
+            cu_seqlens=cu,
+            window=window,
+            softcap=softcap,
+            return_lse=True,
+        )
+
+    check_variant_parity(run, _block(cu[-1], R, r), (1, cu[-1], 5, 5, 8), True, window, softcap, cu=cu)
 
 
 @pytest.mark.world(4)
