@@ -13,7 +13,7 @@ import types
 import pytest
 import torch
 
-from harness.helpers import get_mesh, world_group
+from harness.helpers import get_mesh, rank, world_group
 from shardkit.context_parallel.apply import apply_cp
 from shardkit.train.lm_task import causal_lm_loss
 from shardkit.train.model import keep_norms_in_input_dtype
@@ -58,7 +58,9 @@ def _model(family, attn, window=WINDOW, softcap=0.5):
         tie_word_embeddings=False,
         attn_implementation=attn,
     )
-    if family == "qwen2":  # layer 1 slides (max_window_layers = 1)
+    if family == "llama":  # no variant: the plain layouts of ring_layout=
+        config = transformers.LlamaConfig(**common)
+    elif family == "qwen2":  # layer 1 slides (max_window_layers = 1)
         config = transformers.Qwen2Config(**common, use_sliding_window=True, sliding_window=window, max_window_layers=1)
     elif family == "qwen3":
         config = transformers.Qwen3Config(
@@ -84,27 +86,37 @@ def _rel(a, b):
     return ((a - b).norm() / b.norm()).item() if b.norm() > 0 else (a - b).norm().item()
 
 
-def _check(family, mode, mesh, seq):
+def _check(family, mode, mesh, seq, ring_layout="zigzag", cu=None):
     import transformers.models.gemma2.modeling_gemma2 as gemma2
 
     saved, gemma2.eager_attention_forward = gemma2.eager_attention_forward, _eager_in_input_dtype  # on this rank
     try:
-        _compare(family, mode, mesh, seq)
+        return _compare(family, mode, mesh, seq, ring_layout, cu)
     finally:
         gemma2.eager_attention_forward = saved
 
 
-def _compare(family, mode, mesh, seq):
+def _compare(family, mode, mesh, seq, ring_layout, cu):
     ids = torch.randint(0, 101, (2, seq), generator=torch.Generator().manual_seed(seq))
     ref = _model(family, "eager" if family == "gemma2" else "sdpa")
-    assert any(getattr(layer.self_attn, "sliding_window", None) == WINDOW for layer in ref.model.layers)
-    ref_logits = ref(input_ids=ids).logits
-    ref_loss = causal_lm_loss(ref_logits, ids)
+    variants = family != "llama"
+    assert not variants or any(getattr(layer.self_attn, "sliding_window", None) == WINDOW for layer in ref.model.layers)
+    if cu is None:
+        ref_logits = ref(input_ids=ids).logits
+        ref_loss = causal_lm_loss(ref_logits, ids)
+    else:  # every document on its own, one token-mean loss
+        docs = [(a, b) for a, b in zip(cu[:-1], cu[1:]) if b > a]
+        ref_logits = torch.cat([ref(input_ids=ids[:, a:b]).logits for a, b in docs], dim=1)
+        ce = torch.nn.functional.cross_entropy
+        total = sum(
+            ce(ref_logits[:, a : b - 1].flatten(0, 1), ids[:, a + 1 : b].flatten(), reduction="sum") for a, b in docs
+        )
+        ref_loss = total / sum(ids.shape[0] * (b - a - 1) for a, b in docs)
     ref_loss.backward()
 
     model = _model(family, "sdpa" if family != "gemma2" else "eager")
-    ctx = apply_cp(model, mesh, mode)
-    b = ctx.shard_batch(ids, ids)
+    ctx = apply_cp(model, mesh, mode, ring_layout=ring_layout)
+    b = ctx.shard_batch(ids, ids, cu_seqlens=cu)
     logits = model(**b.inputs).logits
     loss = ctx.loss(logits, b.labels, b.num_tokens)
     loss.backward()
@@ -116,9 +128,12 @@ def _compare(family, mode, mesh, seq):
     errors = {n: _rel(grads[n].grad, p.grad) for n, p in ref.named_parameters()}
     worst = max(errors, key=errors.get)
     assert errors[worst] <= RTOL, (worst, errors[worst])
+    if not variants:
+        return b
     # the variants bite: the same weights without them (a window wider than S, no cap) differ
     plain = _model(family, "eager", window=64, softcap=None)(input_ids=ids).logits.detach()
     assert _rel(plain, ref_logits.detach()) > 1e-6
+    return b
 
 
 @pytest.mark.world(2, timeout=WALL)
@@ -132,3 +147,17 @@ def test_variants_r2(family, mode):
 @pytest.mark.parametrize("family", ["qwen2", "gemma2"])
 def test_variants_usp_2x2(family):
     _check(family, "usp", get_mesh((2, 2), ("cp_ring", "cp_ulysses")), 19)
+
+
+@pytest.mark.world(2, timeout=WALL)
+@pytest.mark.parametrize(
+    "family,ring_layout,cu",
+    [("qwen2", "contiguous", None), ("qwen2", "contiguous", (0, 6, 13)), ("llama", "stripe", None)],
+)
+def test_ring_layouts(family, ring_layout, cu):
+    """apply_cp(..., ring_layout=): Llama 3's contiguous slice (with a sliding window, and with
+    packed documents) and the stripe layout, against the unsharded model."""
+    b = _check(family, "ring", world_group(), 13, ring_layout, cu)
+    r = rank()
+    expected = list(range(r, 13, 2)) if ring_layout == "stripe" else list(range(7 * r, 7 + 6 * r))
+    assert b.indices.tolist() == expected  # the layout asked for, not zigzag

@@ -13,7 +13,7 @@ import torch
 from harness.attention import check_variant_parity, problem
 from harness.helpers import rank, world_group, world_size
 from shardkit import ShardkitError
-from shardkit.context_parallel import ring_attention, ring_chunks
+from shardkit.context_parallel import apply_cp, ring_attention, ring_chunks
 
 
 @pytest.mark.world(2)
@@ -57,6 +57,10 @@ def test_stripe_refusals():
         ring_attention(
             torch.zeros(1, 4 + rank(), 2, 4), *[torch.zeros(1, 4 + rank(), 2, 4)] * 2, g, causal=True, layout="stripe"
         )
+    with pytest.raises(ShardkitError, match="ring_layout must be"):  # the other modes keep their own
+        apply_cp(torch.nn.Linear(1, 1), g, "ulysses", ring_layout="stripe")
+    with pytest.raises(ShardkitError, match="ring_layout must be"):
+        apply_cp(torch.nn.Linear(1, 1), g, "ring", ring_layout="llama")
     with pytest.raises(ShardkitError, match="no chunks"):
         ring_chunks("stripe", 8, 2, 0)
     out = ring_attention(*(t[:, rank() :: 2] for t in problem(1, 8, 2, 2, 4)[:3]), g, causal=True, layout="stripe")
