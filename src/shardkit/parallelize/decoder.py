@@ -120,6 +120,7 @@ def parallelize(
     activation_checkpoint: str = "none",
     mixed_precision: str = "none",
     compile: bool | str = False,
+    cp_layout: str = "zigzag",
 ) -> ParallelModel:
     """Apply tensor, context, expert and data parallelism to ``model``, in that order, in place.
 
@@ -160,6 +161,8 @@ def parallelize(
             activation checkpointing and FSDP2 (:func:`~.compiling.apply_compile`): False
             (eager), True (inductor) or a backend name (e.g. ``"aot_eager"``); not with
             ``"selective"`` checkpointing.
+        cp_layout: the token placement of ring cp alone (``ring_layout`` of
+            :func:`~shardkit.context_parallel.apply_cp`): ``"zigzag"``, ``"contiguous"``, ``"stripe"``.
 
     Returns:
         :class:`ParallelModel`.
@@ -216,7 +219,7 @@ def parallelize(
             if dims.cp_mode == "usp"
             else mesh["cp_ring" if dims.cp_mode == "ring" else "cp_ulysses"]
         )
-        cp = apply_cp(model, cp_mesh, dims.cp_mode)
+        cp = apply_cp(model, cp_mesh, dims.cp_mode, ring_layout=cp_layout)
     if ep > 1:
         for experts in _experts_modules(model):
             if tp > 1 and not sequence_parallel:  # the same tokens on the tp ranks: each dispatches its block
