@@ -14,6 +14,7 @@ from harness.attention import check_variant_parity, problem
 from harness.helpers import rank, world_group, world_size
 from shardkit import ShardkitError
 from shardkit.context_parallel import apply_cp, ring_attention, ring_chunks
+from shardkit.context_parallel._ring_plan import rank_work
 
 
 @pytest.mark.world(2)
@@ -65,3 +66,23 @@ def test_stripe_refusals():
         ring_chunks("stripe", 8, 2, 0)
     out = ring_attention(*(t[:, rank() :: 2] for t in problem(1, 8, 2, 2, 4)[:3]), g, causal=True, layout="stripe")
     assert out.shape == (1, 4, 2, 4)
+
+
+@pytest.mark.parametrize("R", [2, 4])
+def test_causal_load_balance_of_the_layouts(R):
+    """Every layout's blocks cover each visible pair exactly once (the causal total), and the
+    balance (max / mean work) is what each layout is for: zigzag and stripe within a row or two
+    of even, contiguous with its last rank doing (2R - 1) / R of the mean."""
+    S = 64 * R
+    total = S * (S + 1) // 2
+    work = {layout: rank_work(layout, (0, S), R) for layout in ("zigzag", "contiguous", "stripe")}
+    for layout, w in work.items():
+        assert sum(w) == total, (layout, w)
+    mean = total / R
+    assert max(work["zigzag"]) / mean == pytest.approx(1.0, abs=1e-12)  # chunks pair up exactly
+    assert max(work["stripe"]) / mean < 1 + 2 * R / S  # rank R - 1 sees one more key per row
+    assert max(work["contiguous"]) / mean == pytest.approx((2 * R - 1) / R, rel=2 / S)
+    # a packed sequence keeps the totals: documents never attend across
+    cu = (0, 5, 5, 40, S)
+    docs = sum((b - a) * (b - a + 1) // 2 for a, b in zip(cu[:-1], cu[1:]))
+    assert sum(rank_work("zigzag", cu, R)) == docs == sum(rank_work("contiguous", cu, R))

@@ -195,3 +195,28 @@ def block_plan(
     q_tiles = _tiles(rank_pieces(layout, cu, world_size, q_rank, positional), tile)
     k_tiles = _tiles(rank_pieces(layout, cu, world_size, kv_rank, positional), tile)
     return tuple(b for qt in q_tiles for kt in k_tiles for b in _tile_blocks(qt, kt, causal, window))
+
+
+def rank_work(
+    layout: str, cu: tuple[int, ...], world_size: int, causal: bool = True, window: tuple[int, int] | None = None
+) -> list[int]:
+    """Visible (query, key) pairs each rank computes over a whole ring pass, from the block plan.
+
+    A diagonal block counts ``n (n + 1) / 2``, a masked one its True entries, a full one
+    ``q_n x k_n``: the attention work (and, with the fused kernels skipping nothing inside a
+    block, a lower bound of its time). ``max / mean`` is the layout's load balance: the slowest
+    rank sets the ring's pace, since every step waits for the next KV block.
+    """
+    work = []
+    for r in range(world_size):
+        total = 0
+        for s in range(world_size):
+            for b in block_plan(layout, cu, world_size, r, s, causal, 0, window):
+                if b.kind == "diag":
+                    total += b.q_n * (b.q_n + 1) // 2
+                elif b.mask is not None:
+                    total += int(b.mask.sum())
+                else:
+                    total += b.q_n * b.k_n
+        work.append(total)
+    return work
