@@ -220,7 +220,7 @@ def test_bad_input_raises_on_every_rank():
         ctx.shard_batch(_ids(1, 8), cu_seqlens=(0, 3, 7))
     with pytest.raises(ShardkitError, match="labels"):
         ctx.shard_batch(_ids(1, 8), _ids(1, 7))
-    with pytest.raises(ShardkitError, match="sliding-window"):
+    with pytest.raises(ShardkitError, match="not supported"):  # attention sinks: no cp form yet
         fn = __import__("transformers").AttentionInterface()["shardkit_cp_ring"]
         q = torch.zeros(1, 4, 4, 8, dtype=torch.float64)
-        fn(model.model.layers[0].self_attn, q, q[:, :2], q[:, :2], None, sliding_window=4, **{"shardkit_cp": b.call})
+        fn(model.model.layers[0].self_attn, q, q[:, :2], q[:, :2], None, s_aux=q[0, 0, 0], **{"shardkit_cp": b.call})

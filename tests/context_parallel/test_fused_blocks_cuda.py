@@ -12,6 +12,8 @@ rest of this folder and on a real GPU by ``scripts/gpu_first_checks.sh``.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
@@ -102,3 +104,35 @@ def test_float64_keeps_the_math_path_and_says_so(monkeypatch):
         ring_attention(q, k, v, world, causal=True, seq_len=4 * TILE)
     assert not any("scaled_dot_product" in op for op in log.ops)
     assert log.largest[0] >= N * TILE * TILE  # the scores: why float64 is for checks, not long runs
+
+
+def test_window_runs_flash_on_covered_blocks_and_masks_only_the_band(monkeypatch):
+    """Zigzag over 2 ranks, chunks of 2 TILE tokens, causal window left = 2 chunks - 1: rank 0's
+    chunk 3 sees itself (diagonal) and chunk 2 (fully inside the window) on FlashAttention-2
+    without a mask, chunk 1 (partly inside) on the memory-efficient kernel with a mask block,
+    and chunk 0 not at all (skipped)."""
+    R, S = 2, 8 * TILE
+    chunk = S // (2 * R)
+    grads: list = []
+    forward_backward(monkeypatch, ring._RingAttention, grads)
+    counts: Counter = Counter()
+    with fake_world(R) as world:
+        kw = dict(causal=True, layout="zigzag", seq_len=S, window=(2 * chunk - 1, 0))
+        ring_attention(*(t.to("cpu") for t in _qkv_cpu(S // R)), world, **kw)
+        with fake_cuda() as log:
+            q, k, v = _qkv(S // R, torch.bfloat16)
+            ring_attention(q, k, v, world, block_counts=counts, **kw)
+    assert {op for op in log.ops if "scaled_dot_product" in op} == FLASH | EFFICIENT
+    # forward: 2 diagonals + (3, 2) on flash, (3, 1) masked; (3, 0) and (0, *) later chunks skipped
+    assert log.ops.count("_scaled_dot_product_flash_attention") == 3, log.ops
+    assert log.ops.count("_scaled_dot_product_efficient_attention") == 1, log.ops
+    assert counts["forward"] == 4 and counts["backward"] == 4
+    assert log.largest[0] < N * chunk * chunk, log.largest[1]  # no block's scores for all heads
+
+
+def test_softcap_takes_the_math_path_and_says_so(monkeypatch):
+    forward_backward(monkeypatch, ring._RingAttention, [])
+    with fake_world(2) as world, fake_cuda() as log, pytest.warns(UserWarning, match="softcap"):
+        q, k, v = _qkv(2 * TILE, torch.bfloat16)
+        ring_attention(q, k, v, world, causal=True, seq_len=4 * TILE, softcap=30.0)
+    assert not any("scaled_dot_product" in op for op in log.ops)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 
 from ..train.model_names import MODEL_SUMMARIES
-from ..train.options import AC_MODES, DTYPES, MIXED_PRECISION, SCHEDULES, TrainConfig
+from ..train.options import AC_MODES, CP_LAYOUTS, DTYPES, MIXED_PRECISION, SCHEDULES, TrainConfig
 from .commands import COMMANDS
 
 __all__ = ["add_train_flags"]
@@ -74,6 +74,12 @@ def add_train_flags(subparsers) -> argparse.ArgumentParser:
         type=int,
         help=f"context parallel: ring-attention ranks sharing each sequence, zigzag "
         f"layout (default {d.cp_ring}; with --cp-ulysses > 1: USP, Ulysses inside, ring across)",
+    )
+    p.add_argument(
+        "--cp-layout",
+        choices=CP_LAYOUTS,
+        help=f"token placement of ring cp alone: zigzag, contiguous (Llama 3's slice per rank) or stripe "
+        f"(every R-th token; no --packed, no sliding window) (default {d.cp_layout})",
     )
     p.add_argument("--pp", type=int, help=f"pipeline-parallel stages (default {d.pp})")
     p.add_argument(

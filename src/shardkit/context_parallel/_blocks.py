@@ -14,10 +14,10 @@ Each block runs a fused kernel that returns the log-sum-exp, the ones torch's ow
   tiles; its lse rows are padded to a multiple of 32).
 
 Both need ``Dv == D``. Where no fused kernel accepts the inputs (``Dv != D``, float64 on CUDA, a
-head dim the kernels refuse, another device) a plain-math path materializes the block's
-``[B, N, Sq, Sk]`` scores in the accumulation dtype, and says so once per call site. A fused
-kernel reports ``lse = 0`` (CPU) or ``-inf`` for a row the mask hides entirely; such rows are
-set to ``-inf`` and a zero output here so that merging them contributes nothing.
+head dim the kernels refuse, another device, a logit ``softcap``, which no SDPA kernel applies)
+a plain-math path materializes the block's ``[B, N, Sq, Sk]`` scores in the accumulation dtype,
+and says so once per call site. A fused kernel reports ``lse = 0`` (CPU) or ``-inf`` for a row
+the mask hides entirely; such rows are set to ``-inf`` and a zero output here so that merging them contributes nothing.
 
 The backward of a block needs the *final* output and log-sum-exp of its query rows (flash
 attention's recomputation): ``P = exp(scale * Q K^T - lse)`` is then the block's slice of the
@@ -57,14 +57,22 @@ def _flash_capable(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 0)
 
 
-def block_kernel(q: torch.Tensor, v: torch.Tensor, masked: bool) -> str:
+def block_kernel(q: torch.Tensor, v: torch.Tensor, masked: bool, softcap: float | None = None) -> str:
     """The kernel a block of ``q [B, Sq, N, D]`` against ``v [B, Sk, N, Dv]`` runs.
 
     Returns ``"cpu_flash"``, ``"flash"``, ``"efficient"`` or ``"math"`` (module docstring). The
-    choice is a pure function of device, dtype, head dims and ``masked``, the same on every rank
-    of a ring. Warns once per call site when a CUDA block falls back to the math path.
+    choice is a pure function of device, dtype, head dims, ``masked`` and ``softcap``, the same on
+    every rank of a ring. Warns once per call site when a block falls back to the math path on
+    CUDA, or for a softcap on any device.
     """
     d, dv = q.shape[-1], v.shape[-1]
+    if softcap is not None:
+        warnings.warn(
+            "context-parallel attention: no fused SDPA kernel applies a logit softcap; the blocks run the math "
+            "path (O(Sq x Sk) memory per block)",
+            stacklevel=3,
+        )
+        return "math"
     if q.device.type == "cpu":
         return "cpu_flash" if d == dv and q.dtype in _CPU_DTYPES else "math"
     if q.device.type == "cuda" and d == dv and d % 8 == 0:
@@ -116,15 +124,21 @@ def _fold(t: torch.Tensor, rep: int) -> torch.Tensor:
     return t.reshape(b, s, n // rep, rep, d).sum(3)
 
 
-def _scores(q, k, causal: bool, scale: float, mask=None) -> torch.Tensor:
+def _scores(q, k, causal: bool, scale: float, mask=None, softcap=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Masked scores ``[B, N, Sq, Sk]`` and, with ``softcap``, ``tanh`` of the scaled scores over
+    the cap (the backward's chain factor ``1 - tanh^2``): Gemma 2 caps before the mask."""
     acc = acc_dtype(q.dtype)
     s = torch.einsum("bqnd,bknd->bnqk", q.to(acc), k.to(acc)) * scale
+    tanh = None
+    if softcap is not None:
+        tanh = torch.tanh(s / softcap)
+        s = tanh * softcap
     if causal:  # square diagonal block: query i sees keys 0..i
         keep = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
         s = s.masked_fill(keep.logical_not(), float("-inf"))
     if mask is not None:
         s = s.masked_fill(mask.logical_not(), float("-inf"))
-    return s
+    return s, tanh
 
 
 def _additive(mask, dtype):
@@ -136,15 +150,16 @@ def _additive(mask, dtype):
     )
 
 
-def block_forward(q, k, v, causal: bool, scale: float, rep: int, mask=None):
+def block_forward(q, k, v, causal: bool, scale: float, rep: int, mask=None, softcap=None):
     """``q [B, Sq, N, D]``, ``k [B, Sk, N_kv, D]``, ``v [B, Sk, N_kv, Dv]`` -> ``(out [B, Sq, N, Dv], lse [B, Sq, N])``.
 
     ``mask``: optional boolean ``[Sq, Sk]`` (True = attend). A row it hides entirely gets
-    ``lse = -inf`` and a zero output. ``out`` is in ``q.dtype`` (flash) or the accumulation
-    dtype (math); ``lse`` in the accumulation dtype.
+    ``lse = -inf`` and a zero output. ``softcap``: ``softcap * tanh(scores / softcap)`` on the
+    scaled scores before the mask (math path). ``out`` is in ``q.dtype`` (flash) or the
+    accumulation dtype (math); ``lse`` in the accumulation dtype.
     """
     k, v = _expand(k, rep), _expand(v, rep)
-    kernel = block_kernel(q, v, mask is not None)
+    kernel = block_kernel(q, v, mask is not None, softcap)
     if kernel != "math":
         t = lambda x: x.transpose(1, 2)  # noqa: E731  [B, S, N, D] <-> the kernels' [B, N, S, D]
         if kernel == "cpu_flash":
@@ -160,22 +175,24 @@ def block_forward(q, k, v, causal: bool, scale: float, rep: int, mask=None):
             )[:2]
             lse = lse.narrow(2, 0, q.shape[1])  # rows padded to a multiple of 32
         return _hide_empty_rows(t(out), t(lse).to(acc_dtype(q.dtype)), mask)
-    s = _scores(q, k, causal, scale, mask)
+    s, _ = _scores(q, k, causal, scale, mask, softcap)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse.masked_fill(torch.isinf(lse), 0.0).unsqueeze(-1))
     return torch.einsum("bnqk,bknd->bqnd", p, v.to(s.dtype)), lse.transpose(1, 2)
 
 
-def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, rep: int, mask=None):
+def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, rep: int, mask=None, softcap=None):
     """Gradients of one block given the final ``out`` (``q.dtype``) and ``lse [B, Sq, N]`` of its rows.
 
-    ``mask`` as in :func:`block_forward`; the final ``lse`` is finite (every token sees itself).
+    ``mask``, ``softcap`` as in :func:`block_forward`; the final ``lse`` is finite (every token
+    sees itself). With a softcap the score gradient is scaled by ``1 - tanh^2`` (the cap's
+    derivative) before it reaches ``q`` and ``k``.
 
     Returns ``(dq [B, Sq, N, D], dk [B, Sk, N_kv, D], dv [B, Sk, N_kv, Dv])`` in the accumulation dtype.
     """
     acc = acc_dtype(q.dtype)
     ke, ve = _expand(k, rep), _expand(v, rep)
-    kernel = block_kernel(q, ve, mask is not None)
+    kernel = block_kernel(q, ve, mask is not None, softcap)
     if kernel != "math":
         t = lambda x: x.transpose(1, 2)  # noqa: E731
         lse_t = t(lse)  # [B, N, Sq]
@@ -229,13 +246,15 @@ def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, rep: int
             )[:3]
         dq, dk, dv = (t(g).to(acc) for g in grads)
     else:
-        s = _scores(q, ke, causal, scale, mask)
+        s, tanh = _scores(q, ke, causal, scale, mask, softcap)
         p = torch.exp(s - lse.transpose(1, 2).unsqueeze(-1))
         do = dout.to(acc)
         dv = torch.einsum("bnqk,bqnd->bknd", p, do)
         dp = torch.einsum("bqnd,bknd->bnqk", do, ve.to(acc))
         delta = (do * out.to(acc)).sum(-1).transpose(1, 2)  # [B, N, Sq]
         ds = p * (dp - delta.unsqueeze(-1))
+        if tanh is not None:  # d(cap * tanh(x / cap)) / dx = 1 - tanh^2
+            ds = ds * (1 - tanh * tanh)
         dq = torch.einsum("bnqk,bknd->bqnd", ds, ke.to(acc)) * scale
         dk = torch.einsum("bnqk,bqnd->bknd", ds, q.to(acc)) * scale
     return dq, _fold(dk, rep), _fold(dv, rep)

@@ -12,9 +12,11 @@ The causal mask: causality comes from the global positions inside the shardkit a
 the model must not build a mask of the *local* length. The shardkit names have no entry in
 transformers' ``AttentionMaskInterface``, so ``create_causal_mask`` builds none and returns at
 once, before it would probe ``position_ids`` for packed sequences (a device-to-host read per
-forward, issue 29). It would also drop a padding ``attention_mask`` without a word, so
-:func:`refuse_padding_masks` hooks the model: a padding mask raises instead of being ignored (a
-prepared 4-D mask reaches the attention, which raises).
+forward, issue 29); a sliding window comes to the attention as the layer's ``sliding_window``
+keyword and is applied there on global positions, as is Gemma 2's ``softcap``. transformers
+would also drop a padding ``attention_mask`` without a word, so :func:`refuse_padding_masks`
+hooks the model: a padding mask raises instead of being ignored (a prepared 4-D mask reaches
+the attention, which raises).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ __all__ = ["KWARG", "CPCall", "attention_name", "register", "refuse_padding_mask
 
 #: The keyword the per-batch context travels under, from ``model(**batch.inputs)`` to the attention.
 KWARG = "shardkit_cp"
-_UNSUPPORTED = ("softcap", "s_aux", "position_bias")
+_UNSUPPORTED = ("s_aux", "position_bias")
 
 
 @dataclass(frozen=True)
@@ -71,18 +73,16 @@ def _make(mode: str):
             raise ShardkitError(
                 f"{op}: attention dropout is not supported (got dropout={dropout} in training); set attention_dropout=0"
             )
-        window = kwargs.get("sliding_window")
-        if window is not None and call.seq_len > window:
-            raise ShardkitError(
-                f"{op}: sliding-window attention is not supported (window {window} < S = {call.seq_len})"
-            )
         bad = [name for name in _UNSUPPORTED if kwargs.get(name) is not None]
         if bad:
             raise ShardkitError(f"{op}: attention arguments {bad} are not supported under context parallelism")
         causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # HF [B, N, S, D] -> shardkit [B, S, N, D]
+        # The layer's own variants: Qwen2/3, Mistral and Gemma 2 pass sliding_window (HF's W, keys
+        # i - W < j <= i) on their sliding layers, Gemma 2 its attn_logit_softcapping as softcap.
+        variants = {name: kwargs.get(name) for name in ("sliding_window", "softcap")}
         out = call.context._attend(
-            q, k, v, causal=causal, scale=scaling, seq_len=call.seq_len, cu_seqlens=call.cu_seqlens
+            q, k, v, causal=causal, scale=scaling, seq_len=call.seq_len, cu_seqlens=call.cu_seqlens, **variants
         )
         return out, None
 

@@ -2,14 +2,20 @@
 
 Each rank's local tokens are a sequence of *pieces*: runs of consecutive global positions of
 one document (zigzag: per document, chunks ``r`` and ``2R - 1 - r`` of its own balanced split;
-contiguous: the part of each document inside block ``r``). Without a causal mask the two
-zigzag chunks of a document form one piece, since only the document matters. A query piece
+contiguous: the part of each document inside block ``r``). Without a causal mask or a window
+the two zigzag chunks of a document form one piece, since only the document matters. A query piece
 ``qp`` and a key piece ``kp`` are:
 
-* hidden (``NONE``) when their documents differ, or, causal, when every key follows every query;
-* fully visible (``ALL``) in the same document without a causal mask, or when every key
-  precedes (or is) every query;
-* ``DIAG`` when both are the same chunk (square, lower-triangular: ``is_causal``).
+* hidden (``NONE``) when their documents differ, or, causal, when every key follows every query,
+  or, with a window ``(left, right)``, when every key lies outside every query's window (all keys
+  before ``q_first - left`` or after ``q_last + right``): such blocks are skipped, no compute;
+* fully visible (``ALL``) in the same document when every (query, key) pair is visible: no
+  causal mask and no window, or every key precedes (or is) every query and lies inside every
+  query's window (``k_first >= q_last - left``, ``k_last <= q_first + right``): no mask;
+* ``DIAG`` when both are the same chunk (square, lower-triangular: ``is_causal``) and the window
+  covers the whole chunk (``left >= n - 1``);
+* partially covered (``PARTIAL``) otherwise: the block runs with an explicit boolean mask of
+  the visible pairs (the window's band, cropped to the rows and columns that see anything).
 
 Pieces form the blocks' *tiles*. With several documents, consecutive pieces shorter than
 ``min_tile`` tokens share a tile so that many short documents do not cost one kernel call each
@@ -28,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from .._shapes import balanced_split_sizes, split_offsets
+from ._options import visible
 from ._sizes import _zigzag_ranges
 
 __all__ = ["Block", "block_plan", "rank_pieces"]
@@ -61,7 +68,9 @@ class Block:
 
 
 def rank_pieces(layout: str, cu: tuple[int, ...], world_size: int, rank: int, causal: bool) -> list[Piece]:
-    """The pieces of rank ``rank``'s local tokens, in local order (empty ones left out)."""
+    """The pieces of rank ``rank``'s local tokens, in local order (empty ones left out).
+
+    ``causal``: positions matter (a causal mask or a window); False merges a document's pieces."""
     out, off = [], 0
     if layout == "contiguous":
         sizes = balanced_split_sizes(cu[-1], world_size)
@@ -98,26 +107,30 @@ def _tiles(pieces: list[Piece], min_tile: int) -> list[list[Piece]]:
     return tiles
 
 
-def _kind(qp: Piece, kp: Piece, causal: bool) -> int:
+def _kind(qp: Piece, kp: Piece, causal: bool, window: tuple[int, int] | None) -> int:
+    """The kind of a piece pair (module docstring) from the bounds of both position ranges."""
     if qp.doc != kp.doc:
         return NONE
-    if not causal or kp.g0 + kp.n - 1 <= qp.g0:
-        return ALL
-    if kp.g0 > qp.g0 + qp.n - 1:
+    left, right = window if window is not None else (-1, -1)
+    right = 0 if causal else right  # the causal mask is the window's right bound 0
+    q0, q1, k0, k1 = qp.g0, qp.g0 + qp.n - 1, kp.g0, kp.g0 + kp.n - 1
+    if (right >= 0 and k0 > q1 + right) or (left >= 0 and k1 < q0 - left):
         return NONE
-    return DIAG if (kp.g0, kp.n) == (qp.g0, qp.n) else PARTIAL
+    if (right < 0 or k1 <= q0 + right) and (left < 0 or k0 >= q1 - left):
+        return ALL
+    if causal and (kp.g0, kp.n) == (qp.g0, qp.n) and (left < 0 or left >= qp.n - 1):
+        return DIAG
+    return PARTIAL
 
 
-def _piece_mask(qp: Piece, kp: Piece, kind: int, causal: bool) -> torch.Tensor:
+def _piece_mask(qp: Piece, kp: Piece, kind: int, causal: bool, window) -> torch.Tensor:
     if kind in (NONE, ALL):
         return torch.full((qp.n, kp.n), kind == ALL, dtype=torch.bool)
-    gq = torch.arange(qp.g0, qp.g0 + qp.n)
-    gk = torch.arange(kp.g0, kp.g0 + kp.n)
-    return gk[None, :] <= gq[:, None]
+    return visible(torch.arange(qp.g0, qp.g0 + qp.n), torch.arange(kp.g0, kp.g0 + kp.n), causal, window)
 
 
-def _tile_blocks(qt: list[Piece], kt: list[Piece], causal: bool) -> list[Block]:
-    kinds = [[_kind(qp, kp, causal) for kp in kt] for qp in qt]
+def _tile_blocks(qt: list[Piece], kt: list[Piece], causal: bool, window) -> list[Block]:
+    kinds = [[_kind(qp, kp, causal, window) for kp in kt] for qp in qt]
     flat = [x for row in kinds for x in row]
     q_off, k_off = qt[0].off, kt[0].off
     q_n, k_n = sum(p.n for p in qt), sum(p.n for p in kt)
@@ -129,7 +142,7 @@ def _tile_blocks(qt: list[Piece], kt: list[Piece], causal: bool) -> list[Block]:
         return [Block(q_off, q_n, k_off, k_n, "diag")]
     mask = torch.cat(
         [
-            torch.cat([_piece_mask(qp, kp, kinds[i][j], causal) for j, kp in enumerate(kt)], 1)
+            torch.cat([_piece_mask(qp, kp, kinds[i][j], causal, window) for j, kp in enumerate(kt)], 1)
             for i, qp in enumerate(qt)
         ],
         0,
@@ -142,15 +155,68 @@ def _tile_blocks(qt: list[Piece], kt: list[Piece], causal: bool) -> list[Block]:
     return [Block(q_off + r0, r1 - r0, k_off + c0, c1 - c0, "mask", mask)]
 
 
+def _stripe_blocks(seq_len: int, world_size: int, q_rank: int, kv_rank: int, causal: bool) -> tuple[Block, ...]:
+    """Stripe layout (rank ``r`` holds global tokens ``r, r + R, r + 2R, ...``): one block per pair.
+
+    Local query ``a`` of rank ``r`` is position ``r + R a``, local key ``b`` of rank ``s`` is
+    ``s + R b``; causal visibility ``s + R b <= r + R a`` is ``b <= a`` when ``s <= r`` (the
+    diagonal block of the first ``n_q`` keys: rank ``s`` holds at least as many tokens) and
+    ``b < a`` when ``s > r`` (queries ``1..`` against keys ``..n_q - 2``, again a diagonal block).
+    Every rank computes one (triangular) block per step: balanced, as Striped Attention intends.
+    """
+    nq, nk = len(range(q_rank, seq_len, world_size)), len(range(kv_rank, seq_len, world_size))
+    if not causal:
+        return (Block(0, nq, 0, nk, "full"),) if nq and nk else ()
+    if kv_rank <= q_rank:
+        return (Block(0, nq, 0, nq, "diag"),) if nq else ()
+    return (Block(1, nq - 1, 0, nq - 1, "diag"),) if nq > 1 else ()
+
+
 @functools.lru_cache(maxsize=256)
 def block_plan(
-    layout: str, cu: tuple[int, ...], world_size: int, q_rank: int, kv_rank: int, causal: bool, min_tile: int
+    layout: str,
+    cu: tuple[int, ...],
+    world_size: int,
+    q_rank: int,
+    kv_rank: int,
+    causal: bool,
+    min_tile: int,
+    window: tuple[int, int] | None = None,
 ) -> tuple[Block, ...]:
     """Blocks rank ``q_rank``'s queries compute against rank ``kv_rank``'s KV block (masks on CPU).
 
+    ``window``: the normalized ``(left, right)`` of :func:`._options.variant`, or None.
     Cached: a pure function of the layout, reused by backward and by every training step.
     """
+    if layout == "stripe":  # one sequence, no window (checked by ring_attention)
+        return _stripe_blocks(cu[-1], world_size, q_rank, kv_rank, causal)
     tile = min_tile if len(cu) > 2 else 0
-    q_tiles = _tiles(rank_pieces(layout, cu, world_size, q_rank, causal), tile)
-    k_tiles = _tiles(rank_pieces(layout, cu, world_size, kv_rank, causal), tile)
-    return tuple(b for qt in q_tiles for kt in k_tiles for b in _tile_blocks(qt, kt, causal))
+    positional = causal or window is not None
+    q_tiles = _tiles(rank_pieces(layout, cu, world_size, q_rank, positional), tile)
+    k_tiles = _tiles(rank_pieces(layout, cu, world_size, kv_rank, positional), tile)
+    return tuple(b for qt in q_tiles for kt in k_tiles for b in _tile_blocks(qt, kt, causal, window))
+
+
+def rank_work(
+    layout: str, cu: tuple[int, ...], world_size: int, causal: bool = True, window: tuple[int, int] | None = None
+) -> list[int]:
+    """Visible (query, key) pairs each rank computes over a whole ring pass, from the block plan.
+
+    A diagonal block counts ``n (n + 1) / 2``, a masked one its True entries, a full one
+    ``q_n x k_n``: the attention work (and, with the fused kernels skipping nothing inside a
+    block, a lower bound of its time). ``max / mean`` is the layout's load balance: the slowest
+    rank sets the ring's pace, since every step waits for the next KV block.
+    """
+    work = []
+    for r in range(world_size):
+        total = 0
+        for s in range(world_size):
+            for b in block_plan(layout, cu, world_size, r, s, causal, 0, window):
+                if b.kind == "diag":
+                    total += b.q_n * (b.q_n + 1) // 2
+                elif b.mask is not None:
+                    total += int(b.mask.sum())
+                else:
+                    total += b.q_n * b.k_n
+        work.append(total)
+    return work

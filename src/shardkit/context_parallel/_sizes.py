@@ -201,20 +201,32 @@ class _Order:
         return self.perm[off : off + self.sizes[rank]]
 
 
+def _layout_ranges(cu: tuple[int, ...], world_size: int, rank: int, layout: str):
+    """``(begin, end)`` global ranges of rank ``rank`` in ring ``layout``, in local order: zigzag
+    per document, or one balanced block (contiguous: Llama 3's slice of packed documents)."""
+    if layout == "contiguous":
+        sizes = balanced_split_sizes(cu[-1], world_size)
+        return [(sum(sizes[:rank]), sum(sizes[: rank + 1]))]
+    return [x for d in range(len(cu) - 1) for x in _zigzag_ranges(cu[d], cu[d + 1] - cu[d], world_size, rank)]
+
+
 @functools.lru_cache(maxsize=64)
-def _order(cu: tuple[int, ...], world_size: int, device: torch.device) -> _Order:
+def _order(cu: tuple[int, ...], world_size: int, device: torch.device, layout: str = "zigzag") -> _Order:
     """Cached per layout: a pure function of the documents, reused every training step."""
     if device.type != "cpu":
-        cpu = _order(cu, world_size, torch.device("cpu"))
+        cpu = _order(cu, world_size, torch.device("cpu"), layout)
         return _Order(cpu.perm.to(device), cpu.inverse.to(device), cpu.sizes)
     parts, sizes = [], []
     for r in range(world_size):
+        if layout == "stripe":  # every R-th token (one sequence)
+            parts.append(torch.arange(r, cu[-1], world_size, dtype=torch.int64))
+            sizes.append(parts[-1].numel())
+            continue
         n = 0
-        for d in range(len(cu) - 1):
-            for begin, end in _zigzag_ranges(cu[d], cu[d + 1] - cu[d], world_size, r):
-                if end > begin:
-                    parts.append(torch.arange(begin, end, dtype=torch.int64))
-                    n += end - begin
+        for begin, end in _layout_ranges(cu, world_size, r, layout):
+            if end > begin:
+                parts.append(torch.arange(begin, end, dtype=torch.int64))
+                n += end - begin
         sizes.append(n)
     perm = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
     inverse = torch.empty_like(perm)
@@ -269,3 +281,11 @@ def ulysses_head_plan(num_heads: int, num_kv_heads: int, world_size: int) -> Hea
         ranges.append((lo, hi))
         index.append(tuple((q0 + i) // group - lo for i in range(n)))
     return HeadPlan(tuple(q_sizes), tuple(ranges), tuple(index))
+
+
+def document_positions(s: int, cu: tuple[int, ...] | None) -> torch.Tensor:
+    """``[S]`` positions ``0..S-1`` on the host, restarting at 0 in every document of ``cu``."""
+    pos = torch.arange(s)
+    for a, b in zip((cu or ())[:-1], (cu or ())[1:]):
+        pos[a:b] -= a
+    return pos

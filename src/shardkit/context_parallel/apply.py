@@ -9,7 +9,8 @@ their labels shifted on the full sequence first (no target is lost at a shard bo
 Layouts (rank ``(i, j)`` of ``R`` ring x ``U`` Ulysses ranks; ``ulysses``: ``R = 1``,
 ``ring``: ``U = 1``): ring part ``i`` is the zigzag part ``i`` of the sequence (of every
 document when packed, :func:`packed_split`), and Ulysses rank ``j`` holds block ``j`` of the
-balanced contiguous split of that part. Ulysses alone thus holds a contiguous block.
+balanced contiguous split of that part. Ulysses alone thus holds a contiguous block. Mode
+``ring`` may instead place its tokens ``contiguous`` (Llama 3) or ``stripe`` (``ring_layout=``).
 
 Source: the sequence-sharded training loops of Megatron-LM context parallelism and
 MindSpeed-MM (labels shifted before the split, global position ids, loss summed over the
@@ -33,9 +34,9 @@ from ..comm.collectives import all_gather, all_reduce_forward
 from ..comm.host_sync import host_side, to_device
 from ..errors import ShardkitError, ShardkitTypeError
 from . import _hf_attention
-from ._sizes import _order, check_cu_seqlens
+from ._sizes import _order, check_cu_seqlens, document_positions
 from .batch import CPBatch
-from .ring import ring_attention
+from .ring import LAYOUTS, ring_attention
 from .ulysses import ulysses_attention
 from .usp import usp_attention
 
@@ -56,20 +57,12 @@ def _packed_supported(fn) -> bool:
     return "cu_seqlens" in inspect.signature(fn).parameters
 
 
-def _positions(s: int, cu: tuple[int, ...] | None) -> torch.Tensor:
-    """``[S]`` positions ``0..S-1`` on the host, restarting at 0 in every document of ``cu``."""
-    pos = torch.arange(s)
-    for a, b in zip((cu or ())[:-1], (cu or ())[1:]):
-        pos[a:b] -= a
-    return pos
-
-
 class CPContext:
     """The context-parallel state of one model: mode and groups. Built by :func:`apply_cp`."""
 
-    def __init__(self, mode: str, mesh: Group, ring_dim: str, ulysses_dim: str):
+    def __init__(self, mode: str, mesh: Group, ring_dim: str, ulysses_dim: str, ring_layout: str = "zigzag"):
         self.mode, self.mesh = mode, mesh
-        self.ring_dim, self.ulysses_dim = ring_dim, ulysses_dim
+        self.ring_dim, self.ulysses_dim, self.ring_layout = ring_dim, ulysses_dim, ring_layout
         op = "apply_cp"
         self.ring: GroupInfo | None = None
         self.ulysses: GroupInfo | None = None
@@ -105,7 +98,7 @@ class CPContext:
     def _part(self, cu: tuple[int, ...]):
         """(global indices of this rank's tokens on the host, the zigzag order over the ring;
         ``order.sizes`` = ring part sizes)."""
-        order = _order(cu, self.ring_size, torch.device("cpu"))
+        order = _order(cu, self.ring_size, torch.device("cpu"), self.ring_layout)
         part = order.local(self.ring.rank if self.ring else 0)
         j = self.ulysses.rank if self.ulysses else 0
         sizes = balanced_split_sizes(part.numel(), self.ulysses_size)
@@ -180,7 +173,7 @@ class CPContext:
                 )
             local_positions = None
             if position_ids is None:  # 0..S-1, restarting at every document when packed
-                local_positions = _positions(s, cu).index_select(0, idx_host)[None]
+                local_positions = document_positions(s, cu).index_select(0, idx_host)[None]
             ends = None
             if labels is not None and cu is not None:  # no target across a document border
                 ends = torch.tensor([cu[d + 1] - 1 for d in range(len(cu) - 1) if cu[d + 1] > cu[d]], dtype=torch.int64)
@@ -232,7 +225,7 @@ class CPContext:
             ``[..., S, ...]`` in global token order, identical on every rank.
         """
         cu = batch.cu_seqlens or (0, batch.seq_len)
-        order = _order(cu, self.ring_size, torch.device("cpu"))
+        order = _order(cu, self.ring_size, torch.device("cpu"), self.ring_layout)
         x = x_local
         if self.ulysses is not None and self.ulysses.size > 1:
             part = order.sizes[self.ring.rank if self.ring else 0]
@@ -304,18 +297,19 @@ class CPContext:
             for g, part in zip(same, flat.split([g.numel() for g in same])):
                 g.copy_(part.view_as(g))
 
-    def _attend(self, q, k, v, *, causal: bool, scale, seq_len: int, cu_seqlens):
+    def _attend(self, q, k, v, *, causal: bool, scale, seq_len: int, cu_seqlens, **variant):
         """``[B, S_local, N, D]`` attention of the mode.
 
-        ``N`` and ``N_kv`` are read from the tensors, so TP-sharded heads work."""
-        packed = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
+        ``N`` and ``N_kv`` are read from the tensors, so TP-sharded heads work; ``variant``: the
+        layer's ``sliding_window`` / ``softcap`` (None: off)."""
+        packed = dict(variant) if cu_seqlens is None else {"cu_seqlens": cu_seqlens, **variant}
         if self.mode == "ulysses":
             assert self.ulysses is not None  # __init__ gave the mode its group
             return ulysses_attention(q, k, v, self.ulysses.pg, causal=causal, scale=scale, seq_len=seq_len, **packed)
         if self.mode == "ring":
             assert self.ring is not None  # __init__ gave the mode its group
             return ring_attention(
-                q, k, v, self.ring.pg, causal=causal, scale=scale, layout="zigzag", seq_len=seq_len, **packed
+                q, k, v, self.ring.pg, causal=causal, scale=scale, layout=self.ring_layout, seq_len=seq_len, **packed
             )
         assert isinstance(self.mesh, DeviceMesh)  # usp: a 2-D DeviceMesh, checked in __init__
         return usp_attention(
@@ -339,6 +333,7 @@ def apply_cp(
     *,
     ring_dim: str = "cp_ring",
     ulysses_dim: str = "cp_ulysses",
+    ring_layout: str = "zigzag",
 ) -> CPContext:
     """Switch a Hugging Face model's attention to shardkit context-parallel attention, without editing the model.
 
@@ -358,6 +353,9 @@ def apply_cp(
             attention), or ``"usp"`` (Ulysses inside, ring across).
         ring_dim: the mesh dim name of the ring for ``usp``.
         ulysses_dim: the mesh dim name of Ulysses for ``usp``.
+        ring_layout: the token placement of mode ``ring``: ``"zigzag"``, ``"contiguous"`` (Llama 3's
+            slice of the packed sequence per rank) or ``"stripe"`` (every ``R``-th token; one
+            document, no sliding window); ``usp`` and ``ulysses`` keep their own.
 
     Returns:
         :class:`CPContext`: ``shard_batch``, ``loss``, ``gather``, ``shard``, ``all_reduce_grads``.
@@ -367,17 +365,19 @@ def apply_cp(
         ShardkitTypeError: bad ``cp_mesh`` (missing dims, wrong rank count) or not a transformers model.
 
     At run time the attention raises ``ShardkitError`` (on every rank: the checks read the
-    config and the batch) for a padding ``attention_mask``, dropout > 0 in training, a sliding
-    window shorter than ``S``, or a call without the ``shard_batch`` inputs.
+    config and the batch) for a padding ``attention_mask``, dropout > 0 in training, or a call
+    without the ``shard_batch`` inputs. Sliding windows and Gemma 2's logit softcap are applied.
     """
     if mode not in MODES:
         raise ShardkitError(f"apply_cp: mode must be one of {MODES}, got {mode!r}")
+    if ring_layout not in LAYOUTS or (ring_layout != "zigzag" and mode != "ring"):
+        raise ShardkitError(f"apply_cp: ring_layout must be one of {LAYOUTS} (mode 'ring'), got {ring_layout!r}")
     if not hasattr(model, "config"):
         raise ShardkitTypeError(
             f"apply_cp: expected a transformers PreTrainedModel (or a pipeline stage of one), "
             f"got {type(model).__name__}"
         )
-    ctx = CPContext(mode, cp_mesh, ring_dim, ulysses_dim)
+    ctx = CPContext(mode, cp_mesh, ring_dim, ulysses_dim, ring_layout)
     name = _hf_attention.register(mode)
     hf: Any = model  # a transformers model or stage of one (it has a config: checked above)
     if hasattr(hf, "set_attn_implementation"):

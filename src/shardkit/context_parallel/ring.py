@@ -38,31 +38,29 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Literal, cast, overload
 
 import torch
-import torch.distributed as dist
 
 from .._shapes import balanced_split_sizes
-from ..comm import ledger
-from ..comm._compat import p2p_op
 from ..comm._group import GroupInfo
 from ..comm._validate import gather_sizes, maybe_agree
 from ..errors import ShardkitError, ShardkitTypeError
 from ._blocks import acc_dtype, block_backward, block_forward, merge
-from ._ring_plan import block_plan
-from ._sizes import packed_local_sizes, zigzag_chunk_sizes
-from .ulysses import _validate
+from ._checks import _validate
+from ._options import variant
+from ._ring_comm import _Ring, layout_sizes, ring_kv
+from ._sizes import zigzag_chunk_sizes
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from .._types import Group
 
-__all__ = ["ring_attention", "ring_chunks"]
+__all__ = ["ring_attention", "ring_chunks", "local_variant_attention"]
 
 _OP = "ring_attention"
-LAYOUTS = ("zigzag", "contiguous")
+LAYOUTS = ("zigzag", "contiguous", "stripe")
 
 #: With packed documents, consecutive pieces shorter than this many tokens share a block tile
 #: (computed with a mask) instead of costing one kernel call per piece pair; see :mod:`._ring_plan`.
@@ -70,7 +68,13 @@ PACKED_MIN_TILE = 64
 
 
 def ring_chunks(layout: str, seq_len: int, world_size: int, rank: int) -> list[tuple[int, int, int]]:
-    """``(global chunk index, local offset, length)`` of each chunk rank ``rank`` holds, in local order."""
+    """``(global chunk index, local offset, length)`` of each chunk rank ``rank`` holds, in local order.
+
+    Raises:
+        ShardkitError: ``layout="stripe"`` (no chunks: rank ``r`` holds every ``R``-th token).
+    """
+    if layout == "stripe":
+        raise ShardkitError("ring_chunks: the stripe layout has no chunks (rank r holds tokens r, r + R, ...)")
     if layout == "zigzag":
         c = zigzag_chunk_sizes(seq_len, world_size)
         second = 2 * world_size - 1 - rank
@@ -78,110 +82,11 @@ def ring_chunks(layout: str, seq_len: int, world_size: int, rank: int) -> list[t
     return [(rank, 0, balanced_split_sizes(seq_len, world_size)[rank])]
 
 
-def _layout_sizes(layout: str, cu: tuple[int, ...], world_size: int) -> list[int]:
-    """Tokens of every rank in ``layout`` (packed zigzag with several documents)."""
-    return packed_local_sizes(cu, world_size) if layout == "zigzag" else balanced_split_sizes(cu[-1], world_size)
-
-
-class _Ring:
-    """The ring neighbours, per-rank block sizes and block plans of one call."""
-
-    def __init__(
-        self, g: GroupInfo, layout: str, cu: tuple[int, ...], causal: bool, overlap: bool, shapes, counts=None
-    ):
-        self.g, self.layout, self.overlap, self.counts = g, layout, overlap, counts
-        self.nxt, self.prv = (g.rank + 1) % g.size, (g.rank - 1) % g.size
-        self.sizes = _layout_sizes(layout, cu, g.size)
-        self.shapes = shapes  # (B, N_kv, D, Dv)
-        self.plans = [
-            block_plan(layout, cu, g.size, g.rank, self.src(i), causal, PACKED_MIN_TILE) for i in range(g.size)
-        ]
-        self._masks: dict = {}
-
-    def src(self, step: int) -> int:
-        return (self.g.rank - step) % self.g.size
-
-    def count(self, phase: str, blocks: int) -> None:
-        """Add ``blocks`` computed blocks of ``phase`` to the caller's counter, if it passed one."""
-        if self.counts is not None:
-            self.counts[phase] += blocks
-
-    def tokens(self, rank: int) -> int:
-        return self.sizes[rank]
-
-    def kv_like(self, rank: int, k: torch.Tensor, dtype=None):
-        """Empty k and v blocks of rank ``rank`` (receive buffers)."""
-        b, n_kv, d, dv = self.shapes
-        s, dtype = self.tokens(rank), k.dtype if dtype is None else dtype
-        return [k.new_empty(b, s, n_kv, d, dtype=dtype), k.new_empty(b, s, n_kv, dv, dtype=dtype)]
-
-    def mask(self, step: int, i: int, block, device):
-        """Block ``i``'s mask of step ``step`` on ``device``, moved once per call (forward and backward)."""
-        if block.mask is None or device.type == "cpu":
-            return block.mask
-        key = (step, i)
-        if key not in self._masks:
-            self._masks[key] = block.mask.to(device)
-        return self._masks[key]
-
-    def post(self, sends: list, recvs: list, phase: str) -> _Pending:
-        """Send ``sends`` to the next rank and receive ``recvs`` from the previous one, in place.
-
-        k and v (or dK and dV) travel as they are, without a packing copy, in one
-        ``batch_isend_irecv`` per exchange. With ``R = 2`` both peers are the same rank, and
-        every rank posts its messages in the same order (FIFO matching, as NCCL requires).
-        Without ``overlap`` the exchange is waited for at once (the no-overlap baseline).
-        """
-        ops = [p2p_op(True, t, self.g.pg, self.nxt) for t in sends] + [
-            p2p_op(False, t, self.g.pg, self.prv) for t in recvs
-        ]
-        ledger.record(
-            "send",
-            _OP,
-            phase,
-            self.g.size,
-            sum(t.nbytes for t in sends),
-            0,
-            pg=self.g.pg,
-            shape=sends[0].shape,
-            peer=self.nxt,
-            dtype=sends[0].dtype,
-        )
-        ledger.record(
-            "recv",
-            _OP,
-            phase,
-            self.g.size,
-            0,
-            sum(t.nbytes for t in recvs),
-            pg=self.g.pg,
-            shape=recvs[0].shape,
-            peer=self.prv,
-            dtype=recvs[0].dtype,
-        )
-        works = dist.batch_isend_irecv(ops)
-        pending = _Pending(works, recvs, sends)
-        if not self.overlap:
-            pending.wait()
-        return pending
-
-
-class _Pending:
-    """An exchange in flight; keeps the send buffers alive until waited."""
-
-    def __init__(self, works, recvs, sends):
-        self.works, self.recvs, self.sends = works, recvs, sends
-
-    def wait(self):
-        for w in self.works or ():
-            w.wait()
-        self.works, self.sends = None, None
-        return self.recvs
-
-
 class _RingAttention(torch.autograd.Function):
+    """``(out, lse)`` with ``return_lse`` (lse not differentiable: its gradient is not taken), else ``out``."""
+
     @staticmethod
-    def forward(ctx, q, k, v, ring: _Ring, scale: float):
+    def forward(ctx, q, k, v, ring: _Ring, scale: float, softcap: float | None = None, return_lse: bool = False):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         g, rep, acc = ring.g, q.shape[2] // k.shape[2], acc_dtype(q.dtype)
         out = q.new_zeros(*q.shape[:3], v.shape[3], dtype=acc)
@@ -193,20 +98,23 @@ class _RingAttention(torch.autograd.Function):
                 pending = ring.post([kb, vb], ring.kv_like(ring.src(step + 1), k), "forward")
             for i, b in enumerate(ring.plans[step]):
                 qs, ks = slice(b.q_off, b.q_off + b.q_n), slice(b.k_off, b.k_off + b.k_n)
-                o_b, l_b = block_forward(
-                    q[:, qs], kb[:, ks], vb[:, ks], b.kind == "diag", scale, rep, mask=ring.mask(step, i, b, q.device)
-                )
+                mask = ring.mask(step, i, b, q.device)
+                o_b, l_b = block_forward(q[:, qs], kb[:, ks], vb[:, ks], b.kind == "diag", scale, rep, mask, softcap)
                 merge(out[:, qs], lse[:, qs], o_b, l_b)
             ring.count("forward", len(ring.plans[step]))
             if pending is not None:
                 kb, vb = pending.wait()
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring, ctx.scale = ring, scale
-        return out
+        ctx.ring, ctx.scale, ctx.softcap = ring, scale, softcap
+        if not return_lse:
+            return out
+        lse_out = lse.clone()  # the saved lse stays the backward's own
+        ctx.mark_non_differentiable(lse_out)
+        return out, lse_out
 
     @staticmethod
-    def backward(ctx, dout):
+    def backward(ctx, dout, *_):
         q, k, v, out, lse = ctx.saved_tensors
         ring, scale = ctx.ring, ctx.scale
         g, rep, acc = ring.g, q.shape[2] // k.shape[2], acc_dtype(q.dtype)
@@ -240,6 +148,7 @@ class _RingAttention(torch.autograd.Function):
                     scale,
                     rep,
                     mask=ring.mask(step, i, b, q.device),
+                    softcap=ctx.softcap,
                 )
                 dq[:, qs] += dq_b
                 dk[:, ks] += dk_b
@@ -253,7 +162,7 @@ class _RingAttention(torch.autograd.Function):
                 del dk, dv
         if grad_pending is not None:  # after R hops the buffers of this rank's own block are home
             dk, dv = grad_pending.wait()
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
 def __getattr__(name: str):
@@ -263,6 +172,48 @@ def __getattr__(name: str):
             "block_counts=collections.Counter()) and read that counter"
         )
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+@overload
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: Group,
+    *,
+    causal: bool,
+    scale: float | None = None,
+    layout: str = "zigzag",
+    seq_len: int | None = None,
+    cu_seqlens: Sequence[int] | torch.Tensor | None = None,
+    overlap: bool = True,
+    block_counts: Counter | None = None,
+    window: tuple[int, int] | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    return_lse: Literal[False] = False,
+) -> torch.Tensor: ...
+
+
+@overload
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: Group,
+    *,
+    causal: bool,
+    scale: float | None = None,
+    layout: str = "zigzag",
+    seq_len: int | None = None,
+    cu_seqlens: Sequence[int] | torch.Tensor | None = None,
+    overlap: bool = True,
+    block_counts: Counter | None = None,
+    window: tuple[int, int] | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    return_lse: Literal[True],
+) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def ring_attention(
@@ -278,12 +229,17 @@ def ring_attention(
     cu_seqlens: Sequence[int] | torch.Tensor | None = None,
     overlap: bool = True,
     block_counts: Counter | None = None,
-) -> torch.Tensor:
+    window: tuple[int, int] | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Ring attention over a sequence sharded in ``layout``; the ring replayed in backward (dK/dV travel home).
 
     Args:
         q: ``[B, S_r, N, D]``: this rank's tokens in ``layout`` (zigzag: chunks ``r`` and
             ``2R - 1 - r`` of ``zigzag_chunk_sizes(S, 2R)``, as :func:`zigzag_split` gives;
+            stripe: global tokens ``r, r + R, r + 2R, ...``, i.e. ``x[:, r::R]``;
             packed zigzag with ``cu_seqlens``: this rank's zigzag part of every document, in
             document order, as :func:`packed_split` gives; contiguous: block ``r`` of
             ``balanced_split_sizes(S, R)``, documents or not).
@@ -293,7 +249,9 @@ def ring_attention(
         group: a ``ProcessGroup`` or 1-D ``DeviceMesh`` of ``R`` ranks (the ring).
         causal: mask keys after each query's global position (within its document when packed).
         scale: softmax scale; None for ``1 / sqrt(D)``.
-        layout: ``"zigzag"`` (load-balanced for causal attention) or ``"contiguous"``.
+        layout: ``"zigzag"`` (load-balanced for causal attention), ``"contiguous"`` or
+            ``"stripe"`` (Brandon et al., "Striped Attention" (2023): balanced too, one
+            triangular block per step; one sequence, no window).
         seq_len: the global length ``S``; None means ``cu_seqlens[-1]`` when given, else it is
             learned: one small metadata all-gather of the local lengths (ledger phase
             ``"metadata"``), ``S`` their sum, checked against ``layout`` on every rank. Passing
@@ -308,10 +266,21 @@ def ring_attention(
             against); results are identical.
         block_counts: a :class:`collections.Counter` the caller owns (tests, profiling): each
             local block computation adds 1 under ``"forward"`` and, when the backward runs,
-            ``"backward"`` (skipped causal or cross-document blocks never count).
+            ``"backward"`` (skipped causal, cross-document or out-of-window blocks never count).
+        window: ``(left, right)``: query ``i`` sees keys ``i - left <= j <= i + right`` of the
+            global positions (``-1``: unbounded; ``right`` is 0 under ``causal``), flash-attn's
+            ``window_size``. Chunk pairs entirely outside every query's window are skipped (no
+            compute, :mod:`._ring_plan`); pairs entirely inside run unmasked on the fused
+            kernels; only partly covered pairs run with an explicit mask block.
+        sliding_window: Hugging Face's ``W`` (keys ``i - W < j <= i``): ``window=(W - 1, W - 1)``.
+        softcap: Gemma 2's logit cap, ``softcap * tanh(scores / softcap)`` before the mask;
+            0 or None is off. Every block then runs the math path (no fused kernel caps).
+        return_lse: also return the log-sum-exp of every query row (not differentiable).
 
     Returns:
-        ``[B, S_r, N, Dv]`` in ``q.dtype``: attention output for this rank's tokens, same layout.
+        ``[B, S_r, N, Dv]`` in ``q.dtype``: attention output for this rank's tokens, same layout;
+        with ``return_lse``, ``(out, lse)`` with ``lse`` ``[B, S_r, N]`` (natural log, float32, or
+        float64 for float64 inputs; the local token order of ``out``).
 
     Raises:
         ShardkitError: non-4-D inputs, q/k/v disagreeing on ``B``, ``S_r``, ``N_kv`` or ``D``,
@@ -333,17 +302,39 @@ def ring_attention(
             raise ShardkitError(f"{_OP}: layout must be one of {LAYOUTS}, got {layout!r} (group of {g.size})")
         if not isinstance(overlap, bool):
             raise ShardkitTypeError(f"{_OP}: overlap must be a bool, got {overlap!r}")
+        if layout == "stripe" and (
+            (cu_seqlens is not None and len(cu_seqlens) > 2)
+            or variant(_OP, causal, window, sliding_window, softcap, return_lse).window is not None
+        ):
+            raise ShardkitError(
+                f"{_OP}: the stripe layout takes one sequence without a window (no cu_seqlens with several "
+                f"documents, no window); use layout='zigzag' (group of {g.size})"
+            )
 
-    g, cu, seq_len, error = _validate(q, k, v, group, causal, scale, cu_seqlens, seq_len, op=_OP, extra=ring_args)
+    options = dict(window=window, sliding_window=sliding_window, softcap=softcap, return_lse=return_lse)
+    g, cu, seq_len, var, error = _validate(
+        q, k, v, group, causal, scale, cu_seqlens, seq_len, op=_OP, extra=ring_args, options=options
+    )
     if error is not None:
         maybe_agree(g, _OP, q, local_dim=1, error=error)  # the same error on every rank
-    args = (q.shape[2], k.shape[2], q.shape[3], v.shape[3], int(causal), scale, seq_len, LAYOUTS.index(layout), cu)
+    args = (
+        q.shape[2],
+        k.shape[2],
+        q.shape[3],
+        v.shape[3],
+        int(causal),
+        scale,
+        seq_len,
+        LAYOUTS.index(layout),
+        cu,
+        *var.agreed,
+    )
     if seq_len is None:
         # Learned: one metadata all-gather (or the check mode's table); every rank then checks
         # the same table against the layout, so a wrong split is one error on every rank.
         sizes = gather_sizes(q, g, 1, _OP, maybe_agree(g, _OP, q, args, local_dim=1))
         seq_len = sum(sizes)
-        expected = _layout_sizes(layout, (0, seq_len), g.size)
+        expected = layout_sizes(layout, (0, seq_len), g.size)
         if sizes != expected:
             bad = [r for r in range(g.size) if sizes[r] != expected[r]]
             raise ShardkitError(
@@ -354,7 +345,7 @@ def ring_attention(
         cu = (0, seq_len)
     else:
         cu = (0, seq_len) if cu is None else cu
-        expected = _layout_sizes(layout, cu, g.size)
+        expected = layout_sizes(layout, cu, g.size)
         maybe_agree(g, _OP, q, args, local_dim=1, expected_local=expected[g.rank])
         if q.shape[1] != expected[g.rank]:
             what = f"{layout} layout of S = {seq_len}" + (f" ({len(cu) - 1} documents)" if len(cu) > 2 else "")
@@ -363,5 +354,23 @@ def ring_attention(
                 f"{expected[g.rank]} ({expected}); leave seq_len= out to learn S"
             )
     scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
-    ring = _Ring(g, layout, cu, causal, overlap, (q.shape[0], k.shape[2], k.shape[3], v.shape[3]), block_counts)
-    return _RingAttention.apply(q, k, v, ring, scale)
+    shapes = (q.shape[0], k.shape[2], k.shape[3], v.shape[3])
+    ring = _Ring(g, layout, cu, causal, overlap, shapes, block_counts, var.window, PACKED_MIN_TILE)
+    return _RingAttention.apply(q, k, v, ring, scale, var.softcap, var.return_lse)
+
+
+def local_variant_attention(q, k, v, *, causal: bool, scale, cu, kv_index, var):
+    """One rank's attention with a window, softcap or lse: the blocks of a ring of one rank.
+
+    ``q [B, S, n, D]``, ``k``/``v`` ``[B, S, n_kv, D | Dv]``, ``kv_index`` the local KV head of
+    each query head (Ulysses' head plan). The same block plan, kernels and exact backward as
+    :func:`ring_attention` (contiguous layout of ``cu``), without any communication, so Ulysses
+    and ring agree on every variant. Returns ``(out [B, S, n, Dv], lse [B, S, n])``.
+    """
+    g = GroupInfo(cast(Any, None), 1, 0)  # no process group: a ring of one never posts
+    cu = (0, q.shape[1]) if cu is None else cu
+    k, v = ring_kv(k, kv_index), ring_kv(v, kv_index)
+    shapes = (q.shape[0], k.shape[2], k.shape[3], v.shape[3])
+    ring = _Ring(g, "contiguous", cu, causal, True, shapes, None, var.window, PACKED_MIN_TILE)
+    scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
+    return _RingAttention.apply(q, k, v, ring, scale, var.softcap, True)

@@ -20,17 +20,19 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal, overload
 
 import torch
 
 from .._shapes import balanced_split_sizes
 from ..comm import _c10d
 from ..comm._group import GroupInfo
-from ..comm._validate import enter, gather_sizes, local_checks, maybe_agree
-from ..errors import ShardkitError, ShardkitTypeError
+from ..comm._validate import gather_sizes, maybe_agree
+from ..errors import ShardkitError
 from ._attention import local_attention
-from ._sizes import HeadPlan, check_cu_seqlens, ulysses_head_plan
+from ._checks import _validate
+from ._sizes import HeadPlan, ulysses_head_plan
+from .ring import local_variant_attention
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -133,61 +135,40 @@ def _scatter(tensors: dict, parts: str, g: GroupInfo, plan: HeadPlan, n: int, n_
     return out
 
 
-def _validate(q, k, v, group, causal, scale, cu_seqlens, seq_len, op=_OP, extra=None):
-    """Resolve the group and run the local checks (shared with ring and USP attention).
-
-    Returns ``(g, cu, seq_len, error)``: ``error`` is a local check's ShardkitError in check mode
-    (the caller hands it to the agreement, which raises it on every rank), else None (outside
-    check mode it is raised here). ``extra``: more local checks of the caller, run after these.
-    """
-    g = enter(q, group, op)
-
-    def checks():
-        out = _check_local(q, k, v, g, causal, scale, cu_seqlens, seq_len, op)
-        if extra is not None:
-            extra(g)
-        return out
-
-    result, error = local_checks(g, checks)
-    cu, seq_len = result if error is None else (None, None)
-    return g, cu, seq_len, error
+@overload
+def ulysses_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: Group,
+    *,
+    causal: bool,
+    scale: float | None = None,
+    cu_seqlens: Sequence[int] | torch.Tensor | None = None,
+    seq_len: int | None = None,
+    window: tuple[int, int] | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    return_lse: Literal[False] = False,
+) -> torch.Tensor: ...
 
 
-def _check_local(q, k, v, g, causal, scale, cu_seqlens, seq_len, op):
-    """The checks of this rank's own tensors and arguments: ``(cu, seq_len)`` or a ShardkitError."""
-    for name, t in (("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise ShardkitTypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if any(t.dim() != 4 for t in (q, k, v)):
-        raise ShardkitError(
-            f"{op}: q, k, v must be [B, S_local, N, D], got shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
-        )
-    if not (q.dtype == k.dtype == v.dtype) or not q.is_floating_point():
-        raise ShardkitTypeError(f"{op}: q, k, v must share one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if q.shape[:2] != k.shape[:2] or k.shape[:3] != v.shape[:3]:
-        raise ShardkitError(
-            f"{op}: q [B, S_local, N, D], k [B, S_local, N_kv, D] and v [B, S_local, N_kv, Dv] disagree on B, S_local "
-            f"or N_kv: {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)} (group of {g.size})"
-        )
-    if q.shape[3] != k.shape[3]:
-        raise ShardkitError(f"{op}: q and k head dims differ: D = {q.shape[3]} vs {k.shape[3]} (group of {g.size})")
-    n, n_kv = q.shape[2], k.shape[2]
-    if n_kv < 1 or n % n_kv:
-        raise ShardkitError(
-            f"{op}: the number of query heads ({n}) must be a multiple of the number of KV heads "
-            f"({n_kv}) (group of {g.size})"
-        )
-    if not isinstance(causal, bool):
-        raise ShardkitTypeError(f"{op}: causal must be a bool, got {causal!r}")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0):
-        raise ShardkitError(f"{op}: scale must be a positive number or None, got {scale!r}")
-    if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0):
-        raise ShardkitError(f"{op}: seq_len must be an int >= 0 or None, got {seq_len!r}")
-    cu = None
-    if cu_seqlens is not None:
-        cu = check_cu_seqlens(cu_seqlens, op, total=seq_len)
-        seq_len = cu[-1]
-    return cu, seq_len  # seq_len None: neither given, the op learns the local lengths
+@overload
+def ulysses_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: Group,
+    *,
+    causal: bool,
+    scale: float | None = None,
+    cu_seqlens: Sequence[int] | torch.Tensor | None = None,
+    seq_len: int | None = None,
+    window: tuple[int, int] | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    return_lse: Literal[True],
+) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def ulysses_attention(
@@ -200,7 +181,11 @@ def ulysses_attention(
     scale: float | None = None,
     cu_seqlens: Sequence[int] | torch.Tensor | None = None,
     seq_len: int | None = None,
-) -> torch.Tensor:
+    window: tuple[int, int] | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """All-to-all to head shards, local attention over the whole sequence, all-to-all back.
 
     Backward runs the reverse all-to-alls.
@@ -221,9 +206,18 @@ def ulysses_attention(
             traffic). None means ``cu_seqlens[-1]`` when given; else the ranks' lengths are
             learned with one small metadata all-gather (ledger phase ``"metadata"``) and any
             contiguous split works (uneven, zero-size blocks).
+        window: ``(left, right)`` over global positions, flash-attn's ``window_size`` (see
+            :func:`~shardkit.context_parallel.ring_attention`).
+        sliding_window: Hugging Face's ``W`` (keys ``i - W < j <= i``): ``window=(W - 1, W - 1)``.
+        softcap: Gemma 2's ``softcap * tanh(scores / softcap)`` before the mask; 0 or None is off.
+        return_lse: also return the log-sum-exp of every query row (not differentiable). With
+            any of the last four the local attention runs ring attention's blocks on one rank
+            (:func:`~shardkit.context_parallel.ring.local_variant_attention`: fused kernels, with
+            a window mask where a block is partly covered, the math path with a softcap).
 
     Returns:
-        ``[B, S_r, N, Dv]``: attention output for this rank's tokens.
+        ``[B, S_r, N, Dv]``: attention output for this rank's tokens; with ``return_lse``,
+        ``(out, lse)``, ``lse`` ``[B, S_r, N]`` (float32, or float64 for float64 inputs).
 
     Raises:
         ShardkitError: non-4-D inputs; q, k, v disagreeing on ``B``, ``S_r``, ``N_kv`` or ``D``;
@@ -234,13 +228,15 @@ def ulysses_attention(
         RankMismatchError: (check mode) ranks disagree on shapes, dtype or arguments.
 
     Communication (the ledger's ``api="ulysses_attention"``): forward 2 ``all_to_all_single``
-    (q, k, v together; output back), backward 2; one more each way when ``Dv != D``.
+    (q, k, v together; output back), backward 2; one more each way when ``Dv != D``; one more in
+    forward with ``return_lse`` (the lse back to the sequence layout).
     """
-    g, cu, seq_len, error = _validate(q, k, v, group, causal, scale, cu_seqlens, seq_len)
+    options = dict(window=window, sliding_window=sliding_window, softcap=softcap, return_lse=return_lse)
+    g, cu, seq_len, var, error = _validate(q, k, v, group, causal, scale, cu_seqlens, seq_len, options=options)
     if error is not None:
         maybe_agree(g, _OP, q, local_dim=1, error=error)  # the same error on every rank
     n, n_kv, d, dv = q.shape[2], k.shape[2], q.shape[3], v.shape[3]
-    args = (n, n_kv, d, dv, int(causal), scale, seq_len, cu)
+    args = (n, n_kv, d, dv, int(causal), scale, seq_len, cu, *var.agreed)
     if seq_len is None:
         # Learned: one metadata all-gather (or the check mode's table). Any contiguous split
         # works, since the all-to-all concatenates the blocks in rank order.
@@ -256,8 +252,13 @@ def ulysses_attention(
             )
     plan = ulysses_head_plan(n, n_kv, g.size)
     scale = None if scale is None else float(scale)
-    if g.size == 1:
+    if g.size == 1 and var.plain and not var.return_lse:
         return local_attention(q, k, v, causal=causal, scale=scale, cu_seqlens=cu, kv_index=plan.kv_index[0])
+    if g.size == 1:
+        out, lse = local_variant_attention(
+            q, k, v, causal=causal, scale=scale, cu=cu, kv_index=plan.kv_index[0], var=var
+        )
+        return (out, lse) if var.return_lse else out
     named = {"q": q, "k": k, "v": v}
     if dv == d:
         moved = _scatter(named, "qkv", g, plan, n, n_kv, seq_sizes)
@@ -266,7 +267,23 @@ def ulysses_attention(
             **_scatter(named, "qk", g, plan, n, n_kv, seq_sizes),
             **_scatter(named, "v", g, plan, n, n_kv, seq_sizes),
         }
-    out = local_attention(
-        moved["q"], moved["k"], moved["v"], causal=causal, scale=scale, cu_seqlens=cu, kv_index=plan.kv_index[g.rank]
+    idx = plan.kv_index[g.rank]
+    if var.plain and not var.return_lse:
+        out = local_attention(
+            moved["q"], moved["k"], moved["v"], causal=causal, scale=scale, cu_seqlens=cu, kv_index=idx
+        )
+        return _SequenceToHeads.apply(out, g, seq_sizes, list(plan.q_sizes))
+    out, lse = local_variant_attention(
+        moved["q"], moved["k"], moved["v"], causal=causal, scale=scale, cu=cu or (0, seq_len), kv_index=idx, var=var
     )
-    return _SequenceToHeads.apply(out, g, seq_sizes, list(plan.q_sizes))
+    out = _SequenceToHeads.apply(out, g, seq_sizes, list(plan.q_sizes))
+    return (out, lse_to_sequence(lse, g, seq_sizes, list(plan.q_sizes))) if var.return_lse else out
+
+
+def lse_to_sequence(lse: torch.Tensor, g: GroupInfo, seq_sizes, head_sizes) -> torch.Tensor:
+    """``lse [B, S, N_r]`` (this rank's heads, every token) -> ``[B, S_r, N]``: one all-to-all,
+    forward only (the lse is not differentiable)."""
+    if g.size == 1:
+        return lse
+    moved = _c10d.all_to_all(lse.unsqueeze(-1).contiguous(), g, 1, 2, seq_sizes, head_sizes, _OP, "forward")
+    return moved.squeeze(-1)

@@ -23,7 +23,7 @@ AI" (2024).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal, overload
 
 import torch
 
@@ -31,9 +31,11 @@ from .._shapes import balanced_split_sizes, split_offsets
 from ..comm._group import resolve_group
 from ..comm._validate import gather_ints, gather_sizes, maybe_agree_groups
 from ..errors import ShardkitError, ShardkitTypeError
+from ._checks import _validate
+from ._ring_comm import ring_kv
 from ._sizes import check_cu_seqlens, packed_indices, packed_local_sizes, ulysses_head_plan, zigzag_local_sizes
 from .ring import ring_attention
-from .ulysses import _scatter, _SequenceToHeads, _validate
+from .ulysses import _scatter, _SequenceToHeads, lse_to_sequence
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -89,23 +91,51 @@ def _submeshes(mesh, ring_dim: str, ulysses_dim: str):
     return resolve_group(mesh[ring_dim], _OP), resolve_group(mesh[ulysses_dim], _OP)
 
 
-def _ring_kv(k, kv_index):
-    """Local KV heads as ``ring_attention`` wants them: query head ``h`` -> KV head ``h // rep``.
-
-    The Ulysses plan already has that form unless a GQA group straddles a rank boundary; then the
-    KV heads are expanded to one per query head (autograd sums their gradients).
-    """
-    n_q, n_kv = len(kv_index), k.shape[2]
-    if n_kv and n_q % n_kv == 0 and tuple(kv_index) == tuple(i // (n_q // n_kv) for i in range(n_q)):
-        return k
-    return k.index_select(2, torch.tensor(kv_index, dtype=torch.int64, device=k.device))
-
-
 def _agree_both(g_uly, g_ring, q, args, expected, error):
     """Check mode: agree over the Ulysses dim, then over the ring dim
     (:func:`~shardkit.comm._validate.maybe_agree_groups`), so that every rank of the 2-D mesh
     has seen the same arguments before any data moves; returns the Ulysses blocks' sizes."""
     return maybe_agree_groups((g_uly, g_ring), _OP, q, args, error, local_dim=1, expected_local=expected)
+
+
+@overload
+def usp_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mesh: DeviceMesh,
+    *,
+    causal: bool,
+    scale: float | None = None,
+    seq_len: int | None = None,
+    cu_seqlens: Sequence[int] | torch.Tensor | None = None,
+    ring_dim: str = "cp_ring",
+    ulysses_dim: str = "cp_ulysses",
+    window: tuple[int, int] | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    return_lse: Literal[False] = False,
+) -> torch.Tensor: ...
+
+
+@overload
+def usp_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mesh: DeviceMesh,
+    *,
+    causal: bool,
+    scale: float | None = None,
+    seq_len: int | None = None,
+    cu_seqlens: Sequence[int] | torch.Tensor | None = None,
+    ring_dim: str = "cp_ring",
+    ulysses_dim: str = "cp_ulysses",
+    window: tuple[int, int] | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    return_lse: Literal[True],
+) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def usp_attention(
@@ -120,7 +150,11 @@ def usp_attention(
     cu_seqlens: Sequence[int] | torch.Tensor | None = None,
     ring_dim: str = "cp_ring",
     ulysses_dim: str = "cp_ulysses",
-) -> torch.Tensor:
+    window: tuple[int, int] | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """All-to-all over ``ulysses_dim``, ring attention over ``ring_dim``, all-to-all back; reversed in backward.
 
     Args:
@@ -139,9 +173,16 @@ def usp_attention(
             rank). Then ``S_ij = usp_packed_local_sizes(cu, R, U)[i][j]``: block ``j`` of ring
             part ``i`` of the packed zigzag layout (module docstring); tokens attend only within
             their document. :func:`usp_indices` gives each rank's global token indices.
+        window: ``(left, right)`` over global positions, as in
+            :func:`~shardkit.context_parallel.ring_attention`, which applies it over the ring
+            dim (out-of-window chunk pairs skipped there).
+        sliding_window: Hugging Face's ``W``: ``window=(W - 1, W - 1)``.
+        softcap: Gemma 2's logit cap before the mask; 0 or None is off.
+        return_lse: also return the log-sum-exp of every query row (not differentiable).
 
     Returns:
-        ``[B, S_ij, N, Dv]`` in the input layout.
+        ``[B, S_ij, N, Dv]`` in the input layout; with ``return_lse``, ``(out, lse)``, ``lse``
+        ``[B, S_ij, N]`` (float32, or float64 for float64 inputs).
 
     Raises:
         ShardkitError: the checks of :func:`ring_attention` and :func:`ulysses_attention`;
@@ -150,7 +191,8 @@ def usp_attention(
 
     Communication: ``api="ulysses_attention"`` all-to-alls over the Ulysses dim (2 forward,
     2 backward; one more each way when ``Dv != D``) and ``api="ring_attention"`` send/recv
-    over the ring dim (see :func:`ring_attention`).
+    over the ring dim (see :func:`ring_attention`); with ``return_lse`` one more all-to-all in
+    forward over the Ulysses dim (the lse back to the sequence layout).
     """
     g_ring, g_uly = _submeshes(mesh, ring_dim, ulysses_dim)
     R, U = g_ring.size, g_uly.size
@@ -159,13 +201,14 @@ def usp_attention(
         if q.shape[2] < U:
             raise ShardkitError(f"{_OP}: {q.shape[2]} query heads cannot be split over {U} Ulysses ranks (need N >= U)")
 
-    _, cu, seq_len, error = _validate(
-        q, k, v, mesh[ulysses_dim], causal, scale, cu_seqlens, seq_len, op=_OP, extra=heads
+    options = dict(window=window, sliding_window=sliding_window, softcap=softcap, return_lse=return_lse)
+    _, cu, seq_len, var, error = _validate(
+        q, k, v, mesh[ulysses_dim], causal, scale, cu_seqlens, seq_len, op=_OP, extra=heads, options=options
     )
     if error is not None:
         _agree_both(g_uly, g_ring, q, (), None, error)  # raises the same error on every rank
     n, n_kv, d, dv = q.shape[2], k.shape[2], q.shape[3], v.shape[3]
-    args = (n, n_kv, d, dv, int(causal), scale, seq_len, cu)
+    args = (n, n_kv, d, dv, int(causal), scale, seq_len, cu, *var.agreed)
     if seq_len is None:
         # Learned, one metadata all-gather per mesh dim: the Ulysses blocks of this ring part
         # (any contiguous split), then the ring parts, which must be the zigzag layout of S.
@@ -204,13 +247,20 @@ def usp_attention(
     idx = plan.kv_index[g_uly.rank]
     out = ring_attention(
         moved["q"],
-        _ring_kv(moved["k"], idx),
-        _ring_kv(moved["v"], idx),
+        ring_kv(moved["k"], idx),
+        ring_kv(moved["v"], idx),
         mesh[ring_dim],
         causal=causal,
         scale=scale,
         layout="zigzag",
         seq_len=seq_len,
         cu_seqlens=cu,
+        window=var.window,
+        softcap=var.softcap,
+        return_lse=var.return_lse,
     )
-    return out if U == 1 else _SequenceToHeads.apply(out, g_uly, seq_sizes, list(plan.q_sizes))
+    out, lse = out if var.return_lse else (out, None)
+    if U > 1:
+        out = _SequenceToHeads.apply(out, g_uly, seq_sizes, list(plan.q_sizes))
+        lse = None if lse is None else lse_to_sequence(lse, g_uly, seq_sizes, list(plan.q_sizes))
+    return out if lse is None else (out, lse)

@@ -122,6 +122,7 @@ def parallelize(
     mixed_precision: str = "none",
     compile: bool | str = False,
     zero: int = 0,
+    cp_layout: str = "zigzag",
 ) -> ParallelModel:
     """Apply tensor, context, expert and data parallelism to ``model``, in that order, in place.
 
@@ -166,6 +167,8 @@ def parallelize(
             expert weights over ``edp``): ``pm.grads`` is a :class:`~shardkit.data_parallel.ZeroSync`
             and the optimizer must be :class:`~shardkit.data_parallel.ZeroAdamW`. Not with
             ``dp_shard > 1`` (FSDP2 is ZeRO-3 there). Ignored with ``mesh=None``.
+        cp_layout: the token placement of ring cp alone (``ring_layout`` of
+            :func:`~shardkit.context_parallel.apply_cp`): ``"zigzag"``, ``"contiguous"``, ``"stripe"``.
 
     Returns:
         :class:`ParallelModel`.
@@ -229,7 +232,7 @@ def parallelize(
             if dims.cp_mode == "usp"
             else mesh["cp_ring" if dims.cp_mode == "ring" else "cp_ulysses"]
         )
-        cp = apply_cp(model, cp_mesh, dims.cp_mode)
+        cp = apply_cp(model, cp_mesh, dims.cp_mode, ring_layout=cp_layout)
     if ep > 1:
         for experts in _experts_modules(model):
             if tp > 1 and not sequence_parallel:  # the same tokens on the tp ranks: each dispatches its block

@@ -46,6 +46,7 @@ def parallelize_stage(
     virtual_stages: int = 1,
     compile: bool | str = False,
     zero: int = 0,
+    cp_layout: str = "zigzag",
 ) -> ParallelModel:
     """This rank's pipeline stage of ``model``, parallelized, with its :class:`PipelineStage`.
 
@@ -61,6 +62,7 @@ def parallelize_stage(
             bfloat16 hidden states).
         compile: as :func:`~.decoder.parallelize`.
         zero: as :func:`~.decoder.parallelize` (ZeRO over this stage's data ranks).
+        cp_layout: as :func:`~.decoder.parallelize`.
         grad_reduce: as :func:`~.decoder.parallelize` (over the data ranks of this stage; the
             schedule's microbatch losses are ``loss_fn``'s to scale).
         schedule: the pipeline schedule (a name of
@@ -101,6 +103,7 @@ def parallelize_stage(
         mixed_precision=mixed_precision,
         compile=compile,
         zero=zero,
+        cp_layout=cp_layout,
     )
     last = module.is_last
     if module.tied:

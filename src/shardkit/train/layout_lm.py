@@ -15,7 +15,7 @@ from __future__ import annotations
 from .._rules import cp_tokens_rule, ep_rule, lm_spatial_rule, seq_len_rule, sequence_parallel_default, sp_pp_tp_rule
 from ..errors import ShardkitError
 from .model_names import model_facts
-from .options import AC_MODES, MIXED_PRECISION, TrainConfig
+from .options import AC_MODES, CP_LAYOUTS, MIXED_PRECISION, TrainConfig
 
 __all__ = ["check_lm_options", "check_precision", "check_zero"]
 
@@ -91,6 +91,15 @@ def check_lm_options(cfg: TrainConfig, experts: bool | None) -> None:
             f"per row), so --batch-size must equal dp x microbatches = {dp * cfg.microbatches}, got {cfg.batch_size}"
         )
     _raise(cp_tokens_rule(cfg.seq_len, cfg.cp_ring, cfg.cp_ulysses))
+    if cfg.cp_layout not in CP_LAYOUTS:
+        raise ShardkitError(f"--cp-layout must be one of {CP_LAYOUTS}, got {cfg.cp_layout!r}")
+    if cfg.cp_layout != "zigzag" and (
+        cfg.cp_ring < 2 or cfg.cp_ulysses > 1 or (cfg.packed and cfg.cp_layout == "stripe")
+    ):
+        raise ShardkitError(
+            f"--cp-layout {cfg.cp_layout}: places the tokens of ring cp alone (--cp-ring > 1, --cp-ulysses 1; "
+            f"stripe without --packed), got --cp-ring {cfg.cp_ring} --cp-ulysses {cfg.cp_ulysses} --packed {cfg.packed}"
+        )
 
 
 def check_zero(cfg: TrainConfig) -> None:

@@ -38,6 +38,7 @@ AC_MODES = ("none", "full", "selective")
 MIXED_PRECISION = ("none", "bf16")
 SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "looped-bfs", "zb-h1", "zbv", "dualpipev")
 LR_SCHEDULES = ("constant", "warmup-cosine")
+CP_LAYOUTS = ("zigzag", "contiguous", "stripe")  # shardkit.context_parallel.ring.LAYOUTS
 SIZE_FLAGS = (
     "nproc",
     "tp",
@@ -83,6 +84,7 @@ class TrainConfig:
     pp: int = 1
     cp_ulysses: int = 1  # context parallel: ranks sharing each sequence, all-to-all over heads (Ulysses)
     cp_ring: int = 1  # context parallel: ranks sharing each sequence, zigzag ring attention (both > 1: USP)
+    cp_layout: str = "zigzag"  # ring-only cp token placement: a name of CP_LAYOUTS
     packed: bool = False  # each window is documents (corpus files) packed along S, no cross-file attention
     ep: int = 1  # moe / mla: expert-parallel ranks, borrowed from dp_shard x cp x tp (or whole blocks of replicas)
     loss_parallel: bool = False  # vocab-sharded logits and loss (never the full [B, S, V] logits)
