@@ -23,9 +23,9 @@ from .._shapes import balanced_split_sizes
 from ..comm._group import GroupInfo, resolve_group
 from ..comm.agree import agree
 from ..errors import ShardkitError, ShardkitTypeError
+from ._agreed import REJECTED
 from ._mailbox import links
 from ._transfer import ShapeTrust
-from .stage import REJECTED
 from .steps import PLACEMENTS, chunk_owner, global_chunk
 
 if TYPE_CHECKING:
@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     import torch
 
     from .._types import Group
+    from ..sharding import StageGroups
 
 __all__ = ["ChunkedStage", "chunk_layers"]
 
@@ -147,7 +148,7 @@ class ChunkedStage:
         placement: str = "looped",
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
-        op = "ChunkedStage"
+        op = type(self).__name__
         if not isinstance(modules, (list, tuple)) or not all(isinstance(m, nn.Module) for m in modules):
             raise ShardkitTypeError(f"{op}: modules must be a list of torch.nn.Module (one per chunk)")
         if loss_fn is not None and not callable(loss_fn):
@@ -168,6 +169,9 @@ class ChunkedStage:
         # run_schedule's negotiated shapes per (receiving chunk, direction), kept between calls
         self._caches: dict | None = None
         self.shape_trust = ShapeTrust()  # trusted negotiated shapes (run_schedule's shape_key)
+
+    # the tp groups of stages with their own tp sizes (a PipelineStage built on StageGroups)
+    stages: StageGroups | None = None
 
     def _error(self) -> str | None:
         if self.v < 1:

@@ -27,14 +27,14 @@ from ..comm import _c10d
 from ..comm.agree import agree
 from ..data_parallel.microbatches import set_microbatch
 from ..errors import ShardkitError
-from . import p2p
-from ._agreed import agree_once
+from ._agreed import REJECTED
 from ._chunk_exec import run_chunked
+from ._links import boundary_decls
 from .chunked import ChunkedStage
 from .run_mode import TRAIN, ScheduleOutput, resolve_mode, targets_needed
 from .run_split import split_microbatches  # re-exported: its home until the runner grew
 from .schedules import check_deadlock_free, comm_plan, validate_schedule
-from .stage import REJECTED, PipelineStage
+from .stage import PipelineStage
 from .steps import forward_only, lower
 from .tables import schedule_table
 from .transport import StageTransport
@@ -160,11 +160,13 @@ def run_schedule(
             the P2P check mode on.
     """
     op = "run_schedule"
-    if isinstance(stage, ChunkedStage):
+    if not isinstance(stage, ChunkedStage):
+        raise ShardkitError(f"{op}: stage must be a PipelineStage or ChunkedStage, got {type(stage).__name__}")
+    if stage.stages is None:  # the one chunked runner
         args = (inputs_microbatches, targets_microbatches, stage_kwargs, num_microbatches, boundary_shapes)
         return run_chunked(stage, schedule, *args, op, shape_key, (train, scale_grads, return_outputs))
-    if not isinstance(stage, PipelineStage):
-        raise ShardkitError(f"{op}: stage must be a PipelineStage or ChunkedStage, got {type(stage).__name__}")
+    # stages of tp groups (StageGroups): the one-chunk tp-group executor below
+    assert isinstance(stage, PipelineStage)  # only it is built on StageGroups
     P, s = stage.num_stages, stage.stage_index
     mode, error = resolve_mode(train, scale_grads, return_outputs)
     schedule = _actions(schedule, P, num_microbatches, op)
@@ -173,7 +175,7 @@ def run_schedule(
         schedule = forward_only(schedule)
     M = validate_schedule(schedule, P, op, forward_only=not mode.train)
     check_deadlock_free(schedule, op)
-    decls = _boundary_decls(boundary_shapes, P, op)
+    decls = boundary_decls(boundary_shapes, P - 1, op)
     error = error or _data_error(stage, M, inputs_microbatches, targets_microbatches, mode)
     if (
         error is None
@@ -185,26 +187,13 @@ def run_schedule(
         )
     ):
         error = f"stage {s}: stage_kwargs must be None or {M} dicts (one per microbatch)"
-    # The stage's ShapeCache outlives the call only if every rank's previous call completed (its
-    # channels were then updated from the same headers on both ends); else every rank starts a new one.
-    keep = _agree(stage, error, (decls, mode.train), op, clean=stage.has_shape_cache)
-    cache = stage.take_shape_cache(keep)
-    stage.shape_trust.begin(shape_key, keep)
+    _agree(stage, error, (decls, mode.train), op)
     plan = comm_plan(schedule[s], s, P)
     kwargs = stage_kwargs or [{}] * M
     data = (M, inputs_microbatches, targets_microbatches, decls, kwargs)
     with torch.set_grad_enabled(mode.train):
-        if stage.stages is not None:
-            return _result(stage, _execute_tp(stage, plan, *data, mode), targets_microbatches, mode)
-        out = _execute(stage, plan, *data, cache, mode)
-    stage.keep_shape_cache(cache)  # completed: the next call may keep it (agreed by every rank)
-    stage.shape_trust.end(shape_key)
-    return _result(stage, out, targets_microbatches, mode)
-
-
-def _result(stage, out, targets, mode):
-    """``run_schedule``'s value from an executor's ``(losses, outputs)``."""
-    losses = out[0] if stage.is_last and targets is not None else None
+        out = _execute_tp(stage, plan, *data, mode)
+    losses = out[0] if stage.is_last and targets_microbatches is not None else None
     if mode.return_outputs:
         return ScheduleOutput(losses, out[1] if stage.is_last else None)
     return losses
@@ -224,41 +213,23 @@ def _actions(schedule, P: int, num_microbatches, op: str) -> Sequence[Sequence[A
     return cast("Sequence[Sequence[Action]]", schedule)
 
 
-def _boundary_decls(shapes, P: int, op: str):
-    if shapes is None:
-        return None
-    try:
-        decls = [(tuple(int(d) for d in shape), dtype) for shape, dtype in shapes]
-    except (TypeError, ValueError):
-        raise ShardkitError(f"{op}: boundary_shapes must be P - 1 pairs (shape, dtype), got {shapes!r}") from None
-    if len(decls) != P - 1 or not all(isinstance(dt, torch.dtype) for _, dt in decls):
-        raise ShardkitError(f"{op}: boundary_shapes must be {P - 1} pairs (shape, torch.dtype), got {shapes!r}")
-    return decls
-
-
-def _agree(stage, error, key, op: str, clean: bool) -> bool:
+def _agree(stage, error, key, op: str) -> None:
     """Raise the same ShardkitError on every rank if any rank has a data error or ranks passed
-    different boundary shapes or modes (``key``: ``(decls, train)``); else return whether every
-    rank is ``clean``.
+    different boundary shapes or modes (``key``: ``(decls, train)``).
 
     One :func:`~shardkit.comm.agree.agree`: a single small all-reduce when every rank is fine
-    and passed the same shapes and ``clean`` flag (the usual call); the verdicts are gathered
-    only otherwise."""
+    and passed the same shapes (the usual call); the verdicts are gathered only otherwise."""
 
     def judge(seen: list) -> list[str]:
-        differ = [r for r, (d, t, _) in enumerate(seen) if d != seen[0][0]]
+        differ = [r for r, (d, _) in enumerate(seen) if d != seen[0][0]]
         if differ:
             return [f"ranks {differ} passed boundary_shapes {seen[differ[0]][0]}, rank 0 passed {seen[0][0]}"]
-        differ = [r for r, (_, t, _) in enumerate(seen) if t != seen[0][1]]
+        differ = [r for r, (_, t) in enumerate(seen) if t != seen[0][1]]
         if differ:  # train=None follows torch.no_grad(): one rank under it beside training ones
             return [f"ranks {differ} run with train={seen[differ[0]][1]}, rank 0 with train={seen[0][1]}"]
         return []
 
-    def run() -> bool:
-        seen = agree(stage.info, op, error, [repr(key[0]), key[1], clean], judge=judge, headline=REJECTED)
-        return all(c for *_, c in seen)
-
-    return agree_once(stage, repr(key), clean, error, op, run)  # once per stage in the default mode
+    agree(stage.info, op, error, [repr(key[0]), key[1]], judge=judge, headline=REJECTED)
 
 
 def _data_error(stage, M, inputs, targets, mode) -> str | None:
@@ -272,44 +243,6 @@ def _data_error(stage, M, inputs, targets, mode) -> str | None:
     if stage.is_first and not all(isinstance(x, torch.Tensor) for x in inputs):
         return f"stage {stage.stage_index}: every input microbatch must be a tensor"
     return None
-
-
-def _execute(stage, plan, M, inputs, targets, decls, kwargs, cache, mode=TRAIN):
-    g = stage.group
-    received = {}  # (direction, microbatch) -> tensor from a neighbour
-    stash = {}  # microbatch -> (input or None, output or scaled loss)
-    grads_out = {}  # microbatch -> gradient to send to the previous stage
-    outputs = {}  # microbatch -> output to send to the next stage (last stage: returned)
-    losses = [None] * M
-    # Negotiated shapes are remembered per channel (identically on both ends, across calls: see
-    # run_schedule), so repeated microbatch shapes cost no header round trip.
-    # Sends are posted and not waited for: gloo and NCCL sends complete only when the receiver
-    # has posted its receive, so a blocking send would idle this stage until its neighbour gets
-    # there (as Megatron-LM and torch.distributed.pipelining, the next compute overlaps it).
-    sending = []
-    for call in plan:
-        if call.api == "compute":
-            _compute(call.action, stage, M, inputs, targets, received, stash, losses, outputs, grads_out, kwargs, mode)
-            continue
-        send = None
-        if call.sends:
-            _, direction, m = call.sends[0]
-            send = outputs.pop(m) if direction == "F" else grads_out.pop(m)
-        fn = getattr(p2p, call.api)
-        kw = dict(shape_cache=cache, async_op=not call.recvs)
-        if decls is not None:  # a combined call's two tensors cross the same boundary
-            towards = (call.sends or call.recvs)[0][0]
-            shape, dtype = decls[stage.stage_index if towards == "next" else stage.stage_index - 1]
-            kw.update(shape=shape, dtype=dtype)
-        got = fn(send, g, **kw) if call.sends else fn(g, **kw)
-        if call.recvs:
-            _, direction, m = call.recvs[0]
-            received[(direction, m)] = got
-        else:
-            sending = [w for w in sending if not w.is_completed()] + [got]
-    for work in sending:
-        work.wait()
-    return losses, [outputs.get(m) for m in range(M)]
 
 
 def _compute(action, stage, M, inputs, targets, received, stash, losses, outputs, grads_out, kwargs, mode) -> None:
@@ -380,7 +313,7 @@ def _execute_tp(stage, plan, M, inputs, targets, decls, kwargs, mode=TRAIN):
 
 def _backward(stage, m, M, received, stash):
     x, y = stash.pop(m)
-    grad = None if stage.is_last else stage.shape_trust.fit(received.pop(("B", m)), y)
+    grad = None if stage.is_last else received.pop(("B", m))
     set_microbatch(stage.module, m, M)  # FSDP2 reduces the stage's gradients after the last microbatch only
     if y.requires_grad:  # else nothing upstream to differentiate (no parameters, a first stage)
         torch.autograd.backward(y, grad)
