@@ -55,7 +55,8 @@ from ..errors import ShardkitError
 from ._agreed import REJECTED, agree_once
 from ._fsdp_steps import fsdp_steps
 from ._links import Links, boundary_decls
-from ._mailbox import Mailbox, Message, incoming, step_messages
+from ._mailbox import Mailbox, Message, Transport, incoming, step_messages
+from ._stage_links import StageLinks
 from .run_mode import TRAIN, RunMode, ScheduleOutput, accumulate_hooks, resolve_mode, targets_needed
 from .simulate import simulate_steps, transfers
 from .split_backward import input_grad, weight_grad
@@ -66,6 +67,7 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from .chunked import ChunkedStage
+    from .stage import PipelineStage
 
 __all__ = ["run_chunked", "resolve_table", "check_table", "execute"]
 
@@ -123,11 +125,12 @@ class _Run:
     """One call's state on this rank (see the module docstring)."""
 
     def __init__(
-        self, stage: ChunkedStage, table: Table, m: int, inputs, targets, kwargs, links: Links, mode: RunMode
+        self, stage: ChunkedStage, table: Table, m: int, inputs, targets, kwargs, links: Transport, mode: RunMode
     ) -> None:
         self.stage, self.m, self.inputs, self.targets, self.kwargs = stage, m, inputs, targets, kwargs
         self.mode = mode
-        early = stage.info.pg.name().lower() == "gloo"  # why only gloo: :mod:`._mailbox`
+        # why only gloo: :mod:`._mailbox`; a tp-group stage receives when the step needs it
+        early = stage.info.pg.name().lower() == "gloo" and stage.stages is None
         mine = incoming(transfers(table, placement=stage.placement, v=stage.v)[0], stage.rank)
         self.mail = Mailbox(stage.rank, stage.owner, mine, links, early)
         self.stash: dict[tuple[int, int], tuple] = {}  # (microbatch, local chunk) -> (input, output)
@@ -200,7 +203,8 @@ def execute(
     chunk, else None (parameter gradients accumulate into ``.grad``); with
     ``mode.return_outputs`` a :class:`~.run_mode.ScheduleOutput` on every rank. ``decls``: the
     boundaries' static ``(shape, dtype)`` (:mod:`._links`), or None (negotiated)."""
-    run = _Run(stage, table, m, inputs, targets, kwargs, Links(stage, caches, decls), mode)
+    links = Links(stage, caches, decls) if stage.stages is None else StageLinks(cast("PipelineStage", stage), decls)
+    run = _Run(stage, table, m, inputs, targets, kwargs, links, mode)
     fsdp = fsdp_steps(stage, table[stage.rank], m) if mode.train else None  # each group gathered, reduced once
     with torch.set_grad_enabled(mode.train):
         for i, s in enumerate(table[stage.rank]):
@@ -273,19 +277,20 @@ def run_chunked(
 
 
 def _data_error(stage: ChunkedStage, m: int, inputs, targets, stage_kwargs, mode: RunMode) -> str | None:
+    who = f"rank {stage.rank}" if stage.stages is None else f"stage {stage.rank}"  # a tp group's
     for chunk, name, xs, needed in (
         (0, "inputs_microbatches", inputs, True),
         (stage.num_chunks - 1, "targets_microbatches", targets, targets_needed(mode, targets)),
     ):
         if needed and stage.holds(chunk) and (not isinstance(xs, (list, tuple)) or len(xs) != m):
             got = len(xs) if isinstance(xs, (list, tuple)) else type(xs).__name__
-            return f"rank {stage.rank} holds chunk {chunk} and needs {m} {name} (the schedule's M), got {got}"
+            return f"{who} holds chunk {chunk} and needs {m} {name} (the schedule's M), got {got}"
     if stage.holds(0) and not all(isinstance(x, torch.Tensor) for x in inputs):
-        return f"rank {stage.rank}: every input microbatch must be a tensor"
+        return f"{who}: every input microbatch must be a tensor"
     if stage_kwargs is not None and (
         not isinstance(stage_kwargs, (list, tuple))
         or len(stage_kwargs) != m
         or not all(isinstance(k, dict) for k in stage_kwargs)
     ):
-        return f"rank {stage.rank}: stage_kwargs must be None or {m} dicts (one per microbatch)"
+        return f"{who}: stage_kwargs must be None or {m} dicts (one per microbatch)"
     return None

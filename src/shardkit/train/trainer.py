@@ -156,10 +156,6 @@ def _pipeline_backward(
     kwargs = [{k: v for k, v in p[0].items() if k not in ("input_ids", "use_cache")} for p in prepared]
     targets = [p[1] for p in prepared]
     loss_scale.scale *= M
-    if train and stage.stages is not None:
-        # FSDP2 keeps the stage unsharded from its first forward on (tp-group stages); the chunked
-        # runner sets FSDP2's controls per group itself (pipeline_parallel/_fsdp_steps.py)
-        set_microbatch(pm.module, 0, M)
     kw = kwargs if any(kwargs) else None
     # The stages' activations are [b, S, H] for inputs [b, S]: the same microbatch shapes as the
     # previous step's mean the same messages, so the runner trusts the shapes it negotiated and
