@@ -4,7 +4,10 @@ tp sizes may differ per stage): one message of a table is one boundary reshard o
 
 Every rank of a stage runs the same row, so the collectives inside a stage (the sending stage's
 header all-gather, the receiving leader's broadcast, the sum of partial input gradients) meet in
-the same order on all of its ranks. Sends are posted and waited for at the end of the call
+the same order on all of its ranks. Each message travels on the process group of its link
+between the two stages (:func:`~.chunked.link_groups` over the replica group: one per link on
+NCCL, so that each stream carries one direction; :mod:`.stream_model` checks the order at the
+level of ranks, :func:`~.stream_model.tp_posting_order`). Sends are posted and waited for at the end of the call
 (:class:`~._mailbox.Mailbox`), as the one-rank transport's; a receive runs, whole, when the step
 needs it (it holds collectives of the receiving stage, which cannot be posted early). Between
 two ranks a transfer's messages are posted in the same order on both ends and transfers follow
@@ -23,6 +26,7 @@ import torch
 
 from ..comm import _c10d
 from ..comm.checks import checks_enabled
+from ._mailbox import link
 from ._reshard import Side, recv_side, send_side
 from .vtp import Replicate
 
@@ -84,8 +88,10 @@ class StageLinks:
         api, phase = ("send_forward", "forward") if msg[0] == "F" else ("send_backward", "backward")
         if msg[0] == "B" and self.partial:  # partial sums -> the full gradient
             tensor = _c10d.all_reduce(tensor, self.st.tp, "run_schedule", "backward")
-        src, to = self._sides(self.stage.stage_index, dst)
-        _, works = send_side(tensor, src, to, self.st.info, self.st.tp, self._decl(msg), api, phase)
+        s = self.stage.stage_index
+        src, to = self._sides(s, dst)
+        pg = self.stage.links[link(s, dst, self.st.num_stages)]
+        _, works = send_side(tensor, src, to, pg, self.st.tp, self._decl(msg), api, phase)
         return _Sent(works)
 
     def post(self, msg: Message, src: int) -> tuple[Message, int]:
@@ -94,6 +100,8 @@ class StageLinks:
     def receive(self, handle: tuple[Message, int]) -> torch.Tensor:
         msg, src = handle
         api, phase = ("recv_forward", "forward") if msg[0] == "F" else ("recv_backward", "backward")
-        frm, to = self._sides(src, self.stage.stage_index)
-        out, _ = recv_side(frm, to, self.st.info, self.st.tp, self._decl(msg), self.device, api, phase)
+        s = self.stage.stage_index
+        frm, to = self._sides(src, s)
+        pg = self.stage.links[link(src, s, self.st.num_stages)]  # the sender's link
+        out, _ = recv_side(frm, to, pg, self.st.tp, self._decl(msg), self.device, api, phase)
         return out

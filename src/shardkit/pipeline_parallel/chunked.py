@@ -77,8 +77,10 @@ def chunk_layers(num_layers: int, p: int, v: int, placement: str, rank: int) -> 
     return [range(starts[g], starts[g + 1]) for g in chunks]
 
 
-def link_groups(g: GroupInfo, separate: bool) -> dict[tuple[str, int], GroupInfo]:
-    """The process group of each link (:func:`~._mailbox.links`) of the pipeline group ``g``.
+def link_groups(g: GroupInfo, separate: bool, p: int | None = None) -> dict[tuple[str, int], GroupInfo]:
+    """The process group of each link (:func:`~._mailbox.links`) of the pipeline group ``g``
+    (of ``p`` pipeline positions, default ``g.size``; tp-group stages: their number, the links
+    then join stages and every group holds all of ``g``'s ranks).
 
     ``separate`` (NCCL, any backend but gloo): ``g`` for the first link and, for each other one,
     a new group of ``g``'s ranks (``dist.new_group(ranks, use_local_synchronization=True)``:
@@ -88,9 +90,10 @@ def link_groups(g: GroupInfo, separate: bool) -> dict[tuple[str, int], GroupInfo
     share a rank, so each stream carries one rank pair's messages one way (the proof:
     :mod:`.stream_model`). Else ``g`` for every link: gloo pairs each direction of a rank pair
     on its own and never blocks a post. A group of one rank has no link."""
-    if g.size < 2:
+    p = g.size if p is None else p
+    if p < 2:
         return {}
-    names = links(g.size)
+    names = links(p)
     if not separate:
         return dict.fromkeys(names, g)
     ranks = dist.get_process_group_ranks(g.pg)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..comm._group import GroupInfo, resolve_group
@@ -19,7 +20,7 @@ from ..comm.agree import agree
 from ..errors import ShardkitError, ShardkitTypeError
 from ..sharding import Replicate, Shard, StageGroups
 from ._transfer import ShapeTrust
-from .chunked import ChunkedStage
+from .chunked import ChunkedStage, link_groups, links_error
 from .vtp import check_layout
 
 if TYPE_CHECKING:
@@ -112,6 +113,8 @@ class PipelineStage(ChunkedStage):
                 raise ShardkitError(f"input_grad must be 'replicated' or 'partial', got {input_grad!r}")
         except ShardkitError as e:
             err, layouts = err or str(e), (repr(in_layout), repr(out_layout))
+        eager = getattr(dist.group.WORLD, "bound_device_id", None) is not None
+        err = err or links_error(g.pg.name(), eager)
         self.layouts = _agree_layouts(self.stages, err, layouts + (input_grad,), op)
         self.input_grad = input_grad
         # the chunked stage's view of a tp-group stage: one looped chunk, stage = pipeline rank
@@ -119,7 +122,9 @@ class PipelineStage(ChunkedStage):
         self.group = cast("Any", pp_group)  # the StageGroups itself
         self.rank, self.p, self.v = stage_index, num_stages, 1
         self.info: GroupInfo = g  # the replica group of the StageGroups
-        self.links, self._caches = {}, None
+        self._caches = None
+        # one group per link between stages on NCCL, as a one-rank stage's (stream_model.py)
+        self.links = link_groups(g, separate=g.pg.name().lower() != "gloo", p=num_stages)
         self.shape_trust = ShapeTrust()
 
     def _error(self) -> str | None:
