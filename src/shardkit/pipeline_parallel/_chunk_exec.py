@@ -21,7 +21,10 @@ it sends them, an order both derive from the table (:func:`.simulate.transfers`)
 those that arrive before the step that needs them (V tables need this: their receivers need
 messages in another order than they are sent, :func:`.simulate.fifo_mismatches`). On gloo each
 neighbour's next receive is posted as soon as the previous one completed, so its data moves
-while this rank computes (gloo hands a send over only to a posted receive).
+while this rank computes (gloo hands a send over only to a posted receive). The transport
+(:mod:`._links`) also sends static ``boundary_shapes`` without a header and, under the check
+mode, a header judged on the host with every message; tp-group stages (:class:`~.vtp.StageGroups`)
+move each message as a boundary reshard (:mod:`._stage_links`).
 
 FSDP2 chunks: every group is gathered once per step and reduced once, after the last ``B`` or
 ``W`` of the row that runs through it (:mod:`._fsdp_steps`, set around each backward step).

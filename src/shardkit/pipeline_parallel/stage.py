@@ -1,10 +1,9 @@
 """A pipeline stage: one slice of a model, its place in the pipeline and (last stage) the loss.
 
-A stage is one rank of a pipeline group: a :class:`~.chunked.ChunkedStage` of one chunk, run by
-the one chunked runner (:mod:`._chunk_exec`) on every schedule. Or, until that runner carries
-them, a tp group of ranks (:class:`~.vtp.StageGroups`, tp sizes may differ per stage) with the
-layouts of its input and output over that group, run by :func:`~.runner.run_schedule`'s
-tp-group executor (:mod:`.transport`).
+A stage is a :class:`~.chunked.ChunkedStage` of one chunk, run by the one runner
+(:mod:`._chunk_exec`) on every schedule: one rank of a pipeline group, or a tp group of ranks
+(:class:`~.vtp.StageGroups`, tp sizes may differ per stage) with the layouts of its input and
+output over that group, whose messages are boundary reshards (:mod:`._stage_links`).
 """
 
 from __future__ import annotations
@@ -34,10 +33,10 @@ __all__ = ["PipelineStage"]
 class PipelineStage(ChunkedStage):
     """One stage of a pipeline: ``module`` maps one tensor to one tensor.
 
-    On a pipeline group this is a :class:`~.chunked.ChunkedStage` holding one chunk
-    (``modules == [module]``, looped placement): :func:`~.runner.run_schedule` runs it on the
-    chunked runner, every one-chunk schedule (``1f1b``, ``gpipe``, ``zb-h1``), static
-    ``boundary_shapes`` and the check mode included.
+    A :class:`~.chunked.ChunkedStage` holding one chunk (``modules == [module]``, looped
+    placement, pipeline rank = stage): :func:`~.runner.run_schedule` runs it on the one runner,
+    every one-chunk schedule (``1f1b``, ``gpipe``, ``zb-h1``), static ``boundary_shapes`` and the
+    check mode included, on a pipeline group or on :class:`~.vtp.StageGroups`.
 
     The first stage takes the input microbatch (e.g. ``[B / M, S, H]``), the others the previous
     stage's output; the last stage also computes ``loss_fn(output, target)`` (a scalar).
