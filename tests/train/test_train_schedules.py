@@ -67,6 +67,15 @@ def test_zero_bubble_verifies_under_checks():
     _run_schedule("zbv", 2, checks=True)
 
 
+@pytest.mark.world(4, timeout=240)
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_pp_tp_stages_verify_under_checks(schedule):
+    """--pp-tp 2,1,1 on the one runner under --checks: every boundary reshard carries its header,
+    judged on the receiving stage, and the table is agreed at every step."""
+    result = _train(pp_tp="2,1,1", tp=None, layers=3, schedule=schedule, microbatches=3, batch_size=3, checks=True)
+    assert _verified(result), result and result["parity"]
+
+
 @pytest.mark.slow
 @pytest.mark.world(4, timeout=300)
 @pytest.mark.parametrize("name", list(V))
