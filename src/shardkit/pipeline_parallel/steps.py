@@ -115,8 +115,7 @@ def forward_only(table: Sequence[Sequence[tuple]]) -> tuple[tuple, ...]:
     kept are in the same row order, so every wait of the forward-only table is one the full
     table had (or implied through a dropped step), and no cycle appears. The messages of a
     channel keep the sender's order (the activations' order is the ``F`` order). Checked again
-    by the simulators, as every table is (:func:`.simulate.simulate_steps`,
-    :func:`.schedules.simulate`).
+    by the simulator, as every table is (:func:`.simulate.simulate_steps`).
     """
     return tuple(tuple(a for a in row if a[0] == "F") for row in table)
 
