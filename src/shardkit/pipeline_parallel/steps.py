@@ -16,9 +16,9 @@ Step kinds: ``F`` forward; ``B`` full backward (input and weight gradients toget
 the input gradient only; ``W`` the weight gradient of an earlier ``I``. Each (microbatch,
 chunk) runs ``F`` once and either ``B`` once or ``I`` then ``W`` once each.
 
-The one-chunk ``F``/``B`` tables of :mod:`.schedules` (``Action(kind, microbatch)``, which the
-runner executes on a :class:`~.stage.PipelineStage`) lift to steps with :func:`lift` and back with
-:func:`lower`; a :class:`~.chunked.ChunkedStage` runs every step table.
+The one-chunk ``F``/``B`` tables of :mod:`.schedules` (``Action(kind, microbatch)``) lift to
+steps with :func:`lift`; the one runner runs every step table, on a one-chunk
+:class:`~.stage.PipelineStage` as on a :class:`~.chunked.ChunkedStage`.
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ __all__ = [
     "global_chunk",
     "chunk_owner",
     "lift",
-    "lower",
     "forward_only",
     "check_sizes",
 ]
@@ -87,23 +86,6 @@ def chunk_owner(placement: str, chunk: int, p: int) -> tuple[int, int]:
 def lift(table: Sequence[Sequence[Action]]) -> Table:
     """A one-chunk ``Action`` table as a :class:`Step` table (chunk 0 everywhere)."""
     return tuple(tuple(Step(a[0], a[1], 0) for a in row) for row in table)
-
-
-def lower(table: Sequence[Sequence[Step]], op: str = "lower") -> tuple[tuple[Action, ...], ...]:
-    """A one-chunk ``F``/``B`` step table as the runner's ``Action`` table.
-
-    Raises:
-        ShardkitError: a step on a chunk other than 0 or of kind ``I``/``W``: a
-            :class:`~.stage.PipelineStage` runs one chunk per rank and full backwards only.
-    """
-    for r, row in enumerate(table):
-        for s in row:
-            if s.chunk != 0 or s.kind not in ("F", "B"):
-                raise ShardkitError(
-                    f"{op}: rank {r} has {s}; a PipelineStage runs chunk 0 and F/B steps only (run I/W or "
-                    "several chunks on a ChunkedStage)"
-                )
-    return tuple(tuple(Action(s.kind, s.microbatch) for s in row) for row in table)
 
 
 def forward_only(table: Sequence[Sequence[tuple]]) -> tuple[tuple, ...]:
