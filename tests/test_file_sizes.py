@@ -12,8 +12,6 @@ LIMIT, SOFT = 400, 300
 COHESIVE = {
     "src/shardkit/train/data.py": "the training data: files, their documents (text, JSONL, Parquet), tokens, samplers",
     "src/shardkit/pipeline_parallel/hf_decoder.py": "HF decoder as stages: cut, chunks, forward",
-    "src/shardkit/pipeline_parallel/runner.py": "the one-chunk runner: stage plans, tp-group transport",
-    "src/shardkit/pipeline_parallel/_chunk_exec.py": "the chunked runner: table checks, one agreement, the step loop",
     "src/shardkit/plan/collectives.py": "the collectives of one step per axis, the rows the ledger test holds equal",
     "src/shardkit/cli/plan.py": "shardkit plan: flags, the ranked table, --json, the plot and --dry-run",
     "src/shardkit/spatial/pool.py": "max/avg pooling over halo'd tiles: one window rule, forward and its exact adjoint",

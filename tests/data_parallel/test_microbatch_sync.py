@@ -138,13 +138,12 @@ def test_hsdp_under_pipeline_gathers_and_reduces_once_per_step(schedule):
     "name", ["pp=2 x dp_shard=2, 1f1b, 4 microbatches", "pp=2 x dp_shard=2, interleaved-1f1b on 2 chunks per rank"]
 )
 def test_fsdp_without_policy_gathers_per_microbatch(name):
-    # The counts above come from set_microbatch (one chunk per rank) and the chunked runner's
-    # FsdpSteps: switched off, the same pipelined run gathers every layer for each forward and
+    # The counts above come from the one runner's FsdpSteps (every schedule, one chunk per rank
+    # too): switched off, the same pipelined run gathers every layer for each forward and
     # backward and reduces after each backward.
     overrides = ONCE[name]
     with (
         mock.patch("shardkit.train.trainer.set_microbatch"),
-        mock.patch("shardkit.pipeline_parallel.runner.set_microbatch"),
         mock.patch("shardkit.pipeline_parallel._chunk_exec.fsdp_steps", return_value=None),
     ):
         counts, result = _run(overrides)

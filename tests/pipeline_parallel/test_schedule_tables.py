@@ -9,9 +9,9 @@ B = 2), the makespan its source states. Broken tables must be reported.
 import pytest
 
 from shardkit.errors import ShardkitError
-from shardkit.pipeline_parallel.schedules import one_f_one_b_schedule
+from shardkit.pipeline_parallel.schedules import gpipe_schedule, one_f_one_b_schedule
 from shardkit.pipeline_parallel.simulate import fifo_mismatches, simulate_steps, transfers
-from shardkit.pipeline_parallel.steps import Step, chunk_owner, global_chunk, lower
+from shardkit.pipeline_parallel.steps import Step, chunk_owner, global_chunk, lift
 from shardkit.pipeline_parallel.tables import SCHEDULES, schedule_table
 
 
@@ -203,12 +203,9 @@ def test_the_registry_states_the_chunks_each_table_accepts(name):
                 spec.build(4, v, 8)
 
 
-def test_one_chunk_tables_lower_to_the_runner_tables():
-    assert lower(schedule_table("1f1b", 3, 1, 5)) == one_f_one_b_schedule(3, 5)
-    with pytest.raises(ShardkitError, match="F/B steps only"):
-        lower(schedule_table("zb-h1", 3, 1, 5))
-    with pytest.raises(ShardkitError, match="chunk 0"):
-        lower(schedule_table("looped-bfs", 2, 2, 2))
+def test_one_chunk_tables_lift_to_the_step_tables():
+    assert schedule_table("1f1b", 3, 1, 5) == lift(one_f_one_b_schedule(3, 5))
+    assert schedule_table("gpipe", 3, 1, 5) == lift(gpipe_schedule(3, 5))
 
 
 @pytest.mark.parametrize("placement", ["looped", "v"])

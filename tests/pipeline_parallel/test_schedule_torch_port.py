@@ -23,8 +23,8 @@ placement); ``test_csv_compare`` (compares against PyTorch's own CSV artifact of
 that is their implementation's exact order, not a property; copying it is out of bounds);
 ``test_action_parse`` and the lowering passes (``_add_unshard_reshard``, ``_add_reduce_grad``,
 ``_merge_bw``, ``_add_send_recv``'s comm order): they test PyTorch's string format and runtime
-lowering, which shardkit's tables do not have (one-chunk tables lower through
-:func:`~shardkit.pipeline_parallel.schedules.comm_plan`); ``ScheduleInterleavedZeroBubble``
+lowering, which shardkit's tables do not have (one runner executes every table's steps);
+``ScheduleInterleavedZeroBubble``
 (an interleaved zero-bubble schedule shardkit does not provide); the multi-process runs of
 ``test_schedule_multiproc.py`` (runtime gradient parity, not tables: the stage-level I/W
 parity is ``test_schedule_split_backward.py``).

@@ -1,12 +1,13 @@
 """The chunked runner on NCCL without a GPU: its own posting order (the mailbox of every rank,
 recorded) on the stream model of :mod:`shardkit.pipeline_parallel.stream_model`, for every table
-of SCHEDULES with p in 2..8, v in 1..4 (as the schedule allows) and m in {p, 2p, 2p + 1}."""
+of SCHEDULES with p in 2..8, v in 1..4 (as the schedule allows) and m in {p, 2p, 2p + 1}; and for
+stages made of tp groups of their own sizes (``--pp-tp``), at the level of their ranks."""
 
 import pytest
 
 from shardkit.errors import ShardkitError
 from shardkit.pipeline_parallel._mailbox import link, links
-from shardkit.pipeline_parallel.stream_model import check_streams, posting_order
+from shardkit.pipeline_parallel.stream_model import check_streams, posting_order, tp_posting_order
 from shardkit.pipeline_parallel.tables import SCHEDULES, schedule_table
 
 
@@ -92,3 +93,45 @@ def test_no_two_links_of_a_group_share_a_rank(p):
 def test_check_streams_refuses_an_unknown_granularity():
     with pytest.raises(ShardkitError, match="granularity must be"):
         check_streams([[("end",)]], "stream")
+
+
+# stages of tp groups (--pp-tp, StageGroups): stage -> its ranks, leader first
+TP_STAGES = [
+    [[0, 1], [2], [3]],
+    [[0], [1, 2]],
+    [[0, 1], [2, 3]],
+    [[0], [1, 2], [3, 4, 5]],
+    [[0, 1, 2], [3], [4, 5], [6]],
+]
+ONE_CHUNK = [name for name, spec in SCHEDULES.items() if spec.placement == "looped" and spec.v_min == 1]
+
+
+def _tp_events(name, stage_ranks, m, shared=False):
+    table = schedule_table(name, len(stage_ranks), 1, m)
+    stage_events = posting_order(table, placement="looped", v=1, early=False, shared=shared)
+    return tp_posting_order(stage_events, stage_ranks)
+
+
+def test_tp_group_stages_run_to_their_end_on_nccl_streams_with_one_group_per_link():
+    """--pp-tp: each stage message as the reshard transport posts it on every rank (header leader
+    to leader, a piece per rank pair, the broadcasts in the receiving stage), one group per link
+    over the replica: no deadlock and no wrong pairing, per rank pair or per rank (eager)."""
+    assert {"1f1b", "gpipe", "zb-h1"} <= set(ONE_CHUNK)
+    failures, n = [], 0
+    for name in ONE_CHUNK:
+        for stage_ranks in TP_STAGES:
+            for m in (len(stage_ranks), 2 * len(stage_ranks) + 1):
+                events = _tp_events(name, stage_ranks, m)
+                n += 1
+                for granularity in ("pair", "rank"):
+                    if (error := check_streams(events, granularity)) is not None:
+                        failures.append((name, stage_ranks, m, granularity, error[:200]))
+    assert n >= 30 and not failures, failures[:3]
+
+
+def test_tp_group_stages_on_one_group_deadlock_on_nccl_streams():
+    """The rank-level model can fail: with one group for both directions the runner's own order
+    deadlocks under 1F1B on these stages, as on one-rank stages (GPipe does not)."""
+    error = check_streams(_tp_events("1f1b", [[0, 1], [2], [3]], 8, shared=True), "pair")
+    assert error is not None and error.startswith("deadlock")
+    assert check_streams(_tp_events("gpipe", [[0, 1], [2], [3]], 8, shared=True), "pair") is None

@@ -10,9 +10,19 @@ import torch
 from harness.helpers import all_true, rank, subgroup, world_group
 from shardkit.comm import CommLedger, checks
 from shardkit.errors import ShardkitError
-from shardkit.pipeline_parallel._reshard import Side, recv_side, send_side
+from shardkit.pipeline_parallel._reshard import Side, recv_side
+from shardkit.pipeline_parallel._reshard import send_side as _post_send
 from shardkit.pipeline_parallel.vtp import Replicate, Shard, leader_mode, local_box, piece_plan
 from shardkit.sharding import StageGroups
+
+
+def send_side(*args):
+    """The sending side, waited for (the runner waits for its sends at the end of a call)."""
+    shape, works = _post_send(*args)
+    for w in works:
+        w.wait()
+    return shape
+
 
 LAYOUTS = [Replicate(), Shard(1), Shard(2)]
 

@@ -9,7 +9,8 @@ cores do not distort the compute time). Two variants, interleaved per round in a
 
 * ``shardkit``: :func:`~shardkit.pipeline_parallel.run_schedule` (negotiated shapes, the stage's
   ShapeCache kept between rounds, as in a training loop);
-* ``bare``: the same plan (:func:`~shardkit.pipeline_parallel.schedules.comm_plan`), module,
+* ``bare``: the same table as Megatron-LM's plan of calls (:func:`_plan`: combined send/receive
+  calls in the steady state), module,
   loss and autograd calls, driven by a dozen lines over bare ``isend``/``irecv`` with shapes
   known in advance: the floor of a Python 1F1B on this machine.
 
@@ -29,18 +30,75 @@ shardkit (``bubble/bare bubble``). The losses of both variants are checked every
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from ..pipeline_parallel import PipelineStage, one_f_one_b_schedule, run_schedule
+from ..pipeline_parallel import Action, PipelineStage, one_f_one_b_schedule, run_schedule
 from ..pipeline_parallel._transfer import order_key
-from ..pipeline_parallel.schedules import comm_plan
 from ._method import Record, Settings, agree
 from ._timing import Timer
 from .cases_pp_schedules import schedules
 
 __all__ = ["bubble"]
+
+
+class _Call(NamedTuple):
+    """One step of the bare baseline's plan (the plan of the former one-chunk runner).
+
+    ``api`` is ``"compute"`` (``action`` set, no messages) or the name of a
+    :mod:`shardkit.pipeline_parallel.p2p` function; ``sends``/``recvs`` list
+    ``(towards, direction, microbatch)`` with ``towards`` in ``{"next", "prev"}`` and
+    ``direction`` in ``{"F", "B"}``.
+    """
+
+    api: str
+    action: Action | None = None
+    sends: tuple = ()
+    recvs: tuple = ()
+
+
+def _plan(actions, stage: int, num_stages: int) -> tuple[_Call, ...]:
+    """The P2P calls and computes stage ``stage`` of the bare baseline makes to run ``actions``.
+
+    Receives come right before the action that needs them unless an earlier combined call
+    brought the tensor already. A send is combined with the next action's receive when they go
+    to the same neighbour, as in Megatron-LM's 1F1B steady state: ``F`` followed by ``B``
+    gives ``send_forward_recv_backward`` (output to ``s + 1``, gradient from ``s + 1``), ``B``
+    followed by ``F`` gives ``send_backward_recv_forward`` (input gradient to ``s - 1``,
+    activation from ``s - 1``).
+    """
+    first, last = stage == 0, stage == num_stages - 1
+    acts = list(actions)
+    plan, have = [], set()  # have: (direction, microbatch) already received
+    for i, (kind, m) in enumerate(acts):
+        nxt = acts[i + 1] if i + 1 < len(acts) else None
+        if kind == "F":
+            if not first and ("F", m) not in have:
+                plan.append(_Call("recv_forward", recvs=(("prev", "F", m),)))
+            plan.append(_Call("compute", Action("F", m)))
+            if not last:
+                if nxt is not None and nxt[0] == "B":
+                    have.add(("B", nxt[1]))
+                    plan.append(
+                        _Call("send_forward_recv_backward", sends=(("next", "F", m),), recvs=(("next", "B", nxt[1]),))
+                    )
+                else:
+                    plan.append(_Call("send_forward", sends=(("next", "F", m),)))
+        else:
+            if not last and ("B", m) not in have:
+                plan.append(_Call("recv_backward", recvs=(("next", "B", m),)))
+            plan.append(_Call("compute", Action("B", m)))
+            if not first:
+                if nxt is not None and nxt[0] == "F":
+                    have.add(("F", nxt[1]))
+                    plan.append(
+                        _Call("send_backward_recv_forward", sends=(("prev", "B", m),), recvs=(("prev", "F", nxt[1]),))
+                    )
+                else:
+                    plan.append(_Call("send_backward", sends=(("prev", "B", m),)))
+    return tuple(plan)
 
 
 class _Sleep(torch.autograd.Function):
@@ -142,7 +200,7 @@ def _case(P: int, M: int, f_ms: float, b_ms: float, pg, settings: Settings) -> R
 
         stage = PipelineStage(_Stage(f_ms / 1e3, b_ms / 1e3, busy, dev), pg, rank, P, loss_fn=loss_fn)
         table = one_f_one_b_schedule(P, M)
-        plan = comm_plan(table[rank], rank, P)
+        plan = _plan(table[rank], rank, P)
         xs = [torch.ones(1, 8, device=dev) for _ in range(M)]
         fns = {
             "shardkit": lambda: run_schedule(stage, table, xs, xs),

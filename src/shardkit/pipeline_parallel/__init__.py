@@ -24,7 +24,8 @@ from .p2p import (
 )
 from .run_mode import ScheduleOutput
 from .runner import run_schedule, split_microbatches
-from .schedules import Action, bubble_fraction, gpipe_schedule, one_f_one_b_schedule, simulate, validate_schedule
+from .schedules import Action, bubble_fraction, gpipe_schedule, one_f_one_b_schedule, validate_schedule
+from .simulate import simulate  # deprecated for one release: simulate_steps
 from .stage import PipelineStage
 from .steps import forward_only
 from .weight_defer import defer, deferring

@@ -16,7 +16,10 @@ from collections.abc import Callable
 from ..comm.checks import checks_enabled
 from ..errors import ShardkitError
 
-__all__ = ["agree_once"]
+__all__ = ["REJECTED", "agree_once"]
+
+# agree()'s headline for the pipeline's argument checks (the stage classes and run_schedule)
+REJECTED = "{n} of {size} pipeline ranks rejected their arguments"
 
 _AGREED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # stage -> the key it agreed on
 

@@ -21,7 +21,10 @@ it sends them, an order both derive from the table (:func:`.simulate.transfers`)
 those that arrive before the step that needs them (V tables need this: their receivers need
 messages in another order than they are sent, :func:`.simulate.fifo_mismatches`). On gloo each
 neighbour's next receive is posted as soon as the previous one completed, so its data moves
-while this rank computes (gloo hands a send over only to a posted receive).
+while this rank computes (gloo hands a send over only to a posted receive). The transport
+(:mod:`._links`) also sends static ``boundary_shapes`` without a header and, under the check
+mode, a header judged on the host with every message; tp-group stages (:class:`~.vtp.StageGroups`)
+move each message as a boundary reshard (:mod:`._stage_links`).
 
 FSDP2 chunks: every group is gathered once per step and reduced once, after the last ``B`` or
 ``W`` of the row that runs through it (:mod:`._fsdp_steps`, set around each backward step).
@@ -52,16 +55,14 @@ import torch
 from ..comm.agree import agree
 from ..comm.checks import checks_enabled
 from ..errors import ShardkitError
-from ._agreed import agree_once
+from ._agreed import REJECTED, agree_once
 from ._fsdp_steps import fsdp_steps
-from ._mailbox import Mailbox, Message, incoming, link, step_messages
-from ._p2p_call import run
-from ._posted_recv import PostedRecv
-from ._transfer import ShapeCache
+from ._links import Links, boundary_decls
+from ._mailbox import Mailbox, Message, Transport, incoming, step_messages
+from ._stage_links import StageLinks
 from .run_mode import TRAIN, RunMode, ScheduleOutput, accumulate_hooks, resolve_mode, targets_needed
 from .simulate import simulate_steps, transfers
 from .split_backward import input_grad, weight_grad
-from .stage import REJECTED
 from .steps import Step, Table, forward_only
 from .tables import SCHEDULES
 
@@ -69,6 +70,7 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from .chunked import ChunkedStage
+    from .stage import PipelineStage
 
 __all__ = ["run_chunked", "resolve_table", "check_table", "execute"]
 
@@ -122,47 +124,18 @@ def _simulated(table: Table, placement: str, v: int, m: int) -> str | None:
     return simulate_steps(table, placement=placement, v=v, num_microbatches=m).error
 
 
-class _Links:
-    """The P2P engine as :class:`~._mailbox.Transport`: a message travels on the process group
-    of its :func:`~._mailbox.link` (``stage.links``), negotiated, with the shape cache of its
-    (kind, receiving chunk), the same key on both ends."""
-
-    def __init__(self, stage: ChunkedStage, caches: dict) -> None:
-        self.stage, self.caches = stage, caches  # (kind, receiving chunk) -> ShapeCache
-
-    def cache(self, msg: Message) -> ShapeCache:
-        return self.caches.setdefault(msg[::2], ShapeCache(self.stage.shape_trust))
-
-    def send(self, msg: Message, dst: int, tensor: torch.Tensor):
-        st = self.stage
-        name = link(st.rank, dst, st.p)
-        api, phase = ("send_forward", "forward") if msg[0] == "F" else ("send_backward", "backward")
-        sends = [(name[0], phase)]
-        pg = st.links[name].pg
-        return run(api, pg, tensor, sends, [], None, None, None, True, False, True, "mean", self.cache(msg))
-
-    def post(self, msg: Message, src: int) -> PostedRecv:
-        st = self.stage
-        name = link(src, st.rank, st.p)  # the sender's link: this end receives from the other side
-        towards = "prev" if name[0] == "next" else "next"
-        api, phase = ("recv_forward", "forward") if msg[0] == "F" else ("recv_backward", "backward")
-        return PostedRecv(api, st.links[name], towards, phase, self.cache(msg))
-
-    def receive(self, handle: PostedRecv) -> torch.Tensor:
-        return handle.wait()
-
-
 class _Run:
     """One call's state on this rank (see the module docstring)."""
 
     def __init__(
-        self, stage: ChunkedStage, table: Table, m: int, inputs, targets, kwargs, caches: dict, mode: RunMode
+        self, stage: ChunkedStage, table: Table, m: int, inputs, targets, kwargs, links: Transport, mode: RunMode
     ) -> None:
         self.stage, self.m, self.inputs, self.targets, self.kwargs = stage, m, inputs, targets, kwargs
         self.mode = mode
-        early = stage.info.pg.name().lower() == "gloo"  # why only gloo: :mod:`._mailbox`
+        # why only gloo: :mod:`._mailbox`; a tp-group stage receives when the step needs it
+        early = stage.info.pg.name().lower() == "gloo" and stage.stages is None
         mine = incoming(transfers(table, placement=stage.placement, v=stage.v)[0], stage.rank)
-        self.mail = Mailbox(stage.rank, stage.owner, mine, _Links(stage, caches), early)
+        self.mail = Mailbox(stage.rank, stage.owner, mine, links, early)
         self.stash: dict[tuple[int, int], tuple] = {}  # (microbatch, local chunk) -> (input, output)
         self.pending: dict[tuple[int, int], object] = {}  # (microbatch, local chunk) -> I's pending W
         self.losses: list[torch.Tensor | None] = [None] * m
@@ -227,11 +200,14 @@ def execute(
     kwargs: Sequence[dict],
     caches: dict,
     mode: RunMode = TRAIN,
+    decls=None,
 ):
     """Run this rank's row of ``table``; return the ``M`` losses on the rank holding the last
     chunk, else None (parameter gradients accumulate into ``.grad``); with
-    ``mode.return_outputs`` a :class:`~.run_mode.ScheduleOutput` on every rank."""
-    run = _Run(stage, table, m, inputs, targets, kwargs, caches, mode)
+    ``mode.return_outputs`` a :class:`~.run_mode.ScheduleOutput` on every rank. ``decls``: the
+    boundaries' static ``(shape, dtype)`` (:mod:`._links`), or None (negotiated)."""
+    links = Links(stage, caches, decls) if stage.stages is None else StageLinks(cast("PipelineStage", stage), decls)
+    run = _Run(stage, table, m, inputs, targets, kwargs, links, mode)
     fsdp = fsdp_steps(stage, table[stage.rank], m) if mode.train else None  # each group gathered, reduced once
     with torch.set_grad_enabled(mode.train):
         for i, s in enumerate(table[stage.rank]):
@@ -264,55 +240,60 @@ def run_chunked(
     table (its forward-only rows in an eval call), agree on it and on every rank's data (one
     small all-reduce when all is well), run. ``mode``: ``(train, scale_grads, return_outputs)``
     as passed (:func:`.run_mode.resolve_mode`)."""
-    error, digest, table, m = None, None, cast("Table", ()), 0
+    error, digest, table, m, decls = None, None, cast("Table", ()), 0, None
     run_mode, error = resolve_mode(*mode)
     try:
         table, m = resolve_table(stage, schedule, num_microbatches, op)
         if not run_mode.train:  # a rank in another mode has another table: refused by the agreement
             table = forward_only(table)
         check_table(table, stage, m, op)
+        decls = boundary_decls(boundary_shapes, stage.num_chunks - 1, op)
         digest = hashlib.sha1(repr(table).encode()).hexdigest()
         error = error or _data_error(stage, m, inputs, targets, stage_kwargs, run_mode)
-        if boundary_shapes is not None:
-            error = "a ChunkedStage negotiates its shapes: boundary_shapes must be None"
     except ShardkitError as e:
         error = str(e)
-    if error is None and checks_enabled():
-        error = "the P2P check mode (hellos that wait for the peer) cannot run chunked schedules: turn checks off"
 
     def judge(seen: list) -> list[str]:
-        differ = [r for r, (d, _) in enumerate(seen) if d != seen[0][0]]
-        why = "another schedule table than rank 0 (or ran in another mode: train / forward-only)"
-        return [f"ranks {differ} passed {why}"] if differ else []
+        differ = [r for r, (d, _, _) in enumerate(seen) if d != seen[0][0]]
+        if differ:
+            why = "another schedule table than rank 0 (or ran in another mode: train / forward-only)"
+            return [f"ranks {differ} passed {why}"]
+        differ = [r for r, (_, b, _) in enumerate(seen) if b != seen[0][1]]
+        return (
+            [f"ranks {differ} passed boundary_shapes {seen[differ[0]][1]}, rank 0 passed {seen[0][1]}"]
+            if differ
+            else []
+        )
 
     def agreed() -> bool:
-        seen = agree(stage.info, op, error, [digest, stage.has_caches], judge=judge, headline=REJECTED)
-        return all(c for _, c in seen)
+        seen = agree(stage.info, op, error, [digest, repr(decls), stage.has_caches], judge=judge, headline=REJECTED)
+        return all(c for *_, c in seen)
 
     # the table's hash once per stage in the default mode (every call with checks on)
-    keep = agree_once(stage, str(digest), stage.has_caches, error, op, agreed)
+    keep = agree_once(stage, f"{digest} {decls!r}", stage.has_caches, error, op, agreed)
     caches = stage.take_caches(keep)
-    stage.shape_trust.begin(shape_key, keep)
-    losses = execute(stage, table, m, inputs, targets, stage_kwargs or [{}] * m, caches, run_mode)
+    stage.shape_trust.begin(None if checks_enabled() else shape_key, keep)  # checks: every header read
+    losses = execute(stage, table, m, inputs, targets, stage_kwargs or [{}] * m, caches, run_mode, decls)
     stage.keep_caches(caches)  # completed: the next call may keep them (agreed by every rank)
     stage.shape_trust.end(shape_key)
     return losses
 
 
 def _data_error(stage: ChunkedStage, m: int, inputs, targets, stage_kwargs, mode: RunMode) -> str | None:
+    who = f"rank {stage.rank}" if stage.stages is None else f"stage {stage.rank}"  # a tp group's
     for chunk, name, xs, needed in (
         (0, "inputs_microbatches", inputs, True),
         (stage.num_chunks - 1, "targets_microbatches", targets, targets_needed(mode, targets)),
     ):
         if needed and stage.holds(chunk) and (not isinstance(xs, (list, tuple)) or len(xs) != m):
             got = len(xs) if isinstance(xs, (list, tuple)) else type(xs).__name__
-            return f"rank {stage.rank} holds chunk {chunk} and needs {m} {name} (the schedule's M), got {got}"
+            return f"{who} holds chunk {chunk} and needs {m} {name} (the schedule's M), got {got}"
     if stage.holds(0) and not all(isinstance(x, torch.Tensor) for x in inputs):
-        return f"rank {stage.rank}: every input microbatch must be a tensor"
+        return f"{who}: every input microbatch must be a tensor"
     if stage_kwargs is not None and (
         not isinstance(stage_kwargs, (list, tuple))
         or len(stage_kwargs) != m
         or not all(isinstance(k, dict) for k in stage_kwargs)
     ):
-        return f"rank {stage.rank}: stage_kwargs must be None or {m} dicts (one per microbatch)"
+        return f"{who}: stage_kwargs must be None or {m} dicts (one per microbatch)"
     return None

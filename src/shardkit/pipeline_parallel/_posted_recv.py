@@ -35,12 +35,17 @@ class PostedRecv:
         towards: ``"next"`` or ``"prev"``: the neighbour it receives from.
         phase: ledger phase (``"forward"`` / ``"backward"``).
         cache: the channel's negotiated shapes (both ends pass the same key's cache).
+        decl: None, or the ``(shape, dtype)`` the receiver declares: a header announcing another
+            raises (after the payload arrived; the check mode's static transfers).
     """
 
-    def __init__(self, api: str, g: GroupInfo, towards: str, phase: str, cache: ShapeCache) -> None:
+    def __init__(
+        self, api: str, g: GroupInfo, towards: str, phase: str, cache: ShapeCache, decl: tuple | None = None
+    ) -> None:
         self.api, self.cache = api, cache
         device = _device(None, g, api)
-        self.t = Transfer(False, towards, 0, g, _peer(g, towards, True, api), phase, device, None, None, True)
+        shape, dtype = decl or (None, None)
+        self.t = Transfer(False, towards, 0, g, _peer(g, towards, True, api), phase, device, shape, dtype, True)
         self.ch = cache.get(self.t)
         self.posted: Any = (
             post([header_msg(self.t)], False, api) if self.ch is None else post_cached_recv(self.t, self.ch, api)

@@ -120,7 +120,9 @@ def _full_shape(x: torch.Tensor, src: Side, tp: GroupInfo, decl, header: bool, a
 
 
 def send_side(x: torch.Tensor, src: Side, dst: Side, pg: GroupInfo, tp: GroupInfo, decl, api: str, phase: str):
-    """Send this rank's part of ``x`` (its local tensor in ``src.layout``); return the full shape.
+    """Post the sends of this rank's part of ``x`` (its local tensor in ``src.layout``); return
+    ``(full shape, works)``: the sends are not waited for (the chunked runner waits at the end of
+    its call, :mod:`._mailbox`), but for an error, raised once they completed.
 
     Raises:
         ShardkitError: the local tensors do not form the layout, or do not match ``decl``;
@@ -149,11 +151,11 @@ def send_side(x: torch.Tensor, src: Side, dst: Side, pg: GroupInfo, tp: GroupInf
         for p in piece_plan(src.layout, src.size, dst.layout, dst.size, shape):
             if p.src == tp.rank:
                 works.append(_send(x[_slices(p.box, origin)].contiguous(), pg, dst.ranks[p.dst], api, phase))
-    for w in works:
-        w.wait()
     if error is not None:
+        for w in works:
+            w.wait()
         raise error
-    return shape
+    return shape, works
 
 
 def recv_side(src: Side, dst: Side, pg: GroupInfo, tp: GroupInfo, decl, device, api: str, phase: str):

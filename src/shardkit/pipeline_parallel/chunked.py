@@ -23,9 +23,9 @@ from .._shapes import balanced_split_sizes
 from ..comm._group import GroupInfo, resolve_group
 from ..comm.agree import agree
 from ..errors import ShardkitError, ShardkitTypeError
+from ._agreed import REJECTED
 from ._mailbox import links
 from ._transfer import ShapeTrust
-from .stage import REJECTED
 from .steps import PLACEMENTS, chunk_owner, global_chunk
 
 if TYPE_CHECKING:
@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     import torch
 
     from .._types import Group
+    from ..sharding import StageGroups
 
 __all__ = ["ChunkedStage", "chunk_layers"]
 
@@ -76,8 +77,10 @@ def chunk_layers(num_layers: int, p: int, v: int, placement: str, rank: int) -> 
     return [range(starts[g], starts[g + 1]) for g in chunks]
 
 
-def link_groups(g: GroupInfo, separate: bool) -> dict[tuple[str, int], GroupInfo]:
-    """The process group of each link (:func:`~._mailbox.links`) of the pipeline group ``g``.
+def link_groups(g: GroupInfo, separate: bool, p: int | None = None) -> dict[tuple[str, int], GroupInfo]:
+    """The process group of each link (:func:`~._mailbox.links`) of the pipeline group ``g``
+    (of ``p`` pipeline positions, default ``g.size``; tp-group stages: their number, the links
+    then join stages and every group holds all of ``g``'s ranks).
 
     ``separate`` (NCCL, any backend but gloo): ``g`` for the first link and, for each other one,
     a new group of ``g``'s ranks (``dist.new_group(ranks, use_local_synchronization=True)``:
@@ -87,9 +90,10 @@ def link_groups(g: GroupInfo, separate: bool) -> dict[tuple[str, int], GroupInfo
     share a rank, so each stream carries one rank pair's messages one way (the proof:
     :mod:`.stream_model`). Else ``g`` for every link: gloo pairs each direction of a rank pair
     on its own and never blocks a post. A group of one rank has no link."""
-    if g.size < 2:
+    p = g.size if p is None else p
+    if p < 2:
         return {}
-    names = links(g.size)
+    names = links(p)
     if not separate:
         return dict.fromkeys(names, g)
     ranks = dist.get_process_group_ranks(g.pg)
@@ -147,7 +151,7 @@ class ChunkedStage:
         placement: str = "looped",
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
-        op = "ChunkedStage"
+        op = type(self).__name__
         if not isinstance(modules, (list, tuple)) or not all(isinstance(m, nn.Module) for m in modules):
             raise ShardkitTypeError(f"{op}: modules must be a list of torch.nn.Module (one per chunk)")
         if loss_fn is not None and not callable(loss_fn):
@@ -168,6 +172,9 @@ class ChunkedStage:
         # run_schedule's negotiated shapes per (receiving chunk, direction), kept between calls
         self._caches: dict | None = None
         self.shape_trust = ShapeTrust()  # trusted negotiated shapes (run_schedule's shape_key)
+
+    # the tp groups of stages with their own tp sizes (a PipelineStage built on StageGroups)
+    stages: StageGroups | None = None
 
     def _error(self) -> str | None:
         if self.v < 1:

@@ -12,21 +12,25 @@ exist:
 * ``W`` needs this chunk's ``I`` on ``j``.
 
 A microbatch-chunk is *in flight* on its rank from the start of its ``F`` until its ``B`` or
-``W`` has run (its activations are stored). The blocking-P2P check of the runner's one-chunk
-tables stays :func:`.schedules.simulate`.
+``W`` has run (its activations are stored). It is the one simulator: the one runner checks
+every table with it, one-chunk tables too (the blocking-P2P simulator of the former one-chunk
+runner is gone; :func:`simulate` keeps its name for one release).
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .steps import KINDS, Step, chunk_owner, global_chunk
+from .steps import KINDS, Step, chunk_owner, global_chunk, lift
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
 
-__all__ = ["Report", "simulate_steps", "UNIT_COSTS", "transfers", "fifo_mismatches"]
+    from .schedules import Action
+
+__all__ = ["Report", "simulate_steps", "UNIT_COSTS", "transfers", "fifo_mismatches", "simulate", "SimResult"]
 
 UNIT_COSTS = {"F": 1.0, "I": 1.0, "W": 1.0, "B": 2.0}  # B = I + W, the zero-bubble paper's equal-cost case
 
@@ -204,3 +208,38 @@ def fifo_mismatches(table: Sequence[Sequence[Step]], *, placement: str = "looped
     """
     sent, needed = transfers(table, placement=placement, v=v)
     return sorted(k for k in set(sent) | set(needed) if sent.get(k) != needed.get(k))
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """What the deprecated :func:`simulate` returns: :class:`Report`'s fields under their former
+    names (``peak_activations``, ``bubble_fraction``)."""
+
+    makespan: float
+    busy: tuple[float, ...]
+    peak_activations: tuple[int, ...]
+    error: str | None = None
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle time over total time, over all stages: ``1 - sum(busy) / (P * makespan)``."""
+        return 1.0 - sum(self.busy) / (len(self.busy) * self.makespan) if self.makespan else 0.0
+
+
+def simulate(schedule: Sequence[Sequence[Action]], f_time: float = 1.0, b_time: float = 1.0) -> SimResult:
+    """Deprecated (one release): :func:`simulate_steps` on a one-chunk ``Action`` table (lifted,
+    :func:`.steps.lift`) with ``F`` taking ``f_time`` and ``B`` ``b_time``. The dataflow model
+    replaces the former blocking-P2P one: the runner holds a message that arrives before its
+    step, so a table whose stages exchange messages in another order is no longer an error; a
+    deadlock still is."""
+    warnings.warn(
+        "shardkit.pipeline_parallel.simulate is deprecated: use pipeline_parallel.simulate.simulate_steps"
+        "(pipeline_parallel.steps.lift(table), num_microbatches=M)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    table = lift(schedule)
+    m = 1 + max((st.microbatch for row in table for st in row), default=-1)
+    costs = {"F": f_time, "B": b_time, "I": b_time / 2, "W": b_time / 2}
+    rep = simulate_steps(table, num_microbatches=m, costs=costs)
+    return SimResult(rep.makespan, rep.busy, rep.peak, rep.error)

@@ -1,21 +1,25 @@
 """A pipeline stage: one slice of a model, its place in the pipeline and (last stage) the loss.
 
-A stage is one rank of a pipeline group, or a tp group of ranks (:class:`~.vtp.StageGroups`,
-tp sizes may differ per stage) with the layouts of its input and output over that group.
+A stage is a :class:`~.chunked.ChunkedStage` of one chunk, run by the one runner
+(:mod:`._chunk_exec`) on every schedule: one rank of a pipeline group, or a tp group of ranks
+(:class:`~.vtp.StageGroups`, tp sizes may differ per stage) with the layouts of its input and
+output over that group, whose messages are boundary reshards (:mod:`._stage_links`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..comm._group import GroupInfo, resolve_group
 from ..comm.agree import agree
 from ..errors import ShardkitError, ShardkitTypeError
 from ..sharding import Replicate, Shard, StageGroups
-from ._transfer import ShapeCache, ShapeTrust
+from ._transfer import ShapeTrust
+from .chunked import ChunkedStage, link_groups, links_error
 from .vtp import check_layout
 
 if TYPE_CHECKING:
@@ -26,12 +30,13 @@ if TYPE_CHECKING:
 __all__ = ["PipelineStage"]
 
 
-# agree()'s headline for the pipeline's argument checks (PipelineStage and run_schedule)
-REJECTED = "{n} of {size} pipeline ranks rejected their arguments"
-
-
-class PipelineStage:
+class PipelineStage(ChunkedStage):
     """One stage of a pipeline: ``module`` maps one tensor to one tensor.
+
+    A :class:`~.chunked.ChunkedStage` holding one chunk (``modules == [module]``, looped
+    placement, pipeline rank = stage): :func:`~.runner.run_schedule` runs it on the one runner,
+    every one-chunk schedule (``1f1b``, ``gpipe``, ``zb-h1``), static ``boundary_shapes`` and the
+    check mode included, on a pipeline group or on :class:`~.vtp.StageGroups`.
 
     The first stage takes the input microbatch (e.g. ``[B / M, S, H]``), the others the previous
     stage's output; the last stage also computes ``loss_fn(output, target)`` (a scalar).
@@ -80,38 +85,49 @@ class PipelineStage:
             raise ShardkitTypeError(f"{op}: module must be a torch.nn.Module, got {type(module).__name__}")
         if loss_fn is not None and not callable(loss_fn):
             raise ShardkitTypeError(f"{op}: loss_fn must be callable, got {type(loss_fn).__name__}")
-        self.stages = pp_group if isinstance(pp_group, StageGroups) else None
-        if self.stages is None:
+        self.module, self.stage_index, self.num_stages = module, stage_index, num_stages
+        if not isinstance(pp_group, StageGroups):
             if in_layout is not None or out_layout is not None:
                 raise ShardkitError(f"{op}: in_layout/out_layout need a StageGroups pp_group (stages with tp groups)")
             g = resolve_group(pp_group, op)
-            agree(g, op, self._layout_error(g.rank, g.size, stage_index, num_stages, loss_fn), headline=REJECTED)
-        else:
-            g = self.stages.info
-            err = self._layout_error(
-                self.stages.stage_index,
-                self.stages.num_stages,
-                stage_index,
-                num_stages,
-                loss_fn,
-                ("has", "stages", "is in stage", "its StageGroups"),
-            )
-            layouts: tuple[Any, ...] = (in_layout or Replicate(), out_layout or Replicate())
-            try:  # a bad argument on one rank must not leave the others waiting: agreed below
-                for name, lay in zip(("in_layout", "out_layout"), layouts):
-                    check_layout(lay, name)
-                if input_grad not in ("replicated", "partial"):
-                    raise ShardkitError(f"input_grad must be 'replicated' or 'partial', got {input_grad!r}")
-            except ShardkitError as e:
-                err, layouts = err or str(e), (repr(in_layout), repr(out_layout))
-            self.layouts = _agree_layouts(self.stages, err, layouts + (input_grad,), op)
-            self.input_grad = input_grad
-        self.module, self.group, self.loss_fn = module, pp_group, loss_fn
-        self.stage_index, self.num_stages = stage_index, num_stages
-        self.info: GroupInfo = g  # the pipeline group (the replica group of a StageGroups), resolved
-        # run_schedule's negotiated P2P shapes, kept between its calls (None: none, or a call failed)
-        self._shape_cache: ShapeCache | None = None
-        self.shape_trust = ShapeTrust()  # trusted negotiated shapes (run_schedule's shape_key)
+            # checked in the chunked stage's one agreement (_error), before its own checks
+            self._index_error = self._layout_error(g.rank, g.size, stage_index, num_stages, loss_fn)
+            super().__init__([module], cast("Group", pp_group), placement="looped", loss_fn=loss_fn)
+            return
+        self.stages = pp_group
+        g = self.stages.info
+        err = self._layout_error(
+            self.stages.stage_index,
+            self.stages.num_stages,
+            stage_index,
+            num_stages,
+            loss_fn,
+            ("has", "stages", "is in stage", "its StageGroups"),
+        )
+        layouts: tuple[Any, ...] = (in_layout or Replicate(), out_layout or Replicate())
+        try:  # a bad argument on one rank must not leave the others waiting: agreed below
+            for name, lay in zip(("in_layout", "out_layout"), layouts):
+                check_layout(lay, name)
+            if input_grad not in ("replicated", "partial"):
+                raise ShardkitError(f"input_grad must be 'replicated' or 'partial', got {input_grad!r}")
+        except ShardkitError as e:
+            err, layouts = err or str(e), (repr(in_layout), repr(out_layout))
+        eager = getattr(dist.group.WORLD, "bound_device_id", None) is not None
+        err = err or links_error(g.pg.name(), eager)
+        self.layouts = _agree_layouts(self.stages, err, layouts + (input_grad,), op)
+        self.input_grad = input_grad
+        # the chunked stage's view of a tp-group stage: one looped chunk, stage = pipeline rank
+        self.modules, self.placement, self.loss_fn = [module], "looped", loss_fn
+        self.group = cast("Any", pp_group)  # the StageGroups itself
+        self.rank, self.p, self.v = stage_index, num_stages, 1
+        self.info: GroupInfo = g  # the replica group of the StageGroups
+        self._caches = None
+        # one group per link between stages on NCCL, as a one-rank stage's (stream_model.py)
+        self.links = link_groups(g, separate=g.pg.name().lower() != "gloo", p=num_stages)
+        self.shape_trust = ShapeTrust()
+
+    def _error(self) -> str | None:
+        return self._index_error or super()._error()
 
     @staticmethod
     def _layout_error(
@@ -132,32 +148,6 @@ class PipelineStage:
         if stage_index == num_stages - 1 and loss_fn is None:
             return f"the last stage ({stage_index}) needs loss_fn(output, target)"
         return None
-
-    @property
-    def has_shape_cache(self) -> bool:
-        """Whether this stage's last :func:`~.runner.run_schedule` call completed and left its
-        negotiated P2P shapes (:class:`~._transfer.ShapeCache`) for the next call."""
-        return self._shape_cache is not None
-
-    def take_shape_cache(self, keep: bool) -> ShapeCache:
-        """The cache a schedule call runs with: the kept one if ``keep`` (every rank agreed that
-        every rank has one), else a new one. The stage holds none until :meth:`keep_shape_cache`:
-        a call that fails leaves no cache behind, and the next call starts afresh on every rank."""
-        cache = (self._shape_cache if keep else None) or ShapeCache(self.shape_trust)
-        self._shape_cache = None
-        return cache
-
-    def keep_shape_cache(self, cache: ShapeCache) -> None:
-        """Keep ``cache`` for the next call (the calling schedule completed on this rank)."""
-        self._shape_cache = cache
-
-    @property
-    def is_first(self) -> bool:
-        return self.stage_index == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.stage_index == self.num_stages - 1
 
     @property
     def tp_size(self) -> int:

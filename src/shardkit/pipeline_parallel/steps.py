@@ -16,9 +16,9 @@ Step kinds: ``F`` forward; ``B`` full backward (input and weight gradients toget
 the input gradient only; ``W`` the weight gradient of an earlier ``I``. Each (microbatch,
 chunk) runs ``F`` once and either ``B`` once or ``I`` then ``W`` once each.
 
-The one-chunk ``F``/``B`` tables of :mod:`.schedules` (``Action(kind, microbatch)``, which the
-runner executes on a :class:`~.stage.PipelineStage`) lift to steps with :func:`lift` and back with
-:func:`lower`; a :class:`~.chunked.ChunkedStage` runs every step table.
+The one-chunk ``F``/``B`` tables of :mod:`.schedules` (``Action(kind, microbatch)``) lift to
+steps with :func:`lift`; the one runner runs every step table, on a one-chunk
+:class:`~.stage.PipelineStage` as on a :class:`~.chunked.ChunkedStage`.
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ __all__ = [
     "global_chunk",
     "chunk_owner",
     "lift",
-    "lower",
     "forward_only",
     "check_sizes",
 ]
@@ -89,23 +88,6 @@ def lift(table: Sequence[Sequence[Action]]) -> Table:
     return tuple(tuple(Step(a[0], a[1], 0) for a in row) for row in table)
 
 
-def lower(table: Sequence[Sequence[Step]], op: str = "lower") -> tuple[tuple[Action, ...], ...]:
-    """A one-chunk ``F``/``B`` step table as the runner's ``Action`` table.
-
-    Raises:
-        ShardkitError: a step on a chunk other than 0 or of kind ``I``/``W``: a
-            :class:`~.stage.PipelineStage` runs one chunk per rank and full backwards only.
-    """
-    for r, row in enumerate(table):
-        for s in row:
-            if s.chunk != 0 or s.kind not in ("F", "B"):
-                raise ShardkitError(
-                    f"{op}: rank {r} has {s}; a PipelineStage runs chunk 0 and F/B steps only (run I/W or "
-                    "several chunks on a ChunkedStage)"
-                )
-    return tuple(tuple(Action(s.kind, s.microbatch) for s in row) for row in table)
-
-
 def forward_only(table: Sequence[Sequence[tuple]]) -> tuple[tuple, ...]:
     """The forward-only table of ``table`` (an ``Action`` or :class:`Step` table): each row's
     ``F`` steps in their order, every ``B``/``I``/``W`` dropped (pure).
@@ -115,8 +97,7 @@ def forward_only(table: Sequence[Sequence[tuple]]) -> tuple[tuple, ...]:
     kept are in the same row order, so every wait of the forward-only table is one the full
     table had (or implied through a dropped step), and no cycle appears. The messages of a
     channel keep the sender's order (the activations' order is the ``F`` order). Checked again
-    by the simulators, as every table is (:func:`.simulate.simulate_steps`,
-    :func:`.schedules.simulate`).
+    by the simulator, as every table is (:func:`.simulate.simulate_steps`).
     """
     return tuple(tuple(a for a in row if a[0] == "F") for row in table)
 

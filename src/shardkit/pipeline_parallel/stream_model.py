@@ -45,7 +45,7 @@ from .steps import chunk_owner, global_chunk
 if TYPE_CHECKING:
     from .steps import Table
 
-__all__ = ["Event", "posting_order", "check_streams"]
+__all__ = ["Event", "posting_order", "tp_posting_order", "check_streams"]
 
 Event = tuple  # ("send" | "post", msg, peer, group) | ("wait", msg) | ("end",)
 
@@ -111,6 +111,53 @@ def posting_order(table: Table, *, placement: str, v: int, early: bool, shared: 
                 mail.deliver(give, None)
         mail.finish()
         out.append([*events, ("end",)])
+    return out
+
+
+def tp_posting_order(stage_events: list[list[Event]], stage_ranks: list[list[int]]) -> list[list[Event]]:
+    """Per rank of a pipeline of tp-group stages, the events of the runner's reshard transport
+    (:mod:`._stage_links`), from :func:`posting_order` of its stages (``early=False``) (pure).
+
+    Rank ``i`` of stage ``s`` (``stage_ranks[s]``, leader first) expands each event of ``s``:
+
+    * a send to stage ``b``: the header from leader to leader, then a piece to every rank of
+      ``b`` (every rank pair: a superset of any layout's piece plan), on the link's group;
+    * a wait for a message from stage ``a`` (received whole when the step takes it): the
+      leader posts and waits for the header, broadcasts it in the stage (a send from the
+      leader on the stage's tp group to each rank, which waits for it), then every rank posts
+      and waits for a piece from every rank of ``a`` and the leader broadcasts the payload;
+    * the stage's ``post`` events vanish (posted when taken), ``end`` stays.
+    """
+    out: list[list[Event]] = [[] for _ in range(sum(len(r) for r in stage_ranks))]
+    for s, events in enumerate(stage_events):
+        ranks = stage_ranks[s]
+        src_of: dict[Message, tuple[int, Any]] = {}
+        for k, me in enumerate(ranks):
+            ev_out = out[me]
+            for ev in events:
+                if ev[0] == "send":
+                    _, msg, b, group = ev
+                    if k == 0:
+                        ev_out.append(("send", ("H", msg), stage_ranks[b][0], group))
+                    ev_out += [("send", ("P", msg, me, j), j, group) for j in stage_ranks[b]]
+                elif ev[0] == "post":
+                    src_of[ev[1]] = (ev[2], ev[3])
+                elif ev[0] == "wait":
+                    msg = ev[1]
+                    a, group = src_of[msg]
+                    for kind in ("H", "P"):
+                        if kind == "H" and k == 0:
+                            ev_out += [("post", ("H", msg), stage_ranks[a][0], group), ("wait", ("H", msg))]
+                        if kind == "P":
+                            for i in stage_ranks[a]:
+                                ev_out += [("post", ("P", msg, i, me), i, group), ("wait", ("P", msg, i, me))]
+                        tp = ("tp", s)  # the broadcast of the header, then of the payload
+                        if k == 0:
+                            ev_out += [("send", ("B" + kind, msg, j), j, tp) for j in ranks[1:]]
+                        else:
+                            ev_out += [("post", ("B" + kind, msg, me), ranks[0], tp), ("wait", ("B" + kind, msg, me))]
+                else:
+                    ev_out.append(ev)
     return out
 
 

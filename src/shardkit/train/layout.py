@@ -217,8 +217,9 @@ def check_model_shape(cfg: TrainConfig, heads: int, kv_heads: int, layers: int) 
 
 def _check_pipeline_flags(cfg: TrainConfig) -> None:
     """The schedule rules: ``--virtual-stages`` an int >= 1, chunked schedules only with a pipeline,
-    not under ``--checks`` nor with ``--pp-tp``; then the table's own sizes (microbatches, layers
-    per chunk: :func:`~shardkit._rules.schedule_rule`, the same rule as the planner's)."""
+    not with ``--pp-tp``; then the table's own sizes (microbatches, layers per chunk:
+    :func:`~shardkit._rules.schedule_rule`, the same rule as the planner's). ``--checks`` runs
+    every schedule (the runner reads every message's header and agrees on the table every call)."""
     v, pp = cfg.virtual_stages, len(cfg.stage_tp_sizes) if cfg.pp_tp is not None else cfg.pp
     if not isinstance(v, int) or v < 1:
         raise ShardkitError(f"--virtual-stages must be an int >= 1, got {v!r}")
@@ -227,12 +228,6 @@ def _check_pipeline_flags(cfg: TrainConfig) -> None:
         if not simple:
             raise ShardkitError(f"--schedule {cfg.schedule} --virtual-stages {v} need a pipeline (--pp > 1)")
         return
-    if cfg.checks and not simple:
-        raise ShardkitError(
-            f"--checks with --schedule {cfg.schedule} --virtual-stages {v}: the P2P check mode's hellos wait for "
-            "the peer, which chunked schedules cannot (their sends must not block); use 1f1b or gpipe with "
-            "--virtual-stages 1 under --checks"
-        )
     if cfg.pp_tp is not None and not simple:
         raise ShardkitError(
             f"--pp-tp stages run --schedule 1f1b or gpipe with --virtual-stages 1, got {cfg.schedule} with {v}"

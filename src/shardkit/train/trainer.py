@@ -44,7 +44,7 @@ from ..comm._group import resolve_group
 from ..comm.host_sync import host_side
 from ..data_parallel import GradientSync, ZeroAdamW, ZeroSync, set_microbatch
 from ..errors import NonFiniteError, ShardkitError
-from ..pipeline_parallel import ChunkedStage, run_schedule
+from ..pipeline_parallel import run_schedule
 
 __all__ = ["ADAM_EPS", "StepStats", "make_optimizer", "train_step", "LossScale", "nonfinite_step"]
 
@@ -160,10 +160,6 @@ def _pipeline_backward(
     kwargs = [{k: v for k, v in p[0].items() if k not in ("input_ids", "use_cache")} for p in prepared]
     targets = [p[1] for p in prepared]
     loss_scale.scale *= M
-    if train and not isinstance(stage, ChunkedStage):
-        # FSDP2 keeps the stage unsharded from its first forward on; the chunked runner sets
-        # FSDP2's controls per group itself (pipeline_parallel/_fsdp_steps.py)
-        set_microbatch(pm.module, 0, M)
     kw = kwargs if any(kwargs) else None
     # The stages' activations are [b, S, H] for inputs [b, S]: the same microbatch shapes as the
     # previous step's mean the same messages, so the runner trusts the shapes it negotiated and

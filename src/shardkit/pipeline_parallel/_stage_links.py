@@ -1,0 +1,107 @@
+"""The chunked runner's transport for stages made of tp groups (:class:`~.vtp.StageGroups`,
+tp sizes may differ per stage): one message of a table is one boundary reshard of
+:mod:`._reshard` between the sending and the receiving stage's layouts.
+
+Every rank of a stage runs the same row, so the collectives inside a stage (the sending stage's
+header all-gather, the receiving leader's broadcast, the sum of partial input gradients) meet in
+the same order on all of its ranks. Each message travels on the process group of its link
+between the two stages (:func:`~.chunked.link_groups` over the replica group: one per link on
+NCCL, so that each stream carries one direction; :mod:`.stream_model` checks the order at the
+level of ranks, :func:`~.stream_model.tp_posting_order`). Sends are posted and waited for at the end of the call
+(:class:`~._mailbox.Mailbox`), as the one-rank transport's; a receive runs, whole, when the step
+needs it (it holds collectives of the receiving stage, which cannot be posted early). Between
+two ranks a transfer's messages are posted in the same order on both ends and transfers follow
+the sender's order (:func:`.simulate.transfers`): FIFO pairing suffices, no tags.
+
+Gradients have the layout of their values (:mod:`.vtp`). A stage whose replicated input feeds
+its tp regions without Megatron's ``f`` (``input_grad="partial"``) sums its ranks' input
+gradients over the stage before sending them back.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..comm import _c10d
+from ..comm.checks import checks_enabled
+from ._mailbox import link
+from ._reshard import Side, recv_side, send_side
+from .vtp import Replicate
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from ._mailbox import Message
+    from .stage import PipelineStage
+
+__all__ = ["StageLinks"]
+
+
+class _Sent:
+    """The posted sends of one transfer (a :class:`~._mailbox.Mailbox` send handle)."""
+
+    def __init__(self, works: list) -> None:
+        self.works = works
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
+
+
+class StageLinks:
+    """:class:`~._mailbox.Transport` of a tp-group stage (see the module docstring).
+
+    Args:
+        stage: a :class:`~.stage.PipelineStage` built on :class:`~.vtp.StageGroups` (its
+            ``layouts`` agreed by every rank); pipeline rank = stage index.
+        decls: per boundary ``(full shape, dtype)``, or None (negotiated: a header per message).
+    """
+
+    def __init__(self, stage: PipelineStage, decls: Sequence[tuple] | None = None) -> None:
+        st = stage.stages
+        assert st is not None  # only tp-group stages get here
+        self.stage, self.st, self.decls = stage, st, decls
+        self.device = next((q.device for q in stage.module.parameters()), torch.device("cpu"))
+        s = stage.stage_index
+        self.partial = st.tp.size > 1 and stage.input_grad == "partial" and isinstance(stage.layouts[s][0], Replicate)
+        self.checked = checks_enabled()
+
+    def _sides(self, sender: int, receiver: int) -> tuple[Side, Side]:
+        """(src, dst) of a message between stages ``sender`` and ``receiver``: an activation goes
+        from the lower stage's out layout to the upper's in layout, a gradient back."""
+        lo = min(sender, receiver)  # the boundary lies between stages lo and lo + 1
+        out_side = Side(self.st.stage_ranks[lo], self.stage.layouts[lo][1])
+        in_side = Side(self.st.stage_ranks[lo + 1], self.stage.layouts[lo + 1][0])
+        return (out_side, in_side) if sender == lo else (in_side, out_side)
+
+    def _decl(self, msg: Message) -> Any:
+        if self.decls is None:
+            return None
+        return self.decls[msg[2] - 1 if msg[0] == "F" else msg[2]]
+
+    def send(self, msg: Message, dst: int, tensor: torch.Tensor) -> _Sent:
+        api, phase = ("send_forward", "forward") if msg[0] == "F" else ("send_backward", "backward")
+        if msg[0] == "B" and self.partial:  # partial sums -> the full gradient
+            tensor = _c10d.all_reduce(tensor, self.st.tp, "run_schedule", "backward")
+        s = self.stage.stage_index
+        src, to = self._sides(s, dst)
+        pg = self.stage.links[link(s, dst, self.st.num_stages)]
+        _, works = send_side(tensor, src, to, pg, self.st.tp, self._decl(msg), api, phase)
+        return _Sent(works)
+
+    def post(self, msg: Message, src: int) -> tuple[Message, int]:
+        return msg, src  # received whole when the step takes it (see the module docstring)
+
+    def receive(self, handle: tuple[Message, int]) -> torch.Tensor:
+        msg, src = handle
+        api, phase = ("recv_forward", "forward") if msg[0] == "F" else ("recv_backward", "backward")
+        s = self.stage.stage_index
+        frm, to = self._sides(src, s)
+        pg = self.stage.links[link(src, s, self.st.num_stages)]  # the sender's link
+        out, _ = recv_side(frm, to, pg, self.st.tp, self._decl(msg), self.device, api, phase)
+        return out
