@@ -43,6 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from ..comm import checks_enabled
+from ..comm.replay_scope import replay_excluded
 from ..errors import ShardkitError
 
 __all__ = [
@@ -163,10 +164,13 @@ class CollectiveReplay(TorchDispatchMode):
         super().__init__()
         self.kept = kept
         self.replaying = replaying
-        self.replayed_ledger_ops = (
-            frozenset(n for names in REPLAYED_C10D_OPS.values() for n in names) if replaying else ()
-        )
+        self._replayed_ops = frozenset(n for names in REPLAYED_C10D_OPS.values() for n in names) if replaying else ()
         self.position = 0  # the next kept result a recompute hands back
+
+    @property
+    def replayed_ledger_ops(self) -> frozenset | tuple:
+        # a collective issued under comm.replay_scope.unreplayed is issued again: the ledger records it
+        return () if replay_excluded() else self._replayed_ops
 
     def __enter__(self):
         self.position = 0  # every recompute (I's, then W's under a zero-bubble split) replays them all
@@ -174,7 +178,7 @@ class CollectiveReplay(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func.namespace != "c10d" or func._opname not in REPLAYED_C10D_OPS:
+        if func.namespace != "c10d" or func._opname not in REPLAYED_C10D_OPS or replay_excluded():
             return func(*args, **kwargs)
         dests = _destinations(func, args)
         if self.replaying:

@@ -45,6 +45,7 @@ def parallelize_stage(
     schedule: str = "1f1b",
     virtual_stages: int = 1,
     compile: bool | str = False,
+    sp_activation: str | None = None,
 ) -> ParallelModel:
     """This rank's pipeline stage of ``model``, parallelized, with its :class:`PipelineStage`.
 
@@ -59,6 +60,7 @@ def parallelize_stage(
         mixed_precision: as :func:`~.decoder.parallelize` (with ``"bf16"`` the stages exchange
             bfloat16 hidden states).
         compile: as :func:`~.decoder.parallelize`.
+        sp_activation: as :func:`~.decoder.parallelize`.
         grad_reduce: as :func:`~.decoder.parallelize` (over the data ranks of this stage; the
             schedule's microbatch losses are ``loss_fn``'s to scale).
         schedule: the pipeline schedule (a name of
@@ -98,6 +100,7 @@ def parallelize_stage(
         activation_checkpoint=activation_checkpoint,
         mixed_precision=mixed_precision,
         compile=compile,
+        sp_activation=sp_activation,
     )
     last = module.is_last
     if module.tied:

@@ -29,6 +29,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from ..comm.replay_scope import replay_excluded
 from .checkpointing import REPLAYED_C10D_OPS, check_ac_mode
 
 __all__ = ["SavedBytesMeter", "activation_meter"]
@@ -64,7 +65,7 @@ class _KeptOutputs(TorchDispatchMode):
         if self.keeps(func):
             for t in tree_leaves(out):
                 self.tally.add(t)
-        elif func.namespace == "c10d" and func._opname in REPLAYED_C10D_OPS:
+        elif func.namespace == "c10d" and func._opname in REPLAYED_C10D_OPS and not replay_excluded():
             first = args[0]
             self.tally.bytes += sum(t.nbytes for t in (first if isinstance(first, (list, tuple)) else [first]))
         return out

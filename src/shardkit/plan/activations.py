@@ -61,6 +61,7 @@ class BlockLayout:
     cp_ulysses: int = 1
     cp_ring: int = 1
     sequence_parallel: bool = False
+    sp_activation: str = "shard"  # what the projections keep of the sequence all-gather (parallelize's default)
 
 
 def _mlp_width(shape: ModelShape, tp: int) -> int:
@@ -93,6 +94,9 @@ def block_saved_bytes(shape: ModelShape, where: BlockLayout, mode: str, elem: in
     Tn = -(-T // tp) if where.sequence_parallel and tp > 1 else T
     n, k = -(-shape.heads // tp), max(1, shape.kv_heads // tp)
     H, D, F = shape.hidden, shape.head_dim, _mlp_width(shape, tp)
+    # sp_activation="shard": the projections keep the norm's output block, not the all-gather's output
+    sp_shard = where.sequence_parallel and tp > 1 and where.sp_activation == "shard"
+    norm_out = Tn if sp_shard else T
     inputs = Tn * H * e + 2 * s * D * e + s * 8  # hidden states, cos and sin [1, s, D], int64 position ids
     # Ulysses: n / u query heads over the ring shard's s x u tokens; k / u key/value heads, one when fewer
     Sg, nu, ku = s * u, -(-n // u), (k // u if k >= u else 1)
@@ -104,9 +108,11 @@ def block_saved_bytes(shape: ModelShape, where: BlockLayout, mode: str, elem: in
         matmuls = T * (n + 2 * k) * D * e + 2 * T * F * e  # q, k, v; gate, up
         if r > 1:
             attn_out = attn_out * (2 * r + 1) // 2
-        tp_collectives = 0 if tp == 1 else 2 * T * H * e + (2 * Tn * H * e if where.sequence_parallel else 0)
+        # the replay keeps each collective's result but for the shard layout's all-gathers (issued again)
+        gathers = 0 if sp_shard else 2 * T * H * e
+        tp_collectives = 0 if tp == 1 else gathers + (2 * Tn * H * e if where.sequence_parallel else 0)
         return inputs + matmuls + attn_out + tp_collectives + a2a
-    norms = 2 * (Tn * H * (wide + e) + Tn * wide + T * H * e)
+    norms = 2 * (Tn * H * (wide + e) + Tn * wide + norm_out * H * e)
     mlp = 4 * T * F * e
     rope = 2 * s * D * e
     if u > 1:
