@@ -116,6 +116,13 @@ def add_train_flags(subparsers) -> argparse.ArgumentParser:
         f"selective (keep matmul, attention and collective outputs; recompute the rest) (default {d.ac})",
     )
     p.add_argument(
+        "--sp-activation",
+        choices=("shard", "gathered"),
+        help="with sequence parallelism, what the column-parallel projections keep for backward: shard (the "
+        "norm's sequence block, all-gathered again in backward, Megatron's layout) or gathered (the all-gather's "
+        "output) (default: shard, gathered with --compile)",
+    )
+    p.add_argument(
         "--compile",
         nargs="?",
         const="inductor",

@@ -50,6 +50,8 @@ def tp_rows(
             add("tp", "all_reduce", "all_reduce_backward", "backward", t, M, T * shape.top_k * e, T * shape.top_k * e)
     if opts.sequence_parallel:
         _sp_rows(out, shape, layers, last, T, M, t, e, ep)
+        if opts.sp_activation == "shard":
+            _regather_rows(out, shape, opts, layers, last, T, M, t, ep)
     else:
         _megatron_rows(out, shape, layers, last, T, M, t, e, ep)
     if last:
@@ -97,6 +99,24 @@ def _sp_rows(
     add("tp", "all_gather_single", "split_forward_gather_backward", "backward", t, M, part, full)
     if not last:
         add("tp", "all_gather_single", "gather_forward_split_backward", "forward", t, M, part, full)
+
+
+def _regather_rows(
+    out: Rows, shape: ModelShape, opts: StepOptions, layers: list[int], last: bool, T: int, M: int, t: int, ep: int
+) -> None:
+    """``sp_activation="shard"``: each gathered input read by column-parallel projections is
+    gathered again in backward (:mod:`shardkit.tensor_parallel.sp_saved`): q/k/v (MLA: ``q_proj``
+    without a q LoRA; its latent projections are replicated readers), gate/up (an MoE block's
+    shared experts; routed experts are not column-parallel linears) and the head. A checkpointed
+    block's readers take its recompute's gather instead, so with AC only the head regathers."""
+    readers = 0
+    if opts.activation_checkpoint == "none":
+        for i in layers:
+            readers += 0 if shape.mla and shape.q_lora_rank else 1
+            readers += 1 if not shape.is_moe_layer(i) or shape.shared_experts else 0
+    e, H = opts.elem, shape.hidden
+    n = M * (readers + last)
+    out.add("tp", "all_gather_single", "sp_regather", "recompute", t, n, T // t * H * e, T * H * e)
 
 
 def _megatron_rows(

@@ -66,6 +66,9 @@ class StepOptions:
         activation_checkpoint: ``none``, ``full`` or ``selective`` (``shardkit train --ac``): what
             each decoder block keeps for backward (:mod:`.activations`).
         virtual_stages: chunks per pipeline rank (``v``; :func:`.rules.schedule_rule`).
+        sp_activation: with sequence parallelism, what the column-parallel projections keep:
+            ``"shard"`` (the trainer's default; gathered again in backward) or ``"gathered"``
+            (:func:`shardkit.parallelize.parallelize`).
     """
 
     seq_len: int = 4096
@@ -77,6 +80,7 @@ class StepOptions:
     schedule: str = "1f1b"
     activation_checkpoint: str = "none"
     virtual_stages: int = 1
+    sp_activation: str = "shard"
 
     @property
     def elem(self) -> int:

@@ -64,6 +64,10 @@ def check_lm_options(cfg: TrainConfig, experts: bool | None) -> None:
             f"--compile {cfg.compile!r} with selective activation checkpointing: its dispatch modes keep "
             "torch.compile out of the block (nothing would be compiled); use full or no activation checkpointing"
         )
+    if cfg.sp_activation not in (None, "shard", "gathered"):
+        raise ShardkitError(f"--sp-activation must be shard or gathered, got {cfg.sp_activation!r}")
+    if cfg.compile and cfg.sp_activation == "shard":
+        raise ShardkitError("--compile with --sp-activation shard: the regather's state is not traced; use gathered")
     if cfg.compile and cfg.mixed_precision != "none":
         raise ShardkitError(f"--compile with --mixed-precision {cfg.mixed_precision}: not supported together yet")
     if cfg.ac == "selective" and cfg.checks:

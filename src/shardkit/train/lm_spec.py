@@ -129,6 +129,7 @@ def parallelize_lm(model: nn.Module, mesh, cfg: TrainConfig, task) -> tuple[Para
         activation_checkpoint=ac,
         mixed_precision=cfg.mixed_precision,
         compile=compile,
+        sp_activation=cfg.sp_activation if sp else None,
     )
     if cfg.cp_size == 1:  # no causal-mask builder, no device read per forward (cp has its own attention)
         mask_free_sdpa(model)
