@@ -78,6 +78,12 @@ def add_plan_parser(commands) -> argparse.ArgumentParser:
         help="activation checkpointing, as shardkit train --ac (default none)",
     )
     p.add_argument(
+        "--sp-activation",
+        choices=("shard", "gathered"),
+        default="shard",
+        help="with sequence parallelism, as shardkit train --sp-activation (default shard)",
+    )
+    p.add_argument(
         "--virtual-stages",
         type=int,
         default=None,
@@ -279,7 +285,11 @@ def run_plan(args: argparse.Namespace) -> int:
             if args.virtual_stages < 1:
                 raise ShardkitError(f"--virtual-stages must be >= 1, got {args.virtual_stages}")
         options = StepOptions(
-            seq_len=args.seq_len, global_batch=args.global_batch, dtype=args.dtype, activation_checkpoint=args.ac
+            seq_len=args.seq_len,
+            global_batch=args.global_batch,
+            dtype=args.dtype,
+            activation_checkpoint=args.ac,
+            sp_activation=args.sp_activation,
         )
         if args.dry_run is not None:
             dims = parse_layout(args.dry_run, args.gpus)

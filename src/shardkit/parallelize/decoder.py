@@ -47,6 +47,7 @@ from ..sharding import shard_spec
 from ..tensor_parallel import apply_tp
 from ..tensor_parallel.plan import CompiledPlan, model_tp_plan
 from ..tensor_parallel.sp_saved import check_sp_activation
+from .ac_policy import ACPolicy
 from .checkpointing import apply_ac, check_ac_mode
 from .compiling import apply_compile, check_compile
 from .mixed_precision import apply_mixed_precision, check_mixed_precision, fsdp_policy
@@ -118,7 +119,7 @@ def parallelize(
     sequence_parallel: bool = False,
     loss_parallel: bool = False,
     grad_reduce: GradReduce = "mean",
-    activation_checkpoint: str = "none",
+    activation_checkpoint: str | ACPolicy = "none",
     mixed_precision: str = "none",
     compile: bool | str = False,
     sp_activation: str | None = None,
@@ -150,8 +151,10 @@ def parallelize(
 
             Gradient accumulation over microbatches is yours to scale, as with DDP.
         activation_checkpoint: ``"none"``, ``"full"`` (each decoder block recomputed in
-            backward) or ``"selective"`` (matmul, attention and collective outputs kept), applied
-            after tp, cp and ep and before FSDP2 (:func:`~.checkpointing.apply_ac`).
+            backward), ``"selective"`` (matmul, attention and collective outputs kept),
+            ``"selective:N"`` (every N-th block recomputed whole) or an
+            :class:`~.ac_policy.ACPolicy` (ops to save, per-module overrides, every N-th block),
+            applied after tp, cp and ep and before FSDP2 (:func:`~.checkpointing.apply_ac`).
         mixed_precision: ``"none"`` or ``"bf16"``: forward and backward in bfloat16 on float32
             master parameters (the optimizer's), every parameter-gradient reduction in float32
             (FSDP2's ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``, the

@@ -24,6 +24,7 @@ from ..data_parallel import GradReduce
 from ..errors import ShardkitError
 from ..pipeline_parallel import ChunkedStage, DecoderStageModule, PipelineStage, sum_tied_embedding_grads
 from ..pipeline_parallel.tables import SCHEDULES
+from .ac_policy import ACPolicy
 from .decoder import ParallelModel, parallelize
 
 if TYPE_CHECKING:
@@ -40,7 +41,7 @@ def parallelize_stage(
     sequence_parallel: bool = False,
     loss_parallel: bool = False,
     grad_reduce: GradReduce = "mean",
-    activation_checkpoint: str = "none",
+    activation_checkpoint: str | ACPolicy = "none",
     mixed_precision: str = "none",
     schedule: str = "1f1b",
     virtual_stages: int = 1,

@@ -95,7 +95,8 @@ def memory_per_rank(shape: ModelShape, dims: ParallelDims, opts: StepOptions, st
         held, gathered, unsharded_grads = float(params), 0.0, 0.0
     optimizer = held * (8 + (4 if e < 4 else 0))
     b = opts.global_batch // (dims.dp * opts.microbatches)
-    where = BlockLayout(b, opts.seq_len, tp, dims.cp_ulysses, dims.cp_ring, bool(opts.sequence_parallel))
+    sp = bool(opts.sequence_parallel)
+    where = BlockLayout(b, opts.seq_len, tp, dims.cp_ulysses, dims.cp_ring, sp, opts.sp_activation)
     per_layer = block_saved_bytes(shape, where, opts.activation_checkpoint, e)
     v = opts.virtual_stages if dims.pp > 1 else 1
     in_flight = 1 if dims.pp == 1 else peak_chunks(opts.schedule, dims.pp, v, opts.microbatches, stage)
