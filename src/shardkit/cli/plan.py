@@ -73,7 +73,7 @@ def add_plan_parser(commands) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--ac",
-        choices=("none", "full", "selective"),
+        metavar="{none,full,selective,selective:N}",
         default="none",
         help="activation checkpointing, as shardkit train --ac (default none)",
     )

@@ -111,9 +111,10 @@ def add_train_flags(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--ac",
-        choices=AC_MODES,
-        help="activation checkpointing of each decoder block: none, full (recompute the block in backward) or "
-        f"selective (keep matmul, attention and collective outputs; recompute the rest) (default {d.ac})",
+        metavar="{" + ",".join(AC_MODES) + ",selective:N}",
+        help="activation checkpointing of each decoder block: none, full (recompute the block in backward), "
+        "selective (keep matmul, attention and collective outputs; recompute the rest) or selective:N (every "
+        f"N-th block recomputed whole, the others keep everything: torchtitan's layer-level option) (default {d.ac})",
     )
     p.add_argument(
         "--sp-activation",

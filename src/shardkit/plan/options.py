@@ -63,7 +63,7 @@ class StepOptions:
         schedule: the pipeline schedule, a key of
             :data:`shardkit.pipeline_parallel.tables.SCHEDULES` (with ``pp`` 1 the trainer
             accumulates F B F B ... whatever it says).
-        activation_checkpoint: ``none``, ``full`` or ``selective`` (``shardkit train --ac``): what
+        activation_checkpoint: ``none``, ``full``, ``selective`` or ``selective:N`` (``shardkit train --ac``): what
             each decoder block keeps for backward (:mod:`.activations`).
         virtual_stages: chunks per pipeline rank (``v``; :func:`.rules.schedule_rule`).
         sp_activation: with sequence parallelism, what the column-parallel projections keep:

@@ -12,7 +12,15 @@ idempotent). What stays after torch: the compile backend's name (torch's Dynamo 
 
 from __future__ import annotations
 
-from .._rules import cp_tokens_rule, ep_rule, lm_spatial_rule, seq_len_rule, sequence_parallel_default, sp_pp_tp_rule
+from .._rules import (
+    ac_rule,
+    cp_tokens_rule,
+    ep_rule,
+    lm_spatial_rule,
+    seq_len_rule,
+    sequence_parallel_default,
+    sp_pp_tp_rule,
+)
 from ..errors import ShardkitError
 from .options import AC_MODES, MIXED_PRECISION, TrainConfig
 
@@ -56,8 +64,10 @@ def check_lm_options(cfg: TrainConfig, experts: bool | None) -> None:
         ShardkitError: naming the flags at fault.
     """
     _raise(lm_spatial_rule(cfg.spatial, cfg.spatial_h))
-    if cfg.ac not in AC_MODES:
-        raise ShardkitError(f"--ac: activation checkpointing must be one of {', '.join(AC_MODES)}; got {cfg.ac!r}")
+    if ac_rule(cfg.ac) is not None:
+        raise ShardkitError(
+            f"--ac: activation checkpointing must be one of {', '.join(AC_MODES)} or selective:N; got {cfg.ac!r}"
+        )
     if cfg.compile and cfg.ac == "selective":
         # torch's selective-AC dispatch modes keep torch.compile out of the block (parallelize/compiling.py)
         raise ShardkitError(
