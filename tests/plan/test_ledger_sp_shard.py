@@ -24,12 +24,14 @@ from shardkit.train.specs import model_spec
 
 SMALL = dict(steps=1, seq_len=16, batch_size=4, dtype="float32", verify=False, layers=4, lr=1e-3, tp=2)
 
+
 def _keys(table: dict, ac: str) -> dict:
     return {
         k: v
         for k, v in table.items()
         if k[1] == "sp_regather" or (k[1] == "all_gather" and k[2] == "recompute" and ac == "selective")
     }
+
 
 @pytest.mark.world(2, timeout=180)
 @pytest.mark.parametrize("ac", ["none", "full", "selective", "selective:3"])

@@ -183,7 +183,7 @@ class ColwiseParallel(ParallelStyle):
             module.register_forward_hook(lambda m, args, out: gather_forward_split_backward(out, group, -1, sizes))
         elif hasattr(module, "out_features"):
             setattr(module, "out_features", spec.sizes[ctx.info.rank])  # an int, not a submodule
-        if seq.activation == "shard" and type(module).forward is nn.Linear.forward:
+        if seq.activation == "shard" and isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward:
             # Megatron-style SP activations: keep the sequence shard, not the gathered input (.sp_saved)
             setattr(module, "forward", functools.partial(_colwise_forward, module, seq))
 
