@@ -25,6 +25,7 @@ from ..plan.rules import check_schedule
 from ..plan.search import schedule_choices
 from ..sharding import ParallelDims
 from .commands import COMMANDS
+from .train_flags import ac_value
 
 __all__ = ["add_plan_parser", "run_plan", "parse_layout"]
 
@@ -73,6 +74,7 @@ def add_plan_parser(commands) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--ac",
+        type=ac_value,
         metavar="{none,full,selective,selective:N}",
         default="none",
         help="activation checkpointing, as shardkit train --ac (default none)",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 
+from .._rules import ac_rule
 from ..train.model_names import MODEL_SUMMARIES
 from ..train.options import AC_MODES, DTYPES, MIXED_PRECISION, SCHEDULES, TrainConfig
 from .commands import COMMANDS
@@ -111,6 +112,7 @@ def add_train_flags(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--ac",
+        type=ac_value,
         metavar="{" + ",".join(AC_MODES) + ",selective:N}",
         help="activation checkpointing of each decoder block: none, full (recompute the block in backward), "
         "selective (keep matmul, attention and collective outputs; recompute the rest) or selective:N (every "
@@ -286,3 +288,15 @@ def add_train_flags(subparsers) -> argparse.ArgumentParser:
     model.add_argument("--kv-heads", type=int, help=f"key/value heads (default {d.kv_heads})")
     model.add_argument("--intermediate-size", type=int, help=f"default {d.intermediate_size}")
     return p
+
+
+def ac_value(text: str) -> str:
+    """An ``--ac`` value (argparse ``type``): refused as argparse refuses a bad choice.
+
+    Raises:
+        argparse.ArgumentTypeError: a value :func:`shardkit._rules.ac_rule` refuses.
+    """
+    why = ac_rule(text)
+    if why is not None:
+        raise argparse.ArgumentTypeError(why.removeprefix("--ac "))
+    return text

@@ -68,6 +68,8 @@ class RegatherPool:
         self.entries[_key(shard)] = handle
 
     def take(self, shard: torch.Tensor, task: int) -> Regather | None:
+        if not self.entries:  # no checkpoint recomputed a gather (the common case): no storage lookup
+            return None
         h = self.entries.get(_key(shard))
         return h if h is not None and h.task == task and h.full is not None else None
 
