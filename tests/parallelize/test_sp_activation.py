@@ -4,8 +4,8 @@ the bytes it saves.
 
 Each case parallelizes the tiny float64 Llama with sequence parallelism, once per layout of the
 norm output, runs one forward and backward of the trainer's loss and compares every full
-parameter gradient (gathered over tp) between the two layouts (to 1e-13 relative; the gather is
-data movement and the weight gradient uses ``F.linear``'s own matmuls) and with the one-process
+parameter gradient (gathered over tp) between the two layouts (bitwise: the gather is data
+movement and the weight gradient uses ``F.linear``'s own matmuls) and with the one-process
 gradient (1e-9). The ledger shows where the shard is gathered again: ``api="sp_regather"``,
 phase ``recompute``, once per projection group (attention, MLP, the head) without activation
 checkpointing; with it the checkpoint's recompute gathers anyway and the readers take that
@@ -31,10 +31,10 @@ SIZES8 = dict(hidden_size=64, intermediate_size=96, heads=8, kv_heads=4, seq_len
 SHAPE8 = ModelShape("llama", vocab=256, hidden=64, layers=2, heads=8, kv_heads=4, head_dim=8, ffn=96)
 
 
-def _grads(dims: dict, sp_activation: str, ac: str, **sizes) -> tuple[dict | None, CommLedger]:
+def _grads(dims: dict, sp_activation: str, ac: str, model: str = "llama", **sizes) -> tuple[dict | None, CommLedger]:
     mesh = ParallelDims(**dims).build_mesh("cpu")
     pm = parallelize(
-        tiny_decoder(**sizes),
+        tiny_decoder(model, **sizes),
         mesh,
         sequence_parallel=True,
         grad_reduce="sum",
@@ -53,8 +53,8 @@ def _grads(dims: dict, sp_activation: str, ac: str, **sizes) -> tuple[dict | Non
     return gather_full_parameters(pm), ledger
 
 
-def _reference() -> dict:
-    model = tiny_decoder()
+def _reference(name: str) -> dict:
+    model = tiny_decoder(name)
     ids = token_ids(BATCH)
     (loss_sum(model(input_ids=ids).logits, ids) / predicted_tokens(ids)).backward()
     return {n: p.grad for n, p in model.named_parameters()}
@@ -66,19 +66,21 @@ def _worst(a: dict, b: dict) -> float:
 
 
 @pytest.mark.world(4, timeout=240)
-@pytest.mark.parametrize("ac", ["none", "full", "selective"])
-def test_shard_and_gathered_give_the_same_gradients_and_the_ledger_shows_the_regather(ac):
+@pytest.mark.parametrize("model,ac", [("llama", "none"), ("llama", "full"), ("llama", "selective"), ("qwen2", "none")])
+def test_shard_and_gathered_give_the_same_gradients_and_the_ledger_shows_the_regather(model, ac):
+    # qwen2: q/k/v with biases (their gradient is the shard reader's too)
     dims = dict(tp=2, dp_replicate=2)
-    shard, ledger = _grads(dims, "shard", ac)
-    gathered, ledger_g = _grads(dims, "gathered", ac)
+    shard, ledger = _grads(dims, "shard", ac, model)
+    gathered, ledger_g = _grads(dims, "gathered", ac, model)
     problems = []
     if rank() == 0:
         worst = _worst(shard, gathered)
-        if worst > 1e-13:
+        if worst != 0:  # bitwise: the gather moves data, the weight gradient is F.linear's own matmul
             problems.append(f"shard vs gathered: {worst:.2e}")
-        ref = _worst(shard, _reference())
+        ref = _worst(shard, _reference(model))
         if ref > 1e-9:
             problems.append(f"shard vs one process: {ref:.2e}")
+        print(f"{ac}: shard vs gathered {worst:.1e}, shard vs one process {ref:.1e}")
     # one regather per projection group (q/k/v, gate/up) of each layer and the head without AC;
     # with AC the blocks' recompute gathers and its readers reuse it: only the head regathers
     want = 2 * LAYERS + 1 if ac == "none" else 1
