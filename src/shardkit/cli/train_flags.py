@@ -291,11 +291,7 @@ def add_train_flags(subparsers) -> argparse.ArgumentParser:
 
 
 def ac_value(text: str) -> str:
-    """An ``--ac`` value (argparse ``type``): refused as argparse refuses a bad choice.
-
-    Raises:
-        argparse.ArgumentTypeError: a value :func:`shardkit._rules.ac_rule` refuses.
-    """
+    """An ``--ac`` value (argparse ``type``); raises ``argparse.ArgumentTypeError`` where ``ac_rule`` refuses it."""
     why = ac_rule(text)
     if why is not None:
         raise argparse.ArgumentTypeError(why.removeprefix("--ac "))
