@@ -140,7 +140,9 @@ def stage_saved_bytes(shape: ModelShape, where: BlockLayout, ac: str, elem: int,
     """
     why = ac_rule(ac)
     if why is not None:
-        raise ShardkitError(f"plan: {why}")
+        raise ShardkitError(
+            f"plan: activation checkpointing must be one of {', '.join(AC_MODES)} or selective:N ({why})"
+        )
     mode, every = parse_ac(ac)
     checkpointed = blocks // every
     rest = (blocks - checkpointed) * block_saved_bytes(shape, where, "none", elem) if checkpointed < blocks else 0
@@ -159,7 +161,9 @@ def recompute_flops_per_token(shape: ModelShape, mode: str, seq_len: int) -> flo
     """
     why = ac_rule(mode)
     if why is not None:
-        raise ShardkitError(f"plan: {why}")
+        raise ShardkitError(
+            f"plan: activation checkpointing must be one of {', '.join(AC_MODES)} or selective:N ({why})"
+        )
     mode, every = parse_ac(mode)
     if mode == "full":
         return shape.flops_per_token(seq_len) / 3 * (shape.layers // every) / max(shape.layers, 1)
