@@ -25,6 +25,8 @@ __all__ = [
     "sp_pp_tp_rule",
     "lm_spatial_rule",
     "sequence_parallel_default",
+    "ac_rule",
+    "parse_ac",
 ]
 
 # The chunks per rank (v_min, v_max; None: unbounded) of each pipeline schedule, in the order of
@@ -198,3 +200,32 @@ def lm_spatial_rule(spatial: int, spatial_h: int) -> str | None:
         flag = f"--spatial {spatial}" if spatial != 1 else f"--spatial-h {spatial_h}"
         return f"{flag} needs --model conv-ae (language models use --tp/--cp-*/--pp/--dp*)"
     return None
+
+
+AC_NAMES = ("none", "full", "selective")
+
+
+def ac_rule(text: str) -> str | None:
+    """The refusal of an ``--ac`` value, or None: ``none``, ``full``, ``selective`` or ``selective:N``
+    (``N >= 1``)."""
+    name, _, every = str(text).partition(":")
+    if name not in AC_NAMES or (every and name != "selective"):
+        return f"--ac must be none, full, selective or selective:N, got {text!r}"
+    if every and (not every.isdigit() or int(every) < 1):
+        return f"--ac selective:N needs an integer N >= 1 (every N-th block checkpointed), got {text!r}"
+    return None
+
+
+def parse_ac(text: str) -> tuple[str, int]:
+    """``--ac`` as ``(mode of a checkpointed block, every)``: ``selective:N`` is torchtitan's
+    layer-level selective checkpointing, ``("full", N)``: blocks ``N - 1, 2N - 1, ...`` recompute
+    whole, the others keep everything; the names are ``(name, 1)``. Pure; call :func:`ac_rule` first.
+
+    Raises:
+        ValueError: a value :func:`ac_rule` refuses.
+    """
+    why = ac_rule(text)
+    if why is not None:
+        raise ValueError(why)
+    name, _, every = str(text).partition(":")
+    return ("full", int(every)) if every else (name, 1)

@@ -64,7 +64,10 @@ def _block_ledgers(blocks) -> tuple[list[CommLedger], list]:
 
 def _step(layout: dict, sequence_parallel: bool, mode: str):
     mesh = ParallelDims(**layout).build_mesh("cpu")
-    pm = parallelize(tiny_decoder(), mesh, sequence_parallel=sequence_parallel, activation_checkpoint=mode)
+    # the claims below are the replay's; the shard layout's regathers are tests/parallelize/test_sp_activation.py's
+    pm = parallelize(
+        tiny_decoder(), mesh, sequence_parallel=sequence_parallel, activation_checkpoint=mode, sp_activation="gathered"
+    )
     ids = token_ids(BATCH)
     inputs = pm.cp.shard_batch(ids, ids).inputs if pm.cp is not None else dict(input_ids=ids)
     blocks, handles = _block_ledgers(decoder_layers(pm.module)) if mode == "none" else ([], [])

@@ -41,7 +41,15 @@ def _step(layout: dict, model: dict, sp: bool, ac: str, compile: bool | str, per
     """Losses, accumulated local gradients and the second pass's ledger of two forward/backward
     passes of the parallelized tiny decoder (the second runs the cached compiled graphs)."""
     mesh = ParallelDims(**layout).build_mesh("cpu")
-    pm = parallelize(tiny_decoder(**model), mesh, sequence_parallel=sp, activation_checkpoint=ac, compile=compile)
+    # compiled blocks keep the gathered SP input (parallelize's default with compile): eager alike
+    pm = parallelize(
+        tiny_decoder(**model),
+        mesh,
+        sequence_parallel=sp,
+        activation_checkpoint=ac,
+        compile=compile,
+        sp_activation="gathered",
+    )
     if perturb:
         with torch.no_grad():
             next(decoder_layers(pm.module)[0].parameters()).mul_(1 + 1e-6)

@@ -45,27 +45,33 @@ LAYOUTS = {
     "tp2+sp x ring2": (dict(tp=2, cp_ring=2), True, "float64"),
     "tp2+sp bf16": (dict(tp=2, dp_replicate=2), True, "bfloat16"),
     "ulysses2 bf16": (dict(cp_ulysses=2, dp_replicate=2), False, "bfloat16"),
+    # sequence parallelism keeps the norm's output shard by default (sp_activation="shard");
+    # these keep the all-gather's output instead
+    "tp2+sp gathered": (dict(tp=2, dp_replicate=2), True, "float64", "gathered"),
+    "tp2+sp x ring2 gathered": (dict(tp=2, cp_ring=2), True, "float64", "gathered"),
 }
 ELEM = {"float64": 8, "bfloat16": 2}
 
 
-def _measured(dims: dict, sp: bool, dtype: str, mode: str) -> tuple[int, BlockLayout]:
+def _measured(dims: dict, sp: bool, dtype: str, mode: str, sp_act: str) -> tuple[int, BlockLayout]:
     mesh = ParallelDims(**dims).build_mesh("cpu")
-    pm = parallelize(tiny_decoder(**SIZES, dtype=dtype), mesh, sequence_parallel=sp, activation_checkpoint=mode)
+    model = tiny_decoder(**SIZES, dtype=dtype)
+    pm = parallelize(model, mesh, sequence_parallel=sp, activation_checkpoint=mode, sp_activation=sp_act)
     ids = token_ids(ROWS * mesh.size("dp"), seq_len=S)[mesh.local_rank("dp") * ROWS :][:ROWS]
     inputs = pm.cp.shard_batch(ids, ids).inputs if pm.cp is not None else dict(input_ids=ids)
     with SavedBytesMeter(decoder_layers(pm.module), mode) as meter:
         pm.module(**inputs).logits.float().pow(2).sum().backward()
-    where = BlockLayout(ROWS, S, mesh.size("tp"), mesh.size("cp_ulysses"), mesh.size("cp_ring"), sp)
+    where = BlockLayout(ROWS, S, mesh.size("tp"), mesh.size("cp_ulysses"), mesh.size("cp_ring"), sp, sp_act)
     return meter.per_block[0], where
 
 
 @pytest.mark.world(4, timeout=180)
-@pytest.mark.parametrize("dims,sp,dtype", list(LAYOUTS.values()), ids=list(LAYOUTS))
-def test_the_planner_counts_the_saved_bytes_of_every_mode(dims, sp, dtype):
+@pytest.mark.parametrize("layout", list(LAYOUTS.values()), ids=list(LAYOUTS))
+def test_the_planner_counts_the_saved_bytes_of_every_mode(layout):
+    dims, sp, dtype, sp_act = (*layout, "shard")[:4]
     wrong = []
     for mode in ("none", "full", "selective"):
-        measured, where = _measured(dims, sp, dtype, mode)
+        measured, where = _measured(dims, sp, dtype, mode, sp_act)
         model = block_saved_bytes(SHAPE, where, mode, ELEM[dtype])
         ring_selective = mode == "selective" and where.cp_ring > 1
         if measured != model and (rank() == 0 or not ring_selective):

@@ -25,6 +25,7 @@ from ..plan.rules import check_schedule
 from ..plan.search import schedule_choices
 from ..sharding import ParallelDims
 from .commands import COMMANDS
+from .train_flags import ac_value
 
 __all__ = ["add_plan_parser", "run_plan", "parse_layout"]
 
@@ -73,7 +74,8 @@ def add_plan_parser(commands) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--ac",
-        choices=("none", "full", "selective"),
+        type=ac_value,
+        metavar="{none,full,selective,selective:N}",
         default="none",
         help="activation checkpointing, as shardkit train --ac (default none)",
     )
@@ -84,6 +86,12 @@ def add_plan_parser(commands) -> argparse.ArgumentParser:
         default=0,
         help="ZeRO-1 / ZeRO-2 over the data ranks, as shardkit train --zero: only layouts with "
         "dp_shard 1 are ranked (default 0: off)",
+    )
+    p.add_argument(
+        "--sp-activation",
+        choices=("shard", "gathered"),
+        default="shard",
+        help="with sequence parallelism, as shardkit train --sp-activation (default shard)",
     )
     p.add_argument(
         "--virtual-stages",
@@ -292,6 +300,7 @@ def run_plan(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             activation_checkpoint=args.ac,
             zero=args.zero,
+            sp_activation=args.sp_activation,
         )
         if args.dry_run is not None:
             dims = parse_layout(args.dry_run, args.gpus)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 
+from .._rules import ac_rule
 from ..train.model_names import MODEL_SUMMARIES
 from ..train.options import AC_MODES, CP_LAYOUTS, DTYPES, MIXED_PRECISION, SCHEDULES, TrainConfig
 from .commands import COMMANDS
@@ -126,9 +127,18 @@ def add_train_flags(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--ac",
-        choices=AC_MODES,
-        help="activation checkpointing of each decoder block: none, full (recompute the block in backward) or "
-        f"selective (keep matmul, attention and collective outputs; recompute the rest) (default {d.ac})",
+        type=ac_value,
+        metavar="{" + ",".join(AC_MODES) + ",selective:N}",
+        help="activation checkpointing of each decoder block: none, full (recompute the block in backward), "
+        "selective (keep matmul, attention and collective outputs; recompute the rest) or selective:N (every "
+        f"N-th block recomputed whole, the others keep everything: torchtitan's layer-level option) (default {d.ac})",
+    )
+    p.add_argument(
+        "--sp-activation",
+        choices=("shard", "gathered"),
+        help="with sequence parallelism, what the column-parallel projections keep for backward: shard (the "
+        "norm's sequence block, all-gathered again in backward, Megatron's layout) or gathered (the all-gather's "
+        "output) (default: shard, gathered with --compile)",
     )
     p.add_argument(
         "--compile",
@@ -293,3 +303,11 @@ def add_train_flags(subparsers) -> argparse.ArgumentParser:
     model.add_argument("--kv-heads", type=int, help=f"key/value heads (default {d.kv_heads})")
     model.add_argument("--intermediate-size", type=int, help=f"default {d.intermediate_size}")
     return p
+
+
+def ac_value(text: str) -> str:
+    """An ``--ac`` value (argparse ``type``); raises ``argparse.ArgumentTypeError`` where ``ac_rule`` refuses it."""
+    why = ac_rule(text)
+    if why is not None:
+        raise argparse.ArgumentTypeError(why.removeprefix("--ac "))
+    return text

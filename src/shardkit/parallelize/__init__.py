@@ -6,14 +6,18 @@
   :func:`parallelize` on this rank's stage.
 * :func:`parallelize_conv`: spatial x dp on a convolutional model (frames sharded along H / W).
 * :func:`gather_full_parameters`: the full parameters back, for checks and reports.
+* :class:`ACPolicy`: activation checkpointing as a policy (ops to save, per-module overrides,
+  every N-th block), for ``activation_checkpoint=``.
 """
 
+from .ac_policy import ACPolicy
 from .conv import parallelize_conv
 from .decoder import ParallelModel, decoder_layers, parallelize
 from .gather import gather_full_parameters
 from .pipeline import parallelize_stage
 
 __all__ = [
+    "ACPolicy",
     "ParallelModel",
     "parallelize",
     "parallelize_conv",

@@ -43,7 +43,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from ..comm import checks_enabled
+from ..comm.replay_scope import replay_excluded
 from ..errors import ShardkitError
+from .ac_policy import OUTPUT_PROJECTIONS, SAVED_OPS, ACPolicy, BlockPolicy, as_policy, every_nth
 
 __all__ = [
     "AC_MODES",
@@ -58,26 +60,6 @@ __all__ = [
 
 AC_MODES = ("none", "full", "selective")
 
-
-def _aten_ops(*names: str) -> frozenset:
-    return frozenset(getattr(torch.ops.aten, n).default for n in names if hasattr(torch.ops.aten, n))
-
-
-# Outputs the selective policy keeps: the matmuls and the attention kernels (the expensive ops).
-SAVED_OPS = _aten_ops(
-    "mm",
-    "addmm",
-    "bmm",
-    "baddbmm",
-    "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_flash_attention_for_cpu",
-    "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_cudnn_attention",
-)
-
-# Submodules (transformers' names) whose matmul outputs the selective policy recomputes (module docstring).
-OUTPUT_PROJECTIONS = ("o_proj", "down_proj")
-
 # c10d ops the replay serves from the kept result: op name -> the ledger op names its callers record.
 REPLAYED_C10D_OPS = {
     "allreduce_": ("all_reduce",),
@@ -90,48 +72,25 @@ REPLAYED_C10D_OPS = {
 }
 
 
-def check_ac_mode(mode: str, where: str = "parallelize") -> str:
-    """``mode`` if it is one of :data:`AC_MODES`.
+def check_ac_mode(mode: str | ACPolicy, where: str = "parallelize") -> str | ACPolicy:
+    """``mode`` if it is one of :data:`AC_MODES`, ``"selective:N"`` or an :class:`~.ac_policy.ACPolicy`.
 
     Raises:
         ShardkitError: any other value, naming ``where`` and the allowed modes.
     """
-    if mode not in AC_MODES:
-        raise ShardkitError(f"{where}: activation checkpointing must be one of {', '.join(AC_MODES)}; got {mode!r}")
+    try:
+        as_policy(mode)
+    except ShardkitError as e:
+        raise ShardkitError(
+            f"{where}: activation checkpointing must be one of {', '.join(AC_MODES)}, selective:N or an ACPolicy; "
+            f"got {mode!r} ({e})"
+        ) from None
     return mode
 
 
 def selective_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
     """Keep the outputs of :data:`SAVED_OPS`, recompute everything else (the SAC policy)."""
     return CheckpointPolicy.MUST_SAVE if func in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-class _SelectivePolicy:
-    """:func:`selective_policy` for one block, recomputing inside its :data:`OUTPUT_PROJECTIONS`.
-
-    Forward hooks on those submodules count how deep the block's forward (or its recompute) is
-    inside one; state per block, created by :func:`apply_ac`.
-    """
-
-    def __init__(self, block: nn.Module) -> None:
-        self.depth = 0
-        for name, module in block.named_modules():
-            if name.rsplit(".", 1)[-1] in OUTPUT_PROJECTIONS:
-                module.register_forward_pre_hook(self._enter)
-                module.register_forward_hook(self._leave, always_call=True)
-
-    def _enter(self, module, args) -> None:
-        self.depth += 1
-
-    def _leave(self, module, args, output) -> None:
-        self.depth -= 1
-
-    def keeps(self, func) -> bool:
-        """Whether the policy keeps the output of ``func`` called now."""
-        return not self.depth and func in SAVED_OPS
-
-    def __call__(self, ctx, func, *args, **kwargs) -> CheckpointPolicy:
-        return CheckpointPolicy.MUST_SAVE if self.keeps(func) else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _destinations(func, args) -> list[torch.Tensor]:
@@ -163,10 +122,13 @@ class CollectiveReplay(TorchDispatchMode):
         super().__init__()
         self.kept = kept
         self.replaying = replaying
-        self.replayed_ledger_ops = (
-            frozenset(n for names in REPLAYED_C10D_OPS.values() for n in names) if replaying else ()
-        )
+        self._replayed_ops = frozenset(n for names in REPLAYED_C10D_OPS.values() for n in names) if replaying else ()
         self.position = 0  # the next kept result a recompute hands back
+
+    @property
+    def replayed_ledger_ops(self) -> frozenset | tuple:
+        # a collective issued under comm.replay_scope.unreplayed is issued again: the ledger records it
+        return () if replay_excluded() else self._replayed_ops
 
     def __enter__(self):
         self.position = 0  # every recompute (I's, then W's under a zero-bubble split) replays them all
@@ -174,7 +136,7 @@ class CollectiveReplay(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func.namespace != "c10d" or func._opname not in REPLAYED_C10D_OPS:
+        if func.namespace != "c10d" or func._opname not in REPLAYED_C10D_OPS or replay_excluded():
             return func(*args, **kwargs)
         dests = _destinations(func, args)
         if self.replaying:
@@ -206,7 +168,7 @@ class _KeptOutputs(TorchDispatchMode):
     (op, n-th call of it): every recompute of a call runs the same ops in the same order.
     """
 
-    def __init__(self, policy: _SelectivePolicy, kept: dict, serving: bool) -> None:
+    def __init__(self, policy: BlockPolicy, kept: dict, serving: bool) -> None:
         super().__init__()
         self.policy, self.kept, self.serving = policy, kept, serving
         self.calls: dict = {}
@@ -227,7 +189,7 @@ class _Recompute:
     the first recompute replays the collectives under SAC and keeps SAC's outputs, later ones
     replay both without SAC."""
 
-    def __init__(self, replay: CollectiveReplay, sac: Any, policy: _SelectivePolicy) -> None:
+    def __init__(self, replay: CollectiveReplay, sac: Any, policy: BlockPolicy) -> None:
         self.replay, self.sac, self.policy = replay, sac, policy
         self.kept: dict = {}
         self.stacks: list[contextlib.ExitStack] = []
@@ -246,7 +208,7 @@ class _Recompute:
         return bool(self.stacks.pop().__exit__(*exc))
 
 
-def _contexts(policy: _SelectivePolicy | None):
+def _contexts(policy: BlockPolicy | None):
     """``(forward, recompute)`` contexts of one checkpointed call (a fresh pair per call)."""
     if policy is None:
         return contextlib.nullcontext(), contextlib.nullcontext()
@@ -264,24 +226,28 @@ def _stacked(lower, upper):
         yield
 
 
-def _checkpointed(forward: Callable, policy: _SelectivePolicy | None, *args, **kwargs):
+def _checkpointed(forward: Callable, policy: BlockPolicy | None, *args, **kwargs):
     return checkpoint(forward, *args, use_reentrant=False, context_fn=functools.partial(_contexts, policy), **kwargs)
 
 
-def apply_ac(blocks: Sequence[nn.Module], mode: str) -> None:
-    """Checkpoint each block's forward in place (``"full"`` or ``"selective"``; ``"none"``: nothing).
+def apply_ac(blocks: Sequence[nn.Module], mode: str | ACPolicy) -> None:
+    """Checkpoint the blocks' forwards in place as ``mode`` says (``"none"``: nothing).
 
     Args:
         blocks: the decoder blocks (:func:`~.decoder.decoder_layers`), after tp and cp, before FSDP2.
-        mode: one of :data:`AC_MODES`.
+        mode: one of :data:`AC_MODES`, ``"selective:N"`` or an :class:`~.ac_policy.ACPolicy`
+            (:mod:`.ac_policy`). Each block gets ``shardkit_ac_mode`` (``"none"``, ``"full"``
+            or ``"selective"``) and ``shardkit_ac_policy`` (its :class:`~.ac_policy.BlockPolicy`
+            or None), what the saved-bytes meter counts.
 
     Raises:
-        ShardkitError: an unknown mode; ``"selective"`` with the check mode on
-            (:func:`shardkit.comm.checks`).
+        ShardkitError: an unknown mode; an op-level policy (``"selective"``) with the check mode
+            on (:func:`shardkit.comm.checks`).
     """
-    if check_ac_mode(mode) == "none":
+    policy = as_policy(check_ac_mode(mode))
+    if policy is None:
         return
-    if mode == "selective" and checks_enabled():
+    if not policy.recomputes_whole and checks_enabled():
         # a tp model's forward agrees once for the ops inside it (comm.checks.covered); the
         # recompute runs outside that region, checks op by op and so dispatches other ops than
         # the forward did, which SAC cannot match. Every rank sets the check mode alike.
@@ -289,7 +255,11 @@ def apply_ac(blocks: Sequence[nn.Module], mode: str) -> None:
             "activation_checkpoint='selective' with shardkit's check mode on (--checks / SHARDKIT_CHECKS): "
             "the recompute would run the checks' own ops, not the forward's; use 'full' or turn checks off"
         )
-    for block in blocks:
-        policy = _SelectivePolicy(block) if mode == "selective" else None
-        block.forward = functools.partial(_checkpointed, block.forward, policy)
-        setattr(block, "shardkit_ac_policy", policy)  # what the saved-bytes meter counts as kept
+    blocks = list(blocks)
+    for block, checkpointed in zip(blocks, every_nth(blocks, policy.every), strict=True):
+        sel = None if policy.recomputes_whole or not checkpointed else BlockPolicy(block, policy)
+        if checkpointed:
+            block.forward = functools.partial(_checkpointed, block.forward, sel)
+        kind = "none" if not checkpointed else "full" if sel is None else "selective"
+        setattr(block, "shardkit_ac_policy", sel)  # what the saved-bytes meter counts as kept
+        setattr(block, "shardkit_ac_mode", kind)

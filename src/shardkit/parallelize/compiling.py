@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from ..errors import ShardkitError
+from .ac_policy import ACPolicy, ac_kind
 
 __all__ = ["BlockBreaks", "apply_compile", "check_compile", "compile_backends", "graph_breaks"]
 
@@ -41,7 +42,7 @@ def compile_backends() -> tuple[str, ...]:
 
 
 def check_compile(
-    compile: bool | str, where: str = "parallelize(compile=...)", activation_checkpoint: str = "none"
+    compile: bool | str, where: str = "parallelize(compile=...)", activation_checkpoint: str | ACPolicy = "none"
 ) -> str | None:
     """The backend ``compile`` names: None for False, ``"inductor"`` for True, else the name itself.
 
@@ -56,7 +57,7 @@ def check_compile(
     backends = compile_backends()
     if not isinstance(backend, str) or backend not in backends:
         raise ShardkitError(f"{where}: backend must be one of {', '.join(backends)}; got {compile!r}")
-    if activation_checkpoint == "selective":
+    if ac_kind(activation_checkpoint) == "selective":
         raise ShardkitError(
             f"{where} {backend!r} with selective activation checkpointing: its dispatch modes keep torch.compile "
             "out of the block (nothing would be compiled); use full or no activation checkpointing"

@@ -47,6 +47,8 @@ from ..expert_parallel.styles import ep_styles
 from ..sharding import shard_spec
 from ..tensor_parallel import apply_tp
 from ..tensor_parallel.plan import CompiledPlan, model_tp_plan
+from ..tensor_parallel.sp_saved import check_sp_activation
+from .ac_policy import ACPolicy
 from .checkpointing import apply_ac, check_ac_mode
 from .compiling import apply_compile, check_compile
 from .mixed_precision import apply_mixed_precision, check_mixed_precision, fsdp_policy
@@ -118,11 +120,12 @@ def parallelize(
     sequence_parallel: bool = False,
     loss_parallel: bool = False,
     grad_reduce: GradReduce = "mean",
-    activation_checkpoint: str = "none",
+    activation_checkpoint: str | ACPolicy = "none",
     mixed_precision: str = "none",
     compile: bool | str = False,
     zero: int = 0,
     cp_layout: str = "zigzag",
+    sp_activation: str | None = None,
 ) -> ParallelModel:
     """Apply tensor, context, expert and data parallelism to ``model``, in that order, in place.
 
@@ -151,8 +154,10 @@ def parallelize(
 
             Gradient accumulation over microbatches is yours to scale, as with DDP.
         activation_checkpoint: ``"none"``, ``"full"`` (each decoder block recomputed in
-            backward) or ``"selective"`` (matmul, attention and collective outputs kept), applied
-            after tp, cp and ep and before FSDP2 (:func:`~.checkpointing.apply_ac`).
+            backward), ``"selective"`` (matmul, attention and collective outputs kept),
+            ``"selective:N"`` (every N-th block recomputed whole) or an
+            :class:`~.ac_policy.ACPolicy` (ops to save, per-module overrides, every N-th block),
+            applied after tp, cp and ep and before FSDP2 (:func:`~.checkpointing.apply_ac`).
         mixed_precision: ``"none"`` or ``"bf16"``: forward and backward in bfloat16 on float32
             master parameters (the optimizer's), every parameter-gradient reduction in float32
             (FSDP2's ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``, the
@@ -180,6 +185,16 @@ def parallelize(
             ``mixed_precision`` not ``"none"`` or ``"bf16"``, or ``"bf16"``
             on a model whose parameters are not float32; an unknown compile backend, or compile
             with selective checkpointing or with mixed precision.
+        sp_activation: with sequence parallelism, what the column-parallel projections keep for
+            backward: ``"shard"`` (the norm's ``[B, S / tp, H]`` output, all-gathered again in
+            backward: Megatron's layout, :mod:`shardkit.tensor_parallel.sp_saved`) or
+            ``"gathered"`` (the all-gather's ``[B, S, H]`` output, no extra collective). None:
+            ``"shard"`` with sequence parallelism over ``tp > 1`` (where it saves memory),
+            ``"gathered"`` with ``compile`` or without it.
+
+    Raises (also):
+        ShardkitError: ``sp_activation`` not ``"shard"``, ``"gathered"`` or None;
+            ``"shard"`` with ``compile`` (its regather state is not traced).
     """
     grad_reduce = check_grad_reduce(grad_reduce, "parallelize")
     zero = check_zero_stage(zero, "parallelize")
@@ -191,6 +206,7 @@ def parallelize(
     check_ac_mode(activation_checkpoint)
     check_mixed_precision(mixed_precision)
     backend = check_compile(compile, activation_checkpoint=activation_checkpoint)
+    sp_act = _sp_activation(sp_activation, backend)
     if backend is not None and mixed_precision != "none":
         # the per-block bfloat16 cast wraps the forward Dynamo would trace; not tested together yet
         raise ShardkitError(
@@ -220,11 +236,20 @@ def parallelize(
                 f"activation_checkpoint {activation_checkpoint}",
                 f"mixed_precision {mixed_precision}",
                 f"compile {backend}",
+                f"sp_activation {sp_act}",
             ],
         )
     if tp > 1:
         plan = _tp_plan(model, ep > 1) if ep > 1 else None
-        apply_tp(model, mesh["tp"], plan, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, check="off")
+        apply_tp(
+            model,
+            mesh["tp"],
+            plan,
+            sequence_parallel=sequence_parallel,
+            loss_parallel=loss_parallel,
+            check="off",
+            sp_activation=sp_act,
+        )
     cp = None
     if dims.cp_mode is not None:
         cp_mesh = (
@@ -262,6 +287,19 @@ def parallelize(
         loss_parallel and tp > 1,
         sequence_parallel and tp > 1,
     )
+
+
+def _sp_activation(value: str | None, backend: str | None) -> str:
+    """The sequence-parallel activation layout ``parallelize`` applies (see its docstring)."""
+    if value is None:
+        return "gathered" if backend is not None else "shard"
+    check_sp_activation(value)
+    if value == "shard" and backend is not None:
+        raise ShardkitError(
+            f"parallelize: sp_activation='shard' with compile={backend!r}: the regather's state is not traced; "
+            "use sp_activation='gathered'"
+        )
+    return value
 
 
 def _param_layouts(model: nn.Module) -> dict[str, ParamLayout]:

@@ -170,7 +170,12 @@ def count_rank(config: Any, dims: ParallelDims, rank: int, opts: StepOptions) ->
     try:
         mesh = dims.build_mesh("cpu")
         model = _stage_model(config, dims, stage, getattr(torch, opts.dtype))
-        kw: dict[str, Any] = dict(sequence_parallel=bool(opts.sequence_parallel), grad_reduce="sum", zero=opts.zero)
+        kw: dict[str, Any] = dict(
+            sequence_parallel=bool(opts.sequence_parallel),
+            grad_reduce="sum",
+            zero=opts.zero,
+            sp_activation=opts.sp_activation,
+        )
         if dims.pp > 1:
             pm = parallelize_stage(model, mesh, lambda logits, labels: logits.sum(), **kw)
         else:

@@ -24,6 +24,7 @@ from ..data_parallel import GradReduce
 from ..errors import ShardkitError
 from ..pipeline_parallel import ChunkedStage, DecoderStageModule, PipelineStage, sum_tied_embedding_grads
 from ..pipeline_parallel.tables import SCHEDULES
+from .ac_policy import ACPolicy
 from .decoder import ParallelModel, parallelize
 
 if TYPE_CHECKING:
@@ -40,13 +41,14 @@ def parallelize_stage(
     sequence_parallel: bool = False,
     loss_parallel: bool = False,
     grad_reduce: GradReduce = "mean",
-    activation_checkpoint: str = "none",
+    activation_checkpoint: str | ACPolicy = "none",
     mixed_precision: str = "none",
     schedule: str = "1f1b",
     virtual_stages: int = 1,
     compile: bool | str = False,
     zero: int = 0,
     cp_layout: str = "zigzag",
+    sp_activation: str | None = None,
 ) -> ParallelModel:
     """This rank's pipeline stage of ``model``, parallelized, with its :class:`PipelineStage`.
 
@@ -63,6 +65,7 @@ def parallelize_stage(
         compile: as :func:`~.decoder.parallelize`.
         zero: as :func:`~.decoder.parallelize` (ZeRO over this stage's data ranks).
         cp_layout: as :func:`~.decoder.parallelize`.
+        sp_activation: as :func:`~.decoder.parallelize`.
         grad_reduce: as :func:`~.decoder.parallelize` (over the data ranks of this stage; the
             schedule's microbatch losses are ``loss_fn``'s to scale).
         schedule: the pipeline schedule (a name of
@@ -104,6 +107,7 @@ def parallelize_stage(
         compile=compile,
         zero=zero,
         cp_layout=cp_layout,
+        sp_activation=sp_activation,
     )
     last = module.is_last
     if module.tied:

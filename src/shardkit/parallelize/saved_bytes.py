@@ -29,6 +29,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from ..comm.replay_scope import replay_excluded
+from .ac_policy import ACPolicy, ac_kind
 from .checkpointing import REPLAYED_C10D_OPS, check_ac_mode
 
 __all__ = ["SavedBytesMeter", "activation_meter"]
@@ -64,7 +66,7 @@ class _KeptOutputs(TorchDispatchMode):
         if self.keeps(func):
             for t in tree_leaves(out):
                 self.tally.add(t)
-        elif func.namespace == "c10d" and func._opname in REPLAYED_C10D_OPS:
+        elif func.namespace == "c10d" and func._opname in REPLAYED_C10D_OPS and not replay_excluded():
             first = args[0]
             self.tally.bytes += sum(t.nbytes for t in (first if isinstance(first, (list, tuple)) else [first]))
         return out
@@ -81,15 +83,18 @@ class SavedBytesMeter:
 
     Args:
         blocks: the decoder blocks (:func:`~.decoder.decoder_layers`), parallelized with ``mode``.
-        mode: the activation checkpointing they were parallelized with.
+        mode: the activation checkpointing they were parallelized with (a name, ``"selective:N"``
+            or an :class:`~.ac_policy.ACPolicy`); each block is counted by the mode
+            :func:`~.checkpointing.apply_ac` gave it (``shardkit_ac_mode``: with ``every > 1``
+            the blocks between the checkpointed ones keep everything).
 
     Raises:
         ShardkitError: an unknown mode.
     """
 
-    def __init__(self, blocks: Sequence[nn.Module], mode: str) -> None:
+    def __init__(self, blocks: Sequence[nn.Module], mode: str | ACPolicy) -> None:
         self.blocks = list(blocks)
-        self.mode = check_ac_mode(mode)
+        self.mode = ac_kind(check_ac_mode(mode))
         self.per_block = [0] * len(self.blocks)
         self._handles: list = []
         self._open: list[tuple[int, _Tally, contextlib.ExitStack]] = []
@@ -112,10 +117,11 @@ class SavedBytesMeter:
             tally = _Tally({p.untyped_storage().data_ptr() for p in params})
             stack = contextlib.ExitStack()
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack(tally), lambda t: t))
-            if self.mode != "none":  # the checkpoint holds the inputs for the recompute
+            mode = getattr(module, "shardkit_ac_mode", self.mode)
+            if mode != "none":  # the checkpoint holds the inputs for the recompute
                 for t in tree_leaves((args, kwargs)):
                     tally.add(t)
-            if self.mode == "selective":
+            if mode == "selective":
                 stack.enter_context(_KeptOutputs(tally, module.shardkit_ac_policy.keeps))
             self._open.append((i, tally, stack))
 
@@ -138,7 +144,7 @@ class SavedBytesMeter:
         self.per_block[i] += tally.bytes
 
 
-def activation_meter(module: nn.Module, mode: str) -> SavedBytesMeter | None:
+def activation_meter(module: nn.Module, mode: str | ACPolicy) -> SavedBytesMeter | None:
     """A :class:`SavedBytesMeter` on ``module``'s decoder blocks, or None for a model without
     ``model.layers`` (the conv autoencoder)."""
     layers = getattr(getattr(module, "model", None), "layers", None)

@@ -3,6 +3,7 @@ or sequence parallelism), per stage and microbatch; the rules are in that module
 
 from __future__ import annotations
 
+from .._rules import parse_ac
 from ._rows import Rows
 from .model import ModelShape
 from .options import StepOptions
@@ -50,6 +51,8 @@ def tp_rows(
             add("tp", "all_reduce", "all_reduce_backward", "backward", t, M, T * shape.top_k * e, T * shape.top_k * e)
     if opts.sequence_parallel:
         _sp_rows(out, shape, layers, last, T, M, t, e, ep)
+        if opts.sp_activation == "shard":
+            _regather_rows(out, shape, opts, layers, last, T, M, t, ep)
     else:
         _megatron_rows(out, shape, layers, last, T, M, t, e, ep)
     if last:
@@ -97,6 +100,32 @@ def _sp_rows(
     add("tp", "all_gather_single", "split_forward_gather_backward", "backward", t, M, part, full)
     if not last:
         add("tp", "all_gather_single", "gather_forward_split_backward", "forward", t, M, part, full)
+
+
+def _regather_rows(
+    out: Rows, shape: ModelShape, opts: StepOptions, layers: list[int], last: bool, T: int, M: int, t: int, ep: int
+) -> None:
+    """``sp_activation="shard"``: each gathered input read by column-parallel projections is
+    gathered again in backward (:mod:`shardkit.tensor_parallel.sp_saved`): q/k/v (MLA: ``q_proj``
+    without a q LoRA; its latent projections are replicated readers), gate/up (an MoE block's
+    shared experts; routed experts are not column-parallel linears) and the head. A checkpointed
+    block's readers take its recompute's gather instead, so with AC only the head regathers.
+    ``selective`` keeps no result of these gathers (the replay leaves them out): its recompute
+    issues every block's input gather again."""
+    mode, every = parse_ac(opts.activation_checkpoint)
+    readers = regions = 0
+    for j, i in enumerate(layers):  # selective:N checkpoints the stage's blocks N - 1, 2N - 1, ...
+        if mode != "none" and (j + 1) % every == 0:
+            regions += 2 if not shape.is_moe_layer(i) or ep == 1 or shape.shared_experts else 1
+            continue
+        readers += 0 if shape.mla and shape.q_lora_rank else 1
+        readers += 1 if not shape.is_moe_layer(i) or shape.shared_experts else 0
+    e, H = opts.elem, shape.hidden
+    part, full = T // t * H * e, T * H * e
+    n = M * (readers + last)
+    out.add("tp", "all_gather_single", "sp_regather", "recompute", t, n, part, full)
+    if mode == "selective":
+        out.add("tp", "all_gather_single", "all_gather", "recompute", t, M * regions, part, full)
 
 
 def _megatron_rows(

@@ -42,10 +42,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .._rules import ac_rule, parse_ac
 from ..errors import ShardkitError
 from .model import ModelShape
 
-__all__ = ["BlockLayout", "block_saved_bytes", "recompute_flops_per_token"]
+__all__ = ["BlockLayout", "block_saved_bytes", "recompute_flops_per_token", "stage_saved_bytes"]
 
 AC_MODES = ("none", "full", "selective")
 
@@ -61,6 +62,7 @@ class BlockLayout:
     cp_ulysses: int = 1
     cp_ring: int = 1
     sequence_parallel: bool = False
+    sp_activation: str = "shard"  # what the projections keep of the sequence all-gather (parallelize's default)
 
 
 def _mlp_width(shape: ModelShape, tp: int) -> int:
@@ -93,6 +95,9 @@ def block_saved_bytes(shape: ModelShape, where: BlockLayout, mode: str, elem: in
     Tn = -(-T // tp) if where.sequence_parallel and tp > 1 else T
     n, k = -(-shape.heads // tp), max(1, shape.kv_heads // tp)
     H, D, F = shape.hidden, shape.head_dim, _mlp_width(shape, tp)
+    # sp_activation="shard": the projections keep the norm's output block, not the all-gather's output
+    sp_shard = where.sequence_parallel and tp > 1 and where.sp_activation == "shard"
+    norm_out = Tn if sp_shard else T
     inputs = Tn * H * e + 2 * s * D * e + s * 8  # hidden states, cos and sin [1, s, D], int64 position ids
     # Ulysses: n / u query heads over the ring shard's s x u tokens; k / u key/value heads, one when fewer
     Sg, nu, ku = s * u, -(-n // u), (k // u if k >= u else 1)
@@ -104,9 +109,11 @@ def block_saved_bytes(shape: ModelShape, where: BlockLayout, mode: str, elem: in
         matmuls = T * (n + 2 * k) * D * e + 2 * T * F * e  # q, k, v; gate, up
         if r > 1:
             attn_out = attn_out * (2 * r + 1) // 2
-        tp_collectives = 0 if tp == 1 else 2 * T * H * e + (2 * Tn * H * e if where.sequence_parallel else 0)
+        # the replay keeps each collective's result but for the shard layout's all-gathers (issued again)
+        gathers = 0 if sp_shard else 2 * T * H * e
+        tp_collectives = 0 if tp == 1 else gathers + (2 * Tn * H * e if where.sequence_parallel else 0)
         return inputs + matmuls + attn_out + tp_collectives + a2a
-    norms = 2 * (Tn * H * (wide + e) + Tn * wide + T * H * e)
+    norms = 2 * (Tn * H * (wide + e) + Tn * wide + norm_out * H * e)
     mlp = 4 * T * F * e
     rope = 2 * s * D * e
     if u > 1:
@@ -118,19 +125,48 @@ def block_saved_bytes(shape: ModelShape, where: BlockLayout, mode: str, elem: in
     return norms + mlp + rope + attention
 
 
+def stage_saved_bytes(shape: ModelShape, where: BlockLayout, ac: str, elem: int, blocks: int) -> int:
+    """Bytes ``blocks`` decoder blocks of one stage keep for backward on one rank under ``--ac ac``.
+
+    The presets price every block alike (:func:`block_saved_bytes`); ``selective:N``
+    (:func:`shardkit._rules.parse_ac`) checkpoints blocks ``N - 1, 2N - 1, ...`` of the stage
+    whole (``full``) and the others keep everything (``none``), as
+    :func:`shardkit.parallelize.checkpointing.apply_ac` does. Custom
+    :class:`~shardkit.parallelize.ACPolicy` op lists are measured
+    (:class:`~shardkit.parallelize.saved_bytes.SavedBytesMeter`), not priced.
+
+    Raises:
+        ShardkitError: an ``ac`` that ``shardkit train --ac`` refuses.
+    """
+    why = ac_rule(ac)
+    if why is not None:
+        raise ShardkitError(
+            f"plan: activation checkpointing must be one of {', '.join(AC_MODES)} or selective:N ({why})"
+        )
+    mode, every = parse_ac(ac)
+    checkpointed = blocks // every
+    rest = (blocks - checkpointed) * block_saved_bytes(shape, where, "none", elem) if checkpointed < blocks else 0
+    return checkpointed * block_saved_bytes(shape, where, mode, elem) + rest
+
+
 def recompute_flops_per_token(shape: ModelShape, mode: str, seq_len: int) -> float:
     """FLOPs per token the backward spends recomputing checkpointed blocks: ``full`` one whole
     forward (a third of :meth:`~.model.ModelShape.flops_per_token`), ``selective`` the output
     projection ``o_proj`` (``2 N d_v H`` per layer; ``down_proj``'s recompute is cut short, see
-    :mod:`shardkit.parallelize.checkpointing`), ``none`` 0. Model FLOPs (and so MFU) leave it out.
+    :mod:`shardkit.parallelize.checkpointing`), ``none`` 0; ``selective:N`` the whole forward of
+    every N-th layer. Model FLOPs (and so MFU) leave it out.
 
     Raises:
         ShardkitError: an unknown mode.
     """
-    if mode not in AC_MODES:
-        raise ShardkitError(f"plan: activation checkpointing must be one of {', '.join(AC_MODES)}, got {mode!r}")
+    why = ac_rule(mode)
+    if why is not None:
+        raise ShardkitError(
+            f"plan: activation checkpointing must be one of {', '.join(AC_MODES)} or selective:N ({why})"
+        )
+    mode, every = parse_ac(mode)
     if mode == "full":
-        return shape.flops_per_token(seq_len) / 3
+        return shape.flops_per_token(seq_len) / 3 * (shape.layers // every) / max(shape.layers, 1)
     if mode == "selective":
         return 2.0 * shape.layers * shape.heads * shape.v_dim * shape.hidden
     return 0.0

@@ -32,7 +32,7 @@ import math
 
 from ..pipeline_parallel.tables import SCHEDULES
 from ..sharding import ParallelDims
-from .activations import BlockLayout, block_saved_bytes
+from .activations import BlockLayout, block_saved_bytes, stage_saved_bytes
 from .model import ModelShape
 from .options import (
     StepOptions,
@@ -103,11 +103,13 @@ def memory_per_rank(shape: ModelShape, dims: ParallelDims, opts: StepOptions, st
         stepped = sum(n // r for n, r in zero_buckets(shape, dims, opts, stage))
     optimizer = stepped * (8 + (4 if e < 4 else 0))
     b = opts.global_batch // (dims.dp * opts.microbatches)
-    where = BlockLayout(b, opts.seq_len, tp, dims.cp_ulysses, dims.cp_ring, bool(opts.sequence_parallel))
-    per_layer = block_saved_bytes(shape, where, opts.activation_checkpoint, e)
+    sp = bool(opts.sequence_parallel)
+    where = BlockLayout(b, opts.seq_len, tp, dims.cp_ulysses, dims.cp_ring, sp, opts.sp_activation)
+    layers = len(shape.stage_layers(dims.pp, stage))
+    saved = stage_saved_bytes(shape, where, opts.activation_checkpoint, e, layers)  # every block of the stage
     v = opts.virtual_stages if dims.pp > 1 else 1
     in_flight = 1 if dims.pp == 1 else peak_chunks(opts.schedule, dims.pp, v, opts.microbatches, stage)
-    acts = per_layer * len(shape.stage_layers(dims.pp, stage)) / v * in_flight  # chunks of 1/v of the stage
+    acts = saved / v * in_flight  # chunks of 1/v of the stage
     if opts.activation_checkpoint != "none":  # backward recomputes one block at a time
         acts += block_saved_bytes(shape, where, "none", e)
     S = opts.seq_len // dims.cp

@@ -64,11 +64,14 @@ class StepOptions:
         schedule: the pipeline schedule, a key of
             :data:`shardkit.pipeline_parallel.tables.SCHEDULES` (with ``pp`` 1 the trainer
             accumulates F B F B ... whatever it says).
-        activation_checkpoint: ``none``, ``full`` or ``selective`` (``shardkit train --ac``): what
+        activation_checkpoint: ``none``, ``full``, ``selective`` or ``selective:N`` (``shardkit train --ac``): what
             each decoder block keeps for backward (:mod:`.activations`).
         virtual_stages: chunks per pipeline rank (``v``; :func:`.rules.schedule_rule`).
         zero: 0 (off), 1 or 2: ZeRO over the data ranks (``shardkit train --zero``,
             :class:`~shardkit.data_parallel.ZeroSync`); not with ``dp_shard > 1``.
+        sp_activation: with sequence parallelism, what the column-parallel projections keep:
+            ``"shard"`` (the trainer's default; gathered again in backward) or ``"gathered"``
+            (:func:`shardkit.parallelize.parallelize`).
     """
 
     seq_len: int = 4096
@@ -81,6 +84,7 @@ class StepOptions:
     activation_checkpoint: str = "none"
     virtual_stages: int = 1
     zero: int = 0
+    sp_activation: str = "shard"
 
     @property
     def elem(self) -> int:

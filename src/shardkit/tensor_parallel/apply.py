@@ -34,6 +34,7 @@ from .loss_hf import vocab_parallel_causal_lm_loss
 from .plan import CompiledPlan, _generic, model_tp_plan, verify_tp_plan
 from .sequence import SequenceSharding
 from .sp_plan import sequence_parallel_plan
+from .sp_saved import check_sp_activation
 from .style_base import StyleContext
 from .styles import ColwiseParallel, RowwiseParallel
 
@@ -82,6 +83,7 @@ def apply_tp(
     loss_parallel: bool = False,
     styles: dict | None = None,
     check: str = "warn",
+    sp_activation: str = "gathered",
 ) -> nn.Module:
     """Apply tensor parallelism to ``model`` in place, following ``plan``.
 
@@ -102,6 +104,10 @@ def apply_tp(
         styles: extra ``{name: ParallelStyle}`` usable by name in ``plan``.
         check: ``"warn"`` (default) warns about plan rules that matched nothing and parameters
             left unsharded; ``"error"`` raises instead; ``"off"`` skips the check.
+        sp_activation: with ``sequence_parallel``, what the column-parallel projections keep
+            for backward: ``"gathered"`` (the all-gather's ``[B, S, H]`` output, the default
+            here) or ``"shard"`` (the ``[B, S / R, H]`` block, all-gathered again in backward,
+            Megatron's choice: :mod:`.sp_saved`). No effect without sequence parallelism.
 
     Returns:
         ``model`` (the same object); unchanged when the group has one rank.
@@ -117,6 +123,7 @@ def apply_tp(
         raise ShardkitTypeError(f"apply_tp: model must be an nn.Module, got {type(model).__name__}")
     if check not in ("warn", "error", "off"):
         raise ShardkitError(f"apply_tp: check must be 'warn', 'error' or 'off', got {check!r}")
+    check_sp_activation(sp_activation, "apply_tp")
     g = resolve_group(tp_mesh, "apply_tp")
     # In check mode a plan error seen by one rank only (its own plan or model) is raised on
     # every rank (agreed before the fingerprint), instead of leaving the others waiting in it.
@@ -132,7 +139,7 @@ def apply_tp(
     )
     heads = _head_ranges(model, compiled, g.size)
     memo: dict = {}
-    seq = SequenceSharding(tp_mesh)
+    seq = SequenceSharding(tp_mesh, activation=sp_activation if sequence_parallel else "gathered")
     for name, module in list(model.named_modules()):
         ratios = getattr(module, "_shardkit_kv_groups", None)
         if ratios is not None:

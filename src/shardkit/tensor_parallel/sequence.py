@@ -35,7 +35,9 @@ from ..comm import (
     split_forward_gather_backward,
 )
 from ..comm._group import resolve_group
+from ..comm.replay_scope import unreplayed
 from ..errors import ShardkitError
+from .sp_saved import Regather, RegatherPool, check_sp_activation
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -73,14 +75,23 @@ class SequenceSharding:
     Args:
         group: the tp ``ProcessGroup`` or 1-D ``DeviceMesh`` of ``R`` ranks.
         dim: the default sequence dim of hidden states (1 for ``[B, S, H]``).
+        activation: what the column-parallel readers of a sequence all-gather keep for backward:
+            ``"gathered"`` (its ``[B, S, H]`` output) or ``"shard"`` (this rank's block, gathered
+            again in backward: :mod:`.sp_saved`).
+
+    Raises:
+        ShardkitError: an unknown ``activation``.
     """
 
-    def __init__(self, group: Group, dim: int = 1) -> None:
+    def __init__(self, group: Group, dim: int = 1, activation: str = "gathered") -> None:
         self.group = group
         self.dim = dim
         self.info = resolve_group(group, "SequenceSharding")
+        self.activation = check_sp_activation(activation, "SequenceSharding")
         self.sizes: list[int] | None = None
         self._last: tuple | None = None  # (weakref(source), kind, prepared output, grad mode)
+        self._shard: tuple | None = None  # ("shard" mode) (gathered output, its shard, Regather)
+        self.pool = RegatherPool()
 
     # ----------------------------------------------------------------- sizes
     def set_sizes(self, sizes: Sequence[int]) -> None:
@@ -129,7 +140,23 @@ class SequenceSharding:
         hit = self._hit(x, ("gather", dim))
         if hit is not None:
             return hit
-        return self._keep(x, ("gather", dim), all_gather(x, self.group, dim, self._gather_sizes(x, dim)))
+        sizes = self._gather_sizes(x, dim)
+        if self.activation == "gathered" or not (x.requires_grad and torch.is_grad_enabled()):
+            return self._keep(x, ("gather", dim), all_gather(x, self.group, dim, sizes))
+        with unreplayed():  # a selective checkpoint must not keep the T x H output this layout drops
+            out = all_gather(x, self.group, dim, sizes)
+        handle = Regather(self.info, dim % x.dim(), sizes, self.pool)
+        if torch._C._current_graph_task_id() != -1:  # a checkpoint's recompute, in backward
+            handle.recomputed(x, out)
+        self._shard = (out, x, handle)
+        return self._keep(x, ("gather", dim), out)
+
+    def shard_of(self, x: torch.Tensor) -> tuple[torch.Tensor, Regather] | None:
+        """``(shard, Regather)`` when ``x`` is the output of this forward's last sequence
+        all-gather under ``activation="shard"`` (a column-parallel reader keeps the shard), else None."""
+        if self._shard is None or self._shard[0] is not x:
+            return None
+        return self._shard[1], self._shard[2]
 
     def gather_replicated_grad(self, x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
         """``Shard(dim) -> Replicate`` where the gradient downstream is replicated (the same on

@@ -48,6 +48,7 @@ from ..comm import all_reduce_forward, gather_forward_split_backward, split_forw
 from ..errors import ShardkitError, ShardkitTypeError
 from ..sharding import Partial, Replicate, Shard, ShardSpec, check_layout, shard_parameter
 from .embedding_shards import shard_embedding_columns, shard_embedding_rows
+from .sp_saved import shard_saved_linear
 from .style_base import (
     ParallelStyle,
     StyleContext,
@@ -182,6 +183,9 @@ class ColwiseParallel(ParallelStyle):
             module.register_forward_hook(lambda m, args, out: gather_forward_split_backward(out, group, -1, sizes))
         elif hasattr(module, "out_features"):
             setattr(module, "out_features", spec.sizes[ctx.info.rank])  # an int, not a submodule
+        if seq.activation == "shard" and isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward:
+            # Megatron-style SP activations: keep the sequence shard, not the gathered input (.sp_saved)
+            setattr(module, "forward", functools.partial(_colwise_forward, module, seq))
 
     def _apply_embedding(self, module: nn.Embedding, ctx: StyleContext) -> None:
         """DTensor's ``ColwiseParallel`` on an embedding: cut its features (weight dim 1)."""
@@ -205,6 +209,14 @@ class PackedColwiseParallel(ColwiseParallel):
 
     def __init__(self, sizes: Sequence[int] | None = None, *, parts: int | Sequence[int] = 2, **kwargs: Any) -> None:
         super().__init__(sizes, parts=parts, **kwargs)
+
+
+def _colwise_forward(self: nn.Linear, seq: Any, x: torch.Tensor) -> torch.Tensor:
+    # a reader of the sequence all-gather keeps the shard; any other input is a plain linear
+    src = seq.shard_of(x)
+    if src is None:
+        return F.linear(x, self.weight, self.bias)
+    return shard_saved_linear(x, src[0], self.weight, self.bias, src[1])
 
 
 def _rowwise_forward(self: nn.Linear, reduce: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:

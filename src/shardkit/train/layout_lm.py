@@ -12,7 +12,15 @@ idempotent). What stays after torch: the compile backend's name (torch's Dynamo 
 
 from __future__ import annotations
 
-from .._rules import cp_tokens_rule, ep_rule, lm_spatial_rule, seq_len_rule, sequence_parallel_default, sp_pp_tp_rule
+from .._rules import (
+    ac_rule,
+    cp_tokens_rule,
+    ep_rule,
+    lm_spatial_rule,
+    seq_len_rule,
+    sequence_parallel_default,
+    sp_pp_tp_rule,
+)
 from ..errors import ShardkitError
 from .model_names import model_facts
 from .options import AC_MODES, CP_LAYOUTS, MIXED_PRECISION, TrainConfig
@@ -57,14 +65,20 @@ def check_lm_options(cfg: TrainConfig, experts: bool | None) -> None:
         ShardkitError: naming the flags at fault.
     """
     _raise(lm_spatial_rule(cfg.spatial, cfg.spatial_h))
-    if cfg.ac not in AC_MODES:
-        raise ShardkitError(f"--ac: activation checkpointing must be one of {', '.join(AC_MODES)}; got {cfg.ac!r}")
+    if ac_rule(cfg.ac) is not None:
+        raise ShardkitError(
+            f"--ac: activation checkpointing must be one of {', '.join(AC_MODES)} or selective:N; got {cfg.ac!r}"
+        )
     if cfg.compile and cfg.ac == "selective":
         # torch's selective-AC dispatch modes keep torch.compile out of the block (parallelize/compiling.py)
         raise ShardkitError(
             f"--compile {cfg.compile!r} with selective activation checkpointing: its dispatch modes keep "
             "torch.compile out of the block (nothing would be compiled); use full or no activation checkpointing"
         )
+    if cfg.sp_activation not in (None, "shard", "gathered"):
+        raise ShardkitError(f"--sp-activation must be shard or gathered, got {cfg.sp_activation!r}")
+    if cfg.compile and cfg.sp_activation == "shard":
+        raise ShardkitError("--compile with --sp-activation shard: the regather's state is not traced; use gathered")
     if cfg.compile and cfg.mixed_precision != "none":
         raise ShardkitError(f"--compile with --mixed-precision {cfg.mixed_precision}: not supported together yet")
     if cfg.ac == "selective" and cfg.checks:

@@ -131,6 +131,7 @@ def parallelize_lm(model: nn.Module, mesh, cfg: TrainConfig, task) -> tuple[Para
         compile=compile,
         zero=cfg.zero if mesh is not None else 0,  # the --verify reference: plain AdamW
         cp_layout=cfg.cp_layout,
+        sp_activation=cfg.sp_activation if sp else None,
     )
     if cfg.cp_size == 1:  # no causal-mask builder, no device read per forward (cp has its own attention)
         mask_free_sdpa(model)
