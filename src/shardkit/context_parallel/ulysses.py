@@ -198,6 +198,8 @@ def ulysses_attention(
         k: ``[B, S_r, N_kv, D]`` with ``N % N_kv == 0`` (grouped-query attention; query head
             ``h`` uses KV head ``h // (N / N_kv)``).
         v: ``[B, S_r, N_kv, Dv]``.
+            q, k, v may instead all be DTensors ``Shard(1)`` over the group (global shapes):
+            a DTensor comes back (:mod:`._dtensor`: layouts, placements, errors).
         group: a ``ProcessGroup`` or 1-D ``DeviceMesh`` of ``R`` ranks (the Ulysses group).
         causal: mask keys after each query's position (within its document when packed).
         scale: softmax scale; None for ``1 / sqrt(D)``.

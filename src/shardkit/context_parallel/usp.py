@@ -164,6 +164,8 @@ def usp_attention(
             ``S_ij = usp_local_sizes(S, R, U)[i][j]``.
         k: ``[B, S_ij, N_kv, D]`` with ``N % N_kv == 0`` (grouped-query attention).
         v: ``[B, S_ij, N_kv, Dv]``.
+            q, k, v may instead all be DTensors ``Shard(1)`` over the group (global shapes):
+            a DTensor comes back (:mod:`._dtensor`: layouts, placements, errors).
         mesh: 2-D ``DeviceMesh`` with dims ``ring_dim`` (``R``) and ``ulysses_dim`` (``U``).
         causal: mask keys after each query's global position.
         scale: softmax scale; None for ``1 / sqrt(D)``.

@@ -21,6 +21,8 @@ Source: PyTorch DTensor's ``Shard`` placement; the split rules of :mod:`shardkit
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -33,17 +35,20 @@ from .conv_transpose import spatial_transpose_output_sizes
 __all__ = ["conv_dtensor"]
 
 
-def _out_sizes(layer: nn.Module, in_sizes: list[int], s: int) -> list[int]:
+def _out_sizes(layer: Any, in_sizes: list[int], s: int) -> list[int]:
     """Every rank's output size along spatial dim ``s`` (0-based among the spatial dims)."""
     k, st, dl = layer.kernel_size[s], layer.stride[s], layer.dilation[s]
     if isinstance(layer, nn.modules.conv._ConvTransposeNd):
-        return spatial_transpose_output_sizes(in_sizes, k, st, layer.padding[s], layer.output_padding[s], dl)
+        return spatial_transpose_output_sizes(in_sizes, k, st, int(layer.padding[s]), layer.output_padding[s], dl)
     pad = layer.padding if isinstance(layer.padding, str) else layer.padding[s]
     return spatial_output_sizes(in_sizes, k, st, pad, dl)
 
 
-def conv_dtensor(layer: nn.Module, x: DTensor, sizes) -> DTensor:
+def conv_dtensor(layer: Any, x: DTensor, sizes) -> DTensor:
     """Run the sharded convolution ``layer`` on DTensor ``x``; return the output as a DTensor.
+
+    ``layer`` is a ``SpatialConv*d`` / ``SpatialConvTranspose*d`` (typed ``Any``: its ``dim`` and
+    ``group`` are set by the mixin, not declared on ``nn.Module``).
 
     Raises:
         ShardkitError: ``sizes=`` given (the DTensor carries its split); no mesh dim of ``x``
