@@ -12,8 +12,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from harness.attention import reference_attention
 from harness.helpers import get_mesh
-from shardkit import ShardkitError, ShardkitTypeError
-from shardkit._shapes import chunk_sizes, split_offsets
+from shardkit import CommLedger, ShardkitError, ShardkitTypeError
+from shardkit._shapes import balanced_split_sizes, chunk_sizes, split_offsets
 from shardkit.context_parallel import ring_attention, ulysses_attention, usp_attention
 from shardkit.context_parallel._dtensor import attention_dtensor
 
@@ -43,7 +43,11 @@ def _run(fn, group, mesh, placements, rows, cols, B, S, causal, **kw):
     out_ref = reference_attention(*ref, causal)
     (out_ref * w).sum().backward()
     loc = [t[rows, cols].clone().requires_grad_() for t in (q, k, v)]
-    out = fn(*[_dt(x, mesh, placements, t) for x, t in zip(loc, (q, k, v))], group, causal=causal, **kw)
+    with CommLedger() as ledger:
+        out = fn(*[_dt(x, mesh, placements, t) for x, t in zip(loc, (q, k, v))], group, causal=causal, **kw)
+    # S comes from the DTensor: a size all-gather only where the chunk split is not the balanced one
+    balanced = [chunk_sizes(S, n) == balanced_split_sizes(S, n) for n in mesh.shape if n > 1]
+    assert ledger.count(phase="metadata") == (0 if all(balanced) else 1)
     assert isinstance(out, DTensor)
     assert tuple(out.placements) == tuple(placements) and out.device_mesh == mesh
     assert out.shape == (B, S, 4, 3)

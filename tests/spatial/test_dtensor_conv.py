@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from harness.helpers import get_mesh
-from shardkit import ShardkitError, apply_spatial
+from shardkit import CommLedger, ShardkitError, apply_spatial
 from shardkit._shapes import chunk_sizes, split_offsets
 from shardkit.comm._dtensor import local_of
 
@@ -48,7 +48,9 @@ def _parity(kind, mesh, groups, dims, placements, blocks, shape=(2, 2, 7, 5)):
     (y_ref * w).sum().backward()
     rows, cols = blocks(*x.shape[2:])
     loc = x[:, :, rows, cols].clone().requires_grad_()
-    y = layer(_dt(loc, mesh, placements, x))
+    with CommLedger() as ledger:
+        y = layer(_dt(loc, mesh, placements, x))
+    assert ledger.count(phase="metadata") == 0  # the split comes from the DTensor, not an all-gather
     assert isinstance(y, DTensor) and tuple(y.placements) == tuple(placements) and y.device_mesh == mesh
     assert y.shape == y_ref.shape
     orow, ocol = blocks(*y_ref.shape[2:])
