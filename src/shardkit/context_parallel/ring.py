@@ -43,11 +43,13 @@ from typing import TYPE_CHECKING, Any, Literal, cast, overload
 import torch
 
 from .._shapes import balanced_split_sizes
+from ..comm._dtensor import any_dtensor
 from ..comm._group import GroupInfo
 from ..comm._validate import gather_sizes, maybe_agree
 from ..errors import ShardkitError, ShardkitTypeError
 from ._blocks import acc_dtype, block_backward, block_forward, merge
 from ._checks import _validate
+from ._dtensor import attention_dtensor
 from ._options import variant
 from ._ring_comm import _Ring, layout_sizes, ring_kv
 from ._sizes import zigzag_chunk_sizes
@@ -246,6 +248,8 @@ def ring_attention(
         k: ``[B, S_r, N_kv, D]`` with ``N % N_kv == 0`` (grouped-query attention: query head
             ``h`` uses KV head ``h // (N / N_kv)``; only ``N_kv`` heads travel the ring).
         v: ``[B, S_r, N_kv, Dv]``.
+            q, k, v may instead all be DTensors ``Shard(1)`` over the group (global shapes):
+            a DTensor comes back (:mod:`._dtensor`: layouts, placements, errors).
         group: a ``ProcessGroup`` or 1-D ``DeviceMesh`` of ``R`` ranks (the ring).
         causal: mask keys after each query's global position (within its document when packed).
         scale: softmax scale; None for ``1 / sqrt(D)``.
@@ -296,6 +300,10 @@ def ring_attention(
     accumulation dtype). Nothing for ``R = 1``. The same with ``cu_seqlens``: every block
     travels the whole ring, skipped or not.
     """
+
+    if any_dtensor(q, k, v):  # DTensor in, DTensor out: checked, then the local tensors take the path below
+        kw = {n: x for n, x in locals().items() if n not in ("q", "k", "v", "group")}  # the keyword arguments
+        return attention_dtensor(ring_attention, _OP, q, k, v, group, kw)
 
     def ring_args(g):
         if layout not in LAYOUTS:

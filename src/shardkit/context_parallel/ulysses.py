@@ -26,11 +26,13 @@ import torch
 
 from .._shapes import balanced_split_sizes
 from ..comm import _c10d
+from ..comm._dtensor import any_dtensor
 from ..comm._group import GroupInfo
 from ..comm._validate import gather_sizes, maybe_agree
 from ..errors import ShardkitError
 from ._attention import local_attention
 from ._checks import _validate
+from ._dtensor import attention_dtensor
 from ._sizes import HeadPlan, ulysses_head_plan
 from .ring import local_variant_attention
 
@@ -196,6 +198,8 @@ def ulysses_attention(
         k: ``[B, S_r, N_kv, D]`` with ``N % N_kv == 0`` (grouped-query attention; query head
             ``h`` uses KV head ``h // (N / N_kv)``).
         v: ``[B, S_r, N_kv, Dv]``.
+            q, k, v may instead all be DTensors ``Shard(1)`` over the group (global shapes):
+            a DTensor comes back (:mod:`._dtensor`: layouts, placements, errors).
         group: a ``ProcessGroup`` or 1-D ``DeviceMesh`` of ``R`` ranks (the Ulysses group).
         causal: mask keys after each query's position (within its document when packed).
         scale: softmax scale; None for ``1 / sqrt(D)``.
@@ -231,6 +235,9 @@ def ulysses_attention(
     (q, k, v together; output back), backward 2; one more each way when ``Dv != D``; one more in
     forward with ``return_lse`` (the lse back to the sequence layout).
     """
+    if any_dtensor(q, k, v):  # DTensor in, DTensor out: checked, then the local tensors take the path below
+        kw = {n: x for n, x in locals().items() if n not in ("q", "k", "v", "group")}  # the keyword arguments
+        return attention_dtensor(ulysses_attention, _OP, q, k, v, group, kw)
     options = dict(window=window, sliding_window=sliding_window, softcap=softcap, return_lse=return_lse)
     g, cu, seq_len, var, error = _validate(q, k, v, group, causal, scale, cu_seqlens, seq_len, options=options)
     if error is not None:

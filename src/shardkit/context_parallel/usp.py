@@ -28,10 +28,12 @@ from typing import TYPE_CHECKING, Literal, overload
 import torch
 
 from .._shapes import balanced_split_sizes, split_offsets
+from ..comm._dtensor import any_dtensor
 from ..comm._group import resolve_group
 from ..comm._validate import gather_ints, gather_sizes, maybe_agree_groups
 from ..errors import ShardkitError, ShardkitTypeError
 from ._checks import _validate
+from ._dtensor import attention_dtensor
 from ._ring_comm import ring_kv
 from ._sizes import check_cu_seqlens, packed_indices, packed_local_sizes, ulysses_head_plan, zigzag_local_sizes
 from .ring import ring_attention
@@ -162,6 +164,8 @@ def usp_attention(
             ``S_ij = usp_local_sizes(S, R, U)[i][j]``.
         k: ``[B, S_ij, N_kv, D]`` with ``N % N_kv == 0`` (grouped-query attention).
         v: ``[B, S_ij, N_kv, Dv]``.
+            q, k, v may instead all be DTensors ``Shard(1)`` over the group (global shapes):
+            a DTensor comes back (:mod:`._dtensor`: layouts, placements, errors).
         mesh: 2-D ``DeviceMesh`` with dims ``ring_dim`` (``R``) and ``ulysses_dim`` (``U``).
         causal: mask keys after each query's global position.
         scale: softmax scale; None for ``1 / sqrt(D)``.
@@ -194,6 +198,9 @@ def usp_attention(
     over the ring dim (see :func:`ring_attention`); with ``return_lse`` one more all-to-all in
     forward over the Ulysses dim (the lse back to the sequence layout).
     """
+    if any_dtensor(q, k, v):  # DTensor in, DTensor out: checked, then the local tensors take the path below
+        kw = {n: x for n, x in locals().items() if n not in ("q", "k", "v", "mesh")}  # the keyword arguments
+        return attention_dtensor(usp_attention, _OP, q, k, v, mesh, kw, (ring_dim, ulysses_dim))
     g_ring, g_uly = _submeshes(mesh, ring_dim, ulysses_dim)
     R, U = g_ring.size, g_uly.size
 

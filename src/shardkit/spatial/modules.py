@@ -11,9 +11,11 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..comm._group import resolve_group
 from ..errors import ShardkitError, ShardkitTypeError
+from ._dtensor import conv_dtensor
 from ._meta import inferred_sizes
 from .conv import spatial_conv1d, spatial_conv2d, spatial_conv3d
 
@@ -52,6 +54,8 @@ class _SpatialConvMixin:
     def forward(self, x: torch.Tensor, sizes=None) -> torch.Tensor:
         """This rank's outputs; ``sizes``: every rank's input size along ``dim`` (None = equal,
         or all-gathered in forward when ``infer_sizes`` is set)."""
+        if isinstance(x, DTensor):  # DTensor in, DTensor out: its split is the sizes (._dtensor)
+            return conv_dtensor(self, x, sizes)
         if sizes is None and self.infer_sizes:
             sizes = inferred_sizes(self, x, type(self).__name__)
         return type(self)._fn(

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..errors import ShardkitError, ShardkitTypeError
+from ._dtensor import conv_dtensor
 from ._meta import inferred_sizes
 from .conv_transpose import spatial_conv_transpose1d, spatial_conv_transpose2d, spatial_conv_transpose3d
 from .modules import _SpatialConvMixin
@@ -61,6 +63,8 @@ class _SpatialConvTransposeMixin:
     def forward(self, x: torch.Tensor, sizes=None) -> torch.Tensor:
         """This rank's outputs; ``sizes``: every rank's input size along ``dim`` (None = equal,
         or all-gathered in forward when ``infer_sizes`` is set). No ``output_size=``."""
+        if isinstance(x, DTensor):  # DTensor in, DTensor out: its split is the sizes (._dtensor)
+            return conv_dtensor(self, x, sizes)
         name = type(self).__name__
         if sizes is None and self.infer_sizes:
             sizes = inferred_sizes(self, x, name)
