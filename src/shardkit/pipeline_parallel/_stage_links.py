@@ -13,6 +13,10 @@ needs it (it holds collectives of the receiving stage, which cannot be posted ea
 two ranks a transfer's messages are posted in the same order on both ends and transfers follow
 the sender's order (:func:`.simulate.transfers`): FIFO pairing suffices, no tags.
 
+Without declared ``boundary_shapes`` an activation's message carries a header (its full shape and
+dtype); its gradient, which autograd gives the same shape and dtype, goes without one: both ends
+remember what the activation's header said (per microbatch and boundary, for this call).
+
 Gradients have the layout of their values (:mod:`.vtp`). A stage whose replicated input feeds
 its tp regions without Megatron's ``f`` (``input_grad="partial"``) sums its ranks' input
 gradients over the stage before sending them back.
@@ -70,6 +74,9 @@ class StageLinks:
         s = stage.stage_index
         self.partial = st.tp.size > 1 and stage.input_grad == "partial" and isinstance(stage.layouts[s][0], Replicate)
         self.checked = checks_enabled()
+        # (microbatch, boundary) -> (full shape, dtype) of the activation that crossed it: its
+        # gradient's declaration (see the module docstring)
+        self.forward: dict[tuple[int, int], tuple] = {}
 
     def _sides(self, sender: int, receiver: int) -> tuple[Side, Side]:
         """(src, dst) of a message between stages ``sender`` and ``receiver``: an activation goes
@@ -80,9 +87,15 @@ class StageLinks:
         return (out_side, in_side) if sender == lo else (in_side, out_side)
 
     def _decl(self, msg: Message) -> Any:
-        if self.decls is None:
-            return None
-        return self.decls[msg[2] - 1 if msg[0] == "F" else msg[2]]
+        boundary = msg[2] - 1 if msg[0] == "F" else msg[2]
+        if self.decls is not None:
+            return self.decls[boundary]
+        return None if msg[0] == "F" else self.forward.pop((msg[1], boundary))
+
+    def _crossed(self, msg: Message, shape, dtype: torch.dtype) -> None:
+        """Remember an activation's full shape and dtype for its gradient's message."""
+        if msg[0] == "F" and self.decls is None:
+            self.forward[(msg[1], msg[2] - 1)] = (tuple(shape), dtype)
 
     def send(self, msg: Message, dst: int, tensor: torch.Tensor) -> _Sent:
         api, phase = ("send_forward", "forward") if msg[0] == "F" else ("send_backward", "backward")
@@ -91,7 +104,8 @@ class StageLinks:
         s = self.stage.stage_index
         src, to = self._sides(s, dst)
         pg = self.stage.links[link(s, dst, self.st.num_stages)]
-        _, works = send_side(tensor, src, to, pg, self.st.tp, self._decl(msg), api, phase)
+        shape, works = send_side(tensor, src, to, pg, self.st.tp, self._decl(msg), api, phase)
+        self._crossed(msg, shape, tensor.dtype)
         return _Sent(works)
 
     def post(self, msg: Message, src: int) -> tuple[Message, int]:
@@ -103,5 +117,6 @@ class StageLinks:
         s = self.stage.stage_index
         frm, to = self._sides(src, s)
         pg = self.stage.links[link(src, s, self.st.num_stages)]  # the sender's link
-        out, _ = recv_side(frm, to, pg, self.st.tp, self._decl(msg), self.device, api, phase)
+        out, shape = recv_side(frm, to, pg, self.st.tp, self._decl(msg), self.device, api, phase)
+        self._crossed(msg, shape, out.dtype)
         return out
