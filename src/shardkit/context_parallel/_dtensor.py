@@ -24,16 +24,20 @@ Source: PyTorch DTensor placements; the layouts of :mod:`shardkit.context_parall
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from torch.distributed.tensor import DTensor
 
 from .._shapes import balanced_split_sizes
-from ..comm._dtensor import check_placements, from_local, group_mesh_dim, local_of, same_kind, shard_sizes
+from ..comm._dtensor import any_dtensor, check_placements, from_local, group_mesh_dim, local_of, same_kind, shard_sizes
 from ..errors import ShardkitError
 
-__all__ = ["attention_dtensor"]
+__all__ = ["attention_dtensor", "takes_dtensors"]
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _wrap(result, dq: DTensor, dv: DTensor):
@@ -113,3 +117,28 @@ def attention_dtensor(
     locals_ = [local_of(t) for t in (q, k, v)]
     result = fn(*locals_, group, **{**kwargs, "seq_len": seq_len})
     return _wrap(result, dq, dv)
+
+
+def takes_dtensors(group_arg: str = "group", usp: bool = False) -> Callable[[F], F]:
+    """Decorator of an attention entry point ``fn(q, k, v, group_arg, ...)``: plain tensors go
+    straight to ``fn``; DTensor ``q, k, v`` go through :func:`attention_dtensor`, which calls the
+    undecorated ``fn`` on their local tensors with the call's other arguments (``usp``: the mesh's
+    ``ring_dim`` / ``ulysses_dim`` arguments name its dims)."""
+
+    def wrap(fn: F) -> F:
+        signature = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            if not any_dtensor(*args[:3], *(kwargs.get(n) for n in ("q", "k", "v"))):
+                return fn(*args, **kwargs)  # the plain path: no binding on the hot path
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            named = dict(bound.arguments)
+            q, k, v, group = (named.pop(n) for n in ("q", "k", "v", group_arg))
+            dims = (named["ring_dim"], named["ulysses_dim"]) if usp else None
+            return attention_dtensor(fn, fn.__name__, q, k, v, group, named, dims)
+
+        return call  # type: ignore[return-value]
+
+    return wrap

@@ -43,13 +43,12 @@ from typing import TYPE_CHECKING, Any, Literal, cast, overload
 import torch
 
 from .._shapes import balanced_split_sizes
-from ..comm._dtensor import any_dtensor
 from ..comm._group import GroupInfo
 from ..comm._validate import gather_sizes, maybe_agree
 from ..errors import ShardkitError, ShardkitTypeError
 from ._blocks import acc_dtype, block_backward, block_forward, merge
 from ._checks import _validate
-from ._dtensor import attention_dtensor
+from ._dtensor import takes_dtensors
 from ._options import variant
 from ._ring_comm import _Ring, layout_sizes, ring_kv
 from ._sizes import zigzag_chunk_sizes
@@ -218,6 +217,7 @@ def ring_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
+@takes_dtensors()
 def ring_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -300,10 +300,6 @@ def ring_attention(
     accumulation dtype). Nothing for ``R = 1``. The same with ``cu_seqlens``: every block
     travels the whole ring, skipped or not.
     """
-
-    if any_dtensor(q, k, v):  # DTensor in, DTensor out: checked, then the local tensors take the path below
-        kw = {n: x for n, x in locals().items() if n not in ("q", "k", "v", "group")}  # the keyword arguments
-        return attention_dtensor(ring_attention, _OP, q, k, v, group, kw)
 
     def ring_args(g):
         if layout not in LAYOUTS:

@@ -26,13 +26,12 @@ import torch
 
 from .._shapes import balanced_split_sizes
 from ..comm import _c10d
-from ..comm._dtensor import any_dtensor
 from ..comm._group import GroupInfo
 from ..comm._validate import gather_sizes, maybe_agree
 from ..errors import ShardkitError
 from ._attention import local_attention
 from ._checks import _validate
-from ._dtensor import attention_dtensor
+from ._dtensor import takes_dtensors
 from ._sizes import HeadPlan, ulysses_head_plan
 from .ring import local_variant_attention
 
@@ -173,6 +172,7 @@ def ulysses_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
+@takes_dtensors()
 def ulysses_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -235,9 +235,6 @@ def ulysses_attention(
     (q, k, v together; output back), backward 2; one more each way when ``Dv != D``; one more in
     forward with ``return_lse`` (the lse back to the sequence layout).
     """
-    if any_dtensor(q, k, v):  # DTensor in, DTensor out: checked, then the local tensors take the path below
-        kw = {n: x for n, x in locals().items() if n not in ("q", "k", "v", "group")}  # the keyword arguments
-        return attention_dtensor(ulysses_attention, _OP, q, k, v, group, kw)
     options = dict(window=window, sliding_window=sliding_window, softcap=softcap, return_lse=return_lse)
     g, cu, seq_len, var, error = _validate(q, k, v, group, causal, scale, cu_seqlens, seq_len, options=options)
     if error is not None:

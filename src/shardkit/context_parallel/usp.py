@@ -28,12 +28,11 @@ from typing import TYPE_CHECKING, Literal, overload
 import torch
 
 from .._shapes import balanced_split_sizes, split_offsets
-from ..comm._dtensor import any_dtensor
 from ..comm._group import resolve_group
 from ..comm._validate import gather_ints, gather_sizes, maybe_agree_groups
 from ..errors import ShardkitError, ShardkitTypeError
 from ._checks import _validate
-from ._dtensor import attention_dtensor
+from ._dtensor import takes_dtensors
 from ._ring_comm import ring_kv
 from ._sizes import check_cu_seqlens, packed_indices, packed_local_sizes, ulysses_head_plan, zigzag_local_sizes
 from .ring import ring_attention
@@ -140,6 +139,7 @@ def usp_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
+@takes_dtensors(group_arg="mesh", usp=True)
 def usp_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -198,9 +198,6 @@ def usp_attention(
     over the ring dim (see :func:`ring_attention`); with ``return_lse`` one more all-to-all in
     forward over the Ulysses dim (the lse back to the sequence layout).
     """
-    if any_dtensor(q, k, v):  # DTensor in, DTensor out: checked, then the local tensors take the path below
-        kw = {n: x for n, x in locals().items() if n not in ("q", "k", "v", "mesh")}  # the keyword arguments
-        return attention_dtensor(usp_attention, _OP, q, k, v, mesh, kw, (ring_dim, ulysses_dim))
     g_ring, g_uly = _submeshes(mesh, ring_dim, ulysses_dim)
     R, U = g_ring.size, g_uly.size
 
