@@ -51,6 +51,10 @@ LAYOUTS = {
     "moe: cp_ring=2 x dp=2, ep=2": dict(model="moe", tp=1, cp_ring=2, ep=2, **NO_SEQ),
     "moe: dp=4, full activation checkpointing": dict(model="moe", tp=1, ac="full", **ALL),
     "moe: dp=4, bias only": dict(model="moe", tp=1, moe_bias_update_rate=0.05),
+    # the zero-bubble split (I then W) and validation forwards (no_grad: not counted)
+    "moe: pp=2 x dp=2, zbv, eval every step": dict(
+        model="moe", tp=1, pp=2, schedule="zbv", virtual_stages=2, microbatches=2, eval_every=1, layers=4, **ALL
+    ),
 }
 QUICK = (
     "moe: ep=2 borrowed from tp=2 x dp=2 (tokens replicated over tp)",
