@@ -120,6 +120,11 @@ CASES = {
     ),
     "selective ac with checks": (lambda t: ["--ac", "selective", "--checks"], "--ac selective with --checks"),
     "ep of a dense model": (lambda t: ["--ep", "2"], "--ep 2 needs a mixture-of-experts model"),
+    "moe balancing, dense model": (lambda t: ["--moe-z-loss", "0.1"], "--moe-z-loss: 'llama' has no routed experts"),
+    "moe bias rate": (
+        lambda t: ["--model", "moe", "--moe-bias-update-rate", "-1"],
+        "--moe-bias-update-rate must be a finite number >= 0",
+    ),
     "seq len": (lambda t: ["--seq-len", "1"], "--seq-len must be >= 2"),
     "cp tokens": (
         lambda t: ["--tp", "1", "--cp-ring", "4", "--nproc", "4", "--seq-len", "3"],

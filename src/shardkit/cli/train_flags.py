@@ -117,6 +117,23 @@ def add_train_flags(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--experts", type=int, help=f"moe / mla: routed experts, top-2 (default {d.experts})")
     p.add_argument(
+        "--moe-bias-update-rate",
+        type=float,
+        metavar="RATE",
+        help="moe / mla: DeepSeek-V3 auxiliary-loss-free balancing: a per-expert bias on the routing scores "
+        "(top-k selection only), after each step += RATE * sign(mean load - load) (default: off)",
+    )
+    p.add_argument(
+        "--moe-z-loss", type=float, metavar="COEF", help="moe / mla: router z-loss (ST-MoE) coefficient (default 0)"
+    )
+    p.add_argument(
+        "--moe-seq-aux-loss",
+        type=float,
+        metavar="COEF",
+        help="moe / mla: DeepSeek-V3 sequence-wise balance loss coefficient (default 0; not with cp or "
+        "sequence parallelism)",
+    )
+    p.add_argument(
         "--pp-tp", metavar="T0,T1,...", help="per-stage tp sizes, e.g. 2,1,1 (pp = their count; sum * dp = nproc)"
     )
     p.add_argument(

@@ -1,5 +1,5 @@
 """Load balancing of MoE routers: DeepSeek-V3's auxiliary-loss-free bias, its sequence-wise balance
-loss, and the ST-MoE router z-loss. The library functions; the trainer does not call them yet.
+loss, and the ST-MoE router z-loss. The trainer uses them through :mod:`.router`.
 
 * Auxiliary-loss-free balancing (DeepSeek-V3, section 2.1.2): a per-expert bias ``b`` is added
   to the routing scores for the top-k *selection* only (:func:`biased_topk`); the gating

@@ -19,7 +19,7 @@ from .._files import check_out_dir
 from .._rules import batch_rule, pp_layers_rule, schedule_rule, stage_heads_rule
 from ..errors import ShardkitError
 from .config_file import check_output_dirs, check_writable
-from .layout_lm import check_lm_options, check_precision, check_zero
+from .layout_lm import check_lm_options, check_moe_balance, check_precision, check_zero
 from .loggers import check_loggers
 from .model_names import model_facts
 from .options import DTYPES, FINETUNE_LR, LR_SCHEDULES, SCHEDULES, SIZE_FLAGS, TrainConfig, parse_pp_tp
@@ -190,6 +190,8 @@ def check_options(cfg: TrainConfig, world_size: int | None = None) -> TrainConfi
     check_precision(cfg)
     if model_facts(cfg.model).decoder:  # a checkpoint's family (--model-path) decides on experts later
         check_lm_options(cfg, model_facts(cfg.model).experts if cfg.model_path is None else None)
+    else:
+        check_moe_balance(cfg, False)
     return cfg
 
 

@@ -12,6 +12,8 @@ idempotent). What stays after torch: the compile backend's name (torch's Dynamo 
 
 from __future__ import annotations
 
+import math
+
 from .._rules import (
     ac_rule,
     cp_tokens_rule,
@@ -25,7 +27,7 @@ from ..errors import ShardkitError
 from .model_names import model_facts
 from .options import AC_MODES, CP_LAYOUTS, MIXED_PRECISION, TrainConfig
 
-__all__ = ["check_lm_options", "check_precision", "check_zero"]
+__all__ = ["check_lm_options", "check_precision", "check_moe_balance", "check_zero"]
 
 
 def _raise(why: str | None) -> None:
@@ -49,6 +51,42 @@ def check_precision(cfg: TrainConfig) -> None:
         raise ShardkitError(
             f"--mixed-precision {cfg.mixed_precision} keeps float32 master parameters and computes in bfloat16: "
             f"it needs --dtype float32, got --dtype {cfg.dtype}"
+        )
+
+
+def check_moe_balance(cfg: TrainConfig, experts: bool | None) -> None:
+    """The ``--moe-*`` balancing flags: finite values >= 0, an MoE model, and the layouts they support.
+
+    The sequence-wise loss multiplies two sums over each whole sequence, so it needs every
+    sequence on one rank: no context parallelism, no sequence parallelism (which cuts the
+    sequence over tp). ``--compile`` traces the router, whose step counters are Python state.
+
+    Raises:
+        ShardkitError: naming the flag at fault.
+    """
+    flags = {
+        "--moe-bias-update-rate": cfg.moe_bias_update_rate,
+        "--moe-z-loss": cfg.moe_z_loss,
+        "--moe-seq-aux-loss": cfg.moe_seq_aux_loss,
+    }
+    given = [flag for flag, value in flags.items() if value is not None and (value != 0 or "bias" in flag)]
+    for flag, value in flags.items():
+        if value is not None and (isinstance(value, bool) or not (math.isfinite(value) and value >= 0)):
+            raise ShardkitError(f"{flag} must be a finite number >= 0, got {value!r}")
+    if not given:
+        return
+    if experts is False:
+        raise ShardkitError(
+            f"{', '.join(given)}: {cfg.model!r} has no routed experts (use --model moe or mla, or an MoE checkpoint)"
+        )
+    if cfg.compile:
+        raise ShardkitError(f"{', '.join(given)} with --compile: the balanced router is not traced yet; drop --compile")
+    if cfg.moe_seq_aux_loss and (cfg.cp_size > 1 or cfg.sequence_parallel):
+        why = "context parallelism" if cfg.cp_size > 1 else "sequence parallelism"
+        raise ShardkitError(
+            f"--moe-seq-aux-loss with {why}: the sequence-wise balance loss needs every sequence whole on one "
+            "rank (it multiplies two sums over the sequence); use --moe-z-loss / --moe-bias-update-rate, or "
+            "--no-sequence-parallel / no cp"
         )
 
 
@@ -88,6 +126,7 @@ def check_lm_options(cfg: TrainConfig, experts: bool | None) -> None:
         _raise(ep_rule(cfg.ep, cfg.experts if experts else 0))
     if cfg.experts < 1:
         raise ShardkitError(f"--experts must be >= 1, got {cfg.experts}")
+    check_moe_balance(cfg, experts)
     if (cfg.model_path is not None or cfg.tokenizer is not None) and cfg.packed:
         # document borders are known in bytes of the corpus files, not in the tokenizer's tokens
         flag = "--model-path" if cfg.model_path is not None else "--tokenizer"

@@ -24,6 +24,7 @@ from .layout_lm import check_lm_options
 from .lm_families import LMFamily
 from .lm_task import LMTask, PackedSampler
 from .model import build_model
+from .moe_balance import install_moe_balance
 from .options import TrainConfig
 from .pretrained import read_config
 from .trainer import LossScale
@@ -133,6 +134,8 @@ def parallelize_lm(model: nn.Module, mesh, cfg: TrainConfig, task) -> tuple[Para
         cp_layout=cfg.cp_layout,
         sp_activation=cfg.sp_activation if sp else None,
     )
+    # before any transform (none touches the routers), for the parallel run and the reference alike
+    install_moe_balance(model, cfg)
     if cfg.cp_size == 1:  # no causal-mask builder, no device read per forward (cp has its own attention)
         mask_free_sdpa(model)
     if mesh is not None and mesh.dims.pp > 1:

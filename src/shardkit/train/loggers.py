@@ -117,9 +117,15 @@ class WandbLogger:
 
 def scalars(line: dict[str, Any]) -> dict[str, float]:
     """The loggers' scalars of one metrics line: ``train/<field>`` (``eval/loss``), memory in
-    MiB (``train/peak_memory_mib``), ``skipped`` as 0/1, without ``step`` and ``run_id``."""
+    MiB (``train/peak_memory_mib``), ``skipped`` as 0/1, without ``step`` and ``run_id``; a list
+    of numbers as ``train/<field>/<i>`` (``moe_load_max_over_mean`` per MoE layer), other lists
+    (``moe_load``, ``moe_layers``) only in ``metrics.jsonl``."""
     out: dict[str, float] = {}
     for key, value in line.items():
+        if isinstance(value, list):
+            if key != "moe_layers" and all(isinstance(v, (int, float)) for v in value):
+                out.update({f"train/{key}/{i}": v for i, v in enumerate(value)})
+            continue
         if key in ("peak_memory_bytes", "saved_activation_bytes"):
             key, value = key.replace("_bytes", "_mib"), value / 2**20
         if key == "skipped":

@@ -167,7 +167,8 @@ class MetricsLog:
     first step ``saved_activation_bytes``: the bytes rank 0's decoder blocks kept for backward
     (:class:`~shardkit.parallelize.saved_bytes.SavedBytesMeter`; on CPU the activation measure,
     the peak being the process's max RSS); ``eval_loss`` on the steps validated
-    (``--eval-every``; TensorBoard ``eval/loss``).
+    (``--eval-every``; TensorBoard ``eval/loss``). With ``--moe-*`` flags the fields of
+    :meth:`~shardkit.train.moe_balance.MoEBalance.after_step` but ``moe_load_counts``.
     ``run_id``: see the module's note (a new run moves an earlier run's files aside; a resumed one
     appends under its lineage's id). The loggers get the same scalars (memory in MiB) under
     ``train/<field>`` (``eval/loss``) with the step as the global step (:func:`.loggers.scalars`).
@@ -246,6 +247,7 @@ class MetricsLog:
             line["saved_activation_bytes"] = saved_bytes
         if eval_loss is not None:
             line["eval_loss"] = eval_loss
+        line.update({k: v for k, v in (stats.moe or {}).items() if k != "moe_load_counts"})  # --moe-* flags
         written, nonfinite = finite_json(line)  # NaN / inf are no JSON: null, named in "nonfinite"
         if nonfinite:
             written["nonfinite"] = nonfinite

@@ -90,6 +90,9 @@ class TrainConfig:
     loss_parallel: bool = False  # vocab-sharded logits and loss (never the full [B, S, V] logits)
     sequence_parallel: bool | None = None  # None: on for llama with tp > 1 (Megatron-SP)
     experts: int = 4  # moe / mla: routed experts (top-2)
+    moe_bias_update_rate: float | None = None  # moe / mla: DeepSeek-V3's aux-loss-free bias, stepped by this rate
+    moe_z_loss: float = 0.0  # moe / mla: router z-loss coefficient (ST-MoE) added to the loss
+    moe_seq_aux_loss: float = 0.0  # moe / mla: sequence-wise balance loss coefficient (DeepSeek-V3)
     microbatches: int = 1  # per step and dp rank: pipeline microbatches, or gradient accumulation
     schedule: str = "1f1b"  # pipeline schedule: a name of SCHEDULES
     virtual_stages: int = 1  # chunks per pipeline rank (interleaved-1f1b, looped-bfs: >= 2; zbv, dualpipev: 2)

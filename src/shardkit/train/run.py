@@ -42,6 +42,7 @@ from .evaluate import eval_loss
 from .liveness import Heartbeat, set_phase
 from .liveness import progress as count_progress
 from .metrics import ledger_rows, model_size, open_metrics, peak_memory, utilisation
+from .moe_balance import moe_balance_for
 from .profiling import step_profiler
 from .progress import default_log_every, make_progress, setup_note
 from .saving import save_step
@@ -91,10 +92,11 @@ def build_parallel_model(model, mesh, cfg: TrainConfig, task, device) -> tuple[P
     return model_spec(cfg.model).parallelize(model.to(device), mesh, cfg, task)
 
 
-def _extra_state(task) -> dict[str, torch.Tensor]:
-    """What a checkpoint keeps besides model and optimizer: the data sampler's generator and
-    torch's RNG (replicated: the same on every rank)."""
-    return {"data_generator": task.sampler.gen.get_state(), "torch_rng": torch.get_rng_state()}
+def _extra_state(task, balance=None) -> dict[str, torch.Tensor]:
+    """What a checkpoint keeps besides model and optimizer (the same on every rank holding it): the
+    data sampler's generator, torch's RNG and the MoE routers' biases (loaded in place)."""
+    biases = balance.biases() if balance is not None else {}
+    return {"data_generator": task.sampler.gen.get_state(), "torch_rng": torch.get_rng_state(), **biases}
 
 
 def run_training(
@@ -151,17 +153,18 @@ def _run_steps(
     if cfg.lr_schedule == "warmup-cosine":
         scheduler = warmup_cosine(optimizer, cfg.steps)
     first = 0
+    balance = moe_balance_for(pm, cfg)  # None without the --moe-* flags
     if pm.mesh is not None:  # the --verify reference (no mesh) starts at step 0 and is compared from `first`
         path = resume_source(cfg)
         if path is not None:
             set_phase("loading")
-            extra = _extra_state(task)
+            extra = _extra_state(task, balance)
             first = load_train_state(path, pm, optimizer, extra, allow_unverified=cfg.allow_unverified)
             task.sampler.gen.set_state(extra["data_generator"])
             torch.set_rng_state(extra["torch_rng"])
             if scheduler is not None:  # the schedule is a function of the step count
                 fast_forward(scheduler, optimizer, cfg.steps, first)
-    losses, norms, skipped, evals = [], [], [], []
+    losses, norms, skipped, evals, moe_loads = [], [], [], [], []
     saved: dict = {"saved_activation_bytes": None, "saved_bytes_per_block": None}
     prof = step_profiler(cfg) if pm.mesh is not None else None  # --profile-steps, --memory-snapshot
     for step in range(first, cfg.steps):
@@ -179,7 +182,10 @@ def _run_steps(
                 schedule=cfg.schedule,
                 loss_scale=loss_scale,
                 scheduler=scheduler,
+                after_step=balance.after_step if balance is not None else None,
             )
+        if stats.moe is not None:
+            moe_loads.append(stats.moe["moe_load_counts"])
         if host_syncs is not None:
             host_syncs.next_step()
         if meter is not None:
@@ -207,7 +213,8 @@ def _run_steps(
             and (done == cfg.steps or (cfg.save_every and done % cfg.save_every == 0))
         ):
             set_phase("saving")  # rank 0 (the one with progress) says what was saved and removed
-            save_step(cfg, pm, optimizer, done, _extra_state(task), layout, hf, progress.note if progress else None)
+            extra = _extra_state(task, balance)
+            save_step(cfg, pm, optimizer, done, extra, layout, hf, progress.note if progress else None)
             count_progress()  # the save's files are written
     return {
         "losses": losses,
@@ -215,6 +222,7 @@ def _run_steps(
         "first_step": first,
         "skipped_steps": skipped,
         "eval_losses": evals,
+        "moe_load_counts": moe_loads,
         **saved,
         **(prof.result() if prof else {}),
     }
@@ -385,6 +393,7 @@ def _train(cfg: TrainConfig, backend: str, device, t0: float, progress: bool, ho
             ref_params,
             cfg.dtype if cfg.mixed_precision == "none" else "bfloat16",  # bf16 compute: bf16's tolerance
             grad_norms=(run["grad_norms"], result["reference_grad_norms"]),
+            moe_loads=(run["moe_load_counts"], ref["moe_load_counts"][first:]),
         )
         result["timings_s"]["verify"] = time.perf_counter() - t2
     return result

@@ -75,7 +75,8 @@ class StepStats:
     """One step: global mean loss, global gradient norm (before clipping), targets, seconds.
 
     ``skipped``: the loss or the norm was not finite, so the optimizer did not step (the same on
-    every rank: both values are global).
+    every rank: both values are global). ``moe``: the MoE balancing metrics of the step
+    (:meth:`.moe_balance.MoEBalance.after_step`), None without the ``--moe-*`` flags.
     """
 
     loss: float
@@ -83,6 +84,7 @@ class StepStats:
     targets: int
     seconds: float
     skipped: bool = False
+    moe: dict | None = None
 
 
 class LossScale:
@@ -187,6 +189,7 @@ def train_step(
     schedule: str = "1f1b",
     loss_scale: LossScale | None = None,
     scheduler=None,
+    after_step=None,
 ) -> StepStats:
     """One optimizer step of ``pm`` on the task's next global batch.
 
@@ -201,6 +204,8 @@ def train_step(
         schedule: pipeline schedule name.
         loss_scale: the pipeline stage's loss function (with ``pp > 1``).
         scheduler: a learning-rate scheduler stepped after the optimizer, or None.
+        after_step: ``fn(skipped) -> dict`` run after the optimizer (collective over the world:
+            :meth:`.moe_balance.MoEBalance.after_step`), its result in ``StepStats.moe``; or None.
 
     Returns:
         :class:`StepStats` (the same on every rank). A step whose global loss or gradient norm
@@ -258,7 +263,8 @@ def train_step(
     if scheduler is not None:
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return StepStats(loss, norm, n, time.perf_counter() - t0, skipped)
+    moe = after_step(skipped) if after_step is not None else None
+    return StepStats(loss, norm, n, time.perf_counter() - t0, skipped, moe)
 
 
 def nonfinite_step(step: int, stats, lr: float, seen: int, allowed: int) -> None:

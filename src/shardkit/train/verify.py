@@ -35,7 +35,14 @@ def relative_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def compare_runs(
-    losses, ref_losses, params: dict, ref_params: dict, dtype: str, top: int = 5, grad_norms: tuple | None = None
+    losses,
+    ref_losses,
+    params: dict,
+    ref_params: dict,
+    dtype: str,
+    top: int = 5,
+    grad_norms: tuple | None = None,
+    moe_loads: tuple | None = None,
 ) -> dict:
     """Per-step loss and final-parameter differences of two runs, against the dtype tolerance.
 
@@ -48,6 +55,9 @@ def compare_runs(
         top: how many of the largest parameter differences to list.
         grad_norms: ``(norms, ref_norms)``, the per-step global gradient norms of both runs
             (checked against the same tolerance: clipping must see the single-process norm).
+        moe_loads: ``(loads, ref_loads)``, per step the ``[layers][E]`` expert load counts of
+            both runs (``--moe-*`` flags): the parallel run's all-reduced load must be the
+            reference's load over the whole batch (relative to its total, same tolerance).
 
     Returns:
         A JSON-ready dict: ``tolerance``, ``loss_rel_diff`` (per step), ``max_loss_rel_diff``,
@@ -67,6 +77,14 @@ def compare_runs(
     if grad_norms is not None:
         norm_diffs = [abs(a - b) / abs(b) if b != 0 else abs(a - b) for a, b in zip(*grad_norms)]
     max_norm = max(norm_diffs, default=0.0)
+    load_diffs = []
+    if moe_loads is not None:
+        for a, b in zip(*moe_loads):
+            a_t, b_t = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
+            load_diffs.append(math.inf if a_t.shape != b_t.shape else ((a_t - b_t).abs().sum() / b_t.sum()).item())
+        if len(moe_loads[0]) != len(moe_loads[1]):
+            load_diffs.append(math.inf)
+    max_load = max(load_diffs, default=0.0)
     return {
         "dtype": dtype,
         "tolerance": tol,
@@ -75,6 +93,7 @@ def compare_runs(
         "max_param_rel_diff": max_param,
         "worst_params": [[name, d] for name, d in worst],
         "max_grad_norm_rel_diff": max_norm,
+        **({"max_moe_load_rel_diff": max_load} if moe_loads is not None else {}),
         "missing_params": missing,
-        "passed": max_loss <= tol and max_param <= tol and max_norm <= tol and not missing,
+        "passed": max_loss <= tol and max_param <= tol and max_norm <= tol and max_load <= tol and not missing,
     }
