@@ -49,7 +49,7 @@ HAND_GLOO = {
 
 
 def _hand_makespan(hand):
-    for r, steps in hand.items():  # the drawing itself: each rank's steps in order, no overlap, the right durations
+    for steps in hand.values():  # the drawing itself: each rank's steps in order, no overlap, the right durations
         assert all(end - start == UNIT[k] for k, start, end in steps)
         assert all(a[2] <= b[1] for a, b in zip(steps, steps[1:]))
     return max(end for steps in hand.values() for _, _, end in steps)
