@@ -5,12 +5,12 @@ transferred messages (the ledger's side) unchanged by the timing."""
 
 import pytest
 
-from shardkit import Cluster, ModelShape, ParallelDims, StepOptions, estimate_step
+from shardkit import Cluster, ModelShape, ParallelDims, ShardkitError, StepOptions, estimate_step
 from shardkit.pipeline_parallel.simulate import simulate_steps, transfers
 from shardkit.pipeline_parallel.tables import SCHEDULES
 from shardkit.plan.collectives import CommRow, step_collectives
 from shardkit.plan.overlap import exposed_seconds, fsdp_exposed
-from shardkit.plan.p2p_timeline import p2p_timeline
+from shardkit.plan.p2p_timeline import POSTINGS, p2p_timeline
 from shardkit.plan.pipeline import pipeline_cost, step_costs
 from shardkit.plan.timing import row_seconds
 
@@ -26,8 +26,8 @@ TINY = {
 }
 
 # 1F1B, p = 2, m = 4, F = 1, B = 2, one transfer x = 0.5, drawn on paper (rank, step, start, end).
-# NCCL (receives posted when the step needs them): a transfer starts when its sender finished
-# and the receiver reached the step, and the receiver computes after it.
+# "need" (NCCL before shapes are trusted: receives posted when the step needs them): a transfer
+# starts when its sender finished and the receiver reached the step; the receiver computes after it.
 #   rank 0: F0 0-1, F1 1-2, [grad 0 4.5-5] B0 5-7, F2 7-8, [grad 1 8-8.5] B1 8.5-10.5,
 #           F3 10.5-11.5, [grad 2 11.5-12] B2 12-14, [grad 3 15-15.5] B3 15.5-17.5
 #   rank 1: [act 0 1-1.5] F0 1.5-2.5, B0 2.5-4.5, [act 1 4.5-5] F1 5-6, B1 6-8,
@@ -38,8 +38,10 @@ HAND_NCCL = {
     1: [("F", 1.5, 2.5), ("B", 2.5, 4.5), ("F", 5, 6), ("B", 6, 8), ("F", 8.5, 9.5), ("B", 9.5, 11.5)]
     + [("F", 12, 13), ("B", 13, 15)],
 }
-# gloo (each neighbour's next receive posted once the previous one was taken): act 1 moves at
-# 2-2.5 while rank 1 runs B0, grad 1 at 7.5-8 while rank 0 runs F2, act 3 at 11-11.5 in B2.
+# "taken" (gloo: each neighbour's next receive posted once the previous one was taken) and
+# "ahead" (NCCL with trusted shapes: the host runs ahead, every receive is posted before the GPU
+# needs it): the same line here. act 1 moves at 2-2.5 while rank 1 runs B0, grad 1 at 7.5-8
+# while rank 0 runs F2, act 3 at 11-11.5 during B2: 2.0 of the 8 transfers' 4.0 s show.
 HAND_GLOO = {
     0: [("F", 0, 1), ("F", 1, 2), ("B", 5, 7), ("F", 7, 8), ("B", 8, 10), ("F", 10, 11), ("B", 12, 14)]
     + [("B", 15, 17)],
@@ -55,14 +57,16 @@ def _hand_makespan(hand):
     return max(end for steps in hand.values() for _, _, end in steps)
 
 
-@pytest.mark.parametrize("early, hand, exposed", [(False, HAND_NCCL, 2.5), (True, HAND_GLOO, 2.0)])
-def test_1f1b_p2_m4_timeline_equals_the_hand_drawn_one(early, hand, exposed):
+@pytest.mark.parametrize(
+    "posting, hand, exposed", [("need", HAND_NCCL, 2.5), ("taken", HAND_GLOO, 2.0), ("ahead", HAND_GLOO, 2.0)]
+)
+def test_1f1b_p2_m4_timeline_equals_the_hand_drawn_one(posting, hand, exposed):
     table = SCHEDULES["1f1b"].build(2, 1, 4)
-    line = p2p_timeline(table, placement="looped", v=1, num_microbatches=4, costs=UNIT, x=0.5, early=early)
+    line = p2p_timeline(table, placement="looped", v=1, num_microbatches=4, costs=UNIT, x=0.5, posting=posting)
     assert line.makespan == _hand_makespan(hand) == 15.0 + exposed
     assert line.compute == (12.0, 12.0)
     # the planner's predicted pipeline time is the same line, in seconds (f = 0.1 s, x = 0.05 s)
-    cost = pipeline_cost("1f1b", 2, 1, 4, 0.1, 0.05, early=early)
+    cost = pipeline_cost("1f1b", 2, 1, 4, 0.1, 0.05, posting=posting)
     assert cost.makespan == pytest.approx(0.1 * (15.0 + exposed), rel=1e-12)
     assert cost.p2p_s == pytest.approx(0.1 * exposed, rel=1e-9)
     # the former model charged x to every sending step: (m + p - 1)(F + B) with F, B + x = 20
@@ -79,16 +83,16 @@ def _tables():
                 continue
 
 
-@pytest.mark.parametrize("early", [False, True])
-def test_timeline_bounds_and_free_transfers_on_every_schedule(early):
+@pytest.mark.parametrize("posting", POSTINGS)
+def test_timeline_bounds_and_free_transfers_on_every_schedule(posting):
     seen = set()
     for name, spec, p, v, m, table in _tables():
         seen.add(name)
         kw = {"placement": spec.placement, "v": v, "num_microbatches": m}
         free = simulate_steps(table, costs=UNIT, **kw).makespan
-        assert p2p_timeline(table, costs=UNIT, x=0.0, early=early, **kw).makespan == pytest.approx(free)
+        assert p2p_timeline(table, costs=UNIT, x=0.0, posting=posting, **kw).makespan == pytest.approx(free)
         for x in (0.1, 0.5, 2.0):
-            line = p2p_timeline(table, costs=UNIT, x=x, early=early, **kw)
+            line = p2p_timeline(table, costs=UNIT, x=x, posting=posting, **kw)
             charged = simulate_steps(table, costs=step_costs(1.0, x), **kw).makespan
             # never faster than free transfers, never slower than charging every send to its sender
             assert free < line.makespan <= charged + 1e-9, (name, p, v, m, x)
@@ -96,12 +100,15 @@ def test_timeline_bounds_and_free_transfers_on_every_schedule(early):
     assert seen == set(SCHEDULES)
 
 
-def test_early_receives_hide_more_than_late_ones():
+def test_earlier_receives_hide_more():
     spec = SCHEDULES["interleaved-1f1b"]
     table = spec.build(4, 2, 8)
     kw = {"placement": spec.placement, "v": 2, "num_microbatches": 8, "costs": UNIT, "x": 0.5}
-    late, early = p2p_timeline(table, **kw).makespan, p2p_timeline(table, early=True, **kw).makespan
-    assert early < late
+    need, taken, ahead = (p2p_timeline(table, posting=k, **kw).makespan for k in ("need", "taken", "ahead"))
+    assert ahead <= taken < need
+    assert pipeline_cost("interleaved-1f1b", 4, 2, 8, 1.0, 0.5).makespan == pytest.approx(ahead)  # the default
+    with pytest.raises(ShardkitError, match="posting must be one of"):
+        p2p_timeline(table, posting="early", **kw)
 
 
 def test_the_transferred_messages_are_the_tables():

@@ -13,12 +13,17 @@ pipeline_parallel._mailbox`), and so what is modelled:
   posted receive; a hidden-state message is far above NCCL's buffered sizes), and the messages
   of one directed link move one at a time in the sender's order (one process group per link,
   one stream per rank pair and direction, FIFO pairing);
-* receives from a neighbour are posted in the sender's order, one at a time. On NCCL
-  (``early=False``, the runner's choice for NCCL) the receive is posted when the step needs the
-  message (the host reaches it after its previous step), so the transfer runs while the receiver
-  waits: ``start = max(sent, posted, link free)``. On gloo (``early=True``) the next receive from
-  each neighbour is posted at the start and as soon as the previous one was taken, so a message
-  whose sender finished early moves while the receiver computes;
+* receives from a neighbour are posted in the sender's order, one at a time, and a transfer
+  starts at ``max(sent, posted, link free)``. When the receive is posted (``posting``):
+
+  - ``"ahead"``: on NCCL with trusted shapes (the trainer's steps after its first: it passes a
+    ``shape_key``, :class:`~shardkit.pipeline_parallel._transfer.ShapeTrust`) no receive reads
+    its header on the host, so the host runs ahead of the GPU and every receive is on its link's
+    stream long before the GPU reaches the step: ``posted = 0``. The planner's choice;
+  - ``"need"``: on NCCL without trusted shapes (a first step) the host reads each header, so it
+    posts a receive when the step needs it, after the previous step ended on the GPU;
+  - ``"taken"``: gloo (``early`` in :mod:`~shardkit.pipeline_parallel._mailbox`): each
+    neighbour's next receive is posted at the start and once the previous one was taken;
 * a step starts when its rank's previous step ended and its inputs arrived; the call ends when
   every rank's last step and every transfer ended.
 
@@ -35,7 +40,9 @@ from ..errors import ShardkitError
 from ..pipeline_parallel.simulate import transfers
 from ..pipeline_parallel.steps import Step, chunk_owner, global_chunk
 
-__all__ = ["Timeline", "p2p_timeline"]
+__all__ = ["POSTINGS", "Timeline", "p2p_timeline"]
+
+POSTINGS = ("ahead", "need", "taken")
 
 Key = tuple[str, int, int]  # (kind, microbatch, global chunk) of a finished step
 
@@ -74,21 +81,24 @@ def p2p_timeline(
     num_microbatches: int,
     costs: Mapping[str, float],
     x: float,
-    early: bool = False,
+    posting: str = "ahead",
 ) -> Timeline:
     """Run ``table`` with step durations ``costs`` (``F``, ``B``, ``I``, ``W``) and ``x`` seconds
-    per cross-rank transfer, receives posted late (``early=False``, NCCL) or early (gloo).
+    per cross-rank transfer, receives posted ``"ahead"``, at ``"need"`` or once the previous was
+    ``"taken"`` (the module docstring).
 
     Raises:
-        ShardkitError: a rank waits for a step that never runs (a deadlocked table; the
-            registry's tables are checked by :func:`simulate_steps` first).
+        ShardkitError: an unknown ``posting``; a rank waits for a step that never runs (a
+            deadlocked table; the registry's tables are checked by :func:`simulate_steps` first).
     """
+    if posting not in POSTINGS:
+        raise ShardkitError(f"p2p_timeline: posting must be one of {POSTINGS}, got {posting!r}")
     p = len(table)
     rows = [[Step(*s) for s in row] for row in table]
     sent, _ = transfers(rows, placement=placement, v=v)
     queue = {link: list(msgs) for link, msgs in sent.items()}  # messages still to move, sender's order
     link_free = dict.fromkeys(queue, 0.0)
-    posted = dict.fromkeys(queue, 0.0)  # early: when the next receive of the link was posted
+    posted = dict.fromkeys(queue, 0.0)  # "taken": when the next receive of the link was posted
     arrived: dict[tuple[str, int, int], float] = {}
     done: dict[Key, float] = {}
     pc, clock, busy, waited = [0] * p, [0.0] * p, [0.0] * p, [0.0] * p
@@ -106,12 +116,12 @@ def p2p_timeline(
             ready = end_of(_producer(nxt))
             if ready is None:
                 return None  # its sender has not computed it yet
-            post = posted[link] if early else host
+            post = {"ahead": 0.0, "need": host, "taken": posted[link]}[posting]
             start = max(ready, post, link_free[link])
             arrived[nxt] = link_free[link] = start + x
             queue[link].pop(0)
             host = max(host, arrived[nxt])
-            posted[link] = host  # early: the next receive is posted once this one was taken
+            posted[link] = host  # "taken": the next receive is posted once this one was taken
         return arrived[msg]
 
     while any(pc[r] < len(rows[r]) for r in range(p)):

@@ -9,8 +9,8 @@ of Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, sec. 3; backward = 
 in Narayanan et al., SC 2021). ``x``, one P2P transfer of a microbatch's hidden states, is a
 resource of its own: :func:`~.p2p_timeline.p2p_timeline` runs the table with each transfer on
 its link, a send overlapping the sender's next steps and a receive posted when the runner posts
-it (on NCCL when the step needs it, so a transfer is exposed where the receiver waits for it;
-``early=True``: gloo's receives posted ahead), for ``p v m <= P2P_SIMULATE_LIMIT``. Above it,
+it (the trainer's steady state on NCCL: ahead, so a transfer shows only where the schedule's
+dependencies wait for it), for ``p v m <= P2P_SIMULATE_LIMIT``. Above it,
 and in the closed forms below, ``x`` is added to every step that sends (``F``, ``B``, ``I``;
 not ``W``), the former charge (an upper bound of the time line's on the registry's tables at
 the sizes the tests run).
@@ -149,15 +149,17 @@ def _table_peaks(schedule: str, p: int, v: int, m: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-def pipeline_cost(schedule: str, p: int, v: int, m: int, f: float, x: float = 0.0, early: bool = False) -> PipelineCost:
+def pipeline_cost(
+    schedule: str, p: int, v: int, m: int, f: float, x: float = 0.0, posting: str = "ahead"
+) -> PipelineCost:
     """The time and peak activations of ``schedule`` on ``p`` ranks, ``v`` chunks each, ``m``
     microbatches, ``f`` seconds of forward per microbatch-chunk and ``x`` seconds per P2P transfer.
 
     ``p`` 1 is plain gradient accumulation: ``3 f m v`` seconds, one microbatch in flight.
     The sizes must be valid (:func:`shardkit.plan.rules.check_schedule`). The table runs in
     units of ``f`` with ``x / f`` rounded to 3 significant digits (so the simulations are shared).
-    ``early``: receives posted ahead (the runner's gloo mode); False: posted when the step needs
-    them (the runner's NCCL mode, the planner's GPUs).
+    ``posting``: when receives are posted (:func:`~.p2p_timeline.p2p_timeline`; ``"ahead"``: the
+    trainer on NCCL after its first step).
     """
     compute = 3 * f * v * m
     if p == 1:
@@ -166,7 +168,7 @@ def pipeline_cost(schedule: str, p: int, v: int, m: int, f: float, x: float = 0.
 
     def span(ratio: float) -> float:  # in units of f: one simulation serves every layout of these sizes
         if ratio > 0 and p * v * m <= P2P_SIMULATE_LIMIT:
-            return _timeline(schedule, p, v, m, ratio, early)
+            return _timeline(schedule, p, v, m, ratio, posting)
         costs = step_costs(1.0, ratio)
         if simulated:
             return _simulated(schedule, p, v, m, tuple(sorted(costs.items())))[0]
@@ -179,11 +181,11 @@ def pipeline_cost(schedule: str, p: int, v: int, m: int, f: float, x: float = 0.
 
 
 @functools.lru_cache(maxsize=8192)
-def _timeline(schedule: str, p: int, v: int, m: int, ratio: float, early: bool) -> float:
+def _timeline(schedule: str, p: int, v: int, m: int, ratio: float, posting: str) -> float:
     """The P2P time line's makespan in units of ``f`` (transfers ``ratio`` each)."""
     spec = SCHEDULES[schedule]
     costs = step_costs(1.0, 0.0)
     table = spec.build(p, v, m)
     return p2p_timeline(
-        table, placement=spec.placement, v=v, num_microbatches=m, costs=costs, x=ratio, early=early
+        table, placement=spec.placement, v=v, num_microbatches=m, costs=costs, x=ratio, posting=posting
     ).makespan
