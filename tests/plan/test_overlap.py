@@ -131,7 +131,7 @@ def test_fsdp_prefetch_exposes_the_first_call_and_what_outlasts_a_layer():
         (CommRow("fsdp", "reduce_scatter_single", "fully_shard", "backward", 2, 4, 16, 8), 1.6),
     ]
     assert exposed_seconds(rows, 0.3) == pytest.approx(0.25 + 0.5 + 0.7 + 0.4)
-    with pytest.raises(ValueError, match="no overlap rule"):
+    with pytest.raises(ShardkitError, match="no overlap rule"):
         exposed_seconds([(CommRow("spatial", "all_reduce", "x", "forward", 2, 1, 8, 8), 1.0)], 0.3)
 
 

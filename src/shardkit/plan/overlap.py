@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ..errors import ShardkitError
 from .collectives import CommRow
 
 __all__ = ["CRITICAL_AXES", "exposed_seconds", "fsdp_exposed"]
@@ -59,7 +60,7 @@ def exposed_seconds(timed: Sequence[tuple[CommRow, float]], layer_forward_s: flo
     microbatch (pure).
 
     Raises:
-        ValueError: a row on an axis this model does not know (a new axis must be placed here).
+        ShardkitError: a row on an axis this model does not know (a new axis must be placed here).
     """
     total = 0.0
     for row, s in timed:
@@ -71,5 +72,5 @@ def exposed_seconds(timed: Sequence[tuple[CommRow, float]], layer_forward_s: flo
             backward = row.phase == "backward"
             total += fsdp_exposed(row.count, s, layer_forward_s * (2 if backward else 1))
         else:
-            raise ValueError(f"exposed_seconds: no overlap rule for axis {row.axis!r} ({row.api})")
+            raise ShardkitError(f"exposed_seconds: no overlap rule for axis {row.axis!r} ({row.api})")
     return total
