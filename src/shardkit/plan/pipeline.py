@@ -6,8 +6,14 @@ zero-bubble schedules into the input gradient ``I = f`` and the weight gradient 
 split is FLOP counting: a linear layer ``Y = X A`` costs ``2 n k`` per token forward, and its
 input gradient ``dY A^T`` and weight gradient ``X^T dY`` cost as much each (the equal-cost case
 of Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, sec. 3; backward = 2 x forward as
-in Narayanan et al., SC 2021). ``x``, one P2P transfer of a microbatch's hidden states, is added
-to every step that sends one (``F``, ``B``, ``I``; not ``W``): the rank is busy while it sends.
+in Narayanan et al., SC 2021). ``x``, one P2P transfer of a microbatch's hidden states, is a
+resource of its own: :func:`~.p2p_timeline.p2p_timeline` runs the table with each transfer on
+its link, a send overlapping the sender's next steps and a receive posted when the runner posts
+it (the trainer's steady state on NCCL: ahead, so a transfer shows only where the schedule's
+dependencies wait for it), for ``p v m <= P2P_SIMULATE_LIMIT``. Above it,
+and in the closed forms below, ``x`` is added to every step that sends (``F``, ``B``, ``I``;
+not ``W``), the former charge (an upper bound of the time line's on the registry's tables at
+the sizes the tests run).
 
 The makespan of the schedule's real table (:mod:`shardkit.pipeline_parallel.tables`) comes from
 the dependency simulator (:func:`~shardkit.pipeline_parallel.simulate.simulate_steps`) while the
@@ -36,10 +42,20 @@ from dataclasses import dataclass
 
 from ..pipeline_parallel.simulate import simulate_steps
 from ..pipeline_parallel.tables import SCHEDULES
+from .p2p_timeline import p2p_timeline
 
-__all__ = ["SIMULATE_LIMIT", "PipelineCost", "pipeline_cost", "closed_makespan", "peak_chunks", "step_costs"]
+__all__ = [
+    "SIMULATE_LIMIT",
+    "P2P_SIMULATE_LIMIT",
+    "PipelineCost",
+    "pipeline_cost",
+    "closed_makespan",
+    "peak_chunks",
+    "step_costs",
+]
 
 SIMULATE_LIMIT = 512  # microbatch-chunks per rank x ranks; above it the closed forms (the simulator is O(p v m))
+P2P_SIMULATE_LIMIT = 4096  # the P2P time line's limit (also O(p v m); Llama 3 405B's p 16, v <= 7, m 16 is under it)
 
 
 @dataclass(frozen=True)
@@ -52,12 +68,15 @@ class PipelineCost:
             (the sources' bubble; the P2P time is in ``makespan`` only).
         peak: the most in-flight microbatch-chunks on any rank.
         simulated: True when the simulator ran the real table, False for a closed form.
+        p2p_s: the P2P seconds on the critical path, ``makespan`` less the makespan with free
+            transfers (from the time line where ``p v m <= P2P_SIMULATE_LIMIT``).
     """
 
     makespan: float
     bubble: float
     peak: int
     simulated: bool
+    p2p_s: float = 0.0
 
 
 def step_costs(f: float, x: float) -> dict[str, float]:
@@ -130,13 +149,17 @@ def _table_peaks(schedule: str, p: int, v: int, m: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-def pipeline_cost(schedule: str, p: int, v: int, m: int, f: float, x: float = 0.0) -> PipelineCost:
+def pipeline_cost(
+    schedule: str, p: int, v: int, m: int, f: float, x: float = 0.0, posting: str = "ahead"
+) -> PipelineCost:
     """The time and peak activations of ``schedule`` on ``p`` ranks, ``v`` chunks each, ``m``
     microbatches, ``f`` seconds of forward per microbatch-chunk and ``x`` seconds per P2P transfer.
 
     ``p`` 1 is plain gradient accumulation: ``3 f m v`` seconds, one microbatch in flight.
     The sizes must be valid (:func:`shardkit.plan.rules.check_schedule`). The table runs in
     units of ``f`` with ``x / f`` rounded to 3 significant digits (so the simulations are shared).
+    ``posting``: when receives are posted (:func:`~.p2p_timeline.p2p_timeline`; ``"ahead"``: the
+    trainer on NCCL after its first step).
     """
     compute = 3 * f * v * m
     if p == 1:
@@ -144,11 +167,25 @@ def pipeline_cost(schedule: str, p: int, v: int, m: int, f: float, x: float = 0.
     simulated = p * v * m <= SIMULATE_LIMIT
 
     def span(ratio: float) -> float:  # in units of f: one simulation serves every layout of these sizes
+        if ratio > 0 and p * v * m <= P2P_SIMULATE_LIMIT:
+            return _timeline(schedule, p, v, m, ratio, posting)
         costs = step_costs(1.0, ratio)
         if simulated:
             return _simulated(schedule, p, v, m, tuple(sorted(costs.items())))[0]
         return closed_makespan(schedule, p, v, m, costs)
 
-    bubble = 1.0 - 3 * v * m / span(0.0)
+    free = span(0.0)
+    bubble = 1.0 - 3 * v * m / free
     makespan = f * span(float(f"{x / f:.3g}") if f > 0 else 0.0)  # the P2P ratio to 3 digits
-    return PipelineCost(makespan, bubble, peak_chunks(schedule, p, v, m), simulated)
+    return PipelineCost(makespan, bubble, peak_chunks(schedule, p, v, m), simulated, makespan - f * free)
+
+
+@functools.lru_cache(maxsize=8192)
+def _timeline(schedule: str, p: int, v: int, m: int, ratio: float, posting: str) -> float:
+    """The P2P time line's makespan in units of ``f`` (transfers ``ratio`` each)."""
+    spec = SCHEDULES[schedule]
+    costs = step_costs(1.0, 0.0)
+    table = spec.build(p, v, m)
+    return p2p_timeline(
+        table, placement=spec.placement, v=v, num_microbatches=m, costs=costs, x=ratio, posting=posting
+    ).makespan

@@ -1,10 +1,12 @@
 """One layout's predicted step (:func:`estimate_step`) and every layout ranked (:func:`plan_layouts`).
 
 Step time = the pipeline schedule's makespan (:func:`.pipeline.pipeline_cost`: its bubble and
-its P2P transfers, with ``pp_tp`` at the pace of the slowest stage) + the other collectives on
-the critical path (tp, cp, ep, the pp check, ``pp_tp`` broadcasts: they wait for their inputs) +
-the part of the data-parallel and FSDP2 traffic that backward (two thirds of the compute) cannot
-hide. The search ranks schedules and virtual stages like the other layout dimensions.
+the P2P transfers its dependencies put on the critical path, :mod:`.p2p_timeline`, with
+``pp_tp`` at the pace of the slowest stage) + the other collectives a rank waits for, as the
+runtime issues them (:mod:`.overlap`: tp, cp, ep, the pp check, ``pp_tp`` broadcasts and the
+data-parallel reduction after the last backward in full; FSDP2's per-layer gathers and
+reduce-scatters where they outlast the layer they are prefetched behind). The search ranks
+schedules and virtual stages like the other layout dimensions.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from .collectives import HEADER_BYTES, CommRow, step_collectives
 from .memory import memory_per_rank
 from .model import ModelShape
 from .options import StepOptions, check_layout
+from .overlap import exposed_seconds
 from .pipeline import pipeline_cost
 from .timing import group_stride, row_seconds
 
@@ -44,7 +47,8 @@ class StepEstimate:
             checkpointing, the recompute included).
         bubble: the idle fraction of the pipeline schedule's makespan (1F1B and GPipe
             ``(pp - 1) / (M + pp - 1)`` without P2P time; :func:`.pipeline.pipeline_cost`).
-        comm_s: exposed communication seconds besides the pipeline's P2P (in its makespan).
+        comm_s: exposed communication seconds besides the pipeline's P2P (in its makespan;
+            :func:`.overlap.exposed_seconds`).
         step_s: predicted seconds per step.
         memory: bytes per rank of the fullest stage (:func:`~shardkit.plan.memory.memory_per_rank`).
         fits: ``memory["total"]`` within the cluster's GPU memory.
@@ -107,7 +111,7 @@ def estimate_step(shape: ModelShape, dims: ParallelDims, options: StepOptions, c
         if mem["total"] > memory.get("total", -1.0):
             memory = mem
     assert worst is not None
-    critical, timed, overlappable = worst
+    timed = worst[1]  # the busiest stage (all its communication)
     tokens = options.global_batch * options.seq_len
     flops = shape.flops_per_token(options.seq_len) * tokens
     # the recompute of checkpointed blocks is spread over the steps like the rest of the work
@@ -121,7 +125,9 @@ def estimate_step(shape: ModelShape, dims: ParallelDims, options: StepOptions, c
     pipe = pipeline_cost(
         options.schedule, dims.pp, v, M, compute / (3 * M * v), _p2p_seconds(shape, dims, options, cluster)
     )
-    exposed = critical + max(0.0, overlappable - compute * 2 / 3)
+    # one decoder layer's forward on one microbatch: what FSDP2's prefetch hides a layer's gather behind
+    layer_forward = compute / (3 * M) / max(1.0, shape.layers / dims.pp)
+    exposed = exposed_seconds(timed, layer_forward)
     step = pipe.makespan + exposed
     fits = memory["total"] <= cluster.gpu_memory_gib * 2**30
     mfu = flops / (step * cluster.gpus * cluster.peak_tflops * 1e12)
