@@ -71,12 +71,16 @@ def _probe(device_type: str, dtype: torch.dtype) -> bool:
     grouped = getattr(torch, "_grouped_mm", None)
     if grouped is None or dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return False
+    # Its own small graph, outside any caller's: the first call may come inside a checkpointed
+    # forward, whose saved-tensor hooks would count the probe's tensors there but not in the
+    # recompute (torch.utils.checkpoint's CheckpointError); identity hooks take them instead.
     try:
-        x = torch.ones(4, 8, dtype=dtype, device=device_type, requires_grad=True)
-        w = torch.ones(2, 8, 8, dtype=dtype, device=device_type, requires_grad=True)
-        offs = torch.tensor([0, 4], dtype=torch.int32, device=device_type)
-        y = grouped(x, w, offs=offs)
-        torch.autograd.grad(y, (x, w), torch.ones_like(y))
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            x = torch.ones(4, 8, dtype=dtype, device=device_type, requires_grad=True)
+            w = torch.ones(2, 8, 8, dtype=dtype, device=device_type, requires_grad=True)
+            offs = torch.tensor([0, 4], dtype=torch.int32, device=device_type)
+            y = grouped(x, w, offs=offs)
+            torch.autograd.grad(y, (x, w), torch.ones_like(y))
     except (RuntimeError, NotImplementedError, TypeError):
         return False  # not built for this device / dtype / GPU: the bmm path runs instead
     return True

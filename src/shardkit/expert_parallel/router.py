@@ -66,8 +66,10 @@ class BalanceState:
 
     Attributes:
         bias_rate: DeepSeek-V3's update rate ``gamma`` (None: no bias, plain top-k).
-        z_loss, seq_aux_loss: the loss coefficients (0: off).
-        token_scale, seq_scale: 1 / tokens and 1 / sequences of the global step.
+        z_loss: the router z-loss coefficient (0: off).
+        seq_aux_loss: the sequence-wise balance loss coefficient (0: off).
+        token_scale: 1 / tokens of the global step.
+        seq_scale: 1 / sequences of the global step.
         seq_len: tokens per sequence in the router's input (the sequence-wise loss cuts ``T`` by it).
         load: ``[E]`` (token, slot) pairs routed to each expert since the last :meth:`reset`.
         aux: ``[2]`` this rank's share of the z-loss and of the sequence loss since then.
