@@ -9,31 +9,11 @@ under tp; FSDP2 saved, resumed under ZeRO-1) the losses agree to 1e-12: the save
 per-parameter moments, whatever wrote it.
 """
 
-import time
-
 import pytest
-import torch
 
-from harness.helpers import rank, remove_shared_dir, shared_tmpdir, world_size
+from harness.helpers import rank, remove_shared_dir, shared_tmpdir
+from harness.resume import run_losses, run_train
 from harness.tiers import tiered
-from shardkit.train.checkpoint_dir import check_checkpoint_dir
-from shardkit.train.config import TrainConfig, validate_config
-from shardkit.train.run import train
-
-BASE = dict(seq_len=16, batch_size=4, dtype="float64", layers=2, lr=1e-3)
-
-
-def _run(**kw):
-    cfg = validate_config(TrainConfig(**{**BASE, **kw}), world_size=world_size())
-    check_checkpoint_dir(cfg)
-    return train(cfg, "gloo", torch.device("cpu"), time.perf_counter(), progress=False)
-
-
-def _losses(result):
-    box = [None if result is None else (result["losses"], result.get("first_step"))]
-    torch.distributed.broadcast_object_list(box, src=0)
-    return box[0]
-
 
 RESUMES = {
     "dp=4 zero 2 -> dp=4 zero 2 (bitwise)": (dict(tp=1, zero=2), dict(tp=1, zero=2), 0.0),
@@ -54,9 +34,9 @@ QUICK = ("dp=4 zero 2 -> dp=4 zero 2 (bitwise)", "dp=4 zero 2 -> tp=2 x dp=2, no
 def test_zero_resume_continues_the_same_losses(first, second, tol):
     root = shared_tmpdir("shardkit-zero-resume-")
     try:
-        full, _ = _losses(_run(steps=4, **first))
-        _run(steps=2, checkpoint_dir=root, **first)
-        resumed, start = _losses(_run(steps=4, checkpoint_dir=root, resume=True, **second))
+        full, _ = run_losses(run_train(steps=4, **first))
+        run_train(steps=2, checkpoint_dir=root, **first)
+        resumed, start = run_losses(run_train(steps=4, checkpoint_dir=root, resume=True, **second))
         assert start == 2 and len(resumed) == 2
         if tol == 0.0:
             assert resumed == full[2:], (resumed, full)

@@ -17,28 +17,13 @@ import pytest
 import torch
 
 from harness.helpers import rank, remove_shared_dir, shared_tmpdir, world_size
+from harness.resume import BASE, run_losses, run_train
 from harness.tiers import tiered
 from shardkit import ShardkitError
 from shardkit.checkpoint import MANIFEST, latest_checkpoint
 from shardkit.train.checkpoint_dir import check_checkpoint_dir
 from shardkit.train.config import TrainConfig, validate_config
 from shardkit.train.run import train
-
-BASE = dict(seq_len=16, batch_size=4, dtype="float64", layers=2, lr=1e-3)
-
-
-def _run(**kw):
-    """``shardkit train`` in this world: the checks before launch (layout, then the directory), then the run."""
-    cfg = validate_config(TrainConfig(**{**BASE, **kw}), world_size=world_size())
-    check_checkpoint_dir(cfg)
-    return train(cfg, "gloo", torch.device("cpu"), time.perf_counter(), progress=False)
-
-
-def _losses(result):
-    box = [None if result is None else (result["losses"], result.get("first_step"))]
-    torch.distributed.broadcast_object_list(box, src=0)
-    return box[0]
-
 
 RESUMES = {
     "tp=2 x dp=2 -> dp_shard=2 x cp_ring=2 (FSDP2)": (dict(), dict(tp=1, dp_shard=2, cp_ring=2)),
@@ -75,11 +60,11 @@ QUICK = (
 def test_resume_on_another_layout_continues_the_same_losses(first, second):
     root = shared_tmpdir("shardkit-resume-")
     try:
-        full, _ = _losses(_run(steps=4, **first))
-        _run(steps=2, checkpoint_dir=root, **first)
+        full, _ = run_losses(run_train(steps=4, **first))
+        run_train(steps=2, checkpoint_dir=root, **first)
         if rank() == 0:
             assert latest_checkpoint(root).endswith("step_00000002")
-        resumed, start = _losses(_run(steps=4, checkpoint_dir=root, resume=True, **second))
+        resumed, start = run_losses(run_train(steps=4, checkpoint_dir=root, resume=True, **second))
         assert start == 2 and len(resumed) == 2
         for a, b in zip(resumed, full[2:]):
             assert abs(a - b) <= 1e-12 * abs(b), (resumed, full)
@@ -97,7 +82,7 @@ def test_failed_save_keeps_the_previous_checkpoint():
 
     root = shared_tmpdir("shardkit-failsave-")
     try:
-        _run(steps=1, tp=2, checkpoint_dir=root)
+        run_train(steps=1, tp=2, checkpoint_dir=root)
         real = dcp.FileSystemWriter.write_data
 
         def broken(self, plan, planner):  # rank 1's disk fills while writing its chunks
@@ -112,14 +97,14 @@ def test_failed_save_keeps_the_previous_checkpoint():
                 match=r"save_train_state: writing .*step_00000002 failed: rank 1: "
                 r"No space left on device \[errno 28\]",
             ):
-                _run(steps=2, tp=2, checkpoint_dir=root, resume=True)
+                run_train(steps=2, tp=2, checkpoint_dir=root, resume=True)
         finally:
             dcp.FileSystemWriter.write_data = real
         torch.distributed.barrier()
         if rank() == 0:
             assert latest_checkpoint(root).endswith("step_00000001")  # the previous save is still the latest
         # ... and it loads: resuming continues from step 1
-        _, start = _losses(_run(steps=2, tp=2, checkpoint_dir=root, resume=True))
+        _, start = run_losses(run_train(steps=2, tp=2, checkpoint_dir=root, resume=True))
         assert start == 1
     finally:
         remove_shared_dir(root)
@@ -134,14 +119,14 @@ def test_resume_needs_a_checkpoint_dir():
 def test_resume_in_another_dtype_raises_instead_of_casting():
     root = shared_tmpdir("shardkit-dtype-")
     try:
-        _run(steps=1, tp=2, checkpoint_dir=root)  # float64
+        run_train(steps=1, tp=2, checkpoint_dir=root)  # float64
         # before launch: the manifest's model description
         with pytest.raises(
             ShardkitError,
             match=r"--resume from step_00000001, a save of another model: dtype "
             r"'float64' \(checkpoint\) vs 'float32'",
         ):
-            _run(steps=2, tp=2, checkpoint_dir=root, resume=True, dtype="float32")
+            run_train(steps=2, tp=2, checkpoint_dir=root, resume=True, dtype="float32")
         # in the workers, for a save that describes no model (an earlier shardkit's: the run's
         # re-check once it holds the lock passes it, issue 31): the load itself
         if rank() == 0:
@@ -217,7 +202,7 @@ def test_resume_says_what_it_continues_from_and_refuses_a_step_count_already_rea
 
         assert check(steps=2, resume=True) == f"--resume: no save in {root!r}: this run starts at step 0"
         assert check(steps=2) is None
-        _run(steps=2, checkpoint_dir=root)
+        run_train(steps=2, checkpoint_dir=root)
         said = check(steps=4, resume=True)
         assert said.startswith(f"--resume: continuing from step 2 of {latest_checkpoint(root)} (saved at ")
         assert said.endswith("(saved at tp=2)")  # the layout of the save
@@ -244,14 +229,14 @@ def test_resume_from_one_save_continues_its_losses_into_a_new_directory():
     ``--checkpoint-dir``; the losses after it are the uninterrupted run's."""
     root, branch = shared_tmpdir("shardkit-resume-from-"), shared_tmpdir("shardkit-resume-branch-")
     try:
-        full, _ = _losses(_run(steps=3))
-        _run(steps=2, checkpoint_dir=root, save_every=1)
+        full, _ = run_losses(run_train(steps=3))
+        run_train(steps=2, checkpoint_dir=root, save_every=1)
         save = os.path.join(root, "step_00000001")
         cfg = validate_config(TrainConfig(**BASE, steps=3, resume_from=save), world_size=world_size())
         assert check_checkpoint_dir(cfg) == f"--resume-from: continuing from step 1 of {save} (saved at tp=2)"
         with pytest.raises(ShardkitError, match="holds the saves of an earlier run .* pass --resume"):
             check_checkpoint_dir(dataclasses.replace(cfg, checkpoint_dir=root))
-        resumed, start = _losses(_run(steps=3, resume_from=save, checkpoint_dir=branch))
+        resumed, start = run_losses(run_train(steps=3, resume_from=save, checkpoint_dir=branch))
         assert start == 1 and len(resumed) == 2
         for a, b in zip(resumed, full[1:]):
             assert abs(a - b) <= 1e-12 * abs(b), (resumed, full)
