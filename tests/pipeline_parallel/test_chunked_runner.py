@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from harness.helpers import all_true, get_mesh, rank, world_group, world_size
+from harness.pipe_models import mlp_chunks, mse, tanh_mlp
 from shardkit.comm import CommLedger
 from shardkit.errors import ShardkitError
 from shardkit.pipeline_parallel import ChunkedStage, chunk_layers, run_schedule, split_microbatches
@@ -30,19 +31,11 @@ CASES += [("zb-h1", 1), ("zbv", 2), ("dualpipev", 2)]
 
 
 def _model():
-    torch.manual_seed(4321)
-    mods = []
-    for _ in range(LAYERS):
-        mods += [nn.Linear(H, H, dtype=torch.float64), nn.Tanh()]
-    return nn.Sequential(*mods)
+    return tanh_mlp(H, LAYERS, seed=4321)
 
 
 def _chunks(model, p, v, placement, r):
-    return [nn.Sequential(*list(model)[2 * k.start : 2 * k.stop]) for k in chunk_layers(LAYERS, p, v, placement, r)]
-
-
-def _mse(out, target):
-    return ((out - target) ** 2).mean()
+    return mlp_chunks(model, LAYERS, p, v, placement, r)
 
 
 def _data(m, varlen):
@@ -63,12 +56,12 @@ def _parity(name, v, m, varlen=True):
     full = _model()
     xs, ts = _data(m, varlen)
     full.zero_grad()
-    ref_losses = [_mse(full(x), t) for x, t in zip(xs, ts)]
+    ref_losses = [mse(full(x), t) for x, t in zip(xs, ts)]
     (sum(ref_losses) / m).backward()
     mine = copy.deepcopy(_chunks(full, p, v, placement, r))
     for mod in mine:
         mod.zero_grad()
-    stage = ChunkedStage(mine, g, placement=placement, loss_fn=_mse)
+    stage = ChunkedStage(mine, g, placement=placement, loss_fn=mse)
     losses = run_schedule(stage, name, xs, ts, num_microbatches=m)
     ok = True
     if stage.holds(p * v - 1):
@@ -104,10 +97,10 @@ def test_v_table_with_fifo_mismatch_runs_and_equals_full_batch_backprop():
     gen = torch.Generator().manual_seed(3)
     x, t = (torch.randn(8, 3, H, generator=gen, dtype=torch.float64) for _ in range(2))
     full.zero_grad()
-    ref = _mse(full(x), t)
+    ref = mse(full(x), t)
     ref.backward()
     mine = copy.deepcopy(_chunks(full, p, 2, "v", r))
-    stage = ChunkedStage(mine, g, placement="v", loss_fn=_mse)
+    stage = ChunkedStage(mine, g, placement="v", loss_fn=mse)
     losses = run_schedule(stage, "zbv", split_microbatches(x, 4), split_microbatches(t, 4), num_microbatches=4)
     ok = r != 0 or _close(torch.stack(losses).mean(), ref.detach())
     for mod, refmod in zip(mine, _chunks(full, p, 2, "v", r), strict=True):
@@ -125,7 +118,7 @@ def test_local_handover_and_shape_caches_kept_across_calls():
     table = schedule_table("dualpipev", p, 2, 4)
     full = _model()
     mine = copy.deepcopy(_chunks(full, p, 2, "v", r))
-    stage = ChunkedStage(mine, g, placement="v", loss_fn=_mse)
+    stage = ChunkedStage(mine, g, placement="v", loss_fn=mse)
     xs, ts = _data(4, varlen=False)
     counts, apis = [], {}
     for _ in range(2):
@@ -150,7 +143,7 @@ def test_local_handover_and_shape_caches_kept_across_calls():
 @pytest.mark.world(2, timeout=60)
 def test_table_that_does_not_fit_the_chunks_raises_on_every_rank():
     r, g = rank(), world_group()
-    stage = ChunkedStage([nn.Identity(), nn.Identity()], g, loss_fn=_mse)  # v = 2, looped
+    stage = ChunkedStage([nn.Identity(), nn.Identity()], g, loss_fn=mse)  # v = 2, looped
     xs, ts = _data(2, varlen=False)
     one_chunk = schedule_table("1f1b", 2, 1, 2)  # chunk 1 never runs
     with pytest.raises(ShardkitError, match="cannot run on 2 ranks x 2 chunks"):
@@ -170,9 +163,9 @@ def test_table_that_does_not_fit_the_chunks_raises_on_every_rank():
 def test_chunked_stage_refuses_bad_arguments_on_every_rank():
     g = world_group()
     with pytest.raises(ShardkitError, match="placement 'v' holds 2 chunks"):
-        ChunkedStage([nn.Identity()] * 3, g, placement="v", loss_fn=_mse)
+        ChunkedStage([nn.Identity()] * 3, g, placement="v", loss_fn=mse)
     with pytest.raises(ShardkitError, match=r"rank 1 has \(v, placement\)"):
-        ChunkedStage([nn.Identity()] * (1 + rank()), g, loss_fn=_mse)
+        ChunkedStage([nn.Identity()] * (1 + rank()), g, loss_fn=mse)
     with pytest.raises(ShardkitError, match="needs loss_fn"):
         ChunkedStage([nn.Identity()], g)
 
@@ -192,14 +185,14 @@ def test_fsdp2_chunks_equal_full_batch_backprop(name, v):
     full = _model()
     xs, ts = _data(2 * m, varlen=False)
     full.zero_grad()
-    (sum(_mse(full(x), t) for x, t in zip(xs, ts)) / (2 * m)).backward()
+    (sum(mse(full(x), t) for x, t in zip(xs, ts)) / (2 * m)).backward()
     mine = copy.deepcopy(_chunks(full, 2, v, placement, pp))
     for chunk in mine:
         for layer in chunk:
             if isinstance(layer, nn.Linear):
                 fully_shard(layer, mesh=mesh["dp"])
         fully_shard(chunk, mesh=mesh["dp"])
-    stage = ChunkedStage(mine, mesh["pp"], placement=placement, loss_fn=_mse)
+    stage = ChunkedStage(mine, mesh["pp"], placement=placement, loss_fn=mse)
     with warnings.catch_warnings():  # nn.Linear on [B, S, H] returns a view; nothing here writes into it
         warnings.filterwarnings("ignore", "FSDP2-wrapped module")
         run_schedule(stage, name, xs[dp * m : (dp + 1) * m], ts[dp * m : (dp + 1) * m], num_microbatches=m)
@@ -261,7 +254,7 @@ def test_shapes_that_change_mid_run_under_early_receives_match_backprop(width):
     r, g = rank(), world_group()
     full = nn.Sequential(*[_Scale(width, seed) for seed in range(4)])
     mine = copy.deepcopy([full[c] for c in (r, 3 - r)])  # V placement: chunks r and 3 - r
-    stage = ChunkedStage(mine, g, placement="v", loss_fn=_mse)
+    stage = ChunkedStage(mine, g, placement="v", loss_fn=mse)
     gen = torch.Generator().manual_seed(5)
     ok = True
     for lens in ([3, 3, 5, 3], [2, 4, 4, 2]):
@@ -269,7 +262,7 @@ def test_shapes_that_change_mid_run_under_early_receives_match_backprop(width):
         ts = [torch.randn(2, s, width, generator=gen, dtype=torch.float64) for s in lens]
         for mod in [*mine, *full]:
             mod.zero_grad()
-        ref = [_mse(full(x), t) for x, t in zip(xs, ts)]
+        ref = [mse(full(x), t) for x, t in zip(xs, ts)]
         (sum(ref) / 4).backward()
         losses = run_schedule(stage, "dualpipev", xs, ts, num_microbatches=4)
         if r == 0:
@@ -283,7 +276,7 @@ def test_early_receives_receive_every_message_as_it_was_sent():
     """The ledger of a run with early receives: each rank's receives are its neighbour's sends,
     message by message in the same order and size (no message lost, split or mixed)."""
     r, p, g = rank(), world_size(), world_group()
-    stage = ChunkedStage(copy.deepcopy(_chunks(_model(), p, 2, "v", r)), g, placement="v", loss_fn=_mse)
+    stage = ChunkedStage(copy.deepcopy(_chunks(_model(), p, 2, "v", r)), g, placement="v", loss_fn=mse)
     xs, ts = _data(6, varlen=True)
     with CommLedger() as ledger:
         run_schedule(stage, "zbv", xs, ts, num_microbatches=6)
@@ -306,12 +299,12 @@ def test_one_group_per_link_runs_every_direction():
     r, p, g = rank(), world_size(), world_group()
     full = _model()
     mine = copy.deepcopy(_chunks(full, p, 2, "v", r))
-    stage = ChunkedStage(mine, g, placement="v", loss_fn=_mse)
+    stage = ChunkedStage(mine, g, placement="v", loss_fn=mse)
     stage.links = link_groups(stage.info, separate=True)
     pgs = {id(info.pg) for info in stage.links.values()}
     xs, ts = _data(8, varlen=True)
     full.zero_grad()
-    ref = [_mse(full(x), t) for x, t in zip(xs, ts)]
+    ref = [mse(full(x), t) for x, t in zip(xs, ts)]
     (sum(ref) / 8).backward()
     losses = run_schedule(stage, "zbv", xs, ts, num_microbatches=8)
     ok = len(pgs) == 4 and (r != 0 or all(_close(a, b.detach()) for a, b in zip(losses, ref)))

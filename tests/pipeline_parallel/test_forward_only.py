@@ -14,9 +14,10 @@ import torch
 from torch import nn
 
 from harness.helpers import all_true, rank, world_group, world_size
+from harness.pipe_models import mlp_chunks, mse, tanh_mlp
 from shardkit.comm import CommLedger
 from shardkit.errors import ShardkitError
-from shardkit.pipeline_parallel import ChunkedStage, PipelineStage, chunk_layers, run_schedule
+from shardkit.pipeline_parallel import ChunkedStage, PipelineStage, run_schedule
 from shardkit.pipeline_parallel.simulate import simulate_steps
 from shardkit.pipeline_parallel.steps import forward_only
 from shardkit.pipeline_parallel.stream_model import check_streams, posting_order
@@ -29,19 +30,11 @@ SPLIT = [("zb-h1", 1), ("zbv", 2), ("dualpipev", 2)]  # the tables with I steps
 
 
 def _model():
-    torch.manual_seed(4321)
-    mods = []
-    for _ in range(LAYERS):
-        mods += [nn.Linear(H, H, dtype=torch.float64), nn.Tanh()]
-    return nn.Sequential(*mods)
+    return tanh_mlp(H, LAYERS, seed=4321)
 
 
 def _chunks(model, p, v, placement, r):
-    return [nn.Sequential(*list(model)[2 * k.start : 2 * k.stop]) for k in chunk_layers(LAYERS, p, v, placement, r)]
-
-
-def _mse(out, target):
-    return ((out - target) ** 2).mean()
+    return mlp_chunks(model, LAYERS, p, v, placement, r)
 
 
 def _data(m):
@@ -55,7 +48,7 @@ def _data(m):
 def _stage(name, v, full):
     placement = SCHEDULES[name].placement
     mine = copy.deepcopy(_chunks(full, world_size(), v, placement, rank()))
-    return ChunkedStage(mine, world_group(), placement=placement, loss_fn=_mse), mine
+    return ChunkedStage(mine, world_group(), placement=placement, loss_fn=mse), mine
 
 
 def _tables():
@@ -102,7 +95,7 @@ def _eval_parity(name, v, m, **kw):
     xs, ts = _data(m)
     with torch.no_grad():
         ref_out = [full(x) for x in xs]
-        ref_loss = [_mse(y, t) for y, t in zip(ref_out, ts)]
+        ref_loss = [mse(y, t) for y, t in zip(ref_out, ts)]
     stage, mine = _stage(name, v, full)
     with CommLedger() as ledger:
         got = run_schedule(stage, name, xs, ts, num_microbatches=m, return_outputs=True, **kw)
@@ -148,7 +141,7 @@ def test_no_grad_on_i_w_tables_runs_where_it_used_to_hang(name, v):
         stage, _ = _stage(name, v, full)
         with torch.no_grad():
             losses = run_schedule(stage, name, xs, ts, num_microbatches=4)
-            ref = [_mse(full(x), t) for x, t in zip(xs, ts)]
+            ref = [mse(full(x), t) for x, t in zip(xs, ts)]
     finally:
         ex.input_grad = real
     ok = not calls
@@ -170,7 +163,7 @@ def test_eval_then_train_on_one_stage_keeps_training_exact():
         for mod in mine:
             mod.zero_grad()
         full.zero_grad()
-        total = sum(_mse(full(x), t) for x, t in zip(xs, ts))
+        total = sum(mse(full(x), t) for x, t in zip(xs, ts))
         (total / 4 if scale else total).backward()
         run_schedule(stage, "zbv", xs, ts, num_microbatches=4, scale_grads=scale)
         for mod, ref in zip(mine, _chunks(full, 2, 2, "v", rank()), strict=True):
@@ -187,18 +180,18 @@ def test_one_chunk_stage_eval_outputs_and_scale_grads():
     full = _model()
     xs, ts = _data(4)
     layers = _chunks(full, 2, 1, "looped", r)[0]
-    stage = PipelineStage(copy.deepcopy(layers), world_group(), r, 2, loss_fn=_mse if r == 1 else None)
+    stage = PipelineStage(copy.deepcopy(layers), world_group(), r, 2, loss_fn=mse if r == 1 else None)
     with torch.no_grad():
         got = run_schedule(stage, "1f1b", xs, ts, num_microbatches=4, return_outputs=True)
         ref_out = [full(x) for x in xs]
     ok = all(q.grad is None for q in stage.module.parameters())
     if r == 1:
         ok &= all(torch.equal(a, b) for a, b in zip(got.outputs, ref_out))
-        ok &= all(torch.equal(a, _mse(y, t)) for a, y, t in zip(got.losses, ref_out, ts))
+        ok &= all(torch.equal(a, mse(y, t)) for a, y, t in zip(got.losses, ref_out, ts))
     else:
         ok &= got == (None, None)
     full.zero_grad()
-    sum(_mse(full(x), t) for x, t in zip(xs, ts)).backward()
+    sum(mse(full(x), t) for x, t in zip(xs, ts)).backward()
     out = run_schedule(stage, "1f1b", xs, ts, num_microbatches=4, scale_grads=False)
     ok &= (out is None) == (r == 0)
     for a, b in zip(stage.module.parameters(), layers.parameters(), strict=True):
@@ -220,7 +213,7 @@ def test_modes_that_cannot_run_are_refused_on_every_rank(chunked):
         name, last = "zbv", r == 0
     else:
         layers = copy.deepcopy(_chunks(full, 2, 1, "looped", r)[0])
-        stage, name, last = PipelineStage(layers, world_group(), r, 2, loss_fn=_mse if r == 1 else None), "1f1b", r == 1
+        stage, name, last = PipelineStage(layers, world_group(), r, 2, loss_fn=mse if r == 1 else None), "1f1b", r == 1
     with torch.no_grad(), pytest.raises(ShardkitError, match=r"train=True under torch.no_grad\(\)"):
         run_schedule(stage, name, xs, ts, num_microbatches=2, train=True)
     with pytest.raises(ShardkitError, match="another schedule table|run with train="):
@@ -263,10 +256,10 @@ def test_non_tensor_arguments_per_microbatch_reach_every_chunk(train):
             x = mod(x, **kw)
         return x
 
-    stage = ChunkedStage(mine, world_group(), placement="v", loss_fn=_mse)
+    stage = ChunkedStage(mine, world_group(), placement="v", loss_fn=mse)
     with torch.set_grad_enabled(train):
         losses = run_schedule(stage, "zbv", xs, ts, num_microbatches=4, stage_kwargs=kws, scale_grads=False)
-        want = [_mse(ref_forward(x, kw), t) for x, kw, t in zip(xs, kws, ts)]
+        want = [mse(ref_forward(x, kw), t) for x, kw, t in zip(xs, kws, ts)]
     ok = losses is None if r == 1 else all(torch.equal(a, b.detach()) for a, b in zip(losses, want))
     if train:
         sum(want).backward()

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from harness.helpers import all_true, rank, world_group, world_size
+from harness.pipe_models import mse, tanh_mlp
 from shardkit.comm import CommLedger
 from shardkit.errors import ShardkitError
 from shardkit.pipeline_parallel import (
@@ -28,11 +29,7 @@ SCHEDULES = {"gpipe": gpipe_schedule, "1f1b": one_f_one_b_schedule}
 
 
 def _model():
-    torch.manual_seed(1234)
-    mods = []
-    for _ in range(LAYERS):
-        mods += [nn.Linear(H, H, dtype=torch.float64), nn.Tanh()]
-    return nn.Sequential(*mods)
+    return tanh_mlp(H, LAYERS, seed=1234)
 
 
 def _slice(model, s, P):
@@ -40,10 +37,6 @@ def _slice(model, s, P):
     sizes = [LAYERS // P + (i < LAYERS % P) for i in range(P)]
     start = sum(sizes[:s])
     return nn.Sequential(*list(model)[2 * start : 2 * (start + sizes[s])])
-
-
-def _mse(out, target):
-    return ((out - target) ** 2).mean()
 
 
 def _data(M, varlen, mb=2):
@@ -56,7 +49,7 @@ def _data(M, varlen, mb=2):
 
 def _reference(model, xs, ts):
     model.zero_grad()
-    losses = [_mse(model(x), t) for x, t in zip(xs, ts)]
+    losses = [mse(model(x), t) for x, t in zip(xs, ts)]
     (sum(losses) / len(losses)).backward()
     return [loss.detach() for loss in losses]
 
@@ -68,7 +61,7 @@ def _parity(schedule_name, M, varlen):
     ref_losses = _reference(full, xs, ts)
     module = copy.deepcopy(_slice(full, s, P))
     module.zero_grad()
-    stage = PipelineStage(module, g, s, P, loss_fn=_mse if s == P - 1 else None)
+    stage = PipelineStage(module, g, s, P, loss_fn=mse if s == P - 1 else None)
     losses = run_schedule(stage, SCHEDULES[schedule_name](P, M), xs if s == 0 else None, ts if s == P - 1 else None)
     ok = True
     if s == P - 1:
@@ -121,11 +114,11 @@ def test_parity_pp2_varlen_and_split_batch(schedule_name):
         torch.randn(6, 4, H, generator=gen, dtype=torch.float64),
     )
     full.zero_grad()
-    ref = _mse(full(x), t)
+    ref = mse(full(x), t)
     ref.backward()
     module = copy.deepcopy(_slice(full, s, P))
     module.zero_grad()
-    stage = PipelineStage(module, g, s, P, loss_fn=_mse)
+    stage = PipelineStage(module, g, s, P, loss_fn=mse)
     losses = run_schedule(stage, SCHEDULES[schedule_name](P, 3), split_microbatches(x, 3), split_microbatches(t, 3))
     ok = s < P - 1 or torch.allclose(torch.stack(losses).mean(), ref.detach(), rtol=1e-9)
     for p, r in zip(module.parameters(), _slice(full, s, P).parameters(), strict=True):
@@ -143,7 +136,7 @@ def test_ledger_counts_exactly_the_planned_transfers(schedule_name):
     s, P, g = rank(), world_size(), world_group()
     M, table = 4, SCHEDULES[schedule_name](P, 4)
     xs, ts = _data(M, varlen=True)
-    stage = PipelineStage(copy.deepcopy(_slice(_model(), s, P)), g, s, P, loss_fn=_mse)
+    stage = PipelineStage(copy.deepcopy(_slice(_model(), s, P)), g, s, P, loss_fn=mse)
     with CommLedger() as ledger:
         run_schedule(stage, table, xs, ts)
     expected = {}
@@ -169,7 +162,7 @@ def test_negotiated_shapes_are_kept_across_calls_of_one_stage():
     s, P, g = rank(), world_size(), world_group()
     full = _model()
     module = copy.deepcopy(_slice(full, s, P))
-    stage = PipelineStage(module, g, s, P, loss_fn=_mse)
+    stage = PipelineStage(module, g, s, P, loss_fn=mse)
     table = one_f_one_b_schedule(P, 3)
     # transfers of this stage: each F receives (s > 0) and sends (s < P - 1), each B the reverse
     planned = sum((s > 0) + (s < P - 1) for _ in table[s])
@@ -215,7 +208,7 @@ def test_stage_index_not_group_rank_raises_on_every_rank():
     wrong = (s + 1) % P if s == 1 else s  # only rank 1 is wrong
     msg = _raises_everywhere(
         "rank 1: stage_index=2 but this rank is group rank 1",
-        lambda: PipelineStage(nn.Identity(), g, wrong, P, loss_fn=_mse),
+        lambda: PipelineStage(nn.Identity(), g, wrong, P, loss_fn=mse),
     )
     assert "1 of 3 pipeline ranks" in msg
 
@@ -224,7 +217,7 @@ def test_stage_index_not_group_rank_raises_on_every_rank():
 def test_num_stages_not_group_size_raises_on_every_rank():
     s, g = rank(), world_group()
     _raises_everywhere(
-        "num_stages=2 but the pipeline group has 3 ranks", lambda: PipelineStage(nn.Identity(), g, s, 2, loss_fn=_mse)
+        "num_stages=2 but the pipeline group has 3 ranks", lambda: PipelineStage(nn.Identity(), g, s, 2, loss_fn=mse)
     )
 
 
@@ -237,7 +230,7 @@ def test_last_stage_without_loss_raises_on_every_rank():
 @pytest.mark.world(3, timeout=20)
 def test_bad_run_arguments_raise_on_every_rank():
     s, P, g = rank(), world_size(), world_group()
-    stage = PipelineStage(nn.Identity(), g, s, P, loss_fn=_mse)
+    stage = PipelineStage(nn.Identity(), g, s, P, loss_fn=mse)
     xs = [torch.zeros(1, 2)] * 3
     # The first stage got 2 inputs for a 3-microbatch schedule: agreed, so no rank hangs.
     _raises_everywhere(

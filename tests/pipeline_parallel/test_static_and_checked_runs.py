@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from harness.helpers import all_true, rank, world_group, world_size
+from harness.pipe_models import mse, tanh_mlp
 from shardkit.comm import CommLedger, checks
 from shardkit.errors import ShardkitError
 from shardkit.pipeline_parallel import ChunkedStage, PipelineStage, chunk_layers, run_schedule
@@ -27,15 +28,7 @@ CASES = [("1f1b", 1), ("gpipe", 1), ("zb-h1", 1), ("interleaved-1f1b", 2), ("zbv
 
 
 def _model():
-    torch.manual_seed(2024)
-    mods = []
-    for _ in range(LAYERS):
-        mods += [nn.Linear(H, H, dtype=torch.float64), nn.Tanh()]
-    return nn.Sequential(*mods)
-
-
-def _mse(out, target):
-    return ((out - target) ** 2).mean()
+    return tanh_mlp(H, LAYERS, seed=2024)
 
 
 def _stage(full, name, v, g):
@@ -47,8 +40,8 @@ def _stage(full, name, v, g):
         for k in chunk_layers(LAYERS, p, v, placement, r)
     ]
     if v == 1:
-        return PipelineStage(chunks[0], g, r, p, loss_fn=_mse if r == p - 1 else None), chunks
-    return ChunkedStage(chunks, g, placement=placement, loss_fn=_mse), chunks
+        return PipelineStage(chunks[0], g, r, p, loss_fn=mse if r == p - 1 else None), chunks
+    return ChunkedStage(chunks, g, placement=placement, loss_fn=mse), chunks
 
 
 def _data(m):
@@ -61,7 +54,7 @@ def _data(m):
 def _check_parity(full, stage, chunks, losses, xs, ts, name, v):
     r, p = rank(), world_size()
     full.zero_grad()
-    ref = [_mse(full(x), t) for x, t in zip(xs, ts)]
+    ref = [mse(full(x), t) for x, t in zip(xs, ts)]
     (sum(ref) / len(xs)).backward()
     ok = True
     if stage.holds(p * v - 1):
