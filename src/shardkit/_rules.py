@@ -41,6 +41,7 @@ SCHEDULE_CHUNKS = MappingProxyType(
         "looped-bfs": (1, None),
         "zb-h1": (1, 1),
         "zbv": (2, 2),
+        "interleaved-zb": (2, None),
         "dualpipev": (2, 2),
     }
 )
@@ -114,10 +115,11 @@ def schedule_rule(schedule: str, pp: int, virtual_stages: int, microbatches: int
 
     Returns:
         None, or the refusal: an unknown schedule; ``v`` outside the schedule's range (``1f1b``,
-        ``gpipe``, ``zb-h1``: 1; ``interleaved-1f1b``: >= 2; ``looped-bfs``: >= 1; ``zbv``,
-        ``dualpipev``: 2) or ``v > 1`` without a pipeline; fewer microbatches than the table
-        needs (``interleaved-1f1b``: ``m >= p`` and ``p | m``, Megatron-LM's rule; ``dualpipev``:
-        ``m >= 2p``); fewer layers than chunks (``layers >= p x v``).
+        ``gpipe``, ``zb-h1``: 1; ``interleaved-1f1b``, ``interleaved-zb``: >= 2; ``looped-bfs``:
+        >= 1; ``zbv``, ``dualpipev``: 2) or ``v > 1`` without a pipeline; fewer microbatches than
+        the table needs (``interleaved-1f1b``: ``m >= p`` and ``p | m``, Megatron-LM's rule;
+        ``interleaved-zb``: ``max(1, m // p) | m``, torch's; ``dualpipev``: ``m >= 2p``); fewer layers than chunks
+        (``layers >= p x v``).
     """
     if schedule not in SCHEDULE_CHUNKS:
         return f"--schedule must be one of {', '.join(SCHEDULE_CHUNKS)}, got {schedule!r}"
@@ -135,6 +137,11 @@ def schedule_rule(schedule: str, pp: int, virtual_stages: int, microbatches: int
         return (
             f"--schedule interleaved-1f1b with --pp {pp}: microbatches must be a multiple of pp "
             f"(groups of pp go round the chunks), got {microbatches}"
+        )
+    if schedule == "interleaved-zb" and microbatches % max(1, microbatches // pp):
+        return (
+            f"--schedule interleaved-zb with --pp {pp}: microbatches must be a multiple of "
+            f"max(1, microbatches // pp) = {max(1, microbatches // pp)} (equal rounds), got {microbatches}"
         )
     if schedule == "dualpipev" and microbatches < 2 * pp:
         return f"--schedule dualpipev with --pp {pp}: microbatches must be >= 2 x pp = {2 * pp}, got {microbatches}"

@@ -27,7 +27,7 @@ from shardkit.pipeline_parallel.tables import SCHEDULES, schedule_table
 H, LAYERS = 4, 9
 # (schedule, v): v in each schedule's allowed set; looped-bfs also at v = 1
 CASES = [("1f1b", 1), ("gpipe", 1), ("interleaved-1f1b", 2), ("looped-bfs", 1), ("looped-bfs", 2)]
-CASES += [("zb-h1", 1), ("zbv", 2), ("dualpipev", 2)]
+CASES += [("zb-h1", 1), ("zbv", 2), ("dualpipev", 2), ("interleaved-zb", 2)]
 
 
 def _model():

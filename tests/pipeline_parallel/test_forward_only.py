@@ -25,8 +25,8 @@ from shardkit.pipeline_parallel.tables import SCHEDULES
 
 H, LAYERS = 4, 9
 CASES = [("1f1b", 1), ("gpipe", 1), ("interleaved-1f1b", 2), ("looped-bfs", 2)]
-CASES += [("zb-h1", 1), ("zbv", 2), ("dualpipev", 2)]
-SPLIT = [("zb-h1", 1), ("zbv", 2), ("dualpipev", 2)]  # the tables with I steps
+CASES += [("zb-h1", 1), ("zbv", 2), ("dualpipev", 2), ("interleaved-zb", 2)]
+SPLIT = [("zb-h1", 1), ("zbv", 2), ("dualpipev", 2), ("interleaved-zb", 2)]  # the tables with I steps
 
 
 def _model():

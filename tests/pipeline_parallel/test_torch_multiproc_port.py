@@ -2,8 +2,8 @@
 express, ported onto its runner (our code; facts carried over: world 4, ``M = 4`` microbatches,
 two stages per rank for the multi-stage schedules, ``scale_grads=False``, a sum-reduced MSE loss).
 
-* ``test_eval_inference_mode`` (GPipe, 1F1B, Interleaved1F1B, LoopedBFS; InterleavedZeroBubble is
-  not a shardkit table: ZB-H1, ZBV and DualPipeV, the I/W tables shardkit has, stand in): an eval
+* ``test_eval_inference_mode`` (GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble:
+  ``interleaved-zb``; also ZB-H1, ZBV and DualPipeV, shardkit's other I/W tables): an eval
   call, rank 0 also under ``torch.no_grad()``; no parameter gets a gradient and the last stage has
   its losses. Here also: each loss bitwise equal to one process's forward, no gradient message.
 * ``test_return_output``: a training call without ``return_outputs`` returns no outputs (here:
@@ -28,7 +28,7 @@ D_HID, BATCH = 8, 16  # each microbatch [BATCH / M, D_HID]
 # (schedule, v, one-chunk PipelineStage rather than ChunkedStage)
 CASES = [("gpipe", 1, True), ("1f1b", 1, True), ("gpipe", 1, False), ("1f1b", 1, False)]
 CASES += [("interleaved-1f1b", 2, False), ("looped-bfs", 2, False)]
-CASES += [("zb-h1", 1, False), ("zbv", 2, False), ("dualpipev", 2, False)]
+CASES += [("zb-h1", 1, False), ("zbv", 2, False), ("dualpipev", 2, False), ("interleaved-zb", 2, False)]
 
 
 def _mlp(n_layers):

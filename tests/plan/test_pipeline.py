@@ -41,7 +41,7 @@ def _sizes(name, ps=(2, 3, 4, 5)):
 
 
 def _closed_applies(name, p, m):
-    return m >= {"zbv": p + 2, "zb-h1": p}.get(name, 1)
+    return m >= {"zbv": p + 2, "zb-h1": p, "interleaved-zb": p}.get(name, 1)
 
 
 @pytest.mark.parametrize("name", list(SCHEDULES))
@@ -86,6 +86,7 @@ def test_peak_closed_forms_equal_the_tables(name, monkeypatch):
         ("looped-bfs", 2, 3 / 19),
         ("zb-h1", 1, 3 / 27),  # (p - 1) / (3 m + p - 1) at F = I = W
         ("zbv", 2, 3 / 51),  # (p - 1) / (6 m + p - 1)
+        ("interleaved-zb", 2, 3 / 51),  # (p - 1) / (3 v m + p - 1): ZB-H1's over v chunks
         ("dualpipev", 2, 3 / 51),
     ],
 )

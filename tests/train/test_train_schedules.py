@@ -19,7 +19,8 @@ from shardkit.train.options import SCHEDULES
 from shardkit.train.run import train
 
 SMALL = dict(steps=2, seq_len=16, batch_size=4, dtype="float64", verify=True, layers=4, lr=1e-3, tp=1)
-V = {"1f1b": 1, "gpipe": 1, "interleaved-1f1b": 2, "looped-bfs": 2, "zb-h1": 1, "zbv": 2, "dualpipev": 2}
+V = {"1f1b": 1, "gpipe": 1, "interleaved-1f1b": 2, "looped-bfs": 2, "zb-h1": 1, "zbv": 2, "interleaved-zb": 2}
+V["dualpipev"] = 2
 
 
 def _train(**overrides) -> dict | None:
@@ -48,7 +49,7 @@ def test_trainer_offers_every_schedule_of_the_registry():
 
 
 @pytest.mark.world(2, timeout=180)
-@pytest.mark.parametrize("name", ["interleaved-1f1b", "zb-h1", "zbv"])
+@pytest.mark.parametrize("name", ["interleaved-1f1b", "zb-h1", "zbv", "interleaved-zb"])
 def test_schedule_verifies_at_pp2(name):
     _run_schedule(name, 2)
 

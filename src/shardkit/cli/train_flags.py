@@ -169,7 +169,8 @@ def add_train_flags(subparsers) -> argparse.ArgumentParser:
         "--virtual-stages",
         type=int,
         help="chunks (virtual stages) per pipeline rank: the layers are cut into pp x V chunks "
-        f"(interleaved-1f1b, looped-bfs: V >= 2 or looped-bfs 1; zbv, dualpipev: 2) (default {d.virtual_stages})",
+        f"(interleaved-1f1b, interleaved-zb, looped-bfs: V >= 2 or looped-bfs 1; zbv, dualpipev: 2) "
+        f"(default {d.virtual_stages})",
     )
     p.add_argument(
         "--steps", type=int, help=f"training steps in all; a resumed run continues up to it (default {d.steps})"

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from ..errors import ShardkitError
 from .schedules import gpipe_schedule, one_f_one_b_schedule
 from .steps import Step, Table, check_sizes, lift
-from .tables_v import dualpipev_table, zbv_table
+from .tables_v import _Row, dualpipev_table, zbv_table
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -30,6 +30,7 @@ __all__ = [
     "interleaved_1f1b_table",
     "looped_bfs_table",
     "zb_h1_table",
+    "interleaved_zb_table",
     "zbv_table",
     "dualpipev_table",
 ]
@@ -149,6 +150,49 @@ def zb_h1_table(p: int, v: int, m: int) -> Table:
     return tuple(table)
 
 
+def interleaved_zb_table(p: int, v: int, m: int) -> Table:
+    """Interleaved zero bubble (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024: ZB-H1
+    over looped chunks; the order of torch.distributed.pipelining's
+    ``ScheduleInterleavedZeroBubble``, its "ZB1P"). Microbatches go round the chunks in rounds
+    of ``k = m / max(1, m // p)``: the ``i``-th forward of a rank runs local chunk ``(i // k) % v``,
+    its ``i``-th input gradient chunk ``v - 1 - (i // k) % v``, each chunk's microbatches in
+    order. Rank ``r`` runs ``min((v - 1) k + p - 1 - r, v m)`` warm-up forwards, then pairs
+    (F, I) while forwards remain, then the remaining ``I`` s; from its ``(r + 1)``-th ``I`` on,
+    each ``I`` is followed by the oldest pending ``W`` (the ``W`` s lag ``r`` steps, as in
+    ZB-H1), and the rest of the ``W`` s close the row.
+
+    Source's claims: ZB-H1's memory (here per chunk) and a bubble below interleaved 1F1B's.
+    Here, at unit costs: peak in-flight chunk-microbatches ``min((v - 1) k + p, v m)`` on every
+    rank; makespan ``3 v m + p - 1`` when ``m >= p``, a bubble ``(p - 1) / (3 v m + p - 1)``:
+    ZB-H1's over ``v`` chunks (both tested).
+
+    Raises:
+        ShardkitError: ``v < 2`` (``v = 1`` is ``zb-h1``) or ``m`` not a multiple of its rounds
+            ``max(1, m // p)`` (torch's rule: each round holds the same microbatches).
+    """
+    check_sizes("interleaved-zb", p, v, m, v_min=2)
+    rounds = max(1, m // p)
+    if m % rounds:
+        raise ShardkitError(f"interleaved-zb: m (microbatches) must be a multiple of max(1, m // p)={rounds}, got {m}")
+    k, total = m // rounds, v * m
+    table = []
+    for r in range(p):
+        warm = min((v - 1) * k + p - 1 - r, total)
+        row = _Row(m)
+        for i in range(warm):
+            row.add("F", (i // k) % v)
+        for i in range(total):
+            if warm + i < total:
+                row.add("F", ((warm + i) // k) % v)
+            row.add("I", v - 1 - (i // k) % v)
+            if i >= r:
+                row.weight()
+        while row.w_queue:
+            row.weight()
+        table.append(tuple(row.steps))
+    return tuple(table)
+
+
 @dataclass(frozen=True)
 class ScheduleSpec:
     """A schedule: its table function ``build(p, v, m)``, the placement of chunks (``"looped"``
@@ -171,6 +215,7 @@ SCHEDULES = MappingProxyType(
         "looped-bfs": ScheduleSpec(looped_bfs_table, "looped", 1, None, False),
         "zb-h1": ScheduleSpec(zb_h1_table, "looped", 1, 1, True),
         "zbv": ScheduleSpec(zbv_table, "v", 2, 2, True),
+        "interleaved-zb": ScheduleSpec(interleaved_zb_table, "looped", 2, None, True),
         "dualpipev": ScheduleSpec(dualpipev_table, "v", 2, 2, True),
     }
 )

@@ -25,6 +25,7 @@ table is small (``p v m <= SIMULATE_LIMIT`` microbatch-chunks), otherwise from a
   1F1B one over ``v``, Narayanan et al. 2021 sec. 2.2.2; breadth-first: Lamy-Poirier 2023), for
   ``m >= p``; ``looped-bfs`` with ``m < p``: ``(p v + m - 1)(F + B)``;
 * ``zb-h1``, ``m >= p``: ``m (F + I + W) + (p - 1)(F + I - W)`` (Qi et al. 2024, sec. 3.1);
+  ``interleaved-zb``, ``m >= p``: the same over ``v m`` chunk-microbatches (found with the simulator);
 * ``zbv`` (``m >= p + 2``), ``dualpipev``, with ``I = F`` (as here): ``v m (F + I + W) + (p - 1)
   (F + I - W)``, ZB-H1's form over ``v`` chunks: at ``x = 0`` that is ``6 m f + (p - 1) f``, the
   sources' near-zero bubble (found with the simulator; with ``I != F`` the table is simulated).
@@ -96,7 +97,10 @@ def closed_makespan(schedule: str, p: int, v: int, m: int, costs: dict[str, floa
         return (m + p - 1) * (fwd + bwd)
     if schedule in ("interleaved-1f1b", "looped-bfs"):  # looped-bfs with m < p: the chunks' chain sets the pace
         return max(v * m + p - 1, p * v + m - 1) * (fwd + bwd)
-    if (schedule == "zb-h1" and m >= p) or (inp == fwd and (schedule == "dualpipev" or m >= p + 2)):
+    zb = (schedule in ("zb-h1", "interleaved-zb") and m >= p) or (
+        inp == fwd and (schedule == "dualpipev" or (schedule == "zbv" and m >= p + 2))
+    )
+    if zb:
         return m * v * (fwd + inp + wgt) + (p - 1) * (fwd + inp - wgt)
     return _simulated(schedule, p, v, m, tuple(sorted(costs.items())))[0]
 
@@ -116,7 +120,8 @@ def peak_chunks(schedule: str, p: int, v: int, m: int, rank: int | None = None) 
 
     ``1f1b``, ``zb-h1``: ``min(p - r, m)`` (zb-h1: ``min(p, m)`` on every rank; its W lags
     ``r`` steps); ``gpipe``: ``m``; ``interleaved-1f1b``: ``min(2(p - r - 1) + (v - 1)p + 1, v m)``;
-    ``looped-bfs``: ``v m``; ``zbv``: ``min(2p, ...)`` (``2p`` once ``m >= 2p``), ``dualpipev``: ``2p + 1``.
+    ``looped-bfs``: ``v m``; ``interleaved-zb``: ``min((v - 1) k + p, v m)``, ``k = m / max(1, m // p)``;
+    ``zbv``: ``min(2p, ...)`` (``2p`` once ``m >= 2p``), ``dualpipev``: ``2p + 1``.
     Below ``SIMULATE_LIMIT`` (and for ``zbv`` with ``m < 2p``) the table itself is counted.
     """
     if p * v * m <= SIMULATE_LIMIT or (schedule == "zbv" and m < 2 * p):
@@ -133,6 +138,8 @@ def peak_chunks(schedule: str, p: int, v: int, m: int, rank: int | None = None) 
         return min(2 * (p - r - 1) + (v - 1) * p + 1, v * m)
     if schedule == "looped-bfs":
         return v * m
+    if schedule == "interleaved-zb":  # every rank: the last chunk's warm-up of one round, plus p
+        return min((v - 1) * (m // max(1, m // p)) + p, v * m)
     return 2 * p if schedule == "zbv" else 2 * p + 1
 
 

@@ -36,7 +36,7 @@ DTYPES = ("float32", "float64", "bfloat16")  # torch's names: getattr(torch, nam
 # that the flags (`shardkit train --help`) import no torch
 AC_MODES = ("none", "full", "selective")
 MIXED_PRECISION = ("none", "bf16")
-SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "looped-bfs", "zb-h1", "zbv", "dualpipev")
+SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "looped-bfs", "zb-h1", "zbv", "interleaved-zb", "dualpipev")
 LR_SCHEDULES = ("constant", "warmup-cosine")
 CP_LAYOUTS = ("zigzag", "contiguous", "stripe")  # shardkit.context_parallel.ring.LAYOUTS
 SIZE_FLAGS = (
@@ -95,7 +95,7 @@ class TrainConfig:
     moe_seq_aux_loss: float = 0.0  # moe / mla: sequence-wise balance loss coefficient (DeepSeek-V3)
     microbatches: int = 1  # per step and dp rank: pipeline microbatches, or gradient accumulation
     schedule: str = "1f1b"  # pipeline schedule: a name of SCHEDULES
-    virtual_stages: int = 1  # chunks per pipeline rank (interleaved-1f1b, looped-bfs: >= 2; zbv, dualpipev: 2)
+    virtual_stages: int = 1  # chunks per pipeline rank (interleaved-1f1b, -zb, looped-bfs: >= 2; zbv, dualpipev: 2)
     ac: str = "none"  # activation checkpointing of each decoder block: "none", "full", "selective" or "selective:N"
     sp_activation: str | None = None  # with SP: "shard" (keep the norm's block, regather in backward) or "gathered"
     compile: str | None = None  # torch.compile each decoder block with this backend ("inductor", "aot_eager", ...)
