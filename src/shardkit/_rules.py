@@ -23,6 +23,7 @@ __all__ = [
     "cp_tokens_rule",
     "ep_rule",
     "sp_pp_tp_rule",
+    "pp_tp_chunks_rule",
     "lm_spatial_rule",
     "sequence_parallel_default",
     "ac_rule",
@@ -199,6 +200,17 @@ def sp_pp_tp_rule(sequence_parallel: bool, pp_tp: tuple[int, ...] | None) -> str
     if sequence_parallel and pp_tp is not None:
         return "--sequence-parallel with --pp-tp: stages of different tp sizes exchange replicated hidden states"
     return None
+
+
+def pp_tp_chunks_rule(pp_tp: object, schedule: str, virtual_stages: int) -> str | None:
+    """Stages of their own tp sizes (``pp_tp``, not None) hold one chunk each (a one-chunk
+    ``PipelineStage`` on ``StageGroups``): every one-chunk schedule runs, ``v > 1`` does not."""
+    if pp_tp is None or virtual_stages == 1:
+        return None
+    return (
+        f"--pp-tp stages hold one chunk each: --schedule {schedule} --virtual-stages {virtual_stages} cannot run "
+        "on them; use a one-chunk schedule (1f1b, gpipe, zb-h1, looped-bfs) with --virtual-stages 1"
+    )
 
 
 def lm_spatial_rule(spatial: int, spatial_h: int) -> str | None:

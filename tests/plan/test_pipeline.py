@@ -147,6 +147,18 @@ def test_planner_refuses_with_the_shared_rule():
     assert why is not None and str(err.value).endswith(why)
 
 
+@pytest.mark.parametrize(("schedule", "v", "refused"), [("zb-h1", 1, False), ("interleaved-zb", 2, True)])
+def test_pp_tp_stages_run_one_chunk_schedules_in_the_planner_as_in_the_trainer(schedule, v, refused):
+    shape = ModelShape.from_config(TINY)
+    opts = StepOptions(seq_len=16, global_batch=4, microbatches=4, schedule=schedule, virtual_stages=v)
+    dims, cluster = ParallelDims(pp_tp=(2, 1), world_size=3), Cluster(gpus=3, gpus_per_node=3)
+    if refused:
+        with pytest.raises(ShardkitError, match="--pp-tp stages hold one chunk each"):
+            estimate_step(shape, dims, opts, cluster)
+    else:
+        assert estimate_step(shape, dims, opts, cluster).options.schedule == schedule
+
+
 def test_virtual_stages_shrink_the_bubble_and_v_shape_moves_the_logits():
     shape = ModelShape.from_config(TINY)
     cluster = Cluster(gpus=4, gpus_per_node=4)

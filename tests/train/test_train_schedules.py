@@ -77,6 +77,18 @@ def test_pp_tp_stages_verify_under_checks(schedule):
     assert _verified(result), result and result["parity"]
 
 
+@pytest.mark.world(4, timeout=240)
+@pytest.mark.parametrize("schedule", ["zb-h1", "looped-bfs"])
+def test_pp_tp_stages_verify_every_one_chunk_schedule(schedule):
+    """--pp-tp 2,1,1 (stages of tp 2, 1 and 1) under the one-chunk schedules beyond 1F1B/GPipe:
+    ZB-H1's I/W split through a tp-2 stage's regions and each boundary reshard, looped BFS at
+    v = 1; --verify against one process (float64, 1e-9)."""
+    result = _train(pp_tp="2,1,1", tp=None, layers=3, schedule=schedule, microbatches=3, batch_size=3)
+    assert _verified(result), result and result["parity"]
+    if rank() == 0:
+        assert result["layout"]["schedule"] == schedule
+
+
 @pytest.mark.slow
 @pytest.mark.world(4, timeout=300)
 @pytest.mark.parametrize("name", list(V))
@@ -181,7 +193,11 @@ def test_save_under_1f1b_resumes_under_interleaved_with_the_same_losses():
         (dict(pp=2, schedule="dualpipev", virtual_stages=2, microbatches=2), "microbatches must be >= 2 x pp = 4"),
         (dict(pp=2, schedule="1f1b", virtual_stages=2, microbatches=2), "needs --virtual-stages 1, got 2"),
         (dict(pp=1, schedule="zbv", virtual_stages=2), "need a pipeline"),
-        (dict(pp_tp="2,1", tp=None, schedule="zb-h1", microbatches=2), "--pp-tp stages run"),
+        (
+            dict(pp_tp="2,1", tp=None, schedule="interleaved-1f1b", virtual_stages=2, microbatches=2),
+            "--pp-tp stages hold one chunk each",
+        ),
+        (dict(pp_tp="2,1", tp=None, schedule="zbv", virtual_stages=2, microbatches=2), "hold one chunk each"),
         (dict(pp=2, schedule="looped-bfs", virtual_stages=3, microbatches=2, layers=4), "cannot fill 6 chunks"),
     ],
 )

@@ -72,13 +72,14 @@ def parallelize_stage(
             :data:`~shardkit.pipeline_parallel.tables.SCHEDULES`): it places the chunks.
         virtual_stages: chunks per rank. With ``v > 1`` or a schedule other than ``1f1b`` and
             ``gpipe`` the stage is a :class:`~shardkit.pipeline_parallel.ChunkedStage` (every
-            schedule; no ``pp_tp`` stages), else a :class:`PipelineStage`.
+            schedule), else, and for ``pp_tp`` stages (one chunk: every one-chunk schedule), a
+            :class:`PipelineStage`.
 
     Returns:
         :class:`~.decoder.ParallelModel` whose ``stage`` runs the schedule.
 
     Raises:
-        ShardkitError: an unknown ``schedule``; a chunked one with ``pp_tp`` stages; fewer
+        ShardkitError: an unknown ``schedule``; ``virtual_stages > 1`` with ``pp_tp`` stages; fewer
             layers than ``pp x virtual_stages`` (:class:`DecoderStageModule`).
     """
     dims = mesh.dims
@@ -88,10 +89,11 @@ def parallelize_stage(
         raise ShardkitError(
             f"parallelize_stage: unknown pipeline schedule {schedule!r}; expected one of {list(SCHEDULES)}"
         )
-    chunked = virtual_stages > 1 or schedule not in ("1f1b", "gpipe")
-    if chunked and stages is not None:
+    # a tp-group stage is a one-chunk PipelineStage: every one-chunk schedule runs on it
+    chunked = stages is None and (virtual_stages > 1 or schedule not in ("1f1b", "gpipe"))
+    if stages is not None and virtual_stages != 1:
         raise ShardkitError(
-            f"parallelize_stage: pp_tp stages run 1f1b or gpipe with one chunk per rank, got schedule {schedule!r} "
+            f"parallelize_stage: pp_tp stages hold one chunk each, got schedule {schedule!r} "
             f"with {virtual_stages} virtual stages"
         )
     placement = SCHEDULES[schedule].placement

@@ -16,7 +16,7 @@ from ..pipeline_parallel.steps import global_chunk
 from ..pipeline_parallel.tables import SCHEDULES as SCHEDULE_TABLES
 from ..sharding import ParallelDims
 from .model import ModelShape
-from .rules import decoder_layout_rule, schedule_rule, sequence_parallel_default
+from .rules import decoder_layout_rule, pp_tp_chunks_rule, schedule_rule, sequence_parallel_default
 
 __all__ = [
     "StepOptions",
@@ -108,7 +108,8 @@ def check_layout(shape: ModelShape, dims: ParallelDims, opts: StepOptions) -> No
         ShardkitError: ``plan:`` and the first refusal of :func:`.rules.decoder_layout_rule`
             (batch not divisible by dp x microbatches, a cp rank without a token, more tp ranks
             than query heads, spatial layouts, sequence parallelism with ``pp_tp``, ...), or of
-            :func:`.rules.schedule_rule` (the schedule, its virtual stages and microbatches).
+            :func:`.rules.schedule_rule` (the schedule, its virtual stages and microbatches), or
+            of :func:`.rules.pp_tp_chunks_rule` (``pp_tp`` stages hold one chunk).
     """
     why = decoder_layout_rule(
         dims,
@@ -121,6 +122,7 @@ def check_layout(shape: ModelShape, dims: ParallelDims, opts: StepOptions) -> No
         layers=shape.layers,
         experts=shape.experts,
     ) or schedule_rule(opts.schedule, dims.pp, opts.virtual_stages, opts.microbatches, shape.layers)
+    why = why or pp_tp_chunks_rule(dims.pp_tp, opts.schedule, opts.virtual_stages)
     if why is None and opts.zero not in (0, 1, 2):
         why = f"zero must be 0, 1 or 2, got {opts.zero!r}"
     if why is None and opts.zero and dims.dp_shard > 1:

@@ -19,7 +19,8 @@ FFN), so nothing asks ``tp`` or ``cp`` to divide them; what the layers cannot do
   that the data-parallel ranks and microbatches do not divide;
 * expert parallelism of a dense model, sequence parallelism across stages of different tp sizes
   (they exchange replicated hidden states), spatial parallelism of an LM;
-* a pipeline schedule outside its table's sizes (:func:`schedule_rule`, :func:`check_schedule`).
+* a pipeline schedule outside its table's sizes (:func:`schedule_rule`, :func:`check_schedule`);
+  ``pp_tp`` stages (one chunk each) with ``v > 1`` (:func:`pp_tp_chunks_rule`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from .._rules import (
     ep_rule,
     lm_spatial_rule,
     pp_layers_rule,
+    pp_tp_chunks_rule,
     schedule_rule,
     seq_len_rule,
     sequence_parallel_default,
@@ -52,6 +54,7 @@ __all__ = [
     "sequence_parallel_default",
     "decoder_layout_rule",
     "schedule_rule",
+    "pp_tp_chunks_rule",
     "check_schedule",
 ]
 

@@ -16,7 +16,7 @@ import dataclasses
 import math
 
 from .._files import check_out_dir
-from .._rules import batch_rule, pp_layers_rule, schedule_rule, stage_heads_rule
+from .._rules import batch_rule, pp_layers_rule, pp_tp_chunks_rule, schedule_rule, stage_heads_rule
 from ..errors import ShardkitError
 from .config_file import check_output_dirs, check_writable
 from .layout_lm import check_lm_options, check_moe_balance, check_precision, check_zero
@@ -219,8 +219,9 @@ def check_model_shape(cfg: TrainConfig, heads: int, kv_heads: int, layers: int) 
 
 def _check_pipeline_flags(cfg: TrainConfig) -> None:
     """The schedule rules: ``--virtual-stages`` an int >= 1, chunked schedules only with a pipeline,
-    not with ``--pp-tp``; then the table's own sizes (microbatches, layers per chunk:
-    :func:`~shardkit._rules.schedule_rule`, the same rule as the planner's). ``--checks`` runs
+    ``--pp-tp`` stages with one chunk each (:func:`~shardkit._rules.pp_tp_chunks_rule`: every
+    one-chunk schedule); then the table's own sizes (microbatches, layers per chunk:
+    :func:`~shardkit._rules.schedule_rule`, the same rules as the planner's). ``--checks`` runs
     every schedule (the runner reads every message's header and agrees on the table every call)."""
     v, pp = cfg.virtual_stages, len(cfg.stage_tp_sizes) if cfg.pp_tp is not None else cfg.pp
     if not isinstance(v, int) or v < 1:
@@ -230,10 +231,8 @@ def _check_pipeline_flags(cfg: TrainConfig) -> None:
         if not simple:
             raise ShardkitError(f"--schedule {cfg.schedule} --virtual-stages {v} need a pipeline (--pp > 1)")
         return
-    if cfg.pp_tp is not None and not simple:
-        raise ShardkitError(
-            f"--pp-tp stages run --schedule 1f1b or gpipe with --virtual-stages 1, got {cfg.schedule} with {v}"
-        )
+    if (why := pp_tp_chunks_rule(cfg.pp_tp, cfg.schedule, v)) is not None:
+        raise ShardkitError(why)
     # layers against chunks only for v > 1 and the built-in model (one chunk per rank: the pipeline's
     # own layer rule, check_model_shape; a checkpoint's layers are checked when its stages are cut)
     layers = cfg.layers if cfg.model_path is None and v > 1 else pp * v
