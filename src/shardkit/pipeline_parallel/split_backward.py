@@ -177,6 +177,8 @@ def input_grad(
     _check_grad_out(output, grad_output, "input_grad")
     params = [p for p in params if p.requires_grad]
     from_output = PendingWeightGrad([([output], [grad_output], params)] if params else [])
+    if output is stage_input and grad_output is not None:  # a pass-through chunk (nn.Identity)
+        return grad_output, from_output
     if not stage_input.requires_grad or output.grad_fn is None:
         return None, from_output
     found = _weight_roots(output, stage_input, params) if params else []
