@@ -96,6 +96,15 @@ def test_every_schedule_verifies_at_pp2_x_dp2(name):
     _run_schedule(name, 2)
 
 
+@pytest.mark.slow
+@pytest.mark.world(4, timeout=300)
+@pytest.mark.parametrize("name", list(V))
+def test_every_schedule_verifies_with_fsdp2_and_activation_checkpointing(name):
+    """pp=2 x dp_shard=2 (FSDP2: each group gathered once, reduced after its last B or W) with
+    --ac full on the one-chunk schedules and --ac selective on the chunked ones."""
+    _run_schedule(name, 2, dp_shard=2, ac="full" if V[name] == 1 else "selective")
+
+
 COMPOSED = {
     "zbv: pp=2 x tp=2 (SP)": dict(name="zbv", tp=2),
     "zb-h1: pp=2 x tp=2, loss parallel": dict(name="zb-h1", tp=2, loss_parallel=True),
