@@ -4,10 +4,12 @@ Ported from ``test/distributed/pipelining/test_schedule.py`` (``TestSchedulePlan
 ``TestScheduleLowering``) and its schedule zoo ``schedule_registry.py`` (used by
 ``test_schedule_multiproc.py``):
 
-* ``test_pipeline_order`` (Interleaved1F1B, LoopedBFS): its ``(num_local_stages,
+* ``test_pipeline_order`` (Interleaved1F1B, LoopedBFS, InterleavedZeroBubble): its ``(num_local_stages,
   num_microbatches, group_size)`` cases; every table must be complete and run without deadlock in
   :func:`simulate_steps` (PyTorch skips ``m % p != 0``: here interleaved refuses it, looped BFS
-  runs it).
+  runs it). Interleaved zero bubble: rank ``r`` runs ``min((v - 1) k + p - 1 - r, v m)``
+  warm-up forwards (``k`` microbatches a round), then alternates F and I, and its ``W`` s lag
+  its ``I`` s by ``r`` steps (torch's ``num_1f1b_microbatches = rank``).
 * ``test_pipeline_order_flex_and_zero_bubble``: its warm-up count of the interleaved schedule,
   ``min((v - 1) p + 2(p - 1), v m)`` forwards on rank 0 (then the steady phase's first forward).
 * ``test_pipeline_order_for_v_schedules`` (ZBVZeroBubble, DualPipeV): ``v != 2`` is refused
@@ -18,16 +20,15 @@ Ported from ``test/distributed/pipelining/test_schedule.py`` (``TestSchedulePlan
   schedules of ``test_send_recv`` (``simple_2_rank_2_stage``, ``v_2_rank_4_stage``): here they
   run without deadlock and, at unit costs, take the number of time steps their grids draw.
 
-Not ported: ``ScheduleUnbalanced`` (3 and 2 chunks on two ranks: neither looped nor V
-placement); ``test_csv_compare`` (compares against PyTorch's own CSV artifact of DualPipeV:
+Not ported here: ``ScheduleUnbalanced`` (3 and 2 chunks on two ranks: neither looped nor V
+placement; it runs padded to ``v = 3`` looped chunks, ``test_unbalanced_stages.py``);
+``test_csv_compare`` (compares against PyTorch's own CSV artifact of DualPipeV:
 that is their implementation's exact order, not a property; copying it is out of bounds);
 ``test_action_parse`` and the lowering passes (``_add_unshard_reshard``, ``_add_reduce_grad``,
 ``_merge_bw``, ``_add_send_recv``'s comm order): they test PyTorch's string format and runtime
 lowering, which shardkit's tables do not have (one runner executes every table's steps);
-``ScheduleInterleavedZeroBubble``
-(an interleaved zero-bubble schedule shardkit does not provide); the multi-process runs of
-``test_schedule_multiproc.py`` (runtime gradient parity, not tables: the stage-level I/W
-parity is ``test_schedule_split_backward.py``).
+the multi-process runs of ``test_schedule_multiproc.py`` (runtime parity, not tables: ported in
+``test_torch_multiproc_port.py``; the stage-level I/W parity is ``test_schedule_split_backward.py``).
 """
 
 import pytest
@@ -52,7 +53,7 @@ def _sim(name, table, v, m, costs=None):
     return simulate_steps(table, placement=SCHEDULES[name].placement, v=v, num_microbatches=m, **kw)
 
 
-@pytest.mark.parametrize("name", ["interleaved-1f1b", "looped-bfs"])
+@pytest.mark.parametrize("name", ["interleaved-1f1b", "looped-bfs", "interleaved-zb"])
 @pytest.mark.parametrize(("v", "m", "p"), TORCH_CASES)
 def test_pipeline_order(name, v, m, p):
     if m % p and name == "interleaved-1f1b":  # PyTorch's test skips these; here they are refused
@@ -66,6 +67,15 @@ def test_pipeline_order(name, v, m, p):
         warmup = min((v - 1) * p + 2 * (p - 1), v * m)  # PyTorch's count for rank 0
         leading = next(i for i, s in enumerate(table[0]) if s.kind != "F")
         assert leading == min(warmup + 1, v * m)  # the steady phase starts with one more forward
+    if name == "interleaved-zb":
+        k = m // max(1, m // p)
+        for r, row in enumerate(table):
+            warmup = min((v - 1) * k + p - 1 - r, v * m)
+            assert [s.kind for s in row[:warmup]] == ["F"] * warmup and row[warmup].kind in ("F", "I")
+            inputs = [i for i, s in enumerate(row) if s.kind == "I"]
+            weights = [i for i, s in enumerate(row) if s.kind == "W"]
+            lag = sum(i < weights[0] for i in inputs)  # I steps before the first W
+            assert lag == min(r + 1, v * m), (r, lag)
 
 
 @pytest.mark.parametrize("name", ["zbv", "dualpipev"])
