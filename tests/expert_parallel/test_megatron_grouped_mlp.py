@@ -197,7 +197,9 @@ def test_forward_backward_equals_sequential(swiglu, seq_len, dtype):
 
 
 @pytest.mark.parametrize("swiglu", [True, False])
-@pytest.mark.parametrize(("path", "dtype"), [("grouped_mm", torch.bfloat16), ("bmm", torch.bfloat16), ("bmm", torch.float64)])
+@pytest.mark.parametrize(
+    ("path", "dtype"), [("grouped_mm", torch.bfloat16), ("bmm", torch.bfloat16), ("bmm", torch.float64)]
+)
 def test_forward_backward_with_no_tokens_allocated(swiglu, path, dtype):
     """Zero rows for every expert (the three no-token cases): empty output, zero weight gradients."""
     grp = _GroupedMoE(swiglu, dtype)

@@ -3,8 +3,9 @@
 The model is a Hugging Face ``config.json``; the cluster a preset (``--preset h100`` / ``h800``,
 figures and sources in :mod:`shardkit.plan.cluster`) with any figure overridden by a flag.
 Prints the fastest layouts that fit in memory (pipeline schedule and virtual stages included)
-with their breakdown (and, for their ring cp degrees, each cp layout's load balance), and writes a plot of them when matplotlib (the ``plot`` extra) is
-installed; ``--json`` prints them as a JSON list instead.
+with their breakdown (and, for their ring cp degrees, each cp layout's load balance), and writes
+a plot of them when matplotlib (the ``plot`` extra) is installed; ``--json`` prints them as a
+JSON list instead.
 """
 
 from __future__ import annotations

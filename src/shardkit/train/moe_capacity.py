@@ -34,9 +34,7 @@ from .options import TrainConfig
 __all__ = ["sequence_groups", "reference_groups"]
 
 
-def sequence_groups(
-    seq_len: int, cp_ring: int, cp_ulysses: int, cp_layout: str, sp_blocks: int
-) -> list[torch.Tensor]:
+def sequence_groups(seq_len: int, cp_ring: int, cp_ulysses: int, cp_layout: str, sp_blocks: int) -> list[torch.Tensor]:
     """Positions ``[0, S)`` of each router call of one batch row, in the order the call sees them.
 
     Args:

@@ -96,7 +96,7 @@ class TrainConfig:
     moe_z_loss: float = 0.0  # moe / mla: router z-loss coefficient (ST-MoE) added to the loss
     moe_seq_aux_loss: float = 0.0  # moe / mla: sequence-wise balance loss coefficient (DeepSeek-V3)
     moe_capacity_factor: float | None = None  # moe / mla: Megatron's expert capacity factor; None: dropless
-    moe_drop_policy: str = "probs"  # with a capacity: drop the lowest weights ("probs") or the latest tokens ("position")
+    moe_drop_policy: str = "probs"  # with a capacity: drop the lowest weights ("probs") or latest tokens ("position")
     moe_pad_to_capacity: bool = False  # with a capacity: fill every expert to it (fixed all-to-all sizes with --ep)
     microbatches: int = 1  # per step and dp rank: pipeline microbatches, or gradient accumulation
     schedule: str = "1f1b"  # pipeline schedule: a name of SCHEDULES
