@@ -66,6 +66,9 @@ LAYOUTS = {
     "moe: cp_ulysses=2 x dp=2, ep=4, padded": dict(model="moe", tp=1, cp_ulysses=2, ep=4, **PAD),
     "moe: dp=4, full activation checkpointing, padded": dict(model="moe", tp=1, ac="full", **PAD),
     "moe: tp=2 x dp=2, tensor-parallel experts (ep=1), position": dict(model="moe", **POS),
+    "moe: tp=2 (SP) x dp=2, tensor-parallel experts (the block gathers the sequence), probs": dict(
+        model="moe", sequence_parallel=True, **CAP
+    ),
     "moe: dp=4, 2 microbatches of gradient accumulation, with the bias": dict(
         model="moe", tp=1, batch_size=8, microbatches=2, moe_bias_update_rate=0.05, **POS
     ),

@@ -124,8 +124,10 @@ class MoEBalance:
             if state is not None and match is not None:
                 self.routers.append(_Router(int(match.group(1)), name, router, state))
         mesh = pm.mesh
-        # tp ranks route copies of the same tokens unless sequence parallelism split them
-        self.counts = mesh is None or pm.sequence_parallel or mesh.local_rank("tp") == 0
+        # tp ranks route copies of the same tokens unless sequence parallelism split them, which it
+        # does for expert-parallel blocks only: a tensor-parallel MoE block gathers the sequence first
+        own = mesh is not None and pm.sequence_parallel and mesh.dims.ep > 1
+        self.counts = mesh is None or own or mesh.local_rank("tp") == 0
 
     def biases(self) -> dict[str, torch.Tensor]:
         """The bias buffers of this rank's routers, by a layout-free key (checkpoint ``extra`` state)."""
