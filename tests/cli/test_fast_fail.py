@@ -125,6 +125,10 @@ CASES = {
         lambda t: ["--model", "moe", "--moe-bias-update-rate", "-1"],
         "--moe-bias-update-rate must be a finite number >= 0",
     ),
+    "moe capacity padding without a factor": (
+        lambda t: ["--model", "moe", "--moe-pad-to-capacity"],
+        "--moe-pad-to-capacity needs --moe-capacity-factor",
+    ),
     "seq len": (lambda t: ["--seq-len", "1"], "--seq-len must be >= 2"),
     "cp tokens": (
         lambda t: ["--tp", "1", "--cp-ring", "4", "--nproc", "4", "--seq-len", "3"],

@@ -51,6 +51,8 @@ LAYOUTS = {
     "moe: cp_ring=2 x dp=2, ep=2": dict(model="moe", tp=1, cp_ring=2, ep=2, **NO_SEQ),
     "moe: dp=4, full activation checkpointing": dict(model="moe", tp=1, ac="full", **ALL),
     "moe: dp=4, bias only": dict(model="moe", tp=1, moe_bias_update_rate=0.05),
+    # the tensor-parallel MoE block gathers the sequence: its tp ranks route the same tokens (count once)
+    "moe: tp=2 (SP) x dp=2, tensor-parallel experts": dict(model="moe", sequence_parallel=True, **NO_SEQ),
     "moe: pp_tp=2,1,1 (stage tp sizes differ)": dict(model="moe", pp_tp="2,1,1", layers=3, **ALL),
     # the zero-bubble split (I then W) and validation forwards (no_grad: not counted)
     "moe: pp=2 x dp=2, zbv, eval every step": dict(

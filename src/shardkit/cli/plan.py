@@ -3,8 +3,9 @@
 The model is a Hugging Face ``config.json``; the cluster a preset (``--preset h100`` / ``h800``,
 figures and sources in :mod:`shardkit.plan.cluster`) with any figure overridden by a flag.
 Prints the fastest layouts that fit in memory (pipeline schedule and virtual stages included)
-with their breakdown, and writes a plot of them when matplotlib (the ``plot`` extra) is
-installed; ``--json`` prints them as a JSON list instead.
+with their breakdown (and, for their ring cp degrees, each cp layout's load balance), and writes
+a plot of them when matplotlib (the ``plot`` extra) is installed; ``--json`` prints them as a
+JSON list instead.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from ..errors import ShardkitError
 from ..parallelize.fake_world import fake_world_table
 from ..pipeline_parallel.tables import SCHEDULES
 from ..plan import CLUSTERS, Cluster, ModelShape, StepEstimate, StepOptions, estimate_step, plan_layouts
+from ..plan.cp_balance import CP_LAYOUTS, balance_lines, layout_balance
 from ..plan.rules import check_schedule
 from ..plan.search import schedule_choices
 from ..sharding import ParallelDims
@@ -213,7 +215,8 @@ def _print(title: str, estimates: list[StepEstimate]) -> None:
 def as_json(est: StepEstimate, given: bool = False) -> dict[str, object]:
     """One layout's row of ``--json``: ``layout``, ``schedule``, ``virtual_stages``,
     ``microbatches``, ``step_s``, ``compute_s``, ``bubble``, ``comm_s``, ``memory_gib``,
-    ``fits``, ``mfu``, ``tokens_per_s``, and ``given`` (a ``--compare`` layout)."""
+    ``fits``, ``mfu``, ``tokens_per_s``, ``given`` (a ``--compare`` layout), and with ring cp
+    ``cp_layout_balance`` (each ring layout's slowest rank / mean, causal)."""
     return dict(
         layout=est.dims.describe(),
         schedule=est.options.schedule,
@@ -228,7 +231,14 @@ def as_json(est: StepEstimate, given: bool = False) -> dict[str, object]:
         mfu=est.mfu,
         tokens_per_s=est.tokens_per_s,
         given=given,
+        **(_balances(est) if est.dims.cp_ring > 1 else {}),
     )
+
+
+def _balances(est: StepEstimate) -> dict[str, object]:
+    """``cp_layout_balance``: each ring cp layout's slowest rank / mean (:mod:`shardkit.plan.cp_balance`)."""
+    seq, ring = est.options.seq_len, est.dims.cp_ring
+    return {"cp_layout_balance": {name: layout_balance(seq, ring, name) for name in CP_LAYOUTS}}
 
 
 def _plot(path: str, estimates: list[StepEstimate], given: int = 0) -> None:
@@ -340,7 +350,7 @@ def run_plan(args: argparse.Namespace) -> int:
     _print(f"fastest {len(best)} layouts that fit in {cluster.gpu_memory_gib:g} GiB", best)
     if compared:
         _print("compared layouts", compared)
-    for line in refused:
+    for line in balance_lines(args.seq_len, [e.dims.cp_ring for e in best + compared]) + refused:
         print(line)
     _plot(args.plot, best + compared, given=len(compared))
     return 0

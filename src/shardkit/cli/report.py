@@ -68,7 +68,8 @@ def print_summary(result: dict, console: Console) -> None:
 
     The summary: layout, parameter count, steps, throughput, MFU (against the planner's peak
     figure of the GPU; "n/a" on a CPU), the mean loss and gradient norm of the first and of the
-    last :data:`WINDOW` steps, the held-out loss (first and last validation), time, peak memory
+    last :data:`WINDOW` steps, the held-out loss (first and last validation), the fraction of
+    (token, slot) pairs over the experts' capacity (``--moe-capacity-factor``), time, peak memory
     per rank, saved activations.
     """
     losses = result["losses"]
@@ -95,6 +96,13 @@ def print_summary(result: dict, console: Console) -> None:
     norms = result.get("grad_norms")
     if norms:
         table.add_row(*_windows("grad norm", norms, first, 4))
+    cfg = result.get("config", {})
+    if cfg.get("moe_capacity_factor") is not None and result.get("moe_load_counts"):
+        # each step's per-layer rows: the expert loads, then the dropped (token, slot) pairs
+        rows = [row for step in result["moe_load_counts"] for row in step]
+        dropped, routed = sum(r[-1] for r in rows), sum(sum(r[:-1]) for r in rows)
+        how = f"capacity factor {cfg['moe_capacity_factor']:g}, {cfg.get('moe_drop_policy', 'probs')}"
+        table.add_row("dropped (token, slot) pairs", f"{100 * dropped / max(routed, 1):.2f}% ({how})")
     table.add_row("train time", f"{result['timings_s']['train']:.2f} s (setup {result['timings_s']['setup']:.2f} s)")
     mem = ", ".join(f"r{r}: {b / _MIB:.0f}" for r, b in enumerate(result["peak_memory_bytes"]))
     table.add_row(f"peak memory MiB ({result['memory_kind']})", mem)

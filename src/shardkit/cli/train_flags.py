@@ -8,7 +8,7 @@ import argparse
 
 from .._rules import ac_rule
 from ..train.model_names import MODEL_SUMMARIES
-from ..train.options import AC_MODES, CP_LAYOUTS, DTYPES, MIXED_PRECISION, SCHEDULES, TrainConfig
+from ..train.options import AC_MODES, CP_LAYOUTS, DTYPES, MIXED_PRECISION, MOE_DROP_POLICIES, SCHEDULES, TrainConfig
 from .commands import COMMANDS
 
 __all__ = ["add_train_flags"]
@@ -132,6 +132,23 @@ def add_train_flags(subparsers) -> argparse.ArgumentParser:
         metavar="COEF",
         help="moe / mla: DeepSeek-V3 sequence-wise balance loss coefficient (default 0; not with cp or "
         "sequence parallelism)",
+    )
+    p.add_argument(
+        "--moe-capacity-factor",
+        type=float,
+        metavar="F",
+        help="moe / mla: expert capacity (Megatron-LM): each expert takes at most ceil(T * k / E * F) (token, slot) "
+        "pairs of the T tokens a rank routes at once, the rest dropped (default: dropless)",
+    )
+    p.add_argument(
+        "--moe-drop-policy",
+        choices=MOE_DROP_POLICIES,
+        help="with --moe-capacity-factor: drop the lowest routing weights (probs, default) or the latest tokens",
+    )
+    p.add_argument(
+        "--moe-pad-to-capacity",
+        action=argparse.BooleanOptionalAction,
+        help="with --moe-capacity-factor: fill every expert to its capacity with zero-weight pairs (fixed sizes)",
     )
     p.add_argument(
         "--pp-tp", metavar="T0,T1,...", help="per-stage tp sizes, e.g. 2,1,1 (pp = their count; sum * dp = nproc)"

@@ -7,6 +7,7 @@
 * :mod:`.capacity`: expert capacity and token dropping (Megatron-LM's capacity factor).
 * :mod:`.balance`: router load balancing (DeepSeek-V3's bias and sequence-wise loss, z-loss).
 * :mod:`.router`: those on a transformers router (the trainer's ``--moe-*`` flags).
+* :mod:`.router_capacity`: the capacity at the router, per token group of a call.
 * :mod:`.hf`: ``grouped_gemm`` parameter sharding, the EP-dispatch and ``ep_router`` forwards
   and the ``moe_identity_expert`` input scaling, for transformers MoE models.
 * :mod:`.styles`: those as :func:`shardkit.apply_tp` plan styles, and :func:`ep_plan`.

@@ -18,6 +18,9 @@ softmax, top-k, ``norm_topk_prob``; ``DeepseekV2TopkRouter``: float32 softmax, g
 * the load: per-expert (token, slot) counts accumulated in :attr:`BalanceState.load` by each
   forward that runs with gradient outside a backward (an activation-checkpoint recompute runs
   inside the backward and is not counted twice; evaluation under ``no_grad`` is not counted).
+* optionally the expert capacity (Megatron-LM's capacity factor) on each call's tokens, or on
+  each token group of a call (:mod:`.router_capacity`): dropped pairs get weight 0, counted
+  in :attr:`BalanceState.dropped` like the load.
 
 The caller all-reduces the load over the ranks routing different tokens and then steps the bias
 (:func:`.balance.update_router_bias_`); :mod:`shardkit.train.moe_balance` does it for the trainer.
@@ -28,7 +31,8 @@ Source: DeepSeek-V3 (arXiv 2412.19437, section 2.1.2, eq. 16-20), ST-MoE (z-loss
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -38,6 +42,8 @@ from torch import nn
 from ..comm._compat import current_autograd_node
 from ..errors import ShardkitError
 from .balance import biased_topk, sequence_balance_loss
+from .capacity import check_capacity_args
+from .router_capacity import grouped_capacity_keep
 
 __all__ = ["AuxLossGrad", "BalanceState", "install_balanced_router", "balance_state", "BIAS_BUFFER"]
 
@@ -73,6 +79,10 @@ class BalanceState:
         seq_len: tokens per sequence in the router's input (the sequence-wise loss cuts ``T`` by it).
         load: ``[E]`` (token, slot) pairs routed to each expert since the last :meth:`reset`.
         aux: ``[2]`` this rank's share of the z-loss and of the sequence loss since then.
+        capacity_factor: expert capacity per token group (None: dropless; :mod:`.router_capacity`).
+        drop_policy: ``"probs"`` or ``"position"``.
+        capacity_groups: ``T -> groups`` of a call's ``T`` tokens (None: the call is one group).
+        dropped: ``[1]`` (token, slot) pairs dropped since the last :meth:`reset`.
     """
 
     bias_rate: float | None
@@ -83,10 +93,15 @@ class BalanceState:
     seq_len: int
     load: torch.Tensor
     aux: torch.Tensor
+    capacity_factor: float | None = None
+    drop_policy: str = "probs"
+    capacity_groups: Callable[[int], Sequence[torch.Tensor]] | None = None
+    dropped: torch.Tensor = field(default_factory=lambda: torch.zeros(1, dtype=torch.float64))
 
     def reset(self) -> None:
         self.load.zero_()
         self.aux.zero_()
+        self.dropped.zero_()
 
 
 def balance_state(router: nn.Module) -> BalanceState | None:
@@ -119,6 +134,9 @@ def install_balanced_router(
     token_scale: float = 1.0,
     seq_scale: float = 1.0,
     seq_len: int = 1,
+    capacity_factor: float | None = None,
+    drop_policy: str = "probs",
+    capacity_groups: Callable[[int], Sequence[torch.Tensor]] | None = None,
 ) -> BalanceState:
     """Replace ``router.forward`` by the balanced one (module docstring); returns its state.
 
@@ -130,9 +148,15 @@ def install_balanced_router(
         token_scale: 1 / tokens routed per global step (the z-loss is a mean over them).
         seq_scale: 1 / sequences per global step (the sequence loss is a mean over them).
         seq_len: tokens per sequence in each call (``T`` must be a multiple when ``seq_aux_loss``).
+        capacity_factor: Megatron-LM's expert capacity factor, applied to each call's tokens (or
+            to each of ``capacity_groups(T)``): dropped pairs get weight 0 (None: dropless).
+        drop_policy: ``"probs"`` or ``"position"`` (:mod:`.capacity`).
+        capacity_groups: maps a call's token count ``T`` to its token groups
+            (:func:`.router_capacity.grouped_capacity_keep`); None: the call is one group.
 
     Raises:
-        ShardkitError: an unknown router; a negative rate or coefficient; ``seq_len < 1``.
+        ShardkitError: an unknown router; a negative rate or coefficient; ``seq_len < 1``; bad
+            capacity arguments.
     """
     kind = _kind(router)
     mod: Any = router  # a transformers router: its plain attributes (top_k, num_experts) are no tensors
@@ -141,6 +165,7 @@ def install_balanced_router(
             raise ShardkitError(f"install_balanced_router: {name} must be >= 0, got {value}")
     if seq_len < 1:
         raise ShardkitError(f"install_balanced_router: seq_len must be >= 1, got {seq_len}")
+    check_capacity_args(capacity_factor, drop_policy, False, "install_balanced_router")
     weight: torch.Tensor = mod.weight
     n_exp = int(mod.num_experts)
     if bias_rate is not None and BIAS_BUFFER not in router._buffers:
@@ -154,6 +179,10 @@ def install_balanced_router(
         seq_len,
         torch.zeros(n_exp, dtype=torch.float64, device=weight.device),
         torch.zeros(2, dtype=torch.float64, device=weight.device),
+        capacity_factor,
+        drop_policy,
+        capacity_groups,
+        torch.zeros(1, dtype=torch.float64, device=weight.device),
     )
     setattr(router, _ATTR, state)
 
@@ -190,6 +219,14 @@ def _balanced_forward(router: Any, kind: str, hidden_states: torch.Tensor):
     first_pass = training and current_autograd_node() is None  # not a checkpoint's recompute
     if first_pass:
         state.load.add_(torch.bincount(index.reshape(-1), minlength=state.load.numel()).to(state.load.dtype))
+    if state.capacity_factor is not None:  # the load above counts routed pairs, dropped or not
+        groups = state.capacity_groups(index.shape[0]) if state.capacity_groups is not None else None
+        keep = grouped_capacity_keep(
+            index, weights, state.load.numel(), state.capacity_factor, drop_policy=state.drop_policy, groups=groups
+        )
+        weights = weights * keep.to(weights.dtype)  # zero output, zero weight gradient: dropped
+        if first_pass:
+            state.dropped.add_((~keep).sum().to(state.dropped.dtype))
     if not training or not (state.z_loss or state.seq_aux_loss):
         return logits, weights, index
     parts = []

@@ -126,6 +126,7 @@ def parallelize(
     zero: int = 0,
     cp_layout: str = "zigzag",
     sp_activation: str | None = None,
+    expert_capacity: dict[str, Any] | None = None,
 ) -> ParallelModel:
     """Apply tensor, context, expert and data parallelism to ``model``, in that order, in place.
 
@@ -174,6 +175,9 @@ def parallelize(
             ``dp_shard > 1`` (FSDP2 is ZeRO-3 there). Ignored with ``mesh=None``.
         cp_layout: the token placement of ring cp alone (``ring_layout`` of
             :func:`~shardkit.context_parallel.apply_cp`): ``"zigzag"``, ``"contiguous"``, ``"stripe"``.
+        expert_capacity: with ``ep > 1``, the capacity keywords of
+            :func:`~shardkit.expert_parallel.shard_experts` (``capacity_factor``, ``drop_policy``,
+            ``pad_to_capacity``): dropped pairs are never sent. None: dropless.
 
     Returns:
         :class:`ParallelModel`.
@@ -259,11 +263,14 @@ def parallelize(
         )
         cp = apply_cp(model, cp_mesh, dims.cp_mode, ring_layout=cp_layout)
     if ep > 1:
+        capacity = dict(expert_capacity or {})
         for experts in _experts_modules(model):
             if tp > 1 and not sequence_parallel:  # the same tokens on the tp ranks: each dispatches its block
-                shard_experts(experts, mesh["ep"], mode="dispatch", tokens="replicated", token_group=mesh["tp"])
+                shard_experts(
+                    experts, mesh["ep"], mode="dispatch", tokens="replicated", token_group=mesh["tp"], **capacity
+                )
             else:  # every rank's tokens are its own (with sequence parallelism: its sequence block)
-                shard_experts(experts, mesh["ep"], mode="dispatch", tokens="sharded")
+                shard_experts(experts, mesh["ep"], mode="dispatch", tokens="sharded", **capacity)
     apply_compile(decoder_layers(model), backend)
     # the cast sits inside the checkpoint: a recomputed block casts its weights again
     apply_mixed_precision(model, decoder_layers(model), mixed_precision)

@@ -15,7 +15,7 @@ Megatron-LM pipeline x tensor parallelism; MindSpeed-MM VTP.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -49,6 +49,7 @@ def parallelize_stage(
     zero: int = 0,
     cp_layout: str = "zigzag",
     sp_activation: str | None = None,
+    expert_capacity: dict[str, Any] | None = None,
 ) -> ParallelModel:
     """This rank's pipeline stage of ``model``, parallelized, with its :class:`PipelineStage`.
 
@@ -66,6 +67,7 @@ def parallelize_stage(
         zero: as :func:`~.decoder.parallelize` (ZeRO over this stage's data ranks).
         cp_layout: as :func:`~.decoder.parallelize`.
         sp_activation: as :func:`~.decoder.parallelize`.
+        expert_capacity: as :func:`~.decoder.parallelize`.
         grad_reduce: as :func:`~.decoder.parallelize` (over the data ranks of this stage; the
             schedule's microbatch losses are ``loss_fn``'s to scale).
         schedule: the pipeline schedule (a name of
@@ -110,6 +112,7 @@ def parallelize_stage(
         zero=zero,
         cp_layout=cp_layout,
         sp_activation=sp_activation,
+        expert_capacity=expert_capacity,
     )
     last = module.is_last
     if module.tied:

@@ -24,6 +24,7 @@ from .cluster import Cluster
 from .collectives import HEADER_BYTES, CommRow, step_collectives
 from .memory import memory_per_rank
 from .model import ModelShape
+from .moe_time import grouped_gemm_extra_flops
 from .options import StepOptions, check_layout
 from .overlap import exposed_seconds
 from .pipeline import pipeline_cost
@@ -44,7 +45,8 @@ class StepEstimate:
         dims: the layout. options: its step options.
         rows: ``(CommRow, seconds)`` of the busiest stage (shardkit's and FSDP2's collectives).
         compute_s: matmul and attention time of one rank, seconds (no bubble; with activation
-            checkpointing, the recompute included).
+            checkpointing, the recompute included; the routed experts as grouped GEMMs, each
+            expert's rows in whole tiles: :mod:`.moe_time`).
         bubble: the idle fraction of the pipeline schedule's makespan (1F1B and GPipe
             ``(pp - 1) / (M + pp - 1)`` without P2P time; :func:`.pipeline.pipeline_cost`).
         comm_s: exposed communication seconds besides the pipeline's P2P (in its makespan;
@@ -117,6 +119,8 @@ def estimate_step(shape: ModelShape, dims: ParallelDims, options: StepOptions, c
     # the recompute of checkpointed blocks is spread over the steps like the rest of the work
     # (exact for the 1F1B-form makespans, (m + p - 1)(F + B) with B growing by the recompute)
     work = flops + recompute_flops_per_token(shape, options.activation_checkpoint, options.seq_len) * tokens
+    # the routed experts run as grouped GEMMs: each expert's rows in whole tiles (.moe_time)
+    work += grouped_gemm_extra_flops(shape, dims, options) * tokens
     compute = work / cluster.gpus / (cluster.peak_tflops * 1e12 * cluster.efficiency)
     if dims.pp_tp is not None:  # the slowest stage sets the pace: its layers over its tp ranks
         share = max(len(shape.stage_layers(dims.pp, s)) / (shape.layers * t) for s, t in enumerate(dims.pp_tp))

@@ -25,7 +25,7 @@ from .._rules import (
 )
 from ..errors import ShardkitError
 from .model_names import model_facts
-from .options import AC_MODES, CP_LAYOUTS, MIXED_PRECISION, TrainConfig
+from .options import AC_MODES, CP_LAYOUTS, MIXED_PRECISION, MOE_DROP_POLICIES, TrainConfig
 
 __all__ = ["check_lm_options", "check_precision", "check_moe_balance", "check_zero"]
 
@@ -73,6 +73,7 @@ def check_moe_balance(cfg: TrainConfig, experts: bool | None) -> None:
     for flag, value in flags.items():
         if value is not None and (isinstance(value, bool) or not (math.isfinite(value) and value >= 0)):
             raise ShardkitError(f"{flag} must be a finite number >= 0, got {value!r}")
+    given += _capacity_flags(cfg)
     if not given:
         return
     if experts is False:
@@ -88,6 +89,26 @@ def check_moe_balance(cfg: TrainConfig, experts: bool | None) -> None:
             "rank (it multiplies two sums over the sequence); use --moe-z-loss / --moe-bias-update-rate, or "
             "--no-sequence-parallel / no cp"
         )
+
+
+def _capacity_flags(cfg: TrainConfig) -> list[str]:
+    """The capacity flags given (checked); ``--packed`` with cp refused: the ``--verify`` reference
+    cuts its token groups by the plain cp layout, not each document's."""
+    factor, policy = cfg.moe_capacity_factor, cfg.moe_drop_policy
+    if factor is not None and (isinstance(factor, bool) or not (math.isfinite(factor) and factor > 0)):
+        raise ShardkitError(f"--moe-capacity-factor must be a finite number > 0, got {factor!r}")
+    if policy not in MOE_DROP_POLICIES:
+        raise ShardkitError(f"--moe-drop-policy must be one of {', '.join(MOE_DROP_POLICIES)}, got {policy!r}")
+    if cfg.moe_pad_to_capacity and factor is None:
+        raise ShardkitError("--moe-pad-to-capacity needs --moe-capacity-factor (dropless routing has no capacity)")
+    if factor is None:
+        return []
+    if cfg.packed and cfg.cp_size > 1:
+        raise ShardkitError(
+            "--moe-capacity-factor with --packed and context parallelism: each rank's token group follows every "
+            "document's cp layout, which the --verify reference does not cut yet; drop --packed or cp"
+        )
+    return ["--moe-capacity-factor"]
 
 
 def check_lm_options(cfg: TrainConfig, experts: bool | None) -> None:

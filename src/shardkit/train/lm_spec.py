@@ -24,7 +24,7 @@ from .layout_lm import check_lm_options
 from .lm_families import LMFamily
 from .lm_task import LMTask, PackedSampler
 from .model import build_model
-from .moe_balance import install_moe_balance
+from .moe_balance import expert_capacity_options, install_moe_balance
 from .options import TrainConfig
 from .pretrained import read_config
 from .trainer import LossScale
@@ -133,9 +133,10 @@ def parallelize_lm(model: nn.Module, mesh, cfg: TrainConfig, task) -> tuple[Para
         zero=cfg.zero if mesh is not None else 0,  # the --verify reference: plain AdamW
         cp_layout=cfg.cp_layout,
         sp_activation=cfg.sp_activation if sp else None,
+        expert_capacity=expert_capacity_options(cfg),
     )
     # before any transform (none touches the routers), for the parallel run and the reference alike
-    install_moe_balance(model, cfg)
+    install_moe_balance(model, cfg, reference=mesh is None)
     if cfg.cp_size == 1:  # no causal-mask builder, no device read per forward (cp has its own attention)
         mask_free_sdpa(model)
     if mesh is not None and mesh.dims.pp > 1:

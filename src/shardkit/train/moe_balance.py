@@ -1,4 +1,5 @@
-"""The trainer's MoE balancing (``--moe-bias-update-rate``, ``--moe-z-loss``, ``--moe-seq-aux-loss``).
+"""The trainer's MoE balancing (``--moe-bias-update-rate``, ``--moe-z-loss``, ``--moe-seq-aux-loss``)
+and expert capacity (``--moe-capacity-factor``, ``--moe-drop-policy``, ``--moe-pad-to-capacity``).
 
 :func:`install_moe_balance` puts :func:`~shardkit.expert_parallel.router.install_balanced_router`
 on every router of the full model, before :func:`~shardkit.parallelize.parallelize` (the
@@ -13,6 +14,10 @@ tokens contribute (tp ranks hold copies of the same tokens unless sequence paral
 them). So every rank holding a layer gets that layer's load over the whole global batch, equal to
 the one-process reference's load, and steps the bias by the same sign on every rank (DeepSeek-V3's
 update, skipped with the step when the step is not applied). The row sums give the metrics.
+
+With a capacity every router drops the pairs over it on the tokens of its call (the reference:
+on each of the parallel run's token groups, :mod:`.moe_capacity`); the table gains a column,
+the dropped pairs, and the metrics the dropped fraction per layer.
 
 Source: DeepSeek-V3 section 2.1.2 (the bias updated at the end of each step from the step's load).
 """
@@ -30,17 +35,30 @@ from ..comm import _c10d
 from ..comm._group import resolve_group
 from ..expert_parallel.balance import update_router_bias_
 from ..expert_parallel.router import BIAS_BUFFER, BalanceState, balance_state, install_balanced_router
+from .moe_capacity import reference_groups
 from .options import TrainConfig
 from .pretrained import read_config
 
-__all__ = ["moe_balance_on", "install_moe_balance", "MoEBalance", "moe_balance_for"]
+__all__ = ["moe_balance_on", "expert_capacity_options", "install_moe_balance", "MoEBalance", "moe_balance_for"]
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 def moe_balance_on(cfg: TrainConfig) -> bool:
     """Whether any of the balancing flags is set."""
-    return cfg.moe_bias_update_rate is not None or bool(cfg.moe_z_loss) or bool(cfg.moe_seq_aux_loss)
+    balancing = cfg.moe_bias_update_rate is not None or bool(cfg.moe_z_loss) or bool(cfg.moe_seq_aux_loss)
+    return balancing or cfg.moe_capacity_factor is not None
+
+
+def expert_capacity_options(cfg: TrainConfig) -> dict | None:
+    """The capacity keywords of :func:`~shardkit.parallelize.parallelize` (``expert_capacity``), or None."""
+    if cfg.moe_capacity_factor is None:
+        return None
+    return dict(
+        capacity_factor=cfg.moe_capacity_factor,
+        drop_policy=cfg.moe_drop_policy,
+        pad_to_capacity=cfg.moe_pad_to_capacity,
+    )
 
 
 def _routers(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -53,14 +71,16 @@ def _routers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return out
 
 
-def install_moe_balance(model: nn.Module, cfg: TrainConfig) -> int:
+def install_moe_balance(model: nn.Module, cfg: TrainConfig, reference: bool = False) -> int:
     """Install the balanced routers on ``model`` (the full, unparallelized model); how many.
 
-    Nothing happens without the flags (the routers keep their own forward).
+    Nothing happens without the flags (the routers keep their own forward). ``reference``: the
+    ``--verify`` reference, whose router calls hold several of the parallel run's token groups.
     """
     if not moe_balance_on(cfg):
         return 0
     routers = _routers(model)
+    groups = reference_groups(cfg) if reference and cfg.moe_capacity_factor is not None else None
     for _, router in routers:
         install_balanced_router(
             router,
@@ -70,6 +90,9 @@ def install_moe_balance(model: nn.Module, cfg: TrainConfig) -> int:
             token_scale=1.0 / (cfg.batch_size * cfg.seq_len),
             seq_scale=1.0 / cfg.batch_size,
             seq_len=cfg.seq_len,
+            capacity_factor=cfg.moe_capacity_factor,
+            drop_policy=cfg.moe_drop_policy,
+            capacity_groups=groups,
         )
     return len(routers)
 
@@ -101,8 +124,10 @@ class MoEBalance:
             if state is not None and match is not None:
                 self.routers.append(_Router(int(match.group(1)), name, router, state))
         mesh = pm.mesh
-        # tp ranks route copies of the same tokens unless sequence parallelism split them
-        self.counts = mesh is None or pm.sequence_parallel or mesh.local_rank("tp") == 0
+        # tp ranks route copies of the same tokens unless sequence parallelism split them, which it
+        # does for expert-parallel blocks only: a tensor-parallel MoE block gathers the sequence first
+        own = mesh is not None and pm.sequence_parallel and mesh.dims.ep > 1
+        self.counts = mesh is None or own or mesh.local_rank("tp") == 0
 
     def biases(self) -> dict[str, torch.Tensor]:
         """The bias buffers of this rank's routers, by a layout-free key (checkpoint ``extra`` state)."""
@@ -116,16 +141,18 @@ class MoEBalance:
         Returns:
             ``moe_layers`` (indices), ``moe_load`` (per layer, the fraction of (token, slot)
             pairs per expert), ``moe_load_max_over_mean`` (per layer), ``moe_load_counts``
-            (per layer, the counts: what ``--verify`` compares), and ``moe_z_loss`` /
-            ``moe_seq_aux_loss`` (summed over layers) when on.
+            (per layer, the counts, then with a capacity the dropped pairs: what ``--verify``
+            compares), ``moe_z_loss`` / ``moe_seq_aux_loss`` (summed over layers) when on, and
+            with a capacity ``moe_dropped_fraction`` (per layer: dropped / routed pairs).
         """
         n_exp = self.num_experts
         device = self.routers[0].state.load.device if self.routers else _device(self.pm.module)
-        table = torch.zeros(self.num_layers, n_exp + 2, dtype=torch.float64, device=device)
+        table = torch.zeros(self.num_layers, n_exp + 3, dtype=torch.float64, device=device)
         if self.counts:
             for r in self.routers:
                 table[r.layer, :n_exp] = r.state.load
-                table[r.layer, n_exp:] = r.state.aux
+                table[r.layer, n_exp : n_exp + 2] = r.state.aux
+                table[r.layer, n_exp + 2 :] = r.state.dropped
         if self.pm.mesh is not None and dist.get_world_size() > 1:
             world = resolve_group(dist.group.WORLD, "MoEBalance")
             table = _c10d.all_reduce(table.reshape(-1), world, "moe_load", "forward").reshape(table.shape)
@@ -138,9 +165,10 @@ class MoEBalance:
         rows = table.tolist()  # the one host read
         layers = [i for i, row in enumerate(rows) if sum(row[:n_exp]) > 0]
         loads = [rows[i][:n_exp] for i in layers]
+        capacity = self.cfg.moe_capacity_factor is not None
         out: dict = {
             "moe_layers": layers,
-            "moe_load_counts": loads,
+            "moe_load_counts": [load + [rows[i][n_exp + 2]] for load, i in zip(loads, layers)] if capacity else loads,
             "moe_load": [[c / sum(load) for c in load] for load in loads],
             "moe_load_max_over_mean": [max(load) * n_exp / sum(load) for load in loads],
         }
@@ -148,6 +176,8 @@ class MoEBalance:
             out["moe_z_loss"] = sum(rows[i][n_exp] for i in layers)
         if self.cfg.moe_seq_aux_loss:
             out["moe_seq_aux_loss"] = sum(rows[i][n_exp + 1] for i in layers)
+        if capacity:
+            out["moe_dropped_fraction"] = [rows[i][n_exp + 2] / sum(load) for load, i in zip(loads, layers)]
         return out
 
 

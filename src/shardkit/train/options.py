@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from ..errors import ShardkitError
 
 __all__ = [
+    "MOE_DROP_POLICIES",
     "TrainConfig",
     "FINETUNE_LR",
     "parse_pp_tp",
@@ -39,6 +40,7 @@ MIXED_PRECISION = ("none", "bf16")
 SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "looped-bfs", "zb-h1", "zbv", "interleaved-zb", "dualpipev")
 LR_SCHEDULES = ("constant", "warmup-cosine")
 CP_LAYOUTS = ("zigzag", "contiguous", "stripe")  # shardkit.context_parallel.ring.LAYOUTS
+MOE_DROP_POLICIES = ("probs", "position")  # shardkit.expert_parallel.capacity.DROP_POLICIES
 SIZE_FLAGS = (
     "nproc",
     "tp",
@@ -93,6 +95,9 @@ class TrainConfig:
     moe_bias_update_rate: float | None = None  # moe / mla: DeepSeek-V3's aux-loss-free bias, stepped by this rate
     moe_z_loss: float = 0.0  # moe / mla: router z-loss coefficient (ST-MoE) added to the loss
     moe_seq_aux_loss: float = 0.0  # moe / mla: sequence-wise balance loss coefficient (DeepSeek-V3)
+    moe_capacity_factor: float | None = None  # moe / mla: Megatron's expert capacity factor; None: dropless
+    moe_drop_policy: str = "probs"  # with a capacity: drop the lowest weights ("probs") or latest tokens ("position")
+    moe_pad_to_capacity: bool = False  # with a capacity: fill every expert to it (fixed all-to-all sizes with --ep)
     microbatches: int = 1  # per step and dp rank: pipeline microbatches, or gradient accumulation
     schedule: str = "1f1b"  # pipeline schedule: a name of SCHEDULES
     virtual_stages: int = 1  # chunks per pipeline rank (interleaved-1f1b, -zb, looped-bfs: >= 2; zbv, dualpipev: 2)
