@@ -8,9 +8,10 @@ import pytest
 from shardkit import Cluster, ModelShape, ParallelDims, ShardkitError, StepOptions, estimate_step, plan_layouts
 from shardkit.cli.main import main
 from shardkit.plan.activations import BlockLayout, block_saved_bytes
+from shardkit.plan.cluster import CLUSTERS
 from shardkit.plan.collectives import CommRow
 from shardkit.plan.memory import memory_per_rank
-from shardkit.plan.timing import bus_factor, row_seconds
+from shardkit.plan.timing import bus_factor, row_seconds, tree_all_reduce_seconds
 
 TINY = {
     "model_type": "llama",
@@ -41,6 +42,33 @@ def test_alpha_beta_seconds_by_hand():
     dp_row = CommRow("dp", "all_reduce", "dp_cp_grads", "backward", 4, 1, 10**9, 10**9)
     # dp ranks are 4 apart: the group spans 16 ranks, two nodes: the NIC's bandwidth and latency
     assert row_seconds(dp_row, dims, cluster) == pytest.approx(6 * 20e-6 + 1e9 * 1.5 / 1e10, rel=1e-12)
+
+
+def test_all_reduce_across_nodes_takes_the_cheaper_of_ring_and_tree_by_hand():
+    cluster = Cluster(
+        gpus=32, gpus_per_node=8, intra_gbps=100.0, inter_gbps=10.0, intra_latency_us=2.0, inter_latency_us=20.0
+    )
+    dims = ParallelDims(dp_replicate=4, tp=8)
+    # 8 bytes over the world (4 nodes of 8): ring 62 steps x 20 us; tree: a chain of 7 intra hops
+    # and ceil(log2 4) = 2 inter hops, up and down: 2 (7 x 2 + 2 x 20) us, the bytes through the NIC twice
+    scalar = CommRow("world", "all_reduce", "grad_norm", "optimizer", 32, 1, 8, 8)
+    tree = 2 * (7 * 2e-6 + 2 * 20e-6) + 2 * 8 / 1e10
+    assert tree < 62 * 20e-6 + 8 * 2 * 31 / 32 / 1e10
+    assert row_seconds(scalar, dims, cluster) == pytest.approx(tree, rel=1e-12)
+    assert tree_all_reduce_seconds(1, 8, 32, 32, cluster) == pytest.approx(tree, rel=1e-12)
+    # 1 GB over the 4 dp ranks (one per node, 8 apart): the bytes dominate, the ring's 2 (R - 1) / R wins
+    big = CommRow("dp", "all_reduce", "dp_cp_grads", "backward", 4, 1, 10**9, 10**9)
+    ring = 6 * 20e-6 + 1e9 * 1.5 / 1e10
+    assert ring < 2 * 2 * 20e-6 + 2e9 / 1e10
+    assert row_seconds(big, dims, cluster) == pytest.approx(ring, rel=1e-12)
+    # inside a node the ring alone (NCCL's intra-node tree is a chain: no gain)
+    tp_row = CommRow("tp", "all_reduce", "all_reduce_forward", "forward", 8, 1, 8, 8)
+    assert row_seconds(tp_row, dims, cluster) == pytest.approx(14 * 2e-6 + 8 * 1.75 / 1e11, rel=1e-12)
+    # Llama 3 405B's world, 16,384 H100s: the loss and the gradient norm cost 0.3 ms, not 0.33 s
+    h100 = Cluster(gpus=16384, **CLUSTERS["h100"])
+    world = ParallelDims(tp=8, pp=16, dp_replicate=128)
+    loss = CommRow("world", "all_reduce", "train_loss", "forward", 16384, 1, 16, 16)
+    assert row_seconds(loss, world, h100) == pytest.approx(2 * (7 * 3e-6 + 11 * 10e-6) + 32 / 50e9, rel=1e-9)
 
 
 def test_flops_and_bubble_by_hand():

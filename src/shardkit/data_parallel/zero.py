@@ -9,9 +9,11 @@ into ``R`` equal parts is the optimizer's work:
   it (Megatron-LM's parameter buffer). Rank ``r`` of the group owns the contiguous slice
   ``[r * N_r, (r + 1) * N_r)``, ``N_r = ceil(N / R)``; its optimizer holds a parameter that is a
   view of that slice, so AdamW's ``exp_avg`` / ``exp_avg_sq`` exist for ``1 / R`` of the elements.
-* **Stage 1** all-reduces the flat gradient (sum, as :class:`~.grads.GradientSync`) and keeps
-  this rank's slice; **stage 2** reduce-scatters it instead (half the bytes of the all-reduce on a
-  ring: ``(R - 1) / R`` of the buffer instead of ``2 (R - 1) / R``). The model's full gradients are
+* **Both stages** reduce-scatter the flat gradient (sum, as :class:`~.grads.GradientSync`) into
+  this rank's slice: ``(R - 1) / R`` of the buffer on a ring, half an all-reduce's
+  ``2 (R - 1) / R``, so reduce-scatter plus the parameters' all-gather cost what plain data
+  parallelism's all-reduce does (Megatron-LM's distributed optimizer). Stage 1 used to all-reduce
+  and keep its slice (1.5x the bytes); no rank ever read the rest. The model's full gradients are
   freed right after, so only the ``1 / R`` shard lives through clipping and the step.
 * **Clipping** by the global 2-norm: each rank sums the squares of its slice, every element
   weighted 1 where this rank is the one that counts it (tp-replicated weights on tp rank 0 only,
@@ -25,10 +27,15 @@ AdamW is elementwise, so stepping a slice of the flattened parameters gives exac
 elements of the whole step: ``--verify`` parity is exact up to float rounding of the reductions.
 
 Not built (refused where asked for): ZeRO over FSDP2 ranks (``dp_shard > 1`` already shards
-parameters, gradients and state: ZeRO-3). The gradients of stage 2 are reduce-scattered after
-the last backward of the step, not bucket by bucket during backward: the step's communication is
-ZeRO-2's, but the full gradient still exists at the end of backward (its peak), and is freed
-before the optimizer's step.
+parameters, gradients and state: ZeRO-3). Stage 2 runs the same calls as stage 1: the
+gradient is reduce-scattered after the last backward of the step, not bucket by bucket during
+backward, so the full gradient still exists at the end of backward (its peak) and is freed before
+the optimizer's step. Why not bucket by bucket: the trainer accumulates a step's ``M``
+microbatches (gradient accumulation, every pipeline schedule) into ``.grad``, so a bucket's
+gradient is final only after its last microbatch's backward; reducing it earlier costs one
+reduce-scatter per microbatch (``M`` times the traffic, DeepSpeed's ZeRO-2 under accumulation),
+and reducing it at its last backward leaves the full buffer alive through the other ``M - 1``
+microbatches, where the peak is. Only ``M = 1`` without a pipeline would lower the peak.
 
 Source: Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
 Models", sec. 5 (P_os, P_os+g); Megatron-LM's distributed optimizer (contiguous parameter and
@@ -138,7 +145,8 @@ class ZeroSync(GradientSync):
         layouts: as :class:`~.grads.GradientSync`.
         pre_reduce: as :class:`~.grads.GradientSync`.
         grad_reduce: as :class:`~.grads.GradientSync`.
-        stage: 1 (optimizer state sharded; gradients all-reduced) or 2 (gradients reduce-scattered).
+        stage: 1 (optimizer state sharded) or 2 (and gradients); both reduce-scatter (the
+            module docstring says why stage 2 cannot lower the peak further here).
 
     The optimizer must be built over :attr:`shard_params` (:class:`.zero_optim.ZeroAdamW`), and
     :meth:`gather_params` run after each of its steps.
@@ -181,9 +189,8 @@ class ZeroSync(GradientSync):
         return [b.shard for b in self.buckets]
 
     def reduce(self) -> None:
-        """Sum every bucket's gradient over its group into this rank's slice (stage 1: all-reduce
-        and keep the slice; stage 2: reduce-scatter), divide by ``D`` for ``"mean"``, and free the
-        model's full gradients.
+        """Sum every bucket's gradient over its group into this rank's slice (a reduce-scatter,
+        both stages), divide by ``D`` for ``"mean"``, and free the model's full gradients.
 
         Collective over ``dp_cp`` and ``edp`` (one call per bucket, even for a rank without
         gradients: zeros). ``pre_reduce`` (the tied-embedding sum between pipeline stages) first.
@@ -195,15 +202,13 @@ class ZeroSync(GradientSync):
             api = "expert_grads" if b.name == "edp" else "dp_cp_grads"
             if b.group is None:
                 part = flat
-            elif self.stage == 1:  # the clone lets the reduced full buffer go
-                part = b.slice_of(_c10d.all_reduce(flat, b.group, api, "backward")).clone()
             else:
                 part = _c10d.reduce_scatter(flat, b.group, 0, [b.shard_size] * b.ranks, api, "backward")
             if self.divisor != 1:
                 part = part / self.divisor
             b.shard.grad = part
             for p in b.params:
-                p.grad = None  # only the 1 / R slice lives on (a stage-2 rank never held more reduced)
+                p.grad = None  # only the 1 / R slice lives on (no rank ever holds more reduced)
 
     def _weight(self, b: ZeroBucket) -> torch.Tensor | None:
         """1 where this rank counts an element of its slice in the norm, else 0 (None: all 1).

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
+from ..comm.split_pass import input_pass
 from ..errors import ShardkitError
 from .weight_defer import closures_to_run, collect_deferred
 
@@ -186,7 +187,7 @@ def input_grad(
     hooks = [n.register_prehook(lambda gos, n=n: seen.__setitem__(n, gos)) for n, _ in found or []]
     before = _marks(params)
     try:
-        with collect_deferred() as deferred:
+        with collect_deferred() as deferred, input_pass():  # a Function may leave its weight to W
             (dx,) = torch.autograd.grad(output, stage_input, grad_output, retain_graph=True, allow_unused=True)
     finally:
         for h in hooks:

@@ -247,14 +247,11 @@ def _vtp_rows(out: Rows, sizes: tuple[int, ...], stage: int, tp_rank: int, M: in
 
 
 def _zero_rows(out: Rows, shape: ModelShape, dims: ParallelDims, opts: StepOptions, stage: int) -> None:
-    """ZeRO's calls per padded bucket of ``n`` elements over ``r`` ranks: stage 1 all-reduces it,
-    stage 2 reduce-scatters it (``1 / r`` received), then the updated slices are all-gathered."""
+    """ZeRO's calls per padded bucket of ``n`` elements over ``r`` ranks, both stages: a
+    reduce-scatter (``1 / r`` received), then the updated slices all-gathered."""
     e = opts.elem
     for (n, r), api in zip(zero_buckets(shape, dims, opts, stage), ("dp_cp_grads", "expert_grads")):
-        if opts.zero == 1:
-            out.add("dp", "all_reduce", api, "backward", r, 1, n * e, n * e)
-        else:
-            out.add("dp", "reduce_scatter_single", api, "backward", r, 1, n * e, n // r * e)
+        out.add("dp", "reduce_scatter_single", api, "backward", r, 1, n * e, n // r * e)
         out.add("dp", "all_gather_single", "zero_params", "optimizer", r, 1, n // r * e, n * e)
 
 

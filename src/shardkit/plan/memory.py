@@ -22,8 +22,9 @@
 * with ``pp_tp`` each stage is cut over its own tp size;
 * ZeRO-1 / ZeRO-2 (``opts.zero``): AdamW's state for ``1 / R`` of each flat bucket (padded to
   ``R``; dense over ``dp_replicate x cp``, experts over ``edp``); parameters whole; gradients whole
-  too, for both stages: the peak is the end of backward, before the step's one reduction (stage 2
-  reduce-scatters there and frees the full gradient, so only its bytes on the wire halve).
+  too, for both stages: the peak is the end of backward, before the step's one reduce-scatter
+  (both stages run it there and free the full gradient; ``data_parallel/zero.py`` says why a
+  step of ``M`` accumulated microbatches cannot free it earlier at the same traffic).
 """
 
 from __future__ import annotations

@@ -6,17 +6,31 @@ the reduce-scatter input, the all-to-all send buffer) on ``R`` ranks takes
 ``2(R-1)/R``; all-gather, reduce-scatter, all-to-all ``R-1`` and ``(R-1)/R``; send/recv 1 and 1.
 The bandwidth is the intra-node one when the group fits in a node, else the NIC's.
 
+An all-reduce whose group spans nodes may also run as NCCL's double binary tree (NCCL >= 2.4,
+for all-reduce): a chain through the group's ``L`` ranks in each node and a binary tree over its
+``K`` nodes, up (reduce) and down (broadcast), so ``2 ((L - 1) alpha_intra + ceil(log2 K)
+alpha_inter)`` of latency and every byte through the NIC twice (``2 n / bandwidth``). NCCL's tuner
+runs, per call, the algorithm its model predicts to be fastest (``NCCL_ALGO`` unset), and the
+planner does the same: the cheaper of ring and tree. The tree wins where latency dominates (the
+step's world all-reduces of one or two numbers over thousands of ranks: ``2 (R - 1)`` ring steps
+of the NIC's alpha, 0.33 s at 16,384 ranks, against 0.3 ms on the tree); the ring where the bytes
+dominate (its ``2 (R - 1) / R < 2``).
+
 Source: Thakur, Rabenseifner and Gropp, "Optimization of Collective Communication Operations in
-MPICH" (2005); NVIDIA nccl-tests ``doc/PERFORMANCE.md`` (bus bandwidth).
+MPICH" (2005); NVIDIA nccl-tests ``doc/PERFORMANCE.md`` (bus bandwidth); Jeaugey, "Massively
+Scale Your Deep Learning Training with NCCL 2.4" (NVIDIA blog, 2019: double binary trees,
+latency logarithmic in the nodes, chosen by NCCL's tuner by message size and scale).
 """
 
 from __future__ import annotations
+
+import math
 
 from ..sharding import AXES, ParallelDims
 from .cluster import Cluster
 from .collectives import CommRow
 
-__all__ = ["bus_factor", "group_stride", "row_seconds"]
+__all__ = ["bus_factor", "group_stride", "row_seconds", "tree_all_reduce_seconds"]
 
 _AXIS_DIMS = {
     "tp": ("tp",),
@@ -54,13 +68,28 @@ def group_stride(dims: ParallelDims, axis: str, size: int) -> int:
     return stride * size
 
 
+def tree_all_reduce_seconds(calls: int, size: int, ranks: int, span: int, cluster: Cluster) -> float:
+    """Seconds of ``calls`` all-reduces of ``size`` bytes in all on NCCL's double binary tree,
+    for a group of ``ranks`` spread over ``span`` consecutive global ranks (pure; the module
+    docstring). Only meaningful where the group spans nodes (``span > gpus_per_node``)."""
+    local = max(1, min(ranks, cluster.gpus_per_node * ranks // span))  # the group's ranks per node
+    nodes = -(-ranks // local)
+    hops = (local - 1) * cluster.intra_latency_us + math.ceil(math.log2(nodes)) * cluster.inter_latency_us
+    return calls * 2 * hops * 1e-6 + 2 * size / (cluster.inter_gbps * 1e9)
+
+
 def row_seconds(row: CommRow, dims: ParallelDims, cluster: Cluster) -> float:
-    """Alpha-beta seconds of every call of ``row`` (one rank's view)."""
+    """Alpha-beta seconds of every call of ``row`` (one rank's view); an all-reduce across nodes
+    takes the cheaper of ring and tree, as NCCL's tuner does."""
     factor, steps = bus_factor(row.op, row.group_size)
-    inside = group_stride(dims, row.axis, row.group_size) <= cluster.gpus_per_node
+    span = group_stride(dims, row.axis, row.group_size)
+    inside = span <= cluster.gpus_per_node
     bandwidth = (cluster.intra_gbps if inside else cluster.inter_gbps) * 1e9
     alpha = (cluster.intra_latency_us if inside else cluster.inter_latency_us) * 1e-6
     size = max(row.bytes_sent, row.bytes_received)
     if row.op == "recv":
         return 0.0  # the matching send carries the time
-    return row.count * steps * alpha + size * factor / bandwidth
+    ring = row.count * steps * alpha + size * factor / bandwidth
+    if row.op != "all_reduce" or inside or row.group_size <= 1:
+        return ring
+    return min(ring, tree_all_reduce_seconds(row.count, size, row.group_size, span, cluster))

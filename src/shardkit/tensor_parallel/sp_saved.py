@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from ..comm import _c10d
 from ..comm._group import GroupInfo
+from ..comm.split_pass import in_input_pass, will_execute
 from ..errors import ShardkitError
 
 __all__ = ["SP_ACTIVATIONS", "Regather", "RegatherPool", "check_sp_activation", "shard_saved_linear"]
@@ -100,10 +101,15 @@ class Regather:
 
     def full_for_backward(self, shard: torch.Tensor) -> torch.Tensor:
         """The gathered tensor for one reader's backward: the recompute's, this backward's earlier
-        regather, or a new all-gather (then shared by the other readers of this backward)."""
+        regather, or a new all-gather (then shared by the other readers of this backward).
+
+        An earlier regather is shared while readers are left, across autograd passes too: the
+        zero-bubble ``W`` runs each reader's weight gradient in a pass of its own
+        (:mod:`shardkit.pipeline_parallel.split_backward`), and the shard it gathers is the same
+        saved tensor, so the values are too."""
         task = _task()
         h = self.pool.take(shard, task) or self
-        if h.full is None or h.task != task:
+        if h.full is None or (h.task != task and h.left <= 0):
             h.full = _c10d.all_gather(shard, h.g, h.dim, h.sizes, "sp_regather", "recompute")
             h.task, h.left = task, h.readers
         out = h.full
@@ -127,6 +133,10 @@ class _ShardSavedLinear(torch.autograd.Function):
     def backward(ctx, grad):
         shard, weight = ctx.saved_tensors
         need_x, _, need_w, need_b, _ = ctx.needs_input_grad
+        # under the zero-bubble split, I leaves the weight gradient (and its all-gather) to W,
+        # which reruns this node for its weight only and never reads the input gradient
+        need_x = need_x and will_execute(ctx.next_functions[0])
+        need_w, need_b = (need_w and not in_input_pass()), (need_b and not in_input_pass())
         g2 = grad.reshape(-1, grad.shape[-1])
         gx = gw = gb = None
         if need_x:  # the matmuls of F.linear's own backward (bitwise equal in float64, checked)
