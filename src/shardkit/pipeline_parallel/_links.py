@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from ..comm._group import GroupInfo
-    from .chunked import ChunkedStage
+    from .stage import PipelineStage
 
 __all__ = ["Links", "StaticRecv", "boundary_decls"]
 
@@ -91,7 +91,7 @@ class Links:
         decls: per boundary ``(shape, dtype)``, or None (negotiated).
     """
 
-    def __init__(self, stage: ChunkedStage, caches: dict, decls: Sequence[Decl] | None = None) -> None:
+    def __init__(self, stage: PipelineStage, caches: dict, decls: Sequence[Decl] | None = None) -> None:
         self.stage, self.caches, self.decls = stage, caches, decls
         self.checked = checks_enabled()  # one mode for the whole call (agreed with the table)
 

@@ -5,7 +5,7 @@ tp sizes may differ per stage): one message of a table is one boundary reshard o
 Every rank of a stage runs the same row, so the collectives inside a stage (the sending stage's
 header all-gather, the receiving leader's broadcast, the sum of partial input gradients) meet in
 the same order on all of its ranks. Each message travels on the process group of its link
-between the two stages (:func:`~.chunked.link_groups` over the replica group: one per link on
+between the two stages (:func:`~._mailbox.link_groups` over the replica group: one per link on
 NCCL, so that each stream carries one direction; :mod:`.stream_model` checks the order at the
 level of ranks, :func:`~.stream_model.tp_posting_order`). Sends are posted and waited for at the end of the call
 (:class:`~._mailbox.Mailbox`), as the one-rank transport's; a receive runs, whole, when the step
