@@ -21,14 +21,11 @@ from ._wire import HEADER_LEN, OK
 
 __all__ = [
     "PACK_MAX_BYTES",
-    "accepted",
     "cached_send",
     "cached_recv",
-    "decode_packed",
     "finish_cached_recv",
     "post_cached_recv",
     "post_packed",
-    "post_packed_at",
     "read_packed",
     "send_repeat",
 ]
@@ -95,43 +92,23 @@ def _header(ch: Channel, device: torch.device) -> torch.Tensor:
 
 def post_packed(t: Transfer, ch: Channel, api: str) -> tuple[torch.Tensor, Any]:
     """Post the one receive of a packed transfer (header + payload of the cached shape)."""
-    return post_packed_at(t.g, t.peer, t.phase, ch, t.device, api)
-
-
-def post_packed_at(
-    g: GroupInfo, peer: int, phase: str, ch: Channel, device: torch.device, api: str
-) -> tuple[torch.Tensor, Any]:
-    """:func:`post_packed` from group rank ``peer`` without a :class:`Transfer`: ``(buffer, work)``."""
-    buf = torch.empty(_HB + ch.nbytes, dtype=torch.uint8, device=device)
-    return buf, post_one(g, peer, False, buf, phase, api)
+    buf = torch.empty(_HB + ch.nbytes, dtype=torch.uint8, device=t.device)
+    return buf, post_one(t.g, t.peer, False, buf, t.phase, api)
 
 
 def read_packed(t: Transfer, ch: Channel, buf: torch.Tensor, work, api: str) -> list:
     """Complete a packed receive: a header equal to the channel's stored one (the cached shape,
-    status OK) is accepted by one comparison, without decoding; else :func:`_after_header`."""
+    status OK) on a receive that accepts the cached dtype on the channel's device is accepted by
+    one comparison (:func:`_accepts`), its payload a view of the bytes after the header; any other
+    is decoded and judged (:func:`_after_header`). The work is waited here, once (a gloo receive's
+    work must not be waited twice: the second wait expects another message)."""
     work.wait()
-    body = accepted(buf, ch, t.dtype, t.device)
-    if body is not None:
+    body = buf[_HB:].view(ch.dtype).view(ch.shape)
+    if _accepts(t.dtype, t.device, ch, buf[:_HB]):
         t.payload = body
         return []
-    return decode_packed(t, ch, buf, api)
-
-
-def decode_packed(t: Transfer, ch: Channel, buf: torch.Tensor, api: str) -> list:
-    """A completed packed receive whose header is not the channel's stored one: decoded and
-    judged (:func:`_after_header`). Its work was waited already (a gloo receive's work must not
-    be waited twice: the second wait expects another message)."""
     t.hdr = buf[:_HB].view(torch.int64)
-    return _after_header(t, ch, buf[_HB:].view(ch.dtype).view(ch.shape), [], api)
-
-
-def accepted(buf: torch.Tensor, ch: Channel, dtype: torch.dtype | None, device: torch.device) -> torch.Tensor | None:
-    """The payload of a completed packed receive ``buf`` (a view of its bytes after the header)
-    when its header is the channel's stored one and the receive accepts the cached dtype on the
-    channel's device (:func:`_accepts`), else None: :func:`read_packed` decodes it."""
-    if _accepts(dtype, device, ch, buf[:_HB]):
-        return buf[_HB:].view(ch.dtype).view(ch.shape)
-    return None
+    return _after_header(t, ch, body, [], api)
 
 
 def cached_recv(t: Transfer, ch: Channel, api: str) -> list:
