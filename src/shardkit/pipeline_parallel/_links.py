@@ -1,7 +1,7 @@
 """The one transport of pipeline messages: one message to or from a neighbour on a process group,
 posted by the runner (:class:`Links`, a :class:`~._mailbox.Transport` of a
 :class:`~.steps.Step` table) and by the public one-message P2P calls of :mod:`.p2p` alike
-(:func:`send_message`, :class:`PostedRecv`, :class:`StaticRecv`; checks off). A message has one
+(:func:`send_message`, :func:`recv_message`; checks off). A message has one
 of three forms.
 
 * Negotiated (the default): a header and the payload, the shape cached per channel on both ends
@@ -31,10 +31,8 @@ from ..errors import ShardkitError, ShardkitTypeError
 from . import _wire
 from ._exchange import P2PWork, exchange
 from ._mailbox import Message, link
-from ._negotiate import read_header
-from ._packed import cached_send, finish_cached_recv, post_cached_recv, send_repeat
-from ._transfer import ShapeCache, Transfer, header_msg, payload_msg, post, post_one
-from ._wire import OK
+from ._packed import Recv, send_repeat, send_transfer
+from ._transfer import ShapeCache, Transfer, post_one
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -42,7 +40,7 @@ if TYPE_CHECKING:
     from ..comm._group import GroupInfo
     from .stage import PipelineStage
 
-__all__ = ["Links", "Posted", "PostedRecv", "StaticRecv", "boundary_decls", "peer", "recv_device", "send_message"]
+__all__ = ["Links", "Posted", "boundary_decls", "peer", "recv_device", "recv_message", "send_message"]
 
 Decl = tuple[tuple[int, ...] | None, torch.dtype | None]  # (shape, dtype); None: not declared
 
@@ -154,12 +152,7 @@ def send_message(
         return send_repeat(g, to, phase, x, ch, cache, api)  # the sender's checks passed on this shape before
     t = Transfer(True, towards, 0, g, to, phase, x.device, None, dtype, True, x)
     check_own_tensor(t, api)
-    if cache is not None and ch is not None:
-        works = cached_send(t, ch, api, cache)
-    else:
-        works = post([header_msg(t)] + [m for m in [payload_msg(t)] if m is not None], False, api)
-    if cache is not None and t.status == OK:  # both ends record an OK header's shape
-        cache.put(t, x.shape, x.dtype)
+    works = send_transfer(t, cache, api)
     if t.error is not None:
         for w in works:
             w.wait()  # keep the channel in step, then raise (the receiver raises too: the header told it)
@@ -167,78 +160,23 @@ def send_message(
     return works
 
 
-class StaticRecv:
-    """A receive of a declared ``(shape, dtype)`` (no header) from group rank ``src``, posted at
-    construction; :meth:`wait` returns it."""
-
-    def __init__(self, api: str, g: GroupInfo, src: int, phase: str, decl: Decl, device: torch.device) -> None:
-        self.buf = torch.empty(decl[0] or (), dtype=decl[1], device=device)
-        self.works = [post_one(g, src, False, self.buf, phase, api)] if self.buf.numel() > 0 else []
-
-    def wait(self) -> torch.Tensor:
-        for w in self.works:
-            w.wait()
-        return self.buf
-
-
-class PostedRecv:
-    """A negotiated receive from group rank ``src`` (the ``towards`` neighbour), posted at
-    construction: with a cached shape the receive(s) of :func:`._packed.post_cached_recv` (one
-    packed message, or the header and a message of the cached shape), else the header receive.
-    :meth:`finish` runs the rest of the transfer (the header compared or decoded, a changed shape
-    receives the dummy and then the real payload, the cache updated only from an ``OK`` header).
-
-    ``decl``: what the receiver declares (a dtype alone, or the check mode's static shape): a
-    header announcing another raises after the payload arrived. ``cache`` None: nothing cached.
-    """
-
-    def __init__(
-        self,
-        api: str,
-        g: GroupInfo,
-        towards: str,
-        src: int,
-        phase: str,
-        cache: ShapeCache | None,
-        decl: Decl = (None, None),
-        device: torch.device | None = None,
-    ) -> None:
-        self.api, self.cache = api, cache
-        where = device or recv_device(None, g, api)
-        self.t = Transfer(False, towards, 0, g, src, phase, where, decl[0], decl[1], True)
-        self.ch = cache.get(self.t) if cache is not None else None
-        self.posted = (
-            post([header_msg(self.t)], False, api) if self.ch is None else post_cached_recv(self.t, self.ch, api)
-        )
-
-    def finish(self) -> list:
-        """Read the header (waiting for it) and post what follows; the works still to wait for.
-
-        Raises:
-            ShardkitError: the sender reported an error in its header, or the header differs
-                from the declaration (both after every message of the transfer completed).
-        """
-        t = self.t
-        if self.ch is None:
-            self.posted[0].wait()
-            read_header(t, self.api)
-            works = post([m for m in [payload_msg(t)] if m is not None], False, self.api)
-        else:
-            works = finish_cached_recv(t, self.ch, self.posted, self.api)
-        if self.cache is not None and t.status == OK and t.payload is not None:
-            self.cache.put(t, t.payload.shape, t.payload.dtype)
-        if t.error is not None:
-            for w in works:
-                w.wait()
-            raise t.error
-        return works
-
-    def wait(self) -> torch.Tensor:
-        """Complete the transfer; the received tensor (errors: :meth:`finish`)."""
-        for w in self.finish():
-            w.wait()
-        assert self.t.payload is not None  # an OK transfer holds its tensor
-        return self.t.payload
+def recv_message(
+    api: str,
+    g: GroupInfo,
+    towards: str,
+    src: int,
+    phase: str,
+    decl: Decl,
+    cache: ShapeCache | None,
+    device,
+    static: bool,
+) -> Recv:
+    """Post the receive of one message from group rank ``src`` (the ``towards`` neighbour):
+    ``static`` (``decl`` a shape and dtype): the payload alone; else negotiated through ``cache``
+    (None: a header every time), ``decl``'s dtype and shape (if any) checked against the header.
+    Complete it with :meth:`._packed.Recv.wait` (or ``finish``)."""
+    t = Transfer(False, towards, 0, g, src, phase, device, decl[0], decl[1], not static)
+    return Recv(t, None if static else cache, api)
 
 
 def boundary_decls(shapes, boundaries: int, op: str) -> list[Decl] | None:
@@ -297,16 +235,15 @@ class Links:
         check_own_tensor(t, api)  # a broken declaration travels in the header: both ends raise
         return exchange([t], api, False, False, "mean")
 
-    def post(self, msg: Message, src: int) -> PostedRecv | StaticRecv:
+    def post(self, msg: Message, src: int) -> Recv:
         st = self.stage
         name = link(src, st.rank, st.p)  # the sender's link: this end receives from the other side
         towards = "prev" if name[0] == "next" else "next"
         api, phase = ("recv_forward", "forward") if msg[0] == "F" else ("recv_backward", "backward")
         g, decl = st.links[name], self.decl(msg)
-        frm = peer(g, towards, True, api)
-        if decl[0] is not None and not self.checked:
-            return StaticRecv(api, g, frm, phase, decl, recv_device(None, g, api))
-        return PostedRecv(api, g, towards, frm, phase, self.cache(msg), decl)
+        static = decl[0] is not None and not self.checked  # checks: every message has a header
+        src, where = peer(g, towards, True, api), recv_device(None, g, api)
+        return recv_message(api, g, towards, src, phase, decl, self.cache(msg), where, static)
 
-    def receive(self, handle: PostedRecv | StaticRecv) -> torch.Tensor:
+    def receive(self, handle: Recv) -> torch.Tensor:
         return handle.wait()

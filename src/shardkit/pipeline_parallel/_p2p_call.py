@@ -14,12 +14,11 @@ from . import _wire
 from ._exchange import exchange
 from ._links import (
     Posted,
-    PostedRecv,
-    StaticRecv,
     check_own_tensor,
     peer,
     peer_or_none,
     recv_device,
+    recv_message,
     send_message,
 )
 from ._transfer import ShapeCache, Transfer
@@ -122,12 +121,12 @@ def _single(api, g: GroupInfo, x, directions, send: bool, shape, dtype, device, 
     q = peer(g, towards, loop, api)
     if send:
         return Posted(send_message(api, g, towards, q, phase, x, (shape, dtype), cache))
-    where = recv_device(device, g, api)
-    if shape is not None:
-        h = StaticRecv(api, g, q, phase, (shape, dtype), where)
-        return Posted(h.works, h.buf)
-    r = PostedRecv(api, g, towards, q, phase, cache, (None, dtype), where)
-    return Posted(r.finish(), r.t.payload)
+    r = recv_message(api, g, towards, q, phase, (shape, dtype), cache, recv_device(device, g, api), shape is not None)
+    works = r.finish()
+    if r.t.error is not None:
+        Posted(works).complete()
+        raise r.t.error
+    return Posted(works, r.t.payload)
 
 
 def _resolve_groups(group, api: str) -> list[GroupInfo]:

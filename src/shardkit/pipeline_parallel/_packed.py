@@ -1,5 +1,8 @@
-"""Cached shapes in the P2P engine (:mod:`._exchange`): a channel whose shape was negotiated
-sends the header with a message of that shape, packed into one message when small.
+"""One pipeline message on its channel, sent (:func:`send_transfer`) or received (:class:`Recv`):
+static (the payload alone), negotiated (a header, then the payload) or cached (a channel whose
+shape was negotiated sends the header with a message of that shape, packed into one message when
+small). The one way of every sender and receiver: the public calls' exchange (:mod:`._exchange`),
+their one-message path and the runner's links (:mod:`._links`).
 
 A repeat of the cached shape (the common case: every microbatch of a run) sends the channel's
 stored header bytes and is accepted by the receiver with one comparison against its own stored
@@ -22,7 +25,8 @@ from ._wire import HEADER_LEN, OK
 __all__ = [
     "PACK_MAX_BYTES",
     "cached_send",
-    "cached_recv",
+    "Recv",
+    "send_transfer",
     "finish_cached_recv",
     "post_cached_recv",
     "post_packed",
@@ -111,13 +115,6 @@ def read_packed(t: Transfer, ch: Channel, buf: torch.Tensor, work, api: str) -> 
     return _after_header(t, ch, body, [], api)
 
 
-def cached_recv(t: Transfer, ch: Channel, api: str) -> list:
-    """The mirror of :func:`cached_send`: header and a receive of the cached shape posted
-    together (or one packed receive); the real payload after them only when the header
-    announces another shape."""
-    return finish_cached_recv(t, ch, post_cached_recv(t, ch, api), api)
-
-
 def post_cached_recv(t: Transfer, ch: Channel, api: str) -> tuple[torch.Tensor, Any]:
     """:func:`cached_recv`'s posts: one packed receive, or the header and a receive of the
     cached shape (the chunked runner posts them early, :mod:`._mailbox`). Returns the buffer
@@ -169,3 +166,68 @@ def _after_header(t: Transfer, ch: Channel, pre: torch.Tensor, rest: list, api: 
         w.wait()  # a dummy: the real payload (if any) follows
     pay = payload_msg(t)
     return post([pay], False, api) if pay is not None else []
+
+
+def send_transfer(t: Transfer, cache: ShapeCache | None, api: str) -> list:
+    """Post the send of ``t`` (its tensor checked already, :func:`._links.check_own_tensor`): with
+    ``cache`` holding the channel's shape :func:`cached_send`, else the header (negotiated) and
+    the payload (none after an error status); the cache updated from an ``OK`` header. Its works."""
+    ch = cache.get(t) if cache is not None else None
+    if cache is not None and ch is not None:
+        works = cached_send(t, ch, api, cache)
+    else:
+        works = post([m for m in (header_msg(t) if t.header else None, payload_msg(t)) if m is not None], False, api)
+    if cache is not None and t.status == OK and t.payload is not None:  # both ends record an OK header's shape
+        cache.put(t, t.payload.shape, t.payload.dtype)
+    return works
+
+
+class Recv:
+    """The receive of ``t``, posted at construction: a static one's payload; with ``cache``
+    holding the channel's shape the receive(s) of :func:`post_cached_recv`; else the header.
+    :meth:`finish` runs the rest (the header compared or decoded, a changed shape receives the
+    dummy and then the real payload, the cache updated only from an ``OK`` header)."""
+
+    def __init__(self, t: Transfer, cache: ShapeCache | None, api: str) -> None:
+        self.t, self.cache, self.api = t, cache, api
+        self.ch = cache.get(t) if cache is not None else None
+        if self.ch is not None:
+            self.posted: Any = post_cached_recv(t, self.ch, api)
+        else:
+            first = header_msg(t) if t.header else payload_msg(t)
+            self.posted = post([first] if first is not None else [], False, api)
+
+    @property
+    def packed(self) -> bool:
+        """One packed message of the cached shape (complete once it arrived)."""
+        return self.ch is not None and self.ch.nbytes <= PACK_MAX_BYTES
+
+    def finish(self) -> list:
+        """Wait for the header (if any) and post what follows; the works still to wait for. An
+        error (the sender's status, a header off the declaration) is left in ``t.error``."""
+        t = self.t
+        if self.ch is not None:
+            works = finish_cached_recv(t, self.ch, self.posted, self.api)
+        elif not t.header:
+            return self.posted
+        else:
+            self.posted[0].wait()
+            read_header(t, self.api)
+            works = post([m for m in [payload_msg(t)] if m is not None], False, self.api)
+        if self.cache is not None and t.status == OK and t.payload is not None:
+            self.cache.put(t, t.payload.shape, t.payload.dtype)
+        return works
+
+    def wait(self) -> torch.Tensor:
+        """Complete the transfer; the received tensor.
+
+        Raises:
+            ShardkitError: the sender reported an error in its header, or the header differs
+                from the declaration (both after every message of the transfer completed).
+        """
+        for w in self.finish():
+            w.wait()
+        if self.t.error is not None:
+            raise self.t.error
+        assert self.t.payload is not None  # an OK transfer holds its tensor
+        return self.t.payload
