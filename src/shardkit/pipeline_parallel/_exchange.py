@@ -24,21 +24,10 @@ Two modes:
   mirror combined call (as Megatron's schedules do); with static shapes there is one phase.
 
 Negotiating once per distinct shape (ordered mode, checks off, a :class:`ShapeCache` passed by
-the caller). Each end keeps, per channel (group, direction, peer), the shape and dtype of the
-last negotiated payload; both ends update it from the same header (the sender from the header it
-sends, the receiver from the header it receives), only when the header's status is ``OK``, so
-the two copies are equal after every transfer whatever the shapes do. With a cached shape the
-receiver posts the header receive and a payload receive of the cached shape together (no round
-trip: the header is no longer waited for before the payload is posted); up to ``PACK_MAX_BYTES``
-the two are one message, the header in front of the payload. The sender always sends a message
-of the cached shape with the header: the payload when its tensor has that shape and dtype, else
-a dummy of the cached shape followed by the real payload (or nothing after an error status).
-The header still travels every time, so a shape change or an error is always seen.
-Each channel also stores the header of its cached shape, so a repeat is packed by one copy of
-the payload (into the peer's reused send buffer, whose header bytes stay in place) or, over the
-limit, sent as those stored bytes, and accepted by one comparison. On gloo, a combined call's
-packed cached receive is read only after the call's later messages are posted (see
-:func:`_ordered`).
+the caller): each transfer is a send or receive of :mod:`._packed`, the one way every message is
+sent (the runner's too); the cache and its packed messages are described there. On gloo, a
+combined call's packed cached receive is read only after the call's later messages are posted
+(see :func:`_ordered`).
 
 Why it is safe. (a) Each even/odd pair of neighbours has one side sending first and the other
 receiving first, so with blocking (rendezvous) semantics, the worst case of NCCL, every exchange

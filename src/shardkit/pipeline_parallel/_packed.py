@@ -4,10 +4,18 @@ shape was negotiated sends the header with a message of that shape, packed into 
 small). The one way of every sender and receiver: the public calls' exchange (:mod:`._exchange`),
 their one-message path and the runner's links (:mod:`._links`).
 
-A repeat of the cached shape (the common case: every microbatch of a run) sends the channel's
-stored header bytes and is accepted by the receiver with one comparison against its own stored
-header: no encoding, no decoding, no second buffer. Any other header (a new shape or dtype, an
-error status) differs in some byte and is decoded, so a changed shape is always seen.
+Each end keeps, per channel (group, direction, peer), the shape and dtype of the last negotiated
+payload (:class:`~._transfer.ShapeCache`); both ends update it from the same header (the sender
+from the header it sends, the receiver from the one it receives), only when the header's status
+is ``OK``, so the two copies are equal after every transfer whatever the shapes do. With a cached
+shape the receiver posts the header receive and a payload receive of the cached shape together
+(no round trip); up to ``PACK_MAX_BYTES`` the two are one message, the header in front of the
+payload. The sender always sends a message of the cached shape with the header: the payload when
+its tensor has that shape and dtype, else a dummy of the cached shape followed by the real
+payload (or nothing after an error status), so a shape change or an error is always seen. A
+repeat (every microbatch of a run) is one copy of the payload into the peer's reused send buffer,
+whose header bytes stay in place (over the limit: the stored header bytes, then the payload), and
+is accepted by one comparison with the receiver's stored header: no encoding, no decoding.
 """
 
 from __future__ import annotations

@@ -25,7 +25,6 @@ import torch
 from ..errors import ShardkitError
 from ._chunk_exec import run_chunked
 from .run_mode import ScheduleOutput
-from .run_split import split_microbatches  # re-exported: its home until the runner grew
 from .stage import PipelineStage
 
 if TYPE_CHECKING:
@@ -151,3 +150,23 @@ def run_schedule(
         raise ShardkitError(f"{op}: stage must be a PipelineStage, got {type(stage).__name__}")
     args = (inputs_microbatches, targets_microbatches, stage_kwargs, num_microbatches, boundary_shapes)
     return run_chunked(stage, schedule, *args, op, shape_key, (train, scale_grads, return_outputs))
+
+
+def split_microbatches(batch: torch.Tensor, num_microbatches: int) -> list[torch.Tensor]:
+    """Split ``[B, ...]`` into ``M`` microbatches ``[B / M, ...]`` along dim 0 (views).
+
+    Raises:
+        ShardkitError: ``M`` not an int >= 1, ``batch`` 0-d, or ``M`` does not divide ``B``.
+    """
+    M = num_microbatches
+    if not isinstance(M, int) or isinstance(M, bool) or M < 1:
+        raise ShardkitError(f"split_microbatches: num_microbatches must be an int >= 1, got {M!r}")
+    if not isinstance(batch, torch.Tensor) or batch.dim() == 0:
+        raise ShardkitError("split_microbatches: batch must be a tensor with a batch dimension (dim 0)")
+    B = batch.shape[0]
+    if B % M:
+        raise ShardkitError(
+            f"split_microbatches: {M} microbatches do not divide the batch of {B} "
+            f"(B % M = {B % M}); pick M dividing {B}"
+        )
+    return list(batch.split(B // M, dim=0))
