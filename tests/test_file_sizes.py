@@ -24,7 +24,6 @@ COHESIVE = {
     "src/shardkit/context_parallel/apply.py": "apply_cp: the attention registration, batch split and loss of one model",
     "src/shardkit/context_parallel/ring.py": "ring attention: forward ring, backward ring and the online-softmax merge",
     "src/shardkit/comm/_c10d.py": "the buffer layout of every collective around its single c10d call",
-    "src/shardkit/pipeline_parallel/p2p.py": "the public P2P calls and their shared argument rules",
     "src/shardkit/expert_parallel/dispatch.py": "token dispatch and combine: two uneven all-to-alls, exact backward",
     "src/shardkit/expert_parallel/hf.py": "expert parallelism on HF MoE blocks: the three plan styles of one block",
     "src/shardkit/sharding/mesh.py": "ParallelDims and ParallelMesh: degrees, validation, named meshes",

@@ -17,9 +17,9 @@ from harness.helpers import all_true, get_mesh, rank, world_group, world_size
 from harness.pipe_models import mlp_chunks, mse, tanh_mlp
 from shardkit.comm import CommLedger
 from shardkit.errors import ShardkitError
-from shardkit.pipeline_parallel import ChunkedStage, chunk_layers, run_schedule, split_microbatches
+from shardkit.pipeline_parallel import ChunkedStage, PipelineStage, chunk_layers, run_schedule, split_microbatches
 from shardkit.pipeline_parallel._fsdp_steps import last_backwards
-from shardkit.pipeline_parallel.chunked import link_groups, links_error
+from shardkit.pipeline_parallel._mailbox import link_groups, links_error
 from shardkit.pipeline_parallel.simulate import fifo_mismatches, transfers
 from shardkit.pipeline_parallel.steps import Step
 from shardkit.pipeline_parallel.tables import SCHEDULES, schedule_table
@@ -61,7 +61,7 @@ def _parity(name, v, m, varlen=True):
     mine = copy.deepcopy(_chunks(full, p, v, placement, r))
     for mod in mine:
         mod.zero_grad()
-    stage = ChunkedStage(mine, g, placement=placement, loss_fn=mse)
+    stage = PipelineStage(mine, g, loss_fn=mse, placement=placement)
     losses = run_schedule(stage, name, xs, ts, num_microbatches=m)
     ok = True
     if stage.holds(p * v - 1):
@@ -100,7 +100,7 @@ def test_v_table_with_fifo_mismatch_runs_and_equals_full_batch_backprop():
     ref = mse(full(x), t)
     ref.backward()
     mine = copy.deepcopy(_chunks(full, p, 2, "v", r))
-    stage = ChunkedStage(mine, g, placement="v", loss_fn=mse)
+    stage = PipelineStage(mine, g, loss_fn=mse, placement="v")
     losses = run_schedule(stage, "zbv", split_microbatches(x, 4), split_microbatches(t, 4), num_microbatches=4)
     ok = r != 0 or _close(torch.stack(losses).mean(), ref.detach())
     for mod, refmod in zip(mine, _chunks(full, p, 2, "v", r), strict=True):
@@ -118,7 +118,7 @@ def test_local_handover_and_shape_caches_kept_across_calls():
     table = schedule_table("dualpipev", p, 2, 4)
     full = _model()
     mine = copy.deepcopy(_chunks(full, p, 2, "v", r))
-    stage = ChunkedStage(mine, g, placement="v", loss_fn=mse)
+    stage = PipelineStage(mine, g, loss_fn=mse, placement="v")
     xs, ts = _data(4, varlen=False)
     counts, apis = [], {}
     for _ in range(2):
@@ -143,7 +143,7 @@ def test_local_handover_and_shape_caches_kept_across_calls():
 @pytest.mark.world(2, timeout=60)
 def test_table_that_does_not_fit_the_chunks_raises_on_every_rank():
     r, g = rank(), world_group()
-    stage = ChunkedStage([nn.Identity(), nn.Identity()], g, loss_fn=mse)  # v = 2, looped
+    stage = PipelineStage([nn.Identity(), nn.Identity()], g, loss_fn=mse)  # v = 2, looped
     xs, ts = _data(2, varlen=False)
     one_chunk = schedule_table("1f1b", 2, 1, 2)  # chunk 1 never runs
     with pytest.raises(ShardkitError, match="cannot run on 2 ranks x 2 chunks"):
@@ -163,11 +163,35 @@ def test_table_that_does_not_fit_the_chunks_raises_on_every_rank():
 def test_chunked_stage_refuses_bad_arguments_on_every_rank():
     g = world_group()
     with pytest.raises(ShardkitError, match="placement 'v' holds 2 chunks"):
-        ChunkedStage([nn.Identity()] * 3, g, placement="v", loss_fn=mse)
+        PipelineStage([nn.Identity()] * 3, g, loss_fn=mse, placement="v")
     with pytest.raises(ShardkitError, match=r"rank 1 has \(v, placement\)"):
-        ChunkedStage([nn.Identity()] * (1 + rank()), g, loss_fn=mse)
+        PipelineStage([nn.Identity()] * (1 + rank()), g, loss_fn=mse)
     with pytest.raises(ShardkitError, match="needs loss_fn"):
-        ChunkedStage([nn.Identity()], g)
+        PipelineStage([nn.Identity()], g)
+    with pytest.raises(ShardkitError, match="stage_index=0 but this rank is group rank 1"):
+        PipelineStage([nn.Identity()], g, 0, 2, loss_fn=mse)  # a list with indices: checked as one module
+
+
+@pytest.mark.world(2, timeout=60)
+def test_chunked_stage_is_a_deprecated_alias_of_pipeline_stage():
+    """``ChunkedStage(modules, group, placement=, loss_fn=)`` warns, naming the replacement, and
+    builds a :class:`PipelineStage` whose run equals one built directly (bitwise)."""
+    r, g = rank(), world_group()
+    full = _model()
+    mine = _chunks(full, 2, 2, "v", r)
+    with pytest.warns(DeprecationWarning, match=r"ChunkedStage is deprecated: use PipelineStage\(modules"):
+        old = ChunkedStage(copy.deepcopy(mine), g, placement="v", loss_fn=mse)
+    new = PipelineStage(copy.deepcopy(mine), g, loss_fn=mse, placement="v")
+    assert isinstance(old, PipelineStage) and old.v == new.v == 2 and old.placement == "v"
+    xs, ts = _data(4, varlen=False)
+    got = [run_schedule(st, "zbv", xs, ts, num_microbatches=4) for st in (old, new)]
+    same = all(
+        torch.equal(a.grad, b.grad)
+        for ma, mb in zip(old.modules, new.modules, strict=True)
+        for a, b in zip(ma.parameters(), mb.parameters(), strict=True)
+    )
+    same &= r != 0 or all(torch.equal(a, b) for a, b in zip(got[0], got[1], strict=True))
+    assert all_true(same)
 
 
 @pytest.mark.world(4, timeout=120)
@@ -192,7 +216,7 @@ def test_fsdp2_chunks_equal_full_batch_backprop(name, v):
             if isinstance(layer, nn.Linear):
                 fully_shard(layer, mesh=mesh["dp"])
         fully_shard(chunk, mesh=mesh["dp"])
-    stage = ChunkedStage(mine, mesh["pp"], placement=placement, loss_fn=mse)
+    stage = PipelineStage(mine, mesh["pp"], loss_fn=mse, placement=placement)
     with warnings.catch_warnings():  # nn.Linear on [B, S, H] returns a view; nothing here writes into it
         warnings.filterwarnings("ignore", "FSDP2-wrapped module")
         run_schedule(stage, name, xs[dp * m : (dp + 1) * m], ts[dp * m : (dp + 1) * m], num_microbatches=m)
@@ -254,7 +278,7 @@ def test_shapes_that_change_mid_run_under_early_receives_match_backprop(width):
     r, g = rank(), world_group()
     full = nn.Sequential(*[_Scale(width, seed) for seed in range(4)])
     mine = copy.deepcopy([full[c] for c in (r, 3 - r)])  # V placement: chunks r and 3 - r
-    stage = ChunkedStage(mine, g, placement="v", loss_fn=mse)
+    stage = PipelineStage(mine, g, loss_fn=mse, placement="v")
     gen = torch.Generator().manual_seed(5)
     ok = True
     for lens in ([3, 3, 5, 3], [2, 4, 4, 2]):
@@ -276,7 +300,7 @@ def test_early_receives_receive_every_message_as_it_was_sent():
     """The ledger of a run with early receives: each rank's receives are its neighbour's sends,
     message by message in the same order and size (no message lost, split or mixed)."""
     r, p, g = rank(), world_size(), world_group()
-    stage = ChunkedStage(copy.deepcopy(_chunks(_model(), p, 2, "v", r)), g, placement="v", loss_fn=mse)
+    stage = PipelineStage(copy.deepcopy(_chunks(_model(), p, 2, "v", r)), g, loss_fn=mse, placement="v")
     xs, ts = _data(6, varlen=True)
     with CommLedger() as ledger:
         run_schedule(stage, "zbv", xs, ts, num_microbatches=6)
@@ -299,7 +323,7 @@ def test_one_group_per_link_runs_every_direction():
     r, p, g = rank(), world_size(), world_group()
     full = _model()
     mine = copy.deepcopy(_chunks(full, p, 2, "v", r))
-    stage = ChunkedStage(mine, g, placement="v", loss_fn=mse)
+    stage = PipelineStage(mine, g, loss_fn=mse, placement="v")
     stage.links = link_groups(stage.info, separate=True)
     pgs = {id(info.pg) for info in stage.links.values()}
     xs, ts = _data(8, varlen=True)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from harness.helpers import all_true, rank, world_group, world_size
-from shardkit.pipeline_parallel import ChunkedStage, run_schedule
+from shardkit.pipeline_parallel import PipelineStage, run_schedule
 from shardkit.pipeline_parallel.weight_defer import defer, deferring
 
 H, MB, SEQ = 8, 3, 4  # the source: hidden 512, micro-batch 3, sequence 256 (on GPUs)
@@ -109,7 +109,7 @@ def _port(schedule, m, use_defer):
     full, x, t = _setup(p, m)
     loss_ref, out_ref = _reference(full, x, t, m)
     mine = _local(full, p, r)
-    stage = ChunkedStage(mine, world_group(), placement="v", loss_fn=_criterion)
+    stage = PipelineStage(mine, world_group(), loss_fn=_criterion, placement="v")
     xs, ts = list(x.chunk(m)), list(t.chunk(m))
     # training step: the sum of the microbatch losses, as the source
     losses = run_schedule(stage, schedule, xs, ts, num_microbatches=m, scale_grads=False)
@@ -154,7 +154,7 @@ def test_issue_case_zbv_p1_m2_counts_each_weight_gradient_once(use_defer):
     full, x, t = _setup(1, 2)
     _reference(full, x, t, 2)
     mine = _local(full, 1, 0)
-    stage = ChunkedStage(mine, world_group(), placement="v", loss_fn=_criterion)
+    stage = PipelineStage(mine, world_group(), loss_fn=_criterion, placement="v")
     run_schedule(stage, "zbv", list(x.chunk(2)), list(t.chunk(2)), num_microbatches=2, scale_grads=False)
     ratios = [
         (a.grad.norm() / b.grad.norm()).item()
@@ -189,7 +189,7 @@ def test_post_accumulate_hooks_run_as_b_and_stay_exact(schedule):
         q.register_post_accumulate_grad_hook(to_main)
     for xm, tm in zip(x.chunk(m), t.chunk(m)):
         _criterion(full(xm), tm).backward()
-    stage = ChunkedStage(mine, world_group(), placement="v", loss_fn=_criterion)
+    stage = PipelineStage(mine, world_group(), loss_fn=_criterion, placement="v")
     run_schedule(stage, schedule, list(x.chunk(m)), list(t.chunk(m)), num_microbatches=m, scale_grads=False)
     ok = True
     for mod, ref in zip(mine, [full[r], full[2 * p - 1 - r]], strict=True):

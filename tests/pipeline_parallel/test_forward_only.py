@@ -17,7 +17,7 @@ from harness.helpers import all_true, rank, world_group, world_size
 from harness.pipe_models import mlp_chunks, mse, tanh_mlp
 from shardkit.comm import CommLedger
 from shardkit.errors import ShardkitError
-from shardkit.pipeline_parallel import ChunkedStage, PipelineStage, run_schedule
+from shardkit.pipeline_parallel import PipelineStage, run_schedule
 from shardkit.pipeline_parallel.simulate import simulate_steps
 from shardkit.pipeline_parallel.steps import forward_only
 from shardkit.pipeline_parallel.stream_model import check_streams, posting_order
@@ -48,7 +48,7 @@ def _data(m):
 def _stage(name, v, full):
     placement = SCHEDULES[name].placement
     mine = copy.deepcopy(_chunks(full, world_size(), v, placement, rank()))
-    return ChunkedStage(mine, world_group(), placement=placement, loss_fn=mse), mine
+    return PipelineStage(mine, world_group(), placement=placement, loss_fn=mse), mine
 
 
 def _tables():
@@ -256,7 +256,7 @@ def test_non_tensor_arguments_per_microbatch_reach_every_chunk(train):
             x = mod(x, **kw)
         return x
 
-    stage = ChunkedStage(mine, world_group(), placement="v", loss_fn=mse)
+    stage = PipelineStage(mine, world_group(), loss_fn=mse, placement="v")
     with torch.set_grad_enabled(train):
         losses = run_schedule(stage, "zbv", xs, ts, num_microbatches=4, stage_kwargs=kws, scale_grads=False)
         want = [mse(ref_forward(x, kw), t) for x, kw, t in zip(xs, kws, ts)]

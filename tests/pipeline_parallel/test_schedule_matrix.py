@@ -20,7 +20,7 @@ from torch import nn
 from harness.helpers import all_true, rank, world_group, world_size
 from harness.pipe_models import mse
 from shardkit._rules import pp_tp_chunks_rule
-from shardkit.pipeline_parallel import ChunkedStage, defer, deferring, run_schedule
+from shardkit.pipeline_parallel import PipelineStage, defer, deferring, run_schedule
 from shardkit.pipeline_parallel.steps import global_chunk
 from shardkit.pipeline_parallel.tables import SCHEDULES
 
@@ -74,7 +74,7 @@ def _setup(name):
     full = nn.Sequential(*[_Block() for _ in range(p * v)])
     held = [global_chunk(SCHEDULES[name].placement, r, c, p) for c in range(v)]
     mine = [copy.deepcopy(full[g]) for g in held]
-    stage = ChunkedStage(mine, world_group(), placement=SCHEDULES[name].placement, loss_fn=mse)
+    stage = PipelineStage(mine, world_group(), placement=SCHEDULES[name].placement, loss_fn=mse)
     gen = torch.Generator().manual_seed(5)
     xs = [torch.randn(2, 3, H, generator=gen, dtype=torch.float64) for _ in range(_m(name))]
     ts = [torch.randn(2, 3, H, generator=gen, dtype=torch.float64) for _ in range(_m(name))]

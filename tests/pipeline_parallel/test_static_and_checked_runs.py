@@ -19,7 +19,7 @@ from harness.helpers import all_true, rank, world_group, world_size
 from harness.pipe_models import mse, tanh_mlp
 from shardkit.comm import CommLedger, checks
 from shardkit.errors import ShardkitError
-from shardkit.pipeline_parallel import ChunkedStage, PipelineStage, chunk_layers, run_schedule
+from shardkit.pipeline_parallel import PipelineStage, chunk_layers, run_schedule
 from shardkit.pipeline_parallel.simulate import transfers
 from shardkit.pipeline_parallel.tables import SCHEDULES, schedule_table
 
@@ -32,7 +32,7 @@ def _model():
 
 
 def _stage(full, name, v, g):
-    """This rank's stage: a PipelineStage for one chunk per rank, else a ChunkedStage."""
+    """This rank's stage: PipelineStage(module, g, r, p) for one chunk per rank, else of its chunks."""
     r, p = rank(), world_size()
     placement = SCHEDULES[name].placement
     chunks = [
@@ -41,7 +41,7 @@ def _stage(full, name, v, g):
     ]
     if v == 1:
         return PipelineStage(chunks[0], g, r, p, loss_fn=mse if r == p - 1 else None), chunks
-    return ChunkedStage(chunks, g, placement=placement, loss_fn=mse), chunks
+    return PipelineStage(chunks, g, placement=placement, loss_fn=mse), chunks
 
 
 def _data(m):

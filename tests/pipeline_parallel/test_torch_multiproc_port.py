@@ -20,12 +20,12 @@ from torch import nn
 
 from harness.helpers import all_true, rank, world_group, world_size
 from shardkit.comm import CommLedger
-from shardkit.pipeline_parallel import ChunkedStage, PipelineStage, chunk_layers, run_schedule
+from shardkit.pipeline_parallel import PipelineStage, chunk_layers, run_schedule
 from shardkit.pipeline_parallel.run_mode import ScheduleOutput
 from shardkit.pipeline_parallel.tables import SCHEDULES
 
 D_HID, BATCH = 8, 16  # each microbatch [BATCH / M, D_HID]
-# (schedule, v, one-chunk PipelineStage rather than ChunkedStage)
+# (schedule, v, the one-module form PipelineStage(module, group, r, p) rather than a list)
 CASES = [("gpipe", 1, True), ("1f1b", 1, True), ("gpipe", 1, False), ("1f1b", 1, False)]
 CASES += [("interleaved-1f1b", 2, False), ("looped-bfs", 2, False)]
 CASES += [("zb-h1", 1, False), ("zbv", 2, False), ("dualpipev", 2, False), ("interleaved-zb", 2, False)]
@@ -56,7 +56,7 @@ def _build(name, v, full, one_chunk):
     mods = [copy.deepcopy(nn.Sequential(*[full[i] for i in k])) for k in ranges]
     if one_chunk:
         return PipelineStage(mods[0], world_group(), r, p, loss_fn=_loss if r == p - 1 else None), mods, ranges
-    return ChunkedStage(mods, world_group(), placement=placement, loss_fn=_loss), mods, ranges
+    return PipelineStage(mods, world_group(), placement=placement, loss_fn=_loss), mods, ranges
 
 
 def _last(stage):

@@ -1,7 +1,7 @@
 """Unbalanced stage counts per rank (torch's ``ScheduleUnbalanced`` test: 5 stages on 2 ranks,
 3 on one and 2 on the other; our own port of its facts).
 
-A :class:`~shardkit.pipeline_parallel.ChunkedStage` holds the same ``v`` chunks on every rank (a
+A :class:`~shardkit.pipeline_parallel.PipelineStage` holds the same ``v`` chunks on every rank (a
 table's rows and the placement assume it), so ``3 + 2`` stages run as ``v = 3`` looped chunks
 with a pass-through (``nn.Identity``) as the short rank's third chunk: ``3+2``, rank 0 holds
 stages 0, 2 and 4, rank 1 stages 1 and 3 and the pass-through (global chunk 5, whose output is
@@ -22,7 +22,7 @@ from torch import nn
 from harness.helpers import all_true, rank, world_group
 from harness.pipe_models import mse, tanh_mlp
 from shardkit.errors import ShardkitError
-from shardkit.pipeline_parallel import ChunkedStage, run_schedule
+from shardkit.pipeline_parallel import PipelineStage, run_schedule
 
 H, STAGES = 4, 5  # five one-layer stages: rank 0 runs three of them, rank 1 two
 
@@ -56,7 +56,7 @@ def test_three_plus_two_stages_equal_one_process(name, m, layout):
     stages = copy.deepcopy(_stages(full))
     held = LAYOUTS[layout][r]
     mine = [nn.Identity() if s is None else stages[s] for s in held]
-    stage = ChunkedStage(mine, world_group(), loss_fn=mse)
+    stage = PipelineStage(mine, world_group(), loss_fn=mse)
     losses = run_schedule(stage, name, xs, ts, num_microbatches=m)
     ok = (losses is None) if r == 0 else all(torch.allclose(a, b) for a, b in zip(losses, refs, strict=True))
     for mod, s in zip(mine, held, strict=True):
@@ -73,4 +73,4 @@ def test_uneven_module_lists_are_refused_on_every_rank_before_any_step():
     stages = _stages(full)
     mine = [stages[0], stages[1], stages[4]] if rank() == 0 else [stages[2], stages[3]]  # torch's placement
     with pytest.raises(ShardkitError, match=r"rank 1 has \(v, placement\) \[2, 'looped'\], rank 0 \[3, 'looped'\]"):
-        ChunkedStage(mine, world_group(), loss_fn=mse)
+        PipelineStage(mine, world_group(), loss_fn=mse)

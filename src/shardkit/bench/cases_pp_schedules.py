@@ -2,7 +2,7 @@
 run by :func:`~shardkit.pipeline_parallel.run_schedule`, its measured bubble against its own
 theory and against 1F1B's measured bubble in the same rounds.
 
-Each of the ``p`` ranks holds ``v`` chunks (:class:`~shardkit.pipeline_parallel.ChunkedStage`);
+Each of the ``p`` ranks holds ``v`` chunks (a :class:`~shardkit.pipeline_parallel.PipelineStage` of ``v`` chunks);
 a chunk is ``x -> h * s(w)`` on a ``[1, 8]`` activation where ``h = _Forward(x)`` sleeps
 ``F / v`` in forward and ``I / v`` in backward (the input gradient) and ``s(w)`` is an identity
 on the chunk's weight that sleeps ``W / v`` in backward (the weight gradient). So a rank's work
@@ -37,7 +37,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..pipeline_parallel import ChunkedStage, run_schedule
+from ..pipeline_parallel import PipelineStage, run_schedule
 from ..pipeline_parallel.simulate import simulate_steps
 from ..pipeline_parallel.tables import SCHEDULES, schedule_table
 from ._method import Record, Settings, agree
@@ -106,7 +106,7 @@ class _Chunk(torch.nn.Module):
         return y
 
 
-def _stage(name: str, P: int, costs_s: dict, busy: list, pg, dev: torch.device) -> ChunkedStage:
+def _stage(name: str, P: int, costs_s: dict, busy: list, pg, dev: torch.device) -> PipelineStage:
     spec, v = SCHEDULES[name], CHUNKS[name]
     modules = [_Chunk(costs_s["F"] / v, costs_s["I"] / v, costs_s["W"] / v, busy, dev) for _ in range(v)]
 
@@ -116,7 +116,7 @@ def _stage(name: str, P: int, costs_s: dict, busy: list, pg, dev: torch.device) 
         busy[0] += time.perf_counter() - t0
         return out
 
-    return ChunkedStage(modules, pg, placement=spec.placement, loss_fn=loss_fn)
+    return PipelineStage(modules, pg, loss_fn=loss_fn, placement=spec.placement)
 
 
 def _theory(name: str, P: int, M: int, costs_s: dict) -> float:

@@ -71,7 +71,7 @@ class ParallelModel:
         layouts: per-parameter layout (tp/ep spec, expert, FSDP), by name.
         loss_parallel: logits stay vocab-sharded over tp (use the vocab-parallel loss).
         sequence_parallel: hidden states between blocks are sequence-sharded over tp.
-        stage: the :class:`~shardkit.pipeline_parallel.PipelineStage` (or ``ChunkedStage``) with
+        stage: the :class:`~shardkit.pipeline_parallel.PipelineStage` (one chunk or several) with
             ``pp > 1``, else None.
     """
 

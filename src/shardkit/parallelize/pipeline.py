@@ -22,7 +22,7 @@ from torch import nn
 
 from ..data_parallel import GradReduce
 from ..errors import ShardkitError
-from ..pipeline_parallel import ChunkedStage, DecoderStageModule, PipelineStage, sum_tied_embedding_grads
+from ..pipeline_parallel import DecoderStageModule, PipelineStage, sum_tied_embedding_grads
 from ..pipeline_parallel.tables import SCHEDULES
 from .ac_policy import ACPolicy
 from .decoder import ParallelModel, parallelize
@@ -73,9 +73,9 @@ def parallelize_stage(
         schedule: the pipeline schedule (a name of
             :data:`~shardkit.pipeline_parallel.tables.SCHEDULES`): it places the chunks.
         virtual_stages: chunks per rank. With ``v > 1`` or a schedule other than ``1f1b`` and
-            ``gpipe`` the stage is a :class:`~shardkit.pipeline_parallel.ChunkedStage` (every
-            schedule), else, and for ``pp_tp`` stages (one chunk: every one-chunk schedule), a
-            :class:`PipelineStage`.
+            ``gpipe`` the stage holds the ``v`` chunk modules (every schedule), else the stage's
+            module (every one-chunk schedule, ``pp_tp`` stages included): a
+            :class:`PipelineStage` either way.
 
     Returns:
         :class:`~.decoder.ParallelModel` whose ``stage`` runs the schedule.
@@ -129,7 +129,7 @@ def parallelize_stage(
             pm.layouts["lm_head.weight"].copy = True
     if chunked:
         chunks = [module.chunk_module(c) for c in range(virtual_stages)]
-        pm.stage = ChunkedStage(chunks, mesh["pp"], placement=placement, loss_fn=loss_fn if last else None)
+        pm.stage = PipelineStage(chunks, mesh["pp"], loss_fn=loss_fn if last else None, placement=placement)
         return pm
     pm.stage = PipelineStage(
         pm.module, stages if stages is not None else mesh["pp"], s, dims.pp, loss_fn=loss_fn if last else None

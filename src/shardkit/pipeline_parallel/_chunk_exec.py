@@ -1,4 +1,4 @@
-"""Run one rank's row of a :class:`~.steps.Step` table on a :class:`~.chunked.ChunkedStage`.
+"""Run one rank's row of a :class:`~.steps.Step` table on a :class:`~.stage.PipelineStage`.
 
 Steps: ``F`` runs a chunk on a microbatch and hands its output to the next chunk; ``B`` runs
 ``torch.autograd.backward`` and hands the input gradient to the previous chunk; ``I``/``W`` are
@@ -14,7 +14,7 @@ one goes to the neighbour ``r + 1`` or ``r - 1`` (mod ``p``) as one negotiated t
 :mod:`.p2p` (``loop=True``): activations as ``send_forward``/``recv_forward`` (ledger phase
 ``forward``), gradients as ``send_backward``/``recv_backward`` (``backward``), towards whichever
 neighbour holds the chunk (a V's ascending leg sends activations to ``r - 1``), on the process
-group of its link (``stage.links``, :func:`.chunked.link_groups`). Shapes are cached per (kind,
+group of its link (``stage.links``, :func:`._mailbox.link_groups`). Shapes are cached per (kind,
 receiving chunk) on both ends (one :class:`~._transfer.ShapeCache` each). No tags: between two
 ranks the messages pair in FIFO order, so a rank receives each neighbour's messages in the order
 it sends them, an order both derive from the table (:func:`.simulate.transfers`), and holds
@@ -69,13 +69,12 @@ from .tables import SCHEDULES
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from .chunked import ChunkedStage
     from .stage import PipelineStage
 
 __all__ = ["run_chunked", "resolve_table", "check_table", "execute"]
 
 
-def resolve_table(stage: ChunkedStage, schedule, num_microbatches: int | None, op: str) -> tuple[Table, int]:
+def resolve_table(stage: PipelineStage, schedule, num_microbatches: int | None, op: str) -> tuple[Table, int]:
     """The :class:`Step` table and ``M`` of ``schedule``: a name of :data:`~.tables.SCHEDULES`
     (built for this pipeline's ``p``, ``v`` and ``num_microbatches``), a :class:`Step` table, or a
     one-chunk ``Action`` table (lifted to chunk 0). Pure.
@@ -107,7 +106,7 @@ def resolve_table(stage: ChunkedStage, schedule, num_microbatches: int | None, o
     return table, m
 
 
-def check_table(table: Table, stage: ChunkedStage, m: int, op: str) -> None:
+def check_table(table: Table, stage: PipelineStage, m: int, op: str) -> None:
     """Raise ShardkitError unless ``table`` has one row per rank, runs every (microbatch, chunk)
     of ``v`` chunks and cannot deadlock (:func:`.simulate.simulate_steps`; cached, pure)."""
     if len(table) != stage.p:
@@ -128,7 +127,7 @@ class _Run:
     """One call's state on this rank (see the module docstring)."""
 
     def __init__(
-        self, stage: ChunkedStage, table: Table, m: int, inputs, targets, kwargs, links: Transport, mode: RunMode
+        self, stage: PipelineStage, table: Table, m: int, inputs, targets, kwargs, links: Transport, mode: RunMode
     ) -> None:
         self.stage, self.m, self.inputs, self.targets, self.kwargs = stage, m, inputs, targets, kwargs
         self.mode = mode
@@ -192,7 +191,7 @@ def _backward(x: torch.Tensor, y: torch.Tensor, grad: torch.Tensor | None) -> to
 
 
 def execute(
-    stage: ChunkedStage,
+    stage: PipelineStage,
     table: Table,
     m: int,
     inputs,
@@ -206,7 +205,7 @@ def execute(
     chunk, else None (parameter gradients accumulate into ``.grad``); with
     ``mode.return_outputs`` a :class:`~.run_mode.ScheduleOutput` on every rank. ``decls``: the
     boundaries' static ``(shape, dtype)`` (:mod:`._links`), or None (negotiated)."""
-    links = Links(stage, caches, decls) if stage.stages is None else StageLinks(cast("PipelineStage", stage), decls)
+    links = Links(stage, caches, decls) if stage.stages is None else StageLinks(stage, decls)
     run = _Run(stage, table, m, inputs, targets, kwargs, links, mode)
     fsdp = fsdp_steps(stage, table[stage.rank], m) if mode.train else None  # each group gathered, reduced once
     with torch.set_grad_enabled(mode.train):
@@ -225,7 +224,7 @@ def execute(
 
 
 def run_chunked(
-    stage: ChunkedStage,
+    stage: PipelineStage,
     schedule,
     inputs,
     targets,
@@ -236,7 +235,7 @@ def run_chunked(
     shape_key=None,
     mode: tuple = (None, True, False),
 ):
-    """:func:`~.runner.run_schedule` on a :class:`~.chunked.ChunkedStage`: resolve and check the
+    """:func:`~.runner.run_schedule` on a :class:`~.stage.PipelineStage`: resolve and check the
     table (its forward-only rows in an eval call), agree on it and on every rank's data (one
     small all-reduce when all is well), run. ``mode``: ``(train, scale_grads, return_outputs)``
     as passed (:func:`.run_mode.resolve_mode`)."""
@@ -279,7 +278,7 @@ def run_chunked(
     return losses
 
 
-def _data_error(stage: ChunkedStage, m: int, inputs, targets, stage_kwargs, mode: RunMode) -> str | None:
+def _data_error(stage: PipelineStage, m: int, inputs, targets, stage_kwargs, mode: RunMode) -> str | None:
     who = f"rank {stage.rank}" if stage.stages is None else f"stage {stage.rank}"  # a tp group's
     for chunk, name, xs, needed in (
         (0, "inputs_microbatches", inputs, True),

@@ -24,21 +24,10 @@ Two modes:
   mirror combined call (as Megatron's schedules do); with static shapes there is one phase.
 
 Negotiating once per distinct shape (ordered mode, checks off, a :class:`ShapeCache` passed by
-the caller). Each end keeps, per channel (group, direction, peer), the shape and dtype of the
-last negotiated payload; both ends update it from the same header (the sender from the header it
-sends, the receiver from the header it receives), only when the header's status is ``OK``, so
-the two copies are equal after every transfer whatever the shapes do. With a cached shape the
-receiver posts the header receive and a payload receive of the cached shape together (no round
-trip: the header is no longer waited for before the payload is posted); up to ``PACK_MAX_BYTES``
-the two are one message, the header in front of the payload. The sender always sends a message
-of the cached shape with the header: the payload when its tensor has that shape and dtype, else
-a dummy of the cached shape followed by the real payload (or nothing after an error status).
-The header still travels every time, so a shape change or an error is always seen.
-Each channel also stores the header of its cached shape, so a repeat is packed by one copy of
-the payload (into the peer's reused send buffer, whose header bytes stay in place) or, over the
-limit, sent as those stored bytes, and accepted by one comparison. On gloo, a combined call's
-packed cached receive is read only after the call's later messages are posted (see
-:func:`_ordered`).
+the caller): each transfer is a send or receive of :mod:`._packed`, the one way every message is
+sent (the runner's too); the cache and its packed messages are described there. On gloo, a
+combined call's packed cached receive is read only after the call's later messages are posted
+(see :func:`_ordered`).
 
 Why it is safe. (a) Each even/odd pair of neighbours has one side sending first and the other
 receiving first, so with blocking (rendezvous) semantics, the worst case of NCCL, every exchange
@@ -57,17 +46,17 @@ import torch
 from ..errors import ShardkitError, ShardkitTypeError
 from . import _wire
 from ._negotiate import hello_msgs, read_header, settle
-from ._packed import PACK_MAX_BYTES, cached_recv, cached_send, post_packed, read_packed
+from ._packed import Recv, send_transfer
 from ._transfer import ShapeCache, Transfer, header_msg, payload_msg, post, posting_order, sorted_post
-from ._wire import OK
 
 __all__ = ["P2PWork", "exchange"]
 
 
 def _ordered(transfers: list[Transfer], api: str, checked: bool, cache: ShapeCache | None = None) -> list:
     """Transfer by transfer in slot order, each complete (header or hellos, payload) before the
-    next; a receiver waits for its header before posting the payload receive, unless ``cache``
-    holds the channel's shape (then both are posted at once). ``checked``: the check mode's hellos.
+    next: the sends and receives of :mod:`._packed` (a receiver waits for its header before
+    posting the payload receive, unless ``cache`` holds the channel's shape: then both are posted
+    at once). ``checked``: the check mode's hellos instead.
 
     On gloo, a packed cached receive that is its group's only receive in the call is posted in
     its slot and read after the call's later messages are posted: an odd stage's
@@ -77,45 +66,29 @@ def _ordered(transfers: list[Transfer], api: str, checked: bool, cache: ShapeCac
     so a changed shape (dummy, then the payload received after the later posts) still pairs up.
     NCCL runs a peer's P2P in order on one stream, where that late payload receive would sit
     behind this end's later send while the peer's send of the payload blocks: not done there."""
-    works, late = [], []
+    works: list = []
+    late: list[Recv] = []
     order = posting_order([(t.gi, t.g.rank, t.send, t.towards) for t in transfers])
     receives = [t.gi for t in transfers if not t.send]
     for i in order:
         t = transfers[i]
-        use_cache = cache is not None and t.header and not checked
-        cached = cache.get(t) if cache is not None and use_cache else None
-        if cached is not None:
-            if (
-                not t.send
-                and cached.nbytes <= PACK_MAX_BYTES
-                and receives.count(t.gi) == 1
-                and t.g.pg.name().lower() == "gloo"
-            ):
-                late.append((t, cached, *post_packed(t, cached, api)))
-                continue
-            assert cache is not None  # the cached shape came from it
-            works += cached_send(t, cached, api, cache) if t.send else cached_recv(t, cached, api)
-        elif checked:
+        if checked:
             for w in sorted_post(hello_msgs(t, api), api, batched=False):
                 w.wait()
             settle(t, api)
             works += post([m for m in [payload_msg(t)] if m is not None], False, api)
+            continue
+        channel = cache if t.header else None  # a static transfer has no negotiated shape
+        if t.send:
+            works += send_transfer(t, channel, api)
+            continue
+        r = Recv(t, channel, api)
+        if r.packed and receives.count(t.gi) == 1 and t.g.pg.name().lower() == "gloo":
+            late.append(r)
         else:
-            if t.header:
-                posted = post([header_msg(t)], False, api)
-                if t.send:
-                    works += posted
-                else:
-                    posted[0].wait()
-                    read_header(t, api)
-            works += post([m for m in [payload_msg(t)] if m is not None], False, api)
-        if cache is not None and use_cache and t.status == OK and t.payload is not None:
-            # Both ends record the header's shape: the sender its own, the receiver the one read.
-            cache.put(t, t.payload.shape, t.payload.dtype)
-    for t, cached, buf, work in late:
-        works += read_packed(t, cached, buf, work, api)
-        if cache is not None and t.status == OK and t.payload is not None:
-            cache.put(t, t.payload.shape, t.payload.dtype)
+            works += r.finish()
+    for r in late:
+        works += r.finish()
     return works
 
 

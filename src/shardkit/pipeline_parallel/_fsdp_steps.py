@@ -1,4 +1,4 @@
-"""FSDP2 on a :class:`~.chunked.ChunkedStage`: every group gathered once per step and reduced once,
+"""FSDP2 on a :class:`~.stage.PipelineStage`: every group gathered once per step and reduced once,
 after the last backward step of the rank's row that runs through it.
 
 A rank's row interleaves the backwards of its ``v`` chunks, and of every microbatch; left at
@@ -45,7 +45,7 @@ from ..data_parallel.microbatches import reduce_outside_autograd, set_group_sync
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from .chunked import ChunkedStage
+    from .stage import PipelineStage
     from .steps import Step
 
 __all__ = ["FsdpSteps", "last_backwards", "fsdp_steps"]
@@ -118,7 +118,7 @@ class FsdpSteps:
             reduce_outside_autograd(r)
 
 
-def fsdp_steps(stage: ChunkedStage, row: Sequence[Step], m: int) -> FsdpSteps | None:
+def fsdp_steps(stage: PipelineStage, row: Sequence[Step], m: int) -> FsdpSteps | None:
     """The :class:`FsdpSteps` of ``stage``'s chunks under ``row`` (``m`` microbatches), or None
     when no chunk holds an FSDP2 module."""
     trees = []

@@ -25,12 +25,25 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol
 
+import torch.distributed as dist
+
+from ..comm._group import GroupInfo, resolve_group
 from ..errors import ShardkitError
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
 
-__all__ = ["Message", "Transport", "Mailbox", "incoming", "link", "links", "step_messages"]
+__all__ = [
+    "Message",
+    "Transport",
+    "Mailbox",
+    "incoming",
+    "link",
+    "link_groups",
+    "links",
+    "links_error",
+    "step_messages",
+]
 
 Message = tuple[str, int, int]  # (kind "F" | "B", microbatch, receiving global chunk)
 
@@ -63,7 +76,7 @@ def link(src: int, dst: int, p: int) -> tuple[str, int]:
     ``"prev"`` from ``r`` to ``r - 1``; with ``p = 2`` (both neighbours are one rank) ``"next"``
     from rank 0 to 1, ``"prev"`` back. ``colour`` tells apart the rank pairs ``{a, a + 1}``:
     ``a % 2``, and 2 for the pair ``{p - 1, 0}`` when ``p`` is odd (3 or more). Each link is one
-    process group on NCCL (:func:`~.chunked.link_groups`): no two links of a group share a rank,
+    process group on NCCL (:func:`link_groups`): no two links of a group share a rank,
     so every stream of a group carries one rank pair's messages one way."""
     direction = "next" if (dst > src if p == 2 else dst == (src + 1) % p) else "prev"
     a = src if direction == "next" else dst  # the pair {a, a + 1}
@@ -74,6 +87,50 @@ def link(src: int, dst: int, p: int) -> tuple[str, int]:
 def links(p: int) -> list[tuple[str, int]]:
     """Every link of a ``p``-rank pipeline (``p >= 2``), in one order (pure)."""
     return sorted({link(r, q, p) for r in range(p) for q in ((r + 1) % p, (r - 1) % p) if q != r})
+
+
+def link_groups(g: GroupInfo, separate: bool, p: int | None = None) -> dict[tuple[str, int], GroupInfo]:
+    """The process group of each link (:func:`links`) of the pipeline group ``g``
+    (of ``p`` pipeline positions, default ``g.size``; tp-group stages: their number, the links
+    then join stages and every group holds all of ``g``'s ranks).
+
+    ``separate`` (NCCL, any backend but gloo): ``g`` for the first link and, for each other one,
+    a new group of ``g``'s ranks (``dist.new_group(ranks, use_local_synchronization=True)``:
+    collective over ``g``; 2 to 6 groups in all, by ``p``). NCCL runs a group's P2P between two
+    ranks in order on one stream (on one stream per rank when the communicator is initialized
+    eagerly), so a send could wait in front of a receive it depends on; no two links of a group
+    share a rank, so each stream carries one rank pair's messages one way (the proof:
+    :mod:`.stream_model`). Else ``g`` for every link: gloo pairs each direction of a rank pair
+    on its own and never blocks a post. A group of one rank has no link."""
+    p = g.size if p is None else p
+    if p < 2:
+        return {}
+    names = links(p)
+    if not separate:
+        return dict.fromkeys(names, g)
+    ranks = dist.get_process_group_ranks(g.pg)
+    backend = dist.get_backend(g.pg)
+    made = [g] + [
+        resolve_group(dist.new_group(ranks, backend=backend, use_local_synchronization=True), "PipelineStage")
+        for _ in names[1:]
+    ]
+    return dict(zip(names, made, strict=True))
+
+
+def links_error(backend: str, eager: bool) -> str | None:
+    """Why :func:`link_groups` cannot build a pipeline's link groups, or None (pure).
+
+    On NCCL with an eagerly initialized default group (``init_process_group(device_id=...)``)
+    ``new_group`` splits the default communicator (``ncclCommSplit``), which every rank of the
+    default group must join, so a group built by the pipeline's ranks alone would wait for the
+    others; lazily initialized groups (the default, and ``shardkit train``'s) have no split."""
+    if backend.lower() != "gloo" and eager:
+        return (
+            "pipeline schedules on NCCL build one process group per pipeline link from the pipeline's ranks "
+            "alone, which an eagerly initialized default group (init_process_group(device_id=...)) cannot do "
+            "(ncclCommSplit needs every rank); initialize it without device_id"
+        )
+    return None
 
 
 class Transport(Protocol):

@@ -1,10 +1,21 @@
-"""Cached shapes in the P2P engine (:mod:`._exchange`): a channel whose shape was negotiated
-sends the header with a message of that shape, packed into one message when small.
+"""One pipeline message on its channel, sent (:func:`send_transfer`) or received (:class:`Recv`):
+static (the payload alone), negotiated (a header, then the payload) or cached (a channel whose
+shape was negotiated sends the header with a message of that shape, packed into one message when
+small). The one way of every sender and receiver: the public calls' exchange (:mod:`._exchange`),
+their one-message path and the runner's links (:mod:`._links`).
 
-A repeat of the cached shape (the common case: every microbatch of a run) sends the channel's
-stored header bytes and is accepted by the receiver with one comparison against its own stored
-header: no encoding, no decoding, no second buffer. Any other header (a new shape or dtype, an
-error status) differs in some byte and is decoded, so a changed shape is always seen.
+Each end keeps, per channel (group, direction, peer), the shape and dtype of the last negotiated
+payload (:class:`~._transfer.ShapeCache`); both ends update it from the same header (the sender
+from the header it sends, the receiver from the one it receives), only when the header's status
+is ``OK``, so the two copies are equal after every transfer whatever the shapes do. With a cached
+shape the receiver posts the header receive and a payload receive of the cached shape together
+(no round trip); up to ``PACK_MAX_BYTES`` the two are one message, the header in front of the
+payload. The sender always sends a message of the cached shape with the header: the payload when
+its tensor has that shape and dtype, else a dummy of the cached shape followed by the real
+payload (or nothing after an error status), so a shape change or an error is always seen. A
+repeat (every microbatch of a run) is one copy of the payload into the peer's reused send buffer,
+whose header bytes stay in place (over the limit: the stored header bytes, then the payload), and
+is accepted by one comparison with the receiver's stored header: no encoding, no decoding.
 """
 
 from __future__ import annotations
@@ -21,14 +32,12 @@ from ._wire import HEADER_LEN, OK
 
 __all__ = [
     "PACK_MAX_BYTES",
-    "accepted",
     "cached_send",
-    "cached_recv",
-    "decode_packed",
+    "Recv",
+    "send_transfer",
     "finish_cached_recv",
     "post_cached_recv",
     "post_packed",
-    "post_packed_at",
     "read_packed",
     "send_repeat",
 ]
@@ -95,50 +104,23 @@ def _header(ch: Channel, device: torch.device) -> torch.Tensor:
 
 def post_packed(t: Transfer, ch: Channel, api: str) -> tuple[torch.Tensor, Any]:
     """Post the one receive of a packed transfer (header + payload of the cached shape)."""
-    return post_packed_at(t.g, t.peer, t.phase, ch, t.device, api)
-
-
-def post_packed_at(
-    g: GroupInfo, peer: int, phase: str, ch: Channel, device: torch.device, api: str
-) -> tuple[torch.Tensor, Any]:
-    """:func:`post_packed` from group rank ``peer`` without a :class:`Transfer`: ``(buffer, work)``."""
-    buf = torch.empty(_HB + ch.nbytes, dtype=torch.uint8, device=device)
-    return buf, post_one(g, peer, False, buf, phase, api)
+    buf = torch.empty(_HB + ch.nbytes, dtype=torch.uint8, device=t.device)
+    return buf, post_one(t.g, t.peer, False, buf, t.phase, api)
 
 
 def read_packed(t: Transfer, ch: Channel, buf: torch.Tensor, work, api: str) -> list:
     """Complete a packed receive: a header equal to the channel's stored one (the cached shape,
-    status OK) is accepted by one comparison, without decoding; else :func:`_after_header`."""
+    status OK) on a receive that accepts the cached dtype on the channel's device is accepted by
+    one comparison (:func:`_accepts`), its payload a view of the bytes after the header; any other
+    is decoded and judged (:func:`_after_header`). The work is waited here, once (a gloo receive's
+    work must not be waited twice: the second wait expects another message)."""
     work.wait()
-    body = accepted(buf, ch, t.dtype, t.device)
-    if body is not None:
+    body = buf[_HB:].view(ch.dtype).view(ch.shape)
+    if _accepts(t.dtype, t.device, ch, buf[:_HB]):
         t.payload = body
         return []
-    return decode_packed(t, ch, buf, api)
-
-
-def decode_packed(t: Transfer, ch: Channel, buf: torch.Tensor, api: str) -> list:
-    """A completed packed receive whose header is not the channel's stored one: decoded and
-    judged (:func:`_after_header`). Its work was waited already (a gloo receive's work must not
-    be waited twice: the second wait expects another message)."""
     t.hdr = buf[:_HB].view(torch.int64)
-    return _after_header(t, ch, buf[_HB:].view(ch.dtype).view(ch.shape), [], api)
-
-
-def accepted(buf: torch.Tensor, ch: Channel, dtype: torch.dtype | None, device: torch.device) -> torch.Tensor | None:
-    """The payload of a completed packed receive ``buf`` (a view of its bytes after the header)
-    when its header is the channel's stored one and the receive accepts the cached dtype on the
-    channel's device (:func:`_accepts`), else None: :func:`read_packed` decodes it."""
-    if _accepts(dtype, device, ch, buf[:_HB]):
-        return buf[_HB:].view(ch.dtype).view(ch.shape)
-    return None
-
-
-def cached_recv(t: Transfer, ch: Channel, api: str) -> list:
-    """The mirror of :func:`cached_send`: header and a receive of the cached shape posted
-    together (or one packed receive); the real payload after them only when the header
-    announces another shape."""
-    return finish_cached_recv(t, ch, post_cached_recv(t, ch, api), api)
+    return _after_header(t, ch, body, [], api)
 
 
 def post_cached_recv(t: Transfer, ch: Channel, api: str) -> tuple[torch.Tensor, Any]:
@@ -192,3 +174,68 @@ def _after_header(t: Transfer, ch: Channel, pre: torch.Tensor, rest: list, api: 
         w.wait()  # a dummy: the real payload (if any) follows
     pay = payload_msg(t)
     return post([pay], False, api) if pay is not None else []
+
+
+def send_transfer(t: Transfer, cache: ShapeCache | None, api: str) -> list:
+    """Post the send of ``t`` (its tensor checked already, :func:`._links.check_own_tensor`): with
+    ``cache`` holding the channel's shape :func:`cached_send`, else the header (negotiated) and
+    the payload (none after an error status); the cache updated from an ``OK`` header. Its works."""
+    ch = cache.get(t) if cache is not None else None
+    if cache is not None and ch is not None:
+        works = cached_send(t, ch, api, cache)
+    else:
+        works = post([m for m in (header_msg(t) if t.header else None, payload_msg(t)) if m is not None], False, api)
+    if cache is not None and t.status == OK and t.payload is not None:  # both ends record an OK header's shape
+        cache.put(t, t.payload.shape, t.payload.dtype)
+    return works
+
+
+class Recv:
+    """The receive of ``t``, posted at construction: a static one's payload; with ``cache``
+    holding the channel's shape the receive(s) of :func:`post_cached_recv`; else the header.
+    :meth:`finish` runs the rest (the header compared or decoded, a changed shape receives the
+    dummy and then the real payload, the cache updated only from an ``OK`` header)."""
+
+    def __init__(self, t: Transfer, cache: ShapeCache | None, api: str) -> None:
+        self.t, self.cache, self.api = t, cache, api
+        self.ch = cache.get(t) if cache is not None else None
+        if self.ch is not None:
+            self.posted: Any = post_cached_recv(t, self.ch, api)
+        else:
+            first = header_msg(t) if t.header else payload_msg(t)
+            self.posted = post([first] if first is not None else [], False, api)
+
+    @property
+    def packed(self) -> bool:
+        """One packed message of the cached shape (complete once it arrived)."""
+        return self.ch is not None and self.ch.nbytes <= PACK_MAX_BYTES
+
+    def finish(self) -> list:
+        """Wait for the header (if any) and post what follows; the works still to wait for. An
+        error (the sender's status, a header off the declaration) is left in ``t.error``."""
+        t = self.t
+        if self.ch is not None:
+            works = finish_cached_recv(t, self.ch, self.posted, self.api)
+        elif not t.header:
+            return self.posted
+        else:
+            self.posted[0].wait()
+            read_header(t, self.api)
+            works = post([m for m in [payload_msg(t)] if m is not None], False, self.api)
+        if self.cache is not None and t.status == OK and t.payload is not None:
+            self.cache.put(t, t.payload.shape, t.payload.dtype)
+        return works
+
+    def wait(self) -> torch.Tensor:
+        """Complete the transfer; the received tensor.
+
+        Raises:
+            ShardkitError: the sender reported an error in its header, or the header differs
+                from the declaration (both after every message of the transfer completed).
+        """
+        for w in self.finish():
+            w.wait()
+        if self.t.error is not None:
+            raise self.t.error
+        assert self.t.payload is not None  # an OK transfer holds its tensor
+        return self.t.payload

@@ -5,7 +5,7 @@ tp sizes may differ per stage): one message of a table is one boundary reshard o
 Every rank of a stage runs the same row, so the collectives inside a stage (the sending stage's
 header all-gather, the receiving leader's broadcast, the sum of partial input gradients) meet in
 the same order on all of its ranks. Each message travels on the process group of its link
-between the two stages (:func:`~.chunked.link_groups` over the replica group: one per link on
+between the two stages (:func:`~._mailbox.link_groups` over the replica group: one per link on
 NCCL, so that each stream carries one direction; :mod:`.stream_model` checks the order at the
 level of ranks, :func:`~.stream_model.tp_posting_order`). Sends are posted and waited for at the end of the call
 (:class:`~._mailbox.Mailbox`), as the one-rank transport's; a receive runs, whole, when the step
@@ -30,6 +30,7 @@ import torch
 
 from ..comm import _c10d
 from ..comm.checks import checks_enabled
+from ._links import Posted
 from ._mailbox import link
 from ._reshard import Side, recv_side, send_side
 from .vtp import Replicate
@@ -41,20 +42,6 @@ if TYPE_CHECKING:
     from .stage import PipelineStage
 
 __all__ = ["StageLinks"]
-
-
-class _Sent:
-    """The posted sends of one transfer (a :class:`~._mailbox.Mailbox` send handle)."""
-
-    def __init__(self, works: list) -> None:
-        self.works = works
-
-    def is_completed(self) -> bool:
-        return all(w.is_completed() for w in self.works)
-
-    def wait(self) -> None:
-        for w in self.works:
-            w.wait()
 
 
 class StageLinks:
@@ -97,7 +84,7 @@ class StageLinks:
         if msg[0] == "F" and self.decls is None:
             self.forward[(msg[1], msg[2] - 1)] = (tuple(shape), dtype)
 
-    def send(self, msg: Message, dst: int, tensor: torch.Tensor) -> _Sent:
+    def send(self, msg: Message, dst: int, tensor: torch.Tensor) -> Posted:
         api, phase = ("send_forward", "forward") if msg[0] == "F" else ("send_backward", "backward")
         if msg[0] == "B" and self.partial:  # partial sums -> the full gradient
             tensor = _c10d.all_reduce(tensor, self.st.tp, "run_schedule", "backward")
@@ -106,7 +93,7 @@ class StageLinks:
         pg = self.stage.links[link(s, dst, self.st.num_stages)]
         shape, works = send_side(tensor, src, to, pg, self.st.tp, self._decl(msg), api, phase)
         self._crossed(msg, shape, tensor.dtype)
-        return _Sent(works)
+        return Posted(works)
 
     def post(self, msg: Message, src: int) -> tuple[Message, int]:
         return msg, src  # received whole when the step takes it (see the module docstring)

@@ -131,7 +131,7 @@ class DecoderStageModule(nn.Module):
             :func:`~.chunked.chunk_layers` and this module holds the ``v`` of its rank under
             ``placement`` (:mod:`.steps`); ``forward(x, chunk=c)`` runs local chunk ``c`` (the
             embedding on chunk 0, the norm and head on the last) and :meth:`chunk_module` gives
-            each chunk as a module for :class:`~.chunked.ChunkedStage`.
+            each chunk as a module for :class:`~.stage.PipelineStage`.
         placement: ``"looped"`` or ``"v"``.
 
     Raises:
@@ -218,7 +218,7 @@ class DecoderStageModule(nn.Module):
         return [p for m in mods for p in m.parameters()]
 
     def chunk_module(self, chunk: int) -> nn.Module:
-        """Local ``chunk`` as a module of its own (for :class:`~.chunked.ChunkedStage`)."""
+        """Local ``chunk`` as a module of its own (for :class:`~.stage.PipelineStage`)."""
         return _DecoderChunk(self, chunk)
 
     def forward(

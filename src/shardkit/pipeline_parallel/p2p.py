@@ -133,9 +133,8 @@ def send_forward(
             declared ``shape``/``dtype``; the header cannot describe ``x`` (ndim > 16).
         RankMismatchError: (checks on) the receiver declared a different shape or dtype.
     """
-    return run(
-        "send_forward", group, x, [_FWD_OUT], [], shape, dtype, None, loop, batched, async_op, "mean", shape_cache
-    )
+    opts = (shape, dtype, None, loop, batched, async_op, "mean", shape_cache)
+    return run("send_forward", group, x, [_FWD_OUT], [], *opts)
 
 
 def recv_forward(
@@ -173,9 +172,8 @@ def recv_forward(
             error; tensors from several groups differ.
         RankMismatchError: the sender's header differs from the declared ``shape``/``dtype``.
     """
-    return run(
-        "recv_forward", group, None, [], [_FWD_IN], shape, dtype, device, loop, batched, async_op, reduce, shape_cache
-    )
+    opts = (shape, dtype, device, loop, batched, async_op, reduce, shape_cache)
+    return run("recv_forward", group, None, [], [_FWD_IN], *opts)
 
 
 def send_backward(
@@ -195,9 +193,8 @@ def send_backward(
     is off: ShardkitError). With several groups, pass ``grad / K`` to be the exact adjoint of
     ``recv_forward(reduce="mean")`` over ``K`` groups (see the module docstring).
     """
-    return run(
-        "send_backward", group, grad, [_BWD_OUT], [], shape, dtype, None, loop, batched, async_op, "mean", shape_cache
-    )
+    opts = (shape, dtype, None, loop, batched, async_op, "mean", shape_cache)
+    return run("send_backward", group, grad, [_BWD_OUT], [], *opts)
 
 
 def recv_backward(
@@ -219,9 +216,8 @@ def recv_backward(
     is off: ShardkitError). Use ``reduce="sum"`` after a fan-out :func:`send_forward` to several
     groups: the gradient of a tensor used by several next stages is the sum of theirs.
     """
-    return run(
-        "recv_backward", group, None, [], [_BWD_IN], shape, dtype, device, loop, batched, async_op, reduce, shape_cache
-    )
+    opts = (shape, dtype, device, loop, batched, async_op, reduce, shape_cache)
+    return run("recv_backward", group, None, [], [_BWD_IN], *opts)
 
 
 def send_forward_recv_backward(
@@ -242,21 +238,8 @@ def send_forward_recv_backward(
     received tensor is allocated on ``x``'s device. Otherwise as :func:`send_forward` and
     :func:`recv_backward` together; both directions are posted before waiting.
     """
-    return run(
-        "send_forward_recv_backward",
-        group,
-        x,
-        [_FWD_OUT],
-        [_BWD_IN],
-        shape,
-        dtype,
-        None,
-        loop,
-        batched,
-        async_op,
-        reduce,
-        shape_cache,
-    )
+    opts = (shape, dtype, None, loop, batched, async_op, reduce, shape_cache)
+    return run("send_forward_recv_backward", group, x, [_FWD_OUT], [_BWD_IN], *opts)
 
 
 def send_backward_recv_forward(
@@ -275,21 +258,8 @@ def send_backward_recv_forward(
 
     As :func:`send_forward_recv_backward`, directions reversed.
     """
-    return run(
-        "send_backward_recv_forward",
-        group,
-        grad,
-        [_BWD_OUT],
-        [_FWD_IN],
-        shape,
-        dtype,
-        None,
-        loop,
-        batched,
-        async_op,
-        reduce,
-        shape_cache,
-    )
+    opts = (shape, dtype, None, loop, batched, async_op, reduce, shape_cache)
+    return run("send_backward_recv_forward", group, grad, [_BWD_OUT], [_FWD_IN], *opts)
 
 
 def send_forward_recv_forward(
@@ -309,21 +279,8 @@ def send_forward_recv_forward(
     With ``loop=True`` every stage does both: a ring shift by one stage. Otherwise as
     :func:`send_forward_recv_backward`.
     """
-    return run(
-        "send_forward_recv_forward",
-        group,
-        x,
-        [_FWD_OUT],
-        [_FWD_IN],
-        shape,
-        dtype,
-        None,
-        loop,
-        batched,
-        async_op,
-        reduce,
-        shape_cache,
-    )
+    opts = (shape, dtype, None, loop, batched, async_op, reduce, shape_cache)
+    return run("send_forward_recv_forward", group, x, [_FWD_OUT], [_FWD_IN], *opts)
 
 
 def send_backward_recv_backward(
@@ -339,18 +296,5 @@ def send_backward_recv_backward(
     shape_cache: ShapeCache | None = None,
 ) -> torch.Tensor | P2PWork:
     """Send a gradient to the previous stage and receive one from the next stage (a backward shift)."""
-    return run(
-        "send_backward_recv_backward",
-        group,
-        grad,
-        [_BWD_OUT],
-        [_BWD_IN],
-        shape,
-        dtype,
-        None,
-        loop,
-        batched,
-        async_op,
-        reduce,
-        shape_cache,
-    )
+    opts = (shape, dtype, None, loop, batched, async_op, reduce, shape_cache)
+    return run("send_backward_recv_backward", group, grad, [_BWD_OUT], [_BWD_IN], *opts)

@@ -1,8 +1,7 @@
 """Run a pipeline schedule on a stage: the one runner, :mod:`._chunk_exec`, for every stage.
 
-A :class:`~.stage.PipelineStage` (one chunk per rank, on a pipeline group or on tp groups of
-their own sizes, :class:`~.vtp.StageGroups`) and a :class:`~.chunked.ChunkedStage` (``v`` chunks
-per rank) run the same executor: every schedule of :data:`~.tables.SCHEDULES` or a table of
+A :class:`~.stage.PipelineStage` (one chunk or ``v`` chunks per rank, or one chunk per tp group
+of its own size, :class:`~.vtp.StageGroups`) runs every schedule of :data:`~.tables.SCHEDULES` or a table of
 :class:`~.steps.Step` s (one-chunk ``Action`` tables are lifted). Gradients are moved
 explicitly, as in Megatron-LM: ``F`` keeps ``(input, output)`` per microbatch, ``B`` calls
 ``torch.autograd.backward(output, grad)`` and hands ``input.grad`` back (``I``/``W``: the split
@@ -25,15 +24,13 @@ import torch
 
 from ..errors import ShardkitError
 from ._chunk_exec import run_chunked
-from .chunked import ChunkedStage
 from .run_mode import ScheduleOutput
-from .run_split import split_microbatches  # re-exported: its home until the runner grew
+from .stage import PipelineStage
 
 if TYPE_CHECKING:
     from collections.abc import Hashable, Sequence
 
     from .schedules import Action
-    from .stage import PipelineStage
     from .steps import Step
 
 __all__ = ["run_schedule", "split_microbatches"]
@@ -41,7 +38,7 @@ __all__ = ["run_schedule", "split_microbatches"]
 
 @overload
 def run_schedule(
-    stage: PipelineStage | ChunkedStage,
+    stage: PipelineStage,
     schedule: Sequence[Sequence[Action]] | Sequence[Sequence[Step]] | str,
     inputs_microbatches: Sequence[torch.Tensor] | None = None,
     targets_microbatches: Sequence[torch.Tensor] | None = None,
@@ -58,7 +55,7 @@ def run_schedule(
 
 @overload
 def run_schedule(
-    stage: PipelineStage | ChunkedStage,
+    stage: PipelineStage,
     schedule: Sequence[Sequence[Action]] | Sequence[Sequence[Step]] | str,
     inputs_microbatches: Sequence[torch.Tensor] | None = None,
     targets_microbatches: Sequence[torch.Tensor] | None = None,
@@ -74,7 +71,7 @@ def run_schedule(
 
 
 def run_schedule(
-    stage: PipelineStage | ChunkedStage,
+    stage: PipelineStage,
     schedule: Sequence[Sequence[Action]] | Sequence[Sequence[Step]] | str,
     inputs_microbatches: Sequence[torch.Tensor] | None = None,
     targets_microbatches: Sequence[torch.Tensor] | None = None,
@@ -93,8 +90,8 @@ def run_schedule(
     Collective over the pipeline group: every stage calls it with the same table.
 
     Args:
-        stage: this rank's :class:`PipelineStage` (one chunk per rank, or per tp group), or its
-            :class:`~.chunked.ChunkedStage` (``v`` chunks per rank, virtual stages); the table's
+        stage: this rank's :class:`PipelineStage` (one chunk per rank or per tp group, or ``v``
+            chunks per rank: virtual stages); the table's
             ``F``/``B``/``I``/``W`` steps run as :mod:`._chunk_exec` says; the first (last)
             stage below is the rank holding the first (last) chunk.
         schedule: the full table, one row per rank: :class:`~.steps.Step` s (e.g.
@@ -149,7 +146,27 @@ def run_schedule(
             (``train=True`` under ``torch.no_grad()``, ranks in different modes, non-bool flags).
     """
     op = "run_schedule"
-    if not isinstance(stage, ChunkedStage):
-        raise ShardkitError(f"{op}: stage must be a PipelineStage or ChunkedStage, got {type(stage).__name__}")
+    if not isinstance(stage, PipelineStage):
+        raise ShardkitError(f"{op}: stage must be a PipelineStage, got {type(stage).__name__}")
     args = (inputs_microbatches, targets_microbatches, stage_kwargs, num_microbatches, boundary_shapes)
     return run_chunked(stage, schedule, *args, op, shape_key, (train, scale_grads, return_outputs))
+
+
+def split_microbatches(batch: torch.Tensor, num_microbatches: int) -> list[torch.Tensor]:
+    """Split ``[B, ...]`` into ``M`` microbatches ``[B / M, ...]`` along dim 0 (views).
+
+    Raises:
+        ShardkitError: ``M`` not an int >= 1, ``batch`` 0-d, or ``M`` does not divide ``B``.
+    """
+    M = num_microbatches
+    if not isinstance(M, int) or isinstance(M, bool) or M < 1:
+        raise ShardkitError(f"split_microbatches: num_microbatches must be an int >= 1, got {M!r}")
+    if not isinstance(batch, torch.Tensor) or batch.dim() == 0:
+        raise ShardkitError("split_microbatches: batch must be a tensor with a batch dimension (dim 0)")
+    B = batch.shape[0]
+    if B % M:
+        raise ShardkitError(
+            f"split_microbatches: {M} microbatches do not divide the batch of {B} "
+            f"(B % M = {B % M}); pick M dividing {B}"
+        )
+    return list(batch.split(B // M, dim=0))

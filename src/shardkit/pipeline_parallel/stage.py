@@ -1,9 +1,14 @@
-"""A pipeline stage: one slice of a model, its place in the pipeline and (last stage) the loss.
+"""A pipeline stage: the chunks (slices of a model) one rank holds, its place in the pipeline
+and, on the rank holding the last chunk, the loss.
 
-A stage is a :class:`~.chunked.ChunkedStage` of one chunk, run by the one runner
-(:mod:`._chunk_exec`) on every schedule: one rank of a pipeline group, or a tp group of ranks
-(:class:`~.vtp.StageGroups`, tp sizes may differ per stage) with the layouts of its input and
-output over that group, whose messages are boundary reshards (:mod:`._stage_links`).
+One class for every stage the runner (:mod:`._chunk_exec`) runs: one module per rank, ``v``
+chunks per rank (virtual stages, placed ``"looped"`` or ``"v"``: :mod:`.steps`), or one module
+per tp group of ranks (:class:`~.vtp.StageGroups`, tp sizes may differ per stage) with the
+layouts of its input and output over that group, whose messages are boundary reshards
+(:mod:`._stage_links`).
+
+Source: Megatron-LM's virtual pipeline (a list of model chunks per rank, Narayanan et al., SC
+2021); torch.distributed.pipelining's ``PipelineStage``; ZB-V / DualPipeV's V placement.
 """
 
 from __future__ import annotations
@@ -18,8 +23,10 @@ from ..comm._group import GroupInfo, resolve_group
 from ..comm.agree import agree
 from ..errors import ShardkitError, ShardkitTypeError
 from ..sharding import Replicate, Shard, StageGroups
+from ._agreed import REJECTED
+from ._mailbox import link_groups, links_error
 from ._transfer import ShapeTrust
-from .chunked import ChunkedStage, link_groups, links_error
+from .steps import PLACEMENTS, chunk_owner, global_chunk
 from .vtp import check_layout
 
 if TYPE_CHECKING:
@@ -29,81 +36,103 @@ if TYPE_CHECKING:
 
 __all__ = ["PipelineStage"]
 
+_RANKS = ("group has", "ranks", "is group rank", "stage = group rank")  # the words of _index_error
+_STAGES = ("has", "stages", "is in stage", "its StageGroups")
 
-class PipelineStage(ChunkedStage):
-    """One stage of a pipeline: ``module`` maps one tensor to one tensor.
 
-    A :class:`~.chunked.ChunkedStage` holding one chunk (``modules == [module]``, looped
-    placement, pipeline rank = stage): :func:`~.runner.run_schedule` runs it on the one runner,
-    every one-chunk schedule (``1f1b``, ``gpipe``, ``zb-h1``), static ``boundary_shapes`` and the
-    check mode included, on a pipeline group or on :class:`~.vtp.StageGroups`.
+class PipelineStage:
+    """The chunks one rank holds: ``modules[c]`` is local chunk ``c`` (each maps one tensor to one
+    tensor, e.g. ``[B / M, S, H] -> [B / M, S, H]``); one module is one chunk.
 
-    The first stage takes the input microbatch (e.g. ``[B / M, S, H]``), the others the previous
-    stage's output; the last stage also computes ``loss_fn(output, target)`` (a scalar).
+    The first chunk takes the input microbatch, the others the previous chunk's output; the rank
+    (every rank of the tp group) holding the last chunk also computes ``loss_fn(output, target)``
+    (a scalar). :func:`~.runner.run_schedule` runs it under any schedule of its placement.
 
     Args:
-        module: this stage's slice of the model.
-        pp_group: the pipeline group (``ProcessGroup`` or 1-D ``DeviceMesh``); stage = group rank.
-        stage_index: this stage's index; must equal the group rank.
-        num_stages: the number of stages; must equal the group size.
-        loss_fn: ``loss_fn(output, target) -> scalar``; required on the last stage only.
-        in_layout: (tp stages only) the layout of the stage's input over its tp group,
+        module: this rank's slice of the model, or its ``v`` chunk modules in local chunk order
+            (:func:`~.chunked.chunk_layers`).
+        pp_group: the pipeline group (``ProcessGroup`` or 1-D ``DeviceMesh``; pipeline rank =
+            group rank), or :class:`~.vtp.StageGroups` (one chunk per tp group: every rank of a
+            stage builds the same stage, its shard of the module, and runs the same row).
+        stage_index: None, or this rank's stage (one chunk per rank: the pipeline rank); checked.
+        num_stages: None, or the number of pipeline ranks (stages of one chunk); checked.
+        loss_fn: ``loss_fn(output, target) -> scalar``; required where the last chunk is
+            (``p - 1`` looped, 0 for ``"v"``).
+        placement: ``"looped"`` (default) or ``"v"`` (two chunks per rank); the schedule's.
+        in_layout: (StageGroups only) the layout of the stage's input over its tp group,
             :class:`~shardkit.sharding.layouts.Replicate` (default) or
             :class:`~shardkit.sharding.layouts.Shard`.
-        out_layout: (tp stages only) the layout of the stage's output, as ``in_layout``.
-        input_grad: (tp stages, replicated input) ``"replicated"``: every rank's input gradient
+        out_layout: (StageGroups only) the layout of the stage's output, as ``in_layout``.
+        input_grad: (StageGroups, replicated input) ``"replicated"``: every rank's input gradient
             is the full gradient (the module enters its TP regions through Megatron's ``f``);
-            ``"partial"``: each rank's is a partial sum (e.g. the input feeds a column-parallel
-            linear directly), summed over the stage before it is sent back.
+            ``"partial"``: each rank's is a partial sum, summed over the stage before it is sent.
 
-    With a :class:`~.vtp.StageGroups` as ``pp_group``, every rank of a stage builds the same
-    stage (its shard of the module) and runs the same schedule row; the first stage's ranks all
-    get the inputs, the last stage's all get the targets and compute the loss.
+    Attributes:
+        links: the process group of each link between neighbours (:func:`._mailbox.link_groups`).
 
     Raises:
-        ShardkitTypeError: ``module`` is not an ``nn.Module``; ``loss_fn`` not callable.
-        ShardkitError: on every rank of the group (agreed by :func:`~shardkit.comm.agree.agree`) when any
-            rank's ``stage_index``/``num_stages`` do not match its stage and the number of
-            stages, the last stage has no ``loss_fn``, or ranks of one stage disagree on its
-            layouts.
+        ShardkitTypeError: a module is not an ``nn.Module``; ``loss_fn`` not callable.
+        ShardkitError: on every rank (one :func:`~shardkit.comm.agree.agree`) when any rank's
+            ``stage_index`` / ``num_stages`` do not match its stage and the number of stages, it
+            has no modules, an unknown placement, ``v != 2`` with ``"v"``, the last chunk without
+            a ``loss_fn``, ranks disagree on ``v`` or the placement (or, StageGroups, on a stage's
+            layouts), several chunks on StageGroups, or an NCCL pipeline whose default group was
+            initialized eagerly (:func:`._mailbox.links_error`).
     """
 
     def __init__(
         self,
-        module: nn.Module,
+        module: nn.Module | Sequence[nn.Module],
         pp_group: Group | Sequence[Group] | StageGroups,
-        stage_index: int,
-        num_stages: int,
+        stage_index: int | None = None,
+        num_stages: int | None = None,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
         *,
+        placement: str = "looped",
         in_layout: Replicate | Shard | None = None,
         out_layout: Replicate | Shard | None = None,
         input_grad: str = "replicated",
     ):
-        op = "PipelineStage"
-        if not isinstance(module, nn.Module):
-            raise ShardkitTypeError(f"{op}: module must be a torch.nn.Module, got {type(module).__name__}")
+        op = type(self).__name__
+        modules = [module] if isinstance(module, nn.Module) else module
+        if not isinstance(modules, (list, tuple)) or not all(isinstance(m, nn.Module) for m in modules):
+            raise ShardkitTypeError(f"{op}: module must be a torch.nn.Module or a list of them (one per chunk)")
         if loss_fn is not None and not callable(loss_fn):
             raise ShardkitTypeError(f"{op}: loss_fn must be callable, got {type(loss_fn).__name__}")
-        self.module, self.stage_index, self.num_stages = module, stage_index, num_stages
-        if not isinstance(pp_group, StageGroups):
+        self.modules, self.placement, self.loss_fn = list(modules), placement, loss_fn
+        self.v, self.group = len(self.modules), pp_group
+        self.stages: StageGroups | None = pp_group if isinstance(pp_group, StageGroups) else None
+        eager = getattr(dist.group.WORLD, "bound_device_id", None) is not None
+        if self.stages is None:
             if in_layout is not None or out_layout is not None:
                 raise ShardkitError(f"{op}: in_layout/out_layout need a StageGroups pp_group (stages with tp groups)")
-            g = resolve_group(pp_group, op)
-            # checked in the chunked stage's one agreement (_error), before its own checks
-            self._index_error = self._layout_error(g.rank, g.size, stage_index, num_stages, loss_fn)
-            super().__init__([module], cast("Group", pp_group), placement="looped", loss_fn=loss_fn)
-            return
-        self.stages = pp_group
-        g = self.stages.info
-        err = self._layout_error(
-            self.stages.stage_index,
-            self.stages.num_stages,
-            stage_index,
-            num_stages,
-            loss_fn,
-            ("has", "stages", "is in stage", "its StageGroups"),
-        )
+            g = resolve_group(cast("Group", pp_group), op)
+            self.info: GroupInfo = g
+            self.rank, self.p = g.rank, g.size
+            error = _index_error(g.rank, g.size, stage_index, num_stages, loss_fn, self.v, _RANKS)
+            error = error or self._error() or links_error(g.pg.name(), eager)
+
+            def judge(seen: list) -> list[str]:
+                differ = [r for r, x in enumerate(seen) if x != seen[0]]
+                return [f"rank {r} has (v, placement) {seen[r]}, rank 0 {seen[0]}" for r in differ[:1]]
+
+            agree(g, op, error, [self.v, placement], judge=judge, headline=REJECTED)
+        else:
+            self._init_stage_groups(self.stages, stage_index, num_stages, (in_layout, out_layout, input_grad), op)
+        # one group per link on NCCL (stream_model.py); a tp-group stage's link a pair of stages
+        self.links = link_groups(self.info, separate=self.info.pg.name().lower() != "gloo", p=self.p)
+        # run_schedule's negotiated shapes per (receiving chunk, direction), kept between calls
+        self._caches: dict | None = None
+        self.shape_trust = ShapeTrust()  # trusted negotiated shapes (run_schedule's shape_key)
+
+    def _init_stage_groups(self, st: StageGroups, stage_index, num_stages, layout: tuple, op: str) -> None:
+        """A stage made of a tp group: one looped chunk, pipeline rank = stage; the layouts of
+        every stage agreed by every rank of the replica group (:func:`_agree_layouts`)."""
+        self.info, self.rank, self.p = st.info, st.stage_index, st.num_stages
+        in_layout, out_layout, input_grad = layout
+        err = _index_error(self.rank, self.p, stage_index, num_stages, self.loss_fn, self.v, _STAGES)
+        if err is None and self.v != 1:
+            err = f"a stage of a tp group (StageGroups) holds one chunk, got {self.v} modules"
         layouts: tuple[Any, ...] = (in_layout or Replicate(), out_layout or Replicate())
         try:  # a bad argument on one rank must not leave the others waiting: agreed below
             for name, lay in zip(("in_layout", "out_layout"), layouts):
@@ -113,57 +142,110 @@ class PipelineStage(ChunkedStage):
         except ShardkitError as e:
             err, layouts = err or str(e), (repr(in_layout), repr(out_layout))
         eager = getattr(dist.group.WORLD, "bound_device_id", None) is not None
-        err = err or links_error(g.pg.name(), eager)
-        self.layouts = _agree_layouts(self.stages, err, layouts + (input_grad,), op)
+        err = err or self._error() or links_error(self.info.pg.name(), eager)
+        self.layouts = _agree_layouts(st, err, layouts + (input_grad,), op)
         self.input_grad = input_grad
-        # the chunked stage's view of a tp-group stage: one looped chunk, stage = pipeline rank
-        self.modules, self.placement, self.loss_fn = [module], "looped", loss_fn
-        self.group = cast("Any", pp_group)  # the StageGroups itself
-        self.rank, self.p, self.v = stage_index, num_stages, 1
-        self.info: GroupInfo = g  # the replica group of the StageGroups
-        self._caches = None
-        # one group per link between stages on NCCL, as a one-rank stage's (stream_model.py)
-        self.links = link_groups(g, separate=g.pg.name().lower() != "gloo", p=num_stages)
-        self.shape_trust = ShapeTrust()
 
     def _error(self) -> str | None:
-        return self._index_error or super()._error()
-
-    @staticmethod
-    def _layout_error(
-        my_stage: int,
-        stages: int,
-        stage_index,
-        num_stages,
-        loss_fn,
-        unit=("group has", "ranks", "is group rank", "stage = group rank"),
-    ) -> str | None:
-        for name, v in (("stage_index", stage_index), ("num_stages", num_stages)):
-            if not isinstance(v, int) or isinstance(v, bool):
-                return f"{name} must be an int, got {v!r}"
-        if num_stages != stages:
-            return f"num_stages={num_stages} but the pipeline {unit[0]} {stages} {unit[1]}"
-        if stage_index != my_stage:
-            return f"stage_index={stage_index} but this rank {unit[2]} {my_stage} ({unit[3]})"
-        if stage_index == num_stages - 1 and loss_fn is None:
-            return f"the last stage ({stage_index}) needs loss_fn(output, target)"
+        if self.v < 1:
+            return "needs at least one chunk module"
+        if self.placement not in PLACEMENTS:
+            return f"unknown placement {self.placement!r}; expected one of {PLACEMENTS}"
+        if self.placement == "v" and self.v != 2:
+            return f"placement 'v' holds 2 chunks per rank, got {self.v} modules"
+        if self.holds(self.num_chunks - 1) and self.loss_fn is None:
+            return f"rank {self.rank} holds the last chunk ({self.num_chunks - 1}) and needs loss_fn(output, target)"
         return None
+
+    @property
+    def module(self) -> nn.Module:
+        """The one chunk of a one-chunk stage.
+
+        Raises:
+            ShardkitError: the stage holds several chunks (use ``modules``)."""
+        if self.v != 1:
+            raise ShardkitError(f"PipelineStage.module: the stage holds {self.v} chunks; use .modules")
+        return self.modules[0]
+
+    @property
+    def stage_index(self) -> int:
+        """This rank's pipeline rank (one chunk per rank: its stage)."""
+        return self.rank
+
+    @property
+    def num_stages(self) -> int:
+        """The number of pipeline ranks (stages of one chunk; tp groups of StageGroups)."""
+        return self.p
 
     @property
     def tp_size(self) -> int:
         return 1 if self.stages is None else self.stages.tp.size
 
+    @property
+    def num_chunks(self) -> int:
+        """``p * v``, the chunks of the whole pipeline."""
+        return self.p * self.v
+
+    def global_chunk(self, local: int) -> int:
+        """The global index of local chunk ``local``."""
+        return global_chunk(self.placement, self.rank, local, self.p)
+
+    def owner(self, chunk: int) -> int:
+        """The pipeline rank holding global ``chunk``."""
+        return chunk_owner(self.placement, chunk, self.p)[0]
+
+    def holds(self, chunk: int) -> bool:
+        """Whether this rank holds global ``chunk``."""
+        return self.owner(chunk) == self.rank
+
+    @property
+    def is_first(self) -> bool:
+        """Whether this rank holds the first chunk (it takes the inputs)."""
+        return self.holds(0)
+
+    @property
+    def is_last(self) -> bool:
+        """Whether this rank holds the last chunk (it computes the loss)."""
+        return self.holds(self.num_chunks - 1)
+
     def forward(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        """This stage's module on one microbatch (``kwargs``: that microbatch's stage keyword arguments)."""
+        """A one-chunk stage's module on one microbatch (``kwargs``: its stage keyword arguments)."""
         return self.module(x, **kwargs)
 
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The last stage's loss on one microbatch."""
         if self.loss_fn is None:
-            raise ShardkitError(
-                f"PipelineStage.loss: stage {self.stage_index} has no loss_fn (only the last stage needs one)"
-            )
+            raise ShardkitError(f"PipelineStage.loss: rank {self.rank} has no loss_fn (only the last stage needs one)")
         return self.loss_fn(output, target)
+
+    def take_caches(self, keep: bool) -> dict:
+        """The shape caches a call runs with: the kept ones if ``keep`` (agreed by every rank),
+        else new ones; none is held until :meth:`keep_caches` (a failed call leaves none)."""
+        caches = (self._caches if keep else None) or {}
+        self._caches = None
+        return caches
+
+    def keep_caches(self, caches: dict) -> None:
+        """Keep ``caches`` for the next call (this rank's call completed)."""
+        self._caches = caches
+
+    @property
+    def has_caches(self) -> bool:
+        return self._caches is not None
+
+
+def _index_error(my_stage: int, stages: int, stage_index, num_stages, loss_fn, v: int, unit) -> str | None:
+    """Why ``stage_index`` / ``num_stages`` (None: not checked) do not fit this rank (pure)."""
+    for name, x in (("stage_index", stage_index), ("num_stages", num_stages)):
+        if x is not None and (not isinstance(x, int) or isinstance(x, bool)):
+            return f"{name} must be an int, got {x!r}"
+    if num_stages is not None and num_stages != stages:
+        return f"num_stages={num_stages} but the pipeline {unit[0]} {stages} {unit[1]}"
+    if stage_index is not None and stage_index != my_stage:
+        return f"stage_index={stage_index} but this rank {unit[2]} {my_stage} ({unit[3]})"
+    if v == 1 and stage_index is not None and stage_index == stages - 1 and loss_fn is None:
+        return f"the last stage ({stage_index}) needs loss_fn(output, target)"
+    return None
 
 
 def _agree_layouts(stages: StageGroups, error: str | None, mine: tuple, op: str) -> list:

@@ -17,8 +17,8 @@ the input gradient only; ``W`` the weight gradient of an earlier ``I``. Each (mi
 chunk) runs ``F`` once and either ``B`` once or ``I`` then ``W`` once each.
 
 The one-chunk ``F``/``B`` tables of :mod:`.schedules` (``Action(kind, microbatch)``) lift to
-steps with :func:`lift`; the one runner runs every step table, on a one-chunk
-:class:`~.stage.PipelineStage` as on a :class:`~.chunked.ChunkedStage`.
+steps with :func:`lift`; the one runner runs every step table on a
+:class:`~.stage.PipelineStage` of one chunk or several.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ tensors).
 What it shows (tests/pipeline_parallel/test_stream_model.py), for every table of
 :data:`~.tables.SCHEDULES` with ``p`` in 2..8, ``v`` in 1..4 and ``m`` in ``{p, 2p, 2p + 1}``:
 the runner's NCCL order (receives posted when needed, one group per link,
-:func:`~.chunked.link_groups`) runs to its end under ``"pair"`` and ``"rank"``, and its gloo
+:func:`~._mailbox.link_groups`) runs to its end under ``"pair"`` and ``"rank"``, and its gloo
 order (receives posted early, one group) under ``"gloo"``; with one group on NCCL the same check
 finds deadlocks (a send to a neighbour waiting in front of a receive from it).
 """
@@ -67,7 +67,7 @@ class _Recorder:
         self.rank, self.p, self.shared, self.events = rank, p, shared, events
 
     def group(self, src: int, dst: int) -> tuple[str, int]:
-        """The link's group, as :func:`~.chunked.link_groups` gives it (one for all: ``shared``)."""
+        """The link's group, as :func:`~._mailbox.link_groups` gives it (one for all: ``shared``)."""
         return ("shared", 0) if self.shared else link(src, dst, self.p)
 
     def send(self, msg: Message, dst: int, tensor: Any) -> _Sent:
