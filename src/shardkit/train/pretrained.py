@@ -53,11 +53,6 @@ ATTN_IMPLEMENTATION = "sdpa"
 # replaces either with its own, which applies the cap).
 _EAGER_FAMILIES = frozenset({"gemma2"})
 
-
-def attn_implementation(model_type: str) -> str:
-    """The transformers attention a ``model_type`` is built with: :data:`ATTN_IMPLEMENTATION`,
-    ``"eager"`` for the families no SDPA kernel computes (Gemma 2's logit softcap)."""
-    return "eager" if model_type in _EAGER_FAMILIES else ATTN_IMPLEMENTATION
 _GGUF_SUFFIX = ".gguf"
 # The files a Hugging Face tokenizer is read from (one is enough: tokenizer.json for a fast
 # tokenizer, the vocabulary of a slow one); a checkpoint directory of weights alone has none.
@@ -69,6 +64,12 @@ TOKENIZER_FILES = (
     "spiece.model",
     "tokenizer_config.json",
 )
+
+
+def attn_implementation(model_type: str) -> str:
+    """The transformers attention a ``model_type`` is built with: :data:`ATTN_IMPLEMENTATION`,
+    ``"eager"`` for the families no SDPA kernel computes (Gemma 2's logit softcap)."""
+    return "eager" if model_type in _EAGER_FAMILIES else ATTN_IMPLEMENTATION
 
 
 @dataclasses.dataclass(frozen=True)
