@@ -193,3 +193,24 @@ def test_what_gemma2_cannot_take_is_refused_before_launch(flags, match):
     cfg = TrainConfig(model="gemma2", seq_len=16, batch_size=2, layers=2, tp=1, **flags)
     with pytest.raises(ShardkitError, match=match):
         validate_config(cfg, world_size=2 if flags.get("cp_ring") else 1)
+
+
+@pytest.mark.world(4, timeout=300)
+def test_builtin_gemma2_from_flags_matches_one_process():
+    # --model gemma2 without a checkpoint: the family's config at the flags' sizes (window
+    # seq_len / 2 on the sliding layers, both softcaps, tied embeddings), ring x tp
+    from shardkit.train.lm_families import GEMMA2
+    from shardkit.train.model import hf_config
+
+    cfg = validate_config(
+        TrainConfig(model="gemma2", steps=2, seq_len=16, batch_size=2, dtype="float64", verify=True, cp_ring=2, tp=2),
+        world_size=world_size(),
+    )
+    _, config = hf_config(cfg, GEMMA2)
+    assert config.sliding_window == 8 and "sliding_attention" in config.layer_types
+    assert config.tie_word_embeddings and config._attn_implementation == "eager"
+    assert config.query_pre_attn_scalar != config.head_dim
+    result = train(cfg, "gloo", torch.device("cpu"), time.perf_counter(), progress=False)
+    if rank() == 0:
+        parity = result["parity"]
+        assert parity["passed"] and parity["tolerance"] == 1e-9, parity
