@@ -21,6 +21,7 @@ import torch
 
 from harness.helpers import rank, remove_shared_dir, shared_tmpdir, world_size
 from harness.pretrained import save_tokenizer
+from harness.tiers import tiered
 from shardkit import ShardkitError, export_hf
 from shardkit.train.config import TrainConfig, validate_config
 from shardkit.train.run import train
@@ -93,17 +94,20 @@ def _train(root: str, **layout):
     return train(validate_config(cfg, world_size=world_size()), "gloo", torch.device("cpu"), time.perf_counter(), False)
 
 
-LAYOUTS = [
-    dict(cp_ring=2, dp_shard=2),
-    dict(cp_ulysses=2, tp=2),
-    dict(cp_ring=2, cp_ulysses=2),
-    dict(tp=2, dp_replicate=2, sequence_parallel=True),
-    dict(pp=2, tp=2, microbatches=2),
-]
+LAYOUTS = {
+    "ring x fsdp": dict(cp_ring=2, dp_shard=2),
+    "ulysses x tp": dict(cp_ulysses=2, tp=2),
+    "usp": dict(cp_ring=2, cp_ulysses=2),
+    "tp-sp x dp": dict(tp=2, dp_replicate=2, sequence_parallel=True),
+    "pp x tp": dict(pp=2, tp=2, microbatches=2),
+}
+# quick: usp runs both cp attentions (ring across, Ulysses inside) with the window and the cap;
+# pp x tp runs the vocab-parallel scaled embedding and the last stage's final cap
+QUICK = ["usp", "pp x tp"]
 
 
 @pytest.mark.world(4, timeout=300)
-@pytest.mark.parametrize("layout", LAYOUTS, ids=["ring x fsdp", "ulysses x tp", "usp", "tp-sp x dp", "pp x tp"])
+@pytest.mark.parametrize("layout", tiered(LAYOUTS, QUICK))
 def test_gemma2_checkpoint_matches_one_process(layout):
     root = shared_tmpdir("shardkit-gemma2-")
     try:
@@ -119,6 +123,7 @@ def test_gemma2_checkpoint_matches_one_process(layout):
         remove_shared_dir(root)
 
 
+@pytest.mark.slow  # a write_hf round trip of the family is in the quick tier (test_export.py)
 @pytest.mark.world(4, timeout=300)
 def test_gemma2_save_hf_equals_the_export_of_its_checkpoint():
     # --save-hf (the trainer's gather of the ring x FSDP2 run) and shardkit export of the DCP save
@@ -188,6 +193,7 @@ def test_keep_float64_gemma2_is_transformers_forward_without_its_float32_roundin
         (dict(cp_ring=2, cp_layout="stripe"), r"stripe.*sliding window"),
         (dict(packed=True), r"--packed.*gemma2"),
     ],
+    ids=["stripe with a window", "packed"],
 )
 def test_what_gemma2_cannot_take_is_refused_before_launch(flags, match):
     cfg = TrainConfig(model="gemma2", seq_len=16, batch_size=2, layers=2, tp=1, **flags)
@@ -195,6 +201,7 @@ def test_what_gemma2_cannot_take_is_refused_before_launch(flags, match):
         validate_config(cfg, world_size=2 if flags.get("cp_ring") else 1)
 
 
+@pytest.mark.slow  # one more layout of the same hooks (the quick tier has the checkpoint's)
 @pytest.mark.world(4, timeout=300)
 def test_builtin_gemma2_from_flags_matches_one_process():
     # --model gemma2 without a checkpoint: the family's config at the flags' sizes (window
