@@ -84,8 +84,13 @@ def _validate_variants(cfg: TrainConfig, family: LMFamily) -> None:
       mask, which Gemma 2's eager attention would add to the scores as numbers and which would
       replace the per-layer sliding-window mask (and with cp that run is the ``--verify`` reference).
     """
-    config = read_config(cfg.model_path) if cfg.model_path is not None else family.config(cfg)
-    if cfg.cp_layout == "stripe" and cfg.cp_size > 1 and _has_sliding_window(config):
+    if cfg.cp_layout != "stripe" or cfg.cp_size == 1:
+        windowed = False
+    elif cfg.model_path is not None:
+        windowed = _has_sliding_window(read_config(cfg.model_path))
+    else:  # the family's own keys (not family.config: that would load a --tokenizer for its vocabulary)
+        windowed = _has_sliding_window(family.extras(cfg))
+    if windowed:
         raise ShardkitError(
             "--cp-layout stripe: the model has a sliding window (a band of global positions), which the stripe "
             "layout's interleaved tokens cannot keep; use --cp-layout zigzag or contiguous"
