@@ -61,7 +61,9 @@ def set_io_guard(factory: Callable[[], ContextManager[Any]]) -> None:
     _IO_GUARD = factory
 
 
-_HF_PRELOAD = [f"transformers.models.{m}.modeling_{m}" for m in ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v2")]
+_HF_PRELOAD = [
+    f"transformers.models.{m}.modeling_{m}" for m in ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v2", "gemma2")
+]
 
 
 def _context() -> Any:

@@ -143,3 +143,31 @@ def test_colwise_refuses_an_embedding_with_max_norm_which_rowwise_keeps():
     mod = RowwiseParallel(input_layouts=Replicate()).apply(copy.deepcopy(ref), world_group())
     ids = torch.arange(16).reshape(4, 4)
     torch.testing.assert_close(mod(ids), ref(ids), **TOL)  # whole rows on their owner: the same renorm
+
+
+class _Shifted(nn.Embedding):
+    """An embedding whose forward adds something the vocab-parallel lookup cannot know."""
+
+    def forward(self, ids):
+        return super().forward(ids) + 1.0
+
+
+@pytest.mark.world(2)
+def test_rowwise_keeps_a_scaled_embeddings_factor_and_refuses_other_own_forwards():
+    # Gemma 2's input embedding: lookup * sqrt(H) in its own forward, which the vocab-parallel
+    # lookup replaces (it dropped the factor before); any other subclass forward: refused
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2TextScaledWordEmbedding
+
+    torch.manual_seed(0)
+    ref = Gemma2TextScaledWordEmbedding(15, 16, padding_idx=0, embed_scale=4.0).double()
+    mod = RowwiseParallel(input_layouts=Replicate()).apply(copy.deepcopy(ref), world_group())
+    ids = torch.tensor([[0, 14], [7, 8], [3, 12]])
+    grad = torch.randn(3, 2, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    out, out_ref = mod(ids), ref(ids)
+    torch.testing.assert_close(out, out_ref, **TOL)
+    assert not torch.allclose(out_ref, torch.nn.functional.embedding(ids, ref.weight))  # the factor shows
+    (out * grad).sum().backward()
+    (out_ref * grad).sum().backward()
+    torch.testing.assert_close(mod.weight.grad, _block(ref.weight.grad, mod, 0), **TOL)
+    with pytest.raises(ShardkitError, match=r"_Shifted: an nn\.Embedding subclass with its own forward cannot be cut"):
+        RowwiseParallel(input_layouts=Replicate()).apply(_Shifted(16, 16), world_group())

@@ -130,7 +130,7 @@ def test_conv_ae_layout():
         (dict(model="conv-ae", spatial_h=7), "--spatial-h 7: .* fewer than 8 rows"),
         (dict(model="conv-ae", spatial_h=0), "--spatial-h must be >= 1"),
         (dict(spatial_h=2), "--spatial-h 2 needs --model conv-ae"),
-        (dict(model="resnet"), "--model must be one of llama, qwen2, qwen3, moe, mla, conv-ae"),
+        (dict(model="resnet"), "--model must be one of llama, qwen2, qwen3, moe, mla, gemma2, conv-ae"),
     ],
 )
 def test_invalid_conv_ae_options(kwargs, match):

@@ -213,7 +213,7 @@ def test_write_hf_refuses_missing_and_foreign_tensors_and_a_vanished_tokenizer(t
     assert LlamaForCausalLM.from_pretrained(tmp_path / "d").model.norm.weight.equal(tensors["model.norm.weight"])
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "moe", "mla"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "moe", "mla", "gemma2"])
 def test_every_decoder_family_round_trips_through_write_hf(name, tmp_path):
     # the trainer's own model of each family (its config as the registry builds it), written and
     # read back by transformers: the same class and the same logits

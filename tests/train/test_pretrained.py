@@ -161,7 +161,7 @@ def test_read_config_refuses_other_families(tmp_path):
 
     GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=300).save_pretrained(tmp_path)
     with pytest.raises(
-        ShardkitError, match="'gpt2' model; supported families .*llama, qwen2, qwen3, qwen3_moe, deepseek_v2"
+        ShardkitError, match="'gpt2' model; supported families .*llama, qwen2, qwen3, qwen3_moe, deepseek_v2, gemma2"
     ):
         read_config(tmp_path)
 
@@ -419,4 +419,4 @@ def test_smollm2_gguf_absent_or_found():
         assert found is None
     else:
         assert found.suffix == ".gguf" and found.stat().st_size > 50 << 20
-    assert pretrained.FAMILIES == ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v2")
+    assert pretrained.FAMILIES == ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v2", "gemma2")

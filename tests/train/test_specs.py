@@ -20,7 +20,7 @@ from shardkit.train.specs import SPECS, model_spec, spec_of_family
 
 
 def test_every_spec_is_registered_under_its_name():
-    assert MODELS == tuple(SPECS) == ("llama", "qwen2", "qwen3", "moe", "mla", "conv-ae")
+    assert MODELS == tuple(SPECS) == ("llama", "qwen2", "qwen3", "moe", "mla", "gemma2", "conv-ae")
     for name, spec in SPECS.items():
         assert spec.name == name and model_spec(name) is spec
     with pytest.raises(TypeError):
@@ -41,10 +41,11 @@ def test_the_cli_offers_the_registry(capsys):
 
 def test_unknown_names_and_families_are_refused():
     with pytest.raises(
-        ShardkitError, match="--model must be one of llama, qwen2, qwen3, moe, mla, conv-ae, got 'gpt2'"
+        ShardkitError, match="--model must be one of llama, qwen2, qwen3, moe, mla, gemma2, conv-ae, got 'gpt2'"
     ):
         validate_config(TrainConfig(model="gpt2"))
     assert spec_of_family("qwen3_moe") is SPECS["moe"] and spec_of_family("deepseek_v2") is SPECS["mla"]
+    assert spec_of_family("gemma2") is SPECS["gemma2"]
     with pytest.raises(ShardkitError, match="a 'gpt2' model; supported families: llama, qwen2"):
         spec_of_family("gpt2")
 

@@ -1,4 +1,4 @@
-"""Pipeline stages of a Hugging Face decoder causal LM (llama, qwen2, qwen3, qwen3-moe, deepseek-v2).
+"""Pipeline stages of a Hugging Face decoder causal LM (llama, qwen2, qwen3, qwen3-moe, deepseek-v2, gemma2).
 
 Split rule (:func:`decoder_stage_layers`): the ``L`` decoder layers are cut into ``P``
 contiguous blocks with :func:`~shardkit._shapes.balanced_split_sizes`, so the first ``L % P``
@@ -11,6 +11,8 @@ family's ``Model.forward`` derives before its layer loop (transformers 5.x): pos
 ``0..S-1`` unless given, the causal mask of each layer (a sliding-window mask for layers of type
 ``sliding_attention`` in ``config.layer_types``, or for every layer when the config has a
 ``sliding_window`` but no layer types, as Qwen3-MoE does), and the rotary ``position_embeddings``.
+The last stage applies the config's ``final_logit_softcapping`` (Gemma 2) to the logits as the
+full model does; Gemma 2's scaled input embedding is its embedding module's own forward.
 Every layer is called as the full model calls it, with extra keyword arguments passed through
 (context parallelism's attention call), so a pipeline computes bitwise the same math.
 
@@ -247,6 +249,9 @@ class DecoderStageModule(nn.Module):
             )
         if last:
             h = self.lm_head(self.model.norm(h))
+            cap = getattr(self.config, "final_logit_softcapping", None)
+            if cap:  # Gemma 2's final logit softcap, as its *ForCausalLM.forward applies it
+                h = torch.tanh(h / cap) * cap
         return h
 
 

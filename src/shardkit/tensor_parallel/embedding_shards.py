@@ -51,6 +51,9 @@ def _vocab_parallel_forward(
     # Multiply rather than assign in place so autograd sees the mask (its gradient rows for the
     # masked ids are zero, as they must be: another rank owns those rows).
     out = out * (~outside).unsqueeze(-1).to(out.dtype)
+    scale = getattr(self, "embed_scale", None)
+    if scale is not None:  # a scaled embedding (Gemma 2): its own forward's factor, exact on zero rows too
+        out = out * scale.to(out.dtype)
     return reduce(out)
 
 
@@ -63,8 +66,23 @@ def shard_embedding_rows(
 ) -> None:
     """Keep this rank's vocabulary rows (``spec`` along dim 0); ``reduce`` combines the partial lookups.
 
-    Input ids ``[...]`` replicated; output ``reduce([..., H] partial)``.
+    Input ids ``[...]`` replicated; output ``reduce([..., H] partial)``. The lookup replaces the
+    module's forward: a subclass with its own forward must be transformers' scaled embedding
+    (``forward = lookup * embed_scale``, Gemma 2's ``Gemma2TextScaledWordEmbedding``), whose
+    factor the vocab-parallel lookup applies too.
+
+    Raises:
+        ShardkitError: an ``nn.Embedding`` subclass with its own forward and no ``embed_scale``
+            buffer (the lookup would silently drop what its forward adds).
     """
+    if type(module).forward is not nn.Embedding.forward and not isinstance(
+        getattr(module, "embed_scale", None), torch.Tensor
+    ):
+        raise ShardkitError(
+            f"{type(module).__name__}: an nn.Embedding subclass with its own forward cannot be cut by vocabulary "
+            "rows (the vocab-parallel lookup replaces that forward); only scaled embeddings (an embed_scale "
+            "buffer) are known; cut it by embedding features (ColwiseParallel) or leave it replicated"
+        )
     full = module.weight.shape[0]
     shard_parameter(module, "weight", spec, rank, memo)
     ((start, stop),) = spec.ranges[rank]

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 from .data import VOCAB_SIZE
 from .options import TrainConfig
-from .pretrained import ATTN_IMPLEMENTATION, tokenizer_vocab
+from .pretrained import attn_implementation, tokenizer_vocab
 
-__all__ = ["LMFamily", "LLAMA", "QWEN2", "QWEN3", "QWEN3_MOE", "DEEPSEEK_V2"]
+__all__ = ["LMFamily", "LLAMA", "QWEN2", "QWEN3", "QWEN3_MOE", "DEEPSEEK_V2", "GEMMA2"]
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ class LMFamily:
             max_position_embeddings=max(2048, cfg.seq_len),
             use_cache=False,
             tie_word_embeddings=False,
-            attn_implementation=ATTN_IMPLEMENTATION,
+            attn_implementation=attn_implementation(self.model_type),
         )
         return {**common, **self.extras(cfg)}
 
@@ -93,8 +93,25 @@ def _deepseek_v2(cfg: TrainConfig) -> dict:
     )
 
 
+def _gemma2(cfg: TrainConfig) -> dict:
+    # Gemma 2's own traits at the flags' sizes: a sliding window on the even layers (layer_types'
+    # default) shorter than --seq-len so it hides keys, the attention and final logit softcaps,
+    # query_pre_attn_scalar (its scale, 1 / sqrt of it, differs from 1 / sqrt(head_dim) on purpose
+    # so a layout that drops it fails --verify), sandwich norms and tied embeddings (the class's)
+    head_dim = _head_dim(cfg)
+    return dict(
+        head_dim=head_dim,
+        sliding_window=max(1, cfg.seq_len // 2),
+        attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0,
+        query_pre_attn_scalar=2 * head_dim,
+        tie_word_embeddings=True,
+    )
+
+
 LLAMA = LMFamily("llama", "LlamaForCausalLM", "LlamaConfig", False, lambda cfg: {})
 QWEN2 = LMFamily("qwen2", "Qwen2ForCausalLM", "Qwen2Config", False, lambda cfg: {})
 QWEN3 = LMFamily("qwen3", "Qwen3ForCausalLM", "Qwen3Config", False, lambda cfg: dict(head_dim=_head_dim(cfg)))
 QWEN3_MOE = LMFamily("qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3MoeConfig", True, _qwen3_moe)
 DEEPSEEK_V2 = LMFamily("deepseek_v2", "DeepseekV2ForCausalLM", "DeepseekV2Config", True, _deepseek_v2)
+GEMMA2 = LMFamily("gemma2", "Gemma2ForCausalLM", "Gemma2Config", False, _gemma2)

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import ShardkitError
 from ..parallelize import ParallelModel, parallelize, parallelize_stage
 from ..parallelize.compiling import check_compile
 from ..plan.rules import sequence_parallel_default
@@ -61,7 +62,45 @@ def validate_lm(cfg: TrainConfig, family: LMFamily) -> TrainConfig:
     if cfg.sequence_parallel is None:
         cfg = dataclasses.replace(cfg, sequence_parallel=sequence_parallel_default(family.experts, cfg.tp, pp_tp))
     _validate_shape(cfg)
+    _validate_variants(cfg, family)
     return cfg
+
+
+def _has_sliding_window(config) -> bool:
+    """Some layer of a transformers config (or a family's config dict) attends through a window."""
+    get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
+    types = get("layer_types")
+    if types is not None:
+        return "sliding_attention" in types
+    return get("sliding_window") is not None and get("use_sliding_window", True) is not False
+
+
+def _validate_variants(cfg: TrainConfig, family: LMFamily) -> None:
+    """What a model's attention variants (sliding window, Gemma 2's softcap) rule out, before launch.
+
+    * ``--cp-layout stripe`` with a sliding window: a window is a band of global positions, which
+      the stripe layout's rank-interleaved tokens do not keep in blocks (ring attention refuses it).
+    * ``--packed`` on Gemma 2: without cp the trainer hands packed rows a boolean block-causal
+      mask, which Gemma 2's eager attention would add to the scores as numbers and which would
+      replace the per-layer sliding-window mask (and with cp that run is the ``--verify`` reference).
+    """
+    if cfg.cp_layout != "stripe" or cfg.cp_size == 1:
+        windowed = False
+    elif cfg.model_path is not None:
+        windowed = _has_sliding_window(read_config(cfg.model_path))
+    else:  # the family's own keys (not family.config: that would load a --tokenizer for its vocabulary)
+        windowed = _has_sliding_window(family.extras(cfg))
+    if windowed:
+        raise ShardkitError(
+            "--cp-layout stripe: the model has a sliding window (a band of global positions), which the stripe "
+            "layout's interleaved tokens cannot keep; use --cp-layout zigzag or contiguous"
+        )
+    if cfg.packed and family.model_type == "gemma2":
+        raise ShardkitError(
+            "--packed with --model gemma2: packed rows get a boolean block-causal mask, which Gemma 2's eager "
+            "attention cannot take (it adds masks as numbers) and which would drop its sliding window; train "
+            "unpacked windows"
+        )
 
 
 def _validate_shape(cfg: TrainConfig) -> None:

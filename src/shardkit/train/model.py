@@ -70,8 +70,9 @@ def keep_norms_in_input_dtype(model: torch.nn.Module) -> None:
 def keep_float64(model: torch.nn.Module) -> None:
     """Make a float64 model compute in float64 where transformers rounds to float32 on purpose.
 
-    The RMSNorms (:func:`keep_norms_in_input_dtype`), and DeepSeek-V2's router and rotary
-    embedding, which cast to float32 whatever the model dtype: a float64 ``--verify`` would then
+    The RMSNorms (:func:`keep_norms_in_input_dtype`; Gemma 2's own too), Gemma 2's eager
+    attention's softmax, and DeepSeek-V2's router and rotary embedding, which cast to float32
+    whatever the model dtype: a float64 ``--verify`` would then
     measure float32 rounding (1e-8 in the router weights after two steps) instead of the layout.
     The parallel run and its reference get the same replacements (same math, no float32 round
     trip). The attention forward looks the rotary function up among its module's globals at
@@ -79,6 +80,7 @@ def keep_float64(model: torch.nn.Module) -> None:
     those globals holding the replacement: transformers' module and other models are unchanged.
     """
     keep_norms_in_input_dtype(model)
+    _keep_gemma2_float64(model)
     routers = [m for m in model.modules() if type(m).__name__ == "DeepseekV2TopkRouter"]
     if not routers:
         return
@@ -89,11 +91,49 @@ def keep_float64(model: torch.nn.Module) -> None:
             router.forward = types.MethodType(_greedy_router_in_input_dtype, router)
 
 
+def _keep_gemma2_float64(model: torch.nn.Module) -> None:
+    """Gemma 2's RMSNorm (``x.float()`` first) and eager attention (softmax in float32) without
+    their float32 round trips: the same formulas in the input dtype. The eager attention is
+    what a layout without cp runs, the ``--verify`` reference included."""
+    for module in model.modules():
+        name = type(module).__name__
+        if name == "Gemma2RMSNorm":
+            module.forward = types.MethodType(_gemma2_norm_in_input_dtype, module)
+        elif name == "Gemma2Attention":
+            forward = _with_globals(type(module).forward, eager_attention_forward=_eager_in_input_dtype)
+            module.forward = types.MethodType(forward, module)
+
+
+def _gemma2_norm_in_input_dtype(self, x: torch.Tensor) -> torch.Tensor:
+    # Gemma2RMSNorm.forward's math (a 1-centred weight) without its float32 round trip.
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight)
+
+
+def _eager_in_input_dtype(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None, **_):
+    """Gemma 2's eager attention with its softmax in the input dtype: the same order (scale, cap,
+    add the additive mask, softmax, dropout); ``query`` ``[B, N, S, D]``, ``key`` / ``value``
+    ``[B, N_kv, S, D]``; returns ``([B, S, N, D], weights)`` as transformers' does."""
+    rep = module.num_key_value_groups
+    key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
+    scores = query @ key.transpose(2, 3) * (module.head_dim**-0.5 if scaling is None else scaling)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if attention_mask is not None:
+        scores = scores + attention_mask
+    weights = torch.nn.functional.dropout(torch.softmax(scores, dim=-1), p=dropout, training=module.training)
+    return (weights @ value).transpose(1, 2).contiguous(), weights
+
+
 def _with_rotary_in_input_dtype(forward):
+    """``forward`` over its globals with ``apply_rotary_emb`` replaced (:func:`_with_globals`)."""
+    return _with_globals(forward, apply_rotary_emb=_rotary_in_input_dtype)
+
+
+def _with_globals(forward, **replaced):
     """``forward`` (its undecorated function: the decorator only renames a deprecated keyword the
-    decoder layer does not pass) over its globals with ``apply_rotary_emb`` replaced."""
+    decoder layer does not pass) over a copy of its globals with ``replaced`` names."""
     inner = getattr(forward, "__wrapped__", forward)
-    scope = {**inner.__globals__, "apply_rotary_emb": _rotary_in_input_dtype}
+    scope = {**inner.__globals__, **replaced}
     fn = types.FunctionType(inner.__code__, scope, inner.__name__, inner.__defaults__, inner.__closure__)
     fn.__kwdefaults__ = inner.__kwdefaults__
     return fn

@@ -20,6 +20,7 @@ MODEL_SUMMARIES = MappingProxyType(
         "qwen3": "Qwen3 (GQA, q/k norms)",
         "moe": "Qwen3-MoE (routed experts, top-2)",
         "mla": "DeepSeek-V2 (multi-head latent attention + MoE)",
+        "gemma2": "Gemma 2 (sliding window on alternate layers, logit softcaps, tied embeddings)",
         "conv-ae": "a convolutional autoencoder on a real photo, sharded with --spatial / --spatial-h",
     }
 )

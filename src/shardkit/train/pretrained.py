@@ -30,6 +30,7 @@ if TYPE_CHECKING:  # no torch at import: the launcher checks --tokenizer's files
 __all__ = [
     "FAMILIES",
     "ATTN_IMPLEMENTATION",
+    "attn_implementation",
     "CheckpointSource",
     "resolve_checkpoint",
     "read_config",
@@ -44,9 +45,14 @@ __all__ = [
 ]
 
 # config.model_type of the decoder families shardkit parallelizes (issue 10).
-FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v2")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v2", "gemma2")
 # The attention the built-in models use too (train/lm_families.py): float64 parity at rounding level.
 ATTN_IMPLEMENTATION = "sdpa"
+# Families without an SDPA path: Gemma 2's attention logit softcap is applied by no SDPA kernel,
+# so transformers refuses "sdpa" for it and runs its eager attention (context parallelism
+# replaces either with its own, which applies the cap).
+_EAGER_FAMILIES = frozenset({"gemma2"})
+
 _GGUF_SUFFIX = ".gguf"
 # The files a Hugging Face tokenizer is read from (one is enough: tokenizer.json for a fast
 # tokenizer, the vocabulary of a slow one); a checkpoint directory of weights alone has none.
@@ -58,6 +64,12 @@ TOKENIZER_FILES = (
     "spiece.model",
     "tokenizer_config.json",
 )
+
+
+def attn_implementation(model_type: str) -> str:
+    """The transformers attention a ``model_type`` is built with: :data:`ATTN_IMPLEMENTATION`,
+    ``"eager"`` for the families no SDPA kernel computes (Gemma 2's logit softcap)."""
+    return "eager" if model_type in _EAGER_FAMILIES else ATTN_IMPLEMENTATION
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,8 +176,8 @@ def load_pretrained(path: str | Path, dtype: torch.dtype):
         dtype: parameter dtype (float32, float64, bfloat16).
 
     Returns:
-        ``transformers.PreTrainedModel`` (``AutoModelForCausalLM``) with SDPA attention and
-        ``config.use_cache`` False.
+        ``transformers.PreTrainedModel`` (``AutoModelForCausalLM``) with SDPA attention (eager for
+        Gemma 2: :func:`attn_implementation`) and ``config.use_cache`` False.
 
     Raises:
         ShardkitError: as :func:`read_config`; the weights cannot be read.
@@ -176,7 +188,11 @@ def load_pretrained(path: str | Path, dtype: torch.dtype):
     source = resolve_checkpoint(path)
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            source.directory, config=config, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION, **source.kwargs()
+            source.directory,
+            config=config,
+            dtype=dtype,
+            attn_implementation=attn_implementation(config.model_type),
+            **source.kwargs(),
         )
     except (OSError, ValueError, KeyError) as e:
         raise ShardkitError(f"--model-path: cannot load the weights of {path}: {e}") from None

@@ -7,7 +7,7 @@ it, what describes it in a checkpoint, and what one sample is. :data:`SPECS` map
 The rest of the application asks ``model_spec(cfg.model)`` instead of comparing names.
 
 * ``llama``, ``qwen2``, ``qwen3``, ``moe`` (Qwen3-MoE), ``mla`` (DeepSeek-V2: multi-head latent
-  attention + MoE): the decoder LMs (:mod:`.lm_spec`), built from flags (:mod:`.lm_families`)
+  attention + MoE), ``gemma2`` (Gemma 2): the decoder LMs (:mod:`.lm_spec`), built from flags (:mod:`.lm_families`)
   or loaded from ``--model-path`` (the checkpoint's ``model_type`` picks the spec,
   :func:`spec_of_family`);
 * ``conv-ae``: the spatially sharded convolutional autoencoder (:mod:`.conv_spec`).
@@ -24,7 +24,7 @@ from typing import Any
 from ..errors import ShardkitError
 from .conv_ae import CROP
 from .conv_spec import build_conv, conv_outputs, conv_task, parallelize_conv_ae, validate_conv
-from .lm_families import DEEPSEEK_V2, LLAMA, QWEN2, QWEN3, QWEN3_MOE, LMFamily
+from .lm_families import DEEPSEEK_V2, GEMMA2, LLAMA, QWEN2, QWEN3, QWEN3_MOE, LMFamily
 from .lm_spec import build_lm, describe_lm, lm_task, parallelize_lm, validate_lm
 from .model_names import MODEL_FACTS, MODEL_SUMMARIES, model_facts
 from .options import TrainConfig
@@ -108,6 +108,7 @@ SPECS = MappingProxyType(
         "qwen3": _decoder("qwen3", QWEN3),
         "moe": _decoder("moe", QWEN3_MOE),
         "mla": _decoder("mla", DEEPSEEK_V2),
+        "gemma2": _decoder("gemma2", GEMMA2),
         "conv-ae": ModelSpec(
             name="conv-ae",
             summary=MODEL_SUMMARIES["conv-ae"],
