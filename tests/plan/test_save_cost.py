@@ -67,3 +67,18 @@ def test_staged_bytes_equal_the_trainers_staged_state(layout):
     measured = torch.tensor([float(stager.staged_bytes - scalars)])
     torch.distributed.all_reduce(measured, op=torch.distributed.ReduceOp.MAX)  # the fullest rank
     assert measured.item() == priced
+
+
+def test_plan_command_prices_a_save(tmp_path, capsys):
+    from shardkit.cli.main import main
+
+    config = tmp_path / "config.json"
+    config.write_text(__import__("json").dumps(TINY))
+    code = main(
+        ["plan", "--config", str(config), "--gpus", "4", "--seq-len", "16", "--global-batch", "8"]
+        + ["--top", "2", "--plot", str(tmp_path / "p.png")]
+    )
+    out = capsys.readouterr().out
+    assert code == 0, out
+    line = next(x for x in out.splitlines() if x.startswith("a save of the fastest layout"))
+    assert "GB written per GPU at 1 GB/s" in line and "--async-checkpoint" in line and "GB staged at 25 GB/s" in line
