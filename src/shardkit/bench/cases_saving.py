@@ -47,8 +47,10 @@ def _items(path: str) -> dict:
 def async_checkpoint(pg, settings: Settings) -> list[Record]:
     """A training step against the same step followed by a background save and by a foreground save."""
     n = dist.get_world_size(pg)
-    size = dict(hidden_size=128, layers=2) if settings.quick else dict(hidden_size=256, layers=4)
-    cfg = validate_config(TrainConfig(nproc=n, tp=n, seq_len=128, batch_size=8, **size), world_size=n)
+    hidden, layers = (128, 2) if settings.quick else (256, 4)
+    cfg = validate_config(
+        TrainConfig(nproc=n, tp=n, seq_len=128, batch_size=8, hidden_size=hidden, layers=layers), world_size=n
+    )
     dev = settings.torch_device
     task = build_task(cfg, dev)
     pm, _ = build_parallel_model(build_train_model(cfg), parallel_dims(cfg).build_mesh(dev.type), cfg, task, dev)
@@ -66,11 +68,16 @@ def async_checkpoint(pg, settings: Settings) -> list[Record]:
 
     try:
         with BackgroundSaves(roots["async"], pg, "bench async_checkpoint") as behind:
-            fns = {
-                "plain": train,
-                "async": lambda: (train(), save("async", behind)),
-                "sync": lambda: (train(), save("sync")),
-            }
+
+            def saving_async() -> None:
+                train()
+                save("async", behind)
+
+            def saving_sync() -> None:
+                train()
+                save("sync")
+
+            fns = {"plain": train, "async": saving_async, "sync": saving_sync}
             times = time_interleaved(fns, pg, settings)
             staged = behind.stager.staged_bytes
             a = save("async", behind)  # the same weights, both ways
