@@ -36,7 +36,7 @@ import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
@@ -127,8 +127,7 @@ class BackgroundSaves:
     def __enter__(self) -> BackgroundSaves:
         g = resolve_group(self.group, self.op)
         self._stack.enter_context(root_lock(self.root, self.group, self.op, reuse=True))
-        kw = {} if self._timeout is None else {"timeout": self._timeout}
-        self.pg = dist.new_group(dist.get_process_group_ranks(g.pg), backend="gloo", **kw)
+        self.pg = dist.new_group(dist.get_process_group_ranks(g.pg), timeout=self._timeout, backend="gloo")
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="shardkit-ckpt")
         return self
 
@@ -142,7 +141,7 @@ class BackgroundSaves:
         )
         # a stager returning a finished dict gets a Future; newer torch may wrap it in an
         # AsyncSaveResponse whose upload_completion is that Future
-        upload = getattr(answer, "upload_completion", answer)
+        upload = cast(Future, getattr(answer, "upload_completion", answer))
         self._pending = self._pool.submit(self._finish, upload, path, writer, finish)
 
     def _finish(self, upload: Future, path: str, writer: RecordingWriter, finish) -> str:
