@@ -167,3 +167,31 @@ def test_a_failed_background_write_keeps_the_previous_checkpoint(monkeypatch):
 def test_async_checkpoint_needs_a_checkpoint_dir():
     with pytest.raises(ShardkitError, match="--async-checkpoint need --checkpoint-dir"):
         validate_config(TrainConfig(async_checkpoint=True, tp=1), world_size=1)
+
+
+@pytest.mark.world(2, timeout=120)
+def test_a_failure_waits_for_the_pending_save_and_keeps_its_error():
+    root = shared_tmpdir("shardkit-ackpt-crash-")
+    try:
+        base = dict(seq_len=16, batch_size=4, dtype="float64", layers=2, lr=1e-3, tp=2)
+        cfg = validate_config(
+            TrainConfig(**base, steps=3, save_every=1, checkpoint_dir=root, async_checkpoint=True), world_size=2
+        )
+        device = torch.device("cpu")
+        task = build_task(cfg, device)
+        pm, loss_scale = build_parallel_model(
+            build_train_model(cfg), parallel_dims(cfg).build_mesh("cpu"), cfg, task, device
+        )
+
+        def crash(step, loss):  # step 2 fails (Ctrl-C takes the same way out) while the step-1 save is behind it
+            if step == 1:
+                raise RuntimeError("injected failure")
+
+        with pytest.raises(RuntimeError, match="injected failure"):
+            run_training(pm, task, cfg, loss_scale, on_step=crash)
+        dist.barrier()
+        assert latest_checkpoint(root).endswith("step_00000001")  # completed before the run ended
+        assert os.path.exists(os.path.join(root, "step_00000001", MANIFEST))
+        assert not os.path.exists(os.path.join(root, "step_00000002"))
+    finally:
+        remove_shared_dir(root)
