@@ -154,17 +154,20 @@ def run_save(
     k: int | None = None,
     trainer: bool = False,
     full: list[float] | None = None,
+    asynchronous: bool = False,
 ) -> dict:
     """One kill-during-save run; ``counts`` from :func:`calibrate_save`. ``target`` ("rank 0",
     "rank 1", "whole job") and ``k`` (the victim's file-system operation to die before) are
     drawn from ``seed`` unless given. ``trainer``: kill the trainer's step-2 save (always before
     a file-system operation: a delay could not aim at that save); ``full``: the uninterrupted
-    run's losses (:func:`uninterrupted_losses`, computed here when not given)."""
+    run's losses (:func:`uninterrupted_losses`, computed here when not given); ``asynchronous``:
+    the trainer saves with ``--async-checkpoint`` (``killed_thread`` says which thread died)."""
     rng = random.Random(seed)
     workdir = tempfile.mkdtemp(prefix="shardkit-savekill-")
     target = target or rng.choice(["rank 0", "rank 1", "whole job"])
     victim = 0 if target != "rank 1" else 1
     plan = _save_plan(trainer, dir=workdir, seed=seed, victim=victim, whole_job=target == "whole job")
+    plan["async"] = asynchronous
     if k is not None or trainer or rng.random() < 0.5:
         plan["k"] = k or rng.randint(1, counts[victim]["events"])
         how = f"before file-system operation {plan['k']} of {counts.get(victim, {}).get('events', '?')}"
@@ -182,6 +185,9 @@ def run_save(
         "rc": rc,
         "killed": os.path.exists(os.path.join(workdir, "killed")),
     }
+    if record["killed"]:
+        with open(os.path.join(workdir, "killed")) as f:
+            record["killed_thread"] = json.loads(f.read() or "{}").get("thread")
     if not os.path.isdir(os.path.join(workdir, "ckpt")):
         record.update(ok=False, why="no checkpoint at all: " + open(os.path.join(workdir, "stderr")).read()[-1500:])
     else:

@@ -8,6 +8,7 @@ import os
 import random
 import signal
 import sys
+import threading
 import time
 from contextlib import nullcontext
 
@@ -22,7 +23,8 @@ _FS_EVENTS = ("os.rename", "os.remove", "os.rmdir", "os.mkdir", "shutil.rmtree",
 def _die(plan: dict, rank: int) -> None:
     """SIGKILL this rank (or the whole job: the launcher, then this rank), noting when."""
     with open(os.path.join(plan["dir"], "killed"), "w") as f:
-        f.write(json.dumps({"rank": rank, "time": time.time()}))
+        # the thread: an --async-checkpoint save dies on its background thread, not the main one
+        f.write(json.dumps({"rank": rank, "time": time.time(), "thread": threading.current_thread().name}))
     if plan.get("whole_job"):
         os.kill(os.getppid(), signal.SIGKILL)  # its ranks die with it (PR_SET_PDEATHSIG)
     os.kill(os.getpid(), signal.SIGKILL)
@@ -54,8 +56,6 @@ def _arm_save_kill(plan: dict, rank: int) -> None:
     """Die right before the k-th file-system operation from now (of the targeted save), or after
     a delay in a thread."""
     if plan.get("delay") is not None:
-        import threading
-
         timer = threading.Timer(plan["delay"], _die, (plan, rank))
         timer.daemon = True
         timer.start()
@@ -122,7 +122,7 @@ def _train_worker(plan: dict, rank: int, victim: bool) -> None:
             train_cfg(NPROC, tp=NPROC, checkpoint_dir=os.path.join(plan["dir"], "empty"), **steps), checkpoint_dir=ckpt
         )
     else:
-        cfg = train_cfg(NPROC, tp=NPROC, checkpoint_dir=ckpt, **steps)
+        cfg = train_cfg(NPROC, tp=NPROC, checkpoint_dir=ckpt, async_checkpoint=plan.get("async", False), **steps)
     train(cfg, "gloo", torch.device("cpu"), time.perf_counter(), progress=False)
     if plan.get("calibrate"):
         with open(os.path.join(plan["dir"], f"count{rank}"), "w") as f:

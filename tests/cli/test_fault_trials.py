@@ -60,6 +60,19 @@ def test_kill_during_the_trainers_save_then_resume_continues_the_same_losses():
     assert record["latest"] == "step_00000001" and record["same_losses"] and record["cleaned"]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("k", [2, 4])
+def test_kill_during_an_async_save_then_resume_continues_the_same_losses(k):
+    # --async-checkpoint: the step-2 save is staged, then the whole job dies before rank 0's k-th
+    # file-system operation of it, on the background thread (its write or its commit) while step
+    # 3 trains; the step-1 save stays the latest and resuming on one rank continues from it
+    record = fault_trials.run_save(seed=5, counts={}, target="whole job", k=k, trainer=True, asynchronous=True)
+    assert record["killed"] and record["rc"] != 0, record
+    assert record["killed_thread"] != "MainThread", record  # the write was behind the steps
+    assert record["ok"], record
+    assert record["latest"] == "step_00000001" and record["same_losses"] and record["cleaned"]
+
+
 # Slow tier (over a minute: three real jobs, one through the launcher). The quick tier keeps the
 # same refusal in one world: tests/catalogue/test_shared_machine_checkpoint.py::
 # test_a_second_run_on_a_directory_in_use_is_refused_and_the_first_saves_stay.

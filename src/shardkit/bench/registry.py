@@ -116,6 +116,14 @@ CASES = {
         4,
         "a default shardkit train step (dp_replicate=2 x tp=2, SP) with --checks against without",
     ),
+    "async_checkpoint": CaseSpec(
+        ".cases_saving",
+        "async_checkpoint",
+        2,
+        "a training step that saves with --async-checkpoint (staged, written behind) and in the "
+        "foreground against a plain step",
+        worlds=(1, 2, 4, 8),
+    ),
     "startup": CaseSpec(
         ".cases_startup",
         "startup",

@@ -106,6 +106,12 @@ class ChunkSavePlanner(DefaultSavePlanner):
         self._state = state
         self._lookup: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
 
+    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
+        super().set_up_planner(state_dict, storage_meta, is_coordinator)
+        # plan what DCP was handed: for a background save, the staged CPU copy
+        # (checkpoint/background.py), never the live tensors training goes on changing
+        self._state = state_dict
+
     def create_local_plan(self) -> SavePlan:
         items = []
         for fqn, t in self._state.items():

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed.checkpoint as dcp
@@ -34,6 +35,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from ..comm._group import resolve_group
 from ..comm.agree import agree as agree_over
 from ..errors import ShardkitError
+from .background import BackgroundSaves, check_root
 from .integrity import RecordingWriter, agree, dcp_failure, describe_nonfinite, hash_written, nonfinite_keys
 from .lock import root_lock
 from .reader import METADATA, VerifiedReader, item_key, read_metadata, sha256
@@ -60,6 +62,7 @@ def save_checked(
     *,
     number: int | None = None,
     keep: int | None = None,
+    background: BackgroundSaves | None = None,
 ) -> str:
     """Collective over ``group``: write ``state`` as a new save of ``root``; return its directory.
 
@@ -73,13 +76,22 @@ def save_checked(
         op: the public function, named in errors.
         number: the save's number (None: the next one).
         keep: complete saves kept, the new one included (None: all).
+        background: write behind (:mod:`.background`): the previous background save is
+            waited for first, then this one is checked, prepared and staged to CPU memory, and
+            the call returns; its write, checksums and commit end by the next
+            :meth:`~.background.BackgroundSaves.wait` (the returned directory is the latest
+            only then).
 
     Raises:
         ShardkitError: on every rank: non-finite values in any rank's state (nothing written),
             the root locked by another run, not a checkpoint root, a write that failed (with
-            its cause), or a commit that failed; the previous save stays the latest.
+            its cause), or a commit that failed; the previous save stays the latest. With
+            ``background``, a write or commit failure is raised by the wait that meets it.
     """
     g = resolve_group(group, op)
+    if background is not None:
+        check_root(background, root, op)
+        background.wait()  # its directory has no manifest yet: begin_save would remove it as stale
     bad = describe_nonfinite(nonfinite_keys(state))
     agree(
         bad and f"refused to save {bad}: a checkpoint is never written with them (the previous save stays the latest)",
@@ -92,13 +104,22 @@ def save_checked(
         except ShardkitError as exc:
             raise ShardkitError(f"{op}: {exc}") from None
         writer = RecordingWriter(path)
+        finish = partial(_finish, manifest=manifest, op=op, keep=keep)
+        if background is not None:
+            background.start(path, state, planner, writer, finish)
+            return path
         try:
             dcp.save(state, storage_writer=writer, planner=planner, process_group=g.pg)
         except CheckpointException as exc:  # a BaseException: a rank failed, every rank holds its cause
             raise dcp_failure(exc, op, "writing", path) from None
-        sums = _gather_checksums(path, writer, g, op)
-        commit_save(path, {**manifest, "checksums": sums}, group, keep=keep)
+        finish(path, writer, g.pg)
     return path
+
+
+def _finish(path: str, writer: RecordingWriter, pg, *, manifest: dict, op: str, keep: int | None) -> None:
+    """After every rank of ``pg`` wrote ``path``: hash, then commit (manifest, ``latest``, ``keep``)."""
+    sums = _gather_checksums(path, writer, resolve_group(pg, op), op)
+    commit_save(path, {**manifest, "checksums": sums}, pg, keep=keep)
 
 
 def _gather_checksums(path: str, writer: RecordingWriter, g, op: str) -> dict:

@@ -47,6 +47,7 @@ from .versioned import MANIFEST, latest_checkpoint
 
 if TYPE_CHECKING:
     from ..parallelize import ParallelModel
+    from .background import BackgroundSaves
 
 __all__ = ["save_train_state", "load_train_state", "latest_checkpoint", "MANIFEST"]
 
@@ -123,6 +124,7 @@ def save_train_state(
     keep: int | None = None,
     model: dict | None = None,
     hf: dict | None = None,
+    background: BackgroundSaves | None = None,
 ) -> str:
     """Collective over the world: save the training state after ``step`` steps; return its directory.
 
@@ -139,6 +141,11 @@ def save_train_state(
         hf: the model's Hugging Face description (:func:`.hf_writer.hf_description`), kept in
             the manifest so that :func:`~shardkit.export_hf` can write the save as a Hugging
             Face model directory; None: a model with no Hugging Face form.
+        background: a :class:`~shardkit.checkpoint.background.BackgroundSaves` of ``root``
+            (``--async-checkpoint``): the previous background save is waited for, this one is
+            checked and staged to CPU memory, and the call returns while it is written; it is
+            the latest once :meth:`~shardkit.checkpoint.background.BackgroundSaves.wait`
+            returns. The state's collectives (FSDP2 all-gathers, ZeRO's moments) still run here.
 
     Raises:
         ShardkitError: on every rank, with nothing committed (the previous save stays the
@@ -151,7 +158,16 @@ def save_train_state(
     if hf is not None:
         manifest[HF_ENTRY] = hf
     return save_checked(
-        root, _PREFIX, _world(), state, ChunkSavePlanner(state), manifest, "save_train_state", number=step, keep=keep
+        root,
+        _PREFIX,
+        _world(),
+        state,
+        ChunkSavePlanner(state),
+        manifest,
+        "save_train_state",
+        number=step,
+        keep=keep,
+        background=background,
     )
 
 

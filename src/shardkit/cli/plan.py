@@ -21,7 +21,7 @@ from .._optional import install_hint, missing
 from ..errors import ShardkitError
 from ..parallelize.fake_world import fake_world_table
 from ..pipeline_parallel.tables import SCHEDULES
-from ..plan import CLUSTERS, Cluster, ModelShape, StepEstimate, StepOptions, estimate_step, plan_layouts
+from ..plan import CLUSTERS, Cluster, ModelShape, StepEstimate, StepOptions, estimate_step, plan_layouts, save_cost
 from ..plan.cp_balance import CP_LAYOUTS, balance_lines, layout_balance
 from ..plan.rules import check_schedule
 from ..plan.search import schedule_choices
@@ -352,5 +352,21 @@ def run_plan(args: argparse.Namespace) -> int:
         _print("compared layouts", compared)
     for line in balance_lines(args.seq_len, [e.dims.cp_ring for e in best + compared]) + refused:
         print(line)
+    if best:
+        print(save_line(shape, best[0], cluster))
     _plot(args.plot, best + compared, given=len(compared))
     return 0
+
+
+def save_line(shape: ModelShape, est: StepEstimate, cluster: Cluster) -> str:
+    """What a checkpoint save adds to a step of ``est``'s layout, synchronous and
+    ``--async-checkpoint`` (:func:`shardkit.plan.saving.save_cost`)."""
+    sync = save_cost(shape, est.dims, est.options, cluster, asynchronous=False)
+    ahead = save_cost(shape, est.dims, est.options, cluster, asynchronous=True)
+    return (
+        f"a save of the fastest layout: {sync.written / 1e9:.2f} GB written per GPU at "
+        f"{cluster.checkpoint_gbps:g} GB/s, {sync.critical_s:.2f} s on the critical path; with "
+        f"--async-checkpoint {ahead.staged / 1e9:.2f} GB staged at {cluster.host_gbps:g} GB/s, "
+        f"{ahead.critical_s:.2f} s (the write runs behind the next steps; one longer than the steps "
+        "between saves delays the next save)"
+    )

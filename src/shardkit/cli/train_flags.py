@@ -201,6 +201,12 @@ def add_train_flags(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--save-every", type=int, help="save every N steps (default: after the last step only)")
     p.add_argument("--keep", type=int, help="keep only the newest N complete saves in --checkpoint-dir (default: all)")
     p.add_argument(
+        "--async-checkpoint",
+        action=argparse.BooleanOptionalAction,
+        help="write each save in the background: the state is copied to CPU memory (pinned on CUDA) and DCP "
+        "writes it while the next steps run; the next save and the end of the run wait for it (torchtitan's option)",
+    )
+    p.add_argument(
         "--resume",
         action=argparse.BooleanOptionalAction,
         help="continue from the latest complete save in --checkpoint-dir (none yet: start at step 0, "

@@ -6,12 +6,14 @@
 * :mod:`.cluster`: GPUs per node, link bandwidths and latencies, memory, peak FLOP/s.
 * :mod:`.timing` and :mod:`.memory`: alpha-beta times and memory per rank.
 * :mod:`.search`: :func:`estimate_step` for one layout, :func:`plan_layouts` ranks them all.
+* :mod:`.saving`: what a checkpoint save adds to a step, synchronous or ``--async-checkpoint``.
 """
 
 from .cluster import CLUSTERS, Cluster
 from .collectives import CommRow, step_collectives
 from .model import ModelShape
 from .options import StepOptions
+from .saving import SaveCost, save_cost
 from .search import StepEstimate, estimate_step, plan_layouts
 
 __all__ = [
@@ -19,9 +21,11 @@ __all__ = [
     "Cluster",
     "CommRow",
     "ModelShape",
+    "SaveCost",
     "StepEstimate",
     "StepOptions",
     "estimate_step",
     "plan_layouts",
+    "save_cost",
     "step_collectives",
 ]

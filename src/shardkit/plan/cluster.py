@@ -25,6 +25,10 @@ class Cluster:
         peak_tflops: dense bf16 peak per GPU, TFLOP/s.
         efficiency: fraction of the peak the matmuls reach (model FLOPs utilisation of compute).
         name: a label.
+        host_gbps: device-to-host copy into pinned memory per GPU, GB/s (an async save's
+            staging copy, :mod:`.saving`).
+        checkpoint_gbps: checkpoint write bandwidth per GPU, GB/s: the file system's
+            aggregate write bandwidth over the job's GPUs (a save's write, :mod:`.saving`).
 
     Raises:
         ShardkitError: a non-positive figure, or ``gpus`` not a multiple of ``gpus_per_node``
@@ -41,6 +45,11 @@ class Cluster:
     peak_tflops: float = 989.0
     efficiency: float = 0.5
     name: str = "custom"
+    # Save figures, assumptions to replace with measurements: a PCIe Gen5 x16 link carries 64 GB/s
+    # per direction, about half of it reached by pinned copies with two GPUs per host uplink; a
+    # parallel file system's aggregate write of ~1-2 TB/s spread over 1000+ GPUs is ~1 GB/s each.
+    host_gbps: float = 25.0
+    checkpoint_gbps: float = 1.0
 
     def __post_init__(self) -> None:
         for field in (
@@ -51,6 +60,8 @@ class Cluster:
             "gpu_memory_gib",
             "peak_tflops",
             "efficiency",
+            "host_gbps",
+            "checkpoint_gbps",
         ):
             if not getattr(self, field) > 0:
                 raise ShardkitError(f"Cluster: {field} must be > 0, got {getattr(self, field)!r}")

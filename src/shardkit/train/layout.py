@@ -150,8 +150,8 @@ def check_options(cfg: TrainConfig, world_size: int | None = None) -> TrainConfi
         )
     if cfg.resume_from is not None and not cfg.resume_from.strip():
         raise ShardkitError("--resume-from: give a checkpoint directory or one save's directory")
-    if (cfg.resume or cfg.save_every) and cfg.checkpoint_dir is None:
-        raise ShardkitError("--resume and --save-every need --checkpoint-dir DIR")
+    if (cfg.resume or cfg.save_every or cfg.async_checkpoint) and cfg.checkpoint_dir is None:
+        raise ShardkitError("--resume, --save-every and --async-checkpoint need --checkpoint-dir DIR")
     if cfg.keep is not None and (cfg.keep < 1 or cfg.checkpoint_dir is None):
         raise ShardkitError(f"--keep must be >= 1 (complete saves kept) and needs --checkpoint-dir, got {cfg.keep}")
     check_output_dirs(cfg)

@@ -110,6 +110,7 @@ class TrainConfig:
     checkpoint_dir: str | None = None  # save the training state here (DCP, one directory per save)
     save_every: int = 0  # save every N steps (and after the last); 0: only after the last step
     keep: int | None = None  # keep the newest N complete saves (None: all)
+    async_checkpoint: bool = False  # stage each save to CPU memory and write it while the next steps run
     resume: bool = False  # continue from the latest save in --checkpoint-dir (any layout)
     save_hf: str | None = None  # after the last step, write the model as a Hugging Face directory here
     resume_from: str | None = None  # continue from this save (a checkpoint root or one save's directory)

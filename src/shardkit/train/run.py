@@ -45,7 +45,7 @@ from .metrics import ledger_rows, model_size, open_metrics, peak_memory, utilisa
 from .moe_balance import moe_balance_for
 from .profiling import step_profiler
 from .progress import default_log_every, make_progress, setup_note
-from .saving import save_step
+from .saving import StepSaves
 from .schedule import fast_forward, warmup_cosine
 from .specs import model_spec
 from .trainer import LossScale, make_optimizer, nonfinite_step, train_step
@@ -139,13 +139,15 @@ def run_training(
         world = dist.group.WORLD
         assert world is not None  # a mesh exists: the world is initialized
         recheck = partial(recheck_checkpoint_dir, cfg)
+        say = progress.note if progress else None  # rank 0 says what was saved and removed
         with root_lock(cfg.checkpoint_dir, world, "shardkit train --checkpoint-dir", verify=recheck):
-            return _run_steps(pm, task, cfg, loss_scale, on_step, layout, metrics, hf, progress, host_syncs)
+            with StepSaves(cfg, say, timedelta(seconds=cfg.timeout)) as saves:  # waits for a pending save
+                return _run_steps(pm, task, cfg, loss_scale, on_step, layout, metrics, hf, progress, host_syncs, saves)
     return _run_steps(pm, task, cfg, loss_scale, on_step, layout, metrics, hf, progress, host_syncs)
 
 
 def _run_steps(
-    pm, task, cfg: TrainConfig, loss_scale, on_step, layout: str, metrics, hf, progress, host_syncs=None
+    pm, task, cfg: TrainConfig, loss_scale, on_step, layout: str, metrics, hf, progress, host_syncs=None, saves=None
 ) -> dict:
     assert cfg.lr is not None  # validate_config resolved it
     optimizer = make_optimizer(pm.module, cfg.lr, pm.grads)
@@ -207,15 +209,10 @@ def _run_steps(
             skipped.append(step + 1)
             nonfinite_step(step, stats, lr, len(skipped), cfg.skip_nonfinite)
         done = step + 1
-        if (
-            pm.mesh is not None
-            and cfg.checkpoint_dir is not None
-            and (done == cfg.steps or (cfg.save_every and done % cfg.save_every == 0))
-        ):
-            set_phase("saving")  # rank 0 (the one with progress) says what was saved and removed
-            extra = _extra_state(task, balance)
-            save_step(cfg, pm, optimizer, done, extra, layout, hf, progress.note if progress else None)
-            count_progress()  # the save's files are written
+        if saves is not None and (done == cfg.steps or (cfg.save_every and done % cfg.save_every == 0)):
+            set_phase("saving")
+            saves.save(pm, optimizer, done, _extra_state(task, balance), layout, hf)
+            count_progress()  # the save's files are written (--async-checkpoint: staged)
     return {
         "losses": losses,
         "grad_norms": norms,

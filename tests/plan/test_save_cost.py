@@ -1,0 +1,84 @@
+"""The planner's price of a checkpoint save (:mod:`shardkit.plan.saving`, issue 33 item 5):
+by hand on a small config, and the staged bytes equal to what the trainer's state, staged by
+:class:`~shardkit.checkpoint.background.CpuStager`, measures."""
+
+import pytest
+import torch
+
+from harness.helpers import world_size
+from shardkit import Cluster, ModelShape, ParallelDims, StepOptions
+from shardkit.checkpoint.background import CpuStager
+from shardkit.checkpoint.train_state import _ensure_adam_state, _state_dict
+from shardkit.plan import save_cost
+from shardkit.train.config import TrainConfig, parallel_dims, validate_config
+from shardkit.train.run import build_parallel_model, build_task, build_train_model
+from shardkit.train.trainer import make_optimizer
+
+TINY = {
+    "model_type": "llama",
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+
+
+def test_sync_pays_the_write_async_the_staging_copy():
+    shape = ModelShape.from_config(TINY)
+    cluster = Cluster(gpus=4, host_gbps=20.0, checkpoint_gbps=2.0)
+    opts = StepOptions(seq_len=16, global_batch=4, dtype="bfloat16")  # float32 masters: 12 bytes a parameter
+    dims = ParallelDims(tp=2, dp_shard=2)
+    held = shape.rank_params(2)[0]
+    sync = save_cost(shape, dims, opts, cluster, asynchronous=False)
+    assert sync.written == shape.total_params * 12 / 4 and sync.staged == 0.0
+    assert sync.critical_s == sync.write_s == pytest.approx(sync.written / 2e9)
+    ahead = save_cost(shape, dims, opts, cluster, asynchronous=True)
+    assert ahead.staged == held * 12  # the tp-local state before FSDP2 sharding
+    assert ahead.critical_s == ahead.stage_s == pytest.approx(held * 12 / 20e9)
+    # a write longer than the steps between saves shows as the next save's wait
+    late = save_cost(shape, dims, opts, cluster, asynchronous=True, save_every=2, step_s=ahead.write_s / 4)
+    assert late.critical_s == pytest.approx(ahead.stage_s + ahead.write_s / 2)
+    wide = save_cost(shape, ParallelDims(tp=1, dp_shard=4), StepOptions(dtype="float64"), cluster, asynchronous=True)
+    assert wide.staged == shape.total_params * 24  # float64 parameter and moments
+
+
+@pytest.mark.world(2, timeout=120)
+@pytest.mark.parametrize("layout", [dict(tp=2), dict(tp=1, pp=2, microbatches=2)], ids=["tp=2", "pp=2"])
+def test_staged_bytes_equal_the_trainers_staged_state(layout):
+    cfg = validate_config(
+        TrainConfig(seq_len=16, batch_size=4, dtype="float32", layers=2, lr=1e-3, **layout), world_size=world_size()
+    )
+    device = torch.device("cpu")
+    task = build_task(cfg, device)
+    model = build_train_model(cfg)
+    shape = ModelShape.from_config(model.config)
+    pm, _ = build_parallel_model(model, parallel_dims(cfg).build_mesh("cpu"), cfg, task, device)
+    optimizer = make_optimizer(pm.module, 1e-3, pm.grads)
+    _ensure_adam_state(optimizer)
+    state, _ = _state_dict(pm, optimizer, {})
+    stager = CpuStager()
+    stager.stage(state)
+    scalars = sum(4 for k in state if k.endswith("/step"))  # AdamW's step counts: not priced
+    dims = ParallelDims(tp=layout["tp"], pp=layout.get("pp", 1), dp_shard=2 // layout["tp"] // layout.get("pp", 1))
+    opts = StepOptions(seq_len=16, global_batch=4, dtype="float32", microbatches=layout.get("microbatches", 1))
+    priced = save_cost(shape, dims, opts, Cluster(gpus=2), asynchronous=True).staged
+    measured = torch.tensor([float(stager.staged_bytes - scalars)])
+    torch.distributed.all_reduce(measured, op=torch.distributed.ReduceOp.MAX)  # the fullest rank
+    assert measured.item() == priced
+
+
+def test_plan_command_prices_a_save(tmp_path, capsys):
+    from shardkit.cli.main import main
+
+    config = tmp_path / "config.json"
+    config.write_text(__import__("json").dumps(TINY))
+    code = main(
+        ["plan", "--config", str(config), "--gpus", "4", "--seq-len", "16", "--global-batch", "8"]
+        + ["--top", "2", "--plot", str(tmp_path / "p.png")]
+    )
+    out = capsys.readouterr().out
+    assert code == 0, out
+    line = next(x for x in out.splitlines() if x.startswith("a save of the fastest layout"))
+    assert "GB written per GPU at 1 GB/s" in line and "--async-checkpoint" in line and "GB staged at 25 GB/s" in line
