@@ -10,7 +10,7 @@ import types
 import pytest
 
 from harness.tiers import covering, edge_and_sample, mark_matrix
-from harness.world import World, WorldResult
+from harness.world import World, WorldPool, WorldResult
 
 # ------------------------------------------------------------ one case per value of each argument
 
@@ -117,3 +117,17 @@ def test_a_world_test_puts_the_ranks_output_into_its_captured_output(monkeypatch
         conftest.pytest_pyfunc_call(item)
     # Captured, not printed: pytest shows a test's captured output when it fails (or with -rP).
     assert capsys.readouterr().out == "[rank 0] a warning\n[rank 1] partial line\n" * 2
+
+
+def test_the_pool_shuts_every_world_down_cleanly_side_by_side():
+    pool = WorldPool()
+    procs = []
+    for n in (1, 2):
+        world = pool.get(n)
+        result = world.run(__file__, "task_print", {"word": "bye"})
+        assert result.ok, result.failure_message()
+        procs += world._procs
+    pool.shutdown()
+    # every rank left its process group and returned (exit code 0), none was killed (-9)
+    assert [p.exitcode for p in procs] == [0, 0, 0]
+    assert pool.get(1)._procs == []  # a fresh world object: the next run would spawn it anew
