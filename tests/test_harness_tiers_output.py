@@ -9,8 +9,8 @@ import types
 
 import pytest
 
-from harness.tiers import covering, mark_matrix
-from harness.world import World, WorldResult
+from harness.tiers import covering, edge_and_sample, mark_matrix
+from harness.world import World, WorldPool, WorldResult
 
 # ------------------------------------------------------------ one case per value of each argument
 
@@ -53,6 +53,16 @@ def test_mark_matrix_moves_the_rest_of_each_product_to_the_matrix_and_slow_tiers
     assert len(quick) == 3 and {q["dtype"] for q in quick} == {"f32", "f64"} and {q["size"] for q in quick} == {0, 1, 7}
     assert all(i.marks >= {"matrix", "slow"} for i in product if "matrix" in i.marks)
     assert not any("matrix" in i.marks for i in [*every, *tiered, plain])
+
+
+def test_edge_cases_stay_quick_and_the_sample_of_their_grid_is_the_matrix_tier():
+    edge, sample = [dict(k=1), dict(k=3)], [dict(k=2), dict(k=5), dict(k=7)]
+    params = edge_and_sample(edge, sample, ["e1", "e3", "s2", "s5", "s7"])
+    assert [p.values for p in params] == [(c,) for c in edge + sample]
+    assert [sorted(m.name for m in p.marks) for p in params] == [[], [], *[["matrix", "slow"]] * 3]
+    for bad in ((edge, sample, ["e1"]), ([], sample, ["s2", "s5", "s7"])):
+        with pytest.raises(ValueError, match="edge_and_sample"):
+            edge_and_sample(*bad)
 
 
 # ------------------------------------------------------------- rank output: only with a failure
@@ -107,3 +117,17 @@ def test_a_world_test_puts_the_ranks_output_into_its_captured_output(monkeypatch
         conftest.pytest_pyfunc_call(item)
     # Captured, not printed: pytest shows a test's captured output when it fails (or with -rP).
     assert capsys.readouterr().out == "[rank 0] a warning\n[rank 1] partial line\n" * 2
+
+
+def test_the_pool_shuts_every_world_down_cleanly_side_by_side():
+    pool = WorldPool()
+    procs = []
+    for n in (1, 2):
+        world = pool.get(n)
+        result = world.run(__file__, "task_print", {"word": "bye"})
+        assert result.ok, result.failure_message()
+        procs += world._procs
+    pool.shutdown()
+    # every rank left its process group and returned (exit code 0), none was killed (-9)
+    assert [p.exitcode for p in procs] == [0, 0, 0]
+    assert pool.get(1)._procs == []  # a fresh world object: the next run would spawn it anew

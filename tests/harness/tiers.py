@@ -14,7 +14,8 @@ the inner loop) keeps one representative case of each distinct path; the other c
 Every other parametrized test is tiered by rule (:func:`mark_matrix`, run by conftest at
 collection): the quick tier keeps the fewest cases in which each value of each argument appears
 once (:func:`covering`); the rest of the product is marked ``matrix`` and ``slow``. A test whose
-every combination is a path of its own says so with ``@pytest.mark.combinations``.
+every combination is a path of its own says so with ``@pytest.mark.combinations``; a test of hand-picked
+edge cases plus a pseudo-random sample of a grid keeps the edge cases (:func:`edge_and_sample`).
 """
 
 from __future__ import annotations
@@ -50,6 +51,32 @@ def tiered(cases: Mapping[str, object], quick: Iterable[str]) -> list:
             marks=() if name in keep else pytest.mark.slow,
         )
         for name, value in cases.items()
+    ]
+
+
+def edge_and_sample(edge: Sequence[object], sample: Sequence[object], ids: Sequence[str]) -> list:
+    """``pytest.param`` per case of ``edge + sample``: the hand-picked edge cases stay in the quick
+    tier, the pseudo-random sample of the same grid is the matrix tier (marked ``matrix`` and
+    ``slow``).
+
+    A sampled grid (kernel x stride x padding x ...) explores combinations of paths that its edge
+    cases already take one by one; :func:`mark_matrix` cannot tell, since each sampled case is one
+    distinct value of a single argument.
+
+    Args:
+        edge: the edge cases, each one path the test must take in the quick tier.
+        sample: the sampled cases.
+        ids: one id per case of ``edge + sample``, in that order.
+
+    Raises:
+        ValueError: ``edge`` is empty or ``ids`` has not one id per case.
+    """
+    if not edge or len(ids) != len(edge) + len(sample):
+        raise ValueError(f"edge_and_sample: {len(edge)} edge cases, {len(sample)} sampled, {len(ids)} ids")
+    sampled_marks = (pytest.mark.slow, pytest.mark.matrix)
+    return [
+        pytest.param(case, id=name, marks=() if i < len(edge) else sampled_marks)
+        for i, (case, name) in enumerate(zip([*edge, *sample], ids, strict=True))
     ]
 
 

@@ -4,7 +4,8 @@ Parity: output, input gradient, weight and bias gradients against ``torch.nn.Con
 full tensor (float64, rtol 1e-9), gathered with :func:`shardkit.all_gather`. The grid (kernel
 1-7, stride 1-3, padding 0-3 and "same", dilation 1-3, groups 1 / 2 / depthwise, every padding
 mode, 1-d / 2-d / 3-d, channels first / last, every spatial dim, uneven and zero-size splits)
-is sampled: a fixed pseudo-random subset per world size plus hand-picked edge cases.
+is sampled: a fixed pseudo-random subset per world size plus hand-picked edge cases (the edge cases
+are the quick tier, the sample is the matrix tier that CI runs: harness/tiers.py, edge_and_sample).
 """
 
 import copy
@@ -19,6 +20,7 @@ from torch import nn
 
 from harness.helpers import rank, world_group, world_size
 from harness.limits import patient
+from harness.tiers import edge_and_sample
 from shardkit import ShardkitError, ShardkitTypeError, all_gather, balanced_split_sizes
 from shardkit._shapes import split_offsets
 from shardkit.comm import CommLedger
@@ -186,25 +188,25 @@ def _run(c):
 
 
 @pytest.mark.world(1)
-@pytest.mark.parametrize("c", EDGE + _sampled(1, 8), ids=_ids(EDGE + _sampled(1, 8)))
+@pytest.mark.parametrize("c", edge_and_sample(EDGE, _sampled(1, 8), _ids(EDGE + _sampled(1, 8))))
 def test_parity_r1(c):
     _run(c)
 
 
 @pytest.mark.world(2)
-@pytest.mark.parametrize("c", EDGE + _sampled(2), ids=_ids(EDGE + _sampled(2)))
+@pytest.mark.parametrize("c", edge_and_sample(EDGE, _sampled(2), _ids(EDGE + _sampled(2))))
 def test_parity_r2(c):
     _run(c)
 
 
 @pytest.mark.world(3)
-@pytest.mark.parametrize("c", EDGE + _sampled(3), ids=_ids(EDGE + _sampled(3)))
+@pytest.mark.parametrize("c", edge_and_sample(EDGE, _sampled(3), _ids(EDGE + _sampled(3))))
 def test_parity_r3(c):
     _run(c)
 
 
 @pytest.mark.world(4)
-@pytest.mark.parametrize("c", EDGE + _sampled(4), ids=_ids(EDGE + _sampled(4)))
+@pytest.mark.parametrize("c", edge_and_sample(EDGE, _sampled(4), _ids(EDGE + _sampled(4))))
 def test_parity_r4(c):
     _run(c)
 

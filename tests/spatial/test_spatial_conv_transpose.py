@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from harness.helpers import rank, world_group, world_size
+from harness.tiers import edge_and_sample
 from shardkit import ShardkitError, ShardkitTypeError, all_gather, apply_spatial, balanced_split_sizes
 from shardkit._shapes import split_offsets
 from shardkit.comm import CommLedger
@@ -167,19 +168,19 @@ def test_parity_r1(c):
 
 
 @pytest.mark.world(2)
-@pytest.mark.parametrize("c", EDGE + _sampled(2, 24), ids=_ids(EDGE + _sampled(2, 24)))
+@pytest.mark.parametrize("c", edge_and_sample(EDGE, _sampled(2, 24), _ids(EDGE + _sampled(2, 24))))
 def test_parity_r2(c):
     _parity(c)
 
 
 @pytest.mark.world(3)
-@pytest.mark.parametrize("c", EDGE + _sampled(3, 24), ids=_ids(EDGE + _sampled(3, 24)))
+@pytest.mark.parametrize("c", edge_and_sample(EDGE, _sampled(3, 24), _ids(EDGE + _sampled(3, 24))))
 def test_parity_r3(c):
     _parity(c)
 
 
 @pytest.mark.world(4)
-@pytest.mark.parametrize("c", EDGE + _sampled(4, 24), ids=_ids(EDGE + _sampled(4, 24)))
+@pytest.mark.parametrize("c", edge_and_sample(EDGE, _sampled(4, 24), _ids(EDGE + _sampled(4, 24))))
 def test_parity_r4(c):
     _parity(c)
 
