@@ -107,16 +107,8 @@ class Posted(P2PWork):
     """The handle of one message's posted works (and the received tensor, if any): the public
     calls' :class:`~._exchange.P2PWork` and a :class:`~._mailbox.Mailbox` send handle."""
 
-    def __init__(self, works: list, received: torch.Tensor | None = None) -> None:  # no P2PWork state
-        self._works, self._received = works, received
-
-    def is_completed(self) -> bool:
-        return all(w.is_completed() for w in self._works)
-
-    def complete(self) -> None:
-        works, self._works = self._works, []  # a gloo work must not be waited twice
-        for w in works:
-            w.wait()
+    def __init__(self, works: list, received: torch.Tensor | None = None) -> None:  # no transfers to reduce
+        self._works, self._received, self._done = works, received, False
 
     def wait(self) -> torch.Tensor | None:
         self.complete()
