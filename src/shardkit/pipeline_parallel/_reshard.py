@@ -23,8 +23,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..comm import ledger
-from ..comm._compat import all_gather_single
+from ..comm import _c10d, ledger
 from ..comm._group import GroupInfo
 from ..comm.checks import checks_enabled
 from ..errors import RankMismatchError, ShardkitError
@@ -93,9 +92,7 @@ def _full_shape(x: torch.Tensor, src: Side, tp: GroupInfo, decl, header: bool, a
     if isinstance(layout, Replicate) or src.size == 1:
         return tuple(x.shape), OK, None
     mine = _wire.encode(OK, x.dtype, x.shape, x.device)
-    rows = mine.new_empty(tp.size * HEADER_LEN)
-    ledger.record("all_gather_single", api, "check", tp.size, mine.nbytes, rows.nbytes, pg=tp.pg)
-    all_gather_single(rows, mine, group=tp.pg)
+    rows = _c10d.all_gather(mine, tp, 0, (HEADER_LEN,) * tp.size, api, "check")
     metas = [_wire.decode(r, api, f"tp rank {k}") for k, r in enumerate(rows.view(tp.size, HEADER_LEN))]
     d = layout.dim
     shape = list(x.shape)
