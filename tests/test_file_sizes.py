@@ -13,7 +13,7 @@ COHESIVE = {
     "src/shardkit/parallelize/decoder.py": "parallelize(): one entry point, every axis option documented in one place",
     "src/shardkit/cli/train_flags.py": "shardkit train's argparse flags, grouped as --help shows them",
     "src/shardkit/train/data.py": "the training data: files, their documents (text, JSONL, Parquet), tokens, samplers",
-    "src/shardkit/pipeline_parallel/hf_decoder.py": "HF decoder as stages: cut, chunks, forward",
+    "src/shardkit/parallelize/decoder_stages.py": "HF decoder as stages: cut, chunks, forward",
     "src/shardkit/plan/collectives.py": "the collectives of one step per axis, the rows the ledger test holds equal",
     "src/shardkit/cli/plan.py": "shardkit plan: flags, the ranked table, --json, the plot and --dry-run",
     "src/shardkit/spatial/pool.py": "max/avg pooling over halo'd tiles: one window rule, forward and its exact adjoint",

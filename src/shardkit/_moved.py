@@ -30,9 +30,10 @@ MOVED_MODULES: Mapping[str, str] = MappingProxyType(
         "shardkit.tensor_parallel.spec": "shardkit.sharding.spec",
         "shardkit.tensor_parallel.dcp": "shardkit.checkpoint.dcp",
         "shardkit.tensor_parallel.checkpoint": "shardkit.checkpoint.safetensors",
+        "shardkit.pipeline_parallel.hf_decoder": "shardkit.parallelize.decoder_stages",
     }
 )
-"""Library modules moved in issue 20 (old name -> new name), importable under the old name until
+"""Library modules moved in issues 20 and 30 (old name -> new name), importable under the old name until
 the next release (``shardkit/__init__.py`` installs them)."""
 
 

@@ -15,12 +15,12 @@ from torch import nn
 
 from harness.helpers import all_true, rank, world_group, world_size
 from harness.pipe_models import mlp_chunks, mse, tanh_mlp
+from harness.stream_model import check_streams, posting_order
 from shardkit.comm import CommLedger
 from shardkit.errors import ShardkitError
 from shardkit.pipeline_parallel import PipelineStage, run_schedule
 from shardkit.pipeline_parallel.simulate import simulate_steps
 from shardkit.pipeline_parallel.steps import forward_only
-from shardkit.pipeline_parallel.stream_model import check_streams, posting_order
 from shardkit.pipeline_parallel.tables import SCHEDULES
 
 H, LAYERS = 4, 9

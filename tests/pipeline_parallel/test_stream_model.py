@@ -1,13 +1,13 @@
 """The chunked runner on NCCL without a GPU: its own posting order (the mailbox of every rank,
-recorded) on the stream model of :mod:`shardkit.pipeline_parallel.stream_model`, for every table
+recorded) on the stream model of :mod:`harness.stream_model`, for every table
 of SCHEDULES with p in 2..8, v in 1..4 (as the schedule allows) and m in {p, 2p, 2p + 1}; and for
 stages made of tp groups of their own sizes (``--pp-tp``), at the level of their ranks."""
 
 import pytest
 
+from harness.stream_model import check_streams, posting_order, tp_posting_order
 from shardkit.errors import ShardkitError
 from shardkit.pipeline_parallel._mailbox import link, links
-from shardkit.pipeline_parallel.stream_model import check_streams, posting_order, tp_posting_order
 from shardkit.pipeline_parallel.tables import SCHEDULES, schedule_table
 
 

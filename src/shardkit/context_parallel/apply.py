@@ -346,7 +346,7 @@ def apply_cp(
     Args:
         model: a transformers ``PreTrainedModel`` whose attention goes through
             ``ALL_ATTENTION_FUNCTIONS`` (Llama, Qwen2, Mistral, ...), or a pipeline stage of one
-            (:class:`~shardkit.pipeline_parallel.DecoderStageModule`, sharing its config).
+            (:class:`~shardkit.parallelize.DecoderStageModule`, sharing its config).
         cp_mesh: ``ulysses``/``ring``: a ``ProcessGroup`` or 1-D ``DeviceMesh`` of ``R`` ranks;
             ``usp``: a 2-D ``DeviceMesh`` with dims ``ring_dim`` and ``ulysses_dim``.
         mode: ``"ulysses"`` (all-to-all over heads; contiguous blocks), ``"ring"`` (zigzag ring
@@ -383,7 +383,7 @@ def apply_cp(
     if hasattr(hf, "set_attn_implementation"):
         hf.set_attn_implementation(name)
     else:
-        # A pipeline stage module (shardkit.pipeline_parallel.DecoderStageModule) shares the
+        # A pipeline stage module (shardkit.parallelize.DecoderStageModule) shares the
         # model's config, which its attention layers read at every call.
         hf.config._attn_implementation = name
     if hf.config._attn_implementation != name:

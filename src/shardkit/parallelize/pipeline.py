@@ -22,10 +22,11 @@ from torch import nn
 
 from ..data_parallel import GradReduce
 from ..errors import ShardkitError
-from ..pipeline_parallel import DecoderStageModule, PipelineStage, sum_tied_embedding_grads
+from ..pipeline_parallel import PipelineStage
 from ..pipeline_parallel.tables import SCHEDULES
 from .ac_policy import ACPolicy
 from .decoder import ParallelModel, parallelize
+from .decoder_stages import DecoderStageModule, sum_tied_embedding_grads
 
 if TYPE_CHECKING:
     from ..sharding import ParallelMesh

@@ -4,12 +4,12 @@ Every function takes the pipeline group explicitly (a ``ProcessGroup``, a 1-D ``
 or a list of them for a stage with several neighbours); stage = group rank. Stages made of tp
 groups, of equal or different sizes (VTP), take a :class:`StageGroups` instead, with boundary
 layouts :class:`~shardkit.sharding.Replicate` / :class:`~shardkit.sharding.Shard`. Hugging Face
-decoder models are cut into stages by :class:`DecoderStageModule`.
+decoder models are cut into stages by :class:`shardkit.parallelize.DecoderStageModule`.
 """
 
+from .._moved import moved_names
 from ..sharding import Replicate, Shard, StageGroups, new_stage_groups
 from .chunked import ChunkedStage, chunk_layers
-from .hf_decoder import DecoderStageModule, check_pp, decoder_stage_layers, sum_tied_embedding_grads
 from .p2p import (
     P2PWork,
     ShapeCache,
@@ -30,6 +30,10 @@ from .stage import PipelineStage
 from .steps import forward_only
 from .weight_defer import defer, deferring
 
+# the Hugging Face decoder's stages moved to shardkit.parallelize (deprecated here for one release)
+_HF = ("DecoderStageModule", "decoder_stage_layers", "check_pp", "sum_tied_embedding_grads")
+__getattr__ = moved_names(__name__, dict.fromkeys(_HF, "shardkit.parallelize"))
+
 __all__ = [
     "Action",
     "gpipe_schedule",
@@ -44,10 +48,6 @@ __all__ = [
     "Replicate",
     "Shard",
     "new_stage_groups",
-    "DecoderStageModule",
-    "decoder_stage_layers",
-    "check_pp",
-    "sum_tied_embedding_grads",
     "run_schedule",
     "ScheduleOutput",
     "forward_only",

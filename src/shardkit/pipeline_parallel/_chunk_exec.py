@@ -36,8 +36,9 @@ provided no send waits in front of a receive it depends on. Gloo never blocks a 
 each direction of a rank pair on its own. NCCL runs a group's P2P between two ranks (or, with an
 eagerly initialized communicator, all of a rank's) in order on one stream: with one process
 group per link, no two links of a group sharing a rank, each stream carries one rank pair's
-messages one way. :mod:`.stream_model` replays the runner's own posting order on a model of
-those streams for every table of :data:`~.tables.SCHEDULES` (tested; not run on a GPU here).
+messages one way. The stream model (``tests/harness/stream_model.py``) replays the runner's
+own posting order on a model of those streams for every table of :data:`~.tables.SCHEDULES`
+(tested; not run on a GPU here).
 
 Source: Megatron-LM's interleaved schedule (explicit gradients between model chunks);
 torch.distributed.pipelining's ``PipelineScheduleMulti`` (per-step actions of several stages per

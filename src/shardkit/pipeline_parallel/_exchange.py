@@ -153,7 +153,7 @@ class P2PWork:
         return self._done or all(w.is_completed() for w in self._works)
 
     def complete(self) -> None:
-        works, self._works = self._works, []
+        works, self._works = self._works, []  # a gloo work must not be waited twice
         for w in works:
             w.wait()
 

@@ -21,7 +21,7 @@ end of backward itself (:func:`~shardkit.data_parallel.microbatches.reduce_outsi
 
 A chunk runs through an FSDP2 group when the two share a parameter: a decoder layer's group
 belongs to its chunk; the root of a stage module whose chunks are views of it
-(:class:`~.hf_decoder.DecoderStageModule`) runs (its hooks fire) in every chunk, so it is
+(:class:`~shardkit.parallelize.DecoderStageModule`) runs (its hooks fire) in every chunk, so it is
 reduced after the rank's last backward step.
 
 Memory: as :func:`~shardkit.data_parallel.set_microbatch` with ``M > 1``: a rank holds its
@@ -123,7 +123,7 @@ def fsdp_steps(stage: PipelineStage, row: Sequence[Step], m: int) -> FsdpSteps |
     when no chunk holds an FSDP2 module."""
     trees = []
     for mod in stage.modules:
-        owner = getattr(mod, "owner", None)  # a chunk view of a stage module (hf_decoder)
+        owner = getattr(mod, "owner", None)  # a chunk view of a stage module (parallelize.decoder_stages)
         trees.append(owner if isinstance(owner, nn.Module) else mod)
     groups: list[nn.Module] = []
     for tree in trees:

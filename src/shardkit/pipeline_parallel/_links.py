@@ -107,16 +107,8 @@ class Posted(P2PWork):
     """The handle of one message's posted works (and the received tensor, if any): the public
     calls' :class:`~._exchange.P2PWork` and a :class:`~._mailbox.Mailbox` send handle."""
 
-    def __init__(self, works: list, received: torch.Tensor | None = None) -> None:  # no P2PWork state
-        self._works, self._received = works, received
-
-    def is_completed(self) -> bool:
-        return all(w.is_completed() for w in self._works)
-
-    def complete(self) -> None:
-        works, self._works = self._works, []  # a gloo work must not be waited twice
-        for w in works:
-            w.wait()
+    def __init__(self, works: list, received: torch.Tensor | None = None) -> None:  # no transfers to reduce
+        self._works, self._received, self._done = works, received, False
 
     def wait(self) -> torch.Tensor | None:
         self.complete()
@@ -140,11 +132,10 @@ def send_message(
     shape, dtype = decl
     x = x.detach().contiguous()
     if shape is not None:
-        if tuple(x.shape) != shape or (dtype is not None and x.dtype != dtype):
-            raise ShardkitError(
-                f"{api}: stage {g.rank} of {g.size} declared {_wire.describe(shape, dtype or x.dtype)} but its tensor "
-                f"is {_wire.describe(x.shape, x.dtype)}"
-            )
+        t = Transfer(True, towards, 0, g, to, phase, x.device, shape, dtype, False, x)
+        check_own_tensor(t, api)  # no header to carry an error: raised before anything is sent
+        if t.error is not None:
+            raise t.error
         return [post_one(g, to, True, x, phase, api)] if x.numel() > 0 else []
     ch = cache.lookup(g.pg, True, to) if cache is not None else None
     if ch is not None and (x.dtype, x.shape, x.device) == (ch.dtype, ch.shape, ch.device) and dtype in (None, x.dtype):

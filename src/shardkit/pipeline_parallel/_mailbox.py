@@ -5,8 +5,9 @@ A message is ``(kind, microbatch, receiving global chunk)``: ``"F"`` an activati
 input gradient. :func:`step_messages` says which message a step needs and which it produces;
 :func:`link` which link (one process group on NCCL) carries a message between two neighbours;
 :class:`Mailbox` posts the receives and sends of one call through a transport (the P2P engine in
-:mod:`._chunk_exec`, or the recorder of :mod:`.stream_model`, which replays the same calls on a
-model of NCCL's streams: the posting order it checks is the runner's own, by construction).
+:mod:`._chunk_exec`, or the recorder of the tests' stream model (``tests/harness/stream_model.py``),
+which replays the same calls on a model of NCCL's streams: the posting order it checks is the
+runner's own, by construction).
 
 Receives from each neighbour are posted in the order the neighbour sends (no tags: messages pair
 in FIFO order, :func:`.simulate.transfers`), one at a time: a receive is posted only when the
@@ -18,7 +19,7 @@ send over only once the receive is posted (a rendezvous), which otherwise costs 
 on the critical path at every hand-over. Without ``early`` (NCCL) a receive is posted when the
 step needs it: NCCL's receive is a kernel that waits on the GPU for its data, and one posted
 early would hold GPU resources while this rank computes (not measured here: no GPU).
-:mod:`.stream_model` checks both orders.
+The tests' stream model (``tests/harness/stream_model.py``) checks both orders.
 """
 
 from __future__ import annotations
@@ -99,9 +100,9 @@ def link_groups(g: GroupInfo, separate: bool, p: int | None = None) -> dict[tupl
     collective over ``g``; 2 to 6 groups in all, by ``p``). NCCL runs a group's P2P between two
     ranks in order on one stream (on one stream per rank when the communicator is initialized
     eagerly), so a send could wait in front of a receive it depends on; no two links of a group
-    share a rank, so each stream carries one rank pair's messages one way (the proof:
-    :mod:`.stream_model`). Else ``g`` for every link: gloo pairs each direction of a rank pair
-    on its own and never blocks a post. A group of one rank has no link."""
+    share a rank, so each stream carries one rank pair's messages one way (the proof: the tests'
+    stream model, ``tests/harness/stream_model.py``). Else ``g`` for every link: gloo pairs each
+    direction of a rank pair on its own and never blocks a post. A group of one rank has no link."""
     p = g.size if p is None else p
     if p < 2:
         return {}

@@ -23,12 +23,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..comm import ledger
-from ..comm._compat import all_gather_single, irecv, isend
+from ..comm import _c10d, ledger
 from ..comm._group import GroupInfo
 from ..comm.checks import checks_enabled
 from ..errors import RankMismatchError, ShardkitError
 from . import _wire
+from ._transfer import post_one
 from ._wire import HEADER_LEN, OK
 from .vtp import Replicate, Shard, leader_mode, local_box, piece_plan
 
@@ -60,14 +60,9 @@ def _bcast(t: torch.Tensor, tp: GroupInfo, api: str, phase: str) -> None:
         dist.broadcast(t, src=dist.get_global_rank(tp.pg, 0), group=tp.pg)
 
 
-def _send(t, pg: GroupInfo, peer: int, api: str, phase: str):
-    ledger.record("send", api, phase, pg.size, t.nbytes, 0, pg=pg.pg, peer=peer, dtype=t.dtype)
-    return isend(t, pg.pg, peer)
-
-
-def _recv(t, pg: GroupInfo, peer: int, api: str, phase: str) -> torch.Tensor:
-    ledger.record("recv", api, phase, pg.size, 0, t.nbytes, pg=pg.pg, peer=peer, dtype=t.dtype)
-    irecv(t, pg.pg, peer).wait()
+def _recv(t: torch.Tensor, pg: GroupInfo, peer: int, api: str, phase: str) -> torch.Tensor:
+    """Receive into ``t`` from group rank ``peer`` (recorded in the ledger), waited; ``t``."""
+    post_one(pg, peer, False, t, phase, api).wait()
     return t
 
 
@@ -97,9 +92,7 @@ def _full_shape(x: torch.Tensor, src: Side, tp: GroupInfo, decl, header: bool, a
     if isinstance(layout, Replicate) or src.size == 1:
         return tuple(x.shape), OK, None
     mine = _wire.encode(OK, x.dtype, x.shape, x.device)
-    rows = mine.new_empty(tp.size * HEADER_LEN)
-    ledger.record("all_gather_single", api, "check", tp.size, mine.nbytes, rows.nbytes, pg=tp.pg)
-    all_gather_single(rows, mine, group=tp.pg)
+    rows = _c10d.all_gather(mine, tp, 0, (HEADER_LEN,) * tp.size, api, "check")
     metas = [_wire.decode(r, api, f"tp rank {k}") for k, r in enumerate(rows.view(tp.size, HEADER_LEN))]
     d = layout.dim
     shape = list(x.shape)
@@ -137,20 +130,13 @@ def send_side(x: torch.Tensor, src: Side, dst: Side, pg: GroupInfo, tp: GroupInf
     if header:
         for i, j in _header_pairs(src, dst):
             if i == tp.rank:
-                works.append(
-                    _send(
-                        _wire.encode(status, x.dtype, shape, x.device),
-                        pg,
-                        dst.ranks[j],
-                        api,
-                        "check" if decl is not None else phase,
-                    )
-                )
+                hdr = _wire.encode(status, x.dtype, shape, x.device)
+                works.append(post_one(pg, dst.ranks[j], True, hdr, "check" if decl is not None else phase, api))
     if error is None:
         origin = local_box(src.layout, shape, src.size, tp.rank)
         for p in piece_plan(src.layout, src.size, dst.layout, dst.size, shape):
             if p.src == tp.rank:
-                works.append(_send(x[_slices(p.box, origin)].contiguous(), pg, dst.ranks[p.dst], api, phase))
+                works.append(post_one(pg, dst.ranks[p.dst], True, x[_slices(p.box, origin)].contiguous(), phase, api))
     if error is not None:
         for w in works:
             w.wait()

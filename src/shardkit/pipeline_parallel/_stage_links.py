@@ -6,9 +6,10 @@ Every rank of a stage runs the same row, so the collectives inside a stage (the 
 header all-gather, the receiving leader's broadcast, the sum of partial input gradients) meet in
 the same order on all of its ranks. Each message travels on the process group of its link
 between the two stages (:func:`~._mailbox.link_groups` over the replica group: one per link on
-NCCL, so that each stream carries one direction; :mod:`.stream_model` checks the order at the
-level of ranks, :func:`~.stream_model.tp_posting_order`). Sends are posted and waited for at the end of the call
-(:class:`~._mailbox.Mailbox`), as the one-rank transport's; a receive runs, whole, when the step
+NCCL, so that each stream carries one direction; the tests' stream model checks the order at
+the level of ranks, ``tp_posting_order`` of ``tests/harness/stream_model.py``). Sends are
+posted and waited for at the end of the call (:class:`~._mailbox.Mailbox`), as the one-rank
+transport's; a receive runs, whole, when the step
 needs it (it holds collectives of the receiving stage, which cannot be posted early). Between
 two ranks a transfer's messages are posted in the same order on both ends and transfers follow
 the sender's order (:func:`.simulate.transfers`): FIFO pairing suffices, no tags.

@@ -37,7 +37,7 @@ def chunk_layers(num_layers: int, p: int, v: int, placement: str, rank: int) -> 
 
     The ``L`` layers are cut into ``p * v`` contiguous chunks in data-flow order; the first
     ``L % (p v)`` chunks get one layer more (``balanced_split_sizes``, the rule of
-    :func:`~.hf_decoder.decoder_stage_layers` over ``p v`` stages), e.g. ``L = 10, p = 2, v = 2``:
+    :func:`~shardkit.parallelize.decoder_stage_layers` over ``p v`` stages), e.g. ``L = 10, p = 2, v = 2``:
     chunks of 3, 3, 2, 2 layers; looped rank 0 holds chunks 0 and 2 (layers 0-2 and 6-7).
 
     Args:

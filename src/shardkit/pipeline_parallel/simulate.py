@@ -220,10 +220,7 @@ class SimResult:
     peak_activations: tuple[int, ...]
     error: str | None = None
 
-    @property
-    def bubble_fraction(self) -> float:
-        """Idle time over total time, over all stages: ``1 - sum(busy) / (P * makespan)``."""
-        return 1.0 - sum(self.busy) / (len(self.busy) * self.makespan) if self.makespan else 0.0
+    bubble_fraction = Report.bubble  # the same fields, the same formula
 
 
 def simulate(schedule: Sequence[Sequence[Action]], f_time: float = 1.0, b_time: float = 1.0) -> SimResult:

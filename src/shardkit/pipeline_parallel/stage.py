@@ -119,7 +119,7 @@ class PipelineStage:
             agree(g, op, error, [self.v, placement], judge=judge, headline=REJECTED)
         else:
             self._init_stage_groups(self.stages, stage_index, num_stages, (in_layout, out_layout, input_grad), op)
-        # one group per link on NCCL (stream_model.py); a tp-group stage's link a pair of stages
+        # one group per link on NCCL (tests/harness/stream_model.py); a tp-group stage's link a pair of stages
         self.links = link_groups(self.info, separate=self.info.pg.name().lower() != "gloo", p=self.p)
         # run_schedule's negotiated shapes per (receiving chunk, direction), kept between calls
         self._caches: dict | None = None

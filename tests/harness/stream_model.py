@@ -1,5 +1,8 @@
 """A model of NCCL's point-to-point streams, run on the chunked runner's own posting order: the
 check that the runner of :mod:`._chunk_exec` cannot hang on NCCL (not run on a GPU here).
+A test harness: only the tests run it (the runner never consults the model), so it lives beside
+them, not in the installed package; relative names (``._mailbox``) are of
+``shardkit.pipeline_parallel``.
 
 The posting order. :func:`posting_order` runs each rank's row of a table through the runner's
 :class:`~._mailbox.Mailbox` (the object that posts every message of a real run, with the same
@@ -37,13 +40,13 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ShardkitError
-from ._mailbox import Mailbox, Message, incoming, link, step_messages
-from .simulate import transfers
-from .steps import chunk_owner, global_chunk
+from shardkit.errors import ShardkitError
+from shardkit.pipeline_parallel._mailbox import Mailbox, Message, incoming, link, step_messages
+from shardkit.pipeline_parallel.simulate import transfers
+from shardkit.pipeline_parallel.steps import chunk_owner, global_chunk
 
 if TYPE_CHECKING:
-    from .steps import Table
+    from shardkit.pipeline_parallel.steps import Table
 
 __all__ = ["Event", "posting_order", "tp_posting_order", "check_streams"]
 

@@ -5,6 +5,7 @@ passed per microbatch, tensor (and sequence) parallelism inside stages, and tied
 """
 
 import copy
+import importlib
 import sys
 from pathlib import Path
 
@@ -13,15 +14,13 @@ import torch
 
 from harness.helpers import all_true, get_mesh, rank, subgroup, world_group, world_size
 from shardkit.errors import ShardkitError
+from shardkit.parallelize import DecoderStageModule, decoder_stage_layers, sum_tied_embedding_grads
 from shardkit.pipeline_parallel import (
-    DecoderStageModule,
     PipelineStage,
     StageGroups,
-    decoder_stage_layers,
     gpipe_schedule,
     one_f_one_b_schedule,
     run_schedule,
-    sum_tied_embedding_grads,
 )
 from shardkit.tensor_parallel import apply_tp, gather_full_grads
 
@@ -205,3 +204,12 @@ def test_pipeline_tp_sp_tied_embeddings_and_loss_parallel():
     for name, g in gather_full_grads(module).items():
         ok &= _close(g, ref_params[name].grad)
     assert all_true(bool(ok))
+
+
+@pytest.mark.parametrize("name", ["DecoderStageModule", "decoder_stage_layers", "check_pp", "sum_tied_embedding_grads"])
+def test_the_old_pipeline_parallel_names_still_work_with_a_warning(name):
+    """Moved to shardkit.parallelize (issue 30): the old name is the same object for one release."""
+    old, new = (importlib.import_module(f"shardkit.{m}") for m in ("pipeline_parallel", "parallelize"))
+    with pytest.warns(DeprecationWarning, match=rf"{name} is deprecated: import it from shardkit\.parallelize"):
+        assert getattr(old, name) is getattr(new, name)
+    assert name not in old.__all__ and name in new.__all__

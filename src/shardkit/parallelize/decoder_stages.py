@@ -1,5 +1,8 @@
 """Pipeline stages of a Hugging Face decoder causal LM (llama, qwen2, qwen3, qwen3-moe, deepseek-v2, gemma2).
 
+Model-family code, so it lives with the other per-family knowledge of :mod:`shardkit.parallelize`
+(moved from ``shardkit.pipeline_parallel.hf_decoder``, whose runner never needs it).
+
 Split rule (:func:`decoder_stage_layers`): the ``L`` decoder layers are cut into ``P``
 contiguous blocks with :func:`~shardkit._shapes.balanced_split_sizes`, so the first ``L % P``
 stages get one layer more. The extras go to the front because the last stage also runs the
@@ -44,9 +47,9 @@ from .._shapes import balanced_split_sizes
 from ..comm import ledger
 from ..comm._group import resolve_group
 from ..errors import ShardkitError, ShardkitTypeError
+from ..pipeline_parallel.chunked import chunk_layers
+from ..pipeline_parallel.steps import global_chunk
 from ..tensor_parallel.plan import CompiledPlan, model_tp_plan
-from .chunked import chunk_layers
-from .steps import global_chunk
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -130,10 +133,10 @@ class DecoderStageModule(nn.Module):
         stage_index: this stage, ``0 <= stage_index < num_stages`` (the pipeline rank).
         num_stages: ``P``.
         virtual_stages: ``v``, chunks per rank: the layers are cut into ``P v`` chunks by
-            :func:`~.chunked.chunk_layers` and this module holds the ``v`` of its rank under
-            ``placement`` (:mod:`.steps`); ``forward(x, chunk=c)`` runs local chunk ``c`` (the
+            :func:`~shardkit.pipeline_parallel.chunk_layers` and this module holds the ``v`` of its rank under
+            ``placement`` (:mod:`shardkit.pipeline_parallel.steps`); ``forward(x, chunk=c)`` runs local chunk ``c`` (the
             embedding on chunk 0, the norm and head on the last) and :meth:`chunk_module` gives
-            each chunk as a module for :class:`~.stage.PipelineStage`.
+            each chunk as a module for :class:`~shardkit.pipeline_parallel.PipelineStage`.
         placement: ``"looped"`` or ``"v"``.
 
     Raises:
@@ -220,7 +223,7 @@ class DecoderStageModule(nn.Module):
         return [p for m in mods for p in m.parameters()]
 
     def chunk_module(self, chunk: int) -> nn.Module:
-        """Local ``chunk`` as a module of its own (for :class:`~.stage.PipelineStage`)."""
+        """Local ``chunk`` as a module of its own (for :class:`~shardkit.pipeline_parallel.PipelineStage`)."""
         return _DecoderChunk(self, chunk)
 
     def forward(
