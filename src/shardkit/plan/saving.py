@@ -71,9 +71,9 @@ def save_cost(
     Args:
         asynchronous: ``--async-checkpoint``: the staging copy is on the critical path, the
             write behind it.
-        save_every, step_s: the steps between saves and a plain step's seconds: with both, an
-            asynchronous write longer than ``save_every x step_s`` adds its excess (the next
-            save waits for it).
+        save_every: the steps between saves; with ``step_s``, an asynchronous write longer
+            than ``save_every x step_s`` adds its excess (the next save waits for it).
+        step_s: a plain step's seconds (used with ``save_every``).
 
     Returns:
         :class:`SaveCost` of the rank staging the most (the stage holding the most parameters).
