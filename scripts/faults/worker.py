@@ -222,6 +222,7 @@ def job(plan: dict) -> int:
                 run_dir=run_dir,
                 heartbeats=beats,
                 timeout_s=plan.get("timeout", 60),
+                preload=(),  # forked from a forkserver, as `shardkit train` starts its ranks
             )
         except (LaunchFailed, LaunchInterrupted) as err:
             code = print_failure(err)

@@ -12,6 +12,13 @@ worker with the same signal; :func:`launch_local` then raises :class:`LaunchInte
 bytecodes and so waits out a blocked gloo collective; and each worker dies with its launcher
 (:func:`_die_with_parent`), so a SIGKILLed launcher leaves no orphans.
 
+Start-up: with ``preload`` the ranks are forked from a forkserver that imported torch, shardkit
+and the model's modeling code once (:mod:`._fork`), instead of each spawned rank
+importing them again: on a loaded 2-core machine those imports were most of the time to the
+first step (issue 32). The forkserver dies with the launcher (:mod:`._forkserver_guard`) and
+each rank gets the launcher's environment as it is at launch (:func:`._fork.take_launcher_env`), as a
+spawned rank would.
+
 Private: nothing of a local launch listens beyond loopback, and nothing it keeps can be read or
 written by another user (:mod:`shardkit._local_world`: the caller's ``private_run_dir`` holds a
 file rendezvous, the workers' store and the launch's temporary files).
@@ -21,12 +28,13 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from typing import Any, NoReturn
 
@@ -34,6 +42,14 @@ from .._local_world import no_shared_tcp_store, private_temp
 from .._quiet import quiet_third_party
 from ..train.liveness import read_heartbeats
 from ..train.watchdog import Watchdog, stalled_ranks
+from ._fork import (
+    FORKSERVER_TEMP,
+    forkserver_preload,
+    make_forkserver_temp,
+    parent_of,
+    start_forkserver,
+    take_launcher_env,
+)
 from .failures import flight_waits, format_failures
 
 __all__ = [
@@ -104,10 +120,23 @@ def _die_with_parent(parent: int) -> None:
         os._exit(128 + signal.SIGKILL)
 
 
-def _quiet_then(parent: int, entry: Callable, *args: Any) -> Any:
-    """One local rank: exit with the launcher, SIGINT terminates, third-party progress bars and
-    warnings on rank 0 only, then ``entry``."""
+def _die_with_launcher(launcher: int) -> None:
+    """Exit when the launcher (pid ``launcher``) dies: spawned, the launcher is this rank's parent
+    (:func:`_die_with_parent`); forked, the parent is the launcher's forkserver, which is killed
+    when the launcher dies (:mod:`._forkserver_guard`), so dying with it is enough, once its own
+    parent is checked to be the launcher (Linux; a forkserver already orphaned has another)."""
+    parent = os.getppid()
     _die_with_parent(parent)
+    if parent != launcher and parent_of(parent) not in (launcher, None):
+        os._exit(128 + signal.SIGKILL)
+
+
+def _quiet_then(launcher: int, env: dict[str, str] | None, entry: Callable, *args: Any) -> Any:
+    """One local rank: the launcher's environment (forked ranks: ``env``), exit with the launcher,
+    SIGINT terminates, third-party progress bars and warnings on rank 0 only, then ``entry``."""
+    if env is not None:
+        take_launcher_env(env)
+    _die_with_launcher(launcher)
     # Ctrl-C reaches every process of the terminal's group, and the launcher forwards its own
     # SIGINT: the default action ends the rank at once (no KeyboardInterrupt traceback per rank,
     # no wait for a blocked collective); the launcher prints the one line.
@@ -117,7 +146,13 @@ def _quiet_then(parent: int, entry: Callable, *args: Any) -> Any:
 
 
 def launch_local(
-    nproc: int, entry: Callable, *args, run_dir: str, heartbeats: str | None = None, timeout_s: float = 300.0
+    nproc: int,
+    entry: Callable,
+    *args,
+    run_dir: str,
+    heartbeats: str | None = None,
+    timeout_s: float = 300.0,
+    preload: Sequence[str] | None = None,
 ) -> dict:
     """Run ``entry(*args)`` on ``nproc`` local processes; return ``{local_rank: return value}``.
 
@@ -130,6 +165,11 @@ def launch_local(
             a :class:`shardkit.train.watchdog.Watchdog` kills a rank that went silent while the job runs, and
             after a failure the ranks that stopped answering are named first as the suspects.
         timeout_s: the ranks' process-group timeout (seconds), which the silences are measured against.
+        preload: None: each rank is a spawned interpreter that imports what it needs. Else the
+            ranks are forked from a forkserver that imported torch, these modules and
+            ``entry``'s module once (``shardkit train`` passes the model's modeling code). Not
+            for a process that runs its own forkserver with other imports or output (pytest's
+            harness): there is one per process.
 
     Raises:
         LaunchFailed: a worker failed; the message holds its traceback.
@@ -153,7 +193,7 @@ def launch_local(
         rdzv_configs={"store_type": "file"},
         max_restarts=0,
         monitor_interval=0.1,
-        start_method="spawn",
+        start_method="spawn" if preload is None else "forkserver",
         # A worker that ignores the forwarded signal is SIGKILLed after this many seconds
         # (torch's default 30 s would outlive the launcher's promise to stop within seconds;
         # a torch without the option, 2.11, keeps its 30 s: comm/_compat.launch_config).
@@ -172,8 +212,14 @@ def launch_local(
         log.setLevel(logging.CRITICAL)
     try:
         watchdog = Watchdog(heartbeats, timeout_s, nproc) if heartbeats else None
+        if preload is not None:
+            make_forkserver_temp()  # before private_temp
         with no_shared_tcp_store(), private_temp(run_dir), watchdog or nullcontext():
-            return elastic_launch(config, _quiet_then)(os.getpid(), entry, *args)
+            env = None
+            if preload is not None:
+                start_forkserver(forkserver_preload(preload, entry))  # here: with the launch's environment
+                env = dict(os.environ)
+            return elastic_launch(config, _quiet_then)(os.getpid(), env, entry, *args)
     except ChildFailedError as err:
         stalled = stalled_ranks(read_heartbeats(heartbeats), timeout_s) if heartbeats else None
         stopped = {r: v.describe(r) for r, v in watchdog.stopped.items()} if watchdog is not None else None
@@ -205,4 +251,6 @@ def exit_now(code: int) -> NoReturn:
     """
     sys.stdout.flush()
     sys.stderr.flush()
+    for path in FORKSERVER_TEMP:  # multiprocessing's exit handler would have removed it
+        shutil.rmtree(path, ignore_errors=True)
     os._exit(code)

@@ -221,12 +221,18 @@ def _unnamed_workers(named: set[int]) -> list[int]:
 
 
 def _is_child(pid: int) -> bool:
-    """``pid``'s parent is this process (Linux /proc; elsewhere assumed: the pid came from a rank's
-    heartbeat file in this user's own directory)."""
+    """``pid`` is a worker of this process: its child (a spawned rank) or its child's (a rank
+    forked by this launcher's forkserver: ``launch_local(preload=...)``). Linux /proc; elsewhere
+    assumed: the pid came from a rank's heartbeat file in this user's own directory."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1]) == os.getpid()
+        parent = _parent(pid)
+        return parent == os.getpid() or _parent(parent) == os.getpid()
     except FileNotFoundError:
         return False
     except OSError:
         return True
+
+
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])  # the name in parentheses may hold spaces

@@ -1,0 +1,72 @@
+"""The forked start of a local launch (issue 32, item 5): ranks forked from a forkserver that
+imported torch and the model code once, with what a spawned rank had (the launcher's
+environment at launch, a private temporary directory, death with the launcher).
+
+The launches run in a process of their own (launch_start_job.py): pytest's process has the test
+harness's forkserver.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "launch_start_job.py")
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc (Linux)")
+
+
+def test_forked_ranks_get_the_launchers_environment_at_each_launch(tmp_path):
+    out = tmp_path / "out.json"
+    subprocess.run([sys.executable, JOB, "report", str(out)], env=ENV, check=True, timeout=600)
+    launches = json.loads(out.read_text())
+    assert [launch["mark"] for launch in launches] == ["first", "second"]
+    forkservers = set()
+    for launch in launches:
+        ranks = sorted(launch["ranks"], key=lambda r: r["rank"])
+        assert [r["rank"] for r in ranks] == [0, 1]
+        for r in ranks:
+            # the launch's own mark and private temporary directory, though the second launch's
+            # forkserver started during the first, with the first's
+            assert r["mark"] == launch["mark"], (launch["mark"], r)
+            assert r["tmp"].startswith(launch["run_dir"] + os.sep), (launch["run_dir"], r["tmp"])
+            # forked by the launcher's forkserver (not spawned by the launcher), which has
+            # torch loaded and no thread but its main one (a fork copies only the forking thread)
+            assert r["parent"] != launch["launcher"] and r["grandparent"] == launch["launcher"], r
+            assert r["torch_in_parent"] and r["parent_threads"] == 1, r
+            forkservers.add(r["parent"])
+    assert len(forkservers) == 1  # one forkserver for both launches: the imports are paid once
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")  # a zombie is dead
+    except OSError:
+        return True
+
+
+def test_a_sigkilled_launcher_takes_its_forkserver_and_ranks_with_it(tmp_path):
+    launcher = subprocess.Popen([sys.executable, JOB, "hang", str(tmp_path)], env=ENV, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        files = [tmp_path / f"rank{r}.pid" for r in range(2)]
+        while not all(f.exists() and f.read_text() for f in files):
+            assert launcher.poll() is None and time.monotonic() < deadline, "the ranks never started"
+            time.sleep(0.2)
+        pids = {int(p) for f in files for p in f.read_text().split()}  # both ranks and their forkserver
+        assert len(pids) == 3, pids
+        launcher.kill()
+        launcher.wait()
+        killed = time.monotonic()
+        while not all(_gone(p) for p in pids) and time.monotonic() - killed < 5:
+            time.sleep(0.05)
+        assert all(_gone(p) for p in pids), [p for p in pids if not _gone(p)]
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
