@@ -106,6 +106,7 @@ def test_torchrun_env_and_the_skip_reasons():
         "tp_step",
         "host_overhead",
         "checks",
+        "async_checkpoint",
         "startup",  # one rank that launches its own worlds
     }
     assert skip_reason("pipeline_bubble", 2) == "needs 4 ranks, this world has 2 (torchrun --nproc-per-node 4)"

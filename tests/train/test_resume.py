@@ -111,7 +111,7 @@ def test_failed_save_keeps_the_previous_checkpoint():
 
 
 def test_resume_needs_a_checkpoint_dir():
-    with pytest.raises(ShardkitError, match="--resume and --save-every need --checkpoint-dir"):
+    with pytest.raises(ShardkitError, match="--resume, --save-every and --async-checkpoint need --checkpoint-dir"):
         validate_config(TrainConfig(resume=True))
 
 
