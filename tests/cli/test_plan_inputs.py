@@ -4,17 +4,8 @@ import json
 
 import pytest
 
+from harness.tiny_lm import TINY_LLAMA_CONFIG as TINY
 from shardkit.cli.main import main
-
-TINY = {
-    "model_type": "llama",
-    "vocab_size": 256,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-}
 
 
 def _plan(config, tmp_path):

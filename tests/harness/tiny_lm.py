@@ -17,6 +17,18 @@ from shardkit.train.specs import model_spec
 
 SIZES = dict(hidden_size=32, intermediate_size=64, layers=2, heads=4, kv_heads=2, seq_len=8, dtype="float64")
 
+# A small Llama ``config.json`` for the planner's tests (``ModelShape.from_config``,
+# ``shardkit plan --config``): read only, never mutated.
+TINY_LLAMA_CONFIG = {
+    "model_type": "llama",
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+
 
 def tiny_decoder(model: str = "llama", **sizes) -> torch.nn.Module:
     """``model`` ("llama", "moe", ...) at :data:`SIZES` (overridden by ``sizes``), float64, seed 0."""

@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from harness.tiny_lm import TINY_LLAMA_CONFIG as TINY
 from shardkit import Cluster, ModelShape, ParallelDims, ShardkitError, StepOptions, estimate_step, plan_layouts
 from shardkit.cli.main import main
 from shardkit.plan.activations import BlockLayout, block_saved_bytes
@@ -12,16 +13,6 @@ from shardkit.plan.cluster import CLUSTERS
 from shardkit.plan.collectives import CommRow
 from shardkit.plan.memory import memory_per_rank
 from shardkit.plan.timing import bus_factor, row_seconds, tree_all_reduce_seconds
-
-TINY = {
-    "model_type": "llama",
-    "vocab_size": 256,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-}
 
 
 def test_bus_factors_are_nccl_tests():

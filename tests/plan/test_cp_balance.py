@@ -10,6 +10,7 @@ import json
 
 import pytest
 
+from harness.tiny_lm import TINY_LLAMA_CONFIG as TINY
 from shardkit.cli.main import main
 from shardkit.context_parallel._ring_plan import rank_work
 from shardkit.plan.cp_balance import CP_LAYOUTS, balance_lines, layout_balance, layout_rank_work
@@ -32,17 +33,6 @@ def test_balances_are_the_measured_ones():
     assert balance_lines(seq, [1, 1]) == []
     lines = balance_lines(seq, [4, 2, 4, 1])
     assert len(lines) == 3 and "cp_ring=2: zigzag 1.000" in lines[1] and "contiguous 1.750" in lines[2]
-
-
-TINY = {
-    "model_type": "llama",
-    "vocab_size": 256,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-}
 
 
 def test_plan_prints_and_writes_the_balance(tmp_path, capsys):

@@ -5,6 +5,7 @@ transferred messages (the ledger's side) unchanged by the timing."""
 
 import pytest
 
+from harness.tiny_lm import TINY_LLAMA_CONFIG as TINY
 from shardkit import Cluster, ModelShape, ParallelDims, ShardkitError, StepOptions, estimate_step
 from shardkit.pipeline_parallel.simulate import simulate_steps, transfers
 from shardkit.pipeline_parallel.tables import SCHEDULES
@@ -15,15 +16,6 @@ from shardkit.plan.pipeline import pipeline_cost, step_costs
 from shardkit.plan.timing import row_seconds
 
 UNIT = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
-TINY = {
-    "model_type": "llama",
-    "vocab_size": 256,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-}
 
 # 1F1B, p = 2, m = 4, F = 1, B = 2, one transfer x = 0.5, drawn on paper (rank, step, start, end).
 # "need" (NCCL before shapes are trusted: receives posted when the step needs them): a transfer

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from harness.helpers import world_size
+from harness.tiny_lm import TINY_LLAMA_CONFIG as TINY
 from shardkit import Cluster, ModelShape, ParallelDims, StepOptions
 from shardkit.checkpoint.background import CpuStager
 from shardkit.checkpoint.train_state import _ensure_adam_state, _state_dict
@@ -13,16 +14,6 @@ from shardkit.plan import save_cost
 from shardkit.train.config import TrainConfig, parallel_dims, validate_config
 from shardkit.train.run import build_parallel_model, build_task, build_train_model
 from shardkit.train.trainer import make_optimizer
-
-TINY = {
-    "model_type": "llama",
-    "vocab_size": 256,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-}
 
 
 def test_sync_pays_the_write_async_the_staging_copy():
