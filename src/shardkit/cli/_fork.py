@@ -15,6 +15,8 @@ import os
 import tempfile
 from collections.abc import Callable, Sequence
 
+from ..train.watchdog import parent_pid
+
 __all__ = [
     "take_launcher_env",
     "parent_of",
@@ -50,13 +52,12 @@ def take_launcher_env(env: dict[str, str]) -> None:
 
 
 def parent_of(pid: int) -> int | None:
-    """The parent pid of ``pid`` from ``/proc`` (Linux), None where that cannot be read."""
+    """The parent pid of ``pid`` (:func:`shardkit.train.watchdog.parent_pid`), None where that
+    cannot be read."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
+        return parent_pid(pid)
     except OSError:
         return None
-    return int(stat.rsplit(")", 1)[1].split()[1])  # the name in parentheses may hold spaces
 
 
 def forkserver_preload(modules: Sequence[str], entry: Callable) -> list[str]:

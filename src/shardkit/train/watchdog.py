@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 from .liveness import FIRST_BEAT_S, INTERVAL_S, Beat, read_heartbeats
 
-__all__ = ["Verdict", "stalled_ranks", "to_stop", "Watchdog"]
+__all__ = ["Verdict", "stalled_ranks", "to_stop", "Watchdog", "parent_pid"]
 
 # A healthy rank's beats may lag by a few intervals on a loaded machine; a stalled rank's lag the
 # others' last beats by about the process-group timeout (they time out waiting for it).
@@ -225,14 +225,16 @@ def _is_child(pid: int) -> bool:
     forked by this launcher's forkserver: ``launch_local(preload=...)``). Linux /proc; elsewhere
     assumed: the pid came from a rank's heartbeat file in this user's own directory."""
     try:
-        parent = _parent(pid)
-        return parent == os.getpid() or _parent(parent) == os.getpid()
+        parent = parent_pid(pid)
+        return parent == os.getpid() or parent_pid(parent) == os.getpid()
     except FileNotFoundError:
         return False
     except OSError:
         return True
 
 
-def _parent(pid: int) -> int:
+def parent_pid(pid: int) -> int:
+    """The parent pid of ``pid`` from Linux ``/proc``; raises ``OSError`` where it cannot be read
+    (``FileNotFoundError``: no such process)."""
     with open(f"/proc/{pid}/stat") as f:
         return int(f.read().rsplit(")", 1)[1].split()[1])  # the name in parentheses may hold spaces
