@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ..comm._group import resolve_group
 from ..errors import ShardkitError
 from ..sharding import set_shard_spec, shard_spec
+from .chunks import set_window, window
 from .integrity import RecordingWriter, dcp_failure
 from .lock import root_lock
 
@@ -62,7 +63,8 @@ class CpuStager:
     shape and dtype (a fresh multi-MiB CPU block costs a page fault per 4 KiB): the caller
     never stages again before the previous write ended (:class:`BackgroundSaves`).
 
-    Memory: one more copy of this rank's saved state (model and AdamW moments), for the run.
+    Memory: one more copy of this rank's saved state (model and AdamW moments: under FSDP2 its
+    shards only, :mod:`.fsdp_shards`), for the run.
     """
 
     _synchronize_after_execute = False  # stage() returns a finished copy: nothing to wait for
@@ -85,8 +87,9 @@ class CpuStager:
                 self._buffers[key] = buf
             buf.copy_(t.detach())
             moved += buf.numel() * buf.element_size()
-            # a fresh view per save: the spec is an attribute of the Python object, not the storage
-            out[key] = set_shard_spec(buf.view(buf.shape), shard_spec(t))
+            # a fresh view per save: the spec and the window (an FSDP2 shard's place) are
+            # attributes of the Python object, not of the storage
+            out[key] = set_window(set_shard_spec(buf.view(buf.shape), shard_spec(t)), window(t))
         self.staged_bytes = moved
         return out
 

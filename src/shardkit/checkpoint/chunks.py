@@ -14,6 +14,13 @@ describe. So:
 * load (:class:`ChunkLoadPlanner`): every rank asks for each of its local ranges (all of them,
   replicated heads included); DCP's ``create_read_items_for_chunk_list`` intersects them with the
   saved chunks, whatever layout wrote them, and reads straight into views of the local tensor.
+* a tensor that is itself a block of the spec's local tensor (an FSDP2 shard: ``Shard(0)`` of
+  the tensor-parallel local tensor over ``dp_shard``, :mod:`.fsdp_shards`) carries a
+  :class:`Window` too: where it lies in that local tensor. Its chunks are the spec's ranges cut
+  to the window, at the window's offsets on the other dims: still rectangular chunks of the full
+  tensor, so FSDP2 shards are saved and loaded as they are, never all-gathered. Replicas of a
+  window (HSDP's ``dp_replicate``) write the same ``(key, offsets)`` and DCP keeps one; an empty
+  window (a trailing rank of an uneven FSDP2 split) writes and reads nothing.
 
 Used by :mod:`.dcp` (tensor-parallel models) and :mod:`.train_state` (training checkpoints).
 
@@ -22,6 +29,9 @@ chunk metadata and resharding reads), as torchtitan and FSDP2 use it for DTensor
 """
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
@@ -38,10 +48,39 @@ from ..comm._group import resolve_group
 from ..errors import ShardkitError
 from ..sharding import ShardSpec, shard_spec
 
-__all__ = ["ChunkSavePlanner", "ChunkLoadPlanner", "owned_ranges", "full_shape"]
+__all__ = ["ChunkSavePlanner", "ChunkLoadPlanner", "Window", "owned_ranges", "full_shape", "window", "set_window"]
 
 # (global offsets, local view) of one chunk
 _Chunk = tuple[tuple[int, ...], torch.Tensor]
+
+_WINDOW_ATTR = "_shardkit_window"
+
+
+@dataclass(frozen=True)
+class Window:
+    """Where a tensor lies inside the local tensor its :class:`~shardkit.sharding.ShardSpec`
+    cuts (or inside the full tensor, without a spec): the block ``[offsets, offsets + shape of
+    the tensor)`` of a tensor of shape ``shape``.
+
+    Attributes:
+        shape: the enclosing tensor's shape (the tensor-parallel local tensor's).
+        offsets: the tensor's first element in it, one per dim.
+    """
+
+    shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+
+
+def window(t: torch.Tensor) -> Window | None:
+    """The :class:`Window` recorded on ``t`` by :func:`set_window`, or None (``t`` is whole)."""
+    return getattr(t, _WINDOW_ATTR, None)
+
+
+def set_window(t: torch.Tensor, where: Window | None) -> torch.Tensor:
+    """Record ``where`` on ``t`` (read back by :func:`window`) and return ``t``; None records nothing."""
+    if where is not None:
+        setattr(t, _WINDOW_ATTR, where)
+    return t
 
 
 def owned_ranges(spec: ShardSpec, rank: int) -> list[tuple[int, int, int]]:
@@ -67,20 +106,23 @@ def owned_ranges(spec: ShardSpec, rank: int) -> list[tuple[int, int, int]]:
 
 
 def full_shape(t: torch.Tensor) -> torch.Size:
-    """The full tensor's shape of local tensor ``t`` (its own shape when it has no ShardSpec)."""
-    spec = shard_spec(t)
-    if spec is None:
-        return t.shape
-    shape = list(t.shape)
-    shape[spec.dim] = spec.full_size
+    """The full tensor's shape of local tensor ``t``: its window's enclosing shape (or its own),
+    with the ShardSpec's dim at the spec's full size."""
+    spec, where = shard_spec(t), window(t)
+    shape = list(t.shape if where is None else where.shape)
+    if spec is not None:
+        shape[spec.dim] = spec.full_size
     return torch.Size(shape)
 
 
 def _chunks(t: torch.Tensor, owned: bool) -> list[_Chunk]:
     """The chunks of local tensor ``t`` to write (``owned``) or to read (all local ranges)."""
-    spec = shard_spec(t)
+    spec, where = shard_spec(t), window(t)
+    base = (0,) * t.dim() if where is None else where.offsets
+    if where is not None and t.numel() == 0 and math.prod(where.shape) > 0:
+        return []  # an empty FSDP2 shard: the other ranks' chunks tile the tensor
     if spec is None:
-        return [((0,) * t.dim(), t.detach())]
+        return [(tuple(base), t.detach())]
     rank = resolve_group(spec.group, "checkpoint").rank
     if owned:
         ranges = owned_ranges(spec, rank)
@@ -89,12 +131,16 @@ def _chunks(t: torch.Tensor, owned: bool) -> list[_Chunk]:
         for a, b in spec.ranges[rank]:
             ranges.append((a, b, pos))
             pos += b - a
+    # the spec's local positions [pos, pos + b - a) that fall inside the window along its dim
+    d = spec.dim
+    lo0, hi0 = base[d], base[d] + t.shape[d]
     out = []
     for a, b, pos in ranges:
-        if b > a:
-            offsets = [0] * t.dim()
-            offsets[spec.dim] = a
-            out.append((tuple(offsets), t.detach().narrow(spec.dim, pos, b - a)))
+        lo, hi = max(pos, lo0), min(pos + b - a, hi0)
+        if hi > lo:
+            offsets = list(base)
+            offsets[d] = a + lo - pos
+            out.append((tuple(offsets), t.detach().narrow(d, lo - lo0, hi - lo)))
     return out
 
 
@@ -117,7 +163,8 @@ class ChunkSavePlanner(DefaultSavePlanner):
         for fqn, t in self._state.items():
             props = TensorProperties.create_from_tensor(t)
             # SHARD: one of several chunks of fqn (DCP merges them); TENSOR: the whole tensor
-            kind = WriteItemType.TENSOR if shard_spec(t) is None else WriteItemType.SHARD
+            whole = shard_spec(t) is None and window(t) is None
+            kind = WriteItemType.TENSOR if whole else WriteItemType.SHARD
             for offsets, piece in _chunks(t, owned=True):
                 self._lookup[(fqn, offsets)] = piece
                 chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=piece.shape)

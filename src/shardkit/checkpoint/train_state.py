@@ -6,11 +6,16 @@ so a checkpoint written at ``tp 2 x dp 2`` loads at ``dp_shard 2 x cp 2``, at ``
 process:
 
 * parameters and AdamW's ``exp_avg`` / ``exp_avg_sq``: the tensor-/expert-parallel local tensor
-  (FSDP2 shards all-gathered over their data-parallel mesh first) with its
-  :class:`~shardkit.sharding.ShardSpec`; each element written once (DCP deduplicates the
-  replicas);
+  with its :class:`~shardkit.sharding.ShardSpec`; under FSDP2 (HSDP included) the rank's own
+  shard of it, never all-gathered: its rows of the local tensor are a rectangle of the full
+  tensor at offsets computed from DTensor metadata (:mod:`.fsdp_shards`, a
+  :class:`~.chunks.Window`), saved as they are and read straight back into the shard; each
+  element written once (DCP deduplicates the replicas: tp's over dp, HSDP's over
+  ``dp_replicate``);
 * with ZeRO (``--zero``), AdamW's moments all-gathered per bucket into the same per-parameter
-  tensors first, and each rank's slice kept on load: a ZeRO save resumes without ZeRO and back;
+  tensors first, and each rank's slice kept on load: a ZeRO save resumes without ZeRO and back.
+  A rank's slice of a flat bucket spans parameters and cuts them mid-row, so it is no
+  rectangular chunk of any one of them: this gather stays (the bucket's size, not the model's);
 * AdamW's ``step``, the step count, the data sampler's generator state and torch's RNG state:
   replicated tensors, written once.
 
@@ -36,11 +41,13 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from ..errors import ShardkitError
 from ..sharding import set_shard_spec
-from .chunks import ChunkLoadPlanner, ChunkSavePlanner, full_shape
+from .chunks import ChunkLoadPlanner, ChunkSavePlanner, full_shape, set_window
 from .contents import check_contents
+from .fsdp_shards import saved_local, write_back
 from .hf_writer import HF_ENTRY
 from .saves import load_checked, open_save, save_checked, saved_entries
 from .versioned import MANIFEST, latest_checkpoint
@@ -55,23 +62,20 @@ _PREFIX = "step_"
 _ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 
 
-def _tagged(t: torch.Tensor, spec) -> torch.Tensor:
-    """``t`` (detached) carrying ``spec`` for the chunk planners."""
-    return set_shard_spec(t.detach(), spec)
-
-
-def _local_full(t: torch.Tensor) -> torch.Tensor:
-    """The tensor-parallel local tensor: an FSDP2 DTensor all-gathered over its dp mesh."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
+def _saved(t: torch.Tensor, spec) -> tuple[torch.Tensor, bool]:
+    """What is saved of parameter or moment ``t`` (detached, carrying ``spec`` and, for an FSDP2
+    shard, its window, for the chunk planners), and whether a load must copy it back into ``t``
+    (only a DTensor all-gathered for want of a ``Shard`` placement; the rest are ``t``'s own
+    memory, which the load fills in place)."""
+    local, where, gathered = saved_local(t)
+    return set_window(set_shard_spec(local, spec), where), gathered
 
 
 def _write_back(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Copy a loaded tensor-parallel local tensor into ``dst`` (an FSDP2 DTensor keeps its shard)."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
+    """Copy a loaded tensor into ``dst``: an all-gathered DTensor keeps its block of it."""
     if isinstance(dst, DTensor):
-        src = distribute_tensor(src, dst.device_mesh, dst.placements, src_data_rank=None).to_local()
-        dst = dst.to_local()
+        write_back(dst, src)
+        return
     with torch.no_grad():
         dst.copy_(src)
 
@@ -97,14 +101,11 @@ def _state_dict(pm, optimizer, extra: dict[str, torch.Tensor]) -> tuple[dict, li
     opt_state = full_state() if full_state is not None else optimizer.state
     for name, p in params.items():
         spec = pm.layouts[name].spec
-        local = _local_full(p)
-        state[f"model/{name}"] = _tagged(local, spec)
-        targets.append((f"model/{name}", p))
         opt = opt_state.get(p, {})
-        for key in _ADAM_KEYS:
-            if key in opt:
-                state[f"optim/{name}/{key}"] = _tagged(_local_full(opt[key]), spec)
-                targets.append((f"optim/{name}/{key}", opt[key]))
+        for key, t in [(f"model/{name}", p)] + [(f"optim/{name}/{k}", opt[k]) for k in _ADAM_KEYS if k in opt]:
+            state[key], copy_back = _saved(t, spec)
+            if copy_back:
+                targets.append((key, t))
         if "step" in opt:
             state[f"optim/{name}/step"] = opt["step"].detach().reshape(()).to(torch.float32).clone()
             targets.append((f"optim/{name}/step", opt["step"]))
@@ -145,7 +146,8 @@ def save_train_state(
             (``--async-checkpoint``): the previous background save is waited for, this one is
             checked and staged to CPU memory, and the call returns while it is written; it is
             the latest once :meth:`~shardkit.checkpoint.background.BackgroundSaves.wait`
-            returns. The state's collectives (FSDP2 all-gathers, ZeRO's moments) still run here.
+            returns. ZeRO's moment gathers still run here; FSDP2 shards are staged as they are
+            (each rank copies its shard only).
 
     Raises:
         ShardkitError: on every rank, with nothing committed (the previous save stays the
