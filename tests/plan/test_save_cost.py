@@ -1,6 +1,8 @@
 """The planner's price of a checkpoint save (:mod:`shardkit.plan.saving`, issue 33 item 5):
 by hand on a small config, and the staged bytes equal to what the trainer's state, staged by
-:class:`~shardkit.checkpoint.background.CpuStager`, measures."""
+:class:`~shardkit.checkpoint.background.CpuStager`, measures (under FSDP2: the rank's shard)."""
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ from shardkit import Cluster, ModelShape, ParallelDims, StepOptions
 from shardkit.checkpoint.background import CpuStager
 from shardkit.checkpoint.train_state import _ensure_adam_state, _state_dict
 from shardkit.plan import save_cost
+from shardkit.plan.options import hooked_params, resolve_options
 from shardkit.train.config import TrainConfig, parallel_dims, validate_config
 from shardkit.train.run import build_parallel_model, build_task, build_train_model
 from shardkit.train.trainer import make_optimizer
@@ -26,17 +29,28 @@ def test_sync_pays_the_write_async_the_staging_copy():
     assert sync.written == shape.total_params * 12 / 4 and sync.staged == 0.0
     assert sync.critical_s == sync.write_s == pytest.approx(sync.written / 2e9)
     ahead = save_cost(shape, dims, opts, cluster, asynchronous=True)
-    assert ahead.staged == held * 12  # the tp-local state before FSDP2 sharding
-    assert ahead.critical_s == ahead.stage_s == pytest.approx(held * 12 / 20e9)
+    # the rank's FSDP2 shard of its tp-local state (never gathered); the norms FSDP2 leaves to the
+    # sum over tp (sequence parallelism) whole
+    kept = hooked_params(shape, dims, resolve_options(shape, dims, opts), 0)
+    assert kept > 0 and ahead.staged == (kept + (held - kept) / 2) * 12
+    assert ahead.critical_s == ahead.stage_s == pytest.approx(ahead.staged / 20e9)
+    hsdp = save_cost(shape, ParallelDims(tp=2, dp_replicate=2, dp_shard=2), opts, cluster, asynchronous=True)
+    assert hsdp.staged == ahead.staged  # HSDP's replicas stage the same shard
+    zero = save_cost(shape, ParallelDims(tp=2, dp_replicate=2), replace(opts, zero=1), cluster, asynchronous=True)
+    assert zero.staged == held * 12  # ZeRO's moments are gathered per parameter first
     # a write longer than the steps between saves shows as the next save's wait
     late = save_cost(shape, dims, opts, cluster, asynchronous=True, save_every=2, step_s=ahead.write_s / 4)
     assert late.critical_s == pytest.approx(ahead.stage_s + ahead.write_s / 2)
     wide = save_cost(shape, ParallelDims(tp=1, dp_shard=4), StepOptions(dtype="float64"), cluster, asynchronous=True)
-    assert wide.staged == shape.total_params * 24  # float64 parameter and moments
+    assert wide.staged == shape.total_params * 24 / 4  # float64 parameter and moments, a quarter each
 
 
 @pytest.mark.world(2, timeout=120)
-@pytest.mark.parametrize("layout", [dict(tp=2), dict(tp=1, pp=2, microbatches=2)], ids=["tp=2", "pp=2"])
+@pytest.mark.parametrize(
+    "layout",
+    [dict(tp=2), dict(tp=1, pp=2, microbatches=2), dict(tp=1, dp_shard=2)],
+    ids=["tp=2", "pp=2", "FSDP2 dp_shard=2"],
+)
 def test_staged_bytes_equal_the_trainers_staged_state(layout):
     cfg = validate_config(
         TrainConfig(seq_len=16, batch_size=4, dtype="float32", layers=2, lr=1e-3, **layout), world_size=world_size()
@@ -52,7 +66,7 @@ def test_staged_bytes_equal_the_trainers_staged_state(layout):
     stager = CpuStager()
     stager.stage(state)
     scalars = sum(4 for k in state if k.endswith("/step"))  # AdamW's step counts: not priced
-    dims = ParallelDims(tp=layout["tp"], pp=layout.get("pp", 1), dp_shard=2 // layout["tp"] // layout.get("pp", 1))
+    dims = ParallelDims(tp=layout["tp"], pp=layout.get("pp", 1), dp_shard=layout.get("dp_shard", 1))
     opts = StepOptions(seq_len=16, global_batch=4, dtype="float32", microbatches=layout.get("microbatches", 1))
     priced = save_cost(shape, dims, opts, Cluster(gpus=2), asynchronous=True).staged
     measured = torch.tensor([float(stager.staged_bytes - scalars)])

@@ -8,18 +8,22 @@ AdamW's two moments (float32, or the dtype when wider): ``3 x max(4, dtype bytes
 * **written** bytes per rank: the whole checkpoint over the GPUs (DCP writes each element once:
   replicas are deduplicated, FSDP2, tp, ep and pp ranks each write their own chunks), at
   :attr:`Cluster.checkpoint_gbps`;
-* **staged** bytes per rank (``--async-checkpoint``): the rank's own state before FSDP2 or ZeRO
-  sharding (every rank copies what it would hand DCP: tp / ep / pp local tensors, replicas
-  included), at :attr:`Cluster.host_gbps` into pinned memory.
+* **staged** bytes per rank (``--async-checkpoint``): what the rank hands DCP, at
+  :attr:`Cluster.host_gbps` into pinned memory: its tp / ep / pp local tensors (replicas
+  included), under FSDP2 its shard of them (a save never all-gathers FSDP2 state,
+  :mod:`shardkit.checkpoint.fsdp_shards`: ``1 / (dp_shard x cp)`` of the dense parameters, the
+  first ``edp`` rank's rows of the expert weights, the parameters FSDP2 leaves out whole, as
+  :func:`~.memory.memory_per_rank` holds them); under ZeRO the whole per-parameter moments (its
+  flat-bucket slices are gathered first: a slice is no rectangular chunk of a parameter).
 
 A synchronous save puts the write on the critical path: a saving step is longer by
 ``written / checkpoint_gbps``. An asynchronous one puts the staging copy there,
 ``staged / host_gbps``, and the write runs behind the next steps; only a write longer than the
 steps until the next save shows, as that save's wait (``write - save_every x step``).
 
-Not priced: the all-gathers that build the state (FSDP2 parameters and moments, ZeRO's
-moments), in both modes, and the checksums (read back and hashed: about one more pass over the
-written bytes, behind the steps with ``--async-checkpoint``).
+Not priced: ZeRO's all-gathers of the moments before a save (both modes; FSDP2 state is saved
+as it is sharded, with no collective), and the checksums (read back and hashed: about one more
+pass over the written bytes, behind the steps with ``--async-checkpoint``).
 
 Source: DCP's save (deduplicated write items) and ``async_save`` (stage, then write in a
 thread), as torchtitan uses them; the figures of :class:`~shardkit.plan.cluster.Cluster`.
@@ -31,8 +35,9 @@ from dataclasses import dataclass
 
 from ..sharding import ParallelDims
 from .cluster import Cluster
+from .memory import _first_shard
 from .model import ModelShape
-from .options import StepOptions, resolve_options, stage_part, stage_tp
+from .options import StepOptions, expert_fsdp_ranks, hooked_params, resolve_options, stage_part, stage_tp
 
 __all__ = ["SaveCost", "save_cost"]
 
@@ -54,6 +59,19 @@ class SaveCost:
     write_s: float
     stage_s: float
     critical_s: float
+
+
+def _saved_params(shape: ModelShape, dims: ParallelDims, opts: StepOptions, stage: int) -> float:
+    """Parameters a rank of ``stage`` saves (and stages): its local ones, under FSDP2 its shard
+    (the split :func:`~.memory.memory_per_rank` holds between steps)."""
+    dense, expert = shape.rank_params(stage_tp(dims, stage), dims.ep, part=stage_part(shape, dims, opts, stage))
+    if dims.dp_shard == 1:
+        return float(dense + expert)
+    edp = expert_fsdp_ranks(dims)
+    kept = hooked_params(shape, dims, opts, stage) + (expert if dims.ep > 1 and edp == 1 else 0)
+    on_edp = expert if edp > 1 else 0  # expert weights sharded over edp, the rest over dp_shard x cp
+    sharded = dense + expert - kept - on_edp
+    return kept + sharded / (dims.dp_shard * dims.cp) + on_edp * _first_shard(shape, dims, edp)
 
 
 def save_cost(
@@ -80,10 +98,7 @@ def save_cost(
     """
     opts = resolve_options(shape, dims, options)
     per = 3 * max(4, opts.elem)
-    held = 0
-    for stage in range(dims.pp):
-        dense, expert = shape.rank_params(stage_tp(dims, stage), dims.ep, part=stage_part(shape, dims, opts, stage))
-        held = max(held, dense + expert)
+    held = max(_saved_params(shape, dims, opts, stage) for stage in range(dims.pp))
     staged = float(held * per)
     written = shape.total_params * per / cluster.gpus
     write_s = written / (cluster.checkpoint_gbps * 1e9)
