@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from harness.helpers import rank, world_size
+from harness.tiers import tiered
 from shardkit.train.config import TrainConfig, validate_config
 from shardkit.train.run import train
 
@@ -38,11 +39,17 @@ CASES = {
     "zbv v2, --ac selective (I/W split, the V's turn local)": dict(
         schedule="zbv", virtual_stages=2, microbatches=2, ac="selective"
     ),
+    "zbv v2 under --checks (every block's header judged)": dict(
+        schedule="zbv", virtual_stages=2, microbatches=2, checks=True
+    ),
 }
+# Quick tier: uneven blocks (1F1B) and a V with its I/W split and recompute; interleaved chunks
+# train in the quick ledger case of tests/plan/test_ledger.py, the checked run is the slow tier's.
+QUICK = ("1f1b, uneven blocks (8 + 7 tokens)", "zbv v2, --ac selective (I/W split, the V's turn local)")
 
 
 @pytest.mark.world(4, timeout=300)
-@pytest.mark.parametrize("overrides", list(CASES.values()), ids=list(CASES))
+@pytest.mark.parametrize("overrides", tiered(CASES, QUICK))
 def test_sp_pipeline_verifies_with_sequence_block_boundaries(overrides):
     _verified(**overrides)
 
