@@ -95,6 +95,14 @@ LAYOUTS_4 = {
     "llama: cp_ulysses=2 x dp_shard=2 (FSDP2)": dict(tp=1, cp_ulysses=2, dp_shard=2),
     "llama: pp=2 x dp=2, 1f1b": dict(tp=1, pp=2, microbatches=2),
     "llama: pp=2 x tp=2 (SP), 4 microbatches": dict(pp=2, tp=2, microbatches=4, batch_size=8),
+    # the tp rows assume blocks of T / tp (uneven blocks gather through all_to_all_single):
+    # tests/parallelize/test_sp_boundary.py counts the P2P bytes of uneven blocks
+    "llama: pp=2 x tp=2 (SP), interleaved-1f1b v2 (sequence blocks cross every chunk boundary)": dict(
+        pp=2, tp=2, microbatches=2, schedule="interleaved-1f1b", virtual_stages=2, layers=4
+    ),
+    "llama: pp=2 x tp=2 (SP), zbv (blocks cross; the V's turn is local)": dict(
+        pp=2, tp=2, microbatches=2, schedule="zbv", virtual_stages=2, layers=4
+    ),
     "llama: dp_replicate=4, 2 accumulated microbatches": dict(tp=1, microbatches=2, batch_size=8),
     "qwen3: dp_shard=2 x tp=2 (SP)": dict(model="qwen3", dp_shard=2),
     "llama: HSDP dp_replicate=2 x dp_shard=2": dict(tp=1, dp_shard=2),
@@ -177,7 +185,8 @@ LAYOUTS_4 = {
 
 # Quick tier (issue 32, item 4): one layout per rule family of the planner (tp with SP and loss
 # parallel, Ulysses x ring, packed documents, HSDP with accumulation, FSDP2 under a pipeline,
-# experts over edp, MLA's shared experts, uneven pp_tp stages, a V schedule); the other 41 compose
+# experts over edp, MLA's shared experts, uneven pp_tp stages, SP blocks crossing chunked stages,
+# a V schedule); the other 42 compose
 # the same rules (about 0.9 s each at load 40).
 LEDGER_QUICK = (
     "qwen3: bfloat16, cp_ring=2 x tp=2 (SP), loss parallel",
@@ -188,6 +197,7 @@ LEDGER_QUICK = (
     "moe: HSDP dp_replicate=2 x dp_shard=2, ep=2, 2 accumulated microbatches (experts over edp)",
     "mla: tp=2 (SP) x dp=2, ep=2, shared experts gather",
     "llama: pp_tp=1,2,1, 3 microbatches (broadcast both ways)",
+    "llama: pp=2 x tp=2 (SP), interleaved-1f1b v2 (sequence blocks cross every chunk boundary)",
     "llama: pp=2 x dp_shard=2 (FSDP2), dualpipev, 4 microbatches",
     "llama: dp=4, zero 2, 24858 parameters (bucket padded to 24860)",
     "moe: ep=2 borrowed from tp=2 x dp=2, zero 2 (experts over edp)",

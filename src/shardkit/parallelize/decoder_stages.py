@@ -25,6 +25,16 @@ Parameter names are the full model's (``model.layers.5.mlp.up_proj.weight``,
 model's own tensor-parallel plan (``stage.tp_plan``, the rules that match it), so
 ``apply_tp(stage, tp_mesh)`` works unchanged (``sequence_parallel=True`` too).
 
+Sequence-parallel boundaries (``sp_boundary = "shard"``, set by
+:func:`~shardkit.parallelize.parallelize_stage` under sequence parallelism): a chunk's output
+stays this tp rank's sequence block ``[B, S_r, H]`` (the row-parallel reduce-scatter's output)
+and the next chunk's first layer takes it as its sequence-parallel input, as Megatron-LM's
+pipeline sends the SP shard: ``tp`` times fewer bytes per rank than the replicated ``[B, S,
+H]``. Such a chunk cannot see ``S`` in its input (balanced blocks of different ``S`` can have the
+same size), so ``forward`` takes it from ``position_ids`` or ``seq_len`` (the trainer passes
+``seq_len``; :attr:`DecoderStageModule.required_kwargs`); the masks and rotary embeddings are
+built for ``S`` positions as the full model builds them.
+
 Tied input/output embeddings with ``P > 1``: the first stage's ``embed_tokens`` and the last
 stage's ``lm_head`` hold copies of one weight; :func:`sum_tied_embedding_grads` sums their
 gradients between those two stages after backward (Megatron-LM's embedding group), so both
@@ -180,6 +190,8 @@ class DecoderStageModule(nn.Module):
             self.model.norm = norm
             self.lm_head = lm_head
         self._sliding = {i: self._is_sliding(i) for i in self.layer_indices}
+        # "gathered": chunks exchange replicated [B, S, H]; "shard": each tp rank's sequence block
+        self.sp_boundary = "gathered"
         try:
             plan = model_tp_plan(model)
         except ShardkitError:
@@ -210,6 +222,28 @@ class DecoderStageModule(nn.Module):
             out[sliding] = (create_sliding_window_causal_mask if sliding else create_causal_mask)(**kw)
         return out
 
+    @property
+    def required_kwargs(self) -> tuple[tuple[str, ...], ...]:
+        """Keyword arguments every microbatch's call needs, each as its alternatives (checked by
+        :func:`~shardkit.pipeline_parallel.run_schedule` on every rank before the first step):
+        ``seq_len`` or ``position_ids`` with sequence-parallel boundaries, else none."""
+        return (("seq_len", "position_ids"),) if self.sp_boundary == "shard" else ()
+
+    def _length(self, h: torch.Tensor, first: bool, position_ids: torch.Tensor | None, seq_len: int | None) -> int:
+        """``S``, the sequence length the layers attend over: ``h``'s own, unless ``h`` is this tp
+        rank's block of it (a sequence-parallel boundary)."""
+        if first or self.sp_boundary != "shard":
+            return h.shape[1]
+        if position_ids is not None:
+            return position_ids.shape[-1]
+        if seq_len is None:
+            raise ShardkitError(
+                "DecoderStageModule: with sequence-parallel stage boundaries a chunk's input is this tp "
+                f"rank's block ({h.shape[1]} tokens) of a sequence whose length it cannot know: pass "
+                "seq_len (or position_ids) in run_schedule's stage_kwargs"
+            )
+        return seq_len
+
     def _ends(self, chunk: int) -> tuple[bool, bool]:
         """Whether local ``chunk`` is the model's first (embedding) and its last (norm, head)."""
         g = self.chunks[chunk]
@@ -232,15 +266,18 @@ class DecoderStageModule(nn.Module):
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         chunk: int = 0,
+        seq_len: int | None = None,
         **layer_kwargs: Any,
     ) -> torch.Tensor:
         layer_kwargs.pop("use_cache", None)
         layer_kwargs.pop("input_ids", None)
         first, last = self._ends(chunk)
         h = self.model.embed_tokens(x) if first else x
+        S = self._length(h, first, position_ids, seq_len)
         if position_ids is None:  # as the full model without a cache
-            position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
-        masks = self._masks(h, attention_mask, position_ids)
+            position_ids = torch.arange(S, device=h.device).unsqueeze(0)
+        # a sequence block: the mask builders read only the batch, length, dtype and device
+        masks = self._masks(h if S == h.shape[1] else h.new_empty((h.shape[0], S, 0)), attention_mask, position_ids)
         position_embeddings = self.model.rotary_emb(h, position_ids=position_ids)
         for i in self.chunk_layers[chunk]:
             h = self.model.layers[str(i)](
@@ -270,6 +307,10 @@ class _DecoderChunk(nn.Module):
 
     def forward(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         return self.__dict__["owner"](x, chunk=self.chunk, **kwargs)
+
+    @property
+    def required_kwargs(self) -> tuple[tuple[str, ...], ...]:
+        return self.__dict__["owner"].required_kwargs
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
         return iter(self.__dict__["owner"].chunk_parameters(self.chunk))

@@ -6,7 +6,8 @@ The stage is cut first (its layers, plus the embedding on the first stage and th
 stage's submeshes. Stages exchange hidden states over ``mesh["pp"]`` (each tp rank with the
 same tp rank of the next stage, Megatron-LM's pp x tp), or, for a ``pp_tp`` layout with a tp
 size per stage, through :class:`~shardkit.pipeline_parallel.StageGroups` (leader to leader,
-then a broadcast inside the stage: MindSpeed-MM's VTP).
+then a broadcast inside the stage: MindSpeed-MM's VTP). Under sequence parallelism each tp rank
+sends its own sequence block (``sp_boundary="shard"``, Megatron-LM's), not the gathered sequence.
 
 Source: torchtitan's ``pipeline_llama`` (cut, then ``parallelize_llama`` per stage);
 Megatron-LM pipeline x tensor parallelism; MindSpeed-MM VTP.
@@ -51,6 +52,7 @@ def parallelize_stage(
     cp_layout: str = "zigzag",
     sp_activation: str | None = None,
     expert_capacity: dict[str, Any] | None = None,
+    sp_boundary: str = "shard",
 ) -> ParallelModel:
     """This rank's pipeline stage of ``model``, parallelized, with its :class:`PipelineStage`.
 
@@ -69,6 +71,14 @@ def parallelize_stage(
         cp_layout: as :func:`~.decoder.parallelize`.
         sp_activation: as :func:`~.decoder.parallelize`.
         expert_capacity: as :func:`~.decoder.parallelize`.
+        sp_boundary: with ``sequence_parallel`` and tp > 1, what crosses a stage boundary:
+            ``"shard"`` (default; Megatron-LM's) each tp rank's sequence block ``[b, S_r, H]``,
+            sent to the same tp rank of the next stage, whose first layer takes it as its
+            sequence-parallel input (``run_schedule`` then needs ``seq_len`` or ``position_ids``
+            in every microbatch's ``stage_kwargs``: :class:`DecoderStageModule`); ``"gathered"``
+            the replicated ``[b, S, H]`` (all-gathered after a chunk's last layer, split again
+            before the next one's first). ``pp_tp`` stages (tp sizes per stage) always exchange
+            replicated tensors (the VTP reshard between stages of different tp sizes).
         grad_reduce: as :func:`~.decoder.parallelize` (over the data ranks of this stage; the
             schedule's microbatch losses are ``loss_fn``'s to scale).
         schedule: the pipeline schedule (a name of
@@ -82,7 +92,7 @@ def parallelize_stage(
         :class:`~.decoder.ParallelModel` whose ``stage`` runs the schedule.
 
     Raises:
-        ShardkitError: an unknown ``schedule``; ``virtual_stages > 1`` with ``pp_tp`` stages; fewer
+        ShardkitError: an unknown ``schedule`` or ``sp_boundary``; ``virtual_stages > 1`` with ``pp_tp`` stages; fewer
             layers than ``pp x virtual_stages`` (:class:`DecoderStageModule`).
     """
     dims = mesh.dims
@@ -99,8 +109,12 @@ def parallelize_stage(
             f"parallelize_stage: pp_tp stages hold one chunk each, got schedule {schedule!r} "
             f"with {virtual_stages} virtual stages"
         )
+    if sp_boundary not in ("shard", "gathered"):
+        raise ShardkitError(f"parallelize_stage: sp_boundary must be 'shard' or 'gathered', got {sp_boundary!r}")
     placement = SCHEDULES[schedule].placement
     module = DecoderStageModule(model, s, dims.pp, virtual_stages=virtual_stages, placement=placement)
+    if sequence_parallel and dims.tp > 1 and stages is None:  # pp_tp: replicated (see sp_boundary)
+        module.sp_boundary = sp_boundary
     pm = parallelize(
         module,
         mesh,

@@ -296,4 +296,4 @@ def _data_error(stage: PipelineStage, m: int, inputs, targets, stage_kwargs, mod
         or not all(isinstance(k, dict) for k in stage_kwargs)
     ):
         return f"{who}: stage_kwargs must be None or {m} dicts (one per microbatch)"
-    return None
+    return stage.kwargs_error(stage_kwargs, who)

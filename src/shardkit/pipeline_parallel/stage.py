@@ -218,6 +218,15 @@ class PipelineStage:
             raise ShardkitError(f"PipelineStage.loss: rank {self.rank} has no loss_fn (only the last stage needs one)")
         return self.loss_fn(output, target)
 
+    def kwargs_error(self, stage_kwargs: Sequence[dict] | None, who: str) -> str | None:
+        """Why ``stage_kwargs`` (``M`` dicts, or None) lack what a chunk module needs, or None: a
+        module's ``required_kwargs`` lists per need its alternatives (a sequence-parallel
+        boundary's length: ``seq_len`` or ``position_ids``, :class:`~shardkit.parallelize.DecoderStageModule`)."""
+        for need in sorted({n for m in self.modules for n in getattr(m, "required_kwargs", ())}):
+            if not all(any(k in kw for k in need) for kw in stage_kwargs or [{}]):
+                return f"{who}: its stage modules need {' or '.join(need)} in every microbatch's stage_kwargs"
+        return None
+
     def take_caches(self, keep: bool) -> dict:
         """The shape caches a call runs with: the kept ones if ``keep`` (agreed by every rank),
         else new ones; none is held until :meth:`keep_caches` (a failed call leaves none)."""

@@ -22,9 +22,12 @@ def tp_rows(
     M: int,
     t: int,
     ep: int,
+    *,
+    sharded_boundaries: bool = False,
 ) -> None:
     """Add a stage's tp collectives to ``out``: ``layers`` of the stage, ``T`` tokens per
-    microbatch on this rank, ``M`` microbatches, ``t`` tp ranks, ``ep`` expert-parallel ranks."""
+    microbatch on this rank, ``M`` microbatches, ``t`` tp ranks, ``ep`` expert-parallel ranks;
+    ``sharded_boundaries``: with SP, pipeline stages exchange their sequence blocks."""
     e, H, n = opts.elem, shape.hidden, len(layers)
     full = T * H * e
     add = out.add
@@ -50,7 +53,7 @@ def tp_rows(
         if shape.is_moe_layer(i) and ep == 1:  # tensor-parallel experts: the routing weights [T, k]
             add("tp", "all_reduce", "all_reduce_backward", "backward", t, M, T * shape.top_k * e, T * shape.top_k * e)
     if opts.sequence_parallel:
-        _sp_rows(out, shape, layers, last, T, M, t, e, ep)
+        _sp_rows(out, shape, layers, last, T, M, t, e, ep, (first, sharded_boundaries))
         if opts.sp_activation == "shard":
             _regather_rows(out, shape, opts, layers, last, T, M, t, ep)
     else:
@@ -76,7 +79,16 @@ def tp_rows(
 
 
 def _sp_rows(
-    out: Rows, shape: ModelShape, layers: list[int], last: bool, T: int, M: int, t: int, e: int, ep: int
+    out: Rows,
+    shape: ModelShape,
+    layers: list[int],
+    last: bool,
+    T: int,
+    M: int,
+    t: int,
+    e: int,
+    ep: int,
+    ends: tuple[bool, bool] = (True, False),
 ) -> None:
     """tp with SP: every tensor-parallel region gathers its input ``[T/t, H] -> [T, H]`` and
     reduce-scatters its output; an expert-parallel MoE block runs on the local block (only its
@@ -97,8 +109,10 @@ def _sp_rows(
     add("tp", "all_gather_single", "reduce_scatter", "backward", t, M * regions, part, full)
     add("tp", "all_reduce", "sum_grad_over", "backward", t, M * (2 * n + last), H * e, H * e)
     add("tp", "all_reduce", "sum_grad_over", "backward", t, M * routers, shape.experts * H * e, shape.experts * H * e)
-    add("tp", "all_gather_single", "split_forward_gather_backward", "backward", t, M, part, full)
-    if not last:
+    first, sharded = ends  # sequence-block boundaries: only the embedding's chunk splits, nothing gathers
+    if first or not sharded:
+        add("tp", "all_gather_single", "split_forward_gather_backward", "backward", t, M, part, full)
+    if not last and not sharded:
         add("tp", "all_gather_single", "gather_forward_split_backward", "forward", t, M, part, full)
 
 

@@ -14,9 +14,11 @@ microbatch, ``e`` bytes per element, ``t`` = tp, per microbatch unless said):
   block) all-gathers its input ``[T/t, H] -> [T, H]`` forward and reduce-scatters its output,
   their adjoints in backward; an expert-parallel MoE block runs on the rank's own sequence
   block (no gather) and its router's gradient ``[E, H]`` is summed over tp; the norms'
-  gradients summed over tp (``H`` each); the first layer of a stage splits its input
-  (backward: all-gather); a stage before the last gathers its output, the last gathers
-  ``lm_head``'s input.
+  gradients summed over tp (``H`` each); the first layer of the embedding's chunk
+  splits its input (backward: all-gather), the head gathers ``lm_head``'s input; stage
+  boundaries carry the sequence blocks (no split or gather there), except ``pp_tp``'s
+  (replicated: the first layer of a stage splits its input, a stage before the last gathers
+  its output).
 * with or without SP, inside the blocks: MLA's column-parallel inputs all-reduced in backward
   (its latent ``[T, kv_lora]``, rope key ``[T, rope]`` and ``[T, q_lora]``), and the routing
   weights ``[T, k]`` of tensor-parallel experts.
@@ -34,15 +36,17 @@ microbatch, ``e`` bytes per element, ``t`` = tp, per microbatch unless said):
   tokens: split off the replicated tokens, or its own sequence block with SP). The rows each
   rank *receives* depend on the router; the rows are given for a balanced router (received =
   sent), their sum over the ranks is exact.
-* pp: every transfer between stages is a 160-byte header plus ``[b, S/cp, H]`` (replicated over
-  tp); the first transfer of a step on each channel posts them as two messages, later ones as
-  one (the shape cache). A channel is a receiving chunk and direction: with ``v`` looped chunks
-  per rank each microbatch crosses every rank boundary ``v`` times each way; a V's turn from
-  chunk ``p - 1`` to ``p`` stays on the last rank (no P2P), and stage 0 holds the embedding and
-  the head. ``pp_tp`` (stages of different tp sizes, replicated boundaries): in the
-  replica's group, forward transfers are a header and the payload every time, backward ones the
-  payload only; between stages of equal tp every rank sends to its peer, otherwise the leaders
-  exchange the tensor and the receiving leader broadcasts it in its stage.
+* pp: every transfer between stages is a 160-byte header plus the hidden states: with SP
+  (tp > 1) each tp rank's own sequence block ``[b, S_r, H]``, ``S_r`` its balanced share of
+  ``S/cp`` over tp (Megatron-LM's pipeline under SP: ``tp`` times fewer bytes per rank), else
+  ``[b, S/cp, H]`` (replicated over tp); the first transfer of a step on each channel posts them
+  as two messages, later ones as one (the shape cache). A channel is a receiving chunk and direction:
+  with ``v`` looped chunks per rank each microbatch crosses every rank boundary ``v`` times each
+  way; a V's turn from chunk ``p - 1`` to ``p`` stays on the last rank (no P2P), and stage 0
+  holds the embedding and the head. ``pp_tp`` (stages of different tp sizes, replicated
+  boundaries): in the replica's group, forward transfers are a header and the payload every
+  time, backward ones the payload only; between stages of equal tp every rank sends to its peer,
+  otherwise the leaders exchange the tensor and the receiving leader broadcasts it in its stage.
 * pp, once per step: ``run_schedule`` agrees on its arguments (one max all-reduce of 4 int64).
 * once per step: dense gradients FSDP2 does not own (all with ``dp_shard`` 1; else the
   sum-over-tp ones) all-reduced over ``dp_cp``; expert gradients over ``edp`` (with
@@ -70,6 +74,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
+from .._shapes import balanced_split_sizes
 from ..pipeline_parallel.tables import SCHEDULES as SCHEDULE_TABLES
 from ..sharding import ParallelDims
 from ._rows import CommRow, Rows
@@ -122,7 +127,8 @@ def step_collectives(
     out = Rows()
     layers, first, last = stage_part(shape, dims, opts, stage)
     if tp > 1:
-        tp_rows(out, shape, opts, layers, first, last, T, M, tp, dims.ep)
+        sharded = dims.pp > 1 and dims.pp_tp is None  # SP boundaries carry the blocks (no split, no gather)
+        tp_rows(out, shape, opts, layers, first, last, T, M, tp, dims.ep, sharded_boundaries=sharded)
     dk, dv = shape.qk_dim, shape.v_dim
     if dims.cp_ulysses > 1:
         q, kv = shape.heads // tp, max(1, shape.kv_heads // tp)
@@ -156,7 +162,8 @@ def step_collectives(
     if dims.pp_tp is not None:
         _vtp_rows(out, dims.pp_tp, stage, tp_rank, M, b * S * H * e)
     elif dims.pp > 1:
-        _pp_rows(out, dims.pp, _pp_channels(dims, opts, stage), M, b * S * H * e)
+        rows = balanced_split_sizes(S, tp)[tp_rank] if opts.sequence_parallel and tp > 1 else S
+        _pp_rows(out, dims.pp, _pp_channels(dims, opts, stage), M, b * rows * H * e)
     if dims.pp > 1:  # run_schedule's argument agreement (shardkit.comm.agree): 4 int64, max-reduced
         pp_group = sum(dims.pp_tp) if dims.pp_tp is not None else dims.pp
         out.add("pp", "all_reduce", "run_schedule", "check", pp_group, 1, 32, 32)

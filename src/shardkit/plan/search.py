@@ -25,7 +25,7 @@ from .collectives import HEADER_BYTES, CommRow, step_collectives
 from .memory import memory_per_rank
 from .model import ModelShape
 from .moe_time import grouped_gemm_extra_flops
-from .options import StepOptions, check_layout
+from .options import StepOptions, check_layout, resolve_options
 from .overlap import exposed_seconds
 from .pipeline import pipeline_cost
 from .timing import group_stride, row_seconds
@@ -157,12 +157,17 @@ def _p2p(row: CommRow) -> bool:
 
 
 def _p2p_seconds(shape: ModelShape, dims: ParallelDims, options: StepOptions, cluster: Cluster) -> float:
-    """One P2P transfer of a microbatch's hidden states ``[b, S / cp, H]`` with its header,
-    alpha-beta, on NVLink when the pipeline's ranks share a node, else on the NIC."""
+    """One P2P transfer of a microbatch's hidden states with its header, alpha-beta, on NVLink
+    when the pipeline's ranks share a node, else on the NIC: ``[b, S / cp, H]``, or with sequence
+    parallelism each tp rank's block ``[b, S / (cp tp), H]`` (the fullest rank's; the tp ranks
+    send in parallel, each to its peer: :mod:`.collectives`' pp rows)."""
     if dims.pp == 1:
         return 0.0
     b = options.global_batch // (dims.dp * options.microbatches)
-    size = b * options.seq_len // dims.cp * shape.hidden * options.elem + HEADER_BYTES
+    S = options.seq_len // dims.cp
+    if resolve_options(shape, dims, options).sequence_parallel and dims.tp > 1 and dims.pp_tp is None:
+        S = -(-S // dims.tp)
+    size = b * S * shape.hidden * options.elem + HEADER_BYTES
     inside = group_stride(dims, "pp", dims.pp) <= cluster.gpus_per_node
     gbps, alpha_us = (
         (cluster.intra_gbps, cluster.intra_latency_us) if inside else (cluster.inter_gbps, cluster.inter_latency_us)

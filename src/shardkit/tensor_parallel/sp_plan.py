@@ -18,7 +18,10 @@ Between blocks each tp rank holds a block of the sequence, hidden states ``[B, S
   (``ColwiseParallel(input_layouts=Shard(1))``), logits gathered over the vocabulary unless
   ``loss_parallel``; a model without ``lm_head`` (a pipeline stage before the last) gathers the
   last layer's output instead (``PrepareModuleOutput(Shard(1), Replicate())``), so its
-  boundary stays replicated.
+  boundary stays replicated; unless the model's ``sp_boundary`` is ``"shard"`` (a pipeline
+  stage sending its sequence block, Megatron-LM's SP pipeline): then no chunk gathers its
+  output and a chunk without the embedding takes its input as the block, its first layer
+  declaring the split sizes of ``S`` (its ``position_ids``' length).
 
 Mixture-of-experts blocks (tensor-parallel experts, ``moe_tp_experts``): the block gathers its
 input once; the router (replicated) reads it through :meth:`~.sequence.SequenceSharding.
@@ -47,6 +50,7 @@ import copy
 
 from torch import nn
 
+from .._shapes import balanced_split_sizes
 from ..errors import ShardkitError
 from ..sharding import Partial, Replicate, Shard
 from .moe import MoeTensorParallelExperts
@@ -155,12 +159,14 @@ def sequence_parallel_plan(
     # a pipeline rank holding several chunks (virtual stages): each chunk's input is split and
     # each chunk's output gathered, as for a whole stage; the head follows the last chunk
     segments = _chunk_segments(model, layers)
-    for first, last in segments[:-1]:
-        out[first] = PrepareModuleInput(Replicate(), Shard(1))
+    sharded = getattr(model, "sp_boundary", "gathered") == "shard"
+    chunks = getattr(model, "chunks", None) or [0] * len(segments)  # global chunk: 0 holds the embedding
+    for k, (first, _) in enumerate(segments):
+        out[first] = _ShardedInput() if sharded and chunks[k] != 0 else PrepareModuleInput(Replicate(), Shard(1))
+    for first, last in segments[:-1] if not sharded else []:
         gather = PrepareModuleOutput(Shard(1), Replicate())
         out[last] = _Chain(out[first], gather) if last == first else gather
     first, last = segments[-1]
-    out[first] = PrepareModuleInput(Replicate(), Shard(1))
     head = getattr(model, "lm_head", None)
     if isinstance(head, nn.Linear):
         parent = first.rsplit(".", 2)[0] if first.count(".") >= 2 else ""
@@ -174,7 +180,7 @@ def sequence_parallel_plan(
         out["lm_head"] = ColwiseParallel(
             input_layouts=Shard(1), output_layouts=Shard(-1) if loss_parallel else Replicate()
         )
-    else:
+    elif not sharded:
         gather = PrepareModuleOutput(Shard(1), Replicate())
         out[last] = _Chain(out[first], gather) if last == first else gather
     return out
@@ -242,6 +248,30 @@ class _PartialGradInput(ParallelStyle):
         module.register_forward_pre_hook(
             lambda m, args, kwargs: replace_input(args, kwargs, seq.partial_grad), with_kwargs=True
         )
+
+
+class _ShardedInput(ParallelStyle):
+    """The first layer of a pipeline chunk whose input arrives as this rank's sequence block:
+    declares this forward's split sizes, balanced over ``S`` = the length of the layer's
+    ``position_ids`` (:meth:`.sequence.SequenceSharding.set_sizes`), as a split would have."""
+
+    def apply_module(self, module: nn.Module, ctx: StyleContext) -> None:
+        seq = ctx.seq
+        assert seq is not None  # StyleContext.of and apply_tp always give one
+
+        def declare(m: nn.Module, args: tuple, kwargs: dict) -> None:
+            pos, x = kwargs.get("position_ids"), args[0] if args else kwargs.get("hidden_states")
+            if pos is None or x is None:
+                raise ShardkitError(f"{ctx.name}: a sequence-block input needs hidden_states and position_ids")
+            sizes = balanced_split_sizes(pos.shape[-1], seq.info.size)
+            if x.shape[1] != sizes[seq.info.rank]:
+                raise ShardkitError(
+                    f"{ctx.name}: tp rank {seq.info.rank} of {seq.info.size} got {x.shape[1]} tokens, but its "
+                    f"block of {pos.shape[-1]} is {sizes[seq.info.rank]} (sizes {sizes})"
+                )
+            seq.set_sizes(sizes)
+
+        module.register_forward_pre_hook(declare, with_kwargs=True)
 
 
 class _Chain(ParallelStyle):

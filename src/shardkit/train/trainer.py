@@ -161,6 +161,8 @@ def _pipeline_backward(
     inputs = [p[0]["input_ids"] for p in prepared]
     kwargs = [{k: v for k, v in p[0].items() if k not in ("input_ids", "use_cache")} for p in prepared]
     targets = [p[1] for p in prepared]
+    if any(getattr(m, "required_kwargs", ()) for m in stage.modules):  # sequence-parallel boundaries
+        kwargs = [{"seq_len": x.shape[1], **kw} for x, kw in zip(inputs, kwargs)]
     loss_scale.scale *= M
     kw = kwargs if any(kwargs) else None
     # The stages' activations are [b, S, H] for inputs [b, S]: the same microbatch shapes as the
