@@ -139,6 +139,8 @@ def routed_experts_forward(
     topk_weights: torch.Tensor,
     offset: int,
     keep: torch.Tensor | None = None,
+    *,
+    num_experts: int | None = None,
 ) -> torch.Tensor:
     """Weighted contribution of the module's experts (global ids ``offset + e``) to every token.
 
@@ -146,6 +148,13 @@ def routed_experts_forward(
     held here contribute nothing (the partial sum of the ``ep_router`` / all-reduce mode, and the
     whole output of tensor-parallel experts, which hold every expert: ``offset = 0``).
     ``keep`` (``[T, k]`` bool, None: all): pairs dropped by an expert capacity contribute nothing.
+    ``num_experts``: the global ``E``, the range every id must lie in (None: ``offset + E_local``
+    when ``offset`` is 0, the module holds every expert; otherwise only ``id >= 0`` is checked).
+
+    An id outside ``[0, E)`` (a custom router's bug) raises instead of being dropped as "held
+    elsewhere": the flag rides in the counts' one read (no extra host sync). Every caller passes
+    the same ``topk_index`` on every rank of its group (tensor-parallel experts and the
+    ``ep_router`` mode route replicated tokens), so every rank raises the same error.
 
     Sort-based, with one device-to-host read: the (token, slot) pairs are sorted by local expert
     id (routes to experts held elsewhere go to one last bucket) and counted on the device; the
@@ -160,15 +169,27 @@ def routed_experts_forward(
         getattr(module, "gate_up_proj") if hasattr(module, "gate_up_proj") else getattr(module, "up_proj")
     )
     n, k = stacked.shape[0], topk_index.shape[1]  # the experts this module holds; slots per token
-    local = topk_index.reshape(-1).long() - offset
+    if num_experts is None and offset == 0:
+        num_experts = n
+    ids = topk_index.reshape(-1).long()
+    bad = (ids < 0) if num_experts is None else (ids < 0) | (ids >= num_experts)
+    local = ids - offset
     held = (local >= 0) & (local < n)
     if keep is not None:
         held = held & keep.reshape(-1)
-    bucket = torch.where(held, local, n)  # not held here (or dropped): bucket n, sorted last
-    counts = torch.zeros(n + 1, dtype=torch.long, device=local.device)
+    # not held here (or dropped): bucket n; an id outside [0, E): bucket n + 1; both sorted last
+    bucket = torch.where(bad, n + 1, torch.where(held, local, n))
+    counts = torch.zeros(n + 2, dtype=torch.long, device=local.device)
     counts.scatter_add_(0, bucket, torch.ones_like(bucket))  # no bincount: its output size reads the device
     order = torch.argsort(bucket, stable=True)
-    sizes = counts.tolist()  # the one host sync
+    sizes = counts.tolist()  # the one host sync (the bad-id count rides in it)
+    if sizes[n + 1]:
+        where = f"[0, {num_experts})" if num_experts is not None else "[0, E)"
+        seen = ids[bad].unique()[:4].tolist()  # the error path only: a second read is fine here
+        raise ShardkitError(
+            f"routed_experts_forward: {sizes[n + 1]} expert ids outside {where} in topk_index "
+            f"{tuple(topk_index.shape)} (e.g. {seen}); the router must return ids of existing experts"
+        )
     pairs = order[: local.numel() - sizes[n]]  # the held (token, slot) pairs, grouped by expert
     token = pairs // k
     y = grouped_experts_forward(

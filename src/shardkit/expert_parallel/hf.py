@@ -242,7 +242,9 @@ def ep_experts_forward(
     offset = split_offsets(shard.sizes)[g.rank]
     if mode == "local":
         packed = all_reduce_backward(packed, group)
-        out = routed_experts_forward(module, packed[:, :H], top_k_index, packed[:, H:], offset, keep)
+        out = routed_experts_forward(
+            module, packed[:, :H], top_k_index, packed[:, H:], offset, keep, num_experts=shard.num_experts
+        )
         return all_reduce_forward(out, group).to(hidden.dtype)
     tg = g if token_group is None else resolve_group(token_group, op)
     split_group = group if token_group is None else token_group

@@ -189,6 +189,8 @@ def parallelize(
             ``mixed_precision`` not ``"none"`` or ``"bf16"``, or ``"bf16"``
             on a model whose parameters are not float32; an unknown compile backend, or compile
             with selective checkpointing or with mixed precision.
+        RankMismatchError: in check mode, on every rank: ranks of a data-parallel or an ep group
+            given different options (``expert_capacity`` included) or different weights.
         sp_activation: with sequence parallelism, what the column-parallel projections keep for
             backward: ``"shard"`` (the norm's ``[B, S / tp, H]`` output, all-gathered again in
             backward: Megatron's layout, :mod:`shardkit.tensor_parallel.sp_saved`) or
@@ -241,6 +243,7 @@ def parallelize(
                 f"mixed_precision {mixed_precision}",
                 f"compile {backend}",
                 f"sp_activation {sp_act}",
+                f"expert_capacity {_capacity_key(expert_capacity)}",
             ],
         )
     if tp > 1:
@@ -264,6 +267,9 @@ def parallelize(
         cp = apply_cp(model, cp_mesh, dims.cp_mode, ring_layout=cp_layout)
     if ep > 1:
         capacity = dict(expert_capacity or {})
+        # the ep group may span tp ranks, which no fingerprint above compares: ranks that drop by
+        # different capacities would silently exchange different tokens (check mode only)
+        maybe_fingerprint({}, mesh["ep"], "parallelize", [f"expert_capacity {_capacity_key(expert_capacity)}"])
         for experts in _experts_modules(model):
             if tp > 1 and not sequence_parallel:  # the same tokens on the tp ranks: each dispatches its block
                 shard_experts(
@@ -294,6 +300,11 @@ def parallelize(
         loss_parallel and tp > 1,
         sequence_parallel and tp > 1,
     )
+
+
+def _capacity_key(expert_capacity: dict[str, Any] | None) -> str:
+    """``expert_capacity`` as a canonical string (sorted keys, ``repr`` values) for the fingerprints."""
+    return "none" if expert_capacity is None else repr(sorted(expert_capacity.items()))
 
 
 def _sp_activation(value: str | None, backend: str | None) -> str:

@@ -207,6 +207,10 @@ class DecoderStageModule(nn.Module):
     def _masks(self, h, attention_mask, position_ids) -> dict[bool, object]:
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
+        if isinstance(attention_mask, dict):  # ready masks per layer kind (the trainer's packed rows)
+            return {
+                s: attention_mask["sliding_attention" if s else "full_attention"] for s in set(self._sliding.values())
+            }
         # transformers renamed the mask builders' `past_key_values` to `cache` (the old name warns
         # and is to be removed): pass whichever this version takes. No cache: stages train.
         cache_kw = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
@@ -264,7 +268,7 @@ class DecoderStageModule(nn.Module):
         self,
         x: torch.Tensor,
         position_ids: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | dict[str, torch.Tensor] | None = None,
         chunk: int = 0,
         seq_len: int | None = None,
         **layer_kwargs: Any,

@@ -82,6 +82,16 @@ def check_moe_balance(cfg: TrainConfig, experts: bool | None) -> None:
         )
     if cfg.compile:
         raise ShardkitError(f"{', '.join(given)} with --compile: the balanced router is not traced yet; drop --compile")
+    if cfg.save_hf is not None and cfg.moe_bias_update_rate is not None:
+        # the bias is a trainer-side buffer that picks the experts; transformers' Qwen3-MoE and
+        # DeepSeek-V2 routers (every MoE family shardkit trains) have no slot for it, so the
+        # exported model would route without it: other logits, silently
+        raise ShardkitError(
+            "--save-hf with --moe-bias-update-rate: the router bias the run learns (e_score_correction_bias, "
+            "added to the scores that pick the experts) has no slot in transformers' Qwen3-MoE / DeepSeek-V2 "
+            "routers, so the exported model would pick other experts; train without --moe-bias-update-rate "
+            "to export, or drop --save-hf"
+        )
     if cfg.moe_seq_aux_loss and (cfg.cp_size > 1 or cfg.sequence_parallel):
         why = "context parallelism" if cfg.cp_size > 1 else "sequence parallelism"
         raise ShardkitError(

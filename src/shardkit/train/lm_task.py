@@ -6,8 +6,8 @@ tokens (:meth:`~shardkit.context_parallel.CPContext.shard_batch`: labels shifted
 sequence first, global position ids). Packed documents (``--packed``: each window is the corpus
 files it spans, packed along ``S``) restart their positions at every document and never predict
 across a border; without cp a block-causal ``attention_mask`` keeps them apart
-(:func:`.attention.packed_causal_mask`, built from the sampler's document borders), with cp the
-ring / Ulysses attention does (``cu_seqlens``).
+(:func:`.attention.packed_attention_mask`, the model's sliding window included, built from the
+sampler's document borders), with cp the ring / Ulysses attention does (``cu_seqlens``).
 
 Loss: the *sum* of next-token cross entropies over this rank's targets; the trainer divides by
 the global target count ``N``, so every layout back-propagates its share of the global mean.
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from ..comm.host_sync import host_side, to_device
 from ..tensor_parallel.loss import vocab_parallel_cross_entropy
-from .attention import packed_causal_mask
+from .attention import packed_attention_mask
 from .data import BatchSampler
 
 __all__ = ["IGNORE_INDEX", "LMTask", "PackedSampler", "shifted_labels", "causal_lm_loss"]
@@ -144,7 +144,9 @@ class LMTask:
         if positions is not None and mb.cus is not None:
             inputs["position_ids"] = to_device(positions, self.device)
             # the documents' mask from the host: transformers would read the device to find them
-            inputs["attention_mask"] = packed_causal_mask(mb.cus, mb.ids.shape[1], self.device)
+            # with the model's sliding window: a ready mask reaches every layer kind unchanged
+            config = getattr(getattr(pm, "module", None), "config", None)
+            inputs["attention_mask"] = packed_attention_mask(mb.cus, mb.ids.shape[1], self.device, config)
         assert labels is not None  # made above without cp
         return inputs, to_device(labels, self.device)
 
