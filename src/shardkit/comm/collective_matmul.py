@@ -34,6 +34,7 @@ Large Deep Learning Models" (ASPLOS 2023); the same decomposition as PyTorch's a
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 
 import torch
@@ -130,6 +131,34 @@ def ring_reduce_scatter(
     return acc
 
 
+class _Recomputed(threading.local):
+    """Gathered inputs of a checkpoint's recompute, by the shard they gathered, for the original
+    node's weight gradients in the same backward (the recompute's own node is discarded; the
+    checkpoint hands the original node the recomputed shard, the same storage). Entries of an
+    earlier backward are dropped when a new one is published; an entry is taken once."""
+
+    def __init__(self) -> None:
+        self.entries: dict[tuple, tuple[int, torch.Tensor]] = {}
+
+    @staticmethod
+    def _key(t: torch.Tensor) -> tuple:
+        return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+
+    def publish(self, shard: torch.Tensor, full: torch.Tensor) -> None:
+        task = torch._C._current_graph_task_id()
+        self.entries = {k: v for k, v in self.entries.items() if v[0] == task}
+        self.entries[self._key(shard)] = (task, full.detach())
+
+    def take(self, shard: torch.Tensor) -> torch.Tensor | None:
+        if not self.entries:
+            return None
+        hit = self.entries.pop(self._key(shard), None)
+        return hit[1] if hit is not None and hit[0] == torch._C._current_graph_task_id() else None
+
+
+_RECOMPUTED = _Recomputed()
+
+
 def _rows(t: torch.Tensor, dim: int, offsets: Sequence[int], sizes: Sequence[int], i: int) -> torch.Tensor:
     return t.narrow(dim, offsets[i], sizes[i])
 
@@ -152,9 +181,10 @@ class _AllGatherMatmul(torch.autograd.Function):
                 _rows(y, dim, offsets, sizes, src).copy_(F.linear(chunk, w, b))
 
         ring_gather_apply(x, g, dim, sizes, block, "all_gather_matmul", "forward")
-        # in a checkpoint's recompute (inside backward) the gathered input is at hand and short-lived
-        kept = full if keep == "gathered" or torch._C._current_graph_task_id() != -1 else x
-        ctx.save_for_backward(kept, *weights)
+        kept = full if keep == "gathered" else x
+        if kept is x and torch._C._current_graph_task_id() != -1:
+            _RECOMPUTED.publish(x, full)  # a checkpoint's recompute: the original node takes this gather
+        ctx.save_for_backward(kept, *weights)  # the same tensors in a recompute (checkpoint checks them)
         ctx.g, ctx.dim, ctx.sizes, ctx.offsets, ctx.n = g, dim, list(sizes), offsets, n
         ctx.is_full = kept is full
         ctx.has_bias = [b is not None for b in biases]
@@ -187,10 +217,11 @@ class _AllGatherMatmul(torch.autograd.Function):
         dws: list = [None] * ctx.n
         if any(need_w):
             dws = [torch.zeros_like(w) if need_w[j] and dys[j] is not None else None for j, w in enumerate(weights)]
-            if ctx.is_full:
+            full = kept if ctx.is_full else _RECOMPUTED.take(kept)
+            if full is not None:
                 for j, dy in enumerate(dys):
                     if dws[j] is not None:
-                        dws[j] = _flat(dy).t().mm(_flat(kept))
+                        dws[j] = _flat(dy).t().mm(_flat(full))
             else:
 
                 def block(src: int, chunk: torch.Tensor) -> None:

@@ -51,6 +51,7 @@ def parallelize_stage(
     cp_layout: str = "zigzag",
     sp_activation: str | None = None,
     expert_capacity: dict[str, Any] | None = None,
+    async_tp: bool = False,
 ) -> ParallelModel:
     """This rank's pipeline stage of ``model``, parallelized, with its :class:`PipelineStage`.
 
@@ -69,6 +70,7 @@ def parallelize_stage(
         cp_layout: as :func:`~.decoder.parallelize`.
         sp_activation: as :func:`~.decoder.parallelize`.
         expert_capacity: as :func:`~.decoder.parallelize`.
+        async_tp: as :func:`~.decoder.parallelize`.
         grad_reduce: as :func:`~.decoder.parallelize` (over the data ranks of this stage; the
             schedule's microbatch losses are ``loss_fn``'s to scale).
         schedule: the pipeline schedule (a name of
@@ -114,6 +116,7 @@ def parallelize_stage(
         cp_layout=cp_layout,
         sp_activation=sp_activation,
         expert_capacity=expert_capacity,
+        async_tp=async_tp,
     )
     last = module.is_last
     if module.tied:
