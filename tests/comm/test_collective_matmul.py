@@ -35,7 +35,10 @@ def _ag_case(S, keep, bias):
         x = _leaf(2, sizes[r], 6, seed=10 + r)
         ws = [_leaf(5, 6, seed=20 + 3 * r + j) for j in range(2)]
         bs = [_leaf(5, seed=40 + r) if bias else None, None]
-        dys = [torch.randn(2, S, 5, generator=torch.Generator().manual_seed(60 + 2 * r + j), dtype=torch.float64) for j in range(2)]
+        dys = [
+            torch.randn(2, S, 5, generator=torch.Generator().manual_seed(60 + 2 * r + j), dtype=torch.float64)
+            for j in range(2)
+        ]
         dfull = torch.randn(2, S, 6, generator=torch.Generator().manual_seed(80 + r), dtype=torch.float64)
         if mode == "async":
             full, ys = all_gather_matmul(x, g, 1, sizes, ws, bs, keep)
@@ -44,7 +47,9 @@ def _ag_case(S, keep, bias):
             ys = [F.linear(full, w, b) for w, b in zip(ws, bs)]
         loss = (full * dfull).sum() + sum((y * dy).sum() for y, dy in zip(ys, dys))
         loss.backward()
-        out.append([full.detach(), *[y.detach() for y in ys], x.grad, *[w.grad for w in ws]] + ([bs[0].grad] if bias else []))
+        out.append(
+            [full.detach(), *[y.detach() for y in ys], x.grad, *[w.grad for w in ws]] + ([bs[0].grad] if bias else [])
+        )
     return out
 
 

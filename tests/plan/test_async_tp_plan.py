@@ -14,8 +14,7 @@ import torch
 
 from harness.helpers import rank
 from harness.tiny_lm import TINY_LLAMA_CONFIG as TINY
-from shardkit import CommLedger
-from shardkit import Cluster, ModelShape, ParallelDims, StepOptions, estimate_step
+from shardkit import Cluster, CommLedger, ModelShape, ParallelDims, StepOptions, estimate_step
 from shardkit.plan._tp_rings import Ring, rings_exposed_seconds, stage_rings
 from shardkit.plan.collectives import ledger_table, merged, step_collectives
 from shardkit.plan.options import rank_stage
@@ -101,8 +100,9 @@ def test_ring_exposure_by_hand():
 @pytest.mark.parametrize("gbps,tflops", [(0.05, 1.0), (450.0, 0.001)])
 def test_step_time_moves_by_the_ring_exposure(gbps, tflops):
     """The same layout with and without async TP: the step differs by the synchronous tp
-    collectives' seconds the rings replace (the gathers, reduce-scatters and regathers), less what the rings leave exposed, which is
-    (t - 1) max(0, c - m) summed over the stage's rings (slow links: exposed; slow matmuls: none)."""
+    collectives' seconds the rings replace (the gathers, reduce-scatters and regathers), less
+    what the rings leave exposed, which is (t - 1) max(0, c - m) summed over the stage's rings
+    (slow links: exposed; slow matmuls: none)."""
     shape = ModelShape.from_config(TINY)
     dims = ParallelDims(tp=4, dp_replicate=2)
     cluster = Cluster(gpus=8, intra_gbps=gbps, peak_tflops=tflops)
@@ -114,7 +114,7 @@ def test_step_time_moves_by_the_ring_exposure(gbps, tflops):
     rings = stage_rings(shape, ring.options, list(range(shape.layers)), True, T, 2, 4, 1)
     step = T // 4 * shape.hidden * 4 / (gbps * 1e9) + 3e-6
     rate = tflops * 1e12 * cluster.efficiency
-    assert exposed == pytest.approx(sum(r.count * 3 * max(0.0, step - r.flops / rate) for r in rings))
+    assert exposed == pytest.approx(sum(r.calls * 3 * max(0.0, step - r.flops / rate) for r in rings))
     assert (exposed > 0) == (gbps < 1)
     gone = sum(s for r, s in sync.rows if r.axis == "tp" and r.api in ("all_gather", "reduce_scatter", "sp_regather"))
     assert ring.step_s == pytest.approx(sync.step_s - gone + exposed, rel=1e-9)

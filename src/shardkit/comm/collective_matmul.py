@@ -211,9 +211,7 @@ class _AllGatherMatmul(torch.autograd.Function):
                     acc = torch.zeros(_shape(kept, dim, sizes[d]), dtype=kept.dtype, device=kept.device)
                 return acc
 
-            dx = ring_reduce_scatter(
-                partial, lambda d: _shape(kept, dim, sizes[d]), g, "all_gather_matmul", "backward"
-            )
+            dx = ring_reduce_scatter(partial, lambda d: _shape(kept, dim, sizes[d]), g, "all_gather_matmul", "backward")
         dws: list = [None] * ctx.n
         if any(need_w):
             dws = [torch.zeros_like(w) if need_w[j] and dys[j] is not None else None for j, w in enumerate(weights)]

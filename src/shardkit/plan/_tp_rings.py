@@ -36,11 +36,11 @@ __all__ = ["Ring", "stage_rings", "ring_rows", "rings_exposed_seconds", "ring_fl
 
 
 class Ring(NamedTuple):
-    """``count`` rings per step of one kind: ledger api and phase, and the matmul FLOPs of one block."""
+    """``calls`` rings per step of one kind: ledger api and phase, and the matmul FLOPs of one block."""
 
     api: str
     phase: str
-    count: int
+    calls: int
     flops: float
 
 
@@ -72,7 +72,9 @@ def stage_rings(
 
     def scatter(width: int, checkpointed: bool) -> None:
         f = 2.0 * b * H * width / t
-        out.extend([Ring("matmul_reduce_scatter", "forward", M, f), Ring("matmul_reduce_scatter", "backward", M, 2 * f)])
+        out.extend(
+            [Ring("matmul_reduce_scatter", "forward", M, f), Ring("matmul_reduce_scatter", "backward", M, 2 * f)]
+        )
         if checkpointed:
             out.append(Ring("matmul_reduce_scatter", "recompute", M, f))
 
@@ -96,11 +98,11 @@ def ring_rows(add, rings: list[Ring], t: int, part: int) -> None:
     """Add the rings' ledger rows through ``add`` (:meth:`~._rows.Rows.add`): per ring ``t - 1``
     sends and receives of one block of ``part`` bytes."""
     for r in rings:
-        add("tp", "send", r.api, r.phase, t, r.count * (t - 1), part, 0)
-        add("tp", "recv", r.api, r.phase, t, r.count * (t - 1), 0, part)
+        add("tp", "send", r.api, r.phase, t, r.calls * (t - 1), part, 0)
+        add("tp", "recv", r.api, r.phase, t, r.calls * (t - 1), 0, part)
 
 
 def rings_exposed_seconds(rings: list[Ring], t: int, step_s: float, flops_per_s: float) -> float:
     """Seconds of the rings' communication on the critical path: ``(t - 1) max(0, c - m)`` per
     ring, ``c = step_s`` one block's transfer, ``m`` one block's matmul (pure)."""
-    return sum(r.count * (t - 1) * max(0.0, step_s - r.flops / flops_per_s) for r in rings)
+    return sum(r.calls * (t - 1) * max(0.0, step_s - r.flops / flops_per_s) for r in rings)

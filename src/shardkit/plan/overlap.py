@@ -56,9 +56,7 @@ def fsdp_exposed(calls: int, seconds: float, hide: float) -> float:
     return each + (calls - 1) * max(0.0, each - hide)
 
 
-def exposed_seconds(
-    timed: Sequence[tuple[CommRow, float]], layer_forward_s: float, tp_rings_s: float = 0.0
-) -> float:
+def exposed_seconds(timed: Sequence[tuple[CommRow, float]], layer_forward_s: float, tp_rings_s: float = 0.0) -> float:
     """The seconds of ``timed`` (a stage's rows and their alpha-beta seconds) a rank waits for,
     besides the pipeline's P2P, with ``layer_forward_s`` the forward of one decoder layer on one
     microbatch (pure). The async-TP rings' rows (tp ``send``/``recv``) count as ``tp_rings_s``,

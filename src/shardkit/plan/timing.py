@@ -111,5 +111,7 @@ def tp_rings_exposed(shape: ModelShape, dims: ParallelDims, opts: StepOptions, c
     T = opts.global_batch // (dims.dp * M) * (opts.seq_len // dims.cp)
     layers, _, last = stage_part(shape, dims, opts, stage)
     rings = stage_rings(shape, opts, layers, last, T, M, t, dims.ep)
-    step = row_seconds(CommRow("tp", "send", "all_gather_matmul", "forward", t, 1, T // t * shape.hidden * opts.elem, 0), dims, cluster)
+    step = row_seconds(
+        CommRow("tp", "send", "all_gather_matmul", "forward", t, 1, T // t * shape.hidden * opts.elem, 0), dims, cluster
+    )
     return rings_exposed_seconds(rings, t, step, cluster.peak_tflops * 1e12 * cluster.efficiency)

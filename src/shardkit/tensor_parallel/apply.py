@@ -146,7 +146,9 @@ def apply_tp(
         dict(model.named_parameters()),
         g.pg,
         "apply_tp",
-        _plan_lines(model, compiled, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, async_tp=async_tp),
+        _plan_lines(
+            model, compiled, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, async_tp=async_tp
+        ),
     )
     heads = _head_ranges(model, compiled, g.size)
     memo: dict = {}

@@ -95,7 +95,7 @@ class SequenceSharding:
         self.info = resolve_group(group, "SequenceSharding")
         self.activation = check_sp_activation(activation, "SequenceSharding")
         self.async_tp = bool(async_tp) and self.info.size > 1
-        self.readers: dict[str, list[torch.nn.Module]] = {}  # async_tp: gathering block -> its column-parallel readers
+        self.readers: dict[str, list[torch.nn.Linear]] = {}  # async_tp: gathering block -> its column-parallel readers
         self._async: tuple | None = None  # (gathered output, {id(reader): its output}) of the last async gather
         self.sizes: list[int] | None = None
         self._last: tuple | None = None  # (weakref(source), kind, prepared output, grad mode)
@@ -171,7 +171,7 @@ class SequenceSharding:
         self._shard = (out, x, handle)
         return self._keep(x, ("gather", dim), out)
 
-    def add_reader(self, block: str, module: torch.nn.Module) -> None:
+    def add_reader(self, block: str, module: torch.nn.Linear) -> None:
         """``module`` (a column-parallel ``nn.Linear``) reads the input ``block`` gathers: with
         ``async_tp`` its matmul runs inside that gather's ring."""
         if self.async_tp:

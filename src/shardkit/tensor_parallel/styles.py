@@ -169,18 +169,18 @@ class ColwiseParallel(ParallelStyle):
             )
         group, seq = ctx.group, ctx.seq
         assert seq is not None  # StyleContext.of and apply_tp always give one
-        plain = isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
+        linear = module if isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward else None
         if isinstance(self.input_layouts, Shard):
             d, name = self.input_layouts.dim, ctx.name
-            if plain:
-                seq.add_reader(name, module)  # async_tp: its own gather's ring runs its matmul
+            if linear is not None:
+                seq.add_reader(name, linear)  # async_tp: its own gather's ring runs its matmul
             module.register_forward_pre_hook(
                 lambda m, args, kwargs: replace_input(args, kwargs, lambda x: seq.gather(x, d, name), "input"),
                 with_kwargs=True,
             )
         elif self.reduce_input_grad:
-            if plain and ctx.name.rsplit(".", 1)[-1] in GATHER_READERS:
-                seq.add_reader(ctx.name.rsplit(".", 1)[0], module)  # reads its block's gathered input
+            if linear is not None and ctx.name.rsplit(".", 1)[-1] in GATHER_READERS:
+                seq.add_reader(ctx.name.rsplit(".", 1)[0], linear)  # reads its block's gathered input
             module.register_forward_pre_hook(
                 lambda m, args, kwargs: replace_input(args, kwargs, seq.replicate, "input"), with_kwargs=True
             )
@@ -193,10 +193,10 @@ class ColwiseParallel(ParallelStyle):
             module.register_forward_hook(lambda m, args, out: gather_forward_split_backward(out, group, -1, sizes))
         elif hasattr(module, "out_features"):
             setattr(module, "out_features", spec.sizes[ctx.info.rank])  # an int, not a submodule
-        if (seq.activation == "shard" or seq.async_tp) and plain:
+        if (seq.activation == "shard" or seq.async_tp) and linear is not None:
             # Megatron-style SP activations: keep the sequence shard, not the gathered input
             # (.sp_saved); async TP: the output its block's gather ring computed
-            setattr(module, "forward", functools.partial(_colwise_forward, module, seq))
+            setattr(module, "forward", functools.partial(_colwise_forward, linear, seq))
 
     def _apply_embedding(self, module: nn.Embedding, ctx: StyleContext) -> None:
         """DTensor's ``ColwiseParallel`` on an embedding: cut its features (weight dim 1)."""
@@ -233,7 +233,9 @@ def _colwise_forward(self: nn.Linear, seq: Any, x: torch.Tensor) -> torch.Tensor
     return shard_saved_linear(x, src[0], self.weight, self.bias, src[1])
 
 
-def _rowwise_forward(self: nn.Linear, matmul_reduce: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+def _rowwise_forward(
+    self: nn.Linear, matmul_reduce: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
+) -> torch.Tensor:
     # The replicated bias must be added once, after the partial sums are reduced; nn.Linear would
     # add it on every rank before the reduction (R times in the sum).
     out = matmul_reduce(x)
