@@ -43,7 +43,16 @@ def test_async_tp_verify_tp2(ac):
 
 @pytest.mark.world(4)
 @pytest.mark.combinations
-@pytest.mark.parametrize("layout", [dict(pp=2, tp=2, microbatches=2), dict(tp=2, dp_shard=2)], ids=["pp2", "fsdp2"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        dict(pp=2, tp=2, microbatches=2),
+        dict(tp=2, dp_shard=2),
+        # zero bubble: I leaves the weight gradients (and the regather ring) to W
+        dict(pp=2, tp=2, microbatches=4, batch_size=8, schedule="zbv", virtual_stages=2, layers=4),
+    ],
+    ids=["pp2", "fsdp2", "zbv"],
+)
 def test_async_tp_verify_tp2_composed(layout):
     _check(_run(**layout))
 
