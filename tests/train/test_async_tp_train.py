@@ -64,3 +64,12 @@ def test_async_tp_verify_tp2_composed(layout):
 def test_async_tp_refused_without_sp(overrides, match):
     with pytest.raises(ShardkitError, match=match):
         validate_config(TrainConfig(**{**SMALL, **overrides}), world_size=2)
+
+
+def test_parallelize_refuses_async_tp_without_a_tp_group():
+    """``parallelize(..., async_tp=True)`` on one process (no tp group, no SP): one clear error."""
+    from harness.tiny_lm import tiny_decoder
+    from shardkit import parallelize
+
+    with pytest.raises(ShardkitError, match="async_tp=True needs sequence parallelism over tp > 1"):
+        parallelize(tiny_decoder(), None, async_tp=True)
