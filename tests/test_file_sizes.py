@@ -29,6 +29,7 @@ COHESIVE = {
     "src/shardkit/sharding/mesh.py": "ParallelDims and ParallelMesh: degrees, validation, named meshes",
     "src/shardkit/train/run.py": "one rank of shardkit train: build, parallelize, train, save, report in order",
     "src/shardkit/tensor_parallel/styles.py": "ColwiseParallel and RowwiseParallel on Linear and Embedding, packed too",
+    "src/shardkit/comm/collective_matmul.py": "async TP: two ring engines, two Functions, each the other's backward",
     "src/shardkit/bench/cases_host.py": "the host-overhead case: every op against its bare c10d call, one table",
 }
 

@@ -93,6 +93,13 @@ CASES = {
         "TP and TP+SP training steps against DTensor parallelize_module and HF tp_plan",
         worlds=(1, 2),
     ),
+    "async_tp": CaseSpec(
+        ".cases_async_tp",
+        "async_tp_step",
+        2,
+        "TP+SP training step with async TP (collective-matmul rings) against synchronous SP collectives",
+        worlds=(2, 4),
+    ),
     "fsdp_tp_step": CaseSpec(
         ".cases_fsdp",
         "fsdp_tp_step",

@@ -96,6 +96,12 @@ def add_plan_parser(commands) -> argparse.ArgumentParser:
         help="with sequence parallelism, as shardkit train --sp-activation (default shard)",
     )
     p.add_argument(
+        "--async-tp",
+        action="store_true",
+        help="as shardkit train --async-tp: sequence parallelism's gathers and reduce-scatters as collective-matmul "
+        "rings, each step's transfer hidden behind one block's matmul (layouts with tp > 1 and SP)",
+    )
+    p.add_argument(
         "--virtual-stages",
         type=int,
         default=None,
@@ -311,6 +317,7 @@ def run_plan(args: argparse.Namespace) -> int:
             activation_checkpoint=args.ac,
             zero=args.zero,
             sp_activation=args.sp_activation,
+            async_tp=args.async_tp,
         )
         if args.dry_run is not None:
             dims = parse_layout(args.dry_run, args.gpus)

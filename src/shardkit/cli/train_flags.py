@@ -175,6 +175,13 @@ def add_train_flags(subparsers) -> argparse.ArgumentParser:
         "output) (default: shard, gathered with --compile)",
     )
     p.add_argument(
+        "--async-tp",
+        action="store_true",
+        default=None,
+        help="with sequence parallelism over --tp > 1: issue each all-gather and reduce-scatter as ring steps "
+        "overlapping the matmuls that read or produce it (collective matmul, torchtitan's async TP)",
+    )
+    p.add_argument(
         "--compile",
         nargs="?",
         const="inductor",

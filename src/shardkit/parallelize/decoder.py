@@ -127,6 +127,7 @@ def parallelize(
     cp_layout: str = "zigzag",
     sp_activation: str | None = None,
     expert_capacity: dict[str, Any] | None = None,
+    async_tp: bool = False,
 ) -> ParallelModel:
     """Apply tensor, context, expert and data parallelism to ``model``, in that order, in place.
 
@@ -198,9 +199,15 @@ def parallelize(
             ``"shard"`` with sequence parallelism over ``tp > 1`` (where it saves memory),
             ``"gathered"`` with ``compile`` or without it.
 
+        async_tp: with sequence parallelism over ``tp > 1``, issue the sequence all-gathers and
+            reduce-scatters as collective-matmul rings overlapping their matmuls
+            (:func:`shardkit.tensor_parallel.apply_tp`'s ``async_tp``; torchtitan's
+            ``enable_async_tensor_parallel``).
+
     Raises (also):
         ShardkitError: ``sp_activation`` not ``"shard"``, ``"gathered"`` or None;
-            ``"shard"`` with ``compile`` (its regather state is not traced).
+            ``"shard"`` with ``compile`` (its regather state is not traced); ``async_tp``
+            without sequence parallelism over ``tp > 1``, or with ``compile``.
     """
     grad_reduce = check_grad_reduce(grad_reduce, "parallelize")
     zero = check_zero_stage(zero, "parallelize")
@@ -213,6 +220,7 @@ def parallelize(
     check_mixed_precision(mixed_precision)
     backend = check_compile(compile, activation_checkpoint=activation_checkpoint)
     sp_act = _sp_activation(sp_activation, backend)
+    _check_async_tp(async_tp, mesh, sequence_parallel, backend)
     if backend is not None and mixed_precision != "none":
         # the per-block bfloat16 cast wraps the forward Dynamo would trace; not tested together yet
         raise ShardkitError(
@@ -256,6 +264,7 @@ def parallelize(
             loss_parallel=loss_parallel,
             check="off",
             sp_activation=sp_act,
+            async_tp=async_tp,
         )
     cp = None
     if dims.cp_mode is not None:
@@ -305,6 +314,20 @@ def parallelize(
 def _capacity_key(expert_capacity: dict[str, Any] | None) -> str:
     """``expert_capacity`` as a canonical string (sorted keys, ``repr`` values) for the fingerprints."""
     return "none" if expert_capacity is None else repr(sorted(expert_capacity.items()))
+
+
+def _check_async_tp(async_tp: bool, mesh, sequence_parallel: bool, backend: str | None) -> None:
+    """Refuse ``async_tp`` where there is no sequence-parallel collective to decompose (pure)."""
+    if not async_tp:
+        return
+    tp = 1 if mesh is None else mesh.size("tp")
+    if tp <= 1 or not sequence_parallel:
+        raise ShardkitError(
+            f"parallelize: async_tp=True needs sequence parallelism over tp > 1 (got tp={tp}, "
+            f"sequence_parallel={sequence_parallel}): it decomposes the sequence all-gathers and reduce-scatters"
+        )
+    if backend is not None:
+        raise ShardkitError(f"parallelize: async_tp=True with compile={backend!r}: the rings' state is not traced")
 
 
 def _sp_activation(value: str | None, backend: str | None) -> str:

@@ -53,6 +53,7 @@ def parallelize_stage(
     sp_activation: str | None = None,
     expert_capacity: dict[str, Any] | None = None,
     sp_boundary: str = "shard",
+    async_tp: bool = False,
 ) -> ParallelModel:
     """This rank's pipeline stage of ``model``, parallelized, with its :class:`PipelineStage`.
 
@@ -79,6 +80,7 @@ def parallelize_stage(
             the replicated ``[b, S, H]`` (all-gathered after a chunk's last layer, split again
             before the next one's first). ``pp_tp`` stages (tp sizes per stage) always exchange
             replicated tensors (the VTP reshard between stages of different tp sizes).
+        async_tp: as :func:`~.decoder.parallelize`.
         grad_reduce: as :func:`~.decoder.parallelize` (over the data ranks of this stage; the
             schedule's microbatch losses are ``loss_fn``'s to scale).
         schedule: the pipeline schedule (a name of
@@ -128,6 +130,7 @@ def parallelize_stage(
         cp_layout=cp_layout,
         sp_activation=sp_activation,
         expert_capacity=expert_capacity,
+        async_tp=async_tp,
     )
     last = module.is_last
     if module.tied:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from .._rules import parse_ac
 from ._rows import Rows
+from ._tp_rings import ring_flags, ring_rows, stage_rings
 from .model import ModelShape
 from .options import StepOptions
 
@@ -53,9 +54,12 @@ def tp_rows(
         if shape.is_moe_layer(i) and ep == 1:  # tensor-parallel experts: the routing weights [T, k]
             add("tp", "all_reduce", "all_reduce_backward", "backward", t, M, T * shape.top_k * e, T * shape.top_k * e)
     if opts.sequence_parallel:
-        _sp_rows(out, shape, layers, last, T, M, t, e, ep, (first, sharded_boundaries))
+        ring = opts.async_tp
+        _sp_rows(out, shape, layers, last, T, M, t, e, ep, ring, (first, sharded_boundaries))
         if opts.sp_activation == "shard":
-            _regather_rows(out, shape, opts, layers, last, T, M, t, ep)
+            _regather_rows(out, shape, opts, layers, last, T, M, t, ep, ring)
+        if ring:  # the collective-matmul rings (._tp_rings)
+            ring_rows(out.add, stage_rings(shape, opts, layers, last, T, M, t, ep), t, T // t * H * e)
     else:
         _megatron_rows(out, shape, layers, last, T, M, t, e, ep)
     if last:
@@ -88,25 +92,30 @@ def _sp_rows(
     t: int,
     e: int,
     ep: int,
+    ring: bool,
     ends: tuple[bool, bool] = (True, False),
 ) -> None:
     """tp with SP: every tensor-parallel region gathers its input ``[T/t, H] -> [T, H]`` and
     reduce-scatters its output; an expert-parallel MoE block runs on the local block (only its
-    shared experts are a region) and its router's gradient is summed over tp."""
+    shared experts are a region) and its router's gradient is summed over tp. With ``ring``
+    (async TP) only the collectives that are not rings (:func:`._tp_rings.ring_flags`) are here."""
     H, n = shape.hidden, len(layers)
     full, part = T * H * e, T // t * H * e
-    regions = routers = 0  # per microbatch
+    gathers = scatters = routers = 0  # synchronous, per microbatch
     for i in layers:
-        regions += 1  # attention
-        if not shape.is_moe_layer(i) or ep == 1 or shape.shared_experts:
-            regions += 1  # dense MLP, an MoE block with tensor-parallel experts, or the shared experts
+        attn_ring, mlp_region, mlp_ring = ring_flags(shape, i, ep)
+        gathers += 0 if ring and attn_ring else 1  # attention
+        scatters += 0 if ring else 1  # o_proj
+        if mlp_region and not (ring and mlp_ring):
+            gathers, scatters = gathers + 1, scatters + 1  # dense MLP, tensor-parallel experts, shared experts
         if shape.is_moe_layer(i) and ep > 1:
             routers += 1
+    heads = 0 if ring else last
     add = out.add
-    add("tp", "all_gather_single", "all_gather", "forward", t, M * (regions + last), part, full)
-    add("tp", "reduce_scatter_single", "all_gather", "backward", t, M * (regions + last), full, part)
-    add("tp", "reduce_scatter_single", "reduce_scatter", "forward", t, M * regions, full, part)
-    add("tp", "all_gather_single", "reduce_scatter", "backward", t, M * regions, part, full)
+    add("tp", "all_gather_single", "all_gather", "forward", t, M * (gathers + heads), part, full)
+    add("tp", "reduce_scatter_single", "all_gather", "backward", t, M * (gathers + heads), full, part)
+    add("tp", "reduce_scatter_single", "reduce_scatter", "forward", t, M * scatters, full, part)
+    add("tp", "all_gather_single", "reduce_scatter", "backward", t, M * scatters, part, full)
     add("tp", "all_reduce", "sum_grad_over", "backward", t, M * (2 * n + last), H * e, H * e)
     add("tp", "all_reduce", "sum_grad_over", "backward", t, M * routers, shape.experts * H * e, shape.experts * H * e)
     first, sharded = ends  # sequence-block boundaries: only the embedding's chunk splits, nothing gathers
@@ -117,7 +126,16 @@ def _sp_rows(
 
 
 def _regather_rows(
-    out: Rows, shape: ModelShape, opts: StepOptions, layers: list[int], last: bool, T: int, M: int, t: int, ep: int
+    out: Rows,
+    shape: ModelShape,
+    opts: StepOptions,
+    layers: list[int],
+    last: bool,
+    T: int,
+    M: int,
+    t: int,
+    ep: int,
+    ring: bool = False,
 ) -> None:
     """``sp_activation="shard"``: each gathered input read by column-parallel projections is
     gathered again in backward (:mod:`shardkit.tensor_parallel.sp_saved`): q/k/v (MLA: ``q_proj``
@@ -125,18 +143,21 @@ def _regather_rows(
     shared experts; routed experts are not column-parallel linears) and the head. A checkpointed
     block's readers take its recompute's gather instead, so with AC only the head regathers.
     ``selective`` keeps no result of these gathers (the replay leaves them out): its recompute
-    issues every block's input gather again."""
+    issues every block's input gather again. With ``ring`` (async TP) only the synchronous
+    gathers are here (the rings regather in ._tp_rings)."""
     mode, every = parse_ac(opts.activation_checkpoint)
     readers = regions = 0
     for j, i in enumerate(layers):  # selective:N checkpoints the stage's blocks N - 1, 2N - 1, ...
+        attn_ring, mlp_region, mlp_ring = ring_flags(shape, i, ep)
+        attn_ring, mlp_ring = attn_ring and ring, mlp_ring and ring
         if mode != "none" and (j + 1) % every == 0:
-            regions += 2 if not shape.is_moe_layer(i) or ep == 1 or shape.shared_experts else 1
+            regions += (not attn_ring) + (mlp_region and not mlp_ring)
             continue
-        readers += 0 if shape.mla and shape.q_lora_rank else 1
-        readers += 1 if not shape.is_moe_layer(i) or shape.shared_experts else 0
+        readers += 0 if (shape.mla and shape.q_lora_rank) or attn_ring else 1
+        readers += 1 if (not shape.is_moe_layer(i) or shape.shared_experts) and not mlp_ring else 0
     e, H = opts.elem, shape.hidden
     part, full = T // t * H * e, T * H * e
-    n = M * (readers + last)
+    n = M * (readers + (last and not ring))
     out.add("tp", "all_gather_single", "sp_regather", "recompute", t, n, part, full)
     if mode == "selective":
         out.add("tp", "all_gather_single", "all_gather", "recompute", t, M * regions, part, full)

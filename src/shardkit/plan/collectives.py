@@ -94,6 +94,8 @@ from .options import (
 
 __all__ = ["CommRow", "step_collectives", "merged", "ledger_table", "HEADER_BYTES"]
 
+# point-to-point calls that are not pipeline transfers: ring attention's, async TP's rings
+_RING_APIS = ("ring_attention", "all_gather_matmul", "matmul_reduce_scatter", "sp_regather")
 HEADER_BYTES = 160  # the P2P shape header: 20 int64 (dtype, ndim, up to 16 dims, ...)
 
 
@@ -343,7 +345,7 @@ def ledger_table(records: Iterable) -> dict[tuple[str, str, str, int], tuple[int
     schedule's choice, not a cost."""
     table: dict[tuple[str, str, str, int], tuple[int, int, int]] = {}
     for r in records:
-        pipeline = r.op == "broadcast" or (r.op in ("send", "recv") and r.api != "ring_attention")
+        pipeline = r.op == "broadcast" or (r.op in ("send", "recv") and r.api not in _RING_APIS)
         api = "p2p" if pipeline else r.api
         key = (r.op, api, r.phase, r.group_size)
         c, s, v = table.get(key, (0, 0, 0))

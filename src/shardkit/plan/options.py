@@ -72,6 +72,8 @@ class StepOptions:
         sp_activation: with sequence parallelism, what the column-parallel projections keep:
             ``"shard"`` (the trainer's default; gathered again in backward) or ``"gathered"``
             (:func:`shardkit.parallelize.parallelize`).
+        async_tp: with sequence parallelism, the trainer's ``--async-tp``: SP's gathers and
+            reduce-scatters as collective-matmul rings (:mod:`._tp_rings`).
     """
 
     seq_len: int = 4096
@@ -85,6 +87,7 @@ class StepOptions:
     virtual_stages: int = 1
     zero: int = 0
     sp_activation: str = "shard"
+    async_tp: bool = False
 
     @property
     def elem(self) -> int:

@@ -3,6 +3,8 @@
 The planner's step time is the pipeline's makespan (P2P in it: :mod:`.p2p_timeline`) plus the
 collectives a rank waits for. What the runtime does, per axis of :func:`.collectives.step_collectives`:
 
+* ``tp`` with async TP: the collective-matmul rings' steps overlap one block's matmul each;
+  what they leave exposed is :mod:`._tp_rings`'s (``(t - 1) max(0, c - m)`` per ring).
 * ``tp``, ``cp``, ``ep``, the pipeline's check and ``world`` (loss, gradient norm): issued
   synchronously inside the step's computation (Megatron's f/g, SP's gather and scatter, the CP
   exchanges, the dispatch all-to-alls): each waits for its input and the next op waits for it,
@@ -54,17 +56,18 @@ def fsdp_exposed(calls: int, seconds: float, hide: float) -> float:
     return each + (calls - 1) * max(0.0, each - hide)
 
 
-def exposed_seconds(timed: Sequence[tuple[CommRow, float]], layer_forward_s: float) -> float:
+def exposed_seconds(timed: Sequence[tuple[CommRow, float]], layer_forward_s: float, tp_rings_s: float = 0.0) -> float:
     """The seconds of ``timed`` (a stage's rows and their alpha-beta seconds) a rank waits for,
     besides the pipeline's P2P, with ``layer_forward_s`` the forward of one decoder layer on one
-    microbatch (pure).
+    microbatch (pure). The async-TP rings' rows (tp ``send``/``recv``) count as ``tp_rings_s``,
+    what their schedule leaves uncovered (:func:`._tp_rings.rings_exposed_seconds`).
 
     Raises:
         ShardkitError: a row on an axis this model does not know (a new axis must be placed here).
     """
-    total = 0.0
+    total = tp_rings_s
     for row, s in timed:
-        if _p2p(row):
+        if _p2p(row) or (row.axis == "tp" and row.op in ("send", "recv")):
             continue
         if row.axis in CRITICAL_AXES:
             total += s

@@ -28,7 +28,7 @@ from .moe_time import grouped_gemm_extra_flops
 from .options import StepOptions, check_layout, resolve_options
 from .overlap import exposed_seconds
 from .pipeline import pipeline_cost
-from .timing import group_stride, row_seconds
+from .timing import group_stride, row_seconds, tp_rings_exposed
 
 __all__ = ["StepEstimate", "estimate_step", "plan_layouts", "enumerate_layouts", "schedule_choices"]
 
@@ -99,7 +99,7 @@ def estimate_step(shape: ModelShape, dims: ParallelDims, options: StepOptions, c
             f"estimate_step: {dims.describe()} uses {dims.product} GPUs, the cluster has {cluster.gpus}"
         )
     check_layout(shape, dims, options)
-    worst: tuple[float, list[tuple[CommRow, float]], float] | None = None
+    worst: tuple[float, list[tuple[CommRow, float]], float, int] | None = None
     memory: dict[str, float] = {}
     # embedding, a middle (MoE) stage, lm_head; every stage when their tp sizes differ (pp_tp)
     stages = range(dims.pp) if dims.pp_tp is not None else sorted({0, dims.pp // 2, dims.pp - 1})
@@ -108,7 +108,7 @@ def estimate_step(shape: ModelShape, dims: ParallelDims, options: StepOptions, c
     for stage in stages:
         critical, timed, overlappable = _stage_comm(shape, dims, comm_opts, cluster, stage)
         if worst is None or critical + overlappable > worst[0] + worst[2]:
-            worst = (critical, timed, overlappable)
+            worst = (critical, timed, overlappable, stage)
         mem = memory_per_rank(shape, dims, options, stage)
         if mem["total"] > memory.get("total", -1.0):
             memory = mem
@@ -131,7 +131,8 @@ def estimate_step(shape: ModelShape, dims: ParallelDims, options: StepOptions, c
     )
     # one decoder layer's forward on one microbatch: what FSDP2's prefetch hides a layer's gather behind
     layer_forward = compute / (3 * M) / max(1.0, shape.layers / dims.pp)
-    exposed = exposed_seconds(timed, layer_forward)
+    rings = tp_rings_exposed(shape, dims, comm_opts, cluster, worst[3]) if options.async_tp else 0.0
+    exposed = exposed_seconds(timed, layer_forward, rings)
     step = pipe.makespan + exposed
     fits = memory["total"] <= cluster.gpu_memory_gib * 2**30
     mfu = flops / (step * cluster.gpus * cluster.peak_tflops * 1e12)

@@ -27,10 +27,13 @@ from __future__ import annotations
 import math
 
 from ..sharding import AXES, ParallelDims
+from ._tp_rings import rings_exposed_seconds, stage_rings
 from .cluster import Cluster
 from .collectives import CommRow
+from .model import ModelShape
+from .options import StepOptions, resolve_options, stage_part, stage_tp
 
-__all__ = ["bus_factor", "group_stride", "row_seconds", "tree_all_reduce_seconds"]
+__all__ = ["bus_factor", "group_stride", "row_seconds", "tree_all_reduce_seconds", "tp_rings_exposed"]
 
 _AXIS_DIMS = {
     "tp": ("tp",),
@@ -93,3 +96,22 @@ def row_seconds(row: CommRow, dims: ParallelDims, cluster: Cluster) -> float:
     if row.op != "all_reduce" or inside or row.group_size <= 1:
         return ring
     return min(ring, tree_all_reduce_seconds(row.count, size, row.group_size, span, cluster))
+
+
+def tp_rings_exposed(shape: ModelShape, dims: ParallelDims, opts: StepOptions, cluster: Cluster, stage: int) -> float:
+    """Seconds of pipeline stage ``stage``'s async-TP rings on the critical path of a step: one
+    block's transfer (one ``send`` of ``[T / t, H]``, alpha-beta as :func:`row_seconds`) against
+    one block's matmul at the cluster's sustained rate (:func:`._tp_rings.rings_exposed_seconds`).
+    0 without sequence parallelism or with one tp rank."""
+    opts = resolve_options(shape, dims, opts)
+    t = stage_tp(dims, stage)
+    if t <= 1 or not opts.sequence_parallel or not opts.async_tp:
+        return 0.0
+    M = opts.microbatches
+    T = opts.global_batch // (dims.dp * M) * (opts.seq_len // dims.cp)
+    layers, _, last = stage_part(shape, dims, opts, stage)
+    rings = stage_rings(shape, opts, layers, last, T, M, t, dims.ep)
+    step = row_seconds(
+        CommRow("tp", "send", "all_gather_matmul", "forward", t, 1, T // t * shape.hidden * opts.elem, 0), dims, cluster
+    )
+    return rings_exposed_seconds(rings, t, step, cluster.peak_tflops * 1e12 * cluster.efficiency)

@@ -84,6 +84,7 @@ def apply_tp(
     styles: dict | None = None,
     check: str = "warn",
     sp_activation: str = "gathered",
+    async_tp: bool = False,
 ) -> nn.Module:
     """Apply tensor parallelism to ``model`` in place, following ``plan``.
 
@@ -108,6 +109,11 @@ def apply_tp(
             for backward: ``"gathered"`` (the all-gather's ``[B, S, H]`` output, the default
             here) or ``"shard"`` (the ``[B, S / R, H]`` block, all-gathered again in backward,
             Megatron's choice: :mod:`.sp_saved`). No effect without sequence parallelism.
+        async_tp: with ``sequence_parallel``, issue each block's sequence all-gather as ring
+            steps that overlap its column-parallel readers' matmuls (q/k/v together, gate/up
+            together, the head) and each row-parallel reduce-scatter as ring steps overlapping
+            its matmul (:mod:`shardkit.comm.collective_matmul`; PyTorch's async TP on c10d
+            point-to-point calls). Same values up to the order of sums; ledger ``send``/``recv``.
 
     Returns:
         ``model`` (the same object); unchanged when the group has one rank.
@@ -116,7 +122,7 @@ def apply_tp(
         ShardkitError: unknown style names, ambiguous rules, shapes a style cannot cut (e.g.
             fewer attention heads than ranks), a model the sequence-parallel plan does not
             cover (MoE blocks, MLA; :func:`.sp_plan.sequence_parallel_error`), or
-            (``check="error"``) an imperfect plan.
+            (``check="error"``) an imperfect plan; ``async_tp`` without ``sequence_parallel``.
         ShardkitTypeError: a style applied to a module of the wrong kind.
     """
     if not isinstance(model, nn.Module):
@@ -124,6 +130,11 @@ def apply_tp(
     if check not in ("warn", "error", "off"):
         raise ShardkitError(f"apply_tp: check must be 'warn', 'error' or 'off', got {check!r}")
     check_sp_activation(sp_activation, "apply_tp")
+    if async_tp and not sequence_parallel:
+        raise ShardkitError(
+            "apply_tp: async_tp=True needs sequence_parallel=True (it decomposes the sequence all-gathers and "
+            "reduce-scatters; Megatron's all-reduces have no ring form here)"
+        )
     g = resolve_group(tp_mesh, "apply_tp")
     # In check mode a plan error seen by one rank only (its own plan or model) is raised on
     # every rank (agreed before the fingerprint), instead of leaving the others waiting in it.
@@ -135,11 +146,13 @@ def apply_tp(
         dict(model.named_parameters()),
         g.pg,
         "apply_tp",
-        _plan_lines(model, compiled, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel),
+        _plan_lines(
+            model, compiled, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, async_tp=async_tp
+        ),
     )
     heads = _head_ranges(model, compiled, g.size)
     memo: dict = {}
-    seq = SequenceSharding(tp_mesh, activation=sp_activation if sequence_parallel else "gathered")
+    seq = SequenceSharding(tp_mesh, activation=sp_activation if sequence_parallel else "gathered", async_tp=async_tp)
     for name, module in list(model.named_modules()):
         ratios = getattr(module, "_shardkit_kv_groups", None)
         if ratios is not None:

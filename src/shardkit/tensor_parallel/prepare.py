@@ -31,7 +31,7 @@ def _replace_output(out, fn):
     return fn(out)
 
 
-def layout_change(seq: SequenceSharding, src, dst, what: str):
+def layout_change(seq: SequenceSharding, src, dst, what: str, block: str | None = None):
     """The function taking a hidden-states tensor from layout ``src`` to ``dst`` (activations).
 
     ``Shard(d) -> Replicate()``: all-gather (backward reduce-scatter: the consumers return
@@ -50,7 +50,7 @@ def layout_change(seq: SequenceSharding, src, dst, what: str):
             return lambda x: seq.reduce_scatter(x, dst.dim)
         return lambda x: all_reduce_forward(x, seq.group)
     if isinstance(src, Shard) and isinstance(dst, Replicate):
-        return lambda x: seq.gather(x, src.dim)
+        return lambda x: seq.gather(x, src.dim, block)
     if isinstance(src, Replicate) and isinstance(dst, Shard):
         return lambda x: seq.split(x, dst.dim)
     if isinstance(src, Replicate):
@@ -81,7 +81,9 @@ class PrepareModuleInput(ParallelStyle):
 
     def apply_module(self, module: nn.Module, ctx: StyleContext) -> None:
         assert ctx.seq is not None  # StyleContext.of and apply_tp always give one
-        fn = layout_change(ctx.seq, self.input_layouts, self.desired_input_layouts, f"PrepareModuleInput at {ctx.name}")
+        what = f"PrepareModuleInput at {ctx.name}"
+        # block: with async TP, this gather's ring computes the matmuls of its registered readers
+        fn = layout_change(ctx.seq, self.input_layouts, self.desired_input_layouts, what, ctx.name)
         module.register_forward_pre_hook(lambda m, args, kwargs: replace_input(args, kwargs, fn), with_kwargs=True)
 
 

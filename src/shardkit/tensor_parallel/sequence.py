@@ -35,6 +35,7 @@ from ..comm import (
     split_forward_gather_backward,
 )
 from ..comm._group import resolve_group
+from ..comm.collective_matmul import all_gather_matmul, matmul_reduce_scatter
 from ..comm.replay_scope import unreplayed
 from ..errors import ShardkitError
 from .sp_saved import Regather, RegatherPool, check_sp_activation
@@ -78,16 +79,24 @@ class SequenceSharding:
         activation: what the column-parallel readers of a sequence all-gather keep for backward:
             ``"gathered"`` (its ``[B, S, H]`` output) or ``"shard"`` (this rank's block, gathered
             again in backward: :mod:`.sp_saved`).
+        async_tp: decompose each sequence all-gather into ring steps overlapping its
+            column-parallel readers' matmuls (one ring for the readers registered with the
+            gathering block: q/k/v, gate/up, the head), and each row-parallel reduce-scatter into
+            ring steps overlapping the matmul producing it (:mod:`shardkit.comm.collective_matmul`).
+            The same layer and layouts; only how the collective is issued changes.
 
     Raises:
         ShardkitError: an unknown ``activation``.
     """
 
-    def __init__(self, group: Group, dim: int = 1, activation: str = "gathered") -> None:
+    def __init__(self, group: Group, dim: int = 1, activation: str = "gathered", async_tp: bool = False) -> None:
         self.group = group
         self.dim = dim
         self.info = resolve_group(group, "SequenceSharding")
         self.activation = check_sp_activation(activation, "SequenceSharding")
+        self.async_tp = bool(async_tp) and self.info.size > 1
+        self.readers: dict[str, list[torch.nn.Linear]] = {}  # async_tp: gathering block -> its column-parallel readers
+        self._async: tuple | None = None  # (gathered output, {id(reader): its output}) of the last async gather
         self.sizes: list[int] | None = None
         self._last: tuple | None = None  # (weakref(source), kind, prepared output, grad mode)
         self._shard: tuple | None = None  # ("shard" mode) (gathered output, its shard, Regather)
@@ -133,14 +142,25 @@ class SequenceSharding:
         self.sizes = balanced_split_sizes(x.shape[dim], self.info.size)
         return split_forward_gather_backward(x, self.group, dim, self.sizes)
 
-    def gather(self, x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    def gather(self, x: torch.Tensor, dim: int | None = None, block: str | None = None) -> torch.Tensor:
         """``Shard(dim) -> Replicate``: ``[B, S_r, H]`` -> ``[B, S, H]``; backward reduce-scatters
-        the (partial) gradients. Shared: the same ``x`` again gives the same output."""
+        the (partial) gradients. Shared: the same ``x`` again gives the same output.
+
+        With ``async_tp``, ``block`` (the gathering module's name) names the column-parallel
+        readers whose outputs the ring computes as the blocks arrive (:meth:`add_reader`); they
+        take them with :meth:`async_output`."""
         dim = self.dim if dim is None else dim
         hit = self._hit(x, ("gather", dim))
         if hit is not None:
             return hit
         sizes = self._gather_sizes(x, dim)
+        readers = self.readers.get(block or "") if self.async_tp else None
+        if readers:
+            ws = [m.weight for m in readers]
+            bs = [m.bias for m in readers]
+            full, ys = all_gather_matmul(x, self.info, dim, sizes, ws, bs, self.activation)
+            self._async = (full, {id(m): y for m, y in zip(readers, ys)})
+            return self._keep(x, ("gather", dim), full)
         if self.activation == "gathered" or not (x.requires_grad and torch.is_grad_enabled()):
             return self._keep(x, ("gather", dim), all_gather(x, self.group, dim, sizes))
         with unreplayed():  # a selective checkpoint must not keep the T x H output this layout drops
@@ -150,6 +170,28 @@ class SequenceSharding:
             handle.recomputed(x, out)
         self._shard = (out, x, handle)
         return self._keep(x, ("gather", dim), out)
+
+    def add_reader(self, block: str, module: torch.nn.Linear) -> None:
+        """``module`` (a column-parallel ``nn.Linear``) reads the input ``block`` gathers: with
+        ``async_tp`` its matmul runs inside that gather's ring."""
+        if self.async_tp:
+            self.readers.setdefault(block, []).append(module)
+
+    def async_output(self, x: torch.Tensor, module: torch.nn.Module) -> torch.Tensor | None:
+        """The output the last async gather's ring computed for ``module`` reading ``x``, or None
+        (``x`` is not that gather's output, or ``module`` is not one of its readers)."""
+        if self._async is None or self._async[0] is not x:
+            return None
+        return self._async[1].pop(id(module), None)
+
+    def linear_reduce_scatter(self, x: torch.Tensor, weight: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+        """A row-parallel ``F.linear(x, weight)`` reduce-scattered along ``dim``: the ring of
+        :func:`~shardkit.comm.collective_matmul.matmul_reduce_scatter` with ``async_tp``, else
+        the matmul then :meth:`reduce_scatter`."""
+        dim = self.dim if dim is None else dim
+        if not self.async_tp:
+            return self.reduce_scatter(torch.nn.functional.linear(x, weight), dim)
+        return matmul_reduce_scatter(x, weight, self.info, dim, self._scatter_sizes(x, dim))
 
     def shard_of(self, x: torch.Tensor) -> tuple[torch.Tensor, Regather] | None:
         """``(shard, Regather)`` when ``x`` is the output of this forward's last sequence

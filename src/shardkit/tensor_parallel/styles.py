@@ -65,7 +65,12 @@ if TYPE_CHECKING:
     from typing import Any
 
 
+# Column-parallel projections that read their block's gathered input (Llama-family names, Qwen's
+# fused ones, MLA's q_proj without a query LoRA): with async TP their matmuls run in that ring.
+GATHER_READERS = frozenset({"q_proj", "k_proj", "v_proj", "qkv_proj", "gate_proj", "up_proj", "gate_up_proj"})
+
 __all__ = [
+    "GATHER_READERS",
     "StyleContext",
     "ParallelStyle",
     "ColwiseParallel",
@@ -164,13 +169,18 @@ class ColwiseParallel(ParallelStyle):
             )
         group, seq = ctx.group, ctx.seq
         assert seq is not None  # StyleContext.of and apply_tp always give one
+        linear = module if isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward else None
         if isinstance(self.input_layouts, Shard):
-            d = self.input_layouts.dim
+            d, name = self.input_layouts.dim, ctx.name
+            if linear is not None:
+                seq.add_reader(name, linear)  # async_tp: its own gather's ring runs its matmul
             module.register_forward_pre_hook(
-                lambda m, args, kwargs: replace_input(args, kwargs, lambda x: seq.gather(x, d), "input"),
+                lambda m, args, kwargs: replace_input(args, kwargs, lambda x: seq.gather(x, d, name), "input"),
                 with_kwargs=True,
             )
         elif self.reduce_input_grad:
+            if linear is not None and ctx.name.rsplit(".", 1)[-1] in GATHER_READERS:
+                seq.add_reader(ctx.name.rsplit(".", 1)[0], linear)  # reads its block's gathered input
             module.register_forward_pre_hook(
                 lambda m, args, kwargs: replace_input(args, kwargs, seq.replicate, "input"), with_kwargs=True
             )
@@ -183,9 +193,10 @@ class ColwiseParallel(ParallelStyle):
             module.register_forward_hook(lambda m, args, out: gather_forward_split_backward(out, group, -1, sizes))
         elif hasattr(module, "out_features"):
             setattr(module, "out_features", spec.sizes[ctx.info.rank])  # an int, not a submodule
-        if seq.activation == "shard" and isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward:
-            # Megatron-style SP activations: keep the sequence shard, not the gathered input (.sp_saved)
-            setattr(module, "forward", functools.partial(_colwise_forward, module, seq))
+        if (seq.activation == "shard" or seq.async_tp) and linear is not None:
+            # Megatron-style SP activations: keep the sequence shard, not the gathered input
+            # (.sp_saved); async TP: the output its block's gather ring computed
+            setattr(module, "forward", functools.partial(_colwise_forward, linear, seq))
 
     def _apply_embedding(self, module: nn.Embedding, ctx: StyleContext) -> None:
         """DTensor's ``ColwiseParallel`` on an embedding: cut its features (weight dim 1)."""
@@ -213,16 +224,21 @@ class PackedColwiseParallel(ColwiseParallel):
 
 def _colwise_forward(self: nn.Linear, seq: Any, x: torch.Tensor) -> torch.Tensor:
     # a reader of the sequence all-gather keeps the shard; any other input is a plain linear
+    y = seq.async_output(x, self)
+    if y is not None:
+        return y
     src = seq.shard_of(x)
     if src is None:
         return F.linear(x, self.weight, self.bias)
     return shard_saved_linear(x, src[0], self.weight, self.bias, src[1])
 
 
-def _rowwise_forward(self: nn.Linear, reduce: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+def _rowwise_forward(
+    self: nn.Linear, matmul_reduce: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
+) -> torch.Tensor:
     # The replicated bias must be added once, after the partial sums are reduced; nn.Linear would
     # add it on every rank before the reduction (R times in the sum).
-    out = reduce(F.linear(x, self.weight))
+    out = matmul_reduce(x)
     return out if self.bias is None else out + self.bias
 
 
@@ -310,6 +326,17 @@ class RowwiseParallel(ParallelStyle):
             return lambda y: seq.reduce_scatter(y, d)
         return lambda y: all_reduce_forward(y, group)
 
+    def _matmul_reduce(self, module: nn.Linear, ctx: StyleContext) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The partial output's matmul and its reduction: one ring (async TP) for a sequence
+        reduce-scatter, else ``F.linear`` then :meth:`_reduce`."""
+        seq = ctx.seq
+        assert seq is not None
+        if isinstance(self.output_layouts, Shard) and seq.async_tp:
+            d = self.output_layouts.dim
+            return lambda x: seq.linear_reduce_scatter(x, module.weight, d)
+        reduce = self._reduce(ctx)
+        return lambda x: reduce(F.linear(x, module.weight))
+
     def _apply_embedding(self, module: nn.Embedding, ctx: StyleContext) -> None:
         """DTensor's ``RowwiseParallel`` on an embedding: cut its vocabulary (weight dim 0)."""
         name = type(self).__name__
@@ -338,9 +365,8 @@ class RowwiseParallel(ParallelStyle):
             raise ShardkitError(f"{name}: {ctx.name}: output_layouts=Partial() with a bias (it would be added R times)")
         if isinstance(self.output_layouts, Shard) and module.bias is not None and module.bias.requires_grad:
             sum_grad_over(module.bias, group)  # added to this rank's block only: partial gradient
-        reduce = self._reduce(ctx)
         # an instance attribute shadows the class's forward (setattr: a method assignment on purpose)
-        setattr(module, "forward", functools.partial(_rowwise_forward, module, reduce))
+        setattr(module, "forward", functools.partial(_rowwise_forward, module, self._matmul_reduce(module, ctx)))
         if isinstance(self.input_layouts, Replicate):
             if len(spec.ranges[0]) != 1:
                 raise ShardkitError(f"{name}: {ctx.name}: a replicated input needs plain (not packed) shards")

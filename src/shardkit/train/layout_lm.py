@@ -168,6 +168,13 @@ def check_lm_options(cfg: TrainConfig, experts: bool | None) -> None:
     if sp is None:  # the default cannot break the rule (off with pp_tp); an MoE default is off too
         sp = sequence_parallel_default(bool(experts), cfg.tp, pp_tp)
     _raise(sp_pp_tp_rule(bool(sp), pp_tp))
+    if cfg.async_tp and (cfg.tp <= 1 or not sp):
+        raise ShardkitError(
+            f"--async-tp needs sequence parallelism over --tp > 1 (got --tp {cfg.tp}, sequence parallelism "
+            f"{'on' if sp else 'off'}): it decomposes SP's all-gathers and reduce-scatters into ring steps"
+        )
+    if cfg.async_tp and cfg.compile:
+        raise ShardkitError("--async-tp with --compile: the rings' state is not traced; use one of them")
     dp = cfg.dp_replicate * cfg.dp_shard
     if cfg.packed and cfg.cp_size > 1 and cfg.batch_size != dp * cfg.microbatches:
         raise ShardkitError(

@@ -172,6 +172,7 @@ def parallelize_lm(model: nn.Module, mesh, cfg: TrainConfig, task) -> tuple[Para
         zero=cfg.zero if mesh is not None else 0,  # the --verify reference: plain AdamW
         cp_layout=cfg.cp_layout,
         sp_activation=cfg.sp_activation if sp else None,
+        async_tp=cfg.async_tp and sp,  # the --verify reference (sp False) runs the plain model
         expert_capacity=expert_capacity_options(cfg),
     )
     # before any transform (none touches the routers), for the parallel run and the reference alike

@@ -103,6 +103,7 @@ class TrainConfig:
     virtual_stages: int = 1  # chunks per pipeline rank (interleaved-1f1b, -zb, looped-bfs: >= 2; zbv, dualpipev: 2)
     ac: str = "none"  # activation checkpointing of each decoder block: "none", "full", "selective" or "selective:N"
     sp_activation: str | None = None  # with SP: "shard" (keep the norm's block, regather in backward) or "gathered"
+    async_tp: bool = False  # with SP over tp > 1: collective-matmul rings for SP's gathers and reduce-scatters
     compile: str | None = None  # torch.compile each decoder block with this backend ("inductor", "aot_eager", ...)
     max_norm: float | None = 1.0  # clip the global gradient norm (None / 0: no clipping)
     skip_nonfinite: int = 0  # skip up to N steps whose global loss or grad norm is NaN/inf; one more stops the run
