@@ -65,12 +65,13 @@ def test_ep_over_replicas_checkpoint_resumes_on_another_expert_layout():
     root = shared_tmpdir("shardkit-ep-replicas-")
     try:
         first, second = dict(tp=2, ep=4, zero=1), dict(tp=1, dp_shard=4, ep=2)
-        full = _train(steps=4, **first)
-        _train(steps=2, checkpoint_dir=root, **first)
-        resumed = _train(steps=4, checkpoint_dir=root, resume=True, **second)
+        # 1 step saved, 2 resumed: the second resumed loss follows a step of the loaded AdamW state
+        full = _train(steps=3, **first)
+        _train(steps=1, checkpoint_dir=root, **first)
+        resumed = _train(steps=3, checkpoint_dir=root, resume=True, **second)
         if rank() == 0:
-            assert resumed["first_step"] == 2
-            for a, b in zip(resumed["losses"], full["losses"][2:]):
+            assert resumed["first_step"] == 1
+            for a, b in zip(resumed["losses"], full["losses"][1:], strict=True):
                 assert abs(a - b) <= 1e-12 * abs(b), (resumed["losses"], full["losses"])
     finally:
         remove_shared_dir(root)
