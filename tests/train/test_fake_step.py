@@ -59,6 +59,10 @@ LAYOUTS = {
     "moe tp=2 experts x dp=2": (dict(model="moe", tp=2), 1 + MOE_LAYERS),
     "conv-ae spatial=2 x dp=2": (dict(model="conv-ae", spatial=2, seq_len=2), 1),
 }
+# One 90 KB file of text, not the default corpus (the stdlib: 31 MB read by rank 0 and broadcast
+# to every rank, a third of a small run's CPU); the packed layouts keep the stdlib's documents.
+CORPUS = str(Path(torch.__file__).parent / "functional.py")
+LAYOUTS = {name: ({**o} if o.get("packed") else {"data": CORPUS, **o}, r) for name, (o, r) in LAYOUTS.items()}
 # One layout per distinct path in the quick tier: the ring's fused blocks beside tp's
 # collectives, a pipeline's P2P and headers, MoE's token counts with FSDP2's streams (its dense
 # layers sharded over 4, its experts over edp: "tp=2 x FSDP2=2" adds no path of its own), the

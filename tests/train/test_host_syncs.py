@@ -19,6 +19,7 @@ FSDP2 (the fused read), ring attention, a pipeline, an MoE layer and the conv-ae
 
 import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,7 +30,10 @@ from shardkit.comm.host_sync import HostSyncCounter
 from shardkit.train.config import TrainConfig, validate_config
 from shardkit.train.run import train
 
-SMALL = dict(steps=3, seq_len=16, batch_size=4, dtype="float64", layers=2, lr=1e-3)
+# One 90 KB file of text, not the default corpus (the stdlib: 31 MB read by rank 0 and broadcast
+# to every rank, a third of a small run's CPU); the packed cases keep the stdlib's documents.
+CORPUS = str(Path(torch.__file__).parent / "functional.py")
+SMALL = dict(steps=3, seq_len=16, batch_size=4, dtype="float64", layers=2, lr=1e-3, data=CORPUS)
 MOE_LAYERS = 2  # the moe model's decoder layers in SMALL (each dropless: one read of its counts)
 
 
@@ -68,11 +72,11 @@ CASES = {
     "tp=2 x dp_shard=2 (FSDP2)": (dict(tp=2, dp_shard=2), GOAL, 0),
     "HSDP dp_replicate=2 x dp_shard=2": (dict(tp=1, dp_shard=2), GOAL, 0),
     "tp=2 x dp_shard=2, uneven GQA (6/3 heads)": (dict(tp=2, dp_shard=2, hidden_size=48, heads=6, kv_heads=3), GOAL, 0),
-    "packed, tp=2 x dp=2": (dict(packed=True, seq_len=64), GOAL, 0),
+    "packed, tp=2 x dp=2": (dict(packed=True, seq_len=64, data=None), GOAL, 0),
     "ring cp=2 x tp=2": (dict(cp_ring=2, tp=2), GOAL, 0),
     "Ulysses cp=2 x dp_shard=2": (dict(cp_ulysses=2, dp_shard=2, tp=1), GOAL, 0),
     "USP ring=2 x Ulysses=2, packed": (
-        dict(cp_ring=2, cp_ulysses=2, tp=1, packed=True, batch_size=1, seq_len=64),
+        dict(cp_ring=2, cp_ulysses=2, tp=1, packed=True, batch_size=1, seq_len=64, data=None),
         GOAL,
         0,
     ),

@@ -12,18 +12,32 @@ import errno
 import json
 import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from harness.helpers import rank, remove_shared_dir, shared_tmpdir, world_size
-from harness.resume import BASE, run_losses, run_train
+from harness.resume import BASE as _BASE
+from harness.resume import run_losses
+from harness.resume import run_train as _run_train
 from harness.tiers import tiered
 from shardkit import ShardkitError
 from shardkit.checkpoint import MANIFEST, latest_checkpoint
 from shardkit.train.checkpoint_dir import check_checkpoint_dir
 from shardkit.train.config import TrainConfig, validate_config
 from shardkit.train.run import train
+
+# One 90 KB file of text, not the default corpus (the stdlib: 31 MB read by rank 0 and broadcast
+# to every rank, a third of a small run's CPU).
+CORPUS = str(Path(torch.__file__).parent / "functional.py")
+BASE = {**_BASE, "data": CORPUS}
+
+
+def run_train(**kw):
+    """:func:`harness.resume.run_train` on :data:`CORPUS` unless ``kw`` names ``data``."""
+    return _run_train(**{"data": CORPUS, **kw})
+
 
 RESUMES = {
     "tp=2 x dp=2 -> dp_shard=2 x cp_ring=2 (FSDP2)": (dict(), dict(tp=1, dp_shard=2, cp_ring=2)),
