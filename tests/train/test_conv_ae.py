@@ -1,16 +1,19 @@
 """``shardkit train --model conv-ae``: crop sampler, model builder, loss and options in-process;
-one spatial=2 end-to-end ``--verify`` run and one up-front failure as subprocesses."""
+the report's picture from a spatial run in a 2-rank world; one spatial=2 end-to-end ``--verify``
+run (slow tier) and one up-front failure as subprocesses."""
 
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
+from harness.helpers import rank, remove_shared_dir, shared_tmpdir, world_size
 from harness.limits import patient
 from shardkit import ShardkitError
-from shardkit.train.config import merge_config, validate_config
+from shardkit.train.config import TrainConfig, merge_config, validate_config
 from shardkit.train.conv_ae import (
     CROP,
     ConvAETask,
@@ -145,8 +148,35 @@ def _shardkit(*argv, timeout):
     )
 
 
+@pytest.mark.world(2, timeout=120)
+def test_a_spatial_run_with_a_report_writes_the_trained_models_reconstruction():
+    """The trainer's report hook for conv-ae (``spec.outputs``, run.py) in a spatial=2 world: the
+    tiles' parameters gathered whole on rank 0, ``reconstruction.png`` written beside the metrics
+    and listed in the result; its spatial collectives are in the ledger. The quick tier's stand-in
+    for the end-to-end CLI run below (the CLI's own report path is tests/cli/test_train_cli.py's)."""
+    import matplotlib.image
+
+    from shardkit.train.run import train
+
+    folder = shared_tmpdir("shardkit-conv-report-")
+    try:
+        cfg = validate_config(
+            TrainConfig(model="conv-ae", spatial=2, steps=1, dtype="float32", report=folder), world_size=world_size()
+        )
+        result = train(cfg, "gloo", torch.device("cpu"), time.perf_counter(), progress=False)
+        if rank() == 0:
+            png = os.path.join(folder, "reconstruction.png")
+            assert png in result["files"], result["files"]
+            h, w = CROP
+            assert matplotlib.image.imread(png).shape[:2] == (4 * h + 2, 8 * w + 6)
+            assert any(row["api"] == "spatial_conv2d" for row in result["ledger"]), result["ledger"]
+    finally:
+        remove_shared_dir(folder)
+
+
+@pytest.mark.slow  # the CLI around the in-world run above; 12 s on 2 cores (2 spawned ranks)
 def test_end_to_end_spatial_verify(tmp_path):
-    # About 12 s on 2 cores (2 spawned ranks); the timeout only bounds a hang.
+    # the timeout only bounds a hang
     proc = _shardkit(
         "train",
         "--model",

@@ -53,20 +53,24 @@ LAYOUTS = {
         1,
     ),
     "pp=2 x dp=2, 1f1b": (dict(tp=1, pp=2, microbatches=2), 1),
-    "pp=2 x tp=2, gpipe": (dict(tp=2, pp=2, schedule="gpipe", microbatches=2), 1),
-    "pp=2 x dp=2, interleaved-1f1b": (
-        dict(tp=1, pp=2, schedule="interleaved-1f1b", virtual_stages=2, layers=4, microbatches=2),
-        1,
-    ),
     "pp=2 x dp=2, zbv": (dict(tp=1, pp=2, schedule="zbv", virtual_stages=2, layers=4, microbatches=2), 1),
     "pp=2 x dp=2, zb-h1": (dict(tp=1, pp=2, schedule="zb-h1", microbatches=2), 1),
     "moe ep=2 x FSDP2=4": (dict(model="moe", tp=1, dp_shard=4, ep=2), 1 + MOE_LAYERS),
     "moe tp=2 experts x dp=2": (dict(model="moe", tp=2), 1 + MOE_LAYERS),
     "conv-ae spatial=2 x dp=2": (dict(model="conv-ae", spatial=2, seq_len=2), 1),
 }
-# one layout per distinct path in the quick tier (FSDP2's streams, the ring's fused blocks, a
-# pipeline's P2P and headers, MoE's token counts, the spatial halo); the others in the slow tier
-QUICK = ("tp=2 x FSDP2=2", "ring cp=2 x tp=2", "pp=2 x dp=2, 1f1b", "moe ep=2 x FSDP2=4", "conv-ae spatial=2 x dp=2")
+# One 90 KB file of text, not the default corpus (the stdlib: 31 MB read by rank 0 and broadcast
+# to every rank, a third of a small run's CPU); the packed layouts keep the stdlib's documents.
+CORPUS = str(Path(torch.__file__).parent / "functional.py")
+LAYOUTS = {name: ({**o} if o.get("packed") else {"data": CORPUS, **o}, r) for name, (o, r) in LAYOUTS.items()}
+# One layout per distinct path in the quick tier: the ring's fused blocks beside tp's
+# collectives, a pipeline's P2P and headers, MoE's token counts with FSDP2's streams (its dense
+# layers sharded over 4, its experts over edp: "tp=2 x FSDP2=2" adds no path of its own), the
+# spatial halo; the others in the slow tier. Where a device tensor lives does not depend on the
+# order a schedule runs its microbatches in: 1f1b stands for the one-chunk runner (gpipe's too),
+# zbv for chunked stages and the I/W split (interleaved-1f1b's chunks too), so neither of those
+# two is a layout here.
+QUICK = ("ring cp=2 x tp=2", "pp=2 x dp=2, 1f1b", "moe ep=2 x FSDP2=4", "conv-ae spatial=2 x dp=2")
 SLOW = tuple(name for name in LAYOUTS if name not in QUICK)
 
 

@@ -13,6 +13,7 @@ each with its reason); the rest of each matrix is marked ``slow`` and runs in CI
 """
 
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,7 +24,10 @@ from shardkit.sharding import AXES, FLAT_VIEWS
 from shardkit.train.config import TrainConfig, validate_config
 from shardkit.train.run import train
 
-SMALL = dict(steps=2, seq_len=16, batch_size=4, dtype="float64", verify=True, layers=2, lr=1e-3)
+# One 90 KB file of text, not the default corpus (the stdlib: 31 MB read by rank 0 and broadcast
+# to every rank, a third of a small run's CPU); the packed cases keep the stdlib's documents.
+CORPUS = str(Path(torch.__file__).parent / "functional.py")
+SMALL = dict(steps=2, seq_len=16, batch_size=4, dtype="float64", verify=True, layers=2, lr=1e-3, data=CORPUS)
 
 
 def _train(**overrides) -> dict | None:
@@ -67,14 +71,16 @@ LAYOUTS_4 = {
     "qwen3: dp_shard=2 x tp=2": dict(model="qwen3", dp_shard=2),
     "qwen2: cp_ring=2 x tp=2": dict(model="qwen2", cp_ring=2, tp=2),
     "llama: cp_ulysses=2 x dp_shard=2": dict(cp_ulysses=2, dp_shard=2),
-    "llama: USP cp_ring=2 x cp_ulysses=2, packed": dict(cp_ring=2, cp_ulysses=2, packed=True, batch_size=1, seq_len=64),
+    "llama: USP cp_ring=2 x cp_ulysses=2, packed": dict(
+        cp_ring=2, cp_ulysses=2, packed=True, batch_size=1, seq_len=64, data=None
+    ),
     "llama: dp=4, 2 accumulated microbatches": dict(tp=1, microbatches=2, batch_size=8),
     "llama: pp=2 x dp=2, 1f1b": dict(pp=2, microbatches=2),
     "moe: ep=2 borrowed from tp=2 x dp=2": dict(model="moe", ep=2),
     "moe: ep=4 over dp_shard=2 x tp=2": dict(model="moe", ep=4, dp_shard=2),
     "mla: tp=2 x dp=2, ep=2, loss parallel": dict(model="mla", ep=2, loss_parallel=True),
     "qwen3: tp=4, loss parallel": dict(model="qwen3", tp=4, loss_parallel=True),
-    "llama: packed, dp=2 x tp=2 (no cp)": dict(packed=True, seq_len=64),
+    "llama: packed, dp=2 x tp=2 (no cp)": dict(packed=True, seq_len=64, data=None),
     "conv-ae: spatial=2 x dp=2": dict(model="conv-ae", spatial=2, batch_size=4, seq_len=2),
     "conv-ae: spatial_h=2 x spatial=2 (H x W tiles)": dict(model="conv-ae", spatial_h=2, spatial=2, batch_size=2),
     "llama: pp_tp=2,1,1": dict(pp_tp="2,1,1", layers=3),
@@ -178,8 +184,6 @@ QUICK_PRETRAINED = ("pp=2 x dp=2 (tied embeddings across stages)", "tp=4, 9/3 he
 def test_pretrained_checkpoint_matches_one_process(overrides):
     # SmolLM2's shape (9 query / 3 KV heads, tied embeddings) through --model-path, trained on its
     # own tokenizer with the fine-tuning warm-up + cosine schedule.
-    from pathlib import Path
-
     from harness.helpers import remove_shared_dir, shared_tmpdir
     from harness.pretrained import save_tiny_llama
 
