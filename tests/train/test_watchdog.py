@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+from harness.limits import patient
 from shardkit._local_world import private_run_dir
 from shardkit.cli.launch import LaunchFailed, launch_local
 from shardkit.train import liveness, watchdog
@@ -229,7 +230,9 @@ def test_all_ranks_stalled_together_end_within_the_timeout_naming_the_phase(tmp_
     assert "shardkit's watchdog stopped rank" in err and "in phase loading" in err, err
     assert str(info.value).startswith("shardkit's watchdog stopped rank"), str(info.value)
     assert "in phase loading" in str(info.value).splitlines()[0], str(info.value)
-    assert elapsed < TIMEOUT_S + SLACK_S + 15, elapsed  # + the workers' start-up
+    # + the workers' start-up; the slack stretched on a loaded machine (harness.limits: at load 190
+    # on 2 cores the unstretched 30 s bound failed at 42.8 s)
+    assert elapsed < TIMEOUT_S + patient(SLACK_S + 15), elapsed
 
 
 def rank_one_never_beats(flight: str) -> None:
