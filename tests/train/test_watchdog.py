@@ -181,7 +181,7 @@ def test_a_rank_without_progress_for_the_timeout_is_killed_and_announced(tmp_pat
     assert "stopped rank 0" not in err, err
     first = str(info.value).splitlines()[0]
     assert first.startswith("shardkit's watchdog stopped rank 1: no progress for"), str(info.value)
-    assert elapsed < 30, elapsed  # start-up included
+    assert elapsed < patient(30), elapsed  # start-up included; stretched by load (56 s at load 130)
 
 
 def all_slow_in_one_stage(flight: str) -> None:
