@@ -51,11 +51,36 @@ def pytest_configure(config: pytest.Config) -> None:
         set_io_guard(capman.global_and_fixture_disabled)
 
 
+# Files whose tests mostly wait (on subprocesses, timeouts, heartbeats) rather than compute. With
+# pytest-xdist (`-n 2 --dist loadgroup`) they share one group, so they run one after another on
+# one worker while the other worker runs the CPU-bound world tests beside them; without xdist the
+# mark does nothing.
+WAIT_BOUND = frozenset(
+    {
+        "cli/test_fault_trials.py",
+        "cli/test_multi_node.py",
+        "cli/test_slow_rank.py",
+        "cli/test_saturated_save_hf.py",
+        "cli/test_train_papercuts.py",
+        "train/test_watchdog.py",
+        "catalogue/test_hash_bomb_cli.py",
+        "catalogue/test_shared_machine_launch.py",
+    }
+)
+
+
+def _wait_bound(item: pytest.Item) -> bool:
+    return Path(os.path.relpath(item.path, _TESTS_DIR)).as_posix() in WAIT_BOUND
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest's -m deselection reads the marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # The quick tier keeps one case per value of each parametrize argument; the rest of each
     # product is the matrix tier (harness/tiers.py: mark_matrix).
     mark_matrix(items)
+    for item in items:
+        if _wait_bound(item):
+            item.add_marker(pytest.mark.xdist_group("waits"))
 
 
 def _world_args(item: pytest.Function, marker: pytest.Mark) -> tuple[int, float]:

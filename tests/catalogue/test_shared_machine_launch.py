@@ -15,13 +15,16 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import shutil
 import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -289,11 +292,20 @@ def _plant_stale_records(flight: str) -> None:
         f.write("1.0 1\n")
 
 
+@pytest.fixture
+def short_tmp():
+    """An empty directory with a short path, for a job's ``TMPDIR``: the launcher's forkserver
+    binds a Unix socket below it, whose path must fit 107 bytes. ``tmp_path`` under
+    pytest-xdist (``.../pytest-N/popen-gw1/test_a_stopped_rank_ends_the_j0/tmp``) does not."""
+    path = tempfile.mkdtemp(prefix="sk-")
+    yield Path(path)
+    shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_a_stopped_rank_ends_the_job_within_the_timeout_and_is_named_the_suspect(tmp_path):
-    report, tmp = tmp_path / "report", tmp_path / "tmp"
-    tmp.mkdir()
+def test_a_stopped_rank_ends_the_job_within_the_timeout_and_is_named_the_suspect(tmp_path, short_tmp):
+    report, tmp = tmp_path / "report", short_tmp
     _plant_stale_records(str(report / "flight"))
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(tmp)}
     argv = [
