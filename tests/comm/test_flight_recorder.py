@@ -1,6 +1,6 @@
 """Flight recorder: ring buffer semantics, and desyncs diagnosed from every rank's dump.
 
-Each desync scenario runs real shardkit ops on a fresh process group with a 2 s timeout; the
+Each desync scenario runs real shardkit ops on a fresh process group with a 1-2 s timeout; the
 ranks disagree (different ops, swapped order, a skipped op, f vs g, a rank leaving early, a
 forgotten backward, sizes on one rank only, both pipeline stages sending, ...), the group times
 out (or the ops complete with the wrong pairing), every rank dumps its recorder, and
@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from harness.helpers import rank, remove_shared_dir, shared_tmpdir, world_size
+from harness.limits import patient
 from shardkit import all_gather, all_reduce_backward, all_reduce_forward, gather_forward_split_backward
 from shardkit.comm import flight_recorder as fr
 from shardkit.comm import ledger
@@ -23,7 +24,11 @@ from shardkit.context_parallel import ulysses_attention
 from shardkit.expert_parallel import dispatch_plan
 from shardkit.pipeline_parallel import send_backward, send_forward
 
-TIMEOUT = 2.0
+# The group's timeout is the wait every scenario pays (most of each case's time). 1 s on a quiet
+# machine is still hundreds of times what the scenarios' matching calls take (a few ms on 3 gloo
+# ranks), so the calls that should pair do pair; a loaded machine stretches it back up to the
+# former 2 s. The claim (diagnosed within the timeout + 10 s) is unchanged.
+TIMEOUT = min(2.0, patient(1.0))
 
 
 def test_ring_buffer_keeps_the_last_entries_in_order():

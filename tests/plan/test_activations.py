@@ -17,6 +17,7 @@ import dataclasses
 import pytest
 
 from harness.helpers import all_true, rank
+from harness.tiers import tiered
 from harness.tiny_lm import tiny_decoder, token_ids
 from shardkit import ShardkitError
 from shardkit.parallelize import decoder_layers, parallelize
@@ -52,6 +53,13 @@ LAYOUTS = {
 }
 ELEM = {"float64": 8, "bfloat16": 2}
 
+# Quick tier (issue 32, item 4): each branch of block_saved_bytes once. tp2: tensor parallel
+# without SP (the gathers kept by selective); tp4+sp: whole kv heads per rank; ulysses2 bf16:
+# tp 1, Ulysses' all-to-alls, 2-byte elements with fp32 statistics; tp2+sp x ulysses2: the SP
+# shard with Ulysses' expanded kv heads; tp2+sp x ring2 gathered: the gathered SP input and
+# ring's selective figure. The other 8 compose the same branches (CI runs them).
+QUICK = ("tp2", "tp4+sp (kv replicated)", "ulysses2 bf16", "tp2+sp x ulysses2", "tp2+sp x ring2 gathered")
+
 
 def _measured(dims: dict, sp: bool, dtype: str, mode: str, sp_act: str) -> tuple[int, BlockLayout]:
     mesh = ParallelDims(**dims).build_mesh("cpu")
@@ -66,7 +74,7 @@ def _measured(dims: dict, sp: bool, dtype: str, mode: str, sp_act: str) -> tuple
 
 
 @pytest.mark.world(4, timeout=180)
-@pytest.mark.parametrize("layout", list(LAYOUTS.values()), ids=list(LAYOUTS))
+@pytest.mark.parametrize("layout", tiered({name: (layout,) for name, layout in LAYOUTS.items()}, QUICK))
 def test_the_planner_counts_the_saved_bytes_of_every_mode(layout):
     dims, sp, dtype, sp_act = (*layout, "shard")[:4]
     wrong = []
