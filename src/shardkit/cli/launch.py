@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import signal
 import sys
 import threading
@@ -42,14 +41,7 @@ from .._local_world import no_shared_tcp_store, private_temp
 from .._quiet import quiet_third_party
 from ..train.liveness import read_heartbeats
 from ..train.watchdog import Watchdog, stalled_ranks
-from ._fork import (
-    FORKSERVER_TEMP,
-    forkserver_preload,
-    make_forkserver_temp,
-    parent_of,
-    start_forkserver,
-    take_launcher_env,
-)
+from ._fork import Forkserver, parent_of, take_launcher_env
 from .failures import flight_waits, format_failures
 
 __all__ = [
@@ -152,7 +144,7 @@ def launch_local(
     run_dir: str,
     heartbeats: str | None = None,
     timeout_s: float = 300.0,
-    preload: Sequence[str] | None = None,
+    preload: Sequence[str] | Forkserver | None = None,
 ) -> dict:
     """Run ``entry(*args)`` on ``nproc`` local processes; return ``{local_rank: return value}``.
 
@@ -167,8 +159,10 @@ def launch_local(
         timeout_s: the ranks' process-group timeout (seconds), which the silences are measured against.
         preload: None: each rank is a spawned interpreter that imports what it needs. Else the
             ranks are forked from a forkserver that imported torch, these modules and
-            ``entry``'s module once (``shardkit train`` passes the model's modeling code). Not
-            for a process that runs its own forkserver with other imports or output (pytest's
+            ``entry``'s module once (:meth:`._fork.Forkserver.start`, here), or from the
+            :class:`._fork.Forkserver` given, started earlier (``shardkit train`` starts it
+            before its own torch-dependent checks, with the model's modeling code). Not for a
+            process that runs its own forkserver with other imports or output (pytest's
             harness): there is one per process.
 
     Raises:
@@ -212,13 +206,11 @@ def launch_local(
         log.setLevel(logging.CRITICAL)
     try:
         watchdog = Watchdog(heartbeats, timeout_s, nproc) if heartbeats else None
-        if preload is not None:
-            make_forkserver_temp()  # before private_temp
+        if preload is not None and not isinstance(preload, Forkserver):
+            Forkserver.start(preload, entry)  # before private_temp: its socket outlives the run directory
         with no_shared_tcp_store(), private_temp(run_dir), watchdog or nullcontext():
-            env = None
-            if preload is not None:
-                start_forkserver(forkserver_preload(preload, entry))  # here: with the launch's environment
-                env = dict(os.environ)
+            # a forked rank starts with its forkserver's environment: it takes the launch's
+            env = None if preload is None else dict(os.environ)
             return elastic_launch(config, _quiet_then)(os.getpid(), env, entry, *args)
     except ChildFailedError as err:
         stalled = stalled_ranks(read_heartbeats(heartbeats), timeout_s) if heartbeats else None
@@ -242,8 +234,9 @@ def print_failure(err: LaunchFailed | LaunchInterrupted) -> int:
     return 1
 
 
-def exit_now(code: int) -> NoReturn:
-    """End the launcher at once with ``code``, after a failed or interrupted launch.
+def exit_now(code: int, forkserver: Forkserver | None = None) -> NoReturn:
+    """End the launcher at once with ``code``, after a failed or interrupted launch; remove
+    ``forkserver``'s temporary directory (multiprocessing's exit handler would have).
 
     Every rank is already gone and the message printed; what is left is the interpreter's
     teardown of torch (module and object finalization), measured at 3-7 s on a loaded 2-core
@@ -251,6 +244,6 @@ def exit_now(code: int) -> NoReturn:
     """
     sys.stdout.flush()
     sys.stderr.flush()
-    for path in FORKSERVER_TEMP:  # multiprocessing's exit handler would have removed it
-        shutil.rmtree(path, ignore_errors=True)
+    if forkserver is not None:
+        forkserver.remove_temp()
     os._exit(code)
