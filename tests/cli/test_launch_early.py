@@ -44,17 +44,22 @@ def finish(*args, **kwargs):
 
 train.check_args, train.finish_args, fork.Forkserver.start = checked, finish, staticmethod(start)
 from shardkit.cli.main import main
-rc = main(json.loads(sys.argv[1]))
+argv = json.loads(sys.argv[1])
+if sys.argv[2] == "own":  # the command line's: `shardkit train ...`
+    sys.argv[1:] = argv
+    rc = main()
+else:  # a program calling main(argv)
+    rc = main(argv)
 print(json.dumps({"rc": rc, "events": events}))
 """
 
 
-def _events(argv: list[str], elastic: dict[str, str] | None = None) -> list:
+def _events(argv: list[str], elastic: dict[str, str] | None = None, how: str = "own") -> list:
     env = {k: v for k, v in os.environ.items() if k not in _ELASTIC}
     env.update(elastic or {})
     env["PYTHONPATH"] = os.pathsep.join([SRC, *filter(None, [env.get("PYTHONPATH")])])
     run = subprocess.run(
-        [sys.executable, "-c", _PROBE, json.dumps(argv)], capture_output=True, text=True, timeout=300, env=env
+        [sys.executable, "-c", _PROBE, json.dumps(argv), how], capture_output=True, text=True, timeout=300, env=env
     )
     assert run.stdout.strip(), run.stderr
     out = json.loads(run.stdout.strip().splitlines()[-1])
@@ -68,6 +73,11 @@ def test_the_forkserver_starts_between_the_torch_free_checks_and_the_rest():
         ["forkserver", False, ["transformers.models.llama.modeling_llama"], ENTRY_MODULE],
         ["finish_args", False],
     ]
+
+
+def test_a_program_calling_main_in_process_gets_no_early_forkserver():
+    """Its process may run a forkserver of its own (pytest's harness, with other imports)."""
+    assert _events(["train", "--steps", "1"], how="argv") == [["check_args", False], ["finish_args", False]]
 
 
 def test_a_torch_free_error_starts_no_forkserver():

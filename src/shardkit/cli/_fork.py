@@ -168,7 +168,7 @@ def remove_stale_temps(folder: str | None = None) -> list[str]:
     launcher (pid and start time) is gone; another program's ``pymp-*`` is never touched.
     Returns the removed paths."""
     folder = tempfile.gettempdir() if folder is None else folder
-    removed = []
+    removed: list[str] = []
     try:
         names = [n for n in os.listdir(folder) if n.startswith("pymp-")]
     except OSError:

@@ -68,7 +68,7 @@ def check_args(args: argparse.Namespace, world_size: int | None = None) -> tuple
     from ..train.model_names import model_facts
     from ..train.pretrained import tokenizer_source
 
-    values = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
+    values = {k: v for k, v in vars(args).items() if k not in ("func", "command", "own_process")}
     file_values = load_toml(args.config) if args.config else {}
     checked = check_options(merge_config(file_values, values), world_size)
     if checked.tokenizer is not None:
@@ -134,11 +134,12 @@ def run_train(args: argparse.Namespace) -> int:
         if getattr(args, "tokenizer", None):
             require(["transformers"], "shardkit train --tokenizer")
         checked, size = check_args(args, world_size)
-        if not torchrun:
+        if not torchrun and getattr(args, "own_process", False):
             # Started now, its imports (torch, the model's modeling code, shardkit's trainer) run
             # while this process imports the same for the checks below: on a loaded machine they
             # were one after the other, slower than torchrun's ranks importing side by side
             # (issue 32). A check that fails below ends this process, and the forkserver with it.
+            # (Called in-process, main(argv), it starts at launch: the caller may run its own.)
             forkserver = Forkserver.start(modeling_modules(checked.model, checked.model_path), ENTRY_MODULE)
         cfg = finish_args(checked, size, world_size)
         from ..train.specs import model_spec
@@ -177,7 +178,8 @@ def run_train(args: argparse.Namespace) -> int:
             if flight_dir is not None:  # a good run: its heartbeat is no record worth keeping
                 _clear_after_good_run(flight_dir, int(os.environ["RANK"]))
             return 0 if result is None else finish(result, cfg)
-        assert forkserver is not None  # started above for a local launch
+        if forkserver is None:  # main(argv) in a caller's process: started at launch, as before
+            forkserver = Forkserver.start(modeling_modules(cfg.model, cfg.model_path), ENTRY_MODULE)
         code, results = _launch(cfg, forkserver)
         if code is None:
             return finish(results[0], cfg)
