@@ -112,6 +112,17 @@ def _die_with_parent(parent: int) -> None:
         os._exit(128 + signal.SIGKILL)
 
 
+def _own_session() -> None:
+    """Start a session of this process's own (``setsid``), as torchrun does for each rank: Linux
+    shares the processors between sessions first (:mod:`._forkserver_guard` says why it matters).
+    Skipped where there is no ``setsid`` or this process already leads a group."""
+    if hasattr(os, "setsid"):
+        try:
+            os.setsid()
+        except OSError:  # a process-group leader cannot: it keeps the session it has
+            pass
+
+
 def _die_with_launcher(launcher: int) -> None:
     """Exit when the launcher (pid ``launcher``) dies: spawned, the launcher is this rank's parent
     (:func:`_die_with_parent`); forked, the parent is the launcher's forkserver, which is killed
@@ -124,10 +135,11 @@ def _die_with_launcher(launcher: int) -> None:
 
 
 def _quiet_then(launcher: int, env: dict[str, str] | None, entry: Callable, *args: Any) -> Any:
-    """One local rank: the launcher's environment (forked ranks: ``env``), exit with the launcher,
-    SIGINT terminates, third-party progress bars and warnings on rank 0 only, then ``entry``."""
-    if env is not None:
+    """One local rank: the launcher's environment and a session of its own (forked ranks: ``env``),
+    exit with the launcher, SIGINT terminates, third-party progress bars and warnings on rank 0 only, then ``entry``."""
+    if env is not None:  # forked: a session of its own, as a torchrun rank (_own_session)
         take_launcher_env(env)
+        _own_session()
     _die_with_launcher(launcher)
     # Ctrl-C reaches every process of the terminal's group, and the launcher forwards its own
     # SIGINT: the default action ends the rank at once (no KeyboardInterrupt traceback per rank,
