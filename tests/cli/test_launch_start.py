@@ -41,6 +41,9 @@ def test_forked_ranks_get_the_launchers_environment_at_each_launch(tmp_path):
             # torch loaded and no thread but its main one (a fork copies only the forking thread)
             assert r["parent"] != launch["launcher"] and r["grandparent"] == launch["launcher"], r
             assert r["torch_in_parent"] and r["parent_threads"] == 1, r
+            # each in a session of its own, as torchrun's ranks: the scheduler shares the
+            # processors between sessions first (cli/_forkserver_guard.py)
+            assert r["session"] == r["pid"] and r["parent_session"] == r["parent"] != launch["session"], r
             forkservers.add(r["parent"])
     assert len(forkservers) == 1  # one forkserver for both launches: the imports are paid once
 

@@ -15,9 +15,11 @@ bytecodes and so waits out a blocked gloo collective; and each worker dies with 
 Start-up: with ``preload`` the ranks are forked from a forkserver that imported torch, shardkit
 and the model's modeling code once (:mod:`._fork`), instead of each spawned rank
 importing them again: on a loaded 2-core machine those imports were most of the time to the
-first step (issue 32). The forkserver dies with the launcher (:mod:`._forkserver_guard`) and
-each rank gets the launcher's environment as it is at launch (:func:`._fork.take_launcher_env`), as a
-spawned rank would.
+first step (issue 32). ``shardkit train`` starts it right after its torch-free checks, so that
+its imports run beside the launcher's other checks. The forkserver dies with the launcher and,
+like each forked rank, runs in a session of its own, as torchrun's ranks do
+(:mod:`._forkserver_guard` says why); each rank gets the launcher's environment as it is at
+launch (:func:`._fork.take_launcher_env`), as a spawned rank would.
 
 Private: nothing of a local launch listens beyond loopback, and nothing it keeps can be read or
 written by another user (:mod:`shardkit._local_world`: the caller's ``private_run_dir`` holds a
