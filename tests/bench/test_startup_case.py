@@ -24,9 +24,13 @@ def _script(code: str) -> list[str]:
 
 
 def test_the_time_runs_to_the_marker_line_not_to_the_exit():
-    code = "import time; print('setting up'); time.sleep(0.3); print('first step done: loss 1'); time.sleep(1.5)"
-    seconds = time_to_line(_script(code), "first step done", ENV)
-    assert 0.3 <= seconds < 1.5  # the teardown after the line is not counted
+    """The clock's reading at the marker line, not at the lines after it or the exit: a counter
+    for a clock (read once at the start, then once per line) gives the marker's line number."""
+    code = "print('setting up'); print('first step done: loss 1'); print('tearing down'); print('done')"
+    reads = iter(range(100))
+    seconds = time_to_line(_script(code), "first step done", ENV, clock=lambda: float(next(reads)))
+    assert seconds == 2.0  # the second line; the two after it and the exit are not counted
+    assert next(reads) == 5  # every line was read (the process was waited for), none after
 
 
 @pytest.mark.parametrize(

@@ -37,6 +37,9 @@ def report() -> dict:
         "grandparent": parent_of(parent),
         "parent_threads": len(os.listdir(f"/proc/{parent}/task")),
         "torch_in_parent": torch_in_parent,
+        "pid": os.getpid(),
+        "session": os.getsid(0),
+        "parent_session": os.getsid(parent),
     }
 
 
@@ -57,7 +60,15 @@ def main(mode: str, path: str) -> None:
         os.environ["SHARDKIT_TEST_MARK"] = mark  # set after the first launch's forkserver started
         with private_run_dir() as run_dir:
             ranks = launch_local(2, report, run_dir=run_dir, preload=MODELING)
-        launches.append({"mark": mark, "run_dir": run_dir, "launcher": os.getpid(), "ranks": list(ranks.values())})
+        launches.append(
+            {
+                "mark": mark,
+                "run_dir": run_dir,
+                "launcher": os.getpid(),
+                "session": os.getsid(0),
+                "ranks": list(ranks.values()),
+            }
+        )
     with open(path, "w") as f:
         json.dump(launches, f)
 

@@ -15,6 +15,8 @@ import time
 
 import pytest
 
+from shardkit.cli._fork import _OWNER, _start_time, remove_stale_temps
+
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "launch_start_job.py")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
@@ -39,6 +41,9 @@ def test_forked_ranks_get_the_launchers_environment_at_each_launch(tmp_path):
             # torch loaded and no thread but its main one (a fork copies only the forking thread)
             assert r["parent"] != launch["launcher"] and r["grandparent"] == launch["launcher"], r
             assert r["torch_in_parent"] and r["parent_threads"] == 1, r
+            # each in a session of its own, as torchrun's ranks: the scheduler shares the
+            # processors between sessions first (cli/_forkserver_guard.py)
+            assert r["session"] == r["pid"] and r["parent_session"] == r["parent"] != launch["session"], r
             forkservers.add(r["parent"])
     assert len(forkservers) == 1  # one forkserver for both launches: the imports are paid once
 
@@ -52,7 +57,10 @@ def _gone(pid: int) -> bool:
 
 
 def test_a_sigkilled_launcher_takes_its_forkserver_and_ranks_with_it(tmp_path):
-    launcher = subprocess.Popen([sys.executable, JOB, "hang", str(tmp_path)], env=ENV, start_new_session=True)
+    system_tmp = tmp_path / "tmp"  # the launcher's system temporary directory: its forkserver's socket
+    system_tmp.mkdir()
+    env = {**ENV, "TMPDIR": str(system_tmp)}
+    launcher = subprocess.Popen([sys.executable, JOB, "hang", str(tmp_path)], env=env, start_new_session=True)
     try:
         deadline = time.monotonic() + 600
         files = [tmp_path / f"rank{r}.pid" for r in range(2)]
@@ -67,6 +75,31 @@ def test_a_sigkilled_launcher_takes_its_forkserver_and_ranks_with_it(tmp_path):
         while not all(_gone(p) for p in pids) and time.monotonic() - killed < 5:
             time.sleep(0.05)
         assert all(_gone(p) for p in pids), [p for p in pids if not _gone(p)]
+        # Nothing ran the launcher's exit handler: its forkserver's directory is left, marked
+        # with its pid, and the next launch's sweep removes it.
+        (left,) = system_tmp.glob("pymp-*")
+        assert (left / _OWNER).read_text().split()[0] == str(launcher.pid)
+        assert remove_stale_temps(str(system_tmp)) == [str(left)] and not left.exists()
     finally:
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
+
+
+def test_only_a_marked_forkserver_directory_whose_launcher_is_gone_is_swept(tmp_path):
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()  # reaped: its pid names no process
+    me, started = os.getpid(), _start_time(os.getpid())
+    marks = {
+        "pymp-dead": f"{ended.pid} 1",  # its launcher is gone
+        "pymp-reused": f"{me} {int(started) + 1}",  # a live pid, but not the launcher that marked it
+        "pymp-live": f"{me} {started}",  # this process: in use
+        "pymp-unmarked": None,  # multiprocessing's own, or another program's
+        "other-dead": f"{ended.pid} 1",  # not a multiprocessing directory
+    }
+    for name, mark in marks.items():
+        (tmp_path / name).mkdir()
+        if mark is not None:
+            (tmp_path / name / _OWNER).write_text(mark)
+    removed = remove_stale_temps(str(tmp_path))
+    assert sorted(os.path.basename(p) for p in removed) == ["pymp-dead", "pymp-reused"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other-dead", "pymp-live", "pymp-unmarked"]

@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 from ..train.config import TrainConfig, validate_config
 from ..train.model import hf_config
@@ -46,25 +47,35 @@ ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 LAUNCH_TIMEOUT_S = 900  # one launch at load 60 took up to 160 s to join (issue 32): this bounds a hang only
 
 
-def time_to_line(argv: list[str], marker: str, env: dict, timeout_s: float = LAUNCH_TIMEOUT_S) -> float:
+def time_to_line(
+    argv: list[str],
+    marker: str,
+    env: dict,
+    timeout_s: float = LAUNCH_TIMEOUT_S,
+    clock: Callable[[], float] = time.perf_counter,
+) -> float:
     """Seconds from starting ``argv`` to the first stdout line starting with ``marker``; the
     process is then waited for (its teardown is not timed).
+
+    ``clock`` (seconds) is read once before the start and once per line as it is read; the
+    time is its reading at the marker line less the first (tests pass a counter).
 
     Raises:
         AssertionError: the process ended without that line or with a non-zero exit code (its
             output's tail in the message), or ran past ``timeout_s``.
     """
-    t0 = time.perf_counter()
+    t0 = clock()
     seen, lines = None, []
     with subprocess.Popen(
         argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, bufsize=1
     ) as proc:
         assert proc.stdout is not None
         for line in proc.stdout:
+            now = clock()
             lines.append(line)
             if seen is None and line.startswith(marker):
-                seen = time.perf_counter() - t0
-            if time.perf_counter() - t0 > timeout_s:
+                seen = now - t0
+            if now - t0 > timeout_s:
                 proc.kill()
                 raise AssertionError(f"{argv[:4]}: no exit within {timeout_s} s")
         rc = proc.wait(timeout=timeout_s)

@@ -8,22 +8,25 @@ load 14); a forkserver imports them once and forks the ranks from there.
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import multiprocessing.forkserver
 import multiprocessing.util
 import os
+import shutil
 import tempfile
 from collections.abc import Callable, Sequence
 
+from ..train.model_names import model_facts
 from ..train.watchdog import parent_pid
 
 __all__ = [
     "take_launcher_env",
     "parent_of",
     "forkserver_preload",
-    "start_forkserver",
-    "make_forkserver_temp",
-    "FORKSERVER_TEMP",
+    "modeling_modules",
+    "Forkserver",
+    "remove_stale_temps",
 ]
 
 # The variables torch elastic sets for each rank (LocalElasticAgent, torch.multiprocessing): a
@@ -60,35 +63,126 @@ def parent_of(pid: int) -> int | None:
         return None
 
 
-def forkserver_preload(modules: Sequence[str], entry: Callable) -> list[str]:
+def forkserver_preload(modules: Sequence[str], entry: Callable | str) -> list[str]:
     """The modules the forkserver imports before it forks any rank: first the guard that ties it
-    to the launcher, then torch, ``modules`` and ``entry``'s own module (the forkserver skips a
-    module that fails to import). None of them starts a thread on import (a fork copies only the
-    calling thread; tests/cli/test_launch_start.py counts the forkserver's threads)."""
+    to the launcher, then torch, ``modules`` and ``entry``'s own module (``entry``: the rank's
+    function, or its module's name; the forkserver skips a module that fails to import). None
+    of them starts a thread on import (a fork copies only the calling thread;
+    tests/cli/test_launch_start.py counts the forkserver's threads)."""
     names = [f"{__package__}._forkserver_guard", "torch", "torch.distributed", *modules]
-    if entry.__module__ != "__main__":
-        names.append(entry.__module__)
+    module = entry if isinstance(entry, str) else entry.__module__
+    if module != "__main__":
+        names.append(module)
     return list(dict.fromkeys(names))
 
 
-FORKSERVER_TEMP: list[str] = []  # multiprocessing's temporary directory, once a forkserver made it
+def modeling_modules(model: str, model_path: str | None = None) -> list[str]:
+    """The transformers modeling module of ``--model model`` (``transformers.models.T.modeling_T``
+    of its ``model_type`` T; a ``--model-path`` checkpoint's from its ``config.json``), for the
+    launch's forkserver to import once instead of every rank (issue 32: 19 s of a 21 s set-up at
+    load 14 was 4 ranks importing it). [] for a model without one (conv-ae) or an unreadable
+    config; a name transformers lacks is skipped by the forkserver. No torch: ``shardkit train``
+    calls it on its torch-free checks' options, before the checks that import torch.
 
-
-def start_forkserver(preload: list[str]) -> None:
-    """Start this process's forkserver with ``preload`` imported, from this (the main) thread: the
-    guard's parent-death signal follows the thread that started it. A forkserver that already
-    runs (started earlier in this process) is used as it is: its imports may differ.
-
-    Its socket lives in multiprocessing's own temporary directory (``mkdtemp``: mode 0700), which
-    :func:`make_forkserver_temp` makes in the system's temporary directory before the launch's
-    private one is set: multiprocessing removes it when this process exits normally, and would
-    fail on one already removed with the run directory; :func:`.launch.exit_now` removes it too.
+    Raises:
+        ShardkitError: ``model`` is not a registered name.
     """
-    multiprocessing.set_forkserver_preload(preload)
-    multiprocessing.forkserver.ensure_running()
+    model_type = model_facts(model).model_type
+    if model_path is not None:
+        try:
+            with open(os.path.join(model_path, "config.json")) as f:
+                model_type = json.load(f).get("model_type")
+        except (OSError, ValueError, AttributeError):  # a GGUF file, a folder checked later
+            model_type = None
+    return [f"transformers.models.{model_type}.modeling_{model_type}"] if isinstance(model_type, str) else []
 
 
-def make_forkserver_temp() -> None:
-    """Make multiprocessing's temporary directory now, in the system's temporary directory (call
-    before :func:`shardkit._local_world.private_temp`): see :func:`start_forkserver`."""
-    FORKSERVER_TEMP[:] = [multiprocessing.util.get_temp_dir()]
+class Forkserver:
+    """This launch's forkserver, started once with its imports (:meth:`start`), and the
+    temporary directory multiprocessing made for its socket, which the launch owns.
+
+    Attributes:
+        preload: the modules it imports before forking any rank (:func:`forkserver_preload`).
+        temp: multiprocessing's temporary directory (``mkdtemp``: mode 0700) in the system's
+            temporary directory: multiprocessing removes it when the launcher exits normally (and
+            would fail on one already removed with the run directory); :meth:`remove_temp` when
+            the launcher ends with ``os._exit`` (:func:`.launch.exit_now`); a SIGKILLed
+            launcher's is removed by the next launch (:func:`remove_stale_temps`).
+    """
+
+    def __init__(self, preload: list[str], temp: str) -> None:
+        self.preload, self.temp = preload, temp
+
+    @classmethod
+    def start(cls, modules: Sequence[str], entry: Callable | str) -> Forkserver:
+        """Start this process's forkserver with :func:`forkserver_preload` ``(modules, entry)``,
+        from this (the main) thread: the guard's parent-death signal follows the thread that
+        started it. Returns at once: the forkserver imports while the caller goes on (``shardkit
+        train`` starts it right after its torch-free checks, so that its imports overlap the
+        launcher's own; issue 32). Call before :func:`shardkit._local_world.private_temp`: its
+        socket's directory must outlive the launch's private one.
+
+        A forkserver that already runs (started earlier in this process) is used as it is: its
+        imports may differ. It has the caller's environment of now; each rank takes the
+        launcher's as it is at launch (:func:`take_launcher_env`).
+        """
+        remove_stale_temps()
+        temp = multiprocessing.util.get_temp_dir()  # made now, in the system's temporary directory
+        _mark_owner(temp)
+        preload = forkserver_preload(modules, entry)
+        multiprocessing.set_forkserver_preload(preload)
+        multiprocessing.forkserver.ensure_running()
+        return cls(preload, temp)
+
+    def remove_temp(self) -> None:
+        """Remove :attr:`temp` (an ``os._exit`` skips multiprocessing's exit handler that would)."""
+        shutil.rmtree(self.temp, ignore_errors=True)
+
+
+_OWNER = "shardkit-launcher"  # in a forkserver's temporary directory: "PID START_TIME" of its launcher
+
+
+def _start_time(pid: int) -> str | None:
+    """When ``pid`` started (clock ticks since boot, Linux ``/proc``), None where it cannot be read
+    (no such process, or no ``/proc``): with the pid, it names one process, not a reused pid."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]  # field 22; the name may hold spaces
+    except (OSError, IndexError):
+        return None
+
+
+def _mark_owner(temp: str) -> None:
+    """Write this launcher's pid and start time into its forkserver's directory ``temp``."""
+    started = _start_time(os.getpid())
+    if started is not None:  # Linux: elsewhere nothing marks it, and nothing sweeps it
+        with open(os.path.join(temp, _OWNER), "w") as f:
+            f.write(f"{os.getpid()} {started}")
+
+
+def remove_stale_temps(folder: str | None = None) -> list[str]:
+    """Remove the forkserver directories (``pymp-*`` in ``folder``, default the system's
+    temporary directory) that a launcher marked (:class:`Forkserver`) and that outlived it: a
+    SIGKILLed launcher runs no exit handler, and its forkserver dies with it
+    (:mod:`._forkserver_guard`), so nothing else would. Only this user's, marked ones whose
+    launcher (pid and start time) is gone; another program's ``pymp-*`` is never touched.
+    Returns the removed paths."""
+    folder = tempfile.gettempdir() if folder is None else folder
+    removed: list[str] = []
+    try:
+        names = [n for n in os.listdir(folder) if n.startswith("pymp-")]
+    except OSError:
+        return removed
+    for name in names:
+        path = os.path.join(folder, name)
+        try:
+            if os.lstat(path).st_uid != os.getuid():
+                continue
+            with open(os.path.join(path, _OWNER)) as f:
+                pid, started = f.read().split()
+        except (OSError, ValueError):  # not ours, not readable, or being made
+            continue
+        if _start_time(int(pid)) != started:  # that launcher is gone (or its pid is another's now)
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed

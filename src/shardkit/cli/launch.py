@@ -15,9 +15,11 @@ bytecodes and so waits out a blocked gloo collective; and each worker dies with 
 Start-up: with ``preload`` the ranks are forked from a forkserver that imported torch, shardkit
 and the model's modeling code once (:mod:`._fork`), instead of each spawned rank
 importing them again: on a loaded 2-core machine those imports were most of the time to the
-first step (issue 32). The forkserver dies with the launcher (:mod:`._forkserver_guard`) and
-each rank gets the launcher's environment as it is at launch (:func:`._fork.take_launcher_env`), as a
-spawned rank would.
+first step (issue 32). ``shardkit train`` starts it right after its torch-free checks, so that
+its imports run beside the launcher's other checks. The forkserver dies with the launcher and,
+like each forked rank, runs in a session of its own, as torchrun's ranks do
+(:mod:`._forkserver_guard` says why); each rank gets the launcher's environment as it is at
+launch (:func:`._fork.take_launcher_env`), as a spawned rank would.
 
 Private: nothing of a local launch listens beyond loopback, and nothing it keeps can be read or
 written by another user (:mod:`shardkit._local_world`: the caller's ``private_run_dir`` holds a
@@ -28,7 +30,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import signal
 import sys
 import threading
@@ -42,14 +43,7 @@ from .._local_world import no_shared_tcp_store, private_temp
 from .._quiet import quiet_third_party
 from ..train.liveness import read_heartbeats
 from ..train.watchdog import Watchdog, stalled_ranks
-from ._fork import (
-    FORKSERVER_TEMP,
-    forkserver_preload,
-    make_forkserver_temp,
-    parent_of,
-    start_forkserver,
-    take_launcher_env,
-)
+from ._fork import Forkserver, parent_of, take_launcher_env
 from .failures import flight_waits, format_failures
 
 __all__ = [
@@ -120,6 +114,17 @@ def _die_with_parent(parent: int) -> None:
         os._exit(128 + signal.SIGKILL)
 
 
+def _own_session() -> None:
+    """Start a session of this process's own (``setsid``), as torchrun does for each rank: Linux
+    shares the processors between sessions first (:mod:`._forkserver_guard` says why it matters).
+    Skipped where there is no ``setsid`` or this process already leads a group."""
+    if hasattr(os, "setsid"):
+        try:
+            os.setsid()
+        except OSError:  # a process-group leader cannot: it keeps the session it has
+            pass
+
+
 def _die_with_launcher(launcher: int) -> None:
     """Exit when the launcher (pid ``launcher``) dies: spawned, the launcher is this rank's parent
     (:func:`_die_with_parent`); forked, the parent is the launcher's forkserver, which is killed
@@ -132,10 +137,11 @@ def _die_with_launcher(launcher: int) -> None:
 
 
 def _quiet_then(launcher: int, env: dict[str, str] | None, entry: Callable, *args: Any) -> Any:
-    """One local rank: the launcher's environment (forked ranks: ``env``), exit with the launcher,
-    SIGINT terminates, third-party progress bars and warnings on rank 0 only, then ``entry``."""
-    if env is not None:
+    """One local rank: the launcher's environment and a session of its own (forked ranks: ``env``),
+    exit with the launcher, SIGINT terminates, third-party progress bars and warnings on rank 0 only, then ``entry``."""
+    if env is not None:  # forked: a session of its own, as a torchrun rank (_own_session)
         take_launcher_env(env)
+        _own_session()
     _die_with_launcher(launcher)
     # Ctrl-C reaches every process of the terminal's group, and the launcher forwards its own
     # SIGINT: the default action ends the rank at once (no KeyboardInterrupt traceback per rank,
@@ -152,7 +158,7 @@ def launch_local(
     run_dir: str,
     heartbeats: str | None = None,
     timeout_s: float = 300.0,
-    preload: Sequence[str] | None = None,
+    preload: Sequence[str] | Forkserver | None = None,
 ) -> dict:
     """Run ``entry(*args)`` on ``nproc`` local processes; return ``{local_rank: return value}``.
 
@@ -167,8 +173,10 @@ def launch_local(
         timeout_s: the ranks' process-group timeout (seconds), which the silences are measured against.
         preload: None: each rank is a spawned interpreter that imports what it needs. Else the
             ranks are forked from a forkserver that imported torch, these modules and
-            ``entry``'s module once (``shardkit train`` passes the model's modeling code). Not
-            for a process that runs its own forkserver with other imports or output (pytest's
+            ``entry``'s module once (:meth:`._fork.Forkserver.start`, here), or from the
+            :class:`._fork.Forkserver` given, started earlier (``shardkit train`` starts it
+            before its own torch-dependent checks, with the model's modeling code). Not for a
+            process that runs its own forkserver with other imports or output (pytest's
             harness): there is one per process.
 
     Raises:
@@ -212,13 +220,11 @@ def launch_local(
         log.setLevel(logging.CRITICAL)
     try:
         watchdog = Watchdog(heartbeats, timeout_s, nproc) if heartbeats else None
-        if preload is not None:
-            make_forkserver_temp()  # before private_temp
+        if preload is not None and not isinstance(preload, Forkserver):
+            Forkserver.start(preload, entry)  # before private_temp: its socket outlives the run directory
         with no_shared_tcp_store(), private_temp(run_dir), watchdog or nullcontext():
-            env = None
-            if preload is not None:
-                start_forkserver(forkserver_preload(preload, entry))  # here: with the launch's environment
-                env = dict(os.environ)
+            # a forked rank starts with its forkserver's environment: it takes the launch's
+            env = None if preload is None else dict(os.environ)
             return elastic_launch(config, _quiet_then)(os.getpid(), env, entry, *args)
     except ChildFailedError as err:
         stalled = stalled_ranks(read_heartbeats(heartbeats), timeout_s) if heartbeats else None
@@ -242,8 +248,9 @@ def print_failure(err: LaunchFailed | LaunchInterrupted) -> int:
     return 1
 
 
-def exit_now(code: int) -> NoReturn:
-    """End the launcher at once with ``code``, after a failed or interrupted launch.
+def exit_now(code: int, forkserver: Forkserver | None = None) -> NoReturn:
+    """End the launcher at once with ``code``, after a failed or interrupted launch; remove
+    ``forkserver``'s temporary directory (multiprocessing's exit handler would have).
 
     Every rank is already gone and the message printed; what is left is the interpreter's
     teardown of torch (module and object finalization), measured at 3-7 s on a loaded 2-core
@@ -251,6 +258,6 @@ def exit_now(code: int) -> NoReturn:
     """
     sys.stdout.flush()
     sys.stderr.flush()
-    for path in FORKSERVER_TEMP:  # multiprocessing's exit handler would have removed it
-        shutil.rmtree(path, ignore_errors=True)
+    if forkserver is not None:
+        forkserver.remove_temp()
     os._exit(code)

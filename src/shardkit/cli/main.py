@@ -86,8 +86,12 @@ def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``), run the command, return its exit code.
 
     An unknown flag is reported by its command's parser (its usage, not the top-level one), with
-    the closest flags of that command.
+    the closest flags of that command. Without ``argv`` the command is this process's own
+    (``own_process``): ``shardkit train`` then starts its forkserver before its torch-dependent
+    checks, which a program calling ``main(argv)`` (with a forkserver of its own, as pytest's
+    harness has) is spared.
     """
+    own_process = argv is None
     argv = sys.argv[1:] if argv is None else list(argv)
     command = next((a for a in argv if not a.startswith("-")), None)
     parser, built = _build([command] if command is not None and command in COMMANDS else [])
@@ -97,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         known = [o for a in sub._actions for o in a.option_strings]
         unknown = [e for e in extras if e.startswith("-")] or extras
         sub.error(f"unrecognized arguments: {' '.join(extras)}" + suggest(unknown[0].split("=")[0], known))
+    args.own_process = own_process
     return args.func(args)
 
 

@@ -8,10 +8,10 @@ with gloo; under torchrun the existing world is used (NCCL on GPUs, else gloo).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from contextlib import ExitStack
+from typing import TYPE_CHECKING
 
 from .._optional import check_train, require
 from .._quiet import no_progress_bars, quiet_third_party
@@ -19,12 +19,19 @@ from ..errors import ShardkitError
 from ..train.options import TrainConfig
 from .train_flags import add_train_flags
 
+if TYPE_CHECKING:
+    from ._fork import Forkserver
+
 # The flags need only the two modules above (no torch: `shardkit train --help` stays fast); the
 # checks, the launch and the report import the application inside the functions that run them.
 
-__all__ = ["add_train_parser", "config_from_args", "run_train", "LOG_WIDTH"]
+__all__ = ["add_train_parser", "config_from_args", "check_args", "finish_args", "run_train", "LOG_WIDTH"]
 
 LOG_WIDTH = 100_000  # the summary's width when stdout is no terminal (finish): rows never wrap
+# The module of the ranks' entry (shardkit.train.run.worker_main), named without importing it:
+# the forkserver imports it while the launcher checks the options (tests/cli/test_launch_start.py
+# holds it to the function's module).
+ENTRY_MODULE = "shardkit.train.run"
 
 
 def add_train_parser(subparsers) -> argparse.ArgumentParser:
@@ -35,14 +42,22 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace, world_size: int | None = None) -> TrainConfig:
-    """Merge defaults, the TOML file and the flags; validate.
+    """Merge defaults, the TOML file and the flags; validate (:func:`check_args`, then
+    :func:`finish_args`).
 
-    The checks that need no library module run first, before anything imports torch (issue
-    32): the ``--config`` file (keys and types), the options and the world's arithmetic
+    Raises:
+        ShardkitError: a bad file, option or layout.
+    """
+    return finish_args(*check_args(args, world_size), world_size)
+
+
+def check_args(args: argparse.Namespace, world_size: int | None = None) -> tuple[TrainConfig, int | None]:
+    """The checks that need no library module, run before anything imports torch (issue 32):
+    the ``--config`` file (keys and types), the options and the world's arithmetic
     (:func:`~shardkit.train.layout.check_options`: degrees against ``--nproc``, the batch, the
     output folders, ...), ``--tokenizer``'s files and the ``--data`` corpus (regular files, JSONL
-    lines, its size). Then the rest of :func:`~shardkit.train.config.validate_config` (the
-    schedule, the model's own rules, the mesh) and the machine's limits.
+    lines, its size). Returns the checked options and the corpus's size (bytes; 0 for a model
+    that reads none, None where unknown) for :func:`finish_args`.
 
     Raises:
         ShardkitError: a bad file, option or layout.
@@ -53,7 +68,7 @@ def config_from_args(args: argparse.Namespace, world_size: int | None = None) ->
     from ..train.model_names import model_facts
     from ..train.pretrained import tokenizer_source
 
-    values = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
+    values = {k: v for k, v in vars(args).items() if k not in ("func", "command", "own_process")}
     file_values = load_toml(args.config) if args.config else {}
     checked = check_options(merge_config(file_values, values), world_size)
     if checked.tokenizer is not None:
@@ -62,7 +77,17 @@ def config_from_args(args: argparse.Namespace, world_size: int | None = None) ->
     # (stat and open only; a FIFO is never opened for reading blocking).
     reads_corpus = model_facts(checked.model).reads_corpus
     size = check_corpus(checked.data, checked.data_column, checked.seq_len) if reads_corpus else 0
+    return checked, size
 
+
+def finish_args(checked: TrainConfig, size: int | None, world_size: int | None = None) -> TrainConfig:
+    """The rest of :func:`~shardkit.train.config.validate_config` on :func:`check_args`'s
+    result (the schedule, the model's own rules, the mesh) and the machine's limits: these
+    import torch.
+
+    Raises:
+        ShardkitError: a bad option, layout or file.
+    """
     # From here on the checks need the model specs, the mesh and the planner: they import torch.
     from ..train.checkpoint_dir import check_checkpoint_dir
     from ..train.config import finish_config
@@ -96,16 +121,27 @@ def config_from_args(args: argparse.Namespace, world_size: int | None = None) ->
 
 def run_train(args: argparse.Namespace) -> int:
     """Run the ``train`` subcommand; return the process exit code."""
+    from ._fork import Forkserver, modeling_modules
     from .launch import exit_now, under_torchrun  # no torch: the checks below come first
 
     torchrun = under_torchrun()
+    world_size = int(os.environ["WORLD_SIZE"]) if torchrun else None
+    forkserver = None
     no_progress_bars()  # the pre-launch checks read --model-path's config and tokenizer with transformers
     try:
         if getattr(args, "model_path", None):  # the layout check reads its config with transformers
             require(["transformers"], "shardkit train --model-path")
         if getattr(args, "tokenizer", None):
             require(["transformers"], "shardkit train --tokenizer")
-        cfg = config_from_args(args, int(os.environ["WORLD_SIZE"]) if torchrun else None)
+        checked, size = check_args(args, world_size)
+        if not torchrun and getattr(args, "own_process", False):
+            # Started now, its imports (torch, the model's modeling code, shardkit's trainer) run
+            # while this process imports the same for the checks below: on a loaded machine they
+            # were one after the other, slower than torchrun's ranks importing side by side
+            # (issue 32). A check that fails below ends this process, and the forkserver with it.
+            # (Called in-process, main(argv), it starts at launch: the caller may run its own.)
+            forkserver = Forkserver.start(modeling_modules(checked.model, checked.model_path), ENTRY_MODULE)
+        cfg = finish_args(checked, size, world_size)
         from ..train.specs import model_spec
 
         spec = model_spec(cfg.model)  # a missing extra: one line, before any launch
@@ -142,15 +178,18 @@ def run_train(args: argparse.Namespace) -> int:
             if flight_dir is not None:  # a good run: its heartbeat is no record worth keeping
                 _clear_after_good_run(flight_dir, int(os.environ["RANK"]))
             return 0 if result is None else finish(result, cfg)
-        code, results = _launch(cfg)
+        if forkserver is None:  # main(argv) in a caller's process: started at launch, as before
+            forkserver = Forkserver.start(modeling_modules(cfg.model, cfg.model_path), ENTRY_MODULE)
+        code, results = _launch(cfg, forkserver)
         if code is None:
             return finish(results[0], cfg)
     assert code is not None  # a launch that returned results returned above
-    exit_now(code)  # the run directory is already removed, the lock released
+    exit_now(code, forkserver)  # the run directory is already removed, the lock released
 
 
-def _launch(cfg: TrainConfig) -> tuple[int | None, dict]:
-    """The local launch, in a private run directory removed when it ends (however it ends).
+def _launch(cfg: TrainConfig, forkserver: Forkserver) -> tuple[int | None, dict]:
+    """The local launch, in a private run directory removed when it ends (however it ends), its
+    ranks forked from ``forkserver``.
 
     Returns ``(None, results)``, or after a failed or interrupted launch ``(exit code, {})``
     with the reason, the suspects and the flight report already printed. The ranks' heartbeats
@@ -178,7 +217,7 @@ def _launch(cfg: TrainConfig) -> tuple[int | None, dict]:
                 run_dir=run_dir,
                 heartbeats=flight_dir,
                 timeout_s=cfg.timeout,
-                preload=_modeling_modules(cfg),
+                preload=forkserver,
             )
         except LaunchFailed as e:
             code = print_failure(e)
@@ -190,25 +229,6 @@ def _launch(cfg: TrainConfig) -> tuple[int | None, dict]:
             return code, {}
         _clear_after_good_run(flight_dir)  # --report DIR keeps flight records of failed runs only
         return None, results
-
-
-def _modeling_modules(cfg: TrainConfig) -> list[str]:
-    """The transformers modeling module of ``cfg``'s model (``transformers.models.T.modeling_T``
-    of its ``model_type`` T, a ``--model-path`` checkpoint's from its ``config.json``), for the
-    launch's forkserver to import once instead of every rank (issue 32: 19 s of a 21 s set-up at
-    load 14 was 4 ranks importing it). [] for a model without one (conv-ae) or an unreadable
-    config; a name transformers lacks is skipped by the forkserver."""
-    from ..train.specs import model_spec
-
-    family = model_spec(cfg.model).family
-    model_type = family.model_type if family is not None else None
-    if cfg.model_path is not None:
-        try:
-            with open(os.path.join(cfg.model_path, "config.json")) as f:
-                model_type = json.load(f).get("model_type")
-        except (OSError, ValueError, AttributeError):  # a GGUF file, a folder checked later
-            model_type = None
-    return [f"transformers.models.{model_type}.modeling_{model_type}"] if isinstance(model_type, str) else []
 
 
 def _clear_after_good_run(flight_dir: str, rank: int | None = None) -> None:

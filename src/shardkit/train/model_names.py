@@ -38,6 +38,9 @@ class ModelFacts:
         decoder: a decoder LM (the spec's ``family`` is not None): without ``--model-path`` its
             shape flags (``--hidden-size``, ``--heads``, ``--kv-heads``, ``--layers``) meet the layout.
         experts: a mixture-of-experts decoder (the spec's ``experts``): ``--ep`` needs one.
+        model_type: a decoder's transformers ``model_type`` (its spec's ``family.model_type``):
+            the launcher's forkserver imports its modeling code while the launcher checks the
+            rest (issue 32); None for a model without one.
     """
 
     reads_corpus: bool = True
@@ -45,13 +48,16 @@ class ModelFacts:
     min_nproc: int = 4
     decoder: bool = True
     experts: bool = False
+    model_type: str | None = None
 
+
+_MODEL_TYPES = {"moe": "qwen3_moe", "mla": "deepseek_v2"}  # the others' model_type is their name
 
 MODEL_FACTS = MappingProxyType(
     {
         name: ModelFacts(False, 1, 1, decoder=False)
         if name == "conv-ae"
-        else ModelFacts(experts=name in ("moe", "mla"))
+        else ModelFacts(experts=name in ("moe", "mla"), model_type=_MODEL_TYPES.get(name, name))
         for name in MODEL_SUMMARIES
     }
 )
