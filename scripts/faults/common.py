@@ -1,5 +1,5 @@
 """What both sides of a fault trial share: the trial job's size and model, the trainer run it
-kills, and the observer's process helpers (a job's session, waiting for a file, a world of one)."""
+kills, and the observer's process helpers (a job's processes, waiting for a file, a world of one)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 NPROC = 2
@@ -58,9 +59,9 @@ def train_cfg(nproc: int, **kw):
     return validate_config(TrainConfig(**{**TRAIN, "nproc": nproc, **kw}), world_size=nproc)
 
 
-def session_pids(sid: int) -> list[int]:
-    """Live (not zombie) processes of session ``sid``, from /proc."""
-    out = []
+def _proc_table() -> dict[int, tuple[str, int, int, int]]:
+    """Every process's ``(state, ppid, session, start time in clock ticks)``, from /proc."""
+    out = {}
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
@@ -69,9 +70,55 @@ def session_pids(sid: int) -> list[int]:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if fields[0] not in "ZX" and int(fields[3]) == sid:  # state, ..., session
-            out.append(int(name))
+        out[int(name)] = (fields[0], int(fields[1]), int(fields[3]), int(fields[19]))  # state, ppid, session, start
     return out
+
+
+class JobTree:
+    """Every process a trial job ever had, followed from its start: the members of its session
+    and every descendant of a member. The launcher's forkserver and ranks lead sessions of their
+    own (``setsid``, as torchrun's ranks do), so the session alone misses them; a rank orphaned
+    by the fault is re-parented to init, so it is recorded while its parent still lives (a thread
+    polls every 20 ms). A process is known by ``(pid, start time)``: a reused pid is not the job's.
+    """
+
+    def __init__(self, sid: int) -> None:
+        self.sid = sid
+        self._known: set[tuple[int, int]] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        while not self._stop.wait(0.02):
+            self.live()
+
+    def live(self) -> list[int]:
+        """Record the job's new processes; its live (not zombie) ones."""
+        table = _proc_table()
+        with self._lock:
+            known = {pid for pid, start in self._known if table.get(pid, ("X", 0, 0, -1))[3] == start}
+            grown = True
+            while grown:  # a process of the session, or a child of a known one (to any depth)
+                grown = False
+                for pid, (_, ppid, sid, start) in table.items():
+                    if pid not in known and (sid == self.sid or ppid in known):
+                        known.add(pid)
+                        self._known.add((pid, start))
+                        grown = True
+            return [pid for pid in known if table.get(pid, ("X",))[0] not in "ZX"]
+
+    @property
+    def seen(self) -> int:
+        """How many processes the job has had (the launcher, its forkserver, the ranks)."""
+        with self._lock:
+            return len(self._known)
+
+    def close(self) -> None:
+        """Stop following the job."""
+        self._stop.set()
+        self._thread.join()
 
 
 def start_job(plan: dict) -> subprocess.Popen:
@@ -80,15 +127,17 @@ def start_job(plan: dict) -> subprocess.Popen:
         "PYTHONPATH": os.pathsep.join(p for p in (os.path.dirname(HERE), os.environ.get("PYTHONPATH")) if p),
     }
     out = open(os.path.join(plan["dir"], "stderr"), "w")
-    # A session of its own: every process of the job (grandchildren re-parented to init
-    # included) stays findable by its session id; a signal to the launcher reaches it alone.
-    return subprocess.Popen(
+    # A session of its own: a signal to the launcher reaches it alone, and the job's processes
+    # are findable from it (JobTree, attached as ``proc.tree``).
+    proc = subprocess.Popen(
         [sys.executable, HERE, "_job", json.dumps(plan)],
         stdout=out,
         stderr=subprocess.STDOUT,
         env=env,
         start_new_session=True,
     )
+    proc.tree = JobTree(proc.pid)  # type: ignore[attr-defined]
+    return proc
 
 
 def wait_for(path_fn, timeout: float, proc: subprocess.Popen) -> bool:
@@ -102,14 +151,14 @@ def wait_for(path_fn, timeout: float, proc: subprocess.Popen) -> bool:
     return False
 
 
-def until_gone(sid: int, proc: subprocess.Popen, limit: float = 60.0) -> tuple[float, float]:
-    """Poll until no process of the session lives; the time.time() when the last worker was gone
-    and when every process was (``inf`` past ``limit``)."""
+def until_gone(proc: subprocess.Popen, limit: float = 60.0) -> tuple[float, float]:
+    """Poll until no process of the job (``proc.tree``, :class:`JobTree`) lives; the time.time()
+    when the last worker was gone and when every process was (``inf`` past ``limit``)."""
     end = time.monotonic() + limit
     workers_gone = float("inf")
     while time.monotonic() < end:
         proc.poll()  # reap the launcher (a zombie otherwise)
-        alive = session_pids(sid)
+        alive = proc.tree.live()  # type: ignore[attr-defined]
         if workers_gone == float("inf") and not [p for p in alive if p != proc.pid]:
             workers_gone = time.time()
         if not alive:

@@ -11,7 +11,7 @@ import subprocess
 import tempfile
 import time
 
-from .common import NPROC, session_pids, start_job, table, until_gone, wait_for
+from .common import NPROC, start_job, table, until_gone, wait_for
 
 GONE_WITHIN_S = 5.0
 WORKER_MOMENTS = ("before_init", "model_load", "collective", "save", "end")
@@ -39,7 +39,6 @@ def run_fault(scenario: str, seed: int) -> dict:
     if scenario == STALL:
         plan["timeout"] = STALL_TIMEOUT_S
     proc = start_job(plan)
-    sid = proc.pid
     killed = os.path.join(workdir, "killed")
     record: dict = {"scenario": scenario, "seed": seed}
     if scenario == STALL:
@@ -69,10 +68,12 @@ def run_fault(scenario: str, seed: int) -> dict:
             os.kill(proc.pid, getattr(signal, scenario.split()[0]))
     if not ok:
         t0 = time.time()
-    workers_gone, gone = until_gone(sid, proc)
-    for pid in session_pids(sid):  # clean up a failed run (never expected)
+    workers_gone, gone = until_gone(proc)
+    for pid in proc.tree.live():  # type: ignore[attr-defined]  # clean up a failed run (never expected)
         os.kill(pid, signal.SIGKILL)
+    proc.tree.close()  # type: ignore[attr-defined]
     rc = proc.wait()
+    seen = proc.tree.seen  # type: ignore[attr-defined]
     text = open(os.path.join(workdir, "stderr")).read()
     record.update(
         t0=t0,
@@ -84,7 +85,7 @@ def run_fault(scenario: str, seed: int) -> dict:
         output=text[-2000:],
     )
     record.update(
-        checks(scenario, plan, rc, gone - t0, text) if ok else {"ok": False, "why": "the fault never happened"}
+        checks(scenario, plan, rc, gone - t0, text, seen) if ok else {"ok": False, "why": "the fault never happened"}
     )
     subprocess.run(["rm", "-rf", workdir], check=False)
     return record
@@ -95,8 +96,11 @@ def limit_s(scenario: str) -> float:
     return STALL_TIMEOUT_S + STALL_MARGIN_S if scenario == STALL else GONE_WITHIN_S
 
 
-def checks(scenario: str, plan: dict, rc: int, seconds: float, text: str) -> dict:
-    """Did the run meet the promise? ``{"ok": bool, "why": str}``."""
+def checks(scenario: str, plan: dict, rc: int, seconds: float, text: str, seen: int) -> dict:
+    """Did the run meet the promise? ``{"ok": bool, "why": str}``; ``seen``: the job's processes
+    the observer followed (fewer than the launcher and its ranks: "all gone" would prove nothing)."""
+    if seen < NPROC + 1:
+        return {"ok": False, "why": f"the observer followed {seen} processes, not the launcher and {NPROC} ranks"}
     if seconds > limit_s(scenario):
         return {"ok": False, "why": f"processes alive {seconds:.1f} s after the fault"}
     if scenario == STALL:

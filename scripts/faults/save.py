@@ -175,8 +175,8 @@ def run_save(
         plan["delay"] = round(rng.uniform(0, 1.2 * counts[victim]["seconds"]), 4)
         how = f"after {plan['delay']} s of a ~{counts[victim]['seconds']:.2f} s save"
     proc = start_job(plan)
-    sid = proc.pid
-    until_gone(sid, proc)
+    until_gone(proc)
+    proc.tree.close()  # type: ignore[attr-defined]
     rc = proc.wait()
     record = {
         "seed": seed,
