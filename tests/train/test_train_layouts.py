@@ -229,6 +229,15 @@ QUICK_PAIRS = ("pp x tp", "cp_ring x dp")
 @pytest.mark.parametrize("pair,first,second", tiered(PAIRS, QUICK_PAIRS))
 def test_composed_ledger_is_the_union_of_its_axes(pair, first, second):
     # Composition adds no collective of its own: a pair of axes issues exactly the (op, api)
-    # kinds its two axes issue alone (group sizes differ, the kinds do not).
+    # kinds its two axes issue alone (group sizes differ, the kinds do not), save the kinds that
+    # only a pipeline's last stage issues, which rank 0 (the first stage, whose ledger this is)
+    # never does.
     both, a, b = _apis(**pair), _apis(**first), _apis(**second)
-    assert both == a | b, (sorted(both - (a | b)), sorted((a | b) - both))
+    assert both <= a | b, sorted(both - (a | b))
+    last_only = LAST_STAGE_ONLY if pair.get("pp", 1) > 1 and pair.get("tp", 1) > 1 else set()
+    assert (a | b) - both <= last_only, sorted((a | b) - both)
+
+
+# The logits' gather (tp without loss parallelism): with sequence parallelism a stage boundary
+# carries each tp rank's sequence block, so the first stage gathers nothing; the head does.
+LAST_STAGE_ONLY = {("all_gather_single", "gather_forward_split_backward")}
