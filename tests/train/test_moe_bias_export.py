@@ -11,13 +11,22 @@ pin the refusal, made before launch on every rank (a pure function of the flags)
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+import time
+
 import pytest
 import torch
 
 from harness.tiny_lm import tiny_decoder, token_ids
+from shardkit import export_hf
+from shardkit.checkpoint import latest_checkpoint
 from shardkit.errors import ShardkitError
 from shardkit.expert_parallel.router import BIAS_BUFFER, install_balanced_router
+from shardkit.train.checkpoint_dir import check_checkpoint_dir
 from shardkit.train.config import TrainConfig, validate_config
+from shardkit.train.run import train
 
 BIAS_SIZES = dict(hidden_size=16, intermediate_size=32, layers=2, heads=2, kv_heads=1, seq_len=8, experts=4)
 
@@ -60,3 +69,38 @@ def test_the_other_balancing_flags_and_the_bias_alone_still_pass(tmp_path):
     # z-loss and the sequence loss change the weights only (exported); the bias without --save-hf stays
     validate_config(_cfg(tmp_path, moe_z_loss=1e-3, moe_seq_aux_loss=1e-3, save_hf=str(tmp_path / "hf")), world_size=1)
     validate_config(_cfg(tmp_path, moe_bias_update_rate=1e-3), world_size=1)
+
+
+@pytest.mark.world(1, timeout=240)
+def test_export_of_a_save_trained_with_the_bias_is_refused():
+    # the bias lives in the save (train/moe_bias/*, for --resume); `shardkit export` must not
+    # drop it silently either
+    root = tempfile.mkdtemp(prefix="shardkit-biasexport-")
+    try:
+        _refused_export(root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _refused_export(root: str) -> None:
+    cfg = validate_config(
+        TrainConfig(
+            model="moe",
+            tp=1,
+            steps=1,
+            seq_len=8,
+            batch_size=2,
+            dtype="float64",
+            layers=2,
+            moe_bias_update_rate=1e-3,
+            checkpoint_dir=os.path.join(root, "ckpt"),
+            save_every=1,
+        ),
+        world_size=1,
+    )
+    check_checkpoint_dir(cfg)
+    train(cfg, "gloo", torch.device("cpu"), time.perf_counter(), progress=False)
+    save = latest_checkpoint(cfg.checkpoint_dir)
+    with pytest.raises(ShardkitError, match="moe-bias-update-rate"):
+        export_hf(save, os.path.join(root, "hf"))
+    assert not os.path.exists(os.path.join(root, "hf"))

@@ -37,6 +37,8 @@ __all__ = ["export_hf", "find_save"]
 _PREFIX = "step_"  # the trainer's saves (train_state.py)
 _MODEL = "model/"
 _TRAIN_ONLY = ("optim/", "train/")  # AdamW state; data sampler and RNG: resume-only, never exported
+# the aux-loss-free balancing bias of each router (train.moe_balance): part of the model's routing
+_ROUTER_BIAS = "train/moe_bias/"
 
 
 def find_save(checkpoint_dir: str | os.PathLike, step: int | None = None) -> str:
@@ -91,6 +93,12 @@ def _read_parameters(path: str, metadata: Metadata, reader: VerifiedReader) -> d
     unknown = sorted(k for k in entries if not k.startswith((_MODEL, *_TRAIN_ONLY)))
     if unknown:
         raise ShardkitError(f"export: {path} holds keys of no known kind: {', '.join(unknown[:6])}")
+    if any(k.startswith(_ROUTER_BIAS) for k in entries):
+        raise ShardkitError(
+            f"export: {path} was trained with --moe-bias-update-rate: its routers add a learned bias "
+            "to the scores that pick the experts, and transformers' MoE models have no slot for it, "
+            "so the exported model would route otherwise (the rule of train --save-hf); refused"
+        )
     state = {k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in entries.items() if k.startswith(_MODEL)}
     if not state:
         raise ShardkitError(f"export: {path} holds no model parameters")
