@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from .. import apply_tp
 from ._method import Record, Settings, agree, close, time_interleaved
-from .cases_tp import CHECKED, SHAPES, _gathered, load_llama, save_llama
+from .cases_tp import CHECKED, SHAPES, lm_step, load_llama, save_llama
 
 __all__ = ["async_tp_step"]
 
@@ -32,22 +32,7 @@ def _step_fn(path: str, pg, ids: torch.Tensor, async_tp: bool):
         sp_activation="shard",
         async_tp=async_tp,
     )
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        return loss.detach()
-
-    opt.zero_grad(set_to_none=True)
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    grads = _gathered("shardkit", model, True)
-    opt.step()
-    return step, (loss.item(), grads, _gathered("shardkit", model, False))
+    return lm_step("shardkit", model, ids)
 
 
 def async_tp_step(pg, settings: Settings) -> list[Record]:

@@ -169,28 +169,32 @@ def _gathered(variant, model, grads: bool):
     return {n: _full(params[n].grad if grads else params[n]).detach().clone() for n in CHECKED}
 
 
+def lm_step(variant: str, model, ids):
+    """The timed AdamW step of an LM ``model`` on ``ids``, after one such step whose loss and
+    the checked parameters' gradients and updated values it returns for the parity check."""
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    opt.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    grads = _gathered(variant, model, True)
+    opt.step()
+    return step, (_full(loss.detach()).item(), grads, _gathered(variant, model, False))
+
+
 def _steps(variants, path, ids, pg):
     """Each variant's step callable, after checking the first step against the first variant."""
     steps, seen = {}, {}
     for v in variants:
-        model = _build(v, path, pg, ids.device)
-        model.train()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
-
-        def step(model=model, opt=opt):
-            opt.zero_grad(set_to_none=True)
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            return loss.detach()
-
-        opt.zero_grad(set_to_none=True)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        grads = _gathered(v, model, True)
-        opt.step()
-        seen[v] = (_full(loss.detach()).item(), grads, _gathered(v, model, False))
-        steps[v] = step
+        steps[v], seen[v] = lm_step(v, _build(v, path, pg, ids.device), ids)
     ref = variants[0]
     bad = []
     for v in variants[1:]:
