@@ -13,16 +13,14 @@ import pytest
 import torch
 
 from harness.helpers import rank
+from harness.ledger_run import ledger_of_a_run
 from harness.tiny_lm import TINY_LLAMA_CONFIG as TINY
-from shardkit import Cluster, CommLedger, ModelShape, ParallelDims, StepOptions, estimate_step
+from shardkit import Cluster, ModelShape, ParallelDims, StepOptions, estimate_step
 from shardkit.plan._tp_rings import Ring, rings_exposed_seconds, stage_rings
 from shardkit.plan.collectives import ledger_table, merged, step_collectives
 from shardkit.plan.options import rank_stage
 from shardkit.plan.timing import tp_rings_exposed
-from shardkit.train.config import TrainConfig, parallel_dims, validate_config
-from shardkit.train.model import hf_config
-from shardkit.train.run import build_parallel_model, build_task, build_train_model, run_training
-from shardkit.train.specs import model_spec
+from shardkit.train.config import TrainConfig, validate_config
 
 SMALL = dict(steps=1, seq_len=16, batch_size=4, dtype="float32", verify=False, layers=2, lr=1e-3, async_tp=True)
 
@@ -35,13 +33,7 @@ def _tp(table: dict, t: int) -> dict:
 
 def _check(overrides: dict) -> None:
     cfg = validate_config(TrainConfig(**{**SMALL, **overrides}), world_size=torch.distributed.get_world_size())
-    dims = parallel_dims(cfg)
-    mesh = dims.build_mesh("cpu")
-    task = build_task(cfg, torch.device("cpu"))
-    pm, loss_scale = build_parallel_model(build_train_model(cfg), mesh, cfg, task, torch.device("cpu"))
-    with CommLedger() as ledger:
-        run_training(pm, task, cfg, loss_scale)
-    shape = ModelShape.from_config(hf_config(cfg, model_spec(cfg.model).family)[1])
+    dims, shape, ledger = ledger_of_a_run(cfg)
     opts = StepOptions(
         cfg.seq_len,
         cfg.batch_size,

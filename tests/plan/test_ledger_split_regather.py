@@ -11,17 +11,13 @@ group and microbatch whatever the schedule. Before this, ``I`` computed the weig
 """
 
 import pytest
-import torch
 
 from harness.helpers import rank
-from shardkit import CommLedger
-from shardkit.plan import ModelShape, StepOptions
+from harness.ledger_run import ledger_of_a_run
+from shardkit.plan import StepOptions
 from shardkit.plan.collectives import ledger_table, merged, step_collectives
 from shardkit.plan.options import rank_stage
-from shardkit.train.config import TrainConfig, parallel_dims, validate_config
-from shardkit.train.model import hf_config
-from shardkit.train.run import build_parallel_model, build_task, build_train_model, run_training
-from shardkit.train.specs import model_spec
+from shardkit.train.config import TrainConfig, validate_config
 
 SMALL = dict(steps=1, seq_len=16, batch_size=4, dtype="float32", verify=False, layers=4, lr=1e-3, tp=2, pp=2)
 
@@ -38,13 +34,7 @@ def _regathers(table: dict) -> dict:
 )
 def test_split_backward_regathers_once(overrides):
     cfg = validate_config(TrainConfig(**{**SMALL, **overrides}), world_size=4)
-    dims = parallel_dims(cfg)
-    mesh = dims.build_mesh("cpu")
-    task = build_task(cfg, torch.device("cpu"))
-    pm, loss_scale = build_parallel_model(build_train_model(cfg), mesh, cfg, task, torch.device("cpu"))
-    with CommLedger() as ledger:
-        run_training(pm, task, cfg, loss_scale)
-    shape = ModelShape.from_config(hf_config(cfg, model_spec(cfg.model).family)[1])
+    dims, shape, ledger = ledger_of_a_run(cfg)
     opts = StepOptions(
         cfg.seq_len,
         cfg.batch_size,
