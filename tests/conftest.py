@@ -135,6 +135,17 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 @pytest.fixture
+def short_tmp_path():
+    """A private directory (mode 0700) with a short path, removed after the test: for a TMPDIR under
+    which a local launch's forkserver binds its Unix socket (at most 75 characters: the socket's
+    path must fit in 107 bytes, ``shardkit.cli._fork.check_socket_dir``). ``tmp_path`` is too deep
+    for that under pytest-xdist (``.../pytest-N/popen-gw1/<test name>/``)."""
+    path = tempfile.mkdtemp(prefix="sk-")
+    yield Path(path)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
 def hide_module(monkeypatch: pytest.MonkeyPatch):
     """``hide_module("name")``: ``import name`` and ``find_spec("name")`` fail for the test, as if
     the package were not installed (a None entry in sys.modules; its loaded submodules dropped)."""

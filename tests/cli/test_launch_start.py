@@ -56,9 +56,8 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def test_a_sigkilled_launcher_takes_its_forkserver_and_ranks_with_it(tmp_path):
-    system_tmp = tmp_path / "tmp"  # the launcher's system temporary directory: its forkserver's socket
-    system_tmp.mkdir()
+def test_a_sigkilled_launcher_takes_its_forkserver_and_ranks_with_it(tmp_path, short_tmp_path):
+    system_tmp = short_tmp_path  # the launcher's system temporary directory: its forkserver's socket
     env = {**ENV, "TMPDIR": str(system_tmp)}
     launcher = subprocess.Popen([sys.executable, JOB, "hang", str(tmp_path)], env=env, start_new_session=True)
     try:

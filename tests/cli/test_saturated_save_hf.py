@@ -46,10 +46,10 @@ def _run_dir(tmp: str, proc: subprocess.Popen, limit_s: float = 180.0) -> str:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_save_hf_on_a_saturated_cpu_with_rank_0_starved_alone_completes(tmp_path):
+def test_save_hf_on_a_saturated_cpu_with_rank_0_starved_alone_completes(tmp_path, short_tmp_path):
     tok = save_tokenizer(tmp_path / "tok")
-    out, tmp, log = tmp_path / "hf", tmp_path / "tmp", tmp_path / "output"
-    tmp.mkdir()
+    # the launch's TMPDIR holds its forkserver's socket: a short path (tmp_path is too deep under xdist)
+    out, tmp, log = tmp_path / "hf", short_tmp_path, tmp_path / "output"
     argv = saturated.train_argv(str(tok), json.__file__, str(out), steps=3, nproc=2, timeout=TIMEOUT_S)
     env = {**os.environ, "TMPDIR": str(tmp), "PYTHONUNBUFFERED": "1"}
     busy: list[subprocess.Popen] = []

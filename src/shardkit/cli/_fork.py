@@ -17,6 +17,7 @@ import shutil
 import tempfile
 from collections.abc import Callable, Sequence
 
+from ..errors import ShardkitError
 from ..train.model_names import model_facts
 from ..train.watchdog import parent_pid
 
@@ -27,7 +28,15 @@ __all__ = [
     "modeling_modules",
     "Forkserver",
     "remove_stale_temps",
+    "check_socket_dir",
 ]
+
+# The longest path a Unix socket's address holds (sun_path: 108 bytes on Linux, 104 on macOS and
+# the BSDs, each with its terminating NUL).
+SUN_PATH_MAX = 107 if os.uname().sysname == "Linux" else 103
+# What multiprocessing's forkserver adds to the system's temporary directory for its socket:
+# "/pymp-" and 8 characters (util.get_temp_dir's mkdtemp), "/listener-" and 8 (arbitrary_address).
+_SOCKET_SUFFIX = len("/pymp-12345678/listener-12345678")
 
 # The variables torch elastic sets for each rank (LocalElasticAgent, torch.multiprocessing): a
 # rank keeps these from elastic, every other variable is the launcher's (take_launcher_env).
@@ -126,6 +135,7 @@ class Forkserver:
         imports may differ. It has the caller's environment of now; each rank takes the
         launcher's as it is at launch (:func:`take_launcher_env`).
         """
+        check_socket_dir(tempfile.gettempdir())
         remove_stale_temps()
         temp = multiprocessing.util.get_temp_dir()  # made now, in the system's temporary directory
         _mark_owner(temp)
@@ -137,6 +147,23 @@ class Forkserver:
     def remove_temp(self) -> None:
         """Remove :attr:`temp` (an ``os._exit`` skips multiprocessing's exit handler that would)."""
         shutil.rmtree(self.temp, ignore_errors=True)
+
+
+def check_socket_dir(folder: str) -> None:
+    """Refuse a system temporary directory ``folder`` too long to hold the forkserver's Unix
+    socket (``folder/pymp-XXXXXXXX/listener-XXXXXXXX``: at most :data:`SUN_PATH_MAX` bytes).
+
+    Raises:
+        ShardkitError: the socket's path would be too long (multiprocessing's own error is
+            ``OSError: AF_UNIX path too long`` from deep inside the forkserver's start).
+    """
+    length = len(os.fsencode(folder)) + _SOCKET_SUFFIX
+    if length > SUN_PATH_MAX:
+        raise ShardkitError(
+            f"the temporary directory {folder!r} is too long for the local launch's Unix socket "
+            f"({length} bytes with the socket's name; the limit is {SUN_PATH_MAX}): set TMPDIR to "
+            f"a directory of at most {SUN_PATH_MAX - _SOCKET_SUFFIX} characters"
+        )
 
 
 _OWNER = "shardkit-launcher"  # in a forkserver's temporary directory: "PID START_TIME" of its launcher
