@@ -19,6 +19,7 @@ import errno
 import json
 import os
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,12 +28,23 @@ import torch.distributed.checkpoint as dcp
 
 import shardkit.train.run as run_module
 from harness.helpers import rank, remove_shared_dir, shared_tmpdir
-from harness.resume import run_losses, run_train
+from harness.resume import run_losses
+from harness.resume import run_train as _run_train
 from harness.tiers import tiered
 from shardkit import ShardkitError
 from shardkit.checkpoint import MANIFEST, latest_checkpoint
 from shardkit.train.config import TrainConfig, parallel_dims, validate_config
 from shardkit.train.run import build_parallel_model, build_task, build_train_model, run_training
+
+# one 90 KB file, not the 31 MB default corpus that rank 0 would read and broadcast in every
+# run (docs/design.md, Testing)
+CORPUS = str(Path(torch.__file__).parent / "functional.py")
+
+
+def run_train(**kw):
+    """:func:`harness.resume.run_train` on :data:`CORPUS` unless ``kw`` names ``data``."""
+    return _run_train(**{"data": CORPUS, **kw})
+
 
 LAYOUTS = {
     "tp=2 x dp=2": dict(tp=2),
@@ -108,7 +120,7 @@ def test_the_write_runs_while_the_next_step_trains(monkeypatch):
 def test_a_state_with_a_nan_is_never_saved_in_the_background():
     root = shared_tmpdir("shardkit-ackpt-nan-")
     try:
-        base = dict(seq_len=16, batch_size=4, dtype="float64", layers=2, lr=1e-3, tp=2)
+        base = dict(seq_len=16, batch_size=4, dtype="float64", layers=2, lr=1e-3, tp=2, data=CORPUS)
         cfg = validate_config(
             TrainConfig(**base, steps=2, save_every=1, checkpoint_dir=root, async_checkpoint=True), world_size=2
         )
@@ -173,7 +185,7 @@ def test_async_checkpoint_needs_a_checkpoint_dir():
 def test_a_failure_waits_for_the_pending_save_and_keeps_its_error():
     root = shared_tmpdir("shardkit-ackpt-crash-")
     try:
-        base = dict(seq_len=16, batch_size=4, dtype="float64", layers=2, lr=1e-3, tp=2)
+        base = dict(seq_len=16, batch_size=4, dtype="float64", layers=2, lr=1e-3, tp=2, data=CORPUS)
         cfg = validate_config(
             TrainConfig(**base, steps=3, save_every=1, checkpoint_dir=root, async_checkpoint=True), world_size=2
         )

@@ -9,6 +9,8 @@
   for Llama 3 405B's widths at tp 8 x pp 4 x dp_replicate 8 with ZeRO-1.
 """
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -26,7 +28,10 @@ from shardkit.train.run import build_parallel_model, build_task, build_train_mod
 from shardkit.train.specs import model_spec
 from shardkit.train.trainer import LossScale, make_optimizer, train_step
 
-SMALL = dict(steps=1, seq_len=16, batch_size=4, dtype="float32", layers=2, lr=1e-3)
+# one 90 KB file, not the 31 MB default corpus that rank 0 would read and broadcast in every
+# run (docs/design.md, Testing)
+CORPUS = str(Path(torch.__file__).parent / "functional.py")
+SMALL = dict(steps=1, seq_len=16, batch_size=4, dtype="float32", layers=2, lr=1e-3, data=CORPUS)
 
 
 def _state_bytes(optimizer) -> int:

@@ -11,6 +11,7 @@ than its ``1 / R`` slice.
 """
 
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +21,10 @@ from harness.tiers import tiered
 from shardkit.train.config import TrainConfig, validate_config
 from shardkit.train.run import train
 
-SMALL = dict(steps=2, seq_len=16, batch_size=4, dtype="float64", verify=True, layers=2, lr=1e-3)
+# one 90 KB file, not the 31 MB default corpus that rank 0 would read and broadcast in every
+# run (docs/design.md, Testing)
+CORPUS = str(Path(torch.__file__).parent / "functional.py")
+SMALL = dict(steps=2, seq_len=16, batch_size=4, dtype="float64", verify=True, layers=2, lr=1e-3, data=CORPUS)
 
 
 def _train(**overrides) -> dict | None:

@@ -8,6 +8,8 @@ exchanges receive what the router sends, so for them the bytes each rank receive
 in sum over the ranks (every row sent is received once) and the rest exactly.
 """
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -23,6 +25,10 @@ from shardkit.train.model import hf_config
 from shardkit.train.run import build_parallel_model, build_task, build_train_model, run_training
 from shardkit.train.specs import model_spec
 
+# one 90 KB file, not the 31 MB default corpus rank 0 would read and broadcast in every case
+# (docs/design.md, Testing); the packed cases keep the default corpus, whose files are the
+# documents their masks need
+CORPUS = str(Path(torch.__file__).parent / "functional.py")
 SMALL = dict(steps=1, seq_len=16, batch_size=4, dtype="float32", verify=False, layers=2, lr=1e-3)
 ROUTED = ("token_dispatch", "token_combine")
 
@@ -55,7 +61,8 @@ def _routed_split(table: dict) -> tuple[dict, int]:
 
 
 def check(overrides: dict) -> None:
-    cfg = validate_config(TrainConfig(**{**SMALL, **overrides}), world_size=world_size())
+    data = {} if overrides.get("packed") else {"data": CORPUS}
+    cfg = validate_config(TrainConfig(**{**SMALL, **data, **overrides}), world_size=world_size())
     dims = parallel_dims(cfg)
     shape = ModelShape.from_config(hf_config(cfg, model_spec(cfg.model).family)[1])
     opts = StepOptions(
