@@ -2,8 +2,8 @@
 foreground save guarantees.
 
 * Parity: the same float64 run saved in the foreground and in the background writes the same
-  bytes (every item's SHA-256 in the two manifests equal), and resuming from each gives bitwise
-  equal losses, on tp x dp, FSDP2, pp and ZeRO layouts.
+  bytes (every item's SHA-256 in the two manifests equal), and resuming from the background save
+  continues the foreground run bitwise, on tp x dp, FSDP2, pp and ZeRO layouts.
 * The write is really behind: a save's write blocked until the next step has started completes
   (a foreground save would wait for it forever, here 20 s, and the flag stays unset).
 * A state with a NaN is refused before anything is staged; a write that fails leaves the previous
@@ -66,15 +66,21 @@ def _checksums(path: str) -> dict:
 @pytest.mark.world(4, timeout=240)
 @pytest.mark.parametrize("kw", tiered(LAYOUTS, QUICK))
 def test_async_save_then_resume_equals_sync_save_then_resume_bitwise(kw):
+    # Three runs: the foreground one, uninterrupted for 3 steps, saving after each, is both the
+    # reference and the sync save (a resume from a foreground save continues it bitwise on the
+    # same layout: tests/train/test_resume.py, tests/data_parallel/test_zero_resume.py); the
+    # background one saves after steps 1 and 2 and is resumed for step 3.
     roots = {mode: shared_tmpdir(f"shardkit-ackpt-{mode}-") for mode in ("sync", "async")}
     try:
-        trained, resumed = {}, {}
-        for mode, root in roots.items():
-            result = run_train(steps=2, save_every=1, checkpoint_dir=root, async_checkpoint=mode == "async", **kw)
-            trained[mode] = run_losses(result)[0]
-            resumed[mode] = run_losses(run_train(steps=3, checkpoint_dir=root, resume=True, **kw))
-        assert trained["async"] == trained["sync"]  # the background write did not touch training
-        assert resumed["async"] == resumed["sync"] and resumed["sync"][1] == 2, resumed
+        full = run_losses(run_train(steps=3, save_every=1, checkpoint_dir=roots["sync"], **kw))[0]
+        trained = run_losses(
+            run_train(steps=2, save_every=1, checkpoint_dir=roots["async"], async_checkpoint=True, **kw)
+        )
+        resumed = run_losses(
+            run_train(steps=3, checkpoint_dir=roots["async"], resume=True, async_checkpoint=True, **kw)
+        )
+        assert trained[0] == full[:2]  # the background write did not touch training
+        assert resumed == (full[2:], 2), (resumed, full)  # what came back continues the run bitwise
         if rank() == 0:
             for step in ("step_00000001", "step_00000002"):
                 a, s = (_checksums(os.path.join(roots[m], step)) for m in ("async", "sync"))

@@ -86,7 +86,10 @@ def test_zero_with_bf16_mixed_precision_and_check_mode():
         assert any(r["api"] == "zero_params" and r["dtype"] == "float32" for r in result["ledger"])
 
 
-QUICK_4 = ("dp=4, zero 2", "dp=4, zero 1, padded bucket", "dp=2 x tp=2 (SP), zero 2", "pp=2 x dp=2, zero 1, 1f1b")
+# Quick tier (issue 32, item 4): ZeRO-1 with a padded bucket, ZeRO-2 under tp (SP), ZeRO-1 under a
+# pipeline; "dp=4, zero 2" takes the ZeRO-2 path of "dp=2 x tp=2 (SP), zero 2" over a bigger
+# group (CI runs it), and test_zero_dp2_matches_one_process keeps plain ZeRO-1.
+QUICK_4 = ("dp=4, zero 1, padded bucket", "dp=2 x tp=2 (SP), zero 2", "pp=2 x dp=2, zero 1, 1f1b")
 
 
 @pytest.mark.world(4, timeout=120)
