@@ -44,9 +44,8 @@ def _state_bytes(optimizer) -> int:
     )
 
 
-def _measured(cfg: TrainConfig) -> tuple[int, int]:
-    """(AdamW moment bytes, parameter bytes) of this rank after one step."""
-    mesh = parallel_dims(cfg).build_mesh("cpu")
+def _measured(cfg: TrainConfig, mesh) -> tuple[int, int]:
+    """(AdamW moment bytes, parameter bytes) of this rank after one step of ``cfg`` on ``mesh``."""
     device = torch.device("cpu")
     task = build_task(cfg, device)
     pm, loss_scale = build_parallel_model(build_train_model(cfg), mesh, cfg, task, device)
@@ -73,8 +72,11 @@ MEMORY = {
 def test_measured_optimizer_state_equals_the_plan(overrides):
     cfg = validate_config(TrainConfig(**{**SMALL, **overrides}), world_size=world_size())
     dims = parallel_dims(cfg)
-    zero_state, zero_params = _measured(cfg)
-    plain_state, plain_params = _measured(validate_config(TrainConfig(**{**SMALL, **overrides, "zero": 0})))
+    mesh = dims.build_mesh("cpu")  # one mesh (its process groups) for both runs: the same layout
+    zero_state, zero_params = _measured(cfg, mesh)
+    plain = validate_config(TrainConfig(**{**SMALL, **overrides, "zero": 0}))
+    assert parallel_dims(plain) == dims
+    plain_state, plain_params = _measured(plain, mesh)
     shape = ModelShape.from_config(hf_config(cfg, model_spec(cfg.model).family)[1])
     opts = StepOptions(16, 4, cfg.microbatches, "float32", cfg.sequence_parallel, zero=cfg.zero)
     stage, _ = rank_stage(dims, rank())
