@@ -2,8 +2,8 @@
 foreground save guarantees.
 
 * Parity: the same float64 run saved in the foreground and in the background writes the same
-  bytes (every item's SHA-256 in the two manifests equal), and resuming from each gives bitwise
-  equal losses, on tp x dp, FSDP2, pp and ZeRO layouts.
+  bytes (every item's SHA-256 in the two manifests equal), and resuming from the background save
+  continues the foreground run bitwise, on tp x dp, FSDP2, pp and ZeRO layouts.
 * The write is really behind: a save's write blocked until the next step has started completes
   (a foreground save would wait for it forever, here 20 s, and the flag stays unset).
 * A state with a NaN is refused before anything is staged; a write that fails leaves the previous
@@ -19,6 +19,7 @@ import errno
 import json
 import os
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,12 +28,23 @@ import torch.distributed.checkpoint as dcp
 
 import shardkit.train.run as run_module
 from harness.helpers import rank, remove_shared_dir, shared_tmpdir
-from harness.resume import run_losses, run_train
+from harness.resume import run_losses
+from harness.resume import run_train as _run_train
 from harness.tiers import tiered
 from shardkit import ShardkitError
 from shardkit.checkpoint import MANIFEST, latest_checkpoint
 from shardkit.train.config import TrainConfig, parallel_dims, validate_config
 from shardkit.train.run import build_parallel_model, build_task, build_train_model, run_training
+
+# one 90 KB file, not the 31 MB default corpus that rank 0 would read and broadcast in every
+# run (docs/design.md, Testing)
+CORPUS = str(Path(torch.__file__).parent / "functional.py")
+
+
+def run_train(**kw):
+    """:func:`harness.resume.run_train` on :data:`CORPUS` unless ``kw`` names ``data``."""
+    return _run_train(**{"data": CORPUS, **kw})
+
 
 LAYOUTS = {
     "tp=2 x dp=2": dict(tp=2),
@@ -54,15 +66,21 @@ def _checksums(path: str) -> dict:
 @pytest.mark.world(4, timeout=240)
 @pytest.mark.parametrize("kw", tiered(LAYOUTS, QUICK))
 def test_async_save_then_resume_equals_sync_save_then_resume_bitwise(kw):
+    # Three runs: the foreground one, uninterrupted for 3 steps, saving after each, is both the
+    # reference and the sync save (a resume from a foreground save continues it bitwise on the
+    # same layout: tests/train/test_resume.py, tests/data_parallel/test_zero_resume.py); the
+    # background one saves after steps 1 and 2 and is resumed for step 3.
     roots = {mode: shared_tmpdir(f"shardkit-ackpt-{mode}-") for mode in ("sync", "async")}
     try:
-        trained, resumed = {}, {}
-        for mode, root in roots.items():
-            result = run_train(steps=2, save_every=1, checkpoint_dir=root, async_checkpoint=mode == "async", **kw)
-            trained[mode] = run_losses(result)[0]
-            resumed[mode] = run_losses(run_train(steps=3, checkpoint_dir=root, resume=True, **kw))
-        assert trained["async"] == trained["sync"]  # the background write did not touch training
-        assert resumed["async"] == resumed["sync"] and resumed["sync"][1] == 2, resumed
+        full = run_losses(run_train(steps=3, save_every=1, checkpoint_dir=roots["sync"], **kw))[0]
+        trained = run_losses(
+            run_train(steps=2, save_every=1, checkpoint_dir=roots["async"], async_checkpoint=True, **kw)
+        )
+        resumed = run_losses(
+            run_train(steps=3, checkpoint_dir=roots["async"], resume=True, async_checkpoint=True, **kw)
+        )
+        assert trained[0] == full[:2]  # the background write did not touch training
+        assert resumed == (full[2:], 2), (resumed, full)  # what came back continues the run bitwise
         if rank() == 0:
             for step in ("step_00000001", "step_00000002"):
                 a, s = (_checksums(os.path.join(roots[m], step)) for m in ("async", "sync"))
@@ -108,7 +126,7 @@ def test_the_write_runs_while_the_next_step_trains(monkeypatch):
 def test_a_state_with_a_nan_is_never_saved_in_the_background():
     root = shared_tmpdir("shardkit-ackpt-nan-")
     try:
-        base = dict(seq_len=16, batch_size=4, dtype="float64", layers=2, lr=1e-3, tp=2)
+        base = dict(seq_len=16, batch_size=4, dtype="float64", layers=2, lr=1e-3, tp=2, data=CORPUS)
         cfg = validate_config(
             TrainConfig(**base, steps=2, save_every=1, checkpoint_dir=root, async_checkpoint=True), world_size=2
         )
@@ -173,7 +191,7 @@ def test_async_checkpoint_needs_a_checkpoint_dir():
 def test_a_failure_waits_for_the_pending_save_and_keeps_its_error():
     root = shared_tmpdir("shardkit-ackpt-crash-")
     try:
-        base = dict(seq_len=16, batch_size=4, dtype="float64", layers=2, lr=1e-3, tp=2)
+        base = dict(seq_len=16, batch_size=4, dtype="float64", layers=2, lr=1e-3, tp=2, data=CORPUS)
         cfg = validate_config(
             TrainConfig(**base, steps=3, save_every=1, checkpoint_dir=root, async_checkpoint=True), world_size=2
         )

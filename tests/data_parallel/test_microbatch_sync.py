@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -33,8 +34,11 @@ from shardkit.errors import ShardkitError
 from shardkit.train.config import TrainConfig, validate_config
 from shardkit.train.run import train
 
+# one 90 KB file, not the 31 MB default corpus that rank 0 would read and broadcast in every
+# run (docs/design.md, Testing)
+CORPUS = str(Path(torch.__file__).parent / "functional.py")
 STEPS, LAYERS = 2, 2
-SMALL = dict(steps=STEPS, seq_len=16, dtype="float64", verify=True, layers=LAYERS, lr=1e-3, tp=1)
+SMALL = dict(steps=STEPS, seq_len=16, dtype="float64", verify=True, layers=LAYERS, lr=1e-3, tp=1, data=CORPUS)
 
 
 def _run(overrides: dict) -> tuple[list[Counter], dict | None]:

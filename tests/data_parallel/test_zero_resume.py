@@ -11,12 +11,25 @@ per-parameter moments, whatever wrote it.
 """
 
 import os
+from pathlib import Path
 
 import pytest
+import torch
 
 from harness.helpers import rank, remove_shared_dir, shared_tmpdir
-from harness.resume import run_losses, run_train
+from harness.resume import run_losses
+from harness.resume import run_train as _run_train
 from harness.tiers import tiered
+
+# one 90 KB file, not the 31 MB default corpus that rank 0 would read and broadcast in every
+# run (docs/design.md, Testing)
+CORPUS = str(Path(torch.__file__).parent / "functional.py")
+
+
+def run_train(**kw):
+    """:func:`harness.resume.run_train` on :data:`CORPUS` unless ``kw`` names ``data``."""
+    return _run_train(**{"data": CORPUS, **kw})
+
 
 RESUMES = {
     "dp=4 zero 2 -> dp=4 zero 2 (bitwise)": (dict(tp=1, zero=2), dict(tp=1, zero=2), 0.0),

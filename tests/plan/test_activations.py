@@ -61,8 +61,7 @@ ELEM = {"float64": 8, "bfloat16": 2}
 QUICK = ("tp2", "tp4+sp (kv replicated)", "ulysses2 bf16", "tp2+sp x ulysses2", "tp2+sp x ring2 gathered")
 
 
-def _measured(dims: dict, sp: bool, dtype: str, mode: str, sp_act: str) -> tuple[int, BlockLayout]:
-    mesh = ParallelDims(**dims).build_mesh("cpu")
+def _measured(mesh, sp: bool, dtype: str, mode: str, sp_act: str) -> tuple[int, BlockLayout]:
     model = tiny_decoder(**SIZES, dtype=dtype)
     pm = parallelize(model, mesh, sequence_parallel=sp, activation_checkpoint=mode, sp_activation=sp_act)
     ids = token_ids(ROWS * mesh.size("dp"), seq_len=S)[mesh.local_rank("dp") * ROWS :][:ROWS]
@@ -78,8 +77,9 @@ def _measured(dims: dict, sp: bool, dtype: str, mode: str, sp_act: str) -> tuple
 def test_the_planner_counts_the_saved_bytes_of_every_mode(layout):
     dims, sp, dtype, sp_act = (*layout, "shard")[:4]
     wrong = []
+    mesh = ParallelDims(**dims).build_mesh("cpu")  # one mesh (its process groups) for the three modes
     for mode in ("none", "full", "selective"):
-        measured, where = _measured(dims, sp, dtype, mode, sp_act)
+        measured, where = _measured(mesh, sp, dtype, mode, sp_act)
         model = block_saved_bytes(SHAPE, where, mode, ELEM[dtype])
         ring_selective = mode == "selective" and where.cp_ring > 1
         if measured != model and (rank() == 0 or not ring_selective):

@@ -9,6 +9,8 @@
   total moves by exactly that against the synchronous collectives it replaces.
 """
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -22,7 +24,12 @@ from shardkit.plan.options import rank_stage
 from shardkit.plan.timing import tp_rings_exposed
 from shardkit.train.config import TrainConfig, validate_config
 
-SMALL = dict(steps=1, seq_len=16, batch_size=4, dtype="float32", verify=False, layers=2, lr=1e-3, async_tp=True)
+# one 90 KB file, not the 31 MB default corpus that rank 0 would read and broadcast in every
+# run (docs/design.md, Testing)
+CORPUS = str(Path(torch.__file__).parent / "functional.py")
+SMALL = dict(
+    steps=1, seq_len=16, batch_size=4, dtype="float32", verify=False, layers=2, lr=1e-3, async_tp=True, data=CORPUS
+)
 
 
 def _tp(table: dict, t: int) -> dict:

@@ -8,6 +8,9 @@ exchanges receive what the router sends, so for them the bytes each rank receive
 in sum over the ranks (every row sent is received once) and the rest exactly.
 """
 
+import email
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -23,6 +26,12 @@ from shardkit.train.model import hf_config
 from shardkit.train.run import build_parallel_model, build_task, build_train_model, run_training
 from shardkit.train.specs import model_spec
 
+# one 90 KB file, not the 31 MB default corpus rank 0 would read and broadcast in every case
+# (docs/design.md, Testing); the packed cases need a folder (a packed window is the files it
+# spans): the 36 files (70 KB) of the standard library's email/mime. (Their one step's windows
+# hold one document each, as they did on the default corpus: checked with the sampler's seed.)
+CORPUS = str(Path(torch.__file__).parent / "functional.py")
+DOCUMENTS = str(Path(email.__file__).parent / "mime")
 SMALL = dict(steps=1, seq_len=16, batch_size=4, dtype="float32", verify=False, layers=2, lr=1e-3)
 ROUTED = ("token_dispatch", "token_combine")
 
@@ -55,7 +64,8 @@ def _routed_split(table: dict) -> tuple[dict, int]:
 
 
 def check(overrides: dict) -> None:
-    cfg = validate_config(TrainConfig(**{**SMALL, **overrides}), world_size=world_size())
+    data = {"data": DOCUMENTS if overrides.get("packed") else CORPUS}
+    cfg = validate_config(TrainConfig(**{**SMALL, **data, **overrides}), world_size=world_size())
     dims = parallel_dims(cfg)
     shape = ModelShape.from_config(hf_config(cfg, model_spec(cfg.model).family)[1])
     opts = StepOptions(

@@ -9,6 +9,8 @@ collectives of a checkpointed block are not in the planner's rows; tests/plan/te
 holds every other row to the ledger without checkpointing.)
 """
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -22,7 +24,10 @@ from shardkit.train.model import hf_config
 from shardkit.train.run import build_parallel_model, build_task, build_train_model, run_training
 from shardkit.train.specs import model_spec
 
-SMALL = dict(steps=1, seq_len=16, batch_size=4, dtype="float32", verify=False, layers=4, lr=1e-3, tp=2)
+# one 90 KB file, not the 31 MB default corpus that rank 0 would read and broadcast in every
+# run (docs/design.md, Testing)
+CORPUS = str(Path(torch.__file__).parent / "functional.py")
+SMALL = dict(steps=1, seq_len=16, batch_size=4, dtype="float32", verify=False, layers=4, lr=1e-3, tp=2, data=CORPUS)
 
 
 def _keys(table: dict, ac: str) -> dict:

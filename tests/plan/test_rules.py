@@ -8,6 +8,7 @@ with ``--verify`` parity here, so the common verdict is the trainer's real one.
 """
 
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +22,9 @@ from shardkit.train.config import TrainConfig, parse_pp_tp, validate_config
 from shardkit.train.run import train
 from shardkit.train.specs import model_spec
 
+# one 90 KB file, not the 31 MB default corpus that rank 0 would read and broadcast in every
+# run (docs/design.md, Testing)
+CORPUS = str(Path(torch.__file__).parent / "functional.py")
 BASE = dict(seq_len=16, batch_size=8, layers=2, dtype="float32")
 # (overrides, the trainer runs it): the verdicts both sides must give
 LAYOUTS = [
@@ -129,7 +133,7 @@ def test_uneven_zigzag_parts_and_ulysses_heads_train_with_parity():
 
 
 def _check(overrides: dict) -> None:
-    small = dict(steps=2, seq_len=16, batch_size=4, dtype="float64", verify=True, layers=2, lr=1e-3)
+    small = dict(steps=2, seq_len=16, batch_size=4, dtype="float64", verify=True, layers=2, lr=1e-3, data=CORPUS)
     cfg = validate_config(TrainConfig(**{**small, **overrides}), world_size=world_size())
     assert _planner({**overrides, "nproc": world_size()}) is None
     result = train(cfg, "gloo", torch.device("cpu"), time.perf_counter(), progress=False)

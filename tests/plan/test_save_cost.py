@@ -3,6 +3,7 @@ by hand on a small config, and the staged bytes equal to what the trainer's stat
 :class:`~shardkit.checkpoint.background.CpuStager`, measures (under FSDP2: the rank's shard)."""
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -45,6 +46,11 @@ def test_sync_pays_the_write_async_the_staging_copy():
     assert wide.staged == shape.total_params * 24 / 4  # float64 parameter and moments, a quarter each
 
 
+# one 90 KB file, not the 31 MB default corpus that rank 0 would read and broadcast in every
+# run (docs/design.md, Testing)
+CORPUS = str(Path(torch.__file__).parent / "functional.py")
+
+
 @pytest.mark.world(2, timeout=120)
 @pytest.mark.parametrize(
     "layout",
@@ -53,7 +59,8 @@ def test_sync_pays_the_write_async_the_staging_copy():
 )
 def test_staged_bytes_equal_the_trainers_staged_state(layout):
     cfg = validate_config(
-        TrainConfig(seq_len=16, batch_size=4, dtype="float32", layers=2, lr=1e-3, **layout), world_size=world_size()
+        TrainConfig(seq_len=16, batch_size=4, dtype="float32", layers=2, lr=1e-3, data=CORPUS, **layout),
+        world_size=world_size(),
     )
     device = torch.device("cpu")
     task = build_task(cfg, device)
