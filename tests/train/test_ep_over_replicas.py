@@ -69,16 +69,13 @@ def test_ep_over_replicas_checkpoint_resumes_on_another_expert_layout():
     root = shared_tmpdir("shardkit-ep-replicas-")
     try:
         first, second = dict(tp=2, ep=4, zero=1), dict(tp=1, dp_shard=4, ep=2)
-        # 1 step saved, 2 resumed: the second resumed loss follows a step of the loaded AdamW state.
-        # Against the same 3 steps uninterrupted: --verify's one-process reference (rank 0, from
-        # step 0, compared from the resumed step), which test_ep_over_replicas_matches_one_process
-        # holds the saving layout to, instead of a whole 4-rank run of it.
+        # 1 step saved, 2 resumed: the second resumed loss follows a step of the loaded AdamW state
+        full = _train(steps=3, **first)
         _train(steps=1, checkpoint_dir=root, **first)
-        resumed = _train(steps=3, checkpoint_dir=root, resume=True, verify=True, **second)
+        resumed = _train(steps=3, checkpoint_dir=root, resume=True, **second)
         if rank() == 0:
-            assert resumed["first_step"] == 1 and len(resumed["reference_losses"]) == 2
-            for a, b in zip(resumed["losses"], resumed["reference_losses"], strict=True):
-                assert abs(a - b) <= 1e-12 * abs(b), (resumed["losses"], resumed["reference_losses"])
-            assert resumed["parity"]["passed"], resumed["parity"]  # the final parameters too
+            assert resumed["first_step"] == 1
+            for a, b in zip(resumed["losses"], full["losses"][1:], strict=True):
+                assert abs(a - b) <= 1e-12 * abs(b), (resumed["losses"], full["losses"])
     finally:
         remove_shared_dir(root)

@@ -111,11 +111,8 @@ def test_bad_balancing_options_are_refused_before_launch(kwargs, match):
 
 @pytest.mark.world(4, timeout=240)
 def test_the_bias_is_saved_and_resumed_on_another_layout():
-    # 1 step saved at pp=2 x dp=2 (each stage its layers' bias) and steps 2-3 resumed at ep=2 x
-    # tp=2 x dp=2 under --verify, against the same 3 steps straight (the one-process reference
-    # rank 0 trains from step 0, compared from the resumed step; it stands in for a 4-rank run at
-    # ep=2 that test_moe_balancing_matches_one_process holds to it): the same losses only if the
-    # bias came back. After
+    # 3 steps straight, against 1 step saved at pp=2 x dp=2 (each stage its layers' bias) and
+    # steps 2-3 resumed at ep=2 x tp=2 x dp=2: the same losses only if the bias came back. After
     # one step every bias element is +-rate (no expert sits exactly at the mean load); a bias
     # zeroed after the load was measured to fail this. (After two steps the sign rule can bring
     # it back to 0 exactly, as it did here: that case would prove nothing.) metrics.jsonl holds
@@ -132,18 +129,20 @@ def test_the_bias_is_saved_and_resumed_on_another_layout():
     def run(**kw):
         cfg = validate_config(TrainConfig(**{**SMALL, **flags, **kw}), world_size=world_size())
         check_checkpoint_dir(cfg)
-        return train(cfg, "gloo", torch.device("cpu"), time.perf_counter(), progress=False)
+        result = train(cfg, "gloo", torch.device("cpu"), time.perf_counter(), progress=False)
+        box = [None if result is None else result["losses"]]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
 
     root, report = shared_tmpdir("shardkit-moe-resume-"), shared_tmpdir("shardkit-moe-report-")
     try:
+        full = run(steps=3, ep=2)
         run(steps=1, checkpoint_dir=root, tp=1, pp=2, microbatches=2)
-        result = run(steps=3, checkpoint_dir=root, resume=True, ep=2, report=report, verify=True)
+        resumed = run(steps=3, checkpoint_dir=root, resume=True, ep=2, report=report)
+        assert len(resumed) == 2
+        for a, b in zip(resumed, full[1:]):
+            assert abs(a - b) <= 1e-12 * abs(b), (resumed, full)
         if rank() == 0:
-            resumed, full = result["losses"], result["reference_losses"]
-            assert result["first_step"] == 1 and len(resumed) == 2 and len(full) == 2, result["first_step"]
-            for a, b in zip(resumed, full, strict=True):
-                assert abs(a - b) <= 1e-12 * abs(b), (resumed, full)
-            assert result["parity"]["passed"], result["parity"]  # the final parameters too
             lines = [json.loads(x) for x in open(os.path.join(report, "metrics.jsonl"))]
             assert [x["step"] for x in lines] == [2, 3]
             for x in lines:

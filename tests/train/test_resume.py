@@ -74,27 +74,19 @@ QUICK = (
 def test_resume_on_another_layout_continues_the_same_losses(first, second):
     root = shared_tmpdir("shardkit-resume-")
     try:
-        # 1 step saved at A, steps 2-3 resumed at B under --verify: rank 0 then trains the same 3
-        # steps uninterrupted in one process (the reference, from step 0) and compares from the
-        # resumed step. The first resumed loss is the loaded model's and the data position's; the
-        # second follows a step of the loaded AdamW state (its moments and its step count: bias
-        # correction at step 2, not 1). The one-process reference stands in for an uninterrupted
-        # 4-rank run at A (a whole run of its own on every rank): test_train_layouts holds every
-        # layout here to it, to ~1e-15.
+        # 3 steps; 1 saved at A, steps 2-3 resumed at B. The first resumed loss is the loaded
+        # model's and the data position's; the second follows a step of the loaded AdamW state
+        # (its moments and its step count: bias correction at step 2, not 1).
+        full, _ = run_losses(run_train(steps=3, **first))
         run_train(steps=1, checkpoint_dir=root, **first)
         if rank() == 0:
             assert latest_checkpoint(root).endswith("step_00000001")
-        result = run_train(steps=3, checkpoint_dir=root, resume=True, verify=True, **second)
-        resumed, start = run_losses(result)
+        resumed, start = run_losses(run_train(steps=3, checkpoint_dir=root, resume=True, **second))
         assert start == 1 and len(resumed) == 2
-        if rank() == 0:
-            reference = result["reference_losses"]
-            assert len(reference) == 2, reference
-            for a, b in zip(resumed, reference, strict=True):
-                assert abs(a - b) <= 1e-12 * abs(b), (resumed, reference)
-            parity = result["parity"]  # ... and the final parameters (float64: relative 1e-9)
-            assert parity["passed"] and parity["max_param_rel_diff"] <= 1e-9, parity
-            assert latest_checkpoint(root).endswith("step_00000003")  # the resumed run saved its own last step
+        for a, b in zip(resumed, full[1:], strict=True):
+            assert abs(a - b) <= 1e-12 * abs(b), (resumed, full)
+        if rank() == 0:  # the resumed run saved its own last step
+            assert latest_checkpoint(root).endswith("step_00000003")
             manifest = json.loads(open(os.path.join(latest_checkpoint(root), MANIFEST)).read())
             assert manifest["step"] == 3 and manifest["layout"]
     finally:
