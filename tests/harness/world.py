@@ -66,6 +66,12 @@ _HF_PRELOAD = [
 ]
 
 
+_SHARDKIT_PRELOAD = ["shardkit", "shardkit.train.run"]
+# conv-ae's photo (matplotlib.image.imread of a JPEG, and its reconstruction PNG): about 0.4 s of
+# CPU per rank in each world's first conv-ae test otherwise.
+_PLOT_PRELOAD = ["matplotlib.image", "matplotlib.cbook", "PIL.JpegImagePlugin", "PIL.PngImagePlugin"]
+
+
 def _context() -> Any:
     global _CTX
     if _CTX is None:
@@ -77,7 +83,11 @@ def _context() -> Any:
         # forkserver ignores modules that fail to import.
         # shardkit too: importing it (torch.distributed.checkpoint, transformers glue) costs
         # about 5 s of CPU per rank on the loaded machine, paid at every respawn otherwise.
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "pytest", *_HF_PRELOAD, "shardkit"])
+        # The trainer (shardkit.train.run: checkpointing, parallelize, the model specs) too:
+        # 1.4-1.8 s of CPU per rank on an idle machine, paid by every rank of every world start
+        # (each world size, each respawn) whose first trainer test imported it.
+        preload = ["torch", "torch.distributed", "pytest", *_HF_PRELOAD, *_SHARDKIT_PRELOAD, *_PLOT_PRELOAD]
+        ctx.set_forkserver_preload(preload)
         _CTX = ctx
     return _CTX
 
