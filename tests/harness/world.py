@@ -36,7 +36,9 @@ from .worker import main as _worker_main
 
 __all__ = ["PG_TIMEOUT", "WALL_LIMIT", "World", "WorldPool", "WorldResult", "set_io_guard"]
 
-# Short, so that a rank left alone in a collective errors out well before the wall limit.
+# Short, so that a rank left alone in a collective errors out well before the wall limit; stretched
+# by the load when a world starts (patient): at load 40-80 (or beside another pytest-xdist worker)
+# one rank tracing Dynamo took longer than 15 s while its peer waited in a collective.
 PG_TIMEOUT = float(os.environ.get("SHARDKIT_TEST_PG_TIMEOUT", "15"))
 WALL_LIMIT = float(os.environ.get("SHARDKIT_TEST_WALL_LIMIT", "60"))
 # After one rank fails, how long to wait for the others before killing: they are usually stuck
@@ -217,7 +219,7 @@ class World:
                 self.n,
                 os.path.join(self._tmpdir, "store"),
                 self._stack_path(r),
-                self.pg_timeout,
+                patient(self.pg_timeout),
                 self._task_qs[r],
                 self._result_q,
                 self._out_path(r),
