@@ -75,19 +75,24 @@ SLOW = tuple(name for name in LAYOUTS if name not in QUICK)
 
 
 def _shim() -> str:
-    """The shim library, built once per session (in the session's private cache directory) by a
-    separate process: building loads the library, which must never happen in a test process."""
+    """The shim library, built once per session (in the session's private cache directory) by the
+    C++ compiler alone: building never loads the library, which must never happen in a test
+    process. One compiler call against torch's headers and libraries (2 core-s measured), not
+    ``torch.utils.cpp_extension.load``, which would pay a fresh ``import torch`` and ninja (4.7)."""
     out = Path(os.environ["XDG_CACHE_HOME"]) / "fake_cuda_shim"
     lib = out / "fake_cuda_shim.so"
     if not lib.exists():
-        if shutil.which(os.environ.get("CXX", "c++")) is None:
+        cxx = shutil.which(os.environ.get("CXX", "c++"))
+        if cxx is None:
             pytest.skip("no C++ compiler: the fake CUDA shim cannot be built")
         out.mkdir(mode=0o700, exist_ok=True)
-        build = (
-            "import sys; from torch.utils.cpp_extension import load; "
-            "load(name='fake_cuda_shim', sources=[sys.argv[1]], build_directory=sys.argv[2], is_python_module=False)"
-        )
-        subprocess.run([sys.executable, "-c", build, str(HARNESS / "fake_cuda_shim.cpp"), str(out)], check=True)
+        partial = out / f"fake_cuda_shim.{os.getpid()}.so"
+        torch_dir = Path(torch.__file__).parent  # its C++ headers and libraries ship in the wheel
+        source = str(HARNESS / "fake_cuda_shim.cpp")
+        build = [cxx, "-shared", "-fPIC", "-std=c++20", f"-isystem{torch_dir / 'include'}", source]
+        build += ["-o", str(partial), f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu"]
+        subprocess.run(build, check=True)
+        partial.replace(lib)  # whole or absent: a build cut short leaves no library behind
     return str(lib)
 
 
