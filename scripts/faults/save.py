@@ -93,16 +93,22 @@ def _train_here(**kw) -> dict:
     return result
 
 
+_UNINTERRUPTED: list[float] = []
+
+
 def uninterrupted_losses() -> list[float]:
-    """The trainer trial's per-step losses without a kill (one rank, no saves)."""
+    """The trainer trial's per-step losses without a kill (one rank, no saves); computed once per
+    process (every trainer trial compares with the same run)."""
     import torch.distributed as dist
 
-    made = world_of_one()
-    try:
-        return _train_here(save_every=0)["losses"]
-    finally:
-        if made:
-            dist.destroy_process_group()
+    if not _UNINTERRUPTED:
+        made = world_of_one()
+        try:
+            _UNINTERRUPTED.extend(_train_here(save_every=0)["losses"])
+        finally:
+            if made:
+                dist.destroy_process_group()
+    return list(_UNINTERRUPTED)
 
 
 def verify_train(workdir: str, full: list[float]) -> dict:

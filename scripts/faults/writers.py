@@ -10,9 +10,9 @@ import sys
 import tempfile
 import time
 
-from .common import HERE, NPROC, start_job, table, train_cfg, wait_for, world_of_one
+from .common import CORPUS, HERE, NPROC, start_job, table, train_cfg, wait_for, world_of_one
 
-WRITER_STEPS = 6
+WRITER_STEPS = 3  # A saves step 1, holds while both B are refused, then saves steps 2 and 3
 
 
 def _cli_job_b(root: str) -> subprocess.CompletedProcess:
@@ -36,6 +36,8 @@ def _cli_job_b(root: str) -> subprocess.CompletedProcess:
         "--save-every",
         "1",
         "--no-verify",
+        "--data",
+        CORPUS,
         "--checkpoint-dir",
         root,
     ]

@@ -8,8 +8,8 @@ to agree (``harness.hostile``). On ``b3fae39`` both ranks of ``--resume`` hashed
 GIL held and ``shardkit export`` hung the same way.
 
 * The reader's pickle scan refuses both files before unpickling: ``shardkit train --resume
-  --timeout T`` and ``shardkit export`` end (exit code 1 and 2) within T + 10 s of their start,
-  naming the checkpoint load and the file.
+  --timeout T`` (the DAG) and ``shardkit export`` (both) end (exit code 1 and 2) within T + 10 s
+  of their start, naming the checkpoint load and the file.
 * The watchdog's path: the same DAG with the scan switched off in every process of the job (a
   ``sitecustomize`` in a test directory put first on ``PYTHONPATH``: the unpickling of the old
   reader), so every rank stalls together in phase ``loading`` with the GIL held. The watchdog
@@ -23,15 +23,19 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
+import torch
 
 from harness.hostile import dag_ops, deep_ops, plant
 from harness.limits import patient
 from shardkit.train.liveness import read_heartbeats
 
 SAVE = "step_00000001"
+CORPUS = str(Path(torch.__file__).parent / "functional.py")  # 90 KB, not the 31 MB default: no claim is about data
 FLAGS = ["--nproc", "2", "--tp", "2", "--seq-len", "16", "--batch-size", "4", "--layers", "2", "--no-verify"]
+FLAGS += ["--data", CORPUS]
 BOMBS = {"a 100-level tuple DAG": (dag_ops, 100), "10^7 nested tuples": (deep_ops, 10**7)}
 SITECUSTOMIZE = """\
 # test-only: the reader without its pickle scan (what b3fae39 unpickled), in every process of the job
@@ -70,6 +74,9 @@ def _bombed(trained: str, tmp_path, bomb: str) -> str:
     return root
 
 
+# Each bomb through both commands; ``train --resume`` (a 2-rank launch) runs for the DAG only: the
+# deep bomb meets the same scan in the same reader (it is refused by the export below, with its
+# own reason), and the trainer's path after a refusal does not depend on which rule refused.
 @pytest.mark.slow
 @pytest.mark.parametrize("bomb", list(BOMBS))
 def test_resume_and_export_of_the_hash_bomb_end_within_the_timeout_naming_the_load(trained, tmp_path, bomb):
@@ -77,15 +84,16 @@ def test_resume_and_export_of_the_hash_bomb_end_within_the_timeout_naming_the_lo
     metadata = os.path.join(root, SAVE, ".metadata")
     why = "is used twice" if "DAG" in bomb else "nested more than 32 levels deep"
     timeout = patient(30)  # --timeout; the bound is measured from the command's start (start-up included)
-    done, seconds = _shardkit(
-        "train", *FLAGS, "--steps", "2", "--checkpoint-dir", root, "--resume", "--timeout", f"{timeout:g}"
-    )
-    out = done.stdout + done.stderr
-    assert done.returncode == 1, out[-3000:]
-    print(f"{bomb}: train --resume {seconds:.1f} s (--timeout {timeout:g})")
-    assert seconds <= timeout + 10, (seconds, out[-3000:])
-    assert "load_train_state: checkpoint refused on every rank" in out, out[-3000:]
-    assert f"{metadata} is refused unread" in out and why in out, out[-3000:]
+    if "DAG" in bomb:
+        done, seconds = _shardkit(
+            "train", *FLAGS, "--steps", "2", "--checkpoint-dir", root, "--resume", "--timeout", f"{timeout:g}"
+        )
+        out = done.stdout + done.stderr
+        assert done.returncode == 1, out[-3000:]
+        print(f"{bomb}: train --resume {seconds:.1f} s (--timeout {timeout:g})")
+        assert seconds <= timeout + 10, (seconds, out[-3000:])
+        assert "load_train_state: checkpoint refused on every rank" in out, out[-3000:]
+        assert f"{metadata} is refused unread" in out and why in out, out[-3000:]
     done, seconds = _shardkit("export", "--checkpoint-dir", root, "--out", str(tmp_path / "hf"))
     assert done.returncode == 2, done.stdout + done.stderr
     print(f"{bomb}: export {seconds:.1f} s")
@@ -101,7 +109,7 @@ def test_every_rank_hashing_the_bomb_is_stopped_by_the_watchdog_naming_loading(t
     site, report = tmp_path / "site", tmp_path / "report"
     site.mkdir()
     (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    timeout = 5.0
+    timeout = patient(3.0)  # the hashing ranks burn both cores until the watchdog stops them
     argv = [*FLAGS, "--steps", "2", "--checkpoint-dir", root, "--resume", "--timeout", f"{timeout:g}"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))}
     log = tmp_path / "output"

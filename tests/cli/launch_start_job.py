@@ -2,10 +2,12 @@
 ``shardkit train`` runs it, in a process of its own (pytest's process runs the test harness's
 forkserver, and a process has one).
 
-``python launch_start_job.py report OUT.json``: two launches one after the other, each with its
-own ``SHARDKIT_TEST_MARK``, the second on the forkserver the first started; every rank reports
-what it sees. ``python launch_start_job.py hang DIR``: each rank writes ``DIR/rankN.pid`` (its pid
-and its parent's) and sleeps, for the test to SIGKILL this launcher.
+``python launch_start_job.py DIR``: two launches one after the other, each with its own
+``SHARDKIT_TEST_MARK``, the second on the forkserver the first started; every rank reports what it
+sees, written to ``DIR/out.json``. Then a third launch on the same forkserver: each rank writes
+``DIR/rankN.pid`` (its pid and its parent's) and sleeps, for the test to SIGKILL this launcher.
+One process serves both tests: each launcher pays an ``import torch`` and its forkserver the
+model code's imports (about 4 core-seconds a process).
 """
 
 from __future__ import annotations
@@ -50,11 +52,7 @@ def hang(folder: str) -> None:
     time.sleep(600)
 
 
-def main(mode: str, path: str) -> None:
-    if mode == "hang":
-        with private_run_dir() as run_dir:
-            launch_local(2, hang, path, run_dir=run_dir, preload=MODELING)
-        return
+def main(folder: str) -> None:
     launches = []
     for mark in ("first", "second"):
         os.environ["SHARDKIT_TEST_MARK"] = mark  # set after the first launch's forkserver started
@@ -69,9 +67,12 @@ def main(mode: str, path: str) -> None:
                 "ranks": list(ranks.values()),
             }
         )
-    with open(path, "w") as f:
+    with open(os.path.join(folder, "out.json.tmp"), "w") as f:
         json.dump(launches, f)
+    os.replace(os.path.join(folder, "out.json.tmp"), os.path.join(folder, "out.json"))
+    with private_run_dir() as run_dir:
+        launch_local(2, hang, folder, run_dir=run_dir, preload=MODELING)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1])

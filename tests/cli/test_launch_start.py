@@ -3,18 +3,23 @@ imported torch and the model code once, with what a spawned rank had (the launch
 environment at launch, a private temporary directory, death with the launcher).
 
 The launches run in a process of their own (launch_start_job.py): pytest's process has the test
-harness's forkserver.
+harness's forkserver. One such process serves both launch tests (its third launch hangs, for the
+second test to SIGKILL it).
 """
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
+from harness.limits import patient
 from shardkit.cli._fork import _OWNER, _start_time, remove_stale_temps
 
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "launch_start_job.py")
@@ -23,10 +28,33 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc (Linux)")
 
 
-def test_forked_ranks_get_the_launchers_environment_at_each_launch(tmp_path):
-    out = tmp_path / "out.json"
-    subprocess.run([sys.executable, JOB, "report", str(out)], env=ENV, check=True, timeout=600)
-    launches = json.loads(out.read_text())
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """One launcher process (launch_start_job.py): two reporting launches, then a third whose
+    ranks hang. Yields ``(its folder, its system temporary directory, the launcher)`` once the
+    reports are written and the hanging ranks said their pids; killed at the end if still alive."""
+    folder = tmp_path_factory.mktemp("launches")
+    # the launcher's system temporary directory, which holds its forkserver's socket: a short path
+    # of its own (tmp_path_factory's is too deep for a Unix socket under pytest-xdist)
+    system_tmp = Path(tempfile.mkdtemp(prefix="sk-"))
+    env = {**ENV, "TMPDIR": str(system_tmp)}
+    launcher = subprocess.Popen([sys.executable, JOB, str(folder)], env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + patient(120)
+        files = [folder / f"rank{r}.pid" for r in range(2)]
+        while not all(f.exists() and f.read_text() for f in files):
+            assert launcher.poll() is None and time.monotonic() < deadline, "the ranks never started"
+            time.sleep(0.1)
+        yield folder, system_tmp, launcher
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+        shutil.rmtree(system_tmp, ignore_errors=True)
+
+
+def test_forked_ranks_get_the_launchers_environment_at_each_launch(job):
+    launches = json.loads((job[0] / "out.json").read_text())
     assert [launch["mark"] for launch in launches] == ["first", "second"]
     forkservers = set()
     for launch in launches:
@@ -56,32 +84,22 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def test_a_sigkilled_launcher_takes_its_forkserver_and_ranks_with_it(tmp_path, short_tmp_path):
-    system_tmp = short_tmp_path  # the launcher's system temporary directory: its forkserver's socket
-    env = {**ENV, "TMPDIR": str(system_tmp)}
-    launcher = subprocess.Popen([sys.executable, JOB, "hang", str(tmp_path)], env=env, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 600
-        files = [tmp_path / f"rank{r}.pid" for r in range(2)]
-        while not all(f.exists() and f.read_text() for f in files):
-            assert launcher.poll() is None and time.monotonic() < deadline, "the ranks never started"
-            time.sleep(0.2)
-        pids = {int(p) for f in files for p in f.read_text().split()}  # both ranks and their forkserver
-        assert len(pids) == 3, pids
-        launcher.kill()
-        launcher.wait()
-        killed = time.monotonic()
-        while not all(_gone(p) for p in pids) and time.monotonic() - killed < 5:
-            time.sleep(0.05)
-        assert all(_gone(p) for p in pids), [p for p in pids if not _gone(p)]
-        # Nothing ran the launcher's exit handler: its forkserver's directory is left, marked
-        # with its pid, and the next launch's sweep removes it.
-        (left,) = system_tmp.glob("pymp-*")
-        assert (left / _OWNER).read_text().split()[0] == str(launcher.pid)
-        assert remove_stale_temps(str(system_tmp)) == [str(left)] and not left.exists()
-    finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
+def test_a_sigkilled_launcher_takes_its_forkserver_and_ranks_with_it(job):
+    folder, system_tmp, launcher = job
+    files = [folder / f"rank{r}.pid" for r in range(2)]
+    pids = {int(p) for f in files for p in f.read_text().split()}  # both ranks and their forkserver
+    assert len(pids) == 3, pids
+    launcher.kill()
+    launcher.wait()
+    killed = time.monotonic()
+    while not all(_gone(p) for p in pids) and time.monotonic() - killed < 5:
+        time.sleep(0.05)
+    assert all(_gone(p) for p in pids), [p for p in pids if not _gone(p)]
+    # Nothing ran the launcher's exit handler: its forkserver's directory is left, marked
+    # with its pid, and the next launch's sweep removes it.
+    (left,) = system_tmp.glob("pymp-*")
+    assert (left / _OWNER).read_text().split()[0] == str(launcher.pid)
+    assert remove_stale_temps(str(system_tmp)) == [str(left)] and not left.exists()
 
 
 def test_only_a_marked_forkserver_directory_whose_launcher_is_gone_is_swept(tmp_path):

@@ -24,6 +24,7 @@ import time
 import pytest
 
 from harness.pretrained import save_tokenizer
+from shardkit.train.liveness import read_heartbeats
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
 from faults import saturated  # noqa: E402
@@ -50,13 +51,19 @@ def test_save_hf_on_a_saturated_cpu_with_rank_0_starved_alone_completes(tmp_path
     tok = save_tokenizer(tmp_path / "tok")
     # the launch's TMPDIR holds its forkserver's socket: a short path (tmp_path is too deep under xdist)
     out, tmp, log = tmp_path / "hf", short_tmp_path, tmp_path / "output"
-    argv = saturated.train_argv(str(tok), json.__file__, str(out), steps=3, nproc=2, timeout=TIMEOUT_S)
+    argv = saturated.train_argv(str(tok), json.__file__, str(out), steps=1, nproc=2, timeout=TIMEOUT_S)
     env = {**os.environ, "TMPDIR": str(tmp), "PYTHONUNBUFFERED": "1"}
     busy: list[subprocess.Popen] = []
     with open(log, "w") as f:
         proc = subprocess.Popen([*argv, "--seq-len", "16", "--batch-size", "4"], stdout=f, stderr=f, env=env)
     try:
         flight = os.path.join(_run_dir(str(tmp), proc), "flight")
+        # saturated from the ranks' first beats (model build, the steps, the solo phase), not
+        # through the launcher's and its forkserver's imports: the busy processes burn both cores
+        # for as long as they spin
+        end = time.monotonic() + 180
+        while proc.poll() is None and len(read_heartbeats(flight)) < 2 and time.monotonic() < end:
+            time.sleep(0.05)
         busy = saturated.start_busy(BUSY)
         starved = saturated.starve_rank0(flight, proc, nproc=2, hold_s=HOLD_S)
         load = os.getloadavg()[0]
@@ -73,4 +80,4 @@ def test_save_hf_on_a_saturated_cpu_with_rank_0_starved_alone_completes(tmp_path
     assert proc.returncode == 0, (load, text[-3000:])
     assert "shardkit's watchdog" not in text and "failed first" not in text, text[-3000:]
     assert saturated.hf_written(str(out)), sorted(os.listdir(out)) if out.exists() else "no --save-hf directory"
-    assert f"Hugging Face model (--save-hf, step 3): {out}" in text, text[-3000:]
+    assert f"Hugging Face model (--save-hf, step 1): {out}" in text, text[-3000:]

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from harness.limits import patient
 from shardkit._local_world import init_local_world, private_run_dir
 from shardkit.cli.launch import LaunchFailed, launch_local
 from shardkit.comm import flight_recorder
@@ -24,25 +25,25 @@ from shardkit.comm.collectives import all_reduce_forward
 from shardkit.comm.flight_report import FlightEntry, waited_for
 from shardkit.train.liveness import Heartbeat, set_phase
 
-TIMEOUT_S = 4.0
+TIMEOUT_S = 2.0  # the process-group timeout on a quiet machine (stretched by load: ``patient``)
 
 
 def _stop_on_sigterm(signum, frame):
     raise SystemExit(128 + signum)  # as the trainer's workers do: the flight record is written on the way out
 
 
-def one_rank_slow(run_dir: str, flight: str, slow: int) -> None:
+def one_rank_slow(run_dir: str, flight: str, slow: int, timeout: float) -> None:
     """Two all-reduces; before the second, rank ``slow`` computes for three timeouts (beating)."""
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
     rank = int(os.environ["RANK"])
     with Heartbeat(flight, rank, interval=0.5):
-        init_local_world(run_dir, timedelta(seconds=TIMEOUT_S))
+        init_local_world(run_dir, timedelta(seconds=timeout))
         try:
             set_phase("training")
             group = dist.group.WORLD
             all_reduce_forward(torch.ones(4), group)
             if rank == slow:
-                time.sleep(3 * TIMEOUT_S)
+                time.sleep(3 * timeout)
             all_reduce_forward(torch.ones(4), group)
         except BaseException as exc:
             flight_recorder.dump_all(flight, reason=f"{type(exc).__name__}: {exc}"[:500])
@@ -52,9 +53,11 @@ def one_rank_slow(run_dir: str, flight: str, slow: int) -> None:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.parametrize("slow", [1, pytest.param(0, marks=pytest.mark.slow)])  # ~20 s each
 def test_the_slow_rank_is_named_not_the_rank_that_timed_out_waiting(tmp_path, capsys, slow):
-    flight = str(tmp_path / "flight")
+    flight, timeout = str(tmp_path / "flight"), patient(TIMEOUT_S)
     with pytest.raises(LaunchFailed) as info, private_run_dir() as run_dir:
-        launch_local(2, one_rank_slow, run_dir, flight, slow, run_dir=run_dir, heartbeats=flight, timeout_s=TIMEOUT_S)
+        launch_local(
+            2, one_rank_slow, run_dir, flight, slow, timeout, run_dir=run_dir, heartbeats=flight, timeout_s=timeout
+        )
     text = str(info.value)
     first = text.splitlines()[0]
     waiting = 1 - slow

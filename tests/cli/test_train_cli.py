@@ -1,5 +1,5 @@
-"""``shardkit train``: configuration, data, parity bookkeeping and reports in-process; one real
-end-to-end run and one up-front failure as subprocesses."""
+"""``shardkit train``: configuration, data, parity bookkeeping and reports in-process; one up-front
+failure as a subprocess (the real run: test_train_run.py)."""
 
 import json
 import os
@@ -487,42 +487,8 @@ def _shardkit(*argv, timeout):
     )
 
 
-def test_end_to_end_verify_and_report(tmp_path):
-    # About 20 s on 2 cores (4 spawned ranks); the timeout only bounds a hang.
-    proc = _shardkit(
-        "train",
-        "--steps",
-        "2",
-        "--verify",
-        "--seq-len",
-        "32",
-        "--batch-size",
-        "4",
-        "--report",
-        str(tmp_path),
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    report = json.loads((tmp_path / "report.json").read_text())
-    env = report["environment"]
-    assert env["versions"]["torch"] == torch.__version__ and env["host"] and len(env["git_revision"] or "x" * 40) == 40
-    layout = report["layout"]
-    assert (layout["parallel"], layout["tp"], layout["dp_replicate"], layout["dp_shard"], layout["pp"]) == (
-        "dp_replicate=2 x tp=2",
-        2,
-        2,
-        1,
-        1,
-    )
-    assert layout["sequence_parallel"] is True and layout["nproc"] == 4
-    assert len(report["losses"]) == len(report["reference_losses"]) == 2
-    assert report["parity"]["passed"] and report["parity"]["max_param_rel_diff"] <= 1e-4
-    assert any(row["api"] == "sum_grad_over" for row in report["ledger"])
-    assert "PASSED" in proc.stdout and (tmp_path / "loss.png").exists()
-    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in lines] == [1, 2] and [m["loss"] for m in lines] == report["losses"]
-    assert all(m["grad_norm"] > 0 and m["lr"] == 1e-3 and m["tokens_per_s"] > 0 for m in lines)
-    assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "tb").iterdir())  # tensorboard: test extra
+# The end-to-end run (verify, report, metrics, tensorboard): test_train_run.py, one run for every
+# claim about a real run's output.
 
 
 def test_bad_layout_fails_before_launch():
@@ -541,26 +507,8 @@ def test_resume_without_a_save_is_said_before_launch(tmp_path, capsys):
     assert "--resume" not in capsys.readouterr().err
 
 
-# A second full launch (28 s at load 40): the slow tier; test_end_to_end_verify_and_report keeps
-# the launch path in the quick tier (issue 32, item 4).
-@pytest.mark.slow
-def test_piped_run_logs_every_n_steps_and_starts_a_fresh_report(tmp_path):
-    """stdout a pipe (not a terminal): set-up notes on stderr, a line per --log-every on stdout;
-    a new run into a used --report folder keeps the earlier run's metrics under its run id."""
-    (tmp_path / "metrics.jsonl").write_text(json.dumps({"run_id": "earlier", "step": 1, "loss": 9.0}) + "\n")
-    argv = ("--steps", "3", "--log-every", "2", "--seq-len", "32", "--batch-size", "4", "--report", str(tmp_path))
-    proc = _shardkit("train", *argv, timeout=600)  # bounds a hang only (2.5 min at load 20 on 2 cores)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    steps = [line.split("  ")[0] for line in proc.stdout.splitlines() if line.startswith("step ")]
-    assert steps == ["step 2/3", "step 3/3"], proc.stdout
-    for stage in ("joined (gloo)", "reading the corpus", "building the model (llama)", "parallelizing", "training 3"):
-        assert stage in proc.stderr, proc.stderr
-    report = json.loads((tmp_path / "report.json").read_text())
-    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [(m["run_id"], m["step"]) for m in lines] == [(report["run_id"], s) for s in (1, 2, 3)]
-    assert json.loads((tmp_path / "runs" / "earlier" / "metrics.jsonl").read_text())["loss"] == 9.0
-    assert report["parameters"] > 0 and report["mfu"] is None and "n/a on cpu" in proc.stdout
-    assert "loss (mean of steps 1 -> 3)" in proc.stdout
+# The piped run (--log-every, a used --report folder): test_train_run.py::
+# test_piped_run_logs_every_n_steps_and_starts_a_fresh_report, on the same run as the end-to-end claims.
 
 
 def test_summary_shows_parameters_mfu_and_windowed_means(capsys):
