@@ -51,17 +51,21 @@ def pytest_configure(config: pytest.Config) -> None:
         set_io_guard(capman.global_and_fixture_disabled)
 
 
-# Files whose tests mostly wait (on subprocesses, timeouts, heartbeats) rather than compute. With
-# pytest-xdist (`-n 2 --dist loadgroup`) they share one group, so they run one after another on
-# one worker while the other worker runs the CPU-bound world tests beside them; without xdist the
-# mark does nothing.
+# Files whose tests launch real jobs (`shardkit train`, the launcher, the bench's startup case) and
+# wait on them, their timeouts and heartbeats. With pytest-xdist (`-n 2 --dist loadgroup`, the
+# README's test command) they share one group, so they run one after another on one worker while
+# the other worker runs the world tests beside them: two launches never contend with each other,
+# and their waits leave a core to the other worker. Without xdist the mark does nothing.
 WAIT_BOUND = frozenset(
     {
+        "bench/test_startup_case.py",
         "cli/test_fault_trials.py",
+        "cli/test_launch_start.py",
         "cli/test_multi_node.py",
         "cli/test_slow_rank.py",
         "cli/test_saturated_save_hf.py",
         "cli/test_train_papercuts.py",
+        "cli/test_train_run.py",
         "train/test_watchdog.py",
         "catalogue/test_hash_bomb_cli.py",
         "catalogue/test_shared_machine_launch.py",

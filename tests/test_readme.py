@@ -51,7 +51,7 @@ def test_readme_is_short_and_points_to_the_docs():
         'python -c "import torch" 2>/dev/null || pip install torch==2.13.0; '
         'pip install -q -e ".[hf,plot]" && shardkit train',
         'python -c "import torch" 2>/dev/null || pip install torch==2.13.0; pip install -q -e ".[hf,test,docs]" '
-        "&& python -m pytest -q",
+        "&& python -m pytest -q -n 2 --dist loadgroup",
     ]
     assert "(docs/index.md)" in text and (README.parent / "docs" / "index.md").is_file()
     assert len(text.splitlines()) <= 100
