@@ -114,7 +114,14 @@ def test_host_syncs_per_step(name):
     overrides, reads_allowed, h2d_allowed = CASES[name]
     counts = _counts(**overrides)
     _log(name, counts)
-    if reads_allowed is None:  # --checks: its agreements are allowed; counted for the table only
+    if reads_allowed is None:
+        # --checks: the trainer's one read, and beyond it only what the checks add by design (the
+        # agreements' exchange, the pipeline's metadata headers); an agreement read every step
+        for _, _, where in counts:
+            assert sum(v for k, v in where.items() if k.startswith("read shardkit/train/")) == GOAL, (name, where)
+            checked = {k for k in where if not k.startswith("read shardkit/train/")}
+            assert all("shardkit/comm/agree.py" in k or "pipeline_parallel/_wire.py" in k for k in checked), where
+            assert any(k.startswith("read shardkit/comm/agree.py") for k in where), (name, where)
         return
     for reads, h2d, where in counts:
         assert reads <= reads_allowed and h2d <= h2d_allowed, (name, reads, h2d, where)
