@@ -15,14 +15,11 @@ import pytest
 import torch
 
 from harness.helpers import rank
-from shardkit import CommLedger
-from shardkit.plan import ModelShape, StepOptions
+from harness.ledger_run import ledger_of_a_run
+from shardkit.plan import StepOptions
 from shardkit.plan.collectives import ledger_table, merged, step_collectives
 from shardkit.plan.options import rank_stage
-from shardkit.train.config import TrainConfig, parallel_dims, validate_config
-from shardkit.train.model import hf_config
-from shardkit.train.run import build_parallel_model, build_task, build_train_model, run_training
-from shardkit.train.specs import model_spec
+from shardkit.train.config import TrainConfig, validate_config
 
 # one 90 KB file, not the 31 MB default corpus that rank 0 would read and broadcast in every
 # run (docs/design.md, Testing)
@@ -43,13 +40,7 @@ def _keys(table: dict, ac: str) -> dict:
 def test_the_regather_rows_equal_the_ledger(ac):
 
     cfg = validate_config(TrainConfig(**{**SMALL, "ac": ac}), world_size=2)
-    dims = parallel_dims(cfg)
-    mesh = dims.build_mesh("cpu")
-    task = build_task(cfg, torch.device("cpu"))
-    pm, loss_scale = build_parallel_model(build_train_model(cfg), mesh, cfg, task, torch.device("cpu"))
-    with CommLedger() as ledger:
-        run_training(pm, task, cfg, loss_scale)
-    shape = ModelShape.from_config(hf_config(cfg, model_spec(cfg.model).family)[1])
+    dims, shape, ledger = ledger_of_a_run(cfg)
     opts = StepOptions(cfg.seq_len, cfg.batch_size, cfg.microbatches, cfg.dtype, True, activation_checkpoint=ac)
     stage, tp_rank = rank_stage(dims, rank())
     want = _keys(merged(step_collectives(shape, dims, opts, stage, tp_rank)), ac)
