@@ -145,7 +145,10 @@ def test_resume_in_another_dtype_raises_instead_of_casting():
         ):
             run_train(steps=2, tp=2, checkpoint_dir=root, resume=True, dtype="float32")
         # in the workers, for a save that describes no model (an earlier shardkit's: the run's
-        # re-check once it holds the lock passes it, issue 31): the load itself
+        # re-check once it holds the lock passes it, issue 31): the load itself. Every rank has
+        # raised on the manifest above before rank 0 edits it: a rank still checking would find
+        # no model, pass, and train alone (the hang a loaded CI run met).
+        torch.distributed.barrier()
         if rank() == 0:
             file = os.path.join(root, "step_00000001", MANIFEST)
             manifest = json.load(open(file))
