@@ -66,7 +66,10 @@ def grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
     return _PROBED[key]
 
 
-@torch.compiler.disable  # run eagerly even when first asked inside torch.compile: not part of any graph
+# Run eagerly even when first asked inside torch.compile: not part of any graph. torch's own
+# lazy form of torch.compiler.disable: it imports Dynamo at the first call, not at shardkit's
+# import (about 1 s of CPU in every rank of an eager run, which never needs Dynamo otherwise).
+@torch._disable_dynamo
 def _probe(device_type: str, dtype: torch.dtype) -> bool:
     grouped = getattr(torch, "_grouped_mm", None)
     if grouped is None or dtype not in (torch.float32, torch.bfloat16, torch.float16):

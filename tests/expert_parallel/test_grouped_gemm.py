@@ -8,6 +8,9 @@ experts of 0 rows, one expert taking every row, and no rows at all; gated / unga
 transposed weights, a model's own ``_apply_gate``, and Qwen3-MoE's experts module.
 """
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch import nn
@@ -158,3 +161,17 @@ def test_under_torch_compile(dtype):
     got = _run(module, compiled, counts, dtype)
     _assert_same(got, ref, 1e-5 if dtype == torch.float32 else 2e-2)
     torch._dynamo.reset()
+
+
+def test_importing_shardkit_loads_no_dynamo_until_the_probe_runs():
+    # The probe is kept out of compiled graphs lazily: the launcher's checks import the planner
+    # (and with it this module) and never need Dynamo, about 0.6 core-s of every launch.
+    code = (
+        "import sys; import shardkit.train.checkpoint_dir, shardkit.tensor_parallel; "
+        "before = 'torch._dynamo' in sys.modules; "
+        "from shardkit._grouped_gemm import grouped_mm_supported; import torch; "
+        "ok = grouped_mm_supported('cpu', torch.float32); "
+        "print(before, ok, 'torch._dynamo' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["False", "True", "True"], done.stdout + done.stderr
