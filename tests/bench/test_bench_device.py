@@ -120,6 +120,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # a torchrun launch (13 s, 6 core-s): the quick tier keeps the skip rules above
 def test_a_torchrun_world_of_one_gloo_rank_runs_its_cases_and_records_the_skipped():
     env = {k: v for k, v in os.environ.items() if k not in ("TORCHELASTIC_RUN_ID",)}
     port = str(_free_port())

@@ -91,8 +91,9 @@ def _close(a, b) -> bool:
 # Quick tier: tp + SP under full AC, the one compiled case there: compiled blocks between tp's
 # collectives, and the checkpoint replaying the compiled graphs (plain tp + SP, the same compiled
 # graphs without the replay, is no case of its own; test_inductor_blocks_match_eager compiles it
-# in the slow tier). Ring cp's compiled parity is the slow tier's: test_graph_breaks_are_counted
-# traces its blocks (point-to-point exchanges inside attention) through Dynamo in the quick tier.
+# in the slow tier). Ring cp's compiled parity is the slow tier's, and so is
+# test_graph_breaks_are_counted, which traces its blocks (point-to-point exchanges inside
+# attention) through Dynamo (13 core-s for one count).
 QUICK = ("tp=2, sequence parallel, full AC",)
 
 
@@ -141,11 +142,11 @@ def test_one_process_compiled_matches_eager():
     assert _close(*runs)
 
 
+@pytest.mark.slow
 @pytest.mark.world(2, timeout=600)
 def test_graph_breaks_are_counted():
     # on ring cp's block, so that its attention (point-to-point exchanges, a fused block per
-    # diagonal and off-diagonal tile) goes through Dynamo in the quick tier (the quick parity case
-    # is tp's); measured: 12 graphs, P2POp construction and the ledger's group reads among the reasons
+    # diagonal and off-diagonal tile) goes through Dynamo; measured: 12 graphs, P2POp construction and the ledger's group reads among the reasons
     torch._dynamo.reset()
     pm, inputs = _build(*LAYOUTS["cp_ring=2"], compile=False)
     found = graph_breaks(pm.module, decoder_layers(pm.module)[0], inputs)
