@@ -146,7 +146,8 @@ def test_one_process_compiled_matches_eager():
 @pytest.mark.world(2, timeout=600)
 def test_graph_breaks_are_counted():
     # on ring cp's block, so that its attention (point-to-point exchanges, a fused block per
-    # diagonal and off-diagonal tile) goes through Dynamo; measured: 12 graphs, P2POp construction and the ledger's group reads among the reasons
+    # diagonal and off-diagonal tile) goes through Dynamo; measured: 12 graphs, P2POp
+    # construction and the ledger's group reads among the reasons
     torch._dynamo.reset()
     pm, inputs = _build(*LAYOUTS["cp_ring=2"], compile=False)
     found = graph_breaks(pm.module, decoder_layers(pm.module)[0], inputs)
