@@ -114,6 +114,7 @@ def _block_bytes(sp_activation: str, ac: str) -> int:
     return meter.per_block[0]
 
 
+@pytest.mark.slow  # the measured figure at tp=8 (4 core-s); the quick tier keeps the 4-rank parity above
 @pytest.mark.world(8, timeout=300)
 def test_tp8_sequence_parallel_block_keeps_35_percent_less_with_the_shard():
     problems, measured = [], {}

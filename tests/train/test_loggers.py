@@ -139,6 +139,7 @@ def _wandb_records(run_file: Path) -> list:
     return out
 
 
+@pytest.mark.slow  # wandb's own service process (5 core-s); the quick tier keeps the logger interface's tests
 def test_the_real_wandb_package_logs_every_step_offline(tmp_path, monkeypatch):
     pytest.importorskip("wandb")  # the test extra installs it: CI runs this for real
     monkeypatch.delenv("WANDB_MODE", raising=False)  # the default must be offline (no network here)
