@@ -382,7 +382,8 @@ class World:
 # How long a world may sit unused before the pool ends it. Every gloo group of every rank keeps a
 # device of its own whose event loop wakes 100 times a second, busy or not: an 8-rank world that
 # had served its few tests held ~44 groups a rank and burned a third of a core for the rest of
-# the session, beside every other world. Restarting a world costs about a second.
+# the session, beside every other world. A restart costs about a second of wall and the ranks'
+# first-use costs again (about 4 core-s for 4 ranks): 20 s measured better than no limit.
 IDLE_LIMIT = float(os.environ.get("SHARDKIT_TEST_WORLD_IDLE", "20"))
 
 
