@@ -6,8 +6,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
+from harness.helpers import SMALL_CORPUS
 from harness.limits import patient
 from shardkit._quiet import QUIET_ENV
 
@@ -74,7 +74,7 @@ def _readme_train(*extra: str) -> subprocess.CompletedProcess:
 # One 90 KB file of torch's (the text tests/train trains on): the default run reads the default
 # corpus as the README's command does, and a warning of reading it shows there; the FSDP2 x tp
 # run is about its layout, and skips the 31 MB read and broadcast (a third of a 2-step run's CPU).
-CORPUS = str(Path(torch.__file__).parent / "functional.py")
+CORPUS = SMALL_CORPUS
 
 
 @pytest.mark.meta

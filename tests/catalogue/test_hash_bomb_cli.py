@@ -23,17 +23,16 @@ import shutil
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
-import torch
 
+from harness.helpers import SMALL_CORPUS
 from harness.hostile import dag_ops, deep_ops, plant
 from harness.limits import patient
 from shardkit.train.liveness import read_heartbeats
 
 SAVE = "step_00000001"
-CORPUS = str(Path(torch.__file__).parent / "functional.py")  # 90 KB, not the 31 MB default: no claim is about data
+CORPUS = SMALL_CORPUS  # 90 KB, not the 31 MB default: no claim is about data
 FLAGS = ["--nproc", "2", "--tp", "2", "--seq-len", "16", "--batch-size", "4", "--layers", "2", "--no-verify"]
 FLAGS += ["--data", CORPUS]
 BOMBS = {"a 100-level tuple DAG": (dag_ops, 100), "10^7 nested tuples": (deep_ops, 10**7)}

@@ -30,6 +30,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from harness.helpers import SMALL_CORPUS
 from shardkit import ShardkitError
 from shardkit._local_world import init_local_world, loopback_interface, private_run_dir
 from shardkit.cli.launch import launch_local
@@ -167,7 +168,6 @@ def test_the_proc_parser_sees_a_wide_listener():
 @pytest.mark.world(4)
 def test_every_group_of_a_pipeline_with_stage_tp_sizes_has_the_worlds_timeout():
     # --pp-tp layouts build their groups with new_group, whose default is gloo's 30 minutes
-    import torch
 
     from shardkit import ParallelDims
 
@@ -329,7 +329,7 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout_and_is_named_the_suspect
         "--report",
         str(report),
         "--data",  # 90 KB, not the 31 MB default corpus rank 0 reads and broadcasts: no claim is about data
-        str(Path(torch.__file__).parent / "functional.py"),
+        SMALL_CORPUS,
     ]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:

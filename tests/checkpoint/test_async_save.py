@@ -19,7 +19,6 @@ import errno
 import json
 import os
 import threading
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,7 +26,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import shardkit.train.run as run_module
-from harness.helpers import rank, remove_shared_dir, shared_tmpdir
+from harness.helpers import SMALL_CORPUS, rank, remove_shared_dir, shared_tmpdir
 from harness.resume import run_losses
 from harness.resume import run_train as _run_train
 from harness.tiers import tiered
@@ -36,9 +35,7 @@ from shardkit.checkpoint import MANIFEST, latest_checkpoint
 from shardkit.train.config import TrainConfig, parallel_dims, validate_config
 from shardkit.train.run import build_parallel_model, build_task, build_train_model, run_training
 
-# one 90 KB file, not the 31 MB default corpus that rank 0 would read and broadcast in every
-# run (docs/design.md, Testing)
-CORPUS = str(Path(torch.__file__).parent / "functional.py")
+CORPUS = SMALL_CORPUS
 
 
 def run_train(**kw):

@@ -9,11 +9,10 @@ import re
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-import torch
 
+from harness.helpers import SMALL_CORPUS
 from harness.limits import patient
 from shardkit.checkpoint.versioned import LATEST, MANIFEST
 from shardkit.cli.main import build_parser
@@ -22,7 +21,7 @@ from shardkit.train.options import TrainConfig
 from shardkit.train.progress import LogLines
 from shardkit.train.saving import last_save_note
 
-CORPUS = str(Path(torch.__file__).parent / "functional.py")  # 90 KB: the claims are not about data
+CORPUS = SMALL_CORPUS  # 90 KB: the claims are not about data
 
 
 def _args(*argv):

@@ -12,14 +12,14 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from harness.helpers import SMALL_CORPUS
 from harness.limits import patient
 
-CORPUS = str(Path(torch.__file__).parent / "functional.py")
+CORPUS = SMALL_CORPUS
 STEPS = 3
 
 

@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from pathlib import Path
 from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from harness.helpers import get_mesh, rank, world_size
+from harness.helpers import SMALL_CORPUS, get_mesh, rank, world_size
 from harness.tiers import tiered
 from shardkit import CommLedger
 from shardkit.data_parallel import set_microbatch
@@ -34,9 +33,7 @@ from shardkit.errors import ShardkitError
 from shardkit.train.config import TrainConfig, validate_config
 from shardkit.train.run import train
 
-# one 90 KB file, not the 31 MB default corpus that rank 0 would read and broadcast in every
-# run (docs/design.md, Testing)
-CORPUS = str(Path(torch.__file__).parent / "functional.py")
+CORPUS = SMALL_CORPUS
 STEPS, LAYERS = 2, 2
 SMALL = dict(steps=STEPS, seq_len=16, dtype="float64", verify=True, layers=LAYERS, lr=1e-3, tp=1, data=CORPUS)
 

@@ -9,14 +9,12 @@
   for Llama 3 405B's widths at tp 8 x pp 4 x dp_replicate 8 with ZeRO-1.
 """
 
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
 import transformers
 
-from harness.helpers import rank, world_size
+from harness.helpers import SMALL_CORPUS, rank, world_size
 from harness.tiers import tiered
 from shardkit import ParallelDims, ShardkitError, StepOptions
 from shardkit.parallelize.fake_world import fake_world_memory
@@ -29,9 +27,7 @@ from shardkit.train.run import build_parallel_model, build_task, build_train_mod
 from shardkit.train.specs import model_spec
 from shardkit.train.trainer import LossScale, make_optimizer, train_step
 
-# one 90 KB file, not the 31 MB default corpus that rank 0 would read and broadcast in every
-# run (docs/design.md, Testing)
-CORPUS = str(Path(torch.__file__).parent / "functional.py")
+CORPUS = SMALL_CORPUS
 SMALL = dict(steps=1, seq_len=16, batch_size=4, dtype="float32", layers=2, lr=1e-3, data=CORPUS)
 
 

@@ -11,19 +11,15 @@ per-parameter moments, whatever wrote it.
 """
 
 import os
-from pathlib import Path
 
 import pytest
-import torch
 
-from harness.helpers import rank, remove_shared_dir, shared_tmpdir
+from harness.helpers import SMALL_CORPUS, rank, remove_shared_dir, shared_tmpdir
 from harness.resume import run_losses
 from harness.resume import run_train as _run_train
 from harness.tiers import tiered
 
-# one 90 KB file, not the 31 MB default corpus that rank 0 would read and broadcast in every
-# run (docs/design.md, Testing)
-CORPUS = str(Path(torch.__file__).parent / "functional.py")
+CORPUS = SMALL_CORPUS
 
 
 def run_train(**kw):

@@ -26,12 +26,14 @@ from __future__ import annotations
 import shutil
 import tempfile
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 __all__ = [
+    "SMALL_CORPUS",
     "all_true",
     "get_mesh",
     "rank",
@@ -54,6 +56,12 @@ def world_group() -> dist.ProcessGroup:
 def rank() -> int:
     """This process's global rank."""
     return dist.get_rank()
+
+
+# One 90 KB file of text (torch's functional module) for trainer runs whose claims are not about
+# the data: the default corpus (the standard library, 31 MB) is read by rank 0 and broadcast to
+# every rank, a third of a small run's CPU (docs/design.md, Testing).
+SMALL_CORPUS = str(Path(torch.__file__).parent / "functional.py")
 
 
 def world_size() -> int:

@@ -9,12 +9,10 @@
   total moves by exactly that against the synchronous collectives it replaces.
 """
 
-from pathlib import Path
-
 import pytest
 import torch
 
-from harness.helpers import rank
+from harness.helpers import SMALL_CORPUS, rank
 from harness.ledger_run import ledger_of_a_run
 from harness.tiny_lm import TINY_LLAMA_CONFIG as TINY
 from shardkit import Cluster, ModelShape, ParallelDims, StepOptions, estimate_step
@@ -24,9 +22,7 @@ from shardkit.plan.options import rank_stage
 from shardkit.plan.timing import tp_rings_exposed
 from shardkit.train.config import TrainConfig, validate_config
 
-# one 90 KB file, not the 31 MB default corpus that rank 0 would read and broadcast in every
-# run (docs/design.md, Testing)
-CORPUS = str(Path(torch.__file__).parent / "functional.py")
+CORPUS = SMALL_CORPUS
 SMALL = dict(
     steps=1, seq_len=16, batch_size=4, dtype="float32", verify=False, layers=2, lr=1e-3, async_tp=True, data=CORPUS
 )

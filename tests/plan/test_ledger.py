@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness.helpers import world_size
+from harness.helpers import SMALL_CORPUS, world_size
 from harness.tiers import tiered
 from shardkit import CommLedger
 from shardkit.plan import ModelShape, StepOptions
@@ -30,7 +30,7 @@ from shardkit.train.specs import model_spec
 # (docs/design.md, Testing); the packed cases need a folder (a packed window is the files it
 # spans): the 36 files (70 KB) of the standard library's email/mime. (Their one step's windows
 # hold one document each, as they did on the default corpus: checked with the sampler's seed.)
-CORPUS = str(Path(torch.__file__).parent / "functional.py")
+CORPUS = SMALL_CORPUS
 DOCUMENTS = str(Path(email.__file__).parent / "mime")
 SMALL = dict(steps=1, seq_len=16, batch_size=4, dtype="float32", verify=False, layers=2, lr=1e-3)
 ROUTED = ("token_dispatch", "token_combine")

@@ -9,21 +9,16 @@ collectives of a checkpointed block are not in the planner's rows; tests/plan/te
 holds every other row to the ledger without checkpointing.)
 """
 
-from pathlib import Path
-
 import pytest
-import torch
 
-from harness.helpers import rank
+from harness.helpers import SMALL_CORPUS, rank
 from harness.ledger_run import ledger_of_a_run
 from shardkit.plan import StepOptions
 from shardkit.plan.collectives import ledger_table, merged, step_collectives
 from shardkit.plan.options import rank_stage
 from shardkit.train.config import TrainConfig, validate_config
 
-# one 90 KB file, not the 31 MB default corpus that rank 0 would read and broadcast in every
-# run (docs/design.md, Testing)
-CORPUS = str(Path(torch.__file__).parent / "functional.py")
+CORPUS = SMALL_CORPUS
 SMALL = dict(steps=1, seq_len=16, batch_size=4, dtype="float32", verify=False, layers=4, lr=1e-3, tp=2, data=CORPUS)
 
 

@@ -8,12 +8,11 @@ with ``--verify`` parity here, so the common verdict is the trainer's real one.
 """
 
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
-from harness.helpers import rank, world_size
+from harness.helpers import SMALL_CORPUS, rank, world_size
 from shardkit import ParallelDims, ShardkitError
 from shardkit.plan import ModelShape, StepOptions
 from shardkit.plan.options import check_layout
@@ -22,9 +21,7 @@ from shardkit.train.config import TrainConfig, parse_pp_tp, validate_config
 from shardkit.train.run import train
 from shardkit.train.specs import model_spec
 
-# one 90 KB file, not the 31 MB default corpus that rank 0 would read and broadcast in every
-# run (docs/design.md, Testing)
-CORPUS = str(Path(torch.__file__).parent / "functional.py")
+CORPUS = SMALL_CORPUS
 BASE = dict(seq_len=16, batch_size=8, layers=2, dtype="float32")
 # (overrides, the trainer runs it): the verdicts both sides must give
 LAYOUTS = [

@@ -3,12 +3,11 @@ by hand on a small config, and the staged bytes equal to what the trainer's stat
 :class:`~shardkit.checkpoint.background.CpuStager`, measures (under FSDP2: the rank's shard)."""
 
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
 
-from harness.helpers import world_size
+from harness.helpers import SMALL_CORPUS, world_size
 from harness.tiny_lm import TINY_LLAMA_CONFIG as TINY
 from shardkit import Cluster, ModelShape, ParallelDims, StepOptions
 from shardkit.checkpoint.background import CpuStager
@@ -46,9 +45,7 @@ def test_sync_pays_the_write_async_the_staging_copy():
     assert wide.staged == shape.total_params * 24 / 4  # float64 parameter and moments, a quarter each
 
 
-# one 90 KB file, not the 31 MB default corpus that rank 0 would read and broadcast in every
-# run (docs/design.md, Testing)
-CORPUS = str(Path(torch.__file__).parent / "functional.py")
+CORPUS = SMALL_CORPUS
 
 
 @pytest.mark.world(2, timeout=120)

@@ -11,20 +11,17 @@ replicas. A save at ep over replicas resumes at another expert layout with the s
 """
 
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
-from harness.helpers import rank, remove_shared_dir, shared_tmpdir, world_size
+from harness.helpers import SMALL_CORPUS, rank, remove_shared_dir, shared_tmpdir, world_size
 from harness.tiers import tiered
 from shardkit.train.checkpoint_dir import check_checkpoint_dir
 from shardkit.train.config import TrainConfig, validate_config
 from shardkit.train.run import train
 
-# One 90 KB file of text, not the default corpus (the stdlib: 31 MB read by rank 0 and broadcast
-# to every rank, a third of a small run's CPU).
-CORPUS = str(Path(torch.__file__).parent / "functional.py")
+CORPUS = SMALL_CORPUS
 SMALL = dict(steps=2, seq_len=16, batch_size=4, dtype="float64", layers=2, lr=1e-3, model="moe", data=CORPUS)
 
 

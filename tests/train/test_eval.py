@@ -5,12 +5,11 @@ import dataclasses
 import json
 import os
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
-from harness.helpers import rank, remove_shared_dir, shared_tmpdir, world_size
+from harness.helpers import SMALL_CORPUS, rank, remove_shared_dir, shared_tmpdir, world_size
 from harness.tiers import tiered
 from shardkit import ShardkitError
 from shardkit.train.config import TrainConfig, validate_config
@@ -19,7 +18,7 @@ from shardkit.train.data import HeldOutBatches, held_out_start
 from shardkit.train.lm_spec import lm_task
 from shardkit.train.run import train
 
-CORPUS = str(Path(torch.__file__).parent / "functional.py")
+CORPUS = SMALL_CORPUS
 
 
 def test_the_held_out_tail_is_never_trained_on():

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.helpers import rank, remove_shared_dir, shared_tmpdir, world_size
+from harness.helpers import SMALL_CORPUS, rank, remove_shared_dir, shared_tmpdir, world_size
 from shardkit import ShardkitError, export_hf
 from shardkit.checkpoint import MANIFEST, latest_checkpoint, load_train_state
 from shardkit.cli.main import main
@@ -129,7 +129,7 @@ def test_a_fine_tuned_model_path_exports_to_its_config_class_with_its_tokenizer(
         if rank() == 0:
             save_tiny_llama(Path(source))
         torch.distributed.barrier()
-        data = str(Path(torch.__file__).parent / "functional.py")
+        data = SMALL_CORPUS
         _run(model_path=source, data=data, tp=1, dp_replicate=2, checkpoint_dir=ckpt)
         if rank() == 0:
             export_hf(ckpt, out, step=2)

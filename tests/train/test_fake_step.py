@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from harness.fake_cuda_steps import record_reads
-from harness.helpers import rank, world_size
+from harness.helpers import SMALL_CORPUS, rank, world_size
 
 # The shim registers CUDA's hooks, which a CUDA build of torch already has (it refuses a second
 # registration): there the real device is the check (scripts/gpu_first_checks.sh).
@@ -61,7 +61,7 @@ LAYOUTS = {
 }
 # One 90 KB file of text, not the default corpus (the stdlib: 31 MB read by rank 0 and broadcast
 # to every rank, a third of a small run's CPU); the packed layouts keep the stdlib's documents.
-CORPUS = str(Path(torch.__file__).parent / "functional.py")
+CORPUS = SMALL_CORPUS
 LAYOUTS = {name: ({**o} if o.get("packed") else {"data": CORPUS, **o}, r) for name, (o, r) in LAYOUTS.items()}
 # The quick tier (a developer's pre-commit run, under 3 minutes in all) keeps the two layouts
 # whose device placement is most its own: the ring's fused attention blocks beside tp's

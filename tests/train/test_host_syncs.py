@@ -19,12 +19,11 @@ FSDP2 (the fused read), ring attention, a pipeline, an MoE layer and the conv-ae
 
 import os
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
-from harness.helpers import rank, world_size
+from harness.helpers import SMALL_CORPUS, rank, world_size
 from harness.tiers import tiered
 from shardkit.comm.host_sync import HostSyncCounter
 from shardkit.train.config import TrainConfig, validate_config
@@ -32,7 +31,7 @@ from shardkit.train.run import train
 
 # One 90 KB file of text, not the default corpus (the stdlib: 31 MB read by rank 0 and broadcast
 # to every rank, a third of a small run's CPU); the packed cases keep the stdlib's documents.
-CORPUS = str(Path(torch.__file__).parent / "functional.py")
+CORPUS = SMALL_CORPUS
 SMALL = dict(steps=3, seq_len=16, batch_size=4, dtype="float64", layers=2, lr=1e-3, data=CORPUS)
 MOE_LAYERS = 2  # the moe model's decoder layers in SMALL (each dropless: one read of its counts)
 

@@ -9,12 +9,11 @@ and every collective moving activations in bfloat16.
 """
 
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
-from harness.helpers import rank, world_size
+from harness.helpers import SMALL_CORPUS, rank, world_size
 from harness.tiers import tiered
 from shardkit.cli.main import build_parser
 from shardkit.cli.train import config_from_args
@@ -22,9 +21,7 @@ from shardkit.errors import ShardkitError
 from shardkit.train.config import TrainConfig, validate_config
 from shardkit.train.run import train
 
-# One 90 KB file of text, not the default corpus (the stdlib: 31 MB read by rank 0 and broadcast
-# to every rank, a third of a small run's CPU).
-CORPUS = str(Path(torch.__file__).parent / "functional.py")
+CORPUS = SMALL_CORPUS
 SMALL = dict(steps=2, seq_len=16, batch_size=4, layers=2, verify=True, mixed_precision="bf16", data=CORPUS)
 LAYOUTS = {
     "dp_replicate=2 x tp=2 (SP)": dict(),

@@ -10,19 +10,16 @@ so a bias missing or stepped differently on any rank shows in step 2's load and 
 """
 
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
-from harness.helpers import rank, world_size
+from harness.helpers import SMALL_CORPUS, rank, world_size
 from harness.tiers import tiered
 from shardkit.train.config import TrainConfig, validate_config
 from shardkit.train.run import train
 
-# One 90 KB file of text, not the default corpus (the stdlib: 31 MB read by rank 0 and broadcast
-# to every rank, a third of a small run's CPU).
-CORPUS = str(Path(torch.__file__).parent / "functional.py")
+CORPUS = SMALL_CORPUS
 SMALL = dict(steps=2, seq_len=16, batch_size=4, dtype="float64", verify=True, layers=2, lr=1e-3, data=CORPUS)
 ALL = dict(moe_bias_update_rate=0.05, moe_z_loss=1e-2, moe_seq_aux_loss=1e-2)
 NO_SEQ = dict(moe_bias_update_rate=0.05, moe_z_loss=1e-2)

@@ -12,19 +12,16 @@ some pairs dropped, so the rule is exercised, and not all.
 """
 
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
-from harness.helpers import rank, world_size
+from harness.helpers import SMALL_CORPUS, rank, world_size
 from harness.tiers import tiered
 from shardkit.train.config import TrainConfig, validate_config
 from shardkit.train.run import train
 
-# One 90 KB file of text, not the default corpus (the stdlib: 31 MB read by rank 0 and broadcast
-# to every rank, a third of a small run's CPU).
-CORPUS = str(Path(torch.__file__).parent / "functional.py")
+CORPUS = SMALL_CORPUS
 SMALL = dict(steps=2, seq_len=16, batch_size=4, dtype="float64", verify=True, layers=2, lr=1e-3, data=CORPUS)
 CAP = dict(moe_capacity_factor=1.0)
 POS = dict(moe_capacity_factor=1.0, moe_drop_policy="position")

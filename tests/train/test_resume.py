@@ -12,12 +12,11 @@ import errno
 import json
 import os
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
-from harness.helpers import rank, remove_shared_dir, shared_tmpdir, world_size
+from harness.helpers import SMALL_CORPUS, rank, remove_shared_dir, shared_tmpdir, world_size
 from harness.resume import BASE as _BASE
 from harness.resume import run_losses
 from harness.resume import run_train as _run_train
@@ -28,9 +27,7 @@ from shardkit.train.checkpoint_dir import check_checkpoint_dir
 from shardkit.train.config import TrainConfig, validate_config
 from shardkit.train.run import train
 
-# One 90 KB file of text, not the default corpus (the stdlib: 31 MB read by rank 0 and broadcast
-# to every rank, a third of a small run's CPU).
-CORPUS = str(Path(torch.__file__).parent / "functional.py")
+CORPUS = SMALL_CORPUS
 BASE = {**_BASE, "data": CORPUS}
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.helpers import rank, remove_shared_dir, shared_tmpdir, world_size
+from harness.helpers import SMALL_CORPUS, rank, remove_shared_dir, shared_tmpdir, world_size
 from harness.pretrained import save_tokenizer
 from harness.tiers import tiered
 from shardkit import ShardkitError, export_hf
@@ -82,7 +82,7 @@ def _bite(model) -> None:
 def _train(root: str, **layout):
     cfg = TrainConfig(
         model_path=root,
-        data=str(Path(torch.__file__).parent / "functional.py"),
+        data=SMALL_CORPUS,
         steps=2,
         seq_len=16,
         batch_size=2,

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.helpers import rank, world_size
+from harness.helpers import SMALL_CORPUS, rank, world_size
 from harness.tiers import tiered
 from shardkit.sharding import AXES, FLAT_VIEWS
 from shardkit.train.config import TrainConfig, validate_config
@@ -26,7 +26,7 @@ from shardkit.train.run import train
 
 # One 90 KB file of text, not the default corpus (the stdlib: 31 MB read by rank 0 and broadcast
 # to every rank, a third of a small run's CPU); the packed cases keep the stdlib's documents.
-CORPUS = str(Path(torch.__file__).parent / "functional.py")
+CORPUS = SMALL_CORPUS
 SMALL = dict(steps=2, seq_len=16, batch_size=4, dtype="float64", verify=True, layers=2, lr=1e-3, data=CORPUS)
 
 
@@ -192,7 +192,7 @@ def test_pretrained_checkpoint_matches_one_process(overrides):
         if rank() == 0:
             save_tiny_llama(Path(root))
         torch.distributed.barrier()
-        result = _train(model_path=root, data=str(Path(torch.__file__).parent / "functional.py"), steps=3, **overrides)
+        result = _train(model_path=root, data=SMALL_CORPUS, steps=3, **overrides)
         if rank() == 0:
             parity = result["parity"]
             assert parity["passed"] and parity["tolerance"] == 1e-9, parity

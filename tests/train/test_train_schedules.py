@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.helpers import rank, remove_shared_dir, shared_tmpdir, world_size
+from harness.helpers import SMALL_CORPUS, rank, remove_shared_dir, shared_tmpdir, world_size
 from shardkit.errors import ShardkitError
 from shardkit.pipeline_parallel.tables import SCHEDULES as TABLES
 from shardkit.train.checkpoint_dir import check_checkpoint_dir
@@ -20,9 +20,7 @@ from shardkit.train.config import TrainConfig, validate_config
 from shardkit.train.options import SCHEDULES
 from shardkit.train.run import train
 
-# One 90 KB file of text, not the default corpus (the stdlib: 31 MB read by rank 0 and broadcast
-# to every rank, a third of a small run's CPU).
-CORPUS = str(Path(torch.__file__).parent / "functional.py")
+CORPUS = SMALL_CORPUS
 SMALL = dict(steps=2, seq_len=16, batch_size=4, dtype="float64", verify=True, layers=4, lr=1e-3, tp=1, data=CORPUS)
 V = {"1f1b": 1, "gpipe": 1, "interleaved-1f1b": 2, "looped-bfs": 2, "zb-h1": 1, "zbv": 2, "interleaved-zb": 2}
 V["dualpipev"] = 2
@@ -162,7 +160,7 @@ def test_tied_embeddings_on_chunks(name):
         if rank() == 0:
             save_tiny_llama(Path(root), num_hidden_layers=4)
         torch.distributed.barrier()
-        data = str(Path(torch.__file__).parent / "functional.py")
+        data = SMALL_CORPUS
         _run_schedule(name, 2, model_path=root, data=data)
     finally:
         remove_shared_dir(root)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.helpers import rank, remove_shared_dir, shared_tmpdir, world_size
+from harness.helpers import SMALL_CORPUS, rank, remove_shared_dir, shared_tmpdir, world_size
 from harness.pretrained import SIZES, save_tokenizer
 from shardkit.train.config import TrainConfig, validate_config
 from shardkit.train.run import train
@@ -53,7 +53,7 @@ def test_sliding_window_checkpoint_matches_one_process(layout):
         torch.distributed.barrier()
         cfg = TrainConfig(
             model_path=root,
-            data=str(Path(torch.__file__).parent / "functional.py"),
+            data=SMALL_CORPUS,
             steps=2,
             seq_len=16,
             batch_size=2,
