@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import harness.helpers as harness_helpers
 from harness.helpers import all_true, get_mesh, rank, subgroup, world_group, world_size
 from harness.limits import load_stretch, patient
 from harness.world import World
@@ -58,6 +59,16 @@ def test_subgroup_and_all_true():
         assert t.item() == 3.0
     assert all_true(True)
     assert not all_true(rank() != 3)
+
+
+@pytest.mark.world(4)
+def test_subgroup_asked_for_other_ranks_on_some_ranks_raises_on_every_rank():
+    """Ranks 0-1 ask for (0, 1) while 2-3 ask for (2, 3): torch would give both groups one name
+    and their pairs could cross-connect; the helper refuses before any group is made."""
+    mine = (0, 1) if rank() < 2 else (2, 3)
+    with pytest.raises(AssertionError, match="the ranks asked for different groups"):
+        subgroup(mine)
+    assert mine not in harness_helpers._SUBGROUPS
 
 
 @pytest.mark.world(2)

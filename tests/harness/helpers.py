@@ -87,12 +87,31 @@ def subgroup(ranks: tuple[int, ...]) -> dist.ProcessGroup:
 
     ``new_group`` is collective over the WORLD, members or not: every rank must call this with
     the same ``ranks`` at the same point of a test, even ranks outside ``ranks`` (they get a
-    group they are not a member of, as ``new_group`` returns them).
+    group they are not a member of, as ``new_group`` returns them). A rank that asks for other
+    ranks raises on every rank: torch would name both groups alike, their ranks would publish
+    their addresses under the same store keys, and pairs of the two groups would cross-connect
+    (a test passed that way while its ranks 1 and 2 talked across groups, and hung 1 run in 5).
     """
     key = tuple(ranks)
     if key not in _SUBGROUPS:
+        asked = _gather_ranks(key)
+        if any(a != key for a in asked):
+            raise AssertionError(
+                f"subgroup(): the ranks asked for different groups ({dict(enumerate(asked))}); "
+                "new_group is collective over the world: create every group on every rank"
+            )
         _SUBGROUPS[key] = dist.new_group(list(key))
     return _SUBGROUPS[key]
+
+
+def _gather_ranks(key: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """Every rank's ``key`` (an all-gather of ranks padded with -1)."""
+    n = dist.get_world_size()
+    mine = torch.full((n,), -1, dtype=torch.int64)
+    mine[: len(key)] = torch.tensor(key, dtype=torch.int64)
+    out = [torch.empty_like(mine) for _ in range(n)]
+    dist.all_gather(out, mine)
+    return [tuple(int(r) for r in t if r >= 0) for t in out]
 
 
 def all_true(flag: bool) -> bool:

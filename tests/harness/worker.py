@@ -80,6 +80,7 @@ def main(tests_dir, rank, n, store_path, stack_path, pg_timeout, task_q, result_
         torch.set_num_threads(1)  # n ranks share 2 cores; more threads only contend
         os.environ["GLOO_SOCKET_IFNAME"] = loopback_interface()  # test worlds listen on loopback only
         store = dist.FileStore(store_path, n)  # a file, not a TCP port: no port clashes
+        _share_one_gloo_device()
         dist.init_process_group("gloo", store=store, rank=rank, world_size=n, timeout=timedelta(seconds=pg_timeout))
     except BaseException as exc:
         _flush()
@@ -91,6 +92,33 @@ def main(tests_dir, rank, n, store_path, stack_path, pg_timeout, task_q, result_
         _serve(rank, task_q, result_q)
     finally:
         dist.destroy_process_group()
+
+
+def _share_one_gloo_device() -> None:
+    """Every gloo group this rank creates from now on uses one transport device.
+
+    torch builds a new device per group, and each device runs an event loop that wakes 100 times a
+    second, busy or not (``epoll_wait(..., 10)`` in gloo's ``transport/tcp/loop.cc``): a rank of a
+    world that had served the layout tests held ~44 of them, and the suite's idle worlds burned a
+    third of a core. One device serves any number of groups (``_Options._devices``, gloo's own
+    tests share one); the pairs of each group keep their own sockets, told apart by sequence
+    number. The options of torch's ``new_group`` do not reach gloo, hence the subclass. Measured
+    over the whole suite on 2 cores: 1187 -> 1116 core-s, and idle worlds no longer need ending.
+    """
+    from torch.distributed import distributed_c10d as c10d
+
+    base = c10d.ProcessGroupGloo
+    device = base.create_default_device()  # after GLOO_SOCKET_IFNAME: it listens on loopback
+
+    class SharedDeviceGloo(base):
+        def __init__(self, store, rank, size, timeout):
+            options = base._Options()
+            options._devices = [device]
+            options._timeout = timeout
+            options._threads = 2  # torch's default
+            super().__init__(store, rank, size, options)
+
+    c10d.ProcessGroupGloo = SharedDeviceGloo
 
 
 def _serve(rank: int, task_q: Any, result_q: Any) -> None:
@@ -112,14 +140,12 @@ def _serve(rank: int, task_q: Any, result_q: Any) -> None:
         result_q.put((task_id, rank, outcome))
 
 
-# Every gloo group keeps a few threads of its own, and their polling adds up: a world that had
-# served the layout and planner tests held hundreds of groups (733 threads a rank) and kept the
-# two cores in system time. Destroying a finished test's groups is not safe (DTensor's sharding
-# cache hands later tests meshes equal by value to old ones, groups included), so a world past
-# this many groups asks to be respawned after a passing test instead. Each group's event loop
-# wakes 100 times a second (about 1 ms of CPU a second): 32, not 64, measured 51 core-s less over
-# the whole suite (1238 -> 1187, with idle worlds ended, harness/world.py).
-MAX_GROUPS = 32
+# Every gloo group keeps threads and sockets of its own: a world that had served the layout and
+# planner tests held hundreds of groups (733 threads a rank) and kept the two cores in system
+# time. Destroying a finished test's groups is not safe (DTensor's sharding cache hands later
+# tests meshes equal by value to old ones, groups included), so a world past this many groups
+# asks to be respawned after a passing test instead.
+MAX_GROUPS = 64
 RESPAWN = -1  # task id of that request
 
 

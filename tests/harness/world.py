@@ -201,7 +201,6 @@ class World:
         self._tmpdir: str | None = None
         self._ids = itertools.count(1)
         self._respawn = False
-        self.last_used = time.monotonic()  # when its last task ended (the pool ends idle worlds)
 
     def start(self) -> None:
         """Spawn the ranks and wait for their process group (no-op when already running)."""
@@ -270,7 +269,6 @@ class World:
             self.kill()
         elif self._respawn:  # too many process groups (worker.MAX_GROUPS): start afresh next time
             self.shutdown()
-        self.last_used = time.monotonic()
         return result
 
     def _collect(self, task_id: int, limit: float) -> WorldResult:
@@ -379,26 +377,13 @@ class World:
         self._respawn = False
 
 
-# How long a world may sit unused before the pool ends it. Every gloo group of every rank keeps a
-# device of its own whose event loop wakes 100 times a second, busy or not: an 8-rank world that
-# had served its few tests held ~44 groups a rank and burned a third of a core for the rest of
-# the session, beside every other world. A restart costs about a second of wall and the ranks'
-# first-use costs again (about 4 core-s for 4 ranks): 20 s measured better than no limit.
-IDLE_LIMIT = float(os.environ.get("SHARDKIT_TEST_WORLD_IDLE", "20"))
-
-
 class WorldPool:
-    """One :class:`World` per world size, created on first use; a world unused for
-    :data:`IDLE_LIMIT` seconds is ended when another is asked for, and started again on demand."""
+    """One :class:`World` per world size, created on first use and kept for the session."""
 
     def __init__(self) -> None:
         self._worlds: dict[int, World] = {}
 
     def get(self, n: int) -> World:
-        now = time.monotonic()
-        for size, world in self._worlds.items():
-            if size != n and now - world.last_used > IDLE_LIMIT:
-                world.kill()  # a no-op for a world not running
         if n not in self._worlds:
             self._worlds[n] = World(n)
         return self._worlds[n]
