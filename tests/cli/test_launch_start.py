@@ -53,6 +53,10 @@ def job(tmp_path_factory):
         shutil.rmtree(system_tmp, ignore_errors=True)
 
 
+# The two tests of the launcher process are the slow tier's (three launches, 5 core-s), like the
+# other kills of a launcher (test_fault_trials); the quick tier's launches (test_train_run,
+# test_launch) fork their ranks the same way.
+@pytest.mark.slow
 def test_forked_ranks_get_the_launchers_environment_at_each_launch(job):
     launches = json.loads((job[0] / "out.json").read_text())
     assert [launch["mark"] for launch in launches] == ["first", "second"]
@@ -84,6 +88,7 @@ def _gone(pid: int) -> bool:
         return True
 
 
+@pytest.mark.slow
 def test_a_sigkilled_launcher_takes_its_forkserver_and_ranks_with_it(job):
     folder, system_tmp, launcher = job
     files = [folder / f"rank{r}.pid" for r in range(2)]

@@ -163,6 +163,7 @@ def test_under_torch_compile(dtype):
     torch._dynamo.reset()
 
 
+@pytest.mark.slow  # a fresh interpreter importing shardkit and torch (3.5 core-s)
 def test_importing_shardkit_loads_no_dynamo_until_the_probe_runs():
     # The probe is kept out of compiled graphs lazily: the launcher's checks import the planner
     # (and with it this module) and never need Dynamo, about 0.6 core-s of every launch.
