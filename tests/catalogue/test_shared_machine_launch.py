@@ -165,6 +165,7 @@ def test_the_proc_parser_sees_a_wide_listener():
 # --- row 6: --timeout, heartbeats, the stalled rank named -----------------------------------------
 
 
+@pytest.mark.slow  # builds a pp_tp mesh's groups (4 core-s); the quick tier trains pp_tp layouts
 @pytest.mark.world(4)
 def test_every_group_of_a_pipeline_with_stage_tp_sizes_has_the_worlds_timeout():
     # --pp-tp layouts build their groups with new_group, whose default is gloo's 30 minutes

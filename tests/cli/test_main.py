@@ -95,6 +95,7 @@ def test_suggest_says_nothing_without_a_close_match():
     assert suggest("--tp-size", ["--tp", "--pp", "--tp-degree"]).startswith(" (did you mean --tp")
 
 
+@pytest.mark.slow  # a fresh interpreter importing shardkit and torch (2.3 core-s)
 def test_an_export_named_like_its_sub_package_stays_the_export():
     """``shardkit.parallelize`` is the function even after ``shardkit.parallelize.*`` is imported
     (the lazy exports once let the import system replace it by the sub-package)."""
