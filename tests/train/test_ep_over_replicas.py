@@ -61,6 +61,7 @@ def test_ep_over_replicas_matches_one_process(overrides, ep, edp):
     assert {r["group_size"] for r in experts} == ({edp} if edp > 1 else set()), experts
 
 
+@pytest.mark.slow  # the quick tier resumes experts over edp on another layout in test_resume.py
 @pytest.mark.world(4, timeout=240)
 def test_ep_over_replicas_checkpoint_resumes_on_another_expert_layout():
     root = shared_tmpdir("shardkit-ep-replicas-")

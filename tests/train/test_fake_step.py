@@ -63,15 +63,16 @@ LAYOUTS = {
 # to every rank, a third of a small run's CPU); the packed layouts keep the stdlib's documents.
 CORPUS = SMALL_CORPUS
 LAYOUTS = {name: ({**o} if o.get("packed") else {"data": CORPUS, **o}, r) for name, (o, r) in LAYOUTS.items()}
-# The quick tier (a developer's pre-commit run, under 3 minutes in all) keeps the two layouts
-# whose device placement is most its own: the ring's fused attention blocks beside tp's
-# collectives, and MoE's token counts with FSDP2's streams (its dense layers sharded over 4, its
-# experts over edp: "tp=2 x FSDP2=2" adds no path of its own). A pipeline's P2P and headers and
-# the spatial halo (about 8 core-s each) are the slow tier's, with the others. Where a device
-# tensor lives does not depend on the order a schedule runs its microbatches in: 1f1b stands for
-# the one-chunk runner (gpipe's too), zbv for chunked stages and the I/W split (interleaved-1f1b's
-# chunks too), so neither of those two is a layout here.
-QUICK = ("ring cp=2 x tp=2", "moe ep=2 x FSDP2=4")
+# The quick tier (a developer's pre-commit run, under 3 minutes in all) keeps the layout whose
+# device placement is most its own: MoE's token counts (the designed host reads) with FSDP2's
+# streams and collectives (its dense layers sharded over 4, its experts over edp). The ring's
+# fused attention blocks on CUDA stay quick in tests/context_parallel/test_fused_blocks_cuda.py;
+# its whole step beside tp's collectives, a pipeline's P2P and headers and the spatial halo
+# (4-8 core-s each) are the slow tier's, with the others. Where a device tensor lives does not
+# depend on the order a schedule runs its microbatches in: 1f1b stands for the one-chunk runner
+# (gpipe's too), zbv for chunked stages and the I/W split (interleaved-1f1b's chunks too), so
+# neither of those two is a layout here.
+QUICK = ("moe ep=2 x FSDP2=4",)
 SLOW = tuple(name for name in LAYOUTS if name not in QUICK)
 
 
