@@ -19,6 +19,15 @@ from pathlib import Path
 
 import pytest
 
+# Bytecode caches on, whatever the environment says: container images often set
+# PYTHONDONTWRITEBYTECODE=1 (this project's machines do), and then every process the suite starts
+# (pytest-xdist's workers rewriting the test modules' asserts, each launch's launcher and
+# forkserver, the subprocess checks) compiled shardkit's sources and the tests anew: 35 of the
+# quick tier's 345 core-s. Set before the test modules are collected; children inherit it.
+# __pycache__ is gitignored.
+sys.dont_write_bytecode = False
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
 _TESTS_DIR = str(Path(__file__).resolve().parent)
 if _TESTS_DIR not in sys.path:
     # `import harness` here and in the workers, whatever pytest's import mode: the forkserver
