@@ -89,8 +89,8 @@ def subgroup(ranks: tuple[int, ...]) -> dist.ProcessGroup:
     the same ``ranks`` at the same point of a test, even ranks outside ``ranks`` (they get a
     group they are not a member of, as ``new_group`` returns them). A rank that asks for other
     ranks raises on every rank: torch would name both groups alike, their ranks would publish
-    their addresses under the same store keys, and pairs of the two groups would cross-connect
-    (a test passed that way while its ranks 1 and 2 talked across groups, and hung 1 run in 5).
+    their addresses under the same store keys, and pairs could connect across the two groups
+    (a test did this: it passed, and hung one of five full runs in session 28).
     """
     key = tuple(ranks)
     if key not in _SUBGROUPS:

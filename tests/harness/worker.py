@@ -100,8 +100,8 @@ def _share_one_gloo_device() -> None:
     torch builds a new device per group, and each device runs an event loop that wakes 100 times a
     second, busy or not (``epoll_wait(..., 10)`` in gloo's ``transport/tcp/loop.cc``): a rank of a
     world that had served the layout tests held ~44 of them, and the suite's idle worlds burned a
-    third of a core. One device serves any number of groups (``_Options._devices``, gloo's own
-    tests share one); the pairs of each group keep their own sockets, told apart by sequence
+    third of a core. One device serves any number of groups (``_Options._devices``): the pairs of
+    each group keep their own sockets, which the device's listener tells apart by sequence
     number. The options of torch's ``new_group`` do not reach gloo, hence the subclass. Measured
     over the whole suite on 2 cores: 1187 -> 1116 core-s, and idle worlds no longer need ending.
     """
